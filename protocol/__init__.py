@@ -1,0 +1,1 @@
+"""Wire types and sockets shared by every process. Nothing else imports zmq."""

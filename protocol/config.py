@@ -1,0 +1,201 @@
+"""The one server configuration: every launch flag, validated once, and the CLI generated from it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any, Literal
+
+import msgspec
+
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class LoRASource(msgspec.Struct, frozen=True, kw_only=True):
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+def parse_lora_source(text: str) -> LoRASource:
+    """`--lora-paths` entry: `NAME=PATH`, `PATH` (named after its directory) or JSON."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            return msgspec.json.decode(text.encode(), type=LoRASource)
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"bad --lora-paths JSON {text!r}: {e}") from e
+        except msgspec.DecodeError as e:
+            raise ConfigError(f"bad --lora-paths JSON {text!r}: {e}") from e
+    if "=" in text:
+        name, path = text.split("=", 1)
+        return LoRASource(lora_name=name, lora_path=path)
+    return LoRASource(lora_name=os.path.basename(os.path.normpath(text)), lora_path=text)
+
+
+# (help text, CLI metavar or None) per field; the CLI below is generated from the struct.
+_HELP: dict[str, str] = {
+    "model_path": "local Hugging Face checkpoint dir; 'demo' = the built-in tiny demo model",
+    "served_model_name": "base model name in the OpenAI API (default: last path component)",
+    "host": "HTTP bind address",
+    "port": "HTTP port",
+    "tp": "tensor-parallel worker processes",
+    "device": "cpu or cuda (default: cuda if available)",
+    "dtype": "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16 or float16",
+    "enable_lora": "turn LoRA on (implied by --lora-paths)",
+    "lora_paths": "adapters loaded at start: NAME=PATH, PATH, or JSON {lora_name, lora_path, pinned}",
+    "max_loras_per_batch": "device adapter slots = most distinct adapters in one forward pass",
+    "max_loaded_loras": "adapters kept in host memory (LRU beyond it); default unlimited",
+    "lora_drain_timeout": "seconds an unload waits for the adapter's running requests",
+    "max_lora_rank": "largest adapter rank the device pool holds",
+    "lora_target_modules": "modules the device pool covers (names or 'all')",
+    "lora_path_root": "when set, lora_path must resolve inside this directory",
+    "api_key": "bearer key for every endpoint but /health",
+    "admin_api_key": "bearer key for adapter load/unload",
+    "rpc_addr": "ZeroMQ address of the internal RPC endpoint (tcp://host:port or ipc://path)",
+    "max_running_requests": "most requests decoding at once",
+    "max_total_tokens": "KV cache capacity in tokens (default: sized from the context length)",
+    "context_length": "longest prompt + output (default: the model's max_position_embeddings)",
+    "max_prefill_tokens": "most prompt tokens prefilled in one forward pass",
+    "page_size": "tokens per KV cache page",
+    "seed": "random seed for sampling without a per-request seed",
+    "log_level": "logging level",
+    "nnodes": "nodes for multi-node tensor parallelism",
+    "node_rank": "this node's rank",
+    "dist_init_addr": "host:port of the torch.distributed rendezvous (default: a free local port)",
+}
+
+
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    model_path: str = "demo"
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    tp: int = 1
+    device: Literal["cpu", "cuda"] | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    enable_lora: bool = False
+    lora_paths: list[str] = []
+    max_loras_per_batch: int = 8
+    max_loaded_loras: int | None = None
+    lora_drain_timeout: float = 120.0
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] | None = None
+    lora_path_root: str | None = None
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    rpc_addr: str | None = None
+    max_running_requests: int = 64
+    max_total_tokens: int | None = None
+    context_length: int | None = None
+    max_prefill_tokens: int = 8192
+    page_size: int = 16
+    seed: int = 0
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+
+    def __post_init__(self) -> None:
+        positive = ("port", "tp", "max_loras_per_batch", "max_running_requests", "max_prefill_tokens", "page_size", "nnodes")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_loaded_loras", "max_lora_rank", "max_total_tokens", "context_length"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.lora_drain_timeout <= 0:
+            raise ConfigError("--lora-drain-timeout must be > 0")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
+        if self.tp % self.nnodes:
+            raise ConfigError(f"--tp {self.tp} is not divisible by --nnodes {self.nnodes}")
+        if self.lora_target_modules is not None:
+            for module in self.lora_target_modules:
+                if module != "all" and module not in TARGET_MODULES:
+                    raise ConfigError(f"unknown LoRA target module {module!r}; known: {', '.join(TARGET_MODULES)}")
+        for source in self.lora_paths:
+            parse_lora_source(source)
+        if self.max_loaded_loras is not None and self.max_loaded_loras < len(self.lora_paths):
+            raise ConfigError("--max-loaded-loras is smaller than the number of --lora-paths")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_paths)
+
+    @property
+    def lora_sources(self) -> list[LoRASource]:
+        return [parse_lora_source(text) for text in self.lora_paths]
+
+    @property
+    def target_modules(self) -> tuple[str, ...] | None:
+        if self.lora_target_modules is None:
+            return None
+        if "all" in self.lora_target_modules:
+            return TARGET_MODULES
+        return tuple(m for m in TARGET_MODULES if m in self.lora_target_modules)
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return os.path.basename(os.path.normpath(self.model_path))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerConfig:
+        """Build from Python values (the Engine's keywords), with the same validation as the CLI."""
+        unknown = set(kwargs) - set(cls.__struct_fields__)
+        if unknown:
+            raise ConfigError(f"unknown option(s): {', '.join(sorted(unknown))}")
+        try:
+            return msgspec.convert(kwargs, cls)
+        except msgspec.ValidationError as e:
+            raise ConfigError(str(e)) from e
+
+
+def _field_type(field: msgspec.structs.FieldInfo) -> tuple[str, Any]:
+    """Classify a field for argparse: (kind, element type)."""
+    info = msgspec.inspect.type_info(field.type)
+    if isinstance(info, msgspec.inspect.UnionType):
+        info = next(t for t in info.types if not isinstance(t, msgspec.inspect.NoneType))
+    if isinstance(info, msgspec.inspect.BoolType):
+        return "bool", None
+    if isinstance(info, msgspec.inspect.ListType):
+        return "list", str
+    if isinstance(info, msgspec.inspect.LiteralType):
+        return "choice", list(info.values)
+    return "scalar", {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float}.get(type(info), str)
+
+
+def build_arg_parser(prog: str = "loraplex") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="loraplex: many LoRA adapters on one base model")
+    for field in msgspec.structs.fields(ServerConfig):
+        flag = "--" + field.name.replace("_", "-")
+        kind, elem = _field_type(field)
+        help_text = _HELP.get(field.name, "")
+        default = field.default
+        if kind == "bool":
+            parser.add_argument(flag, action="store_true", help=help_text)
+        elif kind == "list":
+            parser.add_argument(flag, nargs="+", default=None, help=help_text)
+        elif kind == "choice":
+            parser.add_argument(flag, choices=elem, default=default, help=help_text)
+        else:
+            parser.add_argument(flag, type=elem, default=default, help=f"{help_text} (default: {default})")
+    return parser
+
+
+def config_from_args(argv: list[str] | None = None) -> ServerConfig:
+    args = vars(build_arg_parser().parse_args(argv))
+    values = {name: value for name, value in args.items() if value is not None}
+    return ServerConfig.from_kwargs(**values)
+
+
+def config_to_json(config: ServerConfig) -> str:
+    return json.dumps(msgspec.to_builtins(config))

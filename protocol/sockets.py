@@ -1,0 +1,84 @@
+"""Typed ZeroMQ sockets: each socket encodes and decodes one union of protocol structs with msgpack."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+PUSH, PULL, ROUTER, DEALER = zmq.PUSH, zmq.PULL, zmq.ROUTER, zmq.DEALER
+Again = zmq.Again
+
+
+def _make(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if kind == PUSH:
+        sock.setsockopt(zmq.SNDHWM, 0)
+    if kind == PULL:
+        sock.setsockopt(zmq.RCVHWM, 0)
+    if bind:
+        sock.bind(addr)
+    else:
+        sock.connect(addr)
+    return sock
+
+
+class TypedSocket:
+    """Blocking socket for the scheduler and workers."""
+
+    def __init__(self, kind: int, addr: str, *, bind: bool, recv_type: Any = None, ctx: zmq.Context | None = None):
+        self._ctx = ctx or zmq.Context.instance()
+        self.sock = _make(self._ctx, kind, addr, bind)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(recv_type) if recv_type is not None else None
+
+    def send(self, msg: msgspec.Struct) -> None:
+        self.sock.send(self._encoder.encode(msg), copy=False)
+
+    def recv(self, timeout_ms: int | None = None) -> Any:
+        """Next message, or None if none arrived within timeout_ms (None = wait forever)."""
+        if timeout_ms is not None and not self.sock.poll(timeout_ms, zmq.POLLIN):
+            return None
+        return self._decoder.decode(self.sock.recv(copy=False).buffer)
+
+    def recv_nowait(self) -> Any:
+        try:
+            return self._decoder.decode(self.sock.recv(zmq.NOBLOCK, copy=False).buffer)
+        except zmq.Again:
+            return None
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class AsyncTypedSocket:
+    """asyncio socket for the frontend and the RPC client."""
+
+    def __init__(self, kind: int, addr: str, *, bind: bool, recv_type: Any = None, ctx: zmq.asyncio.Context | None = None):
+        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self.sock = _make(self._ctx, kind, addr, bind)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(recv_type) if recv_type is not None else None
+
+    async def send(self, msg: msgspec.Struct) -> None:
+        await self.sock.send(self._encoder.encode(msg), copy=False)
+
+    async def recv(self) -> Any:
+        return self._decoder.decode(await self.sock.recv())
+
+    async def send_routed(self, identity: bytes, msg: msgspec.Struct) -> None:
+        await self.sock.send_multipart([identity, self._encoder.encode(msg)])
+
+    async def recv_routed(self) -> tuple[bytes, Any]:
+        """ROUTER: (peer identity, message). A frame that does not decode raises msgspec errors with the identity kept."""
+        identity, payload = await self.sock.recv_multipart()
+        return identity, payload
+
+    def decode(self, payload: bytes) -> Any:
+        return self._decoder.decode(payload)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
