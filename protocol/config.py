@@ -102,7 +102,15 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     dist_init_addr: str | None = None
 
     def __post_init__(self) -> None:
-        positive = ("port", "tp", "max_loras_per_batch", "max_running_requests", "max_prefill_tokens", "page_size", "nnodes")
+        positive = (
+            "port",
+            "tp",
+            "max_loras_per_batch",
+            "max_running_requests",
+            "max_prefill_tokens",
+            "page_size",
+            "nnodes",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

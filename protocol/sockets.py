@@ -57,7 +57,9 @@ class TypedSocket:
 class AsyncTypedSocket:
     """asyncio socket for the frontend and the RPC client."""
 
-    def __init__(self, kind: int, addr: str, *, bind: bool, recv_type: Any = None, ctx: zmq.asyncio.Context | None = None):
+    def __init__(
+        self, kind: int, addr: str, *, bind: bool, recv_type: Any = None, ctx: zmq.asyncio.Context | None = None
+    ):
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self.sock = _make(self._ctx, kind, addr, bind)
         self._encoder = msgspec.msgpack.Encoder()
@@ -73,7 +75,7 @@ class AsyncTypedSocket:
         await self.sock.send_multipart([identity, self._encoder.encode(msg)])
 
     async def recv_routed(self) -> tuple[bytes, Any]:
-        """ROUTER: (peer identity, message). A frame that does not decode raises msgspec errors with the identity kept."""
+        """ROUTER: (peer identity, raw payload); decode() it separately so a bad frame still gets a reply."""
         identity, payload = await self.sock.recv_multipart()
         return identity, payload
 

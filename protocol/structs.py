@@ -37,6 +37,8 @@ class LoRAAdapterResult(msgspec.Struct, frozen=True, kw_only=True):
     lora_name: str
     success: bool
     error_message: str = ""
+    # why it failed, for status codes: duplicate, not_found, forbidden, invalid, pinned_limit, busy, internal
+    error_kind: str = ""
     lora_id: int = -1
     rank: int = 0
     target_modules: list[str] = []
@@ -230,9 +232,7 @@ SchedulerToFrontend = Union[
 ]
 SchedulerToWorker = Union[ForwardBatch, LoadLoRAAdapterReqInput, DropAdapters, Shutdown]
 WorkerToScheduler = Union[BatchResult, WorkerAdapterReport, WorkerReady, ProcessFailed]
-RpcRequest = Union[
-    GenerateReqInput, LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput, ListLoRAAdaptersReqInput
-]
+RpcRequest = Union[GenerateReqInput, LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput, ListLoRAAdaptersReqInput]
 RpcReply = Union[
     GenerateReqOutput, LoadLoRAAdapterReqOutput, UnloadLoRAAdapterReqOutput, ListLoRAAdaptersReqOutput, RpcError
 ]

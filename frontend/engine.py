@@ -1,0 +1,167 @@
+"""Engine: the same processes as the server, driven in-process without HTTP.
+
+The Runtime lives on a private event loop in a background thread, so the sync methods block on it and the
+async twins await it from any other loop, including one started after the Engine was built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import msgspec
+
+from frontend.native_api import NativeGenerateRequest, collect, start_generate, stream_chunks
+from frontend.params import convert
+from frontend.runtime import Runtime
+from protocol.config import ServerConfig
+from protocol.structs import LoadLoRAAdapterReqOutput, LoRAAdapterSpec, UnloadLoRAAdapterReqOutput
+
+_END = object()
+
+
+class Engine:
+    def __init__(self, _fault_hooks: dict[str, str] | None = None, **kwargs: Any):
+        self.config = ServerConfig.from_kwargs(**kwargs)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="loraplex-engine", daemon=True)
+        self._thread.start()
+        self.runtime = Runtime(self.config, _fault_hooks)
+        self._closed = False
+        try:
+            self._run(self.runtime.start())
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _await(self, coro: Any) -> Any:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    # ---- generation ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _body(prompt: str | list[str] | None, sampling_params: dict | None, lora_path: Any,
+              input_ids: Any, rid: Any, stream: bool) -> NativeGenerateRequest:
+        raw = {"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params, "lora_path": lora_path,
+               "rid": rid, "stream": stream}
+        return convert({k: v for k, v in raw.items() if v is not None}, NativeGenerateRequest, "generate request")
+
+    async def _generate(self, body: NativeGenerateRequest) -> dict | list[dict]:
+        states, batched = await start_generate(self.runtime, body)
+        try:
+            return await collect(self.runtime, states, batched)
+        finally:
+            for state in states:
+                await self.runtime.finish(state)
+
+    async def _stream(self, body: NativeGenerateRequest, sink: Any) -> None:
+        states: list = []
+        try:
+            states, batched = await start_generate(self.runtime, body)
+            async for chunk in stream_chunks(self.runtime, states, batched):
+                sink(chunk)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            sink(e)
+        finally:
+            for state in states:
+                await self.runtime.finish(state)
+            sink(_END)
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | None = None,
+                 lora_path: Any = None, *, input_ids: Any = None, rid: Any = None,
+                 stream: bool = False) -> dict | list[dict] | Iterator[dict]:
+        body = self._body(prompt, sampling_params, lora_path, input_ids, rid, stream)
+        if not stream:
+            return self._run(self._generate(body))
+        return self._sync_stream(body)
+
+    def _sync_stream(self, body: NativeGenerateRequest) -> Iterator[dict]:
+        items: queue.Queue = queue.Queue()
+        future = asyncio.run_coroutine_threadsafe(self._stream(body, items.put), self._loop)
+        try:
+            while (item := items.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            future.cancel()
+
+    async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | None = None,
+                             lora_path: Any = None, *, input_ids: Any = None, rid: Any = None,
+                             stream: bool = False) -> dict | list[dict] | AsyncIterator[dict]:
+        body = self._body(prompt, sampling_params, lora_path, input_ids, rid, stream)
+        if not stream:
+            return await self._await(self._generate(body))
+        return self._async_stream(body)
+
+    async def _async_stream(self, body: NativeGenerateRequest) -> AsyncIterator[dict]:
+        caller = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
+        future = asyncio.run_coroutine_threadsafe(
+            self._stream(body, lambda item: caller.call_soon_threadsafe(items.put_nowait, item)), self._loop
+        )
+        try:
+            while (item := await items.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            future.cancel()
+
+    # ---- adapters ----------------------------------------------------------------------------------------
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False,
+                          load_inplace: bool = False) -> LoadLoRAAdapterReqOutput:
+        spec = LoRAAdapterSpec(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
+        return self._run(self.runtime.load_adapters([spec], load_inplace))
+
+    async def async_load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False,
+                                      load_inplace: bool = False) -> LoadLoRAAdapterReqOutput:
+        spec = LoRAAdapterSpec(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
+        return await self._await(self.runtime.load_adapters([spec], load_inplace))
+
+    def unload_lora_adapter(self, lora_name: str) -> UnloadLoRAAdapterReqOutput:
+        return self._run(self.runtime.unload_adapters([lora_name]))
+
+    async def async_unload_lora_adapter(self, lora_name: str) -> UnloadLoRAAdapterReqOutput:
+        return await self._await(self.runtime.unload_adapters([lora_name]))
+
+    def list_lora_adapters(self) -> list[dict]:
+        return self.runtime.adapter_table()
+
+    def abort_request(self, rid: str) -> bool:
+        return self._run(self.runtime.abort(rid))
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._run(self.runtime.shutdown())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self.shutdown()
+            except Exception:  # noqa: BLE001 - interpreter teardown
+                pass
+
+
+__all__ = ["Engine", "msgspec"]

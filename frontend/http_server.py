@@ -1,0 +1,108 @@
+"""The aiohttp application: routes, API keys, and the mapping of every failure to a status and a message."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+
+from aiohttp import web
+
+from frontend import native_api, openai_api
+from frontend.http_utils import error_response
+from frontend.registry import AdapterError
+from frontend.runtime import InputError, Runtime, ServerUnavailable
+
+logger = logging.getLogger("loraplex.http")
+
+ADMIN_PATHS = {"/load_lora_adapter", "/unload_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+OPEN_PATHS = {"/health"}
+ADAPTER_ERROR_STATUS = {"not_found": 400, "busy": 409}
+OPENAI_ADAPTER_ERROR_STATUS = {"not_found": 404, "busy": 409}
+
+
+def _authorized(request: web.Request, key: str) -> bool:
+    header = request.headers.get("Authorization", "")
+    token = header[7:] if header.startswith("Bearer ") else request.headers.get("X-API-Key", "")
+    return hmac.compare_digest(token.encode(), key.encode())
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    config = request.app["runtime"].config
+    if request.path in OPEN_PATHS:
+        return await handler(request)
+    key = config.admin_api_key if request.path in ADMIN_PATHS and config.admin_api_key else config.api_key
+    if key is not None and not _authorized(request, key):
+        return error_response("missing or invalid API key", 401)
+    return await handler(request)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status >= 400:
+            return error_response(f"{e.reason}: {request.method} {request.path}", e.status)
+        raise
+    except InputError as e:
+        return error_response(str(e), 400)
+    except AdapterError as e:
+        table = OPENAI_ADAPTER_ERROR_STATUS if request.path.startswith("/v1/") else ADAPTER_ERROR_STATUS
+        return error_response(str(e), table.get(e.kind, 400))
+    except ServerUnavailable as e:
+        return error_response(str(e), 503)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the edge: log it, answer 500, keep serving
+        logger.exception("internal error on %s %s", request.method, request.path)
+        return error_response(f"internal server error: {type(e).__name__}: {e}", 500)
+
+
+def create_app(runtime: Runtime) -> web.Application:
+    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=64 * 2**20)
+    app["runtime"] = runtime
+    app.add_routes(native_api.routes)
+    app.add_routes(openai_api.routes)
+    return app
+
+
+async def serve(runtime: Runtime) -> None:
+    """Start the processes, serve HTTP (and RPC) until SIGINT/SIGTERM, then stop everything."""
+    config = runtime.config
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    app = create_app(runtime)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    rpc = None
+    try:
+        # HTTP first, so /health answers 503 while the processes start.
+        await runner.setup()
+        await web.TCPSite(runner, config.host, config.port).start()
+        logger.info("listening on http://%s:%d, starting processes", config.host, config.port)
+        start = asyncio.create_task(runtime.start())
+        waiter = asyncio.create_task(stop.wait())
+        await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if not start.done():
+            start.cancel()
+            return
+        waiter.cancel()
+        start.result()
+        if config.rpc_addr:
+            from frontend.rpc_server import RpcServer
+
+            rpc = RpcServer(runtime, config.rpc_addr)
+            rpc.start()
+        logger.info("serving %s on http://%s:%d", config.model_name, config.host, config.port)
+        await stop.wait()
+        logger.info("shutting down")
+    finally:
+        if rpc is not None:
+            rpc.stop()
+        await runner.cleanup()
+        await runtime.shutdown()

@@ -1,0 +1,75 @@
+"""Small aiohttp helpers shared by the native and OpenAI routes: JSON errors, SSE, merged streams."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import msgspec
+from aiohttp import web
+
+from frontend.request_state import RequestState
+from frontend.runtime import Runtime
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+               404: "NotFoundError", 409: "ConflictError", 413: "RequestTooLarge", 499: "ClientClosedRequest",
+               500: "InternalServerError", 503: "ServiceUnavailableError", 504: "TimeoutError"}
+
+_encoder = msgspec.json.Encoder()
+
+
+def json_response(obj: object, status: int = 200) -> web.Response:
+    return web.Response(body=_encoder.encode(obj), status=status, content_type="application/json")
+
+
+def error_body(message: str, status: int) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"), "code": status}}
+
+
+def error_response(message: str, status: int) -> web.Response:
+    return json_response(error_body(message, status), status)
+
+
+async def start_sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    return resp
+
+
+async def send_sse(resp: web.StreamResponse, obj: object) -> None:
+    await resp.write(b"data: " + _encoder.encode(obj) + b"\n\n")
+
+
+async def send_sse_done(resp: web.StreamResponse) -> None:
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+
+
+async def stream_many(runtime: Runtime, states: list[RequestState]) -> AsyncIterator[tuple[int, RequestState]]:
+    """Yields (index, state) whenever any of the states changes, until all have finished."""
+    if len(states) == 1:
+        async for state in runtime.stream(states[0]):
+            yield 0, state
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, state: RequestState) -> None:
+        async for s in runtime.stream(state):
+            queue.put_nowait((index, s))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(states)]
+    try:
+        remaining = len(states)
+        while remaining:
+            index, state = await queue.get()
+            yield index, state
+            if state.finished:
+                remaining -= 1
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def wait_all(runtime: Runtime, states: list[RequestState]) -> None:
+    async for _ in stream_many(runtime, states):
+        pass

@@ -1,0 +1,38 @@
+"""`loraplex` / scripts/launch_server.py: parse flags, start the server, exit non-zero with one line on failure."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from protocol.config import ConfigError, config_from_args
+from protocol.proc import setup_logging
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        config = config_from_args(argv)
+    except ConfigError as e:
+        print(f"loraplex: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if config.model_path != "demo" and not os.path.isfile(os.path.join(config.model_path, "config.json")):
+        print(f"loraplex: error: no model at {config.model_path!r} (expected a directory with config.json)",
+              file=sys.stderr)
+        sys.exit(2)
+    setup_logging(config.log_level, "frontend")
+    import uvloop
+
+    from frontend.http_server import serve
+    from frontend.runtime import Runtime
+
+    try:
+        uvloop.run(serve(Runtime(config)))
+    except (RuntimeError, OSError) as e:
+        logging.getLogger("loraplex").debug("start-up failed", exc_info=True)
+        print(f"loraplex: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""Native, SGLang-compatible routes: /generate, adapters, abort, health and info."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from frontend.http_utils import json_response, send_sse, send_sse_done, start_sse, stream_many, wait_all
+from frontend.params import NativeGenerateRequest, decode_body, native_sampling
+from frontend.registry import AdapterError
+from frontend.request_state import RequestState
+from frontend.runtime import InputError, Runtime
+from protocol.structs import LoadLoRAAdapterReqOutput, LoRAAdapterSpec, UnloadLoRAAdapterReqOutput
+
+routes = web.RouteTableDef()
+
+
+def runtime_of(request: web.Request) -> Runtime:
+    return request.app["runtime"]
+
+
+def generate_items(runtime: Runtime, body: NativeGenerateRequest) -> tuple[list[list[int]], bool]:
+    """Prompts as token ids, and whether the request was batched."""
+    if (body.text is None) == (body.input_ids is None):
+        raise InputError("give exactly one of 'text' or 'input_ids'")
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        if not texts:
+            raise InputError("'text' is an empty list")
+        return [runtime.tokenizer(t)["input_ids"] for t in texts], not isinstance(body.text, str)
+    ids = body.input_ids
+    if not ids:
+        raise InputError("'input_ids' is empty")
+    if isinstance(ids[0], list):
+        return ids, True
+    return [ids], False
+
+
+def per_item(value: Any, count: int, batched: bool, what: str) -> list[Any]:
+    if isinstance(value, list):
+        if not batched or len(value) != count:
+            raise InputError(f"'{what}' is a list of {len(value)} but the request has {count} prompt(s)")
+        return value
+    if what == "rid" and value is not None and batched:
+        raise InputError("a batched request needs a list of rids")
+    return [value] * count
+
+
+async def submit_all(runtime: Runtime, prompts: list[list[int]], sampling: Any, stops: list[str],
+                     lora_names: list[str | None], rids: list[str | None]) -> list[RequestState]:
+    # Check every adapter first so a bad name in a batch starts nothing.
+    for name in lora_names:
+        if name is not None and (runtime.registry.get(name) is None or runtime.registry.get(name).draining):
+            raise AdapterError(f"adapter {name!r} is not loaded", kind="not_found")
+    states: list[RequestState] = []
+    try:
+        for prompt, name, rid in zip(prompts, lora_names, rids, strict=False):
+            states.append(await runtime.submit(prompt, sampling, stops, name, rid))
+    except BaseException:
+        for state in states:
+            await runtime.finish(state)
+        raise
+    return states
+
+
+def generate_response(state: RequestState) -> dict:
+    return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": state.meta_info()}
+
+
+async def start_generate(runtime: Runtime, body: NativeGenerateRequest) -> tuple[list[RequestState], bool]:
+    """Validate and submit a /generate body (HTTP, Engine and RPC alike): (states, batched)."""
+    runtime.check_available()
+    prompts, batched = generate_items(runtime, body)
+    sampling, stops = native_sampling(body.sampling_params, runtime.eos_token_ids)
+    lora_names = per_item(body.lora_path, len(prompts), batched, "lora_path")
+    rids = per_item(body.rid, len(prompts), batched, "rid")
+    return await submit_all(runtime, prompts, sampling, stops, lora_names, rids), batched
+
+
+def raise_failure(states: list[RequestState]) -> None:
+    failed = next((s for s in states if s.error), None)
+    if failed is not None:
+        raise GenerationFailed(failed.error, failed.error_status)
+
+
+class GenerationFailed(Exception):
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+async def collect(runtime: Runtime, states: list[RequestState], batched: bool) -> dict | list[dict]:
+    await wait_all(runtime, states)
+    raise_failure(states)
+    outputs = [generate_response(s) for s in states]
+    return outputs if batched else outputs[0]
+
+
+async def stream_chunks(runtime: Runtime, states: list[RequestState], batched: bool):
+    async for index, state in stream_many(runtime, states):
+        chunk = {"error": {"message": state.error, "code": state.error_status}} if state.error \
+            else generate_response(state)
+        if batched:
+            chunk["index"] = index
+        yield chunk
+
+
+@routes.post("/generate")
+async def generate(request: web.Request) -> web.StreamResponse:
+    runtime = runtime_of(request)
+    runtime.check_available()
+    body = decode_body(await request.read(), NativeGenerateRequest)
+    states, batched = await start_generate(runtime, body)
+    try:
+        if not body.stream:
+            try:
+                return json_response(await collect(runtime, states, batched))
+            except GenerationFailed as e:
+                return json_response({"error": {"message": str(e), "code": e.status}}, e.status)
+        resp = await start_sse(request)
+        async for chunk in stream_chunks(runtime, states, batched):
+            await send_sse(resp, chunk)
+        await send_sse_done(resp)
+        return resp
+    finally:
+        for state in states:
+            await runtime.finish(state)
+
+
+class AbortBody(msgspec.Struct, forbid_unknown_fields=True):
+    rid: str
+
+
+@routes.post("/abort_request")
+async def abort_request(request: web.Request) -> web.Response:
+    body = decode_body(await request.read(), AbortBody)
+    found = await runtime_of(request).abort(body.rid)
+    return json_response({"success": found, "rid": body.rid}, 200 if found else 404)
+
+
+@routes.get("/health")
+async def health(request: web.Request) -> web.Response:
+    runtime = runtime_of(request)
+    if runtime.healthy:
+        return json_response({"status": "ok"})
+    reason = runtime.failure or ("shutting down" if runtime.stopping else "starting")
+    return json_response({"status": "unhealthy", "reason": reason}, 503)
+
+
+@routes.get("/server_info")
+async def server_info(request: web.Request) -> web.Response:
+    runtime = runtime_of(request)
+    config = msgspec.to_builtins(runtime.config)
+    for secret in ("api_key", "admin_api_key"):
+        config[secret] = None if config[secret] is None else "***"
+    ready = runtime.ready
+    return json_response({
+        **config,
+        "model_dir": runtime.model_dir,
+        "served_model_name": runtime.config.model_name,
+        "max_total_tokens": ready.max_total_tokens if ready else None,
+        "context_length": ready.context_length if ready else None,
+        "vocab_size": ready.vocab_size if ready else None,
+        "lora_enabled": runtime.config.lora_enabled,
+        "max_lora_rank": ready.max_lora_rank if ready else None,
+        "lora_target_modules": ready.lora_target_modules if ready else None,
+        "process_ids": runtime.procs.pids() if runtime.procs else {},
+        "healthy": runtime.healthy,
+    })
+
+
+@routes.get("/get_model_info")
+async def model_info(request: web.Request) -> web.Response:
+    runtime = runtime_of(request)
+    return json_response({"model_path": runtime.config.model_path, "served_model_name": runtime.config.model_name,
+                          "is_generation": True})
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    runtime = runtime_of(request)
+    if runtime.healthy:
+        try:
+            stats = await runtime.scheduler_stats()
+            names = {e.lora_id: e.name for e in runtime.registry.live()}
+            runtime.metrics.update_scheduler(stats, runtime.config.max_loras_per_batch, names)
+        except Exception:  # noqa: BLE001 - metrics still render from what the frontend knows
+            pass
+    return web.Response(body=runtime.metrics.render(), content_type="text/plain")
+
+
+# ---- adapters -----------------------------------------------------------------------------------------
+
+
+class AdapterSpecBody(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str | None = None
+    lora_path: str | None = None
+    pinned: bool = False
+    adapters: list[AdapterSpecBody] | None = None
+
+
+class UnloadBody(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str | None = None
+    lora_names: list[str] | None = None
+
+
+def result_list(out: LoadLoRAAdapterReqOutput | UnloadLoRAAdapterReqOutput) -> list[dict]:
+    return [{"lora_name": r.lora_name, "success": r.success, "error_message": r.error_message} for r in out.results]
+
+
+def adapter_reply(out: Any, batch: bool) -> web.Response:
+    if batch:
+        body = {"success": out.success, "error_message": out.error_message, "results": result_list(out),
+                "loaded_adapters": out.loaded_adapters}
+        return json_response(body, 200 if out.success else 400)
+    body = {"success": out.success, "error_message": out.error_message, "loaded_adapters": out.loaded_adapters}
+    return json_response(body, 200 if out.success else 400)
+
+
+@routes.post("/load_lora_adapter")
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    body = decode_body(await request.read(), LoadBody)
+    if body.adapters is not None:
+        if body.lora_name is not None or body.lora_path is not None:
+            raise InputError("give either 'adapters' or 'lora_name'/'lora_path', not both")
+        specs = [LoRAAdapterSpec(lora_name=a.lora_name, lora_path=a.lora_path, pinned=a.pinned) for a in body.adapters]
+        if not specs:
+            raise InputError("'adapters' is empty")
+    else:
+        if body.lora_name is None or body.lora_path is None:
+            raise InputError("'lora_name' and 'lora_path' are required")
+        specs = [LoRAAdapterSpec(lora_name=body.lora_name, lora_path=body.lora_path, pinned=body.pinned)]
+    runtime = runtime_of(request)
+    runtime.check_available()
+    out = await runtime.load_adapters(specs)
+    return adapter_reply(out, body.adapters is not None)
+
+
+@routes.post("/unload_lora_adapter")
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    body = decode_body(await request.read(), UnloadBody)
+    if (body.lora_name is None) == (body.lora_names is None):
+        raise InputError("give exactly one of 'lora_name' or 'lora_names'")
+    names = body.lora_names if body.lora_names is not None else [body.lora_name]
+    if not names:
+        raise InputError("'lora_names' is empty")
+    runtime = runtime_of(request)
+    runtime.check_available()
+    out = await runtime.unload_adapters(names)
+    return adapter_reply(out, body.lora_names is not None)
+
+
+@routes.get("/lora_adapters")
+async def lora_adapters(request: web.Request) -> web.Response:
+    runtime = runtime_of(request)
+    stats = None
+    if runtime.healthy:
+        try:
+            stats = await runtime.scheduler_stats()
+        except Exception:  # noqa: BLE001 - the table still lists adapters without their slots
+            stats = None
+    return json_response({"adapters": runtime.adapter_table(stats)})

@@ -1,0 +1,314 @@
+"""OpenAI-compatible routes (vLLM status codes): completions, chat, models, adapter load/unload."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from frontend.http_utils import error_response, json_response, send_sse, send_sse_done, start_sse, stream_many, wait_all
+from frontend.native_api import runtime_of, submit_all
+from frontend.params import convert, decode_body, make_sampling, stop_list
+from frontend.registry import AdapterError
+from frontend.request_state import RequestState
+from frontend.runtime import InputError, Runtime
+from protocol.structs import LoRAAdapterSpec
+
+routes = web.RouteTableDef()
+
+# OpenAI parameters we do not implement, with the neutral values that mean "off" and are therefore accepted.
+NEUTRAL = {
+    "echo": (False,), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
+    "reasoning_effort": (None,), "modalities": (None, ["text"]), "prediction": (None,), "audio": (None,),
+}
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class CommonParams(msgspec.Struct, kw_only=True):
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    n: int = 1
+    user: str | None = None
+    ignore_eos: bool = False
+
+
+class CompletionRequest(CommonParams, kw_only=True):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[dict] | None = None
+    name: str | None = None
+
+
+class ChatRequest(CommonParams, kw_only=True):
+    messages: list[ChatMessage]
+
+
+def parse_openai(body: bytes, schema: type) -> Any:
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise InputError(f"malformed JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise InputError("the request body must be a JSON object")
+    known = set(schema.__struct_fields__)
+    for key in list(raw):
+        if key in known:
+            continue
+        if key not in NEUTRAL:
+            raise InputError(f"unknown parameter {key!r}")
+        if not _is_neutral(raw[key], NEUTRAL[key]):
+            raise InputError(f"parameter {key!r} is not supported (got {raw[key]!r})")
+        del raw[key]
+    return convert(raw, schema, "request")
+
+
+def _is_neutral(value: object, neutral: tuple) -> bool:
+    # Types must match too: `logprobs: 0` is neutral, `logprobs: true` is not, though True == 1 in Python.
+    return any(value == v and type(value) is type(v) for v in neutral) or (
+        isinstance(value, float) and value == 0.0 and 0 in neutral
+    )
+
+
+def resolve_model(runtime: Runtime, model: str) -> tuple[str | None, str]:
+    """(adapter name or None for the base model, the name that serves it)."""
+    base = runtime.config.model_name
+    if model == base:
+        return None, base
+    name = model
+    if ":" in model:
+        prefix, name = model.split(":", 1)
+        if prefix != base:
+            raise AdapterError(f"The model `{model}` does not exist.", "not_found")
+    entry = runtime.registry.get(name)
+    if entry is None or entry.draining:
+        raise AdapterError(f"The model `{model}` does not exist.", "not_found")
+    return name, name
+
+
+def openai_sampling(runtime: Runtime, req: CommonParams, prompt_len: int, default_max: int | None) -> Any:
+    if req.n < 1 or req.n > 16:
+        raise InputError(f"n must be in [1, 16], got {req.n}")
+    if req.stream_options is not None and not req.stream:
+        raise InputError("stream_options is only allowed with stream: true")
+    if req.max_tokens is not None and req.max_completion_tokens is not None and \
+            req.max_tokens != req.max_completion_tokens:
+        raise InputError("max_tokens and max_completion_tokens disagree")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:
+        max_tokens = default_max if default_max is not None else max(1, runtime.ready.context_length - prompt_len)
+    if max_tokens < 1:
+        raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
+    return [
+        make_sampling(
+            max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            ignore_eos=req.ignore_eos, seed=None if req.seed is None else req.seed + i,
+            stop_token_ids=None, eos_token_ids=runtime.eos_token_ids,
+        )
+        for i in range(req.n)
+    ]
+
+
+def finish_reason(state: RequestState) -> str | None:
+    if state.finish_reason is None:
+        return None
+    return {"stop": "stop", "length": "length"}.get(state.finish_reason["type"], "abort")
+
+
+def usage(states: list[RequestState], num_prompts_tokens: int) -> dict:
+    completion = sum(len(s.output_ids) for s in states)
+    return {"prompt_tokens": num_prompts_tokens, "completion_tokens": completion,
+            "total_tokens": num_prompts_tokens + completion}
+
+
+async def run_openai(request: web.Request, req: CommonParams, prompts: list[list[int]], chat: bool,
+                     default_max: int | None) -> web.StreamResponse:
+    runtime = runtime_of(request)
+    runtime.check_available()
+    lora_name, served_by = resolve_model(runtime, req.model)
+    jobs: list[tuple[list[int], Any]] = []
+    for prompt in prompts:
+        for sampling in openai_sampling(runtime, req, len(prompt), default_max):
+            jobs.append((prompt, sampling))
+    stops = stop_list(req.stop)
+    states: list[RequestState] = []
+    try:
+        for prompt, sampling in jobs:
+            states += await submit_all(runtime, [prompt], sampling, stops, [lora_name], [None])
+        kind = "chat.completion" if chat else "text_completion"
+        base = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
+                "model": served_by}
+        prompt_tokens = sum(len(s.prompt_ids) for s in states)
+        if req.stream:
+            return await stream_openai(request, runtime, req, states, base, kind, chat, prompt_tokens)
+        await wait_all(runtime, states)
+        failed = next((s for s in states if s.error), None)
+        if failed is not None:
+            return error_response(failed.error, failed.error_status)
+        if chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": s.text}, "logprobs": None,
+                        "finish_reason": finish_reason(s)} for i, s in enumerate(states)]
+        else:
+            choices = [{"index": i, "text": s.text, "logprobs": None, "finish_reason": finish_reason(s)}
+                       for i, s in enumerate(states)]
+        return json_response({**base, "object": kind, "choices": choices, "usage": usage(states, prompt_tokens)})
+    finally:
+        for state in states:
+            await runtime.finish(state)
+
+
+async def stream_openai(request: web.Request, runtime: Runtime, req: CommonParams, states: list[RequestState],
+                        base: dict, kind: str, chat: bool, prompt_tokens: int) -> web.StreamResponse:
+    resp = await start_sse(request)
+    chunk_kind = kind + ".chunk" if chat else kind
+    sent = [0] * len(states)
+    if chat:
+        for i in range(len(states)):
+            await send_sse(resp, {**base, "object": chunk_kind, "choices": [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+    async for i, state in stream_many(runtime, states):
+        if state.error:
+            await send_sse(resp, {"error": {"message": state.error, "type": "InternalServerError",
+                                            "code": state.error_status}})
+            continue
+        delta_text = state.text[sent[i]:]
+        sent[i] = len(state.text)
+        reason = finish_reason(state)
+        if not delta_text and reason is None:
+            continue
+        if chat:
+            choice = {"index": i, "delta": {"content": delta_text} if delta_text else {}, "logprobs": None,
+                      "finish_reason": reason}
+        else:
+            choice = {"index": i, "text": delta_text, "logprobs": None, "finish_reason": reason}
+        await send_sse(resp, {**base, "object": chunk_kind, "choices": [choice]})
+    if req.stream_options is not None and req.stream_options.include_usage:
+        await send_sse(resp, {**base, "object": chunk_kind, "choices": [], "usage": usage(states, prompt_tokens)})
+    await send_sse_done(resp)
+    return resp
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    runtime = runtime_of(request)
+    req = parse_openai(await request.read(), CompletionRequest)
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        prompts = [runtime.tokenizer(prompt)["input_ids"]]
+    elif not prompt:
+        raise InputError("'prompt' is empty")
+    elif isinstance(prompt[0], str):
+        prompts = [runtime.tokenizer(p)["input_ids"] for p in prompt]
+    elif isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = prompt
+    return await run_openai(request, req, prompts, chat=False, default_max=16)
+
+
+def chat_prompt(runtime: Runtime, messages: list[ChatMessage]) -> list[int]:
+    if not messages:
+        raise InputError("'messages' is empty")
+    if not getattr(runtime.tokenizer, "chat_template", None):
+        raise InputError(f"model {runtime.config.model_name!r} has no chat template, so it cannot take 'messages'")
+    rendered = []
+    for m in messages:
+        if m.role not in ("system", "user", "assistant", "tool", "developer"):
+            raise InputError(f"unknown message role {m.role!r}")
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InputError("only text content parts are supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        rendered.append({"role": m.role, "content": content or ""})
+    try:
+        text = runtime.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - a template that rejects these messages is a client error
+        raise InputError(f"the chat template rejected the messages: {e}") from e
+    return runtime.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    runtime = runtime_of(request)
+    req = parse_openai(await request.read(), ChatRequest)
+    prompt = chat_prompt(runtime, req.messages)
+    return await run_openai(request, req, [prompt], chat=True, default_max=None)
+
+
+@routes.get("/v1/models")
+async def models(request: web.Request) -> web.Response:
+    runtime = runtime_of(request)
+    base = runtime.config.model_name
+    created = int(time.time())
+    cards = [{"id": base, "object": "model", "created": created, "owned_by": "loraplex", "root": runtime.model_dir,
+              "parent": None, "max_model_len": runtime.ready.context_length if runtime.ready else None}]
+    for entry in runtime.registry.live():
+        if not entry.draining:
+            cards.append({"id": entry.name, "object": "model", "created": created, "owned_by": "loraplex",
+                          "root": entry.path, "parent": base})
+    return json_response({"object": "list", "data": cards})
+
+
+class VllmLoadBody(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+    pinned: bool = False
+
+
+class VllmUnloadBody(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+STATUS_BY_KIND = {"not_found": 404, "forbidden": 400, "duplicate": 400, "busy": 409, "internal": 500}
+
+
+@routes.post("/v1/load_lora_adapter")
+async def vllm_load(request: web.Request) -> web.Response:
+    body = decode_body(await request.read(), VllmLoadBody)
+    runtime = runtime_of(request)
+    runtime.check_available()
+    spec = LoRAAdapterSpec(lora_name=body.lora_name, lora_path=body.lora_path, pinned=body.pinned)
+    out = await runtime.load_adapters([spec], load_inplace=body.load_inplace)
+    result = out.results[0]
+    if result.success:
+        return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+    return error_response(result.error_message, STATUS_BY_KIND.get(result.error_kind, 400))
+
+
+@routes.post("/v1/unload_lora_adapter")
+async def vllm_unload(request: web.Request) -> web.Response:
+    body = decode_body(await request.read(), VllmUnloadBody)
+    runtime = runtime_of(request)
+    runtime.check_available()
+    out = await runtime.unload_adapters([body.lora_name])
+    result = out.results[0]
+    if result.success:
+        return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+    return error_response(result.error_message, STATUS_BY_KIND.get(result.error_kind, 400))

@@ -1,0 +1,109 @@
+"""Request bodies: strict schemas for the native and OpenAI APIs, turned into protocol SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from frontend.runtime import InputError
+from protocol.structs import SamplingParams
+
+MAX_SEED = 2**63 - 1
+
+
+class NativeSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: NativeSamplingParams | None = None
+    lora_path: str | list[str | None] | None = None
+    stream: bool = False
+    rid: str | list[str] | None = None
+
+
+def decode_body(body: bytes, schema: type) -> Any:
+    try:
+        return msgspec.json.decode(body, type=schema)
+    except msgspec.ValidationError as e:
+        raise InputError(f"invalid request: {e}") from e
+    except msgspec.DecodeError as e:
+        raise InputError(f"malformed JSON: {e}") from e
+
+
+def convert(value: Any, schema: type, what: str) -> Any:
+    try:
+        return msgspec.convert(value, schema)
+    except msgspec.ValidationError as e:
+        raise InputError(f"invalid {what}: {e}") from e
+
+
+def make_sampling(
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    ignore_eos: bool,
+    seed: int | None,
+    stop_token_ids: list[int] | None,
+    eos_token_ids: list[int],
+) -> SamplingParams:
+    if max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not 0.0 <= temperature <= 100.0:
+        raise InputError(f"temperature must be in [0, 100], got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise InputError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < -1:
+        raise InputError(f"top_k must be -1 (off) or >= 1, got {top_k}")
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise InputError(f"seed must be in [0, 2**63 - 1], got {seed}")
+    stops = list(stop_token_ids or [])
+    if any(t < 0 for t in stops):
+        raise InputError("stop_token_ids must be non-negative")
+    if not ignore_eos:
+        stops += [t for t in eos_token_ids if t not in stops]
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=-1 if top_k == 0 else top_k,
+        ignore_eos=ignore_eos,
+        seed=seed,
+        stop_token_ids=stops,
+    )
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > 16:
+        raise InputError("at most 16 stop strings")
+    return [s for s in stops if s]
+
+
+def native_sampling(params: NativeSamplingParams | None, eos_token_ids: list[int]) -> tuple[SamplingParams, list[str]]:
+    p = params or NativeSamplingParams()
+    sampling = make_sampling(
+        max_new_tokens=p.max_new_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        ignore_eos=p.ignore_eos,
+        seed=p.seed,
+        stop_token_ids=p.stop_token_ids,
+        eos_token_ids=eos_token_ids,
+    )
+    return sampling, stop_list(p.stop)

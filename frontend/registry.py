@@ -1,0 +1,153 @@
+"""AdapterRegistry: the frontend's view of loaded adapters — names, ids, and who is using each one."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import re
+from dataclasses import dataclass, field
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}$")
+
+
+class AdapterError(Exception):
+    """A request named an adapter it cannot use. `kind` picks the status code at the HTTP edge."""
+
+    def __init__(self, message: str, kind: str = "invalid"):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class AdapterEntry:
+    name: str
+    path: str
+    lora_id: int
+    pinned: bool = False
+    rank: int = 0
+    target_modules: list[str] = field(default_factory=list)
+    holders: set[str] = field(default_factory=set)  # rids of requests in flight
+    draining: bool = False  # an unload has begun: no new requests
+    released: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever holders becomes empty
+
+    def __post_init__(self) -> None:
+        self.released.set()
+
+
+class AdapterRegistry:
+    """Only this object changes the name → adapter map and the in-flight holds.
+
+    A name maps to its current adapter id; ids are minted once and never reused, so an in-place reload gets a new
+    id while requests holding the old one finish on the old weights.
+    """
+
+    def __init__(self, path_root: str | None = None):
+        self.path_root = os.path.realpath(path_root) if path_root else None
+        self.update_lock = asyncio.Lock()  # serializes load/unload
+        self._ids = itertools.count()
+        self._current: dict[str, int] = {}  # name -> live id
+        self._entries: dict[int, AdapterEntry] = {}  # every id still held or live
+
+    # ---- requests ----------------------------------------------------------------------------------
+
+    def acquire(self, name: str, rid: str) -> AdapterEntry:
+        lora_id = self._current.get(name)
+        if lora_id is None:
+            raise AdapterError(f"adapter {name!r} is not loaded", kind="not_found")
+        entry = self._entries[lora_id]
+        if entry.draining:
+            raise AdapterError(f"adapter {name!r} is being unloaded", kind="not_found")
+        entry.holders.add(rid)
+        entry.released.clear()
+        return entry
+
+    def release(self, lora_id: int, rid: str) -> None:
+        entry = self._entries.get(lora_id)
+        if entry is None:
+            return
+        entry.holders.discard(rid)
+        if not entry.holders:
+            entry.released.set()
+
+    # ---- load / unload (callers hold update_lock) ---------------------------------------------------
+
+    def check_name(self, name: object, replace: bool = False) -> str:
+        if not isinstance(name, str) or not NAME_PATTERN.match(name) or ":" in name:
+            raise AdapterError(
+                f"invalid adapter name {name!r}: use 1-128 letters, digits, '.', '_', '-', '/' (no ':')", "invalid"
+            )
+        if name in self._current and not replace:
+            raise AdapterError(f"The lora adapter {name!r} has already been loaded.", kind="duplicate")
+        if name not in self._current and replace:
+            raise AdapterError(f"adapter {name!r} is not loaded, so it cannot be replaced in place", "not_found")
+        if name in self._current and self._entries[self._current[name]].draining:
+            raise AdapterError(f"adapter {name!r} is being unloaded", kind="busy")
+        return name
+
+    def check_path(self, name: str, path: object) -> str:
+        if not isinstance(path, str) or not path:
+            raise AdapterError(f"adapter {name!r}: lora_path must be a non-empty string", "invalid")
+        resolved = os.path.realpath(path)
+        if self.path_root is not None and os.path.commonpath([resolved, self.path_root]) != self.path_root:
+            raise AdapterError(
+                f"adapter {name!r}: path {path!r} is outside the allowed root --lora-path-root", "forbidden"
+            )
+        if not os.path.exists(resolved):
+            raise AdapterError(f"adapter {name!r}: path {path!r} does not exist", "not_found")
+        if not os.path.isdir(resolved):
+            raise AdapterError(f"adapter {name!r}: path {path!r} is not a directory", "invalid")
+        return resolved
+
+    def mint_id(self) -> int:
+        return next(self._ids)
+
+    def add(self, entry: AdapterEntry) -> AdapterEntry | None:
+        """Make entry the live adapter of its name; returns the entry it replaced (in-place reload), if any."""
+        old_id = self._current.get(entry.name)
+        self._current[entry.name] = entry.lora_id
+        self._entries[entry.lora_id] = entry
+        if old_id is None:
+            return None
+        old = self._entries[old_id]
+        old.draining = True
+        return old
+
+    def begin_unload(self, name: str) -> AdapterEntry:
+        lora_id = self._current.get(name)
+        if lora_id is None:
+            raise AdapterError(f"adapter {name!r} is not loaded", kind="not_found")
+        entry = self._entries[lora_id]
+        if entry.draining:
+            raise AdapterError(f"adapter {name!r} is already being unloaded", kind="busy")
+        entry.draining = True
+        return entry
+
+    def cancel_unload(self, entry: AdapterEntry) -> None:
+        entry.draining = False
+
+    def forget(self, entry: AdapterEntry) -> None:
+        self._entries.pop(entry.lora_id, None)
+        if self._current.get(entry.name) == entry.lora_id:
+            del self._current[entry.name]
+
+    # ---- views ----------------------------------------------------------------------------------------
+
+    def get(self, name: str) -> AdapterEntry | None:
+        lora_id = self._current.get(name)
+        return None if lora_id is None else self._entries[lora_id]
+
+    def live(self) -> list[AdapterEntry]:
+        return [self._entries[i] for i in self._current.values()]
+
+    def loaded_adapters(self) -> dict[str, str]:
+        return {e.name: e.path for e in self.live() if not e.draining}
+
+    def num_pinned(self) -> int:
+        return sum(1 for e in self.live() if e.pinned)
+
+    def total_holds(self) -> int:
+        return sum(len(e.holders) for e in self._entries.values())
+
+    def num_entries(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,473 @@
+"""Runtime: the frontend's engine room — child processes, tokenizer, request states, adapter loads.
+
+The HTTP server, the RPC server and the in-process Engine all drive one Runtime from one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from frontend.launcher import ProcessGroup
+from frontend.metrics import Metrics
+from frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
+from frontend.request_state import RequestState
+from protocol.config import ServerConfig
+from protocol.sockets import PULL, PUSH, AsyncTypedSocket
+from protocol.structs import (
+    AbortReq,
+    LoadLoRAAdapterReqInput,
+    LoadLoRAAdapterReqOutput,
+    LoRAAdapterResult,
+    LoRAAdapterSpec,
+    ProcessFailed,
+    SamplingParams,
+    SchedulerReady,
+    SchedulerStats,
+    SchedulerStatsReq,
+    SchedulerToFrontend,
+    Shutdown,
+    TokenDeltas,
+    TokenizedGenerateReq,
+    UnloadLoRAAdapterReqInput,
+    UnloadLoRAAdapterReqOutput,
+)
+
+logger = logging.getLogger("loraplex.runtime")
+
+START_TIMEOUT_S = 600.0
+WATCH_INTERVAL_S = 0.2
+
+
+class ServerUnavailable(Exception):
+    """The server is starting, stopping, or lost a process: requests get a 503."""
+
+
+class InputError(ValueError):
+    """Input the server cannot serve; the message goes back to the client with a 400."""
+
+
+def resolve_model_dir(model_path: str) -> str:
+    if model_path == "demo":
+        from frontend.demo_model import ensure_demo_model
+
+        return str(ensure_demo_model())
+    return model_path
+
+
+class Runtime:
+    def __init__(self, config: ServerConfig, fault_hooks: dict[str, str] | None = None):
+        self.config = config
+        self.fault_hooks = fault_hooks or {}
+        self.registry = AdapterRegistry(config.lora_path_root)
+        self.metrics = Metrics(config.model_name)
+        self.requests: dict[str, RequestState] = {}
+        self.ready: SchedulerReady | None = None
+        self.started = False  # every process up and start-up adapters loaded
+        self.stopping = False
+        self.failure: str | None = None  # set once a child process died
+        self.model_dir = ""
+        self.tokenizer: Any = None
+        self.eos_token_ids: list[int] = []
+        self.procs: ProcessGroup | None = None
+        self._to_scheduler: AsyncTypedSocket | None = None
+        self._from_scheduler: AsyncTypedSocket | None = None
+        self._replies: dict[type, asyncio.Queue] = {}
+        self._call_locks: dict[type, asyncio.Lock] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- start / stop -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        logger.info("resolving model %s", self.config.model_path)
+        self.model_dir = await loop.run_in_executor(None, resolve_model_dir, self.config.model_path)
+        self.procs = ProcessGroup(self.config, self.model_dir, self.fault_hooks)
+        endpoints = self.procs.endpoints
+        self._from_scheduler = AsyncTypedSocket(
+            PULL, endpoints.scheduler_to_frontend, bind=True, recv_type=SchedulerToFrontend
+        )
+        self._to_scheduler = AsyncTypedSocket(PUSH, endpoints.frontend_to_scheduler, bind=False)
+        self.procs.start()
+        logger.info("loading tokenizer from %s", self.model_dir)
+        self.tokenizer, self.eos_token_ids = await loop.run_in_executor(None, load_tokenizer, self.model_dir)
+        self.ready = await self._wait_ready()
+        logger.info(
+            "scheduler ready: %d KV tokens, context length %d", self.ready.max_total_tokens, self.ready.context_length
+        )
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watch_loop())]
+        if self.config.lora_sources:
+            specs = [
+                LoRAAdapterSpec(lora_name=s.lora_name, lora_path=s.lora_path, pinned=s.pinned)
+                for s in self.config.lora_sources
+            ]
+            out = await self.load_adapters(specs)
+            failed = [r for r in out.results if not r.success]
+            if failed:
+                raise RuntimeError("start-up adapters failed: " + "; ".join(r.error_message for r in failed))
+        self.started = True
+        logger.info("server ready")
+
+    async def _wait_ready(self) -> SchedulerReady:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            dead = self.procs.dead()
+            if dead is not None:
+                raise RuntimeError(f"{dead[0]} exited with code {dead[1]} during start-up")
+            try:
+                msg = await asyncio.wait_for(self._from_scheduler.recv(), timeout=WATCH_INTERVAL_S)
+            except asyncio.TimeoutError:
+                continue
+            if isinstance(msg, ProcessFailed):
+                raise RuntimeError(f"{msg.who} failed to start: {msg.error_message}")
+            if isinstance(msg, SchedulerReady):
+                return msg
+        raise RuntimeError(f"processes not ready after {START_TIMEOUT_S:.0f} s")
+
+    async def shutdown(self) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        for task in self._tasks:
+            task.cancel()
+        self._fail_all("server is shutting down", status=503)
+        if self._to_scheduler is not None:
+            try:
+                await asyncio.wait_for(self._to_scheduler.send(Shutdown()), timeout=1.0)
+            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - best effort on the way down
+                pass
+        if self.procs is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.procs.stop)
+        for sock in (self._to_scheduler, self._from_scheduler):
+            if sock is not None:
+                sock.close()
+
+    @property
+    def healthy(self) -> bool:
+        return self.started and not self.stopping and self.failure is None
+
+    def check_available(self) -> None:
+        if self.failure is not None:
+            raise ServerUnavailable(f"server is unhealthy: {self.failure}")
+        if self.stopping:
+            raise ServerUnavailable("server is shutting down")
+        if self.ready is None:
+            raise ServerUnavailable("server is starting")
+
+    # ---- background loops ------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self._from_scheduler.recv()
+            if isinstance(msg, TokenDeltas):
+                await self._apply_deltas(msg)
+            elif isinstance(msg, ProcessFailed):
+                self._on_failure(f"{msg.who}: {msg.error_message}")
+            else:
+                self._reply_queue(type(msg)).put_nowait(msg)
+
+    async def _apply_deltas(self, msg: TokenDeltas) -> None:
+        for delta in msg.deltas:
+            state = self.requests.get(delta.rid)
+            if state is None:
+                continue
+            if state.apply(delta):  # a stop string ended it: free its scheduler resources
+                await self._to_scheduler.send(AbortReq(rid=state.rid))
+
+    async def _watch_loop(self) -> None:
+        while self.failure is None:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            dead = self.procs.dead()
+            if dead is not None and not self.stopping:
+                self._on_failure(f"{dead[0]} exited with code {dead[1]}")
+
+    def _on_failure(self, reason: str) -> None:
+        if self.failure is None:
+            logger.error("server unhealthy: %s", reason)
+            self.failure = reason
+        self._fail_all(f"server failure: {reason}", status=503)
+        for queue in self._replies.values():
+            queue.put_nowait(None)
+
+    def _fail_all(self, message: str, status: int) -> None:
+        for state in list(self.requests.values()):
+            state.fail(message, status)
+
+    def _reply_queue(self, reply_type: type) -> asyncio.Queue:
+        return self._replies.setdefault(reply_type, asyncio.Queue())
+
+    async def _call(self, msg: Any, reply_type: type, timeout_s: float | None = None) -> Any:
+        """Send a control message and wait for its reply; the scheduler answers each kind in order."""
+        lock = self._call_locks.setdefault(reply_type, asyncio.Lock())
+        async with lock:
+            self.check_available()
+            queue = self._reply_queue(reply_type)
+            await self._to_scheduler.send(msg)
+            reply = await asyncio.wait_for(queue.get(), timeout=timeout_s)
+            if reply is None:
+                raise ServerUnavailable(f"server is unhealthy: {self.failure}")
+            return reply
+
+    async def scheduler_stats(self) -> SchedulerStats:
+        return await self._call(SchedulerStatsReq(), SchedulerStats, timeout_s=5.0)
+
+    # ---- generation ----------------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        stop_strings: list[str],
+        lora_name: str | None,
+        rid: str | None = None,
+    ) -> RequestState:
+        """Validate and enqueue one request. Raises InputError, AdapterError or ServerUnavailable."""
+        self.check_available()
+        rid = rid or uuid.uuid4().hex
+        if rid in self.requests:
+            raise InputError(f"request id {rid!r} is already in use")
+        self._check_fits(prompt_ids, sampling)
+        entry = self.registry.acquire(lora_name, rid) if lora_name is not None else None
+        state = RequestState(
+            rid, prompt_ids, sampling, stop_strings, self.tokenizer, lora_name, entry.lora_id if entry else None
+        )
+        self.requests[rid] = state
+        self.metrics.on_submit(len(prompt_ids))
+        req = TokenizedGenerateReq(rid=rid, input_ids=prompt_ids, sampling=sampling, lora_id=state.lora_id)
+        await self._to_scheduler.send(req)
+        return state
+
+    def _check_fits(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        if not prompt_ids:
+            raise InputError("the prompt is empty")
+        vocab_size = self.ready.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt_ids):
+            raise InputError(f"input_ids must be token ids in [0, {vocab_size})")
+        total = len(prompt_ids) + sampling.max_new_tokens
+        if total > self.ready.context_length:
+            raise InputError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} "
+                f"exceeds the context length {self.ready.context_length}"
+            )
+        if total > self.ready.max_total_tokens:
+            raise InputError(
+                f"prompt + max_new_tokens = {total} tokens can never fit the KV cache "
+                f"({self.ready.max_total_tokens} tokens)"
+            )
+
+    async def stream(self, state: RequestState) -> AsyncIterator[RequestState]:
+        """Yields the state each time it changes, ending when it finishes."""
+        while True:
+            await state.changed.wait()
+            state.changed.clear()
+            yield state
+            if state.finished:
+                return
+
+    async def finish(self, state: RequestState) -> None:
+        """Every request path ends here (finish, abort, disconnect, error): frees its hold and its slot."""
+        if self.requests.pop(state.rid, None) is None:
+            return
+        if state.lora_id is not None:
+            self.registry.release(state.lora_id, state.rid)
+        if not state.finished:
+            state.fail("aborted by the client", status=499)
+            if self.failure is None and not self.stopping:
+                await self._to_scheduler.send(AbortReq(rid=state.rid))
+        self.metrics.on_finish(state)
+
+    async def abort(self, rid: str) -> bool:
+        state = self.requests.get(rid)
+        if state is None:
+            return False
+        await self._to_scheduler.send(AbortReq(rid=rid))
+        return True
+
+    # ---- adapters --------------------------------------------------------------------------------------
+
+    async def load_adapters(self, specs: list[LoRAAdapterSpec], load_inplace: bool = False) -> LoadLoRAAdapterReqOutput:
+        if not self.config.lora_enabled:
+            results = [_failed(s.lora_name, "LoRA is not enabled (start with --enable-lora)", "invalid") for s in specs]
+            return LoadLoRAAdapterReqOutput(
+                success=False,
+                error_message=results[0].error_message,
+                results=results,
+                loaded_adapters=self.registry.loaded_adapters(),
+            )
+        async with self.registry.update_lock:
+            results: list[LoRAAdapterResult | None] = [None] * len(specs)
+            to_load: list[tuple[int, LoRAAdapterSpec]] = []
+            names_seen: set[str] = set()
+            for i, spec in enumerate(specs):
+                try:
+                    name = self.registry.check_name(spec.lora_name, replace=load_inplace)
+                    if name in names_seen:
+                        raise AdapterError(f"adapter {name!r} appears twice in one request", "duplicate")
+                    names_seen.add(name)
+                    path = self.registry.check_path(name, spec.lora_path)
+                    old = self.registry.get(name)
+                    pinned_after = self.registry.num_pinned() - (1 if old and old.pinned else 0)
+                    pinned_after += sum(1 for _, s in to_load if s.pinned) + (1 if spec.pinned else 0)
+                    if spec.pinned and pinned_after > self.config.max_loras_per_batch - 1:
+                        raise AdapterError(
+                            f"adapter {name!r}: too many pinned adapters (at most "
+                            f"{self.config.max_loras_per_batch - 1} = --max-loras-per-batch - 1)",
+                            "pinned_limit",
+                        )
+                except AdapterError as e:
+                    results[i] = _failed(spec.lora_name if isinstance(spec.lora_name, str) else "", str(e), e.kind)
+                    continue
+                to_load.append(
+                    (
+                        i,
+                        LoRAAdapterSpec(
+                            lora_name=name, lora_path=path, pinned=spec.pinned, lora_id=self.registry.mint_id()
+                        ),
+                    )
+                )
+            if to_load:
+                t0 = time.monotonic()
+                self.check_available()
+                reply: LoadLoRAAdapterReqOutput = await self._call(
+                    LoadLoRAAdapterReqInput(adapters=[s for _, s in to_load]), LoadLoRAAdapterReqOutput
+                )
+                elapsed_ms = (time.monotonic() - t0) * 1e3
+                by_name = {r.lora_name: r for r in reply.results}
+                for i, spec in to_load:
+                    result = by_name.get(spec.lora_name) or _failed(
+                        spec.lora_name, "no result from workers", "internal"
+                    )
+                    results[i] = result
+                    if result.success:
+                        entry = AdapterEntry(
+                            name=spec.lora_name,
+                            path=specs[i].lora_path,
+                            lora_id=spec.lora_id,
+                            pinned=spec.pinned,
+                            rank=result.rank,
+                            target_modules=list(result.target_modules),
+                        )
+                        replaced = self.registry.add(entry)
+                        if replaced is not None:
+                            asyncio.get_running_loop().create_task(self._retire(replaced))
+                    self.metrics.on_adapter_op("load", result.success)
+                    logger.info(
+                        "load adapter %s path=%s rank=%s %s in %.1f ms%s",
+                        spec.lora_name,
+                        spec.lora_path,
+                        result.rank or "?",
+                        "ok" if result.success else "FAILED",
+                        elapsed_ms,
+                        "" if result.success else f": {result.error_message}",
+                    )
+            for i, r in enumerate(results):
+                if r is not None and not r.success and all(i != j for j, _ in to_load):
+                    self.metrics.on_adapter_op("load", False)
+                    logger.info("load adapter %s refused: %s", r.lora_name, r.error_message)
+        self.metrics.set_resident(len(self.registry.live()))
+        return _merge(LoadLoRAAdapterReqOutput, results, self.registry.loaded_adapters())
+
+    async def _retire(self, entry: AdapterEntry) -> None:
+        """After an in-place reload: drop the old weights once the requests running on them finish."""
+        await entry.released.wait()
+        async with self.registry.update_lock:
+            await self._drop([entry])
+
+    async def _drop(self, entries: list[AdapterEntry]) -> UnloadLoRAAdapterReqOutput:
+        reply = await self._call(
+            UnloadLoRAAdapterReqInput(lora_names=[e.name for e in entries], lora_ids=[e.lora_id for e in entries]),
+            UnloadLoRAAdapterReqOutput,
+        )
+        for entry in entries:
+            self.registry.forget(entry)
+        return reply
+
+    async def unload_adapters(self, names: list[str]) -> UnloadLoRAAdapterReqOutput:
+        results: list[LoRAAdapterResult | None] = [None] * len(names)
+        draining: list[tuple[int, AdapterEntry]] = []
+        async with self.registry.update_lock:
+            for i, name in enumerate(names):
+                try:
+                    draining.append((i, self.registry.begin_unload(name)))
+                except AdapterError as e:
+                    results[i] = _failed(name, str(e), e.kind)
+        # Wait for in-flight requests outside the lock, so other loads and unloads go on meanwhile.
+        timeout_s = self.config.lora_drain_timeout
+        waits = [asyncio.wait_for(entry.released.wait(), timeout_s) for _, entry in draining]
+        outcomes = await asyncio.gather(*waits, return_exceptions=True)
+        drained: list[tuple[int, AdapterEntry]] = []
+        for (i, entry), outcome in zip(draining, outcomes, strict=False):
+            if isinstance(outcome, BaseException):
+                self.registry.cancel_unload(entry)
+                holders = ", ".join(sorted(entry.holders))
+                results[i] = _failed(
+                    entry.name,
+                    f"adapter {entry.name!r} still has requests in flight after {timeout_s:g} s: {holders}",
+                    "busy",
+                )
+            else:
+                drained.append((i, entry))
+        if drained:
+            async with self.registry.update_lock:
+                await self._drop([e for _, e in drained])
+            for i, entry in drained:
+                results[i] = LoRAAdapterResult(lora_name=entry.name, success=True, lora_id=entry.lora_id)
+        for r in results:
+            self.metrics.on_adapter_op("unload", r.success)
+            logger.info(
+                "unload adapter %s %s%s",
+                r.lora_name,
+                "ok" if r.success else "FAILED",
+                "" if r.success else f": {r.error_message}",
+            )
+        self.metrics.set_resident(len(self.registry.live()))
+        return _merge(UnloadLoRAAdapterReqOutput, results, self.registry.loaded_adapters())
+
+    def adapter_table(self, stats: SchedulerStats | None = None) -> list[dict]:
+        slots = {lora_id: slot for slot, lora_id in enumerate(stats.slot_lora_ids)} if stats else {}
+        return [
+            {
+                "lora_name": e.name,
+                "lora_path": e.path,
+                "lora_id": e.lora_id,
+                "rank": e.rank,
+                "target_modules": e.target_modules,
+                "pinned": e.pinned,
+                "resident_slot": slots.get(e.lora_id),
+                "requests_in_flight": len(e.holders),
+                "draining": e.draining,
+            }
+            for e in self.registry.live()
+        ]
+
+
+def _failed(name: str, message: str, kind: str) -> LoRAAdapterResult:
+    return LoRAAdapterResult(lora_name=name, success=False, error_message=message, error_kind=kind)
+
+
+def _merge(output_type: type, results: list[LoRAAdapterResult], loaded: dict[str, str]) -> Any:
+    ok = all(r.success for r in results)
+    message = "; ".join(r.error_message for r in results if not r.success)
+    return output_type(success=ok, error_message=message, results=results, loaded_adapters=loaded)
+
+
+def load_tokenizer(model_dir: str) -> tuple[Any, list[int]]:
+    import json
+    import os
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    eos: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path) as f:
+            value = json.load(f).get("eos_token_id")
+        eos.update(value if isinstance(value, list) else [value] if value is not None else [])
+    return tokenizer, sorted(eos)

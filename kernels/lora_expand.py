@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check_expand_args
+from kernels.segment_tiles import plan_tiles, segment_tile
+
+BLOCK_N = 64
+
+
+@triton.jit
+def _expand_kernel(
+    y_ptr,
+    h_ptr,
+    b_ptr,
+    seg_indptr_ptr,
+    seg_slots_ptr,
+    slot_ranks_ptr,
+    slot_scales_ptr,
+    slice_offsets_ptr,
+    num_segments,
+    max_rank,
+    stride_ym,
+    stride_hm,
+    stride_b_slot,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SEG_BLOCK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # grid: (row tile, slice, out block within the slice); out blocks start at the slice start,
+    # so none straddles two slices, and blocks past a narrow slice's end exit at once.
+    slice_id = tl.program_id(1)
+    col_start = tl.load(slice_offsets_ptr + slice_id) + tl.program_id(2) * BLOCK_N
+    col_end = tl.load(slice_offsets_ptr + slice_id + 1)
+    if col_start >= col_end:
+        return
+    slot, row_start, row_end = segment_tile(
+        tl.program_id(0), seg_indptr_ptr, seg_slots_ptr, num_segments, BLOCK_M, SEG_BLOCK
+    )
+    if slot < 0:
+        return
+    rank = tl.load(slot_ranks_ptr + slot)
+    if rank == 0:
+        return
+    scale = tl.load(slot_scales_ptr + slot)
+    rows = row_start + tl.arange(0, BLOCK_M)  # (BM,)
+    cols = col_start + tl.arange(0, BLOCK_N)  # (BN,)
+    r = tl.arange(0, BLOCK_R)  # (BR,)
+    row_mask = rows < row_end
+    col_mask = cols < col_end
+    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + slice_id * max_rank + r[None, :]  # (BM, BR)
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + cols[None, :] * max_rank + r[:, None]  # (BR, BN)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r_start in range(0, rank, BLOCK_R):  # only the adapter's true rank
+        r_mask = r_start + r < rank
+        h_tile = tl.load(h_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+        b_tile = tl.load(b_ptrs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = tl.dot(h_tile, b_tile, acc, input_precision=DOT_PRECISION)
+        h_ptrs += BLOCK_R
+        b_ptrs += BLOCK_R
+    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]  # (BM, BN)
+    y_mask = row_mask[:, None] & col_mask[None, :]
+    y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y_tile + scale * acc).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def lora_expand_triton(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    lora_b: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scales: torch.Tensor,
+    slice_offsets: torch.Tensor,
+) -> None:
+    max_rank = check_expand_args(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets)
+    num_tokens, out_dim = y.shape
+    num_segments = seg_slots.shape[0]
+    num_slices = slice_offsets.shape[0] - 1
+    if num_tokens == 0 or num_segments == 0 or out_dim == 0 or max_rank == 0:
+        return
+    block_m, seg_block, num_tiles_bound = plan_tiles(num_tokens, num_segments)
+    block_r = min(64, max(16, triton.next_power_of_2(max_rank)))
+    # Slice widths live on the device; out_dim bounds every slice without a sync.
+    grid = (num_tiles_bound, num_slices, triton.cdiv(out_dim, BLOCK_N))
+    _expand_kernel[grid](
+        y,
+        h,
+        lora_b,
+        seg_indptr,
+        seg_slots,
+        slot_ranks,
+        slot_scales,
+        slice_offsets,
+        num_segments,
+        max_rank,
+        y.stride(0),
+        h.stride(0),
+        lora_b.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        BLOCK_R=block_r,
+        SEG_BLOCK=seg_block,
+        DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
+    )

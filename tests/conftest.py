@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+# Before anything imports transformers/huggingface_hub: tests must never reach a model hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+# Plain `pytest` (unlike `python -m pytest`) does not put the repo root on sys.path.
+_REPO_ROOT = str(Path(__file__).resolve().parents[1])
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+import pytest  # noqa: E402
+
+from frontend.demo_model import (  # noqa: E402
+    ALL_TARGET_MODULES,
+    ATTN_MODULES,
+    MLP_MODULES,
+    build_lora_adapter,
+    build_tiny_model,
+    ensure_demo_model,
+)
+
+# name -> (r, lora_alpha, target_modules, use_rslora); ranks and target sets deliberately differ.
+ADAPTER_SPECS: dict[str, tuple[int, float, tuple[str, ...], bool]] = {
+    "a4": (4, 8, ATTN_MODULES, False),
+    "a8": (8, 16, MLP_MODULES, False),
+    "a16": (16, 16, ALL_TARGET_MODULES, True),
+    "a32": (32, 64, ("q_proj", "v_proj"), False),
+    "a64": (64, 128, ALL_TARGET_MODULES, False),
+}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama")
+    build_tiny_model(path, arch="llama")
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("qwen2")
+    build_tiny_model(path, arch="qwen2", tie_word_embeddings=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def adapter_specs() -> dict[str, tuple[int, float, tuple[str, ...], bool]]:
+    return dict(ADAPTER_SPECS)
+
+
+@pytest.fixture(scope="session")
+def adapter_dirs(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    paths = {}
+    for seed, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTER_SPECS.items(), start=1):
+        paths[name] = root / name
+        build_lora_adapter(
+            llama_dir, paths[name], r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, seed=seed
+        )
+    return paths
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_demo_model(tmp_path_factory.mktemp("loraplex-cache"))

@@ -1,0 +1,249 @@
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported, so kernels run on CPU
+
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import (  # noqa: E402
+    lora_expand_torch,
+    lora_expand_triton,
+    lora_shrink_torch,
+    lora_shrink_triton,
+)
+
+IN_DIM = 80  # not a multiple of the shrink K block, so the K mask is exercised
+TOLERANCES = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=1e-2, rtol=1e-2)}
+SLICE_OUTS = {1: [40], 3: [64, 32, 32]}
+
+
+@dataclass(frozen=True)
+class Case:
+    seg_lens: list[int]
+    seg_slots: list[int]
+    slot_ranks: list[int]
+    max_rank: int
+
+
+CASES = {
+    # ranks 1..64 in one batch; empty, single-row and long segments; base rows between adapters
+    "mixed": Case([0, 1, 37, 3, 5, 0, 9, 2, 4], [2, 0, 3, -1, 1, 3, -1, 2, -1], [1, 4, 16, 64], 64),
+    "all_base": Case([5, 0, 7], [-1, -1, -1], [4, 16], 16),
+    # one row per segment, as in decode, more segments than one scan block; slot 1 is empty (rank 0)
+    "decode": Case([1] * 20, [0, 1, -1, 2, 0] * 4, [8, 0, 3], 8),
+    # segments over the largest row tile, and a pool wider than one rank block
+    "long": Case([150, 2, 70], [1, -1, 0], [100, 3], 128),
+    "no_tokens": Case([0, 0], [0, -1], [4], 16),
+}
+
+
+@dataclass
+class Batch:
+    x: torch.Tensor  # (tokens, in_dim)
+    lora_a: torch.Tensor  # (slots, slices * max_rank, in_dim)
+    lora_b: torch.Tensor  # (slots, out_dim, max_rank)
+    h: torch.Tensor  # (tokens, slices * max_rank), random everywhere: kernels must ignore rows/columns they do not own
+    y: torch.Tensor  # (tokens, out_dim)
+    seg_indptr: torch.Tensor
+    seg_slots: torch.Tensor
+    slot_ranks: torch.Tensor
+    slot_scales: torch.Tensor
+    slice_offsets: torch.Tensor
+    num_slices: int
+
+
+def make_batch(case: Case, num_slices: int, dtype: torch.dtype, seed: int = 0) -> Batch:
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = sum(case.seg_lens)
+    num_slots = len(case.slot_ranks)
+    slice_outs = SLICE_OUTS[num_slices]
+    out_dim = sum(slice_outs)
+    max_rank = case.max_rank
+
+    lora_a = torch.randn(num_slots, num_slices, max_rank, IN_DIM, generator=gen) / IN_DIM**0.5
+    lora_b = torch.randn(num_slots, out_dim, max_rank, generator=gen) / max_rank**0.5
+    for slot, rank in enumerate(case.slot_ranks):  # the pool is zero past each adapter's rank
+        lora_a[slot, :, rank:] = 0
+        lora_b[slot, :, rank:] = 0
+    slice_offsets = torch.tensor([0, *slice_outs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    seg_indptr = torch.tensor([0, *case.seg_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return Batch(
+        x=torch.randn(num_tokens, IN_DIM, generator=gen).to(dtype),
+        lora_a=lora_a.reshape(num_slots, num_slices * max_rank, IN_DIM).to(dtype),
+        lora_b=lora_b.to(dtype),
+        h=torch.randn(num_tokens, num_slices * max_rank, generator=gen).to(dtype),
+        y=torch.randn(num_tokens, out_dim, generator=gen).to(dtype),
+        seg_indptr=seg_indptr,
+        seg_slots=torch.tensor(case.seg_slots, dtype=torch.int32),
+        slot_ranks=torch.tensor(case.slot_ranks, dtype=torch.int32),
+        slot_scales=torch.linspace(0.5, 2.0, num_slots, dtype=torch.float32),
+        slice_offsets=slice_offsets,
+        num_slices=num_slices,
+    )
+
+
+def row_slots(b: Batch) -> list[int]:
+    bounds = b.seg_indptr.tolist()
+    return [slot for seg, slot in enumerate(b.seg_slots.tolist()) for _ in range(bounds[seg], bounds[seg + 1])]
+
+
+def dense_shrink(b: Batch) -> torch.Tensor:
+    # Per-row oracle in float64 over the full zero-padded pool; ignores slot_ranks on purpose.
+    h = torch.zeros(b.x.shape[0], b.lora_a.shape[1], dtype=torch.float64)
+    for row, slot in enumerate(row_slots(b)):
+        if slot >= 0:
+            h[row] = b.lora_a[slot].double() @ b.x[row].double()
+    return h
+
+
+def dense_expand(b: Batch) -> torch.Tensor:
+    y = b.y.double().clone()
+    max_rank = b.h.shape[1] // b.num_slices
+    bounds = b.slice_offsets.tolist()
+    for row, slot in enumerate(row_slots(b)):
+        if slot < 0:
+            continue
+        for s in range(b.num_slices):
+            h_slice = b.h[row, s * max_rank : (s + 1) * max_rank].double()
+            b_slice = b.lora_b[slot, bounds[s] : bounds[s + 1]].double()
+            y[row, bounds[s] : bounds[s + 1]] += b.slot_scales[slot].item() * (b_slice @ h_slice)
+    return y
+
+
+def shrink_args(b: Batch) -> tuple:
+    return (b.x, b.lora_a, b.seg_indptr, b.seg_slots, b.slot_ranks, b.num_slices)
+
+
+def expand_args(b: Batch, y: torch.Tensor) -> tuple:
+    return (y, b.h, b.lora_b, b.seg_indptr, b.seg_slots, b.slot_ranks, b.slot_scales, b.slice_offsets)
+
+
+def base_rows(b: Batch) -> torch.Tensor:
+    return torch.tensor([slot < 0 for slot in row_slots(b)], dtype=torch.bool)
+
+
+def sweep_cases(test):
+    test = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])(test)
+    test = pytest.mark.parametrize("num_slices", [1, 3])(test)
+    return pytest.mark.parametrize("case_name", list(CASES))(test)
+
+
+@sweep_cases
+def test_shrink(case_name: str, num_slices: int, dtype: torch.dtype) -> None:
+    b = make_batch(CASES[case_name], num_slices, dtype)
+    h_ref = lora_shrink_torch(*shrink_args(b))
+    h_tri = lora_shrink_triton(*shrink_args(b))
+    assert h_ref.shape == h_tri.shape == (b.x.shape[0], b.lora_a.shape[1])
+    assert h_ref.dtype == h_tri.dtype == dtype
+    torch.testing.assert_close(h_ref.double(), dense_shrink(b), **TOLERANCES[dtype])
+    torch.testing.assert_close(h_tri, h_ref, **TOLERANCES[dtype])
+    is_base = base_rows(b)
+    assert torch.count_nonzero(h_tri[is_base]) == 0
+    assert torch.count_nonzero(h_ref[is_base]) == 0
+
+
+@sweep_cases
+def test_expand(case_name: str, num_slices: int, dtype: torch.dtype) -> None:
+    b = make_batch(CASES[case_name], num_slices, dtype)
+    y_ref, y_tri = b.y.clone(), b.y.clone()
+    assert lora_expand_torch(*expand_args(b, y_ref)) is None
+    assert lora_expand_triton(*expand_args(b, y_tri)) is None
+    torch.testing.assert_close(y_ref.double(), dense_expand(b), **TOLERANCES[dtype])
+    torch.testing.assert_close(y_tri, y_ref, **TOLERANCES[dtype])
+    is_base = base_rows(b)
+    assert torch.equal(y_tri[is_base], b.y[is_base])
+    assert torch.equal(y_ref[is_base], b.y[is_base])
+
+
+def test_expand_updates_strided_view() -> None:
+    # y is often a column slice of a fused output; only unit stride in the last dim is required.
+    b = make_batch(CASES["mixed"], 3, torch.float32)
+    fused = torch.randn(b.y.shape[0], b.y.shape[1] + 16)
+    fused[:, 16:] = b.y
+    before = fused.clone()
+    lora_expand_triton(*expand_args(b, fused[:, 16:]))
+    torch.testing.assert_close(fused[:, 16:].double(), dense_expand(b), **TOLERANCES[torch.float32])
+    assert torch.equal(fused[:, :16], before[:, :16])
+
+
+@pytest.mark.parametrize("force_triton", [False, True])
+def test_dispatch(monkeypatch: pytest.MonkeyPatch, force_triton: bool) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(kernels, "lora_shrink_triton", lambda *a: calls.append("triton"))
+    monkeypatch.setattr(kernels, "lora_shrink_torch", lambda *a: calls.append("torch"))
+    monkeypatch.setattr(kernels, "lora_expand_triton", lambda *a: calls.append("triton"))
+    monkeypatch.setattr(kernels, "lora_expand_torch", lambda *a: calls.append("torch"))
+    monkeypatch.setenv("LORAPLEX_FORCE_TRITON", "1" if force_triton else "0")
+    b = make_batch(CASES["mixed"], 1, torch.float32)
+    kernels.lora_shrink(*shrink_args(b))
+    kernels.lora_expand(*expand_args(b, b.y))
+    assert calls == ["triton" if force_triton else "torch"] * 2
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int64)
+
+
+def _drop_last(t: torch.Tensor) -> torch.Tensor:
+    return t[:-1]
+
+
+# name -> (edits to the valid arguments, expected message)
+BAD_SHRINK = {
+    "x_1d": (dict(x=lambda t: t[0]), "x must be 2-D"),
+    "x_column_major": (dict(x=lambda t: t.T.contiguous().T), "unit stride"),
+    "in_dim": (dict(x=lambda t: t[:, :-1].contiguous()), "in_dim"),
+    "dtype_mismatch": (dict(x=lambda t: t.half()), "must match x dtype"),
+    "indptr_int64": (dict(seg_indptr=_int64), "seg_indptr must be torch.int32"),
+    "indptr_len": (dict(seg_indptr=_drop_last), "num_segments \\+ 1"),
+    "ranks_len": (dict(slot_ranks=_drop_last), "slot_ranks must have num_slots"),
+    "num_slices": (dict(num_slices=lambda n: 5), "num_slices"),
+}
+BAD_EXPAND = {
+    "y_rows": (dict(y=_drop_last), "rows"),
+    "h_dtype": (dict(h=lambda t: t.half()), "must match y dtype"),
+    "b_out_dim": (dict(lora_b=lambda t: t[:, :-1].contiguous()), "lora_b must be"),
+    "b_noncontiguous": (dict(lora_b=lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)), "contiguous"),
+    "scales_dtype": (dict(slot_scales=lambda t: t.double()), "slot_scales must be torch.float32"),
+    "scales_len": (dict(slot_scales=_drop_last), "slot_scales must have num_slots"),
+    "offsets_len": (
+        dict(slice_offsets=lambda t: torch.tensor([0, 8, 16, 24, 32, 40], dtype=torch.int32)),
+        "num_slices",
+    ),
+    "slots_int64": (dict(seg_slots=_int64), "seg_slots must be torch.int32"),
+}
+
+
+def _apply(args: dict, edits: dict) -> dict:
+    return {name: edits[name](value) if name in edits else value for name, value in args.items()}
+
+
+@pytest.mark.parametrize("shrink", [lora_shrink_torch, lora_shrink_triton])
+@pytest.mark.parametrize("bad", list(BAD_SHRINK))
+def test_shrink_rejects(shrink, bad: str) -> None:
+    edits, message = BAD_SHRINK[bad]
+    b = make_batch(CASES["mixed"], 1, torch.float32)
+    args = dict(
+        x=b.x, lora_a=b.lora_a, seg_indptr=b.seg_indptr, seg_slots=b.seg_slots,
+        slot_ranks=b.slot_ranks, num_slices=b.num_slices,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        shrink(**_apply(args, edits))
+
+
+@pytest.mark.parametrize("expand", [lora_expand_torch, lora_expand_triton])
+@pytest.mark.parametrize("bad", list(BAD_EXPAND))
+def test_expand_rejects(expand, bad: str) -> None:
+    edits, message = BAD_EXPAND[bad]
+    b = make_batch(CASES["mixed"], 1, torch.float32)
+    args = dict(
+        y=b.y.clone(), h=b.h, lora_b=b.lora_b, seg_indptr=b.seg_indptr, seg_slots=b.seg_slots,
+        slot_ranks=b.slot_ranks, slot_scales=b.slot_scales, slice_offsets=b.slice_offsets,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        expand(**_apply(args, edits))

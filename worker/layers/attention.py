@@ -1,0 +1,64 @@
+"""Attention over the paged KV cache with torch scaled_dot_product_attention.
+
+Each step writes the new tokens' K/V into their cache slots, then gathers every request's keys (cached + new) into a
+padded (reqs, max_kv_len) block and runs one SDPA call per group. Requests are grouped by kind, at most two groups:
+decodes (one new token) and prefills, so a long prompt in the batch does not pad every decode to its length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    token_rows: torch.Tensor  # (group_tokens,) rows of the batch's flat token dimension in this group
+    query_index: torch.Tensor  # (group_tokens,) each token's row in the padded (reqs * max_q_len) query layout
+    read_slots: torch.Tensor  # (reqs, max_kv_len) cache slot of every key position; padding points at slot 0
+    mask: torch.Tensor  # (reqs, 1, max_q_len, max_kv_len) bool, True = may attend (causal, within the request)
+    num_reqs: int
+    max_q_len: int
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    write_slots: torch.Tensor  # (tokens,) cache slot each new token's K/V goes to
+    groups: list[AttentionGroup]
+
+
+def paged_attention(
+    q: torch.Tensor,  # (tokens, heads, head_dim)
+    k: torch.Tensor,  # (tokens, kv_heads, head_dim)
+    v: torch.Tensor,  # (tokens, kv_heads, head_dim)
+    k_cache: torch.Tensor,  # (slots, kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (slots, kv_heads, head_dim)
+    inputs: AttentionInputs,
+) -> torch.Tensor:
+    k_cache[inputs.write_slots] = k
+    v_cache[inputs.write_slots] = v
+    if len(inputs.groups) == 1:
+        return _attend_group(q, k_cache, v_cache, inputs.groups[0])
+    out = torch.empty_like(q)  # (tokens, heads, head_dim)
+    for group in inputs.groups:
+        out[group.token_rows] = _attend_group(q[group.token_rows], k_cache, v_cache, group)
+    return out
+
+
+def _attend_group(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    num_reqs, max_q_len = group.num_reqs, group.max_q_len
+    q_padded = q.new_zeros(num_reqs * max_q_len, num_heads, head_dim)
+    q_padded[group.query_index] = q
+    q_padded = q_padded.view(num_reqs, max_q_len, num_heads, head_dim).transpose(1, 2)  # (reqs, heads, q, d)
+    keys = k_cache[group.read_slots].transpose(1, 2)  # (reqs, kv_heads, max_kv_len, head_dim)
+    values = v_cache[group.read_slots].transpose(1, 2)  # (reqs, kv_heads, max_kv_len, head_dim)
+    out = F.scaled_dot_product_attention(
+        q_padded, keys, values, attn_mask=group.mask, enable_gqa=keys.shape[1] != num_heads
+    )  # (reqs, heads, max_q_len, head_dim)
+    out = out.transpose(1, 2).reshape(num_reqs * max_q_len, num_heads, head_dim)
+    return out[group.query_index]  # (tokens, heads, head_dim)

@@ -1,0 +1,30 @@
+"""Token embedding and LM head, replicated on every rank (their cost is small next to the decoder layers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)  # (tokens, hidden)
+
+
+class LMHead(nn.Module):
+    """hidden -> logits. With tied embeddings it shares the embedding's weight tensor."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tied_to: Embedding | None = None):
+        super().__init__()
+        if tied_to is not None:
+            self.weight = tied_to.weight
+        else:
+            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)  # (rows, vocab)

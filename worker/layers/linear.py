@@ -1,0 +1,129 @@
+"""Tensor-parallel linear layers. Each forward is plain `x -> y`; each parameter carries a `weight_loader` that takes
+the full Hugging Face tensor and keeps this rank's shard, so model code never sees the sharding.
+
+What a wrapper (e.g. LoRA) can read from any of them:
+  tp_mode            "column" (output dim sharded, output left sharded) or "row" (input dim sharded, output all-reduced)
+  tp_rank, tp_size   the shard this layer holds
+  input_size         full input features;  input_size_per_rank = the columns of `weight` here
+  output_sizes       full output features per fused slice (q, k, v / gate, up; one slice if not fused)
+  output_sizes_per_rank, output_offsets_per_rank   each slice's rows in `weight` here
+  weight             (sum(output_sizes_per_rank), input_size_per_rank);  bias  (sum(output_sizes_per_rank),) or None
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.parallel import all_reduce, current_tp
+
+
+def _check_full_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"{name}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {expected}")
+
+
+def _empty_param(*shape: int) -> nn.Parameter:
+    # Device and dtype come from the caller's defaults (the model is built under torch.device / default dtype).
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x Wᵀ + b with W's rows (the output features) split across ranks; each rank returns its slice of y."""
+
+    tp_mode = "column"
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False):
+        super().__init__()
+        self._init_slices(input_size, [output_size], bias)
+
+    def _init_slices(self, input_size: int, output_sizes: list[int], bias: bool) -> None:
+        tp = current_tp()
+        self.tp_rank, self.tp_size = tp.rank, tp.world_size
+        for size in output_sizes:
+            if size % self.tp_size:
+                raise ValueError(f"output size {size} of {type(self).__name__} is not divisible by tp {self.tp_size}")
+        self.input_size = self.input_size_per_rank = input_size
+        self.output_sizes = list(output_sizes)
+        self.output_sizes_per_rank = [size // self.tp_size for size in output_sizes]
+        self.output_offsets_per_rank = [0, *itertools.accumulate(self.output_sizes_per_rank)][:-1]
+        self.weight = _empty_param(sum(self.output_sizes_per_rank), input_size)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _empty_param(sum(self.output_sizes_per_rank)) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.output_sizes)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        """Copy this rank's rows of slice `shard_id` (None = the only slice) from the full checkpoint tensor."""
+        slice_id = 0 if shard_id is None else shard_id
+        if shard_id is None and self.num_slices != 1:
+            raise ValueError(f"{type(self).__name__} has {self.num_slices} slices; a shard_id is required")
+        full_rows = self.output_sizes[slice_id]
+        expected = (full_rows, self.input_size) if param is self.weight else (full_rows,)
+        _check_full_shape(f"{type(self).__name__} slice {slice_id}", loaded, expected)
+        num_rows = self.output_sizes_per_rank[slice_id]
+        shard = loaded.narrow(0, self.tp_rank * num_rows, num_rows)
+        param.data.narrow(0, self.output_offsets_per_rank[slice_id], num_rows).copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # (tokens, sum(output_sizes_per_rank))
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_sizes}, bias={self.bias is not None}, tp={self.tp_size}"
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input fused into one matmul (q|k|v, gate|up).
+    Each slice is sharded on its own, so rank r holds [q_r | k_r | v_r]."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], *, bias: bool = False):
+        nn.Module.__init__(self)
+        self._init_slices(input_size, output_sizes, bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x Wᵀ + b with W's columns (the input features) split across ranks: x arrives sharded (the output of a
+    column-parallel layer), the partial products are all-reduced, and the bias is added once after the reduction."""
+
+    tp_mode = "row"
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False):
+        super().__init__()
+        tp = current_tp()
+        self.tp_rank, self.tp_size = tp.rank, tp.world_size
+        if input_size % self.tp_size:
+            raise ValueError(f"input size {input_size} of RowParallelLinear is not divisible by tp {self.tp_size}")
+        self.input_size = input_size
+        self.input_size_per_rank = input_size // self.tp_size
+        self.output_sizes = self.output_sizes_per_rank = [output_size]
+        self.output_offsets_per_rank = [0]
+        self.weight = _empty_param(output_size, self.input_size_per_rank)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _empty_param(output_size) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    num_slices = 1
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        if param is self.bias:  # replicated: every rank holds it, only the reduced sum gets it added
+            _check_full_shape("RowParallelLinear bias", loaded, (self.output_sizes[0],))
+            param.data.copy_(loaded)
+            return
+        _check_full_shape("RowParallelLinear weight", loaded, (self.output_sizes[0], self.input_size))
+        num_cols = self.input_size_per_rank
+        param.data.copy_(loaded.narrow(1, self.tp_rank * num_cols, num_cols))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight), self.tp_size)  # (tokens, output_size)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_sizes[0]}, bias={self.bias is not None}, tp={self.tp_size}"

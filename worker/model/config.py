@@ -1,0 +1,125 @@
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    params: dict[str, Any] = field(default_factory=dict)  # scaling parameters of rope_type, as in the HF config
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The fields of an HF config.json that a Llama-family model needs, read in both transformers 4 and 5 forms."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None  # None = every layer attends to the whole context
+    checkpoint_dtype: str | None
+
+    @property
+    def max_context_length(self) -> int:
+        # Sliding-window attention is not implemented; within the window it equals full attention.
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> ModelConfig:
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise ModelConfigError(f"no config.json in model directory {model_dir!r}")
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_dict(cls, hf: dict[str, Any]) -> ModelConfig:
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelConfigError(
+                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"unsupported hidden_act {hf['hidden_act']!r}; only silu is implemented")
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        attention_bias = bool(hf.get("attention_bias", False))
+        is_qwen2 = model_type == "qwen2"
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope=_read_rope(hf),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and none on o_proj; Llama's attention_bias covers all four.
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=not is_qwen2 and attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            sliding_window=_read_sliding_window(hf, model_type),
+            checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
+        )
+
+
+def _read_rope(hf: dict[str, Any]) -> RopeConfig:
+    # transformers 5: `rope_parameters` holds rope_theta and the scaling; transformers 4: top-level
+    # `rope_theta` plus an optional `rope_scaling` dict whose kind is `rope_type` (or the older `type`).
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if "full_attention" in params and isinstance(params["full_attention"], dict):  # per-layer-type form
+        params = dict(params["full_attention"])
+    theta = params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(
+            f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    partial = params.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor") or 1.0
+    if not math.isclose(partial, 1.0):
+        raise ModelConfigError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
+    needed = {"linear": ("factor",), "llama3": _LLAMA3_KEYS}.get(rope_type, ())
+    missing = [key for key in needed if key not in params]
+    if missing:
+        raise ModelConfigError(f"rope type {rope_type!r} is missing {', '.join(missing)} in the model config")
+    return RopeConfig(theta=float(theta), rope_type=rope_type, params=params)
+
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _read_sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
+    if model_type == "qwen2" and not hf.get("use_sliding_window", False):  # Qwen2 records a window it does not use
+        return None
+    return hf.get("sliding_window") or None
