@@ -343,8 +343,8 @@ def build_lora_adapter(
     unknown = sorted(set(target_modules) - set(ALL_TARGET_MODULES))
     if unknown or not target_modules:
         raise ValueError(f"target_modules must be a non-empty subset of {ALL_TARGET_MODULES}, got {unknown}")
-    if r <= 0:
-        raise ValueError(f"r must be positive, got {r}")
+    if r <= 0 or lora_alpha == 0:
+        raise ValueError(f"need r > 0 and lora_alpha != 0, got r={r}, lora_alpha={lora_alpha}")
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     num_layers = json.loads((base_dir / "config.json").read_text())["num_hidden_layers"]
     scaling = lora_alpha / (r**0.5 if use_rslora else r)

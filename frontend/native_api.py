@@ -33,8 +33,12 @@ def generate_items(runtime: Runtime, body: NativeGenerateRequest) -> tuple[list[
     ids = body.input_ids
     if not ids:
         raise InputError("'input_ids' is empty")
-    if isinstance(ids[0], list):
+    if all(isinstance(t, list) for t in ids):
+        if any(not p for p in ids):
+            raise InputError("'input_ids' holds an empty prompt")
         return ids, True
+    if any(isinstance(t, list) for t in ids):
+        raise InputError("'input_ids' must be a list of ints or a list of lists of ints, not a mix")
     return [ids], False
 
 

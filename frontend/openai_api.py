@@ -52,7 +52,7 @@ class CommonParams(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(CommonParams, kw_only=True):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str | int | list[int]]  # text, texts, token ids, or lists of token ids
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -215,15 +215,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = parse_openai(await request.read(), CompletionRequest)
     prompt = req.prompt
     if isinstance(prompt, str):
-        prompts = [runtime.tokenizer(prompt)["input_ids"]]
-    elif not prompt:
+        prompt = [prompt]
+    if not prompt:
         raise InputError("'prompt' is empty")
-    elif isinstance(prompt[0], str):
+    if all(isinstance(p, str) for p in prompt):
         prompts = [runtime.tokenizer(p)["input_ids"] for p in prompt]
-    elif isinstance(prompt[0], int):
+    elif all(isinstance(p, int) for p in prompt):
         prompts = [prompt]
-    else:
+    elif all(isinstance(p, list) and p for p in prompt):
         prompts = prompt
+    else:
+        raise InputError("'prompt' must be a string, a list of strings, token ids, or lists of token ids")
     return await run_openai(request, req, prompts, chat=False, default_max=16)
 
 

@@ -25,7 +25,7 @@ class NativeSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=T
 
 class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[int | list[int]] | None = None  # one prompt, or a batch of prompts
     sampling_params: NativeSamplingParams | None = None
     lora_path: str | list[str | None] | None = None
     stream: bool = False

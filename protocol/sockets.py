@@ -84,3 +84,37 @@ class AsyncTypedSocket:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+class FrameSocket:
+    """Raw multipart frames for the RPC ROUTER (asyncio) side; the encoding lives in protocol/rpc.py."""
+
+    def __init__(self, kind: int, addr: str, *, bind: bool, ctx: zmq.asyncio.Context | None = None):
+        self.sock = _make(ctx or zmq.asyncio.Context.instance(), kind, addr, bind)
+
+    async def send(self, frames: list[bytes]) -> None:
+        await self.sock.send_multipart(frames)
+
+    async def recv(self) -> list[bytes]:
+        return await self.sock.recv_multipart()
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class BlockingFrameSocket:
+    """Raw multipart frames for the RPC client (blocking) side."""
+
+    def __init__(self, kind: int, addr: str, *, bind: bool):
+        self.sock = _make(zmq.Context.instance(), kind, addr, bind)
+
+    def send(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def recv(self, timeout_ms: int | None = None) -> list[bytes] | None:
+        if timeout_ms is not None and not self.sock.poll(timeout_ms, zmq.POLLIN):
+            return None
+        return self.sock.recv_multipart()
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

@@ -51,7 +51,7 @@ class GenerateReqInput(Struct, frozen=True):
     """The /generate body, single or batched, as the RPC carries it."""
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[int | list[int]] | None = None  # one prompt, or a batch of prompts
     sampling_params: dict | None = None
     lora_path: str | list[str | None] | None = None
     rid: str | list[str] | None = None

@@ -22,9 +22,11 @@ class BatchInputs:
     attention: AttentionInputs
 
     @classmethod
-    def build(cls, reqs: list[ForwardReq], page_size: int, num_pages: int, device: torch.device) -> BatchInputs:
+    def build(
+        cls, reqs: list[ForwardReq], page_size: int, num_pages: int, context_length: int, device: torch.device
+    ) -> BatchInputs:
         for i, req in enumerate(reqs):
-            _check_req(i, req, page_size, num_pages)
+            _check_req(i, req, page_size, num_pages, context_length)
         page_tables = _padded([req.page_ids for req in reqs], device)  # (reqs, max_pages)
         num_new = torch.tensor([len(req.input_ids) for req in reqs], device=device)  # (reqs,)
         num_cached = torch.tensor([req.num_cached_tokens for req in reqs], device=device)  # (reqs,)
@@ -50,10 +52,13 @@ class BatchInputs:
         )
 
 
-def _check_req(i: int, req: ForwardReq, page_size: int, num_pages: int) -> None:
+def _check_req(i: int, req: ForwardReq, page_size: int, num_pages: int, context_length: int) -> None:
+    # Checked on the host: an out-of-range index on a GPU is a device-side assert that kills the process.
     if not req.input_ids:
         raise BatchError(f"request {i} has no input tokens")
     num_total = req.num_cached_tokens + len(req.input_ids)
+    if num_total > context_length:
+        raise BatchError(f"request {i}: {num_total} tokens exceed the context length {context_length}")
     if len(req.page_ids) * page_size < num_total:
         raise BatchError(f"request {i}: {len(req.page_ids)} pages of {page_size} cannot hold {num_total} tokens")
     num_used_pages = -(-num_total // page_size)
@@ -77,12 +82,12 @@ def _build_group(
     q_lens = [len(reqs[i].input_ids) for i in members]
     cached_lens = [reqs[i].num_cached_tokens for i in members]
     max_q_len = max(q_lens)
-    max_kv_len = max(c + q for c, q in zip(cached_lens, q_lens))
+    max_kv_len = max(c + q for c, q in zip(cached_lens, q_lens, strict=True))
 
     token_starts = [0]
     for req in reqs:
         token_starts.append(token_starts[-1] + len(req.input_ids))
-    token_rows = [token_starts[i] + j for i, q_len in zip(members, q_lens) for j in range(q_len)]
+    token_rows = [token_starts[i] + j for i, q_len in zip(members, q_lens, strict=True) for j in range(q_len)]
     query_index = [n * max_q_len + j for n, q_len in enumerate(q_lens) for j in range(q_len)]
 
     kv_pos = torch.arange(max_kv_len, device=device)  # (max_kv_len,)

@@ -1,0 +1,136 @@
+"""Every cross-process struct survives a msgpack round trip through its socket's union; config and CLI agree."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from protocol import rpc
+from protocol.config import ConfigError, ServerConfig, build_arg_parser, config_from_args, parse_lora_source
+from protocol.structs import (
+    AbortReq,
+    BatchResult,
+    DropAdapters,
+    Endpoints,
+    ForwardBatch,
+    ForwardReq,
+    FrontendToScheduler,
+    GenerateReqInput,
+    GenerateReqOutput,
+    ListLoRAAdaptersReqInput,
+    ListLoRAAdaptersReqOutput,
+    LoadLoRAAdapterReqInput,
+    LoadLoRAAdapterReqOutput,
+    LoRAAdapterResult,
+    LoRAAdapterSpec,
+    ProcessArgs,
+    ProcessFailed,
+    RpcError,
+    RpcReply,
+    RpcRequest,
+    SamplingParams,
+    SchedulerReady,
+    SchedulerStats,
+    SchedulerStatsReq,
+    SchedulerToFrontend,
+    SchedulerToWorker,
+    Shutdown,
+    SlotLoad,
+    TokenDelta,
+    TokenDeltas,
+    TokenizedGenerateReq,
+    UnloadLoRAAdapterReqInput,
+    UnloadLoRAAdapterReqOutput,
+    WorkerAdapterReport,
+    WorkerReady,
+    WorkerToScheduler,
+)
+
+SAMPLING = SamplingParams(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=5, seed=3, stop_token_ids=[2])
+SPEC = LoRAAdapterSpec(lora_name="a", lora_path="/p", pinned=True, lora_id=4)
+RESULT = LoRAAdapterResult(lora_name="a", success=False, error_message="bad", error_kind="invalid", rank=8,
+                           target_modules=["q_proj"])
+
+CASES = [
+    (FrontendToScheduler, TokenizedGenerateReq(rid="r", input_ids=[1, 2], sampling=SAMPLING, lora_id=3)),
+    (FrontendToScheduler, AbortReq(rid="r")),
+    (FrontendToScheduler, LoadLoRAAdapterReqInput(adapters=[SPEC], load_inplace=True)),
+    (FrontendToScheduler, UnloadLoRAAdapterReqInput(lora_names=["a"], lora_ids=[4])),
+    (FrontendToScheduler, SchedulerStatsReq()),
+    (FrontendToScheduler, Shutdown()),
+    (SchedulerToFrontend, TokenDeltas(deltas=[TokenDelta(rid="r", token_ids=[5], finish_reason="stop")])),
+    (SchedulerToFrontend, SchedulerReady(max_total_tokens=10, context_length=8, vocab_size=9, max_lora_rank=4,
+                                         lora_target_modules=["q_proj"])),
+    (SchedulerToFrontend, SchedulerStats(num_running=1, num_waiting=2, kv_usage=0.5, running_lora_ids=[1],
+                                         waiting_lora_ids=[2], slot_lora_ids=[1, -1])),
+    (SchedulerToFrontend, LoadLoRAAdapterReqOutput(success=False, error_message="x", results=[RESULT],
+                                                   loaded_adapters={"b": "/q"})),
+    (SchedulerToFrontend, UnloadLoRAAdapterReqOutput(success=True, results=[RESULT])),
+    (SchedulerToFrontend, ProcessFailed(who="worker0", error_message="boom")),
+    (SchedulerToWorker, ForwardBatch(batch_id=9, reqs=[ForwardReq(input_ids=[1], num_cached_tokens=4, page_ids=[0, 3],
+                                                                  sampling=SAMPLING, num_generated=2, slot=1)],
+                                     slot_loads=[SlotLoad(slot=1, lora_id=4)])),
+    (SchedulerToWorker, LoadLoRAAdapterReqInput(adapters=[SPEC])),
+    (SchedulerToWorker, DropAdapters(lora_ids=[4])),
+    (SchedulerToWorker, Shutdown()),
+    (WorkerToScheduler, BatchResult(batch_id=9, next_token_ids=[3], error_message="")),
+    (WorkerToScheduler, WorkerAdapterReport(rank=1, results=[RESULT])),
+    (WorkerToScheduler, WorkerReady(rank=0, max_total_tokens=64, context_length=32, vocab_size=100)),
+    (WorkerToScheduler, ProcessFailed(who="worker1", error_message="x")),
+    (RpcRequest, GenerateReqInput(text=["a", "b"], sampling_params={"max_new_tokens": 2}, lora_path=["x", None])),
+    (RpcRequest, ListLoRAAdaptersReqInput()),
+    (RpcReply, GenerateReqOutput(outputs=[{"text": "x"}])),
+    (RpcReply, ListLoRAAdaptersReqOutput(adapters=[{"lora_name": "a"}])),
+    (RpcReply, RpcError(error_message="no")),
+]
+
+
+@pytest.mark.parametrize(("union", "msg"), CASES, ids=[type(m).__name__ for _, m in CASES])
+def test_round_trip(union, msg):
+    decoded = msgspec.msgpack.Decoder(union).decode(msgspec.msgpack.encode(msg))
+    assert decoded == msg
+    assert type(decoded) is type(msg)
+
+
+def test_process_args_round_trip():
+    config = ServerConfig(tp=2, lora_paths=["a=/x"], enable_lora=True, api_key="k")
+    args = ProcessArgs(config=config, endpoints=Endpoints(
+        frontend_to_scheduler="ipc://a", scheduler_to_frontend="ipc://b", scheduler_to_workers=["ipc://c", "ipc://d"],
+        workers_to_scheduler="ipc://e", dist_init_addr="127.0.0.1:1"), model_dir="/m", rank=1)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(args), type=ProcessArgs) == args
+
+
+def test_rpc_bad_frame_is_an_error_value():
+    assert isinstance(rpc.decode_request(b"\x01garbage"), RpcError)
+    assert isinstance(rpc.decode_request(msgspec.msgpack.encode({"type": "Nope"})), RpcError)
+    ok = rpc.decode_request(msgspec.msgpack.encode({"type": "UnloadLoRAAdapterReqInput", "lora_names": ["a"]}))
+    assert ok == UnloadLoRAAdapterReqInput(lora_names=["a"])
+
+
+def test_cli_covers_every_config_field():
+    flags = {a.dest for a in build_arg_parser()._actions}
+    assert set(ServerConfig.__struct_fields__) <= flags
+
+
+def test_cli_parses_lora_paths_forms():
+    config = config_from_args(["--lora-paths", "a=/x", "/y/b", '{"lora_name": "c", "lora_path": "/z", "pinned": true}',
+                               "--tp", "2", "--lora-target-modules", "all"])
+    assert [(s.lora_name, s.lora_path, s.pinned) for s in config.lora_sources] == [
+        ("a", "/x", False), ("b", "/y/b", False), ("c", "/z", True)]
+    assert config.lora_enabled and config.tp == 2
+    assert len(config.target_modules) == 7
+
+
+@pytest.mark.parametrize("argv", [["--tp", "0"], ["--lora-target-modules", "lm_head"], ["--max-lora-rank", "-1"],
+                                  ["--lora-paths", "{bad json"], ["--node-rank", "2", "--nnodes", "2"]])
+def test_cli_rejects_bad_flags(argv):
+    with pytest.raises(ConfigError):
+        config_from_args(argv)
+
+
+def test_engine_kwargs_are_strict():
+    with pytest.raises(ConfigError):
+        ServerConfig.from_kwargs(tp="2")
+    with pytest.raises(ConfigError):
+        ServerConfig.from_kwargs(no_such_flag=1)
+    assert parse_lora_source("/a/b/").lora_name == "b"

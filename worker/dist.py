@@ -1,0 +1,63 @@
+"""Process-level set-up for a rank: its global rank, device, dtype, and the torch.distributed group."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from protocol.config import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+DIST_INIT_TIMEOUT = timedelta(minutes=10)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def global_rank(config: ServerConfig, local_rank: int) -> int:
+    """Ranks are numbered node by node: node n holds ranks n * (tp / nnodes) ... (n + 1) * (tp / nnodes) - 1."""
+    ranks_per_node = config.tp // config.nnodes
+    if not 0 <= local_rank < ranks_per_node:
+        raise ValueError(f"local rank {local_rank} outside 0..{ranks_per_node - 1}")
+    return config.node_rank * ranks_per_node + local_rank
+
+
+def pick_device(config: ServerConfig, local_rank: int) -> torch.device:
+    device_type = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for but CUDA is not available")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def pick_dtype(config: ServerConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[config.dtype]
+
+
+def init_distributed(config: ServerConfig, dist_init_addr: str, rank: int, device: torch.device) -> None:
+    """Join the tensor-parallel group (gloo on CPU, nccl on CUDA). Nothing to do for tp == 1."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if config.tp == 1:
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    logger.info("joining torch.distributed group: rank %d of %d, %s at tcp://%s", rank, config.tp, backend,
+                dist_init_addr)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{dist_init_addr}",
+        world_size=config.tp,
+        rank=rank,
+        timeout=DIST_INIT_TIMEOUT,
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,62 @@
+"""The paged KV cache tensors of this rank, and the default rule for their size.
+
+Pages are allocated by the scheduler; here a page is just `page_size` consecutive slots, and token position p of a
+request lives at slot `page_ids[p // page_size] * page_size + p % page_size`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAX_DEFAULT_TOKENS = 2**18
+CPU_MEMORY_FRACTION = 0.20  # of available host memory
+CUDA_MEMORY_FRACTION = 0.85  # of free device memory, measured after the weights are loaded
+
+
+class KVCache:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        # Zeroed, not empty: masked-out keys still meet their values in SDPA, and 0 * NaN garbage would be NaN.
+        self.kv = torch.zeros(
+            num_layers, 2, num_pages * page_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )  # (layers, k|v, slots, kv_heads, head_dim)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv[layer_id, 0], self.kv[layer_id, 1]  # each (slots, kv_heads, head_dim)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
+def default_kv_tokens(
+    *, max_running_requests: int, context_length: int, bytes_per_token: int, device: torch.device
+) -> int:
+    """Enough for every running request at full context, capped by a share of memory and by MAX_DEFAULT_TOKENS."""
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        budget = int(free_bytes * CUDA_MEMORY_FRACTION)
+    else:
+        budget = int(psutil.virtual_memory().available * CPU_MEMORY_FRACTION)
+    wanted = max_running_requests * context_length
+    return min(wanted, budget // bytes_per_token, MAX_DEFAULT_TOKENS)

@@ -1,0 +1,110 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over flat token batches: hidden states are (tokens, hidden).
+
+Layers are built with full (unsharded) sizes; the linear layers hold their own shard and report its sizes, which
+is all the attention needs to know to split q/k/v."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.kv_cache import KVCache
+from worker.layers.attention import AttentionInputs, paged_attention
+from worker.layers.embedding import Embedding, LMHead
+from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from worker.layers.norm import RMSNorm
+from worker.layers.rotary import RotaryEmbedding
+from worker.model.config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.head_dim = config.head_dim
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.qkv_proj = MergedColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=config.qkv_bias)
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=config.o_bias)
+        self.rotary = rotary
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        attention: AttentionInputs,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # (tokens, q_size + 2 * kv_size) of this shard
+        q, k, v = qkv.split(self.qkv_proj.output_sizes_per_rank, dim=-1)
+        q = q.view(num_tokens, -1, self.head_dim)  # (tokens, heads, head_dim)
+        k = k.view(num_tokens, -1, self.head_dim)  # (tokens, kv_heads, head_dim)
+        v = v.view(num_tokens, -1, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv[0], kv[1], attention)  # (tokens, heads, head_dim)
+        return self.o_proj(out.reshape(num_tokens, -1))  # (tokens, hidden)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)  # each (tokens, intermediate of this shard)
+        return self.down_proj(F.silu(gate) * up)  # (tokens, hidden)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        attention: AttentionInputs,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv, attention)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))  # (tokens, hidden)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int):
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, attention: AttentionInputs
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # (tokens, hidden)
+        for layer_id, layer in enumerate(self.layers):
+            hidden = layer(positions, hidden, kv_cache.layer(layer_id), attention)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, max_positions)
+        tied_to = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied_to)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, attention: AttentionInputs
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_cache, attention)  # (tokens, hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # (rows, vocab)

@@ -1,0 +1,142 @@
+"""ModelRunner: this rank's model shard and KV cache, and one forward pass per ForwardBatch."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from protocol.config import ServerConfig
+from protocol.structs import ForwardBatch, ForwardReq, SamplingParams
+from worker.batch_inputs import BatchInputs
+from worker.dist import pick_dtype
+from worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token
+from worker.loader import load_weights
+from worker.model.config import ModelConfig, ModelConfigError
+from worker.model.llama import LlamaForCausalLM
+from worker.parallel import tensor_parallel
+from worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class ModelRunner:
+    def __init__(self, config: ServerConfig, model_dir: str, rank: int, world_size: int, device: torch.device | str):
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = pick_dtype(config, self.device)
+        self.rank, self.world_size = rank, world_size
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.context_length = self._context_length()
+        self._check_divisible()
+
+        with tensor_parallel(rank, world_size), self.device, _default_dtype(self.dtype):
+            self.model = LlamaForCausalLM(self.model_config, max_positions=self.context_length)
+        load_weights(self.model, model_dir)
+        self.model.eval()
+
+        self.page_size = config.page_size
+        num_pages = self._num_kv_tokens() // self.page_size
+        if num_pages < 1:
+            raise RuntimeError(f"not enough memory for one KV cache page of {self.page_size} tokens")
+        self.kv_cache = KVCache(
+            num_layers=self.model_config.num_layers,
+            num_pages=num_pages,
+            page_size=self.page_size,
+            num_kv_heads=self.model_config.num_kv_heads // world_size,
+            head_dim=self.model_config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.sampler = Sampler(config.seed, self.device)
+        logger.info("KV cache: %d tokens (%d pages of %d)", self.max_total_tokens, num_pages, self.page_size)
+        if self.max_total_tokens < self.context_length:
+            logger.warning(
+                "KV cache (%d tokens) is smaller than the context length (%d)", self.max_total_tokens,
+                self.context_length,
+            )
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.kv_cache.num_tokens
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> list[int]:
+        """Run the batch and return each request's next token (every rank computes the same tokens)."""
+        if not batch.reqs:
+            return []
+        logits = self._logits(batch.reqs, last_only=True)  # (reqs, vocab)
+        return self.sampler.sample(
+            logits, [req.sampling for req in batch.reqs], [req.num_generated for req in batch.reqs]
+        )
+
+    @torch.inference_mode()
+    def prefill_logits(self, input_ids: list[int]) -> torch.Tensor:
+        """(tokens, vocab) logits of one sequence from an empty cache, for tests. Overwrites the first pages."""
+        num_pages = -(-len(input_ids) // self.page_size)
+        req = ForwardReq(
+            input_ids=input_ids, num_cached_tokens=0, page_ids=list(range(num_pages)), sampling=SamplingParams()
+        )
+        return self._logits([req], last_only=False)
+
+    def _logits(self, reqs: list[ForwardReq], *, last_only: bool) -> torch.Tensor:
+        inputs = BatchInputs.build(reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)  # (tokens, hidden)
+        if last_only:
+            hidden = hidden[inputs.last_token_index]  # (reqs, hidden)
+        return self.model.compute_logits(hidden)
+
+    def _context_length(self) -> int:
+        model_max = self.model_config.max_context_length
+        if self.config.context_length is None:
+            return model_max
+        if self.config.context_length > model_max:
+            raise ModelConfigError(
+                f"--context-length {self.config.context_length} exceeds the model's maximum of {model_max}"
+            )
+        return self.config.context_length
+
+    def _check_divisible(self) -> None:
+        heads, kv_heads = self.model_config.num_heads, self.model_config.num_kv_heads
+        if heads % self.world_size or kv_heads % self.world_size:
+            raise ModelConfigError(
+                f"tp {self.world_size} must divide the attention heads ({heads}) and KV heads ({kv_heads})"
+            )
+
+    def _num_kv_tokens(self) -> int:
+        if self.config.max_total_tokens is not None:
+            return self.config.max_total_tokens
+        bytes_per_token = kv_bytes_per_token(
+            self.model_config.num_layers,
+            self.model_config.num_kv_heads // self.world_size,
+            self.model_config.head_dim,
+            self.dtype,
+        )
+        num_tokens = default_kv_tokens(
+            max_running_requests=self.config.max_running_requests,
+            context_length=self.context_length,
+            bytes_per_token=bytes_per_token,
+            device=self.device,
+        )
+        if self.world_size > 1:  # ranks measure their own memory; all must agree on one capacity
+            agreed = torch.tensor([num_tokens], dtype=torch.int64, device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            num_tokens = int(agreed.item())
+        return num_tokens
