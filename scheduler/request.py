@@ -25,17 +25,11 @@ class Request:
     num_cached_tokens: int = 0  # tokens whose KV the workers have written
     slot: int = -1  # adapter device slot while running, -1 = base model
     status: RequestStatus = RequestStatus.WAITING
-    # Set when the request must end but a forward pass that includes it is in flight: it ends when that pass returns.
-    cancel_reason: str | None = None  # the finish_reason it will report: "abort" or "error"
-    cancel_message: str = ""
+    is_aborted: bool = False  # aborted while a forward pass that includes it was in flight: ends when it returns
 
     @classmethod
     def from_req(cls, req: TokenizedGenerateReq) -> Request:
         return cls(rid=req.rid, prompt_ids=list(req.input_ids), sampling=req.sampling, lora_id=req.lora_id)
-
-    @property
-    def is_cancelled(self) -> bool:
-        return self.cancel_reason is not None
 
     @property
     def num_tokens(self) -> int:

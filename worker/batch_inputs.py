@@ -32,7 +32,8 @@ class BatchInputs:
         num_cached = torch.tensor([req.num_cached_tokens for req in reqs], device=device)  # (reqs,)
         num_tokens = sum(len(req.input_ids) for req in reqs)
 
-        req_of_token = torch.repeat_interleave(torch.arange(len(reqs), device=device), num_new)  # (tokens,)
+        req_ids = torch.arange(len(reqs), device=device)
+        req_of_token = torch.repeat_interleave(req_ids, num_new, output_size=num_tokens)  # (tokens,)
         token_ends = torch.cumsum(num_new, 0)  # (reqs,)
         offset_in_req = torch.arange(num_tokens, device=device) - (token_ends - num_new)[req_of_token]
         positions = num_cached[req_of_token] + offset_in_req  # (tokens,)

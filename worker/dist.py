@@ -18,10 +18,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def global_rank(config: ServerConfig, local_rank: int) -> int:
     """Ranks are numbered node by node: node n holds ranks n * (tp / nnodes) ... (n + 1) * (tp / nnodes) - 1."""
-    ranks_per_node = config.tp // config.nnodes
-    if not 0 <= local_rank < ranks_per_node:
-        raise ValueError(f"local rank {local_rank} outside 0..{ranks_per_node - 1}")
-    return config.node_rank * ranks_per_node + local_rank
+    return config.node_rank * ranks_per_node(config) + local_rank
+
+
+def ranks_per_node(config: ServerConfig) -> int:
+    return config.tp // config.nnodes
 
 
 def pick_device(config: ServerConfig, local_rank: int) -> torch.device:
@@ -46,8 +47,9 @@ def init_distributed(config: ServerConfig, dist_init_addr: str, rank: int, devic
     if config.tp == 1:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    logger.info("joining torch.distributed group: rank %d of %d, %s at tcp://%s", rank, config.tp, backend,
-                dist_init_addr)
+    logger.info(
+        "joining torch.distributed group: rank %d of %d, %s at tcp://%s", rank, config.tp, backend, dist_init_addr
+    )
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{dist_init_addr}",

@@ -47,6 +47,16 @@ class ModelRunner:
             self.model = LlamaForCausalLM(self.model_config, max_positions=self.context_length)
         load_weights(self.model, model_dir)
         self.model.eval()
+        logger.info(
+            "loaded %s: %d layers, shard %d of %d, %s on %s, context length %d",
+            self.model_config.model_type,
+            self.model_config.num_layers,
+            rank,
+            world_size,
+            self.dtype,
+            self.device,
+            self.context_length,
+        )
 
         self.page_size = config.page_size
         num_pages = self._num_kv_tokens() // self.page_size
@@ -65,7 +75,8 @@ class ModelRunner:
         logger.info("KV cache: %d tokens (%d pages of %d)", self.max_total_tokens, num_pages, self.page_size)
         if self.max_total_tokens < self.context_length:
             logger.warning(
-                "KV cache (%d tokens) is smaller than the context length (%d)", self.max_total_tokens,
+                "KV cache (%d tokens) is smaller than the context length (%d)",
+                self.max_total_tokens,
                 self.context_length,
             )
 

@@ -47,9 +47,7 @@ def paged_attention(
     return out
 
 
-def _attend_group(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup
-) -> torch.Tensor:
+def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_reqs, max_q_len = group.num_reqs, group.max_q_len
     q_padded = q.new_zeros(num_reqs * max_q_len, num_heads, head_dim)

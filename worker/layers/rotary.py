@@ -51,9 +51,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # (tokens, 1, head_dim)
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         q = q * cos + _rotate_half(q) * sin  # (tokens, heads, head_dim)

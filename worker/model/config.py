@@ -52,6 +52,8 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str) -> ModelConfig:
+        if not os.path.isdir(model_dir):
+            raise ModelConfigError(f"model directory {model_dir!r} does not exist")
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise ModelConfigError(f"no config.json in model directory {model_dir!r}")

@@ -1,0 +1,10 @@
+"""`python -m scheduler`: the scheduler process, started by the launcher with ProcessArgs in its environment."""
+
+from __future__ import annotations
+
+import sys
+
+from scheduler.process import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""SchedulerProcess: the scheduler's sockets, its start-up handshake with the workers, and the main loop."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from protocol.proc import die_with_parent, read_process_args, setup_logging
+from protocol.sockets import PULL, PUSH, TypedSocket
+from protocol.structs import (
+    AbortReq,
+    BatchResult,
+    FrontendToScheduler,
+    LoadLoRAAdapterReqInput,
+    ProcessArgs,
+    ProcessFailed,
+    SchedulerReady,
+    SchedulerStatsReq,
+    Shutdown,
+    TokenDelta,
+    TokenDeltas,
+    TokenizedGenerateReq,
+    UnloadLoRAAdapterReqInput,
+    WorkerAdapterReport,
+    WorkerReady,
+    WorkerToScheduler,
+)
+from scheduler.adapter_table import AdapterOpDone
+from scheduler.scheduler import Scheduler
+
+log = logging.getLogger("scheduler")
+
+IDLE_POLL_MS = 20  # an idle scheduler sleeps in the frontend socket's poll, waking this often for adapter reports
+RESULT_POLL_MS = 5  # while a forward pass runs, the frontend socket is checked this often (aborts, new requests)
+READY_POLL_MS = 100
+STALL_WARNING_S = 30.0
+SEND_LINGER_MS = 1000  # closing waits this long for queued messages (Shutdown, ProcessFailed) to leave
+
+
+class ProcessExit(Exception):
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+class SchedulerProcess:
+    def __init__(self, args: ProcessArgs):
+        endpoints = args.endpoints
+        self.config = args.config
+        self.from_frontend = TypedSocket(
+            PULL, endpoints.frontend_to_scheduler, bind=True, recv_type=FrontendToScheduler
+        )
+        self.from_workers = TypedSocket(PULL, endpoints.workers_to_scheduler, bind=True, recv_type=WorkerToScheduler)
+        self.to_workers = [TypedSocket(PUSH, addr, bind=False) for addr in endpoints.scheduler_to_workers]
+        self.to_frontend = TypedSocket(PUSH, endpoints.scheduler_to_frontend, bind=False)
+        self.scheduler: Scheduler | None = None
+        self.deltas: list[TokenDelta] = []  # sent together, once per step
+        self.deferred_ops: list[Any] = []  # adapter ops that arrived during a forward pass
+        self.early_msgs: list[Any] = []  # frontend messages that arrived before the workers were ready
+
+    def run(self) -> None:
+        """Serve until Shutdown (raises ProcessExit)."""
+        self.scheduler = self.start()
+        while True:
+            self.recv_requests()
+            batch = self.scheduler.schedule()
+            if batch is not None:
+                self.broadcast(batch)
+                result = self.wait_for_result(batch.batch_id)
+                self.deltas += self.scheduler.process_result(result)
+                self.run_deferred_ops()
+            self.send_deltas()
+
+    # ---- start-up --------------------------------------------------------------------------------------
+
+    def start(self) -> Scheduler:
+        ready: dict[int, WorkerReady] = {}
+        while len(ready) < len(self.to_workers):
+            msg = _recv(self.from_workers, READY_POLL_MS)
+            if isinstance(msg, WorkerReady):
+                ready[msg.rank] = msg
+            elif isinstance(msg, ProcessFailed):
+                self.to_frontend.send(msg)
+                raise ProcessExit(1)
+            elif msg is not None:
+                log.warning("ignoring %s from a worker before start-up finished", type(msg).__name__)
+            while (msg := _recv(self.from_frontend)) is not None:
+                if isinstance(msg, Shutdown):
+                    self.broadcast(msg)
+                    raise ProcessExit(0)
+                self.early_msgs.append(msg)
+        page_size = self.config.page_size
+        num_pages = min(r.max_total_tokens for r in ready.values()) // page_size
+        if num_pages < 1:
+            self.report_failure(f"the KV cache holds less than one page of {page_size} tokens")
+            raise ProcessExit(1)
+        first = ready[min(ready)]
+        context_length = min(r.context_length for r in ready.values())
+        scheduler = Scheduler(self.config, num_pages=num_pages, context_length=context_length, num_ranks=len(ready))
+        self.to_frontend.send(
+            SchedulerReady(
+                max_total_tokens=scheduler.max_total_tokens,
+                context_length=context_length,
+                vocab_size=first.vocab_size,
+                max_lora_rank=first.max_lora_rank,
+                lora_target_modules=first.lora_target_modules,
+            )
+        )
+        log.info("ready: %d ranks, %d KV pages of %d tokens", len(ready), num_pages, page_size)
+        self.scheduler = scheduler
+        for msg in self.early_msgs:
+            self.on_frontend(msg)
+        self.early_msgs = []
+        return scheduler
+
+    # ---- the loop's steps ---------------------------------------------------------------------------------
+
+    def recv_requests(self) -> None:
+        # Sleep in poll only when there is nothing to run, so an idle scheduler uses no CPU.
+        if self.scheduler.is_idle and not self.deltas:
+            msg = _recv(self.from_frontend, IDLE_POLL_MS)
+            if msg is not None:
+                self.on_frontend(msg)
+        self.drain_frontend()
+        while (msg := _recv(self.from_workers)) is not None:
+            self.on_worker(msg)
+
+    def drain_frontend(self) -> None:
+        while (msg := _recv(self.from_frontend)) is not None:
+            self.on_frontend(msg)
+
+    def wait_for_result(self, batch_id: int) -> BatchResult:
+        """Rank 0's result for the batch; the frontend is still served meanwhile (aborts, stats, Shutdown)."""
+        started = last_warning = time.monotonic()
+        while True:
+            msg = _recv(self.from_workers, RESULT_POLL_MS)
+            if isinstance(msg, BatchResult) and msg.batch_id == batch_id:
+                return msg
+            if msg is not None:
+                self.on_worker(msg)
+            self.drain_frontend()
+            if time.monotonic() - last_warning > STALL_WARNING_S:
+                last_warning = time.monotonic()
+                log.warning("batch %d: no result from rank 0 after %.0f s", batch_id, last_warning - started)
+
+    def send_deltas(self) -> None:
+        if self.deltas:
+            self.to_frontend.send(TokenDeltas(deltas=self.deltas))
+            self.deltas = []
+
+    def broadcast(self, msg: msgspec.Struct) -> None:
+        for sock in self.to_workers:
+            sock.send(msg)
+
+    # ---- messages -------------------------------------------------------------------------------------------
+
+    def on_frontend(self, msg: Any) -> None:
+        if isinstance(msg, TokenizedGenerateReq):
+            self.deltas += self.scheduler.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.deltas += self.scheduler.abort(msg.rid)
+        elif isinstance(msg, SchedulerStatsReq):
+            self.to_frontend.send(self.scheduler.stats())
+        elif isinstance(msg, LoadLoRAAdapterReqInput | UnloadLoRAAdapterReqInput):
+            self.deferred_ops.append(msg)
+            if not self.scheduler.has_batch_in_flight:
+                self.run_deferred_ops()
+        elif isinstance(msg, Shutdown):
+            self.broadcast(msg)
+            raise ProcessExit(0)
+        else:
+            log.warning("ignoring unexpected %s from the frontend", type(msg).__name__)
+
+    def on_worker(self, msg: Any) -> None:
+        if isinstance(msg, WorkerAdapterReport):
+            done = self.scheduler.add_adapter_report(msg)
+            if done is not None:
+                self.finish_adapter_op(done)
+        elif isinstance(msg, ProcessFailed):
+            self.send_deltas()
+            self.to_frontend.send(msg)
+            raise ProcessExit(1)
+        elif isinstance(msg, BatchResult):
+            log.warning("ignoring a result for batch %d, which is not in flight", msg.batch_id)
+        else:
+            log.warning("ignoring unexpected %s from a worker", type(msg).__name__)
+
+    def run_deferred_ops(self) -> None:
+        """Adapter ops run between forward passes, in the order they arrived."""
+        ops, self.deferred_ops = self.deferred_ops, []
+        for op in ops:
+            if isinstance(op, LoadLoRAAdapterReqInput):
+                out = self.scheduler.load_adapters(op)
+                if isinstance(out, AdapterOpDone):
+                    self.finish_adapter_op(out)
+                else:
+                    self.broadcast(out)  # the reply follows the ranks' reports
+            else:
+                self.finish_adapter_op(self.scheduler.unload_adapters(op))
+
+    def finish_adapter_op(self, done: AdapterOpDone) -> None:
+        self.deltas += done.deltas
+        self.send_deltas()
+        if done.drop is not None:
+            self.broadcast(done.drop)
+        self.to_frontend.send(done.reply)
+
+    # ---- exit -------------------------------------------------------------------------------------------------
+
+    def report_failure(self, error_message: str) -> None:
+        self.to_frontend.send(ProcessFailed(who="scheduler", error_message=error_message))
+
+    def close(self) -> None:
+        self.from_frontend.close()
+        self.from_workers.close()
+        for typed in [*self.to_workers, self.to_frontend]:
+            typed.sock.close(linger=SEND_LINGER_MS)
+        self.to_frontend.sock.context.term()  # returns once the queued messages left, or the linger ran out
+
+
+def _recv(sock: TypedSocket, timeout_ms: int = 0) -> Any:
+    """The next message within timeout_ms (0: only one already queued), or None. Undecodable ones are logged."""
+    while True:
+        try:
+            return sock.recv(timeout_ms)
+        except msgspec.DecodeError as e:
+            log.error("dropped a message that does not decode: %s", e)
+            timeout_ms = 0
+
+
+def main() -> int:
+    args = read_process_args()
+    die_with_parent()
+    setup_logging(args.config.log_level, "scheduler")
+    proc = SchedulerProcess(args)
+    try:
+        proc.run()
+    except ProcessExit as e:
+        return e.code
+    except Exception as e:
+        log.exception("scheduler failed")
+        proc.report_failure(f"scheduler failed: {type(e).__name__}: {e}")
+        return 1
+    finally:
+        proc.close()
+    return 0

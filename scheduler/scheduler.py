@@ -1,0 +1,236 @@
+"""Scheduler: the state machine of the scheduler process, free of sockets so tests drive it directly.
+
+One step: schedule() -> ForwardBatch (every running request decodes, some waiting ones prefill) -> the workers
+run it -> process_result(BatchResult) -> TokenDeltas. Requests, aborts and adapter ops arrive between steps.
+Pages for a whole request are reserved when it is admitted, so a running request never waits and is never preempted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.config import ServerConfig
+from protocol.structs import (
+    BatchResult,
+    DropAdapters,
+    ForwardBatch,
+    ForwardReq,
+    LoadLoRAAdapterReqInput,
+    LoRAAdapterResult,
+    SchedulerStats,
+    SlotLoad,
+    TokenDelta,
+    TokenizedGenerateReq,
+    UnloadLoRAAdapterReqInput,
+    UnloadLoRAAdapterReqOutput,
+    WorkerAdapterReport,
+)
+from scheduler.adapter_table import AdapterOpDone, AdapterTable
+from scheduler.batch_policy import BatchPolicy
+from scheduler.page_allocator import PageAllocator
+from scheduler.request import Request, RequestStatus
+from scheduler.slot_planner import SlotPlanner
+
+
+@dataclass
+class _InFlight:
+    batch_id: int
+    reqs: list[Request]  # in the order of the batch's ForwardReqs
+
+
+class Scheduler:
+    def __init__(self, config: ServerConfig, *, num_pages: int, context_length: int, num_ranks: int = 1):
+        self.config = config
+        self.page_size = config.page_size
+        self.context_length = context_length
+        self.pages = PageAllocator(num_pages)
+        self.slots = SlotPlanner(config.max_loras_per_batch)
+        self.adapters = AdapterTable(num_ranks)
+        self.policy = BatchPolicy(
+            max_running_requests=config.max_running_requests,
+            max_prefill_tokens=config.max_prefill_tokens,
+            page_size=config.page_size,
+        )
+        self.waiting: dict[str, Request] = {}  # first come, first served (dicts keep insertion order)
+        self.running: dict[str, Request] = {}
+        self._in_flight: _InFlight | None = None
+        self._next_batch_id = 0
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    @property
+    def has_batch_in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.pages.num_pages * self.page_size
+
+    # ---- requests ----------------------------------------------------------------------------------------
+
+    def add_request(self, req: TokenizedGenerateReq) -> list[TokenDelta]:
+        error = self._refusal(req)
+        if error:
+            return [TokenDelta(rid=req.rid, token_ids=[], finish_reason="error", error_message=error)]
+        if req.sampling.max_new_tokens == 0:
+            return [TokenDelta(rid=req.rid, token_ids=[], finish_reason="length")]
+        self.waiting[req.rid] = Request.from_req(req)
+        return []
+
+    def _refusal(self, req: TokenizedGenerateReq) -> str:
+        """Why the request can never run, or "" when it can (perhaps after waiting)."""
+        num_prompt, max_new = len(req.input_ids), req.sampling.max_new_tokens
+        if req.rid in self.waiting or req.rid in self.running:
+            return f"request id {req.rid!r} is already in progress"
+        if req.lora_id is not None and not self.adapters.is_loaded(req.lora_id):
+            return f"adapter {req.lora_id} not loaded"
+        if num_prompt == 0:
+            return "empty prompt: at least one input token is needed"
+        if max_new < 0:
+            return f"max_new_tokens must be >= 0, got {max_new}"
+        total = f"prompt ({num_prompt} tokens) + max_new_tokens ({max_new}) = {num_prompt + max_new} tokens"
+        if num_prompt + max_new > self.context_length:
+            return f"{total} exceeds the context length ({self.context_length})"
+        if -(-(num_prompt + max_new) // self.page_size) > self.pages.num_pages:
+            return f"{total} exceeds the KV cache capacity ({self.max_total_tokens} tokens)"
+        return ""
+
+    def abort(self, rid: str) -> list[TokenDelta]:
+        """Waiting: removed now. Running: freed now, or when the pass in flight returns. Unknown rid: ignored."""
+        req = self.waiting.get(rid) or self.running.get(rid)
+        if req is None or req.is_aborted:
+            return []
+        if self._in_flight is not None and req.status is RequestStatus.RUNNING:
+            req.is_aborted = True  # the workers are using its pages: it ends when the pass returns
+            return []
+        return [self._finish(req, "abort")]
+
+    def _finish(
+        self, req: Request, reason: str, token_ids: list[int] | None = None, error_message: str = ""
+    ) -> TokenDelta:
+        """Every way a request ends comes through here: its pages and slot hold go back."""
+        if req.status is RequestStatus.RUNNING:
+            self.pages.free(req.page_ids)
+            req.page_ids = []
+            if req.lora_id is not None:
+                self.slots.release(req.lora_id)
+            del self.running[req.rid]
+        elif req.status is RequestStatus.WAITING:
+            del self.waiting[req.rid]
+        req.status = RequestStatus.FINISHED
+        return TokenDelta(rid=req.rid, token_ids=token_ids or [], finish_reason=reason, error_message=error_message)
+
+    # ---- one step ------------------------------------------------------------------------------------------
+
+    def schedule(self) -> ForwardBatch | None:
+        if self._in_flight is not None:
+            raise RuntimeError(f"schedule() called while batch {self._in_flight.batch_id} is in flight")
+        prefills = self.policy.pick_prefills(self.waiting.values(), list(self.running.values()), self.pages, self.slots)
+        for req in prefills:
+            del self.waiting[req.rid]
+            req.page_ids = self.pages.allocate(req.num_pages_needed(self.page_size))
+            req.status = RequestStatus.RUNNING
+            self.running[req.rid] = req
+        # Adapters already resident take their holds first, so that placing a new one never evicts them.
+        slot_loads = []
+        for req in sorted(prefills, key=lambda r: r.lora_id is not None and not self.slots.is_resident(r.lora_id)):
+            if req.lora_id is not None:
+                req.slot, is_new = self.slots.assign(req.lora_id)
+                if is_new:
+                    slot_loads.append(SlotLoad(slot=req.slot, lora_id=req.lora_id))
+        if not self.running:
+            return None
+        reqs = list(self.running.values())
+        batch = ForwardBatch(
+            batch_id=self._next_batch_id, reqs=[self._forward_req(r) for r in reqs], slot_loads=slot_loads
+        )
+        self._next_batch_id += 1
+        self._in_flight = _InFlight(batch_id=batch.batch_id, reqs=reqs)
+        return batch
+
+    def _forward_req(self, req: Request) -> ForwardReq:
+        input_ids = req.next_input_ids()
+        num_pages = -(-(req.num_cached_tokens + len(input_ids)) // self.page_size)
+        return ForwardReq(
+            input_ids=input_ids,
+            num_cached_tokens=req.num_cached_tokens,
+            page_ids=req.page_ids[:num_pages],  # the pages this pass reads or writes; the rest stay reserved
+            sampling=req.sampling,
+            num_generated=len(req.output_ids),
+            slot=req.slot,
+        )
+
+    def process_result(self, result: BatchResult) -> list[TokenDelta]:
+        in_flight = self._in_flight
+        if in_flight is None or result.batch_id != in_flight.batch_id:
+            expected = None if in_flight is None else in_flight.batch_id
+            raise ValueError(f"result for batch {result.batch_id}, but the batch in flight is {expected}")
+        self._in_flight = None
+        error = result.error_message
+        if not error and len(result.next_token_ids) != len(in_flight.reqs):
+            error = f"batch {result.batch_id}: {len(result.next_token_ids)} tokens for {len(in_flight.reqs)} requests"
+        deltas = []
+        for i, req in enumerate(in_flight.reqs):
+            if req.is_aborted:
+                deltas.append(self._finish(req, "abort"))
+            elif error:
+                deltas.append(self._finish(req, "error", error_message=error))
+            else:
+                deltas.append(self._append_token(req, result.next_token_ids[i]))
+        return deltas
+
+    def _append_token(self, req: Request, token_id: int) -> TokenDelta:
+        req.num_cached_tokens = req.num_tokens  # the pass wrote the KV of every token it was given
+        req.output_ids.append(token_id)
+        if token_id in req.sampling.stop_token_ids:
+            return self._finish(req, "stop", [token_id])
+        if req.num_remaining_tokens <= 0:
+            return self._finish(req, "length", [token_id])
+        return TokenDelta(rid=req.rid, token_ids=[token_id])
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.pages.usage,
+            running_lora_ids=sorted({r.lora_id for r in self.running.values() if r.lora_id is not None}),
+            waiting_lora_ids=sorted({r.lora_id for r in self.waiting.values() if r.lora_id is not None}),
+            slot_lora_ids=self.slots.slot_table(),
+        )
+
+    # ---- adapters (between forward passes) --------------------------------------------------------------------
+
+    def load_adapters(self, req: LoadLoRAAdapterReqInput) -> LoadLoRAAdapterReqInput | AdapterOpDone:
+        """The message for every rank (the reply follows their reports), or the reply when no rank need be asked."""
+        return self.adapters.begin_load(req, num_pinned=self.slots.num_pinned, max_pinned=self.slots.max_pinned)
+
+    def add_adapter_report(self, report: WorkerAdapterReport) -> AdapterOpDone | None:
+        done = self.adapters.add_report(report)
+        if done is not None:
+            for lora_id in done.pin_ids:
+                self.slots.pin(lora_id)
+        return done
+
+    def unload_adapters(self, req: UnloadLoRAAdapterReqInput) -> AdapterOpDone:
+        if self._in_flight is not None:
+            raise RuntimeError("adapters are unloaded between forward passes")
+        results, dropped_ids, deltas = [], [], []
+        for i in range(max(len(req.lora_names), len(req.lora_ids))):
+            name = req.lora_names[i] if i < len(req.lora_names) else ""
+            lora_id = req.lora_ids[i] if i < len(req.lora_ids) else -1
+            if not self.adapters.remove(lora_id):
+                error = f"adapter {name!r} (lora_id {lora_id}) is not loaded"
+                results.append(LoRAAdapterResult(lora_name=name, success=False, error_message=error, lora_id=lora_id))
+                continue
+            # The frontend drained this adapter's requests; any that slipped through end here rather than hold a slot.
+            for other in [r for r in [*self.waiting.values(), *self.running.values()] if r.lora_id == lora_id]:
+                deltas.append(self._finish(other, "error", error_message=f"adapter {name!r} was unloaded"))
+            self.slots.drop(lora_id)
+            dropped_ids.append(lora_id)
+            results.append(LoRAAdapterResult(lora_name=name, success=True, lora_id=lora_id))
+        errors = [f"{r.lora_name}: {r.error_message}" for r in results if not r.success]
+        reply = UnloadLoRAAdapterReqOutput(success=not errors, error_message="; ".join(errors), results=results)
+        drop = DropAdapters(lora_ids=dropped_ids) if dropped_ids else None
+        return AdapterOpDone(reply=reply, drop=drop, deltas=deltas)

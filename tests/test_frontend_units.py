@@ -1,0 +1,106 @@
+"""Frontend pieces on their own: incremental detokenization, stop strings, the adapter registry, request params."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+from transformers import AutoTokenizer
+
+from frontend.detokenizer import IncrementalDetokenizer, StopMatcher
+from frontend.params import NativeSamplingParams, native_sampling
+from frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
+from frontend.runtime import InputError
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llama_dir):
+    return AutoTokenizer.from_pretrained(llama_dir)
+
+
+@pytest.mark.parametrize("text", ["Hello world, how are you?", "naïve café — 東京 🚀🎉 ok", "a  b\n\tc 123.45"])
+def test_incremental_detokenization_matches_full_decode_and_never_splits_utf8(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push([t]) for t in ids] + [detok.flush()]
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_matcher_finds_earliest_and_holds_back_prefixes():
+    m = StopMatcher(["END", "xy"])
+    assert m.find("abc xy and END", 0) == (4, "xy")
+    assert m.find("abcEN", 3) is None
+    assert m.safe_len("abcEN") == 3  # "EN" could still become "END"
+    assert m.safe_len("abcx") == 3
+    assert m.safe_len("abc") == 3
+    assert StopMatcher([]).safe_len("anything") == 8
+
+
+def test_sampling_params_validation():
+    sampling, stops = native_sampling(NativeSamplingParams(max_new_tokens=5, stop="x", temperature=0), [2, 4])
+    assert sampling.stop_token_ids == [2, 4] and stops == ["x"]
+    sampling, _ = native_sampling(NativeSamplingParams(ignore_eos=True, stop_token_ids=[7]), [2])
+    assert sampling.stop_token_ids == [7]
+    for bad in (dict(max_new_tokens=-1), dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2)):
+        with pytest.raises(InputError):
+            native_sampling(NativeSamplingParams(**bad), [])
+
+
+def test_registry_holds_and_unload(tmp_path):
+    async def scenario():
+        registry = AdapterRegistry()
+        registry.add(AdapterEntry(name="a", path="/p", lora_id=registry.mint_id()))
+        entry = registry.acquire("a", "r1")
+        assert not entry.released.is_set()
+        with pytest.raises(AdapterError, match="has already been loaded"):
+            registry.check_name("a")
+        registry.begin_unload("a")
+        with pytest.raises(AdapterError, match="being unloaded"):
+            registry.acquire("a", "r2")
+        registry.release(entry.lora_id, "r1")
+        assert entry.released.is_set() and registry.total_holds() == 0
+        registry.forget(entry)
+        assert registry.get("a") is None and registry.num_entries() == 0
+        with pytest.raises(AdapterError) as err:
+            registry.acquire("a", "r3")
+        assert err.value.kind == "not_found"
+        assert registry.mint_id() == 1  # ids never reused
+
+    asyncio.run(scenario())
+
+
+def test_registry_in_place_reload_keeps_old_weights_for_holders():
+    async def scenario():
+        registry = AdapterRegistry()
+        old = AdapterEntry(name="a", path="/p1", lora_id=registry.mint_id())
+        registry.add(old)
+        registry.acquire("a", "r1")
+        new = AdapterEntry(name="a", path="/p2", lora_id=registry.mint_id())
+        assert registry.add(new) is old
+        assert registry.acquire("a", "r2").lora_id == new.lora_id
+        assert old.draining and not old.released.is_set()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("name", ["", "a:b", "../x", " ", "x" * 200, 5])
+def test_registry_rejects_bad_names(name):
+    with pytest.raises(AdapterError):
+        AdapterRegistry().check_name(name)
+
+
+def test_registry_confines_paths(tmp_path):
+    root = tmp_path / "root"
+    (root / "ok").mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(outside, root / "escape")
+    registry = AdapterRegistry(str(root))
+    assert registry.check_path("a", str(root / "ok")) == str((root / "ok").resolve())
+    for path, kind in [(str(root / "ok" / ".." / ".." / "outside"), "forbidden"), (str(root / "escape"), "forbidden"),
+                       (str(outside), "forbidden"), (str(root / "missing"), "not_found")]:
+        with pytest.raises(AdapterError) as err:
+            registry.check_path("a", path)
+        assert err.value.kind == kind, path

@@ -1,0 +1,75 @@
+"""Helpers shared by the worker tests (no tests here): a runner on CPU and a batch decoding loop."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from protocol.config import ServerConfig
+from protocol.structs import ForwardBatch, ForwardReq, SamplingParams
+from worker.model_runner import ModelRunner
+
+PAGE_SIZE = 4
+NUM_PAGES = 128
+GREEDY = SamplingParams(temperature=0.0)
+
+
+TINY_LLAMA = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=512,
+)
+
+
+def build_llama_variant(out_dir: Path | str, **overrides) -> None:
+    """A tiny Llama checkpoint with config overrides (rope scaling, head_dim, biases) the shared builder lacks.
+    Every weight and bias is random and non-zero, so each one is observable in the outputs."""
+    from transformers import AutoModelForCausalLM, LlamaConfig  # here: the TP test's ranks import this module
+
+    config = LlamaConfig(**{**TINY_LLAMA, **overrides})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            values = torch.randn(param.shape, generator=generator) * 0.3
+            param.copy_(torch.ones_like(param) if name.endswith("norm.weight") else values)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def make_runner(model_dir: Path | str, **config_kwargs) -> ModelRunner:
+    config = ServerConfig(device="cpu", page_size=PAGE_SIZE, max_total_tokens=NUM_PAGES * PAGE_SIZE, **config_kwargs)
+    return ModelRunner(config, str(model_dir), rank=0, world_size=1, device="cpu")
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+
+
+def decode(runner: ModelRunner, prompts: list[list[int]], params: list[SamplingParams], steps: int) -> list[list[int]]:
+    """Prefill every prompt in one batch, then decode them together, each with its own sampling params.
+    Pages are handed out in a shuffled order, so page tables are scattered."""
+    free_pages = list(range(runner.kv_cache.num_pages))
+    random.Random(0).shuffle(free_pages)
+    pages = [[free_pages.pop() for _ in range(-(-(len(p) + steps) // runner.page_size))] for p in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for step in range(steps):
+        reqs = [
+            ForwardReq(
+                input_ids=prompt if step == 0 else out[-1:],
+                num_cached_tokens=0 if step == 0 else len(prompt) + step - 1,
+                page_ids=page_ids,
+                sampling=sampling,
+                num_generated=step,
+            )
+            for prompt, page_ids, sampling, out in zip(prompts, pages, params, outputs, strict=True)
+        ]
+        for out, token in zip(outputs, runner.forward(ForwardBatch(batch_id=step, reqs=reqs)), strict=True):
+            out.append(token)
+    return outputs

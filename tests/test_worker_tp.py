@@ -1,0 +1,102 @@
+"""Tensor parallelism: two gloo ranks on loopback must reproduce the single-process model."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import time
+from pathlib import Path
+
+import torch
+from test_worker_helpers import GREEDY, build_llama_variant, decode, random_prompts
+
+from protocol.config import ServerConfig
+from protocol.structs import SamplingParams
+from worker.dist import destroy_distributed, init_distributed
+from worker.model_runner import ModelRunner
+
+PROMPT_LENGTHS = [6, 11, 3, 17]
+DECODE_STEPS = 6
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=5)
+CHILD_TIMEOUT_S = 120
+
+
+def tp_config(tp: int) -> ServerConfig:
+    # No max_total_tokens: the ranks size the KV cache themselves and must agree (all-reduce MIN).
+    return ServerConfig(device="cpu", tp=tp, page_size=4, max_running_requests=4, context_length=64)
+
+
+def run_model(runner: ModelRunner) -> dict:
+    prompts = random_prompts(PROMPT_LENGTHS, runner.vocab_size, seed=3)
+    return {
+        # numpy, not tensors: torch sends tensors between processes as shared memory handles that die with the child.
+        "logits": [runner.prefill_logits(p).numpy() for p in prompts],
+        "greedy": decode(runner, prompts, [GREEDY] * len(prompts), steps=DECODE_STEPS),
+        "seeded": decode(runner, prompts, [SEEDED] * len(prompts), steps=DECODE_STEPS),
+        "max_total_tokens": runner.max_total_tokens,
+    }
+
+
+def tp_child(rank: int, port: int, model_dirs: dict[str, str], results: mp.Queue) -> None:
+    torch.set_num_threads(1)  # two ranks share the machine's cores
+    config = tp_config(tp=2)
+    init_distributed(config, f"127.0.0.1:{port}", rank, torch.device("cpu"))
+    try:
+        out = {kind: run_model(ModelRunner(config, path, rank, 2, "cpu")) for kind, path in model_dirs.items()}
+        results.put((rank, out))
+    finally:
+        destroy_distributed()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_tp2(model_dirs: dict[str, str]) -> dict[int, dict]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=tp_child, args=(rank, port, model_dirs, results), daemon=True) for rank in (0, 1)]
+    try:
+        for p in procs:
+            p.start()
+        by_rank = {}
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while len(by_rank) < len(procs):
+            # Poll, so a rank that died is reported at once rather than after the timeout.
+            crashed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not crashed, f"a TP rank exited with {crashed}"
+            assert time.monotonic() < deadline, f"TP ranks gave no result in {CHILD_TIMEOUT_S}s"
+            try:
+                rank, out = results.get(timeout=1)
+            except queue.Empty:
+                continue
+            by_rank[rank] = out
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0
+        return by_rank
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def test_tp2_matches_tp1(llama_dir: Path, qwen2_dir: Path, tmp_path: Path) -> None:
+    # llama_bias has biases on o_proj and down_proj: a row-parallel bias must be added once, after the all-reduce.
+    build_llama_variant(tmp_path / "llama_bias", attention_bias=True, mlp_bias=True)
+    model_dirs = {"llama": str(llama_dir), "qwen2": str(qwen2_dir), "llama_bias": str(tmp_path / "llama_bias")}
+    by_rank = run_tp2(model_dirs)
+    for kind, path in model_dirs.items():
+        tp1 = run_model(ModelRunner(tp_config(tp=1), path, 0, 1, "cpu"))
+        for rank in (0, 1):
+            tp2 = by_rank[rank][kind]
+            for ours, ref in zip(tp2["logits"], tp1["logits"], strict=True):
+                assert abs(ours - ref).max() <= 1e-4, (kind, rank)
+            assert tp2["greedy"] == tp1["greedy"], (kind, rank)
+            assert tp2["seeded"] == tp1["seeded"], (kind, rank)
+            assert tp2["max_total_tokens"] == tp1["max_total_tokens"] == 256
