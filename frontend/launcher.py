@@ -56,7 +56,7 @@ class ProcessGroup:
         if self.config.node_rank == 0:
             self._spawn("scheduler", "scheduler", rank=0)
         for local_rank in range(local_ranks):
-            self._spawn(f"worker{first_rank + local_rank}", "worker", rank=first_rank + local_rank)
+            self._spawn(f"worker{first_rank + local_rank}", "worker", rank=local_rank)
 
     def _spawn(self, name: str, module: str, rank: int) -> None:
         args = ProcessArgs(

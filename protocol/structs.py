@@ -218,7 +218,7 @@ class ProcessArgs(msgspec.Struct, frozen=True, kw_only=True):
     config: ServerConfig
     endpoints: Endpoints
     model_dir: str  # resolved checkpoint directory
-    rank: int = 0  # worker rank; unused by the scheduler
+    rank: int = 0  # the worker's local rank on its node; unused by the scheduler
     fault_hooks: dict[str, str] = {}  # test-only fault injection, e.g. {"fail_load_on_rank": "1"}
 
 

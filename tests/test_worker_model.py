@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_worker_helpers import GREEDY, NUM_PAGES, PAGE_SIZE, build_llama_variant, decode, make_runner, random_prompts
+from worker_helpers import GREEDY, NUM_PAGES, PAGE_SIZE, build_llama_variant, decode, make_runner, random_prompts
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from frontend.demo_model import build_tiny_model
@@ -203,3 +203,13 @@ def test_top_k_one_equals_greedy(llama_dir: Path) -> None:
     greedy = decode(runner, prompts, [GREEDY] * 3, steps=6)
     top1 = decode(runner, prompts, [SamplingParams(temperature=1.3, top_k=1, seed=s) for s in range(3)], steps=6)
     assert top1 == greedy
+
+
+def test_bfloat16_matches_hf_bfloat16(qwen2_dir: Path) -> None:
+    runner = make_runner(qwen2_dir, dtype="bfloat16")
+    assert runner.kv_cache.kv.dtype == runner.model.lm_head.weight.dtype == torch.bfloat16
+    hf = AutoModelForCausalLM.from_pretrained(qwen2_dir, dtype=torch.bfloat16).eval()
+    [input_ids] = random_prompts([40], runner.vocab_size, seed=4)
+    with torch.no_grad():
+        ref = hf(torch.tensor([input_ids])).logits[0].float()
+    assert (runner.prefill_logits(input_ids) - ref).abs().max().item() <= 0.05

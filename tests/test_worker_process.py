@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from test_worker_helpers import GREEDY, make_runner
+from worker_helpers import GREEDY, make_runner
 
 from protocol.config import ServerConfig
 from protocol.proc import ARGS_ENV, encode_process_args
@@ -81,12 +81,13 @@ def start_worker(model_dir: str, **config_kwargs) -> Iterator[tuple[subprocess.P
 
 def test_worker_serves_batches_and_shuts_down(llama_dir: Path) -> None:
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    expected = make_runner(llama_dir).prefill_logits(prompt)[-1].argmax().item()
+    runner = make_runner(llama_dir)
+    expected = runner.prefill_logits(prompt)[-1].argmax().item()
     with start_worker(str(llama_dir)) as (proc, scheduler):
         ready = scheduler.recv(timeout_ms=READY_TIMEOUT_MS)
         assert isinstance(ready, WorkerReady), ready
         assert (ready.rank, ready.max_total_tokens, ready.context_length) == (0, 256, 2048)
-        assert ready.vocab_size == make_runner(llama_dir).vocab_size
+        assert ready.vocab_size == runner.vocab_size
 
         req = ForwardReq(input_ids=prompt, num_cached_tokens=0, page_ids=[9, 2], sampling=GREEDY)
         scheduler.to_worker.send(ForwardBatch(batch_id=1, reqs=[req]))

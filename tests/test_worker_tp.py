@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
 import time
 from pathlib import Path
 
 import torch
-from test_worker_helpers import GREEDY, build_llama_variant, decode, random_prompts
+from server_utils import free_port
+from worker_helpers import GREEDY, build_llama_variant, decode, random_prompts
 
 from protocol.config import ServerConfig
 from protocol.structs import SamplingParams
@@ -47,12 +47,6 @@ def tp_child(rank: int, port: int, model_dirs: dict[str, str], results: mp.Queue
         results.put((rank, out))
     finally:
         destroy_distributed()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_tp2(model_dirs: dict[str, str]) -> dict[int, dict]:

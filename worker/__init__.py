@@ -1,1 +1,16 @@
-"""The worker process: one tensor-parallel rank holding a model shard, its KV cache, and the forward pass."""
+"""The worker process: one tensor-parallel rank holding a model shard, its KV cache, and the forward pass.
+
+__main__.py / process.py   `python -m worker`: start-up, ready report, the recv -> forward -> reply loop
+dist.py                    global rank, device, dtype, torch.distributed group (gloo on CPU, nccl on CUDA)
+parallel.py                tensor-parallel state read by layers at construction; the all-reduce
+model_runner.py            ModelRunner: model + KV cache + sampler; forward(ForwardBatch) -> next tokens
+batch_inputs.py            ForwardBatch -> flat token ids, positions, cache slots, attention masks
+kv_cache.py                KVCache tensors and the default capacity rule
+loader.py                  safetensors checkpoint -> parameters, via each parameter's weight_loader
+sampler.py                 greedy / temperature / top-k / top-p, stateless per-request seeds
+model/config.py            ModelConfig from an HF config.json (transformers 4 and 5 forms)
+model/llama.py             Llama / Mistral / Qwen2 decoder, free of TP and LoRA
+layers/linear.py           Column-, MergedColumn- and RowParallelLinear with sharding weight loaders
+layers/attention.py        paged attention with torch SDPA
+layers/rotary.py, norm.py, embedding.py   RoPE (default, linear, llama3), RMSNorm, replicated embedding / LM head
+"""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,8 @@ class BatchInputs:
     def build(
         cls, reqs: list[ForwardReq], page_size: int, num_pages: int, context_length: int, device: torch.device
     ) -> BatchInputs:
+        if not reqs:
+            raise BatchError("empty batch")
         for i, req in enumerate(reqs):
             _check_req(i, req, page_size, num_pages, context_length)
         page_tables = _padded([req.page_ids for req in reqs], device)  # (reqs, max_pages)
@@ -39,12 +42,14 @@ class BatchInputs:
         positions = num_cached[req_of_token] + offset_in_req  # (tokens,)
         write_slots = page_tables[req_of_token, positions // page_size] * page_size + positions % page_size
 
-        is_decode = [len(req.input_ids) == 1 for req in reqs]
-        kinds = [kind for kind in (True, False) if kind in is_decode]
-        groups = []
-        for kind in kinds:
-            members = [i for i, decode in enumerate(is_decode) if decode == kind]
-            groups.append(_build_group(reqs, members, page_tables, page_size, device))
+        token_starts = [0, *itertools.accumulate(len(req.input_ids) for req in reqs)][:-1]  # host side: no sync
+        decodes = [i for i, req in enumerate(reqs) if len(req.input_ids) == 1]
+        prefills = [i for i, req in enumerate(reqs) if len(req.input_ids) > 1]
+        groups = [
+            _build_group(reqs, members, token_starts, page_tables, page_size, device)
+            for members in (decodes, prefills)
+            if members
+        ]
         return cls(
             input_ids=torch.tensor([t for req in reqs for t in req.input_ids], dtype=torch.long, device=device),
             positions=positions,
@@ -76,6 +81,7 @@ def _padded(rows: list[list[int]], device: torch.device) -> torch.Tensor:
 def _build_group(
     reqs: list[ForwardReq],
     members: list[int],
+    token_starts: list[int],
     page_tables: torch.Tensor,
     page_size: int,
     device: torch.device,
@@ -85,9 +91,6 @@ def _build_group(
     max_q_len = max(q_lens)
     max_kv_len = max(c + q for c, q in zip(cached_lens, q_lens, strict=True))
 
-    token_starts = [0]
-    for req in reqs:
-        token_starts.append(token_starts[-1] + len(req.input_ids))
     token_rows = [token_starts[i] + j for i, q_len in zip(members, q_lens, strict=True) for j in range(q_len)]
     query_index = [n * max_q_len + j for n, q_len in enumerate(q_lens) for j in range(q_len)]
 
