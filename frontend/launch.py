@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         uvloop.run(serve(Runtime(config)))
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, ValueError) as e:
         logging.getLogger("loraplex").debug("start-up failed", exc_info=True)
         print(f"loraplex: error: {e}", file=sys.stderr)
         sys.exit(1)

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from frontend.launcher import ProcessGroup
+from frontend.lora_config import resolve_lora_config
 from frontend.metrics import Metrics
 from frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
 from frontend.request_state import RequestState
@@ -86,6 +87,7 @@ class Runtime:
         loop = asyncio.get_running_loop()
         logger.info("resolving model %s", self.config.model_path)
         self.model_dir = await loop.run_in_executor(None, resolve_model_dir, self.config.model_path)
+        self.config = resolve_lora_config(self.config, self.model_dir)
         self.procs = ProcessGroup(self.config, self.model_dir, self.fault_hooks)
         endpoints = self.procs.endpoints
         self._from_scheduler = AsyncTypedSocket(

@@ -130,6 +130,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                     raise ConfigError(f"unknown LoRA target module {module!r}; known: {', '.join(TARGET_MODULES)}")
         for source in self.lora_paths:
             parse_lora_source(source)
+        lora_pool_given = self.max_lora_rank is not None and self.lora_target_modules is not None
+        if self.enable_lora and not self.lora_paths and self.model_path != "demo" and not lora_pool_given:
+            raise ConfigError("--enable-lora without --lora-paths needs --max-lora-rank and --lora-target-modules")
         if self.max_loaded_loras is not None and self.max_loaded_loras < len(self.lora_paths):
             raise ConfigError("--max-loaded-loras is smaller than the number of --lora-paths")
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from worker_helpers import GREEDY, NUM_PAGES, PAGE_SIZE, build_llama_variant, decode, make_runner, random_prompts
 from transformers import AutoModelForCausalLM, GenerationConfig
+from worker_helpers import GREEDY, NUM_PAGES, PAGE_SIZE, build_llama_variant, decode, make_runner, random_prompts
 
 from frontend.demo_model import build_tiny_model
 from protocol.structs import ForwardBatch, ForwardReq, SamplingParams
