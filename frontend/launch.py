@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -26,8 +27,10 @@ def main(argv: list[str] | None = None) -> None:
     from frontend.http_server import serve
     from frontend.runtime import Runtime
 
+    # Test-only fault injection (see worker/process.py); inert unless the variable is set.
+    fault_hooks = json.loads(os.environ.get("LORAPLEX_TEST_FAULT_HOOKS", "{}"))
     try:
-        uvloop.run(serve(Runtime(config)))
+        uvloop.run(serve(Runtime(config, fault_hooks)))
     except (RuntimeError, OSError, ValueError) as e:
         logging.getLogger("loraplex").debug("start-up failed", exc_info=True)
         print(f"loraplex: error: {e}", file=sys.stderr)

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import os
 import re
+import time
 from dataclasses import dataclass, field
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}$")
@@ -22,9 +23,12 @@ class AdapterError(Exception):
 @dataclass
 class AdapterEntry:
     name: str
-    path: str
+    path: str  # as the client gave it
     lora_id: int
     pinned: bool = False
+    resolved_path: str = ""  # what the workers read (symlinks resolved)
+    resident: bool = True  # the workers hold its weights (False: evicted under --max-loaded-loras, reloaded on use)
+    last_used: float = field(default_factory=time.monotonic)
     rank: int = 0
     target_modules: list[str] = field(default_factory=list)
     holders: set[str] = field(default_factory=set)  # rids of requests in flight
@@ -58,8 +62,11 @@ class AdapterRegistry:
         entry = self._entries[lora_id]
         if entry.draining:
             raise AdapterError(f"adapter {name!r} is being unloaded", kind="not_found")
+        if not entry.resident:
+            raise AdapterError(f"adapter {name!r} is not resident; reload it first", kind="internal")
         entry.holders.add(rid)
         entry.released.clear()
+        entry.last_used = time.monotonic()
         return entry
 
     def release(self, lora_id: int, rid: str) -> None:
@@ -125,6 +132,24 @@ class AdapterRegistry:
 
     def cancel_unload(self, entry: AdapterEntry) -> None:
         entry.draining = False
+
+    def eviction_candidates(self, max_resident: int | None, keep: set[str]) -> list[AdapterEntry]:
+        """Least recently used host copies beyond max_resident that nobody is using, pinned ones never."""
+        resident = [e for e in self.live() if e.resident]
+        if max_resident is None or len(resident) <= max_resident:
+            return []
+        idle = [e for e in resident if not e.pinned and not e.holders and not e.draining and e.name not in keep]
+        idle.sort(key=lambda e: e.last_used)
+        return idle[: len(resident) - max_resident]
+
+    def rebind(self, entry: AdapterEntry, new_id: int) -> None:
+        """A reloaded host copy gets a fresh id (ids are never reused); only for entries nobody holds."""
+        assert not entry.holders, "rebind of an adapter in use"
+        self._entries.pop(entry.lora_id, None)
+        entry.lora_id = new_id
+        entry.resident = True
+        self._entries[new_id] = entry
+        self._current[entry.name] = new_id
 
     def forget(self, entry: AdapterEntry) -> None:
         self._entries.pop(entry.lora_id, None)

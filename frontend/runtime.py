@@ -233,6 +233,10 @@ class Runtime:
         if rid in self.requests:
             raise InputError(f"request id {rid!r} is already in use")
         self._check_fits(prompt_ids, sampling)
+        if lora_name is not None:
+            entry = self.registry.get(lora_name)
+            if entry is not None and not entry.resident:
+                await self._reload(lora_name)
         entry = self.registry.acquire(lora_name, rid) if lora_name is not None else None
         state = RequestState(
             rid, prompt_ids, sampling, stop_strings, self.tokenizer, lora_name, entry.lora_id if entry else None
@@ -366,6 +370,7 @@ class Runtime:
                         elapsed_ms,
                         "" if result.success else f": {result.error_message}",
                     )
+            await self._evict_over_limit({s.lora_name for _, s in to_load})
             for i, r in enumerate(results):
                 if r is not None and not r.success and all(i != j for j, _ in to_load):
                     self.metrics.on_adapter_op("load", False)
@@ -373,20 +378,58 @@ class Runtime:
         self.metrics.set_resident(len(self.registry.live()))
         return _merge(LoadLoRAAdapterReqOutput, results, self.registry.loaded_adapters())
 
+    async def _evict_over_limit(self, keep: set[str]) -> None:
+        """Drop least recently used host copies past --max-loaded-loras (caller holds the update lock)."""
+        victims = self.registry.eviction_candidates(self.config.max_loaded_loras, keep)
+        if not victims:
+            return
+        await self._call(
+            UnloadLoRAAdapterReqInput(lora_names=[e.name for e in victims], lora_ids=[e.lora_id for e in victims]),
+            UnloadLoRAAdapterReqOutput,
+        )
+        for entry in victims:
+            entry.resident = False
+            logger.info(
+                "evict adapter %s host copy (least recently used, --max-loaded-loras %d)",
+                entry.name,
+                self.config.max_loaded_loras,
+            )
+
+    async def _reload(self, name: str) -> None:
+        """Bring an evicted adapter back from its path before a request for it is admitted."""
+        async with self.registry.update_lock:
+            entry = self.registry.get(name)
+            if entry is None or entry.resident or entry.draining:
+                return  # unloaded meanwhile (acquire reports it), or another request reloaded it
+            t0 = time.monotonic()
+            spec = LoRAAdapterSpec(
+                lora_name=name, lora_path=entry.resolved_path, pinned=entry.pinned, lora_id=self.registry.mint_id()
+            )
+            reply = await self._call(LoadLoRAAdapterReqInput(adapters=[spec]), LoadLoRAAdapterReqOutput)
+            result = reply.results[0] if reply.results else _failed(name, "no result from workers", "internal")
+            if not result.success:
+                raise AdapterError(f"adapter {name!r} could not be reloaded: {result.error_message}", "internal")
+            self.registry.rebind(entry, spec.lora_id)
+            logger.info("reload adapter %s path=%s in %.1f ms", name, entry.path, (time.monotonic() - t0) * 1e3)
+            await self._evict_over_limit({name})
+
     async def _retire(self, entry: AdapterEntry) -> None:
         """After an in-place reload: drop the old weights once the requests running on them finish."""
         await entry.released.wait()
         async with self.registry.update_lock:
             await self._drop([entry])
 
-    async def _drop(self, entries: list[AdapterEntry]) -> UnloadLoRAAdapterReqOutput:
-        reply = await self._call(
-            UnloadLoRAAdapterReqInput(lora_names=[e.name for e in entries], lora_ids=[e.lora_id for e in entries]),
-            UnloadLoRAAdapterReqOutput,
-        )
+    async def _drop(self, entries: list[AdapterEntry]) -> None:
+        resident = [e for e in entries if e.resident]
+        if resident:
+            await self._call(
+                UnloadLoRAAdapterReqInput(
+                    lora_names=[e.name for e in resident], lora_ids=[e.lora_id for e in resident]
+                ),
+                UnloadLoRAAdapterReqOutput,
+            )
         for entry in entries:
             self.registry.forget(entry)
-        return reply
 
     async def unload_adapters(self, names: list[str]) -> UnloadLoRAAdapterReqOutput:
         results: list[LoRAAdapterResult | None] = [None] * len(names)
@@ -442,6 +485,7 @@ class Runtime:
                 "resident_slot": slots.get(e.lora_id),
                 "requests_in_flight": len(e.holders),
                 "draining": e.draining,
+                "in_host_memory": e.resident,
             }
             for e in self.registry.live()
         ]
