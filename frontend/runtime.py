@@ -12,6 +12,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
 from frontend.launcher import ProcessGroup
 from frontend.lora_config import resolve_lora_config
 from frontend.metrics import Metrics
@@ -347,6 +349,9 @@ class Runtime:
                     result = by_name.get(spec.lora_name) or _failed(
                         spec.lora_name, "no result from workers", "internal"
                     )
+                    if not result.success and repr(spec.lora_name) not in result.error_message:
+                        message = f"adapter {spec.lora_name!r}: {result.error_message}"
+                        result = msgspec.structs.replace(result, error_message=message)
                     results[i] = result
                     if result.success:
                         entry = AdapterEntry(

@@ -70,3 +70,14 @@ def adapter_dirs(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> d
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_demo_model(tmp_path_factory.mktemp("loraplex-cache"))
+
+
+@pytest.fixture(scope="session")
+def static_lora_server(llama_dir: Path, adapter_dirs: dict[str, Path]):
+    """One tp=1 server started with every test adapter, shared by the LoRA test modules."""
+    from tests.server_utils import ServerProcess
+
+    lora_paths = [f"{name}={path}" for name, path in adapter_dirs.items()]
+    with ServerProcess("--model-path", str(llama_dir), "--lora-paths", *lora_paths, "--max-loras-per-batch", "8",
+                       "--max-total-tokens", "8192", "--context-length", "512") as server:
+        yield server
