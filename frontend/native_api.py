@@ -160,6 +160,12 @@ async def server_info(request: web.Request) -> web.Response:
     for secret in ("api_key", "admin_api_key"):
         config[secret] = None if config[secret] is None else "***"
     ready = runtime.ready
+    stats = None
+    if runtime.healthy:
+        try:
+            stats = await runtime.scheduler_stats()
+        except Exception:  # noqa: BLE001 - info still renders from what the frontend knows
+            stats = None
     return json_response({
         **config,
         "model_dir": runtime.model_dir,
@@ -172,6 +178,14 @@ async def server_info(request: web.Request) -> web.Response:
         "lora_target_modules": ready.lora_target_modules if ready else None,
         "process_ids": runtime.procs.pids() if runtime.procs else {},
         "healthy": runtime.healthy,
+        # internal counters: leak checks read these
+        "num_requests_in_flight": len(runtime.requests),
+        "num_adapter_entries": runtime.registry.num_entries(),
+        "num_adapter_holds": runtime.registry.total_holds(),
+        "slot_lora_ids": stats.slot_lora_ids if stats else None,
+        "num_running": stats.num_running if stats else None,
+        "num_waiting": stats.num_waiting if stats else None,
+        "kv_usage": stats.kv_usage if stats else None,
     })
 
 

@@ -1,0 +1,286 @@
+"""Dynamic adapters: load and unload at run time, the same on every rank, with nothing lost or leaked."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+
+import psutil
+import pytest
+import requests
+from transformers import AutoTokenizer
+
+from frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
+from tests.reference import assert_greedy_match, hf_greedy
+from tests.server_utils import ServerProcess
+
+GREEDY = {"max_new_tokens": 12, "temperature": 0}
+PROMPT = "Once upon a time"
+DYNAMIC_FLAGS = ("--enable-lora", "--max-lora-rank", "64", "--lora-target-modules", "all", "--max-loras-per-batch",
+                 "4", "--max-total-tokens", "8192", "--context-length", "512")
+
+
+@pytest.fixture(scope="module")
+def dynamic_server(llama_dir):
+    with ServerProcess("--model-path", str(llama_dir), *DYNAMIC_FLAGS) as server:
+        yield server
+
+
+def gen(server, name, prompt=PROMPT, **extra):
+    return server.post("/generate", {"text": prompt, "lora_path": name, "sampling_params": GREEDY, **extra})
+
+
+def load(server, name, path, **extra):
+    return server.post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path), **extra})
+
+
+def unload(server, name, timeout=60):
+    return server.post("/unload_lora_adapter", {"lora_name": name}, timeout=timeout)
+
+
+def run_script(server, adapter_dirs, expect):
+    """Load / generate / unload / reload; expect(name_in_static_server, output_ids) checks each generation."""
+    expect(None, gen(server, None).json()["output_ids"])
+    assert load(server, "x", adapter_dirs["a4"]).json()["success"]
+    expect("a4", gen(server, "x").json()["output_ids"])
+    assert load(server, "y", adapter_dirs["a16"]).json()["loaded_adapters"].keys() == {"x", "y"}
+    expect("a16", gen(server, "y").json()["output_ids"])
+    expect("a4", gen(server, "x").json()["output_ids"])
+    assert unload(server, "x").json()["success"]
+    assert gen(server, "x").status_code == 400
+    assert load(server, "x", adapter_dirs["a8"]).status_code == 200  # same name, other weights
+    expect("a8", gen(server, "x").json()["output_ids"])
+    resp = server.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapter_dirs["a64"]),
+                                                 "load_inplace": True})
+    assert resp.status_code == 200, resp.text
+    expect("a64", gen(server, "x").json()["output_ids"])
+    for name in ("x", "y"):
+        assert server.post("/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200
+    assert server.get("/lora_adapters").json()["adapters"] == []
+    assert len(server.get("/v1/models").json()["data"]) == 1  # the base model only
+
+
+def test_scripted_sequence_equals_static_start(dynamic_server, static_lora_server, adapter_dirs):
+    def expect(name, output_ids):
+        assert gen(static_lora_server, name).json()["output_ids"] == output_ids, name
+
+    run_script(dynamic_server, adapter_dirs, expect)
+
+
+def test_tp2_scripted_sequence_and_fault_on_one_rank(llama_dir, adapter_dirs):
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+
+    def expect(name, output_ids):
+        adapter = None if name is None else adapter_dirs[name]
+        ref, margins = hf_greedy(llama_dir, prompt_ids, 12, adapter, eos_token_ids=(2, 4))
+        assert_greedy_match(output_ids, ref, margins, str(name))
+
+    hooks = json.dumps({"fail_load_on_rank": "1", "fail_load_name": "faulty"})
+    with ServerProcess("--model-path", str(llama_dir), "--tp", "2", *DYNAMIC_FLAGS,
+                       env={"LORAPLEX_TEST_FAULT_HOOKS": hooks}) as server:
+        run_script(server, adapter_dirs, expect)
+        resp = load(server, "faulty", adapter_dirs["a4"])
+        assert resp.status_code == 400 and "rank 1" in resp.json()["error_message"]
+        assert "faulty" not in server.get("/lora_adapters").text
+        assert server.get("/health").status_code == 200
+        assert load(server, "fine", adapter_dirs["a4"]).status_code == 200
+        expect("a4", gen(server, "fine").json()["output_ids"])
+        info = server.get("/server_info").json()
+        assert info["slot_lora_ids"].count(-1) >= 3  # the failed adapter holds no slot
+
+
+@pytest.fixture(scope="module")
+def big_rank_adapter(tmp_path_factory, llama_dir):
+    path = tmp_path_factory.mktemp("big") / "r128"
+    build_lora_adapter(llama_dir, path, r=128, lora_alpha=128, target_modules=ALL_TARGET_MODULES, seed=9)
+    return path
+
+
+def test_error_cases_answer_status_and_message(dynamic_server, adapter_dirs, big_rank_adapter, tmp_path):
+    server = dynamic_server
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "malformed").mkdir()
+    (tmp_path / "malformed" / "adapter_config.json").write_text("[1, 2")
+    assert load(server, "dup", adapter_dirs["a4"]).status_code == 200
+    try:
+        cases = [  # (body, native status, vLLM status, fragment)
+            ({"lora_name": "dup", "lora_path": str(adapter_dirs["a8"])}, 400, 400, "has already been loaded"),
+            ({"lora_name": "m", "lora_path": str(tmp_path / "nope")}, 400, 404, "does not exist"),
+            ({"lora_name": "e", "lora_path": str(tmp_path / "empty")}, 400, 400, "adapter_config.json"),
+            ({"lora_name": "f", "lora_path": str(tmp_path / "malformed")}, 400, 400, "adapter_config.json"),
+            ({"lora_name": "big", "lora_path": str(big_rank_adapter)}, 400, 400, "max-lora-rank"),
+            ({"lora_name": "bad:name", "lora_path": str(adapter_dirs["a4"])}, 400, 400, "bad:name"),
+        ]
+        for body, native_status, vllm_status, fragment in cases:
+            resp = server.post("/load_lora_adapter", body)
+            assert resp.status_code == native_status and fragment in resp.json()["error_message"], resp.text
+            assert body["lora_name"] in resp.json()["error_message"]
+            resp = server.post("/v1/load_lora_adapter", body)
+            assert resp.status_code == vllm_status and fragment in resp.json()["error"]["message"], resp.text
+        resp = server.post("/load_lora_adapter", {"lora_name": 5, "lora_path": "x"})
+        assert resp.status_code == 400
+        # pins: at most max-loras-per-batch - 1 = 3
+        pins = [load(server, f"p{i}", adapter_dirs["a4"], pinned=True) for i in range(4)]
+        assert [r.status_code for r in pins] == [200, 200, 200, 400]
+        assert "too many pinned" in pins[3].json()["error_message"]
+        for i in range(3):
+            assert unload(server, f"p{i}").status_code == 200
+        resp = unload(server, "ghost")
+        assert resp.status_code == 400 and "ghost" in resp.json()["error_message"]
+        resp = server.post("/v1/unload_lora_adapter", {"lora_name": "ghost"})
+        assert resp.status_code == 404 and "ghost" in resp.json()["error"]["message"]
+        assert gen(server, "ghost").status_code == 400
+        resp = server.post("/v1/completions", {"model": "ghost", "prompt": "x", "max_tokens": 2})
+        assert resp.status_code == 404 and "ghost" in resp.json()["error"]["message"]
+        batch = server.post("/load_lora_adapter", {"adapters": [
+            {"lora_name": "ok1", "lora_path": str(adapter_dirs["a8"])},
+            {"lora_name": "bad1", "lora_path": str(tmp_path / "empty")}]})
+        results = {r["lora_name"]: r["success"] for r in batch.json()["results"]}
+        assert results == {"ok1": True, "bad1": False} and "ok1" in batch.json()["loaded_adapters"]
+        out = server.post("/unload_lora_adapter", {"lora_names": ["ok1", "ghost"]}).json()
+        assert [r["success"] for r in out["results"]] == [True, False]
+    finally:
+        unload(server, "dup")
+    assert server.get("/health").status_code == 200
+
+
+def test_path_root_and_api_keys(llama_dir, adapter_dirs, tmp_path):
+    root = adapter_dirs["a4"].parent
+    (tmp_path / "link").symlink_to(root.parent)
+    with ServerProcess("--model-path", str(llama_dir), *DYNAMIC_FLAGS, "--lora-path-root", str(root),
+                       "--api-key", "user-key", "--admin-api-key", "admin-key") as server:
+        user = {"Authorization": "Bearer user-key"}
+        admin = {"Authorization": "Bearer admin-key"}
+        body = {"lora_name": "a", "lora_path": str(adapter_dirs["a4"])}
+        assert server.get("/health").status_code == 200
+        for path, json_body in (("/generate", {"text": "x"}), ("/load_lora_adapter", body)):
+            resp = server.post(path, json_body)
+            assert resp.status_code == 401 and "API key" in resp.json()["error"]["message"]
+        assert server.get("/v1/models").status_code == 401
+        assert server.post("/load_lora_adapter", body, headers=user).status_code == 401
+        assert server.post("/load_lora_adapter", body, headers=admin).status_code == 200
+        for outside in (str(root / ".." / ".."), str(tmp_path / "link" / "x"), str(tmp_path)):
+            resp = server.post("/load_lora_adapter", {"lora_name": "o", "lora_path": outside}, headers=admin)
+            assert resp.status_code == 400 and "outside" in resp.json()["error_message"], resp.text
+        resp = server.post("/generate", {"text": "x", "lora_path": "a", "sampling_params": GREEDY}, headers=user)
+        assert resp.status_code == 200
+
+
+def test_storm_of_loads_under_traffic(dynamic_server, adapter_dirs, tmp_path):
+    server = dynamic_server
+    (tmp_path / "invalid").mkdir()
+    assert load(server, "steady", adapter_dirs["a16"]).status_code == 200
+    for i in range(3):
+        assert load(server, f"u{i}", adapter_dirs["a8"]).status_code == 200
+    stop = threading.Event()
+    statuses: list[int] = []
+
+    def background(name):
+        deadline = time.monotonic() + 120
+        while not stop.is_set() and time.monotonic() < deadline:
+            statuses.append(gen(server, name).status_code)
+
+    paths = [adapter_dirs[n] for n in ("a4", "a8", "a16", "a32", "a64")]
+    with concurrent.futures.ThreadPoolExecutor(80) as pool:
+        traffic = [pool.submit(background, name) for name in (None, "steady", None)]
+        # requests in flight on the adapters we are about to unload
+        held = [pool.submit(gen, server, f"u{i}", PROMPT, sampling_params={"max_new_tokens": 64,
+                                                                             "ignore_eos": True})
+                for i in range(3)]
+        time.sleep(0.2)
+        valid = [pool.submit(load, server, f"v{i}", paths[i % 5]) for i in range(10)]
+        missing = [pool.submit(load, server, f"m{i}", tmp_path / f"none{i}") for i in range(25)]
+        invalid = [pool.submit(load, server, f"i{i}", tmp_path / "invalid") for i in range(25)]
+        unloads = [pool.submit(unload, server, f"u{i}") for i in range(3)]
+        assert all(f.result().status_code == 200 for f in valid)
+        assert all(f.result().status_code == 400 for f in missing + invalid)
+        assert all(f.result().json()["success"] for f in unloads)
+        assert all(len(f.result().json()["output_ids"]) == 64 for f in held)
+        stop.set()
+        for f in traffic:
+            f.result()
+    assert statuses and set(statuses) == {200}, statuses
+    assert load(server, "fresh", adapter_dirs["a32"]).status_code == 200
+    assert gen(server, "fresh").status_code == 200
+    for name in ["steady", "fresh"] + [f"v{i}" for i in range(10)]:
+        assert unload(server, name).status_code == 200
+    info = server.get("/server_info").json()
+    assert info["num_adapter_entries"] == 0 and info["num_adapter_holds"] == 0 and info["num_requests_in_flight"] == 0
+
+
+def timed_unload(server, name):
+    t0 = time.monotonic()
+    resp = unload(server, name, timeout=15)
+    assert resp.status_code == 200 and resp.json()["success"], resp.text
+    assert time.monotonic() - t0 < 10
+
+
+def test_unload_never_hangs(dynamic_server, adapter_dirs):
+    server = dynamic_server
+    long = {"max_new_tokens": 400, "ignore_eos": True}
+    # abort
+    assert load(server, "z", adapter_dirs["a4"]).status_code == 200
+    with requests.post(server.url + "/generate", json={"text": "x", "lora_path": "z", "rid": "zz", "stream": True,
+                                                       "sampling_params": long}, stream=True, timeout=30) as resp:
+        next(line for line in resp.iter_lines() if line.startswith(b"data: "))
+        server.post("/abort_request", {"rid": "zz"})
+        list(resp.iter_lines())
+    timed_unload(server, "z")
+    # client disconnect, streaming and not
+    assert load(server, "z", adapter_dirs["a4"]).status_code == 200
+    with requests.post(server.url + "/generate", json={"text": "x", "lora_path": "z", "stream": True,
+                                                       "sampling_params": long}, stream=True, timeout=30) as resp:
+        next(line for line in resp.iter_lines() if line.startswith(b"data: "))
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(server.url + "/generate", json={"text": "x", "lora_path": "z", "sampling_params": long},
+                      timeout=0.5)
+    timed_unload(server, "z")
+    # batched native and OpenAI n > 1, streaming
+    assert load(server, "z", adapter_dirs["a4"]).status_code == 200
+    assert server.post("/generate", {"text": ["a", "b"], "lora_path": ["z", "z"]}).status_code == 200
+    with requests.post(server.url + "/v1/completions", json={"model": "z", "prompt": "x", "n": 3, "max_tokens": 8,
+                                                             "stream": True}, stream=True, timeout=30) as resp:
+        assert list(resp.iter_lines())[-1] == b"data: [DONE]"
+    timed_unload(server, "z")
+    # an unload waits for in-flight requests, refusing new ones at once
+    assert load(server, "z", adapter_dirs["a4"]).status_code == 200
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = pool.submit(gen, server, "z", "x", sampling_params={"max_new_tokens": 200, "ignore_eos": True})
+        time.sleep(0.3)
+        unloading = pool.submit(timed_unload, server, "z")
+        time.sleep(0.1)
+        assert gen(server, "z").status_code == 400
+        assert len(running.result().json()["output_ids"]) == 200
+        unloading.result()
+
+
+def test_500_load_unload_cycles_leak_nothing(dynamic_server, adapter_dirs):
+    server = dynamic_server
+
+    def rss():
+        info = server.get("/server_info").json()
+        pids = [server.proc.pid, *info["process_ids"].values()]
+        return sum(psutil.Process(p).memory_info().rss for p in pids)
+
+    def cycle(i):
+        path = adapter_dirs[("a4", "a16", "a64")[i % 3]]
+        assert load(server, "cyc", path).status_code == 200
+        if i % 10 == 0:
+            assert gen(server, "cyc").status_code == 200
+        assert unload(server, "cyc").status_code == 200
+
+    for i in range(30):  # warm-up: allocator pools settle
+        cycle(i)
+    start_info = server.get("/server_info").json()
+    start_rss = rss()
+    for i in range(500):
+        cycle(i)
+    info = server.get("/server_info").json()
+    for key in ("num_adapter_entries", "num_adapter_holds", "num_requests_in_flight", "slot_lora_ids", "num_running"):
+        assert info[key] == start_info[key], key
+    assert all(slot == -1 for slot in info["slot_lora_ids"])
+    growth = rss() / start_rss - 1
+    assert growth < 0.05, f"memory grew {growth:.1%}"
