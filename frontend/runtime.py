@@ -300,12 +300,7 @@ class Runtime:
     async def load_adapters(self, specs: list[LoRAAdapterSpec], load_inplace: bool = False) -> LoadLoRAAdapterReqOutput:
         if not self.config.lora_enabled:
             results = [_failed(s.lora_name, "LoRA is not enabled (start with --enable-lora)", "invalid") for s in specs]
-            return LoadLoRAAdapterReqOutput(
-                success=False,
-                error_message=results[0].error_message,
-                results=results,
-                loaded_adapters=self.registry.loaded_adapters(),
-            )
+            return _merge(LoadLoRAAdapterReqOutput, results, {})
         async with self.registry.update_lock:
             results: list[LoRAAdapterResult | None] = [None] * len(specs)
             to_load: list[tuple[int, LoRAAdapterSpec]] = []

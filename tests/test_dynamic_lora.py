@@ -284,3 +284,19 @@ def test_500_load_unload_cycles_leak_nothing(dynamic_server, adapter_dirs):
     assert all(slot == -1 for slot in info["slot_lora_ids"])
     growth = rss() / start_rss - 1
     assert growth < 0.05, f"memory grew {growth:.1%}"
+
+
+def test_host_lru_under_max_loaded_loras(llama_dir, adapter_dirs, static_lora_server):
+    pinned = json.dumps({"lora_name": "a4", "lora_path": str(adapter_dirs["a4"]), "pinned": True})
+    with ServerProcess("--model-path", str(llama_dir), *DYNAMIC_FLAGS, "--max-loaded-loras", "2",
+                       "--lora-paths", pinned) as server:
+        for name in ("a8", "a16", "a32"):  # past the limit: loads succeed, least recently used host copies go
+            assert load(server, name, adapter_dirs[name]).status_code == 200
+        table = {a["lora_name"]: a for a in server.get("/lora_adapters").json()["adapters"]}
+        assert set(table) == {"a4", "a8", "a16", "a32"}
+        assert table["a4"]["pinned"] and table["a4"]["in_host_memory"]  # pinned: never evicted
+        assert sum(a["in_host_memory"] for a in table.values()) == 2
+        for name in ("a8", "a16", "a32", "a4", "a8"):  # evicted ones are reloaded from their path on use
+            expected = gen(static_lora_server, name).json()["output_ids"]
+            assert gen(server, name).json()["output_ids"] == expected, name
+        assert [c["id"] for c in server.get("/v1/models").json()["data"]][1:] == ["a4", "a8", "a16", "a32"]

@@ -1,0 +1,262 @@
+"""Read one PEFT LoRA adapter from disk, validate it against the base model and the pool, and keep this rank's shard.
+
+Runs on the worker's loader thread: it touches no shared state, and every refusal is an AdapterLoadError whose
+message names the cause (the HTTP layer passes it on to the user as is)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from protocol.config import TARGET_MODULES
+from worker.lora.targets import SLICE_OF, full_shapes
+from worker.model.config import ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+# e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (older PEFT: ...lora_A.default.weight)
+_TENSOR_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:\w+\.)*?(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
+
+
+class AdapterLoadError(Exception):
+    """An adapter refused; error_kind is one of LoRAAdapterResult's kinds (invalid, not_found, internal)."""
+
+    def __init__(self, message: str, error_kind: str = "invalid"):
+        super().__init__(message)
+        self.error_kind = error_kind
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """What the device pool can hold, and where: every adapter is checked against it before it is kept."""
+
+    max_lora_rank: int
+    target_modules: tuple[str, ...]  # HF module names, in TARGET_MODULES order
+    dtype: torch.dtype
+    device: torch.device  # host copies are pinned when it is a CUDA device (async slot loads)
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    lora_id: int
+    lora_rank: int  # r
+    scale: float  # lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA
+    target_modules: tuple[str, ...]  # in TARGET_MODULES order
+    # (layer, HF module) -> (A (r, in of this rank), B (out of this rank, r)): host tensors in the model dtype
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.weights.values() for t in pair)
+
+
+@dataclass(frozen=True)
+class _Config:
+    lora_rank: int
+    scale: float
+    target_modules: tuple[str, ...]
+    layers: tuple[int, ...]  # layers that must carry weights for every target
+
+
+def load_adapter(
+    path: str, lora_id: int, model_config: ModelConfig, pool_spec: PoolSpec, tp_rank: int, tp_size: int
+) -> LoRAAdapter:
+    config = _read_config(path, model_config, pool_spec)
+    tensors = _read_tensors(path)
+    full = _match_tensors(tensors, config, model_config)
+    pin = pool_spec.device.type == "cuda" and torch.cuda.is_available()
+    weights = {}
+    for (layer, module), (lora_a, lora_b) in full.items():
+        lora_a, lora_b = _shard(module, lora_a, lora_b, tp_rank, tp_size)
+        lora_a, lora_b = (_host_copy(t, pool_spec.dtype, pin) for t in (lora_a, lora_b))
+        weights[(layer, module)] = (lora_a, lora_b)
+    return LoRAAdapter(
+        lora_id=lora_id,
+        lora_rank=config.lora_rank,
+        scale=config.scale,
+        target_modules=config.target_modules,
+        weights=weights,
+    )
+
+
+# ---- adapter_config.json ------------------------------------------------------------------------
+
+
+def _read_config(path: str, model_config: ModelConfig, pool_spec: PoolSpec) -> _Config:
+    if not os.path.exists(path):
+        raise AdapterLoadError(f"adapter path {path!r} does not exist", "not_found")
+    if not os.path.isdir(path):
+        raise AdapterLoadError(f"not a LoRA adapter: {path!r} is not a directory")
+    config_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise AdapterLoadError(f"not a LoRA adapter: {path!r} has no {CONFIG_FILE}")
+    try:
+        with open(config_path) as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterLoadError(f"malformed {CONFIG_FILE} in {path!r}: {e}") from e
+    if not isinstance(raw, dict):
+        raise AdapterLoadError(f"malformed {CONFIG_FILE} in {path!r}: expected a JSON object")
+    return _check_config(raw, model_config, pool_spec)
+
+
+def _check_config(raw: dict[str, Any], model_config: ModelConfig, pool_spec: PoolSpec) -> _Config:
+    for field in ("r", "lora_alpha", "target_modules"):
+        if field not in raw:
+            raise AdapterLoadError(f"{CONFIG_FILE} lacks the field {field!r}")
+    peft_type = raw.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise AdapterLoadError(f"peft_type {peft_type!r} is not supported (only LORA)")
+    lora_rank, lora_alpha = raw["r"], raw["lora_alpha"]
+    if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or lora_rank < 1:
+        raise AdapterLoadError(f"'r' must be a positive integer, got {lora_rank!r}")
+    if not isinstance(lora_alpha, (int, float)) or isinstance(lora_alpha, bool) or not math.isfinite(lora_alpha):
+        raise AdapterLoadError(f"'lora_alpha' must be a number, got {lora_alpha!r}")
+    use_rslora = raw.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise AdapterLoadError(f"'use_rslora' must be true or false, got {use_rslora!r}")
+    # Features that change the math beyond y += scale · x·Aᵀ·Bᵀ: refused rather than served wrong.
+    if raw.get("use_dora"):
+        raise AdapterLoadError("DoRA adapters (use_dora: true) are not supported")
+    if raw.get("modules_to_save"):
+        raise AdapterLoadError(f"modules_to_save {raw['modules_to_save']!r} is not supported (must be empty)")
+    if raw.get("bias", "none") != "none":
+        raise AdapterLoadError(f"bias {raw['bias']!r} is not supported (must be 'none')")
+    if raw.get("rank_pattern") or raw.get("alpha_pattern"):
+        raise AdapterLoadError("per-module rank_pattern / alpha_pattern are not supported")
+    if raw.get("fan_in_fan_out"):
+        raise AdapterLoadError("fan_in_fan_out adapters are not supported")
+    if lora_rank > pool_spec.max_lora_rank:
+        raise AdapterLoadError(f"rank {lora_rank} exceeds --max-lora-rank {pool_spec.max_lora_rank}")
+    return _Config(
+        lora_rank=lora_rank,
+        scale=lora_alpha / (math.sqrt(lora_rank) if use_rslora else lora_rank),
+        target_modules=_check_targets(raw["target_modules"], pool_spec),
+        layers=_check_layers(raw.get("layers_to_transform"), model_config.num_layers),
+    )
+
+
+def _check_targets(targets: Any, pool_spec: PoolSpec) -> tuple[str, ...]:
+    if isinstance(targets, str):
+        raise AdapterLoadError(
+            f"target_modules {targets!r} is a pattern; only a list of module names is supported "
+            f"({', '.join(TARGET_MODULES)})"
+        )
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        raise AdapterLoadError(f"target_modules must be a non-empty list of module names, got {targets!r}")
+    for target in targets:
+        if target not in TARGET_MODULES:
+            raise AdapterLoadError(
+                f"unknown target module {target!r}; LoRA supports {', '.join(TARGET_MODULES)}"
+            )
+        if target not in pool_spec.target_modules:
+            raise AdapterLoadError(
+                f"target module {target!r} is not in the LoRA pool ({', '.join(pool_spec.target_modules)})"
+            )
+    return tuple(m for m in TARGET_MODULES if m in targets)
+
+
+def _check_layers(layers: Any, num_layers: int) -> tuple[int, ...]:
+    if layers is None:
+        return tuple(range(num_layers))
+    layers = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
+    if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        raise AdapterLoadError(f"layers_to_transform must be an integer or a list of integers, got {layers!r}")
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise AdapterLoadError(f"layers_to_transform {bad} out of range (the base model has {num_layers} layers)")
+    return tuple(sorted(set(layers)))
+
+
+# ---- weights ------------------------------------------------------------------------------------
+
+
+def _read_tensors(path: str) -> dict[str, torch.Tensor]:
+    safetensors_path, bin_path = (os.path.join(path, name) for name in WEIGHT_FILES)
+    try:
+        if os.path.isfile(safetensors_path):
+            return load_file(safetensors_path, device="cpu")
+        if os.path.isfile(bin_path):
+            tensors = torch.load(bin_path, map_location="cpu", weights_only=True)
+        else:
+            raise AdapterLoadError(f"no adapter weights in {path!r}: expected {' or '.join(WEIGHT_FILES)}")
+    except AdapterLoadError:
+        raise
+    except Exception as e:  # a truncated or foreign file: safetensors, pickle and zip errors have no common type
+        raise AdapterLoadError(f"cannot read the adapter weights in {path!r}: {type(e).__name__}: {e}") from e
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise AdapterLoadError(f"{bin_path!r} does not hold a dict of tensors")
+    return tensors
+
+
+def _match_tensors(
+    tensors: dict[str, torch.Tensor], config: _Config, model_config: ModelConfig
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Every tensor must be an A or B of a target module in a layer of the model, with the base model's shape;
+    every target must have both in every layer the config names."""
+    shapes = full_shapes(model_config)
+    found: dict[tuple[int, str, str], torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        match = _TENSOR_KEY.search(key)
+        if match is None:
+            raise AdapterLoadError(f"unexpected tensor {key!r}: only lora_A / lora_B weights of decoder layers")
+        layer, module, which = int(match[1]), match[2], match[3]
+        if module not in TARGET_MODULES:
+            raise AdapterLoadError(f"tensor {key!r}: unknown target module {module!r}")
+        if module not in config.target_modules:
+            raise AdapterLoadError(f"tensor {key!r} is for {module!r}, which target_modules does not list")
+        if not layer < model_config.num_layers:
+            raise AdapterLoadError(
+                f"tensor {key!r}: layer {layer} is out of range (the base model has {model_config.num_layers} layers)"
+            )
+        in_features, out_features = shapes[module]
+        expected = (config.lora_rank, in_features) if which == "A" else (out_features, config.lora_rank)
+        if tuple(tensor.shape) != expected:
+            raise AdapterLoadError(
+                f"shape mismatch with the base model: tensor {key!r} has shape {tuple(tensor.shape)}, "
+                f"expected {expected} (r={config.lora_rank}, {module} is {in_features} -> {out_features})"
+            )
+        if not tensor.is_floating_point():
+            raise AdapterLoadError(f"tensor {key!r} has dtype {tensor.dtype}; expected floating point")
+        if not torch.isfinite(tensor).all():
+            raise AdapterLoadError(f"tensor {key!r} holds NaN or infinite values")
+        if (layer, module, which) in found:
+            raise AdapterLoadError(f"tensor {key!r}: layer {layer} {module} lora_{which} appears twice")
+        found[(layer, module, which)] = tensor
+    pairs = {}
+    for layer in config.layers:
+        for module in config.target_modules:
+            for which in "AB":
+                if (layer, module, which) not in found:
+                    raise AdapterLoadError(f"missing lora_{which} weight for layers.{layer}.{module}")
+    for layer, module, which in found:
+        if which == "A":
+            if (layer, module, "B") not in found:
+                raise AdapterLoadError(f"missing lora_B weight for layers.{layer}.{module}")
+            pairs[(layer, module)] = (found[(layer, module, "A")], found[(layer, module, "B")])
+        elif (layer, module, "A") not in found:
+            raise AdapterLoadError(f"missing lora_A weight for layers.{layer}.{module}")
+    return pairs
+
+
+def _shard(
+    module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, tp_rank: int, tp_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    fused, _ = SLICE_OF[module]
+    if fused.tp_mode == "column":  # this rank computes some output rows: B's rows, A whole
+        num_rows = lora_b.shape[0] // tp_size
+        return lora_a, lora_b.narrow(0, tp_rank * num_rows, num_rows)
+    num_cols = lora_a.shape[1] // tp_size  # this rank holds some input columns: A's columns, B whole
+    return lora_a.narrow(1, tp_rank * num_cols, num_cols), lora_b
+
+
+def _host_copy(t: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    t = t.to(dtype).contiguous()  # a copy of just the shard whenever it was sliced or cast
+    return t.pin_memory() if pin else t

@@ -1,0 +1,106 @@
+"""LoRAPool: the device slot buffers every adapter in a batch is read from.
+
+Per layer per fused linear that the pool targets:
+  lora_a  (slots, num_slices * max_rank, in_per_rank)   slice s of slot n holds A rows s*max_rank ... s*max_rank + r
+  lora_b  (slots, out_per_rank, max_rank)               slice s's output rows, columns 0 ... r
+zero-padded past the adapter's rank, and zero for a slice the adapter does not target. Shared by all layers:
+slot_scales (slots,) and, per fused linear kind, slot_ranks (slots,): the adapter's r where it targets any slice of
+that kind, else 0, so the kernels skip the slot there (an attention-only adapter costs nothing in the MLP)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from worker.lora.adapter import LoRAAdapter, PoolSpec
+from worker.lora.targets import FUSED_LINEARS, SLICE_OF, FusedLinear
+
+
+@dataclass(frozen=True)
+class LoRABuffers:
+    """One fused linear's slots in one layer, and the metadata its kernels take."""
+
+    fused: FusedLinear
+    lora_a: torch.Tensor  # (slots, num_slices * max_rank, in_per_rank)
+    lora_b: torch.Tensor  # (slots, out_per_rank, max_rank)
+    slice_offsets: torch.Tensor  # (num_slices + 1,) int32: each slice's rows of lora_b = columns of the output
+    row_offsets: tuple[int, ...]  # the same, on the host
+    slot_ranks: torch.Tensor  # (slots,) int32, shared by every layer's buffers of this kind
+    slot_scales: torch.Tensor  # (slots,) float32, shared by all buffers
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.fused.slices)
+
+    @property
+    def max_rank(self) -> int:
+        return self.lora_b.shape[2]
+
+
+class LoRAPool:
+    def __init__(self, layers: Sequence[nn.Module], spec: PoolSpec, num_slots: int):
+        """`layers`: the model's decoder layers, before any linear is wrapped."""
+        self.spec = spec
+        self.num_slots = num_slots
+        self.max_rank = spec.max_lora_rank
+        # A fused linear gets buffers if any of its slices is a pool target; its other slices stay zero.
+        self.fused_linears = [f for f in FUSED_LINEARS if set(f.slices) & set(spec.target_modules)]
+        device = spec.device
+        self.slot_scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.slot_ranks = {f.name: torch.zeros(num_slots, dtype=torch.int32, device=device) for f in self.fused_linears}
+        self.buffers: dict[tuple[int, str], LoRABuffers] = {}
+        for layer_id, layer in enumerate(layers):
+            for fused in self.fused_linears:
+                self.buffers[(layer_id, fused.name)] = self._make_buffers(fused, layer.get_submodule(fused.name))
+
+    def _make_buffers(self, fused: FusedLinear, linear: nn.Module) -> LoRABuffers:
+        if linear.tp_mode != fused.tp_mode or linear.num_slices != len(fused.slices):
+            raise TypeError(f"{fused.name} is a {linear.tp_mode}-parallel linear of {linear.num_slices} slices")
+        row_offsets = (*linear.output_offsets_per_rank, sum(linear.output_sizes_per_rank))
+        shape_a = (self.num_slots, len(fused.slices) * self.max_rank, linear.input_size_per_rank)
+        shape_b = (self.num_slots, row_offsets[-1], self.max_rank)
+        device, dtype = self.spec.device, self.spec.dtype
+        return LoRABuffers(
+            fused=fused,
+            lora_a=torch.zeros(shape_a, dtype=dtype, device=device),
+            lora_b=torch.zeros(shape_b, dtype=dtype, device=device),
+            slice_offsets=torch.tensor(row_offsets, dtype=torch.int32, device=device),
+            row_offsets=row_offsets,
+            slot_ranks=self.slot_ranks[fused.name],
+            slot_scales=self.slot_scales,
+        )
+
+    @torch.no_grad()
+    def load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Make `slot` hold exactly this adapter: zero it, then copy the adapter's weights, ranks and scale."""
+        if adapter.lora_rank > self.max_rank or not set(adapter.target_modules) <= set(self.spec.target_modules):
+            raise ValueError(f"adapter {adapter.lora_id} does not fit the pool")  # load_adapter checked: a bug
+        self.clear_slot(slot)
+        r = adapter.lora_rank
+        for (layer_id, module), (lora_a, lora_b) in adapter.weights.items():
+            fused, slice_id = SLICE_OF[module]
+            buffers = self.buffers[(layer_id, fused.name)]
+            a_start = slice_id * self.max_rank
+            b_start, b_end = buffers.row_offsets[slice_id], buffers.row_offsets[slice_id + 1]
+            buffers.lora_a[slot, a_start : a_start + r].copy_(lora_a, non_blocking=True)  # (r, in_per_rank)
+            buffers.lora_b[slot, b_start:b_end, :r].copy_(lora_b, non_blocking=True)  # (out_of_slice, r)
+        targeted = {SLICE_OF[module][0].name for module in adapter.target_modules}
+        for name, ranks in self.slot_ranks.items():
+            ranks[slot] = r if name in targeted else 0
+        self.slot_scales[slot] = adapter.scale
+
+    @torch.no_grad()
+    def clear_slot(self, slot: int) -> None:
+        for buffers in self.buffers.values():
+            buffers.lora_a[slot].zero_()
+            buffers.lora_b[slot].zero_()
+        for ranks in self.slot_ranks.values():
+            ranks[slot] = 0
+        self.slot_scales[slot] = 0.0
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.lora_a.nbytes + b.lora_b.nbytes for b in self.buffers.values())

@@ -1,0 +1,41 @@
+"""The linears LoRA can target: the HF module names adapters use, and where each lives in our fused layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class FusedLinear:
+    name: str  # attribute path inside a decoder layer
+    slices: tuple[str, ...]  # the HF modules fused into it, in slice order (see worker/loader.py FUSED_SLICES)
+    tp_mode: str  # "column": B sliced by rows on each rank; "row": A sliced by columns, x·Aᵀ all-reduced
+
+
+FUSED_LINEARS = (
+    FusedLinear("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"), "column"),
+    FusedLinear("self_attn.o_proj", ("o_proj",), "row"),
+    FusedLinear("mlp.gate_up_proj", ("gate_proj", "up_proj"), "column"),
+    FusedLinear("mlp.down_proj", ("down_proj",), "row"),
+)
+# HF module -> (its fused linear, slice index)
+SLICE_OF: dict[str, tuple[FusedLinear, int]] = {
+    module: (fused, slice_id) for fused in FUSED_LINEARS for slice_id, module in enumerate(fused.slices)
+}
+
+
+def full_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """HF module -> (in_features, out_features) of its full, unsharded weight."""
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {
+        "q_proj": (hidden, q_size),
+        "k_proj": (hidden, kv_size),
+        "v_proj": (hidden, kv_size),
+        "o_proj": (q_size, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
