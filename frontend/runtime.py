@@ -354,6 +354,7 @@ class Runtime:
                             path=specs[i].lora_path,
                             lora_id=spec.lora_id,
                             pinned=spec.pinned,
+                            resolved_path=spec.lora_path,
                             rank=result.rank,
                             target_modules=list(result.target_modules),
                         )

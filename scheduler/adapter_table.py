@@ -137,7 +137,10 @@ class AdapterTable:
             error = messages.pop()  # every rank says the same: no need to name them
         else:
             error = "; ".join(f"rank {rank}: {message}" for rank, message in failures)
-        return LoRAAdapterResult(lora_name=spec.lora_name, success=False, error_message=error, lora_id=spec.lora_id)
+        kind = next(per_rank[rank].error_kind for rank, _ in failures)  # the first failing rank's reason
+        return LoRAAdapterResult(
+            lora_name=spec.lora_name, success=False, error_message=error, error_kind=kind, lora_id=spec.lora_id
+        )
 
 
 def _find(report: WorkerAdapterReport, spec: LoRAAdapterSpec) -> LoRAAdapterResult:

@@ -16,8 +16,14 @@ from tests.server_utils import ServerProcess
 EOS = (2, 4)
 MAX_NEW = 12
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0}
-PROMPTS = ["Hello there", "The quick brown fox", "Once upon a time", "1 2 3 4", "In the beginning the town",
-           "She said that"]
+PROMPTS = [
+    "Hello there",
+    "The quick brown fox",
+    "Once upon a time",
+    "1 2 3 4",
+    "In the beginning the town",
+    "She said that",
+]
 
 
 @pytest.fixture(scope="module")
@@ -74,17 +80,26 @@ def attn_adapters(tmp_path_factory, llama_dir, adapter_dirs):
     paths = {"a4": adapter_dirs["a4"], "a32": adapter_dirs["a32"]}
     for i, rank in enumerate((2, 8, 16), start=10):
         paths[f"b{rank}"] = root / f"b{rank}"
-        build_lora_adapter(llama_dir, paths[f"b{rank}"], r=rank, lora_alpha=2 * rank, target_modules=ATTN_MODULES,
-                           seed=i)
+        build_lora_adapter(
+            llama_dir, paths[f"b{rank}"], r=rank, lora_alpha=2 * rank, target_modules=ATTN_MODULES, seed=i
+        )
     return paths
 
 
-def test_one_slot_forward_then_reverse_and_more_adapters_than_slots(llama_dir, tokenizer, adapter_dirs,
-                                                                    attn_adapters):
+def test_one_slot_forward_then_reverse_and_more_adapters_than_slots(llama_dir, tokenizer, adapter_dirs, attn_adapters):
     names = list(attn_adapters)
     lora_paths = [f"{n}={p}" for n, p in attn_adapters.items()]
-    with ServerProcess("--model-path", str(llama_dir), "--lora-paths", *lora_paths, "--max-loras-per-batch", "1",
-                       "--max-total-tokens", "4096") as server:
+    with ServerProcess(
+        "--model-path",
+        str(llama_dir),
+        "--lora-paths",
+        *lora_paths,
+        "--max-loras-per-batch",
+        "1",
+        "--max-total-tokens",
+        "4096",
+    ) as server:
+
         def run(name, prompt):
             return server.post("/generate", {"text": prompt, "lora_path": name, "sampling_params": GREEDY}).json()
 
@@ -139,16 +154,33 @@ def invalid_adapters(tmp_path_factory, llama_dir, adapter_dirs):
 
 
 EXPECTED = {
-    "dora": "DoRA", "save": "modules_to_save", "bias": "bias", "lmhead": "lm_head", "empty": "adapter_config.json",
-    "malformed": "adapter_config.json", "shape": "shape", "rank": "rank", "mlp": "gate_proj",
+    "dora": "DoRA",
+    "save": "modules_to_save",
+    "bias": "bias",
+    "lmhead": "lm_head",
+    "empty": "adapter_config.json",
+    "malformed": "adapter_config.json",
+    "shape": "shape",
+    "rank": "rank",
+    "mlp": "gate_proj",
     "missing": "does not exist",
 }
 
 
 def test_invalid_adapters_refused_with_their_cause(llama_dir, invalid_adapters, attn_adapters):
-    with ServerProcess("--model-path", str(llama_dir), "--enable-lora", "--max-lora-rank", "32",
-                       "--lora-target-modules", *ATTN_MODULES, "--lora-paths", f"good={attn_adapters['b8']}",
-                       "--max-total-tokens", "2048") as server:
+    with ServerProcess(
+        "--model-path",
+        str(llama_dir),
+        "--enable-lora",
+        "--max-lora-rank",
+        "32",
+        "--lora-target-modules",
+        *ATTN_MODULES,
+        "--lora-paths",
+        f"good={attn_adapters['b8']}",
+        "--max-total-tokens",
+        "2048",
+    ) as server:
         before = server.post("/generate", {"text": "Hi", "lora_path": "good", "sampling_params": GREEDY}).json()
         for case, path in invalid_adapters.items():
             resp = server.post("/load_lora_adapter", {"lora_name": case, "lora_path": str(path)})

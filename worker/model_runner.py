@@ -10,11 +10,12 @@ import torch
 import torch.distributed as dist
 
 from protocol.config import ServerConfig
-from protocol.structs import ForwardBatch, ForwardReq, SamplingParams
-from worker.batch_inputs import BatchInputs
+from protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad
+from worker.batch_inputs import BatchError, BatchInputs
 from worker.dist import pick_dtype
 from worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token
 from worker.loader import load_weights
+from worker.lora.manager import LoRAManager
 from worker.model.config import ModelConfig, ModelConfigError
 from worker.model.llama import LlamaForCausalLM
 from worker.parallel import tensor_parallel
@@ -47,6 +48,12 @@ class ModelRunner:
             self.model = LlamaForCausalLM(self.model_config, max_positions=self.context_length)
         load_weights(self.model, model_dir)
         self.model.eval()
+        # Wraps the targeted linears in place, after the weights are loaded under their own names.
+        self.lora = (
+            LoRAManager(self.model.model.layers, self.model_config, config, rank, world_size, self.device, self.dtype)
+            if config.lora_enabled
+            else None
+        )
         logger.info(
             "loaded %s: %d layers, shard %d of %d, %s on %s, context length %d",
             self.model_config.model_type,
@@ -92,27 +99,49 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> list[int]:
         """Run the batch and return each request's next token (every rank computes the same tokens)."""
         if not batch.reqs:
+            self._apply_slot_loads(batch.slot_loads)
             return []
-        logits = self._logits(batch.reqs, last_only=True)  # (reqs, vocab)
+        logits = self._logits(batch.reqs, batch.slot_loads, last_only=True)  # (reqs, vocab)
         return self.sampler.sample(
             logits, [req.sampling for req in batch.reqs], [req.num_generated for req in batch.reqs]
         )
 
     @torch.inference_mode()
-    def prefill_logits(self, input_ids: list[int]) -> torch.Tensor:
+    def batch_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """(tokens, vocab) logits of every new token of the batch, in request order, for tests."""
+        return self._logits(batch.reqs, batch.slot_loads, last_only=False)
+
+    @torch.inference_mode()
+    def prefill_logits(self, input_ids: list[int], slot: int = -1) -> torch.Tensor:
         """(tokens, vocab) logits of one sequence from an empty cache, for tests. Overwrites the first pages."""
         num_pages = -(-len(input_ids) // self.page_size)
         req = ForwardReq(
-            input_ids=input_ids, num_cached_tokens=0, page_ids=list(range(num_pages)), sampling=SamplingParams()
+            input_ids=input_ids,
+            num_cached_tokens=0,
+            page_ids=list(range(num_pages)),
+            sampling=SamplingParams(),
+            slot=slot,
         )
-        return self._logits([req], last_only=False)
+        return self._logits([req], [], last_only=False)
 
-    def _logits(self, reqs: list[ForwardReq], *, last_only: bool) -> torch.Tensor:
+    def _logits(self, reqs: list[ForwardReq], slot_loads: list[SlotLoad], *, last_only: bool) -> torch.Tensor:
+        self._apply_slot_loads(slot_loads)
         inputs = BatchInputs.build(reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device)
+        if self.lora is not None:
+            self.lora.prepare(reqs)
+        elif any(req.slot != -1 for req in reqs):
+            raise BatchError("the batch uses adapter slots but LoRA is not enabled")
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)  # (tokens, hidden)
         if last_only:
             hidden = hidden[inputs.last_token_index]  # (reqs, hidden)
         return self.model.compute_logits(hidden)
+
+    def _apply_slot_loads(self, slot_loads: list[SlotLoad]) -> None:
+        if not slot_loads:
+            return
+        if self.lora is None:
+            raise BatchError("the batch loads adapter slots but LoRA is not enabled")
+        self.lora.apply_slot_loads(slot_loads)
 
     def _context_length(self) -> int:
         model_max = self.model_config.max_context_length

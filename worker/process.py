@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 
@@ -23,12 +26,23 @@ from protocol.structs import (
 )
 from worker.batch_inputs import BatchError
 from worker.dist import destroy_distributed, global_rank, init_distributed, pick_device, ranks_per_node
+from worker.lora.adapter import AdapterLoadError, LoRAAdapter
 from worker.model_runner import ModelRunner
 
 logger = logging.getLogger("worker")
 
 # How long a failing worker waits for its ProcessFailed to leave (the sockets otherwise drop unsent messages).
 FAILURE_FLUSH_MS = 2000
+# While adapter loads run on the loader thread, the loop wakes this often to send their reports.
+LOAD_POLL_MS = 5
+
+# Test-only fault injection (ProcessArgs.fault_hooks, all values strings); inert unless set:
+#   fail_load_on_rank=N  global rank N fails every adapter load with "injected fault on rank N"
+#   fail_load_name=NAME  ... only the loads of adapters named NAME (with fail_load_on_rank)
+#   load_delay_s=S       every background adapter load sleeps S seconds first (tests of non-blocking loads)
+# Other keys are ignored: the launcher may hand every process the same hooks.
+
+LoadOutcomes = list[LoRAAdapter | AdapterLoadError]
 
 
 class Worker:
@@ -38,6 +52,9 @@ class Worker:
             raise ValueError(f"local rank {args.rank} does not fit tp {config.tp} over {config.nnodes} node(s)")
         self.rank = rank
         self.to_scheduler = to_scheduler
+        self.fail_loads = args.fault_hooks.get("fail_load_on_rank") == str(rank)
+        self.fail_load_name = args.fault_hooks.get("fail_load_name")
+        self.load_delay_s = float(args.fault_hooks.get("load_delay_s", 0))
         self.from_scheduler = TypedSocket(
             PULL, endpoints.scheduler_to_workers[args.rank], bind=True, recv_type=SchedulerToWorker
         )
@@ -51,36 +68,50 @@ class Worker:
             self.runner.context_length,
             self.runner.vocab_size,
         )
+        # Adapter reads (disk, validation, slicing) run here, one at a time, so reports leave in arrival order.
+        self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
+        self.pending_loads: deque[tuple[LoadLoRAAdapterReqInput, Future[LoadOutcomes]]] = deque()
 
     def serve(self) -> None:
+        lora = self.runner.lora
         self.to_scheduler.send(
             WorkerReady(
                 rank=self.rank,
                 max_total_tokens=self.runner.max_total_tokens,
                 context_length=self.runner.context_length,
                 vocab_size=self.runner.vocab_size,
+                max_lora_rank=lora.spec.max_lora_rank if lora else 0,
+                lora_target_modules=list(lora.spec.target_modules) if lora else [],
             )
         )
         while True:
-            msg = self.from_scheduler.recv()
+            msg = self.from_scheduler.recv(timeout_ms=LOAD_POLL_MS if self.pending_loads else None)
             if isinstance(msg, Shutdown):
                 return
-            reply = self.handle(msg)
-            if reply is not None:
-                self.to_scheduler.send(reply)
+            if msg is not None:
+                reply = self.handle(msg)
+                if reply is not None:
+                    self.to_scheduler.send(reply)
+            self.report_finished_loads()
 
     def handle(self, msg: SchedulerToWorker) -> msgspec.Struct | None:
         if isinstance(msg, ForwardBatch):
             return self.run_batch(msg)
         if isinstance(msg, LoadLoRAAdapterReqInput):
-            return self.refuse_adapters(msg)
+            if self.runner.lora is None:
+                return self.refuse_adapters(msg)
+            self.pending_loads.append((msg, self.loader.submit(self.read_adapters, msg)))
+            return None  # the report follows when the loader thread is done (report_finished_loads)
         if isinstance(msg, DropAdapters):
-            return None  # nothing is ever loaded while LoRA is off
+            if self.runner.lora is not None:
+                self.runner.lora.drop(msg.lora_ids)
+            return None
         raise TypeError(f"unexpected message {type(msg).__name__}")
 
     def run_batch(self, batch: ForwardBatch) -> BatchResult | None:
         # Every rank runs the batch (the collectives need them all); rank 0's tokens are the ones sent. A bad batch
-        # fails on every rank alike, before any collective, since all ranks see the same batch.
+        # fails on every rank alike, before any collective, since all ranks see the same batch. That holds for adapter
+        # slots too: the scheduler only names adapters that every rank loaded (it drops partial loads everywhere).
         try:
             next_token_ids, error_message = self.runner.forward(batch), ""
         except BatchError as e:  # the batch itself is wrong: the message says it all
@@ -93,16 +124,46 @@ class Worker:
             return None
         return BatchResult(batch_id=batch.batch_id, next_token_ids=next_token_ids, error_message=error_message)
 
+    def read_adapters(self, msg: LoadLoRAAdapterReqInput) -> LoadOutcomes:
+        """On the loader thread: everything slow about a load, touching nothing the main loop uses."""
+        if self.load_delay_s:
+            time.sleep(self.load_delay_s)
+        outcomes = self.runner.lora.read(msg.adapters)
+        if self.fail_loads:
+            fault = AdapterLoadError(f"injected fault on rank {self.rank}", "internal")
+            outcomes = [
+                fault if self.fail_load_name in (None, spec.lora_name) else outcome
+                for spec, outcome in zip(msg.adapters, outcomes, strict=True)
+            ]
+        return outcomes
+
+    def report_finished_loads(self) -> None:
+        # Only the main loop installs host copies and sends, so the copies never change under a forward pass.
+        while self.pending_loads and self.pending_loads[0][1].done():
+            msg, future = self.pending_loads.popleft()
+            try:
+                outcomes = future.result()
+            except Exception as e:  # read_adapters catches per adapter; this would be a bug, not a bad adapter
+                logger.exception("adapter load failed")
+                outcomes = [AdapterLoadError(f"{type(e).__name__}: {e}", "internal") for _ in msg.adapters]
+            results = self.runner.lora.install(msg.adapters, outcomes)
+            self.to_scheduler.send(WorkerAdapterReport(rank=self.rank, results=results))
+
     def refuse_adapters(self, msg: LoadLoRAAdapterReqInput) -> WorkerAdapterReport:
         results = [
             LoRAAdapterResult(
-                lora_name=spec.lora_name, success=False, error_message="LoRA not enabled", lora_id=spec.lora_id
+                lora_name=spec.lora_name,
+                success=False,
+                error_message="LoRA not enabled",
+                error_kind="invalid",
+                lora_id=spec.lora_id,
             )
             for spec in msg.adapters
         ]
         return WorkerAdapterReport(rank=self.rank, results=results)
 
     def close(self) -> None:
+        self.loader.shutdown(wait=False, cancel_futures=True)
         self.from_scheduler.close()
         self.to_scheduler.close()
         destroy_distributed()

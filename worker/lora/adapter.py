@@ -153,9 +153,7 @@ def _check_targets(targets: Any, pool_spec: PoolSpec) -> tuple[str, ...]:
         raise AdapterLoadError(f"target_modules must be a non-empty list of module names, got {targets!r}")
     for target in targets:
         if target not in TARGET_MODULES:
-            raise AdapterLoadError(
-                f"unknown target module {target!r}; LoRA supports {', '.join(TARGET_MODULES)}"
-            )
+            raise AdapterLoadError(f"unknown target module {target!r}; LoRA supports {', '.join(TARGET_MODULES)}")
         if target not in pool_spec.target_modules:
             raise AdapterLoadError(
                 f"target module {target!r} is not in the LoRA pool ({', '.join(pool_spec.target_modules)})"

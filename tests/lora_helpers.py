@@ -1,0 +1,78 @@
+"""Helpers shared by the LoRA tests (no tests here): one batch mixing the base model and five adapters."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from worker_helpers import GREEDY
+
+from protocol.structs import ForwardBatch, ForwardReq, LoRAAdapterSpec, SlotLoad
+from worker.model_runner import ModelRunner
+
+LORA_CONFIG = dict(enable_lora=True, max_lora_rank=64, lora_target_modules=["all"], max_loras_per_batch=6)
+ADAPTER_IDS = {"a4": 1, "a8": 2, "a16": 3, "a32": 4, "a64": 5}
+SLOTS = {"a4": 0, "a8": 1, "a16": 2, "a32": 3, "a64": 4}
+# Base rows between adapters; a4 twice in a row (one segment of two requests) and once more later.
+MIXED = [None, "a4", "a4", "a8", None, "a16", "a32", "a4", "a64"]
+MIXED_LENGTHS = [5, 9, 3, 12, 7, 4, 10, 6, 8]
+
+
+def specs(adapter_dirs: dict[str, Path | str], ids: dict[str, int] = ADAPTER_IDS) -> list[LoRAAdapterSpec]:
+    return [LoRAAdapterSpec(lora_name=name, lora_path=str(adapter_dirs[name]), lora_id=ids[name]) for name in ids]
+
+
+def load_all(runner: ModelRunner, adapter_dirs: dict[str, Path | str]) -> None:
+    results = runner.lora.load(specs(adapter_dirs))
+    assert all(r.success for r in results), [r.error_message for r in results if not r.success]
+
+
+def slot_loads(names: list[str | None]) -> list[SlotLoad]:
+    return [SlotLoad(slot=SLOTS[name], lora_id=ADAPTER_IDS[name]) for name in sorted({n for n in names if n})]
+
+
+def slot_of(name: str | None) -> int:
+    return -1 if name is None else SLOTS[name]
+
+
+def batch_logits(runner: ModelRunner, prompts: list[list[int]], names: list[str | None]) -> list[torch.Tensor]:
+    """Prefill all prompts in one batch (loading the slots first); each request's (len, vocab) logits."""
+    pages, next_page = [], 0
+    for prompt in prompts:
+        num_pages = -(-len(prompt) // runner.page_size)
+        pages.append(list(range(next_page, next_page + num_pages)))
+        next_page += num_pages
+    reqs = [
+        ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=slot_of(name))
+        for p, pg, name in zip(prompts, pages, names, strict=True)
+    ]
+    logits = runner.batch_logits(ForwardBatch(batch_id=0, reqs=reqs, slot_loads=slot_loads(names)))
+    return list(logits.split([len(p) for p in prompts]))
+
+
+def greedy_decode(
+    runner: ModelRunner, prompts: list[list[int]], names: list[str | None], steps: int
+) -> list[list[int]]:
+    """Prefill every prompt in one batch, then decode them together, each request with its adapter.
+    Pages are handed out in a shuffled order, so page tables are scattered."""
+    free_pages = list(range(runner.kv_cache.num_pages))
+    random.Random(0).shuffle(free_pages)
+    pages = [[free_pages.pop() for _ in range(-(-(len(p) + steps) // runner.page_size))] for p in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for step in range(steps):
+        reqs = [
+            ForwardReq(
+                input_ids=prompt if step == 0 else out[-1:],
+                num_cached_tokens=0 if step == 0 else len(prompt) + step - 1,
+                page_ids=page_ids,
+                sampling=GREEDY,
+                num_generated=step,
+                slot=slot_of(name),
+            )
+            for prompt, page_ids, name, out in zip(prompts, pages, names, outputs, strict=True)
+        ]
+        batch = ForwardBatch(batch_id=step, reqs=reqs, slot_loads=slot_loads(names) if step == 0 else [])
+        for out, token in zip(outputs, runner.forward(batch), strict=True):
+            out.append(token)
+    return outputs

@@ -1,0 +1,186 @@
+"""`python -m worker` with LoRA, as the scheduler sees it: loads off the decode loop, reports in order, fault hooks,
+drops, and batches naming a dropped adapter failing as values."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from lora_helpers import LORA_CONFIG
+from server_utils import free_port
+from worker_helpers import GREEDY, make_runner
+
+from protocol.config import TARGET_MODULES, ServerConfig
+from protocol.proc import ARGS_ENV, encode_process_args
+from protocol.sockets import PULL, PUSH, TypedSocket
+from protocol.structs import (
+    BatchResult,
+    DropAdapters,
+    Endpoints,
+    ForwardBatch,
+    ForwardReq,
+    LoadLoRAAdapterReqInput,
+    LoRAAdapterSpec,
+    ProcessArgs,
+    Shutdown,
+    SlotLoad,
+    WorkerAdapterReport,
+    WorkerReady,
+    WorkerToScheduler,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_MS = 90_000
+REPLY_TIMEOUT_MS = 20_000
+EXIT_TIMEOUT_S = 20
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+class FakeScheduler:
+    def __init__(self, endpoints: Endpoints):
+        self.from_workers = TypedSocket(PULL, endpoints.workers_to_scheduler, bind=True, recv_type=WorkerToScheduler)
+        self.to_workers = [TypedSocket(PUSH, addr, bind=False) for addr in endpoints.scheduler_to_workers]
+
+    def send(self, msg) -> None:  # every rank gets every message, as from the real scheduler
+        for sock in self.to_workers:
+            sock.send(msg)
+
+    def recv(self, timeout_ms: int = REPLY_TIMEOUT_MS):
+        msg = self.from_workers.recv(timeout_ms=timeout_ms)
+        assert msg is not None, "no reply from the workers"
+        return msg
+
+    def close(self) -> None:
+        self.from_workers.close()
+        for sock in self.to_workers:
+            sock.close()
+
+
+@contextmanager
+def start_workers(model_dir: Path, tp: int, fault_hooks: dict[str, str]) -> Iterator[tuple[list, FakeScheduler]]:
+    with tempfile.TemporaryDirectory(prefix="lpl") as sock_dir:  # short: ipc:// paths are limited to ~100 characters
+        endpoints = Endpoints(
+            frontend_to_scheduler=f"ipc://{sock_dir}/f2s",
+            scheduler_to_frontend=f"ipc://{sock_dir}/s2f",
+            scheduler_to_workers=[f"ipc://{sock_dir}/s2w{rank}" for rank in range(tp)],
+            workers_to_scheduler=f"ipc://{sock_dir}/w2s",
+            dist_init_addr=f"127.0.0.1:{free_port()}",
+        )
+        config = ServerConfig(device="cpu", tp=tp, page_size=4, max_total_tokens=256, **LORA_CONFIG)
+        scheduler = FakeScheduler(endpoints)
+        procs = []
+        try:
+            for rank in range(tp):
+                args = ProcessArgs(
+                    config=config, endpoints=endpoints, model_dir=str(model_dir), rank=rank, fault_hooks=fault_hooks
+                )
+                env = {**os.environ, ARGS_ENV: encode_process_args(args), "PYTHONPATH": str(REPO_ROOT)}
+                if tp > 1:
+                    env["OMP_NUM_THREADS"] = "1"  # the ranks share the machine's cores
+                procs.append(subprocess.Popen([sys.executable, "-m", "worker"], cwd=REPO_ROOT, env=env))
+            yield procs, scheduler
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait(timeout=10)
+            scheduler.close()
+
+
+def req(slot: int = -1, first_page: int = 0) -> ForwardReq:
+    page_ids = [first_page, first_page + 1]
+    return ForwardReq(input_ids=PROMPT, num_cached_tokens=0, page_ids=page_ids, sampling=GREEDY, slot=slot)
+
+
+def spec(name: str, path: Path | str, lora_id: int) -> LoRAAdapterSpec:
+    return LoRAAdapterSpec(lora_name=name, lora_path=str(path), lora_id=lora_id)
+
+
+def test_loads_run_off_the_decode_loop(llama_dir: Path, adapter_dirs: dict[str, Path], tmp_path: Path) -> None:
+    # The tokens the worker must produce, from an in-process runner: base, a8 (slot 0), a16 (slot 1).
+    runner = make_runner(llama_dir, **LORA_CONFIG)
+    runner.lora.load([spec("a8", adapter_dirs["a8"], 2), spec("a16", adapter_dirs["a16"], 3)])
+    runner.forward(
+        ForwardBatch(batch_id=0, reqs=[], slot_loads=[SlotLoad(slot=0, lora_id=2), SlotLoad(slot=1, lora_id=3)])
+    )
+    expected = [runner.prefill_logits(PROMPT, slot)[-1].argmax().item() for slot in (-1, 0, 1)]
+    assert len(set(expected)) > 1, "the adapters should change the next token"
+
+    with start_workers(llama_dir, tp=1, fault_hooks={"load_delay_s": "1.0"}) as (proc, scheduler):
+        ready = scheduler.recv(timeout_ms=READY_TIMEOUT_MS)
+        assert isinstance(ready, WorkerReady), ready
+        assert (ready.max_lora_rank, ready.lora_target_modules) == (64, list(TARGET_MODULES))
+
+        missing = tmp_path / "missing"
+        scheduler.send(LoadLoRAAdapterReqInput(adapters=[spec("a8", adapter_dirs["a8"], 2), spec("m", missing, 9)]))
+        scheduler.send(LoadLoRAAdapterReqInput(adapters=[spec("a16", adapter_dirs["a16"], 3)]))
+        scheduler.send(ForwardBatch(batch_id=1, reqs=[req()]))
+        # Each load sleeps 1 s on the loader thread; a loop blocked by them would answer the batch last.
+        assert scheduler.recv() == BatchResult(batch_id=1, next_token_ids=[expected[0]])
+
+        first, second = scheduler.recv(), scheduler.recv()  # in the order the loads were sent
+        assert isinstance(first, WorkerAdapterReport) and isinstance(second, WorkerAdapterReport)
+        assert [(r.lora_name, r.success, r.lora_id, r.rank) for r in first.results + second.results] == [
+            ("a8", True, 2, 8),
+            ("m", False, 9, 0),
+            ("a16", True, 3, 16),
+        ]
+        assert first.results[0].target_modules == ["gate_proj", "up_proj", "down_proj"]
+        assert first.results[1].error_kind == "not_found" and "does not exist" in first.results[1].error_message
+
+        loads = [SlotLoad(slot=0, lora_id=2), SlotLoad(slot=1, lora_id=3)]
+        scheduler.send(ForwardBatch(batch_id=2, reqs=[req(), req(0, 2), req(1, 4)], slot_loads=loads))
+        assert scheduler.recv() == BatchResult(batch_id=2, next_token_ids=expected)
+
+        scheduler.send(DropAdapters(lora_ids=[2]))  # also empties slot 0
+        scheduler.send(ForwardBatch(batch_id=3, reqs=[req(0)]))
+        reply = scheduler.recv()
+        assert reply.batch_id == 3 and reply.next_token_ids == [] and "holds no adapter" in reply.error_message
+        scheduler.send(ForwardBatch(batch_id=4, reqs=[req(0)], slot_loads=[SlotLoad(slot=0, lora_id=2)]))
+        reply = scheduler.recv()
+        assert reply.batch_id == 4 and reply.next_token_ids == [] and "adapter id 2" in reply.error_message
+        scheduler.send(ForwardBatch(batch_id=5, reqs=[req(1), req(-1, 2)]))  # still serving the others
+        assert scheduler.recv() == BatchResult(batch_id=5, next_token_ids=[expected[2], expected[0]])
+
+        scheduler.send(Shutdown())
+        assert proc[0].wait(timeout=EXIT_TIMEOUT_S) == 0
+
+
+def test_fault_hook_fails_one_rank(llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    runner = make_runner(llama_dir, **LORA_CONFIG)  # tp=1: the token a8 must give at tp=2
+    runner.lora.load([spec("fine", adapter_dirs["a8"], 2)])
+    runner.forward(ForwardBatch(batch_id=0, reqs=[], slot_loads=[SlotLoad(slot=1, lora_id=2)]))
+    expected = runner.prefill_logits(PROMPT, 1)[-1].argmax().item()
+
+    hooks = {"fail_load_on_rank": "1", "fail_load_name": "faulty"}
+    with start_workers(llama_dir, tp=2, fault_hooks=hooks) as (procs, scheduler):
+        readies = [scheduler.recv(timeout_ms=READY_TIMEOUT_MS) for _ in procs]
+        assert sorted(r.rank for r in readies if isinstance(r, WorkerReady)) == [0, 1], readies
+
+        load = LoadLoRAAdapterReqInput(
+            adapters=[spec("faulty", adapter_dirs["a4"], 1), spec("fine", adapter_dirs["a8"], 2)]
+        )
+        scheduler.send(load)
+        reports = {r.rank: r.results for r in (scheduler.recv(), scheduler.recv())}
+        assert [(r.lora_name, r.success, r.rank) for r in reports[0]] == [("faulty", True, 4), ("fine", True, 8)]
+        assert [(r.lora_name, r.success, r.error_message) for r in reports[1]] == [
+            ("faulty", False, "injected fault on rank 1"),
+            ("fine", True, ""),
+        ]
+
+        # As the scheduler does for a partial load: every rank drops it. A batch naming it then fails on every rank
+        # before any collective, and both ranks keep serving, adapters included.
+        scheduler.send(DropAdapters(lora_ids=[1]))
+        scheduler.send(ForwardBatch(batch_id=1, reqs=[req(0)], slot_loads=[SlotLoad(slot=0, lora_id=1)]))
+        reply = scheduler.recv()
+        assert reply.batch_id == 1 and "adapter id 1" in reply.error_message and "not loaded" in reply.error_message
+        scheduler.send(ForwardBatch(batch_id=2, reqs=[req(1)], slot_loads=[SlotLoad(slot=1, lora_id=2)]))
+        assert scheduler.recv() == BatchResult(batch_id=2, next_token_ids=[expected])
+
+        scheduler.send(Shutdown())
+        assert [proc.wait(timeout=EXIT_TIMEOUT_S) for proc in procs] == [0, 0]

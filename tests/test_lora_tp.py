@@ -1,0 +1,110 @@
+"""Multi-LoRA under tensor parallelism: two gloo ranks serving one batch of five adapters must reproduce tp=1."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+from pathlib import Path
+
+import torch
+from lora_helpers import LORA_CONFIG, MIXED, MIXED_LENGTHS, batch_logits, greedy_decode, load_all
+from safetensors.torch import load_file
+from server_utils import free_port
+from worker_helpers import random_prompts
+
+from frontend.demo_model import ATTN_MODULES
+from protocol.config import TARGET_MODULES, ServerConfig
+from worker.dist import destroy_distributed, init_distributed
+from worker.lora.adapter import PoolSpec, load_adapter
+from worker.model.config import ModelConfig
+from worker.model_runner import ModelRunner
+
+DECODE_STEPS = 6
+CHILD_TIMEOUT_S = 120
+
+
+def tp_config(tp: int) -> ServerConfig:
+    return ServerConfig(device="cpu", tp=tp, page_size=4, max_total_tokens=512, **LORA_CONFIG)
+
+
+def run_lora(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
+    load_all(runner, adapter_dirs)
+    prompts = random_prompts(MIXED_LENGTHS, runner.vocab_size, seed=21)
+    return {
+        # numpy, not tensors: torch sends tensors between processes as shared memory handles that die with the child.
+        "logits": [t.numpy() for t in batch_logits(runner, prompts, MIXED)],
+        "greedy": greedy_decode(runner, prompts, MIXED, steps=DECODE_STEPS),
+    }
+
+
+def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str], results: mp.Queue) -> None:
+    torch.set_num_threads(1)  # two ranks share the machine's cores
+    config = tp_config(tp=2)
+    init_distributed(config, f"127.0.0.1:{port}", rank, torch.device("cpu"))
+    try:
+        results.put((rank, run_lora(ModelRunner(config, model_dir, rank, 2, "cpu"), adapter_dirs)))
+    finally:
+        destroy_distributed()
+
+
+def run_tp2(model_dir: str, adapter_dirs: dict[str, str]) -> dict[int, dict]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=tp_child, args=(rank, port, model_dir, adapter_dirs, results), daemon=True)
+        for rank in (0, 1)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        by_rank = {}
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while len(by_rank) < len(procs):
+            crashed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not crashed, f"a TP rank exited with {crashed}"
+            assert time.monotonic() < deadline, f"TP ranks gave no result in {CHILD_TIMEOUT_S}s"
+            try:
+                rank, out = results.get(timeout=1)
+            except queue.Empty:
+                continue
+            by_rank[rank] = out
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0
+        return by_rank
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def test_lora_tp2_matches_tp1(llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    dirs = {name: str(path) for name, path in adapter_dirs.items()}
+    by_rank = run_tp2(str(llama_dir), dirs)
+    tp1 = run_lora(ModelRunner(tp_config(tp=1), str(llama_dir), 0, 1, "cpu"), dirs)
+    for rank in (0, 1):
+        for name, ours, ref in zip(MIXED, by_rank[rank]["logits"], tp1["logits"], strict=True):
+            diff = abs(ours - ref).max()
+            assert diff <= 1e-4, (rank, name, diff)
+        assert by_rank[rank]["greedy"] == tp1["greedy"], rank
+
+
+def test_adapter_is_sliced_per_rank(llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    # Column-parallel (q, k, v, gate, up): A whole, B's rows split. Row-parallel (o, down): A's columns split, B whole.
+    full = load_file(adapter_dirs["a64"] / "adapter_model.safetensors")
+    spec = PoolSpec(max_lora_rank=64, target_modules=TARGET_MODULES, dtype=torch.float32, device=torch.device("cpu"))
+    config = ModelConfig.from_dir(str(llama_dir))
+    for tp_rank in (0, 1):
+        adapter = load_adapter(str(adapter_dirs["a64"]), 5, config, spec, tp_rank, 2)
+        assert len(adapter.weights) == config.num_layers * len(TARGET_MODULES)
+        for (layer, module), (lora_a, lora_b) in adapter.weights.items():
+            name = f"base_model.model.model.layers.{layer}.{'self_attn' if module in ATTN_MODULES else 'mlp'}.{module}"
+            full_a, full_b = full[f"{name}.lora_A.weight"], full[f"{name}.lora_B.weight"]
+            if module in ("o_proj", "down_proj"):
+                full_a = full_a.chunk(2, dim=1)[tp_rank]
+            else:
+                full_b = full_b.chunk(2, dim=0)[tp_rank]
+            assert torch.equal(lora_a, full_a) and torch.equal(lora_b, full_b), module

@@ -1,0 +1,169 @@
+"""Multi-LoRA in the worker against HF transformers + peft: one batch mixing the base model and five adapters
+(ranks 4 to 64, different target sets, rsLoRA), slot reuse, Qwen2's qkv bias, and the Triton kernels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lora_helpers import (
+    ADAPTER_IDS,
+    LORA_CONFIG,
+    MIXED,
+    MIXED_LENGTHS,
+    batch_logits,
+    greedy_decode,
+    load_all,
+)
+from reference import assert_greedy_match, hf_greedy, hf_model
+from worker_helpers import GREEDY, PAGE_SIZE, make_runner, random_prompts
+
+import kernels
+from frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
+from protocol.structs import ForwardBatch, ForwardReq, LoRAAdapterSpec, SlotLoad
+from worker.batch_inputs import BatchError
+from worker.lora.layers import LoRALinear
+from worker.model_runner import ModelRunner
+
+FP32_TOL = 1e-4
+DECODE_STEPS = 6
+MIN_ADAPTER_EFFECT = 0.1  # every adapter must move the logits by more than this: a no-op LoRA fails the tests
+
+
+@pytest.fixture(scope="module")
+def runner(llama_dir: Path, adapter_dirs: dict[str, Path]) -> ModelRunner:
+    runner = make_runner(llama_dir, **LORA_CONFIG)
+    load_all(runner, adapter_dirs)
+    return runner
+
+
+@torch.inference_mode()
+def hf_logits(model_dir: Path, prompt: list[int], adapter_dir: Path | None) -> torch.Tensor:
+    model = hf_model(str(model_dir), None if adapter_dir is None else str(adapter_dir))
+    return model(torch.tensor([prompt])).logits[0]  # (len, vocab)
+
+
+def one_req(prompt: list[int], slot: int, first_page: int = 0) -> ForwardReq:
+    page_ids = list(range(first_page, first_page + -(-len(prompt) // PAGE_SIZE)))
+    return ForwardReq(input_ids=prompt, num_cached_tokens=0, page_ids=page_ids, sampling=GREEDY, slot=slot)
+
+
+def test_pool_covers_the_model(runner: ModelRunner) -> None:
+    layer = runner.model.model.layers[0]
+    wrapped = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    assert all(isinstance(m, LoRALinear) for m in wrapped)
+    pool = runner.lora.pool
+    assert pool.num_slots == 6
+    a, b = pool.buffers[(0, "self_attn.qkv_proj")].lora_a, pool.buffers[(0, "self_attn.qkv_proj")].lora_b
+    assert tuple(a.shape) == (6, 3 * 64, 64) and tuple(b.shape) == (6, 64 + 32 + 32, 64)
+
+
+def test_mixed_batch_matches_peft(runner: ModelRunner, llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    prompts = random_prompts(MIXED_LENGTHS, runner.vocab_size, seed=11)
+    ours = batch_logits(runner, prompts, MIXED)
+    max_diffs: dict[str, float] = {}
+    for prompt, name, logits in zip(prompts, MIXED, ours, strict=True):
+        ref = hf_logits(llama_dir, prompt, None if name is None else adapter_dirs[name])
+        diff = (logits - ref).abs().max().item()
+        max_diffs[name or "base"] = max(diff, max_diffs.get(name or "base", 0.0))
+        assert diff <= FP32_TOL, f"{name or 'base'}: max abs logit diff {diff:.2e}"
+        if name is not None:
+            effect = (ref - hf_logits(llama_dir, prompt, None)).abs().max().item()
+            assert effect > MIN_ADAPTER_EFFECT, f"{name} barely changes the logits ({effect:.3f})"
+    print("max abs logit diff vs HF/peft:", {k: f"{v:.1e}" for k, v in max_diffs.items()})
+
+    outputs = greedy_decode(runner, prompts, MIXED, steps=DECODE_STEPS)
+    num_compared = 0
+    for prompt, name, out in zip(prompts, MIXED, outputs, strict=True):
+        ref, margins = hf_greedy(llama_dir, prompt, DECODE_STEPS, None if name is None else adapter_dirs[name])
+        num_compared += assert_greedy_match(out, ref, margins, what=name or "base")
+    assert num_compared >= DECODE_STEPS * len(MIXED) // 2  # most steps had a clear margin
+
+
+def test_slot_reuse_leaves_nothing_stale(runner: ModelRunner, llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    # all seven modules at r64, then q+v at r32, then MLP-only at r8, all in slot 5: anything left over shows.
+    prompt = random_prompts([9], runner.vocab_size, seed=12)[0]
+    for name in ("a64", "a32", "a8"):
+        batch = ForwardBatch(
+            batch_id=0, reqs=[one_req(prompt, 5)], slot_loads=[SlotLoad(slot=5, lora_id=ADAPTER_IDS[name])]
+        )
+        diff = (runner.batch_logits(batch) - hf_logits(llama_dir, prompt, adapter_dirs[name])).abs().max().item()
+        assert diff <= FP32_TOL, (name, diff)
+    assert runner.lora.slot_lora_ids[5] == ADAPTER_IDS["a8"]
+
+
+def test_drop_and_clear_fail_batches_not_the_runner(
+    runner: ModelRunner, llama_dir: Path, adapter_dirs: dict[str, Path]
+) -> None:
+    lora = runner.lora
+    spec = LoRAAdapterSpec(lora_name="copy", lora_path=str(adapter_dirs["a16"]), lora_id=50)
+    assert lora.load([spec])[0].success
+    prompt = random_prompts([6], runner.vocab_size, seed=13)[0]
+    runner.batch_logits(ForwardBatch(batch_id=0, reqs=[one_req(prompt, 5)], slot_loads=[SlotLoad(slot=5, lora_id=50)]))
+    lora.drop([50])
+    assert lora.slot_lora_ids[5] == -1 and 50 not in lora.adapters
+    with pytest.raises(BatchError, match="slot 5, which holds no adapter"):
+        runner.batch_logits(ForwardBatch(batch_id=1, reqs=[one_req(prompt, 5)]))
+    with pytest.raises(BatchError, match="adapter id 50 .* not loaded"):
+        runner.forward(ForwardBatch(batch_id=2, reqs=[], slot_loads=[SlotLoad(slot=5, lora_id=50)]))
+    with pytest.raises(BatchError, match="outside 0..5"):
+        runner.forward(ForwardBatch(batch_id=3, reqs=[], slot_loads=[SlotLoad(slot=6, lora_id=1)]))
+    # lora_id -1 empties a slot.
+    runner.forward(ForwardBatch(batch_id=4, reqs=[], slot_loads=[SlotLoad(slot=5, lora_id=ADAPTER_IDS["a4"])]))
+    runner.forward(ForwardBatch(batch_id=5, reqs=[], slot_loads=[SlotLoad(slot=5, lora_id=-1)]))
+    with pytest.raises(BatchError, match="holds no adapter"):
+        runner.batch_logits(ForwardBatch(batch_id=6, reqs=[one_req(prompt, 5)]))
+    # Still serving, and correct.
+    batch = ForwardBatch(batch_id=7, reqs=[one_req(prompt, 5)], slot_loads=[SlotLoad(slot=5, lora_id=3)])
+    diff = (runner.batch_logits(batch) - hf_logits(llama_dir, prompt, adapter_dirs["a16"])).abs().max().item()
+    assert diff <= FP32_TOL
+
+
+def test_base_only_batches_launch_no_lora_work(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr("worker.lora.layers.lora_shrink", lambda *args: calls.append(args))
+    prompt = random_prompts([5], runner.vocab_size, seed=14)[0]
+    base = runner.prefill_logits(prompt)
+    assert calls == []
+    runner.prefill_logits(prompt)  # and the same on a second call
+    assert calls == [] and base.shape == (5, runner.vocab_size)
+
+
+def test_qwen2_adapter_matches_peft(qwen2_dir: Path, tmp_path: Path) -> None:
+    adapter_dir = tmp_path / "q8"
+    build_lora_adapter(qwen2_dir, adapter_dir, r=8, lora_alpha=16, target_modules=ALL_TARGET_MODULES, seed=21)
+    runner = make_runner(qwen2_dir, **{**LORA_CONFIG, "max_lora_rank": 8})
+    assert runner.lora.load([LoRAAdapterSpec(lora_name="q8", lora_path=str(adapter_dir), lora_id=1)])[0].success
+    prompts = random_prompts([7, 5], runner.vocab_size, seed=15)
+    reqs = [one_req(prompts[0], -1), one_req(prompts[1], 0, first_page=10)]
+    logits = runner.batch_logits(ForwardBatch(batch_id=0, reqs=reqs, slot_loads=[SlotLoad(slot=0, lora_id=1)]))
+    base, adapted = logits.split([7, 5])
+    assert (base - hf_logits(qwen2_dir, prompts[0], None)).abs().max().item() <= FP32_TOL
+    ref = hf_logits(qwen2_dir, prompts[1], adapter_dir)
+    assert (adapted - ref).abs().max().item() <= FP32_TOL
+    assert (ref - hf_logits(qwen2_dir, prompts[1], None)).abs().max().item() > MIN_ADAPTER_EFFECT
+
+
+def test_triton_kernels_match_torch_path(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    names = [None, "a16", "a32", "a16"]
+    prompts = random_prompts([3, 4, 2, 1], runner.vocab_size, seed=16)
+    torch_path = batch_logits(runner, prompts, names)
+    monkeypatch.setenv("LORAPLEX_FORCE_TRITON", "1")  # TRITON_INTERPRET=1 (conftest): the kernels run on the CPU
+    calls = []
+    real = kernels.lora_shrink_triton
+    monkeypatch.setattr(kernels, "lora_shrink_triton", lambda *args: calls.append(1) or real(*args))
+    triton_path = batch_logits(runner, prompts, names)
+    assert calls, "the Triton kernels did not run"
+    for ours, ref in zip(triton_path, torch_path, strict=True):
+        assert (ours - ref).abs().max().item() <= FP32_TOL
+
+
+def test_slots_refused_without_lora(llama_dir: Path) -> None:
+    runner = make_runner(llama_dir)
+    assert runner.lora is None
+    prompt = random_prompts([4], runner.vocab_size, seed=17)[0]
+    with pytest.raises(BatchError, match="LoRA is not enabled"):
+        runner.batch_logits(ForwardBatch(batch_id=0, reqs=[one_req(prompt, 0)]))
+    with pytest.raises(BatchError, match="LoRA is not enabled"):
+        runner.forward(ForwardBatch(batch_id=1, reqs=[], slot_loads=[SlotLoad(slot=0, lora_id=1)]))

@@ -1,0 +1,188 @@
+"""LoRAManager: this rank's adapters. Host copies by lora_id, the device pool and which lora_id sits in each slot
+(as the scheduler says), and the token segments of each forward.
+
+Loading is split so the disk read can run off the decode loop: `read` (any thread; touches no state here) then
+`install` (the main loop, which alone mutates the manager). `load` does both, for tests and in-process use."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from protocol.config import ServerConfig
+from protocol.structs import ForwardReq, LoRAAdapterResult, LoRAAdapterSpec, SlotLoad
+from worker.batch_inputs import BatchError
+from worker.lora.adapter import AdapterLoadError, LoRAAdapter, PoolSpec, load_adapter
+from worker.lora.layers import LoRABatchInfo, LoRALinear
+from worker.lora.pool import LoRAPool
+from worker.lora.targets import SLICE_OF
+from worker.model.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAConfigError(ValueError):
+    pass
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        model_config: ModelConfig,
+        config: ServerConfig,
+        tp_rank: int,
+        tp_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        """Build the pool for the model's decoder `layers` and wrap their targeted linears (in place)."""
+        if config.max_lora_rank is None or not config.target_modules:
+            raise LoRAConfigError(
+                "LoRA is enabled but --max-lora-rank and --lora-target-modules are not both set "
+                "(the launcher infers them from --lora-paths)"
+            )
+        self.model_config = model_config
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.spec = PoolSpec(
+            max_lora_rank=config.max_lora_rank,
+            target_modules=config.target_modules,
+            dtype=dtype,
+            device=torch.device(device),
+        )
+        self.pool = LoRAPool(layers, self.spec, config.max_loras_per_batch)
+        self.batch = LoRABatchInfo()
+        for (layer_id, name), buffers in self.pool.buffers.items():
+            parent_name, attr = name.rsplit(".", 1)
+            parent = layers[layer_id].get_submodule(parent_name)
+            setattr(parent, attr, LoRALinear(getattr(parent, attr), buffers, self.batch))
+        self.adapters: dict[int, LoRAAdapter] = {}  # lora_id -> host copy
+        self.slot_lora_ids = [-1] * self.pool.num_slots  # -1 = empty
+        logger.info(
+            "LoRA pool: %d slots, max rank %d, targets %s, %.1f MiB",
+            self.pool.num_slots,
+            self.spec.max_lora_rank,
+            ",".join(self.spec.target_modules),
+            self.pool.num_bytes / 2**20,
+        )
+
+    @property
+    def num_slots(self) -> int:
+        return self.pool.num_slots
+
+    # ---- adapters (host copies) ---------------------------------------------------------------------
+
+    def read(self, specs: Sequence[LoRAAdapterSpec]) -> list[LoRAAdapter | AdapterLoadError]:
+        """Read, validate and slice each adapter; safe on any thread. Never raises: a failure is an outcome."""
+        outcomes: list[LoRAAdapter | AdapterLoadError] = []
+        for spec in specs:
+            try:
+                outcomes.append(
+                    load_adapter(spec.lora_path, spec.lora_id, self.model_config, self.spec, self.tp_rank, self.tp_size)
+                )
+            except AdapterLoadError as e:
+                outcomes.append(e)
+            except Exception as e:  # an unforeseen failure still fails only this adapter
+                logger.exception("reading adapter %r from %s failed", spec.lora_name, spec.lora_path)
+                outcomes.append(AdapterLoadError(f"{type(e).__name__}: {e}", "internal"))
+        return outcomes
+
+    def install(
+        self, specs: Sequence[LoRAAdapterSpec], outcomes: Sequence[LoRAAdapter | AdapterLoadError]
+    ) -> list[LoRAAdapterResult]:
+        """Keep the host copies that `read` produced; one result per adapter."""
+        results = []
+        for spec, outcome in zip(specs, outcomes, strict=True):
+            if isinstance(outcome, LoRAAdapter) and spec.lora_id in self.adapters:
+                outcome = AdapterLoadError(f"lora_id {spec.lora_id} is already loaded on this rank", "internal")
+            if isinstance(outcome, AdapterLoadError):
+                logger.warning("adapter %r (%s) refused: %s", spec.lora_name, spec.lora_path, outcome)
+                results.append(
+                    LoRAAdapterResult(
+                        lora_name=spec.lora_name,
+                        success=False,
+                        error_message=str(outcome),
+                        error_kind=outcome.error_kind,
+                        lora_id=spec.lora_id,
+                    )
+                )
+                continue
+            self.adapters[spec.lora_id] = outcome
+            logger.info(
+                "adapter %r (id %d) loaded: r=%d, scale %g, %s, %.1f MiB on this rank",
+                spec.lora_name,
+                spec.lora_id,
+                outcome.lora_rank,
+                outcome.scale,
+                ",".join(outcome.target_modules),
+                outcome.num_bytes / 2**20,
+            )
+            results.append(
+                LoRAAdapterResult(
+                    lora_name=spec.lora_name,
+                    success=True,
+                    lora_id=spec.lora_id,
+                    rank=outcome.lora_rank,
+                    target_modules=list(outcome.target_modules),
+                )
+            )
+        return results
+
+    def load(self, specs: Sequence[LoRAAdapterSpec]) -> list[LoRAAdapterResult]:
+        return self.install(specs, self.read(specs))
+
+    def drop(self, lora_ids: Sequence[int]) -> None:
+        """Forget these adapters (unknown ids are ignored) and empty any slot that holds one."""
+        for lora_id in lora_ids:
+            self.adapters.pop(lora_id, None)
+        for slot, lora_id in enumerate(self.slot_lora_ids):
+            if lora_id in lora_ids:
+                self.pool.clear_slot(slot)
+                self.slot_lora_ids[slot] = -1
+
+    # ---- slots and batches -------------------------------------------------------------------------
+
+    def apply_slot_loads(self, slot_loads: Sequence[SlotLoad]) -> None:
+        """Copy each named adapter into its slot (lora_id -1 empties it). All or nothing: checked before any copy."""
+        for load in slot_loads:
+            if not 0 <= load.slot < self.num_slots:
+                raise BatchError(f"slot load into slot {load.slot}, outside 0..{self.num_slots - 1}")
+            if load.lora_id != -1 and load.lora_id not in self.adapters:
+                raise BatchError(
+                    f"slot load of adapter id {load.lora_id} into slot {load.slot}: "
+                    f"the adapter is not loaded on rank {self.tp_rank} (dropped or never loaded)"
+                )
+        for load in slot_loads:
+            if load.lora_id == -1:
+                self.pool.clear_slot(load.slot)
+            elif self.slot_lora_ids[load.slot] != load.lora_id:  # host copies never change under one id
+                self.pool.load_slot(load.slot, self.adapters[load.lora_id])
+            self.slot_lora_ids[load.slot] = load.lora_id
+
+    def prepare(self, reqs: Sequence[ForwardReq]) -> None:
+        """Group the batch's tokens (request order) into segments of consecutive requests with one slot."""
+        seg_indptr, seg_slots = [0], []
+        for i, req in enumerate(reqs):
+            if req.slot != -1 and not (0 <= req.slot < self.num_slots and self.slot_lora_ids[req.slot] != -1):
+                raise BatchError(f"request {i} uses slot {req.slot}, which holds no adapter")
+            if seg_slots and seg_slots[-1] == req.slot:
+                seg_indptr[-1] += len(req.input_ids)
+            else:
+                seg_slots.append(req.slot)
+                seg_indptr.append(seg_indptr[-1] + len(req.input_ids))
+        used = {slot for slot in seg_slots if slot != -1}
+        if not used:
+            self.batch.seg_indptr = self.batch.seg_slots = None
+            self.batch.active = frozenset()
+            return
+        device = self.spec.device
+        self.batch.seg_indptr = torch.tensor(seg_indptr, dtype=torch.int32, device=device)
+        self.batch.seg_slots = torch.tensor(seg_slots, dtype=torch.int32, device=device)
+        self.batch.active = frozenset(
+            SLICE_OF[module][0].name
+            for slot in used
+            for module in self.adapters[self.slot_lora_ids[slot]].target_modules
+        )
