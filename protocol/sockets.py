@@ -54,6 +54,14 @@ class TypedSocket:
         self.sock.close(linger=0)
 
 
+def wait_readable(sockets: list[TypedSocket], timeout_ms: int) -> bool:
+    """Block until any of the sockets has a message, or timeout_ms passes; True if one has."""
+    poller = zmq.Poller()
+    for typed in sockets:
+        poller.register(typed.sock, zmq.POLLIN)
+    return bool(poller.poll(timeout_ms))
+
+
 class AsyncTypedSocket:
     """asyncio socket for the frontend and the RPC client."""
 

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from protocol.proc import die_with_parent, read_process_args, setup_logging
-from protocol.sockets import PULL, PUSH, TypedSocket
+from protocol.sockets import PULL, PUSH, TypedSocket, wait_readable
 from protocol.structs import (
     AbortReq,
     BatchResult,
@@ -33,7 +33,7 @@ from scheduler.scheduler import Scheduler
 
 log = logging.getLogger("scheduler")
 
-IDLE_POLL_MS = 20  # an idle scheduler sleeps in the frontend socket's poll, waking this often for adapter reports
+IDLE_POLL_MS = 100  # an idle scheduler sleeps in a poll of both sockets; it wakes at once for any message
 RESULT_POLL_MS = 5  # while a forward pass runs, the frontend socket is checked this often (aborts, new requests)
 READY_POLL_MS = 100
 STALL_WARNING_S = 30.0
@@ -121,9 +121,7 @@ class SchedulerProcess:
     def recv_requests(self) -> None:
         # Sleep in poll only when there is nothing to run, so an idle scheduler uses no CPU.
         if self.scheduler.is_idle and not self.deltas:
-            msg = _recv(self.from_frontend, IDLE_POLL_MS)
-            if msg is not None:
-                self.on_frontend(msg)
+            wait_readable([self.from_frontend, self.from_workers], IDLE_POLL_MS)
         self.drain_frontend()
         while (msg := _recv(self.from_workers)) is not None:
             self.on_worker(msg)
