@@ -119,21 +119,21 @@ class Engine:
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False,
                           load_inplace: bool = False) -> LoadLoRAAdapterReqOutput:
         spec = LoRAAdapterSpec(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
-        return self._run(self.runtime.load_adapters([spec], load_inplace))
+        return self._run(self.runtime.adapters.load([spec], load_inplace))
 
     async def async_load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False,
                                       load_inplace: bool = False) -> LoadLoRAAdapterReqOutput:
         spec = LoRAAdapterSpec(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
-        return await self._await(self.runtime.load_adapters([spec], load_inplace))
+        return await self._await(self.runtime.adapters.load([spec], load_inplace))
 
     def unload_lora_adapter(self, lora_name: str) -> UnloadLoRAAdapterReqOutput:
-        return self._run(self.runtime.unload_adapters([lora_name]))
+        return self._run(self.runtime.adapters.unload([lora_name]))
 
     async def async_unload_lora_adapter(self, lora_name: str) -> UnloadLoRAAdapterReqOutput:
-        return await self._await(self.runtime.unload_adapters([lora_name]))
+        return await self._await(self.runtime.adapters.unload([lora_name]))
 
     def list_lora_adapters(self) -> list[dict]:
-        return self.runtime.adapter_table()
+        return self.runtime.registry.table()
 
     def abort_request(self, rid: str) -> bool:
         return self._run(self.runtime.abort(rid))

@@ -258,7 +258,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         specs = [LoRAAdapterSpec(lora_name=body.lora_name, lora_path=body.lora_path, pinned=body.pinned)]
     runtime = runtime_of(request)
     runtime.check_available()
-    out = await runtime.load_adapters(specs)
+    out = await runtime.adapters.load(specs)
     return adapter_reply(out, body.adapters is not None)
 
 
@@ -272,7 +272,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
         raise InputError("'lora_names' is empty")
     runtime = runtime_of(request)
     runtime.check_available()
-    out = await runtime.unload_adapters(names)
+    out = await runtime.adapters.unload(names)
     return adapter_reply(out, body.lora_names is not None)
 
 
@@ -285,4 +285,4 @@ async def lora_adapters(request: web.Request) -> web.Response:
             stats = await runtime.scheduler_stats()
         except Exception:  # noqa: BLE001 - the table still lists adapters without their slots
             stats = None
-    return json_response({"adapters": runtime.adapter_table(stats)})
+    return json_response({"adapters": runtime.registry.table(stats.slot_lora_ids if stats else None)})

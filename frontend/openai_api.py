@@ -297,7 +297,7 @@ async def vllm_load(request: web.Request) -> web.Response:
     runtime = runtime_of(request)
     runtime.check_available()
     spec = LoRAAdapterSpec(lora_name=body.lora_name, lora_path=body.lora_path, pinned=body.pinned)
-    out = await runtime.load_adapters([spec], load_inplace=body.load_inplace)
+    out = await runtime.adapters.load([spec], load_inplace=body.load_inplace)
     result = out.results[0]
     if result.success:
         return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -309,7 +309,7 @@ async def vllm_unload(request: web.Request) -> web.Response:
     body = decode_body(await request.read(), VllmUnloadBody)
     runtime = runtime_of(request)
     runtime.check_available()
-    out = await runtime.unload_adapters([body.lora_name])
+    out = await runtime.adapters.unload([body.lora_name])
     result = out.results[0]
     if result.success:
         return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

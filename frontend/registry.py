@@ -176,3 +176,22 @@ class AdapterRegistry:
 
     def num_entries(self) -> int:
         return len(self._entries)
+
+    def table(self, slot_lora_ids: list[int] | None = None) -> list[dict]:
+        """The /lora_adapters rows; slot_lora_ids (per device slot, from the scheduler) adds where each one sits."""
+        slots = {lora_id: slot for slot, lora_id in enumerate(slot_lora_ids or [])}
+        return [
+            {
+                "lora_name": e.name,
+                "lora_path": e.path,
+                "lora_id": e.lora_id,
+                "rank": e.rank,
+                "target_modules": e.target_modules,
+                "pinned": e.pinned,
+                "resident_slot": slots.get(e.lora_id) if e.lora_id >= 0 else None,
+                "requests_in_flight": len(e.holders),
+                "draining": e.draining,
+                "in_host_memory": e.resident,
+            }
+            for e in self.live()
+        ]

@@ -67,11 +67,11 @@ class RpcServer:
         runtime = self.runtime
         runtime.check_available()
         if isinstance(request, LoadLoRAAdapterReqInput):
-            return await runtime.load_adapters(request.adapters, request.load_inplace)
+            return await runtime.adapters.load(request.adapters, request.load_inplace)
         if isinstance(request, UnloadLoRAAdapterReqInput):
-            return await runtime.unload_adapters(request.lora_names)
+            return await runtime.adapters.unload(request.lora_names)
         if isinstance(request, ListLoRAAdaptersReqInput):
-            return ListLoRAAdaptersReqOutput(adapters=runtime.adapter_table())
+            return ListLoRAAdaptersReqOutput(adapters=runtime.registry.table())
         if isinstance(request, GenerateReqInput):
             raw = {f: getattr(request, f) for f in request.__struct_fields__ if getattr(request, f) is not None}
             body = convert(raw, NativeGenerateRequest, "generate request")

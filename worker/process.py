@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
+import torch
 
 from protocol.proc import die_with_parent, read_process_args, setup_logging
 from protocol.sockets import PULL, PUSH, TypedSocket
@@ -59,6 +61,10 @@ class Worker:
             PULL, endpoints.scheduler_to_workers[args.rank], bind=True, recv_type=SchedulerToWorker
         )
         device = pick_device(config, args.rank)
+        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # Ranks on one host share its cores: more threads than cores makes every op wait on a descheduled one.
+            local_ranks = config.tp // config.nnodes
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_ranks))
         init_distributed(config, endpoints.dist_init_addr, rank, device)
         logger.info("loading model from %s on %s", args.model_dir, device)
         self.runner = ModelRunner(config, args.model_dir, rank, config.tp, device)
