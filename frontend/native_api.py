@@ -8,7 +8,7 @@ import msgspec
 from aiohttp import web
 
 from frontend.http_utils import json_response, send_sse, send_sse_done, start_sse, stream_many, wait_all
-from frontend.params import NativeGenerateRequest, decode_body, native_sampling
+from frontend.params import NativeGenerateRequest, decode_body, native_sampling, parse_native_generate
 from frontend.registry import AdapterError
 from frontend.request_state import RequestState
 from frontend.runtime import InputError, Runtime
@@ -115,7 +115,7 @@ async def stream_chunks(runtime: Runtime, states: list[RequestState], batched: b
 async def generate(request: web.Request) -> web.StreamResponse:
     runtime = runtime_of(request)
     runtime.check_available()
-    body = decode_body(await request.read(), NativeGenerateRequest)
+    body = parse_native_generate(await request.read())
     states, batched = await start_generate(runtime, body)
     try:
         if not body.stream:
@@ -141,7 +141,9 @@ class AbortBody(msgspec.Struct, forbid_unknown_fields=True):
 async def abort_request(request: web.Request) -> web.Response:
     body = decode_body(await request.read(), AbortBody)
     found = await runtime_of(request).abort(body.rid)
-    return json_response({"success": found, "rid": body.rid}, 200 if found else 404)
+    # 200 either way, as SGLang does: the request may have finished a moment before the abort arrived.
+    message = "" if found else f"no request {body.rid!r} in flight"
+    return json_response({"success": found, "rid": body.rid, "message": message})
 
 
 @routes.get("/health")

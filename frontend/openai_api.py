@@ -11,7 +11,7 @@ from aiohttp import web
 
 from frontend.http_utils import error_response, json_response, send_sse, send_sse_done, start_sse, stream_many, wait_all
 from frontend.native_api import runtime_of, submit_all
-from frontend.params import convert, decode_body, make_sampling, stop_list
+from frontend.params import convert, decode_body, decode_json_object, make_sampling, stop_list, strip_neutral
 from frontend.registry import AdapterError
 from frontend.request_state import RequestState
 from frontend.runtime import InputError, Runtime
@@ -21,12 +21,27 @@ routes = web.RouteTableDef()
 
 # OpenAI parameters we do not implement, with the neutral values that mean "off" and are therefore accepted.
 NEUTRAL = {
-    "echo": (False,), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
-    "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
-    "reasoning_effort": (None,), "modalities": (None, ["text"]), "prediction": (None,), "audio": (None,),
+    "echo": (False,),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"),
+    "reasoning_effort": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "audio": (None,),
 }
 
 
@@ -66,29 +81,8 @@ class ChatRequest(CommonParams, kw_only=True):
 
 
 def parse_openai(body: bytes, schema: type) -> Any:
-    try:
-        raw = msgspec.json.decode(body)
-    except msgspec.DecodeError as e:
-        raise InputError(f"malformed JSON: {e}") from e
-    if not isinstance(raw, dict):
-        raise InputError("the request body must be a JSON object")
-    known = set(schema.__struct_fields__)
-    for key in list(raw):
-        if key in known:
-            continue
-        if key not in NEUTRAL:
-            raise InputError(f"unknown parameter {key!r}")
-        if not _is_neutral(raw[key], NEUTRAL[key]):
-            raise InputError(f"parameter {key!r} is not supported (got {raw[key]!r})")
-        del raw[key]
+    raw = strip_neutral(decode_json_object(body), set(schema.__struct_fields__), NEUTRAL, "parameter")
     return convert(raw, schema, "request")
-
-
-def _is_neutral(value: object, neutral: tuple) -> bool:
-    # Types must match too: `logprobs: 0` is neutral, `logprobs: true` is not, though True == 1 in Python.
-    return any(value == v and type(value) is type(v) for v in neutral) or (
-        isinstance(value, float) and value == 0.0 and 0 in neutral
-    )
 
 
 def resolve_model(runtime: Runtime, model: str) -> tuple[str | None, str]:
@@ -112,8 +106,11 @@ def openai_sampling(runtime: Runtime, req: CommonParams, prompt_len: int, defaul
         raise InputError(f"n must be in [1, 16], got {req.n}")
     if req.stream_options is not None and not req.stream:
         raise InputError("stream_options is only allowed with stream: true")
-    if req.max_tokens is not None and req.max_completion_tokens is not None and \
-            req.max_tokens != req.max_completion_tokens:
+    if (
+        req.max_tokens is not None
+        and req.max_completion_tokens is not None
+        and req.max_tokens != req.max_completion_tokens
+    ):
         raise InputError("max_tokens and max_completion_tokens disagree")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
@@ -122,9 +119,14 @@ def openai_sampling(runtime: Runtime, req: CommonParams, prompt_len: int, defaul
         raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
     return [
         make_sampling(
-            max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            ignore_eos=req.ignore_eos, seed=None if req.seed is None else req.seed + i,
-            stop_token_ids=None, eos_token_ids=runtime.eos_token_ids,
+            max_new_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            ignore_eos=req.ignore_eos,
+            seed=None if req.seed is None else req.seed + i,
+            stop_token_ids=None,
+            eos_token_ids=runtime.eos_token_ids,
         )
         for i in range(req.n)
     ]
@@ -138,12 +140,16 @@ def finish_reason(state: RequestState) -> str | None:
 
 def usage(states: list[RequestState], num_prompts_tokens: int) -> dict:
     completion = sum(len(s.output_ids) for s in states)
-    return {"prompt_tokens": num_prompts_tokens, "completion_tokens": completion,
-            "total_tokens": num_prompts_tokens + completion}
+    return {
+        "prompt_tokens": num_prompts_tokens,
+        "completion_tokens": completion,
+        "total_tokens": num_prompts_tokens + completion,
+    }
 
 
-async def run_openai(request: web.Request, req: CommonParams, prompts: list[list[int]], chat: bool,
-                     default_max: int | None) -> web.StreamResponse:
+async def run_openai(
+    request: web.Request, req: CommonParams, prompts: list[list[int]], chat: bool, default_max: int | None
+) -> web.StreamResponse:
     runtime = runtime_of(request)
     runtime.check_available()
     lora_name, served_by = resolve_model(runtime, req.model)
@@ -157,8 +163,11 @@ async def run_openai(request: web.Request, req: CommonParams, prompts: list[list
         for prompt, sampling in jobs:
             states += await submit_all(runtime, [prompt], sampling, stops, [lora_name], [None])
         kind = "chat.completion" if chat else "text_completion"
-        base = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
-                "model": served_by}
+        base = {
+            "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            "created": int(time.time()),
+            "model": served_by,
+        }
         prompt_tokens = sum(len(s.prompt_ids) for s in states)
         if req.stream:
             return await stream_openai(request, runtime, req, states, base, kind, chat, prompt_tokens)
@@ -167,39 +176,74 @@ async def run_openai(request: web.Request, req: CommonParams, prompts: list[list
         if failed is not None:
             return error_response(failed.error, failed.error_status)
         if chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": s.text}, "logprobs": None,
-                        "finish_reason": finish_reason(s)} for i, s in enumerate(states)]
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": s.text},
+                    "logprobs": None,
+                    "finish_reason": finish_reason(s),
+                }
+                for i, s in enumerate(states)
+            ]
         else:
-            choices = [{"index": i, "text": s.text, "logprobs": None, "finish_reason": finish_reason(s)}
-                       for i, s in enumerate(states)]
+            choices = [
+                {"index": i, "text": s.text, "logprobs": None, "finish_reason": finish_reason(s)}
+                for i, s in enumerate(states)
+            ]
         return json_response({**base, "object": kind, "choices": choices, "usage": usage(states, prompt_tokens)})
     finally:
         for state in states:
             await runtime.finish(state)
 
 
-async def stream_openai(request: web.Request, runtime: Runtime, req: CommonParams, states: list[RequestState],
-                        base: dict, kind: str, chat: bool, prompt_tokens: int) -> web.StreamResponse:
+async def stream_openai(
+    request: web.Request,
+    runtime: Runtime,
+    req: CommonParams,
+    states: list[RequestState],
+    base: dict,
+    kind: str,
+    chat: bool,
+    prompt_tokens: int,
+) -> web.StreamResponse:
     resp = await start_sse(request)
     chunk_kind = kind + ".chunk" if chat else kind
     sent = [0] * len(states)
     if chat:
         for i in range(len(states)):
-            await send_sse(resp, {**base, "object": chunk_kind, "choices": [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+            await send_sse(
+                resp,
+                {
+                    **base,
+                    "object": chunk_kind,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                },
+            )
     async for i, state in stream_many(runtime, states):
         if state.error:
-            await send_sse(resp, {"error": {"message": state.error, "type": "InternalServerError",
-                                            "code": state.error_status}})
+            await send_sse(
+                resp, {"error": {"message": state.error, "type": "InternalServerError", "code": state.error_status}}
+            )
             continue
-        delta_text = state.text[sent[i]:]
+        delta_text = state.text[sent[i] :]
         sent[i] = len(state.text)
         reason = finish_reason(state)
         if not delta_text and reason is None:
             continue
         if chat:
-            choice = {"index": i, "delta": {"content": delta_text} if delta_text else {}, "logprobs": None,
-                      "finish_reason": reason}
+            choice = {
+                "index": i,
+                "delta": {"content": delta_text} if delta_text else {},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
         else:
             choice = {"index": i, "text": delta_text, "logprobs": None, "finish_reason": reason}
         await send_sse(resp, {**base, "object": chunk_kind, "choices": [choice]})
@@ -267,12 +311,29 @@ async def models(request: web.Request) -> web.Response:
     runtime = runtime_of(request)
     base = runtime.config.model_name
     created = int(time.time())
-    cards = [{"id": base, "object": "model", "created": created, "owned_by": "loraplex", "root": runtime.model_dir,
-              "parent": None, "max_model_len": runtime.ready.context_length if runtime.ready else None}]
+    cards = [
+        {
+            "id": base,
+            "object": "model",
+            "created": created,
+            "owned_by": "loraplex",
+            "root": runtime.model_dir,
+            "parent": None,
+            "max_model_len": runtime.ready.context_length if runtime.ready else None,
+        }
+    ]
     for entry in runtime.registry.live():
         if not entry.draining:
-            cards.append({"id": entry.name, "object": "model", "created": created, "owned_by": "loraplex",
-                          "root": entry.path, "parent": base})
+            cards.append(
+                {
+                    "id": entry.name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "loraplex",
+                    "root": entry.path,
+                    "parent": base,
+                }
+            )
     return json_response({"object": "list", "data": cards})
 
 

@@ -32,6 +32,77 @@ class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     rid: str | list[str] | None = None
 
 
+# SGLang /generate fields we do not implement, with the values that mean "off" (accepted and dropped).
+NATIVE_NEUTRAL = {
+    "return_logprob": (None, False),
+    "logprob_start_len": (None, -1),
+    "top_logprobs_num": (None, 0),
+    "return_text_in_logprobs": (None, False),
+    "image_data": (None,),
+    "audio_data": (None,),
+    "modalities": (None, []),
+    "custom_logit_processor": (None,),
+    "return_hidden_states": (None, False),
+    "log_metrics": (None, True, False),
+}
+NATIVE_SAMPLING_NEUTRAL = {
+    "min_new_tokens": (None, 0),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
+    "n": (None, 1),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "no_stop_trim": (None, False),
+    "json_schema": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "logit_bias": (None, {}),
+    "custom_params": (None,),
+}
+
+
+def _is_neutral(value: object, neutral: tuple) -> bool:
+    # Types must match too: `logprobs: 0` is neutral, `logprobs: true` is not, though True == 1 in Python.
+    return any(value == v and type(value) is type(v) for v in neutral) or (
+        isinstance(value, float) and value == 0.0 and 0 in neutral
+    )
+
+
+def strip_neutral(raw: dict, known: set[str], neutral: dict[str, tuple], what: str) -> dict:
+    """Drop unimplemented fields set to their neutral value; refuse them set to anything else, and unknown ones."""
+    for key in list(raw):
+        if key in known:
+            continue
+        if key not in neutral:
+            raise InputError(f"unknown {what} {key!r}")
+        if not _is_neutral(raw[key], neutral[key]):
+            raise InputError(f"{what} {key!r} is not supported (got {raw[key]!r})")
+        del raw[key]
+    return raw
+
+
+def decode_json_object(body: bytes) -> dict:
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise InputError(f"malformed JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise InputError("the request body must be a JSON object")
+    return raw
+
+
+def parse_native_generate(body: bytes) -> NativeGenerateRequest:
+    raw = strip_neutral(decode_json_object(body), set(NativeGenerateRequest.__struct_fields__), NATIVE_NEUTRAL, "field")
+    params = raw.get("sampling_params")
+    if isinstance(params, dict):
+        strip_neutral(
+            params, set(NativeSamplingParams.__struct_fields__), NATIVE_SAMPLING_NEUTRAL, "sampling parameter"
+        )
+    return convert(raw, NativeGenerateRequest, "request")
+
+
 def decode_body(body: bytes, schema: type) -> Any:
     try:
         return msgspec.json.decode(body, type=schema)

@@ -32,6 +32,8 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:  # parent already gone before prctl took effect
         os._exit(1)
+    # Ctrl-C reaches the whole process group; the parent turns it into an orderly stop of its children.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def setup_logging(level: str, who: str) -> None:

@@ -198,3 +198,15 @@ def test_bad_flags_exit_nonzero_with_one_line(tmp_path):
         assert proc.returncode != 0
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and "error" in lines[0], proc.stderr
+
+
+def test_unimplemented_fields_at_their_neutral_value_are_accepted(server):
+    body = {"text": "hi", "return_logprob": False, "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 0,
+                                                                      "repetition_penalty": 1.0, "n": 1}}
+    assert server.post("/generate", body).status_code == 200
+    for field, value in (("repetition_penalty", 1.2), ("n", 2), ("unknown_knob", 1)):
+        resp = server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, field: value}})
+        assert resp.status_code == 400 and field in resp.json()["error"]["message"]
+    resp = server.post("/generate", {"text": "hi", "return_logprob": True})
+    assert resp.status_code == 400 and "return_logprob" in resp.json()["error"]["message"]
+    assert server.post("/abort_request", {"rid": "never-existed"}).json()["success"] is False
