@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import torch
-from worker_helpers import GREEDY
+from worker_helpers import GREEDY, decode
 
 from protocol.structs import ForwardBatch, ForwardReq, LoRAAdapterSpec, SlotLoad
 from worker.model_runner import ModelRunner
@@ -54,25 +53,6 @@ def batch_logits(runner: ModelRunner, prompts: list[list[int]], names: list[str 
 def greedy_decode(
     runner: ModelRunner, prompts: list[list[int]], names: list[str | None], steps: int
 ) -> list[list[int]]:
-    """Prefill every prompt in one batch, then decode them together, each request with its adapter.
-    Pages are handed out in a shuffled order, so page tables are scattered."""
-    free_pages = list(range(runner.kv_cache.num_pages))
-    random.Random(0).shuffle(free_pages)
-    pages = [[free_pages.pop() for _ in range(-(-(len(p) + steps) // runner.page_size))] for p in prompts]
-    outputs: list[list[int]] = [[] for _ in prompts]
-    for step in range(steps):
-        reqs = [
-            ForwardReq(
-                input_ids=prompt if step == 0 else out[-1:],
-                num_cached_tokens=0 if step == 0 else len(prompt) + step - 1,
-                page_ids=page_ids,
-                sampling=GREEDY,
-                num_generated=step,
-                slot=slot_of(name),
-            )
-            for prompt, page_ids, name, out in zip(prompts, pages, names, outputs, strict=True)
-        ]
-        batch = ForwardBatch(batch_id=step, reqs=reqs, slot_loads=slot_loads(names) if step == 0 else [])
-        for out, token in zip(outputs, runner.forward(batch), strict=True):
-            out.append(token)
-    return outputs
+    """Greedy decoding of a mixed batch, each request with its adapter (worker_helpers.decode with slots)."""
+    slots = [slot_of(name) for name in names]
+    return decode(runner, prompts, [GREEDY] * len(prompts), steps, slots=slots, slot_loads=slot_loads(names))

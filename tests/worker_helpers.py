@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from protocol.config import ServerConfig
-from protocol.structs import ForwardBatch, ForwardReq, SamplingParams
+from protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad
 from worker.model_runner import ModelRunner
 
 PAGE_SIZE = 4
@@ -52,9 +52,17 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[
     return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
 
 
-def decode(runner: ModelRunner, prompts: list[list[int]], params: list[SamplingParams], steps: int) -> list[list[int]]:
-    """Prefill every prompt in one batch, then decode them together, each with its own sampling params.
-    Pages are handed out in a shuffled order, so page tables are scattered."""
+def decode(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    steps: int,
+    slots: list[int] | None = None,
+    slot_loads: list[SlotLoad] | None = None,
+) -> list[list[int]]:
+    """Prefill every prompt in one batch, then decode them together, each with its own sampling params (and adapter
+    slot; slot_loads go with the first batch). Pages are handed out shuffled, so page tables are scattered."""
+    slots = slots or [-1] * len(prompts)
     free_pages = list(range(runner.kv_cache.num_pages))
     random.Random(0).shuffle(free_pages)
     pages = [[free_pages.pop() for _ in range(-(-(len(p) + steps) // runner.page_size))] for p in prompts]
@@ -67,9 +75,11 @@ def decode(runner: ModelRunner, prompts: list[list[int]], params: list[SamplingP
                 page_ids=page_ids,
                 sampling=sampling,
                 num_generated=step,
+                slot=slot,
             )
-            for prompt, page_ids, sampling, out in zip(prompts, pages, params, outputs, strict=True)
+            for prompt, page_ids, sampling, slot, out in zip(prompts, pages, params, slots, outputs, strict=True)
         ]
-        for out, token in zip(outputs, runner.forward(ForwardBatch(batch_id=step, reqs=reqs)), strict=True):
+        batch = ForwardBatch(batch_id=step, reqs=reqs, slot_loads=(slot_loads or []) if step == 0 else [])
+        for out, token in zip(outputs, runner.forward(batch), strict=True):
             out.append(token)
     return outputs
