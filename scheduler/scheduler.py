@@ -124,6 +124,11 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------------------------
 
+    @property
+    def in_flight_requests(self) -> list[Request]:
+        """The requests of the batch in flight, in the batch's order (empty when none is)."""
+        return [] if self._in_flight is None else list(self._in_flight.reqs)
+
     def schedule(self) -> ForwardBatch | None:
         if self._in_flight is not None:
             raise RuntimeError(f"schedule() called while batch {self._in_flight.batch_id} is in flight")
@@ -142,7 +147,8 @@ class Scheduler:
                     slot_loads.append(SlotLoad(slot=req.slot, lora_id=req.lora_id))
         if not self.running:
             return None
-        reqs = list(self.running.values())
+        # Grouped by slot, so each adapter's rows form one segment: one LoRA matmul per adapter, not per request.
+        reqs = sorted(self.running.values(), key=lambda r: r.slot)
         batch = ForwardBatch(
             batch_id=self._next_batch_id, reqs=[self._forward_req(r) for r in reqs], slot_loads=slot_loads
         )

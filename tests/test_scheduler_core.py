@@ -93,7 +93,7 @@ class Workers:
         if batch is None:
             assert not sched.running and not sched.waiting
             return None
-        reqs = list(sched.running.values())  # the batch's requests, in its order
+        reqs = sched.in_flight_requests  # the batch's requests, in its order
         self.check_batch(batch, reqs)
         for req, fwd in zip(reqs, batch.reqs, strict=True):
             if fwd.num_cached_tokens == 0:
@@ -117,6 +117,8 @@ class Workers:
             self.slot_contents[load.slot] = load.lora_id
         lora_ids = {req.lora_id for req in reqs if req.lora_id is not None}
         assert len(lora_ids) <= config.max_loras_per_batch
+        slots = [fwd.slot for fwd in batch.reqs]
+        assert slots == sorted(slots)  # one segment per adapter
         num_prefills, num_prefill_tokens = 0, 0
         for req, fwd in zip(reqs, batch.reqs, strict=True):
             if req.lora_id is None:
