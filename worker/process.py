@@ -36,7 +36,7 @@ logger = logging.getLogger("worker")
 # How long a failing worker waits for its ProcessFailed to leave (the sockets otherwise drop unsent messages).
 FAILURE_FLUSH_MS = 2000
 # While adapter loads run on the loader thread, the loop wakes this often to send their reports.
-LOAD_POLL_MS = 5
+LOAD_POLL_MS = 1
 
 # Test-only fault injection (ProcessArgs.fault_hooks, all values strings); inert unless set:
 #   fail_load_on_rank=N  global rank N fails every adapter load with "injected fault on rank N"

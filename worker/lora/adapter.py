@@ -194,6 +194,16 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    # One fused norm per tensor (what clip_grad_norm_ uses) is far cheaper than an isfinite pass per tensor; only when
+    # a norm is not finite (NaN/inf, or a huge fp16 value overflowing) do we look element by element.
+    if not tensors or torch.isfinite(torch.stack(torch._foreach_norm(list(tensors.values())))).all():
+        return
+    for key, tensor in tensors.items():
+        if not torch.isfinite(tensor).all():
+            raise AdapterLoadError(f"tensor {key!r} holds NaN or infinite values")
+
+
 def _match_tensors(
     tensors: dict[str, torch.Tensor], config: _Config, model_config: ModelConfig
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
@@ -223,11 +233,10 @@ def _match_tensors(
             )
         if not tensor.is_floating_point():
             raise AdapterLoadError(f"tensor {key!r} has dtype {tensor.dtype}; expected floating point")
-        if not torch.isfinite(tensor).all():
-            raise AdapterLoadError(f"tensor {key!r} holds NaN or infinite values")
         if (layer, module, which) in found:
             raise AdapterLoadError(f"tensor {key!r}: layer {layer} {module} lora_{which} appears twice")
         found[(layer, module, which)] = tensor
+    _check_finite(tensors)
     pairs = {}
     for layer in config.layers:
         for module in config.target_modules:
