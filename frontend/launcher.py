@@ -35,6 +35,7 @@ def make_endpoints(config: ServerConfig, ipc_dir: str) -> Endpoints:
         scheduler_to_frontend=f"ipc://{ipc_dir}/to_frontend",
         scheduler_to_workers=[f"ipc://{ipc_dir}/to_worker{i}" for i in range(local_ranks)],
         workers_to_scheduler=f"ipc://{ipc_dir}/to_scheduler_from_workers",
+        scheduler_to_loaders=[f"ipc://{ipc_dir}/to_loader{i}" for i in range(local_ranks)],
         dist_init_addr=config.dist_init_addr or f"127.0.0.1:{free_port()}",
     )
 

@@ -212,6 +212,9 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
     scheduler_to_workers: list[str]  # one per local rank
     workers_to_scheduler: str
     dist_init_addr: str  # host:port of the torch.distributed rendezvous
+    # One per local rank: adapter loads go straight to each rank's loader thread, even mid forward pass.
+    # Empty: loads travel with the batches (the worker forwards them to its loader).
+    scheduler_to_loaders: list[str] = []
 
 
 class ProcessArgs(msgspec.Struct, frozen=True, kw_only=True):

@@ -55,6 +55,8 @@ class SchedulerProcess:
         )
         self.from_workers = TypedSocket(PULL, endpoints.workers_to_scheduler, bind=True, recv_type=WorkerToScheduler)
         self.to_workers = [TypedSocket(PUSH, addr, bind=False) for addr in endpoints.scheduler_to_workers]
+        # Loads go to the ranks' loader threads at once, even mid pass; without those, with the batches.
+        self.to_loaders = [TypedSocket(PUSH, addr, bind=False) for addr in endpoints.scheduler_to_loaders]
         self.to_frontend = TypedSocket(PUSH, endpoints.scheduler_to_frontend, bind=False)
         self.scheduler: Scheduler | None = None
         self.deltas: list[TokenDelta] = []  # sent together, once per step
@@ -162,6 +164,8 @@ class SchedulerProcess:
             self.deltas += self.scheduler.abort(msg.rid)
         elif isinstance(msg, SchedulerStatsReq):
             self.to_frontend.send(self.scheduler.stats())
+        elif isinstance(msg, LoadLoRAAdapterReqInput) and self.to_loaders:
+            self.start_load(msg)  # reading needs no pause between passes; only slot changes do
         elif isinstance(msg, LoadLoRAAdapterReqInput | UnloadLoRAAdapterReqInput):
             self.deferred_ops.append(msg)
             if not self.scheduler.has_batch_in_flight:
@@ -191,13 +195,17 @@ class SchedulerProcess:
         ops, self.deferred_ops = self.deferred_ops, []
         for op in ops:
             if isinstance(op, LoadLoRAAdapterReqInput):
-                out = self.scheduler.load_adapters(op)
-                if isinstance(out, AdapterOpDone):
-                    self.finish_adapter_op(out)
-                else:
-                    self.broadcast(out)  # the reply follows the ranks' reports
+                self.start_load(op)
             else:
                 self.finish_adapter_op(self.scheduler.unload_adapters(op))
+
+    def start_load(self, op: LoadLoRAAdapterReqInput) -> None:
+        out = self.scheduler.load_adapters(op)
+        if isinstance(out, AdapterOpDone):
+            self.finish_adapter_op(out)
+        else:  # the reply follows the ranks' reports
+            for sock in self.to_loaders or self.to_workers:
+                sock.send(out)
 
     def finish_adapter_op(self, done: AdapterOpDone) -> None:
         self.deltas += done.deltas
@@ -214,7 +222,7 @@ class SchedulerProcess:
     def close(self) -> None:
         self.from_frontend.close()
         self.from_workers.close()
-        for typed in [*self.to_workers, self.to_frontend]:
+        for typed in [*self.to_workers, *self.to_loaders, self.to_frontend]:
             typed.sock.close(linger=SEND_LINGER_MS)
         self.to_frontend.sock.context.term()  # returns once the queued messages left, or the linger ran out
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 import torch
@@ -26,25 +23,15 @@ from protocol.structs import (
     WorkerAdapterReport,
     WorkerReady,
 )
+from worker.adapter_loader import INBOX, AdapterLoader
 from worker.batch_inputs import BatchError
 from worker.dist import destroy_distributed, global_rank, init_distributed, pick_device, ranks_per_node
-from worker.lora.adapter import AdapterLoadError, LoRAAdapter
 from worker.model_runner import ModelRunner
 
 logger = logging.getLogger("worker")
 
 # How long a failing worker waits for its ProcessFailed to leave (the sockets otherwise drop unsent messages).
 FAILURE_FLUSH_MS = 2000
-# While adapter loads run on the loader thread, the loop wakes this often to send their reports.
-LOAD_POLL_MS = 1
-
-# Test-only fault injection (ProcessArgs.fault_hooks, all values strings); inert unless set:
-#   fail_load_on_rank=N  global rank N fails every adapter load with "injected fault on rank N"
-#   fail_load_name=NAME  ... only the loads of adapters named NAME (with fail_load_on_rank)
-#   load_delay_s=S       every background adapter load sleeps S seconds first (tests of non-blocking loads)
-# Other keys are ignored: the launcher may hand every process the same hooks.
-
-LoadOutcomes = list[LoRAAdapter | AdapterLoadError]
 
 
 class Worker:
@@ -54,9 +41,6 @@ class Worker:
             raise ValueError(f"local rank {args.rank} does not fit tp {config.tp} over {config.nnodes} node(s)")
         self.rank = rank
         self.to_scheduler = to_scheduler
-        self.fail_loads = args.fault_hooks.get("fail_load_on_rank") == str(rank)
-        self.fail_load_name = args.fault_hooks.get("fail_load_name")
-        self.load_delay_s = float(args.fault_hooks.get("load_delay_s", 0))
         self.from_scheduler = TypedSocket(
             PULL, endpoints.scheduler_to_workers[args.rank], bind=True, recv_type=SchedulerToWorker
         )
@@ -76,9 +60,11 @@ class Worker:
             self.runner.context_length,
             self.runner.vocab_size,
         )
-        # Adapter reads (disk, validation, slicing) run here, one at a time, so reports leave in arrival order.
-        self.loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
-        self.pending_loads: deque[tuple[LoadLoRAAdapterReqInput, Future[LoadOutcomes]]] = deque()
+        # Adapter reads (disk, validation, slicing) run on their own thread, off the decode loop.
+        self.loader = AdapterLoader(args, rank, self.runner.lora) if self.runner.lora is not None else None
+        if self.loader is not None:
+            self.loader.start()
+            self.to_loader = TypedSocket(PUSH, INBOX, bind=False)
 
     def serve(self) -> None:
         lora = self.runner.lora
@@ -93,14 +79,13 @@ class Worker:
             )
         )
         while True:
-            msg = self.from_scheduler.recv(timeout_ms=LOAD_POLL_MS if self.pending_loads else None)
+            msg = self.from_scheduler.recv()
             if isinstance(msg, Shutdown):
                 return
             if msg is not None:
                 reply = self.handle(msg)
                 if reply is not None:
                     self.to_scheduler.send(reply)
-            self.report_finished_loads()
 
     def handle(self, msg: SchedulerToWorker) -> msgspec.Struct | None:
         if isinstance(msg, ForwardBatch):
@@ -108,8 +93,8 @@ class Worker:
         if isinstance(msg, LoadLoRAAdapterReqInput):
             if self.runner.lora is None:
                 return self.refuse_adapters(msg)
-            self.pending_loads.append((msg, self.loader.submit(self.read_adapters, msg)))
-            return None  # the report follows when the loader thread is done (report_finished_loads)
+            self.to_loader.send(msg)
+            return None  # the loader thread reports when it is done
         if isinstance(msg, DropAdapters):
             if self.runner.lora is not None:
                 self.runner.lora.drop(msg.lora_ids)
@@ -132,31 +117,6 @@ class Worker:
             return None
         return BatchResult(batch_id=batch.batch_id, next_token_ids=next_token_ids, error_message=error_message)
 
-    def read_adapters(self, msg: LoadLoRAAdapterReqInput) -> LoadOutcomes:
-        """On the loader thread: everything slow about a load, touching nothing the main loop uses."""
-        if self.load_delay_s:
-            time.sleep(self.load_delay_s)
-        outcomes = self.runner.lora.read(msg.adapters)
-        if self.fail_loads:
-            fault = AdapterLoadError(f"injected fault on rank {self.rank}", "internal")
-            outcomes = [
-                fault if self.fail_load_name in (None, spec.lora_name) else outcome
-                for spec, outcome in zip(msg.adapters, outcomes, strict=True)
-            ]
-        return outcomes
-
-    def report_finished_loads(self) -> None:
-        # Only the main loop installs host copies and sends, so the copies never change under a forward pass.
-        while self.pending_loads and self.pending_loads[0][1].done():
-            msg, future = self.pending_loads.popleft()
-            try:
-                outcomes = future.result()
-            except Exception as e:  # read_adapters catches per adapter; this would be a bug, not a bad adapter
-                logger.exception("adapter load failed")
-                outcomes = [AdapterLoadError(f"{type(e).__name__}: {e}", "internal") for _ in msg.adapters]
-            results = self.runner.lora.install(msg.adapters, outcomes)
-            self.to_scheduler.send(WorkerAdapterReport(rank=self.rank, results=results))
-
     def refuse_adapters(self, msg: LoadLoRAAdapterReqInput) -> WorkerAdapterReport:
         results = [
             LoRAAdapterResult(
@@ -171,7 +131,9 @@ class Worker:
         return WorkerAdapterReport(rank=self.rank, results=results)
 
     def close(self) -> None:
-        self.loader.shutdown(wait=False, cancel_futures=True)
+        if self.loader is not None:
+            self.loader.stop()
+            self.to_loader.close()
         self.from_scheduler.close()
         self.to_scheduler.close()
         destroy_distributed()
