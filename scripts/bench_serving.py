@@ -1,0 +1,212 @@
+"""Load generator for a running loraplex server: many adapters, Poisson or closed-loop arrivals, streamed /generate.
+
+    python scripts/bench_serving.py --url http://127.0.0.1:30000 --num-adapters 32 --concurrency 32 \
+        --num-requests 256 --input-len-range 16 256 --output-len-range 16 256 --json out.json
+
+Requests use random prompt ids and ignore_eos, so every output has exactly its requested length. TTFT is the time
+from sending to the first streamed token; ITL is the gap between consecutive streamed tokens (a chunk that brings
+k tokens counts as k gaps of 1/k of its delay each, as SGLang's bench_serving does). Throughputs are over the run's
+wall time, first request sent to last token received. Adapters must already be loaded on the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_report import (  # noqa: E402
+    SUMMARY_HEADERS,
+    RequestResult,
+    format_table,
+    summarize,
+    summarize_per_adapter,
+    summary_rows,
+    write_json,
+)
+from bench_workload import BenchRequest, add_workload_args, make_workload, workload_spec_from_args  # noqa: E402
+
+SSE_PREFIX = b"data: "
+
+
+def generate_payload(request: BenchRequest) -> dict:
+    return {
+        "input_ids": request.input_ids,
+        "sampling_params": {"max_new_tokens": request.output_len, "temperature": 0.0, "ignore_eos": True},
+        "lora_path": request.adapter,
+        "stream": True,
+    }
+
+
+async def stream_generate(session: aiohttp.ClientSession, url: str, request: BenchRequest, run_start: float,
+                          result: RequestResult | None = None) -> RequestResult:
+    """One streamed /generate; every token's arrival time recorded. Errors are recorded, never raised.
+
+    Fills `result` as tokens arrive when one is given, so a cancelled request leaves what it got.
+    """
+    if result is None:
+        result = RequestResult(request.index, request.adapter, len(request.input_ids), request.output_len)
+    sent = time.perf_counter()
+    result.start_s = sent - run_start
+    last, num_tokens = sent, 0
+    try:
+        async with session.post(url + "/generate", json=generate_payload(request)) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return result
+            async for line in resp.content:
+                if not line.startswith(SSE_PREFIX):
+                    continue
+                data = line[len(SSE_PREFIX):].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = f"stream error: {chunk['error']}"
+                    break
+                now = time.perf_counter()
+                new_tokens = len(chunk["output_ids"]) - num_tokens  # chunks are cumulative
+                if new_tokens <= 0:
+                    continue
+                if num_tokens == 0:
+                    result.ttft_s = now - sent
+                    result.itl_s.extend([0.0] * (new_tokens - 1))
+                else:
+                    result.itl_s.extend([(now - last) / new_tokens] * new_tokens)
+                result.token_times_s.extend([now - run_start] * new_tokens)
+                num_tokens += new_tokens
+                result.num_output_tokens = num_tokens
+                last = now
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+    result.num_output_tokens = num_tokens
+    result.latency_s = last - sent
+    if result.error is None and num_tokens != request.output_len:
+        result.error = f"got {num_tokens} tokens, asked for {request.output_len}"
+    return result
+
+
+def client_session(concurrency: int | None) -> aiohttp.ClientSession:
+    # No total timeout: a long benchmark request is not a failure. No connection cap beyond the concurrency.
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
+    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=concurrency or 0))
+
+
+async def run_requests(url: str, requests: list[BenchRequest], *, concurrency: int | None = None,
+                       progress: bool = True, desc: str = "requests") -> tuple[list[RequestResult], float]:
+    """Sends each request at its arrival time, at most `concurrency` in flight; (results, wall seconds)."""
+    from tqdm import tqdm
+
+    url = url.rstrip("/")
+    limit = asyncio.Semaphore(concurrency) if concurrency else None
+    bar = tqdm(total=len(requests), desc=desc, disable=not progress, file=sys.stderr)
+    async with client_session(concurrency) as session:
+        run_start = time.perf_counter()
+
+        async def one(request: BenchRequest) -> RequestResult:
+            delay = run_start + request.arrival_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if limit is None:
+                result = await stream_generate(session, url, request, run_start)
+            else:
+                async with limit:
+                    result = await stream_generate(session, url, request, run_start)
+            bar.update(1)
+            return result
+
+        results = await asyncio.gather(*(one(r) for r in requests))
+        duration_s = time.perf_counter() - run_start
+    bar.close()
+    return list(results), duration_s
+
+
+async def check_server(url: str, adapters: set[str]) -> None:
+    url = url.rstrip("/")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.get(url + "/health") as resp:
+            if resp.status != 200:
+                raise SystemExit(f"{url}/health answered {resp.status}")
+        if adapters:
+            async with session.get(url + "/lora_adapters") as resp:
+                loaded = {a["lora_name"] for a in (await resp.json())["adapters"]}
+            missing = sorted(adapters - loaded)
+            if missing:
+                raise SystemExit(f"adapters not loaded on {url}: {', '.join(missing[:8])}"
+                                 f"{' ...' if len(missing) > 8 else ''}")
+
+
+async def warm_up(url: str, requests: list[BenchRequest], concurrency: int | None) -> None:
+    """One short request (4 tokens) per distinct adapter, base included, so first-use costs (an adapter's first
+    trip into a device slot, lazy allocations) stay out of the measurement; the adapter-ops benchmark measures them."""
+    first_of: dict[str | None, BenchRequest] = {}
+    for r in requests:
+        first_of.setdefault(r.adapter, r)
+    short = [BenchRequest(r.index, r.input_ids, min(4, r.output_len), r.adapter, 0.0) for r in first_of.values()]
+    results, _ = await run_requests(url, short, concurrency=concurrency, progress=False)
+    failed = [r.error for r in results if not r.ok]
+    if failed:
+        raise SystemExit(f"warm-up request failed: {failed[0]}")
+
+
+async def benchmark(url: str, requests: list[BenchRequest], *, concurrency: int | None, warmup: bool = True,
+                    progress: bool = True, desc: str = "bench_serving") -> dict:
+    """Checks the server, warms it up, runs the workload: {'summary', 'per_adapter'}."""
+    await check_server(url, {r.adapter for r in requests if r.adapter is not None})
+    if warmup:
+        await warm_up(url, requests, concurrency)
+    results, duration_s = await run_requests(url, requests, concurrency=concurrency, progress=progress, desc=desc)
+    failed = [r for r in results if not r.ok]
+    if failed:
+        print(f"{len(failed)} of {len(results)} requests failed; first: {failed[0].error}", file=sys.stderr)
+    return {"summary": summarize(results, duration_s), "per_adapter": summarize_per_adapter(results, duration_s)}
+
+
+def print_report(result: dict) -> None:
+    rows = summary_rows("all", result["summary"])
+    if len(result["per_adapter"]) > 1:
+        for name, summary in result["per_adapter"].items():
+            rows += summary_rows(name, summary)
+    print(format_table(SUMMARY_HEADERS, rows))
+    summary = result["summary"]
+    print(f"duration {summary['duration_s']:.1f} s, input {summary['input_token_throughput']:.1f} tok/s, "
+          f"E2E p50 {summary['e2e_latency_ms']['p50']:.0f} ms")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:30000")
+    parser.add_argument("--concurrency", type=int, default=None, help="most requests in flight (closed loop)")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the one request per adapter sent first")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the results here")
+    parser.add_argument("--no-progress", action="store_true")
+    add_workload_args(parser)
+    args = parser.parse_args(argv)
+    if args.concurrency is None and math.isinf(args.request_rate):
+        parser.error("give --request-rate, --concurrency or both (else every request is sent at once)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    spec = workload_spec_from_args(args)
+    requests = make_workload(spec)
+    result = asyncio.run(benchmark(args.url, requests, concurrency=args.concurrency,
+                                   warmup=not args.no_warmup, progress=not args.no_progress))
+    result["config"] = {"url": args.url, "concurrency": args.concurrency, "workload": spec.to_json()}
+    print_report(result)
+    if args.json:
+        write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""The benchmark scripts stay runnable: a deterministic workload, and bench_serving against a tiny server."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import bench_serving  # noqa: E402
+from bench_report import percentile  # noqa: E402
+from bench_workload import FIRST_PLAIN_TOKEN_ID, WorkloadSpec, make_workload  # noqa: E402
+
+from tests.server_utils import ServerProcess  # noqa: E402
+
+SPEC = WorkloadSpec(num_requests=64, input_len_range=(4, 40), output_len_range=(2, 30),
+                    adapter_names=tuple(f"lora-{i:03d}" for i in range(8)), request_rate=20.0, seed=7)
+
+
+def test_workload_is_deterministic() -> None:
+    first, again = make_workload(SPEC), make_workload(SPEC)
+    assert first == again
+    assert make_workload(WorkloadSpec(**{**SPEC.__dict__, "seed": 8})) != first
+    for r in first:
+        assert 4 <= len(r.input_ids) <= 40 and 2 <= r.output_len <= 30
+        assert all(FIRST_PLAIN_TOKEN_ID <= t < SPEC.vocab_size for t in r.input_ids)
+    arrivals = [r.arrival_s for r in first]
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals) and len(set(arrivals)) == len(arrivals)
+    assert 1.0 < arrivals[-1] < 8.0  # 63 gaps of mean 1/20 s
+    assert len({r.adapter for r in first}) == 8
+
+
+def test_adapter_count_changes_only_the_adapter_column() -> None:
+    many = make_workload(SPEC)
+    for other in (make_workload(WorkloadSpec(**{**SPEC.__dict__, "adapter_names": ()})),
+                  make_workload(WorkloadSpec(**{**SPEC.__dict__, "adapter_names": SPEC.adapter_names[:2]}))):
+        assert [(r.input_ids, r.output_len, r.arrival_s) for r in other] == \
+            [(r.input_ids, r.output_len, r.arrival_s) for r in many]
+    assert {r.adapter for r in make_workload(WorkloadSpec(**{**SPEC.__dict__, "adapter_names": ()}))} == {None}
+
+
+def test_zipf_favours_the_first_adapters() -> None:
+    spec = WorkloadSpec(**{**SPEC.__dict__, "num_requests": 2000, "distribution": "zipf", "zipf_alpha": 1.5})
+    counts = [sum(r.adapter == name for r in make_workload(spec)) for name in spec.adapter_names]
+    assert counts[0] > 2 * counts[1] > 0 and counts[0] > 10 * counts[-1]
+
+
+def test_percentile_matches_linear_interpolation() -> None:
+    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == pytest.approx(4.6)
+    assert math.isnan(percentile([], 99))
+
+
+def test_bench_serving_runs_against_a_tiny_server(llama_dir: Path, adapter_dirs: dict[str, Path],
+                                                  tmp_path: Path) -> None:
+    out = tmp_path / "serving.json"
+    with ServerProcess("--model-path", str(llama_dir), "--lora-paths", f"a16={adapter_dirs['a16']}",
+                       f"a4={adapter_dirs['a4']}", "--max-running-requests", "4") as server:
+        bench_serving.main(["--url", server.url, "--adapter-names", "a16", "a4", "--num-adapters", "2",
+                            "--num-requests", "6", "--concurrency", "3", "--input-len-range", "4", "12",
+                            "--output-len-range", "3", "8", "--no-progress", "--json", str(out)])
+    result = json.loads(out.read_text())
+    summary = result["summary"]
+    assert summary["num_requests"] == summary["num_completed"] == 6 and summary["num_failed"] == 0
+    workload = make_workload(WorkloadSpec(num_requests=6, input_len_range=(4, 12), output_len_range=(3, 8),
+                                          adapter_names=("a16", "a4")))
+    expected_tokens = sum(r.output_len for r in workload)
+    assert summary["output_token_throughput"] * summary["duration_s"] == pytest.approx(expected_tokens)
+    assert summary["request_throughput"] > 0
+    for key in ("ttft_ms", "itl_ms", "e2e_latency_ms"):
+        assert set(summary[key]) == {"p50", "p90", "p99", "mean"}
+        assert 0 < summary[key]["p50"] <= summary[key]["p90"] <= summary[key]["p99"]
+    assert summary["ttft_ms"]["p99"] <= summary["e2e_latency_ms"]["p99"]
+    per_adapter = result["per_adapter"]
+    assert set(per_adapter) == {r.adapter for r in workload}
+    assert sum(s["num_completed"] for s in per_adapter.values()) == 6
+    assert result["config"]["workload"]["adapter_names"] == ["a16", "a4"]
