@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
-import time
 from pathlib import Path
 
 import torch
 from lora_helpers import LORA_CONFIG, MIXED, MIXED_LENGTHS, batch_logits, greedy_decode, load_all
 from safetensors.torch import load_file
-from server_utils import free_port
-from worker_helpers import random_prompts
+from worker_helpers import random_prompts, run_two_ranks
 
 from frontend.demo_model import ATTN_MODULES
 from protocol.config import TARGET_MODULES, ServerConfig
@@ -49,36 +46,7 @@ def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str],
 
 
 def run_tp2(model_dir: str, adapter_dirs: dict[str, str]) -> dict[int, dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=tp_child, args=(rank, port, model_dir, adapter_dirs, results), daemon=True)
-        for rank in (0, 1)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        by_rank = {}
-        deadline = time.monotonic() + CHILD_TIMEOUT_S
-        while len(by_rank) < len(procs):
-            crashed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            assert not crashed, f"a TP rank exited with {crashed}"
-            assert time.monotonic() < deadline, f"TP ranks gave no result in {CHILD_TIMEOUT_S}s"
-            try:
-                rank, out = results.get(timeout=1)
-            except queue.Empty:
-                continue
-            by_rank[rank] = out
-        for p in procs:
-            p.join(timeout=30)
-            assert p.exitcode == 0
-        return by_rank
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    return run_two_ranks(tp_child, model_dir, adapter_dirs, timeout_s=CHILD_TIMEOUT_S)
 
 
 def test_lora_tp2_matches_tp1(llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:

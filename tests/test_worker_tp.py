@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
-import time
 from pathlib import Path
 
 import torch
-from server_utils import free_port
-from worker_helpers import GREEDY, build_llama_variant, decode, random_prompts
+from worker_helpers import GREEDY, build_llama_variant, decode, random_prompts, run_two_ranks
 
 from protocol.config import ServerConfig
 from protocol.structs import SamplingParams
@@ -50,34 +47,7 @@ def tp_child(rank: int, port: int, model_dirs: dict[str, str], results: mp.Queue
 
 
 def run_tp2(model_dirs: dict[str, str]) -> dict[int, dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=tp_child, args=(rank, port, model_dirs, results), daemon=True) for rank in (0, 1)]
-    try:
-        for p in procs:
-            p.start()
-        by_rank = {}
-        deadline = time.monotonic() + CHILD_TIMEOUT_S
-        while len(by_rank) < len(procs):
-            # Poll, so a rank that died is reported at once rather than after the timeout.
-            crashed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            assert not crashed, f"a TP rank exited with {crashed}"
-            assert time.monotonic() < deadline, f"TP ranks gave no result in {CHILD_TIMEOUT_S}s"
-            try:
-                rank, out = results.get(timeout=1)
-            except queue.Empty:
-                continue
-            by_rank[rank] = out
-        for p in procs:
-            p.join(timeout=30)
-            assert p.exitcode == 0
-        return by_rank
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    return run_two_ranks(tp_child, model_dirs, timeout_s=CHILD_TIMEOUT_S)
 
 
 def test_tp2_matches_tp1(llama_dir: Path, qwen2_dir: Path, tmp_path: Path) -> None:

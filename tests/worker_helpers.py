@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import queue
 import random
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from server_utils import free_port
 
 from protocol.config import ServerConfig
 from protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad
@@ -83,3 +89,35 @@ def decode(
         for out, token in zip(outputs, runner.forward(batch), strict=True):
             out.append(token)
     return outputs
+
+
+def run_two_ranks(target: Callable[..., None], *args: Any, timeout_s: float = 120.0) -> dict[int, Any]:
+    """Run target(rank, port, *args, results) in two spawned processes (a gloo TP group on a free loopback port);
+    each puts (rank, output) on results. Polls, so a rank that died is reported at once, and kills what is left."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(rank, port, *args, results), daemon=True) for rank in (0, 1)]
+    try:
+        for p in procs:
+            p.start()
+        by_rank: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(by_rank) < len(procs):
+            crashed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not crashed, f"a TP rank exited with {crashed}"
+            assert time.monotonic() < deadline, f"TP ranks gave no result in {timeout_s}s"
+            try:
+                rank, out = results.get(timeout=1)
+            except queue.Empty:
+                continue
+            by_rank[rank] = out
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0
+        return by_rank
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
