@@ -12,8 +12,6 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import msgspec
-
 from frontend.native_api import NativeGenerateRequest, collect, start_generate, stream_chunks
 from frontend.params import convert
 from frontend.runtime import Runtime
@@ -164,4 +162,4 @@ class Engine:
                 pass
 
 
-__all__ = ["Engine", "msgspec"]
+__all__ = ["Engine"]
