@@ -101,8 +101,8 @@ async def steady_stream(url: str, adapters: list[str | None], concurrency: int, 
 
 
 def gaps_between(results: list[RequestResult], start_s: float, end_s: float) -> list[float]:
-    """ITL samples of the tokens that arrived in [start_s, end_s); itl_s[j] belongs to token j + 1."""
-    return [gap for r in results for gap, t in zip(r.itl_s, r.token_times_s[1:], strict=False) if start_s <= t < end_s]
+    """ITL samples of the tokens that arrived in [start_s, end_s)."""
+    return [gap for r in results for gap, t in zip(r.itl_s, r.itl_times_s, strict=True) if start_s <= t < end_s]
 
 
 async def storm(url: str, adapter_dir: Path, ops_per_second: float, duration_s: float, prefix: str) -> dict:

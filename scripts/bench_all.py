@@ -95,7 +95,12 @@ def best_of(runs: list[dict]) -> dict:
     return best
 
 
-def run_peft(base_dir: Path, adapter_dirs: dict[str, Path], spec: WorkloadSpec, plan: Plan, repeats: int) -> dict:
+def run_peft(base_dir: Path, adapter_dirs: dict[str, Path], spec: WorkloadSpec, plan: Plan, repeats: int,
+             num_threads: int | None) -> dict:
+    import torch
+
+    if num_threads:
+        torch.set_num_threads(num_threads)
     model = bench_peft_baseline.load_peft_model(base_dir, {n: adapter_dirs[n] for n in spec.adapter_names})
     try:
         return best_of([bench_peft_baseline.run_baseline(model, make_workload(spec), plan.concurrency,
@@ -150,6 +155,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ops-duration", type=float, default=None, help="override the quiet/storm window seconds")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run each throughput workload this many times and keep the fastest (noisy machines)")
+    parser.add_argument("--peft-threads", type=int, default=None, help="torch threads of the PEFT baseline "
+                        "(default: torch's, one per core)")
+    parser.add_argument("--server-threads", type=int, default=None, help="OMP_NUM_THREADS for the server "
+                        "(default: unset, the worker picks: cores - 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH", help="write every result here")
     return parser.parse_args(argv)
@@ -184,11 +193,14 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {"plan": plan.__dict__, "workload": many.to_json(), "cpu_gflops": {}}
     results["cpu_gflops"]["before_peft"] = cpu_speed_gflops()
     print(f"== peft baseline: {plan.num_requests} requests, static batches of {plan.concurrency}", flush=True)
-    results["peft"] = run_peft(bench.base_dir, bench.adapter_dirs, many, plan, args.repeats)
+    results["peft"] = run_peft(bench.base_dir, bench.adapter_dirs, many, plan, args.repeats, args.peft_threads)
     print(format_table(SUMMARY_HEADERS, summary_rows("peft", results["peft"]["summary"])))
 
     results["cpu_gflops"]["before_serving"] = cpu_speed_gflops()
-    with ServerProcess(*server_args(bench.base_dir, bench.adapter_dirs, plan), start_timeout_s=600) as server:
+    server_env = {"OMP_NUM_THREADS": str(args.server_threads)} if args.server_threads else None
+    results["server_threads"] = args.server_threads or "server default"
+    with ServerProcess(*server_args(bench.base_dir, bench.adapter_dirs, plan), env=server_env,
+                       start_timeout_s=600) as server:
         results["server_log"] = server.log_path
         runs: dict[str, list[dict]] = {"serving_many": [], "serving_few": [], "serving_base": []}
         for _ in range(args.repeats):  # interleaved, so that a slow spell of the machine hits every workload alike
@@ -212,7 +224,8 @@ def main(argv: list[str] | None = None) -> dict:
     results["load_average"] = {"before": load_before, "after": os.getloadavg()}
     print(f"\nbench_all ({plan.size} model {SIZES[plan.size].key}, {plan.num_requests} requests, "
           f"in {plan.input_len_range[0]}-{plan.input_len_range[1]}, out {plan.output_len_range[0]}-"
-          f"{plan.output_len_range[1]} tokens; best of {args.repeats}; {time.time() - started:.0f} s; load avg "
+          f"{plan.output_len_range[1]} tokens; best of {args.repeats}; peft threads {results['peft']['num_threads']}, "
+          f"server threads {results['server_threads']}; {time.time() - started:.0f} s; load avg "
           f"{load_before[0]:.1f} -> {results['load_average']['after'][0]:.1f}; CPU probe GFLOP/s before peft / "
           f"before serving / at end: {' / '.join(f'{v:.0f}' for v in results['cpu_gflops'].values())})")
     print(format_table(("ratio", "measured", "target", "met", "from"), rows))

@@ -87,12 +87,14 @@ def run_baseline(model: torch.nn.Module, requests: list[BenchRequest], batch_siz
     duration_s = time.perf_counter() - run_start
     summary = summarize(results, duration_s)
     summary["generated_token_throughput"] = num_generated / duration_s  # padding rows included
-    return {"summary": summary, "batch_size": batch_size, "num_batches": len(batches)}
+    return {"summary": summary, "batch_size": batch_size, "num_batches": len(batches),
+            "num_threads": torch.get_num_threads()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-size", type=int, default=32, help="static batch size (= the server's concurrency)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     parser.add_argument("--size", choices=sorted(SIZES), default="full", help="bench model (bench_model.py)")
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR))
     parser.add_argument("--model-path", default=None, help="a checkpoint instead of the bench model")
@@ -118,6 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
     missing = [name for name in used if name not in all_dirs]
     if missing:
         raise SystemExit(f"no adapter directory for {', '.join(missing)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = load_peft_model(base_dir, {name: all_dirs[name] for name in used})
     result = run_baseline(model, requests, args.batch_size, use_adapters=bool(used), progress=not args.no_progress)
     result["config"] = {"model_path": str(base_dir), "workload": spec.to_json()}

@@ -21,8 +21,8 @@ class RequestResult:
     start_s: float = 0.0  # when the request was sent, from the start of the run
     ttft_s: float = math.nan
     latency_s: float = math.nan
-    itl_s: list[float] = field(default_factory=list)  # one entry per output token after the first
-    token_times_s: list[float] = field(default_factory=list)  # arrival of each output token, from the run start
+    itl_s: list[float] = field(default_factory=list)  # one per token after the first chunk's
+    itl_times_s: list[float] = field(default_factory=list)  # when each itl_s sample's token arrived, from the run start
     error: str | None = None
 
     @property

@@ -6,7 +6,8 @@
 Requests use random prompt ids and ignore_eos, so every output has exactly its requested length. TTFT is the time
 from sending to the first streamed token; ITL is the gap between consecutive streamed tokens (a chunk that brings
 k tokens counts as k gaps of 1/k of its delay each, as SGLang's bench_serving does). Throughputs are over the run's
-wall time, first request sent to last token received. Adapters must already be loaded on the server.
+wall time, first request sent to last token received. Adapters must already be loaded on the server; one short
+request per adapter (and base) goes first, unmeasured, so an adapter's first trip into a device slot is not timed.
 """
 
 from __future__ import annotations
@@ -78,10 +79,9 @@ async def stream_generate(session: aiohttp.ClientSession, url: str, request: Ben
                     continue
                 if num_tokens == 0:
                     result.ttft_s = now - sent
-                    result.itl_s.extend([0.0] * (new_tokens - 1))
                 else:
                     result.itl_s.extend([(now - last) / new_tokens] * new_tokens)
-                result.token_times_s.extend([now - run_start] * new_tokens)
+                    result.itl_times_s.extend([now - run_start] * new_tokens)
                 num_tokens += new_tokens
                 result.num_output_tokens = num_tokens
                 last = now
