@@ -7,7 +7,8 @@
    files are in the page cache), then load them through the server (request -> 200), then unload. A load can
    hardly beat the read, so load / read says what the server adds.
 2. One steady stream of decode requests (closed loop, `--stream-concurrency` in flight, short prompts so prefill
-   barely shows) runs through both windows below; ITL counts the tokens that arrive inside each window.
+   barely shows, output lengths spread around `--output-len`) runs through both windows below; ITL counts the tokens
+   that arrive inside each window.
    Quiet: `--duration` s with no adapter operations. Storm: the next `--duration` s with `--ops-per-second` adapter
    operations (a load of `--adapter-path` under a fresh name, then its unload, alternating, on a fixed clock). The
    loads of the storm are the "busy" load latencies, set against read + one decode step (the quiet ITL p50).
@@ -21,6 +22,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -75,9 +77,13 @@ async def idle_cycles(url: str, adapter_dir: Path, cycles: int, prefix: str) -> 
 
 async def steady_stream(url: str, adapters: list[str | None], concurrency: int, input_len: int, output_len: int,
                         seed: int, run_start: float, stop: asyncio.Event) -> list[RequestResult]:
-    """Closed loop: `concurrency` workers, each sending the next request as soon as its last one ends, until stop."""
+    """Closed loop: `concurrency` workers, each sending the next request as soon as its last one ends, until stop.
+
+    Output lengths are uniform in [output_len / 2, 3 * output_len / 2]: with one fixed length the requests would end
+    and prefill in lockstep, and a whole-batch prefill stall landing in one window and not the other swings its p99.
+    """
     spec = WorkloadSpec(num_requests=4096, input_len_range=(input_len, input_len),
-                        output_len_range=(output_len, output_len), adapter_names=(), seed=seed)
+                        output_len_range=(max(1, output_len // 2), output_len * 3 // 2), adapter_names=(), seed=seed)
     prompts = make_workload(spec)
     results: list[RequestResult] = []
     counter = iter(range(10**9))
@@ -86,8 +92,8 @@ async def steady_stream(url: str, adapters: list[str | None], concurrency: int, 
         while not stop.is_set():
             i = next(counter)
             request = prompts[i % len(prompts)]
-            request = type(request)(i, request.input_ids, output_len, adapters[i % len(adapters)], 0.0)
-            result = RequestResult(i, request.adapter, input_len, output_len)
+            request = replace(request, index=i, adapter=adapters[i % len(adapters)], arrival_s=0.0)
+            result = RequestResult(i, request.adapter, input_len, request.output_len)
             results.append(result)  # before the await: a request cut off at stop keeps its tokens so far
             await stream_generate(session, url, request, run_start, result)
 
@@ -214,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--stream-adapters", nargs="*", default=None,
                         help="adapters the stream uses, round robin (default: those loaded; none = base)")
     parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128, help="mean output length of the stream's requests")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name-prefix", default="bench-ops-", help="names of the adapters this script loads")
     parser.add_argument("--json", default=None, metavar="PATH")
