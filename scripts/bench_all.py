@@ -1,6 +1,6 @@
 """Every benchmark on one workload, servers started and stopped here, and one table of the ratios the issue targets.
 
-    python scripts/bench_all.py                 # full: 137 M-param model, 64 requests, ~8 min on 2 cores
+    python scripts/bench_all.py                 # full: 137 M-param model, 64 requests, 8-10 min on 2 cores
     python scripts/bench_all.py --quick         # a small model and a short workload: a smoke run of under a minute
     python scripts/bench_all.py --num-requests 128 --output-len-range 16 256 --json out.json   # a longer run
 
