@@ -82,8 +82,9 @@ def cpu_speed_gflops(duration_s: float = 0.5) -> float:
     return num_iters * 2 * x.shape[0] * w.shape[0] * w.shape[1] / (time.perf_counter() - start) / 1e9
 
 
-def server_args(base_dir: Path, adapter_dirs: dict[str, Path], plan: Plan) -> list[str]:
-    return ["--model-path", str(base_dir), "--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "all",
+def server_args(base_dir: Path, adapter_dirs: dict[str, Path], plan: Plan, dtype: str) -> list[str]:
+    return ["--model-path", str(base_dir), "--dtype", dtype, "--enable-lora", "--max-lora-rank", "16",
+            "--lora-target-modules", "all",
             "--max-running-requests", str(plan.concurrency), "--max-loras-per-batch", str(max(8, plan.num_adapters)),
             "--lora-paths", *(f"{name}={path}" for name, path in adapter_dirs.items())]
 
@@ -96,12 +97,12 @@ def best_of(runs: list[dict]) -> dict:
 
 
 def run_peft(base_dir: Path, adapter_dirs: dict[str, Path], spec: WorkloadSpec, plan: Plan, repeats: int,
-             num_threads: int | None) -> dict:
+             num_threads: int | None, dtype: str) -> dict:
     import torch
 
     if num_threads:
         torch.set_num_threads(num_threads)
-    model = bench_peft_baseline.load_peft_model(base_dir, {n: adapter_dirs[n] for n in spec.adapter_names})
+    model = bench_peft_baseline.load_peft_model(base_dir, {n: adapter_dirs[n] for n in spec.adapter_names}, dtype)
     try:
         return best_of([bench_peft_baseline.run_baseline(model, make_workload(spec), plan.concurrency,
                                                          use_adapters=True) for _ in range(repeats)])
@@ -159,6 +160,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: torch's, one per core)")
     parser.add_argument("--server-threads", type=int, default=None, help="OMP_NUM_THREADS for the server "
                         "(default: unset, the worker picks: cores - 1)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16",
+                        help="of both systems' weights and compute (default bfloat16: what a server on a CPU with "
+                        "AVX512-BF16/AMX runs, several times faster than float32 there)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH", help="write every result here")
     return parser.parse_args(argv)
@@ -190,16 +194,17 @@ def main(argv: list[str] | None = None) -> dict:
     few = replace(many, adapter_names=many.adapter_names[:num_few])
     base = replace(many, adapter_names=())
 
-    results: dict = {"plan": plan.__dict__, "workload": many.to_json(), "cpu_gflops": {}}
+    results: dict = {"plan": plan.__dict__, "dtype": args.dtype, "workload": many.to_json(), "cpu_gflops": {}}
     results["cpu_gflops"]["before_peft"] = cpu_speed_gflops()
     print(f"== peft baseline: {plan.num_requests} requests, static batches of {plan.concurrency}", flush=True)
-    results["peft"] = run_peft(bench.base_dir, bench.adapter_dirs, many, plan, args.repeats, args.peft_threads)
+    results["peft"] = run_peft(bench.base_dir, bench.adapter_dirs, many, plan, args.repeats, args.peft_threads,
+                               args.dtype)
     print(format_table(SUMMARY_HEADERS, summary_rows("peft", results["peft"]["summary"])))
 
     results["cpu_gflops"]["before_serving"] = cpu_speed_gflops()
     server_env = {"OMP_NUM_THREADS": str(args.server_threads)} if args.server_threads else None
     results["server_threads"] = args.server_threads or "server default"
-    with ServerProcess(*server_args(bench.base_dir, bench.adapter_dirs, plan), env=server_env,
+    with ServerProcess(*server_args(bench.base_dir, bench.adapter_dirs, plan, args.dtype), env=server_env,
                        start_timeout_s=600) as server:
         results["server_log"] = server.log_path
         runs: dict[str, list[dict]] = {"serving_many": [], "serving_few": [], "serving_base": []}
@@ -224,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["load_average"] = {"before": load_before, "after": os.getloadavg()}
     print(f"\nbench_all ({plan.size} model {SIZES[plan.size].key}, {plan.num_requests} requests, "
           f"in {plan.input_len_range[0]}-{plan.input_len_range[1]}, out {plan.output_len_range[0]}-"
-          f"{plan.output_len_range[1]} tokens; best of {args.repeats}; peft threads {results['peft']['num_threads']}, "
+          f"{plan.output_len_range[1]} tokens; {args.dtype}; best of {args.repeats}; peft threads {results['peft']['num_threads']}, "
           f"server threads {results['server_threads']}; {time.time() - started:.0f} s; load avg "
           f"{load_before[0]:.1f} -> {results['load_average']['after'][0]:.1f}; CPU probe GFLOP/s before peft / "
           f"before serving / at end: {' / '.join(f'{v:.0f}' for v in results['cpu_gflops'].values())})")

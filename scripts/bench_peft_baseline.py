@@ -29,17 +29,22 @@ PAD_TOKEN_ID = 0  # <unk>; masked out, so its value does not matter
 PEFT_BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in adapter_names
 
 
-def load_peft_model(base_dir: Path, adapter_dirs: dict[str, Path]) -> torch.nn.Module:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_peft_model(base_dir: Path, adapter_dirs: dict[str, Path], dtype: str = "float32") -> torch.nn.Module:
+    """Base and adapters in `dtype` (peft's default would upcast half-precision adapters to fp32 and run every LoRA
+    matmul in fp32: slower, so the baseline keeps them in the model's dtype, as the server does)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=DTYPES[dtype]).eval()
     if not adapter_dirs:
         return model
     (first_name, first_dir), *rest = adapter_dirs.items()
-    model = PeftModel.from_pretrained(model, first_dir, adapter_name=first_name).eval()
+    model = PeftModel.from_pretrained(model, first_dir, adapter_name=first_name, autocast_adapter_dtype=False).eval()
     for name, path in rest:
-        model.load_adapter(path, adapter_name=name)
+        model.load_adapter(path, adapter_name=name, autocast_adapter_dtype=False)
     return model
 
 
@@ -95,6 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-size", type=int, default=32, help="static batch size (= the server's concurrency)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and compute dtype")
     parser.add_argument("--size", choices=sorted(SIZES), default="full", help="bench model (bench_model.py)")
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR))
     parser.add_argument("--model-path", default=None, help="a checkpoint instead of the bench model")
@@ -122,9 +128,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"no adapter directory for {', '.join(missing)}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load_peft_model(base_dir, {name: all_dirs[name] for name in used})
+    model = load_peft_model(base_dir, {name: all_dirs[name] for name in used}, args.dtype)
     result = run_baseline(model, requests, args.batch_size, use_adapters=bool(used), progress=not args.no_progress)
-    result["config"] = {"model_path": str(base_dir), "workload": spec.to_json()}
+    result["config"] = {"model_path": str(base_dir), "dtype": args.dtype, "workload": spec.to_json()}
     print(format_table(SUMMARY_HEADERS, summary_rows("peft", result["summary"])))
     print(f"duration {result['summary']['duration_s']:.1f} s, generated incl. padding rows "
           f"{result['summary']['generated_token_throughput']:.1f} tok/s")

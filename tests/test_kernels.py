@@ -39,6 +39,13 @@ CASES = {
     # segments over the largest row tile, and a pool wider than one rank block
     "long": Case([150, 2, 70], [1, -1, 0], [100, 3], 128),
     "no_tokens": Case([0, 0], [0, -1], [4], 16),
+    # a decode batch sorted by slot, as the scheduler sends it: the CPU path batches it over the slot range 0..6,
+    # where slot 1 is a gap (no request) and slot 4 holds an adapter that does not target this module (rank 0)
+    "decode_sorted": Case([2, 1, 1, 3, 1, 1, 1], [-1, 0, 2, 3, 4, 5, 6], [8, 4, 3, 16, 0, 2, 8], 16),
+    # a prefill chunk (its own matmul) beside decodes of other slots, batched around it
+    "prefill_and_decodes": Case([20, 1, 2, 1], [1, 0, 2, 3], [4, 8, 16, 2], 16),
+    # short segments too far apart in the pool to batch over the range: one matmul each
+    "sparse_slots": Case([1, 1], [0, 40], [4] * 41, 4),
 }
 
 
@@ -158,6 +165,18 @@ def test_expand(case_name: str, num_slices: int, dtype: torch.dtype) -> None:
     is_base = base_rows(b)
     assert torch.equal(y_tri[is_base], b.y[is_base])
     assert torch.equal(y_ref[is_base], b.y[is_base])
+
+
+def test_torch_path_replans_when_metadata_changes_in_place() -> None:
+    # The torch path keeps the last segment plan, keyed by the metadata tensors: an in-place edit must not reuse it.
+    b = make_batch(CASES["decode_sorted"], 1, torch.float32)
+    lora_shrink_torch(*shrink_args(b))
+    b.seg_slots[1:] = torch.tensor([6, 5, 3, 2, 0, 4], dtype=torch.int32)
+    h = lora_shrink_torch(*shrink_args(b))
+    torch.testing.assert_close(h.double(), dense_shrink(b), **TOLERANCES[torch.float32])
+    y = b.y.clone()
+    lora_expand_torch(*expand_args(b, y))
+    torch.testing.assert_close(y.double(), dense_expand(b), **TOLERANCES[torch.float32])
 
 
 def test_expand_updates_strided_view() -> None:

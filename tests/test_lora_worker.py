@@ -15,12 +15,15 @@ from lora_helpers import (
     batch_logits,
     greedy_decode,
     load_all,
+    slot_loads,
+    slot_of,
 )
 from reference import assert_greedy_match, hf_greedy, hf_model
 from worker_helpers import GREEDY, PAGE_SIZE, make_runner, random_prompts
 
 import kernels
 from frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
+from kernels.lora_torch import _plan
 from protocol.structs import ForwardBatch, ForwardReq, LoRAAdapterSpec, SlotLoad
 from worker.batch_inputs import BatchError
 from worker.lora.layers import LoRALinear
@@ -79,6 +82,37 @@ def test_mixed_batch_matches_peft(runner: ModelRunner, llama_dir: Path, adapter_
         ref, margins = hf_greedy(llama_dir, prompt, DECODE_STEPS, None if name is None else adapter_dirs[name])
         num_compared += assert_greedy_match(out, ref, margins, what=name or "base")
     assert num_compared >= DECODE_STEPS * len(MIXED) // 2  # most steps had a clear margin
+
+
+def test_decode_step_sorted_by_slot_matches_peft(
+    runner: ModelRunner, llama_dir: Path, adapter_dirs: dict[str, Path]
+) -> None:
+    # One decode token per request, sorted by slot as the scheduler sends them: the CPU path runs these segments as
+    # one batched matmul over the pool's slot range (not one matmul per segment), and must still match peft.
+    names = [None, "a4", "a8", "a16", "a32", "a64"]
+    prompts = random_prompts([6, 7, 5, 9, 4, 8], runner.vocab_size, seed=23)
+    next_tokens = [3, 17, 42, 5, 99, 64]
+    pages, next_page = [], 0
+    for prompt in prompts:
+        num_pages = -(-(len(prompt) + 1) // PAGE_SIZE)
+        pages.append(list(range(next_page, next_page + num_pages)))
+        next_page += num_pages
+    prefill = [
+        ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=slot_of(n))
+        for p, pg, n in zip(prompts, pages, names, strict=True)
+    ]
+    runner.forward(ForwardBatch(batch_id=0, reqs=prefill, slot_loads=slot_loads(names)))
+    decode_reqs = [
+        ForwardReq(input_ids=[t], num_cached_tokens=len(p), page_ids=pg, sampling=GREEDY, slot=slot_of(n))
+        for p, pg, n, t in zip(prompts, pages, names, next_tokens, strict=True)
+    ]
+    logits = runner.batch_logits(ForwardBatch(batch_id=1, reqs=decode_reqs))  # (reqs, vocab)
+    batch = runner.lora.batch
+    assert _plan(batch.seg_indptr, batch.seg_slots).short is not None, "the decode step was not batched"
+    for prompt, name, token, row in zip(prompts, names, next_tokens, logits, strict=True):
+        ref = hf_logits(llama_dir, prompt + [token], None if name is None else adapter_dirs[name])[-1]
+        diff = (row - ref).abs().max().item()
+        assert diff <= FP32_TOL, f"{name or 'base'}: max abs logit diff {diff:.2e}"
 
 
 def test_slot_reuse_leaves_nothing_stale(runner: ModelRunner, llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:

@@ -89,15 +89,15 @@ def _build_group(
     q_lens = [len(reqs[i].input_ids) for i in members]
     cached_lens = [reqs[i].num_cached_tokens for i in members]
     max_q_len = max(q_lens)
-    max_kv_len = max(c + q for c, q in zip(cached_lens, q_lens, strict=True))
+    max_kv_pages = -(-max(c + q for c, q in zip(cached_lens, q_lens, strict=True)) // page_size)
+    max_kv_len = max_kv_pages * page_size  # keys are read a page at a time; the mask hides the tail
 
     token_rows = [token_starts[i] + j for i, q_len in zip(members, q_lens, strict=True) for j in range(q_len)]
     query_index = [n * max_q_len + j for n, q_len in enumerate(q_lens) for j in range(q_len)]
 
     kv_pos = torch.arange(max_kv_len, device=device)  # (max_kv_len,)
     member_ids = torch.tensor(members, device=device)
-    page_index = (kv_pos // page_size).clamp(max=page_tables.shape[1] - 1)
-    read_slots = page_tables[member_ids][:, page_index] * page_size + kv_pos % page_size  # (reqs, max_kv_len)
+    read_pages = page_tables[member_ids][:, :max_kv_pages]  # (reqs, max_kv_pages); a request's tail: page 0
 
     cached = torch.tensor(cached_lens, device=device)[:, None, None]  # (reqs, 1, 1)
     total = cached + torch.tensor(q_lens, device=device)[:, None, None]
@@ -107,8 +107,9 @@ def _build_group(
     return AttentionGroup(
         token_rows=torch.tensor(token_rows, device=device),
         query_index=torch.tensor(query_index, device=device),
-        read_slots=read_slots,
+        read_pages=read_pages,
         mask=mask.unsqueeze(1),
         num_reqs=len(members),
         max_q_len=max_q_len,
+        page_size=page_size,
     )

@@ -1,8 +1,9 @@
 """Attention over the paged KV cache with torch scaled_dot_product_attention.
 
-Each step writes the new tokens' K/V into their cache slots, then gathers every request's keys (cached + new) into a
-padded (reqs, max_kv_len) block and runs one SDPA call per group. Requests are grouped by kind, at most two groups:
-decodes (one new token) and prefills, so a long prompt in the batch does not pad every decode to its length.
+Each step writes the new tokens' K/V into their cache slots, then gathers every request's pages of keys (cached + new)
+into a padded (reqs, max_kv_pages * page_size) block and runs one SDPA call per group. Requests are grouped by kind,
+at most two groups: decodes (one new token) and prefills, so a long prompt in the batch does not pad every decode to
+its length.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import torch.nn.functional as F
 class AttentionGroup:
     token_rows: torch.Tensor  # (group_tokens,) rows of the batch's flat token dimension in this group
     query_index: torch.Tensor  # (group_tokens,) each token's row in the padded (reqs * max_q_len) query layout
-    read_slots: torch.Tensor  # (reqs, max_kv_len) cache slot of every key position; padding points at slot 0
+    read_pages: torch.Tensor  # (reqs, max_kv_pages) each request's page table; padding points at page 0
     mask: torch.Tensor  # (reqs, 1, max_q_len, max_kv_len) bool, True = may attend (causal, within the request)
     num_reqs: int
     max_q_len: int
+    page_size: int
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,19 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     q_padded = q.new_zeros(num_reqs * max_q_len, num_heads, head_dim)
     q_padded[group.query_index] = q
     q_padded = q_padded.view(num_reqs, max_q_len, num_heads, head_dim).transpose(1, 2)  # (reqs, heads, q, d)
-    keys = k_cache[group.read_slots].transpose(1, 2)  # (reqs, kv_heads, max_kv_len, head_dim)
-    values = v_cache[group.read_slots].transpose(1, 2)  # (reqs, kv_heads, max_kv_len, head_dim)
+    keys = _gather_pages(k_cache, group.read_pages, group.page_size)  # (reqs, kv_heads, max_kv_len, head_dim)
+    values = _gather_pages(v_cache, group.read_pages, group.page_size)  # (reqs, kv_heads, max_kv_len, head_dim)
     out = F.scaled_dot_product_attention(
         q_padded, keys, values, attn_mask=group.mask, enable_gqa=keys.shape[1] != num_heads
     )  # (reqs, heads, max_q_len, head_dim)
     out = out.transpose(1, 2).reshape(num_reqs * max_q_len, num_heads, head_dim)
     return out[group.query_index]  # (tokens, heads, head_dim)
+
+
+def _gather_pages(cache: torch.Tensor, read_pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """(slots, kv_heads, head_dim) cache, (reqs, pages) page tables -> (reqs, kv_heads, pages * page_size, head_dim):
+    one copy of page_size rows per index, where a gather per token position would copy one row each."""
+    num_slots, num_kv_heads, head_dim = cache.shape
+    num_reqs, num_pages = read_pages.shape
+    pages = cache.view(num_slots // page_size, page_size, num_kv_heads, head_dim)[read_pages]
+    return pages.view(num_reqs, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)
