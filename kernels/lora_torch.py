@@ -1,11 +1,12 @@
 """The CPU serving path and the oracle for the Triton kernels, in torch ops.
 
-A decode batch has many short segments (one row per request, one request per adapter) and a matmul per segment
-would cost more in call overhead than in arithmetic. So short segments go through one batched matmul over a view of
-the pool's slot range (no copy of the weights): each slot in the range gets `pad_rows` rows of a zero-padded input,
-and a slot of the range that no short segment uses just computes rows nobody reads. Long segments (prefill chunks)
-get one matmul each, cut to the adapter's true rank. The pool is zero past each adapter's rank, so the batched path
-may run over the full max rank.
+A decode batch has many short segments (one row per request, a few requests per adapter), and a matmul per segment
+would cost more in call overhead than in arithmetic. So short segments of neighbouring slots go through one batched
+matmul over a view of the pool's slot range (no copy of the weights): each slot in the range gets `pad_rows` rows of
+a zero-padded input, and a slot in the range that no segment uses just computes rows nobody reads. The scheduler
+sends batches sorted by slot, so a step with 32 adapters is one range; adapters scattered over the pool make several.
+Long segments (prefill chunks) get one matmul each, cut to the adapter's true rank. The pool is zero past each
+adapter's rank, so the batched path may run over the full max rank.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ import torch
 from kernels.checks import check_expand_args, check_shrink_args
 
 SHORT_SEGMENT_ROWS = 16  # segments up to this long are batched; longer ones get a matmul of their own
-# A slot of the range that the batch does not use costs one slot's weight read in the batched matmul (~8 µs for a
-# rank-16 qkv on one core) against ~30-40 µs of overhead per separate matmul: batch while the range is at most
-# this many times the number of short segments (plus a few).
-MAX_RANGE_PER_SEGMENT = 4
+# An unused slot inside a range costs one slot's weight read in the batched matmul (~8 µs for a rank-16 qkv on one
+# core), a new range ~30-40 µs of call overhead: a range spans gaps of up to this many unused slots.
+MAX_SLOT_GAP = 3
 
 
 @dataclass(frozen=True)
@@ -31,18 +31,24 @@ class _Segment:
 
 
 @dataclass(frozen=True)
-class _ShortBatch:
+class _SlotRange:
+    """Short segments of the slots first_slot .. first_slot + num_slots - 1 (at most one segment per slot)."""
+
     first_slot: int
-    num_slots: int  # the width of the slot range, gaps included
+    num_slots: int  # gaps included
     pad_rows: int  # rows per slot in the padded layout
-    rows: torch.Tensor  # (short rows,) int64: rows of the batch that the short segments hold
-    padded_rows: torch.Tensor  # (short rows,) int64: the same rows' places in the (num_slots * pad_rows) layout
+    rows: torch.Tensor  # (range rows,) int64: rows of the batch that the segments hold
+    padded_rows: torch.Tensor  # (range rows,) int64: the same rows' places in the (num_slots * pad_rows) layout
+
+    @property
+    def slots(self) -> slice:
+        return slice(self.first_slot, self.first_slot + self.num_slots)
 
 
 @dataclass(frozen=True)
 class _Plan:
+    ranges: list[_SlotRange]  # one batched matmul each
     separate: list[_Segment]  # one matmul each
-    short: _ShortBatch | None
 
 
 # The plan depends only on the segment metadata, the same for every LoRA linear of a forward pass: keep the last
@@ -60,34 +66,39 @@ def _plan(seg_indptr: torch.Tensor, seg_slots: torch.Tensor) -> _Plan:
 
 
 def _make_plan(row_bounds: list[int], slots: list[int], device: torch.device) -> _Plan:
-    segments = [
-        _Segment(slot, row_bounds[seg], row_bounds[seg + 1])
-        for seg, slot in enumerate(slots)
-        if slot >= 0 and row_bounds[seg + 1] > row_bounds[seg]
-    ]
-    short = [s for s in segments if s.row_end - s.row_start <= SHORT_SEGMENT_ROWS]
-    short_slots = [s.slot for s in short]
-    if len(short) < 2 or len(set(short_slots)) < len(short):
-        return _Plan(separate=segments, short=None)
-    first_slot, last_slot = min(short_slots), max(short_slots)
-    num_slots = last_slot - first_slot + 1
-    if num_slots > MAX_RANGE_PER_SEGMENT * len(short) + 4:
-        return _Plan(separate=segments, short=None)
-    pad_rows = max(s.row_end - s.row_start for s in short)
+    separate, short_by_slot = [], {}
+    for seg, slot in enumerate(slots):
+        segment = _Segment(slot, row_bounds[seg], row_bounds[seg + 1])
+        if slot < 0 or segment.row_end == segment.row_start:
+            continue
+        if segment.row_end - segment.row_start > SHORT_SEGMENT_ROWS or slot in short_by_slot:
+            separate.append(segment)  # long, or a second segment of a slot (a batch not sorted by slot)
+        else:
+            short_by_slot[slot] = segment
+    groups: list[list[_Segment]] = []
+    for slot in sorted(short_by_slot):
+        if groups and slot - groups[-1][-1].slot <= MAX_SLOT_GAP + 1:
+            groups[-1].append(short_by_slot[slot])
+        else:
+            groups.append([short_by_slot[slot]])
+    return _Plan(ranges=[_slot_range(group, device) for group in groups], separate=separate)
+
+
+def _slot_range(segments: list[_Segment], device: torch.device) -> _SlotRange:
+    first_slot = segments[0].slot
+    pad_rows = max(s.row_end - s.row_start for s in segments)
     rows, padded_rows = [], []
-    for s in short:
+    for s in segments:
         rows.extend(range(s.row_start, s.row_end))
         base = (s.slot - first_slot) * pad_rows
         padded_rows.extend(range(base, base + s.row_end - s.row_start))
-    batch = _ShortBatch(
+    return _SlotRange(
         first_slot=first_slot,
-        num_slots=num_slots,
+        num_slots=segments[-1].slot - first_slot + 1,
         pad_rows=pad_rows,
         rows=torch.tensor(rows, dtype=torch.int64, device=device),
         padded_rows=torch.tensor(padded_rows, dtype=torch.int64, device=device),
     )
-    separate = [s for s in segments if s.row_end - s.row_start > SHORT_SEGMENT_ROWS]
-    return _Plan(separate=separate, short=batch)
 
 
 def _batched_matmul_t(inputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -111,13 +122,12 @@ def lora_shrink_torch(
     num_tokens, in_dim = x.shape
     h = x.new_zeros(num_tokens, num_slices * max_rank)  # (tokens, slices * max_rank)
     plan = _plan(seg_indptr, seg_slots)
-    if plan.short is not None:
-        sb = plan.short
-        x_padded = x.new_zeros(sb.num_slots * sb.pad_rows, in_dim)
-        x_padded[sb.padded_rows] = x[sb.rows]
-        a = lora_a[sb.first_slot : sb.first_slot + sb.num_slots]  # (range, slices * max_rank, in_dim), a view
-        h_padded = _batched_matmul_t(x_padded.view(sb.num_slots, sb.pad_rows, in_dim), a)  # (range, pad_rows, S*R)
-        h[sb.rows] = h_padded.reshape(sb.num_slots * sb.pad_rows, -1)[sb.padded_rows]
+    for r in plan.ranges:
+        x_padded = x.new_zeros(r.num_slots * r.pad_rows, in_dim)
+        x_padded.index_copy_(0, r.padded_rows, x.index_select(0, r.rows))
+        a = lora_a[r.slots]  # (range, slices * max_rank, in_dim), a view
+        h_padded = _batched_matmul_t(x_padded.view(r.num_slots, r.pad_rows, in_dim), a)  # (range, pad_rows, S * R)
+        h.index_copy_(0, r.rows, h_padded.reshape(r.num_slots * r.pad_rows, -1).index_select(0, r.padded_rows))
     ranks = slot_ranks.tolist() if plan.separate else []
     for seg in plan.separate:
         rank, num_rows = ranks[seg.slot], seg.row_end - seg.row_start
@@ -145,22 +155,23 @@ def lora_expand_torch(
     col_bounds = slice_offsets.tolist()
     bounds = zip(col_bounds[:-1], col_bounds[1:], strict=True)
     slices = [(i, start, end) for i, (start, end) in enumerate(bounds) if end > start]
+    num_slices, out_dim = len(col_bounds) - 1, y.shape[1]
     plan = _plan(seg_indptr, seg_slots)
-    if plan.short is not None:
-        sb = plan.short
-        slot_range = slice(sb.first_slot, sb.first_slot + sb.num_slots)
-        h_padded = h.new_zeros(sb.num_slots * sb.pad_rows, h.shape[1])
-        h_padded[sb.padded_rows] = h[sb.rows]
-        num_slices = len(col_bounds) - 1
-        range_scales = slot_scales[slot_range].to(h.dtype).view(-1, 1, 1, 1)
-        h_padded = h_padded.view(sb.num_slots, sb.pad_rows, num_slices, max_rank) * range_scales
+    for r in plan.ranges:
+        h_padded = h.new_zeros(r.num_slots * r.pad_rows, h.shape[1])
+        h_padded.index_copy_(0, r.padded_rows, h.index_select(0, r.rows))
+        range_scales = slot_scales[r.slots].to(h.dtype).view(-1, 1, 1, 1)
+        h_padded = h_padded.view(r.num_slots, r.pad_rows, num_slices, max_rank) * range_scales
         # Every slice's rows of h against all of B (as the pool lies, no copy): the extra products are cheap next to
         # reading B, which is what a decode step's expand costs. Then keep slice i's columns of h-slice i's product.
-        h_t = h_padded.permute(0, 3, 2, 1).reshape(sb.num_slots, max_rank, num_slices * sb.pad_rows)
-        out = torch.bmm(lora_b[slot_range], h_t).view(sb.num_slots, y.shape[1], num_slices, sb.pad_rows)
-        delta = torch.cat([out[:, col_start:col_end, slice_id] for slice_id, col_start, col_end in slices], dim=1)
-        delta = delta.transpose(1, 2).reshape(sb.num_slots * sb.pad_rows, y.shape[1])[sb.padded_rows]
-        y.index_add_(0, sb.rows, delta)
+        h_t = h_padded.permute(0, 3, 2, 1).reshape(r.num_slots, max_rank, num_slices * r.pad_rows)
+        out = torch.bmm(lora_b[r.slots], h_t).view(r.num_slots, out_dim, num_slices, r.pad_rows)
+        if num_slices == 1:
+            delta = out[:, :, 0]  # (range, out_dim, pad_rows)
+        else:
+            delta = torch.cat([out[:, start:end, i] for i, start, end in slices], dim=1)
+        delta = delta.transpose(1, 2).reshape(r.num_slots * r.pad_rows, out_dim).index_select(0, r.padded_rows)
+        y.index_add_(0, r.rows, delta)
     if not plan.separate:
         return
     ranks, scales = slot_ranks.tolist(), slot_scales.tolist()

@@ -50,7 +50,7 @@ class Plan:
     stream_output_len: int
 
 
-FULL = Plan(size="full", num_requests=64, input_len_range=(16, 256), output_len_range=(16, 128), num_adapters=32,
+FULL = Plan(size="full", num_requests=128, input_len_range=(16, 256), output_len_range=(16, 256), num_adapters=32,
             concurrency=32, ops_cycles=20, ops_duration_s=60.0, ops_settle_s=3.0, ops_per_second=2.0,
             stream_concurrency=8, stream_output_len=128)
 QUICK = Plan(size="quick", num_requests=32, input_len_range=(8, 32), output_len_range=(8, 32), num_adapters=32,
@@ -158,8 +158,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run each throughput workload this many times and keep the fastest (noisy machines)")
     parser.add_argument("--peft-threads", type=int, default=None, help="torch threads of the PEFT baseline "
                         "(default: torch's, one per core)")
-    parser.add_argument("--server-threads", type=int, default=None, help="OMP_NUM_THREADS for the server "
-                        "(default: unset, the worker picks: cores - 1)")
+    parser.add_argument("--server-threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="OMP_NUM_THREADS for the server (default: one per core, as torch gives the PEFT "
+                        "baseline; 0 = unset, the worker's own default of cores - 1)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16",
                         help="of both systems' weights and compute (default bfloat16: what a server on a CPU with "
                         "AVX512-BF16/AMX runs, several times faster than float32 there)")
@@ -229,8 +230,9 @@ def main(argv: list[str] | None = None) -> dict:
     results["load_average"] = {"before": load_before, "after": os.getloadavg()}
     print(f"\nbench_all ({plan.size} model {SIZES[plan.size].key}, {plan.num_requests} requests, "
           f"in {plan.input_len_range[0]}-{plan.input_len_range[1]}, out {plan.output_len_range[0]}-"
-          f"{plan.output_len_range[1]} tokens; {args.dtype}; best of {args.repeats}; peft threads {results['peft']['num_threads']}, "
-          f"server threads {results['server_threads']}; {time.time() - started:.0f} s; load avg "
+          f"{plan.output_len_range[1]} tokens; {args.dtype}; best of {args.repeats}; peft threads "
+          f"{results['peft']['num_threads']}, server threads {results['server_threads']}; "
+          f"{time.time() - started:.0f} s; load avg "
           f"{load_before[0]:.1f} -> {results['load_average']['after'][0]:.1f}; CPU probe GFLOP/s before peft / "
           f"before serving / at end: {' / '.join(f'{v:.0f}' for v in results['cpu_gflops'].values())})")
     print(format_table(("ratio", "measured", "target", "met", "from"), rows))

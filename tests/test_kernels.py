@@ -40,12 +40,13 @@ CASES = {
     "long": Case([150, 2, 70], [1, -1, 0], [100, 3], 128),
     "no_tokens": Case([0, 0], [0, -1], [4], 16),
     # a decode batch sorted by slot, as the scheduler sends it: the CPU path batches it over the slot range 0..6,
-    # where slot 1 is a gap (no request) and slot 4 holds an adapter that does not target this module (rank 0)
+    # where slot 1 is a gap (no request) and slot 4 holds an adapter that does not target this module (rank 0);
+    # "decode" above repeats slots, so the repeats take the one-matmul-per-segment path
     "decode_sorted": Case([2, 1, 1, 3, 1, 1, 1], [-1, 0, 2, 3, 4, 5, 6], [8, 4, 3, 16, 0, 2, 8], 16),
     # a prefill chunk (its own matmul) beside decodes of other slots, batched around it
     "prefill_and_decodes": Case([20, 1, 2, 1], [1, 0, 2, 3], [4, 8, 16, 2], 16),
-    # short segments too far apart in the pool to batch over the range: one matmul each
-    "sparse_slots": Case([1, 1], [0, 40], [4] * 41, 4),
+    # short segments too far apart in the pool for one range: two ranges
+    "sparse_slots": Case([1, 2, 1], [0, 1, 40], [4] * 41, 4),
 }
 
 

@@ -70,13 +70,13 @@ def load_adapter(
 ) -> LoRAAdapter:
     config = _read_config(path, model_config, pool_spec)
     tensors = _read_tensors(path)
-    full = _match_tensors(tensors, config, model_config)
+    pairs = _match_tensors(tensors, config, model_config)
+    tensors = _finite_in_dtype(tensors, pool_spec.dtype)
     pin = pool_spec.device.type == "cuda" and torch.cuda.is_available()
     weights = {}
-    for (layer, module), (lora_a, lora_b) in full.items():
-        lora_a, lora_b = _shard(module, lora_a, lora_b, tp_rank, tp_size)
-        lora_a, lora_b = (_host_copy(t, pool_spec.dtype, pin) for t in (lora_a, lora_b))
-        weights[(layer, module)] = (lora_a, lora_b)
+    for (layer, module), (key_a, key_b) in pairs.items():
+        lora_a, lora_b = _shard(module, tensors[key_a], tensors[key_b], tp_rank, tp_size)
+        weights[(layer, module)] = (_host_copy(lora_a, pin), _host_copy(lora_b, pin))
     return LoRAAdapter(
         lora_id=lora_id,
         lora_rank=config.lora_rank,
@@ -194,23 +194,32 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
-    # One fused norm per tensor (what clip_grad_norm_ uses) is far cheaper than an isfinite pass per tensor; only when
-    # a norm is not finite (NaN/inf, or a huge fp16 value overflowing) do we look element by element.
-    if not tensors or torch.isfinite(torch.stack(torch._foreach_norm(list(tensors.values())))).all():
-        return
-    for key, tensor in tensors.items():
-        if not torch.isfinite(tensor).all():
-            raise AdapterLoadError(f"tensor {key!r} holds NaN or infinite values")
+def _finite_in_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Copies of the tensors in `dtype`, views of one buffer; NaN and infinities (also from a cast that overflows)
+    refused. An all-module adapter has hundreds of small tensors, where per-tensor ops cost more in call overhead
+    than in work: one fused copy-and-cast into the buffer and one sum over it do for all of them. The sum is NaN or
+    infinite whenever an element is (or when finite values overflow it: then the exact check decides), and costs a
+    twentieth of an isfinite pass."""
+    sizes = [t.numel() for t in tensors.values()]
+    buffer = torch.empty(sum(sizes), dtype=dtype)
+    copies = {key: piece.view(t.shape) for (key, t), piece in zip(tensors.items(), buffer.split(sizes), strict=True)}
+    if copies:
+        torch._foreach_copy_(list(copies.values()), list(tensors.values()))
+    if not torch.isfinite(buffer.sum()):
+        for key, copy in copies.items():
+            if not torch.isfinite(copy).all():
+                cast = "" if tensors[key].dtype == dtype else f" as {str(dtype).removeprefix('torch.')}"
+                raise AdapterLoadError(f"tensor {key!r} holds NaN or infinite values{cast}")
+    return copies
 
 
 def _match_tensors(
     tensors: dict[str, torch.Tensor], config: _Config, model_config: ModelConfig
-) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+) -> dict[tuple[int, str], tuple[str, str]]:
     """Every tensor must be an A or B of a target module in a layer of the model, with the base model's shape;
-    every target must have both in every layer the config names."""
+    every target must have both in every layer the config names. Returns the keys of each (layer, module)'s A and B."""
     shapes = full_shapes(model_config)
-    found: dict[tuple[int, str, str], torch.Tensor] = {}
+    found: dict[tuple[int, str, str], str] = {}
     for key, tensor in tensors.items():
         match = _TENSOR_KEY.search(key)
         if match is None:
@@ -235,8 +244,7 @@ def _match_tensors(
             raise AdapterLoadError(f"tensor {key!r} has dtype {tensor.dtype}; expected floating point")
         if (layer, module, which) in found:
             raise AdapterLoadError(f"tensor {key!r}: layer {layer} {module} lora_{which} appears twice")
-        found[(layer, module, which)] = tensor
-    _check_finite(tensors)
+        found[(layer, module, which)] = key
     pairs = {}
     for layer in config.layers:
         for module in config.target_modules:
@@ -256,6 +264,8 @@ def _match_tensors(
 def _shard(
     module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, tp_rank: int, tp_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if tp_size == 1:
+        return lora_a, lora_b
     fused, _ = SLICE_OF[module]
     if fused.tp_mode == "column":  # this rank computes some output rows: B's rows, A whole
         num_rows = lora_b.shape[0] // tp_size
@@ -264,6 +274,6 @@ def _shard(
     return lora_a.narrow(1, tp_rank * num_cols, num_cols), lora_b
 
 
-def _host_copy(t: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    t = t.to(dtype).contiguous()  # a copy of just the shard whenever it was sliced or cast
+def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    t = t.contiguous()  # a copy of just the shard whenever it was sliced
     return t.pin_memory() if pin else t
