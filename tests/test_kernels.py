@@ -45,6 +45,10 @@ CASES = {
     "decode_sorted": Case([2, 1, 1, 3, 1, 1, 1], [-1, 0, 2, 3, 4, 5, 6], [8, 4, 3, 16, 0, 2, 8], 16),
     # a prefill chunk (its own matmul) beside decodes of other slots, batched around it
     "prefill_and_decodes": Case([20, 1, 2, 1], [1, 0, 2, 3], [4, 8, 16, 2], 16),
+    # a 12-row prefill chunk among decodes would pad every slot to 12 rows: it gets its own matmul instead
+    "short_outlier": Case([1, 12, 1, 2, 1], [0, 1, 2, 3, 4], [4, 8, 16, 2, 4], 16),
+    # one row per slot but not in slot order: one range, whose rows must go back to their places
+    "unsorted_decode": Case([1, 1, 1], [2, 0, 1], [4, 8, 4], 8),
     # short segments too far apart in the pool for one range: two ranges
     "sparse_slots": Case([1, 2, 1], [0, 1, 40], [4] * 41, 4),
 }
