@@ -1,12 +1,12 @@
 """The CPU serving path and the oracle for the Triton kernels, in torch ops.
 
 A decode batch has many short segments (one row per request, a few requests per adapter), and a matmul per segment
-would cost more in call overhead than in arithmetic. So short segments of neighbouring slots go through one batched
-matmul over a view of the pool's slot range (no copy of the weights): each slot in the range gets `pad_rows` rows of
-a padded input, and a slot in the range that no segment uses just computes rows nobody reads. The scheduler
-sends batches sorted by slot, so a step with 32 adapters is one range; adapters scattered over the pool make several.
-Long segments (prefill chunks) get one matmul each, cut to the adapter's true rank. The pool is zero past each
-adapter's rank, so the batched path may run over the full max rank.
+would cost more in call overhead than in arithmetic. So the short segments go through one batched matmul, one batch
+entry per slot, each slot's rows padded to the longest. The weights are a view of the pool when the batch's slots are
+(nearly) contiguous, as the scheduler's sorted batches over a full pool are: an unused slot in between only computes
+rows nobody reads. Scattered slots are gathered into a copy instead, whose cost is a second read of just their
+weights. Long segments (prefill chunks) get one matmul each, cut to the adapter's true rank. The pool is zero past
+each adapter's rank, so the batched path may run over the full max rank.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import torch
 from kernels.checks import check_expand_args, check_shrink_args
 
 SHORT_SEGMENT_ROWS = 16  # segments up to this long are batched; longer ones get a matmul of their own
-# A range pads every slot to its longest segment. Up to FREE_PAD_ROWS rows that costs next to nothing (the weight
-# read dominates); beyond, while the padded area is more than MAX_PADDING_FACTOR times the real rows, the longest
-# segment leaves for a matmul of its own (one prefill chunk among decodes would otherwise pad every slot).
+# Padding every slot to the longest segment costs next to nothing up to FREE_PAD_ROWS rows (the weight read
+# dominates); beyond, while the padded rows are more than MAX_PADDING_FACTOR times the real ones, the longest segment
+# leaves for a matmul of its own (one prefill chunk among decodes would otherwise pad every slot).
 FREE_PAD_ROWS = 4
 MAX_PADDING_FACTOR = 2
-# An unused slot inside a range costs one slot's weight read in the batched matmul (~8 µs for a rank-16 qkv on one
-# core), a new range ~30-40 µs of call overhead: a range spans gaps of up to this many unused slots.
-MAX_SLOT_GAP = 3
+# Unused slots between the batch's slots that a view may span: each costs a slot's weight read and its padded rows'
+# products, where a gathered copy costs a second read of the used slots' weights.
+MAX_VIEW_GAPS = 2
 
 
 @dataclass(frozen=True)
@@ -34,30 +34,31 @@ class _Segment:
     row_start: int
     row_end: int
 
+    @property
+    def num_rows(self) -> int:
+        return self.row_end - self.row_start
+
 
 @dataclass(frozen=True)
-class _SlotRange:
-    """Short segments of the slots first_slot .. first_slot + num_slots - 1 (at most one segment per slot)."""
+class _ShortBatch:
+    """The short segments, at most one per slot, as one batched matmul over `num_slots` batch entries."""
 
-    first_slot: int
-    num_slots: int  # gaps included
+    slots: slice | torch.Tensor  # the pool's slots: a slice (weights are a view) or int64 indices (a gathered copy)
+    num_slots: int
     pad_rows: int  # rows per slot in the padded layout
-    rows: torch.Tensor  # (range rows,) int64: rows of the batch that the segments hold
-    padded_rows: torch.Tensor  # (range rows,) int64: the same rows' places in the (num_slots * pad_rows) layout
+    rows: torch.Tensor  # (short rows,) int64: rows of the batch that the segments hold
+    padded_rows: torch.Tensor  # (short rows,) int64: the same rows' places in the (num_slots * pad_rows) layout
     # (num_slots * pad_rows,) int64: the batch row each padded place reads; padding repeats a real row, whose
     # products land in rows nobody reads (one gather, no zero fill)
     gather_rows: torch.Tensor
 
-    @property
-    def slots(self) -> slice:
-        return slice(self.first_slot, self.first_slot + self.num_slots)
-
 
 @dataclass(frozen=True)
 class _Plan:
-    ranges: list[_SlotRange]  # one batched matmul each
+    short: _ShortBatch | None  # one batched matmul
     separate: list[_Segment]  # one matmul each
-    # One range holds every row of the batch, in order (a decode batch sorted by slot): its outputs are the batch's.
+    # The short batch holds every row of the batch, in order (a decode batch sorted by slot): its outputs are the
+    # batch's, with no scatter.
     covers_batch: bool
 
 
@@ -79,60 +80,58 @@ def _make_plan(row_bounds: list[int], slots: list[int], device: torch.device) ->
     separate, short_by_slot = [], {}
     for seg, slot in enumerate(slots):
         segment = _Segment(slot, row_bounds[seg], row_bounds[seg + 1])
-        if slot < 0 or segment.row_end == segment.row_start:
+        if slot < 0 or segment.num_rows == 0:
             continue
-        if segment.row_end - segment.row_start > SHORT_SEGMENT_ROWS or slot in short_by_slot:
+        if segment.num_rows > SHORT_SEGMENT_ROWS or slot in short_by_slot:
             separate.append(segment)  # long, or a second segment of a slot (a batch not sorted by slot)
         else:
             short_by_slot[slot] = segment
-    groups: list[list[_Segment]] = []
-    for slot in sorted(short_by_slot):
-        if groups and slot - groups[-1][-1].slot <= MAX_SLOT_GAP + 1:
-            groups[-1].append(short_by_slot[slot])
-        else:
-            groups.append([short_by_slot[slot]])
-    ranges = []
-    for group in groups:
-        while (
-            len(group) > 1
-            and max(_num_rows(s) for s in group) > FREE_PAD_ROWS
-            and _padded_area(group) > MAX_PADDING_FACTOR * sum(_num_rows(s) for s in group)
-        ):
-            longest = max(group, key=_num_rows)
-            group.remove(longest)
-            separate.append(longest)
-        ranges.append(_slot_range(group, device))
-    covers_batch = len(ranges) == 1 and not separate and ranges[0].rows.tolist() == list(range(row_bounds[-1]))
-    return _Plan(ranges=ranges, separate=separate, covers_batch=covers_batch)
+    short = [short_by_slot[slot] for slot in sorted(short_by_slot)]
+    while (
+        len(short) > 1
+        and max(s.num_rows for s in short) > FREE_PAD_ROWS
+        and len(short) * max(s.num_rows for s in short) > MAX_PADDING_FACTOR * sum(s.num_rows for s in short)
+    ):
+        longest = max(short, key=lambda s: s.num_rows)
+        short.remove(longest)
+        separate.append(longest)
+    if not short:
+        return _Plan(short=None, separate=separate, covers_batch=False)
+    batch = _short_batch(short, device)
+    covers_batch = not separate and batch.rows.tolist() == list(range(row_bounds[-1]))
+    return _Plan(short=batch, separate=separate, covers_batch=covers_batch)
 
 
-def _num_rows(segment: _Segment) -> int:
-    return segment.row_end - segment.row_start
-
-
-def _padded_area(group: list[_Segment]) -> int:
-    return (group[-1].slot - group[0].slot + 1) * max(_num_rows(s) for s in group)
-
-
-def _slot_range(segments: list[_Segment], device: torch.device) -> _SlotRange:
-    first_slot = segments[0].slot
-    pad_rows = max(s.row_end - s.row_start for s in segments)
-    num_slots = segments[-1].slot - first_slot + 1
+def _short_batch(segments: list[_Segment], device: torch.device) -> _ShortBatch:
+    first_slot, last_slot = segments[0].slot, segments[-1].slot
+    if last_slot - first_slot + 1 - len(segments) <= MAX_VIEW_GAPS:
+        slots: slice | torch.Tensor = slice(first_slot, last_slot + 1)
+        place = {s.slot: s.slot - first_slot for s in segments}
+        num_slots = last_slot - first_slot + 1
+    else:
+        slots = torch.tensor([s.slot for s in segments], dtype=torch.int64, device=device)
+        place = {s.slot: i for i, s in enumerate(segments)}
+        num_slots = len(segments)
+    pad_rows = max(s.num_rows for s in segments)
     rows, padded_rows = [], []
     gather_rows = [segments[0].row_start] * (num_slots * pad_rows)
     for s in segments:
+        base = place[s.slot] * pad_rows
         rows.extend(range(s.row_start, s.row_end))
-        base = (s.slot - first_slot) * pad_rows
-        padded_rows.extend(range(base, base + s.row_end - s.row_start))
-        gather_rows[base : base + s.row_end - s.row_start] = range(s.row_start, s.row_end)
-    return _SlotRange(
-        first_slot=first_slot,
+        padded_rows.extend(range(base, base + s.num_rows))
+        gather_rows[base : base + s.num_rows] = range(s.row_start, s.row_end)
+    return _ShortBatch(
+        slots=slots,
         num_slots=num_slots,
         pad_rows=pad_rows,
         rows=torch.tensor(rows, dtype=torch.int64, device=device),
         padded_rows=torch.tensor(padded_rows, dtype=torch.int64, device=device),
         gather_rows=torch.tensor(gather_rows, dtype=torch.int64, device=device),
     )
+
+
+def _pool_slots(pool: torch.Tensor, slots: slice | torch.Tensor) -> torch.Tensor:
+    return pool[slots] if isinstance(slots, slice) else pool.index_select(0, slots)
 
 
 def _batched_matmul_t(inputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -156,14 +155,14 @@ def lora_shrink_torch(
     num_tokens, in_dim = x.shape
     plan = _plan(seg_indptr, seg_slots)
     h = None if plan.covers_batch else x.new_zeros(num_tokens, num_slices * max_rank)
-    for r in plan.ranges:
-        x_padded = x.index_select(0, r.gather_rows)  # (range * pad_rows, in_dim)
-        a = lora_a[r.slots]  # (range, slices * max_rank, in_dim), a view
-        h_padded = _batched_matmul_t(x_padded.view(r.num_slots, r.pad_rows, in_dim), a)  # (range, pad_rows, S * R)
-        h_rows = h_padded.reshape(r.num_slots * r.pad_rows, -1).index_select(0, r.padded_rows)
+    if (sb := plan.short) is not None:
+        x_padded = x.index_select(0, sb.gather_rows).view(sb.num_slots, sb.pad_rows, in_dim)
+        a = _pool_slots(lora_a, sb.slots)  # (num_slots, slices * max_rank, in_dim)
+        h_padded = _batched_matmul_t(x_padded, a)  # (num_slots, pad_rows, slices * max_rank)
+        h_rows = h_padded.reshape(sb.num_slots * sb.pad_rows, -1).index_select(0, sb.padded_rows)
         if h is None:
             return h_rows  # (tokens, slices * max_rank): every row, in order
-        h.index_copy_(0, r.rows, h_rows)
+        h.index_copy_(0, sb.rows, h_rows)
     ranks = slot_ranks.tolist() if plan.separate else []
     for seg in plan.separate:
         rank, num_rows = ranks[seg.slot], seg.row_end - seg.row_start
@@ -193,22 +192,23 @@ def lora_expand_torch(
     slices = [(i, start, end) for i, (start, end) in enumerate(bounds) if end > start]
     num_slices, out_dim = len(col_bounds) - 1, y.shape[1]
     plan = _plan(seg_indptr, seg_slots)
-    for r in plan.ranges:
-        h_padded = h.index_select(0, r.gather_rows)  # (range * pad_rows, slices * max_rank)
-        range_scales = slot_scales[r.slots].to(h.dtype).view(-1, 1, 1, 1)
+    if (sb := plan.short) is not None:
+        h_padded = h.index_select(0, sb.gather_rows)  # (num_slots * pad_rows, slices * max_rank)
+        scales = slot_scales[sb.slots].to(h.dtype).view(-1, 1, 1, 1)
         # Every slice's rows of h against all of B (as the pool lies, no copy): the extra products are cheap next to
         # reading B, which is what a decode step's expand costs. Then keep slice i's columns of h-slice i's product.
-        h_t = h.new_empty(r.num_slots, max_rank, num_slices, r.pad_rows)
-        h_padded = h_padded.view(r.num_slots, r.pad_rows, num_slices, max_rank)
-        torch.mul(h_padded, range_scales, out=h_t.permute(0, 3, 2, 1))  # scaled, in h_t's layout
-        h_t = h_t.view(r.num_slots, max_rank, num_slices * r.pad_rows)
-        out = torch.bmm(lora_b[r.slots], h_t).view(r.num_slots, out_dim, num_slices, r.pad_rows)
+        h_t = h.new_empty(sb.num_slots, max_rank, num_slices, sb.pad_rows)
+        h_padded = h_padded.view(sb.num_slots, sb.pad_rows, num_slices, max_rank)
+        torch.mul(h_padded, scales, out=h_t.permute(0, 3, 2, 1))  # scaled, in h_t's layout
+        h_t = h_t.view(sb.num_slots, max_rank, num_slices * sb.pad_rows)
+        b = _pool_slots(lora_b, sb.slots)  # (num_slots, out_dim, max_rank)
+        out = torch.bmm(b, h_t).view(sb.num_slots, out_dim, num_slices, sb.pad_rows)
         if num_slices == 1:
-            delta = out[:, :, 0]  # (range, out_dim, pad_rows)
+            delta = out[:, :, 0]  # (num_slots, out_dim, pad_rows)
         else:
             delta = torch.cat([out[:, start:end, i] for i, start, end in slices], dim=1)
-        delta = delta.transpose(1, 2).reshape(r.num_slots * r.pad_rows, out_dim).index_select(0, r.padded_rows)
-        y.index_add_(0, r.rows, delta)
+        delta = delta.transpose(1, 2).reshape(sb.num_slots * sb.pad_rows, out_dim).index_select(0, sb.padded_rows)
+        y.index_add_(0, sb.rows, delta)
     if not plan.separate:
         return
     ranks, scales = slot_ranks.tolist(), slot_scales.tolist()

@@ -39,7 +39,7 @@ CASES = {
     # segments over the largest row tile, and a pool wider than one rank block
     "long": Case([150, 2, 70], [1, -1, 0], [100, 3], 128),
     "no_tokens": Case([0, 0], [0, -1], [4], 16),
-    # a decode batch sorted by slot, as the scheduler sends it: the CPU path batches it over the slot range 0..6,
+    # a decode batch sorted by slot, as the scheduler sends it: the CPU path batches it over a view of slots 0..6,
     # where slot 1 is a gap (no request) and slot 4 holds an adapter that does not target this module (rank 0);
     # "decode" above repeats slots, so the repeats take the one-matmul-per-segment path
     "decode_sorted": Case([2, 1, 1, 3, 1, 1, 1], [-1, 0, 2, 3, 4, 5, 6], [8, 4, 3, 16, 0, 2, 8], 16),
@@ -49,7 +49,7 @@ CASES = {
     "short_outlier": Case([1, 12, 1, 2, 1], [0, 1, 2, 3, 4], [4, 8, 16, 2, 4], 16),
     # one row per slot but not in slot order: one range, whose rows must go back to their places
     "unsorted_decode": Case([1, 1, 1], [2, 0, 1], [4, 8, 4], 8),
-    # short segments too far apart in the pool for one range: two ranges
+    # short segments too far apart in the pool for a view: their weights are gathered
     "sparse_slots": Case([1, 2, 1], [0, 1, 40], [4] * 41, 4),
 }
 
