@@ -23,9 +23,10 @@ SHORT_SEGMENT_ROWS = 16  # segments up to this long are batched; longer ones get
 # leaves for a matmul of its own (one prefill chunk among decodes would otherwise pad every slot).
 FREE_PAD_ROWS = 4
 MAX_PADDING_FACTOR = 2
-# Unused slots between the batch's slots that a view may span: each costs a slot's weight read and its padded rows'
-# products, where a gathered copy costs a second read of the used slots' weights.
-MAX_VIEW_GAPS = 2
+# A view may span unused slots between the batch's slots: each costs a slot's weight read and its padded rows'
+# products, where a gathered copy costs about two more reads of each used slot's weights. So a view while the slots
+# it spans are at most this many times the used ones.
+MAX_VIEW_SPAN = 2
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class _ShortBatch:
     # (num_slots * pad_rows,) int64: the batch row each padded place reads; padding repeats a real row, whose
     # products land in rows nobody reads (one gather, no zero fill)
     gather_rows: torch.Tensor
+    place_slot: torch.Tensor  # (short rows,) int64: padded_rows // pad_rows, the row's batch entry
+    place_row: torch.Tensor  # (short rows,) int64: padded_rows % pad_rows, its row within the entry
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,7 @@ def _make_plan(row_bounds: list[int], slots: list[int], device: torch.device) ->
 
 def _short_batch(segments: list[_Segment], device: torch.device) -> _ShortBatch:
     first_slot, last_slot = segments[0].slot, segments[-1].slot
-    if last_slot - first_slot + 1 - len(segments) <= MAX_VIEW_GAPS:
+    if last_slot - first_slot + 1 <= MAX_VIEW_SPAN * len(segments):
         slots: slice | torch.Tensor = slice(first_slot, last_slot + 1)
         place = {s.slot: s.slot - first_slot for s in segments}
         num_slots = last_slot - first_slot + 1
@@ -127,6 +130,8 @@ def _short_batch(segments: list[_Segment], device: torch.device) -> _ShortBatch:
         rows=torch.tensor(rows, dtype=torch.int64, device=device),
         padded_rows=torch.tensor(padded_rows, dtype=torch.int64, device=device),
         gather_rows=torch.tensor(gather_rows, dtype=torch.int64, device=device),
+        place_slot=torch.tensor([p // pad_rows for p in padded_rows], dtype=torch.int64, device=device),
+        place_row=torch.tensor([p % pad_rows for p in padded_rows], dtype=torch.int64, device=device),
     )
 
 
@@ -190,25 +195,21 @@ def lora_expand_torch(
     col_bounds = slice_offsets.tolist()
     bounds = zip(col_bounds[:-1], col_bounds[1:], strict=True)
     slices = [(i, start, end) for i, (start, end) in enumerate(bounds) if end > start]
-    num_slices, out_dim = len(col_bounds) - 1, y.shape[1]
+    num_slices = len(col_bounds) - 1
     plan = _plan(seg_indptr, seg_slots)
     if (sb := plan.short) is not None:
-        h_padded = h.index_select(0, sb.gather_rows)  # (num_slots * pad_rows, slices * max_rank)
+        h_padded = h.index_select(0, sb.gather_rows).view(sb.num_slots, sb.pad_rows, num_slices, max_rank)
         scales = slot_scales[sb.slots].to(h.dtype).view(-1, 1, 1, 1)
-        # Every slice's rows of h against all of B (as the pool lies, no copy): the extra products are cheap next to
-        # reading B, which is what a decode step's expand costs. Then keep slice i's columns of h-slice i's product.
-        h_t = h.new_empty(sb.num_slots, max_rank, num_slices, sb.pad_rows)
-        h_padded = h_padded.view(sb.num_slots, sb.pad_rows, num_slices, max_rank)
-        torch.mul(h_padded, scales, out=h_t.permute(0, 3, 2, 1))  # scaled, in h_t's layout
-        h_t = h_t.view(sb.num_slots, max_rank, num_slices * sb.pad_rows)
+        h_t = h.new_empty(sb.num_slots, num_slices, max_rank, sb.pad_rows)
+        torch.mul(h_padded, scales, out=h_t.permute(0, 3, 1, 2))  # scaled, each slice a (rank, rows) matrix
         b = _pool_slots(lora_b, sb.slots)  # (num_slots, out_dim, max_rank)
-        out = torch.bmm(b, h_t).view(sb.num_slots, out_dim, num_slices, sb.pad_rows)
-        if num_slices == 1:
-            delta = out[:, :, 0]  # (num_slots, out_dim, pad_rows)
-        else:
-            delta = torch.cat([out[:, start:end, i] for i, start, end in slices], dim=1)
-        delta = delta.transpose(1, 2).reshape(sb.num_slots * sb.pad_rows, out_dim).index_select(0, sb.padded_rows)
-        y.index_add_(0, sb.rows, delta)
+        for slice_id, start, end in slices:
+            out = torch.bmm(b[:, start:end], h_t[:, slice_id])  # (num_slots, slice_out, pad_rows)
+            delta = out[sb.place_slot, :, sb.place_row]  # (short rows, slice_out)
+            if plan.covers_batch:
+                y[:, start:end] += delta
+            else:
+                y[:, start:end].index_add_(0, sb.rows, delta)
     if not plan.separate:
         return
     ranks, scales = slot_ranks.tolist(), slot_scales.tolist()
