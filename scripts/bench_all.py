@@ -1,13 +1,14 @@
 """Every benchmark on one workload, servers started and stopped here, and one table of the ratios the issue targets.
 
-    python scripts/bench_all.py                 # full: 137 M-param model, 64 requests, 8-10 min on 2 cores
+    python scripts/bench_all.py                 # full: 137 M-param model, 128 requests, bf16, ~15 min on 2 cores
     python scripts/bench_all.py --quick         # a small model and a short workload: a smoke run of under a minute
-    python scripts/bench_all.py --num-requests 128 --output-len-range 16 256 --json out.json   # a longer run
+    python scripts/bench_all.py --dtype float32 --repeats 2 --json out.json   # fp32, best of two runs per workload
 
 Order: build (or reuse) the bench model; the PEFT baseline in this process (no server running); then one server
 with all the workload's adapters preloaded runs the 32-adapter workload, the same workload with 8 adapters and
 with none, and the adapter load/unload benchmark (an extra adapter, not in the workload). Every ratio's two sides
-are measured in this run, on this machine.
+are measured in this run, on this machine. Both systems run in the same dtype (bfloat16 by default: on a CPU with
+AMX/AVX512-BF16 its matmuls are 3-6x faster than float32) and with one thread per core.
 """
 
 from __future__ import annotations
