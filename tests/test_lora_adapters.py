@@ -15,6 +15,7 @@ from worker_helpers import GREEDY, make_runner, random_prompts
 
 from frontend.demo_model import ATTN_MODULES, build_lora_adapter, build_tiny_model
 from protocol.structs import ForwardBatch, ForwardReq, LoRAAdapterSpec, SlotLoad
+from worker.lora.adapter import AdapterLoadError, _finite_in_dtype
 from worker.model_runner import ModelRunner
 
 A4_ID = 1
@@ -74,6 +75,16 @@ def drop_tensor(suffix: str) -> Callable[[Path], None]:
     return edit
 
 
+def poison_tensor(suffix: str, value: float) -> Callable[[Path], None]:
+    def edit(path: Path) -> None:
+        tensors = load_file(path / "adapter_model.safetensors")
+        key = next(k for k in tensors if k.endswith(suffix))
+        tensors[key][0, 0] = value
+        save_file(tensors, path / "adapter_model.safetensors")
+
+    return edit
+
+
 def write(name: str, content: str) -> Callable[[Path], None]:
     return lambda path: (path / name).write_text(content)
 
@@ -111,6 +122,16 @@ CASES: dict[str, tuple[Callable[[Path], None] | str, tuple[str, ...], str]] = {
         "invalid",
     ),
     "corrupt_weights": (write("adapter_model.safetensors", "garbage"), ("cannot read the adapter weights",), "invalid"),
+    "nan_weight": (
+        poison_tensor("layers.1.self_attn.v_proj.lora_B.weight", float("nan")),
+        ("layers.1.self_attn.v_proj.lora_B.weight", "NaN or infinite"),
+        "invalid",
+    ),
+    "inf_weight": (
+        poison_tensor("layers.0.self_attn.q_proj.lora_A.weight", float("-inf")),
+        ("layers.0.self_attn.q_proj.lora_A.weight", "NaN or infinite"),
+        "invalid",
+    ),
     "no_config": (
         lambda path: (path / "adapter_config.json").unlink(),
         ("not a LoRA adapter", "no adapter_config.json"),
@@ -178,3 +199,17 @@ def test_one_bad_adapter_does_not_fail_the_others(runner: ModelRunner, adapter_d
     assert "already loaded" in results[2].error_message
     runner.lora.drop([4])
     assert 4 not in runner.lora.adapters
+
+
+def test_weights_that_overflow_the_pool_dtype_are_refused() -> None:
+    tensors = {"fine": torch.ones(2, 3), "huge": torch.full((2, 3), 1e6)}  # finite in fp32, inf in fp16
+    assert _finite_in_dtype(tensors, torch.float32)["huge"].dtype == torch.float32
+    with pytest.raises(AdapterLoadError, match="'huge' holds NaN or infinite values as float16"):
+        _finite_in_dtype(tensors, torch.float16)
+
+
+def test_finite_weights_whose_sum_overflows_are_kept() -> None:
+    # The one-pass check sums the buffer; a sum that overflows on finite values must not refuse the adapter.
+    tensors = {"a": torch.full((4,), 3e38), "b": torch.full((2, 2), -1.0)}
+    copies = _finite_in_dtype(tensors, torch.float32)
+    assert all(torch.equal(copies[k], tensors[k]) for k in tensors)
