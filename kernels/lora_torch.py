@@ -199,9 +199,9 @@ def lora_expand_torch(
     plan = _plan(seg_indptr, seg_slots)
     if (sb := plan.short) is not None:
         h_padded = h.index_select(0, sb.gather_rows).view(sb.num_slots, sb.pad_rows, num_slices, max_rank)
-        scales = slot_scales[sb.slots].to(h.dtype).view(-1, 1, 1, 1)
+        entry_scales = slot_scales[sb.slots].to(h.dtype).view(-1, 1, 1, 1)
         h_t = h.new_empty(sb.num_slots, num_slices, max_rank, sb.pad_rows)
-        torch.mul(h_padded, scales, out=h_t.permute(0, 3, 1, 2))  # scaled, each slice a (rank, rows) matrix
+        torch.mul(h_padded, entry_scales, out=h_t.permute(0, 3, 1, 2))  # scaled, each slice a (rank, rows) matrix
         b = _pool_slots(lora_b, sb.slots)  # (num_slots, out_dim, max_rank)
         for slice_id, start, end in slices:
             out = torch.bmm(b[:, start:end], h_t[:, slice_id])  # (num_slots, slice_out, pad_rows)
