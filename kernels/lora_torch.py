@@ -74,9 +74,10 @@ def _plan(seg_indptr: torch.Tensor, seg_slots: torch.Tensor) -> _Plan:
     global _last_plan
     row_bounds, slots = seg_indptr.tolist(), seg_slots.tolist()
     key = (tuple(row_bounds), tuple(slots), seg_indptr.device)
-    if _last_plan is None or _last_plan[0] != key:
-        _last_plan = (key, _make_plan(row_bounds, slots, seg_indptr.device))
-    return _last_plan[1]
+    cached = _last_plan  # one read: another thread's forward may replace it meanwhile
+    if cached is None or cached[0] != key:
+        cached = _last_plan = (key, _make_plan(row_bounds, slots, seg_indptr.device))
+    return cached[1]
 
 
 def _make_plan(row_bounds: list[int], slots: list[int], device: torch.device) -> _Plan:
