@@ -13,11 +13,10 @@ from pathlib import Path
 
 from lora_helpers import LORA_CONFIG
 from server_utils import free_port
-from worker_helpers import GREEDY, make_runner
+from worker_helpers import GREEDY, FakeScheduler, make_runner
 
 from protocol.config import TARGET_MODULES, ServerConfig
 from protocol.proc import ARGS_ENV, encode_process_args
-from protocol.sockets import PULL, PUSH, TypedSocket
 from protocol.structs import (
     BatchResult,
     DropAdapters,
@@ -31,34 +30,12 @@ from protocol.structs import (
     SlotLoad,
     WorkerAdapterReport,
     WorkerReady,
-    WorkerToScheduler,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_MS = 90_000
-REPLY_TIMEOUT_MS = 20_000
 EXIT_TIMEOUT_S = 20
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
-
-
-class FakeScheduler:
-    def __init__(self, endpoints: Endpoints):
-        self.from_workers = TypedSocket(PULL, endpoints.workers_to_scheduler, bind=True, recv_type=WorkerToScheduler)
-        self.to_workers = [TypedSocket(PUSH, addr, bind=False) for addr in endpoints.scheduler_to_workers]
-
-    def send(self, msg) -> None:  # every rank gets every message, as from the real scheduler
-        for sock in self.to_workers:
-            sock.send(msg)
-
-    def recv(self, timeout_ms: int = REPLY_TIMEOUT_MS):
-        msg = self.from_workers.recv(timeout_ms=timeout_ms)
-        assert msg is not None, "no reply from the workers"
-        return msg
-
-    def close(self) -> None:
-        self.from_workers.close()
-        for sock in self.to_workers:
-            sock.close()
 
 
 @contextmanager

@@ -11,11 +11,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from worker_helpers import GREEDY, make_runner
+from worker_helpers import GREEDY, FakeScheduler, make_runner
 
 from protocol.config import ServerConfig
 from protocol.proc import ARGS_ENV, encode_process_args
-from protocol.sockets import PULL, PUSH, TypedSocket
 from protocol.structs import (
     BatchResult,
     DropAdapters,
@@ -30,28 +29,11 @@ from protocol.structs import (
     Shutdown,
     WorkerAdapterReport,
     WorkerReady,
-    WorkerToScheduler,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_MS = 60_000
-REPLY_TIMEOUT_MS = 20_000
 EXIT_TIMEOUT_S = 20
-
-
-class FakeScheduler:
-    def __init__(self, endpoints: Endpoints):
-        self.from_workers = TypedSocket(PULL, endpoints.workers_to_scheduler, bind=True, recv_type=WorkerToScheduler)
-        self.to_worker = TypedSocket(PUSH, endpoints.scheduler_to_workers[0], bind=False)
-
-    def recv(self, timeout_ms: int = REPLY_TIMEOUT_MS):
-        msg = self.from_workers.recv(timeout_ms=timeout_ms)
-        assert msg is not None, "no reply from the worker"
-        return msg
-
-    def close(self) -> None:
-        self.from_workers.close()
-        self.to_worker.close()
 
 
 @contextmanager
@@ -90,33 +72,33 @@ def test_worker_serves_batches_and_shuts_down(llama_dir: Path) -> None:
         assert ready.vocab_size == runner.vocab_size
 
         req = ForwardReq(input_ids=prompt, num_cached_tokens=0, page_ids=[9, 2], sampling=GREEDY)
-        scheduler.to_worker.send(ForwardBatch(batch_id=1, reqs=[req]))
+        scheduler.send(ForwardBatch(batch_id=1, reqs=[req]))
         assert scheduler.recv() == BatchResult(batch_id=1, next_token_ids=[expected])
 
         # A bad batch is answered with an error, and the worker keeps serving.
         bad = ForwardReq(input_ids=prompt, num_cached_tokens=0, page_ids=[9999, 2], sampling=GREEDY)
-        scheduler.to_worker.send(ForwardBatch(batch_id=2, reqs=[bad]))
+        scheduler.send(ForwardBatch(batch_id=2, reqs=[bad]))
         reply = scheduler.recv()
         assert isinstance(reply, BatchResult) and reply.batch_id == 2 and reply.next_token_ids == []
         assert "outside" in reply.error_message
 
         spec = LoRAAdapterSpec(lora_name="a", lora_path="/nowhere", lora_id=3)
-        scheduler.to_worker.send(LoadLoRAAdapterReqInput(adapters=[spec]))
+        scheduler.send(LoadLoRAAdapterReqInput(adapters=[spec]))
         report = scheduler.recv()
         assert isinstance(report, WorkerAdapterReport) and report.rank == 0
         assert [(r.lora_name, r.success, r.error_message, r.lora_id) for r in report.results] == [
             ("a", False, "LoRA not enabled", 3)
         ]
-        scheduler.to_worker.send(DropAdapters(lora_ids=[3]))  # no reply expected
+        scheduler.send(DropAdapters(lora_ids=[3]))  # no reply expected
 
         sampled = ForwardReq(
             input_ids=prompt, num_cached_tokens=0, page_ids=[0, 1], sampling=SamplingParams(seed=1), num_generated=0
         )
-        scheduler.to_worker.send(ForwardBatch(batch_id=3, reqs=[sampled, req]))
+        scheduler.send(ForwardBatch(batch_id=3, reqs=[sampled, req]))
         reply = scheduler.recv()
         assert reply.batch_id == 3 and len(reply.next_token_ids) == 2 and reply.next_token_ids[1] == expected
 
-        scheduler.to_worker.send(Shutdown())
+        scheduler.send(Shutdown())
         assert proc.wait(timeout=EXIT_TIMEOUT_S) == 0
 
 

@@ -14,12 +14,14 @@ import torch
 from server_utils import free_port
 
 from protocol.config import ServerConfig
-from protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad
+from protocol.sockets import PULL, PUSH, TypedSocket
+from protocol.structs import Endpoints, ForwardBatch, ForwardReq, SamplingParams, SlotLoad, WorkerToScheduler
 from worker.model_runner import ModelRunner
 
 PAGE_SIZE = 4
 NUM_PAGES = 128
 GREEDY = SamplingParams(temperature=0.0)
+REPLY_TIMEOUT_MS = 20_000
 
 
 TINY_LLAMA = dict(
@@ -121,3 +123,25 @@ def run_two_ranks(target: Callable[..., None], *args: Any, timeout_s: float = 12
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+
+
+class FakeScheduler:
+    """The scheduler's end of the worker sockets, for tests that run worker processes without one."""
+
+    def __init__(self, endpoints: Endpoints):
+        self.from_workers = TypedSocket(PULL, endpoints.workers_to_scheduler, bind=True, recv_type=WorkerToScheduler)
+        self.to_workers = [TypedSocket(PUSH, addr, bind=False) for addr in endpoints.scheduler_to_workers]
+
+    def send(self, msg) -> None:  # every rank gets every message, as from the real scheduler
+        for sock in self.to_workers:
+            sock.send(msg)
+
+    def recv(self, timeout_ms: int = REPLY_TIMEOUT_MS):
+        msg = self.from_workers.recv(timeout_ms=timeout_ms)
+        assert msg is not None, "no reply from the workers"
+        return msg
+
+    def close(self) -> None:
+        self.from_workers.close()
+        for sock in self.to_workers:
+            sock.close()
