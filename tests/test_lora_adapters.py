@@ -15,7 +15,7 @@ from worker_helpers import GREEDY, make_runner, random_prompts
 
 from frontend.demo_model import ATTN_MODULES, build_lora_adapter, build_tiny_model
 from protocol.structs import ForwardBatch, ForwardReq, LoRAAdapterSpec, SlotLoad
-from worker.lora.adapter import AdapterLoadError, _finite_in_dtype
+from worker.lora.adapter import AdapterLoadError, _finite_in_dtype, load_adapter
 from worker.model_runner import ModelRunner
 
 A4_ID = 1
@@ -213,3 +213,11 @@ def test_finite_weights_whose_sum_overflows_are_kept() -> None:
     tensors = {"a": torch.full((4,), 3e38), "b": torch.full((2, 2), -1.0)}
     copies = _finite_in_dtype(tensors, torch.float32)
     assert all(torch.equal(copies[k], tensors[k]) for k in tensors)
+
+
+def test_tp_shards_do_not_keep_the_whole_adapter(runner: ModelRunner, adapter_dirs: dict[str, Path]) -> None:
+    # The read casts every tensor into one buffer; a TP rank must keep copies of its shards, not views of that buffer.
+    adapter = load_adapter(str(adapter_dirs["a4"]), 50, runner.lora.model_config, runner.lora.spec, 0, 2)
+    for lora_a, lora_b in adapter.weights.values():
+        for t in (lora_a, lora_b):
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()

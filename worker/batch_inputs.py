@@ -97,7 +97,7 @@ def _build_group(
 
     kv_pos = torch.arange(max_kv_len, device=device)  # (max_kv_len,)
     member_ids = torch.tensor(members, device=device)
-    read_pages = page_tables[member_ids][:, :max_kv_pages]  # (reqs, max_kv_pages); a request's tail: page 0
+    read_pages = page_tables[member_ids, :max_kv_pages].contiguous()  # (reqs, max_kv_pages); a tail: page 0
 
     cached = torch.tensor(cached_lens, device=device)[:, None, None]  # (reqs, 1, 1)
     total = cached + torch.tensor(q_lens, device=device)[:, None, None]

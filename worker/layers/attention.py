@@ -70,5 +70,5 @@ def _gather_pages(cache: torch.Tensor, read_pages: torch.Tensor, page_size: int)
     one row copy per page (index_select over whole pages is ~3x faster on CPU than indexing per token position)."""
     num_slots, num_kv_heads, head_dim = cache.shape
     num_reqs, num_pages = read_pages.shape
-    pages = cache.view(num_slots // page_size, -1).index_select(0, read_pages.reshape(-1))  # (reqs * pages, page elems)
+    pages = cache.view(num_slots // page_size, -1).index_select(0, read_pages.view(-1))  # (reqs * pages, page elems)
     return pages.view(num_reqs, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)

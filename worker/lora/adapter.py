@@ -76,7 +76,7 @@ def load_adapter(
     weights = {}
     for (layer, module), (key_a, key_b) in pairs.items():
         lora_a, lora_b = _shard(module, tensors[key_a], tensors[key_b], tp_rank, tp_size)
-        weights[(layer, module)] = (_host_copy(lora_a, pin), _host_copy(lora_b, pin))
+        weights[(layer, module)] = (_host_copy(lora_a, pin, tp_size), _host_copy(lora_b, pin, tp_size))
     return LoRAAdapter(
         lora_id=lora_id,
         lora_rank=config.lora_rank,
@@ -274,6 +274,9 @@ def _shard(
     return lora_a.narrow(1, tp_rank * num_cols, num_cols), lora_b
 
 
-def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    t = t.contiguous()  # a copy of just the shard whenever it was sliced
-    return t.pin_memory() if pin else t
+def _host_copy(t: torch.Tensor, pin: bool, tp_size: int) -> torch.Tensor:
+    if pin:
+        return t.contiguous().pin_memory()  # a copy
+    # Under TP, a copy of each shard, so that the buffer holding the whole adapter is freed; at TP=1 the views of
+    # that buffer are the host copy.
+    return t.clone(memory_format=torch.contiguous_format) if tp_size > 1 else t
