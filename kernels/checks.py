@@ -101,9 +101,9 @@ def check_expand_args(
             f"{op}: h dim 1 ({h.shape[1]}) must be num_slices ({num_slices}, from slice_offsets) * max_rank"
         )
     max_rank = h.shape[1] // num_slices
-    if lora_b.shape[1] != y.shape[1] or lora_b.shape[2] != max_rank:
+    if lora_b.shape[1] != max_rank or lora_b.shape[2] != y.shape[1]:
         raise ValueError(
-            f"{op}: lora_b must be (num_slots, out_dim={y.shape[1]}, max_rank={max_rank}), got {tuple(lora_b.shape)}"
+            f"{op}: lora_b must be (num_slots, max_rank={max_rank}, out_dim={y.shape[1]}), got {tuple(lora_b.shape)}"
         )
     _check_segments(op, y.device, lora_b.shape[0], seg_indptr, seg_slots, slot_ranks)
     _check_vector(op, "slot_scales", slot_scales, torch.float32, y.device)

@@ -25,6 +25,7 @@ def _expand_kernel(
     stride_ym,
     stride_hm,
     stride_b_slot,
+    stride_b_rank,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -53,7 +54,7 @@ def _expand_kernel(
     row_mask = rows < row_end
     col_mask = cols < col_end
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + slice_id * max_rank + r[None, :]  # (BM, BR)
-    b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + cols[None, :] * max_rank + r[:, None]  # (BR, BN)
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + r[:, None] * stride_b_rank + cols[None, :]  # (BR, BN)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r_start in range(0, rank, BLOCK_R):  # only the adapter's true rank
         r_mask = r_start + r < rank
@@ -61,7 +62,7 @@ def _expand_kernel(
         b_tile = tl.load(b_ptrs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
         acc = tl.dot(h_tile, b_tile, acc, input_precision=DOT_PRECISION)
         h_ptrs += BLOCK_R
-        b_ptrs += BLOCK_R
+        b_ptrs += BLOCK_R * stride_b_rank
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]  # (BM, BN)
     y_mask = row_mask[:, None] & col_mask[None, :]
     y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
@@ -102,6 +103,7 @@ def lora_expand_triton(
         y.stride(0),
         h.stride(0),
         lora_b.stride(0),
+        lora_b.stride(1),
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
         BLOCK_R=block_r,

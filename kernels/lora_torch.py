@@ -1,31 +1,33 @@
 """The CPU serving path and the oracle for the Triton kernels, in torch ops.
 
-A decode batch has many short segments (one row per request, a few requests per adapter), and a matmul per segment
-would cost more in call overhead than in arithmetic. So the short segments go through one batched matmul, one batch
-entry per slot, each slot's rows padded to the longest. The weights are a view of the pool when the batch's slots are
-(nearly) contiguous, as the scheduler's sorted batches over a full pool are: an unused slot in between only computes
-rows nobody reads. Scattered slots are gathered into a copy instead, whose cost is a second read of just their
-weights. Long segments (prefill chunks) get one matmul each, cut to the adapter's true rank. The pool is zero past
-each adapter's rank, so the batched path may run over the full max rank.
+A decode batch has many short segments (one row per request, a few requests per adapter). On a CPU a matmul costs a
+fixed ~40 µs before any arithmetic, so a matmul per segment, or per slot, is mostly overhead. Instead the short
+segments' rows are multiplied against the A of every slot in a group at once, one (rows, slots * rank) product, and a
+one-hot mask keeps each row's own slot's columns; the masked product times the group's stacked Bᵀ is then exactly
+each row's own expand, again one matmul per slice. That spends slots× the arithmetic of the rows' own products, which
+is small next to reading the weights as long as rows × slots stays under MAX_GROUP_PAIRS; bigger batches split into
+groups of nearby slots. A group's weights are a view of the pool when its slots are (nearly) a contiguous range, as
+the scheduler's sorted batches over a full pool are; scattered slots are gathered into a copy that is kept until the
+pool is written or the batch's slots change. Long segments (prefill chunks) get one matmul each, cut to the adapter's
+true rank. The pool is zero past each adapter's rank and in every empty slot, so the grouped path may run over the
+full max rank and over slots no row uses.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from kernels.checks import check_expand_args, check_shrink_args
 
-SHORT_SEGMENT_ROWS = 16  # segments up to this long are batched; longer ones get a matmul of their own
-# Padding every slot to the longest segment costs next to nothing up to FREE_PAD_ROWS rows (the weight read
-# dominates); beyond, while the padded rows are more than MAX_PADDING_FACTOR times the real ones, the longest segment
-# leaves for a matmul of its own (one prefill chunk among decodes would otherwise pad every slot).
-FREE_PAD_ROWS = 4
-MAX_PADDING_FACTOR = 2
-# A view may span unused slots between the batch's slots: each costs a slot's weight read and its padded rows'
-# products, where a gathered copy costs about two more reads of each used slot's weights. So a view while the slots
-# it spans are at most this many times the used ones.
+SHORT_SEGMENT_ROWS = 16  # segments up to this long go through the grouped path; longer ones get a matmul of their own
+# A group's product spends (its rows) × (its slots) row-slot pairs of arithmetic where each row needs one; past this
+# many pairs a CPU matmul stops hiding the extra work behind the weight read, and the group splits.
+MAX_GROUP_PAIRS = 1024
+# A view may span slots the group does not use: each costs a slot's weight read. So a view while the slots it spans
+# are at most this many times the used ones; a gathered copy beyond.
 MAX_VIEW_SPAN = 2
 
 
@@ -41,28 +43,21 @@ class _Segment:
 
 
 @dataclass(frozen=True)
-class _ShortBatch:
-    """The short segments, at most one per slot, as one batched matmul over `num_slots` batch entries."""
+class _Group:
+    """Short segments of a few slots, computed against all of the group's slots at once."""
 
-    slots: slice | torch.Tensor  # the pool's slots: a slice (weights are a view) or int64 indices (a gathered copy)
+    slots: slice | tuple[int, ...]  # the pool's slots: a range (weights are a view) or scattered (a gathered copy)
+    slot_index: torch.Tensor | None  # (num_slots,) int64 of scattered slots, for the gather; None for a range
     num_slots: int
-    pad_rows: int  # rows per slot in the padded layout
-    rows: torch.Tensor  # (short rows,) int64: rows of the batch that the segments hold
-    padded_rows: torch.Tensor  # (short rows,) int64: the same rows' places in the (num_slots * pad_rows) layout
-    # (num_slots * pad_rows,) int64: the batch row each padded place reads; padding repeats a real row, whose
-    # products land in rows nobody reads (one gather, no zero fill)
-    gather_rows: torch.Tensor
-    place_slot: torch.Tensor  # (short rows,) int64: padded_rows // pad_rows, the row's batch entry
-    place_row: torch.Tensor  # (short rows,) int64: padded_rows % pad_rows, its row within the entry
+    rows: torch.Tensor | None  # (rows,) int64: the batch rows of the group, None = every row of the batch in order
+    own_columns: torch.Tensor  # (rows,) int64: row i's own slot's block in the flat (rows * num_slots) product
+    one_hot: torch.Tensor  # (rows, num_slots) float32: 1 at each row's own slot
 
 
 @dataclass(frozen=True)
 class _Plan:
-    short: _ShortBatch | None  # one batched matmul
+    groups: list[_Group]  # one masked matmul pair each
     separate: list[_Segment]  # one matmul each
-    # The short batch holds every row of the batch, in order (a decode batch sorted by slot): its outputs are the
-    # batch's, with no scatter.
-    covers_batch: bool
 
 
 # The plan depends only on the segment metadata, the same for every LoRA linear of a forward pass: keep the last
@@ -81,72 +76,86 @@ def _plan(seg_indptr: torch.Tensor, seg_slots: torch.Tensor) -> _Plan:
 
 
 def _make_plan(row_bounds: list[int], slots: list[int], device: torch.device) -> _Plan:
-    separate, short_by_slot = [], {}
+    separate: list[_Segment] = []
+    short_rows: dict[int, list[int]] = {}  # slot -> its rows in short segments (a slot may have several segments)
     for seg, slot in enumerate(slots):
         segment = _Segment(slot, row_bounds[seg], row_bounds[seg + 1])
         if slot < 0 or segment.num_rows == 0:
             continue
-        if segment.num_rows > SHORT_SEGMENT_ROWS or slot in short_by_slot:
-            separate.append(segment)  # long, or a second segment of a slot (a batch not sorted by slot)
+        if segment.num_rows > SHORT_SEGMENT_ROWS:
+            separate.append(segment)
         else:
-            short_by_slot[slot] = segment
-    short = [short_by_slot[slot] for slot in sorted(short_by_slot)]
-    while (
-        len(short) > 1
-        and max(s.num_rows for s in short) > FREE_PAD_ROWS
-        and len(short) * max(s.num_rows for s in short) > MAX_PADDING_FACTOR * sum(s.num_rows for s in short)
-    ):
-        longest = max(short, key=lambda s: s.num_rows)
-        short.remove(longest)
-        separate.append(longest)
-    if not short:
-        return _Plan(short=None, separate=separate, covers_batch=False)
-    batch = _short_batch(short, device)
-    covers_batch = not separate and batch.rows.tolist() == list(range(row_bounds[-1]))
-    return _Plan(short=batch, separate=separate, covers_batch=covers_batch)
+            short_rows.setdefault(slot, []).extend(range(segment.row_start, segment.row_end))
+    groups = [_make_group(group, short_rows, row_bounds[-1], device) for group in _split_groups(short_rows)]
+    return _Plan(groups=groups, separate=separate)
 
 
-def _short_batch(segments: list[_Segment], device: torch.device) -> _ShortBatch:
-    first_slot, last_slot = segments[0].slot, segments[-1].slot
-    if last_slot - first_slot + 1 <= MAX_VIEW_SPAN * len(segments):
-        slots: slice | torch.Tensor = slice(first_slot, last_slot + 1)
-        place = {s.slot: s.slot - first_slot for s in segments}
-        num_slots = last_slot - first_slot + 1
+def _split_groups(short_rows: dict[int, list[int]]) -> list[list[int]]:
+    """Slots in pool order, cut into runs whose rows × slots stay within MAX_GROUP_PAIRS (a slot with more rows
+    than that is a group of its own)."""
+    groups: list[list[int]] = []
+    group: list[int] = []
+    num_rows = 0
+    for slot in sorted(short_rows):
+        rows = len(short_rows[slot])
+        if group and (num_rows + rows) * (len(group) + 1) > MAX_GROUP_PAIRS:
+            groups.append(group)
+            group, num_rows = [], 0
+        group.append(slot)
+        num_rows += rows
+    if group:
+        groups.append(group)
+    return groups
+
+
+def _make_group(
+    group_slots: list[int], short_rows: dict[int, list[int]], num_tokens: int, device: torch.device
+) -> _Group:
+    first, last = group_slots[0], group_slots[-1]
+    if last - first + 1 <= MAX_VIEW_SPAN * len(group_slots):
+        slots: slice | tuple[int, ...] = slice(first, last + 1)
+        place = {slot: slot - first for slot in group_slots}
+        slot_index = None
     else:
-        slots = torch.tensor([s.slot for s in segments], dtype=torch.int64, device=device)
-        place = {s.slot: i for i, s in enumerate(segments)}
-        num_slots = len(segments)
-    pad_rows = max(s.num_rows for s in segments)
-    rows, padded_rows = [], []
-    gather_rows = [segments[0].row_start] * (num_slots * pad_rows)
-    for s in segments:
-        base = place[s.slot] * pad_rows
-        rows.extend(range(s.row_start, s.row_end))
-        padded_rows.extend(range(base, base + s.num_rows))
-        gather_rows[base : base + s.num_rows] = range(s.row_start, s.row_end)
-    return _ShortBatch(
+        slots = tuple(group_slots)
+        place = {slot: i for i, slot in enumerate(group_slots)}
+        slot_index = torch.tensor(group_slots, dtype=torch.int64, device=device)
+    num_slots = len(place) if slot_index is not None else last - first + 1
+    row_slots = sorted((row, slot) for slot in group_slots for row in short_rows[slot])
+    rows = [row for row, _ in row_slots]
+    own = [place[slot] for _, slot in row_slots]
+    one_hot = torch.zeros(len(rows), num_slots, dtype=torch.float32)
+    one_hot[range(len(rows)), own] = 1.0
+    return _Group(
         slots=slots,
+        slot_index=slot_index,
         num_slots=num_slots,
-        pad_rows=pad_rows,
-        rows=torch.tensor(rows, dtype=torch.int64, device=device),
-        padded_rows=torch.tensor(padded_rows, dtype=torch.int64, device=device),
-        gather_rows=torch.tensor(gather_rows, dtype=torch.int64, device=device),
-        place_slot=torch.tensor([p // pad_rows for p in padded_rows], dtype=torch.int64, device=device),
-        place_row=torch.tensor([p % pad_rows for p in padded_rows], dtype=torch.int64, device=device),
+        rows=None if rows == list(range(num_tokens)) else torch.tensor(rows, dtype=torch.int64, device=device),
+        own_columns=torch.tensor([i * num_slots + p for i, p in enumerate(own)], dtype=torch.int64, device=device),
+        one_hot=one_hot.to(device),
     )
 
 
-def _pool_slots(pool: torch.Tensor, slots: slice | torch.Tensor) -> torch.Tensor:
-    return pool[slots] if isinstance(slots, slice) else pool.index_select(0, slots)
+# Gathered copies of scattered slots' weights, one per pool tensor: (pool, its version when gathered, slots, copy).
+# The version counter moves with every write to the pool (a slot load), so a stale copy is never used; an entry
+# goes when its pool does.
+_gathered: dict[int, tuple[weakref.ref, int, tuple[int, ...], torch.Tensor]] = {}
 
 
-def _batched_matmul_t(inputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """(n, rows, k) x (n, m, k) -> (n, rows, m) = inputs @ weightsᵀ per batch entry, weights a strided view of the pool.
-    CPU bmm copies a transposed half-precision operand before multiplying, so for those dtypes multiply the weights
-    as they lie (weights @ inputsᵀ) and transpose the small result; fp32 is fastest the direct way."""
-    if inputs.dtype == torch.float32:
-        return torch.bmm(inputs, weights.transpose(1, 2))
-    return torch.bmm(weights, inputs.transpose(1, 2)).transpose(1, 2)
+def _group_weights(pool: torch.Tensor, group: _Group) -> torch.Tensor:
+    """(num_slots, ...) the group's slots of a pool tensor: a view of a range, or a (kept) gathered copy."""
+    if group.slot_index is None:
+        return pool[group.slots]
+    if pool.is_inference():  # no version counter: the copy could not tell that the pool changed
+        return pool.index_select(0, group.slot_index)
+    key = id(pool)
+    entry = _gathered.get(key)
+    if entry is not None and entry[0]() is pool and entry[1] == pool._version and entry[2] == group.slots:
+        return entry[3]
+    gathered = pool.index_select(0, group.slot_index)
+    forget = weakref.ref(pool, lambda _, key=key: _gathered.pop(key, None))
+    _gathered[key] = (forget, pool._version, group.slots, gathered)
+    return gathered
 
 
 def lora_shrink_torch(
@@ -159,19 +168,16 @@ def lora_shrink_torch(
 ) -> torch.Tensor:
     max_rank = check_shrink_args(x, lora_a, seg_indptr, seg_slots, slot_ranks, num_slices)
     num_tokens, in_dim = x.shape
+    width = num_slices * max_rank
     plan = _plan(seg_indptr, seg_slots)
-    h = None if plan.covers_batch else x.new_zeros(num_tokens, num_slices * max_rank)
-    if (sb := plan.short) is not None:
-        x_padded = x.index_select(0, sb.gather_rows).view(sb.num_slots, sb.pad_rows, in_dim)
-        a = _pool_slots(lora_a, sb.slots)  # (num_slots, slices * max_rank, in_dim)
-        h_padded = _batched_matmul_t(x_padded, a)  # (num_slots, pad_rows, slices * max_rank)
-        h_rows = h_padded.reshape(sb.num_slots * sb.pad_rows, -1).index_select(0, sb.padded_rows)
-        if h is None:
-            return h_rows  # (tokens, slices * max_rank): every row, in order
-        h.index_copy_(0, sb.rows, h_rows)
+    if len(plan.groups) == 1 and plan.groups[0].rows is None:
+        return _shrink_group(x, lora_a, plan.groups[0], width)  # every row, in order
+    h = x.new_zeros(num_tokens, width)
+    for group in plan.groups:
+        h.index_copy_(0, group.rows, _shrink_group(x.index_select(0, group.rows), lora_a, group, width))
     ranks = slot_ranks.tolist() if plan.separate else []
     for seg in plan.separate:
-        rank, num_rows = ranks[seg.slot], seg.row_end - seg.row_start
+        rank, num_rows = ranks[seg.slot], seg.num_rows
         if rank == 0:
             continue
         a = lora_a[seg.slot].view(num_slices, max_rank, in_dim)[:, :rank]  # (slices, rank, in_dim)
@@ -180,6 +186,13 @@ def lora_shrink_torch(
             num_rows, num_slices, rank
         )
     return h
+
+
+def _shrink_group(x: torch.Tensor, lora_a: torch.Tensor, group: _Group, width: int) -> torch.Tensor:
+    """(rows, width): each row of x times its own slot's A, out of one product with every slot of the group."""
+    a = _group_weights(lora_a, group).reshape(group.num_slots * width, x.shape[1])  # (slots * width, in_dim)
+    h_all = x @ a.T  # (rows, slots * width)
+    return h_all.view(-1, width).index_select(0, group.own_columns)
 
 
 def lora_expand_torch(
@@ -198,19 +211,25 @@ def lora_expand_torch(
     slices = [(i, start, end) for i, (start, end) in enumerate(bounds) if end > start]
     num_slices = len(col_bounds) - 1
     plan = _plan(seg_indptr, seg_slots)
-    if (sb := plan.short) is not None:
-        h_padded = h.index_select(0, sb.gather_rows).view(sb.num_slots, sb.pad_rows, num_slices, max_rank)
-        entry_scales = slot_scales[sb.slots].to(h.dtype).view(-1, 1, 1, 1)
-        h_t = h.new_empty(sb.num_slots, num_slices, max_rank, sb.pad_rows)
-        torch.mul(h_padded, entry_scales, out=h_t.permute(0, 3, 1, 2))  # scaled, each slice a (rank, rows) matrix
-        b = _pool_slots(lora_b, sb.slots)  # (num_slots, out_dim, max_rank)
+    for group in plan.groups:
+        num_rows = h.shape[0] if group.rows is None else group.rows.shape[0]
+        h_group = h if group.rows is None else h.index_select(0, group.rows)
+        # Each row's h, scaled, in its own slot's block of (slots * rank) columns per slice, zero elsewhere.
+        row_scales = group.one_hot * _group_scales(slot_scales, group)  # (rows, slots)
+        h_masked = h.new_empty(num_rows, num_slices, group.num_slots, max_rank)
+        torch.mul(
+            h_group.view(num_rows, 1, num_slices, max_rank),
+            row_scales.view(num_rows, group.num_slots, 1, 1),
+            out=h_masked.permute(0, 2, 1, 3),
+        )
+        b = _group_weights(lora_b, group)  # (slots, max_rank, out_dim)
         for slice_id, start, end in slices:
-            out = torch.bmm(b[:, start:end], h_t[:, slice_id])  # (num_slots, slice_out, pad_rows)
-            delta = out[sb.place_slot, :, sb.place_row]  # (short rows, slice_out)
-            if plan.covers_batch:
-                y[:, start:end] += delta
+            h_slice = h_masked[:, slice_id].reshape(num_rows, group.num_slots * max_rank)
+            b_slice = b[:, :, start:end].reshape(group.num_slots * max_rank, end - start)  # a view for a range
+            if group.rows is None:
+                y[:, start:end].addmm_(h_slice, b_slice)
             else:
-                y[:, start:end].index_add_(0, sb.rows, delta)
+                y[:, start:end].index_add_(0, group.rows, h_slice @ b_slice)
     if not plan.separate:
         return
     ranks, scales = slot_ranks.tolist(), slot_scales.tolist()
@@ -220,5 +239,9 @@ def lora_expand_torch(
             continue
         for slice_id, col_start, col_end in slices:
             h_slice = h[seg.row_start : seg.row_end, slice_id * max_rank : slice_id * max_rank + rank]  # (rows, rank)
-            b = lora_b[seg.slot, col_start:col_end, :rank]  # (slice_out, rank)
-            y[seg.row_start : seg.row_end, col_start:col_end].addmm_(h_slice, b.T, alpha=scales[seg.slot])
+            b = lora_b[seg.slot, :rank, col_start:col_end]  # (rank, slice_out)
+            y[seg.row_start : seg.row_end, col_start:col_end].addmm_(h_slice, b, alpha=scales[seg.slot])
+
+
+def _group_scales(slot_scales: torch.Tensor, group: _Group) -> torch.Tensor:
+    return slot_scales[group.slots] if group.slot_index is None else slot_scales.index_select(0, group.slot_index)

@@ -15,6 +15,7 @@ from kernels import (  # noqa: E402
     lora_expand_triton,
     lora_shrink_torch,
     lora_shrink_triton,
+    lora_torch,
 )
 
 IN_DIM = 80  # not a multiple of the shrink K block, so the K mask is exercised
@@ -39,18 +40,17 @@ CASES = {
     # segments over the largest row tile, and a pool wider than one rank block
     "long": Case([150, 2, 70], [1, -1, 0], [100, 3], 128),
     "no_tokens": Case([0, 0], [0, -1], [4], 16),
-    # a decode batch sorted by slot, as the scheduler sends it: the CPU path batches it over a view of slots 0..6,
-    # where slot 1 is a gap (no request) and slot 4 holds an adapter that does not target this module (rank 0);
-    # "decode" above repeats slots, so the repeats take the one-matmul-per-segment path
+    # a decode batch sorted by slot, as the scheduler sends it: the CPU path runs it as one group over a view of
+    # slots 0..6, where slot 1 is a gap (no request) and slot 4 holds an adapter that does not target this module
     "decode_sorted": Case([2, 1, 1, 3, 1, 1, 1], [-1, 0, 2, 3, 4, 5, 6], [8, 4, 3, 16, 0, 2, 8], 16),
-    # a prefill chunk (its own matmul) beside decodes of other slots, batched around it
+    # a prefill chunk (its own matmul) beside decodes of other slots, grouped around it
     "prefill_and_decodes": Case([20, 1, 2, 1], [1, 0, 2, 3], [4, 8, 16, 2], 16),
-    # a 12-row prefill chunk among decodes would pad every slot to 12 rows: it gets its own matmul instead
-    "short_outlier": Case([1, 12, 1, 2, 1], [0, 1, 2, 3, 4], [4, 8, 16, 2, 4], 16),
-    # one row per slot but not in slot order: one range, whose rows must go back to their places
+    # one row per slot but not in slot order: one group, whose rows must go back to their places
     "unsorted_decode": Case([1, 1, 1], [2, 0, 1], [4, 8, 4], 8),
     # short segments too far apart in the pool for a view: their weights are gathered
     "sparse_slots": Case([1, 2, 1], [0, 1, 40], [4] * 41, 4),
+    # more rows x slots than one group takes: the short segments split into several groups
+    "many_slots": Case([1, 2, 1] * 16, list(range(48)), [1 + s % 8 for s in range(48)], 8),
 }
 
 
@@ -58,7 +58,7 @@ CASES = {
 class Batch:
     x: torch.Tensor  # (tokens, in_dim)
     lora_a: torch.Tensor  # (slots, slices * max_rank, in_dim)
-    lora_b: torch.Tensor  # (slots, out_dim, max_rank)
+    lora_b: torch.Tensor  # (slots, max_rank, out_dim)
     h: torch.Tensor  # (tokens, slices * max_rank), random everywhere: kernels must ignore rows/columns they do not own
     y: torch.Tensor  # (tokens, out_dim)
     seg_indptr: torch.Tensor
@@ -78,10 +78,10 @@ def make_batch(case: Case, num_slices: int, dtype: torch.dtype, seed: int = 0) -
     max_rank = case.max_rank
 
     lora_a = torch.randn(num_slots, num_slices, max_rank, IN_DIM, generator=gen) / IN_DIM**0.5
-    lora_b = torch.randn(num_slots, out_dim, max_rank, generator=gen) / max_rank**0.5
+    lora_b = torch.randn(num_slots, max_rank, out_dim, generator=gen) / max_rank**0.5
     for slot, rank in enumerate(case.slot_ranks):  # the pool is zero past each adapter's rank
         lora_a[slot, :, rank:] = 0
-        lora_b[slot, :, rank:] = 0
+        lora_b[slot, rank:] = 0
     slice_offsets = torch.tensor([0, *slice_outs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     seg_indptr = torch.tensor([0, *case.seg_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return Batch(
@@ -122,8 +122,8 @@ def dense_expand(b: Batch) -> torch.Tensor:
             continue
         for s in range(b.num_slices):
             h_slice = b.h[row, s * max_rank : (s + 1) * max_rank].double()
-            b_slice = b.lora_b[slot, bounds[s] : bounds[s + 1]].double()
-            y[row, bounds[s] : bounds[s + 1]] += b.slot_scales[slot].item() * (b_slice @ h_slice)
+            b_slice = b.lora_b[slot, :, bounds[s] : bounds[s + 1]].double()  # (max_rank, slice_out)
+            y[row, bounds[s] : bounds[s + 1]] += b.slot_scales[slot].item() * (h_slice @ b_slice)
     return y
 
 
@@ -184,6 +184,46 @@ def test_torch_path_replans_when_metadata_changes_in_place() -> None:
     torch.testing.assert_close(y.double(), dense_expand(b), **TOLERANCES[torch.float32])
 
 
+def _plan_of(case_name: str):
+    b = make_batch(CASES[case_name], 1, torch.float32)
+    return lora_torch._plan(b.seg_indptr, b.seg_slots)
+
+
+def test_torch_path_groups() -> None:
+    # How the CPU path lays out each kind of batch (the cases above check that every layout computes the same).
+    plan = _plan_of("decode_sorted")  # base rows left out, slots 0..6 one view, the gap and rank-0 slot included
+    [group] = plan.groups
+    assert group.slots == slice(0, 7) and group.rows is not None and not plan.separate
+    plan = _plan_of("prefill_and_decodes")
+    assert [(s.slot, s.num_rows) for s in plan.separate] == [(1, 20)] and plan.groups[0].slots == slice(0, 4)
+    plan = _plan_of("sparse_slots")
+    assert plan.groups[0].slots == (0, 1, 40) and plan.groups[0].rows is None  # gathered; every row, in order
+    plan = _plan_of("many_slots")
+    assert len(plan.groups) > 1
+    assert all(len(g.own_columns) * g.num_slots <= lora_torch.MAX_GROUP_PAIRS for g in plan.groups)
+    assert sum(len(g.own_columns) for g in plan.groups) == sum(CASES["many_slots"].seg_lens)
+
+
+@pytest.mark.parametrize("inference_pool", [False, True])
+def test_gathered_weights_follow_pool_writes(inference_pool: bool) -> None:
+    # Scattered slots' weights are gathered once and kept: a write to the pool (a slot load) must show in the next call.
+    b = make_batch(CASES["sparse_slots"], 3, torch.float32)
+    if inference_pool:  # a pool made under inference mode has no version counter: gathered afresh every call
+        with torch.inference_mode():
+            b.lora_a, b.lora_b = b.lora_a.clone(), b.lora_b.clone()
+    for _ in range(2):
+        lora_shrink_torch(*shrink_args(b))
+        lora_expand_torch(*expand_args(b, b.y.clone()))
+    with torch.inference_mode():  # the worker loads slots inside its forward
+        b.lora_a[40, :, :].mul_(-3.0)
+        b.lora_b[40, :2].mul_(0.5)
+    h = lora_shrink_torch(*shrink_args(b))
+    torch.testing.assert_close(h.double(), dense_shrink(b), **TOLERANCES[torch.float32])
+    y = b.y.clone()
+    lora_expand_torch(*expand_args(b, y))
+    torch.testing.assert_close(y.double(), dense_expand(b), **TOLERANCES[torch.float32])
+
+
 def test_expand_updates_strided_view() -> None:
     # y is often a column slice of a fused output; only unit stride in the last dim is required.
     b = make_batch(CASES["mixed"], 3, torch.float32)
@@ -231,7 +271,8 @@ BAD_SHRINK = {
 BAD_EXPAND = {
     "y_rows": (dict(y=_drop_last), "rows"),
     "h_dtype": (dict(h=lambda t: t.half()), "must match y dtype"),
-    "b_out_dim": (dict(lora_b=lambda t: t[:, :-1].contiguous()), "lora_b must be"),
+    "b_out_dim": (dict(lora_b=lambda t: t[:, :, :-1].contiguous()), "lora_b must be"),
+    "b_rank": (dict(lora_b=lambda t: t[:, :-1].contiguous()), "lora_b must be"),
     "b_noncontiguous": (dict(lora_b=lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)), "contiguous"),
     "scales_dtype": (dict(slot_scales=lambda t: t.double()), "slot_scales must be torch.float32"),
     "scales_len": (dict(slot_scales=_drop_last), "slot_scales must have num_slots"),

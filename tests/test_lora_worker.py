@@ -59,7 +59,7 @@ def test_pool_covers_the_model(runner: ModelRunner) -> None:
     pool = runner.lora.pool
     assert pool.num_slots == 6
     a, b = pool.buffers[(0, "self_attn.qkv_proj")].lora_a, pool.buffers[(0, "self_attn.qkv_proj")].lora_b
-    assert tuple(a.shape) == (6, 3 * 64, 64) and tuple(b.shape) == (6, 64 + 32 + 32, 64)
+    assert tuple(a.shape) == (6, 3 * 64, 64) and tuple(b.shape) == (6, 64, 64 + 32 + 32)
 
 
 def test_mixed_batch_matches_peft(runner: ModelRunner, llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:
@@ -88,7 +88,7 @@ def test_decode_step_sorted_by_slot_matches_peft(
     runner: ModelRunner, llama_dir: Path, adapter_dirs: dict[str, Path]
 ) -> None:
     # One decode token per request, sorted by slot as the scheduler sends them: the CPU path runs these segments as
-    # one batched matmul over the pool's slot range (not one matmul per segment), and must still match peft.
+    # one group over the pool's slot range (one matmul per linear, not one per segment), and must still match peft.
     names = [None, "a4", "a8", "a16", "a32", "a64"]
     prompts = random_prompts([6, 7, 5, 9, 4, 8], runner.vocab_size, seed=23)
     next_tokens = [3, 17, 42, 5, 99, 64]
@@ -109,7 +109,7 @@ def test_decode_step_sorted_by_slot_matches_peft(
     logits = runner.batch_logits(ForwardBatch(batch_id=1, reqs=decode_reqs))  # (reqs, vocab)
     batch = runner.lora.batch
     plan = _plan(batch.seg_indptr, batch.seg_slots)
-    assert plan.short is not None and not plan.separate, "the decode step was not one batched matmul"
+    assert len(plan.groups) == 1 and not plan.separate, "the decode step was not one grouped matmul"
     for prompt, name, token, row in zip(prompts, names, next_tokens, logits, strict=True):
         ref = hf_logits(llama_dir, prompt + [token], None if name is None else adapter_dirs[name])[-1]
         diff = (row - ref).abs().max().item()

@@ -2,7 +2,7 @@
 
 Per layer per fused linear that the pool targets:
   lora_a  (slots, num_slices * max_rank, in_per_rank)   slice s of slot n holds A rows s*max_rank ... s*max_rank + r
-  lora_b  (slots, out_per_rank, max_rank)               slice s's output rows, columns 0 ... r
+  lora_b  (slots, max_rank, out_per_rank)               rows 0 ... r, slice s's output columns
 zero-padded past the adapter's rank, and zero for a slice the adapter does not target. Shared by all layers:
 slot_scales (slots,) and, per fused linear kind, slot_ranks (slots,): the adapter's r where it targets any slice of
 that kind, else 0, so the kernels skip the slot there (an attention-only adapter costs nothing in the MLP)."""
@@ -25,8 +25,8 @@ class LoRABuffers:
 
     fused: FusedLinear
     lora_a: torch.Tensor  # (slots, num_slices * max_rank, in_per_rank)
-    lora_b: torch.Tensor  # (slots, out_per_rank, max_rank)
-    slice_offsets: torch.Tensor  # (num_slices + 1,) int32: each slice's rows of lora_b = columns of the output
+    lora_b: torch.Tensor  # (slots, max_rank, out_per_rank): Bᵀ, so a range of slots is one (slots * rank, out) matrix
+    slice_offsets: torch.Tensor  # (num_slices + 1,) int32: each slice's columns of lora_b = columns of the output
     row_offsets: tuple[int, ...]  # the same, on the host
     slot_ranks: torch.Tensor  # (slots,) int32, shared by every layer's buffers of this kind
     slot_scales: torch.Tensor  # (slots,) float32, shared by all buffers
@@ -37,7 +37,7 @@ class LoRABuffers:
 
     @property
     def max_rank(self) -> int:
-        return self.lora_b.shape[2]
+        return self.lora_b.shape[1]
 
 
 class LoRAPool:
@@ -61,7 +61,7 @@ class LoRAPool:
             raise TypeError(f"{fused.name} is a {linear.tp_mode}-parallel linear of {linear.num_slices} slices")
         row_offsets = (*linear.output_offsets_per_rank, sum(linear.output_sizes_per_rank))
         shape_a = (self.num_slots, len(fused.slices) * self.max_rank, linear.input_size_per_rank)
-        shape_b = (self.num_slots, row_offsets[-1], self.max_rank)
+        shape_b = (self.num_slots, self.max_rank, row_offsets[-1])
         device, dtype = self.spec.device, self.spec.dtype
         return LoRABuffers(
             fused=fused,
@@ -86,7 +86,7 @@ class LoRAPool:
             a_start = slice_id * self.max_rank
             b_start, b_end = buffers.row_offsets[slice_id], buffers.row_offsets[slice_id + 1]
             buffers.lora_a[slot, a_start : a_start + r].copy_(lora_a, non_blocking=True)  # (r, in_per_rank)
-            buffers.lora_b[slot, b_start:b_end, :r].copy_(lora_b, non_blocking=True)  # (out_of_slice, r)
+            buffers.lora_b[slot, :r, b_start:b_end].copy_(lora_b.T, non_blocking=True)  # (r, out_of_slice)
         targeted = {SLICE_OF[module][0].name for module in adapter.target_modules}
         for name, ranks in self.slot_ranks.items():
             ranks[slot] = r if name in targeted else 0
