@@ -11,6 +11,9 @@ the scheduler's sorted batches over a full pool are; scattered slots are gathere
 pool is written or the batch's slots change. Long segments (prefill chunks) get one matmul each, cut to the adapter's
 true rank. The pool is zero past each adapter's rank and in every empty slot, so the grouped path may run over the
 full max rank and over slots no row uses.
+
+For bfloat16 on a CPU with AVX-512 BF16, the short rows go to the compiled kernels of lora_cpu instead, which do
+exactly each row's own products in one call per linear, with no wasted arithmetic and no matmul call overhead.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import lora_cpu
 from kernels.checks import check_expand_args, check_shrink_args
 
 SHORT_SEGMENT_ROWS = 16  # segments up to this long go through the grouped path; longer ones get a matmul of their own
@@ -58,6 +62,7 @@ class _Group:
 class _Plan:
     groups: list[_Group]  # one masked matmul pair each
     separate: list[_Segment]  # one matmul each
+    row_slots: torch.Tensor  # (tokens,) int64: each row's slot if it is in a short segment, else -1 (lora_cpu's input)
 
 
 # The plan depends only on the segment metadata, the same for every LoRA linear of a forward pass: keep the last
@@ -87,7 +92,16 @@ def _make_plan(row_bounds: list[int], slots: list[int], device: torch.device) ->
         else:
             short_rows.setdefault(slot, []).extend(range(segment.row_start, segment.row_end))
     groups = [_make_group(group, short_rows, row_bounds[-1], device) for group in _split_groups(short_rows)]
-    return _Plan(groups=groups, separate=separate)
+    row_slots = [-1] * row_bounds[-1]
+    for slot, rows in short_rows.items():
+        for row in rows:
+            row_slots[row] = slot
+    return _Plan(groups=groups, separate=separate, row_slots=torch.tensor(row_slots, dtype=torch.int64, device=device))
+
+
+def _compiled(t: torch.Tensor):
+    """lora_cpu's kernels if they take this tensor's dtype and device and could be built here, else None."""
+    return lora_cpu.kernels() if t.dtype == torch.bfloat16 and t.device.type == "cpu" else None
 
 
 def _split_groups(short_rows: dict[int, list[int]]) -> list[list[int]]:
@@ -170,11 +184,15 @@ def lora_shrink_torch(
     num_tokens, in_dim = x.shape
     width = num_slices * max_rank
     plan = _plan(seg_indptr, seg_slots)
-    if len(plan.groups) == 1 and plan.groups[0].rows is None:
+    if plan.groups and (compiled := _compiled(x)) is not None:
+        h = x.new_empty(num_tokens, width)
+        compiled.shrink(x, lora_a, plan.row_slots, slot_ranks, num_slices, h)  # zero outside the short rows
+    elif len(plan.groups) == 1 and plan.groups[0].rows is None:
         return _shrink_group(x, lora_a, plan.groups[0], width)  # every row, in order
-    h = x.new_zeros(num_tokens, width)
-    for group in plan.groups:
-        h.index_copy_(0, group.rows, _shrink_group(x.index_select(0, group.rows), lora_a, group, width))
+    else:
+        h = x.new_zeros(num_tokens, width)
+        for group in plan.groups:
+            h.index_copy_(0, group.rows, _shrink_group(x.index_select(0, group.rows), lora_a, group, width))
     ranks = slot_ranks.tolist() if plan.separate else []
     for seg in plan.separate:
         rank, num_rows = ranks[seg.slot], seg.num_rows
@@ -211,7 +229,10 @@ def lora_expand_torch(
     slices = [(i, start, end) for i, (start, end) in enumerate(bounds) if end > start]
     num_slices = len(col_bounds) - 1
     plan = _plan(seg_indptr, seg_slots)
-    for group in plan.groups:
+    compiled = _compiled(y) if plan.groups else None
+    if compiled is not None:
+        compiled.expand(y, h, lora_b, plan.row_slots, slot_ranks, slot_scales, col_bounds)
+    for group in plan.groups if compiled is None else []:
         num_rows = h.shape[0] if group.rows is None else group.rows.shape[0]
         h_group = h if group.rows is None else h.index_select(0, group.rows)
         # Each row's h, scaled, in its own slot's block of (slots * rank) columns per slice, zero elsewhere.

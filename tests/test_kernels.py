@@ -11,6 +11,7 @@ import torch  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import (  # noqa: E402
+    lora_cpu,
     lora_expand_torch,
     lora_expand_triton,
     lora_shrink_torch,
@@ -222,6 +223,32 @@ def test_gathered_weights_follow_pool_writes(inference_pool: bool) -> None:
     y = b.y.clone()
     lora_expand_torch(*expand_args(b, y))
     torch.testing.assert_close(y.double(), dense_expand(b), **TOLERANCES[torch.float32])
+
+
+CPU_KERNELS_OFF = lora_cpu.unavailable_reason()
+BF16_TOL = dict(atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(CPU_KERNELS_OFF is not None, reason=f"CPU LoRA kernels cannot run here: {CPU_KERNELS_OFF}")
+@pytest.mark.parametrize("num_slices", [1, 3])
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_cpu_kernels(case_name: str, num_slices: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # bfloat16 short rows go to the compiled AVX-512 kernels (built on first use): they must match the float64
+    # reference, leave base rows alone, and agree with the torch ops that run where the kernels cannot.
+    assert lora_cpu.kernels() is not None, "the CPU kernels failed to build (see the log)"
+    b = make_batch(CASES[case_name], num_slices, torch.bfloat16)
+    h = lora_shrink_torch(*shrink_args(b))
+    y = b.y.clone()
+    lora_expand_torch(*expand_args(b, y))
+    torch.testing.assert_close(h.double(), dense_shrink(b), **BF16_TOL)
+    torch.testing.assert_close(y.double(), dense_expand(b), **BF16_TOL)
+    is_base = base_rows(b)
+    assert torch.count_nonzero(h[is_base]) == 0 and torch.equal(y[is_base], b.y[is_base])
+    monkeypatch.setattr(lora_cpu, "kernels", lambda: None)
+    y_ops = b.y.clone()
+    lora_expand_torch(*expand_args(b, y_ops))
+    torch.testing.assert_close(lora_shrink_torch(*shrink_args(b)), h, **BF16_TOL)
+    torch.testing.assert_close(y_ops, y, **BF16_TOL)
 
 
 def test_expand_updates_strided_view() -> None:

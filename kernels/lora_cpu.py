@@ -1,0 +1,67 @@
+"""Builds and loads the AVX-512 CPU kernels (csrc/lora_cpu.cpp) that the torch path uses for bfloat16 decode rows.
+
+Compiled on first use with torch's extension builder (g++ and ninja; ~30 s, cached under TORCH_EXTENSIONS_DIR) on
+CPUs with AVX-512 BF16. Anywhere else, or with LORAPLEX_CPU_KERNELS=0, or when the build fails, `kernels()` is None
+and the torch path does the same work in torch ops."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "lora_cpu.cpp"
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+COMPILER_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+
+_lock = threading.Lock()
+_loaded: tuple[ModuleType | None] | None = None  # (module or None) once tried
+
+
+def unavailable_reason() -> str | None:
+    """Why these kernels cannot run here, or None if they can (before building them)."""
+    if os.environ.get("LORAPLEX_CPU_KERNELS", "1") == "0":
+        return "disabled by LORAPLEX_CPU_KERNELS=0"
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return f"needs Linux on x86_64, not {platform.system()} on {platform.machine()}"
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError as e:
+        return f"cannot read /proc/cpuinfo: {e}"
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in flags]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def kernels() -> ModuleType | None:
+    """The compiled module (built on the first call, ~30 s once per machine), or None where it cannot run."""
+    global _loaded
+    if _loaded is None:
+        with _lock:
+            if _loaded is None:
+                _loaded = (_build(),)
+    return _loaded[0]
+
+
+def _build() -> ModuleType | None:
+    reason = unavailable_reason()
+    if reason is not None:
+        logger.info("CPU LoRA kernels off (%s): using torch ops", reason)
+        return None
+    from torch.utils.cpp_extension import load
+
+    logger.info("building the CPU LoRA kernels (AVX-512 BF16; first time on this machine takes ~30 s)")
+    start = time.perf_counter()
+    try:
+        module = load(name="loraplex_lora_cpu", sources=[str(SOURCE)], extra_cflags=COMPILER_FLAGS, verbose=False)
+    except Exception as e:  # no compiler, no ninja, a toolchain without these intrinsics: fall back, say why
+        logger.warning("CPU LoRA kernels failed to build, using torch ops instead: %s", str(e).splitlines()[-1:])
+        return None
+    logger.info("CPU LoRA kernels ready in %.1f s", time.perf_counter() - start)
+    return module
