@@ -4,13 +4,13 @@ import os
 
 import torch
 
-from kernels import lora_cpu
+from kernels import cpu_ext
 from kernels.lora_expand import lora_expand_triton
 from kernels.lora_shrink import lora_shrink_triton
 from kernels.lora_torch import lora_expand_torch, lora_shrink_torch
 
 __all__ = [
-    "lora_cpu",
+    "cpu_ext",
     "lora_expand",
     "lora_expand_torch",
     "lora_expand_triton",

@@ -12,7 +12,7 @@ pool is written or the batch's slots change. Long segments (prefill chunks) get 
 true rank. The pool is zero past each adapter's rank and in every empty slot, so the grouped path may run over the
 full max rank and over slots no row uses.
 
-For bfloat16 on a CPU with AVX-512 BF16, the short rows go to the compiled kernels of lora_cpu instead, which do
+For bfloat16 on a CPU with AVX-512 BF16, the short rows go to the compiled kernels of cpu_ext instead, which do
 exactly each row's own products in one call per linear, with no wasted arithmetic and no matmul call overhead.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import lora_cpu
+from kernels import cpu_ext
 from kernels.checks import check_expand_args, check_shrink_args
 
 SHORT_SEGMENT_ROWS = 16  # segments up to this long go through the grouped path; longer ones get a matmul of their own
@@ -62,7 +62,7 @@ class _Group:
 class _Plan:
     groups: list[_Group]  # one masked matmul pair each
     separate: list[_Segment]  # one matmul each
-    row_slots: torch.Tensor  # (tokens,) int64: each row's slot if it is in a short segment, else -1 (lora_cpu's input)
+    row_slots: torch.Tensor  # (tokens,) int64: each row's slot if it is in a short segment, else -1 (cpu_ext's input)
 
 
 # The plan depends only on the segment metadata, the same for every LoRA linear of a forward pass: keep the last
@@ -100,8 +100,8 @@ def _make_plan(row_bounds: list[int], slots: list[int], device: torch.device) ->
 
 
 def _compiled(t: torch.Tensor):
-    """lora_cpu's kernels if they take this tensor's dtype and device and could be built here, else None."""
-    return lora_cpu.kernels() if t.dtype == torch.bfloat16 and t.device.type == "cpu" else None
+    """cpu_ext's kernels if they take this tensor's dtype and device and could be built here, else None."""
+    return cpu_ext.kernels() if t.dtype == torch.bfloat16 and t.device.type == "cpu" else None
 
 
 def _split_groups(short_rows: dict[int, list[int]]) -> list[list[int]]:

@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import (  # noqa: E402
-    lora_cpu,
+    cpu_ext,
     lora_expand_torch,
     lora_expand_triton,
     lora_shrink_torch,
@@ -225,7 +225,7 @@ def test_gathered_weights_follow_pool_writes(inference_pool: bool) -> None:
     torch.testing.assert_close(y.double(), dense_expand(b), **TOLERANCES[torch.float32])
 
 
-CPU_KERNELS_OFF = lora_cpu.unavailable_reason()
+CPU_KERNELS_OFF = cpu_ext.unavailable_reason()
 BF16_TOL = dict(atol=3e-2, rtol=2e-2)
 
 
@@ -235,7 +235,7 @@ BF16_TOL = dict(atol=3e-2, rtol=2e-2)
 def test_cpu_kernels(case_name: str, num_slices: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # bfloat16 short rows go to the compiled AVX-512 kernels (built on first use): they must match the float64
     # reference, leave base rows alone, and agree with the torch ops that run where the kernels cannot.
-    assert lora_cpu.kernels() is not None, "the CPU kernels failed to build (see the log)"
+    assert cpu_ext.kernels() is not None, "the CPU kernels failed to build (see the log)"
     b = make_batch(CASES[case_name], num_slices, torch.bfloat16)
     h = lora_shrink_torch(*shrink_args(b))
     y = b.y.clone()
@@ -244,7 +244,7 @@ def test_cpu_kernels(case_name: str, num_slices: int, monkeypatch: pytest.Monkey
     torch.testing.assert_close(y.double(), dense_expand(b), **BF16_TOL)
     is_base = base_rows(b)
     assert torch.count_nonzero(h[is_base]) == 0 and torch.equal(y[is_base], b.y[is_base])
-    monkeypatch.setattr(lora_cpu, "kernels", lambda: None)
+    monkeypatch.setattr(cpu_ext, "kernels", lambda: None)
     y_ops = b.y.clone()
     lora_expand_torch(*expand_args(b, y_ops))
     torch.testing.assert_close(lora_shrink_torch(*shrink_args(b)), h, **BF16_TOL)

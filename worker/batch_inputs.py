@@ -108,6 +108,7 @@ def _build_group(
         token_rows=torch.tensor(token_rows, device=device),
         query_index=torch.tensor(query_index, device=device),
         read_pages=read_pages,
+        kv_lens=total.view(-1),
         mask=mask.unsqueeze(1),
         num_reqs=len(members),
         max_q_len=max_q_len,

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from kernels import lora_cpu
+from kernels import cpu_ext
 from protocol.config import ServerConfig
 from protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad
 from worker.batch_inputs import BatchError, BatchInputs
@@ -55,8 +55,8 @@ class ModelRunner:
             if config.lora_enabled
             else None
         )
-        if self.lora is not None and self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            lora_cpu.kernels()  # built now (logged), not inside the first request's forward
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            cpu_ext.kernels()  # built now (logged), not inside the first request's forward
         logger.info(
             "loaded %s: %d layers, shard %d of %d, %s on %s, context length %d",
             self.model_config.model_type,

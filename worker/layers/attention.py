@@ -4,6 +4,9 @@ Each step writes the new tokens' K/V into their cache slots, then gathers every 
 into a padded (reqs, max_kv_pages * page_size) block and runs one SDPA call per group. Requests are grouped by kind,
 at most two groups: decodes (one new token) and prefills, so a long prompt in the batch does not pad every decode to
 its length.
+
+A group of decodes in bfloat16 on a CPU with AVX-512 BF16 goes to cpu_ext's decode_attention instead, which reads each
+request's keys and values straight from its pages: no gathered copy, no padding, no mask.
 """
 
 from __future__ import annotations
@@ -13,12 +16,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ext
+
 
 @dataclass(frozen=True)
 class AttentionGroup:
     token_rows: torch.Tensor  # (group_tokens,) rows of the batch's flat token dimension in this group
     query_index: torch.Tensor  # (group_tokens,) each token's row in the padded (reqs * max_q_len) query layout
     read_pages: torch.Tensor  # (reqs, max_kv_pages) each request's page table; padding points at page 0
+    kv_lens: torch.Tensor  # (reqs,) int64 keys each request attends to: its cached tokens and its new ones
     mask: torch.Tensor  # (reqs, 1, max_q_len, max_kv_len) bool, True = may attend (causal, within the request)
     num_reqs: int
     max_q_len: int
@@ -52,6 +58,12 @@ def paged_attention(
 
 def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
+    if group.max_q_len == 1 and (compiled := _compiled_decode(q, k_cache)) is not None:
+        out = torch.empty_like(q)  # (reqs, heads, head_dim): one token per request, in request order
+        compiled.decode_attention(
+            q.contiguous(), k_cache, v_cache, group.read_pages, group.kv_lens, group.page_size, head_dim**-0.5, out
+        )
+        return out
     num_reqs, max_q_len = group.num_reqs, group.max_q_len
     q_padded = q.new_zeros(num_reqs * max_q_len, num_heads, head_dim)
     q_padded.index_copy_(0, group.query_index, q)
@@ -72,3 +84,12 @@ def _gather_pages(cache: torch.Tensor, read_pages: torch.Tensor, page_size: int)
     num_reqs, num_pages = read_pages.shape
     pages = cache.view(num_slots // page_size, -1).index_select(0, read_pages.view(-1))  # (reqs * pages, page elems)
     return pages.view(num_reqs, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def _compiled_decode(q: torch.Tensor, k_cache: torch.Tensor):
+    """cpu_ext's kernels if its decode attention takes these shapes, dtype and device here, else None."""
+    if q.dtype != torch.bfloat16 or q.device.type != "cpu" or not k_cache.is_contiguous():
+        return None
+    compiled = cpu_ext.kernels()
+    group = q.shape[1] // k_cache.shape[1]
+    return compiled if compiled is not None and compiled.decode_attention_supports(group, q.shape[2]) else None

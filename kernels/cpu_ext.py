@@ -1,8 +1,9 @@
-"""Builds and loads the AVX-512 CPU kernels (csrc/lora_cpu.cpp) that the torch path uses for bfloat16 decode rows.
+"""Builds and loads the AVX-512 CPU kernels (csrc/cpu_kernels.cpp) for bfloat16 decode rows: LoRA shrink/expand (used
+by lora_torch) and paged decode attention (used by worker/layers/attention.py).
 
 Compiled on first use with torch's extension builder (g++ and ninja; ~30 s, cached under TORCH_EXTENSIONS_DIR) on
 CPUs with AVX-512 BF16. Anywhere else, or with LORAPLEX_CPU_KERNELS=0, or when the build fails, `kernels()` is None
-and the torch path does the same work in torch ops."""
+and the callers do the same work in torch ops."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "lora_cpu.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 COMPILER_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 
@@ -52,16 +53,16 @@ def kernels() -> ModuleType | None:
 def _build() -> ModuleType | None:
     reason = unavailable_reason()
     if reason is not None:
-        logger.info("CPU LoRA kernels off (%s): using torch ops", reason)
+        logger.info("CPU kernels off (%s): using torch ops", reason)
         return None
     from torch.utils.cpp_extension import load
 
-    logger.info("building the CPU LoRA kernels (AVX-512 BF16; first time on this machine takes ~30 s)")
+    logger.info("building the CPU kernels (AVX-512 BF16; first time on this machine takes ~30 s)")
     start = time.perf_counter()
     try:
-        module = load(name="loraplex_lora_cpu", sources=[str(SOURCE)], extra_cflags=COMPILER_FLAGS, verbose=False)
+        module = load(name="loraplex_cpu_kernels", sources=[str(SOURCE)], extra_cflags=COMPILER_FLAGS, verbose=False)
     except Exception as e:  # no compiler, no ninja, a toolchain without these intrinsics: fall back, say why
-        logger.warning("CPU LoRA kernels failed to build, using torch ops instead: %s", str(e).splitlines()[-1:])
+        logger.warning("CPU kernels failed to build, using torch ops instead: %s", str(e).splitlines()[-1:])
         return None
-    logger.info("CPU LoRA kernels ready in %.1f s", time.perf_counter() - start)
+    logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
     return module

@@ -1,0 +1,265 @@
+// CPU kernels for bfloat16 decode rows, with AVX-512 (BF16): LoRA shrink/expand and paged decode attention.
+//
+// LoRA: each row times its own slot's A and B only.
+// A batched matmul computes every row against every slot's weights and throws most of it away, and a matmul call
+// costs tens of µs before any arithmetic; here one call per linear does exactly each row's products. Rows of the
+// same slot that lie next to each other (a batch sorted by slot) share every load of that slot's weights.
+// Products accumulate in float32; h and y round to bfloat16 once, as a float32-accumulating matmul would.
+
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kRowBlock = 4;  // rows of one slot sharing each weight load (4 accumulators per column block)
+
+using bf16 = uint16_t;
+
+inline __m512 load_bf16x16(const bf16* p, __mmask16 mask) {
+  __m256i bits = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+inline float bf16_to_float(bf16 v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline bf16 float_to_bf16(float f) {  // round to nearest even, as _mm512_cvtneps_pbh
+  __m128bh v = _mm_cvtneps_pbh(_mm_set1_ps(f));
+  bf16 out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+}
+
+inline __mmask16 tail_mask16(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+inline __mmask32 tail_mask32(int64_t n) { return n >= 32 ? __mmask32(0xFFFFFFFF) : __mmask32((1ull << n) - 1); }
+
+// Runs of consecutive rows with one slot, at most kRowBlock long; rows with slot < 0 are left out.
+struct RowRun {
+  int64_t first, count, slot;
+};
+
+std::vector<RowRun> row_runs(const int64_t* row_slot, int64_t num_rows) {
+  std::vector<RowRun> runs;
+  for (int64_t row = 0; row < num_rows;) {
+    int64_t slot = row_slot[row], end = row + 1;
+    while (end < num_rows && row_slot[end] == slot && end - row < kRowBlock) ++end;
+    if (slot >= 0) runs.push_back({row, end - row, slot});
+    row = end;
+  }
+  return runs;
+}
+
+}  // namespace
+
+// h[row, s*max_rank + j] = A[slot, s*max_rank + j, :] · x[row, :] for j < rank[slot], 0 past it, for every row with
+// row_slot >= 0; rows with row_slot < 0 are all zero.
+void shrink(torch::Tensor x, torch::Tensor lora_a, torch::Tensor row_slot, torch::Tensor slot_ranks,
+            int64_t num_slices, torch::Tensor h) {
+  const int64_t num_rows = x.size(0), in_dim = x.size(1), width = lora_a.size(1), max_rank = width / num_slices;
+  const bf16* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
+  const bf16* ap = reinterpret_cast<const bf16*>(lora_a.data_ptr<at::BFloat16>());
+  bf16* hp = reinterpret_cast<bf16*>(h.data_ptr<at::BFloat16>());
+  const int64_t* slots = row_slot.data_ptr<int64_t>();
+  const int32_t* ranks = slot_ranks.data_ptr<int32_t>();
+  const int64_t x_stride = x.stride(0), h_stride = h.stride(0), a_slot_stride = lora_a.stride(0);
+  for (int64_t row = 0; row < num_rows; ++row) std::fill_n(hp + row * h_stride, width, bf16(0));
+  for (const RowRun& run : row_runs(slots, num_rows)) {
+    const int64_t rank = std::min<int64_t>(ranks[run.slot], max_rank);
+    const bf16* a_slot = ap + run.slot * a_slot_stride;
+    for (int64_t s = 0; s < num_slices; ++s) {
+      for (int64_t j = 0; j < rank; ++j) {
+        const int64_t w = s * max_rank + j;
+        const bf16* a_row = a_slot + w * in_dim;
+        __m512 acc[kRowBlock];
+        for (int r = 0; r < kRowBlock; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < in_dim; k += 32) {
+          const __mmask32 mask = tail_mask32(in_dim - k);
+          const __m512bh a_vec = (__m512bh)_mm512_maskz_loadu_epi16(mask, a_row + k);
+          for (int r = 0; r < run.count; ++r) {
+            const __m512bh x_vec = (__m512bh)_mm512_maskz_loadu_epi16(mask, xp + (run.first + r) * x_stride + k);
+            acc[r] = _mm512_dpbf16_ps(acc[r], a_vec, x_vec);
+          }
+        }
+        for (int r = 0; r < run.count; ++r) hp[(run.first + r) * h_stride + w] = float_to_bf16(_mm512_reduce_add_ps(acc[r]));
+      }
+    }
+  }
+}
+
+// y[row, cols of slice s] += scale[slot] * h[row, s*max_rank : s*max_rank + rank] @ B[slot, :rank, cols of slice s]
+// for every row with row_slot >= 0.
+void expand(torch::Tensor y, torch::Tensor h, torch::Tensor lora_b, torch::Tensor row_slot, torch::Tensor slot_ranks,
+            torch::Tensor slot_scales, std::vector<int64_t> slice_offsets) {
+  const int64_t num_rows = y.size(0), max_rank = lora_b.size(1);
+  const int64_t num_slices = static_cast<int64_t>(slice_offsets.size()) - 1;
+  bf16* yp = reinterpret_cast<bf16*>(y.data_ptr<at::BFloat16>());
+  const bf16* hp = reinterpret_cast<const bf16*>(h.data_ptr<at::BFloat16>());
+  const bf16* bp = reinterpret_cast<const bf16*>(lora_b.data_ptr<at::BFloat16>());
+  const int64_t* slots = row_slot.data_ptr<int64_t>();
+  const int32_t* ranks = slot_ranks.data_ptr<int32_t>();
+  const float* scales = slot_scales.data_ptr<float>();
+  const int64_t y_stride = y.stride(0), h_stride = h.stride(0), b_slot_stride = lora_b.stride(0);
+  const int64_t b_rank_stride = lora_b.stride(1);
+  std::vector<float> coef(kRowBlock * max_rank);
+  for (const RowRun& run : row_runs(slots, num_rows)) {
+    const int64_t rank = std::min<int64_t>(ranks[run.slot], max_rank);
+    const bf16* b_slot = bp + run.slot * b_slot_stride;
+    for (int64_t s = 0; s < num_slices; ++s) {
+      for (int r = 0; r < run.count; ++r)
+        for (int64_t j = 0; j < rank; ++j)
+          coef[r * max_rank + j] = scales[run.slot] * bf16_to_float(hp[(run.first + r) * h_stride + s * max_rank + j]);
+      for (int64_t col = slice_offsets[s]; col < slice_offsets[s + 1]; col += 16) {
+        const __mmask16 mask = tail_mask16(slice_offsets[s + 1] - col);
+        __m512 acc[kRowBlock];
+        for (int r = 0; r < kRowBlock; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < rank; ++j) {
+          const __m512 b_vec = load_bf16x16(b_slot + j * b_rank_stride + col, mask);
+          for (int r = 0; r < run.count; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(coef[r * max_rank + j]), b_vec, acc[r]);
+        }
+        for (int r = 0; r < run.count; ++r) {
+          bf16* y_ptr = yp + (run.first + r) * y_stride + col;
+          const __m512 sum = _mm512_add_ps(load_bf16x16(y_ptr, mask), acc[r]);
+          _mm256_mask_storeu_epi16(y_ptr, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+        }
+      }
+    }
+  }
+}
+
+namespace {
+
+// e^x for x <= 0 (scores minus their max), 16 lanes: 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, and a
+// degree-6 Taylor polynomial for e^r (relative error ~1e-7, below bfloat16's resolution by far).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2 in two parts: exact n * hi
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+
+// decode_attention for `group` query heads per KV head and head_dim = 32 * `chunks`, known at compile time so that
+// the per-head accumulators live in registers.
+template <int64_t group, int64_t chunks>
+void decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor read_pages,
+                           torch::Tensor kv_lens, int64_t page_size, double scale, torch::Tensor out) {
+  constexpr int64_t kMaxGroup = group, kMaxHeadChunks = chunks;
+  const int64_t num_reqs = q.size(0), num_kv_heads = k_cache.size(1);
+  const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
+  const bf16* kp = reinterpret_cast<const bf16*>(k_cache.data_ptr<at::BFloat16>());
+  const bf16* vp = reinterpret_cast<const bf16*>(v_cache.data_ptr<at::BFloat16>());
+  bf16* op = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
+  const int64_t* pages = read_pages.data_ptr<int64_t>();
+  const int64_t* lens = kv_lens.data_ptr<int64_t>();
+  const int64_t q_req = q.stride(0), q_head = q.stride(1), o_req = out.stride(0), o_head = out.stride(1);
+  const int64_t kv_slot = k_cache.stride(0), kv_head = k_cache.stride(1), pages_stride = read_pages.stride(0);
+  int64_t max_len = 0;
+  for (int64_t n = 0; n < num_reqs; ++n) max_len = std::max(max_len, lens[n]);
+  const int64_t score_stride = max_len + 16;
+  std::vector<float> scores(group * score_stride);
+  std::vector<int64_t> slots(max_len);
+  for (int64_t n = 0; n < num_reqs; ++n) {
+    const int64_t len = lens[n];
+    for (int64_t t = 0; t < len; ++t) slots[t] = pages[n * pages_stride + t / page_size] * page_size + t % page_size;
+    for (int64_t g = 0; g < num_kv_heads; ++g) {
+      __m512bh q_vec[kMaxGroup][kMaxHeadChunks];
+      for (int64_t j = 0; j < group; ++j)
+        for (int64_t c = 0; c < chunks; ++c)
+          q_vec[j][c] = (__m512bh)_mm512_loadu_si512(qp + n * q_req + (g * group + j) * q_head + 32 * c);
+      float max_score[kMaxGroup];
+      std::fill_n(max_score, group, -INFINITY);
+      for (int64_t t = 0; t < len; ++t) {
+        const bf16* k_row = kp + slots[t] * kv_slot + g * kv_head;
+        __m512bh k_vec[kMaxHeadChunks];
+        for (int64_t c = 0; c < chunks; ++c) k_vec[c] = (__m512bh)_mm512_loadu_si512(k_row + 32 * c);
+        for (int64_t j = 0; j < group; ++j) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t c = 0; c < chunks; ++c) acc = _mm512_dpbf16_ps(acc, k_vec[c], q_vec[j][c]);
+          const float score = static_cast<float>(scale) * _mm512_reduce_add_ps(acc);
+          scores[j * score_stride + t] = score;
+          max_score[j] = std::max(max_score[j], score);
+        }
+      }
+      float inv_sum[kMaxGroup];
+      for (int64_t j = 0; j < group; ++j) {
+        float* row = scores.data() + j * score_stride;
+        __m512 sum_vec = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t += 16) {
+          const __mmask16 mask = tail_mask16(len - t);
+          const __m512 p = _mm512_maskz_mov_ps(
+              mask, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + t), _mm512_set1_ps(max_score[j]))));
+          _mm512_mask_storeu_ps(row + t, mask, p);
+          sum_vec = _mm512_add_ps(sum_vec, p);
+        }
+        inv_sum[j] = 1.0f / _mm512_reduce_add_ps(sum_vec);
+      }
+      __m512 acc[kMaxGroup][2 * kMaxHeadChunks];
+      for (int64_t j = 0; j < group; ++j)
+        for (int64_t c = 0; c < 2 * chunks; ++c) acc[j][c] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < len; ++t) {
+        const bf16* v_row = vp + slots[t] * kv_slot + g * kv_head;
+        __m512 v_vec[2 * kMaxHeadChunks];
+        for (int64_t c = 0; c < 2 * chunks; ++c) v_vec[c] = load_bf16x16(v_row + 16 * c, 0xFFFF);
+        for (int64_t j = 0; j < group; ++j) {
+          const __m512 p = _mm512_set1_ps(scores[j * score_stride + t]);
+          for (int64_t c = 0; c < 2 * chunks; ++c) acc[j][c] = _mm512_fmadd_ps(p, v_vec[c], acc[j][c]);
+        }
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        bf16* o_row = op + n * o_req + (g * group + j) * o_head;
+        for (int64_t c = 0; c < 2 * chunks; ++c)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o_row + 16 * c),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv_sum[j]))));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// Query heads per KV head and head_dims (in chunks of 32) the kernel is built for; the caller checks.
+bool decode_attention_supports(int64_t group, int64_t head_dim) {
+  return (group == 1 || group == 2 || group == 4 || group == 8) && (head_dim == 64 || head_dim == 128);
+}
+
+// One new token per request: out[n, h] = softmax(scale * q[n, h] · K[n]ᵀ) V[n] over the request's first kv_lens[n]
+// positions, K/V read straight from the paged cache through read_pages (no gather); the query heads of one KV head
+// share each K/V row load. Scores and probabilities in float32.
+void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor read_pages,
+                      torch::Tensor kv_lens, int64_t page_size, double scale, torch::Tensor out) {
+  const int64_t group = q.size(1) / k_cache.size(1), head_dim = q.size(2);
+  TORCH_CHECK(decode_attention_supports(group, head_dim), "decode_attention: unsupported group ", group,
+              " or head_dim ", head_dim);
+#define LORAPLEX_DISPATCH(G, C)                                                                   \
+  if (group == G && head_dim == 32 * C)                                                           \
+    return decode_attention_impl<G, C>(q, k_cache, v_cache, read_pages, kv_lens, page_size, scale, out);
+  LORAPLEX_DISPATCH(1, 2) LORAPLEX_DISPATCH(2, 2) LORAPLEX_DISPATCH(4, 2) LORAPLEX_DISPATCH(8, 2)
+  LORAPLEX_DISPATCH(1, 4) LORAPLEX_DISPATCH(2, 4) LORAPLEX_DISPATCH(4, 4) LORAPLEX_DISPATCH(8, 4)
+#undef LORAPLEX_DISPATCH
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("shrink", &shrink, "LoRA shrink of bfloat16 rows, each against its own slot");
+  m.def("expand", &expand, "LoRA expand of bfloat16 rows, each against its own slot, added to y");
+  m.def("decode_attention_supports", &decode_attention_supports, "query heads per KV head and head_dim built for");
+  m.def("decode_attention", &decode_attention, "attention of one new bfloat16 token per request over the paged cache");
+}

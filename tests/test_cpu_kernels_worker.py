@@ -1,0 +1,100 @@
+"""The compiled CPU kernels (kernels/cpu_ext) inside a bfloat16 worker: decode steps with adapters and base rows,
+through paged decode attention and the LoRA shrink/expand, against the same model in float32. The kernels must be
+used, and be as close to float32 as the torch ops they replace."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from worker_helpers import GREEDY, build_llama_variant, make_runner, random_prompts
+
+from frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
+from kernels import cpu_ext
+from protocol.structs import ForwardBatch, ForwardReq, LoRAAdapterSpec, SlotLoad
+from worker.model_runner import ModelRunner
+
+OFF = cpu_ext.unavailable_reason()
+pytestmark = pytest.mark.skipif(OFF is not None, reason=f"CPU kernels cannot run here: {OFF}")
+
+# head_dim 64 and 2 query heads per KV head: shapes decode_attention is built for
+MODEL = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=384)
+ADAPTERS = {"r8": (8, 1), "r16": (16, 2), "r4": (4, 3)}  # name -> (rank, seed)
+ROW_ADAPTERS = ["r8", "r8", None, "r16", "r4", "r16", None, "r8"]  # sorted by slot, as the scheduler sends them
+PROMPT_LENGTHS = [9, 30, 5, 17, 40, 3, 22, 12]
+DECODE_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    root = tmp_path_factory.mktemp("cpu-kernels")
+    build_llama_variant(root / "base", **MODEL)
+    adapters = {}
+    for name, (rank, seed) in ADAPTERS.items():
+        adapters[name] = root / name
+        build_lora_adapter(root / "base", adapters[name], r=rank, lora_alpha=2 * rank,
+                           target_modules=ALL_TARGET_MODULES, seed=seed)  # fmt: skip
+    return root / "base", adapters
+
+
+def run_decode(runner: ModelRunner, adapters: dict[str, Path]) -> torch.Tensor:
+    """Prefill, then DECODE_STEPS steps feeding fixed tokens; (steps, reqs, vocab) float32 logits of the decodes."""
+    specs = [LoRAAdapterSpec(lora_name=n, lora_path=str(p), lora_id=i + 1) for i, (n, p) in enumerate(adapters.items())]
+    assert all(r.success for r in runner.lora.load(specs))
+    slot = {name: i for i, name in enumerate(adapters)}
+    loads = [SlotLoad(slot=i, lora_id=i + 1) for i in range(len(adapters))]
+    prompts = random_prompts(PROMPT_LENGTHS, runner.vocab_size, seed=5)
+    free_pages = list(range(runner.kv_cache.num_pages))
+    random.Random(0).shuffle(free_pages)  # scattered page tables
+    pages = [[free_pages.pop() for _ in range(-(-(len(p) + DECODE_STEPS) // runner.page_size))] for p in prompts]
+    slots = [-1 if name is None else slot[name] for name in ROW_ADAPTERS]
+    prefill = [ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=s)
+               for p, pg, s in zip(prompts, pages, slots, strict=True)]  # fmt: skip
+    runner.forward(ForwardBatch(batch_id=0, reqs=prefill, slot_loads=loads))
+    steps = []
+    for step in range(DECODE_STEPS):
+        reqs = [ForwardReq(input_ids=[(7 * i + step) % runner.vocab_size], num_cached_tokens=len(p) + step,
+                           page_ids=pg, sampling=GREEDY, num_generated=step + 1, slot=s)
+                for i, (p, pg, s) in enumerate(zip(prompts, pages, slots, strict=True))]  # fmt: skip
+        steps.append(runner.batch_logits(ForwardBatch(batch_id=1 + step, reqs=reqs)).float())
+    return torch.stack(steps)
+
+
+class _CountingKernels:
+    def __init__(self, module):
+        self.module, self.calls = module, {}
+
+    def __getattr__(self, name: str):
+        function = getattr(self.module, name)
+
+        def counted(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return function(*args)
+
+        return counted
+
+
+def test_bf16_decode_with_cpu_kernels_matches_fp32(
+    model_dirs: tuple[Path, dict[str, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base_dir, adapters = model_dirs
+    config = dict(enable_lora=True, max_lora_rank=16, lora_target_modules=["all"], max_loras_per_batch=4)
+    reference = run_decode(make_runner(base_dir, dtype="float32", **config), adapters)
+
+    counting = _CountingKernels(cpu_ext.kernels())
+    monkeypatch.setattr(cpu_ext, "kernels", lambda: counting)
+    with_kernels = run_decode(make_runner(base_dir, dtype="bfloat16", **config), adapters)
+    num_layers = 2
+    assert counting.calls["decode_attention"] == DECODE_STEPS * num_layers
+    # 4 fused linears per layer, in every decode step and in the prefill (whose short prompts are short segments)
+    assert counting.calls["shrink"] == counting.calls["expand"] == (1 + DECODE_STEPS) * num_layers * 4
+
+    monkeypatch.setattr(cpu_ext, "kernels", lambda: None)
+    with_torch_ops = run_decode(make_runner(base_dir, dtype="bfloat16", **config), adapters)
+
+    kernels_error = (with_kernels - reference).abs().max().item()
+    torch_ops_error = (with_torch_ops - reference).abs().max().item()
+    logit_range = (reference.max() - reference.min()).item()
+    assert kernels_error <= 1.5 * torch_ops_error + 1e-3 * logit_range, (kernels_error, torch_ops_error, logit_range)
