@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-COMPILER_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+# -fopenmp: at::parallel_for on torch's own OpenMP threads (the same libgomp.so.1 torch loads)
+COMPILER_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 
 _lock = threading.Lock()
 _loaded: tuple[ModuleType | None] | None = None  # (module or None) once tried
@@ -60,7 +61,13 @@ def _build() -> ModuleType | None:
     logger.info("building the CPU kernels (AVX-512 BF16; first time on this machine takes ~30 s)")
     start = time.perf_counter()
     try:
-        module = load(name="loraplex_cpu_kernels", sources=[str(SOURCE)], extra_cflags=COMPILER_FLAGS, verbose=False)
+        module = load(
+            name="loraplex_cpu_kernels",
+            sources=[str(SOURCE)],
+            extra_cflags=COMPILER_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
     except Exception as e:  # no compiler, no ninja, a toolchain without these intrinsics: fall back, say why
         logger.warning("CPU kernels failed to build, using torch ops instead: %s", str(e).splitlines()[-1:])
         return None

@@ -6,6 +6,7 @@
 // same slot that lie next to each other (a batch sorted by slot) share every load of that slot's weights.
 // Products accumulate in float32; h and y round to bfloat16 once, as a float32-accumulating matmul would.
 
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
@@ -40,6 +41,14 @@ inline bf16 float_to_bf16(float f) {  // round to nearest even, as _mm512_cvtnep
   return out;
 }
 
+// Flush-to-zero and denormals-are-zero while a kernel runs: a decisive attention row has probabilities of e^-80 and
+// below, and float math on denormal values takes a microcode assist per operation (a 3x slower kernel, measured).
+struct FlushDenormals {
+  unsigned int saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // FTZ (bit 15) | DAZ (bit 6)
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
+
 inline __mmask16 tail_mask16(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
 inline __mmask32 tail_mask32(int64_t n) { return n >= 32 ? __mmask32(0xFFFFFFFF) : __mmask32((1ull << n) - 1); }
 
@@ -73,7 +82,11 @@ void shrink(torch::Tensor x, torch::Tensor lora_a, torch::Tensor row_slot, torch
   const int32_t* ranks = slot_ranks.data_ptr<int32_t>();
   const int64_t x_stride = x.stride(0), h_stride = h.stride(0), a_slot_stride = lora_a.stride(0);
   for (int64_t row = 0; row < num_rows; ++row) std::fill_n(hp + row * h_stride, width, bf16(0));
-  for (const RowRun& run : row_runs(slots, num_rows)) {
+  const std::vector<RowRun> runs = row_runs(slots, num_rows);
+  at::parallel_for(0, static_cast<int64_t>(runs.size()), 1, [&](int64_t begin, int64_t end) {
+  FlushDenormals flush;  // per thread: MXCSR is per thread
+  for (int64_t i = begin; i < end; ++i) {
+    const RowRun& run = runs[i];
     const int64_t rank = std::min<int64_t>(ranks[run.slot], max_rank);
     const bf16* a_slot = ap + run.slot * a_slot_stride;
     for (int64_t s = 0; s < num_slices; ++s) {
@@ -94,6 +107,7 @@ void shrink(torch::Tensor x, torch::Tensor lora_a, torch::Tensor row_slot, torch
       }
     }
   }
+  });
 }
 
 // y[row, cols of slice s] += scale[slot] * h[row, s*max_rank : s*max_rank + rank] @ B[slot, :rank, cols of slice s]
@@ -110,8 +124,12 @@ void expand(torch::Tensor y, torch::Tensor h, torch::Tensor lora_b, torch::Tenso
   const float* scales = slot_scales.data_ptr<float>();
   const int64_t y_stride = y.stride(0), h_stride = h.stride(0), b_slot_stride = lora_b.stride(0);
   const int64_t b_rank_stride = lora_b.stride(1);
+  const std::vector<RowRun> runs = row_runs(slots, num_rows);
+  at::parallel_for(0, static_cast<int64_t>(runs.size()), 1, [&](int64_t begin, int64_t end) {
+  FlushDenormals flush;  // per thread: MXCSR is per thread
   std::vector<float> coef(kRowBlock * max_rank);
-  for (const RowRun& run : row_runs(slots, num_rows)) {
+  for (int64_t i = begin; i < end; ++i) {
+    const RowRun& run = runs[i];
     const int64_t rank = std::min<int64_t>(ranks[run.slot], max_rank);
     const bf16* b_slot = bp + run.slot * b_slot_stride;
     for (int64_t s = 0; s < num_slices; ++s) {
@@ -134,6 +152,7 @@ void expand(torch::Tensor y, torch::Tensor h, torch::Tensor lora_b, torch::Tenso
       }
     }
   }
+  });
 }
 
 namespace {
@@ -156,13 +175,11 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-
-// decode_attention for `group` query heads per KV head and head_dim = 32 * `chunks`, known at compile time so that
+// decode_attention for kGroup query heads per KV head and head_dim = 32 * kChunks, known at compile time so that
 // the per-head accumulators live in registers.
-template <int64_t group, int64_t chunks>
+template <int64_t kGroup, int64_t kChunks>
 void decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor read_pages,
                            torch::Tensor kv_lens, int64_t page_size, double scale, torch::Tensor out) {
-  constexpr int64_t kMaxGroup = group, kMaxHeadChunks = chunks;
   const int64_t num_reqs = q.size(0), num_kv_heads = k_cache.size(1);
   const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
   const bf16* kp = reinterpret_cast<const bf16*>(k_cache.data_ptr<at::BFloat16>());
@@ -175,32 +192,34 @@ void decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   int64_t max_len = 0;
   for (int64_t n = 0; n < num_reqs; ++n) max_len = std::max(max_len, lens[n]);
   const int64_t score_stride = max_len + 16;
-  std::vector<float> scores(group * score_stride);
+  at::parallel_for(0, num_reqs, 1, [&](int64_t begin, int64_t end) {
+  FlushDenormals flush;  // per thread: MXCSR is per thread
+  std::vector<float> scores(kGroup * score_stride);
   std::vector<int64_t> slots(max_len);
-  for (int64_t n = 0; n < num_reqs; ++n) {
+  for (int64_t n = begin; n < end; ++n) {
     const int64_t len = lens[n];
     for (int64_t t = 0; t < len; ++t) slots[t] = pages[n * pages_stride + t / page_size] * page_size + t % page_size;
     for (int64_t g = 0; g < num_kv_heads; ++g) {
-      __m512bh q_vec[kMaxGroup][kMaxHeadChunks];
-      for (int64_t j = 0; j < group; ++j)
-        for (int64_t c = 0; c < chunks; ++c)
-          q_vec[j][c] = (__m512bh)_mm512_loadu_si512(qp + n * q_req + (g * group + j) * q_head + 32 * c);
-      float max_score[kMaxGroup];
-      std::fill_n(max_score, group, -INFINITY);
+      __m512bh q_vec[kGroup][kChunks];
+      for (int64_t j = 0; j < kGroup; ++j)
+        for (int64_t c = 0; c < kChunks; ++c)
+          q_vec[j][c] = (__m512bh)_mm512_loadu_si512(qp + n * q_req + (g * kGroup + j) * q_head + 32 * c);
+      float max_score[kGroup];
+      std::fill_n(max_score, kGroup, -INFINITY);
       for (int64_t t = 0; t < len; ++t) {
         const bf16* k_row = kp + slots[t] * kv_slot + g * kv_head;
-        __m512bh k_vec[kMaxHeadChunks];
-        for (int64_t c = 0; c < chunks; ++c) k_vec[c] = (__m512bh)_mm512_loadu_si512(k_row + 32 * c);
-        for (int64_t j = 0; j < group; ++j) {
+        __m512bh k_vec[kChunks];
+        for (int64_t c = 0; c < kChunks; ++c) k_vec[c] = (__m512bh)_mm512_loadu_si512(k_row + 32 * c);
+        for (int64_t j = 0; j < kGroup; ++j) {
           __m512 acc = _mm512_setzero_ps();
-          for (int64_t c = 0; c < chunks; ++c) acc = _mm512_dpbf16_ps(acc, k_vec[c], q_vec[j][c]);
+          for (int64_t c = 0; c < kChunks; ++c) acc = _mm512_dpbf16_ps(acc, k_vec[c], q_vec[j][c]);
           const float score = static_cast<float>(scale) * _mm512_reduce_add_ps(acc);
           scores[j * score_stride + t] = score;
           max_score[j] = std::max(max_score[j], score);
         }
       }
-      float inv_sum[kMaxGroup];
-      for (int64_t j = 0; j < group; ++j) {
+      float inv_sum[kGroup];
+      for (int64_t j = 0; j < kGroup; ++j) {
         float* row = scores.data() + j * score_stride;
         __m512 sum_vec = _mm512_setzero_ps();
         for (int64_t t = 0; t < len; t += 16) {
@@ -212,26 +231,27 @@ void decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         }
         inv_sum[j] = 1.0f / _mm512_reduce_add_ps(sum_vec);
       }
-      __m512 acc[kMaxGroup][2 * kMaxHeadChunks];
-      for (int64_t j = 0; j < group; ++j)
-        for (int64_t c = 0; c < 2 * chunks; ++c) acc[j][c] = _mm512_setzero_ps();
+      __m512 acc[kGroup][2 * kChunks];
+      for (int64_t j = 0; j < kGroup; ++j)
+        for (int64_t c = 0; c < 2 * kChunks; ++c) acc[j][c] = _mm512_setzero_ps();
       for (int64_t t = 0; t < len; ++t) {
         const bf16* v_row = vp + slots[t] * kv_slot + g * kv_head;
-        __m512 v_vec[2 * kMaxHeadChunks];
-        for (int64_t c = 0; c < 2 * chunks; ++c) v_vec[c] = load_bf16x16(v_row + 16 * c, 0xFFFF);
-        for (int64_t j = 0; j < group; ++j) {
+        __m512 v_vec[2 * kChunks];
+        for (int64_t c = 0; c < 2 * kChunks; ++c) v_vec[c] = load_bf16x16(v_row + 16 * c, 0xFFFF);
+        for (int64_t j = 0; j < kGroup; ++j) {
           const __m512 p = _mm512_set1_ps(scores[j * score_stride + t]);
-          for (int64_t c = 0; c < 2 * chunks; ++c) acc[j][c] = _mm512_fmadd_ps(p, v_vec[c], acc[j][c]);
+          for (int64_t c = 0; c < 2 * kChunks; ++c) acc[j][c] = _mm512_fmadd_ps(p, v_vec[c], acc[j][c]);
         }
       }
-      for (int64_t j = 0; j < group; ++j) {
-        bf16* o_row = op + n * o_req + (g * group + j) * o_head;
-        for (int64_t c = 0; c < 2 * chunks; ++c)
+      for (int64_t j = 0; j < kGroup; ++j) {
+        bf16* o_row = op + n * o_req + (g * kGroup + j) * o_head;
+        for (int64_t c = 0; c < 2 * kChunks; ++c)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(o_row + 16 * c),
                               (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv_sum[j]))));
       }
     }
   }
+  });
 }
 
 }  // namespace
