@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -58,6 +59,7 @@ def _build() -> ModuleType | None:
         return None
     from torch.utils.cpp_extension import load
 
+    _put_ninja_on_path()
     logger.info("building the CPU kernels (AVX-512 BF16; first time on this machine takes ~30 s)")
     start = time.perf_counter()
     try:
@@ -73,3 +75,14 @@ def _build() -> ModuleType | None:
         return None
     logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
     return module
+
+
+def _put_ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; a venv's (the ninja package) is not on it unless the venv is active."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # the build fails and says so; the callers fall back to torch ops
+    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
