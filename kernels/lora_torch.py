@@ -12,8 +12,9 @@ pool is written or the batch's slots change. Long segments (prefill chunks) get 
 true rank. The pool is zero past each adapter's rank and in every empty slot, so the grouped path may run over the
 full max rank and over slots no row uses.
 
-For bfloat16 on a CPU with AVX-512 BF16, the short rows go to the compiled kernels of cpu_ext instead, which do
-exactly each row's own products in one call per linear, with no wasted arithmetic and no matmul call overhead.
+For bfloat16 on a CPU with AVX-512 BF16, the rows of every segment up to COMPILED_SEGMENT_ROWS long go to the
+compiled kernels of cpu_ext instead, which do exactly each row's own products in one call per linear, with no wasted
+arithmetic and no matmul call overhead (a short prefill chunk included: its own matmuls would cost one call per slice).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from kernels import cpu_ext
 from kernels.checks import check_expand_args, check_shrink_args
 
 SHORT_SEGMENT_ROWS = 16  # segments up to this long go through the grouped path; longer ones get a matmul of their own
+# ... or, where the compiled kernels run, through them: they beat a segment's own matmuls up to about this length
+COMPILED_SEGMENT_ROWS = 64
 # A group's product spends (its rows) × (its slots) row-slot pairs of arithmetic where each row needs one; past this
 # many pairs a CPU matmul stops hiding the extra work behind the weight read, and the group splits.
 MAX_GROUP_PAIRS = 1024
@@ -60,9 +63,10 @@ class _Group:
 
 @dataclass(frozen=True)
 class _Plan:
-    groups: list[_Group]  # one masked matmul pair each
+    groups: list[_Group]  # torch ops: one masked matmul pair each
+    # compiled kernels: (tokens,) int64, each row's slot if it is in a short segment, else -1; None if none is
+    row_slots: torch.Tensor | None
     separate: list[_Segment]  # one matmul each
-    row_slots: torch.Tensor  # (tokens,) int64: each row's slot if it is in a short segment, else -1 (cpu_ext's input)
 
 
 # The plan depends only on the segment metadata, the same for every LoRA linear of a forward pass: keep the last
@@ -70,33 +74,37 @@ class _Plan:
 _last_plan: tuple[tuple, _Plan] | None = None
 
 
-def _plan(seg_indptr: torch.Tensor, seg_slots: torch.Tensor) -> _Plan:
+def _plan(seg_indptr: torch.Tensor, seg_slots: torch.Tensor, compiled: bool = False) -> _Plan:
     global _last_plan
     row_bounds, slots = seg_indptr.tolist(), seg_slots.tolist()
-    key = (tuple(row_bounds), tuple(slots), seg_indptr.device)
+    key = (tuple(row_bounds), tuple(slots), seg_indptr.device, compiled)
     cached = _last_plan  # one read: another thread's forward may replace it meanwhile
     if cached is None or cached[0] != key:
-        cached = _last_plan = (key, _make_plan(row_bounds, slots, seg_indptr.device))
+        cached = _last_plan = (key, _make_plan(row_bounds, slots, seg_indptr.device, compiled))
     return cached[1]
 
 
-def _make_plan(row_bounds: list[int], slots: list[int], device: torch.device) -> _Plan:
+def _make_plan(row_bounds: list[int], slots: list[int], device: torch.device, compiled: bool) -> _Plan:
     separate: list[_Segment] = []
     short_rows: dict[int, list[int]] = {}  # slot -> its rows in short segments (a slot may have several segments)
+    max_short_rows = COMPILED_SEGMENT_ROWS if compiled else SHORT_SEGMENT_ROWS
     for seg, slot in enumerate(slots):
         segment = _Segment(slot, row_bounds[seg], row_bounds[seg + 1])
         if slot < 0 or segment.num_rows == 0:
             continue
-        if segment.num_rows > SHORT_SEGMENT_ROWS:
+        if segment.num_rows > max_short_rows:
             separate.append(segment)
         else:
             short_rows.setdefault(slot, []).extend(range(segment.row_start, segment.row_end))
-    groups = [_make_group(group, short_rows, row_bounds[-1], device) for group in _split_groups(short_rows)]
+    if not compiled:
+        groups = [_make_group(group, short_rows, row_bounds[-1], device) for group in _split_groups(short_rows)]
+        return _Plan(groups=groups, row_slots=None, separate=separate)
     row_slots = [-1] * row_bounds[-1]
     for slot, rows in short_rows.items():
         for row in rows:
             row_slots[row] = slot
-    return _Plan(groups=groups, separate=separate, row_slots=torch.tensor(row_slots, dtype=torch.int64, device=device))
+    row_slots_tensor = torch.tensor(row_slots, dtype=torch.int64, device=device) if short_rows else None
+    return _Plan(groups=[], row_slots=row_slots_tensor, separate=separate)
 
 
 def _compiled(t: torch.Tensor):
@@ -183,8 +191,9 @@ def lora_shrink_torch(
     max_rank = check_shrink_args(x, lora_a, seg_indptr, seg_slots, slot_ranks, num_slices)
     num_tokens, in_dim = x.shape
     width = num_slices * max_rank
-    plan = _plan(seg_indptr, seg_slots)
-    if plan.groups and (compiled := _compiled(x)) is not None:
+    compiled = _compiled(x)
+    plan = _plan(seg_indptr, seg_slots, compiled is not None)
+    if plan.row_slots is not None:
         h = x.new_empty(num_tokens, width)
         compiled.shrink(x, lora_a, plan.row_slots, slot_ranks, num_slices, h)  # zero outside the short rows
     elif len(plan.groups) == 1 and plan.groups[0].rows is None:
@@ -228,11 +237,11 @@ def lora_expand_torch(
     bounds = zip(col_bounds[:-1], col_bounds[1:], strict=True)
     slices = [(i, start, end) for i, (start, end) in enumerate(bounds) if end > start]
     num_slices = len(col_bounds) - 1
-    plan = _plan(seg_indptr, seg_slots)
-    compiled = _compiled(y) if plan.groups else None
-    if compiled is not None:
+    compiled = _compiled(y)
+    plan = _plan(seg_indptr, seg_slots, compiled is not None)
+    if plan.row_slots is not None:
         compiled.expand(y, h, lora_b, plan.row_slots, slot_ranks, slot_scales, col_bounds)
-    for group in plan.groups if compiled is None else []:
+    for group in plan.groups:
         num_rows = h.shape[0] if group.rows is None else group.rows.shape[0]
         h_group = h if group.rows is None else h.index_select(0, group.rows)
         # Each row's h, scaled, in its own slot's block of (slots * rank) columns per slice, zero elsewhere.

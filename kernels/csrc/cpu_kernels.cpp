@@ -18,7 +18,8 @@
 
 namespace {
 
-constexpr int kRowBlock = 4;  // rows of one slot sharing each weight load (4 accumulators per column block)
+constexpr int kRowBlock = 4;  // rows of one slot sharing each weight load
+constexpr int kWBlock = 4;    // A rows (shrink outputs) computed together, sharing each load of x
 
 using bf16 = uint16_t;
 
@@ -89,21 +90,29 @@ void shrink(torch::Tensor x, torch::Tensor lora_a, torch::Tensor row_slot, torch
     const RowRun& run = runs[i];
     const int64_t rank = std::min<int64_t>(ranks[run.slot], max_rank);
     const bf16* a_slot = ap + run.slot * a_slot_stride;
+    // Every row of the run reads the same A rows: always kRowBlock row pointers (a short run repeats its last row,
+    // whose extra products are not stored), so the loops below have fixed bounds and the accumulators stay in registers.
+    const bf16* x_rows[kRowBlock];
+    for (int r = 0; r < kRowBlock; ++r) x_rows[r] = xp + (run.first + std::min<int64_t>(r, run.count - 1)) * x_stride;
     for (int64_t s = 0; s < num_slices; ++s) {
-      for (int64_t j = 0; j < rank; ++j) {
-        const int64_t w = s * max_rank + j;
-        const bf16* a_row = a_slot + w * in_dim;
-        __m512 acc[kRowBlock];
-        for (int r = 0; r < kRowBlock; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t j0 = 0; j0 < rank; j0 += kWBlock) {
+        const bf16* a_rows[kWBlock];  // kWBlock A rows at once; past the rank, the block repeats its first row
+        for (int w = 0; w < kWBlock; ++w) a_rows[w] = a_slot + (s * max_rank + (j0 + w < rank ? j0 + w : j0)) * in_dim;
+        __m512 acc[kWBlock][kRowBlock];
+        for (int w = 0; w < kWBlock; ++w)
+          for (int r = 0; r < kRowBlock; ++r) acc[w][r] = _mm512_setzero_ps();
         for (int64_t k = 0; k < in_dim; k += 32) {
           const __mmask32 mask = tail_mask32(in_dim - k);
-          const __m512bh a_vec = (__m512bh)_mm512_maskz_loadu_epi16(mask, a_row + k);
-          for (int r = 0; r < run.count; ++r) {
-            const __m512bh x_vec = (__m512bh)_mm512_maskz_loadu_epi16(mask, xp + (run.first + r) * x_stride + k);
-            acc[r] = _mm512_dpbf16_ps(acc[r], a_vec, x_vec);
+          __m512bh a_vec[kWBlock];
+          for (int w = 0; w < kWBlock; ++w) a_vec[w] = (__m512bh)_mm512_maskz_loadu_epi16(mask, a_rows[w] + k);
+          for (int r = 0; r < kRowBlock; ++r) {
+            const __m512bh x_vec = (__m512bh)_mm512_maskz_loadu_epi16(mask, x_rows[r] + k);
+            for (int w = 0; w < kWBlock; ++w) acc[w][r] = _mm512_dpbf16_ps(acc[w][r], a_vec[w], x_vec);
           }
         }
-        for (int r = 0; r < run.count; ++r) hp[(run.first + r) * h_stride + w] = float_to_bf16(_mm512_reduce_add_ps(acc[r]));
+        for (int w = 0; w < kWBlock && j0 + w < rank; ++w)
+          for (int r = 0; r < run.count; ++r)
+            hp[(run.first + r) * h_stride + s * max_rank + j0 + w] = float_to_bf16(_mm512_reduce_add_ps(acc[w][r]));
       }
     }
   }
@@ -133,16 +142,19 @@ void expand(torch::Tensor y, torch::Tensor h, torch::Tensor lora_b, torch::Tenso
     const int64_t rank = std::min<int64_t>(ranks[run.slot], max_rank);
     const bf16* b_slot = bp + run.slot * b_slot_stride;
     for (int64_t s = 0; s < num_slices; ++s) {
-      for (int r = 0; r < run.count; ++r)
+      for (int r = 0; r < kRowBlock; ++r)  // a short run's missing rows get zero coefficients (and are not stored)
         for (int64_t j = 0; j < rank; ++j)
-          coef[r * max_rank + j] = scales[run.slot] * bf16_to_float(hp[(run.first + r) * h_stride + s * max_rank + j]);
+          coef[r * max_rank + j] = r < run.count ? scales[run.slot] *
+                                                       bf16_to_float(hp[(run.first + r) * h_stride + s * max_rank + j])
+                                                 : 0.0f;
       for (int64_t col = slice_offsets[s]; col < slice_offsets[s + 1]; col += 16) {
         const __mmask16 mask = tail_mask16(slice_offsets[s + 1] - col);
         __m512 acc[kRowBlock];
         for (int r = 0; r < kRowBlock; ++r) acc[r] = _mm512_setzero_ps();
         for (int64_t j = 0; j < rank; ++j) {
           const __m512 b_vec = load_bf16x16(b_slot + j * b_rank_stride + col, mask);
-          for (int r = 0; r < run.count; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(coef[r * max_rank + j]), b_vec, acc[r]);
+          for (int r = 0; r < kRowBlock; ++r)
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(coef[r * max_rank + j]), b_vec, acc[r]);
         }
         for (int r = 0; r < run.count; ++r) {
           bf16* y_ptr = yp + (run.first + r) * y_stride + col;
