@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
@@ -50,6 +52,11 @@ def kernels() -> ModuleType | None:
             if _loaded is None:
                 _loaded = (_build(),)
     return _loaded[0]
+
+
+def kernels_for(t: torch.Tensor) -> ModuleType | None:
+    """The compiled module if it takes this tensor (bfloat16, on the CPU) and could be built here, else None."""
+    return kernels() if t.dtype == torch.bfloat16 and t.device.type == "cpu" else None
 
 
 def _build() -> ModuleType | None:

@@ -107,11 +107,6 @@ def _make_plan(row_bounds: list[int], slots: list[int], device: torch.device, co
     return _Plan(groups=[], row_slots=row_slots_tensor, separate=separate)
 
 
-def _compiled(t: torch.Tensor):
-    """cpu_ext's kernels if they take this tensor's dtype and device and could be built here, else None."""
-    return cpu_ext.kernels() if t.dtype == torch.bfloat16 and t.device.type == "cpu" else None
-
-
 def _split_groups(short_rows: dict[int, list[int]]) -> list[list[int]]:
     """Slots in pool order, cut into runs whose rows × slots stay within MAX_GROUP_PAIRS (a slot with more rows
     than that is a group of its own)."""
@@ -191,7 +186,7 @@ def lora_shrink_torch(
     max_rank = check_shrink_args(x, lora_a, seg_indptr, seg_slots, slot_ranks, num_slices)
     num_tokens, in_dim = x.shape
     width = num_slices * max_rank
-    compiled = _compiled(x)
+    compiled = cpu_ext.kernels_for(x)
     plan = _plan(seg_indptr, seg_slots, compiled is not None)
     if plan.row_slots is not None:
         h = x.new_empty(num_tokens, width)
@@ -237,7 +232,7 @@ def lora_expand_torch(
     bounds = zip(col_bounds[:-1], col_bounds[1:], strict=True)
     slices = [(i, start, end) for i, (start, end) in enumerate(bounds) if end > start]
     num_slices = len(col_bounds) - 1
-    compiled = _compiled(y)
+    compiled = cpu_ext.kernels_for(y)
     plan = _plan(seg_indptr, seg_slots, compiled is not None)
     if plan.row_slots is not None:
         compiled.expand(y, h, lora_b, plan.row_slots, slot_ranks, slot_scales, col_bounds)

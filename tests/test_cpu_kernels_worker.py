@@ -1,5 +1,6 @@
 """The compiled CPU kernels (kernels/cpu_ext) inside a bfloat16 worker: decode steps with adapters and base rows,
-through paged decode attention and the LoRA shrink/expand, against the same model in float32. The kernels must be
+through paged decode attention, the LoRA shrink/expand, RMSNorm and SiLU-and-multiply, against the same model in
+float32. The kernels must be
 used, and be as close to float32 as the torch ops they replace."""
 
 from __future__ import annotations
@@ -89,7 +90,10 @@ def test_bf16_decode_with_cpu_kernels_matches_fp32(
     num_layers = 2
     assert counting.calls["decode_attention"] == DECODE_STEPS * num_layers
     # 4 fused linears per layer, in every decode step and in the prefill (whose short prompts are short segments)
-    assert counting.calls["shrink"] == counting.calls["expand"] == (1 + DECODE_STEPS) * num_layers * 4
+    num_forwards = 1 + DECODE_STEPS
+    assert counting.calls["shrink"] == counting.calls["expand"] == num_forwards * num_layers * 4
+    assert counting.calls["rms_norm"] == num_forwards * (2 * num_layers + 1)  # two per layer and the final norm
+    assert counting.calls["silu_and_mul"] == num_forwards * num_layers
 
     monkeypatch.setattr(cpu_ext, "kernels", lambda: None)
     with_torch_ops = run_decode(make_runner(base_dir, dtype="bfloat16", **config), adapters)

@@ -1,4 +1,5 @@
-// CPU kernels for bfloat16 decode rows, with AVX-512 (BF16): LoRA shrink/expand and paged decode attention.
+// CPU kernels for bfloat16 decode rows, with AVX-512 (BF16): LoRA shrink/expand, paged decode attention, and the
+// model's RMSNorm and SiLU-and-multiply as one pass each (torch ops take 5-8 small kernels for each).
 //
 // LoRA: each row times its own slot's A and B only.
 // A batched matmul computes every row against every slot's weights and throws most of it away, and a matmul call
@@ -58,10 +59,11 @@ struct RowRun {
   int64_t first, count, slot;
 };
 
-std::vector<RowRun> row_runs(const int64_t* row_slot, int64_t num_rows) {
+std::vector<RowRun> row_runs(const int64_t* row_slot, int64_t num_rows, int64_t num_slots) {
   std::vector<RowRun> runs;
   for (int64_t row = 0; row < num_rows;) {
     int64_t slot = row_slot[row], end = row + 1;
+    TORCH_CHECK(slot < num_slots, "row ", row, " uses slot ", slot, " of a pool of ", num_slots);
     while (end < num_rows && row_slot[end] == slot && end - row < kRowBlock) ++end;
     if (slot >= 0) runs.push_back({row, end - row, slot});
     row = end;
@@ -83,7 +85,7 @@ void shrink(torch::Tensor x, torch::Tensor lora_a, torch::Tensor row_slot, torch
   const int32_t* ranks = slot_ranks.data_ptr<int32_t>();
   const int64_t x_stride = x.stride(0), h_stride = h.stride(0), a_slot_stride = lora_a.stride(0);
   for (int64_t row = 0; row < num_rows; ++row) std::fill_n(hp + row * h_stride, width, bf16(0));
-  const std::vector<RowRun> runs = row_runs(slots, num_rows);
+  const std::vector<RowRun> runs = row_runs(slots, num_rows, lora_a.size(0));
   at::parallel_for(0, static_cast<int64_t>(runs.size()), 1, [&](int64_t begin, int64_t end) {
   FlushDenormals flush;  // per thread: MXCSR is per thread
   for (int64_t i = begin; i < end; ++i) {
@@ -133,7 +135,7 @@ void expand(torch::Tensor y, torch::Tensor h, torch::Tensor lora_b, torch::Tenso
   const float* scales = slot_scales.data_ptr<float>();
   const int64_t y_stride = y.stride(0), h_stride = h.stride(0), b_slot_stride = lora_b.stride(0);
   const int64_t b_rank_stride = lora_b.stride(1);
-  const std::vector<RowRun> runs = row_runs(slots, num_rows);
+  const std::vector<RowRun> runs = row_runs(slots, num_rows, lora_b.size(0));
   at::parallel_for(0, static_cast<int64_t>(runs.size()), 1, [&](int64_t begin, int64_t end) {
   FlushDenormals flush;  // per thread: MXCSR is per thread
   std::vector<float> coef(kRowBlock * max_rank);
@@ -169,10 +171,9 @@ void expand(torch::Tensor y, torch::Tensor h, torch::Tensor lora_b, torch::Tenso
 
 namespace {
 
-// e^x for x <= 0 (scores minus their max), 16 lanes: 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, and a
-// degree-6 Taylor polynomial for e^r (relative error ~1e-7, below bfloat16's resolution by far).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+// e^x for x within float's range, 16 lanes: 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, and a degree-6
+// Taylor polynomial for e^r (relative error ~1e-7, below bfloat16's resolution by far).
+inline __m512 exp_in_range(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2 in two parts: exact n * hi
@@ -186,6 +187,9 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
+
+// e^x for x <= 0 (scores minus their max)
+inline __m512 exp_nonpositive(__m512 x) { return exp_in_range(_mm512_max_ps(x, _mm512_set1_ps(-87.0f))); }
 
 // decode_attention for kGroup query heads per KV head and head_dim = 32 * kChunks, known at compile time so that
 // the per-head accumulators live in registers.
@@ -201,8 +205,16 @@ void decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t* lens = kv_lens.data_ptr<int64_t>();
   const int64_t q_req = q.stride(0), q_head = q.stride(1), o_req = out.stride(0), o_head = out.stride(1);
   const int64_t kv_slot = k_cache.stride(0), kv_head = k_cache.stride(1), pages_stride = read_pages.stride(0);
+  const int64_t num_pages = k_cache.size(0) / page_size;
   int64_t max_len = 0;
-  for (int64_t n = 0; n < num_reqs; ++n) max_len = std::max(max_len, lens[n]);
+  for (int64_t n = 0; n < num_reqs; ++n) {
+    TORCH_CHECK(0 < lens[n] && lens[n] <= read_pages.size(1) * page_size, "request ", n, ": ", lens[n], " keys");
+    for (int64_t i = 0; i * page_size < lens[n]; ++i) {
+      const int64_t page = pages[n * pages_stride + i];
+      TORCH_CHECK(0 <= page && page < num_pages, "request ", n, " reads page ", page, " of ", num_pages);
+    }
+    max_len = std::max(max_len, lens[n]);
+  }
   const int64_t score_stride = max_len + 16;
   at::parallel_for(0, num_reqs, 1, [&](int64_t begin, int64_t end) {
   FlushDenormals flush;  // per thread: MXCSR is per thread
@@ -289,9 +301,82 @@ void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_ca
 #undef LORAPLEX_DISPATCH
 }
 
+namespace {
+
+// e^x for any float x, clamped to e^±87.3 (float's range)
+inline __m512 exp_any(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(87.3f));
+  return exp_in_range(x);
+}
+
+inline __m512 round_bf16(__m512 v) {  // v rounded to bfloat16 and back: torch's rounding between two ops
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+inline void store_bf16x16(bf16* p, __m512 v, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+}  // namespace
+
+// out = weight * bf16(x * rsqrt(mean(x²) + eps)) per row, statistics in float32: the torch reference's rounding.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() && weight.size(0) == x.size(1),
+              "rms_norm: x must be (rows, dim) with unit stride in dim and weight (dim,)");
+  const int64_t num_rows = x.size(0), dim = x.size(1), x_stride = x.stride(0);
+  torch::Tensor out = torch::empty({num_rows, dim}, x.options());
+  const bf16* xp = reinterpret_cast<const bf16*>(x.data_ptr<at::BFloat16>());
+  const bf16* wp = reinterpret_cast<const bf16*>(weight.data_ptr<at::BFloat16>());
+  bf16* op = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
+    FlushDenormals flush;
+    for (int64_t row = begin; row < end; ++row) {
+      const bf16* x_row = xp + row * x_stride;
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t k = 0; k < dim; k += 16) {
+        const __m512 v = load_bf16x16(x_row + k, tail_mask16(dim - k));
+        sum = _mm512_fmadd_ps(v, v, sum);
+      }
+      const __m512 inv_rms = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(sum) / dim + static_cast<float>(eps)));
+      for (int64_t k = 0; k < dim; k += 16) {
+        const __mmask16 mask = tail_mask16(dim - k);
+        const __m512 normed = round_bf16(_mm512_mul_ps(load_bf16x16(x_row + k, mask), inv_rms));
+        store_bf16x16(op + row * dim + k, _mm512_mul_ps(load_bf16x16(wp + k, mask), normed), mask);
+      }
+    }
+  });
+  return out;
+}
+
+// gate_up (rows, 2 * d) = [gate | up] -> bf16(silu(gate)) * up, (rows, d): torch's F.silu(gate) * up, rounding included.
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "silu_and_mul: gate_up must be (rows, 2 * dim) with unit stride in its last dim");
+  const int64_t num_rows = gate_up.size(0), dim = gate_up.size(1) / 2, in_stride = gate_up.stride(0);
+  torch::Tensor out = torch::empty({num_rows, dim}, gate_up.options());
+  const bf16* ip = reinterpret_cast<const bf16*>(gate_up.data_ptr<at::BFloat16>());
+  bf16* op = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, num_rows, 8, [&](int64_t begin, int64_t end) {
+    FlushDenormals flush;
+    for (int64_t row = begin; row < end; ++row) {
+      const bf16* gate = ip + row * in_stride;
+      const bf16* up = gate + dim;
+      for (int64_t k = 0; k < dim; k += 16) {
+        const __mmask16 mask = tail_mask16(dim - k);
+        const __m512 g = load_bf16x16(gate + k, mask);
+        const __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_any(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+        store_bf16x16(op + row * dim + k, _mm512_mul_ps(silu, load_bf16x16(up + k, mask)), mask);
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shrink", &shrink, "LoRA shrink of bfloat16 rows, each against its own slot");
   m.def("expand", &expand, "LoRA expand of bfloat16 rows, each against its own slot, added to y");
+  m.def("rms_norm", &rms_norm, "RMSNorm of bfloat16 rows, statistics in float32");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of bfloat16 [gate | up] rows");
   m.def("decode_attention_supports", &decode_attention_supports, "query heads per KV head and head_dim built for");
   m.def("decode_attention", &decode_attention, "attention of one new bfloat16 token per request over the paged cache");
 }

@@ -88,8 +88,8 @@ def _gather_pages(cache: torch.Tensor, read_pages: torch.Tensor, page_size: int)
 
 def _compiled_decode(q: torch.Tensor, k_cache: torch.Tensor):
     """cpu_ext's kernels if its decode attention takes these shapes, dtype and device here, else None."""
-    if q.dtype != torch.bfloat16 or q.device.type != "cpu" or not k_cache.is_contiguous():
+    compiled = cpu_ext.kernels_for(q)
+    if compiled is None or not k_cache.is_contiguous():
         return None
-    compiled = cpu_ext.kernels()
     group = q.shape[1] // k_cache.shape[1]
-    return compiled if compiled is not None and compiled.decode_attention_supports(group, q.shape[2]) else None
+    return compiled if compiled.decode_attention_supports(group, q.shape[2]) else None

@@ -51,9 +51,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
+        # Every layer of a forward shares one positions tensor: their cos/sin rows, looked up once per forward.
+        self._rows: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # (tokens, 1, head_dim)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        rows = self._rows
+        if rows is None or rows[0] is not positions or rows[1] != q.dtype:
+            cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # (tokens, 1, head_dim)
+            sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+            self._rows = rows = (positions, q.dtype, cos, sin)
+        cos, sin = rows[2], rows[3]
         q = q * cos + _rotate_half(q) * sin  # (tokens, heads, head_dim)
         k = k * cos + _rotate_half(k) * sin  # (tokens, kv_heads, head_dim)
         return q, k

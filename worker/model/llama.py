@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_ext
 from worker.kv_cache import KVCache
 from worker.layers.attention import AttentionInputs, paged_attention
 from worker.layers.embedding import Embedding, LMHead
@@ -53,7 +54,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)  # each (tokens, intermediate of this shard)
+        gate_up = self.gate_up_proj(hidden)  # (tokens, 2 * intermediate of this shard): [gate | up]
+        if (compiled := cpu_ext.kernels_for(gate_up)) is not None:
+            return self.down_proj(compiled.silu_and_mul(gate_up))  # one pass, the same rounding as below
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)  # (tokens, hidden)
 
 
