@@ -1,0 +1,115 @@
+"""One worker's decode step, in process: the CPU kernels (kernels/cpu_ext) against the torch ops they replace.
+
+Loads the bench model and its adapters into a ModelRunner (no server), prefills `--batch` requests of `--context`
+tokens, then times the same decode step over and over, alternating the two paths step by step so that both see the
+same machine (this CPU's speed drifts by tens of percent). Batches: base model only, 8 adapters scattered over the
+pool (as after a 32-adapter workload), and 32 adapters. Prints min and median step time per path and their ratios.
+
+    python scripts/bench_decode_step.py            # bfloat16, the full bench model, 32 requests of 200 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from bench_model import SIZES, ensure_bench_model  # noqa: E402
+from bench_report import format_table, write_json  # noqa: E402
+
+from kernels import cpu_ext  # noqa: E402
+from protocol.config import ServerConfig  # noqa: E402
+from protocol.structs import ForwardBatch, ForwardReq, LoRAAdapterSpec, SamplingParams, SlotLoad  # noqa: E402
+from worker.model_runner import ModelRunner  # noqa: E402
+
+PAGE_SIZE = 16
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    parser.add_argument("--batch", type=int, default=32, help="requests in the decode step")
+    parser.add_argument("--context", type=int, default=200, help="tokens each request has in the KV cache")
+    parser.add_argument("--num-adapters", type=int, default=32, help="adapters loaded (the pool's slots)")
+    parser.add_argument("--steps", type=int, default=16, help="timed steps per path and batch")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--json", help="write the results here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    compiled = cpu_ext.kernels()
+    if compiled is None:
+        sys.exit(f"the CPU kernels cannot run here: {cpu_ext.unavailable_reason() or 'the build failed (see the log)'}")
+    bench = ensure_bench_model(SIZES[args.size], args.num_adapters)
+    pages_per_req = -(-(args.context + 1) // PAGE_SIZE)
+    config = ServerConfig(
+        device="cpu", dtype=args.dtype, page_size=PAGE_SIZE, max_total_tokens=args.batch * pages_per_req * PAGE_SIZE,
+        enable_lora=True, max_lora_rank=16, lora_target_modules=["all"], max_loras_per_batch=args.num_adapters,
+        max_running_requests=args.batch,
+    )  # fmt: skip
+    runner = ModelRunner(config, str(bench.base_dir), rank=0, world_size=1, device="cpu")
+    specs = [
+        LoRAAdapterSpec(lora_name=name, lora_path=str(path), lora_id=i + 1)
+        for i, (name, path) in enumerate(bench.adapter_dirs.items())
+    ]
+    assert all(result.success for result in runner.lora.load(specs))
+    loads = [SlotLoad(slot=i, lora_id=i + 1) for i in range(len(specs))]
+
+    rng = random.Random(0)
+    pages = [list(range(i * pages_per_req, (i + 1) * pages_per_req)) for i in range(args.batch)]
+    for start in range(0, args.batch, 8):  # prefill in chunks of 8 requests
+        reqs = [ForwardReq(input_ids=[rng.randrange(1000) for _ in range(args.context)], num_cached_tokens=0,
+                           page_ids=pages[i], sampling=GREEDY)
+                for i in range(start, min(start + 8, args.batch))]  # fmt: skip
+        runner.forward(ForwardBatch(batch_id=start, reqs=reqs, slot_loads=loads if start == 0 else []))
+
+    few = sorted(random.Random(3).sample(range(len(specs)), min(8, len(specs))))
+    batches = {
+        "base only": [-1],
+        f"{len(few)} adapters (scattered slots)": few,
+        f"{len(specs)} adapters": list(range(len(specs))),
+    }
+    results, rows = {}, []
+    for name, slots in batches.items():
+        row_slots = sorted(slots[i % len(slots)] for i in range(args.batch))  # sorted by slot, as the scheduler does
+        reqs = [ForwardReq(input_ids=[5], num_cached_tokens=args.context, page_ids=pages[i], sampling=GREEDY,
+                           num_generated=1, slot=row_slots[i])
+                for i in range(args.batch)]  # fmt: skip
+        times: dict[str, list[float]] = {"torch ops": [], "CPU kernels": []}
+        for step in range(args.steps + 2):
+            for path, module in (("torch ops", None), ("CPU kernels", compiled)):
+                cpu_ext.kernels = lambda module=module: module  # the switch every caller reads
+                start = time.perf_counter()
+                runner.forward(ForwardBatch(batch_id=100 + step, reqs=reqs))
+                if step >= 2:  # the first steps warm caches and plans
+                    times[path].append((time.perf_counter() - start) * 1e3)
+        ops, kernels = (statistics.median(times[p]) for p in ("torch ops", "CPU kernels"))
+        results[name] = {path: {"min_ms": min(t), "median_ms": statistics.median(t)} for path, t in times.items()}
+        rows.append([name, min(times["torch ops"]), ops, min(times["CPU kernels"]), kernels, ops / kernels])
+    base_ops, base_kernels = rows[0][2], rows[0][4]
+    for row in rows:
+        row.extend([base_ops / row[2], base_kernels / row[4]])
+    headers = ["decode step, ms", "torch ops min", "median", "CPU kernels min", "median", "speedup",
+               "base/this (ops)", "base/this (kernels)"]  # fmt: skip
+    print(f"{args.batch} requests x {args.context} tokens of context, {args.dtype}, {torch.get_num_threads()} threads")
+    print(format_table(headers, rows))
+    if args.json:
+        write_json(args.json, {"args": vars(args), "results": results})
+    return results
+
+
+if __name__ == "__main__":
+    main()
