@@ -41,7 +41,12 @@ def unavailable_reason() -> str | None:
         return f"cannot read /proc/cpuinfo: {e}"
     flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
     missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in flags]
-    return f"the CPU lacks {', '.join(missing)}" if missing else None
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    compiler = os.environ.get("CXX", "c++")  # what torch's builder runs
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) on PATH"
+    return None
 
 
 def kernels() -> ModuleType | None:
