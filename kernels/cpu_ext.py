@@ -1,5 +1,5 @@
-"""Builds and loads the AVX-512 CPU kernels (csrc/cpu_kernels.cpp) for bfloat16 decode rows: LoRA shrink/expand (used
-by lora_torch) and paged decode attention (used by worker/layers/attention.py).
+"""Builds and loads the AVX-512 CPU kernels (csrc/cpu_kernels.cpp) for bfloat16: LoRA shrink/expand (used by
+lora_torch), paged decode attention (worker/layers/attention.py), RMSNorm (norm.py) and SiLU-and-multiply (llama.py).
 
 Compiled on first use with torch's extension builder (g++ and ninja; ~30 s, cached under TORCH_EXTENSIONS_DIR) on
 CPUs with AVX-512 BF16. Anywhere else, or with LORAPLEX_CPU_KERNELS=0, or when the build fails, `kernels()` is None
