@@ -132,12 +132,11 @@ def _make_group(
     if last - first + 1 <= MAX_VIEW_SPAN * len(group_slots):
         slots: slice | tuple[int, ...] = slice(first, last + 1)
         place = {slot: slot - first for slot in group_slots}
-        slot_index = None
+        slot_index, num_slots = None, last - first + 1
     else:
         slots = tuple(group_slots)
         place = {slot: i for i, slot in enumerate(group_slots)}
-        slot_index = torch.tensor(group_slots, dtype=torch.int64, device=device)
-    num_slots = len(place) if slot_index is not None else last - first + 1
+        slot_index, num_slots = torch.tensor(group_slots, dtype=torch.int64, device=device), len(group_slots)
     row_slots = sorted((row, slot) for slot in group_slots for row in short_rows[slot])
     rows = [row for row, _ in row_slots]
     own = [place[slot] for _, slot in row_slots]

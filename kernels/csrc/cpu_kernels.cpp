@@ -43,6 +43,32 @@ inline bf16 float_to_bf16(float f) {  // round to nearest even, as _mm512_cvtnep
   return out;
 }
 
+// e^x, 16 lanes, x clamped to ±87.3 (float's range): 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, and a
+// degree-6 Taylor polynomial for e^r (relative error ~1e-7, below bfloat16's resolution by far).
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2 in two parts: exact n * hi
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 round_bf16(__m512 v) {  // v rounded to bfloat16 and back: torch's rounding between two ops
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+inline void store_bf16x16(bf16* p, __m512 v, __mmask16 mask) {  // round to nearest even
+  _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 // Flush-to-zero and denormals-are-zero while a kernel runs: a decisive attention row has probabilities of e^-80 and
 // below, and float math on denormal values takes a microcode assist per operation (a 3x slower kernel, measured).
 struct FlushDenormals {
@@ -161,7 +187,7 @@ void expand(torch::Tensor y, torch::Tensor h, torch::Tensor lora_b, torch::Tenso
         for (int r = 0; r < run.count; ++r) {
           bf16* y_ptr = yp + (run.first + r) * y_stride + col;
           const __m512 sum = _mm512_add_ps(load_bf16x16(y_ptr, mask), acc[r]);
-          _mm256_mask_storeu_epi16(y_ptr, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+          store_bf16x16(y_ptr, sum, mask);
         }
       }
     }
@@ -170,26 +196,6 @@ void expand(torch::Tensor y, torch::Tensor h, torch::Tensor lora_b, torch::Tenso
 }
 
 namespace {
-
-// e^x for x within float's range, 16 lanes: 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, and a degree-6
-// Taylor polynomial for e^r (relative error ~1e-7, below bfloat16's resolution by far).
-inline __m512 exp_in_range(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2 in two parts: exact n * hi
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// e^x for x <= 0 (scores minus their max)
-inline __m512 exp_nonpositive(__m512 x) { return exp_in_range(_mm512_max_ps(x, _mm512_set1_ps(-87.0f))); }
 
 // decode_attention for kGroup query heads per KV head and head_dim = 32 * kChunks, known at compile time so that
 // the per-head accumulators live in registers.
@@ -249,7 +255,7 @@ void decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         for (int64_t t = 0; t < len; t += 16) {
           const __mmask16 mask = tail_mask16(len - t);
           const __m512 p = _mm512_maskz_mov_ps(
-              mask, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + t), _mm512_set1_ps(max_score[j]))));
+              mask, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + t), _mm512_set1_ps(max_score[j]))));
           _mm512_mask_storeu_ps(row + t, mask, p);
           sum_vec = _mm512_add_ps(sum_vec, p);
         }
@@ -270,8 +276,7 @@ void decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       for (int64_t j = 0; j < kGroup; ++j) {
         bf16* o_row = op + n * o_req + (g * kGroup + j) * o_head;
         for (int64_t c = 0; c < 2 * kChunks; ++c)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o_row + 16 * c),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv_sum[j]))));
+          store_bf16x16(o_row + 16 * c, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv_sum[j])), 0xFFFF);
       }
     }
   }
@@ -300,24 +305,6 @@ void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_ca
   LORAPLEX_DISPATCH(1, 4) LORAPLEX_DISPATCH(2, 4) LORAPLEX_DISPATCH(4, 4) LORAPLEX_DISPATCH(8, 4)
 #undef LORAPLEX_DISPATCH
 }
-
-namespace {
-
-// e^x for any float x, clamped to e^±87.3 (float's range)
-inline __m512 exp_any(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(87.3f));
-  return exp_in_range(x);
-}
-
-inline __m512 round_bf16(__m512 v) {  // v rounded to bfloat16 and back: torch's rounding between two ops
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
-
-inline void store_bf16x16(bf16* p, __m512 v, __mmask16 mask) {
-  _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
-}
-
-}  // namespace
 
 // out = weight * bf16(x * rsqrt(mean(x²) + eps)) per row, statistics in float32: the torch reference's rounding.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
@@ -364,7 +351,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
       for (int64_t k = 0; k < dim; k += 16) {
         const __mmask16 mask = tail_mask16(dim - k);
         const __m512 g = load_bf16x16(gate + k, mask);
-        const __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_any(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+        const __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
         store_bf16x16(op + row * dim + k, _mm512_mul_ps(silu, load_bf16x16(up + k, mask)), mask);
       }
     }
