@@ -15,7 +15,7 @@ from worker_helpers import GREEDY, make_runner, random_prompts
 
 from frontend.demo_model import ATTN_MODULES, build_lora_adapter, build_tiny_model
 from protocol.structs import ForwardBatch, ForwardReq, LoRAAdapterSpec, SlotLoad
-from worker.lora.adapter import AdapterLoadError, _finite_in_dtype, load_adapter
+from worker.lora.adapter import AdapterLoadError, _finite_in_dtype, _map_safetensors, load_adapter
 from worker.model_runner import ModelRunner
 
 A4_ID = 1
@@ -221,3 +221,58 @@ def test_tp_shards_do_not_keep_the_whole_adapter(runner: ModelRunner, adapter_di
     for lora_a, lora_b in adapter.weights.values():
         for t in (lora_a, lora_b):
             assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_mapped_read_equals_the_general_read(adapter_dirs: dict[str, Path], dtype: torch.dtype) -> None:
+    # One-dtype files are mapped and cast in one copy; the result must be the tensor-by-tensor read's, bit for bit.
+    path = adapter_dirs["a4"] / "adapter_model.safetensors"
+    mapped = _map_safetensors(str(path), dtype)
+    assert mapped is not None
+    general = _finite_in_dtype(load_file(path), dtype)
+    assert set(mapped) == set(general)
+    for key, tensor in general.items():
+        assert mapped[key].dtype == dtype and torch.equal(mapped[key], tensor), key
+
+
+def test_mixed_dtype_files_take_the_general_read(
+    runner: ModelRunner, adapter_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    path = tmp_path / "a4_mixed"
+    shutil.copytree(adapter_dirs["a4"], path)
+    tensors = load_file(path / "adapter_model.safetensors")
+    first = next(iter(tensors))
+    tensors[first] = tensors[first].half()
+    save_file(tensors, path / "adapter_model.safetensors")
+    assert _map_safetensors(str(path / "adapter_model.safetensors"), torch.float32) is None
+    [result] = runner.lora.load([LoRAAdapterSpec(lora_name="mixed", lora_path=str(path), lora_id=5)])
+    assert result.success, result.error_message
+    kept = runner.lora.adapters[5].weights
+    assert all(a.dtype == b.dtype == runner.lora.spec.dtype for a, b in kept.values())
+    runner.lora.drop([5])
+
+
+@pytest.mark.parametrize("all_int", [False, True])
+def test_integer_tensors_are_refused(
+    runner: ModelRunner, adapter_dirs: dict[str, Path], tmp_path: Path, all_int: bool
+) -> None:
+    path = tmp_path / "a4_int"
+    shutil.copytree(adapter_dirs["a4"], path)
+    tensors = load_file(path / "adapter_model.safetensors")
+    keys = list(tensors) if all_int else [next(iter(tensors))]
+    for key in keys:
+        tensors[key] = tensors[key].to(torch.int32)
+    save_file(tensors, path / "adapter_model.safetensors")
+    [result] = runner.lora.load([LoRAAdapterSpec(lora_name="int", lora_path=str(path), lora_id=6)])
+    assert not result.success and result.error_kind == "invalid"
+    assert "has dtype torch.int32; expected floating point" in result.error_message
+    assert 6 not in runner.lora.adapters
+
+
+def test_truncated_weights_are_refused(runner: ModelRunner, adapter_dirs: dict[str, Path], tmp_path: Path) -> None:
+    path = tmp_path / "a4_cut"
+    shutil.copytree(adapter_dirs["a4"], path)
+    data = (path / "adapter_model.safetensors").read_bytes()
+    (path / "adapter_model.safetensors").write_bytes(data[: len(data) - 100])
+    [result] = runner.lora.load([LoRAAdapterSpec(lora_name="cut", lora_path=str(path), lora_id=7)])
+    assert not result.success and "cannot read the adapter weights" in result.error_message
