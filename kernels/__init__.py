@@ -7,7 +7,7 @@ import torch
 from kernels import cpu_ext
 from kernels.lora_expand import lora_expand_triton
 from kernels.lora_shrink import lora_shrink_triton
-from kernels.lora_torch import lora_expand_torch, lora_shrink_torch
+from kernels.lora_torch import lora_expand_torch, lora_shrink_expand_torch, lora_shrink_torch
 
 __all__ = [
     "cpu_ext",
@@ -15,6 +15,8 @@ __all__ = [
     "lora_expand_torch",
     "lora_expand_triton",
     "lora_shrink",
+    "lora_shrink_expand",
+    "lora_shrink_expand_torch",
     "lora_shrink_torch",
     "lora_shrink_triton",
 ]
@@ -49,3 +51,22 @@ def lora_expand(
 ) -> None:
     expand = lora_expand_triton if _use_triton(y) else lora_expand_torch
     expand(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets)
+
+
+def lora_shrink_expand(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scales: torch.Tensor,
+    slice_offsets: torch.Tensor,
+) -> None:
+    """lora_expand(y, lora_shrink(x, ...), ...) in one call, fused where the backend can (the CPU kernels)."""
+    if _use_triton(x):
+        h = lora_shrink_triton(x, lora_a, seg_indptr, seg_slots, slot_ranks, slice_offsets.shape[0] - 1)
+        lora_expand_triton(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets)
+    else:
+        lora_shrink_expand_torch(y, x, lora_a, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets)

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import os
+import re
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported, so kernels run on CPU
 
-from dataclasses import dataclass  # noqa: E402
+from dataclasses import dataclass, replace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -14,6 +15,7 @@ from kernels import (  # noqa: E402
     cpu_ext,
     lora_expand_torch,
     lora_expand_triton,
+    lora_shrink_expand_torch,
     lora_shrink_torch,
     lora_shrink_triton,
     lora_torch,
@@ -225,17 +227,42 @@ def test_gathered_weights_follow_pool_writes(inference_pool: bool) -> None:
     torch.testing.assert_close(y.double(), dense_expand(b), **TOLERANCES[torch.float32])
 
 
+def shrink_expand_args(b: Batch, y: torch.Tensor) -> tuple:
+    return (y, b.x, b.lora_a, b.lora_b, b.seg_indptr, b.seg_slots, b.slot_ranks, b.slot_scales, b.slice_offsets)
+
+
+def dense_shrink_expand(b: Batch) -> torch.Tensor:
+    # h rounds to the batch's dtype between the two products, as in any shrink then expand
+    return dense_expand(replace(b, h=dense_shrink(b).to(b.x.dtype)))
+
+
+@sweep_cases
+def test_shrink_expand(case_name: str, num_slices: int, dtype: torch.dtype) -> None:
+    b = make_batch(CASES[case_name], num_slices, dtype)
+    y = b.y.clone()
+    assert lora_shrink_expand_torch(*shrink_expand_args(b, y)) is None
+    torch.testing.assert_close(y.double(), dense_shrink_expand(b), **TOLERANCES[dtype])
+    is_base = base_rows(b)
+    assert torch.equal(y[is_base], b.y[is_base])
+
+
 CPU_KERNELS_OFF = cpu_ext.unavailable_reason()
 BF16_TOL = dict(atol=3e-2, rtol=2e-2)
 
 
 @pytest.mark.skipif(CPU_KERNELS_OFF is not None, reason=f"CPU LoRA kernels cannot run here: {CPU_KERNELS_OFF}")
+@pytest.mark.parametrize("compiled_rows", [None, 4], ids=["default", "long_segments_as_matmuls"])
 @pytest.mark.parametrize("num_slices", [1, 3])
 @pytest.mark.parametrize("case_name", list(CASES))
-def test_cpu_kernels(case_name: str, num_slices: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_kernels(
+    case_name: str, num_slices: int, compiled_rows: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # bfloat16 short rows go to the compiled AVX-512 kernels (built on first use): they must match the float64
-    # reference, leave base rows alone, and agree with the torch ops that run where the kernels cannot.
+    # reference, leave base rows alone, and agree with the torch ops that run where the kernels cannot. With a
+    # low limit, longer segments take their own matmuls beside the kernels' rows.
     assert cpu_ext.kernels() is not None, "the CPU kernels failed to build (see the log)"
+    if compiled_rows is not None:
+        monkeypatch.setattr(lora_torch, "COMPILED_SEGMENT_ROWS", compiled_rows)
     b = make_batch(CASES[case_name], num_slices, torch.bfloat16)
     h = lora_shrink_torch(*shrink_args(b))
     y = b.y.clone()
@@ -244,6 +271,12 @@ def test_cpu_kernels(case_name: str, num_slices: int, monkeypatch: pytest.Monkey
     torch.testing.assert_close(y.double(), dense_expand(b), **BF16_TOL)
     is_base = base_rows(b)
     assert torch.count_nonzero(h[is_base]) == 0 and torch.equal(y[is_base], b.y[is_base])
+    # one call for both: the same kernels (and matmuls for long segments), so the same bits as the two calls
+    y_fused = b.y.clone()
+    lora_shrink_expand_torch(*shrink_expand_args(b, y_fused))
+    y_two = b.y.clone()
+    lora_expand_torch(*expand_args(replace(b, h=h), y_two))
+    assert torch.equal(y_fused, y_two)
     monkeypatch.setattr(cpu_ext, "kernels", lambda: None)
     y_ops = b.y.clone()
     lora_expand_torch(*expand_args(b, y_ops))
@@ -274,6 +307,41 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch, force_triton: bool) -> None:
     kernels.lora_shrink(*shrink_args(b))
     kernels.lora_expand(*expand_args(b, b.y))
     assert calls == ["triton" if force_triton else "torch"] * 2
+
+
+@pytest.mark.parametrize("force_triton", [False, True])
+def test_shrink_expand_dispatch(force_triton: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLEX_FORCE_TRITON", "1" if force_triton else "0")
+    b = make_batch(CASES["prefill_and_decodes"], 3, torch.float32)
+    y = b.y.clone()
+    kernels.lora_shrink_expand(*shrink_expand_args(b, y))
+    torch.testing.assert_close(y.double(), dense_shrink_expand(b), **TOLERANCES[torch.float32])
+
+
+BAD_SHRINK_EXPAND = {  # argument -> (replacement, what the compiled kernel's refusal names)
+    "y": (lambda b: b.y[:-1], "x and y must be (rows, features)"),
+    "x": (lambda b: b.x.float(), "must be bfloat16"),
+    "lora_b": (lambda b: b.lora_b[:, :, :-1], "must match x and y"),
+    "slice_offsets": (lambda b: b.slice_offsets.flip(0), "slice_offsets must rise from 0"),
+    "row_slot": (lambda b: torch.full((b.x.shape[0],), b.lora_a.shape[0], dtype=torch.int64), "of a pool of"),
+    "slot_scales": (lambda b: b.slot_scales.double(), "slot_scales (slots,) float32"),
+}
+
+
+@pytest.mark.skipif(CPU_KERNELS_OFF is not None, reason=f"CPU LoRA kernels cannot run here: {CPU_KERNELS_OFF}")
+@pytest.mark.parametrize("bad", list(BAD_SHRINK_EXPAND))
+def test_compiled_shrink_expand_rejects(bad: str) -> None:
+    b = make_batch(CASES["mixed"], 3, torch.bfloat16)
+    args = dict(y=b.y.clone(), x=b.x, lora_a=b.lora_a, lora_b=b.lora_b,
+                row_slot=torch.tensor([max(s, -1) for s in row_slots(b)], dtype=torch.int64),
+                slot_ranks=b.slot_ranks, slot_scales=b.slot_scales, slice_offsets=b.slice_offsets)  # fmt: skip
+    make, message = BAD_SHRINK_EXPAND[bad]
+    args[bad] = make(b)
+    before = args["y"].clone()
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        cpu_ext.kernels().shrink_expand(*args.values())
+    if bad != "y":
+        assert torch.equal(args["y"], before)  # refused before writing anything
 
 
 def _int64(t: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ namespace {
 
 constexpr int kRowBlock = 4;  // rows of one slot sharing each weight load
 constexpr int kWBlock = 4;    // A rows (shrink outputs) computed together, sharing each load of x
+constexpr int kColChunks = 4;  // 16-column chunks of y (expand outputs) computed together, sharing each coefficient
 
 using bf16 = uint16_t;
 
@@ -175,24 +176,72 @@ void expand(torch::Tensor y, torch::Tensor h, torch::Tensor lora_b, torch::Tenso
           coef[r * max_rank + j] = r < run.count ? scales[run.slot] *
                                                        bf16_to_float(hp[(run.first + r) * h_stride + s * max_rank + j])
                                                  : 0.0f;
-      for (int64_t col = slice_offsets[s]; col < slice_offsets[s + 1]; col += 16) {
-        const __mmask16 mask = tail_mask16(slice_offsets[s + 1] - col);
-        __m512 acc[kRowBlock];
-        for (int r = 0; r < kRowBlock; ++r) acc[r] = _mm512_setzero_ps();
+      // kColChunks chunks of 16 columns at once: kRowBlock x kColChunks independent accumulators keep both FMA
+      // ports busy (one chain per row would wait on each FMA's latency), and each B row is read a cache line at a time.
+      const int64_t slice_end = slice_offsets[s + 1];
+      for (int64_t col = slice_offsets[s]; col < slice_end; col += 16 * kColChunks) {
+        __mmask16 masks[kColChunks];
+        for (int c = 0; c < kColChunks; ++c) masks[c] = tail_mask16(std::max<int64_t>(slice_end - col - 16 * c, 0));
+        __m512 acc[kRowBlock][kColChunks];
+        for (int r = 0; r < kRowBlock; ++r)
+          for (int c = 0; c < kColChunks; ++c) acc[r][c] = _mm512_setzero_ps();
         for (int64_t j = 0; j < rank; ++j) {
-          const __m512 b_vec = load_bf16x16(b_slot + j * b_rank_stride + col, mask);
-          for (int r = 0; r < kRowBlock; ++r)
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(coef[r * max_rank + j]), b_vec, acc[r]);
+          const bf16* b_row = b_slot + j * b_rank_stride + col;
+          __m512 b_vec[kColChunks];
+          for (int c = 0; c < kColChunks; ++c) b_vec[c] = load_bf16x16(b_row + 16 * c, masks[c]);
+          for (int r = 0; r < kRowBlock; ++r) {
+            const __m512 coef_vec = _mm512_set1_ps(coef[r * max_rank + j]);
+            for (int c = 0; c < kColChunks; ++c) acc[r][c] = _mm512_fmadd_ps(coef_vec, b_vec[c], acc[r][c]);
+          }
         }
         for (int r = 0; r < run.count; ++r) {
-          bf16* y_ptr = yp + (run.first + r) * y_stride + col;
-          const __m512 sum = _mm512_add_ps(load_bf16x16(y_ptr, mask), acc[r]);
-          store_bf16x16(y_ptr, sum, mask);
+          bf16* y_row = yp + (run.first + r) * y_stride + col;
+          for (int c = 0; c < kColChunks; ++c) {
+            if (masks[c] == 0) break;
+            const __m512 sum = _mm512_add_ps(load_bf16x16(y_row + 16 * c, masks[c]), acc[r][c]);
+            store_bf16x16(y_row + 16 * c, sum, masks[c]);
+          }
         }
       }
     }
   }
   });
+}
+
+// y += expand(shrink(x)) for every row with row_slot >= 0: one call for a whole LoRA linear (the caller's per-call
+// overhead, not the arithmetic, dominates a decode step's small products), h rounded to bfloat16 in between as
+// shrink then expand would. The caller's arguments are checked here, where the two calls' checks would have been.
+void shrink_expand(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b, torch::Tensor row_slot,
+                   torch::Tensor slot_ranks, torch::Tensor slot_scales, torch::Tensor slice_offsets) {
+  const auto bf16_type = at::ScalarType::BFloat16;
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.stride(1) == 1 && y.stride(1) == 1,
+              "shrink_expand: x and y must be (rows, features) with contiguous rows of the same count");
+  TORCH_CHECK(x.scalar_type() == bf16_type && y.scalar_type() == bf16_type && lora_a.scalar_type() == bf16_type &&
+                  lora_b.scalar_type() == bf16_type,
+              "shrink_expand: x, y, lora_a and lora_b must be bfloat16");
+  TORCH_CHECK(lora_a.dim() == 3 && lora_b.dim() == 3 && lora_a.is_contiguous() && lora_b.is_contiguous() &&
+                  lora_a.size(0) == lora_b.size(0) && lora_a.size(2) == x.size(1) && lora_b.size(2) == y.size(1),
+              "shrink_expand: lora_a (slots, width, in) and lora_b (slots, max_rank, out) must match x and y");
+  TORCH_CHECK(slice_offsets.dim() == 1 && slice_offsets.scalar_type() == at::ScalarType::Int &&
+                  slice_offsets.size(0) >= 2 && lora_a.size(1) == (slice_offsets.size(0) - 1) * lora_b.size(1),
+              "shrink_expand: lora_a must hold max_rank rows per slice of slice_offsets");
+  TORCH_CHECK(row_slot.dim() == 1 && row_slot.scalar_type() == at::ScalarType::Long && row_slot.size(0) == x.size(0) &&
+                  row_slot.is_contiguous(),
+              "shrink_expand: row_slot must be (rows,) int64");
+  TORCH_CHECK(slot_ranks.dim() == 1 && slot_ranks.scalar_type() == at::ScalarType::Int && slot_ranks.is_contiguous() &&
+                  slot_ranks.size(0) == lora_a.size(0) && slot_scales.dim() == 1 &&
+                  slot_scales.scalar_type() == at::ScalarType::Float && slot_scales.is_contiguous() &&
+                  slot_scales.size(0) == lora_a.size(0),
+              "shrink_expand: slot_ranks (slots,) int32 and slot_scales (slots,) float32");
+  const auto offsets_tensor = slice_offsets.contiguous();
+  const int32_t* offsets_ptr = offsets_tensor.data_ptr<int32_t>();
+  std::vector<int64_t> offsets(offsets_ptr, offsets_ptr + offsets_tensor.size(0));
+  for (size_t i = 1; i < offsets.size(); ++i)
+    TORCH_CHECK(offsets[0] == 0 && offsets[i - 1] <= offsets[i] && offsets.back() == y.size(1),
+                "shrink_expand: slice_offsets must rise from 0 to y's width");
+  torch::Tensor h = torch::empty({x.size(0), lora_a.size(1)}, x.options());
+  shrink(x, lora_a, row_slot, slot_ranks, static_cast<int64_t>(offsets.size()) - 1, h);
+  expand(y, h, lora_b, row_slot, slot_ranks, slot_scales, offsets);
 }
 
 namespace {
@@ -362,6 +411,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shrink", &shrink, "LoRA shrink of bfloat16 rows, each against its own slot");
   m.def("expand", &expand, "LoRA expand of bfloat16 rows, each against its own slot, added to y");
+  m.def("shrink_expand", &shrink_expand, "LoRA shrink then expand of bfloat16 rows in one call, added to y");
   m.def("rms_norm", &rms_norm, "RMSNorm of bfloat16 rows, statistics in float32");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of bfloat16 [gate | up] rows");
   m.def("decode_attention_supports", &decode_attention_supports, "query heads per KV head and head_dim built for");
