@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kernels import lora_expand, lora_shrink
+from kernels import lora_expand, lora_shrink, lora_shrink_expand
 from worker.lora.pool import LoRABuffers
 from worker.parallel import all_reduce
 
@@ -57,6 +57,19 @@ class LoRALinear(nn.Module):
         buffers = self.buffers
         if x.stride(-1) != 1:
             x = x.contiguous()
+        if self.tp_mode == "column" or self.tp_size == 1:  # nothing to reduce between shrink and expand
+            lora_shrink_expand(
+                y,
+                x,
+                buffers.lora_a,
+                buffers.lora_b,
+                batch.seg_indptr,
+                batch.seg_slots,
+                buffers.slot_ranks,
+                buffers.slot_scales,
+                buffers.slice_offsets,
+            )
+            return y
         h = lora_shrink(x, buffers.lora_a, batch.seg_indptr, batch.seg_slots, buffers.slot_ranks, buffers.num_slices)
         if self.tp_mode == "row":
             # x holds this rank's input columns, so h (tokens, max_rank) is a partial sum; B is whole on every rank.
