@@ -134,6 +134,10 @@ void shrink(torch::Tensor x, torch::Tensor lora_a, torch::Tensor row_slot, torch
           const __mmask32 mask = tail_mask32(in_dim - k);
           __m512bh a_vec[kWBlock];
           for (int w = 0; w < kWBlock; ++w) a_vec[w] = (__m512bh)_mm512_maskz_loadu_epi16(mask, a_rows[w] + k);
+          // The slot's next A rows, one cache line each per step: its weights come from memory (a decode step reads
+          // every adapter's once), and a row of a few KB is too short a stream for the hardware prefetcher.
+          for (int w = 0; w < kWBlock; ++w)
+            _mm_prefetch(reinterpret_cast<const char*>(a_rows[w] + kWBlock * in_dim + k), _MM_HINT_T0);
           for (int r = 0; r < kRowBlock; ++r) {
             const __m512bh x_vec = (__m512bh)_mm512_maskz_loadu_epi16(mask, x_rows[r] + k);
             for (int w = 0; w < kWBlock; ++w) acc[w][r] = _mm512_dpbf16_ps(acc[w][r], a_vec[w], x_vec);
@@ -187,6 +191,8 @@ void expand(torch::Tensor y, torch::Tensor h, torch::Tensor lora_b, torch::Tenso
           for (int c = 0; c < kColChunks; ++c) acc[r][c] = _mm512_setzero_ps();
         for (int64_t j = 0; j < rank; ++j) {
           const bf16* b_row = b_slot + j * b_rank_stride + col;
+          for (int line = 0; line < kColChunks / 2; ++line)  // this B row's lines four column blocks ahead
+            _mm_prefetch(reinterpret_cast<const char*>(b_row + 4 * 16 * kColChunks + 32 * line), _MM_HINT_T0);
           __m512 b_vec[kColChunks];
           for (int c = 0; c < kColChunks; ++c) b_vec[c] = load_bf16x16(b_row + 16 * c, masks[c]);
           for (int r = 0; r < kRowBlock; ++r) {
