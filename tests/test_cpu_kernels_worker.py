@@ -15,6 +15,7 @@ from worker_helpers import GREEDY, build_llama_variant, make_runner, random_prom
 from frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
 from kernels import cpu_ext
 from protocol.structs import ForwardBatch, ForwardReq, LoRAAdapterSpec, SlotLoad
+from worker.layers import packed
 from worker.model_runner import ModelRunner
 
 OFF = cpu_ext.unavailable_reason()
@@ -104,3 +105,36 @@ def test_bf16_decode_with_cpu_kernels_matches_fp32(
     torch_ops_error = (with_torch_ops - reference).abs().max().item()
     logit_range = (reference.max() - reference.min()).item()
     assert kernels_error <= 1.5 * torch_ops_error + 1e-3 * logit_range, (kernels_error, torch_ops_error, logit_range)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_weights_match_plain_weights(
+    model_dirs: tuple[Path, dict[str, Path]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tied: bool
+) -> None:
+    # bfloat16 on the CPU: every linear's weight is reordered once for oneDNN (the plain copy freed); the logits
+    # must be those of the plain weights. A tied LM head keeps the embedding's weight, plain.
+    base_dir, adapters = model_dirs
+    if tied:
+        base_dir = tmp_path / "tied"
+        build_llama_variant(base_dir, **MODEL, tie_word_embeddings=True)
+    config = dict(enable_lora=True, max_lora_rank=16, lora_target_modules=["all"], max_loras_per_batch=4)
+    runner = make_runner(base_dir, dtype="bfloat16", **config)
+    decoder_linears = [m for m in runner.model.model.layers.modules() if hasattr(m, "packed_weight")]
+    assert len(decoder_linears) == 4 * runner.model_config.num_layers
+    for module in [*decoder_linears, runner.model.lm_head]:
+        is_packed = not getattr(module, "tied", False)
+        assert (module.packed_weight is not None) == is_packed
+        assert (module.weight.numel() == 0) == is_packed  # the plain copy is freed once packed
+    with_packed = run_decode(runner, adapters)
+
+    monkeypatch.setattr(packed, "unavailable_reason", lambda device, dtype: "off for this test")
+    plain = make_runner(base_dir, dtype="bfloat16", **config)
+    assert all(m.packed_weight is None for m in plain.model.modules() if hasattr(m, "packed_weight"))
+    torch.testing.assert_close(with_packed, run_decode(plain, adapters), atol=1e-2, rtol=1e-2)
+
+
+def test_weights_are_packed_only_for_bfloat16_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert packed.unavailable_reason(torch.device("cpu"), torch.bfloat16) is None
+    assert "float32" in packed.unavailable_reason(torch.device("cpu"), torch.float32)
+    monkeypatch.setenv("LORAPLEX_CPU_KERNELS", "0")
+    assert "LORAPLEX_CPU_KERNELS=0" in packed.unavailable_reason(torch.device("cpu"), torch.bfloat16)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 
 import torch
@@ -15,6 +16,7 @@ from protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad
 from worker.batch_inputs import BatchError, BatchInputs
 from worker.dist import pick_dtype
 from worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token
+from worker.layers import packed
 from worker.loader import load_weights
 from worker.lora.manager import LoRAManager
 from worker.model.config import ModelConfig, ModelConfigError
@@ -57,6 +59,7 @@ class ModelRunner:
         )
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             cpu_ext.kernels()  # built now (logged), not inside the first request's forward
+        self._pack_weights()
         logger.info(
             "loaded %s: %d layers, shard %d of %d, %s on %s, context length %d",
             self.model_config.model_type,
@@ -89,6 +92,15 @@ class ModelRunner:
                 self.max_total_tokens,
                 self.context_length,
             )
+
+    def _pack_weights(self) -> None:
+        reason = packed.unavailable_reason(self.device, self.dtype)
+        if reason is not None:
+            logger.info("linear weights stay plain (%s)", reason)
+            return
+        start = time.perf_counter()
+        num_packed = packed.pack_linears(self.model)
+        logger.info("packed %d linear weights for oneDNN in %.1f s", num_packed, time.perf_counter() - start)
 
     @property
     def max_total_tokens(self) -> int:

