@@ -113,14 +113,16 @@ void shrink(torch::Tensor x, torch::Tensor lora_a, torch::Tensor row_slot, torch
   const int64_t x_stride = x.stride(0), h_stride = h.stride(0), a_slot_stride = lora_a.stride(0);
   for (int64_t row = 0; row < num_rows; ++row) std::fill_n(hp + row * h_stride, width, bf16(0));
   const std::vector<RowRun> runs = row_runs(slots, num_rows, lora_a.size(0));
-  at::parallel_for(0, static_cast<int64_t>(runs.size()), 1, [&](int64_t begin, int64_t end) {
+  // Sizes and strides by value: read through references, the compiler could not keep them (or acc) in registers.
+  const auto body = [&, in_dim, max_rank, x_stride, a_slot_stride](int64_t begin, int64_t end) {
   FlushDenormals flush;  // per thread: MXCSR is per thread
   for (int64_t i = begin; i < end; ++i) {
     const RowRun& run = runs[i];
     const int64_t rank = std::min<int64_t>(ranks[run.slot], max_rank);
     const bf16* a_slot = ap + run.slot * a_slot_stride;
     // Every row of the run reads the same A rows: always kRowBlock row pointers (a short run repeats its last row,
-    // whose extra products are not stored), so the loops below have fixed bounds and the accumulators stay in registers.
+    // whose extra products are not stored), so the loops below have fixed bounds and the accumulators stay in
+    // registers.
     const bf16* x_rows[kRowBlock];
     for (int r = 0; r < kRowBlock; ++r) x_rows[r] = xp + (run.first + std::min<int64_t>(r, run.count - 1)) * x_stride;
     for (int64_t s = 0; s < num_slices; ++s) {
@@ -143,13 +145,20 @@ void shrink(torch::Tensor x, torch::Tensor lora_a, torch::Tensor row_slot, torch
             for (int w = 0; w < kWBlock; ++w) acc[w][r] = _mm512_dpbf16_ps(acc[w][r], a_vec[w], x_vec);
           }
         }
-        for (int w = 0; w < kWBlock && j0 + w < rank; ++w)
-          for (int r = 0; r < run.count; ++r)
-            hp[(run.first + r) * h_stride + s * max_rank + j0 + w] = float_to_bf16(_mm512_reduce_add_ps(acc[w][r]));
+        // Every sum first, then the stores the run needs: reading acc under a run-dependent condition makes the
+        // compiler keep acc in memory, a store of each accumulator per step of the loop above.
+        float sums[kWBlock][kRowBlock];
+        for (int w = 0; w < kWBlock; ++w)
+          for (int r = 0; r < kRowBlock; ++r) sums[w][r] = _mm512_reduce_add_ps(acc[w][r]);
+        for (int w = 0; w < kWBlock; ++w)
+          for (int r = 0; r < kRowBlock; ++r)
+            if (j0 + w < rank && r < run.count)
+              hp[(run.first + r) * h_stride + s * max_rank + j0 + w] = float_to_bf16(sums[w][r]);
       }
     }
   }
-  });
+  };
+  at::parallel_for(0, static_cast<int64_t>(runs.size()), 1, body);
 }
 
 // y[row, cols of slice s] += scale[slot] * h[row, s*max_rank : s*max_rank + rank] @ B[slot, :rank, cols of slice s]
@@ -167,7 +176,7 @@ void expand(torch::Tensor y, torch::Tensor h, torch::Tensor lora_b, torch::Tenso
   const int64_t y_stride = y.stride(0), h_stride = h.stride(0), b_slot_stride = lora_b.stride(0);
   const int64_t b_rank_stride = lora_b.stride(1);
   const std::vector<RowRun> runs = row_runs(slots, num_rows, lora_b.size(0));
-  at::parallel_for(0, static_cast<int64_t>(runs.size()), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(runs.size()), 1, [&, b_rank_stride, max_rank](int64_t begin, int64_t end) {
   FlushDenormals flush;  // per thread: MXCSR is per thread
   std::vector<float> coef(kRowBlock * max_rank);
   for (int64_t i = begin; i < end; ++i) {
@@ -200,10 +209,10 @@ void expand(torch::Tensor y, torch::Tensor h, torch::Tensor lora_b, torch::Tenso
             for (int c = 0; c < kColChunks; ++c) acc[r][c] = _mm512_fmadd_ps(coef_vec, b_vec[c], acc[r][c]);
           }
         }
-        for (int r = 0; r < run.count; ++r) {
+        for (int r = 0; r < kRowBlock; ++r) {  // fixed bounds (masks past the slice are empty): acc in registers
+          if (r >= run.count) continue;
           bf16* y_row = yp + (run.first + r) * y_stride + col;
           for (int c = 0; c < kColChunks; ++c) {
-            if (masks[c] == 0) break;
             const __m512 sum = _mm512_add_ps(load_bf16x16(y_row + 16 * c, masks[c]), acc[r][c]);
             store_bf16x16(y_row + 16 * c, sum, masks[c]);
           }
