@@ -70,10 +70,10 @@ class LoRALinear(nn.Module):
                 buffers.slice_offsets,
             )
             return y
+        # Row-parallel under TP: x holds this rank's input columns, so h (tokens, max_rank) is a partial sum to reduce
+        # before the expand; B is whole on every rank.
         h = lora_shrink(x, buffers.lora_a, batch.seg_indptr, batch.seg_slots, buffers.slot_ranks, buffers.num_slices)
-        if self.tp_mode == "row":
-            # x holds this rank's input columns, so h (tokens, max_rank) is a partial sum; B is whole on every rank.
-            h = all_reduce(h, self.tp_size)
+        h = all_reduce(h, self.tp_size)
         lora_expand(
             y,
             h,
