@@ -222,15 +222,16 @@ def _map_safetensors(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor] |
     if len(source_dtypes) != 1 or (source_dtype := _SAFETENSORS_FLOATS.get(source_dtypes.pop())) is None:
         return None
     sizes = [math.prod(shape) for _, shape in layouts]
+    num_elements = sum(sizes)
     with open(path, "rb") as file:
         data_start = 8 + int.from_bytes(file.read(8), "little")  # the header's length, then the header
         mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-    if data_start + sum(sizes) * source_dtype.itemsize != len(mapped):
+    if data_start + num_elements * source_dtype.itemsize != len(mapped):
         return None  # not the layout described above: the general path reads it
     with warnings.catch_warnings():  # read-only memory, and only read below
         warnings.filterwarnings("ignore", "The given buffer is not writable")
-        source = torch.frombuffer(mapped, dtype=source_dtype, offset=data_start, count=sum(sizes))
-    buffer = torch.empty(sum(sizes), dtype=dtype)
+        source = torch.frombuffer(mapped, dtype=source_dtype, offset=data_start, count=num_elements)
+    buffer = torch.empty(num_elements, dtype=dtype)  # a copy even in the same dtype: the mapping is read-only
     buffer.copy_(source)  # one cast of every tensor, on all threads
     copies = {key: piece.view(shape) for key, piece, (_, shape) in zip(keys, buffer.split(sizes), layouts, strict=True)}
     _check_finite(buffer, copies, dict.fromkeys(keys, source_dtype))
