@@ -38,6 +38,14 @@ def parse_lora_source(text: str) -> LoRASource:
     return LoRASource(lora_name=os.path.basename(os.path.normpath(text)), lora_path=text)
 
 
+def is_loopback_address(addr: str) -> bool:
+    """ipc:// and inproc:// paths, and TCP on 127.0.0.0/8, [::1] or localhost."""
+    if not addr.startswith("tcp://"):
+        return True
+    host = addr[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
 # (help text, CLI metavar or None) per field; the CLI below is generated from the struct.
 _HELP: dict[str, str] = {
     "model_path": "local Hugging Face checkpoint dir; 'demo' = the built-in tiny demo model",
@@ -68,6 +76,12 @@ _HELP: dict[str, str] = {
     "nnodes": "nodes for multi-node tensor parallelism",
     "node_rank": "this node's rank",
     "dist_init_addr": "host:port of the torch.distributed rendezvous (default: a free local port)",
+    "lora_load_timeout": "seconds an adapter operation waits for every rank before it fails and is rolled back",
+    "lora_state_file": "adapter registry file, rewritten after every change and restored at start",
+    "lora_resolver_dir": "an unknown adapter X named by a request is loaded from DIR/X on first use",
+    "disable_lora_updates": "serve the start-up adapters only: every load/unload after start is refused (403)",
+    "shutdown_timeout": "seconds in-flight requests may run after SIGTERM before they are aborted",
+    "dist_timeout": "seconds before a collective times out once serving (a backstop)",
 }
 
 
@@ -100,6 +114,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    lora_load_timeout: float = 60.0
+    lora_state_file: str | None = None
+    lora_resolver_dir: str | None = None
+    disable_lora_updates: bool = False
+    shutdown_timeout: float = 20.0
+    dist_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         positive = (
@@ -118,8 +138,15 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        if self.lora_drain_timeout <= 0:
-            raise ConfigError("--lora-drain-timeout must be > 0")
+        for name in ("lora_drain_timeout", "lora_load_timeout", "dist_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.shutdown_timeout < 0:
+            raise ConfigError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.disable_lora_updates and self.lora_resolver_dir:
+            raise ConfigError("--lora-resolver-dir loads adapters at run time, which --disable-lora-updates forbids")
+        if self.rpc_addr and not self.api_key and not is_loopback_address(self.rpc_addr):
+            raise ConfigError(f"--rpc-addr {self.rpc_addr} is not loopback: set --api-key to open it")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
         if self.tp % self.nnodes:

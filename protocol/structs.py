@@ -55,12 +55,24 @@ class GenerateReqInput(Struct, frozen=True):
     sampling_params: dict | None = None
     lora_path: str | list[str | None] | None = None
     rid: str | list[str] | None = None
+    stream: bool = False  # RPC: GenerateReqOutput chunks with finished=False, then one with finished=True
 
 
 class GenerateReqOutput(Struct, frozen=True):
-    outputs: list[dict] = []  # one /generate response object per item
+    outputs: list[dict] = []  # one /generate response object per item (a stream chunk: the items that changed)
     success: bool = True
     error_message: str = ""
+    finished: bool = True  # False on every stream chunk but the last
+
+
+class AbortReqInput(Struct, frozen=True):
+    rid: str
+
+
+class AbortReqOutput(Struct, frozen=True):
+    success: bool  # False: no request with that rid was in flight
+    rid: str
+    message: str = ""
 
 
 class LoadLoRAAdapterReqInput(Struct, frozen=True):
@@ -235,7 +247,14 @@ SchedulerToFrontend = Union[
 ]
 SchedulerToWorker = Union[ForwardBatch, LoadLoRAAdapterReqInput, DropAdapters, Shutdown]
 WorkerToScheduler = Union[BatchResult, WorkerAdapterReport, WorkerReady, ProcessFailed]
-RpcRequest = Union[GenerateReqInput, LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput, ListLoRAAdaptersReqInput]
+RpcRequest = Union[
+    GenerateReqInput, AbortReqInput, LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput, ListLoRAAdaptersReqInput
+]
 RpcReply = Union[
-    GenerateReqOutput, LoadLoRAAdapterReqOutput, UnloadLoRAAdapterReqOutput, ListLoRAAdaptersReqOutput, RpcError
+    GenerateReqOutput,
+    AbortReqOutput,
+    LoadLoRAAdapterReqOutput,
+    UnloadLoRAAdapterReqOutput,
+    ListLoRAAdaptersReqOutput,
+    RpcError,
 ]

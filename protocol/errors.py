@@ -1,0 +1,38 @@
+"""The one table from an error's kind to its HTTP status, on the native and the OpenAI-compatible API alike.
+
+Internal code raises or returns errors with a `kind`; only the HTTP edge turns a kind into a status, through
+`http_status`. The RPC and the Engine report the kind as it is (`LoRAAdapterResult.error_kind`).
+"""
+
+from __future__ import annotations
+
+# kind -> (native status, /v1 status), as API.md's "Adapter errors" table gives them
+STATUS_BY_KIND: dict[str, tuple[int, int]] = {
+    "invalid": (400, 400),  # bad JSON or fields, not an adapter, rank or modules, shape
+    "duplicate": (400, 400),  # the name is taken ("has already been loaded")
+    "not_found": (400, 404),  # path missing, unknown adapter name
+    "forbidden": (400, 400),  # a path or a file outside --lora-path-root
+    "pinned_limit": (400, 400),  # too many pinned adapters
+    "unauthorized": (401, 401),  # no or wrong key
+    "disabled": (403, 403),  # --disable-lora-updates
+    "busy": (409, 409),  # an unload outlasted --lora-drain-timeout; the adapter is being unloaded
+    "timeout": (503, 503),  # a rank or replica missed --lora-load-timeout
+    "unavailable": (503, 503),  # starting, stopping, or a process died
+    "internal": (500, 500),  # a server fault
+}
+
+ADAPTER_ERROR_KINDS = frozenset(STATUS_BY_KIND)
+
+
+def http_status(kind: str, openai: bool) -> int:
+    native, v1 = STATUS_BY_KIND.get(kind, STATUS_BY_KIND["internal"])
+    return v1 if openai else native
+
+
+class ServerError(Exception):
+    """An error with a kind: the HTTP edge answers it with http_status(kind) and the message as it is."""
+
+    def __init__(self, message: str, kind: str = "invalid"):
+        super().__init__(message)
+        assert kind in ADAPTER_ERROR_KINDS, kind
+        self.kind = kind
