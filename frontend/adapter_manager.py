@@ -1,32 +1,40 @@
-"""AdapterManager: the load / unload / reload flow of adapters, between the registry and the scheduler.
+"""AdapterManager: the adapter operations (load, unload, in-place reload, eviction, reload of an evicted host copy,
+first use through the resolver), between the registry, which decides, and the scheduler, which carries them out.
 
-Loads and unloads are serialized by the registry's update lock; an unload waits for the adapter's requests
-outside the lock, so other adapter changes go on meanwhile.
+Operations are serialized by the registry's update lock; an unload waits for the adapter's requests outside the lock,
+so other operations go on meanwhile. Every operation has a deadline (--lora-load-timeout) and is rolled back when
+it is missed. After each change the state file, if any, is rewritten.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
 
-import msgspec
-
+from frontend.adapter_state import AdapterStateFile
 from frontend.metrics import Metrics
 from frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
+from frontend.scheduler_client import SchedulerClient
 from protocol.config import ServerConfig
+from protocol.errors import ServerError
 from protocol.structs import (
-    LoadLoRAAdapterReqInput,
+    AdapterOutcome,
+    AdapterToLoad,
+    DropAdapters,
+    LoadAdapters,
     LoadLoRAAdapterReqOutput,
     LoRAAdapterResult,
     LoRAAdapterSpec,
-    UnloadLoRAAdapterReqInput,
     UnloadLoRAAdapterReqOutput,
 )
 
 logger = logging.getLogger("loraplex.adapters")
+
+# The scheduler fails a load at --lora-load-timeout itself; the frontend waits this much longer before it gives up
+# on the scheduler (a stuck forward pass) and rolls back on its own.
+SCHEDULER_MARGIN_S = 5.0
 
 
 class AdapterManager:
@@ -35,151 +43,45 @@ class AdapterManager:
         config: ServerConfig,
         registry: AdapterRegistry,
         metrics: Metrics,
-        call: Callable[[Any, type], Awaitable[Any]],
-        check_available: Callable[[], None],
+        scheduler: SchedulerClient,
+        state_file: AdapterStateFile | None = None,
     ):
         self.config = config
         self.registry = registry
         self.metrics = metrics
-        self._call = call  # send a control message to the scheduler and await its reply
-        self.check_available = check_available
+        self.scheduler = scheduler
+        self.state_file = state_file
+        self.updates_open = True  # closed after start-up under --disable-lora-updates
+        self._retiring: set[asyncio.Task] = set()
+
+    # ---- the public operations ---------------------------------------------------------------------------
 
     async def load(self, specs: list[LoRAAdapterSpec], load_inplace: bool = False) -> LoadLoRAAdapterReqOutput:
+        self._check_updates_open()
         if not self.config.lora_enabled:
             results = [_failed(s.lora_name, "LoRA is not enabled (start with --enable-lora)", "invalid") for s in specs]
             return _merge(LoadLoRAAdapterReqOutput, results, {})
         async with self.registry.update_lock:
-            results: list[LoRAAdapterResult | None] = [None] * len(specs)
-            to_load: list[tuple[int, LoRAAdapterSpec]] = []
-            names_seen: set[str] = set()
-            for i, spec in enumerate(specs):
-                try:
-                    name = self.registry.check_name(spec.lora_name, replace=load_inplace)
-                    if name in names_seen:
-                        raise AdapterError(f"adapter {name!r} appears twice in one request", "duplicate")
-                    names_seen.add(name)
-                    path = self.registry.check_path(name, spec.lora_path)
-                    old = self.registry.get(name)
-                    pinned_after = self.registry.num_pinned() - (1 if old and old.pinned else 0)
-                    pinned_after += sum(1 for _, s in to_load if s.pinned) + (1 if spec.pinned else 0)
-                    if spec.pinned and pinned_after > self.config.max_loras_per_batch - 1:
-                        raise AdapterError(
-                            f"adapter {name!r}: too many pinned adapters (at most "
-                            f"{self.config.max_loras_per_batch - 1} = --max-loras-per-batch - 1)",
-                            "pinned_limit",
-                        )
-                except AdapterError as e:
-                    results[i] = _failed(spec.lora_name if isinstance(spec.lora_name, str) else "", str(e), e.kind)
-                    continue
-                to_load.append(
-                    (
-                        i,
-                        LoRAAdapterSpec(
-                            lora_name=name, lora_path=path, pinned=spec.pinned, lora_id=self.registry.mint_id()
-                        ),
-                    )
-                )
-            if to_load:
-                t0 = time.monotonic()
-                self.check_available()
-                reply: LoadLoRAAdapterReqOutput = await self._call(
-                    LoadLoRAAdapterReqInput(adapters=[s for _, s in to_load]), LoadLoRAAdapterReqOutput
-                )
-                elapsed_ms = (time.monotonic() - t0) * 1e3
-                by_name = {r.lora_name: r for r in reply.results}
-                for i, spec in to_load:
-                    result = by_name.get(spec.lora_name) or _failed(
-                        spec.lora_name, "no result from workers", "internal"
-                    )
-                    if not result.success and repr(spec.lora_name) not in result.error_message:
-                        message = f"adapter {spec.lora_name!r}: {result.error_message}"
-                        result = msgspec.structs.replace(result, error_message=message)
-                    results[i] = result
-                    if result.success:
-                        entry = AdapterEntry(
-                            name=spec.lora_name,
-                            path=specs[i].lora_path,
-                            lora_id=spec.lora_id,
-                            pinned=spec.pinned,
-                            resolved_path=spec.lora_path,
-                            rank=result.rank,
-                            target_modules=list(result.target_modules),
-                        )
-                        replaced = self.registry.add(entry)
-                        if replaced is not None:
-                            asyncio.get_running_loop().create_task(self._retire(replaced))
-                    self.metrics.on_adapter_op("load", result.success)
-                    logger.info(
-                        "load adapter %s path=%s rank=%s %s in %.1f ms%s",
-                        spec.lora_name,
-                        spec.lora_path,
-                        result.rank or "?",
-                        "ok" if result.success else "FAILED",
-                        elapsed_ms,
-                        "" if result.success else f": {result.error_message}",
-                    )
-            await self._evict_over_limit({s.lora_name for _, s in to_load})
-            for i, r in enumerate(results):
-                if r is not None and not r.success and all(i != j for j, _ in to_load):
+            planned = self.registry.plan_load(specs, replace=load_inplace)
+            to_load = [p for p in planned if isinstance(p, AdapterToLoad)]
+            outcomes = dict(zip([a.lora_id for a in to_load], await self._send_load(to_load, "load"), strict=True))
+            results = []
+            for spec, plan in zip(specs, planned, strict=True):
+                if isinstance(plan, AdapterError):
+                    results.append(_failed(spec.lora_name, str(plan), plan.kind))
                     self.metrics.on_adapter_op("load", False)
-                    logger.info("load adapter %s refused: %s", r.lora_name, r.error_message)
-        self.metrics.set_resident(len(self.registry.live()))
+                    logger.info("load adapter %s refused: %s", spec.lora_name, plan)
+                    continue
+                outcome = outcomes[plan.lora_id]
+                if outcome.success:
+                    self._commit(plan, spec.lora_path, outcome)
+                results.append(_result(plan.lora_name, outcome))
+            await self._evict_over_limit({a.lora_name for a in to_load})
+            self._save_state()
         return _merge(LoadLoRAAdapterReqOutput, results, self.registry.loaded_adapters())
 
-    async def _evict_over_limit(self, keep: set[str]) -> None:
-        """Drop least recently used host copies past --max-loaded-loras (caller holds the update lock)."""
-        victims = self.registry.eviction_candidates(self.config.max_loaded_loras, keep)
-        if not victims:
-            return
-        await self._call(
-            UnloadLoRAAdapterReqInput(lora_names=[e.name for e in victims], lora_ids=[e.lora_id for e in victims]),
-            UnloadLoRAAdapterReqOutput,
-        )
-        for entry in victims:
-            entry.resident = False
-            logger.info(
-                "evict adapter %s host copy (least recently used, --max-loaded-loras %d)",
-                entry.name,
-                self.config.max_loaded_loras,
-            )
-
-    async def reload(self, name: str) -> None:
-        """Bring an evicted adapter back from its path before a request for it is admitted."""
-        async with self.registry.update_lock:
-            entry = self.registry.get(name)
-            if entry is None or entry.resident or entry.draining:
-                return  # unloaded meanwhile (acquire reports it), or another request reloaded it
-            t0 = time.monotonic()
-            spec = LoRAAdapterSpec(
-                lora_name=name, lora_path=entry.resolved_path, pinned=entry.pinned, lora_id=self.registry.mint_id()
-            )
-            reply = await self._call(LoadLoRAAdapterReqInput(adapters=[spec]), LoadLoRAAdapterReqOutput)
-            result = reply.results[0] if reply.results else _failed(name, "no result from workers", "internal")
-            if not result.success:
-                raise AdapterError(f"adapter {name!r} could not be reloaded: {result.error_message}", "internal")
-            self.registry.rebind(entry, spec.lora_id)
-            logger.info("reload adapter %s path=%s in %.1f ms", name, entry.path, (time.monotonic() - t0) * 1e3)
-            await self._evict_over_limit({name})
-
-    async def _retire(self, entry: AdapterEntry) -> None:
-        """After an in-place reload: drop the old weights once the requests running on them finish."""
-        await entry.released.wait()
-        async with self.registry.update_lock:
-            await self._drop([entry])
-
-    async def _drop(self, entries: list[AdapterEntry]) -> None:
-        resident = [e for e in entries if e.resident]
-        if resident:
-            await self._call(
-                UnloadLoRAAdapterReqInput(
-                    lora_names=[e.name for e in resident], lora_ids=[e.lora_id for e in resident]
-                ),
-                UnloadLoRAAdapterReqOutput,
-            )
-        for entry in entries:
-            self.registry.forget(entry)
-
     async def unload(self, names: list[str]) -> UnloadLoRAAdapterReqOutput:
+        self._check_updates_open()
         results: list[LoRAAdapterResult | None] = [None] * len(names)
         draining: list[tuple[int, AdapterEntry]] = []
         async with self.registry.update_lock:
@@ -190,42 +92,189 @@ class AdapterManager:
                     results[i] = _failed(name, str(e), e.kind)
         # Wait for in-flight requests outside the lock, so other loads and unloads go on meanwhile.
         timeout_s = self.config.lora_drain_timeout
-        waits = [asyncio.wait_for(entry.released.wait(), timeout_s) for _, entry in draining]
-        outcomes = await asyncio.gather(*waits, return_exceptions=True)
-        drained: list[tuple[int, AdapterEntry]] = []
-        for (i, entry), outcome in zip(draining, outcomes, strict=False):
+        outcomes = await asyncio.gather(
+            *[asyncio.wait_for(entry.released.wait(), timeout_s) for _, entry in draining], return_exceptions=True
+        )
+        drained = []
+        for (i, entry), outcome in zip(draining, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 self.registry.cancel_unload(entry)
                 holders = ", ".join(sorted(entry.holders))
-                results[i] = _failed(
-                    entry.name,
-                    f"adapter {entry.name!r} still has requests in flight after {timeout_s:g} s: {holders}",
-                    "busy",
-                )
+                message = f"adapter {entry.name!r} still has requests in flight after {timeout_s:g} s: {holders}"
+                results[i] = _failed(entry.name, message, "busy")
             else:
-                drained.append((i, entry))
+                drained.append(entry)
+                results[i] = LoRAAdapterResult(lora_name=entry.name, success=True)
         if drained:
             async with self.registry.update_lock:
-                await self._drop([e for _, e in drained])
-            for i, entry in drained:
-                results[i] = LoRAAdapterResult(lora_name=entry.name, success=True, lora_id=entry.lora_id)
-        for r in results:
-            self.metrics.on_adapter_op("unload", r.success)
-            logger.info(
-                "unload adapter %s %s%s",
-                r.lora_name,
-                "ok" if r.success else "FAILED",
-                "" if r.success else f": {r.error_message}",
-            )
-        self.metrics.set_resident(len(self.registry.live()))
+                await self._drop(drained)
+                self._save_state()
+        for result in results:
+            self.metrics.on_adapter_op("unload", result.success)
+            logger.info("unload adapter %s %s", result.lora_name, "ok" if result.success else
+                        f"FAILED: {result.error_message}")
         return _merge(UnloadLoRAAdapterReqOutput, results, self.registry.loaded_adapters())
 
+    async def ensure(self, name: str) -> None:
+        """Before a request naming `name` is admitted: load it through the resolver on first use, or bring its
+        evicted host copy back. Errors (unknown, broken) are raised for the request."""
+        entry = self.registry.get(name)
+        if entry is not None and entry.resident:
+            return
+        if entry is None and not self.config.lora_resolver_dir:
+            return  # acquire() reports the unknown name
+        async with self.registry.update_lock:
+            entry = self.registry.get(name)  # another request may have done it meanwhile
+            if entry is None:
+                await self._resolve(name)
+            elif not entry.resident and not entry.draining:
+                await self._reload(entry)
 
-def _failed(name: str, message: str, kind: str) -> LoRAAdapterResult:
-    return LoRAAdapterResult(lora_name=name, success=False, error_message=message, error_kind=kind)
+    # ---- start-up -------------------------------------------------------------------------------------------
+
+    async def load_startup(self, specs: list[LoRAAdapterSpec]) -> None:
+        """--lora-paths/--lora-modules (must load), then the state file's other entries (logged and skipped when
+        they no longer load); under --disable-lora-updates nothing changes after this."""
+        if specs:
+            out = await self.load(specs)
+            failed = [r for r in out.results if not r.success]
+            if failed:
+                raise RuntimeError("start-up adapters failed: " + "; ".join(r.error_message for r in failed))
+        if self.state_file is not None:
+            taken = {s.lora_name for s in specs}
+            for spec in self.state_file.read():
+                if spec.lora_name in taken:
+                    continue
+                out = await self.load([spec])
+                if not out.success:
+                    logger.warning("state file %s: adapter %s skipped: %s", self.state_file.path, spec.lora_name,
+                                   out.error_message)
+        if self.config.disable_lora_updates:
+            self.updates_open = False
+
+    # ---- the steps -------------------------------------------------------------------------------------------
+
+    def _check_updates_open(self) -> None:
+        if not self.updates_open:
+            raise ServerError("adapter updates are disabled on this server (--disable-lora-updates)", "disabled")
+
+    async def _send_load(self, adapters: list[AdapterToLoad], op_name: str) -> list[AdapterOutcome]:
+        """Load on every rank: one outcome per adapter. A missed deadline is an outcome, rolled back everywhere."""
+        if not adapters:
+            return []
+        t0 = time.monotonic()
+        op = LoadAdapters(op_id=self.scheduler.next_op_id(), adapters=adapters)
+        try:
+            outcomes = (await self.scheduler.call(op, self.config.lora_load_timeout + SCHEDULER_MARGIN_S)).outcomes
+        except ServerError as e:
+            if e.kind == "timeout":  # the scheduler itself is stuck: roll back as soon as it listens again
+                try:
+                    await self._drop_ids([a.lora_id for a in adapters])
+                except ServerError as rollback_error:
+                    logger.error("rollback of op %d failed: %s", op.op_id, rollback_error)
+            outcomes = [AdapterOutcome(lora_id=a.lora_id, success=False, error_message=str(e), error_kind=e.kind)
+                        for a in adapters]
+        elapsed_s = time.monotonic() - t0
+        for adapter, outcome in zip(adapters, outcomes, strict=True):
+            self.metrics.on_adapter_op(op_name, outcome.success)
+            logger.info("%s adapter %s path=%s rank=%s %s in %.1f ms%s", op_name, adapter.lora_name, adapter.lora_path,
+                        outcome.rank or "?", "ok" if outcome.success else "FAILED", elapsed_s * 1e3,
+                        "" if outcome.success else f": {outcome.error_message}")
+        return outcomes
+
+    def _commit(self, plan: AdapterToLoad, client_path: str, outcome: AdapterOutcome) -> None:
+        entry = AdapterEntry(name=plan.lora_name, path=client_path, lora_id=plan.lora_id, pinned=plan.pinned,
+                             resolved_path=plan.lora_path, rank=outcome.rank,
+                             target_modules=list(outcome.target_modules))
+        replaced = self.registry.add(entry)
+        if replaced is not None:  # in-place reload: the old weights go once the requests running on them finish
+            task = asyncio.get_running_loop().create_task(self._retire(replaced))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+    async def _resolve(self, name: str) -> None:
+        """--lora-resolver-dir: load DIR/name as adapter `name` (caller holds the update lock)."""
+        if not name or "/" in name or name.startswith(".") or "\\" in name:
+            raise AdapterError(f"adapter {name!r}: not a name the resolver can look up", "invalid")
+        path = os.path.join(self.config.lora_resolver_dir, name)
+        if not os.path.isdir(path):
+            raise AdapterError(f"adapter {name!r} is not loaded and not in --lora-resolver-dir", "not_found")
+        planned = self.registry.plan_load([LoRAAdapterSpec(lora_name=name, lora_path=path)], replace=False)[0]
+        if isinstance(planned, AdapterError):
+            raise AdapterError(f"adapter {name!r} from --lora-resolver-dir: {planned}", "invalid")
+        outcome = (await self._send_load([planned], "load"))[0]
+        if not outcome.success:
+            kind = outcome.error_kind if outcome.error_kind in ("timeout", "unavailable") else "invalid"
+            raise AdapterError(f"adapter {name!r} from --lora-resolver-dir: {outcome.error_message}", kind)
+        self._commit(planned, path, outcome)
+        await self._evict_over_limit({name})
+        self._save_state()
+
+    async def _reload(self, entry: AdapterEntry) -> None:
+        """Bring an evicted host copy back from its path (checked against the root again) under a fresh id."""
+        path = self.registry.check_path(entry.name, entry.path)
+        adapter = AdapterToLoad(lora_id=self.registry.mint_id(), lora_name=entry.name, lora_path=path,
+                                pinned=entry.pinned)
+        outcome = (await self._send_load([adapter], "reload"))[0]
+        if not outcome.success:
+            kind = outcome.error_kind if outcome.error_kind in ("timeout", "unavailable") else "internal"
+            raise AdapterError(f"adapter {entry.name!r} could not be reloaded: {outcome.error_message}", kind)
+        self.registry.rebind(entry, adapter.lora_id)
+        await self._evict_over_limit({entry.name})
+
+    async def _evict_over_limit(self, keep: set[str]) -> None:
+        """Drop least recently used host copies past --max-loaded-loras (caller holds the update lock)."""
+        victims = self.registry.eviction_candidates(self.config.max_loaded_loras, keep)
+        if not victims:
+            return
+        await self._drop_ids([e.lora_id for e in victims])
+        for entry in victims:
+            entry.resident = False
+            self.metrics.on_adapter_op("evict", True)
+            logger.info("evict adapter %s host copy (least recently used, --max-loaded-loras %d)", entry.name,
+                        self.config.max_loaded_loras)
+
+    async def _retire(self, entry: AdapterEntry) -> None:
+        await entry.released.wait()
+        async with self.registry.update_lock:
+            await self._drop([entry])
+
+    async def _drop(self, entries: list[AdapterEntry]) -> None:
+        await self._drop_ids([e.lora_id for e in entries if e.resident])
+        for entry in entries:
+            self.registry.forget(entry)
+
+    async def _drop_ids(self, lora_ids: list[int]) -> None:
+        if lora_ids:
+            op = DropAdapters(op_id=self.scheduler.next_op_id(), lora_ids=lora_ids)
+            await self.scheduler.call(op, self.config.lora_load_timeout + SCHEDULER_MARGIN_S)
+
+    def _save_state(self) -> None:
+        if self.state_file is None or not self.updates_open:
+            return
+        specs = [LoRAAdapterSpec(lora_name=e.name, lora_path=e.path, pinned=e.pinned)
+                 for e in self.registry.live() if not e.draining]
+        try:
+            self.state_file.write(specs)
+        except OSError as e:  # the change itself happened: serve on, and say the file is behind
+            logger.error("state file %s not rewritten: %s", self.state_file.path, e)
 
 
-def _merge(output_type: type, results: list[LoRAAdapterResult], loaded: dict[str, str]) -> Any:
+def _failed(name: object, message: str, kind: str) -> LoRAAdapterResult:
+    return LoRAAdapterResult(lora_name=name if isinstance(name, str) else "", success=False, error_message=message,
+                             error_kind=kind)
+
+
+def _result(name: str, outcome: AdapterOutcome) -> LoRAAdapterResult:
+    if outcome.success:
+        return LoRAAdapterResult(lora_name=name, success=True)
+    message = outcome.error_message
+    if repr(name) not in message:
+        message = f"adapter {name!r}: {message}"
+    return _failed(name, message, outcome.error_kind or "internal")
+
+
+def _merge(output_type: type, results: list[LoRAAdapterResult], loaded: dict[str, str]):
     ok = all(r.success for r in results)
     message = "; ".join(r.error_message for r in results if not r.success)
     return output_type(success=ok, error_message=message, results=results, loaded_adapters=loaded)

@@ -16,7 +16,13 @@ from frontend.native_api import NativeGenerateRequest, collect, start_generate, 
 from frontend.params import convert
 from frontend.runtime import Runtime
 from protocol.config import ServerConfig
-from protocol.structs import LoadLoRAAdapterReqOutput, LoRAAdapterSpec, UnloadLoRAAdapterReqOutput
+from protocol.errors import ServerError
+from protocol.structs import (
+    LoadLoRAAdapterReqOutput,
+    LoRAAdapterResult,
+    LoRAAdapterSpec,
+    UnloadLoRAAdapterReqOutput,
+)
 
 _END = object()
 
@@ -114,21 +120,33 @@ class Engine:
 
     # ---- adapters ----------------------------------------------------------------------------------------
 
-    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False,
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool | None = None,
                           load_inplace: bool = False) -> LoadLoRAAdapterReqOutput:
-        spec = LoRAAdapterSpec(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
-        return self._run(self.runtime.adapters.load([spec], load_inplace))
+        return self._run(self._load(lora_name, lora_path, pinned, load_inplace))
 
-    async def async_load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False,
+    async def async_load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool | None = None,
                                       load_inplace: bool = False) -> LoadLoRAAdapterReqOutput:
-        spec = LoRAAdapterSpec(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
-        return await self._await(self.runtime.adapters.load([spec], load_inplace))
+        return await self._await(self._load(lora_name, lora_path, pinned, load_inplace))
 
     def unload_lora_adapter(self, lora_name: str) -> UnloadLoRAAdapterReqOutput:
-        return self._run(self.runtime.adapters.unload([lora_name]))
+        return self._run(self._unload(lora_name))
 
     async def async_unload_lora_adapter(self, lora_name: str) -> UnloadLoRAAdapterReqOutput:
-        return await self._await(self.runtime.adapters.unload([lora_name]))
+        return await self._await(self._unload(lora_name))
+
+    async def _load(self, lora_name: str, lora_path: str, pinned: bool | None,
+                    load_inplace: bool) -> LoadLoRAAdapterReqOutput:
+        spec = LoRAAdapterSpec(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
+        try:
+            return await self.runtime.adapters.load([spec], load_inplace)
+        except ServerError as e:  # refused as a whole (updates disabled, server unavailable): a value here too
+            return _refused(LoadLoRAAdapterReqOutput, lora_name, e)
+
+    async def _unload(self, lora_name: str) -> UnloadLoRAAdapterReqOutput:
+        try:
+            return await self.runtime.adapters.unload([lora_name])
+        except ServerError as e:
+            return _refused(UnloadLoRAAdapterReqOutput, lora_name, e)
 
     def list_lora_adapters(self) -> list[dict]:
         return self.runtime.registry.table()
@@ -163,3 +181,8 @@ class Engine:
 
 
 __all__ = ["Engine"]
+
+
+def _refused(output_type: type, lora_name: str, error: ServerError) -> Any:
+    result = LoRAAdapterResult(lora_name=lora_name, success=False, error_message=str(error), error_kind=error.kind)
+    return output_type(success=False, error_message=str(error), results=[result])

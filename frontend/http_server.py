@@ -11,15 +11,13 @@ from aiohttp import web
 
 from frontend import native_api, openai_api
 from frontend.http_utils import error_response
-from frontend.registry import AdapterError
-from frontend.runtime import InputError, Runtime, ServerUnavailable
+from frontend.runtime import Runtime
+from protocol.errors import ServerError, http_status
 
 logger = logging.getLogger("loraplex.http")
 
 ADMIN_PATHS = {"/load_lora_adapter", "/unload_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 OPEN_PATHS = {"/health"}
-ADAPTER_ERROR_STATUS = {"not_found": 400, "busy": 409}
-OPENAI_ADAPTER_ERROR_STATUS = {"not_found": 404, "busy": 409}
 
 
 def _authorized(request: web.Request, key: str) -> bool:
@@ -47,13 +45,8 @@ async def error_middleware(request: web.Request, handler):
         if e.status >= 400:
             return error_response(f"{e.reason}: {request.method} {request.path}", e.status)
         raise
-    except InputError as e:
-        return error_response(str(e), 400)
-    except AdapterError as e:
-        table = OPENAI_ADAPTER_ERROR_STATUS if request.path.startswith("/v1/") else ADAPTER_ERROR_STATUS
-        return error_response(str(e), table.get(e.kind, 400))
-    except ServerUnavailable as e:
-        return error_response(str(e), 503)
+    except ServerError as e:  # InputError, AdapterError, ServerUnavailable: the kind picks the status
+        return error_response(str(e), http_status(e.kind, openai=request.path.startswith("/v1/")))
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception as e:  # noqa: BLE001 - the edge: log it, answer 500, keep serving

@@ -12,6 +12,7 @@ from frontend.params import NativeGenerateRequest, decode_body, native_sampling,
 from frontend.registry import AdapterError
 from frontend.request_state import RequestState
 from frontend.runtime import InputError, Runtime
+from protocol.errors import http_status
 from protocol.structs import LoadLoRAAdapterReqOutput, LoRAAdapterSpec, UnloadLoRAAdapterReqOutput
 
 routes = web.RouteTableDef()
@@ -56,6 +57,8 @@ async def submit_all(runtime: Runtime, prompts: list[list[int]], sampling: Any, 
                      lora_names: list[str | None], rids: list[str | None]) -> list[RequestState]:
     # Check every adapter first so a bad name in a batch starts nothing.
     for name in lora_names:
+        if name is not None and runtime.config.lora_enabled:
+            await runtime.adapters.ensure(name)  # the resolver's first use, or an evicted host copy
         if name is not None and (runtime.registry.get(name) is None or runtime.registry.get(name).draining):
             raise AdapterError(f"adapter {name!r} is not loaded", kind="not_found")
     states: list[RequestState] = []
@@ -237,12 +240,12 @@ def result_list(out: LoadLoRAAdapterReqOutput | UnloadLoRAAdapterReqOutput) -> l
 
 
 def adapter_reply(out: Any, batch: bool) -> web.Response:
-    if batch:
-        body = {"success": out.success, "error_message": out.error_message, "results": result_list(out),
-                "loaded_adapters": out.loaded_adapters}
-        return json_response(body, 200 if out.success else 400)
+    """Batch forms: 200 only if every item succeeded, else 400 with per-item results; one adapter: its kind's status."""
     body = {"success": out.success, "error_message": out.error_message, "loaded_adapters": out.loaded_adapters}
-    return json_response(body, 200 if out.success else 400)
+    if batch:
+        body["results"] = result_list(out)
+        return json_response(body, 200 if out.success else 400)
+    return json_response(body, 200 if out.success else http_status(out.results[0].error_kind, openai=False))
 
 
 @routes.post("/load_lora_adapter")
@@ -251,7 +254,8 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     if body.adapters is not None:
         if body.lora_name is not None or body.lora_path is not None:
             raise InputError("give either 'adapters' or 'lora_name'/'lora_path', not both")
-        specs = [LoRAAdapterSpec(lora_name=a.lora_name, lora_path=a.lora_path, pinned=a.pinned) for a in body.adapters]
+        specs = [LoRAAdapterSpec(lora_name=a.lora_name, lora_path=a.lora_path, pinned=a.pinned)
+                 for a in body.adapters]
         if not specs:
             raise InputError("'adapters' is empty")
     else:

@@ -15,6 +15,7 @@ from frontend.params import convert, decode_body, decode_json_object, make_sampl
 from frontend.registry import AdapterError
 from frontend.request_state import RequestState
 from frontend.runtime import InputError, Runtime
+from protocol.errors import http_status
 from protocol.structs import LoRAAdapterSpec
 
 routes = web.RouteTableDef()
@@ -85,7 +86,7 @@ def parse_openai(body: bytes, schema: type) -> Any:
     return convert(raw, schema, "request")
 
 
-def resolve_model(runtime: Runtime, model: str) -> tuple[str | None, str]:
+async def resolve_model(runtime: Runtime, model: str) -> tuple[str | None, str]:
     """(adapter name or None for the base model, the name that serves it)."""
     base = runtime.config.model_name
     if model == base:
@@ -95,6 +96,8 @@ def resolve_model(runtime: Runtime, model: str) -> tuple[str | None, str]:
         prefix, name = model.split(":", 1)
         if prefix != base:
             raise AdapterError(f"The model `{model}` does not exist.", "not_found")
+    if runtime.adapters is not None and runtime.config.lora_enabled:
+        await runtime.adapters.ensure(name)  # the resolver's first use, or an evicted host copy
     entry = runtime.registry.get(name)
     if entry is None or entry.draining:
         raise AdapterError(f"The model `{model}` does not exist.", "not_found")
@@ -152,7 +155,7 @@ async def run_openai(
 ) -> web.StreamResponse:
     runtime = runtime_of(request)
     runtime.check_available()
-    lora_name, served_by = resolve_model(runtime, req.model)
+    lora_name, served_by = await resolve_model(runtime, req.model)
     jobs: list[tuple[list[int], Any]] = []
     for prompt in prompts:
         for sampling in openai_sampling(runtime, req, len(prompt), default_max):
@@ -341,15 +344,12 @@ class VllmLoadBody(msgspec.Struct, forbid_unknown_fields=True):
     lora_name: str
     lora_path: str
     load_inplace: bool = False
-    pinned: bool = False
+    pinned: bool | None = None  # None: a new adapter is unpinned, an in-place reload keeps its own
 
 
 class VllmUnloadBody(msgspec.Struct, forbid_unknown_fields=True):
     lora_name: str
     lora_int_id: int | None = None
-
-
-STATUS_BY_KIND = {"not_found": 404, "forbidden": 400, "duplicate": 400, "busy": 409, "internal": 500}
 
 
 @routes.post("/v1/load_lora_adapter")
@@ -362,7 +362,7 @@ async def vllm_load(request: web.Request) -> web.Response:
     result = out.results[0]
     if result.success:
         return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
-    return error_response(result.error_message, STATUS_BY_KIND.get(result.error_kind, 400))
+    return error_response(result.error_message, http_status(result.error_kind, openai=True))
 
 
 @routes.post("/v1/unload_lora_adapter")
@@ -374,4 +374,4 @@ async def vllm_unload(request: web.Request) -> web.Response:
     result = out.results[0]
     if result.success:
         return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
-    return error_response(result.error_message, STATUS_BY_KIND.get(result.error_kind, 400))
+    return error_response(result.error_message, http_status(result.error_kind, openai=True))

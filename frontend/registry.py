@@ -9,15 +9,14 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from protocol.errors import ServerError
+from protocol.structs import AdapterToLoad, LoRAAdapterSpec
+
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}$")
 
 
-class AdapterError(Exception):
-    """A request named an adapter it cannot use. `kind` picks the status code at the HTTP edge."""
-
-    def __init__(self, message: str, kind: str = "invalid"):
-        super().__init__(message)
-        self.kind = kind
+class AdapterError(ServerError):
+    """An adapter operation or a request's adapter refused; `kind` picks the status code at the HTTP edge."""
 
 
 @dataclass
@@ -46,8 +45,9 @@ class AdapterRegistry:
     id while requests holding the old one finish on the old weights.
     """
 
-    def __init__(self, path_root: str | None = None):
+    def __init__(self, path_root: str | None = None, max_pinned: int = 7):
         self.path_root = os.path.realpath(path_root) if path_root else None
+        self.max_pinned = max_pinned  # --max-loras-per-batch - 1: one slot always rotates
         self.update_lock = asyncio.Lock()  # serializes load/unload
         self._ids = itertools.count()
         self._current: dict[str, int] = {}  # name -> live id
@@ -91,6 +91,36 @@ class AdapterRegistry:
         if name in self._current and self._entries[self._current[name]].draining:
             raise AdapterError(f"adapter {name!r} is being unloaded", kind="busy")
         return name
+
+    def plan_load(self, specs: list[LoRAAdapterSpec], replace: bool) -> list[AdapterToLoad | AdapterError]:
+        """Check each adapter of one load and decide its id and pin: what to send the ranks, or why not."""
+        planned: list[AdapterToLoad | AdapterError] = []
+        num_pinned = self.num_pinned()
+        names: set[str] = set()
+        for spec in specs:
+            try:
+                name = self.check_name(spec.lora_name, replace=replace)
+                if name in names:
+                    raise AdapterError(f"adapter {name!r} appears twice in one request", "duplicate")
+                names.add(name)
+                path = self.check_path(name, spec.lora_path)
+                old = self.get(name)
+                pinned = spec.pinned if spec.pinned is not None else bool(old and old.pinned)
+                if pinned and num_pinned - bool(old and old.pinned) + 1 > self.max_pinned:
+                    raise AdapterError(
+                        f"adapter {name!r}: too many pinned adapters (at most {self.max_pinned} = "
+                        "--max-loras-per-batch - 1)",
+                        "pinned_limit",
+                    )
+            except AdapterError as e:
+                planned.append(e)
+                continue
+            num_pinned += pinned - bool(old and old.pinned)
+            lora_id = self.mint_id()
+            replaces = old.lora_id if old is not None else None
+            planned.append(AdapterToLoad(lora_id=lora_id, lora_name=name, lora_path=path, pinned=pinned,
+                                         replaces=replaces))
+        return planned
 
     def check_path(self, name: str, path: object) -> str:
         if not isinstance(path, str) or not path:

@@ -1,4 +1,4 @@
-"""Runtime: the frontend's engine room — child processes, tokenizer, request states, adapter loads.
+"""Runtime: the frontend's engine room — child processes, tokenizer and the table of requests in flight.
 
 The HTTP server, the RPC server and the in-process Engine all drive one Runtime from one event loop.
 """
@@ -7,29 +7,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from frontend.adapter_manager import AdapterManager
+from frontend.adapter_state import AdapterStateFile
 from frontend.launcher import ProcessGroup
 from frontend.lora_config import resolve_lora_config
 from frontend.metrics import Metrics
 from frontend.registry import AdapterRegistry
 from frontend.request_state import RequestState
+from frontend.scheduler_client import SchedulerClient
 from protocol.config import ServerConfig
-from protocol.sockets import PULL, PUSH, AsyncTypedSocket
+from protocol.errors import ServerError
 from protocol.structs import (
     AbortReq,
     LoRAAdapterSpec,
-    ProcessFailed,
     SamplingParams,
     SchedulerReady,
     SchedulerStats,
-    SchedulerStatsReq,
-    SchedulerToFrontend,
-    Shutdown,
     TokenDeltas,
     TokenizedGenerateReq,
 )
@@ -40,12 +37,18 @@ START_TIMEOUT_S = 600.0
 WATCH_INTERVAL_S = 0.2
 
 
-class ServerUnavailable(Exception):
+class ServerUnavailable(ServerError):
     """The server is starting, stopping, or lost a process: requests get a 503."""
 
+    def __init__(self, message: str):
+        super().__init__(message, "unavailable")
 
-class InputError(ValueError):
+
+class InputError(ServerError, ValueError):
     """Input the server cannot serve; the message goes back to the client with a 400."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "invalid")
 
 
 def resolve_model_dir(model_path: str) -> str:
@@ -60,7 +63,7 @@ class Runtime:
     def __init__(self, config: ServerConfig, fault_hooks: dict[str, str] | None = None):
         self.config = config
         self.fault_hooks = fault_hooks or {}
-        self.registry = AdapterRegistry(config.lora_path_root)
+        self.registry = AdapterRegistry(config.lora_path_root, max_pinned=config.max_loras_per_batch - 1)
         self.metrics = Metrics(config.model_name)
         self.requests: dict[str, RequestState] = {}
         self.ready: SchedulerReady | None = None
@@ -71,12 +74,9 @@ class Runtime:
         self.tokenizer: Any = None
         self.eos_token_ids: list[int] = []
         self.procs: ProcessGroup | None = None
+        self.scheduler: SchedulerClient | None = None
         self.adapters: AdapterManager | None = None  # built once the LoRA config is complete (start)
-        self._to_scheduler: AsyncTypedSocket | None = None
-        self._from_scheduler: AsyncTypedSocket | None = None
-        self._replies: dict[type, asyncio.Queue] = {}
-        self._call_locks: dict[type, asyncio.Lock] = {}
-        self._tasks: list[asyncio.Task] = []
+        self._watch_task: asyncio.Task | None = None
 
     # ---- start / stop -------------------------------------------------------------------------------
 
@@ -85,66 +85,37 @@ class Runtime:
         logger.info("resolving model %s", self.config.model_path)
         self.model_dir = await loop.run_in_executor(None, resolve_model_dir, self.config.model_path)
         self.config = resolve_lora_config(self.config, self.model_dir)
-        self.adapters = AdapterManager(self.config, self.registry, self.metrics, self._call, self.check_available)
         self.procs = ProcessGroup(self.config, self.model_dir, self.fault_hooks)
-        endpoints = self.procs.endpoints
-        self._from_scheduler = AsyncTypedSocket(
-            PULL, endpoints.scheduler_to_frontend, bind=True, recv_type=SchedulerToFrontend
-        )
-        self._to_scheduler = AsyncTypedSocket(PUSH, endpoints.frontend_to_scheduler, bind=False)
+        self.scheduler = SchedulerClient(self.procs.endpoints, self._apply_deltas, self._on_failure)
+        state_file = AdapterStateFile(self.config.lora_state_file) if self.config.lora_state_file else None
+        self.adapters = AdapterManager(self.config, self.registry, self.metrics, self.scheduler, state_file)
         self.procs.start()
         logger.info("loading tokenizer from %s", self.model_dir)
         self.tokenizer, self.eos_token_ids = await loop.run_in_executor(None, load_tokenizer, self.model_dir)
-        self.ready = await self._wait_ready()
+        self.ready = await self.scheduler.wait_ready(self.procs.dead, START_TIMEOUT_S)
         logger.info(
             "scheduler ready: %d KV tokens, context length %d", self.ready.max_total_tokens, self.ready.context_length
         )
-        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watch_loop())]
-        if self.config.lora_sources:
-            specs = [
-                LoRAAdapterSpec(lora_name=s.lora_name, lora_path=s.lora_path, pinned=s.pinned)
-                for s in self.config.lora_sources
-            ]
-            out = await self.adapters.load(specs)
-            failed = [r for r in out.results if not r.success]
-            if failed:
-                raise RuntimeError("start-up adapters failed: " + "; ".join(r.error_message for r in failed))
+        self._watch_task = asyncio.create_task(self._watch_loop())
+        specs = [LoRAAdapterSpec(lora_name=s.lora_name, lora_path=s.lora_path, pinned=s.pinned)
+                 for s in self.config.lora_sources]
+        await self.adapters.load_startup(specs)
         self.started = True
         logger.info("server ready")
-
-    async def _wait_ready(self) -> SchedulerReady:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            dead = self.procs.dead()
-            if dead is not None:
-                raise RuntimeError(f"{dead[0]} exited with code {dead[1]} during start-up")
-            try:
-                msg = await asyncio.wait_for(self._from_scheduler.recv(), timeout=WATCH_INTERVAL_S)
-            except asyncio.TimeoutError:
-                continue
-            if isinstance(msg, ProcessFailed):
-                raise RuntimeError(f"{msg.who} failed to start: {msg.error_message}")
-            if isinstance(msg, SchedulerReady):
-                return msg
-        raise RuntimeError(f"processes not ready after {START_TIMEOUT_S:.0f} s")
 
     async def shutdown(self) -> None:
         if self.stopping:
             return
         self.stopping = True
-        for task in self._tasks:
-            task.cancel()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
         self._fail_all("server is shutting down", status=503)
-        if self._to_scheduler is not None:
-            try:
-                await asyncio.wait_for(self._to_scheduler.send(Shutdown()), timeout=1.0)
-            except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - best effort on the way down
-                pass
+        if self.scheduler is not None:
+            await self.scheduler.close()
         if self.procs is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.procs.stop)
-        for sock in (self._to_scheduler, self._from_scheduler):
-            if sock is not None:
-                sock.close()
+        if self.scheduler is not None:
+            self.scheduler.close_sockets()
 
     @property
     def healthy(self) -> bool:
@@ -158,17 +129,7 @@ class Runtime:
         if self.ready is None:
             raise ServerUnavailable("server is starting")
 
-    # ---- background loops ------------------------------------------------------------------------
-
-    async def _recv_loop(self) -> None:
-        while True:
-            msg = await self._from_scheduler.recv()
-            if isinstance(msg, TokenDeltas):
-                await self._apply_deltas(msg)
-            elif isinstance(msg, ProcessFailed):
-                self._on_failure(f"{msg.who}: {msg.error_message}")
-            else:
-                self._reply_queue(type(msg)).put_nowait(msg)
+    # ---- background ------------------------------------------------------------------------------------
 
     async def _apply_deltas(self, msg: TokenDeltas) -> None:
         for delta in msg.deltas:
@@ -176,7 +137,7 @@ class Runtime:
             if state is None:
                 continue
             if state.apply(delta):  # a stop string ended it: free its scheduler resources
-                await self._to_scheduler.send(AbortReq(rid=state.rid))
+                await self.scheduler.send(AbortReq(rid=state.rid))
 
     async def _watch_loop(self) -> None:
         while self.failure is None:
@@ -190,30 +151,15 @@ class Runtime:
             logger.error("server unhealthy: %s", reason)
             self.failure = reason
         self._fail_all(f"server failure: {reason}", status=503)
-        for queue in self._replies.values():
-            queue.put_nowait(None)
+        self.scheduler.fail_pending(reason)
 
     def _fail_all(self, message: str, status: int) -> None:
         for state in list(self.requests.values()):
             state.fail(message, status)
 
-    def _reply_queue(self, reply_type: type) -> asyncio.Queue:
-        return self._replies.setdefault(reply_type, asyncio.Queue())
-
-    async def _call(self, msg: Any, reply_type: type, timeout_s: float | None = None) -> Any:
-        """Send a control message and wait for its reply; the scheduler answers each kind in order."""
-        lock = self._call_locks.setdefault(reply_type, asyncio.Lock())
-        async with lock:
-            self.check_available()
-            queue = self._reply_queue(reply_type)
-            await self._to_scheduler.send(msg)
-            reply = await asyncio.wait_for(queue.get(), timeout=timeout_s)
-            if reply is None:
-                raise ServerUnavailable(f"server is unhealthy: {self.failure}")
-            return reply
-
     async def scheduler_stats(self) -> SchedulerStats:
-        return await self._call(SchedulerStatsReq(), SchedulerStats, timeout_s=5.0)
+        self.check_available()
+        return await self.scheduler.stats()
 
     # ---- generation ----------------------------------------------------------------------------------
 
@@ -232,9 +178,7 @@ class Runtime:
             raise InputError(f"request id {rid!r} is already in use")
         self._check_fits(prompt_ids, sampling)
         if lora_name is not None:
-            entry = self.registry.get(lora_name)
-            if entry is not None and not entry.resident:
-                await self.adapters.reload(lora_name)
+            await self.adapters.ensure(lora_name)
         entry = self.registry.acquire(lora_name, rid) if lora_name is not None else None
         state = RequestState(
             rid, prompt_ids, sampling, stop_strings, self.tokenizer, lora_name, entry.lora_id if entry else None
@@ -242,7 +186,7 @@ class Runtime:
         self.requests[rid] = state
         self.metrics.on_submit(len(prompt_ids))
         req = TokenizedGenerateReq(rid=rid, input_ids=prompt_ids, sampling=sampling, lora_id=state.lora_id)
-        await self._to_scheduler.send(req)
+        await self.scheduler.send(req)
         return state
 
     def _check_fits(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
@@ -281,14 +225,14 @@ class Runtime:
         if not state.finished:
             state.fail("aborted by the client", status=499)
             if self.failure is None and not self.stopping:
-                await self._to_scheduler.send(AbortReq(rid=state.rid))
+                await self.scheduler.send(AbortReq(rid=state.rid))
         self.metrics.on_finish(state)
 
     async def abort(self, rid: str) -> bool:
         state = self.requests.get(rid)
         if state is None:
             return False
-        await self._to_scheduler.send(AbortReq(rid=rid))
+        await self.scheduler.send(AbortReq(rid=rid))
         return True
 
 

@@ -27,21 +27,19 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class LoRAAdapterSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One adapter to load, as clients name it."""
+
     lora_name: str
     lora_path: str
-    pinned: bool = False
-    lora_id: int = -1  # minted by the frontend's registry; -1 on the public RPC (the registry fills it)
+    pinned: bool | None = None  # None: False for a new adapter; an in-place reload keeps the adapter's own
 
 
 class LoRAAdapterResult(msgspec.Struct, frozen=True, kw_only=True):
     lora_name: str
     success: bool
     error_message: str = ""
-    # why it failed, for status codes: duplicate, not_found, forbidden, invalid, pinned_limit, busy, internal
+    # why it failed, one of protocol.errors.ADAPTER_ERROR_KINDS: it picks the HTTP status on both APIs
     error_kind: str = ""
-    lora_id: int = -1
-    rank: int = 0
-    target_modules: list[str] = []
 
 
 # ---- public requests (HTTP, Engine and RPC all carry these) ------------------------------------
@@ -89,7 +87,6 @@ class LoadLoRAAdapterReqOutput(Struct, frozen=True):
 
 class UnloadLoRAAdapterReqInput(Struct, frozen=True):
     lora_names: list[str]
-    lora_ids: list[int] = []  # filled by the registry before it reaches the scheduler
 
 
 class UnloadLoRAAdapterReqOutput(Struct, frozen=True):
@@ -126,7 +123,53 @@ class AbortReq(Struct, frozen=True):
 
 
 class SchedulerStatsReq(Struct, frozen=True):
-    pass
+    op_id: int
+
+
+class AdapterToLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    lora_id: int  # minted once by the frontend's registry, never reused
+    lora_name: str  # for messages and logs only
+    lora_path: str  # resolved directory; every file read from it must stay inside --lora-path-root
+    pinned: bool = False
+    replaces: int | None = None  # in-place reload: the id whose pin moves to this one once it is loaded
+
+
+class AdapterOutcome(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    lora_id: int
+    success: bool
+    error_message: str = ""
+    error_kind: str = ""
+    rank: int = 0  # the adapter's LoRA rank
+    target_modules: list[str] = []
+
+
+class LoadAdapters(Struct, frozen=True):
+    """Frontend -> scheduler -> every rank's loader. Answered by one AdapterOpDone with the same op_id."""
+
+    op_id: int
+    adapters: list[AdapterToLoad]
+
+
+class AdapterReport(Struct, frozen=True):
+    """One rank's answer to a LoadAdapters."""
+
+    op_id: int
+    tp_rank: int
+    outcomes: list[AdapterOutcome]
+
+
+class DropAdapters(Struct, frozen=True):
+    """Forget adapters (unload, eviction, or rollback of a failed load). Frontend -> scheduler -> every rank."""
+
+    op_id: int
+    lora_ids: list[int]
+
+
+class AdapterOpDone(Struct, frozen=True):
+    """The scheduler's one reply to a LoadAdapters or DropAdapters: an outcome per adapter, in order."""
+
+    op_id: int
+    outcomes: list[AdapterOutcome]
 
 
 class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -141,6 +184,7 @@ class TokenDeltas(Struct, frozen=True):
 
 
 class SchedulerStats(Struct, frozen=True):
+    op_id: int
     num_running: int
     num_waiting: int
     kv_usage: float  # 0..1
@@ -191,17 +235,6 @@ class BatchResult(Struct, frozen=True):
     error_message: str = ""
 
 
-class WorkerAdapterReport(Struct, frozen=True):
-    rank: int
-    results: list[LoRAAdapterResult]
-
-
-class DropAdapters(Struct, frozen=True):
-    """Tells ranks to forget adapters (unload, or a load that failed on another rank)."""
-
-    lora_ids: list[int]
-
-
 class WorkerReady(Struct, frozen=True):
     rank: int
     max_total_tokens: int
@@ -225,8 +258,7 @@ class Endpoints(msgspec.Struct, frozen=True, kw_only=True):
     workers_to_scheduler: str
     dist_init_addr: str  # host:port of the torch.distributed rendezvous
     # One per local rank: adapter loads go straight to each rank's loader thread, even mid forward pass.
-    # Empty: loads travel with the batches (the worker forwards them to its loader).
-    scheduler_to_loaders: list[str] = []
+    scheduler_to_loaders: list[str]
 
 
 class ProcessArgs(msgspec.Struct, frozen=True, kw_only=True):
@@ -239,14 +271,11 @@ class ProcessArgs(msgspec.Struct, frozen=True, kw_only=True):
 
 # ---- one union per socket direction ---------------------------------------------------------------
 
-FrontendToScheduler = Union[
-    TokenizedGenerateReq, AbortReq, LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput, SchedulerStatsReq, Shutdown
-]
-SchedulerToFrontend = Union[
-    TokenDeltas, SchedulerReady, SchedulerStats, LoadLoRAAdapterReqOutput, UnloadLoRAAdapterReqOutput, ProcessFailed
-]
-SchedulerToWorker = Union[ForwardBatch, LoadLoRAAdapterReqInput, DropAdapters, Shutdown]
-WorkerToScheduler = Union[BatchResult, WorkerAdapterReport, WorkerReady, ProcessFailed]
+FrontendToScheduler = Union[TokenizedGenerateReq, AbortReq, LoadAdapters, DropAdapters, SchedulerStatsReq, Shutdown]
+SchedulerToFrontend = Union[TokenDeltas, SchedulerReady, SchedulerStats, AdapterOpDone, ProcessFailed]
+SchedulerToWorker = Union[ForwardBatch, DropAdapters, Shutdown]
+SchedulerToLoader = LoadAdapters
+WorkerToScheduler = Union[BatchResult, AdapterReport, WorkerReady, ProcessFailed]
 RpcRequest = Union[
     GenerateReqInput, AbortReqInput, LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput, ListLoRAAdaptersReqInput
 ]

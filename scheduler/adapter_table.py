@@ -1,51 +1,43 @@
-"""AdapterTable: which adapter ids are loaded on every rank, and the loads still waiting on the ranks' reports.
+"""AdapterTable: which adapter ids every rank has loaded, and the loads still waiting on the ranks' reports.
 
-Each rank answers the loads it is sent in the order it gets them, so the n-th report from a rank belongs to the
-n-th load still missing that rank's report. An adapter counts as loaded only when every rank loaded it.
+A load is an operation (`op_id`) sent to every rank; each rank answers it with one report naming the operation.
+An adapter counts as loaded only when every rank loaded it. A load that some rank has not answered by its deadline
+fails, naming the ranks, and everything it loaded anywhere is dropped everywhere (a late report is then ignored, and
+the late rank's own install of a dropped id keeps nothing). Time is passed in, so tests drive it with plain numbers.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from dataclasses import dataclass, field
 
-from protocol.structs import (
-    DropAdapters,
-    LoadLoRAAdapterReqInput,
-    LoadLoRAAdapterReqOutput,
-    LoRAAdapterResult,
-    LoRAAdapterSpec,
-    TokenDelta,
-    UnloadLoRAAdapterReqOutput,
-    WorkerAdapterReport,
-)
+from protocol.structs import AdapterOpDone, AdapterOutcome, AdapterReport, AdapterToLoad, DropAdapters, LoadAdapters
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class AdapterOpDone:
-    """A finished load or unload: the reply for the frontend and what else must be sent."""
+class LoadFinished:
+    """A load the ranks have answered (or that timed out): the reply and, if anything must go, the rollback."""
 
-    reply: LoadLoRAAdapterReqOutput | UnloadLoRAAdapterReqOutput
-    drop: DropAdapters | None = None  # to every rank
-    deltas: list[TokenDelta] = field(default_factory=list)  # requests failed by an unload
-    pin_ids: list[int] = field(default_factory=list)  # loaded adapters to pin
+    reply: AdapterOpDone
+    loaded: list[AdapterToLoad] = field(default_factory=list)  # now loaded on every rank
+    rollback: DropAdapters | None = None  # to every rank
 
 
 @dataclass
 class _PendingLoad:
-    results: list[LoRAAdapterResult | None]  # one per adapter asked for, in order; None = up to the ranks
-    forwarded: list[LoRAAdapterSpec]
-    reports: dict[int, WorkerAdapterReport] = field(default_factory=dict)
+    op: LoadAdapters
+    deadline: float
+    reports: dict[int, AdapterReport] = field(default_factory=dict)  # tp rank -> its report
 
 
 class AdapterTable:
-    def __init__(self, num_ranks: int):
+    def __init__(self, num_ranks: int, load_timeout_s: float):
         self.num_ranks = num_ranks
+        self.load_timeout_s = load_timeout_s
         self.loaded_ids: set[int] = set()
-        self._pending: deque[_PendingLoad] = deque()
+        self._pending: dict[int, _PendingLoad] = {}  # op_id -> load
 
     def is_loaded(self, lora_id: int) -> bool:
         return lora_id in self.loaded_ids
@@ -60,103 +52,87 @@ class AdapterTable:
     def num_pending_loads(self) -> int:
         return len(self._pending)
 
-    def begin_load(
-        self, req: LoadLoRAAdapterReqInput, *, num_pinned: int, max_pinned: int
-    ) -> LoadLoRAAdapterReqInput | AdapterOpDone:
-        """What to send every rank, or, when nothing is left to ask them, the reply itself."""
-        pending_ids = {spec.lora_id for load in self._pending for spec in load.forwarded}
-        num_pinned += sum(spec.pinned for load in self._pending for spec in load.forwarded)
-        results: list[LoRAAdapterResult | None] = []
-        forwarded: list[LoRAAdapterSpec] = []
-        for spec in req.adapters:
-            error = ""
-            if spec.lora_id < 0:
-                error = f"adapter {spec.lora_name!r} has no lora_id (the frontend's registry mints one)"
-            elif spec.lora_id in self.loaded_ids or spec.lora_id in pending_ids:
-                error = f"adapter {spec.lora_name!r}: lora_id {spec.lora_id} is already loaded"
-            elif spec.pinned and num_pinned >= max_pinned:
-                error = f"too many pinned adapters (at most {max_pinned} = max_loras_per_batch - 1)"
-            if error:
-                results.append(
-                    LoRAAdapterResult(
-                        lora_name=spec.lora_name, success=False, error_message=error, lora_id=spec.lora_id
-                    )
-                )
-                continue
-            results.append(None)
-            forwarded.append(spec)
-            pending_ids.add(spec.lora_id)
-            num_pinned += spec.pinned
-        if not forwarded:
-            return AdapterOpDone(reply=_load_reply(results))
-        self._pending.append(_PendingLoad(results=results, forwarded=forwarded))
-        return LoadLoRAAdapterReqInput(adapters=forwarded, load_inplace=req.load_inplace)
+    def begin_load(self, op: LoadAdapters, now: float) -> LoadAdapters | LoadFinished:
+        """What to send every rank's loader, or, when the operation is malformed, its reply at once."""
+        pending_ids = {a.lora_id for load in self._pending.values() for a in load.op.adapters}
+        ids = [a.lora_id for a in op.adapters]
+        reused = [i for i in ids if i in self.loaded_ids or i in pending_ids or ids.count(i) > 1]
+        if op.op_id in self._pending or reused:
+            error = f"operation {op.op_id} reuses an operation id or lora ids {sorted(set(reused))}"
+            return LoadFinished(reply=_done(op, [_failure(a.lora_id, error, "internal") for a in op.adapters]))
+        self._pending[op.op_id] = _PendingLoad(op=op, deadline=now + self.load_timeout_s)
+        return op
 
-    def add_report(self, report: WorkerAdapterReport) -> AdapterOpDone | None:
-        """Record one rank's report; when it completes a load, mark its adapters loaded and return the reply."""
-        load = next((load for load in self._pending if report.rank not in load.reports), None)
-        if load is None or not 0 <= report.rank < self.num_ranks:
-            log.warning("adapter report from rank %d matches no load in progress; ignored", report.rank)
+    def add_report(self, report: AdapterReport) -> LoadFinished | None:
+        """Record one rank's report; when it completes its load, the load's outcome."""
+        load = self._pending.get(report.op_id)
+        if load is None or not 0 <= report.tp_rank < self.num_ranks:
+            log.warning("adapter report of op %d from rank %d matches no load in progress; ignored",
+                        report.op_id, report.tp_rank)
             return None
-        load.reports[report.rank] = report
+        load.reports[report.tp_rank] = report
         if len(load.reports) < self.num_ranks:
             return None
-        self._pending.remove(load)
+        del self._pending[report.op_id]
         return self._merge(load)
 
-    def _merge(self, load: _PendingLoad) -> AdapterOpDone:
-        merged = iter([self._merge_one(spec, load.reports) for spec in load.forwarded])
-        results = [result if result is not None else next(merged) for result in load.results]
-        partial_ids = []
-        for spec in load.forwarded:
-            num_ok = sum(_find(report, spec).success for report in load.reports.values())
-            if 0 < num_ok < self.num_ranks:
-                partial_ids.append(spec.lora_id)
-        pin_ids = [spec.lora_id for spec in load.forwarded if spec.pinned and spec.lora_id in self.loaded_ids]
-        return AdapterOpDone(
-            reply=_load_reply(results),
-            drop=DropAdapters(lora_ids=partial_ids) if partial_ids else None,
-            pin_ids=pin_ids,
-        )
+    def expire(self, now: float) -> list[LoadFinished]:
+        """Fail the loads whose deadline passed."""
+        expired = [load for load in self._pending.values() if now >= load.deadline]
+        for load in expired:
+            del self._pending[load.op.op_id]
+        return [self._merge(load) for load in expired]
 
-    def _merge_one(self, spec: LoRAAdapterSpec, reports: dict[int, WorkerAdapterReport]) -> LoRAAdapterResult:
-        per_rank = {rank: _find(reports[rank], spec) for rank in sorted(reports)}
-        failures = [(rank, result.error_message) for rank, result in per_rank.items() if not result.success]
-        if not failures:
-            self.loaded_ids.add(spec.lora_id)
-            first = per_rank[0]
-            return LoRAAdapterResult(
-                lora_name=spec.lora_name,
-                success=True,
-                lora_id=spec.lora_id,
-                rank=first.rank,
-                target_modules=first.target_modules,
+    def _merge(self, load: _PendingLoad) -> LoadFinished:
+        missing = [rank for rank in range(self.num_ranks) if rank not in load.reports]
+        outcomes, loaded, rollback_ids = [], [], []
+        for adapter in load.op.adapters:
+            per_rank = {rank: _find(report, adapter.lora_id) for rank, report in sorted(load.reports.items())}
+            outcome = self._merge_one(adapter, per_rank, missing)
+            outcomes.append(outcome)
+            if outcome.success:
+                self.loaded_ids.add(adapter.lora_id)
+                loaded.append(adapter)
+            elif missing or any(o.success for o in per_rank.values()):
+                rollback_ids.append(adapter.lora_id)  # some rank holds it, or may still install it
+        rollback = DropAdapters(op_id=load.op.op_id, lora_ids=rollback_ids) if rollback_ids else None
+        return LoadFinished(reply=_done(load.op, outcomes), loaded=loaded, rollback=rollback)
+
+    def _merge_one(
+        self, adapter: AdapterToLoad, per_rank: dict[int, AdapterOutcome], missing: list[int]
+    ) -> AdapterOutcome:
+        if missing:
+            ranks = ", ".join(str(rank) for rank in missing)
+            error = (
+                f"adapter {adapter.lora_name!r}: rank {ranks} did not answer within "
+                f"--lora-load-timeout {self.load_timeout_s:g} s; rolled back on every rank"
             )
-        messages = {message for _, message in failures}
+            return _failure(adapter.lora_id, error, "timeout")
+        failures = {rank: o for rank, o in per_rank.items() if not o.success}
+        if not failures:
+            first = per_rank[0]
+            return AdapterOutcome(
+                lora_id=adapter.lora_id, success=True, rank=first.rank, target_modules=first.target_modules
+            )
+        messages = {o.error_message for o in failures.values()}
         if len(failures) == self.num_ranks and len(messages) == 1:
             error = messages.pop()  # every rank says the same: no need to name them
         else:
-            error = "; ".join(f"rank {rank}: {message}" for rank, message in failures)
-        kind = next(per_rank[rank].error_kind for rank, _ in failures)  # the first failing rank's reason
-        return LoRAAdapterResult(
-            lora_name=spec.lora_name, success=False, error_message=error, error_kind=kind, lora_id=spec.lora_id
-        )
+            error = "; ".join(f"rank {rank}: {o.error_message}" for rank, o in failures.items())
+        kind = failures[min(failures)].error_kind  # the first failing rank's reason
+        return _failure(adapter.lora_id, error, kind)
 
 
-def _find(report: WorkerAdapterReport, spec: LoRAAdapterSpec) -> LoRAAdapterResult:
-    for result in report.results:
-        # A rank that left lora_id unset is matched by name.
-        is_match = result.lora_id == spec.lora_id if result.lora_id >= 0 else result.lora_name == spec.lora_name
-        if is_match:
-            return result
-    return LoRAAdapterResult(
-        lora_name=spec.lora_name,
-        success=False,
-        lora_id=spec.lora_id,
-        error_message="no result for this adapter in the rank's report",
-    )
+def _find(report: AdapterReport, lora_id: int) -> AdapterOutcome:
+    for outcome in report.outcomes:
+        if outcome.lora_id == lora_id:
+            return outcome
+    return _failure(lora_id, "no outcome for this adapter in the rank's report", "internal")
 
 
-def _load_reply(results: list[LoRAAdapterResult]) -> LoadLoRAAdapterReqOutput:
-    errors = [f"{result.lora_name}: {result.error_message}" for result in results if not result.success]
-    return LoadLoRAAdapterReqOutput(success=not errors, error_message="; ".join(errors), results=results)
+def _failure(lora_id: int, message: str, kind: str) -> AdapterOutcome:
+    return AdapterOutcome(lora_id=lora_id, success=False, error_message=message, error_kind=kind)
+
+
+def _done(op: LoadAdapters, outcomes: list[AdapterOutcome]) -> AdapterOpDone:
+    return AdapterOpDone(op_id=op.op_id, outcomes=outcomes)

@@ -12,9 +12,11 @@ from protocol.proc import die_with_parent, read_process_args, setup_logging
 from protocol.sockets import PULL, PUSH, TypedSocket, wait_readable
 from protocol.structs import (
     AbortReq,
+    AdapterReport,
     BatchResult,
+    DropAdapters,
     FrontendToScheduler,
-    LoadLoRAAdapterReqInput,
+    LoadAdapters,
     ProcessArgs,
     ProcessFailed,
     SchedulerReady,
@@ -23,12 +25,10 @@ from protocol.structs import (
     TokenDelta,
     TokenDeltas,
     TokenizedGenerateReq,
-    UnloadLoRAAdapterReqInput,
-    WorkerAdapterReport,
     WorkerReady,
     WorkerToScheduler,
 )
-from scheduler.adapter_table import AdapterOpDone
+from scheduler.adapter_table import LoadFinished
 from scheduler.scheduler import Scheduler
 
 log = logging.getLogger("scheduler")
@@ -55,12 +55,12 @@ class SchedulerProcess:
         )
         self.from_workers = TypedSocket(PULL, endpoints.workers_to_scheduler, bind=True, recv_type=WorkerToScheduler)
         self.to_workers = [TypedSocket(PUSH, addr, bind=False) for addr in endpoints.scheduler_to_workers]
-        # Loads go to the ranks' loader threads at once, even mid pass; without those, with the batches.
+        # Loads go to the ranks' loader threads at once, even mid pass: the one route adapter data takes.
         self.to_loaders = [TypedSocket(PUSH, addr, bind=False) for addr in endpoints.scheduler_to_loaders]
         self.to_frontend = TypedSocket(PUSH, endpoints.scheduler_to_frontend, bind=False)
         self.scheduler: Scheduler | None = None
         self.deltas: list[TokenDelta] = []  # sent together, once per step
-        self.deferred_ops: list[Any] = []  # adapter ops that arrived during a forward pass
+        self.deferred_drops: list[DropAdapters] = []  # drops that arrived during a forward pass
         self.early_msgs: list[Any] = []  # frontend messages that arrived before the workers were ready
 
     def run(self) -> None:
@@ -73,7 +73,7 @@ class SchedulerProcess:
                 self.broadcast(batch)
                 result = self.wait_for_result(batch.batch_id)
                 self.deltas += self.scheduler.process_result(result)
-                self.run_deferred_ops()
+                self.run_deferred_drops()
             self.send_deltas()
 
     # ---- start-up --------------------------------------------------------------------------------------
@@ -127,6 +127,7 @@ class SchedulerProcess:
         self.drain_frontend()
         while (msg := _recv(self.from_workers)) is not None:
             self.on_worker(msg)
+        self.expire_adapter_loads()
 
     def drain_frontend(self) -> None:
         while (msg := _recv(self.from_frontend)) is not None:
@@ -142,6 +143,7 @@ class SchedulerProcess:
             if msg is not None:
                 self.on_worker(msg)
             self.drain_frontend()
+            self.expire_adapter_loads()
             if time.monotonic() - last_warning > STALL_WARNING_S:
                 last_warning = time.monotonic()
                 log.warning("batch %d: no result from rank 0 after %.0f s", batch_id, last_warning - started)
@@ -163,13 +165,13 @@ class SchedulerProcess:
         elif isinstance(msg, AbortReq):
             self.deltas += self.scheduler.abort(msg.rid)
         elif isinstance(msg, SchedulerStatsReq):
-            self.to_frontend.send(self.scheduler.stats())
-        elif isinstance(msg, LoadLoRAAdapterReqInput) and self.to_loaders:
+            self.to_frontend.send(self.scheduler.stats(msg.op_id))
+        elif isinstance(msg, LoadAdapters):
             self.start_load(msg)  # reading needs no pause between passes; only slot changes do
-        elif isinstance(msg, LoadLoRAAdapterReqInput | UnloadLoRAAdapterReqInput):
-            self.deferred_ops.append(msg)
+        elif isinstance(msg, DropAdapters):
+            self.deferred_drops.append(msg)
             if not self.scheduler.has_batch_in_flight:
-                self.run_deferred_ops()
+                self.run_deferred_drops()
         elif isinstance(msg, Shutdown):
             self.broadcast(msg)
             raise ProcessExit(0)
@@ -177,10 +179,10 @@ class SchedulerProcess:
             log.warning("ignoring unexpected %s from the frontend", type(msg).__name__)
 
     def on_worker(self, msg: Any) -> None:
-        if isinstance(msg, WorkerAdapterReport):
+        if isinstance(msg, AdapterReport):
             done = self.scheduler.add_adapter_report(msg)
             if done is not None:
-                self.finish_adapter_op(done)
+                self.finish_load(done)
         elif isinstance(msg, ProcessFailed):
             self.send_deltas()
             self.to_frontend.send(msg)
@@ -190,29 +192,34 @@ class SchedulerProcess:
         else:
             log.warning("ignoring unexpected %s from a worker", type(msg).__name__)
 
-    def run_deferred_ops(self) -> None:
-        """Adapter ops run between forward passes, in the order they arrived."""
-        ops, self.deferred_ops = self.deferred_ops, []
-        for op in ops:
-            if isinstance(op, LoadLoRAAdapterReqInput):
-                self.start_load(op)
-            else:
-                self.finish_adapter_op(self.scheduler.unload_adapters(op))
-
-    def start_load(self, op: LoadLoRAAdapterReqInput) -> None:
-        out = self.scheduler.load_adapters(op)
-        if isinstance(out, AdapterOpDone):
-            self.finish_adapter_op(out)
-        else:  # the reply follows the ranks' reports
-            for sock in self.to_loaders or self.to_workers:
+    def start_load(self, op: LoadAdapters) -> None:
+        out = self.scheduler.load_adapters(op, time.monotonic())
+        if isinstance(out, LoadFinished):
+            self.finish_load(out)
+        else:  # the reply follows the ranks' reports, or the deadline
+            for sock in self.to_loaders:
                 sock.send(out)
 
-    def finish_adapter_op(self, done: AdapterOpDone) -> None:
-        self.deltas += done.deltas
-        self.send_deltas()
-        if done.drop is not None:
-            self.broadcast(done.drop)
+    def expire_adapter_loads(self) -> None:
+        for done in self.scheduler.expire_adapter_loads(time.monotonic()):
+            log.error("adapter load op %d: %s", done.reply.op_id,
+                      "; ".join(o.error_message for o in done.reply.outcomes if not o.success))
+            self.finish_load(done)
+
+    def finish_load(self, done: LoadFinished) -> None:
+        if done.rollback is not None:  # the workers' socket: they apply it before any later batch
+            self.broadcast(done.rollback)
         self.to_frontend.send(done.reply)
+
+    def run_deferred_drops(self) -> None:
+        """Drops run between forward passes (they change slots), in the order they arrived."""
+        drops, self.deferred_drops = self.deferred_drops, []
+        for drop in drops:
+            reply, deltas = self.scheduler.drop_adapters(drop)
+            self.deltas += deltas
+            self.send_deltas()
+            self.broadcast(drop)
+            self.to_frontend.send(reply)
 
     # ---- exit -------------------------------------------------------------------------------------------------
 

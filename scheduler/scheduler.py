@@ -7,29 +7,31 @@ Pages for a whole request are reserved when it is admitted, so a running request
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from protocol.config import ServerConfig
 from protocol.structs import (
+    AdapterOpDone,
+    AdapterOutcome,
+    AdapterReport,
     BatchResult,
     DropAdapters,
     ForwardBatch,
     ForwardReq,
-    LoadLoRAAdapterReqInput,
-    LoRAAdapterResult,
+    LoadAdapters,
     SchedulerStats,
     SlotLoad,
     TokenDelta,
     TokenizedGenerateReq,
-    UnloadLoRAAdapterReqInput,
-    UnloadLoRAAdapterReqOutput,
-    WorkerAdapterReport,
 )
-from scheduler.adapter_table import AdapterOpDone, AdapterTable
+from scheduler.adapter_table import AdapterTable, LoadFinished
 from scheduler.batch_policy import BatchPolicy
 from scheduler.page_allocator import PageAllocator
 from scheduler.request import Request, RequestStatus
-from scheduler.slot_planner import SlotPlanner
+from scheduler.slot_planner import SlotError, SlotPlanner
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,7 +47,7 @@ class Scheduler:
         self.context_length = context_length
         self.pages = PageAllocator(num_pages)
         self.slots = SlotPlanner(config.max_loras_per_batch)
-        self.adapters = AdapterTable(num_ranks)
+        self.adapters = AdapterTable(num_ranks, config.lora_load_timeout)
         self.policy = BatchPolicy(
             max_running_requests=config.max_running_requests,
             max_prefill_tokens=config.max_prefill_tokens,
@@ -196,8 +198,9 @@ class Scheduler:
             return self._finish(req, "length", [token_id])
         return TokenDelta(rid=req.rid, token_ids=[token_id])
 
-    def stats(self) -> SchedulerStats:
+    def stats(self, op_id: int) -> SchedulerStats:
         return SchedulerStats(
+            op_id=op_id,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_usage=self.pages.usage,
@@ -208,35 +211,43 @@ class Scheduler:
 
     # ---- adapters (between forward passes) --------------------------------------------------------------------
 
-    def load_adapters(self, req: LoadLoRAAdapterReqInput) -> LoadLoRAAdapterReqInput | AdapterOpDone:
-        """The message for every rank (the reply follows their reports), or the reply when no rank need be asked."""
-        return self.adapters.begin_load(req, num_pinned=self.slots.num_pinned, max_pinned=self.slots.max_pinned)
+    def load_adapters(self, op: LoadAdapters, now: float) -> LoadAdapters | LoadFinished:
+        """The message for every rank's loader (the outcome follows their reports), or the outcome at once."""
+        return self.adapters.begin_load(op, now)
 
-    def add_adapter_report(self, report: WorkerAdapterReport) -> AdapterOpDone | None:
-        done = self.adapters.add_report(report)
-        if done is not None:
-            for lora_id in done.pin_ids:
-                self.slots.pin(lora_id)
+    def add_adapter_report(self, report: AdapterReport) -> LoadFinished | None:
+        return self._pin(self.adapters.add_report(report))
+
+    def expire_adapter_loads(self, now: float) -> list[LoadFinished]:
+        return [self._pin(done) for done in self.adapters.expire(now)]
+
+    def _pin(self, done: LoadFinished | None) -> LoadFinished | None:
+        """The registry decided the pins; an in-place reload moves the old id's pin to the new one."""
+        for adapter in done.loaded if done else []:
+            if adapter.replaces is not None:
+                self.slots.unpin(adapter.replaces)
+            if adapter.pinned:
+                try:
+                    self.slots.pin(adapter.lora_id)
+                except SlotError as e:  # the registry keeps to the limit, so this is a bug: say so, serve on
+                    log.error("adapter %d stays unpinned: %s", adapter.lora_id, e)
         return done
 
-    def unload_adapters(self, req: UnloadLoRAAdapterReqInput) -> AdapterOpDone:
+    def drop_adapters(self, op: DropAdapters) -> tuple[AdapterOpDone, list[TokenDelta]]:
+        """Forget adapters (between forward passes): the reply, and the requests that were still using them."""
         if self._in_flight is not None:
-            raise RuntimeError("adapters are unloaded between forward passes")
-        results, dropped_ids, deltas = [], [], []
-        for i in range(max(len(req.lora_names), len(req.lora_ids))):
-            name = req.lora_names[i] if i < len(req.lora_names) else ""
-            lora_id = req.lora_ids[i] if i < len(req.lora_ids) else -1
+            raise RuntimeError("adapters are dropped between forward passes")
+        outcomes, deltas = [], []
+        for lora_id in op.lora_ids:
             if not self.adapters.remove(lora_id):
-                error = f"adapter {name!r} (lora_id {lora_id}) is not loaded"
-                results.append(LoRAAdapterResult(lora_name=name, success=False, error_message=error, lora_id=lora_id))
+                error = f"adapter id {lora_id} is not loaded"
+                outcomes.append(
+                    AdapterOutcome(lora_id=lora_id, success=False, error_message=error, error_kind="not_found")
+                )
                 continue
             # The frontend drained this adapter's requests; any that slipped through end here rather than hold a slot.
             for other in [r for r in [*self.waiting.values(), *self.running.values()] if r.lora_id == lora_id]:
-                deltas.append(self._finish(other, "error", error_message=f"adapter {name!r} was unloaded"))
+                deltas.append(self._finish(other, "error", error_message=f"adapter id {lora_id} was unloaded"))
             self.slots.drop(lora_id)
-            dropped_ids.append(lora_id)
-            results.append(LoRAAdapterResult(lora_name=name, success=True, lora_id=lora_id))
-        errors = [f"{r.lora_name}: {r.error_message}" for r in results if not r.success]
-        reply = UnloadLoRAAdapterReqOutput(success=not errors, error_message="; ".join(errors), results=results)
-        drop = DropAdapters(lora_ids=dropped_ids) if dropped_ids else None
-        return AdapterOpDone(reply=reply, drop=drop, deltas=deltas)
+            outcomes.append(AdapterOutcome(lora_id=lora_id, success=True))
+        return AdapterOpDone(op_id=op.op_id, outcomes=outcomes), deltas

@@ -83,7 +83,7 @@ def test_tp2_scripted_sequence_and_fault_on_one_rank(llama_dir, adapter_dirs):
                        env={"LORAPLEX_TEST_FAULT_HOOKS": hooks}) as server:
         run_script(server, adapter_dirs, expect)
         resp = load(server, "faulty", adapter_dirs["a4"])
-        assert resp.status_code == 400 and "rank 1" in resp.json()["error_message"]
+        assert resp.status_code == 500 and "rank 1" in resp.json()["error_message"]
         assert "faulty" not in server.get("/lora_adapters").text
         assert server.get("/health").status_code == 200
         assert load(server, "fine", adapter_dirs["a4"]).status_code == 200

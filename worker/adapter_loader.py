@@ -1,9 +1,11 @@
-"""AdapterLoader: a thread that reads, validates and installs adapters while the main loop runs forward passes.
+"""AdapterLoader: reads, validates and installs adapters while the main loop runs forward passes.
 
-It has its own sockets: the scheduler sends loads straight to it (`Endpoints.scheduler_to_loaders`), so a load that
-arrives in the middle of a forward pass starts reading at once instead of after the pass, and its report leaves as
-soon as the host copy is in place. Installing is a dict insert of a new lora_id, which no running pass refers to; the
-scheduler names an adapter in a slot load only after every rank has reported it loaded.
+The scheduler sends every LoadAdapters straight to this rank's loader socket (`Endpoints.scheduler_to_loaders`), the
+one route adapter data takes, so a load that arrives mid forward pass starts reading at once. Each operation reads on
+a thread of its own: a read that hangs (a stuck network file system) delays only its own operation, which the
+scheduler fails at its deadline and drops everywhere, and later loads go on. The report names the operation
+(`op_id`); installing is a dict insert of a new lora_id, which no running pass refers to, and the scheduler names an
+adapter in a slot load only after every rank has reported it loaded.
 """
 
 from __future__ import annotations
@@ -13,57 +15,73 @@ import threading
 import time
 
 from protocol.sockets import PULL, PUSH, TypedSocket
-from protocol.structs import LoadLoRAAdapterReqInput, ProcessArgs, WorkerAdapterReport
+from protocol.structs import AdapterOutcome, AdapterReport, LoadAdapters, ProcessArgs
 from worker.lora.adapter import AdapterLoadError
 from worker.lora.manager import LoRAManager
 
 logger = logging.getLogger("worker.loader")
 
-INBOX = "inproc://adapter-loads"  # the main loop forwards loads that reached it on the batch socket
 STOP_POLL_MS = 200
 
 # Test-only fault injection (ProcessArgs.fault_hooks, all values strings); inert unless set:
 #   fail_load_on_rank=N  global rank N fails every adapter load with "injected fault on rank N"
-#   fail_load_name=NAME  ... only the loads of adapters named NAME (with fail_load_on_rank)
+#   fail_load_name=NAME  ... only the loads of adapters named NAME (with fail_load_on_rank or hang_load_on_rank)
+#   hang_load_on_rank=N  global rank N never answers a load (until the worker stops)
 #   load_delay_s=S       every adapter load sleeps S seconds first (tests of loads off the decode loop)
 
 
 class AdapterLoader(threading.Thread):
-    def __init__(self, args: ProcessArgs, rank: int, manager: LoRAManager):
+    def __init__(self, args: ProcessArgs, rank: int, manager: LoRAManager | None):
         super().__init__(name="adapter-loader", daemon=True)
         self.rank = rank
         self.manager = manager
-        self.inbox = TypedSocket(PULL, INBOX, bind=True, recv_type=LoadLoRAAdapterReqInput)
-        loader_addrs = args.endpoints.scheduler_to_loaders
-        if loader_addrs:
-            self.inbox.sock.bind(loader_addrs[args.rank])
+        inbox_addr = args.endpoints.scheduler_to_loaders[args.rank]
+        self.inbox = TypedSocket(PULL, inbox_addr, bind=True, recv_type=LoadAdapters)
         self.to_scheduler = TypedSocket(PUSH, args.endpoints.workers_to_scheduler, bind=False)
+        self.send_lock = threading.Lock()  # zmq sockets are not thread-safe; reports leave from the op threads
         hooks = args.fault_hooks
         self.fail_loads = hooks.get("fail_load_on_rank") == str(rank)
-        self.fail_load_name = hooks.get("fail_load_name")
+        self.hang_loads = hooks.get("hang_load_on_rank") == str(rank)
+        self.fault_name = hooks.get("fail_load_name")
         self.load_delay_s = float(hooks.get("load_delay_s", 0))
         self.stopping = threading.Event()
 
     def run(self) -> None:
         while not self.stopping.is_set():
-            msg = self.inbox.recv(timeout_ms=STOP_POLL_MS)
-            if msg is not None:
-                self.to_scheduler.send(self.load(msg))
+            op = self.inbox.recv(timeout_ms=STOP_POLL_MS)
+            if op is not None:
+                threading.Thread(target=self.serve, args=(op,), name=f"adapter-load-{op.op_id}", daemon=True).start()
 
-    def load(self, msg: LoadLoRAAdapterReqInput) -> WorkerAdapterReport:
+    def serve(self, op: LoadAdapters) -> None:
+        report = AdapterReport(op_id=op.op_id, tp_rank=self.rank, outcomes=self.load(op))
+        if self.stopping.is_set():
+            return
+        with self.send_lock:
+            self.to_scheduler.send(report)
+
+    def load(self, op: LoadAdapters) -> list[AdapterOutcome]:
+        if self.manager is None:
+            return [AdapterOutcome(lora_id=a.lora_id, success=False, error_message="LoRA is not enabled",
+                                   error_kind="invalid") for a in op.adapters]
         if self.load_delay_s:
             time.sleep(self.load_delay_s)
-        outcomes = self.manager.read(msg.adapters)
+        is_target = any(self.fault_name in (None, a.lora_name) for a in op.adapters)
+        if self.hang_loads and is_target:
+            logger.warning("op %d: injected hang on rank %d", op.op_id, self.rank)
+            self.stopping.wait()
+            return []
+        outcomes = self.manager.read(op.adapters)
         if self.fail_loads:
             fault = AdapterLoadError(f"injected fault on rank {self.rank}", "internal")
             outcomes = [
-                fault if self.fail_load_name in (None, spec.lora_name) else outcome
-                for spec, outcome in zip(msg.adapters, outcomes, strict=True)
+                fault if self.fault_name in (None, spec.lora_name) else outcome
+                for spec, outcome in zip(op.adapters, outcomes, strict=True)
             ]
-        return WorkerAdapterReport(rank=self.rank, results=self.manager.install(msg.adapters, outcomes))
+        return self.manager.install(op.adapters, outcomes)
 
     def stop(self) -> None:
         self.stopping.set()
         self.join(timeout=2 * STOP_POLL_MS / 1000)
-        self.inbox.close()
-        self.to_scheduler.close()
+        with self.send_lock:
+            self.inbox.close()
+            self.to_scheduler.close()

@@ -14,16 +14,13 @@ from protocol.structs import (
     BatchResult,
     DropAdapters,
     ForwardBatch,
-    LoadLoRAAdapterReqInput,
-    LoRAAdapterResult,
     ProcessArgs,
     ProcessFailed,
     SchedulerToWorker,
     Shutdown,
-    WorkerAdapterReport,
     WorkerReady,
 )
-from worker.adapter_loader import INBOX, AdapterLoader
+from worker.adapter_loader import AdapterLoader
 from worker.batch_inputs import BatchError
 from worker.dist import destroy_distributed, global_rank, init_distributed, pick_device, ranks_per_node
 from worker.model_runner import ModelRunner
@@ -60,11 +57,9 @@ class Worker:
             self.runner.context_length,
             self.runner.vocab_size,
         )
-        # Adapter reads (disk, validation, slicing) run on their own thread, off the decode loop.
-        self.loader = AdapterLoader(args, rank, self.runner.lora) if self.runner.lora is not None else None
-        if self.loader is not None:
-            self.loader.start()
-            self.to_loader = TypedSocket(PUSH, INBOX, bind=False)
+        # Adapter reads (disk, validation, slicing) run on their own threads, off the decode loop.
+        self.loader = AdapterLoader(args, rank, self.runner.lora)
+        self.loader.start()
 
     def serve(self) -> None:
         lora = self.runner.lora
@@ -90,11 +85,6 @@ class Worker:
     def handle(self, msg: SchedulerToWorker) -> msgspec.Struct | None:
         if isinstance(msg, ForwardBatch):
             return self.run_batch(msg)
-        if isinstance(msg, LoadLoRAAdapterReqInput):
-            if self.runner.lora is None:
-                return self.refuse_adapters(msg)
-            self.to_loader.send(msg)
-            return None  # the loader thread reports when it is done
         if isinstance(msg, DropAdapters):
             if self.runner.lora is not None:
                 self.runner.lora.drop(msg.lora_ids)
@@ -117,23 +107,8 @@ class Worker:
             return None
         return BatchResult(batch_id=batch.batch_id, next_token_ids=next_token_ids, error_message=error_message)
 
-    def refuse_adapters(self, msg: LoadLoRAAdapterReqInput) -> WorkerAdapterReport:
-        results = [
-            LoRAAdapterResult(
-                lora_name=spec.lora_name,
-                success=False,
-                error_message="LoRA not enabled",
-                error_kind="invalid",
-                lora_id=spec.lora_id,
-            )
-            for spec in msg.adapters
-        ]
-        return WorkerAdapterReport(rank=self.rank, results=results)
-
     def close(self) -> None:
-        if self.loader is not None:
-            self.loader.stop()
-            self.to_loader.close()
+        self.loader.stop()
         self.from_scheduler.close()
         self.to_scheduler.close()
         destroy_distributed()

@@ -30,7 +30,7 @@ _TENSOR_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:\w+\.)*?(\w+)\.lora_([AB])(
 
 
 class AdapterLoadError(Exception):
-    """An adapter refused; error_kind is one of LoRAAdapterResult's kinds (invalid, not_found, internal)."""
+    """An adapter refused; error_kind is a kind of protocol.errors.STATUS_BY_KIND."""
 
     def __init__(self, message: str, error_kind: str = "invalid"):
         super().__init__(message)

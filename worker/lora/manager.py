@@ -1,19 +1,22 @@
 """LoRAManager: this rank's adapters. Host copies by lora_id, the device pool and which lora_id sits in each slot
 (as the scheduler says), and the token segments of each forward.
 
-Loading is split so the disk read can run off the decode loop: `read` (any thread; touches no state here) then
-`install` (the main loop, which alone mutates the manager). `load` does both, for tests and in-process use."""
+Loading is split so the disk read runs off the decode loop: `read` (any thread; touches no state here), then
+`install` (the loader's thread) keeps the host copy under a new lora_id, which no forward pass refers to yet. `drop`
+(the main loop) may come first, when a load times out on this rank: the id is then remembered, and a late `install`
+of it keeps nothing. `load` does both steps, for tests and in-process use."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from protocol.config import ServerConfig
-from protocol.structs import ForwardReq, LoRAAdapterResult, LoRAAdapterSpec, SlotLoad
+from protocol.structs import AdapterOutcome, AdapterToLoad, ForwardReq, SlotLoad
 from worker.batch_inputs import BatchError
 from worker.lora.adapter import AdapterLoadError, LoRAAdapter, PoolSpec, load_adapter
 from worker.lora.layers import LoRABatchInfo, LoRALinear
@@ -60,6 +63,8 @@ class LoRAManager:
             parent = layers[layer_id].get_submodule(parent_name)
             setattr(parent, attr, LoRALinear(getattr(parent, attr), buffers, self.batch))
         self.adapters: dict[int, LoRAAdapter] = {}  # lora_id -> host copy
+        self._dropped_early: set[int] = set()  # ids dropped before their install (ids are never reused)
+        self._lock = threading.Lock()  # adapters and _dropped_early: install runs on the loader's thread
         self.slot_lora_ids = [-1] * self.pool.num_slots  # -1 = empty
         logger.info(
             "LoRA pool: %d slots, max rank %d, targets %s, %.1f MiB",
@@ -75,7 +80,7 @@ class LoRAManager:
 
     # ---- adapters (host copies) ---------------------------------------------------------------------
 
-    def read(self, specs: Sequence[LoRAAdapterSpec]) -> list[LoRAAdapter | AdapterLoadError]:
+    def read(self, specs: Sequence[AdapterToLoad]) -> list[LoRAAdapter | AdapterLoadError]:
         """Read, validate and slice each adapter; safe on any thread. Never raises: a failure is an outcome."""
         outcomes: list[LoRAAdapter | AdapterLoadError] = []
         for spec in specs:
@@ -91,26 +96,27 @@ class LoRAManager:
         return outcomes
 
     def install(
-        self, specs: Sequence[LoRAAdapterSpec], outcomes: Sequence[LoRAAdapter | AdapterLoadError]
-    ) -> list[LoRAAdapterResult]:
-        """Keep the host copies that `read` produced; one result per adapter."""
+        self, specs: Sequence[AdapterToLoad], outcomes: Sequence[LoRAAdapter | AdapterLoadError]
+    ) -> list[AdapterOutcome]:
+        """Keep the host copies that `read` produced; one outcome per adapter."""
         results = []
         for spec, outcome in zip(specs, outcomes, strict=True):
-            if isinstance(outcome, LoRAAdapter) and spec.lora_id in self.adapters:
-                outcome = AdapterLoadError(f"lora_id {spec.lora_id} is already loaded on this rank", "internal")
+            with self._lock:
+                if spec.lora_id in self._dropped_early:
+                    self._dropped_early.discard(spec.lora_id)
+                    outcome = AdapterLoadError(f"lora_id {spec.lora_id} was dropped while it loaded", "internal")
+                elif isinstance(outcome, LoRAAdapter) and spec.lora_id in self.adapters:
+                    outcome = AdapterLoadError(f"lora_id {spec.lora_id} is already loaded on this rank", "internal")
+                elif isinstance(outcome, LoRAAdapter):
+                    self.adapters[spec.lora_id] = outcome
             if isinstance(outcome, AdapterLoadError):
                 logger.warning("adapter %r (%s) refused: %s", spec.lora_name, spec.lora_path, outcome)
                 results.append(
-                    LoRAAdapterResult(
-                        lora_name=spec.lora_name,
-                        success=False,
-                        error_message=str(outcome),
-                        error_kind=outcome.error_kind,
-                        lora_id=spec.lora_id,
+                    AdapterOutcome(
+                        lora_id=spec.lora_id, success=False, error_message=str(outcome), error_kind=outcome.error_kind
                     )
                 )
                 continue
-            self.adapters[spec.lora_id] = outcome
             logger.info(
                 "adapter %r (id %d) loaded: r=%d, scale %g, %s, %.1f MiB on this rank",
                 spec.lora_name,
@@ -121,23 +127,24 @@ class LoRAManager:
                 outcome.num_bytes / 2**20,
             )
             results.append(
-                LoRAAdapterResult(
-                    lora_name=spec.lora_name,
-                    success=True,
+                AdapterOutcome(
                     lora_id=spec.lora_id,
+                    success=True,
                     rank=outcome.lora_rank,
                     target_modules=list(outcome.target_modules),
                 )
             )
         return results
 
-    def load(self, specs: Sequence[LoRAAdapterSpec]) -> list[LoRAAdapterResult]:
+    def load(self, specs: Sequence[AdapterToLoad]) -> list[AdapterOutcome]:
         return self.install(specs, self.read(specs))
 
     def drop(self, lora_ids: Sequence[int]) -> None:
-        """Forget these adapters (unknown ids are ignored) and empty any slot that holds one."""
-        for lora_id in lora_ids:
-            self.adapters.pop(lora_id, None)
+        """Forget these adapters and empty any slot that holds one; an id not installed yet never will be."""
+        with self._lock:
+            for lora_id in lora_ids:
+                if self.adapters.pop(lora_id, None) is None:
+                    self._dropped_early.add(lora_id)
         for slot, lora_id in enumerate(self.slot_lora_ids):
             if lora_id in lora_ids:
                 self.pool.clear_slot(slot)
