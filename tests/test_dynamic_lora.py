@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import shutil
 import threading
 import time
 
@@ -167,6 +168,25 @@ def test_path_root_and_api_keys(llama_dir, adapter_dirs, tmp_path):
             assert resp.status_code == 400 and "outside" in resp.json()["error_message"], resp.text
         resp = server.post("/generate", {"text": "x", "lora_path": "a", "sampling_params": GREEDY}, headers=user)
         assert resp.status_code == 200
+
+
+def test_path_root_checks_every_file_on_the_worker(llama_dir, adapter_dirs, tmp_path):
+    # The directory is inside the root, so only the worker's per-file check can see that its weights are not.
+    root = tmp_path / "root"
+    (root / "inside").mkdir(parents=True)
+    shutil.copy(adapter_dirs["a4"] / "adapter_config.json", root / "inside")
+    (root / "inside" / "adapter_model.safetensors").symlink_to(adapter_dirs["a4"] / "adapter_model.safetensors")
+    shutil.copytree(adapter_dirs["a8"], root / "ok")
+    with ServerProcess("--model-path", str(llama_dir), *DYNAMIC_FLAGS, "--lora-path-root", str(root)) as server:
+        for route in ("/load_lora_adapter", "/v1/load_lora_adapter"):
+            resp = server.post(route, {"lora_name": "sneaky", "lora_path": str(root / "inside")})
+            message = resp.json()["error_message"] if route == "/load_lora_adapter" else resp.json()["error"]["message"]
+            assert resp.status_code == 400, resp.text
+            for fragment in ("'sneaky'", "adapter_model.safetensors", "--lora-path-root"):
+                assert fragment in message, (fragment, message)
+        assert "sneaky" not in server.get("/lora_adapters").text
+        assert load(server, "ok", root / "ok").status_code == 200
+        assert gen(server, "ok").status_code == 200
 
 
 def test_storm_of_loads_under_traffic(dynamic_server, adapter_dirs, tmp_path):
