@@ -16,6 +16,9 @@ from transformers import AutoTokenizer
 from frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess
+from tests.test_metrics import SERIES as METRIC_SERIES
+from tests.test_metrics import parse as parse_metrics
+from tests.test_metrics import value as metric
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0}
 PROMPT = "Once upon a time"
@@ -187,6 +190,28 @@ def test_path_root_checks_every_file_on_the_worker(llama_dir, adapter_dirs, tmp_
         assert "sneaky" not in server.get("/lora_adapters").text
         assert load(server, "ok", root / "ok").status_code == 200
         assert gen(server, "ok").status_code == 200
+
+
+def test_metrics_after_adapter_and_base_requests(dynamic_server, adapter_dirs, llama_dir):
+    server = dynamic_server
+    assert load(server, "metered", adapter_dirs["a4"]).status_code == 200
+    try:
+        outputs = [gen(server, name).json()["meta_info"] for name in ("metered", "metered", None)]
+        types, samples = parse_metrics(server.get("/metrics").text)
+    finally:
+        unload(server, "metered")
+    assert types == METRIC_SERIES
+    assert metric(samples, "loraplex_adapter_requests_total", adapter="metered") == 2
+    assert metric(samples, "loraplex_adapter_prompt_tokens_total", adapter="metered") == sum(
+        m["prompt_tokens"] for m in outputs[:2])
+    assert metric(samples, "loraplex_adapter_generation_tokens_total", adapter="metered") == sum(
+        m["completion_tokens"] for m in outputs[:2])
+    assert metric(samples, "loraplex_adapter_requests_total", adapter=llama_dir.name) >= 1  # base: the served name
+    assert metric(samples, "loraplex_adapter_resident", adapter="metered") in (0, 1)
+    assert metric(samples, "loraplex_adapters_loaded") >= 1
+    assert metric(samples, "loraplex_adapter_operations_total", op="load", result="success") >= 1
+    assert metric(samples, "loraplex_prefix_cache_hit_tokens_total") == 0
+    assert metric(samples, "loraplex_e2e_request_latency_seconds_count") >= 3
 
 
 def test_storm_of_loads_under_traffic(dynamic_server, adapter_dirs, tmp_path):
