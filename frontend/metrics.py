@@ -1,17 +1,23 @@
-"""Metrics: Prometheus series of one server — our own loraplex_* and the vLLM gauges gateways scrape."""
+"""Metrics: Prometheus series of one server — our own loraplex_* (API.md's "Metrics") and the vLLM gauges gateways
+scrape. `adapter` labels carry the name clients send, the served base name for base requests."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 if TYPE_CHECKING:
     from frontend.request_state import RequestState
     from protocol.structs import SchedulerStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ADAPTER_OPS = ("load", "reload", "unload", "evict")
+TIMED_OPS = ("load", "reload")  # observed into loraplex_adapter_load_seconds when they succeed
+RESULTS = ("success", "failure")
 
 
 class Metrics:
@@ -19,24 +25,53 @@ class Metrics:
         # A registry per server, so several servers or Engines can live in one process.
         self.registry = CollectorRegistry()
         r = self.registry
+        self.model_name = model_name
+        # ---- requests (the per-adapter series count a request when it ends)
         self.requests = Counter("loraplex_requests", "Finished requests", ["finish"], registry=r)
         self.prompt_tokens = Counter("loraplex_prompt_tokens", "Prompt tokens received", registry=r)
         self.generation_tokens = Counter("loraplex_generation_tokens", "Tokens generated", registry=r)
+        self.adapter_requests = Counter("loraplex_adapter_requests", "Finished requests per adapter", ["adapter"],
+                                        registry=r)
+        self.adapter_prompt_tokens = Counter("loraplex_adapter_prompt_tokens", "Prompt tokens of finished requests "
+                                             "per adapter", ["adapter"], registry=r)
+        self.adapter_generation_tokens = Counter("loraplex_adapter_generation_tokens", "Tokens generated per "
+                                                 "adapter", ["adapter"], registry=r)
+        # 0 until a prefix cache counts into them
+        self.prefix_cache_hit_tokens = Counter("loraplex_prefix_cache_hit_tokens", "Prompt tokens found in the "
+                                               "prefix cache", registry=r)
+        self.prefix_cache_queried_tokens = Counter("loraplex_prefix_cache_queried_tokens", "Prompt tokens looked "
+                                                   "up in the prefix cache", registry=r)
         self.ttft = Histogram("loraplex_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
                               registry=r)
         self.itl = Histogram("loraplex_inter_token_latency_seconds", "Time between output tokens",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("loraplex_e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS,
                              registry=r)
-        self.adapter_ops = Counter("loraplex_adapter_operations", "Adapter loads and unloads", ["op", "result"],
-                                   registry=r)
-        self.resident = Gauge("loraplex_adapters_loaded", "Adapters loaded", registry=r)
+        # ---- adapters
+        self.adapter_ops = Counter("loraplex_adapter_operations", "Adapter loads, reloads, unloads and evictions",
+                                   ["op", "result"], registry=r)
+        self.adapter_load_seconds = Histogram("loraplex_adapter_load_seconds", "Time a successful adapter load or "
+                                              "reload took", ["op"], buckets=LATENCY_BUCKETS, registry=r)
+        for op in ADAPTER_OPS:  # every series from the start, at 0, so that rates over them are defined
+            for result in RESULTS:
+                self.adapter_ops.labels(op=op, result=result)
+        for op in TIMED_OPS:
+            self.adapter_load_seconds.labels(op=op)
+        self.adapters_loaded = Gauge("loraplex_adapters_loaded", "Adapters loaded", registry=r)
+        self.adapters_resident = Gauge("loraplex_adapters_resident", "Adapters in a device slot", registry=r)
+        self.adapters_running = Gauge("loraplex_adapters_running", "Adapters with requests running", registry=r)
+        self.adapter_resident = Gauge("loraplex_adapter_resident", "1 while the adapter is in a device slot, 0 "
+                                      "while it is loaded but not", ["adapter"], registry=r)
+        self.per_adapter = (self.adapter_requests, self.adapter_prompt_tokens, self.adapter_generation_tokens,
+                            self.adapter_resident)
+        # ---- the vLLM gauges, one series each
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", ["model_name"], registry=r)
         self.running = Gauge("vllm:num_requests_running", "Requests running", ["model_name"], registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (0-1)", ["model_name"], registry=r)
         self.lora_info = Gauge("vllm:lora_requests_info", "Running and waiting LoRA adapters",
                                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
-        self.model_name = model_name
+
+    # ---- requests
 
     def on_submit(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
@@ -46,6 +81,10 @@ class Metrics:
         reason = "error" if state.error else (state.finish_reason or {}).get("type", "abort")
         self.requests.labels(finish=reason).inc()
         self.generation_tokens.inc(len(state.output_ids))
+        adapter = state.lora_name if state.lora_name is not None else self.model_name
+        self.adapter_requests.labels(adapter=adapter).inc()
+        self.adapter_prompt_tokens.labels(adapter=adapter).inc(len(state.prompt_ids))
+        self.adapter_generation_tokens.labels(adapter=adapter).inc(len(state.output_ids))
         self.e2e.observe(now - state.created_at)
         if state.first_token_at is not None:
             self.ttft.observe(state.first_token_at - state.created_at)
@@ -54,21 +93,55 @@ class Metrics:
             if later > earlier:
                 self.itl.observe(later - earlier)
 
-    def on_adapter_op(self, op: str, success: bool) -> None:
+    # ---- adapters
+
+    def on_adapter_op(self, op: str, success: bool, seconds: float | None = None) -> None:
+        """op: load, reload, unload or evict; `seconds` of a successful load or reload goes into the histogram."""
+        assert op in ADAPTER_OPS, op
         self.adapter_ops.labels(op=op, result="success" if success else "failure").inc()
+        if success and seconds is not None and op in TIMED_OPS:
+            self.adapter_load_seconds.labels(op=op).observe(seconds)
 
-    def set_resident(self, count: int) -> None:
-        self.resident.set(count)
+    def drop_adapter(self, name: str) -> None:
+        """Forget every series of an unloaded adapter."""
+        for metric in self.per_adapter:
+            metric.remove(name)
 
-    def update_scheduler(self, stats: SchedulerStats, max_lora: int, names: dict[int, str]) -> None:
+    def set_loaded(self, num: int) -> None:
+        self.adapters_loaded.set(num)
+
+    def set_resident(self, num: int) -> None:  # the old name of set_loaded, until adapter_manager calls that
+        self.set_loaded(num)
+
+    def update_scheduler(self, stats: SchedulerStats, max_loras: int, names: dict[int, str]) -> None:
+        """The gauges from the scheduler's view; `names` maps lora_id -> name for every loaded adapter."""
         self.waiting.labels(model_name=self.model_name).set(stats.num_waiting)
         self.running.labels(model_name=self.model_name).set(stats.num_running)
         self.kv_usage.labels(model_name=self.model_name).set(stats.kv_usage)
         running = ",".join(sorted({names[i] for i in stats.running_lora_ids if i in names}))
         waiting = ",".join(sorted({names[i] for i in stats.waiting_lora_ids if i in names}))
         self.lora_info.clear()  # one series at a time: stale label sets are dropped
-        self.lora_info.labels(max_lora=str(max_lora), running_lora_adapters=running,
+        self.lora_info.labels(max_lora=str(max_loras), running_lora_adapters=running,
                               waiting_lora_adapters=waiting).set(time.time())
+        resident_ids = {i for i in stats.slot_lora_ids if i != -1}
+        self.adapters_resident.set(len(resident_ids))
+        self.adapters_running.set(len(set(stats.running_lora_ids)))
+        self.adapter_resident.clear()  # exactly the loaded adapters
+        for lora_id, name in names.items():
+            self.adapter_resident.labels(adapter=name).set(1 if lora_id in resident_ids else 0)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated:
+    """The registry without prometheus_client's *_created samples: the exposition is exactly API.md's series
+    (without touching the process-wide switch, which would reach other registries in an embedding process)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family

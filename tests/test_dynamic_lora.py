@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import shutil
 import threading
 import time
 
@@ -15,6 +16,9 @@ from transformers import AutoTokenizer
 from frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess
+from tests.test_metrics import SERIES as METRIC_SERIES
+from tests.test_metrics import parse as parse_metrics
+from tests.test_metrics import value as metric
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0}
 PROMPT = "Once upon a time"
@@ -167,6 +171,47 @@ def test_path_root_and_api_keys(llama_dir, adapter_dirs, tmp_path):
             assert resp.status_code == 400 and "outside" in resp.json()["error_message"], resp.text
         resp = server.post("/generate", {"text": "x", "lora_path": "a", "sampling_params": GREEDY}, headers=user)
         assert resp.status_code == 200
+
+
+def test_path_root_checks_every_file_on_the_worker(llama_dir, adapter_dirs, tmp_path):
+    # The directory is inside the root, so only the worker's per-file check can see that its weights are not.
+    root = tmp_path / "root"
+    (root / "inside").mkdir(parents=True)
+    shutil.copy(adapter_dirs["a4"] / "adapter_config.json", root / "inside")
+    (root / "inside" / "adapter_model.safetensors").symlink_to(adapter_dirs["a4"] / "adapter_model.safetensors")
+    shutil.copytree(adapter_dirs["a8"], root / "ok")
+    with ServerProcess("--model-path", str(llama_dir), *DYNAMIC_FLAGS, "--lora-path-root", str(root)) as server:
+        for route in ("/load_lora_adapter", "/v1/load_lora_adapter"):
+            resp = server.post(route, {"lora_name": "sneaky", "lora_path": str(root / "inside")})
+            message = resp.json()["error_message"] if route == "/load_lora_adapter" else resp.json()["error"]["message"]
+            assert resp.status_code == 400, resp.text
+            for fragment in ("'sneaky'", "adapter_model.safetensors", "--lora-path-root"):
+                assert fragment in message, (fragment, message)
+        assert "sneaky" not in server.get("/lora_adapters").text
+        assert load(server, "ok", root / "ok").status_code == 200
+        assert gen(server, "ok").status_code == 200
+
+
+def test_metrics_after_adapter_and_base_requests(dynamic_server, adapter_dirs, llama_dir):
+    server = dynamic_server
+    assert load(server, "metered", adapter_dirs["a4"]).status_code == 200
+    try:
+        outputs = [gen(server, name).json()["meta_info"] for name in ("metered", "metered", None)]
+        types, samples = parse_metrics(server.get("/metrics").text)
+    finally:
+        unload(server, "metered")
+    assert types == METRIC_SERIES
+    assert metric(samples, "loraplex_adapter_requests_total", adapter="metered") == 2
+    assert metric(samples, "loraplex_adapter_prompt_tokens_total", adapter="metered") == sum(
+        m["prompt_tokens"] for m in outputs[:2])
+    assert metric(samples, "loraplex_adapter_generation_tokens_total", adapter="metered") == sum(
+        m["completion_tokens"] for m in outputs[:2])
+    assert metric(samples, "loraplex_adapter_requests_total", adapter=llama_dir.name) >= 1  # base: the served name
+    assert metric(samples, "loraplex_adapter_resident", adapter="metered") in (0, 1)
+    assert metric(samples, "loraplex_adapters_loaded") >= 1
+    assert metric(samples, "loraplex_adapter_operations_total", op="load", result="success") >= 1
+    assert metric(samples, "loraplex_prefix_cache_hit_tokens_total") == 0
+    assert metric(samples, "loraplex_e2e_request_latency_seconds_count") >= 3
 
 
 def test_storm_of_loads_under_traffic(dynamic_server, adapter_dirs, tmp_path):

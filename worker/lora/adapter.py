@@ -1,10 +1,13 @@
 """Read one PEFT LoRA adapter from disk, validate it against the base model and the pool, and keep this rank's shard.
 
 Runs on the worker's loader thread: it touches no shared state, and every refusal is an AdapterLoadError whose
-message names the cause (the HTTP layer passes it on to the user as is)."""
+message names the cause (the HTTP layer passes it on to the user as is). With --lora-path-root, every file is opened
+through `_open_inside`, which checks where the open file really lies, so a reload of an evicted adapter is checked
+again."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -12,8 +15,9 @@ import mmap
 import os
 import re
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import safe_open
@@ -70,10 +74,21 @@ class _Config:
 
 
 def load_adapter(
-    path: str, lora_id: int, model_config: ModelConfig, pool_spec: PoolSpec, tp_rank: int, tp_size: int
+    path: str,
+    lora_id: int,
+    model_config: ModelConfig,
+    pool_spec: PoolSpec,
+    tp_rank: int,
+    tp_size: int,
+    *,
+    lora_name: str = "",
+    path_root: str | None = None,
 ) -> LoRAAdapter:
-    config = _read_config(path, model_config, pool_spec)
-    tensors = _read_tensors(path, pool_spec.dtype)
+    """`path_root` (--lora-path-root): every file read must lie inside it, symlinks resolved; `lora_name` is for
+    the messages."""
+    files = _AdapterFiles(lora_name, os.path.realpath(path_root) if path_root else None)
+    config = _read_config(path, model_config, pool_spec, files)
+    tensors = _read_tensors(path, pool_spec.dtype, files)
     pairs = _match_tensors(tensors, config, model_config)
     pin = pool_spec.device.type == "cuda" and torch.cuda.is_available()
     weights = {}
@@ -89,10 +104,59 @@ def load_adapter(
     )
 
 
+# ---- confinement --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _AdapterFiles:
+    lora_name: str
+    root: str | None  # --lora-path-root, symlinks resolved; None = read anywhere
+
+    def check_dir(self, path: str) -> None:
+        """An early, friendlier refusal of a directory outside the root (it also keeps the existence checks below
+        from probing outside). Not the guarantee: `open` checks every file where it really is."""
+        if self.root is not None and not _is_inside(os.path.realpath(path), self.root):
+            raise AdapterLoadError(
+                f"adapter {self.lora_name!r}: path {path!r} is outside the allowed root --lora-path-root", "forbidden"
+            )
+
+    @contextlib.contextmanager
+    def open(self, path: str) -> Iterator[tuple[BinaryIO, str]]:
+        """`path` opened for reading, and a path that names this very open file, for readers that take a path
+        (safetensors). With a root, the check looks at the file once it is open: the kernel's name for the
+        descriptor (/proc/self/fd/N, every symlink resolved) must lie inside the root, and readers reopen that
+        descriptor's file, so no rename or symlink swap between a check and a read can slip an outside file in."""
+        with open(path, "rb") as file:
+            if self.root is None:
+                yield file, path
+                return
+            fd_path = f"/proc/self/fd/{file.fileno()}"
+            try:
+                real_path = os.readlink(fd_path)
+            except OSError as e:  # no /proc: refuse rather than read unchecked
+                raise AdapterLoadError(
+                    f"adapter {self.lora_name!r}: cannot confirm that {path!r} lies inside --lora-path-root "
+                    f"({type(e).__name__}: {e})",
+                    "internal",
+                ) from e
+            if not _is_inside(real_path, self.root):
+                raise AdapterLoadError(
+                    f"adapter {self.lora_name!r}: file {path!r} resolves outside the allowed root --lora-path-root "
+                    "(symlinks resolved)",
+                    "forbidden",
+                )
+            yield file, fd_path
+
+
+def _is_inside(real_path: str, root: str) -> bool:
+    return os.path.commonpath([real_path, root]) == root
+
+
 # ---- adapter_config.json ------------------------------------------------------------------------
 
 
-def _read_config(path: str, model_config: ModelConfig, pool_spec: PoolSpec) -> _Config:
+def _read_config(path: str, model_config: ModelConfig, pool_spec: PoolSpec, files: _AdapterFiles) -> _Config:
+    files.check_dir(path)
     if not os.path.exists(path):
         raise AdapterLoadError(f"adapter path {path!r} does not exist", "not_found")
     if not os.path.isdir(path):
@@ -101,8 +165,8 @@ def _read_config(path: str, model_config: ModelConfig, pool_spec: PoolSpec) -> _
     if not os.path.isfile(config_path):
         raise AdapterLoadError(f"not a LoRA adapter: {path!r} has no {CONFIG_FILE}")
     try:
-        with open(config_path) as f:
-            raw = json.load(f)
+        with files.open(config_path) as (file, _):
+            raw = json.load(file)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AdapterLoadError(f"malformed {CONFIG_FILE} in {path!r}: {e}") from e
     if not isinstance(raw, dict):
@@ -179,17 +243,19 @@ def _check_layers(layers: Any, num_layers: int) -> tuple[int, ...]:
 # ---- weights ------------------------------------------------------------------------------------
 
 
-def _read_tensors(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_tensors(path: str, dtype: torch.dtype, files: _AdapterFiles) -> dict[str, torch.Tensor]:
     """The adapter's tensors in `dtype`, as views of one new buffer, each checked finite."""
     safetensors_path, bin_path = (os.path.join(path, name) for name in WEIGHT_FILES)
     try:
         if os.path.isfile(safetensors_path):
-            mapped = _map_safetensors(safetensors_path, dtype)
-            if mapped is not None:
-                return mapped
-            tensors = load_file(safetensors_path, device="cpu")
+            with files.open(safetensors_path) as (_, opened_path):
+                mapped = _map_safetensors(opened_path, dtype)
+                if mapped is not None:
+                    return mapped
+                tensors = load_file(opened_path, device="cpu")
         elif os.path.isfile(bin_path):
-            tensors = torch.load(bin_path, map_location="cpu", weights_only=True)
+            with files.open(bin_path) as (file, _):
+                tensors = torch.load(file, map_location="cpu", weights_only=True)
             if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
                 raise AdapterLoadError(f"{bin_path!r} does not hold a dict of tensors")
         else:

@@ -49,6 +49,7 @@ class LoRAManager:
                 "(the launcher infers them from --lora-paths)"
             )
         self.model_config = model_config
+        self.lora_path_root = config.lora_path_root  # every file read is checked against it, reloads too
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.spec = PoolSpec(
             max_lora_rank=config.max_lora_rank,
@@ -85,9 +86,17 @@ class LoRAManager:
         outcomes: list[LoRAAdapter | AdapterLoadError] = []
         for spec in specs:
             try:
-                outcomes.append(
-                    load_adapter(spec.lora_path, spec.lora_id, self.model_config, self.spec, self.tp_rank, self.tp_size)
+                adapter = load_adapter(
+                    spec.lora_path,
+                    spec.lora_id,
+                    self.model_config,
+                    self.spec,
+                    self.tp_rank,
+                    self.tp_size,
+                    lora_name=spec.lora_name,
+                    path_root=self.lora_path_root,
                 )
+                outcomes.append(adapter)
             except AdapterLoadError as e:
                 outcomes.append(e)
             except Exception as e:  # an unforeseen failure still fails only this adapter
