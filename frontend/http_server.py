@@ -18,6 +18,13 @@ logger = logging.getLogger("loraplex.http")
 
 ADMIN_PATHS = {"/load_lora_adapter", "/unload_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 OPEN_PATHS = {"/health"}
+<<<<<<< HEAD
+=======
+# After the drain, how long aiohttp waits for handlers still running (adapter calls) before it cancels them.
+HANDLER_SHUTDOWN_S = 3.0
+ADAPTER_ERROR_STATUS = {"not_found": 400, "busy": 409}
+OPENAI_ADAPTER_ERROR_STATUS = {"not_found": 404, "busy": 409}
+>>>>>>> h-lifecycle
 
 
 def _authorized(request: web.Request, key: str) -> bool:
@@ -63,7 +70,10 @@ def create_app(runtime: Runtime) -> web.Application:
 
 
 async def serve(runtime: Runtime) -> None:
-    """Start the processes, serve HTTP (and RPC) until SIGINT/SIGTERM, then stop everything."""
+    """Start the processes, serve HTTP (and RPC) until SIGINT/SIGTERM, drain, then stop everything.
+
+    A child that dies meanwhile makes the Runtime stop the others and answer 503; this keeps serving those 503s
+    until the signal (no partial serving, no exit the orchestrator did not ask for)."""
     config = runtime.config
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -71,7 +81,7 @@ async def serve(runtime: Runtime) -> None:
         loop.add_signal_handler(sig, stop.set)
     app = create_app(runtime)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=HANDLER_SHUTDOWN_S)
     rpc = None
     try:
         # HTTP first, so /health answers 503 while the processes start.
@@ -93,7 +103,10 @@ async def serve(runtime: Runtime) -> None:
             rpc.start()
         logger.info("serving %s on http://%s:%d", config.model_name, config.host, config.port)
         await stop.wait()
-        logger.info("shutting down")
+        # HTTP (and RPC) keep listening while the requests in flight finish: new ones get a 503, not a refused
+        # connection, and /health says why.
+        logger.info("shutting down: draining for up to %.0f s", config.shutdown_timeout)
+        await runtime.drain(config.shutdown_timeout)
     finally:
         if rpc is not None:
             rpc.stop()

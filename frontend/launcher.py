@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from protocol.config import ServerConfig
@@ -50,6 +51,7 @@ class ProcessGroup:
         self.model_dir = model_dir
         self.fault_hooks = fault_hooks or {}
         self.procs: dict[str, subprocess.Popen] = {}
+        self._stop_lock = threading.Lock()  # stop() runs in executor threads: on a failure, then at shutdown
 
     def start(self) -> None:
         local_ranks = self.config.tp // self.config.nnodes
@@ -84,6 +86,11 @@ class ProcessGroup:
         return {name: proc.pid for name, proc in self.procs.items()}
 
     def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM every child still running, SIGKILL those alive after grace_s. Safe to call again."""
+        with self._stop_lock:
+            self._stop(grace_s)
+
+    def _stop(self, grace_s: float) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

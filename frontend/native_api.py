@@ -154,7 +154,7 @@ async def health(request: web.Request) -> web.Response:
     runtime = runtime_of(request)
     if runtime.healthy:
         return json_response({"status": "ok"})
-    reason = runtime.failure or ("shutting down" if runtime.stopping else "starting")
+    reason = runtime.failure or ("shutting down" if runtime.stopping or runtime.draining else "starting")
     return json_response({"status": "unhealthy", "reason": reason}, 503)
 
 

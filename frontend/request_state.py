@@ -82,6 +82,13 @@ class RequestState:
         else:
             self.fail(delta.error_message or "generation failed")
 
+    def abort(self, message: str) -> None:
+        """End it here with finish reason abort (not an error): what it produced so far is its answer."""
+        if self.finished:
+            return
+        self.finish_reason = {"type": "abort", "message": message}
+        self.changed.set()
+
     def fail(self, message: str, status: int = 500) -> None:
         if self.finished:
             return

@@ -35,6 +35,9 @@ logger = logging.getLogger("loraplex.runtime")
 
 START_TIMEOUT_S = 600.0
 WATCH_INTERVAL_S = 0.2
+DRAIN_POLL_S = 0.05
+# After a drain aborts what is left, how long the handlers get to write their last chunk and call finish().
+ABORT_GRACE_S = 3.0
 
 
 class ServerUnavailable(ServerError):
@@ -68,8 +71,10 @@ class Runtime:
         self.requests: dict[str, RequestState] = {}
         self.ready: SchedulerReady | None = None
         self.started = False  # every process up and start-up adapters loaded
+        self.draining = False  # SIGTERM: no new work, the requests in flight finish (drain)
         self.stopping = False
         self.failure: str | None = None  # set once a child process died
+        self._children_stopped: asyncio.Future | None = None  # the survivors of a failure, being stopped
         self.model_dir = ""
         self.tokenizer: Any = None
         self.eos_token_ids: list[int] = []
@@ -103,6 +108,26 @@ class Runtime:
         self.started = True
         logger.info("server ready")
 
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new work at once (health and new requests 503), let the requests in flight finish for up to
+        timeout_s, then end the rest with finish reason abort. The processes keep running: shutdown() stops them."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        logger.info("draining %d request(s) for up to %.0f s", len(self.requests), timeout_s)
+        while self.requests and self.failure is None and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        left = [state for state in self.requests.values() if not state.finished]
+        if left:
+            logger.info("aborting %d request(s) still running after %.0f s", len(left), timeout_s)
+        for state in left:
+            state.abort("server is shutting down")
+            if self.failure is None:
+                await self.scheduler.send(AbortReq(rid=state.rid))
+        deadline = loop.time() + ABORT_GRACE_S
+        while self.requests and loop.time() < deadline:  # the handlers send their last chunk, then finish()
+            await asyncio.sleep(DRAIN_POLL_S)
+
     async def shutdown(self) -> None:
         if self.stopping:
             return
@@ -111,7 +136,9 @@ class Runtime:
             self._watch_task.cancel()
         self._fail_all("server is shutting down", status=503)
         if self.scheduler is not None:
-            await self.scheduler.close()
+            await self.scheduler.close(send_shutdown=self.failure is None)
+        if self._children_stopped is not None:
+            await self._children_stopped
         if self.procs is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.procs.stop)
         if self.scheduler is not None:
@@ -119,12 +146,12 @@ class Runtime:
 
     @property
     def healthy(self) -> bool:
-        return self.started and not self.stopping and self.failure is None
+        return self.started and not self.draining and not self.stopping and self.failure is None
 
     def check_available(self) -> None:
         if self.failure is not None:
             raise ServerUnavailable(f"server is unhealthy: {self.failure}")
-        if self.stopping:
+        if self.stopping or self.draining:
             raise ServerUnavailable("server is shutting down")
         if self.ready is None:
             raise ServerUnavailable("server is starting")
@@ -150,6 +177,10 @@ class Runtime:
         if self.failure is None:
             logger.error("server unhealthy: %s", reason)
             self.failure = reason
+            # No partial serving: the surviving children are stopped now; the frontend answers 503 until SIGTERM.
+            if self.procs is not None and not self.stopping:
+                logger.error("stopping the remaining processes; serving 503 until SIGTERM")
+                self._children_stopped = asyncio.get_running_loop().run_in_executor(None, self.procs.stop)
         self._fail_all(f"server failure: {reason}", status=503)
         self.scheduler.fail_pending(reason)
 
@@ -179,6 +210,7 @@ class Runtime:
         self._check_fits(prompt_ids, sampling)
         if lora_name is not None:
             await self.adapters.ensure(lora_name)
+            self.check_available()  # a process may have died, or a drain begun, while it loaded
         entry = self.registry.acquire(lora_name, rid) if lora_name is not None else None
         state = RequestState(
             rid, prompt_ids, sampling, stop_strings, self.tokenizer, lora_name, entry.lora_id if entry else None

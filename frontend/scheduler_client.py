@@ -115,9 +115,11 @@ class SchedulerClient:
                 future.set_exception(ServerError(f"server is unhealthy: {reason}", "unavailable"))
         self._waiting.clear()
 
-    async def close(self) -> None:
+    async def close(self, send_shutdown: bool) -> None:
         if self._recv_task is not None:
             self._recv_task.cancel()
+        if not send_shutdown:  # the scheduler is gone
+            return
         try:
             await asyncio.wait_for(self._to_scheduler.send(Shutdown()), timeout=1.0)
         except Exception:  # noqa: BLE001 - best effort on the way down

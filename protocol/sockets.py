@@ -54,6 +54,16 @@ class TypedSocket:
         self.sock.close(linger=0)
 
 
+def send_last(addr: str, msg: msgspec.Struct, linger_ms: int) -> None:
+    """Send one message from a process about to exit. The socket gets its own context, so terminating it waits
+    (up to linger_ms) for this message alone, not for the process's other sockets to close."""
+    ctx = zmq.Context()
+    typed = TypedSocket(PUSH, addr, bind=False, ctx=ctx)
+    typed.send(msg)
+    typed.sock.close(linger=linger_ms)
+    ctx.term()
+
+
 def wait_readable(sockets: list[TypedSocket], timeout_ms: int) -> bool:
     """Block until any of the sockets has a message, or timeout_ms passes; True if one has."""
     poller = zmq.Poller()

@@ -1,10 +1,13 @@
-"""Lifecycle: TP=2 against HF, a dying worker, clean shutdown, the in-process Engine, servers side by side."""
+"""Lifecycle: TP=2 against HF, a dying worker, clean shutdown, the SIGTERM drain, a worker fault, the in-process
+Engine, servers side by side."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import threading
 import time
 
 import psutil
@@ -52,7 +55,8 @@ def test_tp2_greedy_matches_hf_and_shutdown_leaves_no_process(llama_dir):
 
 def test_killed_worker_fails_requests_and_health(llama_dir):
     with ServerProcess("--model-path", str(llama_dir), "--max-total-tokens", "4096") as server:
-        worker_pid = server.get("/server_info").json()["process_ids"]["worker0"]
+        pids = server.get("/server_info").json()["process_ids"]
+        worker_pid, scheduler_pid = pids["worker0"], pids["scheduler"]
         body = {"text": "Hi", "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
         # A long generation in flight, then the worker dies under it.
         with requests.post(server.url + "/generate", json=body, stream=True, timeout=30) as resp:
@@ -66,6 +70,101 @@ def test_killed_worker_fails_requests_and_health(llama_dir):
         assert wait_until(lambda: server.get("/health").status_code == 503, 5)
         resp = server.post("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}}, timeout=10)
         assert resp.status_code == 503 and "unhealthy" in resp.json()["error"]["message"]
+        assert wait_until(lambda: not alive(scheduler_pid), 10), "the scheduler survived its worker"
+
+
+# Every forward pass of rank 0 sleeps this long first: a long generation stays in flight for as long as a test needs.
+SLOW_STEPS = json.dumps({"stall_forward_on_rank": "0", "stall_forward_s": "0.05"})
+LONG = {"max_new_tokens": 1500, "ignore_eos": True}
+
+
+def data_lines(resp: requests.Response) -> list[bytes]:
+    return [line for line in resp.iter_lines() if line.startswith(b"data: ")]
+
+
+def in_background(fn, *args) -> tuple[threading.Thread, dict]:
+    """Run fn(*args) on a thread; its return value (or exception) lands in the dict."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn(*args)
+        except Exception as e:  # noqa: BLE001 - the test asserts on it
+            out["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def in_flight(server: ServerProcess) -> int:
+    return server.get("/server_info").json()["num_requests_in_flight"]
+
+
+def test_sigterm_drains_in_flight_requests_then_aborts_and_exits_zero(llama_dir):
+    with ServerProcess("--model-path", str(llama_dir), "--max-total-tokens", "4096", "--shutdown-timeout", "4",
+                       env={"LORAPLEX_TEST_FAULT_HOOKS": SLOW_STEPS}) as server:
+        pids = server.child_pids()
+        body = {"text": "Hi", "stream": True, "sampling_params": LONG}
+        with requests.post(server.url + "/generate", json=body, stream=True, timeout=60) as long_resp:
+            lines = long_resp.iter_lines()
+            next(line for line in lines if line.startswith(b"data: "))
+            short = {"text": "Hello", "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}}
+            thread, short_out = in_background(server.post, "/generate", short, 60)
+            assert wait_until(lambda: in_flight(server) == 2, 10)
+            server.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            assert wait_until(lambda: server.get("/health").status_code == 503, 1), "health still 200 after SIGTERM"
+            refused = server.post("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}}, timeout=10)
+            assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+            thread.join(timeout=30)
+            assert short_out["value"].status_code == 200, short_out  # finished in time, in full
+            assert short_out["value"].json()["meta_info"]["finish_reason"]["type"] == "length"
+            rest = [line for line in lines if line.startswith(b"data: ")]
+            waited = time.monotonic() - t0
+        assert rest[-1] == b"data: [DONE]"
+        last = json.loads(rest[-2][len(b"data: "):])
+        assert last["meta_info"]["finish_reason"]["type"] == "abort", last["meta_info"]
+        assert 0 < last["meta_info"]["completion_tokens"] < LONG["max_new_tokens"]
+        assert 3.0 < waited < 15, waited  # ran until --shutdown-timeout, then ended
+        assert server.proc.wait(timeout=30) == 0
+    assert wait_until(lambda: not any(alive(p) for p in pids), 10), "orphan processes after SIGTERM"
+
+
+def test_killed_worker_tp2_fails_pending_request_and_stops_the_rest(llama_dir):
+    with ServerProcess("--model-path", str(llama_dir), "--tp", "2", "--max-total-tokens", "4096",
+                       env={"LORAPLEX_TEST_FAULT_HOOKS": SLOW_STEPS}) as server:
+        pids = server.get("/server_info").json()["process_ids"]
+        thread, out = in_background(server.post, "/generate", {"text": "Hi", "sampling_params": LONG}, 60)
+        assert wait_until(lambda: in_flight(server) == 1, 10)
+        os.kill(pids["worker1"], signal.SIGKILL)
+        t0 = time.monotonic()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "the pending request did not end"
+        assert out["value"].status_code == 503, out
+        assert time.monotonic() - t0 < 10
+        assert server.get("/health").status_code == 503
+        assert wait_until(lambda: not alive(pids["scheduler"]) and not alive(pids["worker0"]), 10), \
+            "survivors left running"
+        resp = server.post("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2}}, timeout=10)
+        assert resp.status_code == 503 and "unhealthy" in resp.json()["error"]["message"]
+        assert server.proc.poll() is None  # the frontend stays up, answering 503, until it is told to stop
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0
+
+
+def test_worker_fault_in_forward_takes_the_server_down(llama_dir):
+    hooks = json.dumps({"crash_forward_on_rank": "0"})
+    with ServerProcess("--model-path", str(llama_dir), "--max-total-tokens", "2048",
+                       env={"LORAPLEX_TEST_FAULT_HOOKS": hooks}) as server:
+        pids = server.child_pids()
+        resp = server.post("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 4}}, timeout=30)
+        assert resp.status_code == 503 and "injected fault" in resp.json()["error"]["message"], resp.text
+        health = server.get("/health")
+        assert health.status_code == 503 and "injected fault" in health.json()["reason"]
+        assert wait_until(lambda: not any(alive(p) for p in pids), 10), "processes left after the fault"
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0
 
 
 def test_engine_sync_async_stream_side_by_side(llama_dir):

@@ -1,4 +1,5 @@
-"""`python -m worker` as the scheduler sees it: ready, forward, errors as values, adapters refused, shutdown."""
+"""`python -m worker` as the scheduler sees it: ready, forward, errors as values, adapters refused, shutdown; and
+exits on any other error (an injected fault, a collective past --dist-timeout)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from server_utils import free_port
 from worker_helpers import GREEDY, FakeScheduler, make_runner
 
 from protocol.config import ServerConfig
@@ -37,28 +40,43 @@ EXIT_TIMEOUT_S = 20
 
 
 @contextmanager
-def start_worker(model_dir: str, **config_kwargs) -> Iterator[tuple[subprocess.Popen, FakeScheduler]]:
+def start_workers(
+    model_dir: str, tp: int = 1, fault_hooks: dict[str, str] | None = None, **config_kwargs
+) -> Iterator[tuple[list[subprocess.Popen], FakeScheduler]]:
     # A short private directory: ipc:// paths are limited to ~100 characters.
     with tempfile.TemporaryDirectory(prefix="lpw") as sock_dir:
         endpoints = Endpoints(
             frontend_to_scheduler=f"ipc://{sock_dir}/f2s",
             scheduler_to_frontend=f"ipc://{sock_dir}/s2f",
-            scheduler_to_workers=[f"ipc://{sock_dir}/s2w0"],
+            scheduler_to_workers=[f"ipc://{sock_dir}/s2w{rank}" for rank in range(tp)],
             workers_to_scheduler=f"ipc://{sock_dir}/w2s",
-            dist_init_addr="127.0.0.1:1",  # unused at tp=1
+            dist_init_addr=f"127.0.0.1:{free_port()}",  # unused at tp=1
         )
-        config = ServerConfig(device="cpu", page_size=4, max_total_tokens=256, log_level="debug", **config_kwargs)
-        args = ProcessArgs(config=config, endpoints=endpoints, model_dir=model_dir)
+        config = ServerConfig(device="cpu", tp=tp, page_size=4, max_total_tokens=256, log_level="debug",
+                              **config_kwargs)
         scheduler = FakeScheduler(endpoints)
-        env = {**os.environ, ARGS_ENV: encode_process_args(args), "PYTHONPATH": str(REPO_ROOT)}
-        proc = subprocess.Popen([sys.executable, "-m", "worker"], cwd=REPO_ROOT, env=env)
+        procs = []
         try:
-            yield proc, scheduler
+            for rank in range(tp):
+                args = ProcessArgs(config=config, endpoints=endpoints, model_dir=model_dir, rank=rank,
+                                   fault_hooks=fault_hooks or {})
+                env = {**os.environ, ARGS_ENV: encode_process_args(args), "PYTHONPATH": str(REPO_ROOT)}
+                if tp > 1:
+                    env["OMP_NUM_THREADS"] = "1"  # the ranks share the machine's cores
+                procs.append(subprocess.Popen([sys.executable, "-m", "worker"], cwd=REPO_ROOT, env=env))
+            yield procs, scheduler
         finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait(timeout=10)
             scheduler.close()
+
+
+@contextmanager
+def start_worker(model_dir: str, **config_kwargs) -> Iterator[tuple[subprocess.Popen, FakeScheduler]]:
+    with start_workers(model_dir, **config_kwargs) as (procs, scheduler):
+        yield procs[0], scheduler
 
 
 def test_worker_serves_batches_and_shuts_down(llama_dir: Path) -> None:
@@ -114,3 +132,38 @@ def test_worker_reports_start_up_failure(llama_dir: Path, tmp_path: Path, proble
         assert failed.who == "worker0"
         assert {"missing_model": "does not exist", "context_too_long": "exceeds"}[problem] in failed.error_message
         assert proc.wait(timeout=EXIT_TIMEOUT_S) != 0
+
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+def one_batch(batch_id: int) -> ForwardBatch:
+    return ForwardBatch(batch_id=batch_id, reqs=[ForwardReq(input_ids=PROMPT, num_cached_tokens=0, page_ids=[0, 1],
+                                                            sampling=GREEDY)])
+
+
+def test_worker_exits_on_an_error_that_is_not_the_batchs(llama_dir: Path) -> None:
+    with start_workers(str(llama_dir), fault_hooks={"crash_forward_on_rank": "0"}) as ([proc], scheduler):
+        assert isinstance(scheduler.recv(timeout_ms=READY_TIMEOUT_MS), WorkerReady)
+        scheduler.send(one_batch(1))
+        failed = scheduler.recv()
+        assert isinstance(failed, ProcessFailed), failed
+        assert failed.who == "worker0" and "RuntimeError: injected fault on rank 0" in failed.error_message
+        assert proc.wait(timeout=EXIT_TIMEOUT_S) == 1
+
+
+def test_collective_past_dist_timeout_exits_the_waiting_rank(llama_dir: Path) -> None:
+    # Rank 1 sleeps far longer than --dist-timeout before its forward pass; rank 0 waits in the first all-reduce.
+    hooks = {"stall_forward_on_rank": "1", "stall_forward_s": "120"}
+    with start_workers(str(llama_dir), tp=2, fault_hooks=hooks, dist_timeout=2.0) as (procs, scheduler):
+        ready = [scheduler.recv(timeout_ms=READY_TIMEOUT_MS) for _ in range(2)]
+        assert all(isinstance(r, WorkerReady) for r in ready), ready
+        started = time.monotonic()
+        scheduler.send(one_batch(1))
+        failed = scheduler.recv(timeout_ms=30_000)
+        assert isinstance(failed, ProcessFailed) and failed.who == "worker0", failed
+        assert "Timed out" in failed.error_message, failed.error_message
+        assert procs[0].wait(timeout=EXIT_TIMEOUT_S) == 1
+        # Not before the timeout (so it is the timeout that fired), and well before start-up's 10 minutes.
+        assert 2.0 <= time.monotonic() - started < 20
+        assert procs[1].poll() is None  # still asleep: nobody but the timeout ended rank 0

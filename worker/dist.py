@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from protocol.config import ServerConfig
 
@@ -58,6 +59,14 @@ def init_distributed(config: ServerConfig, dist_init_addr: str, rank: int, devic
         timeout=DIST_INIT_TIMEOUT,
         device_id=device if device.type == "cuda" else None,
     )
+
+
+def set_serving_timeout(config: ServerConfig) -> None:
+    """Collectives time out after --dist-timeout from now on (start-up ran under DIST_INIT_TIMEOUT: loading a large
+    checkpoint may take minutes). A timed-out collective raises, and the rank exits (worker/process.py)."""
+    if dist.is_initialized():
+        # The public API sets a timeout only at init; this is what it does per backend (gloo and nccl alike).
+        _set_pg_timeout(timedelta(seconds=config.dist_timeout))
 
 
 def destroy_distributed() -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import msgspec
 import torch
 
 from protocol.proc import die_with_parent, read_process_args, setup_logging
-from protocol.sockets import PULL, PUSH, TypedSocket
+from protocol.sockets import PULL, PUSH, TypedSocket, send_last
 from protocol.structs import (
     BatchResult,
     DropAdapters,
@@ -22,13 +23,25 @@ from protocol.structs import (
 )
 from worker.adapter_loader import AdapterLoader
 from worker.batch_inputs import BatchError
-from worker.dist import destroy_distributed, global_rank, init_distributed, pick_device, ranks_per_node
+from worker.dist import (
+    destroy_distributed,
+    global_rank,
+    init_distributed,
+    pick_device,
+    ranks_per_node,
+    set_serving_timeout,
+)
 from worker.model_runner import ModelRunner
 
 logger = logging.getLogger("worker")
 
 # How long a failing worker waits for its ProcessFailed to leave (the sockets otherwise drop unsent messages).
 FAILURE_FLUSH_MS = 2000
+
+# Test-only fault injection (ProcessArgs.fault_hooks, all values strings); inert unless set:
+#   crash_forward_on_rank=N    global rank N raises a RuntimeError (not a BatchError) in every forward pass
+#   stall_forward_on_rank=N    global rank N sleeps before every forward pass, so the others wait in a collective ...
+#   stall_forward_s=S          ... for S seconds (tests of --dist-timeout)
 
 
 class Worker:
@@ -60,6 +73,12 @@ class Worker:
         # Adapter reads (disk, validation, slicing) run on their own threads, off the decode loop.
         self.loader = AdapterLoader(args, rank, self.runner.lora)
         self.loader.start()
+        hooks = args.fault_hooks
+        self.crash_forward = hooks.get("crash_forward_on_rank") == str(rank)
+        stalls = hooks.get("stall_forward_on_rank") == str(rank)
+        self.stall_forward_s = float(hooks.get("stall_forward_s", 0)) if stalls else 0.0
+        # Start-up is over: from here a collective that outlasts --dist-timeout raises, and the rank exits.
+        set_serving_timeout(config)
 
     def serve(self) -> None:
         lora = self.runner.lora
@@ -95,17 +114,23 @@ class Worker:
         # Every rank runs the batch (the collectives need them all); rank 0's tokens are the ones sent. A bad batch
         # fails on every rank alike, before any collective, since all ranks see the same batch. That holds for adapter
         # slots too: the scheduler only names adapters that every rank loaded (it drops partial loads everywhere).
+        # Any other error (a failed or timed-out collective, a device fault, a bug) leaves this rank's state or the
+        # group's unknown: it propagates, and the worker reports it and exits (main) rather than serve on it.
+        self.inject_faults()
         try:
             next_token_ids, error_message = self.runner.forward(batch), ""
         except BatchError as e:  # the batch itself is wrong: the message says it all
             logger.error("batch %d rejected: %s", batch.batch_id, e)
             next_token_ids, error_message = [], f"{type(e).__name__}: {e}"
-        except Exception as e:
-            logger.exception("batch %d failed", batch.batch_id)
-            next_token_ids, error_message = [], f"{type(e).__name__}: {e}"
         if self.rank != 0:
             return None
         return BatchResult(batch_id=batch.batch_id, next_token_ids=next_token_ids, error_message=error_message)
+
+    def inject_faults(self) -> None:
+        if self.stall_forward_s:
+            time.sleep(self.stall_forward_s)
+        if self.crash_forward:
+            raise RuntimeError(f"injected fault on rank {self.rank}")
 
     def close(self) -> None:
         self.loader.stop()
@@ -128,7 +153,14 @@ def main() -> int:
         to_scheduler.send(ProcessFailed(who=f"worker{rank}", error_message=f"{type(e).__name__}: {e}"))
         to_scheduler.sock.close(linger=FAILURE_FLUSH_MS)
         return 1
-    worker.serve()
+    try:
+        worker.serve()
+    except Exception as e:
+        logger.exception("worker failed: exiting")
+        failed = ProcessFailed(who=f"worker{rank}", error_message=f"{type(e).__name__}: {e}")
+        send_last(args.endpoints.workers_to_scheduler, failed, FAILURE_FLUSH_MS)
+        # No orderly teardown: the process group may be mid-collective and broken; exiting must not wait on it.
+        os._exit(1)
     logger.info("shutting down")
     worker.close()
     return 0
