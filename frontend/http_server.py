@@ -18,13 +18,8 @@ logger = logging.getLogger("loraplex.http")
 
 ADMIN_PATHS = {"/load_lora_adapter", "/unload_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 OPEN_PATHS = {"/health"}
-<<<<<<< HEAD
-=======
 # After the drain, how long aiohttp waits for handlers still running (adapter calls) before it cancels them.
 HANDLER_SHUTDOWN_S = 3.0
-ADAPTER_ERROR_STATUS = {"not_found": 400, "busy": 409}
-OPENAI_ADAPTER_ERROR_STATUS = {"not_found": 404, "busy": 409}
->>>>>>> h-lifecycle
 
 
 def _authorized(request: web.Request, key: str) -> bool:
