@@ -13,6 +13,7 @@ from protocol import rpc
 from protocol.config import ConfigError, config_from_args
 from protocol.sockets import DEALER, BlockingFrameSocket
 from protocol.structs import (
+    AbortReqInput,
     AbortReqOutput,
     GenerateReqInput,
     GenerateReqOutput,
@@ -222,6 +223,18 @@ def test_rpc_client_gone_mid_stream(keyed_server):
     assert_no_leaks(server)
     assert generation_tokens(server) - before < LONG["max_new_tokens"]
     assert server.get("/health").status_code == 200
+
+
+def test_rpc_api_key_rides_in_the_request_map():
+    load = LoadLoRAAdapterReqInput(adapters=[LoRAAdapterSpec(lora_name="a", lora_path="/p")], load_inplace=True)
+    for request in (load, GenerateReqInput(text="hi", stream=True), AbortReqInput(rid="r")):
+        assert rpc.decode_request(rpc.encode_request(request, "k")) == (request, "k")
+        assert rpc.decode_request(rpc.encode_request(request)) == (request, None)
+    as_map = msgspec.msgpack.decode(rpc.encode_request(AbortReqInput(rid="r"), "k"))
+    assert as_map == {"type": "AbortReqInput", "rid": "r", "api_key": "k"}
+    bad = msgspec.msgpack.encode({"type": "AbortReqInput", "rid": "r", "api_key": 5})
+    assert isinstance(rpc.decode_request(bad)[0], RpcError)
+    assert rpc.is_adapter_change(load) and not rpc.is_adapter_change(AbortReqInput(rid="r"))
 
 
 # ---- --rpc-addr: a non-loopback TCP address needs --api-key ------------------------------------------------
