@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
+from types import SimpleNamespace
 
 import msgspec
 import pytest
 
 from frontend.rpc_client import RpcCallError, RpcClient
+from frontend.rpc_server import RpcServer
 from protocol import rpc
-from protocol.config import ConfigError, config_from_args
+from protocol.config import ConfigError, ServerConfig, config_from_args
+from protocol.errors import ServerError
 from protocol.sockets import DEALER, BlockingFrameSocket
 from protocol.structs import (
     AbortReqInput,
@@ -235,6 +239,30 @@ def test_rpc_api_key_rides_in_the_request_map():
     bad = msgspec.msgpack.encode({"type": "AbortReqInput", "rid": "r", "api_key": 5})
     assert isinstance(rpc.decode_request(bad)[0], RpcError)
     assert rpc.is_adapter_change(load) and not rpc.is_adapter_change(AbortReqInput(rid="r"))
+
+
+def test_rpc_server_error_is_an_rpc_error_with_its_message(tmp_path):
+    """An adapter operation's ServerError (e.g. kind "disabled" under --disable-lora-updates) -> RpcError(str(e))."""
+
+    class Adapters:
+        async def load(self, specs, load_inplace):
+            raise ServerError("adapter updates are disabled (--disable-lora-updates)", "disabled")
+
+    runtime = SimpleNamespace(config=ServerConfig(), adapters=Adapters(), check_available=lambda: None)
+    addr = f"ipc://{tmp_path}/rpc.sock"
+
+    async def main() -> None:
+        server = RpcServer(runtime, addr)
+        server.start()
+        try:
+            with RpcClient(addr, timeout_s=10) as client:
+                with pytest.raises(RpcCallError) as info:
+                    await asyncio.to_thread(client.load_lora_adapter, "a", "/p")
+            assert str(info.value) == "adapter updates are disabled (--disable-lora-updates)"
+        finally:
+            server.stop()
+
+    asyncio.run(main())
 
 
 # ---- --rpc-addr: a non-loopback TCP address needs --api-key ------------------------------------------------
