@@ -78,6 +78,7 @@ class AdapterManager:
                 results.append(_result(plan.lora_name, outcome))
             await self._evict_over_limit({a.lora_name for a in to_load})
             self._save_state()
+            self._count_loaded()
         return _merge(LoadLoRAAdapterReqOutput, results, self.registry.loaded_adapters())
 
     async def unload(self, names: list[str]) -> UnloadLoRAAdapterReqOutput:
@@ -109,8 +110,11 @@ class AdapterManager:
             async with self.registry.update_lock:
                 await self._drop(drained)
                 self._save_state()
+                self._count_loaded()
         for result in results:
             self.metrics.on_adapter_op("unload", result.success)
+            if result.success:
+                self.metrics.drop_adapter(result.lora_name)
             logger.info("unload adapter %s %s", result.lora_name, "ok" if result.success else
                         f"FAILED: {result.error_message}")
         return _merge(UnloadLoRAAdapterReqOutput, results, self.registry.loaded_adapters())
@@ -176,7 +180,7 @@ class AdapterManager:
                         for a in adapters]
         elapsed_s = time.monotonic() - t0
         for adapter, outcome in zip(adapters, outcomes, strict=True):
-            self.metrics.on_adapter_op(op_name, outcome.success)
+            self.metrics.on_adapter_op(op_name, outcome.success, elapsed_s)
             logger.info("%s adapter %s path=%s rank=%s %s in %.1f ms%s", op_name, adapter.lora_name, adapter.lora_path,
                         outcome.rank or "?", "ok" if outcome.success else "FAILED", elapsed_s * 1e3,
                         "" if outcome.success else f": {outcome.error_message}")
@@ -209,6 +213,7 @@ class AdapterManager:
         self._commit(planned, path, outcome)
         await self._evict_over_limit({name})
         self._save_state()
+        self._count_loaded()
 
     async def _reload(self, entry: AdapterEntry) -> None:
         """Bring an evicted host copy back from its path (checked against the root again) under a fresh id."""
@@ -248,6 +253,9 @@ class AdapterManager:
         if lora_ids:
             op = DropAdapters(op_id=self.scheduler.next_op_id(), lora_ids=lora_ids)
             await self.scheduler.call(op, self.config.lora_load_timeout + SCHEDULER_MARGIN_S)
+
+    def _count_loaded(self) -> None:
+        self.metrics.set_loaded(len(self.registry.live()))
 
     def _save_state(self) -> None:
         if self.state_file is None or not self.updates_open:

@@ -55,15 +55,17 @@ async def stream_many(runtime: Runtime, states: list[RequestState]) -> AsyncIter
 
     async def pump(index: int, state: RequestState) -> None:
         async for s in runtime.stream(state):
-            queue.put_nowait((index, s))
+            # is_last is taken now: by the time the entry is read the state may have finished, and an earlier
+            # entry of the same state must not count as its end (the loop would stop while others still run).
+            queue.put_nowait((index, s, s.finished))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(states)]
     try:
         remaining = len(states)
         while remaining:
-            index, state = await queue.get()
+            index, state, is_last = await queue.get()
             yield index, state
-            if state.finished:
+            if is_last:
                 remaining -= 1
     finally:
         for task in tasks:

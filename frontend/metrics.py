@@ -110,9 +110,6 @@ class Metrics:
     def set_loaded(self, num: int) -> None:
         self.adapters_loaded.set(num)
 
-    def set_resident(self, num: int) -> None:  # the old name of set_loaded, until adapter_manager calls that
-        self.set_loaded(num)
-
     def update_scheduler(self, stats: SchedulerStats, max_loras: int, names: dict[int, str]) -> None:
         """The gauges from the scheduler's view; `names` maps lora_id -> name for every loaded adapter."""
         self.waiting.labels(model_name=self.model_name).set(stats.num_waiting)

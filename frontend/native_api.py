@@ -13,7 +13,7 @@ from frontend.registry import AdapterError
 from frontend.request_state import RequestState
 from frontend.runtime import InputError, Runtime
 from protocol.errors import http_status
-from protocol.structs import LoadLoRAAdapterReqOutput, LoRAAdapterSpec, UnloadLoRAAdapterReqOutput
+from protocol.structs import AbortReqOutput, LoadLoRAAdapterReqOutput, LoRAAdapterSpec, UnloadLoRAAdapterReqOutput
 
 routes = web.RouteTableDef()
 
@@ -140,13 +140,18 @@ class AbortBody(msgspec.Struct, forbid_unknown_fields=True):
     rid: str
 
 
+async def abort(runtime: Runtime, rid: str) -> AbortReqOutput:
+    """/abort_request and the RPC's AbortReqInput alike."""
+    found = await runtime.abort(rid)
+    return AbortReqOutput(success=found, rid=rid, message="" if found else f"no request {rid!r} in flight")
+
+
 @routes.post("/abort_request")
 async def abort_request(request: web.Request) -> web.Response:
     body = decode_body(await request.read(), AbortBody)
-    found = await runtime_of(request).abort(body.rid)
+    out = await abort(runtime_of(request), body.rid)
     # 200 either way, as SGLang does: the request may have finished a moment before the abort arrived.
-    message = "" if found else f"no request {body.rid!r} in flight"
-    return json_response({"success": found, "rid": body.rid, "message": message})
+    return json_response({"success": out.success, "rid": out.rid, "message": out.message})
 
 
 @routes.get("/health")

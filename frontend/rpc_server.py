@@ -1,18 +1,27 @@
-"""RpcServer: the internal RPC endpoint (--rpc-addr), serving protocol structs over a ZeroMQ ROUTER socket."""
+"""RpcServer: the internal RPC endpoint (--rpc-addr), serving protocol structs over a ZeroMQ ROUTER socket.
+
+Wire format, keys, streaming and abort: protocol/rpc.py.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 
 import msgspec
 
-from frontend.native_api import NativeGenerateRequest, collect, start_generate
+from frontend import native_api
+from frontend.http_utils import stream_many
+from frontend.native_api import NativeGenerateRequest, collect, raise_failure, start_generate
 from frontend.params import convert
+from frontend.request_state import RequestState
 from frontend.runtime import Runtime
 from protocol import rpc
-from protocol.sockets import ROUTER, FrameSocket
+from protocol.errors import ServerError
+from protocol.sockets import ROUTER, FrameSocket, PeerGone
 from protocol.structs import (
+    AbortReqInput,
     GenerateReqInput,
     GenerateReqOutput,
     ListLoRAAdaptersReqInput,
@@ -48,20 +57,44 @@ class RpcServer:
             frames = await self.sock.recv()
             if len(frames) != 3 or len(frames[1]) > rpc.MAX_REQUEST_ID_BYTES:
                 if len(frames) >= 2:
-                    await self.sock.send([frames[0], b"", rpc.encode(RpcError(error_message="expected 2 frames"))])
+                    await self._reply(frames[0], b"", RpcError(error_message="expected 2 frames"))
                 continue
             identity, request_id, payload = frames
             task = asyncio.create_task(self._answer(identity, request_id, payload))
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
 
-    async def _answer(self, identity: bytes, request_id: bytes, payload: bytes) -> None:
-        request = rpc.decode_request(payload)
+    async def _reply(self, identity: bytes, request_id: bytes, reply: msgspec.Struct) -> None:
         try:
-            reply = request if isinstance(request, RpcError) else await self._dispatch(request)
+            await self.sock.send([identity, request_id, rpc.encode(reply)])
+        except PeerGone:
+            logger.info("RPC client left before its reply")
+
+    async def _answer(self, identity: bytes, request_id: bytes, payload: bytes) -> None:
+        request, api_key = rpc.decode_request(payload)
+        try:
+            if isinstance(request, RpcError):
+                reply = request
+            elif not self._authorized(request, api_key):
+                reply = RpcError(error_message="missing or invalid API key")
+            elif isinstance(request, GenerateReqInput) and request.stream:
+                await self._stream(identity, request_id, request)
+                return
+            else:
+                reply = await self._dispatch(request)
+        except PeerGone:
+            logger.info("RPC client left mid-stream: its request was aborted")
+            return
+        except ServerError as e:
+            reply = RpcError(error_message=str(e))
         except Exception as e:  # noqa: BLE001 - every failure becomes an RpcError reply, never a silent drop
             reply = RpcError(error_message=f"{type(e).__name__}: {e}")
-        await self.sock.send([identity, request_id, rpc.encode(reply)])
+        await self._reply(identity, request_id, reply)
+
+    def _authorized(self, request: msgspec.Struct, api_key: str | None) -> bool:
+        config = self.runtime.config
+        key = config.admin_api_key if rpc.is_adapter_change(request) and config.admin_api_key else config.api_key
+        return key is None or hmac.compare_digest((api_key or "").encode(), key.encode())
 
     async def _dispatch(self, request: msgspec.Struct) -> msgspec.Struct:
         runtime = self.runtime
@@ -72,10 +105,10 @@ class RpcServer:
             return await runtime.adapters.unload(request.lora_names)
         if isinstance(request, ListLoRAAdaptersReqInput):
             return ListLoRAAdaptersReqOutput(adapters=runtime.registry.table())
+        if isinstance(request, AbortReqInput):
+            return await native_api.abort(runtime, request.rid)
         if isinstance(request, GenerateReqInput):
-            raw = {f: getattr(request, f) for f in request.__struct_fields__ if getattr(request, f) is not None}
-            body = convert(raw, NativeGenerateRequest, "generate request")
-            states, batched = await start_generate(runtime, body)
+            states, batched = await start_generate(runtime, generate_body(request))
             try:
                 outputs = await collect(runtime, states, batched)
             finally:
@@ -83,3 +116,50 @@ class RpcServer:
                     await runtime.finish(state)
             return GenerateReqOutput(outputs=outputs if batched else [outputs])
         return RpcError(error_message=f"unsupported request {type(request).__name__}")
+
+    async def _stream(self, identity: bytes, request_id: bytes, request: GenerateReqInput) -> None:
+        """Chunks of what is new, then the last one (finished=True); raises PeerGone if the client has left."""
+        runtime = self.runtime
+        states, _ = await start_generate(runtime, generate_body(request))
+        deltas = StreamDeltas(states)
+        try:
+            async for index, state in stream_many(runtime, states):
+                if state.error or all(s.finished for s in states):
+                    break  # the last chunk (or the RpcError) is sent below
+                item = deltas.take(index)
+                if item is not None:
+                    chunk = GenerateReqOutput(outputs=[item], finished=False)
+                    await self.sock.send([identity, request_id, rpc.encode(chunk)])
+            raise_failure(states)
+            last = [item for i in range(len(states)) if (item := deltas.take(i)) is not None]
+            await self.sock.send([identity, request_id, rpc.encode(GenerateReqOutput(outputs=last))])
+        finally:  # every path, a client gone included: frees the requests (and aborts the unfinished ones)
+            for state in states:
+                await runtime.finish(state)
+
+
+def generate_body(request: GenerateReqInput) -> NativeGenerateRequest:
+    raw = {f: getattr(request, f) for f in request.__struct_fields__ if getattr(request, f) is not None}
+    return convert(raw, NativeGenerateRequest, "generate request")
+
+
+class StreamDeltas:
+    """What each prompt of a stream has not been sent yet: text and token ids past the sent offsets, its finish."""
+
+    def __init__(self, states: list[RequestState]):
+        self.states = states
+        self.text_lens = [0] * len(states)
+        self.num_ids = [0] * len(states)
+        self.is_done = [False] * len(states)
+
+    def take(self, index: int) -> dict | None:
+        """The item for prompt `index` with everything new since the last take, or None if nothing is."""
+        state = self.states[index]
+        text = state.text[self.text_lens[index] :]
+        output_ids = state.output_ids[self.num_ids[index] :]
+        if not text and not output_ids and (self.is_done[index] or not state.finished):
+            return None
+        self.text_lens[index] += len(text)
+        self.num_ids[index] += len(output_ids)
+        self.is_done[index] = state.finished
+        return {"index": index, "text": text, "output_ids": output_ids, "meta_info": state.meta_info()}

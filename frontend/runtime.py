@@ -252,13 +252,15 @@ class Runtime:
         """Every request path ends here (finish, abort, disconnect, error): frees its hold and its slot."""
         if self.requests.pop(state.rid, None) is None:
             return
+        was_finished = state.finished
+        if not was_finished:
+            state.fail("aborted by the client", status=499)
+        # Counted before the hold goes: once released, an unload may drop the adapter's series.
+        self.metrics.on_finish(state)
         if state.lora_id is not None:
             self.registry.release(state.lora_id, state.rid)
-        if not state.finished:
-            state.fail("aborted by the client", status=499)
-            if self.failure is None and not self.stopping:
-                await self.scheduler.send(AbortReq(rid=state.rid))
-        self.metrics.on_finish(state)
+        if not was_finished and self.failure is None and not self.stopping:
+            await self.scheduler.send(AbortReq(rid=state.rid))
 
     async def abort(self, rid: str) -> bool:
         state = self.requests.get(rid)

@@ -104,14 +104,28 @@ class AsyncTypedSocket:
         self.sock.close(linger=0)
 
 
+class PeerGone(Exception):
+    """A ROUTER send to a peer that has disconnected: its requests should be abandoned, not finished."""
+
+
 class FrameSocket:
     """Raw multipart frames for the RPC ROUTER (asyncio) side; the encoding lives in protocol/rpc.py."""
 
     def __init__(self, kind: int, addr: str, *, bind: bool, ctx: zmq.asyncio.Context | None = None):
         self.sock = _make(ctx or zmq.asyncio.Context.instance(), kind, addr, bind)
+        if kind == ROUTER:
+            # Without this a ROUTER silently drops frames for a peer that has gone, and a stream to a vanished
+            # client would run to its end; with it the send raises, and the stream is aborted.
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
 
     async def send(self, frames: list[bytes]) -> None:
-        await self.sock.send_multipart(frames)
+        """Raises PeerGone if frames[0] (a ROUTER's peer identity) names a peer that has disconnected."""
+        try:
+            await self.sock.send_multipart(frames)
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                raise PeerGone(frames[0].hex()) from e
+            raise
 
     async def recv(self) -> list[bytes]:
         return await self.sock.recv_multipart()

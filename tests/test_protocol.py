@@ -101,10 +101,10 @@ def test_process_args_round_trip():
 
 
 def test_rpc_bad_frame_is_an_error_value():
-    assert isinstance(rpc.decode_request(b"\x01garbage"), RpcError)
-    assert isinstance(rpc.decode_request(msgspec.msgpack.encode({"type": "Nope"})), RpcError)
+    assert isinstance(rpc.decode_request(b"\x01garbage")[0], RpcError)
+    assert isinstance(rpc.decode_request(msgspec.msgpack.encode({"type": "Nope"}))[0], RpcError)
     ok = rpc.decode_request(msgspec.msgpack.encode({"type": "UnloadLoRAAdapterReqInput", "lora_names": ["a"]}))
-    assert ok == UnloadLoRAAdapterReqInput(lora_names=["a"])
+    assert ok == (UnloadLoRAAdapterReqInput(lora_names=["a"]), None)
 
 
 def test_cli_covers_every_config_field():
