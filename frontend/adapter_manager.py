@@ -139,20 +139,20 @@ class AdapterManager:
     async def load_startup(self, specs: list[LoRAAdapterSpec]) -> None:
         """--lora-paths/--lora-modules (must load), then the state file's other entries (logged and skipped when
         they no longer load); under --disable-lora-updates nothing changes after this."""
+        saved = self.state_file.read() if self.state_file is not None else []  # before any load rewrites it
         if specs:
             out = await self.load(specs)
             failed = [r for r in out.results if not r.success]
             if failed:
                 raise RuntimeError("start-up adapters failed: " + "; ".join(r.error_message for r in failed))
-        if self.state_file is not None:
-            taken = {s.lora_name for s in specs}
-            for spec in self.state_file.read():
-                if spec.lora_name in taken:
-                    continue
-                out = await self.load([spec])
-                if not out.success:
-                    logger.warning("state file %s: adapter %s skipped: %s", self.state_file.path, spec.lora_name,
-                                   out.error_message)
+        taken = {s.lora_name for s in specs}
+        for spec in saved:
+            if spec.lora_name in taken:
+                continue
+            out = await self.load([spec])
+            if not out.success:
+                logger.warning("state file %s: adapter %s skipped: %s", self.state_file.path, spec.lora_name,
+                               out.error_message)
         if self.config.disable_lora_updates:
             self.updates_open = False
 
@@ -188,7 +188,7 @@ class AdapterManager:
 
     def _commit(self, plan: AdapterToLoad, client_path: str, outcome: AdapterOutcome) -> None:
         entry = AdapterEntry(name=plan.lora_name, path=client_path, lora_id=plan.lora_id, pinned=plan.pinned,
-                             resolved_path=plan.lora_path, rank=outcome.rank,
+                             resolved_path=plan.lora_path, root=plan.root, rank=outcome.rank,
                              target_modules=list(outcome.target_modules))
         replaced = self.registry.add(entry)
         if replaced is not None:  # in-place reload: the old weights go once the requests running on them finish
@@ -200,10 +200,12 @@ class AdapterManager:
         """--lora-resolver-dir: load DIR/name as adapter `name` (caller holds the update lock)."""
         if not name or "/" in name or name.startswith(".") or "\\" in name:
             raise AdapterError(f"adapter {name!r}: not a name the resolver can look up", "invalid")
-        path = os.path.join(self.config.lora_resolver_dir, name)
+        resolver_dir = os.path.realpath(self.config.lora_resolver_dir)
+        path = os.path.join(resolver_dir, name)
         if not os.path.isdir(path):
             raise AdapterError(f"adapter {name!r} is not loaded and not in --lora-resolver-dir", "not_found")
-        planned = self.registry.plan_load([LoRAAdapterSpec(lora_name=name, lora_path=path)], replace=False)[0]
+        spec = LoRAAdapterSpec(lora_name=name, lora_path=path)
+        planned = self.registry.plan_load([spec], replace=False, root=resolver_dir)[0]
         if isinstance(planned, AdapterError):
             raise AdapterError(f"adapter {name!r} from --lora-resolver-dir: {planned}", "invalid")
         outcome = (await self._send_load([planned], "load"))[0]
@@ -217,9 +219,10 @@ class AdapterManager:
 
     async def _reload(self, entry: AdapterEntry) -> None:
         """Bring an evicted host copy back from its path (checked against the root again) under a fresh id."""
-        path = self.registry.check_path(entry.name, entry.path)
+        resolver_root = entry.root if entry.root != self.registry.path_root else None
+        path = self.registry.check_path(entry.name, entry.path, resolver_root)
         adapter = AdapterToLoad(lora_id=self.registry.mint_id(), lora_name=entry.name, lora_path=path,
-                                pinned=entry.pinned)
+                                pinned=entry.pinned, root=entry.root)
         outcome = (await self._send_load([adapter], "reload"))[0]
         if not outcome.success:
             kind = outcome.error_kind if outcome.error_kind in ("timeout", "unavailable") else "internal"

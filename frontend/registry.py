@@ -26,6 +26,7 @@ class AdapterEntry:
     lora_id: int
     pinned: bool = False
     resolved_path: str = ""  # what the workers read (symlinks resolved)
+    root: str | None = None  # every file the workers read for it must lie inside
     resident: bool = True  # the workers hold its weights (False: evicted under --max-loaded-loras, reloaded on use)
     last_used: float = field(default_factory=time.monotonic)
     rank: int = 0
@@ -92,8 +93,11 @@ class AdapterRegistry:
             raise AdapterError(f"adapter {name!r} is being unloaded", kind="busy")
         return name
 
-    def plan_load(self, specs: list[LoRAAdapterSpec], replace: bool) -> list[AdapterToLoad | AdapterError]:
-        """Check each adapter of one load and decide its id and pin: what to send the ranks, or why not."""
+    def plan_load(
+        self, specs: list[LoRAAdapterSpec], replace: bool, root: str | None = None
+    ) -> list[AdapterToLoad | AdapterError]:
+        """Check each adapter of one load and decide its id and pin: what to send the ranks, or why not.
+        `root` narrows --lora-path-root for this load (the resolver's directory)."""
         planned: list[AdapterToLoad | AdapterError] = []
         num_pinned = self.num_pinned()
         names: set[str] = set()
@@ -103,7 +107,7 @@ class AdapterRegistry:
                 if name in names:
                     raise AdapterError(f"adapter {name!r} appears twice in one request", "duplicate")
                 names.add(name)
-                path = self.check_path(name, spec.lora_path)
+                path = self.check_path(name, spec.lora_path, root)
                 old = self.get(name)
                 pinned = spec.pinned if spec.pinned is not None else bool(old and old.pinned)
                 if pinned and num_pinned - bool(old and old.pinned) + 1 > self.max_pinned:
@@ -119,17 +123,16 @@ class AdapterRegistry:
             lora_id = self.mint_id()
             replaces = old.lora_id if old is not None else None
             planned.append(AdapterToLoad(lora_id=lora_id, lora_name=name, lora_path=path, pinned=pinned,
-                                         replaces=replaces))
+                                         replaces=replaces, root=root or self.path_root))
         return planned
 
-    def check_path(self, name: str, path: object) -> str:
+    def check_path(self, name: str, path: object, root: str | None = None) -> str:
         if not isinstance(path, str) or not path:
             raise AdapterError(f"adapter {name!r}: lora_path must be a non-empty string", "invalid")
         resolved = os.path.realpath(path)
-        if self.path_root is not None and os.path.commonpath([resolved, self.path_root]) != self.path_root:
-            raise AdapterError(
-                f"adapter {name!r}: path {path!r} is outside the allowed root --lora-path-root", "forbidden"
-            )
+        for allowed, flag in ((self.path_root, "--lora-path-root"), (root, "--lora-resolver-dir")):
+            if allowed is not None and os.path.commonpath([resolved, allowed]) != allowed:
+                raise AdapterError(f"adapter {name!r}: path {path!r} is outside the allowed root {flag}", "forbidden")
         if not os.path.exists(resolved):
             raise AdapterError(f"adapter {name!r}: path {path!r} does not exist", "not_found")
         if not os.path.isdir(resolved):

@@ -129,9 +129,10 @@ class SchedulerStatsReq(Struct, frozen=True):
 class AdapterToLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     lora_id: int  # minted once by the frontend's registry, never reused
     lora_name: str  # for messages and logs only
-    lora_path: str  # resolved directory; every file read from it must stay inside --lora-path-root
+    lora_path: str  # resolved directory
     pinned: bool = False
     replaces: int | None = None  # in-place reload: the id whose pin moves to this one once it is loaded
+    root: str | None = None  # every file read for it must resolve inside (--lora-path-root, --lora-resolver-dir)
 
 
 class AdapterOutcome(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

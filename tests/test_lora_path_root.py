@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from worker_helpers import make_runner
 
 from frontend.demo_model import ATTN_MODULES
-from protocol.structs import LoRAAdapterSpec
+from protocol.structs import AdapterToLoad
 from worker.lora.adapter import WEIGHT_FILES, AdapterLoadError, _AdapterFiles, load_adapter
 from worker.model_runner import ModelRunner
 
@@ -111,19 +111,20 @@ def test_the_check_is_on_the_open_file(dirs: dict[str, Path]) -> None:
 
 
 def test_manager_refuses_and_checks_every_reload(runner: ModelRunner, dirs: dict[str, Path]) -> None:
-    [refused] = runner.lora.load([LoRAAdapterSpec(lora_name="w", lora_path=str(dirs["weights_out"]), lora_id=3)])
+    root = str(dirs["root"])
+    outside = str(dirs["weights_out"])
+    [refused] = runner.lora.load([AdapterToLoad(lora_id=3, lora_name="w", lora_path=outside, root=root)])
     assert (refused.success, refused.error_kind) == (False, "forbidden")
     assert "adapter 'w'" in refused.error_message and SAFETENSORS in refused.error_message
     assert 3 not in runner.lora.adapters
     # Loaded from inside, dropped (as a host eviction does), then the file is swapped for a link outside.
     path = dirs["root"] / "later"
     shutil.copytree(dirs["plain"], path)
-    spec = LoRAAdapterSpec(lora_name="later", lora_path=str(path), lora_id=4)
-    [first] = runner.lora.load([spec])
+    [first] = runner.lora.load([AdapterToLoad(lora_id=4, lora_name="later", lora_path=str(path), root=root)])
     assert first.success, first.error_message
     runner.lora.drop([4])
     (path / SAFETENSORS).unlink()
     (path / SAFETENSORS).symlink_to(dirs["outside"] / SAFETENSORS)
-    [again] = runner.lora.load([spec])
+    [again] = runner.lora.load([AdapterToLoad(lora_id=5, lora_name="later", lora_path=str(path), root=root)])
     assert (again.success, again.error_kind) == (False, "forbidden"), again.error_message
-    assert 4 not in runner.lora.adapters
+    assert 5 not in runner.lora.adapters

@@ -84,8 +84,8 @@ def load_adapter(
     lora_name: str = "",
     path_root: str | None = None,
 ) -> LoRAAdapter:
-    """`path_root` (--lora-path-root): every file read must lie inside it, symlinks resolved; `lora_name` is for
-    the messages."""
+    """`path_root` (--lora-path-root or --lora-resolver-dir): every file read must lie inside it, symlinks
+    resolved; `lora_name` is for the messages."""
     files = _AdapterFiles(lora_name, os.path.realpath(path_root) if path_root else None)
     config = _read_config(path, model_config, pool_spec, files)
     tensors = _read_tensors(path, pool_spec.dtype, files)
@@ -110,14 +110,15 @@ def load_adapter(
 @dataclass(frozen=True)
 class _AdapterFiles:
     lora_name: str
-    root: str | None  # --lora-path-root, symlinks resolved; None = read anywhere
+    root: str | None  # --lora-path-root or --lora-resolver-dir, symlinks resolved; None = read anywhere
 
     def check_dir(self, path: str) -> None:
         """An early, friendlier refusal of a directory outside the root (it also keeps the existence checks below
         from probing outside). Not the guarantee: `open` checks every file where it really is."""
         if self.root is not None and not _is_inside(os.path.realpath(path), self.root):
             raise AdapterLoadError(
-                f"adapter {self.lora_name!r}: path {path!r} is outside the allowed root --lora-path-root", "forbidden"
+                f"adapter {self.lora_name!r}: path {path!r} is outside the allowed root {self.root} "
+                f"(--lora-path-root or --lora-resolver-dir)", "forbidden"
             )
 
     @contextlib.contextmanager
@@ -135,14 +136,14 @@ class _AdapterFiles:
                 real_path = os.readlink(fd_path)
             except OSError as e:  # no /proc: refuse rather than read unchecked
                 raise AdapterLoadError(
-                    f"adapter {self.lora_name!r}: cannot confirm that {path!r} lies inside --lora-path-root "
-                    f"({type(e).__name__}: {e})",
+                    f"adapter {self.lora_name!r}: cannot confirm that {path!r} lies inside the allowed root "
+                    f"{self.root} ({type(e).__name__}: {e})",
                     "internal",
                 ) from e
             if not _is_inside(real_path, self.root):
                 raise AdapterLoadError(
-                    f"adapter {self.lora_name!r}: file {path!r} resolves outside the allowed root --lora-path-root "
-                    "(symlinks resolved)",
+                    f"adapter {self.lora_name!r}: file {path!r} resolves outside the allowed root {self.root} "
+                    "(--lora-path-root or --lora-resolver-dir; symlinks resolved)",
                     "forbidden",
                 )
             yield file, fd_path

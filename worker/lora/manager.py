@@ -49,7 +49,6 @@ class LoRAManager:
                 "(the launcher infers them from --lora-paths)"
             )
         self.model_config = model_config
-        self.lora_path_root = config.lora_path_root  # every file read is checked against it, reloads too
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.spec = PoolSpec(
             max_lora_rank=config.max_lora_rank,
@@ -94,7 +93,7 @@ class LoRAManager:
                     self.tp_rank,
                     self.tp_size,
                     lora_name=spec.lora_name,
-                    path_root=self.lora_path_root,
+                    path_root=spec.root,  # every file read is checked against it, reloads too
                 )
                 outcomes.append(adapter)
             except AdapterLoadError as e:
