@@ -127,7 +127,7 @@ def test_residency_gauges_follow_the_scheduler() -> None:
     metrics = Metrics(BASE)
     metrics.set_loaded(3)
     names = {1: "a", 2: "b", 3: "c"}
-    stats = SchedulerStats(num_running=3, num_waiting=1, kv_usage=0.25, running_lora_ids=[1, 2],
+    stats = SchedulerStats(op_id=0, num_running=3, num_waiting=1, kv_usage=0.25, running_lora_ids=[1, 2],
                            waiting_lora_ids=[3], slot_lora_ids=[2, -1, 1, -1])
     metrics.update_scheduler(stats, 4, names)
     _, samples = parse(metrics.render().decode())
@@ -141,7 +141,7 @@ def test_residency_gauges_follow_the_scheduler() -> None:
     ]
     assert value(samples, "vllm:num_requests_running", model_name=BASE) == 3
     # "a" leaves its slot, "c" takes one and "b" is unloaded: its series go at the next update
-    stats = SchedulerStats(num_running=1, num_waiting=0, kv_usage=0.1, running_lora_ids=[3], slot_lora_ids=[3, -1])
+    stats = SchedulerStats(op_id=0, num_running=1, num_waiting=0, kv_usage=0.1, running_lora_ids=[3], slot_lora_ids=[3, -1])
     metrics.update_scheduler(stats, 4, {1: "a", 3: "c"})
     _, samples = parse(metrics.render().decode())
     resident = {dict(labels)["adapter"]: v for (name, labels), v in samples.items()
