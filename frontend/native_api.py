@@ -7,10 +7,20 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from frontend.http_utils import json_response, send_sse, send_sse_done, start_sse, stream_many, wait_all
-from frontend.params import NativeGenerateRequest, decode_body, native_sampling, parse_native_generate
+from frontend.http_utils import (
+    error_response,
+    json_response,
+    read_request,
+    send_sse,
+    send_sse_done,
+    start_sse,
+    stream_many,
+    wait_all,
+)
+from frontend.params import NativeGenerateRequest, native_sampling, strip_native
 from frontend.registry import AdapterError
 from frontend.request_state import RequestState
+from frontend.responses import AbortResponse, AdapterReply, AdapterResult, HealthResponse, ModelInfoResponse
 from frontend.runtime import InputError, Runtime
 from protocol.structs import LoadLoRAAdapterReqOutput, LoRAAdapterSpec, UnloadLoRAAdapterReqOutput
 
@@ -115,14 +125,14 @@ async def stream_chunks(runtime: Runtime, states: list[RequestState], batched: b
 async def generate(request: web.Request) -> web.StreamResponse:
     runtime = runtime_of(request)
     runtime.check_available()
-    body = parse_native_generate(await request.read())
+    body = await read_request(request, NativeGenerateRequest, strip_native)
     states, batched = await start_generate(runtime, body)
     try:
         if not body.stream:
             try:
                 return json_response(await collect(runtime, states, batched))
             except GenerationFailed as e:
-                return json_response({"error": {"message": str(e), "code": e.status}}, e.status)
+                return error_response(str(e), e.status)
         resp = await start_sse(request)
         async for chunk in stream_chunks(runtime, states, batched):
             await send_sse(resp, chunk)
@@ -139,20 +149,20 @@ class AbortBody(msgspec.Struct, forbid_unknown_fields=True):
 
 @routes.post("/abort_request")
 async def abort_request(request: web.Request) -> web.Response:
-    body = decode_body(await request.read(), AbortBody)
+    body = await read_request(request, AbortBody)
     found = await runtime_of(request).abort(body.rid)
     # 200 either way, as SGLang does: the request may have finished a moment before the abort arrived.
     message = "" if found else f"no request {body.rid!r} in flight"
-    return json_response({"success": found, "rid": body.rid, "message": message})
+    return json_response(AbortResponse(success=found, rid=body.rid, message=message))
 
 
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
     runtime = runtime_of(request)
     if runtime.healthy:
-        return json_response({"status": "ok"})
+        return json_response(HealthResponse(status="ok"))
     reason = runtime.failure or ("shutting down" if runtime.stopping else "starting")
-    return json_response({"status": "unhealthy", "reason": reason}, 503)
+    return json_response(HealthResponse(status="unhealthy", reason=reason), 503)
 
 
 @routes.get("/server_info")
@@ -194,8 +204,8 @@ async def server_info(request: web.Request) -> web.Response:
 @routes.get("/get_model_info")
 async def model_info(request: web.Request) -> web.Response:
     runtime = runtime_of(request)
-    return json_response({"model_path": runtime.config.model_path, "served_model_name": runtime.config.model_name,
-                          "is_generation": True})
+    return json_response(ModelInfoResponse(model_path=runtime.config.model_path,
+                                           served_model_name=runtime.config.model_name, is_generation=True))
 
 
 @routes.get("/metrics")
@@ -232,22 +242,16 @@ class UnloadBody(msgspec.Struct, forbid_unknown_fields=True):
     lora_names: list[str] | None = None
 
 
-def result_list(out: LoadLoRAAdapterReqOutput | UnloadLoRAAdapterReqOutput) -> list[dict]:
-    return [{"lora_name": r.lora_name, "success": r.success, "error_message": r.error_message} for r in out.results]
-
-
-def adapter_reply(out: Any, batch: bool) -> web.Response:
-    if batch:
-        body = {"success": out.success, "error_message": out.error_message, "results": result_list(out),
-                "loaded_adapters": out.loaded_adapters}
-        return json_response(body, 200 if out.success else 400)
-    body = {"success": out.success, "error_message": out.error_message, "loaded_adapters": out.loaded_adapters}
-    return json_response(body, 200 if out.success else 400)
+def adapter_reply(out: LoadLoRAAdapterReqOutput | UnloadLoRAAdapterReqOutput, batch: bool) -> web.Response:
+    results = [AdapterResult(r.lora_name, r.success, r.error_message) for r in out.results] if batch else None
+    reply = AdapterReply(success=out.success, error_message=out.error_message, loaded_adapters=out.loaded_adapters,
+                         results=results)
+    return json_response(reply, 200 if out.success else 400)
 
 
 @routes.post("/load_lora_adapter")
 async def load_lora_adapter(request: web.Request) -> web.Response:
-    body = decode_body(await request.read(), LoadBody)
+    body = await read_request(request, LoadBody)
     if body.adapters is not None:
         if body.lora_name is not None or body.lora_path is not None:
             raise InputError("give either 'adapters' or 'lora_name'/'lora_path', not both")
@@ -266,7 +270,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
 
 @routes.post("/unload_lora_adapter")
 async def unload_lora_adapter(request: web.Request) -> web.Response:
-    body = decode_body(await request.read(), UnloadBody)
+    body = await read_request(request, UnloadBody)
     if (body.lora_name is None) == (body.lora_names is None):
         raise InputError("give exactly one of 'lora_name' or 'lora_names'")
     names = body.lora_names if body.lora_names is not None else [body.lora_name]

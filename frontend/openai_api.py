@@ -4,20 +4,51 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from aiohttp import web
 
-from frontend.http_utils import error_response, json_response, send_sse, send_sse_done, start_sse, stream_many, wait_all
+from frontend.http_utils import (
+    error_response,
+    json_response,
+    read_request,
+    send_sse,
+    send_sse_done,
+    start_sse,
+    stream_many,
+    wait_all,
+)
 from frontend.native_api import runtime_of, submit_all
-from frontend.params import convert, decode_body, decode_json_object, make_sampling, stop_list, strip_neutral
+from frontend.params import (
+    Int64,
+    Seed,
+    Temperature,
+    TokenCount,
+    TokenId,
+    TopK,
+    TopP,
+    make_sampling,
+    stop_list,
+    strip_neutral,
+)
 from frontend.registry import AdapterError
 from frontend.request_state import RequestState
+from frontend.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+)
 from frontend.runtime import InputError, Runtime
 from protocol.structs import LoRAAdapterSpec
 
 routes = web.RouteTableDef()
+MAX_N = 16
 
 # OpenAI parameters we do not implement, with the neutral values that mean "off" and are therefore accepted.
 NEUTRAL = {
@@ -50,24 +81,24 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     continuous_usage_stats: bool = False
 
 
-class CommonParams(msgspec.Struct, kw_only=True):
+class CommonParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
-    n: int = 1
+    seed: Seed | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
     user: str | None = None
     ignore_eos: bool = False
 
 
 class CompletionRequest(CommonParams, kw_only=True):
-    prompt: str | list[str | int | list[int]]  # text, texts, token ids, or lists of token ids
+    prompt: str | list[str | TokenId | list[TokenId]]  # text, texts, token ids, or lists of token ids
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -80,9 +111,10 @@ class ChatRequest(CommonParams, kw_only=True):
     messages: list[ChatMessage]
 
 
-def parse_openai(body: bytes, schema: type) -> Any:
-    raw = strip_neutral(decode_json_object(body), set(schema.__struct_fields__), NEUTRAL, "parameter")
-    return convert(raw, schema, "request")
+async def read_openai(request: web.Request, schema: type[CommonParams]) -> Any:
+    return await read_request(
+        request, schema, lambda raw: strip_neutral(raw, set(schema.__struct_fields__), NEUTRAL, "parameter")
+    )
 
 
 def resolve_model(runtime: Runtime, model: str) -> tuple[str | None, str]:
@@ -102,8 +134,8 @@ def resolve_model(runtime: Runtime, model: str) -> tuple[str | None, str]:
 
 
 def openai_sampling(runtime: Runtime, req: CommonParams, prompt_len: int, default_max: int | None) -> Any:
-    if req.n < 1 or req.n > 16:
-        raise InputError(f"n must be in [1, 16], got {req.n}")
+    if req.n < 1 or req.n > MAX_N:
+        raise InputError(f"n must be in [1, {MAX_N}], got {req.n}")
     if req.stream_options is not None and not req.stream:
         raise InputError("stream_options is only allowed with stream: true")
     if (
@@ -138,13 +170,11 @@ def finish_reason(state: RequestState) -> str | None:
     return {"stop": "stop", "length": "length"}.get(state.finish_reason["type"], "abort")
 
 
-def usage(states: list[RequestState], num_prompts_tokens: int) -> dict:
+def usage(states: list[RequestState], num_prompts_tokens: int) -> Usage:
     completion = sum(len(s.output_ids) for s in states)
-    return {
-        "prompt_tokens": num_prompts_tokens,
-        "completion_tokens": completion,
-        "total_tokens": num_prompts_tokens + completion,
-    }
+    return Usage(
+        prompt_tokens=num_prompts_tokens, completion_tokens=completion, total_tokens=num_prompts_tokens + completion
+    )
 
 
 async def run_openai(
@@ -176,21 +206,21 @@ async def run_openai(
         if failed is not None:
             return error_response(failed.error, failed.error_status)
         if chat:
-            choices = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": s.text},
-                    "logprobs": None,
-                    "finish_reason": finish_reason(s),
-                }
+            chat_choices = [
+                ChatChoice(index=i, message=AssistantMessage(role="assistant", content=s.text), logprobs=None,
+                           finish_reason=finish_reason(s))
                 for i, s in enumerate(states)
             ]
-        else:
-            choices = [
-                {"index": i, "text": s.text, "logprobs": None, "finish_reason": finish_reason(s)}
-                for i, s in enumerate(states)
-            ]
-        return json_response({**base, "object": kind, "choices": choices, "usage": usage(states, prompt_tokens)})
+            return json_response(ChatCompletionResponse(
+                **base, object="chat.completion", choices=chat_choices, usage=usage(states, prompt_tokens)
+            ))
+        choices = [
+            CompletionChoice(index=i, text=s.text, logprobs=None, finish_reason=finish_reason(s))
+            for i, s in enumerate(states)
+        ]
+        return json_response(CompletionResponse(
+            **base, object="text_completion", choices=choices, usage=usage(states, prompt_tokens)
+        ))
     finally:
         for state in states:
             await runtime.finish(state)
@@ -256,7 +286,7 @@ async def stream_openai(
 @routes.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     runtime = runtime_of(request)
-    req = parse_openai(await request.read(), CompletionRequest)
+    req = await read_openai(request, CompletionRequest)
     prompt = req.prompt
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -301,7 +331,7 @@ def chat_prompt(runtime: Runtime, messages: list[ChatMessage]) -> list[int]:
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     runtime = runtime_of(request)
-    req = parse_openai(await request.read(), ChatRequest)
+    req = await read_openai(request, ChatRequest)
     prompt = chat_prompt(runtime, req.messages)
     return await run_openai(request, req, [prompt], chat=True, default_max=None)
 
@@ -312,29 +342,15 @@ async def models(request: web.Request) -> web.Response:
     base = runtime.config.model_name
     created = int(time.time())
     cards = [
-        {
-            "id": base,
-            "object": "model",
-            "created": created,
-            "owned_by": "loraplex",
-            "root": runtime.model_dir,
-            "parent": None,
-            "max_model_len": runtime.ready.context_length if runtime.ready else None,
-        }
+        ModelCard(id=base, object="model", created=created, owned_by="loraplex", root=runtime.model_dir, parent=None,
+                  max_model_len=runtime.ready.context_length if runtime.ready else None)
     ]
-    for entry in runtime.registry.live():
-        if not entry.draining:
-            cards.append(
-                {
-                    "id": entry.name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "loraplex",
-                    "root": entry.path,
-                    "parent": base,
-                }
-            )
-    return json_response({"object": "list", "data": cards})
+    cards += [
+        ModelCard(id=entry.name, object="model", created=created, owned_by="loraplex", root=entry.path, parent=base)
+        for entry in runtime.registry.live()
+        if not entry.draining
+    ]
+    return json_response(ModelList(object="list", data=cards))
 
 
 class VllmLoadBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -346,7 +362,7 @@ class VllmLoadBody(msgspec.Struct, forbid_unknown_fields=True):
 
 class VllmUnloadBody(msgspec.Struct, forbid_unknown_fields=True):
     lora_name: str
-    lora_int_id: int | None = None
+    lora_int_id: Int64 | None = None  # accepted for vLLM clients, unused
 
 
 STATUS_BY_KIND = {"not_found": 404, "forbidden": 400, "duplicate": 400, "busy": 409, "internal": 500}
@@ -354,7 +370,7 @@ STATUS_BY_KIND = {"not_found": 404, "forbidden": 400, "duplicate": 400, "busy": 
 
 @routes.post("/v1/load_lora_adapter")
 async def vllm_load(request: web.Request) -> web.Response:
-    body = decode_body(await request.read(), VllmLoadBody)
+    body = await read_request(request, VllmLoadBody)
     runtime = runtime_of(request)
     runtime.check_available()
     spec = LoRAAdapterSpec(lora_name=body.lora_name, lora_path=body.lora_path, pinned=body.pinned)
@@ -367,7 +383,7 @@ async def vllm_load(request: web.Request) -> web.Response:
 
 @routes.post("/v1/unload_lora_adapter")
 async def vllm_unload(request: web.Request) -> web.Response:
-    body = decode_body(await request.read(), VllmUnloadBody)
+    body = await read_request(request, VllmUnloadBody)
     runtime = runtime_of(request)
     runtime.check_available()
     out = await runtime.adapters.unload([body.lora_name])
