@@ -8,6 +8,7 @@ import msgspec
 from aiohttp import web
 
 from frontend.http_utils import (
+    error_body,
     error_response,
     json_response,
     read_request,
@@ -114,8 +115,10 @@ async def collect(runtime: Runtime, states: list[RequestState], batched: bool) -
 
 async def stream_chunks(runtime: Runtime, states: list[RequestState], batched: bool):
     async for index, state in stream_many(runtime, states):
-        chunk = {"error": {"message": state.error, "code": state.error_status}} if state.error \
-            else generate_response(state)
+        if state.error:
+            chunk = msgspec.to_builtins(error_body(state.error, state.error_status))
+        else:
+            chunk = generate_response(state)
         if batched:
             chunk["index"] = index
         yield chunk

@@ -10,6 +10,7 @@ import msgspec
 from aiohttp import web
 
 from frontend.http_utils import (
+    error_body,
     error_response,
     json_response,
     read_request,
@@ -37,8 +38,12 @@ from frontend.request_state import RequestState
 from frontend.responses import (
     AssistantMessage,
     ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
     ChatCompletionResponse,
+    ChatDelta,
     CompletionChoice,
+    CompletionChunk,
     CompletionResponse,
     ModelCard,
     ModelList,
@@ -192,7 +197,6 @@ async def run_openai(
     try:
         for prompt, sampling in jobs:
             states += await submit_all(runtime, [prompt], sampling, stops, [lora_name], [None])
-        kind = "chat.completion" if chat else "text_completion"
         base = {
             "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "created": int(time.time()),
@@ -200,7 +204,7 @@ async def run_openai(
         }
         prompt_tokens = sum(len(s.prompt_ids) for s in states)
         if req.stream:
-            return await stream_openai(request, runtime, req, states, base, kind, chat, prompt_tokens)
+            return await stream_openai(request, runtime, req, states, base, chat, prompt_tokens)
         await wait_all(runtime, states)
         failed = next((s for s in states if s.error), None)
         if failed is not None:
@@ -232,35 +236,24 @@ async def stream_openai(
     req: CommonParams,
     states: list[RequestState],
     base: dict,
-    kind: str,
     chat: bool,
     prompt_tokens: int,
 ) -> web.StreamResponse:
     resp = await start_sse(request)
-    chunk_kind = kind + ".chunk" if chat else kind
     sent = [0] * len(states)
+
+    def chunk(choices: list, usage_: Usage | None = None) -> CompletionChunk | ChatCompletionChunk:
+        if chat:
+            return ChatCompletionChunk(**base, object="chat.completion.chunk", choices=choices, usage=usage_)
+        return CompletionChunk(**base, object="text_completion", choices=choices, usage=usage_)
+
     if chat:
         for i in range(len(states)):
-            await send_sse(
-                resp,
-                {
-                    **base,
-                    "object": chunk_kind,
-                    "choices": [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                },
-            )
+            delta = ChatDelta(role="assistant", content="")
+            await send_sse(resp, chunk([ChatChunkChoice(index=i, delta=delta, logprobs=None, finish_reason=None)]))
     async for i, state in stream_many(runtime, states):
         if state.error:
-            await send_sse(
-                resp, {"error": {"message": state.error, "type": "InternalServerError", "code": state.error_status}}
-            )
+            await send_sse(resp, error_body(state.error, state.error_status))
             continue
         delta_text = state.text[sent[i] :]
         sent[i] = len(state.text)
@@ -268,17 +261,13 @@ async def stream_openai(
         if not delta_text and reason is None:
             continue
         if chat:
-            choice = {
-                "index": i,
-                "delta": {"content": delta_text} if delta_text else {},
-                "logprobs": None,
-                "finish_reason": reason,
-            }
+            delta = ChatDelta(content=delta_text) if delta_text else ChatDelta()
+            choice = ChatChunkChoice(index=i, delta=delta, logprobs=None, finish_reason=reason)
         else:
-            choice = {"index": i, "text": delta_text, "logprobs": None, "finish_reason": reason}
-        await send_sse(resp, {**base, "object": chunk_kind, "choices": [choice]})
+            choice = CompletionChoice(index=i, text=delta_text, logprobs=None, finish_reason=reason)
+        await send_sse(resp, chunk([choice]))
     if req.stream_options is not None and req.stream_options.include_usage:
-        await send_sse(resp, {**base, "object": chunk_kind, "choices": [], "usage": usage(states, prompt_tokens)})
+        await send_sse(resp, chunk([], usage(states, prompt_tokens)))
     await send_sse_done(resp)
     return resp
 

@@ -16,7 +16,7 @@ from frontend.params import NativeGenerateRequest
 
 routes = web.RouteTableDef()
 
-SSE = "text/event-stream"  # `data: {json}` chunks, then `data: [DONE]`
+SSE = "text/event-stream"  # `data: {json}` events, then `data: [DONE]`; its entry names the events' types
 TEXT = "text/plain"
 
 # Failures every route can answer (the key check, the server starting or failing); POST routes add the body's.
@@ -36,14 +36,15 @@ class Route(NamedTuple):
     path: str
     summary: str
     request: Any  # a Struct type, or None for no body
-    ok: dict[str, Any]  # content type -> schema type (or None: a plain string) of the 200 answer
+    ok: dict[str, Any]  # content type -> the 200 body's type (None: a plain string; SSE: a tuple of event types)
     errors: dict[int, str]  # status -> when
     error_types: dict[int, tuple] = {}  # status -> the types its body may have, where it is not ErrorResponse
 
 
 ROUTES = [
     Route("post", "/generate", "Generate (SGLang's API); a batch for list input; SSE with stream: true",
-          NativeGenerateRequest, {"application/json": r.GenerateResponse | list[r.GenerateResponse], SSE: None},
+          NativeGenerateRequest,
+          {"application/json": r.GenerateResponse | list[r.GenerateResponse], SSE: (r.GenerateChunk, r.ErrorResponse)},
           POST_ERRORS),
     Route("post", "/abort_request", "Abort a request by rid (200 whether or not it was in flight)",
           AbortBody, {"application/json": r.AbortResponse}, POST_ERRORS),
@@ -65,9 +66,11 @@ ROUTES = [
     Route("get", "/get_model_info", "The base model", None, {"application/json": r.ModelInfoResponse}, GET_ERRORS),
     Route("get", "/metrics", "Prometheus metrics", None, {TEXT: None}, GET_ERRORS),
     Route("post", "/v1/completions", "OpenAI completions; SSE with stream: true", CompletionRequest,
-          {"application/json": r.CompletionResponse, SSE: None}, {**POST_ERRORS, 404: "unknown model"}),
+          {"application/json": r.CompletionResponse, SSE: (r.CompletionChunk, r.ErrorResponse)},
+          {**POST_ERRORS, 404: "unknown model"}),
     Route("post", "/v1/chat/completions", "OpenAI chat completions; SSE with stream: true", ChatRequest,
-          {"application/json": r.ChatCompletionResponse, SSE: None}, {**POST_ERRORS, 404: "unknown model"}),
+          {"application/json": r.ChatCompletionResponse, SSE: (r.ChatCompletionChunk, r.ErrorResponse)},
+          {**POST_ERRORS, 404: "unknown model"}),
     Route("get", "/v1/models", "The base model, then one card per adapter", None,
           {"application/json": r.ModelList}, GET_ERRORS),
     Route("post", "/v1/load_lora_adapter", "Load an adapter (vLLM's API)", VllmLoadBody, {TEXT: None},
@@ -84,18 +87,25 @@ def openapi_document() -> dict:
     types = [r.ErrorResponse]
     for route in ROUTES:
         types += [route.request] if route.request is not None else []
-        types += [t for t in route.ok.values() if t is not None]
+        for t in route.ok.values():
+            types += list(t) if isinstance(t, tuple) else [t] if t is not None else []
         types += [t for alternatives in route.error_types.values() for t in alternatives]
     schemas, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     schema_of = {id(t): s for t, s in zip(types, schemas, strict=True)}
 
-    def content(content_type: str, t: Any) -> dict:
-        return {content_type: {"schema": {"type": "string"} if t is None else schema_of[id(t)]}}
+    def one_of(alternatives: tuple) -> dict:
+        schemas = [schema_of[id(t)] for t in alternatives]
+        return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
-    def error_content(alternatives: tuple) -> dict:
-        if len(alternatives) == 1:
-            return content("application/json", alternatives[0])
-        return {"application/json": {"schema": {"anyOf": [schema_of[id(t)] for t in alternatives]}}}
+    def content(content_type: str, t: Any) -> dict:
+        if t is None:
+            return {content_type: {"schema": {"type": "string"}}}
+        if content_type == SSE:  # the schema of one event (OpenAPI 3.1; 3.2 would call it itemSchema)
+            data = {"type": "string", "contentMediaType": "application/json", "contentSchema": one_of(t)}
+            event = {"type": "object", "required": ["data"],
+                     "properties": {"data": {"anyOf": [{"const": "[DONE]"}, data]}}}
+            return {SSE: {"schema": event}}
+        return {content_type: {"schema": one_of(t if isinstance(t, tuple) else (t,))}}
 
     paths: dict[str, dict] = {}
     for route in ROUTES:
@@ -105,7 +115,7 @@ def openapi_document() -> dict:
         answers = {"200": {"description": "OK", "content": ok}}
         for status, when in sorted(route.errors.items()):
             alternatives = route.error_types.get(status, (r.ErrorResponse,))
-            answers[str(status)] = {"description": when, "content": error_content(alternatives)}
+            answers[str(status)] = {"description": when, "content": content("application/json", alternatives)}
         op: dict[str, Any] = {"summary": route.summary, "operationId": route.method + route.path.replace("/", "_"),
                               "responses": answers}
         if route.request is not None:

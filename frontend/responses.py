@@ -51,6 +51,15 @@ class GenerateResponse(msgspec.Struct):
     meta_info: MetaInfo
 
 
+class GenerateChunk(msgspec.Struct, omit_defaults=True):
+    """One streamed /generate event: the item's state so far; `index` is its place in a batch."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+    index: int | None = None
+
+
 class AbortResponse(msgspec.Struct):
     success: bool  # False: no request with that rid was in flight
     rid: str
@@ -168,6 +177,36 @@ class ChatCompletionResponse(msgspec.Struct):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+class CompletionChunk(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]  # empty in the last chunk, which carries usage (stream_options.include_usage)
+    usage: Usage | None = None
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: None
+    finish_reason: FinishReason
+
+
+class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
 
 
 class ModelCard(msgspec.Struct, omit_defaults=True):
