@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from aiohttp import web
@@ -106,9 +106,14 @@ class CompletionRequest(CommonParams, kw_only=True):
     prompt: str | list[str | TokenId | list[TokenId]]  # text, texts, token ids, or lists of token ids
 
 
+class TextPart(msgspec.Struct, kw_only=True):
+    type: Literal["text"]  # the only content part supported
+    text: str
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
-    content: str | list[dict] | None = None
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
 
 
@@ -299,16 +304,7 @@ def chat_prompt(runtime: Runtime, messages: list[ChatMessage]) -> list[int]:
         raise InputError(f"model {runtime.config.model_name!r} has no chat template, so it cannot take 'messages'")
     rendered = []
     for m in messages:
-        if m.role not in ("system", "user", "assistant", "tool", "developer"):
-            raise InputError(f"unknown message role {m.role!r}")
-        content = m.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InputError("only text content parts are supported")
-                parts.append(part["text"])
-            content = "".join(parts)
+        content = "".join(part.text for part in m.content) if isinstance(m.content, list) else m.content
         rendered.append({"role": m.role, "content": content or ""})
     try:
         text = runtime.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
