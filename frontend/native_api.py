@@ -18,7 +18,7 @@ from frontend.http_utils import (
     stream_many,
     wait_all,
 )
-from frontend.params import NativeGenerateRequest, native_sampling, strip_native
+from frontend.params import AdapterPath, NativeGenerateRequest, native_sampling, strip_native
 from frontend.registry import AdapterError
 from frontend.request_state import RequestState
 from frontend.responses import AbortResponse, AdapterReply, AdapterResult, HealthResponse, ModelInfoResponse
@@ -229,13 +229,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 class AdapterSpecBody(msgspec.Struct, forbid_unknown_fields=True):
     lora_name: str
-    lora_path: str
+    lora_path: AdapterPath
     pinned: bool = False
 
 
 class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
     lora_name: str | None = None
-    lora_path: str | None = None
+    lora_path: AdapterPath | None = None
     pinned: bool = False
     adapters: list[AdapterSpecBody] | None = None
 

@@ -22,6 +22,7 @@ from frontend.http_utils import (
 )
 from frontend.native_api import runtime_of, submit_all
 from frontend.params import (
+    AdapterPath,
     Int64,
     Seed,
     Temperature,
@@ -340,7 +341,7 @@ async def models(request: web.Request) -> web.Response:
 
 class VllmLoadBody(msgspec.Struct, forbid_unknown_fields=True):
     lora_name: str
-    lora_path: str
+    lora_path: AdapterPath
     load_inplace: bool = False
     pinned: bool = False
 

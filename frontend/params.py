@@ -23,6 +23,8 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, msgspec.Meta(ge=-1, le=MAX_INT64, description="-1 or 0 = the whole vocabulary")]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
+# The OS cannot take a NUL byte in a path: refused here, before any file call raises on it.
+AdapterPath = Annotated[str, msgspec.Meta(pattern=r"^[^\x00]*$", description="a directory holding a PEFT adapter")]
 
 
 class NativeSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -171,7 +171,7 @@ def test_over_size_body_gets_a_json_413(server, path):
     assert_json_error(resp, 413, "limit")
 
 
-def test_huge_and_mistyped_numbers_are_refused(server):
+def test_huge_or_mistyped_numbers_and_nul_paths_are_refused(server):
     cases = [
         ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": "4"}}, "Expected `int`"),
         ("/generate", {"text": "hi", "sampling_params": {"top_k": 2**64}}, "<= 9223372036854775807"),
@@ -185,6 +185,9 @@ def test_huge_and_mistyped_numbers_are_refused(server):
         ("/v1/completions", {"model": "x", "prompt": "hi", "n": 17}, "<= 16"),
         ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/p", "load_inplace": "false"}, "Expected `bool`"),
         ("/v1/unload_lora_adapter", {"lora_name": "a", "lora_int_id": 2**64}, "<= 9223372036854775807"),
+        ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp/\x00a"}, "lora_path"),
+        ("/load_lora_adapter", {"adapters": [{"lora_name": "a", "lora_path": "\x00"}]}, "lora_path"),
+        ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp/\x00a"}, "lora_path"),
     ]
     for path, body, words in cases:
         assert_json_error(requests.post(server.url + path, json=body, headers=AUTH, timeout=60), 400, words)
