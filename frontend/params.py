@@ -11,8 +11,8 @@ from frontend.runtime import InputError
 from protocol.structs import SamplingParams
 
 T = TypeVar("T")
-MAX_SEED = 2**63 - 1
 MAX_INT64 = 2**63 - 1
+MAX_SEED = MAX_INT64
 
 # Field types with their ranges, so the schemas (and /openapi.json) state them. Every int is bounded: the processes
 # carry ints as int64, and one past that must be refused here, not found overflowing the wire encoder.
@@ -91,9 +91,9 @@ def strip_neutral(raw: dict, known: set[str], neutral: dict[str, tuple], what: s
         if key in known:
             continue
         if key not in neutral:
-            raise InputError(f"unknown {what} {key!r}")
+            raise InputError(f"unknown {what} {brief(key)}")
         if not _is_neutral(raw[key], neutral[key]):
-            raise InputError(f"{what} {key!r} is not supported (got {brief(raw[key])})")
+            raise InputError(f"{what} {brief(key)} is not supported (got {brief(raw[key])})")
         del raw[key]
     return raw
 

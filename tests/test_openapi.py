@@ -162,6 +162,8 @@ def test_bodies_the_parser_cannot_take_get_a_json_400(server, path):
     nested = b"[" * 900 + b"]" * 900
     resp = post(b'{"logit_bias": ' + nested + b', "metadata": ' + nested + b', "return_logprob": ' + nested + b"}")
     assert resp.status_code == 400 and "error" in resp.json()
+    resp = post(b'{"' + b"k" * 2**20 + b'": 1}')  # an unknown field's name is quoted, cut short
+    assert resp.status_code == 400 and len(resp.content) < 1000
     assert server.get("/health").status_code == 200
 
 
