@@ -13,6 +13,7 @@ from protocol.structs import SamplingParams
 T = TypeVar("T")
 MAX_INT64 = 2**63 - 1
 MAX_SEED = MAX_INT64
+MAX_MESSAGE_LEN = 400  # error messages quote the input, cut to this
 
 # Field types with their ranges, so the schemas (and /openapi.json) state them. Every int is bounded: the processes
 # carry ints as int64, and one past that must be refused here, not found overflowing the wire encoder.
@@ -98,13 +99,16 @@ def strip_neutral(raw: dict, known: set[str], neutral: dict[str, tuple], what: s
     return raw
 
 
+def cut(text: str, max_len: int) -> str:
+    return text if len(text) <= max_len else text[: max_len - 3] + "..."
+
+
 def brief(value: object, max_len: int = 80) -> str:
     """A value for an error message: short, and safe for any decoded body (however long or deeply nested)."""
     try:
-        text = repr(value)
+        return cut(repr(value), max_len)
     except RecursionError:
         return "a deeply nested value"
-    return text if len(text) <= max_len else text[: max_len - 3] + "..."
 
 
 def decode_body(body: bytes, schema: type[T], strip: Callable[[dict], object] | None = None) -> T:
@@ -139,8 +143,8 @@ def strip_native(raw: dict) -> None:
 def convert(value: Any, schema: type[T], what: str) -> T:
     try:
         return msgspec.convert(value, schema)
-    except msgspec.ValidationError as e:
-        raise InputError(f"invalid {what}: {e}") from e
+    except msgspec.ValidationError as e:  # its message may quote a field name of any length
+        raise InputError(f"invalid {what}: {cut(str(e), MAX_MESSAGE_LEN)}") from e
     except RecursionError as e:
         raise InputError(f"invalid {what}: nested too deeply") from e
 
