@@ -9,7 +9,7 @@ import signal
 
 from aiohttp import web
 
-from frontend import native_api, openai_api
+from frontend import native_api, openai_api, openapi
 from frontend.http_utils import error_response
 from frontend.runtime import Runtime
 from protocol.errors import ServerError, http_status
@@ -61,6 +61,7 @@ def create_app(runtime: Runtime) -> web.Application:
     app["runtime"] = runtime
     app.add_routes(native_api.routes)
     app.add_routes(openai_api.routes)
+    app.add_routes(openapi.routes)
     return app
 
 

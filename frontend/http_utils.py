@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 import msgspec
 from aiohttp import web
 
+from frontend.params import decode_body
 from frontend.request_state import RequestState
+from frontend.responses import ErrorDetail, ErrorResponse
 from frontend.runtime import Runtime
+
+T = TypeVar("T")
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                404: "NotFoundError", 409: "ConflictError", 413: "RequestTooLarge", 499: "ClientClosedRequest",
@@ -22,12 +27,25 @@ def json_response(obj: object, status: int = 200) -> web.Response:
     return web.Response(body=_encoder.encode(obj), status=status, content_type="application/json")
 
 
-def error_body(message: str, status: int) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"), "code": status}}
+def error_body(message: str, status: int) -> ErrorResponse:
+    return ErrorResponse(ErrorDetail(message=message, type=ERROR_TYPES.get(status, "Error"), code=status))
 
 
 def error_response(message: str, status: int) -> web.Response:
     return json_response(error_body(message, status), status)
+
+
+async def read_request(request: web.Request, schema: type[T], strip: Callable[[dict], object] | None = None) -> T:
+    """Every POST route's body: read (413 past client_max_size), then params.decode_body (400 for bad input)."""
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        limit = request.client_max_size
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=limit, actual_size=request.content_length or limit + 1,
+            reason=f"Request body larger than the {limit}-byte limit",
+        ) from e
+    return decode_body(body, schema, strip)
 
 
 async def start_sse(request: web.Request) -> web.StreamResponse:

@@ -7,10 +7,21 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from frontend.http_utils import json_response, send_sse, send_sse_done, start_sse, stream_many, wait_all
-from frontend.params import NativeGenerateRequest, decode_body, native_sampling, parse_native_generate
+from frontend.http_utils import (
+    error_body,
+    error_response,
+    json_response,
+    read_request,
+    send_sse,
+    send_sse_done,
+    start_sse,
+    stream_many,
+    wait_all,
+)
+from frontend.params import AdapterPath, NativeGenerateRequest, native_sampling, strip_native
 from frontend.registry import AdapterError
 from frontend.request_state import RequestState
+from frontend.responses import AbortResponse, AdapterReply, AdapterResult, HealthResponse, ModelInfoResponse
 from frontend.runtime import InputError, Runtime
 from protocol.errors import http_status
 from protocol.structs import AbortReqOutput, LoadLoRAAdapterReqOutput, LoRAAdapterSpec, UnloadLoRAAdapterReqOutput
@@ -107,8 +118,10 @@ async def collect(runtime: Runtime, states: list[RequestState], batched: bool) -
 
 async def stream_chunks(runtime: Runtime, states: list[RequestState], batched: bool):
     async for index, state in stream_many(runtime, states):
-        chunk = {"error": {"message": state.error, "code": state.error_status}} if state.error \
-            else generate_response(state)
+        if state.error:
+            chunk = msgspec.to_builtins(error_body(state.error, state.error_status))
+        else:
+            chunk = generate_response(state)
         if batched:
             chunk["index"] = index
         yield chunk
@@ -118,14 +131,14 @@ async def stream_chunks(runtime: Runtime, states: list[RequestState], batched: b
 async def generate(request: web.Request) -> web.StreamResponse:
     runtime = runtime_of(request)
     runtime.check_available()
-    body = parse_native_generate(await request.read())
+    body = await read_request(request, NativeGenerateRequest, strip_native)
     states, batched = await start_generate(runtime, body)
     try:
         if not body.stream:
             try:
                 return json_response(await collect(runtime, states, batched))
             except GenerationFailed as e:
-                return json_response({"error": {"message": str(e), "code": e.status}}, e.status)
+                return error_response(str(e), e.status)
         resp = await start_sse(request)
         async for chunk in stream_chunks(runtime, states, batched):
             await send_sse(resp, chunk)
@@ -148,19 +161,19 @@ async def abort(runtime: Runtime, rid: str) -> AbortReqOutput:
 
 @routes.post("/abort_request")
 async def abort_request(request: web.Request) -> web.Response:
-    body = decode_body(await request.read(), AbortBody)
+    body = await read_request(request, AbortBody)
     out = await abort(runtime_of(request), body.rid)
     # 200 either way, as SGLang does: the request may have finished a moment before the abort arrived.
-    return json_response({"success": out.success, "rid": out.rid, "message": out.message})
+    return json_response(AbortResponse(success=out.success, rid=out.rid, message=out.message))
 
 
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
     runtime = runtime_of(request)
     if runtime.healthy:
-        return json_response({"status": "ok"})
+        return json_response(HealthResponse(status="ok"))
     reason = runtime.failure or ("shutting down" if runtime.stopping or runtime.draining else "starting")
-    return json_response({"status": "unhealthy", "reason": reason}, 503)
+    return json_response(HealthResponse(status="unhealthy", reason=reason), 503)
 
 
 @routes.get("/server_info")
@@ -202,8 +215,8 @@ async def server_info(request: web.Request) -> web.Response:
 @routes.get("/get_model_info")
 async def model_info(request: web.Request) -> web.Response:
     runtime = runtime_of(request)
-    return json_response({"model_path": runtime.config.model_path, "served_model_name": runtime.config.model_name,
-                          "is_generation": True})
+    return json_response(ModelInfoResponse(model_path=runtime.config.model_path,
+                                           served_model_name=runtime.config.model_name, is_generation=True))
 
 
 @routes.get("/metrics")
@@ -224,13 +237,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 class AdapterSpecBody(msgspec.Struct, forbid_unknown_fields=True):
     lora_name: str
-    lora_path: str
+    lora_path: AdapterPath
     pinned: bool = False
 
 
 class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
     lora_name: str | None = None
-    lora_path: str | None = None
+    lora_path: AdapterPath | None = None
     pinned: bool = False
     adapters: list[AdapterSpecBody] | None = None
 
@@ -240,22 +253,19 @@ class UnloadBody(msgspec.Struct, forbid_unknown_fields=True):
     lora_names: list[str] | None = None
 
 
-def result_list(out: LoadLoRAAdapterReqOutput | UnloadLoRAAdapterReqOutput) -> list[dict]:
-    return [{"lora_name": r.lora_name, "success": r.success, "error_message": r.error_message} for r in out.results]
-
-
-def adapter_reply(out: Any, batch: bool) -> web.Response:
+def adapter_reply(out: LoadLoRAAdapterReqOutput | UnloadLoRAAdapterReqOutput, batch: bool) -> web.Response:
     """Batch forms: 200 only if every item succeeded, else 400 with per-item results; one adapter: its kind's status."""
-    body = {"success": out.success, "error_message": out.error_message, "loaded_adapters": out.loaded_adapters}
-    if batch:
-        body["results"] = result_list(out)
-        return json_response(body, 200 if out.success else 400)
-    return json_response(body, 200 if out.success else http_status(out.results[0].error_kind, openai=False))
+    results = [AdapterResult(r.lora_name, r.success, r.error_message) for r in out.results] if batch else None
+    reply = AdapterReply(success=out.success, error_message=out.error_message, loaded_adapters=out.loaded_adapters,
+                         results=results)
+    if out.success or batch:
+        return json_response(reply, 200 if out.success else 400)
+    return json_response(reply, http_status(out.results[0].error_kind, openai=False))
 
 
 @routes.post("/load_lora_adapter")
 async def load_lora_adapter(request: web.Request) -> web.Response:
-    body = decode_body(await request.read(), LoadBody)
+    body = await read_request(request, LoadBody)
     if body.adapters is not None:
         if body.lora_name is not None or body.lora_path is not None:
             raise InputError("give either 'adapters' or 'lora_name'/'lora_path', not both")
@@ -275,7 +285,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
 
 @routes.post("/unload_lora_adapter")
 async def unload_lora_adapter(request: web.Request) -> web.Response:
-    body = decode_body(await request.read(), UnloadBody)
+    body = await read_request(request, UnloadBody)
     if (body.lora_name is None) == (body.lora_names is None):
         raise InputError("give exactly one of 'lora_name' or 'lora_names'")
     names = body.lora_names if body.lora_names is not None else [body.lora_name]

@@ -4,21 +4,58 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from aiohttp import web
 
-from frontend.http_utils import error_response, json_response, send_sse, send_sse_done, start_sse, stream_many, wait_all
+from frontend.http_utils import (
+    error_body,
+    error_response,
+    json_response,
+    read_request,
+    send_sse,
+    send_sse_done,
+    start_sse,
+    stream_many,
+    wait_all,
+)
 from frontend.native_api import runtime_of, submit_all
-from frontend.params import convert, decode_body, decode_json_object, make_sampling, stop_list, strip_neutral
+from frontend.params import (
+    AdapterPath,
+    Int64,
+    Seed,
+    Temperature,
+    TokenCount,
+    TokenId,
+    TopK,
+    TopP,
+    make_sampling,
+    stop_list,
+    strip_neutral,
+)
 from frontend.registry import AdapterError
 from frontend.request_state import RequestState
+from frontend.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+)
 from frontend.runtime import InputError, Runtime
 from protocol.errors import http_status
 from protocol.structs import LoRAAdapterSpec
 
 routes = web.RouteTableDef()
+MAX_N = 16
 
 # OpenAI parameters we do not implement, with the neutral values that mean "off" and are therefore accepted.
 NEUTRAL = {
@@ -51,29 +88,34 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     continuous_usage_stats: bool = False
 
 
-class CommonParams(msgspec.Struct, kw_only=True):
+class CommonParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
-    n: int = 1
+    seed: Seed | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
     user: str | None = None
     ignore_eos: bool = False
 
 
 class CompletionRequest(CommonParams, kw_only=True):
-    prompt: str | list[str | int | list[int]]  # text, texts, token ids, or lists of token ids
+    prompt: str | list[str | TokenId | list[TokenId]]  # text, texts, token ids, or lists of token ids
+
+
+class TextPart(msgspec.Struct, kw_only=True):
+    type: Literal["text"]  # the only content part supported
+    text: str
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
-    content: str | list[dict] | None = None
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
 
 
@@ -81,9 +123,10 @@ class ChatRequest(CommonParams, kw_only=True):
     messages: list[ChatMessage]
 
 
-def parse_openai(body: bytes, schema: type) -> Any:
-    raw = strip_neutral(decode_json_object(body), set(schema.__struct_fields__), NEUTRAL, "parameter")
-    return convert(raw, schema, "request")
+async def read_openai(request: web.Request, schema: type[CommonParams]) -> Any:
+    return await read_request(
+        request, schema, lambda raw: strip_neutral(raw, set(schema.__struct_fields__), NEUTRAL, "parameter")
+    )
 
 
 async def resolve_model(runtime: Runtime, model: str) -> tuple[str | None, str]:
@@ -105,8 +148,8 @@ async def resolve_model(runtime: Runtime, model: str) -> tuple[str | None, str]:
 
 
 def openai_sampling(runtime: Runtime, req: CommonParams, prompt_len: int, default_max: int | None) -> Any:
-    if req.n < 1 or req.n > 16:
-        raise InputError(f"n must be in [1, 16], got {req.n}")
+    if req.n < 1 or req.n > MAX_N:
+        raise InputError(f"n must be in [1, {MAX_N}], got {req.n}")
     if req.stream_options is not None and not req.stream:
         raise InputError("stream_options is only allowed with stream: true")
     if (
@@ -141,13 +184,11 @@ def finish_reason(state: RequestState) -> str | None:
     return {"stop": "stop", "length": "length"}.get(state.finish_reason["type"], "abort")
 
 
-def usage(states: list[RequestState], num_prompts_tokens: int) -> dict:
+def usage(states: list[RequestState], num_prompts_tokens: int) -> Usage:
     completion = sum(len(s.output_ids) for s in states)
-    return {
-        "prompt_tokens": num_prompts_tokens,
-        "completion_tokens": completion,
-        "total_tokens": num_prompts_tokens + completion,
-    }
+    return Usage(
+        prompt_tokens=num_prompts_tokens, completion_tokens=completion, total_tokens=num_prompts_tokens + completion
+    )
 
 
 async def run_openai(
@@ -165,7 +206,6 @@ async def run_openai(
     try:
         for prompt, sampling in jobs:
             states += await submit_all(runtime, [prompt], sampling, stops, [lora_name], [None])
-        kind = "chat.completion" if chat else "text_completion"
         base = {
             "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "created": int(time.time()),
@@ -173,27 +213,27 @@ async def run_openai(
         }
         prompt_tokens = sum(len(s.prompt_ids) for s in states)
         if req.stream:
-            return await stream_openai(request, runtime, req, states, base, kind, chat, prompt_tokens)
+            return await stream_openai(request, runtime, req, states, base, chat, prompt_tokens)
         await wait_all(runtime, states)
         failed = next((s for s in states if s.error), None)
         if failed is not None:
             return error_response(failed.error, failed.error_status)
         if chat:
-            choices = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": s.text},
-                    "logprobs": None,
-                    "finish_reason": finish_reason(s),
-                }
+            chat_choices = [
+                ChatChoice(index=i, message=AssistantMessage(role="assistant", content=s.text), logprobs=None,
+                           finish_reason=finish_reason(s))
                 for i, s in enumerate(states)
             ]
-        else:
-            choices = [
-                {"index": i, "text": s.text, "logprobs": None, "finish_reason": finish_reason(s)}
-                for i, s in enumerate(states)
-            ]
-        return json_response({**base, "object": kind, "choices": choices, "usage": usage(states, prompt_tokens)})
+            return json_response(ChatCompletionResponse(
+                **base, object="chat.completion", choices=chat_choices, usage=usage(states, prompt_tokens)
+            ))
+        choices = [
+            CompletionChoice(index=i, text=s.text, logprobs=None, finish_reason=finish_reason(s))
+            for i, s in enumerate(states)
+        ]
+        return json_response(CompletionResponse(
+            **base, object="text_completion", choices=choices, usage=usage(states, prompt_tokens)
+        ))
     finally:
         for state in states:
             await runtime.finish(state)
@@ -205,35 +245,24 @@ async def stream_openai(
     req: CommonParams,
     states: list[RequestState],
     base: dict,
-    kind: str,
     chat: bool,
     prompt_tokens: int,
 ) -> web.StreamResponse:
     resp = await start_sse(request)
-    chunk_kind = kind + ".chunk" if chat else kind
     sent = [0] * len(states)
+
+    def chunk(choices: list, usage_: Usage | None = None) -> CompletionChunk | ChatCompletionChunk:
+        if chat:
+            return ChatCompletionChunk(**base, object="chat.completion.chunk", choices=choices, usage=usage_)
+        return CompletionChunk(**base, object="text_completion", choices=choices, usage=usage_)
+
     if chat:
         for i in range(len(states)):
-            await send_sse(
-                resp,
-                {
-                    **base,
-                    "object": chunk_kind,
-                    "choices": [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                },
-            )
+            delta = ChatDelta(role="assistant", content="")
+            await send_sse(resp, chunk([ChatChunkChoice(index=i, delta=delta, logprobs=None, finish_reason=None)]))
     async for i, state in stream_many(runtime, states):
         if state.error:
-            await send_sse(
-                resp, {"error": {"message": state.error, "type": "InternalServerError", "code": state.error_status}}
-            )
+            await send_sse(resp, error_body(state.error, state.error_status))
             continue
         delta_text = state.text[sent[i] :]
         sent[i] = len(state.text)
@@ -241,17 +270,13 @@ async def stream_openai(
         if not delta_text and reason is None:
             continue
         if chat:
-            choice = {
-                "index": i,
-                "delta": {"content": delta_text} if delta_text else {},
-                "logprobs": None,
-                "finish_reason": reason,
-            }
+            delta = ChatDelta(content=delta_text) if delta_text else ChatDelta()
+            choice = ChatChunkChoice(index=i, delta=delta, logprobs=None, finish_reason=reason)
         else:
-            choice = {"index": i, "text": delta_text, "logprobs": None, "finish_reason": reason}
-        await send_sse(resp, {**base, "object": chunk_kind, "choices": [choice]})
+            choice = CompletionChoice(index=i, text=delta_text, logprobs=None, finish_reason=reason)
+        await send_sse(resp, chunk([choice]))
     if req.stream_options is not None and req.stream_options.include_usage:
-        await send_sse(resp, {**base, "object": chunk_kind, "choices": [], "usage": usage(states, prompt_tokens)})
+        await send_sse(resp, chunk([], usage(states, prompt_tokens)))
     await send_sse_done(resp)
     return resp
 
@@ -259,7 +284,7 @@ async def stream_openai(
 @routes.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
     runtime = runtime_of(request)
-    req = parse_openai(await request.read(), CompletionRequest)
+    req = await read_openai(request, CompletionRequest)
     prompt = req.prompt
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -283,16 +308,7 @@ def chat_prompt(runtime: Runtime, messages: list[ChatMessage]) -> list[int]:
         raise InputError(f"model {runtime.config.model_name!r} has no chat template, so it cannot take 'messages'")
     rendered = []
     for m in messages:
-        if m.role not in ("system", "user", "assistant", "tool", "developer"):
-            raise InputError(f"unknown message role {m.role!r}")
-        content = m.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InputError("only text content parts are supported")
-                parts.append(part["text"])
-            content = "".join(parts)
+        content = "".join(part.text for part in m.content) if isinstance(m.content, list) else m.content
         rendered.append({"role": m.role, "content": content or ""})
     try:
         text = runtime.tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
@@ -304,7 +320,7 @@ def chat_prompt(runtime: Runtime, messages: list[ChatMessage]) -> list[int]:
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     runtime = runtime_of(request)
-    req = parse_openai(await request.read(), ChatRequest)
+    req = await read_openai(request, ChatRequest)
     prompt = chat_prompt(runtime, req.messages)
     return await run_openai(request, req, [prompt], chat=True, default_max=None)
 
@@ -315,46 +331,32 @@ async def models(request: web.Request) -> web.Response:
     base = runtime.config.model_name
     created = int(time.time())
     cards = [
-        {
-            "id": base,
-            "object": "model",
-            "created": created,
-            "owned_by": "loraplex",
-            "root": runtime.model_dir,
-            "parent": None,
-            "max_model_len": runtime.ready.context_length if runtime.ready else None,
-        }
+        ModelCard(id=base, object="model", created=created, owned_by="loraplex", root=runtime.model_dir, parent=None,
+                  max_model_len=runtime.ready.context_length if runtime.ready else None)
     ]
-    for entry in runtime.registry.live():
-        if not entry.draining:
-            cards.append(
-                {
-                    "id": entry.name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "loraplex",
-                    "root": entry.path,
-                    "parent": base,
-                }
-            )
-    return json_response({"object": "list", "data": cards})
+    cards += [
+        ModelCard(id=entry.name, object="model", created=created, owned_by="loraplex", root=entry.path, parent=base)
+        for entry in runtime.registry.live()
+        if not entry.draining
+    ]
+    return json_response(ModelList(object="list", data=cards))
 
 
 class VllmLoadBody(msgspec.Struct, forbid_unknown_fields=True):
     lora_name: str
-    lora_path: str
+    lora_path: AdapterPath
     load_inplace: bool = False
     pinned: bool | None = None  # None: a new adapter is unpinned, an in-place reload keeps its own
 
 
 class VllmUnloadBody(msgspec.Struct, forbid_unknown_fields=True):
     lora_name: str
-    lora_int_id: int | None = None
+    lora_int_id: Int64 | None = None  # accepted for vLLM clients, unused
 
 
 @routes.post("/v1/load_lora_adapter")
 async def vllm_load(request: web.Request) -> web.Response:
-    body = decode_body(await request.read(), VllmLoadBody)
+    body = await read_request(request, VllmLoadBody)
     runtime = runtime_of(request)
     runtime.check_available()
     spec = LoRAAdapterSpec(lora_name=body.lora_name, lora_path=body.lora_path, pinned=body.pinned)
@@ -367,7 +369,7 @@ async def vllm_load(request: web.Request) -> web.Response:
 
 @routes.post("/v1/unload_lora_adapter")
 async def vllm_unload(request: web.Request) -> web.Response:
-    body = decode_body(await request.read(), VllmUnloadBody)
+    body = await read_request(request, VllmUnloadBody)
     runtime = runtime_of(request)
     runtime.check_available()
     out = await runtime.adapters.unload([body.lora_name])

@@ -2,30 +2,46 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
 from frontend.runtime import InputError
 from protocol.structs import SamplingParams
 
-MAX_SEED = 2**63 - 1
+T = TypeVar("T")
+MAX_INT64 = 2**63 - 1
+MAX_SEED = MAX_INT64
+MAX_MESSAGE_LEN = 400  # error messages quote the input, cut to this
+
+# Field types with their ranges, so the schemas (and /openapi.json) state them. Every int is bounded: the processes
+# carry ints as int64, and one past that must be refused here, not found overflowing the wire encoder.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=MAX_INT64)]
+TokenCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT64)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT64)]  # the vocabulary bound is checked where it is known
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=MAX_INT64, description="-1 or 0 = the whole vocabulary")]
+Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
+# The OS cannot take a NUL byte in a path: refused here, before any file call raises on it.
+AdapterPath = Annotated[str, msgspec.Meta(pattern=r"^[^\x00]*$", description="a directory holding a PEFT adapter")]
 
 
 class NativeSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    max_new_tokens: TokenCount = 128
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: Seed | None = None
 
 
 class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     text: str | list[str] | None = None
-    input_ids: list[int | list[int]] | None = None  # one prompt, or a batch of prompts
+    input_ids: list[TokenId | list[TokenId]] | None = None  # one prompt, or a batch of prompts
     sampling_params: NativeSamplingParams | None = None
     lora_path: str | list[str | None] | None = None
     stream: bool = False
@@ -76,47 +92,61 @@ def strip_neutral(raw: dict, known: set[str], neutral: dict[str, tuple], what: s
         if key in known:
             continue
         if key not in neutral:
-            raise InputError(f"unknown {what} {key!r}")
+            raise InputError(f"unknown {what} {brief(key)}")
         if not _is_neutral(raw[key], neutral[key]):
-            raise InputError(f"{what} {key!r} is not supported (got {raw[key]!r})")
+            raise InputError(f"{what} {brief(key)} is not supported (got {brief(raw[key])})")
         del raw[key]
     return raw
 
 
-def decode_json_object(body: bytes) -> dict:
+def cut(text: str, max_len: int) -> str:
+    return text if len(text) <= max_len else text[: max_len - 3] + "..."
+
+
+def brief(value: object, max_len: int = 80) -> str:
+    """A value for an error message: short, and safe for any decoded body (however long or deeply nested)."""
+    try:
+        return cut(repr(value), max_len)
+    except RecursionError:
+        return "a deeply nested value"
+
+
+def decode_body(body: bytes, schema: type[T], strip: Callable[[dict], object] | None = None) -> T:
+    """The one way a JSON request body becomes a typed request (native, OpenAI, adapters alike).
+
+    Anything the parser cannot take (malformed JSON, invalid UTF-8, numbers out of range, nesting deeper than the
+    decoder recurses) and anything the schema refuses (strict types: "1" is no number, 1 is no bool) is an InputError.
+    strip, if given, drops the unimplemented fields that are set to their neutral values (and refuses the others).
+    """
     try:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
         raise InputError(f"malformed JSON: {e}") from e
+    except RecursionError as e:
+        raise InputError("malformed JSON: nested too deeply") from e
     if not isinstance(raw, dict):
         raise InputError("the request body must be a JSON object")
-    return raw
+    if strip is not None:
+        strip(raw)
+    return convert(raw, schema, "request")
 
 
-def parse_native_generate(body: bytes) -> NativeGenerateRequest:
-    raw = strip_neutral(decode_json_object(body), set(NativeGenerateRequest.__struct_fields__), NATIVE_NEUTRAL, "field")
+def strip_native(raw: dict) -> None:
+    strip_neutral(raw, set(NativeGenerateRequest.__struct_fields__), NATIVE_NEUTRAL, "field")
     params = raw.get("sampling_params")
     if isinstance(params, dict):
         strip_neutral(
             params, set(NativeSamplingParams.__struct_fields__), NATIVE_SAMPLING_NEUTRAL, "sampling parameter"
         )
-    return convert(raw, NativeGenerateRequest, "request")
 
 
-def decode_body(body: bytes, schema: type) -> Any:
-    try:
-        return msgspec.json.decode(body, type=schema)
-    except msgspec.ValidationError as e:
-        raise InputError(f"invalid request: {e}") from e
-    except msgspec.DecodeError as e:
-        raise InputError(f"malformed JSON: {e}") from e
-
-
-def convert(value: Any, schema: type, what: str) -> Any:
+def convert(value: Any, schema: type[T], what: str) -> T:
     try:
         return msgspec.convert(value, schema)
-    except msgspec.ValidationError as e:
-        raise InputError(f"invalid {what}: {e}") from e
+    except msgspec.ValidationError as e:  # its message may quote a field name of any length
+        raise InputError(f"invalid {what}: {cut(str(e), MAX_MESSAGE_LEN)}") from e
+    except RecursionError as e:
+        raise InputError(f"invalid {what}: nested too deeply") from e
 
 
 def make_sampling(

@@ -1,0 +1,224 @@
+"""Response bodies of the HTTP routes as Structs: /openapi.json's response schemas come from these.
+
+Routes build the small ones directly; the /generate item and the adapter rows are built as dicts (the Engine and
+the RPC return them too) and match these shapes, which tests/test_openapi.py checks against a live server.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    code: int
+
+
+class ErrorResponse(msgspec.Struct):
+    """Every failure, on every route: frontend.http_utils.error_response builds it."""
+
+    error: ErrorDetail
+
+
+# ---- native ----------------------------------------------------------------------------------------
+
+
+class StopFinish(msgspec.Struct, tag_field="type", tag="stop"):
+    matched: str | int | None  # the stop string, or the stop token id
+
+
+class LengthFinish(msgspec.Struct, tag_field="type", tag="length"):
+    length: int
+
+
+class AbortFinish(msgspec.Struct, tag_field="type", tag="abort"):
+    message: str
+
+
+class MetaInfo(msgspec.Struct):
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: StopFinish | LengthFinish | AbortFinish | None
+
+
+class GenerateResponse(msgspec.Struct):
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+
+
+class GenerateChunk(msgspec.Struct, omit_defaults=True):
+    """One streamed /generate event: the item's state so far; `index` is its place in a batch."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+    index: int | None = None
+
+
+class AbortResponse(msgspec.Struct):
+    success: bool  # False: no request with that rid was in flight
+    rid: str
+    message: str
+
+
+class HealthResponse(msgspec.Struct, omit_defaults=True):
+    status: Literal["ok", "unhealthy"]
+    reason: str | None = None
+
+
+class ModelInfoResponse(msgspec.Struct):
+    model_path: str
+    served_model_name: str
+    is_generation: bool
+
+
+class ServerInfoResponse(msgspec.Struct):
+    """Besides these, every server config field (keys masked)."""
+
+    model_dir: str | None
+    served_model_name: str
+    max_total_tokens: int | None
+    context_length: int | None
+    vocab_size: int | None
+    lora_enabled: bool
+    max_lora_rank: int | None
+    lora_target_modules: list[str] | None
+    process_ids: dict[str, int]
+    healthy: bool
+    num_requests_in_flight: int
+    num_adapter_entries: int
+    num_adapter_holds: int
+    slot_lora_ids: list[int] | None
+    num_running: int | None
+    num_waiting: int | None
+    kv_usage: float | None
+
+
+class AdapterResult(msgspec.Struct):
+    lora_name: str
+    success: bool
+    error_message: str
+
+
+class AdapterReply(msgspec.Struct, omit_defaults=True):
+    """Load and unload, single form; the batch form adds `results`."""
+
+    success: bool
+    error_message: str
+    loaded_adapters: dict[str, str]
+    results: list[AdapterResult] | None = None
+
+
+class AdapterRow(msgspec.Struct):
+    lora_name: str
+    lora_path: str
+    lora_id: int
+    rank: int
+    target_modules: list[str]
+    pinned: bool
+    resident_slot: int | None
+    requests_in_flight: int
+    draining: bool
+    in_host_memory: bool
+
+
+class AdapterTable(msgspec.Struct):
+    adapters: list[AdapterRow]
+
+
+# ---- OpenAI ----------------------------------------------------------------------------------------
+
+FinishReason = Literal["stop", "length", "abort"] | None
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: FinishReason
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(msgspec.Struct):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChunk(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]  # empty in the last chunk, which carries usage (stream_options.include_usage)
+    usage: Usage | None = None
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: None
+    finish_reason: FinishReason
+
+
+class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str | None
+    parent: str | None
+    max_model_len: int | None = None  # the base model's card only
+
+
+class ModelList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[ModelCard]
