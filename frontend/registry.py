@@ -127,8 +127,8 @@ class AdapterRegistry:
         return planned
 
     def check_path(self, name: str, path: object, root: str | None = None) -> str:
-        if not isinstance(path, str) or not path:
-            raise AdapterError(f"adapter {name!r}: lora_path must be a non-empty string", "invalid")
+        if not isinstance(path, str) or not path or "\x00" in path:
+            raise AdapterError(f"adapter {name!r}: lora_path must be a non-empty string without NUL bytes", "invalid")
         resolved = os.path.realpath(path)
         for allowed, flag in ((self.path_root, "--lora-path-root"), (root, "--lora-resolver-dir")):
             if allowed is not None and os.path.commonpath([resolved, allowed]) != allowed:

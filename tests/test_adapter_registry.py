@@ -69,6 +69,8 @@ def test_one_load_is_checked_item_by_item(adapter_dir: Path, tmp_path: Path) -> 
     assert "has already been loaded" in str(dup)
     [missing] = registry.plan_load([spec("zz", adapter_dir)], replace=True)
     assert missing.kind == "not_found"
+    [nul] = registry.plan_load([LoRAAdapterSpec(lora_name="n", lora_path="a\x00b")], replace=False)
+    assert nul.kind == "invalid" and "NUL" in str(nul)
 
 
 def test_the_resolver_root_narrows_the_path_root(tmp_path: Path) -> None:
