@@ -192,6 +192,9 @@ class SchedulerStats(Struct, frozen=True):
     running_lora_ids: list[int] = []
     waiting_lora_ids: list[int] = []
     slot_lora_ids: list[int] = []  # per device slot, -1 = empty
+    prefix_cache_hit_tokens: int = 0  # since start, cumulative
+    prefix_cache_queried_tokens: int = 0
+    num_preemptions: int = 0
 
 
 class SchedulerReady(Struct, frozen=True):
@@ -238,6 +241,7 @@ class BatchResult(Struct, frozen=True):
 
 class WorkerReady(Struct, frozen=True):
     rank: int
+    device_type: str = "cpu"  # "cpu" or "cuda": picks defaults that depend on the device
     max_total_tokens: int
     context_length: int
     vocab_size: int
