@@ -108,7 +108,11 @@ class AdapterManager:
                 results[i] = LoRAAdapterResult(lora_name=entry.name, success=True)
         if drained:
             async with self.registry.update_lock:
-                await self._drop(drained)
+                try:
+                    await self._drop(drained)
+                except ServerError as e:
+                    for entry in drained:
+                        results[names.index(entry.name)] = _failed(entry.name, f"adapter {entry.name!r}: {e}", e.kind)
                 self._save_state()
                 self._count_loaded()
         for result in results:
@@ -248,9 +252,11 @@ class AdapterManager:
             await self._drop([entry])
 
     async def _drop(self, entries: list[AdapterEntry]) -> None:
-        await self._drop_ids([e.lora_id for e in entries if e.resident])
+        # Forgotten first: if the scheduler misses its deadline, the drop still reaches it when it listens again,
+        # and nothing may use the adapter meanwhile.
         for entry in entries:
             self.registry.forget(entry)
+        await self._drop_ids([e.lora_id for e in entries if e.resident])
 
     async def _drop_ids(self, lora_ids: list[int]) -> None:
         if lora_ids:
@@ -261,8 +267,8 @@ class AdapterManager:
         self.metrics.set_loaded(len(self.registry.live()))
 
     def _save_state(self) -> None:
-        if self.state_file is None or not self.updates_open:
-            return
+        if self.state_file is None or self.config.disable_lora_updates:
+            return  # with updates disabled the file is the operator's alone: read at start, never rewritten
         specs = [LoRAAdapterSpec(lora_name=e.name, lora_path=e.path, pinned=e.pinned)
                  for e in self.registry.live() if not e.draining]
         try:

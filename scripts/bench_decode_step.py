@@ -26,7 +26,7 @@ from bench_report import format_table, write_json  # noqa: E402
 
 from kernels import cpu_ext  # noqa: E402
 from protocol.config import ServerConfig  # noqa: E402
-from protocol.structs import ForwardBatch, ForwardReq, LoRAAdapterSpec, SamplingParams, SlotLoad  # noqa: E402
+from protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SamplingParams, SlotLoad  # noqa: E402
 from worker.model_runner import ModelRunner  # noqa: E402
 
 PAGE_SIZE = 16
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     )  # fmt: skip
     runner = ModelRunner(config, str(bench.base_dir), rank=0, world_size=1, device="cpu")
     specs = [
-        LoRAAdapterSpec(lora_name=name, lora_path=str(path), lora_id=i + 1)
+        AdapterToLoad(lora_name=name, lora_path=str(path), lora_id=i + 1)
         for i, (name, path) in enumerate(bench.adapter_dirs.items())
     ]
     assert all(result.success for result in runner.lora.load(specs))

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from worker_helpers import GREEDY, decode
 
-from protocol.structs import ForwardBatch, ForwardReq, LoRAAdapterSpec, SlotLoad
+from protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from worker.model_runner import ModelRunner
 
 LORA_CONFIG = dict(enable_lora=True, max_lora_rank=64, lora_target_modules=["all"], max_loras_per_batch=6)
@@ -18,8 +18,8 @@ MIXED = [None, "a4", "a4", "a8", None, "a16", "a32", "a4", "a64"]
 MIXED_LENGTHS = [5, 9, 3, 12, 7, 4, 10, 6, 8]
 
 
-def specs(adapter_dirs: dict[str, Path | str], ids: dict[str, int] = ADAPTER_IDS) -> list[LoRAAdapterSpec]:
-    return [LoRAAdapterSpec(lora_name=name, lora_path=str(adapter_dirs[name]), lora_id=ids[name]) for name in ids]
+def specs(adapter_dirs: dict[str, Path | str], ids: dict[str, int] = ADAPTER_IDS) -> list[AdapterToLoad]:
+    return [AdapterToLoad(lora_name=name, lora_path=str(adapter_dirs[name]), lora_id=ids[name]) for name in ids]
 
 
 def load_all(runner: ModelRunner, adapter_dirs: dict[str, Path | str]) -> None:

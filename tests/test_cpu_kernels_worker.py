@@ -14,7 +14,7 @@ from worker_helpers import GREEDY, build_llama_variant, make_runner, random_prom
 
 from frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
 from kernels import cpu_ext
-from protocol.structs import ForwardBatch, ForwardReq, LoRAAdapterSpec, SlotLoad
+from protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from worker.layers import packed
 from worker.model_runner import ModelRunner
 
@@ -43,7 +43,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
 
 def run_decode(runner: ModelRunner, adapters: dict[str, Path]) -> torch.Tensor:
     """Prefill, then DECODE_STEPS steps feeding fixed tokens; (steps, reqs, vocab) float32 logits of the decodes."""
-    specs = [LoRAAdapterSpec(lora_name=n, lora_path=str(p), lora_id=i + 1) for i, (n, p) in enumerate(adapters.items())]
+    specs = [AdapterToLoad(lora_name=n, lora_path=str(p), lora_id=i + 1) for i, (n, p) in enumerate(adapters.items())]
     assert all(r.success for r in runner.lora.load(specs))
     slot = {name: i for i, name in enumerate(adapters)}
     loads = [SlotLoad(slot=i, lora_id=i + 1) for i in range(len(adapters))]

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from worker_helpers import GREEDY, make_runner, random_prompts
 
 from frontend.demo_model import ATTN_MODULES, build_lora_adapter, build_tiny_model
-from protocol.structs import ForwardBatch, ForwardReq, LoRAAdapterSpec, SlotLoad
+from protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from worker.lora.adapter import AdapterLoadError, _finite_in_dtype, _map_safetensors, load_adapter
 from worker.model_runner import ModelRunner
 
@@ -27,7 +27,7 @@ def runner(llama_dir: Path, adapter_dirs: dict[str, Path]) -> ModelRunner:
     runner = make_runner(
         llama_dir, enable_lora=True, max_lora_rank=16, lora_target_modules=list(ATTN_MODULES), max_loras_per_batch=2
     )
-    result = runner.lora.load([LoRAAdapterSpec(lora_name="a4", lora_path=str(adapter_dirs["a4"]), lora_id=A4_ID)])
+    result = runner.lora.load([AdapterToLoad(lora_name="a4", lora_path=str(adapter_dirs["a4"]), lora_id=A4_ID)])
     assert result[0].success, result[0].error_message
     return runner
 
@@ -164,9 +164,9 @@ def test_invalid_adapter_is_refused(
         shutil.copytree(adapter_dirs["a4"], path)
         make(path)
     lora_id = next(NEXT_ID)
-    [result] = runner.lora.load([LoRAAdapterSpec(lora_name=case, lora_path=str(path), lora_id=lora_id)])
+    [result] = runner.lora.load([AdapterToLoad(lora_name=case, lora_path=str(path), lora_id=lora_id)])
     assert not result.success
-    assert (result.lora_name, result.lora_id, result.error_kind) == (case, lora_id, kind)
+    assert (result.lora_id, result.error_kind) == (lora_id, kind)
     for fragment in fragments:
         assert fragment in result.error_message, (fragment, result.error_message)
     assert lora_id not in runner.lora.adapters
@@ -178,7 +178,7 @@ def test_bin_weights_load_like_safetensors(runner: ModelRunner, adapter_dirs: di
     shutil.copytree(adapter_dirs["a4"], path)
     torch.save(load_file(path / "adapter_model.safetensors"), path / "adapter_model.bin")
     (path / "adapter_model.safetensors").unlink()
-    [result] = runner.lora.load([LoRAAdapterSpec(lora_name="a4bin", lora_path=str(path), lora_id=2)])
+    [result] = runner.lora.load([AdapterToLoad(lora_name="a4bin", lora_path=str(path), lora_id=2)])
     assert result.success, result.error_message
     assert (result.rank, result.target_modules) == (4, list(ATTN_MODULES))
     prompt = random_prompts([10], runner.vocab_size, seed=2)[0]
@@ -190,12 +190,12 @@ def test_bin_weights_load_like_safetensors(runner: ModelRunner, adapter_dirs: di
 
 def test_one_bad_adapter_does_not_fail_the_others(runner: ModelRunner, adapter_dirs: dict[str, Path]) -> None:
     specs = [
-        LoRAAdapterSpec(lora_name="bad", lora_path=str(adapter_dirs["a8"]), lora_id=3),
-        LoRAAdapterSpec(lora_name="good", lora_path=str(adapter_dirs["a4"]), lora_id=4),
-        LoRAAdapterSpec(lora_name="dup", lora_path=str(adapter_dirs["a4"]), lora_id=4),
+        AdapterToLoad(lora_name="bad", lora_path=str(adapter_dirs["a8"]), lora_id=3),
+        AdapterToLoad(lora_name="good", lora_path=str(adapter_dirs["a4"]), lora_id=4),
+        AdapterToLoad(lora_name="dup", lora_path=str(adapter_dirs["a4"]), lora_id=4),
     ]
     results = runner.lora.load(specs)
-    assert [(r.lora_name, r.success) for r in results] == [("bad", False), ("good", True), ("dup", False)]
+    assert [(r.lora_id, r.success) for r in results] == [(3, False), (4, True), (4, False)]
     assert "already loaded" in results[2].error_message
     runner.lora.drop([4])
     assert 4 not in runner.lora.adapters
@@ -245,7 +245,7 @@ def test_mixed_dtype_files_take_the_general_read(
     tensors[first] = tensors[first].half()
     save_file(tensors, path / "adapter_model.safetensors")
     assert _map_safetensors(str(path / "adapter_model.safetensors"), torch.float32) is None
-    [result] = runner.lora.load([LoRAAdapterSpec(lora_name="mixed", lora_path=str(path), lora_id=5)])
+    [result] = runner.lora.load([AdapterToLoad(lora_name="mixed", lora_path=str(path), lora_id=5)])
     assert result.success, result.error_message
     kept = runner.lora.adapters[5].weights
     assert all(a.dtype == b.dtype == runner.lora.spec.dtype for a, b in kept.values())
@@ -263,7 +263,7 @@ def test_integer_tensors_are_refused(
     for key in keys:
         tensors[key] = tensors[key].to(torch.int32)
     save_file(tensors, path / "adapter_model.safetensors")
-    [result] = runner.lora.load([LoRAAdapterSpec(lora_name="int", lora_path=str(path), lora_id=6)])
+    [result] = runner.lora.load([AdapterToLoad(lora_name="int", lora_path=str(path), lora_id=6)])
     assert not result.success and result.error_kind == "invalid"
     assert "has dtype torch.int32; expected floating point" in result.error_message
     assert 6 not in runner.lora.adapters
@@ -274,5 +274,5 @@ def test_truncated_weights_are_refused(runner: ModelRunner, adapter_dirs: dict[s
     shutil.copytree(adapter_dirs["a4"], path)
     data = (path / "adapter_model.safetensors").read_bytes()
     (path / "adapter_model.safetensors").write_bytes(data[: len(data) - 100])
-    [result] = runner.lora.load([LoRAAdapterSpec(lora_name="cut", lora_path=str(path), lora_id=7)])
+    [result] = runner.lora.load([AdapterToLoad(lora_name="cut", lora_path=str(path), lora_id=7)])
     assert not result.success and "cannot read the adapter weights" in result.error_message

@@ -1,5 +1,5 @@
-"""`python -m worker` with LoRA, as the scheduler sees it: loads off the decode loop, reports in order, fault hooks,
-drops, and batches naming a dropped adapter failing as values."""
+"""`python -m worker` with LoRA, as the scheduler sees it: loads on the loader sockets, off the decode loop, each
+report naming its operation; fault hooks (fail, hang); drops, and batches naming a dropped adapter failing as values."""
 
 from __future__ import annotations
 
@@ -18,17 +18,17 @@ from worker_helpers import GREEDY, FakeScheduler, make_runner
 from protocol.config import TARGET_MODULES, ServerConfig
 from protocol.proc import ARGS_ENV, encode_process_args
 from protocol.structs import (
+    AdapterReport,
+    AdapterToLoad,
     BatchResult,
     DropAdapters,
     Endpoints,
     ForwardBatch,
     ForwardReq,
-    LoadLoRAAdapterReqInput,
-    LoRAAdapterSpec,
+    LoadAdapters,
     ProcessArgs,
     Shutdown,
     SlotLoad,
-    WorkerAdapterReport,
     WorkerReady,
 )
 
@@ -47,6 +47,7 @@ def start_workers(model_dir: Path, tp: int, fault_hooks: dict[str, str]) -> Iter
             scheduler_to_workers=[f"ipc://{sock_dir}/s2w{rank}" for rank in range(tp)],
             workers_to_scheduler=f"ipc://{sock_dir}/w2s",
             dist_init_addr=f"127.0.0.1:{free_port()}",
+            scheduler_to_loaders=[f"ipc://{sock_dir}/s2l{rank}" for rank in range(tp)],
         )
         config = ServerConfig(device="cpu", tp=tp, page_size=4, max_total_tokens=256, **LORA_CONFIG)
         scheduler = FakeScheduler(endpoints)
@@ -74,8 +75,19 @@ def req(slot: int = -1, first_page: int = 0) -> ForwardReq:
     return ForwardReq(input_ids=PROMPT, num_cached_tokens=0, page_ids=page_ids, sampling=GREEDY, slot=slot)
 
 
-def spec(name: str, path: Path | str, lora_id: int) -> LoRAAdapterSpec:
-    return LoRAAdapterSpec(lora_name=name, lora_path=str(path), lora_id=lora_id)
+def spec(name: str, path: Path | str, lora_id: int) -> AdapterToLoad:
+    return AdapterToLoad(lora_name=name, lora_path=str(path), lora_id=lora_id)
+
+
+def recv_reports(scheduler: FakeScheduler, count: int) -> dict[tuple[int, int], AdapterReport]:
+    """The next `count` messages, all adapter reports, by (op_id, tp_rank): they may come in any order."""
+    reports = {}
+    for _ in range(count):
+        report = scheduler.recv()
+        assert isinstance(report, AdapterReport), report
+        reports[report.op_id, report.tp_rank] = report
+    assert len(reports) == count
+    return reports
 
 
 def test_loads_run_off_the_decode_loop(llama_dir: Path, adapter_dirs: dict[str, Path], tmp_path: Path) -> None:
@@ -94,27 +106,23 @@ def test_loads_run_off_the_decode_loop(llama_dir: Path, adapter_dirs: dict[str, 
         assert (ready.max_lora_rank, ready.lora_target_modules) == (64, list(TARGET_MODULES))
 
         missing = tmp_path / "missing"
-        scheduler.send(LoadLoRAAdapterReqInput(adapters=[spec("a8", adapter_dirs["a8"], 2), spec("m", missing, 9)]))
-        scheduler.send(LoadLoRAAdapterReqInput(adapters=[spec("a16", adapter_dirs["a16"], 3)]))
+        scheduler.load(LoadAdapters(op_id=21, adapters=[spec("a8", adapter_dirs["a8"], 2), spec("m", missing, 9)]))
+        scheduler.load(LoadAdapters(op_id=22, adapters=[spec("a16", adapter_dirs["a16"], 3)]))
         scheduler.send(ForwardBatch(batch_id=1, reqs=[req()]))
-        # Each load sleeps 1 s on the loader thread; a loop blocked by them would answer the batch last.
+        # Each load sleeps 1 s on its own thread; a loop blocked by them would answer the batch last.
         assert scheduler.recv() == BatchResult(batch_id=1, next_token_ids=[expected[0]])
 
-        first, second = scheduler.recv(), scheduler.recv()  # in the order the loads were sent
-        assert isinstance(first, WorkerAdapterReport) and isinstance(second, WorkerAdapterReport)
-        assert [(r.lora_name, r.success, r.lora_id, r.rank) for r in first.results + second.results] == [
-            ("a8", True, 2, 8),
-            ("m", False, 9, 0),
-            ("a16", True, 3, 16),
-        ]
-        assert first.results[0].target_modules == ["gate_proj", "up_proj", "down_proj"]
-        assert first.results[1].error_kind == "not_found" and "does not exist" in first.results[1].error_message
+        reports = recv_reports(scheduler, 2)  # each names its operation: the order they come in does not matter
+        first, second = reports[21, 0].outcomes, reports[22, 0].outcomes
+        assert [(o.lora_id, o.success, o.rank) for o in first + second] == [(2, True, 8), (9, False, 0), (3, True, 16)]
+        assert first[0].target_modules == ["gate_proj", "up_proj", "down_proj"]
+        assert first[1].error_kind == "not_found" and "does not exist" in first[1].error_message
 
         loads = [SlotLoad(slot=0, lora_id=2), SlotLoad(slot=1, lora_id=3)]
         scheduler.send(ForwardBatch(batch_id=2, reqs=[req(), req(0, 2), req(1, 4)], slot_loads=loads))
         assert scheduler.recv() == BatchResult(batch_id=2, next_token_ids=expected)
 
-        scheduler.send(DropAdapters(lora_ids=[2]))  # also empties slot 0
+        scheduler.send(DropAdapters(op_id=23, lora_ids=[2]))  # also empties slot 0
         scheduler.send(ForwardBatch(batch_id=3, reqs=[req(0)]))
         reply = scheduler.recv()
         assert reply.batch_id == 3 and reply.next_token_ids == [] and "holds no adapter" in reply.error_message
@@ -139,20 +147,19 @@ def test_fault_hook_fails_one_rank(llama_dir: Path, adapter_dirs: dict[str, Path
         readies = [scheduler.recv(timeout_ms=READY_TIMEOUT_MS) for _ in procs]
         assert sorted(r.rank for r in readies if isinstance(r, WorkerReady)) == [0, 1], readies
 
-        load = LoadLoRAAdapterReqInput(
-            adapters=[spec("faulty", adapter_dirs["a4"], 1), spec("fine", adapter_dirs["a8"], 2)]
-        )
-        scheduler.send(load)
-        reports = {r.rank: r.results for r in (scheduler.recv(), scheduler.recv())}
-        assert [(r.lora_name, r.success, r.rank) for r in reports[0]] == [("faulty", True, 4), ("fine", True, 8)]
-        assert [(r.lora_name, r.success, r.error_message) for r in reports[1]] == [
-            ("faulty", False, "injected fault on rank 1"),
-            ("fine", True, ""),
+        adapters = [spec("faulty", adapter_dirs["a4"], 1), spec("fine", adapter_dirs["a8"], 2)]
+        scheduler.load(LoadAdapters(op_id=7, adapters=adapters))
+        reports = recv_reports(scheduler, 2)
+        assert [(o.lora_id, o.success, o.rank) for o in reports[7, 0].outcomes] == [(1, True, 4), (2, True, 8)]
+        assert [(o.lora_id, o.success, o.error_message) for o in reports[7, 1].outcomes] == [
+            (1, False, "injected fault on rank 1"),
+            (2, True, ""),
         ]
+        assert reports[7, 1].outcomes[0].error_kind == "internal"
 
         # As the scheduler does for a partial load: every rank drops it. A batch naming it then fails on every rank
         # before any collective, and both ranks keep serving, adapters included.
-        scheduler.send(DropAdapters(lora_ids=[1]))
+        scheduler.send(DropAdapters(op_id=8, lora_ids=[1]))
         scheduler.send(ForwardBatch(batch_id=1, reqs=[req(0)], slot_loads=[SlotLoad(slot=0, lora_id=1)]))
         reply = scheduler.recv()
         assert reply.batch_id == 1 and "adapter id 1" in reply.error_message and "not loaded" in reply.error_message
@@ -161,3 +168,26 @@ def test_fault_hook_fails_one_rank(llama_dir: Path, adapter_dirs: dict[str, Path
 
         scheduler.send(Shutdown())
         assert [proc.wait(timeout=EXIT_TIMEOUT_S) for proc in procs] == [0, 0]
+
+
+def test_a_hung_load_delays_only_itself(llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    # The read of "stuck" never returns (a stuck network file system): later loads and batches go on, the rollback
+    # of the stuck id is taken at once, and Shutdown is not held up by the hung thread.
+    hooks = {"hang_load_on_rank": "0", "fail_load_name": "stuck"}
+    with start_workers(llama_dir, tp=1, fault_hooks=hooks) as ([proc], scheduler):
+        assert isinstance(scheduler.recv(timeout_ms=READY_TIMEOUT_MS), WorkerReady)
+        scheduler.load(LoadAdapters(op_id=1, adapters=[spec("stuck", adapter_dirs["a4"], 1)]))
+        scheduler.load(LoadAdapters(op_id=2, adapters=[spec("fine", adapter_dirs["a8"], 2)]))
+        report = scheduler.recv()
+        assert isinstance(report, AdapterReport) and report.op_id == 2, report
+        assert [(o.lora_id, o.success) for o in report.outcomes] == [(2, True)]
+        scheduler.send(DropAdapters(op_id=3, lora_ids=[1]))  # the scheduler's rollback at the deadline
+        scheduler.send(ForwardBatch(batch_id=1, reqs=[req(0)], slot_loads=[SlotLoad(slot=0, lora_id=2)]))
+        reply = scheduler.recv()
+        assert isinstance(reply, BatchResult) and reply.batch_id == 1 and len(reply.next_token_ids) == 1, reply
+        scheduler.send(ForwardBatch(batch_id=2, reqs=[req(1)], slot_loads=[SlotLoad(slot=1, lora_id=1)]))
+        reply = scheduler.recv()
+        assert reply.batch_id == 2 and "adapter id 1" in reply.error_message and "not loaded" in reply.error_message
+        scheduler.send(Shutdown())
+        assert proc.wait(timeout=EXIT_TIMEOUT_S) == 0
+        assert scheduler.from_workers.recv(timeout_ms=200) is None  # the hung op never reports

@@ -24,7 +24,7 @@ from worker_helpers import GREEDY, PAGE_SIZE, make_runner, random_prompts
 import kernels
 from frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
 from kernels.lora_torch import _plan
-from protocol.structs import ForwardBatch, ForwardReq, LoRAAdapterSpec, SlotLoad
+from protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from worker.batch_inputs import BatchError
 from worker.lora.layers import LoRALinear
 from worker.model_runner import ModelRunner
@@ -132,7 +132,7 @@ def test_drop_and_clear_fail_batches_not_the_runner(
     runner: ModelRunner, llama_dir: Path, adapter_dirs: dict[str, Path]
 ) -> None:
     lora = runner.lora
-    spec = LoRAAdapterSpec(lora_name="copy", lora_path=str(adapter_dirs["a16"]), lora_id=50)
+    spec = AdapterToLoad(lora_name="copy", lora_path=str(adapter_dirs["a16"]), lora_id=50)
     assert lora.load([spec])[0].success
     prompt = random_prompts([6], runner.vocab_size, seed=13)[0]
     runner.batch_logits(ForwardBatch(batch_id=0, reqs=[one_req(prompt, 5)], slot_loads=[SlotLoad(slot=5, lora_id=50)]))
@@ -155,6 +155,30 @@ def test_drop_and_clear_fail_batches_not_the_runner(
     assert diff <= FP32_TOL
 
 
+def test_drop_before_install_keeps_nothing(runner: ModelRunner, adapter_dirs: dict[str, Path]) -> None:
+    # A load that timed out on this rank is rolled back (drop) before its slow read finishes: the install that
+    # follows must keep nothing and say so, and other ids are unaffected.
+    lora = runner.lora
+    late = AdapterToLoad(lora_name="late", lora_path=str(adapter_dirs["a8"]), lora_id=60)
+    other = AdapterToLoad(lora_name="other", lora_path=str(adapter_dirs["a8"]), lora_id=61)
+    read = lora.read([late, other])
+    assert all(not isinstance(r, Exception) for r in read)
+    lora.drop([60])
+    dropped, kept = lora.install([late, other], read)
+    assert not dropped.success and dropped.lora_id == 60
+    assert "dropped while it loaded" in dropped.error_message
+    assert kept.success and kept.lora_id == 61
+    assert 60 not in lora.adapters and 61 in lora.adapters
+    with pytest.raises(BatchError, match="adapter id 60 .* not loaded"):
+        runner.forward(ForwardBatch(batch_id=0, reqs=[], slot_loads=[SlotLoad(slot=5, lora_id=60)]))
+    # The same through load(): drop first, then the whole load.
+    lora.drop([62])
+    [result] = lora.load([AdapterToLoad(lora_name="later", lora_path=str(adapter_dirs["a4"]), lora_id=62)])
+    assert not result.success and 62 not in lora.adapters
+    lora.drop([61])
+    assert 61 not in lora.adapters
+
+
 def test_base_only_batches_launch_no_lora_work(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     monkeypatch.setattr("worker.lora.layers.lora_shrink", lambda *args: calls.append(args))
@@ -169,7 +193,7 @@ def test_qwen2_adapter_matches_peft(qwen2_dir: Path, tmp_path: Path) -> None:
     adapter_dir = tmp_path / "q8"
     build_lora_adapter(qwen2_dir, adapter_dir, r=8, lora_alpha=16, target_modules=ALL_TARGET_MODULES, seed=21)
     runner = make_runner(qwen2_dir, **{**LORA_CONFIG, "max_lora_rank": 8})
-    assert runner.lora.load([LoRAAdapterSpec(lora_name="q8", lora_path=str(adapter_dir), lora_id=1)])[0].success
+    assert runner.lora.load([AdapterToLoad(lora_name="q8", lora_path=str(adapter_dir), lora_id=1)])[0].success
     prompts = random_prompts([7, 5], runner.vocab_size, seed=15)
     reqs = [one_req(prompts[0], -1), one_req(prompts[1], 0, first_page=10)]
     logits = runner.batch_logits(ForwardBatch(batch_id=0, reqs=reqs, slot_loads=[SlotLoad(slot=0, lora_id=1)]))

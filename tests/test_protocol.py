@@ -9,6 +9,12 @@ from protocol import rpc
 from protocol.config import ConfigError, ServerConfig, build_arg_parser, config_from_args, parse_lora_source
 from protocol.structs import (
     AbortReq,
+    AbortReqInput,
+    AbortReqOutput,
+    AdapterOpDone,
+    AdapterOutcome,
+    AdapterReport,
+    AdapterToLoad,
     BatchResult,
     DropAdapters,
     Endpoints,
@@ -19,6 +25,7 @@ from protocol.structs import (
     GenerateReqOutput,
     ListLoRAAdaptersReqInput,
     ListLoRAAdaptersReqOutput,
+    LoadAdapters,
     LoadLoRAAdapterReqInput,
     LoadLoRAAdapterReqOutput,
     LoRAAdapterResult,
@@ -33,6 +40,7 @@ from protocol.structs import (
     SchedulerStats,
     SchedulerStatsReq,
     SchedulerToFrontend,
+    SchedulerToLoader,
     SchedulerToWorker,
     Shutdown,
     SlotLoad,
@@ -41,45 +49,56 @@ from protocol.structs import (
     TokenizedGenerateReq,
     UnloadLoRAAdapterReqInput,
     UnloadLoRAAdapterReqOutput,
-    WorkerAdapterReport,
     WorkerReady,
     WorkerToScheduler,
 )
 
 SAMPLING = SamplingParams(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=5, seed=3, stop_token_ids=[2])
-SPEC = LoRAAdapterSpec(lora_name="a", lora_path="/p", pinned=True, lora_id=4)
-RESULT = LoRAAdapterResult(lora_name="a", success=False, error_message="bad", error_kind="invalid", rank=8,
-                           target_modules=["q_proj"])
+SPEC = LoRAAdapterSpec(lora_name="a", lora_path="/p", pinned=True)
+RESULT = LoRAAdapterResult(lora_name="a", success=False, error_message="bad", error_kind="invalid")
+TO_LOAD = AdapterToLoad(lora_id=4, lora_name="a", lora_path="/p", pinned=True, replaces=2)
+OUTCOMES = [
+    AdapterOutcome(lora_id=4, success=True, rank=8, target_modules=["q_proj"]),
+    AdapterOutcome(lora_id=5, success=False, error_message="bad", error_kind="invalid"),
+]
+LOAD = LoadAdapters(op_id=11, adapters=[TO_LOAD, AdapterToLoad(lora_id=5, lora_name="b", lora_path="/q")])
+DROP = DropAdapters(op_id=12, lora_ids=[4])
 
 CASES = [
     (FrontendToScheduler, TokenizedGenerateReq(rid="r", input_ids=[1, 2], sampling=SAMPLING, lora_id=3)),
     (FrontendToScheduler, AbortReq(rid="r")),
-    (FrontendToScheduler, LoadLoRAAdapterReqInput(adapters=[SPEC], load_inplace=True)),
-    (FrontendToScheduler, UnloadLoRAAdapterReqInput(lora_names=["a"], lora_ids=[4])),
-    (FrontendToScheduler, SchedulerStatsReq()),
+    (FrontendToScheduler, LOAD),
+    (FrontendToScheduler, DROP),
+    (FrontendToScheduler, SchedulerStatsReq(op_id=13)),
     (FrontendToScheduler, Shutdown()),
     (SchedulerToFrontend, TokenDeltas(deltas=[TokenDelta(rid="r", token_ids=[5], finish_reason="stop")])),
     (SchedulerToFrontend, SchedulerReady(max_total_tokens=10, context_length=8, vocab_size=9, max_lora_rank=4,
                                          lora_target_modules=["q_proj"])),
-    (SchedulerToFrontend, SchedulerStats(num_running=1, num_waiting=2, kv_usage=0.5, running_lora_ids=[1],
+    (SchedulerToFrontend, SchedulerStats(op_id=13, num_running=1, num_waiting=2, kv_usage=0.5, running_lora_ids=[1],
                                          waiting_lora_ids=[2], slot_lora_ids=[1, -1])),
-    (SchedulerToFrontend, LoadLoRAAdapterReqOutput(success=False, error_message="x", results=[RESULT],
-                                                   loaded_adapters={"b": "/q"})),
-    (SchedulerToFrontend, UnloadLoRAAdapterReqOutput(success=True, results=[RESULT])),
+    (SchedulerToFrontend, AdapterOpDone(op_id=11, outcomes=OUTCOMES)),
     (SchedulerToFrontend, ProcessFailed(who="worker0", error_message="boom")),
     (SchedulerToWorker, ForwardBatch(batch_id=9, reqs=[ForwardReq(input_ids=[1], num_cached_tokens=4, page_ids=[0, 3],
                                                                   sampling=SAMPLING, num_generated=2, slot=1)],
                                      slot_loads=[SlotLoad(slot=1, lora_id=4)])),
-    (SchedulerToWorker, LoadLoRAAdapterReqInput(adapters=[SPEC])),
-    (SchedulerToWorker, DropAdapters(lora_ids=[4])),
+    (SchedulerToWorker, DROP),
     (SchedulerToWorker, Shutdown()),
+    (SchedulerToLoader, LOAD),
     (WorkerToScheduler, BatchResult(batch_id=9, next_token_ids=[3], error_message="")),
-    (WorkerToScheduler, WorkerAdapterReport(rank=1, results=[RESULT])),
+    (WorkerToScheduler, AdapterReport(op_id=11, tp_rank=1, outcomes=OUTCOMES)),
     (WorkerToScheduler, WorkerReady(rank=0, max_total_tokens=64, context_length=32, vocab_size=100)),
     (WorkerToScheduler, ProcessFailed(who="worker1", error_message="x")),
     (RpcRequest, GenerateReqInput(text=["a", "b"], sampling_params={"max_new_tokens": 2}, lora_path=["x", None])),
+    (RpcRequest, AbortReqInput(rid="r")),
+    (RpcRequest, LoadLoRAAdapterReqInput(adapters=[SPEC, LoRAAdapterSpec(lora_name="b", lora_path="/q")],
+                                         load_inplace=True)),
+    (RpcRequest, UnloadLoRAAdapterReqInput(lora_names=["a"])),
     (RpcRequest, ListLoRAAdaptersReqInput()),
     (RpcReply, GenerateReqOutput(outputs=[{"text": "x"}])),
+    (RpcReply, AbortReqOutput(success=False, rid="r", message="not in flight")),
+    (RpcReply, LoadLoRAAdapterReqOutput(success=False, error_message="x", results=[RESULT],
+                                        loaded_adapters={"b": "/q"})),
+    (RpcReply, UnloadLoRAAdapterReqOutput(success=True, results=[RESULT])),
     (RpcReply, ListLoRAAdaptersReqOutput(adapters=[{"lora_name": "a"}])),
     (RpcReply, RpcError(error_message="no")),
 ]
@@ -92,11 +111,19 @@ def test_round_trip(union, msg):
     assert type(decoded) is type(msg)
 
 
+def test_public_adapter_structs_carry_no_internal_fields():
+    # lora ids, LoRA ranks and target modules are internal: clients name adapters, and see only names and results.
+    assert LoRAAdapterSpec.__struct_fields__ == ("lora_name", "lora_path", "pinned")
+    assert LoRAAdapterResult.__struct_fields__ == ("lora_name", "success", "error_message", "error_kind")
+    assert SPEC.pinned and LoRAAdapterSpec(lora_name="a", lora_path="/p").pinned is None  # None: keep the old pin
+
+
 def test_process_args_round_trip():
     config = ServerConfig(tp=2, lora_paths=["a=/x"], enable_lora=True, api_key="k")
     args = ProcessArgs(config=config, endpoints=Endpoints(
         frontend_to_scheduler="ipc://a", scheduler_to_frontend="ipc://b", scheduler_to_workers=["ipc://c", "ipc://d"],
-        workers_to_scheduler="ipc://e", dist_init_addr="127.0.0.1:1"), model_dir="/m", rank=1)
+        workers_to_scheduler="ipc://e", dist_init_addr="127.0.0.1:1", scheduler_to_loaders=["ipc://f", "ipc://g"]),
+        model_dir="/m", rank=1, fault_hooks={"fail_load_on_rank": "1"})
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(args), type=ProcessArgs) == args
 
 

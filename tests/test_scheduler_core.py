@@ -10,21 +10,20 @@ import pytest
 
 from protocol.config import ServerConfig
 from protocol.structs import (
+    AdapterOpDone,
+    AdapterOutcome,
+    AdapterReport,
+    AdapterToLoad,
     BatchResult,
     DropAdapters,
     ForwardBatch,
     ForwardReq,
-    LoadLoRAAdapterReqInput,
-    LoadLoRAAdapterReqOutput,
-    LoRAAdapterResult,
-    LoRAAdapterSpec,
+    LoadAdapters,
     SamplingParams,
     TokenDelta,
     TokenizedGenerateReq,
-    UnloadLoRAAdapterReqInput,
-    WorkerAdapterReport,
 )
-from scheduler.adapter_table import AdapterOpDone
+from scheduler.adapter_table import AdapterTable, LoadFinished
 from scheduler.batch_policy import BatchPolicy
 from scheduler.scheduler import Scheduler
 
@@ -48,23 +47,36 @@ def gen(rid: str, *, prompt_len=4, max_new=4, lora: int | None = None, stop: tup
     return TokenizedGenerateReq(rid=rid, input_ids=list(range(1, prompt_len + 1)), sampling=sampling, lora_id=lora)
 
 
-def spec(lora_id: int, pinned=False) -> LoRAAdapterSpec:
-    return LoRAAdapterSpec(lora_name=f"a{lora_id}", lora_path=f"/adapters/{lora_id}", pinned=pinned, lora_id=lora_id)
+def adapter(lora_id: int, pinned=False, replaces: int | None = None) -> AdapterToLoad:
+    return AdapterToLoad(
+        lora_id=lora_id, lora_name=f"a{lora_id}", lora_path=f"/adapters/{lora_id}", pinned=pinned, replaces=replaces
+    )
 
 
-def ok(rank: int, lora_id: int) -> LoRAAdapterResult:
-    return LoRAAdapterResult(lora_name=f"a{lora_id}", success=True, lora_id=lora_id, rank=8, target_modules=["q_proj"])
+def ok(lora_id: int) -> AdapterOutcome:
+    return AdapterOutcome(lora_id=lora_id, success=True, rank=8, target_modules=["q_proj"])
 
 
-def load(sched: Scheduler, *lora_ids: int, pinned=False) -> LoadLoRAAdapterReqOutput:
+def bad(lora_id: int, message: str, kind: str = "invalid") -> AdapterOutcome:
+    return AdapterOutcome(lora_id=lora_id, success=False, error_message=message, error_kind=kind)
+
+
+def report(op_id: int, tp_rank: int, *outcomes: AdapterOutcome) -> AdapterReport:
+    return AdapterReport(op_id=op_id, tp_rank=tp_rank, outcomes=list(outcomes))
+
+
+_op_ids = iter(range(1000, 10**9))
+
+
+def load(sched: Scheduler, *lora_ids: int, pinned=False) -> AdapterOpDone:
     """Load through every rank, all succeeding."""
-    out = sched.load_adapters(LoadLoRAAdapterReqInput(adapters=[spec(i, pinned) for i in lora_ids]))
-    if isinstance(out, AdapterOpDone):
-        return out.reply
+    op = LoadAdapters(op_id=next(_op_ids), adapters=[adapter(i, pinned) for i in lora_ids])
+    out = sched.load_adapters(op, now=0.0)
+    assert out == op  # sent to every rank's loader as it is
     for rank in range(sched.adapters.num_ranks):
-        results = [ok(rank, s.lora_id) for s in out.adapters]
-        done = sched.add_adapter_report(WorkerAdapterReport(rank=rank, results=results))
-    assert done is not None and done.drop is None
+        done = sched.add_adapter_report(report(op.op_id, rank, *[ok(i) for i in lora_ids]))
+    assert done is not None and done.rollback is None
+    assert all(o.success for o in done.reply.outcomes)
     return done.reply
 
 
@@ -193,7 +205,7 @@ def test_a_finishing_request_frees_the_pages_that_admit_a_waiting_one():
     for _ in range(8):
         batch = workers.step()
         assert len(batch.reqs) == 1
-        assert sched.stats().num_waiting == 1
+        assert sched.stats(op_id=0).num_waiting == 1
     assert workers.finished["a"].finish_reason == "length"
     assert workers.step().reqs[0].num_cached_tokens == 0  # b's prefill, on a's pages
     workers.run_until_idle()
@@ -340,7 +352,7 @@ def test_duplicate_rid_is_refused():
     assert sched.add_request(gen("a")) == []
     deltas = sched.add_request(gen("a"))
     assert deltas[0].finish_reason == "error" and "already in progress" in deltas[0].error_message
-    assert sched.stats().num_waiting == 1
+    assert sched.stats(op_id=0).num_waiting == 1
 
 
 # ---- limits ----------------------------------------------------------------------------------------------------
@@ -379,7 +391,8 @@ def test_stats():
     sched.add_request(gen("b"))
     sched.add_request(gen("c", lora=1))
     workers.step()
-    stats = sched.stats()
+    stats = sched.stats(op_id=41)
+    assert stats.op_id == 41
     assert (stats.num_running, stats.num_waiting) == (2, 1)
     assert stats.kv_usage == pytest.approx(4 / 10)
     assert stats.running_lora_ids == [2] and stats.waiting_lora_ids == [1]
@@ -469,99 +482,241 @@ def test_pinned_adapter_keeps_its_slot_while_others_rotate():
     assert_drained(sched)
 
 
-# ---- adapter load / unload --------------------------------------------------------------------------------------
+# ---- adapter load / drop ------------------------------------------------------------------------------------------
 
 
 def test_load_succeeds_when_every_rank_succeeds():
     sched = make_scheduler(num_ranks=2)
-    out = sched.load_adapters(LoadLoRAAdapterReqInput(adapters=[spec(3)]))
-    assert isinstance(out, LoadLoRAAdapterReqInput) and [s.lora_id for s in out.adapters] == [3]
-    assert sched.add_adapter_report(WorkerAdapterReport(rank=1, results=[ok(1, 3)])) is None
+    op = LoadAdapters(op_id=1, adapters=[adapter(3)])
+    assert sched.load_adapters(op, now=0.0) == op
+    assert sched.add_adapter_report(report(1, 1, ok(3))) is None
     assert not sched.adapters.is_loaded(3)  # not before every rank reported
-    done = sched.add_adapter_report(WorkerAdapterReport(rank=0, results=[ok(0, 3)]))
-    assert done.drop is None and done.reply.success
-    assert done.reply.results == [
-        LoRAAdapterResult(lora_name="a3", success=True, lora_id=3, rank=8, target_modules=["q_proj"])
-    ]
+    done = sched.add_adapter_report(report(1, 0, ok(3)))
+    assert done.rollback is None and done.loaded == [adapter(3)]
+    assert done.reply == AdapterOpDone(op_id=1, outcomes=[ok(3)])
     assert sched.add_request(gen("x", lora=3)) == []
+    assert sched.adapters.num_pending_loads == 0
 
 
-def test_load_failing_on_one_rank_is_dropped_everywhere_and_unusable():
+def test_load_failing_on_one_rank_is_rolled_back_everywhere_and_unusable():
     sched = make_scheduler(num_ranks=2)
-    out = sched.load_adapters(LoadLoRAAdapterReqInput(adapters=[spec(3), spec(4)]))
-    assert len(out.adapters) == 2
-    sched.add_adapter_report(WorkerAdapterReport(rank=0, results=[ok(0, 3), ok(0, 4)]))
-    failed = LoRAAdapterResult(lora_name="a4", success=False, error_message="shape mismatch in q_proj", lora_id=4)
-    done = sched.add_adapter_report(WorkerAdapterReport(rank=1, results=[ok(1, 3), failed]))
-    assert done.drop == DropAdapters(lora_ids=[4])
-    ok3, bad4 = done.reply.results
-    assert ok3.success and not bad4.success and not done.reply.success
-    assert bad4.error_message == "rank 1: shape mismatch in q_proj"
-    assert "a4" in done.reply.error_message and "rank 1" in done.reply.error_message
+    out = sched.load_adapters(LoadAdapters(op_id=7, adapters=[adapter(3), adapter(4)]), now=0.0)
+    assert [a.lora_id for a in out.adapters] == [3, 4]
+    assert sched.add_adapter_report(report(7, 0, ok(3), ok(4))) is None
+    done = sched.add_adapter_report(report(7, 1, ok(3), bad(4, "shape mismatch in q_proj")))
+    assert done.rollback == DropAdapters(op_id=7, lora_ids=[4])
+    ok3, bad4 = done.reply.outcomes
+    assert ok3.success and not bad4.success
+    assert bad4.error_message == "rank 1: shape mismatch in q_proj" and bad4.error_kind == "invalid"
+    assert [a.lora_id for a in done.loaded] == [3]
     deltas = sched.add_request(gen("x", lora=4))
     assert deltas[0].finish_reason == "error" and "adapter 4 not loaded" in deltas[0].error_message
     assert sched.add_request(gen("y", lora=3)) == []
 
 
-def test_load_failing_on_every_rank_alike_keeps_the_message_and_drops_nothing():
+def test_partial_failure_of_a_single_adapter_is_not_loaded_and_rolled_back():
     sched = make_scheduler(num_ranks=2)
-    sched.load_adapters(LoadLoRAAdapterReqInput(adapters=[spec(3)]))
+    sched.load_adapters(LoadAdapters(op_id=1, adapters=[adapter(5)]), now=0.0)
+    sched.add_adapter_report(report(1, 0, ok(5)))
+    done = sched.add_adapter_report(report(1, 1, bad(5, "injected fault on rank 1", "internal")))
+    assert not done.reply.outcomes[0].success and done.reply.outcomes[0].error_kind == "internal"
+    assert done.reply.outcomes[0].error_message == "rank 1: injected fault on rank 1"
+    assert done.rollback == DropAdapters(op_id=1, lora_ids=[5]) and done.loaded == []
+    assert not sched.adapters.is_loaded(5)
+
+
+def test_load_failing_on_every_rank_alike_keeps_the_message_and_rolls_back_nothing():
+    sched = make_scheduler(num_ranks=2)
+    sched.load_adapters(LoadAdapters(op_id=1, adapters=[adapter(3)]), now=0.0)
     error = "rank 64 above --max-lora-rank 16"
-    failed = LoRAAdapterResult(lora_name="a3", success=False, error_message=error, lora_id=3)
-    sched.add_adapter_report(WorkerAdapterReport(rank=0, results=[failed]))
-    done = sched.add_adapter_report(WorkerAdapterReport(rank=1, results=[failed]))
-    assert done.drop is None
-    assert done.reply.results[0].error_message == "rank 64 above --max-lora-rank 16"
+    sched.add_adapter_report(report(1, 0, bad(3, error)))
+    done = sched.add_adapter_report(report(1, 1, bad(3, error)))
+    assert done.rollback is None
+    assert done.reply.outcomes == [bad(3, error)]
     assert not sched.adapters.is_loaded(3)
 
 
 def test_a_rank_report_missing_an_adapter_fails_it():
     sched = make_scheduler(num_ranks=2)
-    sched.load_adapters(LoadLoRAAdapterReqInput(adapters=[spec(3)]))
-    sched.add_adapter_report(WorkerAdapterReport(rank=0, results=[ok(0, 3)]))
-    done = sched.add_adapter_report(WorkerAdapterReport(rank=1, results=[]))
-    assert not done.reply.results[0].success and done.reply.results[0].error_message.startswith("rank 1: ")
-    assert done.drop == DropAdapters(lora_ids=[3])
+    sched.load_adapters(LoadAdapters(op_id=1, adapters=[adapter(3)]), now=0.0)
+    sched.add_adapter_report(report(1, 0, ok(3)))
+    done = sched.add_adapter_report(report(1, 1))
+    outcome = done.reply.outcomes[0]
+    assert not outcome.success and outcome.error_message.startswith("rank 1: ") and outcome.error_kind == "internal"
+    assert done.rollback == DropAdapters(op_id=1, lora_ids=[3])
 
 
-def test_concurrent_loads_match_reports_in_order():
+def test_concurrent_loads_match_reports_by_op_id_in_any_order():
     sched = make_scheduler(num_ranks=2)
-    sched.load_adapters(LoadLoRAAdapterReqInput(adapters=[spec(1)]))
-    sched.load_adapters(LoadLoRAAdapterReqInput(adapters=[spec(2)]))
-    assert sched.add_adapter_report(WorkerAdapterReport(rank=0, results=[ok(0, 1)])) is None
-    assert sched.add_adapter_report(WorkerAdapterReport(rank=0, results=[ok(0, 2)])) is None
-    first = sched.add_adapter_report(WorkerAdapterReport(rank=1, results=[ok(1, 1)]))
-    second = sched.add_adapter_report(WorkerAdapterReport(rank=1, results=[ok(1, 2)]))
-    assert [r.lora_id for r in first.reply.results] == [1] and [r.lora_id for r in second.reply.results] == [2]
+    sched.load_adapters(LoadAdapters(op_id=10, adapters=[adapter(1)]), now=0.0)
+    sched.load_adapters(LoadAdapters(op_id=11, adapters=[adapter(2)]), now=0.0)
+    assert sched.adapters.num_pending_loads == 2
+    # Rank 0 answers the second load first; rank 1 answers the first load first: interleaved.
+    assert sched.add_adapter_report(report(11, 0, ok(2))) is None
+    assert sched.add_adapter_report(report(10, 1, ok(1))) is None
+    second = sched.add_adapter_report(report(11, 1, ok(2)))
+    assert second.reply == AdapterOpDone(op_id=11, outcomes=[ok(2)])
+    assert sched.adapters.loaded_ids == {2}
+    first = sched.add_adapter_report(report(10, 0, ok(1)))
+    assert first.reply == AdapterOpDone(op_id=10, outcomes=[ok(1)])
+    assert sched.adapters.loaded_ids == {1, 2} and sched.adapters.num_pending_loads == 0
+    assert sched.add_adapter_report(report(11, 1, ok(2))) is None  # matches no load any more
+    assert sched.add_adapter_report(report(99, 0, ok(3))) is None  # never matched one
     assert sched.adapters.loaded_ids == {1, 2}
-    assert sched.add_adapter_report(WorkerAdapterReport(rank=1, results=[ok(1, 2)])) is None  # matches no load
 
 
-def test_pinned_limit():
+def test_a_report_from_a_rank_outside_the_group_is_ignored():
+    sched = make_scheduler(num_ranks=2)
+    sched.load_adapters(LoadAdapters(op_id=1, adapters=[adapter(3)]), now=0.0)
+    assert sched.add_adapter_report(report(1, 2, ok(3))) is None
+    assert sched.add_adapter_report(report(1, -1, ok(3))) is None
+    assert sched.adapters.num_pending_loads == 1
+
+
+def test_a_load_past_its_deadline_times_out_naming_the_missing_rank():
+    table = AdapterTable(num_ranks=3, load_timeout_s=5.0)
+    op = LoadAdapters(op_id=1, adapters=[adapter(3), adapter(4), adapter(5)])
+    assert table.begin_load(op, now=100.0) == op
+    assert table.add_report(report(1, 0, ok(3), bad(4, "bad shape"), bad(5, "bad shape"))) is None
+    assert table.add_report(report(1, 2, ok(3), ok(4), bad(5, "bad shape"))) is None
+    assert table.expire(104.9) == []  # not yet
+    [done] = table.expire(105.0)
+    assert isinstance(done, LoadFinished) and done.loaded == []
+    assert [o.error_kind for o in done.reply.outcomes] == ["timeout"] * 3
+    assert all(not o.success for o in done.reply.outcomes)
+    message = done.reply.outcomes[0].error_message
+    assert "'a3'" in message and "rank 1 did not answer" in message and "5 s" in message
+    # Every id goes: some rank loaded 3 and 4, and the missing rank may still install any of them.
+    assert done.rollback == DropAdapters(op_id=1, lora_ids=[3, 4, 5])
+    assert not table.loaded_ids and table.num_pending_loads == 0
+    assert table.expire(1000.0) == []  # expired once
+    # The late rank's report is ignored.
+    assert table.add_report(report(1, 1, ok(3), ok(4), ok(5))) is None
+    assert not table.loaded_ids
+
+
+def test_expiry_fails_only_the_loads_past_their_deadline():
+    sched = make_scheduler(num_ranks=2)
+    timeout = sched.adapters.load_timeout_s
+    assert timeout == sched.config.lora_load_timeout  # the scheduler's table uses the configured timeout
+    sched.load_adapters(LoadAdapters(op_id=1, adapters=[adapter(1)]), now=0.0)
+    sched.load_adapters(LoadAdapters(op_id=2, adapters=[adapter(2)]), now=10.0)
+    sched.add_adapter_report(report(1, 0, ok(1)))
+    [done] = sched.expire_adapter_loads(timeout + 1.0)
+    assert done.reply.op_id == 1 and done.reply.outcomes[0].error_kind == "timeout"
+    assert "rank 1 did not answer" in done.reply.outcomes[0].error_message
+    assert done.rollback == DropAdapters(op_id=1, lora_ids=[1])
+    assert sched.adapters.num_pending_loads == 1
+    sched.add_adapter_report(report(2, 0, ok(2)))
+    assert sched.add_adapter_report(report(2, 1, ok(2))).reply.outcomes == [ok(2)]
+    assert sched.add_adapter_report(report(1, 1, ok(1))) is None  # late: ignored
+    assert sched.adapters.loaded_ids == {2}
+    deltas = sched.add_request(gen("x", lora=1))
+    assert deltas[0].finish_reason == "error" and "adapter 1 not loaded" in deltas[0].error_message
+
+
+@pytest.mark.parametrize(
+    "loaded, pending, adapters",
+    [
+        ([1], [], [adapter(1)]),  # already loaded
+        ([], [2], [adapter(2)]),  # a pending load's id
+        ([], [], [adapter(3), adapter(3)]),  # twice in one operation
+    ],
+)
+def test_a_reused_lora_id_fails_without_asking_the_ranks(loaded, pending, adapters):
+    sched = make_scheduler(num_ranks=2)
+    if loaded:
+        load(sched, *loaded)
+    if pending:
+        sched.load_adapters(LoadAdapters(op_id=500, adapters=[adapter(i) for i in pending]), now=0.0)
+    num_pending = sched.adapters.num_pending_loads
+    out = sched.load_adapters(LoadAdapters(op_id=1, adapters=[*adapters, adapter(9)]), now=0.0)
+    assert isinstance(out, LoadFinished)  # the reply at once: nothing went to the ranks
+    assert out.rollback is None and out.loaded == []
+    assert out.reply.op_id == 1 and len(out.reply.outcomes) == len(adapters) + 1
+    assert all(not o.success and o.error_kind == "internal" for o in out.reply.outcomes)
+    assert "reuses" in out.reply.outcomes[0].error_message
+    assert sched.adapters.num_pending_loads == num_pending
+    assert not sched.adapters.is_loaded(9)
+    assert sched.adapters.loaded_ids == set(loaded)
+
+
+def test_a_reused_op_id_fails_without_asking_the_ranks():
+    sched = make_scheduler(num_ranks=2)
+    sched.load_adapters(LoadAdapters(op_id=1, adapters=[adapter(1)]), now=0.0)
+    out = sched.load_adapters(LoadAdapters(op_id=1, adapters=[adapter(2)]), now=0.0)
+    assert isinstance(out, LoadFinished) and out.rollback is None
+    assert out.reply.op_id == 1 and not out.reply.outcomes[0].success
+    assert "operation 1" in out.reply.outcomes[0].error_message
+    # The first operation is untouched: its reports still complete it.
+    sched.add_adapter_report(report(1, 0, ok(1)))
+    assert sched.add_adapter_report(report(1, 1, ok(1))).reply.outcomes == [ok(1)]
+    assert sched.adapters.loaded_ids == {1}
+
+
+def test_pins_follow_the_operation():
     sched = make_scheduler(num_slots=3)
-    assert load(sched, 1, pinned=True).success
-    out = sched.load_adapters(LoadLoRAAdapterReqInput(adapters=[spec(2, pinned=True), spec(3, pinned=True), spec(4)]))
-    assert [s.lora_id for s in out.adapters] == [2, 4]  # 3 is refused before reaching the ranks
-    done = sched.add_adapter_report(WorkerAdapterReport(rank=0, results=[ok(0, 2), ok(0, 4)]))
-    refused = done.reply.results[1]
-    assert [r.success for r in done.reply.results] == [True, False, True]
-    assert refused.lora_name == "a3"
-    assert refused.error_message == "too many pinned adapters (at most 2 = max_loras_per_batch - 1)"
-    assert sched.slots.is_pinned(1) and sched.slots.is_pinned(2) and not sched.slots.is_pinned(4)
-    only_refused = sched.load_adapters(LoadLoRAAdapterReqInput(adapters=[spec(5, pinned=True)]))
-    assert isinstance(only_refused, AdapterOpDone) and not only_refused.reply.success  # the ranks are not asked
+    load(sched, 1, pinned=True)
+    load(sched, 2)
+    assert sched.slots.is_pinned(1) and not sched.slots.is_pinned(2)
 
 
-def test_duplicate_or_unminted_lora_id_is_refused():
+def test_a_failed_load_pins_nothing():
+    sched = make_scheduler(num_slots=3, num_ranks=2)
+    sched.load_adapters(LoadAdapters(op_id=1, adapters=[adapter(1, pinned=True)]), now=0.0)
+    sched.add_adapter_report(report(1, 0, ok(1)))
+    sched.add_adapter_report(report(1, 1, bad(1, "no")))
+    assert not sched.slots.is_pinned(1)
+    sched.load_adapters(LoadAdapters(op_id=2, adapters=[adapter(2, pinned=True)]), now=0.0)
+    sched.expire_adapter_loads(10**6)
+    assert not sched.slots.is_pinned(2)
+
+
+def test_an_in_place_reload_moves_the_pin():
+    sched = make_scheduler(num_slots=2)  # one pin at most
+    load(sched, 1, pinned=True)
+    assert sched.slots.is_pinned(1)
+    op = LoadAdapters(op_id=1, adapters=[adapter(2, pinned=True, replaces=1)])
+    sched.load_adapters(op, now=0.0)
+    assert sched.slots.is_pinned(1) and not sched.slots.is_pinned(2)  # nothing moves before the ranks answer
+    done = sched.add_adapter_report(report(1, 0, ok(2)))
+    assert done.loaded == [adapter(2, pinned=True, replaces=1)]
+    assert not sched.slots.is_pinned(1) and sched.slots.is_pinned(2)
+    assert sched.slots.num_pinned == 1
+
+
+def test_an_unpinned_reload_unpins_the_old_id():
+    sched = make_scheduler(num_slots=2)
+    load(sched, 1, pinned=True)
+    sched.load_adapters(LoadAdapters(op_id=1, adapters=[adapter(2, replaces=1)]), now=0.0)
+    sched.add_adapter_report(report(1, 0, ok(2)))
+    assert not sched.slots.is_pinned(1) and not sched.slots.is_pinned(2)
+
+
+def test_drop_of_an_unknown_id_is_not_found():
     sched = make_scheduler()
     load(sched, 1)
-    out = sched.load_adapters(LoadLoRAAdapterReqInput(adapters=[spec(1), spec(-1)]))
-    assert isinstance(out, AdapterOpDone)
-    assert ["already loaded" in r.error_message for r in out.reply.results] == [True, False]
-    assert "no lora_id" in out.reply.results[1].error_message
+    reply, deltas = sched.drop_adapters(DropAdapters(op_id=3, lora_ids=[9, 1]))
+    assert reply.op_id == 3 and deltas == []
+    missing, dropped = reply.outcomes
+    assert not missing.success and missing.lora_id == 9 and missing.error_kind == "not_found"
+    assert "9" in missing.error_message
+    assert dropped == AdapterOutcome(lora_id=1, success=True)
+    assert not sched.adapters.is_loaded(1)
+    reply, _ = sched.drop_adapters(DropAdapters(op_id=4, lora_ids=[1]))  # twice: gone already
+    assert reply.outcomes[0].error_kind == "not_found"
 
 
-def test_unload_drops_the_slot_and_fails_waiting_requests():
+def test_drop_while_a_pass_is_in_flight_raises():
+    sched = make_scheduler()
+    load(sched, 1)
+    sched.add_request(gen("a"))
+    sched.schedule()
+    with pytest.raises(RuntimeError):
+        sched.drop_adapters(DropAdapters(op_id=1, lora_ids=[1]))
+
+
+def test_drop_empties_the_slot_and_fails_waiting_requests():
     sched = make_scheduler(num_slots=2, max_running=1)
     load(sched, 1, 2)
     sched.slots.pin(2)
@@ -572,16 +727,17 @@ def test_unload_drops_the_slot_and_fails_waiting_requests():
     sched.add_request(gen("c", lora=1))
     workers.step()  # b runs; c waits for the running place
     assert sched.slots.slot_table() == [1, 2]
-    done = sched.unload_adapters(UnloadLoRAAdapterReqInput(lora_names=["a1", "ghost"], lora_ids=[1, 9]))
-    assert done.drop == DropAdapters(lora_ids=[1])
-    assert [r.success for r in done.reply.results] == [True, False] and "'ghost'" in done.reply.results[1].error_message
-    assert [(d.rid, d.finish_reason) for d in done.deltas] == [("c", "error")]
-    assert "'a1' was unloaded" in done.deltas[0].error_message
+    reply, deltas = sched.drop_adapters(DropAdapters(op_id=5, lora_ids=[1, 9]))
+    assert [o.success for o in reply.outcomes] == [True, False]
+    assert reply.outcomes[1].error_kind == "not_found"
+    assert [(d.rid, d.finish_reason) for d in deltas] == [("c", "error")]
+    assert "adapter id 1 was unloaded" in deltas[0].error_message
     assert sched.slots.slot_table() == [-1, 2] and not sched.adapters.is_loaded(1)
-    sched.add_request(gen("d", lora=1))  # not loaded any more
+    workers.record(sched.add_request(gen("d", lora=1)))  # not loaded any more
+    assert workers.finished["d"].finish_reason == "error"
     workers.run_until_idle()
-    unload_2 = sched.unload_adapters(UnloadLoRAAdapterReqInput(lora_names=["a2"], lora_ids=[2]))
-    assert unload_2.reply.success and not sched.slots.is_pinned(2) and sched.slots.slot_table() == [-1, -1]
+    reply, _ = sched.drop_adapters(DropAdapters(op_id=6, lora_ids=[2]))
+    assert reply.outcomes[0].success and not sched.slots.is_pinned(2) and sched.slots.slot_table() == [-1, -1]
     assert_drained(sched)
 
 

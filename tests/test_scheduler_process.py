@@ -15,13 +15,15 @@ from protocol.proc import ARGS_ENV, encode_process_args
 from protocol.sockets import PULL, PUSH, TypedSocket
 from protocol.structs import (
     AbortReq,
+    AdapterOpDone,
+    AdapterOutcome,
+    AdapterReport,
+    AdapterToLoad,
     BatchResult,
+    DropAdapters,
     Endpoints,
     ForwardBatch,
-    LoadLoRAAdapterReqInput,
-    LoadLoRAAdapterReqOutput,
-    LoRAAdapterResult,
-    LoRAAdapterSpec,
+    LoadAdapters,
     ProcessArgs,
     ProcessFailed,
     SamplingParams,
@@ -34,7 +36,6 @@ from protocol.structs import (
     TokenDelta,
     TokenDeltas,
     TokenizedGenerateReq,
-    WorkerAdapterReport,
     WorkerReady,
 )
 
@@ -43,19 +44,21 @@ TIMEOUT_MS = 10_000
 
 
 class Harness:
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, **config_kwargs):
         endpoints = Endpoints(
             frontend_to_scheduler=f"ipc://{tmp}/f2s",
             scheduler_to_frontend=f"ipc://{tmp}/s2f",
             scheduler_to_workers=[f"ipc://{tmp}/s2w0"],
             workers_to_scheduler=f"ipc://{tmp}/w2s",
             dist_init_addr="127.0.0.1:0",
+            scheduler_to_loaders=[f"ipc://{tmp}/s2l0"],
         )
         self.frontend_in = TypedSocket(PULL, endpoints.scheduler_to_frontend, bind=True, recv_type=SchedulerToFrontend)
         self.worker_in = TypedSocket(PULL, endpoints.scheduler_to_workers[0], bind=True, recv_type=SchedulerToWorker)
+        self.loader_in = TypedSocket(PULL, endpoints.scheduler_to_loaders[0], bind=True, recv_type=LoadAdapters)
         self.frontend_out = TypedSocket(PUSH, endpoints.frontend_to_scheduler, bind=False)
         self.worker_out = TypedSocket(PUSH, endpoints.workers_to_scheduler, bind=False)
-        config = ServerConfig(page_size=4, max_loras_per_batch=2, log_level="debug")
+        config = ServerConfig(page_size=4, max_loras_per_batch=2, log_level="debug", **config_kwargs)
         args = ProcessArgs(config=config, endpoints=endpoints, model_dir="/nonexistent")
         env = {**os.environ, ARGS_ENV: encode_process_args(args), "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen([sys.executable, "-m", "scheduler"], cwd=REPO, env=env)
@@ -70,6 +73,15 @@ class Harness:
         assert isinstance(msg, kind), f"expected {kind.__name__}, got {msg!r}"
         return msg
 
+    def to_loader(self) -> LoadAdapters:
+        msg = self.loader_in.recv(TIMEOUT_MS)
+        assert isinstance(msg, LoadAdapters), f"expected LoadAdapters, got {msg!r}"
+        return msg
+
+    def start(self) -> SchedulerReady:
+        self.worker_out.send(WorkerReady(rank=0, max_total_tokens=100, context_length=64, vocab_size=32))
+        return self.to_frontend(SchedulerReady)
+
     def wait_exit(self) -> int:
         return self.proc.wait(timeout=10)
 
@@ -77,7 +89,7 @@ class Harness:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        for sock in (self.frontend_in, self.worker_in, self.frontend_out, self.worker_out):
+        for sock in (self.frontend_in, self.worker_in, self.loader_in, self.frontend_out, self.worker_out):
             sock.close()
 
 
@@ -95,14 +107,13 @@ def test_scheduler_process_serves_a_request_and_shuts_down(harness):
     ready = harness.to_frontend(SchedulerReady)
     assert (ready.max_total_tokens, ready.context_length, ready.vocab_size) == (100, 64, 32)
 
-    # An adapter load goes to the rank and comes back merged.
-    spec = LoRAAdapterSpec(lora_name="a", lora_path="/adapters/a", lora_id=0)
-    harness.frontend_out.send(LoadLoRAAdapterReqInput(adapters=[spec]))
-    assert harness.to_worker(LoadLoRAAdapterReqInput).adapters == [spec]
-    harness.worker_out.send(
-        WorkerAdapterReport(rank=0, results=[LoRAAdapterResult(lora_name="a", success=True, lora_id=0, rank=8)])
-    )
-    assert harness.to_frontend(LoadLoRAAdapterReqOutput).success
+    # An adapter load goes to the rank's loader socket and comes back merged, under its op id.
+    op = LoadAdapters(op_id=5, adapters=[AdapterToLoad(lora_id=0, lora_name="a", lora_path="/adapters/a")])
+    harness.frontend_out.send(op)
+    assert harness.to_loader() == op
+    outcome = AdapterOutcome(lora_id=0, success=True, rank=8, target_modules=["q_proj"])
+    harness.worker_out.send(AdapterReport(op_id=5, tp_rank=0, outcomes=[outcome]))
+    assert harness.to_frontend(AdapterOpDone) == AdapterOpDone(op_id=5, outcomes=[outcome])
 
     sampling = SamplingParams(max_new_tokens=3)
     harness.frontend_out.send(TokenizedGenerateReq(rid="r", input_ids=[1, 2, 3], sampling=sampling, lora_id=0))
@@ -117,9 +128,16 @@ def test_scheduler_process_serves_a_request_and_shuts_down(harness):
             finish = delta.finish_reason
     assert tokens == [11, 12, 13] and finish == "length"
 
-    harness.frontend_out.send(SchedulerStatsReq())
+    harness.frontend_out.send(SchedulerStatsReq(op_id=8))
     stats = harness.to_frontend(SchedulerStats)
+    assert stats.op_id == 8
     assert stats.num_running == 0 and stats.kv_usage == 0 and stats.slot_lora_ids == [0, -1]
+
+    # A drop reaches the workers' batch socket and is answered with its op id.
+    harness.frontend_out.send(DropAdapters(op_id=9, lora_ids=[0]))
+    assert harness.to_worker(DropAdapters) == DropAdapters(op_id=9, lora_ids=[0])
+    dropped = AdapterOutcome(lora_id=0, success=True)
+    assert harness.to_frontend(AdapterOpDone) == AdapterOpDone(op_id=9, outcomes=[dropped])
 
     harness.frontend_out.send(Shutdown())
     harness.to_worker(Shutdown)
@@ -143,11 +161,55 @@ def test_abort_is_read_while_a_pass_runs(harness):
     time.sleep(0.2)  # the worker is "slow": the abort arrives mid-pass
     harness.worker_out.send(BatchResult(batch_id=batch.batch_id, next_token_ids=[5]))
     assert harness.to_frontend(TokenDeltas).deltas == [TokenDelta(rid="r", token_ids=[], finish_reason="abort")]
-    harness.frontend_out.send(SchedulerStatsReq())
+    harness.frontend_out.send(SchedulerStatsReq(op_id=1))
     assert harness.to_frontend(SchedulerStats).kv_usage == 0
     assert harness.worker_in.recv(200) is None  # no further batch
     harness.frontend_out.send(Shutdown())
     assert harness.wait_exit() == 0
+
+
+def test_a_load_is_forwarded_and_answered_mid_pass(harness):
+    harness.start()
+    sampling = SamplingParams(max_new_tokens=5)
+    harness.frontend_out.send(TokenizedGenerateReq(rid="r", input_ids=[1, 2], sampling=sampling))
+    batch = harness.to_worker(ForwardBatch)
+    # The pass is still running: the load reaches the loader at once all the same.
+    op = LoadAdapters(op_id=3, adapters=[AdapterToLoad(lora_id=4, lora_name="b", lora_path="/adapters/b")])
+    harness.frontend_out.send(op)
+    assert harness.to_loader() == op
+    failed = AdapterOutcome(lora_id=4, success=False, error_message="no adapter_config.json", error_kind="not_found")
+    harness.worker_out.send(AdapterReport(op_id=3, tp_rank=0, outcomes=[failed]))
+    assert harness.to_frontend(AdapterOpDone) == AdapterOpDone(op_id=3, outcomes=[failed])
+    harness.worker_out.send(BatchResult(batch_id=batch.batch_id, next_token_ids=[5]))
+    assert harness.to_frontend(TokenDeltas).deltas[0].token_ids == [5]
+    harness.frontend_out.send(Shutdown())
+    assert harness.wait_exit() == 0
+
+
+def test_a_load_that_a_rank_never_answers_times_out_and_is_rolled_back(tmp_path):
+    harness = Harness(tmp_path, lora_load_timeout=0.5)
+    try:
+        harness.start()
+        op = LoadAdapters(op_id=2, adapters=[AdapterToLoad(lora_id=7, lora_name="slow", lora_path="/adapters/slow")])
+        harness.frontend_out.send(op)
+        assert harness.to_loader() == op
+        done = harness.to_frontend(AdapterOpDone)  # nobody answers
+        assert done.op_id == 2 and not done.outcomes[0].success and done.outcomes[0].error_kind == "timeout"
+        assert "rank 0 did not answer" in done.outcomes[0].error_message
+        assert harness.to_worker(DropAdapters) == DropAdapters(op_id=2, lora_ids=[7])  # the rollback
+        # A late report is ignored: no second reply.
+        outcome = AdapterOutcome(lora_id=7, success=True, rank=8)
+        harness.worker_out.send(AdapterReport(op_id=2, tp_rank=0, outcomes=[outcome]))
+        harness.frontend_out.send(SchedulerStatsReq(op_id=4))
+        assert harness.to_frontend(SchedulerStats).op_id == 4
+        sampling = SamplingParams(max_new_tokens=1)
+        harness.frontend_out.send(TokenizedGenerateReq(rid="r", input_ids=[1], sampling=sampling, lora_id=7))
+        [delta] = harness.to_frontend(TokenDeltas).deltas
+        assert delta.finish_reason == "error" and "adapter 7 not loaded" in delta.error_message
+        harness.frontend_out.send(Shutdown())
+        assert harness.wait_exit() == 0
+    finally:
+        harness.close()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -19,18 +19,19 @@ from worker_helpers import GREEDY, FakeScheduler, make_runner
 from protocol.config import ServerConfig
 from protocol.proc import ARGS_ENV, encode_process_args
 from protocol.structs import (
+    AdapterOutcome,
+    AdapterReport,
+    AdapterToLoad,
     BatchResult,
     DropAdapters,
     Endpoints,
     ForwardBatch,
     ForwardReq,
-    LoadLoRAAdapterReqInput,
-    LoRAAdapterSpec,
+    LoadAdapters,
     ProcessArgs,
     ProcessFailed,
     SamplingParams,
     Shutdown,
-    WorkerAdapterReport,
     WorkerReady,
 )
 
@@ -51,6 +52,7 @@ def start_workers(
             scheduler_to_workers=[f"ipc://{sock_dir}/s2w{rank}" for rank in range(tp)],
             workers_to_scheduler=f"ipc://{sock_dir}/w2s",
             dist_init_addr=f"127.0.0.1:{free_port()}",  # unused at tp=1
+            scheduler_to_loaders=[f"ipc://{sock_dir}/s2l{rank}" for rank in range(tp)],
         )
         config = ServerConfig(device="cpu", tp=tp, page_size=4, max_total_tokens=256, log_level="debug",
                               **config_kwargs)
@@ -100,14 +102,14 @@ def test_worker_serves_batches_and_shuts_down(llama_dir: Path) -> None:
         assert isinstance(reply, BatchResult) and reply.batch_id == 2 and reply.next_token_ids == []
         assert "outside" in reply.error_message
 
-        spec = LoRAAdapterSpec(lora_name="a", lora_path="/nowhere", lora_id=3)
-        scheduler.send(LoadLoRAAdapterReqInput(adapters=[spec]))
+        # Without LoRA, a load is refused (on the loader socket) and a drop is a no-op.
+        scheduler.load(LoadAdapters(op_id=4, adapters=[AdapterToLoad(lora_id=3, lora_name="a", lora_path="/nowhere")]))
         report = scheduler.recv()
-        assert isinstance(report, WorkerAdapterReport) and report.rank == 0
-        assert [(r.lora_name, r.success, r.error_message, r.lora_id) for r in report.results] == [
-            ("a", False, "LoRA not enabled", 3)
+        assert isinstance(report, AdapterReport) and (report.op_id, report.tp_rank) == (4, 0)
+        assert report.outcomes == [
+            AdapterOutcome(lora_id=3, success=False, error_message="LoRA is not enabled", error_kind="invalid")
         ]
-        scheduler.send(DropAdapters(lora_ids=[3]))  # no reply expected
+        scheduler.send(DropAdapters(op_id=5, lora_ids=[3]))  # no reply expected
 
         sampled = ForwardReq(
             input_ids=prompt, num_cached_tokens=0, page_ids=[0, 1], sampling=SamplingParams(seed=1), num_generated=0

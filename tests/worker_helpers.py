@@ -15,7 +15,15 @@ from server_utils import free_port
 
 from protocol.config import ServerConfig
 from protocol.sockets import PULL, PUSH, TypedSocket
-from protocol.structs import Endpoints, ForwardBatch, ForwardReq, SamplingParams, SlotLoad, WorkerToScheduler
+from protocol.structs import (
+    Endpoints,
+    ForwardBatch,
+    ForwardReq,
+    LoadAdapters,
+    SamplingParams,
+    SlotLoad,
+    WorkerToScheduler,
+)
 from worker.model_runner import ModelRunner
 
 PAGE_SIZE = 4
@@ -126,15 +134,21 @@ def run_two_ranks(target: Callable[..., None], *args: Any, timeout_s: float = 12
 
 
 class FakeScheduler:
-    """The scheduler's end of the worker sockets, for tests that run worker processes without one."""
+    """The scheduler's end of the worker sockets (batches, drops and the loaders'), for tests that run worker
+    processes without one."""
 
     def __init__(self, endpoints: Endpoints):
         self.from_workers = TypedSocket(PULL, endpoints.workers_to_scheduler, bind=True, recv_type=WorkerToScheduler)
         self.to_workers = [TypedSocket(PUSH, addr, bind=False) for addr in endpoints.scheduler_to_workers]
+        self.to_loaders = [TypedSocket(PUSH, addr, bind=False) for addr in endpoints.scheduler_to_loaders]
 
     def send(self, msg) -> None:  # every rank gets every message, as from the real scheduler
         for sock in self.to_workers:
             sock.send(msg)
+
+    def load(self, op: LoadAdapters) -> None:  # to every rank's loader socket, as the real scheduler does
+        for sock in self.to_loaders:
+            sock.send(op)
 
     def recv(self, timeout_ms: int = REPLY_TIMEOUT_MS):
         msg = self.from_workers.recv(timeout_ms=timeout_ms)
@@ -143,5 +157,5 @@ class FakeScheduler:
 
     def close(self) -> None:
         self.from_workers.close()
-        for sock in self.to_workers:
+        for sock in [*self.to_workers, *self.to_loaders]:
             sock.close()
