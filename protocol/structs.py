@@ -241,12 +241,12 @@ class BatchResult(Struct, frozen=True):
 
 class WorkerReady(Struct, frozen=True):
     rank: int
-    device_type: str = "cpu"  # "cpu" or "cuda": picks defaults that depend on the device
     max_total_tokens: int
     context_length: int
     vocab_size: int
     max_lora_rank: int = 0
     lora_target_modules: list[str] = []
+    device_type: str = "cpu"  # "cpu" or "cuda": picks defaults that depend on the device
 
 
 class Shutdown(Struct, frozen=True):

@@ -370,5 +370,6 @@ class Scheduler:
             for other in [r for r in [*self.waiting.values(), *self.running.values()] if r.lora_id == lora_id]:
                 deltas.append(self._finish(other, "error", error_message=f"adapter id {lora_id} was unloaded"))
             self.slots.drop(lora_id)
+            self.cache.purge(lora_id)  # ids are never reused: nothing would match its pages again
             outcomes.append(AdapterOutcome(lora_id=lora_id, success=True))
         return AdapterOpDone(op_id=op.op_id, outcomes=outcomes), deltas
