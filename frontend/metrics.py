@@ -37,6 +37,7 @@ class Metrics:
         self.adapter_generation_tokens = Counter("loraplex_adapter_generation_tokens", "Tokens generated per "
                                                  "adapter", ["adapter"], registry=r)
         # 0 until a prefix cache counts into them
+        self._scheduler_totals: dict[str, int] = {}  # the scheduler's cumulative counts, last seen
         self.prefix_cache_hit_tokens = Counter("loraplex_prefix_cache_hit_tokens", "Prompt tokens found in the "
                                                "prefix cache", registry=r)
         self.prefix_cache_queried_tokens = Counter("loraplex_prefix_cache_queried_tokens", "Prompt tokens looked "
@@ -112,6 +113,13 @@ class Metrics:
 
     def update_scheduler(self, stats: SchedulerStats, max_loras: int, names: dict[int, str]) -> None:
         """The gauges from the scheduler's view; `names` maps lora_id -> name for every loaded adapter."""
+        # The scheduler counts prefix-cache tokens since its start; the counters advance by what is new.
+        for name, counter, total in (
+            ("hit", self.prefix_cache_hit_tokens, stats.prefix_cache_hit_tokens),
+            ("queried", self.prefix_cache_queried_tokens, stats.prefix_cache_queried_tokens),
+        ):
+            counter.inc(max(0, total - self._scheduler_totals.get(name, 0)))
+            self._scheduler_totals[name] = max(total, self._scheduler_totals.get(name, 0))
         self.waiting.labels(model_name=self.model_name).set(stats.num_waiting)
         self.running.labels(model_name=self.model_name).set(stats.num_running)
         self.kv_usage.labels(model_name=self.model_name).set(stats.kv_usage)

@@ -209,6 +209,8 @@ async def server_info(request: web.Request) -> web.Response:
         "num_running": stats.num_running if stats else None,
         "num_waiting": stats.num_waiting if stats else None,
         "kv_usage": stats.kv_usage if stats else None,
+        "num_preemptions": stats.num_preemptions if stats else None,
+        "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens if stats else None,
     })
 
 

@@ -82,6 +82,10 @@ _HELP: dict[str, str] = {
     "disable_lora_updates": "serve the start-up adapters only: every load/unload after start is refused (403)",
     "shutdown_timeout": "seconds in-flight requests may run after SIGTERM before they are aborted",
     "dist_timeout": "seconds before a collective times out once serving (a backstop)",
+    "chunked_prefill_size": "most prompt tokens one forward pass takes, summed over requests; -1 = whole prompts "
+    "(default: 2048 on CUDA, 512 on CPU)",
+    "disable_radix_cache": "turn off the prefix cache (keyed by adapter)",
+    "no_enable_prefix_caching": "vLLM's spelling of --disable-radix-cache",
 }
 
 
@@ -120,6 +124,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     disable_lora_updates: bool = False
     shutdown_timeout: float = 20.0
     dist_timeout: float = 30.0
+    chunked_prefill_size: int | None = None
+    disable_radix_cache: bool = False
+    no_enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         positive = (
@@ -141,6 +148,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for name in ("lora_drain_timeout", "lora_load_timeout", "dist_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
+            raise ConfigError(f"--chunked-prefill-size must be >= 1 or -1 (off), got {self.chunked_prefill_size}")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if self.disable_lora_updates and self.lora_resolver_dir:
@@ -162,6 +171,16 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError("--enable-lora without --lora-paths needs --max-lora-rank and --lora-target-modules")
         if self.max_loaded_loras is not None and self.max_loaded_loras < len(self.lora_paths):
             raise ConfigError("--max-loaded-loras is smaller than the number of --lora-paths")
+
+    @property
+    def prefix_caching(self) -> bool:
+        return not (self.disable_radix_cache or self.no_enable_prefix_caching)
+
+    def chunked_prefill_tokens(self, device_type: str) -> int:
+        """The step's prefill token budget (-1 = off), defaulting by device."""
+        if self.chunked_prefill_size is not None:
+            return self.chunked_prefill_size
+        return 2048 if device_type == "cuda" else 512
 
     @property
     def lora_enabled(self) -> bool:

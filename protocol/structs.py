@@ -192,6 +192,9 @@ class SchedulerStats(Struct, frozen=True):
     running_lora_ids: list[int] = []
     waiting_lora_ids: list[int] = []
     slot_lora_ids: list[int] = []  # per device slot, -1 = empty
+    prefix_cache_hit_tokens: int = 0  # since start, cumulative
+    prefix_cache_queried_tokens: int = 0
+    num_preemptions: int = 0
 
 
 class SchedulerReady(Struct, frozen=True):
@@ -243,6 +246,7 @@ class WorkerReady(Struct, frozen=True):
     vocab_size: int
     max_lora_rank: int = 0
     lora_target_modules: list[str] = []
+    device_type: str = "cpu"  # "cpu" or "cuda": picks defaults that depend on the device
 
 
 class Shutdown(Struct, frozen=True):

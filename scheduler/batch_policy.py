@@ -1,16 +1,16 @@
 """BatchPolicy: which waiting requests join the next forward pass (every running request decodes anyway).
 
-Waiting requests are admitted first come, first served, while
+Waiting requests (new ones, and preempted ones by their first arrival) are admitted first come, first served, while
 - the running requests stay within max_running_requests,
-- the prompts admitted this step stay within max_prefill_tokens (one request is always allowed, however long),
-- the pages for the whole request (prompt + max_new_tokens) can be reserved, so no request is ever preempted,
+- the step's prefill token budget lasts, and the pages for the request's first chunk can be had (`Admission`:
+  the scheduler matches its cached prefix, cuts the chunk and allocates the pages),
 - the batch's distinct adapters fit the slots (SlotPlanner.can_place).
-A request that fails one of the first three stops admission for this step: nobody overtakes it, and since the
+A request that fails one of the first two stops admission for this step: nobody overtakes it, and since the
 running requests only drain, it gets in once enough of them finish.
 
 No starvation on slots. The first request that fits everything but the slots is the *blocked head*. Requests behind
 it may still go ahead when they need no new slot (base model, or an adapter already in the batch), with two limits:
-- they leave one running place and the blocked head's pages free, so the head needs only a slot;
+- they leave one running place and the blocked head's first-chunk pages free, so the head needs only a slot;
 - none may use the *draining* adapter: of the unpinned adapters in the batch, the one whose requests finish soonest
   (fewest remaining tokens, worst case). Its hold only shrinks, so its slot frees up for the blocked head.
 Bound: each step the draining adapter's worst-case remaining tokens drop by one (it is re-chosen as the minimum every
@@ -22,36 +22,36 @@ An unpinned adapter in the batch always exists when the head is blocked: at most
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
-from scheduler.page_allocator import PageAllocator
 from scheduler.request import Request
 from scheduler.slot_planner import SlotPlanner
 
 
+class Admission(Protocol):
+    def pages_wanted(self, req: Request) -> int:
+        """Pages the request's first chunk would need now, changing nothing."""
+
+    def try_admit(self, req: Request, keep_free_pages: int) -> bool:
+        """Take the request's cached prefix and pages for its first chunk, leaving keep_free_pages; False: no room
+        (tokens or pages) this step, and nothing was taken."""
+
+
 class BatchPolicy:
-    def __init__(self, *, max_running_requests: int, max_prefill_tokens: int, page_size: int):
+    def __init__(self, *, max_running_requests: int):
         self.max_running_requests = max_running_requests
-        self.max_prefill_tokens = max_prefill_tokens
-        self.page_size = page_size
 
     def pick_prefills(
-        self, waiting: Iterable[Request], running: Sequence[Request], pages: PageAllocator, slots: SlotPlanner
+        self, waiting: Iterable[Request], running: Sequence[Request], slots: SlotPlanner, admission: Admission
     ) -> list[Request]:
         admitted: list[Request] = []
         batch_lora_ids = {req.lora_id for req in running if req.lora_id is not None}
-        num_prefill_tokens = 0
-        num_free_pages = pages.num_free
         blocked: Request | None = None  # the blocked head, see the module docstring
+        num_reserved_pages = 0
         draining_lora_id: int | None = None
         for req in waiting:
             num_reserved_places = 0 if blocked is None else 1
-            num_reserved_pages = 0 if blocked is None else blocked.num_pages_needed(self.page_size)
             if len(running) + len(admitted) + num_reserved_places >= self.max_running_requests:
-                break
-            if admitted and num_prefill_tokens + len(req.prompt_ids) > self.max_prefill_tokens:
-                break
-            num_pages = req.num_pages_needed(self.page_size)
-            if num_pages + num_reserved_pages > num_free_pages:
                 break
             if req.lora_id is not None:
                 if req.lora_id == draining_lora_id:
@@ -59,14 +59,15 @@ class BatchPolicy:
                 if not slots.can_place(batch_lora_ids | {req.lora_id}):
                     if blocked is None:
                         blocked = req
+                        num_reserved_pages = admission.pages_wanted(req)
                         draining_lora_id = self._pick_draining(list(running) + admitted, slots)
                     continue
+            if not admission.try_admit(req, num_reserved_pages):
+                break
+            if req.lora_id is not None:
                 batch_lora_ids.add(req.lora_id)
             admitted.append(req)
-            num_prefill_tokens += len(req.prompt_ids)
-            num_free_pages -= num_pages
         return admitted
-
     @staticmethod
     def _pick_draining(batch: Iterable[Request], slots: SlotPlanner) -> int | None:
         """The unpinned adapter in the batch whose requests all finish soonest, worst case."""

@@ -101,7 +101,13 @@ class SchedulerProcess:
             raise ProcessExit(1)
         first = ready[min(ready)]
         context_length = min(r.context_length for r in ready.values())
-        scheduler = Scheduler(self.config, num_pages=num_pages, context_length=context_length, num_ranks=len(ready))
+        scheduler = Scheduler(
+            self.config,
+            num_pages=num_pages,
+            context_length=context_length,
+            num_ranks=len(ready),
+            chunked_prefill_size=self.config.chunked_prefill_tokens(first.device_type),
+        )
         self.to_frontend.send(
             SchedulerReady(
                 max_total_tokens=scheduler.max_total_tokens,

@@ -9,8 +9,8 @@ from protocol.structs import SamplingParams, TokenizedGenerateReq
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"  # holds its pages and its adapter's slot
+    WAITING = "waiting"  # new, or preempted (its pages given back; it is recomputed when it runs again)
+    RUNNING = "running"  # holds pages for the tokens it has, and its adapter's slot
     FINISHED = "finished"
 
 
@@ -20,16 +20,25 @@ class Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     lora_id: int | None = None  # None = base model
+    arrival: int = 0  # order of arrival: the queue's order, and preemption takes the newest first
     output_ids: list[int] = field(default_factory=list)
-    page_ids: list[int] = field(default_factory=list)  # reserved at admission for prompt + max_new_tokens
+    page_ids: list[int] = field(default_factory=list)  # pages for the tokens whose KV is written or being written
     num_cached_tokens: int = 0  # tokens whose KV the workers have written
+    page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages, computed so far
+    num_offered_pages: int = 0  # full written pages already offered to the prefix cache
+    num_preemptions: int = 0
     slot: int = -1  # adapter device slot while running, -1 = base model
     status: RequestStatus = RequestStatus.WAITING
     is_aborted: bool = False  # aborted while a forward pass that includes it was in flight: ends when it returns
 
     @classmethod
-    def from_req(cls, req: TokenizedGenerateReq) -> Request:
-        return cls(rid=req.rid, prompt_ids=list(req.input_ids), sampling=req.sampling, lora_id=req.lora_id)
+    def from_req(cls, req: TokenizedGenerateReq, arrival: int) -> Request:
+        return cls(rid=req.rid, prompt_ids=list(req.input_ids), sampling=req.sampling, lora_id=req.lora_id,
+                   arrival=arrival)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
 
     @property
     def num_tokens(self) -> int:
@@ -44,11 +53,14 @@ class Request:
         """Output tokens still to come at most; every forward pass that includes the request yields one."""
         return self.sampling.max_new_tokens - len(self.output_ids)
 
-    def num_pages_needed(self, page_size: int) -> int:
-        return -(-self.max_num_tokens // page_size)
+    @property
+    def num_uncached_tokens(self) -> int:
+        """Tokens whose KV is still to write: the (rest of the) prompt, then one sampled token per step."""
+        return self.num_tokens - self.num_cached_tokens
 
-    def next_input_ids(self) -> list[int]:
-        """Tokens the next forward pass writes to the KV cache: the uncached prompt, or the last sampled token."""
-        if self.num_cached_tokens < len(self.prompt_ids):
-            return self.prompt_ids[self.num_cached_tokens :]
-        return self.output_ids[-1:]
+    def num_pages_for(self, num_tokens: int, page_size: int) -> int:
+        return -(-num_tokens // page_size)
+
+    def next_input_ids(self, num_new: int) -> list[int]:
+        """The next num_new tokens whose KV the next forward pass writes."""
+        return self.token_ids[self.num_cached_tokens : self.num_cached_tokens + num_new]

@@ -1,8 +1,15 @@
 """Scheduler: the state machine of the scheduler process, free of sockets so tests drive it directly.
 
-One step: schedule() -> ForwardBatch (every running request decodes, some waiting ones prefill) -> the workers
-run it -> process_result(BatchResult) -> TokenDeltas. Requests, aborts and adapter ops arrive between steps.
-Pages for a whole request are reserved when it is admitted, so a running request never waits and is never preempted.
+One step: schedule() -> ForwardBatch -> the workers run it -> process_result(BatchResult) -> TokenDeltas.
+Requests, aborts and adapter ops arrive between steps.
+
+A step: every decoding request writes one token; requests still prefilling take their next chunk, then waiting ones
+their first, under the step's prefill token budget (--chunked-prefill-size; -1: whole prompts up to
+--max-prefill-tokens, a longer one alone). A request holds pages only for the tokens it has; when a step's requests
+need more pages than are free (after evicting unused cached pages), the newest running requests are preempted: their
+pages go back, they rejoin the queue by their arrival, and are recomputed when they run again (sampling is stateless
+given the seed and the output count, so their outputs are the same). Full pages whose keys and values are written
+are offered to the prefix cache, keyed by adapter; a new request starts from the longest cached prefix it matches.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from protocol.structs import (
 from scheduler.adapter_table import AdapterTable, LoadFinished
 from scheduler.batch_policy import BatchPolicy
 from scheduler.page_allocator import PageAllocator
+from scheduler.prefix_cache import BASE_NAMESPACE, PrefixCache, page_keys
 from scheduler.request import Request, RequestStatus
 from scheduler.slot_planner import SlotError, SlotPlanner
 
@@ -38,25 +46,38 @@ log = logging.getLogger(__name__)
 class _InFlight:
     batch_id: int
     reqs: list[Request]  # in the order of the batch's ForwardReqs
+    num_new: list[int]  # tokens each request writes in this pass
 
 
 class Scheduler:
-    def __init__(self, config: ServerConfig, *, num_pages: int, context_length: int, num_ranks: int = 1):
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        num_pages: int,
+        context_length: int,
+        num_ranks: int = 1,
+        chunked_prefill_size: int = 512,
+    ):
         self.config = config
         self.page_size = config.page_size
         self.context_length = context_length
         self.pages = PageAllocator(num_pages)
+        self.cache = PrefixCache(self.pages, config.page_size, enabled=config.prefix_caching)
         self.slots = SlotPlanner(config.max_loras_per_batch)
         self.adapters = AdapterTable(num_ranks, config.lora_load_timeout)
-        self.policy = BatchPolicy(
-            max_running_requests=config.max_running_requests,
-            max_prefill_tokens=config.max_prefill_tokens,
-            page_size=config.page_size,
-        )
-        self.waiting: dict[str, Request] = {}  # first come, first served (dicts keep insertion order)
+        self.policy = BatchPolicy(max_running_requests=config.max_running_requests)
+        # The step's prefill token budget; chunked: prompts are cut to fit it, else whole (a longer one alone).
+        self.is_chunked = chunked_prefill_size > 0
+        self.prefill_budget = chunked_prefill_size if self.is_chunked else config.max_prefill_tokens
+        self.waiting: dict[str, Request] = {}  # by arrival (preempted requests go back to their place)
         self.running: dict[str, Request] = {}
+        self.num_preemptions = 0
         self._in_flight: _InFlight | None = None
         self._next_batch_id = 0
+        self._next_arrival = 0
+        self._plan: dict[Request, int] = {}  # the step being built: request -> tokens it writes
+        self._budget_left = 0
 
     @property
     def is_idle(self) -> bool:
@@ -78,7 +99,8 @@ class Scheduler:
             return [TokenDelta(rid=req.rid, token_ids=[], finish_reason="error", error_message=error)]
         if req.sampling.max_new_tokens == 0:
             return [TokenDelta(rid=req.rid, token_ids=[], finish_reason="length")]
-        self.waiting[req.rid] = Request.from_req(req)
+        self.waiting[req.rid] = Request.from_req(req, self._next_arrival)
+        self._next_arrival += 1
         return []
 
     def _refusal(self, req: TokenizedGenerateReq) -> str:
@@ -114,10 +136,7 @@ class Scheduler:
     ) -> TokenDelta:
         """Every way a request ends comes through here: its pages and slot hold go back."""
         if req.status is RequestStatus.RUNNING:
-            self.pages.free(req.page_ids)
-            req.page_ids = []
-            if req.lora_id is not None:
-                self.slots.release(req.lora_id)
+            self._let_go(req)
             del self.running[req.rid]
         elif req.status is RequestStatus.WAITING:
             del self.waiting[req.rid]
@@ -134,37 +153,122 @@ class Scheduler:
     def schedule(self) -> ForwardBatch | None:
         if self._in_flight is not None:
             raise RuntimeError(f"schedule() called while batch {self._in_flight.batch_id} is in flight")
-        prefills = self.policy.pick_prefills(self.waiting.values(), list(self.running.values()), self.pages, self.slots)
-        for req in prefills:
+        self._plan, self._budget_left = {}, self.prefill_budget
+        for req in sorted(self.running.values(), key=lambda r: r.arrival):
+            num_new = 1 if req.num_uncached_tokens == 1 else self._prefill_len(req)
+            if num_new:
+                self._plan[req] = num_new
+        self._grow_running()
+        waiting = sorted(self.waiting.values(), key=lambda r: r.arrival)
+        admitted = self.policy.pick_prefills(waiting, list(self.running.values()), self.slots, self)
+        for req in admitted:
             del self.waiting[req.rid]
-            req.page_ids = self.pages.allocate(req.num_pages_needed(self.page_size))
             req.status = RequestStatus.RUNNING
             self.running[req.rid] = req
         # Adapters already resident take their holds first, so that placing a new one never evicts them.
         slot_loads = []
-        for req in sorted(prefills, key=lambda r: r.lora_id is not None and not self.slots.is_resident(r.lora_id)):
+        for req in sorted(admitted, key=lambda r: r.lora_id is not None and not self.slots.is_resident(r.lora_id)):
             if req.lora_id is not None:
                 req.slot, is_new = self.slots.assign(req.lora_id)
                 if is_new:
                     slot_loads.append(SlotLoad(slot=req.slot, lora_id=req.lora_id))
-        if not self.running:
+        if not self._plan:
             return None
         # Grouped by slot, so each adapter's rows form one segment: one LoRA matmul per adapter, not per request.
-        reqs = sorted(self.running.values(), key=lambda r: r.slot)
+        reqs = sorted(self._plan, key=lambda r: r.slot)
+        num_new = [self._plan[r] for r in reqs]
         batch = ForwardBatch(
-            batch_id=self._next_batch_id, reqs=[self._forward_req(r) for r in reqs], slot_loads=slot_loads
+            batch_id=self._next_batch_id,
+            reqs=[self._forward_req(r, n) for r, n in zip(reqs, num_new, strict=True)],
+            slot_loads=slot_loads,
         )
         self._next_batch_id += 1
-        self._in_flight = _InFlight(batch_id=batch.batch_id, reqs=reqs)
+        self._in_flight = _InFlight(batch_id=batch.batch_id, reqs=reqs, num_new=num_new)
         return batch
 
-    def _forward_req(self, req: Request) -> ForwardReq:
-        input_ids = req.next_input_ids()
-        num_pages = -(-(req.num_cached_tokens + len(input_ids)) // self.page_size)
+    def _prefill_len(self, req: Request) -> int:
+        """Prompt tokens the request writes this step within the budget left (0: none this step); takes them."""
+        remaining = req.num_uncached_tokens
+        if self.is_chunked:
+            num_new = min(remaining, self._budget_left)
+        elif remaining <= self._budget_left or self._budget_left == self.prefill_budget:
+            num_new = remaining  # whole prompts; one longer than the budget runs alone
+        else:
+            num_new = 0
+        self._budget_left = max(0, self._budget_left - num_new)
+        return num_new
+
+    def _pages_short(self, req: Request, num_new: int) -> int:
+        return req.num_pages_for(req.num_cached_tokens + num_new, self.page_size) - len(req.page_ids)
+
+    def _grow_running(self) -> None:
+        """Pages for the running requests' new tokens; while they do not fit, preempt the newest."""
+        while sum(self._pages_short(r, n) for r, n in self._plan.items()) > self.cache.num_available:
+            victim = max(self.running.values(), key=lambda r: r.arrival)
+            self._preempt(victim)
+        for req, num_new in self._plan.items():
+            req.page_ids += self.cache.allocate(self._pages_short(req, num_new))
+
+    def _preempt(self, req: Request) -> None:
+        self._let_go(req)
+        self._plan.pop(req, None)
+        del self.running[req.rid]
+        req.num_cached_tokens = req.num_offered_pages = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting[req.rid] = req  # schedule() reads the queue by arrival
+
+    def _let_go(self, req: Request) -> None:
+        """A running request gives back its pages (cached ones stay cached) and its slot hold."""
+        self.cache.release(req.page_ids)
+        req.page_ids = []
+        if req.lora_id is not None:
+            self.slots.release(req.lora_id)
+
+    # ---- Admission (BatchPolicy asks) ------------------------------------------------------------------------
+
+    def _namespace(self, req: Request) -> int:
+        return BASE_NAMESPACE if req.lora_id is None else req.lora_id
+
+    def _keys(self, req: Request) -> list[bytes]:
+        num_full = req.num_tokens // self.page_size
+        if len(req.page_keys) < num_full:
+            req.page_keys = page_keys(self._namespace(req), req.token_ids, self.page_size, num_full, req.page_keys)
+        return req.page_keys
+
+    def _reserve(self) -> int:
+        """Pages kept free for the decoding requests' next tokens, so an admission does not preempt at once."""
+        return sum(1 for r in self.running.values() if r.num_cached_tokens % self.page_size == 0)
+
+    def pages_wanted(self, req: Request) -> int:
+        num_matched = self.cache.peek(self._keys(req), req.num_tokens)
+        num_first = min(req.num_tokens - num_matched * self.page_size, max(self.prefill_budget, 1))
+        return req.num_pages_for(num_matched * self.page_size + num_first, self.page_size) - num_matched
+
+    def try_admit(self, req: Request, keep_free_pages: int) -> bool:
+        if self._budget_left <= 0:
+            return False
+        matched = self.cache.match(self._keys(req), req.num_tokens)
+        req.page_ids, req.num_cached_tokens = matched, len(matched) * self.page_size
+        req.num_offered_pages = len(matched)
+        budget_before = self._budget_left
+        num_new = self._prefill_len(req)
+        num_pages = self._pages_short(req, num_new)
+        if num_new == 0 or num_pages + keep_free_pages + self._reserve() > self.cache.num_available:
+            self.cache.release(matched)
+            req.page_ids, req.num_cached_tokens, req.num_offered_pages = [], 0, 0
+            self._budget_left = budget_before
+            return False
+        req.page_ids += self.cache.allocate(num_pages)
+        self._plan[req] = num_new
+        return True
+
+    def _forward_req(self, req: Request, num_new: int) -> ForwardReq:
         return ForwardReq(
-            input_ids=input_ids,
+            input_ids=req.next_input_ids(num_new),
             num_cached_tokens=req.num_cached_tokens,
-            page_ids=req.page_ids[:num_pages],  # the pages this pass reads or writes; the rest stay reserved
+            page_ids=list(req.page_ids),
             sampling=req.sampling,
             num_generated=len(req.output_ids),
             slot=req.slot,
@@ -180,17 +284,31 @@ class Scheduler:
         if not error and len(result.next_token_ids) != len(in_flight.reqs):
             error = f"batch {result.batch_id}: {len(result.next_token_ids)} tokens for {len(in_flight.reqs)} requests"
         deltas = []
-        for i, req in enumerate(in_flight.reqs):
+        for i, (req, num_new) in enumerate(zip(in_flight.reqs, in_flight.num_new, strict=True)):
             if req.is_aborted:
                 deltas.append(self._finish(req, "abort"))
             elif error:
                 deltas.append(self._finish(req, "error", error_message=error))
             else:
-                deltas.append(self._append_token(req, result.next_token_ids[i]))
+                req.num_cached_tokens += num_new  # the pass wrote the KV of every token it was given
+                self._offer_pages(req)
+                if req.num_uncached_tokens == 0:  # else a chunk of a longer prompt: its sampled token is not used
+                    deltas.append(self._append_token(req, result.next_token_ids[i]))
         return deltas
 
+    def _offer_pages(self, req: Request) -> None:
+        """Full pages now written go to the prefix cache (a page another request cached first replaces ours)."""
+        num_full = req.num_cached_tokens // self.page_size
+        if num_full <= req.num_offered_pages:
+            return
+        keys = self._keys(req)
+        first = req.num_offered_pages
+        req.page_ids[first:num_full] = self.cache.insert(
+            keys[first:num_full], req.page_ids[first:num_full], self._namespace(req)
+        )
+        req.num_offered_pages = num_full
+
     def _append_token(self, req: Request, token_id: int) -> TokenDelta:
-        req.num_cached_tokens = req.num_tokens  # the pass wrote the KV of every token it was given
         req.output_ids.append(token_id)
         if token_id in req.sampling.stop_token_ids:
             return self._finish(req, "stop", [token_id])
@@ -203,10 +321,13 @@ class Scheduler:
             op_id=op_id,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            kv_usage=self.pages.usage,
+            kv_usage=self.cache.num_in_use / self.pages.num_pages,
             running_lora_ids=sorted({r.lora_id for r in self.running.values() if r.lora_id is not None}),
             waiting_lora_ids=sorted({r.lora_id for r in self.waiting.values() if r.lora_id is not None}),
             slot_lora_ids=self.slots.slot_table(),
+            prefix_cache_hit_tokens=self.cache.num_hit_tokens,
+            prefix_cache_queried_tokens=self.cache.num_queried_tokens,
+            num_preemptions=self.num_preemptions,
         )
 
     # ---- adapters (between forward passes) --------------------------------------------------------------------
@@ -249,5 +370,6 @@ class Scheduler:
             for other in [r for r in [*self.waiting.values(), *self.running.values()] if r.lora_id == lora_id]:
                 deltas.append(self._finish(other, "error", error_message=f"adapter id {lora_id} was unloaded"))
             self.slots.drop(lora_id)
+            self.cache.purge(lora_id)  # ids are never reused: nothing would match its pages again
             outcomes.append(AdapterOutcome(lora_id=lora_id, success=True))
         return AdapterOpDone(op_id=op.op_id, outcomes=outcomes), deltas

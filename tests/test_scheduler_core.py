@@ -31,15 +31,31 @@ TOKEN = 7
 
 
 def make_scheduler(
-    *, num_pages=64, page_size=4, num_slots=2, max_running=8, max_prefill=1024, context_length=512, num_ranks=1
+    *,
+    num_pages=64,
+    page_size=4,
+    num_slots=2,
+    max_running=8,
+    max_prefill=1024,
+    context_length=512,
+    num_ranks=1,
+    chunked_prefill_size=-1,
+    prefix_cache=False,
 ) -> Scheduler:
     config = ServerConfig(
         page_size=page_size,
         max_loras_per_batch=num_slots,
         max_running_requests=max_running,
         max_prefill_tokens=max_prefill,
+        disable_radix_cache=not prefix_cache,
     )
-    return Scheduler(config, num_pages=num_pages, context_length=context_length, num_ranks=num_ranks)
+    return Scheduler(
+        config,
+        num_pages=num_pages,
+        context_length=context_length,
+        num_ranks=num_ranks,
+        chunked_prefill_size=chunked_prefill_size,
+    )
 
 
 def gen(rid: str, *, prompt_len=4, max_new=4, lora: int | None = None, stop: tuple[int, ...] = ()):
@@ -138,24 +154,30 @@ class Workers:
             else:
                 assert 0 <= fwd.slot < config.max_loras_per_batch
                 assert self.slot_contents.get(fwd.slot) == req.lora_id, "request runs in a slot holding another adapter"
-            if fwd.num_cached_tokens == 0:
-                assert fwd.input_ids == req.prompt_ids and fwd.num_generated == 0
+            # The tokens whose KV is not written yet, from the first: a prompt (chunk), a recompute, or the last token.
+            cached = fwd.num_cached_tokens
+            assert fwd.input_ids == req.token_ids[cached : cached + len(fwd.input_ids)]
+            assert fwd.num_generated == len(req.output_ids)
+            if len(fwd.input_ids) > 1 or cached < len(req.prompt_ids):
                 num_prefills += 1
                 num_prefill_tokens += len(fwd.input_ids)
-            else:
-                assert fwd.num_cached_tokens == req.num_tokens - 1
-                assert fwd.input_ids == req.output_ids[-1:] and fwd.num_generated == len(req.output_ids)
-            assert len(fwd.page_ids) * config.page_size >= fwd.num_cached_tokens + len(fwd.input_ids)
-            assert fwd.page_ids == req.page_ids[: len(fwd.page_ids)]
-        assert num_prefills <= 1 or num_prefill_tokens <= config.max_prefill_tokens
+            assert len(fwd.page_ids) == -(-(cached + len(fwd.input_ids)) // config.page_size)  # no more, no less
+            assert fwd.page_ids == req.page_ids
+        if sched.is_chunked:
+            assert num_prefill_tokens <= sched.prefill_budget + len(batch.reqs)
+        else:
+            assert num_prefills <= 1 or num_prefill_tokens <= sched.prefill_budget
 
     def check_accounting(self) -> None:
         sched = self.sched
-        page_ids = [p for req in sched.running.values() for p in req.page_ids]
-        assert len(page_ids) == len(set(page_ids)) == sched.pages.num_used
+        sched.cache.check()
+        page_ids = {p for req in sched.running.values() for p in req.page_ids}
+        assert len(page_ids) == sched.cache.num_in_use  # shared cached pages count once
+        private = [p for req in sched.running.values() for p in req.page_ids if p not in sched.cache._key_of_page]
+        assert len(private) == len(set(private))  # a private page belongs to one request
         holds = defaultdict(int)
         for req in sched.running.values():
-            assert len(req.page_ids) == req.num_pages_needed(sched.page_size)
+            assert len(req.page_ids) == -(-req.num_cached_tokens // sched.page_size)
             if req.lora_id is not None:
                 holds[req.lora_id] += 1
         assert {i: sched.slots.num_holds(i) for i in sched.slots.held_lora_ids()} == dict(holds)
@@ -170,7 +192,8 @@ class Workers:
 def assert_drained(sched: Scheduler) -> None:
     """Nothing leaked: every page free, no slot held, no request left."""
     assert not sched.running and not sched.waiting and not sched.has_batch_in_flight
-    assert sched.pages.num_free == sched.pages.num_pages and sched.pages.usage == 0
+    assert sched.cache.num_available == sched.pages.num_pages and sched.cache.num_in_use == 0
+    sched.cache.check()
     assert sched.slots.held_lora_ids() == set()
 
 
@@ -197,19 +220,17 @@ def test_new_requests_join_while_others_decode():
     assert_drained(sched)
 
 
-def test_a_finishing_request_frees_the_pages_that_admit_a_waiting_one():
+def test_when_pages_run_out_the_newest_request_is_preempted_and_recomputed():
     sched = make_scheduler(num_pages=3, page_size=4)  # 12 tokens: one request of 4 + 8 at a time
-    workers = Workers(sched)
+    # The tokens depend on the position only, as a deterministic model's would: a recompute must give the same.
+    workers = Workers(sched, next_token=lambda rid, fwd: 100 + fwd.num_cached_tokens + len(fwd.input_ids))
     sched.add_request(gen("a", max_new=8))
     sched.add_request(gen("b", max_new=8))
-    for _ in range(8):
-        batch = workers.step()
-        assert len(batch.reqs) == 1
-        assert sched.stats(op_id=0).num_waiting == 1
-    assert workers.finished["a"].finish_reason == "length"
-    assert workers.step().reqs[0].num_cached_tokens == 0  # b's prefill, on a's pages
+    assert len(workers.step().reqs) == 2  # both start: pages are taken as they grow, not reserved
     workers.run_until_idle()
-    assert len(workers.outputs["b"]) == 8
+    assert sched.num_preemptions >= 1
+    assert workers.outputs["a"] == workers.outputs["b"] == list(range(104, 112))
+    assert {d.finish_reason for d in workers.finished.values()} == {"length"}
     assert_drained(sched)
 
 
@@ -394,7 +415,7 @@ def test_stats():
     stats = sched.stats(op_id=41)
     assert stats.op_id == 41
     assert (stats.num_running, stats.num_waiting) == (2, 1)
-    assert stats.kv_usage == pytest.approx(4 / 10)
+    assert stats.kv_usage == pytest.approx(2 / 10)  # one written page each: pages come as requests grow
     assert stats.running_lora_ids == [2] and stats.waiting_lora_ids == [1]
     assert stats.slot_lora_ids == [2, -1]
     workers.run_until_idle()

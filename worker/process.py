@@ -85,6 +85,7 @@ class Worker:
         self.to_scheduler.send(
             WorkerReady(
                 rank=self.rank,
+                device_type=self.runner.device.type,
                 max_total_tokens=self.runner.max_total_tokens,
                 context_length=self.runner.context_length,
                 vocab_size=self.runner.vocab_size,

@@ -1,0 +1,166 @@
+"""PrefixCache: full KV pages kept after their requests finish, found again by the tokens they hold and the adapter
+that computed them.
+
+A page's key is a chain digest over its adapter namespace and every token from the prompt's start to the page's end
+(`page_keys`), so a key names one exact prefix computed by one adapter: base requests have their own namespace, and an
+in-place reload mints a new adapter id, hence a new namespace. Only full pages whose keys and values the workers have
+written are cached; a request always computes at least its last token itself, so it never writes into a shared page.
+
+Every page is either free (the allocator's), private (one request's, not cached) or cached. A cached page counts the
+requests using it; with none it is evictable, least recently used first, and goes back to the allocator only when
+pages are needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from scheduler.page_allocator import PageAllocator, PageError
+
+BASE_NAMESPACE = -1  # the base model's requests (adapters use their lora_id, which is never negative)
+
+
+def page_keys(namespace: int, token_ids: Sequence[int], page_size: int, num_pages: int,
+              known: Sequence[bytes] = ()) -> list[bytes]:
+    """Keys of the first num_pages full pages of token_ids; `known` are the first keys, already computed."""
+    keys = list(known[:num_pages])
+    previous = keys[-1] if keys else namespace.to_bytes(8, "little", signed=True)
+    for i in range(len(keys), num_pages):
+        page = token_ids[i * page_size : (i + 1) * page_size]
+        digest = hashlib.blake2b(previous, digest_size=16)
+        digest.update(b"".join(t.to_bytes(4, "little") for t in page))
+        previous = digest.digest()
+        keys.append(previous)
+    return keys
+
+
+class PrefixCache:
+    def __init__(self, pages: PageAllocator, page_size: int, enabled: bool = True):
+        self.pages = pages
+        self.page_size = page_size
+        self.enabled = enabled
+        self._page_of_key: dict[bytes, int] = {}
+        self._key_of_page: dict[int, bytes] = {}
+        self._namespace_of_page: dict[int, int] = {}
+        self._num_users: dict[int, int] = {}  # cached page -> requests using it
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached pages nobody uses, least recent first
+        self.num_hit_tokens = 0
+        self.num_queried_tokens = 0
+
+    # ---- pages for requests ------------------------------------------------------------------------------
+
+    @property
+    def num_available(self) -> int:
+        """Pages a request could get now: free ones and evictable cached ones."""
+        return self.pages.num_free + len(self._evictable)
+
+    @property
+    def num_in_use(self) -> int:
+        return self.pages.num_pages - self.num_available
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._key_of_page)
+
+    def allocate(self, num_pages: int) -> list[int]:
+        if num_pages > self.num_available:
+            raise PageError(f"cannot allocate {num_pages} pages: {self.num_available} available")
+        while self.pages.num_free < num_pages:
+            self._evict(next(iter(self._evictable)))
+        return self.pages.allocate(num_pages)
+
+    def release(self, page_ids: Iterable[int]) -> None:
+        """A request lets go of its pages: cached ones stay cached (evictable once unused), private ones are freed."""
+        private = []
+        for page_id in page_ids:
+            users = self._num_users.get(page_id)
+            if users is None:
+                private.append(page_id)
+            elif users == 1:
+                del self._num_users[page_id]
+                self._evictable[page_id] = None
+            else:
+                self._num_users[page_id] = users - 1
+        self.pages.free(private)
+
+    # ---- lookup and insertion ------------------------------------------------------------------------------------
+
+    def match(self, keys: Sequence[bytes], num_tokens: int) -> list[int]:
+        """The cached pages that start a request whose full-page keys are `keys`, taken for it (at most up to its
+        last token's page, which it must compute itself to sample)."""
+        self.num_queried_tokens += num_tokens
+        if not self.enabled:
+            return []
+        matched = []
+        for key in keys[: (num_tokens - 1) // self.page_size]:
+            page_id = self._page_of_key.get(key)
+            if page_id is None:
+                break
+            matched.append(page_id)
+        for page_id in matched:
+            self._use(page_id)
+        self.num_hit_tokens += len(matched) * self.page_size
+        return matched
+
+    def peek(self, keys: Sequence[bytes], num_tokens: int) -> int:
+        """How many pages match would return, changing nothing."""
+        if not self.enabled:
+            return 0
+        num = 0
+        for key in keys[: (num_tokens - 1) // self.page_size]:
+            if key not in self._page_of_key:
+                break
+            num += 1
+        return num
+
+    def insert(self, keys: Sequence[bytes], page_ids: Sequence[int], namespace: int) -> list[int]:
+        """Offer a request's written full pages (keys[i] for page_ids[i]); returns its page table, where a page
+        that another request cached first under the same key is swapped for the cached one (the private copy freed)."""
+        if not self.enabled:
+            return list(page_ids)
+        table = list(page_ids)
+        duplicates = []
+        for i, (key, page_id) in enumerate(zip(keys, page_ids, strict=False)):
+            cached = self._page_of_key.get(key)
+            if cached == page_id:
+                continue
+            if page_id in self._key_of_page:
+                raise PageError(f"page {page_id} is cached under another key")
+            if cached is None:
+                self._page_of_key[key] = page_id
+                self._key_of_page[page_id] = key
+                self._namespace_of_page[page_id] = namespace
+                self._num_users[page_id] = 1
+            else:
+                self._use(cached)
+                table[i] = cached
+                duplicates.append(page_id)
+        self.pages.free(duplicates)
+        return table
+
+    def purge(self, namespace: int) -> None:
+        """Drop the evictable pages an adapter computed (it was unloaded: nothing will ask for them again)."""
+        for page_id in [p for p in self._evictable if self._namespace_of_page[p] == namespace]:
+            self._evict(page_id)
+
+    # ---- internals ---------------------------------------------------------------------------------------------
+
+    def _use(self, page_id: int) -> None:
+        self._evictable.pop(page_id, None)
+        self._num_users[page_id] = self._num_users.get(page_id, 0) + 1
+
+    def _evict(self, page_id: int) -> None:
+        del self._evictable[page_id]
+        key = self._key_of_page.pop(page_id)
+        del self._page_of_key[key]
+        del self._namespace_of_page[page_id]
+        self.pages.free([page_id])
+
+    def check(self) -> None:
+        """Invariants, for tests: every page is free, private-or-used, or evictable, and the maps agree."""
+        assert set(self._page_of_key.values()) == set(self._key_of_page) == set(self._namespace_of_page)
+        assert set(self._evictable) | set(self._num_users) == set(self._key_of_page)
+        assert not set(self._evictable) & set(self._num_users)
+        assert all(n > 0 for n in self._num_users.values())

@@ -1,0 +1,214 @@
+"""The scheduler's engine core on plain ints: pages on demand and preemption, chunked prefill, and the prefix cache
+keyed by adapter (its own unit tests, and the scheduler under random traffic with every invariant checked)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from protocol.structs import AdapterOpDone, DropAdapters
+from scheduler.page_allocator import PageAllocator
+from scheduler.prefix_cache import BASE_NAMESPACE, PrefixCache, page_keys
+from tests.test_scheduler_core import Workers, assert_drained, gen, load, make_scheduler
+
+
+def by_position(rid: str, fwd) -> int:
+    """A deterministic model's next token: a function of the sequence so far (here its length), never of batching."""
+    return 100 + fwd.num_cached_tokens + len(fwd.input_ids)
+
+
+# ---- PrefixCache ------------------------------------------------------------------------------------------------
+
+
+def test_page_keys_chain_the_whole_prefix_and_the_namespace():
+    tokens = list(range(12))
+    keys = page_keys(BASE_NAMESPACE, tokens, 4, 3)
+    assert len(set(keys)) == 3
+    assert page_keys(BASE_NAMESPACE, tokens, 4, 3, keys[:1]) == keys  # resumable
+    assert page_keys(7, tokens, 4, 3)[0] != keys[0]  # an adapter has its own namespace
+    other = page_keys(BASE_NAMESPACE, [99, *tokens[1:]], 4, 3)
+    assert other[1] != keys[1] and other[2] != keys[2]  # a page's key covers every token before it
+
+
+def test_cache_matches_shares_evicts_lru_and_never_matches_the_last_token():
+    cache = PrefixCache(PageAllocator(6), page_size=4)
+    tokens = list(range(13))
+    keys = page_keys(BASE_NAMESPACE, tokens, 4, 3)
+    pages = cache.allocate(3)
+    assert cache.insert(keys, pages, BASE_NAMESPACE) == pages
+    assert cache.match(keys, 13) == pages  # 3 full pages; the 13th token is computed anew
+    assert cache.match(keys[:3], 12) == pages[:2]  # 12 tokens: the last page holds the last token
+    cache.check()
+    cache.release(pages)  # the first request
+    cache.release(pages)
+    cache.release(pages[:2])
+    assert cache.num_in_use == 0 and cache.num_available == 6 and cache.num_cached == 3
+    # A page computed twice (two requests at once): the second copy is freed and the cached page used instead.
+    twin = cache.allocate(1)
+    assert cache.insert(keys[:1], twin, BASE_NAMESPACE) == pages[:1]
+    assert cache.pages.num_free == 3
+    cache.release(pages[:1])
+    # Allocation evicts unused cached pages, least recently used first (page 2 is the oldest release).
+    cache.allocate(4)
+    assert cache.num_cached == 2 and cache.peek(keys, 13) == 2
+    assert cache.match(keys, 13) == pages[:2]
+    assert (cache.num_hit_tokens, cache.num_queried_tokens) == (28, 38)
+    cache.check()
+
+
+def test_purge_drops_only_the_unused_pages_of_one_namespace():
+    cache = PrefixCache(PageAllocator(4), page_size=2)
+    for namespace in (3, 4):
+        keys = page_keys(namespace, [1, 2, 3, 4], 2, 2)
+        pages = cache.insert(keys, cache.allocate(2), namespace)
+        if namespace == 3:
+            cache.release(pages)  # nobody uses namespace 3's pages any more; namespace 4's are still in use
+    cache.purge(3)
+    assert cache.num_cached == 2 and cache.pages.num_free == 2
+    cache.purge(4)  # used pages stay
+    assert cache.num_cached == 2
+    cache.check()
+
+
+def test_disabled_cache_matches_nothing():
+    cache = PrefixCache(PageAllocator(4), page_size=2, enabled=False)
+    keys = page_keys(BASE_NAMESPACE, [1, 2, 3, 4], 2, 2)
+    pages = cache.allocate(2)
+    assert cache.insert(keys, pages, BASE_NAMESPACE) == pages
+    assert cache.match(keys, 5) == [] and cache.num_cached == 0
+
+
+# ---- the scheduler ------------------------------------------------------------------------------------------------
+
+
+def test_a_shared_prefix_is_reused_for_the_same_adapter_only():
+    sched = make_scheduler(num_pages=64, page_size=4, prefix_cache=True)
+    load(sched, 1)
+    workers = Workers(sched, by_position)
+    sched.add_request(gen("first", prompt_len=13, max_new=2))
+    workers.run_until_idle()
+    firsts = {}
+    for rid, lora in (("same", None), ("adapter", 1), ("again", None)):
+        sched.add_request(gen(rid, prompt_len=13, max_new=2, lora=lora))
+        batch = workers.step()
+        firsts[rid] = batch.reqs[0].num_cached_tokens
+        workers.run_until_idle()
+    assert firsts == {"same": 12, "adapter": 0, "again": 12}
+    assert workers.outputs["same"] == workers.outputs["first"] == workers.outputs["again"]
+    assert sched.stats(op_id=0).prefix_cache_hit_tokens == 24
+    assert_drained(sched)
+
+
+def test_a_dropped_adapter_s_pages_are_never_matched_again():
+    sched = make_scheduler(num_pages=64, page_size=4, prefix_cache=True)
+    load(sched, 1)
+    workers = Workers(sched, by_position)
+    sched.add_request(gen("a", prompt_len=9, lora=1))
+    workers.run_until_idle()
+    assert sched.cache.num_cached > 0
+    reply, _ = sched.drop_adapters(DropAdapters(op_id=5, lora_ids=[1]))
+    assert isinstance(reply, AdapterOpDone) and reply.outcomes[0].success
+    assert sched.cache.num_cached == 0  # its pages went with it
+    # An in-place reload mints a new id: a new namespace, so nothing computed under id 1 matches.
+    load(sched, 2)
+    sched.add_request(gen("b", prompt_len=9, lora=2))
+    assert workers.step().reqs[0].num_cached_tokens == 0
+    workers.run_until_idle()
+    assert_drained(sched)
+
+
+def test_chunked_prefill_spreads_a_long_prompt_while_decodes_keep_their_pace():
+    sched = make_scheduler(num_pages=64, page_size=4, chunked_prefill_size=8, max_prefill=8)
+    workers = Workers(sched, by_position)
+    sched.add_request(gen("stream", prompt_len=4, max_new=20))
+    workers.step()
+    sched.add_request(gen("long", prompt_len=30, max_new=2))
+    chunks = []
+    for _ in range(6):
+        batch = workers.step()
+        rows = {len(r.input_ids) for r in batch.reqs}
+        assert 1 in rows  # the stream decodes in every step
+        chunks.append(max(len(r.input_ids) for r in batch.reqs))
+    assert chunks[:4] == [8, 8, 8, 6]
+    workers.run_until_idle()
+    assert workers.outputs["long"] == [130, 131]
+    assert len(workers.outputs["stream"]) == 20
+    assert_drained(sched)
+
+
+def test_without_chunking_a_prompt_longer_than_the_budget_runs_alone():
+    sched = make_scheduler(num_pages=64, page_size=4, chunked_prefill_size=-1, max_prefill=8)
+    workers = Workers(sched, by_position)
+    sched.add_request(gen("long", prompt_len=20, max_new=1))
+    sched.add_request(gen("short", prompt_len=4, max_new=1))
+    assert [len(r.input_ids) for r in workers.step().reqs] == [20]
+    assert [len(r.input_ids) for r in workers.step().reqs] == [4]
+    workers.run_until_idle()
+    assert_drained(sched)
+
+
+def test_requests_without_a_token_limit_are_not_capped_by_the_context_length():
+    # 64 pages of 4 = 256 tokens, context 256: the old rule (reserve the whole context) ran one at a time.
+    sched = make_scheduler(num_pages=64, page_size=4, context_length=256, max_running=16)
+    workers = Workers(sched, by_position)
+    for i in range(8):
+        sched.add_request(gen(f"r{i}", prompt_len=8, max_new=248))
+    workers.step()
+    assert len(sched.running) == 8
+    workers.run_until_idle()
+    assert all(len(out) == 248 for out in workers.outputs.values())
+    assert sched.num_preemptions > 0
+    assert_drained(sched)
+
+
+def test_a_request_that_can_never_fit_is_refused_at_once():
+    sched = make_scheduler(num_pages=4, page_size=4, context_length=64)
+    [delta] = sched.add_request(gen("big", prompt_len=10, max_new=7))
+    assert delta.finish_reason == "error" and "KV cache capacity" in delta.error_message
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_traffic_under_pressure_gives_the_unpressured_outputs(seed):
+    """Arrivals, finishes, preemptions, chunks and cache hits: every invariant holds each step (Workers checks),
+    nothing is cached under the wrong adapter, nobody starves, and each output equals a roomy run's."""
+    rng = random.Random(seed)
+    traffic = []
+    for step in range(40):
+        for _ in range(rng.randint(0, 2)):
+            prompt_len = rng.randint(1, 20)
+            traffic.append((step, f"r{len(traffic)}", prompt_len, rng.randint(1, 16), rng.choice([None, 0, 1, 2])))
+
+    def run(**options) -> tuple[dict, int]:
+        sched = make_scheduler(page_size=4, num_slots=2, context_length=64, **options)
+        load(sched, 0, 1, 2)
+        workers = Workers(sched, by_position)
+        for step in range(40):
+            for _, rid, prompt_len, max_new, lora in [t for t in traffic if t[0] == step]:
+                workers.record(sched.add_request(gen(rid, prompt_len=prompt_len, max_new=max_new, lora=lora)))
+            workers.step()
+            check_cache_namespaces(sched)
+        workers.run_until_idle()
+        assert_drained(sched)
+        return dict(workers.outputs), sched.num_preemptions
+
+    reference, _ = run(num_pages=400, max_running=64)
+    pressured, num_preemptions = run(
+        num_pages=rng.randint(10, 20),
+        max_running=rng.randint(2, 8),
+        chunked_prefill_size=rng.randint(3, 12),
+        max_prefill=64,
+        prefix_cache=True,
+    )
+    assert pressured == reference
+    assert set(pressured) == {t[1] for t in traffic}
+
+
+def check_cache_namespaces(sched) -> None:
+    cache = sched.cache
+    for req in sched.running.values():
+        namespace = BASE_NAMESPACE if req.lora_id is None else req.lora_id
+        for i, page_id in enumerate(req.page_ids):
+            if page_id in cache._key_of_page:
+                assert cache._namespace_of_page[page_id] == namespace
+                assert cache._key_of_page[page_id] == req.page_keys[i]
