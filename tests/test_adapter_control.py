@@ -15,6 +15,7 @@ import requests
 from tests.server_utils import ServerProcess
 from tests.test_metrics import parse as parse_metrics
 from tests.test_metrics import value as metric
+from tests.test_server_lifecycle import wait_until
 
 LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "64", "--lora-target-modules", "all", "--max-total-tokens", "8192",
               "--context-length", "2048")
@@ -44,15 +45,6 @@ def in_background(fn, *args) -> concurrent.futures.Future:
     future = pool.submit(fn, *args)
     pool.shutdown(wait=False)
     return future
-
-
-def wait_until(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def no_leaks(server) -> None:
