@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,8 +52,8 @@ GROUPS = [
     Group("g4", "decode", 45, 90, "gpu_check_serving", "g4_decode"),
     Group("g5", "server", 75, 120, "gpu_check_serving", "g5_server"),
     Group("g6", "kernel_perf", 20, 45, "gpu_check_kernels", "g6_kernel_perf"),
-    Group("g7", "tp2", 40, 90, "gpu_check_serving", "g7_tp2"),
-    Group("g8", "sanitizer", 20, 30, "gpu_check_serving", "g8_sanitizer"),
+    Group("g7", "tp2", 40, 90, "gpu_check_tp", "g7_tp2"),
+    Group("g8", "sanitizer", 20, 30, "gpu_check_tp", "g8_sanitizer"),
     Group("kernels_small", "kernels_small", 20, 60, "gpu_check_kernels", "kernels_small", in_default_run=False),
 ]
 SANITIZER = "g8"  # gets what is left, at most its cap
@@ -142,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    keep_models = args.keep_models or str(out_dir / "models")  # removed at the end unless --keep-models
+    # Not under --out: a run killed from outside must not ship gigabytes of weights back with the report.
+    keep_models = args.keep_models or tempfile.mkdtemp(prefix="gpu_check_models_")
     started = time.monotonic()
     report: dict = {
         "meta": {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -257,7 +257,8 @@ def _perf_cell(ctx: Context, module: str, layout: str, rank: int) -> dict:
     seg_len, adapters = PERF_LAYOUTS[layout]
     if ctx.dry_run:
         in_dim, outs, seg_len = max(17, in_dim // 128), tuple(max(8, o // 256) for o in outs), min(seg_len, 4)
-    case = KernelCase(module, in_dim, outs, rank, (seg_len,) * adapters, tuple(range(adapters)), ranks=(rank,) * adapters)
+    case = KernelCase(module, in_dim, outs, rank, (seg_len,) * adapters, tuple(range(adapters)),
+                      ranks=(rank,) * adapters)
     dtype = torch.float16 if ctx.dry_run else torch.bfloat16
     dev, reps, warm = ctx.device, ctx.reps(), ctx.warmups()
     t = make_inputs(case, dtype, dev)
@@ -324,7 +325,8 @@ def g6_kernel_perf(ctx: Context) -> None:
     ratios = {m: cells[f"{m}|32=8x4|r16"]["shrink_expand_us"] / cells[f"{m}|32=8x4|r16"]["base_us"]
               for m in PERF_MODULES}
     worst = max(ratios, key=ratios.get)
-    ctx.rec.flag("LORA_VS_BASE", ratios[worst] > 0.5, ratios[worst], 0.5, f"LoRA/base at 32 tok, 8 adapters, r16: {worst}")
+    ctx.rec.flag("LORA_VS_BASE", ratios[worst] > 0.5, ratios[worst], 0.5,
+                 f"LoRA/base at 32 tok, 8 adapters, r16: {worst}")
     enqueue = max(c["enqueue_us"] for c in cells.values())
     ctx.rec.flag("LAUNCH_OVERHEAD", enqueue > 40, enqueue, 40, "host µs per lora_shrink_expand call (worst cell)")
     ctx.rec.figure("headline", {"shrink_GBps": down["shrink_GBps"], "shrink_pct": down["shrink_pct_copy"],

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import os
 import statistics
 import sys
 import time

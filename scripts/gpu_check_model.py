@@ -52,8 +52,9 @@ def g0_env(ctx: Context) -> None:
         versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         props = torch.cuda.get_device_properties(0)
         free, total = torch.cuda.mem_get_info(0)
-        device = {"name": props.name, "capability": f"{props.major}.{props.minor}", "sm_count": props.multi_processor_count,
-                  "total_GiB": total / 2**30, "free_GiB": free / 2**30, "driver": _driver()}
+        device = {"name": props.name, "capability": f"{props.major}.{props.minor}",
+                  "sm_count": props.multi_processor_count, "total_GiB": total / 2**30, "free_GiB": free / 2**30,
+                  "driver": _driver()}
         sdp = {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")()
                for name in ("flash", "mem_efficient", "cudnn", "math")}
         sdp["matmul_allow_tf32"] = torch.backends.cuda.matmul.allow_tf32
@@ -87,17 +88,18 @@ def _ceilings(ctx: Context) -> dict:
     src = torch.empty(n_bytes, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     copy_ms = median(time_ms(lambda: dst.copy_(src), dev, reps=reps, warmups=warm))
-    del src, dst
+    src = dst = None  # freed before the GEMM buffers
     size, dtype = (8192, torch.bfloat16) if ctx.is_cuda else (512, torch.float32)
     a = torch.randn(size, size, device=dev, dtype=dtype)
     b = torch.randn(size, size, device=dev, dtype=dtype)
     gemm_ms = median(time_ms(lambda: a @ b, dev, reps=reps, warmups=warm))
-    del a, b
+    a = b = None
     h2d = None
     if ctx.is_cuda:
         host = torch.empty(2**28, dtype=torch.uint8).pin_memory()
         dev_buf = torch.empty(2**28, dtype=torch.uint8, device=dev)
-        h2d = 2**28 / median(time_ms(lambda: dev_buf.copy_(host, non_blocking=True), dev, reps=reps, warmups=warm)) / 1e6
+        h2d_ms = median(time_ms(lambda: dev_buf.copy_(host, non_blocking=True), dev, reps=reps, warmups=warm))
+        h2d = 2**28 / h2d_ms / 1e6
     return {"copy_GBps": 2 * n_bytes / copy_ms / 1e6, "bf16_gemm_TFLOPs": 2 * size**3 / gemm_ms / 1e9,
             "h2d_pinned_GBps": h2d}
 
@@ -160,7 +162,8 @@ class AttnSetup:
         for req in reqs:
             new, cached = len(req.input_ids), req.num_cached_tokens
             pos = torch.arange(cached + new, device=self.dev)
-            slots = torch.tensor(req.page_ids, device=self.dev)[pos // self.page_size] * self.page_size + pos % self.page_size
+            page_ids = torch.tensor(req.page_ids, device=self.dev)
+            slots = page_ids[pos // self.page_size] * self.page_size + pos % self.page_size
             keys = self.k_cache[slots].float().repeat_interleave(group, dim=1)  # (kv_len, heads, d)
             values = self.v_cache[slots].float().repeat_interleave(group, dim=1)
             qs = q[row : row + new].float()  # (new, heads, d)
@@ -191,7 +194,8 @@ def _attn_error(setup: AttnSetup, spec) -> tuple[float, bool]:
 
 def _classify(names: list[str]) -> str:
     lowered = " ".join(names).lower()
-    for backend, keys in (("cudnn", ("cudnn",)), ("flash", ("flash",)), ("efficient", ("fmha", "efficient", "cutlass"))):
+    kinds = (("cudnn", ("cudnn",)), ("flash", ("flash",)), ("efficient", ("fmha", "efficient", "cutlass")))
+    for backend, keys in kinds:
         if any(key in lowered for key in keys):
             return backend
     return "math"
@@ -264,16 +268,20 @@ def _decode_timing(ctx: Context, setup: AttnSetup) -> None:
     for batch in (32, 128):
         for context in (512, 2048):
             _, inputs, q, k, v = setup.batch([(context - 1, 1)] * batch)
-            attend_us = median(time_ms(lambda: setup.run(inputs, q, k, v), setup.dev, reps=20, warmups=3)) * 1e3
+            attend_us = median(time_ms(lambda a=(inputs, q, k, v): setup.run(*a), setup.dev, reps=20, warmups=3)) * 1e3
             group = inputs.attention.groups[0]
             keys = _gather_pages(setup.k_cache, group.read_pages, group.page_size)
             values = _gather_pages(setup.v_cache, group.read_pages, group.page_size)
             q4 = q.view(batch, 1, setup.heads, setup.head_dim).transpose(1, 2)
-            sdpa_us = median(time_ms(lambda: F.scaled_dot_product_attention(
-                q4, keys, values, attn_mask=group.mask, enable_gqa=True), setup.dev, reps=20, warmups=3)) * 1e3
+
+            def sdpa(q4=q4, keys=keys, values=values, mask=group.mask):
+                return F.scaled_dot_product_attention(q4, keys, values, attn_mask=mask, enable_gqa=True)
+
+            sdpa_us = median(time_ms(sdpa, setup.dev, reps=20, warmups=3)) * 1e3
             kv_bytes = 2 * batch * context * setup.kv_heads * setup.head_dim * 2
-            table[f"B{batch}_ctx{context}"] = {"us": attend_us, "x_kv_roofline": attend_us / (kv_bytes / copy_gbps / 1e3),
-                                               "sdpa_pregathered_us": sdpa_us, "gather_share": 1 - sdpa_us / attend_us}
+            table[f"B{batch}_ctx{context}"] = {"us": attend_us, "sdpa_pregathered_us": sdpa_us,
+                                               "x_kv_roofline": attend_us / (kv_bytes / copy_gbps / 1e3),
+                                               "gather_share": 1 - sdpa_us / attend_us}
     ctx.rec.figure("decode_timing", table)
 
 
@@ -337,7 +345,8 @@ def _load_adapters(runner, adapters: dict[str, Path]) -> dict[str, int]:
     from protocol.structs import AdapterToLoad
 
     ids = {name: i + 1 for i, name in enumerate(adapters)}
-    outcomes = runner.lora.load([AdapterToLoad(lora_id=ids[n], lora_name=n, lora_path=str(p)) for n, p in adapters.items()])
+    specs = [AdapterToLoad(lora_id=ids[n], lora_name=n, lora_path=str(p)) for n, p in adapters.items()]
+    outcomes = runner.lora.load(specs)
     failed = [o.error_message for o in outcomes if not o.success]
     if failed:
         raise RuntimeError(f"adapter load failed: {failed}")
@@ -388,7 +397,6 @@ def _hf_bf16(model_dir: Path, adapter_dir: Path | None, device):
 
 def g3_numerics(ctx: Context) -> None:
     from reference import hf_model
-
     from worker_helpers import random_prompts
 
     rec = ctx.rec
@@ -446,9 +454,9 @@ def _calibrated(rec, name: str, ours, hf_low, hf_ref) -> None:
 def _lora_numerics(ctx: Context, name: str, model_dir: Path, adapters: dict[str, Path]) -> tuple[int, int]:
     import torch
     from reference import CLEAR_MARGIN, hf_greedy, hf_model
+    from worker_helpers import GREEDY, decode, random_prompts
 
     from protocol.structs import SamplingParams
-    from worker_helpers import GREEDY, decode, random_prompts
 
     rec = ctx.rec
     prompts = random_prompts(PROMPT_LENGTHS, 1000, seed=2)
@@ -491,7 +499,7 @@ def _lora_numerics(ctx: Context, name: str, model_dir: Path, adapters: dict[str,
     others = random_prompts([random.Random(i).randint(3, 20) for i in range(31)], 1000, seed=3)
     probe = prompts[3]
     alone, _, _ = _prefill_and_step(runner, [probe], [2], ids_by_slot)
-    crowd_slots = sorted([(-1 if i % 3 == 0 else i % 5) for i in range(31)] + [2])
+    crowd_slots = sorted([(-1 if i % 3 == 0 else 1 + i % 5) for i in range(31)] + [2])
     index = crowd_slots.index(2)
     crowd_prompts = others[:index] + [probe] + others[index:]
     crowd, _, _ = _prefill_and_step(runner, crowd_prompts, crowd_slots, ids_by_slot)
