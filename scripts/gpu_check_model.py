@@ -4,6 +4,7 @@ against HF/peft) of scripts/gpu_check.py."""
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import platform
 import random
@@ -49,7 +50,8 @@ def g0_env(ctx: Context) -> None:
     if ctx.is_cuda:
         rec.check("cuda_available", torch.cuda.is_available(), torch.cuda.is_available(), True)
         versions["cudnn"] = torch.backends.cudnn.version()
-        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        nccl = torch.cuda.nccl.version()
+        versions["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
         props = torch.cuda.get_device_properties(0)
         free, total = torch.cuda.mem_get_info(0)
         device = {"name": props.name, "capability": f"{props.major}.{props.minor}",
@@ -134,13 +136,12 @@ class AttnSetup:
         from protocol.structs import ForwardReq, SamplingParams
         from worker.batch_inputs import BatchInputs
 
-        pages = list(self.free_pages)
+        pages = itertools.cycle(self.free_pages)  # only timing batches outgrow the cache; they may share pages
         reqs = []
         for cached, new in spec:
             num = -(-(cached + new) // self.page_size)
-            reqs.append(ForwardReq(input_ids=[0] * new, num_cached_tokens=cached, page_ids=pages[:num],
-                                   sampling=SamplingParams()))
-            pages = pages[num:]
+            reqs.append(ForwardReq(input_ids=[0] * new, num_cached_tokens=cached,
+                                   page_ids=list(itertools.islice(pages, num)), sampling=SamplingParams()))
         inputs = BatchInputs.build(reqs, self.page_size, self.num_pages, 1 << 20, self.dev)
         tokens = sum(new for _, new in spec)
         q = self.randn(tokens, self.heads, self.head_dim)
@@ -438,7 +439,8 @@ def g3_numerics(ctx: Context) -> None:
 
 def _calibrated(rec, name: str, ours, hf_low, hf_ref) -> None:
     """bf16 passes when its error against fp32 HF is within 1.5x HF's own bf16 error + 0.02, and its argmax agrees
-    with fp32 HF at least as often as HF bf16 does, less 1 %."""
+    with fp32 HF at least as often as HF bf16 does, less 1 % or one position (whichever is more: with ~50
+    positions, 1 % is finer than one token)."""
     import torch
 
     e_ours = max(max_abs(a, b) for a, b in zip(ours, hf_ref, strict=True))
@@ -446,9 +448,10 @@ def _calibrated(rec, name: str, ours, hf_low, hf_ref) -> None:
     ref_top = torch.cat([r.argmax(-1) for r in hf_ref])
     agree_ours = float((torch.cat([o.argmax(-1) for o in ours]) == ref_top).float().mean())
     agree_hf = float((torch.cat([h.argmax(-1) for h in hf_low]) == ref_top).float().mean())
-    ok = e_ours <= 1.5 * e_hf + 0.02 and agree_ours >= agree_hf - 0.01
+    slack = max(0.01, 1 / len(ref_top))
+    ok = e_ours <= 1.5 * e_hf + 0.02 and agree_ours >= agree_hf - slack - 1e-9
     rec.check(name, ok, {"e_ours": e_ours, "e_hf": e_hf, "agree_ours": agree_ours, "agree_hf": agree_hf},
-              "e_ours <= 1.5 e_hf + 0.02; agree >= hf - 1%")
+              "e_ours <= 1.5 e_hf + 0.02; agree >= hf - max(1%, 1 position)")
 
 
 def _lora_numerics(ctx: Context, name: str, model_dir: Path, adapters: dict[str, Path]) -> tuple[int, int]:

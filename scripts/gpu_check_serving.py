@@ -439,7 +439,8 @@ def _greedy_vs_runner(ctx: Context, server, model_dir: Path, adapters: dict[str,
     reply = server.post("/generate", {"input_ids": prompt, "lora_path": name,
                                       "sampling_params": {"max_new_tokens": num_tokens, "temperature": 0.0,
                                                           "ignore_eos": True}}).json()
-    runner = _runner(ctx, model_dir, max_total_tokens=4096, max_loras_per_batch=2,
+    # the server's pool shape (max rank 16): the kernels' rank block, so the summation order, depends on it
+    runner = _runner(ctx, model_dir, max_total_tokens=4096, max_loras_per_batch=2, max_lora_rank=16,
                      dtype="bfloat16" if ctx.is_cuda else "float32")
     runner.lora.load([AdapterToLoad(lora_id=1, lora_name=name, lora_path=str(adapters[name]))])
     ours = decode(runner, [prompt], [SamplingParams(temperature=0.0)], num_tokens, slots=[0],

@@ -110,7 +110,8 @@ def _run_ranks(backend: str, device_type: str, model_dir: str, adapters: dict[st
         os.environ.clear()
         os.environ.update(env_backup)
     ready, done = {}, {}
-    init_deadline = time.monotonic() + NCCL_INIT_TIMEOUT_S + 15  # + the ranks' torch import
+    # NCCL gets NCCL_INIT_TIMEOUT_S (+ the ranks' torch import) before the caller falls back to gloo
+    init_deadline = time.monotonic() + NCCL_INIT_TIMEOUT_S + 5 if backend == "nccl" else deadline
     try:
         while len(done) < 2:
             now = time.monotonic()
@@ -158,7 +159,8 @@ def g7_tp2(ctx: Context) -> None:
         backend_used = "nccl-hostid"
         if by_rank is None:
             rec.figure("nccl_init", f"not ready in {NCCL_INIT_TIMEOUT_S} s; fell back to gloo")
-            by_rank, backend_used = _run_ranks("gloo", "cuda", str(model_dir), adapters, deadline), "gloo"
+            by_rank = _run_ranks("gloo", "cuda", str(model_dir), adapters, time.monotonic() + 30)
+            backend_used = "gloo"
     else:
         by_rank = _run_ranks("gloo", "cpu", str(model_dir), adapters, deadline)
     rec.figure("backend_used", backend_used if by_rank else "none")
