@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Wheels of the two packages the GPU image lacks (msgspec, pyzmq), for an offline install there; into the
+# git-ignored .whl/ at the repository root, which travels with the working tree to the GPU machine.
+# See README "Checking on a GPU" for the command that installs them and runs scripts/gpu_check.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl "msgspec>=0.22,<0.24" "pyzmq>=27,<28"
+ls -l .whl
