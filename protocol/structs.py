@@ -220,6 +220,7 @@ class ForwardReq(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     sampling: SamplingParams
     num_generated: int = 0  # output tokens so far: with the seed, it makes sampling reproducible and stateless
     slot: int = -1  # adapter device slot, -1 = base model
+    prev_row: int = -1  # >= 0: input_ids[0] is the token the previous batch sampled at this row (not known here yet)
 
 
 class SlotLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

@@ -61,18 +61,24 @@ class SchedulerProcess:
         self.scheduler: Scheduler | None = None
         self.deltas: list[TokenDelta] = []  # sent together, once per step
         self.deferred_drops: list[DropAdapters] = []  # drops that arrived during a forward pass
+        self.early_results: dict[int, BatchResult] = {}  # results read before their turn (two passes in flight)
         self.early_msgs: list[Any] = []  # frontend messages that arrived before the workers were ready
 
     def run(self) -> None:
-        """Serve until Shutdown (raises ProcessExit)."""
+        """Serve until Shutdown (raises ProcessExit). Two passes in flight: the workers start the next one as soon as
+        they finish one, while this loop processes the finished one's result."""
         self.scheduler = self.start()
         while True:
             self.recv_requests()
-            batch = self.scheduler.schedule()
-            if batch is not None:
+            while not self.deferred_drops and self.scheduler.can_schedule:
+                batch = self.scheduler.schedule()
+                if batch is None:
+                    break
                 self.broadcast(batch)
-                result = self.wait_for_result(batch.batch_id)
+            if self.scheduler.has_batch_in_flight:
+                result = self.wait_for_result(self.scheduler.oldest_batch_id)
                 self.deltas += self.scheduler.process_result(result)
+            if not self.scheduler.has_batch_in_flight:
                 self.run_deferred_drops()
             self.send_deltas()
 
@@ -141,6 +147,8 @@ class SchedulerProcess:
 
     def wait_for_result(self, batch_id: int) -> BatchResult:
         """Rank 0's result for the batch; the frontend is still served meanwhile (aborts, stats, Shutdown)."""
+        if batch_id in self.early_results:  # it came in while recv_requests drained the workers' socket
+            return self.early_results.pop(batch_id)
         started = last_warning = time.monotonic()
         while True:
             msg = _recv(self.from_workers, RESULT_POLL_MS)
@@ -193,6 +201,8 @@ class SchedulerProcess:
             self.send_deltas()
             self.to_frontend.send(msg)
             raise ProcessExit(1)
+        elif isinstance(msg, BatchResult) and self.scheduler.is_in_flight(msg.batch_id):
+            self.early_results[msg.batch_id] = msg
         elif isinstance(msg, BatchResult):
             log.warning("ignoring a result for batch %d, which is not in flight", msg.batch_id)
         else:

@@ -24,6 +24,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)  # pages for the tokens whose KV is written or being written
     num_cached_tokens: int = 0  # tokens whose KV the workers have written
+    num_scheduled_tokens: int = 0  # ... or are writing, in a pass in flight (>= num_cached_tokens)
+    num_pending_samples: int = 0  # tokens that passes in flight will sample for it (not in output_ids yet)
+    num_passes_in_flight: int = 0
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages, computed so far
     num_offered_pages: int = 0  # full written pages already offered to the prefix cache
     num_preemptions: int = 0
@@ -54,13 +57,18 @@ class Request:
         return self.sampling.max_new_tokens - len(self.output_ids)
 
     @property
-    def num_uncached_tokens(self) -> int:
-        """Tokens whose KV is still to write: the (rest of the) prompt, then one sampled token per step."""
-        return self.num_tokens - self.num_cached_tokens
+    def num_unscheduled_tokens(self) -> int:
+        """Tokens no pass has been given yet: the (rest of the) prompt, or the token a pass in flight will sample."""
+        return self.num_tokens + self.num_pending_samples - self.num_scheduled_tokens
+
+    @property
+    def wants_more(self) -> bool:
+        """Could a further pass still sample a token for it? (False once the samples in flight reach its limit.)"""
+        return len(self.output_ids) + self.num_pending_samples < self.sampling.max_new_tokens
 
     def num_pages_for(self, num_tokens: int, page_size: int) -> int:
         return -(-num_tokens // page_size)
 
     def next_input_ids(self, num_new: int) -> list[int]:
-        """The next num_new tokens whose KV the next forward pass writes."""
-        return self.token_ids[self.num_cached_tokens : self.num_cached_tokens + num_new]
+        """The next num_new known tokens for a pass, from the first one no pass has been given."""
+        return self.token_ids[self.num_scheduled_tokens : self.num_scheduled_tokens + num_new]

@@ -10,11 +10,19 @@ need more pages than are free (after evicting unused cached pages), the newest r
 pages go back, they rejoin the queue by their arrival, and are recomputed when they run again (sampling is stateless
 given the seed and the output count, so their outputs are the same). Full pages whose keys and values are written
 are offered to the prefix cache, keyed by adapter; a new request starts from the longest cached prefix it matches.
+
+Overlap: up to two passes are in flight, so the workers start the next one the moment they finish one, and this
+process schedules and processes results meanwhile. A decoding request in the newer pass reads the token the older
+pass samples for it, which no one here knows yet: its ForwardReq names that token's row in the older pass
+(`prev_row`) and the workers put it in. A request that a stop token ends in the older pass is also in the newer one;
+that pass's token is dropped, and its pages and slot are held until that pass returns. Preemption and adapter drops
+wait until nothing is in flight.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 from protocol.config import ServerConfig
@@ -42,11 +50,15 @@ from scheduler.slot_planner import SlotError, SlotPlanner
 log = logging.getLogger(__name__)
 
 
+MAX_IN_FLIGHT = 2  # the workers compute one pass while the next waits in their socket
+
+
 @dataclass
 class _InFlight:
     batch_id: int
     reqs: list[Request]  # in the order of the batch's ForwardReqs
     num_new: list[int]  # tokens each request writes in this pass
+    samples: list[bool]  # whether the pass samples a token for the request (it reaches its last known token)
 
 
 class Scheduler:
@@ -73,7 +85,7 @@ class Scheduler:
         self.waiting: dict[str, Request] = {}  # by arrival (preempted requests go back to their place)
         self.running: dict[str, Request] = {}
         self.num_preemptions = 0
-        self._in_flight: _InFlight | None = None
+        self._in_flight: deque[_InFlight] = deque()  # oldest first
         self._next_batch_id = 0
         self._next_arrival = 0
         self._plan: dict[Request, int] = {}  # the step being built: request -> tokens it writes
@@ -85,7 +97,18 @@ class Scheduler:
 
     @property
     def has_batch_in_flight(self) -> bool:
-        return self._in_flight is not None
+        return bool(self._in_flight)
+
+    @property
+    def can_schedule(self) -> bool:
+        return len(self._in_flight) < MAX_IN_FLIGHT
+
+    @property
+    def oldest_batch_id(self) -> int:
+        return self._in_flight[0].batch_id
+
+    def is_in_flight(self, batch_id: int) -> bool:
+        return any(b.batch_id == batch_id for b in self._in_flight)
 
     @property
     def max_total_tokens(self) -> int:
@@ -122,21 +145,22 @@ class Scheduler:
         return ""
 
     def abort(self, rid: str) -> list[TokenDelta]:
-        """Waiting: removed now. Running: freed now, or when the pass in flight returns. Unknown rid: ignored."""
+        """Waiting: removed now. Running: freed now, or when its passes in flight return. Unknown rid: ignored."""
         req = self.waiting.get(rid) or self.running.get(rid)
         if req is None or req.is_aborted:
             return []
-        if self._in_flight is not None and req.status is RequestStatus.RUNNING:
-            req.is_aborted = True  # the workers are using its pages: it ends when the pass returns
+        if req.num_passes_in_flight:
+            req.is_aborted = True  # the workers are using its pages: it ends when its last pass returns
             return []
         return [self._finish(req, "abort")]
 
     def _finish(
         self, req: Request, reason: str, token_ids: list[int] | None = None, error_message: str = ""
     ) -> TokenDelta:
-        """Every way a request ends comes through here: its pages and slot hold go back."""
+        """Every way a request ends comes through here: its pages and slot hold go back (once no pass uses them)."""
         if req.status is RequestStatus.RUNNING:
-            self._let_go(req)
+            if not req.num_passes_in_flight:
+                self._let_go(req)
             del self.running[req.rid]
         elif req.status is RequestStatus.WAITING:
             del self.waiting[req.rid]
@@ -147,18 +171,22 @@ class Scheduler:
 
     @property
     def in_flight_requests(self) -> list[Request]:
-        """The requests of the batch in flight, in the batch's order (empty when none is)."""
-        return [] if self._in_flight is None else list(self._in_flight.reqs)
+        """The requests of the newest batch in flight, in the batch's order (empty when none is)."""
+        return list(self._in_flight[-1].reqs) if self._in_flight else []
 
     def schedule(self) -> ForwardBatch | None:
-        if self._in_flight is not None:
-            raise RuntimeError(f"schedule() called while batch {self._in_flight.batch_id} is in flight")
+        if not self.can_schedule:
+            raise RuntimeError(f"schedule() called with {len(self._in_flight)} batches in flight")
         self._plan, self._budget_left = {}, self.prefill_budget
         for req in sorted(self.running.values(), key=lambda r: r.arrival):
-            num_new = 1 if req.num_uncached_tokens == 1 else self._prefill_len(req)
+            if req.is_aborted or not req.wants_more:
+                continue  # it ends when its passes in flight return
+            num_new = 1 if req.num_unscheduled_tokens == 1 else self._prefill_len(req)
             if num_new:
                 self._plan[req] = num_new
-        self._grow_running()
+        if not self._grow_running():
+            self._plan = {}
+            return None  # it needs a preemption: after the passes in flight return
         waiting = sorted(self.waiting.values(), key=lambda r: r.arrival)
         admitted = self.policy.pick_prefills(waiting, list(self.running.values()), self.slots, self)
         for req in admitted:
@@ -177,18 +205,23 @@ class Scheduler:
         # Grouped by slot, so each adapter's rows form one segment: one LoRA matmul per adapter, not per request.
         reqs = sorted(self._plan, key=lambda r: r.slot)
         num_new = [self._plan[r] for r in reqs]
-        batch = ForwardBatch(
-            batch_id=self._next_batch_id,
-            reqs=[self._forward_req(r, n) for r, n in zip(reqs, num_new, strict=True)],
-            slot_loads=slot_loads,
-        )
+        previous = self._in_flight[-1] if self._in_flight else None
+        prev_rows = {req: row for row, req in enumerate(previous.reqs)} if previous else {}
+        forward_reqs, samples = [], []
+        for req, n in zip(reqs, num_new, strict=True):
+            forward_reqs.append(self._forward_req(req, n, prev_rows.get(req, -1)))
+            req.num_scheduled_tokens += n
+            req.num_passes_in_flight += 1
+            samples.append(req.num_unscheduled_tokens == 0)
+            req.num_pending_samples += samples[-1]
+        batch = ForwardBatch(batch_id=self._next_batch_id, reqs=forward_reqs, slot_loads=slot_loads)
         self._next_batch_id += 1
-        self._in_flight = _InFlight(batch_id=batch.batch_id, reqs=reqs, num_new=num_new)
+        self._in_flight.append(_InFlight(batch_id=batch.batch_id, reqs=reqs, num_new=num_new, samples=samples))
         return batch
 
     def _prefill_len(self, req: Request) -> int:
         """Prompt tokens the request writes this step within the budget left (0: none this step); takes them."""
-        remaining = req.num_uncached_tokens
+        remaining = req.num_unscheduled_tokens
         if self.is_chunked:
             num_new = min(remaining, self._budget_left)
         elif remaining <= self._budget_left or self._budget_left == self.prefill_budget:
@@ -199,21 +232,25 @@ class Scheduler:
         return num_new
 
     def _pages_short(self, req: Request, num_new: int) -> int:
-        return req.num_pages_for(req.num_cached_tokens + num_new, self.page_size) - len(req.page_ids)
+        return req.num_pages_for(req.num_scheduled_tokens + num_new, self.page_size) - len(req.page_ids)
 
-    def _grow_running(self) -> None:
-        """Pages for the running requests' new tokens; while they do not fit, preempt the newest."""
+    def _grow_running(self) -> bool:
+        """Pages for the running requests' new tokens; while they do not fit, preempt the newest. False: that needs
+        a preemption while passes are in flight (they use the pages), so nothing was done."""
         while sum(self._pages_short(r, n) for r, n in self._plan.items()) > self.cache.num_available:
+            if self._in_flight:
+                return False
             victim = max(self.running.values(), key=lambda r: r.arrival)
             self._preempt(victim)
         for req, num_new in self._plan.items():
             req.page_ids += self.cache.allocate(self._pages_short(req, num_new))
+        return True
 
     def _preempt(self, req: Request) -> None:
         self._let_go(req)
         self._plan.pop(req, None)
         del self.running[req.rid]
-        req.num_cached_tokens = req.num_offered_pages = 0
+        req.num_cached_tokens = req.num_scheduled_tokens = req.num_offered_pages = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -239,7 +276,7 @@ class Scheduler:
 
     def _reserve(self) -> int:
         """Pages kept free for the decoding requests' next tokens, so an admission does not preempt at once."""
-        return sum(1 for r in self.running.values() if r.num_cached_tokens % self.page_size == 0)
+        return sum(1 for r in self.running.values() if r.num_scheduled_tokens % self.page_size == 0)
 
     def pages_wanted(self, req: Request) -> int:
         num_matched = self.cache.peek(self._keys(req), req.num_tokens)
@@ -250,49 +287,63 @@ class Scheduler:
         if self._budget_left <= 0:
             return False
         matched = self.cache.match(self._keys(req), req.num_tokens)
-        req.page_ids, req.num_cached_tokens = matched, len(matched) * self.page_size
-        req.num_offered_pages = len(matched)
+        req.page_ids, req.num_offered_pages = matched, len(matched)
+        req.num_cached_tokens = req.num_scheduled_tokens = len(matched) * self.page_size
         budget_before = self._budget_left
         num_new = self._prefill_len(req)
         num_pages = self._pages_short(req, num_new)
         if num_new == 0 or num_pages + keep_free_pages + self._reserve() > self.cache.num_available:
             self.cache.release(matched)
-            req.page_ids, req.num_cached_tokens, req.num_offered_pages = [], 0, 0
+            req.page_ids, req.num_cached_tokens, req.num_scheduled_tokens, req.num_offered_pages = [], 0, 0, 0
             self._budget_left = budget_before
             return False
         req.page_ids += self.cache.allocate(num_pages)
         self._plan[req] = num_new
         return True
 
-    def _forward_req(self, req: Request, num_new: int) -> ForwardReq:
+    def _forward_req(self, req: Request, num_new: int, prev_row: int) -> ForwardReq:
+        input_ids = req.next_input_ids(num_new)
+        if not input_ids:  # its one new token is the one the pass in flight samples
+            input_ids = [0]
+        else:
+            prev_row = -1
         return ForwardReq(
-            input_ids=req.next_input_ids(num_new),
-            num_cached_tokens=req.num_cached_tokens,
+            input_ids=input_ids,
+            num_cached_tokens=req.num_scheduled_tokens,
             page_ids=list(req.page_ids),
             sampling=req.sampling,
-            num_generated=len(req.output_ids),
+            num_generated=len(req.output_ids) + req.num_pending_samples,
             slot=req.slot,
+            prev_row=prev_row,
         )
 
     def process_result(self, result: BatchResult) -> list[TokenDelta]:
-        in_flight = self._in_flight
+        """The oldest pass in flight returned."""
+        in_flight = self._in_flight[0] if self._in_flight else None
         if in_flight is None or result.batch_id != in_flight.batch_id:
             expected = None if in_flight is None else in_flight.batch_id
-            raise ValueError(f"result for batch {result.batch_id}, but the batch in flight is {expected}")
-        self._in_flight = None
+            raise ValueError(f"result for batch {result.batch_id}, but the oldest batch in flight is {expected}")
+        self._in_flight.popleft()
         error = result.error_message
         if not error and len(result.next_token_ids) != len(in_flight.reqs):
             error = f"batch {result.batch_id}: {len(result.next_token_ids)} tokens for {len(in_flight.reqs)} requests"
         deltas = []
-        for i, (req, num_new) in enumerate(zip(in_flight.reqs, in_flight.num_new, strict=True)):
-            if req.is_aborted:
-                deltas.append(self._finish(req, "abort"))
+        rows = zip(in_flight.reqs, in_flight.num_new, in_flight.samples, strict=True)
+        for i, (req, num_new, samples) in enumerate(rows):
+            req.num_passes_in_flight -= 1
+            req.num_pending_samples -= samples
+            if req.status is RequestStatus.FINISHED:  # ended while this pass was in flight: only the pages remain
+                if not req.num_passes_in_flight:
+                    self._let_go(req)
+            elif req.is_aborted:
+                if not req.num_passes_in_flight:
+                    deltas.append(self._finish(req, "abort"))
             elif error:
                 deltas.append(self._finish(req, "error", error_message=error))
             else:
                 req.num_cached_tokens += num_new  # the pass wrote the KV of every token it was given
                 self._offer_pages(req)
-                if req.num_uncached_tokens == 0:  # else a chunk of a longer prompt: its sampled token is not used
+                if samples:  # else a chunk of a longer prompt: its sampled token is not used
                     deltas.append(self._append_token(req, result.next_token_ids[i]))
         return deltas
 
@@ -356,7 +407,7 @@ class Scheduler:
 
     def drop_adapters(self, op: DropAdapters) -> tuple[AdapterOpDone, list[TokenDelta]]:
         """Forget adapters (between forward passes): the reply, and the requests that were still using them."""
-        if self._in_flight is not None:
+        if self._in_flight:
             raise RuntimeError("adapters are dropped between forward passes")
         outcomes, deltas = [], []
         for lora_id in op.lora_ids:

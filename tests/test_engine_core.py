@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
-from protocol.structs import AdapterOpDone, DropAdapters
+from protocol.structs import AdapterOpDone, BatchResult, DropAdapters
 from scheduler.page_allocator import PageAllocator
 from scheduler.prefix_cache import BASE_NAMESPACE, PrefixCache, page_keys
 from tests.test_scheduler_core import Workers, assert_drained, gen, load, make_scheduler
@@ -212,3 +213,108 @@ def check_cache_namespaces(sched) -> None:
             if page_id in cache._key_of_page:
                 assert cache._namespace_of_page[page_id] == namespace
                 assert cache._key_of_page[page_id] == req.page_keys[i]
+
+
+# ---- two passes in flight (overlap) ---------------------------------------------------------------------------
+
+
+def chained(rid: str, fwd) -> int:
+    """A next token that depends on the input token too: a wrong token put in for prev_row changes every output."""
+    return 10 + (fwd.input_ids[-1] * 31 + fwd.num_cached_tokens + len(fwd.input_ids)) % 997
+
+
+class OverlapWorkers(Workers):
+    """Plays workers that run passes in the order they are sent, with up to two in flight: the scheduler sends the
+    next pass before it processes the previous one's result, as the scheduler process does."""
+
+    def __init__(self, sched, next_token):
+        super().__init__(sched, next_token)
+        self.results = []  # (batch, tokens) in the order sent
+        self.last_tokens: list[int] = []
+
+    def step(self, error_message: str = ""):
+        sched = self.sched
+        while sched.can_schedule:
+            batch = sched.schedule()
+            if batch is None:
+                break
+            reqs = sched.in_flight_requests
+            resolved = []
+            for fwd in batch.reqs:
+                if fwd.prev_row >= 0:
+                    assert fwd.input_ids == [0] and len(self.results) > 0
+                    fwd = msgspec.structs.replace(fwd, input_ids=[self.last_tokens[fwd.prev_row]], prev_row=-1)
+                assert len(fwd.page_ids) == -(-(fwd.num_cached_tokens + len(fwd.input_ids)) // sched.page_size)
+                resolved.append(fwd)
+            self.last_tokens = [self.next_token(req.rid, fwd) for req, fwd in zip(reqs, resolved, strict=True)]
+            self.results.append((batch, self.last_tokens))
+        if not self.results:
+            assert not sched.running and not sched.waiting and not sched.has_batch_in_flight
+            return None
+        batch, tokens = self.results.pop(0)
+        self.record(sched.process_result(BatchResult(batch_id=batch.batch_id, next_token_ids=tokens)))
+        sched.cache.check()
+        return batch
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_two_passes_in_flight_give_the_same_outputs(seed):
+    rng = random.Random(seed)
+    traffic = []
+    for step in range(30):
+        for _ in range(rng.randint(0, 2)):
+            traffic.append((step, f"r{len(traffic)}", rng.randint(1, 20), rng.randint(1, 16), rng.choice([None, 0, 1]),
+                            rng.random() < 0.3))
+
+    def run(workers_type, **options):
+        sched = make_scheduler(page_size=4, num_slots=2, context_length=64, **options)
+        load(sched, 0, 1)
+        workers = workers_type(sched, chained)
+        for step in range(30):
+            for _, rid, prompt_len, max_new, lora, stops in [t for t in traffic if t[0] == step]:
+                stop = tuple(range(10, 60)) if stops else ()  # some end early on a stop token, mid-overlap
+                workers.record(sched.add_request(gen(rid, prompt_len=prompt_len, max_new=max_new, lora=lora,
+                                                     stop=stop)))
+            workers.step()
+        for _ in range(10_000):
+            if workers.step() is None:
+                break
+        assert_drained(sched)
+        return {rid: (out, workers.finished[rid].finish_reason) for rid, out in workers.outputs.items()}
+
+    reference = run(Workers, num_pages=400, max_running=64)
+    overlapped = run(OverlapWorkers, num_pages=rng.randint(12, 30), max_running=rng.randint(2, 8),
+                     chunked_prefill_size=rng.randint(3, 12), max_prefill=64, prefix_cache=True)
+    assert overlapped == reference
+
+
+def test_a_stop_token_in_the_older_pass_drops_the_newer_pass_s_token_and_holds_pages_until_it_returns():
+    sched = make_scheduler(num_pages=16, page_size=4)
+    sched.add_request(gen("a", prompt_len=3, max_new=10, stop=(5,)))
+    first = sched.schedule()
+    second = sched.schedule()
+    assert second.reqs[0].prev_row == 0 and second.reqs[0].num_generated == 1
+    deltas = sched.process_result(BatchResult(batch_id=first.batch_id, next_token_ids=[5]))
+    assert [(d.token_ids, d.finish_reason) for d in deltas] == [([5], "stop")]
+    assert not sched.running and sched.cache.num_in_use == 1  # its page is still being written by the second pass
+    assert sched.schedule() is None
+    assert sched.process_result(BatchResult(batch_id=second.batch_id, next_token_ids=[9])) == []
+    assert_drained(sched)
+
+
+def test_abort_with_two_passes_in_flight_ends_when_the_last_returns():
+    sched = make_scheduler(num_pages=16, page_size=4)
+    sched.add_request(gen("a", prompt_len=3, max_new=10))
+    first, second = sched.schedule(), sched.schedule()
+    assert sched.abort("a") == []
+    assert sched.process_result(BatchResult(batch_id=first.batch_id, next_token_ids=[7])) == []
+    [delta] = sched.process_result(BatchResult(batch_id=second.batch_id, next_token_ids=[7]))
+    assert delta.finish_reason == "abort"
+    assert_drained(sched)
+
+
+def test_a_request_at_its_token_limit_is_not_sent_again():
+    sched = make_scheduler(num_pages=16, page_size=4)
+    sched.add_request(gen("a", prompt_len=3, max_new=1))
+    sched.schedule()
+    assert sched.schedule() is None  # its one token is in flight already

@@ -333,10 +333,14 @@ def test_results_out_of_turn_raise():
         sched.process_result(BatchResult(batch_id=0, next_token_ids=[]))
     sched.add_request(gen("a"))
     batch = sched.schedule()
+    second = sched.schedule()  # two passes in flight: the second reads the first's token
+    assert second.reqs[0].prev_row == 0
     with pytest.raises(RuntimeError):
         sched.schedule()
+    with pytest.raises(ValueError):  # results come back oldest first
+        sched.process_result(BatchResult(batch_id=second.batch_id, next_token_ids=[TOKEN]))
     with pytest.raises(ValueError):
-        sched.process_result(BatchResult(batch_id=batch.batch_id + 1, next_token_ids=[TOKEN]))
+        sched.process_result(BatchResult(batch_id=batch.batch_id + 2, next_token_ids=[TOKEN]))
 
 
 @pytest.mark.parametrize(

@@ -157,9 +157,12 @@ def test_abort_is_read_while_a_pass_runs(harness):
     sampling = SamplingParams(max_new_tokens=50)
     harness.frontend_out.send(TokenizedGenerateReq(rid="r", input_ids=[1, 2, 3], sampling=sampling))
     batch = harness.to_worker(ForwardBatch)
+    second = harness.to_worker(ForwardBatch)  # the next pass is sent before the first returns (overlap)
+    assert second.reqs[0].prev_row == 0 and second.reqs[0].num_cached_tokens == 3
     harness.frontend_out.send(AbortReq(rid="r"))
     time.sleep(0.2)  # the worker is "slow": the abort arrives mid-pass
     harness.worker_out.send(BatchResult(batch_id=batch.batch_id, next_token_ids=[5]))
+    harness.worker_out.send(BatchResult(batch_id=second.batch_id, next_token_ids=[6]))
     assert harness.to_frontend(TokenDeltas).deltas == [TokenDelta(rid="r", token_ids=[], finish_reason="abort")]
     harness.frontend_out.send(SchedulerStatsReq(op_id=1))
     assert harness.to_frontend(SchedulerStats).kv_usage == 0

@@ -72,6 +72,7 @@ class Worker:
         )
         # Adapter reads (disk, validation, slicing) run on their own threads, off the decode loop.
         self.loader = AdapterLoader(args, rank, self.runner.lora)
+        self.last_token_ids: list[int] = []  # what the previous batch sampled, row by row
         self.loader.start()
         hooks = args.fault_hooks
         self.crash_forward = hooks.get("crash_forward_on_rank") == str(rank)
@@ -119,10 +120,13 @@ class Worker:
         # group's unknown: it propagates, and the worker reports it and exits (main) rather than serve on it.
         self.inject_faults()
         try:
+            batch = with_sampled_tokens(batch, self.last_token_ids)
             next_token_ids, error_message = self.runner.forward(batch), ""
         except BatchError as e:  # the batch itself is wrong: the message says it all
             logger.error("batch %d rejected: %s", batch.batch_id, e)
             next_token_ids, error_message = [], f"{type(e).__name__}: {e}"
+        # Every rank samples the same tokens (same logits, same generators), so each keeps its own copy.
+        self.last_token_ids = next_token_ids
         if self.rank != 0:
             return None
         return BatchResult(batch_id=batch.batch_id, next_token_ids=next_token_ids, error_message=error_message)
@@ -138,6 +142,22 @@ class Worker:
         self.from_scheduler.close()
         self.to_scheduler.close()
         destroy_distributed()
+
+
+def with_sampled_tokens(batch: ForwardBatch, last_token_ids: list[int]) -> ForwardBatch:
+    """The scheduler sends a pass before the previous one returned: a request whose next token that pass samples
+    names its row there (prev_row), and the token is put in here, where it is known."""
+    if all(req.prev_row < 0 for req in batch.reqs):
+        return batch
+    reqs = []
+    for i, req in enumerate(batch.reqs):
+        if req.prev_row >= 0:
+            if req.prev_row >= len(last_token_ids):
+                raise BatchError(f"request {i} reads row {req.prev_row} of the previous batch, which sampled "
+                                 f"{len(last_token_ids)} tokens")
+            req = msgspec.structs.replace(req, input_ids=[last_token_ids[req.prev_row]], prev_row=-1)
+        reqs.append(req)
+    return msgspec.structs.replace(batch, reqs=reqs)
 
 
 def main() -> int:
