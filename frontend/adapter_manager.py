@@ -12,6 +12,8 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from frontend.adapter_state import AdapterStateFile
 from frontend.metrics import Metrics
@@ -23,7 +25,9 @@ from protocol.structs import (
     AdapterOutcome,
     AdapterToLoad,
     DropAdapters,
+    InlineAdapter,
     LoadAdapters,
+    LoadLoRAAdapterFromTensorsReqInput,
     LoadLoRAAdapterReqOutput,
     LoRAAdapterResult,
     LoRAAdapterSpec,
@@ -56,15 +60,34 @@ class AdapterManager:
 
     # ---- the public operations ---------------------------------------------------------------------------
 
-    async def load(self, specs: list[LoRAAdapterSpec], load_inplace: bool = False) -> LoadLoRAAdapterReqOutput:
+    async def load(self, specs: list[LoRAAdapterSpec], load_inplace: bool = False,
+                   parents: dict[str, str] | None = None) -> LoadLoRAAdapterReqOutput:
+        """Adapters from directories. `parents`: name -> the card's parent in /v1/models (--lora-modules'
+        base_model_name; default the served base name)."""
+        return await self._load(specs, [None] * len(specs), [], load_inplace, parents or {})
+
+    async def load_from_tensors(self, request: LoadLoRAAdapterFromTensorsReqInput,
+                                buffers: list) -> LoadLoRAAdapterReqOutput:
+        """An adapter from tensors in memory: `buffers` hold the bytes of `request.tensors`, in order. It has no
+        path, so it is never written to the state file and never evicted (it could not be reloaded)."""
+        if len(buffers) != len(request.tensors):
+            raise ServerError(f"{len(buffers)} tensor buffers for {len(request.tensors)} tensors", "invalid")
+        # lora_path is never read for an inline adapter: plan_load checks no path for it
+        spec = LoRAAdapterSpec(lora_name=request.lora_name, lora_path="", pinned=request.pinned)
+        inline = InlineAdapter(config=request.config_dict, tensors=request.tensors)
+        return await self._load([spec], [inline], buffers, request.load_inplace, {})
+
+    async def _load(self, specs: list[LoRAAdapterSpec], inline: list[InlineAdapter | None], buffers: list,
+                    load_inplace: bool, parents: dict[str, str]) -> LoadLoRAAdapterReqOutput:
         self._check_updates_open()
         if not self.config.lora_enabled:
             results = [_failed(s.lora_name, "LoRA is not enabled (start with --enable-lora)", "invalid") for s in specs]
             return _merge(LoadLoRAAdapterReqOutput, results, {})
         async with self.registry.update_lock:
-            planned = self.registry.plan_load(specs, replace=load_inplace)
+            planned = self.registry.plan_load(specs, replace=load_inplace, inline=inline)
             to_load = [p for p in planned if isinstance(p, AdapterToLoad)]
-            outcomes = dict(zip([a.lora_id for a in to_load], await self._send_load(to_load, "load"), strict=True))
+            sent = await self._send_load(to_load, "load", buffers if to_load else [])
+            outcomes = dict(zip([a.lora_id for a in to_load], sent, strict=True))
             results = []
             for spec, plan in zip(specs, planned, strict=True):
                 if isinstance(plan, AdapterError):
@@ -74,7 +97,8 @@ class AdapterManager:
                     continue
                 outcome = outcomes[plan.lora_id]
                 if outcome.success:
-                    self._commit(plan, spec.lora_path, outcome)
+                    client_path = None if plan.inline is not None else spec.lora_path
+                    self._commit(plan, client_path, outcome, parents.get(plan.lora_name))
                 results.append(_result(plan.lora_name, outcome))
             await self._evict_over_limit({a.lora_name for a in to_load})
             self._save_state()
@@ -140,12 +164,12 @@ class AdapterManager:
 
     # ---- start-up -------------------------------------------------------------------------------------------
 
-    async def load_startup(self, specs: list[LoRAAdapterSpec]) -> None:
+    async def load_startup(self, specs: list[LoRAAdapterSpec], parents: dict[str, str] | None = None) -> None:
         """--lora-paths/--lora-modules (must load), then the state file's other entries (logged and skipped when
         they no longer load); under --disable-lora-updates nothing changes after this."""
         saved = self.state_file.read() if self.state_file is not None else []  # before any load rewrites it
         if specs:
-            out = await self.load(specs)
+            out = await self.load(specs, parents=parents)
             failed = [r for r in out.results if not r.success]
             if failed:
                 raise RuntimeError("start-up adapters failed: " + "; ".join(r.error_message for r in failed))
@@ -166,14 +190,17 @@ class AdapterManager:
         if not self.updates_open:
             raise ServerError("adapter updates are disabled on this server (--disable-lora-updates)", "disabled")
 
-    async def _send_load(self, adapters: list[AdapterToLoad], op_name: str) -> list[AdapterOutcome]:
-        """Load on every rank: one outcome per adapter. A missed deadline is an outcome, rolled back everywhere."""
+    async def _send_load(self, adapters: list[AdapterToLoad], op_name: str,
+                         buffers: Sequence[Any] = ()) -> list[AdapterOutcome]:
+        """Load on every rank: one outcome per adapter. A missed deadline is an outcome, rolled back everywhere.
+        `buffers`: the inline adapters' tensor bytes, sent as the message's extra frames."""
         if not adapters:
             return []
         t0 = time.monotonic()
         op = LoadAdapters(op_id=self.scheduler.next_op_id(), adapters=adapters)
         try:
-            outcomes = (await self.scheduler.call(op, self.config.lora_load_timeout + SCHEDULER_MARGIN_S)).outcomes
+            timeout_s = self.config.lora_load_timeout + SCHEDULER_MARGIN_S
+            outcomes = (await self.scheduler.call(op, timeout_s, buffers)).outcomes
         except ServerError as e:
             if e.kind == "timeout":  # the scheduler itself is stuck: roll back as soon as it listens again
                 try:
@@ -185,15 +212,20 @@ class AdapterManager:
         elapsed_s = time.monotonic() - t0
         for adapter, outcome in zip(adapters, outcomes, strict=True):
             self.metrics.on_adapter_op(op_name, outcome.success, elapsed_s)
-            logger.info("%s adapter %s path=%s rank=%s %s in %.1f ms%s", op_name, adapter.lora_name, adapter.lora_path,
+            logger.info("%s adapter %s path=%s rank=%s %s in %.1f ms%s", op_name, adapter.lora_name,
+                        adapter.lora_path or "(tensors)",
                         outcome.rank or "?", "ok" if outcome.success else "FAILED", elapsed_s * 1e3,
                         "" if outcome.success else f": {outcome.error_message}")
         return outcomes
 
-    def _commit(self, plan: AdapterToLoad, client_path: str, outcome: AdapterOutcome) -> None:
+    def _commit(self, plan: AdapterToLoad, client_path: str | None, outcome: AdapterOutcome,
+                parent: str | None = None) -> None:
+        old = self.registry.get(plan.lora_name)
+        if parent is None and old is not None and plan.replaces is not None:
+            parent = old.parent  # an in-place reload keeps the card's lineage
         entry = AdapterEntry(name=plan.lora_name, path=client_path, lora_id=plan.lora_id, pinned=plan.pinned,
-                             resolved_path=plan.lora_path, root=plan.root, rank=outcome.rank,
-                             target_modules=list(outcome.target_modules))
+                             resolved_path=plan.lora_path or "", root=plan.root, rank=outcome.rank,
+                             target_modules=list(outcome.target_modules), parent=parent)
         replaced = self.registry.add(entry)
         if replaced is not None:  # in-place reload: the old weights go once the requests running on them finish
             task = asyncio.get_running_loop().create_task(self._retire(replaced))
@@ -269,8 +301,9 @@ class AdapterManager:
     def _save_state(self) -> None:
         if self.state_file is None or self.config.disable_lora_updates:
             return  # with updates disabled the file is the operator's alone: read at start, never rewritten
+        # adapters loaded from tensors have no path: they cannot be restored, so they are not saved
         specs = [LoRAAdapterSpec(lora_name=e.name, lora_path=e.path, pinned=e.pinned)
-                 for e in self.registry.live() if not e.draining]
+                 for e in self.registry.live() if not e.draining and e.path is not None]
         try:
             self.state_file.write(specs)
         except OSError as e:  # the change itself happened: serve on, and say the file is behind

@@ -12,12 +12,14 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from frontend.adapter_tensors import encode_tensors
 from frontend.native_api import NativeGenerateRequest, collect, start_generate, stream_chunks
 from frontend.params import convert
 from frontend.runtime import Runtime
 from protocol.config import ServerConfig
 from protocol.errors import ServerError
 from protocol.structs import (
+    LoadLoRAAdapterFromTensorsReqInput,
     LoadLoRAAdapterReqOutput,
     LoRAAdapterResult,
     LoRAAdapterSpec,
@@ -133,6 +135,28 @@ class Engine:
 
     async def async_unload_lora_adapter(self, lora_name: str) -> UnloadLoRAAdapterReqOutput:
         return await self._await(self._unload(lora_name))
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: dict[str, Any], config_dict: dict,
+                                       pinned: bool | None = None,
+                                       load_inplace: bool = False) -> LoadLoRAAdapterReqOutput:
+        """An adapter from torch tensors named as in adapter_model.safetensors and adapter_config.json's content
+        (SGLang's order of arguments). It has no path: never evicted, not in --lora-state-file."""
+        return self._run(self._load_tensors(lora_name, tensors, config_dict, pinned, load_inplace))
+
+    async def async_load_lora_adapter_from_tensors(self, lora_name: str, tensors: dict[str, Any], config_dict: dict,
+                                                   pinned: bool | None = None,
+                                                   load_inplace: bool = False) -> LoadLoRAAdapterReqOutput:
+        return await self._await(self._load_tensors(lora_name, tensors, config_dict, pinned, load_inplace))
+
+    async def _load_tensors(self, lora_name: str, tensors: dict[str, Any], config_dict: dict, pinned: bool | None,
+                            load_inplace: bool) -> LoadLoRAAdapterReqOutput:
+        specs, buffers = encode_tensors(tensors)
+        request = LoadLoRAAdapterFromTensorsReqInput(lora_name=lora_name, config_dict=config_dict, tensors=specs,
+                                                     pinned=pinned, load_inplace=load_inplace)
+        try:
+            return await self.runtime.adapters.load_from_tensors(request, buffers)
+        except ServerError as e:
+            return _refused(LoadLoRAAdapterReqOutput, lora_name, e)
 
     async def _load(self, lora_name: str, lora_path: str, pinned: bool | None,
                     load_inplace: bool) -> LoadLoRAAdapterReqOutput:

@@ -9,7 +9,7 @@ import signal
 
 from aiohttp import web
 
-from frontend import native_api, openai_api, openapi
+from frontend import native_api, openai_api, openapi, utility_api
 from frontend.http_utils import error_response
 from frontend.runtime import Runtime
 from protocol.errors import ServerError, http_status
@@ -17,7 +17,7 @@ from protocol.errors import ServerError, http_status
 logger = logging.getLogger("loraplex.http")
 
 ADMIN_PATHS = {"/load_lora_adapter", "/unload_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
-OPEN_PATHS = {"/health"}
+OPEN_PATHS = {"/health", "/ping"}
 # After the drain, how long aiohttp waits for handlers still running (adapter calls) before it cancels them.
 HANDLER_SHUTDOWN_S = 3.0
 
@@ -48,7 +48,8 @@ async def error_middleware(request: web.Request, handler):
             return error_response(f"{e.reason}: {request.method} {request.path}", e.status)
         raise
     except ServerError as e:  # InputError, AdapterError, ServerUnavailable: the kind picks the status
-        return error_response(str(e), http_status(e.kind, openai=request.path.startswith("/v1/")))
+        openai = request.path.startswith("/v1/") or request.path in utility_api.VLLM_STATUS_PATHS
+        return error_response(str(e), http_status(e.kind, openai=openai))
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception as e:  # noqa: BLE001 - the edge: log it, answer 500, keep serving
@@ -61,6 +62,7 @@ def create_app(runtime: Runtime) -> web.Application:
     app["runtime"] = runtime
     app.add_routes(native_api.routes)
     app.add_routes(openai_api.routes)
+    app.add_routes(utility_api.routes)
     app.add_routes(openapi.routes)
     return app
 

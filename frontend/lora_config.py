@@ -1,5 +1,6 @@
 """Completes the LoRA part of the config before the workers start: demo adapters, and the pool size inferred
-from the start-up adapters when --max-lora-rank / --lora-target-modules are not given."""
+from the start-up adapters when --max-lora-rank / --lora-target-modules are not given (with no start-up adapters,
+vLLM's defaults: rank 16, all seven modules)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 
 import msgspec
 
-from protocol.config import TARGET_MODULES, ConfigError, ServerConfig
+from protocol.config import DEFAULT_LORA_RANK, TARGET_MODULES, ConfigError, ServerConfig
 
 
 def read_adapter_config(name: str, path: str) -> dict:
@@ -27,7 +28,7 @@ def read_adapter_config(name: str, path: str) -> dict:
 
 def resolve_lora_config(config: ServerConfig, model_dir: str) -> ServerConfig:
     lora_paths = list(config.lora_paths)
-    if config.model_path == "demo" and not lora_paths:
+    if config.model_path == "demo" and not lora_paths and not config.lora_modules:
         from frontend.demo_model import demo_adapter_paths
 
         lora_paths = [f"{name}={path}" for name, path in demo_adapter_paths(model_dir).items()]
@@ -37,7 +38,8 @@ def resolve_lora_config(config: ServerConfig, model_dir: str) -> ServerConfig:
     max_rank, targets = config.max_lora_rank, config.target_modules
     if max_rank is None or targets is None:
         if not config.lora_sources:
-            raise ConfigError("--enable-lora without --lora-paths needs --max-lora-rank and --lora-target-modules")
+            return msgspec.structs.replace(config, enable_lora=True, max_lora_rank=max_rank or DEFAULT_LORA_RANK,
+                                           lora_target_modules=list(targets or TARGET_MODULES))
         adapters = [read_adapter_config(s.lora_name, s.lora_path) for s in config.lora_sources]
         if max_rank is None:
             max_rank = max(a["r"] for a in adapters)

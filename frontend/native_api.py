@@ -41,7 +41,7 @@ def generate_items(runtime: Runtime, body: NativeGenerateRequest) -> tuple[list[
         texts = [body.text] if isinstance(body.text, str) else body.text
         if not texts:
             raise InputError("'text' is an empty list")
-        return [runtime.tokenizer(t)["input_ids"] for t in texts], not isinstance(body.text, str)
+        return [runtime.tokenize(t) for t in texts], not isinstance(body.text, str)
     ids = body.input_ids
     if not ids:
         raise InputError("'input_ids' is empty")

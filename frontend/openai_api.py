@@ -291,7 +291,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if not prompt:
         raise InputError("'prompt' is empty")
     if all(isinstance(p, str) for p in prompt):
-        prompts = [runtime.tokenizer(p)["input_ids"] for p in prompt]
+        prompts = [runtime.tokenize(p) for p in prompt]
     elif all(isinstance(p, int) for p in prompt):
         prompts = [prompt]
     elif all(isinstance(p, list) and p for p in prompt):
@@ -335,7 +335,8 @@ async def models(request: web.Request) -> web.Response:
                   max_model_len=runtime.ready.context_length if runtime.ready else None)
     ]
     cards += [
-        ModelCard(id=entry.name, object="model", created=created, owned_by="loraplex", root=entry.path, parent=base)
+        ModelCard(id=entry.name, object="model", created=created, owned_by="loraplex", root=entry.path,
+                  parent=entry.parent or base)
         for entry in runtime.registry.live()
         if not entry.draining
     ]

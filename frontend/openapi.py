@@ -13,6 +13,7 @@ from frontend.http_utils import json_response
 from frontend.native_api import AbortBody, LoadBody, UnloadBody
 from frontend.openai_api import ChatRequest, CompletionRequest, VllmLoadBody, VllmUnloadBody
 from frontend.params import NativeGenerateRequest
+from frontend.utility_api import DetokenizeBody, TokenizeBody
 
 routes = web.RouteTableDef()
 
@@ -77,9 +78,20 @@ ROUTES = [
           {**POST_ERRORS, 403: "updates off", 404: "path not found", 409: "busy"}),
     Route("post", "/v1/unload_lora_adapter", "Unload an adapter (vLLM's API)", VllmUnloadBody, {TEXT: None},
           {**POST_ERRORS, 403: "updates off", 404: "unknown adapter", 409: "the drain timeout passed"}),
+    Route("post", "/tokenize", "The tokens a generate route would use: `prompt` as /v1/completions, `messages` as "
+          "/v1/chat/completions", TokenizeBody, {"application/json": r.TokenizeResponse},
+          {**POST_ERRORS, 404: "unknown model"}),
+    Route("post", "/detokenize", "Token ids back to text", DetokenizeBody, {"application/json": r.DetokenizeResponse},
+          {**POST_ERRORS, 404: "unknown model"}),
+    Route("get", "/version", "The server's version", None, {"application/json": r.VersionResponse}, GET_ERRORS),
+    Route("get", "/ping", "As /health (vLLM's name); no key needed", None, {"application/json": r.HealthResponse},
+          {503: "starting, shutting down or failed"}, {503: (r.HealthResponse,)}),
+    Route("get", "/health_generate", "200 once one token went through the whole pipeline, else 503", None,
+          {"application/json": r.HealthResponse}, {**GET_ERRORS, 503: "starting, shutting down, failed, or the "
+                                                   "generation failed"}, {503: (r.HealthResponse,)}),
     Route("get", "/openapi.json", "This document", None, {"application/json": dict[str, Any]}, GET_ERRORS),
 ]
-OPEN_ROUTES = {"/health"}  # no API key
+OPEN_ROUTES = {"/health", "/ping"}  # no API key
 
 
 @functools.cache

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from protocol.errors import ServerError
-from protocol.structs import AdapterToLoad, LoRAAdapterSpec
+from protocol.structs import AdapterToLoad, InlineAdapter, LoRAAdapterSpec
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}$")
 
@@ -22,7 +22,7 @@ class AdapterError(ServerError):
 @dataclass
 class AdapterEntry:
     name: str
-    path: str  # as the client gave it
+    path: str | None  # as the client gave it; None: loaded from tensors (never evicted, never saved)
     lora_id: int
     pinned: bool = False
     resolved_path: str = ""  # what the workers read (symlinks resolved)
@@ -31,6 +31,7 @@ class AdapterEntry:
     last_used: float = field(default_factory=time.monotonic)
     rank: int = 0
     target_modules: list[str] = field(default_factory=list)
+    parent: str | None = None  # its card's parent in /v1/models (--lora-modules' base_model_name); None: the base
     holders: set[str] = field(default_factory=set)  # rids of requests in flight
     draining: bool = False  # an unload has begun: no new requests
     released: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever holders becomes empty
@@ -94,20 +95,25 @@ class AdapterRegistry:
         return name
 
     def plan_load(
-        self, specs: list[LoRAAdapterSpec], replace: bool, root: str | None = None
+        self,
+        specs: list[LoRAAdapterSpec],
+        replace: bool,
+        root: str | None = None,
+        inline: list[InlineAdapter | None] | None = None,
     ) -> list[AdapterToLoad | AdapterError]:
         """Check each adapter of one load and decide its id and pin: what to send the ranks, or why not.
-        `root` narrows --lora-path-root for this load (the resolver's directory)."""
+        `root` narrows --lora-path-root for this load (the resolver's directory). `inline[i]`, when given, is
+        spec i's content sent along: it has no path to check, and its spec's lora_path is not read."""
         planned: list[AdapterToLoad | AdapterError] = []
         num_pinned = self.num_pinned()
         names: set[str] = set()
-        for spec in specs:
+        for spec, content in zip(specs, inline or [None] * len(specs), strict=True):
             try:
                 name = self.check_name(spec.lora_name, replace=replace)
                 if name in names:
                     raise AdapterError(f"adapter {name!r} appears twice in one request", "duplicate")
                 names.add(name)
-                path = self.check_path(name, spec.lora_path, root)
+                path = self.check_path(name, spec.lora_path, root) if content is None else None
                 old = self.get(name)
                 pinned = spec.pinned if spec.pinned is not None else bool(old and old.pinned)
                 if pinned and num_pinned - bool(old and old.pinned) + 1 > self.max_pinned:
@@ -122,8 +128,9 @@ class AdapterRegistry:
             num_pinned += pinned - bool(old and old.pinned)
             lora_id = self.mint_id()
             replaces = old.lora_id if old is not None else None
+            adapter_root = None if content is not None else root or self.path_root
             planned.append(AdapterToLoad(lora_id=lora_id, lora_name=name, lora_path=path, pinned=pinned,
-                                         replaces=replaces, root=root or self.path_root))
+                                         replaces=replaces, root=adapter_root, inline=content))
         return planned
 
     def check_path(self, name: str, path: object, root: str | None = None) -> str:
@@ -167,11 +174,13 @@ class AdapterRegistry:
         entry.draining = False
 
     def eviction_candidates(self, max_resident: int | None, keep: set[str]) -> list[AdapterEntry]:
-        """Least recently used host copies beyond max_resident that nobody is using, pinned ones never."""
+        """Least recently used host copies beyond max_resident that nobody is using; pinned ones never, nor ones
+        loaded from tensors (no path to reload them from)."""
         resident = [e for e in self.live() if e.resident]
         if max_resident is None or len(resident) <= max_resident:
             return []
-        idle = [e for e in resident if not e.pinned and not e.holders and not e.draining and e.name not in keep]
+        idle = [e for e in resident if not e.pinned and not e.holders and not e.draining and e.name not in keep
+                and e.path is not None]
         idle.sort(key=lambda e: e.last_used)
         return idle[: len(resident) - max_resident]
 
@@ -198,7 +207,7 @@ class AdapterRegistry:
     def live(self) -> list[AdapterEntry]:
         return [self._entries[i] for i in self._current.values()]
 
-    def loaded_adapters(self) -> dict[str, str]:
+    def loaded_adapters(self) -> dict[str, str | None]:
         return {e.name: e.path for e in self.live() if not e.draining}
 
     def num_pinned(self) -> int:

@@ -77,6 +77,20 @@ class ModelInfoResponse(msgspec.Struct):
     is_generation: bool
 
 
+class TokenizeResponse(msgspec.Struct):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class VersionResponse(msgspec.Struct):
+    version: str
+
+
 class ServerInfoResponse(msgspec.Struct):
     """Besides these, every server config field (keys masked)."""
 
@@ -110,13 +124,13 @@ class AdapterReply(msgspec.Struct, omit_defaults=True):
 
     success: bool
     error_message: str
-    loaded_adapters: dict[str, str]
+    loaded_adapters: dict[str, str | None]  # name -> path; null: loaded from tensors
     results: list[AdapterResult] | None = None
 
 
 class AdapterRow(msgspec.Struct):
     lora_name: str
-    lora_path: str
+    lora_path: str | None  # null: loaded from tensors
     lora_id: int
     rank: int
     target_modules: list[str]

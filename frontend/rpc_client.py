@@ -17,6 +17,7 @@ from protocol.structs import (
     GenerateReqInput,
     GenerateReqOutput,
     ListLoRAAdaptersReqInput,
+    LoadLoRAAdapterFromTensorsReqInput,
     LoadLoRAAdapterReqInput,
     LoadLoRAAdapterReqOutput,
     LoRAAdapterSpec,
@@ -46,9 +47,9 @@ class RpcClient:
     def call(self, request: Any) -> Any:
         return self._recv(self._send(request))
 
-    def _send(self, request: Any) -> bytes:
+    def _send(self, request: Any, tensor_frames: list[Any] = ()) -> bytes:
         request_id = f"{self._prefix}-{next(self._ids)}".encode()
-        self.sock.send([request_id, rpc.encode_request(request, self.api_key)])
+        self.sock.send([request_id, rpc.encode_request(request, self.api_key), *tensor_frames])
         return request_id
 
     def _recv(self, request_id: bytes) -> Any:
@@ -78,6 +79,18 @@ class RpcClient:
 
     def load_lora_adapters(self, specs: list[LoRAAdapterSpec]) -> LoadLoRAAdapterReqOutput:
         return self.call(LoadLoRAAdapterReqInput(adapters=specs))
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors: dict[str, Any], config_dict: dict,
+                                       pinned: bool | None = None,
+                                       load_inplace: bool = False) -> LoadLoRAAdapterReqOutput:
+        """torch tensors named as in adapter_model.safetensors, and adapter_config.json's content: each tensor's
+        bytes go as one frame after the payload."""
+        from frontend.adapter_tensors import encode_tensors
+
+        specs, buffers = encode_tensors(tensors)
+        request = LoadLoRAAdapterFromTensorsReqInput(lora_name=lora_name, config_dict=config_dict, tensors=specs,
+                                                     pinned=pinned, load_inplace=load_inplace)
+        return self._recv(self._send(request, buffers))
 
     def unload_lora_adapter(self, *lora_names: str) -> UnloadLoRAAdapterReqOutput:
         return self.call(UnloadLoRAAdapterReqInput(lora_names=list(lora_names)))

@@ -26,6 +26,7 @@ from protocol.structs import (
     GenerateReqOutput,
     ListLoRAAdaptersReqInput,
     ListLoRAAdaptersReqOutput,
+    LoadLoRAAdapterFromTensorsReqInput,
     LoadLoRAAdapterReqInput,
     RpcError,
     UnloadLoRAAdapterReqInput,
@@ -55,12 +56,13 @@ class RpcServer:
     async def _serve(self) -> None:
         while True:
             frames = await self.sock.recv()
-            if len(frames) != 3 or len(frames[1]) > rpc.MAX_REQUEST_ID_BYTES:
+            if len(frames) < 3 or len(frames[1]) > rpc.MAX_REQUEST_ID_BYTES:
                 if len(frames) >= 2:
-                    await self._reply(frames[0], b"", RpcError(error_message="expected 2 frames"))
+                    await self._reply(frames[0], b"", RpcError(error_message="expected 2 frames (request id, "
+                                      "payload), then a tensors request's tensor frames"))
                 continue
-            identity, request_id, payload = frames
-            task = asyncio.create_task(self._answer(identity, request_id, payload))
+            identity, request_id, payload, *tensor_frames = frames
+            task = asyncio.create_task(self._answer(identity, request_id, payload, tensor_frames))
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
 
@@ -70,13 +72,19 @@ class RpcServer:
         except PeerGone:
             logger.info("RPC client left before its reply")
 
-    async def _answer(self, identity: bytes, request_id: bytes, payload: bytes) -> None:
+    async def _answer(self, identity: bytes, request_id: bytes, payload: bytes, tensor_frames: list[bytes]) -> None:
         request, api_key = rpc.decode_request(payload)
         try:
             if isinstance(request, RpcError):
                 reply = request
             elif not self._authorized(request, api_key):
                 reply = RpcError(error_message="missing or invalid API key")
+            elif isinstance(request, LoadLoRAAdapterFromTensorsReqInput):
+                self.runtime.check_available()
+                reply = await self.runtime.adapters.load_from_tensors(request, tensor_frames)
+            elif tensor_frames:
+                reply = RpcError(error_message=f"{type(request).__name__} takes 2 frames, got "
+                                 f"{2 + len(tensor_frames)}")
             elif isinstance(request, GenerateReqInput) and request.stream:
                 await self._stream(identity, request_id, request)
                 return

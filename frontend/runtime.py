@@ -102,9 +102,10 @@ class Runtime:
             "scheduler ready: %d KV tokens, context length %d", self.ready.max_total_tokens, self.ready.context_length
         )
         self._watch_task = asyncio.create_task(self._watch_loop())
-        specs = [LoRAAdapterSpec(lora_name=s.lora_name, lora_path=s.lora_path, pinned=s.pinned)
-                 for s in self.config.lora_sources]
-        await self.adapters.load_startup(specs)
+        sources = self.config.lora_sources
+        specs = [LoRAAdapterSpec(lora_name=s.lora_name, lora_path=s.lora_path, pinned=s.pinned) for s in sources]
+        parents = {s.lora_name: s.base_model_name for s in sources if s.base_model_name}
+        await self.adapters.load_startup(specs, parents)
         self.started = True
         logger.info("server ready")
 
@@ -193,6 +194,10 @@ class Runtime:
         return await self.scheduler.stats()
 
     # ---- generation ----------------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        """A text prompt's tokens, as every generate route and /tokenize take them: the tokenizer's defaults (BOS)."""
+        return self.tokenizer(text)["input_ids"]
 
     async def submit(
         self,

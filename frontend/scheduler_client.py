@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from protocol.errors import ServerError
@@ -88,14 +88,15 @@ class SchedulerClient:
     def next_op_id(self) -> int:
         return next(self._op_ids)
 
-    async def call(self, msg: Any, timeout_s: float) -> Any:
-        """Send a control message (it carries op_id) and await the reply with that id, for at most timeout_s."""
+    async def call(self, msg: Any, timeout_s: float, frames: Sequence[Any] = ()) -> Any:
+        """Send a control message (it carries op_id; `frames`: raw buffers that travel with it) and await the reply
+        with that id, for at most timeout_s."""
         if self._failure is not None:
             raise ServerError(f"server is unhealthy: {self._failure}", "unavailable")
         future = asyncio.get_running_loop().create_future()
         self._waiting[msg.op_id] = future
         try:
-            await self._to_scheduler.send(msg)
+            await self._to_scheduler.send(msg, frames)
             return await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:
             raise ServerError(

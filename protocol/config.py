@@ -20,6 +20,13 @@ class LoRASource(msgspec.Struct, frozen=True, kw_only=True):
     lora_name: str
     lora_path: str
     pinned: bool = False
+    base_model_name: str | None = None  # --lora-modules: the card's `parent` in /v1/models
+
+
+class _VllmLoRAModule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    path: str
+    base_model_name: str | None = None
 
 
 def parse_lora_source(text: str) -> LoRASource:
@@ -36,6 +43,21 @@ def parse_lora_source(text: str) -> LoRASource:
         name, path = text.split("=", 1)
         return LoRASource(lora_name=name, lora_path=path)
     return LoRASource(lora_name=os.path.basename(os.path.normpath(text)), lora_path=text)
+
+
+def parse_lora_module(text: str) -> LoRASource:
+    """`--lora-modules` entry (vLLM's): `NAME=PATH` or JSON {"name", "path", "base_model_name"}."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            module = msgspec.json.decode(text.encode(), type=_VllmLoRAModule)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise ConfigError(f"bad --lora-modules JSON {text!r}: {e}") from e
+        return LoRASource(lora_name=module.name, lora_path=module.path, base_model_name=module.base_model_name)
+    if "=" not in text:
+        raise ConfigError(f"bad --lora-modules entry {text!r}: expected NAME=PATH or JSON")
+    name, path = text.split("=", 1)
+    return LoRASource(lora_name=name, lora_path=path)
 
 
 def is_loopback_address(addr: str) -> bool:
@@ -86,7 +108,22 @@ _HELP: dict[str, str] = {
     "(default: 2048 on CUDA, 512 on CPU)",
     "disable_radix_cache": "turn off the prefix cache (keyed by adapter)",
     "no_enable_prefix_caching": "vLLM's spelling of --disable-radix-cache",
+    "dp_size": "data-parallel replicas (only 1: data parallelism is not available yet)",
+    "gpu_memory_utilization": "share of the GPU's memory this server may use, KV cache included (CUDA; "
+    "default: the KV cache takes 0.85 of what is free after the weights)",
+    "lora_modules": "vLLM's adapters loaded at start: NAME=PATH or JSON {name, path, base_model_name}",
 }
+
+# vLLM's spellings of our flags, with vLLM's meaning: alias -> field. Giving both spellings is an error.
+ALIASES: dict[str, str] = {
+    "tensor_parallel_size": "tp",
+    "data_parallel_size": "dp_size",
+    "max_model_len": "context_length",
+    "max_loras": "max_loras_per_batch",
+    "max_cpu_loras": "max_loaded_loras",
+    "max_num_seqs": "max_running_requests",
+}
+DEFAULT_LORA_RANK = 16  # --enable-lora with nothing to infer the pool from (vLLM's default; all seven modules)
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -127,6 +164,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     chunked_prefill_size: int | None = None
     disable_radix_cache: bool = False
     no_enable_prefix_caching: bool = False
+    dp_size: int = 1
+    gpu_memory_utilization: float | None = None
+    lora_modules: list[str] = []
 
     def __post_init__(self) -> None:
         positive = (
@@ -137,6 +177,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "max_prefill_tokens",
             "page_size",
             "nnodes",
+            "dp_size",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -150,6 +191,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
             raise ConfigError(f"--chunked-prefill-size must be >= 1 or -1 (off), got {self.chunked_prefill_size}")
+        if self.dp_size != 1:
+            raise ConfigError(f"--dp-size / --data-parallel-size {self.dp_size}: data parallelism is not available "
+                              "yet (only 1)")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if self.disable_lora_updates and self.lora_resolver_dir:
@@ -164,13 +210,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             for module in self.lora_target_modules:
                 if module != "all" and module not in TARGET_MODULES:
                     raise ConfigError(f"unknown LoRA target module {module!r}; known: {', '.join(TARGET_MODULES)}")
-        for source in self.lora_paths:
-            parse_lora_source(source)
-        lora_pool_given = self.max_lora_rank is not None and self.lora_target_modules is not None
-        if self.enable_lora and not self.lora_paths and self.model_path != "demo" and not lora_pool_given:
-            raise ConfigError("--enable-lora without --lora-paths needs --max-lora-rank and --lora-target-modules")
-        if self.max_loaded_loras is not None and self.max_loaded_loras < len(self.lora_paths):
-            raise ConfigError("--max-loaded-loras is smaller than the number of --lora-paths")
+        sources = self.lora_sources  # parses every entry
+        names = [s.lora_name for s in sources]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"an adapter name appears twice in --lora-paths / --lora-modules: {names}")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < len(sources):
+            raise ConfigError("--max-loaded-loras is smaller than the number of --lora-paths and --lora-modules")
 
     @property
     def prefix_caching(self) -> bool:
@@ -184,11 +229,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     @property
     def lora_enabled(self) -> bool:
-        return self.enable_lora or bool(self.lora_paths)
+        return self.enable_lora or bool(self.lora_paths) or bool(self.lora_modules)
 
     @property
     def lora_sources(self) -> list[LoRASource]:
-        return [parse_lora_source(text) for text in self.lora_paths]
+        """The start-up adapters: --lora-paths, then --lora-modules."""
+        return [parse_lora_source(t) for t in self.lora_paths] + [parse_lora_module(t) for t in self.lora_modules]
 
     @property
     def target_modules(self) -> tuple[str, ...] | None:
@@ -206,7 +252,15 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerConfig:
-        """Build from Python values (the Engine's keywords), with the same validation as the CLI."""
+        """Build from Python values (the Engine's keywords, vLLM's spellings included), with the same validation as
+        the CLI."""
+        kwargs = dict(kwargs)
+        for alias, name in ALIASES.items():
+            if alias not in kwargs:
+                continue
+            if name in kwargs:
+                raise ConfigError(f"--{_flag(alias)} and --{_flag(name)} are the same setting: give only one")
+            kwargs[name] = kwargs.pop(alias)
         unknown = set(kwargs) - set(cls.__struct_fields__)
         if unknown:
             raise ConfigError(f"unknown option(s): {', '.join(sorted(unknown))}")
@@ -214,6 +268,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             return msgspec.convert(kwargs, cls)
         except msgspec.ValidationError as e:
             raise ConfigError(str(e)) from e
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
 
 
 def _field_type(field: msgspec.structs.FieldInfo) -> tuple[str, Any]:
@@ -231,27 +289,30 @@ def _field_type(field: msgspec.structs.FieldInfo) -> tuple[str, Any]:
 
 
 def build_arg_parser(prog: str = "loraplex") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="loraplex: many LoRA adapters on one base model")
-    for field in msgspec.structs.fields(ServerConfig):
-        flag = "--" + field.name.replace("_", "-")
+    """One flag per field, plus vLLM's spelling of some (ALIASES). A flag not given is absent from the parsed
+    namespace (SUPPRESS), so the struct's defaults apply and a setting given in both spellings can be told apart."""
+    parser = argparse.ArgumentParser(prog=prog, description="loraplex: many LoRA adapters on one base model",
+                                     argument_default=argparse.SUPPRESS)
+    fields = {field.name: field for field in msgspec.structs.fields(ServerConfig)}
+    entries = [(name, name) for name in fields] + list(ALIASES.items())
+    for dest, name in entries:
+        field = fields[name]
         kind, elem = _field_type(field)
-        help_text = _HELP.get(field.name, "")
+        help_text = _HELP.get(name, "") if dest == name else f"vLLM's spelling of --{_flag(name)}"
         default = field.default
         if kind == "bool":
-            parser.add_argument(flag, action="store_true", help=help_text)
+            parser.add_argument("--" + _flag(dest), action="store_true", help=help_text)
         elif kind == "list":
-            parser.add_argument(flag, nargs="+", default=None, help=help_text)
+            parser.add_argument("--" + _flag(dest), nargs="+", help=help_text)
         elif kind == "choice":
-            parser.add_argument(flag, choices=elem, default=default, help=help_text)
+            parser.add_argument("--" + _flag(dest), choices=elem, help=f"{help_text} (default: {default})")
         else:
-            parser.add_argument(flag, type=elem, default=default, help=f"{help_text} (default: {default})")
+            parser.add_argument("--" + _flag(dest), type=elem, help=f"{help_text} (default: {default})")
     return parser
 
 
 def config_from_args(argv: list[str] | None = None) -> ServerConfig:
-    args = vars(build_arg_parser().parse_args(argv))
-    values = {name: value for name, value in args.items() if value is not None}
-    return ServerConfig.from_kwargs(**values)
+    return ServerConfig.from_kwargs(**vars(build_arg_parser().parse_args(argv)))
 
 
 def config_to_json(config: ServerConfig) -> str:

@@ -3,7 +3,7 @@
 Transport: a ZeroMQ ROUTER socket at the server's `--rpc-addr`; clients connect a DEALER socket (which adds and strips
 the routing identity, so a client sees exactly the frames below).
 
-Request: two frames, `[request_id, payload]`.
+Request: two frames, `[request_id, payload]` (a LoadLoRAAdapterFromTensorsReqInput: more, see Tensors below).
   - request_id: any bytes (at most 64) chosen by the client; every reply to the request carries it back, so requests
     may be pipelined and streams interleaved on one socket. Use a fresh id per request.
   - payload: MessagePack of one request struct as a map with a "type" key naming it, its fields beside it
@@ -11,7 +11,16 @@ Request: two frames, `[request_id, payload]`.
     {"type": "LoadLoRAAdapterReqInput", "adapters": [{"lora_name": "a", "lora_path": "/p", "pinned": false}],
      "load_inplace": false, "api_key": "secret"}
     Request types: GenerateReqInput, AbortReqInput, LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput,
-    ListLoRAAdaptersReqInput.
+    ListLoRAAdaptersReqInput, LoadLoRAAdapterFromTensorsReqInput.
+
+Tensors: LoadLoRAAdapterFromTensorsReqInput {"lora_name", "config_dict": adapter_config.json's content as a map,
+"tensors": [[name, dtype, shape], ...], "pinned": bool or nil, "load_inplace": bool} is followed by one frame per
+entry of "tensors", in that order: `[request_id, payload, tensor_0, tensor_1, ...]`. A tensor frame holds exactly
+the tensor's raw bytes, C order, little-endian; dtype is "float32", "float16", "bfloat16" or "float64"; names and
+shapes are PEFT's (adapter_model.safetensors: `...layers.N.self_attn.q_proj.lora_A.weight` is (r, in), `lora_B`
+(out, r)). Nothing is pickled. The reply is a LoadLoRAAdapterReqOutput; a frame count that differs from the tensors
+list, a frame of the wrong size, a wrong shape, a missing lora_A/lora_B or an unknown module fails the load (a
+result with success false), as a directory load would. Any other request with more than two frames gets an RpcError.
 
 Keys: "api_key" is a string; absent or nil = no key. A server started with `--api-key` answers a request whose key
 is missing or wrong with an RpcError and does nothing else. Adapter changes (ADAPTER_CHANGE_TYPES) need
@@ -25,7 +34,7 @@ Reply: two frames, `[request_id, payload]`, payload one of
   - ListLoRAAdaptersReqOutput;
   - RpcError {"type": "RpcError", "error_message": ...}: a frame that does not decode, a missing or wrong key, or a
     request that fails as a whole (a disabled adapter change, an unknown adapter, a failed generation, ...).
-A request that is not two frames gets an RpcError with an empty request_id.
+A message of fewer than two frames gets an RpcError with an empty request_id.
 
 Streaming: a GenerateReqInput with "stream": true gets several replies with its request_id: GenerateReqOutput chunks
 with "finished": false, then one with "finished": true, which ends the stream. Instead of that last chunk the stream

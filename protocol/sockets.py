@@ -1,7 +1,11 @@
-"""Typed ZeroMQ sockets: each socket encodes and decodes one union of protocol structs with msgpack."""
+"""Typed ZeroMQ sockets: each socket encodes and decodes one union of protocol structs with msgpack.
+
+A message is one frame, or one frame and raw extra frames (tensor bytes, never pickled) that travel with it
+atomically: `send(msg, frames)` and `recv_with_frames()`."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -35,20 +39,32 @@ class TypedSocket:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(recv_type) if recv_type is not None else None
 
-    def send(self, msg: msgspec.Struct) -> None:
-        self.sock.send(self._encoder.encode(msg), copy=False)
+    def send(self, msg: msgspec.Struct, frames: Sequence[Any] = ()) -> None:
+        """`frames`: raw buffers (bytes, memoryviews, zmq frames) sent after the message, not copied."""
+        if frames:
+            self.sock.send_multipart([self._encoder.encode(msg), *frames], copy=False)
+        else:
+            self.sock.send(self._encoder.encode(msg), copy=False)
 
     def recv(self, timeout_ms: int | None = None) -> Any:
-        """Next message, or None if none arrived within timeout_ms (None = wait forever)."""
+        """Next message, or None if none arrived within timeout_ms (None = wait forever). Extra frames, on a socket
+        whose reader does not expect them, are dropped."""
+        got = self.recv_with_frames(timeout_ms)
+        return None if got is None else got[0]
+
+    def recv_with_frames(self, timeout_ms: int | None = None) -> tuple[Any, list[zmq.Frame]] | None:
+        """(next message, its extra frames), or None if none arrived within timeout_ms."""
         if timeout_ms is not None and not self.sock.poll(timeout_ms, zmq.POLLIN):
             return None
-        return self._decoder.decode(self.sock.recv(copy=False).buffer)
+        first, *frames = self.sock.recv_multipart(copy=False)
+        return self._decoder.decode(first.buffer), frames
 
     def recv_nowait(self) -> Any:
         try:
-            return self._decoder.decode(self.sock.recv(zmq.NOBLOCK, copy=False).buffer)
+            first, *_ = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
+        return self._decoder.decode(first.buffer)
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -83,8 +99,11 @@ class AsyncTypedSocket:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(recv_type) if recv_type is not None else None
 
-    async def send(self, msg: msgspec.Struct) -> None:
-        await self.sock.send(self._encoder.encode(msg), copy=False)
+    async def send(self, msg: msgspec.Struct, frames: Sequence[Any] = ()) -> None:
+        if frames:
+            await self.sock.send_multipart([self._encoder.encode(msg), *frames], copy=False)
+        else:
+            await self.sock.send(self._encoder.encode(msg), copy=False)
 
     async def recv(self) -> Any:
         return self._decoder.decode(await self.sock.recv())

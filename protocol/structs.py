@@ -34,6 +34,18 @@ class LoRAAdapterSpec(msgspec.Struct, frozen=True, kw_only=True):
     pinned: bool | None = None  # None: False for a new adapter; an in-place reload keeps the adapter's own
 
 
+class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
+    """One tensor of an adapter sent as raw bytes: its bytes ride in an extra frame (C order, little-endian)."""
+
+    name: str  # PEFT's key, e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight
+    dtype: str  # one of TENSOR_DTYPES
+    shape: list[int]
+
+
+# dtype names of TensorSpec -> bytes per element
+TENSOR_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
 class LoRAAdapterResult(msgspec.Struct, frozen=True, kw_only=True):
     lora_name: str
     success: bool
@@ -78,11 +90,22 @@ class LoadLoRAAdapterReqInput(Struct, frozen=True):
     load_inplace: bool = False
 
 
+class LoadLoRAAdapterFromTensorsReqInput(Struct, frozen=True):
+    """An adapter from tensors in memory (SGLang's load_lora_adapter_from_tensors). Over the RPC, each tensor's bytes
+    follow the payload as one extra frame, in the order of `tensors`; answered by a LoadLoRAAdapterReqOutput."""
+
+    lora_name: str
+    config_dict: dict  # adapter_config.json's content
+    tensors: list[TensorSpec]
+    pinned: bool | None = None
+    load_inplace: bool = False
+
+
 class LoadLoRAAdapterReqOutput(Struct, frozen=True):
     success: bool
     error_message: str = ""
     results: list[LoRAAdapterResult] = []
-    loaded_adapters: dict[str, str] = {}
+    loaded_adapters: dict[str, str | None] = {}  # name -> path; None for an adapter loaded from tensors
 
 
 class UnloadLoRAAdapterReqInput(Struct, frozen=True):
@@ -93,7 +116,7 @@ class UnloadLoRAAdapterReqOutput(Struct, frozen=True):
     success: bool
     error_message: str = ""
     results: list[LoRAAdapterResult] = []
-    loaded_adapters: dict[str, str] = {}
+    loaded_adapters: dict[str, str | None] = {}
 
 
 class ListLoRAAdaptersReqInput(Struct, frozen=True):
@@ -126,13 +149,35 @@ class SchedulerStatsReq(Struct, frozen=True):
     op_id: int
 
 
+class InlineAdapter(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """An adapter's content sent along instead of a directory: the config, and the tensors whose bytes follow the
+    LoadAdapters message as extra frames (every inline adapter's, in adapter order, each in `tensors` order)."""
+
+    config: dict  # adapter_config.json's content
+    tensors: list[TensorSpec]
+
+
 class AdapterToLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     lora_id: int  # minted once by the frontend's registry, never reused
     lora_name: str  # for messages and logs only
-    lora_path: str  # resolved directory
+    lora_path: str | None  # resolved directory; None when the adapter comes inline
     pinned: bool = False
     replaces: int | None = None  # in-place reload: the id whose pin moves to this one once it is loaded
     root: str | None = None  # every file read for it must resolve inside (--lora-path-root, --lora-resolver-dir)
+    inline: InlineAdapter | None = None  # set exactly when lora_path is None
+
+
+def split_inline_frames(adapters: list[AdapterToLoad], frames: list) -> list[list]:
+    """The extra frames of a LoadAdapters, per adapter (empty for a directory load); ValueError if the count is
+    not the one the inline adapters' tensor lists say."""
+    counts = [len(a.inline.tensors) if a.inline is not None else 0 for a in adapters]
+    if sum(counts) != len(frames):
+        raise ValueError(f"{len(frames)} tensor frames for {sum(counts)} tensors")
+    out, start = [], 0
+    for count in counts:
+        out.append(frames[start : start + count])
+        start += count
+    return out
 
 
 class AdapterOutcome(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -283,7 +328,12 @@ SchedulerToWorker = Union[ForwardBatch, DropAdapters, Shutdown]
 SchedulerToLoader = LoadAdapters
 WorkerToScheduler = Union[BatchResult, AdapterReport, WorkerReady, ProcessFailed]
 RpcRequest = Union[
-    GenerateReqInput, AbortReqInput, LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput, ListLoRAAdaptersReqInput
+    GenerateReqInput,
+    AbortReqInput,
+    LoadLoRAAdapterReqInput,
+    UnloadLoRAAdapterReqInput,
+    ListLoRAAdaptersReqInput,
+    LoadLoRAAdapterFromTensorsReqInput,
 ]
 RpcReply = Union[
     GenerateReqOutput,

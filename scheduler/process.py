@@ -62,7 +62,8 @@ class SchedulerProcess:
         self.deltas: list[TokenDelta] = []  # sent together, once per step
         self.deferred_drops: list[DropAdapters] = []  # drops that arrived during a forward pass
         self.early_results: dict[int, BatchResult] = {}  # results read before their turn (two passes in flight)
-        self.early_msgs: list[Any] = []  # frontend messages that arrived before the workers were ready
+        # frontend messages (and their extra frames) that arrived before the workers were ready
+        self.early_msgs: list[tuple[Any, list]] = []
 
     def run(self) -> None:
         """Serve until Shutdown (raises ProcessExit). Two passes in flight: the workers start the next one as soon as
@@ -95,11 +96,11 @@ class SchedulerProcess:
                 raise ProcessExit(1)
             elif msg is not None:
                 log.warning("ignoring %s from a worker before start-up finished", type(msg).__name__)
-            while (msg := _recv(self.from_frontend)) is not None:
-                if isinstance(msg, Shutdown):
-                    self.broadcast(msg)
+            while (got := _recv_with_frames(self.from_frontend)) is not None:
+                if isinstance(got[0], Shutdown):
+                    self.broadcast(got[0])
                     raise ProcessExit(0)
-                self.early_msgs.append(msg)
+                self.early_msgs.append(got)
         page_size = self.config.page_size
         num_pages = min(r.max_total_tokens for r in ready.values()) // page_size
         if num_pages < 1:
@@ -125,8 +126,8 @@ class SchedulerProcess:
         )
         log.info("ready: %d ranks, %d KV pages of %d tokens", len(ready), num_pages, page_size)
         self.scheduler = scheduler
-        for msg in self.early_msgs:
-            self.on_frontend(msg)
+        for msg, frames in self.early_msgs:
+            self.on_frontend(msg, frames)
         self.early_msgs = []
         return scheduler
 
@@ -142,8 +143,8 @@ class SchedulerProcess:
         self.expire_adapter_loads()
 
     def drain_frontend(self) -> None:
-        while (msg := _recv(self.from_frontend)) is not None:
-            self.on_frontend(msg)
+        while (got := _recv_with_frames(self.from_frontend)) is not None:
+            self.on_frontend(*got)
 
     def wait_for_result(self, batch_id: int) -> BatchResult:
         """Rank 0's result for the batch; the frontend is still served meanwhile (aborts, stats, Shutdown)."""
@@ -173,7 +174,8 @@ class SchedulerProcess:
 
     # ---- messages -------------------------------------------------------------------------------------------
 
-    def on_frontend(self, msg: Any) -> None:
+    def on_frontend(self, msg: Any, frames: list) -> None:
+        """`frames`: a LoadAdapters' inline tensor bytes, passed on to the loaders untouched."""
         if isinstance(msg, TokenizedGenerateReq):
             self.deltas += self.scheduler.add_request(msg)
         elif isinstance(msg, AbortReq):
@@ -181,7 +183,7 @@ class SchedulerProcess:
         elif isinstance(msg, SchedulerStatsReq):
             self.to_frontend.send(self.scheduler.stats(msg.op_id))
         elif isinstance(msg, LoadAdapters):
-            self.start_load(msg)  # reading needs no pause between passes; only slot changes do
+            self.start_load(msg, frames)  # reading needs no pause between passes; only slot changes do
         elif isinstance(msg, DropAdapters):
             self.deferred_drops.append(msg)
             if not self.scheduler.has_batch_in_flight:
@@ -208,13 +210,13 @@ class SchedulerProcess:
         else:
             log.warning("ignoring unexpected %s from a worker", type(msg).__name__)
 
-    def start_load(self, op: LoadAdapters) -> None:
+    def start_load(self, op: LoadAdapters, frames: list) -> None:
         out = self.scheduler.load_adapters(op, time.monotonic())
         if isinstance(out, LoadFinished):
             self.finish_load(out)
         else:  # the reply follows the ranks' reports, or the deadline
             for sock in self.to_loaders:
-                sock.send(out)
+                sock.send(out, frames)
 
     def expire_adapter_loads(self) -> None:
         for done in self.scheduler.expire_adapter_loads(time.monotonic()):
@@ -248,6 +250,16 @@ class SchedulerProcess:
         for typed in [*self.to_workers, *self.to_loaders, self.to_frontend]:
             typed.sock.close(linger=SEND_LINGER_MS)
         self.to_frontend.sock.context.term()  # returns once the queued messages left, or the linger ran out
+
+
+def _recv_with_frames(sock: TypedSocket, timeout_ms: int = 0) -> tuple[Any, list] | None:
+    """As _recv, with the message's extra frames."""
+    while True:
+        try:
+            return sock.recv_with_frames(timeout_ms)
+        except msgspec.DecodeError as e:
+            log.error("dropped a message that does not decode: %s", e)
+            timeout_ms = 0
 
 
 def _recv(sock: TypedSocket, timeout_ms: int = 0) -> Any:

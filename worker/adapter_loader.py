@@ -48,18 +48,21 @@ class AdapterLoader(threading.Thread):
 
     def run(self) -> None:
         while not self.stopping.is_set():
-            op = self.inbox.recv(timeout_ms=STOP_POLL_MS)
-            if op is not None:
-                threading.Thread(target=self.serve, args=(op,), name=f"adapter-load-{op.op_id}", daemon=True).start()
+            got = self.inbox.recv_with_frames(timeout_ms=STOP_POLL_MS)
+            if got is not None:
+                op, frames = got
+                threading.Thread(target=self.serve, args=(op, frames), name=f"adapter-load-{op.op_id}",
+                                 daemon=True).start()
 
-    def serve(self, op: LoadAdapters) -> None:
-        report = AdapterReport(op_id=op.op_id, tp_rank=self.rank, outcomes=self.load(op))
+    def serve(self, op: LoadAdapters, frames: list) -> None:
+        """`frames`: the inline adapters' tensor bytes, which follow the message."""
+        report = AdapterReport(op_id=op.op_id, tp_rank=self.rank, outcomes=self.load(op, frames))
         if self.stopping.is_set():
             return
         with self.send_lock:
             self.to_scheduler.send(report)
 
-    def load(self, op: LoadAdapters) -> list[AdapterOutcome]:
+    def load(self, op: LoadAdapters, frames: list) -> list[AdapterOutcome]:
         if self.manager is None:
             return [AdapterOutcome(lora_id=a.lora_id, success=False, error_message="LoRA is not enabled",
                                    error_kind="invalid") for a in op.adapters]
@@ -70,7 +73,7 @@ class AdapterLoader(threading.Thread):
             logger.warning("op %d: injected hang on rank %d", op.op_id, self.rank)
             self.stopping.wait()
             return []
-        outcomes = self.manager.read(op.adapters)
+        outcomes = self.manager.read(op.adapters, frames)
         if self.fail_loads:
             fault = AdapterLoadError(f"injected fault on rank {self.rank}", "internal")
             outcomes = [

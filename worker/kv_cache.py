@@ -50,12 +50,23 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
 
 
 def default_kv_tokens(
-    *, max_running_requests: int, context_length: int, bytes_per_token: int, device: torch.device
+    *,
+    max_running_requests: int,
+    context_length: int,
+    bytes_per_token: int,
+    device: torch.device,
+    gpu_memory_utilization: float | None = None,
 ) -> int:
-    """Enough for every running request at full context, capped by a share of memory and by MAX_DEFAULT_TOKENS."""
+    """Enough for every running request at full context, capped by a share of memory and by MAX_DEFAULT_TOKENS.
+
+    On CUDA with `gpu_memory_utilization` (vLLM's meaning: the share of the whole device this server may use), the
+    KV cache gets that share of the device less what is in use already (the weights, loaded before this runs)."""
     if device.type == "cuda":
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-        budget = int(free_bytes * CUDA_MEMORY_FRACTION)
+        free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+        if gpu_memory_utilization is None:
+            budget = int(free_bytes * CUDA_MEMORY_FRACTION)
+        else:
+            budget = max(0, int(total_bytes * gpu_memory_utilization) - (total_bytes - free_bytes))
     else:
         budget = int(psutil.virtual_memory().available * CPU_MEMORY_FRACTION)
     wanted = max_running_requests * context_length

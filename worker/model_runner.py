@@ -176,6 +176,9 @@ class ModelRunner:
             )
 
     def _num_kv_tokens(self) -> int:
+        if self.config.gpu_memory_utilization is not None and self.device.type != "cuda":
+            logger.warning("--gpu-memory-utilization %g is ignored on %s (it sizes the KV cache on CUDA)",
+                           self.config.gpu_memory_utilization, self.device.type)
         if self.config.max_total_tokens is not None:
             return self.config.max_total_tokens
         bytes_per_token = kv_bytes_per_token(
@@ -189,6 +192,7 @@ class ModelRunner:
             context_length=self.context_length,
             bytes_per_token=bytes_per_token,
             device=self.device,
+            gpu_memory_utilization=self.config.gpu_memory_utilization,
         )
         if self.world_size > 1:  # ranks measure their own memory; all must agree on one capacity
             agreed = torch.tensor([num_tokens], dtype=torch.int64, device=self.device)

@@ -1,9 +1,11 @@
-"""Read one PEFT LoRA adapter from disk, validate it against the base model and the pool, and keep this rank's shard.
+"""Read one PEFT LoRA adapter, validate it against the base model and the pool, and keep this rank's shard.
 
-Runs on the worker's loader thread: it touches no shared state, and every refusal is an AdapterLoadError whose
-message names the cause (the HTTP layer passes it on to the user as is). With --lora-path-root, every file is opened
-through `_open_inside`, which checks where the open file really lies, so a reload of an evicted adapter is checked
-again."""
+Two sources feed one path: a directory (`load_adapter`: adapter_config.json and the weight file) or a config and
+raw tensor buffers sent along (`adapter_from_tensors`); both go through `_check_config`, `_finite_in_dtype` and
+`_build` (matching, shape checks, the TP slice). Runs on the worker's loader thread: it touches no shared state, and
+every refusal is an AdapterLoadError whose message names the cause (the HTTP layer passes it on to the user as is).
+With --lora-path-root, every file is opened through `_open_inside`, which checks where the open file really lies, so
+a reload of an evicted adapter is checked again."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import mmap
 import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -24,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from protocol.config import TARGET_MODULES
+from protocol.structs import TensorSpec
 from worker.lora.targets import SLICE_OF, full_shapes
 from worker.model.config import ModelConfig
 
@@ -89,6 +92,39 @@ def load_adapter(
     files = _AdapterFiles(lora_name, os.path.realpath(path_root) if path_root else None)
     config = _read_config(path, model_config, pool_spec, files)
     tensors = _read_tensors(path, pool_spec.dtype, files)
+    return _build(lora_id, config, tensors, model_config, pool_spec, tp_rank, tp_size)
+
+
+def adapter_from_tensors(
+    config: Any,
+    tensor_specs: Sequence[TensorSpec],
+    buffers: Sequence[Any],
+    lora_id: int,
+    model_config: ModelConfig,
+    pool_spec: PoolSpec,
+    tp_rank: int,
+    tp_size: int,
+) -> LoRAAdapter:
+    """An adapter from adapter_config.json's content and its tensors' raw bytes (one buffer per spec, in order),
+    checked exactly as a directory load is."""
+    if not isinstance(config, dict):
+        raise AdapterLoadError(f"the adapter config must be a JSON object (adapter_config.json), got {config!r}")
+    checked = _check_config(config, model_config, pool_spec)
+    tensors = _tensors_from_buffers(tensor_specs, buffers)
+    return _build(lora_id, checked, _finite_in_dtype(tensors, pool_spec.dtype), model_config, pool_spec, tp_rank,
+                  tp_size)
+
+
+def _build(
+    lora_id: int,
+    config: _Config,
+    tensors: dict[str, torch.Tensor],
+    model_config: ModelConfig,
+    pool_spec: PoolSpec,
+    tp_rank: int,
+    tp_size: int,
+) -> LoRAAdapter:
+    """Match the tensors (already in the pool's dtype, finite) to the config and the model, keep this rank's slice."""
     pairs = _match_tensors(tensors, config, model_config)
     pin = pool_spec.device.type == "cuda" and torch.cuda.is_available()
     weights = {}
@@ -269,6 +305,41 @@ def _read_tensors(path: str, dtype: torch.dtype, files: _AdapterFiles) -> dict[s
         if not tensor.is_floating_point():
             raise AdapterLoadError(f"tensor {key!r} has dtype {tensor.dtype}; expected floating point")
     return _finite_in_dtype(tensors, dtype)
+
+
+_TENSOR_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                  "float64": torch.float64}
+
+
+def _tensors_from_buffers(specs: Sequence[TensorSpec], buffers: Sequence[Any]) -> dict[str, torch.Tensor]:
+    """Views of the raw buffers (C order, little-endian), each checked against its spec's dtype and shape."""
+    if len(specs) != len(buffers):
+        raise AdapterLoadError(f"{len(buffers)} tensor buffers for {len(specs)} tensors")
+    tensors: dict[str, torch.Tensor] = {}
+    for spec, buffer in zip(specs, buffers, strict=True):
+        dtype = _TENSOR_DTYPES.get(spec.dtype)
+        if dtype is None:
+            raise AdapterLoadError(
+                f"tensor {spec.name!r} has dtype {spec.dtype!r}; expected one of {', '.join(_TENSOR_DTYPES)}"
+            )
+        if not all(isinstance(n, int) and n >= 0 for n in spec.shape):
+            raise AdapterLoadError(f"tensor {spec.name!r} has shape {spec.shape!r}; expected non-negative integers")
+        if spec.name in tensors:
+            raise AdapterLoadError(f"tensor {spec.name!r} appears twice")
+        data = memoryview(buffer).cast("B")
+        num_elements = math.prod(spec.shape)
+        if len(data) != num_elements * dtype.itemsize:
+            raise AdapterLoadError(
+                f"tensor {spec.name!r}: {len(data)} bytes, expected {num_elements * dtype.itemsize} "
+                f"({spec.dtype}, shape {tuple(spec.shape)})"
+            )
+        if num_elements == 0:
+            tensors[spec.name] = torch.empty(spec.shape, dtype=dtype)
+            continue
+        with warnings.catch_warnings():  # read-only frames: only read, then copied by _finite_in_dtype
+            warnings.filterwarnings("ignore", "The given buffer is not writable")
+            tensors[spec.name] = torch.frombuffer(data, dtype=dtype).view(spec.shape)
+    return tensors
 
 
 _SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from protocol.config import ServerConfig
-from protocol.structs import AdapterOutcome, AdapterToLoad, ForwardReq, SlotLoad
+from protocol.structs import AdapterOutcome, AdapterToLoad, ForwardReq, SlotLoad, split_inline_frames
 from worker.batch_inputs import BatchError
-from worker.lora.adapter import AdapterLoadError, LoRAAdapter, PoolSpec, load_adapter
+from worker.lora.adapter import AdapterLoadError, LoRAAdapter, PoolSpec, adapter_from_tensors, load_adapter
 from worker.lora.layers import LoRABatchInfo, LoRALinear
 from worker.lora.pool import LoRAPool
 from worker.lora.targets import SLICE_OF
@@ -80,26 +80,43 @@ class LoRAManager:
 
     # ---- adapters (host copies) ---------------------------------------------------------------------
 
-    def read(self, specs: Sequence[AdapterToLoad]) -> list[LoRAAdapter | AdapterLoadError]:
-        """Read, validate and slice each adapter; safe on any thread. Never raises: a failure is an outcome."""
+    def read(self, specs: Sequence[AdapterToLoad], frames: Sequence = ()) -> list[LoRAAdapter | AdapterLoadError]:
+        """Read, validate and slice each adapter; safe on any thread. Never raises: a failure is an outcome.
+        `frames`: the inline adapters' tensor bytes (LoadAdapters' extra frames)."""
+        try:
+            buffers = split_inline_frames(list(specs), list(frames))
+        except ValueError as e:
+            return [AdapterLoadError(f"malformed load: {e}", "internal") for _ in specs]
         outcomes: list[LoRAAdapter | AdapterLoadError] = []
-        for spec in specs:
+        for spec, spec_buffers in zip(specs, buffers, strict=True):
             try:
-                adapter = load_adapter(
-                    spec.lora_path,
-                    spec.lora_id,
-                    self.model_config,
-                    self.spec,
-                    self.tp_rank,
-                    self.tp_size,
-                    lora_name=spec.lora_name,
-                    path_root=spec.root,  # every file read is checked against it, reloads too
-                )
+                if spec.inline is not None:
+                    adapter = adapter_from_tensors(
+                        spec.inline.config,
+                        spec.inline.tensors,
+                        spec_buffers,
+                        spec.lora_id,
+                        self.model_config,
+                        self.spec,
+                        self.tp_rank,
+                        self.tp_size,
+                    )
+                else:
+                    adapter = load_adapter(
+                        spec.lora_path,
+                        spec.lora_id,
+                        self.model_config,
+                        self.spec,
+                        self.tp_rank,
+                        self.tp_size,
+                        lora_name=spec.lora_name,
+                        path_root=spec.root,  # every file read is checked against it, reloads too
+                    )
                 outcomes.append(adapter)
             except AdapterLoadError as e:
                 outcomes.append(e)
             except Exception as e:  # an unforeseen failure still fails only this adapter
-                logger.exception("reading adapter %r from %s failed", spec.lora_name, spec.lora_path)
+                logger.exception("reading adapter %r from %s failed", spec.lora_name, spec.lora_path or "tensors")
                 outcomes.append(AdapterLoadError(f"{type(e).__name__}: {e}", "internal"))
         return outcomes
 
@@ -118,7 +135,7 @@ class LoRAManager:
                 elif isinstance(outcome, LoRAAdapter):
                     self.adapters[spec.lora_id] = outcome
             if isinstance(outcome, AdapterLoadError):
-                logger.warning("adapter %r (%s) refused: %s", spec.lora_name, spec.lora_path, outcome)
+                logger.warning("adapter %r (%s) refused: %s", spec.lora_name, spec.lora_path or "tensors", outcome)
                 results.append(
                     AdapterOutcome(
                         lora_id=spec.lora_id, success=False, error_message=str(outcome), error_kind=outcome.error_kind
@@ -144,8 +161,8 @@ class LoRAManager:
             )
         return results
 
-    def load(self, specs: Sequence[AdapterToLoad]) -> list[AdapterOutcome]:
-        return self.install(specs, self.read(specs))
+    def load(self, specs: Sequence[AdapterToLoad], frames: Sequence = ()) -> list[AdapterOutcome]:
+        return self.install(specs, self.read(specs, frames))
 
     def drop(self, lora_ids: Sequence[int]) -> None:
         """Forget these adapters and empty any slot that holds one; an id not installed yet never will be."""

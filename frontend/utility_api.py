@@ -1,0 +1,106 @@
+"""vLLM's and SGLang's utility routes: /tokenize, /detokenize, /version, /ping, /health_generate."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from importlib import metadata
+
+import msgspec
+from aiohttp import web
+
+from frontend.http_utils import json_response, read_request
+from frontend.native_api import NativeGenerateRequest, collect, health, runtime_of, start_generate
+from frontend.openai_api import ChatMessage, chat_prompt, resolve_model
+from frontend.params import TokenId, convert
+from frontend.responses import DetokenizeResponse, HealthResponse, TokenizeResponse, VersionResponse
+from frontend.runtime import InputError
+
+logger = logging.getLogger("loraplex.http")
+routes = web.RouteTableDef()
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+# vLLM's routes outside /v1 that answer with vLLM's status codes (an unknown model: 404)
+VLLM_STATUS_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("loraplex")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "0.0.0+unknown"
+
+
+class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True):
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    model: str | None = None
+
+
+class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True):
+    tokens: list[TokenId]
+    model: str | None = None
+
+
+@routes.post("/tokenize")
+async def tokenize(request: web.Request) -> web.Response:
+    """The tokens /v1/completions (prompt) or /v1/chat/completions (messages) would feed the model."""
+    runtime = runtime_of(request)
+    runtime.check_available()
+    body = await read_request(request, TokenizeBody)
+    if (body.prompt is None) == (body.messages is None):
+        raise InputError("give exactly one of 'prompt' or 'messages'")
+    if body.model is not None:
+        await resolve_model(runtime, body.model)  # an unknown model is a 404, as on the generate routes
+    tokens = runtime.tokenize(body.prompt) if body.prompt is not None else chat_prompt(runtime, body.messages)
+    return json_response(TokenizeResponse(tokens=tokens, count=len(tokens),
+                                          max_model_len=runtime.ready.context_length))
+
+
+@routes.post("/detokenize")
+async def detokenize(request: web.Request) -> web.Response:
+    runtime = runtime_of(request)
+    runtime.check_available()
+    body = await read_request(request, DetokenizeBody)
+    if body.model is not None:
+        await resolve_model(runtime, body.model)
+    vocab_size = runtime.ready.vocab_size
+    if any(not 0 <= t < vocab_size for t in body.tokens):
+        raise InputError(f"tokens must be token ids in [0, {vocab_size})")
+    return json_response(DetokenizeResponse(prompt=runtime.tokenizer.decode(body.tokens)))
+
+
+@routes.get("/version")
+async def version(request: web.Request) -> web.Response:
+    return json_response(VersionResponse(version=package_version()))
+
+
+@routes.get("/ping")
+async def ping(request: web.Request) -> web.Response:
+    """/health under vLLM's (and SageMaker's) name: no key needed."""
+    return await health(request)
+
+
+@routes.get("/health_generate")
+async def health_generate(request: web.Request) -> web.Response:
+    """200 once one token went through the whole pipeline (tokenizer aside): scheduler, every rank, sampling."""
+    runtime = runtime_of(request)
+    if not runtime.healthy:
+        return await health(request)
+    token_id = next((t for t in (runtime.tokenizer.bos_token_id, runtime.tokenizer.eos_token_id) if t is not None), 0)
+    body = convert({"input_ids": [token_id], "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+                   NativeGenerateRequest, "health check")
+    states: list = []
+    try:
+        states, batched = await start_generate(runtime, body)
+        out = await asyncio.wait_for(collect(runtime, states, batched), HEALTH_GENERATE_TIMEOUT_S)
+        if len(out["output_ids"]) != 1:
+            raise RuntimeError(f"generated {len(out['output_ids'])} tokens, expected 1")
+    except Exception as e:  # noqa: BLE001 - any failure is the answer: unhealthy
+        reason = f"generation failed: {type(e).__name__}: {e}" if str(e) else f"generation failed: {type(e).__name__}"
+        logger.warning("/health_generate: %s", reason)
+        return json_response(HealthResponse(status="unhealthy", reason=reason), 503)
+    finally:
+        for state in states:
+            await runtime.finish(state)
+    return json_response(HealthResponse(status="ok"))

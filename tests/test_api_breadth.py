@@ -1,0 +1,312 @@
+"""API breadth: vLLM's launch flags, the utility routes (/tokenize, /detokenize, /version, /ping, /health_generate)
+and adapters loaded from tensors (Engine and RPC) against the same adapters loaded from their directories."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from frontend.lora_config import resolve_lora_config
+from frontend.rpc_client import RpcCallError, RpcClient
+from protocol import rpc
+from protocol.config import TARGET_MODULES, ConfigError, ServerConfig, config_from_args
+from protocol.sockets import DEALER, BlockingFrameSocket
+from protocol.structs import LoadLoRAAdapterFromTensorsReqInput, LoadLoRAAdapterReqOutput, TensorSpec
+from tests.server_utils import REPO_ROOT, ServerProcess
+from worker.lora.adapter import AdapterLoadError, PoolSpec, adapter_from_tensors, load_adapter
+from worker.model.config import ModelConfig
+
+GREEDY = {"max_new_tokens": 10, "temperature": 0}
+PROMPTS = ["Once upon a time", "The cat"]
+KEY = "k"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+Q_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+
+
+def adapter_parts(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    config = json.loads((path / "adapter_config.json").read_text())
+    return tensors, config
+
+
+def raw(tensors: dict[str, torch.Tensor]) -> tuple[list[TensorSpec], list[bytes]]:
+    specs = [TensorSpec(name=k, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape))
+             for k, t in tensors.items()]
+    return specs, [t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors.values()]
+
+
+# ---- launch flags ---------------------------------------------------------------------------------------
+
+
+def test_vllm_spellings_mean_ours():
+    config = config_from_args(["--tensor-parallel-size", "2", "--max-model-len", "512", "--max-loras", "3",
+                               "--max-cpu-loras", "5", "--max-num-seqs", "8", "--data-parallel-size", "1",
+                               "--gpu-memory-utilization", "0.5", "--lora-modules", "a=/x",
+                               '{"name": "b", "path": "/y", "base_model_name": "base"}'])
+    assert (config.tp, config.context_length, config.max_loras_per_batch, config.max_loaded_loras,
+            config.max_running_requests, config.dp_size, config.gpu_memory_utilization) == (2, 512, 3, 5, 8, 1, 0.5)
+    assert [(s.lora_name, s.lora_path, s.base_model_name) for s in config.lora_sources] == [
+        ("a", "/x", None), ("b", "/y", "base")]
+    assert config.lora_enabled
+    engine_config = ServerConfig.from_kwargs(tensor_parallel_size=2, max_model_len=512, lora_modules=["a=/x"])
+    assert (engine_config.tp, engine_config.context_length) == (2, 512)
+    assert config_from_args([]) == ServerConfig()  # flags not given take the struct's defaults
+
+
+@pytest.mark.parametrize("argv", [
+    ["--tp", "2", "--tensor-parallel-size", "2"],
+    ["--context-length", "512", "--max-model-len", "256"],
+    ["--max-loras-per-batch", "2", "--max-loras", "2"],
+    ["--max-loaded-loras", "4", "--max-cpu-loras", "4"],
+    ["--max-running-requests", "8", "--max-num-seqs", "8"],
+    ["--dp-size", "1", "--data-parallel-size", "1"],
+])
+def test_both_spellings_is_an_error(argv):
+    with pytest.raises(ConfigError, match="give only one"):
+        config_from_args(argv)
+    with pytest.raises(ConfigError, match="give only one"):
+        pairs = zip(argv[::2], argv[1::2], strict=True)
+        ServerConfig.from_kwargs(**{flag.lstrip("-").replace("-", "_"): int(value) for flag, value in pairs})
+
+
+@pytest.mark.parametrize("argv", [["--data-parallel-size", "2"], ["--dp-size", "2"],
+                                  ["--gpu-memory-utilization", "0"], ["--gpu-memory-utilization", "1.5"],
+                                  ["--lora-modules", "no-equals-sign"], ["--lora-modules", '{"name": "x"}'],
+                                  ["--lora-modules", "a=/x", "--lora-paths", "a=/y"]])
+def test_bad_vllm_flags(argv):
+    with pytest.raises(ConfigError):
+        config_from_args(argv)
+
+
+def test_data_parallel_error_says_why():
+    with pytest.raises(ConfigError, match="data parallelism is not available yet"):
+        config_from_args(["--data-parallel-size", "2"])
+
+
+def test_both_spellings_exit_non_zero_with_one_line():
+    proc = subprocess.run([sys.executable, str(Path(REPO_ROOT) / "scripts" / "launch_server.py"), "--tp", "1",
+                           "--tensor-parallel-size", "1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--tensor-parallel-size and --tp" in lines[0], proc.stderr
+
+
+def test_enable_lora_alone_defaults_to_rank_16_all_modules(llama_dir):
+    config = resolve_lora_config(ServerConfig(model_path=str(llama_dir), enable_lora=True), str(llama_dir))
+    assert config.max_lora_rank == 16 and config.target_modules == TARGET_MODULES
+    given = resolve_lora_config(ServerConfig(model_path=str(llama_dir), enable_lora=True, max_lora_rank=8),
+                                str(llama_dir))
+    assert given.max_lora_rank == 8 and given.target_modules == TARGET_MODULES
+
+
+# ---- adapters from tensors: the worker's one validation and slicing path -------------------------------------
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_tensors_slice_like_the_directory(llama_dir, adapter_dirs, tp_size):
+    model_config = ModelConfig.from_dir(str(llama_dir))
+    pool = PoolSpec(max_lora_rank=64, target_modules=TARGET_MODULES, dtype=torch.float32, device=torch.device("cpu"))
+    for name in ("a16", "a4"):
+        tensors, config = adapter_parts(adapter_dirs[name])
+        specs, buffers = raw(tensors)
+        for tp_rank in range(tp_size):
+            from_dir = load_adapter(str(adapter_dirs[name]), 1, model_config, pool, tp_rank, tp_size)
+            inline = adapter_from_tensors(config, specs, buffers, 1, model_config, pool, tp_rank, tp_size)
+            assert (inline.lora_rank, inline.scale, inline.target_modules) == (
+                from_dir.lora_rank, from_dir.scale, from_dir.target_modules)
+            assert inline.weights.keys() == from_dir.weights.keys()
+            for key, (lora_a, lora_b) in from_dir.weights.items():
+                assert torch.equal(inline.weights[key][0], lora_a) and torch.equal(inline.weights[key][1], lora_b)
+
+
+def bad_tensor_sets(adapter_dir: Path) -> dict[str, tuple[dict, list[TensorSpec], list[bytes], str]]:
+    tensors, config = adapter_parts(adapter_dir)
+    specs, buffers = raw(tensors)
+    names = [s.name for s in specs]
+    wrong_shape = dict(tensors)
+    wrong_shape[Q_A] = torch.zeros(tensors[Q_A].shape[0], tensors[Q_A].shape[1] + 1)
+    missing_b = {k: t for k, t in tensors.items() if k != Q_B}
+    unknown = {**tensors, Q_A.replace("q_proj", "qq_proj"): tensors[Q_A]}
+    short = list(buffers)
+    short[0] = short[0][:-4]
+    return {
+        "wrong shape": (config, *raw(wrong_shape), "shape mismatch"),
+        "missing B": (config, *raw(missing_b), "missing lora_B weight for layers.0.q_proj"),
+        "unknown module": (config, *raw(unknown), "unknown target module 'qq_proj'"),
+        "short buffer": (config, specs, short, f"tensor {names[0]!r}: "),
+        "integer dtype": (config, [TensorSpec(name=Q_A, dtype="int64", shape=[1])], [b"\0" * 8], "dtype 'int64'"),
+        "bad config": ({**config, "r": 0}, specs, buffers, "'r' must be a positive integer"),
+        "rank over the pool": ({**config, "r": 128}, specs, buffers, "exceeds --max-lora-rank"),
+    }
+
+
+def test_bad_tensor_sets_are_refused_with_the_cause(llama_dir, adapter_dirs):
+    model_config = ModelConfig.from_dir(str(llama_dir))
+    pool = PoolSpec(max_lora_rank=64, target_modules=TARGET_MODULES, dtype=torch.float32, device=torch.device("cpu"))
+    for case, (config, specs, buffers, message) in bad_tensor_sets(adapter_dirs["a4"]).items():
+        with pytest.raises(AdapterLoadError, match=None) as caught:
+            adapter_from_tensors(config, specs, buffers, 1, model_config, pool, 0, 1)
+        assert message in str(caught.value), (case, str(caught.value))
+
+
+# ---- one server started with vLLM's command line -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_server(llama_dir, adapter_dirs, tmp_path_factory):
+    addr = f"ipc://{tmp_path_factory.mktemp('rpc')}/rpc.sock"
+    module = json.dumps({"name": "x", "path": str(adapter_dirs["a4"]), "base_model_name": "tiny"})
+    with ServerProcess("--model-path", str(llama_dir), "--served-model-name", "tiny", "--tensor-parallel-size", "1",
+                       "--max-model-len", "512", "--max-loras", "2", "--max-num-seqs", "8", "--enable-lora",
+                       "--max-lora-rank", "16", "--lora-target-modules", "all", "--lora-modules", module,
+                       "--api-key", KEY, "--rpc-addr", addr, "--max-total-tokens", "4096") as server, \
+            RpcClient(addr, api_key=KEY, timeout_s=60) as client:
+        yield server, client
+
+
+def generate(server, name, prompt=PROMPTS[0]):
+    resp = server.post("/generate", {"text": prompt, "lora_path": name, "sampling_params": GREEDY}, headers=AUTH)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["output_ids"]
+
+
+def test_vllm_command_line_serves(vllm_server):
+    server, _ = vllm_server
+    info = server.get("/server_info", headers=AUTH).json()
+    assert (info["tp"], info["context_length"], info["max_loras_per_batch"], info["max_running_requests"]) == (
+        1, 512, 2, 8)
+    cards = {c["id"]: c for c in server.get("/v1/models", headers=AUTH).json()["data"]}
+    assert cards["tiny"]["parent"] is None and cards["tiny"]["max_model_len"] == 512
+    assert cards["x"]["parent"] == "tiny"
+    assert generate(server, "x") != generate(server, None)
+
+
+def test_tokenize_is_what_generate_uses(vllm_server, llama_dir):
+    from transformers import AutoTokenizer
+
+    server, _ = vllm_server
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    out = server.post("/tokenize", {"prompt": PROMPTS[0], "model": "tiny"}, headers=AUTH).json()
+    expected = tokenizer(PROMPTS[0])["input_ids"]
+    assert out == {"tokens": expected, "count": len(expected), "max_model_len": 512}
+    assert expected[0] == tokenizer.bos_token_id
+    # the same ids through /generate give the same output as the text
+    by_ids = server.post("/generate", {"input_ids": out["tokens"], "sampling_params": GREEDY}, headers=AUTH).json()
+    assert by_ids["output_ids"] == generate(server, None)
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = server.post("/tokenize", {"messages": messages, "model": "x"}, headers=AUTH).json()
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    usage = server.post("/v1/chat/completions", {"model": "x", "messages": messages, "max_tokens": 1},
+                        headers=AUTH).json()["usage"]
+    assert usage["prompt_tokens"] == chat["count"]
+    back = server.post("/detokenize", {"tokens": expected[1:], "model": "tiny"}, headers=AUTH).json()
+    assert back == {"prompt": tokenizer.decode(expected[1:])}
+    refused = (({"prompt": "a", "messages": messages}, 400), ({}, 400), ({"prompt": "a", "model": "no"}, 404))
+    for body, status in refused:
+        assert server.post("/tokenize", body, headers=AUTH).status_code == status, body
+    assert server.post("/detokenize", {"tokens": [10**9]}, headers=AUTH).status_code == 400
+    assert server.post("/tokenize", {"prompt": "a"}).status_code == 401
+
+
+def test_version_ping_health_generate(vllm_server):
+    server, _ = vllm_server
+    assert isinstance(server.get("/version", headers=AUTH).json()["version"], str)
+    assert server.get("/ping").status_code == 200  # no key, like /health
+    assert server.get("/version").status_code == 401
+    assert server.get("/health_generate").status_code == 401
+    resp = server.get("/health_generate", headers=AUTH)
+    assert resp.status_code == 200 and resp.json() == {"status": "ok"}
+    info = server.get("/server_info", headers=AUTH).json()
+    assert info["num_requests_in_flight"] == 0
+    doc = server.get("/openapi.json", headers=AUTH).json()
+    for path, method in (("/tokenize", "post"), ("/detokenize", "post"), ("/version", "get"), ("/ping", "get"),
+                         ("/health_generate", "get")):
+        assert "200" in doc["paths"][path][method]["responses"], path
+    assert doc["paths"]["/ping"]["get"]["security"] == []
+
+
+def test_rpc_tensors_equal_directory(vllm_server, adapter_dirs, tmp_path):
+    server, client = vllm_server
+    tensors, config = adapter_parts(adapter_dirs["a16"])
+    assert client.load_lora_adapter("dir16", str(adapter_dirs["a16"])).success
+    out = client.load_lora_adapter_from_tensors("mem16", tensors, config)
+    assert out.success, out.error_message
+    assert out.loaded_adapters["mem16"] is None and out.loaded_adapters["dir16"] == str(adapter_dirs["a16"])
+    for prompt in PROMPTS:
+        assert generate(server, "mem16", prompt) == generate(server, "dir16", prompt)
+    cards = {c["id"]: c for c in server.get("/v1/models", headers=AUTH).json()["data"]}
+    assert cards["mem16"]["root"] is None and cards["mem16"]["parent"] == "tiny"
+    # in place, from other tensors: the name now serves those weights
+    a4_tensors, a4_config = adapter_parts(adapter_dirs["a4"])
+    assert client.load_lora_adapter_from_tensors("mem16", a4_tensors, a4_config, load_inplace=True).success
+    assert generate(server, "mem16") == generate(server, "x")
+    dup = client.load_lora_adapter_from_tensors("mem16", tensors, config)
+    assert not dup.success and "has already been loaded" in dup.error_message
+    for case, (bad_config, specs, buffers, message) in bad_tensor_sets(adapter_dirs["a4"]).items():
+        request = LoadLoRAAdapterFromTensorsReqInput(lora_name=f"bad-{len(case)}", config_dict=bad_config,
+                                                     tensors=specs)
+        reply = raw_call(client, request, buffers)
+        assert isinstance(reply, LoadLoRAAdapterReqOutput) and not reply.success, case
+        assert message in reply.error_message and reply.results[0].error_kind == "invalid", (case, reply)
+    # a frame count that is not the tensors list's: the request is refused as a whole
+    specs, buffers = raw(tensors)
+    request = LoadLoRAAdapterFromTensorsReqInput(lora_name="short", config_dict=config, tensors=specs)
+    with pytest.raises(RpcCallError, match="tensor buffers"):
+        client._recv(client._send(request, buffers[:-1]))
+    names = {a["lora_name"] for a in client.list_lora_adapters()}
+    assert names == {"x", "dir16", "mem16"}
+    assert client.unload_lora_adapter("dir16", "mem16").success
+    assert server.get("/health", headers=AUTH).status_code == 200
+
+
+def raw_call(client: RpcClient, request, buffers: list[bytes]):
+    """Frames built by hand, as a client in another language would send them."""
+    sock = BlockingFrameSocket(DEALER, client_addr(client), bind=False)
+    try:
+        sock.send([b"raw", rpc.encode_request(request, KEY), *buffers])
+        frames = sock.recv(timeout_ms=60_000)
+        assert frames is not None and frames[0] == b"raw"
+        return rpc.decode_reply(frames[1])
+    finally:
+        sock.close()
+
+
+def client_addr(client: RpcClient) -> str:
+    return client.sock.sock.getsockopt_string(__import__("zmq").LAST_ENDPOINT)
+
+
+# ---- Engine at TP 2 -----------------------------------------------------------------------------------------
+
+
+def test_engine_tp2_tensors_equal_directory(llama_dir, adapter_dirs, tmp_path):
+    from frontend.engine import Engine
+
+    tensors, config = adapter_parts(adapter_dirs["a16"])
+    state_file = tmp_path / "state.json"
+    with Engine(model_path=str(llama_dir), device="cpu", tensor_parallel_size=2, enable_lora=True,
+                max_cpu_loras=1, max_total_tokens=2048, lora_state_file=str(state_file)) as engine:
+        pool = engine.runtime.config  # --enable-lora alone: vLLM's default pool
+        assert pool.max_lora_rank == 16 and pool.target_modules == TARGET_MODULES
+        out = engine.load_lora_adapter_from_tensors("mem", tensors, config, pinned=False)
+        assert out.success, out.error_message
+        assert engine.load_lora_adapter("dir", str(adapter_dirs["a16"])).success
+        # over --max-cpu-loras (1): the tensor-loaded one is never evicted, the directory one may be
+        rows = {r["lora_name"]: r for r in engine.list_lora_adapters()}
+        assert rows["mem"]["in_host_memory"] and rows["mem"]["lora_path"] is None
+        for prompt in PROMPTS:
+            from_dir = engine.generate(prompt, GREEDY, lora_path="dir")["output_ids"]
+            assert engine.generate(prompt, GREEDY, lora_path="mem")["output_ids"] == from_dir
+        saved = json.loads(state_file.read_text())["adapters"]
+        assert [a["lora_name"] for a in saved] == ["dir"]  # no path, not saved
+        bad = {k: t for k, t in tensors.items() if k != Q_B}
+        refused = engine.load_lora_adapter_from_tensors("bad", bad, config)
+        assert not refused.success and "missing lora_B" in refused.error_message
+        assert "bad" not in {r["lora_name"] for r in engine.list_lora_adapters()}
