@@ -55,7 +55,8 @@ class Plan:
 
 FULL = Plan(size="full", num_adapters=8, num_streams=32, stream_input_len=32, stream_output_len=128,
             long_prompt_len=1536, num_arrivals=10, min_interval_s=2.0, settle_s=3.0)
-QUICK = replace(FULL, size="quick", num_streams=16, stream_output_len=64, num_arrivals=3, settle_s=1.0)
+QUICK = replace(FULL, size="quick", num_streams=8, stream_output_len=64, long_prompt_len=1024, num_arrivals=2,
+                settle_s=1.0)
 
 SIDES = {"whole": ("--chunked-prefill-size", "-1"), "chunked": ()}  # whole first: it measures the prefill time
 

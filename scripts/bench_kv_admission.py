@@ -41,7 +41,7 @@ class Plan:
 
 
 FULL = Plan(size="full", num_adapters=8, num_chats=64, max_total_tokens=8192, window_s=30.0)
-QUICK = Plan(size="quick", num_adapters=2, num_chats=32, max_total_tokens=4096, window_s=5.0)
+QUICK = Plan(size="quick", num_adapters=2, num_chats=32, max_total_tokens=4096, window_s=3.0)
 
 TARGETS: Targets = {
     "kv_admission": ("peak running chats without max_tokens / floor(max_total_tokens / context_length) "
@@ -49,25 +49,26 @@ TARGETS: Targets = {
 }
 
 
-async def chat_until_cancelled(session: aiohttp.ClientSession, url: str, model: str, index: int) -> int:
+async def chat_until_cancelled(session: aiohttp.ClientSession, url: str, model: str, text: str) -> int:
     """One streamed chat without max_tokens; the chunks it got when cancelled (or when it ended)."""
-    body = {"model": model, "messages": [{"role": "user", "content": f"Tell me a long story, number {index}."}],
+    body = {"model": model, "messages": [{"role": "user", "content": text}],
             "stream": True, "ignore_eos": True, "temperature": 0.0}
     num_chunks = 0
     async with session.post(url + "/v1/chat/completions", json=body) as resp:
         if resp.status != 200:
-            raise RuntimeError(f"chat {index}: HTTP {resp.status}: {(await resp.text())[:300]}")
+            raise RuntimeError(f"chat {text!r}: HTTP {resp.status}: {(await resp.text())[:300]}")
         async for line in resp.content:
             if line.startswith(bench_serving.SSE_PREFIX):
                 num_chunks += 1
     return num_chunks
 
 
-async def run_once(url: str, plan: Plan, adapters: list[str]) -> dict:
+async def run_once(url: str, plan: Plan, adapters: list[str], seed: int) -> dict:
     stop = asyncio.Event()
     sampler = asyncio.create_task(bench_serving.sample_server_info(url, stop))
     async with bench_serving.client_session(plan.num_chats) as session:
-        chats = [asyncio.create_task(chat_until_cancelled(session, url, adapters[i % len(adapters)], i))
+        chats = [asyncio.create_task(chat_until_cancelled(session, url, adapters[i % len(adapters)],
+                                                          f"Tell me a long story, number {seed}-{i}."))
                  for i in range(plan.num_chats)]
         done, _ = await asyncio.wait(chats, timeout=plan.window_s)
         for task in chats:  # cut off: the server aborts what the client leaves
@@ -92,7 +93,7 @@ async def run_once(url: str, plan: Plan, adapters: list[str]) -> dict:
             "left_running_after_abort": info["num_running"] + info["num_waiting"]}
 
 
-def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int, repeats: int) -> dict:
+def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int, repeats: int, seed: int) -> dict:
     adapters = list(bench.adapter_dirs)[:plan.num_adapters]
     with start_server(bench.base_dir, {name: bench.adapter_dirs[name] for name in adapters}, dtype=dtype,
                       server_threads=server_threads, max_running_requests=plan.num_chats,
@@ -100,7 +101,7 @@ def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int,
                       extra=("--max-total-tokens", str(plan.max_total_tokens))) as server:
         runs = []
         for i in range(repeats):
-            run = asyncio.run(run_once(server.url, plan, adapters))
+            run = asyncio.run(run_once(server.url, plan, adapters, seed + i))
             print(f"== kv admission, run {i + 1}: peak running {run['peak_running']} of {plan.num_chats} chats, "
                   f"{run['running_at_end']} at the end of {plan.window_s:g} s, {run['num_preemptions']} preemptions "
                   f"so far, peak KV usage {run['peak_kv_usage']:.0%}", flush=True)
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     bench = ensure_bench_model(SIZES[plan.size], plan.num_adapters, args.cache_dir)
-    results = benchmark(bench, plan, dtype=args.dtype, server_threads=args.server_threads, repeats=args.repeats)
+    results = benchmark(bench, plan, dtype=args.dtype, server_threads=args.server_threads, repeats=args.repeats,
+                        seed=args.seed)
     print(format_table(RATIO_HEADERS, rows(results)))
     if args.json:
         write_json(args.json, results)

@@ -47,8 +47,8 @@ class Plan:
 
 FULL = Plan(size="full", num_adapters=8, num_system_prompts=4, system_prompt_len=512, user_len_range=(32, 64),
             output_len_range=(32, 64), num_requests=128, concurrency=32)
-QUICK = Plan(size="quick", num_adapters=2, num_system_prompts=2, system_prompt_len=256, user_len_range=(16, 32),
-             output_len_range=(4, 8), num_requests=32, concurrency=16)
+QUICK = Plan(size="quick", num_adapters=2, num_system_prompts=2, system_prompt_len=128, user_len_range=(8, 16),
+             output_len_range=(4, 8), num_requests=24, concurrency=8)
 
 SIDES = {"cache_on": (), "cache_off": ("--disable-radix-cache",)}
 

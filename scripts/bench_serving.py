@@ -8,6 +8,8 @@ from sending to the first streamed token; ITL is the gap between consecutive str
 k tokens counts as k gaps of 1/k of its delay each, as SGLang's bench_serving does). Throughputs are over the run's
 wall time, first request sent to last token received. Adapters must already be loaded on the server; one short
 request per adapter (and base) goes first, unmeasured, so an adapter's first trip into a device slot is not timed.
+For the benchmarks built on it: `steady_stream` keeps a closed loop of decoding streams until told to stop
+(`gaps_between` reads its ITL by window), and `sample_server_info` samples /server_info while a run goes on.
 """
 
 from __future__ import annotations
