@@ -1,7 +1,7 @@
 """Every benchmark on one workload, servers started and stopped here, and one table of the ratios the issue targets.
 
-    python scripts/bench_all.py                 # full: 137 M-param model, 128 requests, bf16, ~15 min on 2 cores
-    python scripts/bench_all.py --quick         # a small model and a short workload: a smoke run of under a minute
+    python scripts/bench_all.py                 # full: 137 M params, 128 requests, bf16, ~25 min on 2 cores (est.)
+    python scripts/bench_all.py --quick         # a small model and a short workload: a smoke run of ~2 minutes
     python scripts/bench_all.py --dtype float32 --repeats 2 --json out.json   # fp32, best of two runs per workload
 
 Order: build (or reuse) the bench model; the PEFT baseline in this process (no server running); then one server

@@ -21,12 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_serving  # noqa: E402
+import torch  # noqa: E402
+from bench_decode_step import decode_reqs, make_runner, step_ms  # noqa: E402
 from bench_model import SIZES, BenchModel, ensure_bench_model  # noqa: E402
 from bench_report import RATIO_HEADERS, Targets, best_of, format_table, ratio_rows, write_json  # noqa: E402
 from bench_server import add_server_args, start_server, worker_threads  # noqa: E402
 from bench_workload import WorkloadSpec, make_workload  # noqa: E402
+
+from worker.model_runner import ModelRunner  # noqa: E402
 
 NUM_WARMUP_STEPS = 4
 
@@ -49,10 +54,8 @@ TARGETS: Targets = {
 }
 
 
-def in_process_step_ms(runner, pages: list[list[int]], context: int, num_steps: int) -> float:
+def in_process_step_ms(runner: ModelRunner, pages: list[list[int]], context: int, num_steps: int) -> float:
     """Median of num_steps decode steps of the one request (adapter in slot 0)."""
-    from bench_decode_step import decode_reqs, step_ms
-
     reqs = decode_reqs(pages, context, [0])
     times = [step_ms(runner, reqs, step) for step in range(NUM_WARMUP_STEPS + num_steps)]
     return statistics.median(times[NUM_WARMUP_STEPS:])
@@ -61,9 +64,6 @@ def in_process_step_ms(runner, pages: list[list[int]], context: int, num_steps: 
 def benchmark_on(url: str, bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int, repeats: int,
                  seed: int) -> dict:
     """On a running server with bench's adapters loaded: the stream and the in-process step, alternating."""
-    import torch
-    from bench_decode_step import make_runner
-
     info = asyncio.run(bench_serving.get_json(url, "/server_info"))
     adapter = next(iter(bench.adapter_dirs))
     [request] = make_workload(WorkloadSpec(num_requests=1, input_len_range=(plan.prompt_len,) * 2,
