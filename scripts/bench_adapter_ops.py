@@ -22,16 +22,14 @@ import json
 import math
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_report import RequestResult, distribution_ms, format_table, write_json  # noqa: E402
-from bench_serving import client_session, stream_generate  # noqa: E402
-from bench_workload import WorkloadSpec, make_workload  # noqa: E402
+from bench_report import distribution_ms, format_table, write_json  # noqa: E402
+from bench_serving import client_session, gaps_between, steady_stream  # noqa: E402
 
 
 def read_adapter_files(adapter_dir: Path) -> float:
@@ -73,42 +71,6 @@ async def idle_cycles(url: str, adapter_dir: Path, cycles: int, prefix: str) -> 
             unloads.append(unload_s)
     return {"read_ms": distribution_ms(reads), "load_ms": distribution_ms(loads), "unload_ms": distribution_ms(unloads),
             "cycles": cycles}
-
-
-async def steady_stream(url: str, adapters: list[str | None], concurrency: int, input_len: int, output_len: int,
-                        seed: int, run_start: float, stop: asyncio.Event) -> list[RequestResult]:
-    """Closed loop: `concurrency` workers, each sending the next request as soon as its last one ends, until stop.
-
-    Output lengths are uniform in [output_len / 2, 3 * output_len / 2]: with one fixed length the requests would end
-    and prefill in lockstep, and a whole-batch prefill stall landing in one window and not the other swings its p99.
-    """
-    spec = WorkloadSpec(num_requests=4096, input_len_range=(input_len, input_len),
-                        output_len_range=(max(1, output_len // 2), output_len * 3 // 2), adapter_names=(), seed=seed)
-    prompts = make_workload(spec)
-    results: list[RequestResult] = []
-    counter = iter(range(10**9))
-
-    async def worker(session: aiohttp.ClientSession) -> None:
-        while not stop.is_set():
-            i = next(counter)
-            request = prompts[i % len(prompts)]
-            request = replace(request, index=i, adapter=adapters[i % len(adapters)], arrival_s=0.0)
-            result = RequestResult(i, request.adapter, input_len, request.output_len)
-            results.append(result)  # before the await: a request cut off at stop keeps its tokens so far
-            await stream_generate(session, url, request, run_start, result)
-
-    async with client_session(concurrency) as session:
-        tasks = [asyncio.create_task(worker(session)) for _ in range(concurrency)]
-        await stop.wait()
-        for task in tasks:  # requests still streaming are cut off; their tokens so far are kept
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    return results
-
-
-def gaps_between(results: list[RequestResult], start_s: float, end_s: float) -> list[float]:
-    """ITL samples of the tokens that arrived in [start_s, end_s)."""
-    return [gap for r in results for gap, t in zip(r.itl_s, r.itl_times_s, strict=True) if start_s <= t < end_s]
 
 
 async def storm(url: str, adapter_dir: Path, ops_per_second: float, duration_s: float, prefix: str) -> dict:

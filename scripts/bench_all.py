@@ -1,13 +1,16 @@
 """Every benchmark on one workload, servers started and stopped here, and one table of the ratios the issue targets.
 
-    python scripts/bench_all.py                 # full: 137 M-param model, 128 requests, bf16, ~15 min on 2 cores
-    python scripts/bench_all.py --quick         # a small model and a short workload: a smoke run of under a minute
+    python scripts/bench_all.py                 # full: 137 M params, 128 requests, bf16, ~25 min on 2 cores (est.)
+    python scripts/bench_all.py --quick         # a small model and a short workload: a smoke run of ~2 minutes
     python scripts/bench_all.py --dtype float32 --repeats 2 --json out.json   # fp32, best of two runs per workload
 
 Order: build (or reuse) the bench model; the PEFT baseline in this process (no server running); then one server
 with all the workload's adapters preloaded runs the 32-adapter workload, the same workload with 8 adapters and
-with none, and the adapter load/unload benchmark (an extra adapter, not in the workload). Every ratio's two sides
-are measured in this run, on this machine. Both systems run in the same dtype (bfloat16 by default: on a CPU with
+with none, one stream against the same forward step in this process (bench_step_overhead.py), and the adapter
+load/unload benchmark (an extra adapter, not in the workload). Then the engine-core benchmarks, each starting its own
+servers: prefix cache on / off (bench_prefix_cache.py), chunked / whole prefill (bench_chunked_prefill.py), and
+chats without max_tokens in a fixed KV cache (bench_kv_admission.py). Every ratio's two sides are measured in this
+run, on this machine. Both systems run in the same dtype (bfloat16 by default: on a CPU with
 AMX/AVX512-BF16 its matmuls are 3-6x faster than float32) and with one thread per core.
 """
 
@@ -26,13 +29,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_adapter_ops  # noqa: E402
+import bench_chunked_prefill  # noqa: E402
+import bench_kv_admission  # noqa: E402
 import bench_peft_baseline  # noqa: E402
+import bench_prefix_cache  # noqa: E402
 import bench_serving  # noqa: E402
-from bench_model import DEFAULT_CACHE_DIR, SIZES, adapter_name, ensure_bench_model  # noqa: E402
-from bench_report import SUMMARY_HEADERS, format_table, summary_rows, write_json  # noqa: E402
+import bench_step_overhead  # noqa: E402
+from bench_model import SIZES, adapter_name, ensure_bench_model  # noqa: E402
+from bench_report import (  # noqa: E402
+    RATIO_HEADERS,
+    SUMMARY_HEADERS,
+    Targets,
+    best_of,
+    format_table,
+    ratio_rows,
+    summary_rows,
+    write_json,
+)
+from bench_server import add_server_args, start_server  # noqa: E402
 from bench_workload import WorkloadSpec, make_workload  # noqa: E402
-
-from tests.server_utils import ServerProcess  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -58,7 +73,7 @@ QUICK = Plan(size="quick", num_requests=32, input_len_range=(8, 32), output_len_
              concurrency=32, ops_cycles=5, ops_duration_s=5.0, ops_settle_s=1.0, ops_per_second=2.0,
              stream_concurrency=8, stream_output_len=32)
 
-TARGETS = {  # key: (label, target text, passes)
+TARGETS: Targets = {
     "peft": ("loraplex / peft throughput ({n} adapters uniform, {c} concurrent)", ">= 5", lambda v: v >= 5),
     "multi_vs_base": ("{k}-adapter / base-only throughput (same server, same requests)", ">= 0.8",
                       lambda v: v >= 0.8),
@@ -66,6 +81,11 @@ TARGETS = {  # key: (label, target text, passes)
     "load_busy": ("adapter load / (file read + one decode step) (decoding, p50)", "<= 1", lambda v: v <= 1),
     "itl_storm": ("ITL p99 storm / quiet ({ops:g} ops/s)", "<= 1.5", lambda v: v <= 1.5),
 }
+
+
+# The engine-core benchmarks that start servers of their own, in the order they run (after the main server's).
+ENGINE_BENCHMARKS = {"prefix_cache": bench_prefix_cache, "chunked_prefill": bench_chunked_prefill,
+                     "kv_admission": bench_kv_admission}
 
 
 def cpu_speed_gflops(duration_s: float = 0.5) -> float:
@@ -81,20 +101,6 @@ def cpu_speed_gflops(duration_s: float = 0.5) -> float:
         x @ w.T
         num_iters += 1
     return num_iters * 2 * x.shape[0] * w.shape[0] * w.shape[1] / (time.perf_counter() - start) / 1e9
-
-
-def server_args(base_dir: Path, adapter_dirs: dict[str, Path], plan: Plan, dtype: str) -> list[str]:
-    return ["--model-path", str(base_dir), "--dtype", dtype, "--enable-lora", "--max-lora-rank", "16",
-            "--lora-target-modules", "all",
-            "--max-running-requests", str(plan.concurrency), "--max-loras-per-batch", str(max(8, plan.num_adapters)),
-            "--lora-paths", *(f"{name}={path}" for name, path in adapter_dirs.items())]
-
-
-def best_of(runs: list[dict]) -> dict:
-    """The fastest of repeated runs (noise from other tenants only ever slows a run), with every run's throughput."""
-    best = dict(max(runs, key=lambda r: r["summary"]["output_token_throughput"]))
-    best["all_output_token_throughputs"] = [r["summary"]["output_token_throughput"] for r in runs]
-    return best
 
 
 def run_peft(base_dir: Path, adapter_dirs: dict[str, Path], spec: WorkloadSpec, plan: Plan, repeats: int,
@@ -138,35 +144,18 @@ def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
     }
 
 
-def ratio_rows(measured: dict[str, tuple[float, str]], plan: Plan, num_few: int) -> list[list[str]]:
-    rows = []
-    for key, (label, target, passes) in TARGETS.items():
-        value, detail = measured[key]
-        label = label.format(n=plan.num_adapters, c=plan.concurrency, k=num_few, ops=plan.ops_per_second)
-        rows.append([label, f"{value:.2f}", target, "yes" if passes(value) else "NO", detail])
-    return rows
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small model, short workload (a smoke run)")
-    parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR))
+    add_server_args(parser)
     parser.add_argument("--num-requests", type=int, default=None, help="override the plan's request count")
     parser.add_argument("--input-len-range", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"))
     parser.add_argument("--output-len-range", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"))
     parser.add_argument("--ops-duration", type=float, default=None, help="override the quiet/storm window seconds")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="run each throughput workload this many times and keep the fastest (noisy machines)")
     parser.add_argument("--peft-threads", type=int, default=None, help="torch threads of the PEFT baseline "
                         "(default: torch's, one per core)")
-    parser.add_argument("--server-threads", type=int, default=len(os.sched_getaffinity(0)),
-                        help="OMP_NUM_THREADS for the server (default: one per core, as torch gives the PEFT "
-                        "baseline; 0 = unset, the worker's own default of cores - 1)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16",
-                        help="of both systems' weights and compute (default bfloat16: what a server on a CPU with "
-                        "AVX512-BF16/AMX runs, several times faster than float32 there)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, metavar="PATH", help="write every result here")
+    parser.add_argument("--skip-engine", action="store_true",
+                        help="leave out the engine-core benchmarks that start servers of their own (prefix cache, "
+                        "chunked prefill, KV admission)")
     return parser.parse_args(argv)
 
 
@@ -204,10 +193,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(format_table(SUMMARY_HEADERS, summary_rows("peft", results["peft"]["summary"])))
 
     results["cpu_gflops"]["before_serving"] = cpu_speed_gflops()
-    server_env = {"OMP_NUM_THREADS": str(args.server_threads)} if args.server_threads else None
     results["server_threads"] = args.server_threads or "server default"
-    with ServerProcess(*server_args(bench.base_dir, bench.adapter_dirs, plan, args.dtype), env=server_env,
-                       start_timeout_s=600) as server:
+    engine_plans = {module: module.QUICK if args.quick else module.FULL
+                    for module in (bench_step_overhead, *ENGINE_BENCHMARKS.values())}
+    with start_server(bench.base_dir, bench.adapter_dirs, dtype=args.dtype, server_threads=args.server_threads,
+                      max_running_requests=plan.concurrency,
+                      max_loras_per_batch=max(8, plan.num_adapters)) as server:
         results["server_log"] = server.log_path
         runs: dict[str, list[dict]] = {"serving_many": [], "serving_few": [], "serving_base": []}
         for _ in range(args.repeats):  # interleaved, so that a slow spell of the machine hits every workload alike
@@ -215,6 +206,10 @@ def main(argv: list[str] | None = None) -> dict:
             runs["serving_few"].append(run_serving(server.url, few, plan, f"{num_few} adapters uniform"))
             runs["serving_base"].append(run_serving(server.url, base, plan, "base only"))
         results.update({key: best_of(key_runs) for key, key_runs in runs.items()})
+        print(f"\n== one stream against the in-process forward step, best of {args.repeats}", flush=True)
+        results["step_overhead"] = bench_step_overhead.benchmark_on(
+            server.url, bench, engine_plans[bench_step_overhead], dtype=args.dtype,
+            server_threads=args.server_threads, repeats=args.repeats, seed=args.seed)
         print(f"\n== adapter ops: {plan.ops_cycles} idle cycles, {plan.ops_duration_s:g} s quiet + "
               f"{plan.ops_duration_s:g} s storm", flush=True)
         results["adapter_ops"] = asyncio.run(bench_adapter_ops.benchmark(
@@ -224,9 +219,19 @@ def main(argv: list[str] | None = None) -> dict:
             output_len=plan.stream_output_len, seed=args.seed))
         bench_adapter_ops.print_report(results["adapter_ops"])
 
+    own_servers = {} if args.skip_engine else ENGINE_BENCHMARKS
+    for key, module in own_servers.items():
+        results["cpu_gflops"][f"before_{key}"] = cpu_speed_gflops()
+        print(f"\n== {key}: {module.__doc__.splitlines()[0]}", flush=True)
+        results[key] = module.benchmark(bench, engine_plans[module], dtype=args.dtype,
+                                        server_threads=args.server_threads, repeats=args.repeats, seed=args.seed)
+
     results["cpu_gflops"]["at_end"] = cpu_speed_gflops()
     measured = measure_ratios(results)
-    rows = ratio_rows(measured, plan, num_few)
+    rows = ratio_rows(TARGETS, measured, n=plan.num_adapters, c=plan.concurrency, k=num_few, ops=plan.ops_per_second)
+    for key, module in {"step_overhead": bench_step_overhead, **own_servers}.items():
+        rows += module.rows(results[key])
+        measured.update(results[key]["measured"])
     results["ratios"] = {key: value for key, (value, _) in measured.items()}
     results["load_average"] = {"before": load_before, "after": os.getloadavg()}
     print(f"\nbench_all ({plan.size} model {SIZES[plan.size].key}, {plan.num_requests} requests, "
@@ -234,9 +239,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"{plan.output_len_range[1]} tokens; {args.dtype}; best of {args.repeats}; peft threads "
           f"{results['peft']['num_threads']}, server threads {results['server_threads']}; "
           f"{time.time() - started:.0f} s; load avg "
-          f"{load_before[0]:.1f} -> {results['load_average']['after'][0]:.1f}; CPU probe GFLOP/s before peft / "
-          f"before serving / at end: {' / '.join(f'{v:.0f}' for v in results['cpu_gflops'].values())})")
-    print(format_table(("ratio", "measured", "target", "met", "from"), rows))
+          f"{load_before[0]:.1f} -> {results['load_average']['after'][0]:.1f}; CPU probe GFLOP/s "
+          f"{', '.join(f'{key} {value:.0f}' for key, value in results['cpu_gflops'].items())})")
+    print(format_table(RATIO_HEADERS, rows))
     if args.json:
         write_json(args.json, results)
     return results

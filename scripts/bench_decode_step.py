@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from bench_model import SIZES, ensure_bench_model  # noqa: E402
+from bench_model import ADAPTER_RANK, SIZES, BenchModel, ensure_bench_model  # noqa: E402
 from bench_report import format_table, write_json  # noqa: E402
 
 from kernels import cpu_ext  # noqa: E402
@@ -46,6 +46,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def make_runner(bench: BenchModel, *, dtype: str, batch: int, context: int, max_loras_per_batch: int,
+                num_adapters: int) -> tuple[ModelRunner, list[list[int]]]:
+    """A ModelRunner with the first `num_adapters` adapters in slots 0.., and `batch` requests of `context` random
+    tokens prefilled (in chunks of 8): the runner and each request's pages."""
+    pages_per_req = -(-(context + 1) // PAGE_SIZE)
+    config = ServerConfig(
+        device="cpu", dtype=dtype, page_size=PAGE_SIZE, max_total_tokens=batch * pages_per_req * PAGE_SIZE,
+        enable_lora=True, max_lora_rank=ADAPTER_RANK, lora_target_modules=["all"],
+        max_loras_per_batch=max_loras_per_batch, max_running_requests=batch,
+    )  # fmt: skip
+    runner = ModelRunner(config, str(bench.base_dir), rank=0, world_size=1, device="cpu")
+    specs = [
+        AdapterToLoad(lora_name=name, lora_path=str(path), lora_id=i + 1)
+        for i, (name, path) in enumerate(list(bench.adapter_dirs.items())[:num_adapters])
+    ]
+    assert all(result.success for result in runner.lora.load(specs))
+    loads = [SlotLoad(slot=i, lora_id=i + 1) for i in range(len(specs))]
+
+    rng = random.Random(0)
+    pages = [list(range(i * pages_per_req, (i + 1) * pages_per_req)) for i in range(batch)]
+    for start in range(0, batch, 8):  # prefill in chunks of 8 requests
+        reqs = [ForwardReq(input_ids=[rng.randrange(1000) for _ in range(context)], num_cached_tokens=0,
+                           page_ids=pages[i], sampling=GREEDY)
+                for i in range(start, min(start + 8, batch))]  # fmt: skip
+        runner.forward(ForwardBatch(batch_id=start, reqs=reqs, slot_loads=loads if start == 0 else []))
+    return runner, pages
+
+
+def decode_reqs(pages: list[list[int]], context: int, row_slots: list[int]) -> list[ForwardReq]:
+    """One decode token per request, request i in slot row_slots[i] (-1 = base)."""
+    return [ForwardReq(input_ids=[5], num_cached_tokens=context, page_ids=pages[i], sampling=GREEDY,
+                       num_generated=1, slot=slot)
+            for i, slot in enumerate(row_slots)]  # fmt: skip
+
+
+def step_ms(runner: ModelRunner, reqs: list[ForwardReq], batch_id: int) -> float:
+    """One forward of the decode batch (the same step every time: it rewrites the same KV slot), in ms."""
+    start = time.perf_counter()
+    runner.forward(ForwardBatch(batch_id=batch_id, reqs=reqs))
+    return (time.perf_counter() - start) * 1e3
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
@@ -54,27 +96,9 @@ def main(argv: list[str] | None = None) -> dict:
     if compiled is None:
         sys.exit(f"the CPU kernels cannot run here: {cpu_ext.unavailable_reason() or 'the build failed (see the log)'}")
     bench = ensure_bench_model(SIZES[args.size], args.num_adapters)
-    pages_per_req = -(-(args.context + 1) // PAGE_SIZE)
-    config = ServerConfig(
-        device="cpu", dtype=args.dtype, page_size=PAGE_SIZE, max_total_tokens=args.batch * pages_per_req * PAGE_SIZE,
-        enable_lora=True, max_lora_rank=16, lora_target_modules=["all"], max_loras_per_batch=args.num_adapters,
-        max_running_requests=args.batch,
-    )  # fmt: skip
-    runner = ModelRunner(config, str(bench.base_dir), rank=0, world_size=1, device="cpu")
-    specs = [
-        AdapterToLoad(lora_name=name, lora_path=str(path), lora_id=i + 1)
-        for i, (name, path) in enumerate(bench.adapter_dirs.items())
-    ]
-    assert all(result.success for result in runner.lora.load(specs))
-    loads = [SlotLoad(slot=i, lora_id=i + 1) for i in range(len(specs))]
-
-    rng = random.Random(0)
-    pages = [list(range(i * pages_per_req, (i + 1) * pages_per_req)) for i in range(args.batch)]
-    for start in range(0, args.batch, 8):  # prefill in chunks of 8 requests
-        reqs = [ForwardReq(input_ids=[rng.randrange(1000) for _ in range(args.context)], num_cached_tokens=0,
-                           page_ids=pages[i], sampling=GREEDY)
-                for i in range(start, min(start + 8, args.batch))]  # fmt: skip
-        runner.forward(ForwardBatch(batch_id=start, reqs=reqs, slot_loads=loads if start == 0 else []))
+    runner, pages = make_runner(bench, dtype=args.dtype, batch=args.batch, context=args.context,
+                                max_loras_per_batch=args.num_adapters, num_adapters=args.num_adapters)
+    specs = list(bench.adapter_dirs)
 
     few = sorted(random.Random(3).sample(range(len(specs)), min(8, len(specs))))
     batches = {
@@ -85,17 +109,14 @@ def main(argv: list[str] | None = None) -> dict:
     results, rows = {}, []
     for name, slots in batches.items():
         row_slots = sorted(slots[i % len(slots)] for i in range(args.batch))  # sorted by slot, as the scheduler does
-        reqs = [ForwardReq(input_ids=[5], num_cached_tokens=args.context, page_ids=pages[i], sampling=GREEDY,
-                           num_generated=1, slot=row_slots[i])
-                for i in range(args.batch)]  # fmt: skip
+        reqs = decode_reqs(pages, args.context, row_slots)
         times: dict[str, list[float]] = {"torch ops": [], "CPU kernels": []}
         for step in range(args.steps + 2):
             for path, module in (("torch ops", None), ("CPU kernels", compiled)):
                 cpu_ext.kernels = lambda module=module: module  # the switch every caller reads
-                start = time.perf_counter()
-                runner.forward(ForwardBatch(batch_id=100 + step, reqs=reqs))
+                elapsed_ms = step_ms(runner, reqs, 100 + step)
                 if step >= 2:  # the first steps warm caches and plans
-                    times[path].append((time.perf_counter() - start) * 1e3)
+                    times[path].append(elapsed_ms)
         ops, kernels = (statistics.median(times[p]) for p in ("torch ops", "CPU kernels"))
         results[name] = {path: {"min_ms": min(t), "median_ms": statistics.median(t)} for path, t in times.items()}
         rows.append([name, min(times["torch ops"]), ops, min(times["CPU kernels"]), kernels, ops / kernels])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,6 +94,33 @@ def summary_rows(label: str, summary: dict) -> list[list[object]]:
 
 
 SUMMARY_HEADERS = ("", "done", "req/s", "out tok/s", "TTFT p50 ms", "p90", "p99", "ITL p50 ms", "p90", "p99")
+
+
+# A ratio the issue targets: key -> (label, target text, passes). Labels may name fields filled in by ratio_rows.
+Targets = dict[str, tuple[str, str, Callable[[float], bool]]]
+RATIO_HEADERS = ("ratio", "measured", "target", "met", "from")
+
+
+def ratio_rows(targets: Targets, measured: dict[str, tuple[float, str]], **label_fields: object) -> list[list[str]]:
+    """One row per target: what it measures, the ratio, the target, met or not, and its two sides in words."""
+    rows = []
+    for key, (label, target, passes) in targets.items():
+        value, detail = measured[key]
+        met = "n/a" if math.isnan(value) else "yes" if passes(value) else "NO"
+        rows.append([label.format(**label_fields), f"{value:.2f}", target, met, detail])
+    return rows
+
+
+def output_throughput(run: dict) -> float:
+    return run["summary"]["output_token_throughput"]
+
+
+def best_of(runs: list[dict], metric: Callable[[dict], float] = output_throughput, *,
+            lower_is_better: bool = False) -> dict:
+    """The best of repeated runs (noise from other tenants only ever makes a run worse), with every run's metric."""
+    best = dict((min if lower_is_better else max)(runs, key=metric))
+    best["all_runs_metric"] = [metric(r) for r in runs]
+    return best
 
 
 def write_json(path: str | Path, obj: object) -> None:

@@ -8,6 +8,8 @@ from sending to the first streamed token; ITL is the gap between consecutive str
 k tokens counts as k gaps of 1/k of its delay each, as SGLang's bench_serving does). Throughputs are over the run's
 wall time, first request sent to last token received. Adapters must already be loaded on the server; one short
 request per adapter (and base) goes first, unmeasured, so an adapter's first trip into a device slot is not timed.
+For the benchmarks built on it: `steady_stream` keeps a closed loop of decoding streams until told to stop
+(`gaps_between` reads its ITL by window), and `sample_server_info` samples /server_info while a run goes on.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -33,7 +36,13 @@ from bench_report import (  # noqa: E402
     summary_rows,
     write_json,
 )
-from bench_workload import BenchRequest, add_workload_args, make_workload, workload_spec_from_args  # noqa: E402
+from bench_workload import (  # noqa: E402
+    BenchRequest,
+    WorkloadSpec,
+    add_workload_args,
+    make_workload,
+    workload_spec_from_args,
+)
 
 SSE_PREFIX = b"data: "
 
@@ -129,6 +138,65 @@ async def run_requests(url: str, requests: list[BenchRequest], *, concurrency: i
     return list(results), duration_s
 
 
+async def steady_stream(url: str, adapters: list[str | None], concurrency: int, input_len: int, output_len: int,
+                        seed: int, run_start: float, stop: asyncio.Event) -> list[RequestResult]:
+    """Closed loop: `concurrency` workers, each sending the next request as soon as its last one ends, until stop.
+
+    Output lengths are uniform in [output_len / 2, 3 * output_len / 2]: with one fixed length the requests would end
+    and prefill in lockstep, and a whole-batch prefill stall landing in one window and not the other swings its p99.
+    """
+    spec = WorkloadSpec(num_requests=4096, input_len_range=(input_len, input_len),
+                        output_len_range=(max(1, output_len // 2), output_len * 3 // 2), adapter_names=(), seed=seed)
+    prompts = make_workload(spec)
+    results: list[RequestResult] = []
+    counter = iter(range(10**9))
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        while not stop.is_set():
+            i = next(counter)
+            request = prompts[i % len(prompts)]
+            request = replace(request, index=i, adapter=adapters[i % len(adapters)], arrival_s=0.0)
+            result = RequestResult(i, request.adapter, input_len, request.output_len)
+            results.append(result)  # before the await: a request cut off at stop keeps its tokens so far
+            await stream_generate(session, url, request, run_start, result)
+
+    async with client_session(concurrency) as session:
+        tasks = [asyncio.create_task(worker(session)) for _ in range(concurrency)]
+        await stop.wait()
+        for task in tasks:  # requests still streaming are cut off; their tokens so far are kept
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return results
+
+
+def gaps_between(results: list[RequestResult], start_s: float, end_s: float) -> list[float]:
+    """ITL samples of the tokens that arrived in [start_s, end_s)."""
+    return [gap for r in results for gap, t in zip(r.itl_s, r.itl_times_s, strict=True) if start_s <= t < end_s]
+
+
+async def get_json(url: str, path: str) -> dict:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.get(url.rstrip("/") + path) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"GET {path}: HTTP {resp.status}: {(await resp.text())[:300]}")
+            return await resp.json()
+
+
+async def sample_server_info(url: str, stop: asyncio.Event, interval_s: float = 0.1) -> list[dict]:
+    """/server_info every `interval_s` until stop, each sample with its time ("t_s", from the first)."""
+    samples: list[dict] = []
+    start = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        while not stop.is_set():
+            async with session.get(url.rstrip("/") + "/server_info") as resp:
+                samples.append({**await resp.json(), "t_s": time.perf_counter() - start})
+            try:
+                await asyncio.wait_for(stop.wait(), interval_s)
+            except asyncio.TimeoutError:
+                pass
+    return samples
+
+
 async def check_server(url: str, adapters: set[str]) -> None:
     url = url.rstrip("/")
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
@@ -146,11 +214,13 @@ async def check_server(url: str, adapters: set[str]) -> None:
 
 async def warm_up(url: str, requests: list[BenchRequest], concurrency: int | None) -> None:
     """One short request (4 tokens) per distinct adapter, base included, so first-use costs (an adapter's first
-    trip into a device slot, lazy allocations) stay out of the measurement; the adapter-ops benchmark measures them."""
+    trip into a device slot, lazy allocations) stay out of the measurement; the adapter-ops benchmark measures them.
+    Each prompt is reversed: the same length, but no prefix the prefix cache could serve to a measured request."""
     first_of: dict[str | None, BenchRequest] = {}
     for r in requests:
         first_of.setdefault(r.adapter, r)
-    short = [BenchRequest(r.index, r.input_ids, min(4, r.output_len), r.adapter, 0.0) for r in first_of.values()]
+    short = [BenchRequest(r.index, r.input_ids[::-1], min(4, r.output_len), r.adapter, 0.0)
+             for r in first_of.values()]
     results, _ = await run_requests(url, short, concurrency=concurrency, progress=False)
     failed = [r.error for r in results if not r.ok]
     if failed:

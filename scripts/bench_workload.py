@@ -1,7 +1,9 @@
 """The benchmark workload: one seeded list of requests shared by the server and PEFT benchmarks.
 
 Every attribute has its own random stream, so a run with 8 adapters and one with none get the very same
-prompts, lengths and arrival times; only the adapter column differs.
+prompts, lengths and arrival times; only the adapter column differs. With system prompts, each request's prompt is
+one of `num_system_prompts` shared prefixes of `system_prompt_len` tokens followed by its own user turn (the input
+length range is the user turn's); the prefixes and each request's pick have their own streams too.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class WorkloadSpec:
     request_rate: float = math.inf  # requests per second, Poisson arrivals
     seed: int = 0
     vocab_size: int = DEFAULT_VOCAB_SIZE
+    num_system_prompts: int = 0  # shared prompt prefixes; 0 = none
+    system_prompt_len: int = 0  # tokens of each
 
     def __post_init__(self) -> None:
         for name, (low, high) in (("input", self.input_len_range), ("output", self.output_len_range)):
@@ -50,6 +54,9 @@ class WorkloadSpec:
             raise ValueError(f"request_rate must be > 0 (inf = all at once), got {self.request_rate}")
         if self.distribution not in ("uniform", "zipf"):
             raise ValueError(f"distribution must be uniform or zipf, got {self.distribution!r}")
+        if self.num_system_prompts < 0 or (self.num_system_prompts > 0) != (self.system_prompt_len > 0):
+            raise ValueError("num_system_prompts and system_prompt_len must be both > 0 or both 0, got "
+                             f"{self.num_system_prompts} {self.system_prompt_len}")
         if self.vocab_size <= FIRST_PLAIN_TOKEN_ID:
             raise ValueError(f"vocab_size must be > {FIRST_PLAIN_TOKEN_ID}, got {self.vocab_size}")
 
@@ -82,6 +89,11 @@ def make_workload(spec: WorkloadSpec) -> list[BenchRequest]:
         adapters: list[str | None] = adapter_rng.choices(spec.adapter_names, weights=weights, k=spec.num_requests)
     else:
         adapters = [None] * spec.num_requests
+    if spec.num_system_prompts:
+        system_rng, pick_rng = _rng(spec.seed, "system-prompts"), _rng(spec.seed, "system-prompt-picks")
+        system_prompts = [[system_rng.randrange(FIRST_PLAIN_TOKEN_ID, spec.vocab_size)
+                           for _ in range(spec.system_prompt_len)] for _ in range(spec.num_system_prompts)]
+        prompts = [system_prompts[pick_rng.randrange(spec.num_system_prompts)] + p for p in prompts]
     arrivals, clock = [], 0.0
     for _ in range(spec.num_requests):
         arrivals.append(clock)
@@ -113,6 +125,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--zipf-alpha", type=float, default=1.0)
     group.add_argument("--request-rate", type=float, default=math.inf,
                        help="Poisson arrivals per second; inf = all at once")
+    group.add_argument("--num-system-prompts", type=int, default=0,
+                       help="shared prompt prefixes; each prompt is one of them + its own user turn (input length)")
+    group.add_argument("--system-prompt-len", type=int, default=0, help="tokens of each system prompt")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="prompt ids are drawn below this")
 
@@ -128,4 +143,6 @@ def workload_spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
         request_rate=args.request_rate,
         seed=args.seed,
         vocab_size=args.vocab_size,
+        num_system_prompts=args.num_system_prompts,
+        system_prompt_len=args.system_prompt_len,
     )

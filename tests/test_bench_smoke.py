@@ -1,4 +1,5 @@
-"""The benchmark scripts stay runnable: a deterministic workload, and bench_serving against a tiny server."""
+"""The benchmark scripts stay runnable: a deterministic workload, bench_serving against a tiny server, and each
+engine-core benchmark's --quick run (bench model, servers and all)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
+import bench_chunked_prefill  # noqa: E402
+import bench_kv_admission  # noqa: E402
+import bench_prefix_cache  # noqa: E402
 import bench_serving  # noqa: E402
+import bench_step_overhead  # noqa: E402
 from bench_report import percentile  # noqa: E402
 from bench_workload import FIRST_PLAIN_TOKEN_ID, WorkloadSpec, make_workload  # noqa: E402
 
@@ -79,3 +84,73 @@ def test_bench_serving_runs_against_a_tiny_server(llama_dir: Path, adapter_dirs:
     assert set(per_adapter) == {r.adapter for r in workload}
     assert sum(s["num_completed"] for s in per_adapter.values()) == 6
     assert result["config"]["workload"]["adapter_names"] == ["a16", "a4"]
+
+
+def test_system_prompts_prefix_the_same_user_turns() -> None:
+    spec = WorkloadSpec(**{**SPEC.__dict__, "num_system_prompts": 3, "system_prompt_len": 20})
+    plain, with_system = make_workload(SPEC), make_workload(spec)
+    assert with_system == make_workload(spec)
+    prefixes = {tuple(r.input_ids[:20]) for r in with_system}
+    assert len(prefixes) == 3
+    for r, p in zip(with_system, plain, strict=True):
+        assert r.input_ids[20:] == p.input_ids  # the user turn is the prompt without system prompts
+        assert (r.output_len, r.adapter, r.arrival_s) == (p.output_len, p.adapter, p.arrival_s)
+    with pytest.raises(ValueError):
+        WorkloadSpec(**{**SPEC.__dict__, "num_system_prompts": 3})
+
+
+# ---- the engine-core benchmarks, each as `--quick` runs it (bench_all runs the same functions) ------------------
+
+
+@pytest.fixture(scope="module")
+def bench_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("bench-model")
+
+
+def run_quick(module, cache_dir: Path, out: Path) -> dict:
+    module.main(["--quick", "--cache-dir", str(cache_dir), "--json", str(out)])
+    return json.loads(out.read_text())
+
+
+def test_prefix_cache_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
+    result = run_quick(bench_prefix_cache, bench_cache_dir, tmp_path / "prefix.json")
+    plan = bench_prefix_cache.QUICK
+    for side in ("cache_on", "cache_off"):
+        assert result[side]["summary"]["num_completed"] == plan.num_requests
+    # Two prefixes per adapter among 24 requests: most prompts find their system prompt cached; none when it is off.
+    assert result["cache_on"]["prefix_cache_hit_share"] > 0.5
+    assert result["cache_off"]["prefix_cache_hit_share"] == 0
+    assert set(result["measured"]) == set(bench_prefix_cache.TARGETS)
+    assert all(value > 0 for value, _ in result["measured"].values())
+
+
+def test_chunked_prefill_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
+    result = run_quick(bench_chunked_prefill, bench_cache_dir, tmp_path / "chunked.json")
+    plan = bench_chunked_prefill.QUICK
+    assert result["interval_s"] == max(plan.min_interval_s, 2 * result["lone_prefill_ms"]["whole"] / 1e3)
+    for side in ("whole", "chunked"):
+        assert result[side]["num_gaps"] > plan.num_streams  # the streams decoded through the window
+        assert result[side]["stream_itl_ms"]["p99"] >= result[side]["stream_itl_ms"]["p50"] > 0
+    [(value, _)] = result["measured"].values()
+    assert value > 0
+
+
+def test_kv_admission_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
+    result = run_quick(bench_kv_admission, bench_cache_dir, tmp_path / "kv.json")
+    best, plan = result["best"], bench_kv_admission.QUICK
+    assert best["max_total_tokens"] == plan.max_total_tokens
+    assert best["max_total_tokens"] // best["context_length"] == 2  # the old rule's limit here
+    # Short chats take pages for what they have: every one runs at once, far past the old limit.
+    assert best["peak_running"] == plan.num_chats
+    assert best["left_running_after_abort"] == 0  # cut-off chats give everything back
+    assert result["measured"]["kv_admission"][0] == plan.num_chats / 2
+
+
+def test_step_overhead_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
+    result = run_quick(bench_step_overhead, bench_cache_dir, tmp_path / "step.json")
+    stream, plan = result["stream"], bench_step_overhead.QUICK
+    assert stream["num_completed"] == 1
+    assert stream["output_token_throughput"] * stream["duration_s"] == pytest.approx(plan.output_len)
+    assert result["step_ms"] > 0 and stream["itl_ms"]["p50"] > 0
+    [(value, _)] = result["measured"].values()
+    assert value == pytest.approx(stream["itl_ms"]["p50"] / result["step_ms"])
