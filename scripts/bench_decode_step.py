@@ -1,4 +1,4 @@
-"""One worker's decode step, in process: the CPU kernels (kernels/cpu_ext) against the torch ops they replace.
+"""One worker's decode step, in process: the `cpu` backend (kernels/cpu_ext) against the `torch` one it replaces.
 
 Loads the bench model and its adapters into a ModelRunner (no server), prefills `--batch` requests of `--context`
 tokens, then times the same decode step over and over, alternating the two paths step by step so that both see the
@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from bench_model import SIZES, ensure_bench_model  # noqa: E402
 from bench_report import format_table, write_json  # noqa: E402
 
-from kernels import cpu_ext  # noqa: E402
+from kernels import BackendError, select_backend  # noqa: E402
 from protocol.config import ServerConfig  # noqa: E402
 from protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SamplingParams, SlotLoad  # noqa: E402
 from worker.model_runner import ModelRunner  # noqa: E402
@@ -50,14 +50,17 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    compiled = cpu_ext.kernels()
-    if compiled is None:
-        sys.exit(f"the CPU kernels cannot run here: {cpu_ext.unavailable_reason() or 'the build failed (see the log)'}")
+    try:
+        backends = {"torch ops": select_backend("torch", "cpu", getattr(torch, args.dtype)),
+                    "CPU kernels": select_backend("cpu", "cpu", getattr(torch, args.dtype))}  # fmt: skip
+    except BackendError as e:
+        sys.exit(str(e))
     bench = ensure_bench_model(SIZES[args.size], args.num_adapters)
     pages_per_req = -(-(args.context + 1) // PAGE_SIZE)
     config = ServerConfig(
         device="cpu", dtype=args.dtype, page_size=PAGE_SIZE, max_total_tokens=args.batch * pages_per_req * PAGE_SIZE,
-        enable_lora=True, max_lora_rank=16, lora_target_modules=["all"], max_loras_per_batch=args.num_adapters,
+        lora_backend="cpu", enable_lora=True, max_lora_rank=16, lora_target_modules=["all"],
+        max_loras_per_batch=args.num_adapters,
         max_running_requests=args.batch,
     )  # fmt: skip
     runner = ModelRunner(config, str(bench.base_dir), rank=0, world_size=1, device="cpu")
@@ -90,8 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
                 for i in range(args.batch)]  # fmt: skip
         times: dict[str, list[float]] = {"torch ops": [], "CPU kernels": []}
         for step in range(args.steps + 2):
-            for path, module in (("torch ops", None), ("CPU kernels", compiled)):
-                cpu_ext.kernels = lambda module=module: module  # the switch every caller reads
+            for path, backend in backends.items():
+                runner.set_backend(backend)  # LoRA and the model's attention, norms and activation
                 start = time.perf_counter()
                 runner.forward(ForwardBatch(batch_id=100 + step, reqs=reqs))
                 if step >= 2:  # the first steps warm caches and plans
