@@ -59,7 +59,8 @@ def kernels() -> ModuleType | None:
 
 
 def kernels_for(t: torch.Tensor) -> ModuleType | None:
-    """The compiled module if it takes this tensor (bfloat16, on the CPU) and could be built here, else None."""
+    """The compiled module if it takes this tensor (bfloat16, on the CPU) and could be built here, else None. For the
+    free functions of lora_torch (tests, scripts); a worker gets the module from its backend, once."""
     return kernels() if t.dtype == torch.bfloat16 and t.device.type == "cpu" else None
 
 
