@@ -55,8 +55,9 @@ class SchedulerClient:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             exited = dead()
-            if exited is not None:
-                raise RuntimeError(f"{exited[0]} exited with code {exited[1]} during start-up")
+            if exited is not None:  # its reason may already be queued (a worker's, sent on by the scheduler)
+                failure = await self._queued_failure()
+                raise RuntimeError(failure or f"{exited[0]} exited with code {exited[1]} during start-up")
             try:
                 msg = await asyncio.wait_for(self._from_scheduler.recv(), timeout=READY_POLL_S)
             except asyncio.TimeoutError:
@@ -67,6 +68,16 @@ class SchedulerClient:
                 self._recv_task = asyncio.create_task(self._recv_loop())
                 return msg
         raise RuntimeError(f"processes not ready after {timeout_s:.0f} s")
+
+    async def _queued_failure(self) -> str | None:
+        """The first ProcessFailed among the messages already sent, as wait_ready words it, or None."""
+        while True:
+            try:
+                msg = await asyncio.wait_for(self._from_scheduler.recv(), timeout=READY_POLL_S)
+            except asyncio.TimeoutError:
+                return None
+            if isinstance(msg, ProcessFailed):
+                return f"{msg.who} failed to start: {msg.error_message}"
 
     async def _recv_loop(self) -> None:
         while True:

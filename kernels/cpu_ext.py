@@ -1,9 +1,10 @@
-"""Builds and loads the AVX-512 CPU kernels (csrc/cpu_kernels.cpp) for bfloat16: LoRA shrink/expand (used by
-lora_torch), paged decode attention (worker/layers/attention.py), RMSNorm (norm.py) and SiLU-and-multiply (llama.py).
+"""Builds and loads the AVX-512 CPU kernels (csrc/cpu_kernels.cpp) for bfloat16: LoRA shrink/expand (lora_torch),
+paged decode attention (worker/layers/attention.py), RMSNorm (norm.py) and SiLU-and-multiply (llama.py).
 
 Compiled on first use with torch's extension builder (g++ and ninja; ~30 s, cached under TORCH_EXTENSIONS_DIR) on
-CPUs with AVX-512 BF16. Anywhere else, or with LORAPLEX_CPU_KERNELS=0, or when the build fails, `kernels()` is None
-and the callers do the same work in torch ops."""
+CPUs with AVX-512 BF16. Anywhere else, or when the build fails, `kernels()` is None. A worker asks once, at start-up,
+through its backend (kernels/backend.py: `--lora-backend cpu`, or `auto` in bfloat16 on such a CPU), and hands the
+module to the layers that use it."""
 
 from __future__ import annotations
 
@@ -31,8 +32,6 @@ _loaded: tuple[ModuleType | None] | None = None  # (module or None) once tried
 
 def unavailable_reason() -> str | None:
     """Why these kernels cannot run here, or None if they can (before building them)."""
-    if os.environ.get("LORAPLEX_CPU_KERNELS", "1") == "0":
-        return "disabled by LORAPLEX_CPU_KERNELS=0"
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         return f"needs Linux on x86_64, not {platform.system()} on {platform.machine()}"
     try:
@@ -60,14 +59,15 @@ def kernels() -> ModuleType | None:
 
 
 def kernels_for(t: torch.Tensor) -> ModuleType | None:
-    """The compiled module if it takes this tensor (bfloat16, on the CPU) and could be built here, else None."""
+    """The compiled module if it takes this tensor (bfloat16, on the CPU) and could be built here, else None. For the
+    free functions of lora_torch (tests, scripts); a worker gets the module from its backend, once."""
     return kernels() if t.dtype == torch.bfloat16 and t.device.type == "cpu" else None
 
 
 def _build() -> ModuleType | None:
     reason = unavailable_reason()
     if reason is not None:
-        logger.info("CPU kernels off (%s): using torch ops", reason)
+        logger.info("CPU kernels cannot run here (%s)", reason)
         return None
     from torch.utils.cpp_extension import load
 
@@ -83,7 +83,7 @@ def _build() -> ModuleType | None:
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, a toolchain without these intrinsics: fall back, say why
-        logger.warning("CPU kernels failed to build, using torch ops instead: %s", str(e).splitlines()[-1:])
+        logger.warning("CPU kernels failed to build: %s", str(e).splitlines()[-1:])
         return None
     logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
     return module
@@ -96,5 +96,5 @@ def _put_ninja_on_path() -> None:
     try:
         import ninja
     except ImportError:
-        return  # the build fails and says so; the callers fall back to torch ops
+        return  # the build fails and says so
     os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"

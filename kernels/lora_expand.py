@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check_expand_args
-from kernels.segment_tiles import plan_tiles, segment_tile
+from kernels.segment_tiles import device_scope, plan_tiles, segment_tile
 
 BLOCK_N = 64
 
@@ -79,34 +79,52 @@ def lora_expand_triton(
     slot_scales: torch.Tensor,
     slice_offsets: torch.Tensor,
 ) -> None:
-    max_rank = check_expand_args(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets)
+    check_expand_args(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets)
+    tiles = plan_tiles(y.shape[0], seg_slots.shape[0])
+    launch_expand(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets, tiles)
+
+
+def launch_expand(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    lora_b: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scales: torch.Tensor,
+    slice_offsets: torch.Tensor,
+    tiles: tuple[int, int, int],
+) -> None:
+    """The launch alone, on checked arguments and a row-tile plan (plan_tiles) made once per batch."""
     num_tokens, out_dim = y.shape
+    max_rank = lora_b.shape[1]
     num_segments = seg_slots.shape[0]
     num_slices = slice_offsets.shape[0] - 1
     if num_tokens == 0 or num_segments == 0 or out_dim == 0 or max_rank == 0:
         return
-    block_m, seg_block, num_tiles_bound = plan_tiles(num_tokens, num_segments)
+    block_m, seg_block, num_tiles_bound = tiles
     block_r = min(64, max(16, triton.next_power_of_2(max_rank)))
     # Slice widths live on the device; out_dim bounds every slice without a sync.
     grid = (num_tiles_bound, num_slices, triton.cdiv(out_dim, BLOCK_N))
-    _expand_kernel[grid](
-        y,
-        h,
-        lora_b,
-        seg_indptr,
-        seg_slots,
-        slot_ranks,
-        slot_scales,
-        slice_offsets,
-        num_segments,
-        max_rank,
-        y.stride(0),
-        h.stride(0),
-        lora_b.stride(0),
-        lora_b.stride(1),
-        BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
-        BLOCK_R=block_r,
-        SEG_BLOCK=seg_block,
-        DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
-    )
+    with device_scope(y):
+        _expand_kernel[grid](
+            y,
+            h,
+            lora_b,
+            seg_indptr,
+            seg_slots,
+            slot_ranks,
+            slot_scales,
+            slice_offsets,
+            num_segments,
+            max_rank,
+            y.stride(0),
+            h.stride(0),
+            lora_b.stride(0),
+            lora_b.stride(1),
+            BLOCK_M=block_m,
+            BLOCK_N=BLOCK_N,
+            BLOCK_R=block_r,
+            SEG_BLOCK=seg_block,
+            DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
+        )

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check_shrink_args
-from kernels.segment_tiles import plan_tiles, segment_tile
+from kernels.segment_tiles import device_scope, plan_tiles, segment_tile
 
 BLOCK_K = 64
 
@@ -69,32 +69,48 @@ def lora_shrink_triton(
     slot_ranks: torch.Tensor,
     num_slices: int,
 ) -> torch.Tensor:
-    max_rank = check_shrink_args(x, lora_a, seg_indptr, seg_slots, slot_ranks, num_slices)
+    check_shrink_args(x, lora_a, seg_indptr, seg_slots, slot_ranks, num_slices)
+    tiles = plan_tiles(x.shape[0], seg_slots.shape[0])
+    return launch_shrink(x, lora_a, seg_indptr, seg_slots, slot_ranks, num_slices, tiles)
+
+
+def launch_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    num_slices: int,
+    tiles: tuple[int, int, int],
+) -> torch.Tensor:
+    """The launch alone, on checked arguments and a row-tile plan (plan_tiles) made once per batch."""
     num_tokens, in_dim = x.shape
+    max_rank = lora_a.shape[1] // num_slices
     num_segments = seg_slots.shape[0]
     h = x.new_zeros(num_tokens, num_slices * max_rank)  # (tokens, slices * max_rank)
     if num_tokens == 0 or num_segments == 0 or max_rank == 0:
         return h
-    block_m, seg_block, num_tiles_bound = plan_tiles(num_tokens, num_segments)
+    block_m, seg_block, num_tiles_bound = tiles
     block_r = min(64, max(16, triton.next_power_of_2(max_rank)))
     grid = (num_tiles_bound, num_slices, triton.cdiv(max_rank, block_r))
-    _shrink_kernel[grid](
-        x,
-        lora_a,
-        h,
-        seg_indptr,
-        seg_slots,
-        slot_ranks,
-        num_segments,
-        in_dim,
-        max_rank,
-        x.stride(0),
-        lora_a.stride(0),
-        h.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_R=block_r,
-        BLOCK_K=BLOCK_K,
-        SEG_BLOCK=seg_block,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-    )
+    with device_scope(x):
+        _shrink_kernel[grid](
+            x,
+            lora_a,
+            h,
+            seg_indptr,
+            seg_slots,
+            slot_ranks,
+            num_segments,
+            in_dim,
+            max_rank,
+            x.stride(0),
+            lora_a.stride(0),
+            h.stride(0),
+            BLOCK_M=block_m,
+            BLOCK_R=block_r,
+            BLOCK_K=BLOCK_K,
+            SEG_BLOCK=seg_block,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        )
     return h

@@ -12,17 +12,24 @@ pool is written or the batch's slots change. Long segments (prefill chunks) get 
 true rank. The pool is zero past each adapter's rank and in every empty slot, so the grouped path may run over the
 full max rank and over slots no row uses.
 
-For bfloat16 on a CPU with AVX-512 BF16, the rows of every segment up to COMPILED_SEGMENT_ROWS long go to the
-compiled kernels of cpu_ext instead, which do exactly each row's own products in one call per linear, with no wasted
-arithmetic and no matmul call overhead (prefill segments included: a segment's own bfloat16 matmuls cost ~100 µs per
-call, slice by slice, where the kernels take a few µs a row). lora_shrink_expand_torch does shrink and expand in one
-such call where nothing runs between them (no tensor-parallel reduction of h).
+With the compiled CPU kernels of cpu_ext (the `cpu` backend), the rows of every segment up to COMPILED_SEGMENT_ROWS
+long go to them instead, which do exactly each row's own products in one call per linear, with no wasted arithmetic
+and no matmul call overhead (prefill segments included: a segment's own bfloat16 matmuls cost ~100 µs per call, slice
+by slice, where the kernels take a few µs a row). shrink_expand_compiled does shrink and expand in one such call where
+nothing runs between them (no tensor-parallel reduction of h).
+
+The worker reaches this module through its backend object (kernels/backend.py), which makes the plan once per
+forward pass and passes the pool's host copies of ranks, scales and slice bounds: `*_planned`. The free functions
+`lora_*_torch` are the same computation from tensors alone, for tests and scripts (the reference the other backends
+are checked against); they use the compiled kernels for bfloat16 CPU tensors when those are built.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -73,8 +80,9 @@ class _Plan:
     separate: list[_Segment]  # one matmul each
 
 
-# The plan depends only on the segment metadata, the same for every LoRA linear of a forward pass: keep the last
-# one, keyed by the metadata's values (two short host reads per call, where building a plan costs tens of µs).
+# The plan depends only on the segment metadata, the same for every LoRA linear of a forward pass. The worker's
+# backend (kernels/backend.py) makes it once per forward; the free functions below (tests, scripts) keep the last one,
+# keyed by the metadata's values (two short host reads per call, where building a plan costs tens of µs).
 _last_plan: tuple[tuple, _Plan] | None = None
 
 
@@ -87,6 +95,12 @@ def _plan(seg_indptr: torch.Tensor, seg_slots: torch.Tensor, compiled: bool = Fa
     if cached is None or cached[0] != key:
         cached = _last_plan = (key, _make_plan(row_bounds, slots, seg_indptr.device, compiled, max_short_rows))
     return cached[1]
+
+
+def make_plan(row_bounds: list[int], slots: list[int], device: torch.device, compiled: bool) -> _Plan:
+    """The plan of a batch's segments (host lists), made once per forward pass by the backend (kernels/backend.py)."""
+    max_short_rows = COMPILED_SEGMENT_ROWS if compiled else SHORT_SEGMENT_ROWS
+    return _make_plan(row_bounds, slots, device, compiled, max_short_rows)
 
 
 def _make_plan(
@@ -188,11 +202,25 @@ def lora_shrink_torch(
     slot_ranks: torch.Tensor,
     num_slices: int,
 ) -> torch.Tensor:
-    max_rank = check_shrink_args(x, lora_a, seg_indptr, seg_slots, slot_ranks, num_slices)
-    num_tokens, in_dim = x.shape
-    width = num_slices * max_rank
+    check_shrink_args(x, lora_a, seg_indptr, seg_slots, slot_ranks, num_slices)
     compiled = cpu_ext.kernels_for(x)
-    plan = _plan(seg_indptr, seg_slots, compiled is not None)
+    return shrink_planned(x, lora_a, slot_ranks, num_slices, _plan(seg_indptr, seg_slots, compiled is not None),
+                          None, compiled)  # fmt: skip
+
+
+def shrink_planned(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    num_slices: int,
+    plan: _Plan,
+    ranks: Sequence[int] | None,
+    compiled: ModuleType | None,
+) -> torch.Tensor:
+    """The shrink on checked arguments and a plan made once per batch; `ranks` is slot_ranks on the host (None: read
+    it from the device when a long segment needs it); `compiled` the CPU kernels when the plan was made for them."""
+    num_tokens, width = x.shape[0], lora_a.shape[1]
+    max_rank = width // num_slices
     if plan.row_slots is not None:
         h = x.new_empty(num_tokens, width)
         compiled.shrink(x, lora_a, plan.row_slots, slot_ranks, num_slices, h)  # zero outside the short rows
@@ -202,7 +230,8 @@ def lora_shrink_torch(
         h = x.new_zeros(num_tokens, width)
         for group in plan.groups:
             h.index_copy_(0, group.rows, _shrink_group(x.index_select(0, group.rows), lora_a, group, width))
-    ranks = slot_ranks.tolist() if plan.separate else []
+    if plan.separate and ranks is None:
+        ranks = slot_ranks.tolist()
     for seg in plan.separate:
         rank, num_rows = ranks[seg.slot], seg.num_rows
         if rank == 0:
@@ -238,12 +267,30 @@ def lora_expand_torch(
     slot_scales: torch.Tensor,
     slice_offsets: torch.Tensor,
 ) -> None:
-    max_rank = check_expand_args(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets)
-    col_bounds = slice_offsets.tolist()
-    slices = _slices(col_bounds)
-    num_slices = len(col_bounds) - 1
+    check_expand_args(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets)
     compiled = cpu_ext.kernels_for(y)
     plan = _plan(seg_indptr, seg_slots, compiled is not None)
+    expand_planned(y, h, lora_b, slot_ranks, slot_scales, slice_offsets.tolist(), plan, None, None, compiled)
+
+
+def expand_planned(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    lora_b: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scales: torch.Tensor,
+    col_bounds: Sequence[int],
+    plan: _Plan,
+    ranks: Sequence[int] | None,
+    scales: Sequence[float] | None,
+    compiled: ModuleType | None,
+) -> None:
+    """The expand on checked arguments and a plan made once per batch; col_bounds, ranks and scales are slice_offsets,
+    slot_ranks and slot_scales on the host (ranks and scales None: read from the device when a long segment needs
+    them)."""
+    max_rank = lora_b.shape[1]
+    slices = _slices(col_bounds)
+    num_slices = len(col_bounds) - 1
     if plan.row_slots is not None:
         compiled.expand(y, h, lora_b, plan.row_slots, slot_ranks, slot_scales, col_bounds)
     for group in plan.groups:
@@ -267,7 +314,8 @@ def lora_expand_torch(
                 y[:, start:end].index_add_(0, group.rows, h_slice @ b_slice)
     if not plan.separate:
         return
-    ranks, scales = slot_ranks.tolist(), slot_scales.tolist()
+    if ranks is None or scales is None:
+        ranks, scales = slot_ranks.tolist(), slot_scales.tolist()
     for seg in plan.separate:
         rank = ranks[seg.slot]
         if rank == 0:
@@ -276,7 +324,7 @@ def lora_expand_torch(
         _expand_segment(y, h_seg, lora_b, seg, rank, scales[seg.slot], slices)
 
 
-def _slices(col_bounds: list[int]) -> list[tuple[int, int, int]]:
+def _slices(col_bounds: Sequence[int]) -> list[tuple[int, int, int]]:
     """(slice, first column, end column) of each non-empty slice."""
     bounds = zip(col_bounds[:-1], col_bounds[1:], strict=True)
     return [(i, start, end) for i, (start, end) in enumerate(bounds) if end > start]
@@ -320,13 +368,34 @@ def lora_shrink_expand_torch(
         lora_expand_torch(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets)
         return
     plan = _plan(seg_indptr, seg_slots, compiled=True)
+    shrink_expand_compiled(y, x, lora_a, lora_b, slot_ranks, slot_scales, slice_offsets, None, plan, None, None,
+                           compiled)  # fmt: skip
+
+
+def shrink_expand_compiled(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scales: torch.Tensor,
+    slice_offsets: torch.Tensor,
+    col_bounds: Sequence[int] | None,
+    plan: _Plan,
+    ranks: Sequence[int] | None,
+    scales: Sequence[float] | None,
+    compiled: ModuleType,
+) -> None:
+    """Shrink and expand in one compiled call for the short segments' rows of a plan made for the CPU kernels, and
+    each long segment's own matmuls; the host values as in expand_planned (None: read from the device)."""
     if plan.row_slots is not None:
         compiled.shrink_expand(y, x, lora_a, lora_b, plan.row_slots, slot_ranks, slot_scales, slice_offsets)
     if not plan.separate:
         return
     num_slices = slice_offsets.shape[0] - 1
-    slices = _slices(slice_offsets.tolist())
-    ranks, scales = slot_ranks.tolist(), slot_scales.tolist()
+    slices = _slices(slice_offsets.tolist() if col_bounds is None else col_bounds)
+    if ranks is None or scales is None:
+        ranks, scales = slot_ranks.tolist(), slot_scales.tolist()
     for seg in plan.separate:
         rank = ranks[seg.slot]
         if rank > 0:

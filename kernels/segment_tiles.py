@@ -1,11 +1,19 @@
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import triton
 import triton.language as tl
 
 # Row tiles are numbered segment after segment, skipping empty and base segments. Each program
 # rebuilds that numbering from seg_indptr with one vector scan, so launches need no host sync and
 # no extra torch ops to build a tile map.
+
+
+def device_scope(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device and stream, not the tensor's: make the tensor's device current."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def plan_tiles(num_tokens: int, num_segments: int) -> tuple[int, int, int]:

@@ -78,6 +78,9 @@ _HELP: dict[str, str] = {
     "device": "cpu or cuda (default: cuda if available)",
     "dtype": "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16 or float16",
     "enable_lora": "turn LoRA on (implied by --lora-paths)",
+    "lora_backend": "LoRA kernels: triton (CUDA), cpu (compiled AVX-512 BF16 kernels; bfloat16 on the CPU, also used "
+    "for attention and norms), torch (torch ops, any device); auto = triton on CUDA, else cpu where it builds and "
+    "runs, else torch",
     "lora_paths": "adapters loaded at start: NAME=PATH, PATH, or JSON {lora_name, lora_path, pinned}",
     "max_loras_per_batch": "device adapter slots = most distinct adapters in one forward pass",
     "max_loaded_loras": "adapters kept in host memory (LRU beyond it); default unlimited",
@@ -135,6 +138,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     device: Literal["cpu", "cuda"] | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     enable_lora: bool = False
+    lora_backend: Literal["auto", "triton", "cpu", "torch"] = "auto"
     lora_paths: list[str] = []
     max_loras_per_batch: int = 8
     max_loaded_loras: int | None = None

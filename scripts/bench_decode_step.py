@@ -1,4 +1,4 @@
-"""One worker's decode step, in process: the CPU kernels (kernels/cpu_ext) against the torch ops they replace.
+"""One worker's decode step, in process: the `cpu` backend (kernels/cpu_ext) against the `torch` one it replaces.
 
 Loads the bench model and its adapters into a ModelRunner (no server), prefills `--batch` requests of `--context`
 tokens, then times the same decode step over and over, alternating the two paths step by step so that both see the
@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from bench_model import ADAPTER_RANK, SIZES, BenchModel, ensure_bench_model  # noqa: E402
 from bench_report import format_table, write_json  # noqa: E402
 
-from kernels import cpu_ext  # noqa: E402
+from kernels import BackendError, select_backend  # noqa: E402
 from protocol.config import ServerConfig  # noqa: E402
 from protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SamplingParams, SlotLoad  # noqa: E402
 from worker.model_runner import ModelRunner  # noqa: E402
@@ -92,9 +92,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    compiled = cpu_ext.kernels()
-    if compiled is None:
-        sys.exit(f"the CPU kernels cannot run here: {cpu_ext.unavailable_reason() or 'the build failed (see the log)'}")
+    try:
+        backends = {"torch ops": select_backend("torch", "cpu", getattr(torch, args.dtype)),
+                    "CPU kernels": select_backend("cpu", "cpu", getattr(torch, args.dtype))}  # fmt: skip
+    except BackendError as e:
+        sys.exit(str(e))
     bench = ensure_bench_model(SIZES[args.size], args.num_adapters)
     runner, pages = make_runner(bench, dtype=args.dtype, batch=args.batch, context=args.context,
                                 max_loras_per_batch=args.num_adapters, num_adapters=args.num_adapters)
@@ -112,8 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
         reqs = decode_reqs(pages, args.context, row_slots)
         times: dict[str, list[float]] = {"torch ops": [], "CPU kernels": []}
         for step in range(args.steps + 2):
-            for path, module in (("torch ops", None), ("CPU kernels", compiled)):
-                cpu_ext.kernels = lambda module=module: module  # the switch every caller reads
+            for path, backend in backends.items():
+                runner.set_backend(backend)  # LoRA and the model's attention, norms and activation
                 elapsed_ms = step_ms(runner, reqs, 100 + step)
                 if step >= 2:  # the first steps warm caches and plans
                     times[path].append(elapsed_ms)

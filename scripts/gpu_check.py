@@ -137,9 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if args.dry_run:  # before any child imports triton: the kernels run in the interpreter, never cpu_ext builds
+    if args.dry_run:  # before any child imports triton: the kernels run in the interpreter (runners: torch backend)
         os.environ["TRITON_INTERPRET"] = "1"
-        os.environ["LORAPLEX_CPU_KERNELS"] = "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "wall_s": 0.0, "budget_s": args.budget_s, "dry_run": args.dry_run, "git": git_sha(),
                  "versions": {}, "device": {}, "ceilings": {},
                  "env": {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES",
-                                                        "LORAPLEX_CPU_KERNELS", "PYTHONPATH")}},
+                                                        "PYTHONPATH")}},
         "groups": {},
     }
     for group in selected_groups(args):

@@ -251,7 +251,7 @@ def _perf_cell(ctx: Context, module: str, layout: str, rank: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from kernels import lora_expand_triton, lora_shrink_expand, lora_shrink_triton
+    from kernels import lora_expand_triton, lora_shrink_expand_triton, lora_shrink_triton
 
     in_dim, outs = PERF_MODULES[module]
     seg_len, adapters = PERF_LAYOUTS[layout]
@@ -271,7 +271,7 @@ def _perf_cell(ctx: Context, module: str, layout: str, rank: int) -> dict:
                                                           t["slice_offsets"]), dev, reps=reps, warmups=warm)) * 1e3
 
     def fused():
-        lora_shrink_expand(t["y"], t["x"], t["lora_a"], t["lora_b"], *meta, t["slot_scales"], t["slice_offsets"])
+        lora_shrink_expand_triton(t["y"], t["x"], t["lora_a"], t["lora_b"], *meta, t["slot_scales"], t["slice_offsets"])
 
     both_us = median(time_ms(fused, dev, reps=reps, warmups=warm)) * 1e3
     weight = torch.randn(sum(outs), in_dim, device=dev, dtype=dtype)

@@ -129,6 +129,12 @@ class Context:
     def is_cuda(self) -> bool:
         return not self.dry_run
 
+    @property
+    def lora_backend(self) -> str:
+        """--lora-backend for the runners: the default (Triton) on the GPU; torch ops on a dry run, where the
+        interpreter would be slow and the CPU kernels a build."""
+        return "auto" if self.is_cuda else "torch"
+
     def reps(self, n: int = 20) -> int:
         return 2 if self.dry_run else n
 

@@ -312,7 +312,7 @@ def _runner(ctx: Context, model_dir: Path, dtype: str, lora: bool = True):
 
     lora_kwargs = dict(enable_lora=True, max_lora_rank=64, lora_target_modules=["all"], max_loras_per_batch=6)
     config = ServerConfig(device=ctx.device.type, dtype=dtype, page_size=4, max_total_tokens=4096,
-                          **(lora_kwargs if lora else {}))
+                          lora_backend=ctx.lora_backend, **(lora_kwargs if lora else {}))
     return ModelRunner(config, str(model_dir), 0, 1, ctx.device.type)
 
 

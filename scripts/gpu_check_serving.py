@@ -55,8 +55,8 @@ def _runner(ctx: Context, model_dir: Path, **overrides):
     from protocol.config import ServerConfig
     from worker.model_runner import ModelRunner
 
-    kwargs = dict(device=ctx.device.type, dtype="bfloat16", enable_lora=True, max_lora_rank=64,
-                  lora_target_modules=["all"], max_loras_per_batch=40 if ctx.is_cuda else 12,
+    kwargs = dict(device=ctx.device.type, dtype="bfloat16", lora_backend=ctx.lora_backend, enable_lora=True,
+                  max_lora_rank=64, lora_target_modules=["all"], max_loras_per_batch=40 if ctx.is_cuda else 12,
                   max_running_requests=128, max_total_tokens=131072 if ctx.is_cuda else 16384)
     return ModelRunner(ServerConfig(**{**kwargs, **overrides}), str(model_dir), 0, 1, ctx.device.type)
 

@@ -29,7 +29,8 @@ def _config(tp: int, device: str, dtype: str):
     from protocol.config import ServerConfig
 
     return ServerConfig(tp=tp, device=device, dtype=dtype, page_size=4, max_total_tokens=4096, enable_lora=True,
-                        max_lora_rank=64, lora_target_modules=["all"], max_loras_per_batch=4)
+                        max_lora_rank=64, lora_target_modules=["all"], max_loras_per_batch=4,
+                        lora_backend="auto" if device.startswith("cuda") else "torch")
 
 
 def _workload(runner, adapters: dict[str, str]) -> dict:

@@ -7,13 +7,15 @@ from pathlib import Path
 # Before anything imports transformers/huggingface_hub: tests must never reach a model hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
-# Before anything imports triton: on CPU the kernel tests run in Triton's interpreter.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 # Plain `pytest` (unlike `python -m pytest`) does not put the repo root on sys.path.
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
+
+# Before anything imports triton: the interpreter only where no GPU is used (device_helpers.py).
+from device_helpers import configure_triton  # noqa: E402
+
+configure_triton()
 
 import pytest  # noqa: E402
 

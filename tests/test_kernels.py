@@ -1,21 +1,18 @@
 from __future__ import annotations
 
-import os
 import re
+from dataclasses import dataclass, fields, replace
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported, so kernels run on CPU
+import pytest
+import torch
+from device_helpers import TEST_DEVICE  # conftest has set TRITON_INTERPRET where no GPU is used
 
-from dataclasses import dataclass, replace  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import kernels  # noqa: E402
-from kernels import (  # noqa: E402
+from kernels import (
     cpu_ext,
     lora_expand_torch,
     lora_expand_triton,
     lora_shrink_expand_torch,
+    lora_shrink_expand_triton,
     lora_shrink_torch,
     lora_shrink_triton,
     lora_torch,
@@ -102,6 +99,11 @@ def make_batch(case: Case, num_slices: int, dtype: torch.dtype, seed: int = 0) -
     )
 
 
+def on_test_device(b: Batch) -> Batch:
+    """The batch where the Triton kernels run: the GPU, or the CPU under Triton's interpreter."""
+    return replace(b, **{f.name: getattr(b, f.name).to(TEST_DEVICE) for f in fields(b) if f.name != "num_slices"})
+
+
 def row_slots(b: Batch) -> list[int]:
     bounds = b.seg_indptr.tolist()
     return [slot for seg, slot in enumerate(b.seg_slots.tolist()) for _ in range(bounds[seg], bounds[seg + 1])]
@@ -152,7 +154,7 @@ def sweep_cases(test):
 def test_shrink(case_name: str, num_slices: int, dtype: torch.dtype) -> None:
     b = make_batch(CASES[case_name], num_slices, dtype)
     h_ref = lora_shrink_torch(*shrink_args(b))
-    h_tri = lora_shrink_triton(*shrink_args(b))
+    h_tri = lora_shrink_triton(*shrink_args(on_test_device(b))).cpu()
     assert h_ref.shape == h_tri.shape == (b.x.shape[0], b.lora_a.shape[1])
     assert h_ref.dtype == h_tri.dtype == dtype
     torch.testing.assert_close(h_ref.double(), dense_shrink(b), **TOLERANCES[dtype])
@@ -165,9 +167,10 @@ def test_shrink(case_name: str, num_slices: int, dtype: torch.dtype) -> None:
 @sweep_cases
 def test_expand(case_name: str, num_slices: int, dtype: torch.dtype) -> None:
     b = make_batch(CASES[case_name], num_slices, dtype)
-    y_ref, y_tri = b.y.clone(), b.y.clone()
+    y_ref, y_tri = b.y.clone(), b.y.clone().to(TEST_DEVICE)
     assert lora_expand_torch(*expand_args(b, y_ref)) is None
-    assert lora_expand_triton(*expand_args(b, y_tri)) is None
+    assert lora_expand_triton(*expand_args(on_test_device(b), y_tri)) is None
+    y_tri = y_tri.cpu()
     torch.testing.assert_close(y_ref.double(), dense_expand(b), **TOLERANCES[dtype])
     torch.testing.assert_close(y_tri, y_ref, **TOLERANCES[dtype])
     is_base = base_rows(b)
@@ -290,32 +293,19 @@ def test_expand_updates_strided_view() -> None:
     fused = torch.randn(b.y.shape[0], b.y.shape[1] + 16)
     fused[:, 16:] = b.y
     before = fused.clone()
-    lora_expand_triton(*expand_args(b, fused[:, 16:]))
+    fused = fused.to(TEST_DEVICE)
+    lora_expand_triton(*expand_args(on_test_device(b), fused[:, 16:]))
+    fused = fused.cpu()
     torch.testing.assert_close(fused[:, 16:].double(), dense_expand(b), **TOLERANCES[torch.float32])
     assert torch.equal(fused[:, :16], before[:, :16])
 
 
-@pytest.mark.parametrize("force_triton", [False, True])
-def test_dispatch(monkeypatch: pytest.MonkeyPatch, force_triton: bool) -> None:
-    calls: list[str] = []
-    monkeypatch.setattr(kernels, "lora_shrink_triton", lambda *a: calls.append("triton"))
-    monkeypatch.setattr(kernels, "lora_shrink_torch", lambda *a: calls.append("torch"))
-    monkeypatch.setattr(kernels, "lora_expand_triton", lambda *a: calls.append("triton"))
-    monkeypatch.setattr(kernels, "lora_expand_torch", lambda *a: calls.append("torch"))
-    monkeypatch.setenv("LORAPLEX_FORCE_TRITON", "1" if force_triton else "0")
-    b = make_batch(CASES["mixed"], 1, torch.float32)
-    kernels.lora_shrink(*shrink_args(b))
-    kernels.lora_expand(*expand_args(b, b.y))
-    assert calls == ["triton" if force_triton else "torch"] * 2
-
-
-@pytest.mark.parametrize("force_triton", [False, True])
-def test_shrink_expand_dispatch(force_triton: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LORAPLEX_FORCE_TRITON", "1" if force_triton else "0")
+def test_triton_shrink_expand_is_shrink_then_expand() -> None:
     b = make_batch(CASES["prefill_and_decodes"], 3, torch.float32)
-    y = b.y.clone()
-    kernels.lora_shrink_expand(*shrink_expand_args(b, y))
-    torch.testing.assert_close(y.double(), dense_shrink_expand(b), **TOLERANCES[torch.float32])
+    on_device = on_test_device(b)
+    y = on_device.y.clone()
+    lora_shrink_expand_triton(*shrink_expand_args(on_device, y))
+    torch.testing.assert_close(y.cpu().double(), dense_shrink_expand(b), **TOLERANCES[torch.float32])
 
 
 BAD_SHRINK_EXPAND = {  # argument -> (replacement, what the compiled kernel's refusal names)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from device_helpers import USES_GPU
 from lora_helpers import (
     ADAPTER_IDS,
     LORA_CONFIG,
@@ -21,9 +22,9 @@ from lora_helpers import (
 from reference import assert_greedy_match, hf_greedy, hf_model
 from worker_helpers import GREEDY, PAGE_SIZE, make_runner, random_prompts
 
-import kernels
+import kernels.backend
 from frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
-from kernels.lora_torch import _plan
+from kernels import select_backend
 from protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from worker.batch_inputs import BatchError
 from worker.lora.layers import LoRALinear
@@ -107,8 +108,7 @@ def test_decode_step_sorted_by_slot_matches_peft(
         for p, pg, n, t in zip(prompts, pages, names, next_tokens, strict=True)
     ]
     logits = runner.batch_logits(ForwardBatch(batch_id=1, reqs=decode_reqs))  # (reqs, vocab)
-    batch = runner.lora.batch
-    plan = _plan(batch.seg_indptr, batch.seg_slots)
+    plan = runner.lora.batch.meta.plan  # the torch backend's, made once for the step
     assert len(plan.groups) == 1 and not plan.separate, "the decode step was not one grouped matmul"
     for prompt, name, token, row in zip(prompts, names, next_tokens, logits, strict=True):
         ref = hf_logits(llama_dir, prompt + [token], None if name is None else adapter_dirs[name])[-1]
@@ -181,7 +181,8 @@ def test_drop_before_install_keeps_nothing(runner: ModelRunner, adapter_dirs: di
 
 def test_base_only_batches_launch_no_lora_work(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    monkeypatch.setattr("worker.lora.layers.lora_shrink", lambda *args: calls.append(args))
+    for op in ("prepare", "shrink", "expand", "shrink_expand"):
+        monkeypatch.setattr(runner.backend, op, lambda *args, op=op: calls.append(op))
     prompt = random_prompts([5], runner.vocab_size, seed=14)[0]
     base = runner.prefill_logits(prompt)
     assert calls == []
@@ -204,15 +205,20 @@ def test_qwen2_adapter_matches_peft(qwen2_dir: Path, tmp_path: Path) -> None:
     assert (ref - hf_logits(qwen2_dir, prompts[1], None)).abs().max().item() > MIN_ADAPTER_EFFECT
 
 
+@pytest.mark.skipif(USES_GPU, reason="this runner is on the CPU; test_lora_backends runs Triton on the GPU")
 def test_triton_kernels_match_torch_path(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     names = [None, "a16", "a32", "a16"]
     prompts = random_prompts([3, 4, 2, 1], runner.vocab_size, seed=16)
     torch_path = batch_logits(runner, prompts, names)
-    monkeypatch.setenv("LORAPLEX_FORCE_TRITON", "1")  # TRITON_INTERPRET=1 (conftest): the kernels run on the CPU
     calls = []
-    real = kernels.lora_shrink_triton
-    monkeypatch.setattr(kernels, "lora_shrink_triton", lambda *args: calls.append(1) or real(*args))
-    triton_path = batch_logits(runner, prompts, names)
+    real = kernels.backend.launch_shrink
+    monkeypatch.setattr(kernels.backend, "launch_shrink", lambda *args: calls.append(1) or real(*args))
+    torch_backend = runner.backend
+    runner.set_backend(select_backend("triton", runner.device, runner.dtype))  # the interpreter (conftest)
+    try:
+        triton_path = batch_logits(runner, prompts, names)
+    finally:
+        runner.set_backend(torch_backend)
     assert calls, "the Triton kernels did not run"
     for ours, ref in zip(triton_path, torch_path, strict=True):
         assert (ours - ref).abs().max().item() <= FP32_TOL

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from kernels import cpu_ext
+from kernels import LoRABackend, select_backend
 from protocol.config import ServerConfig
 from protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad
 from worker.batch_inputs import BatchError, BatchInputs
@@ -46,6 +46,16 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.context_length = self._context_length()
         self._check_divisible()
+        # The one choice of LoRA backend (and with it the CPU kernels for attention and norms), before any weight
+        # loads: a choice the device cannot run fails start-up at once.
+        self.backend = select_backend(config.lora_backend, self.device, self.dtype)
+        logger.info(
+            "LoRA backend: %s (--lora-backend %s, %s on %s)",
+            self.backend.name,
+            config.lora_backend,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+        )
 
         with tensor_parallel(rank, world_size), self.device, _default_dtype(self.dtype):
             self.model = LlamaForCausalLM(self.model_config, max_positions=self.context_length)
@@ -53,12 +63,16 @@ class ModelRunner:
         self.model.eval()
         # Wraps the targeted linears in place, after the weights are loaded under their own names.
         self.lora = (
-            LoRAManager(self.model.model.layers, self.model_config, config, rank, world_size, self.device, self.dtype)
+            LoRAManager(
+                self.model.model.layers, self.model_config, config, rank, world_size, self.device, self.dtype,
+                self.backend,
+            )  # fmt: skip
             if config.lora_enabled
             else None
         )
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            cpu_ext.kernels()  # built now (logged), not inside the first request's forward
+        self.set_backend(self.backend)
+        if self.lora is not None:
+            self.lora.warmup()  # Triton: every kernel variant compiled now, not inside a request's forward
         self._pack_weights()
         logger.info(
             "loaded %s: %d layers, shard %d of %d, %s on %s, context length %d",
@@ -92,6 +106,17 @@ class ModelRunner:
                 self.max_total_tokens,
                 self.context_length,
             )
+
+    def set_backend(self, backend: LoRABackend) -> None:
+        """Compute through `backend` from the next forward on: the LoRA linears' products, and the CPU kernels (or
+        torch ops) of the model's attention, norms and activation. Called at start-up; benchmarks use it to compare
+        backends on one model."""
+        self.backend = backend
+        if self.lora is not None:
+            self.lora.set_backend(backend)
+        for module in self.model.modules():
+            if hasattr(module, "use_cpu_kernels"):
+                module.use_cpu_kernels(backend.cpu_kernels)
 
     def _pack_weights(self) -> None:
         reason = packed.unavailable_reason(self.device, self.dtype)

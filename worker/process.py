@@ -9,6 +9,7 @@ import time
 import msgspec
 import torch
 
+from kernels import BackendError
 from protocol.proc import die_with_parent, read_process_args, setup_logging
 from protocol.sockets import PULL, PUSH, TypedSocket, send_last
 from protocol.structs import (
@@ -170,7 +171,10 @@ def main() -> int:
     try:
         worker = Worker(args, rank, to_scheduler)
     except Exception as e:
-        logger.exception("start-up failed")
+        if isinstance(e, BackendError):  # a configuration the device cannot run, not a fault: its one line says it
+            logger.error("start-up failed: %s", e)
+        else:
+            logger.exception("start-up failed")
         to_scheduler.send(ProcessFailed(who=f"worker{rank}", error_message=f"{type(e).__name__}: {e}"))
         to_scheduler.sock.close(linger=FAILURE_FLUSH_MS)
         return 1

@@ -5,18 +5,18 @@ into a padded (reqs, max_kv_pages * page_size) block and runs one SDPA call per 
 at most two groups: decodes (one new token) and prefills, so a long prompt in the batch does not pad every decode to
 its length.
 
-A group of decodes in bfloat16 on a CPU with AVX-512 BF16 goes to cpu_ext's decode_attention instead, which reads each
-request's keys and values straight from its pages: no gathered copy, no padding, no mask.
+With the CPU kernels (the `cpu` backend: bfloat16 on a CPU with AVX-512 BF16), a group of decodes goes to cpu_ext's
+decode_attention instead, which reads each request's keys and values straight from its pages: no gathered copy, no
+padding, no mask. The caller passes that module (`decode_kernels`) when its head shapes are ones the kernel takes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
-
-from kernels import cpu_ext
 
 
 @dataclass(frozen=True)
@@ -44,23 +44,32 @@ def paged_attention(
     k_cache: torch.Tensor,  # (slots, kv_heads, head_dim)
     v_cache: torch.Tensor,  # (slots, kv_heads, head_dim)
     inputs: AttentionInputs,
+    decode_kernels: ModuleType | None = None,  # cpu_ext's module, for these head shapes, or None
 ) -> torch.Tensor:
     k_cache.index_copy_(0, inputs.write_slots, k)
     v_cache.index_copy_(0, inputs.write_slots, v)
+    if not k_cache.is_contiguous():
+        decode_kernels = None
     if len(inputs.groups) == 1:
-        return _attend_group(q, k_cache, v_cache, inputs.groups[0])
+        return _attend_group(q, k_cache, v_cache, inputs.groups[0], decode_kernels)
     out = torch.empty_like(q)  # (tokens, heads, head_dim)
     for group in inputs.groups:
-        group_out = _attend_group(q.index_select(0, group.token_rows), k_cache, v_cache, group)
+        group_out = _attend_group(q.index_select(0, group.token_rows), k_cache, v_cache, group, decode_kernels)
         out.index_copy_(0, group.token_rows, group_out)
     return out
 
 
-def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+def _attend_group(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: AttentionGroup,
+    decode_kernels: ModuleType | None,
+) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
-    if group.max_q_len == 1 and (compiled := _compiled_decode(q, k_cache)) is not None:
+    if group.max_q_len == 1 and decode_kernels is not None:
         out = torch.empty_like(q)  # (reqs, heads, head_dim): one token per request, in request order
-        compiled.decode_attention(
+        decode_kernels.decode_attention(
             q.contiguous(), k_cache, v_cache, group.read_pages, group.kv_lens, group.page_size, head_dim**-0.5, out
         )
         return out
@@ -85,11 +94,3 @@ def _gather_pages(cache: torch.Tensor, read_pages: torch.Tensor, page_size: int)
     pages = cache.view(num_slots // page_size, -1).index_select(0, read_pages.view(-1))  # (reqs * pages, page elems)
     return pages.view(num_reqs, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)
 
-
-def _compiled_decode(q: torch.Tensor, k_cache: torch.Tensor):
-    """cpu_ext's kernels if its decode attention takes these shapes, dtype and device here, else None."""
-    compiled = cpu_ext.kernels_for(q)
-    if compiled is None or not k_cache.is_contiguous():
-        return None
-    group = q.shape[1] // k_cache.shape[1]
-    return compiled if compiled.decode_attention_supports(group, q.shape[2]) else None

@@ -10,7 +10,6 @@ A linear opts in with a `packed_weight` attribute (None until packed) and comput
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +20,6 @@ logger = logging.getLogger(__name__)
 
 def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the weights cannot be prepacked here, or None if they can."""
-    if os.environ.get("LORAPLEX_CPU_KERNELS", "1") == "0":
-        return "disabled by LORAPLEX_CPU_KERNELS=0"
     if device.type != "cpu" or dtype != torch.bfloat16:
         return f"only for bfloat16 on the CPU, not {str(dtype).removeprefix('torch.')} on {device.type}"
     if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():

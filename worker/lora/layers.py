@@ -1,7 +1,8 @@
 """LoRALinear: a base linear plus the batch's adapters: y = base(x) + scale · (x · Aᵀ) · Bᵀ, A and B of each row's slot.
 
 It replaces a linear on the built model (model code never sees it) and exposes the same attributes, so the model
-reads e.g. `qkv_proj.output_sizes_per_rank` as before. All wrappers share one LoRABatchInfo, set once per forward."""
+reads e.g. `qkv_proj.output_sizes_per_rank` as before. All wrappers share one LoRABatchInfo, set once per forward,
+and do their products through the worker's one LoRA backend (kernels/backend.py), chosen at start-up."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kernels import lora_expand, lora_shrink, lora_shrink_expand
+from kernels import LoRABackend, LoRABatchMeta
 from worker.lora.pool import LoRABuffers
 from worker.parallel import all_reduce
 
@@ -32,8 +33,8 @@ _LINEAR_ATTRS = (
 class LoRABatchInfo:
     """The tokens of the current forward grouped into segments of consecutive rows with one slot."""
 
-    seg_indptr: torch.Tensor | None = None  # (segments + 1,) int32: segment i is rows seg_indptr[i] ... [i + 1]
-    seg_slots: torch.Tensor | None = None  # (segments,) int32: its slot, -1 = base model (the kernels skip it)
+    backend: LoRABackend  # the worker's, chosen at start-up
+    meta: LoRABatchMeta | None = None  # the segments on the device and the backend's plan (None: no adapter rows)
     # Fused linears (FusedLinear.name) that some segment's adapter targets; the others skip LoRA entirely,
     # so a base-only batch costs one set lookup per linear. Decided on the host: identical on every TP rank.
     active: frozenset[str] = field(default_factory=frozenset)
@@ -48,42 +49,22 @@ class LoRALinear(nn.Module):
         self.fused_name = buffers.fused.name
         for name in _LINEAR_ATTRS:
             setattr(self, name, getattr(base, name))
+        # Row-parallel under TP: x holds this rank's input columns, so h (tokens, max_rank) is a partial sum to reduce
+        # before the expand (B is whole on every rank); otherwise nothing runs between shrink and expand.
+        self.reduce_h = self.tp_mode == "row" and self.tp_size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # (tokens, out_per_rank)
         batch = self.batch
         if self.fused_name not in batch.active:
             return y
-        buffers = self.buffers
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if self.tp_mode == "column" or self.tp_size == 1:  # nothing to reduce between shrink and expand
-            lora_shrink_expand(
-                y,
-                x,
-                buffers.lora_a,
-                buffers.lora_b,
-                batch.seg_indptr,
-                batch.seg_slots,
-                buffers.slot_ranks,
-                buffers.slot_scales,
-                buffers.slice_offsets,
-            )
-            return y
-        # Row-parallel under TP: x holds this rank's input columns, so h (tokens, max_rank) is a partial sum to reduce
-        # before the expand; B is whole on every rank.
-        h = lora_shrink(x, buffers.lora_a, batch.seg_indptr, batch.seg_slots, buffers.slot_ranks, buffers.num_slices)
-        h = all_reduce(h, self.tp_size)
-        lora_expand(
-            y,
-            h,
-            buffers.lora_b,
-            batch.seg_indptr,
-            batch.seg_slots,
-            buffers.slot_ranks,
-            buffers.slot_scales,
-            buffers.slice_offsets,
-        )
+        if self.reduce_h:
+            h = batch.backend.shrink(x, self.buffers, batch.meta)
+            batch.backend.expand(y, all_reduce(h, self.tp_size), self.buffers, batch.meta)
+        else:
+            batch.backend.shrink_expand(y, x, self.buffers, batch.meta)
         return y
 
     def extra_repr(self) -> str:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from kernels import LoRABackend
 from protocol.config import ServerConfig
 from protocol.structs import AdapterOutcome, AdapterToLoad, ForwardReq, SlotLoad, split_inline_frames
 from worker.batch_inputs import BatchError
@@ -41,6 +43,7 @@ class LoRAManager:
         tp_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        backend: LoRABackend,
     ):
         """Build the pool for the model's decoder `layers` and wrap their targeted linears (in place)."""
         if config.max_lora_rank is None or not config.target_modules:
@@ -57,7 +60,7 @@ class LoRAManager:
             device=torch.device(device),
         )
         self.pool = LoRAPool(layers, self.spec, config.max_loras_per_batch)
-        self.batch = LoRABatchInfo()
+        self.batch = LoRABatchInfo(backend=backend)
         for (layer_id, name), buffers in self.pool.buffers.items():
             parent_name, attr = name.rsplit(".", 1)
             parent = layers[layer_id].get_submodule(parent_name)
@@ -77,6 +80,31 @@ class LoRAManager:
     @property
     def num_slots(self) -> int:
         return self.pool.num_slots
+
+    @property
+    def backend(self) -> LoRABackend:
+        return self.batch.backend
+
+    def set_backend(self, backend: LoRABackend) -> None:
+        """Every LoRA linear computes through `backend` from the next forward on (start-up; benchmarks that compare
+        backends on one model)."""
+        self.batch.backend = backend
+        self.batch.meta = None
+        self.batch.active = frozenset()
+
+    def warmup(self) -> None:
+        """Compile the backend's kernels for every shape this pool can meet (Triton; nothing on the CPU), logged."""
+        weights = {}  # one linear of each kind: every layer's are the same shapes
+        for (_, name), buffers in self.pool.buffers.items():
+            weights.setdefault(name, buffers)
+        start = time.perf_counter()
+        # The scheduler sorts a batch by slot: at most one segment per slot, and one of base rows.
+        launches = self.backend.warmup(list(weights.values()), max_segments=self.num_slots + 1)
+        if launches:
+            logger.info(
+                "LoRA %s kernels compiled for %d linear shapes and up to %d segments: %d launches in %.1f s",
+                self.backend.name, len(weights), self.num_slots + 1, launches, time.perf_counter() - start,
+            )  # fmt: skip
 
     # ---- adapters (host copies) ---------------------------------------------------------------------
 
@@ -207,12 +235,10 @@ class LoRAManager:
                 seg_indptr.append(seg_indptr[-1] + len(req.input_ids))
         used = {slot for slot in seg_slots if slot != -1}
         if not used:
-            self.batch.seg_indptr = self.batch.seg_slots = None
+            self.batch.meta = None
             self.batch.active = frozenset()
             return
-        device = self.spec.device
-        self.batch.seg_indptr = torch.tensor(seg_indptr, dtype=torch.int32, device=device)
-        self.batch.seg_slots = torch.tensor(seg_slots, dtype=torch.int32, device=device)
+        self.batch.meta = self.batch.backend.prepare(seg_indptr, seg_slots)
         self.batch.active = frozenset(
             SLICE_OF[module][0].name
             for slot in used

@@ -30,6 +30,8 @@ class LoRABuffers:
     row_offsets: tuple[int, ...]  # the same, on the host
     slot_ranks: torch.Tensor  # (slots,) int32, shared by every layer's buffers of this kind
     slot_scales: torch.Tensor  # (slots,) float32, shared by all buffers
+    host_ranks: list[int]  # slot_ranks on the host (the pool writes both), so no op reads them back
+    host_scales: list[float]  # slot_scales on the host
 
     @property
     def num_slices(self) -> int:
@@ -51,6 +53,8 @@ class LoRAPool:
         device = spec.device
         self.slot_scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.slot_ranks = {f.name: torch.zeros(num_slots, dtype=torch.int32, device=device) for f in self.fused_linears}
+        self.host_scales = [0.0] * num_slots
+        self.host_ranks = {f.name: [0] * num_slots for f in self.fused_linears}
         self.buffers: dict[tuple[int, str], LoRABuffers] = {}
         for layer_id, layer in enumerate(layers):
             for fused in self.fused_linears:
@@ -71,6 +75,8 @@ class LoRAPool:
             row_offsets=row_offsets,
             slot_ranks=self.slot_ranks[fused.name],
             slot_scales=self.slot_scales,
+            host_ranks=self.host_ranks[fused.name],
+            host_scales=self.host_scales,
         )
 
     @torch.no_grad()
@@ -89,17 +95,18 @@ class LoRAPool:
             buffers.lora_b[slot, :r, b_start:b_end].copy_(lora_b.T, non_blocking=True)  # (r, out_of_slice)
         targeted = {SLICE_OF[module][0].name for module in adapter.target_modules}
         for name, ranks in self.slot_ranks.items():
-            ranks[slot] = r if name in targeted else 0
+            ranks[slot] = self.host_ranks[name][slot] = r if name in targeted else 0
         self.slot_scales[slot] = adapter.scale
+        self.host_scales[slot] = torch.tensor(adapter.scale, dtype=torch.float32).item()  # as float32 holds it
 
     @torch.no_grad()
     def clear_slot(self, slot: int) -> None:
         for buffers in self.buffers.values():
             buffers.lora_a[slot].zero_()
             buffers.lora_b[slot].zero_()
-        for ranks in self.slot_ranks.values():
-            ranks[slot] = 0
-        self.slot_scales[slot] = 0.0
+        for name, ranks in self.slot_ranks.items():
+            ranks[slot] = self.host_ranks[name][slot] = 0
+        self.slot_scales[slot] = self.host_scales[slot] = 0.0
 
     @property
     def num_bytes(self) -> int:
