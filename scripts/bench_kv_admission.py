@@ -14,7 +14,6 @@ server reports.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import time
@@ -26,9 +25,9 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_serving  # noqa: E402
-from bench_model import SIZES, BenchModel, ensure_bench_model  # noqa: E402
-from bench_report import RATIO_HEADERS, Targets, best_of, format_table, ratio_rows, write_json  # noqa: E402
-from bench_server import add_server_args, start_server  # noqa: E402
+from bench_model import BenchModel  # noqa: E402
+from bench_report import Targets, best_of, ratio_rows  # noqa: E402
+from bench_server import script_main, start_server  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -124,17 +123,11 @@ def rows(results: dict) -> list[list[str]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_server_args(parser)
-    args = parser.parse_args(argv)
-    plan = QUICK if args.quick else FULL
-    bench = ensure_bench_model(SIZES[plan.size], plan.num_adapters, args.cache_dir)
-    results = benchmark(bench, plan, dtype=args.dtype, server_threads=args.server_threads, repeats=args.repeats,
-                        seed=args.seed)
-    print(format_table(RATIO_HEADERS, rows(results)))
-    if args.json:
-        write_json(args.json, results)
-    return results
+    def run(bench, plan, args):
+        return benchmark(bench, plan, dtype=args.dtype, server_threads=args.server_threads, repeats=args.repeats,
+                         seed=args.seed)
+
+    return script_main(__doc__, FULL, QUICK, run, rows, argv)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_model import ADAPTER_RANK, DEFAULT_CACHE_DIR  # noqa: E402
+from bench_model import ADAPTER_RANK, DEFAULT_CACHE_DIR, SIZES, ensure_bench_model  # noqa: E402
+from bench_report import RATIO_HEADERS, format_table, write_json  # noqa: E402
 
 from tests.server_utils import ServerProcess  # noqa: E402
 
@@ -60,3 +62,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "AVX512-BF16/AMX runs, several times faster than float32 there)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH", help="write every result here")
+
+
+def script_main(doc: str, full: Any, quick: Any, run: Callable[[Any, Any, argparse.Namespace], dict],
+                rows: Callable[[dict], list[list[str]]], argv: list[str] | None) -> dict:
+    """The main() of each benchmark that starts its own servers: flags, the bench model, run, the table, --json."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    add_server_args(parser)
+    args = parser.parse_args(argv)
+    plan = quick if args.quick else full
+    bench = ensure_bench_model(SIZES[plan.size], plan.num_adapters, args.cache_dir)
+    results = run(bench, plan, args)
+    print(format_table(RATIO_HEADERS, rows(results)))
+    if args.json:
+        write_json(args.json, results)
+    return results

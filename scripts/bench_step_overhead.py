@@ -13,7 +13,6 @@ thread count) with the server idle; its median step is what the server cannot be
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import sys
@@ -26,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_serving  # noqa: E402
 import torch  # noqa: E402
 from bench_decode_step import decode_reqs, make_runner, step_ms  # noqa: E402
-from bench_model import SIZES, BenchModel, ensure_bench_model  # noqa: E402
-from bench_report import RATIO_HEADERS, Targets, best_of, format_table, ratio_rows, write_json  # noqa: E402
-from bench_server import add_server_args, start_server, worker_threads  # noqa: E402
+from bench_model import BenchModel  # noqa: E402
+from bench_report import Targets, best_of, ratio_rows  # noqa: E402
+from bench_server import script_main, start_server, worker_threads  # noqa: E402
 from bench_workload import WorkloadSpec, make_workload  # noqa: E402
 
 from worker.model_runner import ModelRunner  # noqa: E402
@@ -102,19 +101,13 @@ def rows(results: dict) -> list[list[str]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_server_args(parser)
-    args = parser.parse_args(argv)
-    plan = QUICK if args.quick else FULL
-    bench = ensure_bench_model(SIZES[plan.size], plan.num_adapters, args.cache_dir)
-    with start_server(bench.base_dir, bench.adapter_dirs, dtype=args.dtype, server_threads=args.server_threads,
-                      max_running_requests=32, max_loras_per_batch=max(8, plan.num_adapters)) as server:
-        results = benchmark_on(server.url, bench, plan, dtype=args.dtype, server_threads=args.server_threads,
-                               repeats=args.repeats, seed=args.seed)
-    print(format_table(RATIO_HEADERS, rows(results)))
-    if args.json:
-        write_json(args.json, results)
-    return results
+    def run(bench, plan, args):
+        with start_server(bench.base_dir, bench.adapter_dirs, dtype=args.dtype, server_threads=args.server_threads,
+                          max_running_requests=32, max_loras_per_batch=max(8, plan.num_adapters)) as server:
+            return benchmark_on(server.url, bench, plan, dtype=args.dtype, server_threads=args.server_threads,
+                                repeats=args.repeats, seed=args.seed)
+
+    return script_main(__doc__, FULL, QUICK, run, rows, argv)
 
 
 if __name__ == "__main__":
