@@ -83,18 +83,22 @@ async def submit_all(runtime: Runtime, prompts: list[list[int]], sampling: Any, 
     return states
 
 
-def generate_response(state: RequestState) -> dict:
-    return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": state.meta_info()}
+def generate_response(state: RequestState, logprobs_from: int = 0) -> dict:
+    return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": state.meta_info(logprobs_from)}
 
 
 async def start_generate(runtime: Runtime, body: NativeGenerateRequest) -> tuple[list[RequestState], bool]:
     """Validate and submit a /generate body (HTTP, Engine and RPC alike): (states, batched)."""
     runtime.check_available()
     prompts, batched = generate_items(runtime, body)
-    sampling, stops = native_sampling(body.sampling_params, runtime.eos_token_ids)
+    logprobs = body.top_logprobs_num if body.return_logprob else -1
+    sampling, stops = native_sampling(body.sampling_params, runtime.eos_token_ids, logprobs)
     lora_names = per_item(body.lora_path, len(prompts), batched, "lora_path")
     rids = per_item(body.rid, len(prompts), batched, "rid")
-    return await submit_all(runtime, prompts, sampling, stops, lora_names, rids), batched
+    states = await submit_all(runtime, prompts, sampling, stops, lora_names, rids)
+    for state in states:
+        state.return_text_in_logprobs = body.return_text_in_logprobs
+    return states, batched
 
 
 def raise_failure(states: list[RequestState]) -> None:
@@ -117,11 +121,13 @@ async def collect(runtime: Runtime, states: list[RequestState], batched: bool) -
 
 
 async def stream_chunks(runtime: Runtime, states: list[RequestState], batched: bool):
+    sent = [0] * len(states)  # output tokens whose logprob entries went out already: a chunk carries its own
     async for index, state in stream_many(runtime, states):
         if state.error:
             chunk = msgspec.to_builtins(error_body(state.error, state.error_status))
         else:
-            chunk = generate_response(state)
+            chunk = generate_response(state, sent[index])
+            sent[index] = len(state.output_logprobs)
         if batched:
             chunk["index"] = index
         yield chunk

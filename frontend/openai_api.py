@@ -29,6 +29,7 @@ from frontend.params import (
     TokenCount,
     TokenId,
     TopK,
+    TopLogprobs,
     TopP,
     make_sampling,
     stop_list,
@@ -43,8 +44,12 @@ from frontend.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprob,
+    ChatLogprobs,
+    ChatTopLogprob,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionResponse,
     ModelCard,
     ModelList,
@@ -59,9 +64,8 @@ MAX_N = 16
 
 # OpenAI parameters we do not implement, with the neutral values that mean "off" and are therefore accepted.
 NEUTRAL = {
-    "echo": (False,),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
+    "echo": (False,),  # and with it prompt logprobs: not implemented
+    "top_logprobs": (None, 0),  # completions (chat has it as a field)
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
@@ -106,6 +110,7 @@ class CommonParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class CompletionRequest(CommonParams, kw_only=True):
     prompt: str | list[str | TokenId | list[TokenId]]  # text, texts, token ids, or lists of token ids
+    logprobs: TopLogprobs | None = None  # each output token's logprob and this many alternatives
 
 
 class TextPart(msgspec.Struct, kw_only=True):
@@ -121,6 +126,46 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 class ChatRequest(CommonParams, kw_only=True):
     messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None  # needs logprobs: true
+
+
+def requested_logprobs(req: CommonParams) -> int:
+    """SamplingParams.logprobs for an OpenAI request: -1 off, else the number of alternatives."""
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs and not req.logprobs:
+            raise InputError("top_logprobs needs logprobs: true")
+        return (req.top_logprobs or 0) if req.logprobs else -1
+    logprobs = getattr(req, "logprobs", None)
+    return -1 if logprobs is None else logprobs
+
+
+def completion_logprobs(state: RequestState, start: int, offset: int) -> tuple[CompletionLogprobs, int]:
+    """The output tokens from `start` on in the completions shape; text offsets count from `offset`. Also returns
+    the offset past the last token."""
+    tokens, values, tops, offsets = [], [], [], []
+    for lp, tid in zip(state.output_logprobs[start:], state.output_ids[start:], strict=False):
+        token = state.token_text(tid)
+        tokens.append(token)
+        values.append(lp.logprob)
+        tops.append({state.token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)})
+        offsets.append(offset)
+        offset += len(token)
+    top = tops if state.sampling.logprobs > 0 else None
+    return CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=top, text_offset=offsets), offset
+
+
+def chat_logprobs(state: RequestState, start: int) -> ChatLogprobs:
+    def entry(tid: int, value: float) -> ChatTopLogprob:
+        token = state.token_text(tid)
+        return ChatTopLogprob(token=token, logprob=value, bytes=list(token.encode("utf-8")))
+
+    content = []
+    for lp, tid in zip(state.output_logprobs[start:], state.output_ids[start:], strict=False):
+        chosen = entry(tid, lp.logprob)
+        tops = [entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
+        content.append(ChatLogprob(token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes, top_logprobs=tops))
+    return ChatLogprobs(content=content)
 
 
 async def read_openai(request: web.Request, schema: type[CommonParams]) -> Any:
@@ -163,6 +208,7 @@ def openai_sampling(runtime: Runtime, req: CommonParams, prompt_len: int, defaul
         max_tokens = default_max if default_max is not None else max(1, runtime.ready.context_length - prompt_len)
     if max_tokens < 1:
         raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
+    logprobs = requested_logprobs(req)
     return [
         make_sampling(
             max_new_tokens=max_tokens,
@@ -173,6 +219,7 @@ def openai_sampling(runtime: Runtime, req: CommonParams, prompt_len: int, defaul
             seed=None if req.seed is None else req.seed + i,
             stop_token_ids=None,
             eos_token_ids=runtime.eos_token_ids,
+            logprobs=logprobs,
         )
         for i in range(req.n)
     ]
@@ -220,7 +267,8 @@ async def run_openai(
             return error_response(failed.error, failed.error_status)
         if chat:
             chat_choices = [
-                ChatChoice(index=i, message=AssistantMessage(role="assistant", content=s.text), logprobs=None,
+                ChatChoice(index=i, message=AssistantMessage(role="assistant", content=s.text),
+                           logprobs=chat_logprobs(s, 0) if s.wants_logprobs else None,
                            finish_reason=finish_reason(s))
                 for i, s in enumerate(states)
             ]
@@ -228,7 +276,8 @@ async def run_openai(
                 **base, object="chat.completion", choices=chat_choices, usage=usage(states, prompt_tokens)
             ))
         choices = [
-            CompletionChoice(index=i, text=s.text, logprobs=None, finish_reason=finish_reason(s))
+            CompletionChoice(index=i, text=s.text, finish_reason=finish_reason(s),
+                             logprobs=completion_logprobs(s, 0, 0)[0] if s.wants_logprobs else None)
             for i, s in enumerate(states)
         ]
         return json_response(CompletionResponse(
@@ -250,6 +299,8 @@ async def stream_openai(
 ) -> web.StreamResponse:
     resp = await start_sse(request)
     sent = [0] * len(states)
+    sent_logprobs = [0] * len(states)  # output tokens whose logprobs went out
+    offsets = [0] * len(states)  # completions' text_offset of the next token
 
     def chunk(choices: list, usage_: Usage | None = None) -> CompletionChunk | ChatCompletionChunk:
         if chat:
@@ -267,13 +318,20 @@ async def stream_openai(
         delta_text = state.text[sent[i] :]
         sent[i] = len(state.text)
         reason = finish_reason(state)
-        if not delta_text and reason is None:
+        start = sent_logprobs[i]
+        new_logprobs = state.wants_logprobs and len(state.output_logprobs) > start
+        sent_logprobs[i] = len(state.output_logprobs)
+        if not delta_text and reason is None and not new_logprobs:
             continue
         if chat:
             delta = ChatDelta(content=delta_text) if delta_text else ChatDelta()
-            choice = ChatChunkChoice(index=i, delta=delta, logprobs=None, finish_reason=reason)
+            chat_lp = chat_logprobs(state, start) if state.wants_logprobs else None
+            choice = ChatChunkChoice(index=i, delta=delta, logprobs=chat_lp, finish_reason=reason)
         else:
-            choice = CompletionChoice(index=i, text=delta_text, logprobs=None, finish_reason=reason)
+            completion_lp = None
+            if state.wants_logprobs:
+                completion_lp, offsets[i] = completion_logprobs(state, start, offsets[i])
+            choice = CompletionChoice(index=i, text=delta_text, logprobs=completion_lp, finish_reason=reason)
         await send_sse(resp, chunk([choice]))
     if req.stream_options is not None and req.stream_options.include_usage:
         await send_sse(resp, chunk([], usage(states, prompt_tokens)))

@@ -24,6 +24,8 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, msgspec.Meta(ge=-1, le=MAX_INT64, description="-1 or 0 = the whole vocabulary")]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
+MAX_TOP_LOGPROBS = 20
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 # The OS cannot take a NUL byte in a path: refused here, before any file call raises on it.
 AdapterPath = Annotated[str, msgspec.Meta(pattern=r"^[^\x00]*$", description="a directory holding a PEFT adapter")]
 
@@ -46,14 +48,14 @@ class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     lora_path: str | list[str | None] | None = None
     stream: bool = False
     rid: str | list[str] | None = None
+    return_logprob: bool = False
+    top_logprobs_num: TopLogprobs = 0
+    return_text_in_logprobs: bool = False
 
 
 # SGLang /generate fields we do not implement, with the values that mean "off" (accepted and dropped).
 NATIVE_NEUTRAL = {
-    "return_logprob": (None, False),
-    "logprob_start_len": (None, -1),
-    "top_logprobs_num": (None, 0),
-    "return_text_in_logprobs": (None, False),
+    "logprob_start_len": (None, -1),  # prompt logprobs: not implemented
     "image_data": (None,),
     "audio_data": (None,),
     "modalities": (None, []),
@@ -159,6 +161,7 @@ def make_sampling(
     seed: int | None,
     stop_token_ids: list[int] | None,
     eos_token_ids: list[int],
+    logprobs: int = -1,
 ) -> SamplingParams:
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -183,6 +186,7 @@ def make_sampling(
         ignore_eos=ignore_eos,
         seed=seed,
         stop_token_ids=stops,
+        logprobs=logprobs,
     )
 
 
@@ -195,7 +199,9 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [s for s in stops if s]
 
 
-def native_sampling(params: NativeSamplingParams | None, eos_token_ids: list[int]) -> tuple[SamplingParams, list[str]]:
+def native_sampling(
+    params: NativeSamplingParams | None, eos_token_ids: list[int], logprobs: int = -1
+) -> tuple[SamplingParams, list[str]]:
     p = params or NativeSamplingParams()
     sampling = make_sampling(
         max_new_tokens=p.max_new_tokens,
@@ -206,5 +212,6 @@ def native_sampling(params: NativeSamplingParams | None, eos_token_ids: list[int
         seed=p.seed,
         stop_token_ids=p.stop_token_ids,
         eos_token_ids=eos_token_ids,
+        logprobs=logprobs,
     )
     return sampling, stop_list(p.stop)

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from frontend.detokenizer import IncrementalDetokenizer, StopMatcher
-from protocol.structs import SamplingParams, TokenDelta
+from protocol.structs import SamplingParams, TokenDelta, TokenLogprob
 
 
 class RequestState:
@@ -29,6 +29,8 @@ class RequestState:
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.stop_matcher = StopMatcher(stop_strings)
         self.output_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprob] = []  # one per output id when sampling.logprobs >= 0
+        self.return_text_in_logprobs = False  # native: fill the text of each logprob entry
         self.full_text = ""  # everything decoded so far
         self.text = ""  # what may be shown: stop strings cut, a possible stop prefix held back
         self.finish_reason: dict | None = None
@@ -52,6 +54,7 @@ class RequestState:
             self.first_token_at = now
         self.token_times.extend([now] * len(delta.token_ids))
         self.output_ids.extend(delta.token_ids)
+        self.output_logprobs.extend(delta.logprobs)
         old_len = len(self.full_text)
         self.full_text += self.detokenizer.push(delta.token_ids)
         if delta.finish_reason is not None:
@@ -97,10 +100,27 @@ class RequestState:
         self.finish_reason = {"type": "abort", "message": message}
         self.changed.set()
 
-    def meta_info(self) -> dict:
-        return {
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.sampling.logprobs >= 0
+
+    def token_text(self, token_id: int) -> str:
+        return self.detokenizer.tokenizer.decode([token_id])
+
+    def meta_info(self, logprobs_from: int = 0) -> dict:
+        """logprobs_from: the first output token whose logprob entries are included (a stream chunk's own)."""
+        info = {
             "id": self.rid,
             "prompt_tokens": len(self.prompt_ids),
             "completion_tokens": len(self.output_ids),
             "finish_reason": self.finish_reason,
         }
+        if self.wants_logprobs:
+            text = self.token_text if self.return_text_in_logprobs else (lambda _: None)
+            entries = list(zip(self.output_logprobs[logprobs_from:], self.output_ids[logprobs_from:], strict=False))
+            info["output_token_logprobs"] = [[lp.logprob, tid, text(tid)] for lp, tid in entries]
+            if self.sampling.logprobs > 0:
+                info["output_top_logprobs"] = [
+                    [[v, t, text(t)] for v, t in zip(lp.top_logprobs, lp.top_ids, strict=True)] for lp, _ in entries
+                ]
+        return info

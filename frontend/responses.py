@@ -38,11 +38,18 @@ class AbortFinish(msgspec.Struct, tag_field="type", tag="abort"):
     message: str
 
 
-class MetaInfo(msgspec.Struct):
+LogprobEntry = tuple[float, int, str | None]  # [logprob, token_id, text or null]
+
+
+class MetaInfo(msgspec.Struct, omit_defaults=True):
     id: str
     prompt_tokens: int
     completion_tokens: int
     finish_reason: StopFinish | LengthFinish | AbortFinish | None
+    # with return_logprob: one entry per output token (a stream chunk: its own tokens')
+    output_token_logprobs: list[LogprobEntry] | None = None
+    # with return_logprob and top_logprobs_num > 0: per output token, the top_logprobs_num best, best first
+    output_top_logprobs: list[list[LogprobEntry]] | None = None
 
 
 class GenerateResponse(msgspec.Struct):
@@ -156,10 +163,17 @@ class Usage(msgspec.Struct):
     total_tokens: int
 
 
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
 
 
@@ -177,10 +191,27 @@ class AssistantMessage(msgspec.Struct):
     content: str
 
 
+class ChatTopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatLogprob] | None
+
+
 class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason
 
 
@@ -210,7 +241,7 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
 class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason
 
 

@@ -167,7 +167,8 @@ class StreamDeltas:
         output_ids = state.output_ids[self.num_ids[index] :]
         if not text and not output_ids and (self.is_done[index] or not state.finished):
             return None
+        first = self.num_ids[index]
         self.text_lens[index] += len(text)
         self.num_ids[index] += len(output_ids)
         self.is_done[index] = state.finished
-        return {"index": index, "text": text, "output_ids": output_ids, "meta_info": state.meta_info()}
+        return {"index": index, "text": text, "output_ids": output_ids, "meta_info": state.meta_info(first)}

@@ -24,6 +24,17 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     seed: int | None = None
     stop_token_ids: list[int] = []
+    # -1: no logprobs; N >= 0: each output token's logprob, and the N most likely tokens' (log-softmax of the raw
+    # logits, adapter applied, before temperature / top-k / top-p)
+    logprobs: int = -1
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One output token's logprob and the top-N alternatives (best first), for a request that asks."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class LoRAAdapterSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -223,6 +234,7 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" (eos / stop token), "length", "abort", "error"
     error_message: str = ""
+    logprobs: list[TokenLogprob] = []  # one per token id when the request asks for logprobs, else empty
 
 
 class TokenDeltas(Struct, frozen=True):
@@ -283,6 +295,8 @@ class BatchResult(Struct, frozen=True):
     batch_id: int
     next_token_ids: list[int]
     error_message: str = ""
+    # per row: the sampled token's logprob data where the row's sampling asks for it (else None); empty: none asked
+    logprobs: list[TokenLogprob | None] = []
 
 
 class WorkerReady(Struct, frozen=True):

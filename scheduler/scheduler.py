@@ -39,6 +39,7 @@ from protocol.structs import (
     SlotLoad,
     TokenDelta,
     TokenizedGenerateReq,
+    TokenLogprob,
 )
 from scheduler.adapter_table import AdapterTable, LoadFinished
 from scheduler.batch_policy import BatchPolicy
@@ -155,7 +156,12 @@ class Scheduler:
         return [self._finish(req, "abort")]
 
     def _finish(
-        self, req: Request, reason: str, token_ids: list[int] | None = None, error_message: str = ""
+        self,
+        req: Request,
+        reason: str,
+        token_ids: list[int] | None = None,
+        error_message: str = "",
+        logprobs: list[TokenLogprob] | None = None,
     ) -> TokenDelta:
         """Every way a request ends comes through here: its pages and slot hold go back (once no pass uses them)."""
         if req.status is RequestStatus.RUNNING:
@@ -165,7 +171,13 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             del self.waiting[req.rid]
         req.status = RequestStatus.FINISHED
-        return TokenDelta(rid=req.rid, token_ids=token_ids or [], finish_reason=reason, error_message=error_message)
+        return TokenDelta(
+            rid=req.rid,
+            token_ids=token_ids or [],
+            finish_reason=reason,
+            error_message=error_message,
+            logprobs=logprobs or [],
+        )
 
     # ---- one step ------------------------------------------------------------------------------------------
 
@@ -344,7 +356,8 @@ class Scheduler:
                 req.num_cached_tokens += num_new  # the pass wrote the KV of every token it was given
                 self._offer_pages(req)
                 if samples:  # else a chunk of a longer prompt: its sampled token is not used
-                    deltas.append(self._append_token(req, result.next_token_ids[i]))
+                    logprob = result.logprobs[i] if i < len(result.logprobs) else None
+                    deltas.append(self._append_token(req, result.next_token_ids[i], logprob))
         return deltas
 
     def _offer_pages(self, req: Request) -> None:
@@ -359,13 +372,14 @@ class Scheduler:
         )
         req.num_offered_pages = num_full
 
-    def _append_token(self, req: Request, token_id: int) -> TokenDelta:
+    def _append_token(self, req: Request, token_id: int, logprob: TokenLogprob | None = None) -> TokenDelta:
         req.output_ids.append(token_id)
+        logprobs = [logprob] if logprob is not None else []
         if token_id in req.sampling.stop_token_ids:
-            return self._finish(req, "stop", [token_id])
+            return self._finish(req, "stop", [token_id], logprobs=logprobs)
         if req.num_remaining_tokens <= 0:
-            return self._finish(req, "length", [token_id])
-        return TokenDelta(rid=req.rid, token_ids=[token_id])
+            return self._finish(req, "length", [token_id], logprobs=logprobs)
+        return TokenDelta(rid=req.rid, token_ids=[token_id], logprobs=logprobs)
 
     def stats(self, op_id: int) -> SchedulerStats:
         return SchedulerStats(

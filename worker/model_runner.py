@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from kernels import LoRABackend, select_backend
 from protocol.config import ServerConfig
-from protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad
+from protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad, TokenLogprob
 from worker.batch_inputs import BatchError, BatchInputs
 from worker.dist import pick_dtype
 from worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token
@@ -22,7 +22,7 @@ from worker.lora.manager import LoRAManager
 from worker.model.config import ModelConfig, ModelConfigError
 from worker.model.llama import LlamaForCausalLM
 from worker.parallel import tensor_parallel
-from worker.sampler import Sampler
+from worker.sampler import Sampler, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -138,13 +138,18 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> list[int]:
         """Run the batch and return each request's next token (every rank computes the same tokens)."""
+        return self.step(batch)[0]
+
+    @torch.inference_mode()
+    def step(self, batch: ForwardBatch) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Run the batch: each request's next token, and its logprob data where the request asks (else [])."""
         if not batch.reqs:
             self._apply_slot_loads(batch.slot_loads)
-            return []
+            return [], []
         logits = self._logits(batch.reqs, batch.slot_loads, last_only=True)  # (reqs, vocab)
-        return self.sampler.sample(
-            logits, [req.sampling for req in batch.reqs], [req.num_generated for req in batch.reqs]
-        )
+        params = [req.sampling for req in batch.reqs]
+        tokens = self.sampler.sample(logits, params, [req.num_generated for req in batch.reqs])
+        return tokens, token_logprobs(logits, params, tokens)
 
     @torch.inference_mode()
     def batch_logits(self, batch: ForwardBatch) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from protocol.structs import SamplingParams
+from protocol.structs import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 
@@ -84,3 +84,28 @@ class Sampler:
             noise[rows] = torch.empty(len(rows), shape[1], device=self.device).exponential_(generator=self.generator)
         # An exponential draw of exactly 0 would give inf / nan scores.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def token_logprobs(
+    logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+) -> list[TokenLogprob | None]:
+    """Per row, the chosen token's logprob and the top-N (best first) where the row asks (logprobs >= 0), else None;
+    [] when no row asks. Log-softmax of the raw logits in fp32, computed only for the rows that ask, vectorised."""
+    rows = [i for i, p in enumerate(params) if p.logprobs >= 0]
+    if not rows:
+        return []
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = logits[index].float().log_softmax(dim=-1)  # (asking rows, vocab)
+    chosen_ids = torch.tensor([tokens[i] for i in rows], device=logits.device)
+    chosen = logprobs.gather(1, chosen_ids[:, None])[:, 0].tolist()
+    num_top = min(max(params[i].logprobs for i in rows), logprobs.shape[-1])
+    top_values: list[list[float]] = [[] for _ in rows]
+    top_ids: list[list[int]] = [[] for _ in rows]
+    if num_top > 0:
+        values, ids = logprobs.topk(num_top, dim=-1)  # sorted, best first
+        top_values, top_ids = values.tolist(), ids.tolist()
+    out: list[TokenLogprob | None] = [None] * len(params)
+    for j, i in enumerate(rows):
+        n = params[i].logprobs
+        out[i] = TokenLogprob(chosen[j], top_ids[j][:n], top_values[j][:n])
+    return out

@@ -1,0 +1,115 @@
+"""Output-token logprobs on both APIs, against HF (+ peft) fp32 log_softmax of the same sequences."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+import torch
+from transformers import AutoTokenizer
+
+from tests.reference import CLEAR_MARGIN, hf_model
+
+MAX_NEW = 6
+TOP = 3
+GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llama_dir):
+    return AutoTokenizer.from_pretrained(llama_dir)
+
+
+@torch.inference_mode()
+def reference(llama_dir, adapter, prompt_ids, output_ids):
+    model = hf_model(str(llama_dir), None if adapter is None else str(adapter))
+    logits = model(torch.tensor([prompt_ids + output_ids])).logits[0, len(prompt_ids) - 1 : -1].float()
+    return logits.log_softmax(-1)  # (outputs, vocab)
+
+
+def check(ref, output_ids, chosen, tops):
+    assert len(chosen) == len(output_ids)
+    for i, tid in enumerate(output_ids):
+        assert abs(chosen[i] - float(ref[i, tid])) < 1e-3, (i, chosen[i], float(ref[i, tid]))
+        values, ids = ref[i].topk(TOP + 1)
+        our_ids = [t for _, t in tops[i]]
+        for j in range(TOP):  # compare ids where the margin to the next is clear
+            if float(values[j] - values[j + 1]) > CLEAR_MARGIN:
+                assert our_ids[j] == int(ids[j]), (i, our_ids, ids.tolist())
+        for v, t in tops[i]:
+            assert abs(v - float(ref[i, t])) < 1e-3
+
+
+@pytest.mark.parametrize("adapter", [None, "a8"])
+def test_native(static_lora_server, llama_dir, adapter_dirs, tokenizer, adapter):
+    body = {"text": "The quick brown fox", "sampling_params": GREEDY, "return_logprob": True,
+            "top_logprobs_num": TOP, "return_text_in_logprobs": True, "lora_path": adapter}
+    out = static_lora_server.post("/generate", body)
+    assert out.status_code == 200, out.text
+    out = out.json()
+    meta = out["meta_info"]
+    ids = out["output_ids"]
+    ref = reference(llama_dir, adapter and adapter_dirs[adapter], tokenizer("The quick brown fox")["input_ids"], ids)
+    assert [e[1] for e in meta["output_token_logprobs"]] == ids
+    assert all(isinstance(e[2], str) for e in meta["output_token_logprobs"])
+    tops = [[(v, t) for v, t, _ in row] for row in meta["output_top_logprobs"]]
+    check(ref, ids, [e[0] for e in meta["output_token_logprobs"]], tops)
+    # streamed: each chunk carries its own tokens' entries; together they are the whole
+    body["stream"] = True
+    resp = requests.post(static_lora_server.url + "/generate", json=body, stream=True, timeout=120)
+    entries = []
+    for line in resp.iter_lines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            entries += json.loads(line[6:])["meta_info"].get("output_token_logprobs", [])
+    assert [e[1] for e in entries] == ids
+    assert all(abs(a[0] - b[0]) < 1e-5 for a, b in zip(entries, meta["output_token_logprobs"], strict=True))
+
+
+def test_only_asking_request_pays(static_lora_server):
+    plain = {"text": ["Hello there", "Once upon a time"], "sampling_params": GREEDY}
+    before = static_lora_server.post("/generate", plain).json()
+    mixed = [
+        static_lora_server.post("/generate", {"text": "Hello there", "sampling_params": GREEDY}),
+        static_lora_server.post("/generate", {"text": "Once upon a time", "sampling_params": GREEDY,
+                                              "return_logprob": True}),
+    ]
+    a, b = (r.json() for r in mixed)
+    assert "output_token_logprobs" not in a["meta_info"]
+    assert a["output_ids"] == before[0]["output_ids"] and b["output_ids"] == before[1]["output_ids"]
+    assert len(b["meta_info"]["output_token_logprobs"]) == len(b["output_ids"])
+    assert "output_top_logprobs" not in b["meta_info"]
+
+
+def test_openai_shapes(static_lora_server, llama_dir, adapter_dirs, tokenizer):
+    url = static_lora_server.url
+    prompt = "Once upon a time"
+    comp = requests.post(url + "/v1/completions", json={"model": "a8", "prompt": prompt, "max_tokens": MAX_NEW,
+                                                        "temperature": 0, "ignore_eos": True, "logprobs": TOP}).json()
+    lp = comp["choices"][0]["logprobs"]
+    native = static_lora_server.post("/generate", {"text": prompt, "sampling_params": GREEDY, "lora_path": "a8",
+                                                   "return_logprob": True}).json()
+    ids = native["output_ids"]
+    ref = reference(llama_dir, adapter_dirs["a8"], tokenizer(prompt)["input_ids"], ids)
+    assert len(lp["tokens"]) == len(ids) and len(lp["top_logprobs"]) == len(ids)
+    assert all(abs(v - float(ref[i, t])) < 1e-3 for i, (v, t) in enumerate(zip(lp["token_logprobs"], ids, strict=True)))
+    assert lp["text_offset"][0] == 0 and all(len(d) <= TOP for d in lp["top_logprobs"])
+    chat = requests.post(url + "/v1/chat/completions", json={
+        "model": llama_dir.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_NEW,
+        "temperature": 0, "logprobs": True, "top_logprobs": 2}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert content and all(len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["logprob"] >= c["logprob"] - 1e-6
+                           for c in content)
+    # streamed completions carry each chunk's tokens
+    resp = requests.post(url + "/v1/completions", json={"model": "a8", "prompt": prompt, "max_tokens": MAX_NEW,
+                                                         "temperature": 0, "ignore_eos": True, "logprobs": 1,
+                                                         "stream": True}, stream=True, timeout=120)
+    values = []
+    for line in resp.iter_lines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            choice = json.loads(line[6:])["choices"]
+            if choice and choice[0]["logprobs"]:
+                values += choice[0]["logprobs"]["token_logprobs"]
+    assert all(abs(a - b) < 1e-5 for a, b in zip(values, lp["token_logprobs"], strict=True))
+    bad = requests.post(url + "/v1/completions", json={"model": "a8", "prompt": prompt, "echo": True, "logprobs": 1})
+    assert bad.status_code == 400
