@@ -207,6 +207,6 @@ def test_unimplemented_fields_at_their_neutral_value_are_accepted(server):
     for field, value in (("repetition_penalty", 1.2), ("n", 2), ("unknown_knob", 1)):
         resp = server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, field: value}})
         assert resp.status_code == 400 and field in resp.json()["error"]["message"]
-    resp = server.post("/generate", {"text": "hi", "return_logprob": True})
-    assert resp.status_code == 400 and "return_logprob" in resp.json()["error"]["message"]
+    resp = server.post("/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": 0})
+    assert resp.status_code == 400 and "logprob_start_len" in resp.json()["error"]["message"]
     assert server.post("/abort_request", {"rid": "never-existed"}).json()["success"] is False
