@@ -123,11 +123,7 @@ def rows(results: dict) -> list[list[str]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    def run(bench, plan, args):
-        return benchmark(bench, plan, dtype=args.dtype, server_threads=args.server_threads, repeats=args.repeats,
-                         seed=args.seed)
-
-    return script_main(__doc__, FULL, QUICK, run, rows, argv)
+    return script_main(__doc__, FULL, QUICK, benchmark, rows, argv)
 
 
 if __name__ == "__main__":

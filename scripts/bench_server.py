@@ -64,15 +64,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, metavar="PATH", help="write every result here")
 
 
-def script_main(doc: str, full: Any, quick: Any, run: Callable[[Any, Any, argparse.Namespace], dict],
+def script_main(doc: str, full: Any, quick: Any, benchmark: Callable[..., dict],
                 rows: Callable[[dict], list[list[str]]], argv: list[str] | None) -> dict:
-    """The main() of each benchmark that starts its own servers: flags, the bench model, run, the table, --json."""
+    """The main() of each benchmark that starts its own servers: flags, the bench model, `benchmark(bench, plan,
+    dtype=, server_threads=, repeats=, seed=)`, the table, --json."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     add_server_args(parser)
     args = parser.parse_args(argv)
     plan = quick if args.quick else full
     bench = ensure_bench_model(SIZES[plan.size], plan.num_adapters, args.cache_dir)
-    results = run(bench, plan, args)
+    results = benchmark(bench, plan, dtype=args.dtype, server_threads=args.server_threads, repeats=args.repeats,
+                        seed=args.seed)
     print(format_table(RATIO_HEADERS, rows(results)))
     if args.json:
         write_json(args.json, results)

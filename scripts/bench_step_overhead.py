@@ -100,14 +100,16 @@ def rows(results: dict) -> list[list[str]]:
     return ratio_rows(TARGETS, results["measured"], **results["plan"])
 
 
-def main(argv: list[str] | None = None) -> dict:
-    def run(bench, plan, args):
-        with start_server(bench.base_dir, bench.adapter_dirs, dtype=args.dtype, server_threads=args.server_threads,
-                          max_running_requests=32, max_loras_per_batch=max(8, plan.num_adapters)) as server:
-            return benchmark_on(server.url, bench, plan, dtype=args.dtype, server_threads=args.server_threads,
-                                repeats=args.repeats, seed=args.seed)
+def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int, repeats: int, seed: int) -> dict:
+    """On a server of its own (bench_all runs benchmark_on against its main server)."""
+    with start_server(bench.base_dir, bench.adapter_dirs, dtype=dtype, server_threads=server_threads,
+                      max_running_requests=32, max_loras_per_batch=max(8, plan.num_adapters)) as server:
+        return benchmark_on(server.url, bench, plan, dtype=dtype, server_threads=server_threads, repeats=repeats,
+                            seed=seed)
 
-    return script_main(__doc__, FULL, QUICK, run, rows, argv)
+
+def main(argv: list[str] | None = None) -> dict:
+    return script_main(__doc__, FULL, QUICK, benchmark, rows, argv)
 
 
 if __name__ == "__main__":
