@@ -128,15 +128,15 @@ class AdapterManager:
                 message = f"adapter {entry.name!r} still has requests in flight after {timeout_s:g} s: {holders}"
                 results[i] = _failed(entry.name, message, "busy")
             else:
-                drained.append(entry)
+                drained.append((i, entry))
                 results[i] = LoRAAdapterResult(lora_name=entry.name, success=True)
         if drained:
             async with self.registry.update_lock:
                 try:
-                    await self._drop(drained)
+                    await self._drop([entry for _, entry in drained])
                 except ServerError as e:
-                    for entry in drained:
-                        results[names.index(entry.name)] = _failed(entry.name, f"adapter {entry.name!r}: {e}", e.kind)
+                    for i, entry in drained:
+                        results[i] = _failed(entry.name, f"adapter {entry.name!r}: {e}", e.kind)
                 self._save_state()
                 self._count_loaded()
         for result in results:
