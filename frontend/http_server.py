@@ -9,7 +9,7 @@ import signal
 
 from aiohttp import web
 
-from frontend import native_api, openai_api, openapi, utility_api
+from frontend import console_api, native_api, openai_api, openapi, utility_api
 from frontend.http_utils import error_response
 from frontend.runtime import Runtime
 from protocol.errors import ServerError, http_status
@@ -31,7 +31,7 @@ def _authorized(request: web.Request, key: str) -> bool:
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     config = request.app["runtime"].config
-    if request.path in OPEN_PATHS:
+    if request.path in OPEN_PATHS or console_api.is_console_path(request.path):
         return await handler(request)
     key = config.admin_api_key if request.path in ADMIN_PATHS and config.admin_api_key else config.api_key
     if key is not None and not _authorized(request, key):
@@ -64,6 +64,7 @@ def create_app(runtime: Runtime) -> web.Application:
     app.add_routes(openai_api.routes)
     app.add_routes(utility_api.routes)
     app.add_routes(openapi.routes)
+    app.add_routes(console_api.routes)
     return app
 
 

@@ -1,0 +1,148 @@
+// One prompt to several models side by side: the base and any adapters, each streamed into its own pane
+// through /v1/completions (Server-Sent Events read from fetch's ReadableStream).
+
+import { call, describe } from "./api.js";
+
+// Yields each `data:` payload of an SSE response, parsed, until `[DONE]`.
+async function* sseEvents(resp) {
+  const reader = resp.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    buffer += decoder.decode(value, { stream: !done });
+    const events = buffer.split("\n\n");
+    buffer = done ? "" : events.pop();
+    for (const event of events) {
+      for (const line of event.split("\n")) {
+        if (!line.startsWith("data:")) continue;
+        const data = line.slice(5).trim();
+        if (data === "[DONE]") return;
+        yield JSON.parse(data);
+      }
+    }
+    if (done) return;
+  }
+}
+
+export class Playground {
+  constructor({ form, targets, panes, status, stop }) {
+    this.form = form;
+    this.targets = targets; // the <fieldset> of checkboxes
+    this.panes = panes;
+    this.status = status;
+    this.stopButton = stop;
+    this.base = null;
+    this.controller = null;
+    form.addEventListener("submit", (event) => {
+      event.preventDefault();
+      this.run();
+    });
+    stop.addEventListener("click", () => this.controller?.abort());
+  }
+
+  // names: what can answer (the base first, then the adapters); keeps each box's checked state.
+  setTargets(base, names) {
+    this.base = base;
+    const list = this.targets.querySelector(".target-list");
+    const existing = new Map([...list.querySelectorAll("input")].map((box) => [box.value, box]));
+    const wanted = [base, ...names];
+    for (const [name, box] of existing) if (!wanted.includes(name)) box.closest("label").remove();
+    wanted.forEach((name, index) => {
+      let box = existing.get(name);
+      if (!box) {
+        const label = document.createElement("label");
+        box = document.createElement("input");
+        box.type = "checkbox";
+        box.name = "target";
+        box.value = name;
+        box.checked = name === base; // the base to compare with; adapters are picked by hand
+        label.append(box, ` ${name}${name === base ? " (base)" : ""}`);
+        existing.set(name, box);
+      }
+      const label = box.closest("label") ?? box.parentElement;
+      if (list.children[index] !== label) list.insertBefore(label, list.children[index] ?? null);
+    });
+  }
+
+  async run() {
+    const chosen = [...this.targets.querySelectorAll("input:checked")].map((box) => box.value);
+    if (!chosen.length) {
+      this.status.textContent = "Pick at least one model to send the prompt to.";
+      return;
+    }
+    const elements = this.form.elements;
+    const request = {
+      prompt: elements.prompt.value,
+      max_tokens: Number(elements.max_tokens.value),
+      temperature: Number(elements.temperature.value),
+    };
+    this.controller = new AbortController();
+    const runButton = this.form.querySelector("button[type=submit]");
+    runButton.disabled = true;
+    this.stopButton.disabled = false;
+    this.panes.replaceChildren();
+    this.status.textContent = `Sending to ${chosen.join(", ")}…`;
+    const results = await Promise.all(chosen.map((model) => this.stream(model, request, this.addPane(model))));
+    this.status.textContent = `Done: ${results.join("; ")}.`;
+    runButton.disabled = false;
+    this.stopButton.disabled = true;
+  }
+
+  addPane(model) {
+    const pane = document.createElement("article");
+    pane.className = "pane";
+    pane.dataset.model = model;
+    const heading = document.createElement("h3");
+    heading.textContent = model === this.base ? `${model} (base)` : model;
+    heading.id = `pane-${this.panes.children.length}`;
+    pane.setAttribute("aria-labelledby", heading.id);
+    const text = document.createElement("pre");
+    text.className = "pane-text";
+    text.setAttribute("aria-busy", "true");
+    const meta = document.createElement("p");
+    meta.className = "pane-meta";
+    meta.textContent = "waiting…";
+    pane.append(heading, text, meta);
+    this.panes.appendChild(pane);
+    return { pane, text, meta };
+  }
+
+  // Streams one model's answer into its pane; returns a one-line summary for the status region.
+  async stream(model, request, { pane, text, meta }) {
+    const started = performance.now();
+    let firstTokenMs = null;
+    let tokens = null;
+    let finish = null;
+    try {
+      const resp = await call("/v1/completions", {
+        method: "POST", signal: this.controller.signal,
+        body: { ...request, model, stream: true, stream_options: { include_usage: true } },
+      });
+      for await (const chunk of sseEvents(resp)) {
+        if (chunk.error) throw new Error(`${chunk.error.code}: ${chunk.error.message}`);
+        for (const choice of chunk.choices ?? []) {
+          if (choice.text) {
+            firstTokenMs ??= performance.now() - started;
+            text.textContent += choice.text;
+          }
+          finish = choice.finish_reason ?? finish;
+        }
+        if (chunk.usage) tokens = chunk.usage.completion_tokens;
+      }
+      const seconds = (performance.now() - started) / 1000;
+      const parts = [`${tokens ?? "?"} tokens in ${seconds.toFixed(2)} s`];
+      if (firstTokenMs !== null) parts.push(`first after ${firstTokenMs.toFixed(0)} ms`);
+      if (finish) parts.push(`finish: ${finish}`);
+      meta.textContent = parts.join(" · ");
+      return `${model} ${tokens ?? "?"} tokens`;
+    } catch (error) {
+      const message = error.name === "AbortError" ? "stopped" : describe(error);
+      meta.textContent = message;
+      pane.classList.add("failed");
+      return `${model} ${message}`;
+    } finally {
+      text.setAttribute("aria-busy", "false");
+    }
+  }
+}
