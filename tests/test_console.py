@@ -158,7 +158,7 @@ def test_charts_and_rates_follow_the_metrics(page, server):
     page.goto(server.url + "/")
     expect(page.locator("#model-name")).not_to_have_text("…")
     kv = page.locator("#chart-kv svg")
-    expect(kv).to_have_attribute("aria-label", "KV cache, last 5 minutes; now KV cache used 0 %")
+    expect(kv).to_have_attribute("aria-label", "KV cache; now KV cache used 0 %")
     # Traffic from outside the page shows up as a rate on the base row at some scrape (the counters count
     # requests as they finish, so the rate lasts one scrape interval: poll for it).
     base = server.get("/server_info").json()["served_model_name"]

@@ -79,9 +79,11 @@ export class LineChart {
     const seen = this.points.flatMap((p) => p.values.filter((v) => v !== null && Number.isFinite(v)));
     const top = this.yMax ?? niceCeiling(Math.max(0, ...seen));
     const now = this.points.length ? this.points[this.points.length - 1].t : 0;
+    // The x axis grows with the history, from one minute up to the window, so a fresh page is not all blank.
+    const span = Math.min(this.windowS, Math.max(60, this.points.length ? now - this.points[0].t : 0));
     const plotW = WIDTH - PAD.left - PAD.right;
     const plotH = HEIGHT - PAD.top - PAD.bottom;
-    const x = (t) => PAD.left + plotW * (1 - (now - t) / this.windowS);
+    const x = (t) => PAD.left + plotW * (1 - (now - t) / span);
     const y = (v) => PAD.top + plotH * (1 - Math.min(v, top) / top);
     this.axis.replaceChildren();
     for (const fraction of [0, 0.5, 1]) {
@@ -90,8 +92,8 @@ export class LineChart {
       const label = svg("text", { x: PAD.left - 6, y: y(value) + 4, "text-anchor": "end" }, this.axis);
       label.textContent = `${formatNumber(value)}${this.unit}`;
     }
-    for (const [t, anchor, text] of [[now - this.windowS, "start", `−${this.windowS / 60} min`],
-      [now, "end", "now"]]) {
+    const oldest = span < 120 ? `−${Math.round(span)} s` : `−${Math.round(span / 60)} min`;
+    for (const [t, anchor, text] of [[now - span, "start", oldest], [now, "end", "now"]]) {
       const label = svg("text", { x: x(t), y: HEIGHT - 4, "text-anchor": anchor }, this.axis);
       label.textContent = text;
     }
@@ -101,6 +103,6 @@ export class LineChart {
       line.setAttribute("points", coords.join(" "));
     });
     const latest = this.series.map((s, i) => `${s.label} ${this.values[i].textContent}`).join(", ");
-    this.root.setAttribute("aria-label", `${this.title}, last ${this.windowS / 60} minutes; now ${latest}`);
+    this.root.setAttribute("aria-label", `${this.title}; now ${latest}`);
   }
 }
