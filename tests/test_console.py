@@ -157,6 +157,12 @@ def test_load_list_play_and_unload_through_the_console(page, server, adapter_dir
 def test_charts_and_rates_follow_the_metrics(page, server):
     page.goto(server.url + "/")
     expect(page.locator("#model-name")).not_to_have_text("…")
+    # Every control has an accessible name (a label, its text or aria-label), every chart a text alternative.
+    unnamed = page.evaluate("""() => [...document.querySelectorAll('input, textarea, select, button, svg')]
+        .filter((el) => !(el.labels?.length || el.getAttribute('aria-label') || (el.tagName === 'BUTTON'
+                          && el.textContent.trim()) || el.closest('[aria-hidden=true]')))
+        .map((el) => el.outerHTML.slice(0, 120))""")
+    assert unnamed == []
     kv = page.locator("#chart-kv svg")
     expect(kv).to_have_attribute("aria-label", "KV cache; now KV cache used 0 %")
     # Traffic from outside the page shows up as a rate on the base row at some scrape (the counters count
