@@ -26,8 +26,8 @@ class TokenHistories:
     def __init__(self) -> None:
         self._tokens: dict[int, list[int]] = {}
 
-    def __len__(self) -> int:
-        return len(self._tokens)
+    def __contains__(self, key: int) -> bool:
+        return key in self._tokens
 
     def release(self, keys: list[int]) -> None:
         for key in keys:
