@@ -45,8 +45,9 @@ def penalised_reference(scores: torch.Tensor, ids: list[int], num_prompt: int, p
 
 
 @torch.inference_mode()
-def reference_greedy(model_dir: Path, adapter_dir: Path | None, prompt: list[int], params: SamplingParams,
-                     steps: int) -> tuple[list[int], list[float]]:
+def reference_greedy(
+    model_dir: Path, adapter_dir: Path | None, prompt: list[int], params: SamplingParams, steps: int
+) -> tuple[list[int], list[float]]:
     model = hf_model(str(model_dir), None if adapter_dir is None else str(adapter_dir))
     ids, out, margins = list(prompt), [], []
     for _ in range(steps):
@@ -134,8 +135,14 @@ def test_penalty_needs_its_history(runner):
     req = ForwardReq(input_ids=[5], num_cached_tokens=8, page_ids=[0, 1, 2], sampling=params, req_key=10_000)
     with pytest.raises(BatchError, match="history"):
         runner.step(ForwardBatch(batch_id=0, reqs=[req]))
-    ok = ForwardReq(input_ids=[5], num_cached_tokens=8, page_ids=[0, 1, 2], sampling=params, req_key=10_000,
-                    history_ids=list(range(8)))
+    ok = ForwardReq(
+        input_ids=[5],
+        num_cached_tokens=8,
+        page_ids=[0, 1, 2],
+        sampling=params,
+        req_key=10_000,
+        history_ids=list(range(8)),
+    )
     runner.step(ForwardBatch(batch_id=1, reqs=[ok]))
     assert runner.histories.tokens(10_000) == [*range(8), 5]
     runner.step(ForwardBatch(batch_id=2, reqs=[], released_keys=[10_000]))
@@ -165,9 +172,10 @@ def test_stop_text_options(tokenizer):
     assert text(OutputOptions(skip_special_tokens=False, keep_stop=True), [], [*words, eos], "stop").endswith(
         tokenizer.eos_token
     )
-    assert text(OutputOptions(skip_special_tokens=False), [], [*words, eos, *words], "length").count(
-        tokenizer.eos_token
-    ) == 1  # not a stop: it stays
+    assert (
+        text(OutputOptions(skip_special_tokens=False), [], [*words, eos, *words], "length").count(tokenizer.eos_token)
+        == 1
+    )  # not a stop: it stays
     stop = full.split()[1]
     assert text(OutputOptions(), [stop], words, "length") == full[: full.index(stop)]
     assert text(OutputOptions(keep_stop=True), [stop], words, "length") == full[: full.index(stop) + len(stop)]
@@ -175,16 +183,30 @@ def test_stop_text_options(tokenizer):
 
 # ---- over HTTP (and the RPC): chunked prefill of 16 tokens, prefix cache on --------------------------------------
 
-PROMPT = ("The history of writing is the history of memory. Before people wrote things down, knowledge lived in "
-          "the heads of those who remembered it, and it died with them.")
+PROMPT = (
+    "The history of writing is the history of memory. Before people wrote things down, knowledge lived in "
+    "the heads of those who remembered it, and it died with them."
+)
 
 
 @pytest.fixture(scope="module")
 def server(llama_dir, adapter_dirs, tmp_path_factory):
     addr = f"ipc://{tmp_path_factory.mktemp('rpc')}/rpc.sock"
-    with ServerProcess("--model-path", str(llama_dir), "--lora-paths", f"a4={adapter_dirs['a4']}",
-                       f"a8={adapter_dirs['a8']}", "--chunked-prefill-size", "16", "--max-total-tokens", "4096",
-                       "--context-length", "512", "--rpc-addr", addr) as server:
+    with ServerProcess(
+        "--model-path",
+        str(llama_dir),
+        "--lora-paths",
+        f"a4={adapter_dirs['a4']}",
+        f"a8={adapter_dirs['a8']}",
+        "--chunked-prefill-size",
+        "16",
+        "--max-total-tokens",
+        "4096",
+        "--context-length",
+        "512",
+        "--rpc-addr",
+        addr,
+    ) as server:
         server.rpc_addr = addr
         yield server
 
@@ -198,7 +220,9 @@ def post(server: ServerProcess, path: str, body: dict) -> dict | list:
 def stream(server: ServerProcess, path: str, body: dict) -> list[dict]:
     resp = requests.post(server.url + path, json={**body, "stream": True}, stream=True, timeout=120)
     assert resp.status_code == 200, resp.text
-    return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith(b"data: ") and line != b"data: [DONE]"]
+    return [
+        json.loads(line[6:]) for line in resp.iter_lines() if line.startswith(b"data: ") and line != b"data: [DONE]"
+    ]
 
 
 @torch.inference_mode()
@@ -228,8 +252,14 @@ def test_prompt_logprobs_with_prefix_cache_and_chunks(server, llama_dir, adapter
     greedy = {"max_new_tokens": 3, "temperature": 0}
     post(server, "/generate", {"text": PROMPT, "sampling_params": greedy, "lora_path": adapter})  # cache it
     hits_before = server.get("/server_info").json()["prefix_cache_hit_tokens"]
-    body = {"text": PROMPT, "sampling_params": greedy, "lora_path": adapter, "return_logprob": True,
-            "top_logprobs_num": 2, "logprob_start_len": 0}
+    body = {
+        "text": PROMPT,
+        "sampling_params": greedy,
+        "lora_path": adapter,
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "logprob_start_len": 0,
+    }
     whole = post(server, "/generate", body)["meta_info"]
     check_prompt_logprobs(whole["input_token_logprobs"], whole["input_top_logprobs"], ref, ids, 0)
     assert len(whole["output_token_logprobs"]) == 3
@@ -261,8 +291,12 @@ def test_echo_on_completions(server, llama_dir, tokenizer):
     chunks = stream(server, "/v1/completions", {**body, "logprobs": 2})
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert text == PROMPT + plain
-    values = [v for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
-              for v in c["choices"][0]["logprobs"]["token_logprobs"]]
+    values = [
+        v
+        for c in chunks
+        if c["choices"] and c["choices"][0]["logprobs"]
+        for v in c["choices"][0]["logprobs"]["token_logprobs"]
+    ]
     assert values == lp["token_logprobs"]
 
 
@@ -273,28 +307,71 @@ def server_model(server: ServerProcess) -> str:
 def test_penalties_and_min_tokens_over_both_apis(server, llama_dir, adapter_dirs, tokenizer):
     ids = tokenizer(PROMPT)["input_ids"]
     options = {"repetition_penalty": 0.5, "presence_penalty": -1.0, "frequency_penalty": 0.5, "min_p": 0.2}
-    native = post(server, "/generate", {"text": PROMPT, "lora_path": "a4", "sampling_params": {
-        "max_new_tokens": STEPS, "temperature": 0, "ignore_eos": True, **options}})
+    native = post(
+        server,
+        "/generate",
+        {
+            "text": PROMPT,
+            "lora_path": "a4",
+            "sampling_params": {"max_new_tokens": STEPS, "temperature": 0, "ignore_eos": True, **options},
+        },
+    )
     params = SamplingParams(temperature=0.0, **{k: v for k, v in options.items() if k != "min_p"})
     ref, margins = reference_greedy(llama_dir, adapter_dirs["a4"], ids, params, STEPS)
     assert assert_prefix_match(native["output_ids"], ref, margins, "native") >= 2
-    openai = post(server, "/v1/completions", {"model": "a4", "prompt": PROMPT, "max_tokens": STEPS,
-                                              "temperature": 0, "ignore_eos": True, **options})
+    openai = post(
+        server,
+        "/v1/completions",
+        {"model": "a4", "prompt": PROMPT, "max_tokens": STEPS, "temperature": 0, "ignore_eos": True, **options},
+    )
     assert openai["choices"][0]["text"] == native["text"]
     # min_tokens / min_new_tokens with stop_token_ids: the stop token cannot come before the minimum
     plain = post(server, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
     stop_id = plain["output_ids"][0]
-    early = post(server, "/generate", {"text": PROMPT, "sampling_params": {
-        "max_new_tokens": 6, "temperature": 0, "stop_token_ids": [stop_id]}})
+    early = post(
+        server,
+        "/generate",
+        {"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [stop_id]}},
+    )
     assert early["output_ids"] == [stop_id] and early["meta_info"]["finish_reason"]["type"] == "stop"
-    late = post(server, "/generate", {"text": PROMPT, "sampling_params": {
-        "max_new_tokens": 6, "temperature": 0, "stop_token_ids": [stop_id], "min_new_tokens": 3}})
+    late = post(
+        server,
+        "/generate",
+        {
+            "text": PROMPT,
+            "sampling_params": {
+                "max_new_tokens": 6,
+                "temperature": 0,
+                "stop_token_ids": [stop_id],
+                "min_new_tokens": 3,
+            },
+        },
+    )
     assert stop_id not in late["output_ids"][:3]
-    v1 = post(server, "/v1/completions", {"model": server_model(server), "prompt": PROMPT, "max_tokens": 6,
-                                          "temperature": 0, "stop_token_ids": [stop_id], "min_tokens": 3})
+    v1 = post(
+        server,
+        "/v1/completions",
+        {
+            "model": server_model(server),
+            "prompt": PROMPT,
+            "max_tokens": 6,
+            "temperature": 0,
+            "stop_token_ids": [stop_id],
+            "min_tokens": 3,
+        },
+    )
     assert v1["choices"][0]["text"] == late["text"]
-    v1_stop = post(server, "/v1/completions", {"model": server_model(server), "prompt": PROMPT, "max_tokens": 6,
-                                               "temperature": 0, "stop_token_ids": [stop_id]})
+    v1_stop = post(
+        server,
+        "/v1/completions",
+        {
+            "model": server_model(server),
+            "prompt": PROMPT,
+            "max_tokens": 6,
+            "temperature": 0,
+            "stop_token_ids": [stop_id],
+        },
+    )
     assert v1_stop["choices"][0]["finish_reason"] == "stop"
     assert v1_stop["choices"][0]["text"] == tokenizer.decode([stop_id])  # not special: its text stays
 
@@ -309,16 +386,30 @@ def test_stop_string_kept_on_request(server):
     assert post(server, "/generate", native)["text"] == cut
     kept = {**native, "sampling_params": {**native["sampling_params"], "no_stop_trim": True}}
     assert post(server, "/generate", kept)["text"] == cut + stop
-    v1 = {"model": server_model(server), "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-          "stop": stop}
+    v1 = {
+        "model": server_model(server),
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stop": stop,
+    }
     assert post(server, "/v1/completions", v1)["choices"][0]["text"] == cut
     v1_kept = post(server, "/v1/completions", {**v1, "include_stop_str_in_output": True})
     assert v1_kept["choices"][0]["text"] == cut + stop
     for skip in (True, False):
-        assert post(server, "/generate", {**body, "sampling_params": {**body["sampling_params"],
-                                                                      "skip_special_tokens": skip}})["text"] == text
-        assert post(server, "/v1/completions", {**v1, "stop": None, "skip_special_tokens": skip}
-                    )["choices"][0]["text"] == text
+        assert (
+            post(
+                server,
+                "/generate",
+                {**body, "sampling_params": {**body["sampling_params"], "skip_special_tokens": skip}},
+            )["text"]
+            == text
+        )
+        assert (
+            post(server, "/v1/completions", {**v1, "stop": None, "skip_special_tokens": skip})["choices"][0]["text"]
+            == text
+        )
 
 
 def test_native_n_and_openai_n(server):
@@ -329,17 +420,39 @@ def test_native_n_and_openai_n(server):
     assert [r["meta_info"]["id"] for r in many] == ["x-0", "x-1", "y-0", "y-1"]
     one = post(server, "/generate", {"text": "a b", "sampling_params": {**greedy, "n": 3}})
     assert isinstance(one, list) and len(one) == 3
-    sampled = post(server, "/generate", {"text": "a b", "sampling_params": {
-        "max_new_tokens": 8, "temperature": 1.0, "seed": 3, "n": 3, "ignore_eos": True}})
+    sampled = post(
+        server,
+        "/generate",
+        {
+            "text": "a b",
+            "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "seed": 3, "n": 3, "ignore_eos": True},
+        },
+    )
     assert len({tuple(r["output_ids"]) for r in sampled}) > 1  # each draws its own
-    v1 = post(server, "/v1/completions", {"model": server_model(server), "prompt": ["a b", "c"], "max_tokens": 5,
-                                          "temperature": 0, "ignore_eos": True, "n": 2})
+    v1 = post(
+        server,
+        "/v1/completions",
+        {
+            "model": server_model(server),
+            "prompt": ["a b", "c"],
+            "max_tokens": 5,
+            "temperature": 0,
+            "ignore_eos": True,
+            "n": 2,
+        },
+    )
     assert len(v1["choices"]) == 4 and v1["usage"]["completion_tokens"] == 20
 
 
 def test_continuous_usage_stats(server):
-    body = {"model": server_model(server), "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        "model": server_model(server),
+        "prompt": PROMPT,
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     chunks = stream(server, "/v1/completions", body)
     assert all(c.get("usage") for c in chunks)
     counts = [c["usage"]["completion_tokens"] for c in chunks]
@@ -351,23 +464,26 @@ def test_continuous_usage_stats(server):
     assert [bool(c.get("usage")) for c in plain] == [False] * (len(plain) - 1) + [True]
 
 
-@pytest.mark.parametrize(("path", "field"), [
-    ("/generate", {"sampling_params": {"min_tokens": 2}}),
-    ("/generate", {"sampling_params": {"include_stop_str_in_output": True}}),
-    ("/generate", {"echo": True}),
-    ("/generate", {"sampling_params": {"repetition_penalty": 0}}),
-    ("/generate", {"sampling_params": {"min_p": 1.5}}),
-    ("/generate", {"sampling_params": {"n": 0}}),
-    ("/generate", {"sampling_params": {"max_new_tokens": 2, "min_new_tokens": 3}}),
-    ("/generate", {"return_logprob": True, "logprob_start_len": 10_000}),
-    ("/generate", {"sampling_params": {"presence_penalty": "1"}}),
-    ("/v1/completions", {"min_new_tokens": 2}),
-    ("/v1/completions", {"no_stop_trim": True}),
-    ("/v1/completions", {"logprob_start_len": 0}),
-    ("/v1/completions", {"frequency_penalty": 2.5}),
-    ("/v1/completions", {"stop_token_ids": [10**9]}),
-    ("/v1/chat/completions", {"echo": True}),
-])
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [
+        ("/generate", {"sampling_params": {"min_tokens": 2}}),
+        ("/generate", {"sampling_params": {"include_stop_str_in_output": True}}),
+        ("/generate", {"echo": True}),
+        ("/generate", {"sampling_params": {"repetition_penalty": 0}}),
+        ("/generate", {"sampling_params": {"min_p": 1.5}}),
+        ("/generate", {"sampling_params": {"n": 0}}),
+        ("/generate", {"sampling_params": {"max_new_tokens": 2, "min_new_tokens": 3}}),
+        ("/generate", {"return_logprob": True, "logprob_start_len": 10_000}),
+        ("/generate", {"sampling_params": {"presence_penalty": "1"}}),
+        ("/v1/completions", {"min_new_tokens": 2}),
+        ("/v1/completions", {"no_stop_trim": True}),
+        ("/v1/completions", {"logprob_start_len": 0}),
+        ("/v1/completions", {"frequency_penalty": 2.5}),
+        ("/v1/completions", {"stop_token_ids": [10**9]}),
+        ("/v1/chat/completions", {"echo": True}),
+    ],
+)
 def test_other_spellings_and_bad_values_are_refused(server, path, field):
     if path == "/generate":
         body = {"text": "hi", **field, "sampling_params": {"max_new_tokens": 2, **field.get("sampling_params", {})}}
@@ -383,8 +499,9 @@ def test_logprobs_through_the_rpc_and_engine_options(server):
     from frontend.rpc_client import RpcClient
 
     options = {"return_logprob": True, "top_logprobs_num": 1, "logprob_start_len": 2}
-    http = post(server, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 3, "temperature": 0},
-                                      **options})
+    http = post(
+        server, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 3, "temperature": 0}, **options}
+    )
     with RpcClient(server.rpc_addr, timeout_s=60) as client:
         out = client.generate(PROMPT, {"max_new_tokens": 3, "temperature": 0}, **options)[0]
         assert out["meta_info"]["input_token_logprobs"] == http["meta_info"]["input_token_logprobs"]

@@ -57,8 +57,13 @@ def apply_penalties(logits: torch.Tensor, reqs: list[ForwardReq], histories: Tok
     rows = [i for i, req in enumerate(reqs) if req.sampling.needs_token_history]
     vocab_size = logits.shape[-1]
     # min_new_tokens: the stop tokens (EOS among them unless ignore_eos) cannot be sampled yet.
-    masked = [(i, t) for i, req in enumerate(reqs) if req.num_generated < req.sampling.min_new_tokens
-              for t in req.sampling.stop_token_ids if t < vocab_size]
+    masked = [
+        (i, t)
+        for i, req in enumerate(reqs)
+        if req.num_generated < req.sampling.min_new_tokens
+        for t in req.sampling.stop_token_ids
+        if t < vocab_size
+    ]
     if not rows and not masked:
         return logits
     logits = logits.clone()
