@@ -126,6 +126,34 @@ def test_min_p_one_samples_the_greedy_token(runner):
     assert decode(runner, prompts, sampled, STEPS) == decode(runner, prompts, [GREEDY] * 2, STEPS)
 
 
+def test_logprobs_read_the_raw_logits_and_prompt_rows(runner):
+    """Penalties change the choice, never the logprobs (vLLM's default); prompt logprobs come from the rows asked."""
+    from protocol.structs import ForwardBatch, ForwardReq
+
+    prompt = random_prompts([12], runner.vocab_size, seed=9)[0]
+    raw = runner.prefill_logits(prompt).log_softmax(-1)  # (12, vocab)
+    params = SamplingParams(temperature=0.0, repetition_penalty=0.2, presence_penalty=2.0, logprobs=2)
+    req = ForwardReq(
+        input_ids=prompt,
+        num_cached_tokens=0,
+        page_ids=[0, 1, 2],
+        sampling=params,
+        req_key=20_000,
+        prompt_logprob_ids=prompt[5:],
+        prompt_logprob_row=4,
+    )
+    result = runner.step(ForwardBatch(batch_id=0, reqs=[req], released_keys=[]))
+    token = result.tokens[0]
+    assert token != int(raw[-1].argmax())  # the penalty decided
+    assert abs(result.logprobs[0].logprob - float(raw[-1, token])) < 1e-4
+    assert result.logprobs[0].top_ids == raw[-1].topk(2).indices.tolist()
+    entries = result.prompt_logprobs[0]
+    assert len(entries) == 7
+    for j, entry in enumerate(entries):
+        assert abs(entry.logprob - float(raw[4 + j, prompt[5 + j]])) < 1e-4
+    runner.step(ForwardBatch(batch_id=1, reqs=[], released_keys=[20_000]))
+
+
 def test_penalty_needs_its_history(runner):
     """A penalised request on a pass that starts past tokens the worker never saw is a batch error, not a guess."""
     from protocol.structs import ForwardBatch, ForwardReq
@@ -319,12 +347,15 @@ def test_penalties_and_min_tokens_over_both_apis(server, llama_dir, adapter_dirs
     params = SamplingParams(temperature=0.0, **{k: v for k, v in options.items() if k != "min_p"})
     ref, margins = reference_greedy(llama_dir, adapter_dirs["a4"], ids, params, STEPS)
     assert assert_prefix_match(native["output_ids"], ref, margins, "native") >= 2
+    # The same prompt again, now from the prefix cache: the workers get the cached tokens for the penalties.
+    hits_before = server.get("/server_info").json()["prefix_cache_hit_tokens"]
     openai = post(
         server,
         "/v1/completions",
         {"model": "a4", "prompt": PROMPT, "max_tokens": STEPS, "temperature": 0, "ignore_eos": True, **options},
     )
     assert openai["choices"][0]["text"] == native["text"]
+    assert server.get("/server_info").json()["prefix_cache_hit_tokens"] >= hits_before + 32
     # min_tokens / min_new_tokens with stop_token_ids: the stop token cannot come before the minimum
     plain = post(server, "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
     stop_id = plain["output_ids"][0]
@@ -513,3 +544,65 @@ def test_logprobs_through_the_rpc_and_engine_options(server):
     assert body.logprob_start_len == 2 and body.sampling_params.n == 2
     with pytest.raises(TypeError):
         Engine._body("x", None, None, None, None, False, {"echo": True})
+
+
+# ---- the scheduler's side: which positions are asked, cache bypass, worker state --------------------------------
+
+
+def run_to_end(scheduler, batches: list) -> list:
+    """Play the workers (one pass at a time) until nothing is left: every delta; each batch sent is kept."""
+    from protocol.structs import BatchResult, TokenLogprob
+
+    deltas = []
+    while not scheduler.is_idle:
+        batch = scheduler.schedule()
+        assert batch is not None
+        batches.append(batch)
+        # A prompt logprob entry's value is the position of the token it is for, so the test can check them.
+        prompt_logprobs = [
+            [
+                TokenLogprob(float(req.num_cached_tokens + req.prompt_logprob_row + j + 1))
+                for j in range(len(req.prompt_logprob_ids))
+            ]
+            for req in batch.reqs
+        ]
+        result = BatchResult(
+            batch_id=batch.batch_id, next_token_ids=[7] * len(batch.reqs), prompt_logprobs=prompt_logprobs
+        )
+        deltas += scheduler.process_result(result)
+    return deltas
+
+
+def test_scheduler_asks_every_prompt_position_once_and_bypasses_the_cache_for_them():
+    from protocol.config import ServerConfig
+    from protocol.structs import TokenizedGenerateReq
+    from scheduler.scheduler import Scheduler
+
+    config = ServerConfig(page_size=4, max_running_requests=8)
+    scheduler = Scheduler(config, num_pages=64, context_length=256, chunked_prefill_size=5)
+    prompt = list(range(100, 120))
+    batches: list = []
+    released = []
+    scheduler.add_request(TokenizedGenerateReq(rid="warm", input_ids=prompt, sampling=SamplingParams(max_new_tokens=2)))
+    run_to_end(scheduler, batches)
+    for rid, start, penalised in (("all", 0, True), ("late", 10, True), ("zero", 3, False)):
+        sampling = SamplingParams(
+            max_new_tokens=0 if rid == "zero" else 3,
+            logprob_start_len=start,
+            repetition_penalty=1.5 if penalised else 1.0,
+        )
+        scheduler.add_request(TokenizedGenerateReq(rid=rid, input_ids=prompt, sampling=sampling))
+        batches.clear()
+        deltas = run_to_end(scheduler, batches)
+        released += [k for b in batches for k in b.released_keys]
+        first = batches[0].reqs[0]
+        # the logits at position start - 1 must be computed: no cached page reaches it
+        assert first.num_cached_tokens == (max(start, 1) - 1) // 4 * 4
+        assert first.history_ids == (prompt[: first.num_cached_tokens] if penalised else None)
+        assert all(b.reqs[0].history_ids is None for b in batches[1:])
+        values = [lp.logprob for d in deltas for lp in d.prompt_logprobs]
+        assert values == [float(p) for p in range(max(start, 1), len(prompt))]
+        assert [t for d in deltas for t in d.token_ids] == ([] if rid == "zero" else [7, 7, 7])
+        assert deltas[-1].finish_reason == "length"
+    # the penalised requests' worker state is released with the batch after they end, once
+    assert released == [1, 2]  # the keys (arrivals) of "all" and "late"
