@@ -172,7 +172,18 @@ def test_penalty_needs_its_history(runner):
         history_ids=list(range(8)),
     )
     runner.step(ForwardBatch(batch_id=1, reqs=[ok]))
-    assert runner.histories.tokens(10_000) == [*range(8), 5]
+    assert runner.histories.tokens(10_000).tolist() == [*range(8), 5]
+    # a recomputation (after preemption) writes from its cached length again; long inputs grow the buffer
+    histories, long = runner.histories, list(range(100))
+    with torch.inference_mode():  # as in ModelRunner.step
+        histories.update(
+            [ForwardReq(input_ids=[9, 9], num_cached_tokens=4, page_ids=[0], sampling=params, req_key=10_000)]
+        )
+        assert histories.tokens(10_000).tolist() == [0, 1, 2, 3, 9, 9]
+        histories.update(
+            [ForwardReq(input_ids=long, num_cached_tokens=6, page_ids=[0], sampling=params, req_key=10_000)]
+        )
+    assert histories.tokens(10_000).tolist() == [0, 1, 2, 3, 9, 9, *long]
     runner.step(ForwardBatch(batch_id=2, reqs=[], released_keys=[10_000]))
     assert 10_000 not in runner.histories
 
