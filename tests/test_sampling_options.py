@@ -302,6 +302,9 @@ def test_prompt_logprobs_with_prefix_cache_and_chunks(server, llama_dir, adapter
     whole = post(server, "/generate", body)["meta_info"]
     check_prompt_logprobs(whole["input_token_logprobs"], whole["input_top_logprobs"], ref, ids, 0)
     assert len(whole["output_token_logprobs"]) == 3
+    assert all(e[2] is None for e in whole["input_token_logprobs"])
+    texts = post(server, "/generate", {**body, "return_text_in_logprobs": True})["meta_info"]["input_token_logprobs"]
+    assert [e[2] for e in texts] == [tokenizer.decode([t]) for t in ids]
     chunks = stream(server, "/generate", body)
     streamed = [e for c in chunks for e in c["meta_info"]["input_token_logprobs"]]
     assert streamed == whole["input_token_logprobs"]
@@ -617,3 +620,28 @@ def test_scheduler_asks_every_prompt_position_once_and_bypasses_the_cache_for_th
         assert deltas[-1].finish_reason == "length"
     # the penalised requests' worker state is released with the batch after they end, once
     assert released == [1, 2]  # the keys (arrivals) of "all" and "late"
+
+
+def test_scheduler_state_survives_preemption():
+    """A preempted request is recomputed: its prompt logprobs still come once each, and its first pass after
+    readmission tells the workers its cached tokens again."""
+    from protocol.config import ServerConfig
+    from protocol.structs import TokenizedGenerateReq
+    from scheduler.scheduler import Scheduler
+
+    config = ServerConfig(page_size=4, max_running_requests=8)
+    scheduler = Scheduler(config, num_pages=10, context_length=256, chunked_prefill_size=6)
+    prompts = {"old": list(range(10, 22)), "new": list(range(50, 62))}
+    for rid, prompt in prompts.items():
+        sampling = SamplingParams(max_new_tokens=16, logprob_start_len=0, repetition_penalty=1.2)
+        scheduler.add_request(TokenizedGenerateReq(rid=rid, input_ids=prompt, sampling=sampling))
+    batches: list = []
+    deltas = run_to_end(scheduler, batches)
+    assert scheduler.num_preemptions > 0
+    for rid, prompt in prompts.items():
+        mine = [d for d in deltas if d.rid == rid]
+        assert [lp.logprob for d in mine for lp in d.prompt_logprobs] == [float(p) for p in range(1, len(prompt))]
+        assert sum(len(d.token_ids) for d in mine) == 16
+    synced = [r for b in batches for r in b.reqs if r.history_ids is not None]
+    assert len(synced) > len(prompts)  # admission, and again after each preemption
+    assert all(len(r.history_ids) == r.num_cached_tokens for r in synced)
