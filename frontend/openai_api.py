@@ -220,10 +220,10 @@ def openai_sampling(runtime: Runtime, req: CommonParams, prompt_len: int, defaul
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = default_max if default_max is not None else max(1, runtime.ready.context_length - prompt_len)
-    if max_tokens < 1:
+    echo = getattr(req, "echo", False)
+    if max_tokens < 1 and not echo:  # vLLM: with echo, max_tokens 0 returns the prompt (and its logprobs) alone
         raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
     logprobs = requested_logprobs(req)
-    echo = getattr(req, "echo", False)
     sampling = make_sampling(
         max_new_tokens=max_tokens,
         temperature=req.temperature,

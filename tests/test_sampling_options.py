@@ -340,6 +340,11 @@ def test_echo_on_completions(server, llama_dir, tokenizer):
         for v in c["choices"][0]["logprobs"]["token_logprobs"]
     ]
     assert values == lp["token_logprobs"]
+    # max_tokens 0 with echo (as lm-eval's loglikelihood asks): the prompt and its logprobs alone
+    alone = post(server, "/v1/completions", {**body, "max_tokens": 0, "logprobs": 1})["choices"][0]
+    assert alone["text"] == PROMPT and alone["logprobs"]["token_logprobs"] == lp["token_logprobs"][: len(ids)]
+    assert post(server, "/v1/completions", {**body, "max_tokens": 0})["choices"][0]["text"] == PROMPT
+    assert server.post("/v1/completions", {**body, "max_tokens": 0, "echo": False}).status_code == 400
 
 
 def server_model(server: ServerProcess) -> str:
