@@ -29,6 +29,10 @@ from protocol.structs import (
 _END = object()
 
 
+# /generate's top-level logprob fields, taken as keyword arguments by generate and async_generate
+LOGPROB_OPTIONS = {"return_logprob", "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs"}
+
+
 class Engine:
     def __init__(self, _fault_hooks: dict[str, str] | None = None, **kwargs: Any):
         self.config = ServerConfig.from_kwargs(**kwargs)
@@ -53,9 +57,12 @@ class Engine:
 
     @staticmethod
     def _body(prompt: str | list[str] | None, sampling_params: dict | None, lora_path: Any,
-              input_ids: Any, rid: Any, stream: bool) -> NativeGenerateRequest:
+              input_ids: Any, rid: Any, stream: bool, logprob_options: dict) -> NativeGenerateRequest:
+        unknown = set(logprob_options) - LOGPROB_OPTIONS
+        if unknown:
+            raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
         raw = {"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params, "lora_path": lora_path,
-               "rid": rid, "stream": stream}
+               "rid": rid, "stream": stream, **logprob_options}
         return convert({k: v for k, v in raw.items() if v is not None}, NativeGenerateRequest, "generate request")
 
     async def _generate(self, body: NativeGenerateRequest) -> dict | list[dict]:
@@ -81,8 +88,10 @@ class Engine:
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | None = None,
                  lora_path: Any = None, *, input_ids: Any = None, rid: Any = None,
-                 stream: bool = False) -> dict | list[dict] | Iterator[dict]:
-        body = self._body(prompt, sampling_params, lora_path, input_ids, rid, stream)
+                 stream: bool = False, **logprob_options: Any) -> dict | list[dict] | Iterator[dict]:
+        """logprob_options: return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs, as
+        /generate takes them."""
+        body = self._body(prompt, sampling_params, lora_path, input_ids, rid, stream, logprob_options)
         if not stream:
             return self._run(self._generate(body))
         return self._sync_stream(body)
@@ -100,8 +109,8 @@ class Engine:
 
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | None = None,
                              lora_path: Any = None, *, input_ids: Any = None, rid: Any = None,
-                             stream: bool = False) -> dict | list[dict] | AsyncIterator[dict]:
-        body = self._body(prompt, sampling_params, lora_path, input_ids, rid, stream)
+                             stream: bool = False, **logprob_options: Any) -> dict | list[dict] | AsyncIterator[dict]:
+        body = self._body(prompt, sampling_params, lora_path, input_ids, rid, stream, logprob_options)
         if not stream:
             return await self._await(self._generate(body))
         return self._async_stream(body)

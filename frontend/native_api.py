@@ -18,13 +18,26 @@ from frontend.http_utils import (
     stream_many,
     wait_all,
 )
-from frontend.params import AdapterPath, NativeGenerateRequest, native_sampling, strip_native
+from frontend.params import (
+    MAX_SEED,
+    AdapterPath,
+    NativeGenerateRequest,
+    NativeSamplingParams,
+    native_sampling,
+    strip_native,
+)
 from frontend.registry import AdapterError
-from frontend.request_state import RequestState
+from frontend.request_state import OutputOptions, RequestState
 from frontend.responses import AbortResponse, AdapterReply, AdapterResult, HealthResponse, ModelInfoResponse
 from frontend.runtime import InputError, Runtime
 from protocol.errors import http_status
-from protocol.structs import AbortReqOutput, LoadLoRAAdapterReqOutput, LoRAAdapterSpec, UnloadLoRAAdapterReqOutput
+from protocol.structs import (
+    AbortReqOutput,
+    LoadLoRAAdapterReqOutput,
+    LoRAAdapterSpec,
+    SamplingParams,
+    UnloadLoRAAdapterReqOutput,
+)
 
 routes = web.RouteTableDef()
 
@@ -64,8 +77,11 @@ def per_item(value: Any, count: int, batched: bool, what: str) -> list[Any]:
     return [value] * count
 
 
-async def submit_all(runtime: Runtime, prompts: list[list[int]], sampling: Any, stops: list[str],
-                     lora_names: list[str | None], rids: list[str | None]) -> list[RequestState]:
+async def submit_all(runtime: Runtime, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
+                     stops: list[str], lora_names: list[str | None], rids: list[str | None],
+                     output: OutputOptions = OutputOptions()) -> list[RequestState]:
+    """Submit every prompt (with its own sampling when given a list), or none if one is refused."""
+    samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
     # Check every adapter first so a bad name in a batch starts nothing.
     for name in lora_names:
         if name is not None and runtime.config.lora_enabled:
@@ -74,8 +90,8 @@ async def submit_all(runtime: Runtime, prompts: list[list[int]], sampling: Any, 
             raise AdapterError(f"adapter {name!r} is not loaded", kind="not_found")
     states: list[RequestState] = []
     try:
-        for prompt, name, rid in zip(prompts, lora_names, rids, strict=False):
-            states.append(await runtime.submit(prompt, sampling, stops, name, rid))
+        for prompt, one_sampling, name, rid in zip(prompts, samplings, lora_names, rids, strict=False):
+            states.append(await runtime.submit(prompt, one_sampling, stops, name, rid, output))
     except BaseException:
         for state in states:
             await runtime.finish(state)
@@ -83,19 +99,40 @@ async def submit_all(runtime: Runtime, prompts: list[list[int]], sampling: Any, 
     return states
 
 
-def generate_response(state: RequestState, logprobs_from: int = 0) -> dict:
-    return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": state.meta_info(logprobs_from)}
+def generate_response(state: RequestState, logprobs_from: int = 0, input_logprobs_from: int = 0) -> dict:
+    return {"text": state.text, "output_ids": list(state.output_ids),
+            "meta_info": state.meta_info(logprobs_from, input_logprobs_from)}
+
+
+def repeat_n(values: list[Any], n: int) -> list[Any]:
+    """n results per prompt, prompt-major."""
+    return [v for v in values for _ in range(n)]
+
+
+def n_samplings(sampling: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling of each of n results of one prompt: a seeded request's k-th draws with seed + k (both APIs)."""
+    if sampling.seed is None:
+        return [sampling] * n
+    return [msgspec.structs.replace(sampling, seed=(sampling.seed + k) % (MAX_SEED + 1)) for k in range(n)]
 
 
 async def start_generate(runtime: Runtime, body: NativeGenerateRequest) -> tuple[list[RequestState], bool]:
-    """Validate and submit a /generate body (HTTP, Engine and RPC alike): (states, batched)."""
+    """Validate and submit a /generate body (HTTP, Engine and RPC alike): (states, batched). With n > 1, n results
+    per prompt in one flat list, prompt-major (always a list)."""
     runtime.check_available()
     prompts, batched = generate_items(runtime, body)
     logprobs = body.top_logprobs_num if body.return_logprob else -1
-    sampling, stops = native_sampling(body.sampling_params, runtime.eos_token_ids, logprobs)
+    logprob_start_len = body.logprob_start_len if body.return_logprob else -1
+    params = body.sampling_params or NativeSamplingParams()
+    sampling, stops = native_sampling(params, runtime.eos_token_ids, logprobs, logprob_start_len)
     lora_names = per_item(body.lora_path, len(prompts), batched, "lora_path")
     rids = per_item(body.rid, len(prompts), batched, "rid")
-    states = await submit_all(runtime, prompts, sampling, stops, lora_names, rids)
+    if params.n > 1:
+        rids = [None if rid is None else f"{rid}-{k}" for rid in rids for k in range(params.n)]
+        prompts, lora_names, batched = repeat_n(prompts, params.n), repeat_n(lora_names, params.n), True
+    samplings = n_samplings(sampling, params.n) * (len(prompts) // params.n)
+    output = OutputOptions(skip_special_tokens=params.skip_special_tokens, keep_stop=params.no_stop_trim)
+    states = await submit_all(runtime, prompts, samplings, stops, lora_names, rids, output)
     for state in states:
         state.return_text_in_logprobs = body.return_text_in_logprobs
     return states, batched
@@ -122,12 +159,14 @@ async def collect(runtime: Runtime, states: list[RequestState], batched: bool) -
 
 async def stream_chunks(runtime: Runtime, states: list[RequestState], batched: bool):
     sent = [0] * len(states)  # output tokens whose logprob entries went out already: a chunk carries its own
+    sent_input = [0] * len(states)  # ... and prompt logprob entries
     async for index, state in stream_many(runtime, states):
         if state.error:
             chunk = msgspec.to_builtins(error_body(state.error, state.error_status))
         else:
-            chunk = generate_response(state, sent[index])
+            chunk = generate_response(state, sent[index], sent_input[index])
             sent[index] = len(state.output_logprobs)
+            sent_input[index] = state.num_prompt_logprob_entries
         if batched:
             chunk["index"] = index
         yield chunk

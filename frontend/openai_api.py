@@ -20,10 +20,14 @@ from frontend.http_utils import (
     stream_many,
     wait_all,
 )
-from frontend.native_api import runtime_of, submit_all
+from frontend.native_api import n_samplings, runtime_of, submit_all
 from frontend.params import (
+    MAX_N,
     AdapterPath,
     Int64,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
     Seed,
     Temperature,
     TokenCount,
@@ -36,7 +40,7 @@ from frontend.params import (
     strip_neutral,
 )
 from frontend.registry import AdapterError
-from frontend.request_state import RequestState
+from frontend.request_state import OutputOptions, RequestState
 from frontend.responses import (
     AssistantMessage,
     ChatChoice,
@@ -60,14 +64,10 @@ from protocol.errors import http_status
 from protocol.structs import LoRAAdapterSpec
 
 routes = web.RouteTableDef()
-MAX_N = 16
 
 # OpenAI parameters we do not implement, with the neutral values that mean "off" and are therefore accepted.
 NEUTRAL = {
-    "echo": (False,),  # and with it prompt logprobs: not implemented
     "top_logprobs": (None, 0),  # completions (chat has it as a field)
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -106,11 +106,20 @@ class CommonParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
     user: str | None = None
     ignore_eos: bool = False
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    min_p: MinP = 0.0
+    min_tokens: TokenCount = 0
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 class CompletionRequest(CommonParams, kw_only=True):
     prompt: str | list[str | TokenId | list[TokenId]]  # text, texts, token ids, or lists of token ids
     logprobs: TopLogprobs | None = None  # each output token's logprob and this many alternatives
+    echo: bool = False  # the prompt's text before the completion (and its tokens' logprobs, with logprobs)
 
 
 class TextPart(msgspec.Struct, kw_only=True):
@@ -140,15 +149,20 @@ def requested_logprobs(req: CommonParams) -> int:
     return -1 if logprobs is None else logprobs
 
 
-def completion_logprobs(state: RequestState, start: int, offset: int) -> tuple[CompletionLogprobs, int]:
-    """The output tokens from `start` on in the completions shape; text offsets count from `offset`. Also returns
-    the offset past the last token."""
+def completion_logprobs(
+    state: RequestState, start: int, offset: int, with_prompt: bool = False
+) -> tuple[CompletionLogprobs, int]:
+    """The output tokens from `start` on in the completions shape, after the prompt's (echo) when with_prompt;
+    text offsets count from `offset`. Also returns the offset past the last token."""
+    entries = state.prompt_logprob_entries() if with_prompt else []
+    entries += zip(state.output_ids[start:], state.output_logprobs[start:], strict=False)
     tokens, values, tops, offsets = [], [], [], []
-    for lp, tid in zip(state.output_logprobs[start:], state.output_ids[start:], strict=False):
+    for tid, lp in entries:
         token = state.token_text(tid)
         tokens.append(token)
-        values.append(lp.logprob)
-        tops.append({state.token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)})
+        values.append(None if lp is None else lp.logprob)
+        tops.append(None if lp is None else {state.token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs,
+                                                                                   strict=True)})
         offsets.append(offset)
         offset += len(token)
     top = tops if state.sampling.logprobs > 0 else None
@@ -206,23 +220,28 @@ def openai_sampling(runtime: Runtime, req: CommonParams, prompt_len: int, defaul
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = default_max if default_max is not None else max(1, runtime.ready.context_length - prompt_len)
-    if max_tokens < 1:
+    echo = getattr(req, "echo", False)
+    if max_tokens < 1 and not echo:  # vLLM: with echo, max_tokens 0 returns the prompt (and its logprobs) alone
         raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
     logprobs = requested_logprobs(req)
-    return [
-        make_sampling(
-            max_new_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            ignore_eos=req.ignore_eos,
-            seed=None if req.seed is None else req.seed + i,
-            stop_token_ids=None,
-            eos_token_ids=runtime.eos_token_ids,
-            logprobs=logprobs,
-        )
-        for i in range(req.n)
-    ]
+    sampling = make_sampling(
+        max_new_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        ignore_eos=req.ignore_eos,
+        seed=req.seed,
+        stop_token_ids=req.stop_token_ids,
+        eos_token_ids=runtime.eos_token_ids,
+        logprobs=logprobs,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        min_p=req.min_p,
+        min_new_tokens=req.min_tokens,
+        logprob_start_len=0 if echo and logprobs >= 0 else -1,
+    )
+    return n_samplings(sampling, req.n)
 
 
 def finish_reason(state: RequestState) -> str | None:
@@ -232,15 +251,21 @@ def finish_reason(state: RequestState) -> str | None:
 
 
 def usage(states: list[RequestState], num_prompts_tokens: int) -> Usage:
-    completion = sum(len(s.output_ids) for s in states)
+    completion = sum(len(s.output_ids) for s in states)  # so far, in a stream with continuous_usage_stats
     return Usage(
         prompt_tokens=num_prompts_tokens, completion_tokens=completion, total_tokens=num_prompts_tokens + completion
     )
 
 
 async def run_openai(
-    request: web.Request, req: CommonParams, prompts: list[list[int]], chat: bool, default_max: int | None
+    request: web.Request,
+    req: CommonParams,
+    prompts: list[list[int]],
+    chat: bool,
+    default_max: int | None,
+    echo_texts: list[str] | None = None,
 ) -> web.StreamResponse:
+    """echo_texts (completions with echo): each prompt's text, put before its completions' text."""
     runtime = runtime_of(request)
     runtime.check_available()
     lora_name, served_by = await resolve_model(runtime, req.model)
@@ -248,11 +273,13 @@ async def run_openai(
     for prompt in prompts:
         for sampling in openai_sampling(runtime, req, len(prompt), default_max):
             jobs.append((prompt, sampling))
+    echoes = [text for text in echo_texts for _ in range(req.n)] if echo_texts is not None else None
     stops = stop_list(req.stop)
+    output = OutputOptions(skip_special_tokens=req.skip_special_tokens, keep_stop=req.include_stop_str_in_output)
     states: list[RequestState] = []
     try:
         for prompt, sampling in jobs:
-            states += await submit_all(runtime, [prompt], sampling, stops, [lora_name], [None])
+            states += await submit_all(runtime, [prompt], sampling, stops, [lora_name], [None], output)
         base = {
             "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "created": int(time.time()),
@@ -260,7 +287,7 @@ async def run_openai(
         }
         prompt_tokens = sum(len(s.prompt_ids) for s in states)
         if req.stream:
-            return await stream_openai(request, runtime, req, states, base, chat, prompt_tokens)
+            return await stream_openai(request, runtime, req, states, base, chat, prompt_tokens, echoes)
         await wait_all(runtime, states)
         failed = next((s for s in states if s.error), None)
         if failed is not None:
@@ -276,8 +303,8 @@ async def run_openai(
                 **base, object="chat.completion", choices=chat_choices, usage=usage(states, prompt_tokens)
             ))
         choices = [
-            CompletionChoice(index=i, text=s.text, finish_reason=finish_reason(s),
-                             logprobs=completion_logprobs(s, 0, 0)[0] if s.wants_logprobs else None)
+            CompletionChoice(index=i, text=(echoes[i] if echoes else "") + s.text, finish_reason=finish_reason(s),
+                             logprobs=completion_logprobs(s, 0, 0, bool(echoes))[0] if s.wants_logprobs else None)
             for i, s in enumerate(states)
         ]
         return json_response(CompletionResponse(
@@ -296,13 +323,20 @@ async def stream_openai(
     base: dict,
     chat: bool,
     prompt_tokens: int,
+    echoes: list[str] | None = None,
 ) -> web.StreamResponse:
     resp = await start_sse(request)
     sent = [0] * len(states)
     sent_logprobs = [0] * len(states)  # output tokens whose logprobs went out
     offsets = [0] * len(states)  # completions' text_offset of the next token
+    echoed = [not echoes] * len(states)  # the prompt's text (and logprobs) go out with a choice's first chunk
+    # vLLM's continuous_usage_stats: with include_usage, the usage so far in every chunk too
+    options = req.stream_options
+    continuous = options is not None and options.include_usage and options.continuous_usage_stats
 
     def chunk(choices: list, usage_: Usage | None = None) -> CompletionChunk | ChatCompletionChunk:
+        if continuous and usage_ is None:
+            usage_ = usage(states, prompt_tokens)
         if chat:
             return ChatCompletionChunk(**base, object="chat.completion.chunk", choices=choices, usage=usage_)
         return CompletionChunk(**base, object="text_completion", choices=choices, usage=usage_)
@@ -323,6 +357,9 @@ async def stream_openai(
         sent_logprobs[i] = len(state.output_logprobs)
         if not delta_text and reason is None and not new_logprobs:
             continue
+        with_prompt = not echoed[i]
+        if with_prompt:
+            delta_text, echoed[i] = echoes[i] + delta_text, True
         if chat:
             delta = ChatDelta(content=delta_text) if delta_text else ChatDelta()
             chat_lp = chat_logprobs(state, start) if state.wants_logprobs else None
@@ -330,7 +367,7 @@ async def stream_openai(
         else:
             completion_lp = None
             if state.wants_logprobs:
-                completion_lp, offsets[i] = completion_logprobs(state, start, offsets[i])
+                completion_lp, offsets[i] = completion_logprobs(state, start, offsets[i], with_prompt)
             choice = CompletionChoice(index=i, text=delta_text, logprobs=completion_lp, finish_reason=reason)
         await send_sse(resp, chunk([choice]))
     if req.stream_options is not None and req.stream_options.include_usage:
@@ -356,7 +393,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompts = prompt
     else:
         raise InputError("'prompt' must be a string, a list of strings, token ids, or lists of token ids")
-    return await run_openai(request, req, prompts, chat=False, default_max=16)
+    echo_texts = None
+    if req.echo:  # a text prompt is echoed as it came, token ids as they decode
+        echo_texts = [p if isinstance(p, str) else runtime.tokenizer.decode(ids, skip_special_tokens=False)
+                      for p, ids in zip(prompt if isinstance(prompt[0], str) else prompts, prompts, strict=True)]
+    return await run_openai(request, req, prompts, chat=False, default_max=16, echo_texts=echo_texts)
 
 
 def chat_prompt(runtime: Runtime, messages: list[ChatMessage]) -> list[int]:

@@ -26,6 +26,12 @@ TopK = Annotated[int, msgspec.Meta(ge=-1, le=MAX_INT64, description="-1 or 0 = t
 Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
 MAX_TOP_LOGPROBS = 20
 TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+MAX_N = 16
+NumResults = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0, description="presence / frequency penalty (OpenAI's range)")]
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=100.0, description="1 = off")]
+MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+LogprobStart = Annotated[int, msgspec.Meta(ge=-1, le=MAX_INT64, description="-1 = output logprobs only")]
 # The OS cannot take a NUL byte in a path: refused here, before any file call raises on it.
 AdapterPath = Annotated[str, msgspec.Meta(pattern=r"^[^\x00]*$", description="a directory holding a PEFT adapter")]
 
@@ -39,6 +45,14 @@ class NativeSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=T
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     seed: Seed | None = None
+    n: NumResults = 1
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    min_p: MinP = 0.0
+    min_new_tokens: TokenCount = 0
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
 
 
 class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -51,11 +65,11 @@ class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     return_logprob: bool = False
     top_logprobs_num: TopLogprobs = 0
     return_text_in_logprobs: bool = False
+    logprob_start_len: LogprobStart = -1
 
 
 # SGLang /generate fields we do not implement, with the values that mean "off" (accepted and dropped).
 NATIVE_NEUTRAL = {
-    "logprob_start_len": (None, -1),  # prompt logprobs: not implemented
     "image_data": (None,),
     "audio_data": (None,),
     "modalities": (None, []),
@@ -64,15 +78,7 @@ NATIVE_NEUTRAL = {
     "log_metrics": (None, True, False),
 }
 NATIVE_SAMPLING_NEUTRAL = {
-    "min_new_tokens": (None, 0),
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "min_p": (None, 0, 0.0),
-    "n": (None, 1),
-    "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
-    "no_stop_trim": (None, False),
     "json_schema": (None,),
     "regex": (None,),
     "ebnf": (None,),
@@ -162,6 +168,12 @@ def make_sampling(
     stop_token_ids: list[int] | None,
     eos_token_ids: list[int],
     logprobs: int = -1,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    min_p: float = 0.0,
+    min_new_tokens: int = 0,
+    logprob_start_len: int = -1,
 ) -> SamplingParams:
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -173,6 +185,14 @@ def make_sampling(
         raise InputError(f"top_k must be -1 (off) or >= 1, got {top_k}")
     if seed is not None and not 0 <= seed <= MAX_SEED:
         raise InputError(f"seed must be in [0, 2**63 - 1], got {seed}")
+    if not (-2.0 <= presence_penalty <= 2.0 and -2.0 <= frequency_penalty <= 2.0):
+        raise InputError("presence_penalty and frequency_penalty must be in [-2, 2]")
+    if not 0.0 < repetition_penalty <= 100.0:
+        raise InputError(f"repetition_penalty must be in (0, 100], got {repetition_penalty}")
+    if not 0.0 <= min_p <= 1.0:
+        raise InputError(f"min_p must be in [0, 1], got {min_p}")
+    if not 0 <= min_new_tokens <= max_new_tokens:
+        raise InputError(f"the minimum of new tokens ({min_new_tokens}) must be in [0, max tokens ({max_new_tokens})]")
     stops = list(stop_token_ids or [])
     if any(t < 0 for t in stops):
         raise InputError("stop_token_ids must be non-negative")
@@ -187,6 +207,12 @@ def make_sampling(
         seed=seed,
         stop_token_ids=stops,
         logprobs=logprobs,
+        presence_penalty=float(presence_penalty),
+        frequency_penalty=float(frequency_penalty),
+        repetition_penalty=float(repetition_penalty),
+        min_p=float(min_p),
+        min_new_tokens=min_new_tokens,
+        logprob_start_len=logprob_start_len,
     )
 
 
@@ -200,7 +226,7 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 def native_sampling(
-    params: NativeSamplingParams | None, eos_token_ids: list[int], logprobs: int = -1
+    params: NativeSamplingParams | None, eos_token_ids: list[int], logprobs: int = -1, logprob_start_len: int = -1
 ) -> tuple[SamplingParams, list[str]]:
     p = params or NativeSamplingParams()
     sampling = make_sampling(
@@ -213,5 +239,11 @@ def native_sampling(
         stop_token_ids=p.stop_token_ids,
         eos_token_ids=eos_token_ids,
         logprobs=logprobs,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
+        min_p=p.min_p,
+        min_new_tokens=p.min_new_tokens,
+        logprob_start_len=logprob_start_len,
     )
     return sampling, stop_list(p.stop)

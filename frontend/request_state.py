@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from frontend.detokenizer import IncrementalDetokenizer, StopMatcher
 from protocol.structs import SamplingParams, TokenDelta, TokenLogprob
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """How the frontend turns tokens into text (nothing the scheduler or the workers need)."""
+
+    skip_special_tokens: bool = True
+    # no_stop_trim / include_stop_str_in_output: a matched stop string stays in the text, and so does the text of a
+    # special stop token (a stop token that is not special always stays)
+    keep_stop: bool = False
 
 
 class RequestState:
@@ -20,16 +31,20 @@ class RequestState:
         tokenizer: Any,
         lora_name: str | None,
         lora_id: int | None,
+        output: OutputOptions = OutputOptions(),
     ):
         self.rid = rid
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.lora_name = lora_name
         self.lora_id = lora_id
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.output = output
+        self.detokenizer = IncrementalDetokenizer(tokenizer, output.skip_special_tokens)
         self.stop_matcher = StopMatcher(stop_strings)
         self.output_ids: list[int] = []
         self.output_logprobs: list[TokenLogprob] = []  # one per output id when sampling.logprobs >= 0
+        # prompt positions max(logprob_start_len, 1) on, as they arrive (position 0 has none)
+        self.input_logprobs: list[TokenLogprob] = []
         self.return_text_in_logprobs = False  # native: fill the text of each logprob entry
         self.full_text = ""  # everything decoded so far
         self.text = ""  # what may be shown: stop strings cut, a possible stop prefix held back
@@ -55,14 +70,15 @@ class RequestState:
         self.token_times.extend([now] * len(delta.token_ids))
         self.output_ids.extend(delta.token_ids)
         self.output_logprobs.extend(delta.logprobs)
+        self.input_logprobs.extend(delta.prompt_logprobs)
         old_len = len(self.full_text)
-        self.full_text += self.detokenizer.push(delta.token_ids)
+        self.full_text += self.detokenizer.push(self._shown_ids(delta))
         if delta.finish_reason is not None:
             self.full_text += self.detokenizer.flush()
         hit = self.stop_matcher.find(self.full_text, old_len)
         if hit is not None:
             index, matched = hit
-            self.text = self.full_text[:index]
+            self.text = self.full_text[: index + (len(matched) if self.output.keep_stop else 0)]
             self.finish_reason = {"type": "stop", "matched": matched}
             self.changed.set()
             return delta.finish_reason is None
@@ -73,6 +89,15 @@ class RequestState:
             self._finish_from_scheduler(delta)
         self.changed.set()
         return False
+
+    def _shown_ids(self, delta: TokenDelta) -> list[int]:
+        """The delta's tokens whose text is shown: a special token that stopped generation is not (it stays in
+        output_ids), unless the request keeps its stop."""
+        ids = delta.token_ids
+        if delta.finish_reason == "stop" and ids and not self.output.keep_stop:
+            if ids[-1] in self.detokenizer.tokenizer.all_special_ids:
+                return ids[:-1]
+        return ids
 
     def _finish_from_scheduler(self, delta: TokenDelta) -> None:
         reason = delta.finish_reason
@@ -107,8 +132,26 @@ class RequestState:
     def token_text(self, token_id: int) -> str:
         return self.detokenizer.tokenizer.decode([token_id])
 
-    def meta_info(self, logprobs_from: int = 0) -> dict:
-        """logprobs_from: the first output token whose logprob entries are included (a stream chunk's own)."""
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling.logprob_start_len >= 0
+
+    def prompt_logprob_entries(self, start: int = 0) -> list[tuple[int, TokenLogprob | None]]:
+        """(token id, logprob data or None for position 0) of the prompt positions from logprob_start_len on that
+        have arrived, from the start-th of them."""
+        first = self.sampling.logprob_start_len
+        entries: list[tuple[int, TokenLogprob | None]] = [(self.prompt_ids[0], None)] if first == 0 else []
+        first = max(first, 1)
+        entries += zip(self.prompt_ids[first : first + len(self.input_logprobs)], self.input_logprobs, strict=True)
+        return entries[start:]
+
+    @property
+    def num_prompt_logprob_entries(self) -> int:
+        return len(self.input_logprobs) + (self.sampling.logprob_start_len == 0)
+
+    def meta_info(self, logprobs_from: int = 0, input_logprobs_from: int = 0) -> dict:
+        """logprobs_from / input_logprobs_from: the first output token / prompt logprob entry included (a stream
+        chunk's own)."""
         info = {
             "id": self.rid,
             "prompt_tokens": len(self.prompt_ids),
@@ -123,4 +166,15 @@ class RequestState:
                 info["output_top_logprobs"] = [
                     [[v, t, text(t)] for v, t in zip(lp.top_logprobs, lp.top_ids, strict=True)] for lp, _ in entries
                 ]
+            if self.wants_prompt_logprobs:
+                prompt = self.prompt_logprob_entries(input_logprobs_from)
+                info["input_token_logprobs"] = [
+                    [None if lp is None else lp.logprob, tid, text(tid)] for tid, lp in prompt
+                ]
+                if self.sampling.logprobs > 0:
+                    info["input_top_logprobs"] = [
+                        None if lp is None else [[v, t, text(t)] for v, t in zip(lp.top_logprobs, lp.top_ids,
+                                                                                     strict=True)]
+                        for _, lp in prompt
+                    ]
         return info

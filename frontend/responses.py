@@ -166,7 +166,7 @@ class Usage(msgspec.Struct):
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float]] | None
+    top_logprobs: list[dict[str, float] | None] | None  # None for the first prompt token (echo)
     text_offset: list[int]
 
 

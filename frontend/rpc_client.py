@@ -99,15 +99,18 @@ class RpcClient:
         return self.call(ListLoRAAdaptersReqInput()).adapters
 
     def generate(self, text: str | list[str] | None = None, sampling_params: dict | None = None,
-                 lora_path: Any = None, input_ids: Any = None, rid: str | list[str] | None = None) -> list[dict]:
+                 lora_path: Any = None, input_ids: Any = None, rid: str | list[str] | None = None,
+                 **logprob_options: Any) -> list[dict]:
+        """logprob_options: return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs (the
+        GenerateReqInput fields, as /generate takes them)."""
         req = GenerateReqInput(text=text, input_ids=input_ids, sampling_params=sampling_params, lora_path=lora_path,
-                               rid=rid)
+                               rid=rid, **logprob_options)
         result: GenerateReqOutput = self.call(req)
         return result.outputs
 
     def generate_stream(self, text: str | list[str] | None = None, sampling_params: dict | None = None,
                         lora_path: Any = None, input_ids: Any = None,
-                        rid: str | list[str] | None = None) -> Iterator[GenerateReqOutput]:
+                        rid: str | list[str] | None = None, **logprob_options: Any) -> Iterator[GenerateReqOutput]:
         """Yields the stream's chunks (items with "index" and the text and output_ids new since the index's last
         item), the last with finished=True. Leaving early (break, close, an error) aborts the request on the
         server, so give `rid` only if it must be known elsewhere (one per prompt when batched)."""
@@ -115,7 +118,7 @@ class RpcClient:
             num_prompts = batch_size(text, input_ids)
             rid = uuid.uuid4().hex if num_prompts is None else [uuid.uuid4().hex for _ in range(num_prompts)]
         req = GenerateReqInput(text=text, input_ids=input_ids, sampling_params=sampling_params, lora_path=lora_path,
-                               rid=rid, stream=True)
+                               rid=rid, stream=True, **logprob_options)
         request_id = self._send(req)
         self._buffered[request_id] = deque()
         is_finished = False

@@ -158,6 +158,7 @@ class StreamDeltas:
         self.states = states
         self.text_lens = [0] * len(states)
         self.num_ids = [0] * len(states)
+        self.num_input_logprobs = [0] * len(states)
         self.is_done = [False] * len(states)
 
     def take(self, index: int) -> dict | None:
@@ -167,8 +168,10 @@ class StreamDeltas:
         output_ids = state.output_ids[self.num_ids[index] :]
         if not text and not output_ids and (self.is_done[index] or not state.finished):
             return None
-        first = self.num_ids[index]
+        first, first_input = self.num_ids[index], self.num_input_logprobs[index]
         self.text_lens[index] += len(text)
         self.num_ids[index] += len(output_ids)
+        self.num_input_logprobs[index] = state.num_prompt_logprob_entries
         self.is_done[index] = state.finished
-        return {"index": index, "text": text, "output_ids": output_ids, "meta_info": state.meta_info(first)}
+        return {"index": index, "text": text, "output_ids": output_ids,
+                "meta_info": state.meta_info(first, first_input)}

@@ -17,7 +17,7 @@ from frontend.launcher import ProcessGroup
 from frontend.lora_config import resolve_lora_config
 from frontend.metrics import Metrics
 from frontend.registry import AdapterRegistry
-from frontend.request_state import RequestState
+from frontend.request_state import OutputOptions, RequestState
 from frontend.scheduler_client import SchedulerClient
 from protocol.config import ServerConfig
 from protocol.errors import ServerError
@@ -206,6 +206,7 @@ class Runtime:
         stop_strings: list[str],
         lora_name: str | None,
         rid: str | None = None,
+        output: OutputOptions = OutputOptions(),
     ) -> RequestState:
         """Validate and enqueue one request. Raises InputError, AdapterError or ServerUnavailable."""
         self.check_available()
@@ -218,7 +219,8 @@ class Runtime:
             self.check_available()  # a process may have died, or a drain begun, while it loaded
         entry = self.registry.acquire(lora_name, rid) if lora_name is not None else None
         state = RequestState(
-            rid, prompt_ids, sampling, stop_strings, self.tokenizer, lora_name, entry.lora_id if entry else None
+            rid, prompt_ids, sampling, stop_strings, self.tokenizer, lora_name, entry.lora_id if entry else None,
+            output,
         )
         self.requests[rid] = state
         self.metrics.on_submit(len(prompt_ids))
@@ -232,6 +234,12 @@ class Runtime:
         vocab_size = self.ready.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_ids):
             raise InputError(f"input_ids must be token ids in [0, {vocab_size})")
+        if any(not 0 <= t < vocab_size for t in sampling.stop_token_ids):
+            raise InputError(f"stop_token_ids must be token ids in [0, {vocab_size})")
+        if sampling.logprob_start_len >= len(prompt_ids):
+            raise InputError(
+                f"logprob_start_len ({sampling.logprob_start_len}) must be below the prompt length ({len(prompt_ids)})"
+            )
         total = len(prompt_ids) + sampling.max_new_tokens
         if total > self.ready.context_length:
             raise InputError(

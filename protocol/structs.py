@@ -27,6 +27,22 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # -1: no logprobs; N >= 0: each output token's logprob, and the N most likely tokens' (log-softmax of the raw
     # logits, adapter applied, before temperature / top-k / top-p)
     logprobs: int = -1
+    # Penalties (vLLM's definitions): presence/frequency subtract from the logits of tokens in the output so far
+    # (once, or per occurrence); repetition divides positive logits (multiplies negative ones) of every token in
+    # the prompt or the output. Neutral: 0, 0, 1.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # tokens below min_p x the top token's probability are dropped (after temperature)
+    min_new_tokens: int = 0  # stop_token_ids cannot be sampled before this many output tokens
+    # >= 0: the logprob of every prompt token from this position on (the first prompt token's is null), with
+    # `logprobs` alternatives; -1: none
+    logprob_start_len: int = -1
+
+    @property
+    def needs_token_history(self) -> bool:
+        """Whether sampling reads the tokens so far (penalties): the workers then keep them per request."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -77,6 +93,10 @@ class GenerateReqInput(Struct, frozen=True):
     lora_path: str | list[str | None] | None = None
     rid: str | list[str] | None = None
     stream: bool = False  # RPC: GenerateReqOutput chunks with finished=False, then one with finished=True
+    return_logprob: bool | None = None
+    top_logprobs_num: int | None = None
+    logprob_start_len: int | None = None
+    return_text_in_logprobs: bool | None = None
 
 
 class GenerateReqOutput(Struct, frozen=True):
@@ -235,6 +255,8 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     finish_reason: str | None = None  # "stop" (eos / stop token), "length", "abort", "error"
     error_message: str = ""
     logprobs: list[TokenLogprob] = []  # one per token id when the request asks for logprobs, else empty
+    # the next prompt tokens' logprobs (logprob_start_len >= 0), in prompt order, each sent once
+    prompt_logprobs: list[TokenLogprob] = []
 
 
 class TokenDeltas(Struct, frozen=True):
@@ -278,6 +300,14 @@ class ForwardReq(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     num_generated: int = 0  # output tokens so far: with the seed, it makes sampling reproducible and stateless
     slot: int = -1  # adapter device slot, -1 = base model
     prev_row: int = -1  # >= 0: input_ids[0] is the token the previous batch sampled at this row (not known here yet)
+    # Per-request state on the workers (penalties read the tokens so far): a key unique over the scheduler's life,
+    # and, on the first pass after the request is admitted, the tokens of its num_cached_tokens cached positions.
+    req_key: int = -1
+    history_ids: list[int] | None = None
+    # Prompt logprobs: the prompt tokens whose logprobs this pass computes, the first predicted by input row
+    # prompt_logprob_row (the logits at position p give the logprob of the token at p + 1).
+    prompt_logprob_ids: list[int] = []
+    prompt_logprob_row: int = 0
 
 
 class SlotLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -289,6 +319,7 @@ class ForwardBatch(Struct, frozen=True):
     batch_id: int
     reqs: list[ForwardReq]
     slot_loads: list[SlotLoad] = []  # applied before the forward pass
+    released_keys: list[int] = []  # requests that ended: the workers forget their state (req_key)
 
 
 class BatchResult(Struct, frozen=True):
@@ -297,6 +328,7 @@ class BatchResult(Struct, frozen=True):
     error_message: str = ""
     # per row: the sampled token's logprob data where the row's sampling asks for it (else None); empty: none asked
     logprobs: list[TokenLogprob | None] = []
+    prompt_logprobs: list[list[TokenLogprob]] = []  # per row, for its prompt_logprob_ids; empty: no row asked
 
 
 class WorkerReady(Struct, frozen=True):

@@ -33,6 +33,12 @@ class Request:
     slot: int = -1  # adapter device slot while running, -1 = base model
     status: RequestStatus = RequestStatus.WAITING
     is_aborted: bool = False  # aborted while a forward pass that includes it was in flight: ends when it returns
+    sends_history: bool = False  # its next pass tells the workers its cached tokens (penalties read them)
+    prompt_logprob_next: int = 0  # the first prompt position whose logprob is still to be delivered
+
+    def __post_init__(self) -> None:
+        # Position 0 has no logprob (nothing predicts it): the frontend puts its null.
+        self.prompt_logprob_next = max(self.sampling.logprob_start_len, 1)
 
     @classmethod
     def from_req(cls, req: TokenizedGenerateReq, arrival: int) -> Request:
@@ -64,7 +70,21 @@ class Request:
     @property
     def wants_more(self) -> bool:
         """Could a further pass still sample a token for it? (False once the samples in flight reach its limit.)"""
+        if self.num_scheduled_tokens < self.num_tokens:  # prompt left (max_new_tokens 0 runs for prompt logprobs)
+            return True
         return len(self.output_ids) + self.num_pending_samples < self.sampling.max_new_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling.logprob_start_len >= 0 and self.prompt_logprob_next < len(self.prompt_ids)
+
+    def prompt_logprob_span(self, num_new: int) -> tuple[int, int]:
+        """Prompt positions [start, end) whose logprobs a pass writing num_new tokens from num_scheduled_tokens
+        computes (the logits at position p give the logprob of the token at p + 1); empty when none."""
+        if not self.wants_prompt_logprobs:
+            return 0, 0
+        start = max(self.num_scheduled_tokens + 1, self.prompt_logprob_next)
+        return start, max(start, min(self.num_scheduled_tokens + num_new + 1, len(self.prompt_ids)))
 
     def num_pages_for(self, num_tokens: int, page_size: int) -> int:
         return -(-num_tokens // page_size)

@@ -25,6 +25,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+import msgspec
+
 from protocol.config import ServerConfig
 from protocol.structs import (
     AdapterOpDone,
@@ -90,6 +92,7 @@ class Scheduler:
         self._next_batch_id = 0
         self._next_arrival = 0
         self._plan: dict[Request, int] = {}  # the step being built: request -> tokens it writes
+        self._released_keys: list[int] = []  # ended requests whose state the workers keep, told with the next batch
         self._budget_left = 0
 
     @property
@@ -121,7 +124,7 @@ class Scheduler:
         error = self._refusal(req)
         if error:
             return [TokenDelta(rid=req.rid, token_ids=[], finish_reason="error", error_message=error)]
-        if req.sampling.max_new_tokens == 0:
+        if req.sampling.max_new_tokens == 0 and req.sampling.logprob_start_len < 0:
             return [TokenDelta(rid=req.rid, token_ids=[], finish_reason="length")]
         self.waiting[req.rid] = Request.from_req(req, self._next_arrival)
         self._next_arrival += 1
@@ -171,6 +174,8 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             del self.waiting[req.rid]
         req.status = RequestStatus.FINISHED
+        if req.sampling.needs_token_history:
+            self._released_keys.append(req.arrival)
         return TokenDelta(
             rid=req.rid,
             token_ids=token_ids or [],
@@ -226,7 +231,9 @@ class Scheduler:
             req.num_passes_in_flight += 1
             samples.append(req.num_unscheduled_tokens == 0)
             req.num_pending_samples += samples[-1]
-        batch = ForwardBatch(batch_id=self._next_batch_id, reqs=forward_reqs, slot_loads=slot_loads)
+        batch = ForwardBatch(batch_id=self._next_batch_id, reqs=forward_reqs, slot_loads=slot_loads,
+                             released_keys=self._released_keys)
+        self._released_keys = []
         self._next_batch_id += 1
         self._in_flight.append(_InFlight(batch_id=batch.batch_id, reqs=reqs, num_new=num_new, samples=samples))
         return batch
@@ -290,15 +297,23 @@ class Scheduler:
         """Pages kept free for the decoding requests' next tokens, so an admission does not preempt at once."""
         return sum(1 for r in self.running.values() if r.num_scheduled_tokens % self.page_size == 0)
 
+    def _matchable_keys(self, req: Request) -> list[bytes]:
+        """Its page keys that a cached prefix may cover: not past the logits its undelivered prompt logprobs need
+        (position prompt_logprob_next - 1 must be computed by the request itself)."""
+        keys = self._keys(req)
+        if req.wants_prompt_logprobs:
+            return keys[: (req.prompt_logprob_next - 1) // self.page_size]
+        return keys
+
     def pages_wanted(self, req: Request) -> int:
-        num_matched = self.cache.peek(self._keys(req), req.num_tokens)
+        num_matched = self.cache.peek(self._matchable_keys(req), req.num_tokens)
         num_first = min(req.num_tokens - num_matched * self.page_size, max(self.prefill_budget, 1))
         return req.num_pages_for(num_matched * self.page_size + num_first, self.page_size) - num_matched
 
     def try_admit(self, req: Request, keep_free_pages: int) -> bool:
         if self._budget_left <= 0:
             return False
-        matched = self.cache.match(self._keys(req), req.num_tokens)
+        matched = self.cache.match(self._matchable_keys(req), req.num_tokens)
         req.page_ids, req.num_offered_pages = matched, len(matched)
         req.num_cached_tokens = req.num_scheduled_tokens = len(matched) * self.page_size
         budget_before = self._budget_left
@@ -311,6 +326,7 @@ class Scheduler:
             return False
         req.page_ids += self.cache.allocate(num_pages)
         self._plan[req] = num_new
+        req.sends_history = req.sampling.needs_token_history
         return True
 
     def _forward_req(self, req: Request, num_new: int, prev_row: int) -> ForwardReq:
@@ -319,6 +335,9 @@ class Scheduler:
             input_ids = [0]
         else:
             prev_row = -1
+        history_ids = req.token_ids[: req.num_scheduled_tokens] if req.sends_history else None
+        req.sends_history = False
+        start, end = req.prompt_logprob_span(num_new)
         return ForwardReq(
             input_ids=input_ids,
             num_cached_tokens=req.num_scheduled_tokens,
@@ -327,6 +346,10 @@ class Scheduler:
             num_generated=len(req.output_ids) + req.num_pending_samples,
             slot=req.slot,
             prev_row=prev_row,
+            req_key=req.arrival,
+            history_ids=history_ids,
+            prompt_logprob_ids=req.prompt_ids[start:end],
+            prompt_logprob_row=max(start - 1 - req.num_scheduled_tokens, 0),
         )
 
     def process_result(self, result: BatchResult) -> list[TokenDelta]:
@@ -355,9 +378,16 @@ class Scheduler:
             else:
                 req.num_cached_tokens += num_new  # the pass wrote the KV of every token it was given
                 self._offer_pages(req)
-                if samples:  # else a chunk of a longer prompt: its sampled token is not used
+                prompt_logprobs = result.prompt_logprobs[i] if i < len(result.prompt_logprobs) else []
+                req.prompt_logprob_next += len(prompt_logprobs)
+                if samples and req.sampling.max_new_tokens == 0:  # it ran for its prompt logprobs only
+                    delta = self._finish(req, "length")
+                    deltas.append(msgspec.structs.replace(delta, prompt_logprobs=prompt_logprobs))
+                elif samples:  # else a chunk of a longer prompt: its sampled token is not used
                     logprob = result.logprobs[i] if i < len(result.logprobs) else None
-                    deltas.append(self._append_token(req, result.next_token_ids[i], logprob))
+                    deltas.append(self._append_token(req, result.next_token_ids[i], logprob, prompt_logprobs))
+                elif prompt_logprobs:
+                    deltas.append(TokenDelta(rid=req.rid, token_ids=[], prompt_logprobs=prompt_logprobs))
         return deltas
 
     def _offer_pages(self, req: Request) -> None:
@@ -372,14 +402,17 @@ class Scheduler:
         )
         req.num_offered_pages = num_full
 
-    def _append_token(self, req: Request, token_id: int, logprob: TokenLogprob | None = None) -> TokenDelta:
+    def _append_token(self, req: Request, token_id: int, logprob: TokenLogprob | None = None,
+                      prompt_logprobs: list[TokenLogprob] | None = None) -> TokenDelta:
         req.output_ids.append(token_id)
         logprobs = [logprob] if logprob is not None else []
-        if token_id in req.sampling.stop_token_ids:
-            return self._finish(req, "stop", [token_id], logprobs=logprobs)
-        if req.num_remaining_tokens <= 0:
-            return self._finish(req, "length", [token_id], logprobs=logprobs)
-        return TokenDelta(rid=req.rid, token_ids=[token_id], logprobs=logprobs)
+        if token_id in req.sampling.stop_token_ids and len(req.output_ids) > req.sampling.min_new_tokens:
+            delta = self._finish(req, "stop", [token_id], logprobs=logprobs)
+        elif req.num_remaining_tokens <= 0:
+            delta = self._finish(req, "length", [token_id], logprobs=logprobs)
+        else:
+            delta = TokenDelta(rid=req.rid, token_ids=[token_id], logprobs=logprobs)
+        return msgspec.structs.replace(delta, prompt_logprobs=prompt_logprobs) if prompt_logprobs else delta
 
     def stats(self, op_id: int) -> SchedulerStats:
         return SchedulerStats(

@@ -13,10 +13,11 @@ import time
 import psutil
 import pytest
 import requests
+import torch
 from transformers import AutoTokenizer
 
 from frontend.engine import Engine
-from tests.reference import assert_greedy_match, hf_greedy
+from tests.reference import assert_greedy_match, hf_greedy, hf_model
 from tests.server_utils import ServerProcess
 
 PROMPTS = ["Hello", "The quick brown fox jumps over", "Once upon a time there was a little", "1 2 3"]
@@ -190,5 +191,15 @@ def test_engine_sync_async_stream_side_by_side(llama_dir):
         assert result["output_ids"] == out["output_ids"] and streamed[-1]["text"] == out["text"]
         with pytest.raises(ValueError, match="max_new_tokens"):
             first.generate("x", sampling_params={"max_new_tokens": -1})
+        # the sampling options and prompt logprobs, as /generate takes them
+        ids = tokenizer(PROMPTS[1])["input_ids"]
+        many = first.generate(PROMPTS[1], sampling_params={**GREEDY, "n": 2, "repetition_penalty": 1.3},
+                              return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
+        assert len(many) == 2 and many[0]["output_ids"] == many[1]["output_ids"]
+        with torch.inference_mode():
+            ref_lp = hf_model(str(llama_dir))(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+        values = [e[0] for e in many[0]["meta_info"]["input_token_logprobs"]]
+        assert values[0] is None and len(values) == len(ids)
+        assert all(abs(v - float(ref_lp[i, ids[i + 1]])) < 1e-3 for i, v in enumerate(values[1:]))
         pids = list(first.runtime.procs.pids().values())
     assert wait_until(lambda: not any(alive(p) for p in pids), 10)

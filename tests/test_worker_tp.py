@@ -16,6 +16,8 @@ from worker.model_runner import ModelRunner
 PROMPT_LENGTHS = [6, 11, 3, 17]
 DECODE_STEPS = 6
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=5)
+# Penalties read each request's tokens so far, which every rank keeps for itself.
+PENALISED = SamplingParams(temperature=1.0, min_p=0.05, seed=5, repetition_penalty=0.3, frequency_penalty=-1.0)
 CHILD_TIMEOUT_S = 120
 
 
@@ -31,6 +33,7 @@ def run_model(runner: ModelRunner) -> dict:
         "logits": [runner.prefill_logits(p).numpy() for p in prompts],
         "greedy": decode(runner, prompts, [GREEDY] * len(prompts), steps=DECODE_STEPS),
         "seeded": decode(runner, prompts, [SEEDED] * len(prompts), steps=DECODE_STEPS),
+        "penalised": decode(runner, prompts, [PENALISED] * len(prompts), steps=DECODE_STEPS),
         "max_total_tokens": runner.max_total_tokens,
     }
 
@@ -63,4 +66,5 @@ def test_tp2_matches_tp1(llama_dir: Path, qwen2_dir: Path, tmp_path: Path) -> No
                 assert abs(ours - ref).max() <= 1e-4, (kind, rank)
             assert tp2["greedy"] == tp1["greedy"], (kind, rank)
             assert tp2["seeded"] == tp1["seeded"], (kind, rank)
+            assert tp2["penalised"] == tp1["penalised"], (kind, rank)
             assert tp2["max_total_tokens"] == tp1["max_total_tokens"] == 256

@@ -92,8 +92,11 @@ def decode(
                 sampling=sampling,
                 num_generated=step,
                 slot=slot,
+                req_key=key,  # penalties keep the request's tokens on the worker under this key
             )
-            for prompt, page_ids, sampling, slot, out in zip(prompts, pages, params, slots, outputs, strict=True)
+            for key, (prompt, page_ids, sampling, slot, out) in enumerate(
+                zip(prompts, pages, params, slots, outputs, strict=True)
+            )
         ]
         batch = ForwardBatch(batch_id=step, reqs=reqs, slot_loads=(slot_loads or []) if step == 0 else [])
         for out, token in zip(outputs, runner.forward(batch), strict=True):

@@ -67,6 +67,8 @@ def _check_req(i: int, req: ForwardReq, page_size: int, num_pages: int, context_
         raise BatchError(f"request {i}: {num_total} tokens exceed the context length {context_length}")
     if len(req.page_ids) * page_size < num_total:
         raise BatchError(f"request {i}: {len(req.page_ids)} pages of {page_size} cannot hold {num_total} tokens")
+    if req.prompt_logprob_ids and not 0 <= req.prompt_logprob_row <= len(req.input_ids) - len(req.prompt_logprob_ids):
+        raise BatchError(f"request {i}: prompt logprob rows outside its {len(req.input_ids)} input tokens")
     num_used_pages = -(-num_total // page_size)
     bad = [p for p in req.page_ids[:num_used_pages] if not 0 <= p < num_pages]
     if bad:

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,8 @@ from worker.lora.manager import LoRAManager
 from worker.model.config import ModelConfig, ModelConfigError
 from worker.model.llama import LlamaForCausalLM
 from worker.parallel import tensor_parallel
-from worker.sampler import Sampler, token_logprobs
+from worker.penalties import TokenHistories, apply_penalties
+from worker.sampler import Sampler, prompt_logprob_rows, prompt_logprobs, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,12 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+class StepResult(NamedTuple):
+    tokens: list[int]  # per request
+    logprobs: list[TokenLogprob | None]  # per request where one asks, else []
+    prompt_logprobs: list[list[TokenLogprob]]  # per request, for its prompt_logprob_ids; [] when none asks
 
 
 class ModelRunner:
@@ -99,6 +107,7 @@ class ModelRunner:
             device=self.device,
         )
         self.sampler = Sampler(config.seed, self.device)
+        self.histories = TokenHistories()  # the tokens so far of the requests that use penalties
         logger.info("KV cache: %d tokens (%d pages of %d)", self.max_total_tokens, num_pages, self.page_size)
         if self.max_total_tokens < self.context_length:
             logger.warning(
@@ -138,18 +147,24 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> list[int]:
         """Run the batch and return each request's next token (every rank computes the same tokens)."""
-        return self.step(batch)[0]
+        return self.step(batch).tokens
 
     @torch.inference_mode()
-    def step(self, batch: ForwardBatch) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Run the batch: each request's next token, and its logprob data where the request asks (else [])."""
+    def step(self, batch: ForwardBatch) -> StepResult:
+        """Run the batch: each request's next token, its logprob data where the request asks (else []), and the
+        prompt logprobs a request asks of this pass."""
+        self.histories.release(batch.released_keys)
         if not batch.reqs:
             self._apply_slot_loads(batch.slot_loads)
-            return [], []
-        logits = self._logits(batch.reqs, batch.slot_loads, last_only=True)  # (reqs, vocab)
+            return StepResult([], [], [])
+        self.histories.update(batch.reqs)
+        extra_rows = prompt_logprob_rows(batch.reqs)
+        logits = self._logits(batch.reqs, batch.slot_loads, last_only=True, extra_rows=extra_rows)
+        logits, prompt_logits = logits[: len(batch.reqs)], logits[len(batch.reqs) :]  # (reqs, vocab), (extra, vocab)
         params = [req.sampling for req in batch.reqs]
-        tokens = self.sampler.sample(logits, params, [req.num_generated for req in batch.reqs])
-        return tokens, token_logprobs(logits, params, tokens)
+        processed = apply_penalties(logits, batch.reqs, self.histories)  # logprobs read the raw logits
+        tokens = self.sampler.sample(processed, params, [req.num_generated for req in batch.reqs])
+        return StepResult(tokens, token_logprobs(logits, params, tokens), prompt_logprobs(prompt_logits, batch.reqs))
 
     @torch.inference_mode()
     def batch_logits(self, batch: ForwardBatch) -> torch.Tensor:
@@ -169,7 +184,9 @@ class ModelRunner:
         )
         return self._logits([req], [], last_only=False)
 
-    def _logits(self, reqs: list[ForwardReq], slot_loads: list[SlotLoad], *, last_only: bool) -> torch.Tensor:
+    def _logits(
+        self, reqs: list[ForwardReq], slot_loads: list[SlotLoad], *, last_only: bool, extra_rows: list[int] = ()
+    ) -> torch.Tensor:
         self._apply_slot_loads(slot_loads)
         inputs = BatchInputs.build(reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device)
         if self.lora is not None:
@@ -177,8 +194,11 @@ class ModelRunner:
         elif any(req.slot != -1 for req in reqs):
             raise BatchError("the batch uses adapter slots but LoRA is not enabled")
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)  # (tokens, hidden)
-        if last_only:
-            hidden = hidden[inputs.last_token_index]  # (reqs, hidden)
+        if last_only:  # and after them the extra token rows asked for
+            rows = inputs.last_token_index
+            if extra_rows:
+                rows = torch.cat([rows, torch.tensor(extra_rows, dtype=rows.dtype, device=rows.device)])
+            hidden = hidden[rows]  # (reqs + extra, hidden)
         return self.model.compute_logits(hidden)
 
     def _apply_slot_loads(self, slot_loads: list[SlotLoad]) -> None:

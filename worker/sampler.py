@@ -1,4 +1,4 @@
-"""Next-token choice per request: greedy, or temperature / top-k / top-p sampling.
+"""Next-token choice per request: greedy, or temperature / min-p / top-k / top-p sampling.
 
 A request with a seed is sampled from a generator seeded by (seed, num_generated): the same request gives the same
 tokens whatever it is batched with, and no state is kept between steps. Requests without a seed share one
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from protocol.structs import SamplingParams, TokenLogprob
+from protocol.structs import ForwardReq, SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 
@@ -50,6 +50,8 @@ class Sampler:
             [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], device=logits.device
         )  # greedy rows are scaled by 1 only to stay finite; their token is the argmax anyway
         scaled = logits / temperatures[:, None]  # (reqs, vocab)
+        if any(p.min_p > 0.0 for p in params):
+            scaled = _min_p_filtered(scaled, params)
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         top_ps = [p.top_p for p in params]
         if all(k == vocab_size for k in top_ks) and all(p >= 1.0 for p in top_ps):
@@ -86,6 +88,14 @@ class Sampler:
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
+def _min_p_filtered(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Drop the tokens whose probability is below min_p x the most likely token's (HF's MinPLogitsWarper)."""
+    probs = scaled.softmax(dim=-1)  # (reqs, vocab)
+    min_ps = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)[:, None]  # (reqs, 1)
+    removed = probs < min_ps * probs.max(dim=-1, keepdim=True).values  # never the top token
+    return scaled.masked_fill(removed, float("-inf"))
+
+
 def token_logprobs(
     logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
 ) -> list[TokenLogprob | None]:
@@ -95,17 +105,46 @@ def token_logprobs(
     if not rows:
         return []
     index = torch.tensor(rows, device=logits.device)
-    logprobs = logits[index].float().log_softmax(dim=-1)  # (asking rows, vocab)
-    chosen_ids = torch.tensor([tokens[i] for i in rows], device=logits.device)
-    chosen = logprobs.gather(1, chosen_ids[:, None])[:, 0].tolist()
-    num_top = min(max(params[i].logprobs for i in rows), logprobs.shape[-1])
-    top_values: list[list[float]] = [[] for _ in rows]
-    top_ids: list[list[int]] = [[] for _ in rows]
+    entries = logprob_entries(logits[index], [tokens[i] for i in rows], [params[i].logprobs for i in rows])
+    out: list[TokenLogprob | None] = [None] * len(params)
+    for i, entry in zip(rows, entries, strict=True):
+        out[i] = entry
+    return out
+
+
+def prompt_logprob_rows(reqs: list[ForwardReq]) -> list[int]:
+    """The flat token rows (the batch's new tokens in request order) whose logits give the asked prompt logprobs."""
+    rows, start = [], 0
+    for req in reqs:
+        first = start + req.prompt_logprob_row
+        rows += range(first, first + len(req.prompt_logprob_ids))
+        start += len(req.input_ids)
+    return rows
+
+
+def prompt_logprobs(logits: torch.Tensor, reqs: list[ForwardReq]) -> list[list[TokenLogprob]]:
+    """logits (prompt_logprob_rows, vocab) -> per request, its prompt_logprob_ids' entries; [] when none asks."""
+    if not len(logits):
+        return []
+    ids = [t for req in reqs for t in req.prompt_logprob_ids]
+    nums = [max(req.sampling.logprobs, 0) for req in reqs for _ in req.prompt_logprob_ids]
+    entries = logprob_entries(logits, ids, nums)
+    out, start = [], 0
+    for req in reqs:
+        out.append(entries[start : start + len(req.prompt_logprob_ids)])
+        start += len(req.prompt_logprob_ids)
+    return out
+
+
+def logprob_entries(logits: torch.Tensor, chosen_ids: list[int], nums: list[int]) -> list[TokenLogprob]:
+    """logits (rows, vocab) -> per row, chosen_ids[row]'s logprob and the nums[row] best (log-softmax in fp32)."""
+    logprobs = logits.float().log_softmax(dim=-1)  # (rows, vocab)
+    chosen_index = torch.tensor(chosen_ids, device=logits.device)[:, None]  # (rows, 1)
+    chosen = logprobs.gather(1, chosen_index)[:, 0].tolist()
+    num_top = min(max(nums), logprobs.shape[-1])
+    top_values: list[list[float]] = [[] for _ in nums]
+    top_ids: list[list[int]] = [[] for _ in nums]
     if num_top > 0:
         values, ids = logprobs.topk(num_top, dim=-1)  # sorted, best first
         top_values, top_ids = values.tolist(), ids.tolist()
-    out: list[TokenLogprob | None] = [None] * len(params)
-    for j, i in enumerate(rows):
-        n = params[i].logprobs
-        out[i] = TokenLogprob(chosen[j], top_ids[j][:n], top_values[j][:n])
-    return out
+    return [TokenLogprob(chosen[j], top_ids[j][:n], top_values[j][:n]) for j, n in enumerate(nums)]
