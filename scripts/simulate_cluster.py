@@ -1,0 +1,145 @@
+"""How routing policies scale: N simulated replicas (each the real Scheduler, scripts/cluster_sim.py) under a Zipf
+adapter workload, for 1-64 replicas and 10-10,000 adapters. Prints a markdown table and draws a PNG.
+
+Two sweeps with the same per-replica offered load (Poisson, --rate-per-replica requests/s, --requests-per-replica
+each): replicas 1..64 at --scaling-adapters adapters, and adapters 10..10,000 at --sweep-replicas replicas. The step
+costs are this repository's CPU figures unless --cost-json (scripts/sim_calibrate.py's output) or the --*-ms flags
+say otherwise (e.g. GPU figures).
+
+    python scripts/simulate_cluster.py --png docs/img/simulator.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cluster_sim import POLICIES, ReplicaShape, Result, StepCost, Workload, simulate  # noqa: E402
+
+COST_FLAGS = {f.name: f.name.removesuffix("_s").replace("_", "-") + "-ms" for f in dataclasses.fields(StepCost)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--adapters", type=int, nargs="+", default=[10, 100, 1000, 10000])
+    parser.add_argument("--scaling-adapters", type=int, default=1000, help="adapters in the replica sweep")
+    parser.add_argument("--sweep-replicas", type=int, default=16, help="replicas in the adapter sweep")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    parser.add_argument("--rate-per-replica", type=float, default=3.0, help="requests/s offered per replica")
+    parser.add_argument("--requests-per-replica", type=int, default=100)
+    parser.add_argument("--zipf", type=float, default=1.0, help="adapter popularity exponent")
+    parser.add_argument("--slots", type=int, default=8, help="device adapter slots per replica")
+    parser.add_argument("--max-running", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cost-json", help="a StepCost as JSON (scripts/sim_calibrate.py --json)")
+    for name, flag in COST_FLAGS.items():
+        parser.add_argument(f"--{flag}", type=float, help=f"StepCost.{name} in ms")
+    parser.add_argument("--png", help="draw the plot here")
+    parser.add_argument("--json", help="write every result here")
+    return parser.parse_args(argv)
+
+
+def step_cost(args: argparse.Namespace) -> StepCost:
+    values = dataclasses.asdict(StepCost())
+    if args.cost_json:
+        values.update(json.loads(Path(args.cost_json).read_text()))
+    for name, flag in COST_FLAGS.items():
+        given = getattr(args, flag.replace("-", "_"))
+        if given is not None:
+            values[name] = given / 1e3
+    return StepCost(**values)
+
+
+def run(args: argparse.Namespace, cost: StepCost) -> list[Result]:
+    shape = ReplicaShape(num_slots=args.slots, max_running=args.max_running)
+    points = sorted({(n, args.scaling_adapters) for n in args.replicas}
+                    | {(args.sweep_replicas, a) for a in args.adapters})  # fmt: skip
+    results = []
+    for num_replicas, num_adapters in points:
+        workload = Workload(num_requests=args.requests_per_replica * num_replicas,
+                            rate_per_s=args.rate_per_replica * num_replicas, num_adapters=num_adapters,
+                            zipf_s=args.zipf, seed=args.seed)  # fmt: skip
+        for policy in args.policies:
+            start = time.perf_counter()
+            results.append(simulate(num_replicas, workload, policy, shape, cost))
+            print(f"  {num_replicas:>3} replicas, {num_adapters:>5} adapters, {policy}: "
+                  f"{time.perf_counter() - start:.1f} s", file=sys.stderr)  # fmt: skip
+    return results
+
+
+def table(results: list[Result]) -> str:
+    lines = ["| replicas | adapters | policy | throughput, tok/s | per replica | TTFT p50, s | TTFT p99, s | "
+             "slot misses / request | disk reads |", "|" + "---|" * 9]  # fmt: skip
+    for r in results:
+        lines.append(f"| {r.num_replicas} | {r.num_adapters} | {r.policy} | {r.throughput_tok_s:.0f} | "
+                     f"{r.throughput_tok_s / r.num_replicas:.0f} | {r.ttft_p50_s:.2f} | {r.ttft_p99_s:.2f} | "
+                     f"{r.slot_misses_per_request:.2f} | {r.host_loads} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], args: argparse.Namespace, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    scaling = [r for r in results if r.num_adapters == args.scaling_adapters]
+    sweep = [r for r in results if r.num_replicas == args.sweep_replicas]
+    panels = [
+        (axes[0][0], scaling, "num_replicas", "throughput_tok_s", "output throughput, tok/s"),
+        (axes[0][1], scaling, "num_replicas", "ttft_p99_s", "TTFT p99, s"),
+        (axes[1][0], sweep, "num_adapters", "slot_misses_per_request", "slot misses per request"),
+        (axes[1][1], sweep, "num_adapters", "ttft_p99_s", "TTFT p99, s"),
+    ]
+    for ax, rows, x_name, y_name, y_label in panels:
+        for policy in args.policies:
+            points = sorted((getattr(r, x_name), getattr(r, y_name)) for r in rows if r.policy == policy)
+            ax.plot(*zip(*points, strict=True), marker="o", label=policy)
+        ax.set_xscale("log", base=2 if x_name == "num_replicas" else 10)
+        ax.set_xlabel("replicas" if x_name == "num_replicas" else "adapters (Zipf)")
+        ax.set_ylabel(y_label)
+        ax.grid(True, which="both", alpha=0.3)
+    one = min(scaling, key=lambda r: r.num_replicas)
+    xs = sorted({r.num_replicas for r in scaling})
+    axes[0][0].plot(xs, [one.throughput_tok_s / one.num_replicas * x for x in xs], "k:", label="linear")
+    axes[0][0].set_yscale("log")
+    axes[0][0].set_title(f"scaling out, {args.scaling_adapters} adapters")
+    axes[0][1].set_title(f"scaling out, {args.scaling_adapters} adapters")
+    axes[1][0].set_title(f"more adapters, {args.sweep_replicas} replicas")
+    axes[1][1].set_title(f"more adapters, {args.sweep_replicas} replicas")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"Simulated cluster: {args.rate_per_replica:g} req/s offered per replica, Zipf s={args.zipf:g}, "
+                 f"{args.slots} adapter slots and {args.max_running} running requests per replica")  # fmt: skip
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> list[Result]:
+    args = parse_args(argv)
+    cost = step_cost(args)
+    print(f"step cost: {cost}", file=sys.stderr)
+    results = run(args, cost)
+    print(table(results))
+    if args.png:
+        plot(results, args, args.png)
+    if args.json:
+        rows = [{**{k: v for k, v in dataclasses.asdict(r).items() if k != "ttft_s"},
+                 "throughput_tok_s": r.throughput_tok_s, "ttft_p50_s": r.ttft_p50_s, "ttft_p99_s": r.ttft_p99_s}
+                for r in results]  # fmt: skip
+        Path(args.json).write_text(json.dumps({"args": vars(args), "cost": dataclasses.asdict(cost), "results": rows},
+                                              indent=1))  # fmt: skip
+    return results
+
+
+if __name__ == "__main__":
+    main()
