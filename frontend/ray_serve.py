@@ -117,9 +117,9 @@ class LoRAEngine:
             await self._idle.wait_for(lambda: self._in_use.get(name, 0) == 0)
         await self.engine.async_unload_lora_adapter(name)
 
-    async def _hold(self, name: str, delta: int) -> None:
+    async def _let_go(self, name: str) -> None:
         async with self._idle:
-            self._in_use[name] = self._in_use.get(name, 0) + delta
+            self._in_use[name] -= 1
             self._idle.notify_all()
 
     def _client(self) -> aiohttp.ClientSession:
@@ -137,7 +137,7 @@ class LoRAEngine:
                 yield {"status": MODEL_NOT_FOUND, "content_type": "application/json", "replica": self.replica_id}
                 yield json.dumps(not_found(name)).encode()
                 return
-            await self._hold(name, +1)  # no await between the lookup and the hold: no eviction slips in
+            self._in_use[name] = self._in_use.get(name, 0) + 1  # no await since the lookup: no eviction slipped in
         try:
             async with self._client().request(method, "http://replica" + path, data=body, headers=headers) as resp:
                 yield {"status": resp.status, "content_type": resp.content_type, "replica": self.replica_id}
@@ -145,7 +145,7 @@ class LoRAEngine:
                     yield chunk
         finally:
             if name:
-                await self._hold(name, -1)
+                await self._let_go(name)
 
     async def models(self) -> list[dict]:
         """The base card, then one per adapter under the root (any of them is served on first use)."""
