@@ -92,3 +92,20 @@ def test_routers_prefer_the_replica_holding_the_adapter():
     assert LoRAAffinityScorer(random.Random(0)).pick(replicas, 5) == 1
     assert LeastLoaded(random.Random(0)).pick(replicas, 5) == 0
     assert AdapterResidentFirst(random.Random(0)).pick(replicas, 6) == 0  # not held anywhere: the least loaded
+
+
+def test_script_writes_table_plot_and_json(tmp_path, capsys):
+    import json
+
+    import simulate_cluster
+
+    args = ["--replicas", "1", "2", "--adapters", "10", "100", "--scaling-adapters", "10", "--sweep-replicas", "2",
+            "--requests-per-replica", "10", "--base-ms", "20", "--png", str(tmp_path / "sim.png"),
+            "--json", str(tmp_path / "sim.json")]  # fmt: skip
+    results = simulate_cluster.main(args)
+    table = capsys.readouterr().out
+    assert len(results) == 3 * len(POLICIES)  # (1, 10), (2, 10), (2, 100)
+    assert len(table.strip().splitlines()) == len(results) + 2 and "| 2 | 100 | round robin |" in table
+    assert (tmp_path / "sim.png").read_bytes()[:4] == b"\x89PNG"
+    saved = json.loads((tmp_path / "sim.json").read_text())
+    assert saved["cost"]["base_s"] == 0.02 and len(saved["results"]) == len(results)
