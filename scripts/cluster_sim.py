@@ -275,6 +275,7 @@ class Result:
     num_adapters: int
     policy: str
     num_requests: int
+    rate_per_s: float  # offered, over the whole cluster
     makespan_s: float  # first arrival to last finish
     output_tokens: int
     ttft_s: list[float] = field(repr=False)
@@ -351,6 +352,7 @@ def simulate(num_replicas: int, workload: Workload, policy: str, shape: ReplicaS
     assert len(first_token) == len(requests), "a request never ran"
     return Result(
         num_replicas=num_replicas, num_adapters=workload.num_adapters, policy=policy, num_requests=len(requests),
+        rate_per_s=workload.rate_per_s,
         makespan_s=finished_at - requests[0].arrival_s, output_tokens=output_tokens,
         ttft_s=[first_token[r.index] - r.arrival_s for r in requests],
         slot_loads=sum(r.num_slot_loads for r in replicas), host_loads=sum(r.num_host_loads for r in replicas),

@@ -100,12 +100,12 @@ def test_script_writes_table_plot_and_json(tmp_path, capsys):
     import simulate_cluster
 
     args = ["--replicas", "1", "2", "--adapters", "10", "100", "--scaling-adapters", "10", "--sweep-replicas", "2",
-            "--requests-per-replica", "10", "--base-ms", "20", "--png", str(tmp_path / "sim.png"),
-            "--json", str(tmp_path / "sim.json")]  # fmt: skip
+            "--requests-per-replica", "10", "--rates-per-replica", "2", "4", "--base-ms", "20",
+            "--png", str(tmp_path / "sim.png"), "--json", str(tmp_path / "sim.json")]  # fmt: skip
     results = simulate_cluster.main(args)
     table = capsys.readouterr().out
-    assert len(results) == 3 * len(POLICIES)  # (1, 10), (2, 10), (2, 100)
-    assert len(table.strip().splitlines()) == len(results) + 2 and "| 2 | 100 | round robin |" in table
+    assert len(results) == 2 * 3 * len(POLICIES)  # two loads x (1, 10), (2, 10), (2, 100)
+    assert len(table.strip().splitlines()) == len(results) + 2 and "| 4 | 2 | 100 | round robin |" in table
     assert (tmp_path / "sim.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((tmp_path / "sim.json").read_text())
     assert saved["cost"]["base_s"] == 0.02 and len(saved["results"]) == len(results)
