@@ -28,8 +28,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from frontend.http_utils import error_body
 from frontend.responses import ModelCard
 from protocol.config import ServerConfig
+from protocol.errors import http_status
 
 REPLICA_HEADER = "x-loraplex-replica"  # which engine replica answered (routing is checked by it)
 FORWARDED_HEADERS = ("authorization", "x-api-key")  # the replica's app checks the server's own keys
@@ -48,8 +50,12 @@ def adapter_of(model: Any, base: str) -> str:
     return name if sep and prefix == base else model
 
 
-def not_found(model: str) -> dict:
-    return {"error": {"message": f"The model `{model}` does not exist.", "type": "NotFoundError", "code": 404}}
+class AdapterRefused(Exception):
+    """An adapter this replica could not load: the status and message the server's /v1 routes would give."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
 
 
 class _Adapter:
@@ -98,10 +104,10 @@ class LoRAEngine:
         self._loop = asyncio.get_running_loop()
         path = os.path.join(self.adapter_root, name)
         if "/" in name or name in (".", "..") or not os.path.isdir(path):
-            raise LookupError(name)
+            raise AdapterRefused(MODEL_NOT_FOUND, f"The model `{name}` does not exist.")
         out = await self.engine.async_load_lora_adapter(name, path)
-        if not out.success:
-            raise ValueError(out.error_message)
+        if not out.success:  # not an adapter, rank or modules beyond the pool, ...: the /v1 load route's status
+            raise AdapterRefused(http_status(out.results[0].error_kind, openai=True), out.error_message)
         self.num_loads[name] = self.num_loads.get(name, 0) + 1
         return _Adapter(name, self._release)
 
@@ -133,9 +139,9 @@ class LoRAEngine:
         if name:
             try:
                 await self.adapter(name)
-            except LookupError:
-                yield {"status": MODEL_NOT_FOUND, "content_type": "application/json", "replica": self.replica_id}
-                yield json.dumps(not_found(name)).encode()
+            except AdapterRefused as e:
+                yield {"status": e.status, "content_type": "application/json", "replica": self.replica_id}
+                yield msgspec.json.encode(error_body(str(e), e.status))
                 return
             self._in_use[name] = self._in_use.get(name, 0) + 1  # no await since the lookup: no eviction slipped in
         try:

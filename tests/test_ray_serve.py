@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ PROMPT = "Once upon a time"
 SLOTS = 2  # adapters per replica
 # The first four fit (two replicas x two slots); the fifth evicts one replica's least recently used adapter.
 FIRST, FIFTH = ["a4", "a8", "a16", "a32"], "a64"
+BROKEN = "broken"
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +36,15 @@ def tokenizer(llama_dir):
 
 
 @pytest.fixture(scope="module")
-def cluster(llama_dir, adapter_dirs):
+def cluster(llama_dir, adapter_dirs, tmp_path_factory):
     """The app on a fresh local Ray; everything it started is gone afterwards."""
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     env = {"PYTHONPATH": REPO_ROOT, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-    root = Path(adapter_dirs["a4"]).parent
-    assert {p.name for p in root.iterdir()} >= set(FIRST + [FIFTH])
+    root = tmp_path_factory.mktemp("ray-adapters")  # the test adapters, and one that is not an adapter
+    for name, path in adapter_dirs.items():
+        shutil.copytree(path, root / name)
+    (root / BROKEN).mkdir()
+    (root / BROKEN / "adapter_config.json").write_text("{not json")
     engine_kwargs = dict(
         model_path=str(llama_dir),
         device="cpu",
@@ -170,10 +175,12 @@ def test_chat_models_and_unknown(cluster, llama_dir, adapter_dirs, tokenizer):
 
     cards = requests.get(url + "/v1/models", timeout=60).json()["data"]
     assert cards[0]["id"] == llama_dir.name and cards[0]["parent"] is None
-    assert {c["id"]: c["parent"] for c in cards[1:]} == {n: llama_dir.name for n in adapter_dirs}
+    assert {c["id"]: c["parent"] for c in cards[1:]} == {n: llama_dir.name for n in [*adapter_dirs, BROKEN]}
 
     for model in ("nope", "../a4", f"{llama_dir.name}:nope"):
         resp = requests.post(url + "/v1/completions", json={"model": model, "prompt": "x"}, timeout=60)
         assert resp.status_code == 404 and "does not exist" in resp.json()["error"]["message"], (model, resp.text)
+    resp = requests.post(url + "/v1/completions", json={"model": BROKEN, "prompt": "x"}, timeout=60)
+    assert resp.status_code == 400 and BROKEN in resp.json()["error"]["message"], resp.text
     resp = requests.post(url + "/v1/completions", json={"model": "a4", "prompt": "x", "best_of": 3}, timeout=60)
     assert resp.status_code == 400 and "best_of" in resp.text  # the server's own validation, via the replica
