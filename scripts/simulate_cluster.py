@@ -141,8 +141,9 @@ def plot(results: list[Result], args: argparse.Namespace, path: str) -> None:
         ax.set_title(f"more adapters: {args.sweep_replicas} replicas, {heavy:g} req/s per replica")
     for ax in (top[0], top[1], bottom[1]):
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
     light = ", ".join(f"{rate:g}" for rate in sorted(args.rates_per_replica) if rate != heavy)
     if light:
         top[0].set_title(f"scaling out: {args.scaling_adapters} adapters (dotted: {light} req/s per replica)")
