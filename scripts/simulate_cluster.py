@@ -22,7 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster_sim import POLICIES, ReplicaShape, Result, StepCost, Workload, simulate  # noqa: E402
+from cluster_sim import ReplicaShape, Result, StepCost, Workload, simulate  # noqa: E402
+from sim_policies import POLICIES  # noqa: E402
 
 COST_FLAGS = {f.name: f.name.removesuffix("_s").replace("_", "-") + "-ms" for f in dataclasses.fields(StepCost)}
 

@@ -1,4 +1,5 @@
-"""scripts/cluster_sim.py on small cases: properties a broken router, replica or cost model would violate."""
+"""scripts/cluster_sim.py and sim_policies.py on small cases: properties a broken router, replica or cost model
+would violate."""
 
 from __future__ import annotations
 
@@ -8,18 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from cluster_sim import (  # noqa: E402
-    POLICIES,
-    AdapterResidentFirst,
-    LeastLoaded,
-    LoRAAffinityScorer,
-    Replica,
-    ReplicaShape,
-    SimRequest,
-    StepCost,
-    Workload,
-    simulate,
-)
+from cluster_sim import Replica, ReplicaShape, SimRequest, StepCost, Workload, simulate  # noqa: E402
+from sim_policies import POLICIES, AdapterResidentFirst, LeastLoaded, LoRAAffinityScorer  # noqa: E402
 
 SMALL = ReplicaShape(num_slots=2, max_running=8, num_pages=512)
 
