@@ -3,6 +3,7 @@
 Loads the bench model and adapters into a ModelRunner (bench_decode_step.make_runner) and times, median of --steps:
 decode steps of 1 and --batch base requests (a fixed part and a per-token part), the same batch over 8 adapters (per
 adapter), one prefill chunk (per prompt token), copying an adapter into a device slot, and reading one from disk.
+Run it on a quiet machine: other processes on the cores distort every figure (torch's threads wait on each other).
 
     python scripts/sim_calibrate.py --json /tmp/cost.json
     python scripts/simulate_cluster.py --cost-json /tmp/cost.json
@@ -62,8 +63,9 @@ def measure(args: argparse.Namespace) -> StepCost:
                                                  next(ids)))  # fmt: skip
     mixed_slots = sorted(i % NUM_ADAPTERS for i in range(args.batch))
     mixed = median_ms(args.steps, lambda: step_ms(runner, decode_reqs(pages, args.context, mixed_slots), next(ids)))
-    decode_token_ms = (full - one) / (args.batch - 1)
-    base_ms = one - decode_token_ms
+    # Two points of a line; a busy machine can tilt it, and no cost is below zero.
+    decode_token_ms = max(0.0, (full - one) / (args.batch - 1))
+    base_ms = max(0.0, one - decode_token_ms)
     adapter_ms = max(0.0, (mixed - full) / NUM_ADAPTERS)
 
     # Slot copies: rotate the loaded adapters through the slots, so every load really copies.

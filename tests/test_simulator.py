@@ -100,3 +100,18 @@ def test_script_writes_table_plot_and_json(tmp_path, capsys):
     assert (tmp_path / "sim.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((tmp_path / "sim.json").read_text())
     assert saved["cost"]["base_s"] == 0.02 and len(saved["results"]) == len(results)
+
+
+def test_calibration_measures_every_cost(tmp_path):
+    import json
+    import math
+
+    import sim_calibrate
+
+    out = tmp_path / "cost.json"
+    cost = sim_calibrate.main(["--size", "quick", "--steps", "1", "--dtype", "float32", "--batch", "4", "--context",
+                               "32", "--json", str(out)])  # fmt: skip
+    values = json.loads(out.read_text())
+    assert values == {name: getattr(cost, name) for name in values} and len(values) == 6
+    assert all(math.isfinite(v) and v >= 0 for v in values.values()) and cost.host_load_s > 0  # figures: no asserts
+    assert StepCost(**values) == cost  # what simulate_cluster.py --cost-json reads back
