@@ -236,10 +236,13 @@ def build_app(
     num_replicas: int = 1,
     max_adapters_per_replica: int = 8,
     ray_actor_options: dict | None = None,
+    ingress_actor_options: dict | None = None,
 ) -> serve.Application:
     """The two deployments bound together: `serve.run(build_app(...))`. `engine_kwargs` are the Engine's (every
-    launch flag as a snake_case keyword); adapters are loaded from `adapter_root/<name>/` and confined to it."""
+    launch flag as a snake_case keyword); adapters are loaded from `adapter_root/<name>/` and confined to it.
+    `ray_actor_options` are the engine replicas' resources (GPUs go there), `ingress_actor_options` the ingress's."""
     engine = LoRAEngine.options(num_replicas=num_replicas, ray_actor_options=ray_actor_options or {}).bind(
         engine_kwargs, adapter_root, max_adapters_per_replica
     )
-    return OpenAIIngress.options(ray_actor_options=ray_actor_options or {}).bind(engine, base_model_name(engine_kwargs))
+    ingress = OpenAIIngress.options(ray_actor_options=ingress_actor_options or {})
+    return ingress.bind(engine, base_model_name(engine_kwargs))

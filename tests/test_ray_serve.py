@@ -58,9 +58,9 @@ def cluster(llama_dir, adapter_dirs, tmp_path_factory):
     pids: list[int] = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app(
-            engine_kwargs, str(root), num_replicas=2, max_adapters_per_replica=SLOTS, ray_actor_options={"num_cpus": 0}
-        )
+        zero_cpus = {"num_cpus": 0}  # so that 2 cores hold everything
+        app = build_app(engine_kwargs, str(root), num_replicas=2, max_adapters_per_replica=SLOTS,
+                        ray_actor_options=zero_cpus, ingress_actor_options=zero_cpus)  # fmt: skip
         serve.run(app, name="loraplex", route_prefix="/")
         yield f"http://127.0.0.1:{port}", pids
     finally:
