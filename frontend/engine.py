@@ -12,7 +12,10 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from aiohttp import web
+
 from frontend.adapter_tensors import encode_tensors
+from frontend.http_server import create_app
 from frontend.native_api import NativeGenerateRequest, collect, start_generate, stream_chunks
 from frontend.params import convert
 from frontend.runtime import Runtime
@@ -40,6 +43,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="loraplex-engine", daemon=True)
         self._thread.start()
         self.runtime = Runtime(self.config, _fault_hooks)
+        self._http: web.AppRunner | None = None
         self._closed = False
         try:
             self._run(self.runtime.start())
@@ -187,6 +191,15 @@ class Engine:
     def abort_request(self, rid: str) -> bool:
         return self._run(self.runtime.abort(rid))
 
+    # ---- HTTP beside the in-process calls ----------------------------------------------------------------
+
+    def serve_unix_socket(self, path: str) -> None:
+        """Serve the server's own HTTP app (routes, keys, status codes) on a Unix socket until shutdown: a host
+        process that forwards OpenAI requests (frontend/ray_serve.py) gets them answered exactly as the server would."""
+        if self._http is not None:
+            raise RuntimeError("this Engine already serves HTTP")
+        self._http = self._run(_start_unix_site(self.runtime, path))
+
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
@@ -194,6 +207,8 @@ class Engine:
             return
         self._closed = True
         try:
+            if self._http is not None:
+                self._run(self._http.cleanup())
             self._run(self.runtime.shutdown())
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -214,6 +229,13 @@ class Engine:
 
 
 __all__ = ["Engine"]
+
+
+async def _start_unix_site(runtime: Runtime, path: str) -> web.AppRunner:
+    runner = web.AppRunner(create_app(runtime), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.UnixSite(runner, path).start()
+    return runner
 
 
 def _refused(output_type: type, lora_name: str, error: ServerError) -> Any:
