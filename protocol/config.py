@@ -81,6 +81,9 @@ _HELP: dict[str, str] = {
     "lora_backend": "LoRA kernels: triton (CUDA), cpu (compiled AVX-512 BF16 kernels; bfloat16 on the CPU, also used "
     "for attention and norms), torch (torch ops, any device); auto = triton on CUDA, else cpu where it builds and "
     "runs, else torch",
+    "attention_backend": "attention kernels: triton (paged Triton kernels reading K/V from the cache pages in place; "
+    "CUDA), torch (SDPA over gathered pages; decodes in the CPU kernels under --lora-backend cpu); auto = triton on "
+    "CUDA, else torch",
     "lora_paths": "adapters loaded at start: NAME=PATH, PATH, or JSON {lora_name, lora_path, pinned}",
     "max_loras_per_batch": "device adapter slots = most distinct adapters in one forward pass",
     "max_loaded_loras": "adapters kept in host memory (LRU beyond it); default unlimited",
@@ -139,6 +142,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     enable_lora: bool = False
     lora_backend: Literal["auto", "triton", "cpu", "torch"] = "auto"
+    attention_backend: Literal["auto", "triton", "torch"] = "auto"
     lora_paths: list[str] = []
     max_loras_per_batch: int = 8
     max_loaded_loras: int | None = None

@@ -17,6 +17,7 @@ from worker.batch_inputs import BatchError, BatchInputs
 from worker.dist import pick_dtype
 from worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token
 from worker.layers import packed
+from worker.layers.attention import select_attention_backend
 from worker.loader import load_weights
 from worker.lora.manager import LoRAManager
 from worker.model.config import ModelConfig, ModelConfigError
@@ -56,6 +57,11 @@ class ModelRunner:
             str(self.dtype).removeprefix("torch."),
             self.device,
         )
+
+        self.attention = select_attention_backend(
+            config.attention_backend, self.device, self.model_config.num_kv_heads // world_size
+        )
+        logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
 
         with tensor_parallel(rank, world_size), self.device, _default_dtype(self.dtype):
             self.model = LlamaForCausalLM(self.model_config, max_positions=self.context_length)
@@ -98,6 +104,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        self._warmup_attention()
         self.sampler = Sampler(config.seed, self.device)
         logger.info("KV cache: %d tokens (%d pages of %d)", self.max_total_tokens, num_pages, self.page_size)
         if self.max_total_tokens < self.context_length:
@@ -117,6 +124,15 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "use_cpu_kernels"):
                 module.use_cpu_kernels(backend.cpu_kernels)
+
+    def _warmup_attention(self) -> None:
+        start = time.perf_counter()
+        launches = self.attention.warmup(
+            self.kv_cache.layer(0), self.model_config.num_heads // self.world_size, self.page_size
+        )
+        if launches:
+            logger.info("%s attention kernels compiled: %d launches in %.1f s", self.attention.name, launches,
+                        time.perf_counter() - start)  # fmt: skip
 
     def _pack_weights(self) -> None:
         reason = packed.unavailable_reason(self.device, self.dtype)
@@ -171,7 +187,9 @@ class ModelRunner:
 
     def _logits(self, reqs: list[ForwardReq], slot_loads: list[SlotLoad], *, last_only: bool) -> torch.Tensor:
         self._apply_slot_loads(slot_loads)
-        inputs = BatchInputs.build(reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device)
+        inputs = BatchInputs.build(
+            reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device, self.attention
+        )
         if self.lora is not None:
             self.lora.prepare(reqs)
         elif any(req.slot != -1 for req in reqs):
