@@ -4,11 +4,17 @@ fp16)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import triton_aot
 from device_helpers import TEST_DEVICE  # conftest has set TRITON_INTERPRET where no GPU is used
 
 from kernels import paged_attention as pa
@@ -215,3 +221,22 @@ def test_extend_rejects_mismatched_tiles() -> None:
             int32([0, 0]), int32([0]), 4, 0.25)  # fmt: skip
     with pytest.raises(ValueError, match="tile_offsets"):
         pa.paged_extend_attention_triton(*args)
+
+
+def test_every_variant_compiles_for_sm90_and_sm80() -> None:
+    # In a child without the interpreter (tests/triton_aot.py): the start-up warm-up's launches compiled for each
+    # target through ptxas, and a sweep of real batches (decodes short and long, prefills with and without a prefix,
+    # both mixed) meets no variant the warm-up did not compile.
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_aot.py"))], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout)
+    assert len(results) == 2 * len(triton_aot.ATTENTION_CONFIGS)
+    for result in results:
+        where = f"sm_{result['arch']} {result['dtype']} {result['shape']} page {result['page_size']}"
+        assert len(result["compiled"]) == triton_aot.KERNELS_PER_CONFIG, where
+        assert sorted(result["serving_keys"]) == result["warmup_keys"], where
+        for compiled in result["compiled"]:
+            assert compiled["arch"] == result["arch"]
+            assert compiled["shared_bytes"] <= triton_aot.SHARED_LIMIT[result["arch"]], (where, compiled)
