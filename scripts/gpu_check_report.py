@@ -77,6 +77,14 @@ def _decode_rows(report: dict) -> list[str]:
     return rows
 
 
+def _triton_decode_us(attention: dict) -> float | None:
+    return (attention.get("decode_timing") or {}).get("B128_ctx2048", {}).get("triton_us")
+
+
+def _sdpa_decode_us(attention: dict) -> float | None:
+    return (attention.get("decode_timing") or {}).get("B128_ctx2048", {}).get("us")
+
+
 def reviewer_block(report: dict) -> str:
     meta, summary = report["meta"], report["summary"]
     versions, device, ceilings = meta.get("versions", {}), meta.get("device", {}), meta.get("ceilings", {})
@@ -104,7 +112,9 @@ def reviewer_block(report: dict) -> str:
         f"ATTENTION: backend decode={summary['attention_backend']['decode']} "
         f"prefill={summary['attention_backend']['prefill']}; max err {_fmt(attention.get('max_err'))} (<=2e-2); "
         f"backends accepting: {_fmt(attention.get('backends_accepting'))}; 8k prefill mem "
-        f"{_fmt(attention.get('prefill_8k_mem_GiB'))} GiB" + _suffix(report, "g2"),
+        f"{_fmt(attention.get('prefill_8k_mem_GiB'))} GiB; triton paged: max err "
+        f"{_fmt(attention.get('triton_max_err'))}, decode B128 ctx2048 {_fmt(_triton_decode_us(attention))} us vs SDPA "
+        f"{_fmt(_sdpa_decode_us(attention))} us" + _suffix(report, "g2"),
         f"NUMERICS: fp32 vs HF {_fmt(numerics.get('fp32_vs_hf'))} (<=2e-4); bf16 ours/HF err "
         f"{_fmt(numerics.get('bf16_ours'))}/{_fmt(numerics.get('bf16_hf'))}; LoRA mixed vs peft fp32 "
         f"{_fmt(numerics.get('lora_mixed_fp32'))}; greedy steps matched {_fmt(numerics.get('greedy_matched'))}/"
