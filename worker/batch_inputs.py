@@ -32,10 +32,7 @@ class BatchInputs:
         device: torch.device,
         attention: AttentionBackend | None = None,  # the worker's; torch's SDPA when not given (scripts, tests)
     ) -> BatchInputs:
-        if not reqs:
-            raise BatchError("empty batch")
-        for i, req in enumerate(reqs):
-            _check_req(i, req, page_size, num_pages, context_length)
+        check_reqs(reqs, page_size, num_pages, context_length)
         page_tables = _padded([req.page_ids for req in reqs], device)  # (reqs, max_pages)
         num_new = torch.tensor([len(req.input_ids) for req in reqs], device=device)  # (reqs,)
         num_cached = torch.tensor([req.num_cached_tokens for req in reqs], device=device)  # (reqs,)
@@ -56,6 +53,13 @@ class BatchInputs:
             last_token_index=token_ends - 1,
             attention=attention.build(reqs, token_starts, page_tables, write_slots, page_size),
         )
+
+
+def check_reqs(reqs: list[ForwardReq], page_size: int, num_pages: int, context_length: int) -> None:
+    if not reqs:
+        raise BatchError("empty batch")
+    for i, req in enumerate(reqs):
+        _check_req(i, req, page_size, num_pages, context_length)
 
 
 def _check_req(i: int, req: ForwardReq, page_size: int, num_pages: int, context_length: int) -> None:

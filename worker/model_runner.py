@@ -14,10 +14,11 @@ from kernels import LoRABackend, select_backend
 from protocol.config import ServerConfig
 from protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad, TokenLogprob
 from worker.batch_inputs import BatchError, BatchInputs
+from worker.cuda_graphs import DecodeGraphRunner
 from worker.dist import pick_dtype
 from worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token
 from worker.layers import packed
-from worker.layers.attention import select_attention_backend
+from worker.layers.attention import AttentionBackendError, BatchAttention, select_attention_backend
 from worker.loader import load_weights
 from worker.lora.manager import LoRAManager
 from worker.model.config import ModelConfig, ModelConfigError
@@ -105,6 +106,7 @@ class ModelRunner:
             device=self.device,
         )
         self._warmup_attention()
+        self.decode_graphs = self._decode_graphs()
         self.sampler = Sampler(config.seed, self.device)
         logger.info("KV cache: %d tokens (%d pages of %d)", self.max_total_tokens, num_pages, self.page_size)
         if self.max_total_tokens < self.context_length:
@@ -124,6 +126,36 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "use_cpu_kernels"):
                 module.use_cpu_kernels(backend.cpu_kernels)
+
+    @torch.inference_mode()
+    def _decode_graphs(self) -> DecodeGraphRunner | None:
+        if not self.config.enable_cuda_graph:
+            return None
+        if self.device.type != "cuda":
+            logger.info("--enable-cuda-graph is ignored on %s: CUDA graphs need a CUDA device", self.device.type)
+            return None
+        if self.attention.name != "triton":
+            raise AttentionBackendError(
+                f"--enable-cuda-graph needs --attention-backend triton (this worker runs {self.attention.name})"
+            )
+        return self.graph_runner(capture=True)
+
+    def graph_runner(self, *, capture: bool) -> DecodeGraphRunner:
+        """The decode graphs for this runner's model, cache and LoRA pool; `capture=False` runs them eagerly through
+        the same static buffers (tests, on a CPU)."""
+        return DecodeGraphRunner(
+            self._decode_step,
+            self.kv_cache,
+            self.lora,
+            batch_sizes=self.config.cuda_graph_batch_sizes or [1],
+            num_kv_heads=self.model_config.num_kv_heads // self.world_size,
+            context_length=self.context_length,
+            device=self.device,
+            capture=capture,
+        )
+
+    def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: BatchAttention) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_cache, attention))  # (rows, vocab)
 
     def _warmup_attention(self) -> None:
         start = time.perf_counter()
@@ -187,6 +219,8 @@ class ModelRunner:
 
     def _logits(self, reqs: list[ForwardReq], slot_loads: list[SlotLoad], *, last_only: bool) -> torch.Tensor:
         self._apply_slot_loads(slot_loads)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(reqs):
+            return self.decode_graphs.logits(reqs)  # one token per request: every row is a last one
         inputs = BatchInputs.build(
             reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device, self.attention
         )
