@@ -77,6 +77,19 @@ def _decode_rows(report: dict) -> list[str]:
     return rows
 
 
+def _graph_row(report: dict) -> str:
+    """The decode matrix replayed from CUDA graphs: ms p50 and the speedup over eager, per batch and adapters."""
+    table = _fig(report, "g4", "decode_cuda_graph")
+    if not table:
+        return "  CUDA graphs: not measured"
+    cells = [
+        f"{batch} {adapters} {_fmt(cell.get('wall_ms_p50'), '.2f')} ms x{_fmt(cell.get('speedup_vs_eager'), '.1f')}"
+        for batch, by_adapters in table.items()
+        for adapters, cell in by_adapters.items()
+    ]
+    return "  CUDA graphs (ms p50, speedup over eager): " + "; ".join(cells)
+
+
 def _triton_decode_us(attention: dict) -> float | None:
     return (attention.get("decode_timing") or {}).get("B128_ctx2048", {}).get("triton_us")
 
@@ -121,6 +134,7 @@ def reviewer_block(report: dict) -> str:
         f"{_fmt(numerics.get('greedy_total'))}" + _suffix(report, "g3"),
         "DECODE 1B bf16 ctx512 (ms p50 | tok/s | busy% | kernels/step | x roofline):",
         *_decode_rows(report),
+        _graph_row(report),
         f"PREFILL: 2048 tok {_fmt(prefill.get('ms_2048'))} ms ({_fmt(prefill.get('pct_gemm_roofline'))}% of GEMM "
         f"roofline); 128x512 {_fmt(prefill.get('tok_s_128x512'), '.0f')} tok/s",
         f"KERNELS (8B shapes): shrink {_fmt(perf.get('shrink_GBps'))} GB/s ({_fmt(perf.get('shrink_pct'))}% copy), "

@@ -127,7 +127,6 @@ class ModelRunner:
             if hasattr(module, "use_cpu_kernels"):
                 module.use_cpu_kernels(backend.cpu_kernels)
 
-    @torch.inference_mode()
     def _decode_graphs(self) -> DecodeGraphRunner | None:
         if not self.config.enable_cuda_graph:
             return None
@@ -140,14 +139,15 @@ class ModelRunner:
             )
         return self.graph_runner(capture=True)
 
-    def graph_runner(self, *, capture: bool) -> DecodeGraphRunner:
-        """The decode graphs for this runner's model, cache and LoRA pool; `capture=False` runs them eagerly through
-        the same static buffers (tests, on a CPU)."""
+    @torch.inference_mode()
+    def graph_runner(self, *, capture: bool, batch_sizes: list[int] | None = None) -> DecodeGraphRunner:
+        """The decode graphs for this runner's model, cache and LoRA pool, at --enable-cuda-graph's batch sizes
+        unless given; `capture=False` runs them eagerly through the same static buffers (tests, on a CPU)."""
         return DecodeGraphRunner(
             self._decode_step,
             self.kv_cache,
             self.lora,
-            batch_sizes=self.config.cuda_graph_batch_sizes or [1],
+            batch_sizes=batch_sizes or self.config.cuda_graph_batch_sizes or [1],
             num_kv_heads=self.model_config.num_kv_heads // self.world_size,
             context_length=self.context_length,
             device=self.device,

@@ -26,14 +26,15 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kernels import BackendError
 from protocol.structs import ForwardReq
 from worker.layers.triton_attention import TritonAttention
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 
-class AttentionBackendError(RuntimeError):
-    """An --attention-backend the device cannot run; the message is one line."""
+class AttentionBackendError(BackendError):
+    """An attention choice the device cannot run; the message is one line (the worker logs it as such)."""
 
 
 @dataclass(frozen=True)
