@@ -240,3 +240,36 @@ def test_every_variant_compiles_for_sm90_and_sm80() -> None:
         for compiled in result["compiled"]:
             assert compiled["arch"] == result["arch"]
             assert compiled["shared_bytes"] <= triton_aot.SHARED_LIMIT[result["arch"]], (where, compiled)
+
+
+# ---- the worker's choice of backend, and its start-up warm-up ----------------------------------------------------
+
+
+def test_attention_backend_flag_and_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    from protocol.config import ServerConfig, config_from_args
+    from worker.layers.attention import AttentionBackendError, SDPAAttention, select_attention_backend
+    from worker.layers.triton_attention import TritonAttention
+
+    assert ServerConfig().attention_backend == "auto"
+    assert config_from_args(["--attention-backend", "triton"]).attention_backend == "triton"
+    with pytest.raises(SystemExit):
+        config_from_args(["--attention-backend", "flashinfer"])
+    assert type(select_attention_backend("auto", "cpu", 2)) is SDPAAttention
+    assert type(select_attention_backend("auto", "cuda", 2)) is TritonAttention  # chosen, nothing launched
+    assert type(select_attention_backend("torch", "cuda", 2)) is SDPAAttention
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(AttentionBackendError, match="--attention-backend triton needs a CUDA device"):
+        select_attention_backend("triton", "cpu", 2)
+
+
+@pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="the interpreter's warm-up, on the CPU")
+def test_worker_warms_up_the_attention_kernels(llama_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from worker_helpers import make_runner
+
+    with caplog.at_level(logging.INFO, logger="worker.model_runner"):
+        runner = make_runner(llama_dir, attention_backend="triton")
+    assert runner.attention.name == "triton"
+    assert "attention backend: triton (--attention-backend triton)" in caplog.text
+    assert "triton attention kernels compiled: 4 launches in" in caplog.text
