@@ -273,3 +273,34 @@ def test_worker_warms_up_the_attention_kernels(llama_dir: Path, caplog: pytest.L
     assert runner.attention.name == "triton"
     assert "attention backend: triton (--attention-backend triton)" in caplog.text
     assert "triton attention kernels compiled: 4 launches in" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_mixed_batch_through_the_backend_matches_sdpa(dtype: torch.dtype) -> None:
+    # GPU_CHECK.md G2's layout scaled down: decodes of ragged lengths and prefills with and without a cached prefix,
+    # interleaved in one batch on shuffled pages; the triton backend's one output against the torch (SDPA) backend's.
+    from protocol.structs import ForwardReq, SamplingParams
+    from worker.batch_inputs import BatchInputs
+    from worker.layers.attention import SDPAAttention
+    from worker.layers.triton_attention import TritonAttention
+
+    heads, kv_heads, head_dim, page_size, num_pages = 8, 2, 64, 16, 96
+    specs = [(0, 1), (0, 7), (15, 1), (5, 100), (16, 1), (63, 1), (100, 130), (128, 1), (299, 1), (0, 1)]
+    pages = torch.randperm(num_pages, generator=torch.Generator().manual_seed(1)).tolist()
+    reqs = []
+    for cached, new in specs:
+        n = -(-(cached + new) // page_size)
+        reqs.append(ForwardReq(input_ids=[0] * new, num_cached_tokens=cached, page_ids=pages[:n],
+                               sampling=SamplingParams()))  # fmt: skip
+        pages = pages[n:]
+    gen = torch.Generator().manual_seed(2)
+    cache = torch.randn(2, (num_pages + 1) * page_size, kv_heads, head_dim, generator=gen).to(dtype)
+    num_tokens = sum(new for _, new in specs)
+    q = torch.randn(num_tokens, heads, head_dim, generator=gen).to(dtype)
+    outs = {}
+    for backend in (SDPAAttention(torch.device("cpu")), TritonAttention(TEST_DEVICE, kv_heads)):
+        device = backend.device
+        inputs = BatchInputs.build(reqs, page_size, num_pages, 4096, device, backend).attention
+        assert (inputs.decode is not None and inputs.extend is not None) if backend.name == "triton" else True
+        outs[backend.name] = inputs.attend(q.to(device), cache[0].to(device), cache[1].to(device), None).cpu()
+    torch.testing.assert_close(outs["triton"].float(), outs["torch"].float(), **TOLERANCES[dtype])
