@@ -119,3 +119,15 @@ def test_static_buffers_refuse_what_the_normal_path_refuses(llama_dir: Path, ada
     empty_slot = ForwardReq(input_ids=[1], num_cached_tokens=3, page_ids=[0], sampling=GREEDY, slot=5)
     with pytest.raises(BatchError, match="holds no adapter"):
         runner.forward(ForwardBatch(batch_id=1, reqs=[empty_slot]))
+
+
+@pytest.mark.parametrize(("attention", "lora", "why"), [("torch", "triton", "--attention-backend triton"),
+                                                         ("triton", "torch", "--lora-backend triton")])  # fmt: skip
+def test_graphs_refuse_backends_that_cannot_be_captured(llama_dir: Path, attention: str, lora: str, why: str) -> None:
+    from worker.layers.attention import AttentionBackendError
+
+    runner = make_runner(llama_dir, attention_backend=attention, lora_backend=lora, enable_cuda_graph=True,
+                         **LORA_CONFIG)  # fmt: skip
+    runner.device = torch.device("cuda")  # as on a GPU; the check comes before anything touches the device
+    with pytest.raises(AttentionBackendError, match=f"--enable-cuda-graph needs {why}"):
+        runner._decode_graphs()

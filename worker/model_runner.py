@@ -137,6 +137,10 @@ class ModelRunner:
             raise AttentionBackendError(
                 f"--enable-cuda-graph needs --attention-backend triton (this worker runs {self.attention.name})"
             )
+        if self.lora is not None and self.backend.name != "triton":  # the torch path plans from the slot values
+            raise AttentionBackendError(
+                f"--enable-cuda-graph needs --lora-backend triton (this worker runs {self.backend.name})"
+            )
         return self.graph_runner(capture=True)
 
     @torch.inference_mode()
