@@ -81,6 +81,14 @@ _HELP: dict[str, str] = {
     "lora_backend": "LoRA kernels: triton (CUDA), cpu (compiled AVX-512 BF16 kernels; bfloat16 on the CPU, also used "
     "for attention and norms), torch (torch ops, any device); auto = triton on CUDA, else cpu where it builds and "
     "runs, else torch",
+    "attention_backend": "attention kernels: triton (paged Triton kernels reading K/V from the cache pages in place; "
+    "CUDA), torch (SDPA over gathered pages; decodes in the CPU kernels under --lora-backend cpu); auto = triton on "
+    "CUDA, else torch",
+    "enable_cuda_graph": "capture decode steps as CUDA graphs at start-up, one per batch size of a ladder up to "
+    "--cuda-graph-max-bs, and replay them (CUDA, --attention-backend triton; ignored on a CPU, with a log line)",
+    "disable_cuda_graph": "SGLang's switch: decode runs eagerly (the default until a GPU run confirms the graphs)",
+    "cuda_graph_max_bs": "largest decode batch replayed from a CUDA graph (default: --max-running-requests); larger "
+    "batches run eagerly",
     "lora_paths": "adapters loaded at start: NAME=PATH, PATH, or JSON {lora_name, lora_path, pinned}",
     "max_loras_per_batch": "device adapter slots = most distinct adapters in one forward pass",
     "max_loaded_loras": "adapters kept in host memory (LRU beyond it); default unlimited",
@@ -139,6 +147,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     enable_lora: bool = False
     lora_backend: Literal["auto", "triton", "cpu", "torch"] = "auto"
+    attention_backend: Literal["auto", "triton", "torch"] = "auto"
+    enable_cuda_graph: bool = False
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
     lora_paths: list[str] = []
     max_loras_per_batch: int = 8
     max_loaded_loras: int | None = None
@@ -186,7 +198,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_loaded_loras", "max_lora_rank", "max_total_tokens", "context_length"):
+        for name in ("max_loaded_loras", "max_lora_rank", "max_total_tokens", "context_length", "cuda_graph_max_bs"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -200,6 +212,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                               "yet (only 1)")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.enable_cuda_graph and self.disable_cuda_graph:
+            raise ConfigError("--enable-cuda-graph and --disable-cuda-graph contradict each other: give one")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if self.disable_lora_updates and self.lora_resolver_dir:
@@ -220,6 +234,17 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"an adapter name appears twice in --lora-paths / --lora-modules: {names}")
         if self.max_loaded_loras is not None and self.max_loaded_loras < len(sources):
             raise ConfigError("--max-loaded-loras is smaller than the number of --lora-paths and --lora-modules")
+
+    @property
+    def cuda_graph_batch_sizes(self) -> list[int]:
+        """The decode batch sizes captured as CUDA graphs ([] when off): powers of two, then the largest."""
+        if not self.enable_cuda_graph:
+            return []
+        largest = min(self.cuda_graph_max_bs or self.max_running_requests, self.max_running_requests)
+        sizes = [1]
+        while sizes[-1] * 2 < largest:
+            sizes.append(sizes[-1] * 2)
+        return sizes if sizes[-1] == largest else [*sizes, largest]
 
     @property
     def prefix_caching(self) -> bool:

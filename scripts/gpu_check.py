@@ -47,7 +47,7 @@ class Group:
 GROUPS = [
     Group("g0", "env", 8, 45, "gpu_check_model", "g0_env"),
     Group("g1", "kernels", 35, 90, "gpu_check_kernels", "g1_kernels"),
-    Group("g2", "attention", 12, 45, "gpu_check_model", "g2_attention"),
+    Group("g2", "attention", 20, 90, "gpu_check_model", "g2_attention"),
     Group("g3", "numerics", 30, 90, "gpu_check_model", "g3_numerics"),
     Group("g4", "decode", 45, 90, "gpu_check_serving", "g4_decode"),
     Group("g5", "server", 75, 120, "gpu_check_serving", "g5_server"),

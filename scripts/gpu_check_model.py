@@ -110,10 +110,13 @@ def _ceilings(ctx: Context) -> dict:
 
 
 class AttnSetup:
-    """A random cache of shuffled pages, and batches of fake requests driven through BatchInputs + paged_attention."""
+    """A random cache of shuffled pages, and batches of fake requests driven through BatchInputs + paged_attention,
+    with one attention backend: `torch` (SDPA over gathered pages) or `triton` (the paged kernels)."""
 
-    def __init__(self, ctx: Context, dtype):
+    def __init__(self, ctx: Context, dtype, attention: str = "torch"):
         import torch
+
+        from worker.layers.attention import select_attention_backend
 
         self.dev, self.dtype = ctx.device, dtype
         self.page_size = 16
@@ -125,6 +128,7 @@ class AttnSetup:
         self.v_cache = self.randn(slots, self.kv_heads, self.head_dim)
         self.free_pages = list(range(self.num_pages))
         random.Random(0).shuffle(self.free_pages)
+        self.attention = select_attention_backend(attention, self.dev, self.kv_heads)
 
     def randn(self, *size):
         import torch
@@ -142,7 +146,7 @@ class AttnSetup:
             num = -(-(cached + new) // self.page_size)
             reqs.append(ForwardReq(input_ids=[0] * new, num_cached_tokens=cached,
                                    page_ids=list(itertools.islice(pages, num)), sampling=SamplingParams()))
-        inputs = BatchInputs.build(reqs, self.page_size, self.num_pages, 1 << 20, self.dev)
+        inputs = BatchInputs.build(reqs, self.page_size, self.num_pages, 1 << 20, self.dev, self.attention)
         tokens = sum(new for _, new in spec)
         q = self.randn(tokens, self.heads, self.head_dim)
         return reqs, inputs, q, self.randn(tokens, self.kv_heads, self.head_dim), self.randn(
@@ -228,6 +232,19 @@ def g2_attention(ctx: Context) -> None:
             if dtype == torch.bfloat16:
                 worst = max(worst, err)
     rec.figure("max_err", worst)
+    # The paged Triton kernels (--attention-backend triton, the CUDA default): the same batches and reference. In a
+    # dry run they run in Triton's interpreter, whose bfloat16 dots are wrong: float16 stands in for it there.
+    triton_worst = 0.0
+    low = (torch.bfloat16, 2e-2) if ctx.is_cuda else (torch.float16, 5e-3)
+    for dtype, tol in (low, (torch.float32, 1e-5)):
+        setup = AttnSetup(ctx, dtype, "triton")
+        for name, spec in specs.items():
+            err, finite = _attn_error(setup, spec)
+            rec.check(f"triton.{name}.{str(dtype)[6:]}", finite and err <= tol, err, tol,
+                      "" if finite else "NaN/Inf in the output")
+            if dtype != torch.float32:
+                triton_worst = max(triton_worst, err)
+    rec.figure("triton_max_err", triton_worst)
     if not ctx.skip_unless_cuda("backend_probe"):
         for name in ("backends", "decode_timing", "prefill_8k_memory"):
             ctx.rec.skip(name, "dry-run: needs CUDA")
@@ -236,8 +253,9 @@ def g2_attention(ctx: Context) -> None:
     rec.figure("backend", {"decode": _backend_used(setup, specs["decode"]),
                            "prefill": _backend_used(setup, specs["prefill"])})
     _probe_backends(ctx, setup, specs["mixed"])
-    _decode_timing(ctx, setup)
-    _prefill_memory(ctx, setup)
+    _decode_timing(ctx, setup, AttnSetup(ctx, torch.bfloat16, "triton"))
+    _prefill_memory(ctx, setup, "")
+    _prefill_memory(ctx, AttnSetup(ctx, torch.bfloat16, "triton"), "triton_")
 
 
 def _probe_backends(ctx: Context, setup: AttnSetup, spec) -> None:
@@ -259,7 +277,7 @@ def _probe_backends(ctx: Context, setup: AttnSetup, spec) -> None:
     ctx.rec.figure("backends_accepting", ",".join(accepting) or "none")
 
 
-def _decode_timing(ctx: Context, setup: AttnSetup) -> None:
+def _decode_timing(ctx: Context, setup: AttnSetup, paged: AttnSetup) -> None:
     import torch.nn.functional as F
 
     from worker.layers.attention import _gather_pages
@@ -279,14 +297,19 @@ def _decode_timing(ctx: Context, setup: AttnSetup) -> None:
                 return F.scaled_dot_product_attention(q4, keys, values, attn_mask=mask, enable_gqa=True)
 
             sdpa_us = median(time_ms(sdpa, setup.dev, reps=20, warmups=3)) * 1e3
-            kv_bytes = 2 * batch * context * setup.kv_heads * setup.head_dim * 2
+            _, paged_inputs, q, k, v = paged.batch([(context - 1, 1)] * batch)
+            triton_us = median(time_ms(lambda a=(paged_inputs, q, k, v): paged.run(*a), setup.dev, reps=20,
+                                       warmups=3)) * 1e3  # fmt: skip
+            kv_roofline_us = 2 * batch * context * setup.kv_heads * setup.head_dim * 2 / copy_gbps / 1e3
             table[f"B{batch}_ctx{context}"] = {"us": attend_us, "sdpa_pregathered_us": sdpa_us,
-                                               "x_kv_roofline": attend_us / (kv_bytes / copy_gbps / 1e3),
-                                               "gather_share": 1 - sdpa_us / attend_us}
+                                               "x_kv_roofline": attend_us / kv_roofline_us,
+                                               "gather_share": 1 - sdpa_us / attend_us,
+                                               "triton_us": triton_us,
+                                               "triton_x_kv_roofline": triton_us / kv_roofline_us}
     ctx.rec.figure("decode_timing", table)
 
 
-def _prefill_memory(ctx: Context, setup: AttnSetup) -> None:
+def _prefill_memory(ctx: Context, setup: AttnSetup, prefix: str) -> None:
     import torch
 
     _, inputs, q, k, v = setup.batch([(0, 8192)])
@@ -296,8 +319,9 @@ def _prefill_memory(ctx: Context, setup: AttnSetup) -> None:
     setup.run(inputs, q, k, v)
     torch.cuda.synchronize()
     delta_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
-    ctx.rec.figure("prefill_8k_mem_GiB", delta_gib)
-    ctx.rec.flag("ATTN_8K_MEMORY", delta_gib > 2, delta_gib, 2, "GiB for one 8192-token prefill group (math fallback?)")
+    ctx.rec.figure(f"{prefix}prefill_8k_mem_GiB", delta_gib)
+    ctx.rec.flag(f"{prefix.upper()}ATTN_8K_MEMORY", delta_gib > 2, delta_gib, 2,
+                 "GiB for one 8192-token prefill group (math fallback?)")
 
 
 # ---- G3: model numerics ------------------------------------------------------------------------------------------

@@ -77,6 +77,27 @@ def _decode_rows(report: dict) -> list[str]:
     return rows
 
 
+def _graph_row(report: dict) -> str:
+    """The decode matrix replayed from CUDA graphs: ms p50 and the speedup over eager, per batch and adapters."""
+    table = _fig(report, "g4", "decode_cuda_graph")
+    if not table:
+        return "  CUDA graphs: not measured"
+    cells = [
+        f"{batch} {adapters} {_fmt(cell.get('wall_ms_p50'), '.2f')} ms x{_fmt(cell.get('speedup_vs_eager'), '.1f')}"
+        for batch, by_adapters in table.items()
+        for adapters, cell in by_adapters.items()
+    ]
+    return "  CUDA graphs (ms p50, speedup over eager): " + "; ".join(cells)
+
+
+def _triton_decode_us(attention: dict) -> float | None:
+    return (attention.get("decode_timing") or {}).get("B128_ctx2048", {}).get("triton_us")
+
+
+def _sdpa_decode_us(attention: dict) -> float | None:
+    return (attention.get("decode_timing") or {}).get("B128_ctx2048", {}).get("us")
+
+
 def reviewer_block(report: dict) -> str:
     meta, summary = report["meta"], report["summary"]
     versions, device, ceilings = meta.get("versions", {}), meta.get("device", {}), meta.get("ceilings", {})
@@ -104,13 +125,16 @@ def reviewer_block(report: dict) -> str:
         f"ATTENTION: backend decode={summary['attention_backend']['decode']} "
         f"prefill={summary['attention_backend']['prefill']}; max err {_fmt(attention.get('max_err'))} (<=2e-2); "
         f"backends accepting: {_fmt(attention.get('backends_accepting'))}; 8k prefill mem "
-        f"{_fmt(attention.get('prefill_8k_mem_GiB'))} GiB" + _suffix(report, "g2"),
+        f"{_fmt(attention.get('prefill_8k_mem_GiB'))} GiB; triton paged: max err "
+        f"{_fmt(attention.get('triton_max_err'))}, decode B128 ctx2048 {_fmt(_triton_decode_us(attention))} us vs SDPA "
+        f"{_fmt(_sdpa_decode_us(attention))} us" + _suffix(report, "g2"),
         f"NUMERICS: fp32 vs HF {_fmt(numerics.get('fp32_vs_hf'))} (<=2e-4); bf16 ours/HF err "
         f"{_fmt(numerics.get('bf16_ours'))}/{_fmt(numerics.get('bf16_hf'))}; LoRA mixed vs peft fp32 "
         f"{_fmt(numerics.get('lora_mixed_fp32'))}; greedy steps matched {_fmt(numerics.get('greedy_matched'))}/"
         f"{_fmt(numerics.get('greedy_total'))}" + _suffix(report, "g3"),
         "DECODE 1B bf16 ctx512 (ms p50 | tok/s | busy% | kernels/step | x roofline):",
         *_decode_rows(report),
+        _graph_row(report),
         f"PREFILL: 2048 tok {_fmt(prefill.get('ms_2048'))} ms ({_fmt(prefill.get('pct_gemm_roofline'))}% of GEMM "
         f"roofline); 128x512 {_fmt(prefill.get('tok_s_128x512'), '.0f')} tok/s",
         f"KERNELS (8B shapes): shrink {_fmt(perf.get('shrink_GBps'))} GB/s ({_fmt(perf.get('shrink_pct'))}% copy), "

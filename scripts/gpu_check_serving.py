@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 from gpu_check_lib import (
-    NOT_IMPLEMENTED,
     Context,
     LlamaShape,
     max_abs,
@@ -208,6 +207,7 @@ def _decode_matrix(ctx: Context, runner, pages: Pages, shape: LlamaShape, adapte
             rec.figure("decode", table)
     if not ctx.is_cuda:
         rec.skip("decode_flags", "dry-run: needs CUDA (profiler, meaningful timings)")
+        rec.skip("cuda_graphs", "dry-run: needs CUDA (tests/test_cuda_graphs.py checks the static buffers on a CPU)")
         return
     b1, b32 = table["B=1"], table["B=32"]
     busy = min(c["busy_pct"] for r in table.values() for c in r.values())
@@ -217,7 +217,51 @@ def _decode_matrix(ctx: Context, runner, pages: Pages, shape: LlamaShape, adapte
     rec.flag("LORA_OVERHEAD", ratio > 1.25, ratio, 1.25, "wall(8 adapters) / wall(base) at B=32")
     stall = max(c["first_call_ms"] - c["wall_ms_p50"] for r in table.values() for c in r.values())
     rec.flag("COMPILE_STALL", stall > 1000, stall, 1000, "worst first call - median, ms")
-    rec.skip("cuda_graphs", NOT_IMPLEMENTED)
+    _decode_graphs(ctx, runner, batches, adapter_counts, context, table)
+
+
+def _decode_graphs(ctx: Context, runner, batches, adapter_counts, context: int, eager: dict) -> None:
+    """The same decode matrix replayed from CUDA graphs (worker/cuda_graphs.py, captured here at the matrix's batch
+    sizes), against the eager figures above; the logits of both must agree."""
+    import torch
+
+    from protocol.structs import ForwardBatch
+
+    rec = ctx.rec
+    if runner.attention.name != "triton":
+        rec.skip("cuda_graphs", f"needs the triton attention backend (this runner has {runner.attention.name})")
+        return
+    start = time.perf_counter()
+    graphs = runner.graph_runner(capture=True, batch_sizes=list(batches))
+    rec.figure("cuda_graph_capture_s", time.perf_counter() - start)
+    pages = Pages(runner.kv_cache.num_pages)  # KV contents do not matter
+    table: dict[str, dict] = {}
+    worst_diff, tokens_equal = 0.0, True
+    for batch_size in batches:
+        req_pages = [pages.take(context, runner.page_size) for _ in range(batch_size)]
+        table[f"B={batch_size}"] = row = {}
+        for num_adapters in adapter_counts:
+            slots = sorted(-1 if num_adapters == 0 else i % num_adapters for i in range(batch_size))
+            reqs = _reqs([[7]] * batch_size, req_pages, slots, cached=[context - 1] * batch_size)
+            batch = ForwardBatch(batch_id=4, reqs=reqs)
+            runner.decode_graphs = None
+            eager_logits = runner.batch_logits(batch).float()
+            runner.decode_graphs = graphs
+            graph_logits = runner.batch_logits(batch).float()
+            worst_diff = max(worst_diff, max_abs(graph_logits, eager_logits))
+            tokens_equal &= torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1))
+            for _ in range(ctx.warmups()):
+                runner.forward(batch)
+            walls = [wall_ms(lambda batch=batch: runner.forward(batch), ctx.device) for _ in range(ctx.reps())]
+            wall = median(walls)
+            eager_wall = eager[f"B={batch_size}"][f"A={num_adapters}"]["wall_ms_p50"]
+            row[f"A={num_adapters}"] = {"wall_ms_p50": wall, "wall_ms_p90": pct(walls, 90),
+                                        "tok_s": batch_size / wall * 1e3, "speedup_vs_eager": eager_wall / wall}
+    runner.decode_graphs = None
+    rec.figure("decode_cuda_graph", table)
+    rec.check("cuda_graph.logits_vs_eager", worst_diff <= 5e-2, worst_diff, 5e-2,
+              "bf16 logits replayed from a graph vs the eager path, same batch (the split count may differ)")
+    rec.figure("cuda_graph_tokens_equal", tokens_equal)
 
 
 def _dynamic_run(ctx: Context, runner, prompts, slots, steps: int, churn: dict | None):

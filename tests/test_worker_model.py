@@ -70,9 +70,18 @@ def model_dirs(
 # ---- prefill logits --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral_tied", "llama3_rope", "llama_bias"])
-def test_prefill_logits_match_hf(model_dirs: dict[str, Path], kind: str) -> None:
-    runner = make_runner(model_dirs[kind])
+# The triton attention backend (paged Triton kernels) runs in Triton's interpreter here: two models, to keep it short.
+ATTENTION_CASES = [
+    *[(kind, "torch") for kind in ("llama", "qwen2", "mistral_tied", "llama3_rope", "llama_bias")],
+    ("llama", "triton"),
+    ("llama3_rope", "triton"),
+]
+
+
+@pytest.mark.parametrize(("kind", "attention"), ATTENTION_CASES)
+def test_prefill_logits_match_hf(model_dirs: dict[str, Path], kind: str, attention: str) -> None:
+    runner = make_runner(model_dirs[kind], attention_backend=attention)
+    assert runner.attention.name == attention
     hf = load_hf(model_dirs[kind])
     # 150 tokens reach past llama3_rope's original 64 positions, where the scaled frequencies matter.
     for input_ids in random_prompts([1, 7, 150], runner.vocab_size, seed=1):
@@ -148,9 +157,9 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> li
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_paged_greedy_decoding_matches_hf_generate(model_dirs: dict[str, Path], kind: str) -> None:
-    runner = make_runner(model_dirs[kind])
+@pytest.mark.parametrize(("kind", "attention"), [("llama", "torch"), ("qwen2", "torch"), ("qwen2", "triton")])
+def test_paged_greedy_decoding_matches_hf_generate(model_dirs: dict[str, Path], kind: str, attention: str) -> None:
+    runner = make_runner(model_dirs[kind], attention_backend=attention)
     hf = load_hf(model_dirs[kind])
     prompts = random_prompts([5, 9, 3, 12, 13], runner.vocab_size, seed=2)
     seqs = [Seq(prompt=p, prefill_chunk=len(p)) for p in prompts]

@@ -30,11 +30,14 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
     ):
-        self.num_pages = num_pages
+        self.num_pages = num_pages  # the scheduler's pages, 0..num_pages - 1
         self.page_size = page_size
+        # One more page, past the scheduler's, where the padding rows of a CUDA graph's batch write and read.
+        self.scratch_page = num_pages
+        num_slots = (num_pages + 1) * page_size
         # Zeroed, not empty: masked-out keys still meet their values in SDPA, and 0 * NaN garbage would be NaN.
         self.kv = torch.zeros(
-            num_layers, 2, num_pages * page_size, num_kv_heads, head_dim, dtype=dtype, device=device
+            num_layers, 2, num_slots, num_kv_heads, head_dim, dtype=dtype, device=device
         )  # (layers, k|v, slots, kv_heads, head_dim)
 
     @property

@@ -15,9 +15,11 @@ from kernels import LoRABackend, select_backend
 from protocol.config import ServerConfig
 from protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad, TokenLogprob
 from worker.batch_inputs import BatchError, BatchInputs
+from worker.cuda_graphs import DecodeGraphRunner
 from worker.dist import pick_dtype
 from worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token
 from worker.layers import packed
+from worker.layers.attention import AttentionBackendError, BatchAttention, select_attention_backend
 from worker.loader import load_weights
 from worker.lora.manager import LoRAManager
 from worker.model.config import ModelConfig, ModelConfigError
@@ -65,6 +67,11 @@ class ModelRunner:
             self.device,
         )
 
+        self.attention = select_attention_backend(
+            config.attention_backend, self.device, self.model_config.num_kv_heads // world_size
+        )
+        logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
+
         with tensor_parallel(rank, world_size), self.device, _default_dtype(self.dtype):
             self.model = LlamaForCausalLM(self.model_config, max_positions=self.context_length)
         load_weights(self.model, model_dir)
@@ -106,6 +113,8 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        self._warmup_attention()
+        self.decode_graphs = self._decode_graphs()
         self.sampler = Sampler(config.seed, self.device)
         self.histories = TokenHistories()  # the tokens so far of the requests that use penalties
         logger.info("KV cache: %d tokens (%d pages of %d)", self.max_total_tokens, num_pages, self.page_size)
@@ -126,6 +135,49 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "use_cpu_kernels"):
                 module.use_cpu_kernels(backend.cpu_kernels)
+
+    def _decode_graphs(self) -> DecodeGraphRunner | None:
+        if not self.config.enable_cuda_graph:
+            return None
+        if self.device.type != "cuda":
+            logger.info("--enable-cuda-graph is ignored on %s: CUDA graphs need a CUDA device", self.device.type)
+            return None
+        if self.attention.name != "triton":
+            raise AttentionBackendError(
+                f"--enable-cuda-graph needs --attention-backend triton (this worker runs {self.attention.name})"
+            )
+        if self.lora is not None and self.backend.name != "triton":  # the torch path plans from the slot values
+            raise AttentionBackendError(
+                f"--enable-cuda-graph needs --lora-backend triton (this worker runs {self.backend.name})"
+            )
+        return self.graph_runner(capture=True)
+
+    @torch.inference_mode()
+    def graph_runner(self, *, capture: bool, batch_sizes: list[int] | None = None) -> DecodeGraphRunner:
+        """The decode graphs for this runner's model, cache and LoRA pool, at --enable-cuda-graph's batch sizes
+        unless given; `capture=False` runs them eagerly through the same static buffers (tests, on a CPU)."""
+        return DecodeGraphRunner(
+            self._decode_step,
+            self.kv_cache,
+            self.lora,
+            batch_sizes=batch_sizes or self.config.cuda_graph_batch_sizes or [1],
+            num_kv_heads=self.model_config.num_kv_heads // self.world_size,
+            context_length=self.context_length,
+            device=self.device,
+            capture=capture,
+        )
+
+    def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: BatchAttention) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_cache, attention))  # (rows, vocab)
+
+    def _warmup_attention(self) -> None:
+        start = time.perf_counter()
+        launches = self.attention.warmup(
+            self.kv_cache.layer(0), self.model_config.num_heads // self.world_size, self.page_size
+        )
+        if launches:
+            logger.info("%s attention kernels compiled: %d launches in %.1f s", self.attention.name, launches,
+                        time.perf_counter() - start)  # fmt: skip
 
     def _pack_weights(self) -> None:
         reason = packed.unavailable_reason(self.device, self.dtype)
@@ -188,7 +240,11 @@ class ModelRunner:
         self, reqs: list[ForwardReq], slot_loads: list[SlotLoad], *, last_only: bool, extra_rows: list[int] = ()
     ) -> torch.Tensor:
         self._apply_slot_loads(slot_loads)
-        inputs = BatchInputs.build(reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(reqs):
+            return self.decode_graphs.logits(reqs)  # one token per request: every row is a last one
+        inputs = BatchInputs.build(
+            reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device, self.attention
+        )
         if self.lora is not None:
             self.lora.prepare(reqs)
         elif any(req.slot != -1 for req in reqs):

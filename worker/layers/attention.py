@@ -8,15 +8,33 @@ its length.
 With the CPU kernels (the `cpu` backend: bfloat16 on a CPU with AVX-512 BF16), a group of decodes goes to cpu_ext's
 decode_attention instead, which reads each request's keys and values straight from its pages: no gathered copy, no
 padding, no mask. The caller passes that module (`decode_kernels`) when its head shapes are ones the kernel takes.
+
+That is the `torch` attention backend. The `triton` one (worker/layers/triton_attention.py; CUDA by default) reads
+every request's keys and values from its pages in Triton kernels. The worker picks one at start-up
+(`select_attention_backend`); it builds each batch's AttentionInputs-like object, whose `attend` the model reaches
+through `paged_attention`, so model code never knows which backend runs.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from kernels import BackendError
+from protocol.structs import ForwardReq
+from worker.layers.triton_attention import TritonAttention
+
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+
+
+class AttentionBackendError(BackendError):
+    """An attention choice the device cannot run; the message is one line (the worker logs it as such)."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +54,91 @@ class AttentionInputs:
     write_slots: torch.Tensor  # (tokens,) cache slot each new token's K/V goes to
     groups: list[AttentionGroup]
 
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode_kernels: ModuleType | None
+    ) -> torch.Tensor:
+        if not k_cache.is_contiguous():
+            decode_kernels = None
+        if len(self.groups) == 1:
+            return _attend_group(q, k_cache, v_cache, self.groups[0], decode_kernels)
+        out = torch.empty_like(q)  # (tokens, heads, head_dim)
+        for group in self.groups:
+            group_out = _attend_group(q.index_select(0, group.token_rows), k_cache, v_cache, group, decode_kernels)
+            out.index_copy_(0, group.token_rows, group_out)
+        return out
+
+
+class BatchAttention(Protocol):
+    """One batch's attention metadata, as a backend built it."""
+
+    write_slots: torch.Tensor  # (tokens,) cache slot each new token's K/V goes to
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode_kernels: ModuleType | None
+    ) -> torch.Tensor: ...
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def build(
+        self,
+        reqs: Sequence[ForwardReq],
+        token_starts: list[int],
+        page_tables: torch.Tensor,
+        write_slots: torch.Tensor,
+        page_size: int,
+    ) -> BatchAttention:
+        """The batch's metadata: `token_starts` each request's first row in the flat token layout (host),
+        `page_tables` (reqs, max_pages) int64 on the device, padded with page 0."""
+        ...
+
+    def warmup(self, kv_layer: tuple[torch.Tensor, torch.Tensor], num_heads: int, page_size: int) -> int:
+        """Compile what the backend compiles on first use, for every variant serving can meet; the launches made."""
+        ...
+
+
+class SDPAAttention:
+    """torch's scaled_dot_product_attention over gathered pages (and the CPU kernels' decode, where given)."""
+
+    name = "torch"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def build(
+        self,
+        reqs: Sequence[ForwardReq],
+        token_starts: list[int],
+        page_tables: torch.Tensor,
+        write_slots: torch.Tensor,
+        page_size: int,
+    ) -> AttentionInputs:
+        decodes = [i for i, req in enumerate(reqs) if len(req.input_ids) == 1]
+        prefills = [i for i, req in enumerate(reqs) if len(req.input_ids) > 1]
+        groups = [
+            _build_group(reqs, members, token_starts, page_tables, page_size, self.device)
+            for members in (decodes, prefills)
+            if members
+        ]
+        return AttentionInputs(write_slots=write_slots, groups=groups)
+
+    def warmup(self, kv_layer: tuple[torch.Tensor, torch.Tensor], num_heads: int, page_size: int) -> int:
+        return 0
+
+
+def select_attention_backend(choice: str, device: torch.device | str, num_kv_heads: int) -> AttentionBackend:
+    """The attention backend for this worker (`--attention-backend`), or AttentionBackendError (one line).
+    `num_kv_heads`: this rank's."""
+    device = torch.device(device)
+    if choice not in ATTENTION_BACKENDS:
+        raise AttentionBackendError(f"--attention-backend {choice!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+        return SDPAAttention(device)
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise AttentionBackendError(f"--attention-backend triton needs a CUDA device; this worker runs on {device}")
+    return TritonAttention(device, num_kv_heads)
+
 
 def paged_attention(
     q: torch.Tensor,  # (tokens, heads, head_dim)
@@ -43,20 +146,12 @@ def paged_attention(
     v: torch.Tensor,  # (tokens, kv_heads, head_dim)
     k_cache: torch.Tensor,  # (slots, kv_heads, head_dim)
     v_cache: torch.Tensor,  # (slots, kv_heads, head_dim)
-    inputs: AttentionInputs,
+    inputs: BatchAttention,
     decode_kernels: ModuleType | None = None,  # cpu_ext's module, for these head shapes, or None
 ) -> torch.Tensor:
     k_cache.index_copy_(0, inputs.write_slots, k)
     v_cache.index_copy_(0, inputs.write_slots, v)
-    if not k_cache.is_contiguous():
-        decode_kernels = None
-    if len(inputs.groups) == 1:
-        return _attend_group(q, k_cache, v_cache, inputs.groups[0], decode_kernels)
-    out = torch.empty_like(q)  # (tokens, heads, head_dim)
-    for group in inputs.groups:
-        group_out = _attend_group(q.index_select(0, group.token_rows), k_cache, v_cache, group, decode_kernels)
-        out.index_copy_(0, group.token_rows, group_out)
-    return out
+    return inputs.attend(q, k_cache, v_cache, decode_kernels)  # (tokens, heads, head_dim)
 
 
 def _attend_group(
@@ -94,3 +189,40 @@ def _gather_pages(cache: torch.Tensor, read_pages: torch.Tensor, page_size: int)
     pages = cache.view(num_slots // page_size, -1).index_select(0, read_pages.view(-1))  # (reqs * pages, page elems)
     return pages.view(num_reqs, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)
 
+
+def _build_group(
+    reqs: list[ForwardReq],
+    members: list[int],
+    token_starts: list[int],
+    page_tables: torch.Tensor,
+    page_size: int,
+    device: torch.device,
+) -> AttentionGroup:
+    q_lens = [len(reqs[i].input_ids) for i in members]
+    cached_lens = [reqs[i].num_cached_tokens for i in members]
+    max_q_len = max(q_lens)
+    max_kv_pages = -(-max(c + q for c, q in zip(cached_lens, q_lens, strict=True)) // page_size)
+    max_kv_len = max_kv_pages * page_size  # keys are read a page at a time; the mask hides the tail
+
+    token_rows = [token_starts[i] + j for i, q_len in zip(members, q_lens, strict=True) for j in range(q_len)]
+    query_index = [n * max_q_len + j for n, q_len in enumerate(q_lens) for j in range(q_len)]
+
+    kv_pos = torch.arange(max_kv_len, device=device)  # (max_kv_len,)
+    member_ids = torch.tensor(members, device=device)
+    read_pages = page_tables[member_ids, :max_kv_pages].contiguous()  # (reqs, max_kv_pages); a tail: page 0
+
+    cached = torch.tensor(cached_lens, device=device)[:, None, None]  # (reqs, 1, 1)
+    total = cached + torch.tensor(q_lens, device=device)[:, None, None]
+    q_pos = cached + torch.arange(max_q_len, device=device)[None, :, None]  # (reqs, max_q_len, 1)
+    # Padding query rows (beyond a request's new tokens) see all its keys, so no row is fully masked (NaN-free).
+    mask = (kv_pos[None, None, :] <= q_pos) & (kv_pos[None, None, :] < total)  # (reqs, max_q_len, max_kv_len)
+    return AttentionGroup(
+        token_rows=torch.tensor(token_rows, device=device),
+        query_index=torch.tensor(query_index, device=device),
+        read_pages=read_pages,
+        kv_lens=total.view(-1),
+        mask=mask.unsqueeze(1),
+        num_reqs=len(members),
+        max_q_len=max_q_len,
+        page_size=page_size,
+    )

@@ -8,6 +8,7 @@ of it keeps nothing. `load` does both steps, for tests and in-process use."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kernels import LoRABackend
+from kernels import LoRABackend, LoRABatchMeta
 from protocol.config import ServerConfig
 from protocol.structs import AdapterOutcome, AdapterToLoad, ForwardReq, SlotLoad, split_inline_frames
 from worker.batch_inputs import BatchError
@@ -224,15 +225,7 @@ class LoRAManager:
 
     def prepare(self, reqs: Sequence[ForwardReq]) -> None:
         """Group the batch's tokens (request order) into segments of consecutive requests with one slot."""
-        seg_indptr, seg_slots = [0], []
-        for i, req in enumerate(reqs):
-            if req.slot != -1 and not (0 <= req.slot < self.num_slots and self.slot_lora_ids[req.slot] != -1):
-                raise BatchError(f"request {i} uses slot {req.slot}, which holds no adapter")
-            if seg_slots and seg_slots[-1] == req.slot:
-                seg_indptr[-1] += len(req.input_ids)
-            else:
-                seg_slots.append(req.slot)
-                seg_indptr.append(seg_indptr[-1] + len(req.input_ids))
+        seg_indptr, seg_slots = self._segments(reqs)
         used = {slot for slot in seg_slots if slot != -1}
         if not used:
             self.batch.meta = None
@@ -244,3 +237,36 @@ class LoRAManager:
             for slot in used
             for module in self.adapters[self.slot_lora_ids[slot]].target_modules
         )
+
+    def prepare_fixed(self, reqs: Sequence[ForwardReq], num_segments: int, into: LoRABatchMeta | None) -> LoRABatchMeta:
+        """prepare() in the fixed shapes a CUDA graph replays: the segments padded with empty ones to `num_segments`,
+        every LoRA linear active (base rows cost a program that exits), and the metadata written into `into`'s
+        tensors, those the graph was captured with (None: at capture, the new metadata is kept as they)."""
+        seg_indptr, seg_slots = self._segments(reqs)
+        if len(seg_slots) > num_segments:
+            raise BatchError(f"{len(seg_slots)} segments exceed the {num_segments} of the captured shape")
+        padding = num_segments - len(seg_slots)
+        meta = self.batch.backend.prepare(seg_indptr + [seg_indptr[-1]] * padding, seg_slots + [-1] * padding)
+        if into is not None:
+            for f in dataclasses.fields(meta):
+                new, old = getattr(meta, f.name), getattr(into, f.name)
+                if isinstance(new, torch.Tensor):
+                    old.copy_(new)
+                elif new != old:  # the plan depends on the shapes alone, so this is a bug
+                    raise RuntimeError(f"LoRA metadata {f.name} {new!r} differs from the captured {old!r}")
+            meta = into
+        self.batch.meta = meta
+        self.batch.active = frozenset(buffers.fused.name for buffers in self.pool.buffers.values())
+        return meta
+
+    def _segments(self, reqs: Sequence[ForwardReq]) -> tuple[list[int], list[int]]:
+        seg_indptr, seg_slots = [0], []
+        for i, req in enumerate(reqs):
+            if req.slot != -1 and not (0 <= req.slot < self.num_slots and self.slot_lora_ids[req.slot] != -1):
+                raise BatchError(f"request {i} uses slot {req.slot}, which holds no adapter")
+            if seg_slots and seg_slots[-1] == req.slot:
+                seg_indptr[-1] += len(req.input_ids)
+            else:
+                seg_slots.append(req.slot)
+                seg_indptr.append(seg_indptr[-1] + len(req.input_ids))
+        return seg_indptr, seg_slots

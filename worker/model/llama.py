@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.kv_cache import KVCache
-from worker.layers.attention import AttentionInputs, paged_attention
+from worker.layers.attention import BatchAttention, paged_attention
 from worker.layers.embedding import Embedding, LMHead
 from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from worker.layers.norm import RMSNorm
@@ -41,7 +41,7 @@ class LlamaAttention(nn.Module):
         positions: torch.Tensor,
         hidden: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
-        attention: AttentionInputs,
+        attention: BatchAttention,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # (tokens, q_size + 2 * kv_size) of this shard
@@ -86,7 +86,7 @@ class LlamaDecoderLayer(nn.Module):
         positions: torch.Tensor,
         hidden: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
-        attention: AttentionInputs,
+        attention: BatchAttention,
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv, attention)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))  # (tokens, hidden)
@@ -101,7 +101,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, attention: AttentionInputs
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, attention: BatchAttention
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # (tokens, hidden)
         for layer_id, layer in enumerate(self.layers):
@@ -118,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied_to)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, attention: AttentionInputs
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, attention: BatchAttention
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_cache, attention)  # (tokens, hidden)
 

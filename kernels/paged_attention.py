@@ -1,0 +1,439 @@
+"""Paged attention in Triton: keys and values are read from their cache pages in place (no gather, no padding).
+
+The cache is one layer's (slots, kv_heads, head_dim) tensor per K and V; token position p of a request lives at slot
+`page_table[req, p // page_size] * page_size + p % page_size` (worker/kv_cache.py). The new tokens' K/V are already
+written when these run, so a request attends to its cached prefix and its new tokens alike, through its pages.
+
+- Decode (one new token per request): flash-decoding. Each program takes one request, one KV head and all the query
+  heads that share it (GQA: every key block is loaded once for the group), over one split of the request's keys;
+  with more than one split a second kernel merges the splits by their log-sum-exp. The split count is a launch
+  argument, not derived from the lengths on the device, so a captured CUDA graph replays with any lengths.
+- Extend (a chunk of new tokens per request, after its cached prefix): a row tile of one request's new tokens
+  against its keys, causal, online softmax. The tiles are listed on the host (plan_extend_tiles).
+
+Both write into rows of one (tokens, heads, head_dim) output, located by each request's first row in the batch's flat
+token layout, so a batch of decodes and prefills needs no index_select of q or of the output.
+Each launcher checks its arguments and has a torch reference with the same signature (`*_torch`), the oracle of tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.segment_tiles import device_scope
+
+DECODE_BLOCK_N = 64  # keys per step of the decode loop
+EXTEND_BLOCK_M = 64  # query rows per extend program
+EXTEND_BLOCK_N = 64  # keys per step of the extend loop
+MAX_SPLITS = 16  # most key splits of one decode request (the merge kernel's vector width)
+SPLIT_MIN_TOKENS = 256  # a split shorter than this is not worth its partial output
+SPLIT_TARGET_PROGRAMS = 256  # split until (requests x kv heads x splits) reaches about this (~2 per SM on H100/H200)
+
+
+# The page table's row stride is its width, the batch's longest page list: not specialized on, or each width class
+# (1, a multiple of 16, other) would be a variant of its own. Likewise the merge's split count.
+@triton.jit(do_not_specialize=["stride_page_table"])
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    page_table_ptr,
+    kv_lens_ptr,
+    q_rows_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale,
+    stride_q_row,
+    stride_q_head,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_page_table,
+    stride_out_row,
+    stride_out_head,
+    HEADS_PER_KV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # grid: (request, kv head, split)
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    kv_len = tl.load(kv_lens_ptr + req)
+    row = tl.load(q_rows_ptr + req).to(tl.int64)
+    # Whole key blocks per split, so only the last block of a request is ragged.
+    blocks_per_split = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), num_splits)
+    start = split * blocks_per_split * BLOCK_N
+    end = tl.minimum(start + blocks_per_split * BLOCK_N, kv_len)
+
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    h_mask = h < HEADS_PER_KV
+    d_mask = d < HEAD_DIM
+    heads = kv_head * HEADS_PER_KV + h  # (BH,) query heads of this KV head; rows past HEADS_PER_KV are padding
+    q = tl.load(
+        q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # (BH, BD)
+    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    page_row = page_table_ptr + req.to(tl.int64) * stride_page_table
+    for block_start in range(start, end, BLOCK_N):
+        pos = block_start + n  # (BN,) key positions
+        pos_mask = pos < end
+        page = tl.load(page_row + pos // PAGE_SIZE, mask=pos_mask, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        kv_offsets = slot[:, None] * stride_cache_slot + kv_head * stride_cache_head + d[None, :]  # (BN, BD)
+        kv_mask = pos_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # (BN, BD)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (BH, BN)
+        s = tl.where(pos_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])  # (BH, BN)
+        alpha = tl.exp(m - m_new)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # (BN, BD)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        m = m_new
+    has_keys = row_sum > 0  # false for an empty split, or a request with no keys
+    result = acc / tl.where(has_keys, row_sum, 1.0)[:, None]  # (BH, BD)
+    if SPLIT:
+        num_heads = tl.num_programs(1) * HEADS_PER_KV
+        part = (req * num_heads + heads).to(tl.int64) * num_splits + split  # (BH,) rows of (reqs, heads, splits)
+        tl.store(part_out_ptr + part[:, None] * BLOCK_D + d[None, :], result, mask=h_mask[:, None])
+        lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, row_sum, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=h_mask)
+    else:
+        out_ptrs = out_ptr + row * stride_out_row + heads[:, None] * stride_out_head + d[None, :]
+        tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    q_rows_ptr,
+    out_ptr,
+    num_splits,
+    stride_out_row,
+    stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    # grid: (request, query head); the splits' outputs weighted by exp(lse - max lse)
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    row = tl.load(q_rows_ptr + req).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    part = (req * tl.num_programs(1) + head).to(tl.int64) * num_splits + s  # (BS,)
+    lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a request with no keys at all: every weight 0, output 0
+    w = tl.exp(lse - m)  # (BS,)
+    parts = tl.load(part_out_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_mask[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    result = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)  # (BD,)
+    tl.store(out_ptr + row * stride_out_row + head * stride_out_head + d, result.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["stride_page_table"])
+def _extend_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    page_table_ptr,
+    q_starts_ptr,
+    q_lens_ptr,
+    cached_lens_ptr,
+    tile_reqs_ptr,
+    tile_offsets_ptr,
+    out_ptr,
+    scale,
+    stride_q_row,
+    stride_q_head,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_page_table,
+    stride_out_row,
+    stride_out_head,
+    HEADS_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # grid: (row tile, query head); a tile is BLOCK_M consecutive new tokens of one request
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // HEADS_PER_KV
+    req = tl.load(tile_reqs_ptr + tile)
+    offset = tl.load(tile_offsets_ptr + tile)  # first new token of the tile, counted within the request
+    q_start = tl.load(q_starts_ptr + req)
+    q_len = tl.load(q_lens_ptr + req)
+    cached = tl.load(cached_lens_ptr + req)
+
+    i = offset + tl.arange(0, BLOCK_M)  # (BM,) new-token index within the request
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    row_mask = i < q_len
+    d_mask = d < HEAD_DIM
+    rows = (q_start + i).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_q_row + head * stride_q_head + d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # (BM, BD)
+    q_pos = cached + i  # (BM,) positions; padding rows past q_len see keys as far as the tile's last position
+    kv_end = cached + tl.minimum(offset + BLOCK_M, q_len)  # the tile's causal bound
+    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    page_row = page_table_ptr + req.to(tl.int64) * stride_page_table
+    for block_start in range(0, kv_end, BLOCK_N):
+        pos = block_start + n  # (BN,)
+        pos_mask = pos < kv_end
+        page = tl.load(page_row + pos // PAGE_SIZE, mask=pos_mask, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        kv_offsets = slot[:, None] * stride_cache_slot + kv_head * stride_cache_head + d[None, :]  # (BN, BD)
+        kv_mask = pos_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (BM, BN)
+        # Key 0 is visible to every row, so no row's maximum stays -inf.
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & pos_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        m = m_new
+    result = acc / row_sum[:, None]
+    out_ptrs = out_ptr + rows[:, None] * stride_out_row + head * stride_out_head + d[None, :]
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+# ---- plans (host side, once per batch) -------------------------------------------------------------------------
+
+
+def decode_num_splits(num_reqs: int, num_kv_heads: int, max_kv_len: int) -> int:
+    """Key splits per decode request: enough programs to fill the device when the batch is small, none shorter than
+    SPLIT_MIN_TOKENS. A function of the batch's shape only, so a CUDA graph (max_kv_len = the context length) keeps
+    one value for every replay."""
+    by_length = max(1, max_kv_len // SPLIT_MIN_TOKENS)
+    by_occupancy = max(1, SPLIT_TARGET_PROGRAMS // max(1, num_reqs * num_kv_heads))
+    return min(MAX_SPLITS, by_length, by_occupancy)
+
+
+def plan_extend_tiles(q_lens: list[int], block_m: int = EXTEND_BLOCK_M) -> tuple[list[int], list[int]]:
+    """(tile_reqs, tile_offsets): the row tiles of an extend launch, request after request."""
+    tile_reqs, tile_offsets = [], []
+    for req, q_len in enumerate(q_lens):
+        for offset in range(0, q_len, block_m):
+            tile_reqs.append(req)
+            tile_offsets.append(offset)
+    return tile_reqs, tile_offsets
+
+
+# ---- argument checks (shared by the Triton launchers and the torch references) -------------------------------------
+
+
+def _check_common(op: str, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  page_table: torch.Tensor, page_size: int) -> None:  # fmt: skip
+    if q.dim() != 3 or out.shape != q.shape:
+        raise ValueError(f"{op}: q must be (tokens, heads, head_dim) and out the same shape, got {tuple(q.shape)} "
+                         f"and {tuple(out.shape)}")  # fmt: skip
+    if k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{op}: k_cache and v_cache must both be (slots, kv_heads, head_dim), got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")  # fmt: skip
+    if k_cache.shape[2] != q.shape[2] or q.shape[1] % k_cache.shape[1]:
+        raise ValueError(f"{op}: q heads {q.shape[1]} must be a multiple of the cache's kv heads {k_cache.shape[1]} "
+                         f"with the same head_dim ({q.shape[2]} vs {k_cache.shape[2]})")  # fmt: skip
+    for name, t in (("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{op}: {name} must be {q.dtype} on {q.device}, got {t.dtype} on {t.device}")
+    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(2) != 1:
+            raise ValueError(f"{op}: {name} must have unit stride in head_dim, got strides {t.stride()}")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"{op}: k_cache and v_cache must have the same strides")
+    if page_table.dim() != 2 or page_table.dtype != torch.int32 or page_table.device != q.device:
+        raise ValueError(f"{op}: page_table must be 2-D int32 on {q.device}, got {tuple(page_table.shape)} "
+                         f"{page_table.dtype} on {page_table.device}")  # fmt: skip
+    if page_table.stride(1) != 1:
+        raise ValueError(f"{op}: page_table must have unit stride in its last dim")
+    if page_size < 1 or k_cache.shape[0] % page_size:
+        raise ValueError(f"{op}: page_size {page_size} must divide the cache's {k_cache.shape[0]} slots")
+
+
+def _check_vector(op: str, name: str, t: torch.Tensor, length: int, device: torch.device) -> None:
+    if t.dim() != 1 or t.shape[0] != length or t.dtype != torch.int32 or t.device != device or t.stride(0) != 1:
+        raise ValueError(f"{op}: {name} must be a contiguous ({length},) int32 tensor on {device}, got "
+                         f"{tuple(t.shape)} {t.dtype} on {t.device}")  # fmt: skip
+
+
+def check_decode_args(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor, page_size: int,
+                      num_splits: int) -> None:  # fmt: skip
+    op = "paged_decode_attention"
+    _check_common(op, out, q, k_cache, v_cache, page_table, page_size)
+    num_reqs = page_table.shape[0]
+    _check_vector(op, "kv_lens", kv_lens, num_reqs, q.device)
+    _check_vector(op, "q_rows", q_rows, num_reqs, q.device)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"{op}: num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+
+
+def check_extend_args(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
+                      cached_lens: torch.Tensor, tile_reqs: torch.Tensor, tile_offsets: torch.Tensor,
+                      page_size: int) -> None:  # fmt: skip
+    op = "paged_extend_attention"
+    _check_common(op, out, q, k_cache, v_cache, page_table, page_size)
+    num_reqs = page_table.shape[0]
+    for name, t in (("q_starts", q_starts), ("q_lens", q_lens), ("cached_lens", cached_lens)):
+        _check_vector(op, name, t, num_reqs, q.device)
+    _check_vector(op, "tile_reqs", tile_reqs, tile_reqs.shape[0], q.device)
+    _check_vector(op, "tile_offsets", tile_offsets, tile_reqs.shape[0], q.device)
+
+
+# ---- launchers -----------------------------------------------------------------------------------------------------
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # the precision only matters for fp32 inputs
+
+
+def paged_decode_attention_triton(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor,
+                                  page_size: int, scale: float, num_splits: int) -> None:  # fmt: skip
+    """out[q_rows[r]] = attention of q[q_rows[r]] over request r's first kv_lens[r] keys, for every request r of
+    page_table (reqs, pages)."""
+    check_decode_args(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, num_splits)
+    launch_decode(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, scale, num_splits)
+
+
+def launch_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor, page_size: int,
+                  scale: float, num_splits: int) -> None:  # fmt: skip
+    """The launch alone, on checked arguments (the worker checks its shapes once, at start-up)."""
+    num_reqs = page_table.shape[0]
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if num_reqs == 0:
+        return
+    heads_per_kv = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    split = num_splits > 1
+    part_out = part_lse = out  # unused without splits
+    if split:
+        part_out = q.new_empty(num_reqs, num_heads, num_splits, block_d, dtype=torch.float32)
+        part_lse = q.new_empty(num_reqs, num_heads, num_splits, dtype=torch.float32)
+    with device_scope(q):
+        _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
+            q, k_cache, v_cache, page_table, kv_lens, q_rows, out, part_out, part_lse, scale,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
+            out.stride(0), out.stride(1),
+            HEADS_PER_KV=heads_per_kv, BLOCK_H=max(16, triton.next_power_of_2(heads_per_kv)), HEAD_DIM=head_dim,
+            BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=DECODE_BLOCK_N, SPLIT=split,
+            DOT_PRECISION=_dot_precision(q.dtype),
+        )  # fmt: skip
+        if split:
+            _merge_splits_kernel[(num_reqs, num_heads)](
+                part_out, part_lse, q_rows, out, num_splits, out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS,
+            )  # fmt: skip
+
+
+def paged_extend_attention_triton(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
+                                  cached_lens: torch.Tensor, tile_reqs: torch.Tensor, tile_offsets: torch.Tensor,
+                                  page_size: int, scale: float) -> None:  # fmt: skip
+    """For every request r of page_table: out rows q_starts[r] .. + q_lens[r] = causal attention of those q rows
+    (positions cached_lens[r] + i) over the request's keys 0..cached_lens[r] + i. Tiles from plan_extend_tiles."""
+    check_extend_args(out, q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets,
+                      page_size)  # fmt: skip
+    launch_extend(out, q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets,
+                  page_size, scale)  # fmt: skip
+
+
+def launch_extend(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor, cached_lens: torch.Tensor,
+                  tile_reqs: torch.Tensor, tile_offsets: torch.Tensor, page_size: int,
+                  scale: float) -> None:  # fmt: skip
+    num_tiles = tile_reqs.shape[0]
+    _, num_heads, head_dim = q.shape
+    if num_tiles == 0:
+        return
+    with device_scope(q):
+        _extend_kernel[(num_tiles, num_heads)](
+            q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets, out, scale,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
+            out.stride(0), out.stride(1),
+            HEADS_PER_KV=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+            PAGE_SIZE=page_size, BLOCK_M=EXTEND_BLOCK_M, BLOCK_N=EXTEND_BLOCK_N,
+            DOT_PRECISION=_dot_precision(q.dtype),
+        )  # fmt: skip
+
+
+# ---- torch references (same signatures) -----------------------------------------------------------------------------
+
+
+def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: list[int], page_size: int,
+                q_positions: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+    """q (n, heads, d) at q_positions (n,) over the keys 0..max position of one request, in fp32 -> (n, heads, d)."""
+    num_keys = int(q_positions.max()) + 1
+    positions = torch.arange(num_keys, device=q.device)
+    page_ids = torch.tensor(pages, dtype=torch.long, device=q.device)
+    slots = page_ids[positions // page_size] * page_size + positions % page_size
+    group = q.shape[1] // k_cache.shape[1]
+    keys = k_cache[slots].float().repeat_interleave(group, dim=1)  # (keys, heads, d)
+    values = v_cache[slots].float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale  # (heads, n, keys)
+    scores = scores.masked_fill(positions[None, None, :] > q_positions[None, :, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+def paged_decode_attention_torch(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor,
+                                 page_size: int, scale: float, num_splits: int) -> None:  # fmt: skip
+    check_decode_args(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, num_splits)
+    for req, (kv_len, row) in enumerate(zip(kv_lens.tolist(), q_rows.tolist(), strict=True)):
+        if kv_len == 0:
+            out[row] = 0
+            continue
+        position = torch.tensor([kv_len - 1], device=q.device)
+        out[row] = _attend_one(q[row : row + 1], k_cache, v_cache, page_table[req].tolist(), page_size, position,
+                               scale)[0].to(out.dtype)  # fmt: skip
+
+
+def paged_extend_attention_torch(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
+                                 cached_lens: torch.Tensor, tile_reqs: torch.Tensor, tile_offsets: torch.Tensor,
+                                 page_size: int, scale: float) -> None:  # fmt: skip
+    check_extend_args(out, q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets,
+                      page_size)  # fmt: skip
+    for req, (start, q_len, cached) in enumerate(
+        zip(q_starts.tolist(), q_lens.tolist(), cached_lens.tolist(), strict=True)
+    ):
+        if q_len == 0:
+            continue
+        positions = cached + torch.arange(q_len, device=q.device)
+        out[start : start + q_len] = _attend_one(q[start : start + q_len], k_cache, v_cache, page_table[req].tolist(),
+                                                 page_size, positions, scale).to(out.dtype)  # fmt: skip

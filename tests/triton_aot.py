@@ -1,0 +1,168 @@
+"""Ahead-of-time compilation of Triton kernels for a GPU this machine does not have (tests; no CUDA needed).
+
+`compile_only(GPUTarget("cuda", 90, 32))` makes every Triton launch inside it compile for that target and launch
+nothing: a stand-in driver answers Triton's device/stream/target questions, and Triton's jit cache hook compiles the
+launch's exact specialization (the signature, constexprs and alignment attributes the real launch would get, from
+the real launcher's real arguments on CPU tensors) through ptxas, then tells Triton to skip the launch. Each distinct
+variant is compiled once per target and recorded.
+
+Needs TRITON_INTERPRET unset or 0 when the kernels are imported (the interpreter wraps @triton.jit functions in
+something that cannot be compiled), so the tests run it in a child process: `python tests/triton_aot.py` prints the
+attention warm-up's variants and the variants of a sweep of real batches, as JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.driver import driver
+
+# Shared memory one block may use (opt-in maximum), bytes.
+SHARED_LIMIT = {80: 166912, 90: 232448}
+
+
+@dataclass
+class Compiled:
+    kernel: str
+    arch: int
+    key: str  # Triton's specialization key, the same for every target
+    shared_bytes: int
+    compile_s: float
+
+
+@dataclass
+class AOTLog:
+    target: GPUTarget
+    compiled: dict[str, Compiled] = field(default_factory=dict)  # by key
+    launches: list[str] = field(default_factory=list)  # the key of every launch made, in order
+
+
+class _TargetDriver:
+    """What JITFunction.run asks the active driver, answered for a device that is not here."""
+
+    def __init__(self, target: GPUTarget):
+        self.target = target
+
+    def get_current_device(self) -> int:
+        return -int(self.target.arch)  # its own entry in each kernel's per-device cache, apart from other targets
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+
+@contextlib.contextmanager
+def compile_only(target: GPUTarget) -> Iterator[AOTLog]:
+    log = AOTLog(target)
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled) -> bool:
+        key = str(key)
+        log.launches.append(key)
+        if key not in log.compiled:
+            options = json.loads(compile["specialization_data"])["options"]
+            options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+            src = ASTSource(fn.jit_function, compile["signature"], compile["constants"], compile["configs"][0])
+            start = time.perf_counter()
+            kernel = triton.compile(src, target=target, options=options)
+            log.compiled[key] = Compiled(fn.name, int(target.arch), key, kernel.metadata.shared,
+                                         time.perf_counter() - start)  # fmt: skip
+        return True  # handled: Triton launches nothing
+
+    previous_hook, previous_driver = knobs.runtime.jit_cache_hook, driver._active  # None on a machine with no GPU
+    driver.set_active(_TargetDriver(target))
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield log
+    finally:
+        knobs.runtime.jit_cache_hook = previous_hook
+        driver.set_active(previous_driver)
+
+
+# ---- the attention kernels: the warm-up's variants, and those of a sweep of real batches --------------------------
+
+# (dtype, (heads, kv_heads, head_dim) per rank, page size): every dtype the server serves in on Llama-3.2-1B's shape;
+# bfloat16 (the CUDA default) and float32 on Llama-3-8B's, on Qwen2-7B's with 7 query heads per KV head and pages of one token,
+# and on an MHA model with head_dim 80 (padded to 128 in the kernels).
+ATTENTION_CONFIGS = [
+    ("bfloat16", (32, 8, 64), 16),
+    ("float16", (32, 8, 64), 16),
+    ("float32", (32, 8, 64), 16),
+    ("bfloat16", (32, 8, 128), 16),
+    ("float32", (32, 8, 128), 16),  # the largest tiles: shared memory is tightest here
+    ("bfloat16", (28, 4, 128), 1),
+    ("bfloat16", (32, 32, 80), 16),
+]
+KERNELS_PER_CONFIG = 4  # decode, decode with splits, the splits' merge, extend
+
+
+def _attention_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, int, int], page_size: int) -> dict:
+    import random
+
+    import torch
+
+    from protocol.structs import ForwardReq, SamplingParams
+    from worker.layers.triton_attention import TritonAttention
+
+    heads, kv_heads, head_dim = shape
+    dtype = getattr(torch, dtype_name)
+    cpu = torch.device("cpu")
+    num_pages = 4096 // page_size
+    kv = torch.zeros(2, num_pages * page_size, kv_heads, head_dim, dtype=dtype)
+    backend = TritonAttention(cpu, kv_heads)
+    with compile_only(target) as log:
+        backend.warmup((kv[0], kv[1]), heads, page_size)
+    warmup_keys = set(log.compiled)
+    # Real batches of every kind the scheduler sends: decodes only (short and long, 1..40 requests, so 1 to many
+    # splits and page tables of every width), prefills with and without a cached prefix, and both mixed.
+    rng = random.Random(0)
+    batches = []
+    for num_decodes, num_extends in ((1, 0), (3, 0), (40, 0), (0, 1), (0, 3), (5, 2), (16, 1)):
+        reqs = []
+        for i in range(num_decodes + num_extends):
+            new = 1 if i < num_decodes else rng.choice([2, 17, 64, 65, 130])
+            cached = rng.choice([0, 1, 15, 16, 100, 300, 2000])
+            total = cached + new
+            pages = [rng.randrange(num_pages) for _ in range(-(-total // page_size))]
+            reqs.append(ForwardReq(input_ids=[1] * new, num_cached_tokens=cached, page_ids=pages,
+                                   sampling=SamplingParams()))  # fmt: skip
+        batches.append(reqs)
+    with compile_only(target) as sweep:
+        for reqs in batches:
+            num_tokens = sum(len(r.input_ids) for r in reqs)
+            starts = [sum(len(r.input_ids) for r in reqs[:i]) for i in range(len(reqs))]
+            qkv = torch.zeros(num_tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+            q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)  # as the model lays it out
+            page_tables = torch.zeros(len(reqs), 1, dtype=torch.long)  # the SDPA backend's; unused here
+            inputs = backend.build(reqs, starts, page_tables, torch.zeros(num_tokens, dtype=torch.long), page_size)
+            inputs.attend(q, kv[0], kv[1], None)
+    return {
+        "compiled": [vars(c) for c in log.compiled.values()],
+        "warmup_keys": sorted(warmup_keys),
+        "serving_keys": sorted(set(sweep.launches)),
+    }
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    results = []
+    for arch in (90, 80):
+        for dtype_name, shape, page_size in ATTENTION_CONFIGS:
+            found = _attention_variants(GPUTarget("cuda", arch, 32), dtype_name, shape, page_size)
+            results.append({"arch": arch, "dtype": dtype_name, "shape": shape, "page_size": page_size, **found})
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
