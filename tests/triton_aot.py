@@ -93,8 +93,8 @@ def compile_only(target: GPUTarget) -> Iterator[AOTLog]:
 # ---- the attention kernels: the warm-up's variants, and those of a sweep of real batches --------------------------
 
 # (dtype, (heads, kv_heads, head_dim) per rank, page size): every dtype the server serves in on Llama-3.2-1B's shape;
-# bfloat16 (the CUDA default) and float32 on Llama-3-8B's, on Qwen2-7B's with 7 query heads per KV head and pages of one token,
-# and on an MHA model with head_dim 80 (padded to 128 in the kernels).
+# bfloat16 (the CUDA default) and float32 on Llama-3-8B's, on Qwen2-7B's with 7 query heads per KV head and pages of
+# one token, and on an MHA model with head_dim 80 (padded to 128 in the kernels).
 ATTENTION_CONFIGS = [
     ("bfloat16", (32, 8, 64), 16),
     ("float16", (32, 8, 64), 16),
