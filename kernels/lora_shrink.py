@@ -60,7 +60,8 @@ def _shrink_kernel(
     rank = tl.load(slot_ranks_ptr + slot)
     if r_start >= rank:
         return
-    k_begin = split * split_k_len
+    # split_k_len is a multiple of BLOCK_K: a split's blocks end on its end, and only in_dim needs a mask
+    k_begin = tl.multiple_of(split * split_k_len, BLOCK_K)
     k_end = tl.minimum(k_begin + split_k_len, in_dim)
     rows = row_start + tl.arange(0, BLOCK_M)  # (BM,)
     r = r_start + tl.arange(0, BLOCK_R)  # (BR,)
@@ -72,7 +73,7 @@ def _shrink_kernel(
     a_ptrs = a_ptr + slot.to(tl.int64) * stride_a_slot + a_rows[None, :] * in_dim + (k_begin + k)[:, None]  # (BK, BR)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k_start in range(k_begin, k_end, BLOCK_K):
-        k_mask = k_start + k < k_end
+        k_mask = k_start + k < in_dim
         x_tile = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         a_tile = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
         acc = tl.dot(x_tile, a_tile, acc, input_precision=DOT_PRECISION)
