@@ -193,8 +193,9 @@ def warmup_batches(max_segments: int) -> list[tuple[int, int]]:
     """(tokens, segments) batches that together meet every compiled variant of the Triton LoRA kernels for up to
     `max_segments` segments. A variant is fixed by the constexprs BLOCK_M (16/32/64, from the mean segment length) and
     SEG_BLOCK (next power of two of the segments, at least 16), and by how Triton specializes the integer argument
-    num_segments (== 1, a multiple of 16, or neither); the pool's other integers (dims, ranks, strides) and pointers
-    are the same in every batch."""
+    num_segments (== 1, a multiple of 16, or neither); the pool's other integers (dims, ranks, strides), pointers and
+    column alignment are the same in every batch, and the split-K sizes (which follow the token count) are never
+    specialized."""
     batches = []
     seg_block = 16
     while True:

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from device_helpers import TEST_DEVICE
+from device_helpers import TEST_DEVICE, USES_GPU
 from test_kernels import (
     CASES,
     TOLERANCES,
@@ -122,3 +122,21 @@ def test_unaligned_slices_take_scalar_access() -> None:
     y = on_test_device(b).y.clone()
     lora_shrink_expand_triton(*shrink_expand_args(on_test_device(b), y))
     torch.testing.assert_close(y.cpu().double(), dense_shrink_expand(b), **TOLERANCES[torch.float32])
+
+
+@pytest.mark.skipif(USES_GPU, reason="this runner is on the CPU (Triton in the interpreter)")
+def test_model_forward_launches_two_kernels_per_lora_linear(
+    llama_dir, adapter_dirs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Per decoder layer with an all-module adapter in the batch: qkv, o, gate_up and down each launch the shrink and
+    # the expand, 8 launches (before: 8 and 4 zero fills of h).
+    from lora_helpers import LORA_CONFIG, MIXED, batch_logits, load_all
+    from worker_helpers import make_runner, random_prompts
+
+    runner = make_runner(llama_dir, **LORA_CONFIG, lora_backend="triton")  # the interpreter without a GPU
+    load_all(runner, adapter_dirs)
+    prompts = random_prompts([3, 2, 1, 2, 1, 1, 2, 1, 2], runner.vocab_size, seed=43)
+    launched = _counting_launches(monkeypatch)
+    batch_logits(runner, prompts, MIXED)  # a64 targets every module
+    num_layers = len(runner.model.model.layers)
+    assert launched.count("_shrink_kernel") == launched.count("_expand_kernel") == 4 * num_layers
