@@ -19,7 +19,7 @@ MAX_SPLITS = 16
 def split_k(num_tokens: int, in_dim: int) -> tuple[int, int]:
     """(features per split-K program, a multiple of BLOCK_K; number of splits): one split above SPLIT_K_MAX_TOKENS."""
     splits = 1 if num_tokens > SPLIT_K_MAX_TOKENS else min(MAX_SPLITS, max(1, in_dim // MIN_SPLIT_LEN))
-    split_len = triton.cdiv(triton.cdiv(in_dim, splits), BLOCK_K) * BLOCK_K
+    split_len = max(BLOCK_K, triton.cdiv(triton.cdiv(in_dim, splits), BLOCK_K) * BLOCK_K)
     return split_len, max(1, triton.cdiv(in_dim, split_len))
 
 
