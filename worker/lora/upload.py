@@ -36,9 +36,11 @@ class CudaSlotUploader(SlotUploader):
     @contextlib.contextmanager
     def upload(self) -> Iterator[None]:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            yield
-        self.pending = self.stream.record_event()
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:  # what was issued before an error is awaited too
+            self.pending = self.stream.record_event()
 
     def ready(self) -> None:
         if self.pending is not None:
