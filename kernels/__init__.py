@@ -8,9 +8,11 @@ import torch
 
 from kernels import cpu_ext
 from kernels.backend import BACKENDS, BackendError, LoRABackend, LoRABatchMeta, select_backend
-from kernels.lora_expand import lora_expand_triton
-from kernels.lora_shrink import lora_shrink_triton
+from kernels.checks import check_expand_args, check_shrink_args
+from kernels.lora_expand import column_alignment, launch_expand, lora_expand_triton
+from kernels.lora_shrink import launch_shrink, lora_shrink_triton, shrink_output
 from kernels.lora_torch import lora_expand_torch, lora_shrink_expand_torch, lora_shrink_torch
+from kernels.segment_tiles import plan_tiles
 
 __all__ = [
     "BACKENDS",
@@ -39,6 +41,15 @@ def lora_shrink_expand_triton(
     slot_scales: torch.Tensor,
     slice_offsets: torch.Tensor,
 ) -> None:
-    """lora_expand_triton(y, lora_shrink_triton(x, ...), ...): two launches."""
-    h = lora_shrink_triton(x, lora_a, seg_indptr, seg_slots, slot_ranks, slice_offsets.shape[0] - 1)
-    lora_expand_triton(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets)
+    """y += the expand of the shrink, as the Triton backend runs it: two launches, no fill, split-K planes summed by the
+    expand (checked and planned from the tensors here: host reads the backend does not make)."""
+    num_slices = slice_offsets.shape[0] - 1
+    check_shrink_args(x, lora_a, seg_indptr, seg_slots, slot_ranks, num_slices)
+    h_splits = shrink_output(x, lora_a)
+    check_expand_args(
+        y, h_splits[0], lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets, float32_h=True
+    )
+    tiles = plan_tiles(x.shape[0], seg_slots.shape[0])
+    launch_shrink(x, lora_a, h_splits, seg_indptr, seg_slots, slot_ranks, num_slices, tiles)
+    launch_expand(y, h_splits, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets, tiles,
+                  column_alignment(slice_offsets.tolist()))  # fmt: skip

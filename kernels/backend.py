@@ -26,8 +26,8 @@ from typing import Any, Protocol
 import torch
 
 from kernels import cpu_ext, lora_torch
-from kernels.lora_expand import launch_expand
-from kernels.lora_shrink import launch_shrink
+from kernels.lora_expand import column_alignment, launch_expand
+from kernels.lora_shrink import launch_shrink, shrink_output, shrink_summed
 from kernels.segment_tiles import plan_tiles
 
 BACKENDS = ("auto", "triton", "cpu", "torch")
@@ -150,12 +150,23 @@ class TritonBackend(LoRABackend):
         return plan_tiles(seg_indptr[-1], len(seg_slots))
 
     def shrink(self, x: torch.Tensor, w: LoRAWeights, meta: LoRABatchMeta) -> torch.Tensor:
-        return launch_shrink(x, w.lora_a, meta.seg_indptr, meta.seg_slots, w.slot_ranks, w.num_slices, meta.plan)
+        return shrink_summed(x, w.lora_a, meta.seg_indptr, meta.seg_slots, w.slot_ranks, w.num_slices, meta.plan)
 
     def expand(self, y: torch.Tensor, h: torch.Tensor, w: LoRAWeights, meta: LoRABatchMeta) -> None:
+        self._expand(y, h.unsqueeze(0), w, meta)
+
+    def shrink_expand(self, y: torch.Tensor, x: torch.Tensor, w: LoRAWeights, meta: LoRABatchMeta) -> None:
+        """Two launches: the shrink's split-K planes go uninitialized (no fill launch) and unsummed to the expand,
+        which reads only what the shrink wrote and adds the planes up as it loads them."""
+        h_splits = shrink_output(x, w.lora_a)  # (splits, tokens, num_slices * max_rank) float32
+        launch_shrink(x, w.lora_a, h_splits, meta.seg_indptr, meta.seg_slots, w.slot_ranks, w.num_slices, meta.plan)
+        self._expand(y, h_splits, w, meta)
+
+    def _expand(self, y: torch.Tensor, h_splits: torch.Tensor, w: LoRAWeights, meta: LoRABatchMeta) -> None:
         launch_expand(
-            y, h, w.lora_b, meta.seg_indptr, meta.seg_slots, w.slot_ranks, w.slot_scales, w.slice_offsets, meta.plan
-        )
+            y, h_splits, w.lora_b, meta.seg_indptr, meta.seg_slots, w.slot_ranks, w.slot_scales, w.slice_offsets,
+            meta.plan, column_alignment(w.row_offsets),
+        )  # fmt: skip
 
     @torch.inference_mode()
     def warmup(self, weights: Sequence[LoRAWeights], max_segments: int) -> int:
@@ -171,8 +182,7 @@ class TritonBackend(LoRABackend):
             for num_tokens, num_segments in batches:
                 bounds = [num_tokens * i // num_segments for i in range(num_segments + 1)]
                 meta = self.prepare(bounds, [-1] * num_segments)
-                h = self.shrink(x_all[:num_tokens], w, meta)
-                self.expand(y_all[:num_tokens], h, w, meta)
+                self.shrink_expand(y_all[:num_tokens], x_all[:num_tokens], w, meta)  # the path every LoRA linear takes
                 launches += 2
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -183,8 +193,9 @@ def warmup_batches(max_segments: int) -> list[tuple[int, int]]:
     """(tokens, segments) batches that together meet every compiled variant of the Triton LoRA kernels for up to
     `max_segments` segments. A variant is fixed by the constexprs BLOCK_M (16/32/64, from the mean segment length) and
     SEG_BLOCK (next power of two of the segments, at least 16), and by how Triton specializes the integer argument
-    num_segments (== 1, a multiple of 16, or neither); the pool's other integers (dims, ranks, strides) and pointers
-    are the same in every batch."""
+    num_segments (== 1, a multiple of 16, or neither); the pool's other integers (dims, ranks, strides), pointers and
+    column alignment are the same in every batch, and the split-K sizes (which follow the token count) are never
+    specialized."""
     batches = []
     seg_block = 16
     while True:

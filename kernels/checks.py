@@ -81,12 +81,15 @@ def check_expand_args(
     slot_ranks: torch.Tensor,
     slot_scales: torch.Tensor,
     slice_offsets: torch.Tensor,
+    *,
+    float32_h: bool = False,
 ) -> int:
+    """float32_h: h may also be float32 (the Triton shrink's split-K planes, which the expand rounds as it reads)."""
     op = "lora_expand"
     _check_matrix(op, "y", y, 2, y.device)
     _check_matrix(op, "h", h, 2, y.device)
     _check_matrix(op, "lora_b", lora_b, 3, y.device)
-    if h.dtype != y.dtype or lora_b.dtype != y.dtype:
+    if (h.dtype != y.dtype and not (float32_h and h.dtype == torch.float32)) or lora_b.dtype != y.dtype:
         raise ValueError(f"{op}: h ({h.dtype}) and lora_b ({lora_b.dtype}) must match y dtype {y.dtype}")
     if y.stride(1) != 1 or h.stride(1) != 1:
         raise ValueError(f"{op}: y and h must have unit stride in their last dim")

@@ -15,8 +15,8 @@ full max rank and over slots no row uses.
 With the compiled CPU kernels of cpu_ext (the `cpu` backend), the rows of every segment up to COMPILED_SEGMENT_ROWS
 long go to them instead, which do exactly each row's own products in one call per linear, with no wasted arithmetic
 and no matmul call overhead (prefill segments included: a segment's own bfloat16 matmuls cost ~100 µs per call, slice
-by slice, where the kernels take a few µs a row). shrink_expand_compiled does shrink and expand in one such call where
-nothing runs between them (no tensor-parallel reduction of h).
+by slice, where the kernels take a few µs a row). shrink_expand_compiled does shrink and expand in one such call (every
+LoRA linear uses it: a row-parallel one adds its term before the layer's all-reduce, so nothing runs between them).
 
 The worker reaches this module through its backend object (kernels/backend.py), which makes the plan once per
 forward pass and passes the pool's host copies of ranks, scales and slice bounds: `*_planned`. The free functions

@@ -46,17 +46,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def make_runner(bench: BenchModel, *, dtype: str, batch: int, context: int, max_loras_per_batch: int,
-                num_adapters: int) -> tuple[ModelRunner, list[list[int]]]:
+def make_runner(
+    bench: BenchModel,
+    *,
+    dtype: str,
+    batch: int,
+    context: int,
+    max_loras_per_batch: int,
+    num_adapters: int,
+    rank: int = 0,
+    tp: int = 1,
+) -> tuple[ModelRunner, list[list[int]]]:
     """A ModelRunner with the first `num_adapters` adapters in slots 0.., and `batch` requests of `context` random
-    tokens prefilled (in chunks of 8): the runner and each request's pages."""
+    tokens prefilled (in chunks of 8): the runner and each request's pages. With tp > 1, this process is rank `rank`
+    of a TP group it has joined (every rank makes the same calls)."""
     pages_per_req = -(-(context + 1) // PAGE_SIZE)
     config = ServerConfig(
         device="cpu", dtype=dtype, page_size=PAGE_SIZE, max_total_tokens=batch * pages_per_req * PAGE_SIZE,
         enable_lora=True, max_lora_rank=ADAPTER_RANK, lora_target_modules=["all"],
-        max_loras_per_batch=max_loras_per_batch, max_running_requests=batch,
+        max_loras_per_batch=max_loras_per_batch, max_running_requests=batch, tp=tp,
     )  # fmt: skip
-    runner = ModelRunner(config, str(bench.base_dir), rank=0, world_size=1, device="cpu")
+    runner = ModelRunner(config, str(bench.base_dir), rank=rank, world_size=tp, device="cpu")
     specs = [
         AdapterToLoad(lora_name=name, lora_path=str(path), lora_id=i + 1)
         for i, (name, path) in enumerate(list(bench.adapter_dirs.items())[:num_adapters])
@@ -98,8 +108,14 @@ def main(argv: list[str] | None = None) -> dict:
     except BackendError as e:
         sys.exit(str(e))
     bench = ensure_bench_model(SIZES[args.size], args.num_adapters)
-    runner, pages = make_runner(bench, dtype=args.dtype, batch=args.batch, context=args.context,
-                                max_loras_per_batch=args.num_adapters, num_adapters=args.num_adapters)
+    runner, pages = make_runner(
+        bench,
+        dtype=args.dtype,
+        batch=args.batch,
+        context=args.context,
+        max_loras_per_batch=args.num_adapters,
+        num_adapters=args.num_adapters,
+    )
     specs = list(bench.adapter_dirs)
 
     few = sorted(random.Random(3).sample(range(len(specs)), min(8, len(specs))))

@@ -112,6 +112,24 @@ def make_inputs(case: KernelCase, dtype, device, seed: int = 0) -> dict:
     )
 
 
+def serving_path(t: dict, device, num_slices: int):
+    """The Triton backend as every LoRA linear calls it (kernels/backend.py), on make_inputs' tensors: the backend,
+    its per-batch meta and the pool weights."""
+    from types import SimpleNamespace
+
+    from kernels.backend import TritonBackend
+
+    backend = TritonBackend(device)
+    meta = backend.prepare(t["seg_indptr"].tolist(), t["seg_slots"].tolist())
+    offsets = tuple(t["slice_offsets"].tolist())
+    weights = SimpleNamespace(
+        lora_a=t["lora_a"], lora_b=t["lora_b"], slice_offsets=t["slice_offsets"], row_offsets=offsets,
+        slot_ranks=t["slot_ranks"], slot_scales=t["slot_scales"], host_ranks=list(t["ranks"]),
+        host_scales=t["slot_scales"].tolist(), num_slices=num_slices,
+    )  # fmt: skip
+    return backend, meta, weights
+
+
 def _references(case: KernelCase, t: dict, h, y0_full) -> tuple:
     """fp64 h_ref, and y_ref from the kernel's own h; plus the masks of what must stay exactly zero / unchanged."""
     import torch
@@ -192,6 +210,16 @@ def run_case(ctx: Context, case: KernelCase, dtype_name: str, stalls: dict, wors
     if dtype_name == ("float16" if ctx.dry_run else "bfloat16"):
         if max(err_h, err_y) > worst.get("err", -1.0):
             worst.update(err=max(err_h, err_y), case=name)
+    # the serving path: split-K planes left uninitialized and summed by the expand, vector access in the expand
+    y_serving = y0_full[:, case.y_pad :].clone()
+    backend, batch_meta, weights = serving_path(t, dev, num_slices)
+    backend.shrink_expand(y_serving, t["x"], weights, batch_meta)
+    if ctx.is_cuda:
+        torch.cuda.synchronize()
+    err = max_rel_err(y_serving, y_ref) if y_serving.numel() else 0.0
+    unchanged = not still or torch.equal(y_serving[still], y0_full[still, case.y_pad :])
+    ctx.rec.check(f"{name}.serving_path", unchanged and err <= tol + 1e-6, err, tol,
+                  "backend.shrink_expand" + ("" if unchanged else "; y changed on base/rank-0 rows"))  # fmt: skip
     if dtype_name == "float32" and case.name.startswith(("K1", "K6")):
         y_torch = y0_full[:, case.y_pad:].clone()
         lora_shrink_expand_torch(y_torch, t["x"], t["lora_a"], t["lora_b"], *meta, t["slot_scales"],
@@ -251,7 +279,9 @@ def _perf_cell(ctx: Context, module: str, layout: str, rank: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from kernels import lora_expand_triton, lora_shrink_expand_triton, lora_shrink_triton
+    from kernels import lora_shrink
+    from kernels.lora_expand import column_alignment, launch_expand
+    from kernels.lora_shrink import launch_shrink, shrink_output, split_k
 
     in_dim, outs = PERF_MODULES[module]
     seg_len, adapters = PERF_LAYOUTS[layout]
@@ -264,14 +294,34 @@ def _perf_cell(ctx: Context, module: str, layout: str, rank: int) -> dict:
     t = make_inputs(case, dtype, dev)
     meta = (t["seg_indptr"], t["seg_slots"], t["slot_ranks"])
     num_slices, tokens = len(outs), seg_len * adapters
-    h = lora_shrink_triton(t["x"], t["lora_a"], *meta, num_slices)
-    shrink_us = median(time_ms(lambda: lora_shrink_triton(t["x"], t["lora_a"], *meta, num_slices), dev,
-                               reps=reps, warmups=warm)) * 1e3
-    expand_us = median(time_ms(lambda: lora_expand_triton(t["y"], h, t["lora_b"], *meta, t["slot_scales"],
-                                                          t["slice_offsets"]), dev, reps=reps, warmups=warm)) * 1e3
+    # The serving path's launches (kernels/backend.py), each alone: the shrink into its split-K planes, the expand
+    # summing them, and both as a LoRA linear calls them.
+    backend, batch_meta, weights = serving_path(t, dev, num_slices)
+    planes = shrink_output(t["x"], t["lora_a"])
+    tiles, col_align = batch_meta.plan, column_alignment(weights.row_offsets)
+
+    def shrink():
+        launch_shrink(t["x"], t["lora_a"], planes, *meta[:2], t["slot_ranks"], num_slices, tiles)
+
+    shrink_us = median(time_ms(shrink, dev, reps=reps, warmups=warm)) * 1e3
+    expand_us = median(time_ms(lambda: launch_expand(t["y"], planes, t["lora_b"], *meta, t["slot_scales"],
+                                                     t["slice_offsets"], tiles, col_align),
+                               dev, reps=reps, warmups=warm)) * 1e3  # fmt: skip
+    num_splits = split_k(tokens, in_dim)[1]
+    no_split_us = shrink_us
+    if num_splits > 1:  # the same shrink with split-K off: what the split gains
+        saved = lora_shrink.SPLIT_K_MAX_TOKENS
+        lora_shrink.SPLIT_K_MAX_TOKENS = -1
+        try:
+            whole = shrink_output(t["x"], t["lora_a"])
+            no_split_us = median(time_ms(
+                lambda: launch_shrink(t["x"], t["lora_a"], whole, *meta[:2], t["slot_ranks"], num_slices, tiles),
+                dev, reps=reps, warmups=warm)) * 1e3  # fmt: skip
+        finally:
+            lora_shrink.SPLIT_K_MAX_TOKENS = saved
 
     def fused():
-        lora_shrink_expand_triton(t["y"], t["x"], t["lora_a"], t["lora_b"], *meta, t["slot_scales"], t["slice_offsets"])
+        backend.shrink_expand(t["y"], t["x"], weights, batch_meta)
 
     both_us = median(time_ms(fused, dev, reps=reps, warmups=warm)) * 1e3
     weight = torch.randn(sum(outs), in_dim, device=dev, dtype=dtype)
@@ -299,6 +349,7 @@ def _perf_cell(ctx: Context, module: str, layout: str, rank: int) -> dict:
     copy_gbps = ctx.ceilings.get("copy_GBps") or float("nan")
     shrink_gbps, expand_gbps = shrink_bytes / shrink_us / 1e3, expand_bytes / expand_us / 1e3
     return {"shrink_us": shrink_us, "expand_us": expand_us, "shrink_expand_us": both_us, "base_us": base_us,
+            "splits": num_splits, "shrink_no_split_us": no_split_us, "col_align": col_align,
             "naive_us": naive_us, "enqueue_us": enqueue_us, "shrink_GBps": shrink_gbps, "expand_GBps": expand_gbps,
             "shrink_pct_copy": 100 * shrink_gbps / copy_gbps, "expand_pct_copy": 100 * expand_gbps / copy_gbps}
 
@@ -328,7 +379,8 @@ def g6_kernel_perf(ctx: Context) -> None:
     ctx.rec.flag("LORA_VS_BASE", ratios[worst] > 0.5, ratios[worst], 0.5,
                  f"LoRA/base at 32 tok, 8 adapters, r16: {worst}")
     enqueue = max(c["enqueue_us"] for c in cells.values())
-    ctx.rec.flag("LAUNCH_OVERHEAD", enqueue > 40, enqueue, 40, "host µs per lora_shrink_expand call (worst cell)")
+    ctx.rec.flag("LAUNCH_OVERHEAD", enqueue > 40, enqueue, 40, "host µs per backend.shrink_expand call (worst cell)")
     ctx.rec.figure("headline", {"shrink_GBps": down["shrink_GBps"], "shrink_pct": down["shrink_pct_copy"],
                                 "expand_GBps": gate_up["expand_GBps"], "expand_pct": gate_up["expand_pct_copy"],
-                                "down_1tok_r64_us": one, "enqueue_us": enqueue})
+                                "down_1tok_r64_us": one, "enqueue_us": enqueue,
+                                "down_1tok_r64_no_split_us": cells["8b_down|1x1|r64"]["shrink_no_split_us"]})

@@ -139,7 +139,8 @@ def reviewer_block(report: dict) -> str:
         f"roofline); 128x512 {_fmt(prefill.get('tok_s_128x512'), '.0f')} tok/s",
         f"KERNELS (8B shapes): shrink {_fmt(perf.get('shrink_GBps'))} GB/s ({_fmt(perf.get('shrink_pct'))}% copy), "
         f"expand {_fmt(perf.get('expand_GBps'))} GB/s ({_fmt(perf.get('expand_pct'))}%), 1-token down r64 "
-        f"{_fmt(perf.get('down_1tok_r64_us'))} us, host enqueue {_fmt(perf.get('enqueue_us'))} us/call"
+        f"{_fmt(perf.get('down_1tok_r64_us'))} us (split-K off {_fmt(perf.get('down_1tok_r64_no_split_us'))}), "
+        f"host enqueue {_fmt(perf.get('enqueue_us'))} us/call"
         + _suffix(report, "g6"),
         f"DYNAMIC LORA: bitwise-unchanged {_yes(dynamic.get('bitwise_unchanged'))}; read p50 "
         f"{_fmt(dynamic.get('read_ms_p50'))} ms, slot load r16/r64 {_fmt(dynamic.get('load_slot_ms_r16'))}/"

@@ -69,7 +69,7 @@ class Batch:
     num_slices: int
 
 
-def make_batch(case: Case, num_slices: int, dtype: torch.dtype, seed: int = 0) -> Batch:
+def make_batch(case: Case, num_slices: int, dtype: torch.dtype, seed: int = 0, in_dim: int = IN_DIM) -> Batch:
     gen = torch.Generator().manual_seed(seed)
     num_tokens = sum(case.seg_lens)
     num_slots = len(case.slot_ranks)
@@ -77,7 +77,7 @@ def make_batch(case: Case, num_slices: int, dtype: torch.dtype, seed: int = 0) -
     out_dim = sum(slice_outs)
     max_rank = case.max_rank
 
-    lora_a = torch.randn(num_slots, num_slices, max_rank, IN_DIM, generator=gen) / IN_DIM**0.5
+    lora_a = torch.randn(num_slots, num_slices, max_rank, in_dim, generator=gen) / in_dim**0.5
     lora_b = torch.randn(num_slots, max_rank, out_dim, generator=gen) / max_rank**0.5
     for slot, rank in enumerate(case.slot_ranks):  # the pool is zero past each adapter's rank
         lora_a[slot, :, rank:] = 0
@@ -85,8 +85,8 @@ def make_batch(case: Case, num_slices: int, dtype: torch.dtype, seed: int = 0) -
     slice_offsets = torch.tensor([0, *slice_outs], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     seg_indptr = torch.tensor([0, *case.seg_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return Batch(
-        x=torch.randn(num_tokens, IN_DIM, generator=gen).to(dtype),
-        lora_a=lora_a.reshape(num_slots, num_slices * max_rank, IN_DIM).to(dtype),
+        x=torch.randn(num_tokens, in_dim, generator=gen).to(dtype),
+        lora_a=lora_a.reshape(num_slots, num_slices * max_rank, in_dim).to(dtype),
         lora_b=lora_b.to(dtype),
         h=torch.randn(num_tokens, num_slices * max_rank, generator=gen).to(dtype),
         y=torch.randn(num_tokens, out_dim, generator=gen).to(dtype),

@@ -6,6 +6,7 @@ import multiprocessing as mp
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from lora_helpers import LORA_CONFIG, MIXED, MIXED_LENGTHS, batch_logits, greedy_decode, load_all
 from safetensors.torch import load_file
 from worker_helpers import random_prompts, run_two_ranks
@@ -35,12 +36,29 @@ def run_lora(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
     }
 
 
+def count_collectives(runner: ModelRunner) -> dict[str, int]:
+    """From now on, count the model's forward passes and the all-reduces (torch.distributed's, whoever calls it)."""
+    counts = {"forwards": 0, "all_reduces": 0}
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(*args, **kwargs):
+        counts["all_reduces"] += 1
+        return real_all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce  # this child process only
+    runner.model.register_forward_pre_hook(lambda *_: counts.__setitem__("forwards", counts["forwards"] + 1))
+    return counts
+
+
 def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str], results: mp.Queue) -> None:
     torch.set_num_threads(1)  # two ranks share the machine's cores
     config = tp_config(tp=2)
     init_distributed(config, f"127.0.0.1:{port}", rank, torch.device("cpu"))
     try:
-        results.put((rank, run_lora(ModelRunner(config, model_dir, rank, 2, "cpu"), adapter_dirs)))
+        runner = ModelRunner(config, model_dir, rank, 2, "cpu")
+        counts = count_collectives(runner)
+        result = run_lora(runner, adapter_dirs)
+        results.put((rank, {**result, **counts, "num_layers": len(runner.model.model.layers)}))
     finally:
         destroy_distributed()
 
@@ -58,6 +76,11 @@ def test_lora_tp2_matches_tp1(llama_dir: Path, adapter_dirs: dict[str, Path]) ->
             diff = abs(ours - ref).max()
             assert diff <= 1e-4, (rank, name, diff)
         assert by_rank[rank]["greedy"] == tp1["greedy"], rank
+        # The row-parallel LoRA terms (o_proj, down_proj; every batch here uses an all-module adapter) ride on their
+        # layer's own all-reduce: two per decoder layer per forward, as for the base model alone.
+        counts = by_rank[rank]
+        assert counts["forwards"] == 1 + DECODE_STEPS, counts
+        assert counts["all_reduces"] == counts["forwards"] * 2 * counts["num_layers"], counts
 
 
 def test_adapter_is_sliced_per_rank(llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:

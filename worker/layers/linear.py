@@ -4,6 +4,8 @@ the full Hugging Face tensor and keeps this rank's shard, so model code never se
 What a wrapper (e.g. LoRA) can read from any of them:
   tp_mode            "column" (output dim sharded, output left sharded) or "row" (input dim sharded, output all-reduced)
   tp_rank, tp_size   the shard this layer holds
+  partial(x), finish(y)   forward(x) == finish(partial(x)); partial is this rank's product before any reduction, so a
+                     wrapper can add its own per-rank term to it and share the layer's one all-reduce
   input_size         full input features;  input_size_per_rank = the columns of `weight` here
   output_sizes       full output features per fused slice (q, k, v / gate, up; one slice if not fused)
   output_sizes_per_rank, output_offsets_per_rank   each slice's rows in `weight` here
@@ -76,6 +78,12 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed.linear(x, self.weight, self.packed_weight, self.bias)  # (tokens, sum(output_sizes_per_rank))
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)  # the output stays sharded: nothing to reduce
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_sizes}, bias={self.bias is not None}, tp={self.tp_size}"
 
@@ -124,7 +132,13 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp_rank * num_cols, num_cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(packed.linear(x, self.weight, self.packed_weight), self.tp_size)  # (tokens, output_size)
+        return self.finish(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        return packed.linear(x, self.weight, self.packed_weight)  # (tokens, output_size): this rank's share of the sum
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(y, self.tp_size)  # (tokens, output_size)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

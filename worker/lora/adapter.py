@@ -130,7 +130,8 @@ def _build(
     weights = {}
     for (layer, module), (key_a, key_b) in pairs.items():
         lora_a, lora_b = _shard(module, tensors[key_a], tensors[key_b], tp_rank, tp_size)
-        weights[(layer, module)] = (_host_copy(lora_a, pin, tp_size), _host_copy(lora_b, pin, tp_size))
+        host_b = _host_copy(lora_b, pin, tp_size, transposed=True)
+        weights[(layer, module)] = (_host_copy(lora_a, pin, tp_size), host_b)
     return LoRAAdapter(
         lora_id=lora_id,
         lora_rank=config.lora_rank,
@@ -466,8 +467,10 @@ def _shard(
     return lora_a.narrow(1, tp_rank * num_cols, num_cols), lora_b
 
 
-def _host_copy(t: torch.Tensor, pin: bool, tp_size: int) -> torch.Tensor:
+def _host_copy(t: torch.Tensor, pin: bool, tp_size: int, transposed: bool = False) -> torch.Tensor:
     if pin:
+        if transposed:  # B (out, r) laid out as Bᵀ (r, out), as the pool holds it: its upload is one pinned source
+            return t.T.contiguous().pin_memory().T  # a copy
         return t.contiguous().pin_memory()  # a copy
     # Under TP, a copy of each shard, so that the buffer holding the whole adapter is freed; at TP=1 the views of
     # that buffer are the host copy.

@@ -13,7 +13,6 @@ from torch import nn
 
 from kernels import LoRABackend, LoRABatchMeta
 from worker.lora.pool import LoRABuffers
-from worker.parallel import all_reduce
 
 # What linear.py's layers promise a wrapper, re-exported for the model code.
 _LINEAR_ATTRS = (
@@ -49,23 +48,18 @@ class LoRALinear(nn.Module):
         self.fused_name = buffers.fused.name
         for name in _LINEAR_ATTRS:
             setattr(self, name, getattr(base, name))
-        # Row-parallel under TP: x holds this rank's input columns, so h (tokens, max_rank) is a partial sum to reduce
-        # before the expand (B is whole on every rank); otherwise nothing runs between shrink and expand.
-        self.reduce_h = self.tp_mode == "row" and self.tp_size > 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)  # (tokens, out_per_rank)
+        # The LoRA term goes into the base layer's output before the layer finishes it, so a row-parallel layer's one
+        # all-reduce sums it too: there x holds this rank's input columns and A the matching columns, and
+        # Σ_ranks (x_i·A_iᵀ)·Bᵀ = (Σ_ranks x_i·A_iᵀ)·Bᵀ with B whole on every rank. No reduction of h of its own.
+        y = self.base.partial(x)  # (tokens, out_per_rank): before the row-parallel all-reduce and bias
         batch = self.batch
-        if self.fused_name not in batch.active:
-            return y
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        if self.reduce_h:
-            h = batch.backend.shrink(x, self.buffers, batch.meta)
-            batch.backend.expand(y, all_reduce(h, self.tp_size), self.buffers, batch.meta)
-        else:
+        if self.fused_name in batch.active:
+            if x.stride(-1) != 1:
+                x = x.contiguous()
             batch.backend.shrink_expand(y, x, self.buffers, batch.meta)
-        return y
+        return self.base.finish(y)
 
     def extra_repr(self) -> str:
         return f"slots={self.buffers.lora_a.shape[0]}, max_rank={self.buffers.max_rank}"

@@ -25,6 +25,7 @@ from worker.lora.adapter import AdapterLoadError, LoRAAdapter, PoolSpec, adapter
 from worker.lora.layers import LoRABatchInfo, LoRALinear
 from worker.lora.pool import LoRAPool
 from worker.lora.targets import SLICE_OF
+from worker.lora.upload import uploader_for
 from worker.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class LoRAManager:
             device=torch.device(device),
         )
         self.pool = LoRAPool(layers, self.spec, config.max_loras_per_batch)
+        self.uploader = uploader_for(self.spec.device)  # every pool write goes through it (a side stream on CUDA)
         self.batch = LoRABatchInfo(backend=backend)
         for (layer_id, name), buffers in self.pool.buffers.items():
             parent_name, attr = name.rsplit(".", 1)
@@ -201,7 +203,8 @@ class LoRAManager:
                     self._dropped_early.add(lora_id)
         for slot, lora_id in enumerate(self.slot_lora_ids):
             if lora_id in lora_ids:
-                self.pool.clear_slot(slot)
+                with self.uploader.upload():
+                    self.pool.clear_slot(slot)
                 self.slot_lora_ids[slot] = -1
 
     # ---- slots and batches -------------------------------------------------------------------------
@@ -216,12 +219,13 @@ class LoRAManager:
                     f"slot load of adapter id {load.lora_id} into slot {load.slot}: "
                     f"the adapter is not loaded on rank {self.tp_rank} (dropped or never loaded)"
                 )
-        for load in slot_loads:
-            if load.lora_id == -1:
-                self.pool.clear_slot(load.slot)
-            elif self.slot_lora_ids[load.slot] != load.lora_id:  # host copies never change under one id
-                self.pool.load_slot(load.slot, self.adapters[load.lora_id])
-            self.slot_lora_ids[load.slot] = load.lora_id
+        with self.uploader.upload():
+            for load in slot_loads:
+                if load.lora_id == -1:
+                    self.pool.clear_slot(load.slot)
+                elif self.slot_lora_ids[load.slot] != load.lora_id:  # host copies never change under one id
+                    self.pool.load_slot(load.slot, self.adapters[load.lora_id])
+                self.slot_lora_ids[load.slot] = load.lora_id
 
     def prepare(self, reqs: Sequence[ForwardReq]) -> None:
         """Group the batch's tokens (request order) into segments of consecutive requests with one slot."""
@@ -260,6 +264,7 @@ class LoRAManager:
         return meta
 
     def _segments(self, reqs: Sequence[ForwardReq]) -> tuple[list[int], list[int]]:
+        self.uploader.ready()  # the slots this pass reads are uploaded (a wait queued on the compute stream, on CUDA)
         seg_indptr, seg_slots = [0], []
         for i, req in enumerate(reqs):
             if req.slot != -1 and not (0 <= req.slot < self.num_slots and self.slot_lora_ids[req.slot] != -1):

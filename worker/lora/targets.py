@@ -11,7 +11,8 @@ from worker.model.config import ModelConfig
 class FusedLinear:
     name: str  # attribute path inside a decoder layer
     slices: tuple[str, ...]  # the HF modules fused into it, in slice order (see worker/loader.py FUSED_SLICES)
-    tp_mode: str  # "column": B sliced by rows on each rank; "row": A sliced by columns, x·Aᵀ all-reduced
+    # "column": B sliced by rows on each rank; "row": A sliced by columns, B whole (summed by the layer's all-reduce)
+    tp_mode: str
 
 
 FUSED_LINEARS = (
