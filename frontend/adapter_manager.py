@@ -2,8 +2,9 @@
 first use through the resolver), between the registry, which decides, and the scheduler, which carries them out.
 
 Operations are serialized by the registry's update lock; an unload waits for the adapter's requests outside the lock,
-so other operations go on meanwhile. Every operation has a deadline (--lora-load-timeout) and is rolled back when
-it is missed. After each change the state file, if any, is rewritten.
+so other operations go on meanwhile. Every operation reaches every data-parallel replica and counts only where all of
+them succeeded; it has a deadline (--lora-load-timeout) and is rolled back when it is missed. After each change the
+state file, if any, is rewritten.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from frontend.adapter_state import AdapterStateFile
 from frontend.metrics import Metrics
 from frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
-from frontend.scheduler_client import SchedulerClient
+from frontend.replica_set import ReplicaSet, merge_outcomes
 from protocol.config import ServerConfig
 from protocol.errors import ServerError
 from protocol.structs import (
@@ -47,13 +48,13 @@ class AdapterManager:
         config: ServerConfig,
         registry: AdapterRegistry,
         metrics: Metrics,
-        scheduler: SchedulerClient,
+        replicas: ReplicaSet,
         state_file: AdapterStateFile | None = None,
     ):
         self.config = config
         self.registry = registry
         self.metrics = metrics
-        self.scheduler = scheduler
+        self.replicas = replicas
         self.state_file = state_file
         self.updates_open = True  # closed after start-up under --disable-lora-updates
         self._retiring: set[asyncio.Task] = set()
@@ -197,18 +198,19 @@ class AdapterManager:
         if not adapters:
             return []
         t0 = time.monotonic()
-        op = LoadAdapters(op_id=self.scheduler.next_op_id(), adapters=adapters)
-        try:
-            timeout_s = self.config.lora_load_timeout + SCHEDULER_MARGIN_S
-            outcomes = (await self.scheduler.call(op, timeout_s, buffers)).outcomes
-        except ServerError as e:
-            if e.kind == "timeout":  # the scheduler itself is stuck: roll back as soon as it listens again
-                try:
-                    await self._drop_ids([a.lora_id for a in adapters])
-                except ServerError as rollback_error:
-                    logger.error("rollback of op %d failed: %s", op.op_id, rollback_error)
-            outcomes = [AdapterOutcome(lora_id=a.lora_id, success=False, error_message=str(e), error_kind=e.kind)
-                        for a in adapters]
+        op = LoadAdapters(op_id=self.replicas.next_op_id(), adapters=adapters)
+        timeout_s = self.config.lora_load_timeout + SCHEDULER_MARGIN_S
+        answers = [reply if isinstance(reply, ServerError) else reply.outcomes
+                   for reply in await self.replicas.call_all(op, timeout_s, buffers)]
+        outcomes, rollback = merge_outcomes([a.lora_id for a in adapters], answers, self.replicas.who)
+        # A replica's scheduler rolls back its own ranks; what loaded on one replica but failed on another, or was sent
+        # to a scheduler that did not answer (it may load it once it listens again), is dropped here.
+        for dp_rank, lora_ids in rollback.items():
+            try:
+                await self.replicas.call(dp_rank, DropAdapters(op_id=self.replicas.next_op_id(), lora_ids=lora_ids),
+                                         timeout_s)
+            except ServerError as rollback_error:
+                logger.error("rollback of op %d failed: %s", op.op_id, rollback_error)
         elapsed_s = time.monotonic() - t0
         for adapter, outcome in zip(adapters, outcomes, strict=True):
             self.metrics.on_adapter_op(op_name, outcome.success, elapsed_s)
@@ -291,9 +293,13 @@ class AdapterManager:
         await self._drop_ids([e.lora_id for e in entries if e.resident])
 
     async def _drop_ids(self, lora_ids: list[int]) -> None:
-        if lora_ids:
-            op = DropAdapters(op_id=self.scheduler.next_op_id(), lora_ids=lora_ids)
-            await self.scheduler.call(op, self.config.lora_load_timeout + SCHEDULER_MARGIN_S)
+        if not lora_ids:
+            return
+        op = DropAdapters(op_id=self.replicas.next_op_id(), lora_ids=lora_ids)
+        replies = await self.replicas.call_all(op, self.config.lora_load_timeout + SCHEDULER_MARGIN_S)
+        failed = next((reply for reply in replies if isinstance(reply, ServerError)), None)
+        if failed is not None:
+            raise failed
 
     def _count_loaded(self) -> None:
         self.metrics.set_loaded(len(self.registry.live()))

@@ -26,6 +26,7 @@ class RequestState:
         self.sampling = sampling
         self.lora_name = lora_name
         self.lora_id = lora_id
+        self.dp_rank = 0  # the data-parallel replica serving it (frontend/router.py)
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.stop_matcher = StopMatcher(stop_strings)
         self.output_ids: list[int] = []

@@ -111,7 +111,7 @@ _HELP: dict[str, str] = {
     "(default: 2048 on CUDA, 512 on CPU)",
     "disable_radix_cache": "turn off the prefix cache (keyed by adapter)",
     "no_enable_prefix_caching": "vLLM's spelling of --disable-radix-cache",
-    "dp_size": "data-parallel replicas (only 1: data parallelism is not available yet)",
+    "dp_size": "data-parallel replicas behind one frontend, each a scheduler and --tp workers",
     "gpu_memory_utilization": "share of the GPU's memory this server may use, KV cache included (CUDA; "
     "default: the KV cache takes 0.85 of what is free after the weights)",
     "lora_modules": "vLLM's adapters loaded at start: NAME=PATH or JSON {name, path, base_model_name}",
@@ -195,9 +195,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
             raise ConfigError(f"--chunked-prefill-size must be >= 1 or -1 (off), got {self.chunked_prefill_size}")
-        if self.dp_size != 1:
-            raise ConfigError(f"--dp-size / --data-parallel-size {self.dp_size}: data parallelism is not available "
-                              "yet (only 1)")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ConfigError("--dp-size > 1 with --nnodes > 1 is not supported: replicas run on one node")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.shutdown_timeout < 0:

@@ -26,6 +26,7 @@ STOP_POLL_MS = 200
 # Test-only fault injection (ProcessArgs.fault_hooks, all values strings); inert unless set:
 #   fail_load_on_rank=N  global rank N fails every adapter load with "injected fault on rank N"
 #   fail_load_name=NAME  ... only the loads of adapters named NAME (with fail_load_on_rank or hang_load_on_rank)
+#   fail_load_on_replica=R  ... only on data-parallel replica R (with fail_load_on_rank or hang_load_on_rank)
 #   hang_load_on_rank=N  global rank N never answers a load (until the worker stops)
 #   load_delay_s=S       every adapter load sleeps S seconds first (tests of loads off the decode loop)
 
@@ -40,8 +41,9 @@ class AdapterLoader(threading.Thread):
         self.to_scheduler = TypedSocket(PUSH, args.endpoints.workers_to_scheduler, bind=False)
         self.send_lock = threading.Lock()  # zmq sockets are not thread-safe; reports leave from the op threads
         hooks = args.fault_hooks
-        self.fail_loads = hooks.get("fail_load_on_rank") == str(rank)
-        self.hang_loads = hooks.get("hang_load_on_rank") == str(rank)
+        on_replica = hooks.get("fail_load_on_replica", str(args.dp_rank)) == str(args.dp_rank)
+        self.fail_loads = on_replica and hooks.get("fail_load_on_rank") == str(rank)
+        self.hang_loads = on_replica and hooks.get("hang_load_on_rank") == str(rank)
         self.fault_name = hooks.get("fail_load_name")
         self.load_delay_s = float(hooks.get("load_delay_s", 0))
         self.stopping = threading.Event()

@@ -26,12 +26,12 @@ def ranks_per_node(config: ServerConfig) -> int:
     return config.tp // config.nnodes
 
 
-def pick_device(config: ServerConfig, local_rank: int) -> torch.device:
+def pick_device(config: ServerConfig, device_index: int) -> torch.device:
     device_type = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for but CUDA is not available")
-        return torch.device("cuda", local_rank)
+        return torch.device("cuda", device_index)
     return torch.device("cpu")
 
 
