@@ -128,6 +128,7 @@ class SchedulerProcess:
         )
         log.info("ready: %d ranks, %d KV pages of %d tokens", len(ready), num_pages, page_size)
         self.scheduler = scheduler
+        self.sent_slot_table = scheduler.slots.slot_table()  # all empty, as the frontend assumes
         for msg, frames in self.early_msgs:
             self.on_frontend(msg, frames)
         self.early_msgs = []
