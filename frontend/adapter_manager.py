@@ -16,7 +16,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from frontend.adapter_state import AdapterStateFile
+from frontend.adapter_tensors import read_adapter_dir
 from frontend.metrics import Metrics
 from frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
 from frontend.replica_set import ReplicaSet, merge_outcomes
@@ -33,6 +36,7 @@ from protocol.structs import (
     LoRAAdapterResult,
     LoRAAdapterSpec,
     UnloadLoRAAdapterReqOutput,
+    split_inline_frames,
 )
 
 logger = logging.getLogger("loraplex.adapters")
@@ -198,6 +202,47 @@ class AdapterManager:
         if not adapters:
             return []
         t0 = time.monotonic()
+        read_failures: dict[int, AdapterOutcome] = {}
+        to_send = adapters
+        if self.config.nnodes > 1:  # node 0 reads the files; every rank gets the adapter as raw tensor frames
+            to_send, buffers, read_failures = await self._read_for_nodes(adapters, buffers)
+        outcomes = await self._load_everywhere(to_send, buffers) if to_send else []
+        sent = dict(zip([a.lora_id for a in to_send], outcomes, strict=True))
+        outcomes = [read_failures.get(a.lora_id) or sent[a.lora_id] for a in adapters]
+        elapsed_s = time.monotonic() - t0
+        for adapter, outcome in zip(adapters, outcomes, strict=True):
+            self.metrics.on_adapter_op(op_name, outcome.success, elapsed_s)
+            logger.info("%s adapter %s path=%s rank=%s %s in %.1f ms%s", op_name, adapter.lora_name,
+                        adapter.lora_path or "(tensors)",
+                        outcome.rank or "?", "ok" if outcome.success else "FAILED", elapsed_s * 1e3,
+                        "" if outcome.success else f": {outcome.error_message}")
+        return outcomes
+
+    async def _read_for_nodes(self, adapters: list[AdapterToLoad], buffers: Sequence[Any]
+                              ) -> tuple[list[AdapterToLoad], list, dict[int, AdapterOutcome]]:
+        """Directory loads turned into inline ones (config and tensor frames read here), so ranks on other nodes
+        never open a path: (what to send, its frames in adapter order, the adapters that could not be read)."""
+        loop = asyncio.get_running_loop()
+        per_adapter = split_inline_frames(adapters, list(buffers))
+        to_send, frames, failures = [], [], {}
+        for adapter, own_frames in zip(adapters, per_adapter, strict=True):
+            if adapter.inline is None:
+                try:
+                    config, specs, own_frames = await loop.run_in_executor(
+                        None, read_adapter_dir, adapter.lora_path, adapter.root)
+                except ValueError as e:
+                    failures[adapter.lora_id] = AdapterOutcome(lora_id=adapter.lora_id, success=False,
+                                                               error_message=f"adapter {adapter.lora_name!r}: {e}",
+                                                               error_kind="invalid")
+                    continue
+                adapter = msgspec.structs.replace(adapter, lora_path=None,
+                                                  inline=InlineAdapter(config=config, tensors=specs))
+            to_send.append(adapter)
+            frames += own_frames
+        return to_send, frames, failures
+
+    async def _load_everywhere(self, adapters: list[AdapterToLoad], buffers: Sequence[Any]) -> list[AdapterOutcome]:
+        """One LoadAdapters to every replica; the merged outcomes, and what must go again rolled back."""
         op = LoadAdapters(op_id=self.replicas.next_op_id(), adapters=adapters)
         timeout_s = self.config.lora_load_timeout + SCHEDULER_MARGIN_S
         answers = [reply if isinstance(reply, ServerError) else reply.outcomes
@@ -211,13 +256,6 @@ class AdapterManager:
                                          timeout_s)
             except ServerError as rollback_error:
                 logger.error("rollback of op %d failed: %s", op.op_id, rollback_error)
-        elapsed_s = time.monotonic() - t0
-        for adapter, outcome in zip(adapters, outcomes, strict=True):
-            self.metrics.on_adapter_op(op_name, outcome.success, elapsed_s)
-            logger.info("%s adapter %s path=%s rank=%s %s in %.1f ms%s", op_name, adapter.lora_name,
-                        adapter.lora_path or "(tensors)",
-                        outcome.rank or "?", "ok" if outcome.success else "FAILED", elapsed_s * 1e3,
-                        "" if outcome.success else f": {outcome.error_message}")
         return outcomes
 
     def _commit(self, plan: AdapterToLoad, client_path: str | None, outcome: AdapterOutcome,

@@ -54,6 +54,7 @@ class ProcessGroup:
     def __init__(self, config: ServerConfig, model_dir: str, fault_hooks: dict[str, str] | None = None):
         self.config = config
         self.ipc_dir = tempfile.mkdtemp(prefix="loraplex-")
+        # per replica; with several nodes, set from the nodes' rendezvous before start() (frontend/node_rendezvous.py)
         self.endpoints = [make_endpoints(config, self.ipc_dir, dp_rank) for dp_rank in range(config.dp_size)]
         self.model_dir = model_dir
         self.fault_hooks = fault_hooks or {}
@@ -92,6 +93,10 @@ class ProcessGroup:
             if code is not None:
                 return name, code
         return None
+
+    def exit_codes(self) -> dict[str, int | None]:
+        """Each child's exit code; None while it runs."""
+        return {name: proc.poll() for name, proc in self.procs.items()}
 
     def pids(self) -> dict[str, int]:
         return {name: proc.pid for name, proc in self.procs.items()}

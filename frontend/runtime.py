@@ -17,6 +17,7 @@ from frontend.adapter_state import AdapterStateFile
 from frontend.launcher import ProcessGroup
 from frontend.lora_config import resolve_lora_config
 from frontend.metrics import Metrics
+from frontend.node_rendezvous import NodeRendezvous
 from frontend.registry import AdapterRegistry
 from frontend.replica_set import ReplicaSet
 from frontend.request_state import RequestState
@@ -84,6 +85,7 @@ class Runtime:
         self.eos_token_ids: list[int] = []
         self.procs: ProcessGroup | None = None
         self.replicas: ReplicaSet | None = None
+        self.nodes: NodeRendezvous | None = None  # --nnodes > 1: the other nodes' endpoints and heartbeats
         self.router = Router(config.dp_size)
         self.adapters: AdapterManager | None = None  # built once the LoRA config is complete (start)
         self._watch_task: asyncio.Task | None = None
@@ -96,13 +98,18 @@ class Runtime:
         self.model_dir = await loop.run_in_executor(None, resolve_model_dir, self.config.model_path)
         self.config = resolve_lora_config(self.config, self.model_dir)
         self.procs = ProcessGroup(self.config, self.model_dir, self.fault_hooks)
+        if self.config.nnodes > 1:  # every rank's endpoints, the remote ones as their nodes published them
+            self.nodes = await loop.run_in_executor(None, NodeRendezvous, self.config, START_TIMEOUT_S)
+            endpoints = await loop.run_in_executor(None, self.nodes.host_endpoints, self.procs.ipc_dir,
+                                                   START_TIMEOUT_S)
+            self.procs.endpoints = [endpoints]
         self.replicas = ReplicaSet(self.procs.endpoints, self._apply_deltas, self._on_slots, self._on_failure)
         state_file = AdapterStateFile(self.config.lora_state_file) if self.config.lora_state_file else None
         self.adapters = AdapterManager(self.config, self.registry, self.metrics, self.replicas, state_file)
         self.procs.start()
         logger.info("loading tokenizer from %s", self.model_dir)
         self.tokenizer, self.eos_token_ids = await loop.run_in_executor(None, load_tokenizer, self.model_dir)
-        self.replica_ready = await self.replicas.wait_ready(self.procs.dead, START_TIMEOUT_S)
+        self.replica_ready = await self.replicas.wait_ready(self._dead, START_TIMEOUT_S)
         self.ready = min(self.replica_ready, key=lambda ready: ready.max_total_tokens)
         logger.info(
             "scheduler ready: %d KV tokens, context length %d", self.ready.max_total_tokens, self.ready.context_length
@@ -113,6 +120,8 @@ class Runtime:
         parents = {s.lora_name: s.base_model_name for s in sources if s.base_model_name}
         await self.adapters.load_startup(specs, parents)
         self.started = True
+        if self.nodes is not None:
+            self.nodes.set_ready()
         logger.info("server ready")
 
     async def drain(self, timeout_s: float) -> None:
@@ -144,6 +153,8 @@ class Runtime:
         self._fail_all("server is shutting down", status=503)
         if self.replicas is not None:
             await self.replicas.close(send_shutdown=self.failure is None)
+        if self.nodes is not None:  # after the Shutdown went to every rank: the headless nodes may go too
+            self.nodes.set_failed("node 0 shut down")
         if self._children_stopped is not None:
             await self._children_stopped
         if self.procs is not None:
@@ -179,14 +190,23 @@ class Runtime:
     async def _watch_loop(self) -> None:
         while self.failure is None:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            dead = self.procs.dead()
+            dead = self._dead()
             if dead is not None and not self.stopping:
-                self._on_failure(f"{dead[0]} exited with code {dead[1]}")
+                self._on_failure(dead[0] if dead[1] == -1 else f"{dead[0]} exited with code {dead[1]}")
+
+    def _dead(self) -> tuple[str, int] | None:
+        """A child that exited, or a node that stopped beating: (who, exit code; -1 for a node)."""
+        dead = self.procs.dead()
+        if dead is None and self.nodes is not None and (node := self.nodes.dead_node()) is not None:
+            return f"lost {node}", -1
+        return dead
 
     def _on_failure(self, reason: str) -> None:
         if self.failure is None:
             logger.error("server unhealthy: %s", reason)
             self.failure = reason
+            if self.nodes is not None:  # the headless nodes stop their ranks too
+                self.nodes.set_failed(reason)
             # No partial serving: the surviving children are stopped now; the frontend answers 503 until SIGTERM.
             if self.procs is not None and not self.stopping:
                 logger.error("stopping the remaining processes; serving 503 until SIGTERM")

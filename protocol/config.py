@@ -100,7 +100,8 @@ _HELP: dict[str, str] = {
     "log_level": "logging level",
     "nnodes": "nodes for multi-node tensor parallelism",
     "node_rank": "this node's rank",
-    "dist_init_addr": "host:port of the torch.distributed rendezvous (default: a free local port)",
+    "dist_init_addr": "host:port of the torch.distributed rendezvous; with --nnodes > 1 the one address every node "
+    "agrees on, hosted by node 0 (default: a free local port)",
     "lora_load_timeout": "seconds an adapter operation waits for every rank before it fails and is rolled back",
     "lora_state_file": "adapter registry file, rewritten after every change and restored at start",
     "lora_resolver_dir": "an unknown adapter X named by a request is loaded from DIR/X on first use",
@@ -207,6 +208,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"--rpc-addr {self.rpc_addr} is not loopback: set --api-key to open it")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ConfigError("--nnodes > 1 needs --dist-init-addr HOST:PORT (the one address every node agrees on)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"--dist-init-addr {self.dist_init_addr!r} is not HOST:PORT")
         if self.tp % self.nnodes:
             raise ConfigError(f"--tp {self.tp} is not divisible by --nnodes {self.nnodes}")
         if self.lora_target_modules is not None:

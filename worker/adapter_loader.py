@@ -29,6 +29,7 @@ STOP_POLL_MS = 200
 #   fail_load_on_replica=R  ... only on data-parallel replica R (with fail_load_on_rank or hang_load_on_rank)
 #   hang_load_on_rank=N  global rank N never answers a load (until the worker stops)
 #   load_delay_s=S       every adapter load sleeps S seconds first (tests of loads off the decode loop)
+#   refuse_path_loads=1  every adapter sent as a path fails (tests that a node's ranks get every adapter as tensors)
 
 
 class AdapterLoader(threading.Thread):
@@ -46,6 +47,7 @@ class AdapterLoader(threading.Thread):
         self.hang_loads = on_replica and hooks.get("hang_load_on_rank") == str(rank)
         self.fault_name = hooks.get("fail_load_name")
         self.load_delay_s = float(hooks.get("load_delay_s", 0))
+        self.refuse_paths = hooks.get("refuse_path_loads") == "1"
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -75,6 +77,10 @@ class AdapterLoader(threading.Thread):
             logger.warning("op %d: injected hang on rank %d", op.op_id, self.rank)
             self.stopping.wait()
             return []
+        if self.refuse_paths and any(a.lora_path is not None for a in op.adapters):  # refused before any read
+            return [AdapterOutcome(lora_id=a.lora_id, success=False, error_kind="internal",
+                                   error_message=f"injected: rank {self.rank} reads no adapter path")
+                    for a in op.adapters]
         outcomes = self.manager.read(op.adapters, frames)
         if self.fail_loads:
             fault = AdapterLoadError(f"injected fault on rank {self.rank}", "internal")
