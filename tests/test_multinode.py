@@ -6,6 +6,7 @@ tensor frames from node 0: node 1 never reads the path."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -17,6 +18,9 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
+from frontend.adapter_tensors import read_adapter_dir
+from protocol.config import ConfigError, ServerConfig
+from protocol.structs import TENSOR_DTYPES
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import REPO_ROOT, ServerProcess, free_port
 from tests.test_server_lifecycle import alive, wait_until
@@ -148,3 +152,25 @@ def test_losing_node0_stops_node1_with_nonzero_exit(two_nodes):
     assert node1.proc.wait(timeout=30) != 0
     assert time.monotonic() - t0 < 30
     assert wait_until(lambda: not any(alive(pid) for pid in pids), 5), "node 1 left processes"
+
+
+def test_multinode_flags():
+    with pytest.raises(ConfigError, match="--dist-init-addr"):
+        ServerConfig(nnodes=2, tp=2)
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        ServerConfig(nnodes=2, tp=2, dist_init_addr="node0")
+    assert ServerConfig(nnodes=2, tp=2, node_rank=1, dist_init_addr="10.0.0.1:29500").node_rank == 1
+
+
+def test_node0_reads_an_adapter_as_tensors_inside_the_root_only(adapter_dirs, tmp_path):
+    config, specs, buffers = read_adapter_dir(str(adapter_dirs["a4"]), root=None)
+    assert config["r"] == 4 and len(specs) == len(buffers) > 0
+    assert all(
+        len(buf) == math.prod(spec.shape) * TENSOR_DTYPES[spec.dtype] for spec, buf in zip(specs, buffers, strict=True)
+    )
+    (tmp_path / "root").mkdir()
+    escaped = tmp_path / "root" / "escaped"
+    escaped.mkdir()
+    (escaped / "adapter_config.json").symlink_to(adapter_dirs["a4"] / "adapter_config.json")
+    with pytest.raises(ValueError, match="outside the allowed root"):
+        read_adapter_dir(str(escaped), root=str(tmp_path / "root"))
