@@ -1,10 +1,10 @@
 """Data parallelism: the same requests through one replica, then through `--dp-size 2`, on this machine.
 
-    python scripts/bench_dp.py                  # full: 8 adapters, 128 requests, 32 concurrent
+    python scripts/bench_dp.py                  # full: 8 adapters, 64 requests, 16 concurrent
     python scripts/bench_dp.py --quick --json out.json
 
-128 requests (inputs and outputs 16-256 tokens, bench_all's ranges) on 8 adapters (uniform), 32 concurrent (closed
-loop), through a server with one replica, then one with `--dp-size 2` and otherwise the same flags. Both get the same
+64 requests (inputs and outputs 16-128 tokens) on 8 adapters (uniform), 16 concurrent (closed loop), through a
+server with one replica, then one with `--dp-size 2` and otherwise the same flags. Both get the same
 torch threads in total: the two replicas' workers split `--server-threads` between them, so the ratio shows what a
 second replica buys on the same cores. Ratio: output throughput dp 2 / dp 1 (best of the repeats). On a machine with
 as many cores as one worker already uses (2 here) it can only be about 1: the replicas' forward passes then share
@@ -51,10 +51,10 @@ class Plan:
 FULL = Plan(
     size="full",
     num_adapters=8,
-    input_len_range=(16, 256),
-    output_len_range=(16, 256),
-    num_requests=128,
-    concurrency=32,
+    input_len_range=(16, 128),
+    output_len_range=(16, 128),
+    num_requests=64,
+    concurrency=16,
     dp_size=2,
 )
 QUICK = Plan(
