@@ -9,7 +9,9 @@ torch threads in total: the two replicas' workers split `--server-threads` betwe
 second replica buys on the same cores. Ratio: output throughput dp 2 / dp 1 (best of the repeats). On a machine with
 as many cores as one worker already uses (2 here) it can only be about 1: the replicas' forward passes then share
 the cores that one replica's larger batches used, and each step's weights are read twice instead of once; a second
-replica pays off with devices (or cores) of its own.
+replica pays off with devices (or cores) of its own. On a machine whose cores other processes keep busy, the ratio
+reads well above 1 instead: one replica's two-thread worker then waits at every op's barrier for a descheduled
+thread, which two single-thread replicas never do, so it measures that contention, not what a replica adds.
 """
 
 from __future__ import annotations
