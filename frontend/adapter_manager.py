@@ -2,8 +2,9 @@
 first use through the resolver), between the registry, which decides, and the scheduler, which carries them out.
 
 Operations are serialized by the registry's update lock; an unload waits for the adapter's requests outside the lock,
-so other operations go on meanwhile. Every operation has a deadline (--lora-load-timeout) and is rolled back when
-it is missed. After each change the state file, if any, is rewritten.
+so other operations go on meanwhile. Every operation reaches every data-parallel replica and counts only where all of
+them succeeded; it has a deadline (--lora-load-timeout) and is rolled back when it is missed. After each change the
+state file, if any, is rewritten.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from frontend.adapter_state import AdapterStateFile
+from frontend.adapter_tensors import read_adapter_dir
 from frontend.metrics import Metrics
 from frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
-from frontend.scheduler_client import SchedulerClient
+from frontend.replica_set import ReplicaSet, merge_outcomes
 from protocol.config import ServerConfig
 from protocol.errors import ServerError
 from protocol.structs import (
@@ -32,6 +36,7 @@ from protocol.structs import (
     LoRAAdapterResult,
     LoRAAdapterSpec,
     UnloadLoRAAdapterReqOutput,
+    split_inline_frames,
 )
 
 logger = logging.getLogger("loraplex.adapters")
@@ -47,13 +52,13 @@ class AdapterManager:
         config: ServerConfig,
         registry: AdapterRegistry,
         metrics: Metrics,
-        scheduler: SchedulerClient,
+        replicas: ReplicaSet,
         state_file: AdapterStateFile | None = None,
     ):
         self.config = config
         self.registry = registry
         self.metrics = metrics
-        self.scheduler = scheduler
+        self.replicas = replicas
         self.state_file = state_file
         self.updates_open = True  # closed after start-up under --disable-lora-updates
         self._retiring: set[asyncio.Task] = set()
@@ -197,18 +202,13 @@ class AdapterManager:
         if not adapters:
             return []
         t0 = time.monotonic()
-        op = LoadAdapters(op_id=self.scheduler.next_op_id(), adapters=adapters)
-        try:
-            timeout_s = self.config.lora_load_timeout + SCHEDULER_MARGIN_S
-            outcomes = (await self.scheduler.call(op, timeout_s, buffers)).outcomes
-        except ServerError as e:
-            if e.kind == "timeout":  # the scheduler itself is stuck: roll back as soon as it listens again
-                try:
-                    await self._drop_ids([a.lora_id for a in adapters])
-                except ServerError as rollback_error:
-                    logger.error("rollback of op %d failed: %s", op.op_id, rollback_error)
-            outcomes = [AdapterOutcome(lora_id=a.lora_id, success=False, error_message=str(e), error_kind=e.kind)
-                        for a in adapters]
+        read_failures: dict[int, AdapterOutcome] = {}
+        to_send = adapters
+        if self.config.nnodes > 1:  # node 0 reads the files; every rank gets the adapter as raw tensor frames
+            to_send, buffers, read_failures = await self._read_for_nodes(adapters, buffers)
+        outcomes = await self._load_everywhere(to_send, buffers) if to_send else []
+        sent = dict(zip([a.lora_id for a in to_send], outcomes, strict=True))
+        outcomes = [read_failures.get(a.lora_id) or sent[a.lora_id] for a in adapters]
         elapsed_s = time.monotonic() - t0
         for adapter, outcome in zip(adapters, outcomes, strict=True):
             self.metrics.on_adapter_op(op_name, outcome.success, elapsed_s)
@@ -216,6 +216,46 @@ class AdapterManager:
                         adapter.lora_path or "(tensors)",
                         outcome.rank or "?", "ok" if outcome.success else "FAILED", elapsed_s * 1e3,
                         "" if outcome.success else f": {outcome.error_message}")
+        return outcomes
+
+    async def _read_for_nodes(self, adapters: list[AdapterToLoad], buffers: Sequence[Any]
+                              ) -> tuple[list[AdapterToLoad], list, dict[int, AdapterOutcome]]:
+        """Directory loads turned into inline ones (config and tensor frames read here), so ranks on other nodes
+        never open a path: (what to send, its frames in adapter order, the adapters that could not be read)."""
+        loop = asyncio.get_running_loop()
+        per_adapter = split_inline_frames(adapters, list(buffers))
+        to_send, frames, failures = [], [], {}
+        for adapter, own_frames in zip(adapters, per_adapter, strict=True):
+            if adapter.inline is None:
+                try:
+                    config, specs, own_frames = await loop.run_in_executor(
+                        None, read_adapter_dir, adapter.lora_path, adapter.root)
+                except ValueError as e:
+                    failures[adapter.lora_id] = AdapterOutcome(lora_id=adapter.lora_id, success=False,
+                                                               error_message=f"adapter {adapter.lora_name!r}: {e}",
+                                                               error_kind="invalid")
+                    continue
+                adapter = msgspec.structs.replace(adapter, lora_path=None,
+                                                  inline=InlineAdapter(config=config, tensors=specs))
+            to_send.append(adapter)
+            frames += own_frames
+        return to_send, frames, failures
+
+    async def _load_everywhere(self, adapters: list[AdapterToLoad], buffers: Sequence[Any]) -> list[AdapterOutcome]:
+        """One LoadAdapters to every replica; the merged outcomes, and what must go again rolled back."""
+        op = LoadAdapters(op_id=self.replicas.next_op_id(), adapters=adapters)
+        timeout_s = self.config.lora_load_timeout + SCHEDULER_MARGIN_S
+        answers = [reply if isinstance(reply, ServerError) else reply.outcomes
+                   for reply in await self.replicas.call_all(op, timeout_s, buffers)]
+        outcomes, rollback = merge_outcomes([a.lora_id for a in adapters], answers, self.replicas.who)
+        # A replica's scheduler rolls back its own ranks; what loaded on one replica but failed on another, or was sent
+        # to a scheduler that did not answer (it may load it once it listens again), is dropped here.
+        for dp_rank, lora_ids in rollback.items():
+            try:
+                await self.replicas.call(dp_rank, DropAdapters(op_id=self.replicas.next_op_id(), lora_ids=lora_ids),
+                                         timeout_s)
+            except ServerError as rollback_error:
+                logger.error("rollback of op %d failed: %s", op.op_id, rollback_error)
         return outcomes
 
     def _commit(self, plan: AdapterToLoad, client_path: str | None, outcome: AdapterOutcome,
@@ -291,9 +331,13 @@ class AdapterManager:
         await self._drop_ids([e.lora_id for e in entries if e.resident])
 
     async def _drop_ids(self, lora_ids: list[int]) -> None:
-        if lora_ids:
-            op = DropAdapters(op_id=self.scheduler.next_op_id(), lora_ids=lora_ids)
-            await self.scheduler.call(op, self.config.lora_load_timeout + SCHEDULER_MARGIN_S)
+        if not lora_ids:
+            return
+        op = DropAdapters(op_id=self.replicas.next_op_id(), lora_ids=lora_ids)
+        replies = await self.replicas.call_all(op, self.config.lora_load_timeout + SCHEDULER_MARGIN_S)
+        failed = next((reply for reply in replies if isinstance(reply, ServerError)), None)
+        if failed is not None:
+            raise failed
 
     def _count_loaded(self) -> None:
         self.metrics.set_loaded(len(self.registry.live()))

@@ -20,3 +20,39 @@ def encode_tensors(tensors: dict[str, Any]) -> tuple[list[TensorSpec], list[memo
         specs.append(TensorSpec(name=name, dtype=str(tensor.dtype).removeprefix("torch."), shape=list(tensor.shape)))
         buffers.append(memoryview(flat.view(torch.uint8).numpy()))
     return specs, buffers
+
+
+def read_adapter_dir(path: str, root: str | None) -> tuple[dict, list[TensorSpec], list[memoryview]]:
+    """A PEFT directory as a config and raw tensor buffers: how node 0 sends a directory load to ranks on other nodes
+    (--nnodes > 1), which then never read the path. `path` is resolved and checked by the registry; every file read
+    here must resolve inside `root` too (symlinks included). ValueError says what is wrong."""
+    import json
+    import os
+
+    import torch
+    from safetensors.torch import load_file
+
+    def inside(name: str) -> str | None:
+        file_path = os.path.realpath(os.path.join(path, name))
+        if root is not None and os.path.commonpath([file_path, root]) != root:
+            raise ValueError(f"{name} resolves outside the allowed root")
+        return file_path if os.path.isfile(file_path) else None
+
+    config_path = inside("adapter_config.json")
+    if config_path is None:
+        raise ValueError(f"no adapter_config.json in {path!r}: not a LoRA adapter")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+        weights_path = inside("adapter_model.safetensors")
+        if weights_path is not None:
+            tensors = load_file(weights_path)
+        elif (weights_path := inside("adapter_model.bin")) is not None:
+            tensors = torch.load(weights_path, map_location="cpu", weights_only=True)
+        else:
+            raise ValueError(f"no adapter_model.safetensors or adapter_model.bin in {path!r}")
+    except (OSError, json.JSONDecodeError, RuntimeError) as e:  # safetensors and torch raise RuntimeError on bad files
+        raise ValueError(f"cannot read the adapter in {path!r}: {e}") from e
+    if not isinstance(config, dict) or not isinstance(tensors, dict):
+        raise ValueError(f"{path!r} is not a PEFT adapter (adapter_config.json or the weights are malformed)")
+    return config, *encode_tensors(tensors)

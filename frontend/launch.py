@@ -24,12 +24,15 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(config.log_level, "frontend")
     import uvloop
 
+    from frontend.headless import serve_headless
     from frontend.http_server import serve
     from frontend.runtime import Runtime
 
     # Test-only fault injection (see worker/process.py); inert unless the variable is set.
     fault_hooks = json.loads(os.environ.get("LORAPLEX_TEST_FAULT_HOOKS", "{}"))
     try:
+        if config.node_rank > 0:  # only this node's ranks, and /health
+            sys.exit(uvloop.run(serve_headless(config, fault_hooks)))
         uvloop.run(serve(Runtime(config, fault_hooks)))
     except (RuntimeError, OSError, ValueError) as e:
         logging.getLogger("loraplex").debug("start-up failed", exc_info=True)

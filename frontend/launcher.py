@@ -1,4 +1,5 @@
-"""ProcessGroup: starts the scheduler and the worker ranks as child processes, watches them, stops them."""
+"""ProcessGroup: starts the scheduler and the worker ranks of every data-parallel replica as child processes, watches
+them, stops them."""
 
 from __future__ import annotations
 
@@ -28,16 +29,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def make_endpoints(config: ServerConfig, ipc_dir: str) -> Endpoints:
-    # ipc paths in a private temp dir and a free rendezvous port: several servers can share one host.
+def make_endpoints(config: ServerConfig, ipc_dir: str, dp_rank: int = 0) -> Endpoints:
+    # ipc paths in a private temp dir and a free rendezvous port: several servers (and replicas) can share one host.
     local_ranks = config.tp // config.nnodes
+    prefix = f"ipc://{ipc_dir}/dp{dp_rank}_"
+    if config.dist_init_addr:  # replica r meets at port + r
+        host, port = config.dist_init_addr.rsplit(":", 1)
+        dist_init_addr = f"{host}:{int(port) + dp_rank}"
+    else:
+        dist_init_addr = f"127.0.0.1:{free_port()}"
     return Endpoints(
-        frontend_to_scheduler=f"ipc://{ipc_dir}/to_scheduler",
-        scheduler_to_frontend=f"ipc://{ipc_dir}/to_frontend",
-        scheduler_to_workers=[f"ipc://{ipc_dir}/to_worker{i}" for i in range(local_ranks)],
-        workers_to_scheduler=f"ipc://{ipc_dir}/to_scheduler_from_workers",
-        scheduler_to_loaders=[f"ipc://{ipc_dir}/to_loader{i}" for i in range(local_ranks)],
-        dist_init_addr=config.dist_init_addr or f"127.0.0.1:{free_port()}",
+        frontend_to_scheduler=f"{prefix}to_scheduler",
+        scheduler_to_frontend=f"{prefix}to_frontend",
+        scheduler_to_workers=[f"{prefix}to_worker{i}" for i in range(local_ranks)],
+        workers_to_scheduler=f"{prefix}to_scheduler_from_workers",
+        scheduler_to_loaders=[f"{prefix}to_loader{i}" for i in range(local_ranks)],
+        dist_init_addr=dist_init_addr,
     )
 
 
@@ -47,26 +54,31 @@ class ProcessGroup:
     def __init__(self, config: ServerConfig, model_dir: str, fault_hooks: dict[str, str] | None = None):
         self.config = config
         self.ipc_dir = tempfile.mkdtemp(prefix="loraplex-")
-        self.endpoints = make_endpoints(config, self.ipc_dir)
+        # per replica; with several nodes, set from the nodes' rendezvous before start() (frontend/node_rendezvous.py)
+        self.endpoints = [make_endpoints(config, self.ipc_dir, dp_rank) for dp_rank in range(config.dp_size)]
         self.model_dir = model_dir
         self.fault_hooks = fault_hooks or {}
         self.procs: dict[str, subprocess.Popen] = {}
         self._stop_lock = threading.Lock()  # stop() runs in executor threads: on a failure, then at shutdown
 
     def start(self) -> None:
+        """Each replica's scheduler and ranks, named `scheduler`, `worker0`, ... (`dp1.worker0` under --dp-size)."""
         local_ranks = self.config.tp // self.config.nnodes
         first_rank = self.config.node_rank * local_ranks
-        if self.config.node_rank == 0:
-            self._spawn("scheduler", "scheduler", rank=0)
-        for local_rank in range(local_ranks):
-            self._spawn(f"worker{first_rank + local_rank}", "worker", rank=local_rank)
+        for dp_rank in range(self.config.dp_size):
+            prefix = f"dp{dp_rank}." if self.config.dp_size > 1 else ""
+            if self.config.node_rank == 0:
+                self._spawn(f"{prefix}scheduler", "scheduler", 0, dp_rank)
+            for local_rank in range(local_ranks):
+                self._spawn(f"{prefix}worker{first_rank + local_rank}", "worker", local_rank, dp_rank)
 
-    def _spawn(self, name: str, module: str, rank: int) -> None:
+    def _spawn(self, name: str, module: str, rank: int, dp_rank: int) -> None:
         args = ProcessArgs(
             config=self.config,
-            endpoints=self.endpoints,
+            endpoints=self.endpoints[dp_rank],
             model_dir=self.model_dir,
             rank=rank,
+            dp_rank=dp_rank,
             fault_hooks=self.fault_hooks,
         )
         env = dict(os.environ, **{ARGS_ENV: encode_process_args(args)})
@@ -81,6 +93,10 @@ class ProcessGroup:
             if code is not None:
                 return name, code
         return None
+
+    def exit_codes(self) -> dict[str, int | None]:
+        """Each child's exit code; None while it runs."""
+        return {name: proc.poll() for name, proc in self.procs.items()}
 
     def pids(self) -> dict[str, int]:
         return {name: proc.pid for name, proc in self.procs.items()}

@@ -1,5 +1,6 @@
 """Metrics: Prometheus series of one server — our own loraplex_* (API.md's "Metrics") and the vLLM gauges gateways
-scrape. `adapter` labels carry the name clients send, the served base name for base requests."""
+scrape. `adapter` labels carry the name clients send, the served base name for base requests. Under --dp-size the
+loraplex_* gauges carry `dp_rank` (one series per replica); each vllm:* gauge stays one series over all replicas."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 
+from protocol.structs import SchedulerStats
+
 if TYPE_CHECKING:
     from frontend.request_state import RequestState
-    from protocol.structs import SchedulerStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ADAPTER_OPS = ("load", "reload", "unload", "evict")
@@ -21,11 +23,13 @@ RESULTS = ("success", "failure")
 
 
 class Metrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, dp_size: int = 1):
         # A registry per server, so several servers or Engines can live in one process.
         self.registry = CollectorRegistry()
         r = self.registry
         self.model_name = model_name
+        self.dp_size = dp_size
+        per_replica = ["dp_rank"] if dp_size > 1 else []
         # ---- requests (the per-adapter series count a request when it ends)
         self.requests = Counter("loraplex_requests", "Finished requests", ["finish"], registry=r)
         self.prompt_tokens = Counter("loraplex_prompt_tokens", "Prompt tokens received", registry=r)
@@ -58,13 +62,14 @@ class Metrics:
                 self.adapter_ops.labels(op=op, result=result)
         for op in TIMED_OPS:
             self.adapter_load_seconds.labels(op=op)
-        self.adapters_loaded = Gauge("loraplex_adapters_loaded", "Adapters loaded", registry=r)
-        self.adapters_resident = Gauge("loraplex_adapters_resident", "Adapters in a device slot", registry=r)
-        self.adapters_running = Gauge("loraplex_adapters_running", "Adapters with requests running", registry=r)
+        self.adapters_loaded = Gauge("loraplex_adapters_loaded", "Adapters loaded", per_replica, registry=r)
+        self.adapters_resident = Gauge("loraplex_adapters_resident", "Adapters in a device slot", per_replica,
+                                       registry=r)
+        self.adapters_running = Gauge("loraplex_adapters_running", "Adapters with requests running", per_replica,
+                                      registry=r)
         self.adapter_resident = Gauge("loraplex_adapter_resident", "1 while the adapter is in a device slot, 0 "
-                                      "while it is loaded but not", ["adapter"], registry=r)
-        self.per_adapter = (self.adapter_requests, self.adapter_prompt_tokens, self.adapter_generation_tokens,
-                            self.adapter_resident)
+                                      "while it is loaded but not", ["adapter", *per_replica], registry=r)
+        self.per_adapter = (self.adapter_requests, self.adapter_prompt_tokens, self.adapter_generation_tokens)
         # ---- the vLLM gauges, one series each
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", ["model_name"], registry=r)
         self.running = Gauge("vllm:num_requests_running", "Requests running", ["model_name"], registry=r)
@@ -107,13 +112,28 @@ class Metrics:
         """Forget every series of an unloaded adapter."""
         for metric in self.per_adapter:
             metric.remove(name)
+        for dp_rank in range(self.dp_size):
+            self.adapter_resident.remove(*self._series_labels(dp_rank, adapter=name).values())
 
     def set_loaded(self, num: int) -> None:
-        self.adapters_loaded.set(num)
+        """Adapters loaded: the same on every replica (loads are all-or-nothing across them)."""
+        for dp_rank in range(self.dp_size):
+            self._series(self.adapters_loaded, dp_rank).set(num)
 
-    def update_scheduler(self, stats: SchedulerStats, max_loras: int, names: dict[int, str]) -> None:
-        """The gauges from the scheduler's view; `names` maps lora_id -> name for every loaded adapter."""
-        # The scheduler counts prefix-cache tokens since its start; the counters advance by what is new.
+    def _series_labels(self, dp_rank: int, **labels: str) -> dict[str, str]:
+        return {**labels, "dp_rank": str(dp_rank)} if self.dp_size > 1 else labels
+
+    def _series(self, gauge: Gauge, dp_rank: int, **labels: str) -> Gauge:
+        """A loraplex_* gauge's series for one replica (the unlabelled gauge itself when there is one replica)."""
+        labels = self._series_labels(dp_rank, **labels)
+        return gauge.labels(**labels) if labels else gauge
+
+    def update_scheduler(self, replicas: list[SchedulerStats], capacities: list[int], max_loras: int,
+                         names: dict[int, str]) -> None:
+        """The gauges from the schedulers' view, by dp_rank; `capacities`: each replica's KV tokens; `names` maps
+        lora_id -> name for every loaded adapter."""
+        stats = combine_stats(replicas, capacities)
+        # The schedulers count prefix-cache tokens since their start; the counters advance by what is new.
         for name, counter, total in (
             ("hit", self.prefix_cache_hit_tokens, stats.prefix_cache_hit_tokens),
             ("queried", self.prefix_cache_queried_tokens, stats.prefix_cache_queried_tokens),
@@ -126,17 +146,38 @@ class Metrics:
         running = ",".join(sorted({names[i] for i in stats.running_lora_ids if i in names}))
         waiting = ",".join(sorted({names[i] for i in stats.waiting_lora_ids if i in names}))
         self.lora_info.clear()  # one series at a time: stale label sets are dropped
-        self.lora_info.labels(max_lora=str(max_loras), running_lora_adapters=running,
+        self.lora_info.labels(max_lora=str(max_loras * len(replicas)), running_lora_adapters=running,
                               waiting_lora_adapters=waiting).set(time.time())
-        resident_ids = {i for i in stats.slot_lora_ids if i != -1}
-        self.adapters_resident.set(len(resident_ids))
-        self.adapters_running.set(len(set(stats.running_lora_ids)))
         self.adapter_resident.clear()  # exactly the loaded adapters
-        for lora_id, name in names.items():
-            self.adapter_resident.labels(adapter=name).set(1 if lora_id in resident_ids else 0)
+        for dp_rank, replica in enumerate(replicas):
+            resident_ids = {i for i in replica.slot_lora_ids if i != -1}
+            self._series(self.adapters_resident, dp_rank).set(len(resident_ids))
+            self._series(self.adapters_running, dp_rank).set(len(set(replica.running_lora_ids)))
+            for lora_id, name in names.items():
+                self._series(self.adapter_resident, dp_rank, adapter=name).set(1 if lora_id in resident_ids else 0)
 
     def render(self) -> bytes:
         return generate_latest(_WithoutCreated(self.registry))
+
+
+def combine_stats(replicas: list[SchedulerStats], capacities: list[int]) -> SchedulerStats:
+    """All replicas as one scheduler: counts summed, KV usage = used / total tokens, adapter ids the union; the slot
+    table is one replica's alone, so the total has none."""
+    if len(replicas) == 1:
+        return replicas[0]
+    used = sum(s.kv_usage * capacity for s, capacity in zip(replicas, capacities, strict=True))
+    return SchedulerStats(
+        op_id=0,
+        num_running=sum(s.num_running for s in replicas),
+        num_waiting=sum(s.num_waiting for s in replicas),
+        kv_usage=used / max(1, sum(capacities)),
+        running_lora_ids=sorted({i for s in replicas for i in s.running_lora_ids}),
+        waiting_lora_ids=sorted({i for s in replicas for i in s.waiting_lora_ids}),
+        prefix_cache_hit_tokens=sum(s.prefix_cache_hit_tokens for s in replicas),
+        prefix_cache_queried_tokens=sum(s.prefix_cache_queried_tokens for s in replicas),
+        num_preemptions=sum(s.num_preemptions for s in replicas),
+        num_loaded_adapters=min(s.num_loaded_adapters for s in replicas),
+    )
 
 
 class _WithoutCreated:

@@ -18,6 +18,7 @@ from frontend.http_utils import (
     stream_many,
     wait_all,
 )
+from frontend.metrics import combine_stats
 from frontend.params import (
     MAX_SEED,
     AdapterPath,
@@ -36,6 +37,7 @@ from protocol.structs import (
     LoadLoRAAdapterReqOutput,
     LoRAAdapterSpec,
     SamplingParams,
+    SchedulerStats,
     UnloadLoRAAdapterReqOutput,
 )
 
@@ -221,6 +223,17 @@ async def health(request: web.Request) -> web.Response:
     return json_response(HealthResponse(status="unhealthy", reason=reason), 503)
 
 
+async def replica_stats(runtime: Runtime) -> list[SchedulerStats] | None:
+    """Each replica's counters, or None when they cannot be had (not healthy, a scheduler slow to answer): the
+    info routes still render from what the frontend knows."""
+    if not runtime.healthy:
+        return None
+    try:
+        return await runtime.replica_stats()
+    except Exception:  # noqa: BLE001 - see above
+        return None
+
+
 @routes.get("/server_info")
 async def server_info(request: web.Request) -> web.Response:
     runtime = runtime_of(request)
@@ -228,17 +241,14 @@ async def server_info(request: web.Request) -> web.Response:
     for secret in ("api_key", "admin_api_key"):
         config[secret] = None if config[secret] is None else "***"
     ready = runtime.ready
-    stats = None
-    if runtime.healthy:
-        try:
-            stats = await runtime.scheduler_stats()
-        except Exception:  # noqa: BLE001 - info still renders from what the frontend knows
-            stats = None
+    replicas = await replica_stats(runtime)
+    capacities = [r.max_total_tokens for r in runtime.replica_ready]
+    stats = combine_stats(replicas, capacities) if replicas else None
     return json_response({
         **config,
         "model_dir": runtime.model_dir,
         "served_model_name": runtime.config.model_name,
-        "max_total_tokens": ready.max_total_tokens if ready else None,
+        "max_total_tokens": sum(capacities) if ready else None,  # over all replicas
         "context_length": ready.context_length if ready else None,
         "vocab_size": ready.vocab_size if ready else None,
         "lora_enabled": runtime.config.lora_enabled,
@@ -250,13 +260,32 @@ async def server_info(request: web.Request) -> web.Response:
         "num_requests_in_flight": len(runtime.requests),
         "num_adapter_entries": runtime.registry.num_entries(),
         "num_adapter_holds": runtime.registry.total_holds(),
-        "slot_lora_ids": stats.slot_lora_ids if stats else None,
+        "slot_lora_ids": stats.slot_lora_ids if stats and len(replicas) == 1 else None,  # per replica below
         "num_running": stats.num_running if stats else None,
         "num_waiting": stats.num_waiting if stats else None,
         "kv_usage": stats.kv_usage if stats else None,
         "num_preemptions": stats.num_preemptions if stats else None,
         "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens if stats else None,
+        "replicas": [replica_info(runtime, dp_rank, replicas[dp_rank] if replicas else None)
+                     for dp_rank in range(len(runtime.replica_ready))],
     })
+
+
+def replica_info(runtime: Runtime, dp_rank: int, stats: SchedulerStats | None) -> dict:
+    """One replica's row of /server_info: its scheduler's counters and what the router sent it."""
+    return {
+        "dp_rank": dp_rank,
+        "max_total_tokens": runtime.replica_ready[dp_rank].max_total_tokens,
+        "num_requests_in_flight": runtime.router.loads[dp_rank],
+        "num_requests_routed": runtime.router.num_routed[dp_rank],
+        "num_running": stats.num_running if stats else None,
+        "num_waiting": stats.num_waiting if stats else None,
+        "kv_usage": stats.kv_usage if stats else None,
+        "num_preemptions": stats.num_preemptions if stats else None,
+        "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens if stats else None,
+        "slot_lora_ids": stats.slot_lora_ids if stats else None,
+        "num_loaded_adapters": stats.num_loaded_adapters if stats else None,
+    }
 
 
 @routes.get("/get_model_info")
@@ -269,13 +298,11 @@ async def model_info(request: web.Request) -> web.Response:
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
     runtime = runtime_of(request)
-    if runtime.healthy:
-        try:
-            stats = await runtime.scheduler_stats()
-            names = {e.lora_id: e.name for e in runtime.registry.live()}
-            runtime.metrics.update_scheduler(stats, runtime.config.max_loras_per_batch, names)
-        except Exception:  # noqa: BLE001 - metrics still render from what the frontend knows
-            pass
+    replicas = await replica_stats(runtime)
+    if replicas is not None:
+        names = {e.lora_id: e.name for e in runtime.registry.live()}
+        capacities = [r.max_total_tokens for r in runtime.replica_ready]
+        runtime.metrics.update_scheduler(replicas, capacities, runtime.config.max_loras_per_batch, names)
     return web.Response(body=runtime.metrics.render(), content_type="text/plain")
 
 
@@ -347,10 +374,6 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
 @routes.get("/lora_adapters")
 async def lora_adapters(request: web.Request) -> web.Response:
     runtime = runtime_of(request)
-    stats = None
-    if runtime.healthy:
-        try:
-            stats = await runtime.scheduler_stats()
-        except Exception:  # noqa: BLE001 - the table still lists adapters without their slots
-            stats = None
-    return json_response({"adapters": runtime.registry.table(stats.slot_lora_ids if stats else None)})
+    replicas = await replica_stats(runtime)
+    slot_tables = [r.slot_lora_ids for r in replicas] if replicas is not None else None
+    return json_response({"adapters": runtime.registry.table(slot_tables)})

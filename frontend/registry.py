@@ -219,21 +219,24 @@ class AdapterRegistry:
     def num_entries(self) -> int:
         return len(self._entries)
 
-    def table(self, slot_lora_ids: list[int] | None = None) -> list[dict]:
-        """The /lora_adapters rows; slot_lora_ids (per device slot, from the scheduler) adds where each one sits."""
-        slots = {lora_id: slot for slot, lora_id in enumerate(slot_lora_ids or [])}
-        return [
-            {
+    def table(self, slot_tables: list[list[int]] | None = None) -> list[dict]:
+        """The /lora_adapters rows; slot_tables (each replica's lora_id per device slot, by dp_rank) adds where each
+        one sits: `resident_slots` per replica, `resident_slot` on the lowest dp_rank that holds it."""
+        slots_by_replica = [{lora_id: slot for slot, lora_id in enumerate(table)} for table in slot_tables or []]
+        rows = []
+        for e in self.live():
+            resident_slots = {str(r): slots.get(e.lora_id) for r, slots in enumerate(slots_by_replica)}
+            rows.append({
                 "lora_name": e.name,
                 "lora_path": e.path,
                 "lora_id": e.lora_id,
                 "rank": e.rank,
                 "target_modules": e.target_modules,
                 "pinned": e.pinned,
-                "resident_slot": slots.get(e.lora_id) if e.lora_id >= 0 else None,
+                "resident_slot": next((slot for slot in resident_slots.values() if slot is not None), None),
+                "resident_slots": resident_slots,
                 "requests_in_flight": len(e.holders),
                 "draining": e.draining,
                 "in_host_memory": e.resident,
-            }
-            for e in self.live()
-        ]
+            })
+        return rows

@@ -118,6 +118,19 @@ class ServerInfoResponse(msgspec.Struct):
     num_running: int | None
     num_waiting: int | None
     kv_usage: float | None
+    replicas: list[ReplicaInfo]  # one per data-parallel replica (--dp-size), by dp_rank
+
+
+class ReplicaInfo(msgspec.Struct):
+    dp_rank: int
+    max_total_tokens: int
+    num_requests_in_flight: int  # routed to it and not finished
+    num_requests_routed: int  # since start
+    num_running: int | None
+    num_waiting: int | None
+    kv_usage: float | None
+    slot_lora_ids: list[int] | None
+    num_loaded_adapters: int | None
 
 
 class AdapterResult(msgspec.Struct):
@@ -142,7 +155,8 @@ class AdapterRow(msgspec.Struct):
     rank: int
     target_modules: list[str]
     pinned: bool
-    resident_slot: int | None
+    resident_slot: int | None  # the slot on the lowest dp_rank that holds it
+    resident_slots: dict[str, int | None]  # dp_rank -> slot (empty where the slots were not asked)
     requests_in_flight: int
     draining: bool
     in_host_memory: bool

@@ -1,4 +1,5 @@
-"""Runtime: the frontend's engine room — child processes, tokenizer and the table of requests in flight.
+"""Runtime: the frontend's engine room — child processes, tokenizer, the table of requests in flight, and which
+data-parallel replica serves each.
 
 The HTTP server, the RPC server and the in-process Engine all drive one Runtime from one event loop.
 """
@@ -16,9 +17,11 @@ from frontend.adapter_state import AdapterStateFile
 from frontend.launcher import ProcessGroup
 from frontend.lora_config import resolve_lora_config
 from frontend.metrics import Metrics
+from frontend.node_rendezvous import NodeRendezvous
 from frontend.registry import AdapterRegistry
+from frontend.replica_set import ReplicaSet
 from frontend.request_state import OutputOptions, RequestState
-from frontend.scheduler_client import SchedulerClient
+from frontend.router import Router
 from protocol.config import ServerConfig
 from protocol.errors import ServerError
 from protocol.structs import (
@@ -27,6 +30,7 @@ from protocol.structs import (
     SamplingParams,
     SchedulerReady,
     SchedulerStats,
+    SlotsChanged,
     TokenDeltas,
     TokenizedGenerateReq,
 )
@@ -67,9 +71,10 @@ class Runtime:
         self.config = config
         self.fault_hooks = fault_hooks or {}
         self.registry = AdapterRegistry(config.lora_path_root, max_pinned=config.max_loras_per_batch - 1)
-        self.metrics = Metrics(config.model_name)
+        self.metrics = Metrics(config.model_name, config.dp_size)
         self.requests: dict[str, RequestState] = {}
-        self.ready: SchedulerReady | None = None
+        self.ready: SchedulerReady | None = None  # what every replica can take (the smallest KV cache)
+        self.replica_ready: list[SchedulerReady] = []  # by dp_rank
         self.started = False  # every process up and start-up adapters loaded
         self.draining = False  # SIGTERM: no new work, the requests in flight finish (drain)
         self.stopping = False
@@ -79,7 +84,9 @@ class Runtime:
         self.tokenizer: Any = None
         self.eos_token_ids: list[int] = []
         self.procs: ProcessGroup | None = None
-        self.scheduler: SchedulerClient | None = None
+        self.replicas: ReplicaSet | None = None
+        self.nodes: NodeRendezvous | None = None  # --nnodes > 1: the other nodes' endpoints and heartbeats
+        self.router = Router(config.dp_size)
         self.adapters: AdapterManager | None = None  # built once the LoRA config is complete (start)
         self._watch_task: asyncio.Task | None = None
 
@@ -91,13 +98,19 @@ class Runtime:
         self.model_dir = await loop.run_in_executor(None, resolve_model_dir, self.config.model_path)
         self.config = resolve_lora_config(self.config, self.model_dir)
         self.procs = ProcessGroup(self.config, self.model_dir, self.fault_hooks)
-        self.scheduler = SchedulerClient(self.procs.endpoints, self._apply_deltas, self._on_failure)
+        if self.config.nnodes > 1:  # every rank's endpoints, the remote ones as their nodes published them
+            self.nodes = await loop.run_in_executor(None, NodeRendezvous, self.config, START_TIMEOUT_S)
+            endpoints = await loop.run_in_executor(None, self.nodes.host_endpoints, self.procs.ipc_dir,
+                                                   START_TIMEOUT_S)
+            self.procs.endpoints = [endpoints]
+        self.replicas = ReplicaSet(self.procs.endpoints, self._apply_deltas, self._on_slots, self._on_failure)
         state_file = AdapterStateFile(self.config.lora_state_file) if self.config.lora_state_file else None
-        self.adapters = AdapterManager(self.config, self.registry, self.metrics, self.scheduler, state_file)
+        self.adapters = AdapterManager(self.config, self.registry, self.metrics, self.replicas, state_file)
         self.procs.start()
         logger.info("loading tokenizer from %s", self.model_dir)
         self.tokenizer, self.eos_token_ids = await loop.run_in_executor(None, load_tokenizer, self.model_dir)
-        self.ready = await self.scheduler.wait_ready(self.procs.dead, START_TIMEOUT_S)
+        self.replica_ready = await self.replicas.wait_ready(self._dead, START_TIMEOUT_S)
+        self.ready = min(self.replica_ready, key=lambda ready: ready.max_total_tokens)
         logger.info(
             "scheduler ready: %d KV tokens, context length %d", self.ready.max_total_tokens, self.ready.context_length
         )
@@ -107,6 +120,8 @@ class Runtime:
         parents = {s.lora_name: s.base_model_name for s in sources if s.base_model_name}
         await self.adapters.load_startup(specs, parents)
         self.started = True
+        if self.nodes is not None:
+            self.nodes.set_ready()
         logger.info("server ready")
 
     async def drain(self, timeout_s: float) -> None:
@@ -124,7 +139,7 @@ class Runtime:
         for state in left:
             state.abort("server is shutting down")
             if self.failure is None:
-                await self.scheduler.send(AbortReq(rid=state.rid))
+                await self.replicas.send(state.dp_rank, AbortReq(rid=state.rid))
         deadline = loop.time() + ABORT_GRACE_S
         while self.requests and loop.time() < deadline:  # the handlers send their last chunk, then finish()
             await asyncio.sleep(DRAIN_POLL_S)
@@ -136,14 +151,16 @@ class Runtime:
         if self._watch_task is not None:
             self._watch_task.cancel()
         self._fail_all("server is shutting down", status=503)
-        if self.scheduler is not None:
-            await self.scheduler.close(send_shutdown=self.failure is None)
+        if self.replicas is not None:
+            await self.replicas.close(send_shutdown=self.failure is None)
+        if self.nodes is not None:  # after the Shutdown went to every rank: the headless nodes may go too
+            self.nodes.set_failed("node 0 shut down")
         if self._children_stopped is not None:
             await self._children_stopped
         if self.procs is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.procs.stop)
-        if self.scheduler is not None:
-            self.scheduler.close_sockets()
+        if self.replicas is not None:
+            self.replicas.close_sockets()
 
     @property
     def healthy(self) -> bool:
@@ -165,33 +182,47 @@ class Runtime:
             if state is None:
                 continue
             if state.apply(delta):  # a stop string ended it: free its scheduler resources
-                await self.scheduler.send(AbortReq(rid=state.rid))
+                await self.replicas.send(state.dp_rank, AbortReq(rid=state.rid))
+
+    def _on_slots(self, dp_rank: int, msg: SlotsChanged) -> None:
+        self.router.set_resident(dp_rank, msg.slot_lora_ids)
 
     async def _watch_loop(self) -> None:
         while self.failure is None:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            dead = self.procs.dead()
+            dead = self._dead()
             if dead is not None and not self.stopping:
-                self._on_failure(f"{dead[0]} exited with code {dead[1]}")
+                self._on_failure(dead[0] if dead[1] == -1 else f"{dead[0]} exited with code {dead[1]}")
+
+    def _dead(self) -> tuple[str, int] | None:
+        """A child that exited, or a node that stopped beating: (who, exit code; -1 for a node)."""
+        dead = self.procs.dead()
+        if dead is None and self.nodes is not None and (node := self.nodes.dead_node()) is not None:
+            return f"lost {node}", -1
+        return dead
 
     def _on_failure(self, reason: str) -> None:
         if self.failure is None:
             logger.error("server unhealthy: %s", reason)
             self.failure = reason
+            if self.nodes is not None:  # the headless nodes stop their ranks too
+                self.nodes.set_failed(reason)
             # No partial serving: the surviving children are stopped now; the frontend answers 503 until SIGTERM.
             if self.procs is not None and not self.stopping:
                 logger.error("stopping the remaining processes; serving 503 until SIGTERM")
                 self._children_stopped = asyncio.get_running_loop().run_in_executor(None, self.procs.stop)
         self._fail_all(f"server failure: {reason}", status=503)
-        self.scheduler.fail_pending(reason)
+        if self.replicas is not None:
+            self.replicas.fail_pending(reason)
 
     def _fail_all(self, message: str, status: int) -> None:
         for state in list(self.requests.values()):
             state.fail(message, status)
 
-    async def scheduler_stats(self) -> SchedulerStats:
+    async def replica_stats(self) -> list[SchedulerStats]:
+        """Each replica scheduler's counters, by dp_rank."""
         self.check_available()
-        return await self.scheduler.stats()
+        return await self.replicas.stats()
 
     # ---- generation ----------------------------------------------------------------------------------
 
@@ -222,10 +253,12 @@ class Runtime:
             rid, prompt_ids, sampling, stop_strings, self.tokenizer, lora_name, entry.lora_id if entry else None,
             output,
         )
+        state.dp_rank = self.router.pick(state.lora_id)
+        self.router.acquire(state.dp_rank, state.lora_id)
         self.requests[rid] = state
         self.metrics.on_submit(len(prompt_ids))
         req = TokenizedGenerateReq(rid=rid, input_ids=prompt_ids, sampling=sampling, lora_id=state.lora_id)
-        await self.scheduler.send(req)
+        await self.replicas.send(state.dp_rank, req)
         return state
 
     def _check_fits(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
@@ -270,16 +303,17 @@ class Runtime:
             state.fail("aborted by the client", status=499)
         # Counted before the hold goes: once released, an unload may drop the adapter's series.
         self.metrics.on_finish(state)
+        self.router.release(state.dp_rank, state.lora_id)
         if state.lora_id is not None:
             self.registry.release(state.lora_id, state.rid)
         if not was_finished and self.failure is None and not self.stopping:
-            await self.scheduler.send(AbortReq(rid=state.rid))
+            await self.replicas.send(state.dp_rank, AbortReq(rid=state.rid))
 
     async def abort(self, rid: str) -> bool:
         state = self.requests.get(rid)
         if state is None:
             return False
-        await self.scheduler.send(AbortReq(rid=rid))
+        await self.replicas.send(state.dp_rank, AbortReq(rid=rid))
         return True
 
 

@@ -1,7 +1,8 @@
 """SchedulerClient: the frontend's end of the scheduler sockets.
 
-Requests and aborts go out as they are; token deltas come back to a callback; every control message carries an
-operation id, and its reply is matched by that id (replies may arrive in any order, and a late one is dropped).
+Requests and aborts go out as they are; token deltas and slot tables come back to callbacks; every control message
+carries an operation id, and its reply is matched by that id (replies may arrive in any order, and a late one is
+dropped). Under --dp-size there is one client per replica (frontend/replica_set.py), all minting ids from one counter.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from protocol.errors import ServerError
@@ -23,6 +24,7 @@ from protocol.structs import (
     SchedulerStatsReq,
     SchedulerToFrontend,
     Shutdown,
+    SlotsChanged,
     TokenDeltas,
 )
 
@@ -38,6 +40,8 @@ class SchedulerClient:
         endpoints: Endpoints,
         on_deltas: Callable[[TokenDeltas], Any],
         on_failure: Callable[[str], None],
+        on_slots: Callable[[SlotsChanged], None] | None = None,
+        op_ids: Iterator[int] | None = None,
     ):
         self._from_scheduler = AsyncTypedSocket(
             PULL, endpoints.scheduler_to_frontend, bind=True, recv_type=SchedulerToFrontend
@@ -45,7 +49,8 @@ class SchedulerClient:
         self._to_scheduler = AsyncTypedSocket(PUSH, endpoints.frontend_to_scheduler, bind=False)
         self._on_deltas = on_deltas
         self._on_failure = on_failure
-        self._op_ids = itertools.count(1)
+        self._on_slots = on_slots
+        self._op_ids = op_ids if op_ids is not None else itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}  # op_id -> the caller's future
         self._failure: str | None = None
         self._recv_task: asyncio.Task | None = None
@@ -84,6 +89,9 @@ class SchedulerClient:
             msg = await self._from_scheduler.recv()
             if isinstance(msg, TokenDeltas):
                 await self._on_deltas(msg)
+            elif isinstance(msg, SlotsChanged):
+                if self._on_slots is not None:
+                    self._on_slots(msg)
             elif isinstance(msg, ProcessFailed):
                 self._on_failure(f"{msg.who}: {msg.error_message}")
             else:

@@ -108,7 +108,8 @@ _HELP: dict[str, str] = {
     "log_level": "logging level",
     "nnodes": "nodes for multi-node tensor parallelism",
     "node_rank": "this node's rank",
-    "dist_init_addr": "host:port of the torch.distributed rendezvous (default: a free local port)",
+    "dist_init_addr": "host:port of the torch.distributed rendezvous; with --nnodes > 1 the one address every node "
+    "agrees on, hosted by node 0 (default: a free local port)",
     "lora_load_timeout": "seconds an adapter operation waits for every rank before it fails and is rolled back",
     "lora_state_file": "adapter registry file, rewritten after every change and restored at start",
     "lora_resolver_dir": "an unknown adapter X named by a request is loaded from DIR/X on first use",
@@ -119,7 +120,7 @@ _HELP: dict[str, str] = {
     "(default: 2048 on CUDA, 512 on CPU)",
     "disable_radix_cache": "turn off the prefix cache (keyed by adapter)",
     "no_enable_prefix_caching": "vLLM's spelling of --disable-radix-cache",
-    "dp_size": "data-parallel replicas (only 1: data parallelism is not available yet)",
+    "dp_size": "data-parallel replicas behind one frontend, each a scheduler and --tp workers",
     "gpu_memory_utilization": "share of the GPU's memory this server may use, KV cache included (CUDA; "
     "default: the KV cache takes 0.85 of what is free after the weights)",
     "lora_modules": "vLLM's adapters loaded at start: NAME=PATH or JSON {name, path, base_model_name}",
@@ -207,9 +208,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
             raise ConfigError(f"--chunked-prefill-size must be >= 1 or -1 (off), got {self.chunked_prefill_size}")
-        if self.dp_size != 1:
-            raise ConfigError(f"--dp-size / --data-parallel-size {self.dp_size}: data parallelism is not available "
-                              "yet (only 1)")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ConfigError("--dp-size > 1 with --nnodes > 1 is not supported: replicas run on one node")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.enable_cuda_graph and self.disable_cuda_graph:
@@ -222,6 +222,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"--rpc-addr {self.rpc_addr} is not loopback: set --api-key to open it")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ConfigError("--nnodes > 1 needs --dist-init-addr HOST:PORT (the one address every node agrees on)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"--dist-init-addr {self.dist_init_addr!r} is not HOST:PORT")
         if self.tp % self.nnodes:
             raise ConfigError(f"--tp {self.tp} is not divisible by --nnodes {self.nnodes}")
         if self.lora_target_modules is not None:

@@ -274,6 +274,14 @@ class SchedulerStats(Struct, frozen=True):
     prefix_cache_hit_tokens: int = 0  # since start, cumulative
     prefix_cache_queried_tokens: int = 0
     num_preemptions: int = 0
+    num_loaded_adapters: int = 0  # adapter ids every rank of this scheduler holds
+
+
+class SlotsChanged(Struct, frozen=True):
+    """The scheduler's device slot table after a step that changed it (-1 = empty): where requests go under
+    --dp-size (frontend/router.py)."""
+
+    slot_lora_ids: list[int]
 
 
 class SchedulerReady(Struct, frozen=True):
@@ -363,13 +371,14 @@ class ProcessArgs(msgspec.Struct, frozen=True, kw_only=True):
     endpoints: Endpoints
     model_dir: str  # resolved checkpoint directory
     rank: int = 0  # the worker's local rank on its node; unused by the scheduler
+    dp_rank: int = 0  # the data-parallel replica this process belongs to (--dp-size)
     fault_hooks: dict[str, str] = {}  # test-only fault injection, e.g. {"fail_load_on_rank": "1"}
 
 
 # ---- one union per socket direction ---------------------------------------------------------------
 
 FrontendToScheduler = Union[TokenizedGenerateReq, AbortReq, LoadAdapters, DropAdapters, SchedulerStatsReq, Shutdown]
-SchedulerToFrontend = Union[TokenDeltas, SchedulerReady, SchedulerStats, AdapterOpDone, ProcessFailed]
+SchedulerToFrontend = Union[TokenDeltas, SlotsChanged, SchedulerReady, SchedulerStats, AdapterOpDone, ProcessFailed]
 SchedulerToWorker = Union[ForwardBatch, DropAdapters, Shutdown]
 SchedulerToLoader = LoadAdapters
 WorkerToScheduler = Union[BatchResult, AdapterReport, WorkerReady, ProcessFailed]

@@ -22,6 +22,7 @@ from protocol.structs import (
     SchedulerReady,
     SchedulerStatsReq,
     Shutdown,
+    SlotsChanged,
     TokenDelta,
     TokenDeltas,
     TokenizedGenerateReq,
@@ -60,6 +61,7 @@ class SchedulerProcess:
         self.to_frontend = TypedSocket(PUSH, endpoints.scheduler_to_frontend, bind=False)
         self.scheduler: Scheduler | None = None
         self.deltas: list[TokenDelta] = []  # sent together, once per step
+        self.sent_slot_table: list[int] = []  # the slot table the frontend last heard of
         self.deferred_drops: list[DropAdapters] = []  # drops that arrived during a forward pass
         self.early_results: dict[int, BatchResult] = {}  # results read before their turn (two passes in flight)
         # frontend messages (and their extra frames) that arrived before the workers were ready
@@ -126,6 +128,7 @@ class SchedulerProcess:
         )
         log.info("ready: %d ranks, %d KV pages of %d tokens", len(ready), num_pages, page_size)
         self.scheduler = scheduler
+        self.sent_slot_table = scheduler.slots.slot_table()  # all empty, as the frontend assumes
         for msg, frames in self.early_msgs:
             self.on_frontend(msg, frames)
         self.early_msgs = []
@@ -167,6 +170,10 @@ class SchedulerProcess:
         if self.deltas:
             self.to_frontend.send(TokenDeltas(deltas=self.deltas))
             self.deltas = []
+        slot_table = self.scheduler.slots.slot_table()
+        if slot_table != self.sent_slot_table:  # rare: only when an adapter enters or leaves a slot
+            self.sent_slot_table = slot_table
+            self.to_frontend.send(SlotsChanged(slot_lora_ids=slot_table))
 
     def broadcast(self, msg: msgspec.Struct) -> None:
         for sock in self.to_workers:

@@ -426,6 +426,7 @@ class Scheduler:
             prefix_cache_hit_tokens=self.cache.num_hit_tokens,
             prefix_cache_queried_tokens=self.cache.num_queried_tokens,
             num_preemptions=self.num_preemptions,
+            num_loaded_adapters=len(self.adapters.loaded_ids),
         )
 
     # ---- adapters (between forward passes) --------------------------------------------------------------------

@@ -76,7 +76,8 @@ def test_both_spellings_is_an_error(argv):
         ServerConfig.from_kwargs(**{flag.lstrip("-").replace("-", "_"): int(value) for flag, value in pairs})
 
 
-@pytest.mark.parametrize("argv", [["--data-parallel-size", "2"], ["--dp-size", "2"],
+@pytest.mark.parametrize("argv", [["--data-parallel-size", "0"], ["--dp-size", "2", "--nnodes", "2", "--tp", "2",
+                                                                   "--dist-init-addr", "127.0.0.1:29500"],
                                   ["--gpu-memory-utilization", "0"], ["--gpu-memory-utilization", "1.5"],
                                   ["--lora-modules", "no-equals-sign"], ["--lora-modules", '{"name": "x"}'],
                                   ["--lora-modules", "a=/x", "--lora-paths", "a=/y"]])
@@ -85,9 +86,10 @@ def test_bad_vllm_flags(argv):
         config_from_args(argv)
 
 
-def test_data_parallel_error_says_why():
-    with pytest.raises(ConfigError, match="data parallelism is not available yet"):
-        config_from_args(["--data-parallel-size", "2"])
+def test_data_parallel_flags():
+    assert config_from_args(["--data-parallel-size", "2"]).dp_size == 2  # replicas: tests/test_data_parallel.py
+    with pytest.raises(ConfigError, match="--nnodes"):
+        config_from_args(["--dp-size", "2", "--nnodes", "2", "--tp", "2", "--dist-init-addr", "127.0.0.1:29500"])
 
 
 def test_both_spellings_exit_non_zero_with_one_line():

@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import bench_chunked_prefill  # noqa: E402
+import bench_dp  # noqa: E402
 import bench_kv_admission  # noqa: E402
 import bench_prefix_cache  # noqa: E402
 import bench_serving  # noqa: E402
@@ -154,3 +155,14 @@ def test_step_overhead_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
     assert result["step_ms"] > 0 and stream["itl_ms"]["p50"] > 0
     [(value, _)] = result["measured"].values()
     assert value == pytest.approx(stream["itl_ms"]["p50"] / result["step_ms"])
+
+
+def test_data_parallel_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
+    result = run_quick(bench_dp, bench_cache_dir, tmp_path / "dp.json")
+    plan = bench_dp.QUICK
+    for side in ("dp1", "dpN"):
+        assert result[side]["summary"]["num_completed"] == plan.num_requests
+    assert len(result["dp1"]["requests_routed"]) == 1
+    assert len(result["dpN"]["requests_routed"]) == plan.dp_size and min(result["dpN"]["requests_routed"]) > 0
+    [(value, _)] = result["measured"].values()
+    assert value > 0

@@ -129,7 +129,7 @@ def test_residency_gauges_follow_the_scheduler() -> None:
     names = {1: "a", 2: "b", 3: "c"}
     stats = SchedulerStats(op_id=0, num_running=3, num_waiting=1, kv_usage=0.25, running_lora_ids=[1, 2],
                            waiting_lora_ids=[3], slot_lora_ids=[2, -1, 1, -1])
-    metrics.update_scheduler(stats, 4, names)
+    metrics.update_scheduler([stats], [1000], 4, names)
     _, samples = parse(metrics.render().decode())
     assert value(samples, "loraplex_adapters_loaded") == 3
     assert value(samples, "loraplex_adapters_resident") == 2
@@ -143,7 +143,7 @@ def test_residency_gauges_follow_the_scheduler() -> None:
     # "a" leaves its slot, "c" takes one and "b" is unloaded: its series go at the next update
     stats = SchedulerStats(op_id=0, num_running=1, num_waiting=0, kv_usage=0.1, running_lora_ids=[3],
                            slot_lora_ids=[3, -1])
-    metrics.update_scheduler(stats, 4, {1: "a", 3: "c"})
+    metrics.update_scheduler([stats], [1000], 4, {1: "a", 3: "c"})
     _, samples = parse(metrics.render().decode())
     resident = {dict(labels)["adapter"]: v for (name, labels), v in samples.items()
                 if name == "loraplex_adapter_resident"}
@@ -155,8 +155,8 @@ def test_drop_adapter_removes_every_series_of_it() -> None:
     metrics = Metrics(BASE)
     serve(metrics, "gone", 4, 2)
     serve(metrics, "kept", 4, 2)
-    metrics.update_scheduler(SchedulerStats(op_id=0, num_running=0, num_waiting=0, kv_usage=0.0, slot_lora_ids=[1]), 1,
-                             {1: "gone", 2: "kept"})
+    metrics.update_scheduler([SchedulerStats(op_id=0, num_running=0, num_waiting=0, kv_usage=0.0, slot_lora_ids=[1])],
+                             [1000], 1, {1: "gone", 2: "kept"})
     metrics.drop_adapter("gone")
     metrics.drop_adapter("never-loaded")  # a no-op
     types, samples = parse(metrics.render().decode())

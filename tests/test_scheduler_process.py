@@ -33,6 +33,7 @@ from protocol.structs import (
     SchedulerToFrontend,
     SchedulerToWorker,
     Shutdown,
+    SlotsChanged,
     TokenDelta,
     TokenDeltas,
     TokenizedGenerateReq,
@@ -62,9 +63,14 @@ class Harness:
         args = ProcessArgs(config=config, endpoints=endpoints, model_dir="/nonexistent")
         env = {**os.environ, ARGS_ENV: encode_process_args(args), "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen([sys.executable, "-m", "scheduler"], cwd=REPO, env=env)
+        self.slot_tables: list[list[int]] = []  # every SlotsChanged, in order
 
     def to_frontend(self, kind):
+        """The next message to the frontend; slot tables, which may come between any two, are kept aside."""
         msg = self.frontend_in.recv(TIMEOUT_MS)
+        while isinstance(msg, SlotsChanged):
+            self.slot_tables.append(msg.slot_lora_ids)
+            msg = self.frontend_in.recv(TIMEOUT_MS)
         assert isinstance(msg, kind), f"expected {kind.__name__}, got {msg!r}"
         return msg
 
@@ -138,6 +144,7 @@ def test_scheduler_process_serves_a_request_and_shuts_down(harness):
     assert harness.to_worker(DropAdapters) == DropAdapters(op_id=9, lora_ids=[0])
     dropped = AdapterOutcome(lora_id=0, success=True)
     assert harness.to_frontend(AdapterOpDone) == AdapterOpDone(op_id=9, outcomes=[dropped])
+    assert harness.slot_tables == [[0, -1], [-1, -1]]  # the adapter took a slot, then the drop emptied it
 
     harness.frontend_out.send(Shutdown())
     harness.to_worker(Shutdown)

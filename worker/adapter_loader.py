@@ -26,8 +26,10 @@ STOP_POLL_MS = 200
 # Test-only fault injection (ProcessArgs.fault_hooks, all values strings); inert unless set:
 #   fail_load_on_rank=N  global rank N fails every adapter load with "injected fault on rank N"
 #   fail_load_name=NAME  ... only the loads of adapters named NAME (with fail_load_on_rank or hang_load_on_rank)
+#   fail_load_on_replica=R  ... only on data-parallel replica R (with fail_load_on_rank or hang_load_on_rank)
 #   hang_load_on_rank=N  global rank N never answers a load (until the worker stops)
 #   load_delay_s=S       every adapter load sleeps S seconds first (tests of loads off the decode loop)
+#   refuse_path_loads=1  every adapter sent as a path fails (tests that a node's ranks get every adapter as tensors)
 
 
 class AdapterLoader(threading.Thread):
@@ -40,10 +42,12 @@ class AdapterLoader(threading.Thread):
         self.to_scheduler = TypedSocket(PUSH, args.endpoints.workers_to_scheduler, bind=False)
         self.send_lock = threading.Lock()  # zmq sockets are not thread-safe; reports leave from the op threads
         hooks = args.fault_hooks
-        self.fail_loads = hooks.get("fail_load_on_rank") == str(rank)
-        self.hang_loads = hooks.get("hang_load_on_rank") == str(rank)
+        on_replica = hooks.get("fail_load_on_replica", str(args.dp_rank)) == str(args.dp_rank)
+        self.fail_loads = on_replica and hooks.get("fail_load_on_rank") == str(rank)
+        self.hang_loads = on_replica and hooks.get("hang_load_on_rank") == str(rank)
         self.fault_name = hooks.get("fail_load_name")
         self.load_delay_s = float(hooks.get("load_delay_s", 0))
+        self.refuse_paths = hooks.get("refuse_path_loads") == "1"
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -73,6 +77,10 @@ class AdapterLoader(threading.Thread):
             logger.warning("op %d: injected hang on rank %d", op.op_id, self.rank)
             self.stopping.wait()
             return []
+        if self.refuse_paths and any(a.lora_path is not None for a in op.adapters):  # refused before any read
+            return [AdapterOutcome(lora_id=a.lora_id, success=False, error_kind="internal",
+                                   error_message=f"injected: rank {self.rank} reads no adapter path")
+                    for a in op.adapters]
         outcomes = self.manager.read(op.adapters, frames)
         if self.fail_loads:
             fault = AdapterLoadError(f"injected fault on rank {self.rank}", "internal")

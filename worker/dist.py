@@ -26,12 +26,12 @@ def ranks_per_node(config: ServerConfig) -> int:
     return config.tp // config.nnodes
 
 
-def pick_device(config: ServerConfig, local_rank: int) -> torch.device:
+def pick_device(config: ServerConfig, device_index: int) -> torch.device:
     device_type = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for but CUDA is not available")
-        return torch.device("cuda", local_rank)
+        return torch.device("cuda", device_index)
     return torch.device("cpu")
 
 
@@ -51,6 +51,15 @@ def init_distributed(config: ServerConfig, dist_init_addr: str, rank: int, devic
     logger.info(
         "joining torch.distributed group: rank %d of %d, %s at tcp://%s", rank, config.tp, backend, dist_init_addr
     )
+    if config.nnodes > 1:
+        # Node 0's frontend hosts the store at --dist-init-addr (frontend/node_rendezvous.py): every rank joins as a
+        # client, under a prefix of its own beside the nodes' keys.
+        host, port = dist_init_addr.rsplit(":", 1)
+        client = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=DIST_INIT_TIMEOUT)
+        store = dist.PrefixStore("tp/", client)
+        dist.init_process_group(backend=backend, store=store, world_size=config.tp, rank=rank,
+                                timeout=DIST_INIT_TIMEOUT, device_id=device if device.type == "cuda" else None)
+        return
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{dist_init_addr}",

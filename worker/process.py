@@ -55,13 +55,14 @@ class Worker:
         self.from_scheduler = TypedSocket(
             PULL, endpoints.scheduler_to_workers[args.rank], bind=True, recv_type=SchedulerToWorker
         )
-        device = pick_device(config, args.rank)
+        # Replica r's ranks use devices r * ranks_per_node ... (r + 1) * ranks_per_node - 1 on this node.
+        device = pick_device(config, args.dp_rank * ranks_per_node(config) + args.rank)
         if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # The ranks share the host's cores with the frontend, the scheduler and often the clients. A thread pool
             # wider than what is free makes every small op wait at a barrier for a descheduled thread (measured on
             # 2 cores under load: 6x slower decode steps, 90x with many LoRA segments), so leave one core free.
-            local_ranks = config.tp // config.nnodes
-            torch.set_num_threads(max(1, (len(os.sched_getaffinity(0)) - 1) // local_ranks))
+            local_workers = ranks_per_node(config) * config.dp_size
+            torch.set_num_threads(max(1, (len(os.sched_getaffinity(0)) - 1) // local_workers))
         init_distributed(config, endpoints.dist_init_addr, rank, device)
         logger.info("loading model from %s on %s", args.model_dir, device)
         self.runner = ModelRunner(config, args.model_dir, rank, config.tp, device)
