@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from frontend.constraints import constrain, native_constraint
 from frontend.http_utils import (
     error_body,
     error_response,
@@ -93,6 +94,7 @@ async def start_generate(runtime: Runtime, body: NativeGenerateRequest) -> tuple
     prompts, batched = generate_items(runtime, body)
     logprobs = body.top_logprobs_num if body.return_logprob else -1
     sampling, stops = native_sampling(body.sampling_params, runtime.eos_token_ids, logprobs)
+    [sampling] = await constrain(runtime, [sampling], native_constraint(body.sampling_params))
     lora_names = per_item(body.lora_path, len(prompts), batched, "lora_path")
     rids = per_item(body.rid, len(prompts), batched, "rid")
     states = await submit_all(runtime, prompts, sampling, stops, lora_names, rids)

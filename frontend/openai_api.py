@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from aiohttp import web
 
+from frontend.constraints import ResponseFormat, constrain, openai_constraint
 from frontend.http_utils import (
     error_body,
     error_response,
@@ -71,7 +72,6 @@ NEUTRAL = {
     "logit_bias": (None, {}),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -106,6 +106,11 @@ class CommonParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
     user: str | None = None
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None  # structured output (frontend/constraints.py), or one of:
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(CommonParams, kw_only=True):
@@ -245,8 +250,9 @@ async def run_openai(
     runtime.check_available()
     lora_name, served_by = await resolve_model(runtime, req.model)
     jobs: list[tuple[list[int], Any]] = []
+    found = openai_constraint(req)
     for prompt in prompts:
-        for sampling in openai_sampling(runtime, req, len(prompt), default_max):
+        for sampling in await constrain(runtime, openai_sampling(runtime, req, len(prompt), default_max), found):
             jobs.append((prompt, sampling))
     stops = stop_list(req.stop)
     states: list[RequestState] = []

@@ -39,6 +39,9 @@ class NativeSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=T
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     seed: Seed | None = None
+    json_schema: str | None = None  # structured output (frontend/constraints.py): at most one of the three
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -73,9 +76,6 @@ NATIVE_SAMPLING_NEUTRAL = {
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "no_stop_trim": (None, False),
-    "json_schema": (None,),
-    "regex": (None,),
-    "ebnf": (None,),
     "logit_bias": (None, {}),
     "custom_params": (None,),
 }

@@ -16,6 +16,22 @@ class Struct(msgspec.Struct, tag=True, kw_only=True):
 # ---- shared pieces -----------------------------------------------------------------------------
 
 
+class OutputConstraint(msgspec.Struct, frozen=True, array_like=True):
+    """Structured output: the text must match `source`, read as `kind` says. The frontend checks that it compiles
+    before the request is admitted; the sampling worker (rank 0) compiles it again and masks every step with it."""
+
+    kind: str  # one of CONSTRAINT_KINDS
+    source: str
+
+
+# kind -> what `source` holds (protocol/grammar.py compiles each with xgrammar)
+CONSTRAINT_KINDS = {
+    "json_schema": "a JSON schema, as JSON text",
+    "regex": "a regular expression",
+    "ebnf": "an EBNF grammar",
+}
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     max_new_tokens: int = 128
     temperature: float = 1.0  # 0 = greedy
@@ -27,6 +43,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # -1: no logprobs; N >= 0: each output token's logprob, and the N most likely tokens' (log-softmax of the raw
     # logits, adapter applied, before temperature / top-k / top-p)
     logprobs: int = -1
+    constraint: OutputConstraint | None = None  # structured output; its stop tokens are stop_token_ids
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -278,6 +295,7 @@ class ForwardReq(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     num_generated: int = 0  # output tokens so far: with the seed, it makes sampling reproducible and stateless
     slot: int = -1  # adapter device slot, -1 = base model
     prev_row: int = -1  # >= 0: input_ids[0] is the token the previous batch sampled at this row (not known here yet)
+    seq_id: int = -1  # the scheduler's number for the request, unique while it runs: keys per-request worker state
 
 
 class SlotLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -289,6 +307,7 @@ class ForwardBatch(Struct, frozen=True):
     batch_id: int
     reqs: list[ForwardReq]
     slot_loads: list[SlotLoad] = []  # applied before the forward pass
+    ended_seq_ids: list[int] = []  # constrained requests that ended since the last batch: the workers free their state
 
 
 class BatchResult(Struct, frozen=True):

@@ -90,6 +90,7 @@ class Scheduler:
         self._next_batch_id = 0
         self._next_arrival = 0
         self._plan: dict[Request, int] = {}  # the step being built: request -> tokens it writes
+        self._ended_seq_ids: list[int] = []  # constrained requests ended since the last batch (workers free them)
         self._budget_left = 0
 
     @property
@@ -171,6 +172,8 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             del self.waiting[req.rid]
         req.status = RequestStatus.FINISHED
+        if req.sampling.constraint is not None:  # its grammar matcher on the workers goes with the next batch
+            self._ended_seq_ids.append(req.arrival)
         return TokenDelta(
             rid=req.rid,
             token_ids=token_ids or [],
@@ -226,7 +229,10 @@ class Scheduler:
             req.num_passes_in_flight += 1
             samples.append(req.num_unscheduled_tokens == 0)
             req.num_pending_samples += samples[-1]
-        batch = ForwardBatch(batch_id=self._next_batch_id, reqs=forward_reqs, slot_loads=slot_loads)
+        batch = ForwardBatch(
+            batch_id=self._next_batch_id, reqs=forward_reqs, slot_loads=slot_loads, ended_seq_ids=self._ended_seq_ids
+        )
+        self._ended_seq_ids = []
         self._next_batch_id += 1
         self._in_flight.append(_InFlight(batch_id=batch.batch_id, reqs=reqs, num_new=num_new, samples=samples))
         return batch
@@ -327,6 +333,7 @@ class Scheduler:
             num_generated=len(req.output_ids) + req.num_pending_samples,
             slot=req.slot,
             prev_row=prev_row,
+            seq_id=req.arrival,
         )
 
     def process_result(self, result: BatchResult) -> list[TokenDelta]:

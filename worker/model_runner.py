@@ -15,6 +15,7 @@ from protocol.config import ServerConfig
 from protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad, TokenLogprob
 from worker.batch_inputs import BatchError, BatchInputs
 from worker.dist import pick_dtype
+from worker.grammar import GrammarMasks
 from worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token
 from worker.layers import packed
 from worker.loader import load_weights
@@ -99,6 +100,7 @@ class ModelRunner:
             device=self.device,
         )
         self.sampler = Sampler(config.seed, self.device)
+        self.grammar = GrammarMasks(model_dir, self.vocab_size, rank, world_size)
         logger.info("KV cache: %d tokens (%d pages of %d)", self.max_total_tokens, num_pages, self.page_size)
         if self.max_total_tokens < self.context_length:
             logger.warning(
@@ -143,12 +145,15 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, batch: ForwardBatch) -> tuple[list[int], list[TokenLogprob | None]]:
         """Run the batch: each request's next token, and its logprob data where the request asks (else [])."""
+        self.grammar.end(batch.ended_seq_ids)
         if not batch.reqs:
             self._apply_slot_loads(batch.slot_loads)
             return [], []
         logits = self._logits(batch.reqs, batch.slot_loads, last_only=True)  # (reqs, vocab)
         params = [req.sampling for req in batch.reqs]
-        tokens = self.sampler.sample(logits, params, [req.num_generated for req in batch.reqs])
+        masked = self.grammar.mask(logits, batch.reqs)  # structured output; logprobs stay those of the raw logits
+        tokens = self.sampler.sample(masked, params, [req.num_generated for req in batch.reqs])
+        tokens = self.grammar.record(batch.reqs, tokens)
         return tokens, token_logprobs(logits, params, tokens)
 
     @torch.inference_mode()
