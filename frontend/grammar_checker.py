@@ -66,7 +66,7 @@ class GrammarChecker:
             await asyncio.wait_for(compiled, COMPILE_TIMEOUT_S)
         except asyncio.TimeoutError:
             return f"compiling it took over {COMPILE_TIMEOUT_S:g} s"
-        except RuntimeError as e:  # xgrammar's parse and conversion errors
+        except Exception as e:  # noqa: BLE001 - xgrammar's parse and conversion errors (RuntimeError, ValueError, ...)
             return clean_message(str(e))
         return ""
 

@@ -21,11 +21,24 @@ def make_compiler(tokenizer: Any, vocab_size: int) -> Any:
     return xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILE_CACHE_BYTES)
 
 
+def json_schema_grammar(schema: str) -> str:
+    """A JSON schema as xgrammar's EBNF. Whitespace as json.dumps writes it (", " and ": "): a model cannot loop on
+    blanks. xgrammar 0.2.8 lets a length-bounded string (minLength / maxLength) hold raw control characters, which
+    JSON forbids (json.loads refuses them): its character class gets the exclusion every other string rule has."""
+    import xgrammar as xgr
+
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    return text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
 def compile_constraint(compiler: Any, constraint: OutputConstraint) -> Any:
     """The constraint's xgrammar CompiledGrammar; raises (RuntimeError from xgrammar) when the source is invalid."""
     if constraint.kind == "json_schema":
-        # Whitespace as json.dumps writes it (", " and ": "): a model cannot loop on blanks, and the text parses.
-        return compiler.compile_json_schema(constraint.source, any_whitespace=False)
+        return compiler.compile_grammar(json_schema_grammar(constraint.source))
     if constraint.kind == "regex":
         return compiler.compile_regex(constraint.source)
     if constraint.kind == "ebnf":
