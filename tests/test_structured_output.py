@@ -18,8 +18,9 @@ from transformers import AutoTokenizer
 
 import frontend.grammar_checker as grammar_checker
 from frontend.grammar_checker import GrammarChecker
+from protocol.config import ServerConfig
 from protocol.grammar import compile_constraint, make_compiler
-from protocol.structs import OutputConstraint, SamplingParams, TokenizedGenerateReq
+from protocol.structs import ForwardBatch, ForwardReq, OutputConstraint, SamplingParams, TokenizedGenerateReq
 from tests.test_engine_core import OverlapWorkers
 from tests.test_scheduler_core import Workers, assert_drained, make_scheduler
 from worker.grammar import GrammarMasks
@@ -370,3 +371,66 @@ def test_matchers_stay_right_under_overlap_chunks_and_preemption(seed, llama_dir
         assert is_valid_prefix(compiler, constraint, output_ids)
         if reason == "stop":
             assert re.fullmatch(constraint.source, tokenizer.decode(output_ids[:-1]))
+
+
+# ---- tensor parallelism: rank 0 masks, every rank takes its tokens --------------------------------------------------
+
+TP_REGEX = r"[a-z]{1,8}( [a-z]{1,8}){0,5}"
+
+
+def grammar_decode(runner, eos: int, steps: int = 12) -> list[list[int]]:
+    """Two constrained and two free rows (seeded sampling), prefilled together then decoded together."""
+    constraint = OutputConstraint("regex", TP_REGEX)
+    params = [
+        SamplingParams(temperature=1.0, seed=i, stop_token_ids=[eos], constraint=constraint if i % 2 == 0 else None)
+        for i in range(4)
+    ]
+    prompts = [[3 + i, 40 + i, 7, 9 + i][: 2 + i] for i in range(4)]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    pages_per_row = -(-(max(map(len, prompts)) + steps) // runner.page_size)
+    for step in range(steps):
+        reqs = [
+            ForwardReq(
+                input_ids=prompt if step == 0 else out[-1:],
+                num_cached_tokens=0 if step == 0 else len(prompt) + step - 1,
+                page_ids=list(range(i * pages_per_row, (i + 1) * pages_per_row)),
+                sampling=sampling,
+                num_generated=step,
+                seq_id=i,
+            )
+            for i, (prompt, sampling, out) in enumerate(zip(prompts, params, outputs, strict=True))
+        ]
+        for out, token in zip(outputs, runner.forward(ForwardBatch(batch_id=step, reqs=reqs)), strict=True):
+            out.append(token)
+    return outputs
+
+
+def tp_grammar_child(rank: int, port: int, model_dir: str, eos: int, results) -> None:
+    from worker.dist import destroy_distributed, init_distributed
+    from worker.model_runner import ModelRunner
+
+    torch.set_num_threads(1)
+    config = ServerConfig(device="cpu", tp=2, page_size=4, max_total_tokens=256, context_length=64)
+    init_distributed(config, f"127.0.0.1:{port}", rank, torch.device("cpu"))
+    try:
+        results.put((rank, grammar_decode(ModelRunner(config, model_dir, rank, 2, "cpu"), eos)))
+    finally:
+        destroy_distributed()
+
+
+def test_tp2_ranks_take_rank0_s_constrained_tokens(llama_dir, tokenizer, compiler):
+    from worker_helpers import run_two_ranks
+
+    from worker.model_runner import ModelRunner
+
+    eos = tokenizer.eos_token_id
+    config = ServerConfig(device="cpu", page_size=4, max_total_tokens=256, context_length=64)
+    tp1 = grammar_decode(ModelRunner(config, str(llama_dir), 0, 1, "cpu"), eos)
+    by_rank = run_two_ranks(tp_grammar_child, str(llama_dir), eos, timeout_s=180)
+    assert by_rank[0] == by_rank[1] == tp1
+    constraint = OutputConstraint("regex", TP_REGEX)
+    for i, out in enumerate(tp1):
+        if i % 2 == 0:
+            ended = out.index(eos) + 1 if eos in out else len(out)
+            assert is_valid_prefix(compiler, constraint, out[:ended])
+    assert not is_valid_prefix(compiler, constraint, tp1[1][:4])  # a free row is not held to the regex
