@@ -17,6 +17,7 @@ import bench_kv_admission  # noqa: E402
 import bench_prefix_cache  # noqa: E402
 import bench_serving  # noqa: E402
 import bench_step_overhead  # noqa: E402
+import bench_structured  # noqa: E402
 from bench_report import percentile  # noqa: E402
 from bench_workload import FIRST_PLAIN_TOKEN_ID, WorkloadSpec, make_workload  # noqa: E402
 
@@ -154,3 +155,13 @@ def test_step_overhead_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
     assert result["step_ms"] > 0 and stream["itl_ms"]["p50"] > 0
     [(value, _)] = result["measured"].values()
     assert value == pytest.approx(stream["itl_ms"]["p50"] / result["step_ms"])
+
+
+def test_structured_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
+    result = run_quick(bench_structured, bench_cache_dir, tmp_path / "structured.json")
+    plan = bench_structured.QUICK
+    for side in ("free", "constrained"):  # every request wrote exactly its length on both sides
+        assert result[side]["summary"]["num_output_tokens"] == result["free"]["summary"]["num_output_tokens"]
+    assert result["free"]["summary"]["num_output_tokens"] >= plan.num_requests * plan.output_len_range[0]
+    [(value, _)] = result["measured"].values()
+    assert value > 0
