@@ -10,8 +10,9 @@ with none, one stream against the same forward step in this process (bench_step_
 load/unload benchmark (an extra adapter, not in the workload). Then the engine-core benchmarks, each starting its own
 servers: prefix cache on / off (bench_prefix_cache.py), chunked / whole prefill (bench_chunked_prefill.py), chats
 without max_tokens in a fixed KV cache (bench_kv_admission.py), and a quarter of the requests under a JSON schema
-against none (bench_structured.py). Every ratio's two sides are measured in this run, on this machine. Both systems run in the same dtype (bfloat16 by default: on a CPU with
-AMX/AVX512-BF16 its matmuls are 3-6x faster than float32) and with one thread per core.
+against none (bench_structured.py). Every ratio's two sides are measured in this run, on this machine. Both
+systems run in the same dtype (bfloat16 by default: on a CPU with AMX/AVX512-BF16 its matmuls are 3-6x faster than
+float32) and with one thread per core.
 """
 
 from __future__ import annotations
