@@ -20,16 +20,8 @@ class OutputConstraint(msgspec.Struct, frozen=True, array_like=True):
     """Structured output: the text must match `source`, read as `kind` says. The frontend checks that it compiles
     before the request is admitted; the sampling worker (rank 0) compiles it again and masks every step with it."""
 
-    kind: str  # one of CONSTRAINT_KINDS
+    kind: str  # "json_schema" (source: the schema as JSON text), "regex" or "ebnf" (an xgrammar EBNF grammar)
     source: str
-
-
-# kind -> what `source` holds (protocol/grammar.py compiles each with xgrammar)
-CONSTRAINT_KINDS = {
-    "json_schema": "a JSON schema, as JSON text",
-    "regex": "a regular expression",
-    "ebnf": "an EBNF grammar",
-}
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
