@@ -17,6 +17,9 @@ pass samples for it, which no one here knows yet: its ForwardReq names that toke
 (`prev_row`) and the workers put it in. A request that a stop token ends in the older pass is also in the newer one;
 that pass's token is dropped, and its pages and slot are held until that pass returns. Preemption and adapter drops
 wait until nothing is in flight.
+
+Structured output: the scheduler carries a request's constraint without reading it; rank 0 keeps its grammar
+matcher, keyed by the request's `seq_id` (its arrival number), and the next batch's `ended_seq_ids` frees it.
 """
 
 from __future__ import annotations
