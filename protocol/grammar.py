@@ -31,8 +31,8 @@ def json_schema_grammar(schema: str) -> str:
     return text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)
 
 
-_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
 
 
 def compile_constraint(compiler: Any, constraint: OutputConstraint) -> Any:
