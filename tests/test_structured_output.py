@@ -434,3 +434,17 @@ def test_tp2_ranks_take_rank0_s_constrained_tokens(llama_dir, tokenizer, compile
             ended = out.index(eos) + 1 if eos in out else len(out)
             assert is_valid_prefix(compiler, constraint, out[:ended])
     assert not is_valid_prefix(compiler, constraint, tp1[1][:4])  # a free row is not held to the regex
+
+
+def test_a_length_bounded_json_string_refuses_control_characters(compiler):
+    """xgrammar 0.2.8's rule for strings with minLength / maxLength lets raw control characters in, which json.loads
+    refuses; protocol/grammar.py gives that rule JSON's exclusion."""
+    import xgrammar as xgr
+
+    compiled = compile_constraint(compiler, OutputConstraint("json_schema", json.dumps(SCHEMA)))
+    for text, ok in [
+        ('{"age": 1, "color": "red", "ok": true, "name": "a\x1a', False),
+        ('{"age": 1, "color": "red", "ok": true, "name": "a\tb', False),
+        ('{"age": 1, "color": "red", "ok": true, "name": "ab"}', True),
+    ]:
+        assert xgr.GrammarMatcher(compiled).accept_string(text) is ok, text
