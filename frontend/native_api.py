@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from frontend.constraints import constrain, native_constraint
 from frontend.http_utils import (
     error_body,
     error_response,
@@ -127,6 +128,7 @@ async def start_generate(runtime: Runtime, body: NativeGenerateRequest) -> tuple
     logprob_start_len = body.logprob_start_len if body.return_logprob else -1
     params = body.sampling_params or NativeSamplingParams()
     sampling, stops = native_sampling(params, runtime.eos_token_ids, logprobs, logprob_start_len)
+    [sampling] = await constrain(runtime, [sampling], native_constraint(params))
     lora_names = per_item(body.lora_path, len(prompts), batched, "lora_path")
     rids = per_item(body.rid, len(prompts), batched, "rid")
     if params.n > 1:

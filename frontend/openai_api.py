@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from aiohttp import web
 
+from frontend.constraints import ResponseFormat, constrain, openai_constraint
 from frontend.http_utils import (
     error_body,
     error_response,
@@ -71,7 +72,6 @@ NEUTRAL = {
     "logit_bias": (None, {}),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -114,6 +114,11 @@ class CommonParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None  # structured output (frontend/constraints.py), or one of:
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(CommonParams, kw_only=True):
@@ -270,8 +275,9 @@ async def run_openai(
     runtime.check_available()
     lora_name, served_by = await resolve_model(runtime, req.model)
     jobs: list[tuple[list[int], Any]] = []
+    found = openai_constraint(req)
     for prompt in prompts:
-        for sampling in openai_sampling(runtime, req, len(prompt), default_max):
+        for sampling in await constrain(runtime, openai_sampling(runtime, req, len(prompt), default_max), found):
             jobs.append((prompt, sampling))
     echoes = [text for text in echo_texts for _ in range(req.n)] if echo_texts is not None else None
     stops = stop_list(req.stop)

@@ -53,6 +53,9 @@ class NativeSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=T
     min_new_tokens: TokenCount = 0
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
+    json_schema: str | None = None  # structured output (frontend/constraints.py): at most one of the three
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -79,9 +82,6 @@ NATIVE_NEUTRAL = {
 }
 NATIVE_SAMPLING_NEUTRAL = {
     "spaces_between_special_tokens": (None, True),
-    "json_schema": (None,),
-    "regex": (None,),
-    "ebnf": (None,),
     "logit_bias": (None, {}),
     "custom_params": (None,),
 }

@@ -14,6 +14,7 @@ from typing import Any
 
 from frontend.adapter_manager import AdapterManager
 from frontend.adapter_state import AdapterStateFile
+from frontend.grammar_checker import GrammarChecker
 from frontend.launcher import ProcessGroup
 from frontend.lora_config import resolve_lora_config
 from frontend.metrics import Metrics
@@ -83,6 +84,7 @@ class Runtime:
         self.model_dir = ""
         self.tokenizer: Any = None
         self.eos_token_ids: list[int] = []
+        self.grammars = GrammarChecker()  # structured-output constraints compile before their request is admitted
         self.procs: ProcessGroup | None = None
         self.replicas: ReplicaSet | None = None
         self.nodes: NodeRendezvous | None = None  # --nnodes > 1: the other nodes' endpoints and heartbeats

@@ -16,6 +16,14 @@ class Struct(msgspec.Struct, tag=True, kw_only=True):
 # ---- shared pieces -----------------------------------------------------------------------------
 
 
+class OutputConstraint(msgspec.Struct, frozen=True, array_like=True):
+    """Structured output: the text must match `source`, read as `kind` says. The frontend checks that it compiles
+    before the request is admitted; the sampling worker (rank 0) compiles it again and masks every step with it."""
+
+    kind: str  # "json_schema" (source: the schema as JSON text), "regex" or "ebnf" (an xgrammar EBNF grammar)
+    source: str
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     max_new_tokens: int = 128
     temperature: float = 1.0  # 0 = greedy
@@ -43,6 +51,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def needs_token_history(self) -> bool:
         """Whether sampling reads the tokens so far (penalties): the workers then keep them per request."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+    constraint: OutputConstraint | None = None  # structured output; its stop tokens are stop_token_ids
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -308,8 +317,9 @@ class ForwardReq(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     num_generated: int = 0  # output tokens so far: with the seed, it makes sampling reproducible and stateless
     slot: int = -1  # adapter device slot, -1 = base model
     prev_row: int = -1  # >= 0: input_ids[0] is the token the previous batch sampled at this row (not known here yet)
-    # Per-request state on the workers (penalties read the tokens so far): a key unique over the scheduler's life,
-    # and, on the first pass after the request is admitted, the tokens of its num_cached_tokens cached positions.
+    # Per-request state on the workers (penalties read the tokens so far; rank 0 keeps a grammar matcher): a key
+    # unique over the scheduler's life, and, on the first pass after the request is admitted, the tokens of its
+    # num_cached_tokens cached positions.
     req_key: int = -1
     history_ids: list[int] | None = None
     # Prompt logprobs: the prompt tokens whose logprobs this pass computes, the first predicted by input row

@@ -17,6 +17,9 @@ pass samples for it, which no one here knows yet: its ForwardReq names that toke
 (`prev_row`) and the workers put it in. A request that a stop token ends in the older pass is also in the newer one;
 that pass's token is dropped, and its pages and slot are held until that pass returns. Preemption and adapter drops
 wait until nothing is in flight.
+
+Structured output: the scheduler carries a request's constraint without reading it; rank 0 keeps its grammar
+matcher, keyed by the request's `req_key` (its arrival number), and the next batch's `released_keys` frees it.
 """
 
 from __future__ import annotations
@@ -174,8 +177,8 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             del self.waiting[req.rid]
         req.status = RequestStatus.FINISHED
-        if req.sampling.needs_token_history:
-            self._released_keys.append(req.arrival)
+        if req.sampling.needs_token_history or req.sampling.constraint is not None:
+            self._released_keys.append(req.arrival)  # its penalty history or grammar matcher on the workers
         return TokenDelta(
             rid=req.rid,
             token_ids=token_ids or [],

@@ -8,11 +8,11 @@ Order: build (or reuse) the bench model; the PEFT baseline in this process (no s
 with all the workload's adapters preloaded runs the 32-adapter workload, the same workload with 8 adapters and
 with none, one stream against the same forward step in this process (bench_step_overhead.py), and the adapter
 load/unload benchmark (an extra adapter, not in the workload). Then the engine-core benchmarks, each starting its own
-servers: prefix cache on / off (bench_prefix_cache.py), chunked / whole prefill (bench_chunked_prefill.py),
-chats without max_tokens in a fixed KV cache (bench_kv_admission.py), and `--dp-size 2` against one replica on the
-same cores (bench_dp.py). Every ratio's two sides are measured in this
-run, on this machine. Both systems run in the same dtype (bfloat16 by default: on a CPU with
-AMX/AVX512-BF16 its matmuls are 3-6x faster than float32) and with one thread per core.
+servers: prefix cache on / off (bench_prefix_cache.py), chunked / whole prefill (bench_chunked_prefill.py), chats
+without max_tokens in a fixed KV cache (bench_kv_admission.py), a quarter of the requests under a JSON schema
+against none (bench_structured.py), and `--dp-size 2` against one replica on the same cores (bench_dp.py). Every
+ratio's two sides are measured in this run, on this machine. Both systems run in the same dtype (bfloat16 by
+default: on a CPU with AMX/AVX512-BF16 its matmuls are 3-6x faster than float32) and with one thread per core.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import bench_peft_baseline  # noqa: E402
 import bench_prefix_cache  # noqa: E402
 import bench_serving  # noqa: E402
 import bench_step_overhead  # noqa: E402
+import bench_structured  # noqa: E402
 from bench_model import SIZES, adapter_name, ensure_bench_model  # noqa: E402
 from bench_report import (  # noqa: E402
     RATIO_HEADERS,
@@ -87,7 +88,8 @@ TARGETS: Targets = {
 
 # The engine-core benchmarks that start servers of their own, in the order they run (after the main server's).
 ENGINE_BENCHMARKS = {"prefix_cache": bench_prefix_cache, "chunked_prefill": bench_chunked_prefill,
-                     "kv_admission": bench_kv_admission, "data_parallel": bench_dp}
+                     "kv_admission": bench_kv_admission, "structured": bench_structured,
+                     "data_parallel": bench_dp}
 
 
 def cpu_speed_gflops(duration_s: float = 0.5) -> float:

@@ -18,6 +18,7 @@ import bench_kv_admission  # noqa: E402
 import bench_prefix_cache  # noqa: E402
 import bench_serving  # noqa: E402
 import bench_step_overhead  # noqa: E402
+import bench_structured  # noqa: E402
 from bench_report import percentile  # noqa: E402
 from bench_workload import FIRST_PLAIN_TOKEN_ID, WorkloadSpec, make_workload  # noqa: E402
 
@@ -164,5 +165,13 @@ def test_data_parallel_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
         assert result[side]["summary"]["num_completed"] == plan.num_requests
     assert len(result["dp1"]["requests_routed"]) == 1
     assert len(result["dpN"]["requests_routed"]) == plan.dp_size and min(result["dpN"]["requests_routed"]) > 0
+
+
+def test_structured_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
+    result = run_quick(bench_structured, bench_cache_dir, tmp_path / "structured.json")
+    plan = bench_structured.QUICK
+    for side in ("free", "constrained"):  # every request wrote exactly its length on both sides
+        assert result[side]["summary"]["num_output_tokens"] == result["free"]["summary"]["num_output_tokens"]
+    assert result["free"]["summary"]["num_output_tokens"] >= plan.num_requests * plan.output_len_range[0]
     [(value, _)] = result["measured"].values()
     assert value > 0

@@ -17,6 +17,7 @@ from protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad,
 from worker.batch_inputs import BatchError, BatchInputs
 from worker.cuda_graphs import DecodeGraphRunner
 from worker.dist import pick_dtype
+from worker.grammar import GrammarMasks
 from worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token
 from worker.layers import packed
 from worker.layers.attention import AttentionBackendError, BatchAttention, select_attention_backend
@@ -117,6 +118,7 @@ class ModelRunner:
         self.decode_graphs = self._decode_graphs()
         self.sampler = Sampler(config.seed, self.device)
         self.histories = TokenHistories()  # the tokens so far of the requests that use penalties
+        self.grammar = GrammarMasks(model_dir, self.vocab_size, rank, world_size)
         logger.info("KV cache: %d tokens (%d pages of %d)", self.max_total_tokens, num_pages, self.page_size)
         if self.max_total_tokens < self.context_length:
             logger.warning(
@@ -206,6 +208,7 @@ class ModelRunner:
         """Run the batch: each request's next token, its logprob data where the request asks (else []), and the
         prompt logprobs a request asks of this pass."""
         self.histories.release(batch.released_keys)
+        self.grammar.end(batch.released_keys)
         if not batch.reqs:
             self._apply_slot_loads(batch.slot_loads)
             return StepResult([], [], [])
@@ -215,7 +218,9 @@ class ModelRunner:
         logits, prompt_logits = logits[: len(batch.reqs)], logits[len(batch.reqs) :]  # (reqs, vocab), (extra, vocab)
         params = [req.sampling for req in batch.reqs]
         processed = apply_penalties(logits, batch.reqs, self.histories)  # logprobs read the raw logits
+        processed = self.grammar.mask(processed, batch.reqs)  # structured output
         tokens = self.sampler.sample(processed, params, [req.num_generated for req in batch.reqs])
+        tokens = self.grammar.record(batch.reqs, tokens)
         return StepResult(tokens, token_logprobs(logits, params, tokens), prompt_logprobs(prompt_logits, batch.reqs))
 
     @torch.inference_mode()

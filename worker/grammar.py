@@ -1,0 +1,133 @@
+"""Structured output on the worker: one xgrammar GrammarMatcher per constrained request, and the token mask it gives.
+
+Only rank 0 holds matchers (it compiles each constraint once: xgrammar's compiler caches by source, bounded in
+bytes, protocol/grammar.py). Every rank samples, so the ranks' unseeded generators stay in step; in a step with a
+constrained row rank 0's tokens are then broadcast, and every rank feeds the same tokens to the next pass.
+
+A matcher takes its request's last token lazily, at the next pass that includes the request: a pass with
+num_generated = g must see a matcher that has accepted g tokens, and the token sampled at g - 1 is kept until then.
+So a prompt chunk that samples nothing (its num_generated does not move), a token the scheduler drops (the request
+ended in the older of two passes in flight) and a preempted request recomputed later all leave the matcher right:
+it never accepts a token that is not in the request's output.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from protocol.grammar import compile_constraint, make_compiler
+from protocol.structs import ForwardReq
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sequence:
+    matcher: object  # xgrammar.GrammarMatcher
+    num_accepted: int = 0
+    pending_at: int = -1  # num_generated of the pass that sampled pending_token (-1: none)
+    pending_token: int = -1
+    is_broken: bool = False  # a sampled token broke the grammar (another mask left no allowed token): unmasked
+
+
+class GrammarMasks:
+    def __init__(self, model_dir: str, vocab_size: int, rank: int, world_size: int):
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size
+        self.rank, self.world_size = rank, world_size
+        self._compiler = None  # built on the first constrained request (it loads the tokenizer)
+        self._sequences: dict[int, _Sequence] = {}  # req_key -> its matcher
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._sequences)
+
+    def end(self, req_keys: list[int]) -> None:
+        for req_key in req_keys:
+            self._sequences.pop(req_key, None)
+
+    def mask(self, logits: torch.Tensor, reqs: list[ForwardReq]) -> torch.Tensor:
+        """logits (reqs, vocab) -> the same with every constrained row's forbidden tokens at -inf (a copy: the
+        caller's logits stay raw, for logprobs); the logits themselves when no row is constrained, or off rank 0."""
+        rows = [i for i, req in enumerate(reqs) if req.sampling.constraint is not None]
+        if not rows or self.rank != 0:
+            return logits
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(reqs), self.vocab_size)  # (reqs, ceil(vocab / 32)) int32
+        masked_rows = []
+        for i in rows:
+            seq = self._sequence(reqs[i])
+            # Terminated: its last token ended the request, and this row's token is dropped.
+            if not seq.is_broken and not seq.matcher.is_terminated():
+                seq.matcher.fill_next_token_bitmask(bitmask, i)
+                masked_rows.append(i)
+        if not masked_rows:
+            return logits
+        masked = logits.clone()
+        xgr.apply_token_bitmask_inplace(masked, bitmask.to(logits.device, non_blocking=True), indices=masked_rows)
+        return masked
+
+    def record(self, reqs: list[ForwardReq], tokens: list[int]) -> list[int]:
+        """After sampling: rank 0 keeps each constrained row's token for its matcher; with tensor parallelism every
+        rank takes rank 0's tokens (the others sampled without the masks)."""
+        if not any(req.sampling.constraint is not None for req in reqs):
+            return tokens
+        if self.rank == 0:
+            for req, token in zip(reqs, tokens, strict=True):
+                if req.sampling.constraint is not None:
+                    seq = self._sequences[req.req_key]
+                    seq.pending_at, seq.pending_token = req.num_generated, token
+        if self.world_size > 1:
+            shared = torch.tensor(tokens, dtype=torch.int64, device=self._collective_device())
+            dist.broadcast(shared, src=0)
+            tokens = shared.tolist()
+        return tokens
+
+    def _sequence(self, req: ForwardReq) -> _Sequence:
+        """The request's matcher, having accepted exactly its num_generated output tokens. A count that disagrees
+        is a bug in the sequencing (not a bad batch: only rank 0 sees it), so it raises and the worker exits."""
+        seq = self._sequences.get(req.req_key)
+        if seq is None:
+            if req.num_generated != 0:
+                raise RuntimeError(f"request {req.req_key} has {req.num_generated} output tokens but no grammar state")
+            seq = _Sequence(matcher=self._matcher(req))
+            self._sequences[req.req_key] = seq
+        if seq.num_accepted == req.num_generated - 1 and seq.pending_at == seq.num_accepted:
+            if not seq.is_broken and not seq.matcher.accept_token(seq.pending_token):
+                logger.error(
+                    "request %d: token %d breaks its grammar; no longer masked", req.req_key, seq.pending_token
+                )
+                seq.is_broken = True
+            seq.num_accepted += 1
+        if seq.num_accepted != req.num_generated:
+            raise RuntimeError(
+                f"request {req.req_key}: its grammar took {seq.num_accepted} tokens, the pass has {req.num_generated}"
+            )
+        return seq
+
+    def _matcher(self, req: ForwardReq) -> object:
+        import xgrammar as xgr
+
+        compiled = compile_constraint(self._compiler_for(), req.sampling.constraint)
+        # The grammar may end only with one of the request's stop tokens (eos unless ignore_eos, plus its own), so
+        # the scheduler ends the request with finish reason "stop" exactly when the grammar is complete.
+        return xgr.GrammarMatcher(compiled, override_stop_tokens=list(req.sampling.stop_token_ids))
+
+    def _compiler_for(self) -> object:
+        if self._compiler is None:
+            from transformers import AutoTokenizer
+
+            start = time.perf_counter()
+            self._compiler = make_compiler(AutoTokenizer.from_pretrained(self.model_dir), self.vocab_size)
+            logger.info("grammar compiler ready in %.2f s", time.perf_counter() - start)
+        return self._compiler
+
+    def _collective_device(self) -> torch.device:
+        is_nccl = dist.get_backend() == "nccl"
+        return torch.device("cuda", torch.cuda.current_device()) if is_nccl else torch.device("cpu")
