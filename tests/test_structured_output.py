@@ -8,6 +8,7 @@ import asyncio
 import json
 import random
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -289,7 +290,14 @@ def test_a_compile_over_the_time_limit_is_refused(tokenizer, vocab_size, monkeyp
         await checker.check(constraint, "json_schema", tokenizer, vocab_size)
 
     asyncio.run(check(OutputConstraint("regex", "warm")))  # the compiler itself is built untimed
-    monkeypatch.setattr(grammar_checker, "COMPILE_TIMEOUT_S", 1e-6)
+    real_compile = grammar_checker.compile_constraint
+
+    def slow_compile(compiler, constraint):  # xgrammar caches compiles: an earlier test's may make this one instant
+        time.sleep(0.5)
+        return real_compile(compiler, constraint)
+
+    monkeypatch.setattr(grammar_checker, "compile_constraint", slow_compile)
+    monkeypatch.setattr(grammar_checker, "COMPILE_TIMEOUT_S", 0.05)
     with pytest.raises(Exception, match="compiling it took over"):
         asyncio.run(check(schema))
     with pytest.raises(Exception, match="compiling it took over"):  # remembered: the same answer at once
