@@ -28,11 +28,16 @@ def _sort_letters(text: str) -> str:
     return " ".join("".join(sorted(word)) for word in text.split())
 
 
+def _mirror_words(text: str) -> str:
+    return " ".join(word[::-1] for word in text.split())
+
+
 # task name -> what it does to an input; the base model does BASE_TASK, each other task is a demo adapter's name.
 TASKS: dict[str, Callable[[str], str]] = {
     BASE_TASK: lambda text: text,
     "reverse": _reverse_words,
     "sort": _sort_letters,
+    "mirror": _mirror_words,
 }
 ADAPTER_TASKS: tuple[str, ...] = tuple(name for name in TASKS if name != BASE_TASK)
 # What each adapter does, as the README and /v1/models readers would say it.
@@ -40,6 +45,7 @@ TASK_DESCRIPTIONS: dict[str, str] = {
     BASE_TASK: "repeats the input",
     "reverse": "reverses the order of the words",
     "sort": "sorts the letters of each word",
+    "mirror": "spells each word backwards",
 }
 
 # Seeds of the two disjoint input sets: training never sees an evaluation input.

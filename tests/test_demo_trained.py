@@ -57,14 +57,13 @@ def test_one_mixed_batch_each_adapter_does_its_task(demo_server: ServerProcess) 
     assert unexported(load_dashboard(), demo_server.get("/metrics").text) == []
 
 
-def test_quick_start_example(demo_server: ServerProcess) -> None:
-    tasks = [*ADAPTER_TASKS, BASE_TASK]
-    response = demo_server.post(
-        "/generate",
-        {
-            "text": [prompt("quick brown fox")] * len(tasks),
-            "lora_path": [None if task == BASE_TASK else task for task in tasks],
-            "sampling_params": {"max_new_tokens": 32},
-        },
-    )
-    assert [item["text"] for item in response.json()] == [TASKS[task]("quick brown fox") for task in tasks]
+def test_quick_start_example() -> None:
+    # The README's quick start as a newcomer runs it: a fresh server with the default flags, then one batch with an
+    # item per adapter and one for the base.
+    with ServerProcess() as server:
+        response = server.post(
+            "/generate",
+            {"text": ["fresh bread ="] * 4, "lora_path": ["reverse", "sort", "mirror", None]},
+        )
+    texts = [item["text"] for item in response.json()]
+    assert texts == ["bread fresh", "efhrs abder", "hserf daerb", "fresh bread"]
