@@ -70,7 +70,7 @@ def is_loopback_address(addr: str) -> bool:
 
 # Help text per field; the CLI below is generated from the struct.
 _HELP: dict[str, str] = {
-    "model_path": "local Hugging Face checkpoint dir; 'demo' = the shipped demo model (echoes; adapters reverse, sort, mirror)",
+    "model_path": "local Hugging Face checkpoint dir; 'demo' = the shipped demo (adapters: reverse, sort, mirror)",
     "served_model_name": "base model name in the OpenAI API (default: last path component)",
     "host": "HTTP bind address",
     "port": "HTTP port",
