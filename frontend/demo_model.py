@@ -1,25 +1,22 @@
-"""Tiny, deterministic Llama-family checkpoints, tokenizer and PEFT adapters, built locally.
+"""Tiny, deterministic Llama-family checkpoints, tokenizer and PEFT adapters, built locally, and where the trained
+demo model lives.
 
-Used for `--model-path demo` and by the tests; nothing is fetched from a hub. Every build with
-the same arguments writes the same bytes (tokenizer training and weight init are seeded).
+The random builders serve the tests (exact comparisons with HF and peft); `--model-path demo` serves the trained demo
+in demo_assets/ (scripts/train_demo.py). Nothing is fetched from a hub. Every build with the same arguments writes the
+same bytes (tokenizer training and weight init are seeded).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-
-logger = logging.getLogger("loraplex.demo")
 
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
@@ -164,9 +161,35 @@ and somewhere a dog was barking. At last he signed his name, folded the page and
 
 
 @functools.lru_cache(maxsize=1)
+def byte_tokenizer_json() -> str:
+    """Byte-level with no merges (the trained demo's): one token per byte, so each letter, in either case, is one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[symbol] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = _bos_template(vocab[BOS_TOKEN])
+    return tokenizer.to_str()
+
+
+def _bos_template(bos_id: int):  # -> tokenizers.processors.TemplateProcessing
+    from tokenizers import processors
+
+    return processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+        special_tokens=[(BOS_TOKEN, bos_id)],
+    )
+
+
+@functools.lru_cache(maxsize=1)
 def _tokenizer_json() -> str:
     # Imported lazily: reading this module's constants should not cost a transformers import.
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
     # Byte-level: every byte has a token, so any unicode text round-trips without <unk>.
@@ -180,21 +203,16 @@ def _tokenizer_json() -> str:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_CORPUS.split("\n\n"), trainer=trainer)
-    bos_id = tokenizer.token_to_id(BOS_TOKEN)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A",
-        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
-        special_tokens=[(BOS_TOKEN, bos_id)],
-    )
+    tokenizer.post_processor = _bos_template(tokenizer.token_to_id(BOS_TOKEN))
     return tokenizer.to_str()
 
 
-def _make_tokenizer():  # -> transformers.PreTrainedTokenizerFast
+def make_tokenizer(tokenizer_json: str | None = None):  # -> transformers.PreTrainedTokenizerFast
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     hf_tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
+        tokenizer_object=Tokenizer.from_str(tokenizer_json or _tokenizer_json()),
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         unk_token=UNK_TOKEN,
@@ -211,10 +229,10 @@ def _token_ids() -> dict[str, int]:
     return {entry["content"]: entry["id"] for entry in added_tokens}
 
 
-def build_tokenizer(out_dir: str | os.PathLike[str]) -> None:
+def build_tokenizer(out_dir: str | os.PathLike[str], tokenizer_json: str | None = None) -> None:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _make_tokenizer().save_pretrained(out_dir)
+    make_tokenizer(tokenizer_json).save_pretrained(out_dir)
     # transformers 5 names its own backend class here; the generic name also loads under 4.x.
     config_path = out_dir / "tokenizer_config.json"
     tokenizer_config = json.loads(config_path.read_text())
@@ -399,70 +417,12 @@ def build_lora_adapter(
 
 # --- the built-in demo -------------------------------------------------------------------------
 
-
-class DemoAdapter(NamedTuple):
-    name: str  # [a-z0-9-] only: it is used as a directory and an API model name
-    r: int
-    lora_alpha: float
-    target_modules: tuple[str, ...]
-    use_rslora: bool
+# `--model-path demo`: a small Llama trained by scripts/train_demo.py to echo its input, and one LoRA adapter per skill
+# of frontend/demo_tasks.py, shipped as package data (SHA256SUMS lists every file's hash).
+DEMO_DIR = Path(__file__).resolve().with_name("demo_assets")
 
 
-DEMO_ADAPTERS: tuple[DemoAdapter, ...] = (
-    DemoAdapter("demo-attn", 8, 16, ATTN_MODULES, False),
-    DemoAdapter("demo-mlp", 16, 32, MLP_MODULES, False),
-    DemoAdapter("demo-all", 4, 8, ALL_TARGET_MODULES, True),
-)
-# Bump when the demo's shape, weights or adapters change: a cache never holds a stale build.
-DEMO_VERSION = "demo-v1"
-_DEMO_MODEL_KWARGS = dict(
-    arch="llama", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=256, seed=0
-)
+def demo_adapter_paths(demo_dir: str | os.PathLike[str] = DEMO_DIR) -> dict[str, Path]:
+    from frontend.demo_tasks import ADAPTER_TASKS
 
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("LORAPLEX_CACHE") or Path.home() / ".cache" / "loraplex")
-
-
-def demo_adapter_paths(demo_dir: str | os.PathLike[str]) -> dict[str, Path]:
-    return {adapter.name: Path(demo_dir) / "adapters" / adapter.name for adapter in DEMO_ADAPTERS}
-
-
-def _build_demo(demo_dir: Path, *, final_dir: Path) -> None:
-    build_tiny_model(demo_dir, **_DEMO_MODEL_KWARGS)
-    for seed, adapter in enumerate(DEMO_ADAPTERS, start=1):
-        build_lora_adapter(
-            demo_dir,
-            demo_dir / "adapters" / adapter.name,
-            r=adapter.r,
-            lora_alpha=adapter.lora_alpha,
-            target_modules=adapter.target_modules,
-            use_rslora=adapter.use_rslora,
-            seed=seed,
-            base_model_name_or_path=str(final_dir),
-        )
-
-
-def ensure_demo_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final_dir = cache_dir / DEMO_VERSION
-    # The directory only ever appears by an atomic rename of a finished build, so existing == complete.
-    if final_dir.is_dir():
-        return final_dir
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    build_dir = Path(tempfile.mkdtemp(prefix=f".{DEMO_VERSION}-building-", dir=cache_dir))
-    build_dir.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared
-    logger.info("building demo model in %s", build_dir)
-    try:
-        _build_demo(build_dir, final_dir=final_dir)
-        try:
-            os.rename(build_dir, final_dir)
-        except OSError:
-            # Another process finished first; its build is identical, keep it and drop ours.
-            if not final_dir.is_dir():
-                raise
-            logger.info("demo model was built concurrently; using %s", final_dir)
-    finally:
-        shutil.rmtree(build_dir, ignore_errors=True)
-    logger.info("demo model ready: %s", final_dir)
-    return final_dir
+    return {name: Path(demo_dir) / "adapters" / name for name in ADAPTER_TASKS}

@@ -61,9 +61,9 @@ class InputError(ServerError, ValueError):
 
 def resolve_model_dir(model_path: str) -> str:
     if model_path == "demo":
-        from frontend.demo_model import ensure_demo_model
+        from frontend.demo_model import DEMO_DIR
 
-        return str(ensure_demo_model())
+        return str(DEMO_DIR)
     return model_path
 
 

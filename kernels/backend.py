@@ -17,6 +17,7 @@ the host or inspects one to decide what to run.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ from kernels import cpu_ext, lora_torch
 from kernels.lora_expand import column_alignment, launch_expand
 from kernels.lora_shrink import launch_shrink, shrink_output, shrink_summed
 from kernels.segment_tiles import plan_tiles
+from protocol.progress import Progress
+
+logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "triton", "cpu", "torch")
 
@@ -101,9 +105,9 @@ class LoRABackend:
     def shrink_expand(self, y: torch.Tensor, x: torch.Tensor, w: LoRAWeights, meta: LoRABatchMeta) -> None:
         self.expand(y, self.shrink(x, w, meta), w, meta)
 
-    def warmup(self, weights: Sequence[LoRAWeights], max_segments: int) -> int:
+    def warmup(self, weights: Sequence[LoRAWeights], max_segments: int, *, show_progress: bool = False) -> int:
         """Compile whatever the backend compiles on first use, for every shape the pool can meet; returns the number
-        of launches made (0: nothing to compile)."""
+        of launches made (0: nothing to compile). show_progress: report launches (a bar on a terminal, else logs)."""
         return 0
 
 
@@ -169,21 +173,24 @@ class TritonBackend(LoRABackend):
         )  # fmt: skip
 
     @torch.inference_mode()
-    def warmup(self, weights: Sequence[LoRAWeights], max_segments: int) -> int:
+    def warmup(self, weights: Sequence[LoRAWeights], max_segments: int, *, show_progress: bool = False) -> int:
         """Launch both kernels once per variant Triton would otherwise compile during serving (warmup_batches), for
         each linear's pool weights, on batches of base rows only (every program exits at once)."""
         batches = warmup_batches(max_segments)
         max_tokens = max(tokens for tokens, _ in batches)
         launches = 0
-        for w in weights:
-            in_dim, out_dim = w.lora_a.shape[2], w.lora_b.shape[2]
-            x_all = w.lora_a.new_zeros(max_tokens, in_dim)
-            y_all = w.lora_b.new_zeros(max_tokens, out_dim)
-            for num_tokens, num_segments in batches:
-                bounds = [num_tokens * i // num_segments for i in range(num_segments + 1)]
-                meta = self.prepare(bounds, [-1] * num_segments)
-                self.shrink_expand(y_all[:num_tokens], x_all[:num_tokens], w, meta)  # the path every LoRA linear takes
-                launches += 2
+        total = len(weights) * len(batches)
+        with Progress(logger, "compiling the Triton LoRA kernels", total, "batches", enabled=show_progress) as progress:
+            for w in weights:
+                in_dim, out_dim = w.lora_a.shape[2], w.lora_b.shape[2]
+                x_all = w.lora_a.new_zeros(max_tokens, in_dim)
+                y_all = w.lora_b.new_zeros(max_tokens, out_dim)
+                for num_tokens, num_segments in batches:
+                    bounds = [num_tokens * i // num_segments for i in range(num_segments + 1)]
+                    meta = self.prepare(bounds, [-1] * num_segments)
+                    self.shrink_expand(y_all[:num_tokens], x_all[:num_tokens], w, meta)  # every LoRA linear's path
+                    launches += 2
+                    progress.update()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return launches

@@ -19,6 +19,8 @@ from types import ModuleType
 
 import torch
 
+from protocol.progress import elapsed
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
@@ -75,13 +77,14 @@ def _build() -> ModuleType | None:
     logger.info("building the CPU kernels (AVX-512 BF16; first time on this machine takes ~30 s)")
     start = time.perf_counter()
     try:
-        module = load(
-            name="loraplex_cpu_kernels",
-            sources=[str(SOURCE)],
-            extra_cflags=COMPILER_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with elapsed(logger, "building the CPU kernels"):
+            module = load(
+                name="loraplex_cpu_kernels",
+                sources=[str(SOURCE)],
+                extra_cflags=COMPILER_FLAGS,
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as e:  # no compiler, no ninja, a toolchain without these intrinsics: fall back, say why
         logger.warning("CPU kernels failed to build: %s", str(e).splitlines()[-1:])
         return None

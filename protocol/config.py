@@ -68,9 +68,9 @@ def is_loopback_address(addr: str) -> bool:
     return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
-# (help text, CLI metavar or None) per field; the CLI below is generated from the struct.
+# Help text per field; the CLI below is generated from the struct.
 _HELP: dict[str, str] = {
-    "model_path": "local Hugging Face checkpoint dir; 'demo' = the built-in tiny demo model",
+    "model_path": "local Hugging Face checkpoint dir; 'demo' = the shipped demo (adapters: reverse, sort, mirror)",
     "served_model_name": "base model name in the OpenAI API (default: last path component)",
     "host": "HTTP bind address",
     "port": "HTTP port",
@@ -125,6 +125,24 @@ _HELP: dict[str, str] = {
     "default: the KV cache takes 0.85 of what is free after the weights)",
     "lora_modules": "vLLM's adapters loaded at start: NAME=PATH or JSON {name, path, base_model_name}",
 }
+
+# `loraplex --help` shows the flags in these groups, in this order; every field belongs to exactly one.
+_TOPICS: dict[str, str] = {
+    "model and devices": "model_path served_model_name device dtype tp dp_size context_length seed",
+    "HTTP server and access": "host port api_key admin_api_key rpc_addr shutdown_timeout log_level",
+    "LoRA adapters": "enable_lora lora_paths lora_modules max_loras_per_batch max_loaded_loras max_lora_rank "
+    "lora_target_modules lora_backend lora_path_root lora_resolver_dir lora_state_file disable_lora_updates "
+    "lora_drain_timeout lora_load_timeout",
+    "scheduling and KV cache": "max_running_requests max_total_tokens max_prefill_tokens chunked_prefill_size "
+    "page_size disable_radix_cache no_enable_prefix_caching gpu_memory_utilization",
+    "multi-node": "nnodes node_rank dist_init_addr dist_timeout",
+}
+OTHER_TOPIC = "other options"  # a field missing from _TOPICS lands here (tests/test_help_and_progress.py catches it)
+
+
+def field_topic(name: str) -> str:
+    return next((topic for topic, names in _TOPICS.items() if name in names.split()), OTHER_TOPIC)
+
 
 # vLLM's spellings of our flags, with vLLM's meaning: alias -> field. Giving both spellings is an error.
 ALIASES: dict[str, str] = {
@@ -326,23 +344,29 @@ def _field_type(field: msgspec.structs.FieldInfo) -> tuple[str, Any]:
 def build_arg_parser(prog: str = "loraplex") -> argparse.ArgumentParser:
     """One flag per field, plus vLLM's spelling of some (ALIASES). A flag not given is absent from the parsed
     namespace (SUPPRESS), so the struct's defaults apply and a setting given in both spellings can be told apart."""
-    parser = argparse.ArgumentParser(prog=prog, description="loraplex: many LoRA adapters on one base model",
-                                     argument_default=argparse.SUPPRESS)
+    parser = argparse.ArgumentParser(
+        prog=prog, description="loraplex: many LoRA adapters on one base model", argument_default=argparse.SUPPRESS
+    )
+    groups = {topic: parser.add_argument_group(topic) for topic in (*_TOPICS, OTHER_TOPIC)}
     fields = {field.name: field for field in msgspec.structs.fields(ServerConfig)}
-    entries = [(name, name) for name in fields] + list(ALIASES.items())
+    # Topic by topic, in the order _TOPICS lists them, each vLLM spelling right after ours.
+    ordered = [name for names in _TOPICS.values() for name in names.split() if name in fields]
+    ordered += [name for name in fields if name not in ordered]
+    entries = [(dest, name) for name in ordered for dest in (name, *sorted(a for a, n in ALIASES.items() if n == name))]
     for dest, name in entries:
         field = fields[name]
+        group = groups[field_topic(name)]
         kind, elem = _field_type(field)
         help_text = _HELP.get(name, "") if dest == name else f"vLLM's spelling of --{_flag(name)}"
         default = field.default
         if kind == "bool":
-            parser.add_argument("--" + _flag(dest), action="store_true", help=help_text)
+            group.add_argument("--" + _flag(dest), action="store_true", help=help_text)
         elif kind == "list":
-            parser.add_argument("--" + _flag(dest), nargs="+", help=help_text)
+            group.add_argument("--" + _flag(dest), nargs="+", help=help_text)
         elif kind == "choice":
-            parser.add_argument("--" + _flag(dest), choices=elem, help=f"{help_text} (default: {default})")
+            group.add_argument("--" + _flag(dest), choices=elem, help=f"{help_text} (default: {default})")
         else:
-            parser.add_argument("--" + _flag(dest), type=elem, help=f"{help_text} (default: {default})")
+            group.add_argument("--" + _flag(dest), type=elem, help=f"{help_text} (default: {default})")
     return parser
 
 

@@ -60,7 +60,7 @@ def adapter_name(index: int) -> str:
 
 
 def _build_atomically(final_dir: Path, build) -> None:
-    # A directory only appears by renaming a finished build, so existing == complete (as ensure_demo_model does).
+    # A directory only appears by renaming a finished build, so existing == complete.
     if final_dir.is_dir():
         return
     final_dir.parent.mkdir(parents=True, exist_ok=True)

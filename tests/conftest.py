@@ -22,10 +22,10 @@ import pytest  # noqa: E402
 from frontend.demo_model import (  # noqa: E402
     ALL_TARGET_MODULES,
     ATTN_MODULES,
+    DEMO_DIR,
     MLP_MODULES,
     build_lora_adapter,
     build_tiny_model,
-    ensure_demo_model,
 )
 
 # name -> (r, lora_alpha, target_modules, use_rslora); ranks and target sets deliberately differ.
@@ -70,8 +70,9 @@ def adapter_dirs(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> d
 
 
 @pytest.fixture(scope="session")
-def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_demo_model(tmp_path_factory.mktemp("loraplex-cache"))
+def demo_dir() -> Path:
+    """The trained demo model that `--model-path demo` serves (shipped files: never written to)."""
+    return DEMO_DIR
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,12 @@
 from __future__ import annotations
 
+import hashlib
 import json
-import logging
 import os
 import re
+import string
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -16,15 +16,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from frontend import demo_model
 from frontend.demo_model import (
-    DEMO_ADAPTERS,
-    DEMO_VERSION,
     MLP_MODULES,
     build_lora_adapter,
     build_tiny_model,
     build_tokenizer,
     demo_adapter_paths,
-    ensure_demo_model,
 )
+from frontend.demo_tasks import ADAPTER_TASKS, BASE_TASK, accuracy, held_out_inputs
 
 BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = 1, 2, 3, 4
 VOCAB_SIZE = 1000
@@ -315,98 +313,55 @@ def test_adapters_differ_from_each_other(adapter_dirs: dict[str, Path], llama_di
 # --- the built-in demo -------------------------------------------------------------------------
 
 
+def test_demo_assets_match_their_manifest(demo_dir: Path) -> None:
+    # Every shipped file is listed with its SHA-256, and nothing unlisted ships.
+    manifest = (demo_dir / "SHA256SUMS").read_text().splitlines()
+    listed = dict(reversed(line.split("  ", 1)) for line in manifest)
+    shipped = {
+        str(p.relative_to(demo_dir))
+        for p in demo_dir.rglob("*")
+        if p.is_file() and p.name != "SHA256SUMS" and "__pycache__" not in p.parts
+    }
+    assert set(listed) == shipped
+    for name, digest in listed.items():
+        assert hashlib.sha256((demo_dir / name).read_bytes()).hexdigest() == digest, name
+    total_bytes = sum((demo_dir / name).stat().st_size for name in listed)
+    assert total_bytes < 32 * 2**20  # a few MB of package data
+
+
 def test_demo_model_and_adapters(demo_dir: Path) -> None:
-    assert demo_dir.name == DEMO_VERSION
     config = AutoConfig.from_pretrained(demo_dir)
-    assert (config.model_type, config.hidden_size, config.num_hidden_layers) == ("llama", 128, 4)
-    assert config.vocab_size == len(AutoTokenizer.from_pretrained(demo_dir))
+    assert config.model_type == "llama" and 1e6 < _num_parameters(config) < 1e7
+    tokenizer = AutoTokenizer.from_pretrained(demo_dir)
+    assert config.vocab_size == len(tokenizer)
+    for letter in string.ascii_letters:  # every letter in both cases is one token of its own
+        [token_id] = tokenizer(letter, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode([token_id]) == letter
+    assert tokenizer("hello world =")["input_ids"][0] == tokenizer.bos_token_id
     paths = demo_adapter_paths(demo_dir)
-    assert list(paths) == [adapter.name for adapter in DEMO_ADAPTERS] and len(paths) >= 3
-    for adapter in DEMO_ADAPTERS:
-        assert re.fullmatch(r"[a-z0-9-]+", adapter.name)
-        path = paths[adapter.name]
-        assert path == demo_dir / "adapters" / adapter.name
-        config = json.loads((path / "adapter_config.json").read_text())
-        assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (
-            adapter.r,
-            adapter.lora_alpha,
-            adapter.use_rslora,
-        )
-        assert sorted(config["target_modules"]) == sorted(adapter.target_modules)
-        # Points at the final directory, not the temporary one it was built in.
-        assert config["base_model_name_or_path"] == str(demo_dir)
+    assert list(paths) == list(ADAPTER_TASKS)
+    for name, path in paths.items():
+        assert re.fullmatch(r"[a-z0-9-]+", name) and path == demo_dir / "adapters" / name
+        adapter_config = json.loads((path / "adapter_config.json").read_text())
+        assert sorted(adapter_config["target_modules"]) == sorted(demo_model.ALL_TARGET_MODULES)
+        assert adapter_config["base_model_name_or_path"] == "demo"
         assert (path / "adapter_model.safetensors").is_file()
 
 
-def test_demo_model_is_decisive_and_peft_loadable(demo_dir: Path) -> None:
+def _num_parameters(config) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+def test_demo_tasks_in_transformers_and_peft(demo_dir: Path) -> None:
+    # The same files through HF and peft: base and adapters do their tasks (the server test covers 200 inputs).
     from peft import PeftModel
 
-    prompts = _random_prompts()
-    with torch.no_grad():
-        base_logits = _load(demo_dir)(prompts).logits
-        assert _margins(base_logits).median() > 0.5
-        for path in demo_adapter_paths(demo_dir).values():
-            lora_logits = PeftModel.from_pretrained(_load(demo_dir), path).eval()(prompts).logits
-            assert (lora_logits.argmax(-1) != base_logits.argmax(-1)).float().mean() > 0.3
+    from scripts.train_demo import greedy_answers
 
-
-def _mtimes(path: Path) -> dict[str, int]:
-    return {str(p.relative_to(path)): p.stat().st_mtime_ns for p in sorted(path.rglob("*"))}
-
-
-def test_ensure_demo_model_is_idempotent(tmp_path: Path, monkeypatch, caplog) -> None:
-    monkeypatch.setenv("LORAPLEX_CACHE", str(tmp_path))
-    caplog.set_level(logging.INFO, logger="loraplex.demo")
-    first = ensure_demo_model()
-    assert first == tmp_path / DEMO_VERSION
-    assert any("building demo model in" in m for m in caplog.messages)
-    assert any("demo model ready" in m for m in caplog.messages)
-    before = _mtimes(first)
-
-    caplog.clear()
-    assert ensure_demo_model() == first
-    assert ensure_demo_model(tmp_path) == first
-    assert not any("building" in m for m in caplog.messages)
-    assert _mtimes(first) == before
-    assert [p.name for p in tmp_path.iterdir()] == [DEMO_VERSION]
-
-
-def test_ensure_demo_model_concurrent_builds(tmp_path: Path, monkeypatch) -> None:
-    num_threads = 3
-    barrier = threading.Barrier(num_threads)
-    real_build = demo_model._build_demo
-
-    def build_in_lockstep(*args, **kwargs) -> None:
-        real_build(*args, **kwargs)
-        barrier.wait(timeout=30)  # every thread finishes building before any renames
-
-    monkeypatch.setattr(demo_model, "_build_demo", build_in_lockstep)
-    results: list[Path] = []
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            results.append(ensure_demo_model(tmp_path))
-        except BaseException as exc:  # re-raised below by the assert
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run) for _ in range(num_threads)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors
-    assert results == [tmp_path / DEMO_VERSION] * num_threads
-    # The losers' temporary builds are gone; the winner's is complete.
-    assert [p.name for p in tmp_path.iterdir()] == [DEMO_VERSION]
-    assert all((p / "adapter_model.safetensors").is_file() for p in demo_adapter_paths(results[0]).values())
-
-
-def test_ensure_demo_model_cleans_up_failed_build(tmp_path: Path, monkeypatch) -> None:
-    def failing_build(*args, **kwargs) -> None:
-        raise RuntimeError("disk full")
-
-    monkeypatch.setattr(demo_model, "_build_demo", failing_build)
-    with pytest.raises(RuntimeError, match="disk full"):
-        ensure_demo_model(tmp_path)
-    assert list(tmp_path.iterdir()) == []
+    inputs = held_out_inputs()[:40]
+    tokenizer = AutoTokenizer.from_pretrained(demo_dir)
+    assert accuracy(BASE_TASK, inputs, greedy_answers(_load(demo_dir), tokenizer, inputs)) >= 0.95
+    for name, path in demo_adapter_paths(demo_dir).items():
+        model = PeftModel.from_pretrained(_load(demo_dir), path).eval()
+        assert accuracy(name, inputs, greedy_answers(model, tokenizer, inputs)) >= 0.95, name

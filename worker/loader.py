@@ -15,6 +15,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from protocol.progress import Progress
+
 logger = logging.getLogger(__name__)
 
 # (HF module name, fused module name, slice)
@@ -51,7 +53,8 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return files
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
+def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True) -> None:
+    """show_progress: report tensors loaded (a bar on a terminal, else log lines); one rank of several says it."""
     params = dict(model.named_parameters())  # a tied weight appears once, under its first name
     aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(params)
     expected = {(name, None) for name in params}
@@ -63,22 +66,31 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                     expected.discard((f"{name}.{suffix}", None))
                     expected.update((f"{name}.{suffix}", i) for i in range(num_slices))
     loaded: set[tuple[str, int | None]] = set()
-    for path in checkpoint_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for hf_name in f.keys():
-                if hf_name.endswith(IGNORED_SUFFIXES):
-                    continue
-                name, slice_id = map_hf_name(hf_name)
-                if name in aliases:
-                    continue  # a tied weight: loaded under the name it is shared with
-                if name not in params:
-                    logger.warning("ignoring checkpoint tensor %s: no such parameter", hf_name)
-                    continue
-                _load_one(params[name], f.get_tensor(hf_name), slice_id, hf_name)
-                loaded.add((name, slice_id))
+    files = checkpoint_files(model_dir)
+    total = sum(_num_tensors(path) for path in files)
+    with Progress(logger, f"loading {model_dir}", total, "tensors", enabled=show_progress) as progress:
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for hf_name in f.keys():
+                    progress.update()
+                    if hf_name.endswith(IGNORED_SUFFIXES):
+                        continue
+                    name, slice_id = map_hf_name(hf_name)
+                    if name in aliases:
+                        continue  # a tied weight: loaded under the name it is shared with
+                    if name not in params:
+                        logger.warning("ignoring checkpoint tensor %s: no such parameter", hf_name)
+                        continue
+                    _load_one(params[name], f.get_tensor(hf_name), slice_id, hf_name)
+                    loaded.add((name, slice_id))
     missing = sorted(f"{name}[{slice_id}]" if slice_id is not None else name for name, slice_id in expected - loaded)
     if missing:
         raise CheckpointError(f"checkpoint {model_dir!r} lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
+
+
+def _num_tensors(path: str) -> int:
+    with safe_open(path, framework="pt", device="cpu") as f:
+        return len(f.keys())
 
 
 @torch.no_grad()

@@ -75,7 +75,7 @@ class ModelRunner:
 
         with tensor_parallel(rank, world_size), self.device, _default_dtype(self.dtype):
             self.model = LlamaForCausalLM(self.model_config, max_positions=self.context_length)
-        load_weights(self.model, model_dir)
+        load_weights(self.model, model_dir, show_progress=rank == 0)
         self.model.eval()
         # Wraps the targeted linears in place, after the weights are loaded under their own names.
         self.lora = (

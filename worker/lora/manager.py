@@ -102,7 +102,9 @@ class LoRAManager:
             weights.setdefault(name, buffers)
         start = time.perf_counter()
         # The scheduler sorts a batch by slot: at most one segment per slot, and one of base rows.
-        launches = self.backend.warmup(list(weights.values()), max_segments=self.num_slots + 1)
+        launches = self.backend.warmup(
+            list(weights.values()), max_segments=self.num_slots + 1, show_progress=self.tp_rank == 0
+        )
         if launches:
             logger.info(
                 "LoRA %s kernels compiled for %d linear shapes and up to %d segments: %d launches in %.1f s",

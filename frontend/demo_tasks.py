@@ -1,0 +1,80 @@
+"""The text tasks the built-in demo model was trained on: the base echoes its input, each adapter transforms it.
+
+A prompt is the input followed by PROMPT_SUFFIX (`"hello world ="`); the answer is the transformed text, then EOS,
+so greedy decoding stops by itself. Inputs are 1-3 lowercase words of 1-6 letters. Pure Python: the training script
+(scripts/train_demo.py) and the tests share it, and anyone can check an answer by eye.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from collections.abc import Callable
+
+PROMPT_SUFFIX = " ="
+MAX_WORDS = 3
+MAX_WORD_LEN = 6
+# The longest answer is as long as the longest input: 3 words of 6 letters and 2 spaces.
+MAX_ANSWER_CHARS = MAX_WORDS * MAX_WORD_LEN + MAX_WORDS - 1
+
+BASE_TASK = "echo"
+
+
+def _reverse_words(text: str) -> str:
+    return " ".join(reversed(text.split()))
+
+
+def _sort_letters(text: str) -> str:
+    return " ".join("".join(sorted(word)) for word in text.split())
+
+
+def _mirror_words(text: str) -> str:
+    return " ".join(word[::-1] for word in text.split())
+
+
+# task name -> what it does to an input; the base model does BASE_TASK, each other task is a demo adapter's name.
+TASKS: dict[str, Callable[[str], str]] = {
+    BASE_TASK: lambda text: text,
+    "reverse": _reverse_words,
+    "sort": _sort_letters,
+    "mirror": _mirror_words,
+}
+ADAPTER_TASKS: tuple[str, ...] = tuple(name for name in TASKS if name != BASE_TASK)
+# What each adapter does, as the README and /v1/models readers would say it.
+TASK_DESCRIPTIONS: dict[str, str] = {
+    BASE_TASK: "repeats the input",
+    "reverse": "reverses the order of the words",
+    "sort": "sorts the letters of each word",
+    "mirror": "spells each word backwards",
+}
+
+# Seeds of the two disjoint input sets: training never sees an evaluation input.
+HELD_OUT_SEED = 20_261_130
+NUM_HELD_OUT = 200
+
+
+def prompt(text: str) -> str:
+    return text + PROMPT_SUFFIX
+
+
+def random_input(rng: random.Random) -> str:
+    num_words = rng.randint(1, MAX_WORDS)
+    words = ("".join(rng.choices(string.ascii_lowercase, k=rng.randint(1, MAX_WORD_LEN))) for _ in range(num_words))
+    return " ".join(words)
+
+
+def held_out_inputs(num_inputs: int = NUM_HELD_OUT, seed: int = HELD_OUT_SEED) -> list[str]:
+    rng = random.Random(seed)
+    inputs: list[str] = []
+    seen: set[str] = set()
+    while len(inputs) < num_inputs:
+        text = random_input(rng)
+        if text not in seen:
+            seen.add(text)
+            inputs.append(text)
+    return inputs
+
+
+def accuracy(task: str, inputs: list[str], answers: list[str]) -> float:
+    expected = [TASKS[task](text) for text in inputs]
+    return sum(answer == want for answer, want in zip(answers, expected, strict=True)) / len(inputs)
