@@ -135,6 +135,7 @@ _TOPICS: dict[str, str] = {
     "lora_drain_timeout lora_load_timeout",
     "scheduling and KV cache": "max_running_requests max_total_tokens max_prefill_tokens chunked_prefill_size "
     "page_size disable_radix_cache no_enable_prefix_caching gpu_memory_utilization",
+    "attention and CUDA graphs": "attention_backend enable_cuda_graph disable_cuda_graph cuda_graph_max_bs",
     "multi-node": "nnodes node_rank dist_init_addr dist_timeout",
 }
 OTHER_TOPIC = "other options"  # a field missing from _TOPICS lands here (tests/test_help_and_progress.py catches it)

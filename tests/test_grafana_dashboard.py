@@ -131,7 +131,7 @@ def _exposition_after_traffic() -> str:
         waiting_lora_ids=[2],
         slot_lora_ids=[1, -1],
     )
-    metrics.update_scheduler(stats, 2, {1: "upper", 2: "sort"})
+    metrics.update_scheduler([stats], [1000], 2, {1: "upper", 2: "sort"})
     return metrics.render().decode()
 
 
