@@ -63,7 +63,8 @@ def test_quick_start_example() -> None:
     with ServerProcess() as server:
         response = server.post(
             "/generate",
-            {"text": ["fresh bread ="] * 4, "lora_path": ["reverse", "sort", "mirror", None]},
+            {"text": ["fresh bread ="] * 4, "lora_path": ["reverse", "sort", "mirror", None],
+             "sampling_params": {"temperature": 0}},
         )
     texts = [item["text"] for item in response.json()]
     assert texts == ["bread fresh", "efhrs abder", "hserf daerb", "fresh bread"]
