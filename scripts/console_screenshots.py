@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--model-path", default="demo")
     parser.add_argument("--server-arg", action="append", default=[], help="an extra server flag (repeatable)")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "docs" / "img")
-    parser.add_argument("--prompt", default="hello world")
+    parser.add_argument("--prompt", default="fresh bread =")  # the demo's format: words, then " ="
     parser.add_argument("--traffic-s", type=float, default=20.0, help="traffic before the adapters view is taken")
     parser.add_argument("--clients", type=int, default=3, help="concurrent clients sending that traffic")
     args = parser.parse_args()
