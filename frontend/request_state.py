@@ -76,7 +76,10 @@ class RequestState:
         self.full_text += self.detokenizer.push(self._shown_ids(delta))
         if delta.finish_reason is not None:
             self.full_text += self.detokenizer.flush()
-        hit = self.stop_matcher.find(self.full_text, old_len)
+        # Stop strings count only once the output has more than min_new_tokens tokens (vLLM's min_tokens); the first
+        # search after that still sees a stop string that began in the text before.
+        may_stop = len(self.output_ids) > self.sampling.min_new_tokens
+        hit = self.stop_matcher.find(self.full_text, old_len) if may_stop else None
         if hit is not None:
             index, matched = hit
             self.text = self.full_text[: index + (len(matched) if self.output.keep_stop else 0)]

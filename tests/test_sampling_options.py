@@ -220,6 +220,28 @@ def test_stop_text_options(tokenizer):
     assert text(OutputOptions(keep_stop=True), [stop], words, "length") == full[: full.index(stop) + len(stop)]
 
 
+def test_stop_strings_wait_for_min_new_tokens(demo_dir):
+    """A stop string ends the output only in text that arrives once the output has more than min_new_tokens tokens
+    (vLLM's min_tokens). The demo's byte-level tokenizer: one token per letter."""
+    byte_tokenizer = AutoTokenizer.from_pretrained(demo_dir)
+    ids = byte_tokenizer("abcabc", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 6
+
+    def text(min_new_tokens: int) -> str:
+        sampling = SamplingParams(min_new_tokens=min_new_tokens, max_new_tokens=16)
+        state = RequestState("r", [1], sampling, ["b"], byte_tokenizer, None, None, OutputOptions())
+        for token in ids:  # one token per delta, as decoding streams them
+            if state.apply(TokenDelta(rid="r", token_ids=[token])) or state.finished:
+                break
+        return state.text
+
+    assert text(0) == "a"
+    assert text(1) == "a"  # the "b" is the 2nd token: more than one
+    assert text(2) == "abca"  # the first "b" comes with the 2nd token, not more than two: the next one stops it
+    assert text(4) == "abca"
+    assert text(5) == "abcabc"
+
+
 # ---- over HTTP (and the RPC): chunked prefill of 16 tokens, prefix cache on --------------------------------------
 
 PROMPT = (
