@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from frontend.adapter_state import AdapterStateFile
-from frontend.adapter_tensors import read_adapter_dir
+from frontend.adapter_tensors import cut_per_rank, read_adapter_dir
 from frontend.metrics import Metrics
 from frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
 from frontend.replica_set import ReplicaSet, merge_outcomes
@@ -204,9 +204,10 @@ class AdapterManager:
         t0 = time.monotonic()
         read_failures: dict[int, AdapterOutcome] = {}
         to_send = adapters
-        if self.config.nnodes > 1:  # node 0 reads the files; every rank gets the adapter as raw tensor frames
+        frames_per_rank = self.config.nnodes > 1
+        if frames_per_rank:  # node 0 reads the files; every rank gets its part as raw tensor frames
             to_send, buffers, read_failures = await self._read_for_nodes(adapters, buffers)
-        outcomes = await self._load_everywhere(to_send, buffers) if to_send else []
+        outcomes = await self._load_everywhere(to_send, buffers, frames_per_rank) if to_send else []
         sent = dict(zip([a.lora_id for a in to_send], outcomes, strict=True))
         outcomes = [read_failures.get(a.lora_id) or sent[a.lora_id] for a in adapters]
         elapsed_s = time.monotonic() - t0
@@ -221,10 +222,12 @@ class AdapterManager:
     async def _read_for_nodes(self, adapters: list[AdapterToLoad], buffers: Sequence[Any]
                               ) -> tuple[list[AdapterToLoad], list, dict[int, AdapterOutcome]]:
         """Directory loads turned into inline ones (config and tensor frames read here), so ranks on other nodes
-        never open a path: (what to send, its frames in adapter order, the adapters that could not be read)."""
+        never open a path, and every tensor cut per TP rank: (what to send, its frames as LoadAdapters.frames_per_rank
+        lays them out, the adapters that could not be read)."""
         loop = asyncio.get_running_loop()
         per_adapter = split_inline_frames(adapters, list(buffers))
-        to_send, frames, failures = [], [], {}
+        to_send, failures = [], {}
+        rank_frames: list[list] = [[] for _ in range(self.config.tp)]
         for adapter, own_frames in zip(adapters, per_adapter, strict=True):
             if adapter.inline is None:
                 try:
@@ -238,12 +241,15 @@ class AdapterManager:
                 adapter = msgspec.structs.replace(adapter, lora_path=None,
                                                   inline=InlineAdapter(config=config, tensors=specs))
             to_send.append(adapter)
-            frames += own_frames
-        return to_send, frames, failures
+            cut = await loop.run_in_executor(None, cut_per_rank, adapter.inline.tensors, own_frames, self.config.tp)
+            for frames, part in zip(rank_frames, cut, strict=True):
+                frames += part
+        return to_send, [frame for frames in rank_frames for frame in frames], failures
 
-    async def _load_everywhere(self, adapters: list[AdapterToLoad], buffers: Sequence[Any]) -> list[AdapterOutcome]:
+    async def _load_everywhere(self, adapters: list[AdapterToLoad], buffers: Sequence[Any],
+                               frames_per_rank: bool = False) -> list[AdapterOutcome]:
         """One LoadAdapters to every replica; the merged outcomes, and what must go again rolled back."""
-        op = LoadAdapters(op_id=self.replicas.next_op_id(), adapters=adapters)
+        op = LoadAdapters(op_id=self.replicas.next_op_id(), adapters=adapters, frames_per_rank=frames_per_rank)
         timeout_s = self.config.lora_load_timeout + SCHEDULER_MARGIN_S
         answers = [reply if isinstance(reply, ServerError) else reply.outcomes
                    for reply in await self.replicas.call_all(op, timeout_s, buffers)]

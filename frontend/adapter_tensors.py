@@ -1,11 +1,15 @@
 """An adapter's tensors as TensorSpecs and raw buffers: how the Engine and the RPC client send tensors (the bytes go
-as extra ZeroMQ frames, never pickled; the workers check every spec against its bytes)."""
+as extra ZeroMQ frames, never pickled; the workers check every spec against its bytes), and how node 0 cuts them
+per TP rank (--nnodes > 1)."""
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any
 
-from protocol.structs import TensorSpec
+from protocol.lora_shards import rank_cut
+from protocol.structs import TENSOR_DTYPES, TensorSpec
 
 
 def encode_tensors(tensors: dict[str, Any]) -> tuple[list[TensorSpec], list[memoryview]]:
@@ -56,3 +60,29 @@ def read_adapter_dir(path: str, root: str | None) -> tuple[dict, list[TensorSpec
     if not isinstance(config, dict) or not isinstance(tensors, dict):
         raise ValueError(f"{path!r} is not a PEFT adapter (adapter_config.json or the weights are malformed)")
     return config, *encode_tensors(tensors)
+
+
+def cut_per_rank(specs: list[TensorSpec], buffers: list, tp_size: int) -> list[list[memoryview]]:
+    """Each TP rank's part of each tensor as raw bytes, [tp_rank][tensor], by the rule the workers use
+    (protocol/lora_shards.py); a rank's frames then match its cut of the specs' whole shapes. A buffer whose size
+    is not its spec's goes whole to every rank, which refuses it on its size."""
+    import torch
+
+    per_rank: list[list[memoryview]] = [[] for _ in range(tp_size)]
+    for spec, buffer in zip(specs, buffers, strict=True):
+        data = memoryview(buffer).cast("B")
+        item_size = TENSOR_DTYPES.get(spec.dtype, 0)
+        fits = len(spec.shape) == 2 and min(spec.shape) > 0 and len(data) == math.prod(spec.shape) * item_size
+        for tp_rank in range(tp_size):
+            cut = rank_cut(spec.name, spec.shape, tp_rank, tp_size) if fits else None
+            if cut is None:
+                per_rank[tp_rank].append(data)
+                continue
+            dim, start, length = cut
+            with warnings.catch_warnings():  # read-only frames: only read, then copied
+                warnings.filterwarnings("ignore", "The given buffer is not writable")
+                rows = torch.frombuffer(data, dtype=torch.uint8).view(spec.shape[0], -1)  # (rows, row bytes)
+            width = 1 if dim == 0 else item_size  # bytes per step along the cut dim
+            part = rows.narrow(dim, start * width, length * width).contiguous().reshape(-1)  # (bytes,)
+            per_rank[tp_rank].append(memoryview(part.numpy()))
+    return per_rank

@@ -234,6 +234,21 @@ class LoadAdapters(Struct, frozen=True):
 
     op_id: int
     adapters: list[AdapterToLoad]
+    # --nnodes > 1: node 0 cut every inline tensor per TP rank (protocol/lora_shards.py). The extra frames are then
+    # tp equal runs, rank r's the r-th, each laid out as split_inline_frames says; every TensorSpec names the whole
+    # tensor. The scheduler sends each rank only its run.
+    frames_per_rank: bool = False
+
+
+def frames_of_rank(op: LoadAdapters, frames: list, tp_rank: int, tp_size: int) -> list:
+    """The extra frames of `op` that TP rank `tp_rank` gets; none when their count does not split evenly (a
+    malformed load, which the rank then refuses on the count)."""
+    if not op.frames_per_rank:
+        return frames
+    if len(frames) % tp_size:
+        return []
+    per_rank = len(frames) // tp_size
+    return frames[tp_rank * per_rank : (tp_rank + 1) * per_rank]
 
 
 class AdapterReport(Struct, frozen=True):

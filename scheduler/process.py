@@ -28,6 +28,7 @@ from protocol.structs import (
     TokenizedGenerateReq,
     WorkerReady,
     WorkerToScheduler,
+    frames_of_rank,
 )
 from scheduler.adapter_table import LoadFinished
 from scheduler.scheduler import Scheduler
@@ -182,7 +183,8 @@ class SchedulerProcess:
     # ---- messages -------------------------------------------------------------------------------------------
 
     def on_frontend(self, msg: Any, frames: list) -> None:
-        """`frames`: a LoadAdapters' inline tensor bytes, passed on to the loaders untouched."""
+        """`frames`: a LoadAdapters' inline tensor bytes, passed on to the loaders untouched (each rank its own when
+        node 0 cut them per rank)."""
         if isinstance(msg, TokenizedGenerateReq):
             self.deltas += self.scheduler.add_request(msg)
         elif isinstance(msg, AbortReq):
@@ -222,8 +224,8 @@ class SchedulerProcess:
         if isinstance(out, LoadFinished):
             self.finish_load(out)
         else:  # the reply follows the ranks' reports, or the deadline
-            for sock in self.to_loaders:
-                sock.send(out, frames)
+            for tp_rank, sock in enumerate(self.to_loaders):
+                sock.send(out, frames_of_rank(out, frames, tp_rank, len(self.to_loaders)))
 
     def expire_adapter_loads(self) -> None:
         for done in self.scheduler.expire_adapter_loads(time.monotonic()):

@@ -1,13 +1,15 @@
 """Multi-node tensor parallelism on one machine: two "nodes" over loopback (`--tp 2 --nnodes 2`, one rank each).
 
 Node 1 runs with a fault hook that fails any adapter sent to it as a path, so an adapter that loads there came as
-tensor frames from node 0: node 1 never reads the path."""
+tensor frames from node 0: node 1 never reads the path. Node 0 cuts every tensor per rank, so node 1 receives only its
+part (its log says how many bytes came), and a rank fed its part keeps exactly what it keeps cutting the whole."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,17 +18,29 @@ import time
 import psutil
 import pytest
 import requests
+import torch
 from transformers import AutoTokenizer
 
-from frontend.adapter_tensors import read_adapter_dir
-from protocol.config import ConfigError, ServerConfig
-from protocol.structs import TENSOR_DTYPES
+from frontend.adapter_tensors import cut_per_rank, read_adapter_dir
+from protocol.config import TARGET_MODULES, ConfigError, ServerConfig
+from protocol.lora_shards import cut_shape
+from protocol.structs import TENSOR_DTYPES, AdapterToLoad, LoadAdapters, TensorSpec, frames_of_rank
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import REPO_ROOT, ServerProcess, free_port
 from tests.test_server_lifecycle import alive, wait_until
+from worker.lora.adapter import AdapterLoadError, PoolSpec, adapter_from_tensors, load_adapter
+from worker.model.config import ModelConfig
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0}
 PROMPTS = ["Once upon a time", "The quick brown fox"]
+
+
+def rank_bytes(adapter_dir, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """(bytes of `tp_rank`'s part of the adapter, bytes of the whole adapter), from the whole tensors' specs."""
+    _, specs, _ = read_adapter_dir(str(adapter_dir), root=None)
+    item = {spec.name: TENSOR_DTYPES[spec.dtype] for spec in specs}
+    part = sum(math.prod(cut_shape(s.name, s.shape, tp_rank, tp_size)) * item[s.name] for s in specs)
+    return part, sum(math.prod(s.shape) * item[s.name] for s in specs)
 
 
 class HeadlessNode:
@@ -109,6 +123,10 @@ def test_two_nodes_equal_hf_and_peft_and_node1_reads_no_path(two_nodes, llama_di
     assert len(node0.get("/server_info").json()["process_ids"]) == 2  # node 0: its scheduler and rank 0
     resp = node0.post("/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapter_dirs["a16"])})
     assert resp.status_code == 200, resp.text  # node 1 refuses any path: it got the adapter as tensors
+    with open(node1.log_path) as log:  # node 1's rank logs what came over the wire: rank 1's part, not the whole
+        received = [int(n) for n in re.findall(r"tensor frames, (\d+) bytes, this rank's part", log.read())]
+    part_bytes, whole_bytes = rank_bytes(adapter_dirs["a16"], 1, 2)
+    assert received == [part_bytes] and part_bytes < whole_bytes
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     for prompt in PROMPTS:
         for name, adapter_dir in ((None, None), ("x", adapter_dirs["a16"])):
@@ -174,3 +192,51 @@ def test_node0_reads_an_adapter_as_tensors_inside_the_root_only(adapter_dirs, tm
     (escaped / "adapter_config.json").symlink_to(adapter_dirs["a4"] / "adapter_config.json")
     with pytest.raises(ValueError, match="outside the allowed root"):
         read_adapter_dir(str(escaped), root=str(tmp_path / "root"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rank_fed_its_part_keeps_what_it_cuts_from_the_whole(llama_dir, adapter_dirs, dtype):
+    # Column-parallel (fused q/k/v with GQA's kv rows, gate/up): B's rows cut; row-parallel (o, down): A's columns.
+    config, specs, buffers = read_adapter_dir(str(adapter_dirs["a64"]), root=None)
+    model_config = ModelConfig.from_dir(str(llama_dir))
+    assert model_config.num_kv_heads < model_config.num_heads  # k_proj/v_proj's B is cut on the kv heads' rows
+    pool = PoolSpec(max_lora_rank=64, target_modules=TARGET_MODULES, dtype=dtype, device=torch.device("cpu"))
+    parts = cut_per_rank(specs, buffers, 2)
+    for tp_rank in (0, 1):
+        from_whole = load_adapter(str(adapter_dirs["a64"]), 5, model_config, pool, tp_rank, 2)
+        from_part = adapter_from_tensors(config, specs, parts[tp_rank], 5, model_config, pool, tp_rank, 2, is_cut=True)
+        assert from_part.weights.keys() == from_whole.weights.keys()
+        for key, (lora_a, lora_b) in from_whole.weights.items():
+            part_a, part_b = from_part.weights[key]
+            assert part_a.shape == lora_a.shape and part_b.shape == lora_b.shape, key
+            assert torch.equal(part_a, lora_a) and torch.equal(part_b, lora_b), key  # byte-identical
+        sent = sum(frame.nbytes for frame in parts[tp_rank])
+        assert sent == rank_bytes(adapter_dirs["a64"], tp_rank, 2)[0] < sum(b.nbytes for b in buffers)
+
+
+def test_a_cut_load_refuses_bad_tensors_by_their_whole_shape(llama_dir, adapter_dirs):
+    config, specs, buffers = read_adapter_dir(str(adapter_dirs["a16"]), root=None)
+    model_config = ModelConfig.from_dir(str(llama_dir))
+    pool = PoolSpec(max_lora_rank=16, target_modules=TARGET_MODULES, dtype=torch.float32, device=torch.device("cpu"))
+    b_index = next(i for i, s in enumerate(specs) if s.name.endswith("q_proj.lora_B.weight"))
+    b_spec = specs[b_index]
+    rows, lora_rank = b_spec.shape
+    wrong = list(specs)  # a B with one row too many: rank 0's cut then has the right size, its whole shape does not
+    wrong[b_index] = TensorSpec(name=b_spec.name, dtype=b_spec.dtype, shape=[rows + 1, lora_rank])
+    grown = list(buffers)
+    grown[b_index] = memoryview(bytes(len(buffers[b_index]) + lora_rank * TENSOR_DTYPES[b_spec.dtype]))
+    with pytest.raises(AdapterLoadError, match="shape mismatch with the base model"):
+        adapter_from_tensors(config, wrong, cut_per_rank(wrong, grown, 2)[0], 7, model_config, pool, 0, 2, is_cut=True)
+    short = list(buffers)  # bytes that do not match the spec go whole, and the rank refuses them on their size
+    short[b_index] = buffers[b_index][:-4]
+    with pytest.raises(AdapterLoadError, match="rank 1's part of shape"):
+        adapter_from_tensors(config, specs, cut_per_rank(specs, short, 2)[1], 7, model_config, pool, 1, 2, is_cut=True)
+
+
+def test_the_scheduler_gives_each_rank_its_run_of_frames():
+    adapters = [AdapterToLoad(lora_id=1, lora_name="x", lora_path="/p")]
+    cut = LoadAdapters(op_id=1, adapters=adapters, frames_per_rank=True)
+    assert [frames_of_rank(cut, ["a0", "b0", "a1", "b1"], rank, 2) for rank in (0, 1)] == [["a0", "b0"], ["a1", "b1"]]
+    assert frames_of_rank(cut, ["a0", "b0", "a1"], 1, 2) == []  # malformed: the rank refuses the count
+    whole = LoadAdapters(op_id=2, adapters=adapters)
+    assert frames_of_rank(whole, ["a", "b"], 1, 2) == ["a", "b"]

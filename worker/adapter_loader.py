@@ -81,7 +81,11 @@ class AdapterLoader(threading.Thread):
             return [AdapterOutcome(lora_id=a.lora_id, success=False, error_kind="internal",
                                    error_message=f"injected: rank {self.rank} reads no adapter path")
                     for a in op.adapters]
-        outcomes = self.manager.read(op.adapters, frames)
+        if frames:  # what came over the wire for this rank: with frames_per_rank, its part of each tensor only
+            num_bytes = sum(memoryview(f).nbytes for f in frames)
+            part = ", this rank's part" if op.frames_per_rank else ""
+            logger.info("op %d: %d tensor frames, %d bytes%s", op.op_id, len(frames), num_bytes, part)
+        outcomes = self.manager.read(op.adapters, frames, op.frames_per_rank)
         if self.fail_loads:
             fault = AdapterLoadError(f"injected fault on rank {self.rank}", "internal")
             outcomes = [

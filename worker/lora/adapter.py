@@ -10,12 +10,10 @@ a reload of an evicted adapter is checked again."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import mmap
 import os
-import re
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -26,14 +24,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from protocol.config import TARGET_MODULES
+from protocol.lora_shards import cut_shape, parse_lora_key, rank_cut
 from protocol.structs import TensorSpec
-from worker.lora.targets import SLICE_OF, full_shapes
+from worker.lora.targets import full_shapes
 from worker.model.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-# e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (older PEFT: ...lora_A.default.weight)
-_TENSOR_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:\w+\.)*?(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
 
 class AdapterLoadError(Exception):
@@ -104,15 +101,19 @@ def adapter_from_tensors(
     pool_spec: PoolSpec,
     tp_rank: int,
     tp_size: int,
+    *,
+    is_cut: bool = False,
 ) -> LoRAAdapter:
     """An adapter from adapter_config.json's content and its tensors' raw bytes (one buffer per spec, in order),
-    checked exactly as a directory load is."""
+    checked exactly as a directory load is. `is_cut`: each buffer holds only this rank's part of its tensor
+    (protocol/lora_shards.py; node 0 cut it), while the spec still names the whole tensor."""
     if not isinstance(config, dict):
         raise AdapterLoadError(f"the adapter config must be a JSON object (adapter_config.json), got {config!r}")
     checked = _check_config(config, model_config, pool_spec)
-    tensors = _tensors_from_buffers(tensor_specs, buffers)
-    return _build(lora_id, checked, _finite_in_dtype(tensors, pool_spec.dtype), model_config, pool_spec, tp_rank,
-                  tp_size)
+    tensors = _tensors_from_buffers(tensor_specs, buffers, (tp_rank, tp_size) if is_cut else None)
+    whole_shapes = {spec.name: tuple(spec.shape) for spec in tensor_specs} if is_cut else None
+    tensors = _finite_in_dtype(tensors, pool_spec.dtype)
+    return _build(lora_id, checked, tensors, model_config, pool_spec, tp_rank, tp_size, whole_shapes)
 
 
 def _build(
@@ -123,13 +124,17 @@ def _build(
     pool_spec: PoolSpec,
     tp_rank: int,
     tp_size: int,
+    whole_shapes: dict[str, tuple[int, ...]] | None = None,
 ) -> LoRAAdapter:
-    """Match the tensors (already in the pool's dtype, finite) to the config and the model, keep this rank's slice."""
-    pairs = _match_tensors(tensors, config, model_config)
+    """Match the tensors (already in the pool's dtype, finite) to the config and the model, keep this rank's slice.
+    `whole_shapes`: set when `tensors` are already this rank's slices; the whole tensors' shapes, checked instead."""
+    shapes = whole_shapes or {key: tuple(t.shape) for key, t in tensors.items()}
+    pairs = _match_tensors(shapes, config, model_config)
     pin = pool_spec.device.type == "cuda" and torch.cuda.is_available()
+    keep_tp = (0, 1) if whole_shapes is not None else (tp_rank, tp_size)  # (0, 1): keep all that came
     weights = {}
     for (layer, module), (key_a, key_b) in pairs.items():
-        lora_a, lora_b = _shard(module, tensors[key_a], tensors[key_b], tp_rank, tp_size)
+        lora_a, lora_b = (_keep(key, tensors[key], *keep_tp) for key in (key_a, key_b))
         host_b = _host_copy(lora_b, pin, tp_size, transposed=True)
         weights[(layer, module)] = (_host_copy(lora_a, pin, tp_size), host_b)
     return LoRAAdapter(
@@ -312,8 +317,11 @@ _TENSOR_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16"
                   "float64": torch.float64}
 
 
-def _tensors_from_buffers(specs: Sequence[TensorSpec], buffers: Sequence[Any]) -> dict[str, torch.Tensor]:
-    """Views of the raw buffers (C order, little-endian), each checked against its spec's dtype and shape."""
+def _tensors_from_buffers(
+    specs: Sequence[TensorSpec], buffers: Sequence[Any], cut_for: tuple[int, int] | None = None
+) -> dict[str, torch.Tensor]:
+    """Views of the raw buffers (C order, little-endian), each checked against its spec's dtype and shape.
+    `cut_for` (tp_rank, tp_size): each buffer holds that rank's part of the whole tensor its spec names."""
     if len(specs) != len(buffers):
         raise AdapterLoadError(f"{len(buffers)} tensor buffers for {len(specs)} tensors")
     tensors: dict[str, torch.Tensor] = {}
@@ -327,19 +335,21 @@ def _tensors_from_buffers(specs: Sequence[TensorSpec], buffers: Sequence[Any]) -
             raise AdapterLoadError(f"tensor {spec.name!r} has shape {spec.shape!r}; expected non-negative integers")
         if spec.name in tensors:
             raise AdapterLoadError(f"tensor {spec.name!r} appears twice")
+        shape = spec.shape if cut_for is None else cut_shape(spec.name, spec.shape, *cut_for)
         data = memoryview(buffer).cast("B")
-        num_elements = math.prod(spec.shape)
+        num_elements = math.prod(shape)
         if len(data) != num_elements * dtype.itemsize:
+            of_rank = "" if cut_for is None else f", rank {cut_for[0]}'s part of shape {tuple(spec.shape)}"
             raise AdapterLoadError(
                 f"tensor {spec.name!r}: {len(data)} bytes, expected {num_elements * dtype.itemsize} "
-                f"({spec.dtype}, shape {tuple(spec.shape)})"
+                f"({spec.dtype}, shape {tuple(shape)}{of_rank})"
             )
         if num_elements == 0:
-            tensors[spec.name] = torch.empty(spec.shape, dtype=dtype)
+            tensors[spec.name] = torch.empty(shape, dtype=dtype)
             continue
         with warnings.catch_warnings():  # read-only frames: only read, then copied by _finite_in_dtype
             warnings.filterwarnings("ignore", "The given buffer is not writable")
-            tensors[spec.name] = torch.frombuffer(data, dtype=dtype).view(spec.shape)
+            tensors[spec.name] = torch.frombuffer(data, dtype=dtype).view(shape)
     return tensors
 
 
@@ -401,22 +411,15 @@ def _check_finite(buffer: torch.Tensor, copies: dict[str, torch.Tensor], source_
             raise AdapterLoadError(f"tensor {key!r} holds NaN or infinite values{cast}")
 
 
-@functools.lru_cache(maxsize=8192)  # adapters of one base model name their tensors alike
-def _parse_key(key: str) -> tuple[int, str, str] | None:
-    """(layer, HF module, "A" or "B") of a tensor name, or None if it is not a LoRA weight of a decoder layer."""
-    match = _TENSOR_KEY.search(key)
-    return None if match is None else (int(match[1]), match[2], match[3])
-
-
 def _match_tensors(
-    tensors: dict[str, torch.Tensor], config: _Config, model_config: ModelConfig
+    tensor_shapes: dict[str, tuple[int, ...]], config: _Config, model_config: ModelConfig
 ) -> dict[tuple[int, str], tuple[str, str]]:
     """Every tensor must be an A or B of a target module in a layer of the model, with the base model's shape;
     every target must have both in every layer the config names. Returns the keys of each (layer, module)'s A and B."""
     shapes = full_shapes(model_config)
     found: dict[tuple[int, str, str], str] = {}
-    for key, tensor in tensors.items():
-        parsed = _parse_key(key)
+    for key, shape in tensor_shapes.items():
+        parsed = parse_lora_key(key)
         if parsed is None:
             raise AdapterLoadError(f"unexpected tensor {key!r}: only lora_A / lora_B weights of decoder layers")
         layer, module, which = parsed
@@ -430,9 +433,9 @@ def _match_tensors(
             )
         in_features, out_features = shapes[module]
         expected = (config.lora_rank, in_features) if which == "A" else (out_features, config.lora_rank)
-        if tuple(tensor.shape) != expected:
+        if shape != expected:
             raise AdapterLoadError(
-                f"shape mismatch with the base model: tensor {key!r} has shape {tuple(tensor.shape)}, "
+                f"shape mismatch with the base model: tensor {key!r} has shape {shape}, "
                 f"expected {expected} (r={config.lora_rank}, {module} is {in_features} -> {out_features})"
             )
         if (layer, module, which) in found:
@@ -454,17 +457,10 @@ def _match_tensors(
     return pairs
 
 
-def _shard(
-    module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, tp_rank: int, tp_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if tp_size == 1:
-        return lora_a, lora_b
-    fused, _ = SLICE_OF[module]
-    if fused.tp_mode == "column":  # this rank computes some output rows: B's rows, A whole
-        num_rows = lora_b.shape[0] // tp_size
-        return lora_a, lora_b.narrow(0, tp_rank * num_rows, num_rows)
-    num_cols = lora_a.shape[1] // tp_size  # this rank holds some input columns: A's columns, B whole
-    return lora_a.narrow(1, tp_rank * num_cols, num_cols), lora_b
+def _keep(key: str, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's slice of a whole A or B (a view)."""
+    cut = rank_cut(key, tensor.shape, tp_rank, tp_size)
+    return tensor if cut is None else tensor.narrow(*cut)
 
 
 def _host_copy(t: torch.Tensor, pin: bool, tp_size: int, transposed: bool = False) -> torch.Tensor:

@@ -113,9 +113,12 @@ class LoRAManager:
 
     # ---- adapters (host copies) ---------------------------------------------------------------------
 
-    def read(self, specs: Sequence[AdapterToLoad], frames: Sequence = ()) -> list[LoRAAdapter | AdapterLoadError]:
+    def read(
+        self, specs: Sequence[AdapterToLoad], frames: Sequence = (), is_cut: bool = False
+    ) -> list[LoRAAdapter | AdapterLoadError]:
         """Read, validate and slice each adapter; safe on any thread. Never raises: a failure is an outcome.
-        `frames`: the inline adapters' tensor bytes (LoadAdapters' extra frames)."""
+        `frames`: the inline adapters' tensor bytes (LoadAdapters' extra frames); `is_cut`: already only this
+        rank's part of each tensor (LoadAdapters.frames_per_rank)."""
         try:
             buffers = split_inline_frames(list(specs), list(frames))
         except ValueError as e:
@@ -133,6 +136,7 @@ class LoRAManager:
                         self.spec,
                         self.tp_rank,
                         self.tp_size,
+                        is_cut=is_cut,
                     )
                 else:
                     adapter = load_adapter(

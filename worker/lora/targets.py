@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.lora_shards import TP_MODES
 from worker.model.config import ModelConfig
 
 
@@ -11,15 +12,18 @@ from worker.model.config import ModelConfig
 class FusedLinear:
     name: str  # attribute path inside a decoder layer
     slices: tuple[str, ...]  # the HF modules fused into it, in slice order (see worker/loader.py FUSED_SLICES)
-    # "column": B sliced by rows on each rank; "row": A sliced by columns, B whole (summed by the layer's all-reduce)
-    tp_mode: str
+
+    @property
+    def tp_mode(self) -> str:
+        """'column' or 'row': the one rule of protocol/lora_shards.py, which cuts its adapters' weights."""
+        return TP_MODES[self.slices[0]]
 
 
 FUSED_LINEARS = (
-    FusedLinear("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"), "column"),
-    FusedLinear("self_attn.o_proj", ("o_proj",), "row"),
-    FusedLinear("mlp.gate_up_proj", ("gate_proj", "up_proj"), "column"),
-    FusedLinear("mlp.down_proj", ("down_proj",), "row"),
+    FusedLinear("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    FusedLinear("self_attn.o_proj", ("o_proj",)),
+    FusedLinear("mlp.gate_up_proj", ("gate_proj", "up_proj")),
+    FusedLinear("mlp.down_proj", ("down_proj",)),
 )
 # HF module -> (its fused linear, slice index)
 SLICE_OF: dict[str, tuple[FusedLinear, int]] = {
