@@ -245,8 +245,8 @@ class ModelRunner:
         self, reqs: list[ForwardReq], slot_loads: list[SlotLoad], *, last_only: bool, extra_rows: list[int] = ()
     ) -> torch.Tensor:
         self._apply_slot_loads(slot_loads)
-        if self.decode_graphs is not None and self.decode_graphs.can_run(reqs):
-            return self.decode_graphs.logits(reqs)  # one token per request: every row is a last one
+        if self.decode_graphs is not None and not extra_rows and self.decode_graphs.can_run(reqs):
+            return self.decode_graphs.logits(reqs)  # one token per request: every row is a last one, none extra
         inputs = BatchInputs.build(
             reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device, self.attention
         )
