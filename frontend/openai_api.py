@@ -62,7 +62,7 @@ from frontend.responses import (
 )
 from frontend.runtime import InputError, Runtime
 from protocol.errors import http_status
-from protocol.structs import LoRAAdapterSpec
+from protocol.structs import LoRAAdapterSpec, TokenLogprob
 
 routes = web.RouteTableDef()
 
@@ -154,6 +154,16 @@ def requested_logprobs(req: CommonParams) -> int:
     return -1 if logprobs is None else logprobs
 
 
+def top_entries(state: RequestState, token: str, lp: TokenLogprob) -> dict[str, float]:
+    """Completions' top_logprobs of one token, as OpenAI and vLLM give it: the chosen token, then the `logprobs`
+    best (up to logprobs + 1 entries; logprobs 0: the chosen token alone). Where two ids decode to the same text,
+    the first of them keeps it, so the chosen token's value is always its own."""
+    top = {token: lp.logprob}
+    for tid, value in zip(lp.top_ids, lp.top_logprobs, strict=True):
+        top.setdefault(state.token_text(tid), value)
+    return top
+
+
 def completion_logprobs(
     state: RequestState, start: int, offset: int, with_prompt: bool = False
 ) -> tuple[CompletionLogprobs, int]:
@@ -166,12 +176,10 @@ def completion_logprobs(
         token = state.token_text(tid)
         tokens.append(token)
         values.append(None if lp is None else lp.logprob)
-        tops.append(None if lp is None else {state.token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs,
-                                                                                   strict=True)})
+        tops.append(None if lp is None else top_entries(state, token, lp))
         offsets.append(offset)
         offset += len(token)
-    top = tops if state.sampling.logprobs > 0 else None
-    return CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=top, text_offset=offsets), offset
+    return CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets), offset
 
 
 def chat_logprobs(state: RequestState, start: int) -> ChatLogprobs:
@@ -255,10 +263,11 @@ def finish_reason(state: RequestState) -> str | None:
     return {"stop": "stop", "length": "length"}.get(state.finish_reason["type"], "abort")
 
 
-def usage(states: list[RequestState], num_prompts_tokens: int) -> Usage:
+def usage(states: list[RequestState], num_prompt_tokens: int) -> Usage:
+    """num_prompt_tokens: the request's prompts, each counted once (OpenAI, vLLM and SGLang do not count it n times)."""
     completion = sum(len(s.output_ids) for s in states)  # so far, in a stream with continuous_usage_stats
     return Usage(
-        prompt_tokens=num_prompts_tokens, completion_tokens=completion, total_tokens=num_prompts_tokens + completion
+        prompt_tokens=num_prompt_tokens, completion_tokens=completion, total_tokens=num_prompt_tokens + completion
     )
 
 
@@ -291,7 +300,7 @@ async def run_openai(
             "created": int(time.time()),
             "model": served_by,
         }
-        prompt_tokens = sum(len(s.prompt_ids) for s in states)
+        prompt_tokens = sum(len(p) for p in prompts)  # each prompt once, however many choices share it (n)
         if req.stream:
             return await stream_openai(request, runtime, req, states, base, chat, prompt_tokens, echoes)
         await wait_all(runtime, states)
@@ -430,9 +439,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await run_openai(request, req, [prompt], chat=True, default_max=None)
 
 
-@routes.get("/v1/models")
-async def models(request: web.Request) -> web.Response:
-    runtime = runtime_of(request)
+def model_cards(runtime: Runtime) -> list[ModelCard]:
+    """The base model's card, then one per adapter being served."""
     base = runtime.config.model_name
     created = int(time.time())
     cards = [
@@ -445,7 +453,21 @@ async def models(request: web.Request) -> web.Response:
         for entry in runtime.registry.live()
         if not entry.draining
     ]
-    return json_response(ModelList(object="list", data=cards))
+    return cards
+
+
+@routes.get("/v1/models")
+async def models(request: web.Request) -> web.Response:
+    return json_response(ModelList(object="list", data=model_cards(runtime_of(request))))
+
+
+@routes.get("/v1/models/{model:.+}")  # a served name may hold slashes (org/name)
+async def model(request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    card = next((c for c in model_cards(runtime_of(request)) if c.id == name), None)
+    if card is None:
+        raise AdapterError(f"The model `{name}` does not exist.", "not_found")
+    return json_response(card)
 
 
 class VllmLoadBody(msgspec.Struct, forbid_unknown_fields=True):

@@ -40,6 +40,7 @@ class Route(NamedTuple):
     ok: dict[str, Any]  # content type -> the 200 body's type (None: a plain string; SSE: a tuple of event types)
     errors: dict[int, str]  # status -> when
     error_types: dict[int, tuple] = {}  # status -> the types its body may have, where it is not ErrorResponse
+    path_params: tuple[str, ...] = ()  # the `{name}` parts of path, each a string
 
 
 ROUTES = [
@@ -74,6 +75,8 @@ ROUTES = [
           {**POST_ERRORS, 404: "unknown model"}),
     Route("get", "/v1/models", "The base model, then one card per adapter", None,
           {"application/json": r.ModelList}, GET_ERRORS),
+    Route("get", "/v1/models/{model}", "One model's card, as in /v1/models: the base model or an adapter", None,
+          {"application/json": r.ModelCard}, {**GET_ERRORS, 404: "unknown model"}, path_params=("model",)),
     Route("post", "/v1/load_lora_adapter", "Load an adapter (vLLM's API)", VllmLoadBody, {TEXT: None},
           {**POST_ERRORS, 403: "updates off", 404: "path not found", 409: "busy"}),
     Route("post", "/v1/unload_lora_adapter", "Unload an adapter (vLLM's API)", VllmUnloadBody, {TEXT: None},
@@ -128,8 +131,11 @@ def openapi_document() -> dict:
         for status, when in sorted(route.errors.items()):
             alternatives = route.error_types.get(status, (r.ErrorResponse,))
             answers[str(status)] = {"description": when, "content": content("application/json", alternatives)}
-        op: dict[str, Any] = {"summary": route.summary, "operationId": route.method + route.path.replace("/", "_"),
-                              "responses": answers}
+        operation_id = route.method + route.path.replace("/", "_").replace("{", "").replace("}", "")
+        op: dict[str, Any] = {"summary": route.summary, "operationId": operation_id, "responses": answers}
+        if route.path_params:
+            op["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                                for name in route.path_params]
         if route.request is not None:
             op["requestBody"] = {"required": True, "content": content("application/json", route.request)}
         if route.path in OPEN_ROUTES:

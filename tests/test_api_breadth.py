@@ -190,6 +190,27 @@ def test_vllm_command_line_serves(vllm_server):
     assert generate(server, "x") != generate(server, None)
 
 
+def test_openai_client_retrieves_model_cards(vllm_server):
+    import openai
+
+    server, _ = vllm_server
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    cards = {c["id"]: c for c in server.get("/v1/models", headers=AUTH).json()["data"]}
+    for name in ("tiny", "x"):  # the base model and an adapter: the same card as in the list
+        card = client.models.retrieve(name)
+        assert card.id == name and card.owned_by == "loraplex"
+        fields = card.model_dump()
+        assert {k: fields[k] for k in cards[name] if k != "created"} == {
+            k: v for k, v in cards[name].items() if k != "created"}
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.status_code == 404
+    error = missing.value.response.json()["error"]
+    assert error["code"] == 404 and error["type"] == "NotFoundError" and "`no-such-model`" in error["message"]
+    assert server.get("/v1/models/org/no-such", headers=AUTH).status_code == 404  # a name with a slash reaches it
+    assert server.get("/v1/models/tiny").status_code == 401
+
+
 def test_tokenize_is_what_generate_uses(vllm_server, llama_dir):
     from transformers import AutoTokenizer
 

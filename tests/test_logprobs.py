@@ -114,3 +114,41 @@ def test_openai_shapes(static_lora_server, llama_dir, adapter_dirs, tokenizer):
     echo = requests.post(url + "/v1/completions", json={"model": "a8", "prompt": prompt, "echo": True, "logprobs": 1,
                                                         "max_tokens": 2})
     assert echo.status_code == 200 and echo.json()["choices"][0]["logprobs"]["token_logprobs"][0] is None
+
+
+def sse(url: str, body: dict) -> list[dict]:
+    resp = requests.post(url, json={**body, "stream": True}, stream=True, timeout=120)
+    assert resp.status_code == 200, resp.text
+    lines = [line for line in resp.iter_lines() if line.startswith(b"data: ") and line != b"data: [DONE]"]
+    return [json.loads(line[6:]) for line in lines]
+
+
+def test_openai_top_lists_hold_the_chosen_token(static_lora_server, llama_dir):
+    # OpenAI and vLLM: completions' top_logprobs has the chosen token and the `logprobs` best, so logprobs 0 gives
+    # one entry per token (not null); chat's top_logprobs 0 gives an empty list per token.
+    url = static_lora_server.url
+    body = {"model": "a8", "prompt": "Once upon a time", "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}
+    lp = requests.post(url + "/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == MAX_NEW
+    assert lp["top_logprobs"] == [{t: v} for t, v in zip(lp["tokens"], lp["token_logprobs"], strict=True)]
+    chunks = [c["choices"][0]["logprobs"] for c in sse(url + "/v1/completions", body) if c["choices"]]
+    streamed = [top for c in chunks if c for top in c["top_logprobs"]]
+    assert [list(d) for d in streamed] == [[t] for t in lp["tokens"]]
+    echo = requests.post(url + "/v1/completions", json={**body, "echo": True, "max_tokens": 2}).json()
+    echo_lp = echo["choices"][0]["logprobs"]
+    assert echo_lp["top_logprobs"][0] is None
+    assert echo_lp["top_logprobs"][1:] == [{t: v} for t, v in zip(echo_lp["tokens"][1:], echo_lp["token_logprobs"][1:],
+                                                                   strict=True)]
+    # sampled: the chosen token is in its list even where it is not among the best
+    sampled = requests.post(url + "/v1/completions", json={**body, "logprobs": 1, "temperature": 5.0, "seed": 1,
+                                                            "max_tokens": 16}).json()["choices"][0]["logprobs"]
+    for token, value, top in zip(sampled["tokens"], sampled["token_logprobs"], sampled["top_logprobs"], strict=True):
+        assert top[token] == value and 1 <= len(top) <= 2
+    chat = {"model": llama_dir.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_NEW,
+            "temperature": 0, "logprobs": True, "top_logprobs": 0}
+    content = requests.post(url + "/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    assert content and all(c["top_logprobs"] == [] for c in content)
+    chat_chunks = [c["choices"][0]["logprobs"] for c in sse(url + "/v1/chat/completions", chat) if c["choices"]]
+    streamed_chat = [c for lp in chat_chunks if lp for c in lp["content"]]
+    assert len(streamed_chat) == len(content) and all(c["top_logprobs"] == [] for c in streamed_chat)

@@ -83,7 +83,7 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(server):
             except Exception as e:  # noqa: BLE001 - collected, so one run reports every route's failures
                 failures.append(f"{operation.label} ({mode.value}): {e}")
     assert not failures, "\n\n".join(failures)
-    assert num_operations == 19  # every route but /openapi.json itself, which schemathesis leaves out
+    assert num_operations == 20  # every route but /openapi.json itself, which schemathesis leaves out
     for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
         assert statuses[(f"POST {path}", 200)] > 0, f"no fuzzed request reached generation on {path}"
     assert server.get("/health").status_code == 200
@@ -111,6 +111,8 @@ def test_valid_requests_succeed_with_bodies_that_match_their_schemas(server, ada
                                           "messages": [{"role": "user", "content": "Hi"}]}),
         ("GET", "/lora_adapters", None),
         ("GET", "/v1/models", None),
+        ("GET", "/v1/models/{model}", {"model": base}),
+        ("GET", "/v1/models/{model}", {"model": "a4"}),
         ("GET", "/server_info", None),
         ("GET", "/get_model_info", None),
         ("GET", "/metrics", None),
@@ -122,7 +124,10 @@ def test_valid_requests_succeed_with_bodies_that_match_their_schemas(server, ada
     ]
     for method, path, body in steps:
         operation = schema[path][method]
-        case = operation.Case(body=body, media_type="application/json") if body is not None else operation.Case()
+        if "{" in path:  # the path's parameters
+            case = operation.Case(path_parameters=body)
+        else:
+            case = operation.Case(body=body, media_type="application/json") if body is not None else operation.Case()
         resp = case.call_and_validate(base_url=server.url, headers=AUTH, timeout=60, checks=CHECKS)
         assert resp.status_code == 200, (path, body, resp.text[:300])
 
@@ -134,8 +139,10 @@ def test_openapi_document_lists_every_route_and_needs_the_key(server):
     for path in POST_ROUTES:
         op = doc["paths"][path]["post"]
         assert "requestBody" in op and "200" in op["responses"] and "413" in op["responses"], path
-    for path in ("/health", "/server_info", "/lora_adapters", "/v1/models", "/metrics", "/openapi.json"):
+    for path in ("/health", "/server_info", "/lora_adapters", "/v1/models", "/v1/models/{model}", "/metrics",
+                 "/openapi.json"):
         assert "200" in doc["paths"][path]["get"]["responses"], path
+    assert "404" in doc["paths"]["/v1/models/{model}"]["get"]["responses"]
     assert doc["paths"]["/health"]["get"]["security"] == []
 
 

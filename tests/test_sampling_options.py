@@ -536,6 +536,28 @@ def test_continuous_usage_stats(server):
     assert [bool(c.get("usage")) for c in plain] == [False] * (len(plain) - 1) + [True]
 
 
+def test_usage_counts_each_prompt_once(server, tokenizer):
+    # OpenAI, vLLM and SGLang: n choices share their prompt, so usage counts it once (a list of prompts: each once)
+    num_prompt = len(tokenizer(PROMPT)["input_ids"])
+    body = {"model": server_model(server), "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "n": 3}
+    expected = {"prompt_tokens": num_prompt, "completion_tokens": 12, "total_tokens": num_prompt + 12}
+    assert post(server, "/v1/completions", body)["usage"] == expected
+    streamed = stream(server, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert streamed[-1]["usage"] == expected and not streamed[-1]["choices"]
+    continuous = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = stream(server, "/v1/completions", {**body, "stream_options": continuous})
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {num_prompt} and chunks[-1]["usage"] == expected
+    both = post(server, "/v1/completions", {**body, "prompt": [PROMPT, "a b"]})["usage"]
+    num_both = num_prompt + len(tokenizer("a b")["input_ids"])
+    assert both == {"prompt_tokens": num_both, "completion_tokens": 24, "total_tokens": num_both + 24}
+    chat = {k: v for k, v in body.items() if k != "prompt"} | {"messages": [{"role": "user", "content": "hi"}]}
+    num_chat = post(server, "/tokenize", {"model": body["model"], "messages": chat["messages"]})["count"]
+    assert post(server, "/v1/chat/completions", chat)["usage"]["prompt_tokens"] == num_chat
+    chat_chunks = stream(server, "/v1/chat/completions", {**chat, "stream_options": continuous})
+    assert {c["usage"]["prompt_tokens"] for c in chat_chunks} == {num_chat}
+
+
 @pytest.mark.parametrize(
     ("path", "field"),
     [
