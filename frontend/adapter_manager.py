@@ -17,15 +17,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-
-from frontend.adapter_state import AdapterStateFile
-from frontend.adapter_tensors import cut_per_rank, read_adapter_dir
-from frontend.metrics import Metrics
-from frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
-from frontend.replica_set import ReplicaSet, merge_outcomes
-from protocol.config import ServerConfig
-from protocol.errors import ServerError
-from protocol.structs import (
+from loraplex.frontend.adapter_state import AdapterStateFile
+from loraplex.frontend.adapter_tensors import cut_per_rank, read_adapter_dir
+from loraplex.frontend.metrics import Metrics
+from loraplex.frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
+from loraplex.frontend.replica_set import ReplicaSet, merge_outcomes
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.errors import ServerError
+from loraplex.protocol.structs import (
     AdapterOutcome,
     AdapterToLoad,
     DropAdapters,

@@ -11,8 +11,7 @@ import os
 import tempfile
 
 import msgspec
-
-from protocol.structs import LoRAAdapterSpec
+from loraplex.protocol.structs import LoRAAdapterSpec
 
 logger = logging.getLogger("loraplex.adapter_state")
 

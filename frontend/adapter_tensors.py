@@ -8,8 +8,8 @@ import math
 import warnings
 from typing import Any
 
-from protocol.lora_shards import rank_cut
-from protocol.structs import TENSOR_DTYPES, TensorSpec
+from loraplex.protocol.lora_shards import rank_cut
+from loraplex.protocol.structs import TENSOR_DTYPES, TensorSpec
 
 
 def encode_tensors(tensors: dict[str, Any]) -> tuple[list[TensorSpec], list[memoryview]]:

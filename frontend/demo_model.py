@@ -423,6 +423,6 @@ DEMO_DIR = Path(__file__).resolve().with_name("demo_assets")
 
 
 def demo_adapter_paths(demo_dir: str | os.PathLike[str] = DEMO_DIR) -> dict[str, Path]:
-    from frontend.demo_tasks import ADAPTER_TASKS
+    from loraplex.frontend.demo_tasks import ADAPTER_TASKS
 
     return {name: Path(demo_dir) / "adapters" / name for name in ADAPTER_TASKS}

@@ -13,15 +13,14 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from aiohttp import web
-
-from frontend.adapter_tensors import encode_tensors
-from frontend.http_server import create_app
-from frontend.native_api import NativeGenerateRequest, collect, start_generate, stream_chunks
-from frontend.params import convert
-from frontend.runtime import Runtime
-from protocol.config import ServerConfig
-from protocol.errors import ServerError
-from protocol.structs import (
+from loraplex.frontend.adapter_tensors import encode_tensors
+from loraplex.frontend.http_server import create_app
+from loraplex.frontend.native_api import NativeGenerateRequest, collect, start_generate, stream_chunks
+from loraplex.frontend.params import convert
+from loraplex.frontend.runtime import Runtime
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.errors import ServerError
+from loraplex.protocol.structs import (
     LoadLoRAAdapterFromTensorsReqInput,
     LoadLoRAAdapterReqOutput,
     LoRAAdapterResult,

@@ -15,9 +15,9 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from protocol.errors import ServerError
-from protocol.grammar import compile_constraint, make_compiler
-from protocol.structs import OutputConstraint
+from loraplex.protocol.errors import ServerError
+from loraplex.protocol.grammar import compile_constraint, make_compiler
+from loraplex.protocol.structs import OutputConstraint
 
 MAX_SOURCE_BYTES = 64 * 1024
 COMPILE_TIMEOUT_S = 5.0

@@ -15,11 +15,10 @@ import signal
 import time
 
 from aiohttp import web
-
-from frontend.launcher import ProcessGroup
-from frontend.node_rendezvous import BEAT_INTERVAL_S, NodeRendezvous
-from frontend.runtime import START_TIMEOUT_S, resolve_model_dir
-from protocol.config import ServerConfig
+from loraplex.frontend.launcher import ProcessGroup
+from loraplex.frontend.node_rendezvous import BEAT_INTERVAL_S, NodeRendezvous
+from loraplex.frontend.runtime import START_TIMEOUT_S, resolve_model_dir
+from loraplex.protocol.config import ServerConfig
 
 logger = logging.getLogger("loraplex.headless")
 

@@ -8,11 +8,10 @@ import logging
 import signal
 
 from aiohttp import web
-
-from frontend import console_api, native_api, openai_api, openapi, utility_api
-from frontend.http_utils import error_response
-from frontend.runtime import Runtime
-from protocol.errors import ServerError, http_status
+from loraplex.frontend import console_api, native_api, openai_api, openapi, utility_api
+from loraplex.frontend.http_utils import error_response
+from loraplex.frontend.runtime import Runtime
+from loraplex.protocol.errors import ServerError, http_status
 
 logger = logging.getLogger("loraplex.http")
 
@@ -96,7 +95,7 @@ async def serve(runtime: Runtime) -> None:
         waiter.cancel()
         start.result()
         if config.rpc_addr:
-            from frontend.rpc_server import RpcServer
+            from loraplex.frontend.rpc_server import RpcServer
 
             rpc = RpcServer(runtime, config.rpc_addr)
             rpc.start()

@@ -8,11 +8,10 @@ from typing import TypeVar
 
 import msgspec
 from aiohttp import web
-
-from frontend.params import decode_body
-from frontend.request_state import RequestState
-from frontend.responses import ErrorDetail, ErrorResponse
-from frontend.runtime import Runtime
+from loraplex.frontend.params import decode_body
+from loraplex.frontend.request_state import RequestState
+from loraplex.frontend.responses import ErrorDetail, ErrorResponse
+from loraplex.frontend.runtime import Runtime
 
 T = TypeVar("T")
 

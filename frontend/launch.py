@@ -7,8 +7,8 @@ import logging
 import os
 import sys
 
-from protocol.config import ConfigError, config_from_args
-from protocol.proc import setup_logging
+from loraplex.protocol.config import ConfigError, config_from_args
+from loraplex.protocol.proc import setup_logging
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,10 +23,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     setup_logging(config.log_level, "frontend")
     import uvloop
-
-    from frontend.headless import serve_headless
-    from frontend.http_server import serve
-    from frontend.runtime import Runtime
+    from loraplex.frontend.headless import serve_headless
+    from loraplex.frontend.http_server import serve
+    from loraplex.frontend.runtime import Runtime
 
     # Test-only fault injection (see worker/process.py); inert unless the variable is set.
     fault_hooks = json.loads(os.environ.get("LORAPLEX_TEST_FAULT_HOOKS", "{}"))

@@ -14,9 +14,9 @@ import tempfile
 import threading
 import time
 
-from protocol.config import ServerConfig
-from protocol.proc import ARGS_ENV, encode_process_args
-from protocol.structs import Endpoints, ProcessArgs
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.proc import ARGS_ENV, encode_process_args
+from loraplex.protocol.structs import Endpoints, ProcessArgs
 
 logger = logging.getLogger("loraplex.launcher")
 
@@ -68,9 +68,9 @@ class ProcessGroup:
         for dp_rank in range(self.config.dp_size):
             prefix = f"dp{dp_rank}." if self.config.dp_size > 1 else ""
             if self.config.node_rank == 0:
-                self._spawn(f"{prefix}scheduler", "scheduler", 0, dp_rank)
+                self._spawn(f"{prefix}scheduler", "loraplex.scheduler", 0, dp_rank)
             for local_rank in range(local_ranks):
-                self._spawn(f"{prefix}worker{first_rank + local_rank}", "worker", local_rank, dp_rank)
+                self._spawn(f"{prefix}worker{first_rank + local_rank}", "loraplex.worker", local_rank, dp_rank)
 
     def _spawn(self, name: str, module: str, rank: int, dp_rank: int) -> None:
         args = ProcessArgs(

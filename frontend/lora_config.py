@@ -8,8 +8,7 @@ import json
 import os
 
 import msgspec
-
-from protocol.config import DEFAULT_LORA_RANK, TARGET_MODULES, ConfigError, ServerConfig
+from loraplex.protocol.config import DEFAULT_LORA_RANK, TARGET_MODULES, ConfigError, ServerConfig
 
 
 def read_adapter_config(name: str, path: str) -> dict:
@@ -29,7 +28,7 @@ def read_adapter_config(name: str, path: str) -> dict:
 def resolve_lora_config(config: ServerConfig, model_dir: str) -> ServerConfig:
     lora_paths = list(config.lora_paths)
     if config.model_path == "demo" and not lora_paths and not config.lora_modules:
-        from frontend.demo_model import demo_adapter_paths
+        from loraplex.frontend.demo_model import demo_adapter_paths
 
         lora_paths = [f"{name}={path}" for name, path in demo_adapter_paths(model_dir).items()]
     config = msgspec.structs.replace(config, lora_paths=lora_paths)

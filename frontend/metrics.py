@@ -8,13 +8,12 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from loraplex.protocol.structs import SchedulerStats
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 
-from protocol.structs import SchedulerStats
-
 if TYPE_CHECKING:
-    from frontend.request_state import RequestState
+    from loraplex.frontend.request_state import RequestState
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ADAPTER_OPS = ("load", "reload", "unload", "evict")

@@ -6,9 +6,8 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
-
-from frontend.constraints import constrain, native_constraint
-from frontend.http_utils import (
+from loraplex.frontend.constraints import constrain, native_constraint
+from loraplex.frontend.http_utils import (
     error_body,
     error_response,
     json_response,
@@ -19,8 +18,8 @@ from frontend.http_utils import (
     stream_many,
     wait_all,
 )
-from frontend.metrics import combine_stats
-from frontend.params import (
+from loraplex.frontend.metrics import combine_stats
+from loraplex.frontend.params import (
     MAX_SEED,
     AdapterPath,
     NativeGenerateRequest,
@@ -28,12 +27,12 @@ from frontend.params import (
     native_sampling,
     strip_native,
 )
-from frontend.registry import AdapterError
-from frontend.request_state import OutputOptions, RequestState
-from frontend.responses import AbortResponse, AdapterReply, AdapterResult, HealthResponse, ModelInfoResponse
-from frontend.runtime import InputError, Runtime
-from protocol.errors import http_status
-from protocol.structs import (
+from loraplex.frontend.registry import AdapterError
+from loraplex.frontend.request_state import OutputOptions, RequestState
+from loraplex.frontend.responses import AbortResponse, AdapterReply, AdapterResult, HealthResponse, ModelInfoResponse
+from loraplex.frontend.runtime import InputError, Runtime
+from loraplex.protocol.errors import http_status
+from loraplex.protocol.structs import (
     AbortReqOutput,
     LoadLoRAAdapterReqOutput,
     LoRAAdapterSpec,

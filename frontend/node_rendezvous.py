@@ -17,9 +17,8 @@ import time
 from datetime import timedelta
 
 import msgspec
-
-from protocol.config import ServerConfig
-from protocol.structs import Endpoints
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.structs import Endpoints
 
 logger = logging.getLogger("loraplex.nodes")
 

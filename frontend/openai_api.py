@@ -8,9 +8,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from aiohttp import web
-
-from frontend.constraints import ResponseFormat, constrain, openai_constraint
-from frontend.http_utils import (
+from loraplex.frontend.constraints import ResponseFormat, constrain, openai_constraint
+from loraplex.frontend.http_utils import (
     error_body,
     error_response,
     json_response,
@@ -21,8 +20,8 @@ from frontend.http_utils import (
     stream_many,
     wait_all,
 )
-from frontend.native_api import n_samplings, runtime_of, submit_all
-from frontend.params import (
+from loraplex.frontend.native_api import n_samplings, runtime_of, submit_all
+from loraplex.frontend.params import (
     MAX_N,
     AdapterPath,
     Int64,
@@ -40,9 +39,9 @@ from frontend.params import (
     stop_list,
     strip_neutral,
 )
-from frontend.registry import AdapterError
-from frontend.request_state import OutputOptions, RequestState
-from frontend.responses import (
+from loraplex.frontend.registry import AdapterError
+from loraplex.frontend.request_state import OutputOptions, RequestState
+from loraplex.frontend.responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -60,9 +59,9 @@ from frontend.responses import (
     ModelList,
     Usage,
 )
-from frontend.runtime import InputError, Runtime
-from protocol.errors import http_status
-from protocol.structs import LoRAAdapterSpec, TokenLogprob
+from loraplex.frontend.runtime import InputError, Runtime
+from loraplex.protocol.errors import http_status
+from loraplex.protocol.structs import LoRAAdapterSpec, TokenLogprob
 
 routes = web.RouteTableDef()
 

@@ -7,13 +7,12 @@ from typing import Any, NamedTuple
 
 import msgspec
 from aiohttp import web
-
-from frontend import responses as r
-from frontend.http_utils import json_response
-from frontend.native_api import AbortBody, LoadBody, UnloadBody
-from frontend.openai_api import ChatRequest, CompletionRequest, VllmLoadBody, VllmUnloadBody
-from frontend.params import NativeGenerateRequest
-from frontend.utility_api import DetokenizeBody, TokenizeBody
+from loraplex.frontend import responses as r
+from loraplex.frontend.http_utils import json_response
+from loraplex.frontend.native_api import AbortBody, LoadBody, UnloadBody
+from loraplex.frontend.openai_api import ChatRequest, CompletionRequest, VllmLoadBody, VllmUnloadBody
+from loraplex.frontend.params import NativeGenerateRequest
+from loraplex.frontend.utility_api import DetokenizeBody, TokenizeBody
 
 routes = web.RouteTableDef()
 

@@ -6,9 +6,8 @@ from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
 import msgspec
-
-from frontend.runtime import InputError
-from protocol.structs import SamplingParams
+from loraplex.frontend.runtime import InputError
+from loraplex.protocol.structs import SamplingParams
 
 T = TypeVar("T")
 MAX_INT64 = 2**63 - 1

@@ -7,7 +7,7 @@ Each engine replica loads adapters from `adapter_root/<name>/` on first use, kee
 replica answers through its Engine's own HTTP app on a private Unix socket, so the OpenAI routes, validation and
 status codes are the server's, said once.
 
-    from frontend.ray_serve import build_app
+    from loraplex.frontend.ray_serve import build_app
     serve.run(build_app({"model_path": "/models/llama", "max_lora_rank": 16}, "/adapters", num_replicas=4))
 """
 
@@ -25,13 +25,12 @@ import aiohttp
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from loraplex.frontend.http_utils import error_body
+from loraplex.frontend.responses import ModelCard
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.errors import http_status
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-
-from frontend.http_utils import error_body
-from frontend.responses import ModelCard
-from protocol.config import ServerConfig
-from protocol.errors import http_status
 
 REPLICA_HEADER = "x-loraplex-replica"  # which engine replica answered (routing is checked by it)
 FORWARDED_HEADERS = ("authorization", "x-api-key")  # the replica's app checks the server's own keys
@@ -77,7 +76,7 @@ class LoRAEngine:
     """One Engine per replica; adapters are Serve's multiplexed models."""
 
     def __init__(self, engine_kwargs: dict, adapter_root: str, max_adapters_per_replica: int):
-        from frontend.engine import Engine
+        from loraplex.frontend.engine import Engine
 
         self.adapter_root = os.path.realpath(adapter_root)
         kwargs = {"enable_lora": True, "lora_path_root": self.adapter_root, **engine_kwargs}

@@ -9,8 +9,8 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from protocol.errors import ServerError
-from protocol.structs import AdapterToLoad, InlineAdapter, LoRAAdapterSpec
+from loraplex.protocol.errors import ServerError
+from loraplex.protocol.structs import AdapterToLoad, InlineAdapter, LoRAAdapterSpec
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/]{0,127}$")
 

@@ -14,9 +14,16 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from frontend.scheduler_client import SchedulerClient
-from protocol.errors import ServerError
-from protocol.structs import AdapterOutcome, Endpoints, SchedulerReady, SchedulerStats, SlotsChanged, TokenDeltas
+from loraplex.frontend.scheduler_client import SchedulerClient
+from loraplex.protocol.errors import ServerError
+from loraplex.protocol.structs import (
+    AdapterOutcome,
+    Endpoints,
+    SchedulerReady,
+    SchedulerStats,
+    SlotsChanged,
+    TokenDeltas,
+)
 
 
 class ReplicaSet:

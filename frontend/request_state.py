@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from frontend.detokenizer import IncrementalDetokenizer, StopMatcher
-from protocol.structs import SamplingParams, TokenDelta, TokenLogprob
+from loraplex.frontend.detokenizer import IncrementalDetokenizer, StopMatcher
+from loraplex.protocol.structs import SamplingParams, TokenDelta, TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from protocol import rpc
-from protocol.sockets import DEALER, BlockingFrameSocket
-from protocol.structs import (
+from loraplex.protocol import rpc
+from loraplex.protocol.sockets import DEALER, BlockingFrameSocket
+from loraplex.protocol.structs import (
     AbortReqInput,
     AbortReqOutput,
     GenerateReqInput,
@@ -85,7 +85,7 @@ class RpcClient:
                                        load_inplace: bool = False) -> LoadLoRAAdapterReqOutput:
         """torch tensors named as in adapter_model.safetensors, and adapter_config.json's content: each tensor's
         bytes go as one frame after the payload."""
-        from frontend.adapter_tensors import encode_tensors
+        from loraplex.frontend.adapter_tensors import encode_tensors
 
         specs, buffers = encode_tensors(tensors)
         request = LoadLoRAAdapterFromTensorsReqInput(lora_name=lora_name, config_dict=config_dict, tensors=specs,

@@ -10,17 +10,16 @@ import hmac
 import logging
 
 import msgspec
-
-from frontend import native_api
-from frontend.http_utils import stream_many
-from frontend.native_api import NativeGenerateRequest, collect, raise_failure, start_generate
-from frontend.params import convert
-from frontend.request_state import RequestState
-from frontend.runtime import Runtime
-from protocol import rpc
-from protocol.errors import ServerError
-from protocol.sockets import ROUTER, FrameSocket, PeerGone
-from protocol.structs import (
+from loraplex.frontend import native_api
+from loraplex.frontend.http_utils import stream_many
+from loraplex.frontend.native_api import NativeGenerateRequest, collect, raise_failure, start_generate
+from loraplex.frontend.params import convert
+from loraplex.frontend.request_state import RequestState
+from loraplex.frontend.runtime import Runtime
+from loraplex.protocol import rpc
+from loraplex.protocol.errors import ServerError
+from loraplex.protocol.sockets import ROUTER, FrameSocket, PeerGone
+from loraplex.protocol.structs import (
     AbortReqInput,
     GenerateReqInput,
     GenerateReqOutput,

@@ -12,20 +12,20 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from frontend.adapter_manager import AdapterManager
-from frontend.adapter_state import AdapterStateFile
-from frontend.grammar_checker import GrammarChecker
-from frontend.launcher import ProcessGroup
-from frontend.lora_config import resolve_lora_config
-from frontend.metrics import Metrics
-from frontend.node_rendezvous import NodeRendezvous
-from frontend.registry import AdapterRegistry
-from frontend.replica_set import ReplicaSet
-from frontend.request_state import OutputOptions, RequestState
-from frontend.router import Router
-from protocol.config import ServerConfig
-from protocol.errors import ServerError
-from protocol.structs import (
+from loraplex.frontend.adapter_manager import AdapterManager
+from loraplex.frontend.adapter_state import AdapterStateFile
+from loraplex.frontend.grammar_checker import GrammarChecker
+from loraplex.frontend.launcher import ProcessGroup
+from loraplex.frontend.lora_config import resolve_lora_config
+from loraplex.frontend.metrics import Metrics
+from loraplex.frontend.node_rendezvous import NodeRendezvous
+from loraplex.frontend.registry import AdapterRegistry
+from loraplex.frontend.replica_set import ReplicaSet
+from loraplex.frontend.request_state import OutputOptions, RequestState
+from loraplex.frontend.router import Router
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.errors import ServerError
+from loraplex.protocol.structs import (
     AbortReq,
     LoRAAdapterSpec,
     SamplingParams,
@@ -61,7 +61,7 @@ class InputError(ServerError, ValueError):
 
 def resolve_model_dir(model_path: str) -> str:
     if model_path == "demo":
-        from frontend.demo_model import DEMO_DIR
+        from loraplex.frontend.demo_model import DEMO_DIR
 
         return str(DEMO_DIR)
     return model_path

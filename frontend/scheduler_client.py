@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from protocol.errors import ServerError
-from protocol.sockets import PULL, PUSH, AsyncTypedSocket
-from protocol.structs import (
+from loraplex.protocol.errors import ServerError
+from loraplex.protocol.sockets import PULL, PUSH, AsyncTypedSocket
+from loraplex.protocol.structs import (
     Endpoints,
     ProcessFailed,
     SchedulerReady,

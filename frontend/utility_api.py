@@ -8,13 +8,12 @@ from importlib import metadata
 
 import msgspec
 from aiohttp import web
-
-from frontend.http_utils import json_response, read_request
-from frontend.native_api import NativeGenerateRequest, collect, health, runtime_of, start_generate
-from frontend.openai_api import ChatMessage, chat_prompt, resolve_model
-from frontend.params import TokenId, convert
-from frontend.responses import DetokenizeResponse, HealthResponse, TokenizeResponse, VersionResponse
-from frontend.runtime import InputError
+from loraplex.frontend.http_utils import json_response, read_request
+from loraplex.frontend.native_api import NativeGenerateRequest, collect, health, runtime_of, start_generate
+from loraplex.frontend.openai_api import ChatMessage, chat_prompt, resolve_model
+from loraplex.frontend.params import TokenId, convert
+from loraplex.frontend.responses import DetokenizeResponse, HealthResponse, TokenizeResponse, VersionResponse
+from loraplex.frontend.runtime import InputError
 
 logger = logging.getLogger("loraplex.http")
 routes = web.RouteTableDef()

@@ -5,14 +5,13 @@ compiled CPU kernels for bfloat16 CPU tensors where those are built) and `*_trit
 from __future__ import annotations
 
 import torch
-
-from kernels import cpu_ext
-from kernels.backend import BACKENDS, BackendError, LoRABackend, LoRABatchMeta, select_backend
-from kernels.checks import check_expand_args, check_shrink_args
-from kernels.lora_expand import column_alignment, launch_expand, lora_expand_triton
-from kernels.lora_shrink import launch_shrink, lora_shrink_triton, shrink_output
-from kernels.lora_torch import lora_expand_torch, lora_shrink_expand_torch, lora_shrink_torch
-from kernels.segment_tiles import plan_tiles
+from loraplex.kernels import cpu_ext
+from loraplex.kernels.backend import BACKENDS, BackendError, LoRABackend, LoRABatchMeta, select_backend
+from loraplex.kernels.checks import check_expand_args, check_shrink_args
+from loraplex.kernels.lora_expand import column_alignment, launch_expand, lora_expand_triton
+from loraplex.kernels.lora_shrink import launch_shrink, lora_shrink_triton, shrink_output
+from loraplex.kernels.lora_torch import lora_expand_torch, lora_shrink_expand_torch, lora_shrink_torch
+from loraplex.kernels.segment_tiles import plan_tiles
 
 __all__ = [
     "BACKENDS",

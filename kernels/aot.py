@@ -55,11 +55,10 @@ def variants() -> list[Variant]:
 
 def compile_variant(arch: str, v: Variant) -> dict:
     import triton
+    from loraplex.kernels.lora_expand import BLOCK_N, _expand_kernel
+    from loraplex.kernels.lora_shrink import BLOCK_K, _shrink_kernel
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    from kernels.lora_expand import BLOCK_N, _expand_kernel
-    from kernels.lora_shrink import BLOCK_K, _shrink_kernel
 
     kernel = _shrink_kernel if v.kernel == "shrink" else _expand_kernel
     constexprs = dict(BLOCK_M=v.block_m, BLOCK_R=v.block_r, SEG_BLOCK=v.seg_block,

@@ -25,12 +25,11 @@ from types import ModuleType
 from typing import Any, Protocol
 
 import torch
-
-from kernels import cpu_ext, lora_torch
-from kernels.lora_expand import column_alignment, launch_expand
-from kernels.lora_shrink import launch_shrink, shrink_output, shrink_summed
-from kernels.segment_tiles import plan_tiles
-from protocol.progress import Progress
+from loraplex.kernels import cpu_ext, lora_torch
+from loraplex.kernels.lora_expand import column_alignment, launch_expand
+from loraplex.kernels.lora_shrink import launch_shrink, shrink_output, shrink_summed
+from loraplex.kernels.segment_tiles import plan_tiles
+from loraplex.protocol.progress import Progress
 
 logger = logging.getLogger(__name__)
 

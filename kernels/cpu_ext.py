@@ -18,8 +18,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-
-from protocol.progress import elapsed
+from loraplex.protocol.progress import elapsed
 
 logger = logging.getLogger(__name__)
 

@@ -5,9 +5,8 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
-
-from kernels.checks import check_expand_args
-from kernels.segment_tiles import device_scope, plan_tiles, segment_tile
+from loraplex.kernels.checks import check_expand_args
+from loraplex.kernels.segment_tiles import device_scope, plan_tiles, segment_tile
 
 BLOCK_N = 64  # a multiple of 8: whole 16-byte vectors of 16-bit y and B where the columns start aligned
 

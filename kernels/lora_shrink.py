@@ -3,9 +3,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.checks import check_shrink_args
-from kernels.segment_tiles import device_scope, plan_tiles, segment_tile
+from loraplex.kernels.checks import check_shrink_args
+from loraplex.kernels.segment_tiles import device_scope, plan_tiles, segment_tile
 
 BLOCK_K = 64
 # Split-K: with few tokens the grid has only a few programs (one per row tile, slice and rank block), each streaming a

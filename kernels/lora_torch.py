@@ -32,9 +32,8 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-
-from kernels import cpu_ext
-from kernels.checks import check_expand_args, check_shrink_args
+from loraplex.kernels import cpu_ext
+from loraplex.kernels.checks import check_expand_args, check_shrink_args
 
 SHORT_SEGMENT_ROWS = 16  # segments up to this long go through the grouped path; longer ones get a matmul of their own
 # ... or, where the compiled kernels run, through them: in a decode step with a prefill beside it, they beat the

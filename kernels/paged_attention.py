@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.segment_tiles import device_scope
+from loraplex.kernels.segment_tiles import device_scope
 
 DECODE_BLOCK_N = 64  # keys per step of the decode loop
 EXTEND_BLOCK_M = 64  # query rows per extend program

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocol.structs import OutputConstraint
+from loraplex.protocol.structs import OutputConstraint
 
 # A compiled grammar's token masks are cached by the compiler for reuse, least recently used dropped past this.
 COMPILE_CACHE_BYTES = 256 << 20

@@ -10,8 +10,7 @@ import signal
 import sys
 
 import msgspec
-
-from protocol.structs import ProcessArgs
+from loraplex.protocol.structs import ProcessArgs
 
 ARGS_ENV = "LORAPLEX_PROCESS_ARGS"
 

@@ -55,8 +55,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-
-from protocol.structs import RpcError, RpcReply, RpcRequest
+from loraplex.protocol.structs import RpcError, RpcReply, RpcRequest
 
 MAX_REQUEST_ID_BYTES = 64
 API_KEY_FIELD = "api_key"

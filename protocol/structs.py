@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Union
 
 import msgspec
-
-from protocol.config import ServerConfig
+from loraplex.protocol.config import ServerConfig
 
 
 class Struct(msgspec.Struct, tag=True, kw_only=True):

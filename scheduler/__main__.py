@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from scheduler.process import main
+from loraplex.scheduler.process import main
 
 if __name__ == "__main__":
     sys.exit(main())

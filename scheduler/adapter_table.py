@@ -11,7 +11,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from protocol.structs import AdapterOpDone, AdapterOutcome, AdapterReport, AdapterToLoad, DropAdapters, LoadAdapters
+from loraplex.protocol.structs import (
+    AdapterOpDone,
+    AdapterOutcome,
+    AdapterReport,
+    AdapterToLoad,
+    DropAdapters,
+    LoadAdapters,
+)
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from scheduler.request import Request
-from scheduler.slot_planner import SlotPlanner
+from loraplex.scheduler.request import Request
+from loraplex.scheduler.slot_planner import SlotPlanner
 
 
 class Admission(Protocol):

@@ -17,7 +17,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from scheduler.page_allocator import PageAllocator, PageError
+from loraplex.scheduler.page_allocator import PageAllocator, PageError
 
 BASE_NAMESPACE = -1  # the base model's requests (adapters use their lora_id, which is never negative)
 

@@ -7,10 +7,9 @@ import time
 from typing import Any
 
 import msgspec
-
-from protocol.proc import die_with_parent, read_process_args, setup_logging
-from protocol.sockets import PULL, PUSH, TypedSocket, wait_readable
-from protocol.structs import (
+from loraplex.protocol.proc import die_with_parent, read_process_args, setup_logging
+from loraplex.protocol.sockets import PULL, PUSH, TypedSocket, wait_readable
+from loraplex.protocol.structs import (
     AbortReq,
     AdapterReport,
     BatchResult,
@@ -30,8 +29,8 @@ from protocol.structs import (
     WorkerToScheduler,
     frames_of_rank,
 )
-from scheduler.adapter_table import LoadFinished
-from scheduler.scheduler import Scheduler
+from loraplex.scheduler.adapter_table import LoadFinished
+from loraplex.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("scheduler")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from protocol.structs import SamplingParams, TokenizedGenerateReq
+from loraplex.protocol.structs import SamplingParams, TokenizedGenerateReq
 
 
 class RequestStatus(enum.Enum):

@@ -29,9 +29,8 @@ from collections import deque
 from dataclasses import dataclass
 
 import msgspec
-
-from protocol.config import ServerConfig
-from protocol.structs import (
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.structs import (
     AdapterOpDone,
     AdapterOutcome,
     AdapterReport,
@@ -46,12 +45,12 @@ from protocol.structs import (
     TokenizedGenerateReq,
     TokenLogprob,
 )
-from scheduler.adapter_table import AdapterTable, LoadFinished
-from scheduler.batch_policy import BatchPolicy
-from scheduler.page_allocator import PageAllocator
-from scheduler.prefix_cache import BASE_NAMESPACE, PrefixCache, page_keys
-from scheduler.request import Request, RequestStatus
-from scheduler.slot_planner import SlotError, SlotPlanner
+from loraplex.scheduler.adapter_table import AdapterTable, LoadFinished
+from loraplex.scheduler.batch_policy import BatchPolicy
+from loraplex.scheduler.page_allocator import PageAllocator
+from loraplex.scheduler.prefix_cache import BASE_NAMESPACE, PrefixCache, page_keys
+from loraplex.scheduler.request import Request, RequestStatus
+from loraplex.scheduler.slot_planner import SlotError, SlotPlanner
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Every benchmark on one workload, servers started and stopped here, and one table of the ratios the issue targets.
 
-    python scripts/bench_all.py                 # full: 137 M params, 128 requests, bf16, ~25 min on 2 cores (est.)
-    python scripts/bench_all.py --quick         # a small model and a short workload: a smoke run of ~2 minutes
-    python scripts/bench_all.py --dtype float32 --repeats 2 --json out.json   # fp32, best of two runs per workload
+    python -m scripts.bench_all                 # full: 137 M params, 128 requests, bf16, ~25 min on 2 cores (est.)
+    python -m scripts.bench_all --quick         # a small model and a short workload: a smoke run of ~2 minutes
+    python -m scripts.bench_all --dtype float32 --repeats 2 --json out.json   # fp32, best of two runs per workload
 
 Order: build (or reuse) the bench model; the PEFT baseline in this process (no server running); then one server
 with all the workload's adapters preloaded runs the 32-adapter workload, the same workload with 8 adapters and
@@ -21,25 +21,21 @@ import argparse
 import asyncio
 import gc
 import os
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import bench_adapter_ops  # noqa: E402
-import bench_chunked_prefill  # noqa: E402
-import bench_dp  # noqa: E402
-import bench_kv_admission  # noqa: E402
-import bench_peft_baseline  # noqa: E402
-import bench_prefix_cache  # noqa: E402
-import bench_serving  # noqa: E402
-import bench_step_overhead  # noqa: E402
-import bench_structured  # noqa: E402
-from bench_model import SIZES, adapter_name, ensure_bench_model  # noqa: E402
-from bench_report import (  # noqa: E402
+import scripts.bench_adapter_ops as bench_adapter_ops
+import scripts.bench_chunked_prefill as bench_chunked_prefill
+import scripts.bench_dp as bench_dp
+import scripts.bench_kv_admission as bench_kv_admission
+import scripts.bench_peft_baseline as bench_peft_baseline
+import scripts.bench_prefix_cache as bench_prefix_cache
+import scripts.bench_serving as bench_serving
+import scripts.bench_step_overhead as bench_step_overhead
+import scripts.bench_structured as bench_structured
+from scripts.bench_model import SIZES, adapter_name, ensure_bench_model
+from scripts.bench_report import (
     RATIO_HEADERS,
     SUMMARY_HEADERS,
     Targets,
@@ -49,8 +45,8 @@ from bench_report import (  # noqa: E402
     summary_rows,
     write_json,
 )
-from bench_server import add_server_args, start_server  # noqa: E402
-from bench_workload import WorkloadSpec, make_workload  # noqa: E402
+from scripts.bench_server import add_server_args, start_server
+from scripts.bench_workload import WorkloadSpec, make_workload
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Chunked prefill: what a long prompt's arrival costs the requests already decoding, chunked against whole.
 
-    python scripts/bench_chunked_prefill.py               # full: 32 streams, ten 1,536-token prompts
-    python scripts/bench_chunked_prefill.py --quick --json out.json
+    python -m scripts.bench_chunked_prefill               # full: 32 streams, ten 1,536-token prompts
+    python -m scripts.bench_chunked_prefill --quick --json out.json
 
 32 decoding streams (closed loop, 32-token prompts, outputs uniform in 64-192 tokens, round robin over 8 adapters)
 run while a 1,536-token prompt (1 token out) arrives every max(2 s, 2 x its prefill time), 10 arrivals. Its prefill
@@ -15,23 +15,19 @@ cache, on in both, never serves one).
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_serving  # noqa: E402
-from bench_model import BenchModel  # noqa: E402
-from bench_report import (  # noqa: E402
+import scripts.bench_serving as bench_serving
+from scripts.bench_model import BenchModel
+from scripts.bench_report import (
     Targets,
     best_of,
     distribution_ms,
     ratio_rows,
 )
-from bench_server import script_main, start_server  # noqa: E402
-from bench_workload import BenchRequest, WorkloadSpec, make_workload  # noqa: E402
+from scripts.bench_server import script_main, start_server
+from scripts.bench_workload import BenchRequest, WorkloadSpec, make_workload
 
 SEED_OF_LONE_PROMPTS = 1_000_000  # the prefill-time probes: a stream of their own, never a measured prompt
 

@@ -5,7 +5,7 @@ tokens, then times the same decode step over and over, alternating the two paths
 same machine (this CPU's speed drifts by tens of percent). Batches: base model only, 8 adapters scattered over the
 pool (as after a 32-adapter workload), and 32 adapters. Prints min and median step time per path and their ratios.
 
-    python scripts/bench_decode_step.py            # bfloat16, the full bench model, 32 requests of 200 tokens
+    python -m scripts.bench_decode_step            # bfloat16, the full bench model, 32 requests of 200 tokens
 """
 
 from __future__ import annotations
@@ -15,19 +15,15 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from loraplex.kernels import BackendError, select_backend
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SamplingParams, SlotLoad
+from loraplex.worker.model_runner import ModelRunner
 
-import torch  # noqa: E402
-from bench_model import ADAPTER_RANK, SIZES, BenchModel, ensure_bench_model  # noqa: E402
-from bench_report import format_table, write_json  # noqa: E402
-
-from kernels import BackendError, select_backend  # noqa: E402
-from protocol.config import ServerConfig  # noqa: E402
-from protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SamplingParams, SlotLoad  # noqa: E402
-from worker.model_runner import ModelRunner  # noqa: E402
+from scripts.bench_model import ADAPTER_RANK, SIZES, BenchModel, ensure_bench_model
+from scripts.bench_report import format_table, write_json
 
 PAGE_SIZE = 16
 GREEDY = SamplingParams(temperature=0.0)

@@ -1,7 +1,7 @@
 """Data parallelism: the same requests through one replica, then through `--dp-size 2`, on this machine.
 
-    python scripts/bench_dp.py                  # full: 8 adapters, 64 requests, 16 concurrent
-    python scripts/bench_dp.py --quick --json out.json
+    python -m scripts.bench_dp                  # full: 8 adapters, 64 requests, 16 concurrent
+    python -m scripts.bench_dp --quick --json out.json
 
 64 requests (inputs and outputs 16-128 tokens) on 8 adapters (uniform), 16 concurrent (closed loop), through a
 server with one replica, then one with `--dp-size 2` and otherwise the same flags. Both get the same
@@ -17,17 +17,13 @@ thread, which two single-thread replicas never do, so it measures that contentio
 from __future__ import annotations
 
 import asyncio
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_serving  # noqa: E402
-from bench_model import BenchModel  # noqa: E402
-from bench_report import Targets, best_of, ratio_rows  # noqa: E402
-from bench_server import script_main, start_server  # noqa: E402
-from bench_workload import WorkloadSpec, make_workload  # noqa: E402
+import scripts.bench_serving as bench_serving
+from scripts.bench_model import BenchModel
+from scripts.bench_report import Targets, best_of, ratio_rows
+from scripts.bench_server import script_main, start_server
+from scripts.bench_workload import WorkloadSpec, make_workload
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """How many chat requests without max_tokens run at once in a fixed KV cache, against the old reserve-everything rule.
 
-    python scripts/bench_kv_admission.py                  # full: 64 chats, --max-total-tokens 8192
-    python scripts/bench_kv_admission.py --quick --json out.json
+    python -m scripts.bench_kv_admission                  # full: 64 chats, --max-total-tokens 8192
+    python -m scripts.bench_kv_admission --quick --json out.json
 
 A chat request without max_tokens may write up to the context length. Reserving that much for each request (the rule
 before pages on demand) runs at most floor(max_total_tokens / context_length) at once; the scheduler now gives a
@@ -15,19 +15,15 @@ server reports.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_serving  # noqa: E402
-from bench_model import BenchModel  # noqa: E402
-from bench_report import Targets, best_of, ratio_rows  # noqa: E402
-from bench_server import script_main, start_server  # noqa: E402
+import scripts.bench_serving as bench_serving
+from scripts.bench_model import BenchModel
+from scripts.bench_report import Targets, best_of, ratio_rows
+from scripts.bench_server import script_main, start_server
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The benchmark checkpoint: a deterministic random Llama big enough that compute, not Python, dominates on CPU,
 plus rank-16 all-module PEFT adapters (distinct seeds). Built once and cached; every benchmark reuses it.
 
-    python scripts/bench_model.py --size full --num-adapters 33       # prints the base and adapter paths
+    python -m scripts.bench_model --size full --num-adapters 33       # prints the base and adapter paths
 
 Sizes (measured with HF on 2 CPU cores, fp32): `full` (137 M params) decodes a batch of 32 in ~120 ms and
 prefills ~1.5 ms/token; `quick` (hidden 256, 4 layers) is for smoke runs.
@@ -13,14 +13,11 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter, build_tiny_model  # noqa: E402
+from loraplex.frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter, build_tiny_model
 
 BENCH_VERSION = "bench-v1"  # bump when the builders below change what they write
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "loraplex" / BENCH_VERSION

@@ -1,7 +1,7 @@
 """The prefix cache on shared system prompts: the same requests through a server with it on, then one with it off.
 
-    python scripts/bench_prefix_cache.py                  # full: 8 adapters x 4 system prompts of 512 tokens
-    python scripts/bench_prefix_cache.py --quick --json out.json
+    python -m scripts.bench_prefix_cache                  # full: 8 adapters x 4 system prompts of 512 tokens
+    python -m scripts.bench_prefix_cache --quick --json out.json
 
 Every prompt is one of 4 system prompts of 512 tokens followed by its own user turn of 32-64 tokens, on one of 8
 adapters (uniform); 128 requests, 32 concurrent (closed loop), outputs of exact length. The cache is keyed by adapter,
@@ -14,17 +14,13 @@ by throughput) and TTFT p50 on / off (best of the repeats by TTFT p50).
 from __future__ import annotations
 
 import asyncio
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_serving  # noqa: E402
-from bench_model import BenchModel  # noqa: E402
-from bench_report import Targets, best_of, ratio_rows  # noqa: E402
-from bench_server import script_main, start_server  # noqa: E402
-from bench_workload import WorkloadSpec, make_workload  # noqa: E402
+import scripts.bench_serving as bench_serving
+from scripts.bench_model import BenchModel
+from scripts.bench_report import Targets, best_of, ratio_rows
+from scripts.bench_server import script_main, start_server
+from scripts.bench_workload import WorkloadSpec, make_workload
 
 
 @dataclass(frozen=True)

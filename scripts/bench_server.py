@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_model import ADAPTER_RANK, DEFAULT_CACHE_DIR, SIZES, ensure_bench_model  # noqa: E402
-from bench_report import RATIO_HEADERS, format_table, write_json  # noqa: E402
-
-from tests.server_utils import ServerProcess  # noqa: E402
+from scripts.bench_model import ADAPTER_RANK, DEFAULT_CACHE_DIR, SIZES, ensure_bench_model
+from scripts.bench_report import RATIO_HEADERS, format_table, write_json
+from tests.server_utils import ServerProcess
 
 NUM_CORES = len(os.sched_getaffinity(0))
 

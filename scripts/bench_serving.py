@@ -1,6 +1,6 @@
 """Load generator for a running loraplex server: many adapters, Poisson or closed-loop arrivals, streamed /generate.
 
-    python scripts/bench_serving.py --url http://127.0.0.1:30000 --num-adapters 32 --concurrency 32 \
+    python -m scripts.bench_serving --url http://127.0.0.1:30000 --num-adapters 32 --concurrency 32 \
         --num-requests 256 --input-len-range 16 256 --output-len-range 16 256 --json out.json
 
 Requests use random prompt ids and ignore_eos, so every output has exactly its requested length. TTFT is the time
@@ -21,13 +21,10 @@ import math
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_report import (  # noqa: E402
+from scripts.bench_report import (
     SUMMARY_HEADERS,
     RequestResult,
     format_table,
@@ -36,7 +33,7 @@ from bench_report import (  # noqa: E402
     summary_rows,
     write_json,
 )
-from bench_workload import (  # noqa: E402
+from scripts.bench_workload import (
     BenchRequest,
     WorkloadSpec,
     add_workload_args,

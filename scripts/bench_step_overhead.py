@@ -1,7 +1,7 @@
 """What the server adds to a decode step: one stream's ITL through HTTP against the same forward step in process.
 
-    python scripts/bench_step_overhead.py                 # full: the bench model, 32 adapters preloaded
-    python scripts/bench_step_overhead.py --quick --json out.json
+    python -m scripts.bench_step_overhead                 # full: the bench model, 32 adapters preloaded
+    python -m scripts.bench_step_overhead --quick --json out.json
 
 One request (32-token prompt, 256 tokens out, on one adapter) streams through a server started as bench_all starts
 its own; its ITL p50 is a whole step of the server: scheduling, the ZeroMQ hops, the forward with sampling,
@@ -15,22 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from loraplex.worker.model_runner import ModelRunner
 
-import bench_serving  # noqa: E402
-import torch  # noqa: E402
-from bench_decode_step import decode_reqs, make_runner, step_ms  # noqa: E402
-from bench_model import BenchModel  # noqa: E402
-from bench_report import Targets, best_of, ratio_rows  # noqa: E402
-from bench_server import script_main, start_server, worker_threads  # noqa: E402
-from bench_workload import WorkloadSpec, make_workload  # noqa: E402
-
-from worker.model_runner import ModelRunner  # noqa: E402
+import scripts.bench_serving as bench_serving
+from scripts.bench_decode_step import decode_reqs, make_runner, step_ms
+from scripts.bench_model import BenchModel
+from scripts.bench_report import Targets, best_of, ratio_rows
+from scripts.bench_server import script_main, start_server, worker_threads
+from scripts.bench_workload import WorkloadSpec, make_workload
 
 NUM_WARMUP_STEPS = 4
 

@@ -1,7 +1,7 @@
 """Structured output's cost: throughput with a quarter of the requests held to a JSON schema, against none.
 
-    python scripts/bench_structured.py                 # full: 64 requests, 16 concurrent, 4 adapters
-    python scripts/bench_structured.py --quick --json out.json
+    python -m scripts.bench_structured                 # full: 64 requests, 16 concurrent, 4 adapters
+    python -m scripts.bench_structured --quick --json out.json
 
 One server runs the same requests (prompts, lengths, adapters: bench_workload's seeded list) twice per repeat,
 interleaved: every request free (greedy, ignore_eos), then every 4th request under a JSON schema (an object holding
@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_serving  # noqa: E402
-from bench_model import BenchModel  # noqa: E402
-from bench_report import Targets, best_of, ratio_rows  # noqa: E402
-from bench_server import script_main, start_server  # noqa: E402
-from bench_workload import BenchRequest, WorkloadSpec, make_workload  # noqa: E402
+import scripts.bench_serving as bench_serving
+from scripts.bench_model import BenchModel
+from scripts.bench_report import Targets, best_of, ratio_rows
+from scripts.bench_server import script_main, start_server
+from scripts.bench_workload import BenchRequest, WorkloadSpec, make_workload
 
 SCHEMA = json.dumps({
     "type": "object",

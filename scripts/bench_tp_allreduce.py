@@ -6,8 +6,8 @@ the same decode step over and over, alternating the two formulations step by ste
 Both ranks run the same steps; rank 0's times are reported. Prints per batch the median and min step time and the
 all-reduces per step of each.
 
-    python scripts/bench_tp_allreduce.py                  # the quick bench model, fp32, 8 requests, 4 adapters
-    python scripts/bench_tp_allreduce.py --size full --batch 32
+    python -m scripts.bench_tp_allreduce                  # the quick bench model, fp32, 8 requests, 4 adapters
+    python -m scripts.bench_tp_allreduce --size full --batch 32
 """
 
 from __future__ import annotations
@@ -17,22 +17,17 @@ import multiprocessing as mp
 import random
 import socket
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
+from loraplex.protocol.config import ServerConfig
+from loraplex.worker.dist import destroy_distributed, init_distributed
+from loraplex.worker.lora.layers import LoRALinear
+from loraplex.worker.parallel import all_reduce
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from bench_decode_step import decode_reqs, make_runner, step_ms  # noqa: E402
-from bench_model import SIZES, ensure_bench_model  # noqa: E402
-from bench_report import format_table, write_json  # noqa: E402
-
-from protocol.config import ServerConfig  # noqa: E402
-from worker.dist import destroy_distributed, init_distributed  # noqa: E402
-from worker.lora.layers import LoRALinear  # noqa: E402
-from worker.parallel import all_reduce  # noqa: E402
+from scripts.bench_decode_step import decode_reqs, make_runner, step_ms
+from scripts.bench_model import SIZES, ensure_bench_model
+from scripts.bench_report import format_table, write_json
 
 TP = 2
 WARMUP_STEPS = 2

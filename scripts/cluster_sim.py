@@ -22,10 +22,8 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
-from sim_policies import POLICIES
-
-from protocol.config import ServerConfig
-from protocol.structs import (
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.structs import (
     AdapterOutcome,
     AdapterReport,
     AdapterToLoad,
@@ -35,7 +33,9 @@ from protocol.structs import (
     SamplingParams,
     TokenizedGenerateReq,
 )
-from scheduler.scheduler import Scheduler
+from loraplex.scheduler.scheduler import Scheduler
+
+from scripts.sim_policies import POLICIES
 
 TOKEN = 7  # what every simulated pass samples; never a stop token, so requests run to max_new_tokens
 

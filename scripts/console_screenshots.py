@@ -1,8 +1,8 @@
 """Screenshots of the web console for the docs: the adapters view (with live charts, under traffic) and the
 playground with the base and each adapter answering one prompt side by side.
 
-    python scripts/console_screenshots.py                    # the demo model -> docs/img/console-*.png
-    python scripts/console_screenshots.py --model-path DIR   # any model; its --lora-paths via --server-arg
+    python -m scripts.console_screenshots                    # the demo model -> docs/img/console-*.png
+    python -m scripts.console_screenshots --model-path DIR   # any model; its --lora-paths via --server-arg
 
 Starts its own server (CPU), drives the page in headless Chromium (/usr/bin/chromium), and stops the server.
 """
@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 import threading
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from playwright.sync_api import expect, sync_playwright
 
-from playwright.sync_api import expect, sync_playwright  # noqa: E402
-
-from tests.browser_helpers import launch_chromium  # noqa: E402
-from tests.server_utils import ServerProcess  # noqa: E402
+from tests.browser_helpers import launch_chromium
+from tests.server_utils import ServerProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VIEWPORT = {"width": 1200, "height": 900}

@@ -1,6 +1,6 @@
 """The one GPU check: correctness, numerics and performance of the CUDA path, in under 5 minutes on one H200.
 
-    python scripts/gpu_check.py --out DIR [--budget-s 285] [--only g1,g2] [--skip g5] [--dry-run] [--keep-models DIR]
+    python -m scripts.gpu_check --out DIR [--budget-s 285] [--only g1,g2] [--skip g5] [--dry-run] [--keep-models DIR]
 
 Groups G0-G8 (specified in GPU_CHECK.md §4) each run in a fresh spawned child under a hard cap, so a CUDA fault or a
 hang in one cannot poison or stall the rest; this parent never imports torch. Each child writes DIR/part_<group>.json
@@ -26,11 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_check_lib import REPO_ROOT, format_check, run_group  # noqa: E402
-from gpu_check_report import reviewer_block, summarize  # noqa: E402
+from scripts.gpu_check_lib import REPO_ROOT, format_check, run_group
+from scripts.gpu_check_report import reviewer_block, summarize
 
 
 @dataclass(frozen=True)
@@ -45,16 +42,16 @@ class Group:
 
 
 GROUPS = [
-    Group("g0", "env", 8, 45, "gpu_check_model", "g0_env"),
-    Group("g1", "kernels", 35, 90, "gpu_check_kernels", "g1_kernels"),
-    Group("g2", "attention", 20, 90, "gpu_check_model", "g2_attention"),
-    Group("g3", "numerics", 30, 90, "gpu_check_model", "g3_numerics"),
-    Group("g4", "decode", 45, 90, "gpu_check_serving", "g4_decode"),
-    Group("g5", "server", 75, 120, "gpu_check_serving", "g5_server"),
-    Group("g6", "kernel_perf", 20, 45, "gpu_check_kernels", "g6_kernel_perf"),
-    Group("g7", "tp2", 40, 90, "gpu_check_tp", "g7_tp2"),
-    Group("g8", "sanitizer", 20, 30, "gpu_check_tp", "g8_sanitizer"),
-    Group("kernels_small", "kernels_small", 20, 60, "gpu_check_kernels", "kernels_small", in_default_run=False),
+    Group("g0", "env", 8, 45, "scripts.gpu_check_model", "g0_env"),
+    Group("g1", "kernels", 35, 90, "scripts.gpu_check_kernels", "g1_kernels"),
+    Group("g2", "attention", 20, 90, "scripts.gpu_check_model", "g2_attention"),
+    Group("g3", "numerics", 30, 90, "scripts.gpu_check_model", "g3_numerics"),
+    Group("g4", "decode", 45, 90, "scripts.gpu_check_serving", "g4_decode"),
+    Group("g5", "server", 75, 120, "scripts.gpu_check_serving", "g5_server"),
+    Group("g6", "kernel_perf", 20, 45, "scripts.gpu_check_kernels", "g6_kernel_perf"),
+    Group("g7", "tp2", 40, 90, "scripts.gpu_check_tp", "g7_tp2"),
+    Group("g8", "sanitizer", 20, 30, "scripts.gpu_check_tp", "g8_sanitizer"),
+    Group("kernels_small", "kernels_small", 20, 60, "scripts.gpu_check_kernels", "kernels_small", in_default_run=False),
 ]
 SANITIZER = "g8"  # gets what is left, at most its cap
 

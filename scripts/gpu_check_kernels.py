@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from gpu_check_lib import Context, max_rel_err, median, time_ms, wall_ms
+from scripts.gpu_check_lib import Context, max_rel_err, median, time_ms, wall_ms
 
 RANK_CYCLE = (4, 8, 16, 32, 64)
 TOLERANCE = {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-5}
@@ -117,7 +117,7 @@ def serving_path(t: dict, device, num_slices: int):
     its per-batch meta and the pool weights."""
     from types import SimpleNamespace
 
-    from kernels.backend import TritonBackend
+    from loraplex.kernels.backend import TritonBackend
 
     backend = TritonBackend(device)
     meta = backend.prepare(t["seg_indptr"].tolist(), t["seg_slots"].tolist())
@@ -168,8 +168,7 @@ def _unchanged_rows(case: KernelCase, ranks: list[int]) -> list[int]:
 
 def run_case(ctx: Context, case: KernelCase, dtype_name: str, stalls: dict, worst: dict) -> None:
     import torch
-
-    from kernels import lora_expand_triton, lora_shrink_expand_torch, lora_shrink_triton
+    from loraplex.kernels import lora_expand_triton, lora_shrink_expand_torch, lora_shrink_triton
 
     dtype = getattr(torch, dtype_name)
     dev = ctx.device
@@ -229,8 +228,8 @@ def run_case(ctx: Context, case: KernelCase, dtype_name: str, stalls: dict, wors
 
 
 def _compiled_variants() -> int | None:
-    from kernels.lora_expand import _expand_kernel
-    from kernels.lora_shrink import _shrink_kernel
+    from loraplex.kernels.lora_expand import _expand_kernel
+    from loraplex.kernels.lora_shrink import _shrink_kernel
 
     total = 0
     for kernel in (_shrink_kernel, _expand_kernel):
@@ -278,10 +277,9 @@ PERF_LAYOUTS = {  # name -> (segment length, adapters)
 def _perf_cell(ctx: Context, module: str, layout: str, rank: int) -> dict:
     import torch
     import torch.nn.functional as F
-
-    from kernels import lora_shrink
-    from kernels.lora_expand import column_alignment, launch_expand
-    from kernels.lora_shrink import launch_shrink, shrink_output, split_k
+    from loraplex.kernels import lora_shrink
+    from loraplex.kernels.lora_expand import column_alignment, launch_expand
+    from loraplex.kernels.lora_shrink import launch_shrink, shrink_output, split_k
 
     in_dim, outs = PERF_MODULES[module]
     seg_len, adapters = PERF_LAYOUTS[layout]

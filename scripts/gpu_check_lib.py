@@ -152,9 +152,6 @@ class Context:
 def run_group(group: str, module: str, func: str, out_dir: str, dry_run: bool, keep_models: str | None,
               ceilings: dict[str, float]) -> None:
     """Child entry point (multiprocessing spawn target): run one group, always leave part_<group>.json behind."""
-    for path in (str(REPO_ROOT), str(SCRIPTS_DIR), str(REPO_ROOT / "tests")):
-        if path not in sys.path:
-            sys.path.insert(0, path)
     rec = Recorder(group, Path(out_dir) / f"part_{group}.json")
     try:
         fn: Callable[[Context], None] = getattr(importlib.import_module(module), func)
@@ -268,9 +265,8 @@ def write_llama(out_dir: Path, shape: LlamaShape, device, dtype, seed: int = 0) 
     """A random Llama checkpoint with HF names (std 0.02, norms 1), its config and the demo tokenizer; returns the
     vocab size."""
     import torch
+    from loraplex.frontend.demo_model import _token_ids, build_tokenizer, tokenizer_vocab_size
     from safetensors.torch import save_file
-
-    from frontend.demo_model import _token_ids, build_tokenizer, tokenizer_vocab_size
 
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = tokenizer_vocab_size()

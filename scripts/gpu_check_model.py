@@ -12,7 +12,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from gpu_check_lib import Context, max_abs, median, time_ms
+from scripts.gpu_check_lib import Context, max_abs, median, time_ms
 
 # ---- G0: environment ---------------------------------------------------------------------------------------------
 
@@ -37,8 +37,9 @@ def g0_env(ctx: Context) -> None:
         rec.check("triton_interpret_off", not truthy, interpret or "unset", "0 or unset",
                   "CUDA tensors through the interpreter are slow and wrong in bf16")
     failed = []
-    for module in ("protocol.structs", "protocol.config", "protocol.sockets", "worker.model_runner", "worker.dist",
-                   "worker.lora.manager", "frontend.engine"):
+    for module in ("loraplex.protocol.structs", "loraplex.protocol.config", "loraplex.protocol.sockets",
+                   "loraplex.worker.model_runner", "loraplex.worker.dist", "loraplex.worker.lora.manager",
+                   "loraplex.frontend.engine"):
         try:
             importlib.import_module(module)
         except Exception as e:
@@ -115,8 +116,7 @@ class AttnSetup:
 
     def __init__(self, ctx: Context, dtype, attention: str = "torch"):
         import torch
-
-        from worker.layers.attention import select_attention_backend
+        from loraplex.worker.layers.attention import select_attention_backend
 
         self.dev, self.dtype = ctx.device, dtype
         self.page_size = 16
@@ -137,8 +137,8 @@ class AttnSetup:
 
     def batch(self, spec: list[tuple[int, int]]):
         """spec: (cached, new) per request -> (reqs, inputs, q, k, v)."""
-        from protocol.structs import ForwardReq, SamplingParams
-        from worker.batch_inputs import BatchInputs
+        from loraplex.protocol.structs import ForwardReq, SamplingParams
+        from loraplex.worker.batch_inputs import BatchInputs
 
         pages = itertools.cycle(self.free_pages)  # only timing batches outgrow the cache; they may share pages
         reqs = []
@@ -153,7 +153,7 @@ class AttnSetup:
             tokens, self.kv_heads, self.head_dim)
 
     def run(self, inputs, q, k, v):
-        from worker.layers.attention import paged_attention
+        from loraplex.worker.layers.attention import paged_attention
 
         return paged_attention(q, k, v, self.k_cache, self.v_cache, inputs.attention)
 
@@ -279,8 +279,7 @@ def _probe_backends(ctx: Context, setup: AttnSetup, spec) -> None:
 
 def _decode_timing(ctx: Context, setup: AttnSetup, paged: AttnSetup) -> None:
     import torch.nn.functional as F
-
-    from worker.layers.attention import _gather_pages
+    from loraplex.worker.layers.attention import _gather_pages
 
     copy_gbps = ctx.ceilings.get("copy_GBps") or float("nan")
     table = {}
@@ -331,8 +330,8 @@ ADAPTERS = [None, "a4", "a8", "a16", "a32", "a64"]
 
 
 def _runner(ctx: Context, model_dir: Path, dtype: str, lora: bool = True):
-    from protocol.config import ServerConfig
-    from worker.model_runner import ModelRunner
+    from loraplex.protocol.config import ServerConfig
+    from loraplex.worker.model_runner import ModelRunner
 
     lora_kwargs = dict(enable_lora=True, max_lora_rank=64, lora_target_modules=["all"], max_loras_per_batch=6)
     config = ServerConfig(device=ctx.device.type, dtype=dtype, page_size=4, max_total_tokens=4096,
@@ -341,7 +340,7 @@ def _runner(ctx: Context, model_dir: Path, dtype: str, lora: bool = True):
 
 
 def _build_models(ctx: Context, root: Path) -> dict[str, Path]:
-    from frontend.demo_model import build_tiny_model
+    from loraplex.frontend.demo_model import build_tiny_model
 
     models = {"llama": root / "llama", "qwen2": root / "qwen2"}
     build_tiny_model(models["llama"], arch="llama")
@@ -354,9 +353,9 @@ def _build_models(ctx: Context, root: Path) -> dict[str, Path]:
 
 
 def _build_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
-    from conftest import ADAPTER_SPECS
+    from loraplex.frontend.demo_model import build_lora_adapter
 
-    from frontend.demo_model import build_lora_adapter
+    from tests.conftest import ADAPTER_SPECS
 
     paths = {}
     for seed, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTER_SPECS.items(), start=1):
@@ -367,7 +366,7 @@ def _build_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
 
 
 def _load_adapters(runner, adapters: dict[str, Path]) -> dict[str, int]:
-    from protocol.structs import AdapterToLoad
+    from loraplex.protocol.structs import AdapterToLoad
 
     ids = {name: i + 1 for i, name in enumerate(adapters)}
     specs = [AdapterToLoad(lora_id=ids[n], lora_name=n, lora_path=str(p)) for n, p in adapters.items()]
@@ -381,7 +380,7 @@ def _load_adapters(runner, adapters: dict[str, Path]) -> dict[str, int]:
 def _prefill_and_step(runner, prompts, slots, ids_by_slot, steps_pages: int = 8):
     """Prefill the prompts in one batch (slots loaded with it), then one decode step with each request's greedy
     token; (per-request prefill logits, step logits (reqs, vocab), the tokens fed)."""
-    from protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad
+    from loraplex.protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad
 
     greedy = SamplingParams(temperature=0.0)
     pages, next_page = [], 0
@@ -421,8 +420,8 @@ def _hf_bf16(model_dir: Path, adapter_dir: Path | None, device):
 
 
 def g3_numerics(ctx: Context) -> None:
-    from reference import hf_model
-    from worker_helpers import random_prompts
+    from tests.reference import hf_model
+    from tests.worker_helpers import random_prompts
 
     rec = ctx.rec
     root = Path(tempfile.mkdtemp(prefix="gpu_check_g3_"))
@@ -480,10 +479,10 @@ def _calibrated(rec, name: str, ours, hf_low, hf_ref) -> None:
 
 def _lora_numerics(ctx: Context, name: str, model_dir: Path, adapters: dict[str, Path]) -> tuple[int, int]:
     import torch
-    from reference import CLEAR_MARGIN, hf_greedy, hf_model
-    from worker_helpers import GREEDY, decode, random_prompts
+    from loraplex.protocol.structs import SamplingParams
 
-    from protocol.structs import SamplingParams
+    from tests.reference import CLEAR_MARGIN, hf_greedy, hf_model
+    from tests.worker_helpers import GREEDY, decode, random_prompts
 
     rec = ctx.rec
     prompts = random_prompts(PROMPT_LENGTHS, 1000, seed=2)

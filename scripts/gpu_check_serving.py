@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from gpu_check_lib import (
+from scripts.gpu_check_lib import (
     Context,
     LlamaShape,
     max_abs,
@@ -51,8 +51,8 @@ def ensure_models(ctx: Context) -> tuple[Path, dict[str, Path], float]:
 
 
 def _runner(ctx: Context, model_dir: Path, **overrides):
-    from protocol.config import ServerConfig
-    from worker.model_runner import ModelRunner
+    from loraplex.protocol.config import ServerConfig
+    from loraplex.worker.model_runner import ModelRunner
 
     kwargs = dict(device=ctx.device.type, dtype="bfloat16", lora_backend=ctx.lora_backend, enable_lora=True,
                   max_lora_rank=64, lora_target_modules=["all"], max_loras_per_batch=40 if ctx.is_cuda else 12,
@@ -74,7 +74,7 @@ class Pages:
 
 
 def _reqs(prompts, pages, slots, cached=None):
-    from protocol.structs import ForwardReq, SamplingParams
+    from loraplex.protocol.structs import ForwardReq, SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     cached = cached or [0] * len(prompts)
@@ -84,9 +84,8 @@ def _reqs(prompts, pages, slots, cached=None):
 
 def g4_decode(ctx: Context) -> None:
     import torch
-
-    from protocol.structs import AdapterToLoad, ForwardBatch, SlotLoad
-    from worker.kv_cache import default_kv_tokens, kv_bytes_per_token
+    from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, SlotLoad
+    from loraplex.worker.kv_cache import default_kv_tokens, kv_bytes_per_token
 
     rec = ctx.rec
     model_dir, adapters, build_s = ensure_models(ctx)
@@ -123,7 +122,7 @@ def g4_decode(ctx: Context) -> None:
 
 
 def _prefill_perf(ctx: Context, runner, pages: Pages, num_slots: int, shape: LlamaShape) -> None:
-    from protocol.structs import ForwardBatch
+    from loraplex.protocol.structs import ForwardBatch
 
     num_reqs, length, chunk = (128, 512, 16) if ctx.is_cuda else (8, 32, 4)
     rng = random.Random(1)
@@ -166,7 +165,7 @@ def _profile_step(fn) -> dict:
 
 
 def _decode_matrix(ctx: Context, runner, pages: Pages, shape: LlamaShape, adapters: dict[str, Path]) -> None:
-    from protocol.structs import ForwardBatch
+    from loraplex.protocol.structs import ForwardBatch
 
     rec = ctx.rec
     batches, adapter_counts, context = ((1, 32, 128), (0, 8, 32), 512) if ctx.is_cuda else ((1, 4), (0, 2), 32)
@@ -224,8 +223,7 @@ def _decode_graphs(ctx: Context, runner, batches, adapter_counts, context: int, 
     """The same decode matrix replayed from CUDA graphs (worker/cuda_graphs.py, captured here at the matrix's batch
     sizes), against the eager figures above; the logits of both must agree."""
     import torch
-
-    from protocol.structs import ForwardBatch
+    from loraplex.protocol.structs import ForwardBatch
 
     rec = ctx.rec
     if runner.attention.name != "triton":
@@ -267,7 +265,7 @@ def _decode_graphs(ctx: Context, runner, batches, adapter_counts, context: int, 
 def _dynamic_run(ctx: Context, runner, prompts, slots, steps: int, churn: dict | None):
     """Prefill then `steps` greedy steps; with churn, adapters load on a thread during forwards and go into unused
     slots between them. (tokens per request, last step's logits, step ms)."""
-    from protocol.structs import AdapterToLoad, ForwardBatch, SlotLoad
+    from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, SlotLoad
 
     pages = Pages(runner.kv_cache.num_pages)
     page_size = runner.page_size
@@ -312,8 +310,7 @@ def _dynamic_run(ctx: Context, runner, prompts, slots, steps: int, churn: dict |
 
 def _dynamic_lora(ctx: Context, runner, model_dir: Path, adapters: dict[str, Path], ids: dict[str, int]) -> None:
     import torch
-
-    from protocol.structs import AdapterToLoad, ForwardBatch, SlotLoad
+    from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, SlotLoad
 
     rec = ctx.rec
     num_reqs, prompt_len, steps, every = (32, 64, 40, 5) if ctx.is_cuda else (8, 8, 10, 2)
@@ -369,8 +366,7 @@ def _dynamic_lora(ctx: Context, runner, model_dir: Path, adapters: dict[str, Pat
 
 def _leak_check(ctx: Context, runner, adapters: dict[str, Path], slot: int, dynamic: dict) -> None:
     import torch
-
-    from protocol.structs import AdapterToLoad, SlotLoad
+    from loraplex.protocol.structs import AdapterToLoad, SlotLoad
 
     if not ctx.skip_unless_cuda("gpu_memory_leak"):
         return
@@ -400,11 +396,11 @@ def _leak_check(ctx: Context, runner, adapters: dict[str, Path], slot: int, dyna
 def g5_server(ctx: Context) -> None:
     import asyncio
 
-    import bench_adapter_ops
-    import bench_serving
-    from bench_report import summarize
-    from bench_workload import WorkloadSpec, make_workload
-    from server_utils import ServerProcess
+    import scripts.bench_adapter_ops as bench_adapter_ops
+    import scripts.bench_serving as bench_serving
+    from scripts.bench_report import summarize
+    from scripts.bench_workload import WorkloadSpec, make_workload
+    from tests.server_utils import ServerProcess
 
     rec = ctx.rec
     model_dir, adapters, _ = ensure_models(ctx)
@@ -475,9 +471,9 @@ def g5_server(ctx: Context) -> None:
 
 def _greedy_vs_runner(ctx: Context, server, model_dir: Path, adapters: dict[str, Path]) -> None:
     """A greedy /generate must give the in-process runner's tokens for the same prompt and adapter (same kernels)."""
-    from worker_helpers import decode
+    from loraplex.protocol.structs import AdapterToLoad, SamplingParams, SlotLoad
 
-    from protocol.structs import AdapterToLoad, SamplingParams, SlotLoad
+    from tests.worker_helpers import decode
 
     name, prompt, num_tokens = "lora-007", [11, 22, 33, 44, 55, 66, 77, 88], 16
     reply = server.post("/generate", {"input_ids": prompt, "lora_path": name,

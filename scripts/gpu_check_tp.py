@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpu_check_lib import SCRIPTS_DIR, Context, max_abs, median
+from scripts.gpu_check_lib import SCRIPTS_DIR, Context, max_abs, median
 
 PROMPT_LENGTHS = [6, 11, 3, 17]
 ADAPTERS = [None, "a16", "a64", "a32"]
@@ -26,7 +26,7 @@ NCCL_ONE_GPU_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCK
 
 
 def _config(tp: int, device: str, dtype: str):
-    from protocol.config import ServerConfig
+    from loraplex.protocol.config import ServerConfig
 
     return ServerConfig(tp=tp, device=device, dtype=dtype, page_size=4, max_total_tokens=4096, enable_lora=True,
                         max_lora_rank=64, lora_target_modules=["all"], max_loras_per_batch=4,
@@ -36,10 +36,10 @@ def _config(tp: int, device: str, dtype: str):
 def _workload(runner, adapters: dict[str, str]) -> dict:
     """Prefill logits of 4 prompts with adapters [None, a16, a64, a32], then greedy steps (as numpy: tensors would
     travel as shared-memory handles that die with the rank)."""
-    from gpu_check_model import _load_adapters, _prefill_and_step
-    from worker_helpers import GREEDY, decode, random_prompts
+    from loraplex.protocol.structs import SlotLoad
 
-    from protocol.structs import SlotLoad
+    from scripts.gpu_check_model import _load_adapters, _prefill_and_step
+    from tests.worker_helpers import GREEDY, decode, random_prompts
 
     ids = _load_adapters(runner, {name: Path(adapters[name]) for name in ADAPTERS if name})
     slots = [-1 if a is None else i - 1 for i, a in enumerate(ADAPTERS)]
@@ -54,12 +54,10 @@ def _workload(runner, adapters: dict[str, str]) -> dict:
 def tp_rank(rank: int, port: int, backend: str, device_type: str, model_dir: str, adapters: dict[str, str],
             results: mp.Queue) -> None:
     """One TP rank (spawned): join the group, then run the workload in fp32 and bf16."""
-    sys.path[:0] = [str(SCRIPTS_DIR), str(SCRIPTS_DIR.parent), str(SCRIPTS_DIR.parent / "tests")]
     import torch
     import torch.distributed as dist
-
-    from worker.dist import destroy_distributed, init_distributed
-    from worker.model_runner import ModelRunner
+    from loraplex.worker.dist import destroy_distributed, init_distributed
+    from loraplex.worker.model_runner import ModelRunner
 
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cpu":
@@ -95,7 +93,7 @@ def tp_rank(rank: int, port: int, backend: str, device_type: str, model_dir: str
 
 def _run_ranks(backend: str, device_type: str, model_dir: str, adapters: dict[str, str], deadline: float):
     """Both ranks; None if they did not report ready within NCCL_INIT_TIMEOUT_S (the caller falls back)."""
-    from server_utils import free_port
+    from tests.server_utils import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -138,10 +136,10 @@ def _run_ranks(backend: str, device_type: str, model_dir: str, adapters: dict[st
 
 def g7_tp2(ctx: Context) -> None:
     import torch
-    from gpu_check_model import _build_adapters
+    from loraplex.frontend.demo_model import build_tiny_model
+    from loraplex.worker.model_runner import ModelRunner
 
-    from frontend.demo_model import build_tiny_model
-    from worker.model_runner import ModelRunner
+    from scripts.gpu_check_model import _build_adapters
 
     rec = ctx.rec
     root = Path(tempfile.mkdtemp(prefix="gpu_check_g7_"))
@@ -217,10 +215,10 @@ def g8_sanitizer(ctx: Context) -> None:
         ctx.rec.figure("result", "skipped: compute-sanitizer not found")
         return
     out_dir = tempfile.mkdtemp(prefix="gpu_check_sanitizer_")
-    cmd = [tool, "--tool", "memcheck", "--print-limit", "20", sys.executable, str(SCRIPTS_DIR / "gpu_check.py"),
+    cmd = [tool, "--tool", "memcheck", "--print-limit", "20", sys.executable, "-m", "scripts.gpu_check",
            "--only", "kernels_small", "--out", out_dir, "--budget-s", "60"]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=17)
+        proc = subprocess.run(cmd, cwd=SCRIPTS_DIR.parent, capture_output=True, text=True, timeout=17)
     except subprocess.TimeoutExpired:
         ctx.rec.skip("memcheck", "compute-sanitizer did not finish within the group's time")
         ctx.rec.figure("result", "skipped: timeout")

@@ -5,8 +5,8 @@ decode steps of 1 and --batch base requests (a fixed part and a per-token part),
 adapter), one prefill chunk (per prompt token), copying an adapter into a device slot, and reading one from disk.
 Run it on a quiet machine: other processes on the cores distort every figure (torch's threads wait on each other).
 
-    python scripts/sim_calibrate.py --json /tmp/cost.json
-    python scripts/simulate_cluster.py --cost-json /tmp/cost.json
+    python -m scripts.sim_calibrate --json /tmp/cost.json
+    python -m scripts.simulate_cluster --cost-json /tmp/cost.json
 """
 
 from __future__ import annotations
@@ -15,18 +15,14 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 
-from bench_decode_step import GREEDY, decode_reqs, make_runner, step_ms  # noqa: E402
-from bench_model import SIZES, ensure_bench_model  # noqa: E402
-from cluster_sim import StepCost  # noqa: E402
-
-from protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad  # noqa: E402
+from scripts.bench_decode_step import GREEDY, decode_reqs, make_runner, step_ms
+from scripts.bench_model import SIZES, ensure_bench_model
+from scripts.cluster_sim import StepCost
 
 NUM_ADAPTERS = 8
 

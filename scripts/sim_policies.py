@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cluster_sim import Replica
+    from scripts.cluster_sim import Replica
 
 
 class RoundRobin:

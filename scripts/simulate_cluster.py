@@ -7,7 +7,7 @@ adapters, and adapters 10..10,000 at --sweep-replicas replicas. The step
 costs are this repository's CPU figures unless --cost-json (scripts/sim_calibrate.py's output) or the --*-ms flags
 say otherwise (e.g. GPU figures).
 
-    python scripts/simulate_cluster.py --png docs/img/simulator.png
+    python -m scripts.simulate_cluster --png docs/img/simulator.png
 """
 
 from __future__ import annotations
@@ -19,11 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cluster_sim import ReplicaShape, Result, StepCost, Workload, simulate  # noqa: E402
-from sim_policies import POLICIES  # noqa: E402
+from scripts.cluster_sim import ReplicaShape, Result, StepCost, Workload, simulate
+from scripts.sim_policies import POLICIES
 
 COST_FLAGS = {f.name: f.name.removesuffix("_s").replace("_", "-") + "-ms" for f in dataclasses.fields(StepCost)}
 

@@ -1,7 +1,7 @@
 """Train the built-in demo model: a small Llama that echoes its input, and one LoRA adapter per text skill.
 
-    python scripts/train_demo.py                 # train and write frontend/demo_assets/
-    python scripts/train_demo.py --check         # replay the recorded runs in a temporary dir; compare accuracies
+    python -m scripts.train_demo                 # train and write frontend/demo_assets/
+    python -m scripts.train_demo --check         # replay the recorded runs in a temporary dir; compare accuracies
 
 The base model learns to repeat its input (`"hello world ="` -> `"hello world"`); each adapter (peft LoRA on all seven
 projections) learns one transformation from frontend/demo_tasks.py. Each task trains until a validation set is solved
@@ -28,10 +28,7 @@ import zlib
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from frontend.demo_model import (  # noqa: E402
+from loraplex.frontend.demo_model import (
     ALL_TARGET_MODULES,
     BOS_TOKEN,
     EOS_TOKEN,
@@ -40,7 +37,7 @@ from frontend.demo_model import (  # noqa: E402
     byte_tokenizer_json,
     make_tokenizer,
 )
-from frontend.demo_tasks import (  # noqa: E402
+from loraplex.frontend.demo_tasks import (
     ADAPTER_TASKS,
     BASE_TASK,
     MAX_ANSWER_CHARS,

@@ -1,32 +1,22 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-# Before anything imports transformers/huggingface_hub: tests must never reach a model hub.
+import pytest
+
+from tests.device_helpers import configure_triton
+
+# Before anything imports transformers/huggingface_hub (fixtures import the model builders lazily for this reason):
+# tests must never reach a model hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
-# Plain `pytest` (unlike `python -m pytest`) does not put the repo root on sys.path.
-_REPO_ROOT = str(Path(__file__).resolve().parents[1])
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
-
 # Before anything imports triton: the interpreter only where no GPU is used (device_helpers.py).
-from device_helpers import configure_triton  # noqa: E402
-
 configure_triton()
 
-import pytest  # noqa: E402
-
-from frontend.demo_model import (  # noqa: E402
-    ALL_TARGET_MODULES,
-    ATTN_MODULES,
-    DEMO_DIR,
-    MLP_MODULES,
-    build_lora_adapter,
-    build_tiny_model,
-)
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+ALL_TARGET_MODULES = ATTN_MODULES + MLP_MODULES
 
 # name -> (r, lora_alpha, target_modules, use_rslora); ranks and target sets deliberately differ.
 ADAPTER_SPECS: dict[str, tuple[int, float, tuple[str, ...], bool]] = {
@@ -40,6 +30,8 @@ ADAPTER_SPECS: dict[str, tuple[int, float, tuple[str, ...], bool]] = {
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from loraplex.frontend.demo_model import build_tiny_model
+
     path = tmp_path_factory.mktemp("llama")
     build_tiny_model(path, arch="llama")
     return path
@@ -47,6 +39,8 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from loraplex.frontend.demo_model import build_tiny_model
+
     path = tmp_path_factory.mktemp("qwen2")
     build_tiny_model(path, arch="qwen2", tie_word_embeddings=False)
     return path
@@ -59,6 +53,8 @@ def adapter_specs() -> dict[str, tuple[int, float, tuple[str, ...], bool]]:
 
 @pytest.fixture(scope="session")
 def adapter_dirs(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> dict[str, Path]:
+    from loraplex.frontend.demo_model import build_lora_adapter
+
     root = tmp_path_factory.mktemp("adapters")
     paths = {}
     for seed, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTER_SPECS.items(), start=1):
@@ -72,6 +68,8 @@ def adapter_dirs(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> d
 @pytest.fixture(scope="session")
 def demo_dir() -> Path:
     """The trained demo model that `--model-path demo` serves (shipped files: never written to)."""
+    from loraplex.frontend.demo_model import DEMO_DIR
+
     return DEMO_DIR
 
 

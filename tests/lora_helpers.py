@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from worker_helpers import GREEDY, decode
+from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
+from loraplex.worker.model_runner import ModelRunner
 
-from protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
-from worker.model_runner import ModelRunner
+from tests.worker_helpers import GREEDY, decode
 
 LORA_CONFIG = dict(enable_lora=True, max_lora_rank=64, lora_target_modules=["all"], max_loras_per_batch=6)
 ADAPTER_IDS = {"a4": 1, "a8": 2, "a16": 3, "a32": 4, "a64": 5}

@@ -7,11 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-
-from frontend.adapter_state import AdapterStateFile
-from frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
-from protocol.errors import STATUS_BY_KIND, ServerError, http_status
-from protocol.structs import AdapterToLoad, LoRAAdapterSpec
+from loraplex.frontend.adapter_state import AdapterStateFile
+from loraplex.frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
+from loraplex.protocol.errors import STATUS_BY_KIND, ServerError, http_status
+from loraplex.protocol.structs import AdapterToLoad, LoRAAdapterSpec
 
 
 def spec(name: str, path: Path, pinned: bool | None = None) -> LoRAAdapterSpec:
@@ -114,9 +113,9 @@ def test_state_file_round_trip_is_atomic_and_tolerates_broken_files(tmp_path: Pa
 
 
 def test_scheduler_client_matches_replies_by_operation_id(tmp_path: Path) -> None:
-    from frontend.scheduler_client import SchedulerClient
-    from protocol.sockets import PULL, PUSH, AsyncTypedSocket
-    from protocol.structs import AdapterOpDone, AdapterOutcome, DropAdapters, Endpoints, FrontendToScheduler
+    from loraplex.frontend.scheduler_client import SchedulerClient
+    from loraplex.protocol.sockets import PULL, PUSH, AsyncTypedSocket
+    from loraplex.protocol.structs import AdapterOpDone, AdapterOutcome, DropAdapters, Endpoints, FrontendToScheduler
 
     async def scenario() -> None:
         endpoints = Endpoints(frontend_to_scheduler=f"ipc://{tmp_path}/in", scheduler_to_frontend=f"ipc://{tmp_path}/out",

@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from loraplex.frontend.lora_config import resolve_lora_config
+from loraplex.frontend.rpc_client import RpcCallError, RpcClient
+from loraplex.protocol import rpc
+from loraplex.protocol.config import TARGET_MODULES, ConfigError, ServerConfig, config_from_args
+from loraplex.protocol.sockets import DEALER, BlockingFrameSocket
+from loraplex.protocol.structs import LoadLoRAAdapterFromTensorsReqInput, LoadLoRAAdapterReqOutput, TensorSpec
+from loraplex.worker.lora.adapter import AdapterLoadError, PoolSpec, adapter_from_tensors, load_adapter
+from loraplex.worker.model.config import ModelConfig
 from safetensors.torch import load_file
 
-from frontend.lora_config import resolve_lora_config
-from frontend.rpc_client import RpcCallError, RpcClient
-from protocol import rpc
-from protocol.config import TARGET_MODULES, ConfigError, ServerConfig, config_from_args
-from protocol.sockets import DEALER, BlockingFrameSocket
-from protocol.structs import LoadLoRAAdapterFromTensorsReqInput, LoadLoRAAdapterReqOutput, TensorSpec
 from tests.server_utils import REPO_ROOT, ServerProcess
-from worker.lora.adapter import AdapterLoadError, PoolSpec, adapter_from_tensors, load_adapter
-from worker.model.config import ModelConfig
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0}
 PROMPTS = ["Once upon a time", "The cat"]
@@ -310,7 +310,7 @@ def client_addr(client: RpcClient) -> str:
 
 
 def test_engine_tp2_tensors_equal_directory(llama_dir, adapter_dirs, tmp_path):
-    from frontend.engine import Engine
+    from loraplex.frontend.engine import Engine
 
     tensors, config = adapter_parts(adapter_dirs["a16"])
     state_file = tmp_path / "state.json"

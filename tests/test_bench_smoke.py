@@ -5,24 +5,20 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import bench_chunked_prefill  # noqa: E402
-import bench_dp  # noqa: E402
-import bench_kv_admission  # noqa: E402
-import bench_prefix_cache  # noqa: E402
-import bench_serving  # noqa: E402
-import bench_step_overhead  # noqa: E402
-import bench_structured  # noqa: E402
-from bench_report import percentile  # noqa: E402
-from bench_workload import FIRST_PLAIN_TOKEN_ID, WorkloadSpec, make_workload  # noqa: E402
-
-from tests.server_utils import ServerProcess  # noqa: E402
+import scripts.bench_chunked_prefill as bench_chunked_prefill
+import scripts.bench_dp as bench_dp
+import scripts.bench_kv_admission as bench_kv_admission
+import scripts.bench_prefix_cache as bench_prefix_cache
+import scripts.bench_serving as bench_serving
+import scripts.bench_step_overhead as bench_step_overhead
+import scripts.bench_structured as bench_structured
+from scripts.bench_report import percentile
+from scripts.bench_workload import FIRST_PLAIN_TOKEN_ID, WorkloadSpec, make_workload
+from tests.server_utils import ServerProcess
 
 SPEC = WorkloadSpec(num_requests=64, input_len_range=(4, 40), output_len_range=(2, 30),
                     adapter_names=tuple(f"lora-{i:03d}" for i in range(8)), request_rate=20.0, seed=7)

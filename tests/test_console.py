@@ -9,10 +9,10 @@ import re
 from pathlib import Path
 
 import pytest
+from loraplex.frontend.console_api import CONSOLE_DIR
 from playwright.sync_api import expect, sync_playwright
 from prometheus_client.parser import text_string_to_metric_families
 
-from frontend.console_api import CONSOLE_DIR
 from tests.browser_helpers import launch_chromium
 from tests.server_utils import ServerProcess
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels import cpu_ext
+from loraplex.kernels import cpu_ext
 
 OFF = cpu_ext.unavailable_reason()
 pytestmark = pytest.mark.skipif(OFF is not None, reason=f"CPU kernels cannot run here: {OFF}")

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from worker_helpers import GREEDY, build_llama_variant, make_runner, random_prompts
+from loraplex.frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
+from loraplex.kernels import cpu_ext
+from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
+from loraplex.worker.layers import packed
+from loraplex.worker.model_runner import ModelRunner
 
-from frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
-from kernels import cpu_ext
-from protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
-from worker.layers import packed
-from worker.model_runner import ModelRunner
+from tests.worker_helpers import GREEDY, build_llama_variant, make_runner, random_prompts
 
 OFF = cpu_ext.unavailable_reason()
 pytestmark = pytest.mark.skipif(OFF is not None, reason=f"CPU kernels cannot run here: {OFF}")

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from device_helpers import USES_GPU
-from lora_helpers import LORA_CONFIG, load_all, slot_loads, slot_of
-from worker_helpers import GREEDY, make_runner, random_prompts
+from loraplex.protocol.config import ConfigError, ServerConfig, config_from_args
+from loraplex.protocol.structs import ForwardBatch, ForwardReq
+from loraplex.worker.model_runner import ModelRunner
 
-from protocol.config import ConfigError, ServerConfig, config_from_args
-from protocol.structs import ForwardBatch, ForwardReq
-from worker.model_runner import ModelRunner
+from tests.device_helpers import USES_GPU
+from tests.lora_helpers import LORA_CONFIG, load_all, slot_loads, slot_of
+from tests.worker_helpers import GREEDY, make_runner, random_prompts
 
 
 def test_flags_and_ladder() -> None:
@@ -36,7 +36,7 @@ def test_flags_and_ladder() -> None:
 
 @pytest.mark.skipif(USES_GPU, reason="the CPU's behaviour")
 def test_flag_is_a_logged_no_op_on_cpu(llama_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="worker.model_runner"):
+    with caplog.at_level(logging.INFO, logger="loraplex.worker.model_runner"):
         runner = make_runner(llama_dir, enable_cuda_graph=True)
     assert runner.decode_graphs is None
     assert "--enable-cuda-graph is ignored on cpu" in caplog.text
@@ -109,7 +109,7 @@ def test_static_buffer_decoding_equals_the_normal_path(llama_dir: Path, adapter_
 
 
 def test_static_buffers_refuse_what_the_normal_path_refuses(llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:
-    from worker.batch_inputs import BatchError
+    from loraplex.worker.batch_inputs import BatchError
 
     runner = _runner(llama_dir, adapter_dirs)
     runner.decode_graphs = runner.graph_runner(capture=False)
@@ -124,7 +124,7 @@ def test_static_buffers_refuse_what_the_normal_path_refuses(llama_dir: Path, ada
 @pytest.mark.parametrize(("attention", "lora", "why"), [("torch", "triton", "--attention-backend triton"),
                                                          ("triton", "torch", "--lora-backend triton")])  # fmt: skip
 def test_graphs_refuse_backends_that_cannot_be_captured(llama_dir: Path, attention: str, lora: str, why: str) -> None:
-    from worker.layers.attention import AttentionBackendError
+    from loraplex.worker.layers.attention import AttentionBackendError
 
     runner = make_runner(llama_dir, attention_backend=attention, lora_backend=lora, enable_cuda_graph=True,
                          **LORA_CONFIG)  # fmt: skip

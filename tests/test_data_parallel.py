@@ -10,15 +10,15 @@ import signal
 import time
 
 import pytest
+from loraplex.frontend.metrics import Metrics
+from loraplex.frontend.registry import AdapterEntry, AdapterRegistry
+from loraplex.frontend.replica_set import merge_outcomes
+from loraplex.frontend.router import Router
+from loraplex.protocol.config import ConfigError, ServerConfig
+from loraplex.protocol.errors import ServerError
+from loraplex.protocol.structs import AdapterOutcome, SchedulerStats
 from transformers import AutoTokenizer
 
-from frontend.metrics import Metrics
-from frontend.registry import AdapterEntry, AdapterRegistry
-from frontend.replica_set import merge_outcomes
-from frontend.router import Router
-from protocol.config import ConfigError, ServerConfig
-from protocol.errors import ServerError
-from protocol.structs import AdapterOutcome, SchedulerStats
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess
 from tests.test_metrics import parse as parse_metrics

@@ -11,18 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-from frontend import demo_model
-from frontend.demo_model import (
+from loraplex.frontend import demo_model
+from loraplex.frontend.demo_model import (
     MLP_MODULES,
     build_lora_adapter,
     build_tiny_model,
     build_tokenizer,
     demo_adapter_paths,
 )
-from frontend.demo_tasks import ADAPTER_TASKS, BASE_TASK, accuracy, held_out_inputs
+from loraplex.frontend.demo_tasks import ADAPTER_TASKS, BASE_TASK, accuracy, held_out_inputs
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = 1, 2, 3, 4
 VOCAB_SIZE = 1000

@@ -4,8 +4,16 @@ model does its own, each on at least 95 % of the 200 held-out inputs (scripts/tr
 from __future__ import annotations
 
 import pytest
+from loraplex.frontend.demo_tasks import (
+    ADAPTER_TASKS,
+    BASE_TASK,
+    MAX_ANSWER_CHARS,
+    TASKS,
+    accuracy,
+    held_out_inputs,
+    prompt,
+)
 
-from frontend.demo_tasks import ADAPTER_TASKS, BASE_TASK, MAX_ANSWER_CHARS, TASKS, accuracy, held_out_inputs, prompt
 from tests.server_utils import ServerProcess
 from tests.test_grafana_dashboard import load_dashboard, unexported
 

@@ -10,10 +10,9 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-
-from frontend import native_api
-from frontend.metrics import Metrics
-from protocol.config import ServerConfig, build_arg_parser
+from loraplex.frontend import native_api
+from loraplex.frontend.metrics import Metrics
+from loraplex.protocol.config import ServerConfig, build_arg_parser
 
 K8S_DIR = Path(__file__).resolve().parents[1] / "deploy" / "k8s"
 K8S_VERSION = "1.33.0"

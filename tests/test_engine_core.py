@@ -7,10 +7,10 @@ import random
 
 import msgspec
 import pytest
+from loraplex.protocol.structs import AdapterOpDone, BatchResult, DropAdapters
+from loraplex.scheduler.page_allocator import PageAllocator
+from loraplex.scheduler.prefix_cache import BASE_NAMESPACE, PrefixCache, page_keys
 
-from protocol.structs import AdapterOpDone, BatchResult, DropAdapters
-from scheduler.page_allocator import PageAllocator
-from scheduler.prefix_cache import BASE_NAMESPACE, PrefixCache, page_keys
 from tests.test_scheduler_core import Workers, assert_drained, gen, load, make_scheduler
 
 

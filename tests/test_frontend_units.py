@@ -6,12 +6,11 @@ import asyncio
 import os
 
 import pytest
+from loraplex.frontend.detokenizer import IncrementalDetokenizer, StopMatcher
+from loraplex.frontend.params import NativeSamplingParams, native_sampling
+from loraplex.frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
+from loraplex.frontend.runtime import InputError
 from transformers import AutoTokenizer
-
-from frontend.detokenizer import IncrementalDetokenizer, StopMatcher
-from frontend.params import NativeSamplingParams, native_sampling
-from frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
-from frontend.runtime import InputError
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ DRY_RUN_TIMEOUT_S = 420
 def test_gpu_check_dry_run(tmp_path: Path) -> None:
     out_dir = tmp_path / "out"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "gpu_check.py"), "--dry-run", "--out",
+    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--dry-run", "--out",
                            str(out_dir)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=DRY_RUN_TIMEOUT_S)
     stdout = proc.stdout

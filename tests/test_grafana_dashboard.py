@@ -15,10 +15,10 @@ from pathlib import Path
 
 import promql_parser
 import pytest
+from loraplex.frontend.metrics import Metrics
+from loraplex.protocol.structs import SchedulerStats
 from prometheus_client.parser import text_string_to_metric_families
 
-from frontend.metrics import Metrics
-from protocol.structs import SchedulerStats
 from tests.test_metrics import finished
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "loraplex-dashboard.json"

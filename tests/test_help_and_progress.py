@@ -13,10 +13,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
-
-from protocol import progress
-from protocol.config import _TOPICS, ALIASES, OTHER_TOPIC, ServerConfig, field_topic
-from protocol.progress import Progress, elapsed
+from loraplex.protocol import progress
+from loraplex.protocol.config import _TOPICS, ALIASES, OTHER_TOPIC, ServerConfig, field_topic
+from loraplex.protocol.progress import Progress, elapsed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,7 +35,7 @@ def _help_sections(text: str) -> dict[str, list[str]]:
 
 def test_help_groups_flags_by_topic() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "frontend.launch", "--help"],
+        [sys.executable, "-m", "loraplex.frontend.launch", "--help"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -120,7 +119,7 @@ def test_elapsed_logs_while_work_runs(monkeypatch, caplog: pytest.LogCaptureFixt
 def test_checkpoint_load_logs_progress(llama_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     from tests.worker_helpers import make_runner
 
-    caplog.set_level(logging.INFO, logger="worker.loader")
+    caplog.set_level(logging.INFO, logger="loraplex.worker.loader")
     make_runner(llama_dir)
     lines = _progress_lines(caplog, f"loading {llama_dir}")
     num_tensors = len(__import__("safetensors").safe_open(llama_dir / "model.safetensors", "pt").keys())
@@ -130,10 +129,9 @@ def test_checkpoint_load_logs_progress(llama_dir: Path, caplog: pytest.LogCaptur
 
 def test_cpu_kernel_build_reports_while_it_compiles(monkeypatch, caplog: pytest.LogCaptureFixture) -> None:
     import torch.utils.cpp_extension
+    from loraplex.kernels import cpu_ext
 
-    from kernels import cpu_ext
-
-    caplog.set_level(logging.INFO, logger="kernels.cpu_ext")
+    caplog.set_level(logging.INFO, logger="loraplex.kernels.cpu_ext")
     monkeypatch.setattr(progress, "HEARTBEAT_S", 0.05)
     monkeypatch.setattr(cpu_ext, "unavailable_reason", lambda: None)
     built = object()

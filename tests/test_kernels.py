@@ -5,9 +5,7 @@ from dataclasses import dataclass, fields, replace
 
 import pytest
 import torch
-from device_helpers import TEST_DEVICE  # conftest has set TRITON_INTERPRET where no GPU is used
-
-from kernels import (
+from loraplex.kernels import (
     cpu_ext,
     lora_expand_torch,
     lora_expand_triton,
@@ -17,6 +15,8 @@ from kernels import (
     lora_shrink_triton,
     lora_torch,
 )
+
+from tests.device_helpers import TEST_DEVICE  # conftest has set TRITON_INTERPRET where no GPU is used
 
 IN_DIM = 80  # not a multiple of the shrink K block, so the K mask is exercised
 TOLERANCES = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=1e-2, rtol=1e-2)}

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from loraplex.frontend.demo_model import ATTN_MODULES, build_lora_adapter, build_tiny_model
+from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
+from loraplex.worker.lora.adapter import AdapterLoadError, _finite_in_dtype, _map_safetensors, load_adapter
+from loraplex.worker.model_runner import ModelRunner
 from safetensors.torch import load_file, save_file
-from worker_helpers import GREEDY, make_runner, random_prompts
 
-from frontend.demo_model import ATTN_MODULES, build_lora_adapter, build_tiny_model
-from protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
-from worker.lora.adapter import AdapterLoadError, _finite_in_dtype, _map_safetensors, load_adapter
-from worker.model_runner import ModelRunner
+from tests.worker_helpers import GREEDY, make_runner, random_prompts
 
 A4_ID = 1
 NEXT_ID = iter(range(100, 1000))

@@ -11,17 +11,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from device_helpers import TEST_DEVICE, USES_GPU
-from lora_helpers import LORA_CONFIG, MIXED, batch_logits, load_all
-from server_utils import REPO_ROOT, free_port
+from loraplex.kernels import BackendError, cpu_ext, select_backend
+from loraplex.kernels.backend import CPUKernelsBackend, TorchBackend, TritonBackend, warmup_batches
+from loraplex.kernels.segment_tiles import plan_tiles
+from loraplex.protocol.config import ServerConfig, config_from_args
+from loraplex.worker.model_runner import ModelRunner
 from test_kernels import CASES, TOLERANCES, dense_expand, dense_shrink, dense_shrink_expand, make_batch
-from worker_helpers import NUM_PAGES, PAGE_SIZE, random_prompts
 
-from kernels import BackendError, cpu_ext, select_backend
-from kernels.backend import CPUKernelsBackend, TorchBackend, TritonBackend, warmup_batches
-from kernels.segment_tiles import plan_tiles
-from protocol.config import ServerConfig, config_from_args
-from worker.model_runner import ModelRunner
+from tests.device_helpers import TEST_DEVICE, USES_GPU
+from tests.lora_helpers import LORA_CONFIG, MIXED, batch_logits, load_all
+from tests.server_utils import REPO_ROOT, free_port
+from tests.worker_helpers import NUM_PAGES, PAGE_SIZE, random_prompts
 
 CPU_KERNELS_OFF = cpu_ext.unavailable_reason()
 needs_cpu_kernels = pytest.mark.skipif(
@@ -78,7 +78,7 @@ def test_impossible_choice_is_one_line(case: str, monkeypatch: pytest.MonkeyPatc
 
 
 def test_runner_fails_before_loading_weights(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("worker.model_runner.load_weights", lambda *a: pytest.fail("weights loaded"))
+    monkeypatch.setattr("loraplex.worker.model_runner.load_weights", lambda *a: pytest.fail("weights loaded"))
     config = ServerConfig(device="cpu", dtype="float32", lora_backend="cpu", **LORA_CONFIG)
     with pytest.raises(BackendError, match="--lora-backend cpu runs only bfloat16"):
         ModelRunner(config, str(llama_dir), rank=0, world_size=1, device="cpu")
@@ -209,8 +209,8 @@ def test_warmup_launches_each_batch_once_per_linear() -> None:
 
 @pytest.mark.skipif(not USES_GPU, reason="compiled variants exist only on a GPU")
 def test_no_compile_after_warmup() -> None:
-    from kernels.lora_expand import _expand_kernel
-    from kernels.lora_shrink import _shrink_kernel
+    from loraplex.kernels.lora_expand import _expand_kernel
+    from loraplex.kernels.lora_shrink import _shrink_kernel
 
     def variants() -> int:
         return sum(len(entry[0]) for k in (_shrink_kernel, _expand_kernel) for entry in k.device_caches.values())

@@ -8,7 +8,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from device_helpers import TEST_DEVICE, USES_GPU
+from loraplex.kernels import lora_expand, lora_shrink, lora_shrink_expand_triton, lora_shrink_triton
+from loraplex.kernels.backend import TritonBackend
+from loraplex.kernels.lora_expand import column_alignment
+from loraplex.kernels.lora_shrink import BLOCK_K, split_k
 from test_kernels import (
     CASES,
     TOLERANCES,
@@ -23,10 +26,7 @@ from test_kernels import (
 from test_lora_backends import _weights
 from torch.profiler import profile
 
-from kernels import lora_expand, lora_shrink, lora_shrink_expand_triton, lora_shrink_triton
-from kernels.backend import TritonBackend
-from kernels.lora_expand import column_alignment
-from kernels.lora_shrink import BLOCK_K, split_k
+from tests.device_helpers import TEST_DEVICE, USES_GPU
 
 SPLIT_IN_DIM = 300  # three split-K programs of 128 features (below), the last one partial
 FILL_OPS = {"aten::zero_", "aten::fill_", "aten::zeros", "aten::new_zeros", "aten::zeros_like"}
@@ -130,8 +130,8 @@ def test_model_forward_launches_two_kernels_per_lora_linear(
 ) -> None:
     # Per decoder layer with an all-module adapter in the batch: qkv, o, gate_up and down each launch the shrink and
     # the expand, 8 launches (before: 8 and 4 zero fills of h).
-    from lora_helpers import LORA_CONFIG, MIXED, batch_logits, load_all
-    from worker_helpers import make_runner, random_prompts
+    from tests.lora_helpers import LORA_CONFIG, MIXED, batch_logits, load_all
+    from tests.worker_helpers import make_runner, random_prompts
 
     runner = make_runner(llama_dir, **LORA_CONFIG, lora_backend="triton")  # the interpreter without a GPU
     load_all(runner, adapter_dirs)

@@ -10,16 +10,16 @@ import subprocess
 import sys
 
 import pytest
-from server_utils import REPO_ROOT
+from loraplex.kernels.aot import TARGETS, variants
 
-from kernels.aot import TARGETS, variants
+from tests.server_utils import REPO_ROOT
 
 
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:
     # A process of its own: this one runs the kernels in the interpreter, which cannot compile them.
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-m", "kernels.aot", "--json"], cwd=REPO_ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "loraplex.kernels.aot", "--json"], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)

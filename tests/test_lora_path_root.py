@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from loraplex.frontend.demo_model import ATTN_MODULES
+from loraplex.protocol.structs import AdapterToLoad
+from loraplex.worker.lora.adapter import WEIGHT_FILES, AdapterLoadError, _AdapterFiles, load_adapter
+from loraplex.worker.model_runner import ModelRunner
 from safetensors.torch import load_file
-from worker_helpers import make_runner
 
-from frontend.demo_model import ATTN_MODULES
-from protocol.structs import AdapterToLoad
-from worker.lora.adapter import WEIGHT_FILES, AdapterLoadError, _AdapterFiles, load_adapter
-from worker.model_runner import ModelRunner
+from tests.worker_helpers import make_runner
 
 SAFETENSORS, BIN = WEIGHT_FILES
 CONFIG = "adapter_config.json"

@@ -11,13 +11,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from lora_helpers import LORA_CONFIG
-from server_utils import free_port
-from worker_helpers import GREEDY, FakeScheduler, make_runner
-
-from protocol.config import TARGET_MODULES, ServerConfig
-from protocol.proc import ARGS_ENV, encode_process_args
-from protocol.structs import (
+from loraplex.protocol.config import TARGET_MODULES, ServerConfig
+from loraplex.protocol.proc import ARGS_ENV, encode_process_args
+from loraplex.protocol.structs import (
     AdapterReport,
     AdapterToLoad,
     BatchResult,
@@ -31,6 +27,10 @@ from protocol.structs import (
     SlotLoad,
     WorkerReady,
 )
+
+from tests.lora_helpers import LORA_CONFIG
+from tests.server_utils import free_port
+from tests.worker_helpers import GREEDY, FakeScheduler, make_runner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_MS = 90_000
@@ -60,7 +60,7 @@ def start_workers(model_dir: Path, tp: int, fault_hooks: dict[str, str]) -> Iter
                 env = {**os.environ, ARGS_ENV: encode_process_args(args), "PYTHONPATH": str(REPO_ROOT)}
                 if tp > 1:
                     env["OMP_NUM_THREADS"] = "1"  # the ranks share the machine's cores
-                procs.append(subprocess.Popen([sys.executable, "-m", "worker"], cwd=REPO_ROOT, env=env))
+                procs.append(subprocess.Popen([sys.executable, "-m", "loraplex.worker"], cwd=REPO_ROOT, env=env))
             yield procs, scheduler
         finally:
             for proc in procs:

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from lora_helpers import LORA_CONFIG, MIXED, MIXED_LENGTHS, batch_logits, greedy_decode, load_all
+from loraplex.frontend.demo_model import ATTN_MODULES
+from loraplex.protocol.config import TARGET_MODULES, ServerConfig
+from loraplex.worker.dist import destroy_distributed, init_distributed
+from loraplex.worker.lora.adapter import PoolSpec, load_adapter
+from loraplex.worker.model.config import ModelConfig
+from loraplex.worker.model_runner import ModelRunner
 from safetensors.torch import load_file
-from worker_helpers import random_prompts, run_two_ranks
 
-from frontend.demo_model import ATTN_MODULES
-from protocol.config import TARGET_MODULES, ServerConfig
-from worker.dist import destroy_distributed, init_distributed
-from worker.lora.adapter import PoolSpec, load_adapter
-from worker.model.config import ModelConfig
-from worker.model_runner import ModelRunner
+from tests.lora_helpers import LORA_CONFIG, MIXED, MIXED_LENGTHS, batch_logits, greedy_decode, load_all
+from tests.worker_helpers import random_prompts, run_two_ranks
 
 DECODE_STEPS = 6
 CHILD_TIMEOUT_S = 120

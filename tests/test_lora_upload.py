@@ -8,11 +8,11 @@ import contextlib
 from pathlib import Path
 
 import torch
-from lora_helpers import LORA_CONFIG, MIXED, batch_logits, load_all
-from worker_helpers import make_runner, random_prompts
+from loraplex.protocol.structs import ForwardBatch, SlotLoad
+from loraplex.worker.lora.upload import SlotUploader, uploader_for
 
-from protocol.structs import ForwardBatch, SlotLoad
-from worker.lora.upload import SlotUploader, uploader_for
+from tests.lora_helpers import LORA_CONFIG, MIXED, batch_logits, load_all
+from tests.worker_helpers import make_runner, random_prompts
 
 
 class RecordingUploader(SlotUploader):

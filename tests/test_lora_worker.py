@@ -5,10 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import loraplex.kernels.backend as lora_backend
 import pytest
 import torch
-from device_helpers import USES_GPU
-from lora_helpers import (
+from loraplex.frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
+from loraplex.kernels import select_backend
+from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
+from loraplex.worker.batch_inputs import BatchError
+from loraplex.worker.lora.layers import LoRALinear
+from loraplex.worker.model_runner import ModelRunner
+
+from tests.device_helpers import USES_GPU
+from tests.lora_helpers import (
     ADAPTER_IDS,
     LORA_CONFIG,
     MIXED,
@@ -19,16 +27,8 @@ from lora_helpers import (
     slot_loads,
     slot_of,
 )
-from reference import assert_greedy_match, hf_greedy, hf_model
-from worker_helpers import GREEDY, PAGE_SIZE, make_runner, random_prompts
-
-import kernels.backend
-from frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
-from kernels import select_backend
-from protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
-from worker.batch_inputs import BatchError
-from worker.lora.layers import LoRALinear
-from worker.model_runner import ModelRunner
+from tests.reference import assert_greedy_match, hf_greedy, hf_model
+from tests.worker_helpers import GREEDY, PAGE_SIZE, make_runner, random_prompts
 
 FP32_TOL = 1e-4
 DECODE_STEPS = 6
@@ -211,8 +211,8 @@ def test_triton_kernels_match_torch_path(runner: ModelRunner, monkeypatch: pytes
     prompts = random_prompts([3, 4, 2, 1], runner.vocab_size, seed=16)
     torch_path = batch_logits(runner, prompts, names)
     calls = []
-    real = kernels.backend.launch_shrink
-    monkeypatch.setattr(kernels.backend, "launch_shrink", lambda *args: calls.append(1) or real(*args))
+    real = lora_backend.launch_shrink
+    monkeypatch.setattr(lora_backend, "launch_shrink", lambda *args: calls.append(1) or real(*args))
     torch_backend = runner.backend
     runner.set_backend(select_backend("triton", runner.device, runner.dtype))  # the interpreter (conftest)
     try:

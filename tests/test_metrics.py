@@ -5,10 +5,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from loraplex.frontend.metrics import Metrics
+from loraplex.protocol.structs import SchedulerStats
 from prometheus_client.parser import text_string_to_metric_families
-
-from frontend.metrics import Metrics
-from protocol.structs import SchedulerStats
 
 BASE = "tiny-base"
 # API.md "Metrics": family -> type (counters are exposed with _total; the parser names the family without it)

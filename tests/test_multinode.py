@@ -19,17 +19,17 @@ import psutil
 import pytest
 import requests
 import torch
+from loraplex.frontend.adapter_tensors import cut_per_rank, read_adapter_dir
+from loraplex.protocol.config import TARGET_MODULES, ConfigError, ServerConfig
+from loraplex.protocol.lora_shards import cut_shape
+from loraplex.protocol.structs import TENSOR_DTYPES, AdapterToLoad, LoadAdapters, TensorSpec, frames_of_rank
+from loraplex.worker.lora.adapter import AdapterLoadError, PoolSpec, adapter_from_tensors, load_adapter
+from loraplex.worker.model.config import ModelConfig
 from transformers import AutoTokenizer
 
-from frontend.adapter_tensors import cut_per_rank, read_adapter_dir
-from protocol.config import TARGET_MODULES, ConfigError, ServerConfig
-from protocol.lora_shards import cut_shape
-from protocol.structs import TENSOR_DTYPES, AdapterToLoad, LoadAdapters, TensorSpec, frames_of_rank
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import REPO_ROOT, ServerProcess, free_port
 from tests.test_server_lifecycle import alive, wait_until
-from worker.lora.adapter import AdapterLoadError, PoolSpec, adapter_from_tensors, load_adapter
-from worker.model.config import ModelConfig
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0}
 PROMPTS = ["Once upon a time", "The quick brown fox"]

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-import triton_aot
-from device_helpers import TEST_DEVICE  # conftest has set TRITON_INTERPRET where no GPU is used
+from loraplex.kernels import paged_attention as pa
 
-from kernels import paged_attention as pa
+import tests.triton_aot as triton_aot
+from tests.device_helpers import TEST_DEVICE  # conftest has set TRITON_INTERPRET where no GPU is used
 
 TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
@@ -246,9 +246,9 @@ def test_every_variant_compiles_for_sm90_and_sm80() -> None:
 
 
 def test_attention_backend_flag_and_selection(monkeypatch: pytest.MonkeyPatch) -> None:
-    from protocol.config import ServerConfig, config_from_args
-    from worker.layers.attention import AttentionBackendError, SDPAAttention, select_attention_backend
-    from worker.layers.triton_attention import TritonAttention
+    from loraplex.protocol.config import ServerConfig, config_from_args
+    from loraplex.worker.layers.attention import AttentionBackendError, SDPAAttention, select_attention_backend
+    from loraplex.worker.layers.triton_attention import TritonAttention
 
     assert ServerConfig().attention_backend == "auto"
     assert config_from_args(["--attention-backend", "triton"]).attention_backend == "triton"
@@ -266,9 +266,9 @@ def test_attention_backend_flag_and_selection(monkeypatch: pytest.MonkeyPatch) -
 def test_worker_warms_up_the_attention_kernels(llama_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from worker_helpers import make_runner
+    from tests.worker_helpers import make_runner
 
-    with caplog.at_level(logging.INFO, logger="worker.model_runner"):
+    with caplog.at_level(logging.INFO, logger="loraplex.worker.model_runner"):
         runner = make_runner(llama_dir, attention_backend="triton")
     assert runner.attention.name == "triton"
     assert "attention backend: triton (--attention-backend triton)" in caplog.text
@@ -279,10 +279,10 @@ def test_worker_warms_up_the_attention_kernels(llama_dir: Path, caplog: pytest.L
 def test_mixed_batch_through_the_backend_matches_sdpa(dtype: torch.dtype) -> None:
     # GPU_CHECK.md G2's layout scaled down: decodes of ragged lengths and prefills with and without a cached prefix,
     # interleaved in one batch on shuffled pages; the triton backend's one output against the torch (SDPA) backend's.
-    from protocol.structs import ForwardReq, SamplingParams
-    from worker.batch_inputs import BatchInputs
-    from worker.layers.attention import SDPAAttention
-    from worker.layers.triton_attention import TritonAttention
+    from loraplex.protocol.structs import ForwardReq, SamplingParams
+    from loraplex.worker.batch_inputs import BatchInputs
+    from loraplex.worker.layers.attention import SDPAAttention
+    from loraplex.worker.layers.triton_attention import TritonAttention
 
     heads, kv_heads, head_dim, page_size, num_pages = 8, 2, 64, 16, 96
     specs = [(0, 1), (0, 7), (15, 1), (5, 100), (16, 1), (63, 1), (100, 130), (128, 1), (299, 1), (0, 1)]

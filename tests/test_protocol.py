@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-
-from protocol import rpc
-from protocol.config import ConfigError, ServerConfig, build_arg_parser, config_from_args, parse_lora_source
-from protocol.structs import (
+from loraplex.protocol import rpc
+from loraplex.protocol.config import ConfigError, ServerConfig, build_arg_parser, config_from_args, parse_lora_source
+from loraplex.protocol.structs import (
     AbortReq,
     AbortReqInput,
     AbortReqOutput,

@@ -14,11 +14,11 @@ import psutil
 import pytest
 import ray
 import requests
+from loraplex.frontend.launcher import free_port
+from loraplex.frontend.ray_serve import REPLICA_HEADER, build_app
 from ray import serve
 from transformers import AutoTokenizer
 
-from frontend.launcher import free_port
-from frontend.ray_serve import REPLICA_HEADER, build_app
 from tests.reference import CLEAR_MARGIN, hf_greedy
 
 REPO_ROOT = str(Path(__file__).resolve().parents[1])

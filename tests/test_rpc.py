@@ -9,14 +9,13 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
-
-from frontend.rpc_client import RpcCallError, RpcClient
-from frontend.rpc_server import RpcServer
-from protocol import rpc
-from protocol.config import ConfigError, ServerConfig, config_from_args
-from protocol.errors import ServerError
-from protocol.sockets import DEALER, BlockingFrameSocket
-from protocol.structs import (
+from loraplex.frontend.rpc_client import RpcCallError, RpcClient
+from loraplex.frontend.rpc_server import RpcServer
+from loraplex.protocol import rpc
+from loraplex.protocol.config import ConfigError, ServerConfig, config_from_args
+from loraplex.protocol.errors import ServerError
+from loraplex.protocol.sockets import DEALER, BlockingFrameSocket
+from loraplex.protocol.structs import (
     AbortReqInput,
     AbortReqOutput,
     GenerateReqInput,
@@ -26,6 +25,7 @@ from protocol.structs import (
     LoRAAdapterSpec,
     RpcError,
 )
+
 from tests.server_utils import ServerProcess
 
 

@@ -10,21 +10,21 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from lora_helpers import LORA_CONFIG, load_all, slot_loads, slot_of
+from loraplex.frontend.request_state import OutputOptions, RequestState
+from loraplex.protocol.structs import SamplingParams, TokenDelta
+from loraplex.worker.model_runner import ModelRunner
+from loraplex.worker.sampler import Sampler
 from transformers import AutoTokenizer
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
 )
-from worker_helpers import GREEDY, decode, make_runner, random_prompts
 
-from frontend.request_state import OutputOptions, RequestState
-from protocol.structs import SamplingParams, TokenDelta
+from tests.lora_helpers import LORA_CONFIG, load_all, slot_loads, slot_of
 from tests.reference import CLEAR_MARGIN, hf_model
 from tests.server_utils import ServerProcess
-from worker.model_runner import ModelRunner
-from worker.sampler import Sampler
+from tests.worker_helpers import GREEDY, decode, make_runner, random_prompts
 
 STEPS = 8
 
@@ -128,7 +128,7 @@ def test_min_p_one_samples_the_greedy_token(runner):
 
 def test_logprobs_read_the_raw_logits_and_prompt_rows(runner):
     """Penalties change the choice, never the logprobs (vLLM's default); prompt logprobs come from the rows asked."""
-    from protocol.structs import ForwardBatch, ForwardReq
+    from loraplex.protocol.structs import ForwardBatch, ForwardReq
 
     prompt = random_prompts([12], runner.vocab_size, seed=9)[0]
     raw = runner.prefill_logits(prompt).log_softmax(-1)  # (12, vocab)
@@ -156,8 +156,8 @@ def test_logprobs_read_the_raw_logits_and_prompt_rows(runner):
 
 def test_penalty_needs_its_history(runner):
     """A penalised request on a pass that starts past tokens the worker never saw is a batch error, not a guess."""
-    from protocol.structs import ForwardBatch, ForwardReq
-    from worker.batch_inputs import BatchError
+    from loraplex.protocol.structs import ForwardBatch, ForwardReq
+    from loraplex.worker.batch_inputs import BatchError
 
     params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
     req = ForwardReq(input_ids=[5], num_cached_tokens=8, page_ids=[0, 1, 2], sampling=params, req_key=10_000)
@@ -589,8 +589,8 @@ def test_other_spellings_and_bad_values_are_refused(server, path, field):
 
 
 def test_logprobs_through_the_rpc_and_engine_options(server):
-    from frontend.engine import Engine
-    from frontend.rpc_client import RpcClient
+    from loraplex.frontend.engine import Engine
+    from loraplex.frontend.rpc_client import RpcClient
 
     options = {"return_logprob": True, "top_logprobs_num": 1, "logprob_start_len": 2}
     http = post(
@@ -614,7 +614,7 @@ def test_logprobs_through_the_rpc_and_engine_options(server):
 
 def run_to_end(scheduler, batches: list) -> list:
     """Play the workers (one pass at a time) until nothing is left: every delta; each batch sent is kept."""
-    from protocol.structs import BatchResult, TokenLogprob
+    from loraplex.protocol.structs import BatchResult, TokenLogprob
 
     deltas = []
     while not scheduler.is_idle:
@@ -637,9 +637,9 @@ def run_to_end(scheduler, batches: list) -> list:
 
 
 def test_scheduler_asks_every_prompt_position_once_and_bypasses_the_cache_for_them():
-    from protocol.config import ServerConfig
-    from protocol.structs import TokenizedGenerateReq
-    from scheduler.scheduler import Scheduler
+    from loraplex.protocol.config import ServerConfig
+    from loraplex.protocol.structs import TokenizedGenerateReq
+    from loraplex.scheduler.scheduler import Scheduler
 
     config = ServerConfig(page_size=4, max_running_requests=8)
     scheduler = Scheduler(config, num_pages=64, context_length=256, chunked_prefill_size=5)
@@ -674,9 +674,9 @@ def test_scheduler_asks_every_prompt_position_once_and_bypasses_the_cache_for_th
 def test_scheduler_state_survives_preemption():
     """A preempted request is recomputed: its prompt logprobs still come once each, and its first pass after
     readmission tells the workers its cached tokens again."""
-    from protocol.config import ServerConfig
-    from protocol.structs import TokenizedGenerateReq
-    from scheduler.scheduler import Scheduler
+    from loraplex.protocol.config import ServerConfig
+    from loraplex.protocol.structs import TokenizedGenerateReq
+    from loraplex.scheduler.scheduler import Scheduler
 
     config = ServerConfig(page_size=4, max_running_requests=8)
     scheduler = Scheduler(config, num_pages=10, context_length=256, chunked_prefill_size=6)

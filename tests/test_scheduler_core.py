@@ -7,9 +7,8 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import pytest
-
-from protocol.config import ServerConfig
-from protocol.structs import (
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.structs import (
     AdapterOpDone,
     AdapterOutcome,
     AdapterReport,
@@ -23,9 +22,9 @@ from protocol.structs import (
     TokenDelta,
     TokenizedGenerateReq,
 )
-from scheduler.adapter_table import AdapterTable, LoadFinished
-from scheduler.batch_policy import BatchPolicy
-from scheduler.scheduler import Scheduler
+from loraplex.scheduler.adapter_table import AdapterTable, LoadFinished
+from loraplex.scheduler.batch_policy import BatchPolicy
+from loraplex.scheduler.scheduler import Scheduler
 
 TOKEN = 7
 

@@ -9,11 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from protocol.config import ServerConfig
-from protocol.proc import ARGS_ENV, encode_process_args
-from protocol.sockets import PULL, PUSH, TypedSocket
-from protocol.structs import (
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.proc import ARGS_ENV, encode_process_args
+from loraplex.protocol.sockets import PULL, PUSH, TypedSocket
+from loraplex.protocol.structs import (
     AbortReq,
     AdapterOpDone,
     AdapterOutcome,
@@ -62,7 +61,7 @@ class Harness:
         config = ServerConfig(page_size=4, max_loras_per_batch=2, log_level="debug", **config_kwargs)
         args = ProcessArgs(config=config, endpoints=endpoints, model_dir="/nonexistent")
         env = {**os.environ, ARGS_ENV: encode_process_args(args), "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "scheduler"], cwd=REPO, env=env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "loraplex.scheduler"], cwd=REPO, env=env)
         self.slot_tables: list[list[int]] = []  # every SlotsChanged, in order
 
     def to_frontend(self, kind):

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from scheduler.page_allocator import PageAllocator, PageError
-from scheduler.slot_planner import SlotError, SlotPlanner
+from loraplex.scheduler.page_allocator import PageAllocator, PageError
+from loraplex.scheduler.slot_planner import SlotError, SlotPlanner
 
 # ---- PageAllocator -------------------------------------------------------------------------------------
 

@@ -14,9 +14,9 @@ import psutil
 import pytest
 import requests
 import torch
+from loraplex.frontend.engine import Engine
 from transformers import AutoTokenizer
 
-from frontend.engine import Engine
 from tests.reference import assert_greedy_match, hf_greedy, hf_model
 from tests.server_utils import ServerProcess
 

@@ -4,13 +4,9 @@ would violate."""
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from cluster_sim import Replica, ReplicaShape, SimRequest, StepCost, Workload, simulate  # noqa: E402
-from sim_policies import POLICIES, AdapterResidentFirst, LeastLoaded, LoRAAffinityScorer  # noqa: E402
+from scripts.cluster_sim import Replica, ReplicaShape, SimRequest, StepCost, Workload, simulate
+from scripts.sim_policies import POLICIES, AdapterResidentFirst, LeastLoaded, LoRAAffinityScorer
 
 SMALL = ReplicaShape(num_slots=2, max_running=8, num_pages=512)
 
@@ -88,7 +84,7 @@ def test_routers_prefer_the_replica_holding_the_adapter():
 def test_script_writes_table_plot_and_json(tmp_path, capsys):
     import json
 
-    import simulate_cluster
+    import scripts.simulate_cluster as simulate_cluster
 
     args = ["--replicas", "1", "2", "--adapters", "10", "100", "--scaling-adapters", "10", "--sweep-replicas", "2",
             "--requests-per-replica", "10", "--rates-per-replica", "2", "4", "--base-ms", "20",
@@ -106,7 +102,7 @@ def test_calibration_measures_every_cost(tmp_path):
     import json
     import math
 
-    import sim_calibrate
+    import scripts.sim_calibrate as sim_calibrate
 
     out = tmp_path / "cost.json"
     cost = sim_calibrate.main(["--size", "quick", "--steps", "1", "--dtype", "float32", "--batch", "4", "--context",

@@ -12,19 +12,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
+import loraplex.frontend.grammar_checker as grammar_checker
 import pytest
 import requests
 import torch
+from loraplex.frontend.grammar_checker import GrammarChecker
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.grammar import compile_constraint, make_compiler
+from loraplex.protocol.structs import ForwardBatch, ForwardReq, OutputConstraint, SamplingParams, TokenizedGenerateReq
+from loraplex.worker.grammar import GrammarMasks
 from transformers import AutoTokenizer
 
-import frontend.grammar_checker as grammar_checker
-from frontend.grammar_checker import GrammarChecker
-from protocol.config import ServerConfig
-from protocol.grammar import compile_constraint, make_compiler
-from protocol.structs import ForwardBatch, ForwardReq, OutputConstraint, SamplingParams, TokenizedGenerateReq
 from tests.test_engine_core import OverlapWorkers
 from tests.test_scheduler_core import Workers, assert_drained, make_scheduler
-from worker.grammar import GrammarMasks
 
 SCHEMA = {
     "type": "object",
@@ -414,8 +414,8 @@ def grammar_decode(runner, eos: int, steps: int = 12) -> list[list[int]]:
 
 
 def tp_grammar_child(rank: int, port: int, model_dir: str, eos: int, results) -> None:
-    from worker.dist import destroy_distributed, init_distributed
-    from worker.model_runner import ModelRunner
+    from loraplex.worker.dist import destroy_distributed, init_distributed
+    from loraplex.worker.model_runner import ModelRunner
 
     torch.set_num_threads(1)
     config = ServerConfig(device="cpu", tp=2, page_size=4, max_total_tokens=256, context_length=64)
@@ -427,9 +427,9 @@ def tp_grammar_child(rank: int, port: int, model_dir: str, eos: int, results) ->
 
 
 def test_tp2_ranks_take_rank0_s_constrained_tokens(llama_dir, tokenizer, compiler):
-    from worker_helpers import run_two_ranks
+    from loraplex.worker.model_runner import ModelRunner
 
-    from worker.model_runner import ModelRunner
+    from tests.worker_helpers import run_two_ranks
 
     eos = tokenizer.eos_token_id
     config = ServerConfig(device="cpu", page_size=4, max_total_tokens=256, context_length=64)

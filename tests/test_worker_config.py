@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from loraplex.protocol.config import ServerConfig
+from loraplex.worker.kv_cache import MAX_DEFAULT_TOKENS, default_kv_tokens, kv_bytes_per_token
+from loraplex.worker.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from loraplex.worker.loader import CheckpointError, map_hf_name
+from loraplex.worker.model.config import ModelConfig, ModelConfigError
+from loraplex.worker.model_runner import ModelRunner
+from loraplex.worker.parallel import tensor_parallel
 from safetensors.torch import load_file, save_file
-
-from protocol.config import ServerConfig
-from worker.kv_cache import MAX_DEFAULT_TOKENS, default_kv_tokens, kv_bytes_per_token
-from worker.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
-from worker.loader import CheckpointError, map_hf_name
-from worker.model.config import ModelConfig, ModelConfigError
-from worker.model_runner import ModelRunner
-from worker.parallel import tensor_parallel
 
 BASE = {
     "model_type": "llama",

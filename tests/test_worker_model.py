@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from loraplex.frontend.demo_model import build_tiny_model
+from loraplex.protocol.structs import ForwardBatch, ForwardReq, SamplingParams
+from loraplex.worker.model_runner import ModelRunner
 from transformers import AutoModelForCausalLM, GenerationConfig
-from worker_helpers import GREEDY, NUM_PAGES, PAGE_SIZE, build_llama_variant, decode, make_runner, random_prompts
 
-from frontend.demo_model import build_tiny_model
-from protocol.structs import ForwardBatch, ForwardReq, SamplingParams
-from worker.model_runner import ModelRunner
+from tests.worker_helpers import GREEDY, NUM_PAGES, PAGE_SIZE, build_llama_variant, decode, make_runner, random_prompts
 
 
 def load_hf(model_dir: Path) -> torch.nn.Module:

@@ -13,12 +13,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from server_utils import free_port
-from worker_helpers import GREEDY, FakeScheduler, make_runner
-
-from protocol.config import ServerConfig
-from protocol.proc import ARGS_ENV, encode_process_args
-from protocol.structs import (
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.proc import ARGS_ENV, encode_process_args
+from loraplex.protocol.structs import (
     AdapterOutcome,
     AdapterReport,
     AdapterToLoad,
@@ -34,6 +31,9 @@ from protocol.structs import (
     Shutdown,
     WorkerReady,
 )
+
+from tests.server_utils import free_port
+from tests.worker_helpers import GREEDY, FakeScheduler, make_runner
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_MS = 60_000
@@ -65,7 +65,7 @@ def start_workers(
                 env = {**os.environ, ARGS_ENV: encode_process_args(args), "PYTHONPATH": str(REPO_ROOT)}
                 if tp > 1:
                     env["OMP_NUM_THREADS"] = "1"  # the ranks share the machine's cores
-                procs.append(subprocess.Popen([sys.executable, "-m", "worker"], cwd=REPO_ROOT, env=env))
+                procs.append(subprocess.Popen([sys.executable, "-m", "loraplex.worker"], cwd=REPO_ROOT, env=env))
             yield procs, scheduler
         finally:
             for proc in procs:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import collections
 
 import torch
-
-from protocol.structs import SamplingParams
-from worker.sampler import Sampler, request_seed
+from loraplex.protocol.structs import SamplingParams
+from loraplex.worker.sampler import Sampler, request_seed
 
 CPU = torch.device("cpu")
 

@@ -6,12 +6,12 @@ import multiprocessing as mp
 from pathlib import Path
 
 import torch
-from worker_helpers import GREEDY, build_llama_variant, decode, random_prompts, run_two_ranks
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.structs import SamplingParams
+from loraplex.worker.dist import destroy_distributed, init_distributed
+from loraplex.worker.model_runner import ModelRunner
 
-from protocol.config import ServerConfig
-from protocol.structs import SamplingParams
-from worker.dist import destroy_distributed, init_distributed
-from worker.model_runner import ModelRunner
+from tests.worker_helpers import GREEDY, build_llama_variant, decode, random_prompts, run_two_ranks
 
 PROMPT_LENGTHS = [6, 11, 3, 17]
 DECODE_STEPS = 6

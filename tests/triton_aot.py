@@ -19,7 +19,6 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import triton
 from triton import knobs
@@ -111,9 +110,8 @@ def _attention_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, in
     import random
 
     import torch
-
-    from protocol.structs import ForwardReq, SamplingParams
-    from worker.layers.triton_attention import TritonAttention
+    from loraplex.protocol.structs import ForwardReq, SamplingParams
+    from loraplex.worker.layers.triton_attention import TritonAttention
 
     heads, kv_heads, head_dim = shape
     dtype = getattr(torch, dtype_name)
@@ -155,7 +153,6 @@ def _attention_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, in
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     results = []
     for arch in (90, 80):
         for dtype_name, shape, page_size in ATTENTION_CONFIGS:

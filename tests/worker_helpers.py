@@ -11,11 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from server_utils import free_port
-
-from protocol.config import ServerConfig
-from protocol.sockets import PULL, PUSH, TypedSocket
-from protocol.structs import (
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.sockets import PULL, PUSH, TypedSocket
+from loraplex.protocol.structs import (
     Endpoints,
     ForwardBatch,
     ForwardReq,
@@ -24,7 +22,9 @@ from protocol.structs import (
     SlotLoad,
     WorkerToScheduler,
 )
-from worker.model_runner import ModelRunner
+from loraplex.worker.model_runner import ModelRunner
+
+from tests.server_utils import free_port
 
 PAGE_SIZE = 4
 NUM_PAGES = 128

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import sys
 
-from worker.process import main
+from loraplex.worker.process import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,12 +14,12 @@ import logging
 import threading
 import time
 
-from protocol.sockets import PULL, PUSH, TypedSocket
-from protocol.structs import AdapterOutcome, AdapterReport, LoadAdapters, ProcessArgs
-from worker.lora.adapter import AdapterLoadError
-from worker.lora.manager import LoRAManager
+from loraplex.protocol.sockets import PULL, PUSH, TypedSocket
+from loraplex.protocol.structs import AdapterOutcome, AdapterReport, LoadAdapters, ProcessArgs
+from loraplex.worker.lora.adapter import AdapterLoadError
+from loraplex.worker.lora.manager import LoRAManager
 
-logger = logging.getLogger("worker.loader")
+logger = logging.getLogger("loraplex.worker.loader")
 
 STOP_POLL_MS = 200
 

@@ -6,9 +6,8 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-
-from protocol.structs import ForwardReq
-from worker.layers.attention import AttentionBackend, BatchAttention, SDPAAttention
+from loraplex.protocol.structs import ForwardReq
+from loraplex.worker.layers.attention import AttentionBackend, BatchAttention, SDPAAttention
 
 
 class BatchError(ValueError):

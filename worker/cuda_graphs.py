@@ -20,14 +20,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-
-from kernels import LoRABatchMeta
-from kernels.paged_attention import decode_num_splits
-from protocol.structs import ForwardReq, SamplingParams
-from worker.batch_inputs import BatchError, check_reqs
-from worker.kv_cache import KVCache
-from worker.layers.triton_attention import DecodeMeta, PagedAttentionInputs
-from worker.lora.manager import LoRAManager
+from loraplex.kernels import LoRABatchMeta
+from loraplex.kernels.paged_attention import decode_num_splits
+from loraplex.protocol.structs import ForwardReq, SamplingParams
+from loraplex.worker.batch_inputs import BatchError, check_reqs
+from loraplex.worker.kv_cache import KVCache
+from loraplex.worker.layers.triton_attention import DecodeMeta, PagedAttentionInputs
+from loraplex.worker.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 

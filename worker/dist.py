@@ -7,9 +7,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from loraplex.protocol.config import ServerConfig
 from torch.distributed.distributed_c10d import _set_pg_timeout
-
-from protocol.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 

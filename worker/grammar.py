@@ -19,9 +19,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-from protocol.grammar import compile_constraint, make_compiler
-from protocol.structs import ForwardReq
+from loraplex.protocol.grammar import compile_constraint, make_compiler
+from loraplex.protocol.structs import ForwardReq
 
 logger = logging.getLogger(__name__)
 

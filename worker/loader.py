@@ -12,10 +12,9 @@ import logging
 import os
 
 import torch
+from loraplex.protocol.progress import Progress
 from safetensors import safe_open
 from torch import nn
-
-from protocol.progress import Progress
 
 logger = logging.getLogger(__name__)
 

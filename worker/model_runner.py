@@ -10,24 +10,23 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-
-from kernels import LoRABackend, select_backend
-from protocol.config import ServerConfig
-from protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad, TokenLogprob
-from worker.batch_inputs import BatchError, BatchInputs
-from worker.cuda_graphs import DecodeGraphRunner
-from worker.dist import pick_dtype
-from worker.grammar import GrammarMasks
-from worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token
-from worker.layers import packed
-from worker.layers.attention import AttentionBackendError, BatchAttention, select_attention_backend
-from worker.loader import load_weights
-from worker.lora.manager import LoRAManager
-from worker.model.config import ModelConfig, ModelConfigError
-from worker.model.llama import LlamaForCausalLM
-from worker.parallel import tensor_parallel
-from worker.penalties import TokenHistories, apply_penalties
-from worker.sampler import Sampler, prompt_logprob_rows, prompt_logprobs, token_logprobs
+from loraplex.kernels import LoRABackend, select_backend
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad, TokenLogprob
+from loraplex.worker.batch_inputs import BatchError, BatchInputs
+from loraplex.worker.cuda_graphs import DecodeGraphRunner
+from loraplex.worker.dist import pick_dtype
+from loraplex.worker.grammar import GrammarMasks
+from loraplex.worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token
+from loraplex.worker.layers import packed
+from loraplex.worker.layers.attention import AttentionBackendError, BatchAttention, select_attention_backend
+from loraplex.worker.loader import load_weights
+from loraplex.worker.lora.manager import LoRAManager
+from loraplex.worker.model.config import ModelConfig, ModelConfigError
+from loraplex.worker.model.llama import LlamaForCausalLM
+from loraplex.worker.parallel import tensor_parallel
+from loraplex.worker.penalties import TokenHistories, apply_penalties
+from loraplex.worker.sampler import Sampler, prompt_logprob_rows, prompt_logprobs, token_logprobs
 
 logger = logging.getLogger(__name__)
 

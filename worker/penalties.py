@@ -15,10 +15,9 @@ applied first.
 from __future__ import annotations
 
 import torch
+from loraplex.protocol.structs import ForwardReq
+from loraplex.worker.batch_inputs import BatchError
 from torch.nn.utils.rnn import pad_sequence
-
-from protocol.structs import ForwardReq
-from worker.batch_inputs import BatchError
 
 
 class TokenHistories:

@@ -8,11 +8,10 @@ import time
 
 import msgspec
 import torch
-
-from kernels import BackendError
-from protocol.proc import die_with_parent, read_process_args, setup_logging
-from protocol.sockets import PULL, PUSH, TypedSocket, send_last
-from protocol.structs import (
+from loraplex.kernels import BackendError
+from loraplex.protocol.proc import die_with_parent, read_process_args, setup_logging
+from loraplex.protocol.sockets import PULL, PUSH, TypedSocket, send_last
+from loraplex.protocol.structs import (
     BatchResult,
     DropAdapters,
     ForwardBatch,
@@ -22,9 +21,9 @@ from protocol.structs import (
     Shutdown,
     WorkerReady,
 )
-from worker.adapter_loader import AdapterLoader
-from worker.batch_inputs import BatchError
-from worker.dist import (
+from loraplex.worker.adapter_loader import AdapterLoader
+from loraplex.worker.batch_inputs import BatchError
+from loraplex.worker.dist import (
     destroy_distributed,
     global_rank,
     init_distributed,
@@ -32,7 +31,7 @@ from worker.dist import (
     ranks_per_node,
     set_serving_timeout,
 )
-from worker.model_runner import ModelRunner
+from loraplex.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("worker")
 

@@ -9,8 +9,7 @@ argmax(probs / noise), which picks token t with probability probs[t]; so the dra
 from __future__ import annotations
 
 import torch
-
-from protocol.structs import ForwardReq, SamplingParams, TokenLogprob
+from loraplex.protocol.structs import ForwardReq, SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 

@@ -25,10 +25,9 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-
-from kernels import BackendError
-from protocol.structs import ForwardReq
-from worker.layers.triton_attention import TritonAttention
+from loraplex.kernels import BackendError
+from loraplex.protocol.structs import ForwardReq
+from loraplex.worker.layers.triton_attention import TritonAttention
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from loraplex.worker.layers import packed
 from torch import nn
-
-from worker.layers import packed
 
 
 class Embedding(nn.Module):

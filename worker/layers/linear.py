@@ -17,10 +17,9 @@ from __future__ import annotations
 import itertools
 
 import torch
+from loraplex.worker.layers import packed
+from loraplex.worker.parallel import all_reduce, current_tp
 from torch import nn
-
-from worker.layers import packed
-from worker.parallel import all_reduce, current_tp
 
 
 def _check_full_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
+from loraplex.worker.model.config import RopeConfig
 from torch import nn
-
-from worker.model.config import RopeConfig
 
 
 def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:

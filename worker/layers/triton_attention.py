@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-
-from kernels.paged_attention import decode_num_splits, launch_decode, launch_extend, plan_extend_tiles
-from protocol.structs import ForwardReq
+from loraplex.kernels.paged_attention import decode_num_splits, launch_decode, launch_extend, plan_extend_tiles
+from loraplex.protocol.structs import ForwardReq
 
 _ALIGN = 4  # int32 elements: each packed part starts 16 bytes in, as Triton's pointer specialization expects
 

@@ -20,14 +20,13 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import torch
+from loraplex.protocol.config import TARGET_MODULES
+from loraplex.protocol.lora_shards import cut_shape, parse_lora_key, rank_cut
+from loraplex.protocol.structs import TensorSpec
+from loraplex.worker.lora.targets import full_shapes
+from loraplex.worker.model.config import ModelConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
-
-from protocol.config import TARGET_MODULES
-from protocol.lora_shards import cut_shape, parse_lora_key, rank_cut
-from protocol.structs import TensorSpec
-from worker.lora.targets import full_shapes
-from worker.model.config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")

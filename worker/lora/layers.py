@@ -9,10 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from loraplex.kernels import LoRABackend, LoRABatchMeta
+from loraplex.worker.lora.pool import LoRABuffers
 from torch import nn
-
-from kernels import LoRABackend, LoRABatchMeta
-from worker.lora.pool import LoRABuffers
 
 # What linear.py's layers promise a wrapper, re-exported for the model code.
 _LINEAR_ATTRS = (

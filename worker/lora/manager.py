@@ -15,18 +15,17 @@ import time
 from collections.abc import Sequence
 
 import torch
+from loraplex.kernels import LoRABackend, LoRABatchMeta
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.structs import AdapterOutcome, AdapterToLoad, ForwardReq, SlotLoad, split_inline_frames
+from loraplex.worker.batch_inputs import BatchError
+from loraplex.worker.lora.adapter import AdapterLoadError, LoRAAdapter, PoolSpec, adapter_from_tensors, load_adapter
+from loraplex.worker.lora.layers import LoRABatchInfo, LoRALinear
+from loraplex.worker.lora.pool import LoRAPool
+from loraplex.worker.lora.targets import SLICE_OF
+from loraplex.worker.lora.upload import uploader_for
+from loraplex.worker.model.config import ModelConfig
 from torch import nn
-
-from kernels import LoRABackend, LoRABatchMeta
-from protocol.config import ServerConfig
-from protocol.structs import AdapterOutcome, AdapterToLoad, ForwardReq, SlotLoad, split_inline_frames
-from worker.batch_inputs import BatchError
-from worker.lora.adapter import AdapterLoadError, LoRAAdapter, PoolSpec, adapter_from_tensors, load_adapter
-from worker.lora.layers import LoRABatchInfo, LoRALinear
-from worker.lora.pool import LoRAPool
-from worker.lora.targets import SLICE_OF
-from worker.lora.upload import uploader_for
-from worker.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

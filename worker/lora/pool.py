@@ -13,10 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from loraplex.worker.lora.adapter import LoRAAdapter, PoolSpec
+from loraplex.worker.lora.targets import FUSED_LINEARS, SLICE_OF, FusedLinear
 from torch import nn
-
-from worker.lora.adapter import LoRAAdapter, PoolSpec
-from worker.lora.targets import FUSED_LINEARS, SLICE_OF, FusedLinear
 
 
 @dataclass(frozen=True)

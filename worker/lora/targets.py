@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.lora_shards import TP_MODES
-from worker.model.config import ModelConfig
+from loraplex.protocol.lora_shards import TP_MODES
+from loraplex.worker.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

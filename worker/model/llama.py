@@ -9,15 +9,14 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+from loraplex.worker.kv_cache import KVCache
+from loraplex.worker.layers.attention import BatchAttention, paged_attention
+from loraplex.worker.layers.embedding import Embedding, LMHead
+from loraplex.worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from loraplex.worker.layers.norm import RMSNorm
+from loraplex.worker.layers.rotary import RotaryEmbedding
+from loraplex.worker.model.config import ModelConfig
 from torch import nn
-
-from worker.kv_cache import KVCache
-from worker.layers.attention import BatchAttention, paged_attention
-from worker.layers.embedding import Embedding, LMHead
-from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from worker.layers.norm import RMSNorm
-from worker.layers.rotary import RotaryEmbedding
-from worker.model.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
