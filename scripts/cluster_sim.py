@@ -124,6 +124,7 @@ class Replica:
         self.in_host: set[int] = set()
         self.reading: dict[int, int] = {}  # adapter -> requests waiting for its disk read
         self.busy = False  # a forward pass is running
+        self.sent_slot_table = self.scheduler.slots.slot_table()  # what the router last heard (scheduler/process.py)
         self.num_slot_loads = 0
         self.num_host_loads = 0
         self._next_op = 0
@@ -184,6 +185,14 @@ class Replica:
             self.num_slot_loads += len(batch.slot_loads)
         return batch
 
+    def slot_table_change(self) -> list[int] | None:
+        """The slot table if it changed since last asked: what the scheduler process sends as `SlotsChanged`."""
+        slot_table = self.scheduler.slots.slot_table()
+        if slot_table == self.sent_slot_table:
+            return None
+        self.sent_slot_table = slot_table
+        return slot_table
+
 
 # ---- the simulation
 
@@ -234,6 +243,9 @@ def simulate(num_replicas: int, workload: Workload, policy: str, shape: ReplicaS
     def run_next(replica: Replica, now: float) -> None:
         batch = replica.next_batch()
         replica.busy = batch is not None
+        slot_table = replica.slot_table_change()
+        if slot_table is not None:
+            router.slots_changed(replica.index, slot_table)
         if batch is not None:
             push(now + cost.of(batch), "pass done", (replica, batch))
 
@@ -265,6 +277,7 @@ def simulate(num_replicas: int, workload: Workload, policy: str, shape: ReplicaS
                 first_token.setdefault(rid, now)
                 if delta.finish_reason:
                     finished_at = max(finished_at, now)
+                    router.finished(replica.index, requests[rid].adapter)
             replica.busy = False
         if not replica.busy:
             run_next(replica, now)
