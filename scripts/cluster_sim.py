@@ -44,10 +44,11 @@ TOKEN = 7  # what every simulated pass samples; never a stop token, so requests 
 class StepCost:
     """Seconds one forward pass takes: a fixed part, each token, each distinct adapter (one LoRA segment per adapter),
     and each adapter copied into a device slot; and the disk read of an adapter. Defaults: this repository's CPU
-    figures (README: the 137 M bench model in bfloat16 on 2 cores, rank-16 adapters on all seven modules): a decode
-    step of 1 request 13.74 ms and of 32 requests 33.4 ms (so 13.1 ms + 0.634 ms a token), 37.8 ms over 8 adapters
-    (0.55 ms an adapter), an idle adapter load 6.1 ms. Two are estimates: a prefill token at 0.45 ms (the bench model's
-    prefill-token / decode-row ratio in HF, 0.4, applied to ours) and a slot copy of ~7 MB at 1 ms."""
+    figures (docs/BENCHMARKS.md: the 137 M bench model in bfloat16 on 2 cores, rank-16 adapters on all seven
+    modules): a decode step of 1 request 13.74 ms and of 32 requests 33.4 ms (so 13.1 ms + 0.634 ms a token),
+    37.8 ms over 8 adapters (0.55 ms an adapter), an idle adapter load 6.1 ms. Two are estimates: a prefill token at
+    0.45 ms (the bench model's prefill-token / decode-row ratio in HF, 0.4, applied to ours) and a slot copy of ~7 MB
+    at 1 ms."""
 
     base_s: float = 0.0131
     decode_token_s: float = 0.000634
