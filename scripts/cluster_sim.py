@@ -44,10 +44,11 @@ TOKEN = 7  # what every simulated pass samples; never a stop token, so requests 
 class StepCost:
     """Seconds one forward pass takes: a fixed part, each token, each distinct adapter (one LoRA segment per adapter),
     and each adapter copied into a device slot; and the disk read of an adapter. Defaults: this repository's CPU
-    figures (README: the 137 M bench model in bfloat16 on 2 cores, rank-16 adapters on all seven modules): a decode
-    step of 1 request 13.74 ms and of 32 requests 33.4 ms (so 13.1 ms + 0.634 ms a token), 37.8 ms over 8 adapters
-    (0.55 ms an adapter), an idle adapter load 6.1 ms. Two are estimates: a prefill token at 0.45 ms (the bench model's
-    prefill-token / decode-row ratio in HF, 0.4, applied to ours) and a slot copy of ~7 MB at 1 ms."""
+    figures (docs/BENCHMARKS.md: the 137 M bench model in bfloat16 on 2 cores, rank-16 adapters on all seven
+    modules): a decode step of 1 request 13.74 ms and of 32 requests 33.4 ms (so 13.1 ms + 0.634 ms a token),
+    37.8 ms over 8 adapters (0.55 ms an adapter), an idle adapter load 6.1 ms. Two are estimates: a prefill token at
+    0.45 ms (the bench model's prefill-token / decode-row ratio in HF, 0.4, applied to ours) and a slot copy of ~7 MB
+    at 1 ms."""
 
     base_s: float = 0.0131
     decode_token_s: float = 0.000634
@@ -124,6 +125,7 @@ class Replica:
         self.in_host: set[int] = set()
         self.reading: dict[int, int] = {}  # adapter -> requests waiting for its disk read
         self.busy = False  # a forward pass is running
+        self.sent_slot_table = self.scheduler.slots.slot_table()  # what the router last heard (scheduler/process.py)
         self.num_slot_loads = 0
         self.num_host_loads = 0
         self._next_op = 0
@@ -184,6 +186,14 @@ class Replica:
             self.num_slot_loads += len(batch.slot_loads)
         return batch
 
+    def slot_table_change(self) -> list[int] | None:
+        """The slot table if it changed since last asked: what the scheduler process sends as `SlotsChanged`."""
+        slot_table = self.scheduler.slots.slot_table()
+        if slot_table == self.sent_slot_table:
+            return None
+        self.sent_slot_table = slot_table
+        return slot_table
+
 
 # ---- the simulation
 
@@ -234,6 +244,9 @@ def simulate(num_replicas: int, workload: Workload, policy: str, shape: ReplicaS
     def run_next(replica: Replica, now: float) -> None:
         batch = replica.next_batch()
         replica.busy = batch is not None
+        slot_table = replica.slot_table_change()
+        if slot_table is not None:
+            router.slots_changed(replica.index, slot_table)
         if batch is not None:
             push(now + cost.of(batch), "pass done", (replica, batch))
 
@@ -265,6 +278,7 @@ def simulate(num_replicas: int, workload: Workload, policy: str, shape: ReplicaS
                 first_token.setdefault(rid, now)
                 if delta.finish_reason:
                     finished_at = max(finished_at, now)
+                    router.finished(replica.index, requests[rid].adapter)
             replica.busy = False
         if not replica.busy:
             run_next(replica, now)

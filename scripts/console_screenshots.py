@@ -32,6 +32,13 @@ def send_traffic(server: ServerProcess, models: list[str], prompt: str, stop: th
         server.post("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0.8})
 
 
+def repo_relative_paths(route) -> None:
+    """/lora_adapters with adapter paths under this checkout shown relative to it: the docs' pictures carry no
+    machine's directory names (the server itself always reports the real, resolved path)."""
+    response = route.fetch()
+    route.fulfill(response=response, body=response.text().replace(f"{REPO_ROOT}/", ""))
+
+
 def take(server: ServerProcess, out_dir: Path, prompt: str, traffic_s: float, num_clients: int) -> list[Path]:
     base = server.get("/server_info").json()["served_model_name"]
     adapters = [a["lora_name"] for a in server.get("/lora_adapters").json()["adapters"]]
@@ -41,6 +48,7 @@ def take(server: ServerProcess, out_dir: Path, prompt: str, traffic_s: float, nu
         browser = launch_chromium(playwright)
         page = browser.new_page(viewport=VIEWPORT)
         page.set_default_timeout(120_000)
+        page.route("**/lora_adapters", repo_relative_paths)
         page.goto(server.url + "/")
         expect(page.locator("#model-name")).to_have_text(base)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels of the two packages the GPU image lacks (msgspec, pyzmq), for an offline install there; into the
 # git-ignored .whl/ at the repository root, which travels with the working tree to the GPU machine.
-# See README "Checking on a GPU" for the command that installs them and runs scripts/gpu_check.py.
+# scripts/GPU_CHECK.md gives the command that installs them (and this tree) there and runs the GPU check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -2,10 +2,11 @@
 
     python -m scripts.gpu_check --out DIR [--budget-s 285] [--only g1,g2] [--skip g5] [--dry-run] [--keep-models DIR]
 
-Groups G0-G8 (specified in GPU_CHECK.md §4) each run in a fresh spawned child under a hard cap, so a CUDA fault or a
-hang in one cannot poison or stall the rest; this parent never imports torch. Each child writes DIR/part_<group>.json
-(after every check); the parent merges them into DIR/gpu_check.json after every group, prints one line per check as
-it goes and the reviewer block at the end. `--dry-run` runs everything on the CPU at tiny shapes (Triton in its
+The specification (groups, shapes, thresholds, report) and the command that runs it on a GPU: scripts/GPU_CHECK.md,
+beside this file. Groups G0-G8 each run in a fresh spawned child under a hard cap, so a CUDA fault or a hang in one
+cannot poison or stall the rest; this parent never imports torch. Each child writes DIR/part_<group>.json (after every
+check); the parent merges them into DIR/gpu_check.json after every group, prints one line per check as it goes and the
+reviewer block at the end. `--dry-run` runs everything on the CPU at tiny shapes (Triton in its
 interpreter; what needs CUDA is skipped with a reason), to find Python bugs before GPU minutes are spent.
 
 Counts in the summary: pass/fail are checks (kind "check"); error counts groups that raised or timed out; skipped

@@ -1,5 +1,8 @@
 """The cluster simulator's routers (scripts/cluster_sim.py): each picks a replica for a request's adapter from what a
-router of that kind can see. Ties go to the lowest index unless said otherwise."""
+router of that kind can see. Ties go to the lowest index unless said otherwise.
+
+`ProductRouter` is loraplex's own `--dp-size` routing, the frontend's `Router` itself, fed the events the frontend
+feeds it; the others are baselines: round robin, least loaded, and the Gateway API Inference Extension's scorer."""
 
 from __future__ import annotations
 
@@ -8,11 +11,27 @@ import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from loraplex.frontend.router import Router
+
 if TYPE_CHECKING:
     from scripts.cluster_sim import Replica
 
 
-class RoundRobin:
+class Policy:
+    """A router reads the replicas' state at pick time; one that keeps its own state also hears, as loraplex's
+    frontend does, when a request it routed ends and when a replica's slot table changes."""
+
+    def pick(self, replicas: list[Replica], adapter: int | None) -> int:
+        raise NotImplementedError
+
+    def finished(self, replica: int, adapter: int | None) -> None:
+        pass
+
+    def slots_changed(self, replica: int, slot_lora_ids: list[int]) -> None:
+        pass
+
+
+class RoundRobin(Policy):
     def __init__(self, rng: random.Random):
         self.next = 0
 
@@ -21,7 +40,7 @@ class RoundRobin:
         return (self.next - 1) % len(replicas)
 
 
-class LeastLoaded:
+class LeastLoaded(Policy):
     def __init__(self, rng: random.Random):
         pass
 
@@ -29,24 +48,28 @@ class LeastLoaded:
         return min(replicas, key=lambda r: r.load).index
 
 
-class AdapterResidentFirst:
-    """loraplex's --dp-size routing: a replica that already has the adapter (in a device slot, or requests for it
-    queued) unless it is full (load >= its running limit), else the least loaded."""
+class ProductRouter(Policy):
+    """loraplex's --dp-size routing: `loraplex.frontend.router.Router`, told what the frontend tells it (a request
+    routed, a request ended, a replica's new slot table), so the simulation routes exactly as the server does."""
 
     def __init__(self, rng: random.Random):
-        pass
+        self.router: Router | None = None  # sized at the first pick, when the replicas are known
 
     def pick(self, replicas: list[Replica], adapter: int | None) -> int:
-        if adapter is not None:
-            holders = [r for r in replicas if r.is_resident(adapter) or adapter in r.waiting_adapters()
-                       or adapter in r.running_adapters()]  # fmt: skip
-            best = min(holders, key=lambda r: r.load, default=None)
-            if best is not None and best.load < best.shape.max_running:
-                return best.index
-        return min(replicas, key=lambda r: r.load).index
+        if self.router is None:
+            self.router = Router(len(replicas))
+        dp_rank = self.router.pick(adapter)
+        self.router.acquire(dp_rank, adapter)  # the frontend acquires as it sends the request
+        return dp_rank
+
+    def finished(self, replica: int, adapter: int | None) -> None:
+        self.router.release(replica, adapter)
+
+    def slots_changed(self, replica: int, slot_lora_ids: list[int]) -> None:
+        self.router.set_resident(replica, slot_lora_ids)
 
 
-class LoRAAffinityScorer:
+class LoRAAffinityScorer(Policy):
     """The Gateway API Inference Extension's endpoint picker as deploy/k8s configures it: queue-scorer (1) +
     kv-cache-utilization-scorer (1) + lora-affinity-scorer (2), max score, ties broken at random. LoRA affinity reads
     vllm:lora_requests_info: 1.0 if the adapter is running there, 0.8 if running + waiting adapters < max_lora,
@@ -84,9 +107,9 @@ class LoRAAffinityScorer:
         return 0.6 if adapter in waiting else 0.0
 
 
-POLICIES: dict[str, Callable[[random.Random], object]] = {
+POLICIES: dict[str, Callable[[random.Random], Policy]] = {
     "round robin": RoundRobin,
     "least loaded": LeastLoaded,
-    "adapter-resident first": AdapterResidentFirst,
+    "loraplex Router": ProductRouter,
     "gateway LoRA affinity": LoRAAffinityScorer,
 }

@@ -154,6 +154,38 @@ def test_load_list_play_and_unload_through_the_console(page, server, adapter_dir
     assert served_names(server) == {"beta", "a16"}
 
 
+def test_the_demo_playground_opens_ready_to_show_every_adapter(page):
+    # On the demo model the playground opens with a prompt in the demo's format and every model ticked, so one Run
+    # shows each adapter's transformation beside the base's echo (README's quick start: "fresh bread =").
+    with ServerProcess("--model-path", "demo") as demo:
+        names = ["demo", *(a["lora_name"] for a in demo.get("/lora_adapters").json()["adapters"])]
+        assert set(names) == {"demo", "reverse", "sort", "mirror"}
+        page.goto(demo.url + "/")
+        prompt = page.get_by_label("Prompt", exact=True)
+        expect(prompt).to_have_value("fresh bread =")
+        targets = page.get_by_role("group", name="Send to")
+        expect(targets.get_by_role("checkbox")).to_have_count(len(names))
+        for box in targets.get_by_role("checkbox").all():
+            expect(box).to_be_checked()
+        page.get_by_role("button", name="Run").click()
+        expect(page.locator("#play-status")).to_contain_text("Done:")
+        answers = {"demo": "fresh bread", "reverse": "bread fresh", "sort": "efhrs abder", "mirror": "hserf daerb"}
+        for model, answer in answers.items():
+            text = page.locator(f'#play-panes article[data-model="{model}"] .pane-text')
+            expect(text).to_have_text(answer)
+
+
+def test_a_typed_prompt_and_unticked_boxes_survive_polling(page, server):
+    page.goto(server.url + "/")
+    base = server.get("/server_info").json()["served_model_name"]
+    targets = page.get_by_role("group", name="Send to")
+    expect(targets.get_by_label(f"{base} (base)")).to_be_checked()
+    expect(page.get_by_label("Prompt", exact=True)).to_have_value("hello world")  # not the demo: the generic prompt
+    targets.get_by_label(f"{base} (base)").uncheck()
+    page.wait_for_timeout(2500)  # past one poll (main.js POLL_MS)
+    expect(targets.get_by_label(f"{base} (base)")).not_to_be_checked()
+
+
 def test_charts_and_rates_follow_the_metrics(page, server):
     page.goto(server.url + "/")
     expect(page.locator("#model-name")).not_to_have_text("…")

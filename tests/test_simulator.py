@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from scripts.cluster_sim import Replica, ReplicaShape, SimRequest, StepCost, Workload, simulate
-from scripts.sim_policies import POLICIES, AdapterResidentFirst, LeastLoaded, LoRAAffinityScorer
+from scripts.sim_policies import POLICIES, LeastLoaded, LoRAAffinityScorer, ProductRouter
 
 SMALL = ReplicaShape(num_slots=2, max_running=8, num_pages=512)
 
@@ -31,11 +31,11 @@ def test_every_token_is_generated_and_runs_are_deterministic():
     assert other.ttft_s != simulate(3, workload, "round robin", SMALL).ttft_s
 
 
-def test_adapter_resident_first_misses_fewer_slots_than_round_robin():
+def test_product_router_misses_fewer_slots_than_round_robin():
     # 4 replicas x 4 slots for 20 adapters: kept apart, each replica's share of them nearly fits its slots.
     shape = ReplicaShape(num_slots=4, max_running=8, num_pages=512)
     workload = Workload(num_requests=300, rate_per_s=8.0, num_adapters=20, zipf_s=1.0, seed=0)
-    resident = simulate(4, workload, "adapter-resident first", shape)
+    resident = simulate(4, workload, "loraplex Router", shape)
     round_robin = simulate(4, workload, "round robin", shape)
     assert resident.slot_loads < 0.6 * round_robin.slot_loads, (resident.slot_loads, round_robin.slot_loads)
     assert resident.host_loads < round_robin.host_loads
@@ -75,10 +75,48 @@ def test_routers_prefer_the_replica_holding_the_adapter():
     replicas[1].finish_host_load(5)
     replicas[1].submit(SimRequest(0, 0.0, 8, 4, 5))
     replicas[1].next_batch()  # now running there, in a slot
-    assert AdapterResidentFirst(random.Random(0)).pick(replicas, 5) == 1
     assert LoRAAffinityScorer(random.Random(0)).pick(replicas, 5) == 1
     assert LeastLoaded(random.Random(0)).pick(replicas, 5) == 0
-    assert AdapterResidentFirst(random.Random(0)).pick(replicas, 6) == 0  # not held anywhere: the least loaded
+
+
+def test_product_router_is_the_frontends_router_fed_its_events():
+    replicas = [Replica(i, SMALL) for i in range(2)]
+    policy = ProductRouter(random.Random(0))
+    assert policy.router is None  # sized at the first pick
+    assert [policy.pick(replicas, a) for a in (5, 6)] == [0, 1]  # no holder: least loaded, ties in turn
+    assert policy.pick(replicas, 5) == 0  # requests for 5 in flight on replica 0
+    assert policy.router.loads == [2, 1]
+    policy.finished(0, 5)
+    policy.finished(0, 5)
+    policy.slots_changed(1, [5, -1])  # replica 1's scheduler put adapter 5 in a slot
+    assert policy.pick(replicas, 5) == 1 and policy.pick(replicas, 7) == 0
+    # bounded imbalance: past ROUTE_SLACK extra requests the holder is passed over for the least loaded
+    for _ in range(policy.router.slack):
+        policy.pick(replicas, 5)
+    assert policy.router.loads == [1, 2 + policy.router.slack] and policy.pick(replicas, 5) == 0
+
+
+def test_simulation_releases_every_request_it_routes():
+    policy_box = []
+
+    class Recording(ProductRouter):
+        def __init__(self, rng):
+            super().__init__(rng)
+            self.slot_tables: list[list[int]] = []
+            policy_box.append(self)
+
+        def slots_changed(self, replica, slot_lora_ids):
+            self.slot_tables.append(slot_lora_ids)
+            super().slots_changed(replica, slot_lora_ids)
+
+    POLICIES["recording"] = Recording
+    try:
+        simulate(3, Workload(num_requests=80, rate_per_s=6.0, num_adapters=50, seed=1), "recording", SMALL)
+    finally:
+        del POLICIES["recording"]
+    router = policy_box[0].router
+    assert router.loads == [0, 0, 0] and sum(router.num_routed) == 80
+    assert policy_box[0].slot_tables, "no slot table reached the router"
 
 
 def test_script_writes_table_plot_and_json(tmp_path, capsys):

@@ -128,6 +128,7 @@ async function poll() {
       state.server = await getJSON("/server_info");
       $("model-name").textContent = state.server.served_model_name;
       adapters.setServer(state.server);
+      playground.setModel(state.server.model_path);
     }
     const [table, metricsText] = await Promise.all([getJSON("/lora_adapters"), getText("/metrics")]);
     const seconds = performance.now() / 1000;

@@ -3,6 +3,11 @@
 
 import { call, describe } from "./api.js";
 
+// The built-in demo model (`--model-path demo`) answers prompts of 1-3 short lowercase words followed by " ="
+// (frontend/demo_tasks.py); on it the playground opens with such a prompt, so the first Run shows what each adapter does.
+const DEMO_MODEL_PATH = "demo";
+const DEMO_PROMPT = "fresh bread =";
+
 // Yields each `data:` payload of an SSE response, parsed, until `[DONE]`.
 async function* sseEvents(resp) {
   const reader = resp.body.getReader();
@@ -41,6 +46,12 @@ export class Playground {
     stop.addEventListener("click", () => this.controller?.abort());
   }
 
+  // The model the server runs (its --model-path): the demo gets a prompt in its format, unless one was typed already.
+  setModel(modelPath) {
+    const prompt = this.form.elements.prompt;
+    if (modelPath === DEMO_MODEL_PATH && prompt.value === prompt.defaultValue) prompt.value = DEMO_PROMPT;
+  }
+
   // names: what can answer (the base first, then the adapters); keeps each box's checked state.
   setTargets(base, names) {
     this.base = base;
@@ -56,7 +67,7 @@ export class Playground {
         box.type = "checkbox";
         box.name = "target";
         box.value = name;
-        box.checked = name === base; // the base to compare with; adapters are picked by hand
+        box.checked = true; // a new model starts ticked, so a Run compares them all; unticking sticks
         label.append(box, ` ${name}${name === base ? " (base)" : ""}`);
         existing.set(name, box);
       }
