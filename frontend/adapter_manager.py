@@ -161,9 +161,10 @@ class AdapterManager:
         if entry is None and not self.config.lora_resolver_dir:
             return  # acquire() reports the unknown name
         async with self.registry.update_lock:
-            entry = self.registry.get(name)  # another request may have done it meanwhile
+            entry = self.registry.get(name)  # another request may have done it meanwhile, or an unload removed it
             if entry is None:
-                await self._resolve(name)
+                if self.config.lora_resolver_dir:
+                    await self._resolve(name)
             elif not entry.resident and not entry.draining:
                 await self._reload(entry)
 
@@ -317,9 +318,18 @@ class AdapterManager:
         victims = self.registry.eviction_candidates(self.config.max_loaded_loras, keep)
         if not victims:
             return
-        await self._drop_ids([e.lora_id for e in victims])
+        # Non-resident before the first await: a request admitted while the drop is in flight must reload (it waits
+        # for the update lock we hold) rather than acquire the id being dropped.
         for entry in victims:
             entry.resident = False
+        try:
+            await self._drop_ids([e.lora_id for e in victims])
+        except ServerError as e:  # the copies are forgotten here either way; the drop reaches a late scheduler later
+            for entry in victims:
+                self.metrics.on_adapter_op("evict", False)
+                logger.error("evict adapter %s host copy: drop failed: %s", entry.name, e)
+            return
+        for entry in victims:
             self.metrics.on_adapter_op("evict", True)
             logger.info("evict adapter %s host copy (least recently used, --max-loaded-loras %d)", entry.name,
                         self.config.max_loaded_loras)
