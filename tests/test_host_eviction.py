@@ -11,7 +11,7 @@ import threading
 import pytest
 from transformers import AutoTokenizer
 
-from tests.reference import CLEAR_MARGIN, hf_greedy
+from tests.reference import CLEAR_MARGIN, assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess
 from tests.test_metrics import parse as parse_metrics
 from tests.test_metrics import value as metric
@@ -113,3 +113,38 @@ def test_host_churn_never_fails_a_request_and_outputs_equal_peft(llama_dir, adap
         assert reload_count(server) > 20  # the churn really went through evictions and reloads
         no_leaks(server)
 
+
+def test_a_batch_never_evicts_the_adapters_it_needs(llama_dir, adapter_dirs):
+    """--max-loaded-loras 2, x evicted: a batch alternating y and x reloads x once and keeps y; a batch that needs more
+    adapters than the host limit is refused up front (400), and starts nothing."""
+    flags = ("--enable-lora", "--max-loaded-loras", "2", "--max-loras-per-batch", "4", "--max-lora-rank", "64",
+             "--lora-target-modules", "all", "--max-total-tokens", "8192", "--context-length", "512")
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    prompt_ids = tokenizer(PROMPTS[0])["input_ids"]
+    with ServerProcess("--model-path", str(llama_dir), *flags) as server:
+        for name, path in (("x", "a4"), ("y", "a8"), ("z", "a16")):
+            assert server.post("/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dirs[path])}).ok
+        rows = {row["lora_name"]: row for row in server.get("/lora_adapters").json()["adapters"]}
+        assert not rows["x"]["in_host_memory"] and rows["y"]["in_host_memory"]  # x: least recently loaded
+
+        names = ["y", "x"] * 5
+        resp = server.post("/generate", {"text": [PROMPTS[0]] * len(names), "lora_path": names,
+                                         "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}})
+        assert resp.status_code == 200, resp.text
+        for name, item in zip(names, resp.json(), strict=True):
+            ref, margins = hf_greedy(llama_dir, prompt_ids, MAX_TOKENS, adapter_dirs[{"x": "a4", "y": "a8"}[name]],
+                                     EOS_TOKEN_IDS)
+            assert_greedy_match(item["output_ids"], ref, margins, name)
+        assert reload_count(server) == 1  # x, once; y stayed
+        rows = {row["lora_name"]: row for row in server.get("/lora_adapters").json()["adapters"]}
+        assert rows["x"]["in_host_memory"] and rows["y"]["in_host_memory"] and not rows["z"]["in_host_memory"]
+
+        resp = server.post("/generate", {"text": [PROMPTS[0]] * 3, "lora_path": ["x", "y", "z"],
+                                         "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}})
+        assert resp.status_code == 400, resp.text
+        assert "--max-loaded-loras" in resp.text and "3" in resp.text
+        assert reload_count(server) == 1  # refused before any reload
+        resp = server.post("/generate", {"text": [PROMPTS[0]] * 3, "lora_path": ["x", None, "x"],
+                                         "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}})
+        assert resp.status_code == 200, resp.text  # the base model counts for nothing
+        no_leaks(server)
