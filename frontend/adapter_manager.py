@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import msgspec
@@ -151,20 +151,30 @@ class AdapterManager:
                         f"FAILED: {result.error_message}")
         return _merge(UnloadLoRAAdapterReqOutput, results, self.registry.loaded_adapters())
 
-    async def ensure(self, name: str) -> None:
+    def check_batch(self, names: Collection[str]) -> None:
+        """A batch needing more adapters than --max-loaded-loras keeps in host memory could only evict what its own
+        items need: refused before anything starts (SGLang's rule)."""
+        limit = self.config.max_loaded_loras
+        if limit is not None and len(set(names)) > limit:
+            raise AdapterError(f"the batch needs {len(set(names))} distinct adapters, more than --max-loaded-loras "
+                               f"({limit}) keeps in host memory; split it", "invalid")
+
+    async def ensure(self, name: str, batch: Collection[str] = ()) -> None:
         """Before a request naming `name` is admitted: load it through the resolver on first use, or bring its
-        evicted host copy back. Errors (unknown, broken) are raised for the request."""
+        evicted host copy back, evicting none of `batch` (the adapters its batch needs). Errors (unknown, broken)
+        are raised for the request."""
         entry = self.registry.get(name)
         if entry is not None and entry.resident:
             return
         if entry is None and not self.config.lora_resolver_dir:
             return  # acquire() reports the unknown name
         async with self.registry.update_lock:
-            entry = self.registry.get(name)  # another request may have done it meanwhile
+            entry = self.registry.get(name)  # another request may have done it meanwhile, or an unload removed it
             if entry is None:
-                await self._resolve(name)
+                if self.config.lora_resolver_dir:
+                    await self._resolve(name, {name, *batch})
             elif not entry.resident and not entry.draining:
-                await self._reload(entry)
+                await self._reload(entry, {name, *batch})
 
     # ---- start-up -------------------------------------------------------------------------------------------
 
@@ -277,8 +287,9 @@ class AdapterManager:
             self._retiring.add(task)
             task.add_done_callback(self._retiring.discard)
 
-    async def _resolve(self, name: str) -> None:
-        """--lora-resolver-dir: load DIR/name as adapter `name` (caller holds the update lock)."""
+    async def _resolve(self, name: str, keep: set[str]) -> None:
+        """--lora-resolver-dir: load DIR/name as adapter `name`, evicting none of `keep` (caller holds the update
+        lock)."""
         if not name or "/" in name or name.startswith(".") or "\\" in name:
             raise AdapterError(f"adapter {name!r}: not a name the resolver can look up", "invalid")
         resolver_dir = os.path.realpath(self.config.lora_resolver_dir)
@@ -294,12 +305,13 @@ class AdapterManager:
             kind = outcome.error_kind if outcome.error_kind in ("timeout", "unavailable") else "invalid"
             raise AdapterError(f"adapter {name!r} from --lora-resolver-dir: {outcome.error_message}", kind)
         self._commit(planned, path, outcome)
-        await self._evict_over_limit({name})
+        await self._evict_over_limit(keep)
         self._save_state()
         self._count_loaded()
 
-    async def _reload(self, entry: AdapterEntry) -> None:
-        """Bring an evicted host copy back from its path (checked against the root again) under a fresh id."""
+    async def _reload(self, entry: AdapterEntry, keep: set[str]) -> None:
+        """Bring an evicted host copy back from its path (checked against the root again) under a fresh id, evicting
+        none of `keep`."""
         resolver_root = entry.root if entry.root != self.registry.path_root else None
         path = self.registry.check_path(entry.name, entry.path, resolver_root)
         adapter = AdapterToLoad(lora_id=self.registry.mint_id(), lora_name=entry.name, lora_path=path,
@@ -309,16 +321,25 @@ class AdapterManager:
             kind = outcome.error_kind if outcome.error_kind in ("timeout", "unavailable") else "internal"
             raise AdapterError(f"adapter {entry.name!r} could not be reloaded: {outcome.error_message}", kind)
         self.registry.rebind(entry, adapter.lora_id)
-        await self._evict_over_limit({entry.name})
+        await self._evict_over_limit(keep)
 
     async def _evict_over_limit(self, keep: set[str]) -> None:
         """Drop least recently used host copies past --max-loaded-loras (caller holds the update lock)."""
         victims = self.registry.eviction_candidates(self.config.max_loaded_loras, keep)
         if not victims:
             return
-        await self._drop_ids([e.lora_id for e in victims])
+        # Non-resident before the first await: a request admitted while the drop is in flight must reload (it waits
+        # for the update lock we hold) rather than acquire the id being dropped.
         for entry in victims:
             entry.resident = False
+        try:
+            await self._drop_ids([e.lora_id for e in victims])
+        except ServerError as e:  # the copies are forgotten here either way; the drop reaches a late scheduler later
+            for entry in victims:
+                self.metrics.on_adapter_op("evict", False)
+                logger.error("evict adapter %s host copy: drop failed: %s", entry.name, e)
+            return
+        for entry in victims:
             self.metrics.on_adapter_op("evict", True)
             logger.info("evict adapter %s host copy (least recently used, --max-loaded-loras %d)", entry.name,
                         self.config.max_loaded_loras)

@@ -84,20 +84,27 @@ async def submit_all(runtime: Runtime, prompts: list[list[int]], sampling: Sampl
                      output: OutputOptions = OutputOptions()) -> list[RequestState]:
     """Submit every prompt (with its own sampling when given a list), or none if one is refused."""
     samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-    # Check every adapter first so a bad name in a batch starts nothing.
-    for name in lora_names:
-        if name is not None and runtime.config.lora_enabled:
-            await runtime.adapters.ensure(name)  # the resolver's first use, or an evicted host copy
-        if name is not None and (runtime.registry.get(name) is None or runtime.registry.get(name).draining):
-            raise AdapterError(f"adapter {name!r} is not loaded", kind="not_found")
+    batch = list(dict.fromkeys(name for name in lora_names if name is not None))  # distinct, in item order
+    if batch and runtime.config.lora_enabled:
+        runtime.adapters.check_batch(batch)
     states: list[RequestState] = []
+    # Until every item holds its adapter, the batch's adapters are the last any other load may evict.
+    runtime.registry.want(batch)
     try:
+        # Check every adapter first so a bad name in a batch starts nothing; bringing one back evicts none of the rest.
+        for name in batch:
+            if runtime.config.lora_enabled:
+                await runtime.adapters.ensure(name, batch)  # the resolver's first use, or an evicted host copy
+            if runtime.registry.get(name) is None or runtime.registry.get(name).draining:
+                raise AdapterError(f"adapter {name!r} is not loaded", kind="not_found")
         for prompt, one_sampling, name, rid in zip(prompts, samplings, lora_names, rids, strict=False):
             states.append(await runtime.submit(prompt, one_sampling, stops, name, rid, output))
     except BaseException:
         for state in states:
             await runtime.finish(state)
         raise
+    finally:
+        runtime.registry.unwant(batch)
     return states
 
 

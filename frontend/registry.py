@@ -7,6 +7,8 @@ import itertools
 import os
 import re
 import time
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from loraplex.protocol.errors import ServerError
@@ -54,6 +56,7 @@ class AdapterRegistry:
         self._ids = itertools.count()
         self._current: dict[str, int] = {}  # name -> live id
         self._entries: dict[int, AdapterEntry] = {}  # every id still held or live
+        self._wanted: Counter[str] = Counter()  # names that requests being admitted need but do not hold yet
 
     # ---- requests ----------------------------------------------------------------------------------
 
@@ -78,6 +81,14 @@ class AdapterRegistry:
         entry.holders.discard(rid)
         if not entry.holders:
             entry.released.set()
+
+    def want(self, names: Iterable[str]) -> None:
+        """A batch being admitted needs these (it acquires them one item at a time): evicted only as a last resort."""
+        self._wanted.update(names)
+
+    def unwant(self, names: Iterable[str]) -> None:
+        self._wanted.subtract(names)
+        self._wanted = +self._wanted  # drop the zeros
 
     # ---- load / unload (callers hold update_lock) ---------------------------------------------------
 
@@ -175,13 +186,14 @@ class AdapterRegistry:
 
     def eviction_candidates(self, max_resident: int | None, keep: set[str]) -> list[AdapterEntry]:
         """Least recently used host copies beyond max_resident that nobody is using; pinned ones never, nor ones
-        loaded from tensors (no path to reload them from)."""
+        loaded from tensors (no path to reload them from), nor `keep`. One a batch being admitted wants goes last.
+        Fewer than the excess when too few are idle: the rest go at a later load or reload."""
         resident = [e for e in self.live() if e.resident]
         if max_resident is None or len(resident) <= max_resident:
             return []
         idle = [e for e in resident if not e.pinned and not e.holders and not e.draining and e.name not in keep
                 and e.path is not None]
-        idle.sort(key=lambda e: e.last_used)
+        idle.sort(key=lambda e: (self._wanted[e.name] > 0, e.last_used))
         return idle[: len(resident) - max_resident]
 
     def rebind(self, entry: AdapterEntry, new_id: int) -> None:
@@ -190,6 +202,7 @@ class AdapterRegistry:
         self._entries.pop(entry.lora_id, None)
         entry.lora_id = new_id
         entry.resident = True
+        entry.last_used = time.monotonic()  # it was reloaded to be used: not the next one to go
         self._entries[new_id] = entry
         self._current[entry.name] = new_id
 

@@ -44,6 +44,31 @@ def test_pins_are_decided_once_and_an_inplace_reload_keeps_or_moves_its_pin(adap
     assert not unpinned.pinned
 
 
+def test_eviction_spares_holders_keep_and_wanted_and_a_reload_counts_as_a_use(adapter_dir: Path) -> None:
+    registry = AdapterRegistry()
+    entries = {}
+    for t, name in enumerate("abcd"):  # last used in this order
+        entries[name] = AdapterEntry(name=name, path=str(adapter_dir), lora_id=registry.mint_id(), last_used=t)
+        registry.add(entries[name])
+
+    def victims(keep: set[str] = frozenset(), max_resident: int = 3) -> list[str]:
+        return [e.name for e in registry.eviction_candidates(max_resident, set(keep))]
+
+    assert victims() == ["a"] and victims(max_resident=2) == ["a", "b"]
+    assert victims(keep={"a"}) == ["b"]
+    registry.acquire("b", "rid-1")
+    assert victims(keep={"a"}) == ["c"]  # held: never
+    registry.release(entries["b"].lora_id, "rid-1")
+    registry.want(["a", "b"])  # a batch being admitted needs a and b: they go only when nothing else can
+    assert victims(max_resident=2) == ["c", "d"] and victims(max_resident=1) == ["c", "d", "a"]
+    registry.unwant(["a", "b"])
+    assert victims() == ["a"]
+    # An evicted copy brought back is the most recently used one, not the next to go.
+    entries["a"].resident = False
+    registry.rebind(entries["a"], registry.mint_id())
+    assert victims(max_resident=0) == ["c", "d", "b", "a"]  # b: used by rid-1 above
+
+
 def test_one_load_is_checked_item_by_item(adapter_dir: Path, tmp_path: Path) -> None:
     registry = AdapterRegistry(path_root=str(tmp_path), max_pinned=1)
     plans = registry.plan_load(
