@@ -128,7 +128,7 @@ class AttnSetup:
         self.v_cache = self.randn(slots, self.kv_heads, self.head_dim)
         self.free_pages = list(range(self.num_pages))
         random.Random(0).shuffle(self.free_pages)
-        self.attention = select_attention_backend(attention, self.dev, self.kv_heads)
+        self.attention = select_attention_backend(attention, self.dev, self.heads, self.kv_heads, self.head_dim)
 
     def randn(self, *size):
         import torch

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from loraplex.kernels import LoRABackend
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.model_runner import ModelRunner
 
@@ -56,3 +57,12 @@ def greedy_decode(
     """Greedy decoding of a mixed batch, each request with its adapter (worker_helpers.decode with slots)."""
     slots = [slot_of(name) for name in names]
     return decode(runner, prompts, [GREEDY] * len(prompts), steps, slots=slots, slot_loads=slot_loads(names))
+
+
+def use_lora_backend(runner: ModelRunner, backend: LoRABackend) -> None:
+    """Every LoRA linear of `runner` computes through `backend` from the next forward on, to compare backends on one
+    model (the model's norms and attention keep the ops they were built with)."""
+    runner.backend = backend
+    runner.lora.batch.backend = backend
+    runner.lora.batch.meta = None
+    runner.lora.batch.active = frozenset()

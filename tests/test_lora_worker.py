@@ -26,6 +26,7 @@ from tests.lora_helpers import (
     load_all,
     slot_loads,
     slot_of,
+    use_lora_backend,
 )
 from tests.reference import assert_greedy_match, hf_greedy, hf_model
 from tests.worker_helpers import GREEDY, PAGE_SIZE, make_runner, random_prompts
@@ -214,11 +215,11 @@ def test_triton_kernels_match_torch_path(runner: ModelRunner, monkeypatch: pytes
     real = lora_backend.launch_shrink
     monkeypatch.setattr(lora_backend, "launch_shrink", lambda *args: calls.append(1) or real(*args))
     torch_backend = runner.backend
-    runner.set_backend(select_backend("triton", runner.device, runner.dtype))  # the interpreter (conftest)
+    use_lora_backend(runner, select_backend("triton", runner.device, runner.dtype))  # the interpreter (conftest)
     try:
         triton_path = batch_logits(runner, prompts, names)
     finally:
-        runner.set_backend(torch_backend)
+        use_lora_backend(runner, torch_backend)
     assert calls, "the Triton kernels did not run"
     for ours, ref in zip(triton_path, torch_path, strict=True):
         assert (ours - ref).abs().max().item() <= FP32_TOL

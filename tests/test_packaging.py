@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PRODUCT_DIRS = ("frontend", "scheduler", "worker", "kernels", "protocol")

@@ -254,12 +254,41 @@ def test_attention_backend_flag_and_selection(monkeypatch: pytest.MonkeyPatch) -
     assert config_from_args(["--attention-backend", "triton"]).attention_backend == "triton"
     with pytest.raises(SystemExit):
         config_from_args(["--attention-backend", "flashinfer"])
-    assert type(select_attention_backend("auto", "cpu", 2)) is SDPAAttention
-    assert type(select_attention_backend("auto", "cuda", 2)) is TritonAttention  # chosen, nothing launched
-    assert type(select_attention_backend("torch", "cuda", 2)) is SDPAAttention
+    heads = (4, 2, 64)  # this rank's query heads, KV heads, head_dim
+    assert type(select_attention_backend("auto", "cpu", *heads)) is SDPAAttention
+    assert type(select_attention_backend("auto", "cuda", *heads)) is TritonAttention  # chosen, nothing launched
+    assert type(select_attention_backend("torch", "cuda", *heads)) is SDPAAttention
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(AttentionBackendError, match="--attention-backend triton needs a CUDA device"):
-        select_attention_backend("triton", "cpu", 2)
+        select_attention_backend("triton", "cpu", *heads)
+    with pytest.raises(AttentionBackendError, match="--attention-backend cpu needs the compiled CPU kernels"):
+        select_attention_backend("cpu", "cpu", *heads)
+
+
+class _FakeCPUKernels:
+    """Stands in for cpu_ext's module: which head shapes its decode attention takes."""
+
+    @staticmethod
+    def decode_attention_supports(query_heads_per_kv_head: int, head_dim: int) -> bool:
+        return head_dim == 64
+
+
+def test_cpu_attention_backend_selection() -> None:
+    from loraplex.worker.layers.attention import (
+        AttentionBackendError,
+        CPUAttention,
+        SDPAAttention,
+        select_attention_backend,
+    )
+
+    kernels = _FakeCPUKernels()
+    # auto: the CPU kernels' decode where the worker built them and they take the shapes, else SDPA
+    assert type(select_attention_backend("auto", "cpu", 4, 2, 64, kernels)) is CPUAttention
+    assert type(select_attention_backend("auto", "cpu", 4, 2, 32, kernels)) is SDPAAttention
+    assert type(select_attention_backend("torch", "cpu", 4, 2, 64, kernels)) is SDPAAttention
+    assert type(select_attention_backend("cpu", "cpu", 4, 2, 64, kernels)) is CPUAttention
+    with pytest.raises(AttentionBackendError, match="does not take 2 query heads per KV head of 32 dims"):
+        select_attention_backend("cpu", "cpu", 4, 2, 32, kernels)
 
 
 @pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="the interpreter's warm-up, on the CPU")
@@ -302,5 +331,5 @@ def test_mixed_batch_through_the_backend_matches_sdpa(dtype: torch.dtype) -> Non
         device = backend.device
         inputs = BatchInputs.build(reqs, page_size, num_pages, 4096, device, backend).attention
         assert (inputs.decode is not None and inputs.extend is not None) if backend.name == "triton" else True
-        outs[backend.name] = inputs.attend(q.to(device), cache[0].to(device), cache[1].to(device), None).cpu()
+        outs[backend.name] = inputs.attend(q.to(device), cache[0].to(device), cache[1].to(device)).cpu()
     torch.testing.assert_close(outs["triton"].float(), outs["torch"].float(), **TOLERANCES[dtype])

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from loraplex.kernels import LoRABackend, select_backend
+from loraplex.kernels import select_backend
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad, TokenLogprob
 from loraplex.worker.batch_inputs import BatchError, BatchInputs
@@ -20,6 +20,7 @@ from loraplex.worker.grammar import GrammarMasks
 from loraplex.worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token
 from loraplex.worker.layers import packed
 from loraplex.worker.layers.attention import AttentionBackendError, BatchAttention, select_attention_backend
+from loraplex.worker.layers.ops import model_ops, select_model_ops
 from loraplex.worker.loader import load_weights
 from loraplex.worker.lora.manager import LoRAManager
 from loraplex.worker.model.config import ModelConfig, ModelConfigError
@@ -56,8 +57,8 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.context_length = self._context_length()
         self._check_divisible()
-        # The one choice of LoRA backend (and with it the CPU kernels for attention and norms), before any weight
-        # loads: a choice the device cannot run fails start-up at once.
+        # The one choice of LoRA backend (and with it the CPU kernels, where it builds them, for attention, norms and
+        # activation), before any weight loads: a choice the device cannot run fails start-up at once.
         self.backend = select_backend(config.lora_backend, self.device, self.dtype)
         logger.info(
             "LoRA backend: %s (--lora-backend %s, %s on %s)",
@@ -68,11 +69,17 @@ class ModelRunner:
         )
 
         self.attention = select_attention_backend(
-            config.attention_backend, self.device, self.model_config.num_kv_heads // world_size
+            config.attention_backend,
+            self.device,
+            self.model_config.num_heads // world_size,
+            self.model_config.num_kv_heads // world_size,
+            self.model_config.head_dim,
+            self.backend.cpu_kernels,
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
+        ops = select_model_ops(self.backend.cpu_kernels)  # the norms' and activation's, bound as the layers are built
 
-        with tensor_parallel(rank, world_size), self.device, _default_dtype(self.dtype):
+        with tensor_parallel(rank, world_size), model_ops(ops), self.device, _default_dtype(self.dtype):
             self.model = LlamaForCausalLM(self.model_config, max_positions=self.context_length)
         load_weights(self.model, model_dir, show_progress=rank == 0)
         self.model.eval()
@@ -85,7 +92,6 @@ class ModelRunner:
             if config.lora_enabled
             else None
         )
-        self.set_backend(self.backend)
         if self.lora is not None:
             self.lora.warmup()  # Triton: every kernel variant compiled now, not inside a request's forward
         self._pack_weights()
@@ -125,17 +131,6 @@ class ModelRunner:
                 self.max_total_tokens,
                 self.context_length,
             )
-
-    def set_backend(self, backend: LoRABackend) -> None:
-        """Compute through `backend` from the next forward on: the LoRA linears' products, and the CPU kernels (or
-        torch ops) of the model's attention, norms and activation. Called at start-up; benchmarks use it to compare
-        backends on one model."""
-        self.backend = backend
-        if self.lora is not None:
-            self.lora.set_backend(backend)
-        for module in self.model.modules():
-            if hasattr(module, "use_cpu_kernels"):
-                module.use_cpu_kernels(backend.cpu_kernels)
 
     def _decode_graphs(self) -> DecodeGraphRunner | None:
         if not self.config.enable_cuda_graph:

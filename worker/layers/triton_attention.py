@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 from loraplex.kernels.paged_attention import decode_num_splits, launch_decode, launch_extend, plan_extend_tiles
@@ -43,9 +42,7 @@ class PagedAttentionInputs:
     decode: DecodeMeta | None
     extend: ExtendMeta | None
 
-    def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode_kernels: ModuleType | None
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(q)  # (tokens, heads, head_dim); every row is some request's
         scale = q.shape[2] ** -0.5
         if self.decode is not None:
@@ -118,11 +115,11 @@ class TritonAttention:
         for num_splits in (1, 2):
             table, kv_lens, q_rows = _pack([[0], [1], [0]], self.device)
             decode = DecodeMeta(table.view(1, 1), kv_lens, q_rows, num_splits)
-            PagedAttentionInputs(no_writes, page_size, decode, None).attend(q, k_cache, v_cache, None)
+            PagedAttentionInputs(no_writes, page_size, decode, None).attend(q, k_cache, v_cache)
             launches += num_splits
         table, *rest = _pack([[0], [0], [2], [0], [0], [0]], self.device)
         extend = ExtendMeta(table.view(1, 1), *rest)
-        PagedAttentionInputs(no_writes, page_size, None, extend).attend(q, k_cache, v_cache, None)
+        PagedAttentionInputs(no_writes, page_size, None, extend).attend(q, k_cache, v_cache)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return launches + 1
