@@ -54,10 +54,6 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def max_num_tokens(self) -> int:
-        return len(self.prompt_ids) + self.sampling.max_new_tokens
-
-    @property
     def num_remaining_tokens(self) -> int:
         """Output tokens still to come at most; every forward pass that includes the request yields one."""
         return self.sampling.max_new_tokens - len(self.output_ids)
