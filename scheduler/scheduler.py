@@ -188,11 +188,6 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------------------------
 
-    @property
-    def in_flight_requests(self) -> list[Request]:
-        """The requests of the newest batch in flight, in the batch's order (empty when none is)."""
-        return list(self._in_flight[-1].reqs) if self._in_flight else []
-
     def schedule(self) -> ForwardBatch | None:
         if not self.can_schedule:
             raise RuntimeError(f"schedule() called with {len(self._in_flight)} batches in flight")

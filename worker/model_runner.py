@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from loraplex.kernels import select_backend
 from loraplex.protocol.config import ServerConfig
-from loraplex.protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad, TokenLogprob
+from loraplex.protocol.structs import ForwardBatch, ForwardReq, SlotLoad, TokenLogprob
 from loraplex.worker.batch_inputs import BatchError, BatchInputs
 from loraplex.worker.cuda_graphs import DecodeGraphRunner
 from loraplex.worker.dist import pick_dtype
@@ -208,7 +208,7 @@ class ModelRunner:
             return StepResult([], [], [])
         self.histories.update(batch.reqs)
         extra_rows = prompt_logprob_rows(batch.reqs)
-        logits = self._logits(batch.reqs, batch.slot_loads, last_only=True, extra_rows=extra_rows)
+        logits = self.logits(batch.reqs, batch.slot_loads, last_only=True, extra_rows=extra_rows)
         logits, prompt_logits = logits[: len(batch.reqs)], logits[len(batch.reqs) :]  # (reqs, vocab), (extra, vocab)
         params = [req.sampling for req in batch.reqs]
         processed = apply_penalties(logits, batch.reqs, self.histories)  # logprobs read the raw logits
@@ -217,27 +217,11 @@ class ModelRunner:
         tokens = self.grammar.record(batch.reqs, tokens)
         return StepResult(tokens, token_logprobs(logits, params, tokens), prompt_logprobs(prompt_logits, batch.reqs))
 
-    @torch.inference_mode()
-    def batch_logits(self, batch: ForwardBatch) -> torch.Tensor:
-        """(tokens, vocab) logits of every new token of the batch, in request order, for tests."""
-        return self._logits(batch.reqs, batch.slot_loads, last_only=False)
-
-    @torch.inference_mode()
-    def prefill_logits(self, input_ids: list[int], slot: int = -1) -> torch.Tensor:
-        """(tokens, vocab) logits of one sequence from an empty cache, for tests. Overwrites the first pages."""
-        num_pages = -(-len(input_ids) // self.page_size)
-        req = ForwardReq(
-            input_ids=input_ids,
-            num_cached_tokens=0,
-            page_ids=list(range(num_pages)),
-            sampling=SamplingParams(),
-            slot=slot,
-        )
-        return self._logits([req], [], last_only=False)
-
-    def _logits(
+    def logits(
         self, reqs: list[ForwardReq], slot_loads: list[SlotLoad], *, last_only: bool, extra_rows: list[int] = ()
     ) -> torch.Tensor:
+        """(rows, vocab): each request's last token's logits and then the `extra_rows` asked for, or with
+        `last_only=False` every new token's, in request order. Call under torch.inference_mode()."""
         self._apply_slot_loads(slot_loads)
         if self.decode_graphs is not None and not extra_rows and self.decode_graphs.can_run(reqs):
             return self.decode_graphs.logits(reqs)  # one token per request: every row is a last one, none extra
