@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from loraplex.kernels import BackendError
+from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.structs import ForwardReq
 from loraplex.worker.layers.triton_attention import TritonAttention
 
@@ -242,7 +243,7 @@ def _build_group(
     q_lens = [len(reqs[i].input_ids) for i in members]
     cached_lens = [reqs[i].num_cached_tokens for i in members]
     max_q_len = max(q_lens)
-    max_kv_pages = -(-max(c + q for c, q in zip(cached_lens, q_lens, strict=True)) // page_size)
+    max_kv_pages = cdiv(max(c + q for c, q in zip(cached_lens, q_lens, strict=True)), page_size)
     max_kv_len = max_kv_pages * page_size  # keys are read a page at a time; the mask hides the tail
 
     token_rows = [token_starts[i] + j for i, q_len in zip(members, q_lens, strict=True) for j in range(q_len)]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from loraplex.kernels.paged_attention import decode_num_splits, launch_decode, launch_extend, plan_extend_tiles
+from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.structs import ForwardReq
 
 _ALIGN = 4  # int32 elements: each packed part starts 16 bytes in, as Triton's pointer specialization expects
@@ -127,7 +128,7 @@ class TritonAttention:
 
 def _page_rows(reqs: Sequence[ForwardReq], members: list[int], page_size: int) -> list[int]:
     """The members' used pages, one row each padded to the longest, flattened."""
-    rows = [reqs[i].page_ids[: -(-(reqs[i].num_cached_tokens + len(reqs[i].input_ids)) // page_size)] for i in members]
+    rows = [reqs[i].page_ids[: cdiv(reqs[i].num_cached_tokens + len(reqs[i].input_ids), page_size)] for i in members]
     width = max(len(row) for row in rows)
     return [page for row in rows for page in row + [0] * (width - len(row))]
 
