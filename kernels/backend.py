@@ -1,8 +1,8 @@
 """The LoRA backend: one object, chosen once when a worker starts (`--lora-backend`), that does every LoRA product.
 
 - `triton`: the Triton kernels (lora_shrink.py, lora_expand.py); CUDA, or any device under TRITON_INTERPRET=1 (tests).
-- `cpu`: the compiled AVX-512 BF16 kernels of cpu_ext (built at start-up), bfloat16 on the CPU only; the same object
-  hands the model its paged decode attention, RMSNorm and SiLU-and-multiply (`cpu_kernels`).
+- `cpu`: the compiled AVX-512 BF16 kernels of cpu_ext (built at start-up), bfloat16 on the CPU only; the worker hands
+  the same module (`cpu_kernels`) to the `cpu` attention backend and the model's ops (worker/layers/ops.py) at start-up.
 - `torch`: torch ops (lora_torch.py), on any device.
 - `auto`: triton on CUDA; on the CPU, cpu where it runs (bfloat16, AVX-512 BF16, the build succeeds), else torch.
 
@@ -72,7 +72,7 @@ class LoRABackend:
     between them. Subclasses set `name`, `plan` and the ops."""
 
     name = ""
-    cpu_kernels: ModuleType | None = None  # the compiled CPU module, for the model's other kernels (cpu backend only)
+    cpu_kernels: ModuleType | None = None  # the compiled CPU module, for attention and model ops (cpu only)
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
