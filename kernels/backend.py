@@ -1,8 +1,8 @@
 """The LoRA backend: one object, chosen once when a worker starts (`--lora-backend`), that does every LoRA product.
 
 - `triton`: the Triton kernels (lora_shrink.py, lora_expand.py); CUDA, or any device under TRITON_INTERPRET=1 (tests).
-- `cpu`: the compiled AVX-512 BF16 kernels of cpu_ext (built at start-up), bfloat16 on the CPU only; the same object
-  hands the model its paged decode attention, RMSNorm and SiLU-and-multiply (`cpu_kernels`).
+- `cpu`: the compiled AVX-512 BF16 kernels of cpu_ext (built at start-up), bfloat16 on the CPU only; the worker hands
+  the same module (`cpu_kernels`) to the `cpu` attention backend and the model's ops (worker/layers/ops.py) at start-up.
 - `torch`: torch ops (lora_torch.py), on any device.
 - `auto`: triton on CUDA; on the CPU, cpu where it runs (bfloat16, AVX-512 BF16, the build succeeds), else torch.
 
@@ -29,6 +29,7 @@ from loraplex.kernels import cpu_ext, lora_torch
 from loraplex.kernels.lora_expand import column_alignment, launch_expand
 from loraplex.kernels.lora_shrink import launch_shrink, shrink_output, shrink_summed
 from loraplex.kernels.segment_tiles import plan_tiles
+from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class LoRABackend:
     between them. Subclasses set `name`, `plan` and the ops."""
 
     name = ""
-    cpu_kernels: ModuleType | None = None  # the compiled CPU module, for the model's other kernels (cpu backend only)
+    cpu_kernels: ModuleType | None = None  # the compiled CPU module, for attention and model ops (cpu only)
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -81,7 +82,7 @@ class LoRABackend:
         num_segments = len(seg_slots)
         # One copy for both vectors. seg_slots starts 16 bytes in (Triton specializes kernels on pointer alignment, so
         # an unaligned start would be a variant of its own).
-        offset = -(-(num_segments + 1) // 4) * 4
+        offset = cdiv(num_segments + 1, 4) * 4
         values = seg_indptr + [0] * (offset - num_segments - 1) + seg_slots
         packed = torch.tensor(values, dtype=torch.int32, device=self.device)
         return LoRABatchMeta(

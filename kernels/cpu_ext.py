@@ -1,10 +1,10 @@
 """Builds and loads the AVX-512 CPU kernels (csrc/cpu_kernels.cpp) for bfloat16: LoRA shrink/expand (lora_torch),
-paged decode attention (worker/layers/attention.py), RMSNorm (norm.py) and SiLU-and-multiply (llama.py).
+paged decode attention (worker/layers/attention.py), RMSNorm and SiLU-and-multiply (worker/layers/ops.py).
 
 Compiled on first use with torch's extension builder (g++ and ninja; ~30 s, cached under TORCH_EXTENSIONS_DIR) on
 CPUs with AVX-512 BF16. Anywhere else, or when the build fails, `kernels()` is None. A worker asks once, at start-up,
-through its backend (kernels/backend.py: `--lora-backend cpu`, or `auto` in bfloat16 on such a CPU), and hands the
-module to the layers that use it."""
+through its backend (kernels/backend.py: `--lora-backend cpu`, or `auto` in bfloat16 on such a CPU), which hands the
+module to the attention backend and the model's ops (worker/layers/ops.py) at start-up."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-import torch
 from loraplex.protocol.progress import elapsed
 
 logger = logging.getLogger(__name__)
@@ -57,12 +56,6 @@ def kernels() -> ModuleType | None:
             if _loaded is None:
                 _loaded = (_build(),)
     return _loaded[0]
-
-
-def kernels_for(t: torch.Tensor) -> ModuleType | None:
-    """The compiled module if it takes this tensor (bfloat16, on the CPU) and could be built here, else None. For the
-    free functions of lora_torch (tests, scripts); a worker gets the module from its backend, once."""
-    return kernels() if t.dtype == torch.bfloat16 and t.device.type == "cpu" else None
 
 
 def _build() -> ModuleType | None:

@@ -19,9 +19,8 @@ by slice, where the kernels take a few µs a row). shrink_expand_compiled does s
 LoRA linear uses it: a row-parallel one adds its term before the layer's all-reduce, so nothing runs between them).
 
 The worker reaches this module through its backend object (kernels/backend.py), which makes the plan once per
-forward pass and passes the pool's host copies of ranks, scales and slice bounds: `*_planned`. The free functions
-`lora_*_torch` are the same computation from tensors alone, for tests and scripts (the reference the other backends
-are checked against); they use the compiled kernels for bfloat16 CPU tensors when those are built.
+forward pass and passes the pool's host copies of ranks, scales and slice bounds: `*_planned`. The same computation
+from tensors alone, the reference the other backends are checked against, is tests/kernel_refs.py's `lora_*_torch`.
 """
 
 from __future__ import annotations
@@ -32,8 +31,6 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-from loraplex.kernels import cpu_ext
-from loraplex.kernels.checks import check_expand_args, check_shrink_args
 
 SHORT_SEGMENT_ROWS = 16  # segments up to this long go through the grouped path; longer ones get a matmul of their own
 # ... or, where the compiled kernels run, through them: in a decode step with a prefill beside it, they beat the
@@ -79,32 +76,9 @@ class _Plan:
     separate: list[_Segment]  # one matmul each
 
 
-# The plan depends only on the segment metadata, the same for every LoRA linear of a forward pass. The worker's
-# backend (kernels/backend.py) makes it once per forward; the free functions below (tests, scripts) keep the last one,
-# keyed by the metadata's values (two short host reads per call, where building a plan costs tens of µs).
-_last_plan: tuple[tuple, _Plan] | None = None
-
-
-def _plan(seg_indptr: torch.Tensor, seg_slots: torch.Tensor, compiled: bool = False) -> _Plan:
-    global _last_plan
-    row_bounds, slots = seg_indptr.tolist(), seg_slots.tolist()
-    max_short_rows = COMPILED_SEGMENT_ROWS if compiled else SHORT_SEGMENT_ROWS
-    key = (tuple(row_bounds), tuple(slots), seg_indptr.device, compiled, max_short_rows)
-    cached = _last_plan  # one read: another thread's forward may replace it meanwhile
-    if cached is None or cached[0] != key:
-        cached = _last_plan = (key, _make_plan(row_bounds, slots, seg_indptr.device, compiled, max_short_rows))
-    return cached[1]
-
-
 def make_plan(row_bounds: list[int], slots: list[int], device: torch.device, compiled: bool) -> _Plan:
     """The plan of a batch's segments (host lists), made once per forward pass by the backend (kernels/backend.py)."""
     max_short_rows = COMPILED_SEGMENT_ROWS if compiled else SHORT_SEGMENT_ROWS
-    return _make_plan(row_bounds, slots, device, compiled, max_short_rows)
-
-
-def _make_plan(
-    row_bounds: list[int], slots: list[int], device: torch.device, compiled: bool, max_short_rows: int
-) -> _Plan:
     separate: list[_Segment] = []
     short_rows: dict[int, list[int]] = {}  # slot -> its rows in short segments (a slot may have several segments)
     for seg, slot in enumerate(slots):
@@ -193,20 +167,6 @@ def _group_weights(pool: torch.Tensor, group: _Group) -> torch.Tensor:
     return gathered
 
 
-def lora_shrink_torch(
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    num_slices: int,
-) -> torch.Tensor:
-    check_shrink_args(x, lora_a, seg_indptr, seg_slots, slot_ranks, num_slices)
-    compiled = cpu_ext.kernels_for(x)
-    return shrink_planned(x, lora_a, slot_ranks, num_slices, _plan(seg_indptr, seg_slots, compiled is not None),
-                          None, compiled)  # fmt: skip
-
-
 def shrink_planned(
     x: torch.Tensor,
     lora_a: torch.Tensor,
@@ -254,22 +214,6 @@ def _shrink_group(x: torch.Tensor, lora_a: torch.Tensor, group: _Group, width: i
     a = _group_weights(lora_a, group).reshape(group.num_slots * width, x.shape[1])  # (slots * width, in_dim)
     h_all = x @ a.T  # (rows, slots * width)
     return h_all.view(-1, width).index_select(0, group.own_columns)
-
-
-def lora_expand_torch(
-    y: torch.Tensor,
-    h: torch.Tensor,
-    lora_b: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    slot_scales: torch.Tensor,
-    slice_offsets: torch.Tensor,
-) -> None:
-    check_expand_args(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets)
-    compiled = cpu_ext.kernels_for(y)
-    plan = _plan(seg_indptr, seg_slots, compiled is not None)
-    expand_planned(y, h, lora_b, slot_ranks, slot_scales, slice_offsets.tolist(), plan, None, None, compiled)
 
 
 def expand_planned(
@@ -346,29 +290,6 @@ def _expand_segment(
 
 def _group_scales(slot_scales: torch.Tensor, group: _Group) -> torch.Tensor:
     return slot_scales[group.slots] if group.slot_index is None else slot_scales.index_select(0, group.slot_index)
-
-
-def lora_shrink_expand_torch(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    slot_ranks: torch.Tensor,
-    slot_scales: torch.Tensor,
-    slice_offsets: torch.Tensor,
-) -> None:
-    """y += each row's expand of its shrink. With the compiled kernels, the short segments' rows take one call for
-    both (which checks its arguments itself) and each long segment its own matmuls; otherwise shrink then expand."""
-    compiled = cpu_ext.kernels_for(x)
-    if compiled is None or y.dtype != x.dtype:
-        h = lora_shrink_torch(x, lora_a, seg_indptr, seg_slots, slot_ranks, slice_offsets.shape[0] - 1)
-        lora_expand_torch(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets)
-        return
-    plan = _plan(seg_indptr, seg_slots, compiled=True)
-    shrink_expand_compiled(y, x, lora_a, lora_b, slot_ranks, slot_scales, slice_offsets, None, plan, None, None,
-                           compiled)  # fmt: skip
 
 
 def shrink_expand_compiled(

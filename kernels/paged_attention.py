@@ -13,7 +13,7 @@ written when these run, so a request attends to its cached prefix and its new to
 
 Both write into rows of one (tokens, heads, head_dim) output, located by each request's first row in the batch's flat
 token layout, so a batch of decodes and prefills needs no index_select of q or of the output.
-Each launcher checks its arguments and has a torch reference with the same signature (`*_torch`), the oracle of tests.
+Each launcher checks its arguments and has a torch reference with the same signature (tests/kernel_refs.py).
 """
 
 from __future__ import annotations
@@ -389,50 +389,3 @@ def launch_extend(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
             PAGE_SIZE=page_size, BLOCK_M=EXTEND_BLOCK_M, BLOCK_N=EXTEND_BLOCK_N,
             DOT_PRECISION=_dot_precision(q.dtype),
         )  # fmt: skip
-
-
-# ---- torch references (same signatures) -----------------------------------------------------------------------------
-
-
-def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: list[int], page_size: int,
-                q_positions: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
-    """q (n, heads, d) at q_positions (n,) over the keys 0..max position of one request, in fp32 -> (n, heads, d)."""
-    num_keys = int(q_positions.max()) + 1
-    positions = torch.arange(num_keys, device=q.device)
-    page_ids = torch.tensor(pages, dtype=torch.long, device=q.device)
-    slots = page_ids[positions // page_size] * page_size + positions % page_size
-    group = q.shape[1] // k_cache.shape[1]
-    keys = k_cache[slots].float().repeat_interleave(group, dim=1)  # (keys, heads, d)
-    values = v_cache[slots].float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale  # (heads, n, keys)
-    scores = scores.masked_fill(positions[None, None, :] > q_positions[None, :, None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
-
-
-def paged_decode_attention_torch(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor,
-                                 page_size: int, scale: float, num_splits: int) -> None:  # fmt: skip
-    check_decode_args(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, num_splits)
-    for req, (kv_len, row) in enumerate(zip(kv_lens.tolist(), q_rows.tolist(), strict=True)):
-        if kv_len == 0:
-            out[row] = 0
-            continue
-        position = torch.tensor([kv_len - 1], device=q.device)
-        out[row] = _attend_one(q[row : row + 1], k_cache, v_cache, page_table[req].tolist(), page_size, position,
-                               scale)[0].to(out.dtype)  # fmt: skip
-
-
-def paged_extend_attention_torch(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
-                                 cached_lens: torch.Tensor, tile_reqs: torch.Tensor, tile_offsets: torch.Tensor,
-                                 page_size: int, scale: float) -> None:  # fmt: skip
-    check_extend_args(out, q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets,
-                      page_size)  # fmt: skip
-    for req, (start, q_len, cached) in enumerate(
-        zip(q_starts.tolist(), q_lens.tolist(), cached_lens.tolist(), strict=True)
-    ):
-        if q_len == 0:
-            continue
-        positions = cached + torch.arange(q_len, device=q.device)
-        out[start : start + q_len] = _attend_one(q[start : start + q_len], k_cache, v_cache, page_table[req].tolist(),
-                                                 page_size, positions, scale).to(out.dtype)  # fmt: skip

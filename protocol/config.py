@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Any, Literal
 
@@ -82,8 +81,9 @@ _HELP: dict[str, str] = {
     "for attention and norms), torch (torch ops, any device); auto = triton on CUDA, else cpu where it builds and "
     "runs, else torch",
     "attention_backend": "attention kernels: triton (paged Triton kernels reading K/V from the cache pages in place; "
-    "CUDA), torch (SDPA over gathered pages; decodes in the CPU kernels under --lora-backend cpu); auto = triton on "
-    "CUDA, else torch",
+    "CUDA), cpu (decodes in the compiled CPU kernels, prefills in SDPA; needs --lora-backend cpu or auto to build "
+    "them), torch (SDPA over gathered pages); auto = triton on CUDA, else cpu where the CPU kernels run and take the "
+    "model's head shapes, else torch",
     "enable_cuda_graph": "capture decode steps as CUDA graphs at start-up, one per batch size of a ladder up to "
     "--cuda-graph-max-bs, and replay them (CUDA, --attention-backend triton; ignored on a CPU, with a log line)",
     "disable_cuda_graph": "SGLang's switch: decode runs eagerly (the default until a GPU run confirms the graphs)",
@@ -167,7 +167,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     enable_lora: bool = False
     lora_backend: Literal["auto", "triton", "cpu", "torch"] = "auto"
-    attention_backend: Literal["auto", "triton", "torch"] = "auto"
+    attention_backend: Literal["auto", "triton", "cpu", "torch"] = "auto"
     enable_cuda_graph: bool = False
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
@@ -373,7 +373,3 @@ def build_arg_parser(prog: str = "loraplex") -> argparse.ArgumentParser:
 
 def config_from_args(argv: list[str] | None = None) -> ServerConfig:
     return ServerConfig.from_kwargs(**vars(build_arg_parser().parse_args(argv)))
-
-
-def config_to_json(config: ServerConfig) -> str:
-    return json.dumps(msgspec.to_builtins(config))

@@ -55,10 +55,6 @@ class AdapterTable:
         self.loaded_ids.remove(lora_id)
         return True
 
-    @property
-    def num_pending_loads(self) -> int:
-        return len(self._pending)
-
     def begin_load(self, op: LoadAdapters, now: float) -> LoadAdapters | LoadFinished:
         """What to send every rank's loader, or, when the operation is malformed, its reply at once."""
         pending_ids = {a.lora_id for load in self._pending.values() for a in load.op.adapters}

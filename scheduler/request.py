@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.structs import SamplingParams, TokenizedGenerateReq
 
 
@@ -54,10 +55,6 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def max_num_tokens(self) -> int:
-        return len(self.prompt_ids) + self.sampling.max_new_tokens
-
-    @property
     def num_remaining_tokens(self) -> int:
         """Output tokens still to come at most; every forward pass that includes the request yields one."""
         return self.sampling.max_new_tokens - len(self.output_ids)
@@ -87,7 +84,7 @@ class Request:
         return start, max(start, min(self.num_scheduled_tokens + num_new + 1, len(self.prompt_ids)))
 
     def num_pages_for(self, num_tokens: int, page_size: int) -> int:
-        return -(-num_tokens // page_size)
+        return cdiv(num_tokens, page_size)
 
     def next_input_ids(self, num_new: int) -> list[int]:
         """The next num_new known tokens for a pass, from the first one no pass has been given."""

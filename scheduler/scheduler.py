@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import msgspec
 from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.structs import (
     AdapterOpDone,
     AdapterOutcome,
@@ -146,7 +147,7 @@ class Scheduler:
         total = f"prompt ({num_prompt} tokens) + max_new_tokens ({max_new}) = {num_prompt + max_new} tokens"
         if num_prompt + max_new > self.context_length:
             return f"{total} exceeds the context length ({self.context_length})"
-        if -(-(num_prompt + max_new) // self.page_size) > self.pages.num_pages:
+        if cdiv(num_prompt + max_new, self.page_size) > self.pages.num_pages:
             return f"{total} exceeds the KV cache capacity ({self.max_total_tokens} tokens)"
         return ""
 
@@ -187,11 +188,6 @@ class Scheduler:
         )
 
     # ---- one step ------------------------------------------------------------------------------------------
-
-    @property
-    def in_flight_requests(self) -> list[Request]:
-        """The requests of the newest batch in flight, in the batch's order (empty when none is)."""
-        return list(self._in_flight[-1].reqs) if self._in_flight else []
 
     def schedule(self) -> ForwardBatch | None:
         if not self.can_schedule:

@@ -39,20 +39,11 @@ class SlotPlanner:
     def num_pinned(self) -> int:
         return len(self._pinned)
 
-    def slot_of(self, lora_id: int) -> int | None:
-        return self._slot_of.get(lora_id)
-
     def is_resident(self, lora_id: int) -> bool:
         return lora_id in self._slot_of
 
     def is_pinned(self, lora_id: int) -> bool:
         return lora_id in self._pinned
-
-    def num_holds(self, lora_id: int) -> int:
-        return self._num_holds.get(lora_id, 0)
-
-    def held_lora_ids(self) -> set[int]:
-        return set(self._num_holds)
 
     def slot_table(self) -> list[int]:
         """lora_id per slot, -1 = empty."""

@@ -52,6 +52,7 @@ def make_runner(
     num_adapters: int,
     rank: int = 0,
     tp: int = 1,
+    lora_backend: str = "auto",
 ) -> tuple[ModelRunner, list[list[int]]]:
     """A ModelRunner with the first `num_adapters` adapters in slots 0.., and `batch` requests of `context` random
     tokens prefilled (in chunks of 8): the runner and each request's pages. With tp > 1, this process is rank `rank`
@@ -60,7 +61,7 @@ def make_runner(
     config = ServerConfig(
         device="cpu", dtype=dtype, page_size=PAGE_SIZE, max_total_tokens=batch * pages_per_req * PAGE_SIZE,
         enable_lora=True, max_lora_rank=ADAPTER_RANK, lora_target_modules=["all"],
-        max_loras_per_batch=max_loras_per_batch, max_running_requests=batch, tp=tp,
+        max_loras_per_batch=max_loras_per_batch, max_running_requests=batch, tp=tp, lora_backend=lora_backend,
     )  # fmt: skip
     runner = ModelRunner(config, str(bench.base_dir), rank=rank, world_size=tp, device="cpu")
     specs = [
@@ -98,20 +99,22 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        backends = {"torch ops": select_backend("torch", "cpu", getattr(torch, args.dtype)),
-                    "CPU kernels": select_backend("cpu", "cpu", getattr(torch, args.dtype))}  # fmt: skip
+    try:  # the LoRA backend decides the model's kernels too; each layer binds its ops when built, so one runner each
+        select_backend("cpu", "cpu", getattr(torch, args.dtype))
     except BackendError as e:
         sys.exit(str(e))
     bench = ensure_bench_model(SIZES[args.size], args.num_adapters)
-    runner, pages = make_runner(
-        bench,
-        dtype=args.dtype,
-        batch=args.batch,
-        context=args.context,
-        max_loras_per_batch=args.num_adapters,
-        num_adapters=args.num_adapters,
-    )
+    runners = {}
+    for path, lora_backend in (("torch ops", "torch"), ("CPU kernels", "cpu")):
+        runners[path], pages = make_runner(
+            bench,
+            dtype=args.dtype,
+            batch=args.batch,
+            context=args.context,
+            max_loras_per_batch=args.num_adapters,
+            num_adapters=args.num_adapters,
+            lora_backend=lora_backend,
+        )
     specs = list(bench.adapter_dirs)
 
     few = sorted(random.Random(3).sample(range(len(specs)), min(8, len(specs))))
@@ -126,8 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
         reqs = decode_reqs(pages, args.context, row_slots)
         times: dict[str, list[float]] = {"torch ops": [], "CPU kernels": []}
         for step in range(args.steps + 2):
-            for path, backend in backends.items():
-                runner.set_backend(backend)  # LoRA and the model's attention, norms and activation
+            for path, runner in runners.items():
                 elapsed_ms = step_ms(runner, reqs, 100 + step)
                 if step >= 2:  # the first steps warm caches and plans
                     times[path].append(elapsed_ms)

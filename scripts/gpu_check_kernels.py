@@ -168,7 +168,9 @@ def _unchanged_rows(case: KernelCase, ranks: list[int]) -> list[int]:
 
 def run_case(ctx: Context, case: KernelCase, dtype_name: str, stalls: dict, worst: dict) -> None:
     import torch
-    from loraplex.kernels import lora_expand_triton, lora_shrink_expand_torch, lora_shrink_triton
+    from loraplex.kernels import lora_expand_triton, lora_shrink_triton
+
+    from tests.kernel_refs import lora_shrink_expand_torch
 
     dtype = getattr(torch, dtype_name)
     dev = ctx.device

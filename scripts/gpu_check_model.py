@@ -128,7 +128,7 @@ class AttnSetup:
         self.v_cache = self.randn(slots, self.kv_heads, self.head_dim)
         self.free_pages = list(range(self.num_pages))
         random.Random(0).shuffle(self.free_pages)
-        self.attention = select_attention_backend(attention, self.dev, self.kv_heads)
+        self.attention = select_attention_backend(attention, self.dev, self.heads, self.kv_heads, self.head_dim)
 
     def randn(self, *size):
         import torch
@@ -382,6 +382,8 @@ def _prefill_and_step(runner, prompts, slots, ids_by_slot, steps_pages: int = 8)
     token; (per-request prefill logits, step logits (reqs, vocab), the tokens fed)."""
     from loraplex.protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad
 
+    from tests.worker_helpers import forward_logits
+
     greedy = SamplingParams(temperature=0.0)
     pages, next_page = [], 0
     for p in prompts:
@@ -391,12 +393,12 @@ def _prefill_and_step(runner, prompts, slots, ids_by_slot, steps_pages: int = 8)
     loads = [SlotLoad(slot=s, lora_id=ids_by_slot[s]) for s in sorted(set(slots)) if s >= 0]
     reqs = [ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=greedy, slot=s)
             for p, pg, s in zip(prompts, pages, slots, strict=True)]
-    prefill = runner.batch_logits(ForwardBatch(batch_id=0, reqs=reqs, slot_loads=loads)).float().cpu()
+    prefill = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=loads)).float().cpu()
     per_req = list(prefill.split([len(p) for p in prompts]))
     tokens = [int(lg[-1].argmax()) for lg in per_req]
     step_reqs = [ForwardReq(input_ids=[t], num_cached_tokens=len(p), page_ids=pg, sampling=greedy, slot=s)
                  for t, p, pg, s in zip(tokens, prompts, pages, slots, strict=True)]
-    step = runner.batch_logits(ForwardBatch(batch_id=1, reqs=step_reqs)).float().cpu()
+    step = forward_logits(runner, ForwardBatch(batch_id=1, reqs=step_reqs)).float().cpu()
     return per_req, step, tokens
 
 
@@ -421,7 +423,7 @@ def _hf_bf16(model_dir: Path, adapter_dir: Path | None, device):
 
 def g3_numerics(ctx: Context) -> None:
     from tests.reference import hf_model
-    from tests.worker_helpers import random_prompts
+    from tests.worker_helpers import prefill_logits, random_prompts
 
     rec = ctx.rec
     root = Path(tempfile.mkdtemp(prefix="gpu_check_g3_"))
@@ -433,13 +435,13 @@ def g3_numerics(ctx: Context) -> None:
         prompts = random_prompts([16] * 4, 1000, seed=1)
         hf32 = [_hf_logits(hf_model(str(model_dir)), p) for p in prompts]
         runner = _runner(ctx, model_dir, "float32", lora=False)
-        ours32 = [runner.prefill_logits(p).float().cpu() for p in prompts]
+        ours32 = [prefill_logits(runner, p).float().cpu() for p in prompts]
         err = max(max_abs(a, b) for a, b in zip(ours32, hf32, strict=True))
         worst_fp32 = max(worst_fp32, err)
         rec.check(f"N1.{name}.fp32_vs_hf", err <= 2e-4, err, 2e-4)
         del runner
         runner = _runner(ctx, model_dir, "bfloat16", lora=False)
-        ours16 = [runner.prefill_logits(p).float().cpu() for p in prompts]
+        ours16 = [prefill_logits(runner, p).float().cpu() for p in prompts]
         del runner
         hf_bf16 = _hf_bf16(model_dir, None, ctx.device)
         hf16 = [_hf_logits(hf_bf16, p, ctx.device) for p in prompts]

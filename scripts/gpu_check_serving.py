@@ -225,6 +225,8 @@ def _decode_graphs(ctx: Context, runner, batches, adapter_counts, context: int, 
     import torch
     from loraplex.protocol.structs import ForwardBatch
 
+    from tests.worker_helpers import forward_logits
+
     rec = ctx.rec
     if runner.attention.name != "triton":
         rec.skip("cuda_graphs", f"needs the triton attention backend (this runner has {runner.attention.name})")
@@ -243,9 +245,9 @@ def _decode_graphs(ctx: Context, runner, batches, adapter_counts, context: int, 
             reqs = _reqs([[7]] * batch_size, req_pages, slots, cached=[context - 1] * batch_size)
             batch = ForwardBatch(batch_id=4, reqs=reqs)
             runner.decode_graphs = None
-            eager_logits = runner.batch_logits(batch).float()
+            eager_logits = forward_logits(runner, batch).float()
             runner.decode_graphs = graphs
-            graph_logits = runner.batch_logits(batch).float()
+            graph_logits = forward_logits(runner, batch).float()
             worst_diff = max(worst_diff, max_abs(graph_logits, eager_logits))
             tokens_equal &= torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1))
             for _ in range(ctx.warmups()):
@@ -266,6 +268,8 @@ def _dynamic_run(ctx: Context, runner, prompts, slots, steps: int, churn: dict |
     """Prefill then `steps` greedy steps; with churn, adapters load on a thread during forwards and go into unused
     slots between them. (tokens per request, last step's logits, step ms)."""
     from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, SlotLoad
+
+    from tests.worker_helpers import forward_logits
 
     pages = Pages(runner.kv_cache.num_pages)
     page_size = runner.page_size
@@ -292,7 +296,7 @@ def _dynamic_run(ctx: Context, runner, prompts, slots, steps: int, churn: dict |
             thread.start()
         t0 = time.perf_counter()
         if step == steps - 1:
-            last_logits = runner.batch_logits(batch).float().cpu()
+            last_logits = forward_logits(runner, batch).float().cpu()
             tokens = last_logits.argmax(-1).tolist()
         else:
             tokens = runner.forward(batch)
@@ -311,6 +315,8 @@ def _dynamic_run(ctx: Context, runner, prompts, slots, steps: int, churn: dict |
 def _dynamic_lora(ctx: Context, runner, model_dir: Path, adapters: dict[str, Path], ids: dict[str, int]) -> None:
     import torch
     from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, SlotLoad
+
+    from tests.worker_helpers import forward_logits
 
     rec = ctx.rec
     num_reqs, prompt_len, steps, every = (32, 64, 40, 5) if ctx.is_cuda else (8, 8, 10, 2)
@@ -342,11 +348,11 @@ def _dynamic_lora(ctx: Context, runner, model_dir: Path, adapters: dict[str, Pat
     r64_slot = runner.lora.num_slots - 1
     prompt = prompts[0][:prompt_len]
     pages = Pages(runner.kv_cache.num_pages).take(prompt_len, runner.page_size)
-    mid = runner.batch_logits(ForwardBatch(batch_id=0, reqs=_reqs([prompt], [pages], [r64_slot]),
+    mid = forward_logits(runner, ForwardBatch(batch_id=0, reqs=_reqs([prompt], [pages], [r64_slot]),
                                            slot_loads=[SlotLoad(slot=r64_slot, lora_id=2000)])).float().cpu()
     fresh = _runner(ctx, model_dir, max_total_tokens=4096, max_loras_per_batch=2)
     fresh.lora.load([r64])
-    ref = fresh.batch_logits(ForwardBatch(batch_id=0, reqs=_reqs([prompt], [list(range(len(pages)))], [0]),
+    ref = forward_logits(fresh, ForwardBatch(batch_id=0, reqs=_reqs([prompt], [list(range(len(pages)))], [0]),
                                           slot_loads=[SlotLoad(slot=0, lora_id=2000)])).float().cpu()
     del fresh
     err = max_abs(mid, ref)

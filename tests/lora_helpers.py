@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from loraplex.kernels import LoRABackend
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.worker_helpers import GREEDY, decode
+from tests.worker_helpers import GREEDY, decode, forward_logits
 
 LORA_CONFIG = dict(enable_lora=True, max_lora_rank=64, lora_target_modules=["all"], max_loras_per_batch=6)
 ADAPTER_IDS = {"a4": 1, "a8": 2, "a16": 3, "a32": 4, "a64": 5}
@@ -46,7 +47,7 @@ def batch_logits(runner: ModelRunner, prompts: list[list[int]], names: list[str 
         ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=slot_of(name))
         for p, pg, name in zip(prompts, pages, names, strict=True)
     ]
-    logits = runner.batch_logits(ForwardBatch(batch_id=0, reqs=reqs, slot_loads=slot_loads(names)))
+    logits = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=slot_loads(names)))
     return list(logits.split([len(p) for p in prompts]))
 
 
@@ -56,3 +57,12 @@ def greedy_decode(
     """Greedy decoding of a mixed batch, each request with its adapter (worker_helpers.decode with slots)."""
     slots = [slot_of(name) for name in names]
     return decode(runner, prompts, [GREEDY] * len(prompts), steps, slots=slots, slot_loads=slot_loads(names))
+
+
+def use_lora_backend(runner: ModelRunner, backend: LoRABackend) -> None:
+    """Every LoRA linear of `runner` computes through `backend` from the next forward on, to compare backends on one
+    model (the model's norms and attention keep the ops they were built with)."""
+    runner.backend = backend
+    runner.lora.batch.backend = backend
+    runner.lora.batch.meta = None
+    runner.lora.batch.active = frozenset()

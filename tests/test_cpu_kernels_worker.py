@@ -16,7 +16,7 @@ from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, S
 from loraplex.worker.layers import packed
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.worker_helpers import GREEDY, build_llama_variant, make_runner, random_prompts
+from tests.worker_helpers import GREEDY, build_llama_variant, forward_logits, make_runner, random_prompts
 
 OFF = cpu_ext.unavailable_reason()
 pytestmark = pytest.mark.skipif(OFF is not None, reason=f"CPU kernels cannot run here: {OFF}")
@@ -60,7 +60,7 @@ def run_decode(runner: ModelRunner, adapters: dict[str, Path]) -> torch.Tensor:
         reqs = [ForwardReq(input_ids=[(7 * i + step) % runner.vocab_size], num_cached_tokens=len(p) + step,
                            page_ids=pg, sampling=GREEDY, num_generated=step + 1, slot=s)
                 for i, (p, pg, s) in enumerate(zip(prompts, pages, slots, strict=True))]  # fmt: skip
-        steps.append(runner.batch_logits(ForwardBatch(batch_id=1 + step, reqs=reqs)).float())
+        steps.append(forward_logits(runner, ForwardBatch(batch_id=1 + step, reqs=reqs)).float())
     return torch.stack(steps)
 
 

@@ -16,7 +16,7 @@ from loraplex.worker.model_runner import ModelRunner
 
 from tests.device_helpers import USES_GPU
 from tests.lora_helpers import LORA_CONFIG, load_all, slot_loads, slot_of
-from tests.worker_helpers import GREEDY, make_runner, random_prompts
+from tests.worker_helpers import GREEDY, forward_logits, make_runner, random_prompts
 
 
 def test_flags_and_ladder() -> None:
@@ -71,7 +71,7 @@ def _decode_run(runner: ModelRunner, prompts: list[list[int]], names: list[str |
             for i in active
         ]
         batch = ForwardBatch(batch_id=step, reqs=reqs, slot_loads=slot_loads(names) if step == 0 else [])
-        logits = runner.batch_logits(batch).clone()
+        logits = forward_logits(runner, batch).clone()
         if step == 0:
             logits = logits[torch.tensor([len(p) for p in prompts]).cumsum(0) - 1]  # each prompt's last token
         all_logits.append(logits)

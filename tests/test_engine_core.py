@@ -11,6 +11,7 @@ from loraplex.protocol.structs import AdapterOpDone, BatchResult, DropAdapters
 from loraplex.scheduler.page_allocator import PageAllocator
 from loraplex.scheduler.prefix_cache import BASE_NAMESPACE, PrefixCache, page_keys
 
+from tests.scheduler_helpers import in_flight_requests
 from tests.test_scheduler_core import Workers, assert_drained, gen, load, make_scheduler
 
 
@@ -238,7 +239,7 @@ class OverlapWorkers(Workers):
             batch = sched.schedule()
             if batch is None:
                 break
-            reqs = sched.in_flight_requests
+            reqs = in_flight_requests(sched)
             resolved = []
             for fwd in batch.reqs:
                 if fwd.prev_row >= 0:

@@ -7,16 +7,19 @@ import pytest
 import torch
 from loraplex.kernels import (
     cpu_ext,
-    lora_expand_torch,
     lora_expand_triton,
-    lora_shrink_expand_torch,
-    lora_shrink_expand_triton,
-    lora_shrink_torch,
     lora_shrink_triton,
     lora_torch,
 )
 
+from tests import kernel_refs
 from tests.device_helpers import TEST_DEVICE  # conftest has set TRITON_INTERPRET where no GPU is used
+from tests.kernel_refs import (
+    lora_expand_torch,
+    lora_shrink_expand_torch,
+    lora_shrink_expand_triton,
+    lora_shrink_torch,
+)
 
 IN_DIM = 80  # not a multiple of the shrink K block, so the K mask is exercised
 TOLERANCES = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=1e-2, rtol=1e-2)}
@@ -192,7 +195,7 @@ def test_torch_path_replans_when_metadata_changes_in_place() -> None:
 
 def _plan_of(case_name: str):
     b = make_batch(CASES[case_name], 1, torch.float32)
-    return lora_torch._plan(b.seg_indptr, b.seg_slots)
+    return kernel_refs._plan(b.seg_indptr, b.seg_slots)
 
 
 def test_torch_path_groups() -> None:

@@ -16,7 +16,7 @@ from loraplex.worker.lora.adapter import AdapterLoadError, _finite_in_dtype, _ma
 from loraplex.worker.model_runner import ModelRunner
 from safetensors.torch import load_file, save_file
 
-from tests.worker_helpers import GREEDY, make_runner, random_prompts
+from tests.worker_helpers import GREEDY, forward_logits, make_runner, random_prompts
 
 A4_ID = 1
 NEXT_ID = iter(range(100, 1000))
@@ -46,7 +46,7 @@ def other_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def a4_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
     req = ForwardReq(input_ids=prompt, num_cached_tokens=0, page_ids=[0, 1, 2], sampling=GREEDY, slot=1)
-    return runner.batch_logits(ForwardBatch(batch_id=0, reqs=[req], slot_loads=[SlotLoad(slot=1, lora_id=A4_ID)]))
+    return forward_logits(runner, ForwardBatch(batch_id=0, reqs=[req], slot_loads=[SlotLoad(slot=1, lora_id=A4_ID)]))
 
 
 def edit_config(**changes) -> Callable[[Path], None]:
@@ -183,7 +183,7 @@ def test_bin_weights_load_like_safetensors(runner: ModelRunner, adapter_dirs: di
     assert (result.rank, result.target_modules) == (4, list(ATTN_MODULES))
     prompt = random_prompts([10], runner.vocab_size, seed=2)[0]
     req = ForwardReq(input_ids=prompt, num_cached_tokens=0, page_ids=[0, 1, 2], sampling=GREEDY, slot=0)
-    from_bin = runner.batch_logits(ForwardBatch(batch_id=0, reqs=[req], slot_loads=[SlotLoad(slot=0, lora_id=2)]))
+    from_bin = forward_logits(runner, ForwardBatch(batch_id=0, reqs=[req], slot_loads=[SlotLoad(slot=0, lora_id=2)]))
     assert torch.equal(from_bin, a4_logits(runner, prompt))
     runner.lora.drop([2])
 

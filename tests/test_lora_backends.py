@@ -173,7 +173,7 @@ def test_tiny_model_matches_torch_backend(
         assert (ours - reference).abs().max().item() <= 1e-4
         return
     # bfloat16: as close to float32 as the torch ops in bfloat16 are
-    assert runner.model.model.norm.cpu_kernels is runner.backend.cpu_kernels is not None
+    assert runner.model.model.norm.ops.compiled is runner.backend.cpu_kernels is not None
     torch_bf16 = _mixed_logits(_runner(llama_dir, "torch", torch.bfloat16, device), adapter_dirs)
     ours_error = (ours - reference).abs().max().item()
     torch_error = (torch_bf16 - reference).abs().max().item()

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from loraplex.kernels import lora_expand, lora_shrink, lora_shrink_expand_triton, lora_shrink_triton
+from loraplex.kernels import lora_expand, lora_shrink, lora_shrink_triton
 from loraplex.kernels.backend import TritonBackend
 from loraplex.kernels.lora_expand import column_alignment
 from loraplex.kernels.lora_shrink import BLOCK_K, split_k
@@ -27,6 +27,7 @@ from test_lora_backends import _weights
 from torch.profiler import profile
 
 from tests.device_helpers import TEST_DEVICE, USES_GPU
+from tests.kernel_refs import lora_shrink_expand_triton
 
 SPLIT_IN_DIM = 300  # three split-K programs of 128 features (below), the last one partial
 FILL_OPS = {"aten::zero_", "aten::fill_", "aten::zeros", "aten::new_zeros", "aten::zeros_like"}

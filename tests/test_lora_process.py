@@ -30,7 +30,7 @@ from loraplex.protocol.structs import (
 
 from tests.lora_helpers import LORA_CONFIG
 from tests.server_utils import free_port
-from tests.worker_helpers import GREEDY, FakeScheduler, make_runner
+from tests.worker_helpers import GREEDY, FakeScheduler, make_runner, prefill_logits
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_MS = 90_000
@@ -97,7 +97,7 @@ def test_loads_run_off_the_decode_loop(llama_dir: Path, adapter_dirs: dict[str, 
     runner.forward(
         ForwardBatch(batch_id=0, reqs=[], slot_loads=[SlotLoad(slot=0, lora_id=2), SlotLoad(slot=1, lora_id=3)])
     )
-    expected = [runner.prefill_logits(PROMPT, slot)[-1].argmax().item() for slot in (-1, 0, 1)]
+    expected = [prefill_logits(runner, PROMPT, slot)[-1].argmax().item() for slot in (-1, 0, 1)]
     assert len(set(expected)) > 1, "the adapters should change the next token"
 
     with start_workers(llama_dir, tp=1, fault_hooks={"load_delay_s": "1.0"}) as (proc, scheduler):
@@ -140,7 +140,7 @@ def test_fault_hook_fails_one_rank(llama_dir: Path, adapter_dirs: dict[str, Path
     runner = make_runner(llama_dir, **LORA_CONFIG)  # tp=1: the token a8 must give at tp=2
     runner.lora.load([spec("fine", adapter_dirs["a8"], 2)])
     runner.forward(ForwardBatch(batch_id=0, reqs=[], slot_loads=[SlotLoad(slot=1, lora_id=2)]))
-    expected = runner.prefill_logits(PROMPT, 1)[-1].argmax().item()
+    expected = prefill_logits(runner, PROMPT, 1)[-1].argmax().item()
 
     hooks = {"fail_load_on_rank": "1", "fail_load_name": "faulty"}
     with start_workers(llama_dir, tp=2, fault_hooks=hooks) as (procs, scheduler):

@@ -26,9 +26,10 @@ from tests.lora_helpers import (
     load_all,
     slot_loads,
     slot_of,
+    use_lora_backend,
 )
 from tests.reference import assert_greedy_match, hf_greedy, hf_model
-from tests.worker_helpers import GREEDY, PAGE_SIZE, make_runner, random_prompts
+from tests.worker_helpers import GREEDY, PAGE_SIZE, forward_logits, make_runner, prefill_logits, random_prompts
 
 FP32_TOL = 1e-4
 DECODE_STEPS = 6
@@ -107,7 +108,7 @@ def test_decode_step_sorted_by_slot_matches_peft(
         ForwardReq(input_ids=[t], num_cached_tokens=len(p), page_ids=pg, sampling=GREEDY, slot=slot_of(n))
         for p, pg, n, t in zip(prompts, pages, names, next_tokens, strict=True)
     ]
-    logits = runner.batch_logits(ForwardBatch(batch_id=1, reqs=decode_reqs))  # (reqs, vocab)
+    logits = forward_logits(runner, ForwardBatch(batch_id=1, reqs=decode_reqs))  # (reqs, vocab)
     plan = runner.lora.batch.meta.plan  # the torch backend's, made once for the step
     assert len(plan.groups) == 1 and not plan.separate, "the decode step was not one grouped matmul"
     for prompt, name, token, row in zip(prompts, names, next_tokens, logits, strict=True):
@@ -123,7 +124,7 @@ def test_slot_reuse_leaves_nothing_stale(runner: ModelRunner, llama_dir: Path, a
         batch = ForwardBatch(
             batch_id=0, reqs=[one_req(prompt, 5)], slot_loads=[SlotLoad(slot=5, lora_id=ADAPTER_IDS[name])]
         )
-        diff = (runner.batch_logits(batch) - hf_logits(llama_dir, prompt, adapter_dirs[name])).abs().max().item()
+        diff = (forward_logits(runner, batch) - hf_logits(llama_dir, prompt, adapter_dirs[name])).abs().max().item()
         assert diff <= FP32_TOL, (name, diff)
     assert runner.lora.slot_lora_ids[5] == ADAPTER_IDS["a8"]
 
@@ -135,11 +136,12 @@ def test_drop_and_clear_fail_batches_not_the_runner(
     spec = AdapterToLoad(lora_name="copy", lora_path=str(adapter_dirs["a16"]), lora_id=50)
     assert lora.load([spec])[0].success
     prompt = random_prompts([6], runner.vocab_size, seed=13)[0]
-    runner.batch_logits(ForwardBatch(batch_id=0, reqs=[one_req(prompt, 5)], slot_loads=[SlotLoad(slot=5, lora_id=50)]))
+    loads = [SlotLoad(slot=5, lora_id=50)]
+    forward_logits(runner, ForwardBatch(batch_id=0, reqs=[one_req(prompt, 5)], slot_loads=loads))
     lora.drop([50])
     assert lora.slot_lora_ids[5] == -1 and 50 not in lora.adapters
     with pytest.raises(BatchError, match="slot 5, which holds no adapter"):
-        runner.batch_logits(ForwardBatch(batch_id=1, reqs=[one_req(prompt, 5)]))
+        forward_logits(runner, ForwardBatch(batch_id=1, reqs=[one_req(prompt, 5)]))
     with pytest.raises(BatchError, match="adapter id 50 .* not loaded"):
         runner.forward(ForwardBatch(batch_id=2, reqs=[], slot_loads=[SlotLoad(slot=5, lora_id=50)]))
     with pytest.raises(BatchError, match="outside 0..5"):
@@ -148,10 +150,10 @@ def test_drop_and_clear_fail_batches_not_the_runner(
     runner.forward(ForwardBatch(batch_id=4, reqs=[], slot_loads=[SlotLoad(slot=5, lora_id=ADAPTER_IDS["a4"])]))
     runner.forward(ForwardBatch(batch_id=5, reqs=[], slot_loads=[SlotLoad(slot=5, lora_id=-1)]))
     with pytest.raises(BatchError, match="holds no adapter"):
-        runner.batch_logits(ForwardBatch(batch_id=6, reqs=[one_req(prompt, 5)]))
+        forward_logits(runner, ForwardBatch(batch_id=6, reqs=[one_req(prompt, 5)]))
     # Still serving, and correct.
     batch = ForwardBatch(batch_id=7, reqs=[one_req(prompt, 5)], slot_loads=[SlotLoad(slot=5, lora_id=3)])
-    diff = (runner.batch_logits(batch) - hf_logits(llama_dir, prompt, adapter_dirs["a16"])).abs().max().item()
+    diff = (forward_logits(runner, batch) - hf_logits(llama_dir, prompt, adapter_dirs["a16"])).abs().max().item()
     assert diff <= FP32_TOL
 
 
@@ -184,9 +186,9 @@ def test_base_only_batches_launch_no_lora_work(runner: ModelRunner, monkeypatch:
     for op in ("prepare", "shrink", "expand", "shrink_expand"):
         monkeypatch.setattr(runner.backend, op, lambda *args, op=op: calls.append(op))
     prompt = random_prompts([5], runner.vocab_size, seed=14)[0]
-    base = runner.prefill_logits(prompt)
+    base = prefill_logits(runner, prompt)
     assert calls == []
-    runner.prefill_logits(prompt)  # and the same on a second call
+    prefill_logits(runner, prompt)  # and the same on a second call
     assert calls == [] and base.shape == (5, runner.vocab_size)
 
 
@@ -197,7 +199,7 @@ def test_qwen2_adapter_matches_peft(qwen2_dir: Path, tmp_path: Path) -> None:
     assert runner.lora.load([AdapterToLoad(lora_name="q8", lora_path=str(adapter_dir), lora_id=1)])[0].success
     prompts = random_prompts([7, 5], runner.vocab_size, seed=15)
     reqs = [one_req(prompts[0], -1), one_req(prompts[1], 0, first_page=10)]
-    logits = runner.batch_logits(ForwardBatch(batch_id=0, reqs=reqs, slot_loads=[SlotLoad(slot=0, lora_id=1)]))
+    logits = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=[SlotLoad(slot=0, lora_id=1)]))
     base, adapted = logits.split([7, 5])
     assert (base - hf_logits(qwen2_dir, prompts[0], None)).abs().max().item() <= FP32_TOL
     ref = hf_logits(qwen2_dir, prompts[1], adapter_dir)
@@ -214,11 +216,11 @@ def test_triton_kernels_match_torch_path(runner: ModelRunner, monkeypatch: pytes
     real = lora_backend.launch_shrink
     monkeypatch.setattr(lora_backend, "launch_shrink", lambda *args: calls.append(1) or real(*args))
     torch_backend = runner.backend
-    runner.set_backend(select_backend("triton", runner.device, runner.dtype))  # the interpreter (conftest)
+    use_lora_backend(runner, select_backend("triton", runner.device, runner.dtype))  # the interpreter (conftest)
     try:
         triton_path = batch_logits(runner, prompts, names)
     finally:
-        runner.set_backend(torch_backend)
+        use_lora_backend(runner, torch_backend)
     assert calls, "the Triton kernels did not run"
     for ours, ref in zip(triton_path, torch_path, strict=True):
         assert (ours - ref).abs().max().item() <= FP32_TOL
@@ -229,6 +231,6 @@ def test_slots_refused_without_lora(llama_dir: Path) -> None:
     assert runner.lora is None
     prompt = random_prompts([4], runner.vocab_size, seed=17)[0]
     with pytest.raises(BatchError, match="LoRA is not enabled"):
-        runner.batch_logits(ForwardBatch(batch_id=0, reqs=[one_req(prompt, 0)]))
+        forward_logits(runner, ForwardBatch(batch_id=0, reqs=[one_req(prompt, 0)]))
     with pytest.raises(BatchError, match="LoRA is not enabled"):
         runner.forward(ForwardBatch(batch_id=1, reqs=[], slot_loads=[SlotLoad(slot=0, lora_id=1)]))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from loraplex.kernels import paged_attention as pa
 
 import tests.triton_aot as triton_aot
+from tests import kernel_refs
 from tests.device_helpers import TEST_DEVICE  # conftest has set TRITON_INTERPRET where no GPU is used
 
 TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
@@ -118,7 +119,7 @@ def test_decode(case: str, dtype: torch.dtype) -> None:
                    page_size=page_size, dtype=dtype)  # fmt: skip
     scale = head_dim**-0.5
     sentinel = torch.full_like(p.q, 7.0)  # rows that are not a decode's must stay untouched
-    ref, tri = run_both(pa.paged_decode_attention_torch, pa.paged_decode_attention_triton,
+    ref, tri = run_both(kernel_refs.paged_decode_attention_torch, pa.paged_decode_attention_triton,
                         decode_args(p, sentinel, num_splits, scale))  # fmt: skip
     for req, start in enumerate(p.q_starts):
         torch.testing.assert_close(ref[start : start + 1].float(), sdpa_reference(p, req, scale),
@@ -166,7 +167,7 @@ def test_extend(case: str, dtype: torch.dtype) -> None:
     sentinel = torch.full_like(p.q, 7.0)
     args = (sentinel, p.q, p.k_cache, p.v_cache, p.page_table, int32(p.q_starts), int32(q_lens), int32(cached_lens),
             int32(tile_reqs), int32(tile_offsets), page_size, scale)  # fmt: skip
-    ref, tri = run_both(pa.paged_extend_attention_torch, pa.paged_extend_attention_triton, args)
+    ref, tri = run_both(kernel_refs.paged_extend_attention_torch, pa.paged_extend_attention_triton, args)
     own = torch.zeros(p.q.shape[0], dtype=torch.bool)
     for req, (start, q_len) in enumerate(zip(p.q_starts, q_lens, strict=True)):
         own[start : start + q_len] = True
@@ -190,7 +191,7 @@ def test_plans() -> None:
     ["page_table_int64", "kv_lens_short", "out_shape", "cache_dtype", "splits_zero", "splits_many", "heads_not_mult",
      "page_size_not_dividing"],
 )  # fmt: skip
-@pytest.mark.parametrize("launch", [pa.paged_decode_attention_torch, pa.paged_decode_attention_triton],
+@pytest.mark.parametrize("launch", [kernel_refs.paged_decode_attention_torch, pa.paged_decode_attention_triton],
                          ids=["torch", "triton"])  # fmt: skip
 def test_decode_rejects(launch, bad: str) -> None:
     p = make_paged([3, 9], [1, 1], heads=4, kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32)
@@ -254,12 +255,41 @@ def test_attention_backend_flag_and_selection(monkeypatch: pytest.MonkeyPatch) -
     assert config_from_args(["--attention-backend", "triton"]).attention_backend == "triton"
     with pytest.raises(SystemExit):
         config_from_args(["--attention-backend", "flashinfer"])
-    assert type(select_attention_backend("auto", "cpu", 2)) is SDPAAttention
-    assert type(select_attention_backend("auto", "cuda", 2)) is TritonAttention  # chosen, nothing launched
-    assert type(select_attention_backend("torch", "cuda", 2)) is SDPAAttention
+    heads = (4, 2, 64)  # this rank's query heads, KV heads, head_dim
+    assert type(select_attention_backend("auto", "cpu", *heads)) is SDPAAttention
+    assert type(select_attention_backend("auto", "cuda", *heads)) is TritonAttention  # chosen, nothing launched
+    assert type(select_attention_backend("torch", "cuda", *heads)) is SDPAAttention
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(AttentionBackendError, match="--attention-backend triton needs a CUDA device"):
-        select_attention_backend("triton", "cpu", 2)
+        select_attention_backend("triton", "cpu", *heads)
+    with pytest.raises(AttentionBackendError, match="--attention-backend cpu needs the compiled CPU kernels"):
+        select_attention_backend("cpu", "cpu", *heads)
+
+
+class _FakeCPUKernels:
+    """Stands in for cpu_ext's module: which head shapes its decode attention takes."""
+
+    @staticmethod
+    def decode_attention_supports(query_heads_per_kv_head: int, head_dim: int) -> bool:
+        return head_dim == 64
+
+
+def test_cpu_attention_backend_selection() -> None:
+    from loraplex.worker.layers.attention import (
+        AttentionBackendError,
+        CPUAttention,
+        SDPAAttention,
+        select_attention_backend,
+    )
+
+    kernels = _FakeCPUKernels()
+    # auto: the CPU kernels' decode where the worker built them and they take the shapes, else SDPA
+    assert type(select_attention_backend("auto", "cpu", 4, 2, 64, kernels)) is CPUAttention
+    assert type(select_attention_backend("auto", "cpu", 4, 2, 32, kernels)) is SDPAAttention
+    assert type(select_attention_backend("torch", "cpu", 4, 2, 64, kernels)) is SDPAAttention
+    assert type(select_attention_backend("cpu", "cpu", 4, 2, 64, kernels)) is CPUAttention
+    with pytest.raises(AttentionBackendError, match="does not take 2 query heads per KV head of 32 dims"):
+        select_attention_backend("cpu", "cpu", 4, 2, 32, kernels)
 
 
 @pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="the interpreter's warm-up, on the CPU")
@@ -302,5 +332,5 @@ def test_mixed_batch_through_the_backend_matches_sdpa(dtype: torch.dtype) -> Non
         device = backend.device
         inputs = BatchInputs.build(reqs, page_size, num_pages, 4096, device, backend).attention
         assert (inputs.decode is not None and inputs.extend is not None) if backend.name == "triton" else True
-        outs[backend.name] = inputs.attend(q.to(device), cache[0].to(device), cache[1].to(device), None).cpu()
+        outs[backend.name] = inputs.attend(q.to(device), cache[0].to(device), cache[1].to(device)).cpu()
     torch.testing.assert_close(outs["triton"].float(), outs["torch"].float(), **TOLERANCES[dtype])

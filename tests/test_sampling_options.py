@@ -24,7 +24,7 @@ from transformers.generation.logits_process import (
 from tests.lora_helpers import LORA_CONFIG, load_all, slot_loads, slot_of
 from tests.reference import CLEAR_MARGIN, hf_model
 from tests.server_utils import ServerProcess
-from tests.worker_helpers import GREEDY, decode, make_runner, random_prompts
+from tests.worker_helpers import GREEDY, decode, make_runner, prefill_logits, random_prompts
 
 STEPS = 8
 
@@ -131,7 +131,7 @@ def test_logprobs_read_the_raw_logits_and_prompt_rows(runner):
     from loraplex.protocol.structs import ForwardBatch, ForwardReq
 
     prompt = random_prompts([12], runner.vocab_size, seed=9)[0]
-    raw = runner.prefill_logits(prompt).log_softmax(-1)  # (12, vocab)
+    raw = prefill_logits(runner, prompt).log_softmax(-1)  # (12, vocab)
     params = SamplingParams(temperature=0.0, repetition_penalty=0.2, presence_penalty=2.0, logprobs=2)
     req = ForwardReq(
         input_ids=prompt,

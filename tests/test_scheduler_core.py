@@ -26,6 +26,8 @@ from loraplex.scheduler.adapter_table import AdapterTable, LoadFinished
 from loraplex.scheduler.batch_policy import BatchPolicy
 from loraplex.scheduler.scheduler import Scheduler
 
+from tests.scheduler_helpers import held_lora_ids, in_flight_requests, num_holds, num_pending_loads, slot_of
+
 TOKEN = 7
 
 
@@ -120,7 +122,7 @@ class Workers:
         if batch is None:
             assert not sched.running and not sched.waiting
             return None
-        reqs = sched.in_flight_requests  # the batch's requests, in its order
+        reqs = in_flight_requests(sched)  # the batch's requests, in its order
         self.check_batch(batch, reqs)
         for req, fwd in zip(reqs, batch.reqs, strict=True):
             if fwd.num_cached_tokens == 0:
@@ -179,7 +181,7 @@ class Workers:
             assert len(req.page_ids) == -(-req.num_cached_tokens // sched.page_size)
             if req.lora_id is not None:
                 holds[req.lora_id] += 1
-        assert {i: sched.slots.num_holds(i) for i in sched.slots.held_lora_ids()} == dict(holds)
+        assert {i: num_holds(sched.slots, i) for i in held_lora_ids(sched.slots)} == dict(holds)
 
     def run_until_idle(self, max_steps=10_000) -> None:
         for _ in range(max_steps):
@@ -193,7 +195,7 @@ def assert_drained(sched: Scheduler) -> None:
     assert not sched.running and not sched.waiting and not sched.has_batch_in_flight
     assert sched.cache.num_available == sched.pages.num_pages and sched.cache.num_in_use == 0
     sched.cache.check()
-    assert sched.slots.held_lora_ids() == set()
+    assert held_lora_ids(sched.slots) == set()
 
 
 # ---- continuous batching -----------------------------------------------------------------------------------
@@ -497,11 +499,11 @@ def test_pinned_adapter_keeps_its_slot_while_others_rotate():
     workers = Workers(sched)
     sched.add_request(gen("pinned", lora=1, max_new=1))
     workers.step()
-    pinned_slot = sched.slots.slot_of(1)
+    pinned_slot = slot_of(sched.slots, 1)
     for i in range(12):
         sched.add_request(gen(f"r{i}", lora=2 + i % 3, max_new=2))
     workers.run_until_idle()
-    assert sched.slots.slot_of(1) == pinned_slot
+    assert slot_of(sched.slots, 1) == pinned_slot
     assert all(load.slot != pinned_slot for batch in workers.batches[1:] for load in batch.slot_loads)
     assert_drained(sched)
 
@@ -519,7 +521,7 @@ def test_load_succeeds_when_every_rank_succeeds():
     assert done.rollback is None and done.loaded == [adapter(3)]
     assert done.reply == AdapterOpDone(op_id=1, outcomes=[ok(3)])
     assert sched.add_request(gen("x", lora=3)) == []
-    assert sched.adapters.num_pending_loads == 0
+    assert num_pending_loads(sched.adapters) == 0
 
 
 def test_load_failing_on_one_rank_is_rolled_back_everywhere_and_unusable():
@@ -574,7 +576,7 @@ def test_concurrent_loads_match_reports_by_op_id_in_any_order():
     sched = make_scheduler(num_ranks=2)
     sched.load_adapters(LoadAdapters(op_id=10, adapters=[adapter(1)]), now=0.0)
     sched.load_adapters(LoadAdapters(op_id=11, adapters=[adapter(2)]), now=0.0)
-    assert sched.adapters.num_pending_loads == 2
+    assert num_pending_loads(sched.adapters) == 2
     # Rank 0 answers the second load first; rank 1 answers the first load first: interleaved.
     assert sched.add_adapter_report(report(11, 0, ok(2))) is None
     assert sched.add_adapter_report(report(10, 1, ok(1))) is None
@@ -583,7 +585,7 @@ def test_concurrent_loads_match_reports_by_op_id_in_any_order():
     assert sched.adapters.loaded_ids == {2}
     first = sched.add_adapter_report(report(10, 0, ok(1)))
     assert first.reply == AdapterOpDone(op_id=10, outcomes=[ok(1)])
-    assert sched.adapters.loaded_ids == {1, 2} and sched.adapters.num_pending_loads == 0
+    assert sched.adapters.loaded_ids == {1, 2} and num_pending_loads(sched.adapters) == 0
     assert sched.add_adapter_report(report(11, 1, ok(2))) is None  # matches no load any more
     assert sched.add_adapter_report(report(99, 0, ok(3))) is None  # never matched one
     assert sched.adapters.loaded_ids == {1, 2}
@@ -594,7 +596,7 @@ def test_a_report_from_a_rank_outside_the_group_is_ignored():
     sched.load_adapters(LoadAdapters(op_id=1, adapters=[adapter(3)]), now=0.0)
     assert sched.add_adapter_report(report(1, 2, ok(3))) is None
     assert sched.add_adapter_report(report(1, -1, ok(3))) is None
-    assert sched.adapters.num_pending_loads == 1
+    assert num_pending_loads(sched.adapters) == 1
 
 
 def test_a_load_past_its_deadline_times_out_naming_the_missing_rank():
@@ -612,7 +614,7 @@ def test_a_load_past_its_deadline_times_out_naming_the_missing_rank():
     assert "'a3'" in message and "rank 1 did not answer" in message and "5 s" in message
     # Every id goes: some rank loaded 3 and 4, and the missing rank may still install any of them.
     assert done.rollback == DropAdapters(op_id=1, lora_ids=[3, 4, 5])
-    assert not table.loaded_ids and table.num_pending_loads == 0
+    assert not table.loaded_ids and num_pending_loads(table) == 0
     assert table.expire(1000.0) == []  # expired once
     # The late rank's report is ignored.
     assert table.add_report(report(1, 1, ok(3), ok(4), ok(5))) is None
@@ -630,7 +632,7 @@ def test_expiry_fails_only_the_loads_past_their_deadline():
     assert done.reply.op_id == 1 and done.reply.outcomes[0].error_kind == "timeout"
     assert "rank 1 did not answer" in done.reply.outcomes[0].error_message
     assert done.rollback == DropAdapters(op_id=1, lora_ids=[1])
-    assert sched.adapters.num_pending_loads == 1
+    assert num_pending_loads(sched.adapters) == 1
     sched.add_adapter_report(report(2, 0, ok(2)))
     assert sched.add_adapter_report(report(2, 1, ok(2))).reply.outcomes == [ok(2)]
     assert sched.add_adapter_report(report(1, 1, ok(1))) is None  # late: ignored
@@ -653,14 +655,14 @@ def test_a_reused_lora_id_fails_without_asking_the_ranks(loaded, pending, adapte
         load(sched, *loaded)
     if pending:
         sched.load_adapters(LoadAdapters(op_id=500, adapters=[adapter(i) for i in pending]), now=0.0)
-    num_pending = sched.adapters.num_pending_loads
+    num_pending = num_pending_loads(sched.adapters)
     out = sched.load_adapters(LoadAdapters(op_id=1, adapters=[*adapters, adapter(9)]), now=0.0)
     assert isinstance(out, LoadFinished)  # the reply at once: nothing went to the ranks
     assert out.rollback is None and out.loaded == []
     assert out.reply.op_id == 1 and len(out.reply.outcomes) == len(adapters) + 1
     assert all(not o.success and o.error_kind == "internal" for o in out.reply.outcomes)
     assert "reuses" in out.reply.outcomes[0].error_message
-    assert sched.adapters.num_pending_loads == num_pending
+    assert num_pending_loads(sched.adapters) == num_pending
     assert not sched.adapters.is_loaded(9)
     assert sched.adapters.loaded_ids == set(loaded)
 

@@ -6,6 +6,8 @@ import pytest
 from loraplex.scheduler.page_allocator import PageAllocator, PageError
 from loraplex.scheduler.slot_planner import SlotError, SlotPlanner
 
+from tests.scheduler_helpers import num_holds, slot_of
+
 # ---- PageAllocator -------------------------------------------------------------------------------------
 
 
@@ -66,7 +68,7 @@ def test_assign_reuses_a_resident_slot_and_fills_free_slots():
     assert slots.assign(10) == (0, False)  # a second request of the same adapter
     assert slots.assign(11) == (1, True)
     assert slots.slot_table() == [10, 11]
-    assert slots.num_holds(10) == 2
+    assert num_holds(slots, 10) == 2
 
 
 def test_lru_eviction_picks_the_least_recently_used_unheld_adapter():
@@ -95,7 +97,7 @@ def test_never_evicts_an_adapter_a_running_request_needs():
     assert slots.can_place([1, 3])
     assert not slots.can_place([2, 3])  # 1 is held, so 2 and 3 would need three slots
     assert slots.assign(3) == (1, True)
-    assert slots.slot_of(1) == 0
+    assert slot_of(slots, 1) == 0
     with pytest.raises(SlotError, match="without a hold"):
         slots.release(2)
 
@@ -109,7 +111,7 @@ def test_pinned_adapters_keep_their_slots():
         slot, _ = slots.assign(lora_id + 100)
         assert slot != pinned_slot
         slots.release(lora_id + 100)
-    assert slots.slot_of(7) == pinned_slot
+    assert slot_of(slots, 7) == pinned_slot
     # The pinned adapter takes a slot in can_place even when the batch does not need it.
     slots.assign(200)
     assert slots.can_place([201]) and not slots.can_place([201, 202])

@@ -13,7 +13,16 @@ from loraplex.protocol.structs import ForwardBatch, ForwardReq, SamplingParams
 from loraplex.worker.model_runner import ModelRunner
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from tests.worker_helpers import GREEDY, NUM_PAGES, PAGE_SIZE, build_llama_variant, decode, make_runner, random_prompts
+from tests.worker_helpers import (
+    GREEDY,
+    NUM_PAGES,
+    PAGE_SIZE,
+    build_llama_variant,
+    decode,
+    make_runner,
+    prefill_logits,
+    random_prompts,
+)
 
 
 def load_hf(model_dir: Path) -> torch.nn.Module:
@@ -86,7 +95,7 @@ def test_prefill_logits_match_hf(model_dirs: dict[str, Path], kind: str, attenti
     # 150 tokens reach past llama3_rope's original 64 positions, where the scaled frequencies matter.
     for input_ids in random_prompts([1, 7, 150], runner.vocab_size, seed=1):
         length = len(input_ids)
-        ours = runner.prefill_logits(input_ids)
+        ours = prefill_logits(runner, input_ids)
         with torch.no_grad():
             ref = hf(torch.tensor([input_ids])).logits[0]
         assert ours.shape == ref.shape == (length, runner.vocab_size)
@@ -177,7 +186,7 @@ def test_decode_only_batch_matches_prefill_logits(llama_dir: Path) -> None:
     # The last step of decoding sees the same logits as a prefill of the whole sequence.
     runner = make_runner(llama_dir)
     prompt = [11, 22, 33, 44, 55, 66]
-    full = runner.prefill_logits(prompt)
+    full = prefill_logits(runner, prompt)
     req = ForwardReq(input_ids=prompt[:-1], num_cached_tokens=0, page_ids=[40, 7], sampling=GREEDY)
     runner.forward(ForwardBatch(batch_id=0, reqs=[req]))
     tail = ForwardReq(input_ids=prompt[-1:], num_cached_tokens=5, page_ids=[40, 7], sampling=GREEDY)
@@ -221,4 +230,4 @@ def test_bfloat16_matches_hf_bfloat16(qwen2_dir: Path) -> None:
     [input_ids] = random_prompts([40], runner.vocab_size, seed=4)
     with torch.no_grad():
         ref = hf(torch.tensor([input_ids])).logits[0].float()
-    assert (runner.prefill_logits(input_ids) - ref).abs().max().item() <= 0.05
+    assert (prefill_logits(runner, input_ids) - ref).abs().max().item() <= 0.05

@@ -33,7 +33,7 @@ from loraplex.protocol.structs import (
 )
 
 from tests.server_utils import free_port
-from tests.worker_helpers import GREEDY, FakeScheduler, make_runner
+from tests.worker_helpers import GREEDY, FakeScheduler, make_runner, prefill_logits
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_MS = 60_000
@@ -84,7 +84,7 @@ def start_worker(model_dir: str, **config_kwargs) -> Iterator[tuple[subprocess.P
 def test_worker_serves_batches_and_shuts_down(llama_dir: Path) -> None:
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     runner = make_runner(llama_dir)
-    expected = runner.prefill_logits(prompt)[-1].argmax().item()
+    expected = prefill_logits(runner, prompt)[-1].argmax().item()
     with start_worker(str(llama_dir)) as (proc, scheduler):
         ready = scheduler.recv(timeout_ms=READY_TIMEOUT_MS)
         assert isinstance(ready, WorkerReady), ready

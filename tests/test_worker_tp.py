@@ -11,7 +11,7 @@ from loraplex.protocol.structs import SamplingParams
 from loraplex.worker.dist import destroy_distributed, init_distributed
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.worker_helpers import GREEDY, build_llama_variant, decode, random_prompts, run_two_ranks
+from tests.worker_helpers import GREEDY, build_llama_variant, decode, prefill_logits, random_prompts, run_two_ranks
 
 PROMPT_LENGTHS = [6, 11, 3, 17]
 DECODE_STEPS = 6
@@ -30,7 +30,7 @@ def run_model(runner: ModelRunner) -> dict:
     prompts = random_prompts(PROMPT_LENGTHS, runner.vocab_size, seed=3)
     return {
         # numpy, not tensors: torch sends tensors between processes as shared memory handles that die with the child.
-        "logits": [runner.prefill_logits(p).numpy() for p in prompts],
+        "logits": [prefill_logits(runner, p).numpy() for p in prompts],
         "greedy": decode(runner, prompts, [GREEDY] * len(prompts), steps=DECODE_STEPS),
         "seeded": decode(runner, prompts, [SEEDED] * len(prompts), steps=DECODE_STEPS),
         "penalised": decode(runner, prompts, [PENALISED] * len(prompts), steps=DECODE_STEPS),

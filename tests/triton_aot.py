@@ -144,7 +144,7 @@ def _attention_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, in
             q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)  # as the model lays it out
             page_tables = torch.zeros(len(reqs), 1, dtype=torch.long)  # the SDPA backend's; unused here
             inputs = backend.build(reqs, starts, page_tables, torch.zeros(num_tokens, dtype=torch.long), page_size)
-            inputs.attend(q, kv[0], kv[1], None)
+            inputs.attend(q, kv[0], kv[1])
     return {
         "compiled": [vars(c) for c in log.compiled.values()],
         "warmup_keys": sorted(warmup_keys),

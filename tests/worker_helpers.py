@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.sockets import PULL, PUSH, TypedSocket
 from loraplex.protocol.structs import (
     Endpoints,
@@ -22,6 +23,7 @@ from loraplex.protocol.structs import (
     SlotLoad,
     WorkerToScheduler,
 )
+from loraplex.worker.grammar import GrammarMasks
 from loraplex.worker.model_runner import ModelRunner
 
 from tests.server_utils import free_port
@@ -162,3 +164,24 @@ class FakeScheduler:
         self.from_workers.close()
         for sock in [*self.to_workers, *self.to_loaders]:
             sock.close()
+
+
+@torch.inference_mode()
+def forward_logits(runner: ModelRunner, batch: ForwardBatch) -> torch.Tensor:
+    """(tokens, vocab) logits of every new token of the batch, in request order."""
+    return runner.logits(batch.reqs, batch.slot_loads, last_only=False)
+
+
+@torch.inference_mode()
+def prefill_logits(runner: ModelRunner, input_ids: list[int], slot: int = -1) -> torch.Tensor:
+    """(tokens, vocab) logits of one sequence from an empty cache. Overwrites the first pages."""
+    num_pages = cdiv(len(input_ids), runner.page_size)
+    req = ForwardReq(
+        input_ids=input_ids, num_cached_tokens=0, page_ids=list(range(num_pages)), sampling=SamplingParams(), slot=slot
+    )
+    return runner.logits([req], [], last_only=False)
+
+
+def num_grammar_sequences(grammar: GrammarMasks) -> int:
+    """The requests whose grammar state the worker still holds."""
+    return len(grammar._sequences)

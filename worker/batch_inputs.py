@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.structs import ForwardReq
 from loraplex.worker.layers.attention import AttentionBackend, BatchAttention, SDPAAttention
 
@@ -72,7 +73,7 @@ def _check_req(i: int, req: ForwardReq, page_size: int, num_pages: int, context_
         raise BatchError(f"request {i}: {len(req.page_ids)} pages of {page_size} cannot hold {num_total} tokens")
     if req.prompt_logprob_ids and not 0 <= req.prompt_logprob_row <= len(req.input_ids) - len(req.prompt_logprob_ids):
         raise BatchError(f"request {i}: prompt logprob rows outside its {len(req.input_ids)} input tokens")
-    num_used_pages = -(-num_total // page_size)
+    num_used_pages = cdiv(num_total, page_size)
     bad = [p for p in req.page_ids[:num_used_pages] if not 0 <= p < num_pages]
     if bad:
         raise BatchError(f"request {i}: page ids {bad[:4]} outside 0..{num_pages - 1}")

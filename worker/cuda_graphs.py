@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from loraplex.kernels import LoRABatchMeta
 from loraplex.kernels.paged_attention import decode_num_splits
+from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.structs import ForwardReq, SamplingParams
 from loraplex.worker.batch_inputs import BatchError, check_reqs
 from loraplex.worker.kv_cache import KVCache
@@ -64,7 +65,7 @@ class DecodeGraphRunner:
         self.context_length = context_length
         self.sizes = sorted(batch_sizes)
         largest = self.sizes[-1]
-        max_pages = -(-context_length // self.page_size)
+        max_pages = cdiv(context_length, self.page_size)
         self.input_ids = torch.zeros(largest, dtype=torch.long, device=device)
         self.positions = torch.zeros(largest, dtype=torch.long, device=device)
         self.write_slots = torch.zeros(largest, dtype=torch.long, device=device)

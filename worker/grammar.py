@@ -42,10 +42,6 @@ class GrammarMasks:
         self._compiler = None  # built on the first constrained request (it loads the tokenizer)
         self._sequences: dict[int, _Sequence] = {}  # req_key -> its matcher
 
-    @property
-    def num_sequences(self) -> int:
-        return len(self._sequences)
-
     def end(self, req_keys: list[int]) -> None:
         for req_key in req_keys:
             self._sequences.pop(req_key, None)

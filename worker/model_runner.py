@@ -10,9 +10,9 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from loraplex.kernels import LoRABackend, select_backend
+from loraplex.kernels import select_backend
 from loraplex.protocol.config import ServerConfig
-from loraplex.protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad, TokenLogprob
+from loraplex.protocol.structs import ForwardBatch, ForwardReq, SlotLoad, TokenLogprob
 from loraplex.worker.batch_inputs import BatchError, BatchInputs
 from loraplex.worker.cuda_graphs import DecodeGraphRunner
 from loraplex.worker.dist import pick_dtype
@@ -20,6 +20,7 @@ from loraplex.worker.grammar import GrammarMasks
 from loraplex.worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token
 from loraplex.worker.layers import packed
 from loraplex.worker.layers.attention import AttentionBackendError, BatchAttention, select_attention_backend
+from loraplex.worker.layers.ops import model_ops, select_model_ops
 from loraplex.worker.loader import load_weights
 from loraplex.worker.lora.manager import LoRAManager
 from loraplex.worker.model.config import ModelConfig, ModelConfigError
@@ -56,8 +57,8 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.context_length = self._context_length()
         self._check_divisible()
-        # The one choice of LoRA backend (and with it the CPU kernels for attention and norms), before any weight
-        # loads: a choice the device cannot run fails start-up at once.
+        # The one choice of LoRA backend (and with it the CPU kernels, where it builds them, for attention, norms and
+        # activation), before any weight loads: a choice the device cannot run fails start-up at once.
         self.backend = select_backend(config.lora_backend, self.device, self.dtype)
         logger.info(
             "LoRA backend: %s (--lora-backend %s, %s on %s)",
@@ -68,11 +69,17 @@ class ModelRunner:
         )
 
         self.attention = select_attention_backend(
-            config.attention_backend, self.device, self.model_config.num_kv_heads // world_size
+            config.attention_backend,
+            self.device,
+            self.model_config.num_heads // world_size,
+            self.model_config.num_kv_heads // world_size,
+            self.model_config.head_dim,
+            self.backend.cpu_kernels,
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
+        ops = select_model_ops(self.backend.cpu_kernels)  # the norms' and activation's, bound as the layers are built
 
-        with tensor_parallel(rank, world_size), self.device, _default_dtype(self.dtype):
+        with tensor_parallel(rank, world_size), model_ops(ops), self.device, _default_dtype(self.dtype):
             self.model = LlamaForCausalLM(self.model_config, max_positions=self.context_length)
         load_weights(self.model, model_dir, show_progress=rank == 0)
         self.model.eval()
@@ -85,7 +92,6 @@ class ModelRunner:
             if config.lora_enabled
             else None
         )
-        self.set_backend(self.backend)
         if self.lora is not None:
             self.lora.warmup()  # Triton: every kernel variant compiled now, not inside a request's forward
         self._pack_weights()
@@ -125,17 +131,6 @@ class ModelRunner:
                 self.max_total_tokens,
                 self.context_length,
             )
-
-    def set_backend(self, backend: LoRABackend) -> None:
-        """Compute through `backend` from the next forward on: the LoRA linears' products, and the CPU kernels (or
-        torch ops) of the model's attention, norms and activation. Called at start-up; benchmarks use it to compare
-        backends on one model."""
-        self.backend = backend
-        if self.lora is not None:
-            self.lora.set_backend(backend)
-        for module in self.model.modules():
-            if hasattr(module, "use_cpu_kernels"):
-                module.use_cpu_kernels(backend.cpu_kernels)
 
     def _decode_graphs(self) -> DecodeGraphRunner | None:
         if not self.config.enable_cuda_graph:
@@ -213,7 +208,7 @@ class ModelRunner:
             return StepResult([], [], [])
         self.histories.update(batch.reqs)
         extra_rows = prompt_logprob_rows(batch.reqs)
-        logits = self._logits(batch.reqs, batch.slot_loads, last_only=True, extra_rows=extra_rows)
+        logits = self.logits(batch.reqs, batch.slot_loads, last_only=True, extra_rows=extra_rows)
         logits, prompt_logits = logits[: len(batch.reqs)], logits[len(batch.reqs) :]  # (reqs, vocab), (extra, vocab)
         params = [req.sampling for req in batch.reqs]
         processed = apply_penalties(logits, batch.reqs, self.histories)  # logprobs read the raw logits
@@ -222,27 +217,11 @@ class ModelRunner:
         tokens = self.grammar.record(batch.reqs, tokens)
         return StepResult(tokens, token_logprobs(logits, params, tokens), prompt_logprobs(prompt_logits, batch.reqs))
 
-    @torch.inference_mode()
-    def batch_logits(self, batch: ForwardBatch) -> torch.Tensor:
-        """(tokens, vocab) logits of every new token of the batch, in request order, for tests."""
-        return self._logits(batch.reqs, batch.slot_loads, last_only=False)
-
-    @torch.inference_mode()
-    def prefill_logits(self, input_ids: list[int], slot: int = -1) -> torch.Tensor:
-        """(tokens, vocab) logits of one sequence from an empty cache, for tests. Overwrites the first pages."""
-        num_pages = -(-len(input_ids) // self.page_size)
-        req = ForwardReq(
-            input_ids=input_ids,
-            num_cached_tokens=0,
-            page_ids=list(range(num_pages)),
-            sampling=SamplingParams(),
-            slot=slot,
-        )
-        return self._logits([req], [], last_only=False)
-
-    def _logits(
+    def logits(
         self, reqs: list[ForwardReq], slot_loads: list[SlotLoad], *, last_only: bool, extra_rows: list[int] = ()
     ) -> torch.Tensor:
+        """(rows, vocab): each request's last token's logits and then the `extra_rows` asked for, or with
+        `last_only=False` every new token's, in request order. Call under torch.inference_mode()."""
         self._apply_slot_loads(slot_loads)
         if self.decode_graphs is not None and not extra_rows and self.decode_graphs.can_run(reqs):
             return self.decode_graphs.logits(reqs)  # one token per request: every row is a last one, none extra

@@ -5,14 +5,12 @@ into a padded (reqs, max_kv_pages * page_size) block and runs one SDPA call per 
 at most two groups: decodes (one new token) and prefills, so a long prompt in the batch does not pad every decode to
 its length.
 
-With the CPU kernels (the `cpu` backend: bfloat16 on a CPU with AVX-512 BF16), a group of decodes goes to cpu_ext's
-decode_attention instead, which reads each request's keys and values straight from its pages: no gathered copy, no
-padding, no mask. The caller passes that module (`decode_kernels`) when its head shapes are ones the kernel takes.
-
-That is the `torch` attention backend. The `triton` one (worker/layers/triton_attention.py; CUDA by default) reads
-every request's keys and values from its pages in Triton kernels. The worker picks one at start-up
-(`select_attention_backend`); it builds each batch's AttentionInputs-like object, whose `attend` the model reaches
-through `paged_attention`, so model code never knows which backend runs.
+That is the `torch` attention backend. The `cpu` one (bfloat16 on a CPU where the compiled CPU kernels run, for head
+shapes they take) is the same but for the group of decodes, which goes to cpu_ext's decode_attention: it reads each
+request's keys and values straight from its pages, no gathered copy, no padding, no mask. The `triton` one
+(worker/layers/triton_attention.py; CUDA by default) reads every request's keys and values from its pages in Triton
+kernels. The worker picks one at start-up (`select_attention_backend`); it builds each batch's AttentionInputs-like
+object, whose `attend` the model reaches through `paged_attention`, so model code never knows which backend runs.
 """
 
 from __future__ import annotations
@@ -26,10 +24,11 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from loraplex.kernels import BackendError
+from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.structs import ForwardReq
 from loraplex.worker.layers.triton_attention import TritonAttention
 
-ATTENTION_BACKENDS = ("auto", "triton", "torch")
+ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
 
 
 class AttentionBackendError(BackendError):
@@ -53,17 +52,34 @@ class AttentionInputs:
     write_slots: torch.Tensor  # (tokens,) cache slot each new token's K/V goes to
     groups: list[AttentionGroup]
 
-    def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode_kernels: ModuleType | None
-    ) -> torch.Tensor:
-        if not k_cache.is_contiguous():
-            decode_kernels = None
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         if len(self.groups) == 1:
-            return _attend_group(q, k_cache, v_cache, self.groups[0], decode_kernels)
+            return self.attend_group(q, k_cache, v_cache, self.groups[0])
         out = torch.empty_like(q)  # (tokens, heads, head_dim)
         for group in self.groups:
-            group_out = _attend_group(q.index_select(0, group.token_rows), k_cache, v_cache, group, decode_kernels)
+            group_out = self.attend_group(q.index_select(0, group.token_rows), k_cache, v_cache, group)
             out.index_copy_(0, group.token_rows, group_out)
+        return out
+
+    def attend_group(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup
+    ) -> torch.Tensor:
+        return _sdpa_group(q, k_cache, v_cache, group)
+
+
+@dataclass(frozen=True)
+class CPUAttentionInputs(AttentionInputs):
+    compiled: ModuleType  # cpu_ext's module
+
+    def attend_group(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup
+    ) -> torch.Tensor:
+        if group.max_q_len > 1 or not k_cache.is_contiguous():  # the kernel reads decodes from whole pages
+            return _sdpa_group(q, k_cache, v_cache, group)
+        out = torch.empty_like(q)  # (reqs, heads, head_dim): one token per request, in request order
+        self.compiled.decode_attention(
+            q.contiguous(), k_cache, v_cache, group.read_pages, group.kv_lens, group.page_size, q.shape[2] ** -0.5, out
+        )
         return out
 
 
@@ -72,9 +88,7 @@ class BatchAttention(Protocol):
 
     write_slots: torch.Tensor  # (tokens,) cache slot each new token's K/V goes to
 
-    def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode_kernels: ModuleType | None
-    ) -> torch.Tensor: ...
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor: ...
 
 
 class AttentionBackend(Protocol):
@@ -98,7 +112,7 @@ class AttentionBackend(Protocol):
 
 
 class SDPAAttention:
-    """torch's scaled_dot_product_attention over gathered pages (and the CPU kernels' decode, where given)."""
+    """torch's scaled_dot_product_attention over gathered pages."""
 
     name = "torch"
 
@@ -126,12 +140,54 @@ class SDPAAttention:
         return 0
 
 
-def select_attention_backend(choice: str, device: torch.device | str, num_kv_heads: int) -> AttentionBackend:
+class CPUAttention(SDPAAttention):
+    """SDPA for prefills, the compiled CPU kernels' paged decode attention for the group of decodes."""
+
+    name = "cpu"
+
+    def __init__(self, device: torch.device, compiled: ModuleType):
+        super().__init__(device)
+        self.compiled = compiled
+
+    def build(
+        self,
+        reqs: Sequence[ForwardReq],
+        token_starts: list[int],
+        page_tables: torch.Tensor,
+        write_slots: torch.Tensor,
+        page_size: int,
+    ) -> CPUAttentionInputs:
+        inputs = super().build(reqs, token_starts, page_tables, write_slots, page_size)
+        return CPUAttentionInputs(write_slots=inputs.write_slots, groups=inputs.groups, compiled=self.compiled)
+
+
+def select_attention_backend(
+    choice: str,
+    device: torch.device | str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cpu_kernels: ModuleType | None = None,
+) -> AttentionBackend:
     """The attention backend for this worker (`--attention-backend`), or AttentionBackendError (one line).
-    `num_kv_heads`: this rank's."""
+    Heads: this rank's. `cpu_kernels`: the compiled CPU module the worker's LoRA backend built (cpu_ext), or None."""
     device = torch.device(device)
     if choice not in ATTENTION_BACKENDS:
         raise AttentionBackendError(f"--attention-backend {choice!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+    cpu_runs = device.type == "cpu" and cpu_kernels is not None
+    if choice == "cpu" and not cpu_runs:
+        raise AttentionBackendError(
+            f"--attention-backend cpu needs the compiled CPU kernels (bfloat16 on a CPU, --lora-backend cpu or auto); "
+            f"this worker runs on {device} without them"
+        )
+    cpu_takes_shapes = cpu_runs and cpu_kernels.decode_attention_supports(num_heads // num_kv_heads, head_dim)
+    if choice == "cpu" and not cpu_takes_shapes:
+        raise AttentionBackendError(
+            f"--attention-backend cpu: the CPU decode kernel does not take {num_heads // num_kv_heads} query heads "
+            f"per KV head of {head_dim} dims"
+        )
+    if choice == "cpu" or (choice == "auto" and cpu_takes_shapes):
+        return CPUAttention(device, cpu_kernels)
     if choice == "torch" or (choice == "auto" and device.type != "cuda"):
         return SDPAAttention(device)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -146,27 +202,14 @@ def paged_attention(
     k_cache: torch.Tensor,  # (slots, kv_heads, head_dim)
     v_cache: torch.Tensor,  # (slots, kv_heads, head_dim)
     inputs: BatchAttention,
-    decode_kernels: ModuleType | None = None,  # cpu_ext's module, for these head shapes, or None
 ) -> torch.Tensor:
     k_cache.index_copy_(0, inputs.write_slots, k)
     v_cache.index_copy_(0, inputs.write_slots, v)
-    return inputs.attend(q, k_cache, v_cache, decode_kernels)  # (tokens, heads, head_dim)
+    return inputs.attend(q, k_cache, v_cache)  # (tokens, heads, head_dim)
 
 
-def _attend_group(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    group: AttentionGroup,
-    decode_kernels: ModuleType | None,
-) -> torch.Tensor:
+def _sdpa_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
-    if group.max_q_len == 1 and decode_kernels is not None:
-        out = torch.empty_like(q)  # (reqs, heads, head_dim): one token per request, in request order
-        decode_kernels.decode_attention(
-            q.contiguous(), k_cache, v_cache, group.read_pages, group.kv_lens, group.page_size, head_dim**-0.5, out
-        )
-        return out
     num_reqs, max_q_len = group.num_reqs, group.max_q_len
     q_padded = q.new_zeros(num_reqs * max_q_len, num_heads, head_dim)
     q_padded.index_copy_(0, group.query_index, q)
@@ -200,7 +243,7 @@ def _build_group(
     q_lens = [len(reqs[i].input_ids) for i in members]
     cached_lens = [reqs[i].num_cached_tokens for i in members]
     max_q_len = max(q_lens)
-    max_kv_pages = -(-max(c + q for c, q in zip(cached_lens, q_lens, strict=True)) // page_size)
+    max_kv_pages = cdiv(max(c + q for c, q in zip(cached_lens, q_lens, strict=True)), page_size)
     max_kv_len = max_kv_pages * page_size  # keys are read a page at a time; the mask hides the tail
 
     token_rows = [token_starts[i] + j for i, q_len in zip(members, q_lens, strict=True) for j in range(q_len)]

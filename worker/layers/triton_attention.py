@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 from loraplex.kernels.paged_attention import decode_num_splits, launch_decode, launch_extend, plan_extend_tiles
+from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.structs import ForwardReq
 
 _ALIGN = 4  # int32 elements: each packed part starts 16 bytes in, as Triton's pointer specialization expects
@@ -43,9 +43,7 @@ class PagedAttentionInputs:
     decode: DecodeMeta | None
     extend: ExtendMeta | None
 
-    def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, decode_kernels: ModuleType | None
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(q)  # (tokens, heads, head_dim); every row is some request's
         scale = q.shape[2] ** -0.5
         if self.decode is not None:
@@ -118,11 +116,11 @@ class TritonAttention:
         for num_splits in (1, 2):
             table, kv_lens, q_rows = _pack([[0], [1], [0]], self.device)
             decode = DecodeMeta(table.view(1, 1), kv_lens, q_rows, num_splits)
-            PagedAttentionInputs(no_writes, page_size, decode, None).attend(q, k_cache, v_cache, None)
+            PagedAttentionInputs(no_writes, page_size, decode, None).attend(q, k_cache, v_cache)
             launches += num_splits
         table, *rest = _pack([[0], [0], [2], [0], [0], [0]], self.device)
         extend = ExtendMeta(table.view(1, 1), *rest)
-        PagedAttentionInputs(no_writes, page_size, None, extend).attend(q, k_cache, v_cache, None)
+        PagedAttentionInputs(no_writes, page_size, None, extend).attend(q, k_cache, v_cache)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return launches + 1
@@ -130,7 +128,7 @@ class TritonAttention:
 
 def _page_rows(reqs: Sequence[ForwardReq], members: list[int], page_size: int) -> list[int]:
     """The members' used pages, one row each padded to the longest, flattened."""
-    rows = [reqs[i].page_ids[: -(-(reqs[i].num_cached_tokens + len(reqs[i].input_ids)) // page_size)] for i in members]
+    rows = [reqs[i].page_ids[: cdiv(reqs[i].num_cached_tokens + len(reqs[i].input_ids), page_size)] for i in members]
     width = max(len(row) for row in rows)
     return [page for row in rows for page in row + [0] * (width - len(row))]
 

@@ -87,13 +87,6 @@ class LoRAManager:
     def backend(self) -> LoRABackend:
         return self.batch.backend
 
-    def set_backend(self, backend: LoRABackend) -> None:
-        """Every LoRA linear computes through `backend` from the next forward on (start-up; benchmarks that compare
-        backends on one model)."""
-        self.batch.backend = backend
-        self.batch.meta = None
-        self.batch.active = frozenset()
-
     def warmup(self) -> None:
         """Compile the backend's kernels for every shape this pool can meet (Triton; nothing on the CPU), logged."""
         weights = {}  # one linear of each kind: every layer's are the same shapes

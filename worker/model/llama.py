@@ -5,11 +5,9 @@ is all the attention needs to know to split q/k/v."""
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
-import torch.nn.functional as F
 from loraplex.worker.kv_cache import KVCache
+from loraplex.worker.layers.activation import SiluAndMul
 from loraplex.worker.layers.attention import BatchAttention, paged_attention
 from loraplex.worker.layers.embedding import Embedding, LMHead
 from loraplex.worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -27,13 +25,6 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=config.qkv_bias)
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=config.o_bias)
         self.rotary = rotary
-        self.query_heads_per_kv_head = config.num_heads // config.num_kv_heads
-        self.decode_kernels: ModuleType | None = None  # the CPU kernels' decode attention, where it takes these shapes
-
-    def use_cpu_kernels(self, compiled: ModuleType | None) -> None:
-        supported = compiled is not None and compiled.decode_attention_supports(self.query_heads_per_kv_head,
-                                                                                self.head_dim)  # fmt: skip
-        self.decode_kernels = compiled if supported else None
 
     def forward(
         self,
@@ -49,7 +40,7 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, -1, self.head_dim)  # (tokens, kv_heads, head_dim)
         v = v.view(num_tokens, -1, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv[0], kv[1], attention, self.decode_kernels)  # (tokens, heads, head_dim)
+        out = paged_attention(q, k, v, kv[0], kv[1], attention)  # (tokens, heads, head_dim)
         return self.o_proj(out.reshape(num_tokens, -1))  # (tokens, hidden)
 
 
@@ -59,17 +50,11 @@ class LlamaMLP(nn.Module):
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias)
-        self.cpu_kernels: ModuleType | None = None
-
-    def use_cpu_kernels(self, compiled: ModuleType | None) -> None:
-        self.cpu_kernels = compiled
+        self.act_fn = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(hidden)  # (tokens, 2 * intermediate of this shard): [gate | up]
-        if self.cpu_kernels is not None:
-            return self.down_proj(self.cpu_kernels.silu_and_mul(gate_up))  # one pass, the same rounding as below
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)  # (tokens, hidden)
+        return self.down_proj(self.act_fn(gate_up))  # (tokens, hidden)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,156 @@
+"""Torch references the kernels are checked against, with the kernels' own signatures (no tests here): the LoRA
+shrink/expand of the torch path from tensors alone (through the compiled CPU kernels for bfloat16 CPU tensors where they
+are built, as the `cpu` backend runs), the Triton backend's shrink_expand from tensors alone, and paged attention in
+float32. The worker never calls these: it runs its backend objects (kernels/backend.py, worker/layers/attention.py)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from loraplex.kernels import cpu_ext, lora_torch
+from loraplex.kernels.checks import check_expand_args, check_shrink_args
+from loraplex.kernels.lora_expand import column_alignment, launch_expand
+from loraplex.kernels.lora_shrink import launch_shrink, shrink_output
+from loraplex.kernels.lora_torch import expand_planned, shrink_expand_compiled, shrink_planned
+from loraplex.kernels.paged_attention import check_decode_args, check_extend_args
+from loraplex.kernels.segment_tiles import plan_tiles
+
+# ---- LoRA, torch path -----------------------------------------------------------------------------------------------
+
+
+def _compiled_for(t: torch.Tensor) -> ModuleType | None:
+    """The compiled CPU kernels if they take this tensor (bfloat16, on the CPU) and could be built here, else None."""
+    return cpu_ext.kernels() if t.dtype == torch.bfloat16 and t.device.type == "cpu" else None
+
+
+def _plan(seg_indptr: torch.Tensor, seg_slots: torch.Tensor, compiled: bool = False) -> lora_torch._Plan:
+    return lora_torch.make_plan(seg_indptr.tolist(), seg_slots.tolist(), seg_indptr.device, compiled)
+
+
+def lora_shrink_torch(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    num_slices: int,
+) -> torch.Tensor:
+    check_shrink_args(x, lora_a, seg_indptr, seg_slots, slot_ranks, num_slices)
+    compiled = _compiled_for(x)
+    return shrink_planned(x, lora_a, slot_ranks, num_slices, _plan(seg_indptr, seg_slots, compiled is not None),
+                          None, compiled)  # fmt: skip
+
+
+def lora_expand_torch(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    lora_b: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scales: torch.Tensor,
+    slice_offsets: torch.Tensor,
+) -> None:
+    check_expand_args(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets)
+    compiled = _compiled_for(y)
+    plan = _plan(seg_indptr, seg_slots, compiled is not None)
+    expand_planned(y, h, lora_b, slot_ranks, slot_scales, slice_offsets.tolist(), plan, None, None, compiled)
+
+
+def lora_shrink_expand_torch(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scales: torch.Tensor,
+    slice_offsets: torch.Tensor,
+) -> None:
+    """y += each row's expand of its shrink. With the compiled kernels, the short segments' rows take one call for
+    both (which checks its arguments itself) and each long segment its own matmuls; otherwise shrink then expand."""
+    compiled = _compiled_for(x)
+    if compiled is None or y.dtype != x.dtype:
+        h = lora_shrink_torch(x, lora_a, seg_indptr, seg_slots, slot_ranks, slice_offsets.shape[0] - 1)
+        lora_expand_torch(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets)
+        return
+    plan = _plan(seg_indptr, seg_slots, compiled=True)
+    shrink_expand_compiled(y, x, lora_a, lora_b, slot_ranks, slot_scales, slice_offsets, None, plan, None, None,
+                           compiled)  # fmt: skip
+
+
+# ---- LoRA, Triton ---------------------------------------------------------------------------------------------------
+
+
+def lora_shrink_expand_triton(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scales: torch.Tensor,
+    slice_offsets: torch.Tensor,
+) -> None:
+    """y += the expand of the shrink, as the Triton backend runs it: two launches, no fill, split-K planes summed by the
+    expand (checked and planned from the tensors here: host reads the backend does not make)."""
+    num_slices = slice_offsets.shape[0] - 1
+    check_shrink_args(x, lora_a, seg_indptr, seg_slots, slot_ranks, num_slices)
+    h_splits = shrink_output(x, lora_a)
+    check_expand_args(
+        y, h_splits[0], lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets, float32_h=True
+    )
+    tiles = plan_tiles(x.shape[0], seg_slots.shape[0])
+    launch_shrink(x, lora_a, h_splits, seg_indptr, seg_slots, slot_ranks, num_slices, tiles)
+    launch_expand(y, h_splits, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets, tiles,
+                  column_alignment(slice_offsets.tolist()))  # fmt: skip
+
+
+# ---- paged attention ------------------------------------------------------------------------------------------------
+
+
+def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: list[int], page_size: int,
+                q_positions: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+    """q (n, heads, d) at q_positions (n,) over the keys 0..max position of one request, in fp32 -> (n, heads, d)."""
+    num_keys = int(q_positions.max()) + 1
+    positions = torch.arange(num_keys, device=q.device)
+    page_ids = torch.tensor(pages, dtype=torch.long, device=q.device)
+    slots = page_ids[positions // page_size] * page_size + positions % page_size
+    group = q.shape[1] // k_cache.shape[1]
+    keys = k_cache[slots].float().repeat_interleave(group, dim=1)  # (keys, heads, d)
+    values = v_cache[slots].float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale  # (heads, n, keys)
+    scores = scores.masked_fill(positions[None, None, :] > q_positions[None, :, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+def paged_decode_attention_torch(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor,
+                                 page_size: int, scale: float, num_splits: int) -> None:  # fmt: skip
+    check_decode_args(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, num_splits)
+    for req, (kv_len, row) in enumerate(zip(kv_lens.tolist(), q_rows.tolist(), strict=True)):
+        if kv_len == 0:
+            out[row] = 0
+            continue
+        position = torch.tensor([kv_len - 1], device=q.device)
+        out[row] = _attend_one(q[row : row + 1], k_cache, v_cache, page_table[req].tolist(), page_size, position,
+                               scale)[0].to(out.dtype)  # fmt: skip
+
+
+def paged_extend_attention_torch(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
+                                 cached_lens: torch.Tensor, tile_reqs: torch.Tensor, tile_offsets: torch.Tensor,
+                                 page_size: int, scale: float) -> None:  # fmt: skip
+    check_extend_args(out, q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets,
+                      page_size)  # fmt: skip
+    for req, (start, q_len, cached) in enumerate(
+        zip(q_starts.tolist(), q_lens.tolist(), cached_lens.tolist(), strict=True)
+    ):
+        if q_len == 0:
+            continue
+        positions = cached + torch.arange(q_len, device=q.device)
+        out[start : start + q_len] = _attend_one(q[start : start + q_len], k_cache, v_cache, page_table[req].tolist(),
+                                                 page_size, positions, scale).to(out.dtype)  # fmt: skip

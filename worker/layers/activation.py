@@ -1,0 +1,16 @@
+from __future__ import annotations
+
+import torch
+from loraplex.worker.layers.ops import current_ops
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up of a fused [gate | up] projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = current_ops()  # bound at construction: the worker's choice, made once at start-up
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_and_mul(gate_up)  # (tokens, 2 * intermediate) -> (tokens, intermediate)
