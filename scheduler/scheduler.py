@@ -18,8 +18,11 @@ pass samples for it, which no one here knows yet: its ForwardReq names that toke
 that pass's token is dropped, and its pages and slot are held until that pass returns. Preemption and adapter drops
 wait until nothing is in flight.
 
-Structured output: the scheduler carries a request's constraint without reading it; rank 0 keeps its grammar
-matcher, keyed by the request's `req_key` (its arrival number), and the next batch's `released_keys` frees it.
+Request state on the workers: a request's first pass after each admission carries its sampling parameters (a
+grammar's whole text included), and its cached tokens when penalties read them; every rank keeps them under the
+request's `req_key` (its arrival number), so later passes carry neither. Rank 0 also keeps a grammar matcher for a
+constrained request (the scheduler carries its constraint without reading it). The batch after the request ends names
+its key in `released_keys`, and the workers free it all; a preempted request keeps its state there.
 """
 
 from __future__ import annotations
@@ -176,8 +179,8 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             del self.waiting[req.rid]
         req.status = RequestStatus.FINISHED
-        if req.sampling.needs_token_history or req.sampling.constraint is not None:
-            self._released_keys.append(req.arrival)  # its penalty history or grammar matcher on the workers
+        if req.is_on_workers:
+            self._released_keys.append(req.arrival)  # its sampling parameters, penalty history, grammar matcher
         return TokenDelta(
             rid=req.rid,
             token_ids=token_ids or [],
@@ -328,7 +331,7 @@ class Scheduler:
             return False
         req.page_ids += self.cache.allocate(num_pages)
         self._plan[req] = num_new
-        req.sends_history = req.sampling.needs_token_history
+        req.sends_state = True
         return True
 
     def _forward_req(self, req: Request, num_new: int, prev_row: int) -> ForwardReq:
@@ -337,14 +340,15 @@ class Scheduler:
             input_ids = [0]
         else:
             prev_row = -1
-        history_ids = req.token_ids[: req.num_scheduled_tokens] if req.sends_history else None
-        req.sends_history = False
+        sends_state, req.sends_state, req.is_on_workers = req.sends_state, False, True
+        needs_history = sends_state and req.sampling.needs_token_history
+        history_ids = req.token_ids[: req.num_scheduled_tokens] if needs_history else None
         start, end = req.prompt_logprob_span(num_new)
         return ForwardReq(
             input_ids=input_ids,
             num_cached_tokens=req.num_scheduled_tokens,
             page_ids=list(req.page_ids),
-            sampling=req.sampling,
+            sampling=req.sampling if sends_state else None,
             num_generated=len(req.output_ids) + req.num_pending_samples,
             slot=req.slot,
             prev_row=prev_row,

@@ -239,6 +239,7 @@ class OverlapWorkers(Workers):
             if batch is None:
                 break
             reqs = sched.in_flight_requests
+            self.keep_state(batch, reqs)
             resolved = []
             for fwd in batch.reqs:
                 if fwd.prev_row >= 0:
