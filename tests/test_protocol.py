@@ -160,3 +160,32 @@ def test_engine_kwargs_are_strict():
     with pytest.raises(ConfigError):
         ServerConfig.from_kwargs(no_such_flag=1)
     assert parse_lora_source("/a/b/").lora_name == "b"
+
+
+# ---- the all-or-nothing merge of adapter outcomes -------------------------------------------------------------------
+
+
+def test_merge_outcomes_is_all_or_nothing_and_names_who_failed():
+    from loraplex.protocol.adapter_outcomes import merge_outcomes
+    from loraplex.protocol.structs import AdapterOutcome
+
+    def ok(lora_id: int) -> AdapterOutcome:
+        return AdapterOutcome(lora_id=lora_id, success=True, rank=8, target_modules=["q_proj"])
+
+    def bad(lora_id: int, message: str, kind: str) -> AdapterOutcome:
+        return AdapterOutcome(lora_id=lora_id, success=False, error_message=message, error_kind=kind)
+
+    names = ["rank 0: ", "rank 1: ", "rank 2: "]
+    answers = [
+        [ok(1), ok(2), bad(3, "no such file", "not_found"), bad(4, "too big", "invalid")],
+        [ok(1), bad(2, "out of memory", "internal"), bad(3, "no such file", "not_found"), bad(4, "bad", "internal")],
+        [ok(1), bad(2, "injected", "invalid"), bad(3, "no such file", "not_found"), ok(4)],
+    ]
+    outcomes, rollback = merge_outcomes([1, 2, 3, 4], answers, names)
+    assert outcomes[0] == ok(1)  # every member loaded it: the first member's outcome
+    assert outcomes[1] == bad(2, "rank 1: out of memory; rank 2: injected", "internal")  # the first failure's kind
+    assert outcomes[2] == bad(3, "no such file", "not_found")  # said the same everywhere: said once
+    assert outcomes[3] == bad(4, "rank 0: too big; rank 1: bad", "invalid")
+    assert rollback == {0: [2], 2: [4]}  # what a member loaded of an adapter that failed elsewhere
+    assert merge_outcomes([5], [[bad(5, "broken", "invalid")]], [""]) == ([bad(5, "broken", "invalid")], {})
+    assert merge_outcomes([], [[], []], names[:2]) == ([], {})
