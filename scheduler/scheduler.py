@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import msgspec
 from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.request_limits import request_fit_error
 from loraplex.protocol.structs import (
     AdapterOpDone,
     AdapterOutcome,
@@ -137,21 +138,13 @@ class Scheduler:
 
     def _refusal(self, req: TokenizedGenerateReq) -> str:
         """Why the request can never run, or "" when it can (perhaps after waiting)."""
-        num_prompt, max_new = len(req.input_ids), req.sampling.max_new_tokens
         if req.rid in self.waiting or req.rid in self.running:
             return f"request id {req.rid!r} is already in progress"
         if req.lora_id is not None and not self.adapters.is_loaded(req.lora_id):
             return f"adapter {req.lora_id} not loaded"
-        if num_prompt == 0:
-            return "empty prompt: at least one input token is needed"
-        if max_new < 0:
-            return f"max_new_tokens must be >= 0, got {max_new}"
-        total = f"prompt ({num_prompt} tokens) + max_new_tokens ({max_new}) = {num_prompt + max_new} tokens"
-        if num_prompt + max_new > self.context_length:
-            return f"{total} exceeds the context length ({self.context_length})"
-        if -(-(num_prompt + max_new) // self.page_size) > self.pages.num_pages:
-            return f"{total} exceeds the KV cache capacity ({self.max_total_tokens} tokens)"
-        return ""
+        # The frontend refuses these at the edge; checked again so that no sender can make the scheduler fail.
+        return request_fit_error(len(req.input_ids), req.sampling.max_new_tokens, self.context_length,
+                                 self.max_total_tokens)
 
     def abort(self, rid: str) -> list[TokenDelta]:
         """Waiting: removed now. Running: freed now, or when its passes in flight return. Unknown rid: ignored."""

@@ -189,3 +189,14 @@ def test_merge_outcomes_is_all_or_nothing_and_names_who_failed():
     assert rollback == {0: [2], 2: [4]}  # what a member loaded of an adapter that failed elsewhere
     assert merge_outcomes([5], [[bad(5, "broken", "invalid")]], [""]) == ([bad(5, "broken", "invalid")], {})
     assert merge_outcomes([], [[], []], names[:2]) == ([], {})
+
+
+def test_request_fit_error_is_the_one_rule_of_size():
+    from loraplex.protocol.request_limits import request_fit_error
+
+    assert request_fit_error(10, 20, context_length=30, max_total_tokens=30) == ""
+    assert request_fit_error(0, 5, 30, 30) == "empty prompt: at least one input token is needed"
+    assert request_fit_error(3, -1, 30, 30) == "max_new_tokens must be >= 0, got -1"
+    too_long = "prompt (10 tokens) + max_new_tokens (21) = 31 tokens exceeds the context length (30)"
+    assert request_fit_error(10, 21, 30, 64) == too_long
+    assert request_fit_error(10, 21, 64, 30).endswith("exceeds the KV cache capacity (30 tokens)")
