@@ -21,7 +21,7 @@ from loraplex.frontend.adapter_state import AdapterStateFile
 from loraplex.frontend.adapter_tensors import cut_per_rank, read_adapter_dir
 from loraplex.frontend.metrics import Metrics
 from loraplex.frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
-from loraplex.frontend.replica_set import ReplicaSet, merge_outcomes
+from loraplex.frontend.replica_set import ReplicaSet, merge_replica_answers
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.errors import ServerError
 from loraplex.protocol.structs import (
@@ -262,7 +262,7 @@ class AdapterManager:
         timeout_s = self.config.lora_load_timeout + SCHEDULER_MARGIN_S
         answers = [reply if isinstance(reply, ServerError) else reply.outcomes
                    for reply in await self.replicas.call_all(op, timeout_s, buffers)]
-        outcomes, rollback = merge_outcomes([a.lora_id for a in adapters], answers, self.replicas.who)
+        outcomes, rollback = merge_replica_answers([a.lora_id for a in adapters], answers, self.replicas.who)
         # A replica's scheduler rolls back its own ranks; what loaded on one replica but failed on another, or was sent
         # to a scheduler that did not answer (it may load it once it listens again), is dropped here.
         for dp_rank, lora_ids in rollback.items():

@@ -1,9 +1,10 @@
 """ReplicaSet: the frontend's data-parallel replicas (--dp-size), each a scheduler behind its own SchedulerClient.
 
 A request goes to one replica (frontend/router.py picks it). An adapter operation goes to every replica under one
-operation id, and an adapter counts as loaded only when every replica loaded it: `merge_outcomes` turns the replicas'
-answers into one outcome per adapter, naming the replica that failed or did not answer, and the ids each replica must
-drop again. With one replica, messages name no replica and nothing is merged beyond what its scheduler says.
+operation id, and an adapter counts as loaded only when every replica loaded it: `merge_replica_answers` turns the
+replicas' answers into one outcome per adapter, naming the replica that failed or did not answer, and the ids each
+replica must drop again. With one replica, messages name no replica and nothing is merged beyond what its scheduler
+says.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from loraplex.frontend.scheduler_client import SchedulerClient
+from loraplex.protocol.adapter_outcomes import merge_outcomes
 from loraplex.protocol.errors import ServerError
 from loraplex.protocol.structs import (
     AdapterOutcome,
@@ -112,37 +114,21 @@ class ReplicaSet:
             client.close_sockets()
 
 
-def merge_outcomes(
+def merge_replica_answers(
     lora_ids: list[int], answers: list[list[AdapterOutcome] | ServerError], who: Callable[[int], str]
 ) -> tuple[list[AdapterOutcome], dict[int, list[int]]]:
     """One load's answers, per replica (its outcomes in adapter order, or the ServerError its call ended with, which
-    names it already): one outcome per adapter, success only where every replica succeeded, and per dp_rank the ids
-    to drop again: what it loaded of an adapter that failed elsewhere, and everything from a replica that did not
-    answer in time (it may still load them)."""
-    rows: list[list[tuple[AdapterOutcome, str]]] = []  # per replica: (outcome, its message naming the replica)
-    for dp_rank, answer in enumerate(answers):
-        if isinstance(answer, ServerError):
-            failed = AdapterOutcome(lora_id=0, success=False, error_message=str(answer), error_kind=answer.kind)
-            rows.append([(failed, str(answer))] * len(lora_ids))
-        else:
-            rows.append([(o, who(dp_rank) + o.error_message) for o in answer])
-    outcomes: list[AdapterOutcome] = []
-    rollback: dict[int, list[int]] = {}
-    for i, lora_id in enumerate(lora_ids):
-        column = [row[i] for row in rows]
-        failed = [(outcome, named) for outcome, named in column if not outcome.success]
-        if not failed:
-            outcomes.append(column[0][0])
-            continue
-        raw = {outcome.error_message for outcome, _ in failed}
-        same_everywhere = len(failed) == len(column) and len(raw) == 1
-        message = raw.pop() if same_everywhere else "; ".join(named for _, named in failed)
-        outcomes.append(
-            AdapterOutcome(lora_id=lora_id, success=False, error_message=message, error_kind=failed[0][0].error_kind)
-        )
-        for dp_rank, (outcome, _) in enumerate(column):
-            if outcome.success:
-                rollback.setdefault(dp_rank, []).append(lora_id)
+    names it already), merged all-or-nothing (protocol's merge_outcomes); and per dp_rank the ids to drop again:
+    what it loaded of an adapter that failed elsewhere, and everything from a replica that did not answer in time
+    (it may still load them)."""
+    rows = [
+        [AdapterOutcome(lora_id=i, success=False, error_message=str(a), error_kind=a.kind) for i in lora_ids]
+        if isinstance(a, ServerError)
+        else a
+        for a in answers
+    ]
+    names = ["" if isinstance(a, ServerError) else who(dp_rank) for dp_rank, a in enumerate(answers)]
+    outcomes, rollback = merge_outcomes(lora_ids, rows, names)
     for dp_rank, answer in enumerate(answers):
         if isinstance(answer, ServerError) and answer.kind == "timeout":
             rollback[dp_rank] = list(lora_ids)

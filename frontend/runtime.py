@@ -25,6 +25,7 @@ from loraplex.frontend.request_state import OutputOptions, RequestState
 from loraplex.frontend.router import Router
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.errors import ServerError
+from loraplex.protocol.request_limits import request_fit_error
 from loraplex.protocol.structs import (
     AbortReq,
     LoRAAdapterSpec,
@@ -264,9 +265,12 @@ class Runtime:
         return state
 
     def _check_fits(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        if not prompt_ids:
-            raise InputError("the prompt is empty")
-        vocab_size = self.ready.vocab_size
+        # The rule the scheduler checks again; max_total_tokens is the smallest replica's.
+        ready = self.ready
+        if error := request_fit_error(len(prompt_ids), sampling.max_new_tokens, ready.context_length,
+                                      ready.max_total_tokens):
+            raise InputError(error)
+        vocab_size = ready.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_ids):
             raise InputError(f"input_ids must be token ids in [0, {vocab_size})")
         if any(not 0 <= t < vocab_size for t in sampling.stop_token_ids):
@@ -274,17 +278,6 @@ class Runtime:
         if sampling.logprob_start_len >= len(prompt_ids):
             raise InputError(
                 f"logprob_start_len ({sampling.logprob_start_len}) must be below the prompt length ({len(prompt_ids)})"
-            )
-        total = len(prompt_ids) + sampling.max_new_tokens
-        if total > self.ready.context_length:
-            raise InputError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} "
-                f"exceeds the context length {self.ready.context_length}"
-            )
-        if total > self.ready.max_total_tokens:
-            raise InputError(
-                f"prompt + max_new_tokens = {total} tokens can never fit the KV cache "
-                f"({self.ready.max_total_tokens} tokens)"
             )
 
     async def stream(self, state: RequestState) -> AsyncIterator[RequestState]:

@@ -327,13 +327,15 @@ class ForwardReq(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     input_ids: list[int]  # tokens new to the KV cache this step
     num_cached_tokens: int  # tokens of this request already in the KV cache
     page_ids: list[int]  # the request's page table, covering num_cached_tokens + len(input_ids)
-    sampling: SamplingParams
+    # Sent on a request's first pass after admission (so again after a preemption); each rank keeps it under req_key
+    # until released_keys names the key. None: the rank's kept copy. A request without a req_key always carries it.
+    sampling: SamplingParams | None = None
     num_generated: int = 0  # output tokens so far: with the seed, it makes sampling reproducible and stateless
     slot: int = -1  # adapter device slot, -1 = base model
     prev_row: int = -1  # >= 0: input_ids[0] is the token the previous batch sampled at this row (not known here yet)
-    # Per-request state on the workers (penalties read the tokens so far; rank 0 keeps a grammar matcher): a key
-    # unique over the scheduler's life, and, on the first pass after the request is admitted, the tokens of its
-    # num_cached_tokens cached positions.
+    # Per-request state on the workers (the sampling parameters; penalties read the tokens so far; rank 0 keeps a
+    # grammar matcher): a key unique over the scheduler's life, and, on the first pass after the request is
+    # admitted, the tokens of its num_cached_tokens cached positions (penalties only).
     req_key: int = -1
     history_ids: list[int] | None = None
     # Prompt logprobs: the prompt tokens whose logprobs this pass computes, the first predicted by input row

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from loraplex.protocol.adapter_outcomes import merge_outcomes
 from loraplex.protocol.structs import (
     AdapterOpDone,
     AdapterOutcome,
@@ -87,43 +88,24 @@ class AdapterTable:
         return [self._merge(load) for load in expired]
 
     def _merge(self, load: _PendingLoad) -> LoadFinished:
+        adapters = load.op.adapters
         missing = [rank for rank in range(self.num_ranks) if rank not in load.reports]
-        outcomes, loaded, rollback_ids = [], [], []
-        for adapter in load.op.adapters:
-            per_rank = {rank: _find(report, adapter.lora_id) for rank, report in sorted(load.reports.items())}
-            outcome = self._merge_one(adapter, per_rank, missing)
-            outcomes.append(outcome)
-            if outcome.success:
-                self.loaded_ids.add(adapter.lora_id)
-                loaded.append(adapter)
-            elif missing or any(o.success for o in per_rank.values()):
-                rollback_ids.append(adapter.lora_id)  # some rank holds it, or may still install it
+        ids = [a.lora_id for a in adapters]
+        if missing:  # a rank may still install them: everything goes again, everywhere
+            ranks = ", ".join(str(rank) for rank in missing)
+            why = f"did not answer within --lora-load-timeout {self.load_timeout_s:g} s; rolled back on every rank"
+            outcomes = [_failure(a.lora_id, f"adapter {a.lora_name!r}: rank {ranks} {why}", "timeout")
+                        for a in adapters]  # fmt: skip
+            return LoadFinished(reply=_done(load.op, outcomes), rollback=DropAdapters(op_id=load.op.op_id,
+                                                                                      lora_ids=ids))
+        answers = [[_find(load.reports[rank], i) for i in ids] for rank in range(self.num_ranks)]
+        outcomes, held = merge_outcomes(ids, answers, [f"rank {rank}: " for rank in range(self.num_ranks)])
+        loaded = [a for a, outcome in zip(adapters, outcomes, strict=True) if outcome.success]
+        self.loaded_ids.update(a.lora_id for a in loaded)
+        held_ids = {i for rank_ids in held.values() for i in rank_ids}  # some rank holds a failed one
+        rollback_ids = [i for i in ids if i in held_ids]
         rollback = DropAdapters(op_id=load.op.op_id, lora_ids=rollback_ids) if rollback_ids else None
         return LoadFinished(reply=_done(load.op, outcomes), loaded=loaded, rollback=rollback)
-
-    def _merge_one(
-        self, adapter: AdapterToLoad, per_rank: dict[int, AdapterOutcome], missing: list[int]
-    ) -> AdapterOutcome:
-        if missing:
-            ranks = ", ".join(str(rank) for rank in missing)
-            error = (
-                f"adapter {adapter.lora_name!r}: rank {ranks} did not answer within "
-                f"--lora-load-timeout {self.load_timeout_s:g} s; rolled back on every rank"
-            )
-            return _failure(adapter.lora_id, error, "timeout")
-        failures = {rank: o for rank, o in per_rank.items() if not o.success}
-        if not failures:
-            first = per_rank[0]
-            return AdapterOutcome(
-                lora_id=adapter.lora_id, success=True, rank=first.rank, target_modules=first.target_modules
-            )
-        messages = {o.error_message for o in failures.values()}
-        if len(failures) == self.num_ranks and len(messages) == 1:
-            error = messages.pop()  # every rank says the same: no need to name them
-        else:
-            error = "; ".join(f"rank {rank}: {o.error_message}" for rank, o in failures.items())
-        kind = failures[min(failures)].error_kind  # the first failing rank's reason
-        return _failure(adapter.lora_id, error, kind)
 
 
 def _find(report: AdapterReport, lora_id: int) -> AdapterOutcome:

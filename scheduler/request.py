@@ -34,7 +34,10 @@ class Request:
     slot: int = -1  # adapter device slot while running, -1 = base model
     status: RequestStatus = RequestStatus.WAITING
     is_aborted: bool = False  # aborted while a forward pass that includes it was in flight: ends when it returns
-    sends_history: bool = False  # its next pass tells the workers its cached tokens (penalties read them)
+    # Its next pass tells the workers its sampling parameters, and its cached tokens if penalties read them: the first
+    # pass after each admission (the workers keep both by req_key meanwhile).
+    sends_state: bool = False
+    is_on_workers: bool = False  # the workers keep state for it: released (released_keys) when it ends
     prompt_logprob_next: int = 0  # the first prompt position whose logprob is still to be delivered
 
     def __post_init__(self) -> None:

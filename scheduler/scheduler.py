@@ -18,8 +18,11 @@ pass samples for it, which no one here knows yet: its ForwardReq names that toke
 that pass's token is dropped, and its pages and slot are held until that pass returns. Preemption and adapter drops
 wait until nothing is in flight.
 
-Structured output: the scheduler carries a request's constraint without reading it; rank 0 keeps its grammar
-matcher, keyed by the request's `req_key` (its arrival number), and the next batch's `released_keys` frees it.
+Request state on the workers: a request's first pass after each admission carries its sampling parameters (a
+grammar's whole text included), and its cached tokens when penalties read them; every rank keeps them under the
+request's `req_key` (its arrival number), so later passes carry neither. Rank 0 also keeps a grammar matcher for a
+constrained request (the scheduler carries its constraint without reading it). The batch after the request ends names
+its key in `released_keys`, and the workers free it all; a preempted request keeps its state there.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 
 import msgspec
 from loraplex.protocol.config import ServerConfig
-from loraplex.protocol.mathutil import cdiv
+from loraplex.protocol.request_limits import request_fit_error
 from loraplex.protocol.structs import (
     AdapterOpDone,
     AdapterOutcome,
@@ -135,21 +138,13 @@ class Scheduler:
 
     def _refusal(self, req: TokenizedGenerateReq) -> str:
         """Why the request can never run, or "" when it can (perhaps after waiting)."""
-        num_prompt, max_new = len(req.input_ids), req.sampling.max_new_tokens
         if req.rid in self.waiting or req.rid in self.running:
             return f"request id {req.rid!r} is already in progress"
         if req.lora_id is not None and not self.adapters.is_loaded(req.lora_id):
             return f"adapter {req.lora_id} not loaded"
-        if num_prompt == 0:
-            return "empty prompt: at least one input token is needed"
-        if max_new < 0:
-            return f"max_new_tokens must be >= 0, got {max_new}"
-        total = f"prompt ({num_prompt} tokens) + max_new_tokens ({max_new}) = {num_prompt + max_new} tokens"
-        if num_prompt + max_new > self.context_length:
-            return f"{total} exceeds the context length ({self.context_length})"
-        if cdiv(num_prompt + max_new, self.page_size) > self.pages.num_pages:
-            return f"{total} exceeds the KV cache capacity ({self.max_total_tokens} tokens)"
-        return ""
+        # The frontend refuses these at the edge; checked again so that no sender can make the scheduler fail.
+        return request_fit_error(len(req.input_ids), req.sampling.max_new_tokens, self.context_length,
+                                 self.max_total_tokens)
 
     def abort(self, rid: str) -> list[TokenDelta]:
         """Waiting: removed now. Running: freed now, or when its passes in flight return. Unknown rid: ignored."""
@@ -177,8 +172,8 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             del self.waiting[req.rid]
         req.status = RequestStatus.FINISHED
-        if req.sampling.needs_token_history or req.sampling.constraint is not None:
-            self._released_keys.append(req.arrival)  # its penalty history or grammar matcher on the workers
+        if req.is_on_workers:
+            self._released_keys.append(req.arrival)  # its sampling parameters, penalty history, grammar matcher
         return TokenDelta(
             rid=req.rid,
             token_ids=token_ids or [],
@@ -324,7 +319,7 @@ class Scheduler:
             return False
         req.page_ids += self.cache.allocate(num_pages)
         self._plan[req] = num_new
-        req.sends_history = req.sampling.needs_token_history
+        req.sends_state = True
         return True
 
     def _forward_req(self, req: Request, num_new: int, prev_row: int) -> ForwardReq:
@@ -333,14 +328,15 @@ class Scheduler:
             input_ids = [0]
         else:
             prev_row = -1
-        history_ids = req.token_ids[: req.num_scheduled_tokens] if req.sends_history else None
-        req.sends_history = False
+        sends_state, req.sends_state, req.is_on_workers = req.sends_state, False, True
+        needs_history = sends_state and req.sampling.needs_token_history
+        history_ids = req.token_ids[: req.num_scheduled_tokens] if needs_history else None
         start, end = req.prompt_logprob_span(num_new)
         return ForwardReq(
             input_ids=input_ids,
             num_cached_tokens=req.num_scheduled_tokens,
             page_ids=list(req.page_ids),
-            sampling=req.sampling,
+            sampling=req.sampling if sends_state else None,
             num_generated=len(req.output_ids) + req.num_pending_samples,
             slot=req.slot,
             prev_row=prev_row,

@@ -66,7 +66,7 @@ def seed_histories(runner: ModelRunner, reqs: list[ForwardReq], context: int) ->
         for i, req in enumerate(reqs)
     ]  # fmt: skip
     with torch.inference_mode():
-        runner.histories.update(history)
+        runner.histories.update(history, list(range(len(history))))
 
 
 def step_ms(runner: ModelRunner, reqs: list[ForwardReq], batch_id: int) -> float:

@@ -12,7 +12,7 @@ import time
 import pytest
 from loraplex.frontend.metrics import Metrics
 from loraplex.frontend.registry import AdapterEntry, AdapterRegistry
-from loraplex.frontend.replica_set import merge_outcomes
+from loraplex.frontend.replica_set import merge_replica_answers
 from loraplex.frontend.router import Router
 from loraplex.protocol.config import ConfigError, ServerConfig
 from loraplex.protocol.errors import ServerError
@@ -96,7 +96,7 @@ def who(dp_rank: int) -> str:
 
 
 def test_merge_outcomes_loads_only_where_every_replica_loaded_and_rolls_back_the_rest():
-    outcomes, rollback = merge_outcomes([1, 2], [[ok(1), ok(2)], [ok(1), bad(2, "rank 0: injected fault")]], who)
+    outcomes, rollback = merge_replica_answers([1, 2], [[ok(1), ok(2)], [ok(1), bad(2, "rank 0: injected fault")]], who)
     assert outcomes[0] == ok(1)
     assert not outcomes[1].success and outcomes[1].error_message == "replica 1: rank 0: injected fault"
     assert outcomes[1].error_kind == "internal"
@@ -104,20 +104,21 @@ def test_merge_outcomes_loads_only_where_every_replica_loaded_and_rolls_back_the
 
 
 def test_merge_outcomes_says_a_shared_error_once():
-    outcomes, rollback = merge_outcomes([3], [[bad(3, "not a LoRA adapter")], [bad(3, "not a LoRA adapter")]], who)
+    same = [[bad(3, "not a LoRA adapter")], [bad(3, "not a LoRA adapter")]]
+    outcomes, rollback = merge_replica_answers([3], same, who)
     assert outcomes[0].error_message == "not a LoRA adapter" and rollback == {}
 
 
 def test_merge_outcomes_names_a_replica_that_did_not_answer_and_drops_everything_there():
     late = ServerError("replica 1: the scheduler did not answer LoadAdapters within 65 s", "timeout")
-    outcomes, rollback = merge_outcomes([4, 5], [[ok(4), ok(5)], late], who)
+    outcomes, rollback = merge_replica_answers([4, 5], [[ok(4), ok(5)], late], who)
     assert [o.success for o in outcomes] == [False, False]
     assert outcomes[0].error_message == str(late) and outcomes[0].error_kind == "timeout"
     assert rollback == {0: [4, 5], 1: [4, 5]}  # replica 1 may still load them once it listens
 
 
 def test_merge_outcomes_with_one_replica_is_its_answer():
-    outcomes, rollback = merge_outcomes([6], [[bad(6, "rank 1: injected fault on rank 1")]], lambda r: "")
+    outcomes, rollback = merge_replica_answers([6], [[bad(6, "rank 1: injected fault on rank 1")]], lambda r: "")
     assert outcomes[0].error_message == "rank 1: injected fault on rank 1" and rollback == {}
 
 

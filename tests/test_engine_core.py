@@ -240,6 +240,7 @@ class OverlapWorkers(Workers):
             if batch is None:
                 break
             reqs = in_flight_requests(sched)
+            self.keep_state(batch, reqs)
             resolved = []
             for fwd in batch.reqs:
                 if fwd.prev_row >= 0:

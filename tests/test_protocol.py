@@ -160,3 +160,43 @@ def test_engine_kwargs_are_strict():
     with pytest.raises(ConfigError):
         ServerConfig.from_kwargs(no_such_flag=1)
     assert parse_lora_source("/a/b/").lora_name == "b"
+
+
+# ---- the all-or-nothing merge of adapter outcomes -------------------------------------------------------------------
+
+
+def test_merge_outcomes_is_all_or_nothing_and_names_who_failed():
+    from loraplex.protocol.adapter_outcomes import merge_outcomes
+    from loraplex.protocol.structs import AdapterOutcome
+
+    def ok(lora_id: int) -> AdapterOutcome:
+        return AdapterOutcome(lora_id=lora_id, success=True, rank=8, target_modules=["q_proj"])
+
+    def bad(lora_id: int, message: str, kind: str) -> AdapterOutcome:
+        return AdapterOutcome(lora_id=lora_id, success=False, error_message=message, error_kind=kind)
+
+    names = ["rank 0: ", "rank 1: ", "rank 2: "]
+    answers = [
+        [ok(1), ok(2), bad(3, "no such file", "not_found"), bad(4, "too big", "invalid")],
+        [ok(1), bad(2, "out of memory", "internal"), bad(3, "no such file", "not_found"), bad(4, "bad", "internal")],
+        [ok(1), bad(2, "injected", "invalid"), bad(3, "no such file", "not_found"), ok(4)],
+    ]
+    outcomes, rollback = merge_outcomes([1, 2, 3, 4], answers, names)
+    assert outcomes[0] == ok(1)  # every member loaded it: the first member's outcome
+    assert outcomes[1] == bad(2, "rank 1: out of memory; rank 2: injected", "internal")  # the first failure's kind
+    assert outcomes[2] == bad(3, "no such file", "not_found")  # said the same everywhere: said once
+    assert outcomes[3] == bad(4, "rank 0: too big; rank 1: bad", "invalid")
+    assert rollback == {0: [2], 2: [4]}  # what a member loaded of an adapter that failed elsewhere
+    assert merge_outcomes([5], [[bad(5, "broken", "invalid")]], [""]) == ([bad(5, "broken", "invalid")], {})
+    assert merge_outcomes([], [[], []], names[:2]) == ([], {})
+
+
+def test_request_fit_error_is_the_one_rule_of_size():
+    from loraplex.protocol.request_limits import request_fit_error
+
+    assert request_fit_error(10, 20, context_length=30, max_total_tokens=30) == ""
+    assert request_fit_error(0, 5, 30, 30) == "empty prompt: at least one input token is needed"
+    assert request_fit_error(3, -1, 30, 30) == "max_new_tokens must be >= 0, got -1"
+    too_long = "prompt (10 tokens) + max_new_tokens (21) = 31 tokens exceeds the context length (30)"
+    assert request_fit_error(10, 21, 30, 64) == too_long
+    assert request_fit_error(10, 21, 64, 30).endswith("exceeds the KV cache capacity (30 tokens)")

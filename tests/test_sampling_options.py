@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 import requests
 import torch
@@ -14,6 +15,7 @@ from loraplex.frontend.request_state import OutputOptions, RequestState
 from loraplex.protocol.structs import SamplingParams, TokenDelta
 from loraplex.worker.model_runner import ModelRunner
 from loraplex.worker.sampler import Sampler
+from loraplex.worker.sampling_batch import SamplingBatch
 from transformers import AutoTokenizer
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
@@ -112,7 +114,8 @@ def test_min_p_matches_hf_warper(runner):
     torch.manual_seed(0)
     logits = torch.randn(4, runner.vocab_size) * 3
     params = [SamplingParams(temperature=0.7, min_p=m) for m in (0.0, 0.05, 0.3, 1.0)]
-    probs = Sampler(0, torch.device("cpu"))._probs(logits, params, [False] * 4)
+    batch = SamplingBatch.build(params, [0] * 4, [-1] * 4, runner.vocab_size, torch.device("cpu"))
+    probs = Sampler(0, torch.device("cpu"))._probs(logits, batch)
     for row, p in enumerate(params):
         scaled = logits[row : row + 1] / p.temperature
         expected = (MinPLogitsWarper(p.min_p)(None, scaled) if p.min_p else scaled).softmax(-1)[0]
@@ -154,6 +157,31 @@ def test_logprobs_read_the_raw_logits_and_prompt_rows(runner):
     runner.step(ForwardBatch(batch_id=1, reqs=[], released_keys=[20_000]))
 
 
+def test_params_sent_once_give_the_outputs_of_params_sent_every_pass(runner):
+    """The worker keeps a request's params by req_key from its first pass: the later passes carry none and sample
+    as if they did, penalties, min-p, top-k and seeds alike; release forgets them, and a pass that carries none for
+    a key the worker does not keep is a batch error."""
+    from loraplex.protocol.structs import ForwardBatch, ForwardReq
+    from loraplex.worker.batch_inputs import BatchError
+
+    prompts = random_prompts([6, 9, 5, 7], runner.vocab_size, seed=11)
+    params = [
+        SamplingParams(temperature=0.9, top_k=20, seed=3),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.5, min_new_tokens=2),
+        SamplingParams(temperature=0.8, min_p=0.1, top_p=0.9, seed=4, logprobs=1),
+        GREEDY,
+    ]
+    once = decode(runner, prompts, params, STEPS)
+    assert len(runner.sampling_table) == 0 and not any(key in runner.histories for key in range(4))
+    assert once == decode(runner, prompts, params, STEPS, resend_sampling=True)
+    assert once != decode(runner, prompts, [GREEDY] * 4, STEPS)
+    unknown = ForwardReq(input_ids=[5], num_cached_tokens=0, page_ids=[0], req_key=30_000)
+    with pytest.raises(BatchError, match="no sampling parameters"):
+        runner.step(ForwardBatch(batch_id=0, reqs=[unknown]))
+    with pytest.raises(BatchError, match="no sampling parameters"):
+        runner.step(ForwardBatch(batch_id=0, reqs=[msgspec.structs.replace(unknown, req_key=-1)]))
+
+
 def test_penalty_needs_its_history(runner):
     """A penalised request on a pass that starts past tokens the worker never saw is a batch error, not a guess."""
     from loraplex.protocol.structs import ForwardBatch, ForwardReq
@@ -177,11 +205,11 @@ def test_penalty_needs_its_history(runner):
     histories, long = runner.histories, list(range(100))
     with torch.inference_mode():  # as in ModelRunner.step
         histories.update(
-            [ForwardReq(input_ids=[9, 9], num_cached_tokens=4, page_ids=[0], sampling=params, req_key=10_000)]
+            [ForwardReq(input_ids=[9, 9], num_cached_tokens=4, page_ids=[0], sampling=params, req_key=10_000)], [0]
         )
         assert histories.tokens(10_000).tolist() == [0, 1, 2, 3, 9, 9]
         histories.update(
-            [ForwardReq(input_ids=long, num_cached_tokens=6, page_ids=[0], sampling=params, req_key=10_000)]
+            [ForwardReq(input_ids=long, num_cached_tokens=6, page_ids=[0], sampling=params, req_key=10_000)], [0]
         )
     assert histories.tokens(10_000).tolist() == [0, 1, 2, 3, 9, 9, *long]
     runner.step(ForwardBatch(batch_id=2, reqs=[], released_keys=[10_000]))
@@ -667,8 +695,9 @@ def test_scheduler_asks_every_prompt_position_once_and_bypasses_the_cache_for_th
         assert values == [float(p) for p in range(max(start, 1), len(prompt))]
         assert [t for d in deltas for t in d.token_ids] == ([] if rid == "zero" else [7, 7, 7])
         assert deltas[-1].finish_reason == "length"
-    # the penalised requests' worker state is released with the batch after they end, once
-    assert released == [1, 2]  # the keys (arrivals) of "all" and "late"
+    # every request's worker state is released with the batch after it ends, once ("zero" waits for a next batch)
+    assert released == [0, 1, 2]  # the keys (arrivals) of "warm", "all" and "late"
+    assert scheduler._released_keys == [3]
 
 
 def test_scheduler_state_survives_preemption():
@@ -694,3 +723,6 @@ def test_scheduler_state_survives_preemption():
     synced = [r for b in batches for r in b.reqs if r.history_ids is not None]
     assert len(synced) > len(prompts)  # admission, and again after each preemption
     assert all(len(r.history_ids) == r.num_cached_tokens for r in synced)
+    # the sampling parameters travel on those passes only, not on the passes that continue a request
+    assert [r for b in batches for r in b.reqs if r.sampling is not None] == synced
+    assert sum(len(b.reqs) for b in batches) > 2 * len(synced)

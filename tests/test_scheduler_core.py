@@ -108,6 +108,8 @@ class Workers:
         self.slot_contents: dict[int, int] = {}  # the workers' view of the slots
         self.batches: list[ForwardBatch] = []
         self.prefilled_at: dict[str, int] = {}  # rid -> step index of its prefill
+        # The workers' per-request state: req_key -> (sampling parameters, the request's preemptions when sent)
+        self.kept: dict[int, tuple[SamplingParams, int]] = {}
 
     def record(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
@@ -124,6 +126,7 @@ class Workers:
             return None
         reqs = in_flight_requests(sched)  # the batch's requests, in its order
         self.check_batch(batch, reqs)
+        self.keep_state(batch, reqs)
         for req, fwd in zip(reqs, batch.reqs, strict=True):
             if fwd.num_cached_tokens == 0:
                 self.prefilled_at[req.rid] = len(self.batches)
@@ -168,6 +171,22 @@ class Workers:
             assert num_prefill_tokens <= sched.prefill_budget + len(batch.reqs)
         else:
             assert num_prefills <= 1 or num_prefill_tokens <= sched.prefill_budget
+
+    def keep_state(self, batch: ForwardBatch, reqs) -> None:
+        """As the workers keep request state: the sampling parameters come on a request's first pass after each
+        admission and on no other, a pass never needs state the workers lack, and a key is released once, after
+        it was sent."""
+        for key in batch.released_keys:
+            assert key in self.kept, f"released key {key} was never sent, or released twice"
+            del self.kept[key]
+        for req, fwd in zip(reqs, batch.reqs, strict=True):
+            assert fwd.req_key == req.arrival
+            kept = self.kept.get(fwd.req_key)
+            is_first_pass = kept is None or kept[1] != req.num_preemptions
+            assert (fwd.sampling is not None) == is_first_pass, (req.rid, fwd)
+            if fwd.sampling is not None:
+                assert fwd.sampling == req.sampling
+                self.kept[fwd.req_key] = (fwd.sampling, req.num_preemptions)
 
     def check_accounting(self) -> None:
         sched = self.sched

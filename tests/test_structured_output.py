@@ -21,6 +21,8 @@ from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.grammar import compile_constraint, make_compiler
 from loraplex.protocol.structs import ForwardBatch, ForwardReq, OutputConstraint, SamplingParams, TokenizedGenerateReq
 from loraplex.worker.grammar import GrammarMasks
+from loraplex.worker.sampling_batch import SamplingBatch
+from loraplex.worker.sampling_table import SamplingTable
 from transformers import AutoTokenizer
 
 from tests.test_engine_core import OverlapWorkers
@@ -324,13 +326,15 @@ def test_matchers_stay_right_under_overlap_chunks_and_preemption(seed, llama_dir
 
     def run(workers_type, **options):
         grammar = GrammarMasks(str(llama_dir), vocab_size, rank=0, world_size=1)
+        table = SamplingTable()  # the parameters come on a request's first pass only
 
         def next_token(rid, fwd):
             position = fwd.num_cached_tokens + len(fwd.input_ids)
             generator = torch.Generator().manual_seed(hash((rid, position)) % 2**31)
             logits = torch.randn(1, vocab_size, generator=generator)  # (1, vocab)
-            token = int(grammar.mask(logits, [fwd]).argmax())
-            return grammar.record([fwd], [token])[0]
+            sampling = SamplingBatch.of([fwd], table.resolve([fwd]), vocab_size, torch.device("cpu"))
+            token = int(grammar.mask(logits, [fwd], sampling).argmax())
+            return grammar.record([fwd], sampling, [token])[0]
 
         sched = make_scheduler(page_size=4, context_length=64, **options)
         schedule = sched.schedule
@@ -339,6 +343,7 @@ def test_matchers_stay_right_under_overlap_chunks_and_preemption(seed, llama_dir
             batch = schedule()
             if batch is not None:
                 grammar.end(batch.released_keys)
+                table.release(batch.released_keys)
             return batch
 
         sched.schedule = schedule_and_free
@@ -360,6 +365,7 @@ def test_matchers_stay_right_under_overlap_chunks_and_preemption(seed, llama_dir
         assert_drained(sched)
         # freed but for those the next batch would name
         assert num_grammar_sequences(grammar) <= len(sched._released_keys)
+        assert len(table) == len(sched._released_keys)
         outputs = {rid: (out, workers.finished[rid].finish_reason) for rid, out in workers.outputs.items()}
         return outputs, sched.num_preemptions
 
@@ -404,7 +410,7 @@ def grammar_decode(runner, eos: int, steps: int = 12) -> list[list[int]]:
                 input_ids=prompt if step == 0 else out[-1:],
                 num_cached_tokens=0 if step == 0 else len(prompt) + step - 1,
                 page_ids=list(range(i * pages_per_row, (i + 1) * pages_per_row)),
-                sampling=sampling,
+                sampling=sampling if step == 0 else None,  # the ranks keep it by req_key
                 num_generated=step,
                 req_key=i,
             )

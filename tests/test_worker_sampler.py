@@ -7,12 +7,15 @@ import collections
 import torch
 from loraplex.protocol.structs import SamplingParams
 from loraplex.worker.sampler import Sampler, request_seed
+from loraplex.worker.sampling_batch import SamplingBatch
 
 CPU = torch.device("cpu")
 
 
 def sample(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams], steps: list[int] | None = None):
-    return sampler.sample(logits, params, steps if steps is not None else [0] * len(params))
+    steps = steps if steps is not None else [0] * len(params)
+    batch = SamplingBatch.build(params, steps, [-1] * len(params), logits.shape[-1], logits.device)
+    return sampler.sample(logits, batch)
 
 
 def frequencies(tokens: list[int], vocab_size: int) -> torch.Tensor:

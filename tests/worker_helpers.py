@@ -77,9 +77,12 @@ def decode(
     steps: int,
     slots: list[int] | None = None,
     slot_loads: list[SlotLoad] | None = None,
+    resend_sampling: bool = False,
 ) -> list[list[int]]:
     """Prefill every prompt in one batch, then decode them together, each with its own sampling params (and adapter
-    slot; slot_loads go with the first batch). Pages are handed out shuffled, so page tables are scattered."""
+    slot; slot_loads go with the first batch). Pages are handed out shuffled, so page tables are scattered. As the
+    scheduler does, the params go with the first pass only (every pass with `resend_sampling`), and the requests'
+    state is released at the end."""
     slots = slots or [-1] * len(prompts)
     free_pages = list(range(runner.kv_cache.num_pages))
     random.Random(0).shuffle(free_pages)
@@ -91,10 +94,10 @@ def decode(
                 input_ids=prompt if step == 0 else out[-1:],
                 num_cached_tokens=0 if step == 0 else len(prompt) + step - 1,
                 page_ids=page_ids,
-                sampling=sampling,
+                sampling=sampling if step == 0 or resend_sampling else None,
                 num_generated=step,
                 slot=slot,
-                req_key=key,  # penalties keep the request's tokens on the worker under this key
+                req_key=key,  # the worker keeps the request's params (and tokens, for penalties) under this key
             )
             for key, (prompt, page_ids, sampling, slot, out) in enumerate(
                 zip(prompts, pages, params, slots, outputs, strict=True)
@@ -103,6 +106,7 @@ def decode(
         batch = ForwardBatch(batch_id=step, reqs=reqs, slot_loads=(slot_loads or []) if step == 0 else [])
         for out, token in zip(outputs, runner.forward(batch), strict=True):
             out.append(token)
+    runner.forward(ForwardBatch(batch_id=steps, reqs=[], released_keys=list(range(len(prompts)))))
     return outputs
 
 

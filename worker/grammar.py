@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from loraplex.protocol.grammar import compile_constraint, make_compiler
-from loraplex.protocol.structs import ForwardReq
+from loraplex.protocol.structs import ForwardReq, SamplingParams
+from loraplex.worker.sampling_batch import SamplingBatch
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +47,10 @@ class GrammarMasks:
         for req_key in req_keys:
             self._sequences.pop(req_key, None)
 
-    def mask(self, logits: torch.Tensor, reqs: list[ForwardReq]) -> torch.Tensor:
+    def mask(self, logits: torch.Tensor, reqs: list[ForwardReq], batch: SamplingBatch) -> torch.Tensor:
         """logits (reqs, vocab) -> the same with every constrained row's forbidden tokens at -inf (a copy: the
         caller's logits stay raw, for logprobs); the logits themselves when no row is constrained, or off rank 0."""
-        rows = [i for i, req in enumerate(reqs) if req.sampling.constraint is not None]
+        rows = batch.constrained_rows
         if not rows or self.rank != 0:
             return logits
         import xgrammar as xgr
@@ -57,7 +58,7 @@ class GrammarMasks:
         bitmask = xgr.allocate_token_bitmask(len(reqs), self.vocab_size)  # (reqs, ceil(vocab / 32)) int32
         masked_rows = []
         for i in rows:
-            seq = self._sequence(reqs[i])
+            seq = self._sequence(reqs[i], batch.params[i])
             # Terminated: its last token ended the request, and this row's token is dropped.
             if not seq.is_broken and not seq.matcher.is_terminated():
                 seq.matcher.fill_next_token_bitmask(bitmask, i)
@@ -68,30 +69,29 @@ class GrammarMasks:
         xgr.apply_token_bitmask_inplace(masked, bitmask.to(logits.device, non_blocking=True), indices=masked_rows)
         return masked
 
-    def record(self, reqs: list[ForwardReq], tokens: list[int]) -> list[int]:
+    def record(self, reqs: list[ForwardReq], batch: SamplingBatch, tokens: list[int]) -> list[int]:
         """After sampling: rank 0 keeps each constrained row's token for its matcher; with tensor parallelism every
         rank takes rank 0's tokens (the others sampled without the masks)."""
-        if not any(req.sampling.constraint is not None for req in reqs):
+        if not batch.constrained_rows:
             return tokens
         if self.rank == 0:
-            for req, token in zip(reqs, tokens, strict=True):
-                if req.sampling.constraint is not None:
-                    seq = self._sequences[req.req_key]
-                    seq.pending_at, seq.pending_token = req.num_generated, token
+            for i in batch.constrained_rows:
+                seq = self._sequences[reqs[i].req_key]
+                seq.pending_at, seq.pending_token = reqs[i].num_generated, tokens[i]
         if self.world_size > 1:
             shared = torch.tensor(tokens, dtype=torch.int64, device=self._collective_device())
             dist.broadcast(shared, src=0)
             tokens = shared.tolist()
         return tokens
 
-    def _sequence(self, req: ForwardReq) -> _Sequence:
+    def _sequence(self, req: ForwardReq, params: SamplingParams) -> _Sequence:
         """The request's matcher, having accepted exactly its num_generated output tokens. A count that disagrees
         is a bug in the sequencing (not a bad batch: only rank 0 sees it), so it raises and the worker exits."""
         seq = self._sequences.get(req.req_key)
         if seq is None:
             if req.num_generated != 0:
                 raise RuntimeError(f"request {req.req_key} has {req.num_generated} output tokens but no grammar state")
-            seq = _Sequence(matcher=self._matcher(req))
+            seq = _Sequence(matcher=self._matcher(params))
             self._sequences[req.req_key] = seq
         if seq.num_accepted == req.num_generated - 1 and seq.pending_at == seq.num_accepted:
             if not seq.is_broken and not seq.matcher.accept_token(seq.pending_token):
@@ -106,13 +106,13 @@ class GrammarMasks:
             )
         return seq
 
-    def _matcher(self, req: ForwardReq) -> object:
+    def _matcher(self, params: SamplingParams) -> object:
         import xgrammar as xgr
 
-        compiled = compile_constraint(self._compiler_for(), req.sampling.constraint)
+        compiled = compile_constraint(self._compiler_for(), params.constraint)
         # The grammar may end only with one of the request's stop tokens (eos unless ignore_eos, plus its own), so
         # the scheduler ends the request with finish reason "stop" exactly when the grammar is complete.
-        return xgr.GrammarMatcher(compiled, override_stop_tokens=list(req.sampling.stop_token_ids))
+        return xgr.GrammarMatcher(compiled, override_stop_tokens=list(params.stop_token_ids))
 
     def _compiler_for(self) -> object:
         if self._compiler is None:

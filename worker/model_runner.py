@@ -28,6 +28,8 @@ from loraplex.worker.model.llama import LlamaForCausalLM
 from loraplex.worker.parallel import tensor_parallel
 from loraplex.worker.penalties import TokenHistories, apply_penalties
 from loraplex.worker.sampler import Sampler, prompt_logprob_rows, prompt_logprobs, token_logprobs
+from loraplex.worker.sampling_batch import SamplingBatch
+from loraplex.worker.sampling_table import SamplingTable
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +124,7 @@ class ModelRunner:
         self._warmup_attention()
         self.decode_graphs = self._decode_graphs()
         self.sampler = Sampler(config.seed, self.device)
+        self.sampling_table = SamplingTable()  # every request's sampling parameters, sent on its first pass
         self.histories = TokenHistories()  # the tokens so far of the requests that use penalties
         self.grammar = GrammarMasks(model_dir, self.vocab_size, rank, world_size)
         logger.info("KV cache: %d tokens (%d pages of %d)", self.max_total_tokens, num_pages, self.page_size)
@@ -201,21 +204,24 @@ class ModelRunner:
     def step(self, batch: ForwardBatch) -> StepResult:
         """Run the batch: each request's next token, its logprob data where the request asks (else []), and the
         prompt logprobs a request asks of this pass."""
+        self.sampling_table.release(batch.released_keys)
         self.histories.release(batch.released_keys)
         self.grammar.end(batch.released_keys)
         if not batch.reqs:
             self._apply_slot_loads(batch.slot_loads)
             return StepResult([], [], [])
-        self.histories.update(batch.reqs)
+        # Before the forward: a request with no parameters fails the batch on every rank alike, before a collective.
+        sampling = SamplingBatch.of(batch.reqs, self.sampling_table.resolve(batch.reqs), self.vocab_size, self.device)
+        self.histories.update(batch.reqs, sampling.penalty_rows)
         extra_rows = prompt_logprob_rows(batch.reqs)
         logits = self.logits(batch.reqs, batch.slot_loads, last_only=True, extra_rows=extra_rows)
         logits, prompt_logits = logits[: len(batch.reqs)], logits[len(batch.reqs) :]  # (reqs, vocab), (extra, vocab)
-        params = [req.sampling for req in batch.reqs]
-        processed = apply_penalties(logits, batch.reqs, self.histories)  # logprobs read the raw logits
-        processed = self.grammar.mask(processed, batch.reqs)  # structured output
-        tokens = self.sampler.sample(processed, params, [req.num_generated for req in batch.reqs])
-        tokens = self.grammar.record(batch.reqs, tokens)
-        return StepResult(tokens, token_logprobs(logits, params, tokens), prompt_logprobs(prompt_logits, batch.reqs))
+        processed = apply_penalties(logits, sampling, self.histories)  # logprobs read the raw logits
+        processed = self.grammar.mask(processed, batch.reqs, sampling)  # structured output
+        tokens = self.sampler.sample(processed, sampling)
+        tokens = self.grammar.record(batch.reqs, sampling, tokens)
+        return StepResult(tokens, token_logprobs(logits, sampling, tokens),
+                          prompt_logprobs(prompt_logits, batch.reqs, sampling))
 
     def logits(
         self, reqs: list[ForwardReq], slot_loads: list[SlotLoad], *, last_only: bool, extra_rows: list[int] = ()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from loraplex.protocol.structs import ForwardReq
 from loraplex.worker.batch_inputs import BatchError
+from loraplex.worker.sampling_batch import SamplingBatch
 from torch.nn.utils.rnn import pad_sequence
 
 
@@ -36,11 +37,11 @@ class TokenHistories:
             self._buffers.pop(key, None)
             self._lengths.pop(key, None)
 
-    def update(self, reqs: list[ForwardReq]) -> None:
-        """Take this pass's input tokens (positions num_cached_tokens on) of every request that needs them."""
-        for i, req in enumerate(reqs):
-            if not req.sampling.needs_token_history:
-                continue
+    def update(self, reqs: list[ForwardReq], rows: list[int]) -> None:
+        """Take this pass's input tokens (positions num_cached_tokens on) of the requests at `rows` (those that use
+        a penalty: SamplingBatch.penalty_rows)."""
+        for i in rows:
+            req = reqs[i]
             key = req.req_key
             if key < 0:
                 raise BatchError(f"request {i} uses a penalty but has no req_key")
@@ -71,54 +72,48 @@ class TokenHistories:
         return self._buffers[key][: self._lengths[key]]  # (length,)
 
 
-def apply_penalties(logits: torch.Tensor, reqs: list[ForwardReq], histories: TokenHistories) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch, histories: TokenHistories) -> torch.Tensor:
     """logits (reqs, vocab) -> the same with each asking row penalised (a new tensor; the input is unchanged, so
     logprobs still read the raw logits). Returns the input itself when no row asks."""
-    rows = [i for i, req in enumerate(reqs) if req.sampling.needs_token_history]
-    vocab_size = logits.shape[-1]
+    rows = batch.penalty_rows
     # min_new_tokens: the stop tokens (EOS among them unless ignore_eos) cannot be sampled yet.
-    masked = [
-        (i, t)
-        for i, req in enumerate(reqs)
-        if req.num_generated < req.sampling.min_new_tokens
-        for t in req.sampling.stop_token_ids
-        if t < vocab_size
-    ]
-    if not rows and not masked:
+    banned_rows, banned_ids = batch.banned
+    if not rows and not banned_rows:
         return logits
     logits = logits.clone()
-    if masked:
-        logits[[i for i, _ in masked], [t for _, t in masked]] = float("-inf")
-    if len(rows) == len(reqs):
-        _penalise_(logits, reqs, histories)
+    if banned_rows:
+        logits[banned_rows, banned_ids] = float("-inf")
+    if len(rows) == len(batch.params):
+        _penalise_(logits, batch, None, histories)
     elif rows:
         index = torch.tensor(rows, device=logits.device)
         penalised = logits[index]  # (rows that ask, vocab)
-        _penalise_(penalised, [reqs[i] for i in rows], histories)
+        _penalise_(penalised, batch, index, histories)
         logits[index] = penalised
     return logits
 
 
-def _penalise_(logits: torch.Tensor, reqs: list[ForwardReq], histories: TokenHistories) -> None:
-    """In place. Only the logits of tokens in a row's history change: they are gathered, penalised and scattered
-    back, so the work grows with the histories, not rows x vocab (a repeated token writes the same value each time)."""
+def _penalise_(
+    logits: torch.Tensor, batch: SamplingBatch, index: torch.Tensor | None, histories: TokenHistories
+) -> None:
+    """In place, on the logits of the batch's penalty rows (`index`; None: every row). Only the logits of tokens in
+    a row's history change: they are gathered, penalised and scattered back, so the work grows with the histories,
+    not rows x vocab (a repeated token writes the same value each time)."""
     device = logits.device
-    seqs = [histories.tokens(req.req_key) for req in reqs]
+    rows = batch.penalty_rows
+    seqs = [histories.tokens(batch.req_keys[i]) for i in rows]
     lengths = torch.tensor([len(s) for s in seqs], device=device)  # (rows,)
     # The output starts after the prompt: len(history) - num_generated on the pass that samples.
-    num_generated = torch.tensor([req.num_generated for req in reqs], device=device)
+    num_generated = torch.tensor([batch.num_generated[i] for i in rows], device=device)
     ids = pad_sequence(seqs, batch_first=True, padding_value=-1).to(device)  # (rows, width)
     positions = torch.arange(ids.shape[1], device=device)[None, :]
     is_output = (positions >= (lengths - num_generated)[:, None]) & (positions < lengths[:, None])
     ids = torch.where(ids < 0, ids[:, :1], ids)  # padding repeats the row's first token: it counts 0, writes the same
     counts = torch.zeros_like(logits).scatter_add_(1, ids, is_output.to(logits.dtype)).gather(1, ids)  # (rows, width)
-
-    def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=logits.dtype, device=device)[:, None]  # (rows, 1)
-
+    penalties = batch.penalties(index)  # (rows, 3) float32, as the logits
+    repetition, frequency, presence = penalties[:, 0:1], penalties[:, 1:2], penalties[:, 2:3]  # (rows, 1)
     values = logits.gather(1, ids)  # (rows, width)
-    repetition = column([req.sampling.repetition_penalty for req in reqs])
     values = torch.where(values > 0, values / repetition, values * repetition)
-    values -= column([req.sampling.frequency_penalty for req in reqs]) * counts
-    values -= column([req.sampling.presence_penalty for req in reqs]) * (counts > 0).to(logits.dtype)
+    values -= frequency * counts
+    values -= presence * (counts > 0).to(logits.dtype)
     logits.scatter_(1, ids, values)

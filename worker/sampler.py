@@ -9,7 +9,8 @@ argmax(probs / noise), which picks token t with probability probs[t]; so the dra
 from __future__ import annotations
 
 import torch
-from loraplex.protocol.structs import ForwardReq, SamplingParams, TokenLogprob
+from loraplex.protocol.structs import ForwardReq, TokenLogprob
+from loraplex.worker.sampling_batch import SamplingBatch
 
 _MASK64 = (1 << 64) - 1
 
@@ -22,56 +23,43 @@ def request_seed(seed: int, num_generated: int) -> int:
     return (x ^ (x >> 31)) >> 1
 
 
-def is_greedy(params: SamplingParams) -> bool:
-    return params.temperature <= 0.0
-
-
 class Sampler:
     def __init__(self, seed: int, device: torch.device):
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]) -> list[int]:
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
         """logits (reqs, vocab) float32 -> one token id per request."""
-        greedy = [is_greedy(p) for p in params]
-        if all(greedy):
+        if batch.is_all_greedy:
             return logits.argmax(dim=-1).tolist()
-        probs = self._probs(logits, params, greedy)  # (reqs, vocab), zero outside each request's top-k / top-p
-        noise = self._exponential_noise(logits.shape, params, num_generated, greedy)  # (reqs, vocab)
+        probs = self._probs(logits, batch)  # (reqs, vocab), zero outside each request's top-k / top-p
+        noise = self._exponential_noise(logits.shape, batch)  # (reqs, vocab)
         sampled = (probs / noise).argmax(dim=-1)
-        is_greedy_row = torch.tensor(greedy, device=logits.device)
-        return torch.where(is_greedy_row, logits.argmax(dim=-1), sampled).tolist()
+        return torch.where(batch.greedy_mask, logits.argmax(dim=-1), sampled).tolist()
 
-    def _probs(self, logits: torch.Tensor, params: list[SamplingParams], greedy: list[bool]) -> torch.Tensor:
-        num_reqs, vocab_size = logits.shape
-        temperatures = torch.tensor(
-            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], device=logits.device
-        )  # greedy rows are scaled by 1 only to stay finite; their token is the argmax anyway
-        scaled = logits / temperatures[:, None]  # (reqs, vocab)
-        if any(p.min_p > 0.0 for p in params):
-            scaled = _min_p_filtered(scaled, params)
-        top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        top_ps = [p.top_p for p in params]
-        if all(k == vocab_size for k in top_ks) and all(p >= 1.0 for p in top_ps):
+    def _probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        vocab_size = logits.shape[-1]
+        scaled = logits / batch.temperatures  # (reqs, vocab)
+        if batch.uses_min_p:
+            scaled = _min_p_filtered(scaled, batch.min_ps)
+        if not batch.uses_top_k_or_p:
             return scaled.softmax(dim=-1)
         sorted_logits, order = scaled.sort(dim=-1, descending=True)  # (reqs, vocab)
         ranks = torch.arange(vocab_size, device=logits.device)
-        removed = ranks[None, :] >= torch.tensor(top_ks, device=logits.device)[:, None]
+        removed = ranks[None, :] >= batch.top_ks[:, None]
         sorted_probs = sorted_logits.masked_fill(removed, float("-inf")).softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        removed |= mass_before >= torch.tensor(top_ps, device=logits.device)[:, None]
+        removed |= mass_before >= batch.top_ps
         removed[:, 0] = False
         sorted_probs = sorted_probs.masked_fill(removed, 0.0)
         return torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
 
-    def _exponential_noise(
-        self, shape: torch.Size, params: list[SamplingParams], num_generated: list[int], greedy: list[bool]
-    ) -> torch.Tensor:
+    def _exponential_noise(self, shape: torch.Size, batch: SamplingBatch) -> torch.Tensor:
         noise = torch.ones(shape, device=self.device)  # greedy rows keep 1 and draw nothing
         unseeded_rows = []
-        for row, (p, step, g) in enumerate(zip(params, num_generated, greedy, strict=True)):
+        for row, (p, step, g) in enumerate(zip(batch.params, batch.num_generated, batch.is_greedy, strict=True)):
             if g:
                 continue
             if p.seed is None:
@@ -87,25 +75,22 @@ class Sampler:
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
-def _min_p_filtered(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _min_p_filtered(scaled: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     """Drop the tokens whose probability is below min_p x the most likely token's (HF's MinPLogitsWarper)."""
     probs = scaled.softmax(dim=-1)  # (reqs, vocab)
-    min_ps = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)[:, None]  # (reqs, 1)
-    removed = probs < min_ps * probs.max(dim=-1, keepdim=True).values  # never the top token
+    removed = probs < min_ps * probs.max(dim=-1, keepdim=True).values  # min_ps (reqs, 1); never the top token
     return scaled.masked_fill(removed, float("-inf"))
 
 
-def token_logprobs(
-    logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
-) -> list[TokenLogprob | None]:
+def token_logprobs(logits: torch.Tensor, batch: SamplingBatch, tokens: list[int]) -> list[TokenLogprob | None]:
     """Per row, the chosen token's logprob and the top-N (best first) where the row asks (logprobs >= 0), else None;
     [] when no row asks. Log-softmax of the raw logits in fp32, computed only for the rows that ask, vectorised."""
-    rows = [i for i, p in enumerate(params) if p.logprobs >= 0]
+    rows = batch.logprob_rows
     if not rows:
         return []
     index = torch.tensor(rows, device=logits.device)
-    entries = logprob_entries(logits[index], [tokens[i] for i in rows], [params[i].logprobs for i in rows])
-    out: list[TokenLogprob | None] = [None] * len(params)
+    entries = logprob_entries(logits[index], [tokens[i] for i in rows], [batch.params[i].logprobs for i in rows])
+    out: list[TokenLogprob | None] = [None] * len(batch.params)
     for i, entry in zip(rows, entries, strict=True):
         out[i] = entry
     return out
@@ -121,12 +106,12 @@ def prompt_logprob_rows(reqs: list[ForwardReq]) -> list[int]:
     return rows
 
 
-def prompt_logprobs(logits: torch.Tensor, reqs: list[ForwardReq]) -> list[list[TokenLogprob]]:
+def prompt_logprobs(logits: torch.Tensor, reqs: list[ForwardReq], batch: SamplingBatch) -> list[list[TokenLogprob]]:
     """logits (prompt_logprob_rows, vocab) -> per request, its prompt_logprob_ids' entries; [] when none asks."""
     if not len(logits):
         return []
     ids = [t for req in reqs for t in req.prompt_logprob_ids]
-    nums = [max(req.sampling.logprobs, 0) for req in reqs for _ in req.prompt_logprob_ids]
+    nums = [max(p.logprobs, 0) for req, p in zip(reqs, batch.params, strict=True) for _ in req.prompt_logprob_ids]
     entries = logprob_entries(logits, ids, nums)
     out, start = [], 0
     for req in reqs:
