@@ -190,7 +190,7 @@ def _decode_matrix(ctx: Context, runner, pages: Pages, shape: LlamaShape, adapte
             for _ in range(ctx.reps(5)):
                 sync(ctx.device)
                 t0 = time.perf_counter()
-                runner._logits(reqs, [], last_only=True)
+                runner.logits(reqs, [], last_only=True)
                 enqueue.append((time.perf_counter() - t0) * 1e3)
             sync(ctx.device)
             wall = median(walls)
