@@ -14,17 +14,17 @@ from typing import Any
 
 from loraplex.frontend.adapter_manager import AdapterManager
 from loraplex.frontend.adapter_state import AdapterStateFile
+from loraplex.frontend.cluster.node_rendezvous import NodeRendezvous
+from loraplex.frontend.cluster.process_group import ProcessGroup
+from loraplex.frontend.cluster.replica_set import ReplicaSet
+from loraplex.frontend.cluster.router import Router
+from loraplex.frontend.errors import InputError, ServerUnavailable
 from loraplex.frontend.grammar_checker import GrammarChecker
-from loraplex.frontend.launcher import ProcessGroup
 from loraplex.frontend.lora_config import resolve_lora_config
 from loraplex.frontend.metrics import Metrics
-from loraplex.frontend.node_rendezvous import NodeRendezvous
 from loraplex.frontend.registry import AdapterRegistry
-from loraplex.frontend.replica_set import ReplicaSet
 from loraplex.frontend.request_state import OutputOptions, RequestState
-from loraplex.frontend.router import Router
 from loraplex.protocol.config import ServerConfig
-from loraplex.protocol.errors import ServerError
 from loraplex.protocol.structs import (
     AbortReq,
     LoRAAdapterSpec,
@@ -43,20 +43,6 @@ WATCH_INTERVAL_S = 0.2
 DRAIN_POLL_S = 0.05
 # After a drain aborts what is left, how long the handlers get to write their last chunk and call finish().
 ABORT_GRACE_S = 3.0
-
-
-class ServerUnavailable(ServerError):
-    """The server is starting, stopping, or lost a process: requests get a 503."""
-
-    def __init__(self, message: str):
-        super().__init__(message, "unavailable")
-
-
-class InputError(ServerError, ValueError):
-    """Input the server cannot serve; the message goes back to the client with a 400."""
-
-    def __init__(self, message: str):
-        super().__init__(message, "invalid")
 
 
 def resolve_model_dir(model_path: str) -> str:

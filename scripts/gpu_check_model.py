@@ -39,7 +39,7 @@ def g0_env(ctx: Context) -> None:
     failed = []
     for module in ("loraplex.protocol.structs", "loraplex.protocol.config", "loraplex.protocol.sockets",
                    "loraplex.worker.model_runner", "loraplex.worker.dist", "loraplex.worker.lora.manager",
-                   "loraplex.frontend.engine"):
+                   "loraplex.frontend.entrypoints.engine"):
         try:
             importlib.import_module(module)
         except Exception as e:

@@ -14,8 +14,8 @@ import psutil
 import pytest
 import ray
 import requests
-from loraplex.frontend.launcher import free_port
-from loraplex.frontend.ray_serve import REPLICA_HEADER, build_app
+from loraplex.frontend.cluster.process_group import free_port
+from loraplex.frontend.entrypoints.ray_serve import REPLICA_HEADER, build_app
 from ray import serve
 from transformers import AutoTokenizer
 

@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from loraplex.frontend.scheduler_client import SchedulerClient
+from loraplex.frontend.cluster.scheduler_client import SchedulerClient
 from loraplex.protocol.errors import ServerError
 from loraplex.protocol.structs import (
     AdapterOutcome,

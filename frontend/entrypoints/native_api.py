@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 from loraplex.frontend.constraints import constrain, native_constraint
-from loraplex.frontend.http_utils import (
+from loraplex.frontend.entrypoints.http_utils import (
     error_body,
     error_response,
     json_response,
@@ -18,6 +18,7 @@ from loraplex.frontend.http_utils import (
     stream_many,
     wait_all,
 )
+from loraplex.frontend.errors import InputError
 from loraplex.frontend.metrics import combine_stats
 from loraplex.frontend.params import (
     MAX_SEED,
@@ -30,7 +31,7 @@ from loraplex.frontend.params import (
 from loraplex.frontend.registry import AdapterError
 from loraplex.frontend.request_state import OutputOptions, RequestState
 from loraplex.frontend.responses import AbortResponse, AdapterReply, AdapterResult, HealthResponse, ModelInfoResponse
-from loraplex.frontend.runtime import InputError, Runtime
+from loraplex.frontend.runtime import Runtime
 from loraplex.protocol.errors import http_status
 from loraplex.protocol.structs import (
     AbortReqOutput,

@@ -8,12 +8,12 @@ from importlib import metadata
 
 import msgspec
 from aiohttp import web
-from loraplex.frontend.http_utils import json_response, read_request
-from loraplex.frontend.native_api import NativeGenerateRequest, collect, health, runtime_of, start_generate
-from loraplex.frontend.openai_api import ChatMessage, chat_prompt, resolve_model
+from loraplex.frontend.entrypoints.http_utils import json_response, read_request
+from loraplex.frontend.entrypoints.native_api import NativeGenerateRequest, collect, health, runtime_of, start_generate
+from loraplex.frontend.entrypoints.openai_api import ChatMessage, chat_prompt, resolve_model
+from loraplex.frontend.errors import InputError
 from loraplex.frontend.params import TokenId, convert
 from loraplex.frontend.responses import DetokenizeResponse, HealthResponse, TokenizeResponse, VersionResponse
-from loraplex.frontend.runtime import InputError
 
 logger = logging.getLogger("loraplex.http")
 routes = web.RouteTableDef()

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from aiohttp import web
 from loraplex.frontend.constraints import ResponseFormat, constrain, openai_constraint
-from loraplex.frontend.http_utils import (
+from loraplex.frontend.entrypoints.http_utils import (
     error_body,
     error_response,
     json_response,
@@ -20,7 +20,8 @@ from loraplex.frontend.http_utils import (
     stream_many,
     wait_all,
 )
-from loraplex.frontend.native_api import n_samplings, runtime_of, submit_all
+from loraplex.frontend.entrypoints.native_api import n_samplings, runtime_of, submit_all
+from loraplex.frontend.errors import InputError
 from loraplex.frontend.params import (
     MAX_N,
     AdapterPath,
@@ -59,7 +60,7 @@ from loraplex.frontend.responses import (
     ModelList,
     Usage,
 )
-from loraplex.frontend.runtime import InputError, Runtime
+from loraplex.frontend.runtime import Runtime
 from loraplex.protocol.errors import http_status
 from loraplex.protocol.structs import LoRAAdapterSpec, TokenLogprob
 

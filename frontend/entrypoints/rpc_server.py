@@ -10,9 +10,9 @@ import hmac
 import logging
 
 import msgspec
-from loraplex.frontend import native_api
-from loraplex.frontend.http_utils import stream_many
-from loraplex.frontend.native_api import NativeGenerateRequest, collect, raise_failure, start_generate
+from loraplex.frontend.entrypoints import native_api
+from loraplex.frontend.entrypoints.http_utils import stream_many
+from loraplex.frontend.entrypoints.native_api import NativeGenerateRequest, collect, raise_failure, start_generate
 from loraplex.frontend.params import convert
 from loraplex.frontend.request_state import RequestState
 from loraplex.frontend.runtime import Runtime

@@ -7,7 +7,7 @@ Each engine replica loads adapters from `adapter_root/<name>/` on first use, kee
 replica answers through its Engine's own HTTP app on a private Unix socket, so the OpenAI routes, validation and
 status codes are the server's, said once.
 
-    from loraplex.frontend.ray_serve import build_app
+    from loraplex.frontend.entrypoints.ray_serve import build_app
     serve.run(build_app({"model_path": "/models/llama", "max_lora_rank": 16}, "/adapters", num_replicas=4))
 """
 
@@ -25,7 +25,7 @@ import aiohttp
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from loraplex.frontend.http_utils import error_body
+from loraplex.frontend.entrypoints.http_utils import error_body
 from loraplex.frontend.responses import ModelCard
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.errors import http_status
@@ -76,7 +76,7 @@ class LoRAEngine:
     """One Engine per replica; adapters are Serve's multiplexed models."""
 
     def __init__(self, engine_kwargs: dict, adapter_root: str, max_adapters_per_replica: int):
-        from loraplex.frontend.engine import Engine
+        from loraplex.frontend.entrypoints.engine import Engine
 
         self.adapter_root = os.path.realpath(adapter_root)
         kwargs = {"enable_lora": True, "lora_path_root": self.adapter_root, **engine_kwargs}

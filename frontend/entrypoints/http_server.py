@@ -8,8 +8,8 @@ import logging
 import signal
 
 from aiohttp import web
-from loraplex.frontend import console_api, native_api, openai_api, openapi, utility_api
-from loraplex.frontend.http_utils import error_response
+from loraplex.frontend.entrypoints import console_api, native_api, openai_api, openapi, utility_api
+from loraplex.frontend.entrypoints.http_utils import error_response
 from loraplex.frontend.runtime import Runtime
 from loraplex.protocol.errors import ServerError, http_status
 
@@ -95,7 +95,7 @@ async def serve(runtime: Runtime) -> None:
         waiter.cancel()
         start.result()
         if config.rpc_addr:
-            from loraplex.frontend.rpc_server import RpcServer
+            from loraplex.frontend.entrypoints.rpc_server import RpcServer
 
             rpc = RpcServer(runtime, config.rpc_addr)
             rpc.start()

@@ -15,8 +15,8 @@ import signal
 import time
 
 from aiohttp import web
-from loraplex.frontend.launcher import ProcessGroup
-from loraplex.frontend.node_rendezvous import BEAT_INTERVAL_S, NodeRendezvous
+from loraplex.frontend.cluster.node_rendezvous import BEAT_INTERVAL_S, NodeRendezvous
+from loraplex.frontend.cluster.process_group import ProcessGroup
 from loraplex.frontend.runtime import START_TIMEOUT_S, resolve_model_dir
 from loraplex.protocol.config import ServerConfig
 

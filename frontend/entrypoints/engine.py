@@ -14,8 +14,8 @@ from typing import Any
 
 from aiohttp import web
 from loraplex.frontend.adapter_tensors import encode_tensors
-from loraplex.frontend.http_server import create_app
-from loraplex.frontend.native_api import NativeGenerateRequest, collect, start_generate, stream_chunks
+from loraplex.frontend.entrypoints.http_server import create_app
+from loraplex.frontend.entrypoints.native_api import NativeGenerateRequest, collect, start_generate, stream_chunks
 from loraplex.frontend.params import convert
 from loraplex.frontend.runtime import Runtime
 from loraplex.protocol.config import ServerConfig
