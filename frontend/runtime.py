@@ -1,7 +1,7 @@
-"""Runtime: the frontend's engine room — child processes, tokenizer, the table of requests in flight, and which
-data-parallel replica serves each.
+"""Runtime: the frontend's lifecycle — start and stop the child processes, own the pieces (tokenizer, adapter
+registry and manager, replicas, router, metrics) and the table of requests in flight, drain on SIGTERM, fail whole.
 
-The HTTP server, the RPC server and the in-process Engine all drive one Runtime from one event loop.
+Every entry point drives one Runtime from one event loop, through the GenerateService (frontend/generate.py).
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from loraplex.frontend.adapter_manager import AdapterManager
@@ -212,11 +211,7 @@ class Runtime:
         self.check_available()
         return await self.replicas.stats()
 
-    # ---- generation ----------------------------------------------------------------------------------
-
-    def tokenize(self, text: str) -> list[int]:
-        """A text prompt's tokens, as every generate route and /tokenize take them: the tokenizer's defaults (BOS)."""
-        return self.tokenizer(text)["input_ids"]
+    # ---- the table of requests in flight ---------------------------------------------------------------
 
     async def submit(
         self,
@@ -272,15 +267,6 @@ class Runtime:
                 f"prompt + max_new_tokens = {total} tokens can never fit the KV cache "
                 f"({self.ready.max_total_tokens} tokens)"
             )
-
-    async def stream(self, state: RequestState) -> AsyncIterator[RequestState]:
-        """Yields the state each time it changes, ending when it finishes."""
-        while True:
-            await state.changed.wait()
-            state.changed.clear()
-            yield state
-            if state.finished:
-                return
 
     async def finish(self, state: RequestState) -> None:
         """Every request path ends here (finish, abort, disconnect, error): frees its hold and its slot."""
