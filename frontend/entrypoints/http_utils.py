@@ -9,7 +9,7 @@ from aiohttp import web
 from loraplex.frontend.entrypoints.wire import SSE_DONE, encode_json, sse_event
 from loraplex.frontend.generate import GenerateService
 from loraplex.frontend.params import decode_body
-from loraplex.frontend.responses import error_body
+from loraplex.frontend.responses import HealthResponse, error_body
 from loraplex.frontend.runtime import Runtime
 
 T = TypeVar("T")
@@ -28,6 +28,14 @@ def json_response(obj: object, status: int = 200) -> web.Response:
 
 def error_response(message: str, status: int) -> web.Response:
     return json_response(error_body(message, status), status)
+
+
+async def health_response(runtime: Runtime) -> web.Response:
+    """/health and /ping: 200 while serving, else 503 and why."""
+    if runtime.healthy:
+        return json_response(HealthResponse(status="ok"))
+    reason = runtime.failure or ("shutting down" if runtime.stopping or runtime.draining else "starting")
+    return json_response(HealthResponse(status="unhealthy", reason=reason), 503)
 
 
 async def read_request(request: web.Request, schema: type[T], strip: Callable[[dict], object] | None = None) -> T:

@@ -6,6 +6,7 @@ import msgspec
 from aiohttp import web
 from loraplex.frontend.entrypoints.http_utils import (
     error_response,
+    health_response,
     json_response,
     read_request,
     runtime_of,
@@ -18,7 +19,7 @@ from loraplex.frontend.errors import InputError
 from loraplex.frontend.generate import GenerationFailed
 from loraplex.frontend.metrics import combine_stats
 from loraplex.frontend.params import AdapterPath, NativeGenerateRequest, strip_native
-from loraplex.frontend.responses import AbortResponse, AdapterReply, AdapterResult, HealthResponse, ModelInfoResponse
+from loraplex.frontend.responses import AbortResponse, AdapterReply, AdapterResult, ModelInfoResponse
 from loraplex.frontend.runtime import Runtime
 from loraplex.protocol.errors import http_status
 from loraplex.protocol.structs import (
@@ -66,11 +67,7 @@ async def abort_request(request: web.Request) -> web.Response:
 
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
-    runtime = runtime_of(request)
-    if runtime.healthy:
-        return json_response(HealthResponse(status="ok"))
-    reason = runtime.failure or ("shutting down" if runtime.stopping or runtime.draining else "starting")
-    return json_response(HealthResponse(status="unhealthy", reason=reason), 503)
+    return health_response(runtime_of(request))
 
 
 async def replica_stats(runtime: Runtime) -> list[SchedulerStats] | None:

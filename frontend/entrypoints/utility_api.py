@@ -8,8 +8,13 @@ from importlib import metadata
 
 import msgspec
 from aiohttp import web
-from loraplex.frontend.entrypoints.http_utils import json_response, read_request, runtime_of, service_of
-from loraplex.frontend.entrypoints.native_api import health
+from loraplex.frontend.entrypoints.http_utils import (
+    health_response,
+    json_response,
+    read_request,
+    runtime_of,
+    service_of,
+)
 from loraplex.frontend.entrypoints.openai_serving import ChatMessage, chat_messages
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.params import NativeGenerateRequest, TokenId, convert
@@ -80,7 +85,7 @@ async def version(request: web.Request) -> web.Response:
 @routes.get("/ping")
 async def ping(request: web.Request) -> web.Response:
     """/health under vLLM's (and SageMaker's) name: no key needed."""
-    return await health(request)
+    return health_response(runtime_of(request))
 
 
 @routes.get("/health_generate")
@@ -88,7 +93,7 @@ async def health_generate(request: web.Request) -> web.Response:
     """200 once one token went through the whole pipeline (tokenizer aside): scheduler, every rank, sampling."""
     runtime = runtime_of(request)
     if not runtime.healthy:
-        return await health(request)
+        return health_response(runtime)
     token_id = next((t for t in (runtime.tokenizer.bos_token_id, runtime.tokenizer.eos_token_id) if t is not None), 0)
     body = convert({"input_ids": [token_id], "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
                    NativeGenerateRequest, "health check")
