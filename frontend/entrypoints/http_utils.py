@@ -30,7 +30,7 @@ def error_response(message: str, status: int) -> web.Response:
     return json_response(error_body(message, status), status)
 
 
-async def health_response(runtime: Runtime) -> web.Response:
+def health_response(runtime: Runtime) -> web.Response:
     """/health and /ping: 200 while serving, else 503 and why."""
     if runtime.healthy:
         return json_response(HealthResponse(status="ok"))
