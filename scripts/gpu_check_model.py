@@ -44,7 +44,7 @@ def g0_env(ctx: Context) -> None:
             importlib.import_module(module)
         except Exception as e:
             failed.append(f"{module}: {type(e).__name__}: {e}")
-    rec.check("imports", not failed, failed or "all", "worker.*, protocol.*, frontend.engine import")
+    rec.check("imports", not failed, failed or "all", "worker.*, protocol.*, frontend.entrypoints.engine import")
     versions = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
                 **{m: _version(m) for m in ("triton", "transformers", "peft", "msgspec", "zmq", "safetensors")}}
     sdp = {}

@@ -121,9 +121,6 @@ class Engine:
         body = self._body(prompt, sampling_params, lora_path, input_ids, rid, stream, logprob_options)
         if not stream:
             return await self._await(self._generate(body))
-        return self._async_stream(body)
-
-    def _async_stream(self, body: NativeGenerateRequest) -> AsyncIterator[dict]:
         return self.async_iterate(lambda _: self._chunks(body))
 
     async def async_iterate(self, make: Callable[[GenerateService], AsyncIterator[T]]) -> AsyncIterator[T]:
