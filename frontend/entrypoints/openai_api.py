@@ -14,15 +14,8 @@ from loraplex.frontend.entrypoints.http_utils import (
     service_of,
     start_sse,
 )
-from loraplex.frontend.entrypoints.openai_serving import (
-    ChatRequest,
-    CompletionRequest,
-    OpenAIRun,
-    model_cards,
-    start_chat,
-    start_completion,
-    strip_openai,
-)
+from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest, strip_openai
+from loraplex.frontend.entrypoints.openai_serving import OpenAIRun, model_cards, start_chat, start_completion
 from loraplex.frontend.generate import GenerationFailed
 from loraplex.frontend.params import AdapterPath, Int64
 from loraplex.frontend.registry import AdapterError

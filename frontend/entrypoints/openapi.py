@@ -11,7 +11,7 @@ from loraplex.frontend import responses as r
 from loraplex.frontend.entrypoints.http_utils import json_response
 from loraplex.frontend.entrypoints.native_api import AbortBody, LoadBody, UnloadBody
 from loraplex.frontend.entrypoints.openai_api import VllmLoadBody, VllmUnloadBody
-from loraplex.frontend.entrypoints.openai_serving import ChatRequest, CompletionRequest
+from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest
 from loraplex.frontend.entrypoints.utility_api import DetokenizeBody, TokenizeBody
 from loraplex.frontend.params import NativeGenerateRequest
 

@@ -23,14 +23,8 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from loraplex.frontend.entrypoints.openai_serving import (
-    ChatRequest,
-    CompletionRequest,
-    base_card,
-    decode_openai,
-    start_chat,
-    start_completion,
-)
+from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest, decode_openai
+from loraplex.frontend.entrypoints.openai_serving import base_card, start_chat, start_completion
 from loraplex.frontend.entrypoints.wire import SSE_DONE, encode_json, failure, key_matches, sse_event
 from loraplex.frontend.generate import GenerateService, GenerationFailed
 from loraplex.frontend.responses import ModelCard, error_body

@@ -15,7 +15,7 @@ from loraplex.frontend.entrypoints.http_utils import (
     runtime_of,
     service_of,
 )
-from loraplex.frontend.entrypoints.openai_serving import ChatMessage, chat_messages
+from loraplex.frontend.entrypoints.openai_schemas import ChatMessage, chat_messages
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.params import NativeGenerateRequest, TokenId, convert
 from loraplex.frontend.responses import DetokenizeResponse, HealthResponse, TokenizeResponse, VersionResponse
