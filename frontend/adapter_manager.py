@@ -19,9 +19,9 @@ from typing import Any
 import msgspec
 from loraplex.frontend.adapter_state import AdapterStateFile
 from loraplex.frontend.adapter_tensors import cut_per_rank, read_adapter_dir
+from loraplex.frontend.cluster.replica_set import ReplicaSet, merge_replica_answers
 from loraplex.frontend.metrics import Metrics
 from loraplex.frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
-from loraplex.frontend.replica_set import ReplicaSet, merge_replica_answers
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.errors import ServerError
 from loraplex.protocol.structs import (

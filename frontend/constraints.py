@@ -10,7 +10,8 @@ import json
 from typing import Any, Literal
 
 import msgspec
-from loraplex.frontend.runtime import InputError, Runtime
+from loraplex.frontend.errors import InputError
+from loraplex.frontend.runtime import Runtime
 from loraplex.protocol.structs import OutputConstraint, SamplingParams
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object: any JSON object

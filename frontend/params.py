@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
 import msgspec
-from loraplex.frontend.runtime import InputError
+from loraplex.frontend.errors import InputError
 from loraplex.protocol.structs import SamplingParams
 
 T = TypeVar("T")

@@ -39,7 +39,7 @@ class RequestState:
         self.lora_name = lora_name
         self.lora_id = lora_id
         self.output = output
-        self.dp_rank = 0  # the data-parallel replica serving it (frontend/router.py)
+        self.dp_rank = 0  # the data-parallel replica serving it (frontend/cluster/router.py)
         self.detokenizer = IncrementalDetokenizer(tokenizer, output.skip_special_tokens)
         self.stop_matcher = StopMatcher(stop_strings)
         self.output_ids: list[int] = []

@@ -18,9 +18,18 @@ class ErrorDetail(msgspec.Struct):
 
 
 class ErrorResponse(msgspec.Struct):
-    """Every failure, on every route: frontend.http_utils.error_response builds it."""
+    """Every failure, on every route and in every stream: error_body builds it."""
 
     error: ErrorDetail
+
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+               404: "NotFoundError", 409: "ConflictError", 413: "RequestTooLarge", 499: "ClientClosedRequest",
+               500: "InternalServerError", 503: "ServiceUnavailableError", 504: "TimeoutError"}
+
+
+def error_body(message: str, status: int) -> ErrorResponse:
+    return ErrorResponse(ErrorDetail(message=message, type=ERROR_TYPES.get(status, "Error"), code=status))
 
 
 # ---- native ----------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""Runtime: the frontend's engine room — child processes, tokenizer, the table of requests in flight, and which
-data-parallel replica serves each.
+"""Runtime: the frontend's lifecycle — start and stop the child processes, own the pieces (tokenizer, adapter
+registry and manager, replicas, router, metrics) and the table of requests in flight, drain on SIGTERM, fail whole.
 
-The HTTP server, the RPC server and the in-process Engine all drive one Runtime from one event loop.
+Every entry point drives one Runtime from one event loop, through the GenerateService (frontend/generate.py).
 """
 
 from __future__ import annotations
@@ -9,22 +9,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from loraplex.frontend.adapter_manager import AdapterManager
 from loraplex.frontend.adapter_state import AdapterStateFile
+from loraplex.frontend.cluster.node_rendezvous import NodeRendezvous
+from loraplex.frontend.cluster.process_group import ProcessGroup
+from loraplex.frontend.cluster.replica_set import ReplicaSet
+from loraplex.frontend.cluster.router import Router
+from loraplex.frontend.errors import InputError, ServerUnavailable
 from loraplex.frontend.grammar_checker import GrammarChecker
-from loraplex.frontend.launcher import ProcessGroup
 from loraplex.frontend.lora_config import resolve_lora_config
 from loraplex.frontend.metrics import Metrics
-from loraplex.frontend.node_rendezvous import NodeRendezvous
 from loraplex.frontend.registry import AdapterRegistry
-from loraplex.frontend.replica_set import ReplicaSet
 from loraplex.frontend.request_state import OutputOptions, RequestState
-from loraplex.frontend.router import Router
 from loraplex.protocol.config import ServerConfig
-from loraplex.protocol.errors import ServerError
 from loraplex.protocol.request_limits import request_fit_error
 from loraplex.protocol.structs import (
     AbortReq,
@@ -44,20 +43,6 @@ WATCH_INTERVAL_S = 0.2
 DRAIN_POLL_S = 0.05
 # After a drain aborts what is left, how long the handlers get to write their last chunk and call finish().
 ABORT_GRACE_S = 3.0
-
-
-class ServerUnavailable(ServerError):
-    """The server is starting, stopping, or lost a process: requests get a 503."""
-
-    def __init__(self, message: str):
-        super().__init__(message, "unavailable")
-
-
-class InputError(ServerError, ValueError):
-    """Input the server cannot serve; the message goes back to the client with a 400."""
-
-    def __init__(self, message: str):
-        super().__init__(message, "invalid")
 
 
 def resolve_model_dir(model_path: str) -> str:
@@ -227,11 +212,7 @@ class Runtime:
         self.check_available()
         return await self.replicas.stats()
 
-    # ---- generation ----------------------------------------------------------------------------------
-
-    def tokenize(self, text: str) -> list[int]:
-        """A text prompt's tokens, as every generate route and /tokenize take them: the tokenizer's defaults (BOS)."""
-        return self.tokenizer(text)["input_ids"]
+    # ---- the table of requests in flight ---------------------------------------------------------------
 
     async def submit(
         self,
@@ -279,15 +260,6 @@ class Runtime:
             raise InputError(
                 f"logprob_start_len ({sampling.logprob_start_len}) must be below the prompt length ({len(prompt_ids)})"
             )
-
-    async def stream(self, state: RequestState) -> AsyncIterator[RequestState]:
-        """Yields the state each time it changes, ending when it finishes."""
-        while True:
-            await state.changed.wait()
-            state.changed.clear()
-            yield state
-            if state.finished:
-                return
 
     async def finish(self, state: RequestState) -> None:
         """Every request path ends here (finish, abort, disconnect, error): frees its hold and its slot."""

@@ -1,5 +1,5 @@
 """The all-or-nothing merge of an adapter load answered by several members: the TP ranks behind one scheduler
-(scheduler/adapter_table.py), and the data-parallel replicas behind the frontend (frontend/replica_set.py)."""
+(scheduler/adapter_table.py), and the data-parallel replicas behind the frontend (frontend/cluster/replica_set.py)."""
 
 from __future__ import annotations
 

@@ -302,7 +302,7 @@ class SchedulerStats(Struct, frozen=True):
 
 class SlotsChanged(Struct, frozen=True):
     """The scheduler's device slot table after a step that changed it (-1 = empty): where requests go under
-    --dp-size (frontend/router.py)."""
+    --dp-size (frontend/cluster/router.py)."""
 
     slot_lora_ids: list[int]
 

@@ -39,12 +39,12 @@ def g0_env(ctx: Context) -> None:
     failed = []
     for module in ("loraplex.protocol.structs", "loraplex.protocol.config", "loraplex.protocol.sockets",
                    "loraplex.worker.model_runner", "loraplex.worker.dist", "loraplex.worker.lora.manager",
-                   "loraplex.frontend.engine"):
+                   "loraplex.frontend.entrypoints.engine"):
         try:
             importlib.import_module(module)
         except Exception as e:
             failed.append(f"{module}: {type(e).__name__}: {e}")
-    rec.check("imports", not failed, failed or "all", "worker.*, protocol.*, frontend.engine import")
+    rec.check("imports", not failed, failed or "all", "worker.*, protocol.*, frontend.entrypoints.engine import")
     versions = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
                 **{m: _version(m) for m in ("triton", "transformers", "peft", "msgspec", "zmq", "safetensors")}}
     sdp = {}

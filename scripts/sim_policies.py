@@ -11,7 +11,7 @@ import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from loraplex.frontend.router import Router
+from loraplex.frontend.cluster.router import Router
 
 if TYPE_CHECKING:
     from scripts.cluster_sim import Replica
@@ -49,8 +49,9 @@ class LeastLoaded(Policy):
 
 
 class ProductRouter(Policy):
-    """loraplex's --dp-size routing: `loraplex.frontend.router.Router`, told what the frontend tells it (a request
-    routed, a request ended, a replica's new slot table), so the simulation routes exactly as the server does."""
+    """loraplex's --dp-size routing: `loraplex.frontend.cluster.router.Router`, told what the frontend tells it (a
+    request routed, a request ended, a replica's new slot table), so the simulation routes exactly as the server
+    does."""
 
     def __init__(self, rng: random.Random):
         self.router: Router | None = None  # sized at the first pick, when the replicas are known

@@ -138,7 +138,7 @@ def test_state_file_round_trip_is_atomic_and_tolerates_broken_files(tmp_path: Pa
 
 
 def test_scheduler_client_matches_replies_by_operation_id(tmp_path: Path) -> None:
-    from loraplex.frontend.scheduler_client import SchedulerClient
+    from loraplex.frontend.cluster.scheduler_client import SchedulerClient
     from loraplex.protocol.sockets import PULL, PUSH, AsyncTypedSocket
     from loraplex.protocol.structs import AdapterOpDone, AdapterOutcome, DropAdapters, Endpoints, FrontendToScheduler
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from loraplex.frontend.entrypoints.rpc_client import RpcCallError, RpcClient
 from loraplex.frontend.lora_config import resolve_lora_config
-from loraplex.frontend.rpc_client import RpcCallError, RpcClient
 from loraplex.protocol import rpc
 from loraplex.protocol.config import TARGET_MODULES, ConfigError, ServerConfig, config_from_args
 from loraplex.protocol.sockets import DEALER, BlockingFrameSocket
@@ -310,7 +310,7 @@ def client_addr(client: RpcClient) -> str:
 
 
 def test_engine_tp2_tensors_equal_directory(llama_dir, adapter_dirs, tmp_path):
-    from loraplex.frontend.engine import Engine
+    from loraplex.frontend.entrypoints.engine import Engine
 
     tensors, config = adapter_parts(adapter_dirs["a16"])
     state_file = tmp_path / "state.json"

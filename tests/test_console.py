@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from loraplex.frontend.console_api import CONSOLE_DIR
+from loraplex.frontend.entrypoints.console_api import CONSOLE_DIR
 from playwright.sync_api import expect, sync_playwright
 from prometheus_client.parser import text_string_to_metric_families
 

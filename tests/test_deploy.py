@@ -10,7 +10,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from loraplex.frontend import native_api
+from loraplex.frontend.entrypoints import native_api
 from loraplex.frontend.metrics import Metrics
 from loraplex.protocol.config import ServerConfig, build_arg_parser
 

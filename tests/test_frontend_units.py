@@ -7,9 +7,9 @@ import os
 
 import pytest
 from loraplex.frontend.detokenizer import IncrementalDetokenizer, StopMatcher
+from loraplex.frontend.errors import InputError
 from loraplex.frontend.params import NativeSamplingParams, native_sampling
 from loraplex.frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
-from loraplex.frontend.runtime import InputError
 from transformers import AutoTokenizer
 
 

@@ -35,7 +35,7 @@ def _help_sections(text: str) -> dict[str, list[str]]:
 
 def test_help_groups_flags_by_topic() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "loraplex.frontend.launch", "--help"],
+        [sys.executable, "-m", "loraplex.frontend.entrypoints.launch", "--help"],
         cwd=REPO,
         capture_output=True,
         text=True,

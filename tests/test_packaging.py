@@ -51,7 +51,7 @@ def test_wheel_carries_data_files(wheel: zipfile.ZipFile) -> None:
                    "loraplex/frontend/demo_assets/adapters/sort/adapter_config.json"):
         assert needed in names, needed
     entry_points = wheel.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
-    assert "loraplex = loraplex.frontend.launch:main" in entry_points
+    assert "loraplex = loraplex.frontend.entrypoints.launch:main" in entry_points
 
 
 def test_installed_names_resolve_to_the_repository() -> None:

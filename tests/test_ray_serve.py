@@ -1,6 +1,7 @@
-"""frontend/ray_serve.py on a local Ray instance: two engine replicas of the tiny Llama, adapters multiplexed from
-a directory. Outputs equal HF/peft, requests for an adapter go to the replica that holds it, and an adapter evicted
-by the per-replica LRU is unloaded from that replica's Engine and, asked for again, reloaded with the same output."""
+"""frontend/entrypoints/ray_serve.py on a local Ray instance: two engine replicas of the tiny Llama, adapters
+multiplexed from a directory. Outputs equal HF/peft, requests for an adapter go to the replica that holds it, and an
+adapter evicted by the per-replica LRU is unloaded from that replica's Engine and, asked for again, reloaded with the
+same output."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import psutil
 import pytest
 import ray
 import requests
-from loraplex.frontend.launcher import free_port
-from loraplex.frontend.ray_serve import REPLICA_HEADER, build_app
+from loraplex.frontend.cluster.process_group import free_port
+from loraplex.frontend.entrypoints.ray_serve import REPLICA_HEADER, build_app
 from ray import serve
 from transformers import AutoTokenizer
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
-from loraplex.frontend.rpc_client import RpcCallError, RpcClient
-from loraplex.frontend.rpc_server import RpcServer
+from loraplex.frontend.entrypoints.rpc_client import RpcCallError, RpcClient
+from loraplex.frontend.entrypoints.rpc_server import RpcServer
 from loraplex.protocol import rpc
 from loraplex.protocol.config import ConfigError, ServerConfig, config_from_args
 from loraplex.protocol.errors import ServerError

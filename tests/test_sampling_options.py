@@ -617,8 +617,8 @@ def test_other_spellings_and_bad_values_are_refused(server, path, field):
 
 
 def test_logprobs_through_the_rpc_and_engine_options(server):
-    from loraplex.frontend.engine import Engine
-    from loraplex.frontend.rpc_client import RpcClient
+    from loraplex.frontend.entrypoints.engine import Engine
+    from loraplex.frontend.entrypoints.rpc_client import RpcClient
 
     options = {"return_logprob": True, "top_logprobs_num": 1, "logprob_start_len": 2}
     http = post(

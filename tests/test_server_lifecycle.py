@@ -14,7 +14,7 @@ import psutil
 import pytest
 import requests
 import torch
-from loraplex.frontend.engine import Engine
+from loraplex.frontend.entrypoints.engine import Engine
 from transformers import AutoTokenizer
 
 from tests.reference import assert_greedy_match, hf_greedy, hf_model

@@ -51,8 +51,8 @@ def init_distributed(config: ServerConfig, dist_init_addr: str, rank: int, devic
         "joining torch.distributed group: rank %d of %d, %s at tcp://%s", rank, config.tp, backend, dist_init_addr
     )
     if config.nnodes > 1:
-        # Node 0's frontend hosts the store at --dist-init-addr (frontend/node_rendezvous.py): every rank joins as a
-        # client, under a prefix of its own beside the nodes' keys.
+        # Node 0's frontend hosts the store at --dist-init-addr (frontend/cluster/node_rendezvous.py): every rank joins
+        # as a client, under a prefix of its own beside the nodes' keys.
         host, port = dist_init_addr.rsplit(":", 1)
         client = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=DIST_INIT_TIMEOUT)
         store = dist.PrefixStore("tp/", client)

@@ -10,10 +10,8 @@ import hmac
 import logging
 
 import msgspec
-from loraplex.frontend import native_api
-from loraplex.frontend.http_utils import stream_many
-from loraplex.frontend.native_api import NativeGenerateRequest, collect, raise_failure, start_generate
-from loraplex.frontend.params import convert
+from loraplex.frontend.generate import GenerateService, raise_failure
+from loraplex.frontend.params import NativeGenerateRequest, convert
 from loraplex.frontend.request_state import RequestState
 from loraplex.frontend.runtime import Runtime
 from loraplex.protocol import rpc
@@ -37,6 +35,7 @@ logger = logging.getLogger("loraplex.rpc")
 class RpcServer:
     def __init__(self, runtime: Runtime, addr: str):
         self.runtime = runtime
+        self.service = GenerateService(runtime)
         self.addr = addr
         self.sock = FrameSocket(ROUTER, addr, bind=True)
         self._task: asyncio.Task | None = None
@@ -113,24 +112,22 @@ class RpcServer:
         if isinstance(request, ListLoRAAdaptersReqInput):
             return ListLoRAAdaptersReqOutput(adapters=runtime.registry.table())
         if isinstance(request, AbortReqInput):
-            return await native_api.abort(runtime, request.rid)
+            return await self.service.abort(request.rid)
         if isinstance(request, GenerateReqInput):
-            states, batched = await start_generate(runtime, generate_body(request))
+            states, batched = await self.service.start(generate_body(request))
             try:
-                outputs = await collect(runtime, states, batched)
+                outputs = await self.service.collect(states, batched)
             finally:
-                for state in states:
-                    await runtime.finish(state)
+                await self.service.finish(states)
             return GenerateReqOutput(outputs=outputs if batched else [outputs])
         return RpcError(error_message=f"unsupported request {type(request).__name__}")
 
     async def _stream(self, identity: bytes, request_id: bytes, request: GenerateReqInput) -> None:
         """Chunks of what is new, then the last one (finished=True); raises PeerGone if the client has left."""
-        runtime = self.runtime
-        states, _ = await start_generate(runtime, generate_body(request))
+        states, _ = await self.service.start(generate_body(request))
         deltas = StreamDeltas(states)
         try:
-            async for index, state in stream_many(runtime, states):
+            async for index, state in self.service.stream(states):
                 if state.error or all(s.finished for s in states):
                     break  # the last chunk (or the RpcError) is sent below
                 item = deltas.take(index)
@@ -141,8 +138,7 @@ class RpcServer:
             last = [item for i in range(len(states)) if (item := deltas.take(i)) is not None]
             await self.sock.send([identity, request_id, rpc.encode(GenerateReqOutput(outputs=last))])
         finally:  # every path, a client gone included: frees the requests (and aborts the unfinished ones)
-            for state in states:
-                await runtime.finish(state)
+            await self.service.finish(states)
 
 
 def generate_body(request: GenerateReqInput) -> NativeGenerateRequest:

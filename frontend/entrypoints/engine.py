@@ -1,7 +1,7 @@
 """Engine: the same processes as the server, driven in-process without HTTP.
 
-The Runtime lives on a private event loop in a background thread, so the sync methods block on it and the
-async twins await it from any other loop, including one started after the Engine was built.
+The Runtime and its GenerateService live on a private event loop in a background thread, so the sync methods block
+on it and the async twins await it from any other loop, including one started after the Engine was built.
 """
 
 from __future__ import annotations
@@ -9,14 +9,12 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
 
-from aiohttp import web
 from loraplex.frontend.adapter_tensors import encode_tensors
-from loraplex.frontend.http_server import create_app
-from loraplex.frontend.native_api import NativeGenerateRequest, collect, start_generate, stream_chunks
-from loraplex.frontend.params import convert
+from loraplex.frontend.generate import GenerateService
+from loraplex.frontend.params import NativeGenerateRequest, convert
 from loraplex.frontend.runtime import Runtime
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.errors import ServerError
@@ -29,6 +27,7 @@ from loraplex.protocol.structs import (
 )
 
 _END = object()
+T = TypeVar("T")
 
 
 # /generate's top-level logprob fields, taken as keyword arguments by generate and async_generate
@@ -42,7 +41,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="loraplex-engine", daemon=True)
         self._thread.start()
         self.runtime = Runtime(self.config, _fault_hooks)
-        self._http: web.AppRunner | None = None
+        self.service = GenerateService(self.runtime)
         self._closed = False
         try:
             self._run(self.runtime.start())
@@ -69,24 +68,30 @@ class Engine:
         return convert({k: v for k, v in raw.items() if v is not None}, NativeGenerateRequest, "generate request")
 
     async def _generate(self, body: NativeGenerateRequest) -> dict | list[dict]:
-        states, batched = await start_generate(self.runtime, body)
+        states, batched = await self.service.start(body)
         try:
-            return await collect(self.runtime, states, batched)
+            return await self.service.collect(states, batched)
         finally:
-            for state in states:
-                await self.runtime.finish(state)
+            await self.service.finish(states)
 
-    async def _stream(self, body: NativeGenerateRequest, sink: Any) -> None:
+    async def _chunks(self, body: NativeGenerateRequest) -> AsyncIterator[dict]:
         states: list = []
         try:
-            states, batched = await start_generate(self.runtime, body)
-            async for chunk in stream_chunks(self.runtime, states, batched):
-                sink(chunk)
+            states, batched = await self.service.start(body)
+            async for chunk in self.service.chunks(states, batched):
+                yield chunk
+        finally:
+            await self.service.finish(states)
+
+    @staticmethod
+    async def _pump(items: AsyncIterator[Any], sink: Callable[[Any], None]) -> None:
+        """Hands each item to the consumer's side, then a failure (re-raised there) or the end."""
+        try:
+            async for item in items:
+                sink(item)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
             sink(e)
         finally:
-            for state in states:
-                await self.runtime.finish(state)
             sink(_END)
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | None = None,
@@ -101,7 +106,7 @@ class Engine:
 
     def _sync_stream(self, body: NativeGenerateRequest) -> Iterator[dict]:
         items: queue.Queue = queue.Queue()
-        future = asyncio.run_coroutine_threadsafe(self._stream(body, items.put), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._pump(self._chunks(body), items.put), self._loop)
         try:
             while (item := items.get()) is not _END:
                 if isinstance(item, BaseException):
@@ -116,14 +121,18 @@ class Engine:
         body = self._body(prompt, sampling_params, lora_path, input_ids, rid, stream, logprob_options)
         if not stream:
             return await self._await(self._generate(body))
-        return self._async_stream(body)
+        return self.async_iterate(lambda _: self._chunks(body))
 
-    async def _async_stream(self, body: NativeGenerateRequest) -> AsyncIterator[dict]:
+    async def async_iterate(self, make: Callable[[GenerateService], AsyncIterator[T]]) -> AsyncIterator[T]:
+        """The items of make(service), run on the Engine's loop, yielded on the caller's (the Ray replica serves
+        the OpenAI API this way). Leaving early cancels it there, so what it submitted ends."""
         caller = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
-        future = asyncio.run_coroutine_threadsafe(
-            self._stream(body, lambda item: caller.call_soon_threadsafe(items.put_nowait, item)), self._loop
-        )
+
+        async def run() -> None:
+            await self._pump(make(self.service), lambda item: caller.call_soon_threadsafe(items.put_nowait, item))
+
+        future = asyncio.run_coroutine_threadsafe(run(), self._loop)
         try:
             while (item := await items.get()) is not _END:
                 if isinstance(item, BaseException):
@@ -188,16 +197,7 @@ class Engine:
         return self.runtime.registry.table()
 
     def abort_request(self, rid: str) -> bool:
-        return self._run(self.runtime.abort(rid))
-
-    # ---- HTTP beside the in-process calls ----------------------------------------------------------------
-
-    def serve_unix_socket(self, path: str) -> None:
-        """Serve the server's own HTTP app (routes, keys, status codes) on a Unix socket until shutdown: a host
-        process that forwards OpenAI requests (frontend/ray_serve.py) gets them answered exactly as the server would."""
-        if self._http is not None:
-            raise RuntimeError("this Engine already serves HTTP")
-        self._http = self._run(_start_unix_site(self.runtime, path))
+        return self._run(self.service.abort(rid)).success
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
@@ -206,8 +206,6 @@ class Engine:
             return
         self._closed = True
         try:
-            if self._http is not None:
-                self._run(self._http.cleanup())
             self._run(self.runtime.shutdown())
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -228,13 +226,6 @@ class Engine:
 
 
 __all__ = ["Engine"]
-
-
-async def _start_unix_site(runtime: Runtime, path: str) -> web.AppRunner:
-    runner = web.AppRunner(create_app(runtime), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await web.UnixSite(runner, path).start()
-    return runner
 
 
 def _refused(output_type: type, lora_name: str, error: ServerError) -> Any:

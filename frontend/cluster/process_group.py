@@ -54,7 +54,7 @@ class ProcessGroup:
     def __init__(self, config: ServerConfig, model_dir: str, fault_hooks: dict[str, str] | None = None):
         self.config = config
         self.ipc_dir = tempfile.mkdtemp(prefix="loraplex-")
-        # per replica; with several nodes, set from the nodes' rendezvous before start() (frontend/node_rendezvous.py)
+        # per replica; with several nodes, set from the nodes' rendezvous before start() (node_rendezvous.py)
         self.endpoints = [make_endpoints(config, self.ipc_dir, dp_rank) for dp_rank in range(config.dp_size)]
         self.model_dir = model_dir
         self.fault_hooks = fault_hooks or {}

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
 
 from aiohttp import web
-from loraplex.frontend import console_api, native_api, openai_api, openapi, utility_api
-from loraplex.frontend.http_utils import error_response
+from loraplex.frontend.entrypoints import console_api, native_api, openai_api, openapi, utility_api
+from loraplex.frontend.entrypoints.http_utils import error_response
+from loraplex.frontend.entrypoints.wire import failure, key_matches
+from loraplex.frontend.generate import GenerateService
 from loraplex.frontend.runtime import Runtime
-from loraplex.protocol.errors import ServerError, http_status
 
 logger = logging.getLogger("loraplex.http")
 
@@ -22,9 +22,7 @@ HANDLER_SHUTDOWN_S = 3.0
 
 
 def _authorized(request: web.Request, key: str) -> bool:
-    header = request.headers.get("Authorization", "")
-    token = header[7:] if header.startswith("Bearer ") else request.headers.get("X-API-Key", "")
-    return hmac.compare_digest(token.encode(), key.encode())
+    return key_matches(request.headers.get("Authorization", ""), request.headers.get("X-API-Key", ""), key)
 
 
 @web.middleware
@@ -46,19 +44,17 @@ async def error_middleware(request: web.Request, handler):
         if e.status >= 400:
             return error_response(f"{e.reason}: {request.method} {request.path}", e.status)
         raise
-    except ServerError as e:  # InputError, AdapterError, ServerUnavailable: the kind picks the status
-        openai = request.path.startswith("/v1/") or request.path in utility_api.VLLM_STATUS_PATHS
-        return error_response(str(e), http_status(e.kind, openai=openai))
     except (ConnectionResetError, asyncio.CancelledError):
         raise
-    except Exception as e:  # noqa: BLE001 - the edge: log it, answer 500, keep serving
-        logger.exception("internal error on %s %s", request.method, request.path)
-        return error_response(f"internal server error: {type(e).__name__}: {e}", 500)
+    except Exception as e:  # noqa: BLE001 - the edge: a ServerError's kind picks the status, the rest is a 500
+        openai = request.path.startswith("/v1/") or request.path in utility_api.VLLM_STATUS_PATHS
+        return error_response(*failure(e, openai, f"{request.method} {request.path}"))
 
 
 def create_app(runtime: Runtime) -> web.Application:
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=64 * 2**20)
     app["runtime"] = runtime
+    app["generate"] = GenerateService(runtime)
     app.add_routes(native_api.routes)
     app.add_routes(openai_api.routes)
     app.add_routes(utility_api.routes)
@@ -95,7 +91,7 @@ async def serve(runtime: Runtime) -> None:
         waiter.cancel()
         start.result()
         if config.rpc_addr:
-            from loraplex.frontend.rpc_server import RpcServer
+            from loraplex.frontend.entrypoints.rpc_server import RpcServer
 
             rpc = RpcServer(runtime, config.rpc_addr)
             rpc.start()

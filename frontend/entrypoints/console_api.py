@@ -8,7 +8,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-CONSOLE_DIR = Path(__file__).resolve().parent / "console"
+CONSOLE_DIR = Path(__file__).resolve().parents[1] / "console"  # frontend/console/: the package data
 STATIC_PREFIX = "/console/"
 # The page and its files, served without a key: nothing here reads server state.
 OPEN_PATHS = frozenset({"/", "/console"})

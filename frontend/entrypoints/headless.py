@@ -1,6 +1,6 @@
 """A headless node (--nnodes > 1, --node-rank > 0): this node's ranks, and `GET /health` on its own --host/--port.
 
-Its ranks join node 0's process group and serve node 0's scheduler over TCP (frontend/node_rendezvous.py); adapters
+Its ranks join node 0's process group and serve node 0's scheduler over TCP (cluster/node_rendezvous.py); adapters
 reach them as raw tensor frames, so no adapter path is read here. /health takes no key: 200 while every rank here is
 alive and node 0 serves (it has said it is ready and not that it stopped), else 503; any other path is a 404. Once
 node 0 is unreachable, or says it stopped, the ranks are stopped and the process exits: 0 when the ranks had
@@ -15,8 +15,8 @@ import signal
 import time
 
 from aiohttp import web
-from loraplex.frontend.launcher import ProcessGroup
-from loraplex.frontend.node_rendezvous import BEAT_INTERVAL_S, NodeRendezvous
+from loraplex.frontend.cluster.node_rendezvous import BEAT_INTERVAL_S, NodeRendezvous
+from loraplex.frontend.cluster.process_group import ProcessGroup
 from loraplex.frontend.runtime import START_TIMEOUT_S, resolve_model_dir
 from loraplex.protocol.config import ServerConfig
 

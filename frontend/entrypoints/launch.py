@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     setup_logging(config.log_level, "frontend")
     import uvloop
-    from loraplex.frontend.headless import serve_headless
-    from loraplex.frontend.http_server import serve
+    from loraplex.frontend.entrypoints.headless import serve_headless
+    from loraplex.frontend.entrypoints.http_server import serve
     from loraplex.frontend.runtime import Runtime
 
     # Test-only fault injection (see worker/process.py); inert unless the variable is set.

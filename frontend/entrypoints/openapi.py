@@ -8,11 +8,12 @@ from typing import Any, NamedTuple
 import msgspec
 from aiohttp import web
 from loraplex.frontend import responses as r
-from loraplex.frontend.http_utils import json_response
-from loraplex.frontend.native_api import AbortBody, LoadBody, UnloadBody
-from loraplex.frontend.openai_api import ChatRequest, CompletionRequest, VllmLoadBody, VllmUnloadBody
+from loraplex.frontend.entrypoints.http_utils import json_response
+from loraplex.frontend.entrypoints.native_api import AbortBody, LoadBody, UnloadBody
+from loraplex.frontend.entrypoints.openai_api import VllmLoadBody, VllmUnloadBody
+from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest
+from loraplex.frontend.entrypoints.utility_api import DetokenizeBody, TokenizeBody
 from loraplex.frontend.params import NativeGenerateRequest
-from loraplex.frontend.utility_api import DetokenizeBody, TokenizeBody
 
 routes = web.RouteTableDef()
 

@@ -2,7 +2,7 @@
 
 Requests and aborts go out as they are; token deltas and slot tables come back to callbacks; every control message
 carries an operation id, and its reply is matched by that id (replies may arrive in any order, and a late one is
-dropped). Under --dp-size there is one client per replica (frontend/replica_set.py), all minting ids from one counter.
+dropped). Under --dp-size there is one client per replica (replica_set.py), all minting ids from one counter.
 """
 
 from __future__ import annotations

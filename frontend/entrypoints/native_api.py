@@ -2,41 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 from aiohttp import web
-from loraplex.frontend.constraints import constrain, native_constraint
-from loraplex.frontend.http_utils import (
-    error_body,
+from loraplex.frontend.entrypoints.http_utils import (
     error_response,
+    health_response,
     json_response,
     read_request,
+    runtime_of,
     send_sse,
     send_sse_done,
+    service_of,
     start_sse,
-    stream_many,
-    wait_all,
 )
+from loraplex.frontend.errors import InputError
+from loraplex.frontend.generate import GenerationFailed
 from loraplex.frontend.metrics import combine_stats
-from loraplex.frontend.params import (
-    MAX_SEED,
-    AdapterPath,
-    NativeGenerateRequest,
-    NativeSamplingParams,
-    native_sampling,
-    strip_native,
-)
-from loraplex.frontend.registry import AdapterError
-from loraplex.frontend.request_state import OutputOptions, RequestState
-from loraplex.frontend.responses import AbortResponse, AdapterReply, AdapterResult, HealthResponse, ModelInfoResponse
-from loraplex.frontend.runtime import InputError, Runtime
+from loraplex.frontend.params import AdapterPath, NativeGenerateRequest, strip_native
+from loraplex.frontend.responses import AbortResponse, AdapterReply, AdapterResult, ModelInfoResponse
+from loraplex.frontend.runtime import Runtime
 from loraplex.protocol.errors import http_status
 from loraplex.protocol.structs import (
-    AbortReqOutput,
     LoadLoRAAdapterReqOutput,
     LoRAAdapterSpec,
-    SamplingParams,
     SchedulerStats,
     UnloadLoRAAdapterReqOutput,
 )
@@ -44,191 +32,42 @@ from loraplex.protocol.structs import (
 routes = web.RouteTableDef()
 
 
-def runtime_of(request: web.Request) -> Runtime:
-    return request.app["runtime"]
-
-
-def generate_items(runtime: Runtime, body: NativeGenerateRequest) -> tuple[list[list[int]], bool]:
-    """Prompts as token ids, and whether the request was batched."""
-    if (body.text is None) == (body.input_ids is None):
-        raise InputError("give exactly one of 'text' or 'input_ids'")
-    if body.text is not None:
-        texts = [body.text] if isinstance(body.text, str) else body.text
-        if not texts:
-            raise InputError("'text' is an empty list")
-        return [runtime.tokenize(t) for t in texts], not isinstance(body.text, str)
-    ids = body.input_ids
-    if not ids:
-        raise InputError("'input_ids' is empty")
-    if all(isinstance(t, list) for t in ids):
-        if any(not p for p in ids):
-            raise InputError("'input_ids' holds an empty prompt")
-        return ids, True
-    if any(isinstance(t, list) for t in ids):
-        raise InputError("'input_ids' must be a list of ints or a list of lists of ints, not a mix")
-    return [ids], False
-
-
-def per_item(value: Any, count: int, batched: bool, what: str) -> list[Any]:
-    if isinstance(value, list):
-        if not batched or len(value) != count:
-            raise InputError(f"'{what}' is a list of {len(value)} but the request has {count} prompt(s)")
-        return value
-    if what == "rid" and value is not None and batched:
-        raise InputError("a batched request needs a list of rids")
-    return [value] * count
-
-
-async def submit_all(runtime: Runtime, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
-                     stops: list[str], lora_names: list[str | None], rids: list[str | None],
-                     output: OutputOptions = OutputOptions()) -> list[RequestState]:
-    """Submit every prompt (with its own sampling when given a list), or none if one is refused."""
-    samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-    batch = list(dict.fromkeys(name for name in lora_names if name is not None))  # distinct, in item order
-    if batch and runtime.config.lora_enabled:
-        runtime.adapters.check_batch(batch)
-    states: list[RequestState] = []
-    # Until every item holds its adapter, the batch's adapters are the last any other load may evict.
-    runtime.registry.want(batch)
-    try:
-        # Check every adapter first so a bad name in a batch starts nothing; bringing one back evicts none of the rest.
-        for name in batch:
-            if runtime.config.lora_enabled:
-                await runtime.adapters.ensure(name, batch)  # the resolver's first use, or an evicted host copy
-            if runtime.registry.get(name) is None or runtime.registry.get(name).draining:
-                raise AdapterError(f"adapter {name!r} is not loaded", kind="not_found")
-        for prompt, one_sampling, name, rid in zip(prompts, samplings, lora_names, rids, strict=False):
-            states.append(await runtime.submit(prompt, one_sampling, stops, name, rid, output))
-    except BaseException:
-        for state in states:
-            await runtime.finish(state)
-        raise
-    finally:
-        runtime.registry.unwant(batch)
-    return states
-
-
-def generate_response(state: RequestState, logprobs_from: int = 0, input_logprobs_from: int = 0) -> dict:
-    return {"text": state.text, "output_ids": list(state.output_ids),
-            "meta_info": state.meta_info(logprobs_from, input_logprobs_from)}
-
-
-def repeat_n(values: list[Any], n: int) -> list[Any]:
-    """n results per prompt, prompt-major."""
-    return [v for v in values for _ in range(n)]
-
-
-def n_samplings(sampling: SamplingParams, n: int) -> list[SamplingParams]:
-    """The sampling of each of n results of one prompt: a seeded request's k-th draws with seed + k (both APIs)."""
-    if sampling.seed is None:
-        return [sampling] * n
-    return [msgspec.structs.replace(sampling, seed=(sampling.seed + k) % (MAX_SEED + 1)) for k in range(n)]
-
-
-async def start_generate(runtime: Runtime, body: NativeGenerateRequest) -> tuple[list[RequestState], bool]:
-    """Validate and submit a /generate body (HTTP, Engine and RPC alike): (states, batched). With n > 1, n results
-    per prompt in one flat list, prompt-major (always a list)."""
-    runtime.check_available()
-    prompts, batched = generate_items(runtime, body)
-    logprobs = body.top_logprobs_num if body.return_logprob else -1
-    logprob_start_len = body.logprob_start_len if body.return_logprob else -1
-    params = body.sampling_params or NativeSamplingParams()
-    sampling, stops = native_sampling(params, runtime.eos_token_ids, logprobs, logprob_start_len)
-    [sampling] = await constrain(runtime, [sampling], native_constraint(params))
-    lora_names = per_item(body.lora_path, len(prompts), batched, "lora_path")
-    rids = per_item(body.rid, len(prompts), batched, "rid")
-    if params.n > 1:
-        rids = [None if rid is None else f"{rid}-{k}" for rid in rids for k in range(params.n)]
-        prompts, lora_names, batched = repeat_n(prompts, params.n), repeat_n(lora_names, params.n), True
-    samplings = n_samplings(sampling, params.n) * (len(prompts) // params.n)
-    output = OutputOptions(skip_special_tokens=params.skip_special_tokens, keep_stop=params.no_stop_trim)
-    states = await submit_all(runtime, prompts, samplings, stops, lora_names, rids, output)
-    for state in states:
-        state.return_text_in_logprobs = body.return_text_in_logprobs
-    return states, batched
-
-
-def raise_failure(states: list[RequestState]) -> None:
-    failed = next((s for s in states if s.error), None)
-    if failed is not None:
-        raise GenerationFailed(failed.error, failed.error_status)
-
-
-class GenerationFailed(Exception):
-    def __init__(self, message: str, status: int):
-        super().__init__(message)
-        self.status = status
-
-
-async def collect(runtime: Runtime, states: list[RequestState], batched: bool) -> dict | list[dict]:
-    await wait_all(runtime, states)
-    raise_failure(states)
-    outputs = [generate_response(s) for s in states]
-    return outputs if batched else outputs[0]
-
-
-async def stream_chunks(runtime: Runtime, states: list[RequestState], batched: bool):
-    sent = [0] * len(states)  # output tokens whose logprob entries went out already: a chunk carries its own
-    sent_input = [0] * len(states)  # ... and prompt logprob entries
-    async for index, state in stream_many(runtime, states):
-        if state.error:
-            chunk = msgspec.to_builtins(error_body(state.error, state.error_status))
-        else:
-            chunk = generate_response(state, sent[index], sent_input[index])
-            sent[index] = len(state.output_logprobs)
-            sent_input[index] = state.num_prompt_logprob_entries
-        if batched:
-            chunk["index"] = index
-        yield chunk
-
-
 @routes.post("/generate")
 async def generate(request: web.Request) -> web.StreamResponse:
-    runtime = runtime_of(request)
-    runtime.check_available()
+    service = service_of(request)
+    service.runtime.check_available()
     body = await read_request(request, NativeGenerateRequest, strip_native)
-    states, batched = await start_generate(runtime, body)
+    states, batched = await service.start(body)
     try:
         if not body.stream:
             try:
-                return json_response(await collect(runtime, states, batched))
+                return json_response(await service.collect(states, batched))
             except GenerationFailed as e:
                 return error_response(str(e), e.status)
         resp = await start_sse(request)
-        async for chunk in stream_chunks(runtime, states, batched):
+        async for chunk in service.chunks(states, batched):
             await send_sse(resp, chunk)
         await send_sse_done(resp)
         return resp
     finally:
-        for state in states:
-            await runtime.finish(state)
+        await service.finish(states)
 
 
 class AbortBody(msgspec.Struct, forbid_unknown_fields=True):
     rid: str
 
 
-async def abort(runtime: Runtime, rid: str) -> AbortReqOutput:
-    """/abort_request and the RPC's AbortReqInput alike."""
-    found = await runtime.abort(rid)
-    return AbortReqOutput(success=found, rid=rid, message="" if found else f"no request {rid!r} in flight")
-
-
 @routes.post("/abort_request")
 async def abort_request(request: web.Request) -> web.Response:
     body = await read_request(request, AbortBody)
-    out = await abort(runtime_of(request), body.rid)
+    out = await service_of(request).abort(body.rid)
     # 200 either way, as SGLang does: the request may have finished a moment before the abort arrived.
     return json_response(AbortResponse(success=out.success, rid=out.rid, message=out.message))
 
 
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
-    runtime = runtime_of(request)
-    if runtime.healthy:
-        return json_response(HealthResponse(status="ok"))
-    reason = runtime.failure or ("shutting down" if runtime.stopping or runtime.draining else "starting")
-    return json_response(HealthResponse(status="unhealthy", reason=reason), 503)
+    return health_response(runtime_of(request))
 
 
 async def replica_stats(runtime: Runtime) -> list[SchedulerStats] | None:

@@ -8,12 +8,17 @@ from importlib import metadata
 
 import msgspec
 from aiohttp import web
-from loraplex.frontend.http_utils import json_response, read_request
-from loraplex.frontend.native_api import NativeGenerateRequest, collect, health, runtime_of, start_generate
-from loraplex.frontend.openai_api import ChatMessage, chat_prompt, resolve_model
-from loraplex.frontend.params import TokenId, convert
+from loraplex.frontend.entrypoints.http_utils import (
+    health_response,
+    json_response,
+    read_request,
+    runtime_of,
+    service_of,
+)
+from loraplex.frontend.entrypoints.openai_schemas import ChatMessage, chat_messages
+from loraplex.frontend.errors import InputError
+from loraplex.frontend.params import NativeGenerateRequest, TokenId, convert
 from loraplex.frontend.responses import DetokenizeResponse, HealthResponse, TokenizeResponse, VersionResponse
-from loraplex.frontend.runtime import InputError
 
 logger = logging.getLogger("loraplex.http")
 routes = web.RouteTableDef()
@@ -44,29 +49,32 @@ class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True):
 @routes.post("/tokenize")
 async def tokenize(request: web.Request) -> web.Response:
     """The tokens /v1/completions (prompt) or /v1/chat/completions (messages) would feed the model."""
-    runtime = runtime_of(request)
-    runtime.check_available()
+    service = service_of(request)
+    service.runtime.check_available()
     body = await read_request(request, TokenizeBody)
     if (body.prompt is None) == (body.messages is None):
         raise InputError("give exactly one of 'prompt' or 'messages'")
     if body.model is not None:
-        await resolve_model(runtime, body.model)  # an unknown model is a 404, as on the generate routes
-    tokens = runtime.tokenize(body.prompt) if body.prompt is not None else chat_prompt(runtime, body.messages)
+        await service.resolve_model(body.model)  # an unknown model is a 404, as on the generate routes
+    if body.prompt is not None:
+        tokens = service.tokenize(body.prompt)
+    else:
+        tokens = service.tokenize_chat(chat_messages(body.messages))
     return json_response(TokenizeResponse(tokens=tokens, count=len(tokens),
-                                          max_model_len=runtime.ready.context_length))
+                                          max_model_len=service.runtime.ready.context_length))
 
 
 @routes.post("/detokenize")
 async def detokenize(request: web.Request) -> web.Response:
-    runtime = runtime_of(request)
-    runtime.check_available()
+    service = service_of(request)
+    service.runtime.check_available()
     body = await read_request(request, DetokenizeBody)
     if body.model is not None:
-        await resolve_model(runtime, body.model)
-    vocab_size = runtime.ready.vocab_size
+        await service.resolve_model(body.model)
+    vocab_size = service.runtime.ready.vocab_size
     if any(not 0 <= t < vocab_size for t in body.tokens):
         raise InputError(f"tokens must be token ids in [0, {vocab_size})")
-    return json_response(DetokenizeResponse(prompt=runtime.tokenizer.decode(body.tokens)))
+    return json_response(DetokenizeResponse(prompt=service.detokenize(body.tokens)))
 
 
 @routes.get("/version")
@@ -77,7 +85,7 @@ async def version(request: web.Request) -> web.Response:
 @routes.get("/ping")
 async def ping(request: web.Request) -> web.Response:
     """/health under vLLM's (and SageMaker's) name: no key needed."""
-    return await health(request)
+    return health_response(runtime_of(request))
 
 
 @routes.get("/health_generate")
@@ -85,14 +93,15 @@ async def health_generate(request: web.Request) -> web.Response:
     """200 once one token went through the whole pipeline (tokenizer aside): scheduler, every rank, sampling."""
     runtime = runtime_of(request)
     if not runtime.healthy:
-        return await health(request)
+        return health_response(runtime)
     token_id = next((t for t in (runtime.tokenizer.bos_token_id, runtime.tokenizer.eos_token_id) if t is not None), 0)
     body = convert({"input_ids": [token_id], "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
                    NativeGenerateRequest, "health check")
+    service = service_of(request)
     states: list = []
     try:
-        states, batched = await start_generate(runtime, body)
-        out = await asyncio.wait_for(collect(runtime, states, batched), HEALTH_GENERATE_TIMEOUT_S)
+        states, batched = await service.start(body)
+        out = await asyncio.wait_for(service.collect(states, batched), HEALTH_GENERATE_TIMEOUT_S)
         if len(out["output_ids"]) != 1:
             raise RuntimeError(f"generated {len(out['output_ids'])} tokens, expected 1")
     except Exception as e:  # noqa: BLE001 - any failure is the answer: unhealthy
@@ -100,6 +109,5 @@ async def health_generate(request: web.Request) -> web.Response:
         logger.warning("/health_generate: %s", reason)
         return json_response(HealthResponse(status="unhealthy", reason=reason), 503)
     finally:
-        for state in states:
-            await runtime.finish(state)
+        await service.finish(states)
     return json_response(HealthResponse(status="ok"))

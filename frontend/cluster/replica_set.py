@@ -1,6 +1,6 @@
 """ReplicaSet: the frontend's data-parallel replicas (--dp-size), each a scheduler behind its own SchedulerClient.
 
-A request goes to one replica (frontend/router.py picks it). An adapter operation goes to every replica under one
+A request goes to one replica (router.py picks it). An adapter operation goes to every replica under one
 operation id, and an adapter counts as loaded only when every replica loaded it: `merge_replica_answers` turns the
 replicas' answers into one outcome per adapter, naming the replica that failed or did not answer, and the ids each
 replica must drop again. With one replica, messages name no replica and nothing is merged beyond what its scheduler
@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from loraplex.frontend.scheduler_client import SchedulerClient
+from loraplex.frontend.cluster.scheduler_client import SchedulerClient
 from loraplex.protocol.adapter_outcomes import merge_outcomes
 from loraplex.protocol.errors import ServerError
 from loraplex.protocol.structs import (

@@ -4,10 +4,10 @@ The ingress reads `model` from the body and calls the engine deployment with `mu
 so Serve's router sends the request to a replica that already holds it (or, if none does, to one with the fewest).
 Each engine replica loads adapters from `adapter_root/<name>/` on first use, keeps at most `max_adapters_per_replica`
 (LRU, `serve.multiplexed`) and unloads an evicted one from its Engine once the requests using it are done. The
-replica answers through its Engine's own HTTP app on a private Unix socket, so the OpenAI routes, validation and
-status codes are the server's, said once.
+replica answers with the server's own OpenAI code (openai_serving.py) on its Engine's GenerateService, so the
+validation, keys and status codes are the server's, said once.
 
-    from loraplex.frontend.ray_serve import build_app
+    from loraplex.frontend.entrypoints.ray_serve import build_app
     serve.run(build_app({"model_path": "/models/llama", "max_lora_rank": 16}, "/adapters", num_replicas=4))
 """
 
@@ -16,25 +16,28 @@ status codes are the server's, said once.
 import asyncio
 import json
 import os
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from loraplex.frontend.http_utils import error_body
-from loraplex.frontend.responses import ModelCard
+from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest, decode_openai
+from loraplex.frontend.entrypoints.openai_serving import base_card, start_chat, start_completion
+from loraplex.frontend.entrypoints.wire import SSE_DONE, encode_json, failure, key_matches, sse_event
+from loraplex.frontend.generate import GenerateService, GenerationFailed
+from loraplex.frontend.responses import ModelCard, error_body
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.errors import http_status
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 REPLICA_HEADER = "x-loraplex-replica"  # which engine replica answered (routing is checked by it)
-FORWARDED_HEADERS = ("authorization", "x-api-key")  # the replica's app checks the server's own keys
+FORWARDED_HEADERS = ("authorization", "x-api-key")  # the replica checks the server's own keys
 MODEL_NOT_FOUND = 404
+JSON = "application/json"
+ROUTES = {"/v1/completions": (CompletionRequest, start_completion), "/v1/chat/completions": (ChatRequest, start_chat)}
 
 
 def base_model_name(engine_kwargs: dict) -> str:
@@ -76,17 +79,13 @@ class LoRAEngine:
     """One Engine per replica; adapters are Serve's multiplexed models."""
 
     def __init__(self, engine_kwargs: dict, adapter_root: str, max_adapters_per_replica: int):
-        from loraplex.frontend.engine import Engine
+        from loraplex.frontend.entrypoints.engine import Engine
 
         self.adapter_root = os.path.realpath(adapter_root)
         kwargs = {"enable_lora": True, "lora_path_root": self.adapter_root, **engine_kwargs}
         self.engine = Engine(**kwargs)
         self.base = self.engine.config.model_name
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self._socket_dir = tempfile.mkdtemp(prefix="loraplex-ray-")
-        self._socket = os.path.join(self._socket_dir, "http.sock")
-        self.engine.serve_unix_socket(self._socket)
-        self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_use: dict[str, int] = {}  # adapter -> requests forwarded and not finished
         self._idle = asyncio.Condition()
@@ -127,35 +126,27 @@ class LoRAEngine:
             self._in_use[name] -= 1
             self._idle.notify_all()
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self._socket))
-        return self._session
-
-    async def openai(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[Any]:
-        """Streams a head {status, content_type, replica}, then the body's bytes as the replica's app sends them."""
+    async def openai(self, path: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[Any]:
+        """Streams a head {status, content_type, replica}, then the body's bytes as the server would send them."""
         name = serve.get_multiplexed_model_id()
         if name:
             try:
                 await self.adapter(name)
             except AdapterRefused as e:
-                yield {"status": e.status, "content_type": "application/json", "replica": self.replica_id}
-                yield msgspec.json.encode(error_body(str(e), e.status))
+                yield {"status": e.status, "content_type": JSON, "replica": self.replica_id}
+                yield encode_json(error_body(str(e), e.status))
                 return
             self._in_use[name] = self._in_use.get(name, 0) + 1  # no await since the lookup: no eviction slipped in
         try:
-            async with self._client().request(method, "http://replica" + path, data=body, headers=headers) as resp:
-                yield {"status": resp.status, "content_type": resp.content_type, "replica": self.replica_id}
-                async for chunk in resp.content.iter_any():
-                    yield chunk
+            async for item in self.engine.async_iterate(lambda service: answer(service, path, body, headers)):
+                yield {**item, "replica": self.replica_id} if isinstance(item, dict) else item
         finally:
             if name:
                 await self._let_go(name)
 
     async def models(self) -> list[dict]:
         """The base card, then one per adapter under the root (any of them is served on first use)."""
-        async with self._client().get("http://replica/v1/models") as resp:
-            cards = [(await resp.json())["data"][0]]
+        cards = [msgspec.to_builtins(base_card(self.engine.runtime))]  # set at start: safe from this thread
         created = int(time.time())
         for name in sorted(os.listdir(self.adapter_root)):
             path = os.path.join(self.adapter_root, name)
@@ -177,12 +168,40 @@ class LoRAEngine:
 
     async def __del__(self) -> None:
         self._closing = True
-        if self._session is not None:
-            await self._session.close()
         self.engine.shutdown()
-        for name in os.listdir(self._socket_dir):
-            os.unlink(os.path.join(self._socket_dir, name))
-        os.rmdir(self._socket_dir)
+
+
+async def answer(service: GenerateService, path: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[Any]:
+    """One /v1 completions or chat request as the server's HTTP app answers it (keys, validation, statuses), run
+    on the Engine's loop: a head {status, content_type}, then the body's bytes."""
+    key = service.runtime.config.api_key
+    if key is not None and not key_matches(headers.get("authorization", ""), headers.get("x-api-key", ""), key):
+        yield {"status": 401, "content_type": JSON}
+        yield encode_json(error_body("missing or invalid API key", 401))
+        return
+    schema, start = ROUTES[path]
+    try:
+        run = await start(service, decode_openai(body, schema))
+    except Exception as e:  # noqa: BLE001 - the edge: a ServerError's kind picks the status, the rest is a 500
+        message, status = failure(e, openai=True, where=f"POST {path}")
+        yield {"status": status, "content_type": JSON}
+        yield encode_json(error_body(message, status))
+        return
+    try:
+        if not run.stream:
+            try:
+                payload, status = await run.response(), 200
+            except GenerationFailed as e:
+                payload, status = error_body(str(e), e.status), e.status
+            yield {"status": status, "content_type": JSON}
+            yield encode_json(payload)
+            return
+        yield {"status": 200, "content_type": "text/event-stream"}
+        async for event in run.chunks():
+            yield sse_event(event)
+        yield SSE_DONE
+    finally:
+        await run.close()
 
 
 api = FastAPI(title="loraplex on Ray Serve")
@@ -202,11 +221,11 @@ class OpenAIIngress:
         try:
             model = json.loads(body).get("model")
         except (ValueError, AttributeError):
-            model = None  # the replica's app answers the malformed body with its own 400
+            model = None  # the replica answers the malformed body with the server's own 400
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
         headers["content-type"] = "application/json"
         handle = self.engine.options(stream=True, multiplexed_model_id=adapter_of(model, self.base))
-        chunks = handle.openai.remote(request.method, request.url.path, body, headers)
+        chunks = handle.openai.remote(request.url.path, body, headers)
         head = await chunks.__anext__()
         return StreamingResponse(
             chunks,

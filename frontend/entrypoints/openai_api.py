@@ -1,0 +1,106 @@
+"""OpenAI-compatible routes (vLLM status codes): completions, chat, models, adapter load/unload."""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+from loraplex.frontend.entrypoints.http_utils import (
+    error_response,
+    json_response,
+    read_request,
+    runtime_of,
+    send_sse,
+    send_sse_done,
+    service_of,
+    start_sse,
+)
+from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest, strip_openai
+from loraplex.frontend.entrypoints.openai_serving import OpenAIRun, model_cards, start_chat, start_completion
+from loraplex.frontend.generate import GenerationFailed
+from loraplex.frontend.params import AdapterPath, Int64
+from loraplex.frontend.registry import AdapterError
+from loraplex.frontend.responses import ModelList
+from loraplex.protocol.errors import http_status
+from loraplex.protocol.structs import LoRAAdapterSpec
+
+routes = web.RouteTableDef()
+
+
+async def reply(request: web.Request, run: OpenAIRun) -> web.StreamResponse:
+    """The answer as JSON, or as Server-Sent Events with stream: true; the run's states end either way."""
+    try:
+        if not run.stream:
+            try:
+                return json_response(await run.response())
+            except GenerationFailed as e:
+                return error_response(str(e), e.status)
+        resp = await start_sse(request)
+        async for event in run.chunks():
+            await send_sse(resp, event)
+        await send_sse_done(resp)
+        return resp
+    finally:
+        await run.close()
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    req = await read_request(request, CompletionRequest, strip_openai(CompletionRequest))
+    return await reply(request, await start_completion(service_of(request), req))
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    req = await read_request(request, ChatRequest, strip_openai(ChatRequest))
+    return await reply(request, await start_chat(service_of(request), req))
+
+
+@routes.get("/v1/models")
+async def models(request: web.Request) -> web.Response:
+    return json_response(ModelList(object="list", data=model_cards(runtime_of(request))))
+
+
+@routes.get("/v1/models/{model:.+}")  # a served name may hold slashes (org/name)
+async def model(request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    card = next((c for c in model_cards(runtime_of(request)) if c.id == name), None)
+    if card is None:
+        raise AdapterError(f"The model `{name}` does not exist.", "not_found")
+    return json_response(card)
+
+
+class VllmLoadBody(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str
+    lora_path: AdapterPath
+    load_inplace: bool = False
+    pinned: bool | None = None  # None: a new adapter is unpinned, an in-place reload keeps its own
+
+
+class VllmUnloadBody(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str
+    lora_int_id: Int64 | None = None  # accepted for vLLM clients, unused
+
+
+@routes.post("/v1/load_lora_adapter")
+async def vllm_load(request: web.Request) -> web.Response:
+    body = await read_request(request, VllmLoadBody)
+    runtime = runtime_of(request)
+    runtime.check_available()
+    spec = LoRAAdapterSpec(lora_name=body.lora_name, lora_path=body.lora_path, pinned=body.pinned)
+    out = await runtime.adapters.load([spec], load_inplace=body.load_inplace)
+    result = out.results[0]
+    if result.success:
+        return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+    return error_response(result.error_message, http_status(result.error_kind, openai=True))
+
+
+@routes.post("/v1/unload_lora_adapter")
+async def vllm_unload(request: web.Request) -> web.Response:
+    body = await read_request(request, VllmUnloadBody)
+    runtime = runtime_of(request)
+    runtime.check_available()
+    out = await runtime.adapters.unload([body.lora_name])
+    result = out.results[0]
+    if result.success:
+        return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+    return error_response(result.error_message, http_status(result.error_kind, openai=True))

@@ -1,0 +1,119 @@
+"""The OpenAI API's request bodies: strict schemas (ranges included), the unimplemented parameters accepted at their
+neutral values, and chat messages as a template takes them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from loraplex.frontend.constraints import ResponseFormat
+from loraplex.frontend.params import (
+    MAX_N,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
+    Seed,
+    Temperature,
+    TokenCount,
+    TokenId,
+    TopK,
+    TopLogprobs,
+    TopP,
+    decode_body,
+    strip_neutral,
+)
+
+# OpenAI parameters we do not implement, with the neutral values that mean "off" and are therefore accepted.
+NEUTRAL = {
+    "top_logprobs": (None, 0),  # completions (chat has it as a field)
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"),
+    "reasoning_effort": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "audio": (None,),
+}
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class CommonParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: Seed | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
+    user: str | None = None
+    ignore_eos: bool = False
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    min_p: MinP = 0.0
+    min_tokens: TokenCount = 0
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None  # structured output (frontend/constraints.py), or one of:
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class CompletionRequest(CommonParams, kw_only=True):
+    prompt: str | list[str | TokenId | list[TokenId]]  # text, texts, token ids, or lists of token ids
+    logprobs: TopLogprobs | None = None  # each output token's logprob and this many alternatives
+    echo: bool = False  # the prompt's text before the completion (and its tokens' logprobs, with logprobs)
+
+
+class TextPart(msgspec.Struct, kw_only=True):
+    type: Literal["text"]  # the only content part supported
+    text: str
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(CommonParams, kw_only=True):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None  # needs logprobs: true
+
+
+def strip_openai(schema: type[CommonParams]) -> Any:
+    """The unimplemented parameters set to their neutral values are dropped; others are refused."""
+    return lambda raw: strip_neutral(raw, set(schema.__struct_fields__), NEUTRAL, "parameter")
+
+
+def decode_openai(body: bytes, schema: type[CommonParams]) -> Any:
+    return decode_body(body, schema, strip_openai(schema))
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as a chat template takes them: content parts joined into one text."""
+    rendered = []
+    for m in messages:
+        content = "".join(part.text for part in m.content) if isinstance(m.content, list) else m.content
+        rendered.append({"role": m.role, "content": content or ""})
+    return rendered

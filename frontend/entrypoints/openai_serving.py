@@ -1,0 +1,312 @@
+"""The OpenAI API without HTTP: sampling, logprobs, and one completions or chat request from its body to its answer,
+whole or as stream chunks. The aiohttp routes (openai_api.py) and the Ray replica (ray_serve.py) serve it."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from loraplex.frontend.constraints import constrain, openai_constraint
+from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CommonParams, CompletionRequest, chat_messages
+from loraplex.frontend.errors import InputError
+from loraplex.frontend.generate import GenerateService, n_samplings, raise_failure
+from loraplex.frontend.params import (
+    MAX_N,
+    make_sampling,
+    stop_list,
+)
+from loraplex.frontend.request_state import OutputOptions, RequestState
+from loraplex.frontend.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprob,
+    ChatLogprobs,
+    ChatTopLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionResponse,
+    ModelCard,
+    Usage,
+    error_body,
+)
+from loraplex.frontend.runtime import Runtime
+from loraplex.protocol.structs import TokenLogprob
+
+
+def requested_logprobs(req: CommonParams) -> int:
+    """SamplingParams.logprobs for an OpenAI request: -1 off, else the number of alternatives."""
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs and not req.logprobs:
+            raise InputError("top_logprobs needs logprobs: true")
+        return (req.top_logprobs or 0) if req.logprobs else -1
+    logprobs = getattr(req, "logprobs", None)
+    return -1 if logprobs is None else logprobs
+
+
+def top_entries(state: RequestState, token: str, lp: TokenLogprob) -> dict[str, float]:
+    """Completions' top_logprobs of one token, as OpenAI and vLLM give it: the chosen token, then the `logprobs`
+    best (up to logprobs + 1 entries; logprobs 0: the chosen token alone). Where two ids decode to the same text,
+    the first of them keeps it, so the chosen token's value is always its own."""
+    top = {token: lp.logprob}
+    for tid, value in zip(lp.top_ids, lp.top_logprobs, strict=True):
+        top.setdefault(state.token_text(tid), value)
+    return top
+
+
+def completion_logprobs(
+    state: RequestState, start: int, offset: int, with_prompt: bool = False
+) -> tuple[CompletionLogprobs, int]:
+    """The output tokens from `start` on in the completions shape, after the prompt's (echo) when with_prompt;
+    text offsets count from `offset`. Also returns the offset past the last token."""
+    entries = state.prompt_logprob_entries() if with_prompt else []
+    entries += zip(state.output_ids[start:], state.output_logprobs[start:], strict=False)
+    tokens, values, tops, offsets = [], [], [], []
+    for tid, lp in entries:
+        token = state.token_text(tid)
+        tokens.append(token)
+        values.append(None if lp is None else lp.logprob)
+        tops.append(None if lp is None else top_entries(state, token, lp))
+        offsets.append(offset)
+        offset += len(token)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets), offset
+
+
+def chat_logprobs(state: RequestState, start: int) -> ChatLogprobs:
+    def entry(tid: int, value: float) -> ChatTopLogprob:
+        token = state.token_text(tid)
+        return ChatTopLogprob(token=token, logprob=value, bytes=list(token.encode("utf-8")))
+
+    content = []
+    for lp, tid in zip(state.output_logprobs[start:], state.output_ids[start:], strict=False):
+        chosen = entry(tid, lp.logprob)
+        tops = [entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
+        content.append(ChatLogprob(token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes, top_logprobs=tops))
+    return ChatLogprobs(content=content)
+
+
+def openai_sampling(runtime: Runtime, req: CommonParams, prompt_len: int, default_max: int | None) -> Any:
+    if req.n < 1 or req.n > MAX_N:
+        raise InputError(f"n must be in [1, {MAX_N}], got {req.n}")
+    if req.stream_options is not None and not req.stream:
+        raise InputError("stream_options is only allowed with stream: true")
+    if (
+        req.max_tokens is not None
+        and req.max_completion_tokens is not None
+        and req.max_tokens != req.max_completion_tokens
+    ):
+        raise InputError("max_tokens and max_completion_tokens disagree")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:
+        max_tokens = default_max if default_max is not None else max(1, runtime.ready.context_length - prompt_len)
+    echo = getattr(req, "echo", False)
+    if max_tokens < 1 and not echo:  # vLLM: with echo, max_tokens 0 returns the prompt (and its logprobs) alone
+        raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
+    logprobs = requested_logprobs(req)
+    sampling = make_sampling(
+        max_new_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        ignore_eos=req.ignore_eos,
+        seed=req.seed,
+        stop_token_ids=req.stop_token_ids,
+        eos_token_ids=runtime.eos_token_ids,
+        logprobs=logprobs,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        min_p=req.min_p,
+        min_new_tokens=req.min_tokens,
+        logprob_start_len=0 if echo and logprobs >= 0 else -1,
+    )
+    return n_samplings(sampling, req.n)
+
+
+def finish_reason(state: RequestState) -> str | None:
+    if state.finish_reason is None:
+        return None
+    return {"stop": "stop", "length": "length"}.get(state.finish_reason["type"], "abort")
+
+
+def usage(states: list[RequestState], num_prompt_tokens: int) -> Usage:
+    """num_prompt_tokens: the request's prompts, each counted once (OpenAI, vLLM and SGLang do not count it n times)."""
+    completion = sum(len(s.output_ids) for s in states)  # so far, in a stream with continuous_usage_stats
+    return Usage(
+        prompt_tokens=num_prompt_tokens, completion_tokens=completion, total_tokens=num_prompt_tokens + completion
+    )
+
+
+class OpenAIRun:
+    """One completions or chat request, submitted: its answer whole (response) or as stream chunks; close() ends
+    every state, on every path."""
+
+    def __init__(self, service: GenerateService, req: CommonParams, states: list[RequestState], chat: bool,
+                 served_by: str, prompt_tokens: int, echoes: list[str] | None):
+        self.service = service
+        self.req = req
+        self.states = states
+        self.chat = chat
+        self.prompt_tokens = prompt_tokens  # each prompt once, however many choices share it (n)
+        self.echoes = echoes  # completions with echo: each choice's prompt text, put before its text
+        self.base = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
+                     "model": served_by}
+
+    @property
+    def stream(self) -> bool:
+        return self.req.stream
+
+    async def close(self) -> None:
+        await self.service.finish(self.states)
+
+    async def response(self) -> CompletionResponse | ChatCompletionResponse:
+        """The whole answer once every choice finished; GenerationFailed if one failed."""
+        states, echoes = self.states, self.echoes
+        await self.service.wait(states)
+        raise_failure(states)
+        if self.chat:
+            chat_choices = [
+                ChatChoice(index=i, message=AssistantMessage(role="assistant", content=s.text),
+                           logprobs=chat_logprobs(s, 0) if s.wants_logprobs else None,
+                           finish_reason=finish_reason(s))
+                for i, s in enumerate(states)
+            ]
+            return ChatCompletionResponse(**self.base, object="chat.completion", choices=chat_choices,
+                                          usage=usage(states, self.prompt_tokens))
+        choices = [
+            CompletionChoice(index=i, text=(echoes[i] if echoes else "") + s.text, finish_reason=finish_reason(s),
+                             logprobs=completion_logprobs(s, 0, 0, bool(echoes))[0] if s.wants_logprobs else None)
+            for i, s in enumerate(states)
+        ]
+        return CompletionResponse(**self.base, object="text_completion", choices=choices,
+                                  usage=usage(states, self.prompt_tokens))
+
+    async def chunks(self) -> AsyncIterator[Any]:
+        """The stream's events in order (an error body where a choice failed), before the closing [DONE]."""
+        states, echoes, chat, req = self.states, self.echoes, self.chat, self.req
+        sent = [0] * len(states)
+        sent_logprobs = [0] * len(states)  # output tokens whose logprobs went out
+        offsets = [0] * len(states)  # completions' text_offset of the next token
+        echoed = [not echoes] * len(states)  # the prompt's text (and logprobs) go out with a choice's first chunk
+        # vLLM's continuous_usage_stats: with include_usage, the usage so far in every chunk too
+        options = req.stream_options
+        continuous = options is not None and options.include_usage and options.continuous_usage_stats
+
+        def chunk(choices: list, usage_: Usage | None = None) -> CompletionChunk | ChatCompletionChunk:
+            if continuous and usage_ is None:
+                usage_ = usage(states, self.prompt_tokens)
+            if chat:
+                return ChatCompletionChunk(**self.base, object="chat.completion.chunk", choices=choices, usage=usage_)
+            return CompletionChunk(**self.base, object="text_completion", choices=choices, usage=usage_)
+
+        if chat:
+            for i in range(len(states)):
+                delta = ChatDelta(role="assistant", content="")
+                yield chunk([ChatChunkChoice(index=i, delta=delta, logprobs=None, finish_reason=None)])
+        async for i, state in self.service.stream(states):
+            if state.error:
+                yield error_body(state.error, state.error_status)
+                continue
+            delta_text = state.text[sent[i] :]
+            sent[i] = len(state.text)
+            reason = finish_reason(state)
+            start = sent_logprobs[i]
+            new_logprobs = state.wants_logprobs and len(state.output_logprobs) > start
+            sent_logprobs[i] = len(state.output_logprobs)
+            if not delta_text and reason is None and not new_logprobs:
+                continue
+            with_prompt = not echoed[i]
+            if with_prompt:
+                delta_text, echoed[i] = echoes[i] + delta_text, True
+            if chat:
+                delta = ChatDelta(content=delta_text) if delta_text else ChatDelta()
+                chat_lp = chat_logprobs(state, start) if state.wants_logprobs else None
+                choice = ChatChunkChoice(index=i, delta=delta, logprobs=chat_lp, finish_reason=reason)
+            else:
+                completion_lp = None
+                if state.wants_logprobs:
+                    completion_lp, offsets[i] = completion_logprobs(state, start, offsets[i], with_prompt)
+                choice = CompletionChoice(index=i, text=delta_text, logprobs=completion_lp, finish_reason=reason)
+            yield chunk([choice])
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield chunk([], usage(states, self.prompt_tokens))
+
+
+async def start_openai(
+    service: GenerateService,
+    req: CommonParams,
+    prompts: list[list[int]],
+    chat: bool,
+    default_max: int | None,
+    echo_texts: list[str] | None = None,
+) -> OpenAIRun:
+    """Validate and submit every choice (n per prompt), or none. echo_texts (completions with echo): each prompt's
+    text, put before its completions' text."""
+    runtime = service.runtime
+    runtime.check_available()
+    lora_name, served_by = await service.resolve_model(req.model)
+    jobs: list[tuple[list[int], Any]] = []
+    found = openai_constraint(req)
+    for prompt in prompts:
+        for sampling in await constrain(runtime, openai_sampling(runtime, req, len(prompt), default_max), found):
+            jobs.append((prompt, sampling))
+    echoes = [text for text in echo_texts for _ in range(req.n)] if echo_texts is not None else None
+    stops = stop_list(req.stop)
+    output = OutputOptions(skip_special_tokens=req.skip_special_tokens, keep_stop=req.include_stop_str_in_output)
+    states: list[RequestState] = []
+    try:
+        for prompt, sampling in jobs:
+            states += await service.submit([prompt], sampling, stops, [lora_name], [None], output)
+    except BaseException:
+        await service.finish(states)
+        raise
+    return OpenAIRun(service, req, states, chat, served_by, sum(len(p) for p in prompts), echoes)
+
+
+async def start_completion(service: GenerateService, req: CompletionRequest) -> OpenAIRun:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise InputError("'prompt' is empty")
+    if all(isinstance(p, str) for p in prompt):
+        prompts = [service.tokenize(p) for p in prompt]
+    elif all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    elif all(isinstance(p, list) and p for p in prompt):
+        prompts = prompt
+    else:
+        raise InputError("'prompt' must be a string, a list of strings, token ids, or lists of token ids")
+    echo_texts = None
+    if req.echo:  # a text prompt is echoed as it came, token ids as they decode
+        echo_texts = [p if isinstance(p, str) else service.detokenize(ids)
+                      for p, ids in zip(prompt if isinstance(prompt[0], str) else prompts, prompts, strict=True)]
+    return await start_openai(service, req, prompts, chat=False, default_max=16, echo_texts=echo_texts)
+
+
+async def start_chat(service: GenerateService, req: ChatRequest) -> OpenAIRun:
+    prompt = service.tokenize_chat(chat_messages(req.messages))
+    return await start_openai(service, req, [prompt], chat=True, default_max=None)
+
+
+def base_card(runtime: Runtime) -> ModelCard:
+    return ModelCard(id=runtime.config.model_name, object="model", created=int(time.time()), owned_by="loraplex",
+                     root=runtime.model_dir, parent=None,
+                     max_model_len=runtime.ready.context_length if runtime.ready else None)
+
+
+def model_cards(runtime: Runtime) -> list[ModelCard]:
+    """The base model's card, then one per adapter being served."""
+    base = base_card(runtime)
+    return [base] + [
+        ModelCard(id=entry.name, object="model", created=base.created, owned_by="loraplex", root=entry.path,
+                  parent=entry.parent or base.id)
+        for entry in runtime.registry.live()
+        if not entry.draining
+    ]

@@ -1,0 +1,39 @@
+"""What the aiohttp app and the Ray replica answer alike, without a web framework: JSON and Server-Sent Events
+bytes, the API-key check, and the status and message of a failure."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+import msgspec
+from loraplex.protocol.errors import ServerError, http_status
+
+logger = logging.getLogger("loraplex.http")
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode_json(obj: object) -> bytes:
+    return _encoder.encode(obj)
+
+
+def sse_event(obj: object) -> bytes:
+    return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+def key_matches(authorization: str, x_api_key: str, key: str) -> bool:
+    """A request's key: `Authorization: Bearer <key>`, else `X-API-Key: <key>`; compared in constant time."""
+    token = authorization[7:] if authorization.startswith("Bearer ") else x_api_key
+    return hmac.compare_digest(token.encode(), key.encode())
+
+
+def failure(e: Exception, openai: bool, where: str) -> tuple[str, int]:
+    """(message, status) of a failure at the edge: a ServerError's kind picks the status (vLLM's on the OpenAI
+    routes); anything else is logged and answers 500."""
+    if isinstance(e, ServerError):  # InputError, AdapterError, ServerUnavailable
+        return str(e), http_status(e.kind, openai=openai)
+    logger.error("internal error on %s", where, exc_info=e)
+    return f"internal server error: {type(e).__name__}: {e}", 500

@@ -1,0 +1,19 @@
+"""The frontend's typed errors; the edges map each kind to a status (protocol/errors.py)."""
+
+from __future__ import annotations
+
+from loraplex.protocol.errors import ServerError
+
+
+class ServerUnavailable(ServerError):
+    """The server is starting, stopping, or lost a process: requests get a 503."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "unavailable")
+
+
+class InputError(ServerError, ValueError):
+    """Input the server cannot serve; the message goes back to the client with a 400."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "invalid")

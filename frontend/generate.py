@@ -1,0 +1,258 @@
+"""GenerateService: generation without HTTP — submit (n results per prompt included), stream or collect, abort,
+tokenize and detokenize.
+
+Every way in calls it: the native, OpenAI and utility routes, the Engine, the RPC server and the Ray replica (through
+its Engine). The Runtime owns the table of requests in flight; this service is what the entry points ask of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from loraplex.frontend.constraints import constrain, native_constraint
+from loraplex.frontend.errors import InputError
+from loraplex.frontend.params import MAX_SEED, NativeGenerateRequest, NativeSamplingParams, native_sampling
+from loraplex.frontend.registry import AdapterError
+from loraplex.frontend.request_state import OutputOptions, RequestState
+from loraplex.frontend.responses import error_body
+from loraplex.frontend.runtime import Runtime
+from loraplex.protocol.structs import AbortReqOutput, SamplingParams
+
+
+class GenerationFailed(Exception):
+    """A request failed after it was admitted (a process died, a grammar broke): the status it answers with."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def n_samplings(sampling: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling of each of n results of one prompt: a seeded request's k-th draws with seed + k (both APIs)."""
+    if sampling.seed is None:
+        return [sampling] * n
+    return [msgspec.structs.replace(sampling, seed=(sampling.seed + k) % (MAX_SEED + 1)) for k in range(n)]
+
+
+def raise_failure(states: list[RequestState]) -> None:
+    failed = next((s for s in states if s.error), None)
+    if failed is not None:
+        raise GenerationFailed(failed.error, failed.error_status)
+
+
+def generate_response(state: RequestState, logprobs_from: int = 0, input_logprobs_from: int = 0) -> dict:
+    """One /generate item (the Engine and the RPC return the same)."""
+    return {"text": state.text, "output_ids": list(state.output_ids),
+            "meta_info": state.meta_info(logprobs_from, input_logprobs_from)}
+
+
+def _repeat_n(values: list[Any], n: int) -> list[Any]:
+    """n results per prompt, prompt-major."""
+    return [v for v in values for _ in range(n)]
+
+
+def _per_item(value: Any, count: int, batched: bool, what: str) -> list[Any]:
+    if isinstance(value, list):
+        if not batched or len(value) != count:
+            raise InputError(f"'{what}' is a list of {len(value)} but the request has {count} prompt(s)")
+        return value
+    if what == "rid" and value is not None and batched:
+        raise InputError("a batched request needs a list of rids")
+    return [value] * count
+
+
+class GenerateService:
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+
+    # ---- tokens ------------------------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        """A text prompt's tokens, as every generate route and /tokenize take them: the tokenizer's defaults (BOS)."""
+        return self.runtime.tokenizer(text)["input_ids"]
+
+    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt of a chat: {role, content} messages through the model's chat template."""
+        runtime = self.runtime
+        if not messages:
+            raise InputError("'messages' is empty")
+        if not getattr(runtime.tokenizer, "chat_template", None):
+            raise InputError(f"model {runtime.config.model_name!r} has no chat template, so it cannot take 'messages'")
+        try:
+            text = runtime.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - a template that rejects these messages is a client error
+            raise InputError(f"the chat template rejected the messages: {e}") from e
+        return runtime.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Token ids as text, special tokens included (/detokenize, and an echoed prompt given as ids)."""
+        return self.runtime.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    async def resolve_model(self, model: str) -> tuple[str | None, str]:
+        """An OpenAI `model` (base, adapter, or base:adapter): (adapter name or None for the base model, the name
+        that serves it). An adapter the resolver or the host cache still has to bring in is loaded first."""
+        runtime = self.runtime
+        base = runtime.config.model_name
+        if model == base:
+            return None, base
+        name = model
+        if ":" in model:
+            prefix, name = model.split(":", 1)
+            if prefix != base:
+                raise AdapterError(f"The model `{model}` does not exist.", "not_found")
+        if runtime.adapters is not None and runtime.config.lora_enabled:
+            await runtime.adapters.ensure(name)  # the resolver's first use, or an evicted host copy
+        entry = runtime.registry.get(name)
+        if entry is None or entry.draining:
+            raise AdapterError(f"The model `{model}` does not exist.", "not_found")
+        return name, name
+
+    # ---- submit ------------------------------------------------------------------------------------------
+
+    async def submit(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
+                     stops: list[str], lora_names: list[str | None], rids: list[str | None],
+                     output: OutputOptions = OutputOptions()) -> list[RequestState]:
+        """Submit every prompt (with its own sampling when given a list), or none if one is refused."""
+        runtime = self.runtime
+        samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        batch = list(dict.fromkeys(name for name in lora_names if name is not None))  # distinct, in item order
+        if batch and runtime.config.lora_enabled:
+            runtime.adapters.check_batch(batch)
+        states: list[RequestState] = []
+        # Until every item holds its adapter, the batch's adapters are the last any other load may evict.
+        runtime.registry.want(batch)
+        try:
+            # Check every adapter first so a bad name in a batch starts nothing; bringing one back evicts none of the
+            # rest.
+            for name in batch:
+                if runtime.config.lora_enabled:
+                    await runtime.adapters.ensure(name, batch)  # the resolver's first use, or an evicted host copy
+                if runtime.registry.get(name) is None or runtime.registry.get(name).draining:
+                    raise AdapterError(f"adapter {name!r} is not loaded", kind="not_found")
+            for prompt, one_sampling, name, rid in zip(prompts, samplings, lora_names, rids, strict=False):
+                states.append(await runtime.submit(prompt, one_sampling, stops, name, rid, output))
+        except BaseException:
+            await self.finish(states)
+            raise
+        finally:
+            runtime.registry.unwant(batch)
+        return states
+
+    async def start(self, body: NativeGenerateRequest) -> tuple[list[RequestState], bool]:
+        """Validate and submit a /generate body (HTTP, Engine and RPC alike): (states, batched). With n > 1, n results
+        per prompt in one flat list, prompt-major (always a list)."""
+        runtime = self.runtime
+        runtime.check_available()
+        prompts, batched = self._prompts(body)
+        logprobs = body.top_logprobs_num if body.return_logprob else -1
+        logprob_start_len = body.logprob_start_len if body.return_logprob else -1
+        params = body.sampling_params or NativeSamplingParams()
+        sampling, stops = native_sampling(params, runtime.eos_token_ids, logprobs, logprob_start_len)
+        [sampling] = await constrain(runtime, [sampling], native_constraint(params))
+        lora_names = _per_item(body.lora_path, len(prompts), batched, "lora_path")
+        rids = _per_item(body.rid, len(prompts), batched, "rid")
+        if params.n > 1:
+            rids = [None if rid is None else f"{rid}-{k}" for rid in rids for k in range(params.n)]
+            prompts, lora_names, batched = _repeat_n(prompts, params.n), _repeat_n(lora_names, params.n), True
+        samplings = n_samplings(sampling, params.n) * (len(prompts) // params.n)
+        output = OutputOptions(skip_special_tokens=params.skip_special_tokens, keep_stop=params.no_stop_trim)
+        states = await self.submit(prompts, samplings, stops, lora_names, rids, output)
+        for state in states:
+            state.return_text_in_logprobs = body.return_text_in_logprobs
+        return states, batched
+
+    def _prompts(self, body: NativeGenerateRequest) -> tuple[list[list[int]], bool]:
+        """Prompts as token ids, and whether the request was batched."""
+        if (body.text is None) == (body.input_ids is None):
+            raise InputError("give exactly one of 'text' or 'input_ids'")
+        if body.text is not None:
+            texts = [body.text] if isinstance(body.text, str) else body.text
+            if not texts:
+                raise InputError("'text' is an empty list")
+            return [self.tokenize(t) for t in texts], not isinstance(body.text, str)
+        ids = body.input_ids
+        if not ids:
+            raise InputError("'input_ids' is empty")
+        if all(isinstance(t, list) for t in ids):
+            if any(not p for p in ids):
+                raise InputError("'input_ids' holds an empty prompt")
+            return ids, True
+        if any(isinstance(t, list) for t in ids):
+            raise InputError("'input_ids' must be a list of ints or a list of lists of ints, not a mix")
+        return [ids], False
+
+    # ---- results -----------------------------------------------------------------------------------------
+
+    async def stream(self, states: list[RequestState]) -> AsyncIterator[tuple[int, RequestState]]:
+        """Yields (index, state) whenever any of the states changes, until all have finished."""
+        if len(states) == 1:
+            async for state in _changes(states[0]):
+                yield 0, state
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, state: RequestState) -> None:
+            async for s in _changes(state):
+                # is_last is taken now: by the time the entry is read the state may have finished, and an earlier
+                # entry of the same state must not count as its end (the loop would stop while others still run).
+                queue.put_nowait((index, s, s.finished))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(states)]
+        try:
+            remaining = len(states)
+            while remaining:
+                index, state, is_last = await queue.get()
+                yield index, state
+                if is_last:
+                    remaining -= 1
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def wait(self, states: list[RequestState]) -> None:
+        async for _ in self.stream(states):
+            pass
+
+    async def collect(self, states: list[RequestState], batched: bool) -> dict | list[dict]:
+        """The /generate answer once every state finished; GenerationFailed if one failed."""
+        await self.wait(states)
+        raise_failure(states)
+        outputs = [generate_response(s) for s in states]
+        return outputs if batched else outputs[0]
+
+    async def chunks(self, states: list[RequestState], batched: bool) -> AsyncIterator[dict]:
+        """/generate's stream: each chunk carries what is new, an error body where a state failed."""
+        sent = [0] * len(states)  # output tokens whose logprob entries went out already: a chunk carries its own
+        sent_input = [0] * len(states)  # ... and prompt logprob entries
+        async for index, state in self.stream(states):
+            if state.error:
+                chunk = msgspec.to_builtins(error_body(state.error, state.error_status))
+            else:
+                chunk = generate_response(state, sent[index], sent_input[index])
+                sent[index] = len(state.output_logprobs)
+                sent_input[index] = state.num_prompt_logprob_entries
+            if batched:
+                chunk["index"] = index
+            yield chunk
+
+    async def finish(self, states: list[RequestState]) -> None:
+        """Every path of every request ends here (done, failed, client gone): frees what each state holds."""
+        for state in states:
+            await self.runtime.finish(state)
+
+    async def abort(self, rid: str) -> AbortReqOutput:
+        found = await self.runtime.abort(rid)
+        return AbortReqOutput(success=found, rid=rid, message="" if found else f"no request {rid!r} in flight")
+
+
+async def _changes(state: RequestState) -> AsyncIterator[RequestState]:
+    """Yields the state each time it changes, ending when it finishes."""
+    while True:
+        await state.changed.wait()
+        state.changed.clear()
+        yield state
+        if state.finished:
+            return

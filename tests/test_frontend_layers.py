@@ -1,0 +1,85 @@
+"""frontend/ is cut by role: the ways in (entrypoints/) over the GenerateService, adapters and cluster, over the
+runtime pieces. Read from the source (AST), so a wrong arrow fails here before any server starts."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+FRONTEND = Path(__file__).resolve().parents[1] / "frontend"
+PREFIX = "loraplex.frontend"
+ENTRYPOINTS = f"{PREFIX}.entrypoints"
+# The edge's libraries: the web frameworks, Ray, and the command line.
+EDGE_MODULES = ("aiohttp", "ray", "fastapi", "starlette", "argparse")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(FRONTEND).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([PREFIX, *parts])
+
+
+MODULES = {module_name(p): p for p in FRONTEND.rglob("*.py")}
+TREES = {name: ast.parse(path.read_text(), str(path)) for name, path in MODULES.items()}
+
+
+def imported(tree: ast.Module) -> set[str]:
+    """Every module a file imports, at any depth (function-level and TYPE_CHECKING imports too)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from pkg import module`
+    return names
+
+
+def frontend_imports(name: str) -> set[str]:
+    return {m for m in imported(TREES[name]) if m in MODULES and m != name}
+
+
+def is_entrypoint(name: str) -> bool:
+    return name == ENTRYPOINTS or name.startswith(ENTRYPOINTS + ".")
+
+
+def test_only_entrypoints_know_http_ray_and_argv() -> None:
+    found = []
+    for name, tree in TREES.items():
+        if is_entrypoint(name):
+            continue
+        found += [(name, m) for m in imported(tree) if m.split(".")[0] in EDGE_MODULES]
+        found += [(name, "sys.argv") for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and node.attr == "argv"
+                  and isinstance(node.value, ast.Name) and node.value.id == "sys"]
+    assert not found, found
+
+
+def test_nothing_below_imports_the_entrypoints() -> None:
+    upward = [(name, m) for name in MODULES if not is_entrypoint(name)
+              for m in frontend_imports(name) if is_entrypoint(m)]
+    assert not upward, upward
+
+
+def test_frontend_imports_have_no_cycle() -> None:
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        if name in path:
+            raise AssertionError("import cycle: " + " -> ".join((*path[path.index(name):], name)))
+        if name in done:
+            return
+        for dep in sorted(frontend_imports(name)):
+            visit(dep, (*path, name))
+        done.add(name)
+
+    for name in sorted(MODULES):
+        visit(name, ())
+
+
+def test_the_checks_see_the_tree() -> None:
+    """The walk finds the packages (a moved folder would otherwise pass every check above vacuously)."""
+    assert f"{ENTRYPOINTS}.http_server" in MODULES and f"{PREFIX}.generate" in MODULES
+    assert "aiohttp" in {m.split(".")[0] for m in imported(TREES[f"{ENTRYPOINTS}.http_server"])}
+    assert f"{PREFIX}.generate" in frontend_imports(f"{ENTRYPOINTS}.engine")
