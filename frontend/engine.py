@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from aiohttp import web
-from loraplex.frontend.adapter_tensors import encode_tensors
+from loraplex.frontend.adapters.files import encode_tensors
 from loraplex.frontend.http_server import create_app
 from loraplex.frontend.native_api import NativeGenerateRequest, collect, start_generate, stream_chunks
 from loraplex.frontend.params import convert

@@ -6,6 +6,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from loraplex.frontend.adapters.registry import AdapterError
 from loraplex.frontend.constraints import constrain, native_constraint
 from loraplex.frontend.http_utils import (
     error_body,
@@ -27,7 +28,6 @@ from loraplex.frontend.params import (
     native_sampling,
     strip_native,
 )
-from loraplex.frontend.registry import AdapterError
 from loraplex.frontend.request_state import OutputOptions, RequestState
 from loraplex.frontend.responses import AbortResponse, AdapterReply, AdapterResult, HealthResponse, ModelInfoResponse
 from loraplex.frontend.runtime import InputError, Runtime

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from aiohttp import web
+from loraplex.frontend.adapters.registry import AdapterError
 from loraplex.frontend.constraints import ResponseFormat, constrain, openai_constraint
 from loraplex.frontend.http_utils import (
     error_body,
@@ -39,7 +40,6 @@ from loraplex.frontend.params import (
     stop_list,
     strip_neutral,
 )
-from loraplex.frontend.registry import AdapterError
 from loraplex.frontend.request_state import OutputOptions, RequestState
 from loraplex.frontend.responses import (
     AssistantMessage,

@@ -12,14 +12,14 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from loraplex.frontend.adapter_manager import AdapterManager
-from loraplex.frontend.adapter_state import AdapterStateFile
+from loraplex.frontend.adapters.manager import AdapterManager
+from loraplex.frontend.adapters.registry import AdapterRegistry
+from loraplex.frontend.adapters.state_file import AdapterStateFile
 from loraplex.frontend.grammar_checker import GrammarChecker
 from loraplex.frontend.launcher import ProcessGroup
 from loraplex.frontend.lora_config import resolve_lora_config
 from loraplex.frontend.metrics import Metrics
 from loraplex.frontend.node_rendezvous import NodeRendezvous
-from loraplex.frontend.registry import AdapterRegistry
 from loraplex.frontend.replica_set import ReplicaSet
 from loraplex.frontend.request_state import OutputOptions, RequestState
 from loraplex.frontend.router import Router

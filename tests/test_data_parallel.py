@@ -10,8 +10,8 @@ import signal
 import time
 
 import pytest
+from loraplex.frontend.adapters.registry import AdapterEntry, AdapterRegistry
 from loraplex.frontend.metrics import Metrics
-from loraplex.frontend.registry import AdapterEntry, AdapterRegistry
 from loraplex.frontend.replica_set import merge_outcomes
 from loraplex.frontend.router import Router
 from loraplex.protocol.config import ConfigError, ServerConfig

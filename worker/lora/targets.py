@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.protocol.lora_shards import TP_MODES
+from loraplex.protocol.lora_targets import TP_MODES
 from loraplex.worker.model.config import ModelConfig
 
 
