@@ -13,14 +13,13 @@ import pytest
 import torch
 from loraplex.frontend import demo_model
 from loraplex.frontend.demo_model import (
-    MLP_MODULES,
     build_lora_adapter,
     build_tiny_model,
     build_tokenizer,
     demo_adapter_paths,
 )
 from loraplex.frontend.demo_tasks import ADAPTER_TASKS, BASE_TASK, accuracy, held_out_inputs
-from loraplex.protocol.lora_targets import TARGET_MODULES
+from loraplex.protocol.lora_targets import MLP_MODULES, TARGET_MODULES
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
