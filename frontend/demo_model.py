@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from loraplex.protocol.lora_targets import ATTN_MODULES, TARGET_MODULES
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -47,9 +48,6 @@ DEFAULT_INIT_STD = 0.35
 # large enough that greedy outputs change, small enough that the base stays recognisable.
 DEFAULT_LORA_DELTA_RATIO = 0.5
 
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-ALL_TARGET_MODULES = ATTN_MODULES + MLP_MODULES
 
 Arch = Literal["llama", "mistral", "qwen2"]
 
@@ -358,15 +356,15 @@ def build_lora_adapter(
     # init_std=None scales A and B per module so that the delta scale * B @ A has entries with
     # DEFAULT_LORA_DELTA_RATIO times the base weight's std, whatever r and alpha are; a float is
     # used as the std of A's and B's entries as is.
-    unknown = sorted(set(target_modules) - set(ALL_TARGET_MODULES))
+    unknown = sorted(set(target_modules) - set(TARGET_MODULES))
     if unknown or not target_modules:
-        raise ValueError(f"target_modules must be a non-empty subset of {ALL_TARGET_MODULES}, got {unknown}")
+        raise ValueError(f"target_modules must be a non-empty subset of {TARGET_MODULES}, got {unknown}")
     if r <= 0 or lora_alpha == 0:
         raise ValueError(f"need r > 0 and lora_alpha != 0, got r={r}, lora_alpha={lora_alpha}")
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     num_layers = json.loads((base_dir / "config.json").read_text())["num_hidden_layers"]
     scaling = lora_alpha / (r**0.5 if use_rslora else r)
-    targets = [m for m in ALL_TARGET_MODULES if m in target_modules]
+    targets = [m for m in TARGET_MODULES if m in target_modules]
 
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}

@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+from loraplex.frontend.adapters.registry import AdapterError
 from loraplex.frontend.constraints import constrain, native_constraint
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.params import MAX_SEED, NativeGenerateRequest, NativeSamplingParams, native_sampling
-from loraplex.frontend.registry import AdapterError
 from loraplex.frontend.request_state import OutputOptions, RequestState
 from loraplex.frontend.responses import error_body
 from loraplex.frontend.runtime import Runtime

@@ -4,25 +4,18 @@ vLLM's defaults: rank 16, all seven modules)."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import msgspec
-from loraplex.protocol.config import DEFAULT_LORA_RANK, TARGET_MODULES, ConfigError, ServerConfig
+from loraplex.frontend.adapters.files import read_adapter_config
+from loraplex.protocol.adapter_config import AdapterConfig, AdapterLoadError
+from loraplex.protocol.config import DEFAULT_LORA_RANK, ConfigError, ServerConfig
+from loraplex.protocol.lora_targets import TARGET_MODULES
 
 
-def read_adapter_config(name: str, path: str) -> dict:
-    config_path = os.path.join(path, "adapter_config.json")
+def _start_up_config(config: ServerConfig, name: str, path: str) -> AdapterConfig:
     try:
-        with open(config_path) as f:
-            data = json.load(f)
-    except FileNotFoundError as e:
-        raise ConfigError(f"adapter {name!r}: no adapter_config.json in {path!r} (not a LoRA adapter)") from e
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"adapter {name!r}: cannot read {config_path!r}: {e}") from e
-    if not isinstance(data, dict) or not isinstance(data.get("r"), int):
-        raise ConfigError(f"adapter {name!r}: {config_path!r} has no integer 'r'")
-    return data
+        return read_adapter_config(name, path, config.lora_path_root)
+    except AdapterLoadError as e:
+        raise ConfigError(f"adapter {name!r}: {e}") from e
 
 
 def resolve_lora_config(config: ServerConfig, model_dir: str) -> ServerConfig:
@@ -39,14 +32,11 @@ def resolve_lora_config(config: ServerConfig, model_dir: str) -> ServerConfig:
         if not config.lora_sources:
             return msgspec.structs.replace(config, enable_lora=True, max_lora_rank=max_rank or DEFAULT_LORA_RANK,
                                            lora_target_modules=list(targets or TARGET_MODULES))
-        adapters = [read_adapter_config(s.lora_name, s.lora_path) for s in config.lora_sources]
+        adapters = [_start_up_config(config, s.lora_name, s.lora_path) for s in config.lora_sources]
         if max_rank is None:
-            max_rank = max(a["r"] for a in adapters)
+            max_rank = max(a.r for a in adapters)
         if targets is None:
-            wanted = set()
-            for a in adapters:
-                modules = a.get("target_modules") or []
-                wanted.update([modules] if isinstance(modules, str) else modules)
-            targets = tuple(m for m in TARGET_MODULES if m in wanted) or TARGET_MODULES
+            wanted = {m for a in adapters for m in a.target_modules}
+            targets = tuple(m for m in TARGET_MODULES if m in wanted)
     return msgspec.structs.replace(config, enable_lora=True, max_lora_rank=max_rank,
                                    lora_target_modules=list(targets))

@@ -11,8 +11,9 @@ import logging
 import uuid
 from typing import Any
 
-from loraplex.frontend.adapter_manager import AdapterManager
-from loraplex.frontend.adapter_state import AdapterStateFile
+from loraplex.frontend.adapters.manager import AdapterManager
+from loraplex.frontend.adapters.registry import AdapterRegistry
+from loraplex.frontend.adapters.state_file import AdapterStateFile
 from loraplex.frontend.cluster.node_rendezvous import NodeRendezvous
 from loraplex.frontend.cluster.process_group import ProcessGroup
 from loraplex.frontend.cluster.replica_set import ReplicaSet
@@ -21,7 +22,6 @@ from loraplex.frontend.errors import InputError, ServerUnavailable
 from loraplex.frontend.grammar_checker import GrammarChecker
 from loraplex.frontend.lora_config import resolve_lora_config
 from loraplex.frontend.metrics import Metrics
-from loraplex.frontend.registry import AdapterRegistry
 from loraplex.frontend.request_state import OutputOptions, RequestState
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.request_limits import request_fit_error

@@ -7,8 +7,7 @@ import os
 from typing import Any, Literal
 
 import msgspec
-
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from loraplex.protocol.lora_targets import TARGET_MODULES
 
 
 class ConfigError(ValueError):

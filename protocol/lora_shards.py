@@ -7,19 +7,7 @@ from __future__ import annotations
 import functools
 import re
 
-# "column": the linear's output is split over ranks, so a rank keeps some rows of B (out, r) and all of A;
-# "row": its input is split (the layer all-reduces the output), so a rank keeps some columns of A (r, in) and all of B.
-# Fused linears (qkv, gate_up) are column-parallel and cut slice by slice: each HF module's B is cut on its own rows,
-# k_proj/v_proj on the kv heads' rows (GQA).
-TP_MODES = {
-    "q_proj": "column",
-    "k_proj": "column",
-    "v_proj": "column",
-    "o_proj": "row",
-    "gate_proj": "column",
-    "up_proj": "column",
-    "down_proj": "row",
-}
+from loraplex.protocol.lora_targets import TP_MODES
 
 # e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (older PEFT: ...lora_A.default.weight)
 _TENSOR_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:\w+\.)*?(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")

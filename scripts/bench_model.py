@@ -17,7 +17,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loraplex.frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter, build_tiny_model
+from loraplex.frontend.demo_model import build_lora_adapter, build_tiny_model
+from loraplex.protocol.lora_targets import TARGET_MODULES
 
 BENCH_VERSION = "bench-v1"  # bump when the builders below change what they write
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "loraplex" / BENCH_VERSION
@@ -85,7 +86,7 @@ def ensure_bench_model(shape: ModelShape, num_adapters: int, cache_dir: str | os
         name = adapter_name(index)
         adapter_dirs[name] = root / "adapters" / name
         _build_atomically(adapter_dirs[name], lambda out, seed=index + 1: build_lora_adapter(
-            base_dir, out, r=ADAPTER_RANK, lora_alpha=ADAPTER_ALPHA, target_modules=ALL_TARGET_MODULES, seed=seed,
+            base_dir, out, r=ADAPTER_RANK, lora_alpha=ADAPTER_ALPHA, target_modules=TARGET_MODULES, seed=seed,
             base_model_name_or_path=str(base_dir)))
     return BenchModel(base_dir, adapter_dirs)
 

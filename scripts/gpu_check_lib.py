@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loraplex.protocol.lora_targets import ATTN_MODULES, TARGET_MODULES
+
 SCRIPTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = SCRIPTS_DIR.parent
 NOT_IMPLEMENTED = "not implemented yet"
@@ -280,7 +282,7 @@ def write_llama(out_dir: Path, shape: LlamaShape, device, dtype, seed: int = 0) 
     for layer in range(shape.layers):
         prefix = f"model.layers.{layer}"
         for module, (out_f, in_f) in shape.module_shapes().items():
-            part = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            part = "self_attn" if module in ATTN_MODULES else "mlp"
             tensors[f"{prefix}.{part}.{module}.weight"] = randn(out_f, in_f)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             tensors[f"{prefix}.{norm}.weight"] = torch.ones(shape.hidden, dtype=dtype)
@@ -301,8 +303,7 @@ def write_llama(out_dir: Path, shape: LlamaShape, device, dtype, seed: int = 0) 
 
 
 def write_adapter(out_dir: Path, shape: LlamaShape, r: int, alpha: float, device, dtype, seed: int,
-                  modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                              "down_proj")) -> None:
+                  modules: tuple[str, ...] = TARGET_MODULES) -> None:
     """A PEFT adapter with A/B std chosen so that scale·BA has ~0.1× the base weights' std (0.02)."""
     import torch
     from safetensors.torch import save_file
@@ -314,7 +315,7 @@ def write_adapter(out_dir: Path, shape: LlamaShape, r: int, alpha: float, device
     for layer in range(shape.layers):
         for module in modules:
             out_f, in_f = shape.module_shapes()[module]
-            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            part = "self_attn" if module in ATTN_MODULES else "mlp"
             key = f"base_model.model.model.layers.{layer}.{part}.{module}"
             for name, size in (("lora_A", (r, in_f)), ("lora_B", (out_f, r))):
                 values = torch.randn(size, generator=gen, device=device, dtype=torch.float32) * std

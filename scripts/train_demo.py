@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 from loraplex.frontend.demo_model import (
-    ALL_TARGET_MODULES,
     BOS_TOKEN,
     EOS_TOKEN,
     IM_END_TOKEN,
@@ -46,6 +45,7 @@ from loraplex.frontend.demo_tasks import (
     prompt,
     random_input,
 )
+from loraplex.protocol.lora_targets import TARGET_MODULES
 
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "frontend" / "demo_assets"
 MANIFEST = "SHA256SUMS"
@@ -67,7 +67,7 @@ MODEL_KWARGS = dict(
     rope_theta=10000.0,
     tie_word_embeddings=False,
 )
-LORA_KWARGS = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(ALL_TARGET_MODULES))
+LORA_KWARGS = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(TARGET_MODULES))
 
 
 class Schedule:

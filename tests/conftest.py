@@ -4,6 +4,7 @@ import os
 from pathlib import Path
 
 import pytest
+from loraplex.protocol.lora_targets import ATTN_MODULES, MLP_MODULES, TARGET_MODULES
 
 from tests.device_helpers import configure_triton
 
@@ -14,17 +15,14 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # Before anything imports triton: the interpreter only where no GPU is used (device_helpers.py).
 configure_triton()
 
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-ALL_TARGET_MODULES = ATTN_MODULES + MLP_MODULES
 
 # name -> (r, lora_alpha, target_modules, use_rslora); ranks and target sets deliberately differ.
 ADAPTER_SPECS: dict[str, tuple[int, float, tuple[str, ...], bool]] = {
     "a4": (4, 8, ATTN_MODULES, False),
     "a8": (8, 16, MLP_MODULES, False),
-    "a16": (16, 16, ALL_TARGET_MODULES, True),
+    "a16": (16, 16, TARGET_MODULES, True),
     "a32": (32, 64, ("q_proj", "v_proj"), False),
-    "a64": (64, 128, ALL_TARGET_MODULES, False),
+    "a64": (64, 128, TARGET_MODULES, False),
 }
 
 

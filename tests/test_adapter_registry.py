@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from loraplex.frontend.adapter_state import AdapterStateFile
-from loraplex.frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
+from loraplex.frontend.adapters.registry import AdapterEntry, AdapterError, AdapterRegistry
+from loraplex.frontend.adapters.state_file import AdapterStateFile
 from loraplex.protocol.errors import STATUS_BY_KIND, ServerError, http_status
 from loraplex.protocol.structs import AdapterToLoad, LoRAAdapterSpec
 

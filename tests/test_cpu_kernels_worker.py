@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
+from loraplex.frontend.demo_model import build_lora_adapter
 from loraplex.kernels import cpu_ext
+from loraplex.protocol.lora_targets import TARGET_MODULES
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.layers import packed
 from loraplex.worker.model_runner import ModelRunner
@@ -37,7 +38,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     for name, (rank, seed) in ADAPTERS.items():
         adapters[name] = root / name
         build_lora_adapter(root / "base", adapters[name], r=rank, lora_alpha=2 * rank,
-                           target_modules=ALL_TARGET_MODULES, seed=seed)  # fmt: skip
+                           target_modules=TARGET_MODULES, seed=seed)  # fmt: skip
     return root / "base", adapters
 
 

@@ -10,10 +10,10 @@ import signal
 import time
 
 import pytest
+from loraplex.frontend.adapters.registry import AdapterEntry, AdapterRegistry
 from loraplex.frontend.cluster.replica_set import merge_replica_answers
 from loraplex.frontend.cluster.router import Router
 from loraplex.frontend.metrics import Metrics
-from loraplex.frontend.registry import AdapterEntry, AdapterRegistry
 from loraplex.protocol.config import ConfigError, ServerConfig
 from loraplex.protocol.errors import ServerError
 from loraplex.protocol.structs import AdapterOutcome, SchedulerStats

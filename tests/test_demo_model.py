@@ -13,13 +13,13 @@ import pytest
 import torch
 from loraplex.frontend import demo_model
 from loraplex.frontend.demo_model import (
-    MLP_MODULES,
     build_lora_adapter,
     build_tiny_model,
     build_tokenizer,
     demo_adapter_paths,
 )
 from loraplex.frontend.demo_tasks import ADAPTER_TASKS, BASE_TASK, accuracy, held_out_inputs
+from loraplex.protocol.lora_targets import MLP_MODULES, TARGET_MODULES
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -342,7 +342,7 @@ def test_demo_model_and_adapters(demo_dir: Path) -> None:
     for name, path in paths.items():
         assert re.fullmatch(r"[a-z0-9-]+", name) and path == demo_dir / "adapters" / name
         adapter_config = json.loads((path / "adapter_config.json").read_text())
-        assert sorted(adapter_config["target_modules"]) == sorted(demo_model.ALL_TARGET_MODULES)
+        assert sorted(adapter_config["target_modules"]) == sorted(TARGET_MODULES)
         assert adapter_config["base_model_name_or_path"] == "demo"
         assert (path / "adapter_model.safetensors").is_file()
 

@@ -11,7 +11,8 @@ import time
 import psutil
 import pytest
 import requests
-from loraplex.frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
+from loraplex.frontend.demo_model import build_lora_adapter
+from loraplex.protocol.lora_targets import TARGET_MODULES
 from transformers import AutoTokenizer
 
 from tests.reference import assert_greedy_match, hf_greedy
@@ -99,7 +100,7 @@ def test_tp2_scripted_sequence_and_fault_on_one_rank(llama_dir, adapter_dirs):
 @pytest.fixture(scope="module")
 def big_rank_adapter(tmp_path_factory, llama_dir):
     path = tmp_path_factory.mktemp("big") / "r128"
-    build_lora_adapter(llama_dir, path, r=128, lora_alpha=128, target_modules=ALL_TARGET_MODULES, seed=9)
+    build_lora_adapter(llama_dir, path, r=128, lora_alpha=128, target_modules=TARGET_MODULES, seed=9)
     return path
 
 

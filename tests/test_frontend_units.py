@@ -6,10 +6,10 @@ import asyncio
 import os
 
 import pytest
+from loraplex.frontend.adapters.registry import AdapterEntry, AdapterError, AdapterRegistry
 from loraplex.frontend.detokenizer import IncrementalDetokenizer, StopMatcher
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.params import NativeSamplingParams, native_sampling
-from loraplex.frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
 from transformers import AutoTokenizer
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.frontend.demo_model import ATTN_MODULES, build_lora_adapter, build_tiny_model
+from loraplex.frontend.demo_model import build_lora_adapter, build_tiny_model
+from loraplex.protocol.lora_targets import ATTN_MODULES
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.lora.adapter import AdapterLoadError, _finite_in_dtype, _map_safetensors, load_adapter
 from loraplex.worker.model_runner import ModelRunner

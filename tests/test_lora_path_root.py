@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.frontend.demo_model import ATTN_MODULES
+from loraplex.protocol.adapter_config import WEIGHT_FILES
+from loraplex.protocol.adapter_files import AdapterFiles
+from loraplex.protocol.lora_targets import ATTN_MODULES
 from loraplex.protocol.structs import AdapterToLoad
-from loraplex.worker.lora.adapter import WEIGHT_FILES, AdapterLoadError, _AdapterFiles, load_adapter
+from loraplex.worker.lora.adapter import AdapterLoadError, load_adapter
 from loraplex.worker.model_runner import ModelRunner
 from safetensors.torch import load_file
 
@@ -99,12 +101,12 @@ def test_the_check_is_on_the_open_file(dirs: dict[str, Path]) -> None:
     link = dirs["root"] / "swapped"
     link.symlink_to(dirs["plain"] / CONFIG)
     try:
-        with _AdapterFiles("s", str(dirs["root"])).open(str(link)) as (_, opened_path):
+        with AdapterFiles("s", str(dirs["root"])).open(str(link)) as (_, opened_path):
             link.unlink()
             link.symlink_to(dirs["outside"] / SAFETENSORS)
             assert Path(opened_path).read_bytes() == (dirs["plain"] / CONFIG).read_bytes()
         with pytest.raises(AdapterLoadError, match="resolves outside"):
-            with _AdapterFiles("s", str(dirs["root"])).open(str(link)):
+            with AdapterFiles("s", str(dirs["root"])).open(str(link)):
                 pass
     finally:
         link.unlink()

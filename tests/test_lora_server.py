@@ -7,7 +7,8 @@ import json
 
 import openai
 import pytest
-from loraplex.frontend.demo_model import ATTN_MODULES, build_lora_adapter, build_tiny_model
+from loraplex.frontend.demo_model import build_lora_adapter, build_tiny_model
+from loraplex.protocol.lora_targets import ATTN_MODULES
 from transformers import AutoTokenizer
 
 from tests.reference import assert_greedy_match, hf_greedy

@@ -8,8 +8,9 @@ from pathlib import Path
 import loraplex.kernels.backend as lora_backend
 import pytest
 import torch
-from loraplex.frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
+from loraplex.frontend.demo_model import build_lora_adapter
 from loraplex.kernels import select_backend
+from loraplex.protocol.lora_targets import TARGET_MODULES
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.lora.layers import LoRALinear
@@ -194,7 +195,7 @@ def test_base_only_batches_launch_no_lora_work(runner: ModelRunner, monkeypatch:
 
 def test_qwen2_adapter_matches_peft(qwen2_dir: Path, tmp_path: Path) -> None:
     adapter_dir = tmp_path / "q8"
-    build_lora_adapter(qwen2_dir, adapter_dir, r=8, lora_alpha=16, target_modules=ALL_TARGET_MODULES, seed=21)
+    build_lora_adapter(qwen2_dir, adapter_dir, r=8, lora_alpha=16, target_modules=TARGET_MODULES, seed=21)
     runner = make_runner(qwen2_dir, **{**LORA_CONFIG, "max_lora_rank": 8})
     assert runner.lora.load([AdapterToLoad(lora_name="q8", lora_path=str(adapter_dir), lora_id=1)])[0].success
     prompts = random_prompts([7, 5], runner.vocab_size, seed=15)

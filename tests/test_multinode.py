@@ -19,7 +19,7 @@ import psutil
 import pytest
 import requests
 import torch
-from loraplex.frontend.adapter_tensors import cut_per_rank, read_adapter_dir
+from loraplex.frontend.adapters.files import cut_per_rank, read_adapter_dir
 from loraplex.protocol.config import TARGET_MODULES, ConfigError, ServerConfig
 from loraplex.protocol.lora_shards import cut_shape
 from loraplex.protocol.structs import TENSOR_DTYPES, AdapterToLoad, LoadAdapters, TensorSpec, frames_of_rank

@@ -12,7 +12,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
-from loraplex.frontend.adapter_tensors import encode_tensors
+from loraplex.frontend.adapters.files import encode_tensors
 from loraplex.frontend.generate import GenerateService
 from loraplex.frontend.params import NativeGenerateRequest, convert
 from loraplex.frontend.runtime import Runtime

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 from aiohttp import web
+from loraplex.frontend.adapters.registry import AdapterError
 from loraplex.frontend.entrypoints.http_utils import (
     error_response,
     json_response,
@@ -18,7 +19,6 @@ from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, Completion
 from loraplex.frontend.entrypoints.openai_serving import OpenAIRun, model_cards, start_chat, start_completion
 from loraplex.frontend.generate import GenerationFailed
 from loraplex.frontend.params import AdapterPath, Int64
-from loraplex.frontend.registry import AdapterError
 from loraplex.frontend.responses import ModelList
 from loraplex.protocol.errors import http_status
 from loraplex.protocol.structs import LoRAAdapterSpec

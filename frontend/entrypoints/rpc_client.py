@@ -85,7 +85,7 @@ class RpcClient:
                                        load_inplace: bool = False) -> LoadLoRAAdapterReqOutput:
         """torch tensors named as in adapter_model.safetensors, and adapter_config.json's content: each tensor's
         bytes go as one frame after the payload."""
-        from loraplex.frontend.adapter_tensors import encode_tensors
+        from loraplex.frontend.adapters.files import encode_tensors
 
         specs, buffers = encode_tensors(tensors)
         request = LoadLoRAAdapterFromTensorsReqInput(lora_name=lora_name, config_dict=config_dict, tensors=specs,

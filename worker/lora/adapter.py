@@ -4,40 +4,29 @@ Two sources feed one path: a directory (`load_adapter`: adapter_config.json and 
 raw tensor buffers sent along (`adapter_from_tensors`); both go through `_check_config`, `_finite_in_dtype` and
 `_build` (matching, shape checks, the TP slice). Runs on the worker's loader thread: it touches no shared state, and
 every refusal is an AdapterLoadError whose message names the cause (the HTTP layer passes it on to the user as is).
-With --lora-path-root, every file is opened through `_open_inside`, which checks where the open file really lies, so
-a reload of an evicted adapter is checked again."""
+The directory's layout and its confinement to --lora-path-root are protocol/adapter_files.py's, the config's rules
+protocol/adapter_config.py's (node 0's frontend reads adapters by the same two); every file is checked where the open
+file really lies, so a reload of an evicted adapter is checked again."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 import mmap
-import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
-from loraplex.protocol.config import TARGET_MODULES
+from loraplex.protocol.adapter_config import AdapterConfig, AdapterLoadError, parse_adapter_config
+from loraplex.protocol.adapter_files import AdapterFiles
 from loraplex.protocol.lora_shards import cut_shape, parse_lora_key, rank_cut
+from loraplex.protocol.lora_targets import TARGET_MODULES
 from loraplex.protocol.structs import TensorSpec
 from loraplex.worker.lora.targets import full_shapes
 from loraplex.worker.model.config import ModelConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-
-
-class AdapterLoadError(Exception):
-    """An adapter refused; error_kind is a kind of protocol.errors.STATUS_BY_KIND."""
-
-    def __init__(self, message: str, error_kind: str = "invalid"):
-        super().__init__(message)
-        self.error_kind = error_kind
 
 
 @dataclass(frozen=True)
@@ -85,8 +74,8 @@ def load_adapter(
 ) -> LoRAAdapter:
     """`path_root` (--lora-path-root or --lora-resolver-dir): every file read must lie inside it, symlinks
     resolved; `lora_name` is for the messages."""
-    files = _AdapterFiles(lora_name, os.path.realpath(path_root) if path_root else None)
-    config = _read_config(path, model_config, pool_spec, files)
+    files = AdapterFiles.under(lora_name, path_root)
+    config = _check_config(files.read_config(path), model_config, pool_spec)
     tensors = _read_tensors(path, pool_spec.dtype, files)
     return _build(lora_id, config, tensors, model_config, pool_spec, tp_rank, tp_size)
 
@@ -106,8 +95,6 @@ def adapter_from_tensors(
     """An adapter from adapter_config.json's content and its tensors' raw bytes (one buffer per spec, in order),
     checked exactly as a directory load is. `is_cut`: each buffer holds only this rank's part of its tensor
     (protocol/lora_shards.py; node 0 cut it), while the spec still names the whole tensor."""
-    if not isinstance(config, dict):
-        raise AdapterLoadError(f"the adapter config must be a JSON object (adapter_config.json), got {config!r}")
     checked = _check_config(config, model_config, pool_spec)
     tensors = _tensors_from_buffers(tensor_specs, buffers, (tp_rank, tp_size) if is_cut else None)
     whole_shapes = {spec.name: tuple(spec.shape) for spec in tensor_specs} if is_cut else None
@@ -145,163 +132,53 @@ def _build(
     )
 
 
-# ---- confinement --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _AdapterFiles:
-    lora_name: str
-    root: str | None  # --lora-path-root or --lora-resolver-dir, symlinks resolved; None = read anywhere
-
-    def check_dir(self, path: str) -> None:
-        """An early, friendlier refusal of a directory outside the root (it also keeps the existence checks below
-        from probing outside). Not the guarantee: `open` checks every file where it really is."""
-        if self.root is not None and not _is_inside(os.path.realpath(path), self.root):
-            raise AdapterLoadError(
-                f"adapter {self.lora_name!r}: path {path!r} is outside the allowed root {self.root} "
-                f"(--lora-path-root or --lora-resolver-dir)", "forbidden"
-            )
-
-    @contextlib.contextmanager
-    def open(self, path: str) -> Iterator[tuple[BinaryIO, str]]:
-        """`path` opened for reading, and a path that names this very open file, for readers that take a path
-        (safetensors). With a root, the check looks at the file once it is open: the kernel's name for the
-        descriptor (/proc/self/fd/N, every symlink resolved) must lie inside the root, and readers reopen that
-        descriptor's file, so no rename or symlink swap between a check and a read can slip an outside file in."""
-        with open(path, "rb") as file:
-            if self.root is None:
-                yield file, path
-                return
-            fd_path = f"/proc/self/fd/{file.fileno()}"
-            try:
-                real_path = os.readlink(fd_path)
-            except OSError as e:  # no /proc: refuse rather than read unchecked
-                raise AdapterLoadError(
-                    f"adapter {self.lora_name!r}: cannot confirm that {path!r} lies inside the allowed root "
-                    f"{self.root} ({type(e).__name__}: {e})",
-                    "internal",
-                ) from e
-            if not _is_inside(real_path, self.root):
-                raise AdapterLoadError(
-                    f"adapter {self.lora_name!r}: file {path!r} resolves outside the allowed root {self.root} "
-                    "(--lora-path-root or --lora-resolver-dir; symlinks resolved)",
-                    "forbidden",
-                )
-            yield file, fd_path
-
-
-def _is_inside(real_path: str, root: str) -> bool:
-    return os.path.commonpath([real_path, root]) == root
-
-
 # ---- adapter_config.json ------------------------------------------------------------------------
 
 
-def _read_config(path: str, model_config: ModelConfig, pool_spec: PoolSpec, files: _AdapterFiles) -> _Config:
-    files.check_dir(path)
-    if not os.path.exists(path):
-        raise AdapterLoadError(f"adapter path {path!r} does not exist", "not_found")
-    if not os.path.isdir(path):
-        raise AdapterLoadError(f"not a LoRA adapter: {path!r} is not a directory")
-    config_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(config_path):
-        raise AdapterLoadError(f"not a LoRA adapter: {path!r} has no {CONFIG_FILE}")
-    try:
-        with files.open(config_path) as (file, _):
-            raw = json.load(file)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AdapterLoadError(f"malformed {CONFIG_FILE} in {path!r}: {e}") from e
-    if not isinstance(raw, dict):
-        raise AdapterLoadError(f"malformed {CONFIG_FILE} in {path!r}: expected a JSON object")
-    return _check_config(raw, model_config, pool_spec)
-
-
-def _check_config(raw: dict[str, Any], model_config: ModelConfig, pool_spec: PoolSpec) -> _Config:
-    for field in ("r", "lora_alpha", "target_modules"):
-        if field not in raw:
-            raise AdapterLoadError(f"{CONFIG_FILE} lacks the field {field!r}")
-    peft_type = raw.get("peft_type", "LORA")
-    if peft_type != "LORA":
-        raise AdapterLoadError(f"peft_type {peft_type!r} is not supported (only LORA)")
-    lora_rank, lora_alpha = raw["r"], raw["lora_alpha"]
-    if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or lora_rank < 1:
-        raise AdapterLoadError(f"'r' must be a positive integer, got {lora_rank!r}")
-    if not isinstance(lora_alpha, (int, float)) or isinstance(lora_alpha, bool) or not math.isfinite(lora_alpha):
-        raise AdapterLoadError(f"'lora_alpha' must be a number, got {lora_alpha!r}")
-    use_rslora = raw.get("use_rslora", False)
-    if not isinstance(use_rslora, bool):
-        raise AdapterLoadError(f"'use_rslora' must be true or false, got {use_rslora!r}")
-    # Features that change the math beyond y += scale · x·Aᵀ·Bᵀ: refused rather than served wrong.
-    if raw.get("use_dora"):
-        raise AdapterLoadError("DoRA adapters (use_dora: true) are not supported")
-    if raw.get("modules_to_save"):
-        raise AdapterLoadError(f"modules_to_save {raw['modules_to_save']!r} is not supported (must be empty)")
-    if raw.get("bias", "none") != "none":
-        raise AdapterLoadError(f"bias {raw['bias']!r} is not supported (must be 'none')")
-    if raw.get("rank_pattern") or raw.get("alpha_pattern"):
-        raise AdapterLoadError("per-module rank_pattern / alpha_pattern are not supported")
-    if raw.get("fan_in_fan_out"):
-        raise AdapterLoadError("fan_in_fan_out adapters are not supported")
-    if lora_rank > pool_spec.max_lora_rank:
-        raise AdapterLoadError(f"rank {lora_rank} exceeds --max-lora-rank {pool_spec.max_lora_rank}")
-    return _Config(
-        lora_rank=lora_rank,
-        scale=lora_alpha / (math.sqrt(lora_rank) if use_rslora else lora_rank),
-        target_modules=_check_targets(raw["target_modules"], pool_spec),
-        layers=_check_layers(raw.get("layers_to_transform"), model_config.num_layers),
-    )
-
-
-def _check_targets(targets: Any, pool_spec: PoolSpec) -> tuple[str, ...]:
-    if isinstance(targets, str):
-        raise AdapterLoadError(
-            f"target_modules {targets!r} is a pattern; only a list of module names is supported "
-            f"({', '.join(TARGET_MODULES)})"
-        )
-    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
-        raise AdapterLoadError(f"target_modules must be a non-empty list of module names, got {targets!r}")
-    for target in targets:
-        if target not in TARGET_MODULES:
-            raise AdapterLoadError(f"unknown target module {target!r}; LoRA supports {', '.join(TARGET_MODULES)}")
+def _check_config(raw: Any, model_config: ModelConfig, pool_spec: PoolSpec) -> _Config:
+    """The one parse (protocol/adapter_config.py), then what this server can hold."""
+    config = parse_adapter_config(raw)
+    if config.r > pool_spec.max_lora_rank:
+        raise AdapterLoadError(f"rank {config.r} exceeds --max-lora-rank {pool_spec.max_lora_rank}")
+    for target in config.target_modules:
         if target not in pool_spec.target_modules:
             raise AdapterLoadError(
                 f"target module {target!r} is not in the LoRA pool ({', '.join(pool_spec.target_modules)})"
             )
-    return tuple(m for m in TARGET_MODULES if m in targets)
+    return _Config(
+        lora_rank=config.r,
+        scale=config.scale,
+        target_modules=config.target_modules,
+        layers=_check_layers(config, model_config.num_layers),
+    )
 
 
-def _check_layers(layers: Any, num_layers: int) -> tuple[int, ...]:
-    if layers is None:
+def _check_layers(config: AdapterConfig, num_layers: int) -> tuple[int, ...]:
+    if config.layers is None:
         return tuple(range(num_layers))
-    layers = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
-    if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
-        raise AdapterLoadError(f"layers_to_transform must be an integer or a list of integers, got {layers!r}")
-    bad = [i for i in layers if not 0 <= i < num_layers]
+    bad = [i for i in config.layers if not 0 <= i < num_layers]
     if bad:
         raise AdapterLoadError(f"layers_to_transform {bad} out of range (the base model has {num_layers} layers)")
-    return tuple(sorted(set(layers)))
+    return config.layers
 
 
 # ---- weights ------------------------------------------------------------------------------------
 
 
-def _read_tensors(path: str, dtype: torch.dtype, files: _AdapterFiles) -> dict[str, torch.Tensor]:
+def _read_tensors(path: str, dtype: torch.dtype, files: AdapterFiles) -> dict[str, torch.Tensor]:
     """The adapter's tensors in `dtype`, as views of one new buffer, each checked finite."""
-    safetensors_path, bin_path = (os.path.join(path, name) for name in WEIGHT_FILES)
+    weights_path = files.weights_path(path)
     try:
-        if os.path.isfile(safetensors_path):
-            with files.open(safetensors_path) as (_, opened_path):
+        with files.open(weights_path) as (file, opened_path):
+            if weights_path.endswith(".safetensors"):
                 mapped = _map_safetensors(opened_path, dtype)
                 if mapped is not None:
                     return mapped
                 tensors = load_file(opened_path, device="cpu")
-        elif os.path.isfile(bin_path):
-            with files.open(bin_path) as (file, _):
+            else:
                 tensors = torch.load(file, map_location="cpu", weights_only=True)
-            if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
-                raise AdapterLoadError(f"{bin_path!r} does not hold a dict of tensors")
-        else:
-            raise AdapterLoadError(f"no adapter weights in {path!r}: expected {' or '.join(WEIGHT_FILES)}")
+        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+            raise AdapterLoadError(f"{weights_path!r} does not hold a dict of tensors")
     except AdapterLoadError:
         raise
     except Exception as e:  # a truncated or foreign file: safetensors, pickle and zip errors have no common type

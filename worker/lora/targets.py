@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.protocol.lora_shards import TP_MODES
+from loraplex.protocol.lora_targets import TARGET_MODULES, TP_MODES
 from loraplex.worker.model.config import ModelConfig
 
 
@@ -29,6 +29,7 @@ FUSED_LINEARS = (
 SLICE_OF: dict[str, tuple[FusedLinear, int]] = {
     module: (fused, slice_id) for fused in FUSED_LINEARS for slice_id, module in enumerate(fused.slices)
 }
+assert set(SLICE_OF) == set(TARGET_MODULES)  # every module of the one table has its place here
 
 
 def full_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:

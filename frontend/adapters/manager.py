@@ -17,11 +17,12 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import msgspec
-from loraplex.frontend.adapter_state import AdapterStateFile
-from loraplex.frontend.adapter_tensors import cut_per_rank, read_adapter_dir
+from loraplex.frontend.adapters.files import cut_per_rank, read_adapter_dir
+from loraplex.frontend.adapters.registry import AdapterEntry, AdapterError, AdapterRegistry
+from loraplex.frontend.adapters.state_file import AdapterStateFile
 from loraplex.frontend.cluster.replica_set import ReplicaSet, merge_replica_answers
 from loraplex.frontend.metrics import Metrics
-from loraplex.frontend.registry import AdapterEntry, AdapterError, AdapterRegistry
+from loraplex.protocol.adapter_config import AdapterLoadError
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.errors import ServerError
 from loraplex.protocol.structs import (
@@ -241,11 +242,10 @@ class AdapterManager:
             if adapter.inline is None:
                 try:
                     config, specs, own_frames = await loop.run_in_executor(
-                        None, read_adapter_dir, adapter.lora_path, adapter.root)
-                except ValueError as e:
+                        None, read_adapter_dir, adapter.lora_path, adapter.root, adapter.lora_name)
+                except AdapterLoadError as e:  # worded and kinded as a worker's refusal of the same files
                     failures[adapter.lora_id] = AdapterOutcome(lora_id=adapter.lora_id, success=False,
-                                                               error_message=f"adapter {adapter.lora_name!r}: {e}",
-                                                               error_kind="invalid")
+                                                               error_message=str(e), error_kind=e.error_kind)
                     continue
                 adapter = msgspec.structs.replace(adapter, lora_path=None,
                                                   inline=InlineAdapter(config=config, tensors=specs))

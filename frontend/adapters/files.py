@@ -1,6 +1,8 @@
-"""An adapter's tensors as TensorSpecs and raw buffers: how the Engine and the RPC client send tensors (the bytes go
-as extra ZeroMQ frames, never pickled; the workers check every spec against its bytes), and how node 0 cuts them
-per TP rank (--nnodes > 1)."""
+"""An adapter's files and tensors as the frontend handles them: a start-up adapter's config (to size the pool),
+a directory read into TensorSpecs and raw buffers on node 0 (--nnodes > 1, so ranks on other nodes never open a
+path) and cut per TP rank, and the Engine's and the RPC client's torch tensors as specs and buffers (the bytes go as
+extra ZeroMQ frames, never pickled; the workers check every spec against its bytes). Files are found and opened by
+protocol/adapter_files.py and configs parsed by protocol/adapter_config.py, as the workers do."""
 
 from __future__ import annotations
 
@@ -8,8 +10,15 @@ import math
 import warnings
 from typing import Any
 
+from loraplex.protocol.adapter_config import AdapterConfig, AdapterLoadError, parse_adapter_config
+from loraplex.protocol.adapter_files import AdapterFiles
 from loraplex.protocol.lora_shards import rank_cut
 from loraplex.protocol.structs import TENSOR_DTYPES, TensorSpec
+
+
+def read_adapter_config(lora_name: str, path: str, root: str | None = None) -> AdapterConfig:
+    """A directory's adapter_config.json, parsed; AdapterLoadError says what is wrong."""
+    return parse_adapter_config(AdapterFiles.under(lora_name, root).read_config(path))
 
 
 def encode_tensors(tensors: dict[str, Any]) -> tuple[list[TensorSpec], list[memoryview]]:
@@ -26,39 +35,29 @@ def encode_tensors(tensors: dict[str, Any]) -> tuple[list[TensorSpec], list[memo
     return specs, buffers
 
 
-def read_adapter_dir(path: str, root: str | None) -> tuple[dict, list[TensorSpec], list[memoryview]]:
-    """A PEFT directory as a config and raw tensor buffers: how node 0 sends a directory load to ranks on other nodes
-    (--nnodes > 1), which then never read the path. `path` is resolved and checked by the registry; every file read
-    here must resolve inside `root` too (symlinks included). ValueError says what is wrong."""
-    import json
-    import os
-
+def read_adapter_dir(path: str, root: str | None,
+                     lora_name: str = "") -> tuple[dict, list[TensorSpec], list[memoryview]]:
+    """A PEFT directory as its config and raw tensor buffers: how node 0 sends a directory load to ranks on other
+    nodes (--nnodes > 1). Every file is opened inside `root` and checked on the open file, as a worker does; the
+    config is sent as it is and parsed by each rank. AdapterLoadError says what is wrong."""
     import torch
     from safetensors.torch import load_file
 
-    def inside(name: str) -> str | None:
-        file_path = os.path.realpath(os.path.join(path, name))
-        if root is not None and os.path.commonpath([file_path, root]) != root:
-            raise ValueError(f"{name} resolves outside the allowed root")
-        return file_path if os.path.isfile(file_path) else None
-
-    config_path = inside("adapter_config.json")
-    if config_path is None:
-        raise ValueError(f"no adapter_config.json in {path!r}: not a LoRA adapter")
+    files = AdapterFiles.under(lora_name, root)
+    config = files.read_config(path)
+    weights_path = files.weights_path(path)
     try:
-        with open(config_path) as f:
-            config = json.load(f)
-        weights_path = inside("adapter_model.safetensors")
-        if weights_path is not None:
-            tensors = load_file(weights_path)
-        elif (weights_path := inside("adapter_model.bin")) is not None:
-            tensors = torch.load(weights_path, map_location="cpu", weights_only=True)
-        else:
-            raise ValueError(f"no adapter_model.safetensors or adapter_model.bin in {path!r}")
-    except (OSError, json.JSONDecodeError, RuntimeError) as e:  # safetensors and torch raise RuntimeError on bad files
-        raise ValueError(f"cannot read the adapter in {path!r}: {e}") from e
-    if not isinstance(config, dict) or not isinstance(tensors, dict):
-        raise ValueError(f"{path!r} is not a PEFT adapter (adapter_config.json or the weights are malformed)")
+        with files.open(weights_path) as (file, opened_path):
+            if weights_path.endswith(".safetensors"):
+                tensors = load_file(opened_path)
+            else:
+                tensors = torch.load(file, map_location="cpu", weights_only=True)
+    except AdapterLoadError:
+        raise
+    except Exception as e:  # a truncated or foreign file: safetensors, pickle and zip errors have no common type
+        raise AdapterLoadError(f"cannot read the adapter weights in {path!r}: {type(e).__name__}: {e}") from e
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise AdapterLoadError(f"{weights_path!r} does not hold a dict of tensors")
     return config, *encode_tensors(tensors)
 
 

@@ -1,0 +1,85 @@
+"""protocol/adapter_config.py and protocol/adapter_files.py: the one parse of adapter_config.json and the one
+confined reader of an adapter directory, as node 0's frontend uses them (the workers' use: test_lora_path_root.py,
+test_lora_adapters.py). A file is judged where the open file lies, never by a name checked before the open."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+from loraplex.frontend.adapters.files import read_adapter_config, read_adapter_dir
+from loraplex.protocol.adapter_config import CONFIG_FILE, WEIGHT_FILES, AdapterLoadError, parse_adapter_config
+from loraplex.protocol.adapter_files import AdapterFiles
+from loraplex.protocol.lora_targets import TARGET_MODULES
+
+SAFETENSORS = WEIGHT_FILES[0]
+BASE = {"r": 8, "lora_alpha": 16, "target_modules": ["v_proj", "q_proj", "q_proj"], "peft_type": "LORA"}
+
+
+def test_a_config_is_parsed_to_our_module_order():
+    config = parse_adapter_config({**BASE, "base_model_name_or_path": "m", "layers_to_transform": [1, 0, 1]})
+    assert config.target_modules == ("q_proj", "v_proj")  # once each, in TARGET_MODULES order
+    assert (config.r, config.scale, config.layers, config.base_model_name_or_path) == (8, 2.0, (0, 1), "m")
+    assert parse_adapter_config({**BASE, "use_rslora": True}).scale == 16 / math.sqrt(8)
+    assert parse_adapter_config({**BASE, "target_modules": list(TARGET_MODULES)}).layers is None
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"use_dora": True}, "DoRA"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
+    ({"target_modules": ["q_proj", "lm_head"]}, "unknown target module 'lm_head'"),
+    ({"target_modules": "all-linear"}, "is a pattern"),
+    ({"r": True}, "'r' must be a positive integer"),
+    ({"layers_to_transform": "0"}, "layers_to_transform"),
+])
+def test_what_we_cannot_serve_is_refused(change, message):
+    with pytest.raises(AdapterLoadError, match=message) as info:
+        parse_adapter_config({**BASE, **change})
+    assert info.value.error_kind == "invalid"
+
+
+@pytest.fixture
+def rooted(tmp_path: Path, adapter_dirs: dict[str, Path]) -> dict[str, Path]:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    shutil.copytree(adapter_dirs["a4"], root / "plain")
+    shutil.copytree(adapter_dirs["a4"], outside)
+    return {"root": root, "plain": root / "plain", "outside": outside}
+
+
+def test_node0_refuses_weights_linked_outside_the_root(rooted):
+    escaped = rooted["root"] / "escaped"
+    escaped.mkdir()
+    shutil.copy(rooted["plain"] / CONFIG_FILE, escaped / CONFIG_FILE)
+    (escaped / SAFETENSORS).symlink_to(rooted["outside"] / SAFETENSORS)
+    with pytest.raises(AdapterLoadError, match="resolves outside the allowed root") as info:
+        read_adapter_dir(str(escaped), str(rooted["root"]), "esc")
+    assert info.value.error_kind == "forbidden" and "adapter 'esc'" in str(info.value)
+    config, specs, _ = read_adapter_dir(str(escaped), None)  # without a root, links are followed as before
+    assert config["r"] == 4 and specs
+
+
+def test_a_link_swapped_in_after_the_last_name_check_is_refused(rooted, monkeypatch):
+    # The weight file is found by name inside the root; between that and the open, it becomes a link outside.
+    weights = rooted["plain"] / SAFETENSORS
+    found = AdapterFiles.weights_path
+
+    def found_then_swapped(self: AdapterFiles, path: str) -> str:
+        weights_path = found(self, path)
+        weights.unlink()
+        weights.symlink_to(rooted["outside"] / SAFETENSORS)
+        return weights_path
+
+    monkeypatch.setattr(AdapterFiles, "weights_path", found_then_swapped)
+    with pytest.raises(AdapterLoadError, match="resolves outside the allowed root") as info:
+        read_adapter_dir(str(rooted["plain"]), str(rooted["root"]), "swapped")
+    assert info.value.error_kind == "forbidden"
+
+
+def test_a_start_up_config_is_read_inside_the_root(rooted):
+    assert read_adapter_config("a", str(rooted["plain"]), str(rooted["root"])).r == 4
+    with pytest.raises(AdapterLoadError, match="outside the allowed root") as info:
+        read_adapter_config("a", str(rooted["outside"]), str(rooted["root"]))
+    assert info.value.error_kind == "forbidden"
