@@ -16,6 +16,17 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 configure_triton()
 
 
+TIERS = ("unit", "compute", "process", "server", "integrations")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test carries its folder's tier as a marker (`pytest -m unit` runs what `pytest tests/unit` runs)."""
+    for item in items:
+        tier = item.path.parent.name
+        if tier in TIERS:
+            item.add_marker(tier)
+
+
 # name -> (r, lora_alpha, target_modules, use_rslora); ranks and target sets deliberately differ.
 ADAPTER_SPECS: dict[str, tuple[int, float, tuple[str, ...], bool]] = {
     "a4": (4, 8, ATTN_MODULES, False),

@@ -7,9 +7,16 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import requests
+from loraplex.frontend.cluster.process_group import make_endpoints
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.structs import Endpoints
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,3 +91,15 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def make_test_endpoints(sock_dir: str | Path, tp: int = 1) -> Endpoints:
+    """The sockets of one replica in `sock_dir`, named as the server names them (one rule for every harness)."""
+    return make_endpoints(ServerConfig(device="cpu", tp=tp), str(sock_dir))
+
+
+@contextmanager
+def ipc_endpoints(tp: int = 1) -> Iterator[Endpoints]:
+    """make_test_endpoints in a short private directory: ipc:// paths are limited to ~100 characters."""
+    with tempfile.TemporaryDirectory(prefix="lpx") as sock_dir:
+        yield make_test_endpoints(sock_dir, tp)

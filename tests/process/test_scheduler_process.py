@@ -20,7 +20,6 @@ from loraplex.protocol.structs import (
     AdapterToLoad,
     BatchResult,
     DropAdapters,
-    Endpoints,
     ForwardBatch,
     LoadAdapters,
     ProcessArgs,
@@ -39,20 +38,15 @@ from loraplex.protocol.structs import (
     WorkerReady,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.server_utils import make_test_endpoints
+
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_MS = 10_000
 
 
 class Harness:
     def __init__(self, tmp: Path, **config_kwargs):
-        endpoints = Endpoints(
-            frontend_to_scheduler=f"ipc://{tmp}/f2s",
-            scheduler_to_frontend=f"ipc://{tmp}/s2f",
-            scheduler_to_workers=[f"ipc://{tmp}/s2w0"],
-            workers_to_scheduler=f"ipc://{tmp}/w2s",
-            dist_init_addr="127.0.0.1:0",
-            scheduler_to_loaders=[f"ipc://{tmp}/s2l0"],
-        )
+        endpoints = make_test_endpoints(tmp)
         self.frontend_in = TypedSocket(PULL, endpoints.scheduler_to_frontend, bind=True, recv_type=SchedulerToFrontend)
         self.worker_in = TypedSocket(PULL, endpoints.scheduler_to_workers[0], bind=True, recv_type=SchedulerToWorker)
         self.loader_in = TypedSocket(PULL, endpoints.scheduler_to_loaders[0], bind=True, recv_type=LoadAdapters)

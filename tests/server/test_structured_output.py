@@ -25,8 +25,8 @@ from loraplex.worker.sampling_batch import SamplingBatch
 from loraplex.worker.sampling_table import SamplingTable
 from transformers import AutoTokenizer
 
-from tests.test_engine_core import OverlapWorkers
-from tests.test_scheduler_core import Workers, assert_drained, make_scheduler
+from tests.unit.test_engine_core import OverlapWorkers
+from tests.unit.test_scheduler_core import Workers, assert_drained, make_scheduler
 from tests.worker_helpers import num_grammar_sequences
 
 SCHEMA = {

@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from tests.reference import CLEAR_MARGIN, assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess
-from tests.test_metrics import parse as parse_metrics
-from tests.test_metrics import value as metric
+from tests.unit.test_metrics import parse as parse_metrics
+from tests.unit.test_metrics import value as metric
 
 # vLLM's spellings: 2 device slots, 3 host copies.
 CHURN_FLAGS = ("--enable-lora", "--max-loras", "2", "--max-cpu-loras", "3", "--max-lora-rank", "64",

@@ -17,9 +17,9 @@ from transformers import AutoTokenizer
 
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess
-from tests.test_metrics import SERIES as METRIC_SERIES
-from tests.test_metrics import parse as parse_metrics
-from tests.test_metrics import value as metric
+from tests.unit.test_metrics import SERIES as METRIC_SERIES
+from tests.unit.test_metrics import parse as parse_metrics
+from tests.unit.test_metrics import value as metric
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0}
 PROMPT = "Once upon a time"

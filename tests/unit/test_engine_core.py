@@ -12,7 +12,7 @@ from loraplex.scheduler.page_allocator import PageAllocator
 from loraplex.scheduler.prefix_cache import BASE_NAMESPACE, PrefixCache, page_keys
 
 from tests.scheduler_helpers import in_flight_requests
-from tests.test_scheduler_core import Workers, assert_drained, gen, load, make_scheduler
+from tests.unit.test_scheduler_core import Workers, assert_drained, gen, load, make_scheduler
 
 
 def by_position(rid: str, fwd) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PRODUCT_DIRS = ("frontend", "scheduler", "worker", "kernels", "protocol")
 
 

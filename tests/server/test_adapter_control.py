@@ -12,10 +12,10 @@ import time
 
 import requests
 
+from tests.server.test_server_lifecycle import wait_until
 from tests.server_utils import ServerProcess
-from tests.test_metrics import parse as parse_metrics
-from tests.test_metrics import value as metric
-from tests.test_server_lifecycle import wait_until
+from tests.unit.test_metrics import parse as parse_metrics
+from tests.unit.test_metrics import value as metric
 
 LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "64", "--lora-target-modules", "all", "--max-total-tokens", "8192",
               "--context-length", "2048")

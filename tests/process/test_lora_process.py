@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +17,6 @@ from loraplex.protocol.structs import (
     AdapterToLoad,
     BatchResult,
     DropAdapters,
-    Endpoints,
     ForwardBatch,
     ForwardReq,
     LoadAdapters,
@@ -29,10 +27,10 @@ from loraplex.protocol.structs import (
 )
 
 from tests.lora_helpers import LORA_CONFIG
-from tests.server_utils import free_port
+from tests.server_utils import ipc_endpoints
 from tests.worker_helpers import GREEDY, FakeScheduler, make_runner, prefill_logits
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_MS = 90_000
 EXIT_TIMEOUT_S = 20
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -40,15 +38,7 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 @contextmanager
 def start_workers(model_dir: Path, tp: int, fault_hooks: dict[str, str]) -> Iterator[tuple[list, FakeScheduler]]:
-    with tempfile.TemporaryDirectory(prefix="lpl") as sock_dir:  # short: ipc:// paths are limited to ~100 characters
-        endpoints = Endpoints(
-            frontend_to_scheduler=f"ipc://{sock_dir}/f2s",
-            scheduler_to_frontend=f"ipc://{sock_dir}/s2f",
-            scheduler_to_workers=[f"ipc://{sock_dir}/s2w{rank}" for rank in range(tp)],
-            workers_to_scheduler=f"ipc://{sock_dir}/w2s",
-            dist_init_addr=f"127.0.0.1:{free_port()}",
-            scheduler_to_loaders=[f"ipc://{sock_dir}/s2l{rank}" for rank in range(tp)],
-        )
+    with ipc_endpoints(tp) as endpoints:
         config = ServerConfig(device="cpu", tp=tp, page_size=4, max_total_tokens=256, **LORA_CONFIG)
         scheduler = FakeScheduler(endpoints)
         procs = []

@@ -17,7 +17,7 @@ from loraplex.protocol import progress
 from loraplex.protocol.config import _TOPICS, ALIASES, OTHER_TOPIC, ServerConfig, field_topic
 from loraplex.protocol.progress import Progress, elapsed
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _help_sections(text: str) -> dict[str, list[str]]:

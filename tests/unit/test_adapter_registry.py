@@ -12,6 +12,8 @@ from loraplex.frontend.adapters.state_file import AdapterStateFile
 from loraplex.protocol.errors import STATUS_BY_KIND, ServerError, http_status
 from loraplex.protocol.structs import AdapterToLoad, LoRAAdapterSpec
 
+from tests.server_utils import make_test_endpoints
+
 
 def spec(name: str, path: Path, pinned: bool | None = None) -> LoRAAdapterSpec:
     return LoRAAdapterSpec(lora_name=name, lora_path=str(path), pinned=pinned)
@@ -140,12 +142,10 @@ def test_state_file_round_trip_is_atomic_and_tolerates_broken_files(tmp_path: Pa
 def test_scheduler_client_matches_replies_by_operation_id(tmp_path: Path) -> None:
     from loraplex.frontend.cluster.scheduler_client import SchedulerClient
     from loraplex.protocol.sockets import PULL, PUSH, AsyncTypedSocket
-    from loraplex.protocol.structs import AdapterOpDone, AdapterOutcome, DropAdapters, Endpoints, FrontendToScheduler
+    from loraplex.protocol.structs import AdapterOpDone, AdapterOutcome, DropAdapters, FrontendToScheduler
 
     async def scenario() -> None:
-        endpoints = Endpoints(frontend_to_scheduler=f"ipc://{tmp_path}/in", scheduler_to_frontend=f"ipc://{tmp_path}/out",
-                              scheduler_to_workers=[], workers_to_scheduler="", dist_init_addr="",
-                              scheduler_to_loaders=[])
+        endpoints = make_test_endpoints(tmp_path)
         client = SchedulerClient(endpoints, on_deltas=lambda msg: None, on_failure=lambda reason: None)
         inbox = AsyncTypedSocket(PULL, endpoints.frontend_to_scheduler, bind=True, recv_type=FrontendToScheduler)
         outbox = AsyncTypedSocket(PUSH, endpoints.scheduler_to_frontend, bind=False)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +20,6 @@ from loraplex.protocol.structs import (
     AdapterToLoad,
     BatchResult,
     DropAdapters,
-    Endpoints,
     ForwardBatch,
     ForwardReq,
     LoadAdapters,
@@ -32,10 +30,10 @@ from loraplex.protocol.structs import (
     WorkerReady,
 )
 
-from tests.server_utils import free_port
+from tests.server_utils import ipc_endpoints
 from tests.worker_helpers import GREEDY, FakeScheduler, make_runner, prefill_logits
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_MS = 60_000
 EXIT_TIMEOUT_S = 20
 
@@ -44,16 +42,7 @@ EXIT_TIMEOUT_S = 20
 def start_workers(
     model_dir: str, tp: int = 1, fault_hooks: dict[str, str] | None = None, **config_kwargs
 ) -> Iterator[tuple[list[subprocess.Popen], FakeScheduler]]:
-    # A short private directory: ipc:// paths are limited to ~100 characters.
-    with tempfile.TemporaryDirectory(prefix="lpw") as sock_dir:
-        endpoints = Endpoints(
-            frontend_to_scheduler=f"ipc://{sock_dir}/f2s",
-            scheduler_to_frontend=f"ipc://{sock_dir}/s2f",
-            scheduler_to_workers=[f"ipc://{sock_dir}/s2w{rank}" for rank in range(tp)],
-            workers_to_scheduler=f"ipc://{sock_dir}/w2s",
-            dist_init_addr=f"127.0.0.1:{free_port()}",  # unused at tp=1
-            scheduler_to_loaders=[f"ipc://{sock_dir}/s2l{rank}" for rank in range(tp)],
-        )
+    with ipc_endpoints(tp) as endpoints:
         config = ServerConfig(device="cpu", tp=tp, page_size=4, max_total_tokens=256, log_level="debug",
                               **config_kwargs)
         scheduler = FakeScheduler(endpoints)

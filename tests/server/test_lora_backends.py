@@ -16,8 +16,8 @@ from loraplex.kernels.backend import CPUKernelsBackend, TorchBackend, TritonBack
 from loraplex.kernels.segment_tiles import plan_tiles
 from loraplex.protocol.config import ServerConfig, config_from_args
 from loraplex.worker.model_runner import ModelRunner
-from test_kernels import CASES, TOLERANCES, dense_expand, dense_shrink, dense_shrink_expand, make_batch
 
+from tests.compute.test_kernels import CASES, TOLERANCES, dense_expand, dense_shrink, dense_shrink_expand, make_batch
 from tests.device_helpers import TEST_DEVICE, USES_GPU
 from tests.lora_helpers import LORA_CONFIG, MIXED, batch_logits, load_all
 from tests.server_utils import REPO_ROOT, free_port

@@ -19,9 +19,9 @@ from loraplex.frontend.metrics import Metrics
 from loraplex.protocol.structs import SchedulerStats
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_metrics import finished
+from tests.unit.test_metrics import finished
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "loraplex-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "loraplex-dashboard.json"
 # Grafana's variables, as a query would see them once Grafana has substituted them.
 GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$instance": ".*", "$adapter": ".*"}
 # Labels Prometheus adds to every scraped series.

@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess
-from tests.test_metrics import parse as parse_metrics
-from tests.test_metrics import value as metric
+from tests.unit.test_metrics import parse as parse_metrics
+from tests.unit.test_metrics import value as metric
 
 EOS = (2, 4)
 MAX_NEW = 10

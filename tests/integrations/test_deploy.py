@@ -14,7 +14,7 @@ from loraplex.frontend.entrypoints import native_api
 from loraplex.frontend.metrics import Metrics
 from loraplex.protocol.config import ServerConfig, build_arg_parser
 
-K8S_DIR = Path(__file__).resolve().parents[1] / "deploy" / "k8s"
+K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 K8S_VERSION = "1.33.0"
 GATEWAY_KINDS = {("inference.networking.k8s.io/v1", "InferencePool"), ("gateway.networking.k8s.io/v1", "HTTPRoute")}
 EPP_METRIC_FLAGS = ("--total-queued-requests-metric", "--kv-cache-usage-percentage-metric", "--lora-info-metric")

@@ -14,8 +14,8 @@ from loraplex.frontend.demo_tasks import (
     prompt,
 )
 
+from tests.integrations.test_grafana_dashboard import load_dashboard, unexported
 from tests.server_utils import ServerProcess
-from tests.test_grafana_dashboard import load_dashboard, unexported
 
 TARGET_ACCURACY = 0.95
 

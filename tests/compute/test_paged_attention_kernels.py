@@ -229,8 +229,8 @@ def test_every_variant_compiles_for_sm90_and_sm80() -> None:
     # target through ptxas, and a sweep of real batches (decodes short and long, prefills with and without a prefix,
     # both mixed) meets no variant the warm-up did not compile.
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_aot.py"))], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])  # fmt: skip
+    proc = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "triton_aot.py")], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout)
     assert len(results) == 2 * len(triton_aot.ATTENTION_CONFIGS)

@@ -12,7 +12,9 @@ from loraplex.kernels import lora_expand, lora_shrink, lora_shrink_triton
 from loraplex.kernels.backend import TritonBackend
 from loraplex.kernels.lora_expand import column_alignment
 from loraplex.kernels.lora_shrink import BLOCK_K, split_k
-from test_kernels import (
+from torch.profiler import profile
+
+from tests.compute.test_kernels import (
     CASES,
     TOLERANCES,
     base_rows,
@@ -23,11 +25,9 @@ from test_kernels import (
     shrink_args,
     shrink_expand_args,
 )
-from test_lora_backends import _weights
-from torch.profiler import profile
-
 from tests.device_helpers import TEST_DEVICE, USES_GPU
 from tests.kernel_refs import lora_shrink_expand_triton
+from tests.server.test_lora_backends import _weights
 
 SPLIT_IN_DIM = 300  # three split-K programs of 128 features (below), the last one partial
 FILL_OPS = {"aten::zero_", "aten::fill_", "aten::zeros", "aten::new_zeros", "aten::zeros_like"}

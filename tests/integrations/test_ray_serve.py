@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from tests.reference import CLEAR_MARGIN, hf_greedy
 
-REPO_ROOT = str(Path(__file__).resolve().parents[1])
+REPO_ROOT = str(Path(__file__).resolve().parents[2])
 MAX_NEW = 8
 PROMPT = "Once upon a time"
 SLOTS = 2  # adapters per replica

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-FRONTEND = Path(__file__).resolve().parents[1] / "frontend"
+FRONTEND = Path(__file__).resolve().parents[2] / "frontend"
 PREFIX = "loraplex.frontend"
 ENTRYPOINTS = f"{PREFIX}.entrypoints"
 # The edge's libraries: the web frameworks, Ray, and the command line.

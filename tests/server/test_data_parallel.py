@@ -20,10 +20,10 @@ from loraplex.protocol.structs import AdapterOutcome, SchedulerStats
 from transformers import AutoTokenizer
 
 from tests.reference import assert_greedy_match, hf_greedy
+from tests.server.test_server_lifecycle import alive, wait_until
 from tests.server_utils import ServerProcess
-from tests.test_metrics import parse as parse_metrics
-from tests.test_metrics import value as metric
-from tests.test_server_lifecycle import alive, wait_until
+from tests.unit.test_metrics import parse as parse_metrics
+from tests.unit.test_metrics import value as metric
 
 # ---- the router -----------------------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 GROUPS = ("g0", "g1", "g2", "g3", "g4", "g5", "g6", "g7", "g8")
 STATUSES = {"pass", "fail", "error", "timeout", "skipped"}
 DRY_RUN_TIMEOUT_S = 420

@@ -28,8 +28,8 @@ from loraplex.worker.model.config import ModelConfig
 from transformers import AutoTokenizer
 
 from tests.reference import assert_greedy_match, hf_greedy
+from tests.server.test_server_lifecycle import alive, wait_until
 from tests.server_utils import REPO_ROOT, ServerProcess, free_port
-from tests.test_server_lifecycle import alive, wait_until
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0}
 PROMPTS = ["Once upon a time", "The quick brown fox"]
