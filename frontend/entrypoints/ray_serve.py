@@ -246,6 +246,15 @@ class OpenAIIngress:
     async def models(self) -> Response:
         return JSONResponse({"object": "list", "data": await self.engine.models.remote()})
 
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str) -> Response:
+        """One card (the `openai` client's models.retrieve), or a 404 in the server's error shape."""
+        for card in await self.engine.models.remote():
+            if card["id"] == model_id:
+                return JSONResponse(card)
+        return JSONResponse(msgspec.to_builtins(error_body(f"The model `{model_id}` does not exist.", 404)),
+                            status_code=404)
+
 
 def build_app(
     engine_kwargs: dict,

@@ -177,6 +177,10 @@ def test_chat_models_and_unknown(cluster, llama_dir, adapter_dirs, tokenizer):
     cards = requests.get(url + "/v1/models", timeout=60).json()["data"]
     assert cards[0]["id"] == llama_dir.name and cards[0]["parent"] is None
     assert {c["id"]: c["parent"] for c in cards[1:]} == {n: llama_dir.name for n in [*adapter_dirs, BROKEN]}
+    for card in cards[:2]:
+        assert requests.get(f"{url}/v1/models/{card['id']}", timeout=60).json() == card
+    resp = requests.get(url + "/v1/models/nope", timeout=60)
+    assert resp.status_code == 404 and "does not exist" in resp.json()["error"]["message"], resp.text
 
     for model in ("nope", "../a4", f"{llama_dir.name}:nope"):
         resp = requests.post(url + "/v1/completions", json={"model": model, "prompt": "x"}, timeout=60)
