@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Any, Literal
 
@@ -374,6 +373,3 @@ def build_arg_parser(prog: str = "loraplex") -> argparse.ArgumentParser:
 def config_from_args(argv: list[str] | None = None) -> ServerConfig:
     return ServerConfig.from_kwargs(**vars(build_arg_parser().parse_args(argv)))
 
-
-def config_to_json(config: ServerConfig) -> str:
-    return json.dumps(msgspec.to_builtins(config))

@@ -13,7 +13,6 @@ import zmq
 import zmq.asyncio
 
 PUSH, PULL, ROUTER, DEALER = zmq.PUSH, zmq.PULL, zmq.ROUTER, zmq.DEALER
-Again = zmq.Again
 
 
 def _make(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
@@ -59,13 +58,6 @@ class TypedSocket:
         first, *frames = self.sock.recv_multipart(copy=False)
         return self._decoder.decode(first.buffer), frames
 
-    def recv_nowait(self) -> Any:
-        try:
-            first, *_ = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return None
-        return self._decoder.decode(first.buffer)
-
     def close(self) -> None:
         self.sock.close(linger=0)
 
@@ -107,17 +99,6 @@ class AsyncTypedSocket:
 
     async def recv(self) -> Any:
         return self._decoder.decode(await self.sock.recv())
-
-    async def send_routed(self, identity: bytes, msg: msgspec.Struct) -> None:
-        await self.sock.send_multipart([identity, self._encoder.encode(msg)])
-
-    async def recv_routed(self) -> tuple[bytes, Any]:
-        """ROUTER: (peer identity, raw payload); decode() it separately so a bad frame still gets a reply."""
-        identity, payload = await self.sock.recv_multipart()
-        return identity, payload
-
-    def decode(self, payload: bytes) -> Any:
-        return self._decoder.decode(payload)
 
     def close(self) -> None:
         self.sock.close(linger=0)
