@@ -15,9 +15,10 @@ import signal
 import time
 
 from aiohttp import web
+from loraplex.frontend.demo import resolve_model_dir
 from loraplex.frontend.launcher import ProcessGroup
 from loraplex.frontend.node_rendezvous import BEAT_INTERVAL_S, NodeRendezvous
-from loraplex.frontend.runtime import START_TIMEOUT_S, resolve_model_dir
+from loraplex.frontend.runtime import START_TIMEOUT_S
 from loraplex.protocol.config import ServerConfig
 
 logger = logging.getLogger("loraplex.headless")

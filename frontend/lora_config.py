@@ -8,6 +8,7 @@ import json
 import os
 
 import msgspec
+from loraplex.frontend.demo import DEMO_MODEL_PATH, demo_adapter_paths
 from loraplex.protocol.config import DEFAULT_LORA_RANK, TARGET_MODULES, ConfigError, ServerConfig
 
 
@@ -27,9 +28,7 @@ def read_adapter_config(name: str, path: str) -> dict:
 
 def resolve_lora_config(config: ServerConfig, model_dir: str) -> ServerConfig:
     lora_paths = list(config.lora_paths)
-    if config.model_path == "demo" and not lora_paths and not config.lora_modules:
-        from loraplex.frontend.demo_model import demo_adapter_paths
-
+    if config.model_path == DEMO_MODEL_PATH and not lora_paths and not config.lora_modules:
         lora_paths = [f"{name}={path}" for name, path in demo_adapter_paths(model_dir).items()]
     config = msgspec.structs.replace(config, lora_paths=lora_paths)
     if not config.lora_enabled:

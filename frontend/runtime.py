@@ -14,6 +14,7 @@ from typing import Any
 
 from loraplex.frontend.adapter_manager import AdapterManager
 from loraplex.frontend.adapter_state import AdapterStateFile
+from loraplex.frontend.demo import resolve_model_dir
 from loraplex.frontend.grammar_checker import GrammarChecker
 from loraplex.frontend.launcher import ProcessGroup
 from loraplex.frontend.lora_config import resolve_lora_config
@@ -57,14 +58,6 @@ class InputError(ServerError, ValueError):
 
     def __init__(self, message: str):
         super().__init__(message, "invalid")
-
-
-def resolve_model_dir(model_path: str) -> str:
-    if model_path == "demo":
-        from loraplex.frontend.demo_model import DEMO_DIR
-
-        return str(DEMO_DIR)
-    return model_path
 
 
 class Runtime:

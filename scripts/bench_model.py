@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loraplex.frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter, build_tiny_model
+from scripts.demo.builders import ALL_TARGET_MODULES, build_lora_adapter, build_tiny_model
 
 BENCH_VERSION = "bench-v1"  # bump when the builders below change what they write
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "loraplex" / BENCH_VERSION

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
 from loraplex.kernels import cpu_ext
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.layers import packed
 from loraplex.worker.model_runner import ModelRunner
 
+from scripts.demo.builders import ALL_TARGET_MODULES, build_lora_adapter
 from tests.worker_helpers import GREEDY, build_llama_variant, make_runner, random_prompts
 
 OFF = cpu_ext.unavailable_reason()

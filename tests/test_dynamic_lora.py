@@ -11,9 +11,9 @@ import time
 import psutil
 import pytest
 import requests
-from loraplex.frontend.demo_model import ALL_TARGET_MODULES, build_lora_adapter
 from transformers import AutoTokenizer
 
+from scripts.demo.builders import ALL_TARGET_MODULES, build_lora_adapter
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess
 from tests.test_metrics import SERIES as METRIC_SERIES

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.frontend.demo_model import ATTN_MODULES
 from loraplex.protocol.structs import AdapterToLoad
 from loraplex.worker.lora.adapter import WEIGHT_FILES, AdapterLoadError, _AdapterFiles, load_adapter
 from loraplex.worker.model_runner import ModelRunner
 from safetensors.torch import load_file
 
+from scripts.demo.builders import ATTN_MODULES
 from tests.worker_helpers import make_runner
 
 SAFETENSORS, BIN = WEIGHT_FILES

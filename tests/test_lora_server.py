@@ -7,9 +7,9 @@ import json
 
 import openai
 import pytest
-from loraplex.frontend.demo_model import ATTN_MODULES, build_lora_adapter, build_tiny_model
 from transformers import AutoTokenizer
 
+from scripts.demo.builders import ATTN_MODULES, build_lora_adapter, build_tiny_model
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from loraplex.frontend.demo_model import ATTN_MODULES
 from loraplex.protocol.config import TARGET_MODULES, ServerConfig
 from loraplex.worker.dist import destroy_distributed, init_distributed
 from loraplex.worker.lora.adapter import PoolSpec, load_adapter
@@ -15,6 +14,7 @@ from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model_runner import ModelRunner
 from safetensors.torch import load_file
 
+from scripts.demo.builders import ATTN_MODULES
 from tests.lora_helpers import LORA_CONFIG, MIXED, MIXED_LENGTHS, batch_logits, greedy_decode, load_all
 from tests.worker_helpers import random_prompts, run_two_ranks
 
