@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -27,12 +26,10 @@ def main(argv: list[str] | None = None) -> None:
     from loraplex.frontend.http_server import serve
     from loraplex.frontend.runtime import Runtime
 
-    # Test-only fault injection (see worker/process.py); inert unless the variable is set.
-    fault_hooks = json.loads(os.environ.get("LORAPLEX_TEST_FAULT_HOOKS", "{}"))
     try:
         if config.node_rank > 0:  # only this node's ranks, and /health
-            sys.exit(uvloop.run(serve_headless(config, fault_hooks)))
-        uvloop.run(serve(Runtime(config, fault_hooks)))
+            sys.exit(uvloop.run(serve_headless(config)))
+        uvloop.run(serve(Runtime(config)))
     except (RuntimeError, OSError, ValueError) as e:
         logging.getLogger("loraplex").debug("start-up failed", exc_info=True)
         print(f"loraplex: error: {e}", file=sys.stderr)

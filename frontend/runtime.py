@@ -61,9 +61,8 @@ class InputError(ServerError, ValueError):
 
 
 class Runtime:
-    def __init__(self, config: ServerConfig, fault_hooks: dict[str, str] | None = None):
+    def __init__(self, config: ServerConfig):
         self.config = config
-        self.fault_hooks = fault_hooks or {}
         self.registry = AdapterRegistry(config.lora_path_root, max_pinned=config.max_loras_per_batch - 1)
         self.metrics = Metrics(config.model_name, config.dp_size)
         self.requests: dict[str, RequestState] = {}
@@ -92,7 +91,7 @@ class Runtime:
         logger.info("resolving model %s", self.config.model_path)
         self.model_dir = await loop.run_in_executor(None, resolve_model_dir, self.config.model_path)
         self.config = resolve_lora_config(self.config, self.model_dir)
-        self.procs = ProcessGroup(self.config, self.model_dir, self.fault_hooks)
+        self.procs = ProcessGroup(self.config, self.model_dir)
         if self.config.nnodes > 1:  # every rank's endpoints, the remote ones as their nodes published them
             self.nodes = await loop.run_in_executor(None, NodeRendezvous, self.config, START_TIMEOUT_S)
             endpoints = await loop.run_in_executor(None, self.nodes.host_endpoints, self.procs.ipc_dir,

@@ -9,9 +9,16 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import requests
+from loraplex.protocol.faults import FAULTS_ENV, FaultPlan
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fault_env(**faults: object) -> dict[str, str]:
+    """The environment that injects these faults (protocol/faults.py) into every worker started under it."""
+    return {FAULTS_ENV: msgspec.json.encode(FaultPlan(**faults)).decode()}
 
 
 def free_port() -> int:
