@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 
+from loraplex.frontend.demo import DEMO_MODEL_PATH
 from loraplex.protocol.config import ConfigError, config_from_args
 from loraplex.protocol.proc import setup_logging
 
@@ -16,7 +17,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"loraplex: error: {e}", file=sys.stderr)
         sys.exit(2)
-    if config.model_path != "demo" and not os.path.isfile(os.path.join(config.model_path, "config.json")):
+    if config.model_path != DEMO_MODEL_PATH and not os.path.isfile(os.path.join(config.model_path, "config.json")):
         print(f"loraplex: error: no model at {config.model_path!r} (expected a directory with config.json)",
               file=sys.stderr)
         sys.exit(2)
