@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import msgspec
 from loraplex.frontend.adapters.files import read_adapter_config
+from loraplex.frontend.demo import DEMO_MODEL_PATH, demo_adapter_paths
 from loraplex.protocol.adapter_config import AdapterConfig, AdapterLoadError
 from loraplex.protocol.config import DEFAULT_LORA_RANK, ConfigError, ServerConfig
 from loraplex.protocol.lora_targets import TARGET_MODULES
@@ -20,9 +21,7 @@ def _start_up_config(config: ServerConfig, name: str, path: str) -> AdapterConfi
 
 def resolve_lora_config(config: ServerConfig, model_dir: str) -> ServerConfig:
     lora_paths = list(config.lora_paths)
-    if config.model_path == "demo" and not lora_paths and not config.lora_modules:
-        from loraplex.frontend.demo_model import demo_adapter_paths
-
+    if config.model_path == DEMO_MODEL_PATH and not lora_paths and not config.lora_modules:
         lora_paths = [f"{name}={path}" for name, path in demo_adapter_paths(model_dir).items()]
     config = msgspec.structs.replace(config, lora_paths=lora_paths)
     if not config.lora_enabled:

@@ -18,6 +18,7 @@ from loraplex.frontend.cluster.node_rendezvous import NodeRendezvous
 from loraplex.frontend.cluster.process_group import ProcessGroup
 from loraplex.frontend.cluster.replica_set import ReplicaSet
 from loraplex.frontend.cluster.router import Router
+from loraplex.frontend.demo import resolve_model_dir
 from loraplex.frontend.errors import InputError, ServerUnavailable
 from loraplex.frontend.grammar_checker import GrammarChecker
 from loraplex.frontend.lora_config import resolve_lora_config
@@ -45,18 +46,11 @@ DRAIN_POLL_S = 0.05
 ABORT_GRACE_S = 3.0
 
 
-def resolve_model_dir(model_path: str) -> str:
-    if model_path == "demo":
-        from loraplex.frontend.demo_model import DEMO_DIR
-
-        return str(DEMO_DIR)
-    return model_path
 
 
 class Runtime:
-    def __init__(self, config: ServerConfig, fault_hooks: dict[str, str] | None = None):
+    def __init__(self, config: ServerConfig):
         self.config = config
-        self.fault_hooks = fault_hooks or {}
         self.registry = AdapterRegistry(config.lora_path_root, max_pinned=config.max_loras_per_batch - 1)
         self.metrics = Metrics(config.model_name, config.dp_size)
         self.requests: dict[str, RequestState] = {}
@@ -85,7 +79,7 @@ class Runtime:
         logger.info("resolving model %s", self.config.model_path)
         self.model_dir = await loop.run_in_executor(None, resolve_model_dir, self.config.model_path)
         self.config = resolve_lora_config(self.config, self.model_dir)
-        self.procs = ProcessGroup(self.config, self.model_dir, self.fault_hooks)
+        self.procs = ProcessGroup(self.config, self.model_dir)
         if self.config.nnodes > 1:  # every rank's endpoints, the remote ones as their nodes published them
             self.nodes = await loop.run_in_executor(None, NodeRendezvous, self.config, START_TIMEOUT_S)
             endpoints = await loop.run_in_executor(None, self.nodes.host_endpoints, self.procs.ipc_dir,

@@ -13,7 +13,6 @@ import zmq
 import zmq.asyncio
 
 PUSH, PULL, ROUTER, DEALER = zmq.PUSH, zmq.PULL, zmq.ROUTER, zmq.DEALER
-Again = zmq.Again
 
 
 def _make(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:

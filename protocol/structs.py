@@ -398,7 +398,6 @@ class ProcessArgs(msgspec.Struct, frozen=True, kw_only=True):
     model_dir: str  # resolved checkpoint directory
     rank: int = 0  # the worker's local rank on its node; unused by the scheduler
     dp_rank: int = 0  # the data-parallel replica this process belongs to (--dp-size)
-    fault_hooks: dict[str, str] = {}  # test-only fault injection, e.g. {"fail_load_on_rank": "1"}
 
 
 # ---- one union per socket direction ---------------------------------------------------------------

@@ -17,8 +17,9 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loraplex.frontend.demo_model import build_lora_adapter, build_tiny_model
 from loraplex.protocol.lora_targets import TARGET_MODULES
+
+from scripts.demo.builders import build_lora_adapter, build_tiny_model
 
 BENCH_VERSION = "bench-v1"  # bump when the builders below change what they write
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "loraplex" / BENCH_VERSION

@@ -267,8 +267,9 @@ def write_llama(out_dir: Path, shape: LlamaShape, device, dtype, seed: int = 0) 
     """A random Llama checkpoint with HF names (std 0.02, norms 1), its config and the demo tokenizer; returns the
     vocab size."""
     import torch
-    from loraplex.frontend.demo_model import _token_ids, build_tokenizer, tokenizer_vocab_size
     from safetensors.torch import save_file
+
+    from scripts.demo.builders import _token_ids, build_tokenizer, tokenizer_vocab_size
 
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = tokenizer_vocab_size()

@@ -340,7 +340,7 @@ def _runner(ctx: Context, model_dir: Path, dtype: str, lora: bool = True):
 
 
 def _build_models(ctx: Context, root: Path) -> dict[str, Path]:
-    from loraplex.frontend.demo_model import build_tiny_model
+    from scripts.demo.builders import build_tiny_model
 
     models = {"llama": root / "llama", "qwen2": root / "qwen2"}
     build_tiny_model(models["llama"], arch="llama")
@@ -353,8 +353,7 @@ def _build_models(ctx: Context, root: Path) -> dict[str, Path]:
 
 
 def _build_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
-    from loraplex.frontend.demo_model import build_lora_adapter
-
+    from scripts.demo.builders import build_lora_adapter
     from tests.conftest import ADAPTER_SPECS
 
     paths = {}

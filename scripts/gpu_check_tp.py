@@ -136,9 +136,9 @@ def _run_ranks(backend: str, device_type: str, model_dir: str, adapters: dict[st
 
 def g7_tp2(ctx: Context) -> None:
     import torch
-    from loraplex.frontend.demo_model import build_tiny_model
     from loraplex.worker.model_runner import ModelRunner
 
+    from scripts.demo.builders import build_tiny_model
     from scripts.gpu_check_model import _build_adapters
 
     rec = ctx.rec

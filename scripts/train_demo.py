@@ -4,7 +4,7 @@
     python -m scripts.train_demo --check         # replay the recorded runs in a temporary dir; compare accuracies
 
 The base model learns to repeat its input (`"hello world ="` -> `"hello world"`); each adapter (peft LoRA on all seven
-projections) learns one transformation from frontend/demo_tasks.py. Each task trains until a validation set is solved
+projections) learns one transformation from scripts/demo/tasks.py. Each task trains until a validation set is solved
 (98 %), or until SIGUSR1 asks every task to stop at its next evaluation. Training is deterministic: fixed seeds (an
 adapter's from its name), fp32, one thread, deterministic algorithms. Every task is measured by greedy decoding on 200
 held-out inputs that training never sees; `--check` retrains each task for the steps recorded in the assets'
@@ -28,7 +28,10 @@ import zlib
 from pathlib import Path
 
 import torch
-from loraplex.frontend.demo_model import (
+from loraplex.frontend.demo import DEMO_DIR
+from loraplex.protocol.lora_targets import TARGET_MODULES
+
+from scripts.demo.builders import (
     BOS_TOKEN,
     EOS_TOKEN,
     IM_END_TOKEN,
@@ -36,7 +39,7 @@ from loraplex.frontend.demo_model import (
     byte_tokenizer_json,
     make_tokenizer,
 )
-from loraplex.frontend.demo_tasks import (
+from scripts.demo.tasks import (
     ADAPTER_TASKS,
     BASE_TASK,
     MAX_ANSWER_CHARS,
@@ -45,9 +48,8 @@ from loraplex.frontend.demo_tasks import (
     prompt,
     random_input,
 )
-from loraplex.protocol.lora_targets import TARGET_MODULES
 
-ASSETS_DIR = Path(__file__).resolve().parents[1] / "frontend" / "demo_assets"
+ASSETS_DIR = DEMO_DIR
 MANIFEST = "SHA256SUMS"
 REPORT = "training.json"
 SEED = 0

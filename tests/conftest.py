@@ -39,7 +39,7 @@ ADAPTER_SPECS: dict[str, tuple[int, float, tuple[str, ...], bool]] = {
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from loraplex.frontend.demo_model import build_tiny_model
+    from scripts.demo.builders import build_tiny_model
 
     path = tmp_path_factory.mktemp("llama")
     build_tiny_model(path, arch="llama")
@@ -48,7 +48,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from loraplex.frontend.demo_model import build_tiny_model
+    from scripts.demo.builders import build_tiny_model
 
     path = tmp_path_factory.mktemp("qwen2")
     build_tiny_model(path, arch="qwen2", tie_word_embeddings=False)
@@ -62,7 +62,7 @@ def adapter_specs() -> dict[str, tuple[int, float, tuple[str, ...], bool]]:
 
 @pytest.fixture(scope="session")
 def adapter_dirs(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> dict[str, Path]:
-    from loraplex.frontend.demo_model import build_lora_adapter
+    from scripts.demo.builders import build_lora_adapter
 
     root = tmp_path_factory.mktemp("adapters")
     paths = {}
@@ -77,7 +77,7 @@ def adapter_dirs(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> d
 @pytest.fixture(scope="session")
 def demo_dir() -> Path:
     """The trained demo model that `--model-path demo` serves (shipped files: never written to)."""
-    from loraplex.frontend.demo_model import DEMO_DIR
+    from loraplex.frontend.demo import DEMO_DIR
 
     return DEMO_DIR
 

@@ -13,12 +13,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import msgspec
 import requests
 from loraplex.frontend.cluster.process_group import make_endpoints
 from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.faults import FAULTS_ENV, FaultPlan
 from loraplex.protocol.structs import Endpoints
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fault_env(**faults: object) -> dict[str, str]:
+    """The environment that injects these faults (protocol/faults.py) into every worker started under it."""
+    return {FAULTS_ENV: msgspec.json.encode(FaultPlan(**faults)).decode()}
 
 
 def free_port() -> int:

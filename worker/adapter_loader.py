@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 
+from loraplex.protocol.faults import FaultPlan
 from loraplex.protocol.sockets import PULL, PUSH, TypedSocket
 from loraplex.protocol.structs import AdapterOutcome, AdapterReport, LoadAdapters, ProcessArgs
 from loraplex.worker.lora.adapter import AdapterLoadError
@@ -23,17 +24,9 @@ logger = logging.getLogger("loraplex.worker.loader")
 
 STOP_POLL_MS = 200
 
-# Test-only fault injection (ProcessArgs.fault_hooks, all values strings); inert unless set:
-#   fail_load_on_rank=N  global rank N fails every adapter load with "injected fault on rank N"
-#   fail_load_name=NAME  ... only the loads of adapters named NAME (with fail_load_on_rank or hang_load_on_rank)
-#   fail_load_on_replica=R  ... only on data-parallel replica R (with fail_load_on_rank or hang_load_on_rank)
-#   hang_load_on_rank=N  global rank N never answers a load (until the worker stops)
-#   load_delay_s=S       every adapter load sleeps S seconds first (tests of loads off the decode loop)
-#   refuse_path_loads=1  every adapter sent as a path fails (tests that a node's ranks get every adapter as tensors)
-
 
 class AdapterLoader(threading.Thread):
-    def __init__(self, args: ProcessArgs, rank: int, manager: LoRAManager | None):
+    def __init__(self, args: ProcessArgs, rank: int, manager: LoRAManager | None, faults: FaultPlan):
         super().__init__(name="adapter-loader", daemon=True)
         self.rank = rank
         self.manager = manager
@@ -41,13 +34,13 @@ class AdapterLoader(threading.Thread):
         self.inbox = TypedSocket(PULL, inbox_addr, bind=True, recv_type=LoadAdapters)
         self.to_scheduler = TypedSocket(PUSH, args.endpoints.workers_to_scheduler, bind=False)
         self.send_lock = threading.Lock()  # zmq sockets are not thread-safe; reports leave from the op threads
-        hooks = args.fault_hooks
-        on_replica = hooks.get("fail_load_on_replica", str(args.dp_rank)) == str(args.dp_rank)
-        self.fail_loads = on_replica and hooks.get("fail_load_on_rank") == str(rank)
-        self.hang_loads = on_replica and hooks.get("hang_load_on_rank") == str(rank)
-        self.fault_name = hooks.get("fail_load_name")
-        self.load_delay_s = float(hooks.get("load_delay_s", 0))
-        self.refuse_paths = hooks.get("refuse_path_loads") == "1"
+        # Test-only fault injection (protocol/faults.py); inert unless a test set it.
+        on_replica = faults.fail_load_on_replica in (None, args.dp_rank)
+        self.fail_loads = on_replica and faults.fail_load_on_rank == rank
+        self.hang_loads = on_replica and faults.hang_load_on_rank == rank
+        self.fault_name = faults.fail_load_name
+        self.load_delay_s = faults.load_delay_s
+        self.refuse_paths = faults.refuse_path_loads
         self.stopping = threading.Event()
 
     def run(self) -> None:

@@ -9,6 +9,7 @@ import time
 import msgspec
 import torch
 from loraplex.kernels import BackendError
+from loraplex.protocol.faults import FaultPlan, read_fault_plan
 from loraplex.protocol.proc import die_with_parent, read_process_args, setup_logging
 from loraplex.protocol.sockets import PULL, PUSH, TypedSocket, send_last
 from loraplex.protocol.structs import (
@@ -38,14 +39,9 @@ logger = logging.getLogger("worker")
 # How long a failing worker waits for its ProcessFailed to leave (the sockets otherwise drop unsent messages).
 FAILURE_FLUSH_MS = 2000
 
-# Test-only fault injection (ProcessArgs.fault_hooks, all values strings); inert unless set:
-#   crash_forward_on_rank=N    global rank N raises a RuntimeError (not a BatchError) in every forward pass
-#   stall_forward_on_rank=N    global rank N sleeps before every forward pass, so the others wait in a collective ...
-#   stall_forward_s=S          ... for S seconds (tests of --dist-timeout)
-
 
 class Worker:
-    def __init__(self, args: ProcessArgs, rank: int, to_scheduler: TypedSocket):
+    def __init__(self, args: ProcessArgs, rank: int, to_scheduler: TypedSocket, faults: FaultPlan):
         config, endpoints = args.config, args.endpoints
         if not 0 <= args.rank < min(ranks_per_node(config), len(endpoints.scheduler_to_workers)):
             raise ValueError(f"local rank {args.rank} does not fit tp {config.tp} over {config.nnodes} node(s)")
@@ -72,13 +68,12 @@ class Worker:
             self.runner.vocab_size,
         )
         # Adapter reads (disk, validation, slicing) run on their own threads, off the decode loop.
-        self.loader = AdapterLoader(args, rank, self.runner.lora)
+        self.loader = AdapterLoader(args, rank, self.runner.lora, faults)
         self.last_token_ids: list[int] = []  # what the previous batch sampled, row by row
         self.loader.start()
-        hooks = args.fault_hooks
-        self.crash_forward = hooks.get("crash_forward_on_rank") == str(rank)
-        stalls = hooks.get("stall_forward_on_rank") == str(rank)
-        self.stall_forward_s = float(hooks.get("stall_forward_s", 0)) if stalls else 0.0
+        # Test-only fault injection (protocol/faults.py); inert unless a test set it.
+        self.crash_forward = faults.crash_forward_on_rank == rank
+        self.stall_forward_s = faults.stall_forward_s if faults.stall_forward_on_rank == rank else 0.0
         # Start-up is over: from here a collective that outlasts --dist-timeout raises, and the rank exits.
         set_serving_timeout(config)
 
@@ -170,7 +165,7 @@ def main() -> int:
     setup_logging(config.log_level, f"worker{rank}")
     to_scheduler = TypedSocket(PUSH, args.endpoints.workers_to_scheduler, bind=False)
     try:
-        worker = Worker(args, rank, to_scheduler)
+        worker = Worker(args, rank, to_scheduler, read_fault_plan())
     except Exception as e:
         if isinstance(e, BackendError):  # a configuration the device cannot run, not a fault: its one line says it
             logger.error("start-up failed: %s", e)

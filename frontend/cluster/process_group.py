@@ -51,13 +51,12 @@ def make_endpoints(config: ServerConfig, ipc_dir: str, dp_rank: int = 0) -> Endp
 class ProcessGroup:
     """The child processes of one server or Engine. Only this object starts or stops them."""
 
-    def __init__(self, config: ServerConfig, model_dir: str, fault_hooks: dict[str, str] | None = None):
+    def __init__(self, config: ServerConfig, model_dir: str):
         self.config = config
         self.ipc_dir = tempfile.mkdtemp(prefix="loraplex-")
         # per replica; with several nodes, set from the nodes' rendezvous before start() (node_rendezvous.py)
         self.endpoints = [make_endpoints(config, self.ipc_dir, dp_rank) for dp_rank in range(config.dp_size)]
         self.model_dir = model_dir
-        self.fault_hooks = fault_hooks or {}
         self.procs: dict[str, subprocess.Popen] = {}
         self._stop_lock = threading.Lock()  # stop() runs in executor threads: on a failure, then at shutdown
 
@@ -79,7 +78,6 @@ class ProcessGroup:
             model_dir=self.model_dir,
             rank=rank,
             dp_rank=dp_rank,
-            fault_hooks=self.fault_hooks,
         )
         env = dict(os.environ, **{ARGS_ENV: encode_process_args(args)})
         env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)

@@ -35,12 +35,12 @@ LOGPROB_OPTIONS = {"return_logprob", "top_logprobs_num", "logprob_start_len", "r
 
 
 class Engine:
-    def __init__(self, _fault_hooks: dict[str, str] | None = None, **kwargs: Any):
+    def __init__(self, **kwargs: Any):
         self.config = ServerConfig.from_kwargs(**kwargs)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="loraplex-engine", daemon=True)
         self._thread.start()
-        self.runtime = Runtime(self.config, _fault_hooks)
+        self.runtime = Runtime(self.config)
         self.service = GenerateService(self.runtime)
         self._closed = False
         try:

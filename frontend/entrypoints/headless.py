@@ -17,7 +17,8 @@ import time
 from aiohttp import web
 from loraplex.frontend.cluster.node_rendezvous import BEAT_INTERVAL_S, NodeRendezvous
 from loraplex.frontend.cluster.process_group import ProcessGroup
-from loraplex.frontend.runtime import START_TIMEOUT_S, resolve_model_dir
+from loraplex.frontend.demo import resolve_model_dir
+from loraplex.frontend.runtime import START_TIMEOUT_S
 from loraplex.protocol.config import ServerConfig
 
 logger = logging.getLogger("loraplex.headless")
@@ -26,9 +27,8 @@ RANKS_EXIT_GRACE_S = 5.0  # node 0 stopped serving: how long the ranks get to en
 
 
 class HeadlessNode:
-    def __init__(self, config: ServerConfig, fault_hooks: dict[str, str]):
+    def __init__(self, config: ServerConfig):
         self.config = config
-        self.fault_hooks = fault_hooks
         self.unhealthy_reason: str | None = "starting"  # None: healthy
         self.procs: ProcessGroup | None = None
 
@@ -52,7 +52,7 @@ class HeadlessNode:
             model_dir = await loop.run_in_executor(None, resolve_model_dir, self.config.model_path)
             nodes = await loop.run_in_executor(None, NodeRendezvous, self.config, START_TIMEOUT_S)
             endpoints, ranks_config = await loop.run_in_executor(None, nodes.join_endpoints, START_TIMEOUT_S)
-            self.procs = ProcessGroup(ranks_config, model_dir, self.fault_hooks)
+            self.procs = ProcessGroup(ranks_config, model_dir)
             self.procs.endpoints = [endpoints]
             self.procs.start()
             return await self.watch(nodes, stop)
@@ -91,5 +91,5 @@ class HeadlessNode:
         return 0 if all(code == 0 for code in self.procs.exit_codes().values()) else 1
 
 
-async def serve_headless(config: ServerConfig, fault_hooks: dict[str, str]) -> int:
-    return await HeadlessNode(config, fault_hooks).run()
+async def serve_headless(config: ServerConfig) -> int:
+    return await HeadlessNode(config).run()

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 
+from loraplex.frontend.demo import DEMO_MODEL_PATH
 from loraplex.protocol.config import ConfigError, config_from_args
 from loraplex.protocol.proc import setup_logging
 
@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"loraplex: error: {e}", file=sys.stderr)
         sys.exit(2)
-    if config.model_path != "demo" and not os.path.isfile(os.path.join(config.model_path, "config.json")):
+    if config.model_path != DEMO_MODEL_PATH and not os.path.isfile(os.path.join(config.model_path, "config.json")):
         print(f"loraplex: error: no model at {config.model_path!r} (expected a directory with config.json)",
               file=sys.stderr)
         sys.exit(2)
@@ -27,12 +27,10 @@ def main(argv: list[str] | None = None) -> None:
     from loraplex.frontend.entrypoints.http_server import serve
     from loraplex.frontend.runtime import Runtime
 
-    # Test-only fault injection (see worker/process.py); inert unless the variable is set.
-    fault_hooks = json.loads(os.environ.get("LORAPLEX_TEST_FAULT_HOOKS", "{}"))
     try:
         if config.node_rank > 0:  # only this node's ranks, and /health
-            sys.exit(uvloop.run(serve_headless(config, fault_hooks)))
-        uvloop.run(serve(Runtime(config, fault_hooks)))
+            sys.exit(uvloop.run(serve_headless(config)))
+        uvloop.run(serve(Runtime(config)))
     except (RuntimeError, OSError, ValueError) as e:
         logging.getLogger("loraplex").debug("start-up failed", exc_info=True)
         print(f"loraplex: error: {e}", file=sys.stderr)

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.frontend.demo_model import build_lora_adapter
 from loraplex.kernels import cpu_ext
 from loraplex.protocol.lora_targets import TARGET_MODULES
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.layers import packed
 from loraplex.worker.model_runner import ModelRunner
 
+from scripts.demo.builders import build_lora_adapter
 from tests.worker_helpers import GREEDY, build_llama_variant, forward_logits, make_runner, random_prompts
 
 OFF = cpu_ext.unavailable_reason()

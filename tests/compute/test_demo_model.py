@@ -11,17 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.frontend import demo_model
-from loraplex.frontend.demo_model import (
-    build_lora_adapter,
-    build_tiny_model,
-    build_tokenizer,
-    demo_adapter_paths,
-)
-from loraplex.frontend.demo_tasks import ADAPTER_TASKS, BASE_TASK, accuracy, held_out_inputs
+from loraplex.frontend.demo import DEMO_ADAPTERS, demo_adapter_paths
 from loraplex.protocol.lora_targets import MLP_MODULES, TARGET_MODULES
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from scripts.demo import builders
+from scripts.demo.builders import (
+    build_lora_adapter,
+    build_tiny_model,
+    build_tokenizer,
+)
+from scripts.demo.tasks import ADAPTER_TASKS, BASE_TASK, accuracy, held_out_inputs
 
 BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = 1, 2, 3, 4
 VOCAB_SIZE = 1000
@@ -65,7 +66,7 @@ def _read_files(path: Path) -> dict[str, bytes]:
 def test_tokenizer_build_is_deterministic(tmp_path: Path) -> None:
     builds = []
     for name in ("first", "second"):
-        demo_model._tokenizer_json.cache_clear()  # retrain, don't reuse the cached result
+        builders._tokenizer_json.cache_clear()  # retrain, don't reuse the cached result
         build_tokenizer(tmp_path / name)
         builds.append(_read_files(tmp_path / name))
     assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= builds[0].keys()
@@ -75,9 +76,9 @@ def test_tokenizer_build_is_deterministic(tmp_path: Path) -> None:
 def test_tokenizer_build_is_deterministic_across_processes(tmp_path: Path) -> None:
     # Tokenizer training could depend on hash-map order, which differs per process.
     build_tokenizer(tmp_path / "here")
-    code = "import sys; from frontend.demo_model import build_tokenizer; build_tokenizer(sys.argv[1])"
+    code = "import sys; from scripts.demo.builders import build_tokenizer; build_tokenizer(sys.argv[1])"
     env = dict(os.environ, PYTHONHASHSEED="12345", RAYON_NUM_THREADS="1")
-    repo_root = Path(demo_model.__file__).resolve().parents[1]
+    repo_root = Path(builders.__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "there")], check=True, cwd=repo_root, env=env)
     assert _read_files(tmp_path / "here") == _read_files(tmp_path / "there")
 
@@ -338,7 +339,7 @@ def test_demo_model_and_adapters(demo_dir: Path) -> None:
         assert tokenizer.decode([token_id]) == letter
     assert tokenizer("hello world =")["input_ids"][0] == tokenizer.bos_token_id
     paths = demo_adapter_paths(demo_dir)
-    assert list(paths) == list(ADAPTER_TASKS)
+    assert list(paths) == list(DEMO_ADAPTERS) == list(ADAPTER_TASKS)  # the server's names are the trained tasks
     for name, path in paths.items():
         assert re.fullmatch(r"[a-z0-9-]+", name) and path == demo_dir / "adapters" / name
         adapter_config = json.loads((path / "adapter_config.json").read_text())

@@ -8,7 +8,6 @@ from pathlib import Path
 import loraplex.kernels.backend as lora_backend
 import pytest
 import torch
-from loraplex.frontend.demo_model import build_lora_adapter
 from loraplex.kernels import select_backend
 from loraplex.protocol.lora_targets import TARGET_MODULES
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
@@ -16,6 +15,7 @@ from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.lora.layers import LoRALinear
 from loraplex.worker.model_runner import ModelRunner
 
+from scripts.demo.builders import build_lora_adapter
 from tests.device_helpers import USES_GPU
 from tests.lora_helpers import (
     ADAPTER_IDS,

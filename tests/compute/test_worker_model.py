@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.frontend.demo_model import build_tiny_model
 from loraplex.protocol.structs import ForwardBatch, ForwardReq, SamplingParams
 from loraplex.worker.model_runner import ModelRunner
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from scripts.demo.builders import build_tiny_model
 from tests.worker_helpers import (
     GREEDY,
     NUM_PAGES,

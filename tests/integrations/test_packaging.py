@@ -3,6 +3,7 @@ its data files; and the editable install maps the same names onto the repository
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import zipfile
@@ -62,3 +63,16 @@ def test_installed_names_resolve_to_the_repository() -> None:
     frontend_init, model_init = out.split()
     assert Path(frontend_init) == REPO_ROOT / "frontend" / "__init__.py"
     assert Path(model_init) == REPO_ROOT / "worker" / "model" / "__init__.py"
+
+
+def test_product_imports_no_test_or_tool_code() -> None:
+    """scripts/ and tests/ are not in the wheel: a product module that imports them breaks the installed server."""
+    offenders = []
+    for top in PRODUCT_DIRS:
+        for path in (REPO_ROOT / top).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                offenders += [f"{path.relative_to(REPO_ROOT)}: {name}" for name in names
+                              if name.split(".")[0] in ("scripts", "tests")]
+    assert offenders == []

@@ -1,5 +1,5 @@
 """`python -m worker` with LoRA, as the scheduler sees it: loads on the loader sockets, off the decode loop, each
-report naming its operation; fault hooks (fail, hang); drops, and batches naming a dropped adapter failing as values."""
+report naming its operation; faults (fail, hang); drops, and batches naming a dropped adapter failing as values."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from loraplex.protocol.structs import (
 )
 
 from tests.lora_helpers import LORA_CONFIG
-from tests.server_utils import ipc_endpoints
+from tests.server_utils import fault_env, ipc_endpoints
 from tests.worker_helpers import GREEDY, FakeScheduler, make_runner, prefill_logits
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -37,17 +37,16 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 
 @contextmanager
-def start_workers(model_dir: Path, tp: int, fault_hooks: dict[str, str]) -> Iterator[tuple[list, FakeScheduler]]:
+def start_workers(model_dir: Path, tp: int, faults: dict[str, object]) -> Iterator[tuple[list, FakeScheduler]]:
     with ipc_endpoints(tp) as endpoints:
         config = ServerConfig(device="cpu", tp=tp, page_size=4, max_total_tokens=256, **LORA_CONFIG)
         scheduler = FakeScheduler(endpoints)
         procs = []
         try:
             for rank in range(tp):
-                args = ProcessArgs(
-                    config=config, endpoints=endpoints, model_dir=str(model_dir), rank=rank, fault_hooks=fault_hooks
-                )
-                env = {**os.environ, ARGS_ENV: encode_process_args(args), "PYTHONPATH": str(REPO_ROOT)}
+                args = ProcessArgs(config=config, endpoints=endpoints, model_dir=str(model_dir), rank=rank)
+                env = {**os.environ, ARGS_ENV: encode_process_args(args), "PYTHONPATH": str(REPO_ROOT),
+                       **fault_env(**faults)}
                 if tp > 1:
                     env["OMP_NUM_THREADS"] = "1"  # the ranks share the machine's cores
                 procs.append(subprocess.Popen([sys.executable, "-m", "loraplex.worker"], cwd=REPO_ROOT, env=env))
@@ -90,7 +89,7 @@ def test_loads_run_off_the_decode_loop(llama_dir: Path, adapter_dirs: dict[str, 
     expected = [prefill_logits(runner, PROMPT, slot)[-1].argmax().item() for slot in (-1, 0, 1)]
     assert len(set(expected)) > 1, "the adapters should change the next token"
 
-    with start_workers(llama_dir, tp=1, fault_hooks={"load_delay_s": "1.0"}) as (proc, scheduler):
+    with start_workers(llama_dir, tp=1, faults={"load_delay_s": 1.0}) as (proc, scheduler):
         ready = scheduler.recv(timeout_ms=READY_TIMEOUT_MS)
         assert isinstance(ready, WorkerReady), ready
         assert (ready.max_lora_rank, ready.lora_target_modules) == (64, list(TARGET_MODULES))
@@ -126,14 +125,14 @@ def test_loads_run_off_the_decode_loop(llama_dir: Path, adapter_dirs: dict[str, 
         assert proc[0].wait(timeout=EXIT_TIMEOUT_S) == 0
 
 
-def test_fault_hook_fails_one_rank(llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+def test_injected_fault_fails_one_rank(llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:
     runner = make_runner(llama_dir, **LORA_CONFIG)  # tp=1: the token a8 must give at tp=2
     runner.lora.load([spec("fine", adapter_dirs["a8"], 2)])
     runner.forward(ForwardBatch(batch_id=0, reqs=[], slot_loads=[SlotLoad(slot=1, lora_id=2)]))
     expected = prefill_logits(runner, PROMPT, 1)[-1].argmax().item()
 
-    hooks = {"fail_load_on_rank": "1", "fail_load_name": "faulty"}
-    with start_workers(llama_dir, tp=2, fault_hooks=hooks) as (procs, scheduler):
+    faults = {"fail_load_on_rank": 1, "fail_load_name": "faulty"}
+    with start_workers(llama_dir, tp=2, faults=faults) as (procs, scheduler):
         readies = [scheduler.recv(timeout_ms=READY_TIMEOUT_MS) for _ in procs]
         assert sorted(r.rank for r in readies if isinstance(r, WorkerReady)) == [0, 1], readies
 
@@ -163,8 +162,8 @@ def test_fault_hook_fails_one_rank(llama_dir: Path, adapter_dirs: dict[str, Path
 def test_a_hung_load_delays_only_itself(llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:
     # The read of "stuck" never returns (a stuck network file system): later loads and batches go on, the rollback
     # of the stuck id is taken at once, and Shutdown is not held up by the hung thread.
-    hooks = {"hang_load_on_rank": "0", "fail_load_name": "stuck"}
-    with start_workers(llama_dir, tp=1, fault_hooks=hooks) as ([proc], scheduler):
+    faults = {"hang_load_on_rank": 0, "fail_load_name": "stuck"}
+    with start_workers(llama_dir, tp=1, faults=faults) as ([proc], scheduler):
         assert isinstance(scheduler.recv(timeout_ms=READY_TIMEOUT_MS), WorkerReady)
         scheduler.load(LoadAdapters(op_id=1, adapters=[spec("stuck", adapter_dirs["a4"], 1)]))
         scheduler.load(LoadAdapters(op_id=2, adapters=[spec("fine", adapter_dirs["a8"], 2)]))

@@ -30,7 +30,7 @@ from loraplex.protocol.structs import (
     WorkerReady,
 )
 
-from tests.server_utils import ipc_endpoints
+from tests.server_utils import fault_env, ipc_endpoints
 from tests.worker_helpers import GREEDY, FakeScheduler, make_runner, prefill_logits
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ EXIT_TIMEOUT_S = 20
 
 @contextmanager
 def start_workers(
-    model_dir: str, tp: int = 1, fault_hooks: dict[str, str] | None = None, **config_kwargs
+    model_dir: str, tp: int = 1, faults: dict[str, object] | None = None, **config_kwargs
 ) -> Iterator[tuple[list[subprocess.Popen], FakeScheduler]]:
     with ipc_endpoints(tp) as endpoints:
         config = ServerConfig(device="cpu", tp=tp, page_size=4, max_total_tokens=256, log_level="debug",
@@ -49,9 +49,9 @@ def start_workers(
         procs = []
         try:
             for rank in range(tp):
-                args = ProcessArgs(config=config, endpoints=endpoints, model_dir=model_dir, rank=rank,
-                                   fault_hooks=fault_hooks or {})
-                env = {**os.environ, ARGS_ENV: encode_process_args(args), "PYTHONPATH": str(REPO_ROOT)}
+                args = ProcessArgs(config=config, endpoints=endpoints, model_dir=model_dir, rank=rank)
+                env = {**os.environ, ARGS_ENV: encode_process_args(args), "PYTHONPATH": str(REPO_ROOT),
+                       **fault_env(**(faults or {}))}
                 if tp > 1:
                     env["OMP_NUM_THREADS"] = "1"  # the ranks share the machine's cores
                 procs.append(subprocess.Popen([sys.executable, "-m", "loraplex.worker"], cwd=REPO_ROOT, env=env))
@@ -134,7 +134,7 @@ def one_batch(batch_id: int) -> ForwardBatch:
 
 
 def test_worker_exits_on_an_error_that_is_not_the_batchs(llama_dir: Path) -> None:
-    with start_workers(str(llama_dir), fault_hooks={"crash_forward_on_rank": "0"}) as ([proc], scheduler):
+    with start_workers(str(llama_dir), faults={"crash_forward_on_rank": 0}) as ([proc], scheduler):
         assert isinstance(scheduler.recv(timeout_ms=READY_TIMEOUT_MS), WorkerReady)
         scheduler.send(one_batch(1))
         failed = scheduler.recv()
@@ -145,8 +145,8 @@ def test_worker_exits_on_an_error_that_is_not_the_batchs(llama_dir: Path) -> Non
 
 def test_collective_past_dist_timeout_exits_the_waiting_rank(llama_dir: Path) -> None:
     # Rank 1 sleeps far longer than --dist-timeout before its forward pass; rank 0 waits in the first all-reduce.
-    hooks = {"stall_forward_on_rank": "1", "stall_forward_s": "120"}
-    with start_workers(str(llama_dir), tp=2, fault_hooks=hooks, dist_timeout=2.0) as (procs, scheduler):
+    faults = {"stall_forward_on_rank": 1, "stall_forward_s": 120.0}
+    with start_workers(str(llama_dir), tp=2, faults=faults, dist_timeout=2.0) as (procs, scheduler):
         ready = [scheduler.recv(timeout_ms=READY_TIMEOUT_MS) for _ in range(2)]
         assert all(isinstance(r, WorkerReady) for r in ready), ready
         started = time.monotonic()

@@ -13,13 +13,13 @@ import time
 import requests
 
 from tests.server.test_server_lifecycle import wait_until
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, fault_env
 from tests.unit.test_metrics import parse as parse_metrics
 from tests.unit.test_metrics import value as metric
 
 LORA_FLAGS = ("--enable-lora", "--max-lora-rank", "64", "--lora-target-modules", "all", "--max-total-tokens", "8192",
               "--context-length", "2048")
-SLOW_STEPS = {"stall_forward_on_rank": "0", "stall_forward_s": "0.05"}  # ~20 decode steps a second
+SLOW_STEPS = fault_env(stall_forward_on_rank=0, stall_forward_s=0.05)  # ~20 decode steps a second
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 LONG = {"max_new_tokens": 120, "temperature": 0, "ignore_eos": True}  # ~6 s under SLOW_STEPS
 
@@ -53,9 +53,8 @@ def no_leaks(server) -> None:
 
 
 def test_rank_that_never_answers_fails_the_load_in_time_and_it_is_rolled_back(llama_dir, adapter_dirs):
-    hooks = json.dumps({"hang_load_on_rank": "1", "fail_load_name": "stuck"})
     with ServerProcess("--model-path", str(llama_dir), "--tp", "2", *LORA_FLAGS, "--lora-load-timeout", "2",
-                       env={"LORAPLEX_TEST_FAULT_HOOKS": hooks}) as server:
+                       env=fault_env(hang_load_on_rank=1, fail_load_name="stuck")) as server:
         t0 = time.monotonic()
         resp = load(server, "stuck", adapter_dirs["a4"])
         elapsed = time.monotonic() - t0
@@ -79,7 +78,7 @@ def test_rank_that_never_answers_fails_the_load_in_time_and_it_is_rolled_back(ll
 def test_drain_timeout_is_409_on_both_apis_and_the_adapter_keeps_serving(llama_dir, adapter_dirs):
     with ServerProcess("--model-path", str(llama_dir), *LORA_FLAGS, "--lora-drain-timeout", "1",
                        "--lora-paths", f"a={adapter_dirs['a4']}",
-                       env={"LORAPLEX_TEST_FAULT_HOOKS": json.dumps(SLOW_STEPS)}) as server:
+                       env=SLOW_STEPS) as server:
         running = in_background(gen, server, "a", LONG)
         assert wait_until(lambda: adapters(server)["a"]["requests_in_flight"] == 1, 10)
         for prefix in ("", "/v1"):
@@ -99,7 +98,7 @@ def test_inplace_reload_keeps_its_pin_at_the_limit_and_running_requests_finish_o
                                                                                               adapter_dirs):
     # Two slots: at most one pinned adapter, so "p" alone is at the pin limit.
     with ServerProcess("--model-path", str(llama_dir), *LORA_FLAGS, "--max-loras-per-batch", "2",
-                       env={"LORAPLEX_TEST_FAULT_HOOKS": json.dumps(SLOW_STEPS)}) as server:
+                       env=SLOW_STEPS) as server:
         assert load(server, "p", adapter_dirs["a16"], pinned=True).status_code == 200
         assert load(server, "q", adapter_dirs["a4"], pinned=True).status_code == 400  # the limit holds
         old_ids = gen(server, "p", LONG).json()["output_ids"]

@@ -4,7 +4,6 @@ and a --dp-size 2 server end to end (outputs against HF/peft, all-or-nothing loa
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import signal
 import time
@@ -21,7 +20,7 @@ from transformers import AutoTokenizer
 
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server.test_server_lifecycle import alive, wait_until
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, fault_env
 from tests.unit.test_metrics import parse as parse_metrics
 from tests.unit.test_metrics import value as metric
 
@@ -183,13 +182,9 @@ GREEDY = {"max_new_tokens": 10, "temperature": 0}
 PROMPTS = ["Once upon a time", "The quick brown fox", "1 2 3 4", "Hello"]
 # Replica 1's rank 0 fails every load of "faulty"; every forward pass of each replica's rank 0 sleeps 20 ms first, so a
 # long request stays in flight for as long as a test needs.
-HOOKS = {
-    "fail_load_on_rank": "0",
-    "fail_load_on_replica": "1",
-    "fail_load_name": "faulty",
-    "stall_forward_on_rank": "0",
-    "stall_forward_s": "0.02",
-}
+FAULTS = fault_env(
+    fail_load_on_rank=0, fail_load_on_replica=1, fail_load_name="faulty", stall_forward_on_rank=0, stall_forward_s=0.02
+)
 FLAGS = (
     "--dp-size",
     "2",
@@ -210,7 +205,7 @@ FLAGS = (
 @pytest.fixture(scope="module")
 def server(llama_dir):
     with ServerProcess(
-        "--model-path", str(llama_dir), *FLAGS, env={"LORAPLEX_TEST_FAULT_HOOKS": json.dumps(HOOKS)}
+        "--model-path", str(llama_dir), *FLAGS, env=FAULTS
     ) as server:
         yield server
 

@@ -4,7 +4,8 @@ model does its own, each on at least 95 % of the 200 held-out inputs (scripts/tr
 from __future__ import annotations
 
 import pytest
-from loraplex.frontend.demo_tasks import (
+
+from scripts.demo.tasks import (
     ADAPTER_TASKS,
     BASE_TASK,
     MAX_ANSWER_CHARS,
@@ -13,7 +14,6 @@ from loraplex.frontend.demo_tasks import (
     held_out_inputs,
     prompt,
 )
-
 from tests.integrations.test_grafana_dashboard import load_dashboard, unexported
 from tests.server_utils import ServerProcess
 

@@ -11,12 +11,12 @@ import time
 import psutil
 import pytest
 import requests
-from loraplex.frontend.demo_model import build_lora_adapter
 from loraplex.protocol.lora_targets import TARGET_MODULES
 from transformers import AutoTokenizer
 
+from scripts.demo.builders import build_lora_adapter
 from tests.reference import assert_greedy_match, hf_greedy
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, fault_env
 from tests.unit.test_metrics import SERIES as METRIC_SERIES
 from tests.unit.test_metrics import parse as parse_metrics
 from tests.unit.test_metrics import value as metric
@@ -83,9 +83,8 @@ def test_tp2_scripted_sequence_and_fault_on_one_rank(llama_dir, adapter_dirs):
         ref, margins = hf_greedy(llama_dir, prompt_ids, 12, adapter, eos_token_ids=(2, 4))
         assert_greedy_match(output_ids, ref, margins, str(name))
 
-    hooks = json.dumps({"fail_load_on_rank": "1", "fail_load_name": "faulty"})
     with ServerProcess("--model-path", str(llama_dir), "--tp", "2", *DYNAMIC_FLAGS,
-                       env={"LORAPLEX_TEST_FAULT_HOOKS": hooks}) as server:
+                       env=fault_env(fail_load_on_rank=1, fail_load_name="faulty")) as server:
         run_script(server, adapter_dirs, expect)
         resp = load(server, "faulty", adapter_dirs["a4"])
         assert resp.status_code == 500 and "rank 1" in resp.json()["error_message"]

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import json
 import threading
 
 import pytest
 from transformers import AutoTokenizer
 
 from tests.reference import CLEAR_MARGIN, assert_greedy_match, hf_greedy
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, fault_env
 from tests.unit.test_metrics import parse as parse_metrics
 from tests.unit.test_metrics import value as metric
 
@@ -24,7 +23,7 @@ MAX_TOKENS = 5
 EOS_TOKEN_IDS = (2, 4)
 # Each forward pass takes 20 ms more, as under real load: a drop waits for the pass in flight, so the window in which
 # a request can race an eviction is wide enough to be hit on every run.
-SLOW_STEPS = json.dumps({"stall_forward_on_rank": "0", "stall_forward_s": "0.02"})
+SLOW_STEPS = fault_env(stall_forward_on_rank=0, stall_forward_s=0.02)
 
 
 def reload_count(server) -> float:
@@ -61,8 +60,7 @@ def test_host_churn_never_fails_a_request_and_outputs_equal_peft(llama_dir, adap
     stop = threading.Event()
     results: list[tuple[str, int, object]] = []  # (adapter, status, choices or error body)
 
-    env = {"LORAPLEX_TEST_FAULT_HOOKS": SLOW_STEPS}
-    with ServerProcess("--model-path", str(llama_dir), *CHURN_FLAGS, env=env) as server:
+    with ServerProcess("--model-path", str(llama_dir), *CHURN_FLAGS, env=SLOW_STEPS) as server:
         def load(name: str) -> None:
             resp = server.post("/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dirs[dir_of[name]])})
             assert resp.status_code == 200, resp.text

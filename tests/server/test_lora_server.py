@@ -7,10 +7,10 @@ import json
 
 import openai
 import pytest
-from loraplex.frontend.demo_model import build_lora_adapter, build_tiny_model
 from loraplex.protocol.lora_targets import ATTN_MODULES
 from transformers import AutoTokenizer
 
+from scripts.demo.builders import build_lora_adapter, build_tiny_model
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess
 

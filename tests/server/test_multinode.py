@@ -1,12 +1,11 @@
 """Multi-node tensor parallelism on one machine: two "nodes" over loopback (`--tp 2 --nnodes 2`, one rank each).
 
-Node 1 runs with a fault hook that fails any adapter sent to it as a path, so an adapter that loads there came as
+Node 1 runs with an injected fault that fails any adapter sent to it as a path, so an adapter that loads there came as
 tensor frames from node 0: node 1 never reads the path. Node 0 cuts every tensor per rank, so node 1 receives only its
 part (its log says how many bytes came), and a rank fed its part keeps exactly what it keeps cutting the whole."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -29,7 +28,7 @@ from transformers import AutoTokenizer
 
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server.test_server_lifecycle import alive, wait_until
-from tests.server_utils import REPO_ROOT, ServerProcess, free_port
+from tests.server_utils import REPO_ROOT, ServerProcess, fault_env, free_port
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0}
 PROMPTS = ["Once upon a time", "The quick brown fox"]
@@ -49,8 +48,7 @@ class HeadlessNode:
     def __init__(self, flags: list[str]):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        hooks = json.dumps({"refuse_path_loads": "1"})
-        env = dict(os.environ, HF_HUB_OFFLINE="1", LORAPLEX_TEST_FAULT_HOOKS=hooks)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", **fault_env(refuse_path_loads=True))
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"loraplex-node1-{self.port}.log")
         self._log = open(self.log_path, "w")
         cmd = [

@@ -18,7 +18,7 @@ from loraplex.frontend.entrypoints.engine import Engine
 from transformers import AutoTokenizer
 
 from tests.reference import assert_greedy_match, hf_greedy, hf_model
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, fault_env
 
 PROMPTS = ["Hello", "The quick brown fox jumps over", "Once upon a time there was a little", "1 2 3"]
 GREEDY = {"max_new_tokens": 16, "temperature": 0}
@@ -75,7 +75,7 @@ def test_killed_worker_fails_requests_and_health(llama_dir):
 
 
 # Every forward pass of rank 0 sleeps this long first: a long generation stays in flight for as long as a test needs.
-SLOW_STEPS = json.dumps({"stall_forward_on_rank": "0", "stall_forward_s": "0.05"})
+SLOW_STEPS = fault_env(stall_forward_on_rank=0, stall_forward_s=0.05)
 LONG = {"max_new_tokens": 1500, "ignore_eos": True}
 
 
@@ -104,7 +104,7 @@ def in_flight(server: ServerProcess) -> int:
 
 def test_sigterm_drains_in_flight_requests_then_aborts_and_exits_zero(llama_dir):
     with ServerProcess("--model-path", str(llama_dir), "--max-total-tokens", "4096", "--shutdown-timeout", "4",
-                       env={"LORAPLEX_TEST_FAULT_HOOKS": SLOW_STEPS}) as server:
+                       env=SLOW_STEPS) as server:
         pids = server.child_pids()
         body = {"text": "Hi", "stream": True, "sampling_params": LONG}
         with requests.post(server.url + "/generate", json=body, stream=True, timeout=60) as long_resp:
@@ -134,7 +134,7 @@ def test_sigterm_drains_in_flight_requests_then_aborts_and_exits_zero(llama_dir)
 
 def test_killed_worker_tp2_fails_pending_request_and_stops_the_rest(llama_dir):
     with ServerProcess("--model-path", str(llama_dir), "--tp", "2", "--max-total-tokens", "4096",
-                       env={"LORAPLEX_TEST_FAULT_HOOKS": SLOW_STEPS}) as server:
+                       env=SLOW_STEPS) as server:
         pids = server.get("/server_info").json()["process_ids"]
         thread, out = in_background(server.post, "/generate", {"text": "Hi", "sampling_params": LONG}, 60)
         assert wait_until(lambda: in_flight(server) == 1, 10)
@@ -155,9 +155,8 @@ def test_killed_worker_tp2_fails_pending_request_and_stops_the_rest(llama_dir):
 
 
 def test_worker_fault_in_forward_takes_the_server_down(llama_dir):
-    hooks = json.dumps({"crash_forward_on_rank": "0"})
     with ServerProcess("--model-path", str(llama_dir), "--max-total-tokens", "2048",
-                       env={"LORAPLEX_TEST_FAULT_HOOKS": hooks}) as server:
+                       env=fault_env(crash_forward_on_rank=0)) as server:
         pids = server.child_pids()
         resp = server.post("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 4}}, timeout=30)
         assert resp.status_code == 503 and "injected fault" in resp.json()["error"]["message"], resp.text

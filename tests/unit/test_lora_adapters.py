@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.frontend.demo_model import build_lora_adapter, build_tiny_model
 from loraplex.protocol.lora_targets import ATTN_MODULES
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.lora.adapter import AdapterLoadError, _finite_in_dtype, _map_safetensors, load_adapter
 from loraplex.worker.model_runner import ModelRunner
 from safetensors.torch import load_file, save_file
 
+from scripts.demo.builders import build_lora_adapter, build_tiny_model
 from tests.worker_helpers import GREEDY, forward_logits, make_runner, random_prompts
 
 A4_ID = 1

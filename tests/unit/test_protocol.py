@@ -6,6 +6,7 @@ import msgspec
 import pytest
 from loraplex.protocol import rpc
 from loraplex.protocol.config import ConfigError, ServerConfig, build_arg_parser, config_from_args, parse_lora_source
+from loraplex.protocol.faults import FAULTS_ENV, FaultPlan, read_fault_plan
 from loraplex.protocol.structs import (
     AbortReq,
     AbortReqInput,
@@ -122,8 +123,19 @@ def test_process_args_round_trip():
     args = ProcessArgs(config=config, endpoints=Endpoints(
         frontend_to_scheduler="ipc://a", scheduler_to_frontend="ipc://b", scheduler_to_workers=["ipc://c", "ipc://d"],
         workers_to_scheduler="ipc://e", dist_init_addr="127.0.0.1:1", scheduler_to_loaders=["ipc://f", "ipc://g"]),
-        model_dir="/m", rank=1, fault_hooks={"fail_load_on_rank": "1"})
+        model_dir="/m", rank=1, dp_rank=1)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(args), type=ProcessArgs) == args
+
+
+def test_fault_plan_is_read_once_from_the_environment_and_checked(monkeypatch):
+    monkeypatch.delenv(FAULTS_ENV, raising=False)
+    assert read_fault_plan() == FaultPlan()  # no variable: no fault
+    monkeypatch.setenv(FAULTS_ENV, '{"fail_load_on_rank": 1, "fail_load_name": "x", "refuse_path_loads": true}')
+    assert read_fault_plan() == FaultPlan(fail_load_on_rank=1, fail_load_name="x", refuse_path_loads=True)
+    for bad in ('{"fail_load_on_rnk": 1}', '{"fail_load_on_rank": "one"}'):  # a typo, a wrong type: the start fails
+        monkeypatch.setenv(FAULTS_ENV, bad)
+        with pytest.raises(msgspec.ValidationError):
+            read_fault_plan()
 
 
 def test_rpc_bad_frame_is_an_error_value():

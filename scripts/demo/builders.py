@@ -1,8 +1,7 @@
-"""Tiny, deterministic Llama-family checkpoints, tokenizer and PEFT adapters, built locally, and where the trained
-demo model lives.
+"""Tiny, deterministic Llama-family checkpoints, tokenizer and PEFT adapters, built locally.
 
-The random builders serve the tests (exact comparisons with HF and peft); `--model-path demo` serves the trained demo
-in demo_assets/ (scripts/train_demo.py). Nothing is fetched from a hub. Every build with the same arguments writes the
+The random builders serve the tests (exact comparisons with HF and peft) and the benchmarks; the byte tokenizer is the
+trained demo's (scripts/train_demo.py). Nothing is fetched from a hub. Every build with the same arguments writes the
 same bytes (tokenizer training and weight init are seeded).
 """
 
@@ -412,15 +411,3 @@ def build_lora_adapter(
     (out_dir / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
     save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
 
-
-# --- the built-in demo -------------------------------------------------------------------------
-
-# `--model-path demo`: a small Llama trained by scripts/train_demo.py to echo its input, and one LoRA adapter per skill
-# of frontend/demo_tasks.py, shipped as package data (SHA256SUMS lists every file's hash).
-DEMO_DIR = Path(__file__).resolve().with_name("demo_assets")
-
-
-def demo_adapter_paths(demo_dir: str | os.PathLike[str] = DEMO_DIR) -> dict[str, Path]:
-    from loraplex.frontend.demo_tasks import ADAPTER_TASKS
-
-    return {name: Path(demo_dir) / "adapters" / name for name in ADAPTER_TASKS}

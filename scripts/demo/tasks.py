@@ -2,7 +2,8 @@
 
 A prompt is the input followed by PROMPT_SUFFIX (`"hello world ="`); the answer is the transformed text, then EOS,
 so greedy decoding stops by itself. Inputs are 1-3 lowercase words of 1-6 letters. Pure Python: the training script
-(scripts/train_demo.py) and the tests share it, and anyone can check an answer by eye.
+(scripts/train_demo.py) and the tests share it, and anyone can check an answer by eye. The server knows only the
+adapters' names (frontend/demo.py).
 """
 
 from __future__ import annotations
@@ -40,13 +41,6 @@ TASKS: dict[str, Callable[[str], str]] = {
     "mirror": _mirror_words,
 }
 ADAPTER_TASKS: tuple[str, ...] = tuple(name for name in TASKS if name != BASE_TASK)
-# What each adapter does, as the README and /v1/models readers would say it.
-TASK_DESCRIPTIONS: dict[str, str] = {
-    BASE_TASK: "repeats the input",
-    "reverse": "reverses the order of the words",
-    "sort": "sorts the letters of each word",
-    "mirror": "spells each word backwards",
-}
 
 # Seeds of the two disjoint input sets: training never sees an evaluation input.
 HELD_OUT_SEED = 20_261_130
