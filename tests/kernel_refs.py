@@ -1,7 +1,9 @@
 """Torch references the kernels are checked against, with the kernels' own signatures (no tests here): the LoRA
 shrink/expand of the torch path from tensors alone (through the compiled CPU kernels for bfloat16 CPU tensors where they
-are built, as the `cpu` backend runs), the Triton backend's shrink_expand from tensors alone, and paged attention in
-float32. The worker never calls these: it runs its backend objects (kernels/backend.py, worker/layers/attention.py)."""
+are built, as the `cpu` backend runs), the Triton backend's shrink_expand from tensors alone, paged attention in
+float32, and the model's fused ops (RMSNorm with its residual add, rotary embedding, SiLU-and-multiply) as the torch
+ops compute them. The worker never calls these: it runs its backend objects (kernels/backend.py,
+worker/layers/attention.py, worker/layers/ops.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,11 @@ from loraplex.kernels.lora_expand import column_alignment, launch_expand
 from loraplex.kernels.lora_shrink import launch_shrink, shrink_output
 from loraplex.kernels.lora_torch import expand_planned, shrink_expand_compiled, shrink_planned
 from loraplex.kernels.paged_attention import check_decode_args, check_extend_args
+from loraplex.kernels.rms_norm import check_rms_norm_args
+from loraplex.kernels.rotary import check_rotary_args
 from loraplex.kernels.segment_tiles import plan_tiles
+from loraplex.kernels.silu_mul import check_silu_and_mul_args
+from loraplex.worker.layers.ops import TorchOps
 
 # ---- LoRA, torch path -----------------------------------------------------------------------------------------------
 
@@ -154,3 +160,32 @@ def paged_extend_attention_torch(out: torch.Tensor, q: torch.Tensor, k_cache: to
         positions = cached + torch.arange(q_len, device=q.device)
         out[start : start + q_len] = _attend_one(q[start : start + q_len], k_cache, v_cache, page_table[req].tolist(),
                                                  page_size, positions, scale).to(out.dtype)  # fmt: skip
+
+
+# ---- the model's fused ops: the torch ops the model runs without them (worker/layers/ops.py) -------------------------
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    check_rms_norm_args(x, weight)
+    return TorchOps().rms_norm(x, weight, eps)
+
+
+def add_rms_norm_torch(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_rms_norm_args(x, weight, residual)
+    return TorchOps().add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding_torch(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place, as the kernel: q and k hold the rotated values, and are returned."""
+    check_rotary_args(positions, q, k, cos, sin)
+    q_out, k_out = TorchOps().rotary_embedding(positions, q, k, cos, sin)
+    return q.copy_(q_out), k.copy_(k_out)
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    check_silu_and_mul_args(gate_up)
+    return TorchOps().silu_and_mul(gate_up)

@@ -8,7 +8,8 @@ variant is compiled once per target and recorded.
 
 Needs TRITON_INTERPRET unset or 0 when the kernels are imported (the interpreter wraps @triton.jit functions in
 something that cannot be compiled), so the tests run it in a child process: `python tests/triton_aot.py` prints the
-attention warm-up's variants and the variants of a sweep of real batches, as JSON.
+attention warm-up's variants and the variants of a sweep of real batches, as JSON; `python tests/triton_aot.py
+model-ops` the same for the model's fused ops (RMSNorm with its residual add, rotary embedding, SiLU-and-multiply).
 """
 
 from __future__ import annotations
@@ -152,11 +153,67 @@ def _attention_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, in
     }
 
 
+# ---- the model's fused ops: the warm-up's variants, and those of a sweep of real batches ---------------------------
+
+# (dtype, (hidden, intermediate, heads, kv_heads, head_dim) per rank): every dtype on Llama-3.2-1B's shape; bfloat16
+# on Llama-3-8B's, on its shard at TP=8 (one KV head), and on Qwen2-7B's (7 query heads per KV head); an MHA model with
+# head_dim 80 and a hidden size that is not a power of two.
+MODEL_OPS_CONFIGS = [
+    ("bfloat16", (2048, 8192, 32, 8, 64)),
+    ("float16", (2048, 8192, 32, 8, 64)),
+    ("float32", (2048, 8192, 32, 8, 64)),
+    ("bfloat16", (4096, 14336, 32, 8, 128)),
+    ("bfloat16", (4096, 1792, 4, 1, 128)),
+    ("bfloat16", (3584, 18944, 28, 4, 128)),
+    ("bfloat16", (2560, 6912, 32, 32, 80)),
+]
+MODEL_OPS_KERNELS = 4  # rms_norm, rms_norm with the residual add, rotary, silu_and_mul
+MODEL_OPS_TOKENS = (1, 2, 7, 16, 33, 128, 1000)
+
+
+def _model_ops_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, int, int, int, int]) -> dict:
+    import torch
+    from loraplex.worker.layers.ops import TritonOps
+
+    hidden_size, intermediate, heads, kv_heads, head_dim = shape
+    dtype = getattr(torch, dtype_name)
+    cpu = torch.device("cpu")
+    ops = TritonOps()
+    with compile_only(target) as log:
+        ops.warmup(hidden_size, intermediate, heads, kv_heads, head_dim, dtype, cpu)
+    warmup_keys = set(log.compiled)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    weight = torch.ones(hidden_size, dtype=dtype)
+    table = torch.zeros(4096, head_dim)  # the model's float32 tables, as long as the context
+    with compile_only(target) as sweep:
+        for num_tokens in MODEL_OPS_TOKENS:  # each op as the model calls it, on tensors laid out as the model's
+            hidden, residual = (torch.zeros(num_tokens, hidden_size, dtype=dtype) for _ in range(2))
+            ops.rms_norm(hidden, weight, 1e-5)
+            ops.add_rms_norm(hidden, residual, weight, 1e-5)
+            qkv = torch.zeros(num_tokens, q_size + 2 * kv_size, dtype=dtype)
+            q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            positions = torch.arange(num_tokens, dtype=torch.long)
+            ops.rotary_embedding(positions, q.view(num_tokens, heads, head_dim), k.view(num_tokens, kv_heads, head_dim),
+                                 table, table)  # fmt: skip
+            ops.silu_and_mul(torch.zeros(num_tokens, 2 * intermediate, dtype=dtype))
+    return {
+        "compiled": [vars(c) for c in log.compiled.values()],
+        "warmup_keys": sorted(warmup_keys),
+        "serving_keys": sorted(set(sweep.launches)),
+    }
+
+
 def main() -> None:
     results = []
     for arch in (90, 80):
+        target = GPUTarget("cuda", arch, 32)
+        if sys.argv[1:] == ["model-ops"]:
+            for dtype_name, shape in MODEL_OPS_CONFIGS:
+                found = _model_ops_variants(target, dtype_name, shape)
+                results.append({"arch": arch, "dtype": dtype_name, "shape": shape, **found})
+            continue
         for dtype_name, shape, page_size in ATTENTION_CONFIGS:
-            found = _attention_variants(GPUTarget("cuda", arch, 32), dtype_name, shape, page_size)
+            found = _attention_variants(target, dtype_name, shape, page_size)
             results.append({"arch": arch, "dtype": dtype_name, "shape": shape, "page_size": page_size, **found})
     json.dump(results, sys.stdout)
 

@@ -13,6 +13,7 @@ model/llama.py             Llama / Mistral / Qwen2 decoder, free of TP and LoRA
 layers/linear.py           Column-, MergedColumn- and RowParallelLinear with sharding weight loaders
 layers/attention.py        paged attention with torch SDPA
 layers/rotary.py, norm.py, embedding.py   RoPE (default, linear, llama3), RMSNorm, replicated embedding / LM head
+layers/ops.py              the model ops (RMSNorm + residual, rotary, SiLU-mul) chosen at start-up: Triton on CUDA
 lora/                      multi-LoRA: adapter loading and validation, the device slot pool, LoRALinear wrappers,
                            LoRAManager (host copies, slot loads, per-forward token segments); see lora/__init__.py
 """

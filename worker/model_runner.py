@@ -20,7 +20,7 @@ from loraplex.worker.grammar import GrammarMasks
 from loraplex.worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token
 from loraplex.worker.layers import packed
 from loraplex.worker.layers.attention import AttentionBackendError, BatchAttention, select_attention_backend
-from loraplex.worker.layers.ops import model_ops, select_model_ops
+from loraplex.worker.layers.ops import ModelOps, model_ops, select_model_ops
 from loraplex.worker.loader import load_weights
 from loraplex.worker.lora.manager import LoRAManager
 from loraplex.worker.model.config import ModelConfig, ModelConfigError
@@ -79,7 +79,9 @@ class ModelRunner:
             self.backend.cpu_kernels,
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
-        ops = select_model_ops(self.backend.cpu_kernels)  # the norms' and activation's, bound as the layers are built
+        # the norms', rotary's and activation's, bound as the layers are built
+        ops = select_model_ops(self.device, self.backend.cpu_kernels)
+        logger.info("model ops: %s", ops.name)
 
         with tensor_parallel(rank, world_size), model_ops(ops), self.device, _default_dtype(self.dtype):
             self.model = LlamaForCausalLM(self.model_config, max_positions=self.context_length)
@@ -122,6 +124,7 @@ class ModelRunner:
             device=self.device,
         )
         self._warmup_attention()
+        self._warmup_model_ops(ops)
         self.decode_graphs = self._decode_graphs()
         self.sampler = Sampler(config.seed, self.device)
         self.sampling_table = SamplingTable()  # every request's sampling parameters, sent on its first pass
@@ -176,6 +179,15 @@ class ModelRunner:
         )
         if launches:
             logger.info("%s attention kernels compiled: %d launches in %.1f s", self.attention.name, launches,
+                        time.perf_counter() - start)  # fmt: skip
+
+    def _warmup_model_ops(self, ops: ModelOps) -> None:
+        start = time.perf_counter()
+        mc, ranks = self.model_config, self.world_size
+        launches = ops.warmup(mc.hidden_size, mc.intermediate_size // ranks, mc.num_heads // ranks,
+                              mc.num_kv_heads // ranks, mc.head_dim, self.dtype, self.device)  # fmt: skip
+        if launches:
+            logger.info("%s model op kernels compiled: %d launches in %.1f s", ops.name, launches,
                         time.perf_counter() - start)  # fmt: skip
 
     def _pack_weights(self) -> None:

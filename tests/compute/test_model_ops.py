@@ -1,6 +1,6 @@
 """The model's kernels are chosen once, at start-up, and bound when each layer is built: a worker on the CPU kernels
 holds their ops in every norm and activation and the `cpu` attention backend; a torch-ops worker holds torch ops and
-SDPA; and the model code never asks which backend runs."""
+SDPA; and the model code never asks which backend runs. (The Triton ops, CUDA's: tests/test_fused_kernels.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from loraplex.kernels import cpu_ext
-from loraplex.worker.layers import activation, attention, norm
+from loraplex.worker.layers import activation, attention, norm, rotary
 from loraplex.worker.layers.activation import SiluAndMul
 from loraplex.worker.layers.attention import CPUAttention, SDPAAttention
 from loraplex.worker.layers.norm import RMSNorm
@@ -69,7 +69,7 @@ def test_layers_read_the_ops_once_when_built() -> None:
 
 
 def test_model_code_never_asks_which_backend_runs() -> None:
-    for module in (llama, norm, activation):
+    for module in (llama, norm, activation, rotary):
         source = inspect.getsource(module)
         for word in BACKEND_WORDS:
             assert word not in source, (module.__name__, word)

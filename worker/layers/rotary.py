@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from loraplex.worker.layers.ops import current_ops
 from loraplex.worker.model.config import RopeConfig
 from torch import nn
 
@@ -34,11 +35,6 @@ def _llama3_frequencies(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
         super().__init__()
@@ -49,17 +45,8 @@ class RotaryEmbedding(nn.Module):
         # fp32 tables, cast to the activations' dtype at use, matching the reference's rounding.
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
-
-        # Every layer of a forward shares one positions tensor: their cos/sin rows, looked up once per forward.
-        self._rows: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        self.ops = current_ops()  # bound at construction: the worker's choice, made once at start-up
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self._rows
-        if rows is None or rows[0] is not positions or rows[1] != q.dtype:
-            cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # (tokens, 1, head_dim)
-            sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-            self._rows = rows = (positions, q.dtype, cos, sin)
-        cos, sin = rows[2], rows[3]
-        q = q * cos + _rotate_half(q) * sin  # (tokens, heads, head_dim)
-        k = k * cos + _rotate_half(k) * sin  # (tokens, kv_heads, head_dim)
-        return q, k
+        # q (tokens, heads, head_dim), k (tokens, kv_heads, head_dim): rotated, possibly in place
+        return self.ops.rotary_embedding(positions, q, k, self.cos, self.sin)

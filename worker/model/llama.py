@@ -69,11 +69,19 @@ class LlamaDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         kv: tuple[torch.Tensor, torch.Tensor],
         attention: BatchAttention,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv, attention)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))  # (tokens, hidden)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried beside each block's output and added by the next norm (one fused op):
+        returns (this layer's MLP output, the stream before it); the stream after it is their sum."""
+        if residual is None:  # the first layer: the stream is the embeddings
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv, attention)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual  # (tokens, hidden) each
 
 
 class LlamaModel(nn.Module):
@@ -87,10 +95,12 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, attention: BatchAttention
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # (tokens, hidden)
+        hidden, residual = self.embed_tokens(input_ids), None  # (tokens, hidden)
         for layer_id, layer in enumerate(self.layers):
-            hidden = layer(positions, hidden, kv_cache.layer(layer_id), attention)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, kv_cache.layer(layer_id), attention)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
