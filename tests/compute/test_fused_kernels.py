@@ -181,8 +181,8 @@ def test_every_variant_compiles_for_sm90_and_sm80() -> None:
     # In a child without the interpreter: the start-up warm-up's launches (TritonOps.warmup) for each model shape and
     # dtype compiled through ptxas for each target, and a sweep of real batches meets no variant the warm-up did not.
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_aot.py")), "model-ops"], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])  # fmt: skip
+    proc = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "triton_aot.py"), "model-ops"], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout)
     assert len(results) == 2 * len(triton_aot.MODEL_OPS_CONFIGS)
