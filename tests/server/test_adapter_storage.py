@@ -139,7 +139,7 @@ def storage(llama_dir, adapter_dirs, tmp_path_factory):
         cache = tmp / "cache"
         with ServerProcess("--model-path", str(llama_dir), *LORA_FLAGS, "--lora-path-root", str(root),
                            "--lora-cache-dir", str(cache), "--lora-resolver-dir", "s3://bucket/resolver",
-                           env=env) as server:
+                           "--max-loaded-loras", "2", env=env) as server:
             yield server, hub, root / "a16", cache
     finally:
         hub.shutdown()
@@ -180,6 +180,11 @@ def test_hub_and_s3_loads_through_both_apis_and_the_resolver_equal_a_directory_l
     rows = {row["lora_name"]: row for row in server.get("/lora_adapters").json()["adapters"]}
     assert rows["hub"]["lora_path"] == "org/a16" and rows["a16"]["lora_path"] == "s3://bucket/resolver/a16"
     assert len(os.listdir(cache / "hf")) == 1 and len(os.listdir(cache / "s3")) == 2
+
+    # --max-loaded-loras 2 dropped most host copies: each comes back from its path, through the cache
+    for name, _, _ in loads:
+        assert _outputs(server, name) == expected, name
+    assert hub.downloads["org/a16"] == len(_files(local_dir))
 
 
 def test_wrong_revision_missing_repo_or_bucket_is_a_clear_4xx(storage):
