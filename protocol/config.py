@@ -111,7 +111,10 @@ _HELP: dict[str, str] = {
     "agrees on, hosted by node 0 (default: a free local port)",
     "lora_load_timeout": "seconds an adapter operation waits for every rank before it fails and is rolled back",
     "lora_state_file": "adapter registry file, rewritten after every change and restored at start",
-    "lora_resolver_dir": "an unknown adapter X named by a request is loaded from DIR/X on first use",
+    "lora_resolver_dir": "an unknown adapter X named by a request is loaded from DIR/X on first use (DIR may also "
+    "be s3://bucket/prefix or hf://org)",
+    "lora_cache_dir": "where Hub and S3 adapters are downloaded (default: ~/.cache/loraplex/adapters)",
+    "lora_cache_max_gb": "size cap of --lora-cache-dir in GB; past it the least recently used adapters are deleted",
     "disable_lora_updates": "serve the start-up adapters only: every load/unload after start is refused (403)",
     "shutdown_timeout": "seconds in-flight requests may run after SIGTERM before they are aborted",
     "dist_timeout": "seconds before a collective times out once serving (a backstop)",
@@ -130,8 +133,8 @@ _TOPICS: dict[str, str] = {
     "model and devices": "model_path served_model_name device dtype tp dp_size context_length seed",
     "HTTP server and access": "host port api_key admin_api_key rpc_addr shutdown_timeout log_level",
     "LoRA adapters": "enable_lora lora_paths lora_modules max_loras_per_batch max_loaded_loras max_lora_rank "
-    "lora_target_modules lora_backend lora_path_root lora_resolver_dir lora_state_file disable_lora_updates "
-    "lora_drain_timeout lora_load_timeout",
+    "lora_target_modules lora_backend lora_path_root lora_resolver_dir lora_cache_dir lora_cache_max_gb "
+    "lora_state_file disable_lora_updates lora_drain_timeout lora_load_timeout",
     "scheduling and KV cache": "max_running_requests max_total_tokens max_prefill_tokens chunked_prefill_size "
     "page_size disable_radix_cache no_enable_prefix_caching gpu_memory_utilization",
     "attention and CUDA graphs": "attention_backend enable_cuda_graph disable_cuda_graph cuda_graph_max_bs",
@@ -193,6 +196,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     lora_load_timeout: float = 60.0
     lora_state_file: str | None = None
     lora_resolver_dir: str | None = None
+    lora_cache_dir: str | None = None
+    lora_cache_max_gb: float = 20.0
     disable_lora_updates: bool = False
     shutdown_timeout: float = 20.0
     dist_timeout: float = 30.0
@@ -221,7 +226,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        for name in ("lora_drain_timeout", "lora_load_timeout", "dist_timeout"):
+        for name in ("lora_drain_timeout", "lora_load_timeout", "dist_timeout", "lora_cache_max_gb"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:

@@ -40,7 +40,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, os.path.join(REPO_ROOT, "scripts", "launch_server.py"), "--port", str(self.port),
                "--device", "cpu", *args]
-        full_env = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
+        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}  # env may turn the Hub back on
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"loraplex-test-{self.port}.log")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 from loraplex.frontend.adapters.files import cut_per_rank, read_adapter_dir
 from loraplex.frontend.adapters.registry import AdapterEntry, AdapterError, AdapterRegistry
+from loraplex.frontend.adapters.sources import SourceError, cache_for, parse_remote, resolver_source
 from loraplex.frontend.adapters.state_file import AdapterStateFile
 from loraplex.frontend.cluster.replica_set import ReplicaSet, merge_replica_answers
 from loraplex.frontend.metrics import Metrics
@@ -60,6 +61,8 @@ class AdapterManager:
         self.metrics = metrics
         self.replicas = replicas
         self.state_file = state_file
+        self.cache = cache_for(config.lora_cache_dir, config.lora_cache_max_gb)  # Hub and S3 adapters land here
+        registry.allow_cache(self.cache.root)
         self.updates_open = True  # closed after start-up under --disable-lora-updates
         self._retiring: set[asyncio.Task] = set()
 
@@ -67,8 +70,8 @@ class AdapterManager:
 
     async def load(self, specs: list[LoRAAdapterSpec], load_inplace: bool = False,
                    parents: dict[str, str] | None = None) -> LoadLoRAAdapterReqOutput:
-        """Adapters from directories. `parents`: name -> the card's parent in /v1/models (--lora-modules'
-        base_model_name; default the served base name)."""
+        """Adapters from directories, Hub repos or S3 prefixes. `parents`: name -> the card's parent in /v1/models
+        (--lora-modules' base_model_name; default the served base name)."""
         return await self._load(specs, [None] * len(specs), [], load_inplace, parents or {})
 
     async def load_from_tensors(self, request: LoadLoRAAdapterFromTensorsReqInput,
@@ -88,8 +91,11 @@ class AdapterManager:
         if not self.config.lora_enabled:
             results = [_failed(s.lora_name, "LoRA is not enabled (start with --enable-lora)", "invalid") for s in specs]
             return _merge(LoadLoRAAdapterReqOutput, results, {})
+        # Downloads happen before the update lock, so other operations go on meanwhile.
+        local_specs = [spec if content is not None else await self._localize_spec(spec)
+                       for spec, content in zip(specs, inline, strict=True)]
         async with self.registry.update_lock:
-            planned = self.registry.plan_load(specs, replace=load_inplace, inline=inline)
+            planned = self._plan(local_specs, inline, load_inplace)
             to_load = [p for p in planned if isinstance(p, AdapterToLoad)]
             sent = await self._send_load(to_load, "load", buffers if to_load else [])
             outcomes = dict(zip([a.lora_id for a in to_load], sent, strict=True))
@@ -109,6 +115,30 @@ class AdapterManager:
             self._save_state()
             self._count_loaded()
         return _merge(LoadLoRAAdapterReqOutput, results, self.registry.loaded_adapters())
+
+    def _plan(self, specs: list[LoRAAdapterSpec | AdapterError], inline: list[InlineAdapter | None],
+              load_inplace: bool) -> list[AdapterToLoad | AdapterError]:
+        """registry.plan_load over the specs whose files are here; the others keep their download's error."""
+        ok = [i for i, spec in enumerate(specs) if not isinstance(spec, AdapterError)]
+        planned = iter(self.registry.plan_load([specs[i] for i in ok], replace=load_inplace,
+                                               inline=[inline[i] for i in ok]))
+        return [next(planned) if i in ok else spec for i, spec in enumerate(specs)]
+
+    async def _localize_spec(self, spec: LoRAAdapterSpec) -> LoRAAdapterSpec | AdapterError:
+        if not isinstance(spec.lora_path, str):
+            return spec  # plan_load words the refusal
+        try:
+            return msgspec.structs.replace(spec, lora_path=await self._localize(spec.lora_path))
+        except SourceError as e:
+            return AdapterError(f"adapter {spec.lora_name!r}: {e}", e.kind)
+
+    async def _localize(self, path: str) -> str:
+        """A Hub or S3 path's local directory in the cache (downloaded off the event loop unless it is there); a
+        local path as it is. SourceError says why not."""
+        source = parse_remote(path)
+        if source is None:
+            return path
+        return await asyncio.get_running_loop().run_in_executor(None, self.cache.fetch, source)
 
     async def unload(self, names: list[str]) -> UnloadLoRAAdapterReqOutput:
         self._check_updates_open()
@@ -289,13 +319,21 @@ class AdapterManager:
 
     async def _resolve(self, name: str, keep: set[str]) -> None:
         """--lora-resolver-dir: load DIR/name as adapter `name`, evicting none of `keep` (caller holds the update
-        lock)."""
+        lock). A remote DIR (s3://bucket/prefix, hf://org) is fetched into the cache, which is then its root."""
         if not name or "/" in name or name.startswith(".") or "\\" in name:
             raise AdapterError(f"adapter {name!r}: not a name the resolver can look up", "invalid")
-        resolver_dir = os.path.realpath(self.config.lora_resolver_dir)
-        path = os.path.join(resolver_dir, name)
-        if not os.path.isdir(path):
-            raise AdapterError(f"adapter {name!r} is not loaded and not in --lora-resolver-dir", "not_found")
+        remote = resolver_source(self.config.lora_resolver_dir, name)
+        if remote is None:
+            resolver_dir = os.path.realpath(self.config.lora_resolver_dir)
+            client_path = path = os.path.join(resolver_dir, name)
+            if not os.path.isdir(path):
+                raise AdapterError(f"adapter {name!r} is not loaded and not in --lora-resolver-dir", "not_found")
+        else:
+            resolver_dir, client_path = None, remote
+            try:
+                path = await self._localize(remote)
+            except SourceError as e:
+                raise AdapterError(f"adapter {name!r} is not loaded, and --lora-resolver-dir: {e}", e.kind) from e
         spec = LoRAAdapterSpec(lora_name=name, lora_path=path)
         planned = self.registry.plan_load([spec], replace=False, root=resolver_dir)[0]
         if isinstance(planned, AdapterError):
@@ -304,7 +342,7 @@ class AdapterManager:
         if not outcome.success:
             kind = outcome.error_kind if outcome.error_kind in ("timeout", "unavailable") else "invalid"
             raise AdapterError(f"adapter {name!r} from --lora-resolver-dir: {outcome.error_message}", kind)
-        self._commit(planned, path, outcome)
+        self._commit(planned, client_path, outcome)
         await self._evict_over_limit(keep)
         self._save_state()
         self._count_loaded()
@@ -313,7 +351,11 @@ class AdapterManager:
         """Bring an evicted host copy back from its path (checked against the root again) under a fresh id, evicting
         none of `keep`."""
         resolver_root = entry.root if entry.root != self.registry.path_root else None
-        path = self.registry.check_path(entry.name, entry.path, resolver_root)
+        try:
+            local_path = await self._localize(entry.path)  # a Hub or S3 adapter: the cache, fetched again if gone
+        except SourceError as e:
+            raise AdapterError(f"adapter {entry.name!r} could not be reloaded: {e}", e.kind) from e
+        path = self.registry.check_path(entry.name, local_path, resolver_root)
         adapter = AdapterToLoad(lora_id=self.registry.mint_id(), lora_name=entry.name, lora_path=path,
                                 pinned=entry.pinned, root=entry.root)
         outcome = (await self._send_load([adapter], "reload"))[0]

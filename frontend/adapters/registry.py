@@ -52,6 +52,7 @@ class AdapterRegistry:
     def __init__(self, path_root: str | None = None, max_pinned: int = 7):
         self.path_root = os.path.realpath(path_root) if path_root else None
         self.max_pinned = max_pinned  # --max-loras-per-batch - 1: one slot always rotates
+        self.cache_root: str | None = None  # --lora-cache-dir: allowed beside --lora-path-root (set by allow_cache)
         self.update_lock = asyncio.Lock()  # serializes load/unload
         self._ids = itertools.count()
         self._current: dict[str, int] = {}  # name -> live id
@@ -139,17 +140,27 @@ class AdapterRegistry:
             num_pinned += pinned - bool(old and old.pinned)
             lora_id = self.mint_id()
             replaces = old.lora_id if old is not None else None
-            adapter_root = None if content is not None else root or self.path_root
+            adapter_root = None if content is not None else root or self.root_for(path)
             planned.append(AdapterToLoad(lora_id=lora_id, lora_name=name, lora_path=path, pinned=pinned,
                                          replaces=replaces, root=adapter_root, inline=content))
         return planned
+
+    def allow_cache(self, cache_root: str) -> None:
+        """Adapters downloaded into the cache are read from there, whatever --lora-path-root says."""
+        self.cache_root = os.path.realpath(cache_root)
+
+    def root_for(self, resolved_path: str) -> str | None:
+        """The root every file of the adapter at `resolved_path` must lie inside: the cache for a downloaded one."""
+        if self.cache_root is not None and _is_inside(resolved_path, self.cache_root):
+            return self.cache_root
+        return self.path_root
 
     def check_path(self, name: str, path: object, root: str | None = None) -> str:
         if not isinstance(path, str) or not path or "\x00" in path:
             raise AdapterError(f"adapter {name!r}: lora_path must be a non-empty string without NUL bytes", "invalid")
         resolved = os.path.realpath(path)
-        for allowed, flag in ((self.path_root, "--lora-path-root"), (root, "--lora-resolver-dir")):
-            if allowed is not None and os.path.commonpath([resolved, allowed]) != allowed:
+        for allowed, flag in ((self.root_for(resolved), "--lora-path-root"), (root, "--lora-resolver-dir")):
+            if allowed is not None and not _is_inside(resolved, allowed):
                 raise AdapterError(f"adapter {name!r}: path {path!r} is outside the allowed root {flag}", "forbidden")
         if not os.path.exists(resolved):
             raise AdapterError(f"adapter {name!r}: path {path!r} does not exist", "not_found")
@@ -253,3 +264,7 @@ class AdapterRegistry:
                 "in_host_memory": e.resident,
             })
         return rows
+
+
+def _is_inside(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root

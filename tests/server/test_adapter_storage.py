@@ -1,0 +1,216 @@
+"""Adapters from storage end to end: Hub repo ids (against a local stand-in for the Hub's file endpoints) and s3://
+prefixes (against moto's S3 server), loaded through both APIs and the resolver, equal a directory load; a second
+load reads the cache; a cut download leaves nothing behind; a wrong revision or a missing bucket is a 4xx."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import threading
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from tests.server.test_adapter_control import LORA_FLAGS, gen, load
+from tests.server_utils import ServerProcess, free_port
+
+COMMIT = "1" * 40
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+class HubStandIn(ThreadingHTTPServer):
+    """The Hub's model-info, tree and file endpoints as huggingface_hub calls them, for repos of one commit on
+    `main`. Counts file downloads per repo; a repo in `cut` gets half of each file, then the connection closes."""
+
+    daemon_threads = True
+
+    def __init__(self, repos: dict[str, dict[str, bytes]]):
+        super().__init__(("127.0.0.1", 0), _HubHandler)
+        self.repos = repos
+        self.downloads: Counter[str] = Counter()
+        self.cut: set[str] = set()
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _HubHandler(BaseHTTPRequestHandler):
+    server: HubStandIn
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self._answer(body=False)
+
+    def do_GET(self) -> None:
+        self._answer(body=True)
+
+    def _answer(self, body: bool) -> None:
+        path = self.path.split("?")[0]
+        api = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/(revision|tree)/([^/]+))?", path)
+        resolve = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+        match = api or resolve
+        repo = match.group(1) if match else ""
+        revision = (api.group(3) if api else resolve.group(2)) if match else None
+        files = self.server.repos.get(repo)
+        if files is None:
+            return self._error(404, "RepoNotFound")
+        if revision not in (None, "main", COMMIT):
+            return self._error(404, "RevisionNotFound")
+        if api and api.group(2) == "tree":
+            return self._json([{"type": "file", "path": name, "size": len(data), "oid": _oid(data)}
+                               for name, data in files.items()])
+        if api:
+            return self._json({"id": repo, "modelId": repo, "sha": COMMIT,
+                               "siblings": [{"rfilename": name} for name in files]})
+        data = files.get(resolve.group(3))
+        if data is None:
+            return self._error(404, "EntryNotFound")
+        start = int(re.match(r"bytes=(\d+)-", self.headers.get("Range", "bytes=0-")).group(1))
+        self.send_response(206 if start else 200)
+        self.send_header("ETag", f'"{_oid(data)}"')
+        self.send_header("X-Repo-Commit", COMMIT)
+        self.send_header("Content-Length", str(len(data) - start))
+        self.end_headers()
+        if not body:
+            return
+        self.server.downloads[repo] += 1
+        if repo in self.server.cut:  # half the file (nothing on a resumed try), then the connection drops
+            self.wfile.write(data[start:][: (len(data) // 2) if not start else 0])
+            self.close_connection = True
+            return
+        self.wfile.write(data[start:])
+
+    def _json(self, payload: object) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("X-Repo-Commit", COMMIT)
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(data)
+
+    def _error(self, status: int, code: str) -> None:
+        data = json.dumps({"error": code}).encode()
+        self.send_response(status)
+        self.send_header("X-Error-Code", code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(data)
+
+
+def _oid(data: bytes) -> str:
+    return hashlib.sha1(data).hexdigest()
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in path.iterdir() if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def storage(llama_dir, adapter_dirs, tmp_path_factory):
+    from moto.server import ThreadedMotoServer
+
+    tmp = tmp_path_factory.mktemp("storage")
+    adapter = adapter_dirs["a16"]
+    root = tmp / "root"  # --lora-path-root: the directory load lives here, the cache elsewhere
+    shutil.copytree(adapter, root / "a16")
+    hub = HubStandIn({"org/a16": _files(adapter), "org/cut": _files(adapter)})
+    threading.Thread(target=hub.serve_forever, daemon=True).start()
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port())
+    moto.start()
+    s3_url = f"http://127.0.0.1:{moto._port}"
+    try:
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=s3_url, **_boto_kwargs())
+        s3.create_bucket(Bucket="bucket")
+        for prefix in ("adapters/a16", "resolver/a16"):
+            for name, data in _files(adapter).items():
+                s3.put_object(Bucket="bucket", Key=f"{prefix}/{name}", Body=data)
+        env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+               "HF_HOME": str(tmp / "hf-home"), "AWS_ENDPOINT_URL": s3_url, **AWS_ENV}
+        cache = tmp / "cache"
+        with ServerProcess("--model-path", str(llama_dir), *LORA_FLAGS, "--lora-path-root", str(root),
+                           "--lora-cache-dir", str(cache), "--lora-resolver-dir", "s3://bucket/resolver",
+                           "--max-loaded-loras", "2", env=env) as server:
+            yield server, hub, root / "a16", cache
+    finally:
+        hub.shutdown()
+        moto.stop()
+
+
+def _boto_kwargs() -> dict[str, str]:
+    return {"aws_access_key_id": AWS_ENV["AWS_ACCESS_KEY_ID"],
+            "aws_secret_access_key": AWS_ENV["AWS_SECRET_ACCESS_KEY"], "region_name": AWS_ENV["AWS_DEFAULT_REGION"]}
+
+
+def _outputs(server, name):
+    resp = gen(server, name)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["output_ids"]
+
+
+def test_hub_and_s3_loads_through_both_apis_and_the_resolver_equal_a_directory_load(storage):
+    server, hub, local_dir, cache = storage
+    assert load(server, "dir", local_dir).status_code == 200
+    expected = _outputs(server, "dir")
+    assert expected != _outputs(server, None)  # the adapter changes the output, so equality below means something
+
+    loads = [("hub", "org/a16", ""), ("hub_v1", "hf://org/a16@main", "/v1"), ("hub_commit", f"org/a16@{COMMIT}", ""),
+             ("s3", "s3://bucket/adapters/a16", ""), ("s3_v1", "s3://bucket/adapters/a16/", "/v1")]
+    for name, path, prefix in loads:
+        resp = load(server, name, path, path_prefix=prefix)
+        assert resp.status_code == 200, resp.text
+        assert _outputs(server, name) == expected, name
+    # the resolver's first use of an unknown name: s3://bucket/resolver/a16
+    assert _outputs(server, "a16") == expected
+    resp = server.post("/v1/completions", {"model": "a16", "prompt": "Hi", "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+
+    # Each file came once from the Hub; later loads of that commit, and the second S3 load, read the cache.
+    assert hub.downloads["org/a16"] == len(_files(local_dir))
+    assert server.log().count("adapter cache hit: s3://bucket/adapters/a16") == 1
+    rows = {row["lora_name"]: row for row in server.get("/lora_adapters").json()["adapters"]}
+    assert rows["hub"]["lora_path"] == "org/a16" and rows["a16"]["lora_path"] == "s3://bucket/resolver/a16"
+    assert len(os.listdir(cache / "hf")) == 1 and len(os.listdir(cache / "s3")) == 2
+
+    # --max-loaded-loras 2 dropped most host copies: each comes back from its path, through the cache
+    for name, _, _ in loads:
+        assert _outputs(server, name) == expected, name
+    assert hub.downloads["org/a16"] == len(_files(local_dir))
+
+
+def test_wrong_revision_missing_repo_or_bucket_is_a_clear_4xx(storage):
+    server = storage[0]
+    cases = [("org/a16@v9", "no revision 'v9'"), ("org/missing", "not found"),
+             ("s3://no-such-bucket/x", "NoSuchBucket"), ("s3://bucket/nothing-here", "no adapter_config.json")]
+    for path, words in cases:
+        for prefix, status in (("", 400), ("/v1", 404)):
+            resp = load(server, "bad", path, path_prefix=prefix)
+            assert resp.status_code == status, (path, resp.text)
+            assert words in resp.text and "'bad'" in resp.text, resp.text
+    assert gen(server, "unknown").status_code == 400  # not under the resolver's prefix: the unknown-model answer
+    assert server.post("/v1/completions", {"model": "unknown", "prompt": "Hi"}).status_code == 404
+
+
+def test_a_cut_download_leaves_nothing_usable_and_a_retry_succeeds(storage):
+    server, hub, local_dir, cache = storage
+    expected = _outputs(server, "dir")
+    hub.cut.add("org/cut")
+    resp = load(server, "cut", "org/cut")
+    assert resp.status_code == 503 and "download failed" in resp.text, resp.text
+    assert not [name for name in os.listdir(cache / "hf") if name.startswith("org--cut")]
+    assert os.listdir(cache / ".tmp") == []
+    assert "cut" not in server.get("/lora_adapters").text
+
+    hub.cut.clear()
+    resp = load(server, "cut", "org/cut")
+    assert resp.status_code == 200, resp.text
+    assert _outputs(server, "cut") == expected
