@@ -361,7 +361,7 @@ def _field_type(field: msgspec.structs.FieldInfo) -> tuple[str, Any]:
     return "scalar", {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float}.get(type(info), str)
 
 
-FOREIGN_TOPIC = "vLLM and SGLang flags with no setting here (accepted with a log line, or refused)"
+FOREIGN_TOPIC = "vLLM and SGLang flags with no setting here, accepted with a log line or refused"
 
 
 def build_arg_parser(prog: str = "loraplex", *, model_positional: bool = False) -> argparse.ArgumentParser:

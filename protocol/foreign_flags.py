@@ -103,7 +103,8 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
           why="requests run first come, first served; priority scheduling is " + _LATER),
     _only("--schedule-policy", family=S, ok=("fcfs",), note="requests run first come, first served",
           why="requests run first come, first served (fcfs); no other policy is supported"),
-    _accept("--disable-overlap-schedule", family=S, note="scheduling overlaps the forward pass; this changes nothing"),
+    _accept("--disable-overlap-schedule", family=S, note="the next batch is always scheduled while the last one "
+            "runs; overlap cannot be turned off"),
     _refuse("--enable-torch-compile", family=S, why="torch.compile is not used: decode runs eagerly or from CUDA "
             "graphs (--enable-cuda-graph)", value=False),
     _accept("--skip-server-warmup", family=S, note="loraplex sends no warm-up request"),
