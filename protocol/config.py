@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import msgspec
 from loraplex.protocol.foreign_flags import FOREIGN_BY_DEST, FOREIGN_FLAGS
@@ -364,13 +364,20 @@ def _field_type(field: msgspec.structs.FieldInfo) -> tuple[str, Any]:
 FOREIGN_TOPIC = "vLLM and SGLang flags with no setting here, accepted with a log line or refused"
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line naming the flag (the full usage is a screen long: --help shows it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_arg_parser(prog: str = "loraplex", *, model_positional: bool = False) -> argparse.ArgumentParser:
     """One flag per field, plus vLLM's and SGLang's spellings of some (ALIASES) and their flags we have no setting for
     (protocol/foreign_flags.py). A flag not given is absent from the parsed namespace (SUPPRESS), so the struct's
     defaults apply and a setting given in both spellings can be told apart. No abbreviations: `--model` is a flag of
     its own, and a prefix of a flag is an error, as in vLLM. With model_positional (`loraplex serve MODEL`), MODEL
     is the first positional argument."""
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog=prog,
         description="loraplex: many LoRA adapters on one base model",
         argument_default=argparse.SUPPRESS,

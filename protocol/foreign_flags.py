@@ -93,7 +93,8 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     _refuse("--enable-expert-parallel", family=V, why="expert parallelism is not supported", value=False),
     # -- scheduling and CUDA graphs
     _accept("--enable-prefix-caching", family=V, note="the prefix cache is on by default "
-            "(--no-enable-prefix-caching turns it off)"),
+            "(--no-enable-prefix-caching turns it off)", sets={"disable_radix_cache": False,
+                                                               "no_enable_prefix_caching": False}),
     _accept("--enable-chunked-prefill", family=V, note="chunked prefill is on by default (--chunked-prefill-size)"),
     _accept("--no-enable-chunked-prefill", family=V, note="whole prompts per step, as --chunked-prefill-size -1",
             sets={"chunked_prefill_size": -1}),

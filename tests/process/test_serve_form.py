@@ -29,10 +29,23 @@ def test_vllm_command_line_serves_an_adapter(llama_dir: Path, adapter_dirs: dict
     assert "--disable-log-requests: loraplex never logs requests" in log
 
 
-def test_flag_for_a_missing_feature_exits_with_one_line(llama_dir: Path) -> None:
-    argv = ["serve", str(llama_dir), "--enable-lora", "--quantization", "awq"]
+def _start_error(*argv: str) -> str:
+    """The one stderr line of a launch that exits at start (code 2)."""
     proc = subprocess.run([sys.executable, "-m", "scripts.launch_server", *argv], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines == ["loraplex: error: --quantization awq: quantized models are not supported yet"], proc.stderr
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_flag_for_a_missing_feature_exits_with_one_line(llama_dir: Path) -> None:
+    line = _start_error("serve", str(llama_dir), "--enable-lora", "--quantization", "awq")
+    assert line == "loraplex: error: --quantization awq: quantized models are not supported yet"
+
+
+def test_unknown_or_abbreviated_flag_exits_with_one_line(llama_dir: Path) -> None:
+    line = _start_error("serve", str(llama_dir), "--disable-sliding-window")  # a vLLM flag we do not list
+    assert line == "loraplex serve: error: unrecognized arguments: --disable-sliding-window (see --help)"
+    line = _start_error("--model-path", str(llama_dir), "--max-lora", "8")
+    assert line == "loraplex: error: unrecognized arguments: --max-lora 8 (see --help)"
