@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Literal
+import sys
+from typing import Any, Literal, NoReturn
 
 import msgspec
+from loraplex.protocol.foreign_flags import FOREIGN_BY_DEST, FOREIGN_FLAGS
 from loraplex.protocol.lora_targets import TARGET_MODULES
 
 
@@ -147,14 +149,29 @@ def field_topic(name: str) -> str:
     return next((topic for topic, names in _TOPICS.items() if name in names.split()), OTHER_TOPIC)
 
 
-# vLLM's spellings of our flags, with vLLM's meaning: alias -> field. Giving both spellings is an error.
+# vLLM's and SGLang's spellings of our flags, with their meaning there: alias -> field. Giving both spellings is an
+# error. docs/API.md's flag tables say where a meaning differs in detail.
 ALIASES: dict[str, str] = {
-    "tensor_parallel_size": "tp",
-    "data_parallel_size": "dp_size",
-    "max_model_len": "context_length",
-    "max_loras": "max_loras_per_batch",
-    "max_cpu_loras": "max_loaded_loras",
-    "max_num_seqs": "max_running_requests",
+    "model": "model_path",  # vLLM
+    "tensor_parallel_size": "tp",  # vLLM and SGLang
+    "tp_size": "tp",  # SGLang
+    "data_parallel_size": "dp_size",  # vLLM and SGLang
+    "max_model_len": "context_length",  # vLLM
+    "max_loras": "max_loras_per_batch",  # vLLM
+    "max_cpu_loras": "max_loaded_loras",  # vLLM
+    "max_num_seqs": "max_running_requests",  # vLLM
+    "max_num_batched_tokens": "chunked_prefill_size",  # vLLM (it counts decode tokens too; we count prompt tokens)
+    "enforce_eager": "disable_cuda_graph",  # vLLM
+    "mem_fraction_static": "gpu_memory_utilization",  # SGLang: weights and KV cache, as ours
+    "block_size": "page_size",  # vLLM: tokens per KV cache block
+    "random_seed": "seed",  # SGLang
+}
+_SHORT: dict[str, str] = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}  # vLLM's short forms
+# Their names for our choices: field -> {their value: ours}.
+VALUE_ALIASES: dict[str, dict[str, str]] = {
+    "dtype": {"half": "float16", "float": "float32"},  # vLLM and SGLang
+    "lora_backend": {"csgmv": "triton", "torch_native": "torch"},  # SGLang's CUDA kernels and torch ops
+    "attention_backend": {"torch_native": "torch"},  # SGLang
 }
 DEFAULT_LORA_RANK = 16  # --enable-lora with nothing to infer the pool from (vLLM's default; all seven modules)
 
@@ -319,6 +336,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             if name in kwargs:
                 raise ConfigError(f"--{_flag(alias)} and --{_flag(name)} are the same setting: give only one")
             kwargs[name] = kwargs.pop(alias)
+        for name, values in VALUE_ALIASES.items():
+            if kwargs.get(name) in values:
+                kwargs[name] = values[kwargs[name]]
         unknown = set(kwargs) - set(cls.__struct_fields__)
         if unknown:
             raise ConfigError(f"unknown option(s): {', '.join(sorted(unknown))}")
@@ -346,15 +366,33 @@ def _field_type(field: msgspec.structs.FieldInfo) -> tuple[str, Any]:
     return "scalar", {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float}.get(type(info), str)
 
 
-def build_arg_parser(prog: str = "loraplex") -> argparse.ArgumentParser:
-    """One flag per field, plus vLLM's spelling of some (ALIASES). A flag not given is absent from the parsed
-    namespace (SUPPRESS), so the struct's defaults apply and a setting given in both spellings can be told apart."""
-    parser = argparse.ArgumentParser(
-        prog=prog, description="loraplex: many LoRA adapters on one base model", argument_default=argparse.SUPPRESS
+FOREIGN_TOPIC = "vLLM and SGLang flags with no setting here, accepted with a log line or refused"
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line naming the flag (the full usage is a screen long: --help shows it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_arg_parser(prog: str = "loraplex", *, model_positional: bool = False) -> argparse.ArgumentParser:
+    """One flag per field, plus vLLM's and SGLang's spellings of some (ALIASES) and their flags we have no setting for
+    (protocol/foreign_flags.py). A flag not given is absent from the parsed namespace (SUPPRESS), so the struct's
+    defaults apply and a setting given in both spellings can be told apart. No abbreviations: `--model` is a flag of
+    its own, and a prefix of a flag is an error, as in vLLM. With model_positional (`loraplex serve MODEL`), MODEL
+    is the first positional argument."""
+    parser = _OneLineParser(
+        prog=prog,
+        description="loraplex: many LoRA adapters on one base model",
+        argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
     )
+    if model_positional:
+        parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="the same as --model-path MODEL")
     groups = {topic: parser.add_argument_group(topic) for topic in (*_TOPICS, OTHER_TOPIC)}
     fields = {field.name: field for field in msgspec.structs.fields(ServerConfig)}
-    # Topic by topic, in the order _TOPICS lists them, each vLLM spelling right after ours.
+    # Topic by topic, in the order _TOPICS lists them, each other spelling right after ours.
     ordered = [name for names in _TOPICS.values() for name in names.split() if name in fields]
     ordered += [name for name in fields if name not in ordered]
     entries = [(dest, name) for name in ordered for dest in (name, *sorted(a for a, n in ALIASES.items() if n == name))]
@@ -362,18 +400,55 @@ def build_arg_parser(prog: str = "loraplex") -> argparse.ArgumentParser:
         field = fields[name]
         group = groups[field_topic(name)]
         kind, elem = _field_type(field)
-        help_text = _HELP.get(name, "") if dest == name else f"vLLM's spelling of --{_flag(name)}"
+        help_text = _HELP.get(name, "") if dest == name else f"the same as --{_flag(name)} (vLLM's or SGLang's name)"
+        option_strings = ["--" + _flag(dest), *([_SHORT[dest]] if dest in _SHORT else [])]
         default = field.default
         if kind == "bool":
-            group.add_argument("--" + _flag(dest), action="store_true", help=help_text)
+            group.add_argument(*option_strings, dest=dest, action="store_true", help=help_text)
         elif kind == "list":
-            group.add_argument("--" + _flag(dest), nargs="+", help=help_text)
+            group.add_argument(*option_strings, dest=dest, nargs="+", help=help_text)
         elif kind == "choice":
-            group.add_argument("--" + _flag(dest), choices=elem, help=f"{help_text} (default: {default})")
+            choices = [*elem, *VALUE_ALIASES.get(name, {})]
+            group.add_argument(*option_strings, dest=dest, choices=choices, help=f"{help_text} (default: {default})")
         else:
-            group.add_argument("--" + _flag(dest), type=elem, help=f"{help_text} (default: {default})")
+            group.add_argument(*option_strings, dest=dest, type=elem, help=f"{help_text} (default: {default})")
+    foreign = parser.add_argument_group(FOREIGN_TOPIC)
+    for flag in FOREIGN_FLAGS:
+        help_text = f"({flag.family}) {flag.summary}"
+        if flag.takes_value:
+            foreign.add_argument(*flag.names, dest=flag.dest, metavar="VALUE", help=help_text)
+        else:
+            foreign.add_argument(*flag.names, dest=flag.dest, action="store_true", help=help_text)
     return parser
 
 
+def parse_command_line(argv: list[str] | None = None) -> tuple[ServerConfig, list[str]]:
+    """`loraplex [flags]` or `loraplex serve MODEL [flags]` (vLLM's form) -> the config, and one note per accepted
+    flag of vLLM's or SGLang's that changes nothing here (for the start-up log). A refused flag is a ConfigError
+    naming it and why."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    is_serve = bool(argv) and argv[0] == "serve"
+    parser = build_arg_parser("loraplex serve" if is_serve else "loraplex", model_positional=is_serve)
+    kwargs = vars(parser.parse_args(argv[1:] if is_serve else argv))
+    if "model_tag" in kwargs:
+        model = kwargs.pop("model_tag")
+        given = [f"--{_flag(k)}" for k in ("model_path", "model") if k in kwargs]
+        if given:
+            raise ConfigError(f"the model is given twice: as MODEL ({model}) and as {given[0]}; give it once")
+        kwargs["model_path"] = model
+    notes = []
+    for dest in [k for k in kwargs if k in FOREIGN_BY_DEST]:
+        flag, value = FOREIGN_BY_DEST[dest], kwargs.pop(dest)
+        try:
+            notes.append(flag.check(value if flag.takes_value else None))
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        for name, setting in (flag.sets or {}).items():
+            if name in kwargs:
+                raise ConfigError(f"{flag.names[0]} and --{_flag(name)} are the same setting: give only one")
+            kwargs[name] = setting
+    return ServerConfig.from_kwargs(**kwargs), notes
+
+
 def config_from_args(argv: list[str] | None = None) -> ServerConfig:
-    return ServerConfig.from_kwargs(**vars(build_arg_parser().parse_args(argv)))
+    return parse_command_line(argv)[0]

@@ -35,11 +35,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, start_timeout_s: float = 180.0, env: dict[str, str] | None = None):
+    def __init__(self, *args: str, start_timeout_s: float = 180.0, env: dict[str, str] | None = None,
+                 argv_prefix: tuple[str, ...] = ()):
+        """argv_prefix comes first on the command line, before the port and device flags: ("serve", MODEL) starts
+        the `loraplex serve MODEL [flags]` form."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, os.path.join(REPO_ROOT, "scripts", "launch_server.py"), "--port", str(self.port),
-               "--device", "cpu", *args]
+        cmd = [sys.executable, os.path.join(REPO_ROOT, "scripts", "launch_server.py"), *argv_prefix,
+               "--port", str(self.port), "--device", "cpu", *args]
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}  # env may turn the Hub back on
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"loraplex-test-{self.port}.log")
         self._log = open(self.log_path, "w")

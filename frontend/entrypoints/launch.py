@@ -1,4 +1,5 @@
-"""`loraplex` / scripts/launch_server.py: parse flags, start the server, exit non-zero with one line on failure."""
+"""`loraplex [serve MODEL]` / scripts/launch_server.py: parse flags, start the server, exit non-zero with one line on
+failure."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ import os
 import sys
 
 from loraplex.frontend.demo import DEMO_MODEL_PATH
-from loraplex.protocol.config import ConfigError, config_from_args
+from loraplex.protocol.config import ConfigError, parse_command_line
 from loraplex.protocol.proc import setup_logging
 
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        config = config_from_args(argv)
+        config, notes = parse_command_line(argv)
     except ConfigError as e:
         print(f"loraplex: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -22,6 +23,8 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
         sys.exit(2)
     setup_logging(config.log_level, "frontend")
+    for note in notes:  # vLLM's and SGLang's flags that change nothing here, said once each
+        logging.getLogger("loraplex").info("%s", note)
     import uvloop
     from loraplex.frontend.entrypoints.headless import serve_headless
     from loraplex.frontend.entrypoints.http_server import serve

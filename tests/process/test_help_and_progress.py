@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from loraplex.protocol import progress
-from loraplex.protocol.config import _TOPICS, ALIASES, OTHER_TOPIC, ServerConfig, field_topic
+from loraplex.protocol.config import _TOPICS, ALIASES, FOREIGN_TOPIC, OTHER_TOPIC, ServerConfig, field_topic
 from loraplex.protocol.progress import Progress, elapsed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +43,7 @@ def test_help_groups_flags_by_topic() -> None:
         check=True,
     )
     sections = _help_sections(result.stdout)
-    assert list(sections)[1:] == list(_TOPICS)  # after argparse's own "options:" (just --help)
+    assert list(sections)[1:] == [*_TOPICS, FOREIGN_TOPIC]  # after argparse's own "options:" (just --help)
     assert sections["LoRA adapters"][:3] == ["--enable-lora", "--lora-paths", "--lora-modules"]
     assert "--max-loras" in sections["LoRA adapters"]  # vLLM's spelling sits beside ours
     assert {"--port", "--api-key"} <= set(sections["HTTP server and access"])
