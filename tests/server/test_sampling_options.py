@@ -216,6 +216,38 @@ def test_penalty_needs_its_history(runner):
     assert 10_000 not in runner.histories
 
 
+def test_logit_bias_allowed_token_ids_and_bad_words_on_the_worker(runner):
+    """In one batch beside a plain greedy row (which stays exact): +100 forces a token, -100 bans the greedy one,
+    allowed_token_ids restricts every token, and bad words (one token: always; two: after their first) never
+    appear, while the word's first token alone still may."""
+    prompts = random_prompts([9, 12, 7, 10, 11], runner.vocab_size, seed=11)
+    plain = decode(runner, prompts, [GREEDY] * len(prompts), STEPS)
+    forced = next(t for t in range(3, runner.vocab_size) if t not in plain[1])
+    allowed = sorted({t for t in range(2, runner.vocab_size, 37)} - set(plain[3]))
+    bad_words = [[plain[4][0]], plain[4][1:3]]
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.0, logit_bias={forced: 100.0}),
+        SamplingParams(temperature=0.0, logit_bias={plain[2][0]: -100.0, 0: 0.5}),
+        SamplingParams(temperature=0.0, allowed_token_ids=allowed),
+        SamplingParams(temperature=0.0, bad_words_ids=bad_words),
+    ]
+    outputs = decode(runner, prompts, params, STEPS)
+    assert outputs[0] == plain[0]
+    assert outputs[1] == [forced] * STEPS
+    assert outputs[2][0] != plain[2][0] and plain[2][0] not in outputs[2]
+    assert set(outputs[3]) <= set(allowed)
+    assert bad_words[0][0] not in outputs[4]
+    pairs = list(zip(outputs[4], outputs[4][1:], strict=False))
+    assert tuple(bad_words[1]) not in pairs and outputs[4] != plain[4]
+    # the same sampled: the masks hold whatever the draw
+    sampled = [msgspec.structs.replace(p, temperature=1.0, seed=5) for p in params[1:]]
+    outputs = decode(runner, prompts[1:], sampled, STEPS)
+    assert outputs[0] == [forced] * STEPS
+    assert plain[2][0] not in outputs[1] and set(outputs[2]) <= set(allowed) and bad_words[0][0] not in outputs[3]
+    assert tuple(bad_words[1]) not in zip(outputs[3], outputs[3][1:], strict=False)
+
+
 # ---- the frontend's text -------------------------------------------------------------------------------------
 
 
