@@ -150,7 +150,8 @@ class GenerateService:
         logprobs = body.top_logprobs_num if body.return_logprob else -1
         logprob_start_len = body.logprob_start_len if body.return_logprob else -1
         params = body.sampling_params or NativeSamplingParams()
-        sampling, stops = native_sampling(params, runtime.eos_token_ids, logprobs, logprob_start_len)
+        sampling, stops = native_sampling(params, runtime.eos_token_ids, logprobs, logprob_start_len,
+                                          runtime.ready.vocab_size if runtime.ready else None)
         [sampling] = await constrain(runtime, [sampling], native_constraint(params))
         lora_names = _per_item(body.lora_path, len(prompts), batched, "lora_path")
         rids = _per_item(body.rid, len(prompts), batched, "rid")

@@ -30,6 +30,9 @@ NumResults = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0, description="presence / frequency penalty (OpenAI's range)")]
 RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=100.0, description="1 = off")]
 MinP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+LogitBiasValue = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0, description="added to the token's logit")]
+# token id (a string: JSON's object keys) -> bias, as OpenAI, vLLM and SGLang take it
+LogitBias = dict[str, LogitBiasValue]
 LogprobStart = Annotated[int, msgspec.Meta(ge=-1, le=MAX_INT64, description="-1 = output logprobs only")]
 # The OS cannot take a NUL byte in a path: refused here, before any file call raises on it.
 AdapterPath = Annotated[str, msgspec.Meta(pattern=r"^[^\x00]*$", description="a directory holding a PEFT adapter")]
@@ -55,6 +58,8 @@ class NativeSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=T
     json_schema: str | None = None  # structured output (frontend/constraints.py): at most one of the three
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None  # SGLang's: xgrammar's structural tag, as JSON text
+    logit_bias: LogitBias | None = None
 
 
 class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -81,7 +86,6 @@ NATIVE_NEUTRAL = {
 }
 NATIVE_SAMPLING_NEUTRAL = {
     "spaces_between_special_tokens": (None, True),
-    "logit_bias": (None, {}),
     "custom_params": (None,),
 }
 
@@ -173,6 +177,7 @@ def make_sampling(
     min_p: float = 0.0,
     min_new_tokens: int = 0,
     logprob_start_len: int = -1,
+    controls: LogitControls | None = None,
 ) -> SamplingParams:
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -212,6 +217,7 @@ def make_sampling(
         min_p=float(min_p),
         min_new_tokens=min_new_tokens,
         logprob_start_len=logprob_start_len,
+        **(msgspec.structs.asdict(controls) if controls is not None else {}),
     )
 
 
@@ -225,7 +231,8 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
 
 
 def native_sampling(
-    params: NativeSamplingParams | None, eos_token_ids: list[int], logprobs: int = -1, logprob_start_len: int = -1
+    params: NativeSamplingParams | None, eos_token_ids: list[int], logprobs: int = -1, logprob_start_len: int = -1,
+    vocab_size: int | None = None,
 ) -> tuple[SamplingParams, list[str]]:
     p = params or NativeSamplingParams()
     sampling = make_sampling(
@@ -244,5 +251,55 @@ def native_sampling(
         min_p=p.min_p,
         min_new_tokens=p.min_new_tokens,
         logprob_start_len=logprob_start_len,
+        controls=logit_controls(p.logit_bias, None, None, None, vocab_size),
     )
     return sampling, stop_list(p.stop)
+
+
+class LogitControls(msgspec.Struct, frozen=True, kw_only=True):
+    """vLLM's logit controls as SamplingParams takes them (its fields of the same names)."""
+
+    logit_bias: dict[int, float] = {}
+    allowed_token_ids: list[int] | None = None
+    bad_words_ids: list[list[int]] = []
+
+
+def logit_controls(
+    logit_bias: dict[str, float] | None, allowed_token_ids: list[int] | None, bad_words: list[str] | None,
+    tokenizer: Any, vocab_size: int | None,
+) -> LogitControls:  # fmt: skip
+    """The request's logit_bias, allowed_token_ids and bad_words checked (ids inside the vocabulary, as vLLM checks
+    them; vocab_size None: not known yet, the runtime refuses the request anyway) and bad words tokenized."""
+    bias = {}
+    for key, value in (logit_bias or {}).items():
+        try:
+            bias[int(key)] = float(value)
+        except ValueError:
+            raise InputError(f"logit_bias keys must be token ids, got {brief(key)}") from None
+    if allowed_token_ids is not None and not allowed_token_ids:
+        raise InputError("allowed_token_ids is an empty list: nothing could be sampled")
+    words = bad_words_ids(bad_words or [], tokenizer)
+    if vocab_size is not None:
+        for field, ids in (("logit_bias", list(bias)), ("allowed_token_ids", allowed_token_ids or []),
+                           ("bad_words", [t for w in words for t in w])):  # fmt: skip
+            outside = sorted({t for t in ids if not 0 <= t < vocab_size})
+            if outside:
+                raise InputError(f"{field} has token ids outside the vocabulary [0, {vocab_size}): {brief(outside)}")
+    allowed = None if allowed_token_ids is None else sorted(set(allowed_token_ids))
+    return LogitControls(logit_bias=bias, allowed_token_ids=allowed, bad_words_ids=words)
+
+
+def bad_words_ids(bad_words: list[str], tokenizer: Any) -> list[list[int]]:
+    """Each word's token sequences, as vLLM makes them: the word (leading blanks stripped) tokenized alone, and again
+    after a space where that gives a different first token and as many tokens (a word at the start of the text and
+    one in the middle of it)."""
+    sequences: list[list[int]] = []
+    for word in bad_words:
+        if not word.strip():
+            raise InputError(f"bad_words holds a blank word: {brief(word)}")
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        sequences.append(alone)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    return sequences

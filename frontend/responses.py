@@ -193,11 +193,13 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
-class CompletionChoice(msgspec.Struct):
+class CompletionChoice(msgspec.Struct, omit_defaults=True):  # the defaults below are vLLM's, left out unless asked
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
+    prompt_token_ids: list[int] | None = None  # return_token_ids (in a stream: a choice's first chunk)
+    token_ids: list[int] | None = None  # return_token_ids: the output's (in a stream: the chunk's)
 
 
 class CompletionResponse(msgspec.Struct):
@@ -231,11 +233,12 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatLogprob] | None
 
 
-class ChatChoice(msgspec.Struct):
+class ChatChoice(msgspec.Struct, omit_defaults=True):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -245,6 +248,7 @@ class ChatCompletionResponse(msgspec.Struct):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class CompletionChunk(msgspec.Struct, omit_defaults=True):
@@ -261,11 +265,12 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
     content: str | None = None
 
 
-class ChatChunkChoice(msgspec.Struct):
+class ChatChunkChoice(msgspec.Struct, omit_defaults=True):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason
+    token_ids: list[int] | None = None  # return_token_ids: the chunk's
 
 
 class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
@@ -275,6 +280,7 @@ class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
 
 
 class ModelCard(msgspec.Struct, omit_defaults=True):

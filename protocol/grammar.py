@@ -4,6 +4,7 @@ agree on every source. xgrammar is imported on first use: the scheduler never pa
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from loraplex.protocol.structs import OutputConstraint
@@ -43,4 +44,24 @@ def compile_constraint(compiler: Any, constraint: OutputConstraint) -> Any:
         return compiler.compile_regex(constraint.source)
     if constraint.kind == "ebnf":
         return compiler.compile_grammar(constraint.source)
+    if constraint.kind == "structural_tag":
+        return compile_structural_tag(compiler, constraint.source)
     raise ValueError(f"unknown constraint kind {constraint.kind!r}")
+
+
+def compile_structural_tag(compiler: Any, source: str) -> Any:
+    """xgrammar's structural tag (JSON text): `{"type": "structural_tag", "format": ...}`, or the older form SGLang and
+    vLLM still take, `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}` (free text until a trigger,
+    then a tag whose content follows its schema)."""
+    import xgrammar as xgr
+
+    tag = json.loads(source)
+    if not isinstance(tag, dict) or "structures" not in tag:
+        return compiler.compile_structural_tag(source)
+    try:
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                 for s in tag["structures"]]  # fmt: skip
+        triggers = list(tag["triggers"])
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"each of `structures` needs begin, schema and end, with `triggers` beside: {e!r}") from e
+    return compiler.compile_structural_tag(items, triggers)

@@ -19,7 +19,9 @@ class OutputConstraint(msgspec.Struct, frozen=True, array_like=True):
     """Structured output: the text must match `source`, read as `kind` says. The frontend checks that it compiles
     before the request is admitted; the sampling worker (rank 0) compiles it again and masks every step with it."""
 
-    kind: str  # "json_schema" (source: the schema as JSON text), "regex" or "ebnf" (an xgrammar EBNF grammar)
+    # "json_schema" (source: the schema as JSON text), "regex", "ebnf" (an xgrammar EBNF grammar) or
+    # "structural_tag" (xgrammar's structural tag as JSON text, protocol/grammar.py)
+    kind: str
     source: str
 
 
@@ -45,12 +47,24 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # >= 0: the logprob of every prompt token from this position on (the first prompt token's is null), with
     # `logprobs` alternatives; -1: none
     logprob_start_len: int = -1
+    constraint: OutputConstraint | None = None  # structured output; its stop tokens are stop_token_ids
+    # vLLM's logit controls, applied before the penalties (worker/penalties.py); the frontend checks every id
+    # against the vocabulary. Neutral: {}, None, [].
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    # token sequences the output must not contain: a sequence's last token is banned where the output so far ends
+    # with the rest of it (a one-token sequence: always)
+    bad_words_ids: list[list[int]] = []
+
+    @property
+    def uses_penalty(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def needs_token_history(self) -> bool:
-        """Whether sampling reads the tokens so far (penalties): the workers then keep them per request."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-    constraint: OutputConstraint | None = None  # structured output; its stop tokens are stop_token_ids
+        """Whether sampling reads the tokens so far (penalties, bad words of several tokens): the workers then keep
+        them per request."""
+        return self.uses_penalty or any(len(word) > 1 for word in self.bad_words_ids)
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):

@@ -1,4 +1,5 @@
-"""Logit processing that reads a request's state: presence / frequency / repetition penalties and min_new_tokens.
+"""Logit processing that reads a request's state: presence / frequency / repetition penalties, min_new_tokens, and
+vLLM's logit controls (allowed_token_ids, bad_words, logit_bias).
 
 The penalties need every token of a request so far. Each rank keeps them per request (`TokenHistories`, keyed by the
 scheduler's req_key), built from the tokens the passes feed in: a prefill chunk's prompt tokens, a decode step's last
@@ -9,7 +10,9 @@ Definitions (vLLM's, OpenAI's for presence/frequency): with c[t] the count of to
     logits[t] -= frequency_penalty * c[t] + presence_penalty * (c[t] > 0)
 and for every token t in the prompt or the output, repetition_penalty r (HF's RepetitionPenaltyLogitsProcessor):
     logits[t] = logits[t] / r if logits[t] > 0 else logits[t] * r
-applied first.
+applied first. Before the penalties, as vLLM orders them: allowed_token_ids bans every other token, a bad word's
+last token is banned where the output so far ends with the rest of the word (vLLM's rule, output tokens only), and
+logit_bias adds its values.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ class TokenHistories:
             self._lengths.pop(key, None)
 
     def update(self, reqs: list[ForwardReq], rows: list[int]) -> None:
-        """Take this pass's input tokens (positions num_cached_tokens on) of the requests at `rows` (those that use
-        a penalty: SamplingBatch.penalty_rows)."""
+        """Take this pass's input tokens (positions num_cached_tokens on) of the requests at `rows` (those that read
+        their history: SamplingBatch.history_rows)."""
         for i in rows:
             req = reqs[i]
             key = req.req_key
@@ -73,16 +76,23 @@ class TokenHistories:
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch, histories: TokenHistories) -> torch.Tensor:
-    """logits (reqs, vocab) -> the same with each asking row penalised (a new tensor; the input is unchanged, so
+    """logits (reqs, vocab) -> the same with each asking row processed (a new tensor; the input is unchanged, so
     logprobs still read the raw logits). Returns the input itself when no row asks."""
     rows = batch.penalty_rows
-    # min_new_tokens: the stop tokens (EOS among them unless ignore_eos) cannot be sampled yet.
     banned_rows, banned_ids = batch.banned
-    if not rows and not banned_rows:
+    bad_rows, bad_ids = bad_word_bans(batch, histories)
+    banned_rows, banned_ids = banned_rows + bad_rows, banned_ids + bad_ids
+    allowed_rows, allowed_ids = batch.allowed
+    bias_rows, bias_ids, bias_values = batch.bias
+    if not (rows or banned_rows or allowed_rows or bias_rows):
         return logits
     logits = logits.clone()
-    if banned_rows:
+    if allowed_rows:
+        _keep_only_(logits, allowed_rows, allowed_ids)
+    if banned_rows:  # min_new_tokens: the stop tokens (EOS among them unless ignore_eos); bad words
         logits[banned_rows, banned_ids] = float("-inf")
+    if bias_rows:
+        logits[bias_rows, bias_ids] += torch.tensor(bias_values, dtype=logits.dtype, device=logits.device)
     if len(rows) == len(batch.params):
         _penalise_(logits, batch, None, histories)
     elif rows:
@@ -117,3 +127,30 @@ def _penalise_(
     values -= frequency * counts
     values -= presence * (counts > 0).to(logits.dtype)
     logits.scatter_(1, ids, values)
+
+
+def _keep_only_(logits: torch.Tensor, rows: list[int], ids: list[int]) -> None:
+    """In place: in each of `rows` (repeated once per allowed id), every token but its `ids` at -inf."""
+    index = torch.tensor(sorted(set(rows)), device=logits.device)
+    kept = torch.full((len(index), logits.shape[-1]), float("-inf"), dtype=logits.dtype, device=logits.device)
+    local = torch.searchsorted(index, torch.tensor(rows, device=logits.device))  # each row's place in `index`
+    kept[local, torch.tensor(ids, device=logits.device)] = 0.0
+    logits[index] += kept  # (rows that ask, vocab)
+
+
+def bad_word_bans(batch: SamplingBatch, histories: TokenHistories) -> tuple[list[int], list[int]]:
+    """(rows, token ids) to ban for the bad words of several tokens: a word's last token, in each row whose output
+    so far ends with the word's other tokens (vLLM's rule; the output is the history's last num_generated tokens)."""
+    rows, ids = [], []
+    for i in batch.bad_word_rows:
+        num_generated = batch.num_generated[i]
+        history = histories.tokens(batch.req_keys[i])
+        output = history[len(history) - num_generated :].tolist() if num_generated else []
+        for word in batch.params[i].bad_words_ids:
+            prefix_len = len(word) - 1
+            if prefix_len == 0 or prefix_len > len(output):  # one-token words are SamplingBatch.banned
+                continue
+            if output[len(output) - prefix_len :] == word[:-1]:
+                rows.append(i)
+                ids.append(word[-1])
+    return rows, ids

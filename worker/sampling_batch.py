@@ -24,10 +24,15 @@ class SamplingBatch:
     num_generated: list[int]  # per row: output tokens so far (with the seed, it picks the row's generator)
     req_keys: list[int]  # per row
     is_greedy: list[bool]  # per row
-    penalty_rows: list[int]  # rows that use a penalty: their token history is kept and read
+    penalty_rows: list[int]  # rows that use a penalty
+    history_rows: list[int]  # rows whose token history is kept and read (penalties, bad words of several tokens)
     constrained_rows: list[int]  # rows under structured output
     logprob_rows: list[int]  # rows that ask for the sampled token's logprob
-    banned: tuple[list[int], list[int]]  # min_new_tokens: (rows, token ids) not to be sampled yet
+    # (rows, token ids) not to be sampled at this step: min_new_tokens' stop tokens, one-token bad words
+    banned: tuple[list[int], list[int]]
+    bias: tuple[list[int], list[int], list[float]]  # logit_bias: (rows, token ids, values added)
+    allowed: tuple[list[int], list[int]]  # allowed_token_ids: (rows, token ids), the rest of those rows banned
+    bad_word_rows: list[int]  # rows with a bad word of several tokens (matched against their history)
     uses_min_p: bool
     uses_top_k_or_p: bool
     # (rows, 7) float32 on the device, columns as _IS_GREEDY ... above; None when every row is greedy and unpenalised
@@ -40,7 +45,7 @@ class SamplingBatch:
         device: torch.device,
     ) -> SamplingBatch:  # fmt: skip
         greedy = [is_greedy(p) for p in params]
-        penalty_rows = [i for i, p in enumerate(params) if p.needs_token_history]
+        penalty_rows = [i for i, p in enumerate(params) if p.uses_penalty]
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         uses_top_k_or_p = any(k != vocab_size for k in top_ks) or any(p.top_p < 1.0 for p in params)
         banned = [
@@ -50,6 +55,9 @@ class SamplingBatch:
             for t in p.stop_token_ids
             if t < vocab_size
         ]
+        banned += [(i, word[0]) for i, p in enumerate(params) for word in p.bad_words_ids if len(word) == 1]
+        bias = [(i, t, v) for i, p in enumerate(params) for t, v in p.logit_bias.items()]
+        allowed = [(i, t) for i, p in enumerate(params) if p.allowed_token_ids is not None for t in p.allowed_token_ids]
         values = None
         if not all(greedy) or penalty_rows:
             # greedy rows are scaled by 1 only to stay finite; their token is the argmax anyway
@@ -65,9 +73,13 @@ class SamplingBatch:
             req_keys=req_keys,
             is_greedy=greedy,
             penalty_rows=penalty_rows,
+            history_rows=[i for i, p in enumerate(params) if p.needs_token_history],
             constrained_rows=[i for i, p in enumerate(params) if p.constraint is not None],
             logprob_rows=[i for i, p in enumerate(params) if p.logprobs >= 0],
             banned=([i for i, _ in banned], [t for _, t in banned]),
+            bias=([i for i, _, _ in bias], [t for _, t, _ in bias], [v for _, _, v in bias]),
+            allowed=([i for i, _ in allowed], [t for _, t in allowed]),
+            bad_word_rows=[i for i, p in enumerate(params) if any(len(w) > 1 for w in p.bad_words_ids)],
             uses_min_p=any(p.min_p > 0.0 for p in params),
             uses_top_k_or_p=uses_top_k_or_p,
             values=values,

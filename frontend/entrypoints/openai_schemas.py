@@ -3,12 +3,14 @@ neutral values, and chat messages as a template takes them."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 import msgspec
-from loraplex.frontend.constraints import ResponseFormat
+from loraplex.frontend.constraints import ResponseFormat, StructuredOutputs
 from loraplex.frontend.params import (
     MAX_N,
+    LogitBias,
     MinP,
     Penalty,
     RepetitionPenalty,
@@ -26,7 +28,6 @@ from loraplex.frontend.params import (
 # OpenAI parameters we do not implement, with the neutral values that mean "off" and are therefore accepted.
 NEUTRAL = {
     "top_logprobs": (None, 0),  # completions (chat has it as a field)
-    "logit_bias": (None, {}),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -71,7 +72,14 @@ class CommonParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    response_format: ResponseFormat | None = None  # structured output (frontend/constraints.py), or one of:
+    # vLLM's logit controls (frontend/params.py logit_controls)
+    logit_bias: LogitBias | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids in the answer
+    # structured output (frontend/constraints.py), at most one of these (and of structured_outputs' fields):
+    structured_outputs: StructuredOutputs | None = None
+    response_format: ResponseFormat | None = None
     guided_json: str | dict | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -84,15 +92,20 @@ class CompletionRequest(CommonParams, kw_only=True):
     echo: bool = False  # the prompt's text before the completion (and its tokens' logprobs, with logprobs)
 
 
-class TextPart(msgspec.Struct, kw_only=True):
+class TextPart(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     type: Literal["text"]  # the only content part supported
     text: str
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A message as OpenAI's clients send it; a field not here is refused (400 naming it), never dropped."""
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls: [{"id", "type", "function": {...}}]
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None
 
 
 class ChatRequest(CommonParams, kw_only=True):
@@ -110,10 +123,30 @@ def decode_openai(body: bytes, schema: type[CommonParams]) -> Any:
     return decode_body(body, schema, strip_openai(schema))
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The messages as a chat template takes them: content parts joined into one text."""
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as a chat template takes them: content parts joined into one text; name, tool_calls,
+    tool_call_id and reasoning_content passed on where set (Hugging Face templates read them)."""
     rendered = []
     for m in messages:
         content = "".join(part.text for part in m.content) if isinstance(m.content, list) else m.content
-        rendered.append({"role": m.role, "content": content or ""})
+        message: dict[str, Any] = {"role": m.role, "content": content or ""}
+        for field in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(m, field) is not None:
+                message[field] = getattr(m, field)
+        if m.tool_calls is not None:
+            message["tool_calls"] = [template_tool_call(call) for call in m.tool_calls]
+        rendered.append(message)
     return rendered
+
+
+def template_tool_call(call: dict) -> dict:
+    """A tool call as templates take it: its function's `arguments` as an object, where OpenAI sends JSON text
+    (as vLLM turns them; a text that is not JSON stays text)."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -14,6 +14,7 @@ from loraplex.frontend.errors import InputError
 from loraplex.frontend.generate import GenerateService, n_samplings, raise_failure
 from loraplex.frontend.params import (
     MAX_N,
+    logit_controls,
     make_sampling,
     stop_list,
 )
@@ -125,6 +126,8 @@ def openai_sampling(runtime: Runtime, req: CommonParams, prompt_len: int, defaul
         min_p=req.min_p,
         min_new_tokens=req.min_tokens,
         logprob_start_len=0 if echo and logprobs >= 0 else -1,
+        controls=logit_controls(req.logit_bias, req.allowed_token_ids, req.bad_words, runtime.tokenizer,
+                                runtime.ready.vocab_size),
     )
     return n_samplings(sampling, req.n)
 
@@ -170,18 +173,22 @@ class OpenAIRun:
         states, echoes = self.states, self.echoes
         await self.service.wait(states)
         raise_failure(states)
+        ids = bool(self.req.return_token_ids)
         if self.chat:
             chat_choices = [
                 ChatChoice(index=i, message=AssistantMessage(role="assistant", content=s.text),
                            logprobs=chat_logprobs(s, 0) if s.wants_logprobs else None,
-                           finish_reason=finish_reason(s))
+                           finish_reason=finish_reason(s), token_ids=list(s.output_ids) if ids else None)
                 for i, s in enumerate(states)
             ]
             return ChatCompletionResponse(**self.base, object="chat.completion", choices=chat_choices,
-                                          usage=usage(states, self.prompt_tokens))
+                                          usage=usage(states, self.prompt_tokens),
+                                          prompt_token_ids=states[0].prompt_ids if ids else None)
         choices = [
             CompletionChoice(index=i, text=(echoes[i] if echoes else "") + s.text, finish_reason=finish_reason(s),
-                             logprobs=completion_logprobs(s, 0, 0, bool(echoes))[0] if s.wants_logprobs else None)
+                             logprobs=completion_logprobs(s, 0, 0, bool(echoes))[0] if s.wants_logprobs else None,
+                             prompt_token_ids=s.prompt_ids if ids else None,
+                             token_ids=list(s.output_ids) if ids else None)
             for i, s in enumerate(states)
         ]
         return CompletionResponse(**self.base, object="text_completion", choices=choices,
@@ -192,6 +199,9 @@ class OpenAIRun:
         states, echoes, chat, req = self.states, self.echoes, self.chat, self.req
         sent = [0] * len(states)
         sent_logprobs = [0] * len(states)  # output tokens whose logprobs went out
+        ids = bool(req.return_token_ids)
+        sent_ids = [0] * len(states)  # output tokens whose ids went out (return_token_ids)
+        prompt_ids_sent = [False] * len(states)  # completions: a choice's prompt ids go with its first chunk
         offsets = [0] * len(states)  # completions' text_offset of the next token
         echoed = [not echoes] * len(states)  # the prompt's text (and logprobs) go out with a choice's first chunk
         # vLLM's continuous_usage_stats: with include_usage, the usage so far in every chunk too
@@ -208,7 +218,10 @@ class OpenAIRun:
         if chat:
             for i in range(len(states)):
                 delta = ChatDelta(role="assistant", content="")
-                yield chunk([ChatChunkChoice(index=i, delta=delta, logprobs=None, finish_reason=None)])
+                first = chunk([ChatChunkChoice(index=i, delta=delta, logprobs=None, finish_reason=None)])
+                if ids and i == 0:
+                    first.prompt_token_ids = states[0].prompt_ids
+                yield first
         async for i, state in self.service.stream(states):
             if state.error:
                 yield error_body(state.error, state.error_status)
@@ -219,7 +232,9 @@ class OpenAIRun:
             start = sent_logprobs[i]
             new_logprobs = state.wants_logprobs and len(state.output_logprobs) > start
             sent_logprobs[i] = len(state.output_logprobs)
-            if not delta_text and reason is None and not new_logprobs:
+            new_ids = state.output_ids[sent_ids[i] :] if ids else None
+            sent_ids[i] = len(state.output_ids)
+            if not delta_text and reason is None and not new_logprobs and not new_ids:
                 continue
             with_prompt = not echoed[i]
             if with_prompt:
@@ -227,12 +242,16 @@ class OpenAIRun:
             if chat:
                 delta = ChatDelta(content=delta_text) if delta_text else ChatDelta()
                 chat_lp = chat_logprobs(state, start) if state.wants_logprobs else None
-                choice = ChatChunkChoice(index=i, delta=delta, logprobs=chat_lp, finish_reason=reason)
+                choice = ChatChunkChoice(index=i, delta=delta, logprobs=chat_lp, finish_reason=reason,
+                                         token_ids=new_ids)
             else:
                 completion_lp = None
                 if state.wants_logprobs:
                     completion_lp, offsets[i] = completion_logprobs(state, start, offsets[i], with_prompt)
-                choice = CompletionChoice(index=i, text=delta_text, logprobs=completion_lp, finish_reason=reason)
+                choice = CompletionChoice(index=i, text=delta_text, logprobs=completion_lp, finish_reason=reason,
+                                          token_ids=new_ids)
+                if ids and not prompt_ids_sent[i]:
+                    choice.prompt_token_ids, prompt_ids_sent[i] = state.prompt_ids, True
             yield chunk([choice])
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunk([], usage(states, self.prompt_tokens))

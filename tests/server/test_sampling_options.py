@@ -216,6 +216,38 @@ def test_penalty_needs_its_history(runner):
     assert 10_000 not in runner.histories
 
 
+def test_logit_bias_allowed_token_ids_and_bad_words_on_the_worker(runner):
+    """In one batch beside a plain greedy row (which stays exact): +100 forces a token, -100 bans the greedy one,
+    allowed_token_ids restricts every token, and bad words (one token: always; two: after their first) never
+    appear, while the word's first token alone still may."""
+    prompts = random_prompts([9, 12, 7, 10, 11], runner.vocab_size, seed=11)
+    plain = decode(runner, prompts, [GREEDY] * len(prompts), STEPS)
+    forced = next(t for t in range(3, runner.vocab_size) if t not in plain[1])
+    allowed = sorted({t for t in range(2, runner.vocab_size, 37)} - set(plain[3]))
+    bad_words = [[plain[4][0]], plain[4][1:3]]
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.0, logit_bias={forced: 100.0}),
+        SamplingParams(temperature=0.0, logit_bias={plain[2][0]: -100.0, 0: 0.5}),
+        SamplingParams(temperature=0.0, allowed_token_ids=allowed),
+        SamplingParams(temperature=0.0, bad_words_ids=bad_words),
+    ]
+    outputs = decode(runner, prompts, params, STEPS)
+    assert outputs[0] == plain[0]
+    assert outputs[1] == [forced] * STEPS
+    assert outputs[2][0] != plain[2][0] and plain[2][0] not in outputs[2]
+    assert set(outputs[3]) <= set(allowed)
+    assert bad_words[0][0] not in outputs[4]
+    pairs = list(zip(outputs[4], outputs[4][1:], strict=False))
+    assert tuple(bad_words[1]) not in pairs and outputs[4] != plain[4]
+    # the same sampled: the masks hold whatever the draw
+    sampled = [msgspec.structs.replace(p, temperature=1.0, seed=5) for p in params[1:]]
+    outputs = decode(runner, prompts[1:], sampled, STEPS)
+    assert outputs[0] == [forced] * STEPS
+    assert plain[2][0] not in outputs[1] and set(outputs[2]) <= set(allowed) and bad_words[0][0] not in outputs[3]
+    assert tuple(bad_words[1]) not in zip(outputs[3], outputs[3][1:], strict=False)
+
+
 # ---- the frontend's text -------------------------------------------------------------------------------------
 
 
@@ -726,3 +758,93 @@ def test_scheduler_state_survives_preemption():
     # the sampling parameters travel on those passes only, not on the passes that continue a request
     assert [r for b in batches for r in b.reqs if r.sampling is not None] == synced
     assert sum(len(b.reqs) for b in batches) > 2 * len(synced)
+
+
+def openai_client(server: ServerProcess):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_logit_controls_and_return_token_ids_with_the_openai_client(server, tokenizer):
+    """logit_bias (+100 forces a token, -100 bans the greedy one), allowed_token_ids and bad_words through the
+    `openai` client, read back from return_token_ids."""
+    client, model = openai_client(server), server_model(server)
+    common = {"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    plain = client.completions.create(**common, extra_body=extra).choices[0]
+    assert plain.prompt_token_ids == tokenizer(PROMPT)["input_ids"] and len(plain.token_ids) == 6
+    forced = next(t for t in range(3, 200) if t not in plain.token_ids)
+    out = client.completions.create(**common, logit_bias={str(forced): 100}, extra_body=extra).choices[0]
+    assert out.token_ids == [forced] * 6
+    out = client.completions.create(**common, logit_bias={str(plain.token_ids[0]): -100}, extra_body=extra)
+    assert plain.token_ids[0] not in out.choices[0].token_ids
+    allowed = sorted({plain.token_ids[0], *range(40, 60)})
+    out = client.completions.create(**common, extra_body={**extra, "allowed_token_ids": allowed}).choices[0]
+    assert set(out.token_ids) <= set(allowed)
+    word = tokenizer.decode(plain.token_ids[:2]).strip()
+    out = client.completions.create(**common, extra_body={**extra, "bad_words": [word]}).choices[0]
+    banned = [tokenizer.encode(w, add_special_tokens=False) for w in (word, " " + word)]
+    for ids in banned:
+        assert not any(out.token_ids[i : i + len(ids)] == ids for i in range(len(out.token_ids))), (word, out)
+    # native /generate: SGLang's logit_bias
+    native = post(server, "/generate", {"text": PROMPT, "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "logit_bias": {str(forced): 100}}})
+    assert native["output_ids"] == [forced] * 4
+
+
+def test_return_token_ids_shapes(server, tokenizer):
+    model, ids = server_model(server), tokenizer(PROMPT)["input_ids"]
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "n": 2,
+            "return_token_ids": True}
+    whole = post(server, "/v1/completions", body)
+    for choice in whole["choices"]:
+        assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 5
+    chunks = stream(server, "/v1/completions", body)
+    for i in range(2):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert [c for c in mine if "prompt_token_ids" in c][0]["prompt_token_ids"] == ids
+        assert sum((c["token_ids"] for c in mine), []) == whole["choices"][i]["token_ids"]
+    chat = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    reply = post(server, "/v1/chat/completions", chat)
+    assert reply["prompt_token_ids"] and len(reply["choices"][0]["token_ids"]) == 5
+    chunks = stream(server, "/v1/chat/completions", chat)
+    assert chunks[0]["prompt_token_ids"] == reply["prompt_token_ids"]
+    assert sum((c["choices"][0].get("token_ids", []) for c in chunks if c["choices"]), []) == \
+        reply["choices"][0]["token_ids"]
+    plain = post(server, "/v1/completions", {**body, "return_token_ids": False})
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"99999": 1}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [99999]}, "allowed_token_ids"),
+        ({"bad_words": [" "]}, "bad_words"),
+        ({"messages": [{"role": "user", "content": "hi", "mood": "happy"}]}, "mood"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "extra": 1}]}]}, "extra"),
+    ],
+)
+def test_logit_controls_and_messages_refused_naming_the_field(server, extra, named):
+    body = {"model": server_model(server), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    resp = server.post("/v1/chat/completions", body)
+    assert resp.status_code == 400, resp.text
+    assert named in resp.json()["error"]["message"]
+
+
+def test_tool_messages_are_accepted_and_rendered(server):
+    """An agent's history (tool_calls, a tool message, name, reasoning_content) is taken, not dropped or refused."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    messages = [
+        {"role": "system", "content": "You add."},
+        {"role": "user", "content": [{"type": "text", "text": "1+2?"}], "name": "ann"},
+        {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "use the tool"},
+        {"role": "tool", "content": "3", "tool_call_id": "call_1"},
+    ]
+    body = {"model": server_model(server), "messages": messages, "max_tokens": 2, "temperature": 0}
+    assert post(server, "/v1/chat/completions", body)["choices"][0]["finish_reason"] in ("length", "stop")

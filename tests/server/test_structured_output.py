@@ -175,6 +175,66 @@ def test_openai_response_formats_and_guided_fields(static_lora_server, base_name
     assert text_fmt.status_code == 200
 
 
+def test_structured_outputs_with_the_openai_client(static_lora_server, base_name):
+    """vLLM >= 0.12's structured_outputs (json, regex, choice) on completions and chat, as the `openai` client sends
+    it (extra_body); guided_* above stay its aliases."""
+    import openai
+
+    client = openai.OpenAI(base_url=static_lora_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    common = {"model": base_name, "max_tokens": 64, "temperature": 1.0}
+    chat_messages = [{"role": "user", "content": "Hi"}]
+    for seed in range(2):
+        done = client.completions.create(**common, seed=seed, prompt="Hi",
+                                         extra_body={"structured_outputs": {"json": SCHEMA}})
+        assert done.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(done.choices[0].text), SCHEMA)
+        chat = client.chat.completions.create(**common, seed=seed, messages=chat_messages,
+                                              extra_body={"structured_outputs": {"json": json.dumps(SCHEMA)}})
+        jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
+        regex = client.completions.create(**common, seed=seed, prompt="Pick",
+                                          extra_body={"structured_outputs": {"regex": REGEX}})
+        assert re.fullmatch(REGEX, regex.choices[0].text)
+        chat = client.chat.completions.create(**common, seed=seed, messages=chat_messages,
+                                              extra_body={"structured_outputs": {"choice": CHOICES}})
+        assert chat.choices[0].message.content in CHOICES
+        grammar = client.completions.create(**common, seed=seed, prompt="Pick",
+                                            extra_body={"structured_outputs": {"grammar": EBNF}})
+        assert re.fullmatch(r"yes|no|maybe [0-9]", grammar.choices[0].text)
+
+
+# xgrammar's structural tag: a tag around content of any format (a regex here: its JSON allows any whitespace,
+# which a random model may pad past any length)
+ANSWER_TAG = {"type": "structural_tag", "format": {
+    "type": "tag", "begin": "<answer>", "content": {"type": "regex", "pattern": REGEX}, "end": "</answer>"}}
+
+
+def test_structural_tag_on_both_apis(static_lora_server, base_name):
+    """The text is exactly <answer>REGEX</answer>, whether the tag came as SGLang's sampling_params.structural_tag,
+    vLLM's structured_outputs.structural_tag or its response_format."""
+    def check(text: str) -> None:
+        assert re.fullmatch(f"<answer>{REGEX}</answer>", text), text
+
+    url = static_lora_server.url
+    for seed in range(2):
+        out = generate(static_lora_server, "Hi", {**SAMPLED, "max_new_tokens": 96, "seed": seed,
+                                                  "structural_tag": json.dumps(ANSWER_TAG)})
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        check(out["text"])
+        common = {"model": base_name, "max_tokens": 96, "temperature": 1.0, "seed": seed}
+        done = requests.post(url + "/v1/completions", timeout=120, json={
+            **common, "prompt": "Hi", "structured_outputs": {"structural_tag": json.dumps(ANSWER_TAG)}}).json()
+        check(done["choices"][0]["text"])
+        chat = requests.post(url + "/v1/chat/completions", timeout=120, json={
+            **common, "messages": [{"role": "user", "content": "Hi"}], "response_format": ANSWER_TAG}).json()
+        check(chat["choices"][0]["message"]["content"])
+    # the older form (free text until a trigger, then the tag's schema) compiles and is served
+    legacy = {"type": "structural_tag", "structures": [{"begin": "<answer>", "schema": SCHEMA, "end": "</answer>"}],
+              "triggers": ["<answer>"]}
+    out = requests.post(url + "/v1/completions", timeout=120, json={
+        "model": base_name, "max_tokens": 8, "prompt": "Hi", "response_format": legacy})
+    assert out.status_code == 200, out.text
+
+
 def test_streaming_on_both_apis(static_lora_server, base_name):
     url = static_lora_server.url
     body = {"text": "Code:", "sampling_params": {**SAMPLED, "seed": 3, "regex": REGEX}, "stream": True}
@@ -246,6 +306,8 @@ NATIVE_BAD = [
     ({"regex": "a", "ebnf": 'root ::= "a"'}, "regex, ebnf", "at most one"),
     ({"regex": "a", "ignore_eos": True}, "regex", "stop token"),
     ({"guided_regex": "a"}, "guided_regex", "unknown"),  # the OpenAI spelling
+    ({"regex": "a", "structural_tag": "{}"}, "regex, structural_tag", "at most one"),
+    ({"structural_tag": '{"structures": [{"begin": "<a>"}], "triggers": ["<a>"]}'}, "structural_tag", "begin, schema"),
 ]
 OPENAI_BAD = [
     ({"guided_json": {"type": 5}}, "guided_json", "string"),
@@ -261,6 +323,16 @@ OPENAI_BAD = [
     ({"guided_choice": []}, "guided_choice", "empty"),
     ({"guided_regex": "x" * (64 * 1024 + 1)}, "guided_regex", "over the limit"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex, guided_choice", "at most one"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.regex, structured_outputs.choice",
+     "at most one"),
+    ({"structured_outputs": {"json": SCHEMA}, "guided_regex": "a"}, "structured_outputs.json, guided_regex",
+     "at most one"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+     "response_format, structured_outputs.regex", "at most one"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "whitespace_pattern", "unknown"),
+    ({"structured_outputs": {"structural_tag": '{"type": "structural_tag", "format": {"type": "nope"}}'}},
+     "structured_outputs.structural_tag", "invalid"),
+    ({"response_format": {"type": "structural_tag"}}, "structural_tag", "needs"),
     ({"regex": "a"}, "regex", "unknown"),  # the native spelling
     ({"json_schema": "{}"}, "json_schema", "unknown"),
 ]
