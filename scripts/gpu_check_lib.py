@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -115,11 +116,22 @@ class Context:
     """What a group gets: where to write, the device it runs on, and the options of the run."""
 
     group: str
-    out_dir: Path
+    out_dir: Path  # what comes back from the GPU machine: only the report, the log, env.txt and server_tail.log
     dry_run: bool
     rec: Recorder
     keep_models: Path | None = None
     ceilings: dict[str, float] = field(default_factory=dict)  # from G0: copy_GBps, bf16_gemm_TFLOPs, h2d_pinned_GBps
+    work_dir: Path | None = None  # the run's scratch directory (part files, server logs): never shipped back
+
+    @property
+    def scratch(self) -> Path:
+        return self.work_dir or self.out_dir
+
+    def own_process_group(self, pid: int) -> None:
+        """Register a process group this group started in its own session (a server): the parent kills it when
+        the group ends or is killed at its cap, so no server holds GPU memory through the next groups."""
+        with open(self.scratch / f"pgids_{self.group}.txt", "a") as f:
+            f.write(f"{pid}\n")
 
     @property
     def device(self):  # torch.device; imported lazily, the parent never imports torch
@@ -151,13 +163,17 @@ class Context:
         return False
 
 
-def run_group(group: str, module: str, func: str, out_dir: str, dry_run: bool, keep_models: str | None,
-              ceilings: dict[str, float]) -> None:
-    """Child entry point (multiprocessing spawn target): run one group, always leave part_<group>.json behind."""
-    rec = Recorder(group, Path(out_dir) / f"part_{group}.json")
+def run_group(group: str, module: str, func: str, out_dir: str, work_dir: str, dry_run: bool,
+              keep_models: str | None, ceilings: dict[str, float]) -> None:
+    """Child entry point (multiprocessing spawn target): run one group, always leave part_<group>.json behind in
+    work_dir. The child leads a process group of its own, so the parent's kill at the cap takes everything it
+    started too (TP ranks, compute-sanitizer), not only itself."""
+    os.setpgid(0, 0)
+    rec = Recorder(group, Path(work_dir) / f"part_{group}.json")
     try:
         fn: Callable[[Context], None] = getattr(importlib.import_module(module), func)
-        ctx = Context(group, Path(out_dir), dry_run, rec, Path(keep_models) if keep_models else None, ceilings)
+        ctx = Context(group, Path(out_dir), dry_run, rec, Path(keep_models) if keep_models else None, ceilings,
+                      Path(work_dir))
         if ctx.is_cuda:
             import torch
 

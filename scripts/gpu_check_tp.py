@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from scripts.gpu_check_lib import SCRIPTS_DIR, Context, max_abs, median
+from tests.net import free_port
 
 PROMPT_LENGTHS = [6, 11, 3, 17]
 ADAPTERS = [None, "a16", "a64", "a32"]
@@ -93,8 +94,6 @@ def tp_rank(rank: int, port: int, backend: str, device_type: str, model_dir: str
 
 def _run_ranks(backend: str, device_type: str, model_dir: str, adapters: dict[str, str], deadline: float):
     """Both ranks; None if they did not report ready within NCCL_INIT_TIMEOUT_S (the caller falls back)."""
-    from tests.server_utils import free_port
-
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
