@@ -26,6 +26,7 @@ from loraplex.protocol.lora_targets import ATTN_MODULES, TARGET_MODULES
 SCRIPTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = SCRIPTS_DIR.parent
 NOT_IMPLEMENTED = "not implemented yet"
+KEEP_PGID_ENV = "GPU_CHECK_KEEP_PGID"
 
 
 def _jsonable(value: Any) -> Any:
@@ -122,6 +123,7 @@ class Context:
     keep_models: Path | None = None
     ceilings: dict[str, float] = field(default_factory=dict)  # from G0: copy_GBps, bf16_gemm_TFLOPs, h2d_pinned_GBps
     work_dir: Path | None = None  # the run's scratch directory (part files, server logs): never shipped back
+    cap_s: float = 0.0  # this group's hard cap (the parent kills it there)
 
     @property
     def scratch(self) -> Path:
@@ -164,16 +166,18 @@ class Context:
 
 
 def run_group(group: str, module: str, func: str, out_dir: str, work_dir: str, dry_run: bool,
-              keep_models: str | None, ceilings: dict[str, float]) -> None:
+              keep_models: str | None, ceilings: dict[str, float], cap_s: float) -> None:
     """Child entry point (multiprocessing spawn target): run one group, always leave part_<group>.json behind in
     work_dir. The child leads a process group of its own, so the parent's kill at the cap takes everything it
-    started too (TP ranks, compute-sanitizer), not only itself."""
-    os.setpgid(0, 0)
+    started too (TP ranks, compute-sanitizer), not only itself. A run nested under G8's compute-sanitizer keeps its
+    group (KEEP_PGID_ENV): G8 kills that whole session at once."""
+    if not os.environ.get(KEEP_PGID_ENV):
+        os.setpgid(0, 0)
     rec = Recorder(group, Path(work_dir) / f"part_{group}.json")
     try:
         fn: Callable[[Context], None] = getattr(importlib.import_module(module), func)
         ctx = Context(group, Path(out_dir), dry_run, rec, Path(keep_models) if keep_models else None, ceilings,
-                      Path(work_dir))
+                      Path(work_dir), cap_s)
         if ctx.is_cuda:
             import torch
 

@@ -8,13 +8,14 @@ import os
 import queue
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from scripts.gpu_check_lib import SCRIPTS_DIR, Context, max_abs, median
+from scripts.gpu_check_lib import KEEP_PGID_ENV, SCRIPTS_DIR, Context, max_abs, median
 from tests.net import free_port
 
 PROMPT_LENGTHS = [6, 11, 3, 17]
@@ -213,16 +214,23 @@ def g8_sanitizer(ctx: Context) -> None:
         ctx.rec.skip("memcheck", "compute-sanitizer not found")
         ctx.rec.figure("result", "skipped: compute-sanitizer not found")
         return
-    out_dir = tempfile.mkdtemp(prefix="gpu_check_sanitizer_")
+    out_dir = tempfile.mkdtemp(prefix="gpu_check_sanitizer_", dir=ctx.scratch)
+    limit_s = max(10.0, ctx.cap_s - 15)  # leave time to record the result before the parent's kill
     cmd = [tool, "--tool", "memcheck", "--print-limit", "20", sys.executable, "-m", "scripts.gpu_check",
-           "--only", "kernels_small", "--out", out_dir, "--budget-s", "60"]
+           "--only", "kernels_small", "--out", out_dir, "--cap-scale", "10", "--budget-s", str(limit_s)]
+    # A session of its own, registered, with every process of the nested run in it (KEEP_PGID_ENV): one kill
+    # here at the limit, or the parent's at the cap, ends all of them.
+    proc = subprocess.Popen(cmd, cwd=SCRIPTS_DIR.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=dict(os.environ, **{KEEP_PGID_ENV: "1"}))
+    ctx.own_process_group(proc.pid)
     try:
-        proc = subprocess.run(cmd, cwd=SCRIPTS_DIR.parent, capture_output=True, text=True, timeout=17)
+        text, _ = proc.communicate(timeout=limit_s)
     except subprocess.TimeoutExpired:
-        ctx.rec.skip("memcheck", "compute-sanitizer did not finish within the group's time")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        ctx.rec.skip("memcheck", f"compute-sanitizer did not finish within {limit_s:.0f} s (--sanitizer-s)")
         ctx.rec.figure("result", "skipped: timeout")
         return
-    text = proc.stdout + proc.stderr
     match = re.search(r"ERROR SUMMARY: (\d+) error", text)
     if match is None:
         ctx.rec.skip("memcheck", f"no ERROR SUMMARY (the tool may refuse this device): {text[-300:]}")
