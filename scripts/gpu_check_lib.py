@@ -190,6 +190,22 @@ def run_group(group: str, module: str, func: str, out_dir: str, work_dir: str, d
         rec.finish("error", f"{type(e).__name__}: {str(e)[:300]}", tail)
 
 
+# Peak HBM bandwidth by device name (GB/s, the vendor's figure): the memory roofline of a decode step is the bytes
+# of the weights it reads over this. Unknown devices fall back to the copy bandwidth G0 measured.
+HBM_GBPS = {"H200": 4800.0, "GH200": 4000.0, "H100 NVL": 3900.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0,
+            "H100": 3350.0, "B200": 8000.0, "A100-SXM4-80GB": 2039.0, "A100 80GB PCIe": 1935.0, "A100": 1555.0,
+            "L40S": 864.0, "L4": 300.0}
+
+
+def hbm_bandwidth(device_name: str, measured_copy_gbps: float | None) -> tuple[float | None, str]:
+    """(GB/s, where it came from): the longest table key contained in the device name, else the measured copy."""
+    matches = [key for key in HBM_GBPS if key.lower() in device_name.lower()]
+    if matches:
+        key = max(matches, key=len)
+        return HBM_GBPS[key], f"table: {key}"
+    return measured_copy_gbps, "measured device-to-device copy (device not in the table)"
+
+
 # ---- timing ------------------------------------------------------------------------------------------------------
 
 

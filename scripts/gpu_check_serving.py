@@ -11,6 +11,7 @@ from pathlib import Path
 from scripts.gpu_check_lib import (
     Context,
     LlamaShape,
+    hbm_bandwidth,
     max_abs,
     median,
     pct,
@@ -174,6 +175,10 @@ def _decode_matrix(ctx: Context, runner, pages: Pages, shape: LlamaShape, adapte
     r16_bytes = sum(o + i for o, i in shape.module_shapes().values()) * 16 * 2 * shape.layers
     kv_token_bytes = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2
     copy_gbps = ctx.ceilings.get("copy_GBps") or float("nan")
+    hbm_gbps, hbm_source = _hbm(ctx)
+    weight_roofline_ms = base_bytes / hbm_gbps / 1e6 if hbm_gbps else float("nan")
+    rec.figure("weight_roofline", {"hbm_GBps": hbm_gbps, "source": hbm_source, "weight_bytes": base_bytes,
+                                   "ms": weight_roofline_ms})
     table: dict[str, dict] = {}
     for batch_size in batches:
         req_pages = [pages.take(context, page_size) for _ in range(batch_size)]
@@ -197,7 +202,8 @@ def _decode_matrix(ctx: Context, runner, pages: Pages, shape: LlamaShape, adapte
             used = min(num_adapters, batch_size)
             roofline_ms = (base_bytes + used * r16_bytes + batch_size * context * kv_token_bytes) / copy_gbps / 1e6
             cell = {"wall_ms_p50": wall, "wall_ms_p90": pct(walls, 90), "tok_s": batch_size / wall * 1e3,
-                    "enqueue_ms": median(enqueue), "first_call_ms": first_ms, "x_roofline": wall / roofline_ms}
+                    "enqueue_ms": median(enqueue), "first_call_ms": first_ms, "x_roofline": wall / roofline_ms,
+                    "x_weight_roofline": wall / weight_roofline_ms}
             if ctx.is_cuda:
                 profiled = _profile_step(lambda batch=batch: runner.forward(batch))
                 cell.update(profiled, busy_pct=100 * profiled["kernel_ms"] / wall,
@@ -216,12 +222,23 @@ def _decode_matrix(ctx: Context, runner, pages: Pages, shape: LlamaShape, adapte
     rec.flag("LORA_OVERHEAD", ratio > 1.25, ratio, 1.25, "wall(8 adapters) / wall(base) at B=32")
     stall = max(c["first_call_ms"] - c["wall_ms_p50"] for r in table.values() for c in r.values())
     rec.flag("COMPILE_STALL", stall > 1000, stall, 1000, "worst first call - median, ms")
-    _decode_graphs(ctx, runner, batches, adapter_counts, context, table)
+    _decode_graphs(ctx, runner, batches, adapter_counts, context, table, weight_roofline_ms)
 
 
-def _decode_graphs(ctx: Context, runner, batches, adapter_counts, context: int, eager: dict) -> None:
+def _hbm(ctx: Context) -> tuple[float | None, str]:
+    if not ctx.is_cuda:
+        return None, "dry run: no HBM"
+    import torch
+
+    return hbm_bandwidth(torch.cuda.get_device_name(ctx.device), ctx.ceilings.get("copy_GBps"))
+
+
+def _decode_graphs(ctx: Context, runner, batches, adapter_counts, context: int, eager: dict,
+                   weight_roofline_ms: float) -> None:
     """The same decode matrix replayed from CUDA graphs (worker/cuda_graphs.py, captured here at the matrix's batch
-    sizes), against the eager figures above; the logits of both must agree."""
+    sizes), against the eager figures above, with the kernel launches of one replay. Correctness compares like with
+    like: the graphs against the same static buffers run eagerly (same padding, same attention split count; the
+    eager path picks its split count from the batch, so bf16 logits there differ by rounding: recorded only)."""
     import torch
     from loraplex.protocol.structs import ForwardBatch
 
@@ -234,9 +251,10 @@ def _decode_graphs(ctx: Context, runner, batches, adapter_counts, context: int, 
     start = time.perf_counter()
     graphs = runner.graph_runner(capture=True, batch_sizes=list(batches))
     rec.figure("cuda_graph_capture_s", time.perf_counter() - start)
+    static_eager = runner.graph_runner(capture=False, batch_sizes=list(batches))
     pages = Pages(runner.kv_cache.num_pages)  # KV contents do not matter
     table: dict[str, dict] = {}
-    worst_diff, tokens_equal = 0.0, True
+    worst_same, worst_path, bitwise = 0.0, 0.0, True
     for batch_size in batches:
         req_pages = [pages.take(context, runner.page_size) for _ in range(batch_size)]
         table[f"B={batch_size}"] = row = {}
@@ -245,23 +263,31 @@ def _decode_graphs(ctx: Context, runner, batches, adapter_counts, context: int, 
             reqs = _reqs([[7]] * batch_size, req_pages, slots, cached=[context - 1] * batch_size)
             batch = ForwardBatch(batch_id=4, reqs=reqs)
             runner.decode_graphs = None
-            eager_logits = forward_logits(runner, batch).float()
+            path_logits = forward_logits(runner, batch).float()
+            runner.decode_graphs = static_eager
+            same_logits = forward_logits(runner, batch).float()
             runner.decode_graphs = graphs
             graph_logits = forward_logits(runner, batch).float()
-            worst_diff = max(worst_diff, max_abs(graph_logits, eager_logits))
-            tokens_equal &= torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1))
+            worst_same = max(worst_same, max_abs(graph_logits, same_logits))
+            worst_path = max(worst_path, max_abs(graph_logits, path_logits))
+            bitwise &= torch.equal(graph_logits, same_logits)
             for _ in range(ctx.warmups()):
                 runner.forward(batch)
             walls = [wall_ms(lambda batch=batch: runner.forward(batch), ctx.device) for _ in range(ctx.reps())]
             wall = median(walls)
-            eager_wall = eager[f"B={batch_size}"][f"A={num_adapters}"]["wall_ms_p50"]
-            row[f"A={num_adapters}"] = {"wall_ms_p50": wall, "wall_ms_p90": pct(walls, 90),
-                                        "tok_s": batch_size / wall * 1e3, "speedup_vs_eager": eager_wall / wall}
+            profiled = _profile_step(lambda batch=batch: runner.forward(batch))
+            eager_cell = eager[f"B={batch_size}"][f"A={num_adapters}"]
+            row[f"A={num_adapters}"] = {
+                "wall_ms_p50": wall, "wall_ms_p90": pct(walls, 90), "tok_s": batch_size / wall * 1e3,
+                "speedup_vs_eager": eager_cell["wall_ms_p50"] / wall, "launches": profiled["launches"],
+                "eager_launches": eager_cell.get("launches"), "kernel_ms": profiled["kernel_ms"],
+                "busy_pct": 100 * profiled["kernel_ms"] / wall, "x_weight_roofline": wall / weight_roofline_ms}
+            rec.figure("decode_cuda_graph", table)
     runner.decode_graphs = None
-    rec.figure("decode_cuda_graph", table)
-    rec.check("cuda_graph.logits_vs_eager", worst_diff <= 5e-2, worst_diff, 5e-2,
-              "bf16 logits replayed from a graph vs the eager path, same batch (the split count may differ)")
-    rec.figure("cuda_graph_tokens_equal", tokens_equal)
+    rec.check("cuda_graph.logits_vs_static_eager", worst_same <= 1e-2, worst_same, 1e-2,
+              "bf16 logits of a replay vs the same static buffers run eagerly: same kernels, shapes and split count")
+    rec.figure("cuda_graph_bitwise_vs_static_eager", bitwise)
+    rec.figure("cuda_graph_vs_eager_path_max_abs", worst_path)  # different split counts: rounding only
 
 
 def _dynamic_run(ctx: Context, runner, prompts, slots, steps: int, churn: dict | None):
