@@ -42,7 +42,7 @@ GROUPS = [
     Group("g4", "decode", 60, 120, "scripts.gpu_check_serving", "g4_decode", 55),
     Group("g5", "server", 60, 120, "scripts.gpu_check_serving", "g5_server", 50),
     Group("g5b", "server_graphs", 45, 120, "scripts.gpu_check_serving", "g5b_server_graphs", 40),
-    Group("g6", "kernel_perf", 20, 45, "scripts.gpu_check_kernels", "g6_kernel_perf", 15),
+    Group("g6", "kernel_perf", 20, 90, "scripts.gpu_check_kernels", "g6_kernel_perf", 15),
     Group("g7", "tp2", 45, 90, "scripts.gpu_check_tp", "g7_tp2", 35),
     # off by default: under memcheck the small kernels alone take minutes; --sanitizer gives it SANITIZER_S
     Group(SANITIZER, "sanitizer", SANITIZER_S, 30, "scripts.gpu_check_tp", "g8_sanitizer", 180, in_default_run=False),

@@ -18,7 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 GROUPS = ("g0", "g1", "g2", "g3", "g4", "g5", "g5b", "g6", "g7")  # G8 (compute-sanitizer) only with --sanitizer
 MAX_FILES = 6
 STATUSES = {"pass", "fail", "error", "timeout", "skipped"}
-DRY_RUN_TIMEOUT_S = 420
+DRY_RUN_TIMEOUT_S = 600
 
 
 def test_gpu_check_dry_run(tmp_path: Path) -> None:
