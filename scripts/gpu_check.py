@@ -1,13 +1,18 @@
-"""The one GPU check: correctness, numerics and performance of the CUDA path, in under 5 minutes on one H200.
+"""The one GPU check: correctness, numerics and performance of the CUDA path, in one cold 10-minute device call.
 
-    python -m scripts.gpu_check --out DIR [--budget-s 285] [--only g1,g2] [--skip g5] [--dry-run] [--keep-models DIR]
+    python -m scripts.gpu_check --out DIR [--cap-scale 1.4] [--only g1,g2] [--skip g5] [--sanitizer] [--dry-run]
+    python -m scripts.gpu_check --plan      # the exact device command and its expected time; runs nothing
 
 The specification (groups, shapes, thresholds, report) and the command that runs it on a GPU: scripts/GPU_CHECK.md,
-beside this file. Groups G0-G8 each run in a fresh spawned child under a hard cap, so a CUDA fault or a hang in one
-cannot poison or stall the rest; this parent never imports torch. Each child writes DIR/part_<group>.json (after every
-check); the parent merges them into DIR/gpu_check.json after every group, prints one line per check as it goes and the
-reviewer block at the end. `--dry-run` runs everything on the CPU at tiny shapes (Triton in its
-interpreter; what needs CUDA is skipped with a reason), to find Python bugs before GPU minutes are spent.
+beside this file; the groups, caps and plan: scripts/gpu_check_plan.py. Each group runs in a fresh spawned child
+under a hard cap (a warm-cache cap times --cap-scale), so a CUDA fault or a hang in one cannot poison or stall the
+rest; this parent never imports torch. A child leads its own process group and registers the servers it starts in
+sessions of their own; when the group ends or reaches its cap the parent kills all of them, so nothing holds GPU memory
+into the next group. A child writes its part file to a scratch directory after every check and figure; the parent
+folds it into DIR/gpu_check.json every few seconds while the group runs, so a run killed from outside still returns
+what was measured. DIR receives only gpu_check.json, env.txt and server_tail.log (plus the log the device command
+tees). `--dry-run` runs everything on the CPU at tiny shapes (Triton in its interpreter; what needs CUDA is skipped
+with a reason), to find Python bugs before GPU minutes are spent.
 
 Counts in the summary: pass/fail are checks (kind "check"); error counts groups that raised or timed out; skipped
 counts skipped checks and skipped groups. Flags (kind "flag") never fail the run; raised ones are in perf_flags.
@@ -20,93 +25,98 @@ import datetime
 import json
 import multiprocessing as mp
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.gpu_check_lib import REPO_ROOT, format_check, run_group
+from scripts.gpu_check_plan import (
+    COLD_CAP_SCALE,
+    SANITIZER_S,
+    Group,
+    cap_of,
+    caps_total,
+    print_plan,
+    selected_groups,
+    triton_cache_entries,
+)
 from scripts.gpu_check_report import reviewer_block, summarize
 
-
-@dataclass(frozen=True)
-class Group:
-    gid: str
-    name: str
-    cap_s: float  # hard per-group limit on the GPU
-    dry_cap_s: float  # on a CPU dry run (2 slow shared cores; torch import alone takes seconds)
-    module: str
-    func: str
-    in_default_run: bool = True
-
-
-GROUPS = [
-    Group("g0", "env", 8, 45, "scripts.gpu_check_model", "g0_env"),
-    Group("g1", "kernels", 35, 90, "scripts.gpu_check_kernels", "g1_kernels"),
-    Group("g2", "attention", 20, 90, "scripts.gpu_check_model", "g2_attention"),
-    Group("g3", "numerics", 30, 90, "scripts.gpu_check_model", "g3_numerics"),
-    Group("g4", "decode", 45, 90, "scripts.gpu_check_serving", "g4_decode"),
-    Group("g5", "server", 75, 120, "scripts.gpu_check_serving", "g5_server"),
-    Group("g6", "kernel_perf", 20, 45, "scripts.gpu_check_kernels", "g6_kernel_perf"),
-    Group("g7", "tp2", 40, 90, "scripts.gpu_check_tp", "g7_tp2"),
-    Group("g8", "sanitizer", 20, 30, "scripts.gpu_check_tp", "g8_sanitizer"),
-    Group("kernels_small", "kernels_small", 20, 60, "scripts.gpu_check_kernels", "kernels_small", in_default_run=False),
-]
-SANITIZER = "g8"  # gets what is left, at most its cap
+MERGE_EVERY_S = 2.0  # how often the parent folds a running group's part file into gpu_check.json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="directory for gpu_check.json and part_<group>.json")
-    parser.add_argument("--budget-s", type=float, default=None, help="whole-run budget (default 285; 600 dry)")
+    parser.add_argument("--out", help="directory for gpu_check.json, env.txt and server_tail.log")
+    parser.add_argument("--cap-scale", type=float, default=COLD_CAP_SCALE,
+                        help=f"multiplies every group's warm-cache cap (default {COLD_CAP_SCALE:g}: a cold cache)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="whole-run budget (default: the selected groups' caps summed)")
     parser.add_argument("--only", default="", help="comma-separated groups (g1 or kernels) to run")
     parser.add_argument("--skip", default="", help="comma-separated groups to leave out")
+    parser.add_argument("--sanitizer", action="store_true", help="also run G8 (compute-sanitizer), off by default")
+    parser.add_argument("--sanitizer-s", type=float, default=SANITIZER_S, help="G8's own budget in seconds")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes; CUDA-only parts skip")
+    parser.add_argument("--plan", action="store_true", help="print the device command and expected time; run nothing")
     parser.add_argument("--keep-models", default=None, metavar="DIR",
                         help="where G4 writes the 1B model and adapters (G5 reuses them); default a temporary dir")
     args = parser.parse_args(argv)
+    if not args.plan and not args.out:
+        parser.error("--out is required (except with --plan)")
     if args.budget_s is None:
-        args.budget_s = 600.0 if args.dry_run else 285.0
+        args.budget_s = caps_total(args) + 5
     return args
 
 
-def _names(text: str) -> set[str]:
-    return {part.strip() for part in text.split(",") if part.strip()}
+def _kill_group_processes(group: Group, pid: int, work_dir: Path) -> None:
+    """The child's own process group (its TP ranks, compute-sanitizer) and every server session it registered."""
+    pgids = [pid]
+    registry = work_dir / f"pgids_{group.gid}.txt"
+    if registry.exists():
+        pgids += [int(line) for line in registry.read_text().split()]
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
-def selected_groups(args: argparse.Namespace) -> list[Group]:
-    only, skip = _names(args.only), _names(args.skip)
-    known = {g.gid for g in GROUPS} | {g.name for g in GROUPS}
-    unknown = (only | skip) - known
-    if unknown:
-        raise SystemExit(f"unknown group(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
-    if only:
-        chosen = [g for g in GROUPS if g.gid in only or g.name in only]
-    else:
-        chosen = [g for g in GROUPS if g.in_default_run]
-    return [g for g in chosen if g.gid not in skip and g.name not in skip]
+def _read_part(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # not there yet, or replaced mid-read
+        return None
 
 
-def run_child(group: Group, args: argparse.Namespace, cap_s: float, ceilings: dict, keep_models: str) -> dict:
-    """Run one group in a spawned child; its part file, or an error/timeout entry when it left none."""
+def run_child(group: Group, args: argparse.Namespace, cap_s: float, report: dict, keep_models: str,
+              work_dir: Path) -> dict:
+    """Run one group in a spawned child; its part file, or an error/timeout entry when it left none. While it runs,
+    its part is folded into the report every MERGE_EVERY_S, so figures reach gpu_check.json as they are measured."""
     out_dir = Path(args.out)
-    part_path = out_dir / f"part_{group.gid}.json"
+    part_path = work_dir / f"part_{group.gid}.json"
     part_path.unlink(missing_ok=True)
     ctx = mp.get_context("spawn")
     proc = ctx.Process(target=run_group, name=f"gpu_check-{group.gid}",
-                       args=(group.gid, group.module, group.func, str(out_dir), args.dry_run, keep_models, ceilings))
+                       args=(group.gid, group.module, group.func, str(out_dir), str(work_dir), args.dry_run,
+                             keep_models, report["meta"]["ceilings"], cap_s))
     start = time.monotonic()
     proc.start()
-    proc.join(cap_s)
+    while proc.is_alive() and time.monotonic() - start < cap_s:
+        proc.join(min(MERGE_EVERY_S, max(0.0, cap_s - (time.monotonic() - start))))
+        running = _read_part(part_path)
+        if running is not None and proc.is_alive():
+            report["groups"][group.gid] = running
+            write_report(out_dir, report)
     timed_out = proc.is_alive()
-    if timed_out:
-        proc.kill()
-        proc.join(10)
+    _kill_group_processes(group, proc.pid, work_dir)  # at the cap, and stragglers after a normal end
+    proc.join(10)
     wall_s = time.monotonic() - start
-    part = json.loads(part_path.read_text()) if part_path.exists() else {
-        "status": "error", "reason": None, "checks": [], "figures": {}, "error_tail": None}
+    part = _read_part(part_path) or {"status": "error", "reason": None, "checks": [], "figures": {},
+                                     "error_tail": None}
     if timed_out:
         part.update(status="timeout", reason=f"killed at its cap of {cap_s:.0f} s")
     elif part["status"] == "running":  # died without finishing (a fault, os._exit)
@@ -131,8 +141,24 @@ def write_report(out_dir: Path, report: dict) -> None:
     tmp.replace(out_dir / "gpu_check.json")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def write_env(out_dir: Path, report: dict) -> None:
+    """env.txt: the versions G0 read and nvidia-smi's own report (driver, CUDA, memory, other processes)."""
+    meta = report["meta"]
+    lines = [f"{k}: {v}" for k, v in meta.get("versions", {}).items()]
+    lines += [f"device.{k}: {v}" for k, v in meta.get("device", {}).items()]
+    lines += [f"triton_cache_entries: {meta.get('triton_cache', {})}", f"git: {meta.get('git')}", ""]
+    try:
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        smi = f"nvidia-smi: {e}"
+    (out_dir / "env.txt").write_text("\n".join(lines) + "\n" + smi)
+
+
+def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
+    if args.plan:
+        print_plan(args)
+        return None
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.dry_run:  # before any child imports triton: the kernels run in the interpreter (runners: torch backend)
@@ -140,45 +166,48 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # Not under --out: a run killed from outside must not ship gigabytes of weights back with the report.
-    keep_models = args.keep_models or tempfile.mkdtemp(prefix="gpu_check_models_")
+    # Not under --out: part files, server logs and the models never travel back with the report.
+    work_dir = Path(tempfile.mkdtemp(prefix="gpu_check_run_"))
+    keep_models = args.keep_models or str(work_dir / "models")
     started = time.monotonic()
     report: dict = {
         "meta": {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "wall_s": 0.0, "budget_s": args.budget_s, "dry_run": args.dry_run, "git": git_sha(),
-                 "versions": {}, "device": {}, "ceilings": {},
+                 "wall_s": 0.0, "budget_s": args.budget_s, "cap_scale": args.cap_scale, "dry_run": args.dry_run,
+                 "git": git_sha(), "versions": {}, "device": {}, "ceilings": {},
+                 "triton_cache": {"before": triton_cache_entries()},
                  "env": {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES",
                                                         "PYTHONPATH")}},
         "groups": {},
     }
-    for group in selected_groups(args):
-        left_s = args.budget_s - (time.monotonic() - started)
-        cap_s = group.dry_cap_s if args.dry_run else group.cap_s
-        if group.gid == SANITIZER:
-            cap_s = min(cap_s, max(0.0, left_s))
-        print(f"=== {group.gid} {group.name} (cap {cap_s:.0f} s, {left_s:.0f} s left)", flush=True)
-        if left_s < cap_s or cap_s <= 0:
-            part = {"status": "skipped", "wall_s": 0.0, "reason": "budget", "checks": [], "figures": {},
-                    "error_tail": None}
-        else:
-            part = run_child(group, args, cap_s, report["meta"]["ceilings"], keep_models)
-        report["groups"][group.gid] = part
-        if group.gid == "g0":
-            figures = part.get("figures", {})
-            for key in ("versions", "device", "ceilings"):
-                report["meta"][key] = figures.get(key, {})
-        print(f"--- {group.gid} {group.name}: {part['status'].upper()} in {part['wall_s']:.1f} s"
-              + (f" ({part['reason']})" if part.get("reason") else ""), flush=True)
-        if part["status"] in ("error", "timeout") and part.get("error_tail"):
-            print(part["error_tail"][-1500:], flush=True)
-        report["meta"]["wall_s"] = round(time.monotonic() - started, 1)
-        write_report(out_dir, report)
-    if not args.keep_models:
-        import shutil
-
-        shutil.rmtree(keep_models, ignore_errors=True)
+    try:
+        for group in selected_groups(args):
+            left_s = args.budget_s - (time.monotonic() - started)
+            cap_s = cap_of(group, args)
+            print(f"=== {group.gid} {group.name} (cap {cap_s:.0f} s, {left_s:.0f} s left)", flush=True)
+            if left_s < cap_s or cap_s <= 0:
+                part = {"status": "skipped", "wall_s": 0.0, "reason": "budget", "checks": [], "figures": {},
+                        "error_tail": None}
+            else:
+                part = run_child(group, args, cap_s, report, keep_models, work_dir)
+            report["groups"][group.gid] = part
+            if group.gid == "g0":
+                figures = part.get("figures", {})
+                for key in ("versions", "device", "ceilings"):
+                    report["meta"][key] = figures.get(key, {})
+                write_env(out_dir, report)
+            print(f"--- {group.gid} {group.name}: {part['status'].upper()} in {part['wall_s']:.1f} s"
+                  + (f" ({part['reason']})" if part.get("reason") else ""), flush=True)
+            if part["status"] in ("error", "timeout") and part.get("error_tail"):
+                print(part["error_tail"][-1500:], flush=True)
+            report["meta"]["wall_s"] = round(time.monotonic() - started, 1)
+            report["meta"]["triton_cache"]["after"] = triton_cache_entries()
+            write_report(out_dir, report)
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
     report["meta"]["wall_s"] = round(time.monotonic() - started, 1)
+    report["meta"]["triton_cache"]["after"] = triton_cache_entries()
     write_report(out_dir, report)
+    write_env(out_dir, report)
     failed = [f"{gid}.{c['name']}" for gid, g in report["groups"].items() for c in g["checks"]
               if c["kind"] == "check" and c["pass"] is False]
     if failed:
@@ -193,5 +222,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     report = main()
-    summary = report["summary"]
-    sys.exit(1 if summary["fail"] or summary["error"] else 0)
+    if report is not None:
+        summary = report["summary"]
+        sys.exit(1 if summary["fail"] or summary["error"] else 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -25,6 +26,7 @@ from loraplex.protocol.lora_targets import ATTN_MODULES, TARGET_MODULES
 SCRIPTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = SCRIPTS_DIR.parent
 NOT_IMPLEMENTED = "not implemented yet"
+KEEP_PGID_ENV = "GPU_CHECK_KEEP_PGID"
 
 
 def _jsonable(value: Any) -> Any:
@@ -115,11 +117,23 @@ class Context:
     """What a group gets: where to write, the device it runs on, and the options of the run."""
 
     group: str
-    out_dir: Path
+    out_dir: Path  # what comes back from the GPU machine: only the report, the log, env.txt and server_tail.log
     dry_run: bool
     rec: Recorder
     keep_models: Path | None = None
     ceilings: dict[str, float] = field(default_factory=dict)  # from G0: copy_GBps, bf16_gemm_TFLOPs, h2d_pinned_GBps
+    work_dir: Path | None = None  # the run's scratch directory (part files, server logs): never shipped back
+    cap_s: float = 0.0  # this group's hard cap (the parent kills it there)
+
+    @property
+    def scratch(self) -> Path:
+        return self.work_dir or self.out_dir
+
+    def own_process_group(self, pid: int) -> None:
+        """Register a process group this group started in its own session (a server): the parent kills it when
+        the group ends or is killed at its cap, so no server holds GPU memory through the next groups."""
+        with open(self.scratch / f"pgids_{self.group}.txt", "a") as f:
+            f.write(f"{pid}\n")
 
     @property
     def device(self):  # torch.device; imported lazily, the parent never imports torch
@@ -151,13 +165,19 @@ class Context:
         return False
 
 
-def run_group(group: str, module: str, func: str, out_dir: str, dry_run: bool, keep_models: str | None,
-              ceilings: dict[str, float]) -> None:
-    """Child entry point (multiprocessing spawn target): run one group, always leave part_<group>.json behind."""
-    rec = Recorder(group, Path(out_dir) / f"part_{group}.json")
+def run_group(group: str, module: str, func: str, out_dir: str, work_dir: str, dry_run: bool,
+              keep_models: str | None, ceilings: dict[str, float], cap_s: float) -> None:
+    """Child entry point (multiprocessing spawn target): run one group, always leave part_<group>.json behind in
+    work_dir. The child leads a process group of its own, so the parent's kill at the cap takes everything it
+    started too (TP ranks, compute-sanitizer), not only itself. A run nested under G8's compute-sanitizer keeps its
+    group (KEEP_PGID_ENV): G8 kills that whole session at once."""
+    if not os.environ.get(KEEP_PGID_ENV):
+        os.setpgid(0, 0)
+    rec = Recorder(group, Path(work_dir) / f"part_{group}.json")
     try:
         fn: Callable[[Context], None] = getattr(importlib.import_module(module), func)
-        ctx = Context(group, Path(out_dir), dry_run, rec, Path(keep_models) if keep_models else None, ceilings)
+        ctx = Context(group, Path(out_dir), dry_run, rec, Path(keep_models) if keep_models else None, ceilings,
+                      Path(work_dir), cap_s)
         if ctx.is_cuda:
             import torch
 
@@ -168,6 +188,22 @@ def run_group(group: str, module: str, func: str, out_dir: str, dry_run: bool, k
         tail = "".join(traceback.format_exception(e))[-3000:]
         print(tail, file=sys.stderr, flush=True)
         rec.finish("error", f"{type(e).__name__}: {str(e)[:300]}", tail)
+
+
+# Peak HBM bandwidth by device name (GB/s, the vendor's figure): the memory roofline of a decode step is the bytes
+# of the weights it reads over this. Unknown devices fall back to the copy bandwidth G0 measured.
+HBM_GBPS = {"H200": 4800.0, "GH200": 4000.0, "H100 NVL": 3900.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0,
+            "H100": 3350.0, "B200": 8000.0, "A100-SXM4-80GB": 2039.0, "A100 80GB PCIe": 1935.0, "A100": 1555.0,
+            "L40S": 864.0, "L4": 300.0}
+
+
+def hbm_bandwidth(device_name: str, measured_copy_gbps: float | None) -> tuple[float | None, str]:
+    """(GB/s, where it came from): the longest table key contained in the device name, else the measured copy."""
+    matches = [key for key in HBM_GBPS if key.lower() in device_name.lower()]
+    if matches:
+        key = max(matches, key=len)
+        return HBM_GBPS[key], f"table: {key}"
+    return measured_copy_gbps, "measured device-to-device copy (device not in the table)"
 
 
 # ---- timing ------------------------------------------------------------------------------------------------------

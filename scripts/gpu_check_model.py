@@ -354,7 +354,7 @@ def _build_models(ctx: Context, root: Path) -> dict[str, Path]:
 
 def _build_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
     from scripts.demo.builders import build_lora_adapter
-    from tests.conftest import ADAPTER_SPECS
+    from tests.adapter_specs import ADAPTER_SPECS
 
     paths = {}
     for seed, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTER_SPECS.items(), start=1):

@@ -83,11 +83,14 @@ def _graph_row(report: dict) -> str:
     if not table:
         return "  CUDA graphs: not measured"
     cells = [
-        f"{batch} {adapters} {_fmt(cell.get('wall_ms_p50'), '.2f')} ms x{_fmt(cell.get('speedup_vs_eager'), '.1f')}"
+        f"{batch} {adapters} {_fmt(cell.get('wall_ms_p50'), '.2f')} ms x{_fmt(cell.get('speedup_vs_eager'), '.1f')} "
+        f"{_fmt(cell.get('launches'))}/{_fmt(cell.get('eager_launches'))} k "
+        f"x{_fmt(cell.get('x_weight_roofline'), '.1f')}w"
         for batch, by_adapters in table.items()
         for adapters, cell in by_adapters.items()
     ]
-    return "  CUDA graphs (ms p50, speedup over eager): " + "; ".join(cells)
+    return ("  CUDA graphs (ms p50, speedup over eager, kernels graph/eager, x weight roofline): "
+            + "; ".join(cells))
 
 
 def _triton_decode_us(attention: dict) -> float | None:
@@ -115,6 +118,8 @@ def reviewer_block(report: dict) -> str:
         f"=== loraplex GPU check: {gpu}, torch {versions.get('torch', 'n/a')}, triton {versions.get('triton', 'n/a')}, "
         f"cuDNN {versions.get('cudnn', 'n/a')}, NCCL {versions.get('nccl', 'n/a')}; {meta['wall_s']:.0f} s of "
         f"{meta['budget_s']:.0f} ===",
+        f"VERSIONS: python {versions.get('python', 'n/a')}, CUDA {versions.get('torch_cuda', 'n/a')}, driver "
+        f"{device.get('driver', 'n/a')}; Triton cache entries before/after {_fmt(meta.get('triton_cache'))}",
         f"RESULT: {summary['pass']} pass, {summary['fail']} FAIL, {summary['error']} error, {summary['skipped']} "
         f"skipped; first failure: {summary['first_failure'] or 'none'}",
         f"CEILINGS: copy {_fmt(copy / 1e3 if copy else None)} TB/s, bf16 GEMM "
@@ -150,6 +155,10 @@ def reviewer_block(report: dict) -> str:
         f"TTFT p50/p99 {_fmt(server.get('ttft_ms'), '.0f')} ms; ITL p50/p99 {_fmt(server.get('itl_ms'), '.1f')} ms; "
         f"load p50 idle/busy {_fmt(server.get('load_ms'), '.0f')} ms; storm/quiet {_fmt(server.get('storm_quiet'))}"
         + _suffix(report, "g5"),
+        f"SERVER GRAPHS: tokens equal eager {_check(report, 'g5b', 'graph_tokens_equal_eager')}; ITL graph/eager "
+        f"{_fmt(_fig(report, 'g5b', 'itl_ratio_graph_over_eager'))}; structured output "
+        f"{_check(report, 'g5b', 'structured_output')} in {_fmt(_fig(report, 'g5b', 'structured_ms'), '.0f')} ms"
+        + _suffix(report, "g5b"),
         f"TP2 one GPU ({tp2.get('backend_used', 'none')}): fp32 max diff {_fmt(tp2.get('fp32_max_diff'))} (<=1e-3), "
         f"tokens equal {_yes(tp2.get('tokens_equal'))}; bf16 calibrated {_fmt(tp2.get('bf16_calibrated'))}"
         + _suffix(report, "g7"),
@@ -157,6 +166,14 @@ def reviewer_block(report: dict) -> str:
         f"PERF FLAGS: {', '.join(summary['perf_flags']) or 'none'}",
     ]
     return "\n".join(lines)
+
+
+def _check(report: dict, gid: str, name: str) -> str:
+    checks = report["groups"].get(gid, {}).get("checks", [])
+    found = next((c for c in checks if c["name"] == name), None)
+    if found is None:
+        return "n/a"
+    return "skipped" if found["kind"] == "skip" else "pass" if found["pass"] else "FAIL"
 
 
 def _yes(value: Any) -> str:

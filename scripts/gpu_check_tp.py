@@ -8,13 +8,15 @@ import os
 import queue
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from scripts.gpu_check_lib import SCRIPTS_DIR, Context, max_abs, median
+from scripts.gpu_check_lib import KEEP_PGID_ENV, SCRIPTS_DIR, Context, max_abs, median
+from tests.net import free_port
 
 PROMPT_LENGTHS = [6, 11, 3, 17]
 ADAPTERS = [None, "a16", "a64", "a32"]
@@ -91,19 +93,53 @@ def tp_rank(rank: int, port: int, backend: str, device_type: str, model_dir: str
         destroy_distributed()
 
 
-def _run_ranks(backend: str, device_type: str, model_dir: str, adapters: dict[str, str], deadline: float):
-    """Both ranks; None if they did not report ready within NCCL_INIT_TIMEOUT_S (the caller falls back)."""
-    from tests.server_utils import free_port
+def tp_graph_rank(rank: int, port: int, backend: str, device_type: str, model_dir: str, adapters: dict[str, str],
+                  results: mp.Queue) -> None:
+    """One TP rank on its own GPU (cuda:rank) with --enable-cuda-graph: the decode graphs are captured on every rank
+    with the all-reduces inside them. Greedy decoding through the graphs against the same static buffers run
+    eagerly (same kernels, shapes and split count): tokens equal, logits within 1e-2 (bf16)."""
+    import msgspec
+    import torch
+    from loraplex.protocol.structs import SlotLoad
+    from loraplex.worker.dist import destroy_distributed, init_distributed
+    from loraplex.worker.model_runner import ModelRunner
 
+    from scripts.gpu_check_model import _load_adapters
+    from tests.worker_helpers import GREEDY, decode, random_prompts
+
+    device = torch.device("cuda", rank)
+    config = msgspec.structs.replace(_config(2, "cuda", "bfloat16"), enable_cuda_graph=True,
+                                     attention_backend="triton", max_running_requests=8)
+    init_distributed(config, f"127.0.0.1:{port}", rank, device)
+    results.put((rank, "ready", 0.0))
+    try:
+        start = time.perf_counter()
+        runner = ModelRunner(config, model_dir, rank, 2, device)
+        capture_s = time.perf_counter() - start
+        ids = _load_adapters(runner, {name: Path(adapters[name]) for name in ADAPTERS if name})
+        slots = [-1 if a is None else i - 1 for i, a in enumerate(ADAPTERS)]
+        loads = [SlotLoad(slot=s, lora_id=ids[a]) for s, a in zip(slots, ADAPTERS, strict=True) if a]
+        prompts = random_prompts(PROMPT_LENGTHS, runner.vocab_size, seed=3)
+        graphed = decode(runner, prompts, [GREEDY] * len(prompts), DECODE_STEPS, slots=slots, slot_loads=loads)
+        runner.decode_graphs = runner.graph_runner(capture=False)
+        eager = decode(runner, prompts, [GREEDY] * len(prompts), DECODE_STEPS, slots=slots, slot_loads=loads)
+        results.put((rank, "done", {"graphed": graphed, "eager": eager, "capture_s": capture_s}))
+    finally:
+        destroy_distributed()
+
+
+def _run_ranks(backend: str, device_type: str, model_dir: str, adapters: dict[str, str], deadline: float,
+               target=None):
+    """Both ranks; None if they did not report ready within NCCL_INIT_TIMEOUT_S (the caller falls back)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = []
     for rank in (0, 1):
         env_backup = dict(os.environ)
-        if backend == "nccl":
+        if backend == "nccl" and target is None:  # two ranks on one GPU
             os.environ.update(NCCL_ONE_GPU_ENV, NCCL_HOSTID=f"loraplex-r{rank}")
-        procs.append(ctx.Process(target=tp_rank, args=(rank, port, backend, device_type, model_dir, adapters,
+        procs.append(ctx.Process(target=target or tp_rank, args=(rank, port, backend, device_type, model_dir, adapters,
                                                        results), daemon=True))
         procs[-1].start()  # a spawned child takes os.environ as it is at start
         os.environ.clear()
@@ -189,6 +225,29 @@ def g7_tp2(ctx: Context) -> None:
     rec.figure("tokens_equal", tokens_equal)
     rec.figure("bf16_calibrated", "pass" if calibrated else "fail")
     rec.figure("all_reduce_ms_2048_bf16", by_rank[0]["all_reduce_ms"])
+    _tp2_graphs(ctx, str(model_dir), adapters)
+
+
+def _tp2_graphs(ctx: Context, model_dir: str, adapters: dict[str, str]) -> None:
+    """TP=2 with --enable-cuda-graph, one rank per GPU (gloo cannot be captured, and two ranks on one GPU would
+    capture NCCL over loopback sockets: not what a server runs)."""
+    import torch
+
+    if not ctx.skip_unless_cuda("tp2_cuda_graphs"):
+        return
+    if torch.cuda.device_count() < 2:
+        ctx.rec.skip("tp2_cuda_graphs", f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+        return
+    by_rank = _run_ranks("nccl", "cuda", model_dir, adapters, time.monotonic() + 60, target=tp_graph_rank)
+    if by_rank is None:
+        ctx.rec.check("tp2_cuda_graphs", False, "no ranks ready", "both ranks join")
+        return
+    equal = all(by_rank[r]["graphed"] == by_rank[r]["eager"] for r in (0, 1))
+    equal = equal and by_rank[0]["graphed"] == by_rank[1]["graphed"]
+    ctx.rec.check("tp2_cuda_graphs", equal, {r: by_rank[r]["graphed"][0] for r in (0, 1)},
+                  "graph == eager, ranks agree",
+                  f"{DECODE_STEPS} greedy steps replayed from graphs with the all-reduce inside, bf16")
+    ctx.rec.figure("tp2_graph_capture_s", max(by_rank[r]["capture_s"] for r in (0, 1)))
 
 
 # ---- G8: compute-sanitizer ---------------------------------------------------------------------------------------
@@ -214,16 +273,23 @@ def g8_sanitizer(ctx: Context) -> None:
         ctx.rec.skip("memcheck", "compute-sanitizer not found")
         ctx.rec.figure("result", "skipped: compute-sanitizer not found")
         return
-    out_dir = tempfile.mkdtemp(prefix="gpu_check_sanitizer_")
+    out_dir = tempfile.mkdtemp(prefix="gpu_check_sanitizer_", dir=ctx.scratch)
+    limit_s = max(10.0, ctx.cap_s - 15)  # leave time to record the result before the parent's kill
     cmd = [tool, "--tool", "memcheck", "--print-limit", "20", sys.executable, "-m", "scripts.gpu_check",
-           "--only", "kernels_small", "--out", out_dir, "--budget-s", "60"]
+           "--only", "kernels_small", "--out", out_dir, "--cap-scale", "10", "--budget-s", str(limit_s)]
+    # A session of its own, registered, with every process of the nested run in it (KEEP_PGID_ENV): one kill
+    # here at the limit, or the parent's at the cap, ends all of them.
+    proc = subprocess.Popen(cmd, cwd=SCRIPTS_DIR.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=dict(os.environ, **{KEEP_PGID_ENV: "1"}))
+    ctx.own_process_group(proc.pid)
     try:
-        proc = subprocess.run(cmd, cwd=SCRIPTS_DIR.parent, capture_output=True, text=True, timeout=17)
+        text, _ = proc.communicate(timeout=limit_s)
     except subprocess.TimeoutExpired:
-        ctx.rec.skip("memcheck", "compute-sanitizer did not finish within the group's time")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        ctx.rec.skip("memcheck", f"compute-sanitizer did not finish within {limit_s:.0f} s (--sanitizer-s)")
         ctx.rec.figure("result", "skipped: timeout")
         return
-    text = proc.stdout + proc.stderr
     match = re.search(r"ERROR SUMMARY: (\d+) error", text)
     if match is None:
         ctx.rec.skip("memcheck", f"no ERROR SUMMARY (the tool may refuse this device): {text[-300:]}")

@@ -4,8 +4,8 @@ import os
 from pathlib import Path
 
 import pytest
-from loraplex.protocol.lora_targets import ATTN_MODULES, MLP_MODULES, TARGET_MODULES
 
+from tests.adapter_specs import ADAPTER_SPECS
 from tests.device_helpers import configure_triton
 
 # Before anything imports transformers/huggingface_hub (fixtures import the model builders lazily for this reason):
@@ -26,15 +26,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if tier in TIERS:
             item.add_marker(tier)
 
-
-# name -> (r, lora_alpha, target_modules, use_rslora); ranks and target sets deliberately differ.
-ADAPTER_SPECS: dict[str, tuple[int, float, tuple[str, ...], bool]] = {
-    "a4": (4, 8, ATTN_MODULES, False),
-    "a8": (8, 16, MLP_MODULES, False),
-    "a16": (16, 16, TARGET_MODULES, True),
-    "a32": (32, 64, ("q_proj", "v_proj"), False),
-    "a64": (64, 128, TARGET_MODULES, False),
-}
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,18 +19,14 @@ from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.faults import FAULTS_ENV, FaultPlan
 from loraplex.protocol.structs import Endpoints
 
+from tests.net import free_port
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def fault_env(**faults: object) -> dict[str, str]:
     """The environment that injects these faults (protocol/faults.py) into every worker started under it."""
     return {FAULTS_ENV: msgspec.json.encode(FaultPlan(**faults)).decode()}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServerProcess:

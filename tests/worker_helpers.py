@@ -26,7 +26,7 @@ from loraplex.protocol.structs import (
 from loraplex.worker.grammar import GrammarMasks
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.server_utils import free_port
+from tests.net import free_port
 
 PAGE_SIZE = 4
 NUM_PAGES = 128

@@ -103,7 +103,8 @@ class DecodeGraphRunner:
         self._fill(reqs, entry)
         if entry.graph is None:
             return self._run(entry)[: len(reqs)]
-        entry.graph.replay()
+        with torch.cuda.device(self.device):
+            entry.graph.replay()
         return entry.logits[: len(reqs)]
 
     def _run(self, entry: _Entry) -> torch.Tensor:
@@ -138,14 +139,23 @@ class DecodeGraphRunner:
             raise BatchError("the batch uses adapter slots but LoRA is not enabled")
 
     def _capture(self, entry: _Entry, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, object]:
-        # Eager runs first, on a side stream as torch asks: cuBLAS workspaces and any first-use work happen there.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._run(entry)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            logits = self._run(entry)
+        # Everything on the runner's device, whatever the current one is: torch.cuda.graph's default capture stream
+        # is created on the current device at first use, and Triton launches on the current device.
+        with torch.cuda.device(self.device):
+            # Eager runs first, on a side stream as torch asks: cuBLAS workspaces, NCCL communicators (under TP the
+            # all-reduces run inside the graph, on every rank alike) and any first-use work happen there.
+            stream = capture_stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._run(entry)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                logits = self._run(entry)
         return graph, logits, graph.pool()
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """A side stream on `device` (not the current device) for the warm-up runs and the capture."""
+    return torch.cuda.Stream(device=device)

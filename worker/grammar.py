@@ -13,6 +13,7 @@ it never accepts a token that is not in the request's output.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from dataclasses import dataclass
@@ -35,11 +36,25 @@ class _Sequence:
     is_broken: bool = False  # a sampled token broke the grammar (another mask left no allowed token): unmasked
 
 
+def mask_backend(device: torch.device) -> str:
+    """xgrammar's way to apply a bitmask to logits on `device`, chosen once. On CUDA its Triton kernel: the "cuda"
+    backend compiles a CUDA kernel with nvcc on first use, inside a step on rank 0 (tens of seconds; under TP the
+    other ranks would hit --dist-timeout), and a machine without nvcc cannot build it at all. Without Triton, its
+    plain torch ops."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "torch_native"
+
+
 class GrammarMasks:
-    def __init__(self, model_dir: str, vocab_size: int, rank: int, world_size: int):
+    def __init__(self, model_dir: str, vocab_size: int, rank: int, world_size: int,
+                 device: torch.device | None = None):
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self.rank, self.world_size = rank, world_size
+        self.backend = mask_backend(device or torch.device("cpu"))
         self._compiler = None  # built on the first constrained request (it loads the tokenizer)
         self._sequences: dict[int, _Sequence] = {}  # req_key -> its matcher
 
@@ -66,7 +81,8 @@ class GrammarMasks:
         if not masked_rows:
             return logits
         masked = logits.clone()
-        xgr.apply_token_bitmask_inplace(masked, bitmask.to(logits.device, non_blocking=True), indices=masked_rows)
+        xgr.apply_token_bitmask_inplace(masked, bitmask.to(logits.device, non_blocking=True), indices=masked_rows,
+                                        backend=self.backend)
         return masked
 
     def record(self, reqs: list[ForwardReq], batch: SamplingBatch, tokens: list[int]) -> list[int]:

@@ -129,7 +129,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, self.device)
         self.sampling_table = SamplingTable()  # every request's sampling parameters, sent on its first pass
         self.histories = TokenHistories()  # the tokens so far of the requests that use penalties
-        self.grammar = GrammarMasks(model_dir, self.vocab_size, rank, world_size)
+        self.grammar = GrammarMasks(model_dir, self.vocab_size, rank, world_size, self.device)
         logger.info("KV cache: %d tokens (%d pages of %d)", self.max_total_tokens, num_pages, self.page_size)
         if self.max_total_tokens < self.context_length:
             logger.warning(

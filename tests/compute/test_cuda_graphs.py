@@ -131,3 +131,66 @@ def test_graphs_refuse_backends_that_cannot_be_captured(llama_dir: Path, attenti
     runner.device = torch.device("cuda")  # as on a GPU; the check comes before anything touches the device
     with pytest.raises(AttentionBackendError, match=f"--enable-cuda-graph needs {why}"):
         runner._decode_graphs()
+
+
+def test_capture_uses_the_runners_device_not_the_current_one(llama_dir: Path, adapter_dirs: dict[str, Path],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm-up stream, the capture's stream and the device context of capture and replay are all the runner's
+    device (cuda:1 here) while the current device is another: torch.cuda is faked, the forward runs on the CPU."""
+    import contextlib
+
+    from loraplex.worker import cuda_graphs
+
+    runner = _runner(llama_dir, adapter_dirs, "torch")
+    graphs = runner.graph_runner(capture=False, batch_sizes=[1])
+    target = torch.device("cuda", 1)
+    graphs.device = target
+    events: list[tuple] = []
+
+    class FakeStream:
+        def __init__(self, device=None):
+            events.append(("stream", device))
+
+        def wait_stream(self, other) -> None:
+            pass
+
+    class FakeGraph:
+        def replay(self) -> None:
+            events.append(("replay",))
+
+        def pool(self) -> str:
+            return "pool"
+
+    @contextlib.contextmanager
+    def fake_device(device):
+        events.append(("device", device))
+        yield
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, stream=None):
+        events.append(("graph", stream))
+        yield
+
+    @contextlib.contextmanager
+    def fake_stream_ctx(stream):
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "device", fake_device)
+    monkeypatch.setattr(torch.cuda, "stream", fake_stream_ctx)
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(device))
+    entry = graphs.entries[1]
+    with torch.inference_mode():
+        entry.graph, entry.logits, _ = graphs._capture(entry, None)
+    created = [e for e in events if e[0] == "stream"]
+    assert created and all(e[1] == target for e in created), events
+    assert events[0] == ("device", target)
+    (graph_event,) = [e for e in events if e[0] == "graph"]
+    assert isinstance(graph_event[1], FakeStream)  # the side stream made on the target, not torch's default
+    assert cuda_graphs.capture_stream(target) is not None
+    events.clear()
+    monkeypatch.setattr(graphs, "_fill", lambda reqs, entry: None)  # its copies would go to the (absent) cuda:1
+    graphs.logits([ForwardReq(input_ids=[1], num_cached_tokens=0, page_ids=[0], sampling=GREEDY)])
+    assert events == [("device", target), ("replay",)]

@@ -1,18 +1,24 @@
 """scripts/gpu_check.py --dry-run end to end: every group runs (or skips with a reason) on the CPU, the merged JSON
-has the documented shape, the reviewer block is printed, and no check that ran failed."""
+has the documented shape, at most 6 files come back, the reviewer block is printed, and no check that ran failed.
+Also: the plan fits one cold 10-minute device call, and the check imports without `requests` or pytest."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+from scripts.gpu_check import parse_args
+from scripts.gpu_check_plan import CAPS_LIMIT_S, DEVICE_CALL_S, INSTALL_S, caps_total, plan_lines
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-GROUPS = ("g0", "g1", "g2", "g3", "g4", "g5", "g6", "g7", "g8")
+GROUPS = ("g0", "g1", "g2", "g3", "g4", "g5", "g5b", "g6", "g7")  # G8 (compute-sanitizer) only with --sanitizer
+MAX_FILES = 6
 STATUSES = {"pass", "fail", "error", "timeout", "skipped"}
-DRY_RUN_TIMEOUT_S = 420
+DRY_RUN_TIMEOUT_S = 600
 
 
 def test_gpu_check_dry_run(tmp_path: Path) -> None:
@@ -25,9 +31,12 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
     report = json.loads((out_dir / "gpu_check.json").read_text())
 
     assert set(report["groups"]) == set(GROUPS), stdout[-3000:]
+    files = [f for f in out_dir.rglob("*") if f.is_file()]
+    assert len(files) + 1 <= MAX_FILES, files  # + the log the device command tees
+    assert {f.name for f in files} <= {"gpu_check.json", "env.txt", "server_tail.log"}, files
+    assert "triton_cache_entries" in (out_dir / "env.txt").read_text()
     for gid, group in report["groups"].items():
         assert group["status"] in STATUSES, gid
-        assert (out_dir / f"part_{gid}.json").exists(), gid
         assert group["status"] not in ("error", "timeout"), f"{gid}: {group['reason']}\n{group['error_tail']}"
         for check in group["checks"]:
             assert set(check) >= {"name", "kind", "pass", "value", "threshold", "detail"}, check
@@ -38,14 +47,44 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
                 assert check["pass"] is True, f"{gid}.{check['name']}: {check}"
     ran = [c for g in report["groups"].values() for c in g["checks"] if c["kind"] == "check"]
     assert len(ran) >= 40, f"only {len(ran)} checks ran"
-    for key in ("started", "wall_s", "budget_s", "git", "versions", "device", "ceilings", "env"):
+    for key in ("started", "wall_s", "budget_s", "git", "versions", "device", "ceilings", "env", "triton_cache"):
         assert key in report["meta"], key
     summary = report["summary"]
     assert summary["fail"] == 0 and summary["error"] == 0, summary
     assert summary["tp2_backend"] == "gloo-cpu"
     for line_start in ("=== loraplex GPU check:", "RESULT:", "CEILINGS:", "KERNELS:", "ATTENTION:", "NUMERICS:",
-                       "DECODE 1B", "PREFILL:", "DYNAMIC LORA:", "SERVER:", "TP2 one GPU", "SANITIZER:",
+                       "DECODE 1B", "PREFILL:", "DYNAMIC LORA:", "SERVER:", "SERVER GRAPHS:", "TP2 one GPU",
+                       "SANITIZER:", "VERSIONS:",
                        "PERF FLAGS:"):
         assert any(line.lstrip().startswith(line_start) for line in stdout.splitlines()), line_start
     assert stdout.rstrip().splitlines()[-1].startswith("PERF FLAGS:")
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_plan_fits_one_cold_device_call() -> None:
+    args = parse_args(["--plan"])
+    assert caps_total(args) <= CAPS_LIMIT_S
+    text = "\n".join(plan_lines(args))
+    caps = float(re.search(r"caps summed: (\d+) s", text).group(1))
+    assert caps <= CAPS_LIMIT_S, text
+    command = text.splitlines()[-1]
+    timeout_s = int(re.search(r"timeout -k 10 (\d+) python3 -m scripts.gpu_check --out \$OUT", command).group(1))
+    assert INSTALL_S + timeout_s + 10 <= DEVICE_CALL_S, command
+    assert len(command) < 2000 and "tee $OUT/gpu_check.log" in command and "nvidia-smi" not in command
+    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--plan"], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and command in proc.stdout, proc.stderr
+    with_sanitizer = parse_args(["--plan", "--sanitizer"])
+    assert "g8" in "\n".join(plan_lines(with_sanitizer))
+
+
+def test_check_imports_without_requests_or_pytest() -> None:
+    """The GPU image has what `pip install .` brings: every gpu_check module and the test helpers it uses import
+    with `requests` and pytest unavailable."""
+    code = ("import sys; sys.modules['requests'] = None; sys.modules['pytest'] = None\n"
+            "import scripts.gpu_check, scripts.gpu_check_model, scripts.gpu_check_kernels, scripts.gpu_check_serving\n"
+            "import scripts.gpu_check_tp, scripts.gpu_check_server, scripts.bench_serving, scripts.bench_adapter_ops\n"
+            "import tests.worker_helpers, tests.adapter_specs, tests.reference, tests.kernel_refs\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -536,3 +536,32 @@ def test_a_length_bounded_json_string_refuses_control_characters(compiler):
         ('{"age": 1, "color": "red", "ok": true, "name": "ab"}', True),
     ]:
         assert xgr.GrammarMatcher(compiled).accept_string(text) is ok, text
+
+
+def test_mask_backend_is_chosen_once_and_never_nvcc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the mask goes through xgrammar's Triton kernel (its "cuda" backend would compile with nvcc inside a
+    step), else torch ops; the backend names exist in the installed xgrammar and agree with its CPU path."""
+    import importlib.util
+    import inspect
+
+    import xgrammar as xgr
+    from loraplex.worker import grammar as grammar_module
+
+    assert grammar_module.mask_backend(torch.device("cpu")) == "cpu"
+    assert grammar_module.mask_backend(torch.device("cuda", 1)) == "triton"
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "triton" else real_find_spec(name))
+    assert grammar_module.mask_backend(torch.device("cuda")) == "torch_native"
+    monkeypatch.undo()
+    assert "backend" in inspect.signature(xgr.apply_token_bitmask_inplace).parameters
+    vocab = 100
+    bitmask = xgr.allocate_token_bitmask(2, vocab)
+    bitmask[:] = 0
+    bitmask[0, 0] = 0b1011  # row 0 allows tokens 0, 1, 3; row 1 untouched
+    logits = torch.randn(2, vocab)
+    expected, got = logits.clone(), logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, bitmask, indices=[0], backend="cpu")
+    xgr.apply_token_bitmask_inplace(got, bitmask, indices=[0], backend="torch_native")
+    assert torch.equal(expected, got)
+    assert torch.isfinite(got[0]).nonzero().flatten().tolist() == [0, 1, 3]
+    assert torch.equal(got[1], logits[1])
