@@ -74,15 +74,16 @@ class GenerateService:
         """A text prompt's tokens, as every generate route and /tokenize take them: the tokenizer's defaults (BOS)."""
         return self.runtime.tokenizer(text)["input_ids"]
 
-    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The prompt of a chat: {role, content} messages through the model's chat template."""
+    def tokenize_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
+        """The prompt of a chat: {role, content} messages (and function tools) through the model's chat template."""
         runtime = self.runtime
         if not messages:
             raise InputError("'messages' is empty")
         if not getattr(runtime.tokenizer, "chat_template", None):
             raise InputError(f"model {runtime.config.model_name!r} has no chat template, so it cannot take 'messages'")
         try:
-            text = runtime.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = runtime.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                         add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages is a client error
             raise InputError(f"the chat template rejected the messages: {e}") from e
         return runtime.tokenizer(text, add_special_tokens=False)["input_ids"]

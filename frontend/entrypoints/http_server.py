@@ -7,7 +7,7 @@ import logging
 import signal
 
 from aiohttp import web
-from loraplex.frontend.entrypoints import console_api, native_api, openai_api, openapi, utility_api
+from loraplex.frontend.entrypoints import console_api, native_api, openai_api, openapi, responses_api, utility_api
 from loraplex.frontend.entrypoints.http_utils import error_response
 from loraplex.frontend.entrypoints.wire import failure, key_matches
 from loraplex.frontend.generate import GenerateService
@@ -57,6 +57,7 @@ def create_app(runtime: Runtime) -> web.Application:
     app["generate"] = GenerateService(runtime)
     app.add_routes(native_api.routes)
     app.add_routes(openai_api.routes)
+    app.add_routes(responses_api.routes)
     app.add_routes(utility_api.routes)
     app.add_routes(openapi.routes)
     app.add_routes(console_api.routes)

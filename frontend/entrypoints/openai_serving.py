@@ -8,7 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from loraplex.frontend.constraints import constrain, openai_constraint
+from loraplex.frontend.constraints import Found, constrain, openai_constraint
 from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CommonParams, CompletionRequest, chat_messages
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.generate import GenerateService, n_samplings, raise_failure
@@ -264,14 +264,16 @@ async def start_openai(
     chat: bool,
     default_max: int | None,
     echo_texts: list[str] | None = None,
+    found: Found | None = None,
 ) -> OpenAIRun:
     """Validate and submit every choice (n per prompt), or none. echo_texts (completions with echo): each prompt's
-    text, put before its completions' text."""
+    text, put before its completions' text. found: a constraint the caller derived (/v1/responses' forced tool
+    call), else the body's structured-output fields give it."""
     runtime = service.runtime
     runtime.check_available()
     lora_name, served_by = await service.resolve_model(req.model)
     jobs: list[tuple[list[int], Any]] = []
-    found = openai_constraint(req)
+    found = found or openai_constraint(req)
     for prompt in prompts:
         for sampling in await constrain(runtime, openai_sampling(runtime, req, len(prompt), default_max), found):
             jobs.append((prompt, sampling))

@@ -12,6 +12,7 @@ from loraplex.frontend.entrypoints.http_utils import json_response
 from loraplex.frontend.entrypoints.native_api import AbortBody, LoadBody, UnloadBody
 from loraplex.frontend.entrypoints.openai_api import VllmLoadBody, VllmUnloadBody
 from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest
+from loraplex.frontend.entrypoints.responses_schemas import STREAM_EVENTS, ResponseObject, ResponsesRequest
 from loraplex.frontend.entrypoints.utility_api import DetokenizeBody, TokenizeBody
 from loraplex.frontend.params import NativeGenerateRequest
 
@@ -73,6 +74,9 @@ ROUTES = [
     Route("post", "/v1/chat/completions", "OpenAI chat completions; SSE with stream: true", ChatRequest,
           {"application/json": r.ChatCompletionResponse, SSE: (r.ChatCompletionChunk, r.ErrorResponse)},
           {**POST_ERRORS, 404: "unknown model"}),
+    Route("post", "/v1/responses", "OpenAI Responses (text and function tools, store false); with stream: true, SSE "
+          "named by type (`event:` lines) and no [DONE]", ResponsesRequest,
+          {"application/json": ResponseObject, SSE: STREAM_EVENTS}, {**POST_ERRORS, 404: "unknown model"}),
     Route("get", "/v1/models", "The base model, then one card per adapter", None,
           {"application/json": r.ModelList}, GET_ERRORS),
     Route("get", "/v1/models/{model}", "One model's card, as in /v1/models: the base model or an adapter", None,

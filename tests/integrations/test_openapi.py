@@ -23,7 +23,8 @@ from tests.server_utils import ServerProcess
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 POST_ROUTES = ["/generate", "/load_lora_adapter", "/unload_lora_adapter", "/abort_request", "/v1/completions",
-               "/v1/chat/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/tokenize", "/detokenize"]
+               "/v1/chat/completions", "/v1/responses", "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/tokenize",
+               "/detokenize"]
 BODY_LIMIT = 64 * 2**20  # frontend.http_server's client_max_size
 SEED = 20261130
 EXAMPLES_PER_MODE = 40  # per route and mode: ~1 minute in all on two slow cores
@@ -83,7 +84,7 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(server):
             except Exception as e:  # noqa: BLE001 - collected, so one run reports every route's failures
                 failures.append(f"{operation.label} ({mode.value}): {e}")
     assert not failures, "\n\n".join(failures)
-    assert num_operations == 20  # every route but /openapi.json itself, which schemathesis leaves out
+    assert num_operations == 21  # every route but /openapi.json itself, which schemathesis leaves out
     for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
         assert statuses[(f"POST {path}", 200)] > 0, f"no fuzzed request reached generation on {path}"
     assert server.get("/health").status_code == 200

@@ -333,3 +333,135 @@ def test_engine_tp2_tensors_equal_directory(llama_dir, adapter_dirs, tmp_path):
         refused = engine.load_lora_adapter_from_tensors("bad", bad, config)
         assert not refused.success and "missing lora_B" in refused.error_message
         assert "bad" not in {r["lora_name"] for r in engine.list_lora_adapters()}
+
+
+# ---- /v1/responses with the openai client ---------------------------------------------------------------------
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+def openai_client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def chat_text(server, model, messages, max_tokens):
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    resp = server.post("/v1/chat/completions", body, headers=AUTH)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_responses_create_equals_chat(vllm_server):
+    server, _ = vllm_server
+    client = openai_client(server)
+    for model in ("tiny", "x"):  # the base model and an adapter
+        out = client.responses.create(model=model, input="Hi there", instructions="Be brief.", max_output_tokens=6,
+                                      temperature=0)
+        chat = chat_text(server, model, [{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": "Hi there"}], 6)
+        assert out.id.startswith("resp_") and out.object == "response" and out.model == model
+        assert out.output_text == chat["choices"][0]["message"]["content"]
+        [message] = out.output
+        assert message.type == "message" and message.role == "assistant" and message.content[0].annotations == []
+        length = chat["choices"][0]["finish_reason"] == "length"
+        assert out.status == ("incomplete" if length else "completed")
+        assert (out.incomplete_details.reason if length else out.incomplete_details) == (
+            "max_output_tokens" if length else None)
+        usage = chat["usage"]
+        assert (out.usage.input_tokens, out.usage.output_tokens, out.usage.total_tokens) == (
+            usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"])
+    # message items with text parts, earlier output and a function call's result render as the chat's messages
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny.",
+                                                                    "annotations": []}]},
+             {"role": "user", "content": "Thanks"}]
+    out = client.responses.create(model="x", input=items, max_output_tokens=4, temperature=0, store=False)
+    chat = chat_text(server, "x", [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Thanks"}], 4)
+    assert out.output_text == chat["choices"][0]["message"]["content"]
+    assert out.usage.input_tokens == chat["usage"]["prompt_tokens"]
+
+
+def test_responses_stream_assembles_the_same_text(vllm_server):
+    server, _ = vllm_server
+    client = openai_client(server)
+    whole = client.responses.create(model="x", input="Once upon", max_output_tokens=8, temperature=0)
+    with client.responses.stream(model="x", input="Once upon", max_output_tokens=8, temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"} and len(kinds) > 9
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert final.output_text == whole.output_text and final.status == whole.status
+    assert final.output[0].id == events[2].item.id and final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_responses_forced_function_call_parses(vllm_server):
+    server, _ = vllm_server
+    client = openai_client(server)
+    named = {"type": "function", "name": "get_weather"}
+    for model in ("tiny", "x"):
+        out = client.responses.create(model=model, input="Weather in Oslo?", tools=[WEATHER], tool_choice=named,
+                                      max_output_tokens=40, temperature=0)
+        [call] = out.output
+        assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+        assert set(json.loads(call.arguments)) == {"city"} and out.status == "completed"
+        with client.responses.stream(model=model, input="Weather in Oslo?", tools=[WEATHER], tool_choice=named,
+                                     max_output_tokens=40, temperature=0) as stream:
+            events = list(stream)
+            final = stream.get_final_response()
+        deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+        assert "".join(deltas) == call.arguments and final.output[0].arguments == call.arguments
+        assert [e.type for e in events if e.type.endswith(".done")] == [
+            "response.function_call_arguments.done", "response.output_item.done"]
+    second = dict(WEATHER, name="get_time", parameters={"type": "object", "properties": {"zone": {"enum": ["utc"]}},
+                                                        "required": ["zone"]})
+    out = client.responses.create(model="x", input="Weather?", tools=[WEATHER, second], tool_choice="required",
+                                  parallel_tool_calls=False, max_output_tokens=120, temperature=0)
+    [call] = out.output
+    assert out.status == "completed", out.output
+    assert call.type == "function_call" and call.name in ("get_weather", "get_time")
+    arguments = json.loads(call.arguments)
+    assert arguments == {"zone": "utc"} if call.name == "get_time" else set(arguments) == {"city"}
+    with client.responses.stream(model="x", input="Weather?", tools=[WEATHER, second], tool_choice="required",
+                                 parallel_tool_calls=False, max_output_tokens=120, temperature=0) as stream:
+        final = stream.get_final_response()
+    assert [(c.name, c.arguments) for c in final.output] == [(call.name, call.arguments)]
+
+
+def test_responses_refusals(vllm_server):
+    import openai
+
+    server, _ = vllm_server
+    client = openai_client(server)
+    with pytest.raises(openai.BadRequestError, match="store"):
+        client.responses.create(model="x", input="Hi", store=True)
+    with pytest.raises(openai.BadRequestError, match="frobnicate"):
+        client.responses.create(model="x", input="Hi", extra_body={"frobnicate": 1})
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="nope", input="Hi")
+    bad = [({"input": [{"role": "user", "content": "Hi", "colour": 1}]}, "colour"),
+           ({"input": [{"type": "web_search_call"}]}, "web_search_call"),
+           ({"input": "Hi", "tool_choice": "required"}, "needs tools"),
+           ({"input": "Hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, "other"),
+           ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens")]
+    for body, named in bad:
+        resp = server.post("/v1/responses", {"model": "x", **body}, headers=AUTH)
+        assert resp.status_code == 400 and named in resp.json()["error"]["message"], (body, resp.text)
+    assert server.post("/v1/responses", {"model": "x", "input": "Hi"}).status_code == 401
+    assert server.get("/server_info", headers=AUTH).json()["num_requests_in_flight"] == 0

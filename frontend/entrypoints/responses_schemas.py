@@ -1,0 +1,270 @@
+"""OpenAI's Responses API (POST /v1/responses) as vLLM serves it: the request body with its input items and function
+tools, the Response object, and the streamed events, each in the shape the `openai` client's types parse."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from loraplex.frontend.params import MAX_INT64, Temperature, TopP, strip_neutral
+
+# Responses parameters we do not implement, with the neutral values that mean "off" and are therefore accepted.
+# store: responses are never kept, so only false (or absent, which vLLM too serves unstored) is accepted.
+NEUTRAL = {
+    "store": (None, False),
+    "previous_response_id": (None,),
+    "include": (None, []),
+    "metadata": (None, {}),
+    "reasoning": (None,),
+    "text": (None, {"format": {"type": "text"}}),
+    "truncation": (None, "disabled"),
+    "service_tier": (None, "auto", "default"),
+    "background": (None, False),
+    "top_logprobs": (None, 0),
+    "max_tool_calls": (None,),
+}
+
+
+# ---- request -------------------------------------------------------------------------------------------
+
+
+class InputText(msgspec.Struct, tag="input_text", tag_field="type", forbid_unknown_fields=True):
+    text: str
+
+
+class OutputTextPart(msgspec.Struct, tag="output_text", tag_field="type", forbid_unknown_fields=True, kw_only=True):
+    """An earlier answer's text, as a client sends its previous output back."""
+
+    text: str
+    annotations: list[Any] = []
+    logprobs: list[Any] | None = None
+
+
+class MessageItem(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputText | OutputTextPart]
+    type: Literal["message"] = "message"
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """An earlier function call of the assistant (a client's previous output, sent back with its result)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+INPUT_ITEMS: dict[str, type] = {"message": MessageItem, "function_call": FunctionCallItem,
+                                "function_call_output": FunctionCallOutputItem}
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+
+
+class FunctionTool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; None: any object
+    strict: bool | None = None  # a forced call's arguments always follow the schema
+
+
+class ToolChoiceFunction(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["function"]
+    name: str
+
+
+ToolChoice = Literal["none", "auto", "required"] | ToolChoiceFunction
+
+
+class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str
+    # a text, or items: messages ({"role", "content"}, type "message" optional), function_call, function_call_output;
+    # each item is checked against its type's schema (responses_serving.input_items)
+    input: str | list[dict]
+    instructions: str | None = None  # a system message before the input
+    tools: list[FunctionTool] = []
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    max_output_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT64)] | None = None  # None: the context's rest
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    stream: bool = False
+    user: str | None = None
+
+
+def strip_responses(raw: dict) -> dict:
+    """The unimplemented parameters set to their neutral values are dropped; others are refused (400 naming them)."""
+    return strip_neutral(raw, set(ResponsesRequest.__struct_fields__), NEUTRAL, "parameter")
+
+
+# ---- the Response object --------------------------------------------------------------------------------
+
+
+class OutputText(msgspec.Struct, tag="output_text", tag_field="type"):
+    text: str
+    annotations: list[Any]
+
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class OutputMessage(msgspec.Struct, tag="message", tag_field="type"):
+    id: str
+    role: Literal["assistant"]
+    status: ItemStatus
+    content: list[OutputText]
+
+
+class FunctionCall(msgspec.Struct, tag="function_call", tag_field="type"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    status: ItemStatus
+
+
+OutputItem = OutputMessage | FunctionCall
+
+
+class InputTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(msgspec.Struct):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(msgspec.Struct):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    model: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    output: list[OutputItem]
+    usage: ResponseUsage | None
+    incomplete_details: IncompleteDetails | None
+    error: None = None
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float
+    top_p: float
+    tools: list[FunctionTool]
+    tool_choice: ToolChoice
+    parallel_tool_calls: bool
+    metadata: dict = {}
+    previous_response_id: None = None
+    reasoning: None = None
+    truncation: Literal["disabled"] = "disabled"
+    user: str | None = None
+
+
+# ---- streamed events (`event: <type>` and `data: <event>`, no closing [DONE]) ----------------------------
+
+
+class ResponseEvent(msgspec.Struct, tag_field="type", kw_only=True):
+    sequence_number: int
+
+
+class ResponseCreated(ResponseEvent, tag="response.created", kw_only=True):
+    response: ResponseObject
+
+
+class ResponseInProgress(ResponseEvent, tag="response.in_progress", kw_only=True):
+    response: ResponseObject
+
+
+class ResponseCompleted(ResponseEvent, tag="response.completed", kw_only=True):
+    """The last event, incomplete responses included (status says which, as vLLM sends it)."""
+
+    response: ResponseObject
+
+
+class OutputItemAdded(ResponseEvent, tag="response.output_item.added", kw_only=True):
+    output_index: int
+    item: OutputItem
+
+
+class OutputItemDone(ResponseEvent, tag="response.output_item.done", kw_only=True):
+    output_index: int
+    item: OutputItem
+
+
+class ContentPartAdded(ResponseEvent, tag="response.content_part.added", kw_only=True):
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class ContentPartDone(ResponseEvent, tag="response.content_part.done", kw_only=True):
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class OutputTextDelta(ResponseEvent, tag="response.output_text.delta", kw_only=True):
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[Any] = []
+
+
+class OutputTextDone(ResponseEvent, tag="response.output_text.done", kw_only=True):
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[Any] = []
+
+
+class ArgumentsDelta(ResponseEvent, tag="response.function_call_arguments.delta", kw_only=True):
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class ArgumentsDone(ResponseEvent, tag="response.function_call_arguments.done", kw_only=True):
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
+
+
+class ErrorEvent(ResponseEvent, tag="error", kw_only=True):
+    """A failure after the stream began (a process died, a grammar broke); the stream ends with it."""
+
+    code: str
+    message: str
+    param: str | None = None
+
+
+STREAM_EVENTS = (ResponseCreated, ResponseInProgress, OutputItemAdded, ContentPartAdded, OutputTextDelta,
+                 OutputTextDone, ContentPartDone, ArgumentsDelta, ArgumentsDone, OutputItemDone, ResponseCompleted,
+                 ErrorEvent)

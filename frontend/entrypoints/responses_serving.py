@@ -1,0 +1,280 @@
+"""One /v1/responses request without HTTP: its input items as chat messages through the chat template (tools
+included), a forced function call as a JSON-schema constraint, and the answer as a Response object or its events.
+
+The generation itself is the chat route's (openai_serving.start_openai): the same model resolution, sampling and
+admission, so a Responses request and a chat request with the same messages produce the same tokens."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from loraplex.frontend.constraints import Found
+from loraplex.frontend.entrypoints.openai_schemas import ChatMessage, ChatRequest, chat_messages
+from loraplex.frontend.entrypoints.openai_serving import OpenAIRun, start_openai
+from loraplex.frontend.entrypoints.responses_schemas import (
+    INPUT_ITEMS,
+    ArgumentsDelta,
+    ArgumentsDone,
+    ContentPartAdded,
+    ContentPartDone,
+    ErrorEvent,
+    FunctionCall,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    IncompleteDetails,
+    InputItem,
+    InputTokensDetails,
+    MessageItem,
+    OutputItem,
+    OutputItemAdded,
+    OutputItemDone,
+    OutputMessage,
+    OutputText,
+    OutputTextDelta,
+    OutputTextDone,
+    OutputTokensDetails,
+    ResponseCompleted,
+    ResponseCreated,
+    ResponseEvent,
+    ResponseInProgress,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from loraplex.frontend.errors import InputError
+from loraplex.frontend.generate import GenerateService, GenerationFailed, raise_failure
+from loraplex.frontend.params import convert
+from loraplex.protocol.structs import OutputConstraint
+
+ANY_OBJECT: dict = {"type": "object"}  # a tool without `parameters` takes any object
+
+
+def input_items(raw: str | list[dict]) -> list[InputItem]:
+    """The request's input as typed items: a text is one user message; each listed item is checked against the
+    schema of its `type` (a message may leave `type` out)."""
+    if isinstance(raw, str):
+        return [MessageItem(role="user", content=raw)]
+    if not raw:
+        raise InputError("'input' is empty")
+    items = []
+    for i, item in enumerate(raw):
+        kind = item.get("type", "message")
+        schema = INPUT_ITEMS.get(kind) if isinstance(kind, str) else None
+        if schema is None:
+            raise InputError(f"input[{i}] has type {kind!r}; supported: {', '.join(INPUT_ITEMS)}")
+        items.append(convert(item, schema, f"input[{i}]"))
+    return items
+
+
+def chat_of(items: list[InputItem], instructions: str | None) -> list[dict[str, Any]]:
+    """The items as chat messages (the chat route's rendering): function calls join the assistant turn before them,
+    a function call's output is a tool message."""
+    messages: list[ChatMessage] = [ChatMessage(role="system", content=instructions)] if instructions else []
+    for item in items:
+        if isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            last = messages[-1] if messages else None
+            if last is None or last.role != "assistant":
+                last = ChatMessage(role="assistant", content=None, tool_calls=[])
+                messages.append(last)
+            last.tool_calls = (last.tool_calls or []) + [call]
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+        else:
+            content = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
+            messages.append(ChatMessage(role=item.role, content=content))
+    return chat_messages(messages)
+
+
+def template_tools(tools: list[FunctionTool]) -> list[dict] | None:
+    """Function tools in the chat-completions shape chat templates read."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                              "parameters": t.parameters or ANY_OBJECT}} for t in tools]
+
+
+def forced_call(req: ResponsesRequest) -> tuple[Found | None, FunctionTool | None]:
+    """tool_choice as a constraint: a named function's arguments follow its parameters; `required` gives a JSON
+    list of {"name", "arguments"} calls (one at most without parallel_tool_calls). Also the named tool, if any."""
+    choice = req.tool_choice
+    if choice in ("none", "auto"):
+        return None, None
+    if not req.tools:
+        raise InputError(f"tool_choice {brief_choice(choice)} needs tools")
+    if choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters or ANY_OBJECT},
+                  "required": ["name", "arguments"], "additionalProperties": False} for t in req.tools]
+        schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not req.parallel_tool_calls:
+            schema["maxItems"] = 1
+        return Found(OutputConstraint("json_schema", json.dumps(schema)), "tools"), None
+    index = next((i for i, t in enumerate(req.tools) if t.name == choice.name), None)
+    if index is None:
+        raise InputError(f"tool_choice names function {choice.name!r}, which is not in tools")
+    tool = req.tools[index]
+    source = json.dumps(tool.parameters or ANY_OBJECT)
+    return Found(OutputConstraint("json_schema", source), f"tools[{index}].parameters"), tool
+
+
+def brief_choice(choice: object) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.name!r}"
+
+
+def new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex
+
+
+class ResponsesRun:
+    """A submitted Responses request: its Response object once done, or its events as they come; close() ends
+    its state on every path."""
+
+    def __init__(self, run: OpenAIRun, req: ResponsesRequest, named: FunctionTool | None):
+        self.run = run
+        self.req = req
+        self.named = named  # tool_choice names this function: the output is its arguments
+        self.required = req.tool_choice == "required"  # the output is a JSON list of calls
+        self.id = new_id("resp_")
+        self.created_at = int(time.time())
+        self.item_id = new_id("fc_" if named else "msg_")  # the item streamed as it is generated
+        self.call_id = new_id("call_")
+        self.sequence = itertools.count()
+
+    async def close(self) -> None:
+        await self.run.close()
+
+    def response(self, output: list[OutputItem], done: bool) -> ResponseObject:
+        state = self.run.states[0]
+        incomplete = done and self.truncated()
+        usage = None
+        if done:
+            num_input, num_output = self.run.prompt_tokens, len(state.output_ids)
+            usage = ResponseUsage(input_tokens=num_input, input_tokens_details=InputTokensDetails(),
+                                  output_tokens=num_output, output_tokens_details=OutputTokensDetails(),
+                                  total_tokens=num_input + num_output)
+        req = self.req
+        return ResponseObject(
+            id=self.id, created_at=self.created_at, model=self.run.base["model"],
+            status="incomplete" if incomplete else "completed" if done else "in_progress",
+            output=output, usage=usage,
+            incomplete_details=IncompleteDetails(reason="max_output_tokens") if incomplete else None,
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens, temperature=req.temperature,
+            top_p=req.top_p, tools=req.tools, tool_choice=req.tool_choice,
+            parallel_tool_calls=req.parallel_tool_calls, user=req.user,
+        )
+
+    def truncated(self) -> bool:
+        reason = self.run.states[0].finish_reason
+        return reason is not None and reason["type"] == "length"
+
+    def items(self) -> list[OutputItem]:
+        """The finished output: a message, the named function's call, or the calls of `required` (a message with
+        the text where a cut-off list does not parse)."""
+        text, status = self.run.states[0].text, "incomplete" if self.truncated() else "completed"
+        if self.named is not None:
+            return [FunctionCall(id=self.item_id, call_id=self.call_id, name=self.named.name, arguments=text,
+                                 status=status)]
+        if self.required:
+            try:
+                calls = json.loads(text)
+            except ValueError:
+                calls = None
+            if isinstance(calls, list):
+                return [FunctionCall(id=new_id("fc_"), call_id=new_id("call_"), name=call["name"],
+                                     arguments=json.dumps(call["arguments"]), status=status) for call in calls]
+        return [OutputMessage(id=self.item_id, role="assistant", status=status, content=[OutputText(text, [])])]
+
+    async def result(self) -> ResponseObject:
+        """The whole Response once generation ended; GenerationFailed if it failed."""
+        await self.run.service.wait(self.run.states)
+        raise_failure(self.run.states)
+        return self.response(self.items(), done=True)
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """The output text as it grows, piece by piece; GenerationFailed if generation fails."""
+        sent = 0
+        async for _, state in self.run.service.stream(self.run.states):
+            raise_failure([state])
+            if len(state.text) > sent:
+                yield state.text[sent:]
+                sent = len(state.text)
+
+    async def events(self) -> AsyncIterator[ResponseEvent]:
+        """The stream: created, in_progress, each output item's events, completed (incomplete ones too); an error
+        event ends it where generation fails."""
+        yield ResponseCreated(sequence_number=next(self.sequence), response=self.response([], done=False))
+        yield ResponseInProgress(sequence_number=next(self.sequence), response=self.response([], done=False))
+        try:
+            if self.required:  # the calls are known once their JSON list is whole
+                async for _ in self.deltas():
+                    pass
+                items = self.items()
+                for index, item in enumerate(items):
+                    for event in self.opening(index, item):
+                        yield event
+                    yield self.delta(index, item, item.arguments if isinstance(item, FunctionCall) else
+                                     item.content[0].text)
+                    for event in self.closing(index, item):
+                        yield event
+            else:
+                shell = (FunctionCall(id=self.item_id, call_id=self.call_id, name=self.named.name, arguments="",
+                                      status="in_progress") if self.named else
+                         OutputMessage(id=self.item_id, role="assistant", status="in_progress", content=[]))
+                for event in self.opening(0, shell):
+                    yield event
+                async for piece in self.deltas():
+                    yield self.delta(0, shell, piece)
+                items = self.items()
+                for event in self.closing(0, items[0]):
+                    yield event
+        except GenerationFailed as e:
+            yield ErrorEvent(sequence_number=next(self.sequence), code=str(e.status), message=str(e))
+            return
+        yield ResponseCompleted(sequence_number=next(self.sequence), response=self.response(items, done=True))
+
+    def opening(self, index: int, item: OutputItem) -> list[ResponseEvent]:
+        if isinstance(item, FunctionCall):
+            shell = msgspec.structs.replace(item, arguments="", status="in_progress")
+            return [OutputItemAdded(sequence_number=next(self.sequence), output_index=index, item=shell)]
+        shell = msgspec.structs.replace(item, content=[], status="in_progress")
+        return [OutputItemAdded(sequence_number=next(self.sequence), output_index=index, item=shell),
+                ContentPartAdded(sequence_number=next(self.sequence), item_id=item.id, output_index=index,
+                                 content_index=0, part=OutputText("", []))]
+
+    def delta(self, index: int, item: OutputItem, piece: str) -> ResponseEvent:
+        if isinstance(item, FunctionCall):
+            return ArgumentsDelta(sequence_number=next(self.sequence), item_id=item.id, output_index=index,
+                                  delta=piece)
+        return OutputTextDelta(sequence_number=next(self.sequence), item_id=item.id, output_index=index,
+                               content_index=0, delta=piece)
+
+    def closing(self, index: int, item: OutputItem) -> list[ResponseEvent]:
+        if isinstance(item, FunctionCall):
+            return [ArgumentsDone(sequence_number=next(self.sequence), item_id=item.id, output_index=index,
+                                  name=item.name, arguments=item.arguments),
+                    OutputItemDone(sequence_number=next(self.sequence), output_index=index, item=item)]
+        part = item.content[0]
+        return [OutputTextDone(sequence_number=next(self.sequence), item_id=item.id, output_index=index,
+                               content_index=0, text=part.text),
+                ContentPartDone(sequence_number=next(self.sequence), item_id=item.id, output_index=index,
+                                content_index=0, part=part),
+                OutputItemDone(sequence_number=next(self.sequence), output_index=index, item=item)]
+
+
+async def start_response(service: GenerateService, req: ResponsesRequest) -> ResponsesRun:
+    """Validate and submit: the prompt through the chat template with the tools, generated as a chat request."""
+    messages = chat_of(input_items(req.input), req.instructions)
+    found, named = forced_call(req)
+    prompt = service.tokenize_chat(messages, tools=template_tools(req.tools))
+    chat = ChatRequest(model=req.model, messages=[], max_tokens=req.max_output_tokens, temperature=req.temperature,
+                       top_p=req.top_p, stream=req.stream, user=req.user)
+    run = await start_openai(service, chat, [prompt], chat=True, default_max=None, found=found)
+    return ResponsesRun(run, req, named)
