@@ -213,7 +213,9 @@ class CompletionResponse(msgspec.Struct):
 
 class AssistantMessage(msgspec.Struct):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None: a reasoning parser found no text after the reasoning
+    # --reasoning-parser: the <think> text, null when there was none (clients read the field); absent without a parser
+    reasoning_content: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatTopLogprob(msgspec.Struct):
@@ -263,6 +265,7 @@ class CompletionChunk(msgspec.Struct, omit_defaults=True):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, omit_defaults=True):

@@ -128,6 +128,9 @@ _HELP: dict[str, str] = {
     "gpu_memory_utilization": "share of the GPU's memory this server may use, KV cache included (CUDA; "
     "default: the KV cache takes 0.85 of what is free after the weights)",
     "lora_modules": "vLLM's adapters loaded at start: NAME=PATH or JSON {name, path, base_model_name}",
+    "reasoning_parser": "chat answers put the model's <think>...</think> text in reasoning_content: deepseek_r1 (the "
+    "template opened <think>) or qwen3 (reasoning only where the output opens <think>); a structured-output "
+    "constraint then applies after </think>",
 }
 
 # `loraplex --help` shows the flags in these groups, in this order; every field belongs to exactly one.
@@ -141,6 +144,7 @@ _TOPICS: dict[str, str] = {
     "page_size disable_radix_cache no_enable_prefix_caching gpu_memory_utilization",
     "attention and CUDA graphs": "attention_backend enable_cuda_graph disable_cuda_graph cuda_graph_max_bs",
     "multi-node": "nnodes node_rank dist_init_addr dist_timeout",
+    "chat": "reasoning_parser",
 }
 OTHER_TOPIC = "other options"  # a field missing from _TOPICS lands here (tests/test_help_and_progress.py catches it)
 
@@ -224,6 +228,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     dp_size: int = 1
     gpu_memory_utilization: float | None = None
     lora_modules: list[str] = []
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
 
     def __post_init__(self) -> None:
         positive = (

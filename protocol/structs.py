@@ -23,6 +23,9 @@ class OutputConstraint(msgspec.Struct, frozen=True, array_like=True):
     # "structural_tag" (xgrammar's structural tag as JSON text, protocol/grammar.py)
     kind: str
     source: str
+    # With a reasoning parser: the output token ids that end the reasoning (`</think>`); the grammar applies to the
+    # tokens after their first occurrence, and the reasoning before it is free. () = from the first token.
+    start_after: tuple[int, ...] = ()
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):

@@ -9,6 +9,9 @@ num_generated = g must see a matcher that has accepted g tokens, and the token s
 So a prompt chunk that samples nothing (its num_generated does not move), a token the scheduler drops (the request
 ended in the older of two passes in flight) and a preempted request recomputed later all leave the matcher right:
 it never accepts a token that is not in the request's output.
+
+A constraint with `start_after` (a reasoning model's `</think>` ids) leaves the request unmasked, its tokens unseen by
+the matcher, until its output has ended with that sequence; the matcher starts from the token after.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,6 +37,14 @@ class _Sequence:
     pending_at: int = -1  # num_generated of the pass that sampled pending_token (-1: none)
     pending_token: int = -1
     is_broken: bool = False  # a sampled token broke the grammar (another mask left no allowed token): unmasked
+    awaiting: tuple[int, ...] = ()  # the grammar starts once the output ends with these ids; () = it has started
+    recent: list[int] = field(default_factory=list)  # the last len(awaiting) output tokens, while awaiting
+
+    def watch(self, token: int) -> None:
+        """A token sampled before the grammar started: it starts after this one if the awaited ids are complete."""
+        self.recent = [*self.recent, token][-len(self.awaiting) :]
+        if tuple(self.recent) == self.awaiting:
+            self.awaiting, self.recent = (), []
 
 
 def mask_backend(device: torch.device) -> str:
@@ -75,7 +86,7 @@ class GrammarMasks:
         for i in rows:
             seq = self._sequence(reqs[i], batch.params[i])
             # Terminated: its last token ended the request, and this row's token is dropped.
-            if not seq.is_broken and not seq.matcher.is_terminated():
+            if not seq.awaiting and not seq.is_broken and not seq.matcher.is_terminated():
                 seq.matcher.fill_next_token_bitmask(bitmask, i)
                 masked_rows.append(i)
         if not masked_rows:
@@ -107,10 +118,12 @@ class GrammarMasks:
         if seq is None:
             if req.num_generated != 0:
                 raise RuntimeError(f"request {req.req_key} has {req.num_generated} output tokens but no grammar state")
-            seq = _Sequence(matcher=self._matcher(params))
+            seq = _Sequence(matcher=self._matcher(params), awaiting=params.constraint.start_after)
             self._sequences[req.req_key] = seq
         if seq.num_accepted == req.num_generated - 1 and seq.pending_at == seq.num_accepted:
-            if not seq.is_broken and not seq.matcher.accept_token(seq.pending_token):
+            if seq.awaiting:
+                seq.watch(seq.pending_token)
+            elif not seq.is_broken and not seq.matcher.accept_token(seq.pending_token):
                 logger.error(
                     "request %d: token %d breaks its grammar; no longer masked", req.req_key, seq.pending_token
                 )

@@ -18,6 +18,7 @@ from loraplex.frontend.params import (
     make_sampling,
     stop_list,
 )
+from loraplex.frontend.reasoning import Reasoning, constraint_after_reasoning, request_reasoning
 from loraplex.frontend.request_state import OutputOptions, RequestState
 from loraplex.frontend.responses import (
     AssistantMessage,
@@ -151,13 +152,14 @@ class OpenAIRun:
     every state, on every path."""
 
     def __init__(self, service: GenerateService, req: CommonParams, states: list[RequestState], chat: bool,
-                 served_by: str, prompt_tokens: int, echoes: list[str] | None):
+                 served_by: str, prompt_tokens: int, echoes: list[str] | None, reasoning: Reasoning | None = None):
         self.service = service
         self.req = req
         self.states = states
         self.chat = chat
         self.prompt_tokens = prompt_tokens  # each prompt once, however many choices share it (n)
         self.echoes = echoes  # completions with echo: each choice's prompt text, put before its text
+        self.reasoning = reasoning  # chat under --reasoning-parser: <think> text goes to reasoning_content
         self.base = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                      "model": served_by}
 
@@ -176,7 +178,7 @@ class OpenAIRun:
         ids = bool(self.req.return_token_ids)
         if self.chat:
             chat_choices = [
-                ChatChoice(index=i, message=AssistantMessage(role="assistant", content=s.text),
+                ChatChoice(index=i, message=self.message(s.text),
                            logprobs=chat_logprobs(s, 0) if s.wants_logprobs else None,
                            finish_reason=finish_reason(s), token_ids=list(s.output_ids) if ids else None)
                 for i, s in enumerate(states)
@@ -194,6 +196,12 @@ class OpenAIRun:
         return CompletionResponse(**self.base, object="text_completion", choices=choices,
                                   usage=usage(states, self.prompt_tokens))
 
+    def message(self, text: str) -> AssistantMessage:
+        if self.reasoning is None:
+            return AssistantMessage(role="assistant", content=text)
+        reasoning, content = self.reasoning.parser().split(text)
+        return AssistantMessage(role="assistant", content=content, reasoning_content=reasoning)
+
     async def chunks(self) -> AsyncIterator[Any]:
         """The stream's events in order (an error body where a choice failed), before the closing [DONE]."""
         states, echoes, chat, req = self.states, self.echoes, self.chat, self.req
@@ -205,6 +213,7 @@ class OpenAIRun:
         offsets = [0] * len(states)  # completions' text_offset of the next token
         echoed = [not echoes] * len(states)  # the prompt's text (and logprobs) go out with a choice's first chunk
         # vLLM's continuous_usage_stats: with include_usage, the usage so far in every chunk too
+        parsers = [self.reasoning.parser() for _ in states] if chat and self.reasoning else None
         options = req.stream_options
         continuous = options is not None and options.include_usage and options.continuous_usage_stats
 
@@ -229,18 +238,24 @@ class OpenAIRun:
             delta_text = state.text[sent[i] :]
             sent[i] = len(state.text)
             reason = finish_reason(state)
+            reasoning_text = ""
+            if parsers:  # a partial tag waits for the next piece; the last piece releases it
+                reasoning_text, delta_text = parsers[i].feed(delta_text)
+                if reason is not None:
+                    rest_reasoning, rest_content = parsers[i].flush()
+                    reasoning_text, delta_text = reasoning_text + rest_reasoning, delta_text + rest_content
             start = sent_logprobs[i]
             new_logprobs = state.wants_logprobs and len(state.output_logprobs) > start
             sent_logprobs[i] = len(state.output_logprobs)
             new_ids = state.output_ids[sent_ids[i] :] if ids else None
             sent_ids[i] = len(state.output_ids)
-            if not delta_text and reason is None and not new_logprobs and not new_ids:
+            if not delta_text and not reasoning_text and reason is None and not new_logprobs and not new_ids:
                 continue
             with_prompt = not echoed[i]
             if with_prompt:
                 delta_text, echoed[i] = echoes[i] + delta_text, True
             if chat:
-                delta = ChatDelta(content=delta_text) if delta_text else ChatDelta()
+                delta = ChatDelta(content=delta_text or None, reasoning_content=reasoning_text or None)
                 chat_lp = chat_logprobs(state, start) if state.wants_logprobs else None
                 choice = ChatChunkChoice(index=i, delta=delta, logprobs=chat_lp, finish_reason=reason,
                                          token_ids=new_ids)
@@ -265,6 +280,7 @@ async def start_openai(
     default_max: int | None,
     echo_texts: list[str] | None = None,
     found: Found | None = None,
+    reasoning: Reasoning | None = None,
 ) -> OpenAIRun:
     """Validate and submit every choice (n per prompt), or none. echo_texts (completions with echo): each prompt's
     text, put before its completions' text. found: a constraint the caller derived (/v1/responses' forced tool
@@ -273,7 +289,7 @@ async def start_openai(
     runtime.check_available()
     lora_name, served_by = await service.resolve_model(req.model)
     jobs: list[tuple[list[int], Any]] = []
-    found = found or openai_constraint(req)
+    found = constraint_after_reasoning(found or openai_constraint(req), reasoning)
     for prompt in prompts:
         for sampling in await constrain(runtime, openai_sampling(runtime, req, len(prompt), default_max), found):
             jobs.append((prompt, sampling))
@@ -287,7 +303,7 @@ async def start_openai(
     except BaseException:
         await service.finish(states)
         raise
-    return OpenAIRun(service, req, states, chat, served_by, sum(len(p) for p in prompts), echoes)
+    return OpenAIRun(service, req, states, chat, served_by, sum(len(p) for p in prompts), echoes, reasoning)
 
 
 async def start_completion(service: GenerateService, req: CompletionRequest) -> OpenAIRun:
@@ -313,7 +329,11 @@ async def start_completion(service: GenerateService, req: CompletionRequest) -> 
 
 async def start_chat(service: GenerateService, req: ChatRequest) -> OpenAIRun:
     prompt = service.tokenize_chat(chat_messages(req.messages))
-    return await start_openai(service, req, [prompt], chat=True, default_max=None)
+    runtime = service.runtime
+    # chat_template_kwargs arrives with the chat-template work; until then thinking is never turned off
+    reasoning = request_reasoning(runtime.config.reasoning_parser, getattr(req, "chat_template_kwargs", None),
+                                  runtime.tokenizer)
+    return await start_openai(service, req, [prompt], chat=True, default_max=None, reasoning=reasoning)
 
 
 def base_card(runtime: Runtime) -> ModelCard:

@@ -163,3 +163,13 @@ def test_docs_table_lists_every_flag_of_theirs() -> None:
     assert sorted(theirs - listed) == []
     ours = {s for action in build_arg_parser()._actions for s in action.option_strings}
     assert sorted(listed - ours) == []  # every name there is a real flag: no stale rows
+
+
+def test_reasoning_parser_is_a_setting_of_ours() -> None:
+    # vLLM's docs/features/reasoning_outputs.md and SGLang's separate_reasoning docs, program name changed
+    config = parse_command_line(["serve", MODEL, "--reasoning-parser", "deepseek_r1"])[0]
+    assert config.reasoning_parser == "deepseek_r1"
+    assert parse_command_line(["--model-path", MODEL, "--reasoning-parser", "qwen3"])[0].reasoning_parser == "qwen3"
+    assert parse_command_line(["--model-path", MODEL])[0].reasoning_parser is None
+    with pytest.raises(SystemExit):  # argparse names the valid choices
+        parse_command_line(["--model-path", MODEL, "--reasoning-parser", "granite"])
