@@ -8,8 +8,14 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from loraplex.frontend.constraints import constrain, openai_constraint
-from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CommonParams, CompletionRequest, chat_messages
+from loraplex.frontend.constraints import Found, constrain, openai_constraint
+from loraplex.frontend.entrypoints.openai_schemas import (
+    ChatRequest,
+    CommonParams,
+    CompletionRequest,
+    chat_messages,
+    chat_options,
+)
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.generate import GenerateService, n_samplings, raise_failure
 from loraplex.frontend.params import (
@@ -38,6 +44,8 @@ from loraplex.frontend.responses import (
     error_body,
 )
 from loraplex.frontend.runtime import Runtime
+from loraplex.frontend.tools.request import ToolPlan, tool_plan
+from loraplex.frontend.tools.stream import ToolCallStream, tool_answer
 from loraplex.protocol.structs import TokenLogprob
 
 
@@ -151,8 +159,9 @@ class OpenAIRun:
     every state, on every path."""
 
     def __init__(self, service: GenerateService, req: CommonParams, states: list[RequestState], chat: bool,
-                 served_by: str, prompt_tokens: int, echoes: list[str] | None):
+                 served_by: str, prompt_tokens: int, echoes: list[str] | None, tools: ToolPlan | None = None):
         self.service = service
+        self.tools = tools  # chat with tool calls: how its output becomes calls
         self.req = req
         self.states = states
         self.chat = chat
@@ -175,12 +184,14 @@ class OpenAIRun:
         raise_failure(states)
         ids = bool(self.req.return_token_ids)
         if self.chat:
-            chat_choices = [
-                ChatChoice(index=i, message=AssistantMessage(role="assistant", content=s.text),
-                           logprobs=chat_logprobs(s, 0) if s.wants_logprobs else None,
-                           finish_reason=finish_reason(s), token_ids=list(s.output_ids) if ids else None)
-                for i, s in enumerate(states)
-            ]
+            chat_choices = []
+            for i, s in enumerate(states):
+                content, calls = tool_answer(s.text, self.tools)
+                reason = "tool_calls" if calls and finish_reason(s) == "stop" else finish_reason(s)
+                chat_choices.append(ChatChoice(
+                    index=i, message=AssistantMessage(role="assistant", content=content, tool_calls=calls),
+                    logprobs=chat_logprobs(s, 0) if s.wants_logprobs else None, finish_reason=reason,
+                    token_ids=list(s.output_ids) if ids else None))
             return ChatCompletionResponse(**self.base, object="chat.completion", choices=chat_choices,
                                           usage=usage(states, self.prompt_tokens),
                                           prompt_token_ids=states[0].prompt_ids if ids else None)
@@ -207,6 +218,7 @@ class OpenAIRun:
         # vLLM's continuous_usage_stats: with include_usage, the usage so far in every chunk too
         options = req.stream_options
         continuous = options is not None and options.include_usage and options.continuous_usage_stats
+        tool_streams = [ToolCallStream(self.tools) for _ in states] if self.tools is not None else None
 
         def chunk(choices: list, usage_: Usage | None = None) -> CompletionChunk | ChatCompletionChunk:
             if continuous and usage_ is None:
@@ -234,6 +246,19 @@ class OpenAIRun:
             sent_logprobs[i] = len(state.output_logprobs)
             new_ids = state.output_ids[sent_ids[i] :] if ids else None
             sent_ids[i] = len(state.output_ids)
+            if tool_streams is not None:  # the text goes out as content and tool call deltas, one chunk each
+                pieces = tool_streams[i].update(state.text, state.finished)
+                reason = "tool_calls" if reason == "stop" and tool_streams[i].has_calls else reason
+                if not pieces and reason is None and not new_logprobs and not new_ids:
+                    continue
+                pieces = pieces or [("", [])]
+                for k, (content, calls) in enumerate(pieces):
+                    last = k == len(pieces) - 1
+                    delta = ChatDelta(content=content or None, tool_calls=calls or None)
+                    yield chunk([ChatChunkChoice(
+                        index=i, delta=delta, logprobs=chat_logprobs(state, start) if last and new_logprobs else None,
+                        finish_reason=reason if last else None, token_ids=new_ids if last else None)])
+                continue
             if not delta_text and reason is None and not new_logprobs and not new_ids:
                 continue
             with_prompt = not echoed[i]
@@ -264,14 +289,20 @@ async def start_openai(
     chat: bool,
     default_max: int | None,
     echo_texts: list[str] | None = None,
+    tools: ToolPlan | None = None,
 ) -> OpenAIRun:
     """Validate and submit every choice (n per prompt), or none. echo_texts (completions with echo): each prompt's
-    text, put before its completions' text."""
+    text, put before its completions' text. tools: a chat's tool calls (a forced choice constrains the output)."""
     runtime = service.runtime
     runtime.check_available()
     lora_name, served_by = await service.resolve_model(req.model)
     jobs: list[tuple[list[int], Any]] = []
     found = openai_constraint(req)
+    if tools is not None and tools.constraint is not None:
+        if found is not None:
+            raise InputError(f"tool_choice required or named forces the output's shape: {found.field} cannot be "
+                             "given with it")
+        found = Found(tools.constraint, "tool_choice")
     for prompt in prompts:
         for sampling in await constrain(runtime, openai_sampling(runtime, req, len(prompt), default_max), found):
             jobs.append((prompt, sampling))
@@ -285,7 +316,7 @@ async def start_openai(
     except BaseException:
         await service.finish(states)
         raise
-    return OpenAIRun(service, req, states, chat, served_by, sum(len(p) for p in prompts), echoes)
+    return OpenAIRun(service, req, states, chat, served_by, sum(len(p) for p in prompts), echoes, tools)
 
 
 async def start_completion(service: GenerateService, req: CompletionRequest) -> OpenAIRun:
@@ -310,8 +341,11 @@ async def start_completion(service: GenerateService, req: CompletionRequest) -> 
 
 
 async def start_chat(service: GenerateService, req: ChatRequest) -> OpenAIRun:
-    prompt = service.tokenize_chat(chat_messages(req.messages))
-    return await start_openai(service, req, [prompt], chat=True, default_max=None)
+    config = service.runtime.config
+    plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls,
+                     config.tool_call_parser if config.enable_auto_tool_choice else None)
+    prompt = service.tokenize_chat(chat_messages(req.messages), chat_options(req))
+    return await start_openai(service, req, [prompt], chat=True, default_max=None, tools=plan)
 
 
 def base_card(runtime: Runtime) -> ModelCard:
