@@ -5,6 +5,7 @@ parse) or, for the parser of tool_choice auto, the text is pinned by a structure
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import jsonschema
 import openai
@@ -191,3 +192,26 @@ def test_template_renders_tools_calls_and_results(llama_dir) -> None:
     text = render_chat(tokenizer, TEMPLATE, messages, ChatOptions(tools=TOOLS))
     assert '"name": "get_weather"' in text and "Weather for a city" in text and "<|im_start|>tool\nsunny" in text
     assert '"arguments": {"city": "Oslo"}' in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_langchain_agent_completes_a_two_step_tool_loop(server) -> None:
+    """LangChain's ChatOpenAI with bind_tools, the tool forced by name: call, run the tool, answer."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: Literal["Paris", "Oslo"]) -> str:
+        """The weather in a city."""
+        return f"sunny in {city}"
+
+    llm = ChatOpenAI(model="tool-lora", base_url=server.url + "/v1", api_key="none", max_tokens=32, seed=0,
+                     max_retries=0, timeout=120)
+    messages = [HumanMessage("What is the weather in Paris?")]
+    asked = llm.bind_tools([get_weather], tool_choice="get_weather").invoke(messages)
+    [call] = asked.tool_calls
+    assert call["name"] == "get_weather" and call["args"]["city"] in ("Paris", "Oslo") and call["id"]
+    messages += [asked, ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])]
+    answer = llm.bind_tools([get_weather], tool_choice="none").invoke(messages)
+    assert isinstance(answer.content, str) and not answer.tool_calls
+    assert answer.usage_metadata["input_tokens"] > asked.usage_metadata["input_tokens"]
