@@ -149,7 +149,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return rendered
 
 
-def chat_options(req: ChatRequest) -> ChatOptions:
+def chat_options(req: Any) -> ChatOptions:
+    """From a ChatRequest or a /tokenize body with messages (the same fields)."""
     return ChatOptions(add_generation_prompt=req.add_generation_prompt,
                        continue_final_message=req.continue_final_message, tools=template_tools(req.tools),
                        template_kwargs=req.chat_template_kwargs or {})

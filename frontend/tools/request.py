@@ -15,7 +15,7 @@ from loraplex.frontend.tools.parsers import PARSERS
 from loraplex.protocol.structs import OutputConstraint
 
 
-class FunctionDef(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):  # unset: not passed on
     name: str
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments object

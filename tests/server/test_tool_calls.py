@@ -166,6 +166,15 @@ def test_chat_template_options(client, server, llama_dir) -> None:
                                               ).usage.prompt_tokens
 
     assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > prompt_tokens()
+    # /tokenize renders as the chat route does: the same tokens the template gives here
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    for options in ({}, {"tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}}):
+        out = server.post("/tokenize", {"model": "tool-lora", "messages": ASK, **options})
+        text = render_chat(tokenizer, TEMPLATE, ASK, ChatOptions(
+            tools=options.get("tools"), template_kwargs=options.get("chat_template_kwargs", {})))
+        expected = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert out.status_code == 200 and out.json()["tokens"] == expected
+        assert prompt_tokens(**options) == out.json()["count"]
     assert prompt_tokens(add_generation_prompt=False) < prompt_tokens()
     cont = [*ASK, {"role": "assistant", "content": "It is"}]
     out = server.post("/v1/chat/completions", {"model": "tool-lora", "messages": cont, "max_tokens": 1,
