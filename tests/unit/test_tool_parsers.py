@@ -38,6 +38,8 @@ CASES = [  # (parser, model text, content, calls)
     ("mistral", 'Sure. [TOOL_CALLS][{"name": "search", "arguments": {"query": "a [b], c"}}]', "Sure. ",
      TWO_CALLS[1:]),
     ("mistral", "Plain [answer].", "Plain [answer].", []),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}[TOOL_CALLS]search[ARGS]'
+     '{"query": "a [b], c"}', "", TWO_CALLS),
     ("qwen3_coder", "I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
      "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=search>\n"
      "<parameter=query>\na [b], c\n</parameter>\n</function>\n</tool_call>", "I will check.\n", TWO_CALLS),
