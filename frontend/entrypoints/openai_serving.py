@@ -308,7 +308,8 @@ async def start_openai(
             jobs.append((prompt, sampling))
     echoes = [text for text in echo_texts for _ in range(req.n)] if echo_texts is not None else None
     stops = stop_list(req.stop)
-    output = OutputOptions(skip_special_tokens=req.skip_special_tokens, keep_stop=req.include_stop_str_in_output)
+    skip_special = req.skip_special_tokens and not (tools is not None and tools.parser.needs_special_tokens)
+    output = OutputOptions(skip_special_tokens=skip_special, keep_stop=req.include_stop_str_in_output)
     states: list[RequestState] = []
     try:
         for prompt, sampling in jobs:

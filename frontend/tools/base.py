@@ -60,6 +60,8 @@ class ToolParser:
     and implement calls(); those whose calls open the output itself override find_start and hold."""
 
     marker = ""
+    # the marker is a special token, which the detokenizer would skip (vLLM's parser turns skipping off too)
+    needs_special_tokens = False
 
     def __init__(self, tools: list[dict]):
         # name -> the function's JSON schema of parameters (some formats type their values by it)

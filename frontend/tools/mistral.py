@@ -12,6 +12,7 @@ ARGS = "[ARGS]"
 
 class MistralParser(ToolParser):
     marker = "[TOOL_CALLS]"
+    needs_special_tokens = True
 
     def calls(self, region: str, final: bool) -> list[ToolCall]:
         body = region[len(self.marker) :].lstrip()
