@@ -1,5 +1,6 @@
 """What every tool-call parser shares: a call's shape, the split of a text into content and calls, and the rule for
-streaming — content is sent only once it cannot be the start of a call, a call only once it is complete."""
+streaming — content is sent only once it cannot be the start of a call; a call once its name is known, its arguments
+as they are written (formats that keep them as JSON text) or once it is complete (the others)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,17 @@ class ToolCall(NamedTuple):
     arguments: str  # JSON text of an object, as OpenAI sends it
 
 
+class PartialCall(NamedTuple):
+    """A call still being written: its name, and its arguments' JSON text so far."""
+
+    name: str
+    arguments: str
+
+
 class Parsed(NamedTuple):
     content: str  # the text before the calls
-    calls: list[ToolCall]
+    calls: list[ToolCall]  # the complete ones
+    partial: PartialCall | None = None  # while streaming: the call being written, where its format streams
 
 
 def arguments_text(value: Any) -> str:
@@ -28,31 +37,6 @@ def held_back(text: str, marker: str) -> int:
         if text.endswith(marker[:n]):
             return n
     return 0
-
-
-def json_call(obj: Any, argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> ToolCall | None:
-    """{"name": ..., "arguments" | "parameters": {...}} as a call; None for anything else."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    key = next((k for k in argument_keys if k in obj), None)
-    return ToolCall(obj["name"], arguments_text(obj[key] if key else {}))
-
-
-def json_values(text: str, separators: str = ",;") -> tuple[list[Any], bool]:
-    """The JSON values at the start of text, one after another (blanks and separators between them): the complete
-    ones, and whether the text was used up (False: a value is cut or something else follows)."""
-    decoder = json.JSONDecoder()
-    values, i = [], 0
-    while True:
-        while i < len(text) and (text[i].isspace() or text[i] in separators):
-            i += 1
-        if i == len(text):
-            return values, True
-        try:
-            value, i = decoder.raw_decode(text, i)
-        except ValueError:
-            return values, False
-        values.append(value)
 
 
 class ToolParser:
@@ -77,10 +61,10 @@ class ToolParser:
         start = self.find_start(text)
         if start < 0:
             return Parsed(text if final else text[: len(text) - self.hold(text)], [])
-        calls = self.calls(text[start:], final)
+        calls, partial = self.calls(text[start:], final)
         if final and not calls:  # nothing parses: the model's text is the answer, as vLLM gives it
             return Parsed(text, [])
-        return Parsed(text[:start], calls)
+        return Parsed(text[:start], calls, None if final else partial)
 
     def find_start(self, text: str) -> int:
         return text.find(self.marker)
@@ -88,8 +72,9 @@ class ToolParser:
     def hold(self, text: str) -> int:
         return held_back(text, self.marker)
 
-    def calls(self, region: str, final: bool) -> list[ToolCall]:
-        """The calls in region (from the start of the calls on): the complete ones; final: every one that parses."""
+    def calls(self, region: str, final: bool) -> tuple[list[ToolCall], PartialCall | None]:
+        """The calls in region (from the start of the calls on): the complete ones (final: every one that parses),
+        and the one being written where the format streams its arguments."""
         raise NotImplementedError
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from loraplex.frontend.tools.base import Parsed, ToolCall, ToolParser, json_call, json_values
+from loraplex.frontend.tools.base import Parsed, PartialCall, ToolCall, ToolParser
+from loraplex.frontend.tools.json_calls import json_calls
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -56,11 +57,10 @@ class RequiredParser(ToolParser):
     def find_start(self, text: str) -> int:
         return 0
 
-    def calls(self, region: str, final: bool) -> list[ToolCall]:
+    def calls(self, region: str, final: bool) -> tuple[list[ToolCall], PartialCall | None]:
         body = region.strip()
         if self.parallel:
             if not body.startswith("["):
-                return []
+                return [], None
             body = body[1:].rstrip().removesuffix("]")
-        values, _ = json_values(body)
-        return [call for call in (json_call(v, ("parameters",)) for v in values) if call is not None]
+        return json_calls(body, ("parameters",))

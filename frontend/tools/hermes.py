@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
-from loraplex.frontend.tools.base import ToolCall, ToolParser, json_call
+from loraplex.frontend.tools.base import PartialCall, ToolCall, ToolParser
+from loraplex.frontend.tools.json_calls import json_call, partial_call
 
 END = "</tool_call>"
 
@@ -12,16 +11,13 @@ END = "</tool_call>"
 class HermesParser(ToolParser):
     marker = "<tool_call>"
 
-    def calls(self, region: str, final: bool) -> list[ToolCall]:
+    def calls(self, region: str, final: bool) -> tuple[list[ToolCall], PartialCall | None]:
         calls = []
         for block in region.split(self.marker)[1:]:
             body, closed, _ = block.partition(END)
             if not closed and not final:
-                break  # still being written
-            try:
-                call = json_call(json.loads(body))
-            except ValueError:
-                call = None
+                return calls, partial_call(body)  # still being written
+            call = json_call(body)
             if call is not None:
                 calls.append(call)
-        return calls
+        return calls, None

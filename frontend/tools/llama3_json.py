@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from loraplex.frontend.tools.base import LeadingParser, ToolCall, json_call, json_values
+from loraplex.frontend.tools.base import LeadingParser, PartialCall, ToolCall
+from loraplex.frontend.tools.json_calls import json_calls
 
 
 class Llama3JsonParser(LeadingParser):
     opener = "{"
     marker = "<|python_tag|>"
 
-    def calls(self, region: str, final: bool) -> list[ToolCall]:
-        values, _ = json_values(self.strip_marker(region).strip(), separators=";")
-        return [call for call in map(json_call, values) if call is not None]
+    def calls(self, region: str, final: bool) -> tuple[list[ToolCall], PartialCall | None]:
+        return json_calls(self.strip_marker(region), separators=";")

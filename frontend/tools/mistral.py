@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-import json
-
-from loraplex.frontend.tools.base import ToolCall, ToolParser, arguments_text, json_call, json_values
+from loraplex.frontend.tools.base import PartialCall, ToolCall, ToolParser
+from loraplex.frontend.tools.json_calls import json_calls, value_end
 
 ARGS = "[ARGS]"
 
@@ -14,24 +13,23 @@ class MistralParser(ToolParser):
     marker = "[TOOL_CALLS]"
     needs_special_tokens = True
 
-    def calls(self, region: str, final: bool) -> list[ToolCall]:
+    def calls(self, region: str, final: bool) -> tuple[list[ToolCall], PartialCall | None]:
         body = region[len(self.marker) :].lstrip()
         if body.startswith("["):
-            items, _ = json_values(body[1:].rstrip().removesuffix("]"))
-            return [call for call in map(json_call, items) if call is not None]
+            return json_calls(body[1:].rstrip().removesuffix("]"))
         return named_calls(region.split(self.marker)[1:])
 
 
-def named_calls(blocks: list[str]) -> list[ToolCall]:
-    """`name[ARGS]{...}` blocks: each call whose arguments are a complete JSON value."""
+def named_calls(blocks: list[str]) -> tuple[list[ToolCall], PartialCall | None]:
+    """`name[ARGS]{...}` blocks: the calls whose arguments are complete JSON, and the one being written."""
     calls = []
     for block in blocks:
         name, found, rest = block.partition(ARGS)
-        if not found:
-            break
-        try:
-            value, _ = json.JSONDecoder().raw_decode(rest.lstrip())
-        except ValueError:
-            break  # still being written (or not JSON: the calls end here)
-        calls.append(ToolCall(name.strip(), arguments_text(value)))
-    return calls
+        rest = rest.lstrip()
+        if not found or not rest.startswith("{"):
+            return calls, None
+        end = value_end(rest, 0)
+        if end < 0:
+            return calls, PartialCall(name.strip(), rest)
+        calls.append(ToolCall(name.strip(), rest[:end]))
+    return calls, None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import json
 
-from loraplex.frontend.tools.base import LeadingParser, ToolCall
+from loraplex.frontend.tools.base import LeadingParser, PartialCall, ToolCall
 
 END = "<|python_end|>"
 CLOSERS = {"(": ")", "[": "]", "{": "}"}
@@ -16,15 +16,16 @@ class PythonicParser(LeadingParser):
     opener = "["
     marker = "<|python_start|>"
 
-    def calls(self, region: str, final: bool) -> list[ToolCall]:
+    def calls(self, region: str, final: bool) -> tuple[list[ToolCall], PartialCall | None]:
+        # Python literals are turned into JSON whole: a call's arguments go out in one piece.
         body = self.strip_marker(region).strip().removesuffix(END).strip()
         calls = []
         for piece in complete_items(body):
             call = literal_call(piece)
             if call is None:
-                return calls if not final else []  # not a list of calls: the text is content
+                return (calls if not final else []), None  # not a list of calls: the text is content
             calls.append(call)
-        return calls
+        return calls, None
 
 
 def complete_items(body: str) -> list[str]:

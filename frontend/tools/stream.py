@@ -1,7 +1,7 @@
 """One choice's tool calls, whole (tool_answer) or streamed (ToolCallStream). Streamed: the text so far in,
 OpenAI's deltas out — content as it becomes safe to send, then per call a delta with its index, id, type and function
-name (arguments ""), then its arguments in pieces. A named tool_choice streams its arguments token by token; a parsed
-call's arguments go out once the call is complete."""
+name (arguments ""), then its arguments in pieces: as they are written where the format keeps them as JSON text (a
+named choice, hermes, llama3_json, mistral, required), in one piece once the call is complete for the others."""
 
 from __future__ import annotations
 
@@ -36,35 +36,49 @@ class ToolCallStream:
     def __init__(self, plan: ToolPlan):
         self.plan = plan
         self.num_content = 0  # content characters sent
-        self.num_calls = 0  # calls sent
-        self.num_arguments = 0  # named choice: argument characters sent
+        self.num_calls = 0  # complete calls sent whole
+        self.open_call: int | None = None  # the call being written whose head went out
+        self.num_arguments = 0  # argument characters of the open (or named) call sent
 
     @property
     def has_calls(self) -> bool:
-        return self.num_calls > 0
+        return self.num_calls > 0 or self.open_call is not None
 
     def update(self, text: str, final: bool) -> Deltas:
         """The deltas the text so far adds, each (content piece, tool call deltas), in order; final: the output is
         complete."""
         if self.plan.named is not None:
             return self._named(text, final)
-        content, calls = self.plan.parser.parse_prefix(text, final)
+        content, calls, partial = self.plan.parser.parse_prefix(text, final)
         out: Deltas = []
         if len(content) > self.num_content:
             out.append((content[self.num_content :], []))
             self.num_content = len(content)
         for index in range(self.num_calls, len(calls)):
-            out.append(("", [header_delta(index, calls[index].name)]))
-            out.append(("", [arguments_delta(index, calls[index].arguments)]))
+            out += self._arguments(index, calls[index].name, calls[index].arguments)
+            self.open_call = None
         self.num_calls = len(calls)
+        if partial is not None:
+            out += self._arguments(len(calls), partial.name, partial.arguments)
+        return out
+
+    def _arguments(self, index: int, name: str, arguments: str) -> Deltas:
+        """Call `index` so far: its head once, then what its arguments add (they only ever grow)."""
+        out: Deltas = []
+        if self.open_call != index:
+            out.append(("", [header_delta(index, name)]))
+            self.open_call, self.num_arguments = index, 0
+        if len(arguments) > self.num_arguments:
+            out.append(("", [arguments_delta(index, arguments[self.num_arguments :])]))
+            self.num_arguments = len(arguments)
         return out
 
     def _named(self, text: str, final: bool) -> Deltas:
         # The grammar makes every token part of the arguments; one cut by max_tokens stays a cut call, as vLLM's.
         out: Deltas = []
-        if not self.num_calls:
+        if self.open_call is None:
             out.append(("", [header_delta(0, self.plan.named)]))
-            self.num_calls = 1
+            self.open_call = 0
         piece = text[self.num_arguments :]
         if piece:
             out.append(("", [arguments_delta(0, piece)]))
@@ -76,7 +90,7 @@ def tool_answer(text: str, plan: ToolPlan | None) -> tuple[str | None, list[Tool
     """A whole output as a message's content and tool_calls (content null when the answer is calls alone)."""
     if plan is None:
         return text, []
-    content, calls = plan.parser.parse(text)
+    content, calls, _ = plan.parser.parse(text)
     if not calls:
         return text, []
     return (content if content.strip() else None), [tool_call_item(call) for call in calls]

@@ -8,7 +8,7 @@ import json
 import re
 from typing import Any
 
-from loraplex.frontend.tools.base import ToolCall, ToolParser, arguments_text
+from loraplex.frontend.tools.base import PartialCall, ToolCall, ToolParser, arguments_text
 
 FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
 PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
@@ -17,10 +17,11 @@ PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 class XmlParser(ToolParser):
     marker = "<tool_call>"
 
-    def calls(self, region: str, final: bool) -> list[ToolCall]:
-        # A call is complete once its </function> is written (</tool_call> may never come before the end).
+    def calls(self, region: str, final: bool) -> tuple[list[ToolCall], PartialCall | None]:
+        # A call is complete once its </function> is written (</tool_call> may never come before the end); its
+        # values are typed whole, so its arguments go out in one piece.
         return [ToolCall(name.strip(), arguments_text(self.arguments(name.strip(), body)))
-                for name, body in FUNCTION.findall(region)]
+                for name, body in FUNCTION.findall(region)], None
 
     def arguments(self, name: str, body: str) -> dict[str, Any]:
         schema = self.parameters.get(name, {}).get("properties", {})

@@ -82,6 +82,15 @@ def test_parser_one_shot_and_streamed(name: str, text: str, content: str, calls:
         assert (got_content, got_calls) == (parsed.content, parsed.calls), step
 
 
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+def test_json_formats_stream_arguments_as_they_are_written(name: str) -> None:
+    text = next(t for n, t, _, calls in CASES if n == name and len(calls) == 2)
+    _, calls, deltas = streamed(ToolPlan(PARSERS[name](TOOLS)), text, 2)
+    pieces = [d for d in deltas if d.id is None and d.index == 0]
+    assert len(pieces) > 5 and "".join(p.function.arguments for p in pieces) == calls[0].arguments
+    assert calls[0].arguments == '{"city": "Paris", "days": 2}'  # as the model wrote it
+
+
 def test_streamed_content_never_sends_the_start_of_a_call() -> None:
     stream = ToolCallStream(ToolPlan(PARSERS["hermes"](TOOLS)))
     assert stream.update("Hi <tool_", final=False) == [("Hi ", [])]
