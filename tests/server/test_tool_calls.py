@@ -180,6 +180,9 @@ def test_chat_template_options(client, server, llama_dir) -> None:
     out = server.post("/v1/chat/completions", {"model": "tool-lora", "messages": cont, "max_tokens": 1,
                                                "add_generation_prompt": False, "continue_final_message": True})
     assert out.status_code == 200, out.text
+    ids = server.post("/tokenize", {"messages": cont, "add_generation_prompt": False,
+                                    "continue_final_message": True}).json()["tokens"]
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\nIt is")  # the answer goes on from there
     for body, problem in (
         ({"messages": cont, "continue_final_message": True}, "Cannot set both"),
         ({"messages": ASK, "chat_template_kwargs": {"tokenize": True}}, "may not set tokenize"),
