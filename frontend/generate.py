@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 from loraplex.frontend.adapters.registry import AdapterError
+from loraplex.frontend.chat_template import ChatOptions, render_chat
 from loraplex.frontend.constraints import constrain, native_constraint
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.params import MAX_SEED, NativeGenerateRequest, NativeSamplingParams, native_sampling
@@ -74,19 +75,12 @@ class GenerateService:
         """A text prompt's tokens, as every generate route and /tokenize take them: the tokenizer's defaults (BOS)."""
         return self.runtime.tokenizer(text)["input_ids"]
 
-    def tokenize_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
-        """The prompt of a chat: {role, content} messages (and function tools) through the model's chat template."""
-        runtime = self.runtime
+    def tokenize_chat(self, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions()) -> list[int]:
+        """The prompt of a chat: its messages (and tools) through the chat template (frontend/chat_template.py)."""
         if not messages:
             raise InputError("'messages' is empty")
-        if not getattr(runtime.tokenizer, "chat_template", None):
-            raise InputError(f"model {runtime.config.model_name!r} has no chat template, so it cannot take 'messages'")
-        try:
-            text = runtime.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                         add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 - a template that rejects these messages is a client error
-            raise InputError(f"the chat template rejected the messages: {e}") from e
-        return runtime.tokenizer(text, add_special_tokens=False)["input_ids"]
+        text = render_chat(self.runtime.tokenizer, self.runtime.chat_template, messages, options)
+        return self.runtime.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def detokenize(self, token_ids: list[int]) -> str:
         """Token ids as text, special tokens included (/detokenize, and an echoed prompt given as ids)."""

@@ -177,7 +177,7 @@ class AdapterTable(msgspec.Struct):
 
 # ---- OpenAI ----------------------------------------------------------------------------------------
 
-FinishReason = Literal["stop", "length", "abort"] | None
+FinishReason = Literal["stop", "length", "tool_calls", "abort"] | None
 
 
 class Usage(msgspec.Struct):
@@ -211,11 +211,24 @@ class CompletionResponse(msgspec.Struct):
     usage: Usage
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallItem(msgspec.Struct):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(msgspec.Struct):
     role: Literal["assistant"]
     content: str | None  # None: a reasoning parser found no text after the reasoning
     # --reasoning-parser: the <think> text, null when there was none (clients read the field); absent without a parser
     reasoning_content: str | None | msgspec.UnsetType = msgspec.UNSET
+    content: str | None  # null when the answer is tool calls alone
+    tool_calls: list[ToolCallItem] = []
 
 
 class ChatTopLogprob(msgspec.Struct):
@@ -262,10 +275,23 @@ class CompletionChunk(msgspec.Struct, omit_defaults=True):
     usage: Usage | None = None
 
 
+class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None  # in a call's first delta
+    arguments: str | None = None  # a piece
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    index: int
+    id: str | None = None  # in a call's first delta, with type and function.name
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, omit_defaults=True):

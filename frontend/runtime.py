@@ -14,6 +14,7 @@ from typing import Any
 from loraplex.frontend.adapters.manager import AdapterManager
 from loraplex.frontend.adapters.registry import AdapterRegistry
 from loraplex.frontend.adapters.state_file import AdapterStateFile
+from loraplex.frontend.chat_template import load_chat_template
 from loraplex.frontend.cluster.node_rendezvous import NodeRendezvous
 from loraplex.frontend.cluster.process_group import ProcessGroup
 from loraplex.frontend.cluster.replica_set import ReplicaSet
@@ -63,6 +64,7 @@ class Runtime:
         self._children_stopped: asyncio.Future | None = None  # the survivors of a failure, being stopped
         self.model_dir = ""
         self.tokenizer: Any = None
+        self.chat_template = load_chat_template(config.chat_template)  # None: the tokenizer's own
         self.eos_token_ids: list[int] = []
         self.grammars = GrammarChecker()  # structured-output constraints compile before their request is admitted
         self.procs: ProcessGroup | None = None

@@ -131,6 +131,10 @@ _HELP: dict[str, str] = {
     "reasoning_parser": "chat answers put the model's <think>...</think> text in reasoning_content: deepseek_r1 (the "
     "template opened <think>) or qwen3 (reasoning only where the output opens <think>); a structured-output "
     "constraint then applies after </think>",
+    "chat_template": "chat template for /v1/chat/completions: a file, or inline Jinja (default: the tokenizer's)",
+    "enable_auto_tool_choice": "tool_choice auto: the model's text is read for tool calls (needs --tool-call-parser)",
+    "tool_call_parser": "the format of the model's tool calls (tool_choice auto); required and named choices are "
+    "forced by a grammar and need none",
 }
 
 # `loraplex --help` shows the flags in these groups, in this order; every field belongs to exactly one.
@@ -144,7 +148,7 @@ _TOPICS: dict[str, str] = {
     "page_size disable_radix_cache no_enable_prefix_caching gpu_memory_utilization",
     "attention and CUDA graphs": "attention_backend enable_cuda_graph disable_cuda_graph cuda_graph_max_bs",
     "multi-node": "nnodes node_rank dist_init_addr dist_timeout",
-    "chat": "reasoning_parser",
+    "chat and tools": "chat_template enable_auto_tool_choice tool_call_parser reasoning_parser",
 }
 OTHER_TOPIC = "other options"  # a field missing from _TOPICS lands here (tests/test_help_and_progress.py catches it)
 
@@ -176,6 +180,7 @@ VALUE_ALIASES: dict[str, dict[str, str]] = {
     "dtype": {"half": "float16", "float": "float32"},  # vLLM and SGLang
     "lora_backend": {"csgmv": "triton", "torch_native": "torch"},  # SGLang's CUDA kernels and torch ops
     "attention_backend": {"torch_native": "torch"},  # SGLang
+    "tool_call_parser": {"llama3": "llama3_json", "qwen25": "hermes", "qwen": "hermes"},  # SGLang
 }
 DEFAULT_LORA_RANK = 16  # --enable-lora with nothing to infer the pool from (vLLM's default; all seven modules)
 
@@ -229,6 +234,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     gpu_memory_utilization: float | None = None
     lora_modules: list[str] = []
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
+    chat_template: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "qwen3_coder", "xml", "pythonic"] | None = None
 
     def __post_init__(self) -> None:
         positive = (
@@ -261,6 +269,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError("--enable-cuda-graph and --disable-cuda-graph contradict each other: give one")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (the format of the model's calls)")
         if self.disable_lora_updates and self.lora_resolver_dir:
             raise ConfigError("--lora-resolver-dir loads adapters at run time, which --disable-lora-updates forbids")
         if self.rpc_addr and not self.api_key and not is_loopback_address(self.rpc_addr):

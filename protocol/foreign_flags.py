@@ -120,11 +120,6 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     _refuse("--enable-lora-bias", family=V, why="LoRA bias terms are not supported", value=False),
     _only("--lora-eviction-policy", family=S, ok=("lru",), note="device slots evict the least recently used adapter",
           why="device slots evict the least recently used adapter (lru); no other policy"),
-    # -- chat and tools (other parts of the project build these)
-    _refuse("--chat-template", family=VS, why="custom chat templates are " + _LATER + "; the tokenizer's own template "
-            "is used"),
-    _refuse("--enable-auto-tool-choice", family=V, why="tool calling is " + _LATER, value=False),
-    _refuse("--tool-call-parser", family=VS, why="tool calling is " + _LATER),
     _only("--response-role", family=V, ok=("assistant",), note="chat answers come from the assistant",
           why="chat answers always come from the assistant role"),
     # -- HTTP server and logging

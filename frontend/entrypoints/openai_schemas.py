@@ -7,6 +7,7 @@ import json
 from typing import Annotated, Any, Literal
 
 import msgspec
+from loraplex.frontend.chat_template import ChatOptions
 from loraplex.frontend.constraints import ResponseFormat, StructuredOutputs
 from loraplex.frontend.params import (
     MAX_N,
@@ -24,6 +25,7 @@ from loraplex.frontend.params import (
     decode_body,
     strip_neutral,
 )
+from loraplex.frontend.tools.request import Tool, ToolChoice, template_tools
 
 # OpenAI parameters we do not implement, with the neutral values that mean "off" and are therefore accepted.
 NEUTRAL = {
@@ -112,6 +114,14 @@ class ChatRequest(CommonParams, kw_only=True):
     messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None  # needs logprobs: true
+    # frontend/chat_template.py (vLLM's fields)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # frontend/tools/: passed to the template; tool_choice says how the output becomes calls
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def strip_openai(schema: type[CommonParams]) -> Any:
@@ -137,6 +147,13 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             message["tool_calls"] = [template_tool_call(call) for call in m.tool_calls]
         rendered.append(message)
     return rendered
+
+
+def chat_options(req: Any) -> ChatOptions:
+    """From a ChatRequest or a /tokenize body with messages (the same fields)."""
+    return ChatOptions(add_generation_prompt=req.add_generation_prompt,
+                       continue_final_message=req.continue_final_message, tools=template_tools(req.tools),
+                       template_kwargs=req.chat_template_kwargs or {})
 
 
 def template_tool_call(call: dict) -> dict:

@@ -9,7 +9,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from loraplex.frontend.constraints import Found, constrain, openai_constraint
-from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CommonParams, CompletionRequest, chat_messages
+from loraplex.frontend.entrypoints.openai_schemas import (
+    ChatRequest,
+    CommonParams,
+    CompletionRequest,
+    chat_messages,
+    chat_options,
+)
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.generate import GenerateService, n_samplings, raise_failure
 from loraplex.frontend.params import (
@@ -39,6 +45,8 @@ from loraplex.frontend.responses import (
     error_body,
 )
 from loraplex.frontend.runtime import Runtime
+from loraplex.frontend.tools.request import ToolPlan, tool_plan
+from loraplex.frontend.tools.stream import ToolCallStream, tool_answer
 from loraplex.protocol.structs import TokenLogprob
 
 
@@ -152,8 +160,10 @@ class OpenAIRun:
     every state, on every path."""
 
     def __init__(self, service: GenerateService, req: CommonParams, states: list[RequestState], chat: bool,
-                 served_by: str, prompt_tokens: int, echoes: list[str] | None, reasoning: Reasoning | None = None):
+                 served_by: str, prompt_tokens: int, echoes: list[str] | None, reasoning: Reasoning | None = None,
+                 tools: ToolPlan | None = None):
         self.service = service
+        self.tools = tools  # chat with tool calls: how its output becomes calls
         self.req = req
         self.states = states
         self.chat = chat
@@ -177,12 +187,16 @@ class OpenAIRun:
         raise_failure(states)
         ids = bool(self.req.return_token_ids)
         if self.chat:
-            chat_choices = [
-                ChatChoice(index=i, message=self.message(s.text),
-                           logprobs=chat_logprobs(s, 0) if s.wants_logprobs else None,
-                           finish_reason=finish_reason(s), token_ids=list(s.output_ids) if ids else None)
-                for i, s in enumerate(states)
-            ]
+            chat_choices = []
+            for i, s in enumerate(states):
+                message = self.message(s.text)
+                if self.tools is not None:  # tool calls are read in the answer, after any reasoning
+                    message.content, message.tool_calls = tool_answer(message.content or "", self.tools)
+                reason = finish_reason(s)
+                reason = "tool_calls" if message.tool_calls and reason == "stop" else reason
+                chat_choices.append(ChatChoice(
+                    index=i, message=message, logprobs=chat_logprobs(s, 0) if s.wants_logprobs else None,
+                    finish_reason=reason, token_ids=list(s.output_ids) if ids else None))
             return ChatCompletionResponse(**self.base, object="chat.completion", choices=chat_choices,
                                           usage=usage(states, self.prompt_tokens),
                                           prompt_token_ids=states[0].prompt_ids if ids else None)
@@ -216,6 +230,8 @@ class OpenAIRun:
         parsers = [self.reasoning.parser() for _ in states] if chat and self.reasoning else None
         options = req.stream_options
         continuous = options is not None and options.include_usage and options.continuous_usage_stats
+        tool_streams = [ToolCallStream(self.tools) for _ in states] if self.tools is not None else None
+        answers = [""] * len(states)  # with tool calls: each choice's answer so far, its reasoning left out
 
         def chunk(choices: list, usage_: Usage | None = None) -> CompletionChunk | ChatCompletionChunk:
             if continuous and usage_ is None:
@@ -249,6 +265,23 @@ class OpenAIRun:
             sent_logprobs[i] = len(state.output_logprobs)
             new_ids = state.output_ids[sent_ids[i] :] if ids else None
             sent_ids[i] = len(state.output_ids)
+            if tool_streams is not None:  # the answer goes out as content and tool call deltas, one chunk each
+                answers[i] += delta_text
+                pieces = tool_streams[i].update(answers[i], state.finished)
+                reason = "tool_calls" if reason == "stop" and tool_streams[i].has_calls else reason
+                if reasoning_text:
+                    yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(reasoning_content=reasoning_text),
+                                                 logprobs=None, finish_reason=None)])
+                if not pieces and reason is None and not new_logprobs and not new_ids:
+                    continue
+                pieces = pieces or [("", [])]
+                for k, (content, calls) in enumerate(pieces):
+                    last = k == len(pieces) - 1
+                    delta = ChatDelta(content=content or None, tool_calls=calls or None)
+                    yield chunk([ChatChunkChoice(
+                        index=i, delta=delta, logprobs=chat_logprobs(state, start) if last and new_logprobs else None,
+                        finish_reason=reason if last else None, token_ids=new_ids if last else None)])
+                continue
             if not delta_text and not reasoning_text and reason is None and not new_logprobs and not new_ids:
                 continue
             with_prompt = not echoed[i]
@@ -281,21 +314,30 @@ async def start_openai(
     echo_texts: list[str] | None = None,
     found: Found | None = None,
     reasoning: Reasoning | None = None,
+    tools: ToolPlan | None = None,
 ) -> OpenAIRun:
     """Validate and submit every choice (n per prompt), or none. echo_texts (completions with echo): each prompt's
     text, put before its completions' text. found: a constraint the caller derived (/v1/responses' forced tool
-    call), else the body's structured-output fields give it."""
+    call), else the body's structured-output fields give it. tools: a chat's tool calls (a forced choice constrains
+    the output). reasoning: the constraint starts after the reasoning."""
     runtime = service.runtime
     runtime.check_available()
     lora_name, served_by = await service.resolve_model(req.model)
     jobs: list[tuple[list[int], Any]] = []
-    found = constraint_after_reasoning(found or openai_constraint(req), reasoning)
+    found = found or openai_constraint(req)
+    if tools is not None and tools.constraint is not None:
+        if found is not None:
+            raise InputError(f"tool_choice required or named forces the output's shape: {found.field} cannot be "
+                             "given with it")
+        found = Found(tools.constraint, "tool_choice")
+    found = constraint_after_reasoning(found, reasoning)
     for prompt in prompts:
         for sampling in await constrain(runtime, openai_sampling(runtime, req, len(prompt), default_max), found):
             jobs.append((prompt, sampling))
     echoes = [text for text in echo_texts for _ in range(req.n)] if echo_texts is not None else None
     stops = stop_list(req.stop)
-    output = OutputOptions(skip_special_tokens=req.skip_special_tokens, keep_stop=req.include_stop_str_in_output)
+    skip_special = req.skip_special_tokens and not (tools is not None and tools.parser.needs_special_tokens)
+    output = OutputOptions(skip_special_tokens=skip_special, keep_stop=req.include_stop_str_in_output)
     states: list[RequestState] = []
     try:
         for prompt, sampling in jobs:
@@ -303,7 +345,7 @@ async def start_openai(
     except BaseException:
         await service.finish(states)
         raise
-    return OpenAIRun(service, req, states, chat, served_by, sum(len(p) for p in prompts), echoes, reasoning)
+    return OpenAIRun(service, req, states, chat, served_by, sum(len(p) for p in prompts), echoes, reasoning, tools)
 
 
 async def start_completion(service: GenerateService, req: CompletionRequest) -> OpenAIRun:
@@ -328,12 +370,13 @@ async def start_completion(service: GenerateService, req: CompletionRequest) -> 
 
 
 async def start_chat(service: GenerateService, req: ChatRequest) -> OpenAIRun:
-    prompt = service.tokenize_chat(chat_messages(req.messages))
     runtime = service.runtime
-    # chat_template_kwargs arrives with the chat-template work; until then thinking is never turned off
-    reasoning = request_reasoning(runtime.config.reasoning_parser, getattr(req, "chat_template_kwargs", None),
-                                  runtime.tokenizer)
-    return await start_openai(service, req, [prompt], chat=True, default_max=None, reasoning=reasoning)
+    config = runtime.config
+    plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls,
+                     config.tool_call_parser if config.enable_auto_tool_choice else None)
+    prompt = service.tokenize_chat(chat_messages(req.messages), chat_options(req))
+    reasoning = request_reasoning(config.reasoning_parser, req.chat_template_kwargs, runtime.tokenizer)
+    return await start_openai(service, req, [prompt], chat=True, default_max=None, reasoning=reasoning, tools=plan)
 
 
 def base_card(runtime: Runtime) -> ModelCard:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+from loraplex.frontend.chat_template import ChatOptions
 from loraplex.frontend.constraints import Found
 from loraplex.frontend.entrypoints.openai_schemas import ChatMessage, ChatRequest, chat_messages
 from loraplex.frontend.entrypoints.openai_serving import OpenAIRun, start_openai
@@ -273,7 +274,7 @@ async def start_response(service: GenerateService, req: ResponsesRequest) -> Res
     """Validate and submit: the prompt through the chat template with the tools, generated as a chat request."""
     messages = chat_of(input_items(req.input), req.instructions)
     found, named = forced_call(req)
-    prompt = service.tokenize_chat(messages, tools=template_tools(req.tools))
+    prompt = service.tokenize_chat(messages, ChatOptions(tools=template_tools(req.tools)))
     chat = ChatRequest(model=req.model, messages=[], max_tokens=req.max_output_tokens, temperature=req.temperature,
                        top_p=req.top_p, stream=req.stream, user=req.user)
     run = await start_openai(service, chat, [prompt], chat=True, default_max=None, found=found)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from importlib import metadata
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -15,10 +16,11 @@ from loraplex.frontend.entrypoints.http_utils import (
     runtime_of,
     service_of,
 )
-from loraplex.frontend.entrypoints.openai_schemas import ChatMessage, chat_messages
+from loraplex.frontend.entrypoints.openai_schemas import ChatMessage, chat_messages, chat_options
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.params import NativeGenerateRequest, TokenId, convert
 from loraplex.frontend.responses import DetokenizeResponse, HealthResponse, TokenizeResponse, VersionResponse
+from loraplex.frontend.tools.request import Tool
 
 logger = logging.getLogger("loraplex.http")
 routes = web.RouteTableDef()
@@ -39,6 +41,11 @@ class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     model: str | None = None
+    # with messages, as on /v1/chat/completions (vLLM's)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
 
 
 class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -59,7 +66,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if body.prompt is not None:
         tokens = service.tokenize(body.prompt)
     else:
-        tokens = service.tokenize_chat(chat_messages(body.messages))
+        tokens = service.tokenize_chat(chat_messages(body.messages), chat_options(body))
     return json_response(TokenizeResponse(tokens=tokens, count=len(tokens),
                                           max_model_len=service.runtime.ready.context_length))
 

@@ -67,14 +67,19 @@ ACCEPTED = [
         "--trust-remote-code --attention-backend torch_native --dtype bfloat16",
         {"attention_backend": "torch", "dtype": "bfloat16"},
     ),
+    (  # vLLM: a chat template file, tool calls read by a parser
+        f"vllm serve {MODEL} --enable-lora --lora-modules sql-lora={A} --chat-template ./template_chatml.jinja "
+        "--enable-auto-tool-choice --tool-call-parser hermes",
+        {"chat_template": "./template_chatml.jinja", "enable_auto_tool_choice": True, "tool_call_parser": "hermes"},
+    ),
+    (  # SGLang: its name of the Llama 3 JSON parser
+        f"python3 -m sglang.launch_server --model-path {MODEL} --lora-paths lora0={A} --tool-call-parser llama3",
+        {"tool_call_parser": "llama3_json"},
+    ),
 ]
 
 REFUSED = [  # (command line, the flag its one line names)
     (f"vllm serve {MODEL} --enable-lora --lora-modules sql-lora={A} --quantization awq", "--quantization awq"),
-    (f"vllm serve {MODEL} --enable-lora --lora-modules sql-lora={A} --chat-template ./template_chatml.jinja",
-     "--chat-template ./template_chatml.jinja"),
-    (f"python3 -m sglang.launch_server --model-path {MODEL} --lora-paths lora0={A} --tool-call-parser llama3",
-     "--tool-call-parser llama3"),
     (f"python3 -m sglang.launch_server --model-path {MODEL} --enable-lora --lora-paths lora0={A} "
      "--lora-eviction-policy fifo", "--lora-eviction-policy fifo"),
 ]
@@ -173,3 +178,12 @@ def test_reasoning_parser_is_a_setting_of_ours() -> None:
     assert parse_command_line(["--model-path", MODEL])[0].reasoning_parser is None
     with pytest.raises(SystemExit):  # argparse names the valid choices
         parse_command_line(["--model-path", MODEL, "--reasoning-parser", "granite"])
+
+
+def test_tool_flags() -> None:
+    config = parse_command_line(["--enable-auto-tool-choice", "--tool-call-parser", "qwen25"])[0]
+    assert (config.enable_auto_tool_choice, config.tool_call_parser) == (True, "hermes")
+    with pytest.raises(ConfigError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        parse_command_line(["--enable-auto-tool-choice"])
+    with pytest.raises(SystemExit):
+        parse_command_line(["--tool-call-parser", "nonesuch"])

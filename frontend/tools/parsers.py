@@ -1,0 +1,19 @@
+"""The tool-call parsers by their `--tool-call-parser` names (vLLM's; protocol/config.py maps SGLang's onto them)."""
+
+from __future__ import annotations
+
+from loraplex.frontend.tools.base import ToolParser
+from loraplex.frontend.tools.hermes import HermesParser
+from loraplex.frontend.tools.llama3_json import Llama3JsonParser
+from loraplex.frontend.tools.mistral import MistralParser
+from loraplex.frontend.tools.pythonic import PythonicParser
+from loraplex.frontend.tools.xml import XmlParser
+
+PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
+    "qwen3_coder": XmlParser,
+    "xml": XmlParser,
+    "pythonic": PythonicParser,
+}

@@ -1,0 +1,96 @@
+"""One choice's tool calls, whole (tool_answer) or streamed (ToolCallStream). Streamed: the text so far in,
+OpenAI's deltas out — content as it becomes safe to send, then per call a delta with its index, id, type and function
+name (arguments ""), then its arguments in pieces: as they are written where the format keeps them as JSON text (a
+named choice, hermes, llama3_json, mistral, required), in one piece once the call is complete for the others."""
+
+from __future__ import annotations
+
+import uuid
+
+from loraplex.frontend.responses import FunctionCall, FunctionCallDelta, ToolCallDelta, ToolCallItem
+from loraplex.frontend.tools.base import ToolCall
+from loraplex.frontend.tools.request import ToolPlan
+
+Deltas = list[tuple[str, list[ToolCallDelta]]]  # (content piece, tool call deltas), one chunk each
+
+
+def call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def tool_call_item(call: ToolCall) -> ToolCallItem:
+    """A call in a response's message.tool_calls."""
+    return ToolCallItem(id=call_id(), type="function", function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def header_delta(index: int, name: str) -> ToolCallDelta:
+    return ToolCallDelta(index=index, id=call_id(), type="function",
+                         function=FunctionCallDelta(name=name, arguments=""))
+
+
+def arguments_delta(index: int, piece: str) -> ToolCallDelta:
+    return ToolCallDelta(index=index, function=FunctionCallDelta(arguments=piece))
+
+
+class ToolCallStream:
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.num_content = 0  # content characters sent
+        self.num_calls = 0  # complete calls sent whole
+        self.open_call: int | None = None  # the call being written whose head went out
+        self.num_arguments = 0  # argument characters of the open (or named) call sent
+
+    @property
+    def has_calls(self) -> bool:
+        return self.num_calls > 0 or self.open_call is not None
+
+    def update(self, text: str, final: bool) -> Deltas:
+        """The deltas the text so far adds, each (content piece, tool call deltas), in order; final: the output is
+        complete."""
+        if self.plan.named is not None:
+            return self._named(text, final)
+        content, calls, partial = self.plan.parser.parse_prefix(text, final)
+        out: Deltas = []
+        if len(content) > self.num_content:
+            out.append((content[self.num_content :], []))
+            self.num_content = len(content)
+        for index in range(self.num_calls, len(calls)):
+            out += self._arguments(index, calls[index].name, calls[index].arguments)
+            self.open_call = None
+        self.num_calls = len(calls)
+        if partial is not None:
+            out += self._arguments(len(calls), partial.name, partial.arguments)
+        return out
+
+    def _arguments(self, index: int, name: str, arguments: str) -> Deltas:
+        """Call `index` so far: its head once, then what its arguments add (they only ever grow)."""
+        out: Deltas = []
+        if self.open_call != index:
+            out.append(("", [header_delta(index, name)]))
+            self.open_call, self.num_arguments = index, 0
+        if len(arguments) > self.num_arguments:
+            out.append(("", [arguments_delta(index, arguments[self.num_arguments :])]))
+            self.num_arguments = len(arguments)
+        return out
+
+    def _named(self, text: str, final: bool) -> Deltas:
+        # The grammar makes every token part of the arguments; one cut by max_tokens stays a cut call, as vLLM's.
+        out: Deltas = []
+        if self.open_call is None:
+            out.append(("", [header_delta(0, self.plan.named)]))
+            self.open_call = 0
+        piece = text[self.num_arguments :]
+        if piece:
+            out.append(("", [arguments_delta(0, piece)]))
+            self.num_arguments = len(text)
+        return out
+
+
+def tool_answer(text: str, plan: ToolPlan | None) -> tuple[str | None, list[ToolCallItem]]:
+    """A whole output as a message's content and tool_calls (content null when the answer is calls alone)."""
+    if plan is None:
+        return text, []
+    content, calls, _ = plan.parser.parse(text)
+    if not calls:
+        return text, []
+    return (content if content.strip() else None), [tool_call_item(call) for call in calls]

@@ -1,0 +1,151 @@
+"""Tool-call parsers on fixed texts: one-shot parse, and streamed (the text fed a few characters at a time) assembling
+to the same content and calls; forced-choice schemas; tool_choice rules."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from loraplex.frontend.errors import InputError
+from loraplex.frontend.tools.base import ToolCall
+from loraplex.frontend.tools.forced import NamedParser, RequiredParser, named_schema, required_schema
+from loraplex.frontend.tools.parsers import PARSERS
+from loraplex.frontend.tools.request import FunctionDef, FunctionName, NamedToolChoice, Tool, ToolPlan, tool_plan
+from loraplex.frontend.tools.stream import ToolCallStream, tool_answer
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city"]}}}
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
+    "type": "object", "properties": {"query": {"type": "string"}}}}}
+TOOLS = [WEATHER, SEARCH]
+TWO_CALLS = [ToolCall("get_weather", '{"city": "Paris", "days": 2}'), ToolCall("search", '{"query": "a [b], c"}')]
+
+CASES = [  # (parser, model text, content, calls)
+    ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+     '</tool_call>\n<tool_call>\n{"name": "search", "arguments": {"query": "a [b], c"}}\n</tool_call>',
+     "Let me look.\n", TWO_CALLS),
+    ("hermes", '<tool_call>\n{"name": "search", "arguments": {"query": "a [b], c"}}', "", TWO_CALLS[1:]),  # unclosed
+    ("hermes", "No tools needed: 1 < 2.", "No tools needed: 1 < 2.", []),
+    ("hermes", "<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}; '
+     '{"name": "search", "parameters": {"query": "a [b], c"}}', "", TWO_CALLS),
+    ("llama3_json", '<|python_tag|>{"name": "search", "parameters": {"query": "a [b], c"}}', "", TWO_CALLS[1:]),
+    ("llama3_json", "The weather is {fine}.", "The weather is {fine}.", []),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, '
+     '{"name": "search", "arguments": {"query": "a [b], c"}}]', "", TWO_CALLS),
+    ("mistral", 'Sure. [TOOL_CALLS][{"name": "search", "arguments": {"query": "a [b], c"}}]', "Sure. ",
+     TWO_CALLS[1:]),
+    ("mistral", "Plain [answer].", "Plain [answer].", []),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}[TOOL_CALLS]search[ARGS]'
+     '{"query": "a [b], c"}', "", TWO_CALLS),
+    ("qwen3_coder", "I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+     "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=search>\n"
+     "<parameter=query>\na [b], c\n</parameter>\n</function>\n</tool_call>", "I will check.\n", TWO_CALLS),
+    ("xml", "<tool_call><function=get_weather><parameter=city>Paris</parameter><parameter=days>2</parameter>"
+     "</function></tool_call>", "", TWO_CALLS[:1]),
+    ("pythonic", '[get_weather(city="Paris", days=2), search(query=\'a [b], c\')]', "", TWO_CALLS),
+    ("pythonic", '<|python_start|>[search(query="a [b], c")]<|python_end|>', "", TWO_CALLS[1:]),
+    ("pythonic", "[not a call]", "[not a call]", []),
+    ("pythonic", "Hello there (friend).", "Hello there (friend).", []),
+]
+
+
+def streamed(plan: ToolPlan, text: str, step: int) -> tuple[str, list[ToolCall], list]:
+    """Feed text `step` characters at a time; assemble the deltas as OpenAI's clients do."""
+    stream = ToolCallStream(plan)
+    content, calls, deltas = "", {}, []
+    for end in [*range(step, len(text), step), len(text)]:
+        for piece, call_deltas in stream.update(text[:end], final=end == len(text)):
+            content += piece
+            deltas += call_deltas
+    for delta in deltas:
+        if delta.id is not None:  # a call's first delta: id, type, name and empty arguments
+            assert delta.index == len(calls) and delta.type == "function" and delta.function.arguments == ""
+            calls[delta.index] = [delta.function.name, ""]
+        else:
+            assert delta.function.name is None
+            calls[delta.index][1] += delta.function.arguments
+    return content, [ToolCall(name, arguments) for name, arguments in calls.values()], deltas
+
+
+@pytest.mark.parametrize("name, text, content, calls", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_parser_one_shot_and_streamed(name: str, text: str, content: str, calls: list[ToolCall]) -> None:
+    parser = PARSERS[name](TOOLS)
+    parsed = parser.parse(text)
+    assert parsed.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [(c.name, json.loads(c.arguments))
+                                                                         for c in calls]
+    for step in (1, 3, 7, len(text)):
+        got_content, got_calls, _ = streamed(ToolPlan(parser), text, step)
+        assert (got_content, got_calls) == (parsed.content, parsed.calls), step
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+def test_json_formats_stream_arguments_as_they_are_written(name: str) -> None:
+    text = next(t for n, t, _, calls in CASES if n == name and len(calls) == 2)
+    _, calls, deltas = streamed(ToolPlan(PARSERS[name](TOOLS)), text, 2)
+    pieces = [d for d in deltas if d.id is None and d.index == 0]
+    assert len(pieces) > 5 and "".join(p.function.arguments for p in pieces) == calls[0].arguments
+    assert calls[0].arguments == '{"city": "Paris", "days": 2}'  # as the model wrote it
+
+
+def test_streamed_content_never_sends_the_start_of_a_call() -> None:
+    stream = ToolCallStream(ToolPlan(PARSERS["hermes"](TOOLS)))
+    assert stream.update("Hi <tool_", final=False) == [("Hi ", [])]
+    assert stream.update("Hi <tool_call>", final=False) == []
+    assert stream.update("Hi <tooth>", final=True) == [("<tooth>", [])]
+
+
+def test_answer_content_is_null_with_calls_alone() -> None:
+    content, calls = tool_answer('<tool_call>{"name": "search", "arguments": {}}</tool_call>',
+                                 ToolPlan(PARSERS["hermes"](TOOLS)))
+    assert content is None and [c.function.name for c in calls] == ["search"]
+    assert calls[0].id.startswith("call_") and calls[0].type == "function" and calls[0].function.arguments == "{}"
+
+
+def test_named_choice_streams_its_arguments_as_they_come() -> None:
+    plan = ToolPlan(NamedParser(TOOLS, "get_weather"), named="get_weather")
+    text = '{"city": "Paris", "days": 2}'
+    content, calls, deltas = streamed(plan, text, 4)
+    assert content == "" and calls == [ToolCall("get_weather", text)] and len(deltas) > 3
+    assert tool_answer(text, plan)[1][0].function.arguments == text
+    assert tool_answer('{"city": "Pa', plan) == ('{"city": "Pa', [])  # cut by max_tokens: plain text
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_schema_admits_exactly_the_calls_its_parser_reads(parallel: bool) -> None:
+    schema = required_schema(TOOLS, parallel)
+    one = {"name": "get_weather", "parameters": {"city": "Oslo"}}
+    good = [one, {"name": "search", "parameters": {"query": "x"}}] if parallel else one
+    jsonschema.validate(good, schema)
+    for bad in ([] if parallel else [one], {"name": "nope", "parameters": {}}, {"name": "get_weather"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    text = json.dumps(good)
+    parser = RequiredParser(TOOLS, parallel)
+    assert [c.name for c in parser.parse(text).calls] == [c["name"] for c in (good if parallel else [good])]
+    assert streamed(ToolPlan(parser), text, 5)[1] == parser.parse(text).calls
+    assert named_schema(WEATHER) == WEATHER["function"]["parameters"]
+
+
+def typed_tools() -> list[Tool]:
+    return [Tool(type="function", function=FunctionDef(**t["function"])) for t in TOOLS]
+
+
+def test_tool_choice_rules_are_vllms() -> None:
+    tools = typed_tools()
+    assert tool_plan(None, None, None, None) is None
+    assert tool_plan(tools, "none", None, "hermes") is None
+    with pytest.raises(InputError, match="requires --enable-auto-tool-choice"):
+        tool_plan(tools, None, None, None)  # tools without tool_choice mean auto
+    with pytest.raises(InputError, match="`tools` must be set"):
+        tool_plan(None, "required", None, None)
+    with pytest.raises(InputError, match="Tool 'other' has not been passed"):
+        tool_plan(tools, NamedToolChoice("function", FunctionName("other")), None, None)
+    named = tool_plan(tools, NamedToolChoice("function", FunctionName("search")), None, None)
+    assert named.named == "search" and json.loads(named.constraint.source) == SEARCH["function"]["parameters"]
+    required = tool_plan(tools, "required", False, None)
+    assert json.loads(required.constraint.source) == required_schema(TOOLS, parallel=False)
+    assert isinstance(tool_plan(tools, "auto", None, "pythonic").parser, PARSERS["pythonic"])
