@@ -224,11 +224,10 @@ class ToolCallItem(msgspec.Struct):
 
 class AssistantMessage(msgspec.Struct):
     role: Literal["assistant"]
-    content: str | None  # None: a reasoning parser found no text after the reasoning
+    content: str | None  # null: only reasoning, or only tool calls
     # --reasoning-parser: the <think> text, null when there was none (clients read the field); absent without a parser
     reasoning_content: str | None | msgspec.UnsetType = msgspec.UNSET
-    content: str | None  # null when the answer is tool calls alone
-    tool_calls: list[ToolCallItem] = []
+    tool_calls: list[ToolCallItem] = []  # with tool calls alone, content is null
 
 
 class ChatTopLogprob(msgspec.Struct):
