@@ -2,12 +2,14 @@
 tokenize and detokenize.
 
 Every way in calls it: the native, OpenAI and utility routes, the Engine, the RPC server and the Ray replica (through
-its Engine). The Runtime owns the table of requests in flight; this service is what the entry points ask of it.
+its Engine). It admits each request (the edge's checks, the adapter's hold, the replica the router picks), puts it in
+the Runtime's table of requests in flight, and is the one place every request leaves it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,7 +22,8 @@ from loraplex.frontend.params import MAX_SEED, NativeGenerateRequest, NativeSamp
 from loraplex.frontend.request_state import OutputOptions, RequestState
 from loraplex.frontend.responses import error_body
 from loraplex.frontend.runtime import Runtime
-from loraplex.protocol.structs import AbortReqOutput, SamplingParams
+from loraplex.protocol.request_limits import request_fit_error
+from loraplex.protocol.structs import AbortReq, AbortReqOutput, SamplingParams, TokenizedGenerateReq
 
 
 class GenerationFailed(Exception):
@@ -128,7 +131,7 @@ class GenerateService:
                 if runtime.registry.get(name) is None or runtime.registry.get(name).draining:
                     raise AdapterError(f"adapter {name!r} is not loaded", kind="not_found")
             for prompt, one_sampling, name, rid in zip(prompts, samplings, lora_names, rids, strict=False):
-                states.append(await runtime.submit(prompt, one_sampling, stops, name, rid, output))
+                states.append(await self._submit_one(prompt, one_sampling, stops, name, rid, output))
         except BaseException:
             await self.finish(states)
             raise
@@ -234,14 +237,69 @@ class GenerateService:
                 chunk["index"] = index
             yield chunk
 
+    async def _submit_one(self, prompt_ids: list[int], sampling: SamplingParams, stop_strings: list[str],
+                          lora_name: str | None, rid: str | None, output: OutputOptions) -> RequestState:
+        """Check and enqueue one request. Raises InputError, AdapterError or ServerUnavailable."""
+        runtime = self.runtime
+        rid = rid or uuid.uuid4().hex
+        if rid in runtime.requests:
+            raise InputError(f"request id {rid!r} is already in use")
+        self._check_fits(prompt_ids, sampling)
+        if lora_name is not None:
+            await runtime.adapters.ensure(lora_name)  # the guard: an eviction since the batch's ensure brings it back
+        runtime.check_available()  # a process may have died, or a drain begun, while this request was prepared
+        entry = runtime.registry.acquire(lora_name, rid) if lora_name is not None else None
+        state = RequestState(
+            rid, prompt_ids, sampling, stop_strings, runtime.tokenizer, lora_name, entry.lora_id if entry else None,
+            output,
+        )
+        state.dp_rank = runtime.router.pick(state.lora_id)
+        runtime.router.acquire(state.dp_rank, state.lora_id)
+        runtime.requests[rid] = state
+        runtime.metrics.on_submit(len(prompt_ids))
+        req = TokenizedGenerateReq(rid=rid, input_ids=prompt_ids, sampling=sampling, lora_id=state.lora_id)
+        await runtime.replicas.send(state.dp_rank, req)
+        return state
+
+    def _check_fits(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        # The rule the scheduler checks again; max_total_tokens is the smallest replica's.
+        ready = self.runtime.ready
+        if error := request_fit_error(len(prompt_ids), sampling.max_new_tokens, ready.context_length,
+                                      ready.max_total_tokens):
+            raise InputError(error)
+        vocab_size = ready.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt_ids):
+            raise InputError(f"input_ids must be token ids in [0, {vocab_size})")
+        if any(not 0 <= t < vocab_size for t in sampling.stop_token_ids):
+            raise InputError(f"stop_token_ids must be token ids in [0, {vocab_size})")
+        if sampling.logprob_start_len >= len(prompt_ids):
+            raise InputError(
+                f"logprob_start_len ({sampling.logprob_start_len}) must be below the prompt length ({len(prompt_ids)})"
+            )
+
     async def finish(self, states: list[RequestState]) -> None:
         """Every path of every request ends here (done, failed, client gone): frees what each state holds."""
+        runtime = self.runtime
         for state in states:
-            await self.runtime.finish(state)
+            if runtime.requests.pop(state.rid, None) is None:
+                continue
+            was_finished = state.finished
+            if not was_finished:
+                state.fail("aborted by the client", status=499)
+            # Counted before the hold goes: once released, an unload may drop the adapter's series.
+            runtime.metrics.on_finish(state)
+            runtime.router.release(state.dp_rank, state.lora_id)
+            if state.lora_id is not None:
+                runtime.registry.release(state.lora_id, state.rid)
+            if not was_finished and runtime.failure is None and not runtime.stopping:
+                await runtime.replicas.send(state.dp_rank, AbortReq(rid=state.rid))
 
     async def abort(self, rid: str) -> AbortReqOutput:
-        found = await self.runtime.abort(rid)
-        return AbortReqOutput(success=found, rid=rid, message="" if found else f"no request {rid!r} in flight")
+        state = self.runtime.requests.get(rid)
+        if state is None:
+            return AbortReqOutput(success=False, rid=rid, message=f"no request {rid!r} in flight")
+        await self.runtime.replicas.send(state.dp_rank, AbortReq(rid=rid))
+        return AbortReqOutput(success=True, rid=rid, message="")
 
 
 async def _changes(state: RequestState) -> AsyncIterator[RequestState]:

@@ -1,7 +1,7 @@
 """Response bodies of the HTTP routes as Structs: /openapi.json's response schemas come from these.
 
 Routes build the small ones directly; the /generate item and the adapter rows are built as dicts (the Engine and
-the RPC return them too) and match these shapes, which tests/test_openapi.py checks against a live server.
+the RPC return them too) and match these shapes, which tests/integrations/test_openapi.py checks against a live server.
 """
 
 from __future__ import annotations

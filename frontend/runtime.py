@@ -1,14 +1,15 @@
 """Runtime: the frontend's lifecycle — start and stop the child processes, own the pieces (tokenizer, adapter
-registry and manager, replicas, router, metrics) and the table of requests in flight, drain on SIGTERM, fail whole.
+registry and manager, replicas, router, metrics, the table of requests in flight), apply the schedulers' token
+deltas, drain on SIGTERM, fail whole.
 
-Every entry point drives one Runtime from one event loop, through the GenerateService (frontend/generate.py).
+Every entry point drives one Runtime from one event loop through the GenerateService (frontend/generate.py), which
+adds requests to the table and takes them out again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from typing import Any
 
 from loraplex.frontend.adapters.manager import AdapterManager
@@ -20,22 +21,19 @@ from loraplex.frontend.cluster.process_group import ProcessGroup
 from loraplex.frontend.cluster.replica_set import ReplicaSet
 from loraplex.frontend.cluster.router import Router
 from loraplex.frontend.demo import resolve_model_dir
-from loraplex.frontend.errors import InputError, ServerUnavailable
+from loraplex.frontend.errors import ServerUnavailable
 from loraplex.frontend.grammar_checker import GrammarChecker
 from loraplex.frontend.lora_config import resolve_lora_config
 from loraplex.frontend.metrics import Metrics
-from loraplex.frontend.request_state import OutputOptions, RequestState
+from loraplex.frontend.request_state import RequestState
 from loraplex.protocol.config import ServerConfig
-from loraplex.protocol.request_limits import request_fit_error
 from loraplex.protocol.structs import (
     AbortReq,
     LoRAAdapterSpec,
-    SamplingParams,
     SchedulerReady,
     SchedulerStats,
     SlotsChanged,
     TokenDeltas,
-    TokenizedGenerateReq,
 )
 
 logger = logging.getLogger("loraplex.runtime")
@@ -207,77 +205,6 @@ class Runtime:
         """Each replica scheduler's counters, by dp_rank."""
         self.check_available()
         return await self.replicas.stats()
-
-    # ---- the table of requests in flight ---------------------------------------------------------------
-
-    async def submit(
-        self,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        stop_strings: list[str],
-        lora_name: str | None,
-        rid: str | None = None,
-        output: OutputOptions = OutputOptions(),
-    ) -> RequestState:
-        """Validate and enqueue one request. Raises InputError, AdapterError or ServerUnavailable."""
-        self.check_available()
-        rid = rid or uuid.uuid4().hex
-        if rid in self.requests:
-            raise InputError(f"request id {rid!r} is already in use")
-        self._check_fits(prompt_ids, sampling)
-        if lora_name is not None:
-            await self.adapters.ensure(lora_name)
-            self.check_available()  # a process may have died, or a drain begun, while it loaded
-        entry = self.registry.acquire(lora_name, rid) if lora_name is not None else None
-        state = RequestState(
-            rid, prompt_ids, sampling, stop_strings, self.tokenizer, lora_name, entry.lora_id if entry else None,
-            output,
-        )
-        state.dp_rank = self.router.pick(state.lora_id)
-        self.router.acquire(state.dp_rank, state.lora_id)
-        self.requests[rid] = state
-        self.metrics.on_submit(len(prompt_ids))
-        req = TokenizedGenerateReq(rid=rid, input_ids=prompt_ids, sampling=sampling, lora_id=state.lora_id)
-        await self.replicas.send(state.dp_rank, req)
-        return state
-
-    def _check_fits(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        # The rule the scheduler checks again; max_total_tokens is the smallest replica's.
-        ready = self.ready
-        if error := request_fit_error(len(prompt_ids), sampling.max_new_tokens, ready.context_length,
-                                      ready.max_total_tokens):
-            raise InputError(error)
-        vocab_size = ready.vocab_size
-        if any(not 0 <= t < vocab_size for t in prompt_ids):
-            raise InputError(f"input_ids must be token ids in [0, {vocab_size})")
-        if any(not 0 <= t < vocab_size for t in sampling.stop_token_ids):
-            raise InputError(f"stop_token_ids must be token ids in [0, {vocab_size})")
-        if sampling.logprob_start_len >= len(prompt_ids):
-            raise InputError(
-                f"logprob_start_len ({sampling.logprob_start_len}) must be below the prompt length ({len(prompt_ids)})"
-            )
-
-    async def finish(self, state: RequestState) -> None:
-        """Every request path ends here (finish, abort, disconnect, error): frees its hold and its slot."""
-        if self.requests.pop(state.rid, None) is None:
-            return
-        was_finished = state.finished
-        if not was_finished:
-            state.fail("aborted by the client", status=499)
-        # Counted before the hold goes: once released, an unload may drop the adapter's series.
-        self.metrics.on_finish(state)
-        self.router.release(state.dp_rank, state.lora_id)
-        if state.lora_id is not None:
-            self.registry.release(state.lora_id, state.rid)
-        if not was_finished and self.failure is None and not self.stopping:
-            await self.replicas.send(state.dp_rank, AbortReq(rid=state.rid))
-
-    async def abort(self, rid: str) -> bool:
-        state = self.requests.get(rid)
-        if state is None:
-            return False
-        await self.replicas.send(state.dp_rank, AbortReq(rid=rid))
-        return True
 
 
 def load_tokenizer(model_dir: str) -> tuple[Any, list[int]]:

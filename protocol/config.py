@@ -150,7 +150,8 @@ _TOPICS: dict[str, str] = {
     "multi-node": "nnodes node_rank dist_init_addr dist_timeout",
     "chat and tools": "chat_template enable_auto_tool_choice tool_call_parser reasoning_parser",
 }
-OTHER_TOPIC = "other options"  # a field missing from _TOPICS lands here (tests/test_help_and_progress.py catches it)
+# A field missing from _TOPICS lands here (tests/process/test_help_and_progress.py catches it).
+OTHER_TOPIC = "other options"
 
 
 def field_topic(name: str) -> str:

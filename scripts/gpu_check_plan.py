@@ -3,7 +3,7 @@
 Plain Python (the parent never imports torch). One device call is at most 10 minutes and the cache is cold (every
 Triton variant compiles on first use), so the caps are warm-cache caps times one scale, COLD_CAP_SCALE by default,
 and the default run's caps sum to at most CAPS_LIMIT_S: with the install and the parent's overhead the command's own
-`timeout` still ends inside the call. `--plan` prints that arithmetic; tests/test_gpu_check.py asserts it.
+`timeout` still ends inside the call. `--plan` prints that arithmetic; tests/integrations/test_gpu_check.py asserts it.
 """
 
 from __future__ import annotations

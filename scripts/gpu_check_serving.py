@@ -212,7 +212,8 @@ def _decode_matrix(ctx: Context, runner, pages: Pages, shape: LlamaShape, adapte
             rec.figure("decode", table)
     if not ctx.is_cuda:
         rec.skip("decode_flags", "dry-run: needs CUDA (profiler, meaningful timings)")
-        rec.skip("cuda_graphs", "dry-run: needs CUDA (tests/test_cuda_graphs.py checks the static buffers on a CPU)")
+        rec.skip("cuda_graphs",
+                 "dry-run: needs CUDA (tests/compute/test_cuda_graphs.py checks the static buffers on a CPU)")
         return
     b1, b32 = table["B=1"], table["B=32"]
     busy = min(c["busy_pct"] for r in table.values() for c in r.values())

@@ -35,9 +35,8 @@ routes = web.RouteTableDef()
 @routes.post("/generate")
 async def generate(request: web.Request) -> web.StreamResponse:
     service = service_of(request)
-    service.runtime.check_available()
     body = await read_request(request, NativeGenerateRequest, strip_native)
-    states, batched = await service.start(body)
+    states, batched = await service.start(body)  # refuses at once (503) while the server starts or stops
     try:
         if not body.stream:
             try:

@@ -1,6 +1,7 @@
 """The model's kernels are chosen once, at start-up, and bound when each layer is built: a worker on the CPU kernels
 holds their ops in every norm and activation and the `cpu` attention backend; a torch-ops worker holds torch ops and
-SDPA; and the model code never asks which backend runs. (The Triton ops, CUDA's: tests/test_fused_kernels.py.)"""
+SDPA; and the model code never asks which backend runs. (The Triton ops, CUDA's:
+tests/compute/test_fused_kernels.py.)"""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Every PromQL expression (panel targets and variable queries) is parsed with a real PromQL parser; its selectors'
 metric names, matcher labels and grouping labels are compared with a /metrics exposition: here one rendered by
-frontend/metrics.py after traffic, adapter operations and a scheduler update; tests/test_demo_trained.py repeats the
-comparison against a live server's scrape.
+frontend/metrics.py after traffic, adapter operations and a scheduler update; tests/server/test_demo_trained.py repeats
+the comparison against a live server's scrape.
 """
 
 from __future__ import annotations

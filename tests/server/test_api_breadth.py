@@ -87,7 +87,7 @@ def test_bad_vllm_flags(argv):
 
 
 def test_data_parallel_flags():
-    assert config_from_args(["--data-parallel-size", "2"]).dp_size == 2  # replicas: tests/test_data_parallel.py
+    assert config_from_args(["--data-parallel-size", "2"]).dp_size == 2  # replicas: tests/server/test_data_parallel.py
     with pytest.raises(ConfigError, match="--nnodes"):
         config_from_args(["--dp-size", "2", "--nnodes", "2", "--tp", "2", "--dist-init-addr", "127.0.0.1:29500"])
 
