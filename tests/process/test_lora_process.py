@@ -3,15 +3,11 @@ report naming its operation; faults (fail, hang); drops, and batches naming a dr
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from loraplex.protocol.config import TARGET_MODULES, ServerConfig
-from loraplex.protocol.proc import ARGS_ENV, encode_process_args
+from loraplex.protocol.config import TARGET_MODULES
 from loraplex.protocol.structs import (
     AdapterReport,
     AdapterToLoad,
@@ -20,14 +16,13 @@ from loraplex.protocol.structs import (
     ForwardBatch,
     ForwardReq,
     LoadAdapters,
-    ProcessArgs,
     Shutdown,
     SlotLoad,
     WorkerReady,
 )
 
+import tests.worker_procs as worker_procs
 from tests.lora_helpers import LORA_CONFIG
-from tests.server_utils import fault_env, ipc_endpoints
 from tests.worker_helpers import GREEDY, FakeScheduler, make_runner, prefill_logits
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -38,25 +33,8 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 @contextmanager
 def start_workers(model_dir: Path, tp: int, faults: dict[str, object]) -> Iterator[tuple[list, FakeScheduler]]:
-    with ipc_endpoints(tp) as endpoints:
-        config = ServerConfig(device="cpu", tp=tp, page_size=4, max_total_tokens=256, **LORA_CONFIG)
-        scheduler = FakeScheduler(endpoints)
-        procs = []
-        try:
-            for rank in range(tp):
-                args = ProcessArgs(config=config, endpoints=endpoints, model_dir=str(model_dir), rank=rank)
-                env = {**os.environ, ARGS_ENV: encode_process_args(args), "PYTHONPATH": str(REPO_ROOT),
-                       **fault_env(**faults)}
-                if tp > 1:
-                    env["OMP_NUM_THREADS"] = "1"  # the ranks share the machine's cores
-                procs.append(subprocess.Popen([sys.executable, "-m", "loraplex.worker"], cwd=REPO_ROOT, env=env))
-            yield procs, scheduler
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait(timeout=10)
-            scheduler.close()
+    with worker_procs.start_workers(model_dir, tp, faults, **LORA_CONFIG) as started:
+        yield started
 
 
 def req(slot: int = -1, first_page: int = 0) -> ForwardReq:

@@ -3,17 +3,13 @@ exits on any other error (an injected fault, a collective past --dist-timeout)."
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from loraplex.protocol.config import ServerConfig
-from loraplex.protocol.proc import ARGS_ENV, encode_process_args
 from loraplex.protocol.structs import (
     AdapterOutcome,
     AdapterReport,
@@ -23,14 +19,13 @@ from loraplex.protocol.structs import (
     ForwardBatch,
     ForwardReq,
     LoadAdapters,
-    ProcessArgs,
     ProcessFailed,
     SamplingParams,
     Shutdown,
     WorkerReady,
 )
 
-from tests.server_utils import fault_env, ipc_endpoints
+import tests.worker_procs as worker_procs
 from tests.worker_helpers import GREEDY, FakeScheduler, make_runner, prefill_logits
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -42,26 +37,8 @@ EXIT_TIMEOUT_S = 20
 def start_workers(
     model_dir: str, tp: int = 1, faults: dict[str, object] | None = None, **config_kwargs
 ) -> Iterator[tuple[list[subprocess.Popen], FakeScheduler]]:
-    with ipc_endpoints(tp) as endpoints:
-        config = ServerConfig(device="cpu", tp=tp, page_size=4, max_total_tokens=256, log_level="debug",
-                              **config_kwargs)
-        scheduler = FakeScheduler(endpoints)
-        procs = []
-        try:
-            for rank in range(tp):
-                args = ProcessArgs(config=config, endpoints=endpoints, model_dir=model_dir, rank=rank)
-                env = {**os.environ, ARGS_ENV: encode_process_args(args), "PYTHONPATH": str(REPO_ROOT),
-                       **fault_env(**(faults or {}))}
-                if tp > 1:
-                    env["OMP_NUM_THREADS"] = "1"  # the ranks share the machine's cores
-                procs.append(subprocess.Popen([sys.executable, "-m", "loraplex.worker"], cwd=REPO_ROOT, env=env))
-            yield procs, scheduler
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait(timeout=10)
-            scheduler.close()
+    with worker_procs.start_workers(model_dir, tp, faults, log_level="debug", **config_kwargs) as started:
+        yield started
 
 
 @contextmanager
