@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from loraplex.frontend.adapters.manager import AdapterManager
@@ -50,6 +51,7 @@ ABORT_GRACE_S = 3.0
 class Runtime:
     def __init__(self, config: ServerConfig):
         self.config = config
+        self.created = int(time.time())  # the base model's card's `created`
         self.registry = AdapterRegistry(config.lora_path_root, max_pinned=config.max_loras_per_batch - 1)
         self.metrics = Metrics(config.model_name, config.dp_size)
         self.requests: dict[str, RequestState] = {}

@@ -31,6 +31,7 @@ class AdapterEntry:
     root: str | None = None  # every file the workers read for it must lie inside
     resident: bool = True  # the workers hold its weights (False: evicted under --max-loaded-loras, reloaded on use)
     last_used: float = field(default_factory=time.monotonic)
+    created: int = field(default_factory=lambda: int(time.time()))  # its card's `created`: when it was loaded
     rank: int = 0
     target_modules: list[str] = field(default_factory=list)
     parent: str | None = None  # its card's parent in /v1/models (--lora-modules' base_model_name); None: the base

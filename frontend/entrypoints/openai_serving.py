@@ -380,7 +380,7 @@ async def start_chat(service: GenerateService, req: ChatRequest) -> OpenAIRun:
 
 
 def base_card(runtime: Runtime) -> ModelCard:
-    return ModelCard(id=runtime.config.model_name, object="model", created=int(time.time()), owned_by="loraplex",
+    return ModelCard(id=runtime.config.model_name, object="model", created=runtime.created, owned_by="loraplex",
                      root=runtime.model_dir, parent=None,
                      max_model_len=runtime.ready.context_length if runtime.ready else None)
 
@@ -389,7 +389,7 @@ def model_cards(runtime: Runtime) -> list[ModelCard]:
     """The base model's card, then one per adapter being served."""
     base = base_card(runtime)
     return [base] + [
-        ModelCard(id=entry.name, object="model", created=base.created, owned_by="loraplex", root=entry.path,
+        ModelCard(id=entry.name, object="model", created=entry.created, owned_by="loraplex", root=entry.path,
                   parent=entry.parent or base.id)
         for entry in runtime.registry.live()
         if not entry.draining

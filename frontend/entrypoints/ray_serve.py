@@ -147,13 +147,11 @@ class LoRAEngine:
     async def models(self) -> list[dict]:
         """The base card, then one per adapter under the root (any of them is served on first use)."""
         cards = [msgspec.to_builtins(base_card(self.engine.runtime))]  # set at start: safe from this thread
-        created = int(time.time())
         for name in sorted(os.listdir(self.adapter_root)):
             path = os.path.join(self.adapter_root, name)
             if os.path.isfile(os.path.join(path, "adapter_config.json")):
-                card = ModelCard(
-                    id=name, object="model", created=created, owned_by="loraplex", root=path, parent=self.base
-                )
+                card = ModelCard(id=name, object="model", created=cards[0]["created"], owned_by="loraplex", root=path,
+                                 parent=self.base)
                 cards.append(msgspec.to_builtins(card))
         return cards
 
@@ -215,6 +213,10 @@ class OpenAIIngress:
     def __init__(self, engine: DeploymentHandle, base_model: str):
         self.engine = engine
         self.base = base_model
+        self.created = int(time.time())  # every card's `created`: the replicas started at different times
+
+    async def _cards(self) -> list[dict]:
+        return [{**card, "created": self.created} for card in await self.engine.models.remote()]
 
     async def _forward(self, request: Request) -> Response:
         body = await request.body()
@@ -244,12 +246,12 @@ class OpenAIIngress:
 
     @api.get("/v1/models")
     async def models(self) -> Response:
-        return JSONResponse({"object": "list", "data": await self.engine.models.remote()})
+        return JSONResponse({"object": "list", "data": await self._cards()})
 
     @api.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str) -> Response:
         """One card (the `openai` client's models.retrieve), or a 404 in the server's error shape."""
-        for card in await self.engine.models.remote():
+        for card in await self._cards():
             if card["id"] == model_id:
                 return JSONResponse(card)
         return JSONResponse(msgspec.to_builtins(error_body(f"The model `{model_id}` does not exist.", 404)),

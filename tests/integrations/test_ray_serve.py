@@ -129,32 +129,43 @@ def test_outputs_routing_and_eviction(cluster, llama_dir, adapter_dirs, tokenize
     for name in FIRST:
         text, holder[name] = complete(url, name)
         check_text(text, reference(llama_dir, adapter_dirs, tokenizer, prompt_ids, name), name)
+        time.sleep(1.0)  # the replicas' model ids reach the ingress's router on the controller's next push
     stats = engine_stats()
-    for name in FIRST:  # each adapter sits in the Engine of the replica that answered it
-        assert name in stats[holder[name]]["adapters"], (name, stats)
     assert all(len(s["adapters"]) <= SLOTS for s in stats.values()), stats
+    # Each adapter sits in the Engine of the replica that answered it, unless that replica's LRU evicted it: Serve
+    # sends a new model id to the replica with the fewest models, as far as its router knew at the time.
+    held = [name for name in FIRST if name in stats[holder[name]]["adapters"]]
+    for name in set(FIRST) - set(held):
+        assert sum(stats[holder[name]]["num_loads"].values()) > SLOTS, (name, stats)
+    assert held, stats
 
-    # Routed to the holder: again, streamed, and as base:adapter (same multiplexed id).
-    time.sleep(1.0)  # the replicas' model ids reach the ingress's router on the controller's next push
-    for name in FIRST:
+    # Routed to the holder: again, streamed, and as base:adapter (same multiplexed id). Used in FIRST's order, so
+    # the least recently used adapter of a replica is its first in FIRST.
+    for name in held:
         assert complete(url, name)[1] == holder[name], name
         streamed, replica = complete(url, name, stream=True)
         assert replica == holder[name] and streamed == complete(url, f"{base}:{name}")[0], name
     assert sum(n for s in engine_stats().values() for n in s["num_loads"].values()) == len(FIRST)
 
-    # A fifth adapter evicts its replica's least recently used one, which leaves that Engine.
+    # A fifth adapter: on a full replica it evicts that replica's least recently used one, which leaves its Engine.
+    before = engine_stats()
     text, fifth_holder = complete(url, FIFTH)
     check_text(text, reference(llama_dir, adapter_dirs, tokenizer, prompt_ids, FIFTH), FIFTH)
     stats = engine_stats()
-    assert FIFTH in stats[fifth_holder]["adapters"] and len(stats[fifth_holder]["adapters"]) == SLOTS, stats
-    evicted = [n for n in FIRST if holder[n] == fifth_holder and n not in stats[fifth_holder]["adapters"]]
-    assert len(evicted) == 1, (holder, stats)
-    # Asked for again, it is loaded again (on whichever replica) and answers as before.
-    text, again = complete(url, evicted[0])
-    check_text(text, reference(llama_dir, adapter_dirs, tokenizer, prompt_ids, evicted[0]), evicted[0])
+    assert FIFTH in stats[fifth_holder]["adapters"], stats
+    assert all(len(s["adapters"]) <= SLOTS for s in stats.values()), stats
+    had = [name for name in held if name in before[fifth_holder]["adapters"]]
+    evicted = [name for name in had if name not in stats[fifth_holder]["adapters"]]
+    assert evicted == (had[:1] if len(had) == SLOTS else []), (had, before, stats)
+    # Five adapters, four slots: at least one is held nowhere. Asked for again, it is loaded again (on whichever
+    # replica) and answers as before.
+    gone = [name for name in FIRST if not any(name in s["adapters"] for s in stats.values())]
+    assert gone, stats
+    text, again = complete(url, gone[0])
+    check_text(text, reference(llama_dir, adapter_dirs, tokenizer, prompt_ids, gone[0]), gone[0])
     stats = engine_stats()
-    assert evicted[0] in stats[again]["adapters"]
-    assert sum(s["num_loads"].get(evicted[0], 0) for s in stats.values()) == 2
+    assert gone[0] in stats[again]["adapters"]
+    assert sum(s["num_loads"].get(gone[0], 0) for s in stats.values()) == 2
 
 
 def test_chat_models_and_unknown(cluster, llama_dir, adapter_dirs, tokenizer):
