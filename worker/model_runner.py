@@ -24,7 +24,7 @@ from loraplex.worker.layers.ops import ModelOps, model_ops, select_model_ops
 from loraplex.worker.loader import load_weights
 from loraplex.worker.lora.manager import LoRAManager
 from loraplex.worker.model.config import ModelConfig, ModelConfigError
-from loraplex.worker.model.llama import LlamaForCausalLM
+from loraplex.worker.model.registry import build_model
 from loraplex.worker.parallel import tensor_parallel
 from loraplex.worker.penalties import TokenHistories, apply_penalties
 from loraplex.worker.sampler import Sampler, prompt_logprob_rows, prompt_logprobs, token_logprobs
@@ -84,7 +84,7 @@ class ModelRunner:
         logger.info("model ops: %s", ops.name)
 
         with tensor_parallel(rank, world_size), model_ops(ops), self.device, _default_dtype(self.dtype):
-            self.model = LlamaForCausalLM(self.model_config, max_positions=self.context_length)
+            self.model = build_model(self.model_config, max_positions=self.context_length)
         load_weights(self.model, model_dir, show_progress=rank == 0)
         self.model.eval()
         # Wraps the targeted linears in place, after the weights are loaded under their own names.
