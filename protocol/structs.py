@@ -48,8 +48,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     min_p: float = 0.0  # tokens below min_p x the top token's probability are dropped (after temperature)
     min_new_tokens: int = 0  # stop_token_ids cannot be sampled before this many output tokens
     # >= 0: the logprob of every prompt token from this position on (the first prompt token's is null), with
-    # `logprobs` alternatives; -1: none
+    # prompt_top_logprobs alternatives; -1: none
     logprob_start_len: int = -1
+    prompt_top_logprobs: int = 0
     constraint: OutputConstraint | None = None  # structured output; its stop tokens are stop_token_ids
     # vLLM's logit controls, applied before the penalties (worker/penalties.py); the frontend checks every id
     # against the vocabulary. Neutral: {}, None, [].
@@ -76,6 +77,7 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     logprob: float
     top_ids: list[int] = []
     top_logprobs: list[float] = []
+    rank: int = 1  # the token's place in the distribution, 1 = most likely (vLLM's: tokens at least as likely)
 
 
 class LoRAAdapterSpec(msgspec.Struct, frozen=True, kw_only=True):

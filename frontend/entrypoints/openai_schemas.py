@@ -79,6 +79,7 @@ class CommonParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids in the answer
+    prompt_logprobs: TopLogprobs | None = None  # vLLM's: each prompt token's logprob and this many alternatives
     # structured output (frontend/constraints.py), at most one of these (and of structured_outputs' fields):
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None
