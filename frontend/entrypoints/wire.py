@@ -24,6 +24,12 @@ def sse_event(obj: object) -> bytes:
     return b"data: " + _encoder.encode(obj) + b"\n\n"
 
 
+def named_sse_event(event: msgspec.Struct) -> bytes:
+    """A Responses API event, named by its type tag (`event: <type>` then `data: <event>`), as OpenAI sends it."""
+    kind = type(event).__struct_config__.tag
+    return b"event: " + kind.encode() + b"\ndata: " + _encoder.encode(event) + b"\n\n"
+
+
 def key_matches(authorization: str, x_api_key: str, key: str) -> bool:
     """A request's key: `Authorization: Bearer <key>`, else `X-API-Key: <key>`; compared in constant time."""
     token = authorization[7:] if authorization.startswith("Bearer ") else x_api_key
