@@ -74,12 +74,15 @@ def parsed_items(text: str, plan: ToolPlan, last_status: str) -> list[OutputItem
     content, calls = tool_answer(text, plan)
     items: list[OutputItem] = []
     if content is not None:
-        items.append(OutputMessage(id=new_id("msg_"), role="assistant", status="completed",
-                                   content=[OutputText(content, [])]))
+        items.append(msgspec.structs.replace(new_message(), status="completed", content=[OutputText(content, [])]))
     items += [FunctionCall(id=new_id("fc_"), call_id=call.id, name=call.function.name,
                            arguments=call.function.arguments, status="completed") for call in calls]
     items[-1].status = last_status
     return items
+
+
+def new_message() -> OutputMessage:
+    return OutputMessage(id=new_id("msg_"), role="assistant", status="in_progress", content=[OutputText("", [])])
 
 
 class ParsedItemsStream:
@@ -124,16 +127,20 @@ class ParsedItemsStream:
             if not (force or self.blank.strip()):
                 return []
             piece, self.blank = self.blank, ""
-            events += self._open(OutputMessage(id=new_id("msg_"), role="assistant", status="in_progress",
-                                               content=[OutputText("", [])]))
+            events += self._open(new_message())
+        elif isinstance(self.items[-1], FunctionCall):
+            # At the end the calls did not parse (cut, or malformed), so their text is content after all: the call
+            # stays as far as it went, incomplete, and the text follows as a message (the whole answer is that text).
+            events += self._open(new_message(), closing="incomplete")
         message = self.items[-1]
         if piece:
             message.content[0].text += piece
             events.append(self.writer.delta(len(self.items) - 1, message, piece))
         return events
 
-    def _open(self, item: OutputItem) -> list[ResponseEvent]:
-        events = self._close("completed")
+    def _open(self, item: OutputItem, closing: str = "completed") -> list[ResponseEvent]:
+        """Close the last item (with status `closing`) and open this one."""
+        events = self._close(closing)
         self.items.append(item)
         self.is_open = True
         return events + self.writer.opening(len(self.items) - 1, item)

@@ -221,8 +221,8 @@ class ResponsesRun:
                     text += piece
                     for event in parsed.update(text, final=False):
                         yield event
-                for event in parsed.update(text, final=True) + parsed.finish(
-                        "incomplete" if self.truncated() else "completed"):
+                status = "incomplete" if self.truncated() else "completed"
+                for event in parsed.update(text, final=True) + parsed.finish(status):
                     yield event
                 items = parsed.items
             elif self.required:  # the calls are known once their JSON list is whole
@@ -233,7 +233,7 @@ class ResponsesRun:
                     for event in self.writer.opening(index, item):
                         yield event
                     yield self.writer.delta(index, item, item.arguments if isinstance(item, FunctionCall) else
-                                     item.content[0].text)
+                                            item.content[0].text)
                     for event in self.writer.closing(index, item):
                         yield event
             else:

@@ -291,6 +291,27 @@ def test_responses_auto_choice_reads_the_models_calls(client, text, expected) ->
     assert events[-1].type == "response.completed"
 
 
+def test_responses_auto_choice_call_cut_by_max_output_tokens(client) -> None:
+    """A call cut inside its arguments does not parse: whole, the answer is its text as a message; streamed, the
+    call went out as far as it got (incomplete), then the text as a message, so the messages hold the same text."""
+    cut = None
+    for limit in range(8, 80, 2):  # the first limit that cuts after the call's name is written
+        out = client.responses.create(**{**response_kwargs(AUTO_TEXT), "max_output_tokens": limit}, temperature=0)
+        text = out.output[0].content[0].text if out.output[0].type == "message" else ""
+        if '"name": "get_time", "arguments": {"' in text:
+            cut = limit
+            break
+    assert cut is not None and out.status == "incomplete" and summary(out.output) == [("message", text)]
+    assert AUTO_TEXT.startswith(text) and text != AUTO_TEXT
+    with client.responses.stream(**{**response_kwargs(AUTO_TEXT), "max_output_tokens": cut}, temperature=0) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_response()
+    assert final.status == "incomplete"
+    assert "".join(item.content[0].text for item in final.output if item.type == "message") == text
+    assert [(c.name, c.status) for c in final.output if c.type == "function_call"] == [("get_time", "incomplete")]
+
+
 def test_responses_auto_choice_leaves_text_and_refusals(client, server) -> None:
     # no call in the text, or tool_choice none: one message with the text as it is
     plain = client.responses.create(**response_kwargs("Sunny, I think."))
