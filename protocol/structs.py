@@ -195,6 +195,8 @@ class TokenizedGenerateReq(Struct, frozen=True):
     input_ids: list[int]
     sampling: SamplingParams
     lora_id: int | None = None  # None = base model
+    priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's); fcfs ignores it
+    key_id: str | None = None  # the API key it came with, by id: fair sharing counts per (key, adapter)
 
 
 class AbortReq(Struct, frozen=True):
