@@ -122,6 +122,7 @@ class GenerateReqInput(Struct, frozen=True):
     top_logprobs_num: int | None = None
     logprob_start_len: int | None = None
     return_text_in_logprobs: bool | None = None
+    priority: int | None = None
 
 
 class GenerateReqOutput(Struct, frozen=True):

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from loraplex.frontend.caller import set_caller_key
 from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest, decode_openai
 from loraplex.frontend.entrypoints.openai_serving import base_card, start_chat, start_completion
 from loraplex.frontend.entrypoints.wire import SSE_DONE, encode_json, failure, key_matches, sse_event
@@ -177,6 +178,7 @@ async def answer(service: GenerateService, path: str, body: bytes, headers: dict
         yield {"status": 401, "content_type": JSON}
         yield encode_json(error_body("missing or invalid API key", 401))
         return
+    set_caller_key(key)
     schema, start = ROUTES[path]
     try:
         run = await start(service, decode_openai(body, schema))
