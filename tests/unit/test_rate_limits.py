@@ -3,9 +3,13 @@ flags' validation."""
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
 from loraplex.frontend.caller import caller_key_id, key_id, set_caller_key
 from loraplex.frontend.errors import RateLimited
+from loraplex.frontend.generate import GenerateService
 from loraplex.frontend.rate_limits import KeyRateLimits
 from loraplex.frontend.responses import error_body
 from loraplex.protocol.config import ConfigError, ServerConfig, parse_command_line
@@ -107,3 +111,35 @@ def test_caller_key_is_named_by_id_never_the_key():
     assert "secret" not in caller_key_id()
     set_caller_key(None)
     assert caller_key_id() is None
+
+
+def test_the_service_refunds_refused_requests_and_charges_outputs_once_on_every_path():
+    clock = Clock()
+    sent = []
+
+    async def send(dp_rank, message):
+        sent.append(message)
+
+    runtime = SimpleNamespace(
+        rate_limits=KeyRateLimits(requests_per_minute=None, tokens_per_minute=600, clock=clock), requests={},
+        metrics=SimpleNamespace(on_finish=lambda state: None), router=SimpleNamespace(release=lambda *args: None),
+        failure=None, stopping=False, replicas=SimpleNamespace(send=send))
+    service = GenerateService(runtime)
+    set_caller_key("tenant")
+    refund = service.take_rate([[7] * 100, [7] * 50])
+    assert runtime.rate_limits.levels(key_id("tenant")) == (None, 450)
+    refund()  # refused after admission: nothing counted
+    assert runtime.rate_limits.levels(key_id("tenant")) == (None, 600)
+    service.take_rate([[7] * 100])
+
+    def state(rid: str, num_output: int, finished: bool) -> SimpleNamespace:
+        return SimpleNamespace(rid=rid, key_id=key_id("tenant"), output_ids=[7] * num_output, finished=finished,
+                               lora_id=None, dp_rank=0, fail=lambda message, status: None)
+
+    done, aborted = state("done", 20, True), state("aborted", 30, False)
+    runtime.requests.update(done=done, aborted=aborted)
+    asyncio.run(service.finish([done, aborted]))
+    asyncio.run(service.finish([done, aborted]))  # a second finish (a route's finally after a failure) charges nothing
+    assert runtime.rate_limits.levels(key_id("tenant")) == (None, 600 - 100 - 20 - 30)
+    assert [type(m).__name__ for m in sent] == ["AbortReq"]  # the unfinished one was aborted
+    set_caller_key(None)
