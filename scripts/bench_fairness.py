@@ -5,10 +5,11 @@ admission (virtual token counters) and one with `--disable-adapter-fairness`.
     python -m scripts.bench_fairness --json out.json      # the full plan
 
 The workload: Poisson arrivals, each request the hot adapter's with ten times the probability of each of the cold
-ones (so each adapter's requests are a Poisson stream, the hot one at ten times the rate), at a total rate of
-`overload` times the server's capacity, measured first with a closed loop of --max-running-requests streams on the
+ones (so each adapter's requests are a Poisson stream, the hot one at ten times the rate), the hot adapter's rate
+`hot_load` times the server's capacity, measured first with a closed loop of --max-running-requests streams on the
 fair server. So the hot adapter alone asks for more than the server can give: first come, first served makes every
-cold request wait behind its backlog, fair admission serves the cold adapters (below their share) as they come. Both
+cold request wait behind its growing backlog; fair admission serves the cold adapters, each far below its share, as
+they come. Both
 servers run the very same requests (same seed). Ratios: the cold adapters' TTFT p99, fair / unfair (target <= 0.3),
 and total output throughput, fair / unfair (target >= 0.95: fairness costs no throughput).
 """
@@ -43,20 +44,20 @@ class Plan:
     output_len_range: tuple[int, int]
     max_running_requests: int
     arrival_s: float  # arrivals span this long
-    overload: float  # the total arrival rate over the measured capacity
+    hot_load: float  # the hot adapter's arrival rate over the measured capacity
     num_calibration_requests: int
 
 
 FULL = Plan(size="full", num_adapters=4, input_len_range=(64, 128), output_len_range=(64, 128),
-            max_running_requests=16, arrival_s=120.0, overload=1.3, num_calibration_requests=64)
+            max_running_requests=16, arrival_s=120.0, hot_load=1.5, num_calibration_requests=64)
 QUICK = Plan(size="quick", num_adapters=4, input_len_range=(16, 32), output_len_range=(16, 32),
-             max_running_requests=8, arrival_s=60.0, overload=1.3, num_calibration_requests=32)
+             max_running_requests=8, arrival_s=60.0, hot_load=1.5, num_calibration_requests=32)
 
 SIDES = {"fair": (), "unfair": ("--disable-adapter-fairness",)}
 
 TARGETS: Targets = {
     "cold_ttft_p99": ("cold adapters' TTFT p99, fair / unfair (hot adapter at {hot_factor}x each cold one's rate, "
-                      "{overload}x capacity in all)", "<= 0.3", lambda v: v <= 0.3),
+                      "the hot one alone at {hot_load}x capacity)", "<= 0.3", lambda v: v <= 0.3),
     "throughput": ("output throughput, fair / unfair (same requests)", ">= 0.95", lambda v: v >= 0.95),
 }
 
@@ -106,7 +107,9 @@ def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int,
                           extra=extra) as server:
             if not requests:
                 results["capacity_rps"] = capacity(server.url, plan, adapter_names, seed)
-                results["rate_rps"] = plan.overload * results["capacity_rps"]
+                # The total rate: the hot adapter's, plus a tenth of it for each cold one.
+                num_cold = plan.num_adapters - 1
+                results["rate_rps"] = plan.hot_load * results["capacity_rps"] * (1 + num_cold / HOT_FACTOR)
                 requests = workload(plan, adapter_names, results["rate_rps"], seed)
                 print(f"capacity {results['capacity_rps']:.2f} req/s: {len(requests)} requests at "
                       f"{results['rate_rps']:.2f} req/s over {plan.arrival_s:.0f} s")

@@ -122,7 +122,8 @@ async def read_stream(resp: aiohttp.ClientResponse, path: str, cut: bool) -> tup
         if "error" in chunk:
             return num_tokens, f"stream error: {chunk['error']}"
         if cut:
-            return None, None  # leaving the block closes the connection: the server aborts the request
+            resp.close()  # drops the connection: the server aborts the request
+            return None, None
         if path == "/generate":
             num_tokens = len(chunk["output_ids"]) if "output_ids" in chunk else num_tokens
         else:
@@ -240,8 +241,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+def soak(args: argparse.Namespace) -> dict:
+    """Start the server, run the traffic, read the leftovers: the result, its `passed` verdict included."""
     warmup_s = args.warmup_s if args.warmup_s is not None else max(30.0, args.duration_s / 5)
     with ServerProcess(*server_args(args), start_timeout_s=600) as server:
         tally, samples, elapsed_s = asyncio.run(run(server.url, server.proc.pid, args))
@@ -249,28 +250,39 @@ def main(argv: list[str] | None = None) -> dict:
     baseline = next((rss for t, rss in samples if t >= warmup_s), samples[-1][1])
     final = samples[-1][1]
     growth = final / baseline - 1
-    result = {"duration_s": elapsed_s, "ok": tally.ok, "rate_limited": tally.rate_limited, "aborted": tally.aborted,
-              "adapter_cycles": tally.adapter_ops, "errors": tally.errors, "requests_in_flight_after": in_flight,
-              "adapter_holds_after": holds, "rss_baseline_mb": baseline / 2**20, "rss_final_mb": final / 2**20,
-              "rss_growth": growth, "rss_samples": samples, "args": {**vars(args), "warmup_s": warmup_s}}
     passed = not tally.errors and (in_flight, holds) == (0, 0) and growth < MAX_RSS_GROWTH and tally.ok > 0
-    result["passed"] = passed
+    return {"duration_s": elapsed_s, "ok": tally.ok, "rate_limited": tally.rate_limited, "aborted": tally.aborted,
+            "adapter_cycles": tally.adapter_ops, "errors": tally.errors, "requests_in_flight_after": in_flight,
+            "adapter_holds_after": holds, "rss_baseline_mb": baseline / 2**20, "rss_final_mb": final / 2**20,
+            "rss_growth": growth, "rss_samples": samples, "args": {**vars(args), "warmup_s": warmup_s},
+            "passed": passed}
+
+
+def report(result: dict) -> str:
+    elapsed_s, ok = result["duration_s"], result["ok"]
     rows = [["duration", f"{elapsed_s:.0f} s", ""],
-            ["completed requests", tally.ok, f"{tally.ok / elapsed_s:.1f} /s"],
-            ["429 (expected)", tally.rate_limited, "every one with Retry-After"],
-            ["aborted by the client", tally.aborted, ""],
-            ["adapter load/generate/unload cycles", tally.adapter_ops, ""],
-            ["errors", len(tally.errors), "must be 0"],
-            ["left in flight / adapter holds", f"{in_flight} / {holds}", "must be 0 / 0"],
-            ["server RSS after warm-up -> end", f"{baseline / 2**20:.0f} -> {final / 2**20:.0f} MB",
-             f"{growth:+.2%} (must be < {MAX_RSS_GROWTH:.0%})"]]
-    print(format_table(("soak", "value", "note"), rows))
-    for error in tally.errors[:10]:
+            ["completed requests", ok, f"{ok / elapsed_s:.1f} /s"],
+            ["429 (expected)", result["rate_limited"], "every one with Retry-After"],
+            ["aborted by the client", result["aborted"], ""],
+            ["adapter load/generate/unload cycles", result["adapter_cycles"], ""],
+            ["errors", len(result["errors"]), "must be 0"],
+            ["left in flight / adapter holds", f"{result['requests_in_flight_after']} / "
+             f"{result['adapter_holds_after']}", "must be 0 / 0"],
+            ["server RSS after warm-up -> end", f"{result['rss_baseline_mb']:.0f} -> {result['rss_final_mb']:.0f} MB",
+             f"{result['rss_growth']:+.2%} (must be < {MAX_RSS_GROWTH:.0%})"]]
+    return format_table(("soak", "value", "note"), rows)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    result = soak(args)
+    print(report(result))
+    for error in result["errors"][:10]:
         print("error:", error, file=sys.stderr)
-    print("PASSED" if passed else "FAILED")
+    print("PASSED" if result["passed"] else "FAILED")
     if args.json:
         write_json(args.json, result)
-    if not passed:
+    if not result["passed"]:
         raise SystemExit(1)
     return result
 
