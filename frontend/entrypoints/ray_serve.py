@@ -27,6 +27,7 @@ from loraplex.frontend.caller import set_caller_key
 from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest, decode_openai
 from loraplex.frontend.entrypoints.openai_serving import base_card, start_chat, start_completion
 from loraplex.frontend.entrypoints.wire import SSE_DONE, encode_json, failure, key_matches, sse_event
+from loraplex.frontend.errors import RateLimited
 from loraplex.frontend.generate import GenerateService, GenerationFailed
 from loraplex.frontend.responses import ModelCard, error_body
 from loraplex.protocol.config import ServerConfig
@@ -184,7 +185,8 @@ async def answer(service: GenerateService, path: str, body: bytes, headers: dict
         run = await start(service, decode_openai(body, schema))
     except Exception as e:  # noqa: BLE001 - the edge: a ServerError's kind picks the status, the rest is a 500
         message, status = failure(e, openai=True, where=f"POST {path}")
-        yield {"status": status, "content_type": JSON}
+        retry = {"Retry-After": str(e.retry_after_s)} if isinstance(e, RateLimited) else {}
+        yield {"status": status, "content_type": JSON, "headers": retry}
         yield encode_json(error_body(message, status))
         return
     try:
@@ -235,7 +237,7 @@ class OpenAIIngress:
             chunks,
             status_code=head["status"],
             media_type=head["content_type"],
-            headers={REPLICA_HEADER: head["replica"]},
+            headers={REPLICA_HEADER: head["replica"], **head.get("headers", {})},
         )
 
     @api.post("/v1/completions")

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 from loraplex.frontend.caller import caller_key_id, key_id, set_caller_key
+from loraplex.frontend.entrypoints.ray_serve import answer
 from loraplex.frontend.errors import RateLimited
 from loraplex.frontend.generate import GenerateService
 from loraplex.frontend.rate_limits import KeyRateLimits
@@ -143,3 +144,17 @@ def test_the_service_refunds_refused_requests_and_charges_outputs_once_on_every_
     assert runtime.rate_limits.levels(key_id("tenant")) == (None, 600 - 100 - 20 - 30)
     assert [type(m).__name__ for m in sent] == ["AbortReq"]  # the unfinished one was aborted
     set_caller_key(None)
+
+
+def test_the_ray_ingress_answers_429_with_retry_after():
+    def limited() -> None:
+        raise RateLimited("rate limit reached: retry after 7 s", retry_after_s=7)
+
+    service = SimpleNamespace(runtime=SimpleNamespace(config=SimpleNamespace(api_key=None), check_available=limited))
+
+    async def collect() -> list:
+        return [item async for item in answer(service, "/v1/completions", b'{"model": "m", "prompt": [5, 6]}', {})]
+
+    head, body = asyncio.run(collect())
+    assert head["status"] == 429 and head["headers"] == {"Retry-After": "7"}
+    assert b'"type":"rate_limited"' in body
