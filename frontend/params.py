@@ -73,6 +73,7 @@ class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     top_logprobs_num: TopLogprobs = 0
     return_text_in_logprobs: bool = False
     logprob_start_len: LogprobStart = -1
+    priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's order); fcfs ignores it
 
 
 # SGLang /generate fields we do not implement, with the values that mean "off" (accepted and dropped).

@@ -26,6 +26,7 @@ from loraplex.frontend.errors import ServerUnavailable
 from loraplex.frontend.grammar_checker import GrammarChecker
 from loraplex.frontend.lora_config import resolve_lora_config
 from loraplex.frontend.metrics import Metrics
+from loraplex.frontend.rate_limits import KeyRateLimits
 from loraplex.frontend.request_state import RequestState
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import (
@@ -54,6 +55,7 @@ class Runtime:
         self.created = int(time.time())  # the base model's card's `created`
         self.registry = AdapterRegistry(config.lora_path_root, max_pinned=config.max_loras_per_batch - 1)
         self.metrics = Metrics(config.model_name, config.dp_size)
+        self.rate_limits = KeyRateLimits(config.max_requests_per_minute_per_key, config.max_tokens_per_minute_per_key)
         self.requests: dict[str, RequestState] = {}
         self.ready: SchedulerReady | None = None  # what every replica can take (the smallest KV cache)
         self.replica_ready: list[SchedulerReady] = []  # by dp_rank

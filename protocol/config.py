@@ -101,6 +101,16 @@ _HELP: dict[str, str] = {
     "admin_api_key": "bearer key for adapter load/unload",
     "rpc_addr": "ZeroMQ address of the internal RPC endpoint (tcp://host:port or ipc://path)",
     "max_running_requests": "most requests decoding at once",
+    "max_running_per_adapter": "most requests of one adapter running at once (default unlimited)",
+    "disable_adapter_fairness": "admit waiting requests first come, first served rather than by fair share between "
+    "adapters (virtual token counters, per API key and adapter)",
+    "scheduling_policy": "fcfs: waiting requests run by arrival (fair between adapters unless "
+    "--disable-adapter-fairness); priority: by the request's `priority` (lower first), then as fcfs; a preemption "
+    "then takes the lowest priority first",
+    "max_requests_per_minute_per_key": "requests one API key may start per minute; past it 429 with Retry-After "
+    "(needs --api-key)",
+    "max_tokens_per_minute_per_key": "prompt + output tokens one API key may use per minute; past it 429 with "
+    "Retry-After (needs --api-key)",
     "max_total_tokens": "KV cache capacity in tokens (default: sized from the context length)",
     "context_length": "longest prompt + output (default: the model's max_position_embeddings)",
     "max_prefill_tokens": "most prompt tokens prefilled in one forward pass",
@@ -140,12 +150,14 @@ _HELP: dict[str, str] = {
 # `loraplex --help` shows the flags in these groups, in this order; every field belongs to exactly one.
 _TOPICS: dict[str, str] = {
     "model and devices": "model_path served_model_name device dtype tp dp_size context_length seed",
-    "HTTP server and access": "host port api_key admin_api_key rpc_addr shutdown_timeout log_level",
+    "HTTP server and access": "host port api_key admin_api_key rpc_addr shutdown_timeout log_level "
+    "max_requests_per_minute_per_key max_tokens_per_minute_per_key",
     "LoRA adapters": "enable_lora lora_paths lora_modules max_loras_per_batch max_loaded_loras max_lora_rank "
     "lora_target_modules lora_backend lora_path_root lora_resolver_dir lora_cache_dir lora_cache_max_gb "
     "lora_state_file disable_lora_updates lora_drain_timeout lora_load_timeout",
     "scheduling and KV cache": "max_running_requests max_total_tokens max_prefill_tokens chunked_prefill_size "
-    "page_size disable_radix_cache no_enable_prefix_caching gpu_memory_utilization",
+    "page_size disable_radix_cache no_enable_prefix_caching gpu_memory_utilization max_running_per_adapter "
+    "disable_adapter_fairness scheduling_policy",
     "attention and CUDA graphs": "attention_backend enable_cuda_graph disable_cuda_graph cuda_graph_max_bs",
     "multi-node": "nnodes node_rank dist_init_addr dist_timeout",
     "chat and tools": "chat_template enable_auto_tool_choice tool_call_parser reasoning_parser",
@@ -238,6 +250,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     chat_template: str | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: Literal["hermes", "llama3_json", "mistral", "qwen3_coder", "xml", "pythonic"] | None = None
+    max_running_per_adapter: int | None = None
+    disable_adapter_fairness: bool = False
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    max_requests_per_minute_per_key: int | None = None
+    max_tokens_per_minute_per_key: int | None = None
 
     def __post_init__(self) -> None:
         positive = (
@@ -253,7 +270,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_loaded_loras", "max_lora_rank", "max_total_tokens", "context_length", "cuda_graph_max_bs"):
+        for name in ("max_loaded_loras", "max_lora_rank", "max_total_tokens", "context_length", "cuda_graph_max_bs",
+                     "max_running_per_adapter", "max_requests_per_minute_per_key", "max_tokens_per_minute_per_key"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -276,6 +294,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError("--lora-resolver-dir loads adapters at run time, which --disable-lora-updates forbids")
         if self.rpc_addr and not self.api_key and not is_loopback_address(self.rpc_addr):
             raise ConfigError(f"--rpc-addr {self.rpc_addr} is not loopback: set --api-key to open it")
+        for name in ("max_requests_per_minute_per_key", "max_tokens_per_minute_per_key"):
+            if getattr(self, name) is not None and not self.api_key:
+                raise ConfigError(f"--{_flag(name)} limits each API key: it needs --api-key")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
         if self.nnodes > 1 and not self.dist_init_addr:

@@ -16,6 +16,7 @@ STATUS_BY_KIND: dict[str, tuple[int, int]] = {
     "unauthorized": (401, 401),  # no or wrong key
     "disabled": (403, 403),  # --disable-lora-updates
     "busy": (409, 409),  # an unload outlasted --lora-drain-timeout; the adapter is being unloaded
+    "rate_limited": (429, 429),  # --max-requests-per-minute-per-key / --max-tokens-per-minute-per-key
     "timeout": (503, 503),  # a rank or replica missed --lora-load-timeout
     "unavailable": (503, 503),  # starting, stopping, or a process died
     "internal": (500, 500),  # a server fault

@@ -100,8 +100,6 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
             sets={"chunked_prefill_size": -1}),
     _accept("--max-seq-len-to-capture", family=V, value=True, note="CUDA graphs are captured per decode batch size "
             "(--cuda-graph-max-bs), for any sequence length"),
-    _only("--scheduling-policy", family=V, ok=("fcfs",), note="requests run first come, first served",
-          why="requests run first come, first served; priority scheduling is " + _LATER),
     _only("--schedule-policy", family=S, ok=("fcfs",), note="requests run first come, first served",
           why="requests run first come, first served (fcfs); no other policy is supported"),
     _accept("--disable-overlap-schedule", family=S, note="the next batch is always scheduled while the last one "

@@ -124,6 +124,7 @@ class GenerateReqInput(Struct, frozen=True):
     top_logprobs_num: int | None = None
     logprob_start_len: int | None = None
     return_text_in_logprobs: bool | None = None
+    priority: int | None = None
 
 
 class GenerateReqOutput(Struct, frozen=True):
@@ -197,6 +198,8 @@ class TokenizedGenerateReq(Struct, frozen=True):
     input_ids: list[int]
     sampling: SamplingParams
     lora_id: int | None = None  # None = base model
+    priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's); fcfs ignores it
+    key_id: str | None = None  # the API key it came with, by id: fair sharing counts per (key, adapter)
 
 
 class AbortReq(Struct, frozen=True):

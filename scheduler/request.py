@@ -22,6 +22,8 @@ class Request:
     sampling: SamplingParams
     lora_id: int | None = None  # None = base model
     arrival: int = 0  # order of arrival: the queue's order, and preemption takes the newest first
+    priority: int = 0  # --scheduling-policy priority: lower runs first
+    key_id: str | None = None  # the API key it came with (fair sharing counts per key and adapter)
     output_ids: list[int] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)  # pages for the tokens whose KV is written or being written
     num_cached_tokens: int = 0  # tokens whose KV the workers have written
@@ -47,7 +49,12 @@ class Request:
     @classmethod
     def from_req(cls, req: TokenizedGenerateReq, arrival: int) -> Request:
         return cls(rid=req.rid, prompt_ids=list(req.input_ids), sampling=req.sampling, lora_id=req.lora_id,
-                   arrival=arrival)
+                   arrival=arrival, priority=req.priority, key_id=req.key_id)
+
+    @property
+    def client(self) -> tuple[str | None, int | None]:
+        """Whose share it counts in (FairShare): its API key's and its adapter's."""
+        return self.key_id, self.lora_id
 
     @property
     def token_ids(self) -> list[int]:

@@ -6,9 +6,10 @@ Requests, aborts and adapter ops arrive between steps.
 A step: every decoding request writes one token; requests still prefilling take their next chunk, then waiting ones
 their first, under the step's prefill token budget (--chunked-prefill-size; -1: whole prompts up to
 --max-prefill-tokens, a longer one alone). A request holds pages only for the tokens it has; when a step's requests
-need more pages than are free (after evicting unused cached pages), the newest running requests are preempted: their
-pages go back, they rejoin the queue by their arrival, and are recomputed when they run again (sampling is stateless
-given the seed and the output count, so their outputs are the same). Full pages whose keys and values are written
+need more pages than are free (after evicting unused cached pages), the newest running requests are preempted (the
+lowest priority's first under --scheduling-policy priority): their pages go back, they rejoin the queue, and are
+recomputed when they run again (sampling is stateless given the seed and the output count, so their outputs are the
+same). Full pages whose keys and values are written
 are offered to the prefix cache, keyed by adapter; a new request starts from the longest cached prefix it matches.
 
 Overlap: up to two passes are in flight, so the workers start the next one the moment they finish one, and this
@@ -50,6 +51,7 @@ from loraplex.protocol.structs import (
     TokenLogprob,
 )
 from loraplex.scheduler.adapter_table import AdapterTable, LoadFinished
+from loraplex.scheduler.admission_order import AdmissionOrder
 from loraplex.scheduler.batch_policy import BatchPolicy
 from loraplex.scheduler.page_allocator import PageAllocator
 from loraplex.scheduler.prefix_cache import BASE_NAMESPACE, PrefixCache, page_keys
@@ -87,11 +89,14 @@ class Scheduler:
         self.cache = PrefixCache(self.pages, config.page_size, enabled=config.prefix_caching)
         self.slots = SlotPlanner(config.max_loras_per_batch)
         self.adapters = AdapterTable(num_ranks, config.lora_load_timeout)
-        self.policy = BatchPolicy(max_running_requests=config.max_running_requests)
+        self.policy = BatchPolicy(max_running_requests=config.max_running_requests,
+                                  max_running_per_adapter=config.max_running_per_adapter)
+        self.order = AdmissionOrder(by_priority=config.scheduling_policy == "priority",
+                                    is_fair=not config.disable_adapter_fairness)
         # The step's prefill token budget; chunked: prompts are cut to fit it, else whole (a longer one alone).
         self.is_chunked = chunked_prefill_size > 0
         self.prefill_budget = chunked_prefill_size if self.is_chunked else config.max_prefill_tokens
-        self.waiting: dict[str, Request] = {}  # by arrival (preempted requests go back to their place)
+        self.waiting: dict[str, Request] = {}  # offered for admission in AdmissionOrder's order
         self.running: dict[str, Request] = {}
         self.num_preemptions = 0
         self._in_flight: deque[_InFlight] = deque()  # oldest first
@@ -133,6 +138,7 @@ class Scheduler:
         if req.sampling.max_new_tokens == 0 and req.sampling.logprob_start_len < 0:
             return [TokenDelta(rid=req.rid, token_ids=[], finish_reason="length")]
         self.waiting[req.rid] = Request.from_req(req, self._next_arrival)
+        self.order.on_wait(self.waiting[req.rid])
         self._next_arrival += 1
         return []
 
@@ -171,6 +177,7 @@ class Scheduler:
             del self.running[req.rid]
         elif req.status is RequestStatus.WAITING:
             del self.waiting[req.rid]
+            self.order.on_leave(req)
         req.status = RequestStatus.FINISHED
         if req.is_on_workers:
             self._released_keys.append(req.arrival)  # its sampling parameters, penalty history, grammar matcher
@@ -197,10 +204,11 @@ class Scheduler:
         if not self._grow_running():
             self._plan = {}
             return None  # it needs a preemption: after the passes in flight return
-        waiting = sorted(self.waiting.values(), key=lambda r: r.arrival)
+        waiting = self.order.order(self.waiting.values())
         admitted = self.policy.pick_prefills(waiting, list(self.running.values()), self.slots, self)
         for req in admitted:
             del self.waiting[req.rid]
+            self.order.on_admit(req)
             req.status = RequestStatus.RUNNING
             self.running[req.rid] = req
         # Adapters already resident take their holds first, so that placing a new one never evicts them.
@@ -252,7 +260,7 @@ class Scheduler:
         while sum(self._pages_short(r, n) for r, n in self._plan.items()) > self.cache.num_available:
             if self._in_flight:
                 return False
-            victim = max(self.running.values(), key=lambda r: r.arrival)
+            victim = self.order.victim(self.running.values())
             self._preempt(victim)
         for req, num_new in self._plan.items():
             req.page_ids += self.cache.allocate(self._pages_short(req, num_new))
@@ -266,7 +274,8 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting[req.rid] = req  # schedule() reads the queue by arrival
+        self.waiting[req.rid] = req  # back in the queue by its arrival (AdmissionOrder)
+        self.order.on_wait(req)
 
     def _let_go(self, req: Request) -> None:
         """A running request gives back its pages (cached ones stay cached) and its slot hold."""
@@ -399,6 +408,7 @@ class Scheduler:
     def _append_token(self, req: Request, token_id: int, logprob: TokenLogprob | None = None,
                       prompt_logprobs: list[TokenLogprob] | None = None) -> TokenDelta:
         req.output_ids.append(token_id)
+        self.order.on_output(req)
         logprobs = [logprob] if logprob is not None else []
         if token_id in req.sampling.stop_token_ids and len(req.output_ids) > req.sampling.min_new_tokens:
             delta = self._finish(req, "stop", [token_id], logprobs=logprobs)
@@ -463,6 +473,7 @@ class Scheduler:
             for other in [r for r in [*self.waiting.values(), *self.running.values()] if r.lora_id == lora_id]:
                 deltas.append(self._finish(other, "error", error_message=f"adapter id {lora_id} was unloaded"))
             self.slots.drop(lora_id)
+            self.order.forget_adapter(lora_id)
             self.cache.purge(lora_id)  # ids are never reused: nothing would match its pages again
             outcomes.append(AdapterOutcome(lora_id=lora_id, success=True))
         return AdapterOpDone(op_id=op.op_id, outcomes=outcomes), deltas

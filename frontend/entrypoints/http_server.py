@@ -7,9 +7,11 @@ import logging
 import signal
 
 from aiohttp import web
+from loraplex.frontend.caller import set_caller_key
 from loraplex.frontend.entrypoints import console_api, native_api, openai_api, openapi, responses_api, utility_api
 from loraplex.frontend.entrypoints.http_utils import error_response
 from loraplex.frontend.entrypoints.wire import failure, key_matches
+from loraplex.frontend.errors import RateLimited
 from loraplex.frontend.generate import GenerateService
 from loraplex.frontend.runtime import Runtime
 
@@ -33,6 +35,7 @@ async def auth_middleware(request: web.Request, handler):
     key = config.admin_api_key if request.path in ADMIN_PATHS and config.admin_api_key else config.api_key
     if key is not None and not _authorized(request, key):
         return error_response("missing or invalid API key", 401)
+    set_caller_key(key)
     return await handler(request)
 
 
@@ -48,7 +51,10 @@ async def error_middleware(request: web.Request, handler):
         raise
     except Exception as e:  # noqa: BLE001 - the edge: a ServerError's kind picks the status, the rest is a 500
         openai = request.path.startswith("/v1/") or request.path in utility_api.VLLM_STATUS_PATHS
-        return error_response(*failure(e, openai, f"{request.method} {request.path}"))
+        response = error_response(*failure(e, openai, f"{request.method} {request.path}"))
+        if isinstance(e, RateLimited):
+            response.headers["Retry-After"] = str(e.retry_after_s)
+        return response
 
 
 def create_app(runtime: Runtime) -> web.Application:

@@ -74,6 +74,7 @@ class CommonParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    priority: int = 0  # vLLM's: --scheduling-policy priority runs lower first; fcfs ignores it
     # vLLM's logit controls (frontend/params.py logit_controls)
     logit_bias: LogitBias | None = None
     allowed_token_ids: list[TokenId] | None = None

@@ -379,10 +379,13 @@ async def start_openai(
     skip_special = req.skip_special_tokens and not (tools is not None and tools.parser.needs_special_tokens)
     output = OutputOptions(skip_special_tokens=skip_special, keep_stop=req.include_stop_str_in_output)
     states: list[RequestState] = []
+    refund = service.take_rate([prompt for prompt, _ in jobs])
     try:
         for prompt, sampling in jobs:
-            states += await service.submit([prompt], sampling, stops, [lora_name], [None], output)
+            states += await service.submit([prompt], sampling, stops, [lora_name], [None], output,
+                                           priority=req.priority)
     except BaseException:
+        refund()
         await service.finish(states)
         raise
     return OpenAIRun(service, req, states, chat, served_by, sum(len(p) for p in prompts), echoes, reasoning, tools)

@@ -23,11 +23,13 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from loraplex.frontend.caller import set_caller_key
 from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest, decode_openai
 from loraplex.frontend.entrypoints.openai_serving import OpenAIRun, base_card, start_chat, start_completion
 from loraplex.frontend.entrypoints.responses_schemas import ResponsesRequest, strip_responses
 from loraplex.frontend.entrypoints.responses_serving import ResponsesRun, start_response
 from loraplex.frontend.entrypoints.wire import SSE_DONE, encode_json, failure, key_matches, named_sse_event, sse_event
+from loraplex.frontend.errors import RateLimited
 from loraplex.frontend.generate import GenerateService, GenerationFailed
 from loraplex.frontend.params import decode_body
 from loraplex.frontend.responses import ModelCard, error_body
@@ -185,12 +187,14 @@ async def answer(service: GenerateService, path: str, body: bytes, headers: dict
         yield {"status": 401, "content_type": JSON}
         yield encode_json(error_body("missing or invalid API key", 401))
         return
+    set_caller_key(key)
     decode, start = ROUTES[path]
     try:
         run = await start(service, decode(body))
     except Exception as e:  # noqa: BLE001 - the edge: a ServerError's kind picks the status, the rest is a 500
         message, status = failure(e, openai=True, where=f"POST {path}")
-        yield {"status": status, "content_type": JSON}
+        retry = {"Retry-After": str(e.retry_after_s)} if isinstance(e, RateLimited) else {}
+        yield {"status": status, "content_type": JSON, "headers": retry}
         yield encode_json(error_body(message, status))
         return
     responses = isinstance(run, ResponsesRun)
@@ -253,7 +257,7 @@ class OpenAIIngress:
             chunks,
             status_code=head["status"],
             media_type=head["content_type"],
-            headers={REPLICA_HEADER: head["replica"]},
+            headers={REPLICA_HEADER: head["replica"], **head.get("headers", {})},
         )
 
     @api.post("/v1/completions")

@@ -10,6 +10,7 @@ import hmac
 import logging
 
 import msgspec
+from loraplex.frontend.caller import set_caller_key
 from loraplex.frontend.generate import GenerateService, raise_failure
 from loraplex.frontend.params import NativeGenerateRequest, convert
 from loraplex.frontend.request_state import RequestState
@@ -72,6 +73,9 @@ class RpcServer:
 
     async def _answer(self, identity: bytes, request_id: bytes, payload: bytes, tensor_frames: list[bytes]) -> None:
         request, api_key = rpc.decode_request(payload)
+        # Whose request this is (rate limits, fair share); one task per request, so it stays this request's. Nothing
+        # runs below unless the key checks out.
+        set_caller_key(api_key if self.runtime.config.api_key else None)
         try:
             if isinstance(request, RpcError):
                 reply = request
