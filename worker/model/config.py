@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -122,6 +122,7 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 
 
 def _read_sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
-    if model_type == "qwen2" and not hf.get("use_sliding_window", False):  # Qwen2 records a window it does not use
+    # Qwen2 and Qwen3 record a window they do not use
+    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
         return None
     return hf.get("sliding_window") or None
