@@ -42,7 +42,9 @@ def test_qwen3_mixed_batch_equals_peft_with_chunks_and_prefix_cache(
     for attempt in ("cold", "cached"):
         resp = server.post("/generate", {"text": PROMPTS, "lora_path": NAMES, "sampling_params": GREEDY})
         assert resp.status_code == 200, resp.text
-        for out, (ref, margins), name in zip(resp.json(), refs, NAMES, strict=True):
-            assert_greedy_match(out["output_ids"], ref, margins, f"{attempt} {name or 'base'}")
+        num_compared = sum(assert_greedy_match(out["output_ids"], ref, margins, f"{attempt} {name or 'base'}")
+                           for out, (ref, margins), name in zip(resp.json(), refs, NAMES, strict=True))  # fmt: skip
+        assert num_compared >= MAX_NEW * len(PROMPTS) // 2  # most steps had a clear margin
+    assert "model_type qwen3, 2 hidden layers, load format auto" in server.log()
     # The second round (and the batch's later rows with one adapter) found their prefix in the cache.
     assert server.get("/server_info").json()["prefix_cache_hit_tokens"] > 0
