@@ -31,10 +31,12 @@ def test_real_config_serves_with_dummy_weights_and_two_layers(model: str, tmp_pa
     shutil.copy(CONFIGS_DIR / model / "config.json", model_dir / "config.json")
     build_tokenizer(model_dir)
     real = json.loads((model_dir / "config.json").read_text())
+    # torch ops: what is tested here is the config, the overrides and the dummy weights at real shapes, so no server
+    # waits for the CPU kernels' build (tests/compute/test_cpu_kernels_worker.py covers those).
     with ServerProcess("--model-path", str(model_dir), "--load-format", "dummy", "--hf-overrides",
                        '{"num_hidden_layers": 2}', "--dtype", "bfloat16", "--context-length", "128",
-                       "--max-total-tokens", "512", "--max-running-requests", "4",
-                       start_timeout_s=600) as server:  # fmt: skip
+                       "--max-total-tokens", "512", "--max-running-requests", "4", "--lora-backend", "torch",
+                       "--attention-backend", "torch", start_timeout_s=600) as server:  # fmt: skip
         info = server.get("/server_info").json()
         assert (info["model_type"], info["num_hidden_layers"], info["load_format"]) == (real["model_type"], 2, "dummy")
         assert info["vocab_size"] == real["vocab_size"] and info["hf_overrides"] == {"num_hidden_layers": 2}
