@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model.llama import LlamaForCausalLM
+from loraplex.worker.model.qwen3 import Qwen3ForCausalLM
 from torch import nn
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
 }
 
 
