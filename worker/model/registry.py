@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model.llama import LlamaForCausalLM
+from loraplex.worker.model.mixtral import MixtralForCausalLM
 from torch import nn
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "mixtral": MixtralForCausalLM,
 }
 
 
