@@ -58,20 +58,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Other families reuse the layer with their own attention and MLP: a subclass overrides make_attention/make_mlp."""
-
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_id: int):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = self.make_attention(config, rotary)
+        self.self_attn = LlamaAttention(config, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = self.make_mlp(config, layer_id)
-
-    def make_attention(self, config: ModelConfig, rotary: RotaryEmbedding) -> nn.Module:
-        return LlamaAttention(config, rotary)
-
-    def make_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
-        return LlamaMLP(config)
+        self.mlp = LlamaMLP(config)
 
     def forward(
         self,
@@ -93,11 +85,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, decoder_layer: type[LlamaDecoderLayer]):
+    def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
-        self.layers = nn.ModuleList(decoder_layer(config, rotary, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
@@ -112,12 +104,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    decoder_layer: type[LlamaDecoderLayer] = LlamaDecoderLayer  # a family of Llama's shape sets its own
-
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_positions, self.decoder_layer)
+        self.model = LlamaModel(config, max_positions)
         tied_to = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied_to)
 
