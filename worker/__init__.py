@@ -10,6 +10,7 @@ loader.py                  safetensors checkpoint -> parameters, via each parame
 sampler.py                 greedy / temperature / top-k / top-p, stateless per-request seeds
 model/config.py            ModelConfig from an HF config.json (transformers 4 and 5 forms)
 model/llama.py             Llama / Mistral / Qwen2 decoder, free of TP and LoRA
+model/qwen3.py             Qwen3: the Llama decoder with per-head q/k RMSNorm (Qwen3Attention, reusable)
 model/registry.py          model_type -> decoder class (one file per family)
 layers/linear.py           Column-, MergedColumn- and RowParallelLinear with sharding weight loaders
 layers/attention.py        paged attention with torch SDPA

@@ -65,11 +65,17 @@ def llama_bias_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model_dirs(
-    llama_dir: Path, qwen2_dir: Path, mistral_tied_dir: Path, llama3_rope_dir: Path, llama_bias_dir: Path
+    llama_dir: Path,
+    qwen2_dir: Path,
+    qwen3_dir: Path,
+    mistral_tied_dir: Path,
+    llama3_rope_dir: Path,
+    llama_bias_dir: Path,
 ) -> dict[str, Path]:
     return {
         "llama": llama_dir,
         "qwen2": qwen2_dir,
+        "qwen3": qwen3_dir,
         "mistral_tied": mistral_tied_dir,
         "llama3_rope": llama3_rope_dir,
         "llama_bias": llama_bias_dir,
@@ -81,9 +87,10 @@ def model_dirs(
 
 # The triton attention backend (paged Triton kernels) runs in Triton's interpreter here: two models, to keep it short.
 ATTENTION_CASES = [
-    *[(kind, "torch") for kind in ("llama", "qwen2", "mistral_tied", "llama3_rope", "llama_bias")],
+    *[(kind, "torch") for kind in ("llama", "qwen2", "qwen3", "mistral_tied", "llama3_rope", "llama_bias")],
     ("llama", "triton"),
     ("llama3_rope", "triton"),
+    ("qwen3", "triton"),
 ]
 
 
@@ -166,7 +173,9 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> li
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize(("kind", "attention"), [("llama", "torch"), ("qwen2", "torch"), ("qwen2", "triton")])
+@pytest.mark.parametrize(
+    ("kind", "attention"), [("llama", "torch"), ("qwen2", "torch"), ("qwen2", "triton"), ("qwen3", "torch")]
+)
 def test_paged_greedy_decoding_matches_hf_generate(model_dirs: dict[str, Path], kind: str, attention: str) -> None:
     runner = make_runner(model_dirs[kind], attention_backend=attention)
     hf = load_hf(model_dirs[kind])

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "olmoe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -159,7 +159,7 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 
 
 def _read_sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
-    # Qwen2 and Qwen3-MoE record a window they do not use
-    if model_type in ("qwen2", "qwen3_moe") and not hf.get("use_sliding_window", False):
+    # Qwen2, Qwen3 and Qwen3-MoE record a window they do not use
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
         return None
     return hf.get("sliding_window") or None

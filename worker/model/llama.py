@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) over flat token batches: hidden states are (tokens, hidden).
 
 Layers are built with full (unsharded) sizes; the linear layers hold their own shard and report its sizes, which
-is all the attention needs to know to split q/k/v."""
+is all the attention needs to know to split q/k/v. Other families reuse these classes: a subclass names its own
+attention / MLP / layer / model class in the class attributes below and overrides `norm_qk` where it norms q and k."""
 
 from __future__ import annotations
 
@@ -39,9 +40,13 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, -1, self.head_dim)  # (tokens, heads, head_dim)
         k = k.view(num_tokens, -1, self.head_dim)  # (tokens, kv_heads, head_dim)
         v = v.view(num_tokens, -1, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, *self.norm_qk(q, k))
         out = paged_attention(q, k, v, kv[0], kv[1], attention)  # (tokens, heads, head_dim)
         return self.o_proj(out.reshape(num_tokens, -1))  # (tokens, hidden)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k before rotary: as projected here; families with per-head q/k norms override it."""
+        return q, k
 
 
 class LlamaMLP(nn.Module):
@@ -58,12 +63,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[nn.Module] = LlamaAttention
+    mlp_cls: type[nn.Module] = LlamaMLP
+
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = self.attention_cls(config, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = self.mlp_cls(config)
 
     def forward(
         self,
@@ -85,11 +93,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_cls(config, rotary) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
@@ -104,10 +114,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_cls: type[nn.Module] = LlamaModel
+
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_positions)
+        self.model = self.model_cls(config, max_positions)
         tied_to = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied_to)
 

@@ -5,22 +5,24 @@ from __future__ import annotations
 
 from loraplex.worker.layers.moe import SparseMoeBlock
 from loraplex.worker.model.config import ModelConfig
-from loraplex.worker.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from torch import nn
+from loraplex.worker.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
-def make_moe_mlp(config: ModelConfig, layer_id: int) -> nn.Module:
-    """The layer's MLP: the MoE block, or a dense MLP where the config keeps this layer dense."""
-    moe = config.moe
-    if moe is None or layer_id in moe.dense_layers:
-        return LlamaMLP(config)
-    return SparseMoeBlock(config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize)
+class MoEMLP(SparseMoeBlock):
+    """The MoE block of a config's `moe` fields, for a decoder layer's `mlp_cls`."""
+
+    def __init__(self, config: ModelConfig):
+        moe = config.moe
+        super().__init__(config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize)
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
-    def make_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
-        return make_moe_mlp(config, layer_id)
+    mlp_cls = MoEMLP
+
+
+class MixtralModel(LlamaModel):
+    layer_cls = MixtralDecoderLayer
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    decoder_layer = MixtralDecoderLayer
+    model_cls = MixtralModel
