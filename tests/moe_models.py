@@ -106,11 +106,9 @@ def build_expert_module_adapter(arch: str, out_dir: Path | str, *, r: int, lora_
         base = f"base_model.model.model.layers.{layer}"
         for module in attn_modules:
             add(f"{base}.self_attn.{module}", *attn_shapes[module])
-        if layer in dense:  # a dense layer's MLP has the same names as the experts' linears: PEFT targets both
-            dense_shapes = {gate: (hidden, cfg.intermediate_size), up: (hidden, cfg.intermediate_size),
-                            down: (cfg.intermediate_size, hidden)}
-            for module, shape in dense_shapes.items():
-                add(f"{base}.mlp.{module}", *shape)
+        if layer in dense:
+            # A dense layer's MLP has the experts' module names, so transformers 4's PEFT targeted it too; but on
+            # transformers 5 PEFT converts the adapter to the stacked experts only, and the reference would drop these.
             continue
         for expert in range(num_experts):
             for module, shape in expert_shapes.items():

@@ -20,9 +20,10 @@ from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import AdapterOutcome, AdapterToLoad, ForwardReq, SlotLoad, split_inline_frames
 from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.lora.adapter import AdapterLoadError, LoRAAdapter, PoolSpec, adapter_from_tensors, load_adapter
+from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.lora.layers import LoRABatchInfo, LoRALinear
 from loraplex.worker.lora.pool import LoRAPool
-from loraplex.worker.lora.targets import SLICE_OF
+from loraplex.worker.lora.targets import KINDS_OF
 from loraplex.worker.lora.upload import uploader_for
 from loraplex.worker.model.config import ModelConfig
 from torch import nn
@@ -66,7 +67,8 @@ class LoRAManager:
         for (layer_id, name), buffers in self.pool.buffers.items():
             parent_name, attr = name.rsplit(".", 1)
             parent = layers[layer_id].get_submodule(parent_name)
-            setattr(parent, attr, LoRALinear(getattr(parent, attr), buffers, self.batch))
+            wrapper = LoRALinear if buffers.num_experts == 1 else LoRAExpertsLinear
+            setattr(parent, attr, wrapper(getattr(parent, attr), buffers, self.batch))
         self.adapters: dict[int, LoRAAdapter] = {}  # lora_id -> host copy
         self._dropped_early: set[int] = set()  # ids dropped before their install (ids are never reused)
         self._lock = threading.Lock()  # adapters and _dropped_early: install runs on the loader's thread
@@ -234,10 +236,12 @@ class LoRAManager:
             self.batch.active = frozenset()
             return
         self.batch.meta = self.batch.backend.prepare(seg_indptr, seg_slots)
+        self.batch.host_segments = (seg_indptr, seg_slots)
         self.batch.active = frozenset(
-            SLICE_OF[module][0].name
+            name
             for slot in used
             for module in self.adapters[self.slot_lora_ids[slot]].target_modules
+            for name in KINDS_OF[module]
         )
 
     def prepare_fixed(self, reqs: Sequence[ForwardReq], num_segments: int, into: LoRABatchMeta | None) -> LoRABatchMeta:
@@ -258,6 +262,7 @@ class LoRAManager:
                     raise RuntimeError(f"LoRA metadata {f.name} {new!r} differs from the captured {old!r}")
             meta = into
         self.batch.meta = meta
+        self.batch.host_segments = (seg_indptr, seg_slots)
         self.batch.active = frozenset(buffers.fused.name for buffers in self.pool.buffers.values())
         return meta
 
