@@ -62,17 +62,17 @@ def build_moe_model(out_dir: Path | str, arch: str, seed: int = 0) -> None:
 
 
 def build_parameter_adapter(model_dir: Path | str, out_dir: Path | str, *, r: int, lora_alpha: float,
-                            target_modules: tuple[str, ...], seed: int, experts: bool = True) -> None:
+                            target_modules: tuple[str, ...], seed: int, **patterns) -> None:
     """PEFT's `target_parameters` form over the fused expert tensors (and `target_modules` on attention), built by
-    peft itself."""
+    peft itself; `patterns`: rank_pattern / alpha_pattern."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    params = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else None
+    params = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules) or None,
-                        target_parameters=params, init_lora_weights=False)
+                        target_parameters=params, init_lora_weights=False, **patterns)
     peft_model = get_peft_model(model, config)
     with torch.no_grad():  # peft's B init is small for target_parameters; make every product visible
         for name, param in peft_model.named_parameters():
@@ -120,3 +120,15 @@ def build_expert_module_adapter(arch: str, out_dir: Path | str, *, r: int, lora_
               "target_modules": [*attn_modules, gate, up, down], "task_type": "CAUSAL_LM",
               "base_model_name_or_path": None, "rank_pattern": {}, "alpha_pattern": {}}
     (out_dir / "adapter_config.json").write_text(json.dumps(config))
+
+
+def build_moe_set(root: Path, arch: str) -> tuple[Path, dict[str, Path]]:
+    """A model and two adapters on it: "a4" in the per-expert form (attention q/v, all experts), "a8" in the
+    target_parameters form (attention q/o, stacked experts) whose gate_up has its own rank and alpha (patterns)."""
+    model_dir = root / arch
+    build_moe_model(model_dir, arch)
+    adapters = {"a4": root / f"{arch}-a4", "a8": root / f"{arch}-a8"}
+    build_expert_module_adapter(arch, adapters["a4"], r=4, lora_alpha=8, seed=1)
+    build_parameter_adapter(model_dir, adapters["a8"], r=8, lora_alpha=16, target_modules=("q_proj", "o_proj"), seed=2,
+                            rank_pattern={r".*\.gate_up_proj": 4}, alpha_pattern={r".*\.gate_up_proj": 12})
+    return model_dir, adapters
