@@ -96,8 +96,10 @@ class Runtime:
         self.replica_ready = await self.replicas.wait_ready(self._dead, START_TIMEOUT_S)
         self.ready = min(self.replica_ready, key=lambda ready: ready.max_total_tokens)
         logger.info(
-            "scheduler ready: %d KV tokens, context length %d", self.ready.max_total_tokens, self.ready.context_length
-        )
+            "scheduler ready: model_type %s, %d hidden layers, load format %s, %d KV tokens, context length %d",
+            self.ready.model_type, self.ready.num_hidden_layers, self.config.load_format, self.ready.max_total_tokens,
+            self.ready.context_length,
+        )  # fmt: skip
         self._watch_task = asyncio.create_task(self._watch_loop())
         sources = self.config.lora_sources
         specs = [LoRAAdapterSpec(lora_name=s.lora_name, lora_path=s.lora_path, pinned=s.pinned) for s in sources]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any, Literal, NoReturn
@@ -72,6 +73,10 @@ def is_loopback_address(addr: str) -> bool:
 _HELP: dict[str, str] = {
     "model_path": "local Hugging Face checkpoint dir; 'demo' = the shipped demo (adapters: reverse, sort, mirror)",
     "served_model_name": "base model name in the OpenAI API (default: last path component)",
+    "load_format": "where the weights come from: auto or safetensors (the checkpoint's *.safetensors files), dummy "
+    "(random weights on the checkpoint's config.json, weight files or not: benchmarks and tests at real shapes)",
+    "hf_overrides": "JSON object merged into the model's config.json before anything reads it, e.g. "
+    "'{\"num_hidden_layers\": 2}' (nested objects merge key by key)",
     "host": "HTTP bind address",
     "port": "HTTP port",
     "tp": "tensor-parallel worker processes",
@@ -139,7 +144,8 @@ _HELP: dict[str, str] = {
 
 # `loraplex --help` shows the flags in these groups, in this order; every field belongs to exactly one.
 _TOPICS: dict[str, str] = {
-    "model and devices": "model_path served_model_name device dtype tp dp_size context_length seed",
+    "model and devices": "model_path served_model_name load_format hf_overrides device dtype tp dp_size "
+    "context_length seed",
     "HTTP server and access": "host port api_key admin_api_key rpc_addr shutdown_timeout log_level",
     "LoRA adapters": "enable_lora lora_paths lora_modules max_loras_per_batch max_loaded_loras max_lora_rank "
     "lora_target_modules lora_backend lora_path_root lora_resolver_dir lora_cache_dir lora_cache_max_gb "
@@ -189,6 +195,8 @@ DEFAULT_LORA_RANK = 16  # --enable-lora with nothing to infer the pool from (vLL
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model_path: str = "demo"
     served_model_name: str | None = None
+    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    hf_overrides: dict[str, Any] = {}
     host: str = "127.0.0.1"
     port: int = 30000
     tp: int = 1
@@ -377,9 +385,22 @@ def _field_type(field: msgspec.structs.FieldInfo) -> tuple[str, Any]:
         return "bool", None
     if isinstance(info, msgspec.inspect.ListType):
         return "list", str
+    if isinstance(info, msgspec.inspect.DictType):
+        return "scalar", json_object
     if isinstance(info, msgspec.inspect.LiteralType):
         return "choice", list(info.values)
     return "scalar", {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float}.get(type(info), str)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object value; argparse names the flag when this raises."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text}")
+    return value
 
 
 FOREIGN_TOPIC = "vLLM and SGLang flags with no setting here, accepted with a log line or refused"

@@ -330,6 +330,8 @@ class SchedulerReady(Struct, frozen=True):
     vocab_size: int
     max_lora_rank: int = 0
     lora_target_modules: list[str] = []
+    model_type: str = ""  # the HF model_type the workers run
+    num_hidden_layers: int = 0  # after --hf-overrides
 
 
 class ProcessFailed(Struct, frozen=True):
@@ -390,6 +392,8 @@ class WorkerReady(Struct, frozen=True):
     max_lora_rank: int = 0
     lora_target_modules: list[str] = []
     device_type: str = "cpu"  # "cpu" or "cuda": picks defaults that depend on the device
+    model_type: str = ""  # the HF model_type this rank runs
+    num_hidden_layers: int = 0  # after --hf-overrides
 
 
 class Shutdown(Struct, frozen=True):

@@ -124,6 +124,8 @@ class SchedulerProcess:
                 vocab_size=first.vocab_size,
                 max_lora_rank=first.max_lora_rank,
                 lora_target_modules=first.lora_target_modules,
+                model_type=first.model_type,
+                num_hidden_layers=first.num_hidden_layers,
             )
         )
         log.info("ready: %d ranks, %d KV pages of %d tokens", len(ready), num_pages, page_size)

@@ -7,6 +7,7 @@ model_runner.py            ModelRunner: model + KV cache + sampler; forward(Forw
 batch_inputs.py            ForwardBatch -> flat token ids, positions, cache slots, attention masks
 kv_cache.py                KVCache tensors and the default capacity rule
 loader.py                  safetensors checkpoint -> parameters, via each parameter's weight_loader
+dummy_weights.py           --load-format dummy: seeded random weights through the same weight loaders
 sampler.py                 greedy / temperature / top-k / top-p, stateless per-request seeds
 model/config.py            ModelConfig from an HF config.json (transformers 4 and 5 forms)
 model/llama.py             Llama / Mistral / Qwen2 decoder, free of TP and LoRA

@@ -92,6 +92,7 @@ def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True
                     shards[f"{name}.{suffix}"] = list(range(module.num_slices))
     expected = {(name, shard) for name in params for shard in shards.get(name, [None])}
     loaded: set[tuple[str, int | tuple[int, int] | None]] = set()
+    ignored: list[str] = []  # e.g. the layers --hf-overrides '{"num_hidden_layers": N}' leaves out
     files = checkpoint_files(model_dir)
     total = sum(_num_tensors(path) for path in files)
     with Progress(logger, f"loading {model_dir}", total, "tensors", enabled=show_progress) as progress:
@@ -105,13 +106,16 @@ def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True
                     if name in aliases:
                         continue  # a tied weight: loaded under the name it is shared with
                     if name not in params:
-                        logger.warning("ignoring checkpoint tensor %s: no such parameter", hf_name)
+                        ignored.append(hf_name)
                         continue
                     _load_one(params[name], f.get_tensor(hf_name), slice_id, hf_name)
                     if slice_id is None and name in shards:  # a stacked tensor holds every piece
                         loaded.update((name, shard) for shard in shards[name])
                     else:
                         loaded.add((name, slice_id))
+    if ignored:
+        logger.warning("ignoring %d checkpoint tensors with no parameter here, e.g. %s", len(ignored),
+                       ", ".join(ignored[:3]))  # fmt: skip
     missing = sorted(f"{name}[{slice_id}]" if slice_id is not None else name for name, slice_id in expected - loaded)
     if missing:
         raise CheckpointError(f"checkpoint {model_dir!r} lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")

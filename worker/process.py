@@ -88,6 +88,8 @@ class Worker:
                 vocab_size=self.runner.vocab_size,
                 max_lora_rank=lora.spec.max_lora_rank if lora else 0,
                 lora_target_modules=list(lora.spec.target_modules) if lora else [],
+                model_type=self.runner.model_config.model_type,
+                num_hidden_layers=self.runner.model_config.num_layers,
             )
         )
         while True:

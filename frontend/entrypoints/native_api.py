@@ -97,6 +97,8 @@ async def server_info(request: web.Request) -> web.Response:
         "max_total_tokens": sum(capacities) if ready else None,  # over all replicas
         "context_length": ready.context_length if ready else None,
         "vocab_size": ready.vocab_size if ready else None,
+        "model_type": ready.model_type if ready else None,
+        "num_hidden_layers": ready.num_hidden_layers if ready else None,  # after --hf-overrides
         "lora_enabled": runtime.config.lora_enabled,
         "max_lora_rank": ready.max_lora_rank if ready else None,
         "lora_target_modules": ready.lora_target_modules if ready else None,

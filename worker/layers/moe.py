@@ -73,8 +73,8 @@ class ExpertsLinear(nn.Module):
         self.num_experts = num_experts
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
-        split = input_size if tp_mode == "row" else sum(output_sizes)
-        if split % self.tp_size or any(size % self.tp_size for size in (output_sizes if tp_mode == "column" else ())):
+        split_sizes = [input_size] if tp_mode == "row" else output_sizes
+        if any(size % self.tp_size for size in split_sizes):
             raise ValueError(f"expert linear {input_size} -> {output_sizes} is not divisible by tp {self.tp_size}")
         self.input_size_per_rank = input_size // self.tp_size if tp_mode == "row" else input_size
         self.output_sizes_per_rank = [s // self.tp_size for s in output_sizes] if tp_mode == "column" else output_sizes
@@ -92,16 +92,28 @@ class ExpertsLinear(nn.Module):
         """The (expert, slice) pieces a per-expert checkpoint holds, each loaded on its own."""
         return [(e, s) for e in range(self.num_experts) for s in range(self.num_slices)]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None) -> None:
-        """shard_id (expert, slice): one expert's (out of the slice, in) tensor; None: the stacked
-        (experts, sum(output_sizes), in) tensor of a checkpoint that saves experts fused."""
-        if shard_id is None:
-            expected = (self.num_experts, sum(self.output_sizes), self.input_size)
+    def full_shape(self, param: nn.Parameter, shard_id: int | None = None) -> tuple[int, ...]:
+        """The stacked checkpoint tensor weight_loader takes: every expert's slice `shard_id` (None: every slice)."""
+        rows = sum(self.output_sizes) if shard_id is None else self.output_sizes[shard_id]
+        return self.num_experts, rows, self.input_size
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | int | None
+    ) -> None:
+        """shard_id (expert, slice): one expert's (out of the slice, in) tensor, as per-expert checkpoints hold them;
+        None: the stacked tensor of a checkpoint that saves experts fused; an int: every expert's slice, stacked."""
+        if not isinstance(shard_id, tuple):
+            expected = self.full_shape(param, shard_id)
             if tuple(loaded.shape) != expected:
                 raise ValueError(f"stacked experts tensor has shape {tuple(loaded.shape)}, expected {expected}")
             starts = [0, *itertools.accumulate(self.output_sizes)]
             for expert, slice_id in self.checkpoint_shards():
-                piece = loaded[expert].narrow(0, starts[slice_id], self.output_sizes[slice_id])
+                if shard_id is None:
+                    piece = loaded[expert].narrow(0, starts[slice_id], self.output_sizes[slice_id])
+                elif slice_id == shard_id:
+                    piece = loaded[expert]
+                else:
+                    continue
                 self.weight_loader(param, piece, (expert, slice_id))
             return
         expert, slice_id = shard_id

@@ -77,6 +77,7 @@ class ModelConfig:
     mlp_bias: bool
     sliding_window: int | None  # None = every layer attends to the whole context
     checkpoint_dtype: str | None
+    initializer_range: float = 0.02  # std of HF's weight init (--load-format dummy draws with it)
     moe: MoEConfig | None = None  # None: a dense model
 
     @property
@@ -87,14 +88,15 @@ class ModelConfig:
         return self.max_position_embeddings
 
     @classmethod
-    def from_dir(cls, model_dir: str) -> ModelConfig:
+    def from_dir(cls, model_dir: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
+        """config.json with `overrides` (--hf-overrides) merged in before any field is read."""
         if not os.path.isdir(model_dir):
             raise ModelConfigError(f"model directory {model_dir!r} does not exist")
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise ModelConfigError(f"no config.json in model directory {model_dir!r}")
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            return cls.from_dict(merge_overrides(json.load(f), overrides or {}))
 
     @classmethod
     def from_dict(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -128,8 +130,21 @@ class ModelConfig:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=_read_sliding_window(hf, model_type),
             checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
+            initializer_range=hf.get("initializer_range", 0.02),
             moe=MoEConfig.from_dict(hf, model_type),
         )
+
+
+def merge_overrides(hf: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """hf with overrides merged in; an object overriding an object merges key by key (as vLLM's --hf-overrides), so
+    '{"rope_scaling": {"factor": 4.0}}' changes one scaling parameter. Neither input is changed."""
+    merged = dict(hf)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_overrides(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def _read_rope(hf: dict[str, Any]) -> RopeConfig:
