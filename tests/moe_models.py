@@ -36,18 +36,24 @@ EXPERT_MODULES = {
 EXPERT_PARENT = {"mixtral": "block_sparse_moe", "olmoe": "mlp", "qwen3_moe": "mlp"}
 
 
-def hf_config(arch: str):
+def hf_config(arch: str, **overrides):
     from transformers import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
     cls = {"mixtral": MixtralConfig, "olmoe": OlmoeConfig, "qwen3_moe": Qwen3MoeConfig}[arch]
-    return cls(**_COMMON, **CONFIGS[arch])
+    return cls(**{**_COMMON, **CONFIGS[arch], **overrides})
 
 
-def build_moe_model(out_dir: Path | str, arch: str, seed: int = 0) -> None:
-    """Random weights, norms near 1, a router that separates the experts clearly."""
+def build_moe_model(out_dir: Path | str, arch: str, seed: int = 0, with_tokenizer: bool = False) -> None:
+    """Random weights, norms near 1, a router that separates the experts clearly; with_tokenizer: the tests' tiny
+    tokenizer beside it (and its vocabulary), for a server."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32)
+    from scripts.demo.builders import build_tokenizer, tokenizer_vocab_size
+
+    overrides = dict(vocab_size=tokenizer_vocab_size(), bos_token_id=None, eos_token_id=None) if with_tokenizer else {}
+    model = AutoModelForCausalLM.from_config(hf_config(arch, **overrides), dtype=torch.float32)
+    if with_tokenizer:
+        build_tokenizer(out_dir)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
@@ -122,11 +128,11 @@ def build_expert_module_adapter(arch: str, out_dir: Path | str, *, r: int, lora_
     (out_dir / "adapter_config.json").write_text(json.dumps(config))
 
 
-def build_moe_set(root: Path, arch: str) -> tuple[Path, dict[str, Path]]:
+def build_moe_set(root: Path, arch: str, with_tokenizer: bool = False) -> tuple[Path, dict[str, Path]]:
     """A model and two adapters on it: "a4" in the per-expert form (attention q/v, all experts), "a8" in the
     target_parameters form (attention q/o, stacked experts) whose gate_up has its own rank and alpha (patterns)."""
     model_dir = root / arch
-    build_moe_model(model_dir, arch)
+    build_moe_model(model_dir, arch, with_tokenizer=with_tokenizer)
     adapters = {"a4": root / f"{arch}-a4", "a8": root / f"{arch}-a8"}
     build_expert_module_adapter(arch, adapters["a4"], r=4, lora_alpha=8, seed=1)
     build_parameter_adapter(model_dir, adapters["a8"], r=8, lora_alpha=16, target_modules=("q_proj", "o_proj"), seed=2,
