@@ -13,6 +13,7 @@ from loraplex.worker.layers.moe import ExpertsLinear
 from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.model_runner import ModelRunner
 
+from tests.device_helpers import USES_GPU
 from tests.lora_helpers import ADAPTER_IDS, batch_logits, greedy_decode
 from tests.moe_models import ARCHS, build_moe_set
 from tests.reference import assert_greedy_match, hf_greedy, hf_model
@@ -82,3 +83,21 @@ def test_mixed_batch_greedy_matches_peft(moe_set, runner: ModelRunner) -> None:
         ref, margins = hf_greedy(model_dir, prompt, DECODE_STEPS, None if name is None else adapters[name])
         compared += assert_greedy_match(tokens, ref, margins, what=name or "base")
     assert compared >= len(prompts) * DECODE_STEPS // 2, f"only {compared} tokens had a clear margin"
+
+
+@pytest.mark.skipif(USES_GPU, reason="checked in the interpreter here; on a GPU the compiled kernels run everywhere")
+def test_triton_kernels_serve_the_experts_as_torch_does(moe_set) -> None:
+    """The Triton backend (the interpreter without a GPU), warmed up for the experts' segment counts, gives the
+    torch backend's logits on the same mixed batch."""
+    _, model_dir, adapters = moe_set
+    specs = [AdapterToLoad(lora_name=name, lora_path=str(path), lora_id=ADAPTER_IDS[name])
+             for name, path in adapters.items()]  # fmt: skip
+    prompts = random_prompts([3, 4, 2], 256, seed=13)
+    names = [None, "a4", "a8"]
+    logits = {}
+    for backend in ("torch", "triton"):
+        runner = make_runner(model_dir, **MOE_LORA, lora_backend=backend)
+        assert all(r.success for r in runner.lora.load(specs))
+        logits[backend] = batch_logits(runner, prompts, names)
+    for ours, ref in zip(logits["triton"], logits["torch"], strict=True):
+        torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-4)

@@ -22,7 +22,7 @@ from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.lora.adapter import AdapterLoadError, LoRAAdapter, PoolSpec, adapter_from_tensors, load_adapter
 from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.lora.layers import LoRABatchInfo, LoRALinear
-from loraplex.worker.lora.pool import LoRAPool
+from loraplex.worker.lora.pool import LoRABuffers, LoRAPool
 from loraplex.worker.lora.targets import KINDS_OF
 from loraplex.worker.lora.upload import uploader_for
 from loraplex.worker.model.config import ModelConfig
@@ -95,14 +95,19 @@ class LoRAManager:
         for (_, name), buffers in self.pool.buffers.items():
             weights.setdefault(name, buffers)
         start = time.perf_counter()
-        # The scheduler sorts a batch by slot: at most one segment per slot, and one of base rows.
-        launches = self.backend.warmup(
-            list(weights.values()), max_segments=self.num_slots + 1, show_progress=self.tp_rank == 0
+        # The scheduler sorts a batch by slot: at most one segment per slot, and one of base rows. An MoE layer's rows
+        # regroup by expert (worker/lora/experts.py): at most that many runs within each expert.
+        by_segments: dict[int, list[LoRABuffers]] = {}
+        for buffers in weights.values():
+            by_segments.setdefault(buffers.num_experts * (self.num_slots + 1), []).append(buffers)
+        launches = sum(
+            self.backend.warmup(group, max_segments=max_segments, show_progress=self.tp_rank == 0)
+            for max_segments, group in sorted(by_segments.items())
         )
         if launches:
             logger.info(
                 "LoRA %s kernels compiled for %d linear shapes and up to %d segments: %d launches in %.1f s",
-                self.backend.name, len(weights), self.num_slots + 1, launches, time.perf_counter() - start,
+                self.backend.name, len(weights), max(by_segments), launches, time.perf_counter() - start,
             )  # fmt: skip
 
     # ---- adapters (host copies) ---------------------------------------------------------------------
