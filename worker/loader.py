@@ -1,7 +1,9 @@
 """Load a Hugging Face safetensors checkpoint into a model, one file at a time, each parameter through its loader.
 
 HF names map onto the fused layers: q_proj/k_proj/v_proj are slices 0/1/2 of qkv_proj, gate_proj/up_proj slices 0/1
-of gate_up_proj. Each parameter's `weight_loader` (if any) receives the full tensor and keeps this rank's shard;
+of gate_up_proj; an MoE block's experts (`experts.N.w1/w3/w2` or `experts.N.gate_proj/up_proj/down_proj`, or the
+stacked `experts.gate_up_proj`/`experts.down_proj`) are pieces (expert, slice) of its stacked experts linears.
+Each parameter's `weight_loader` (if any) receives the full tensor and keeps this rank's shard;
 the copy into the parameter converts the dtype and moves it to the device.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
 
 import torch
 from loraplex.protocol.progress import Progress
@@ -34,8 +37,31 @@ class CheckpointError(ValueError):
     pass
 
 
-def map_hf_name(hf_name: str) -> tuple[str, int | None]:
-    """HF parameter name -> (our parameter name, slice of a fused layer or None)."""
+# One expert's linear in a per-expert checkpoint (Mixtral's w1/w3/w2, OLMoE's and Qwen3-MoE's gate/up/down_proj) ->
+# (stacked experts linear, slice).
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_SLICES = {
+    "w1": ("gate_up_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "w3": ("gate_up_proj", 1),
+    "up_proj": ("gate_up_proj", 1),
+    "w2": ("down_proj", 0),
+    "down_proj": ("down_proj", 0),
+}
+# Stacked (experts, out, in) tensors, as transformers 5 names the parameters: the whole of our experts linear.
+_STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+
+
+def map_hf_name(hf_name: str) -> tuple[str, int | tuple[int, int] | None]:
+    """HF parameter name -> (our parameter name, slice of a fused layer or (expert, slice) of a stacked experts
+    linear, or None for all of it)."""
+    hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name of the MoE block
+    expert = _EXPERT.search(hf_name)
+    if expert is not None:
+        stacked, slice_id = EXPERT_SLICES[expert[2]]
+        return f"{hf_name[: expert.start()]}.experts.{stacked}.weight", (int(expert[1]), slice_id)
+    if _STACKED_EXPERTS.search(hf_name):
+        return f"{hf_name}.weight", None
     for hf_module, fused_module, slice_id in FUSED_SLICES:
         marker = f".{hf_module}."
         if marker in hf_name:
@@ -56,15 +82,16 @@ def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True
     """show_progress: report tensors loaded (a bar on a terminal, else log lines); one rank of several says it."""
     params = dict(model.named_parameters())  # a tied weight appears once, under its first name
     aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(params)
-    expected = {(name, None) for name in params}
+    shards: dict[str, list] = {}  # a parameter loaded in pieces -> the pieces' shard ids
     for name, module in model.named_modules():
-        num_slices = getattr(module, "num_slices", 1)
-        if num_slices > 1:
+        if hasattr(module, "checkpoint_shards"):  # stacked experts
+            shards[f"{name}.weight"] = module.checkpoint_shards()
+        elif getattr(module, "num_slices", 1) > 1:
             for suffix in ("weight", "bias"):
                 if f"{name}.{suffix}" in params:
-                    expected.discard((f"{name}.{suffix}", None))
-                    expected.update((f"{name}.{suffix}", i) for i in range(num_slices))
-    loaded: set[tuple[str, int | None]] = set()
+                    shards[f"{name}.{suffix}"] = list(range(module.num_slices))
+    expected = {(name, shard) for name in params for shard in shards.get(name, [None])}
+    loaded: set[tuple[str, int | tuple[int, int] | None]] = set()
     ignored: list[str] = []  # e.g. the layers --hf-overrides '{"num_hidden_layers": N}' leaves out
     files = checkpoint_files(model_dir)
     total = sum(_num_tensors(path) for path in files)
@@ -82,7 +109,10 @@ def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True
                         ignored.append(hf_name)
                         continue
                     _load_one(params[name], f.get_tensor(hf_name), slice_id, hf_name)
-                    loaded.add((name, slice_id))
+                    if slice_id is None and name in shards:  # a stacked tensor holds every piece
+                        loaded.update((name, shard) for shard in shards[name])
+                    else:
+                        loaded.add((name, slice_id))
     if ignored:
         logger.warning("ignoring %d checkpoint tensors with no parameter here, e.g. %s", len(ignored),
                        ", ".join(ignored[:3]))  # fmt: skip
@@ -97,7 +127,9 @@ def _num_tensors(path: str) -> int:
 
 
 @torch.no_grad()
-def _load_one(param: nn.Parameter, tensor: torch.Tensor, slice_id: int | None, hf_name: str) -> None:
+def _load_one(
+    param: nn.Parameter, tensor: torch.Tensor, slice_id: int | tuple[int, int] | None, hf_name: str
+) -> None:
     loader = getattr(param, "weight_loader", None)
     try:
         if loader is not None:

@@ -149,6 +149,10 @@ class ModelRunner:
         if self.device.type != "cuda":
             logger.info("--enable-cuda-graph is ignored on %s: CUDA graphs need a CUDA device", self.device.type)
             return None
+        if self.model_config.moe is not None:  # the MoE block reads its routing on the host: nothing to capture
+            logger.info("--enable-cuda-graph is ignored for %s: MoE layers route on the host",
+                        self.model_config.model_type)
+            return None
         if self.attention.name != "triton":
             raise AttentionBackendError(
                 f"--enable-cuda-graph needs --attention-backend triton (this worker runs {self.attention.name})"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,9 +22,10 @@ import torch
 from loraplex.protocol.adapter_config import AdapterConfig, AdapterLoadError, parse_adapter_config
 from loraplex.protocol.adapter_files import AdapterFiles
 from loraplex.protocol.lora_shards import cut_shape, parse_lora_key, rank_cut
-from loraplex.protocol.lora_targets import TARGET_MODULES
+from loraplex.protocol.lora_targets import MLP_MODULES, TARGET_MODULES, TP_MODES
 from loraplex.protocol.structs import TensorSpec
-from loraplex.worker.lora.targets import full_shapes
+from loraplex.worker.lora.expert_weights import is_expert_key, match_expert_tensors
+from loraplex.worker.lora.targets import full_shapes, is_expert_module
 from loraplex.worker.model.config import ModelConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -42,10 +44,12 @@ class PoolSpec:
 @dataclass(frozen=True)
 class LoRAAdapter:
     lora_id: int
-    lora_rank: int  # r
+    lora_rank: int  # r (the largest of any module, with a rank_pattern)
     scale: float  # lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA
     target_modules: tuple[str, ...]  # in TARGET_MODULES order
-    # (layer, HF module) -> (A (r, in of this rank), B (out of this rank, r)): host tensors in the model dtype
+    # (layer, HF module) -> (A (r, in of this rank), B (out of this rank, r)): host tensors in the model dtype; an MoE
+    # layer's MLP modules stacked over experts: (experts, r, in of this rank), (experts, out of this rank, r). A
+    # module whose rank or alpha a pattern sets has its own r, and its scale over `scale` folded into B.
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
     @property
@@ -55,10 +59,16 @@ class LoRAAdapter:
 
 @dataclass(frozen=True)
 class _Config:
-    lora_rank: int
-    scale: float
-    target_modules: tuple[str, ...]
+    parsed: AdapterConfig
     layers: tuple[int, ...]  # layers that must carry weights for every target
+
+    @property
+    def lora_rank(self) -> int:
+        return self.parsed.max_rank
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        return self.parsed.target_modules
 
 
 def load_adapter(
@@ -114,19 +124,29 @@ def _build(
 ) -> LoRAAdapter:
     """Match the tensors (already in the pool's dtype, finite) to the config and the model, keep this rank's slice.
     `whole_shapes`: set when `tensors` are already this rank's slices; the whole tensors' shapes, checked instead."""
-    shapes = whole_shapes or {key: tuple(t.shape) for key, t in tensors.items()}
+    expert_tensors = {key: t for key, t in tensors.items() if is_expert_key(key)}
+    if expert_tensors and whole_shapes is not None:
+        raise AdapterLoadError("MoE expert adapters cannot be sent cut per rank (--nnodes > 1) yet")
+    shapes = whole_shapes or {key: tuple(t.shape) for key, t in tensors.items() if key not in expert_tensors}
     pairs = _match_tensors(shapes, config, model_config)
+    expert_pairs = match_expert_tensors(expert_tensors, config.parsed, model_config) if expert_tensors else {}
+    _check_complete(set(pairs) | set(expert_pairs), config, model_config)
     pin = pool_spec.device.type == "cuda" and torch.cuda.is_available()
     keep_tp = (0, 1) if whole_shapes is not None else (tp_rank, tp_size)  # (0, 1): keep all that came
     weights = {}
-    for (layer, module), (key_a, key_b) in pairs.items():
+    for (layer, module), (key_a, key_b, module_scale) in pairs.items():
         lora_a, lora_b = (_keep(key, tensors[key], *keep_tp) for key in (key_a, key_b))
+        if module_scale != config.parsed.scale:  # the pool holds one scale per slot: this module's is folded in
+            lora_b = lora_b * (module_scale / config.parsed.scale)
         host_b = _host_copy(lora_b, pin, tp_size, transposed=True)
         weights[(layer, module)] = (_host_copy(lora_a, pin, tp_size), host_b)
+    for (layer, module), (lora_a, lora_b) in expert_pairs.items():
+        lora_a, lora_b = _keep_experts(module, lora_a, lora_b, tp_rank, tp_size)
+        weights[(layer, module)] = (_host_copy(lora_a, pin, tp_size), _host_copy(lora_b, pin, tp_size, transposed=True))
     return LoRAAdapter(
         lora_id=lora_id,
         lora_rank=config.lora_rank,
-        scale=config.scale,
+        scale=config.parsed.scale,
         target_modules=config.target_modules,
         weights=weights,
     )
@@ -138,19 +158,14 @@ def _build(
 def _check_config(raw: Any, model_config: ModelConfig, pool_spec: PoolSpec) -> _Config:
     """The one parse (protocol/adapter_config.py), then what this server can hold."""
     config = parse_adapter_config(raw)
-    if config.r > pool_spec.max_lora_rank:
-        raise AdapterLoadError(f"rank {config.r} exceeds --max-lora-rank {pool_spec.max_lora_rank}")
+    if config.max_rank > pool_spec.max_lora_rank:
+        raise AdapterLoadError(f"rank {config.max_rank} exceeds --max-lora-rank {pool_spec.max_lora_rank}")
     for target in config.target_modules:
         if target not in pool_spec.target_modules:
             raise AdapterLoadError(
                 f"target module {target!r} is not in the LoRA pool ({', '.join(pool_spec.target_modules)})"
             )
-    return _Config(
-        lora_rank=config.r,
-        scale=config.scale,
-        target_modules=config.target_modules,
-        layers=_check_layers(config, model_config.num_layers),
-    )
+    return _Config(parsed=config, layers=_check_layers(config, model_config.num_layers))
 
 
 def _check_layers(config: AdapterConfig, num_layers: int) -> tuple[int, ...]:
@@ -289,11 +304,12 @@ def _check_finite(buffer: torch.Tensor, copies: dict[str, torch.Tensor], source_
 
 def _match_tensors(
     tensor_shapes: dict[str, tuple[int, ...]], config: _Config, model_config: ModelConfig
-) -> dict[tuple[int, str], tuple[str, str]]:
-    """Every tensor must be an A or B of a target module in a layer of the model, with the base model's shape;
-    every target must have both in every layer the config names. Returns the keys of each (layer, module)'s A and B."""
+) -> dict[tuple[int, str], tuple[str, str, float]]:
+    """Every tensor must be an A or B of a target module in a layer of the model, with the base model's shape (at the
+    module's rank: r, or its rank_pattern's). Returns the keys of each (layer, module)'s A and B, and its scale."""
     shapes = full_shapes(model_config)
     found: dict[tuple[int, str, str], str] = {}
+    ranks: dict[tuple[int, str], tuple[int, float]] = {}
     for key, shape in tensor_shapes.items():
         parsed = parse_lora_key(key)
         if parsed is None:
@@ -307,30 +323,48 @@ def _match_tensors(
             raise AdapterLoadError(
                 f"tensor {key!r}: layer {layer} is out of range (the base model has {model_config.num_layers} layers)"
             )
+        if is_expert_module(model_config, layer, module):
+            raise AdapterLoadError(f"tensor {key!r}: layer {layer}'s MLP is a mixture of experts; no expert is named")
+        r, alpha = config.parsed.module_rank_alpha(_module_name(key))
         in_features, out_features = shapes[module]
-        expected = (config.lora_rank, in_features) if which == "A" else (out_features, config.lora_rank)
+        expected = (r, in_features) if which == "A" else (out_features, r)
         if shape != expected:
             raise AdapterLoadError(
                 f"shape mismatch with the base model: tensor {key!r} has shape {shape}, "
-                f"expected {expected} (r={config.lora_rank}, {module} is {in_features} -> {out_features})"
+                f"expected {expected} (r={r}, {module} is {in_features} -> {out_features})"
             )
         if (layer, module, which) in found:
             raise AdapterLoadError(f"tensor {key!r}: layer {layer} {module} lora_{which} appears twice")
         found[(layer, module, which)] = key
+        ranks[(layer, module)] = (r, alpha)
     pairs = {}
-    for layer in config.layers:
-        for module in config.target_modules:
-            for which in "AB":
-                if (layer, module, which) not in found:
-                    raise AdapterLoadError(f"missing lora_{which} weight for layers.{layer}.{module}")
     for layer, module, which in found:
         if which == "A":
             if (layer, module, "B") not in found:
                 raise AdapterLoadError(f"missing lora_B weight for layers.{layer}.{module}")
-            pairs[(layer, module)] = (found[(layer, module, "A")], found[(layer, module, "B")])
+            r, alpha = ranks[(layer, module)]
+            scale = config.parsed.module_scale(r, alpha)
+            pairs[(layer, module)] = (found[(layer, module, "A")], found[(layer, module, "B")], scale)
         elif (layer, module, "A") not in found:
             raise AdapterLoadError(f"missing lora_A weight for layers.{layer}.{module}")
     return pairs
+
+
+def _module_name(key: str) -> str:
+    """The module's name as PEFT matches rank/alpha patterns against it: model.layers.0.self_attn.q_proj."""
+    return re.sub(r"\.lora_[AB](\.\w+)?\.weight$", "", key).removeprefix("base_model.model.")
+
+
+def _check_complete(pairs: set[tuple[int, str]], config: _Config, model_config: ModelConfig) -> None:
+    """Every target in every layer the config names has weights; but in an MoE model a dense layer's MLP may go
+    without (PEFT converts a per-expert adapter to the stacked experts, where it no longer reaches them)."""
+    for layer in config.layers:
+        for module in config.target_modules:
+            expert = is_expert_module(model_config, layer, module)
+            optional = model_config.moe is not None and module in MLP_MODULES and not expert
+            if (layer, module) not in pairs and not optional:
+                name = f"experts.{module}" if expert else module
+                raise AdapterLoadError(f"missing lora_A weight for layers.{layer}.{name}")
 
 
 def _keep(key: str, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -339,10 +373,24 @@ def _keep(key: str, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.T
     return tensor if cut is None else tensor.narrow(*cut)
 
 
+def _keep_experts(
+    module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, tp_rank: int, tp_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slices of stacked expert A (experts, r, in) and B (experts, out, r): each expert is cut as the
+    dense module is (column: B's rows; row: A's columns)."""
+    if tp_size == 1:
+        return lora_a, lora_b
+    if TP_MODES[module] == "column":
+        rows = lora_b.shape[1] // tp_size
+        return lora_a, lora_b.narrow(1, tp_rank * rows, rows)
+    cols = lora_a.shape[2] // tp_size
+    return lora_a.narrow(2, tp_rank * cols, cols), lora_b
+
+
 def _host_copy(t: torch.Tensor, pin: bool, tp_size: int, transposed: bool = False) -> torch.Tensor:
     if pin:
         if transposed:  # B (out, r) laid out as Bᵀ (r, out), as the pool holds it: its upload is one pinned source
-            return t.T.contiguous().pin_memory().T  # a copy
+            return t.mT.contiguous().pin_memory().mT  # a copy
         return t.contiguous().pin_memory()  # a copy
     # Under TP, a copy of each shard, so that the buffer holding the whole adapter is freed; at TP=1 the views of
     # that buffer are the host copy.

@@ -6,6 +6,7 @@ and do their products through the worker's one LoRA backend (kernels/backend.py)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,8 @@ class LoRABatchInfo:
     # Fused linears (FusedLinear.name) that some segment's adapter targets; the others skip LoRA entirely,
     # so a base-only batch costs one set lookup per linear. Decided on the host: identical on every TP rank.
     active: frozenset[str] = field(default_factory=frozenset)
+    # the segments on the host, (seg_indptr, seg_slots): an MoE layer regroups its rows by them (worker/lora/experts.py)
+    host_segments: tuple[Sequence[int], Sequence[int]] = ((0,), ())
 
 
 class LoRALinear(nn.Module):

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -19,6 +19,41 @@ class RopeConfig:
     theta: float
     rope_type: str = "default"
     params: dict[str, Any] = field(default_factory=dict)  # scaling parameters of rope_type, as in the HF config
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts fields of a config.json (Mixtral, OLMoE, Qwen3-MoE)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # of each expert
+    renormalize: bool  # the top-k weights rescaled to sum to 1 (Mixtral always; OLMoE/Qwen3-MoE: norm_topk_prob)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of ModelConfig.intermediate_size instead
+
+    @classmethod
+    def from_dict(cls, hf: dict[str, Any], model_type: str) -> MoEConfig | None:
+        if model_type not in _MOE_MODEL_TYPES:
+            return None
+        num_experts = hf.get("num_local_experts") or hf.get("num_experts")
+        num_layers = hf["num_hidden_layers"]
+        dense_layers: tuple[int, ...] = ()
+        if model_type == "qwen3_moe":  # Qwen3MoeDecoderLayer's rule
+            step = hf.get("decoder_sparse_step", 1) or 1
+            only = set(hf.get("mlp_only_layers") or ())
+            dense_layers = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+        if model_type == "olmoe" and hf.get("clip_qkv") is not None:
+            raise ModelConfigError(f"OLMoE with clip_qkv={hf['clip_qkv']} is not supported")
+        return cls(
+            num_experts=num_experts,
+            top_k=hf["num_experts_per_tok"],
+            intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
+            renormalize=model_type == "mixtral" or bool(hf.get("norm_topk_prob", False)),
+            dense_layers=dense_layers,
+        )
+
+
+_MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -43,6 +78,7 @@ class ModelConfig:
     sliding_window: int | None  # None = every layer attends to the whole context
     checkpoint_dtype: str | None
     initializer_range: float = 0.02  # std of HF's weight init (--load-format dummy draws with it)
+    moe: MoEConfig | None = None  # None: a dense model
 
     @property
     def max_context_length(self) -> int:
@@ -95,6 +131,7 @@ class ModelConfig:
             sliding_window=_read_sliding_window(hf, model_type),
             checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
             initializer_range=hf.get("initializer_range", 0.02),
+            moe=MoEConfig.from_dict(hf, model_type),
         )
 
 
@@ -137,7 +174,7 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 
 
 def _read_sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
-    # Qwen2 and Qwen3 record a window they do not use
-    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    # Qwen2, Qwen3 and Qwen3-MoE record a window they do not use
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
         return None
     return hf.get("sliding_window") or None

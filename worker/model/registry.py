@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model.llama import LlamaForCausalLM
+from loraplex.worker.model.mixtral import MixtralForCausalLM
+from loraplex.worker.model.olmoe import OlmoeForCausalLM
 from loraplex.worker.model.qwen3 import Qwen3ForCausalLM
+from loraplex.worker.model.qwen3_moe import Qwen3MoeForCausalLM
 from torch import nn
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -12,6 +15,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "olmoe": OlmoeForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
 
