@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from loraplex.worker.model.config import ModelConfig
+from loraplex.worker.model.gemma2 import Gemma2ForCausalLM
+from loraplex.worker.model.gemma3 import Gemma3ForCausalLM
 from loraplex.worker.model.llama import LlamaForCausalLM
 from torch import nn
 
@@ -10,6 +12,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,  # the language model of the multimodal checkpoint
 }
 
 
