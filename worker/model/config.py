@@ -176,7 +176,7 @@ def _read_layer_windows(hf: dict[str, Any], model_type: str, window: int | None)
             pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
             layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
         elif model_type == "qwen2":  # the layers from max_window_layers on
-            first = hf.get("max_window_layers", num_layers)
+            first = hf.get("max_window_layers", 28)  # Qwen2Config's default
             layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
         else:
             layer_types = ["sliding_attention"] * num_layers
