@@ -157,3 +157,21 @@ def test_base_and_two_adapters_in_one_batch_match_peft(gemma_dirs: dict[str, Pat
                                for adapter in (None, str(adapters[name])))  # fmt: skip
             assert (tuned - base).abs().max() > 0.1, name
     assert compared >= steps * len(prompts) // 2
+
+
+def test_multimodal_gemma3_checkpoint_serves_its_language_model(gemma_dirs: dict[str, Path], tmp_path: Path) -> None:
+    # A `gemma3` checkpoint as transformers 4 saves it: the text model under language_model.*, a vision tower beside.
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    text_dir = gemma_dirs["gemma3_text"]
+    tensors = {f"language_model.{name}": t for name, t in load_file(text_dir / "model.safetensors").items()}
+    tensors["vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(4, 3, 2, 2)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    text_config = json.loads((text_dir / "config.json").read_text())
+    config = {"model_type": "gemma3", "text_config": text_config, "vision_config": {"hidden_size": 8}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    [prompt] = random_prompts([LONG], 256, seed=9)
+    ours = prefill_logits(make_runner(tmp_path), prompt)
+    assert torch.equal(ours, prefill_logits(make_runner(text_dir), prompt))
