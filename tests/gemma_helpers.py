@@ -26,28 +26,30 @@ TINY_GEMMA = dict(
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
 
 
-def gemma_config(family: str):
+def gemma_config(family: str, **overrides):
     """The transformers config of a tiny `family` ("gemma2" or "gemma3_text") model."""
     from transformers import Gemma2Config, Gemma3TextConfig  # here: the TP test's ranks import this module
 
+    fields = {**TINY_GEMMA, **overrides}
     if family == "gemma2":
         # Small caps, so the soft-capping changes the scores and logits of these random weights.
-        return Gemma2Config(**TINY_GEMMA, layer_types=LAYER_TYPES, attn_logit_softcapping=2.0,
+        return Gemma2Config(**fields, layer_types=LAYER_TYPES, attn_logit_softcapping=2.0,
                             final_logit_softcapping=8.0)  # fmt: skip
     if family == "gemma3_text":
         rope = {
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         }
-        return Gemma3TextConfig(**TINY_GEMMA, layer_types=LAYER_TYPES, rope_parameters=rope)
+        return Gemma3TextConfig(**fields, layer_types=LAYER_TYPES, rope_parameters=rope)
     raise ValueError(f"unknown Gemma family {family!r}")
 
 
-def build_tiny_gemma(out_dir: Path | str, family: str, seed: int = 0) -> None:
-    """Random non-zero weights, norms included (their `1 + w` is then not 1), saved as a safetensors checkpoint."""
+def build_tiny_gemma(out_dir: Path | str, family: str, seed: int = 0, **overrides) -> None:
+    """Random non-zero weights, norms included (their `1 + w` is then not 1), saved as a safetensors checkpoint;
+    `overrides`: config fields (a vocab_size to match a tokenizer)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(gemma_config(family), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(gemma_config(family, **overrides), dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
