@@ -390,6 +390,9 @@ class WorkerReady(Struct, frozen=True):
     max_lora_rank: int = 0
     lora_target_modules: list[str] = []
     device_type: str = "cpu"  # "cpu" or "cuda": picks defaults that depend on the device
+    # The most tokens any layer's query attends to when every layer has a sliding window (ModelConfig's); None = some
+    # layer attends to the whole context. The scheduler gives back pages behind it.
+    attention_window: int | None = None
 
 
 class Shutdown(Struct, frozen=True):

@@ -88,6 +88,7 @@ class Worker:
                 vocab_size=self.runner.vocab_size,
                 max_lora_rank=lora.spec.max_lora_rank if lora else 0,
                 lora_target_modules=list(lora.spec.target_modules) if lora else [],
+                attention_window=self.runner.model_config.attention_window,
             )
         )
         while True:

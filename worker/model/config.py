@@ -59,6 +59,14 @@ class ModelConfig:
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    @property
+    def attention_window(self) -> int | None:
+        """The most tokens any layer's query attends to, when every layer has a sliding window; None = some layer
+        attends to the whole context (keys older than every window can then never be dropped)."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(self.layer_windows)
+
     def layer_window(self, layer_id: int) -> int | None:
         return self.layer_windows[layer_id] if self.layer_windows else None
 
