@@ -399,6 +399,9 @@ class WorkerReady(Struct, frozen=True):
     device_type: str = "cpu"  # "cpu" or "cuda": picks defaults that depend on the device
     model_type: str = ""  # the HF model_type this rank runs
     num_hidden_layers: int = 0  # after --hf-overrides
+    # The most tokens any layer's query attends to when every layer has a sliding window (ModelConfig's); None = some
+    # layer attends to the whole context. The scheduler gives back pages behind it.
+    attention_window: int | None = None
 
 
 class Shutdown(Struct, frozen=True):

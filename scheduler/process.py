@@ -116,6 +116,7 @@ class SchedulerProcess:
             context_length=context_length,
             num_ranks=len(ready),
             chunked_prefill_size=self.config.chunked_prefill_tokens(first.device_type),
+            attention_window=first.attention_window,  # one model on every rank
         )
         self.to_frontend.send(
             SchedulerReady(

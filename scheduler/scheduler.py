@@ -11,6 +11,9 @@ lowest priority's first under --scheduling-policy priority): their pages go back
 recomputed when they run again (sampling is stateless given the seed and the output count, so their outputs are the
 same). Full pages whose keys and values are written
 are offered to the prefix cache, keyed by adapter; a new request starts from the longest cached prefix it matches.
+When every layer of the model attends only within a sliding window (`attention_window`, from the workers' ready
+report), a request gives back its pages wholly behind the window of its next query, as soon as their tokens are
+written (a cached one stays cached, unused by it); its page table keeps FREED_PAGE in their place.
 
 Overlap: up to two passes are in flight, so the workers start the next one the moment they finish one, and this
 process schedules and processes results meanwhile. A decoding request in the newer pass reads the token the older
@@ -55,7 +58,7 @@ from loraplex.scheduler.admission_order import AdmissionOrder
 from loraplex.scheduler.batch_policy import BatchPolicy
 from loraplex.scheduler.page_allocator import PageAllocator
 from loraplex.scheduler.prefix_cache import BASE_NAMESPACE, PrefixCache, page_keys
-from loraplex.scheduler.request import Request, RequestStatus
+from loraplex.scheduler.request import FREED_PAGE, Request, RequestStatus
 from loraplex.scheduler.slot_planner import SlotError, SlotPlanner
 
 log = logging.getLogger(__name__)
@@ -81,8 +84,12 @@ class Scheduler:
         context_length: int,
         num_ranks: int = 1,
         chunked_prefill_size: int = 512,
+        attention_window: int | None = None,
     ):
+        """attention_window: the most tokens a query of any layer attends to (its own included); None = some layer
+        attends to the whole context, and no page is given back before its request ends."""
         self.config = config
+        self.attention_window = attention_window
         self.page_size = config.page_size
         self.context_length = context_length
         self.pages = PageAllocator(num_pages)
@@ -279,8 +286,8 @@ class Scheduler:
 
     def _let_go(self, req: Request) -> None:
         """A running request gives back its pages (cached ones stay cached) and its slot hold."""
-        self.cache.release(req.page_ids)
-        req.page_ids = []
+        self.cache.release(req.live_page_ids)
+        req.page_ids, req.num_freed_pages = [], 0
         if req.lora_id is not None:
             self.slots.release(req.lora_id)
 
@@ -381,6 +388,7 @@ class Scheduler:
             else:
                 req.num_cached_tokens += num_new  # the pass wrote the KV of every token it was given
                 self._offer_pages(req)
+                self._free_behind_window(req)
                 prompt_logprobs = result.prompt_logprobs[i] if i < len(result.prompt_logprobs) else []
                 req.prompt_logprob_next += len(prompt_logprobs)
                 if samples and req.sampling.max_new_tokens == 0:  # it ran for its prompt logprobs only
@@ -404,6 +412,20 @@ class Scheduler:
             keys[first:num_full], req.page_ids[first:num_full], self._namespace(req)
         )
         req.num_offered_pages = num_full
+
+    def _free_behind_window(self, req: Request) -> None:
+        """Pages wholly behind every layer's window go back. The next query of any pass (in flight or to come) is at
+        position num_cached_tokens or later, and sees no key before num_cached_tokens - window + 1; a pass in flight
+        that still lists a freed page runs before any pass of the page's next owner writes it."""
+        if self.attention_window is None:
+            return
+        num_behind = max(0, req.num_cached_tokens - self.attention_window + 1) // self.page_size
+        first = req.num_freed_pages
+        if num_behind <= first:
+            return
+        self.cache.release(req.page_ids[first:num_behind])  # already offered: _offer_pages ran first
+        req.page_ids[first:num_behind] = [FREED_PAGE] * (num_behind - first)
+        req.num_freed_pages = num_behind
 
     def _append_token(self, req: Request, token_id: int, logprob: TokenLogprob | None = None,
                       prompt_logprobs: list[TokenLogprob] | None = None) -> TokenDelta:

@@ -78,8 +78,18 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return files
 
 
+def renamed(hf_name: str, prefixes: tuple[tuple[str, str | None], ...]) -> str | None:
+    """The checkpoint name under a model's `checkpoint_prefixes` (the first that matches), None = not loaded."""
+    for prefix, ours in prefixes:
+        if hf_name.startswith(prefix):
+            return None if ours is None else ours + hf_name[len(prefix) :]
+    return hf_name
+
+
 def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True) -> None:
-    """show_progress: report tensors loaded (a bar on a terminal, else log lines); one rank of several says it."""
+    """show_progress: report tensors loaded (a bar on a terminal, else log lines); one rank of several says it.
+    A model class may list `checkpoint_prefixes` ((checkpoint prefix, ours or None to skip), ...)."""
+    prefixes = getattr(model, "checkpoint_prefixes", ())
     params = dict(model.named_parameters())  # a tied weight appears once, under its first name
     aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(params)
     shards: dict[str, list] = {}  # a parameter loaded in pieces -> the pieces' shard ids
@@ -100,9 +110,10 @@ def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True
             with safe_open(path, framework="pt", device="cpu") as f:
                 for hf_name in f.keys():
                     progress.update()
-                    if hf_name.endswith(IGNORED_SUFFIXES):
+                    local_name = renamed(hf_name, prefixes)
+                    if local_name is None or hf_name.endswith(IGNORED_SUFFIXES):
                         continue
-                    name, slice_id = map_hf_name(hf_name)
+                    name, slice_id = map_hf_name(local_name)
                     if name in aliases:
                         continue  # a tied weight: loaded under the name it is shared with
                     if name not in params:

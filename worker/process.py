@@ -90,6 +90,7 @@ class Worker:
                 lora_target_modules=list(lora.spec.target_modules) if lora else [],
                 model_type=self.runner.model_config.model_type,
                 num_hidden_layers=self.runner.model_config.num_layers,
+                attention_window=self.runner.model_config.attention_window,
             )
         )
         while True:

@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 from loraplex.protocol.structs import ForwardBatch, ForwardReq, SamplingParams
-from loraplex.worker.model_runner import ModelRunner
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from scripts.demo.builders import build_tiny_model
 from tests.worker_helpers import (
     GREEDY,
-    NUM_PAGES,
-    PAGE_SIZE,
+    Seq,
     build_llama_variant,
     decode,
     make_runner,
     prefill_logits,
     random_prompts,
+    run_greedy_schedule,
 )
 
 
@@ -117,50 +114,6 @@ def test_qwen2_checkpoint_has_nonzero_qkv_bias(qwen2_dir: Path) -> None:
 
 
 # ---- paged decoding ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Seq:
-    prompt: list[int]
-    prefill_chunk: int  # prompt tokens per step while prefilling
-    page_ids: list[int] = field(default_factory=list)
-    num_cached: int = 0
-    output: list[int] = field(default_factory=list)
-
-    def next_input(self) -> list[int]:
-        if self.num_cached < len(self.prompt):
-            return self.prompt[self.num_cached : self.num_cached + self.prefill_chunk]
-        return self.output[-1:]
-
-
-def run_greedy_schedule(
-    runner: ModelRunner, seqs: list[Seq], start_steps: list[int], max_new_tokens: int, seed: int = 0
-) -> list[list[int]]:
-    """A miniature scheduler: scattered pages handed out as sequences grow, requests joining mid-run."""
-    free_pages = list(range(NUM_PAGES))
-    random.Random(seed).shuffle(free_pages)
-    step = 0
-    while any(len(s.output) < max_new_tokens for s in seqs):
-        active = [
-            s for s, start in zip(seqs, start_steps, strict=True) if start <= step and len(s.output) < max_new_tokens
-        ]
-        reqs = []
-        for s in active:
-            input_ids = s.next_input()
-            while len(s.page_ids) * PAGE_SIZE < s.num_cached + len(input_ids):
-                s.page_ids.append(free_pages.pop())
-            reqs.append(
-                ForwardReq(
-                    input_ids=input_ids, num_cached_tokens=s.num_cached, page_ids=list(s.page_ids), sampling=GREEDY
-                )
-            )
-        next_tokens = runner.forward(ForwardBatch(batch_id=step, reqs=reqs))
-        for s, req, token in zip(active, reqs, next_tokens, strict=True):
-            s.num_cached += len(req.input_ids)
-            if s.num_cached >= len(s.prompt):  # a token sampled mid-prompt (chunked prefill) is discarded
-                s.output.append(token)
-        step += 1
-    return [s.output for s in seqs]
 
 
 def hf_greedy(hf: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:

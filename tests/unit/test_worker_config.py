@@ -45,8 +45,11 @@ def test_model_specific_fields() -> None:
     assert ModelConfig.from_dict({**BASE, "head_dim": 32}).head_dim == 32
     qwen2 = ModelConfig.from_dict({**BASE, "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False})
     assert qwen2.qkv_bias and not qwen2.o_bias and qwen2.max_context_length == 2048
+    assert qwen2.layer_windows == ()
     mistral = ModelConfig.from_dict({**BASE, "model_type": "mistral", "sliding_window": 1024})
-    assert mistral.max_context_length == 1024  # sliding window not implemented: capped where it changes nothing
+    assert mistral.max_context_length == 2048 and mistral.layer_windows == (1024, 1024)  # every layer windowed
+    qwen2_windowed = {**BASE, "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}
+    assert ModelConfig.from_dict({**qwen2_windowed, "max_window_layers": 1}).layer_windows == (None, 64)
     biased = ModelConfig.from_dict({**BASE, "attention_bias": True, "mlp_bias": True})
     assert biased.qkv_bias and biased.o_bias and biased.mlp_bias
     qwen3 = ModelConfig.from_dict({**BASE, "model_type": "qwen3", "head_dim": 32, "sliding_window": 4096,

@@ -10,6 +10,7 @@ import torch
 from loraplex.worker.kv_cache import KVCache
 from loraplex.worker.layers.activation import SiluAndMul
 from loraplex.worker.layers.attention import BatchAttention, paged_attention
+from loraplex.worker.layers.attention_spec import LayerAttention
 from loraplex.worker.layers.embedding import Embedding, LMHead
 from loraplex.worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from loraplex.worker.layers.norm import RMSNorm
@@ -18,14 +19,22 @@ from loraplex.worker.model.config import ModelConfig
 from torch import nn
 
 
+def layer_attention(config: ModelConfig, layer_id: int) -> LayerAttention:
+    """Layer `layer_id`'s softmax scale, sliding window and logit cap, as the config sets them."""
+    return LayerAttention(
+        scale=config.attention_scale, sliding_window=config.layer_window(layer_id), logit_cap=config.attn_logit_softcap
+    )
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer: LayerAttention):
         super().__init__()
         self.head_dim = config.head_dim
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.qkv_proj = MergedColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=config.qkv_bias)
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=config.o_bias)
         self.rotary = rotary
+        self.layer = layer
 
     def forward(
         self,
@@ -40,12 +49,13 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, -1, self.head_dim)  # (tokens, heads, head_dim)
         k = k.view(num_tokens, -1, self.head_dim)  # (tokens, kv_heads, head_dim)
         v = v.view(num_tokens, -1, self.head_dim)
-        q, k = self.rotary(positions, *self.norm_qk(q, k))
-        out = paged_attention(q, k, v, kv[0], kv[1], attention)  # (tokens, heads, head_dim)
+        q, k = self.norm_qk(q, k)
+        q, k = self.rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv[0], kv[1], attention, self.layer)  # (tokens, heads, head_dim)
         return self.o_proj(out.reshape(num_tokens, -1))  # (tokens, hidden)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k before rotary: as projected here; families with per-head q/k norms override it."""
+        """Before rotary: nothing in Llama; a family with per-head q/k norms overrides it."""
         return q, k
 
 
@@ -66,10 +76,10 @@ class LlamaDecoderLayer(nn.Module):
     attention_cls: type[nn.Module] = LlamaAttention
     mlp_cls: type[nn.Module] = LlamaMLP
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_id: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = self.attention_cls(config, rotary)
+        self.self_attn = self.attention_cls(config, rotary, layer_attention(config, layer_id))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = self.mlp_cls(config)
 
@@ -99,7 +109,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
-        self.layers = nn.ModuleList(self.layer_cls(config, rotary) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_cls(config, rotary, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(

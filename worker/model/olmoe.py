@@ -4,6 +4,7 @@ sparse MoE block whose top-k weights are not renormalised (norm_topk_prob false 
 from __future__ import annotations
 
 import torch
+from loraplex.worker.layers.attention_spec import LayerAttention
 from loraplex.worker.layers.rotary import RotaryEmbedding
 from loraplex.worker.layers.sharded_norm import ShardedRMSNorm
 from loraplex.worker.model.config import ModelConfig
@@ -12,8 +13,8 @@ from loraplex.worker.model.mixtral import MoEMLP
 
 
 class OlmoeAttention(LlamaAttention):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
-        super().__init__(config, rotary)
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer: LayerAttention):
+        super().__init__(config, rotary, layer)
         # Over all heads of the projection, which TP splits: the norm sums its statistics over the ranks.
         self.q_norm = ShardedRMSNorm(config.num_heads * config.head_dim, config.rms_norm_eps)
         self.k_norm = ShardedRMSNorm(config.num_kv_heads * config.head_dim, config.rms_norm_eps)

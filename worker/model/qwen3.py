@@ -4,6 +4,7 @@ attention_bias), and head_dim from the config (q_size may differ from hidden).""
 from __future__ import annotations
 
 import torch
+from loraplex.worker.layers.attention_spec import LayerAttention
 from loraplex.worker.layers.norm import RMSNorm
 from loraplex.worker.layers.rotary import RotaryEmbedding
 from loraplex.worker.model.config import ModelConfig
@@ -11,8 +12,8 @@ from loraplex.worker.model.llama import LlamaAttention, LlamaDecoderLayer, Llama
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
-        super().__init__(config, rotary)
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer: LayerAttention):
+        super().__init__(config, rotary, layer)
         # One weight of head_dim each, shared by every head (so replicated, not sharded, under TP).
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from loraplex.worker.model.config import ModelConfig
+from loraplex.worker.model.gemma2 import Gemma2ForCausalLM
+from loraplex.worker.model.gemma3 import Gemma3ForCausalLM
 from loraplex.worker.model.llama import LlamaForCausalLM
 from loraplex.worker.model.mixtral import MixtralForCausalLM
 from loraplex.worker.model.olmoe import OlmoeForCausalLM
@@ -18,6 +20,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "mixtral": MixtralForCausalLM,
     "olmoe": OlmoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,  # the language model of the multimodal checkpoint
 }
 
 
