@@ -26,6 +26,8 @@ class GemmaRMSNorm(nn.Module):
     before one rounding (Llama's rounds x first). That rounding is the fused kernels' Llama one, so this runs as torch
     ops on every device."""
 
+    identity_weight = 0.0  # the stored weight that scales by one (--load-format dummy fills norms with it)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
