@@ -127,8 +127,10 @@ class FrameSocket:
                 raise PeerGone(frames[0].hex()) from e
             raise
 
-    async def recv(self) -> list[bytes]:
-        return await self.sock.recv_multipart()
+    async def recv(self) -> tuple[list[bytes], str]:
+        """(the frames, the sender's address: its IP on TCP)."""
+        frames = await self.sock.recv_multipart(copy=False)
+        return [frame.bytes for frame in frames], frames[0].get("Peer-Address")
 
     def close(self) -> None:
         self.sock.close(linger=0)

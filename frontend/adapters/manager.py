@@ -17,6 +17,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import msgspec
+from loraplex.frontend.adapters.audit import SERVER, AuditLog, Caller
 from loraplex.frontend.adapters.files import cut_per_rank, read_adapter_dir
 from loraplex.frontend.adapters.integrity import AdapterIntegrity
 from loraplex.frontend.adapters.registry import AdapterEntry, AdapterError, AdapterRegistry
@@ -56,6 +57,7 @@ class AdapterManager:
         metrics: Metrics,
         replicas: ReplicaSet,
         state_file: AdapterStateFile | None = None,
+        audit: AuditLog | None = None,
     ):
         self.config = config
         self.registry = registry
@@ -65,27 +67,36 @@ class AdapterManager:
         self.cache = cache_for(config.lora_cache_dir, config.lora_cache_max_gb)  # Hub and S3 adapters land here
         registry.allow_cache(self.cache.root)
         self.integrity = AdapterIntegrity(config)
+        self.audit = audit or AuditLog(None)
         self.updates_refusal: tuple[str, str] | None = None  # (message, kind) once updates are closed after start-up
         self._retiring: set[asyncio.Task] = set()
 
     # ---- the public operations ---------------------------------------------------------------------------
 
     async def load(self, specs: list[LoRAAdapterSpec], load_inplace: bool = False,
-                   parents: dict[str, str] | None = None) -> LoadLoRAAdapterReqOutput:
+                   parents: dict[str, str] | None = None, caller: Caller = SERVER) -> LoadLoRAAdapterReqOutput:
         """Adapters from directories, Hub repos or S3 prefixes. `parents`: name -> the card's parent in /v1/models
         (--lora-modules' base_model_name; default the served base name)."""
-        return await self._load(specs, [None] * len(specs), [], load_inplace, parents or {})
+        names, paths = [s.lora_name for s in specs], [s.lora_path for s in specs]
+        with self.audit.operation("reload" if load_inplace else "load", names, paths, caller) as op:
+            out = await self._load(specs, [None] * len(specs), [], load_inplace, parents or {})
+            op.set_outcome(out.results)
+            return out
 
-    async def load_from_tensors(self, request: LoadLoRAAdapterFromTensorsReqInput,
-                                buffers: list) -> LoadLoRAAdapterReqOutput:
+    async def load_from_tensors(self, request: LoadLoRAAdapterFromTensorsReqInput, buffers: list,
+                                caller: Caller = SERVER) -> LoadLoRAAdapterReqOutput:
         """An adapter from tensors in memory: `buffers` hold the bytes of `request.tensors`, in order. It has no
         path, so it is never written to the state file and never evicted (it could not be reloaded)."""
-        if len(buffers) != len(request.tensors):
-            raise ServerError(f"{len(buffers)} tensor buffers for {len(request.tensors)} tensors", "invalid")
-        # lora_path is never read for an inline adapter: plan_load checks no path for it
-        spec = LoRAAdapterSpec(lora_name=request.lora_name, lora_path="", pinned=request.pinned)
-        inline = InlineAdapter(config=request.config_dict, tensors=request.tensors)
-        return await self._load([spec], [inline], buffers, request.load_inplace, {})
+        op_name = "reload" if request.load_inplace else "load"
+        with self.audit.operation(op_name, [request.lora_name], [None], caller) as op:
+            if len(buffers) != len(request.tensors):
+                raise ServerError(f"{len(buffers)} tensor buffers for {len(request.tensors)} tensors", "invalid")
+            # lora_path is never read for an inline adapter: plan_load checks no path for it
+            spec = LoRAAdapterSpec(lora_name=request.lora_name, lora_path="", pinned=request.pinned)
+            inline = InlineAdapter(config=request.config_dict, tensors=request.tensors)
+            out = await self._load([spec], [inline], buffers, request.load_inplace, {})
+            op.set_outcome(out.results)
+            return out
 
     async def _load(self, specs: list[LoRAAdapterSpec], inline: list[InlineAdapter | None], buffers: list,
                     load_inplace: bool, parents: dict[str, str]) -> LoadLoRAAdapterReqOutput:
@@ -142,7 +153,14 @@ class AdapterManager:
             return path
         return await asyncio.get_running_loop().run_in_executor(None, self.cache.fetch, source)
 
-    async def unload(self, names: list[str]) -> UnloadLoRAAdapterReqOutput:
+    async def unload(self, names: list[str], caller: Caller = SERVER) -> UnloadLoRAAdapterReqOutput:
+        paths = [entry.path if (entry := self.registry.get(name)) is not None else None for name in names]
+        with self.audit.operation("unload", names, paths, caller) as op:
+            out = await self._unload(names)
+            op.set_outcome(out.results)
+            return out
+
+    async def _unload(self, names: list[str]) -> UnloadLoRAAdapterReqOutput:
         self._check_updates_open()
         results: list[LoRAAdapterResult | None] = [None] * len(names)
         draining: list[tuple[int, AdapterEntry]] = []
@@ -205,9 +223,11 @@ class AdapterManager:
             entry = self.registry.get(name)  # another request may have done it meanwhile, or an unload removed it
             if entry is None:
                 if self.config.lora_resolver_dir:
-                    await self._resolve(name, {name, *batch})
+                    with self.audit.operation("resolve", [name], [self.config.lora_resolver_dir], SERVER):
+                        await self._resolve(name, {name, *batch})
             elif not entry.resident and not entry.draining:
-                await self._reload(entry, {name, *batch})
+                with self.audit.operation("reload", [name], [entry.path], SERVER):
+                    await self._reload(entry, {name, *batch})
 
     # ---- start-up -------------------------------------------------------------------------------------------
 
@@ -399,10 +419,12 @@ class AdapterManager:
         try:
             await self._drop_ids([e.lora_id for e in victims])
         except ServerError as e:  # the copies are forgotten here either way; the drop reaches a late scheduler later
+            self.audit.record("evict", [v.name for v in victims], [v.path for v in victims], SERVER, e.kind)
             for entry in victims:
                 self.metrics.on_adapter_op("evict", False)
                 logger.error("evict adapter %s host copy: drop failed: %s", entry.name, e)
             return
+        self.audit.record("evict", [v.name for v in victims], [v.path for v in victims], SERVER, "ok")
         for entry in victims:
             self.metrics.on_adapter_op("evict", True)
             logger.info("evict adapter %s host copy (least recently used, --max-loaded-loras %d)", entry.name,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 from loraplex.frontend.entrypoints.http_utils import (
+    caller_of,
     error_response,
     health_response,
     json_response,
@@ -199,7 +200,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         specs = [LoRAAdapterSpec(lora_name=body.lora_name, lora_path=body.lora_path, pinned=body.pinned)]
     runtime = runtime_of(request)
     runtime.check_available()
-    out = await runtime.adapters.load(specs)
+    out = await runtime.adapters.load(specs, caller=caller_of(request))
     return adapter_reply(out, body.adapters is not None)
 
 
@@ -213,8 +214,14 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
         raise InputError("'lora_names' is empty")
     runtime = runtime_of(request)
     runtime.check_available()
-    out = await runtime.adapters.unload(names)
+    out = await runtime.adapters.unload(names, caller=caller_of(request))
     return adapter_reply(out, body.lora_names is not None)
+
+
+@routes.get("/audit_log")
+async def audit_log(request: web.Request) -> web.Response:
+    """The last adapter operations and refusals, oldest first (the console shows them; --audit-log has them all)."""
+    return json_response({"entries": list(runtime_of(request).audit.recent)})
 
 
 @routes.get("/lora_adapters")
