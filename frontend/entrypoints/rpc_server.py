@@ -16,6 +16,7 @@ from loraplex.frontend.params import NativeGenerateRequest, convert
 from loraplex.frontend.request_state import RequestState
 from loraplex.frontend.runtime import Runtime
 from loraplex.protocol import rpc
+from loraplex.protocol.curve import ClusterKey
 from loraplex.protocol.errors import ServerError
 from loraplex.protocol.sockets import ROUTER, FrameSocket, PeerGone
 from loraplex.protocol.structs import (
@@ -38,7 +39,8 @@ class RpcServer:
         self.runtime = runtime
         self.service = GenerateService(runtime)
         self.addr = addr
-        self.sock = FrameSocket(ROUTER, addr, bind=True)
+        # a TCP address beyond loopback has the cluster key (config): CURVE, and only its holders get through
+        self.sock = FrameSocket(ROUTER, addr, bind=True, key=ClusterKey.of(runtime.config.cluster_key_file))
         self._task: asyncio.Task | None = None
         self._handlers: set[asyncio.Task] = set()
 
