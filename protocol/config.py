@@ -296,10 +296,6 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError("--lora-resolver-dir loads adapters at run time, which --disable-lora-updates forbids")
         if self.rpc_addr and not self.api_key and not is_loopback_address(self.rpc_addr):
             raise ConfigError(f"--rpc-addr {self.rpc_addr} is not loopback: set --api-key to open it")
-        needs_cluster_key = self.nnodes > 1 or (self.rpc_addr is not None and not is_loopback_address(self.rpc_addr))
-        if needs_cluster_key and not self.cluster_key_file:
-            why = "--nnodes > 1" if self.nnodes > 1 else f"--rpc-addr {self.rpc_addr} (not loopback)"
-            raise ConfigError(f"{why} needs --cluster-key-file PATH (write one with `loraplex keygen PATH`)")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
         if self.nnodes > 1 and not self.dist_init_addr:
@@ -310,6 +306,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise ConfigError(f"--dist-init-addr {self.dist_init_addr!r} is not HOST:PORT")
         if self.tp % self.nnodes:
             raise ConfigError(f"--tp {self.tp} is not divisible by --nnodes {self.nnodes}")
+        needs_cluster_key = self.nnodes > 1 or (self.rpc_addr is not None and not is_loopback_address(self.rpc_addr))
+        if needs_cluster_key and not self.cluster_key_file:
+            why = "--nnodes > 1" if self.nnodes > 1 else f"--rpc-addr {self.rpc_addr} (not loopback)"
+            raise ConfigError(f"{why} needs --cluster-key-file PATH (write one with `loraplex keygen PATH`)")
         if self.lora_target_modules is not None:
             for module in self.lora_target_modules:
                 if module != "all" and module not in TARGET_MODULES:

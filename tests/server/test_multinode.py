@@ -20,6 +20,7 @@ import requests
 import torch
 from loraplex.frontend.adapters.files import cut_per_rank, read_adapter_dir
 from loraplex.protocol.config import TARGET_MODULES, ConfigError, ServerConfig
+from loraplex.protocol.curve import write_key_file
 from loraplex.protocol.lora_shards import cut_shape
 from loraplex.protocol.structs import TENSOR_DTYPES, AdapterToLoad, LoadAdapters, TensorSpec, frames_of_rank
 from loraplex.worker.lora.adapter import AdapterLoadError, PoolSpec, adapter_from_tensors, load_adapter
@@ -86,8 +87,11 @@ class HeadlessNode:
 
 
 @pytest.fixture
-def two_nodes(llama_dir):
+def two_nodes(llama_dir, tmp_path):
+    write_key_file(str(tmp_path / "cluster.key"))  # CURVE between the nodes, as --nnodes > 1 requires
     flags = [
+        "--cluster-key-file",
+        str(tmp_path / "cluster.key"),
         "--model-path",
         str(llama_dir),
         "--tp",
@@ -175,7 +179,8 @@ def test_multinode_flags():
         ServerConfig(nnodes=2, tp=2)
     with pytest.raises(ConfigError, match="HOST:PORT"):
         ServerConfig(nnodes=2, tp=2, dist_init_addr="node0")
-    assert ServerConfig(nnodes=2, tp=2, node_rank=1, dist_init_addr="10.0.0.1:29500").node_rank == 1
+    config = ServerConfig(nnodes=2, tp=2, node_rank=1, dist_init_addr="10.0.0.1:29500", cluster_key_file="/k")
+    assert config.node_rank == 1
 
 
 def test_node0_reads_an_adapter_as_tensors_inside_the_root_only(adapter_dirs, tmp_path):

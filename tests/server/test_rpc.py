@@ -274,7 +274,7 @@ def test_config_refuses_open_rpc_addr_without_key(addr):
         config_from_args(["--rpc-addr", addr])
     with pytest.raises(ConfigError, match="--api-key"):  # --admin-api-key alone does not count
         config_from_args(["--rpc-addr", addr, "--admin-api-key", "a"])
-    assert config_from_args(["--rpc-addr", addr, "--api-key", "k"]).rpc_addr == addr
+    assert config_from_args(["--rpc-addr", addr, "--api-key", "k", "--cluster-key-file", "/k"]).rpc_addr == addr
 
 
 @pytest.mark.parametrize("addr", ["tcp://127.0.0.1:5555", "tcp://127.3.4.5:5555", "tcp://localhost:5555",
