@@ -20,7 +20,13 @@ from loraplex.frontend.errors import InputError
 from loraplex.frontend.generate import GenerationFailed
 from loraplex.frontend.metrics import combine_stats
 from loraplex.frontend.params import AdapterPath, NativeGenerateRequest, strip_native
-from loraplex.frontend.responses import AbortResponse, AdapterReply, AdapterResult, ModelInfoResponse
+from loraplex.frontend.responses import (
+    AbortResponse,
+    AdapterReply,
+    AdapterResult,
+    AuditLogResponse,
+    ModelInfoResponse,
+)
 from loraplex.frontend.runtime import Runtime
 from loraplex.protocol.errors import http_status
 from loraplex.protocol.structs import (
@@ -221,7 +227,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
 @routes.get("/audit_log")
 async def audit_log(request: web.Request) -> web.Response:
     """The last adapter operations and refusals, oldest first (the console shows them; --audit-log has them all)."""
-    return json_response({"entries": list(runtime_of(request).audit.recent)})
+    return json_response(AuditLogResponse(entries=list(runtime_of(request).audit.recent)))
 
 
 @routes.get("/lora_adapters")

@@ -174,6 +174,25 @@ def test_losing_node0_stops_node1_with_nonzero_exit(two_nodes):
     assert wait_until(lambda: not any(alive(pid) for pid in pids), 5), "node 1 left processes"
 
 
+def test_node_with_a_wrong_cluster_key_is_refused_and_logged(llama_dir, tmp_path):
+    """Node 1 holds another key: node 0's scheduler refuses its ranks' connections (and logs it), and node 1's ranks
+    refuse node 0's, so the server never starts serving; nothing crosses between them."""
+    keys = [str(tmp_path / "node0.key"), str(tmp_path / "node1.key")]
+    for key in keys:
+        write_key_file(key)
+    flags = ["--model-path", str(llama_dir), "--tp", "2", "--nnodes", "2", "--dist-init-addr",
+             f"127.0.0.1:{free_port()}", "--max-total-tokens", "2048", "--context-length", "512"]
+    node1 = HeadlessNode([*flags, "--cluster-key-file", keys[1]])
+    try:
+        with ServerProcess(*flags, "--cluster-key-file", keys[0], "--node-rank", "0", healthy=False) as node0:
+            assert node0.wait_log("CURVE handshake failed", 120), node0.log()
+            assert "refused" in node0.log() and node0.get("/health").status_code == 503
+        with open(node1.log_path) as log:
+            assert "CURVE handshake failed" in log.read()  # node 1's ranks refused node 0's scheduler too
+    finally:
+        node1.stop()
+
+
 def test_multinode_flags():
     with pytest.raises(ConfigError, match="--dist-init-addr"):
         ServerConfig(nnodes=2, tp=2)
