@@ -245,7 +245,7 @@ def test_rpc_server_error_is_an_rpc_error_with_its_message(tmp_path):
     """An adapter operation's ServerError (e.g. kind "disabled" under --disable-lora-updates) -> RpcError(str(e))."""
 
     class Adapters:
-        async def load(self, specs, load_inplace):
+        async def load(self, specs, load_inplace, caller):
             raise ServerError("adapter updates are disabled (--disable-lora-updates)", "disabled")
 
     runtime = SimpleNamespace(config=ServerConfig(), adapters=Adapters(), check_available=lambda: None)
