@@ -72,15 +72,11 @@ class AuditOp:
 class AuditLog:
     def __init__(self, path: str | None):
         self.recent: deque[AuditEntry] = deque(maxlen=RECENT_LINES)
-        self._file_logger: logging.Logger | None = None
+        # logging's handler for its rotation; fed directly, so the lines reach the audit file only
+        self._file: logging.handlers.RotatingFileHandler | None = None
         if path:
-            handler = logging.handlers.RotatingFileHandler(path, maxBytes=ROTATE_BYTES, backupCount=ROTATE_BACKUPS,
-                                                           encoding="utf-8")
-            handler.setFormatter(logging.Formatter("%(message)s"))
-            self._file_logger = logging.getLogger(f"loraplex.audit.{id(self)}")
-            self._file_logger.propagate = False  # the audit file only, not the server log
-            self._file_logger.setLevel(logging.INFO)
-            self._file_logger.addHandler(handler)
+            self._file = logging.handlers.RotatingFileHandler(path, maxBytes=ROTATE_BYTES, backupCount=ROTATE_BACKUPS,
+                                                              encoding="utf-8")
         self._encoder = msgspec.json.Encoder()
 
     @contextlib.contextmanager
@@ -104,11 +100,9 @@ class AuditLog:
                            op_id=uuid.uuid4().hex[:16], names=names, paths=paths, key_id=caller.key_id,
                            client=caller.client, outcome=outcome, duration_ms=round(duration_s * 1e3, 3))
         self.recent.append(entry)
-        if self._file_logger is not None:  # a failed write (disk full) is reported by logging, never raised here
-            self._file_logger.info("%s", self._encoder.encode(entry).decode())
+        if self._file is not None:  # a failed write (disk full) is reported by logging, never raised here
+            self._file.handle(logging.makeLogRecord({"msg": self._encoder.encode(entry).decode()}))
 
     def close(self) -> None:
-        if self._file_logger is not None:
-            for handler in list(self._file_logger.handlers):
-                self._file_logger.removeHandler(handler)
-                handler.close()
+        if self._file is not None:
+            self._file.close()
