@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+from loraplex.frontend.adapters.audit import AuditEntry
 
 
 class ErrorDetail(msgspec.Struct):
@@ -174,6 +175,12 @@ class AdapterRow(msgspec.Struct):
 
 class AdapterTable(msgspec.Struct):
     adapters: list[AdapterRow]
+
+
+class AuditLogResponse(msgspec.Struct):
+    """GET /audit_log: the last adapter operations and refusals, oldest first (--audit-log has every line)."""
+
+    entries: list[AuditEntry]
 
 
 # ---- OpenAI ----------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Any
 
+from loraplex.frontend.adapters.audit import AuditLog
 from loraplex.frontend.adapters.manager import AdapterManager
 from loraplex.frontend.adapters.registry import AdapterRegistry
 from loraplex.frontend.adapters.state_file import AdapterStateFile
@@ -74,6 +75,7 @@ class Runtime:
         self.nodes: NodeRendezvous | None = None  # --nnodes > 1: the other nodes' endpoints and heartbeats
         self.router = Router(config.dp_size)
         self.adapters: AdapterManager | None = None  # built once the LoRA config is complete (start)
+        self.audit = AuditLog(config.audit_log)  # before start: refusals at the edges are recorded from the first one
         self._watch_task: asyncio.Task | None = None
 
     # ---- start / stop -------------------------------------------------------------------------------
@@ -91,7 +93,8 @@ class Runtime:
             self.procs.endpoints = [endpoints]
         self.replicas = ReplicaSet(self.procs.endpoints, self._apply_deltas, self._on_slots, self._on_failure)
         state_file = AdapterStateFile(self.config.lora_state_file) if self.config.lora_state_file else None
-        self.adapters = AdapterManager(self.config, self.registry, self.metrics, self.replicas, state_file)
+        self.adapters = AdapterManager(self.config, self.registry, self.metrics, self.replicas, state_file,
+                                       self.audit)
         self.procs.start()
         logger.info("loading tokenizer from %s", self.model_dir)
         self.tokenizer, self.eos_token_ids = await loop.run_in_executor(None, load_tokenizer, self.model_dir)
@@ -149,6 +152,7 @@ class Runtime:
             await asyncio.get_running_loop().run_in_executor(None, self.procs.stop)
         if self.replicas is not None:
             self.replicas.close_sockets()
+        self.audit.close()
 
     @property
     def healthy(self) -> bool:

@@ -69,6 +69,11 @@ def is_loopback_address(addr: str) -> bool:
     return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
+def is_loopback_host(host: str) -> bool:
+    """An HTTP --host that only this machine reaches: 127.0.0.0/8, ::1 or localhost."""
+    return is_loopback_address(f"tcp://{host}:0")
+
+
 # Help text per field; the CLI below is generated from the struct.
 _HELP: dict[str, str] = {
     "model_path": "local Hugging Face checkpoint dir; 'demo' = the shipped demo (adapters: reverse, sort, mirror)",
@@ -150,6 +155,14 @@ _HELP: dict[str, str] = {
     "enable_auto_tool_choice": "tool_choice auto: the model's text is read for tool calls (needs --tool-call-parser)",
     "tool_call_parser": "the format of the model's tool calls (tool_choice auto); required and named choices are "
     "forced by a grammar and need none",
+    "allow_unauthenticated_lora_updates": "allow run-time adapter loads and unloads on a non-loopback --host without "
+    "--api-key or --admin-api-key (off by default: updates are refused with 403 updates_disabled)",
+    "cluster_key_file": "CURVE key file (written by `loraplex keygen PATH`): encrypts and authenticates every TCP "
+    "ZeroMQ socket between nodes and a TCP --rpc-addr; required with --nnodes > 1 or a non-loopback TCP --rpc-addr",
+    "audit_log": "file that gets one JSON line per adapter operation or refusal (rotated at 100 MB)",
+    "lora_allow_base_mismatch": "load an adapter whose base_model_name_or_path names another model (with a warning)",
+    "lora_require_manifest": "an adapter needs loraplex-manifest.json (SHA-256 of every file read), checked before "
+    "any rank reads it",
 }
 
 # `loraplex --help` shows the flags in these groups, in this order; every field belongs to exactly one.
@@ -167,6 +180,8 @@ _TOPICS: dict[str, str] = {
     "attention and CUDA graphs": "attention_backend enable_cuda_graph disable_cuda_graph cuda_graph_max_bs",
     "multi-node": "nnodes node_rank dist_init_addr dist_timeout",
     "chat and tools": "chat_template enable_auto_tool_choice tool_call_parser reasoning_parser",
+    "security and audit": "allow_unauthenticated_lora_updates cluster_key_file audit_log lora_allow_base_mismatch "
+    "lora_require_manifest",
 }
 # A field missing from _TOPICS lands here (tests/process/test_help_and_progress.py catches it).
 OTHER_TOPIC = "other options"
@@ -263,6 +278,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     max_requests_per_minute_per_key: int | None = None
     max_tokens_per_minute_per_key: int | None = None
+    allow_unauthenticated_lora_updates: bool = False
+    cluster_key_file: str | None = None
+    audit_log: str | None = None
+    lora_allow_base_mismatch: bool = False
+    lora_require_manifest: bool = False
 
     def __post_init__(self) -> None:
         positive = (
@@ -315,6 +335,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise ConfigError(f"--dist-init-addr {self.dist_init_addr!r} is not HOST:PORT")
         if self.tp % self.nnodes:
             raise ConfigError(f"--tp {self.tp} is not divisible by --nnodes {self.nnodes}")
+        needs_cluster_key = self.nnodes > 1 or (self.rpc_addr is not None and not is_loopback_address(self.rpc_addr))
+        if needs_cluster_key and not self.cluster_key_file:
+            why = "--nnodes > 1" if self.nnodes > 1 else f"--rpc-addr {self.rpc_addr} (not loopback)"
+            raise ConfigError(f"{why} needs --cluster-key-file PATH (write one with `loraplex keygen PATH`)")
         if self.lora_target_modules is not None:
             for module in self.lora_target_modules:
                 if module != "all" and module not in TARGET_MODULES:
@@ -336,6 +360,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         while sizes[-1] * 2 < largest:
             sizes.append(sizes[-1] * 2)
         return sizes if sizes[-1] == largest else [*sizes, largest]
+
+    @property
+    def lora_updates_need_key(self) -> bool:
+        """Safe default: beyond loopback, run-time adapter updates need a key, or an explicit opt-out."""
+        return not (is_loopback_host(self.host) or self.api_key or self.admin_api_key
+                    or self.allow_unauthenticated_lora_updates)
 
     @property
     def prefix_caching(self) -> bool:

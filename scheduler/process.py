@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import msgspec
+from loraplex.protocol.curve import ClusterKey
 from loraplex.protocol.proc import die_with_parent, read_process_args, setup_logging
 from loraplex.protocol.sockets import PULL, PUSH, TypedSocket, wait_readable
 from loraplex.protocol.structs import (
@@ -54,10 +55,12 @@ class SchedulerProcess:
         self.from_frontend = TypedSocket(
             PULL, endpoints.frontend_to_scheduler, bind=True, recv_type=FrontendToScheduler
         )
-        self.from_workers = TypedSocket(PULL, endpoints.workers_to_scheduler, bind=True, recv_type=WorkerToScheduler)
-        self.to_workers = [TypedSocket(PUSH, addr, bind=False) for addr in endpoints.scheduler_to_workers]
+        key = ClusterKey.of(self.config.cluster_key_file)  # CURVE on the TCP sockets to other nodes' ranks
+        self.from_workers = TypedSocket(PULL, endpoints.workers_to_scheduler, bind=True, recv_type=WorkerToScheduler,
+                                        key=key)
+        self.to_workers = [TypedSocket(PUSH, addr, bind=False, key=key) for addr in endpoints.scheduler_to_workers]
         # Loads go to the ranks' loader threads at once, even mid pass: the one route adapter data takes.
-        self.to_loaders = [TypedSocket(PUSH, addr, bind=False) for addr in endpoints.scheduler_to_loaders]
+        self.to_loaders = [TypedSocket(PUSH, addr, bind=False, key=key) for addr in endpoints.scheduler_to_loaders]
         self.to_frontend = TypedSocket(PUSH, endpoints.scheduler_to_frontend, bind=False)
         self.scheduler: Scheduler | None = None
         self.deltas: list[TokenDelta] = []  # sent together, once per step

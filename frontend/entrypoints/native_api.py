@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 from loraplex.frontend.entrypoints.http_utils import (
+    caller_of,
     error_response,
     health_response,
     json_response,
@@ -19,7 +20,13 @@ from loraplex.frontend.errors import InputError
 from loraplex.frontend.generate import GenerationFailed
 from loraplex.frontend.metrics import combine_stats
 from loraplex.frontend.params import AdapterPath, NativeGenerateRequest, strip_native
-from loraplex.frontend.responses import AbortResponse, AdapterReply, AdapterResult, ModelInfoResponse
+from loraplex.frontend.responses import (
+    AbortResponse,
+    AdapterReply,
+    AdapterResult,
+    AuditLogResponse,
+    ModelInfoResponse,
+)
 from loraplex.frontend.runtime import Runtime
 from loraplex.protocol.errors import http_status
 from loraplex.protocol.structs import (
@@ -201,7 +208,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         specs = [LoRAAdapterSpec(lora_name=body.lora_name, lora_path=body.lora_path, pinned=body.pinned)]
     runtime = runtime_of(request)
     runtime.check_available()
-    out = await runtime.adapters.load(specs)
+    out = await runtime.adapters.load(specs, caller=caller_of(request))
     return adapter_reply(out, body.adapters is not None)
 
 
@@ -215,8 +222,14 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
         raise InputError("'lora_names' is empty")
     runtime = runtime_of(request)
     runtime.check_available()
-    out = await runtime.adapters.unload(names)
+    out = await runtime.adapters.unload(names, caller=caller_of(request))
     return adapter_reply(out, body.lora_names is not None)
+
+
+@routes.get("/audit_log")
+async def audit_log(request: web.Request) -> web.Response:
+    """The last adapter operations and refusals, oldest first (the console shows them; --audit-log has them all)."""
+    return json_response(AuditLogResponse(entries=list(runtime_of(request).audit.recent)))
 
 
 @routes.get("/lora_adapters")

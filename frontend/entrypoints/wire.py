@@ -30,10 +30,14 @@ def named_sse_event(event: msgspec.Struct) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + _encoder.encode(event) + b"\n\n"
 
 
+def presented_key(authorization: str, x_api_key: str) -> str:
+    """A request's key: `Authorization: Bearer <key>`, else `X-API-Key: <key>` ("" if none)."""
+    return authorization[7:] if authorization.startswith("Bearer ") else x_api_key
+
+
 def key_matches(authorization: str, x_api_key: str, key: str) -> bool:
-    """A request's key: `Authorization: Bearer <key>`, else `X-API-Key: <key>`; compared in constant time."""
-    token = authorization[7:] if authorization.startswith("Bearer ") else x_api_key
-    return hmac.compare_digest(token.encode(), key.encode())
+    """The request's key against `key`, in constant time."""
+    return hmac.compare_digest(presented_key(authorization, x_api_key).encode(), key.encode())
 
 
 def failure(e: Exception, openai: bool, where: str) -> tuple[str, int]:
