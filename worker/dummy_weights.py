@@ -34,8 +34,9 @@ def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
             seen.add(id(param))
             name = f"{module_name}.{param_name}"
             if is_norm or param_name == "bias":
-                # a norm's weight where it scales by one (Gemma's stores an offset from 1: 0 there)
-                param.fill_(getattr(module, "identity_weight", 1.0) if is_norm else 0.0)  # a bias is replicated or sharded alike: zero everywhere
+                # A norm: the weight that scales by one (Gemma's stores an offset from 1: 0 there). A bias is
+                # replicated or sharded alike: zero everywhere.
+                param.fill_(getattr(module, "identity_weight", 1.0) if is_norm else 0.0)
             elif getattr(param, "weight_loader", None) is None:  # replicated: drawn at its own shape
                 draws.append(_Draw(param, tuple(param.shape), name, None))
             else:
