@@ -1,0 +1,69 @@
+"""Every command line of tests/unit/test_foreign_command_lines.py's ACCEPTED list, with the program name replaced and
+the model and adapter paths pointing at the test model, starts a server that answers /health and a completion on its
+first adapter, or (where the line asks for something this CPU machine cannot run) exits at once with one line that
+names the flag and why."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.server_utils import REPO_ROOT, ServerProcess
+from tests.unit.test_foreign_command_lines import ACCEPTED, MODEL, A, B, ours
+
+# Lines that ask for the Triton LoRA kernels, which need CUDA: the one line they exit with.
+NEEDS_CUDA = {5: "--lora-backend triton", 6: "--lora-backend triton"}
+
+
+def local_argv(command: str, model: Path, adapters: dict[str, Path], tmp_path: Path) -> list[str]:
+    """The line's arguments on this machine: local paths, the test's port and loopback (ServerProcess adds them)."""
+    template = tmp_path / "template_chatml.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    command = command.replace(MODEL, str(model)).replace(A, str(adapters["a8"])).replace(B, str(adapters["a16"]))
+    command = command.replace("./template_chatml.jinja", str(template))
+    command = command.replace(" --port 8000", "").replace("--host 0.0.0.0", "--host 127.0.0.1")
+    command = command.replace("--max-model-len 4096", "--max-model-len 2048")  # the test model's whole context
+    return ours(command)
+
+
+def first_adapter(argv: list[str]) -> str | None:
+    """The name the line gives its first start-up adapter (NAME=PATH or a JSON spec), if any."""
+    for flag in ("--lora-modules", "--lora-paths"):
+        if flag in argv:
+            spec = argv[argv.index(flag) + 1]
+            if spec.startswith("{"):
+                return spec.split('"', 4)[3]  # {"name": "..."} / {"lora_name": "..."}
+            return spec.split("=", 1)[0]
+    return None
+
+
+@pytest.mark.parametrize("index", range(len(ACCEPTED)), ids=[c[:40] for c, _ in ACCEPTED])
+def test_their_command_line_starts(index: int, llama_dir: Path, adapter_dirs: dict[str, Path], tmp_path: Path):
+    argv = local_argv(ACCEPTED[index][0], llama_dir, adapter_dirs, tmp_path)
+    if index in NEEDS_CUDA:
+        proc = subprocess.run([sys.executable, "-m", "scripts.launch_server", *argv, "--device", "cpu"],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode != 0, proc.stdout
+        lines = [line for line in proc.stderr.splitlines() if line.strip() and "Traceback" not in line]
+        assert NEEDS_CUDA[index] in proc.stderr and "CUDA" in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert lines, proc.stderr
+        return
+    # ServerProcess puts its port and device flags after argv_prefix: `serve MODEL` (or `serve` alone before
+    # `--model MODEL`) goes there, the rest after.
+    cut = 0 if argv[0] != "serve" else 1 if argv[1].startswith("-") else 2
+    prefix, flags = tuple(argv[:cut]), argv[cut:]
+    key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with ServerProcess(*flags, argv_prefix=prefix) as server:
+        assert server.get("/health").status_code == 200
+        model = first_adapter(argv) or server.get("/v1/models", headers=headers).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+        answer = server.post("/v1/completions", json=body, headers=headers)
+        assert answer.status_code == 200, (shlex.join(argv), answer.text)
+        assert answer.json()["model"] == model and answer.json()["usage"]["completion_tokens"] >= 1
