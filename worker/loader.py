@@ -59,11 +59,10 @@ def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True
     expected = {(name, None) for name in params}
     for name, module in model.named_modules():
         num_slices = getattr(module, "num_slices", 1)
-        if num_slices > 1:
-            for suffix in ("weight", "bias"):
-                if f"{name}.{suffix}" in params:
-                    expected.discard((f"{name}.{suffix}", None))
-                    expected.update((f"{name}.{suffix}", i) for i in range(num_slices))
+        if num_slices > 1:  # each of a fused layer's own tensors (weight, bias, a quantized format's) per slice
+            for suffix, _ in module.named_parameters(recurse=False):
+                expected.discard((f"{name}.{suffix}", None))
+                expected.update((f"{name}.{suffix}", i) for i in range(num_slices))
     loaded: set[tuple[str, int | None]] = set()
     files = checkpoint_files(model_dir)
     total = sum(_num_tensors(path) for path in files)
