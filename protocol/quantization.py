@@ -32,7 +32,7 @@ def resolve_quantization(flag: str, hf_config: dict[str, Any]) -> str | None:
     if method is not None and method not in SERVED_METHODS:
         raise ConfigError(f"the checkpoint's quantization_config names quant_method {method!r}, which loraplex does "
                           f"not serve (served: {', '.join(SERVED_METHODS)})")
-    if flag == "auto" or flag == method:
+    if flag == "auto" or flag == (method or "none"):
         return method
     if flag == "none":
         raise ConfigError(f"--quantization none: the checkpoint is quantized with {method}; its weights are not "
