@@ -1,4 +1,4 @@
-"""Quantized copies of a plain checkpoint (no tests here), each beside the plain checkpoint of the same weights
+"""Quantized copies of a plain checkpoint and random quantized weights (no tests here), each beside the plain checkpoint of the same weights
 dequantized, which HF transformers (and peft) run as the reference. compressed-tensors checkpoints are written by the
 library's own compressors; GPTQ, AWQ and vLLM's fp8 in their documented layouts (loraplex's packing helpers are
 checked against the documented bit order in tests/unit/test_quant_packing.py)."""
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from loraplex.worker.quant.packing import AWQ_ORDER, pack_int32
+from loraplex.worker.quant.weights import IntWeight
 from safetensors.torch import load_file, save_file
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -188,3 +189,18 @@ def _ranges(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     padded[:out_features, :in_features] = w
     tiles = padded.view(rows, block, cols, block)
     return tiles.amin((1, 3)), tiles.amax((1, 3))
+
+
+def random_int_weight(bits: int, group_size: int, signed: bool, zeros: bool, act_order: bool,
+                      out_features: int = 48, in_features: int = 128) -> IntWeight:
+    """An IntWeight of random values, scales and zero points (act order: groups of shuffled columns)."""
+    gen = torch.Generator().manual_seed(bits + group_size)
+    low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1)) if signed else (0, 2**bits)
+    q = torch.randint(low, high, (out_features, in_features), generator=gen)
+    num_groups = in_features // group_size
+    g_idx = torch.arange(in_features) // group_size
+    if act_order:
+        g_idx = g_idx[torch.randperm(in_features, generator=gen)]
+    z = torch.randint(low, high, (out_features, num_groups), generator=gen).to(torch.int32) if zeros else None
+    return IntWeight(q=q.to(torch.int8 if signed else torch.uint8), scales=torch.rand(out_features, num_groups) / 10,
+                     zeros=z, g_idx=g_idx if act_order else None, group_size=group_size, bits=bits)

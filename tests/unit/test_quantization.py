@@ -10,7 +10,9 @@ from loraplex.protocol.config import ConfigError
 from loraplex.protocol.quantization import resolve_quantization
 from loraplex.worker.quant.matmul import DequantTileMatmul, Int4GroupMatmul, Int8ChannelMatmul, build_matmul
 from loraplex.worker.quant.packing import AWQ_ORDER, pack_int32, unpack_int32
-from loraplex.worker.quant.weights import FloatWeight, IntWeight
+from loraplex.worker.quant.weights import FloatWeight
+
+from tests.quant_checkpoints import random_int_weight
 
 GPTQ = {"quantization_config": {"quant_method": "gptq", "bits": 4}}
 
@@ -40,20 +42,6 @@ def test_documented_bit_orders() -> None:
         v = torch.randint(0, 2**bits, (16, 32), dtype=torch.uint8)
         for dim in (0, 1):
             assert torch.equal(unpack_int32(pack_int32(v, bits, dim, order), bits, dim, order), v)
-
-
-def random_int_weight(bits: int, group_size: int, signed: bool, zeros: bool, act_order: bool,
-                      out_features: int = 48, in_features: int = 128) -> IntWeight:
-    gen = torch.Generator().manual_seed(bits + group_size)
-    low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1)) if signed else (0, 2**bits)
-    q = torch.randint(low, high, (out_features, in_features), generator=gen)
-    num_groups = in_features // group_size
-    g_idx = torch.arange(in_features) // group_size
-    if act_order:
-        g_idx = g_idx[torch.randperm(in_features, generator=gen)]
-    z = torch.randint(low, high, (out_features, num_groups), generator=gen).to(torch.int32) if zeros else None
-    return IntWeight(q=q.to(torch.int8 if signed else torch.uint8), scales=torch.rand(out_features, num_groups) / 10,
-                     zeros=z, g_idx=g_idx if act_order else None, group_size=group_size, bits=bits)
 
 
 @pytest.mark.parametrize("signed", [True, False])

@@ -6,6 +6,9 @@
                      torch's CPU int4 GEMM on its packed layout (torch._weight_int4pack_mm_for_cpu)
   DequantTileMatmul  anything else (FP8, grouped 8-bit, any weight on CUDA): the weight stays stored quantized and
                      is dequantized one tile of output rows at a time into the activation dtype
+  TritonIntMatmul    on CUDA, INT4/INT8 in contiguous groups (act order permuted into place once): the weight read
+                     packed and dequantized inside kernels/quant_matmul.py's kernel
+  TritonFP8Matmul    on CUDA, FP8 with any block scales, the same way
 
 Each holds only its packed layout, built once here, and reports `nbytes` (the resident weight bytes)."""
 
@@ -13,7 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from loraplex.worker.quant.weights import IntWeight, QuantWeight
+from loraplex.kernels.quant_matmul import fp8_weight_matmul_triton, int_weight_matmul_triton
+from loraplex.worker.quant.weights import FloatWeight, IntWeight, QuantWeight
 
 TILE_ROWS = 512  # output rows dequantized at once
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU int4 kernel takes
@@ -26,6 +30,25 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 def _signed_offset(weight: IntWeight) -> int:
     """What to add to q to make it unsigned: formats that store signed values center them on zero."""
     return 1 << (weight.bits - 1) if weight.q.dtype == torch.int8 else 0
+
+
+def _act_order(weight: IntWeight) -> torch.Tensor | None:
+    """The column order that makes act-order groups contiguous, if each group has exactly group_size columns."""
+    order = torch.argsort(weight.g_idx, stable=True)
+    expected = torch.arange(weight.q.shape[1], device=weight.g_idx.device) // weight.group_size
+    return order if torch.equal(weight.g_idx[order], expected) else None
+
+
+def _has_contiguous_order(weight: IntWeight) -> bool:
+    return weight.q.shape[1] % weight.group_size == 0 and (weight.g_idx is None or _act_order(weight) is not None)
+
+
+def _contiguous_groups(weight: IntWeight) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(column order or None, q in that order (out, in), each contiguous group's index into scales/zeros)."""
+    if weight.g_idx is None:
+        return None, weight.q, torch.arange(weight.scales.shape[1], device=weight.q.device)
+    order = _act_order(weight)  # after it group g is columns [g·size, (g+1)·size)
+    return order, weight.q[:, order], weight.g_idx[order][:: weight.group_size]
 
 
 class Int8ChannelMatmul:
@@ -62,25 +85,10 @@ class Int4GroupMatmul:
     def fits(weight: QuantWeight, device: torch.device) -> bool:
         if device.type != "cpu" or not isinstance(weight, IntWeight) or weight.bits != 4:
             return False
-        num_cols = weight.q.shape[1]
-        group_size = weight.group_size
-        if group_size not in INT4_GROUP_SIZES or num_cols % group_size:
-            return False
-        return weight.g_idx is None or Int4GroupMatmul._permutation(weight) is not None
-
-    @staticmethod
-    def _permutation(weight: IntWeight) -> torch.Tensor | None:
-        """The column order that makes act-order groups contiguous, if each group has exactly group_size columns."""
-        order = torch.argsort(weight.g_idx, stable=True)
-        expected = torch.arange(weight.q.shape[1], device=weight.g_idx.device) // weight.group_size
-        return order if torch.equal(weight.g_idx[order], expected) else None
+        return weight.group_size in INT4_GROUP_SIZES and _has_contiguous_order(weight)
 
     def __init__(self, weight: IntWeight, dtype: torch.dtype):
-        self.order = None if weight.g_idx is None else self._permutation(weight)
-        q = weight.q if self.order is None else weight.q[:, self.order]
-        groups = torch.arange(weight.scales.shape[1])
-        if self.order is not None:  # after the permutation group g is columns [g·size, (g+1)·size)
-            groups = weight.g_idx[self.order][:: weight.group_size]
+        self.order, q, groups = _contiguous_groups(weight)
         offset = _signed_offset(weight)
         unsigned = (q.to(torch.int32) + offset).contiguous()  # (out, in) in [0, 16)
         self.packed = torch._convert_weight_to_int4pack_for_cpu(unsigned, 1)
@@ -117,12 +125,54 @@ class DequantTileMatmul:
         return y
 
 
-QuantMatmul = Int8ChannelMatmul | Int4GroupMatmul | DequantTileMatmul
+class TritonIntMatmul:
+    name = "int weight-only (Triton)"
+
+    @staticmethod
+    def fits(weight: QuantWeight, device: torch.device) -> bool:
+        return device.type == "cuda" and isinstance(weight, IntWeight) and _has_contiguous_order(weight)
+
+    def __init__(self, weight: IntWeight, dtype: torch.dtype):
+        self.order, q, groups = _contiguous_groups(weight)
+        offset = _signed_offset(weight)
+        unsigned = (q.to(torch.int16) + offset).to(torch.uint8)  # (out, in)
+        self.bits, self.group_size = weight.bits, weight.group_size
+        if self.bits == 4:  # columns 2j, 2j + 1 in byte j, low nibble first
+            unsigned = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
+        self.q = unsigned.contiguous()
+        self.scales = weight.scales[:, groups].contiguous()  # (out, groups) float32
+        zeros = torch.zeros_like(self.scales) if weight.zeros is None else weight.zeros[:, groups].float()
+        self.zeros = (zeros + offset).contiguous()  # of the unsigned values
+        self.nbytes = _nbytes(self.q, self.scales, self.zeros, self.order)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.order is not None:
+            x = x.index_select(-1, self.order)
+        return int_weight_matmul_triton(x.contiguous(), self.q, self.scales, self.zeros, self.group_size, self.bits)
+
+
+class TritonFP8Matmul:
+    name = "fp8 weight-only (Triton)"
+
+    @staticmethod
+    def fits(weight: QuantWeight, device: torch.device) -> bool:
+        return device.type == "cuda" and isinstance(weight, FloatWeight)
+
+    def __init__(self, weight: FloatWeight, dtype: torch.dtype):
+        self.weight = weight
+        self.nbytes = _nbytes(weight.q, weight.scales, weight.row_ids, weight.col_ids)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        return fp8_weight_matmul_triton(x.contiguous(), w.q, w.scales, w.row_ids, w.col_ids)
+
+
+QuantMatmul = Int8ChannelMatmul | Int4GroupMatmul | TritonIntMatmul | TritonFP8Matmul | DequantTileMatmul
 
 
 def build_matmul(weight: QuantWeight, device: torch.device, dtype: torch.dtype) -> QuantMatmul:
     weight = weight.to(device)
-    for kernel in (Int8ChannelMatmul, Int4GroupMatmul):
+    for kernel in (Int8ChannelMatmul, Int4GroupMatmul, TritonIntMatmul, TritonFP8Matmul):
         if kernel.fits(weight, device):
             return kernel(weight, dtype)
     return DequantTileMatmul(weight, dtype)
