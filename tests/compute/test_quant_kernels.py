@@ -13,7 +13,7 @@ from loraplex.worker.quant.weights import FloatWeight
 
 from tests.device_helpers import TEST_DEVICE
 from tests.kernel_refs import fp8_weight_matmul_torch, int_weight_matmul_torch
-from tests.quant_checkpoints import random_int_weight
+from tests.quant_weights import random_int_weight
 
 SIZES = [(1, 64, 64, 32), (7, 96, 128, 64), (33, 200, 256, 128)]  # (tokens, out, in, group size)
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3}  # relative to the output's largest magnitude

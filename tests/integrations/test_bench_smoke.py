@@ -13,6 +13,7 @@ import scripts.bench_chunked_prefill as bench_chunked_prefill
 import scripts.bench_dp as bench_dp
 import scripts.bench_kv_admission as bench_kv_admission
 import scripts.bench_prefix_cache as bench_prefix_cache
+import scripts.bench_quantized as bench_quantized
 import scripts.bench_serving as bench_serving
 import scripts.bench_step_overhead as bench_step_overhead
 import scripts.bench_structured as bench_structured
@@ -171,3 +172,14 @@ def test_structured_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
     assert result["free"]["summary"]["num_output_tokens"] >= plan.num_requests * plan.output_len_range[0]
     [(value, _)] = result["measured"].values()
     assert value > 0
+
+
+def test_quantized_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
+    result = run_quick(bench_quantized, bench_cache_dir, tmp_path / "quantized.json")
+    assert result["kernels"] == {"bf16": [], "int8": ["int8 weight-only (torch CPU)"],
+                                 "int4": ["int4 weight-only (torch CPU)"]}
+    mib = result["linear_mib"]
+    assert mib["int4"] < mib["int8"] < mib["bf16"]  # resident bytes shrink with the bits
+    for label in ("int8", "int4"):
+        value, _ = result["measured"][f"{label}_decode"]
+        assert value == pytest.approx(result["step_ms"]["bf16"] / result["step_ms"][label])

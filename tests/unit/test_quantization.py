@@ -12,7 +12,7 @@ from loraplex.worker.quant.matmul import DequantTileMatmul, Int4GroupMatmul, Int
 from loraplex.worker.quant.packing import AWQ_ORDER, pack_int32, unpack_int32
 from loraplex.worker.quant.weights import FloatWeight
 
-from tests.quant_checkpoints import random_int_weight
+from tests.quant_weights import random_int_weight
 
 GPTQ = {"quantization_config": {"quant_method": "gptq", "bits": 4}}
 

@@ -1,17 +1,21 @@
-"""Quantized copies of a plain checkpoint and random quantized weights (no tests here), each beside the plain checkpoint of the same weights
-dequantized, which HF transformers (and peft) run as the reference. compressed-tensors checkpoints are written by the
-library's own compressors; GPTQ, AWQ and vLLM's fp8 in their documented layouts (loraplex's packing helpers are
-checked against the documented bit order in tests/unit/test_quant_packing.py)."""
+"""A quantized copy of a plain checkpoint, beside the plain checkpoint of the same weights dequantized (what HF
+transformers and peft run as the reference in the tests; the benchmarks' bf16 side).
+
+    python -m scripts.quantize_checkpoint PLAIN_DIR FORMAT OUT_DIR [DEQUANTIZED_DIR] [--group-size N]
+
+compressed-tensors checkpoints are written by the library's own compressors; GPTQ, AWQ and vLLM's fp8 in their
+documented layouts (loraplex's packing helpers, whose bit orders tests/unit/test_quantization.py checks). Scales and
+zero points come from each group's min/max (round to nearest), enough to exercise every format's reading."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
 
 import torch
 from loraplex.worker.quant.packing import AWQ_ORDER, pack_int32
-from loraplex.worker.quant.weights import IntWeight
 from safetensors.torch import load_file, save_file
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -19,12 +23,12 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 # format name -> what it is; `write_quantized` builds each
 FORMATS = {
-    "gptq-4bit": "GPTQ 4-bit, groups of 32, desc_act false",
-    "gptq-4bit-act-order": "GPTQ 4-bit, groups of 32, desc_act true (shuffled g_idx)",
-    "gptq-8bit-act-order": "GPTQ 8-bit, groups of 32, desc_act true",
-    "awq-4bit": "AWQ 4-bit GEMM, groups of 32, zero points",
-    "ct-w4a16": "compressed-tensors pack-quantized INT4, symmetric groups of 32",
-    "ct-w4a16-asym": "compressed-tensors pack-quantized INT4, asymmetric groups of 32",
+    "gptq-4bit": "GPTQ 4-bit, groups, desc_act false",
+    "gptq-4bit-act-order": "GPTQ 4-bit, groups, desc_act true (shuffled g_idx)",
+    "gptq-8bit-act-order": "GPTQ 8-bit, groups, desc_act true",
+    "awq-4bit": "AWQ 4-bit GEMM, groups, zero points",
+    "ct-w4a16": "compressed-tensors pack-quantized INT4, symmetric groups",
+    "ct-w4a16-asym": "compressed-tensors pack-quantized INT4, asymmetric groups",
     "ct-w8a16": "compressed-tensors pack-quantized INT8, per channel",
     "ct-fp8-tensor": "compressed-tensors FP8 per tensor, W8A8 with static input scales",
     "ct-fp8-channel": "compressed-tensors FP8 per channel, W8A8 with dynamic per-token activations",
@@ -37,8 +41,10 @@ def _is_linear(name: str) -> bool:
     return name.endswith(".weight") and any(f".{m}." in name for m in LINEARS)
 
 
-def write_quantized(plain_dir: Path, fmt: str, quant_dir: Path, dequant_dir: Path) -> None:
-    """quant_dir: plain_dir's checkpoint with every decoder linear in `fmt`; dequant_dir: the same weights, plain."""
+def write_quantized(plain_dir: Path, fmt: str, quant_dir: Path, dequant_dir: Path | None,
+                    group_size: int = 32) -> None:
+    """quant_dir: plain_dir's checkpoint with every decoder linear in `fmt` (groups of group_size input columns
+    where the format has groups); dequant_dir (unless None): the same weights, plain."""
     state = load_file(str(plain_dir / "model.safetensors"))
     quantized, dequantized = {}, {}
     permutations: dict[int, torch.Tensor] = {}  # act order: one per input size (projections of one input share it)
@@ -51,27 +57,30 @@ def write_quantized(plain_dir: Path, fmt: str, quant_dir: Path, dequant_dir: Pat
         prefix = name.removesuffix("weight")
         in_features = tensor.shape[1]
         perm = permutations.setdefault(in_features, torch.randperm(in_features, generator=generator))
-        tensors, weight, quant_config = _quantize(fmt, tensor.float(), perm)
+        tensors, weight, quant_config = _quantize(fmt, tensor.float(), perm, group_size)
         quantized.update({prefix + k: v.contiguous() for k, v in tensors.items()})
         dequantized[name] = weight.to(tensor.dtype).contiguous()
-    for path in (quant_dir, dequant_dir):
-        shutil.copytree(plain_dir, path, dirs_exist_ok=True)
+    shutil.copytree(plain_dir, quant_dir, dirs_exist_ok=True)
     save_file(quantized, str(quant_dir / "model.safetensors"), metadata={"format": "pt"})
-    save_file(dequantized, str(dequant_dir / "model.safetensors"), metadata={"format": "pt"})
+    if dequant_dir is not None:
+        shutil.copytree(plain_dir, dequant_dir, dirs_exist_ok=True)
+        save_file(dequantized, str(dequant_dir / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((plain_dir / "config.json").read_text())
     config["quantization_config"] = quant_config
     (quant_dir / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def _quantize(fmt: str, w: torch.Tensor, perm: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict]:
+def _quantize(fmt: str, w: torch.Tensor, perm: torch.Tensor,
+              group_size: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict]:
     """(checkpoint tensors of one linear, its dequantized weight, quantization_config)."""
     if fmt.startswith("gptq"):
-        return _gptq(w, bits=8 if "8bit" in fmt else 4, group_size=32, perm=perm if "act-order" in fmt else None)
+        return _gptq(w, bits=8 if "8bit" in fmt else 4, group_size=group_size,
+                     perm=perm if "act-order" in fmt else None)
     if fmt == "awq-4bit":
-        return _awq(w, group_size=32)
+        return _awq(w, group_size=group_size)
     if fmt == "fp8-block":
         return _fp8_block(w)
-    return _compressed_tensors(fmt, w)
+    return _compressed_tensors(fmt, w, group_size)
 
 
 def _int_groups(w: torch.Tensor, bits: int, g_idx: torch.Tensor, num_groups: int, sym: bool):
@@ -136,7 +145,7 @@ def _fp8_block(w: torch.Tensor, block: int = 128):
     return {"weight": q, "weight_scale_inv": scales}, q.float() * expanded, config
 
 
-def _compressed_tensors(fmt: str, w: torch.Tensor):
+def _compressed_tensors(fmt: str, w: torch.Tensor, group_size: int):
     from compressed_tensors import QuantizationConfig
     from compressed_tensors.compressors.base import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -145,7 +154,7 @@ def _compressed_tensors(fmt: str, w: torch.Tensor):
     inputs = None
     if fmt in ("ct-w4a16", "ct-w4a16-asym", "ct-w8a16"):
         bits = 8 if fmt == "ct-w8a16" else 4
-        group = dict(strategy="channel") if bits == 8 else dict(strategy="group", group_size=32)
+        group = dict(strategy="channel") if bits == 8 else dict(strategy="group", group_size=group_size)
         weights = QuantizationArgs(num_bits=bits, type="int", symmetric=not fmt.endswith("asym"), **group)
         compression = "pack-quantized"
     else:
@@ -191,16 +200,16 @@ def _ranges(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     return tiles.amin((1, 3)), tiles.amax((1, 3))
 
 
-def random_int_weight(bits: int, group_size: int, signed: bool, zeros: bool, act_order: bool,
-                      out_features: int = 48, in_features: int = 128) -> IntWeight:
-    """An IntWeight of random values, scales and zero points (act order: groups of shuffled columns)."""
-    gen = torch.Generator().manual_seed(bits + group_size)
-    low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1)) if signed else (0, 2**bits)
-    q = torch.randint(low, high, (out_features, in_features), generator=gen)
-    num_groups = in_features // group_size
-    g_idx = torch.arange(in_features) // group_size
-    if act_order:
-        g_idx = g_idx[torch.randperm(in_features, generator=gen)]
-    z = torch.randint(low, high, (out_features, num_groups), generator=gen).to(torch.int32) if zeros else None
-    return IntWeight(q=q.to(torch.int8 if signed else torch.uint8), scales=torch.rand(out_features, num_groups) / 10,
-                     zeros=z, g_idx=g_idx if act_order else None, group_size=group_size, bits=bits)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("plain_dir", type=Path)
+    parser.add_argument("format", choices=list(FORMATS), help="; ".join(f"{k}: {v}" for k, v in FORMATS.items()))
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("dequantized_dir", type=Path, nargs="?", help="also write the dequantized weights here")
+    parser.add_argument("--group-size", type=int, default=32)
+    args = parser.parse_args(argv)
+    write_quantized(args.plain_dir, args.format, args.out_dir, args.dequantized_dir, args.group_size)
+
+
+if __name__ == "__main__":
+    main()
