@@ -8,6 +8,10 @@ import torch
 import torch.nn.functional as F
 from loraplex.protocol.config import ConfigError
 from loraplex.protocol.quantization import resolve_quantization
+from loraplex.worker.layers.linear import RowParallelLinear
+from loraplex.worker.parallel import tensor_parallel
+from loraplex.worker.quant.formats import GPTQFormat
+from loraplex.worker.quant.layer import quantized_linears
 from loraplex.worker.quant.matmul import DequantTileMatmul, Int4GroupMatmul, Int8ChannelMatmul, build_matmul
 from loraplex.worker.quant.packing import AWQ_ORDER, pack_int32, unpack_int32
 from loraplex.worker.quant.weights import FloatWeight
@@ -84,3 +88,17 @@ def test_fp8_blocks_shard_and_fuse_anywhere() -> None:
     tiles = DequantTileMatmul(weight, torch.float32)
     x = torch.randn(3, 300)
     assert torch.allclose(tiles(x), F.linear(x, full), atol=1e-3)
+
+
+def test_a_tp_rank_that_would_split_a_group_is_refused_at_load() -> None:
+    # 192 input columns in GPTQ groups of 64: two ranks of 96 columns each, rank 1's starting inside group 1
+    fmt = GPTQFormat({"bits": 4, "group_size": 64, "desc_act": False, "sym": True})
+    with tensor_parallel(1, 2), quantized_linears(fmt):
+        layer = RowParallelLinear(192, 16)
+    tensors = {"qweight": torch.zeros(24, 16, dtype=torch.int32), "qzeros": torch.zeros(3, 2, dtype=torch.int32),
+               "scales": torch.ones(3, 16, dtype=torch.float16),
+               "g_idx": (torch.arange(192) // 64).to(torch.int32)}
+    with pytest.raises(ValueError, match="splits a quantization group of 64"):
+        for name, tensor in tensors.items():
+            param = getattr(layer, name)
+            param.weight_loader(param, tensor)
