@@ -1,4 +1,4 @@
-"""Single-stream decode on a quantized base: INT8 and INT4 copies of the bench model against its bf16 weights.
+"""Single-stream decode on a quantized base: INT8 and INT4 copies of the bench model against its plain weights.
 
     python -m scripts.bench_quantized                 # full: the bench model
     python -m scripts.bench_quantized --quick --json out.json
@@ -6,8 +6,9 @@
 The bench model's linears are written as compressed-tensors INT8 per channel (W8A16) and GPTQ INT4 in groups of 128
 (scripts/quantize_checkpoint.py; groups of 64 where 128 does not divide a layer), and each checkpoint decodes one
 request in this process (scripts/bench_decode_step.py's ModelRunner, batch 1, one adapter in slot 0, the request's
-mean context): the median step of each, alternating the three per repeat, and each one's resident linear weight
-bytes. Ratios: bf16 step / INT8 step and bf16 step / INT4 step (above 1: the quantized base decodes faster).
+mean context), activations in --dtype (bf16 by default, as the plain side's weights): the median step of each,
+alternating the three per repeat, and each one's resident linear weight bytes. Ratios: plain step / INT8 step and
+plain step / INT4 step (above 1: the quantized base decodes faster).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from scripts.bench_server import script_main, worker_threads
 from scripts.quantize_checkpoint import write_quantized
 
 NUM_WARMUP_STEPS = 4
-VARIANTS = {"bf16": None, "int8": "ct-w8a16", "int4": "gptq-4bit"}  # label -> scripts/quantize_checkpoint format
+VARIANTS = {"plain": None, "int8": "ct-w8a16", "int4": "gptq-4bit"}  # label -> scripts/quantize_checkpoint format
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,8 @@ FULL = Plan(size="full", num_adapters=1, context=128, num_steps=64)
 QUICK = Plan(size="quick", num_adapters=1, context=32, num_steps=16)
 
 TARGETS: Targets = {
-    "int8_decode": ("single-stream decode step, bf16 / INT8 W8A16 base (one adapter)", ">= 1", lambda v: v >= 1),
-    "int4_decode": ("single-stream decode step, bf16 / INT4 W4A16 base (one adapter)", ">= 1", lambda v: v >= 1),
+    "int8_decode": ("single-stream decode step, plain / INT8 W8A16 base (one adapter)", ">= 1", lambda v: v >= 1),
+    "int4_decode": ("single-stream decode step, plain / INT4 W4A16 base (one adapter)", ">= 1", lambda v: v >= 1),
 }
 
 
@@ -70,7 +71,7 @@ def _divides(model_dir: Path, group_size: int) -> bool:
 
 
 def linear_bytes(runner: ModelRunner) -> int:
-    """Resident bytes of the decoder's linear weights (quantized layout or plain/packed bf16)."""
+    """Resident bytes of the decoder's linear weights (quantized layout, or plain / oneDNN-packed)."""
     total = 0
     for module in runner.model.modules():
         quant = getattr(module, "quant", None)
@@ -110,8 +111,8 @@ def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int,
 def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
     step, mib = results["step_ms"], results["linear_mib"]
     return {
-        f"{label}_decode": (step["bf16"] / step[label],
-                            f"{step['bf16']:.2f} vs {step[label]:.2f} ms; {mib['bf16']:.0f} vs {mib[label]:.0f} MiB")
+        f"{label}_decode": (step["plain"] / step[label],
+                            f"{step['plain']:.2f} vs {step[label]:.2f} ms; {mib['plain']:.0f} vs {mib[label]:.0f} MiB")
         for label in ("int8", "int4")
     }
 
