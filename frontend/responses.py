@@ -114,6 +114,7 @@ class ServerInfoResponse(msgspec.Struct):
 
     model_dir: str | None
     served_model_name: str
+    quantization: str | None  # the checkpoint's method in use (config field --quantization says what was asked)
     max_total_tokens: int | None
     context_length: int | None
     vocab_size: int | None

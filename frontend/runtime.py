@@ -30,6 +30,7 @@ from loraplex.frontend.metrics import Metrics
 from loraplex.frontend.rate_limits import KeyRateLimits
 from loraplex.frontend.request_state import RequestState
 from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.quantization import read_hf_config, resolve_quantization
 from loraplex.protocol.structs import (
     AbortReq,
     LoRAAdapterSpec,
@@ -66,6 +67,7 @@ class Runtime:
         self.failure: str | None = None  # set once a child process died
         self._children_stopped: asyncio.Future | None = None  # the survivors of a failure, being stopped
         self.model_dir = ""
+        self.quantization: str | None = None  # the checkpoint's method in use (protocol/quantization.py)
         self.tokenizer: Any = None
         self.chat_template = load_chat_template(config.chat_template)  # None: the tokenizer's own
         self.eos_token_ids: list[int] = []
@@ -85,6 +87,8 @@ class Runtime:
         logger.info("resolving model %s", self.config.model_path)
         self.model_dir = await loop.run_in_executor(None, resolve_model_dir, self.config.model_path)
         self.config = resolve_lora_config(self.config, self.model_dir)
+        self.quantization = resolve_quantization(self.config.quantization, read_hf_config(self.model_dir))
+        logger.info("quantization: %s (--quantization %s)", self.quantization or "none", self.config.quantization)
         self.procs = ProcessGroup(self.config, self.model_dir)
         if self.config.nnodes > 1:  # every rank's endpoints, the remote ones as their nodes published them
             self.nodes = await loop.run_in_executor(None, NodeRendezvous, self.config, START_TIMEOUT_S)

@@ -87,6 +87,8 @@ _HELP: dict[str, str] = {
     "tp": "tensor-parallel worker processes",
     "device": "cpu or cuda (default: cuda if available)",
     "dtype": "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16 or float16",
+    "quantization": "the checkpoint's quantization (vLLM's names): auto = as config.json's quantization_config says; "
+    "a named method must match it; none = plain weights (docs/QUANTIZATION.md)",
     "enable_lora": "turn LoRA on (implied by --lora-paths)",
     "lora_backend": "LoRA kernels: triton (CUDA), cpu (compiled AVX-512 BF16 kernels; bfloat16 on the CPU, also used "
     "for attention and norms), torch (torch ops, any device); auto = triton on CUDA, else cpu where it builds and "
@@ -167,7 +169,7 @@ _HELP: dict[str, str] = {
 
 # `loraplex --help` shows the flags in these groups, in this order; every field belongs to exactly one.
 _TOPICS: dict[str, str] = {
-    "model and devices": "model_path served_model_name load_format hf_overrides device dtype tp dp_size "
+    "model and devices": "model_path served_model_name load_format hf_overrides device dtype quantization tp dp_size "
     "context_length seed",
     "HTTP server and access": "host port api_key admin_api_key rpc_addr shutdown_timeout log_level "
     "max_requests_per_minute_per_key max_tokens_per_minute_per_key",
@@ -208,7 +210,8 @@ ALIASES: dict[str, str] = {
     "block_size": "page_size",  # vLLM: tokens per KV cache block
     "random_seed": "seed",  # SGLang
 }
-_SHORT: dict[str, str] = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}  # vLLM's short forms
+# vLLM's short forms
+_SHORT: dict[str, str] = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp", "quantization": "-q"}
 # Their names for our choices: field -> {their value: ours}.
 VALUE_ALIASES: dict[str, dict[str, str]] = {
     "dtype": {"half": "float16", "float": "float32"},  # vLLM and SGLang
@@ -229,6 +232,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     tp: int = 1
     device: Literal["cpu", "cuda"] | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["auto", "fp8", "compressed-tensors", "gptq", "awq", "none"] = "auto"
     enable_lora: bool = False
     lora_backend: Literal["auto", "triton", "cpu", "torch"] = "auto"
     attention_backend: Literal["auto", "triton", "cpu", "torch"] = "auto"

@@ -68,8 +68,6 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     _refuse("--revision", family=VS, why=_LOCAL),
     _refuse("--tokenizer-revision", family=V, why=_LOCAL),
     _refuse("--download-dir", family=VS, why=_LOCAL),
-    _only("--quantization", "-q", family=VS, ok=("none",), note="an unquantized model",
-          why="quantized models are " + _LATER),
     _only("--kv-cache-dtype", family=VS, ok=("auto",), note="the KV cache holds the model's dtype",
           why="the KV cache holds the model's dtype (--dtype); no other KV cache dtype is supported"),
     _only("--generation-config", family=V, ok=("vllm",), note="sampling defaults are vLLM's own",

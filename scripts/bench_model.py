@@ -68,7 +68,7 @@ def adapter_name(index: int) -> str:
     return f"{ADAPTER_PREFIX}{index:03d}"
 
 
-def _build_atomically(final_dir: Path, build) -> None:
+def build_atomically(final_dir: Path, build) -> None:
     # A directory only appears by renaming a finished build, so existing == complete.
     if final_dir.is_dir():
         return
@@ -89,14 +89,14 @@ def ensure_bench_model(shape: ModelShape, num_adapters: int, cache_dir: str | os
                        ) -> BenchModel:
     root = Path(cache_dir or DEFAULT_CACHE_DIR) / shape.key
     base_dir = root / "base"
-    _build_atomically(base_dir, lambda out: build_tiny_model(
+    build_atomically(base_dir, lambda out: build_tiny_model(
         out, arch=shape.arch, hidden_size=shape.hidden_size, num_layers=shape.num_layers, num_heads=shape.num_heads,
         num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, intermediate_size=shape.intermediate_size, seed=0))
     adapter_dirs = {}
     for index in range(num_adapters):
         name = adapter_name(index)
         adapter_dirs[name] = root / "adapters" / name
-        _build_atomically(adapter_dirs[name], lambda out, seed=index + 1: build_lora_adapter(
+        build_atomically(adapter_dirs[name], lambda out, seed=index + 1: build_lora_adapter(
             base_dir, out, r=ADAPTER_RANK, lora_alpha=ADAPTER_ALPHA, target_modules=TARGET_MODULES, seed=seed,
             base_model_name_or_path=str(base_dir)))
     return BenchModel(base_dir, adapter_dirs)

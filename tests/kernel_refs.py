@@ -16,6 +16,7 @@ from loraplex.kernels.lora_expand import column_alignment, launch_expand
 from loraplex.kernels.lora_shrink import launch_shrink, shrink_output
 from loraplex.kernels.lora_torch import expand_planned, shrink_expand_compiled, shrink_planned
 from loraplex.kernels.paged_attention import check_decode_args, check_extend_args
+from loraplex.kernels.quant_matmul import check_fp8_matmul_args, check_int_matmul_args
 from loraplex.kernels.rms_norm import check_rms_norm_args
 from loraplex.kernels.rotary import check_rotary_args
 from loraplex.kernels.segment_tiles import plan_tiles
@@ -198,3 +199,22 @@ def rotary_embedding_torch(
 def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     check_silu_and_mul_args(gate_up)
     return TorchOps().silu_and_mul(gate_up)
+
+
+# ---- weight-only quantized matmul ---------------------------------------------------------------------------------
+
+
+def int_weight_matmul_torch(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                            group_size: int, bits: int) -> torch.Tensor:
+    check_int_matmul_args(x, q, scales, zeros, group_size, bits)
+    u = torch.stack([q & 0xF, q >> 4], dim=-1).flatten(1) if bits == 4 else q  # (out, in)
+    groups = torch.arange(u.shape[1], device=u.device) // group_size
+    w = (u.float() - zeros[:, groups]) * scales[:, groups]
+    return (x.float() @ w.t()).to(x.dtype)
+
+
+def fp8_weight_matmul_torch(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, row_ids: torch.Tensor,
+                            col_ids: torch.Tensor) -> torch.Tensor:
+    check_fp8_matmul_args(x, q, scales, row_ids, col_ids)
+    w = q.float() * scales[row_ids][:, col_ids]
+    return (x.float() @ w.t()).to(x.dtype)

@@ -22,6 +22,9 @@ layers/rotary.py, norm.py, embedding.py   RoPE (default, linear, llama3), RMSNor
 layers/moe.py              MoE block: router top-k, stacked experts (ExpertsLinear) sharded like the dense MLP
 layers/sharded_norm.py     RMSNorm over a TP-sharded feature dimension (OLMoE's q/k norm)
 layers/ops.py              the model ops (RMSNorm + residual, rotary, SiLU-mul) chosen at start-up: Triton on CUDA
+quant/                     quantized checkpoints (FP8, compressed-tensors, GPTQ, AWQ): formats decoded into integer or
+                           FP8 weights with scales, sharded per linear, multiplied by torch's CPU int8/int4 kernels or
+                           dequantized per tile; see quant/__init__.py
 lora/                      multi-LoRA: adapter loading and validation, the device slot pool, LoRALinear wrappers,
                            LoRAManager (host copies, slot loads, per-forward token segments); see lora/__init__.py
 """

@@ -97,9 +97,9 @@ def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True
         if hasattr(module, "checkpoint_shards"):  # stacked experts
             shards[f"{name}.weight"] = module.checkpoint_shards()
         elif getattr(module, "num_slices", 1) > 1:
-            for suffix in ("weight", "bias"):
-                if f"{name}.{suffix}" in params:
-                    shards[f"{name}.{suffix}"] = list(range(module.num_slices))
+            # each of a fused layer's own tensors (weight, bias, a quantized format's) per slice
+            for suffix, _ in module.named_parameters(recurse=False):
+                shards[f"{name}.{suffix}"] = list(range(module.num_slices))
     expected = {(name, shard) for name in params for shard in shards.get(name, [None])}
     loaded: set[tuple[str, int | tuple[int, int] | None]] = set()
     ignored: list[str] = []  # e.g. the layers --hf-overrides '{"num_hidden_layers": N}' leaves out

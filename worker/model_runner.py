@@ -28,6 +28,7 @@ from loraplex.worker.model.config import ModelConfig, ModelConfigError
 from loraplex.worker.model.registry import build_model
 from loraplex.worker.parallel import tensor_parallel
 from loraplex.worker.penalties import TokenHistories, apply_penalties
+from loraplex.worker.quant import checkpoint_format, quantized_linears
 from loraplex.worker.sampler import Sampler, prompt_logprob_rows, prompt_logprobs, token_logprobs
 from loraplex.worker.sampling_batch import SamplingBatch
 from loraplex.worker.sampling_table import SamplingTable
@@ -58,6 +59,7 @@ class ModelRunner:
         self.dtype = pick_dtype(config, self.device)
         self.rank, self.world_size = rank, world_size
         self.model_config = ModelConfig.from_dir(model_dir, config.hf_overrides)
+        self.quant_format = checkpoint_format(config.quantization, model_dir)
         self.context_length = self._context_length()
         self._check_divisible()
         # The one choice of LoRA backend (and with it the CPU kernels, where it builds them, for attention, norms and
@@ -84,12 +86,14 @@ class ModelRunner:
         ops = select_model_ops(self.device, self.backend.cpu_kernels)
         logger.info("model ops: %s", ops.name)
 
-        with tensor_parallel(rank, world_size), model_ops(ops), self.device, _default_dtype(self.dtype):
+        quantization = quantized_linears(self.quant_format)
+        with tensor_parallel(rank, world_size), model_ops(ops), quantization, self.device, _default_dtype(self.dtype):
             self.model = build_model(self.model_config, max_positions=self.context_length)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, self.model_config.initializer_range, config.seed)
         else:
             load_weights(self.model, model_dir, show_progress=rank == 0)
+        self._log_quantization()
         self.model.eval()
         # Wraps the targeted linears in place, after the weights are loaded under their own names.
         self.lora = (
@@ -198,6 +202,15 @@ class ModelRunner:
         if launches:
             logger.info("%s model op kernels compiled: %d launches in %.1f s", ops.name, launches,
                         time.perf_counter() - start)  # fmt: skip
+
+    def _log_quantization(self) -> None:
+        if self.quant_format is None:
+            logger.info("quantization: none (plain weights)")
+            return
+        kernels = sorted({m.quant.matmul.name for m in self.model.modules() if getattr(m, "quant", None) is not None})
+        num_bytes = sum(m.quant.nbytes for m in self.model.modules() if getattr(m, "quant", None) is not None)
+        logger.info("quantization: %s (--quantization %s); linear weights %.1f MiB on this rank, kernels: %s",
+                    self.quant_format.method, self.config.quantization, num_bytes / 2**20, ", ".join(kernels))
 
     def _pack_weights(self) -> None:
         reason = packed.unavailable_reason(self.device, self.dtype)

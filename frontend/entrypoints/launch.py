@@ -7,10 +7,11 @@ import logging
 import os
 import sys
 
-from loraplex.frontend.demo import DEMO_MODEL_PATH
+from loraplex.frontend.demo import DEMO_MODEL_PATH, resolve_model_dir
 from loraplex.protocol.config import ConfigError, parse_command_line
 from loraplex.protocol.curve import ClusterKey, ClusterKeyError, write_key_file
 from loraplex.protocol.proc import setup_logging
+from loraplex.protocol.quantization import read_hf_config, resolve_quantization
 
 
 def keygen(argv: list[str]) -> None:
@@ -40,6 +41,11 @@ def main(argv: list[str] | None = None) -> None:
     if config.model_path != DEMO_MODEL_PATH and not os.path.isfile(os.path.join(config.model_path, "config.json")):
         print(f"loraplex: error: no model at {config.model_path!r} (expected a directory with config.json)",
               file=sys.stderr)
+        sys.exit(2)
+    try:  # a checkpoint whose quantization is not served never starts
+        resolve_quantization(config.quantization, read_hf_config(resolve_model_dir(config.model_path)))
+    except ConfigError as e:
+        print(f"loraplex: error: {e}", file=sys.stderr)
         sys.exit(2)
     setup_logging(config.log_level, "frontend")
     for note in notes:  # vLLM's and SGLang's flags that change nothing here, said once each

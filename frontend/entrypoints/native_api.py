@@ -101,6 +101,7 @@ async def server_info(request: web.Request) -> web.Response:
         **config,
         "model_dir": runtime.model_dir,
         "served_model_name": runtime.config.model_name,
+        "quantization": runtime.quantization,  # the method in use (config.json's), None for plain weights
         "max_total_tokens": sum(capacities) if ready else None,  # over all replicas
         "context_length": ready.context_length if ready else None,
         "vocab_size": ready.vocab_size if ready else None,

@@ -14,6 +14,7 @@ import scripts.bench_dp as bench_dp
 import scripts.bench_families as bench_families
 import scripts.bench_kv_admission as bench_kv_admission
 import scripts.bench_prefix_cache as bench_prefix_cache
+import scripts.bench_quantized as bench_quantized
 import scripts.bench_serving as bench_serving
 import scripts.bench_step_overhead as bench_step_overhead
 import scripts.bench_structured as bench_structured
@@ -184,3 +185,14 @@ def test_families_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
     value, _ = result["measured"]["qwen3_multi_vs_base"]
     throughputs = [qwen3[side]["summary"]["output_token_throughput"] for side in ("adapters", "base")]
     assert value == pytest.approx(throughputs[0] / throughputs[1])
+
+
+def test_quantized_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
+    result = run_quick(bench_quantized, bench_cache_dir, tmp_path / "quantized.json")
+    assert result["kernels"] == {"plain": [], "int8": ["int8 weight-only (torch CPU)"],
+                                 "int4": ["int4 weight-only (torch CPU)"]}
+    mib = result["linear_mib"]
+    assert mib["int4"] < mib["int8"] < mib["plain"]  # resident bytes shrink with the bits
+    for label in ("int8", "int4"):
+        value, _ = result["measured"][f"{label}_decode"]
+        assert value == pytest.approx(result["step_ms"]["plain"] / result["step_ms"][label])

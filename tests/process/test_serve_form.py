@@ -3,6 +3,7 @@ adapter; a flag for a feature we lack exits at once with one line naming it."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -40,8 +41,21 @@ def _start_error(*argv: str) -> str:
 
 
 def test_flag_for_a_missing_feature_exits_with_one_line(llama_dir: Path) -> None:
+    line = _start_error("serve", str(llama_dir), "--enable-lora", "--kv-cache-dtype", "fp8")
+    assert line.startswith("loraplex: error: --kv-cache-dtype fp8: the KV cache holds the model's dtype")
+
+
+def test_quantization_the_checkpoint_lacks_exits_with_one_line(llama_dir: Path, tmp_path: Path) -> None:
     line = _start_error("serve", str(llama_dir), "--enable-lora", "--quantization", "awq")
-    assert line == "loraplex: error: --quantization awq: quantized models are not supported yet"
+    assert line == ("loraplex: error: --quantization awq: the checkpoint has no quantization_config (quantizing a "
+                    "plain checkpoint at start-up is not supported)")
+    # A method we do not serve never starts, whatever --quantization says (today's FP8 scales are never ignored).
+    config = json.loads((llama_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    line = _start_error("serve", str(tmp_path))
+    assert line == ("loraplex: error: the checkpoint's quantization_config names quant_method 'bitsandbytes', which "
+                    "loraplex does not serve (served: fp8, compressed-tensors, gptq, awq)")
 
 
 def test_unknown_or_abbreviated_flag_exits_with_one_line(llama_dir: Path) -> None:

@@ -61,6 +61,10 @@ ACCEPTED = [
         "--lora-eviction-policy lru --disable-radix-cache --mem-fraction-static 0.8 --tp-size 1 --random-seed 42",
         {"max_loaded_loras": 4, "disable_radix_cache": True, "gpu_memory_utilization": 0.8, "tp": 1, "seed": 42},
     ),
+    (  # vLLM: an AWQ base under adapters (checked against the checkpoint's config.json at launch)
+        f"vllm serve {MODEL} --enable-lora --lora-modules sql-lora={A} -q awq",
+        {"quantization": "awq"},
+    ),
     (  # SGLang: a pinned adapter as JSON
         f"""python3 -m sglang.launch_server --model-path {MODEL} --lora-paths """
         f"""'{{"lora_name": "lora0", "lora_path": "{A}", "pinned": true}}' lora1={B} --max-loras-per-batch 2 """
@@ -79,7 +83,7 @@ ACCEPTED = [
 ]
 
 REFUSED = [  # (command line, the flag its one line names)
-    (f"vllm serve {MODEL} --enable-lora --lora-modules sql-lora={A} --quantization awq", "--quantization awq"),
+    (f"vllm serve {MODEL} --enable-lora --lora-modules sql-lora={A} --kv-cache-dtype fp8", "--kv-cache-dtype fp8"),
     (f"python3 -m sglang.launch_server --model-path {MODEL} --enable-lora --lora-paths lora0={A} "
      "--lora-eviction-policy fifo", "--lora-eviction-policy fifo"),
 ]

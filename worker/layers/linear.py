@@ -11,6 +11,8 @@ What a wrapper (e.g. LoRA) can read from any of them:
   output_sizes_per_rank, output_offsets_per_rank   each slice's rows in `weight` here
   weight             (sum(output_sizes_per_rank), input_size_per_rank);  bias  (sum(output_sizes_per_rank),) or None
   full_shape(param, shard_id)   the full checkpoint tensor weight_loader takes (random weights are drawn at it)
+  quant              None, or for a quantized checkpoint (worker/quant/) the QuantizedLinearWeights that hold the
+                     weight in its stored form and multiply by it; such a layer has no plain `weight`
 """
 
 from __future__ import annotations
@@ -20,12 +22,29 @@ import itertools
 import torch
 from loraplex.worker.layers import packed
 from loraplex.worker.parallel import all_reduce, current_tp
+from loraplex.worker.quant.layer import QuantizedLinearWeights, current_format
 from torch import nn
 
 
 def _check_full_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(loaded.shape) != expected:
         raise ValueError(f"{name}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {expected}")
+
+
+def _init_weight(layer: nn.Module, num_rows: int, num_cols: int) -> None:
+    """The plain (num_rows, num_cols) weight, or the quantized checkpoint's tensors when one is being read."""
+    fmt = current_format()
+    layer.quant = None if fmt is None else QuantizedLinearWeights(layer, fmt)
+    if layer.quant is None:
+        layer.weight = _empty_param(num_rows, num_cols)
+        layer.weight.weight_loader = layer.weight_loader
+
+
+def _matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if layer.quant is not None:
+        y = layer.quant(x)
+        return y if bias is None else y + bias
+    return packed.linear(x, layer.weight, layer.packed_weight, bias)
 
 
 def _empty_param(*shape: int) -> nn.Parameter:
@@ -53,8 +72,7 @@ class ColumnParallelLinear(nn.Module):
         self.output_sizes = list(output_sizes)
         self.output_sizes_per_rank = [size // self.tp_size for size in output_sizes]
         self.output_offsets_per_rank = [0, *itertools.accumulate(self.output_sizes_per_rank)][:-1]
-        self.weight = _empty_param(sum(self.output_sizes_per_rank), input_size)
-        self.weight.weight_loader = self.weight_loader
+        _init_weight(self, sum(self.output_sizes_per_rank), input_size)
         self.bias = _empty_param(sum(self.output_sizes_per_rank)) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
@@ -76,10 +94,10 @@ class ColumnParallelLinear(nn.Module):
     def full_shape(self, param: nn.Parameter, shard_id: int | None = None) -> tuple[int, ...]:
         """The shape of the full checkpoint tensor weight_loader takes for `param`'s slice `shard_id`."""
         full_rows = self.output_sizes[0 if shard_id is None else shard_id]
-        return (full_rows, self.input_size) if param is self.weight else (full_rows,)
+        return (full_rows,) if param is self.bias else (full_rows, self.input_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed.linear(x, self.weight, self.packed_weight, self.bias)  # (tokens, sum(output_sizes_per_rank))
+        return _matmul(self, x, self.bias)  # (tokens, sum(output_sizes_per_rank))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward(x)  # the output stays sharded: nothing to reduce
@@ -117,8 +135,7 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_rank = input_size // self.tp_size
         self.output_sizes = self.output_sizes_per_rank = [output_size]
         self.output_offsets_per_rank = [0]
-        self.weight = _empty_param(output_size, self.input_size_per_rank)
-        self.weight.weight_loader = self.weight_loader
+        _init_weight(self, output_size, self.input_size_per_rank)
         self.bias = _empty_param(output_size) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
@@ -136,13 +153,13 @@ class RowParallelLinear(nn.Module):
 
     def full_shape(self, param: nn.Parameter, shard_id: int | None = None) -> tuple[int, ...]:
         """The shape of the full checkpoint tensor weight_loader takes for `param`."""
-        return (self.output_sizes[0], self.input_size) if param is self.weight else (self.output_sizes[0],)
+        return (self.output_sizes[0],) if param is self.bias else (self.output_sizes[0], self.input_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.finish(self.partial(x))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        return packed.linear(x, self.weight, self.packed_weight)  # (tokens, output_size): this rank's share of the sum
+        return _matmul(self, x)  # (tokens, output_size): this rank's share of the sum
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         y = all_reduce(y, self.tp_size)  # (tokens, output_size)

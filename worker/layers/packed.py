@@ -35,11 +35,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, b
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Pack the weight of every opted-in linear that owns its weight (a tied LM head shares the embedding's, which
-    must stay plain); returns how many were packed."""
+    """Pack the weight of every opted-in linear that owns a plain weight (a tied LM head shares the embedding's, which
+    must stay plain; a quantized linear has its own layout); returns how many were packed."""
     num_packed = 0
     for module in model.modules():
         if not hasattr(module, "packed_weight") or getattr(module, "tied", False) or module.packed_weight is not None:
+            continue
+        if getattr(module, "quant", None) is not None:
             continue
         weight = module.weight
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)

@@ -1,0 +1,140 @@
+"""Checkpoint formats: which tensors one quantized linear stores, and how they decode into weights.py's forms.
+
+A format object is built once from config.json's `quantization_config`; `tensor_names` are the suffixes each
+linear's checkpoint entries carry (`...q_proj.qweight`), `decode` turns one projection's full tensors into an
+(out, in) IntWeight or FloatWeight. GPTQ and AWQ are read per their documented packing (packing.py);
+compressed-tensors through its own library."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from loraplex.worker.quant.packing import AWQ_ORDER, unpack_int32
+from loraplex.worker.quant.weights import FloatWeight, IntWeight, QuantWeight
+
+# Modules a quantized checkpoint may leave in full precision: loraplex keeps the embedding and LM head plain.
+PLAIN_MODULES = ("lm_head", "embed_tokens")
+
+
+class QuantFormatError(ValueError):
+    pass
+
+
+class QuantFormat(Protocol):
+    method: str  # --quantization's name
+    tensor_names: tuple[str, ...]
+
+    def decode(self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int) -> QuantWeight: ...
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {expected}")
+
+
+class GPTQFormat:
+    """AutoGPTQ's layout: qweight (in / pack, out) packed along the input, qzeros (groups, out / pack) packed along
+    the output and stored minus one (checkpoint_format gptq; gptq_v2 stores them as is), scales (groups, out), g_idx
+    (in,) each input column's group (a permutation of the groups under desc_act)."""
+
+    method = "gptq"
+    tensor_names = ("qweight", "qzeros", "scales", "g_idx")
+
+    def __init__(self, config: dict[str, Any]):
+        self.bits = int(config.get("bits", 4))
+        if self.bits not in (4, 8):
+            raise QuantFormatError(f"GPTQ with {self.bits} bits is not supported (4 or 8)")
+        self.group_size = int(config.get("group_size", 128))
+        self.desc_act = bool(config.get("desc_act", False))
+        self.zero_offset = 0 if config.get("checkpoint_format", "gptq") == "gptq_v2" else 1
+        if config.get("lm_head", False):
+            raise QuantFormatError("GPTQ with a quantized lm_head is not supported")
+        if config.get("dynamic"):
+            raise QuantFormatError("GPTQ with per-module overrides (dynamic) is not supported")
+
+    def decode(self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int) -> IntWeight:
+        group_size = in_features if self.group_size == -1 else self.group_size
+        num_groups = -(-in_features // group_size)
+        pack = 32 // self.bits
+        _check_shape("qweight", tensors["qweight"], (in_features // pack, out_features))
+        _check_shape("qzeros", tensors["qzeros"], (num_groups, out_features // pack))
+        _check_shape("scales", tensors["scales"], (num_groups, out_features))
+        _check_shape("g_idx", tensors["g_idx"], (in_features,))
+        q = unpack_int32(tensors["qweight"], self.bits, dim=0).t().contiguous()  # (out, in)
+        zeros = unpack_int32(tensors["qzeros"], self.bits, dim=1).t().to(torch.int32) + self.zero_offset
+        g_idx = tensors["g_idx"].to(torch.int64)
+        contiguous = torch.equal(g_idx, torch.arange(in_features) // group_size)
+        return IntWeight(q=q, scales=tensors["scales"].t().float().contiguous(), zeros=zeros.contiguous(),
+                         g_idx=None if contiguous else g_idx, group_size=group_size, bits=self.bits)
+
+
+class AWQFormat:
+    """AutoAWQ's GEMM layout: qweight (in, out / 8) and qzeros (groups, out / 8) packed along the output in the
+    interleaved order AWQ_ORDER, scales (groups, out); w = (q - zero) · scale."""
+
+    method = "awq"
+    tensor_names = ("qweight", "qzeros", "scales")
+
+    def __init__(self, config: dict[str, Any]):
+        self.bits = int(config.get("bits", config.get("w_bit", 4)))
+        version = str(config.get("version", "gemm")).lower()
+        if self.bits != 4 or version != "gemm":
+            raise QuantFormatError(f"AWQ {self.bits}-bit {version} is not supported (4-bit gemm)")
+        if not config.get("zero_point", True):
+            raise QuantFormatError("AWQ without zero points is not supported")
+        self.group_size = int(config.get("group_size", config.get("q_group_size", 128)))
+
+    def decode(self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int) -> IntWeight:
+        group_size = in_features if self.group_size == -1 else self.group_size
+        num_groups = -(-in_features // group_size)
+        _check_shape("qweight", tensors["qweight"], (in_features, out_features // 8))
+        _check_shape("qzeros", tensors["qzeros"], (num_groups, out_features // 8))
+        _check_shape("scales", tensors["scales"], (num_groups, out_features))
+        q = unpack_int32(tensors["qweight"], 4, dim=1, order=AWQ_ORDER).t().contiguous()  # (out, in)
+        zeros = unpack_int32(tensors["qzeros"], 4, dim=1, order=AWQ_ORDER).t().to(torch.int32).contiguous()
+        return IntWeight(q=q, scales=tensors["scales"].t().float().contiguous(), zeros=zeros, g_idx=None,
+                         group_size=group_size, bits=4)
+
+
+class FP8Format:
+    """vLLM's and transformers' `fp8` checkpoints: an FP8 `weight` with `weight_scale_inv` per
+    weight_block_size block (DeepSeek's layout), or `weight_scale` per tensor; `input_scale` with static activations
+    (read and unused: activations stay in the activation dtype)."""
+
+    method = "fp8"
+
+    def __init__(self, config: dict[str, Any]):
+        self.block = tuple(config["weight_block_size"]) if config.get("weight_block_size") else None
+        if self.block is not None and len(self.block) != 2:
+            raise QuantFormatError(f"fp8 weight_block_size {list(self.block)} is not two sizes")
+        scale = "weight_scale_inv" if self.block is not None else "weight_scale"
+        static = config.get("activation_scheme", "dynamic") == "static"
+        self.tensor_names = ("weight", scale, *(("input_scale",) if static else ()))
+
+    def decode(self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int) -> FloatWeight:
+        weight = tensors["weight"]
+        _check_shape("weight", weight, (out_features, in_features))
+        if self.block is None:
+            scale = tensors["weight_scale"].float().reshape(-1)
+            if scale.numel() != 1:
+                raise ValueError(f"weight_scale has {scale.numel()} values, expected one per tensor")
+            return FloatWeight.blocked(weight, scale.reshape(1, 1), out_features, in_features)
+        rows, cols = self.block
+        scales = tensors["weight_scale_inv"].float()
+        _check_shape("weight_scale_inv", scales, (-(-out_features // rows), -(-in_features // cols)))
+        return FloatWeight.blocked(weight, scales, rows, cols)
+
+
+def build_format(method: str, config: dict[str, Any]) -> QuantFormat:
+    """The format of a checkpoint whose quantization_config is `config` (method already resolved)."""
+    if method == "gptq":
+        return GPTQFormat(config)
+    if method == "awq":
+        return AWQFormat(config)
+    if method == "fp8":
+        return FP8Format(config)
+    # Only here: the library imports transformers, seconds of start-up a plain checkpoint need not pay.
+    from loraplex.worker.quant.compressed_tensors import CompressedTensorsFormat
+
+    return CompressedTensorsFormat(config)

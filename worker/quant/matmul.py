@@ -1,0 +1,178 @@
+"""x · Wᵀ for one quantized weight, the kernel chosen once at load from the weight's form and the device:
+
+  Int8ChannelMatmul  8-bit, one scale (and zero) per output row: torch's CPU int8 weight-only GEMM
+                     (torch._weight_int8pack_mm); a zero point becomes a rank-1 correction
+  Int4GroupMatmul    4-bit, groups of 32..256 contiguous columns (act-order ones permuted into place once):
+                     torch's CPU int4 GEMM on its packed layout (torch._weight_int4pack_mm_for_cpu)
+  DequantTileMatmul  anything else (FP8, grouped 8-bit, any weight on CUDA): the weight stays stored quantized and
+                     is dequantized one tile of output rows at a time into the activation dtype
+  TritonIntMatmul    on CUDA, INT4/INT8 in contiguous groups (act order permuted into place once): the weight read
+                     packed and dequantized inside kernels/quant_matmul.py's kernel
+  TritonFP8Matmul    on CUDA, FP8 with any block scales, the same way
+
+Each holds only its packed layout, built once here, and reports `nbytes` (the resident weight bytes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from loraplex.kernels.quant_matmul import fp8_weight_matmul_triton, int_weight_matmul_triton
+from loraplex.worker.quant.weights import FloatWeight, IntWeight, QuantWeight
+
+TILE_ROWS = 512  # output rows dequantized at once
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU int4 kernel takes
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _signed_offset(weight: IntWeight) -> int:
+    """What to add to q to make it unsigned: formats that store signed values center them on zero."""
+    return 1 << (weight.bits - 1) if weight.q.dtype == torch.int8 else 0
+
+
+def _act_order(weight: IntWeight) -> torch.Tensor | None:
+    """The column order that makes act-order groups contiguous, if each group has exactly group_size columns."""
+    order = torch.argsort(weight.g_idx, stable=True)
+    expected = torch.arange(weight.q.shape[1], device=weight.g_idx.device) // weight.group_size
+    return order if torch.equal(weight.g_idx[order], expected) else None
+
+
+def _has_contiguous_order(weight: IntWeight) -> bool:
+    return weight.q.shape[1] % weight.group_size == 0 and (weight.g_idx is None or _act_order(weight) is not None)
+
+
+def _contiguous_groups(weight: IntWeight) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(column order or None, q in that order (out, in), each contiguous group's index into scales/zeros)."""
+    if weight.g_idx is None:
+        return None, weight.q, torch.arange(weight.scales.shape[1], device=weight.q.device)
+    order = _act_order(weight)  # after it group g is columns [g·size, (g+1)·size)
+    return order, weight.q[:, order], weight.g_idx[order][:: weight.group_size]
+
+
+class Int8ChannelMatmul:
+    name = "int8 weight-only (torch CPU)"
+
+    @staticmethod
+    def fits(weight: QuantWeight, device: torch.device) -> bool:
+        return (device.type == "cpu" and isinstance(weight, IntWeight) and weight.bits == 8
+                and weight.scales.shape[1] == 1)
+
+    def __init__(self, weight: IntWeight, dtype: torch.dtype):
+        # w = (q - z)·s = (u - 128)·s + (128 - z')·s with u = q + offset unsigned and z' = z + offset: the first term
+        # is the int8 GEMM on u - 128, the second a per-row bias scaled by each token's input sum.
+        offset = _signed_offset(weight)
+        unsigned = weight.q.to(torch.int16) + offset  # (out, in) in [0, 256)
+        self.q = (unsigned - 128).to(torch.int8).contiguous()  # (out, in)
+        self.scales = weight.scales[:, 0].to(dtype).contiguous()  # (out,)
+        zeros = torch.zeros_like(weight.scales[:, 0]) if weight.zeros is None else weight.zeros[:, 0].float()
+        correction = (128 - zeros - offset) * weight.scales[:, 0]  # (out,)
+        self.correction = None if not correction.any() else correction.to(dtype)
+        self.nbytes = _nbytes(self.q, self.scales, self.correction)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x.contiguous(), self.q, self.scales)  # (tokens, out)
+        if self.correction is not None:
+            y = y + x.sum(-1, keepdim=True) * self.correction
+        return y
+
+
+class Int4GroupMatmul:
+    name = "int4 weight-only (torch CPU)"
+
+    @staticmethod
+    def fits(weight: QuantWeight, device: torch.device) -> bool:
+        if device.type != "cpu" or not isinstance(weight, IntWeight) or weight.bits != 4:
+            return False
+        return weight.group_size in INT4_GROUP_SIZES and _has_contiguous_order(weight)
+
+    def __init__(self, weight: IntWeight, dtype: torch.dtype):
+        self.order, q, groups = _contiguous_groups(weight)
+        offset = _signed_offset(weight)
+        unsigned = (q.to(torch.int32) + offset).contiguous()  # (out, in) in [0, 16)
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(unsigned, 1)
+        # The kernel computes (u - 8)·s + z per group: with w = (u - offset - zero)·s, z = (8 - offset - zero)·s.
+        scales = weight.scales[:, groups]  # (out, groups)
+        zeros = torch.zeros_like(scales) if weight.zeros is None else weight.zeros[:, groups].float()
+        shift = (8 - offset - zeros) * scales
+        self.scales_and_zeros = torch.stack([scales.t(), shift.t()], dim=-1).to(dtype).contiguous()  # (groups, out, 2)
+        self.group_size = weight.group_size
+        self.nbytes = _nbytes(self.packed, self.scales_and_zeros, self.order)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.order is not None:
+            x = x.index_select(-1, self.order)
+        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size, self.scales_and_zeros)
+
+
+class DequantTileMatmul:
+    name = "dequantize per tile"
+
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype):
+        self.weight, self.dtype = weight, dtype
+        fields = ("q", "scales", "zeros", "g_idx", "row_ids", "col_ids")
+        self.nbytes = _nbytes(*(getattr(weight, f, None) for f in fields))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        num_rows = self.weight.shape[0]
+        if num_rows <= TILE_ROWS:
+            return F.linear(x, self.weight.dequantize(slice(None), self.dtype))
+        y = x.new_empty(x.shape[0], num_rows)  # (tokens, out)
+        for start in range(0, num_rows, TILE_ROWS):
+            rows = slice(start, min(start + TILE_ROWS, num_rows))
+            y[:, rows] = F.linear(x, self.weight.dequantize(rows, self.dtype))
+        return y
+
+
+class TritonIntMatmul:
+    name = "int weight-only (Triton)"
+
+    @staticmethod
+    def fits(weight: QuantWeight, device: torch.device) -> bool:
+        return device.type == "cuda" and isinstance(weight, IntWeight) and _has_contiguous_order(weight)
+
+    def __init__(self, weight: IntWeight, dtype: torch.dtype):
+        self.order, q, groups = _contiguous_groups(weight)
+        offset = _signed_offset(weight)
+        unsigned = (q.to(torch.int16) + offset).to(torch.uint8)  # (out, in)
+        self.bits, self.group_size = weight.bits, weight.group_size
+        if self.bits == 4:  # columns 2j, 2j + 1 in byte j, low nibble first
+            unsigned = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
+        self.q = unsigned.contiguous()
+        self.scales = weight.scales[:, groups].contiguous()  # (out, groups) float32
+        zeros = torch.zeros_like(self.scales) if weight.zeros is None else weight.zeros[:, groups].float()
+        self.zeros = (zeros + offset).contiguous()  # of the unsigned values
+        self.nbytes = _nbytes(self.q, self.scales, self.zeros, self.order)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.order is not None:
+            x = x.index_select(-1, self.order)
+        return int_weight_matmul_triton(x.contiguous(), self.q, self.scales, self.zeros, self.group_size, self.bits)
+
+
+class TritonFP8Matmul:
+    name = "fp8 weight-only (Triton)"
+
+    @staticmethod
+    def fits(weight: QuantWeight, device: torch.device) -> bool:
+        return device.type == "cuda" and isinstance(weight, FloatWeight)
+
+    def __init__(self, weight: FloatWeight, dtype: torch.dtype):
+        self.weight = weight
+        self.nbytes = _nbytes(weight.q, weight.scales, weight.row_ids, weight.col_ids)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        return fp8_weight_matmul_triton(x.contiguous(), w.q, w.scales, w.row_ids, w.col_ids)
+
+
+QuantMatmul = Int8ChannelMatmul | Int4GroupMatmul | TritonIntMatmul | TritonFP8Matmul | DequantTileMatmul
+
+
+def build_matmul(weight: QuantWeight, device: torch.device, dtype: torch.dtype) -> QuantMatmul:
+    weight = weight.to(device)
+    for kernel in (Int8ChannelMatmul, Int4GroupMatmul, TritonIntMatmul, TritonFP8Matmul):
+        if kernel.fits(weight, device):
+            return kernel(weight, dtype)
+    return DequantTileMatmul(weight, dtype)

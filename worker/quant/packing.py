@@ -1,0 +1,36 @@
+"""Sub-byte integers packed into int32 words, as GPTQ and AWQ checkpoints store them: word k holds the values of
+`pack = 32 // bits` consecutive elements along one dimension, element j of the word in bits [j·bits, (j+1)·bits),
+or in AWQ's interleaved order. Both directions live here: the loader unpacks, the tests pack checkpoints with it."""
+
+from __future__ import annotations
+
+import torch
+
+# AWQ's GEMM kernels read word nibble j as output column AWQ_ORDER[j] of its group of 8.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """int32 words -> unsigned values (uint8), `32 // bits` per word along `dim`, each word's values in `order`."""
+    pack = 32 // bits
+    shifts = torch.arange(pack, dtype=torch.int32) * bits
+    words = packed.to(torch.int32).movedim(dim, -1).unsqueeze(-1)  # (..., words, 1)
+    values = (words >> shifts) & ((1 << bits) - 1)  # (..., words, pack): nibble j of each word
+    if order is not None:
+        values = values[..., torch.tensor([order.index(j) for j in range(pack)])]  # position j holds element j
+    return values.flatten(-2).movedim(-1, dim).to(torch.uint8)
+
+
+def pack_int32(values: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The inverse of unpack_int32: unsigned values in [0, 2**bits) -> int32 words along `dim`."""
+    pack = 32 // bits
+    v = values.to(torch.int64).movedim(dim, -1)
+    if v.shape[-1] % pack:
+        raise ValueError(f"{v.shape[-1]} values do not fill whole words of {pack}")
+    v = v.reshape(*v.shape[:-1], -1, pack)  # (..., words, pack)
+    if order is not None:
+        v = v[..., torch.tensor(order)]  # nibble j holds element order[j]
+    shifts = torch.arange(pack, dtype=torch.int64) * bits
+    words = (v << shifts).sum(-1)  # disjoint bits: the sum is the OR
+    words = torch.where(words >= 2**31, words - 2**32, words)  # as a two's-complement int32
+    return words.to(torch.int32).movedim(-1, dim)
