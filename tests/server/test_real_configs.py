@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from transformers import AutoConfig
 
 from scripts.demo.builders import build_tokenizer
 from tests.server_utils import ServerProcess
@@ -31,6 +32,8 @@ def test_real_config_serves_with_dummy_weights_and_two_layers(model: str, tmp_pa
     shutil.copy(CONFIGS_DIR / model / "config.json", model_dir / "config.json")
     build_tokenizer(model_dir)
     real = json.loads((model_dir / "config.json").read_text())
+    # as transformers reads it (a multimodal config's language model: Gemma 3's text_config, its defaults filled in)
+    vocab_size = AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size
     # torch ops: what is tested here is the config, the overrides and the dummy weights at real shapes, so no server
     # waits for the CPU kernels' build (tests/compute/test_cpu_kernels_worker.py covers those).
     with ServerProcess("--model-path", str(model_dir), "--load-format", "dummy", "--hf-overrides",
@@ -39,11 +42,11 @@ def test_real_config_serves_with_dummy_weights_and_two_layers(model: str, tmp_pa
                        "--attention-backend", "torch", start_timeout_s=600) as server:  # fmt: skip
         info = server.get("/server_info").json()
         assert (info["model_type"], info["num_hidden_layers"], info["load_format"]) == (real["model_type"], 2, "dummy")
-        assert info["vocab_size"] == real["vocab_size"] and info["hf_overrides"] == {"num_hidden_layers": 2}
+        assert info["vocab_size"] == vocab_size and info["hf_overrides"] == {"num_hidden_layers": 2}
         sampling = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
         resp = server.post("/generate", {"text": "The morning was cold", "sampling_params": sampling})
         assert resp.status_code == 200, resp.text
         out = resp.json()
-        assert len(out["output_ids"]) == MAX_NEW and all(0 <= t < real["vocab_size"] for t in out["output_ids"])
+        assert len(out["output_ids"]) == MAX_NEW and all(0 <= t < vocab_size for t in out["output_ids"])
         log = server.log()
     assert f"model_type {real['model_type']}, 2 hidden layers, load format dummy" in log

@@ -66,6 +66,10 @@ def test_hf_overrides_merge_before_the_config_is_read(tmp_path: Path) -> None:
         1, "qwen3", "linear", {"factor": 4.0})  # nested objects merge key by key
     assert ModelConfig.from_dir(str(tmp_path)).num_layers == 2  # the file is left as it was
     assert merge_overrides({"a": {"b": 1}}, {"a": 3}) == {"a": 3}
+    # a multimodal config: what its top level lacks goes to the language model's text_config
+    assert merge_overrides({"model_type": "m", "text_config": {"num_hidden_layers": 34}},
+                           {"num_hidden_layers": 2, "model_type": "n"}) == {
+        "model_type": "n", "text_config": {"num_hidden_layers": 2}}  # fmt: skip
     with pytest.raises(ModelConfigError, match="unsupported model_type 'gpt2'"):
         ModelConfig.from_dir(str(tmp_path), {"model_type": "gpt2"})
 

@@ -169,8 +169,14 @@ class ModelConfig:
 
 def merge_overrides(hf: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """hf with overrides merged in; an object overriding an object merges key by key (as vLLM's --hf-overrides), so
-    '{"rope_scaling": {"factor": 4.0}}' changes one scaling parameter. Neither input is changed."""
+    '{"rope_scaling": {"factor": 4.0}}' changes one scaling parameter. In a multimodal config (a `text_config` inside),
+    a key the top level lacks is the language model's: '{"num_hidden_layers": 2}' shortens it. Neither input is
+    changed."""
     merged = dict(hf)
+    text = {key: value for key, value in overrides.items() if key not in hf}
+    if isinstance(hf.get("text_config"), dict) and text:
+        overrides = {key: value for key, value in overrides.items() if key not in text}
+        merged["text_config"] = merge_overrides(hf["text_config"], text)
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = merge_overrides(merged[key], value)
