@@ -1,12 +1,13 @@
 """Model families beside the Llama rows: the same requests with 8 adapters and with none on a model of each family's
 shape (scripts/bench_model.py SIZES), on this machine.
 
-    python -m scripts.bench_families                 # full: a Qwen3-shaped model (189 M params), 64 requests
+    python -m scripts.bench_families                 # full: Qwen3- and Qwen3-MoE-shaped models, 64 requests
     python -m scripts.bench_families --quick --json out.json
 
-Per family, one server with 8 rank-16 all-module adapters preloaded runs the workload on the 8 adapters (uniform),
-then the same requests on the base model alone, interleaved per repeat. Ratio: output throughput 8 adapters / base
-(best of the repeats), as bench_all's Llama row. A family is one entry of FAMILY_SIZES.
+Per family, one server with 8 rank-16 all-module adapters (on a MoE: attention and every expert) preloaded runs the
+workload on the 8 adapters (uniform), then the same requests on the base model alone, interleaved per repeat. Ratio:
+output throughput 8 adapters / base (best of the repeats), as bench_all's Llama row. A family is one entry of
+FAMILY_SIZES.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from scripts.bench_workload import WorkloadSpec, make_workload
 # family -> its bench model size in SIZES (full plan, quick plan)
 FAMILY_SIZES: dict[str, tuple[str, str]] = {
     "qwen3": ("qwen3", "qwen3-quick"),
+    "qwen3_moe": ("qwen3_moe", "qwen3_moe-quick"),
 }
 
 

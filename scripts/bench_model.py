@@ -5,7 +5,8 @@ plus rank-16 all-module PEFT adapters (distinct seeds). Built once and cached; e
 
 Sizes (measured with HF on 2 CPU cores, fp32): `full` (137 M params) decodes a batch of 32 in ~120 ms and
 prefills ~1.5 ms/token; `quick` (hidden 256, 4 layers) is for smoke runs. The other families' shapes (`qwen3`, with
-its quick twin) serve scripts/bench_families.py.
+its quick twin, and `qwen3_moe`, with rank-16 adapters on attention and every expert) serve
+scripts/bench_families.py.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loraplex.protocol.lora_targets import TARGET_MODULES
+from loraplex.protocol.lora_targets import ATTN_MODULES, TARGET_MODULES
 
 from scripts.demo.builders import build_lora_adapter, build_tiny_model
+from scripts.demo.expert_adapters import build_expert_module_adapter
 
 BENCH_VERSION = "bench-v1"  # bump when the builders below change what they write
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "loraplex" / BENCH_VERSION
@@ -38,12 +40,14 @@ class ModelShape:
     intermediate_size: int
     arch: str = "llama"  # scripts/demo/builders.py's Arch
     head_dim: int | None = None  # None: hidden_size // num_heads
+    num_experts: int | None = None  # MoE archs: intermediate_size is each expert's (top-2 routing)
 
     @property
     def key(self) -> str:
         head_dim = "" if self.head_dim is None else f"-d{self.head_dim}"
+        experts = "" if self.num_experts is None else f"-e{self.num_experts}"
         return (f"{self.arch}-h{self.hidden_size}-l{self.num_layers}-a{self.num_heads}-kv{self.num_kv_heads}"
-                f"-i{self.intermediate_size}{head_dim}")
+                f"-i{self.intermediate_size}{head_dim}{experts}")
 
 
 SIZES = {
@@ -55,6 +59,12 @@ SIZES = {
                         arch="qwen3", head_dim=128),
     "qwen3-quick": ModelShape(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=768,
                               arch="qwen3", head_dim=64),
+    # Qwen3-MoE's proportions (Qwen3-30B-A3B: 8 of 128 experts of 768 over hidden 2048): fewer experts, so that the
+    # weights fit a small machine; top-2 of 8 experts of 768 make about a third of the qwen3 row's MLP compute.
+    "qwen3_moe": ModelShape(hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=8, intermediate_size=768,
+                            arch="qwen3_moe", head_dim=128, num_experts=8),
+    "qwen3_moe-quick": ModelShape(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=256,
+                                  arch="qwen3_moe", head_dim=64, num_experts=8),
 }
 
 
@@ -91,15 +101,23 @@ def ensure_bench_model(shape: ModelShape, num_adapters: int, cache_dir: str | os
     base_dir = root / "base"
     build_atomically(base_dir, lambda out: build_tiny_model(
         out, arch=shape.arch, hidden_size=shape.hidden_size, num_layers=shape.num_layers, num_heads=shape.num_heads,
-        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, intermediate_size=shape.intermediate_size, seed=0))
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, intermediate_size=shape.intermediate_size,
+        num_experts=shape.num_experts, seed=0))
     adapter_dirs = {}
     for index in range(num_adapters):
         name = adapter_name(index)
         adapter_dirs[name] = root / "adapters" / name
-        build_atomically(adapter_dirs[name], lambda out, seed=index + 1: build_lora_adapter(
-            base_dir, out, r=ADAPTER_RANK, lora_alpha=ADAPTER_ALPHA, target_modules=TARGET_MODULES, seed=seed,
-            base_model_name_or_path=str(base_dir)))
+        build_atomically(adapter_dirs[name], lambda out, seed=index + 1: build_adapter(shape, base_dir, out, seed))
     return BenchModel(base_dir, adapter_dirs)
+
+
+def build_adapter(shape: ModelShape, base_dir: Path, out_dir: Path, seed: int) -> None:
+    if shape.num_experts is None:
+        build_lora_adapter(base_dir, out_dir, r=ADAPTER_RANK, lora_alpha=ADAPTER_ALPHA, target_modules=TARGET_MODULES,
+                           seed=seed, base_model_name_or_path=str(base_dir))
+    else:  # attention and every expert's MLP; std 0.1 keeps the rank-16 delta's scale near the base weights'
+        build_expert_module_adapter(base_dir, out_dir, r=ADAPTER_RANK, lora_alpha=ADAPTER_ALPHA, seed=seed,
+                                    attn_modules=ATTN_MODULES, init_std=0.1)
 
 
 def main(argv: list[str] | None = None) -> BenchModel:

@@ -3,11 +3,11 @@ adapters on them in both of PEFT's forms (no tests here)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+
+from scripts.demo.expert_adapters import build_expert_module_adapter
 
 ARCHS = ("mixtral", "olmoe", "qwen3_moe")
 _COMMON = dict(
@@ -26,14 +26,6 @@ CONFIGS = {
     "qwen3_moe": dict(intermediate_size=160, moe_intermediate_size=96, num_experts=4, norm_topk_prob=True,
                       mlp_only_layers=[1], head_dim=16),
 }
-# the per-expert module names PEFT adapters of each family name (transformers 4's modules)
-EXPERT_MODULES = {
-    "mixtral": ("w1", "w3", "w2"),
-    "olmoe": ("gate_proj", "up_proj", "down_proj"),
-    "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
-}
-# where a per-expert adapter's expert weights live in each family's checkpoints
-EXPERT_PARENT = {"mixtral": "block_sparse_moe", "olmoe": "mlp", "qwen3_moe": "mlp"}
 
 
 def hf_config(arch: str, **overrides):
@@ -87,54 +79,13 @@ def build_parameter_adapter(model_dir: Path | str, out_dir: Path | str, *, r: in
     peft_model.save_pretrained(out_dir)
 
 
-def build_expert_module_adapter(arch: str, out_dir: Path | str, *, r: int, lora_alpha: float, seed: int,
-                                attn_modules: tuple[str, ...] = ("q_proj", "v_proj")) -> None:
-    """PEFT's per-expert form, as adapters trained on transformers 4 are saved (experts.N.w1 ... lora_A/B), on
-    every layer's experts, written by hand (transformers 5 models have no per-expert modules to build it on)."""
-    cfg = hf_config(arch)
-    gen = torch.Generator().manual_seed(seed)
-    hidden, inter = cfg.hidden_size, CONFIGS[arch].get("moe_intermediate_size", cfg.intermediate_size)
-    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
-    q_size, kv_size = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
-    attn_shapes = {"q_proj": (hidden, q_size), "k_proj": (hidden, kv_size), "v_proj": (hidden, kv_size),
-                   "o_proj": (q_size, hidden)}
-    gate, up, down = EXPERT_MODULES[arch]
-    expert_shapes = {gate: (hidden, inter), up: (hidden, inter), down: (inter, hidden)}
-    num_experts = CONFIGS[arch].get("num_local_experts") or CONFIGS[arch]["num_experts"]
-    dense = set(CONFIGS[arch].get("mlp_only_layers", ()))
-    tensors = {}
-
-    def add(prefix: str, in_dim: int, out_dim: int) -> None:
-        tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, in_dim, generator=gen) * 0.2
-        tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_dim, r, generator=gen) * 0.2
-
-    for layer in range(cfg.num_hidden_layers):
-        base = f"base_model.model.model.layers.{layer}"
-        for module in attn_modules:
-            add(f"{base}.self_attn.{module}", *attn_shapes[module])
-        if layer in dense:
-            # A dense layer's MLP has the experts' module names, so transformers 4's PEFT targeted it too; but on
-            # transformers 5 PEFT converts the adapter to the stacked experts only, and the reference would drop these.
-            continue
-        for expert in range(num_experts):
-            for module, shape in expert_shapes.items():
-                add(f"{base}.{EXPERT_PARENT[arch]}.experts.{expert}.{module}", *shape)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": r, "lora_alpha": lora_alpha, "lora_dropout": 0.0, "bias": "none",
-              "target_modules": [*attn_modules, gate, up, down], "task_type": "CAUSAL_LM",
-              "base_model_name_or_path": None, "rank_pattern": {}, "alpha_pattern": {}}
-    (out_dir / "adapter_config.json").write_text(json.dumps(config))
-
-
 def build_moe_set(root: Path, arch: str, with_tokenizer: bool = False) -> tuple[Path, dict[str, Path]]:
     """A model and two adapters on it: "a4" in the per-expert form (attention q/v, all experts), "a8" in the
     target_parameters form (attention q/o, stacked experts) whose gate_up has its own rank and alpha (patterns)."""
     model_dir = root / arch
     build_moe_model(model_dir, arch, with_tokenizer=with_tokenizer)
     adapters = {"a4": root / f"{arch}-a4", "a8": root / f"{arch}-a8"}
-    build_expert_module_adapter(arch, adapters["a4"], r=4, lora_alpha=8, seed=1)
+    build_expert_module_adapter(model_dir, adapters["a4"], r=4, lora_alpha=8, seed=1)
     build_parameter_adapter(model_dir, adapters["a8"], r=8, lora_alpha=16, target_modules=("q_proj", "o_proj"), seed=2,
                             rank_pattern={r".*\.gate_up_proj": 4}, alpha_pattern={r".*\.gate_up_proj": 12})
     return model_dir, adapters

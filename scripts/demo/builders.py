@@ -48,7 +48,7 @@ DEFAULT_INIT_STD = 0.35
 DEFAULT_LORA_DELTA_RATIO = 0.5
 
 
-Arch = Literal["llama", "mistral", "qwen2", "qwen3"]
+Arch = Literal["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
 
 # Plain prose for tokenizer training; varied enough that ~1000 merges are all well supported.
 _CORPUS = """\
@@ -252,7 +252,7 @@ def tokenizer_vocab_size() -> int:
 
 
 def _make_config(arch: Arch, **kwargs):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if arch == "llama":
         return LlamaConfig(**kwargs)
@@ -261,10 +261,15 @@ def _make_config(arch: Arch, **kwargs):
         return MistralConfig(sliding_window=None, **kwargs)
     if arch == "qwen2":
         return Qwen2Config(use_sliding_window=False, **kwargs)
-    if arch == "qwen3":  # its config's own default head_dim is 128, whatever the hidden size
+    if arch in ("qwen3", "qwen3_moe"):  # their configs' own default head_dim is 128, whatever the hidden size
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+    if arch == "qwen3":
         return Qwen3Config(use_sliding_window=False, **kwargs)
-    raise ValueError(f"unknown arch {arch!r}; expected llama, mistral, qwen2 or qwen3")
+    if arch == "qwen3_moe":
+        # Every layer sparse, top-2 of num_experts; intermediate_size is each expert's.
+        return Qwen3MoeConfig(use_sliding_window=False, moe_intermediate_size=kwargs["intermediate_size"],
+                              num_experts_per_tok=2, norm_topk_prob=True, **kwargs)
+    raise ValueError(f"unknown arch {arch!r}; expected llama, mistral, qwen2, qwen3 or qwen3_moe")
 
 
 @torch.no_grad()
@@ -294,6 +299,7 @@ def build_tiny_model(
     num_kv_heads: int = 2,
     head_dim: int | None = None,  # None: hidden_size // num_heads
     intermediate_size: int = 128,
+    num_experts: int | None = None,  # MoE archs only (qwen3_moe)
     max_position_embeddings: int = 2048,
     seed: int = 0,
     init_std: float = DEFAULT_INIT_STD,
@@ -318,6 +324,7 @@ def build_tiny_model(
         num_key_value_heads=num_kv_heads,
         **({} if head_dim is None else {"head_dim": head_dim}),
         intermediate_size=intermediate_size,
+        **({} if num_experts is None else {"num_experts": num_experts}),
         max_position_embeddings=max_position_embeddings,
         rope_theta=rope_theta,
         rms_norm_eps=1e-6,

@@ -178,13 +178,15 @@ def test_structured_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
 def test_families_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
     result = run_quick(bench_families, bench_cache_dir, tmp_path / "families.json")
     plan = bench_families.QUICK
-    qwen3 = result["families"]["qwen3"]
-    assert qwen3["size"].startswith("qwen3-")  # a Qwen3-shaped model, not the Llama one
-    for side in ("adapters", "base"):  # the same requests on both sides, every one finished at its length
-        assert qwen3[side]["summary"]["num_completed"] == plan.num_requests
-    value, _ = result["measured"]["qwen3_multi_vs_base"]
-    throughputs = [qwen3[side]["summary"]["output_token_throughput"] for side in ("adapters", "base")]
-    assert value == pytest.approx(throughputs[0] / throughputs[1])
+    assert set(result["families"]) == {"qwen3", "qwen3_moe"}
+    for family, runs in result["families"].items():
+        assert runs["size"].startswith(f"{family}-")  # the family's own shape, not the Llama one
+        for side in ("adapters", "base"):  # the same requests on both sides, every one finished at its length
+            assert runs[side]["summary"]["num_completed"] == plan.num_requests
+        value, _ = result["measured"][f"{family}_multi_vs_base"]
+        throughputs = [runs[side]["summary"]["output_token_throughput"] for side in ("adapters", "base")]
+        assert value == pytest.approx(throughputs[0] / throughputs[1])
+    assert result["families"]["qwen3_moe"]["size"].endswith("-e8")  # 8 experts (adapters on each: bench_model)
 
 
 def test_quantized_quick(bench_cache_dir: Path, tmp_path: Path) -> None:

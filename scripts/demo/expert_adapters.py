@@ -1,0 +1,63 @@
+"""PEFT LoRA adapters on a MoE checkpoint in PEFT's per-expert form, as adapters trained on transformers 4 are saved
+(layers.N.<parent>.experts.E.<module> lora_A/B, beside attention modules), written by hand: transformers 5 models have
+no per-expert modules to build them on with peft. Shapes come from the checkpoint's config.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+# the per-expert module names PEFT adapters of each family name (transformers 4's modules)
+EXPERT_MODULES = {
+    "mixtral": ("w1", "w3", "w2"),
+    "olmoe": ("gate_proj", "up_proj", "down_proj"),
+    "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+}
+# where a per-expert adapter's expert weights live in each family's checkpoints
+EXPERT_PARENT = {"mixtral": "block_sparse_moe", "olmoe": "mlp", "qwen3_moe": "mlp"}
+
+
+def build_expert_module_adapter(model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, r: int,
+                                lora_alpha: float, seed: int, attn_modules: tuple[str, ...] = ("q_proj", "v_proj"),
+                                init_std: float = 0.2) -> None:
+    """Attention `attn_modules` and every sparse layer's experts (A and B entries of std `init_std`)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    arch = cfg["model_type"]
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter = cfg["hidden_size"], cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q_size, kv_size = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    attn_shapes = {"q_proj": (hidden, q_size), "k_proj": (hidden, kv_size), "v_proj": (hidden, kv_size),
+                   "o_proj": (q_size, hidden)}
+    gate, up, down = EXPERT_MODULES[arch]
+    expert_shapes = {gate: (hidden, inter), up: (hidden, inter), down: (inter, hidden)}
+    num_experts = cfg.get("num_local_experts") or cfg["num_experts"]
+    dense = set(cfg.get("mlp_only_layers") or ())
+    tensors = {}
+
+    def add(prefix: str, in_dim: int, out_dim: int) -> None:
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, in_dim, generator=gen) * init_std
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_dim, r, generator=gen) * init_std
+
+    for layer in range(cfg["num_hidden_layers"]):
+        base = f"base_model.model.model.layers.{layer}"
+        for module in attn_modules:
+            add(f"{base}.self_attn.{module}", *attn_shapes[module])
+        if layer in dense:
+            # A dense layer's MLP has the experts' module names, so transformers 4's PEFT targeted it too; but on
+            # transformers 5 PEFT converts the adapter to the stacked experts only, and the reference would drop these.
+            continue
+        for expert in range(num_experts):
+            for module, shape in expert_shapes.items():
+                add(f"{base}.{EXPERT_PARENT[arch]}.experts.{expert}.{module}", *shape)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": r, "lora_alpha": lora_alpha, "lora_dropout": 0.0, "bias": "none",
+              "target_modules": [*attn_modules, gate, up, down], "task_type": "CAUSAL_LM",
+              "base_model_name_or_path": None, "rank_pattern": {}, "alpha_pattern": {}}
+    (out_dir / "adapter_config.json").write_text(json.dumps(config))
