@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.protocol.lora_targets import TARGET_MODULES
+from loraplex.protocol.lora_targets import FUSED_TARGETS, TARGET_MODULES
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -30,7 +30,8 @@ class AdapterLoadError(ValueError):
 class AdapterConfig:
     r: int
     lora_alpha: float
-    target_modules: tuple[str, ...]  # our module names, each once, in TARGET_MODULES order
+    # our module names, each once, in TARGET_MODULES order; a fused module (qkv_proj, gate_up_proj) as its slices
+    target_modules: tuple[str, ...]
     use_rslora: bool
     layers: tuple[int, ...] | None  # layers_to_transform, sorted, each once; None: every layer
     base_model_name_or_path: str | None
@@ -89,10 +90,19 @@ def _parse_targets(targets: Any) -> tuple[str, ...]:
         )
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise AdapterLoadError(f"target_modules must be a non-empty list of module names, got {targets!r}")
+    modules = []
     for target in targets:
-        if target not in TARGET_MODULES:
-            raise AdapterLoadError(f"unknown target module {target!r}; LoRA supports {', '.join(TARGET_MODULES)}")
-    return tuple(m for m in TARGET_MODULES if m in targets)
+        if target in FUSED_TARGETS:
+            for part in FUSED_TARGETS[target]:
+                if part in targets:
+                    raise AdapterLoadError(f"target_modules lists both {target!r} and its slice {part!r}")
+            modules.extend(FUSED_TARGETS[target])
+        elif target in TARGET_MODULES:
+            modules.append(target)
+        else:
+            known = ", ".join((*TARGET_MODULES, *FUSED_TARGETS))
+            raise AdapterLoadError(f"unknown target module {target!r}; LoRA supports {known}")
+    return tuple(m for m in TARGET_MODULES if m in modules)
 
 
 def _parse_layers(layers: Any) -> tuple[int, ...] | None:

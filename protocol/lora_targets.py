@@ -22,3 +22,13 @@ TP_MODES = {
     "down_proj": "row",
 }
 assert tuple(TP_MODES) == TARGET_MODULES
+
+# Modules some checkpoints store fused (Phi-3: qkv_proj, gate_up_proj), so PEFT adapters of those models target them:
+# one A (r, in) and one B (sum of the slices' out, r). Each is served as one LoRA per slice, all sharing that A, with
+# B cut at the slice boundaries; that is the same product, and TP then cuts each slice's B as its own (so q, k and v
+# rows are each split over ranks). An adapter config naming a fused module reads as naming its slices.
+FUSED_TARGETS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+assert all(set(slices) <= set(TARGET_MODULES) for slices in FUSED_TARGETS.values())

@@ -1,8 +1,9 @@
 """Load a Hugging Face safetensors checkpoint into a model, one file at a time, each parameter through its loader.
 
 HF names map onto the fused layers: q_proj/k_proj/v_proj are slices 0/1/2 of qkv_proj, gate_proj/up_proj slices 0/1
-of gate_up_proj. Each parameter's `weight_loader` (if any) receives the full tensor and keeps this rank's shard;
-the copy into the parameter converts the dtype and moves it to the device.
+of gate_up_proj; a checkpoint that stores them fused already (Phi-3: qkv_proj, gate_up_proj) loads each whole, and
+the layer cuts every slice for this rank. Each parameter's `weight_loader` (if any) receives the full tensor and keeps
+this rank's shard; the copy into the parameter converts the dtype and moves it to the device.
 """
 
 from __future__ import annotations
@@ -57,11 +58,13 @@ def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True
     params = dict(model.named_parameters())  # a tied weight appears once, under its first name
     aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(params)
     expected = {(name, None) for name in params}
+    slices_of: dict[str, int] = {}  # fused parameter -> its number of slices
     for name, module in model.named_modules():
         num_slices = getattr(module, "num_slices", 1)
         if num_slices > 1:
             for suffix in ("weight", "bias"):
                 if f"{name}.{suffix}" in params:
+                    slices_of[f"{name}.{suffix}"] = num_slices
                     expected.discard((f"{name}.{suffix}", None))
                     expected.update((f"{name}.{suffix}", i) for i in range(num_slices))
     loaded: set[tuple[str, int | None]] = set()
@@ -81,7 +84,10 @@ def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True
                         logger.warning("ignoring checkpoint tensor %s: no such parameter", hf_name)
                         continue
                     _load_one(params[name], f.get_tensor(hf_name), slice_id, hf_name)
-                    loaded.add((name, slice_id))
+                    if slice_id is None and name in slices_of:  # stored fused (Phi-3): every slice at once
+                        loaded.update((name, i) for i in range(slices_of[name]))
+                    else:
+                        loaded.add((name, slice_id))
     missing = sorted(f"{name}[{slice_id}]" if slice_id is not None else name for name, slice_id in expected - loaded)
     if missing:
         raise CheckpointError(f"checkpoint {model_dir!r} lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")

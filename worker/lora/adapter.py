@@ -21,7 +21,7 @@ import torch
 from loraplex.protocol.adapter_config import AdapterConfig, AdapterLoadError, parse_adapter_config
 from loraplex.protocol.adapter_files import AdapterFiles
 from loraplex.protocol.lora_shards import cut_shape, parse_lora_key, rank_cut
-from loraplex.protocol.lora_targets import TARGET_MODULES
+from loraplex.protocol.lora_targets import FUSED_TARGETS, TARGET_MODULES
 from loraplex.protocol.structs import TensorSpec
 from loraplex.worker.lora.targets import full_shapes
 from loraplex.worker.model.config import ModelConfig
@@ -115,12 +115,17 @@ def _build(
     """Match the tensors (already in the pool's dtype, finite) to the config and the model, keep this rank's slice.
     `whole_shapes`: set when `tensors` are already this rank's slices; the whole tensors' shapes, checked instead."""
     shapes = whole_shapes or {key: tuple(t.shape) for key, t in tensors.items()}
+    tensors, shapes, whole_keys = _split_fused(tensors, shapes, model_config)
     pairs = _match_tensors(shapes, config, model_config)
     pin = pool_spec.device.type == "cuda" and torch.cuda.is_available()
-    keep_tp = (0, 1) if whole_shapes is not None else (tp_rank, tp_size)  # (0, 1): keep all that came
+
+    def keep(key: str) -> torch.Tensor:  # already cut by the sender: keep all that came
+        is_whole = whole_shapes is None or key in whole_keys
+        return _keep(key, tensors[key], *((tp_rank, tp_size) if is_whole else (0, 1)))
+
     weights = {}
     for (layer, module), (key_a, key_b) in pairs.items():
-        lora_a, lora_b = (_keep(key, tensors[key], *keep_tp) for key in (key_a, key_b))
+        lora_a, lora_b = keep(key_a), keep(key_b)
         host_b = _host_copy(lora_b, pin, tp_size, transposed=True)
         weights[(layer, module)] = (_host_copy(lora_a, pin, tp_size), host_b)
     return LoRAAdapter(
@@ -331,6 +336,39 @@ def _match_tensors(
         elif (layer, module, "A") not in found:
             raise AdapterLoadError(f"missing lora_A weight for layers.{layer}.{module}")
     return pairs
+
+
+def _split_fused(
+    tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], model_config: ModelConfig
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]], set[str]]:
+    """Each lora_A / lora_B of a fused module (lora_targets.FUSED_TARGETS) as its slices' (the same A; B's rows of
+    the slice), under the slice's name. Returns the tensors, their whole shapes, and the keys made here: whole
+    tensors, for a fused module's travel uncut (protocol/lora_shards.py)."""
+    out_features = {module: out for module, (_, out) in full_shapes(model_config).items()}
+    split_tensors: dict[str, torch.Tensor] = {}
+    split_shapes: dict[str, tuple[int, ...]] = {}
+    made: set[str] = set()
+    for key, tensor in tensors.items():
+        parsed = parse_lora_key(key)
+        if parsed is None or parsed[1] not in FUSED_TARGETS:
+            split_tensors[key], split_shapes[key] = tensor, shapes[key]
+            continue
+        _, fused, which = parsed
+        slices = FUSED_TARGETS[fused]
+        sizes = [out_features[module] for module in slices]
+        if which == "B" and (len(shapes[key]) != 2 or shapes[key][0] != sum(sizes)):
+            raise AdapterLoadError(
+                f"shape mismatch with the base model: tensor {key!r} has shape {shapes[key]}, expected "
+                f"({sum(sizes)}, r) ({fused} fuses {'+'.join(slices)}: {'+'.join(map(str, sizes))} outputs)"
+            )
+        parts = tensor.split(sizes, dim=0) if which == "B" else [tensor] * len(slices)
+        for module, part in zip(slices, parts, strict=True):
+            slice_key = key.replace(f".{fused}.", f".{module}.")
+            if slice_key in tensors:
+                raise AdapterLoadError(f"tensor {key!r}: {module} lora_{which} also appears as {slice_key!r}")
+            split_tensors[slice_key], split_shapes[slice_key] = part, tuple(part.shape)
+            made.add(slice_key)
+    return split_tensors, split_shapes, made
 
 
 def _keep(key: str, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:

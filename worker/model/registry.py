@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model.llama import LlamaForCausalLM
+from loraplex.worker.model.phi3 import Phi3ForCausalLM
 from torch import nn
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "phi3": Phi3ForCausalLM,
 }
 
 
