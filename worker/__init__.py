@@ -10,10 +10,12 @@ loader.py                  safetensors checkpoint -> parameters, via each parame
 sampler.py                 greedy / temperature / top-k / top-p, stateless per-request seeds
 model/config.py            ModelConfig from an HF config.json (transformers 4 and 5 forms)
 model/llama.py             Llama / Mistral / Qwen2 decoder, free of TP and LoRA
+model/phi3.py              Phi-3 / Phi-4-mini: the Llama decoder; fused checkpoints, partial rotary, longrope
 model/registry.py          model_type -> decoder class (one file per family)
 layers/linear.py           Column-, MergedColumn- and RowParallelLinear with sharding weight loaders
 layers/attention.py        paged attention with torch SDPA
-layers/rotary.py, norm.py, embedding.py   RoPE (default, linear, llama3), RMSNorm, replicated embedding / LM head
+layers/rotary.py, norm.py, embedding.py   RoPE (default, linear, dynamic, yarn, longrope, llama3; partial),
+                           RMSNorm, replicated embedding / LM head
 layers/ops.py              the model ops (RMSNorm + residual, rotary, SiLU-mul) chosen at start-up: Triton on CUDA
 lora/                      multi-LoRA: adapter loading and validation, the device slot pool, LoRALinear wrappers,
                            LoRAManager (host copies, slot loads, per-forward token segments); see lora/__init__.py
