@@ -116,6 +116,7 @@ class SchedulerProcess:
             context_length=context_length,
             num_ranks=len(ready),
             chunked_prefill_size=self.config.chunked_prefill_tokens(first.device_type),
+            long_rope_len=first.long_rope_len,
         )
         self.to_frontend.send(
             SchedulerReady(

@@ -88,6 +88,7 @@ class Worker:
                 vocab_size=self.runner.vocab_size,
                 max_lora_rank=lora.spec.max_lora_rank if lora else 0,
                 lora_target_modules=list(lora.spec.target_modules) if lora else [],
+                long_rope_len=self.runner.long_rope_len,
             )
         )
         while True:

@@ -33,13 +33,17 @@ def test_phi4_mini_instruct() -> None:
     assert len(rope.params["long_factor"]) == len(rope.params["short_factor"]) == 48
     # The fused layers' slices: q 24 heads, k and v 8 heads each, of 128
     assert full_shapes(config)["q_proj"] == (3072, 3072) and full_shapes(config)["k_proj"] == (3072, 1024)
-    # Rope rows on both sides of the original length equal transformers' decode steps there
+    # The short rows (a sequence of at most 4096 tokens) and the long ones (a longer sequence) as transformers'
     max_positions = 4200
     rotary = RotaryEmbedding(config.head_dim, max_positions, rope)
     hf = Phi3RotaryEmbedding(config=Phi3Config(**raw))
-    for position in (0, 1, 4095, 4096, 4199):
-        cos, sin = hf(torch.zeros(1), torch.tensor([[position]]))
+    for position in (0, 1, 4095):
+        cos, sin = hf(torch.zeros(1), torch.tensor([[position]]))  # sequence length position + 1
         assert torch.equal(rotary.cos[position], cos[0, 0]) and torch.equal(rotary.sin[position], sin[0, 0])
+    for position in (0, 4095, 4096, 4199):
+        cos, sin = hf(torch.zeros(1), torch.tensor([[position, 4199]]))  # sequence length 4200
+        row = max_positions + position
+        assert torch.equal(rotary.cos[row], cos[0, 0]) and torch.equal(rotary.sin[row], sin[0, 0])
 
 
 def test_phi3_mini_4k_instruct() -> None:

@@ -1,13 +1,14 @@
-"""Rotary position embedding (rotate-half layout) with a precomputed cos/sin table per position.
+"""Rotary position embedding (rotate-half layout) with precomputed cos/sin tables, one row per position.
 
-Every RoPE scaling of transformers' modeling_rope_utils that the Llama-family models use lives in the table: its
-inverse frequencies and its attention factor (yarn, longrope scale cos and sin). What transformers decides per forward
-from the sequence length is decided here per position p, with the sequence length p + 1 (a decode step's):
-  dynamic   frequencies of seq_len max(p + 1, max_position_embeddings): the served context never exceeds the
-            model's maximum (model_runner checks --context-length), so these are the ones at that maximum.
-  longrope  short factors while p + 1 <= original_max_position_embeddings, long ones past it. transformers differs
-            once a sequence passes that length: its generate() then re-encodes the whole sequence with the long factors
-            (and a longer prompt is encoded with them throughout); here the positions before it keep the short ones.
+Every RoPE scaling of transformers' modeling_rope_utils that the Llama-family models use lives in the tables: their
+inverse frequencies and their attention factor (yarn, longrope scale cos and sin). What transformers decides per forward
+from the sequence length:
+  dynamic   frequencies of seq_len max(len, max_position_embeddings): the served context never exceeds the model's
+            maximum (model_runner checks --context-length), so these are the ones at that maximum.
+  longrope  the short factors while the sequence is at most original_max_position_embeddings long, the long ones at
+            every position once it is longer (Phi-3's generate() then re-encodes the whole sequence). The tables hold
+            both sets, short rows then long rows; the scheduler marks a request long (ForwardReq.long_rope, whose rows
+            batch_inputs.rotary_row picks) and recomputes it when it passes that length.
 Partial rotary (partial_rotary_factor < 1) rotates the first rotary_dim features of each head and passes the rest."""
 
 from __future__ import annotations
@@ -112,16 +113,14 @@ def _longrope_frequencies(dim: int, rope: RopeConfig, ext_factors: list[float]) 
 
 
 def rope_angles(rotary_dim: int, max_positions: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
-    """(angles (max_positions, rotary_dim / 2) of each position's rotation, attention factor), computed in float32
-    on the CPU as transformers computes them."""
+    """(angles (sets * max_positions, rotary_dim / 2) of each row's rotation, attention factor), computed in float32
+    on the CPU as transformers computes them; one set of rows, or two for longrope (short, then long)."""
     inv_freq, attention_factor = inverse_frequencies(rotary_dim, rope)
     positions = torch.arange(max_positions, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)  # (max_positions, rotary_dim / 2)
     if rope.rope_type == "longrope":
-        original_len = rope.params["original_max_position_embeddings"]
         long_inv_freq, _ = _longrope_frequencies(rotary_dim, rope, rope.params["long_factor"])
-        beyond = positions[original_len:]  # positions whose sequence length p + 1 exceeds the original
-        angles[original_len:] = torch.outer(beyond, long_inv_freq)
+        angles = torch.cat((angles, torch.outer(positions, long_inv_freq)))  # (2 * max_positions, rotary_dim / 2)
     return angles, attention_factor
 
 
@@ -130,14 +129,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dim = rope.rotary_dim(head_dim)
         angles, attention_factor = rope_angles(self.rotary_dim, max_positions, rope)
-        angles = torch.cat((angles, angles), dim=-1).to(torch.get_default_device())  # (max_positions, rotary_dim)
+        angles = torch.cat((angles, angles), dim=-1).to(torch.get_default_device())  # (rows, rotary_dim)
         # fp32 tables, cast to the activations' dtype at use, matching the reference's rounding.
         self.register_buffer("cos", angles.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", angles.sin() * attention_factor, persistent=False)
         self.ops = current_ops()  # bound at construction: the worker's choice, made once at start-up
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q (tokens, heads, head_dim), k (tokens, kv_heads, head_dim): rotated, possibly in place
+        # positions (tokens,): rows of the tables; q (tokens, heads, head_dim), k (tokens, kv_heads, head_dim):
+        # rotated, possibly in place
         rotary_dim = self.rotary_dim
         if rotary_dim == q.shape[-1]:
             return self.ops.rotary_embedding(positions, q, k, self.cos, self.sin)
