@@ -129,3 +129,26 @@ def test_greedy_with_prefix_cache_and_chunked_prefill_matches_peft(phi3_case: di
         ref, margins = hf_greedy(phi3_case["base"], prompt, DECODE_STEPS, _adapter_dir(phi3_case, name))
         num_compared += assert_greedy_match(out, ref, margins, what=name or "base")
     assert num_compared >= DECODE_STEPS * len(prompts) // 2
+
+
+@pytest.mark.parametrize("phi3_case", ["phi4_mini_like"], indirect=True)  # the model with longrope
+@torch.inference_mode()
+def test_long_rope_requests_match_transformers_past_the_original_length(phi3_case: dict) -> None:
+    """A sequence longer than the original 64 positions takes the long factors at every position in transformers
+    (and in a long_rope request, as the scheduler marks it): prefill logits and greedy decoding, with adapters."""
+    runner: ModelRunner = phi3_case["runner"]
+    assert runner.long_rope_len == 64
+    prompts = random_prompts([70, 90], runner.vocab_size, seed=13)
+    names = [None, "fused"]
+    reqs = [
+        ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=list(range(30 * i, 30 * i + 25)), sampling=GREEDY,
+                   slot=_slot(n), long_rope=True)  # fmt: skip
+        for i, (p, n) in enumerate(zip(prompts, names, strict=True))
+    ]
+    logits = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=_slot_loads()))
+    for prompt, name, ours in zip(prompts, names, logits.split([70, 90]), strict=True):
+        ref = hf_model(str(phi3_case["base"]), _adapter_dir(phi3_case, name))(torch.tensor([prompt])).logits[0]
+        assert (ours - ref).abs().max().item() <= FP32_TOL, name
+    short = [ForwardReq(input_ids=prompts[0], num_cached_tokens=0, page_ids=list(range(25)), sampling=GREEDY)]
+    short_logits = forward_logits(runner, ForwardBatch(batch_id=1, reqs=short))
+    assert (short_logits - logits[:70]).abs().max().item() > 0.1  # the short factors would differ here
