@@ -1,7 +1,8 @@
 """adapter_config.json, parsed once by one rule set: the frontend (sizing the pool from the start-up adapters) and
 every worker (loading one) read a PEFT adapter's config here. Plain Python, no torch.
 
-What is refused is what would change the math beyond y += scale · x·Aᵀ·Bᵀ on our seven linears, so an adapter is
+What is refused is what would change the math beyond y += scale · x·Aᵀ·Bᵀ on our seven linears (and the embedding's
+and LM head's, protocol/lora_targets.MODEL_TARGETS), so an adapter is
 never served wrong; what depends on the server (the pool's rank and modules, the model's layer count) is checked by
 the worker that holds them."""
 
@@ -11,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.protocol.lora_targets import FUSED_TARGETS, TARGET_MODULES
+from loraplex.protocol.lora_targets import ALL_TARGETS, FUSED_TARGETS
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -30,7 +31,7 @@ class AdapterLoadError(ValueError):
 class AdapterConfig:
     r: int
     lora_alpha: float
-    # our module names, each once, in TARGET_MODULES order; a fused module (qkv_proj, gate_up_proj) as its slices
+    # our module names, each once, in ALL_TARGETS order; a fused module (qkv_proj, gate_up_proj) as its slices
     target_modules: tuple[str, ...]
     use_rslora: bool
     layers: tuple[int, ...] | None  # layers_to_transform, sorted, each once; None: every layer
@@ -65,6 +66,8 @@ def parse_adapter_config(raw: Any) -> AdapterConfig:
         raise AdapterLoadError("DoRA adapters (use_dora: true) are not supported")
     if raw.get("modules_to_save"):
         raise AdapterLoadError(f"modules_to_save {raw['modules_to_save']!r} is not supported (must be empty)")
+    if raw.get("trainable_token_indices"):
+        raise AdapterLoadError("trainable_token_indices (retrained or added token embeddings) are not supported")
     if raw.get("bias", "none") != "none":
         raise AdapterLoadError(f"bias {raw['bias']!r} is not supported (must be 'none')")
     if raw.get("rank_pattern") or raw.get("alpha_pattern"):
@@ -86,7 +89,7 @@ def _parse_targets(targets: Any) -> tuple[str, ...]:
     if isinstance(targets, str):
         raise AdapterLoadError(
             f"target_modules {targets!r} is a pattern; only a list of module names is supported "
-            f"({', '.join(TARGET_MODULES)})"
+            f"({', '.join(ALL_TARGETS)})"
         )
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise AdapterLoadError(f"target_modules must be a non-empty list of module names, got {targets!r}")
@@ -97,12 +100,12 @@ def _parse_targets(targets: Any) -> tuple[str, ...]:
                 if part in targets:
                     raise AdapterLoadError(f"target_modules lists both {target!r} and its slice {part!r}")
             modules.extend(FUSED_TARGETS[target])
-        elif target in TARGET_MODULES:
+        elif target in ALL_TARGETS:
             modules.append(target)
         else:
-            known = ", ".join((*TARGET_MODULES, *FUSED_TARGETS))
+            known = ", ".join((*ALL_TARGETS, *FUSED_TARGETS))
             raise AdapterLoadError(f"unknown target module {target!r}; LoRA supports {known}")
-    return tuple(m for m in TARGET_MODULES if m in modules)
+    return tuple(m for m in ALL_TARGETS if m in modules)
 
 
 def _parse_layers(layers: Any) -> tuple[int, ...] | None:

@@ -23,6 +23,12 @@ TP_MODES = {
 }
 assert tuple(TP_MODES) == TARGET_MODULES
 
+# The layers outside the decoder layers that LoRA may target, on request (--lora-target-modules; "all" means the seven
+# above): their pool holds vocabulary-sized buffers. Replicated on every rank, so TP cuts none of their weights.
+# PEFT names the embedding's pair lora_embedding_A (r, vocab) and lora_embedding_B (hidden, r).
+MODEL_TARGETS = ("embed_tokens", "lm_head")
+ALL_TARGETS = TARGET_MODULES + MODEL_TARGETS  # every target name, in the order every list of them is kept
+
 # Modules some checkpoints store fused (Phi-3: qkv_proj, gate_up_proj), so PEFT adapters of those models target them:
 # one A (r, in) and one B (sum of the slices' out, r). Each is served as one LoRA per slice, all sharing that A, with
 # B cut at the slice boundaries; that is the same product, and TP then cuts each slice's B as its own (so q, k and v

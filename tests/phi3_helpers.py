@@ -1,5 +1,5 @@
-"""Tiny random Phi-3 checkpoints built with transformers' Phi3Config, and PEFT adapters on their fused modules
-(built with peft itself, so their layout is PEFT's own). No tests here."""
+"""Tiny random Phi-3 checkpoints built with transformers' Phi3Config (their adapters: lora_helpers.build_peft_adapter).
+No tests here."""
 
 from __future__ import annotations
 
@@ -49,21 +49,3 @@ def build_tiny_phi3(out_dir: Path | str, seed: int = 0, **overrides) -> None:
             values = torch.randn(param.shape, generator=generator) * 0.3
             param.copy_(torch.ones_like(param) if name.endswith("norm.weight") else values)
     model.save_pretrained(out_dir, safe_serialization=True)
-
-
-def build_phi3_adapter(
-    base_dir: Path | str, out_dir: Path | str, *, r: int, lora_alpha: float, target_modules: tuple[str, ...], seed: int
-) -> None:
-    """A PEFT LoRA adapter of the base at base_dir, its A and B random (PEFT would start B at zero)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0)
-    peft_model = get_peft_model(model, config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(peft_model.named_parameters()):
-            if ".lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
-    peft_model.save_pretrained(out_dir)

@@ -90,7 +90,7 @@ class ModelRunner:
         # Wraps the targeted linears in place, after the weights are loaded under their own names.
         self.lora = (
             LoRAManager(
-                self.model.model.layers, self.model_config, config, rank, world_size, self.device, self.dtype,
+                self.model, self.model_config, config, rank, world_size, self.device, self.dtype,
                 self.backend,
             )  # fmt: skip
             if config.lora_enabled
@@ -152,6 +152,9 @@ class ModelRunner:
             raise AttentionBackendError(
                 f"--enable-cuda-graph needs --lora-backend triton (this worker runs {self.backend.name})"
             )
+        if self.lora is not None and self.lora.pool.vocab:
+            raise AttentionBackendError("--enable-cuda-graph does not cover LoRA on embed_tokens or lm_head "
+                                        f"(--lora-target-modules {' '.join(self.lora.pool.vocab)})")  # fmt: skip
         return self.graph_runner(capture=True)
 
     @torch.inference_mode()
@@ -265,6 +268,8 @@ class ModelRunner:
             if extra_rows:
                 rows = torch.cat([rows, torch.tensor(extra_rows, dtype=rows.dtype, device=rows.device)])
             hidden = hidden[rows]  # (reqs + extra, hidden)
+            if self.lora is not None:
+                self.lora.select_rows(rows)
         return self.model.compute_logits(hidden)
 
     def _apply_slot_loads(self, slot_loads: list[SlotLoad]) -> None:

@@ -13,7 +13,8 @@ from loraplex.worker.model.phi3 import Phi3ForCausalLM
 from loraplex.worker.model_runner import ModelRunner
 from safetensors import safe_open
 
-from tests.phi3_helpers import PHI3_TARGETS, PHI4_MINI_LIKE, build_phi3_adapter, build_tiny_phi3
+from tests.lora_helpers import build_peft_adapter
+from tests.phi3_helpers import PHI3_TARGETS, PHI4_MINI_LIKE, build_tiny_phi3
 from tests.reference import assert_greedy_match, hf_greedy, hf_model
 from tests.worker_helpers import GREEDY, PAGE_SIZE, forward_logits, make_runner, random_prompts
 
@@ -36,7 +37,7 @@ def phi3_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     adapters = {}
     for seed, (name, (_, _, r, alpha, targets)) in enumerate(ADAPTERS.items(), start=1):
         adapters[name] = root / name
-        build_phi3_adapter(base, adapters[name], r=r, lora_alpha=alpha, target_modules=targets, seed=seed)
+        build_peft_adapter(base, adapters[name], r=r, lora_alpha=alpha, target_modules=targets, seed=seed)
     runner = make_runner(base, **LORA)
     results = runner.lora.load(
         [AdapterToLoad(lora_name=n, lora_path=str(p), lora_id=ADAPTERS[n][0]) for n, p in adapters.items()]

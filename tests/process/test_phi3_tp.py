@@ -17,7 +17,8 @@ from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model_runner import ModelRunner
 from safetensors.torch import load_file
 
-from tests.phi3_helpers import PHI3_TARGETS, PHI4_MINI_LIKE, build_phi3_adapter, build_tiny_phi3
+from tests.lora_helpers import build_peft_adapter
+from tests.phi3_helpers import PHI3_TARGETS, PHI4_MINI_LIKE, build_tiny_phi3
 from tests.worker_helpers import GREEDY, decode, forward_logits, random_prompts, run_two_ranks
 
 NAMES = [None, "fused", "attn", "fused"]
@@ -30,8 +31,8 @@ DECODE_STEPS = 6
 def phi3_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("phi3_tp")
     build_tiny_phi3(root / "base", **PHI4_MINI_LIKE)
-    build_phi3_adapter(root / "base", root / "fused", r=8, lora_alpha=16, target_modules=PHI3_TARGETS, seed=1)
-    build_phi3_adapter(root / "base", root / "attn", r=4, lora_alpha=8, target_modules=("qkv_proj",), seed=2)
+    build_peft_adapter(root / "base", root / "fused", r=8, lora_alpha=16, target_modules=PHI3_TARGETS, seed=1)
+    build_peft_adapter(root / "base", root / "attn", r=4, lora_alpha=8, target_modules=("qkv_proj",), seed=2)
     return {name: str(root / name) for name in ("base", "fused", "attn")}
 
 

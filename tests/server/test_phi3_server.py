@@ -11,7 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from scripts.demo.builders import build_tokenizer, tokenizer_vocab_size
-from tests.phi3_helpers import PHI3_TARGETS, PHI4_MINI_LIKE, build_phi3_adapter, build_tiny_phi3
+from tests.lora_helpers import build_peft_adapter
+from tests.phi3_helpers import PHI3_TARGETS, PHI4_MINI_LIKE, build_tiny_phi3
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess
 
@@ -34,8 +35,8 @@ def phi3_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     build_tiny_phi3(root / "base", vocab_size=tokenizer_vocab_size(),
                     **{**PHI4_MINI_LIKE, "original_max_position_embeddings": ORIGINAL_LEN})  # fmt: skip
     build_tokenizer(root / "base")
-    build_phi3_adapter(root / "base", root / "fused", r=8, lora_alpha=16, target_modules=PHI3_TARGETS, seed=1)
-    build_phi3_adapter(root / "base", root / "attn", r=4, lora_alpha=8, target_modules=("qkv_proj",), seed=2)
+    build_peft_adapter(root / "base", root / "fused", r=8, lora_alpha=16, target_modules=PHI3_TARGETS, seed=1)
+    build_peft_adapter(root / "base", root / "attn", r=4, lora_alpha=8, target_modules=("qkv_proj",), seed=2)
     return {name: root / name for name in ("base", "fused", "attn")}
 
 

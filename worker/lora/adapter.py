@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import math
 import mmap
+import re
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from loraplex.protocol.adapter_config import AdapterConfig, AdapterLoadError, parse_adapter_config
 from loraplex.protocol.adapter_files import AdapterFiles
 from loraplex.protocol.lora_shards import cut_shape, parse_lora_key, rank_cut
-from loraplex.protocol.lora_targets import FUSED_TARGETS, TARGET_MODULES
+from loraplex.protocol.lora_targets import FUSED_TARGETS, MODEL_TARGETS, TARGET_MODULES
 from loraplex.protocol.structs import TensorSpec
 from loraplex.worker.lora.targets import full_shapes
 from loraplex.worker.model.config import ModelConfig
@@ -47,10 +48,13 @@ class LoRAAdapter:
     target_modules: tuple[str, ...]  # in TARGET_MODULES order
     # (layer, HF module) -> (A (r, in of this rank), B (out of this rank, r)): host tensors in the model dtype
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # embed_tokens / lm_head -> (A (r, in), B (out, r)), whole on every rank (the embedding's in is the vocabulary)
+    vocab_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.weights.values() for t in pair)
+        pairs = [*self.weights.values(), *self.vocab_weights.values()]
+        return sum(t.numel() * t.element_size() for pair in pairs for t in pair)
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,9 @@ def _build(
     `whole_shapes`: set when `tensors` are already this rank's slices; the whole tensors' shapes, checked instead."""
     shapes = whole_shapes or {key: tuple(t.shape) for key, t in tensors.items()}
     tensors, shapes, whole_keys = _split_fused(tensors, shapes, model_config)
-    pairs = _match_tensors(shapes, config, model_config)
+    vocab_pairs = _match_vocab_tensors(shapes, config, model_config)  # every tensor of these layers, or it raised
+    vocab_keys = {key for pair in vocab_pairs.values() for key in pair}
+    pairs = _match_tensors({k: v for k, v in shapes.items() if k not in vocab_keys}, config, model_config)
     pin = pool_spec.device.type == "cuda" and torch.cuda.is_available()
 
     def keep(key: str) -> torch.Tensor:  # already cut by the sender: keep all that came
@@ -128,12 +134,17 @@ def _build(
         lora_a, lora_b = keep(key_a), keep(key_b)
         host_b = _host_copy(lora_b, pin, tp_size, transposed=True)
         weights[(layer, module)] = (_host_copy(lora_a, pin, tp_size), host_b)
+    vocab_weights = {}
+    for module, (key_a, key_b) in vocab_pairs.items():  # replicated layers: every rank keeps all of it
+        vocab_weights[module] = (_host_copy(tensors[key_a], pin, tp_size),
+                                 _host_copy(tensors[key_b], pin, tp_size, transposed=True))  # fmt: skip
     return LoRAAdapter(
         lora_id=lora_id,
         lora_rank=config.lora_rank,
         scale=config.scale,
         target_modules=config.target_modules,
         weights=weights,
+        vocab_weights=vocab_weights,
     )
 
 
@@ -292,6 +303,54 @@ def _check_finite(buffer: torch.Tensor, copies: dict[str, torch.Tensor], source_
             raise AdapterLoadError(f"tensor {key!r} holds NaN or infinite values{cast}")
 
 
+# PEFT's names: ...model.embed_tokens.lora_embedding_A (no .weight), ...lm_head.lora_A.weight (older PEFT: with the
+# adapter's name before .weight); a full copy of the layer (save_embedding_layers): ...embed_tokens.base_layer.weight.
+_VOCAB_KEY = re.compile(
+    r"(?:^|\.)(embed_tokens|lm_head)\.(?:lora_(?:embedding_)?([AB])(?:\.\w+)*|(base_layer\.)?weight)$"
+)
+
+
+def _match_vocab_tensors(
+    tensor_shapes: dict[str, tuple[int, ...]], config: _Config, model_config: ModelConfig
+) -> dict[str, tuple[str, str]]:
+    """The embedding's and the LM head's LoRA tensors, checked: {module: (A's key, B's key)}. A full copy of either
+    layer is refused: it may differ from the base model's."""
+    shapes = full_shapes(model_config)
+    found: dict[tuple[str, str], str] = {}
+    for key, shape in tensor_shapes.items():
+        match = _VOCAB_KEY.search(key)
+        if match is None:
+            continue
+        module, which, _ = match.groups()
+        if which is None:
+            raise AdapterLoadError(
+                f"tensor {key!r} is a full copy of the base model's {module} (PEFT saves one when the embedding is "
+                f"a target, or was resized for added tokens); not supported: save with save_embedding_layers=False"
+            )
+        if module not in config.target_modules:
+            raise AdapterLoadError(f"tensor {key!r} is for {module!r}, which target_modules does not list")
+        in_features, out_features = shapes[module]
+        expected = (config.lora_rank, in_features) if which == "A" else (out_features, config.lora_rank)
+        if shape != expected:
+            vocab = shape[1] if module == "embed_tokens" and which == "A" and len(shape) == 2 else None
+            added = f"; {vocab - in_features} added tokens are not supported" if vocab and vocab > in_features else ""
+            raise AdapterLoadError(
+                f"shape mismatch with the base model: tensor {key!r} has shape {shape}, expected {expected} "
+                f"(r={config.lora_rank}, {module} is {in_features} -> {out_features}){added}"
+            )
+        if (module, which) in found:
+            raise AdapterLoadError(f"tensor {key!r}: {module} lora_{which} appears twice")
+        found[(module, which)] = key
+    pairs = {}
+    for module in config.target_modules:
+        if module in MODEL_TARGETS:
+            for which in "AB":
+                if (module, which) not in found:
+                    raise AdapterLoadError(f"missing lora_{which} weight for {module}")
+            pairs[module] = (found[(module, "A")], found[(module, "B")])
+    return pairs
+
+
 def _match_tensors(
     tensor_shapes: dict[str, tuple[int, ...]], config: _Config, model_config: ModelConfig
 ) -> dict[tuple[int, str], tuple[str, str]]:
@@ -302,7 +361,9 @@ def _match_tensors(
     for key, shape in tensor_shapes.items():
         parsed = parse_lora_key(key)
         if parsed is None:
-            raise AdapterLoadError(f"unexpected tensor {key!r}: only lora_A / lora_B weights of decoder layers")
+            raise AdapterLoadError(
+                f"unexpected tensor {key!r}: only lora_A / lora_B weights of decoder layers, embed_tokens and lm_head"
+            )
         layer, module, which = parsed
         if module not in TARGET_MODULES:
             raise AdapterLoadError(f"tensor {key!r}: unknown target module {module!r}")
@@ -325,6 +386,8 @@ def _match_tensors(
     pairs = {}
     for layer in config.layers:
         for module in config.target_modules:
+            if module in MODEL_TARGETS:
+                continue  # not a layer's: _match_vocab_tensors
             for which in "AB":
                 if (layer, module, which) not in found:
                     raise AdapterLoadError(f"missing lora_{which} weight for layers.{layer}.{module}")

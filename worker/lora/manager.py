@@ -24,6 +24,7 @@ from loraplex.worker.lora.layers import LoRABatchInfo, LoRALinear
 from loraplex.worker.lora.pool import LoRAPool
 from loraplex.worker.lora.targets import SLICE_OF
 from loraplex.worker.lora.upload import uploader_for
+from loraplex.worker.lora.vocab import EMBED, HEAD, LoRAEmbedding, LoRALMHead
 from loraplex.worker.model.config import ModelConfig
 from torch import nn
 
@@ -37,7 +38,7 @@ class LoRAConfigError(ValueError):
 class LoRAManager:
     def __init__(
         self,
-        layers: Sequence[nn.Module],
+        model: nn.Module,
         model_config: ModelConfig,
         config: ServerConfig,
         tp_rank: int,
@@ -46,7 +47,8 @@ class LoRAManager:
         dtype: torch.dtype,
         backend: LoRABackend,
     ):
-        """Build the pool for the model's decoder `layers` and wrap their targeted linears (in place)."""
+        """Build the pool for the model (its decoder layers, embed_tokens and lm_head) and wrap the targeted layers
+        in place."""
         if config.max_lora_rank is None or not config.target_modules:
             raise LoRAConfigError(
                 "LoRA is enabled but --max-lora-rank and --lora-target-modules are not both set "
@@ -60,13 +62,20 @@ class LoRAManager:
             dtype=dtype,
             device=torch.device(device),
         )
-        self.pool = LoRAPool(layers, self.spec, config.max_loras_per_batch)
+        layers = model.model.layers
+        vocab_shapes = {EMBED: (model_config.vocab_size, model_config.hidden_size),
+                        HEAD: (model_config.hidden_size, model_config.vocab_size)}  # fmt: skip
+        self.pool = LoRAPool(layers, self.spec, config.max_loras_per_batch, vocab_shapes)
         self.uploader = uploader_for(self.spec.device)  # every pool write goes through it (a side stream on CUDA)
         self.batch = LoRABatchInfo(backend=backend)
         for (layer_id, name), buffers in self.pool.buffers.items():
             parent_name, attr = name.rsplit(".", 1)
             parent = layers[layer_id].get_submodule(parent_name)
             setattr(parent, attr, LoRALinear(getattr(parent, attr), buffers, self.batch))
+        if EMBED in self.pool.vocab:
+            model.model.embed_tokens = LoRAEmbedding(model.model.embed_tokens, self.pool.vocab[EMBED], self.batch)
+        if HEAD in self.pool.vocab:
+            model.lm_head = LoRALMHead(model.lm_head, self.pool.vocab[HEAD], self.batch)
         self.adapters: dict[int, LoRAAdapter] = {}  # lora_id -> host copy
         self._dropped_early: set[int] = set()  # ids dropped before their install (ids are never reused)
         self._lock = threading.Lock()  # adapters and _dropped_early: install runs on the loader's thread
@@ -228,17 +237,27 @@ class LoRAManager:
     def prepare(self, reqs: Sequence[ForwardReq]) -> None:
         """Group the batch's tokens (request order) into segments of consecutive requests with one slot."""
         seg_indptr, seg_slots = self._segments(reqs)
-        used = {slot for slot in seg_slots if slot != -1}
+        used = sorted({slot for slot in seg_slots if slot != -1})
+        self.batch.used_slots = tuple(used)
         if not used:
             self.batch.meta = None
             self.batch.active = frozenset()
             return
         self.batch.meta = self.batch.backend.prepare(seg_indptr, seg_slots)
         self.batch.active = frozenset(
-            SLICE_OF[module][0].name
+            SLICE_OF[module][0].name if module in SLICE_OF else module
             for slot in used
             for module in self.adapters[self.slot_lora_ids[slot]].target_modules
         )
+        if self.pool.vocab:
+            lengths = torch.tensor([len(req.input_ids) for req in reqs])
+            slots = torch.tensor([req.slot for req in reqs]).repeat_interleave(lengths)  # (tokens,)
+            self.batch.token_slots = self.batch.row_slots = slots.to(self.spec.device, non_blocking=True)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """The LM head computes these token rows (rows,) of this forward (default: every token)."""
+        if self.batch.token_slots is not None:
+            self.batch.row_slots = self.batch.token_slots[rows]
 
     def prepare_fixed(self, reqs: Sequence[ForwardReq], num_segments: int, into: LoRABatchMeta | None) -> LoRABatchMeta:
         """prepare() in the fixed shapes a CUDA graph replays: the segments padded with empty ones to `num_segments`,

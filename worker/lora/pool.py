@@ -5,7 +5,8 @@ Per layer per fused linear that the pool targets:
   lora_b  (slots, max_rank, out_per_rank)               rows 0 ... r, slice s's output columns
 zero-padded past the adapter's rank, and zero for a slice the adapter does not target. Shared by all layers:
 slot_scales (slots,) and, per fused linear kind, slot_ranks (slots,): the adapter's r where it targets any slice of
-that kind, else 0, so the kernels skip the slot there (an attention-only adapter costs nothing in the MLP)."""
+that kind, else 0, so the kernels skip the slot there (an attention-only adapter costs nothing in the MLP).
+The embedding's and the LM head's slots, where the pool targets them, are vocab.py's VocabLoRABuffers."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from loraplex.worker.lora.adapter import LoRAAdapter, PoolSpec
 from loraplex.worker.lora.targets import FUSED_LINEARS, SLICE_OF, FusedLinear
+from loraplex.worker.lora.vocab import VocabLoRABuffers
 from torch import nn
 
 
@@ -42,8 +44,11 @@ class LoRABuffers:
 
 
 class LoRAPool:
-    def __init__(self, layers: Sequence[nn.Module], spec: PoolSpec, num_slots: int):
-        """`layers`: the model's decoder layers, before any linear is wrapped."""
+    def __init__(self, layers: Sequence[nn.Module], spec: PoolSpec, num_slots: int,
+                 vocab_shapes: dict[str, tuple[int, int]]):  # fmt: skip
+        """`layers`: the model's decoder layers, before any linear is wrapped; `vocab_shapes`: (in, out) of the
+        embedding and the LM head (embed_tokens: (vocab, hidden), lm_head: (hidden, vocab)), of which those that
+        the spec targets get buffers."""
         self.spec = spec
         self.num_slots = num_slots
         self.max_rank = spec.max_lora_rank
@@ -58,6 +63,12 @@ class LoRAPool:
         for layer_id, layer in enumerate(layers):
             for fused in self.fused_linears:
                 self.buffers[(layer_id, fused.name)] = self._make_buffers(fused, layer.get_submodule(fused.name))
+        self.vocab = {
+            module: VocabLoRABuffers.empty(module, *shape, num_slots, self.max_rank, self.host_scales, spec.dtype,
+                                           device)  # fmt: skip
+            for module, shape in vocab_shapes.items()
+            if module in spec.target_modules
+        }
 
     def _make_buffers(self, fused: FusedLinear, linear: nn.Module) -> LoRABuffers:
         if linear.tp_mode != fused.tp_mode or linear.num_slices != len(fused.slices):
@@ -92,7 +103,9 @@ class LoRAPool:
             b_start, b_end = buffers.row_offsets[slice_id], buffers.row_offsets[slice_id + 1]
             buffers.lora_a[slot, a_start : a_start + r].copy_(lora_a, non_blocking=True)  # (r, in_per_rank)
             buffers.lora_b[slot, :r, b_start:b_end].copy_(lora_b.T, non_blocking=True)  # (r, out_of_slice)
-        targeted = {SLICE_OF[module][0].name for module in adapter.target_modules}
+        for module, (lora_a, lora_b) in adapter.vocab_weights.items():
+            self.vocab[module].load(slot, lora_a, lora_b)
+        targeted = {SLICE_OF[module][0].name for module in adapter.target_modules if module in SLICE_OF}
         for name, ranks in self.slot_ranks.items():
             ranks[slot] = self.host_ranks[name][slot] = r if name in targeted else 0
         self.slot_scales[slot] = adapter.scale
@@ -103,10 +116,13 @@ class LoRAPool:
         for buffers in self.buffers.values():
             buffers.lora_a[slot].zero_()
             buffers.lora_b[slot].zero_()
+        for vocab_buffers in self.vocab.values():
+            vocab_buffers.clear(slot)
         for name, ranks in self.slot_ranks.items():
             ranks[slot] = self.host_ranks[name][slot] = 0
         self.slot_scales[slot] = self.host_scales[slot] = 0.0
 
     @property
     def num_bytes(self) -> int:
-        return sum(b.lora_a.nbytes + b.lora_b.nbytes for b in self.buffers.values())
+        linears = sum(b.lora_a.nbytes + b.lora_b.nbytes for b in self.buffers.values())
+        return linears + sum(b.num_bytes for b in self.vocab.values())

@@ -33,7 +33,8 @@ assert set(SLICE_OF) == set(TARGET_MODULES)  # every module of the one table has
 
 
 def full_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """HF module -> (in_features, out_features) of its full, unsharded weight."""
+    """HF module -> (in_features, out_features) of its full, unsharded weight (the embedding's: as a linear from
+    one-hot tokens)."""
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
     return {
@@ -44,4 +45,6 @@ def full_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
         "gate_proj": (hidden, inter),
         "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
+        "embed_tokens": (config.vocab_size, hidden),  # lora_embedding_A (r, vocab), lora_embedding_B (hidden, r)
+        "lm_head": (hidden, config.vocab_size),
     }
