@@ -30,7 +30,7 @@ def test_a_config_is_parsed_to_our_module_order():
     ({"use_dora": True}, "DoRA"),
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
     ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
-    ({"target_modules": ["q_proj", "lm_head"]}, "unknown target module 'lm_head'"),
+    ({"target_modules": ["q_proj", "score"]}, "unknown target module 'score'"),
     ({"target_modules": "all-linear"}, "is a pattern"),
     ({"r": True}, "'r' must be a positive integer"),
     ({"layers_to_transform": "0"}, "layers_to_transform"),

@@ -26,8 +26,8 @@ def test_fused_targets_read_as_their_slices() -> None:
         "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # fmt: skip
     with pytest.raises(AdapterLoadError, match="both 'qkv_proj' and its slice 'k_proj'"):
         parse_adapter_config(_config(["qkv_proj", "k_proj"]))
-    with pytest.raises(AdapterLoadError, match="unknown target module 'embed_tokens'"):
-        parse_adapter_config(_config(["qkv_proj", "embed_tokens"]))
+    with pytest.raises(AdapterLoadError, match="unknown target module 'score'"):
+        parse_adapter_config(_config(["qkv_proj", "score"]))
 
 
 def test_fused_weights_split_per_slice() -> None:
@@ -57,3 +57,13 @@ def test_fused_b_of_the_wrong_size_is_refused() -> None:
     }
     with pytest.raises(AdapterLoadError, match=r"qkv_proj fuses q_proj\+k_proj\+v_proj: 32\+16\+16 outputs"):
         adapter_from_tensors(_config(["qkv_proj"]), *encode_tensors(tensors), 1, model, POOL, 0, 1)
+
+
+def test_the_embedding_and_head_are_pool_targets_by_name_only() -> None:
+    from loraplex.protocol.config import ServerConfig
+
+    assert ServerConfig(lora_target_modules=["all"]).target_modules == TARGET_MODULES
+    both = ServerConfig(lora_target_modules=["lm_head", "all", "embed_tokens"]).target_modules
+    assert both == (*TARGET_MODULES, "embed_tokens", "lm_head")
+    assert parse_adapter_config(_config(["lm_head", "qkv_proj"])).target_modules == ("q_proj", "k_proj", "v_proj",
+                                                                                     "lm_head")  # fmt: skip
