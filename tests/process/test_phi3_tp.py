@@ -1,5 +1,6 @@
 """Phi-3 under tensor parallelism: fused checkpoint tensors and fused-module adapters cut per slice, so two gloo
-ranks serving a mixed batch reproduce tp=1; a node-0 cut (--nnodes > 1) of a fused adapter equals a rank's own."""
+ranks serving a mixed batch (an adapter on the embedding and LM head in it) reproduce tp=1; a node-0 cut
+(--nnodes > 1) of a fused adapter equals a rank's own."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from tests.lora_helpers import build_peft_adapter
 from tests.phi3_helpers import PHI3_TARGETS, PHI4_MINI_LIKE, build_tiny_phi3
 from tests.worker_helpers import GREEDY, decode, forward_logits, random_prompts, run_two_ranks
 
-NAMES = [None, "fused", "attn", "fused"]
-IDS = {"fused": 1, "attn": 2}
-SLOTS = {"fused": 0, "attn": 1}
+NAMES = [None, "fused", "attn", "vocab", "fused"]
+IDS = {"fused": 1, "attn": 2, "vocab": 3}
+SLOTS = {"fused": 0, "attn": 1, "vocab": 2}
 DECODE_STEPS = 6
 
 
@@ -33,12 +34,15 @@ def phi3_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     build_tiny_phi3(root / "base", **PHI4_MINI_LIKE)
     build_peft_adapter(root / "base", root / "fused", r=8, lora_alpha=16, target_modules=PHI3_TARGETS, seed=1)
     build_peft_adapter(root / "base", root / "attn", r=4, lora_alpha=8, target_modules=("qkv_proj",), seed=2)
-    return {name: str(root / name) for name in ("base", "fused", "attn")}
+    # the embedding and the (tied) LM head are replicated: every rank adds their whole LoRA term
+    build_peft_adapter(root / "base", root / "vocab", r=4, lora_alpha=8,
+                       target_modules=("embed_tokens", "lm_head", "down_proj"), seed=3)  # fmt: skip
+    return {name: str(root / name) for name in ("base", "fused", "attn", "vocab")}
 
 
 def tp_config(tp: int) -> ServerConfig:
     return ServerConfig(device="cpu", tp=tp, page_size=4, max_total_tokens=512, enable_lora=True, max_lora_rank=8,
-                        lora_target_modules=["all"], max_loras_per_batch=2)  # fmt: skip
+                        lora_target_modules=["all", "embed_tokens", "lm_head"], max_loras_per_batch=3)  # fmt: skip
 
 
 def run_phi3(runner: ModelRunner, dirs: dict[str, str]) -> dict:
@@ -46,7 +50,7 @@ def run_phi3(runner: ModelRunner, dirs: dict[str, str]) -> dict:
     assert all(r.success for r in results), [r.error_message for r in results]
     slot_loads = [SlotLoad(slot=SLOTS[n], lora_id=IDS[n]) for n in IDS]
     slots = [-1 if n is None else SLOTS[n] for n in NAMES]
-    prompts = random_prompts([5, 8, 11, 3], runner.vocab_size, seed=3)
+    prompts = random_prompts([5, 8, 11, 6, 3], runner.vocab_size, seed=3)
     page_ids, first = [], 0
     for prompt in prompts:
         page_ids.append(list(range(first, first + -(-len(prompt) // 4))))
