@@ -159,3 +159,16 @@ def test_an_embedding_adapter_needs_a_pool_that_covers_it(llama_dir: Path, tmp_p
     assert not runner.lora.pool.vocab and not isinstance(runner.model.lm_head, LoRALMHead)
     [outcome] = runner.lora.load([AdapterToLoad(lora_name="a", lora_path=str(adapter), lora_id=1)])
     assert not outcome.success and "'embed_tokens' is not in the LoRA pool" in outcome.error_message
+
+
+@torch.inference_mode()
+def test_a_base_batch_after_an_adapter_batch_keeps_no_slots_of_it(vocab_case: dict) -> None:
+    # A longer base-only batch right after a short adapter batch: the head must not read the earlier batch's slots.
+    runner: ModelRunner = vocab_case["runner"]
+    short = random_prompts([2], runner.vocab_size, seed=50)
+    decode(runner, short, [GREEDY], 1, slots=[_slot("vocab")], slot_loads=_slot_loads())
+    prompts = random_prompts([9, 11], runner.vocab_size, seed=51)
+    ours = decode(runner, prompts, [GREEDY] * 2, 3)
+    for prompt, out in zip(prompts, ours, strict=True):
+        ref, margins = hf_greedy(vocab_case["base"], prompt, 3)
+        assert_greedy_match(out, ref, margins, what="base")

@@ -242,6 +242,7 @@ class LoRAManager:
         if not used:
             self.batch.meta = None
             self.batch.active = frozenset()
+            self.batch.token_slots = self.batch.row_slots = None  # none of another batch's
             return
         self.batch.meta = self.batch.backend.prepare(seg_indptr, seg_slots)
         self.batch.active = frozenset(
