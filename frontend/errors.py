@@ -17,3 +17,11 @@ class InputError(ServerError, ValueError):
 
     def __init__(self, message: str):
         super().__init__(message, "invalid")
+
+
+class RateLimited(ServerError):
+    """A per-key rate limit is reached: 429, with Retry-After seconds (frontend/rate_limits.py)."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message, "rate_limited")
+        self.retry_after_s = retry_after_s

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
 from loraplex.frontend.adapters.registry import AdapterError
+from loraplex.frontend.caller import caller_key_id
 from loraplex.frontend.chat_template import ChatOptions, render_chat
 from loraplex.frontend.constraints import constrain, native_constraint
 from loraplex.frontend.errors import InputError
@@ -110,9 +111,17 @@ class GenerateService:
 
     # ---- submit ------------------------------------------------------------------------------------------
 
+    def take_rate(self, prompts: list[list[int]]) -> Callable[[], None]:
+        """The caller's per-key rate limits for one API request of these prompts (RateLimited past them, taking
+        nothing); returns the refund to call if the request is refused after all (frontend/rate_limits.py)."""
+        limits, key_id = self.runtime.rate_limits, caller_key_id()
+        num_prompt_tokens = sum(len(p) for p in prompts)
+        limits.admit(key_id, 1, num_prompt_tokens)
+        return lambda: limits.refund(key_id, 1, num_prompt_tokens)
+
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
                      stops: list[str], lora_names: list[str | None], rids: list[str | None],
-                     output: OutputOptions = OutputOptions()) -> list[RequestState]:
+                     output: OutputOptions = OutputOptions(), *, priority: int = 0) -> list[RequestState]:
         """Submit every prompt (with its own sampling when given a list), or none if one is refused."""
         runtime = self.runtime
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
@@ -131,7 +140,7 @@ class GenerateService:
                 if runtime.registry.get(name) is None or runtime.registry.get(name).draining:
                     raise AdapterError(f"adapter {name!r} is not loaded", kind="not_found")
             for prompt, one_sampling, name, rid in zip(prompts, samplings, lora_names, rids, strict=False):
-                states.append(await self._submit_one(prompt, one_sampling, stops, name, rid, output))
+                states.append(await self._submit_one(prompt, one_sampling, stops, name, rid, output, priority))
         except BaseException:
             await self.finish(states)
             raise
@@ -145,9 +154,20 @@ class GenerateService:
         runtime = self.runtime
         runtime.check_available()
         prompts, batched = self._prompts(body)
+        params = body.sampling_params or NativeSamplingParams()
+        refund = self.take_rate(_repeat_n(prompts, params.n))
+        try:
+            states = await self._start_checked(body, params, prompts, batched)
+        except BaseException:
+            refund()
+            raise
+        return states, batched or params.n > 1
+
+    async def _start_checked(self, body: NativeGenerateRequest, params: NativeSamplingParams,
+                             prompts: list[list[int]], batched: bool) -> list[RequestState]:
+        runtime = self.runtime
         logprobs = body.top_logprobs_num if body.return_logprob else -1
         logprob_start_len = body.logprob_start_len if body.return_logprob else -1
-        params = body.sampling_params or NativeSamplingParams()
         sampling, stops = native_sampling(params, runtime.eos_token_ids, logprobs, logprob_start_len,
                                           runtime.ready.vocab_size if runtime.ready else None)
         [sampling] = await constrain(runtime, [sampling], native_constraint(params))
@@ -155,13 +175,13 @@ class GenerateService:
         rids = _per_item(body.rid, len(prompts), batched, "rid")
         if params.n > 1:
             rids = [None if rid is None else f"{rid}-{k}" for rid in rids for k in range(params.n)]
-            prompts, lora_names, batched = _repeat_n(prompts, params.n), _repeat_n(lora_names, params.n), True
+            prompts, lora_names = _repeat_n(prompts, params.n), _repeat_n(lora_names, params.n)
         samplings = n_samplings(sampling, params.n) * (len(prompts) // params.n)
         output = OutputOptions(skip_special_tokens=params.skip_special_tokens, keep_stop=params.no_stop_trim)
-        states = await self.submit(prompts, samplings, stops, lora_names, rids, output)
+        states = await self.submit(prompts, samplings, stops, lora_names, rids, output, priority=body.priority)
         for state in states:
             state.return_text_in_logprobs = body.return_text_in_logprobs
-        return states, batched
+        return states
 
     def _prompts(self, body: NativeGenerateRequest) -> tuple[list[list[int]], bool]:
         """Prompts as token ids, and whether the request was batched."""
@@ -238,7 +258,8 @@ class GenerateService:
             yield chunk
 
     async def _submit_one(self, prompt_ids: list[int], sampling: SamplingParams, stop_strings: list[str],
-                          lora_name: str | None, rid: str | None, output: OutputOptions) -> RequestState:
+                          lora_name: str | None, rid: str | None, output: OutputOptions,
+                          priority: int) -> RequestState:
         """Check and enqueue one request. Raises InputError, AdapterError or ServerUnavailable."""
         runtime = self.runtime
         rid = rid or uuid.uuid4().hex
@@ -253,11 +274,13 @@ class GenerateService:
             rid, prompt_ids, sampling, stop_strings, runtime.tokenizer, lora_name, entry.lora_id if entry else None,
             output,
         )
+        state.key_id = caller_key_id()
         state.dp_rank = runtime.router.pick(state.lora_id)
         runtime.router.acquire(state.dp_rank, state.lora_id)
         runtime.requests[rid] = state
         runtime.metrics.on_submit(len(prompt_ids))
-        req = TokenizedGenerateReq(rid=rid, input_ids=prompt_ids, sampling=sampling, lora_id=state.lora_id)
+        req = TokenizedGenerateReq(rid=rid, input_ids=prompt_ids, sampling=sampling, lora_id=state.lora_id,
+                                   priority=priority, key_id=state.key_id)
         await runtime.replicas.send(state.dp_rank, req)
         return state
 
@@ -288,6 +311,7 @@ class GenerateService:
                 state.fail("aborted by the client", status=499)
             # Counted before the hold goes: once released, an unload may drop the adapter's series.
             runtime.metrics.on_finish(state)
+            runtime.rate_limits.charge_output(state.key_id, len(state.output_ids))
             runtime.router.release(state.dp_rank, state.lora_id)
             if state.lora_id is not None:
                 runtime.registry.release(state.lora_id, state.rid)

@@ -33,7 +33,7 @@ def resolve_lora_config(config: ServerConfig, model_dir: str) -> ServerConfig:
                                            lora_target_modules=list(targets or TARGET_MODULES))
         adapters = [_start_up_config(config, s.lora_name, s.lora_path) for s in config.lora_sources]
         if max_rank is None:
-            max_rank = max(a.r for a in adapters)
+            max_rank = max(a.max_rank for a in adapters)
         if targets is None:
             wanted = {m for a in adapters for m in a.target_modules}
             targets = tuple(m for m in ALL_TARGETS if m in wanted)

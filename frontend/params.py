@@ -73,6 +73,7 @@ class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     top_logprobs_num: TopLogprobs = 0
     return_text_in_logprobs: bool = False
     logprob_start_len: LogprobStart = -1
+    priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's order); fcfs ignores it
 
 
 # SGLang /generate fields we do not implement, with the values that mean "off" (accepted and dropped).
@@ -177,6 +178,7 @@ def make_sampling(
     min_p: float = 0.0,
     min_new_tokens: int = 0,
     logprob_start_len: int = -1,
+    prompt_top_logprobs: int = 0,
     controls: LogitControls | None = None,
 ) -> SamplingParams:
     if max_new_tokens < 0:
@@ -217,6 +219,7 @@ def make_sampling(
         min_p=float(min_p),
         min_new_tokens=min_new_tokens,
         logprob_start_len=logprob_start_len,
+        prompt_top_logprobs=prompt_top_logprobs,
         **(msgspec.structs.asdict(controls) if controls is not None else {}),
     )
 
@@ -251,6 +254,7 @@ def native_sampling(
         min_p=p.min_p,
         min_new_tokens=p.min_new_tokens,
         logprob_start_len=logprob_start_len,
+        prompt_top_logprobs=max(logprobs, 0),  # SGLang: top_logprobs_num alternatives for prompt and output alike
         controls=logit_controls(p.logit_bias, None, None, None, vocab_size),
     )
     return sampling, stop_list(p.stop)

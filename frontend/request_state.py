@@ -40,6 +40,7 @@ class RequestState:
         self.lora_id = lora_id
         self.output = output
         self.dp_rank = 0  # the data-parallel replica serving it (frontend/cluster/router.py)
+        self.key_id: str | None = None  # the API key it came with (frontend/caller.py): its output is charged there
         self.detokenizer = IncrementalDetokenizer(tokenizer, output.skip_special_tokens)
         self.stop_matcher = StopMatcher(stop_strings)
         self.output_ids: list[int] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+from loraplex.frontend.adapters.audit import AuditEntry
 
 
 class ErrorDetail(msgspec.Struct):
@@ -24,7 +25,8 @@ class ErrorResponse(msgspec.Struct):
 
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-               404: "NotFoundError", 409: "ConflictError", 413: "RequestTooLarge", 499: "ClientClosedRequest",
+               404: "NotFoundError", 409: "ConflictError", 413: "RequestTooLarge", 429: "rate_limited",
+               499: "ClientClosedRequest",
                500: "InternalServerError", 503: "ServiceUnavailableError", 504: "TimeoutError"}
 
 
@@ -175,6 +177,12 @@ class AdapterTable(msgspec.Struct):
     adapters: list[AdapterRow]
 
 
+class AuditLogResponse(msgspec.Struct):
+    """GET /audit_log: the last adapter operations and refusals, oldest first (--audit-log has every line)."""
+
+    entries: list[AuditEntry]
+
+
 # ---- OpenAI ----------------------------------------------------------------------------------------
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort"] | None
@@ -193,6 +201,19 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
+class PromptLogprob(msgspec.Struct):
+    """vLLM's Logprob: one token's entry in a prompt position's prompt_logprobs."""
+
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, null for the first, else {token id: entry} holding the prompt token
+# first, then the best, best first
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(msgspec.Struct, omit_defaults=True):  # the defaults below are vLLM's, left out unless asked
     index: int
     text: str
@@ -200,6 +221,7 @@ class CompletionChoice(msgspec.Struct, omit_defaults=True):  # the defaults belo
     finish_reason: FinishReason
     prompt_token_ids: list[int] | None = None  # return_token_ids (in a stream: a choice's first chunk)
     token_ids: list[int] | None = None  # return_token_ids: the output's (in a stream: the chunk's)
+    prompt_logprobs: PromptLogprobs | None = None  # prompt_logprobs, or echo with logprobs (not streamed)
 
 
 class CompletionResponse(msgspec.Struct):
@@ -263,6 +285,7 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None  # return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None  # prompt_logprobs: the prompt's, once for every choice (vLLM's)
 
 
 class CompletionChunk(msgspec.Struct, omit_defaults=True):

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Any
 
+from loraplex.frontend.adapters.audit import AuditLog
 from loraplex.frontend.adapters.manager import AdapterManager
 from loraplex.frontend.adapters.registry import AdapterRegistry
 from loraplex.frontend.adapters.state_file import AdapterStateFile
@@ -26,6 +27,7 @@ from loraplex.frontend.errors import ServerUnavailable
 from loraplex.frontend.grammar_checker import GrammarChecker
 from loraplex.frontend.lora_config import resolve_lora_config
 from loraplex.frontend.metrics import Metrics
+from loraplex.frontend.rate_limits import KeyRateLimits
 from loraplex.frontend.request_state import RequestState
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import (
@@ -54,6 +56,7 @@ class Runtime:
         self.created = int(time.time())  # the base model's card's `created`
         self.registry = AdapterRegistry(config.lora_path_root, max_pinned=config.max_loras_per_batch - 1)
         self.metrics = Metrics(config.model_name, config.dp_size)
+        self.rate_limits = KeyRateLimits(config.max_requests_per_minute_per_key, config.max_tokens_per_minute_per_key)
         self.requests: dict[str, RequestState] = {}
         self.ready: SchedulerReady | None = None  # what every replica can take (the smallest KV cache)
         self.replica_ready: list[SchedulerReady] = []  # by dp_rank
@@ -72,6 +75,7 @@ class Runtime:
         self.nodes: NodeRendezvous | None = None  # --nnodes > 1: the other nodes' endpoints and heartbeats
         self.router = Router(config.dp_size)
         self.adapters: AdapterManager | None = None  # built once the LoRA config is complete (start)
+        self.audit = AuditLog(config.audit_log)  # before start: refusals at the edges are recorded from the first one
         self._watch_task: asyncio.Task | None = None
 
     # ---- start / stop -------------------------------------------------------------------------------
@@ -89,15 +93,18 @@ class Runtime:
             self.procs.endpoints = [endpoints]
         self.replicas = ReplicaSet(self.procs.endpoints, self._apply_deltas, self._on_slots, self._on_failure)
         state_file = AdapterStateFile(self.config.lora_state_file) if self.config.lora_state_file else None
-        self.adapters = AdapterManager(self.config, self.registry, self.metrics, self.replicas, state_file)
+        self.adapters = AdapterManager(self.config, self.registry, self.metrics, self.replicas, state_file,
+                                       self.audit)
         self.procs.start()
         logger.info("loading tokenizer from %s", self.model_dir)
         self.tokenizer, self.eos_token_ids = await loop.run_in_executor(None, load_tokenizer, self.model_dir)
         self.replica_ready = await self.replicas.wait_ready(self._dead, START_TIMEOUT_S)
         self.ready = min(self.replica_ready, key=lambda ready: ready.max_total_tokens)
         logger.info(
-            "scheduler ready: %d KV tokens, context length %d", self.ready.max_total_tokens, self.ready.context_length
-        )
+            "scheduler ready: model_type %s, %d hidden layers, load format %s, %d KV tokens, context length %d",
+            self.ready.model_type, self.ready.num_hidden_layers, self.config.load_format, self.ready.max_total_tokens,
+            self.ready.context_length,
+        )  # fmt: skip
         self._watch_task = asyncio.create_task(self._watch_loop())
         sources = self.config.lora_sources
         specs = [LoRAAdapterSpec(lora_name=s.lora_name, lora_path=s.lora_path, pinned=s.pinned) for s in sources]
@@ -145,6 +152,7 @@ class Runtime:
             await asyncio.get_running_loop().run_in_executor(None, self.procs.stop)
         if self.replicas is not None:
             self.replicas.close_sockets()
+        self.audit.close()
 
     @property
     def healthy(self) -> bool:

@@ -50,6 +50,9 @@ def variants() -> list[Variant]:
         out.append(Variant("expand", dtype, 16, block_r=64, seg_block=16))
         if dtype != "float32":
             out.append(Variant("expand", dtype, 32, block_r=16, h_dtype=dtype))
+        # An MoE layer's expert LoRA: rows in runs of one (expert, slot), so hundreds of segments in a decode step
+        for kernel in ("shrink", "expand"):
+            out.append(Variant(kernel, dtype, 16, block_r=16, seg_block=1024))
     return out
 
 

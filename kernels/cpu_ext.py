@@ -8,6 +8,7 @@ module to the attention backend and the model's ops (worker/layers/ops.py) at st
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import platform
@@ -71,7 +72,9 @@ def _build() -> ModuleType | None:
     try:
         with elapsed(logger, "building the CPU kernels"):
             module = load(
-                name="loraplex_cpu_kernels",
+                # Named by the source's digest: checkouts of other versions share the extensions cache, and torch's
+                # builder would load one's build for another's source under a fixed name.
+                name=f"loraplex_cpu_kernels_{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}",
                 sources=[str(SOURCE)],
                 extra_cflags=COMPILER_FLAGS,
                 extra_ldflags=["-fopenmp"],

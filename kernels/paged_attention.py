@@ -13,6 +13,10 @@ written when these run, so a request attends to its cached prefix and its new to
 
 Both write into rows of one (tokens, heads, head_dim) output, located by each request's first row in the batch's flat
 token layout, so a batch of decodes and prefills needs no index_select of q or of the output.
+
+Both take a layer's sliding window (`window` > 0: a query at position p sees the keys at (p - window, p]; the loops
+start at the window, so a windowed layer reads only its keys) and logit soft-cap (`logit_cap` > 0: scores ->
+cap * tanh(scores / cap), Gemma 2), as runtime arguments: one compiled variant serves every layer.
 Each launcher checks its arguments and has a torch reference with the same signature (tests/kernel_refs.py).
 """
 
@@ -31,9 +35,15 @@ SPLIT_MIN_TOKENS = 256  # a split shorter than this is not worth its partial out
 SPLIT_TARGET_PROGRAMS = 256  # split until (requests x kv heads x splits) reaches about this (~2 per SM on H100/H200)
 
 
+@triton.jit
+def _soft_cap(s, logit_cap):
+    # cap * tanh(s / cap), tanh from exp (the interpreter has no tanh): 1 - 2 / (exp(2x) + 1) saturates to +-1.
+    return logit_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / logit_cap) + 1.0))
+
+
 # The page table's row stride is its width, the batch's longest page list: not specialized on, or each width class
-# (1, a multiple of 16, other) would be a variant of its own. Likewise the merge's split count.
-@triton.jit(do_not_specialize=["stride_page_table"])
+# (1, a multiple of 16, other) would be a variant of its own. Likewise the merge's split count and the window.
+@triton.jit(do_not_specialize=["stride_page_table", "window"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -45,6 +55,8 @@ def _decode_kernel(
     part_out_ptr,
     part_lse_ptr,
     scale,
+    window,
+    logit_cap,
     stride_q_row,
     stride_q_head,
     stride_cache_slot,
@@ -68,9 +80,12 @@ def _decode_kernel(
     num_splits = tl.num_programs(2)
     kv_len = tl.load(kv_lens_ptr + req)
     row = tl.load(q_rows_ptr + req).to(tl.int64)
+    first = 0
+    if window > 0:
+        first = tl.maximum(kv_len - window, 0)  # the window's oldest key
     # Whole key blocks per split, so only the last block of a request is ragged.
-    blocks_per_split = tl.cdiv(tl.cdiv(kv_len, BLOCK_N), num_splits)
-    start = split * blocks_per_split * BLOCK_N
+    blocks_per_split = tl.cdiv(tl.cdiv(kv_len - first, BLOCK_N), num_splits)
+    start = first + split * blocks_per_split * BLOCK_N
     end = tl.minimum(start + blocks_per_split * BLOCK_N, kv_len)
 
     h = tl.arange(0, BLOCK_H)
@@ -97,6 +112,8 @@ def _decode_kernel(
         kv_mask = pos_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # (BN, BD)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (BH, BN)
+        if logit_cap > 0:
+            s = _soft_cap(s, logit_cap)
         s = tl.where(pos_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])  # (BH, BN)
@@ -150,7 +167,7 @@ def _merge_splits_kernel(
              mask=d < HEAD_DIM)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["stride_page_table"])
+@triton.jit(do_not_specialize=["stride_page_table", "window"])
 def _extend_kernel(
     q_ptr,
     k_cache_ptr,
@@ -163,6 +180,8 @@ def _extend_kernel(
     tile_offsets_ptr,
     out_ptr,
     scale,
+    window,
+    logit_cap,
     stride_q_row,
     stride_q_head,
     stride_cache_slot,
@@ -201,11 +220,16 @@ def _extend_kernel(
     )  # (BM, BD)
     q_pos = cached + i  # (BM,) positions; padding rows past q_len see keys as far as the tile's last position
     kv_end = cached + tl.minimum(offset + BLOCK_M, q_len)  # the tile's causal bound
+    # A window's oldest key per row; padding rows count from the tile's last key, so every row sees some key.
+    oldest = tl.minimum(q_pos, kv_end - 1) - window + 1  # (BM,)
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(cached + offset - window + 1, 0) // BLOCK_N * BLOCK_N  # the tile's first row's window
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     page_row = page_table_ptr + req.to(tl.int64) * stride_page_table
-    for block_start in range(0, kv_end, BLOCK_N):
+    for block_start in range(lo, kv_end, BLOCK_N):
         pos = block_start + n  # (BN,)
         pos_mask = pos < kv_end
         page = tl.load(page_row + pos // PAGE_SIZE, mask=pos_mask, other=0)
@@ -214,11 +238,17 @@ def _extend_kernel(
         kv_mask = pos_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (BM, BN)
-        # Key 0 is visible to every row, so no row's maximum stays -inf.
-        s = tl.where((pos[None, :] <= q_pos[:, None]) & pos_mask[None, :], s, float("-inf"))
+        if logit_cap > 0:
+            s = _soft_cap(s, logit_cap)
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
+        if window > 0:
+            visible = visible & (pos[None, :] >= oldest[:, None])
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
+        # A row whose window starts past this block has no key in it yet: keep its maximum finite (exp(-inf) = 0).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_sum = row_sum * alpha + tl.sum(p, 1)
@@ -321,16 +351,18 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def paged_decode_attention_triton(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor,
-                                  page_size: int, scale: float, num_splits: int) -> None:  # fmt: skip
-    """out[q_rows[r]] = attention of q[q_rows[r]] over request r's first kv_lens[r] keys, for every request r of
-    page_table (reqs, pages)."""
+                                  page_size: int, scale: float, num_splits: int, window: int = 0,
+                                  logit_cap: float = 0.0) -> None:  # fmt: skip
+    """out[q_rows[r]] = attention of q[q_rows[r]] over request r's first kv_lens[r] keys (the last `window` of them
+    when window > 0), for every request r of page_table (reqs, pages); scores soft-capped when logit_cap > 0."""
     check_decode_args(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, num_splits)
-    launch_decode(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, scale, num_splits)
+    launch_decode(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, scale, num_splits, window,
+                  logit_cap)  # fmt: skip
 
 
 def launch_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor, page_size: int,
-                  scale: float, num_splits: int) -> None:  # fmt: skip
+                  scale: float, num_splits: int, window: int = 0, logit_cap: float = 0.0) -> None:  # fmt: skip
     """The launch alone, on checked arguments (the worker checks its shapes once, at start-up)."""
     num_reqs = page_table.shape[0]
     _, num_heads, head_dim = q.shape
@@ -346,7 +378,7 @@ def launch_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
         part_lse = q.new_empty(num_reqs, num_heads, num_splits, dtype=torch.float32)
     with device_scope(q):
         _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
-            q, k_cache, v_cache, page_table, kv_lens, q_rows, out, part_out, part_lse, scale,
+            q, k_cache, v_cache, page_table, kv_lens, q_rows, out, part_out, part_lse, scale, window, float(logit_cap),
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
             out.stride(0), out.stride(1),
             HEADS_PER_KV=heads_per_kv, BLOCK_H=max(16, triton.next_power_of_2(heads_per_kv)), HEAD_DIM=head_dim,
@@ -363,19 +395,21 @@ def launch_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
 def paged_extend_attention_triton(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                                   cached_lens: torch.Tensor, tile_reqs: torch.Tensor, tile_offsets: torch.Tensor,
-                                  page_size: int, scale: float) -> None:  # fmt: skip
+                                  page_size: int, scale: float, window: int = 0,
+                                  logit_cap: float = 0.0) -> None:  # fmt: skip
     """For every request r of page_table: out rows q_starts[r] .. + q_lens[r] = causal attention of those q rows
-    (positions cached_lens[r] + i) over the request's keys 0..cached_lens[r] + i. Tiles from plan_extend_tiles."""
+    (positions p = cached_lens[r] + i) over the request's keys 0..p (those past p - window when window > 0), scores
+    soft-capped when logit_cap > 0. Tiles from plan_extend_tiles."""
     check_extend_args(out, q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets,
                       page_size)  # fmt: skip
     launch_extend(out, q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets,
-                  page_size, scale)  # fmt: skip
+                  page_size, scale, window, logit_cap)  # fmt: skip
 
 
 def launch_extend(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor, cached_lens: torch.Tensor,
                   tile_reqs: torch.Tensor, tile_offsets: torch.Tensor, page_size: int,
-                  scale: float) -> None:  # fmt: skip
+                  scale: float, window: int = 0, logit_cap: float = 0.0) -> None:  # fmt: skip
     num_tiles = tile_reqs.shape[0]
     _, num_heads, head_dim = q.shape
     if num_tiles == 0:
@@ -383,6 +417,7 @@ def launch_extend(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
     with device_scope(q):
         _extend_kernel[(num_tiles, num_heads)](
             q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets, out, scale,
+            window, float(logit_cap),
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
             out.stride(0), out.stride(1),
             HEADS_PER_KV=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),

@@ -1,18 +1,19 @@
 """adapter_config.json, parsed once by one rule set: the frontend (sizing the pool from the start-up adapters) and
 every worker (loading one) read a PEFT adapter's config here. Plain Python, no torch.
 
-What is refused is what would change the math beyond y += scale · x·Aᵀ·Bᵀ on our seven linears (and the embedding's
-and LM head's, protocol/lora_targets.MODEL_TARGETS), so an adapter is
-never served wrong; what depends on the server (the pool's rank and modules, the model's layer count) is checked by
-the worker that holds them."""
+What is refused is what would change the math beyond y += scale · x·Aᵀ·Bᵀ on our seven linears (in an MoE model, the
+experts' gate/up/down are three of them) and the embedding's and LM head's (protocol/lora_targets.MODEL_TARGETS), so an
+adapter is never served wrong; what depends on the server (the pool's rank and modules, the model's layer count) is
+checked by the worker that holds them."""
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.protocol.lora_targets import ALL_TARGETS, FUSED_TARGETS
+from loraplex.protocol.lora_targets import ALL_TARGETS, EXPERT_MODULE_ALIASES, EXPERT_PARAMETERS, FUSED_TARGETS
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -36,20 +37,47 @@ class AdapterConfig:
     use_rslora: bool
     layers: tuple[int, ...] | None  # layers_to_transform, sorted, each once; None: every layer
     base_model_name_or_path: str | None
+    # PEFT's per-module rank and alpha: (pattern, value) pairs, in the file's order (the first match wins, as in PEFT)
+    rank_pattern: tuple[tuple[str, int], ...] = ()
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
 
     @property
     def scale(self) -> float:
         """lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA."""
-        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+        return self.module_scale(self.r, self.lora_alpha)
+
+    def module_scale(self, r: int, lora_alpha: float) -> float:
+        return lora_alpha / (math.sqrt(r) if self.use_rslora else r)
+
+    @property
+    def max_rank(self) -> int:
+        """The largest rank of any module (the pool must hold it)."""
+        return max([self.r, *(r for _, r in self.rank_pattern)])
+
+    def module_rank_alpha(self, module_name: str) -> tuple[int, float]:
+        """(r, lora_alpha) of one module by its full name (e.g. model.layers.0.self_attn.q_proj, or a stacked
+        experts parameter model.layers.0.mlp.experts.gate_up_proj), the patterns matched as PEFT matches them."""
+        return _pattern_value(self.rank_pattern, module_name, self.r), _pattern_value(
+            self.alpha_pattern, module_name, self.lora_alpha
+        )
+
+
+def _pattern_value(patterns: tuple[tuple[str, Any], ...], module_name: str, default: Any) -> Any:
+    for pattern, value in patterns:  # peft.utils.other.get_pattern_key
+        if re.match(rf"(.*\.)?({pattern})$", module_name):
+            return value
+    return default
 
 
 def parse_adapter_config(raw: Any) -> AdapterConfig:
     """adapter_config.json's content (a decoded JSON value) as an AdapterConfig; AdapterLoadError says what is wrong."""
     if not isinstance(raw, dict):
         raise AdapterLoadError(f"the adapter config must be a JSON object ({CONFIG_FILE}), got {raw!r}")
-    for field in ("r", "lora_alpha", "target_modules"):
+    for field in ("r", "lora_alpha"):
         if field not in raw:
             raise AdapterLoadError(f"{CONFIG_FILE} lacks the field {field!r}")
+    if not raw.get("target_modules") and not raw.get("target_parameters"):
+        raise AdapterLoadError(f"{CONFIG_FILE} lacks the field 'target_modules'")
     peft_type = raw.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise AdapterLoadError(f"peft_type {peft_type!r} is not supported (only LORA)")
@@ -70,22 +98,68 @@ def parse_adapter_config(raw: Any) -> AdapterConfig:
         raise AdapterLoadError("trainable_token_indices (retrained or added token embeddings) are not supported")
     if raw.get("bias", "none") != "none":
         raise AdapterLoadError(f"bias {raw['bias']!r} is not supported (must be 'none')")
-    if raw.get("rank_pattern") or raw.get("alpha_pattern"):
-        raise AdapterLoadError("per-module rank_pattern / alpha_pattern are not supported")
     if raw.get("fan_in_fan_out"):
         raise AdapterLoadError("fan_in_fan_out adapters are not supported")
     base_model = raw.get("base_model_name_or_path")
     return AdapterConfig(
         r=lora_rank,
         lora_alpha=lora_alpha,
-        target_modules=_parse_targets(raw["target_modules"]),
+        target_modules=_ordered(
+            _parse_targets(raw.get("target_modules")) + _parse_target_parameters(raw.get("target_parameters"))
+        ),
         use_rslora=use_rslora,
         layers=_parse_layers(raw.get("layers_to_transform")),
         base_model_name_or_path=base_model if isinstance(base_model, str) else None,
+        rank_pattern=_parse_pattern(raw.get("rank_pattern"), "rank_pattern", is_rank=True),
+        alpha_pattern=_parse_pattern(raw.get("alpha_pattern"), "alpha_pattern", is_rank=False),
     )
 
 
+def _ordered(modules: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(m for m in ALL_TARGETS if m in modules)
+
+
+def _parse_target_parameters(params: Any) -> tuple[str, ...]:
+    """PEFT's target_parameters: only the stacked expert tensors of an MoE model (their experts' MLP modules)."""
+    if not params:
+        return ()
+    if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+        raise AdapterLoadError(f"target_parameters must be a list of parameter names, got {params!r}")
+    modules: list[str] = []
+    for param in params:
+        stacked = next((s for s in EXPERT_PARAMETERS if param == s or param.endswith(f".{s}")), None)
+        if stacked is None:
+            raise AdapterLoadError(
+                f"target_parameters {param!r} is not supported; only {', '.join(EXPERT_PARAMETERS)} (MoE experts)"
+            )
+        modules += EXPERT_PARAMETERS[stacked]
+    return tuple(modules)
+
+
+def _parse_pattern(pattern: Any, field: str, *, is_rank: bool) -> tuple[tuple[str, Any], ...]:
+    if not pattern:
+        return ()
+    if not isinstance(pattern, dict):
+        raise AdapterLoadError(f"{field!r} must be an object of module pattern -> value, got {pattern!r}")
+    pairs = []
+    for key, value in pattern.items():
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not is_number or (is_rank and (not isinstance(value, int) or value < 1)):
+            kind = "a positive integer" if is_rank else "a number"
+            raise AdapterLoadError(f"{field} {key!r}: the value must be {kind}, got {value!r}")
+        try:
+            re.compile(key)
+        except re.error as e:
+            raise AdapterLoadError(f"{field} {key!r} is not a valid pattern: {e}") from e
+        pairs.append((key, value))
+    return tuple(pairs)
+
+
 def _parse_targets(targets: Any) -> tuple[str, ...]:
+    """Our module names; Mixtral's expert names (w1/w3/w2) are its experts' gate/up/down, a fused module
+    (FUSED_TARGETS) its slices."""
+    if targets is None:
+        return ()
     if isinstance(targets, str):
         raise AdapterLoadError(
             f"target_modules {targets!r} is a pattern; only a list of module names is supported "
@@ -93,6 +167,7 @@ def _parse_targets(targets: Any) -> tuple[str, ...]:
         )
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise AdapterLoadError(f"target_modules must be a non-empty list of module names, got {targets!r}")
+    targets = [EXPERT_MODULE_ALIASES.get(target, target) for target in targets]
     modules = []
     for target in targets:
         if target in FUSED_TARGETS:
@@ -105,7 +180,7 @@ def _parse_targets(targets: Any) -> tuple[str, ...]:
         else:
             known = ", ".join((*ALL_TARGETS, *FUSED_TARGETS))
             raise AdapterLoadError(f"unknown target module {target!r}; LoRA supports {known}")
-    return tuple(m for m in ALL_TARGETS if m in modules)
+    return _ordered(tuple(modules))
 
 
 def _parse_layers(layers: Any) -> tuple[int, ...] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any, Literal, NoReturn
@@ -68,10 +69,19 @@ def is_loopback_address(addr: str) -> bool:
     return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
+def is_loopback_host(host: str) -> bool:
+    """An HTTP --host that only this machine reaches: 127.0.0.0/8, ::1 or localhost."""
+    return is_loopback_address(f"tcp://{host}:0")
+
+
 # Help text per field; the CLI below is generated from the struct.
 _HELP: dict[str, str] = {
     "model_path": "local Hugging Face checkpoint dir; 'demo' = the shipped demo (adapters: reverse, sort, mirror)",
     "served_model_name": "base model name in the OpenAI API (default: last path component)",
+    "load_format": "where the weights come from: auto or safetensors (the checkpoint's *.safetensors files), dummy "
+    "(random weights on the checkpoint's config.json, weight files or not: benchmarks and tests at real shapes)",
+    "hf_overrides": "JSON object merged into the model's config.json before anything reads it, e.g. "
+    "'{\"num_hidden_layers\": 2}' (nested objects merge key by key)",
     "host": "HTTP bind address",
     "port": "HTTP port",
     "tp": "tensor-parallel worker processes",
@@ -102,6 +112,16 @@ _HELP: dict[str, str] = {
     "admin_api_key": "bearer key for adapter load/unload",
     "rpc_addr": "ZeroMQ address of the internal RPC endpoint (tcp://host:port or ipc://path)",
     "max_running_requests": "most requests decoding at once",
+    "max_running_per_adapter": "most requests of one adapter running at once (default unlimited)",
+    "disable_adapter_fairness": "admit waiting requests first come, first served rather than by fair share between "
+    "adapters (virtual token counters, per API key and adapter)",
+    "scheduling_policy": "fcfs: waiting requests run by arrival (fair between adapters unless "
+    "--disable-adapter-fairness); priority: by the request's `priority` (lower first), then as fcfs; a preemption "
+    "then takes the lowest priority first",
+    "max_requests_per_minute_per_key": "requests one API key may start per minute; past it 429 with Retry-After "
+    "(needs --api-key)",
+    "max_tokens_per_minute_per_key": "prompt + output tokens one API key may use per minute; past it 429 with "
+    "Retry-After (needs --api-key)",
     "max_total_tokens": "KV cache capacity in tokens (default: sized from the context length)",
     "context_length": "longest prompt + output (default: the model's max_position_embeddings)",
     "max_prefill_tokens": "most prompt tokens prefilled in one forward pass",
@@ -136,20 +156,33 @@ _HELP: dict[str, str] = {
     "enable_auto_tool_choice": "tool_choice auto: the model's text is read for tool calls (needs --tool-call-parser)",
     "tool_call_parser": "the format of the model's tool calls (tool_choice auto); required and named choices are "
     "forced by a grammar and need none",
+    "allow_unauthenticated_lora_updates": "allow run-time adapter loads and unloads on a non-loopback --host without "
+    "--api-key or --admin-api-key (off by default: updates are refused with 403 updates_disabled)",
+    "cluster_key_file": "CURVE key file (written by `loraplex keygen PATH`): encrypts and authenticates every TCP "
+    "ZeroMQ socket between nodes and a TCP --rpc-addr; required with --nnodes > 1 or a non-loopback TCP --rpc-addr",
+    "audit_log": "file that gets one JSON line per adapter operation or refusal (rotated at 100 MB)",
+    "lora_allow_base_mismatch": "load an adapter whose base_model_name_or_path names another model (with a warning)",
+    "lora_require_manifest": "an adapter needs loraplex-manifest.json (SHA-256 of every file read), checked before "
+    "any rank reads it",
 }
 
 # `loraplex --help` shows the flags in these groups, in this order; every field belongs to exactly one.
 _TOPICS: dict[str, str] = {
-    "model and devices": "model_path served_model_name device dtype tp dp_size context_length seed",
-    "HTTP server and access": "host port api_key admin_api_key rpc_addr shutdown_timeout log_level",
+    "model and devices": "model_path served_model_name load_format hf_overrides device dtype tp dp_size "
+    "context_length seed",
+    "HTTP server and access": "host port api_key admin_api_key rpc_addr shutdown_timeout log_level "
+    "max_requests_per_minute_per_key max_tokens_per_minute_per_key",
     "LoRA adapters": "enable_lora lora_paths lora_modules max_loras_per_batch max_loaded_loras max_lora_rank "
     "lora_target_modules lora_backend lora_path_root lora_resolver_dir lora_cache_dir lora_cache_max_gb "
     "lora_state_file disable_lora_updates lora_drain_timeout lora_load_timeout",
     "scheduling and KV cache": "max_running_requests max_total_tokens max_prefill_tokens chunked_prefill_size "
-    "page_size disable_radix_cache no_enable_prefix_caching gpu_memory_utilization",
+    "page_size disable_radix_cache no_enable_prefix_caching gpu_memory_utilization max_running_per_adapter "
+    "disable_adapter_fairness scheduling_policy",
     "attention and CUDA graphs": "attention_backend enable_cuda_graph disable_cuda_graph cuda_graph_max_bs",
     "multi-node": "nnodes node_rank dist_init_addr dist_timeout",
     "chat and tools": "chat_template enable_auto_tool_choice tool_call_parser reasoning_parser",
+    "security and audit": "allow_unauthenticated_lora_updates cluster_key_file audit_log lora_allow_base_mismatch "
+    "lora_require_manifest",
 }
 # A field missing from _TOPICS lands here (tests/process/test_help_and_progress.py catches it).
 OTHER_TOPIC = "other options"
@@ -190,6 +223,8 @@ DEFAULT_LORA_RANK = 16  # --enable-lora with nothing to infer the pool from (vLL
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model_path: str = "demo"
     served_model_name: str | None = None
+    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    hf_overrides: dict[str, Any] = {}
     host: str = "127.0.0.1"
     port: int = 30000
     tp: int = 1
@@ -239,6 +274,16 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     chat_template: str | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: Literal["hermes", "llama3_json", "mistral", "qwen3_coder", "xml", "pythonic"] | None = None
+    max_running_per_adapter: int | None = None
+    disable_adapter_fairness: bool = False
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    max_requests_per_minute_per_key: int | None = None
+    max_tokens_per_minute_per_key: int | None = None
+    allow_unauthenticated_lora_updates: bool = False
+    cluster_key_file: str | None = None
+    audit_log: str | None = None
+    lora_allow_base_mismatch: bool = False
+    lora_require_manifest: bool = False
 
     def __post_init__(self) -> None:
         positive = (
@@ -254,7 +299,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_loaded_loras", "max_lora_rank", "max_total_tokens", "context_length", "cuda_graph_max_bs"):
+        for name in ("max_loaded_loras", "max_lora_rank", "max_total_tokens", "context_length", "cuda_graph_max_bs",
+                     "max_running_per_adapter", "max_requests_per_minute_per_key", "max_tokens_per_minute_per_key"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -277,6 +323,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError("--lora-resolver-dir loads adapters at run time, which --disable-lora-updates forbids")
         if self.rpc_addr and not self.api_key and not is_loopback_address(self.rpc_addr):
             raise ConfigError(f"--rpc-addr {self.rpc_addr} is not loopback: set --api-key to open it")
+        for name in ("max_requests_per_minute_per_key", "max_tokens_per_minute_per_key"):
+            if getattr(self, name) is not None and not self.api_key:
+                raise ConfigError(f"--{_flag(name)} limits each API key: it needs --api-key")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
         if self.nnodes > 1 and not self.dist_init_addr:
@@ -287,6 +336,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise ConfigError(f"--dist-init-addr {self.dist_init_addr!r} is not HOST:PORT")
         if self.tp % self.nnodes:
             raise ConfigError(f"--tp {self.tp} is not divisible by --nnodes {self.nnodes}")
+        needs_cluster_key = self.nnodes > 1 or (self.rpc_addr is not None and not is_loopback_address(self.rpc_addr))
+        if needs_cluster_key and not self.cluster_key_file:
+            why = "--nnodes > 1" if self.nnodes > 1 else f"--rpc-addr {self.rpc_addr} (not loopback)"
+            raise ConfigError(f"{why} needs --cluster-key-file PATH (write one with `loraplex keygen PATH`)")
         if self.lora_target_modules is not None:
             for module in self.lora_target_modules:
                 if module != "all" and module not in ALL_TARGETS:
@@ -308,6 +361,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         while sizes[-1] * 2 < largest:
             sizes.append(sizes[-1] * 2)
         return sizes if sizes[-1] == largest else [*sizes, largest]
+
+    @property
+    def lora_updates_need_key(self) -> bool:
+        """Safe default: beyond loopback, run-time adapter updates need a key, or an explicit opt-out."""
+        return not (is_loopback_host(self.host) or self.api_key or self.admin_api_key
+                    or self.allow_unauthenticated_lora_updates)
 
     @property
     def prefix_caching(self) -> bool:
@@ -377,9 +436,22 @@ def _field_type(field: msgspec.structs.FieldInfo) -> tuple[str, Any]:
         return "bool", None
     if isinstance(info, msgspec.inspect.ListType):
         return "list", str
+    if isinstance(info, msgspec.inspect.DictType):
+        return "scalar", json_object
     if isinstance(info, msgspec.inspect.LiteralType):
         return "choice", list(info.values)
     return "scalar", {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float}.get(type(info), str)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object value; argparse names the flag when this raises."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text}")
+    return value
 
 
 FOREIGN_TOPIC = "vLLM and SGLang flags with no setting here, accepted with a log line or refused"

@@ -15,7 +15,12 @@ STATUS_BY_KIND: dict[str, tuple[int, int]] = {
     "pinned_limit": (400, 400),  # too many pinned adapters
     "unauthorized": (401, 401),  # no or wrong key
     "disabled": (403, 403),  # --disable-lora-updates
+    "updates_disabled": (403, 403),  # beyond loopback with no key (safe default; --allow-unauthenticated-lora-updates)
+    "base_model_mismatch": (400, 400),  # adapter_config's base model is not the served one
+    "manifest_missing": (400, 400),  # --lora-require-manifest and no loraplex-manifest.json (or a file not in it)
+    "manifest_mismatch": (400, 400),  # a file's SHA-256 is not the manifest's
     "busy": (409, 409),  # an unload outlasted --lora-drain-timeout; the adapter is being unloaded
+    "rate_limited": (429, 429),  # --max-requests-per-minute-per-key / --max-tokens-per-minute-per-key
     "timeout": (503, 503),  # a rank or replica missed --lora-load-timeout
     "unavailable": (503, 503),  # starting, stopping, or a process died
     "internal": (500, 500),  # a server fault

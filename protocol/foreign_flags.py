@@ -1,7 +1,8 @@
 """vLLM's and SGLang's serving flags that have no loraplex setting. Each is accepted where loraplex already does what
 it asks (the start-up log says so, one line per flag) or refused at start with one line naming it and why: a command
 line copied from either project never has a flag ignored silently. Flags that do map onto a setting are ALIASES in
-protocol/config.py."""
+protocol/config.py, and flags of theirs that are settings of ours under the same name (--load-format, --hf-overrides)
+are ServerConfig fields."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ _LOCAL = "the model is read from a local directory; loraplex downloads nothing"
 FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     # -- model loading
     _accept("--trust-remote-code", family=VS, note="loraplex never runs code from a checkpoint: its model classes are "
-            "built in (Llama, Mistral, Qwen2), so this changes nothing"),
+            "built in (docs/MODELS.md), so this changes nothing"),
     _refuse("--tokenizer", family=V, why="the tokenizer is read from the model directory"),
     _refuse("--tokenizer-path", family=S, why="the tokenizer is read from the model directory"),
     _only("--tokenizer-mode", family=VS, ok=("auto",), note="the tokenizer's own (fast) mode, as auto means",
@@ -67,8 +68,6 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     _refuse("--revision", family=VS, why=_LOCAL),
     _refuse("--tokenizer-revision", family=V, why=_LOCAL),
     _refuse("--download-dir", family=VS, why=_LOCAL),
-    _only("--load-format", family=VS, ok=("auto", "safetensors"), note="weights load from the checkpoint's "
-          "safetensors files", why="only auto or safetensors: weights load from the checkpoint's safetensors files"),
     _only("--quantization", "-q", family=VS, ok=("none",), note="an unquantized model",
           why="quantized models are " + _LATER),
     _only("--kv-cache-dtype", family=VS, ok=("auto",), note="the KV cache holds the model's dtype",
@@ -76,7 +75,6 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     _only("--generation-config", family=V, ok=("vllm",), note="sampling defaults are vLLM's own",
           why="loraplex does not apply generation_config.json's sampling defaults (it reads only its eos_token_id); "
           "give --generation-config vllm, or set the sampling options per request"),
-    _refuse("--hf-overrides", family=V, why=_LATER),
     _refuse("--skip-tokenizer-init", family=VS, why="requests are text or token ids and answers are detokenized: the "
             "tokenizer is always loaded", value=False),
     _refuse("--is-embedding", family=S, why="loraplex serves generation only", value=False),
@@ -100,8 +98,6 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
             sets={"chunked_prefill_size": -1}),
     _accept("--max-seq-len-to-capture", family=V, value=True, note="CUDA graphs are captured per decode batch size "
             "(--cuda-graph-max-bs), for any sequence length"),
-    _only("--scheduling-policy", family=V, ok=("fcfs",), note="requests run first come, first served",
-          why="requests run first come, first served; priority scheduling is " + _LATER),
     _only("--schedule-policy", family=S, ok=("fcfs",), note="requests run first come, first served",
           why="requests run first come, first served (fcfs); no other policy is supported"),
     _accept("--disable-overlap-schedule", family=S, note="the next batch is always scheduled while the last one "

@@ -38,3 +38,9 @@ FUSED_TARGETS = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 assert all(set(slices) <= set(TARGET_MODULES) for slices in FUSED_TARGETS.values())
+
+# Mixture-of-experts models: each expert's gate/up/down are the MLP modules above, per expert. Mixtral's checkpoints
+# (and PEFT adapters trained on them) name them w1/w3/w2; PEFT's `target_parameters` form names the stacked tensors of
+# transformers 5 (`mlp.experts.gate_up_proj`: gate and up fused, `mlp.experts.down_proj`).
+EXPERT_MODULE_ALIASES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+EXPERT_PARAMETERS = {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)}

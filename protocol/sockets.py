@@ -1,7 +1,8 @@
 """Typed ZeroMQ sockets: each socket encodes and decodes one union of protocol structs with msgpack.
 
 A message is one frame, or one frame and raw extra frames (tensor bytes, never pickled) that travel with it
-atomically: `send(msg, frames)` and `recv_with_frames()`."""
+atomically: `send(msg, frames)` and `recv_with_frames()`. Given the cluster key, a TCP socket is CURVE-secured
+(protocol/curve.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+from loraplex.protocol.curve import ClusterKey
 
 PUSH, PULL, ROUTER, DEALER = zmq.PUSH, zmq.PULL, zmq.ROUTER, zmq.DEALER
 
 
-def _make(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
+def _make(ctx: zmq.Context, kind: int, addr: str, bind: bool, key: ClusterKey | None) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    if key is not None:
+        key.secure(sock, addr, bind)
     if kind == PUSH:
         sock.setsockopt(zmq.SNDHWM, 0)
     if kind == PULL:
@@ -32,9 +36,10 @@ def _make(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
 class TypedSocket:
     """Blocking socket for the scheduler and workers."""
 
-    def __init__(self, kind: int, addr: str, *, bind: bool, recv_type: Any = None, ctx: zmq.Context | None = None):
+    def __init__(self, kind: int, addr: str, *, bind: bool, recv_type: Any = None, ctx: zmq.Context | None = None,
+                 key: ClusterKey | None = None):
         self._ctx = ctx or zmq.Context.instance()
-        self.sock = _make(self._ctx, kind, addr, bind)
+        self.sock = _make(self._ctx, kind, addr, bind, key)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(recv_type) if recv_type is not None else None
 
@@ -62,11 +67,11 @@ class TypedSocket:
         self.sock.close(linger=0)
 
 
-def send_last(addr: str, msg: msgspec.Struct, linger_ms: int) -> None:
+def send_last(addr: str, msg: msgspec.Struct, linger_ms: int, key: ClusterKey | None = None) -> None:
     """Send one message from a process about to exit. The socket gets its own context, so terminating it waits
     (up to linger_ms) for this message alone, not for the process's other sockets to close."""
     ctx = zmq.Context()
-    typed = TypedSocket(PUSH, addr, bind=False, ctx=ctx)
+    typed = TypedSocket(PUSH, addr, bind=False, ctx=ctx, key=key)
     typed.send(msg)
     typed.sock.close(linger=linger_ms)
     ctx.term()
@@ -87,7 +92,7 @@ class AsyncTypedSocket:
         self, kind: int, addr: str, *, bind: bool, recv_type: Any = None, ctx: zmq.asyncio.Context | None = None
     ):
         self._ctx = ctx or zmq.asyncio.Context.instance()
-        self.sock = _make(self._ctx, kind, addr, bind)
+        self.sock = _make(self._ctx, kind, addr, bind, None)  # the frontend's scheduler sockets: IPC only
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(recv_type) if recv_type is not None else None
 
@@ -111,8 +116,9 @@ class PeerGone(Exception):
 class FrameSocket:
     """Raw multipart frames for the RPC ROUTER (asyncio) side; the encoding lives in protocol/rpc.py."""
 
-    def __init__(self, kind: int, addr: str, *, bind: bool, ctx: zmq.asyncio.Context | None = None):
-        self.sock = _make(ctx or zmq.asyncio.Context.instance(), kind, addr, bind)
+    def __init__(self, kind: int, addr: str, *, bind: bool, ctx: zmq.asyncio.Context | None = None,
+                 key: ClusterKey | None = None):
+        self.sock = _make(ctx or zmq.asyncio.Context.instance(), kind, addr, bind, key)
         if kind == ROUTER:
             # Without this a ROUTER silently drops frames for a peer that has gone, and a stream to a vanished
             # client would run to its end; with it the send raises, and the stream is aborted.
@@ -127,8 +133,10 @@ class FrameSocket:
                 raise PeerGone(frames[0].hex()) from e
             raise
 
-    async def recv(self) -> list[bytes]:
-        return await self.sock.recv_multipart()
+    async def recv(self) -> tuple[list[bytes], str]:
+        """(the frames, the sender's address: its IP on TCP)."""
+        frames = await self.sock.recv_multipart(copy=False)
+        return [frame.bytes for frame in frames], frames[0].get("Peer-Address")
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -137,8 +145,8 @@ class FrameSocket:
 class BlockingFrameSocket:
     """Raw multipart frames for the RPC client (blocking) side."""
 
-    def __init__(self, kind: int, addr: str, *, bind: bool):
-        self.sock = _make(zmq.Context.instance(), kind, addr, bind)
+    def __init__(self, kind: int, addr: str, *, bind: bool, key: ClusterKey | None = None):
+        self.sock = _make(zmq.Context.instance(), kind, addr, bind, key)
 
     def send(self, frames: list[bytes]) -> None:
         self.sock.send_multipart(frames)

@@ -48,8 +48,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     min_p: float = 0.0  # tokens below min_p x the top token's probability are dropped (after temperature)
     min_new_tokens: int = 0  # stop_token_ids cannot be sampled before this many output tokens
     # >= 0: the logprob of every prompt token from this position on (the first prompt token's is null), with
-    # `logprobs` alternatives; -1: none
+    # prompt_top_logprobs alternatives; -1: none
     logprob_start_len: int = -1
+    prompt_top_logprobs: int = 0
     constraint: OutputConstraint | None = None  # structured output; its stop tokens are stop_token_ids
     # vLLM's logit controls, applied before the penalties (worker/penalties.py); the frontend checks every id
     # against the vocabulary. Neutral: {}, None, [].
@@ -76,6 +77,7 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     logprob: float
     top_ids: list[int] = []
     top_logprobs: list[float] = []
+    rank: int = 1  # the token's place in the distribution, 1 = most likely (vLLM's: tokens at least as likely)
 
 
 class LoRAAdapterSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -122,6 +124,7 @@ class GenerateReqInput(Struct, frozen=True):
     top_logprobs_num: int | None = None
     logprob_start_len: int | None = None
     return_text_in_logprobs: bool | None = None
+    priority: int | None = None
 
 
 class GenerateReqOutput(Struct, frozen=True):
@@ -195,6 +198,8 @@ class TokenizedGenerateReq(Struct, frozen=True):
     input_ids: list[int]
     sampling: SamplingParams
     lora_id: int | None = None  # None = base model
+    priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's); fcfs ignores it
+    key_id: str | None = None  # the API key it came with, by id: fair sharing counts per (key, adapter)
 
 
 class AbortReq(Struct, frozen=True):
@@ -330,6 +335,8 @@ class SchedulerReady(Struct, frozen=True):
     vocab_size: int
     max_lora_rank: int = 0
     lora_target_modules: list[str] = []
+    model_type: str = ""  # the HF model_type the workers run
+    num_hidden_layers: int = 0  # after --hf-overrides
 
 
 class ProcessFailed(Struct, frozen=True):
@@ -393,6 +400,11 @@ class WorkerReady(Struct, frozen=True):
     max_lora_rank: int = 0
     lora_target_modules: list[str] = []
     device_type: str = "cpu"  # "cpu" or "cuda": picks defaults that depend on the device
+    model_type: str = ""  # the HF model_type this rank runs
+    num_hidden_layers: int = 0  # after --hf-overrides
+    # The most tokens any layer's query attends to when every layer has a sliding window (ModelConfig's); None = some
+    # layer attends to the whole context. The scheduler gives back pages behind it.
+    attention_window: int | None = None
     # longrope models: a request whose sequence grows past this length is recomputed with the long factors
     # (ForwardReq.long_rope); 0: no such length within the context
     long_rope_len: int = 0

@@ -1,10 +1,13 @@
 """BatchPolicy: which waiting requests join the next forward pass (every running request decodes anyway).
 
-Waiting requests (new ones, and preempted ones by their first arrival) are admitted first come, first served, while
+Waiting requests (new ones, and preempted ones) are admitted in the order given (AdmissionOrder: by arrival, fair
+share between adapters, priority), while
 - the running requests stay within max_running_requests,
 - the step's prefill token budget lasts, and the pages for the request's first chunk can be had (`Admission`:
   the scheduler matches its cached prefix, cuts the chunk and allocates the pages),
-- the batch's distinct adapters fit the slots (SlotPlanner.can_place).
+- the batch's distinct adapters fit the slots (SlotPlanner.can_place),
+- the adapter's running requests stay within max_running_per_adapter (a request past it is passed over, as one
+  waiting for a slot is, and waits for its own adapter's requests to finish).
 A request that fails one of the first two stops admission for this step: nobody overtakes it, and since the
 running requests only drain, it gets in once enough of them finish.
 
@@ -21,6 +24,7 @@ An unpinned adapter in the batch always exists when the head is blocked: at most
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -38,14 +42,16 @@ class Admission(Protocol):
 
 
 class BatchPolicy:
-    def __init__(self, *, max_running_requests: int):
+    def __init__(self, *, max_running_requests: int, max_running_per_adapter: int | None = None):
         self.max_running_requests = max_running_requests
+        self.max_running_per_adapter = max_running_per_adapter
 
     def pick_prefills(
         self, waiting: Iterable[Request], running: Sequence[Request], slots: SlotPlanner, admission: Admission
     ) -> list[Request]:
         admitted: list[Request] = []
         batch_lora_ids = {req.lora_id for req in running if req.lora_id is not None}
+        num_running = Counter(req.lora_id for req in running if req.lora_id is not None)
         blocked: Request | None = None  # the blocked head, see the module docstring
         num_reserved_pages = 0
         draining_lora_id: int | None = None
@@ -54,7 +60,7 @@ class BatchPolicy:
             if len(running) + len(admitted) + num_reserved_places >= self.max_running_requests:
                 break
             if req.lora_id is not None:
-                if req.lora_id == draining_lora_id:
+                if req.lora_id == draining_lora_id or num_running[req.lora_id] == self.max_running_per_adapter:
                     continue
                 if not slots.can_place(batch_lora_ids | {req.lora_id}):
                     if blocked is None:
@@ -66,6 +72,7 @@ class BatchPolicy:
                 break
             if req.lora_id is not None:
                 batch_lora_ids.add(req.lora_id)
+                num_running[req.lora_id] += 1
             admitted.append(req)
         return admitted
     @staticmethod

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import msgspec
+from loraplex.protocol.curve import ClusterKey
 from loraplex.protocol.proc import die_with_parent, read_process_args, setup_logging
 from loraplex.protocol.sockets import PULL, PUSH, TypedSocket, wait_readable
 from loraplex.protocol.structs import (
@@ -54,10 +55,12 @@ class SchedulerProcess:
         self.from_frontend = TypedSocket(
             PULL, endpoints.frontend_to_scheduler, bind=True, recv_type=FrontendToScheduler
         )
-        self.from_workers = TypedSocket(PULL, endpoints.workers_to_scheduler, bind=True, recv_type=WorkerToScheduler)
-        self.to_workers = [TypedSocket(PUSH, addr, bind=False) for addr in endpoints.scheduler_to_workers]
+        key = ClusterKey.of(self.config.cluster_key_file)  # CURVE on the TCP sockets to other nodes' ranks
+        self.from_workers = TypedSocket(PULL, endpoints.workers_to_scheduler, bind=True, recv_type=WorkerToScheduler,
+                                        key=key)
+        self.to_workers = [TypedSocket(PUSH, addr, bind=False, key=key) for addr in endpoints.scheduler_to_workers]
         # Loads go to the ranks' loader threads at once, even mid pass: the one route adapter data takes.
-        self.to_loaders = [TypedSocket(PUSH, addr, bind=False) for addr in endpoints.scheduler_to_loaders]
+        self.to_loaders = [TypedSocket(PUSH, addr, bind=False, key=key) for addr in endpoints.scheduler_to_loaders]
         self.to_frontend = TypedSocket(PUSH, endpoints.scheduler_to_frontend, bind=False)
         self.scheduler: Scheduler | None = None
         self.deltas: list[TokenDelta] = []  # sent together, once per step
@@ -116,6 +119,7 @@ class SchedulerProcess:
             context_length=context_length,
             num_ranks=len(ready),
             chunked_prefill_size=self.config.chunked_prefill_tokens(first.device_type),
+            attention_window=first.attention_window,  # one model on every rank
             long_rope_len=first.long_rope_len,
         )
         self.to_frontend.send(
@@ -125,6 +129,8 @@ class SchedulerProcess:
                 vocab_size=first.vocab_size,
                 max_lora_rank=first.max_lora_rank,
                 lora_target_modules=first.lora_target_modules,
+                model_type=first.model_type,
+                num_hidden_layers=first.num_hidden_layers,
             )
         )
         log.info("ready: %d ranks, %d KV pages of %d tokens", len(ready), num_pages, page_size)

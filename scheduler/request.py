@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.structs import SamplingParams, TokenizedGenerateReq
 
+# Stands in a request's page table for a page it gave back (wholly outside every layer's sliding window): the workers
+# never attend to it, and it is any valid page id so the table keeps one entry per page of positions.
+FREED_PAGE = 0
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # new, or preempted (its pages given back; it is recomputed when it runs again)
@@ -22,8 +26,11 @@ class Request:
     sampling: SamplingParams
     lora_id: int | None = None  # None = base model
     arrival: int = 0  # order of arrival: the queue's order, and preemption takes the newest first
+    priority: int = 0  # --scheduling-policy priority: lower runs first
+    key_id: str | None = None  # the API key it came with (fair sharing counts per key and adapter)
     output_ids: list[int] = field(default_factory=list)
     page_ids: list[int] = field(default_factory=list)  # pages for the tokens whose KV is written or being written
+    num_freed_pages: int = 0  # its first pages, given back (FREED_PAGE in page_ids): outside every layer's window
     num_cached_tokens: int = 0  # tokens whose KV the workers have written
     num_scheduled_tokens: int = 0  # ... or are writing, in a pass in flight (>= num_cached_tokens)
     num_pending_samples: int = 0  # tokens that passes in flight will sample for it (not in output_ids yet)
@@ -48,7 +55,17 @@ class Request:
     @classmethod
     def from_req(cls, req: TokenizedGenerateReq, arrival: int) -> Request:
         return cls(rid=req.rid, prompt_ids=list(req.input_ids), sampling=req.sampling, lora_id=req.lora_id,
-                   arrival=arrival)
+                   arrival=arrival, priority=req.priority, key_id=req.key_id)
+
+    @property
+    def client(self) -> tuple[str | None, int | None]:
+        """Whose share it counts in (FairShare): its API key's and its adapter's."""
+        return self.key_id, self.lora_id
+
+    @property
+    def live_page_ids(self) -> list[int]:
+        """The pages it holds (its page table less the ones it gave back)."""
+        return self.page_ids[self.num_freed_pages :]
 
     @property
     def token_ids(self) -> list[int]:

@@ -6,13 +6,17 @@ Requests, aborts and adapter ops arrive between steps.
 A step: every decoding request writes one token; requests still prefilling take their next chunk, then waiting ones
 their first, under the step's prefill token budget (--chunked-prefill-size; -1: whole prompts up to
 --max-prefill-tokens, a longer one alone). A request holds pages only for the tokens it has; when a step's requests
-need more pages than are free (after evicting unused cached pages), the newest running requests are preempted: their
-pages go back, they rejoin the queue by their arrival, and are recomputed when they run again (sampling is stateless
-given the seed and the output count, so their outputs are the same). Full pages whose keys and values are written
+need more pages than are free (after evicting unused cached pages), the newest running requests are preempted (the
+lowest priority's first under --scheduling-policy priority): their pages go back, they rejoin the queue, and are
+recomputed when they run again (sampling is stateless given the seed and the output count, so their outputs are the
+same). Full pages whose keys and values are written
 are offered to the prefix cache, keyed by adapter; a new request starts from the longest cached prefix it matches.
 Longrope models (Phi-3, Phi-4-mini): a request longer than the original length takes the long factors at every
 position, as transformers does; one that grows past it is recomputed so (a preemption), and such requests neither
 match nor offer cached pages, which hold short-factor KV.
+When every layer of the model attends only within a sliding window (`attention_window`, from the workers' ready
+report), a request gives back its pages wholly behind the window of its next query, as soon as their tokens are
+written (a cached one stays cached, unused by it); its page table keeps FREED_PAGE in their place.
 
 Overlap: up to two passes are in flight, so the workers start the next one the moment they finish one, and this
 process schedules and processes results meanwhile. A decoding request in the newer pass reads the token the older
@@ -53,10 +57,11 @@ from loraplex.protocol.structs import (
     TokenLogprob,
 )
 from loraplex.scheduler.adapter_table import AdapterTable, LoadFinished
+from loraplex.scheduler.admission_order import AdmissionOrder
 from loraplex.scheduler.batch_policy import BatchPolicy
 from loraplex.scheduler.page_allocator import PageAllocator
 from loraplex.scheduler.prefix_cache import BASE_NAMESPACE, PrefixCache, page_keys
-from loraplex.scheduler.request import Request, RequestStatus
+from loraplex.scheduler.request import FREED_PAGE, Request, RequestStatus
 from loraplex.scheduler.slot_planner import SlotError, SlotPlanner
 
 log = logging.getLogger(__name__)
@@ -83,8 +88,12 @@ class Scheduler:
         num_ranks: int = 1,
         chunked_prefill_size: int = 512,
         long_rope_len: int = 0,
+        attention_window: int | None = None,
     ):
+        """attention_window: the most tokens a query of any layer attends to (its own included); None = some layer
+        attends to the whole context, and no page is given back before its request ends."""
         self.config = config
+        self.attention_window = attention_window
         self.page_size = config.page_size
         self.context_length = context_length
         self.long_rope_len = long_rope_len  # WorkerReady.long_rope_len: 0 = none
@@ -92,11 +101,14 @@ class Scheduler:
         self.cache = PrefixCache(self.pages, config.page_size, enabled=config.prefix_caching)
         self.slots = SlotPlanner(config.max_loras_per_batch)
         self.adapters = AdapterTable(num_ranks, config.lora_load_timeout)
-        self.policy = BatchPolicy(max_running_requests=config.max_running_requests)
+        self.policy = BatchPolicy(max_running_requests=config.max_running_requests,
+                                  max_running_per_adapter=config.max_running_per_adapter)
+        self.order = AdmissionOrder(by_priority=config.scheduling_policy == "priority",
+                                    is_fair=not config.disable_adapter_fairness)
         # The step's prefill token budget; chunked: prompts are cut to fit it, else whole (a longer one alone).
         self.is_chunked = chunked_prefill_size > 0
         self.prefill_budget = chunked_prefill_size if self.is_chunked else config.max_prefill_tokens
-        self.waiting: dict[str, Request] = {}  # by arrival (preempted requests go back to their place)
+        self.waiting: dict[str, Request] = {}  # offered for admission in AdmissionOrder's order
         self.running: dict[str, Request] = {}
         self.num_preemptions = 0
         self._in_flight: deque[_InFlight] = deque()  # oldest first
@@ -138,6 +150,7 @@ class Scheduler:
         if req.sampling.max_new_tokens == 0 and req.sampling.logprob_start_len < 0:
             return [TokenDelta(rid=req.rid, token_ids=[], finish_reason="length")]
         self.waiting[req.rid] = Request.from_req(req, self._next_arrival)
+        self.order.on_wait(self.waiting[req.rid])
         self._next_arrival += 1
         return []
 
@@ -176,6 +189,7 @@ class Scheduler:
             del self.running[req.rid]
         elif req.status is RequestStatus.WAITING:
             del self.waiting[req.rid]
+            self.order.on_leave(req)
         req.status = RequestStatus.FINISHED
         if req.is_on_workers:
             self._released_keys.append(req.arrival)  # its sampling parameters, penalty history, grammar matcher
@@ -208,10 +222,11 @@ class Scheduler:
         if not self._grow_running():
             self._plan = {}
             return None  # it needs a preemption: after the passes in flight return
-        waiting = sorted(self.waiting.values(), key=lambda r: r.arrival)
+        waiting = self.order.order(self.waiting.values())
         admitted = self.policy.pick_prefills(waiting, list(self.running.values()), self.slots, self)
         for req in admitted:
             del self.waiting[req.rid]
+            self.order.on_admit(req)
             req.status = RequestStatus.RUNNING
             self.running[req.rid] = req
         # Adapters already resident take their holds first, so that placing a new one never evicts them.
@@ -263,7 +278,7 @@ class Scheduler:
         while sum(self._pages_short(r, n) for r, n in self._plan.items()) > self.cache.num_available:
             if self._in_flight:
                 return False
-            victim = max(self.running.values(), key=lambda r: r.arrival)
+            victim = self.order.victim(self.running.values())
             self._preempt(victim)
         for req, num_new in self._plan.items():
             req.page_ids += self.cache.allocate(self._pages_short(req, num_new))
@@ -277,12 +292,13 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting[req.rid] = req  # schedule() reads the queue by arrival
+        self.waiting[req.rid] = req  # back in the queue by its arrival (AdmissionOrder)
+        self.order.on_wait(req)
 
     def _let_go(self, req: Request) -> None:
         """A running request gives back its pages (cached ones stay cached) and its slot hold."""
-        self.cache.release(req.page_ids)
-        req.page_ids = []
+        self.cache.release(req.live_page_ids)
+        req.page_ids, req.num_freed_pages = [], 0
         if req.lora_id is not None:
             self.slots.release(req.lora_id)
 
@@ -392,6 +408,7 @@ class Scheduler:
             else:
                 req.num_cached_tokens += num_new  # the pass wrote the KV of every token it was given
                 self._offer_pages(req)
+                self._free_behind_window(req)
                 prompt_logprobs = result.prompt_logprobs[i] if i < len(result.prompt_logprobs) else []
                 req.prompt_logprob_next += len(prompt_logprobs)
                 if samples and req.sampling.max_new_tokens == 0:  # it ran for its prompt logprobs only
@@ -416,9 +433,24 @@ class Scheduler:
         )
         req.num_offered_pages = num_full
 
+    def _free_behind_window(self, req: Request) -> None:
+        """Pages wholly behind every layer's window go back. The next query of any pass (in flight or to come) is at
+        position num_cached_tokens or later, and sees no key before num_cached_tokens - window + 1; a pass in flight
+        that still lists a freed page runs before any pass of the page's next owner writes it."""
+        if self.attention_window is None:
+            return
+        num_behind = max(0, req.num_cached_tokens - self.attention_window + 1) // self.page_size
+        first = req.num_freed_pages
+        if num_behind <= first:
+            return
+        self.cache.release(req.page_ids[first:num_behind])  # already offered: _offer_pages ran first
+        req.page_ids[first:num_behind] = [FREED_PAGE] * (num_behind - first)
+        req.num_freed_pages = num_behind
+
     def _append_token(self, req: Request, token_id: int, logprob: TokenLogprob | None = None,
                       prompt_logprobs: list[TokenLogprob] | None = None) -> TokenDelta:
         req.output_ids.append(token_id)
+        self.order.on_output(req)
         logprobs = [logprob] if logprob is not None else []
         if token_id in req.sampling.stop_token_ids and len(req.output_ids) > req.sampling.min_new_tokens:
             delta = self._finish(req, "stop", [token_id], logprobs=logprobs)
@@ -483,6 +515,7 @@ class Scheduler:
             for other in [r for r in [*self.waiting.values(), *self.running.values()] if r.lora_id == lora_id]:
                 deltas.append(self._finish(other, "error", error_message=f"adapter id {lora_id} was unloaded"))
             self.slots.drop(lora_id)
+            self.order.forget_adapter(lora_id)
             self.cache.purge(lora_id)  # ids are never reused: nothing would match its pages again
             outcomes.append(AdapterOutcome(lora_id=lora_id, success=True))
         return AdapterOpDone(op_id=op.op_id, outcomes=outcomes), deltas

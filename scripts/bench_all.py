@@ -10,7 +10,8 @@ with none, one stream against the same forward step in this process (bench_step_
 load/unload benchmark (an extra adapter, not in the workload). Then the engine-core benchmarks, each starting its own
 servers: prefix cache on / off (bench_prefix_cache.py), chunked / whole prefill (bench_chunked_prefill.py), chats
 without max_tokens in a fixed KV cache (bench_kv_admission.py), a quarter of the requests under a JSON schema
-against none (bench_structured.py), and `--dp-size 2` against one replica on the same cores (bench_dp.py). Every
+against none (bench_structured.py), `--dp-size 2` against one replica on the same cores (bench_dp.py), and 8 adapters
+against the base on a model of each other family's shape (bench_families.py: Qwen3). Every
 ratio's two sides are measured in this run, on this machine. Both systems run in the same dtype (bfloat16 by
 default: on a CPU with AMX/AVX512-BF16 its matmuls are 3-6x faster than float32) and with one thread per core.
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 import scripts.bench_adapter_ops as bench_adapter_ops
 import scripts.bench_chunked_prefill as bench_chunked_prefill
 import scripts.bench_dp as bench_dp
+import scripts.bench_families as bench_families
 import scripts.bench_kv_admission as bench_kv_admission
 import scripts.bench_peft_baseline as bench_peft_baseline
 import scripts.bench_prefix_cache as bench_prefix_cache
@@ -85,7 +87,7 @@ TARGETS: Targets = {
 # The engine-core benchmarks that start servers of their own, in the order they run (after the main server's).
 ENGINE_BENCHMARKS = {"prefix_cache": bench_prefix_cache, "chunked_prefill": bench_chunked_prefill,
                      "kv_admission": bench_kv_admission, "structured": bench_structured,
-                     "data_parallel": bench_dp}
+                     "data_parallel": bench_dp, "families": bench_families}
 
 
 def cpu_speed_gflops(duration_s: float = 0.5) -> float:

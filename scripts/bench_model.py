@@ -4,7 +4,8 @@ plus rank-16 all-module PEFT adapters (distinct seeds). Built once and cached; e
     python -m scripts.bench_model --size full --num-adapters 33       # prints the base and adapter paths
 
 Sizes (measured with HF on 2 CPU cores, fp32): `full` (137 M params) decodes a batch of 32 in ~120 ms and
-prefills ~1.5 ms/token; `quick` (hidden 256, 4 layers) is for smoke runs.
+prefills ~1.5 ms/token; `quick` (hidden 256, 4 layers) is for smoke runs. The other families' shapes (`qwen3`, with
+its quick twin) serve scripts/bench_families.py.
 """
 
 from __future__ import annotations
@@ -35,16 +36,25 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     intermediate_size: int
+    arch: str = "llama"  # scripts/demo/builders.py's Arch
+    head_dim: int | None = None  # None: hidden_size // num_heads
 
     @property
     def key(self) -> str:
-        return (f"llama-h{self.hidden_size}-l{self.num_layers}-a{self.num_heads}-kv{self.num_kv_heads}"
-                f"-i{self.intermediate_size}")
+        head_dim = "" if self.head_dim is None else f"-d{self.head_dim}"
+        return (f"{self.arch}-h{self.hidden_size}-l{self.num_layers}-a{self.num_heads}-kv{self.num_kv_heads}"
+                f"-i{self.intermediate_size}{head_dim}")
 
 
 SIZES = {
     "full": ModelShape(hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=4, intermediate_size=2816),
     "quick": ModelShape(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=704),
+    # Qwen3's proportions (Qwen3-8B: 32 heads of 128 over hidden 4096, 8 KV heads, intermediate 3 x hidden): q is
+    # twice as wide as hidden, and each head's q and k are normed.
+    "qwen3": ModelShape(hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=8, intermediate_size=3072,
+                        arch="qwen3", head_dim=128),
+    "qwen3-quick": ModelShape(hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=768,
+                              arch="qwen3", head_dim=64),
 }
 
 
@@ -80,8 +90,8 @@ def ensure_bench_model(shape: ModelShape, num_adapters: int, cache_dir: str | os
     root = Path(cache_dir or DEFAULT_CACHE_DIR) / shape.key
     base_dir = root / "base"
     _build_atomically(base_dir, lambda out: build_tiny_model(
-        out, arch="llama", hidden_size=shape.hidden_size, num_layers=shape.num_layers, num_heads=shape.num_heads,
-        num_kv_heads=shape.num_kv_heads, intermediate_size=shape.intermediate_size, seed=0))
+        out, arch=shape.arch, hidden_size=shape.hidden_size, num_layers=shape.num_layers, num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, intermediate_size=shape.intermediate_size, seed=0))
     adapter_dirs = {}
     for index in range(num_adapters):
         name = adapter_name(index)

@@ -47,6 +47,31 @@ def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from scripts.demo.builders import build_tiny_model
+
+    # head_dim 32 with 4 heads: q is 128 wide against a hidden size of 64; the q/k norm weights are not all ones.
+    path = tmp_path_factory.mktemp("qwen3")
+    build_tiny_model(path, arch="qwen3", head_dim=32, norm_std=0.2)
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen3_adapter_dirs(tmp_path_factory: pytest.TempPathFactory, qwen3_dir: Path) -> dict[str, Path]:
+    """Two adapters on qwen3_dir: every module at rank 8, attention only at rank 16 with rsLoRA."""
+    from loraplex.protocol.lora_targets import ATTN_MODULES, TARGET_MODULES
+
+    from scripts.demo.builders import build_lora_adapter
+
+    root = tmp_path_factory.mktemp("qwen3_adapters")
+    specs = {"q8": (8, 16, TARGET_MODULES, False), "q16": (16, 32, ATTN_MODULES, True)}
+    for seed, (name, (r, alpha, targets, rslora)) in enumerate(specs.items(), start=31):
+        build_lora_adapter(qwen3_dir, root / name, r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
+                           seed=seed)  # fmt: skip
+    return {name: root / name for name in specs}
+
+
+@pytest.fixture(scope="session")
 def adapter_specs() -> dict[str, tuple[int, float, tuple[str, ...], bool]]:
     return dict(ADAPTER_SPECS)
 

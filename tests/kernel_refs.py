@@ -119,8 +119,9 @@ def lora_shrink_expand_triton(
 
 
 def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: list[int], page_size: int,
-                q_positions: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
-    """q (n, heads, d) at q_positions (n,) over the keys 0..max position of one request, in fp32 -> (n, heads, d)."""
+                q_positions: torch.Tensor, scale: float, window: int, logit_cap: float) -> torch.Tensor:  # fmt: skip
+    """q (n, heads, d) at q_positions (n,) over the keys 0..max position of one request (those past position - window
+    when window > 0; scores soft-capped when logit_cap > 0), in fp32 -> (n, heads, d)."""
     num_keys = int(q_positions.max()) + 1
     positions = torch.arange(num_keys, device=q.device)
     page_ids = torch.tensor(pages, dtype=torch.long, device=q.device)
@@ -129,13 +130,19 @@ def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     keys = k_cache[slots].float().repeat_interleave(group, dim=1)  # (keys, heads, d)
     values = v_cache[slots].float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale  # (heads, n, keys)
-    scores = scores.masked_fill(positions[None, None, :] > q_positions[None, :, None], float("-inf"))
+    if logit_cap > 0:
+        scores = torch.tanh(scores / logit_cap) * logit_cap
+    hidden = positions[None, None, :] > q_positions[None, :, None]
+    if window > 0:
+        hidden |= positions[None, None, :] <= q_positions[None, :, None] - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
 def paged_decode_attention_torch(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor,
-                                 page_size: int, scale: float, num_splits: int) -> None:  # fmt: skip
+                                 page_size: int, scale: float, num_splits: int, window: int = 0,
+                                 logit_cap: float = 0.0) -> None:  # fmt: skip
     check_decode_args(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, num_splits)
     for req, (kv_len, row) in enumerate(zip(kv_lens.tolist(), q_rows.tolist(), strict=True)):
         if kv_len == 0:
@@ -143,13 +150,14 @@ def paged_decode_attention_torch(out: torch.Tensor, q: torch.Tensor, k_cache: to
             continue
         position = torch.tensor([kv_len - 1], device=q.device)
         out[row] = _attend_one(q[row : row + 1], k_cache, v_cache, page_table[req].tolist(), page_size, position,
-                               scale)[0].to(out.dtype)  # fmt: skip
+                               scale, window, logit_cap)[0].to(out.dtype)  # fmt: skip
 
 
 def paged_extend_attention_torch(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                                  cached_lens: torch.Tensor, tile_reqs: torch.Tensor, tile_offsets: torch.Tensor,
-                                 page_size: int, scale: float) -> None:  # fmt: skip
+                                 page_size: int, scale: float, window: int = 0,
+                                 logit_cap: float = 0.0) -> None:  # fmt: skip
     check_extend_args(out, q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets,
                       page_size)  # fmt: skip
     for req, (start, q_len, cached) in enumerate(
@@ -159,7 +167,8 @@ def paged_extend_attention_torch(out: torch.Tensor, q: torch.Tensor, k_cache: to
             continue
         positions = cached + torch.arange(q_len, device=q.device)
         out[start : start + q_len] = _attend_one(q[start : start + q_len], k_cache, v_cache, page_table[req].tolist(),
-                                                 page_size, positions, scale).to(out.dtype)  # fmt: skip
+                                                 page_size, positions, scale, window,
+                                                 logit_cap).to(out.dtype)  # fmt: skip
 
 
 # ---- the model's fused ops: the torch ops the model runs without them (worker/layers/ops.py) -------------------------

@@ -31,9 +31,10 @@ def fault_env(**faults: object) -> dict[str, str]:
 
 class ServerProcess:
     def __init__(self, *args: str, start_timeout_s: float = 180.0, env: dict[str, str] | None = None,
-                 argv_prefix: tuple[str, ...] = ()):
+                 argv_prefix: tuple[str, ...] = (), healthy: bool = True):
         """argv_prefix comes first on the command line, before the port and device flags: ("serve", MODEL) starts
-        the `loraplex serve MODEL [flags]` form."""
+        the `loraplex serve MODEL [flags]` form. healthy=False: return at once (a server expected never to become
+        healthy; wait_log watches it)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, os.path.join(REPO_ROOT, "scripts", "launch_server.py"), *argv_prefix,
@@ -44,7 +45,8 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         try:
-            self.wait_healthy(start_timeout_s)
+            if healthy:
+                self.wait_healthy(start_timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -61,6 +63,19 @@ class ServerProcess:
                 pass
             time.sleep(0.25)
         raise TimeoutError(f"server not healthy after {timeout_s} s:\n{self.log()}")
+
+    def wait_log(self, text: str, timeout_s: float) -> bool:
+        """Whether `text` appears in the server's log within timeout_s (False at once if the server exits)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._log.flush()
+            with open(self.log_path) as f:
+                if text in f.read():
+                    return True
+            if self.proc.poll() is not None:
+                return False
+            time.sleep(0.25)
+        return False
 
     def log(self) -> str:
         self._log.flush()

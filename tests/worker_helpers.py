@@ -7,6 +7,7 @@ import queue
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +190,53 @@ def prefill_logits(runner: ModelRunner, input_ids: list[int], slot: int = -1) ->
 def num_grammar_sequences(grammar: GrammarMasks) -> int:
     """The requests whose grammar state the worker still holds."""
     return len(grammar._sequences)
+
+
+@dataclass
+class Seq:
+    prompt: list[int]
+    prefill_chunk: int  # prompt tokens per step while prefilling
+    page_ids: list[int] = field(default_factory=list)  # a prefix-cache hit starts with another's first pages
+    num_cached: int = 0  # and their tokens counted here
+    output: list[int] = field(default_factory=list)
+    slot: int = -1  # its adapter's slot
+
+    def next_input(self) -> list[int]:
+        if self.num_cached < len(self.prompt):
+            return self.prompt[self.num_cached : self.num_cached + self.prefill_chunk]
+        return self.output[-1:]
+
+
+def run_greedy_schedule(
+    runner: ModelRunner, seqs: list[Seq], start_steps: list[int], max_new_tokens: int, seed: int = 0,
+    slot_loads: list[SlotLoad] | None = None,
+) -> list[list[int]]:
+    """A miniature scheduler: scattered pages handed out as sequences grow, requests joining mid-run (slot_loads
+    go with the first batch)."""
+    used = {page for s in seqs for page in s.page_ids}
+    free_pages = [page for page in range(NUM_PAGES) if page not in used]
+    random.Random(seed).shuffle(free_pages)
+    step = 0
+    while any(len(s.output) < max_new_tokens for s in seqs):
+        active = [
+            s for s, start in zip(seqs, start_steps, strict=True) if start <= step and len(s.output) < max_new_tokens
+        ]
+        reqs = []
+        for s in active:
+            input_ids = s.next_input()
+            while len(s.page_ids) * PAGE_SIZE < s.num_cached + len(input_ids):
+                s.page_ids.append(free_pages.pop())
+            reqs.append(
+                ForwardReq(
+                    input_ids=input_ids, num_cached_tokens=s.num_cached, page_ids=list(s.page_ids), sampling=GREEDY,
+                    slot=s.slot,
+                )
+            )
+        loads = (slot_loads or []) if step == 0 else []
+        next_tokens = runner.forward(ForwardBatch(batch_id=step, reqs=reqs, slot_loads=loads))
+        for s, req, token in zip(active, reqs, next_tokens, strict=True):
+            s.num_cached += len(req.input_ids)
+            if s.num_cached >= len(s.prompt):  # a token sampled mid-prompt (chunked prefill) is discarded
+                s.output.append(token)
+        step += 1
+    return [s.output for s in seqs]

@@ -7,15 +7,22 @@ model_runner.py            ModelRunner: model + KV cache + sampler; forward(Forw
 batch_inputs.py            ForwardBatch -> flat token ids, positions, cache slots, attention masks
 kv_cache.py                KVCache tensors and the default capacity rule
 loader.py                  safetensors checkpoint -> parameters, via each parameter's weight_loader
+dummy_weights.py           --load-format dummy: seeded random weights through the same weight loaders
 sampler.py                 greedy / temperature / top-k / top-p, stateless per-request seeds
 model/config.py            ModelConfig from an HF config.json (transformers 4 and 5 forms)
 model/llama.py             Llama / Mistral / Qwen2 decoder, free of TP and LoRA
 model/phi3.py              Phi-3 / Phi-4-mini: the Llama decoder; fused checkpoints, partial rotary, longrope
+model/qwen3.py             Qwen3: the Llama decoder with per-head q/k RMSNorm (Qwen3Attention, reusable)
+model/mixtral.py           Mixtral: the Llama decoder with the MoE block as its MLP (MoEMLP, reusable)
+model/olmoe.py             OLMoE: q/k RMSNorm over the whole projections (summed over TP ranks), MoE without renorm
+model/qwen3_moe.py         Qwen3-MoE: Qwen3Attention and the MoE block; dense MLPs where the config says
 model/registry.py          model_type -> decoder class (one file per family)
 layers/linear.py           Column-, MergedColumn- and RowParallelLinear with sharding weight loaders
 layers/attention.py        paged attention with torch SDPA
 layers/rotary.py, norm.py, embedding.py   RoPE (default, linear, dynamic, yarn, longrope, llama3; partial),
                            RMSNorm, replicated embedding / LM head
+layers/moe.py              MoE block: router top-k, stacked experts (ExpertsLinear) sharded like the dense MLP
+layers/sharded_norm.py     RMSNorm over a TP-sharded feature dimension (OLMoE's q/k norm)
 layers/ops.py              the model ops (RMSNorm + residual, rotary, SiLU-mul) chosen at start-up: Triton on CUDA
 lora/                      multi-LoRA: adapter loading and validation, the device slot pool, LoRALinear wrappers,
                            LoRAManager (host copies, slot loads, per-forward token segments); see lora/__init__.py

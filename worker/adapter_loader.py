@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 
+from loraplex.protocol.curve import ClusterKey
 from loraplex.protocol.faults import FaultPlan
 from loraplex.protocol.sockets import PULL, PUSH, TypedSocket
 from loraplex.protocol.structs import AdapterOutcome, AdapterReport, LoadAdapters, ProcessArgs
@@ -26,13 +27,14 @@ STOP_POLL_MS = 200
 
 
 class AdapterLoader(threading.Thread):
-    def __init__(self, args: ProcessArgs, rank: int, manager: LoRAManager | None, faults: FaultPlan):
+    def __init__(self, args: ProcessArgs, rank: int, manager: LoRAManager | None, faults: FaultPlan,
+                 key: ClusterKey | None = None):
         super().__init__(name="adapter-loader", daemon=True)
         self.rank = rank
         self.manager = manager
         inbox_addr = args.endpoints.scheduler_to_loaders[args.rank]
-        self.inbox = TypedSocket(PULL, inbox_addr, bind=True, recv_type=LoadAdapters)
-        self.to_scheduler = TypedSocket(PUSH, args.endpoints.workers_to_scheduler, bind=False)
+        self.inbox = TypedSocket(PULL, inbox_addr, bind=True, recv_type=LoadAdapters, key=key)
+        self.to_scheduler = TypedSocket(PUSH, args.endpoints.workers_to_scheduler, bind=False, key=key)
         self.send_lock = threading.Lock()  # zmq sockets are not thread-safe; reports leave from the op threads
         # Test-only fault injection (protocol/faults.py); inert unless a test set it.
         on_replica = faults.fail_load_on_replica in (None, args.dp_rank)

@@ -16,6 +16,7 @@ from loraplex.protocol.structs import ForwardBatch, ForwardReq, SlotLoad, TokenL
 from loraplex.worker.batch_inputs import BatchError, BatchInputs
 from loraplex.worker.cuda_graphs import DecodeGraphRunner
 from loraplex.worker.dist import pick_dtype
+from loraplex.worker.dummy_weights import init_dummy_weights
 from loraplex.worker.grammar import GrammarMasks
 from loraplex.worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token
 from loraplex.worker.layers import packed
@@ -56,7 +57,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = pick_dtype(config, self.device)
         self.rank, self.world_size = rank, world_size
-        self.model_config = ModelConfig.from_dir(model_dir)
+        self.model_config = ModelConfig.from_dir(model_dir, config.hf_overrides)
         self.context_length = self._context_length()
         self._check_divisible()
         # The one choice of LoRA backend (and with it the CPU kernels, where it builds them, for attention, norms and
@@ -85,7 +86,10 @@ class ModelRunner:
 
         with tensor_parallel(rank, world_size), model_ops(ops), self.device, _default_dtype(self.dtype):
             self.model = build_model(self.model_config, max_positions=self.context_length)
-        load_weights(self.model, model_dir, show_progress=rank == 0)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, self.model_config.initializer_range, config.seed)
+        else:
+            load_weights(self.model, model_dir, show_progress=rank == 0)
         self.model.eval()
         # Wraps the targeted linears in place, after the weights are loaded under their own names.
         self.lora = (
@@ -100,8 +104,9 @@ class ModelRunner:
             self.lora.warmup()  # Triton: every kernel variant compiled now, not inside a request's forward
         self._pack_weights()
         logger.info(
-            "loaded %s: %d layers, shard %d of %d, %s on %s, context length %d",
+            "loaded %s (--load-format %s): %d layers, shard %d of %d, %s on %s, context length %d",
             self.model_config.model_type,
+            config.load_format,
             self.model_config.num_layers,
             rank,
             world_size,
@@ -143,6 +148,10 @@ class ModelRunner:
             return None
         if self.device.type != "cuda":
             logger.info("--enable-cuda-graph is ignored on %s: CUDA graphs need a CUDA device", self.device.type)
+            return None
+        if self.model_config.moe is not None:  # the MoE block reads its routing on the host: nothing to capture
+            logger.info("--enable-cuda-graph is ignored for %s: MoE layers route on the host",
+                        self.model_config.model_type)
             return None
         if self.attention.name != "triton":
             raise AttentionBackendError(

@@ -9,6 +9,7 @@ import time
 import msgspec
 import torch
 from loraplex.kernels import BackendError
+from loraplex.protocol.curve import ClusterKey
 from loraplex.protocol.faults import FaultPlan, read_fault_plan
 from loraplex.protocol.proc import die_with_parent, read_process_args, setup_logging
 from loraplex.protocol.sockets import PULL, PUSH, TypedSocket, send_last
@@ -41,14 +42,15 @@ FAILURE_FLUSH_MS = 2000
 
 
 class Worker:
-    def __init__(self, args: ProcessArgs, rank: int, to_scheduler: TypedSocket, faults: FaultPlan):
+    def __init__(self, args: ProcessArgs, rank: int, to_scheduler: TypedSocket, faults: FaultPlan,
+                 key: ClusterKey | None = None):
         config, endpoints = args.config, args.endpoints
         if not 0 <= args.rank < min(ranks_per_node(config), len(endpoints.scheduler_to_workers)):
             raise ValueError(f"local rank {args.rank} does not fit tp {config.tp} over {config.nnodes} node(s)")
         self.rank = rank
         self.to_scheduler = to_scheduler
         self.from_scheduler = TypedSocket(
-            PULL, endpoints.scheduler_to_workers[args.rank], bind=True, recv_type=SchedulerToWorker
+            PULL, endpoints.scheduler_to_workers[args.rank], bind=True, recv_type=SchedulerToWorker, key=key
         )
         # Replica r's ranks use devices r * ranks_per_node ... (r + 1) * ranks_per_node - 1 on this node.
         device = pick_device(config, args.dp_rank * ranks_per_node(config) + args.rank)
@@ -68,7 +70,7 @@ class Worker:
             self.runner.vocab_size,
         )
         # Adapter reads (disk, validation, slicing) run on their own threads, off the decode loop.
-        self.loader = AdapterLoader(args, rank, self.runner.lora, faults)
+        self.loader = AdapterLoader(args, rank, self.runner.lora, faults, key)
         self.last_token_ids: list[int] = []  # what the previous batch sampled, row by row
         self.loader.start()
         # Test-only fault injection (protocol/faults.py); inert unless a test set it.
@@ -88,6 +90,9 @@ class Worker:
                 vocab_size=self.runner.vocab_size,
                 max_lora_rank=lora.spec.max_lora_rank if lora else 0,
                 lora_target_modules=list(lora.spec.target_modules) if lora else [],
+                model_type=self.runner.model_config.model_type,
+                num_hidden_layers=self.runner.model_config.num_layers,
+                attention_window=self.runner.model_config.attention_window,
                 long_rope_len=self.runner.long_rope_len,
             )
         )
@@ -164,9 +169,10 @@ def main() -> int:
     config = args.config
     rank = global_rank(config, args.rank)
     setup_logging(config.log_level, f"worker{rank}")
-    to_scheduler = TypedSocket(PUSH, args.endpoints.workers_to_scheduler, bind=False)
+    key = ClusterKey.of(config.cluster_key_file)  # CURVE on the TCP sockets to and from node 0
+    to_scheduler = TypedSocket(PUSH, args.endpoints.workers_to_scheduler, bind=False, key=key)
     try:
-        worker = Worker(args, rank, to_scheduler, read_fault_plan())
+        worker = Worker(args, rank, to_scheduler, read_fault_plan(), key)
     except Exception as e:
         if isinstance(e, BackendError):  # a configuration the device cannot run, not a fault: its one line says it
             logger.error("start-up failed: %s", e)
@@ -180,7 +186,7 @@ def main() -> int:
     except Exception as e:
         logger.exception("worker failed: exiting")
         failed = ProcessFailed(who=f"worker{rank}", error_message=f"{type(e).__name__}: {e}")
-        send_last(args.endpoints.workers_to_scheduler, failed, FAILURE_FLUSH_MS)
+        send_last(args.endpoints.workers_to_scheduler, failed, FAILURE_FLUSH_MS, key)
         # No orderly teardown: the process group may be mid-collective and broken; exiting must not wait on it.
         os._exit(1)
     logger.info("shutting down")

@@ -111,7 +111,7 @@ def prompt_logprobs(logits: torch.Tensor, reqs: list[ForwardReq], batch: Samplin
     if not len(logits):
         return []
     ids = [t for req in reqs for t in req.prompt_logprob_ids]
-    nums = [max(p.logprobs, 0) for req, p in zip(reqs, batch.params, strict=True) for _ in req.prompt_logprob_ids]
+    nums = [p.prompt_top_logprobs for req, p in zip(reqs, batch.params, strict=True) for _ in req.prompt_logprob_ids]
     entries = logprob_entries(logits, ids, nums)
     out, start = [], 0
     for req in reqs:
@@ -121,14 +121,17 @@ def prompt_logprobs(logits: torch.Tensor, reqs: list[ForwardReq], batch: Samplin
 
 
 def logprob_entries(logits: torch.Tensor, chosen_ids: list[int], nums: list[int]) -> list[TokenLogprob]:
-    """logits (rows, vocab) -> per row, chosen_ids[row]'s logprob and the nums[row] best (log-softmax in fp32)."""
+    """logits (rows, vocab) -> per row, chosen_ids[row]'s logprob and rank and the nums[row] best (log-softmax in
+    fp32)."""
     logprobs = logits.float().log_softmax(dim=-1)  # (rows, vocab)
     chosen_index = torch.tensor(chosen_ids, device=logits.device)[:, None]  # (rows, 1)
-    chosen = logprobs.gather(1, chosen_index)[:, 0].tolist()
+    chosen_values = logprobs.gather(1, chosen_index)  # (rows, 1)
+    chosen = chosen_values[:, 0].tolist()
+    ranks = (logprobs >= chosen_values).sum(dim=-1).tolist()  # ties rank the chosen token last among them
     num_top = min(max(nums), logprobs.shape[-1])
     top_values: list[list[float]] = [[] for _ in nums]
     top_ids: list[list[int]] = [[] for _ in nums]
     if num_top > 0:
         values, ids = logprobs.topk(num_top, dim=-1)  # sorted, best first
         top_values, top_ids = values.tolist(), ids.tolist()
-    return [TokenLogprob(chosen[j], top_ids[j][:n], top_values[j][:n]) for j, n in enumerate(nums)]
+    return [TokenLogprob(chosen[j], top_ids[j][:n], top_values[j][:n], ranks[j]) for j, n in enumerate(nums)]

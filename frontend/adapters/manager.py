@@ -17,14 +17,16 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import msgspec
+from loraplex.frontend.adapters.audit import SERVER, AuditLog, Caller
 from loraplex.frontend.adapters.files import cut_per_rank, read_adapter_dir
+from loraplex.frontend.adapters.integrity import AdapterIntegrity
 from loraplex.frontend.adapters.registry import AdapterEntry, AdapterError, AdapterRegistry
 from loraplex.frontend.adapters.sources import SourceError, cache_for, parse_remote, resolver_source
 from loraplex.frontend.adapters.state_file import AdapterStateFile
 from loraplex.frontend.cluster.replica_set import ReplicaSet, merge_replica_answers
 from loraplex.frontend.metrics import Metrics
 from loraplex.protocol.adapter_config import AdapterLoadError
-from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.config import ServerConfig, is_loopback_host
 from loraplex.protocol.errors import ServerError
 from loraplex.protocol.structs import (
     AdapterOutcome,
@@ -55,6 +57,7 @@ class AdapterManager:
         metrics: Metrics,
         replicas: ReplicaSet,
         state_file: AdapterStateFile | None = None,
+        audit: AuditLog | None = None,
     ):
         self.config = config
         self.registry = registry
@@ -63,27 +66,37 @@ class AdapterManager:
         self.state_file = state_file
         self.cache = cache_for(config.lora_cache_dir, config.lora_cache_max_gb)  # Hub and S3 adapters land here
         registry.allow_cache(self.cache.root)
-        self.updates_open = True  # closed after start-up under --disable-lora-updates
+        self.integrity = AdapterIntegrity(config)
+        self.audit = audit or AuditLog(None)
+        self.updates_refusal: tuple[str, str] | None = None  # (message, kind) once updates are closed after start-up
         self._retiring: set[asyncio.Task] = set()
 
     # ---- the public operations ---------------------------------------------------------------------------
 
     async def load(self, specs: list[LoRAAdapterSpec], load_inplace: bool = False,
-                   parents: dict[str, str] | None = None) -> LoadLoRAAdapterReqOutput:
+                   parents: dict[str, str] | None = None, caller: Caller = SERVER) -> LoadLoRAAdapterReqOutput:
         """Adapters from directories, Hub repos or S3 prefixes. `parents`: name -> the card's parent in /v1/models
         (--lora-modules' base_model_name; default the served base name)."""
-        return await self._load(specs, [None] * len(specs), [], load_inplace, parents or {})
+        names, paths = [s.lora_name for s in specs], [s.lora_path for s in specs]
+        with self.audit.operation("reload" if load_inplace else "load", names, paths, caller) as op:
+            out = await self._load(specs, [None] * len(specs), [], load_inplace, parents or {})
+            op.set_outcome(out.results)
+            return out
 
-    async def load_from_tensors(self, request: LoadLoRAAdapterFromTensorsReqInput,
-                                buffers: list) -> LoadLoRAAdapterReqOutput:
+    async def load_from_tensors(self, request: LoadLoRAAdapterFromTensorsReqInput, buffers: list,
+                                caller: Caller = SERVER) -> LoadLoRAAdapterReqOutput:
         """An adapter from tensors in memory: `buffers` hold the bytes of `request.tensors`, in order. It has no
         path, so it is never written to the state file and never evicted (it could not be reloaded)."""
-        if len(buffers) != len(request.tensors):
-            raise ServerError(f"{len(buffers)} tensor buffers for {len(request.tensors)} tensors", "invalid")
-        # lora_path is never read for an inline adapter: plan_load checks no path for it
-        spec = LoRAAdapterSpec(lora_name=request.lora_name, lora_path="", pinned=request.pinned)
-        inline = InlineAdapter(config=request.config_dict, tensors=request.tensors)
-        return await self._load([spec], [inline], buffers, request.load_inplace, {})
+        op_name = "reload" if request.load_inplace else "load"
+        with self.audit.operation(op_name, [request.lora_name], [None], caller) as op:
+            if len(buffers) != len(request.tensors):
+                raise ServerError(f"{len(buffers)} tensor buffers for {len(request.tensors)} tensors", "invalid")
+            # lora_path is never read for an inline adapter: plan_load checks no path for it
+            spec = LoRAAdapterSpec(lora_name=request.lora_name, lora_path="", pinned=request.pinned)
+            inline = InlineAdapter(config=request.config_dict, tensors=request.tensors)
+            out = await self._load([spec], [inline], buffers, request.load_inplace, {})
+            op.set_outcome(out.results)
+            return out
 
     async def _load(self, specs: list[LoRAAdapterSpec], inline: list[InlineAdapter | None], buffers: list,
                     load_inplace: bool, parents: dict[str, str]) -> LoadLoRAAdapterReqOutput:
@@ -140,7 +153,14 @@ class AdapterManager:
             return path
         return await asyncio.get_running_loop().run_in_executor(None, self.cache.fetch, source)
 
-    async def unload(self, names: list[str]) -> UnloadLoRAAdapterReqOutput:
+    async def unload(self, names: list[str], caller: Caller = SERVER) -> UnloadLoRAAdapterReqOutput:
+        paths = [entry.path if (entry := self.registry.get(name)) is not None else None for name in names]
+        with self.audit.operation("unload", names, paths, caller) as op:
+            out = await self._unload(names)
+            op.set_outcome(out.results)
+            return out
+
+    async def _unload(self, names: list[str]) -> UnloadLoRAAdapterReqOutput:
         self._check_updates_open()
         results: list[LoRAAdapterResult | None] = [None] * len(names)
         draining: list[tuple[int, AdapterEntry]] = []
@@ -203,15 +223,18 @@ class AdapterManager:
             entry = self.registry.get(name)  # another request may have done it meanwhile, or an unload removed it
             if entry is None:
                 if self.config.lora_resolver_dir:
-                    await self._resolve(name, {name, *batch})
+                    with self.audit.operation("resolve", [name], [self.config.lora_resolver_dir], SERVER):
+                        await self._resolve(name, {name, *batch})
             elif not entry.resident and not entry.draining:
-                await self._reload(entry, {name, *batch})
+                with self.audit.operation("reload", [name], [entry.path], SERVER):
+                    await self._reload(entry, {name, *batch})
 
     # ---- start-up -------------------------------------------------------------------------------------------
 
     async def load_startup(self, specs: list[LoRAAdapterSpec], parents: dict[str, str] | None = None) -> None:
         """--lora-paths/--lora-modules (must load), then the state file's other entries (logged and skipped when
-        they no longer load); under --disable-lora-updates nothing changes after this."""
+        they no longer load); under --disable-lora-updates, or beyond loopback with no key, nothing changes after
+        this."""
         saved = self.state_file.read() if self.state_file is not None else []  # before any load rewrites it
         if specs:
             out = await self.load(specs, parents=parents)
@@ -226,14 +249,13 @@ class AdapterManager:
             if not out.success:
                 logger.warning("state file %s: adapter %s skipped: %s", self.state_file.path, spec.lora_name,
                                out.error_message)
-        if self.config.disable_lora_updates:
-            self.updates_open = False
+        self.updates_refusal = update_policy(self.config)
 
     # ---- the steps -------------------------------------------------------------------------------------------
 
     def _check_updates_open(self) -> None:
-        if not self.updates_open:
-            raise ServerError("adapter updates are disabled on this server (--disable-lora-updates)", "disabled")
+        if self.updates_refusal is not None:
+            raise ServerError(*self.updates_refusal)
 
     async def _send_load(self, adapters: list[AdapterToLoad], op_name: str,
                          buffers: Sequence[Any] = ()) -> list[AdapterOutcome]:
@@ -242,11 +264,17 @@ class AdapterManager:
         if not adapters:
             return []
         t0 = time.monotonic()
-        read_failures: dict[int, AdapterOutcome] = {}
-        to_send = adapters
+        read_failures = await asyncio.get_running_loop().run_in_executor(None, self._integrity_failures, adapters)
+        if read_failures:  # refused before any rank reads them; their inline frames stay here too
+            kept = [(a, f) for a, f in zip(adapters, split_inline_frames(adapters, list(buffers)), strict=True)
+                    if a.lora_id not in read_failures]
+            to_send, buffers = [a for a, _ in kept], [frame for _, frames in kept for frame in frames]
+        else:
+            to_send = adapters
         frames_per_rank = self.config.nnodes > 1
-        if frames_per_rank:  # node 0 reads the files; every rank gets its part as raw tensor frames
-            to_send, buffers, read_failures = await self._read_for_nodes(adapters, buffers)
+        if frames_per_rank and to_send:  # node 0 reads the files; every rank gets its part as raw tensor frames
+            to_send, buffers, unread = await self._read_for_nodes(to_send, buffers)
+            read_failures.update(unread)
         outcomes = await self._load_everywhere(to_send, buffers, frames_per_rank) if to_send else []
         sent = dict(zip([a.lora_id for a in to_send], outcomes, strict=True))
         outcomes = [read_failures.get(a.lora_id) or sent[a.lora_id] for a in adapters]
@@ -258,6 +286,20 @@ class AdapterManager:
                         outcome.rank or "?", "ok" if outcome.success else "FAILED", elapsed_s * 1e3,
                         "" if outcome.success else f": {outcome.error_message}")
         return outcomes
+
+    def _integrity_failures(self, adapters: list[AdapterToLoad]) -> dict[int, AdapterOutcome]:
+        """The adapters AdapterIntegrity refuses (base model, manifest), by id, worded as a rank's refusal."""
+        failures = {}
+        for adapter in adapters:
+            try:
+                if adapter.inline is not None:
+                    self.integrity.check_config(adapter.lora_name, adapter.inline.config)
+                else:
+                    self.integrity.check_dir(adapter.lora_name, adapter.lora_path, adapter.root)
+            except AdapterLoadError as e:
+                failures[adapter.lora_id] = AdapterOutcome(lora_id=adapter.lora_id, success=False,
+                                                           error_message=str(e), error_kind=e.error_kind)
+        return failures
 
     async def _read_for_nodes(self, adapters: list[AdapterToLoad], buffers: Sequence[Any]
                               ) -> tuple[list[AdapterToLoad], list, dict[int, AdapterOutcome]]:
@@ -377,10 +419,12 @@ class AdapterManager:
         try:
             await self._drop_ids([e.lora_id for e in victims])
         except ServerError as e:  # the copies are forgotten here either way; the drop reaches a late scheduler later
+            self.audit.record("evict", [v.name for v in victims], [v.path for v in victims], SERVER, e.kind)
             for entry in victims:
                 self.metrics.on_adapter_op("evict", False)
                 logger.error("evict adapter %s host copy: drop failed: %s", entry.name, e)
             return
+        self.audit.record("evict", [v.name for v in victims], [v.path for v in victims], SERVER, "ok")
         for entry in victims:
             self.metrics.on_adapter_op("evict", True)
             logger.info("evict adapter %s host copy (least recently used, --max-loaded-loras %d)", entry.name,
@@ -420,6 +464,25 @@ class AdapterManager:
             self.state_file.write(specs)
         except OSError as e:  # the change itself happened: serve on, and say the file is behind
             logger.error("state file %s not rewritten: %s", self.state_file.path, e)
+
+
+def update_policy(config: ServerConfig) -> tuple[str, str] | None:
+    """Whether run-time adapter updates stay open after start-up, said in the log: None if they do, else the
+    (message, kind) every update is refused with."""
+    if config.disable_lora_updates:
+        logger.info("run-time adapter updates: off (--disable-lora-updates)")
+        return "adapter updates are disabled on this server (--disable-lora-updates)", "disabled"
+    if config.lora_updates_need_key:
+        how = "set --api-key or --admin-api-key, or pass --allow-unauthenticated-lora-updates"
+        logger.warning("run-time adapter updates: off, --host %s is not loopback and no key is set (%s)",
+                       config.host, how)
+        return (f"updates_disabled: run-time adapter updates are off on this server (--host {config.host} is not "
+                f"loopback and no key is set; {how})"), "updates_disabled"
+    logger.info("run-time adapter updates: on")
+    if not is_loopback_host(config.host) and not config.lora_path_root:
+        logger.warning("run-time adapter updates are on beyond loopback (--host %s) without --lora-path-root: any "
+                       "directory this server can read can be loaded as an adapter", config.host)
+    return None
 
 
 def _failed(name: object, message: str, kind: str) -> LoRAAdapterResult:

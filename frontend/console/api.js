@@ -5,7 +5,7 @@ const API_KEY = "loraplex.apiKey";
 const ADMIN_KEY = "loraplex.adminKey";
 // The routes --admin-api-key guards (http_server.ADMIN_PATHS).
 const ADMIN_PATHS = new Set(["/load_lora_adapter", "/unload_lora_adapter", "/v1/load_lora_adapter",
-  "/v1/unload_lora_adapter"]);
+  "/v1/unload_lora_adapter", "/audit_log"]);
 
 export class ApiError extends Error {
   constructor(status, message) {

@@ -1,7 +1,9 @@
-// The console's wiring: ask for a key when the server wants one, then every POLL_MS read /lora_adapters and
-// /metrics and hand them to the adapters table, the playground's target list and the charts.
+// The console's wiring: ask for a key when the server wants one, then every POLL_MS read /lora_adapters,
+// /metrics and /audit_log and hand them to the adapters table, the playground's target list, the charts and the
+// audit panel.
 
 import { AdapterView } from "./adapters.js";
+import { AuditView } from "./audit.js";
 import { ApiError, describe, getJSON, getText, keys } from "./api.js";
 import { LineChart } from "./linechart.js";
 import { Playground } from "./playground.js";
@@ -15,6 +17,7 @@ const state = { server: null, timer: null, rates: new RateTracker(), needsKey: f
 const adapters = new AdapterView({
   table: $("adapter-table"), form: $("load-form"), status: $("adapter-status"), onChange: () => refresh(),
 });
+const audit = new AuditView({ table: $("audit-table"), status: $("audit-status") });
 const playground = new Playground({
   form: $("play-form"), targets: $("play-targets"), panes: $("play-panes"), status: $("play-status"),
   stop: $("play-stop"),
@@ -130,7 +133,8 @@ async function poll() {
       adapters.setServer(state.server);
       playground.setModel(state.server.model_path);
     }
-    const [table, metricsText] = await Promise.all([getJSON("/lora_adapters"), getText("/metrics")]);
+    const [table, metricsText] = await Promise.all([getJSON("/lora_adapters"), getText("/metrics"),
+      audit.refresh()]);
     const seconds = performance.now() / 1000;
     const samples = parsePrometheus(metricsText);
     const base = state.server.served_model_name;

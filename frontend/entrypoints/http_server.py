@@ -7,15 +7,18 @@ import logging
 import signal
 
 from aiohttp import web
+from loraplex.frontend.caller import set_caller_key
 from loraplex.frontend.entrypoints import console_api, native_api, openai_api, openapi, responses_api, utility_api
-from loraplex.frontend.entrypoints.http_utils import error_response
+from loraplex.frontend.entrypoints.http_utils import caller_of, error_response
 from loraplex.frontend.entrypoints.wire import failure, key_matches
+from loraplex.frontend.errors import RateLimited
 from loraplex.frontend.generate import GenerateService
 from loraplex.frontend.runtime import Runtime
 
 logger = logging.getLogger("loraplex.http")
 
-ADMIN_PATHS = {"/load_lora_adapter", "/unload_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+ADAPTER_PATHS = {"/load_lora_adapter", "/unload_lora_adapter", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+ADMIN_PATHS = ADAPTER_PATHS | {"/audit_log"}  # --admin-api-key guards these (else --api-key)
 OPEN_PATHS = {"/health", "/ping"}
 # After the drain, how long aiohttp waits for handlers still running (adapter calls) before it cancels them.
 HANDLER_SHUTDOWN_S = 3.0
@@ -32,7 +35,11 @@ async def auth_middleware(request: web.Request, handler):
         return await handler(request)
     key = config.admin_api_key if request.path in ADMIN_PATHS and config.admin_api_key else config.api_key
     if key is not None and not _authorized(request, key):
+        if request.path in ADAPTER_PATHS:  # a refused adapter operation: its body is not read, so no names
+            op = "unload" if "unload" in request.path else "load"
+            request.app["runtime"].audit.record(op, [], [], caller_of(request), "unauthorized")
         return error_response("missing or invalid API key", 401)
+    set_caller_key(key)
     return await handler(request)
 
 
@@ -48,7 +55,10 @@ async def error_middleware(request: web.Request, handler):
         raise
     except Exception as e:  # noqa: BLE001 - the edge: a ServerError's kind picks the status, the rest is a 500
         openai = request.path.startswith("/v1/") or request.path in utility_api.VLLM_STATUS_PATHS
-        return error_response(*failure(e, openai, f"{request.method} {request.path}"))
+        response = error_response(*failure(e, openai, f"{request.method} {request.path}"))
+        if isinstance(e, RateLimited):
+            response.headers["Retry-After"] = str(e.retry_after_s)
+        return response
 
 
 def create_app(runtime: Runtime) -> web.Application:

@@ -6,13 +6,22 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from aiohttp import web
-from loraplex.frontend.entrypoints.wire import SSE_DONE, encode_json, sse_event
+from loraplex.frontend.adapters.audit import Caller
+from loraplex.frontend.entrypoints.wire import SSE_DONE, encode_json, presented_key, sse_event
 from loraplex.frontend.generate import GenerateService
 from loraplex.frontend.params import decode_body
 from loraplex.frontend.responses import HealthResponse, error_body
 from loraplex.frontend.runtime import Runtime
 
 T = TypeVar("T")
+
+def caller_of(request: web.Request) -> Caller:
+    """Who sent an adapter operation, for the audit log: the client's address and the key it presented."""
+    key = presented_key(request.headers.get("Authorization", ""), request.headers.get("X-API-Key", ""))
+    peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+    client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else request.remote
+    return Caller.presenting(client, key or None)
+
 
 def runtime_of(request: web.Request) -> Runtime:
     return request.app["runtime"]

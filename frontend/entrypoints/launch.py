@@ -9,13 +9,32 @@ import sys
 
 from loraplex.frontend.demo import DEMO_MODEL_PATH
 from loraplex.protocol.config import ConfigError, parse_command_line
+from loraplex.protocol.curve import ClusterKey, ClusterKeyError, write_key_file
 from loraplex.protocol.proc import setup_logging
 
 
+def keygen(argv: list[str]) -> None:
+    """`loraplex keygen PATH`: a new cluster key file (mode 0600) for --cluster-key-file."""
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print("usage: loraplex keygen PATH  (writes a new --cluster-key-file, mode 0600)", file=sys.stderr)
+        sys.exit(2)
+    try:
+        write_key_file(argv[0])
+    except (ClusterKeyError, OSError) as e:
+        print(f"loraplex keygen: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    print(f"wrote {argv[0]}: copy it to every node (and RPC client) as --cluster-key-file; keep it secret")
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["keygen"]:
+        keygen(argv[1:])
+        return
     try:
         config, notes = parse_command_line(argv)
-    except ConfigError as e:
+        ClusterKey.of(config.cluster_key_file)  # a missing or open key file stops the start here, in one line
+    except (ConfigError, ClusterKeyError) as e:
         print(f"loraplex: error: {e}", file=sys.stderr)
         sys.exit(2)
     if config.model_path != DEMO_MODEL_PATH and not os.path.isfile(os.path.join(config.model_path, "config.json")):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 from loraplex.frontend.entrypoints.http_utils import (
+    caller_of,
     error_response,
     health_response,
     json_response,
@@ -19,7 +20,13 @@ from loraplex.frontend.errors import InputError
 from loraplex.frontend.generate import GenerationFailed
 from loraplex.frontend.metrics import combine_stats
 from loraplex.frontend.params import AdapterPath, NativeGenerateRequest, strip_native
-from loraplex.frontend.responses import AbortResponse, AdapterReply, AdapterResult, ModelInfoResponse
+from loraplex.frontend.responses import (
+    AbortResponse,
+    AdapterReply,
+    AdapterResult,
+    AuditLogResponse,
+    ModelInfoResponse,
+)
 from loraplex.frontend.runtime import Runtime
 from loraplex.protocol.errors import http_status
 from loraplex.protocol.structs import (
@@ -97,6 +104,8 @@ async def server_info(request: web.Request) -> web.Response:
         "max_total_tokens": sum(capacities) if ready else None,  # over all replicas
         "context_length": ready.context_length if ready else None,
         "vocab_size": ready.vocab_size if ready else None,
+        "model_type": ready.model_type if ready else None,
+        "num_hidden_layers": ready.num_hidden_layers if ready else None,  # after --hf-overrides
         "lora_enabled": runtime.config.lora_enabled,
         "max_lora_rank": ready.max_lora_rank if ready else None,
         "lora_target_modules": ready.lora_target_modules if ready else None,
@@ -199,7 +208,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         specs = [LoRAAdapterSpec(lora_name=body.lora_name, lora_path=body.lora_path, pinned=body.pinned)]
     runtime = runtime_of(request)
     runtime.check_available()
-    out = await runtime.adapters.load(specs)
+    out = await runtime.adapters.load(specs, caller=caller_of(request))
     return adapter_reply(out, body.adapters is not None)
 
 
@@ -213,8 +222,14 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
         raise InputError("'lora_names' is empty")
     runtime = runtime_of(request)
     runtime.check_available()
-    out = await runtime.adapters.unload(names)
+    out = await runtime.adapters.unload(names, caller=caller_of(request))
     return adapter_reply(out, body.lora_names is not None)
+
+
+@routes.get("/audit_log")
+async def audit_log(request: web.Request) -> web.Response:
+    """The last adapter operations and refusals, oldest first (the console shows them; --audit-log has them all)."""
+    return json_response(AuditLogResponse(entries=list(runtime_of(request).audit.recent)))
 
 
 @routes.get("/lora_adapters")

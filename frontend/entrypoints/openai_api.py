@@ -6,6 +6,7 @@ import msgspec
 from aiohttp import web
 from loraplex.frontend.adapters.registry import AdapterError
 from loraplex.frontend.entrypoints.http_utils import (
+    caller_of,
     error_response,
     json_response,
     read_request,
@@ -87,7 +88,7 @@ async def vllm_load(request: web.Request) -> web.Response:
     runtime = runtime_of(request)
     runtime.check_available()
     spec = LoRAAdapterSpec(lora_name=body.lora_name, lora_path=body.lora_path, pinned=body.pinned)
-    out = await runtime.adapters.load([spec], load_inplace=body.load_inplace)
+    out = await runtime.adapters.load([spec], load_inplace=body.load_inplace, caller=caller_of(request))
     result = out.results[0]
     if result.success:
         return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -99,7 +100,7 @@ async def vllm_unload(request: web.Request) -> web.Response:
     body = await read_request(request, VllmUnloadBody)
     runtime = runtime_of(request)
     runtime.check_available()
-    out = await runtime.adapters.unload([body.lora_name])
+    out = await runtime.adapters.unload([body.lora_name], caller=caller_of(request))
     result = out.results[0]
     if result.success:
         return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

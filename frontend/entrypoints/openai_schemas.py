@@ -74,11 +74,13 @@ class CommonParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    priority: int = 0  # vLLM's: --scheduling-policy priority runs lower first; fcfs ignores it
     # vLLM's logit controls (frontend/params.py logit_controls)
     logit_bias: LogitBias | None = None
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids in the answer
+    prompt_logprobs: TopLogprobs | None = None  # vLLM's: each prompt token's logprob and this many alternatives
     # structured output (frontend/constraints.py), at most one of these (and of structured_outputs' fields):
     structured_outputs: StructuredOutputs | None = None
     response_format: ResponseFormat | None = None

@@ -41,6 +41,8 @@ from loraplex.frontend.responses import (
     CompletionLogprobs,
     CompletionResponse,
     ModelCard,
+    PromptLogprob,
+    PromptLogprobs,
     Usage,
     error_body,
 )
@@ -60,14 +62,43 @@ def requested_logprobs(req: CommonParams) -> int:
     return -1 if logprobs is None else logprobs
 
 
+def requested_prompt_logprobs(req: CommonParams, logprobs: int) -> int | None:
+    """The alternatives per prompt token of vLLM's prompt_logprobs (None: no prompt logprobs); completions' echo
+    with logprobs asks them at `logprobs`, as vLLM does. They come in the whole answer only (vLLM's rule)."""
+    if req.prompt_logprobs is not None and req.stream:
+        raise InputError("prompt_logprobs are not available with stream: true")
+    if req.prompt_logprobs is None and getattr(req, "echo", False) and logprobs >= 0:
+        return logprobs
+    return req.prompt_logprobs
+
+
 def top_entries(state: RequestState, token: str, lp: TokenLogprob) -> dict[str, float]:
     """Completions' top_logprobs of one token, as OpenAI and vLLM give it: the chosen token, then the `logprobs`
     best (up to logprobs + 1 entries; logprobs 0: the chosen token alone). Where two ids decode to the same text,
     the first of them keeps it, so the chosen token's value is always its own."""
     top = {token: lp.logprob}
-    for tid, value in zip(lp.top_ids, lp.top_logprobs, strict=True):
+    num_top = state.sampling.logprobs  # an echoed prompt token may hold more (prompt_logprobs above logprobs)
+    for tid, value in zip(lp.top_ids[:num_top], lp.top_logprobs[:num_top], strict=True):
         top.setdefault(state.token_text(tid), value)
     return top
+
+
+def prompt_logprobs(state: RequestState, num_top: int) -> PromptLogprobs:
+    """vLLM's prompt_logprobs of a finished state: null for the first token, then {token id: entry} with the prompt
+    token first and the num_top best after it (a best one that is the prompt token is not repeated)."""
+    def entry(token_id: int, value: float, rank: int) -> PromptLogprob:
+        return PromptLogprob(logprob=value, rank=rank, decoded_token=state.token_text(token_id))
+
+    out: PromptLogprobs = []
+    for tid, lp in state.prompt_logprob_entries():
+        if lp is None:
+            out.append(None)
+            continue
+        position = {str(tid): entry(tid, lp.logprob, lp.rank)}
+        for rank, (top_id, value) in enumerate(zip(lp.top_ids[:num_top], lp.top_logprobs[:num_top], strict=True), 1):
+            position.setdefault(str(top_id), entry(top_id, value, rank))
+        out.append(position)
+    return out
 
 
 def completion_logprobs(
@@ -119,6 +150,9 @@ def openai_sampling(runtime: Runtime, req: CommonParams, prompt_len: int, defaul
     if max_tokens < 1 and not echo:  # vLLM: with echo, max_tokens 0 returns the prompt (and its logprobs) alone
         raise InputError(f"max_tokens must be >= 1, got {max_tokens}")
     logprobs = requested_logprobs(req)
+    prompt_top = requested_prompt_logprobs(req, logprobs)
+    if prompt_top is not None and echo:  # the echoed prompt shows `logprobs` alternatives, prompt_logprobs its own
+        prompt_top = max(prompt_top, logprobs)
     sampling = make_sampling(
         max_new_tokens=max_tokens,
         temperature=req.temperature,
@@ -134,7 +168,8 @@ def openai_sampling(runtime: Runtime, req: CommonParams, prompt_len: int, defaul
         repetition_penalty=req.repetition_penalty,
         min_p=req.min_p,
         min_new_tokens=req.min_tokens,
-        logprob_start_len=0 if echo and logprobs >= 0 else -1,
+        logprob_start_len=-1 if prompt_top is None else 0,
+        prompt_top_logprobs=prompt_top or 0,
         controls=logit_controls(req.logit_bias, req.allowed_token_ids, req.bad_words, runtime.tokenizer,
                                 runtime.ready.vocab_size),
     )
@@ -170,6 +205,8 @@ class OpenAIRun:
         self.prompt_tokens = prompt_tokens  # each prompt once, however many choices share it (n)
         self.echoes = echoes  # completions with echo: each choice's prompt text, put before its text
         self.reasoning = reasoning  # chat under --reasoning-parser: <think> text goes to reasoning_content
+        # vLLM's prompt_logprobs (completions' echo with logprobs too): alternatives per prompt token, or None
+        self.num_prompt_top = requested_prompt_logprobs(req, requested_logprobs(req))
         self.base = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                      "model": served_by}
 
@@ -186,6 +223,8 @@ class OpenAIRun:
         await self.service.wait(states)
         raise_failure(states)
         ids = bool(self.req.return_token_ids)
+        num_prompt_top = self.num_prompt_top
+        prompts = [None if num_prompt_top is None else prompt_logprobs(s, num_prompt_top) for s in states]
         if self.chat:
             chat_choices = []
             for i, s in enumerate(states):
@@ -199,12 +238,13 @@ class OpenAIRun:
                     finish_reason=reason, token_ids=list(s.output_ids) if ids else None))
             return ChatCompletionResponse(**self.base, object="chat.completion", choices=chat_choices,
                                           usage=usage(states, self.prompt_tokens),
-                                          prompt_token_ids=states[0].prompt_ids if ids else None)
+                                          prompt_token_ids=states[0].prompt_ids if ids else None,
+                                          prompt_logprobs=prompts[0])
         choices = [
             CompletionChoice(index=i, text=(echoes[i] if echoes else "") + s.text, finish_reason=finish_reason(s),
                              logprobs=completion_logprobs(s, 0, 0, bool(echoes))[0] if s.wants_logprobs else None,
                              prompt_token_ids=s.prompt_ids if ids else None,
-                             token_ids=list(s.output_ids) if ids else None)
+                             token_ids=list(s.output_ids) if ids else None, prompt_logprobs=prompts[i])
             for i, s in enumerate(states)
         ]
         return CompletionResponse(**self.base, object="text_completion", choices=choices,
@@ -339,10 +379,13 @@ async def start_openai(
     skip_special = req.skip_special_tokens and not (tools is not None and tools.parser.needs_special_tokens)
     output = OutputOptions(skip_special_tokens=skip_special, keep_stop=req.include_stop_str_in_output)
     states: list[RequestState] = []
+    refund = service.take_rate([prompt for prompt, _ in jobs])
     try:
         for prompt, sampling in jobs:
-            states += await service.submit([prompt], sampling, stops, [lora_name], [None], output)
+            states += await service.submit([prompt], sampling, stops, [lora_name], [None], output,
+                                           priority=req.priority)
     except BaseException:
+        refund()
         await service.finish(states)
         raise
     return OpenAIRun(service, req, states, chat, served_by, sum(len(p) for p in prompts), echoes, reasoning, tools)

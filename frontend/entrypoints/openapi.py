@@ -61,6 +61,8 @@ ROUTES = [
            409: "the adapter's requests outlasted the drain timeout"},
           {400: ADAPTER_FAILURE}),
     Route("get", "/lora_adapters", "Loaded adapters", None, {"application/json": r.AdapterTable}, GET_ERRORS),
+    Route("get", "/audit_log", "The last adapter operations and refusals, as --audit-log writes them (the admin "
+          "key's route)", None, {"application/json": r.AuditLogResponse}, GET_ERRORS),
     Route("get", "/health", "200 when every process is alive and start-up adapters are loaded",
           None, {"application/json": r.HealthResponse}, {503: "starting, shutting down or failed"},
           {503: (r.HealthResponse,)}),

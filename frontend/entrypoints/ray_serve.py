@@ -23,10 +23,15 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from loraplex.frontend.caller import set_caller_key
 from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest, decode_openai
-from loraplex.frontend.entrypoints.openai_serving import base_card, start_chat, start_completion
-from loraplex.frontend.entrypoints.wire import SSE_DONE, encode_json, failure, key_matches, sse_event
+from loraplex.frontend.entrypoints.openai_serving import OpenAIRun, base_card, start_chat, start_completion
+from loraplex.frontend.entrypoints.responses_schemas import ResponsesRequest, strip_responses
+from loraplex.frontend.entrypoints.responses_serving import ResponsesRun, start_response
+from loraplex.frontend.entrypoints.wire import SSE_DONE, encode_json, failure, key_matches, named_sse_event, sse_event
+from loraplex.frontend.errors import RateLimited
 from loraplex.frontend.generate import GenerateService, GenerationFailed
+from loraplex.frontend.params import decode_body
 from loraplex.frontend.responses import ModelCard, error_body
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.errors import http_status
@@ -37,7 +42,12 @@ REPLICA_HEADER = "x-loraplex-replica"  # which engine replica answered (routing 
 FORWARDED_HEADERS = ("authorization", "x-api-key")  # the replica checks the server's own keys
 MODEL_NOT_FOUND = 404
 JSON = "application/json"
-ROUTES = {"/v1/completions": (CompletionRequest, start_completion), "/v1/chat/completions": (ChatRequest, start_chat)}
+# path -> (body bytes -> its request struct, the start of its run), as the aiohttp routes decode and start them
+ROUTES = {
+    "/v1/completions": (lambda body: decode_openai(body, CompletionRequest), start_completion),
+    "/v1/chat/completions": (lambda body: decode_openai(body, ChatRequest), start_chat),
+    "/v1/responses": (lambda body: decode_body(body, ResponsesRequest, strip_responses), start_response),
+}
 
 
 def base_model_name(engine_kwargs: dict) -> str:
@@ -170,36 +180,49 @@ class LoRAEngine:
 
 
 async def answer(service: GenerateService, path: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[Any]:
-    """One /v1 completions or chat request as the server's HTTP app answers it (keys, validation, statuses), run
-    on the Engine's loop: a head {status, content_type}, then the body's bytes."""
+    """One /v1 completions, chat or responses request as the server's HTTP app answers it (keys, validation,
+    statuses), run on the Engine's loop: a head {status, content_type}, then the body's bytes."""
     key = service.runtime.config.api_key
     if key is not None and not key_matches(headers.get("authorization", ""), headers.get("x-api-key", ""), key):
         yield {"status": 401, "content_type": JSON}
         yield encode_json(error_body("missing or invalid API key", 401))
         return
-    schema, start = ROUTES[path]
+    set_caller_key(key)
+    decode, start = ROUTES[path]
     try:
-        run = await start(service, decode_openai(body, schema))
+        run = await start(service, decode(body))
     except Exception as e:  # noqa: BLE001 - the edge: a ServerError's kind picks the status, the rest is a 500
         message, status = failure(e, openai=True, where=f"POST {path}")
-        yield {"status": status, "content_type": JSON}
+        retry = {"Retry-After": str(e.retry_after_s)} if isinstance(e, RateLimited) else {}
+        yield {"status": status, "content_type": JSON, "headers": retry}
         yield encode_json(error_body(message, status))
         return
+    responses = isinstance(run, ResponsesRun)
     try:
-        if not run.stream:
+        if not (run.req.stream if responses else run.stream):
             try:
-                payload, status = await run.response(), 200
+                payload, status = await (run.result() if responses else run.response()), 200
             except GenerationFailed as e:
                 payload, status = error_body(str(e), e.status), e.status
             yield {"status": status, "content_type": JSON}
             yield encode_json(payload)
             return
         yield {"status": 200, "content_type": "text/event-stream"}
-        async for event in run.chunks():
-            yield sse_event(event)
-        yield SSE_DONE
+        async for piece in sse_body(run):
+            yield piece
     finally:
         await run.close()
+
+
+async def sse_body(run: OpenAIRun | ResponsesRun) -> AsyncIterator[bytes]:
+    """A stream's bytes as the aiohttp routes send them: chunks then [DONE], or Responses events named by type."""
+    if isinstance(run, ResponsesRun):
+        async for event in run.events():
+            yield named_sse_event(event)
+        return
+    async for chunk in run.chunks():
+        yield sse_event(chunk)
+    yield SSE_DONE
 
 
 api = FastAPI(title="loraplex on Ray Serve")
@@ -208,7 +231,8 @@ api = FastAPI(title="loraplex on Ray Serve")
 @serve.deployment
 @serve.ingress(api)
 class OpenAIIngress:
-    """/v1/completions, /v1/chat/completions and /v1/models; the body's `model` picks the multiplexed adapter."""
+    """/v1/completions, /v1/chat/completions, /v1/responses and /v1/models; the body's `model` picks the
+    multiplexed adapter."""
 
     def __init__(self, engine: DeploymentHandle, base_model: str):
         self.engine = engine
@@ -233,7 +257,7 @@ class OpenAIIngress:
             chunks,
             status_code=head["status"],
             media_type=head["content_type"],
-            headers={REPLICA_HEADER: head["replica"]},
+            headers={REPLICA_HEADER: head["replica"], **head.get("headers", {})},
         )
 
     @api.post("/v1/completions")
@@ -242,6 +266,10 @@ class OpenAIIngress:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        return await self._forward(request)
+
+    @api.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
         return await self._forward(request)
 
     @api.get("/v1/models")

@@ -5,17 +5,12 @@ from __future__ import annotations
 
 from aiohttp import web
 from loraplex.frontend.entrypoints.http_utils import error_response, json_response, read_request, service_of, start_sse
-from loraplex.frontend.entrypoints.responses_schemas import ResponseEvent, ResponsesRequest, strip_responses
+from loraplex.frontend.entrypoints.responses_schemas import ResponsesRequest, strip_responses
 from loraplex.frontend.entrypoints.responses_serving import start_response
-from loraplex.frontend.entrypoints.wire import encode_json
+from loraplex.frontend.entrypoints.wire import named_sse_event
 from loraplex.frontend.generate import GenerationFailed
 
 routes = web.RouteTableDef()
-
-
-def named_sse_event(event: ResponseEvent) -> bytes:
-    kind = type(event).__struct_config__.tag
-    return b"event: " + kind.encode() + b"\ndata: " + encode_json(event) + b"\n\n"
 
 
 @routes.post("/v1/responses")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
+from loraplex.frontend.constraints import StructuredOutputs
 from loraplex.frontend.params import MAX_INT64, Temperature, TopP, strip_neutral
 
 # Responses parameters we do not implement, with the neutral values that mean "off" and are therefore accepted.
@@ -102,6 +103,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     top_p: TopP = 1.0
     stream: bool = False
     user: str | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension: the output's shape, as on chat
 
 
 def strip_responses(raw: dict) -> dict:

@@ -6,24 +6,18 @@ admission, so a Responses request and a chat request with the same messages prod
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 from loraplex.frontend.chat_template import ChatOptions
 from loraplex.frontend.constraints import Found
 from loraplex.frontend.entrypoints.openai_schemas import ChatMessage, ChatRequest, chat_messages
 from loraplex.frontend.entrypoints.openai_serving import OpenAIRun, start_openai
+from loraplex.frontend.entrypoints.responses_events import EventWriter, ParsedItemsStream, new_id, parsed_items
 from loraplex.frontend.entrypoints.responses_schemas import (
     INPUT_ITEMS,
-    ArgumentsDelta,
-    ArgumentsDone,
-    ContentPartAdded,
-    ContentPartDone,
     ErrorEvent,
     FunctionCall,
     FunctionCallItem,
@@ -34,12 +28,8 @@ from loraplex.frontend.entrypoints.responses_schemas import (
     InputTokensDetails,
     MessageItem,
     OutputItem,
-    OutputItemAdded,
-    OutputItemDone,
     OutputMessage,
     OutputText,
-    OutputTextDelta,
-    OutputTextDone,
     OutputTokensDetails,
     ResponseCompleted,
     ResponseCreated,
@@ -52,6 +42,9 @@ from loraplex.frontend.entrypoints.responses_schemas import (
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.generate import GenerateService, GenerationFailed, raise_failure
 from loraplex.frontend.params import convert
+from loraplex.frontend.tools.parsers import PARSERS
+from loraplex.frontend.tools.request import ToolPlan
+from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import OutputConstraint
 
 ANY_OBJECT: dict = {"type": "object"}  # a tool without `parameters` takes any object
@@ -126,28 +119,33 @@ def forced_call(req: ResponsesRequest) -> tuple[Found | None, FunctionTool | Non
     return Found(OutputConstraint("json_schema", source), f"tools[{index}].parameters"), tool
 
 
+def auto_plan(req: ResponsesRequest, config: ServerConfig) -> ToolPlan | None:
+    """tool_choice auto with tools under --enable-auto-tool-choice: the --tool-call-parser reads the output's calls
+    (the chat route's parser); without a parser the output stays text."""
+    if req.tool_choice != "auto" or not req.tools or not config.enable_auto_tool_choice:
+        return None
+    return ToolPlan(PARSERS[config.tool_call_parser](template_tools(req.tools)))
+
+
 def brief_choice(choice: object) -> str:
     return repr(choice) if isinstance(choice, str) else f"function {choice.name!r}"
-
-
-def new_id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex
 
 
 class ResponsesRun:
     """A submitted Responses request: its Response object once done, or its events as they come; close() ends
     its state on every path."""
 
-    def __init__(self, run: OpenAIRun, req: ResponsesRequest, named: FunctionTool | None):
+    def __init__(self, run: OpenAIRun, req: ResponsesRequest, named: FunctionTool | None, plan: ToolPlan | None):
         self.run = run
         self.req = req
         self.named = named  # tool_choice names this function: the output is its arguments
+        self.plan = plan  # tool_choice auto under a tool-call parser: it reads the output's calls
         self.required = req.tool_choice == "required"  # the output is a JSON list of calls
         self.id = new_id("resp_")
         self.created_at = int(time.time())
         self.item_id = new_id("fc_" if named else "msg_")  # the item streamed as it is generated
         self.call_id = new_id("call_")
-        self.sequence = itertools.count()
+        self.writer = EventWriter()
 
     async def close(self) -> None:
         await self.run.close()
@@ -177,9 +175,11 @@ class ResponsesRun:
         return reason is not None and reason["type"] == "length"
 
     def items(self) -> list[OutputItem]:
-        """The finished output: a message, the named function's call, or the calls of `required` (a message with
-        the text where a cut-off list does not parse)."""
+        """The finished output: a message, the named function's call, the calls of `required` (a message with the
+        text where a cut-off list does not parse), or what the tool-call parser reads (tool_choice auto)."""
         text, status = self.run.states[0].text, "incomplete" if self.truncated() else "completed"
+        if self.plan is not None:
+            return parsed_items(text, self.plan, status)
         if self.named is not None:
             return [FunctionCall(id=self.item_id, call_id=self.call_id, name=self.named.name, arguments=text,
                                  status=status)]
@@ -211,71 +211,58 @@ class ResponsesRun:
     async def events(self) -> AsyncIterator[ResponseEvent]:
         """The stream: created, in_progress, each output item's events, completed (incomplete ones too); an error
         event ends it where generation fails."""
-        yield ResponseCreated(sequence_number=next(self.sequence), response=self.response([], done=False))
-        yield ResponseInProgress(sequence_number=next(self.sequence), response=self.response([], done=False))
+        yield ResponseCreated(sequence_number=self.writer.next(), response=self.response([], done=False))
+        yield ResponseInProgress(sequence_number=self.writer.next(), response=self.response([], done=False))
         try:
-            if self.required:  # the calls are known once their JSON list is whole
+            if self.plan is not None:  # items as the parser finds them in the text so far
+                parsed = ParsedItemsStream(self.plan, self.writer)
+                text = ""
+                async for piece in self.deltas():
+                    text += piece
+                    for event in parsed.update(text, final=False):
+                        yield event
+                status = "incomplete" if self.truncated() else "completed"
+                for event in parsed.update(text, final=True) + parsed.finish(status):
+                    yield event
+                items = parsed.items
+            elif self.required:  # the calls are known once their JSON list is whole
                 async for _ in self.deltas():
                     pass
                 items = self.items()
                 for index, item in enumerate(items):
-                    for event in self.opening(index, item):
+                    for event in self.writer.opening(index, item):
                         yield event
-                    yield self.delta(index, item, item.arguments if isinstance(item, FunctionCall) else
-                                     item.content[0].text)
-                    for event in self.closing(index, item):
+                    yield self.writer.delta(index, item, item.arguments if isinstance(item, FunctionCall) else
+                                            item.content[0].text)
+                    for event in self.writer.closing(index, item):
                         yield event
             else:
                 shell = (FunctionCall(id=self.item_id, call_id=self.call_id, name=self.named.name, arguments="",
                                       status="in_progress") if self.named else
                          OutputMessage(id=self.item_id, role="assistant", status="in_progress", content=[]))
-                for event in self.opening(0, shell):
+                for event in self.writer.opening(0, shell):
                     yield event
                 async for piece in self.deltas():
-                    yield self.delta(0, shell, piece)
+                    yield self.writer.delta(0, shell, piece)
                 items = self.items()
-                for event in self.closing(0, items[0]):
+                for event in self.writer.closing(0, items[0]):
                     yield event
         except GenerationFailed as e:
-            yield ErrorEvent(sequence_number=next(self.sequence), code=str(e.status), message=str(e))
+            yield ErrorEvent(sequence_number=self.writer.next(), code=str(e.status), message=str(e))
             return
-        yield ResponseCompleted(sequence_number=next(self.sequence), response=self.response(items, done=True))
-
-    def opening(self, index: int, item: OutputItem) -> list[ResponseEvent]:
-        if isinstance(item, FunctionCall):
-            shell = msgspec.structs.replace(item, arguments="", status="in_progress")
-            return [OutputItemAdded(sequence_number=next(self.sequence), output_index=index, item=shell)]
-        shell = msgspec.structs.replace(item, content=[], status="in_progress")
-        return [OutputItemAdded(sequence_number=next(self.sequence), output_index=index, item=shell),
-                ContentPartAdded(sequence_number=next(self.sequence), item_id=item.id, output_index=index,
-                                 content_index=0, part=OutputText("", []))]
-
-    def delta(self, index: int, item: OutputItem, piece: str) -> ResponseEvent:
-        if isinstance(item, FunctionCall):
-            return ArgumentsDelta(sequence_number=next(self.sequence), item_id=item.id, output_index=index,
-                                  delta=piece)
-        return OutputTextDelta(sequence_number=next(self.sequence), item_id=item.id, output_index=index,
-                               content_index=0, delta=piece)
-
-    def closing(self, index: int, item: OutputItem) -> list[ResponseEvent]:
-        if isinstance(item, FunctionCall):
-            return [ArgumentsDone(sequence_number=next(self.sequence), item_id=item.id, output_index=index,
-                                  name=item.name, arguments=item.arguments),
-                    OutputItemDone(sequence_number=next(self.sequence), output_index=index, item=item)]
-        part = item.content[0]
-        return [OutputTextDone(sequence_number=next(self.sequence), item_id=item.id, output_index=index,
-                               content_index=0, text=part.text),
-                ContentPartDone(sequence_number=next(self.sequence), item_id=item.id, output_index=index,
-                                content_index=0, part=part),
-                OutputItemDone(sequence_number=next(self.sequence), output_index=index, item=item)]
+        yield ResponseCompleted(sequence_number=self.writer.next(), response=self.response(items, done=True))
 
 
 async def start_response(service: GenerateService, req: ResponsesRequest) -> ResponsesRun:
     """Validate and submit: the prompt through the chat template with the tools, generated as a chat request."""
     messages = chat_of(input_items(req.input), req.instructions)
     found, named = forced_call(req)
+    if found is not None and req.structured_outputs is not None:
+        raise InputError(f"tool_choice {brief_choice(req.tool_choice)} forces the output's shape: structured_outputs "
+                         "cannot be given with it")
+    plan = auto_plan(req, service.runtime.config)
     prompt = service.tokenize_chat(messages, ChatOptions(tools=template_tools(req.tools)))
     chat = ChatRequest(model=req.model, messages=[], max_tokens=req.max_output_tokens, temperature=req.temperature,
-                       top_p=req.top_p, stream=req.stream, user=req.user)
-    run = await start_openai(service, chat, [prompt], chat=True, default_max=None, found=found)
-    return ResponsesRun(run, req, named)
+                       top_p=req.top_p, stream=req.stream, user=req.user, structured_outputs=req.structured_outputs)
+    run = await start_openai(service, chat, [prompt], chat=True, default_max=None, found=found, tools=plan)
+    return ResponsesRun(run, req, named, plan)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from loraplex.protocol import rpc
+from loraplex.protocol.curve import ClusterKey
 from loraplex.protocol.sockets import DEALER, BlockingFrameSocket
 from loraplex.protocol.structs import (
     AbortReqInput,
@@ -33,10 +34,12 @@ class RpcCallError(RuntimeError):
 
 class RpcClient:
     """Blocking, one thread at a time. `api_key` travels with every request (the server's --api-key, or its
-    --admin-api-key for adapter loads and unloads)."""
+    --admin-api-key for adapter loads and unloads). `cluster_key_file`: the server's --cluster-key-file, needed on a
+    TCP address when the server has one (CURVE: without it the server refuses the connection, and calls time out)."""
 
-    def __init__(self, addr: str, api_key: str | None = None, timeout_s: float = 300.0):
-        self.sock = BlockingFrameSocket(DEALER, addr, bind=False)
+    def __init__(self, addr: str, api_key: str | None = None, timeout_s: float = 300.0,
+                 cluster_key_file: str | None = None):
+        self.sock = BlockingFrameSocket(DEALER, addr, bind=False, key=ClusterKey.of(cluster_key_file))
         self.api_key = api_key
         self.timeout_s = timeout_s
         self._ids = itertools.count()

@@ -10,11 +10,14 @@ import hmac
 import logging
 
 import msgspec
+from loraplex.frontend.adapters.audit import Caller
+from loraplex.frontend.caller import set_caller_key
 from loraplex.frontend.generate import GenerateService, raise_failure
 from loraplex.frontend.params import NativeGenerateRequest, convert
 from loraplex.frontend.request_state import RequestState
 from loraplex.frontend.runtime import Runtime
 from loraplex.protocol import rpc
+from loraplex.protocol.curve import ClusterKey
 from loraplex.protocol.errors import ServerError
 from loraplex.protocol.sockets import ROUTER, FrameSocket, PeerGone
 from loraplex.protocol.structs import (
@@ -37,7 +40,8 @@ class RpcServer:
         self.runtime = runtime
         self.service = GenerateService(runtime)
         self.addr = addr
-        self.sock = FrameSocket(ROUTER, addr, bind=True)
+        # a TCP address beyond loopback has the cluster key (config): CURVE, and only its holders get through
+        self.sock = FrameSocket(ROUTER, addr, bind=True, key=ClusterKey.of(runtime.config.cluster_key_file))
         self._task: asyncio.Task | None = None
         self._handlers: set[asyncio.Task] = set()
 
@@ -53,14 +57,14 @@ class RpcServer:
 
     async def _serve(self) -> None:
         while True:
-            frames = await self.sock.recv()
+            frames, peer = await self.sock.recv()
             if len(frames) < 3 or len(frames[1]) > rpc.MAX_REQUEST_ID_BYTES:
                 if len(frames) >= 2:
                     await self._reply(frames[0], b"", RpcError(error_message="expected 2 frames (request id, "
                                       "payload), then a tensors request's tensor frames"))
                 continue
             identity, request_id, payload, *tensor_frames = frames
-            task = asyncio.create_task(self._answer(identity, request_id, payload, tensor_frames))
+            task = asyncio.create_task(self._answer(identity, request_id, payload, tensor_frames, f"rpc:{peer}"))
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
 
@@ -70,16 +74,23 @@ class RpcServer:
         except PeerGone:
             logger.info("RPC client left before its reply")
 
-    async def _answer(self, identity: bytes, request_id: bytes, payload: bytes, tensor_frames: list[bytes]) -> None:
+    async def _answer(self, identity: bytes, request_id: bytes, payload: bytes, tensor_frames: list[bytes],
+                      client: str) -> None:
         request, api_key = rpc.decode_request(payload)
+        # Whose request this is (rate limits, fair share); one task per request, so it stays this request's. Nothing
+        # runs below unless the key checks out.
+        set_caller_key(api_key if self.runtime.config.api_key else None)
+        caller = Caller.presenting(client, api_key)
         try:
             if isinstance(request, RpcError):
                 reply = request
             elif not self._authorized(request, api_key):
+                if rpc.is_adapter_change(request):
+                    self._audit_refusal(request, caller)
                 reply = RpcError(error_message="missing or invalid API key")
             elif isinstance(request, LoadLoRAAdapterFromTensorsReqInput):
                 self.runtime.check_available()
-                reply = await self.runtime.adapters.load_from_tensors(request, tensor_frames)
+                reply = await self.runtime.adapters.load_from_tensors(request, tensor_frames, caller)
             elif tensor_frames:
                 reply = RpcError(error_message=f"{type(request).__name__} takes 2 frames, got "
                                  f"{2 + len(tensor_frames)}")
@@ -87,7 +98,7 @@ class RpcServer:
                 await self._stream(identity, request_id, request)
                 return
             else:
-                reply = await self._dispatch(request)
+                reply = await self._dispatch(request, caller)
         except PeerGone:
             logger.info("RPC client left mid-stream: its request was aborted")
             return
@@ -102,13 +113,24 @@ class RpcServer:
         key = config.admin_api_key if rpc.is_adapter_change(request) and config.admin_api_key else config.api_key
         return key is None or hmac.compare_digest((api_key or "").encode(), key.encode())
 
-    async def _dispatch(self, request: msgspec.Struct) -> msgspec.Struct:
+    def _audit_refusal(self, request: msgspec.Struct, caller: Caller) -> None:
+        if isinstance(request, UnloadLoRAAdapterReqInput):
+            self.runtime.audit.record("unload", list(request.lora_names), [], caller, "unauthorized")
+        elif isinstance(request, LoadLoRAAdapterReqInput):
+            self.runtime.audit.record("reload" if request.load_inplace else "load",
+                                      [a.lora_name for a in request.adapters], [a.lora_path for a in request.adapters],
+                                      caller, "unauthorized")
+        else:  # from tensors
+            self.runtime.audit.record("reload" if request.load_inplace else "load", [request.lora_name], [None],
+                                      caller, "unauthorized")
+
+    async def _dispatch(self, request: msgspec.Struct, caller: Caller) -> msgspec.Struct:
         runtime = self.runtime
         runtime.check_available()
         if isinstance(request, LoadLoRAAdapterReqInput):
-            return await runtime.adapters.load(request.adapters, request.load_inplace)
+            return await runtime.adapters.load(request.adapters, request.load_inplace, caller=caller)
         if isinstance(request, UnloadLoRAAdapterReqInput):
-            return await runtime.adapters.unload(request.lora_names)
+            return await runtime.adapters.unload(request.lora_names, caller=caller)
         if isinstance(request, ListLoRAAdaptersReqInput):
             return ListLoRAAdaptersReqOutput(adapters=runtime.registry.table())
         if isinstance(request, AbortReqInput):

@@ -24,10 +24,20 @@ def sse_event(obj: object) -> bytes:
     return b"data: " + _encoder.encode(obj) + b"\n\n"
 
 
+def named_sse_event(event: msgspec.Struct) -> bytes:
+    """A Responses API event, named by its type tag (`event: <type>` then `data: <event>`), as OpenAI sends it."""
+    kind = type(event).__struct_config__.tag
+    return b"event: " + kind.encode() + b"\ndata: " + _encoder.encode(event) + b"\n\n"
+
+
+def presented_key(authorization: str, x_api_key: str) -> str:
+    """A request's key: `Authorization: Bearer <key>`, else `X-API-Key: <key>` ("" if none)."""
+    return authorization[7:] if authorization.startswith("Bearer ") else x_api_key
+
+
 def key_matches(authorization: str, x_api_key: str, key: str) -> bool:
-    """A request's key: `Authorization: Bearer <key>`, else `X-API-Key: <key>`; compared in constant time."""
-    token = authorization[7:] if authorization.startswith("Bearer ") else x_api_key
-    return hmac.compare_digest(token.encode(), key.encode())
+    """The request's key against `key`, in constant time."""
+    return hmac.compare_digest(presented_key(authorization, x_api_key).encode(), key.encode())
 
 
 def failure(e: Exception, openai: bool, where: str) -> tuple[str, int]:

@@ -265,7 +265,8 @@ namespace {
 // the per-head accumulators live in registers.
 template <int64_t kGroup, int64_t kChunks>
 void decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor read_pages,
-                           torch::Tensor kv_lens, int64_t page_size, double scale, torch::Tensor out) {
+                           torch::Tensor kv_lens, int64_t page_size, double scale, int64_t window,
+                           torch::Tensor out) {
   const int64_t num_reqs = q.size(0), num_kv_heads = k_cache.size(1);
   const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
   const bf16* kp = reinterpret_cast<const bf16*>(k_cache.data_ptr<at::BFloat16>());
@@ -292,7 +293,8 @@ void decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   std::vector<int64_t> slots(max_len);
   for (int64_t n = begin; n < end; ++n) {
     const int64_t len = lens[n];
-    for (int64_t t = 0; t < len; ++t) slots[t] = pages[n * pages_stride + t / page_size] * page_size + t % page_size;
+    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;  // the window's oldest key
+    for (int64_t t = first; t < len; ++t) slots[t] = pages[n * pages_stride + t / page_size] * page_size + t % page_size;
     for (int64_t g = 0; g < num_kv_heads; ++g) {
       __m512bh q_vec[kGroup][kChunks];
       for (int64_t j = 0; j < kGroup; ++j)
@@ -300,7 +302,7 @@ void decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
           q_vec[j][c] = (__m512bh)_mm512_loadu_si512(qp + n * q_req + (g * kGroup + j) * q_head + 32 * c);
       float max_score[kGroup];
       std::fill_n(max_score, kGroup, -INFINITY);
-      for (int64_t t = 0; t < len; ++t) {
+      for (int64_t t = first; t < len; ++t) {
         const bf16* k_row = kp + slots[t] * kv_slot + g * kv_head;
         __m512bh k_vec[kChunks];
         for (int64_t c = 0; c < kChunks; ++c) k_vec[c] = (__m512bh)_mm512_loadu_si512(k_row + 32 * c);
@@ -316,7 +318,7 @@ void decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       for (int64_t j = 0; j < kGroup; ++j) {
         float* row = scores.data() + j * score_stride;
         __m512 sum_vec = _mm512_setzero_ps();
-        for (int64_t t = 0; t < len; t += 16) {
+        for (int64_t t = first; t < len; t += 16) {
           const __mmask16 mask = tail_mask16(len - t);
           const __m512 p = _mm512_maskz_mov_ps(
               mask, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + t), _mm512_set1_ps(max_score[j]))));
@@ -328,7 +330,7 @@ void decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       __m512 acc[kGroup][2 * kChunks];
       for (int64_t j = 0; j < kGroup; ++j)
         for (int64_t c = 0; c < 2 * kChunks; ++c) acc[j][c] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < len; ++t) {
+      for (int64_t t = first; t < len; ++t) {
         const bf16* v_row = vp + slots[t] * kv_slot + g * kv_head;
         __m512 v_vec[2 * kChunks];
         for (int64_t c = 0; c < 2 * kChunks; ++c) v_vec[c] = load_bf16x16(v_row + 16 * c, 0xFFFF);
@@ -355,16 +357,16 @@ bool decode_attention_supports(int64_t group, int64_t head_dim) {
 }
 
 // One new token per request: out[n, h] = softmax(scale * q[n, h] · K[n]ᵀ) V[n] over the request's first kv_lens[n]
-// positions, K/V read straight from the paged cache through read_pages (no gather); the query heads of one KV head
-// share each K/V row load. Scores and probabilities in float32.
+// positions (with window > 0 only the last `window` of them), K/V read straight from the paged cache through
+// read_pages (no gather); the query heads of one KV head share each K/V row load. Scores and probabilities in float32.
 void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor read_pages,
-                      torch::Tensor kv_lens, int64_t page_size, double scale, torch::Tensor out) {
+                      torch::Tensor kv_lens, int64_t page_size, double scale, int64_t window, torch::Tensor out) {
   const int64_t group = q.size(1) / k_cache.size(1), head_dim = q.size(2);
   TORCH_CHECK(decode_attention_supports(group, head_dim), "decode_attention: unsupported group ", group,
               " or head_dim ", head_dim);
 #define LORAPLEX_DISPATCH(G, C)                                                                   \
   if (group == G && head_dim == 32 * C)                                                           \
-    return decode_attention_impl<G, C>(q, k_cache, v_cache, read_pages, kv_lens, page_size, scale, out);
+    return decode_attention_impl<G, C>(q, k_cache, v_cache, read_pages, kv_lens, page_size, scale, window, out);
   LORAPLEX_DISPATCH(1, 2) LORAPLEX_DISPATCH(2, 2) LORAPLEX_DISPATCH(4, 2) LORAPLEX_DISPATCH(8, 2)
   LORAPLEX_DISPATCH(1, 4) LORAPLEX_DISPATCH(2, 4) LORAPLEX_DISPATCH(4, 4) LORAPLEX_DISPATCH(8, 4)
 #undef LORAPLEX_DISPATCH

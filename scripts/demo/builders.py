@@ -48,7 +48,7 @@ DEFAULT_INIT_STD = 0.35
 DEFAULT_LORA_DELTA_RATIO = 0.5
 
 
-Arch = Literal["llama", "mistral", "qwen2"]
+Arch = Literal["llama", "mistral", "qwen2", "qwen3"]
 
 # Plain prose for tokenizer training; varied enough that ~1000 merges are all well supported.
 _CORPUS = """\
@@ -252,7 +252,7 @@ def tokenizer_vocab_size() -> int:
 
 
 def _make_config(arch: Arch, **kwargs):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if arch == "llama":
         return LlamaConfig(**kwargs)
@@ -261,17 +261,22 @@ def _make_config(arch: Arch, **kwargs):
         return MistralConfig(sliding_window=None, **kwargs)
     if arch == "qwen2":
         return Qwen2Config(use_sliding_window=False, **kwargs)
-    raise ValueError(f"unknown arch {arch!r}; expected llama, mistral or qwen2")
+    if arch == "qwen3":  # its config's own default head_dim is 128, whatever the hidden size
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+        return Qwen3Config(use_sliding_window=False, **kwargs)
+    raise ValueError(f"unknown arch {arch!r}; expected llama, mistral, qwen2 or qwen3")
 
 
 @torch.no_grad()
-def _init_weights(model: torch.nn.Module, *, seed: int, init_std: float) -> None:
+def _init_weights(model: torch.nn.Module, *, seed: int, init_std: float, norm_std: float = 0.0) -> None:
     # Explicit init instead of transformers' own, so the weights depend only on (seed, shapes),
     # not on the transformers version. A private generator leaves the caller's global RNG alone;
     # sorted names fix the order it is consumed in.
     generator = torch.Generator().manual_seed(seed)
     for name, param in sorted(model.named_parameters()):
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") and norm_std:  # around 1, so a norm weight loaded wrong shows
+            param.copy_(1.0 + norm_std * torch.randn(param.shape, generator=generator, dtype=torch.float32))
+        elif name.endswith("norm.weight"):
             param.fill_(1.0)
         else:
             # Weights and qkv biases alike: non-zero biases make bias handling observable.
@@ -287,10 +292,12 @@ def build_tiny_model(
     num_layers: int = 2,
     num_heads: int = 4,
     num_kv_heads: int = 2,
+    head_dim: int | None = None,  # None: hidden_size // num_heads
     intermediate_size: int = 128,
     max_position_embeddings: int = 2048,
     seed: int = 0,
     init_std: float = DEFAULT_INIT_STD,
+    norm_std: float = 0.0,  # std of the norm weights around 1 (0: all ones)
     rope_theta: float = 10000.0,
     tie_word_embeddings: bool = False,
     dtype: torch.dtype = torch.float32,
@@ -309,6 +316,7 @@ def build_tiny_model(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
+        **({} if head_dim is None else {"head_dim": head_dim}),
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
         rope_theta=rope_theta,
@@ -320,7 +328,7 @@ def build_tiny_model(
         pad_token_id=None,
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _init_weights(model, seed=seed, init_std=init_std)
+    _init_weights(model, seed=seed, init_std=init_std, norm_std=norm_std)
     # Init in fp32 then cast, so a bf16 build holds the rounded fp32 weights of the same seed.
     model = model.to(dtype)
     model.generation_config = GenerationConfig(

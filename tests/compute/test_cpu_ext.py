@@ -30,12 +30,13 @@ def paged_batch(kv_lens: list[int], num_heads: int, num_kv_heads: int, head_dim:
     return q, k_cache, v_cache, read_pages, torch.tensor(kv_lens, dtype=torch.int64)
 
 
-def reference(q, k_cache, v_cache, read_pages, kv_lens) -> torch.Tensor:
+def reference(q, k_cache, v_cache, read_pages, kv_lens, window: int = 0) -> torch.Tensor:
     num_reqs, num_heads, head_dim = q.shape
     group = num_heads // k_cache.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for n in range(num_reqs):
-        positions = torch.arange(int(kv_lens[n]))
+        first = max(0, int(kv_lens[n]) - window) if window else 0
+        positions = torch.arange(first, int(kv_lens[n]))
         slots = read_pages[n, positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
         keys, values = k_cache[slots].double(), v_cache[slots].double()  # (len, kv_heads, head_dim)
         for h in range(num_heads):
@@ -54,8 +55,20 @@ def test_decode_attention_matches_reference(num_heads: int, num_kv_heads: int, h
     # one key; exactly a page; one past a page; a long context; lengths that are not multiples of 16
     batch = paged_batch([1, 16, 17, 300, 45, 2], num_heads, num_kv_heads, head_dim)
     out = torch.empty_like(batch[0])
-    kernels.decode_attention(*batch, PAGE_SIZE, head_dim**-0.5, out)
+    kernels.decode_attention(*batch, PAGE_SIZE, head_dim**-0.5, 0, out)
     torch.testing.assert_close(out.double(), reference(*batch), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+def test_decode_attention_sliding_window(window: int) -> None:
+    kernels = cpu_ext.kernels()
+    # shorter than, equal to and longer than the window; a window that starts mid-page
+    batch = paged_batch([1, 7, 16, 17, 300, 45], 8, 2, 64, seed=window)
+    out = torch.empty_like(batch[0])
+    kernels.decode_attention(*batch, PAGE_SIZE, 64**-0.5, window, out)
+    expected = reference(*batch, window=window)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+    assert (expected - reference(*batch)).abs()[4].max() > 0.1  # the window changes the long request's output
 
 
 def test_decode_attention_shapes_it_is_not_built_for() -> None:
@@ -63,7 +76,7 @@ def test_decode_attention_shapes_it_is_not_built_for() -> None:
     assert not kernels.decode_attention_supports(3, 64) and not kernels.decode_attention_supports(4, 96)
     q, k_cache, v_cache, read_pages, kv_lens = paged_batch([5], 6, 2, 64)
     with pytest.raises(RuntimeError, match="unsupported group 3"):
-        kernels.decode_attention(q, k_cache, v_cache, read_pages, kv_lens, PAGE_SIZE, 0.125, torch.empty_like(q))
+        kernels.decode_attention(q, k_cache, v_cache, read_pages, kv_lens, PAGE_SIZE, 0.125, 0, torch.empty_like(q))
 
 
 @pytest.mark.parametrize("bad", ["page", "length"])
@@ -75,7 +88,7 @@ def test_decode_attention_refuses_reads_outside_the_cache(bad: str) -> None:
     else:
         kv_lens[0] = read_pages.shape[1] * PAGE_SIZE + 1  # more keys than its page table holds
     with pytest.raises(RuntimeError, match="reads page|keys"):
-        kernels.decode_attention(q, k_cache, v_cache, read_pages, kv_lens, PAGE_SIZE, 0.125, torch.empty_like(q))
+        kernels.decode_attention(q, k_cache, v_cache, read_pages, kv_lens, PAGE_SIZE, 0.125, 0, torch.empty_like(q))
 
 
 def test_lora_kernels_refuse_a_slot_outside_the_pool() -> None:

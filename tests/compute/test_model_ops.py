@@ -16,7 +16,7 @@ from loraplex.worker.layers.activation import SiluAndMul
 from loraplex.worker.layers.attention import CPUAttention, SDPAAttention
 from loraplex.worker.layers.norm import RMSNorm
 from loraplex.worker.layers.ops import CPUKernelOps, TorchOps, current_ops, model_ops
-from loraplex.worker.model import llama
+from loraplex.worker.model import gemma2, gemma3, llama
 from loraplex.worker.model_runner import ModelRunner
 
 from tests.worker_helpers import build_llama_variant, make_runner
@@ -70,11 +70,11 @@ def test_layers_read_the_ops_once_when_built() -> None:
 
 
 def test_model_code_never_asks_which_backend_runs() -> None:
-    for module in (llama, norm, activation, rotary):
+    for module in (llama, gemma2, gemma3, norm, activation, rotary):
         source = inspect.getsource(module)
         for word in BACKEND_WORDS:
             assert word not in source, (module.__name__, word)
-    # attention reaches the model through the batch's metadata object alone
+    # attention reaches the model through the batch's metadata object alone (and the layer's own scale, window, cap)
     assert list(inspect.signature(attention.paged_attention).parameters) == ["q", "k", "v", "k_cache", "v_cache",
-                                                                              "inputs"]  # fmt: skip
+                                                                              "inputs", "layer"]  # fmt: skip
     assert "hasattr" not in inspect.getsource(ModelRunner)

@@ -66,14 +66,18 @@ def make_paged(cached_lens: list[int], q_lens: list[int], *, heads: int, kv_head
     return Paged(q, k_cache, v_cache, page_table, keys, values, q_starts, list(q_lens), list(cached_lens), page_size)
 
 
-def sdpa_reference(p: Paged, req: int, scale: float) -> torch.Tensor:
-    """(q_len, heads, d) in fp32 from the request's contiguous keys: causal, bottom-right aligned."""
+def sdpa_reference(p: Paged, req: int, scale: float, window: int = 0) -> torch.Tensor:
+    """(q_len, heads, d) in fp32 from the request's contiguous keys: causal, bottom-right aligned; with a window > 0
+    a query at position p sees keys at (p - window, p]."""
     q_len, cached = p.q_lens[req], p.cached_lens[req]
     q = p.q[p.q_starts[req] : p.q_starts[req] + q_len].float().transpose(0, 1)  # (heads, q_len, d)
     k = p.keys[req].float().transpose(0, 1)  # (kv_heads, kv_len, d)
     v = p.values[req].float().transpose(0, 1)
     kv_pos = torch.arange(cached + q_len)
-    mask = kv_pos[None, :] <= (cached + torch.arange(q_len))[:, None]
+    q_pos = (cached + torch.arange(q_len))[:, None]
+    mask = kv_pos[None, :] <= q_pos
+    if window > 0:
+        mask &= kv_pos[None, :] > q_pos - window
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
 
@@ -175,6 +179,46 @@ def test_extend(case: str, dtype: torch.dtype) -> None:
                                    **TOLERANCES[dtype])  # fmt: skip
     torch.testing.assert_close(tri, ref, **TOLERANCES[dtype])
     assert torch.equal(tri[~own], sentinel[~own])
+
+
+# (window, logit cap): a window inside the first key block, one across blocks and splits, a cap alone, both.
+WINDOW_CAP_CASES = [(5, 0.0), (70, 0.0), (0, 1.5), (40, 1.5)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(("window", "logit_cap"), WINDOW_CAP_CASES)
+def test_decode_sliding_window_and_soft_cap(window: int, logit_cap: float, dtype: torch.dtype) -> None:
+    kv_lens = [1, 5, 6, 17, 64, 129, 300]
+    p = make_paged([n - 1 for n in kv_lens], [1] * len(kv_lens), heads=8, kv_heads=2, head_dim=64, page_size=16,
+                   dtype=dtype)  # fmt: skip
+    scale = 0.3  # large scores, so the cap bites
+    args = (*decode_args(p, torch.full_like(p.q, 7.0), 3, scale), window, logit_cap)
+    ref, tri = run_both(kernel_refs.paged_decode_attention_torch, pa.paged_decode_attention_triton, args)
+    torch.testing.assert_close(tri, ref, **TOLERANCES[dtype])
+    if not logit_cap:  # the reference's window is SDPA's
+        for req, start in enumerate(p.q_starts):
+            torch.testing.assert_close(ref[start : start + 1].float(), sdpa_reference(p, req, scale, window),
+                                       **TOLERANCES[dtype])  # fmt: skip
+    plain = decode_args(p, torch.full_like(p.q, 7.0), 3, scale)
+    kernel_refs.paged_decode_attention_torch(*plain)
+    assert (plain[0][p.q_starts[-1]] - ref[p.q_starts[-1]]).abs().max() > 0.05  # the window or cap changes it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(("window", "logit_cap"), WINDOW_CAP_CASES)
+def test_extend_sliding_window_and_soft_cap(window: int, logit_cap: float, dtype: torch.dtype) -> None:
+    cached_lens, q_lens = [0, 5, 100, 0, 30], [7, 70, 3, 1, 130]
+    p = make_paged(cached_lens, q_lens, heads=4, kv_heads=2, head_dim=32, page_size=16, dtype=dtype, filler=2)
+    scale = 0.3
+    tile_reqs, tile_offsets = pa.plan_extend_tiles(q_lens)
+    args = (torch.full_like(p.q, 7.0), p.q, p.k_cache, p.v_cache, p.page_table, int32(p.q_starts), int32(q_lens),
+            int32(cached_lens), int32(tile_reqs), int32(tile_offsets), 16, scale, window, logit_cap)  # fmt: skip
+    ref, tri = run_both(kernel_refs.paged_extend_attention_torch, pa.paged_extend_attention_triton, args)
+    torch.testing.assert_close(tri, ref, **TOLERANCES[dtype])
+    if not logit_cap:
+        for req, (start, q_len) in enumerate(zip(p.q_starts, q_lens, strict=True)):
+            torch.testing.assert_close(ref[start : start + q_len].float(), sdpa_reference(p, req, scale, window),
+                                       **TOLERANCES[dtype])  # fmt: skip
 
 
 def test_plans() -> None:
@@ -306,12 +350,14 @@ def test_worker_warms_up_the_attention_kernels(llama_dir: Path, caplog: pytest.L
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_mixed_batch_through_the_backend_matches_sdpa(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("layer", [None, (20, 0.0), (20, 2.0)], ids=["plain", "window", "window_cap"])
+def test_mixed_batch_through_the_backend_matches_sdpa(dtype: torch.dtype, layer: tuple | None) -> None:
     # GPU_CHECK.md G2's layout scaled down: decodes of ragged lengths and prefills with and without a cached prefix,
     # interleaved in one batch on shuffled pages; the triton backend's one output against the torch (SDPA) backend's.
     from loraplex.protocol.structs import ForwardReq, SamplingParams
     from loraplex.worker.batch_inputs import BatchInputs
     from loraplex.worker.layers.attention import SDPAAttention
+    from loraplex.worker.layers.attention_spec import LayerAttention
     from loraplex.worker.layers.triton_attention import TritonAttention
 
     heads, kv_heads, head_dim, page_size, num_pages = 8, 2, 64, 16, 96
@@ -332,5 +378,6 @@ def test_mixed_batch_through_the_backend_matches_sdpa(dtype: torch.dtype) -> Non
         device = backend.device
         inputs = BatchInputs.build(reqs, page_size, num_pages, 4096, device, backend).attention
         assert (inputs.decode is not None and inputs.extend is not None) if backend.name == "triton" else True
-        outs[backend.name] = inputs.attend(q.to(device), cache[0].to(device), cache[1].to(device)).cpu()
+        spec = None if layer is None else LayerAttention(scale=0.2, sliding_window=layer[0], logit_cap=layer[1] or None)
+        outs[backend.name] = inputs.attend(q.to(device), cache[0].to(device), cache[1].to(device), spec).cpu()
     torch.testing.assert_close(outs["triton"].float(), outs["torch"].float(), **TOLERANCES[dtype])

@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 from loraplex.protocol.structs import ForwardBatch, ForwardReq, SamplingParams
-from loraplex.worker.model_runner import ModelRunner
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from scripts.demo.builders import build_tiny_model
 from tests.worker_helpers import (
     GREEDY,
-    NUM_PAGES,
-    PAGE_SIZE,
+    Seq,
     build_llama_variant,
     decode,
     make_runner,
     prefill_logits,
     random_prompts,
+    run_greedy_schedule,
 )
 
 
@@ -65,11 +62,17 @@ def llama_bias_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model_dirs(
-    llama_dir: Path, qwen2_dir: Path, mistral_tied_dir: Path, llama3_rope_dir: Path, llama_bias_dir: Path
+    llama_dir: Path,
+    qwen2_dir: Path,
+    qwen3_dir: Path,
+    mistral_tied_dir: Path,
+    llama3_rope_dir: Path,
+    llama_bias_dir: Path,
 ) -> dict[str, Path]:
     return {
         "llama": llama_dir,
         "qwen2": qwen2_dir,
+        "qwen3": qwen3_dir,
         "mistral_tied": mistral_tied_dir,
         "llama3_rope": llama3_rope_dir,
         "llama_bias": llama_bias_dir,
@@ -81,9 +84,10 @@ def model_dirs(
 
 # The triton attention backend (paged Triton kernels) runs in Triton's interpreter here: two models, to keep it short.
 ATTENTION_CASES = [
-    *[(kind, "torch") for kind in ("llama", "qwen2", "mistral_tied", "llama3_rope", "llama_bias")],
+    *[(kind, "torch") for kind in ("llama", "qwen2", "qwen3", "mistral_tied", "llama3_rope", "llama_bias")],
     ("llama", "triton"),
     ("llama3_rope", "triton"),
+    ("qwen3", "triton"),
 ]
 
 
@@ -112,50 +116,6 @@ def test_qwen2_checkpoint_has_nonzero_qkv_bias(qwen2_dir: Path) -> None:
 # ---- paged decoding ----------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Seq:
-    prompt: list[int]
-    prefill_chunk: int  # prompt tokens per step while prefilling
-    page_ids: list[int] = field(default_factory=list)
-    num_cached: int = 0
-    output: list[int] = field(default_factory=list)
-
-    def next_input(self) -> list[int]:
-        if self.num_cached < len(self.prompt):
-            return self.prompt[self.num_cached : self.num_cached + self.prefill_chunk]
-        return self.output[-1:]
-
-
-def run_greedy_schedule(
-    runner: ModelRunner, seqs: list[Seq], start_steps: list[int], max_new_tokens: int, seed: int = 0
-) -> list[list[int]]:
-    """A miniature scheduler: scattered pages handed out as sequences grow, requests joining mid-run."""
-    free_pages = list(range(NUM_PAGES))
-    random.Random(seed).shuffle(free_pages)
-    step = 0
-    while any(len(s.output) < max_new_tokens for s in seqs):
-        active = [
-            s for s, start in zip(seqs, start_steps, strict=True) if start <= step and len(s.output) < max_new_tokens
-        ]
-        reqs = []
-        for s in active:
-            input_ids = s.next_input()
-            while len(s.page_ids) * PAGE_SIZE < s.num_cached + len(input_ids):
-                s.page_ids.append(free_pages.pop())
-            reqs.append(
-                ForwardReq(
-                    input_ids=input_ids, num_cached_tokens=s.num_cached, page_ids=list(s.page_ids), sampling=GREEDY
-                )
-            )
-        next_tokens = runner.forward(ForwardBatch(batch_id=step, reqs=reqs))
-        for s, req, token in zip(active, reqs, next_tokens, strict=True):
-            s.num_cached += len(req.input_ids)
-            if s.num_cached >= len(s.prompt):  # a token sampled mid-prompt (chunked prefill) is discarded
-                s.output.append(token)
-        step += 1
-    return [s.output for s in seqs]
-
-
 def hf_greedy(hf: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
     generation_config = GenerationConfig(
         do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0
@@ -166,7 +126,9 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> li
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize(("kind", "attention"), [("llama", "torch"), ("qwen2", "torch"), ("qwen2", "triton")])
+@pytest.mark.parametrize(
+    ("kind", "attention"), [("llama", "torch"), ("qwen2", "torch"), ("qwen2", "triton"), ("qwen3", "torch")]
+)
 def test_paged_greedy_decoding_matches_hf_generate(model_dirs: dict[str, Path], kind: str, attention: str) -> None:
     runner = make_runner(model_dirs[kind], attention_backend=attention)
     hf = load_hf(model_dirs[kind])

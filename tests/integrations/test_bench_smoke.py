@@ -11,6 +11,7 @@ import pytest
 
 import scripts.bench_chunked_prefill as bench_chunked_prefill
 import scripts.bench_dp as bench_dp
+import scripts.bench_families as bench_families
 import scripts.bench_kv_admission as bench_kv_admission
 import scripts.bench_prefix_cache as bench_prefix_cache
 import scripts.bench_serving as bench_serving
@@ -171,3 +172,15 @@ def test_structured_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
     assert result["free"]["summary"]["num_output_tokens"] >= plan.num_requests * plan.output_len_range[0]
     [(value, _)] = result["measured"].values()
     assert value > 0
+
+
+def test_families_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
+    result = run_quick(bench_families, bench_cache_dir, tmp_path / "families.json")
+    plan = bench_families.QUICK
+    qwen3 = result["families"]["qwen3"]
+    assert qwen3["size"].startswith("qwen3-")  # a Qwen3-shaped model, not the Llama one
+    for side in ("adapters", "base"):  # the same requests on both sides, every one finished at its length
+        assert qwen3[side]["summary"]["num_completed"] == plan.num_requests
+    value, _ = result["measured"]["qwen3_multi_vs_base"]
+    throughputs = [qwen3[side]["summary"]["output_token_throughput"] for side in ("adapters", "base")]
+    assert value == pytest.approx(throughputs[0] / throughputs[1])

@@ -291,3 +291,26 @@ def test_console_files_need_no_key_and_the_api_still_does(keyed_server):
         body = resp.read()
         conn.close()
         assert resp.status in (401, 403, 404) and b"loraplex_" not in body and b"model_dir" not in body, raw
+
+
+def test_the_audit_panel_shows_the_last_adapter_operations(page, server, adapter_dirs):
+    page.goto(server.url + "/")
+    load_through_form(page, "gamma", str(adapter_dirs["a4"]))
+    expect(page.locator("#adapter-status")).to_have_text("Loaded gamma.")
+    newest = page.locator("#audit-table tbody tr").first
+    for text in ("load", "gamma", "ok", "127.0.0.1:"):
+        expect(newest).to_contain_text(text)
+    assert server.post("/unload_lora_adapter", {"lora_name": "gamma"}).status_code == 200
+    expect(newest.locator("td").nth(1)).to_have_text("unload")  # refreshed with the rest, newest first
+    load_through_form(page, "delta", "/no/such/dir")
+    expect(page.locator("#audit-table tbody tr").first).to_contain_text("not_found")
+    expect(page.locator("#audit-table tbody tr.failed").first).to_contain_text("delta")
+
+
+def test_the_audit_panel_without_the_admin_key_says_so(page, keyed_server):
+    page.goto(keyed_server.url + "/")
+    page.get_by_role("textbox", name="API key", exact=True).fill(API_KEY)  # the panel opened at the first 401
+    page.get_by_role("button", name="Use keys").click()
+    expect(page.locator("#model-name")).not_to_have_text("…")
+    expect(page.locator("#audit-status")).to_contain_text("needs the admin key")
+    expect(page.locator("#health")).to_have_text("healthy")

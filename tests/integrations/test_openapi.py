@@ -84,7 +84,7 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(server):
             except Exception as e:  # noqa: BLE001 - collected, so one run reports every route's failures
                 failures.append(f"{operation.label} ({mode.value}): {e}")
     assert not failures, "\n\n".join(failures)
-    assert num_operations == 21  # every route but /openapi.json itself, which schemathesis leaves out
+    assert num_operations == 22  # every route but /openapi.json itself, which schemathesis leaves out
     for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
         assert statuses[(f"POST {path}", 200)] > 0, f"no fuzzed request reached generation on {path}"
     assert server.get("/health").status_code == 200
@@ -122,6 +122,7 @@ def test_valid_requests_succeed_with_bodies_that_match_their_schemas(server, ada
         ("POST", "/unload_lora_adapter", {"lora_name": "a4"}),
         ("POST", "/v1/load_lora_adapter", {"lora_name": "a16", "lora_path": str(adapter_dirs["a8"])}),
         ("POST", "/v1/unload_lora_adapter", {"lora_name": "a16"}),
+        ("GET", "/audit_log", None),  # the operations above, as the console's audit panel reads them
     ]
     for method, path, body in steps:
         operation = schema[path][method]

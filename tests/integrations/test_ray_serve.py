@@ -200,3 +200,35 @@ def test_chat_models_and_unknown(cluster, llama_dir, adapter_dirs, tokenizer):
     assert resp.status_code == 400 and BROKEN in resp.json()["error"]["message"], resp.text
     resp = requests.post(url + "/v1/completions", json={"model": "a4", "prompt": "x", "best_of": 3}, timeout=60)
     assert resp.status_code == 400 and "best_of" in resp.text  # the server's own validation, via the replica
+
+
+def test_responses_pick_the_adapter_whole_and_streamed(cluster, llama_dir):
+    """POST /v1/responses through the ingress: the body's `model` picks the adapter, and the answer is the chat
+    route's on the same messages, whole and as the `openai` client's responses.stream assembles it."""
+    import openai
+
+    url, _ = cluster
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    texts = {}
+    for model in (llama_dir.name, "a8"):
+        chat = requests.post(url + "/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": MAX_NEW,
+            "temperature": 0}, timeout=120).json()["choices"][0]["message"]["content"]
+        resp = requests.post(url + "/v1/responses", json={"model": model, "input": "Hello there",
+                                                          "max_output_tokens": MAX_NEW, "temperature": 0}, timeout=120)
+        assert resp.status_code == 200 and resp.headers[REPLICA_HEADER], resp.text
+        out = resp.json()
+        assert out["object"] == "response" and out["model"] == model and out["output"][0]["type"] == "message"
+        texts[model] = out["output"][0]["content"][0]["text"]
+        assert texts[model] == chat, model
+        with client.responses.stream(model=model, input="Hello there", max_output_tokens=MAX_NEW,
+                                     temperature=0) as stream:
+            kinds = [event.type for event in stream]
+            final = stream.get_final_response()
+        assert final.output_text == texts[model] and kinds[0] == "response.created"
+        assert kinds[-1] == "response.completed"
+    assert texts["a8"] != texts[llama_dir.name]  # the adapter was applied
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.responses.create(model="nope", input="Hi")
+    with pytest.raises(openai.BadRequestError, match="store"):  # the server's own validation, via the replica
+        client.responses.create(model="a8", input="Hi", store=True)

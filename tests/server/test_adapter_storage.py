@@ -1,6 +1,7 @@
 """Adapters from storage end to end: Hub repo ids (against a local stand-in for the Hub's file endpoints) and s3://
-prefixes (against moto's S3 server), loaded through both APIs and the resolver, equal a directory load; a second
-load reads the cache; a cut download leaves nothing behind; a wrong revision or a missing bucket is a 4xx."""
+prefixes (against moto's S3 server), loaded through both APIs and the resolvers (s3:// and hf://org), equal a
+directory load; a second load reads the cache; a cut download leaves nothing behind; a wrong revision or a missing
+bucket is a 4xx."""
 
 from __future__ import annotations
 
@@ -214,3 +215,49 @@ def test_a_cut_download_leaves_nothing_usable_and_a_retry_succeeds(storage):
     resp = load(server, "cut", "org/cut")
     assert resp.status_code == 200, resp.text
     assert _outputs(server, "cut") == expected
+
+
+@pytest.fixture(scope="module")
+def hub_resolver(llama_dir, adapter_dirs, tmp_path_factory):
+    """A server whose --lora-resolver-dir is hf://org, against the Hub stand-in, with directory loads to compare."""
+    tmp = tmp_path_factory.mktemp("hub-resolver")
+    hub = HubStandIn({"org/a16": _files(adapter_dirs["a16"]), "org/a8": _files(adapter_dirs["a8"])})
+    threading.Thread(target=hub.serve_forever, daemon=True).start()
+    env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+           "HF_HOME": str(tmp / "hf-home")}
+    try:
+        with ServerProcess("--model-path", str(llama_dir), *LORA_FLAGS, "--lora-paths",
+                           f"dir16={adapter_dirs['a16']}", f"dir8={adapter_dirs['a8']}", "--lora-cache-dir",
+                           str(tmp / "cache"), "--lora-resolver-dir", "hf://org", env=env) as server:
+            yield server, hub, tmp / "cache"
+    finally:
+        hub.shutdown()
+
+
+def test_resolver_on_the_hub_loads_org_name_on_first_use(hub_resolver, adapter_dirs):
+    server, hub, cache = hub_resolver
+    expected = _outputs(server, "dir16")
+    assert expected != _outputs(server, None)
+    assert {r["lora_name"] for r in server.get("/lora_adapters").json()["adapters"]} == {"dir16", "dir8"}
+    # native: a16 is not loaded, so the resolver fetches the repo org/a16 into the cache and loads it
+    assert _outputs(server, "a16") == expected
+    assert hub.downloads["org/a16"] == len(_files(adapter_dirs["a16"]))
+    row = {r["lora_name"]: r for r in server.get("/lora_adapters").json()["adapters"]}["a16"]
+    assert row["lora_path"] == "hf://org/a16"
+    assert [name for name in os.listdir(cache / "hf") if name.startswith("org--a16")]
+    assert _outputs(server, "a16") == expected and hub.downloads["org/a16"] == len(_files(adapter_dirs["a16"]))
+    # OpenAI: the first use of a8 comes from org/a8, and answers as its directory load does
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    first = server.post("/v1/completions", {"model": "a8", **body})
+    assert first.status_code == 200, first.text
+    assert first.json()["model"] == "a8"
+    direct = server.post("/v1/completions", {"model": "dir8", **body}).json()
+    assert first.json()["choices"][0]["text"] == direct["choices"][0]["text"]
+    assert hub.downloads["org/a8"] == len(_files(adapter_dirs["a8"]))
+    # a repo or revision the Hub does not have: a clear 4xx naming it, and nothing loaded
+    for name, words in (("missing", "not found"), ("a16@v9", "no revision 'v9'")):
+        resp = gen(server, name)
+        assert resp.status_code == 400 and words in resp.text and repr(name) in resp.text, resp.text
+        resp = server.post("/v1/completions", {"model": name, **body})
+        assert resp.status_code == 404 and words in resp.text, resp.text
+        assert name not in {r["lora_name"] for r in server.get("/lora_adapters").json()["adapters"]}

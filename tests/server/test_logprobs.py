@@ -152,3 +152,98 @@ def test_openai_top_lists_hold_the_chosen_token(static_lora_server, llama_dir):
     chat_chunks = [c["choices"][0]["logprobs"] for c in sse(url + "/v1/chat/completions", chat) if c["choices"]]
     streamed_chat = [c for lp in chat_chunks if lp for c in lp["content"]]
     assert len(streamed_chat) == len(content) and all(c["top_logprobs"] == [] for c in streamed_chat)
+
+
+# ---- vLLM's prompt_logprobs ------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def prompt_reference(llama_dir, adapter, ids: list[int]) -> torch.Tensor:
+    """(len - 1, vocab): row i is HF's fp32 log-softmax predicting ids[i + 1]."""
+    model = hf_model(str(llama_dir), None if adapter is None else str(adapter))
+    return model(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+
+
+def check_prompt_logprobs(entries: list, ids: list[int], ref: torch.Tensor, tokenizer, num_top: int) -> None:
+    """vLLM's shape: null, then per prompt token {id: {logprob, rank, decoded_token}}, the prompt token first, then
+    the num_top best with ranks 1..num_top; values, ranks and ids against the reference."""
+    assert len(entries) == len(ids) and entries[0] is None
+    for pos in range(1, len(ids)):
+        row, entry = ref[pos - 1], entries[pos]
+        keys = list(entry)
+        assert keys[0] == str(ids[pos]) and len(entry) in (num_top, num_top + 1), (pos, entry)
+        for key, value in entry.items():
+            tid = int(key)
+            assert abs(value["logprob"] - float(row[tid])) < 1e-3, (pos, key, value)
+            assert value["decoded_token"] == tokenizer.decode([tid])
+        # the prompt token's rank: the tokens at least as likely, up to float noise
+        value = entry[keys[0]]["logprob"]
+        rank = entry[keys[0]]["rank"]
+        assert int((row > value + 1e-3).sum()) + 1 <= rank <= int((row >= value - 1e-3).sum()), (pos, entry)
+        # the best: every entry but the prompt token's, unless it is one of them
+        tops = list(entry.items())[1:] if len(entry) == num_top + 1 else list(entry.items())
+        assert sorted(v["rank"] for _, v in tops) == list(range(1, num_top + 1)), (pos, entry)
+        best = row.topk(num_top + 1)
+        gaps = (best.values[:-1] - best.values[1:]).tolist()
+        for key, v in tops:  # ids compared where the margins to both neighbours are clear
+            j = v["rank"] - 1
+            if gaps[j] > CLEAR_MARGIN and (j == 0 or gaps[j - 1] > CLEAR_MARGIN):
+                assert int(key) == int(best.indices[j]), (pos, entry, best.indices.tolist())
+
+
+def test_prompt_logprobs_on_completions(static_lora_server, llama_dir, adapter_dirs, tokenizer):
+    url = static_lora_server.url
+    prompt = "The quick brown fox jumps over"
+    ids = tokenizer(prompt)["input_ids"]
+    ref = prompt_reference(llama_dir, adapter_dirs["a8"], ids)
+    body = {"model": "a8", "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    plain = requests.post(url + "/v1/completions", json=body).json()["choices"][0]
+    assert "prompt_logprobs" not in plain
+    out = requests.post(url + "/v1/completions", json={**body, "prompt_logprobs": TOP, "n": 2})
+    assert out.status_code == 200, out.text
+    choices = out.json()["choices"]
+    check_prompt_logprobs(choices[0]["prompt_logprobs"], ids, ref, tokenizer, TOP)
+    assert choices[1]["prompt_logprobs"] == choices[0]["prompt_logprobs"]
+    assert choices[0]["logprobs"] is None and choices[0]["text"] == plain["text"]  # output logprobs not asked
+    zero = requests.post(url + "/v1/completions", json={**body, "prompt_logprobs": 0}).json()["choices"][0]
+    assert [list(e) for e in zero["prompt_logprobs"][1:]] == [[str(t)] for t in ids[1:]]  # the prompt token alone
+    # echo with logprobs asks for prompt logprobs at `logprobs` (vLLM), so they come in both shapes
+    echo = requests.post(url + "/v1/completions", json={**body, "echo": True, "logprobs": 2}).json()["choices"][0]
+    check_prompt_logprobs(echo["prompt_logprobs"], ids, ref, tokenizer, 2)
+    echoed = echo["logprobs"]["token_logprobs"][: len(ids)]
+    assert echoed[0] is None
+    assert echoed[1:] == [e[str(t)]["logprob"] for e, t in zip(echo["prompt_logprobs"][1:], ids[1:], strict=True)]
+    # each with its own number of alternatives
+    both = requests.post(url + "/v1/completions", json={**body, "echo": True, "logprobs": 1, "prompt_logprobs": TOP})
+    both = both.json()["choices"][0]
+    check_prompt_logprobs(both["prompt_logprobs"], ids, ref, tokenizer, TOP)
+    assert all(1 <= len(top) <= 2 for top in both["logprobs"]["top_logprobs"][1:])
+    assert both["logprobs"]["token_logprobs"][: len(ids)] == echoed
+    # echo alone: no logprobs asked, none given
+    assert "prompt_logprobs" not in requests.post(url + "/v1/completions", json={**body, "echo": True}).json()[
+        "choices"][0]
+
+
+def test_prompt_logprobs_on_chat(static_lora_server, llama_dir, tokenizer):
+    url = static_lora_server.url
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ids = static_lora_server.post("/tokenize", {"model": llama_dir.name, "messages": messages}).json()["tokens"]
+    ref = prompt_reference(llama_dir, None, ids)
+    body = {"model": llama_dir.name, "messages": messages, "max_tokens": 2, "temperature": 0}
+    assert requests.post(url + "/v1/chat/completions", json=body).json()["prompt_logprobs"] is None
+    out = requests.post(url + "/v1/chat/completions", json={**body, "prompt_logprobs": 2})
+    assert out.status_code == 200, out.text
+    check_prompt_logprobs(out.json()["prompt_logprobs"], ids, ref, tokenizer, 2)  # once, on the response (vLLM)
+    assert "prompt_logprobs" not in out.json()["choices"][0]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_prompt_logprobs_refused(static_lora_server, llama_dir, path):
+    body = {"model": llama_dir.name, "max_tokens": 2}
+    body.update({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    for bad in (-1, 21, "2", True, 1.5):  # negative, above the logprobs limit (20), or not an integer
+        resp = requests.post(static_lora_server.url + path, json={**body, "prompt_logprobs": bad})
+        assert resp.status_code == 400 and "prompt_logprobs" in resp.text, (bad, resp.text)
+    resp = requests.post(static_lora_server.url + path, json={**body, "prompt_logprobs": 1, "stream": True})
+    assert resp.status_code == 400 and "prompt_logprobs" in resp.text and "stream" in resp.text
+    assert requests.post(static_lora_server.url + path, json={**body, "prompt_logprobs": 20}).status_code == 200

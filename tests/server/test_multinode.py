@@ -20,6 +20,7 @@ import requests
 import torch
 from loraplex.frontend.adapters.files import cut_per_rank, read_adapter_dir
 from loraplex.protocol.config import TARGET_MODULES, ConfigError, ServerConfig
+from loraplex.protocol.curve import write_key_file
 from loraplex.protocol.lora_shards import cut_shape
 from loraplex.protocol.structs import TENSOR_DTYPES, AdapterToLoad, LoadAdapters, TensorSpec, frames_of_rank
 from loraplex.worker.lora.adapter import AdapterLoadError, PoolSpec, adapter_from_tensors, load_adapter
@@ -86,8 +87,11 @@ class HeadlessNode:
 
 
 @pytest.fixture
-def two_nodes(llama_dir):
+def two_nodes(llama_dir, tmp_path):
+    write_key_file(str(tmp_path / "cluster.key"))  # CURVE between the nodes, as --nnodes > 1 requires
     flags = [
+        "--cluster-key-file",
+        str(tmp_path / "cluster.key"),
         "--model-path",
         str(llama_dir),
         "--tp",
@@ -170,12 +174,32 @@ def test_losing_node0_stops_node1_with_nonzero_exit(two_nodes):
     assert wait_until(lambda: not any(alive(pid) for pid in pids), 5), "node 1 left processes"
 
 
+def test_node_with_a_wrong_cluster_key_is_refused_and_logged(llama_dir, tmp_path):
+    """Node 1 holds another key: node 0's scheduler refuses its ranks' connections (and logs it), and node 1's ranks
+    refuse node 0's, so the server never starts serving; nothing crosses between them."""
+    keys = [str(tmp_path / "node0.key"), str(tmp_path / "node1.key")]
+    for key in keys:
+        write_key_file(key)
+    flags = ["--model-path", str(llama_dir), "--tp", "2", "--nnodes", "2", "--dist-init-addr",
+             f"127.0.0.1:{free_port()}", "--max-total-tokens", "2048", "--context-length", "512"]
+    node1 = HeadlessNode([*flags, "--cluster-key-file", keys[1]])
+    try:
+        with ServerProcess(*flags, "--cluster-key-file", keys[0], "--node-rank", "0", healthy=False) as node0:
+            assert node0.wait_log("CURVE handshake failed", 120), node0.log()
+            assert "refused" in node0.log() and node0.get("/health").status_code == 503
+        with open(node1.log_path) as log:
+            assert "CURVE handshake failed" in log.read()  # node 1's ranks refused node 0's scheduler too
+    finally:
+        node1.stop()
+
+
 def test_multinode_flags():
     with pytest.raises(ConfigError, match="--dist-init-addr"):
         ServerConfig(nnodes=2, tp=2)
     with pytest.raises(ConfigError, match="HOST:PORT"):
         ServerConfig(nnodes=2, tp=2, dist_init_addr="node0")
-    assert ServerConfig(nnodes=2, tp=2, node_rank=1, dist_init_addr="10.0.0.1:29500").node_rank == 1
+    config = ServerConfig(nnodes=2, tp=2, node_rank=1, dist_init_addr="10.0.0.1:29500", cluster_key_file="/k")
+    assert config.node_rank == 1
 
 
 def test_node0_reads_an_adapter_as_tensors_inside_the_root_only(adapter_dirs, tmp_path):

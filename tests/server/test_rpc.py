@@ -245,7 +245,7 @@ def test_rpc_server_error_is_an_rpc_error_with_its_message(tmp_path):
     """An adapter operation's ServerError (e.g. kind "disabled" under --disable-lora-updates) -> RpcError(str(e))."""
 
     class Adapters:
-        async def load(self, specs, load_inplace):
+        async def load(self, specs, load_inplace, caller):
             raise ServerError("adapter updates are disabled (--disable-lora-updates)", "disabled")
 
     runtime = SimpleNamespace(config=ServerConfig(), adapters=Adapters(), check_available=lambda: None)
@@ -274,7 +274,7 @@ def test_config_refuses_open_rpc_addr_without_key(addr):
         config_from_args(["--rpc-addr", addr])
     with pytest.raises(ConfigError, match="--api-key"):  # --admin-api-key alone does not count
         config_from_args(["--rpc-addr", addr, "--admin-api-key", "a"])
-    assert config_from_args(["--rpc-addr", addr, "--api-key", "k"]).rpc_addr == addr
+    assert config_from_args(["--rpc-addr", addr, "--api-key", "k", "--cluster-key-file", "/k"]).rpc_addr == addr
 
 
 @pytest.mark.parametrize("addr", ["tcp://127.0.0.1:5555", "tcp://127.3.4.5:5555", "tcp://localhost:5555",

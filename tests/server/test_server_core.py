@@ -183,6 +183,8 @@ def test_info_endpoints(server, llama_dir):
     assert server.get("/health").json() == {"status": "ok"}
     info = server.get("/server_info").json()
     assert info["max_total_tokens"] >= 4096 - 16 and info["context_length"] == 512
+    assert (info["model_type"], info["num_hidden_layers"], info["load_format"], info["hf_overrides"]) == (
+        "llama", 2, "auto", {})
     models = server.get("/v1/models").json()["data"]
     assert models[0]["id"] == llama_dir.name and models[0]["parent"] is None
     server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})

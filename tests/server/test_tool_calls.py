@@ -227,3 +227,99 @@ def test_langchain_agent_completes_a_two_step_tool_loop(server) -> None:
     answer = llm.bind_tools([get_weather], tool_choice="none").invoke(messages)
     assert isinstance(answer.content, str) and not answer.tool_calls
     assert answer.usage_metadata["input_tokens"] > asked.usage_metadata["input_tokens"]
+
+
+# ---- /v1/responses, tool_choice auto: the parser's calls as function_call items ---------------------------------
+
+RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat tool shape
+TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
+
+
+def response_kwargs(text: str) -> dict:
+    """A Responses request whose output is pinned to `text` (vLLM's structured_outputs extension)."""
+    return dict(model="tool-lora", input="What is the weather in Paris?", tools=RESPONSE_TOOLS, max_output_tokens=400,
+                extra_body={"structured_outputs": {"choice": [text]}})
+
+
+def summary(output) -> list[tuple]:
+    return [(item.type, item.content[0].text) if item.type == "message" else
+            (item.type, item.name, json.loads(item.arguments), item.status) for item in output]
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (AUTO_TEXT, [("message", "Checking."), ("function_call", "get_time", {"zone": "CET"}, "completed")]),
+    (TWO_CALLS, [("function_call", "get_weather", {"city": "Oslo", "days": 2}, "completed"),
+                 ("function_call", "get_time", {"zone": "UTC"}, "completed")]),
+])
+def test_responses_auto_choice_reads_the_models_calls(client, text, expected) -> None:
+    """tool_choice auto (the default) under --tool-call-parser: the text is read into function_call items, whole and
+    streamed (assembled by the openai client's responses.stream), the calls as chat's parser reads them."""
+    out = client.responses.create(**response_kwargs(text))
+    assert out.status == "completed" and summary(out.output) == expected
+    calls = [item for item in out.output if item.type == "function_call"]
+    assert all(c.call_id.startswith("call_") and c.id.startswith("fc_") for c in calls)
+    assert len({c.call_id for c in calls}) == len(calls)
+    chat = client.chat.completions.create(model="tool-lora", messages=ASK, tools=TOOLS, max_tokens=400,
+                                          extra_body={"structured_outputs": {"choice": [text]}}).choices[0].message
+    assert [(c.function.name, c.function.arguments) for c in chat.tool_calls] == [(c.name, c.arguments) for c in calls]
+    with client.responses.stream(**response_kwargs(text)) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert summary(final.output) == expected and final.status == "completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added = [e for e in events if e.type == "response.output_item.added"]
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert [e.output_index for e in added] == [e.output_index for e in done] == list(range(len(expected)))
+    assert [e.item.id for e in added] == [e.item.id for e in done] == [item.id for item in final.output]
+    for index, item in enumerate(final.output):  # each item's pieces add up to it, between its added and done
+        kinds = [e.type for e in events if getattr(e, "output_index", None) == index]
+        if item.type == "function_call":
+            pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"
+                      and e.output_index == index]
+            assert "".join(pieces) == item.arguments
+            assert kinds[0] == "response.output_item.added" and kinds[-2:] == [
+                "response.function_call_arguments.done", "response.output_item.done"]
+        else:
+            pieces = [e.delta for e in events if e.type == "response.output_text.delta" and e.output_index == index]
+            assert "".join(pieces) == item.content[0].text
+            assert kinds[-3:] == ["response.output_text.done", "response.content_part.done",
+                                  "response.output_item.done"]
+    ends = ("response.output_item.added", "response.output_item.done")  # one item after the other, never interleaved
+    assert [(e.type, e.output_index) for e in events if e.type in ends] == [
+        (kind, index) for index in range(len(expected)) for kind in ends]
+    assert events[-1].type == "response.completed"
+
+
+def test_responses_auto_choice_call_cut_by_max_output_tokens(client) -> None:
+    """A call cut inside its arguments does not parse: whole, the answer is its text as a message; streamed, the
+    call went out as far as it got (incomplete), then the text as a message, so the messages hold the same text."""
+    cut = None
+    for limit in range(8, 80, 2):  # the first limit that cuts after the call's name is written
+        out = client.responses.create(**{**response_kwargs(AUTO_TEXT), "max_output_tokens": limit}, temperature=0)
+        text = out.output[0].content[0].text if out.output[0].type == "message" else ""
+        if '"name": "get_time", "arguments": {"' in text:
+            cut = limit
+            break
+    assert cut is not None and out.status == "incomplete" and summary(out.output) == [("message", text)]
+    assert AUTO_TEXT.startswith(text) and text != AUTO_TEXT
+    with client.responses.stream(**{**response_kwargs(AUTO_TEXT), "max_output_tokens": cut}, temperature=0) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_response()
+    assert final.status == "incomplete"
+    assert "".join(item.content[0].text for item in final.output if item.type == "message") == text
+    assert [(c.name, c.status) for c in final.output if c.type == "function_call"] == [("get_time", "incomplete")]
+
+
+def test_responses_auto_choice_leaves_text_and_refusals(client, server) -> None:
+    # no call in the text, or tool_choice none: one message with the text as it is
+    plain = client.responses.create(**response_kwargs("Sunny, I think."))
+    assert summary(plain.output) == [("message", "Sunny, I think.")]
+    kept = client.responses.create(**response_kwargs(AUTO_TEXT), tool_choice="none")
+    assert summary(kept.output) == [("message", AUTO_TEXT)]
+    # a forced choice fixes the output's shape: structured_outputs cannot come with it
+    body = {"model": "tool-lora", "input": "Hi", "tools": RESPONSE_TOOLS, "tool_choice": "required",
+            "structured_outputs": {"choice": ["x"]}}
+    out = server.post("/v1/responses", body)
+    assert out.status_code == 400 and "structured_outputs" in out.json()["error"]["message"], out.text

@@ -10,6 +10,7 @@ import pytest
 from loraplex.protocol.structs import AdapterOpDone, BatchResult, DropAdapters
 from loraplex.scheduler.page_allocator import PageAllocator
 from loraplex.scheduler.prefix_cache import BASE_NAMESPACE, PrefixCache, page_keys
+from loraplex.scheduler.request import FREED_PAGE
 
 from tests.scheduler_helpers import in_flight_requests
 from tests.unit.test_scheduler_core import Workers, assert_drained, gen, load, make_scheduler
@@ -201,6 +202,7 @@ def test_random_traffic_under_pressure_gives_the_unpressured_outputs(seed):
         chunked_prefill_size=rng.randint(3, 12),
         max_prefill=64,
         prefix_cache=True,
+        attention_window=rng.choice([None, 5, 9]),  # a sliding-window model gives pages back as it goes
     )
     assert pressured == reference
     assert set(pressured) == {t[1] for t in traffic}
@@ -211,7 +213,7 @@ def check_cache_namespaces(sched) -> None:
     for req in sched.running.values():
         namespace = BASE_NAMESPACE if req.lora_id is None else req.lora_id
         for i, page_id in enumerate(req.page_ids):
-            if page_id in cache._key_of_page:
+            if i >= req.num_freed_pages and page_id in cache._key_of_page:
                 assert cache._namespace_of_page[page_id] == namespace
                 assert cache._key_of_page[page_id] == req.page_keys[i]
 
@@ -286,7 +288,8 @@ def test_two_passes_in_flight_give_the_same_outputs(seed):
 
     reference = run(Workers, num_pages=400, max_running=64)
     overlapped = run(OverlapWorkers, num_pages=rng.randint(12, 30), max_running=rng.randint(2, 8),
-                     chunked_prefill_size=rng.randint(3, 12), max_prefill=64, prefix_cache=True)
+                     chunked_prefill_size=rng.randint(3, 12), max_prefill=64, prefix_cache=True,
+                     attention_window=rng.choice([None, 5, 9]))  # fmt: skip
     assert overlapped == reference
 
 
@@ -320,3 +323,40 @@ def test_a_request_at_its_token_limit_is_not_sent_again():
     sched.add_request(gen("a", prompt_len=3, max_new=1))
     sched.schedule()
     assert sched.schedule() is None  # its one token is in flight already
+
+
+# ---- sliding windows: pages behind every layer's window go back --------------------------------------------------
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_pages_behind_the_window_go_back_to_the_pool(prefix_cache):
+    window, page_size = 6, 4
+    sched = make_scheduler(num_pages=40, page_size=page_size, chunked_prefill_size=8, prefix_cache=prefix_cache,
+                           attention_window=window)  # fmt: skip
+    workers = Workers(sched, by_position)
+    workers.record(sched.add_request(gen("long", prompt_len=30, max_new=40)))
+    req = sched.waiting["long"]
+    most_held = most_freed = 0
+    while "long" not in workers.finished:
+        workers.step()
+        if "long" in sched.running:
+            behind = max(0, req.num_cached_tokens - window + 1) // page_size
+            assert req.num_freed_pages == behind and req.page_ids[:behind] == [FREED_PAGE] * behind
+            # Only the window's pages (and the one being filled) are in use; the rest are back in the pool.
+            assert sched.cache.num_in_use == len(req.live_page_ids) <= -(-window // page_size) + 2
+            assert sched.cache.num_available == sched.pages.num_pages - len(req.live_page_ids)
+            most_held = max(most_held, len(req.live_page_ids))
+            most_freed = req.num_freed_pages
+    assert most_freed > 10 and most_held <= 4  # 70 tokens in 18 pages, never more than 4 held at once
+    assert workers.outputs["long"] == [100 + 30 + i for i in range(40)]
+    assert_drained(sched)
+
+
+def test_a_model_with_a_full_attention_layer_frees_nothing():
+    sched = make_scheduler(num_pages=40, page_size=4, chunked_prefill_size=8, attention_window=None)
+    workers = Workers(sched, by_position)
+    workers.record(sched.add_request(gen("long", prompt_len=30, max_new=10)))
+    req = sched.waiting["long"]
+    for _ in range(8):
+        workers.step()
+    assert req.num_freed_pages == 0 and sched.cache.num_in_use == len(req.page_ids) == -(-req.num_cached_tokens // 4)

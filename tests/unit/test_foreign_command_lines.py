@@ -187,3 +187,18 @@ def test_tool_flags() -> None:
         parse_command_line(["--enable-auto-tool-choice"])
     with pytest.raises(SystemExit):
         parse_command_line(["--tool-call-parser", "nonesuch"])
+
+
+def test_load_format_and_hf_overrides_are_settings_of_ours() -> None:
+    # vLLM's docs: `vllm serve MODEL --load-format dummy --hf-overrides '{"num_hidden_layers": 2}'`
+    config, notes = parse_command_line(ours(f"""vllm serve {MODEL} --load-format dummy --hf-overrides """
+                                            """'{"num_hidden_layers": 2, "rope_scaling": {"factor": 4.0}}'"""))
+    assert (config.load_format, config.hf_overrides, notes) == (
+        "dummy", {"num_hidden_layers": 2, "rope_scaling": {"factor": 4.0}}, [])
+    assert parse_command_line([])[0].load_format == "auto" and parse_command_line([])[0].hf_overrides == {}
+    assert ServerConfig.from_kwargs(hf_overrides={"vocab_size": 512}).hf_overrides == {"vocab_size": 512}
+    for argv in (["--load-format", "pt"], ["--hf-overrides", "{bad"], ["--hf-overrides", "[1, 2]"]):
+        with pytest.raises(SystemExit):  # argparse: one line naming the flag
+            parse_command_line(argv)
+    with pytest.raises(ConfigError):
+        ServerConfig.from_kwargs(hf_overrides=[1])

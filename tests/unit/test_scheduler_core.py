@@ -24,6 +24,7 @@ from loraplex.protocol.structs import (
 )
 from loraplex.scheduler.adapter_table import AdapterTable, LoadFinished
 from loraplex.scheduler.batch_policy import BatchPolicy
+from loraplex.scheduler.request import FREED_PAGE
 from loraplex.scheduler.scheduler import Scheduler
 
 from tests.scheduler_helpers import held_lora_ids, in_flight_requests, num_holds, num_pending_loads, slot_of
@@ -42,6 +43,7 @@ def make_scheduler(
     num_ranks=1,
     chunked_prefill_size=-1,
     prefix_cache=False,
+    attention_window=None,
     long_rope_len=0,
 ) -> Scheduler:
     config = ServerConfig(
@@ -57,6 +59,7 @@ def make_scheduler(
         context_length=context_length,
         num_ranks=num_ranks,
         chunked_prefill_size=chunked_prefill_size,
+        attention_window=attention_window,
         long_rope_len=long_rope_len,
     )
 
@@ -193,13 +196,19 @@ class Workers:
     def check_accounting(self) -> None:
         sched = self.sched
         sched.cache.check()
-        page_ids = {p for req in sched.running.values() for p in req.page_ids}
+        # Pages given back (behind every layer's window) are not in use: they are free or cached, unused.
+        page_ids = {p for req in sched.running.values() for p in req.live_page_ids}
         assert len(page_ids) == sched.cache.num_in_use  # shared cached pages count once
-        private = [p for req in sched.running.values() for p in req.page_ids if p not in sched.cache._key_of_page]
+        private = [p for req in sched.running.values() for p in req.live_page_ids
+                   if p not in sched.cache._key_of_page]  # fmt: skip
         assert len(private) == len(set(private))  # a private page belongs to one request
         holds = defaultdict(int)
         for req in sched.running.values():
             assert len(req.page_ids) == -(-req.num_cached_tokens // sched.page_size)
+            window = sched.attention_window
+            behind = 0 if window is None else max(0, req.num_cached_tokens - window + 1) // sched.page_size
+            assert req.num_freed_pages <= behind  # never a page a query of its may still read
+            assert req.page_ids[: req.num_freed_pages] == [FREED_PAGE] * req.num_freed_pages
             if req.lora_id is not None:
                 holds[req.lora_id] += 1
         assert {i: num_holds(sched.slots, i) for i in held_lora_ids(sched.slots)} == dict(holds)

@@ -12,7 +12,7 @@ from loraplex.protocol.config import ServerConfig
 from loraplex.worker.kv_cache import MAX_DEFAULT_TOKENS, default_kv_tokens, kv_bytes_per_token
 from loraplex.worker.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from loraplex.worker.loader import CheckpointError, map_hf_name
-from loraplex.worker.model.config import ModelConfig, ModelConfigError
+from loraplex.worker.model.config import ModelConfig, ModelConfigError, merge_overrides
 from loraplex.worker.model_runner import ModelRunner
 from loraplex.worker.parallel import tensor_parallel
 from safetensors.torch import load_file, save_file
@@ -45,10 +45,29 @@ def test_model_specific_fields() -> None:
     assert ModelConfig.from_dict({**BASE, "head_dim": 32}).head_dim == 32
     qwen2 = ModelConfig.from_dict({**BASE, "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False})
     assert qwen2.qkv_bias and not qwen2.o_bias and qwen2.max_context_length == 2048
+    assert qwen2.layer_windows == ()
     mistral = ModelConfig.from_dict({**BASE, "model_type": "mistral", "sliding_window": 1024})
-    assert mistral.max_context_length == 1024  # sliding window not implemented: capped where it changes nothing
+    assert mistral.max_context_length == 2048 and mistral.layer_windows == (1024, 1024)  # every layer windowed
+    qwen2_windowed = {**BASE, "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True}
+    assert ModelConfig.from_dict({**qwen2_windowed, "max_window_layers": 1}).layer_windows == (None, 64)
     biased = ModelConfig.from_dict({**BASE, "attention_bias": True, "mlp_bias": True})
     assert biased.qkv_bias and biased.o_bias and biased.mlp_bias
+    qwen3 = ModelConfig.from_dict({**BASE, "model_type": "qwen3", "head_dim": 32, "sliding_window": 4096,
+                                   "use_sliding_window": False})  # fmt: skip
+    assert qwen3.head_dim == 32 and not qwen3.qkv_bias and qwen3.sliding_window is None
+
+
+def test_hf_overrides_merge_before_the_config_is_read(tmp_path: Path) -> None:
+    hf = {**BASE, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    overrides = {"num_hidden_layers": 1, "rope_scaling": {"factor": 4.0}, "model_type": "qwen3"}
+    config = ModelConfig.from_dir(str(tmp_path), overrides)
+    assert (config.num_layers, config.model_type, config.rope.rope_type, config.rope.params) == (
+        1, "qwen3", "linear", {"factor": 4.0})  # nested objects merge key by key
+    assert ModelConfig.from_dir(str(tmp_path)).num_layers == 2  # the file is left as it was
+    assert merge_overrides({"a": {"b": 1}}, {"a": 3}) == {"a": 3}
+    with pytest.raises(ModelConfigError, match="unsupported model_type 'gpt2'"):
+        ModelConfig.from_dir(str(tmp_path), {"model_type": "gpt2"})
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import collections
 
 import torch
 from loraplex.protocol.structs import SamplingParams
-from loraplex.worker.sampler import Sampler, request_seed
+from loraplex.worker.sampler import Sampler, logprob_entries, request_seed
 from loraplex.worker.sampling_batch import SamplingBatch
 
 CPU = torch.device("cpu")
@@ -91,3 +91,15 @@ def test_request_seed_mixes_both_inputs() -> None:
     seeds = {request_seed(seed, step) for seed in range(50) for step in range(50)}
     assert len(seeds) == 2500
     assert all(0 <= s < 2**63 for s in seeds)
+
+
+def test_logprob_entries_rank_and_top() -> None:
+    # vLLM's rank: the number of tokens at least as likely as the chosen one (ties count against it), 1 = best
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, -2.0], [5.0, 1.0, 1.0, 0.0, 2.0]])
+    entries = logprob_entries(logits, [2, 0], [2, 0])
+    reference = logits.log_softmax(-1)
+    assert [e.rank for e in entries] == [3, 1]
+    assert abs(entries[0].logprob - float(reference[0, 2])) < 1e-6
+    assert entries[0].top_ids in ([1, 3], [3, 1]) and entries[1].top_ids == []
+    tied = logprob_entries(logits, [3], [1])[0]
+    assert tied.rank == 2  # tied with token 1 for the best

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from loraplex.worker.layers.ops import current_ops
 from torch import nn
 
@@ -14,3 +15,11 @@ class SiluAndMul(nn.Module):
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_and_mul(gate_up)  # (tokens, 2 * intermediate) -> (tokens, intermediate)
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate, tanh approximation) * up of a fused [gate | up] projection (Gemma's GeGLU); torch ops everywhere."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)  # (tokens, 2 * intermediate): [gate | up]
+        return F.gelu(gate, approximate="tanh") * up  # (tokens, intermediate)

@@ -11,13 +11,16 @@ request's keys and values straight from its pages, no gathered copy, no padding,
 (worker/layers/triton_attention.py; CUDA by default) reads every request's keys and values from its pages in Triton
 kernels. The worker picks one at start-up (`select_attention_backend`); it builds each batch's AttentionInputs-like
 object, whose `attend` the model reaches through `paged_attention`, so model code never knows which backend runs.
+
+A layer's own attention (softmax scale, sliding window, logit soft-cap: worker/layers/attention_spec.py) comes with
+each call; the batch's metadata is shared by every layer. Soft-capped scores run eager attention here (SDPA has no cap).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Protocol
 
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from loraplex.kernels import BackendError
 from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.structs import ForwardReq
+from loraplex.worker.layers.attention_spec import LayerAttention
 from loraplex.worker.layers.triton_attention import TritonAttention
 
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
@@ -42,9 +46,20 @@ class AttentionGroup:
     read_pages: torch.Tensor  # (reqs, max_kv_pages) each request's page table; padding points at page 0
     kv_lens: torch.Tensor  # (reqs,) int64 keys each request attends to: its cached tokens and its new ones
     mask: torch.Tensor  # (reqs, 1, max_q_len, max_kv_len) bool, True = may attend (causal, within the request)
+    # (reqs, 1, max_q_len, max_kv_len) each key's distance behind its query row (padding rows: behind the last key)
+    distance: torch.Tensor
     num_reqs: int
     max_q_len: int
     page_size: int
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by window, built on a layer's first use
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.mask
+        mask = self.window_masks.get(window)
+        if mask is None:
+            mask = self.window_masks[window] = self.mask & (self.distance < window)
+        return mask
 
 
 @dataclass(frozen=True)
@@ -52,19 +67,27 @@ class AttentionInputs:
     write_slots: torch.Tensor  # (tokens,) cache slot each new token's K/V goes to
     groups: list[AttentionGroup]
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: LayerAttention | None = None
+    ) -> torch.Tensor:
+        layer = layer or LayerAttention.default(q.shape[2])
         if len(self.groups) == 1:
-            return self.attend_group(q, k_cache, v_cache, self.groups[0])
+            return self.attend_group(q, k_cache, v_cache, self.groups[0], layer)
         out = torch.empty_like(q)  # (tokens, heads, head_dim)
         for group in self.groups:
-            group_out = self.attend_group(q.index_select(0, group.token_rows), k_cache, v_cache, group)
+            group_out = self.attend_group(q.index_select(0, group.token_rows), k_cache, v_cache, group, layer)
             out.index_copy_(0, group.token_rows, group_out)
         return out
 
     def attend_group(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: AttentionGroup,
+        layer: LayerAttention,
     ) -> torch.Tensor:
-        return _sdpa_group(q, k_cache, v_cache, group)
+        return _sdpa_group(q, k_cache, v_cache, group, layer)
 
 
 @dataclass(frozen=True)
@@ -72,14 +95,22 @@ class CPUAttentionInputs(AttentionInputs):
     compiled: ModuleType  # cpu_ext's module
 
     def attend_group(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: AttentionGroup,
+        layer: LayerAttention,
     ) -> torch.Tensor:
-        if group.max_q_len > 1 or not k_cache.is_contiguous():  # the kernel reads decodes from whole pages
-            return _sdpa_group(q, k_cache, v_cache, group)
+        # The kernel reads decodes from whole pages, without a logit cap.
+        if group.max_q_len > 1 or not k_cache.is_contiguous() or layer.logit_cap is not None:
+            return _sdpa_group(q, k_cache, v_cache, group, layer)
         out = torch.empty_like(q)  # (reqs, heads, head_dim): one token per request, in request order
+        window = layer.sliding_window or 0  # 0: every key
         self.compiled.decode_attention(
-            q.contiguous(), k_cache, v_cache, group.read_pages, group.kv_lens, group.page_size, q.shape[2] ** -0.5, out
-        )
+            q.contiguous(), k_cache, v_cache, group.read_pages, group.kv_lens, group.page_size, layer.scale, window,
+            out,
+        )  # fmt: skip
         return out
 
 
@@ -88,7 +119,11 @@ class BatchAttention(Protocol):
 
     write_slots: torch.Tensor  # (tokens,) cache slot each new token's K/V goes to
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor: ...
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: LayerAttention | None = None
+    ) -> torch.Tensor:
+        """`layer` None: head_dim ** -0.5, no window, no cap."""
+        ...
 
 
 class AttentionBackend(Protocol):
@@ -202,13 +237,16 @@ def paged_attention(
     k_cache: torch.Tensor,  # (slots, kv_heads, head_dim)
     v_cache: torch.Tensor,  # (slots, kv_heads, head_dim)
     inputs: BatchAttention,
+    layer: LayerAttention | None = None,  # None: head_dim ** -0.5, no window, no cap
 ) -> torch.Tensor:
     k_cache.index_copy_(0, inputs.write_slots, k)
     v_cache.index_copy_(0, inputs.write_slots, v)
-    return inputs.attend(q, k_cache, v_cache)  # (tokens, heads, head_dim)
+    return inputs.attend(q, k_cache, v_cache, layer)  # (tokens, heads, head_dim)
 
 
-def _sdpa_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+def _sdpa_group(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup, layer: LayerAttention
+) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_reqs, max_q_len = group.num_reqs, group.max_q_len
     q_padded = q.new_zeros(num_reqs * max_q_len, num_heads, head_dim)
@@ -216,11 +254,34 @@ def _sdpa_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g
     q_padded = q_padded.view(num_reqs, max_q_len, num_heads, head_dim).transpose(1, 2)  # (reqs, heads, q, d)
     keys = _gather_pages(k_cache, group.read_pages, group.page_size)  # (reqs, kv_heads, max_kv_len, head_dim)
     values = _gather_pages(v_cache, group.read_pages, group.page_size)  # (reqs, kv_heads, max_kv_len, head_dim)
-    out = F.scaled_dot_product_attention(
-        q_padded, keys, values, attn_mask=group.mask, enable_gqa=keys.shape[1] != num_heads
-    )  # (reqs, heads, max_q_len, head_dim)
+    mask = group.mask_for(layer.sliding_window)
+    if layer.logit_cap is None:
+        out = F.scaled_dot_product_attention(
+            q_padded, keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=keys.shape[1] != num_heads
+        )  # (reqs, heads, max_q_len, head_dim)
+    else:
+        out = _capped_attention(q_padded, keys, values, mask, layer.scale, layer.logit_cap)
     out = out.transpose(1, 2).reshape(num_reqs * max_q_len, num_heads, head_dim)
     return out.index_select(0, group.query_index)  # (tokens, heads, head_dim)
+
+
+def _capped_attention(
+    q: torch.Tensor,  # (reqs, heads, q, head_dim)
+    keys: torch.Tensor,  # (reqs, kv_heads, kv, head_dim)
+    values: torch.Tensor,  # (reqs, kv_heads, kv, head_dim)
+    mask: torch.Tensor,  # (reqs, 1, q, kv) bool
+    scale: float,
+    cap: float,
+) -> torch.Tensor:
+    """Eager attention with soft-capped scores, rounded as the reference (HF's eager Gemma 2 attention) rounds."""
+    group_size = q.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group_size, dim=1)  # (reqs, heads, kv, head_dim): query head h reads kv head h // g
+    values = values.repeat_interleave(group_size, dim=1)
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # (reqs, heads, q, kv)
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values)  # (reqs, heads, q, head_dim)
 
 
 def _gather_pages(cache: torch.Tensor, read_pages: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -258,12 +319,15 @@ def _build_group(
     q_pos = cached + torch.arange(max_q_len, device=device)[None, :, None]  # (reqs, max_q_len, 1)
     # Padding query rows (beyond a request's new tokens) see all its keys, so no row is fully masked (NaN-free).
     mask = (kv_pos[None, None, :] <= q_pos) & (kv_pos[None, None, :] < total)  # (reqs, max_q_len, max_kv_len)
+    # A padding row counts distances from the request's last key, so a window leaves it at least that key.
+    distance = torch.minimum(q_pos, total - 1) - kv_pos[None, None, :]  # (reqs, max_q_len, max_kv_len)
     return AttentionGroup(
         token_rows=torch.tensor(token_rows, device=device),
         query_index=torch.tensor(query_index, device=device),
         read_pages=read_pages,
         kv_lens=total.view(-1),
         mask=mask.unsqueeze(1),
+        distance=distance.unsqueeze(1),
         num_reqs=len(members),
         max_q_len=max_q_len,
         page_size=page_size,

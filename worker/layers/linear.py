@@ -10,6 +10,7 @@ What a wrapper (e.g. LoRA) can read from any of them:
   output_sizes       full output features per fused slice (q, k, v / gate, up; one slice if not fused)
   output_sizes_per_rank, output_offsets_per_rank   each slice's rows in `weight` here
   weight             (sum(output_sizes_per_rank), input_size_per_rank);  bias  (sum(output_sizes_per_rank),) or None
+  full_shape(param, shard_id)   the full checkpoint tensor weight_loader takes (random weights are drawn at it)
 """
 
 from __future__ import annotations
@@ -73,12 +74,15 @@ class ColumnParallelLinear(nn.Module):
                 self.weight_loader(param, part, slice_id)
             return
         slice_id = 0 if shard_id is None else shard_id
-        full_rows = self.output_sizes[slice_id]
-        expected = (full_rows, self.input_size) if param is self.weight else (full_rows,)
-        _check_full_shape(f"{type(self).__name__} slice {slice_id}", loaded, expected)
+        _check_full_shape(f"{type(self).__name__} slice {slice_id}", loaded, self.full_shape(param, shard_id))
         num_rows = self.output_sizes_per_rank[slice_id]
         shard = loaded.narrow(0, self.tp_rank * num_rows, num_rows)
         param.data.narrow(0, self.output_offsets_per_rank[slice_id], num_rows).copy_(shard)
+
+    def full_shape(self, param: nn.Parameter, shard_id: int | None = None) -> tuple[int, ...]:
+        """The shape of the full checkpoint tensor weight_loader takes for `param`'s slice `shard_id`."""
+        full_rows = self.output_sizes[0 if shard_id is None else shard_id]
+        return (full_rows, self.input_size) if param is self.weight else (full_rows,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed.linear(x, self.weight, self.packed_weight, self.bias)  # (tokens, sum(output_sizes_per_rank))
@@ -129,12 +133,16 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         if param is self.bias:  # replicated: every rank holds it, only the reduced sum gets it added
-            _check_full_shape("RowParallelLinear bias", loaded, (self.output_sizes[0],))
+            _check_full_shape("RowParallelLinear bias", loaded, self.full_shape(param))
             param.data.copy_(loaded)
             return
-        _check_full_shape("RowParallelLinear weight", loaded, (self.output_sizes[0], self.input_size))
+        _check_full_shape("RowParallelLinear weight", loaded, self.full_shape(param))
         num_cols = self.input_size_per_rank
         param.data.copy_(loaded.narrow(1, self.tp_rank * num_cols, num_cols))
+
+    def full_shape(self, param: nn.Parameter, shard_id: int | None = None) -> tuple[int, ...]:
+        """The shape of the full checkpoint tensor weight_loader takes for `param`."""
+        return (self.output_sizes[0], self.input_size) if param is self.weight else (self.output_sizes[0],)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.finish(self.partial(x))

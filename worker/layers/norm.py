@@ -19,3 +19,27 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)  # (tokens, hidden)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1, and x * rsqrt(...) * (1 + w) is all taken in fp32
+    before one rounding (Llama's rounds x first). That rounding is the fused kernels' Llama one, so this runs as torch
+    ops on every device."""
+
+    identity_weight = 0.0  # the stored weight that scales by one (--load-format dummy fills norms with it)
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Over the last dim; with a residual, (norm(x + residual), x + residual) as RMSNorm."""
+        if residual is not None:
+            residual = x + residual  # in the activations' dtype, as the reference adds
+            return self.forward(residual), residual
+        x_fp32 = x.float()  # (..., dim)
+        x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x_fp32 * (1.0 + self.weight.float())).to(x.dtype)

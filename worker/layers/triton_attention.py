@@ -14,6 +14,7 @@ import torch
 from loraplex.kernels.paged_attention import decode_num_splits, launch_decode, launch_extend, plan_extend_tiles
 from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.structs import ForwardReq
+from loraplex.worker.layers.attention_spec import LayerAttention
 
 _ALIGN = 4  # int32 elements: each packed part starts 16 bytes in, as Triton's pointer specialization expects
 
@@ -43,17 +44,20 @@ class PagedAttentionInputs:
     decode: DecodeMeta | None
     extend: ExtendMeta | None
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: LayerAttention | None = None
+    ) -> torch.Tensor:
         out = torch.empty_like(q)  # (tokens, heads, head_dim); every row is some request's
-        scale = q.shape[2] ** -0.5
+        layer = layer or LayerAttention.default(q.shape[2])
+        window, cap = layer.sliding_window or 0, layer.logit_cap or 0.0  # 0: none
         if self.decode is not None:
             d = self.decode
-            launch_decode(out, q, k_cache, v_cache, d.page_table, d.kv_lens, d.q_rows, self.page_size, scale,
-                          d.num_splits)  # fmt: skip
+            launch_decode(out, q, k_cache, v_cache, d.page_table, d.kv_lens, d.q_rows, self.page_size, layer.scale,
+                          d.num_splits, window, cap)  # fmt: skip
         if self.extend is not None:
             e = self.extend
             launch_extend(out, q, k_cache, v_cache, e.page_table, e.q_starts, e.q_lens, e.cached_lens, e.tile_reqs,
-                          e.tile_offsets, self.page_size, scale)  # fmt: skip
+                          e.tile_offsets, self.page_size, layer.scale, window, cap)  # fmt: skip
         return out
 
 

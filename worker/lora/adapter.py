@@ -22,9 +22,10 @@ import torch
 from loraplex.protocol.adapter_config import AdapterConfig, AdapterLoadError, parse_adapter_config
 from loraplex.protocol.adapter_files import AdapterFiles
 from loraplex.protocol.lora_shards import cut_shape, parse_lora_key, rank_cut
-from loraplex.protocol.lora_targets import FUSED_TARGETS, MODEL_TARGETS, TARGET_MODULES
+from loraplex.protocol.lora_targets import FUSED_TARGETS, MLP_MODULES, MODEL_TARGETS, TARGET_MODULES, TP_MODES
 from loraplex.protocol.structs import TensorSpec
-from loraplex.worker.lora.targets import full_shapes
+from loraplex.worker.lora.expert_weights import is_expert_key, match_expert_tensors
+from loraplex.worker.lora.targets import full_shapes, is_expert_module
 from loraplex.worker.model.config import ModelConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -43,10 +44,12 @@ class PoolSpec:
 @dataclass(frozen=True)
 class LoRAAdapter:
     lora_id: int
-    lora_rank: int  # r
+    lora_rank: int  # r (the largest of any module, with a rank_pattern)
     scale: float  # lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA
     target_modules: tuple[str, ...]  # in TARGET_MODULES order
-    # (layer, HF module) -> (A (r, in of this rank), B (out of this rank, r)): host tensors in the model dtype
+    # (layer, HF module) -> (A (r, in of this rank), B (out of this rank, r)): host tensors in the model dtype; an MoE
+    # layer's MLP modules stacked over experts: (experts, r, in of this rank), (experts, out of this rank, r). A
+    # module whose rank or alpha a pattern sets has its own r, and its scale over `scale` folded into B.
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     # embed_tokens / lm_head -> (A (r, in), B (out, r)), whole on every rank (the embedding's in is the vocabulary)
     vocab_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -59,10 +62,16 @@ class LoRAAdapter:
 
 @dataclass(frozen=True)
 class _Config:
-    lora_rank: int
-    scale: float
-    target_modules: tuple[str, ...]
+    parsed: AdapterConfig
     layers: tuple[int, ...]  # layers that must carry weights for every target
+
+    @property
+    def lora_rank(self) -> int:
+        return self.parsed.max_rank
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        return self.parsed.target_modules
 
 
 def load_adapter(
@@ -118,30 +127,39 @@ def _build(
 ) -> LoRAAdapter:
     """Match the tensors (already in the pool's dtype, finite) to the config and the model, keep this rank's slice.
     `whole_shapes`: set when `tensors` are already this rank's slices; the whole tensors' shapes, checked instead."""
+    expert_tensors = {key: t for key, t in tensors.items() if is_expert_key(key)}
+    if expert_tensors and whole_shapes is not None:
+        raise AdapterLoadError("MoE expert adapters cannot be sent cut per rank (--nnodes > 1) yet")
+    tensors = {key: t for key, t in tensors.items() if key not in expert_tensors}
     shapes = whole_shapes or {key: tuple(t.shape) for key, t in tensors.items()}
-    tensors, shapes, whole_keys = _split_fused(tensors, shapes, model_config)
+    tensors, shapes, fused_keys = _split_fused(tensors, shapes, model_config)
     vocab_pairs = _match_vocab_tensors(shapes, config, model_config)  # every tensor of these layers, or it raised
-    vocab_keys = {key for pair in vocab_pairs.values() for key in pair}
-    pairs = _match_tensors({k: v for k, v in shapes.items() if k not in vocab_keys}, config, model_config)
+    vocab_keys = {key for pair in vocab_pairs.values() for key in pair[:2]}
+    pairs = _match_tensors({k: v for k, v in shapes.items() if k not in vocab_keys}, config, model_config, fused_keys)
+    expert_pairs = match_expert_tensors(expert_tensors, config.parsed, model_config) if expert_tensors else {}
+    _check_complete(set(pairs) | set(expert_pairs), config, model_config)
     pin = pool_spec.device.type == "cuda" and torch.cuda.is_available()
 
     def keep(key: str) -> torch.Tensor:  # already cut by the sender: keep all that came
-        is_whole = whole_shapes is None or key in whole_keys
+        is_whole = whole_shapes is None or key in fused_keys
         return _keep(key, tensors[key], *((tp_rank, tp_size) if is_whole else (0, 1)))
 
     weights = {}
-    for (layer, module), (key_a, key_b) in pairs.items():
-        lora_a, lora_b = keep(key_a), keep(key_b)
-        host_b = _host_copy(lora_b, pin, tp_size, transposed=True)
-        weights[(layer, module)] = (_host_copy(lora_a, pin, tp_size), host_b)
+    for (layer, module), (key_a, key_b, module_scale) in pairs.items():
+        host_b = _host_copy(_fold_scale(keep(key_b), module_scale, config), pin, tp_size, transposed=True)
+        weights[(layer, module)] = (_host_copy(keep(key_a), pin, tp_size), host_b)
+    for (layer, module), (lora_a, lora_b) in expert_pairs.items():
+        lora_a, lora_b = _keep_experts(module, lora_a, lora_b, tp_rank, tp_size)
+        weights[(layer, module)] = (_host_copy(lora_a, pin, tp_size), _host_copy(lora_b, pin, tp_size, transposed=True))
     vocab_weights = {}
-    for module, (key_a, key_b) in vocab_pairs.items():  # replicated layers: every rank keeps all of it
+    for module, (key_a, key_b, module_scale) in vocab_pairs.items():  # replicated layers: every rank keeps all of it
+        lora_b = _fold_scale(tensors[key_b], module_scale, config)
         vocab_weights[module] = (_host_copy(tensors[key_a], pin, tp_size),
-                                 _host_copy(tensors[key_b], pin, tp_size, transposed=True))  # fmt: skip
+                                 _host_copy(lora_b, pin, tp_size, transposed=True))  # fmt: skip
     return LoRAAdapter(
         lora_id=lora_id,
         lora_rank=config.lora_rank,
-        scale=config.scale,
+        scale=config.parsed.scale,
         target_modules=config.target_modules,
         weights=weights,
         vocab_weights=vocab_weights,
@@ -154,19 +172,14 @@ def _build(
 def _check_config(raw: Any, model_config: ModelConfig, pool_spec: PoolSpec) -> _Config:
     """The one parse (protocol/adapter_config.py), then what this server can hold."""
     config = parse_adapter_config(raw)
-    if config.r > pool_spec.max_lora_rank:
-        raise AdapterLoadError(f"rank {config.r} exceeds --max-lora-rank {pool_spec.max_lora_rank}")
+    if config.max_rank > pool_spec.max_lora_rank:
+        raise AdapterLoadError(f"rank {config.max_rank} exceeds --max-lora-rank {pool_spec.max_lora_rank}")
     for target in config.target_modules:
         if target not in pool_spec.target_modules:
             raise AdapterLoadError(
                 f"target module {target!r} is not in the LoRA pool ({', '.join(pool_spec.target_modules)})"
             )
-    return _Config(
-        lora_rank=config.r,
-        scale=config.scale,
-        target_modules=config.target_modules,
-        layers=_check_layers(config, model_config.num_layers),
-    )
+    return _Config(parsed=config, layers=_check_layers(config, model_config.num_layers))
 
 
 def _check_layers(config: AdapterConfig, num_layers: int) -> tuple[int, ...]:
@@ -312,11 +325,12 @@ _VOCAB_KEY = re.compile(
 
 def _match_vocab_tensors(
     tensor_shapes: dict[str, tuple[int, ...]], config: _Config, model_config: ModelConfig
-) -> dict[str, tuple[str, str]]:
-    """The embedding's and the LM head's LoRA tensors, checked: {module: (A's key, B's key)}. A full copy of either
-    layer is refused: it may differ from the base model's."""
+) -> dict[str, tuple[str, str, float]]:
+    """The embedding's and the LM head's LoRA tensors, checked: {module: (A's key, B's key, its scale)}. A full copy
+    of either layer is refused: it may differ from the base model's."""
     shapes = full_shapes(model_config)
     found: dict[tuple[str, str], str] = {}
+    ranks: dict[str, tuple[int, float]] = {}
     for key, shape in tensor_shapes.items():
         match = _VOCAB_KEY.search(key)
         if match is None:
@@ -329,35 +343,39 @@ def _match_vocab_tensors(
             )
         if module not in config.target_modules:
             raise AdapterLoadError(f"tensor {key!r} is for {module!r}, which target_modules does not list")
+        r, alpha = config.parsed.module_rank_alpha(key[: match.end(1)].removeprefix("base_model.model."))
         in_features, out_features = shapes[module]
-        expected = (config.lora_rank, in_features) if which == "A" else (out_features, config.lora_rank)
+        expected = (r, in_features) if which == "A" else (out_features, r)
         if shape != expected:
             vocab = shape[1] if module == "embed_tokens" and which == "A" and len(shape) == 2 else None
             added = f"; {vocab - in_features} added tokens are not supported" if vocab and vocab > in_features else ""
             raise AdapterLoadError(
                 f"shape mismatch with the base model: tensor {key!r} has shape {shape}, expected {expected} "
-                f"(r={config.lora_rank}, {module} is {in_features} -> {out_features}){added}"
+                f"(r={r}, {module} is {in_features} -> {out_features}){added}"
             )
         if (module, which) in found:
             raise AdapterLoadError(f"tensor {key!r}: {module} lora_{which} appears twice")
         found[(module, which)] = key
+        ranks[module] = (r, alpha)
     pairs = {}
     for module in config.target_modules:
         if module in MODEL_TARGETS:
             for which in "AB":
                 if (module, which) not in found:
                     raise AdapterLoadError(f"missing lora_{which} weight for {module}")
-            pairs[module] = (found[(module, "A")], found[(module, "B")])
+            pairs[module] = (found[(module, "A")], found[(module, "B")], config.parsed.module_scale(*ranks[module]))
     return pairs
 
 
 def _match_tensors(
-    tensor_shapes: dict[str, tuple[int, ...]], config: _Config, model_config: ModelConfig
-) -> dict[tuple[int, str], tuple[str, str]]:
-    """Every tensor must be an A or B of a target module in a layer of the model, with the base model's shape;
-    every target must have both in every layer the config names. Returns the keys of each (layer, module)'s A and B."""
+    tensor_shapes: dict[str, tuple[int, ...]], config: _Config, model_config: ModelConfig, fused_keys: dict[str, str]
+) -> dict[tuple[int, str], tuple[str, str, float]]:
+    """Every tensor must be an A or B of a target module in a layer of the model, with the base model's shape (at the
+    module's rank: r, or its rank_pattern's, matched against the fused module's name where `fused_keys` says the
+    tensor is a slice of one). Returns the keys of each (layer, module)'s A and B, and its scale."""
     shapes = full_shapes(model_config)
     found: dict[tuple[int, str, str], str] = {}
+    ranks: dict[tuple[int, str], tuple[int, float]] = {}
     for key, shape in tensor_shapes.items():
         parsed = parse_lora_key(key)
         if parsed is None:
@@ -373,29 +391,28 @@ def _match_tensors(
             raise AdapterLoadError(
                 f"tensor {key!r}: layer {layer} is out of range (the base model has {model_config.num_layers} layers)"
             )
+        if is_expert_module(model_config, layer, module):
+            raise AdapterLoadError(f"tensor {key!r}: layer {layer}'s MLP is a mixture of experts; no expert is named")
+        r, alpha = config.parsed.module_rank_alpha(_module_name(fused_keys.get(key, key)))
         in_features, out_features = shapes[module]
-        expected = (config.lora_rank, in_features) if which == "A" else (out_features, config.lora_rank)
+        expected = (r, in_features) if which == "A" else (out_features, r)
         if shape != expected:
             raise AdapterLoadError(
                 f"shape mismatch with the base model: tensor {key!r} has shape {shape}, "
-                f"expected {expected} (r={config.lora_rank}, {module} is {in_features} -> {out_features})"
+                f"expected {expected} (r={r}, {module} is {in_features} -> {out_features})"
             )
         if (layer, module, which) in found:
             raise AdapterLoadError(f"tensor {key!r}: layer {layer} {module} lora_{which} appears twice")
         found[(layer, module, which)] = key
+        ranks[(layer, module)] = (r, alpha)
     pairs = {}
-    for layer in config.layers:
-        for module in config.target_modules:
-            if module in MODEL_TARGETS:
-                continue  # not a layer's: _match_vocab_tensors
-            for which in "AB":
-                if (layer, module, which) not in found:
-                    raise AdapterLoadError(f"missing lora_{which} weight for layers.{layer}.{module}")
     for layer, module, which in found:
         if which == "A":
             if (layer, module, "B") not in found:
                 raise AdapterLoadError(f"missing lora_B weight for layers.{layer}.{module}")
-            pairs[(layer, module)] = (found[(layer, module, "A")], found[(layer, module, "B")])
+            r, alpha = ranks[(layer, module)]
+            scale = config.parsed.module_scale(r, alpha)
+            pairs[(layer, module)] = (found[(layer, module, "A")], found[(layer, module, "B")], scale)
         elif (layer, module, "A") not in found:
             raise AdapterLoadError(f"missing lora_A weight for layers.{layer}.{module}")
     return pairs
@@ -403,14 +420,15 @@ def _match_tensors(
 
 def _split_fused(
     tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], model_config: ModelConfig
-) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]], set[str]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]], dict[str, str]]:
     """Each lora_A / lora_B of a fused module (lora_targets.FUSED_TARGETS) as its slices' (the same A; B's rows of
-    the slice), under the slice's name. Returns the tensors, their whole shapes, and the keys made here: whole
-    tensors, for a fused module's travel uncut (protocol/lora_shards.py)."""
+    the slice), under the slice's name. Returns the tensors, their whole shapes, and the keys made here, each with
+    the fused tensor's key: whole tensors, for a fused module's travel uncut (protocol/lora_shards.py), and the name
+    a rank_pattern / alpha_pattern matches (PEFT's module is the fused one)."""
     out_features = {module: out for module, (_, out) in full_shapes(model_config).items()}
     split_tensors: dict[str, torch.Tensor] = {}
     split_shapes: dict[str, tuple[int, ...]] = {}
-    made: set[str] = set()
+    made: dict[str, str] = {}
     for key, tensor in tensors.items():
         parsed = parse_lora_key(key)
         if parsed is None or parsed[1] not in FUSED_TARGETS:
@@ -430,8 +448,34 @@ def _split_fused(
             if slice_key in tensors:
                 raise AdapterLoadError(f"tensor {key!r}: {module} lora_{which} also appears as {slice_key!r}")
             split_tensors[slice_key], split_shapes[slice_key] = part, tuple(part.shape)
-            made.add(slice_key)
+            made[slice_key] = key
     return split_tensors, split_shapes, made
+
+
+def _fold_scale(lora_b: torch.Tensor, module_scale: float, config: _Config) -> torch.Tensor:
+    """B with its module's scale over the adapter's folded in: the pool holds one scale per slot."""
+    if module_scale == config.parsed.scale:
+        return lora_b
+    return lora_b * (module_scale / config.parsed.scale)
+
+
+def _module_name(key: str) -> str:
+    """The module's name as PEFT matches rank/alpha patterns against it: model.layers.0.self_attn.q_proj."""
+    return re.sub(r"\.lora_[AB](\.\w+)?\.weight$", "", key).removeprefix("base_model.model.")
+
+
+def _check_complete(pairs: set[tuple[int, str]], config: _Config, model_config: ModelConfig) -> None:
+    """Every target in every layer the config names has weights; but in an MoE model a dense layer's MLP may go
+    without (PEFT converts a per-expert adapter to the stacked experts, where it no longer reaches them)."""
+    for layer in config.layers:
+        for module in config.target_modules:
+            if module in MODEL_TARGETS:
+                continue  # not a layer's: _match_vocab_tensors
+            expert = is_expert_module(model_config, layer, module)
+            optional = model_config.moe is not None and module in MLP_MODULES and not expert
+            if (layer, module) not in pairs and not optional:
+                name = f"experts.{module}" if expert else module
+                raise AdapterLoadError(f"missing lora_A weight for layers.{layer}.{name}")
 
 
 def _keep(key: str, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -440,10 +484,24 @@ def _keep(key: str, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.T
     return tensor if cut is None else tensor.narrow(*cut)
 
 
+def _keep_experts(
+    module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, tp_rank: int, tp_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slices of stacked expert A (experts, r, in) and B (experts, out, r): each expert is cut as the
+    dense module is (column: B's rows; row: A's columns)."""
+    if tp_size == 1:
+        return lora_a, lora_b
+    if TP_MODES[module] == "column":
+        rows = lora_b.shape[1] // tp_size
+        return lora_a, lora_b.narrow(1, tp_rank * rows, rows)
+    cols = lora_a.shape[2] // tp_size
+    return lora_a.narrow(2, tp_rank * cols, cols), lora_b
+
+
 def _host_copy(t: torch.Tensor, pin: bool, tp_size: int, transposed: bool = False) -> torch.Tensor:
     if pin:
         if transposed:  # B (out, r) laid out as Bᵀ (r, out), as the pool holds it: its upload is one pinned source
-            return t.T.contiguous().pin_memory().T  # a copy
+            return t.mT.contiguous().pin_memory().mT  # a copy
         return t.contiguous().pin_memory()  # a copy
     # Under TP, a copy of each shard, so that the buffer holding the whole adapter is freed; at TP=1 the views of
     # that buffer are the host copy.

@@ -6,6 +6,7 @@ and do their products through the worker's one LoRA backend (kernels/backend.py)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,8 @@ class LoRABatchInfo:
     # so a base-only batch costs one set lookup per linear. Decided on the host: identical on every TP rank.
     # The embedding and the LM head (vocab.py) are named by their module: embed_tokens, lm_head.
     active: frozenset[str] = field(default_factory=frozenset)
+    # the segments on the host, (seg_indptr, seg_slots): an MoE layer regroups its rows by them (worker/lora/experts.py)
+    host_segments: tuple[Sequence[int], Sequence[int]] = ((0,), ())
     used_slots: tuple[int, ...] = ()  # the slots of this forward's adapter rows
     # Only where the pool covers the embedding or the LM head: each token's slot (-1: base), and that of each row
     # the LM head computes (ModelRunner picks the rows: LoRAManager.select_rows).

@@ -20,9 +20,10 @@ from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import AdapterOutcome, AdapterToLoad, ForwardReq, SlotLoad, split_inline_frames
 from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.lora.adapter import AdapterLoadError, LoRAAdapter, PoolSpec, adapter_from_tensors, load_adapter
+from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.lora.layers import LoRABatchInfo, LoRALinear
-from loraplex.worker.lora.pool import LoRAPool
-from loraplex.worker.lora.targets import SLICE_OF
+from loraplex.worker.lora.pool import LoRABuffers, LoRAPool
+from loraplex.worker.lora.targets import KINDS_OF
 from loraplex.worker.lora.upload import uploader_for
 from loraplex.worker.lora.vocab import EMBED, HEAD, LoRAEmbedding, LoRALMHead
 from loraplex.worker.model.config import ModelConfig
@@ -71,7 +72,8 @@ class LoRAManager:
         for (layer_id, name), buffers in self.pool.buffers.items():
             parent_name, attr = name.rsplit(".", 1)
             parent = layers[layer_id].get_submodule(parent_name)
-            setattr(parent, attr, LoRALinear(getattr(parent, attr), buffers, self.batch))
+            wrapper = LoRALinear if buffers.num_experts == 1 else LoRAExpertsLinear
+            setattr(parent, attr, wrapper(getattr(parent, attr), buffers, self.batch))
         if EMBED in self.pool.vocab:
             model.model.embed_tokens = LoRAEmbedding(model.model.embed_tokens, self.pool.vocab[EMBED], self.batch)
         if HEAD in self.pool.vocab:
@@ -102,14 +104,19 @@ class LoRAManager:
         for (_, name), buffers in self.pool.buffers.items():
             weights.setdefault(name, buffers)
         start = time.perf_counter()
-        # The scheduler sorts a batch by slot: at most one segment per slot, and one of base rows.
-        launches = self.backend.warmup(
-            list(weights.values()), max_segments=self.num_slots + 1, show_progress=self.tp_rank == 0
+        # The scheduler sorts a batch by slot: at most one segment per slot, and one of base rows. An MoE layer's rows
+        # regroup by expert (worker/lora/experts.py): at most that many runs within each expert.
+        by_segments: dict[int, list[LoRABuffers]] = {}
+        for buffers in weights.values():
+            by_segments.setdefault(buffers.num_experts * (self.num_slots + 1), []).append(buffers)
+        launches = sum(
+            self.backend.warmup(group, max_segments=max_segments, show_progress=self.tp_rank == 0)
+            for max_segments, group in sorted(by_segments.items())
         )
         if launches:
             logger.info(
                 "LoRA %s kernels compiled for %d linear shapes and up to %d segments: %d launches in %.1f s",
-                self.backend.name, len(weights), self.num_slots + 1, launches, time.perf_counter() - start,
+                self.backend.name, len(weights), max(by_segments), launches, time.perf_counter() - start,
             )  # fmt: skip
 
     # ---- adapters (host copies) ---------------------------------------------------------------------
@@ -245,10 +252,12 @@ class LoRAManager:
             self.batch.token_slots = self.batch.row_slots = None  # none of another batch's
             return
         self.batch.meta = self.batch.backend.prepare(seg_indptr, seg_slots)
+        self.batch.host_segments = (seg_indptr, seg_slots)
         self.batch.active = frozenset(
-            SLICE_OF[module][0].name if module in SLICE_OF else module
+            name
             for slot in used
             for module in self.adapters[self.slot_lora_ids[slot]].target_modules
+            for name in KINDS_OF.get(module, (module,))  # embed_tokens, lm_head: named by their module
         )
         if self.pool.vocab:
             lengths = torch.tensor([len(req.input_ids) for req in reqs])
@@ -278,6 +287,7 @@ class LoRAManager:
                     raise RuntimeError(f"LoRA metadata {f.name} {new!r} differs from the captured {old!r}")
             meta = into
         self.batch.meta = meta
+        self.batch.host_segments = (seg_indptr, seg_slots)
         self.batch.active = frozenset(buffers.fused.name for buffers in self.pool.buffers.values())
         return meta
 

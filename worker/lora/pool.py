@@ -3,8 +3,9 @@
 Per layer per fused linear that the pool targets:
   lora_a  (slots, num_slices * max_rank, in_per_rank)   slice s of slot n holds A rows s*max_rank ... s*max_rank + r
   lora_b  (slots, max_rank, out_per_rank)               rows 0 ... r, slice s's output columns
-zero-padded past the adapter's rank, and zero for a slice the adapter does not target. Shared by all layers:
-slot_scales (slots,) and, per fused linear kind, slot_ranks (slots,): the adapter's r where it targets any slice of
+zero-padded past the adapter's rank, and zero for a slice the adapter does not target. An MoE layer's experts have
+one row per (slot, expert) instead of per slot (LoRABuffers.num_experts). Shared by all layers: slot_scales (slots,)
+and, per fused linear kind, slot_ranks (slots,): the adapter's r where it targets any slice of
 that kind, else 0, so the kernels skip the slot there (an attention-only adapter costs nothing in the MLP).
 The embedding's and the LM head's slots, where the pool targets them, are vocab.py's VocabLoRABuffers."""
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from loraplex.worker.lora.adapter import LoRAAdapter, PoolSpec
-from loraplex.worker.lora.targets import FUSED_LINEARS, SLICE_OF, FusedLinear
+from loraplex.worker.lora.targets import EXPERT_FUSED_LINEARS, FUSED_LINEARS, KINDS_OF, FusedLinear
 from loraplex.worker.lora.vocab import VocabLoRABuffers
 from torch import nn
 
@@ -33,10 +34,17 @@ class LoRABuffers:
     slot_scales: torch.Tensor  # (slots,) float32, shared by all buffers
     host_ranks: list[int]  # slot_ranks on the host (the pool writes both), so no op reads them back
     host_scales: list[float]  # slot_scales on the host
+    # Experts' linears: every tensor above has one row per (slot, expert), slot-major: the kernels see slot * experts
+    # + expert as a slot of its own (worker/lora/experts.py), and ranks and scales are repeated per expert.
+    num_experts: int = 1
 
     @property
     def num_slices(self) -> int:
         return len(self.fused.slices)
+
+    def rows_of(self, slot: int) -> slice:
+        """The rows of the tensors above that belong to `slot`."""
+        return slice(slot * self.num_experts, (slot + 1) * self.num_experts)
 
     @property
     def max_rank(self) -> int:
@@ -52,19 +60,40 @@ class LoRAPool:
         self.spec = spec
         self.num_slots = num_slots
         self.max_rank = spec.max_lora_rank
-        # A fused linear gets buffers if any of its slices is a pool target; its other slices stay zero.
-        self.fused_linears = [f for f in FUSED_LINEARS if set(f.slices) & set(spec.target_modules)]
+        # A fused linear gets buffers if any of its slices is a pool target; its other slices stay zero. Each layer
+        # has those of the kinds it has (an MoE layer: the experts' in place of the dense MLP's).
+        targets = set(spec.target_modules)
+        candidates = [f for f in (*FUSED_LINEARS, *EXPERT_FUSED_LINEARS) if set(f.slices) & targets]
         device = spec.device
-        self.slot_scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
-        self.slot_ranks = {f.name: torch.zeros(num_slots, dtype=torch.int32, device=device) for f in self.fused_linears}
-        self.host_scales = [0.0] * num_slots
-        self.host_ranks = {f.name: [0] * num_slots for f in self.fused_linears}
         self.buffers: dict[tuple[int, str], LoRABuffers] = {}
+        linears = {}
         for layer_id, layer in enumerate(layers):
-            for fused in self.fused_linears:
-                self.buffers[(layer_id, fused.name)] = self._make_buffers(fused, layer.get_submodule(fused.name))
+            for fused in candidates:
+                linear = _submodule(layer, fused.name)
+                if linear is not None:
+                    linears[(layer_id, fused.name)] = linear
+        self.fused_linears = [f for f in candidates if any(name == f.name for _, name in linears)]
+        # per-slot values; an experts' kind repeats them per expert (rows slot * experts + expert)
+        self.experts_of = {name: getattr(linear, "num_experts", 1) for (_, name), linear in linears.items()}
+        self.slot_scales: dict[int, torch.Tensor] = {}
+        self.host_scales: dict[int, list[float]] = {}
+        for num_experts in {*self.experts_of.values(), 1}:
+            self.slot_scales[num_experts] = torch.zeros(num_slots * num_experts, dtype=torch.float32, device=device)
+            self.host_scales[num_experts] = [0.0] * (num_slots * num_experts)
+        self.slot_ranks = {f.name: torch.zeros(num_slots * self.experts_of[f.name], dtype=torch.int32, device=device)
+                           for f in self.fused_linears}  # fmt: skip
+        self.host_ranks = {f.name: [0] * (num_slots * self.experts_of[f.name]) for f in self.fused_linears}
+        for (layer_id, name), linear in linears.items():
+            fused = next(f for f in self.fused_linears if f.name == name)
+            self.buffers[(layer_id, name)] = self._make_buffers(fused, linear)
+        # (layer, HF module) -> the buffers and slice that hold it in that layer
+        self.slice_of = {
+            (layer_id, module): (buffers, slice_id)
+            for (layer_id, _), buffers in self.buffers.items()
+            for slice_id, module in enumerate(buffers.fused.slices)
+        }
         self.vocab = {
-            module: VocabLoRABuffers.empty(module, *shape, num_slots, self.max_rank, self.host_scales, spec.dtype,
+            module: VocabLoRABuffers.empty(module, *shape, num_slots, self.max_rank, self.host_scales[1], spec.dtype,
                                            device)  # fmt: skip
             for module, shape in vocab_shapes.items()
             if module in spec.target_modules
@@ -73,9 +102,11 @@ class LoRAPool:
     def _make_buffers(self, fused: FusedLinear, linear: nn.Module) -> LoRABuffers:
         if linear.tp_mode != fused.tp_mode or linear.num_slices != len(fused.slices):
             raise TypeError(f"{fused.name} is a {linear.tp_mode}-parallel linear of {linear.num_slices} slices")
+        num_experts = self.experts_of[fused.name]
+        num_rows = self.num_slots * num_experts
         row_offsets = (*linear.output_offsets_per_rank, sum(linear.output_sizes_per_rank))
-        shape_a = (self.num_slots, len(fused.slices) * self.max_rank, linear.input_size_per_rank)
-        shape_b = (self.num_slots, self.max_rank, row_offsets[-1])
+        shape_a = (num_rows, len(fused.slices) * self.max_rank, linear.input_size_per_rank)
+        shape_b = (num_rows, self.max_rank, row_offsets[-1])
         device, dtype = self.spec.device, self.spec.dtype
         return LoRABuffers(
             fused=fused,
@@ -84,9 +115,10 @@ class LoRAPool:
             slice_offsets=torch.tensor(row_offsets, dtype=torch.int32, device=device),
             row_offsets=row_offsets,
             slot_ranks=self.slot_ranks[fused.name],
-            slot_scales=self.slot_scales,
+            slot_scales=self.slot_scales[num_experts],
             host_ranks=self.host_ranks[fused.name],
-            host_scales=self.host_scales,
+            host_scales=self.host_scales[num_experts],
+            num_experts=num_experts,
         )
 
     @torch.no_grad()
@@ -95,34 +127,53 @@ class LoRAPool:
         if adapter.lora_rank > self.max_rank or not set(adapter.target_modules) <= set(self.spec.target_modules):
             raise ValueError(f"adapter {adapter.lora_id} does not fit the pool")  # load_adapter checked: a bug
         self.clear_slot(slot)
-        r = adapter.lora_rank
         for (layer_id, module), (lora_a, lora_b) in adapter.weights.items():
-            fused, slice_id = SLICE_OF[module]
-            buffers = self.buffers[(layer_id, fused.name)]
+            buffers, slice_id = self.slice_of[(layer_id, module)]
+            r = lora_a.shape[-2]  # the module's own rank (a rank_pattern's), within the adapter's
             a_start = slice_id * self.max_rank
             b_start, b_end = buffers.row_offsets[slice_id], buffers.row_offsets[slice_id + 1]
-            buffers.lora_a[slot, a_start : a_start + r].copy_(lora_a, non_blocking=True)  # (r, in_per_rank)
-            buffers.lora_b[slot, :r, b_start:b_end].copy_(lora_b.T, non_blocking=True)  # (r, out_of_slice)
+            # (r, in_per_rank) and (r, out_of_slice); (experts, ...) each for an experts' linear
+            rows = slot if buffers.num_experts == 1 else buffers.rows_of(slot)
+            buffers.lora_a[rows, a_start : a_start + r].copy_(lora_a, non_blocking=True)
+            buffers.lora_b[rows, :r, b_start:b_end].copy_(lora_b.mT, non_blocking=True)
         for module, (lora_a, lora_b) in adapter.vocab_weights.items():
             self.vocab[module].load(slot, lora_a, lora_b)
-        targeted = {SLICE_OF[module][0].name for module in adapter.target_modules if module in SLICE_OF}
+        targeted = {name for module in adapter.target_modules for name in KINDS_OF.get(module, ())}
         for name, ranks in self.slot_ranks.items():
-            ranks[slot] = self.host_ranks[name][slot] = r if name in targeted else 0
-        self.slot_scales[slot] = adapter.scale
-        self.host_scales[slot] = torch.tensor(adapter.scale, dtype=torch.float32).item()  # as float32 holds it
+            rows = slice(slot * self.experts_of[name], (slot + 1) * self.experts_of[name])
+            rank = adapter.lora_rank if name in targeted else 0
+            ranks[rows] = rank
+            self.host_ranks[name][rows] = [rank] * (rows.stop - rows.start)
+        scale = torch.tensor(adapter.scale, dtype=torch.float32).item()  # as float32 holds it
+        for num_experts, scales in self.slot_scales.items():
+            rows = slice(slot * num_experts, (slot + 1) * num_experts)
+            scales[rows] = adapter.scale
+            self.host_scales[num_experts][rows] = [scale] * num_experts
 
     @torch.no_grad()
     def clear_slot(self, slot: int) -> None:
         for buffers in self.buffers.values():
-            buffers.lora_a[slot].zero_()
-            buffers.lora_b[slot].zero_()
+            buffers.lora_a[buffers.rows_of(slot)].zero_()
+            buffers.lora_b[buffers.rows_of(slot)].zero_()
         for vocab_buffers in self.vocab.values():
             vocab_buffers.clear(slot)
         for name, ranks in self.slot_ranks.items():
-            ranks[slot] = self.host_ranks[name][slot] = 0
-        self.slot_scales[slot] = self.host_scales[slot] = 0.0
+            rows = slice(slot * self.experts_of[name], (slot + 1) * self.experts_of[name])
+            ranks[rows] = 0
+            self.host_ranks[name][rows] = [0] * (rows.stop - rows.start)
+        for num_experts, scales in self.slot_scales.items():
+            rows = slice(slot * num_experts, (slot + 1) * num_experts)
+            scales[rows] = 0.0
+            self.host_scales[num_experts][rows] = [0.0] * num_experts
 
     @property
     def num_bytes(self) -> int:
         linears = sum(b.lora_a.nbytes + b.lora_b.nbytes for b in self.buffers.values())
         return linears + sum(b.num_bytes for b in self.vocab.values())
+
+
+def _submodule(layer: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return layer.get_submodule(name)
+    except AttributeError:  # this layer has no such linear (an MoE layer has no dense MLP, and back)
+        return None

@@ -5,7 +5,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe", "gemma2", "gemma3_text",
+                         "gemma3", "phi3")
+GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
 
@@ -28,6 +30,41 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts fields of a config.json (Mixtral, OLMoE, Qwen3-MoE)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # of each expert
+    renormalize: bool  # the top-k weights rescaled to sum to 1 (Mixtral always; OLMoE/Qwen3-MoE: norm_topk_prob)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of ModelConfig.intermediate_size instead
+
+    @classmethod
+    def from_dict(cls, hf: dict[str, Any], model_type: str) -> MoEConfig | None:
+        if model_type not in _MOE_MODEL_TYPES:
+            return None
+        num_experts = hf.get("num_local_experts") or hf.get("num_experts")
+        num_layers = hf["num_hidden_layers"]
+        dense_layers: tuple[int, ...] = ()
+        if model_type == "qwen3_moe":  # Qwen3MoeDecoderLayer's rule
+            step = hf.get("decoder_sparse_step", 1) or 1
+            only = set(hf.get("mlp_only_layers") or ())
+            dense_layers = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+        if model_type == "olmoe" and hf.get("clip_qkv") is not None:
+            raise ModelConfigError(f"OLMoE with clip_qkv={hf['clip_qkv']} is not supported")
+        return cls(
+            num_experts=num_experts,
+            top_k=hf["num_experts_per_tok"],
+            intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
+            renormalize=model_type == "mixtral" or bool(hf.get("norm_topk_prob", False)),
+            dense_layers=dense_layers,
+        )
+
+
+_MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The fields of an HF config.json that a Llama-family model needs, read in both transformers 4 and 5 forms."""
 
@@ -46,25 +83,47 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    sliding_window: int | None  # None = every layer attends to the whole context
+    sliding_window: int | None  # the window of the windowed layers; None = every layer attends to the whole context
     checkpoint_dtype: str | None
+    initializer_range: float = 0.02  # std of HF's weight init (--load-format dummy draws with it)
+    moe: MoEConfig | None = None  # None: a dense model
+    hidden_act: str = "silu"
+    # Per layer: its sliding window (a query at position p sees keys in (p - window, p]) or None for full attention.
+    layer_windows: tuple[int | None, ...] = ()
+    local_rope: RopeConfig | None = None  # the windowed layers' own rope (Gemma 3); None = `rope` on every layer
+    query_pre_attn_scalar: float | None = None  # softmax scale = its ** -0.5; None = head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
 
     @property
     def max_context_length(self) -> int:
-        # Sliding-window attention is not implemented; within the window it equals full attention.
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def attention_window(self) -> int | None:
+        """The most tokens any layer's query attends to, when every layer has a sliding window; None = some layer
+        attends to the whole context (keys older than every window can then never be dropped)."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(self.layer_windows)
+
+    def layer_window(self, layer_id: int) -> int | None:
+        return self.layer_windows[layer_id] if self.layer_windows else None
+
     @classmethod
-    def from_dir(cls, model_dir: str) -> ModelConfig:
+    def from_dir(cls, model_dir: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
+        """config.json with `overrides` (--hf-overrides) merged in before any field is read."""
         if not os.path.isdir(model_dir):
             raise ModelConfigError(f"model directory {model_dir!r} does not exist")
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise ModelConfigError(f"no config.json in model directory {model_dir!r}")
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            return cls.from_dict(merge_overrides(json.load(f), overrides or {}))
 
     @classmethod
     def from_dict(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -73,13 +132,18 @@ class ModelConfig:
             raise ModelConfigError(
                 f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"unsupported hidden_act {hf['hidden_act']!r}; only silu is implemented")
+        if model_type in GEMMA_TYPES:
+            hf = _gemma_fields(hf, model_type)
+        hidden_act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+        allowed_act = "gelu_pytorch_tanh" if model_type in GEMMA_TYPES else "silu"
+        if hidden_act != allowed_act:
+            raise ModelConfigError(f"unsupported hidden_act {hidden_act!r}; {model_type} runs {allowed_act}")
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         # Phi-3's linears have no biases whatever attention_bias says (its HF code builds them without).
         attention_bias = bool(hf.get("attention_bias", False)) and model_type != "phi3"
         is_qwen2 = model_type == "qwen2"
+        sliding_window = _read_sliding_window(hf, model_type)
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -97,15 +161,49 @@ class ModelConfig:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=not is_qwen2 and attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)) and model_type != "phi3",
-            sliding_window=_read_sliding_window(hf, model_type),
+            sliding_window=sliding_window,
             checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
+            initializer_range=hf.get("initializer_range", 0.02),
+            moe=MoEConfig.from_dict(hf, model_type),
+            hidden_act=hidden_act,
+            layer_windows=_read_layer_windows(hf, model_type, sliding_window),
+            local_rope=_read_local_rope(hf, model_type, head_dim),
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+            attn_logit_softcap=hf.get("attn_logit_softcapping"),
+            final_logit_softcap=hf.get("final_logit_softcapping"),
         )
 
 
+def merge_overrides(hf: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """hf with overrides merged in; an object overriding an object merges key by key (as vLLM's --hf-overrides), so
+    '{"rope_scaling": {"factor": 4.0}}' changes one scaling parameter. Neither input is changed."""
+    merged = dict(hf)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_overrides(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def _read_rope(hf: dict[str, Any], model_type: str, head_dim: int) -> RopeConfig:
+    return _parse_rope(hf, dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {}), model_type, head_dim)
+
+
+def _read_local_rope(hf: dict[str, Any], model_type: str, head_dim: int) -> RopeConfig | None:
+    # transformers 5: rope_parameters["sliding_attention"]; Gemma 3's transformers 4 form: `rope_local_base_freq`
+    # (the global rope_scaling does not apply to the local layers).
+    params = hf.get("rope_parameters") or {}
+    if isinstance(params.get("sliding_attention"), dict):
+        return _parse_rope(hf, dict(params["sliding_attention"]), model_type, head_dim)
+    if hf.get("rope_local_base_freq") is not None:
+        return RopeConfig(theta=float(hf["rope_local_base_freq"]))
+    return None
+
+
+def _parse_rope(hf: dict[str, Any], params: dict[str, Any], model_type: str, head_dim: int) -> RopeConfig:
     # transformers 5: `rope_parameters` holds rope_theta and the scaling; transformers 4: top-level
     # `rope_theta` plus an optional `rope_scaling` dict whose kind is `rope_type` (or the older `type`).
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     if "full_attention" in params and isinstance(params["full_attention"], dict):  # per-layer-type form
         params = dict(params["full_attention"])
     theta = params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
@@ -156,6 +254,75 @@ _NEEDED_KEYS = {
 
 
 def _read_sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
-    if model_type == "qwen2" and not hf.get("use_sliding_window", False):  # Qwen2 records a window it does not use
+    # Qwen2, Qwen3 and Qwen3-MoE record a window they do not use
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
         return None
     return hf.get("sliding_window") or None
+
+
+def _read_layer_windows(hf: dict[str, Any], model_type: str, window: int | None) -> tuple[int | None, ...]:
+    num_layers = hf["num_hidden_layers"]
+    if window is None:
+        return ()
+    layer_types = hf.get("layer_types")
+    if layer_types is None:  # transformers 4 configs: each family's own rule
+        if model_type == "gemma2":  # local, global, local, ...
+            layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+        elif model_type in GEMMA_TYPES:  # (pattern - 1) local layers, then a global one
+            pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        elif model_type == "qwen2":  # the layers from max_window_layers on
+            first = hf.get("max_window_layers", 28)  # Qwen2Config's default
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        else:
+            layer_types = ["sliding_attention"] * num_layers
+    if len(layer_types) != num_layers:
+        raise ModelConfigError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ModelConfigError(f"unsupported layer_types {sorted(unknown)}")
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+# Gemma 3's published multimodal configs list only what differs from Gemma3TextConfig's defaults in text_config.
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "tie_word_embeddings": True,
+}
+_GEMMA2_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "tie_word_embeddings": True,
+}
+
+
+def _gemma_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """A Gemma config with its family's defaults filled in; a multimodal `gemma3` config is read through its
+    text_config (the language model only: loraplex serves text, the vision tower is not loaded)."""
+    if model_type == "gemma2":
+        return {**_GEMMA2_DEFAULTS, **hf}
+    if model_type == "gemma3":
+        text = hf.get("text_config")
+        if not isinstance(text, dict):
+            raise ModelConfigError("a gemma3 config needs its text_config (loraplex serves its language model)")
+        outer = {key: hf[key] for key in ("dtype", "torch_dtype") if key in hf}
+        hf = {**outer, **text, "model_type": "gemma3"}
+    return {**_GEMMA3_TEXT_DEFAULTS, **hf}

@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) over flat token batches: hidden states are (tokens, hidden).
 
 Layers are built with full (unsharded) sizes; the linear layers hold their own shard and report its sizes, which
-is all the attention needs to know to split q/k/v."""
+is all the attention needs to know to split q/k/v. Other families reuse these classes: a subclass names its own
+attention / MLP / layer / model class in the class attributes below and overrides `norm_qk` where it norms q and k."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from loraplex.worker.kv_cache import KVCache
 from loraplex.worker.layers.activation import SiluAndMul
 from loraplex.worker.layers.attention import BatchAttention, paged_attention
+from loraplex.worker.layers.attention_spec import LayerAttention
 from loraplex.worker.layers.embedding import Embedding, LMHead
 from loraplex.worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from loraplex.worker.layers.norm import RMSNorm
@@ -17,14 +19,22 @@ from loraplex.worker.model.config import ModelConfig
 from torch import nn
 
 
+def layer_attention(config: ModelConfig, layer_id: int) -> LayerAttention:
+    """Layer `layer_id`'s softmax scale, sliding window and logit cap, as the config sets them."""
+    return LayerAttention(
+        scale=config.attention_scale, sliding_window=config.layer_window(layer_id), logit_cap=config.attn_logit_softcap
+    )
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer: LayerAttention):
         super().__init__()
         self.head_dim = config.head_dim
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.qkv_proj = MergedColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=config.qkv_bias)
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=config.o_bias)
         self.rotary = rotary
+        self.layer = layer
 
     def forward(
         self,
@@ -39,9 +49,14 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, -1, self.head_dim)  # (tokens, heads, head_dim)
         k = k.view(num_tokens, -1, self.head_dim)  # (tokens, kv_heads, head_dim)
         v = v.view(num_tokens, -1, self.head_dim)
+        q, k = self.norm_qk(q, k)
         q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv[0], kv[1], attention)  # (tokens, heads, head_dim)
+        out = paged_attention(q, k, v, kv[0], kv[1], attention, self.layer)  # (tokens, heads, head_dim)
         return self.o_proj(out.reshape(num_tokens, -1))  # (tokens, hidden)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Before rotary: nothing in Llama; a family with per-head q/k norms overrides it."""
+        return q, k
 
 
 class LlamaMLP(nn.Module):
@@ -58,12 +73,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+    attention_cls: type[nn.Module] = LlamaAttention
+    mlp_cls: type[nn.Module] = LlamaMLP
+
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_id: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = self.attention_cls(config, rotary, layer_attention(config, layer_id))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = self.mlp_cls(config)
 
     def forward(
         self,
@@ -85,11 +103,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_cls(config, rotary, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
@@ -104,10 +124,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_cls: type[nn.Module] = LlamaModel
+
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_positions)
+        self.model = self.model_cls(config, max_positions)
         tied_to = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied_to)
 

@@ -1,0 +1,109 @@
+"""Qwen3 with LoRA in the worker against HF transformers + peft in fp32: the base model and two adapters in one batch
+(logits and greedy tokens), and a prompt prefilled in chunks over pages another request's prefix filled."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
+from loraplex.worker.lora.layers import LoRALinear
+from loraplex.worker.model.qwen3 import Qwen3Attention
+from loraplex.worker.model_runner import ModelRunner
+
+from tests.reference import assert_greedy_match, hf_greedy, hf_model
+from tests.worker_helpers import GREEDY, decode, forward_logits, make_runner, random_prompts
+
+FP32_TOL = 1e-4
+DECODE_STEPS = 6
+MIN_ADAPTER_EFFECT = 0.1
+SLOTS = {"q8": 0, "q16": 1}
+LORA_IDS = {"q8": 1, "q16": 2}
+# Base rows between adapters, q8 twice in a row.
+MIXED = [None, "q8", "q8", "q16", None, "q16", "q8"]
+LENGTHS = [5, 9, 3, 12, 7, 4, 10]
+
+
+@pytest.fixture(scope="module")
+def runner(qwen3_dir: Path, qwen3_adapter_dirs: dict[str, Path]) -> ModelRunner:
+    runner = make_runner(qwen3_dir, enable_lora=True, max_lora_rank=16, lora_target_modules=["all"],
+                         max_loras_per_batch=2)  # fmt: skip
+    specs = [AdapterToLoad(lora_name=n, lora_path=str(p), lora_id=LORA_IDS[n]) for n, p in qwen3_adapter_dirs.items()]
+    assert all(r.success for r in runner.lora.load(specs))
+    return runner
+
+
+def slot_of(name: str | None) -> int:
+    return -1 if name is None else SLOTS[name]
+
+
+SLOT_LOADS = [SlotLoad(slot=SLOTS[name], lora_id=LORA_IDS[name]) for name in SLOTS]
+
+
+@torch.inference_mode()
+def hf_logits(model_dir: Path, prompt: list[int], adapter_dir: Path | None) -> torch.Tensor:
+    model = hf_model(str(model_dir), None if adapter_dir is None else str(adapter_dir))
+    return model(torch.tensor([prompt])).logits[0]  # (len, vocab)
+
+
+def test_model_is_qwen3_with_lora_on_every_projection(runner: ModelRunner) -> None:
+    layer = runner.model.model.layers[0]
+    assert isinstance(layer.self_attn, Qwen3Attention)
+    assert layer.self_attn.qkv_proj.base.bias is None  # no qkv bias in Qwen3
+    assert all(isinstance(m, LoRALinear) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj))  # fmt: skip
+    # The builder's norm weights are not all ones, so a q/k norm loaded wrong (or skipped) fails the comparisons.
+    assert layer.self_attn.q_norm.weight.std().item() > 0.05
+
+
+def test_mixed_batch_matches_peft(runner: ModelRunner, qwen3_dir: Path, qwen3_adapter_dirs: dict[str, Path]) -> None:
+    prompts = random_prompts(LENGTHS, runner.vocab_size, seed=41)
+    pages, next_page = [], 0
+    for prompt in prompts:
+        num_pages = -(-len(prompt) // runner.page_size)
+        pages.append(list(range(next_page, next_page + num_pages)))
+        next_page += num_pages
+    reqs = [ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=slot_of(n))
+            for p, pg, n in zip(prompts, pages, MIXED, strict=True)]  # fmt: skip
+    logits = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=SLOT_LOADS))
+    for prompt, name, ours in zip(prompts, MIXED, logits.split(LENGTHS), strict=True):
+        ref = hf_logits(qwen3_dir, prompt, None if name is None else qwen3_adapter_dirs[name])
+        diff = (ours - ref).abs().max().item()
+        assert diff <= FP32_TOL, f"{name or 'base'}: max abs logit diff {diff:.2e}"
+        if name is not None:
+            effect = (ref - hf_logits(qwen3_dir, prompt, None)).abs().max().item()
+            assert effect > MIN_ADAPTER_EFFECT, f"{name} barely changes the logits ({effect:.3f})"
+
+    slots = [slot_of(n) for n in MIXED]
+    outputs = decode(runner, prompts, [GREEDY] * len(prompts), DECODE_STEPS, slots=slots, slot_loads=SLOT_LOADS)
+    num_compared = 0
+    for prompt, name, out in zip(prompts, MIXED, outputs, strict=True):
+        ref, margins = hf_greedy(qwen3_dir, prompt, DECODE_STEPS, None if name is None else qwen3_adapter_dirs[name])
+        num_compared += assert_greedy_match(out, ref, margins, what=name or "base")
+    assert num_compared >= DECODE_STEPS * len(MIXED) // 2  # most steps had a clear margin
+
+
+def test_chunked_prefill_over_a_shared_prefix_matches_peft(
+    runner: ModelRunner, qwen3_dir: Path, qwen3_adapter_dirs: dict[str, Path]
+) -> None:
+    # As the scheduler runs the prefix cache and chunked prefill: request A (q16) fills pages; request B (q16, same
+    # first 8 tokens = two whole pages) reuses those two pages as cached and prefills the rest in chunks of 5.
+    page = runner.page_size
+    prefix = random_prompts([2 * page], runner.vocab_size, seed=43)[0]
+    prompt_a = prefix + random_prompts([3], runner.vocab_size, seed=44)[0]
+    prompt_b = prefix + random_prompts([11], runner.vocab_size, seed=45)[0]
+    slot = slot_of("q16")
+    pages_a, pages_b = [60, 61, 62], [60, 61, 70, 71, 72]  # B shares A's two prefix pages
+    req_a = ForwardReq(input_ids=prompt_a, num_cached_tokens=0, page_ids=pages_a, sampling=GREEDY, slot=slot)
+    runner.forward(ForwardBatch(batch_id=0, reqs=[req_a], slot_loads=SLOT_LOADS))
+    chunks, num_cached = [], len(prefix)
+    while num_cached < len(prompt_b):
+        chunk = prompt_b[num_cached : num_cached + 5]
+        req = ForwardReq(input_ids=chunk, num_cached_tokens=num_cached, page_ids=pages_b, sampling=GREEDY, slot=slot)
+        chunks.append(forward_logits(runner, ForwardBatch(batch_id=1, reqs=[req])))
+        num_cached += len(chunk)
+    assert len(chunks) == 3
+    ref = hf_logits(qwen3_dir, prompt_b, qwen3_adapter_dirs["q16"])[len(prefix) :]
+    diff = (torch.cat(chunks) - ref).abs().max().item()
+    assert diff <= FP32_TOL, f"max abs logit diff {diff:.2e}"

@@ -1,0 +1,140 @@
+"""Tiny random MoE checkpoints (Mixtral, OLMoE, Qwen3-MoE) built with transformers' config classes, and PEFT expert
+adapters on them in both of PEFT's forms (no tests here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+ARCHS = ("mixtral", "olmoe", "qwen3_moe")
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    num_experts_per_tok=2,
+)
+CONFIGS = {
+    "mixtral": dict(intermediate_size=96, num_local_experts=4),
+    "olmoe": dict(intermediate_size=96, num_experts=4, norm_topk_prob=False),
+    # layer 1 dense (mlp_only_layers), with a dense MLP size unlike the experts'
+    "qwen3_moe": dict(intermediate_size=160, moe_intermediate_size=96, num_experts=4, norm_topk_prob=True,
+                      mlp_only_layers=[1], head_dim=16),
+}
+# the per-expert module names PEFT adapters of each family name (transformers 4's modules)
+EXPERT_MODULES = {
+    "mixtral": ("w1", "w3", "w2"),
+    "olmoe": ("gate_proj", "up_proj", "down_proj"),
+    "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
+}
+# where a per-expert adapter's expert weights live in each family's checkpoints
+EXPERT_PARENT = {"mixtral": "block_sparse_moe", "olmoe": "mlp", "qwen3_moe": "mlp"}
+
+
+def hf_config(arch: str, **overrides):
+    from transformers import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+
+    cls = {"mixtral": MixtralConfig, "olmoe": OlmoeConfig, "qwen3_moe": Qwen3MoeConfig}[arch]
+    return cls(**{**_COMMON, **CONFIGS[arch], **overrides})
+
+
+def build_moe_model(out_dir: Path | str, arch: str, seed: int = 0, with_tokenizer: bool = False) -> None:
+    """Random weights, norms near 1, a router that separates the experts clearly; with_tokenizer: the tests' tiny
+    tokenizer beside it (and its vocabulary), for a server."""
+    from transformers import AutoModelForCausalLM
+
+    from scripts.demo.builders import build_tokenizer, tokenizer_vocab_size
+
+    overrides = dict(vocab_size=tokenizer_vocab_size(), bos_token_id=None, eos_token_id=None) if with_tokenizer else {}
+    model = AutoModelForCausalLM.from_config(hf_config(arch, **overrides), dtype=torch.float32)
+    if with_tokenizer:
+        build_tokenizer(out_dir)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            values = torch.randn(param.shape, generator=generator)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * values)
+            elif name.endswith("gate.weight"):  # the router
+                param.copy_(values)
+            else:
+                param.copy_(values * 0.3)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def build_parameter_adapter(model_dir: Path | str, out_dir: Path | str, *, r: int, lora_alpha: float,
+                            target_modules: tuple[str, ...], seed: int, **patterns) -> None:
+    """PEFT's `target_parameters` form over the fused expert tensors (and `target_modules` on attention), built by
+    peft itself; `patterns`: rank_pattern / alpha_pattern."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    params = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules) or None,
+                        target_parameters=params, init_lora_weights=False, **patterns)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # peft's B init is small for target_parameters; make every product visible
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.mul_(2.0)
+    peft_model.save_pretrained(out_dir)
+
+
+def build_expert_module_adapter(arch: str, out_dir: Path | str, *, r: int, lora_alpha: float, seed: int,
+                                attn_modules: tuple[str, ...] = ("q_proj", "v_proj")) -> None:
+    """PEFT's per-expert form, as adapters trained on transformers 4 are saved (experts.N.w1 ... lora_A/B), on
+    every layer's experts, written by hand (transformers 5 models have no per-expert modules to build it on)."""
+    cfg = hf_config(arch)
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter = cfg.hidden_size, CONFIGS[arch].get("moe_intermediate_size", cfg.intermediate_size)
+    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    q_size, kv_size = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    attn_shapes = {"q_proj": (hidden, q_size), "k_proj": (hidden, kv_size), "v_proj": (hidden, kv_size),
+                   "o_proj": (q_size, hidden)}
+    gate, up, down = EXPERT_MODULES[arch]
+    expert_shapes = {gate: (hidden, inter), up: (hidden, inter), down: (inter, hidden)}
+    num_experts = CONFIGS[arch].get("num_local_experts") or CONFIGS[arch]["num_experts"]
+    dense = set(CONFIGS[arch].get("mlp_only_layers", ()))
+    tensors = {}
+
+    def add(prefix: str, in_dim: int, out_dim: int) -> None:
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, in_dim, generator=gen) * 0.2
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_dim, r, generator=gen) * 0.2
+
+    for layer in range(cfg.num_hidden_layers):
+        base = f"base_model.model.model.layers.{layer}"
+        for module in attn_modules:
+            add(f"{base}.self_attn.{module}", *attn_shapes[module])
+        if layer in dense:
+            # A dense layer's MLP has the experts' module names, so transformers 4's PEFT targeted it too; but on
+            # transformers 5 PEFT converts the adapter to the stacked experts only, and the reference would drop these.
+            continue
+        for expert in range(num_experts):
+            for module, shape in expert_shapes.items():
+                add(f"{base}.{EXPERT_PARENT[arch]}.experts.{expert}.{module}", *shape)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": r, "lora_alpha": lora_alpha, "lora_dropout": 0.0, "bias": "none",
+              "target_modules": [*attn_modules, gate, up, down], "task_type": "CAUSAL_LM",
+              "base_model_name_or_path": None, "rank_pattern": {}, "alpha_pattern": {}}
+    (out_dir / "adapter_config.json").write_text(json.dumps(config))
+
+
+def build_moe_set(root: Path, arch: str, with_tokenizer: bool = False) -> tuple[Path, dict[str, Path]]:
+    """A model and two adapters on it: "a4" in the per-expert form (attention q/v, all experts), "a8" in the
+    target_parameters form (attention q/o, stacked experts) whose gate_up has its own rank and alpha (patterns)."""
+    model_dir = root / arch
+    build_moe_model(model_dir, arch, with_tokenizer=with_tokenizer)
+    adapters = {"a4": root / f"{arch}-a4", "a8": root / f"{arch}-a8"}
+    build_expert_module_adapter(arch, adapters["a4"], r=4, lora_alpha=8, seed=1)
+    build_parameter_adapter(model_dir, adapters["a8"], r=8, lora_alpha=16, target_modules=("q_proj", "o_proj"), seed=2,
+                            rank_pattern={r".*\.gate_up_proj": 4}, alpha_pattern={r".*\.gate_up_proj": 12})
+    return model_dir, adapters

@@ -1,0 +1,68 @@
+"""MoE models under tensor parallelism: two gloo ranks, each holding half of every expert's intermediate dimension
+(and, for OLMoE, half of each q/k norm), serving the base model and two expert adapters in one batch, must reproduce
+tp=1."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+import torch
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.structs import AdapterToLoad
+from loraplex.worker.dist import destroy_distributed, init_distributed
+from loraplex.worker.model_runner import ModelRunner
+
+from tests.lora_helpers import ADAPTER_IDS, batch_logits, greedy_decode
+from tests.moe_models import ARCHS, build_moe_set
+from tests.worker_helpers import random_prompts, run_two_ranks
+
+DECODE_STEPS = 4
+CHILD_TIMEOUT_S = 180
+NAMES = [None, "a4", "a8", "a8", None]
+LENGTHS = [6, 9, 4, 11, 5]
+
+
+def tp_config(tp: int) -> ServerConfig:
+    return ServerConfig(device="cpu", tp=tp, page_size=4, max_total_tokens=512, enable_lora=True, max_lora_rank=8,
+                        lora_target_modules=["all"], max_loras_per_batch=3)  # fmt: skip
+
+
+def run_moe(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
+    specs = [AdapterToLoad(lora_name=n, lora_path=p, lora_id=ADAPTER_IDS[n]) for n, p in adapter_dirs.items()]
+    results = runner.lora.load(specs)
+    assert all(r.success for r in results), [r.error_message for r in results]
+    prompts = random_prompts(LENGTHS, runner.vocab_size, seed=31)
+    return {
+        "logits": [t.numpy() for t in batch_logits(runner, prompts, NAMES)],  # numpy: tensors die with the child
+        "greedy": greedy_decode(runner, prompts, NAMES, steps=DECODE_STEPS),
+    }
+
+
+def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str], results: mp.Queue) -> None:
+    torch.set_num_threads(1)  # two ranks share the machine's cores
+    config = tp_config(tp=2)
+    init_distributed(config, f"127.0.0.1:{port}", rank, torch.device("cpu"))
+    try:
+        runner = ModelRunner(config, model_dir, rank, 2, "cpu")
+        experts = runner.model.model.layers[0].mlp.experts
+        shapes = (tuple(experts.gate_up_proj.base.weight.shape), tuple(experts.down_proj.base.weight.shape))
+        results.put((rank, {**run_moe(runner, adapter_dirs), "shapes": shapes}))
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_moe_tp2_matches_tp1(arch: str, tmp_path: Path) -> None:
+    model_dir, adapters = build_moe_set(tmp_path, arch)
+    dirs = {name: str(path) for name, path in adapters.items()}
+    by_rank = run_two_ranks(tp_child, str(model_dir), dirs, timeout_s=CHILD_TIMEOUT_S)
+    tp1 = run_moe(ModelRunner(tp_config(tp=1), str(model_dir), 0, 1, "cpu"), dirs)
+    for rank in (0, 1):
+        # 4 experts of intermediate 96, half on each rank: gate_up (4, 2 * 48, 64), down (4, 64, 48)
+        assert by_rank[rank]["shapes"] == ((4, 96, 64), (4, 64, 48)), by_rank[rank]["shapes"]
+        for name, ours, ref in zip(NAMES, by_rank[rank]["logits"], tp1["logits"], strict=True):
+            diff = abs(ours - ref).max()
+            assert diff <= 1e-3, (rank, name, diff)
+        assert by_rank[rank]["greedy"] == tp1["greedy"], rank

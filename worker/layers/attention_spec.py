@@ -1,0 +1,16 @@
+"""What differs between one model's attention layers, as every attention backend reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    scale: float  # of q·k before the softmax
+    sliding_window: int | None = None  # a query at position p sees the keys at (p - window, p]; None = all up to p
+    logit_cap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask and softmax (Gemma 2)
+
+    @classmethod
+    def default(cls, head_dim: int) -> LayerAttention:
+        return cls(scale=head_dim**-0.5)

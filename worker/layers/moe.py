@@ -1,0 +1,191 @@
+"""A mixture-of-experts MLP block: a router picks each token's top-k experts, each expert is a SiLU-gated MLP, and
+the token's output is the routing-weighted sum of its experts' outputs.
+
+The experts' weights are stacked: gate_up_proj (experts, 2 * intermediate_per_rank, hidden) and down_proj
+(experts, hidden, intermediate_per_rank). Tensor parallelism splits every expert's intermediate dimension as the
+dense MLP does (gate_up column-parallel, down row-parallel), so each rank computes every expert on its slice and the
+block's one all-reduce sums the ranks' partial outputs after the weighted sum.
+
+Rows: each (token, chosen expert) pair is one row; the rows are sorted by expert, tokens in batch order within an
+expert, so an expert's rows are one contiguous range (one matmul each), and the rows of one expert that come from one
+request stay consecutive (a LoRA wrapper finds its segments there: see worker/lora/experts.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from loraplex.worker.layers.activation import SiluAndMul
+from loraplex.worker.parallel import all_reduce, current_tp
+from torch import nn
+
+
+@dataclass
+class Routing:
+    """One forward's rows: which token and expert each row is, and each expert's range of rows."""
+
+    num_experts: int
+    token_ids: torch.Tensor  # (rows,) int64: each row's token
+    row_weights: torch.Tensor  # (rows,) float32: each row's routing weight
+    expert_bounds: list[int]  # (experts + 1,) on the host: expert e's rows are expert_bounds[e] ... [e + 1]
+    host_token_ids: list[int]  # token_ids on the host
+    extras: dict[str, Any] = field(default_factory=dict)  # what wrappers compute once per forward and share
+
+    @classmethod
+    def build(cls, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> Routing:
+        top_k = topk_ids.shape[1]
+        flat_ids = topk_ids.flatten()  # (tokens * top_k,) row t * top_k + j: token t's j-th choice
+        order = torch.sort(flat_ids, stable=True).indices  # by expert, tokens in order within one
+        counts = torch.bincount(flat_ids, minlength=num_experts)
+        token_ids = order // top_k
+        host = torch.cat([counts, token_ids]).tolist()  # one copy to the host: the loop over experts needs it
+        return cls(
+            num_experts=num_experts,
+            token_ids=token_ids,
+            row_weights=topk_weights.flatten().float()[order],
+            expert_bounds=[0, *itertools.accumulate(host[:num_experts])],
+            host_token_ids=host[num_experts:],
+        )
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (tokens, top_k) float32, expert ids (tokens, top_k)): softmax in float32, then top-k, as HF does."""
+    probs = torch.softmax(router_logits.float(), dim=-1)  # (tokens, experts)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class ExpertsLinear(nn.Module):
+    """Every expert's copy of one linear, stacked: weight (experts, out_per_rank, in_per_rank). `tp_mode` and the size
+    attributes follow worker/layers/linear.py's promise to wrappers, per expert; forward(rows, routing) applies each
+    expert's weight to its rows. `partial`/`finish` as there: a row-parallel one leaves its sum to the block."""
+
+    def __init__(self, num_experts: int, input_size: int, output_sizes: list[int], tp_mode: str):
+        super().__init__()
+        tp = current_tp()
+        self.tp_rank, self.tp_size, self.tp_mode = tp.rank, tp.world_size, tp_mode
+        self.num_experts = num_experts
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        split_sizes = [input_size] if tp_mode == "row" else output_sizes
+        if any(size % self.tp_size for size in split_sizes):
+            raise ValueError(f"expert linear {input_size} -> {output_sizes} is not divisible by tp {self.tp_size}")
+        self.input_size_per_rank = input_size // self.tp_size if tp_mode == "row" else input_size
+        self.output_sizes_per_rank = [s // self.tp_size for s in output_sizes] if tp_mode == "column" else output_sizes
+        self.output_offsets_per_rank = [0, *itertools.accumulate(self.output_sizes_per_rank)][:-1]
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, sum(self.output_sizes_per_rank), self.input_size_per_rank), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.output_sizes)
+
+    def checkpoint_shards(self) -> list[tuple[int, int]]:
+        """The (expert, slice) pieces a per-expert checkpoint holds, each loaded on its own."""
+        return [(e, s) for e in range(self.num_experts) for s in range(self.num_slices)]
+
+    def full_shape(self, param: nn.Parameter, shard_id: int | None = None) -> tuple[int, ...]:
+        """The stacked checkpoint tensor weight_loader takes: every expert's slice `shard_id` (None: every slice)."""
+        rows = sum(self.output_sizes) if shard_id is None else self.output_sizes[shard_id]
+        return self.num_experts, rows, self.input_size
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | int | None
+    ) -> None:
+        """shard_id (expert, slice): one expert's (out of the slice, in) tensor, as per-expert checkpoints hold them;
+        None: the stacked tensor of a checkpoint that saves experts fused; an int: every expert's slice, stacked."""
+        if not isinstance(shard_id, tuple):
+            expected = self.full_shape(param, shard_id)
+            if tuple(loaded.shape) != expected:
+                raise ValueError(f"stacked experts tensor has shape {tuple(loaded.shape)}, expected {expected}")
+            starts = [0, *itertools.accumulate(self.output_sizes)]
+            for expert, slice_id in self.checkpoint_shards():
+                if shard_id is None:
+                    piece = loaded[expert].narrow(0, starts[slice_id], self.output_sizes[slice_id])
+                elif slice_id == shard_id:
+                    piece = loaded[expert]
+                else:
+                    continue
+                self.weight_loader(param, piece, (expert, slice_id))
+            return
+        expert, slice_id = shard_id
+        expected = (self.output_sizes[slice_id], self.input_size)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"expert {expert} tensor has shape {tuple(loaded.shape)}, expected {expected}")
+        if self.tp_mode == "column":
+            num_rows = self.output_sizes_per_rank[slice_id]
+            shard = loaded.narrow(0, self.tp_rank * num_rows, num_rows)
+        else:
+            shard = loaded.narrow(1, self.tp_rank * self.input_size_per_rank, self.input_size_per_rank)
+        rows = param.data[expert].narrow(0, self.output_offsets_per_rank[slice_id], shard.shape[0])
+        rows.copy_(shard)
+
+    def forward(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
+        return self.partial(rows, routing)
+
+    def partial(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
+        out = rows.new_empty(rows.shape[0], self.weight.shape[1])  # (rows, out_per_rank)
+        bounds = routing.expert_bounds
+        for expert in range(self.num_experts):
+            start, end = bounds[expert], bounds[expert + 1]
+            if end > start:
+                torch.matmul(rows[start:end], self.weight[expert].T, out=out[start:end])
+        return out
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        return y  # the block reduces once, after the weighted sum
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, in={self.input_size}, out={self.output_sizes}, tp={self.tp_size}"
+
+
+class MoEExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        size = intermediate_size
+        self.gate_up_proj = ExpertsLinear(num_experts, hidden_size, [size, size], "column")
+        self.down_proj = ExpertsLinear(num_experts, size, [hidden_size], "row")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
+        gate_up = self.gate_up_proj(rows, routing)  # (rows, 2 * intermediate_per_rank): [gate | up]
+        return self.down_proj(self.act_fn(gate_up), routing)  # (rows, hidden): this rank's share
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`, replicated) and experts; forward(hidden) -> (tokens, hidden), all-reduced."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool):
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.tp_size = current_tp().world_size
+        self.gate = RouterLinear(hidden_size, num_experts)
+        self.experts = MoEExperts(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(hidden), self.top_k, self.renormalize)  # (tokens, top_k) each
+        routing = Routing.build(ids, weights, self.num_experts)
+        rows = hidden[routing.token_ids]  # (rows, hidden)
+        out_rows = self.experts(rows, routing)  # (rows, hidden)
+        out_rows = out_rows * routing.row_weights.to(out_rows.dtype)[:, None]
+        out = torch.zeros_like(hidden).index_add_(0, routing.token_ids, out_rows)  # (tokens, hidden)
+        return all_reduce(out, self.tp_size)
+
+
+class RouterLinear(nn.Module):
+    """The router's (experts, hidden) weight, whole on every rank: logits = hidden · Wᵀ."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)  # (tokens, experts)
