@@ -860,6 +860,7 @@ def test_random_traffic_keeps_every_invariant(seed):
         context_length=64,
         prefix_cache=rng.random() < 0.5,
         long_rope_len=rng.choice([0, 10]),  # longrope: requests that grow past 10 are recomputed
+        attention_window=rng.choice([None, 5, 9]),  # a sliding-window model gives pages back as it goes
     )
     load(sched, *range(num_slots - 1), pinned=True)
     load(sched, *range(num_slots - 1, 6))
