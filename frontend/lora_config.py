@@ -9,7 +9,7 @@ from loraplex.frontend.adapters.files import read_adapter_config
 from loraplex.frontend.demo import DEMO_MODEL_PATH, demo_adapter_paths
 from loraplex.protocol.adapter_config import AdapterConfig, AdapterLoadError
 from loraplex.protocol.config import DEFAULT_LORA_RANK, ConfigError, ServerConfig
-from loraplex.protocol.lora_targets import TARGET_MODULES
+from loraplex.protocol.lora_targets import ALL_TARGETS, TARGET_MODULES
 
 
 def _start_up_config(config: ServerConfig, name: str, path: str) -> AdapterConfig:
@@ -36,6 +36,6 @@ def resolve_lora_config(config: ServerConfig, model_dir: str) -> ServerConfig:
             max_rank = max(a.max_rank for a in adapters)
         if targets is None:
             wanted = {m for a in adapters for m in a.target_modules}
-            targets = tuple(m for m in TARGET_MODULES if m in wanted)
+            targets = tuple(m for m in ALL_TARGETS if m in wanted)
     return msgspec.structs.replace(config, enable_lora=True, max_lora_rank=max_rank,
                                    lora_target_modules=list(targets))

@@ -2,8 +2,9 @@
 every worker (loading one) read a PEFT adapter's config here. Plain Python, no torch.
 
 What is refused is what would change the math beyond y += scale · x·Aᵀ·Bᵀ on our seven linears (in an MoE model, the
-experts' gate/up/down are three of them), so an adapter is never served wrong; what depends on the server (the pool's
-rank and modules, the model's layer count) is checked by the worker that holds them."""
+experts' gate/up/down are three of them) and the embedding's and LM head's (protocol/lora_targets.MODEL_TARGETS), so an
+adapter is never served wrong; what depends on the server (the pool's rank and modules, the model's layer count) is
+checked by the worker that holds them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.protocol.lora_targets import EXPERT_MODULE_ALIASES, EXPERT_PARAMETERS, TARGET_MODULES
+from loraplex.protocol.lora_targets import ALL_TARGETS, EXPERT_MODULE_ALIASES, EXPERT_PARAMETERS, FUSED_TARGETS
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -31,7 +32,8 @@ class AdapterLoadError(ValueError):
 class AdapterConfig:
     r: int
     lora_alpha: float
-    target_modules: tuple[str, ...]  # our module names, each once, in TARGET_MODULES order
+    # our module names, each once, in ALL_TARGETS order; a fused module (qkv_proj, gate_up_proj) as its slices
+    target_modules: tuple[str, ...]
     use_rslora: bool
     layers: tuple[int, ...] | None  # layers_to_transform, sorted, each once; None: every layer
     base_model_name_or_path: str | None
@@ -92,6 +94,8 @@ def parse_adapter_config(raw: Any) -> AdapterConfig:
         raise AdapterLoadError("DoRA adapters (use_dora: true) are not supported")
     if raw.get("modules_to_save"):
         raise AdapterLoadError(f"modules_to_save {raw['modules_to_save']!r} is not supported (must be empty)")
+    if raw.get("trainable_token_indices"):
+        raise AdapterLoadError("trainable_token_indices (retrained or added token embeddings) are not supported")
     if raw.get("bias", "none") != "none":
         raise AdapterLoadError(f"bias {raw['bias']!r} is not supported (must be 'none')")
     if raw.get("fan_in_fan_out"):
@@ -112,7 +116,7 @@ def parse_adapter_config(raw: Any) -> AdapterConfig:
 
 
 def _ordered(modules: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(m for m in TARGET_MODULES if m in modules)
+    return tuple(m for m in ALL_TARGETS if m in modules)
 
 
 def _parse_target_parameters(params: Any) -> tuple[str, ...]:
@@ -152,21 +156,31 @@ def _parse_pattern(pattern: Any, field: str, *, is_rank: bool) -> tuple[tuple[st
 
 
 def _parse_targets(targets: Any) -> tuple[str, ...]:
-    """Our module names; Mixtral's expert names (w1/w3/w2) are its experts' gate/up/down."""
+    """Our module names; Mixtral's expert names (w1/w3/w2) are its experts' gate/up/down, a fused module
+    (FUSED_TARGETS) its slices."""
     if targets is None:
         return ()
     if isinstance(targets, str):
         raise AdapterLoadError(
             f"target_modules {targets!r} is a pattern; only a list of module names is supported "
-            f"({', '.join(TARGET_MODULES)})"
+            f"({', '.join(ALL_TARGETS)})"
         )
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise AdapterLoadError(f"target_modules must be a non-empty list of module names, got {targets!r}")
     targets = [EXPERT_MODULE_ALIASES.get(target, target) for target in targets]
+    modules = []
     for target in targets:
-        if target not in TARGET_MODULES:
-            raise AdapterLoadError(f"unknown target module {target!r}; LoRA supports {', '.join(TARGET_MODULES)}")
-    return _ordered(tuple(targets))
+        if target in FUSED_TARGETS:
+            for part in FUSED_TARGETS[target]:
+                if part in targets:
+                    raise AdapterLoadError(f"target_modules lists both {target!r} and its slice {part!r}")
+            modules.extend(FUSED_TARGETS[target])
+        elif target in ALL_TARGETS:
+            modules.append(target)
+        else:
+            known = ", ".join((*ALL_TARGETS, *FUSED_TARGETS))
+            raise AdapterLoadError(f"unknown target module {target!r}; LoRA supports {known}")
+    return _ordered(tuple(modules))
 
 
 def _parse_layers(layers: Any) -> tuple[int, ...] | None:

@@ -10,7 +10,7 @@ from typing import Any, Literal, NoReturn
 
 import msgspec
 from loraplex.protocol.foreign_flags import FOREIGN_BY_DEST, FOREIGN_FLAGS
-from loraplex.protocol.lora_targets import TARGET_MODULES
+from loraplex.protocol.lora_targets import ALL_TARGETS, TARGET_MODULES
 
 
 class ConfigError(ValueError):
@@ -107,7 +107,8 @@ _HELP: dict[str, str] = {
     "max_loaded_loras": "adapters kept in host memory (LRU beyond it); default unlimited",
     "lora_drain_timeout": "seconds an unload waits for the adapter's running requests",
     "max_lora_rank": "largest adapter rank the device pool holds",
-    "lora_target_modules": "modules the device pool covers (names or 'all')",
+    "lora_target_modules": "modules the device pool covers (names or 'all': the decoder layers' seven linears; "
+    "embed_tokens and lm_head by name)",
     "lora_path_root": "when set, lora_path must resolve inside this directory",
     "api_key": "bearer key for every endpoint but /health",
     "admin_api_key": "bearer key for adapter load/unload",
@@ -345,8 +346,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"{why} needs --cluster-key-file PATH (write one with `loraplex keygen PATH`)")
         if self.lora_target_modules is not None:
             for module in self.lora_target_modules:
-                if module != "all" and module not in TARGET_MODULES:
-                    raise ConfigError(f"unknown LoRA target module {module!r}; known: {', '.join(TARGET_MODULES)}")
+                if module != "all" and module not in ALL_TARGETS:
+                    raise ConfigError(f"unknown LoRA target module {module!r}; known: {', '.join(ALL_TARGETS)}")
         sources = self.lora_sources  # parses every entry
         names = [s.lora_name for s in sources]
         if len(set(names)) != len(names):
@@ -394,9 +395,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def target_modules(self) -> tuple[str, ...] | None:
         if self.lora_target_modules is None:
             return None
-        if "all" in self.lora_target_modules:
-            return TARGET_MODULES
-        return tuple(m for m in TARGET_MODULES if m in self.lora_target_modules)
+        wanted = set(self.lora_target_modules) | (set(TARGET_MODULES) if "all" in self.lora_target_modules else set())
+        return tuple(m for m in ALL_TARGETS if m in wanted)  # "all": the seven linears; the rest by name
 
     @property
     def model_name(self) -> str:

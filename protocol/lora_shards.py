@@ -25,6 +25,7 @@ def rank_cut(key: str, shape: list[int] | tuple[int, ...], tp_rank: int, tp_size
     Defined for any shape (a wrong one is cut too, and refused later on its whole shape), so the sender and the
     receiver of a cut always agree on its size."""
     parsed = parse_lora_key(key)
+    # A fused module's tensors (lora_targets.FUSED_TARGETS) travel whole: its B's rank part is one run per slice.
     if tp_size == 1 or parsed is None or parsed[1] not in TP_MODES or len(shape) != 2:
         return None
     _, module, which = parsed

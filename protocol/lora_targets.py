@@ -23,6 +23,22 @@ TP_MODES = {
 }
 assert tuple(TP_MODES) == TARGET_MODULES
 
+# The layers outside the decoder layers that LoRA may target, on request (--lora-target-modules; "all" means the seven
+# above): their pool holds vocabulary-sized buffers. Replicated on every rank, so TP cuts none of their weights.
+# PEFT names the embedding's pair lora_embedding_A (r, vocab) and lora_embedding_B (hidden, r).
+MODEL_TARGETS = ("embed_tokens", "lm_head")
+ALL_TARGETS = TARGET_MODULES + MODEL_TARGETS  # every target name, in the order every list of them is kept
+
+# Modules some checkpoints store fused (Phi-3: qkv_proj, gate_up_proj), so PEFT adapters of those models target them:
+# one A (r, in) and one B (sum of the slices' out, r). Each is served as one LoRA per slice, all sharing that A, with
+# B cut at the slice boundaries; that is the same product, and TP then cuts each slice's B as its own (so q, k and v
+# rows are each split over ranks). An adapter config naming a fused module reads as naming its slices.
+FUSED_TARGETS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+assert all(set(slices) <= set(TARGET_MODULES) for slices in FUSED_TARGETS.values())
+
 # Mixture-of-experts models: each expert's gate/up/down are the MLP modules above, per expert. Mixtral's checkpoints
 # (and PEFT adapters trained on them) name them w1/w3/w2; PEFT's `target_parameters` form names the stacked tensors of
 # transformers 5 (`mlp.experts.gate_up_proj`: gate and up fused, `mlp.experts.down_proj`).

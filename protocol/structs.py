@@ -366,6 +366,9 @@ class ForwardReq(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     # prompt_logprob_row (the logits at position p give the logprob of the token at p + 1).
     prompt_logprob_ids: list[int] = []
     prompt_logprob_row: int = 0
+    # longrope models (WorkerReady.long_rope_len): every position of this request takes the long factors, as
+    # transformers gives them to a sequence longer than the original length; False: the short ones.
+    long_rope: bool = False
 
 
 class SlotLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -402,6 +405,9 @@ class WorkerReady(Struct, frozen=True):
     # The most tokens any layer's query attends to when every layer has a sliding window (ModelConfig's); None = some
     # layer attends to the whole context. The scheduler gives back pages behind it.
     attention_window: int | None = None
+    # longrope models: a request whose sequence grows past this length is recomputed with the long factors
+    # (ForwardReq.long_rope); 0: no such length within the context
+    long_rope_len: int = 0
 
 
 class Shutdown(Struct, frozen=True):

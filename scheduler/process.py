@@ -120,6 +120,7 @@ class SchedulerProcess:
             num_ranks=len(ready),
             chunked_prefill_size=self.config.chunked_prefill_tokens(first.device_type),
             attention_window=first.attention_window,  # one model on every rank
+            long_rope_len=first.long_rope_len,
         )
         self.to_frontend.send(
             SchedulerReady(

@@ -46,6 +46,7 @@ class Request:
     sends_state: bool = False
     is_on_workers: bool = False  # the workers keep state for it: released (released_keys) when it ends
     prompt_logprob_next: int = 0  # the first prompt position whose logprob is still to be delivered
+    is_long_rope: bool = False  # longrope models: its KV is written with the long factors (set at each admission)
 
     def __post_init__(self) -> None:
         # Position 0 has no logprob (nothing predicts it): the frontend puts its null.

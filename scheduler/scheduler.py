@@ -11,6 +11,9 @@ lowest priority's first under --scheduling-policy priority): their pages go back
 recomputed when they run again (sampling is stateless given the seed and the output count, so their outputs are the
 same). Full pages whose keys and values are written
 are offered to the prefix cache, keyed by adapter; a new request starts from the longest cached prefix it matches.
+Longrope models (Phi-3, Phi-4-mini): a request longer than the original length takes the long factors at every
+position, as transformers does; one that grows past it is recomputed so (a preemption), and such requests neither
+match nor offer cached pages, which hold short-factor KV.
 When every layer of the model attends only within a sliding window (`attention_window`, from the workers' ready
 report), a request gives back its pages wholly behind the window of its next query, as soon as their tokens are
 written (a cached one stays cached, unused by it); its page table keeps FREED_PAGE in their place.
@@ -84,6 +87,7 @@ class Scheduler:
         context_length: int,
         num_ranks: int = 1,
         chunked_prefill_size: int = 512,
+        long_rope_len: int = 0,
         attention_window: int | None = None,
     ):
         """attention_window: the most tokens a query of any layer attends to (its own included); None = some layer
@@ -92,6 +96,7 @@ class Scheduler:
         self.attention_window = attention_window
         self.page_size = config.page_size
         self.context_length = context_length
+        self.long_rope_len = long_rope_len  # WorkerReady.long_rope_len: 0 = none
         self.pages = PageAllocator(num_pages)
         self.cache = PrefixCache(self.pages, config.page_size, enabled=config.prefix_caching)
         self.slots = SlotPlanner(config.max_loras_per_batch)
@@ -205,6 +210,12 @@ class Scheduler:
         for req in sorted(self.running.values(), key=lambda r: r.arrival):
             if req.is_aborted or not req.wants_more:
                 continue  # it ends when its passes in flight return
+            if req.is_long_rope != self._needs_long_rope(req):
+                # It grew past longrope's original length: as transformers does, every position takes the long
+                # factors from now on, so its KV is recomputed (once the passes that write it have returned).
+                if not req.num_passes_in_flight:
+                    self._preempt(req)
+                continue
             num_new = 1 if req.num_unscheduled_tokens == 1 else self._prefill_len(req)
             if num_new:
                 self._plan[req] = num_new
@@ -293,6 +304,11 @@ class Scheduler:
 
     # ---- Admission (BatchPolicy asks) ------------------------------------------------------------------------
 
+    def _needs_long_rope(self, req: Request) -> bool:
+        """Whether its sequence after the next pass (the whole prompt for a prefill, as transformers encodes it)
+        is longer than longrope's original length."""
+        return 0 < self.long_rope_len < req.num_tokens + req.num_pending_samples
+
     def _namespace(self, req: Request) -> int:
         return BASE_NAMESPACE if req.lora_id is None else req.lora_id
 
@@ -309,6 +325,8 @@ class Scheduler:
     def _matchable_keys(self, req: Request) -> list[bytes]:
         """Its page keys that a cached prefix may cover: not past the logits its undelivered prompt logprobs need
         (position prompt_logprob_next - 1 must be computed by the request itself)."""
+        if self._needs_long_rope(req):
+            return []  # cached pages hold short-factor KV: a long-rope request computes its own, and keeps them
         keys = self._keys(req)
         if req.wants_prompt_logprobs:
             return keys[: (req.prompt_logprob_next - 1) // self.page_size]
@@ -322,6 +340,7 @@ class Scheduler:
     def try_admit(self, req: Request, keep_free_pages: int) -> bool:
         if self._budget_left <= 0:
             return False
+        req.is_long_rope = self._needs_long_rope(req)
         matched = self.cache.match(self._matchable_keys(req), req.num_tokens)
         req.page_ids, req.num_offered_pages = matched, len(matched)
         req.num_cached_tokens = req.num_scheduled_tokens = len(matched) * self.page_size
@@ -360,6 +379,7 @@ class Scheduler:
             history_ids=history_ids,
             prompt_logprob_ids=req.prompt_ids[start:end],
             prompt_logprob_row=max(start - 1 - req.num_scheduled_tokens, 0),
+            long_rope=req.is_long_rope,
         )
 
     def process_result(self, result: BatchResult) -> list[TokenDelta]:
@@ -404,7 +424,7 @@ class Scheduler:
     def _offer_pages(self, req: Request) -> None:
         """Full pages now written go to the prefix cache (a page another request cached first replaces ours)."""
         num_full = req.num_cached_tokens // self.page_size
-        if num_full <= req.num_offered_pages:
+        if num_full <= req.num_offered_pages or req.is_long_rope:  # long-factor KV: no request may share it
             return
         keys = self._keys(req)
         first = req.num_offered_pages

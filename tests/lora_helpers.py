@@ -66,3 +66,30 @@ def use_lora_backend(runner: ModelRunner, backend: LoRABackend) -> None:
     runner.lora.batch.backend = backend
     runner.lora.batch.meta = None
     runner.lora.batch.active = frozenset()
+
+
+def build_peft_adapter(
+    base_dir: Path | str,
+    out_dir: Path | str,
+    *,
+    r: int,
+    lora_alpha: float,
+    target_modules: tuple[str, ...],
+    seed: int,
+    save_embedding_layers: bool = False,
+) -> None:
+    """A LoRA adapter of the base at base_dir built and saved by peft itself (its layout is PEFT's own: fused
+    modules, lora_embedding_A/B), A and B random (PEFT would start B at zero). `save_embedding_layers`: as PEFT's
+    save_pretrained (True: it also saves full copies of the embedding and LM head)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0)
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(peft_model.named_parameters()):
+            if ".lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
+    peft_model.save_pretrained(out_dir, save_embedding_layers=save_embedding_layers)

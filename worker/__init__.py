@@ -11,6 +11,7 @@ dummy_weights.py           --load-format dummy: seeded random weights through th
 sampler.py                 greedy / temperature / top-k / top-p, stateless per-request seeds
 model/config.py            ModelConfig from an HF config.json (transformers 4 and 5 forms)
 model/llama.py             Llama / Mistral / Qwen2 decoder, free of TP and LoRA
+model/phi3.py              Phi-3 / Phi-4-mini: the Llama decoder; fused checkpoints, partial rotary, longrope
 model/qwen3.py             Qwen3: the Llama decoder with per-head q/k RMSNorm (Qwen3Attention, reusable)
 model/mixtral.py           Mixtral: the Llama decoder with the MoE block as its MLP (MoEMLP, reusable)
 model/olmoe.py             OLMoE: q/k RMSNorm over the whole projections (summed over TP ranks), MoE without renorm
@@ -18,7 +19,8 @@ model/qwen3_moe.py         Qwen3-MoE: Qwen3Attention and the MoE block; dense ML
 model/registry.py          model_type -> decoder class (one file per family)
 layers/linear.py           Column-, MergedColumn- and RowParallelLinear with sharding weight loaders
 layers/attention.py        paged attention with torch SDPA
-layers/rotary.py, norm.py, embedding.py   RoPE (default, linear, llama3), RMSNorm, replicated embedding / LM head
+layers/rotary.py, norm.py, embedding.py   RoPE (default, linear, dynamic, yarn, longrope, llama3; partial),
+                           RMSNorm, replicated embedding / LM head
 layers/moe.py              MoE block: router top-k, stacked experts (ExpertsLinear) sharded like the dense MLP
 layers/sharded_norm.py     RMSNorm over a TP-sharded feature dimension (OLMoE's q/k norm)
 layers/ops.py              the model ops (RMSNorm + residual, rotary, SiLU-mul) chosen at start-up: Triton on CUDA

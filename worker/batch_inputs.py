@@ -18,7 +18,7 @@ class BatchError(ValueError):
 @dataclass(frozen=True)
 class BatchInputs:
     input_ids: torch.Tensor  # (tokens,) new tokens of every request, concatenated in request order
-    positions: torch.Tensor  # (tokens,)
+    positions: torch.Tensor  # (tokens,) each token's row of the rotary tables (rotary_row)
     last_token_index: torch.Tensor  # (reqs,) row of each request's last new token
     attention: BatchAttention
 
@@ -44,15 +44,22 @@ class BatchInputs:
         offset_in_req = torch.arange(num_tokens, device=device) - (token_ends - num_new)[req_of_token]
         positions = num_cached[req_of_token] + offset_in_req  # (tokens,)
         write_slots = page_tables[req_of_token, positions // page_size] * page_size + positions % page_size
+        row_offsets = torch.tensor([rotary_row(req, 0, context_length) for req in reqs], device=device)  # (reqs,)
 
         token_starts = [0, *itertools.accumulate(len(req.input_ids) for req in reqs)][:-1]  # host side: no sync
         attention = attention or SDPAAttention(device)
         return cls(
             input_ids=torch.tensor([t for req in reqs for t in req.input_ids], dtype=torch.long, device=device),
-            positions=positions,
+            positions=positions + row_offsets[req_of_token],
             last_token_index=token_ends - 1,
             attention=attention.build(reqs, token_starts, page_tables, write_slots, page_size),
         )
+
+
+def rotary_row(req: ForwardReq, position: int, context_length: int) -> int:
+    """The row of the rotary tables (layers/rotary.py, context_length rows per set) of a token of `req` at
+    `position`: longrope's long factors sit in the second set."""
+    return position + context_length if req.long_rope else position
 
 
 def check_reqs(reqs: list[ForwardReq], page_size: int, num_pages: int, context_length: int) -> None:

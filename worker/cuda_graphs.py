@@ -24,7 +24,7 @@ from loraplex.kernels import LoRABatchMeta
 from loraplex.kernels.paged_attention import decode_num_splits
 from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.structs import ForwardReq, SamplingParams
-from loraplex.worker.batch_inputs import BatchError, check_reqs
+from loraplex.worker.batch_inputs import BatchError, check_reqs, rotary_row
 from loraplex.worker.kv_cache import KVCache
 from loraplex.worker.layers.triton_attention import DecodeMeta, PagedAttentionInputs
 from loraplex.worker.lora.manager import LoRAManager
@@ -125,7 +125,8 @@ class DecodeGraphRunner:
         ]
         write_slots += [scratch * page_size] * num_pads
         table = [pages + [scratch] * (width - len(pages)) for pages in used_pages] + [[scratch] * width] * num_pads
-        staged = torch.tensor([input_ids, positions, write_slots, [p + 1 for p in positions]], dtype=torch.long)
+        rows = [rotary_row(req, req.num_cached_tokens, self.context_length) for req in reqs] + [0] * num_pads
+        staged = torch.tensor([input_ids, rows, write_slots, [p + 1 for p in positions]], dtype=torch.long)
         flat = torch.cat([staged.view(-1), torch.tensor(table, dtype=torch.long).view(-1)]).to(self.device)
         self.input_ids[:size].copy_(flat[:size])
         self.positions[:size].copy_(flat[size : 2 * size])

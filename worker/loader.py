@@ -1,10 +1,11 @@
 """Load a Hugging Face safetensors checkpoint into a model, one file at a time, each parameter through its loader.
 
 HF names map onto the fused layers: q_proj/k_proj/v_proj are slices 0/1/2 of qkv_proj, gate_proj/up_proj slices 0/1
-of gate_up_proj; an MoE block's experts (`experts.N.w1/w3/w2` or `experts.N.gate_proj/up_proj/down_proj`, or the
-stacked `experts.gate_up_proj`/`experts.down_proj`) are pieces (expert, slice) of its stacked experts linears.
-Each parameter's `weight_loader` (if any) receives the full tensor and keeps this rank's shard;
-the copy into the parameter converts the dtype and moves it to the device.
+of gate_up_proj; a checkpoint that stores them fused already (Phi-3: qkv_proj, gate_up_proj) loads each whole, and
+the layer cuts every slice for this rank. An MoE block's experts (`experts.N.w1/w3/w2` or
+`experts.N.gate_proj/up_proj/down_proj`, or the stacked `experts.gate_up_proj`/`experts.down_proj`) are pieces
+(expert, slice) of its stacked experts linears. Each parameter's `weight_loader` (if any) receives the full tensor and
+keeps this rank's shard; the copy into the parameter converts the dtype and moves it to the device.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True
                         ignored.append(hf_name)
                         continue
                     _load_one(params[name], f.get_tensor(hf_name), slice_id, hf_name)
-                    if slice_id is None and name in shards:  # a stacked tensor holds every piece
+                    if slice_id is None and name in shards:  # a stacked or fused (Phi-3) tensor holds every piece
                         loaded.update((name, shard) for shard in shards[name])
                     else:
                         loaded.add((name, slice_id))

@@ -98,7 +98,7 @@ class ModelRunner:
         # Wraps the targeted linears in place, after the weights are loaded under their own names.
         self.lora = (
             LoRAManager(
-                self.model.model.layers, self.model_config, config, rank, world_size, self.device, self.dtype,
+                self.model, self.model_config, config, rank, world_size, self.device, self.dtype,
                 self.backend,
             )  # fmt: skip
             if config.lora_enabled
@@ -165,6 +165,9 @@ class ModelRunner:
             raise AttentionBackendError(
                 f"--enable-cuda-graph needs --lora-backend triton (this worker runs {self.backend.name})"
             )
+        if self.lora is not None and self.lora.pool.vocab:
+            raise AttentionBackendError("--enable-cuda-graph does not cover LoRA on embed_tokens or lm_head "
+                                        f"(--lora-target-modules {' '.join(self.lora.pool.vocab)})")  # fmt: skip
         return self.graph_runner(capture=True)
 
     @torch.inference_mode()
@@ -229,6 +232,13 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
+    @property
+    def long_rope_len(self) -> int:
+        """WorkerReady.long_rope_len: longrope's original length where the context reaches past it, else 0."""
+        rope = self.model_config.rope
+        original = rope.params.get("original_max_position_embeddings", 0) if rope.rope_type == "longrope" else 0
+        return original if original < self.context_length else 0
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> list[int]:
         """Run the batch and return each request's next token (every rank computes the same tokens)."""
@@ -263,6 +273,8 @@ class ModelRunner:
         """(rows, vocab): each request's last token's logits and then the `extra_rows` asked for, or with
         `last_only=False` every new token's, in request order. Call under torch.inference_mode()."""
         self._apply_slot_loads(slot_loads)
+        if not self.long_rope_len and any(req.long_rope for req in reqs):
+            raise BatchError("a request asks for longrope's long factors, which this model has no use for")
         if self.decode_graphs is not None and not extra_rows and self.decode_graphs.can_run(reqs):
             return self.decode_graphs.logits(reqs)  # one token per request: every row is a last one, none extra
         inputs = BatchInputs.build(
@@ -278,6 +290,8 @@ class ModelRunner:
             if extra_rows:
                 rows = torch.cat([rows, torch.tensor(extra_rows, dtype=rows.dtype, device=rows.device)])
             hidden = hidden[rows]  # (reqs + extra, hidden)
+            if self.lora is not None:
+                self.lora.select_rows(rows)
         return self.model.compute_logits(hidden)
 
     def _apply_slot_loads(self, slot_loads: list[SlotLoad]) -> None:

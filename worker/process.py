@@ -93,6 +93,7 @@ class Worker:
                 model_type=self.runner.model_config.model_type,
                 num_hidden_layers=self.runner.model_config.num_layers,
                 attention_window=self.runner.model_config.attention_window,
+                long_rope_len=self.runner.long_rope_len,
             )
         )
         while True:

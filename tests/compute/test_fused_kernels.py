@@ -192,3 +192,19 @@ def test_every_variant_compiles_for_sm90_and_sm80() -> None:
         assert len(result["compiled"]) == triton_aot.MODEL_OPS_KERNELS, where
         assert sorted(result["serving_keys"]) == result["warmup_keys"], where
         assert all(c["arch"] == result["arch"] for c in result["compiled"]), where
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_partial_rotary_on_triton_ops_matches_torch_ops(dtype: torch.dtype) -> None:
+    # Phi-4-mini's form: the kernel rotates the leading 3/4 of each head in place, through strided views.
+    rope = RopeConfig(10000.0, partial_rotary_factor=0.75)
+    ours, ref = RotaryEmbedding(32, 64, rope), RotaryEmbedding(32, 64, rope)
+    ours.ops, ref.ops = TritonOps(), TorchOps()
+    ours.cos, ours.sin = ours.cos.to(TEST_DEVICE), ours.sin.to(TEST_DEVICE)
+    positions = torch.tensor([0, 5, 63, 17], device=TEST_DEVICE)
+    q, k = _randn(4, 3, 32, dtype=dtype, seed=1), _randn(4, 1, 32, dtype=dtype, seed=2)
+    got_q, got_k = ours(positions, q.clone(), k.clone())
+    want_q, want_k = ref(positions.cpu(), q.cpu(), k.cpu())
+    torch.testing.assert_close(got_q.cpu(), want_q, **TOLERANCES[dtype])
+    torch.testing.assert_close(got_k.cpu(), want_k, **TOLERANCES[dtype])
+    assert torch.equal(got_q[..., 24:], q[..., 24:])  # the pass-through features untouched

@@ -49,7 +49,7 @@ def test_moe_forms_and_per_module_patterns_are_read_as_peft_reads_them():
     ({"rank_pattern": {"q_proj": 0}}, "rank_pattern 'q_proj': the value must be a positive integer"),
     ({"alpha_pattern": {"q_proj": "x"}}, "alpha_pattern 'q_proj': the value must be a number"),
     ({"target_parameters": ["mlp.experts.gate_proj"]}, "target_parameters 'mlp.experts.gate_proj' is not supported"),
-    ({"target_modules": ["q_proj", "lm_head"]}, "unknown target module 'lm_head'"),
+    ({"target_modules": ["q_proj", "score"]}, "unknown target module 'score'"),
     ({"target_modules": "all-linear"}, "is a pattern"),
     ({"r": True}, "'r' must be a positive integer"),
     ({"layers_to_transform": "0"}, "layers_to_transform"),

@@ -99,8 +99,8 @@ CASES: dict[str, tuple[Callable[[Path], None] | str, tuple[str, ...], str]] = {
         "invalid",
     ),
     "unknown_target": (
-        edit_config(target_modules=["q_proj", "lm_head"]),
-        ("unknown target module 'lm_head'",),
+        edit_config(target_modules=["q_proj", "score"]),
+        ("unknown target module 'score'",),
         "invalid",
     ),
     "target_regex": (edit_config(target_modules=".*proj"), ("'.*proj' is a pattern",), "invalid"),

@@ -159,7 +159,7 @@ def test_cli_parses_lora_paths_forms():
     assert len(config.target_modules) == 7
 
 
-@pytest.mark.parametrize("argv", [["--tp", "0"], ["--lora-target-modules", "lm_head"], ["--max-lora-rank", "-1"],
+@pytest.mark.parametrize("argv", [["--tp", "0"], ["--lora-target-modules", "score"], ["--max-lora-rank", "-1"],
                                   ["--lora-paths", "{bad json"], ["--node-rank", "2", "--nnodes", "2"]])
 def test_cli_rejects_bad_flags(argv):
     with pytest.raises(ConfigError):

@@ -44,6 +44,7 @@ def make_scheduler(
     chunked_prefill_size=-1,
     prefix_cache=False,
     attention_window=None,
+    long_rope_len=0,
 ) -> Scheduler:
     config = ServerConfig(
         page_size=page_size,
@@ -59,6 +60,7 @@ def make_scheduler(
         num_ranks=num_ranks,
         chunked_prefill_size=chunked_prefill_size,
         attention_window=attention_window,
+        long_rope_len=long_rope_len,
     )
 
 
@@ -263,6 +265,40 @@ def test_when_pages_run_out_the_newest_request_is_preempted_and_recomputed():
     assert_drained(sched)
 
 
+@pytest.mark.parametrize("chunked_prefill_size", [-1, 4])
+def test_longrope_requests_past_the_original_length_take_the_long_factors_everywhere(chunked_prefill_size):
+    # As transformers: a sequence longer than 10 is encoded with the long factors at every position; one that grows
+    # past 10 is recomputed so. The model here answers the sequence length it saw, + 1000 with the long factors.
+    sched = make_scheduler(page_size=4, long_rope_len=10, prefix_cache=True, chunked_prefill_size=chunked_prefill_size)
+    passes: dict[str, list[ForwardReq]] = defaultdict(list)
+
+    def next_token(rid: str, fwd: ForwardReq) -> int:
+        passes[rid].append(fwd)
+        seq_len = fwd.num_cached_tokens + len(fwd.input_ids)
+        return seq_len + (1000 if fwd.long_rope else 0)
+
+    workers = Workers(sched, next_token)
+    sched.add_request(gen("grows", prompt_len=4, max_new=10))
+    sched.add_request(gen("long", prompt_len=12, max_new=3))
+    workers.run_until_idle()
+    # each output is sampled after a sequence of 4 + i tokens (12 + i): long ones past 10
+    assert workers.outputs["grows"] == [n + (1000 if n > 10 else 0) for n in range(4, 14)]
+    assert workers.outputs["long"] == [1012, 1013, 1014]
+    assert sched.num_preemptions == 1  # "grows", once, when it passed 10
+    recompute = next(i for i, fwd in enumerate(passes["grows"]) if fwd.long_rope)
+    assert passes["grows"][recompute].num_cached_tokens == 0  # recomputed from the start, no cached prefix
+    assert all(fwd.long_rope for fwd in passes["grows"][recompute:] + passes["long"])
+    # the long requests' pages never reach the prefix cache: a repeat of "long" starts from nothing again
+    sched.add_request(gen("again", prompt_len=12, max_new=1))
+    workers.run_until_idle()
+    assert passes["again"][0].num_cached_tokens == 0 and workers.outputs["again"] == [1012]
+    # while a short request finds the page of the prompt it shares with "grows", written short before it grew
+    sched.add_request(gen("short", prompt_len=9, max_new=1))
+    workers.run_until_idle()
+    assert passes["short"][0].num_cached_tokens == 4 and not passes["short"][0].long_rope
+    assert_drained(sched)
+
+
 def test_page_table_grows_with_the_sequence():
     sched = make_scheduler(page_size=4)
     workers = Workers(sched)
@@ -370,6 +406,22 @@ def test_results_out_of_turn_raise():
         sched.process_result(BatchResult(batch_id=second.batch_id, next_token_ids=[TOKEN]))
     with pytest.raises(ValueError):
         sched.process_result(BatchResult(batch_id=batch.batch_id + 2, next_token_ids=[TOKEN]))
+
+
+def test_longrope_recompute_waits_for_the_passes_in_flight():
+    sched = make_scheduler(long_rope_len=5)
+    sched.add_request(gen("a", prompt_len=4, max_new=6))
+    prefill, decode = sched.schedule(), sched.schedule()  # sequences of 4 and 5 tokens: short
+    assert not prefill.reqs[0].long_rope and not decode.reqs[0].long_rope and decode.reqs[0].prev_row == 0
+    sched.process_result(BatchResult(batch_id=prefill.batch_id, next_token_ids=[TOKEN]))
+    assert sched.schedule() is None  # its next pass would make 6 tokens: a recompute, after the pass in flight
+    sched.process_result(BatchResult(batch_id=decode.batch_id, next_token_ids=[TOKEN]))
+    recompute = sched.schedule()
+    [fwd] = recompute.reqs
+    assert fwd.long_rope and fwd.num_cached_tokens == 0 and fwd.input_ids == [1, 2, 3, 4, TOKEN, TOKEN]
+    assert fwd.sampling is not None  # a new admission: its state is sent again
+    sched.process_result(BatchResult(batch_id=recompute.batch_id, next_token_ids=[TOKEN]))
+    assert sched.num_preemptions == 1
 
 
 @pytest.mark.parametrize(
@@ -806,6 +858,9 @@ def test_random_traffic_keeps_every_invariant(seed):
         max_running=rng.randint(1, 6),
         max_prefill=rng.randint(4, 24),
         context_length=64,
+        prefix_cache=rng.random() < 0.5,
+        long_rope_len=rng.choice([0, 10]),  # longrope: requests that grow past 10 are recomputed
+        attention_window=rng.choice([None, 5, 9]),  # a sliding-window model gives pages back as it goes
     )
     load(sched, *range(num_slots - 1), pinned=True)
     load(sched, *range(num_slots - 1, 6))

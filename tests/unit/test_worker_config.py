@@ -79,10 +79,10 @@ def test_hf_overrides_merge_before_the_config_is_read(tmp_path: Path) -> None:
     [
         ({"model_type": "gpt2"}, "unsupported model_type"),
         (
-            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
-            "unsupported rope scaling type 'yarn'",
+            {"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4, "factor": 4.0}},
+            "unsupported rope scaling type 'mrope'",
         ),
-        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope scaling type 'dynamic'"),
+        ({"rope_scaling": {"rope_type": "proportional", "factor": 2.0}}, "rope scaling type 'proportional'"),
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "missing low_freq_factor"),
         ({"hidden_act": "gelu"}, "unsupported hidden_act"),
     ],

@@ -82,10 +82,16 @@ class ColumnParallelLinear(nn.Module):
         return len(self.output_sizes)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-        """Copy this rank's rows of slice `shard_id` (None = the only slice) from the full checkpoint tensor."""
-        slice_id = 0 if shard_id is None else shard_id
+        """Copy this rank's rows of slice `shard_id` from the full checkpoint tensor; shard_id None: the tensor holds
+        every slice, stacked in order (a checkpoint that stores q|k|v or gate|up fused, as Phi-3's), each cut on its
+        own."""
         if shard_id is None and self.num_slices != 1:
-            raise ValueError(f"{type(self).__name__} has {self.num_slices} slices; a shard_id is required")
+            _check_full_shape(f"{type(self).__name__} (all slices)", loaded,
+                              (sum(self.output_sizes), *loaded.shape[1:]))  # fmt: skip
+            for slice_id, part in enumerate(loaded.split(self.output_sizes, dim=0)):
+                self.weight_loader(param, part, slice_id)
+            return
+        slice_id = 0 if shard_id is None else shard_id
         _check_full_shape(f"{type(self).__name__} slice {slice_id}", loaded, self.full_shape(param, shard_id))
         num_rows = self.output_sizes_per_rank[slice_id]
         shard = loaded.narrow(0, self.tp_rank * num_rows, num_rows)

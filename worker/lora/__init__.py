@@ -1,10 +1,12 @@
 """Multi-LoRA serving: host copies of adapters, device slot buffers, and the wrappers that add LoRA to the linears.
 
 targets.py   which HF modules LoRA can target, the fused linear each lives in, full shapes and TP split
-adapter.py   load_adapter: a PEFT directory -> a validated LoRAAdapter, sliced to this rank (host copy)
+adapter.py   load_adapter: a PEFT directory -> a validated LoRAAdapter, sliced to this rank (host copy); fused
+             targets (qkv_proj, gate_up_proj) split per slice
 expert_weights.py  an adapter's MoE expert weights (per-expert modules or target_parameters) stacked per module
 pool.py      LoRAPool: zero-padded per-slot A/B buffers per layer per fused linear, slot ranks and scales
 layers.py    LoRALinear (wraps a linear: y = base(x) + segmented LoRA via kernels/), LoRABatchInfo
 experts.py   LoRAExpertsLinear: an MoE layer's rows regrouped into (expert, slot) runs, virtual slots of the pool
+vocab.py     LoRA on embed_tokens and lm_head: their slot buffers and wrappers (torch ops on every backend)
 manager.py   LoRAManager: host copies by lora_id, the slot table, slot loads, per-forward token segments
 """

@@ -15,14 +15,14 @@ import mmap
 import re
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from loraplex.protocol.adapter_config import AdapterConfig, AdapterLoadError, parse_adapter_config
 from loraplex.protocol.adapter_files import AdapterFiles
 from loraplex.protocol.lora_shards import cut_shape, parse_lora_key, rank_cut
-from loraplex.protocol.lora_targets import MLP_MODULES, TARGET_MODULES, TP_MODES
+from loraplex.protocol.lora_targets import FUSED_TARGETS, MLP_MODULES, MODEL_TARGETS, TARGET_MODULES, TP_MODES
 from loraplex.protocol.structs import TensorSpec
 from loraplex.worker.lora.expert_weights import is_expert_key, match_expert_tensors
 from loraplex.worker.lora.targets import full_shapes, is_expert_module
@@ -51,10 +51,13 @@ class LoRAAdapter:
     # layer's MLP modules stacked over experts: (experts, r, in of this rank), (experts, out of this rank, r). A
     # module whose rank or alpha a pattern sets has its own r, and its scale over `scale` folded into B.
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # embed_tokens / lm_head -> (A (r, in), B (out, r)), whole on every rank (the embedding's in is the vocabulary)
+    vocab_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.weights.values() for t in pair)
+        pairs = [*self.weights.values(), *self.vocab_weights.values()]
+        return sum(t.numel() * t.element_size() for pair in pairs for t in pair)
 
 
 @dataclass(frozen=True)
@@ -127,28 +130,39 @@ def _build(
     expert_tensors = {key: t for key, t in tensors.items() if is_expert_key(key)}
     if expert_tensors and whole_shapes is not None:
         raise AdapterLoadError("MoE expert adapters cannot be sent cut per rank (--nnodes > 1) yet")
-    shapes = whole_shapes or {key: tuple(t.shape) for key, t in tensors.items() if key not in expert_tensors}
-    pairs = _match_tensors(shapes, config, model_config)
+    tensors = {key: t for key, t in tensors.items() if key not in expert_tensors}
+    shapes = whole_shapes or {key: tuple(t.shape) for key, t in tensors.items()}
+    tensors, shapes, fused_keys = _split_fused(tensors, shapes, model_config)
+    vocab_pairs = _match_vocab_tensors(shapes, config, model_config)  # every tensor of these layers, or it raised
+    vocab_keys = {key for pair in vocab_pairs.values() for key in pair[:2]}
+    pairs = _match_tensors({k: v for k, v in shapes.items() if k not in vocab_keys}, config, model_config, fused_keys)
     expert_pairs = match_expert_tensors(expert_tensors, config.parsed, model_config) if expert_tensors else {}
     _check_complete(set(pairs) | set(expert_pairs), config, model_config)
     pin = pool_spec.device.type == "cuda" and torch.cuda.is_available()
-    keep_tp = (0, 1) if whole_shapes is not None else (tp_rank, tp_size)  # (0, 1): keep all that came
+
+    def keep(key: str) -> torch.Tensor:  # already cut by the sender: keep all that came
+        is_whole = whole_shapes is None or key in fused_keys
+        return _keep(key, tensors[key], *((tp_rank, tp_size) if is_whole else (0, 1)))
+
     weights = {}
     for (layer, module), (key_a, key_b, module_scale) in pairs.items():
-        lora_a, lora_b = (_keep(key, tensors[key], *keep_tp) for key in (key_a, key_b))
-        if module_scale != config.parsed.scale:  # the pool holds one scale per slot: this module's is folded in
-            lora_b = lora_b * (module_scale / config.parsed.scale)
-        host_b = _host_copy(lora_b, pin, tp_size, transposed=True)
-        weights[(layer, module)] = (_host_copy(lora_a, pin, tp_size), host_b)
+        host_b = _host_copy(_fold_scale(keep(key_b), module_scale, config), pin, tp_size, transposed=True)
+        weights[(layer, module)] = (_host_copy(keep(key_a), pin, tp_size), host_b)
     for (layer, module), (lora_a, lora_b) in expert_pairs.items():
         lora_a, lora_b = _keep_experts(module, lora_a, lora_b, tp_rank, tp_size)
         weights[(layer, module)] = (_host_copy(lora_a, pin, tp_size), _host_copy(lora_b, pin, tp_size, transposed=True))
+    vocab_weights = {}
+    for module, (key_a, key_b, module_scale) in vocab_pairs.items():  # replicated layers: every rank keeps all of it
+        lora_b = _fold_scale(tensors[key_b], module_scale, config)
+        vocab_weights[module] = (_host_copy(tensors[key_a], pin, tp_size),
+                                 _host_copy(lora_b, pin, tp_size, transposed=True))  # fmt: skip
     return LoRAAdapter(
         lora_id=lora_id,
         lora_rank=config.lora_rank,
         scale=config.parsed.scale,
         target_modules=config.target_modules,
         weights=weights,
+        vocab_weights=vocab_weights,
     )
 
 
@@ -302,18 +316,72 @@ def _check_finite(buffer: torch.Tensor, copies: dict[str, torch.Tensor], source_
             raise AdapterLoadError(f"tensor {key!r} holds NaN or infinite values{cast}")
 
 
-def _match_tensors(
+# PEFT's names: ...model.embed_tokens.lora_embedding_A (no .weight), ...lm_head.lora_A.weight (older PEFT: with the
+# adapter's name before .weight); a full copy of the layer (save_embedding_layers): ...embed_tokens.base_layer.weight.
+_VOCAB_KEY = re.compile(
+    r"(?:^|\.)(embed_tokens|lm_head)\.(?:lora_(?:embedding_)?([AB])(?:\.\w+)*|(base_layer\.)?weight)$"
+)
+
+
+def _match_vocab_tensors(
     tensor_shapes: dict[str, tuple[int, ...]], config: _Config, model_config: ModelConfig
+) -> dict[str, tuple[str, str, float]]:
+    """The embedding's and the LM head's LoRA tensors, checked: {module: (A's key, B's key, its scale)}. A full copy
+    of either layer is refused: it may differ from the base model's."""
+    shapes = full_shapes(model_config)
+    found: dict[tuple[str, str], str] = {}
+    ranks: dict[str, tuple[int, float]] = {}
+    for key, shape in tensor_shapes.items():
+        match = _VOCAB_KEY.search(key)
+        if match is None:
+            continue
+        module, which, _ = match.groups()
+        if which is None:
+            raise AdapterLoadError(
+                f"tensor {key!r} is a full copy of the base model's {module} (PEFT saves one when the embedding is "
+                f"a target, or was resized for added tokens); not supported: save with save_embedding_layers=False"
+            )
+        if module not in config.target_modules:
+            raise AdapterLoadError(f"tensor {key!r} is for {module!r}, which target_modules does not list")
+        r, alpha = config.parsed.module_rank_alpha(key[: match.end(1)].removeprefix("base_model.model."))
+        in_features, out_features = shapes[module]
+        expected = (r, in_features) if which == "A" else (out_features, r)
+        if shape != expected:
+            vocab = shape[1] if module == "embed_tokens" and which == "A" and len(shape) == 2 else None
+            added = f"; {vocab - in_features} added tokens are not supported" if vocab and vocab > in_features else ""
+            raise AdapterLoadError(
+                f"shape mismatch with the base model: tensor {key!r} has shape {shape}, expected {expected} "
+                f"(r={r}, {module} is {in_features} -> {out_features}){added}"
+            )
+        if (module, which) in found:
+            raise AdapterLoadError(f"tensor {key!r}: {module} lora_{which} appears twice")
+        found[(module, which)] = key
+        ranks[module] = (r, alpha)
+    pairs = {}
+    for module in config.target_modules:
+        if module in MODEL_TARGETS:
+            for which in "AB":
+                if (module, which) not in found:
+                    raise AdapterLoadError(f"missing lora_{which} weight for {module}")
+            pairs[module] = (found[(module, "A")], found[(module, "B")], config.parsed.module_scale(*ranks[module]))
+    return pairs
+
+
+def _match_tensors(
+    tensor_shapes: dict[str, tuple[int, ...]], config: _Config, model_config: ModelConfig, fused_keys: dict[str, str]
 ) -> dict[tuple[int, str], tuple[str, str, float]]:
     """Every tensor must be an A or B of a target module in a layer of the model, with the base model's shape (at the
-    module's rank: r, or its rank_pattern's). Returns the keys of each (layer, module)'s A and B, and its scale."""
+    module's rank: r, or its rank_pattern's, matched against the fused module's name where `fused_keys` says the
+    tensor is a slice of one). Returns the keys of each (layer, module)'s A and B, and its scale."""
     shapes = full_shapes(model_config)
     found: dict[tuple[int, str, str], str] = {}
     ranks: dict[tuple[int, str], tuple[int, float]] = {}
     for key, shape in tensor_shapes.items():
         parsed = parse_lora_key(key)
         if parsed is None:
-            raise AdapterLoadError(f"unexpected tensor {key!r}: only lora_A / lora_B weights of decoder layers")
+            raise AdapterLoadError(
+                f"unexpected tensor {key!r}: only lora_A / lora_B weights of decoder layers, embed_tokens and lm_head"
+            )
         layer, module, which = parsed
         if module not in TARGET_MODULES:
             raise AdapterLoadError(f"tensor {key!r}: unknown target module {module!r}")
@@ -325,7 +393,7 @@ def _match_tensors(
             )
         if is_expert_module(model_config, layer, module):
             raise AdapterLoadError(f"tensor {key!r}: layer {layer}'s MLP is a mixture of experts; no expert is named")
-        r, alpha = config.parsed.module_rank_alpha(_module_name(key))
+        r, alpha = config.parsed.module_rank_alpha(_module_name(fused_keys.get(key, key)))
         in_features, out_features = shapes[module]
         expected = (r, in_features) if which == "A" else (out_features, r)
         if shape != expected:
@@ -350,6 +418,47 @@ def _match_tensors(
     return pairs
 
 
+def _split_fused(
+    tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], model_config: ModelConfig
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]], dict[str, str]]:
+    """Each lora_A / lora_B of a fused module (lora_targets.FUSED_TARGETS) as its slices' (the same A; B's rows of
+    the slice), under the slice's name. Returns the tensors, their whole shapes, and the keys made here, each with
+    the fused tensor's key: whole tensors, for a fused module's travel uncut (protocol/lora_shards.py), and the name
+    a rank_pattern / alpha_pattern matches (PEFT's module is the fused one)."""
+    out_features = {module: out for module, (_, out) in full_shapes(model_config).items()}
+    split_tensors: dict[str, torch.Tensor] = {}
+    split_shapes: dict[str, tuple[int, ...]] = {}
+    made: dict[str, str] = {}
+    for key, tensor in tensors.items():
+        parsed = parse_lora_key(key)
+        if parsed is None or parsed[1] not in FUSED_TARGETS:
+            split_tensors[key], split_shapes[key] = tensor, shapes[key]
+            continue
+        _, fused, which = parsed
+        slices = FUSED_TARGETS[fused]
+        sizes = [out_features[module] for module in slices]
+        if which == "B" and (len(shapes[key]) != 2 or shapes[key][0] != sum(sizes)):
+            raise AdapterLoadError(
+                f"shape mismatch with the base model: tensor {key!r} has shape {shapes[key]}, expected "
+                f"({sum(sizes)}, r) ({fused} fuses {'+'.join(slices)}: {'+'.join(map(str, sizes))} outputs)"
+            )
+        parts = tensor.split(sizes, dim=0) if which == "B" else [tensor] * len(slices)
+        for module, part in zip(slices, parts, strict=True):
+            slice_key = key.replace(f".{fused}.", f".{module}.")
+            if slice_key in tensors:
+                raise AdapterLoadError(f"tensor {key!r}: {module} lora_{which} also appears as {slice_key!r}")
+            split_tensors[slice_key], split_shapes[slice_key] = part, tuple(part.shape)
+            made[slice_key] = key
+    return split_tensors, split_shapes, made
+
+
+def _fold_scale(lora_b: torch.Tensor, module_scale: float, config: _Config) -> torch.Tensor:
+    """B with its module's scale over the adapter's folded in: the pool holds one scale per slot."""
+    if module_scale == config.parsed.scale:
+        return lora_b
+    return lora_b * (module_scale / config.parsed.scale)
+
+
 def _module_name(key: str) -> str:
     """The module's name as PEFT matches rank/alpha patterns against it: model.layers.0.self_attn.q_proj."""
     return re.sub(r"\.lora_[AB](\.\w+)?\.weight$", "", key).removeprefix("base_model.model.")
@@ -360,6 +469,8 @@ def _check_complete(pairs: set[tuple[int, str]], config: _Config, model_config: 
     without (PEFT converts a per-expert adapter to the stacked experts, where it no longer reaches them)."""
     for layer in config.layers:
         for module in config.target_modules:
+            if module in MODEL_TARGETS:
+                continue  # not a layer's: _match_vocab_tensors
             expert = is_expert_module(model_config, layer, module)
             optional = model_config.moe is not None and module in MLP_MODULES and not expert
             if (layer, module) not in pairs and not optional:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from loraplex.kernels import LoRABackend, LoRABatchMeta
 from loraplex.worker.lora.pool import LoRABuffers
+from loraplex.worker.lora.vocab import VocabLoRABuffers
 from torch import nn
 
 # What linear.py's layers promise a wrapper, re-exported for the model code.
@@ -36,9 +37,21 @@ class LoRABatchInfo:
     meta: LoRABatchMeta | None = None  # the segments on the device and the backend's plan (None: no adapter rows)
     # Fused linears (FusedLinear.name) that some segment's adapter targets; the others skip LoRA entirely,
     # so a base-only batch costs one set lookup per linear. Decided on the host: identical on every TP rank.
+    # The embedding and the LM head (vocab.py) are named by their module: embed_tokens, lm_head.
     active: frozenset[str] = field(default_factory=frozenset)
     # the segments on the host, (seg_indptr, seg_slots): an MoE layer regroups its rows by them (worker/lora/experts.py)
     host_segments: tuple[Sequence[int], Sequence[int]] = ((0,), ())
+    used_slots: tuple[int, ...] = ()  # the slots of this forward's adapter rows
+    # Only where the pool covers the embedding or the LM head: each token's slot (-1: base), and that of each row
+    # the LM head computes (ModelRunner picks the rows: LoRAManager.select_rows).
+    token_slots: torch.Tensor | None = None  # (tokens,)
+    row_slots: torch.Tensor | None = None  # (rows,)
+
+    def vocab_slots(self, module: str, buffers: VocabLoRABuffers) -> list[int]:
+        """This forward's slots whose adapter targets `module` (embed_tokens or lm_head)."""
+        if module not in self.active:
+            return []
+        return [slot for slot in self.used_slots if buffers.host_ranks[slot]]
 
 
 class LoRALinear(nn.Module):

@@ -25,6 +25,7 @@ from loraplex.worker.lora.layers import LoRABatchInfo, LoRALinear
 from loraplex.worker.lora.pool import LoRABuffers, LoRAPool
 from loraplex.worker.lora.targets import KINDS_OF
 from loraplex.worker.lora.upload import uploader_for
+from loraplex.worker.lora.vocab import EMBED, HEAD, LoRAEmbedding, LoRALMHead
 from loraplex.worker.model.config import ModelConfig
 from torch import nn
 
@@ -38,7 +39,7 @@ class LoRAConfigError(ValueError):
 class LoRAManager:
     def __init__(
         self,
-        layers: Sequence[nn.Module],
+        model: nn.Module,
         model_config: ModelConfig,
         config: ServerConfig,
         tp_rank: int,
@@ -47,7 +48,8 @@ class LoRAManager:
         dtype: torch.dtype,
         backend: LoRABackend,
     ):
-        """Build the pool for the model's decoder `layers` and wrap their targeted linears (in place)."""
+        """Build the pool for the model (its decoder layers, embed_tokens and lm_head) and wrap the targeted layers
+        in place."""
         if config.max_lora_rank is None or not config.target_modules:
             raise LoRAConfigError(
                 "LoRA is enabled but --max-lora-rank and --lora-target-modules are not both set "
@@ -61,7 +63,10 @@ class LoRAManager:
             dtype=dtype,
             device=torch.device(device),
         )
-        self.pool = LoRAPool(layers, self.spec, config.max_loras_per_batch)
+        layers = model.model.layers
+        vocab_shapes = {EMBED: (model_config.vocab_size, model_config.hidden_size),
+                        HEAD: (model_config.hidden_size, model_config.vocab_size)}  # fmt: skip
+        self.pool = LoRAPool(layers, self.spec, config.max_loras_per_batch, vocab_shapes)
         self.uploader = uploader_for(self.spec.device)  # every pool write goes through it (a side stream on CUDA)
         self.batch = LoRABatchInfo(backend=backend)
         for (layer_id, name), buffers in self.pool.buffers.items():
@@ -69,6 +74,10 @@ class LoRAManager:
             parent = layers[layer_id].get_submodule(parent_name)
             wrapper = LoRALinear if buffers.num_experts == 1 else LoRAExpertsLinear
             setattr(parent, attr, wrapper(getattr(parent, attr), buffers, self.batch))
+        if EMBED in self.pool.vocab:
+            model.model.embed_tokens = LoRAEmbedding(model.model.embed_tokens, self.pool.vocab[EMBED], self.batch)
+        if HEAD in self.pool.vocab:
+            model.lm_head = LoRALMHead(model.lm_head, self.pool.vocab[HEAD], self.batch)
         self.adapters: dict[int, LoRAAdapter] = {}  # lora_id -> host copy
         self._dropped_early: set[int] = set()  # ids dropped before their install (ids are never reused)
         self._lock = threading.Lock()  # adapters and _dropped_early: install runs on the loader's thread
@@ -235,10 +244,12 @@ class LoRAManager:
     def prepare(self, reqs: Sequence[ForwardReq]) -> None:
         """Group the batch's tokens (request order) into segments of consecutive requests with one slot."""
         seg_indptr, seg_slots = self._segments(reqs)
-        used = {slot for slot in seg_slots if slot != -1}
+        used = sorted({slot for slot in seg_slots if slot != -1})
+        self.batch.used_slots = tuple(used)
         if not used:
             self.batch.meta = None
             self.batch.active = frozenset()
+            self.batch.token_slots = self.batch.row_slots = None  # none of another batch's
             return
         self.batch.meta = self.batch.backend.prepare(seg_indptr, seg_slots)
         self.batch.host_segments = (seg_indptr, seg_slots)
@@ -246,8 +257,17 @@ class LoRAManager:
             name
             for slot in used
             for module in self.adapters[self.slot_lora_ids[slot]].target_modules
-            for name in KINDS_OF[module]
+            for name in KINDS_OF.get(module, (module,))  # embed_tokens, lm_head: named by their module
         )
+        if self.pool.vocab:
+            lengths = torch.tensor([len(req.input_ids) for req in reqs])
+            slots = torch.tensor([req.slot for req in reqs]).repeat_interleave(lengths)  # (tokens,)
+            self.batch.token_slots = self.batch.row_slots = slots.to(self.spec.device, non_blocking=True)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """The LM head computes these token rows (rows,) of this forward (default: every token)."""
+        if self.batch.token_slots is not None:
+            self.batch.row_slots = self.batch.token_slots[rows]
 
     def prepare_fixed(self, reqs: Sequence[ForwardReq], num_segments: int, into: LoRABatchMeta | None) -> LoRABatchMeta:
         """prepare() in the fixed shapes a CUDA graph replays: the segments padded with empty ones to `num_segments`,

@@ -6,7 +6,8 @@ Per layer per fused linear that the pool targets:
 zero-padded past the adapter's rank, and zero for a slice the adapter does not target. An MoE layer's experts have
 one row per (slot, expert) instead of per slot (LoRABuffers.num_experts). Shared by all layers: slot_scales (slots,)
 and, per fused linear kind, slot_ranks (slots,): the adapter's r where it targets any slice of
-that kind, else 0, so the kernels skip the slot there (an attention-only adapter costs nothing in the MLP)."""
+that kind, else 0, so the kernels skip the slot there (an attention-only adapter costs nothing in the MLP).
+The embedding's and the LM head's slots, where the pool targets them, are vocab.py's VocabLoRABuffers."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from loraplex.worker.lora.adapter import LoRAAdapter, PoolSpec
 from loraplex.worker.lora.targets import EXPERT_FUSED_LINEARS, FUSED_LINEARS, KINDS_OF, FusedLinear
+from loraplex.worker.lora.vocab import VocabLoRABuffers
 from torch import nn
 
 
@@ -50,8 +52,11 @@ class LoRABuffers:
 
 
 class LoRAPool:
-    def __init__(self, layers: Sequence[nn.Module], spec: PoolSpec, num_slots: int):
-        """`layers`: the model's decoder layers, before any linear is wrapped."""
+    def __init__(self, layers: Sequence[nn.Module], spec: PoolSpec, num_slots: int,
+                 vocab_shapes: dict[str, tuple[int, int]]):  # fmt: skip
+        """`layers`: the model's decoder layers, before any linear is wrapped; `vocab_shapes`: (in, out) of the
+        embedding and the LM head (embed_tokens: (vocab, hidden), lm_head: (hidden, vocab)), of which those that
+        the spec targets get buffers."""
         self.spec = spec
         self.num_slots = num_slots
         self.max_rank = spec.max_lora_rank
@@ -86,6 +91,12 @@ class LoRAPool:
             (layer_id, module): (buffers, slice_id)
             for (layer_id, _), buffers in self.buffers.items()
             for slice_id, module in enumerate(buffers.fused.slices)
+        }
+        self.vocab = {
+            module: VocabLoRABuffers.empty(module, *shape, num_slots, self.max_rank, self.host_scales[1], spec.dtype,
+                                           device)  # fmt: skip
+            for module, shape in vocab_shapes.items()
+            if module in spec.target_modules
         }
 
     def _make_buffers(self, fused: FusedLinear, linear: nn.Module) -> LoRABuffers:
@@ -125,7 +136,9 @@ class LoRAPool:
             rows = slot if buffers.num_experts == 1 else buffers.rows_of(slot)
             buffers.lora_a[rows, a_start : a_start + r].copy_(lora_a, non_blocking=True)
             buffers.lora_b[rows, :r, b_start:b_end].copy_(lora_b.mT, non_blocking=True)
-        targeted = {name for module in adapter.target_modules for name in KINDS_OF[module]}
+        for module, (lora_a, lora_b) in adapter.vocab_weights.items():
+            self.vocab[module].load(slot, lora_a, lora_b)
+        targeted = {name for module in adapter.target_modules for name in KINDS_OF.get(module, ())}
         for name, ranks in self.slot_ranks.items():
             rows = slice(slot * self.experts_of[name], (slot + 1) * self.experts_of[name])
             rank = adapter.lora_rank if name in targeted else 0
@@ -142,6 +155,8 @@ class LoRAPool:
         for buffers in self.buffers.values():
             buffers.lora_a[buffers.rows_of(slot)].zero_()
             buffers.lora_b[buffers.rows_of(slot)].zero_()
+        for vocab_buffers in self.vocab.values():
+            vocab_buffers.clear(slot)
         for name, ranks in self.slot_ranks.items():
             rows = slice(slot * self.experts_of[name], (slot + 1) * self.experts_of[name])
             ranks[rows] = 0
@@ -153,7 +168,8 @@ class LoRAPool:
 
     @property
     def num_bytes(self) -> int:
-        return sum(b.lora_a.nbytes + b.lora_b.nbytes for b in self.buffers.values())
+        linears = sum(b.lora_a.nbytes + b.lora_b.nbytes for b in self.buffers.values())
+        return linears + sum(b.num_bytes for b in self.vocab.values())
 
 
 def _submodule(layer: nn.Module, name: str) -> nn.Module | None:

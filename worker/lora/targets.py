@@ -54,7 +54,8 @@ def is_expert_module(model_config: ModelConfig, layer: int, module: str) -> bool
 
 
 def full_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """HF module -> (in_features, out_features) of its full, unsharded weight; `experts.` + module: one expert's."""
+    """HF module -> (in_features, out_features) of its full, unsharded weight (the embedding's: as a linear from
+    one-hot tokens); `experts.` + module: one expert's."""
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
     expert_inter = config.moe.intermediate_size if config.moe is not None else inter
@@ -69,4 +70,6 @@ def full_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
         "gate_proj": (hidden, inter),
         "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
+        "embed_tokens": (config.vocab_size, hidden),  # lora_embedding_A (r, vocab), lora_embedding_B (hidden, r)
+        "lm_head": (hidden, config.vocab_size),
     }

@@ -1,15 +1,14 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe", "gemma2", "gemma3_text",
-                         "gemma3")
+                         "gemma3", "phi3")
 GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
 
 class ModelConfigError(ValueError):
@@ -20,7 +19,14 @@ class ModelConfigError(ValueError):
 class RopeConfig:
     theta: float
     rope_type: str = "default"
-    params: dict[str, Any] = field(default_factory=dict)  # scaling parameters of rope_type, as in the HF config
+    # Scaling parameters of rope_type, as in the HF config; `original_max_position_embeddings` filled in where
+    # transformers fills it in (llama3, yarn, longrope).
+    params: dict[str, Any] = field(default_factory=dict)
+    partial_rotary_factor: float = 1.0  # the leading fraction of each head that is rotated (Phi-4-mini: 0.75)
+    max_position_embeddings: int = 2048  # the model's, which dynamic, yarn and longrope scale against
+
+    def rotary_dim(self, head_dim: int) -> int:
+        return int(head_dim * self.partial_rotary_factor)  # as transformers rounds it
 
 
 @dataclass(frozen=True)
@@ -134,7 +140,8 @@ class ModelConfig:
             raise ModelConfigError(f"unsupported hidden_act {hidden_act!r}; {model_type} runs {allowed_act}")
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        attention_bias = bool(hf.get("attention_bias", False))
+        # Phi-3's linears have no biases whatever attention_bias says (its HF code builds them without).
+        attention_bias = bool(hf.get("attention_bias", False)) and model_type != "phi3"
         is_qwen2 = model_type == "qwen2"
         sliding_window = _read_sliding_window(hf, model_type)
         return cls(
@@ -147,20 +154,20 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope=_read_rope(hf),
+            rope=_read_rope(hf, model_type, head_dim),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases and none on o_proj; Llama's attention_bias covers all four.
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=not is_qwen2 and attention_bias,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)) and model_type != "phi3",
             sliding_window=sliding_window,
             checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
             initializer_range=hf.get("initializer_range", 0.02),
             moe=MoEConfig.from_dict(hf, model_type),
             hidden_act=hidden_act,
             layer_windows=_read_layer_windows(hf, model_type, sliding_window),
-            local_rope=_read_local_rope(hf),
+            local_rope=_read_local_rope(hf, model_type, head_dim),
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
             attn_logit_softcap=hf.get("attn_logit_softcapping"),
             final_logit_softcap=hf.get("final_logit_softcapping"),
@@ -185,22 +192,22 @@ def merge_overrides(hf: dict[str, Any], overrides: dict[str, Any]) -> dict[str, 
     return merged
 
 
-def _read_rope(hf: dict[str, Any]) -> RopeConfig:
-    return _parse_rope(hf, dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {}))
+def _read_rope(hf: dict[str, Any], model_type: str, head_dim: int) -> RopeConfig:
+    return _parse_rope(hf, dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {}), model_type, head_dim)
 
 
-def _read_local_rope(hf: dict[str, Any]) -> RopeConfig | None:
+def _read_local_rope(hf: dict[str, Any], model_type: str, head_dim: int) -> RopeConfig | None:
     # transformers 5: rope_parameters["sliding_attention"]; Gemma 3's transformers 4 form: `rope_local_base_freq`
     # (the global rope_scaling does not apply to the local layers).
     params = hf.get("rope_parameters") or {}
     if isinstance(params.get("sliding_attention"), dict):
-        return _parse_rope(hf, dict(params["sliding_attention"]))
+        return _parse_rope(hf, dict(params["sliding_attention"]), model_type, head_dim)
     if hf.get("rope_local_base_freq") is not None:
         return RopeConfig(theta=float(hf["rope_local_base_freq"]))
     return None
 
 
-def _parse_rope(hf: dict[str, Any], params: dict[str, Any]) -> RopeConfig:
+def _parse_rope(hf: dict[str, Any], params: dict[str, Any], model_type: str, head_dim: int) -> RopeConfig:
     # transformers 5: `rope_parameters` holds rope_theta and the scaling; transformers 4: top-level
     # `rope_theta` plus an optional `rope_scaling` dict whose kind is `rope_type` (or the older `type`).
     if "full_attention" in params and isinstance(params["full_attention"], dict):  # per-layer-type form
@@ -208,21 +215,48 @@ def _parse_rope(hf: dict[str, Any], params: dict[str, Any]) -> RopeConfig:
     theta = params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
+    if model_type == "phi3" and rope_type in ("su", "yarn"):  # Phi3Config's older names of longrope
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
             f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     partial = params.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor") or 1.0
-    if not math.isclose(partial, 1.0):
-        raise ModelConfigError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
-    needed = {"linear": ("factor",), "llama3": _LLAMA3_KEYS}.get(rope_type, ())
-    missing = [key for key in needed if key not in params]
+    if not 0.0 < partial <= 1.0 or int(head_dim * partial) % 2:
+        raise ModelConfigError(f"partial_rotary_factor {partial} must rotate an even part of head_dim {head_dim}")
+    max_positions = hf.get("max_position_embeddings", 2048)
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # As transformers' standardize_rope_params: a top-level original_max_position_embeddings (Phi-3 keeps it
+        # there; Phi3Config defaults it to 4096) wins over the scaling dict's, which defaults to the model's maximum.
+        top_level = hf.get("original_max_position_embeddings") or (4096 if model_type == "phi3" else None)
+        if top_level is not None:
+            params["original_max_position_embeddings"] = top_level
+        else:
+            params.setdefault("original_max_position_embeddings", max_positions)
+    missing = [key for key in _NEEDED_KEYS.get(rope_type, ()) if params.get(key) is None]
     if missing:
         raise ModelConfigError(f"rope type {rope_type!r} is missing {', '.join(missing)} in the model config")
-    return RopeConfig(theta=float(theta), rope_type=rope_type, params=params)
+    if rope_type == "longrope":
+        num_freqs = int(head_dim * partial) // 2
+        for key in ("short_factor", "long_factor"):
+            if len(params[key]) != num_freqs:
+                raise ModelConfigError(f"longrope {key} has {len(params[key])} values, expected {num_freqs}")
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        params=params,
+        partial_rotary_factor=float(partial),
+        max_position_embeddings=max_positions,
+    )
 
 
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_NEEDED_KEYS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("original_max_position_embeddings",),  # factor may be absent: max / original then
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 def _read_sliding_window(hf: dict[str, Any], model_type: str) -> int | None:

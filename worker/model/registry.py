@@ -8,6 +8,7 @@ from loraplex.worker.model.gemma3 import Gemma3ForCausalLM
 from loraplex.worker.model.llama import LlamaForCausalLM
 from loraplex.worker.model.mixtral import MixtralForCausalLM
 from loraplex.worker.model.olmoe import OlmoeForCausalLM
+from loraplex.worker.model.phi3 import Phi3ForCausalLM
 from loraplex.worker.model.qwen3 import Qwen3ForCausalLM
 from loraplex.worker.model.qwen3_moe import Qwen3MoeForCausalLM
 from torch import nn
@@ -23,6 +24,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "gemma3": Gemma3ForCausalLM,  # the language model of the multimodal checkpoint
+    "phi3": Phi3ForCausalLM,
 }
 
 
