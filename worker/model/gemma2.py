@@ -11,12 +11,12 @@ import torch
 from loraplex.worker.kv_cache import KVCache
 from loraplex.worker.layers.activation import GeluTanhAndMul
 from loraplex.worker.layers.attention import BatchAttention
-from loraplex.worker.layers.embedding import Embedding, LMHead
+from loraplex.worker.layers.embedding import Embedding
 from loraplex.worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from loraplex.worker.layers.norm import GemmaRMSNorm
 from loraplex.worker.layers.rotary import RotaryEmbedding
 from loraplex.worker.model.config import ModelConfig
-from loraplex.worker.model.llama import LlamaAttention, layer_attention
+from loraplex.worker.model.llama import LlamaAttention, LlamaForCausalLM, layer_attention
 from torch import nn
 
 
@@ -64,7 +64,7 @@ class Gemma2DecoderLayer(nn.Module):
 
 
 class Gemma2Model(nn.Module):
-    decoder_layer_class: type[Gemma2DecoderLayer] = Gemma2DecoderLayer
+    layer_cls: type[Gemma2DecoderLayer] = Gemma2DecoderLayer
 
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
@@ -76,7 +76,7 @@ class Gemma2Model(nn.Module):
         if config.local_rope is not None:
             local_rotary = RotaryEmbedding(config.head_dim, max_positions, config.local_rope)
         self.layers = nn.ModuleList(
-            self.decoder_layer_class(config, global_rotary if config.layer_window(i) is None else local_rotary, i)
+            self.layer_cls(config, global_rotary if config.layer_window(i) is None else local_rotary, i)
             for i in range(config.num_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -92,20 +92,8 @@ class Gemma2Model(nn.Module):
         return self.norm(hidden, residual)[0]
 
 
-class Gemma2ForCausalLM(nn.Module):
-    model_class: type[Gemma2Model] = Gemma2Model
-
-    def __init__(self, config: ModelConfig, max_positions: int):
-        super().__init__()
-        self.config = config
-        self.model = self.model_class(config, max_positions)
-        tied_to = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied_to)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, attention: BatchAttention
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_cache, attention)  # (tokens, hidden)
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    model_cls = Gemma2Model
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)  # (rows, vocab), capped in the activation dtype as the reference caps

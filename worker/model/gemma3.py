@@ -30,11 +30,11 @@ class Gemma3DecoderLayer(Gemma2DecoderLayer):
 
 
 class Gemma3Model(Gemma2Model):
-    decoder_layer_class = Gemma3DecoderLayer
+    layer_cls = Gemma3DecoderLayer
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    model_class = Gemma3Model
+    model_cls = Gemma3Model
     # Checkpoint name prefixes -> ours (worker/loader.py): the multimodal checkpoints' language model, as
     # transformers 4 (language_model.model.*) and 5 (model.language_model.*) save it; None = not loaded.
     checkpoint_prefixes = (
