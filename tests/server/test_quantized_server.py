@@ -13,12 +13,14 @@ MAX_TOKENS = 5
 
 
 def test_server_serves_and_reports_an_int4_base(llama_dir: Path, adapter_dirs: dict[str, Path], tmp_path: Path) -> None:
-    quant_dir, dequant_dir = tmp_path / "awq", tmp_path / "dequantized"
+    # The quantized copy keeps the base's name: the adapters record it as their base (a server refuses an adapter
+    # trained for another model: base_model_mismatch).
+    quant_dir, dequant_dir = tmp_path / "awq" / llama_dir.name, tmp_path / "dequantized"
     write_quantized(llama_dir, "awq-4bit", quant_dir, dequant_dir)
     with ServerProcess("--model-path", str(quant_dir), "--lora-paths", f"a16={adapter_dirs['a16']}",
                        "--max-lora-rank", "16") as server:
         info = server.get("/server_info").json()
-        assert info["quantization"] == "awq" and info["served_model_name"] == "awq"
+        assert info["quantization"] == "awq" and info["served_model_name"] == llama_dir.name
         prompt_ids = [5, 17, 33, 2, 9]
         body = {"model": "a16", "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True}
