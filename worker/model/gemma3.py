@@ -6,23 +6,15 @@ model has, and the vision tower's are skipped (loraplex takes text prompts; an i
 
 from __future__ import annotations
 
-import torch
-from loraplex.worker.layers.attention_spec import LayerAttention
 from loraplex.worker.layers.norm import GemmaRMSNorm
-from loraplex.worker.layers.rotary import RotaryEmbedding
-from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM, Gemma2Model
-from loraplex.worker.model.llama import LlamaAttention
+from loraplex.worker.model.qwen3 import Qwen3Attention
 
 
-class Gemma3Attention(LlamaAttention):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer: LayerAttention):
-        super().__init__(config, rotary, layer)
-        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+class Gemma3Attention(Qwen3Attention):
+    """Qwen3's per-head q and k norms, with Gemma's RMSNorm."""
 
-    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(q), self.k_norm(k)  # (tokens, heads, head_dim), (tokens, kv_heads, head_dim)
+    qk_norm_cls = GemmaRMSNorm
 
 
 class Gemma3DecoderLayer(Gemma2DecoderLayer):

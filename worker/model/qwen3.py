@@ -9,14 +9,17 @@ from loraplex.worker.layers.norm import RMSNorm
 from loraplex.worker.layers.rotary import RotaryEmbedding
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from torch import nn
 
 
 class Qwen3Attention(LlamaAttention):
+    qk_norm_cls: type[nn.Module] = RMSNorm  # Gemma 3 norms its heads with its own (1 + w) RMSNorm
+
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer: LayerAttention):
         super().__init__(config, rotary, layer)
         # One weight of head_dim each, shared by every head (so replicated, not sharded, under TP).
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.q_norm = self.qk_norm_cls(config.head_dim, config.rms_norm_eps)
+        self.k_norm = self.qk_norm_cls(config.head_dim, config.rms_norm_eps)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q (tokens, heads, head_dim), k (tokens, kv_heads, head_dim): normed as rows of head_dim (the norm ops take
