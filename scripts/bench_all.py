@@ -11,8 +11,9 @@ load/unload benchmark (an extra adapter, not in the workload). Then the engine-c
 servers: prefix cache on / off (bench_prefix_cache.py), chunked / whole prefill (bench_chunked_prefill.py), chats
 without max_tokens in a fixed KV cache (bench_kv_admission.py), a quarter of the requests under a JSON schema
 against none (bench_structured.py), `--dp-size 2` against one replica on the same cores (bench_dp.py), 8 adapters
-against the base on a model of each other family's shape (bench_families.py: Qwen3), and single-stream decode on
-INT8 and INT4 copies of the bench model against its plain weights, in process (bench_quantized.py). Every
+against the base on a model of each other family's shape (bench_families.py: Qwen3), and decode (one stream, and
+one request per adapter on 32 adapters) on INT8 and INT4 copies of the bench model against its plain weights, in
+process (bench_quantized.py). Every
 ratio's two sides are measured in this run, on this machine. Both systems run in the same dtype (bfloat16 by
 default: on a CPU with AMX/AVX512-BF16 its matmuls are 3-6x faster than float32) and with one thread per core.
 """

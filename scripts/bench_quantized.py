@@ -1,14 +1,14 @@
-"""Single-stream decode on a quantized base: INT8 and INT4 copies of the bench model against its plain weights.
+"""Decode on a quantized base: INT8 and INT4 copies of the bench model against its plain weights.
 
     python -m scripts.bench_quantized                 # full: the bench model
     python -m scripts.bench_quantized --quick --json out.json
 
 The bench model's linears are written as compressed-tensors INT8 per channel (W8A16) and GPTQ INT4 in groups of 128
 (scripts/quantize_checkpoint.py; groups of 64 where 128 does not divide a layer), and each checkpoint decodes one
-request in this process (scripts/bench_decode_step.py's ModelRunner, batch 1, one adapter in slot 0, the request's
-mean context), activations in --dtype (bf16 by default, as the plain side's weights): the median step of each,
-alternating the three per repeat, and each one's resident linear weight bytes. Ratios: plain step / INT8 step and
-plain step / INT4 step (above 1: the quantized base decodes faster).
+request alone and a batch of 32 requests on 32 different adapters in this process (scripts/bench_decode_step.py's
+ModelRunner, the requests' mean context), activations in --dtype (bf16 by default, as the plain side's weights): the
+median step of each, alternating the three per repeat, and each one's resident linear weight bytes. Ratios: plain
+step / INT8 step and plain step / INT4 step, single stream and 32 adapters (above 1: the quantized base is faster).
 """
 
 from __future__ import annotations
@@ -34,17 +34,20 @@ VARIANTS = {"plain": None, "int8": "ct-w8a16", "int4": "gptq-4bit"}  # label -> 
 @dataclass(frozen=True)
 class Plan:
     size: str
-    num_adapters: int  # in the bench model (one is used)
+    num_adapters: int  # in the bench model: the batch's requests each use their own
     context: int  # tokens in the KV cache when the timed steps run
     num_steps: int  # timed steps per repeat
 
 
-FULL = Plan(size="full", num_adapters=1, context=128, num_steps=64)
-QUICK = Plan(size="quick", num_adapters=1, context=32, num_steps=16)
+FULL = Plan(size="full", num_adapters=32, context=128, num_steps=64)
+QUICK = Plan(size="quick", num_adapters=4, context=32, num_steps=16)
+BATCHES = {"single": 1, "adapters": None}  # label -> decode batch (None: one request per adapter of the plan)
 
 TARGETS: Targets = {
-    "int8_decode": ("single-stream decode step, plain / INT8 W8A16 base (one adapter)", ">= 1", lambda v: v >= 1),
-    "int4_decode": ("single-stream decode step, plain / INT4 W4A16 base (one adapter)", ">= 1", lambda v: v >= 1),
+    "int8_single": ("single-stream decode step, plain / INT8 W8A16 base (one adapter)", ">= 1", lambda v: v >= 1),
+    "int4_single": ("single-stream decode step, plain / INT4 W4A16 base (one adapter)", ">= 1", lambda v: v >= 1),
+    "int8_adapters": ("decode step of one request per adapter, plain / INT8 base", ">= 1", lambda v: v >= 1),
+    "int4_adapters": ("decode step of one request per adapter, plain / INT4 base", ">= 1", lambda v: v >= 1),
 }
 
 
@@ -86,35 +89,43 @@ def linear_bytes(runner: ModelRunner) -> int:
 def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int, repeats: int, seed: int) -> dict:
     torch.set_num_threads(worker_threads(server_threads))
     models = quantized_copies(bench)
-    runners = {label: make_runner(model, dtype=dtype, batch=1, context=plan.context, max_loras_per_batch=1,
-                                  num_adapters=1) for label, model in models.items()}  # fmt: skip
-    steps: dict[str, list[float]] = {label: [] for label in runners}
-    for _ in range(repeats):
-        for label, (runner, pages) in runners.items():
-            reqs = decode_reqs(pages, plan.context, [0])
-            times = [step_ms(runner, reqs, step) for step in range(NUM_WARMUP_STEPS + plan.num_steps)]
-            steps[label].append(statistics.median(times[NUM_WARMUP_STEPS:]))
-    best = {label: min(values) for label, values in steps.items()}
-    result = {
-        "step_ms": best,
-        "linear_mib": {label: linear_bytes(runner) / 2**20 for label, (runner, _) in runners.items()},
-        "kernels": {label: sorted({m.quant.matmul.name for m in runner.model.modules()
-                                   if getattr(m, "quant", None) is not None})
-                    for label, (runner, _) in runners.items()},
-    }
+    steps: dict[str, dict[str, list[float]]] = {batch: {label: [] for label in models} for batch in BATCHES}
+    linear_mib, kernels = {}, {}
+    for batch_label, batch in BATCHES.items():
+        batch = batch or plan.num_adapters
+        runners = {label: make_runner(model, dtype=dtype, batch=batch, context=plan.context,
+                                      max_loras_per_batch=batch, num_adapters=batch)
+                   for label, model in models.items()}  # fmt: skip
+        for _ in range(repeats):
+            for label, (runner, pages) in runners.items():
+                reqs = decode_reqs(pages, plan.context, list(range(batch)))
+                times = [step_ms(runner, reqs, step) for step in range(NUM_WARMUP_STEPS + plan.num_steps)]
+                steps[batch_label][label].append(statistics.median(times[NUM_WARMUP_STEPS:]))
+        linear_mib = {label: linear_bytes(runner) / 2**20 for label, (runner, _) in runners.items()}
+        kernels = {label: sorted({m.quant.matmul.name for m in runner.model.modules()
+                                  if getattr(m, "quant", None) is not None})
+                   for label, (runner, _) in runners.items()}  # fmt: skip
+        del runners
+    best = {batch: {label: min(values) for label, values in by_label.items()} for batch, by_label in steps.items()}
+    result = {"step_ms": best, "batch": {"single": 1, "adapters": plan.num_adapters}, "linear_mib": linear_mib,
+              "kernels": kernels}
     result["measured"] = measure_ratios(result)
     print(f"decode step ms {best}; linear weights MiB "
-          f"{ {k: round(v, 1) for k, v in result['linear_mib'].items()} }; kernels {result['kernels']}")
+          f"{ {k: round(v, 1) for k, v in linear_mib.items()} }; kernels {kernels}")
     return result
 
 
 def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
-    step, mib = results["step_ms"], results["linear_mib"]
-    return {
-        f"{label}_decode": (step["plain"] / step[label],
-                            f"{step['plain']:.2f} vs {step[label]:.2f} ms; {mib['plain']:.0f} vs {mib[label]:.0f} MiB")
-        for label in ("int8", "int4")
-    }
+    mib = results["linear_mib"]
+    measured = {}
+    for batch_label, step in results["step_ms"].items():
+        batch = results["batch"][batch_label]
+        for label in ("int8", "int4"):
+            measured[f"{label}_{batch_label}"] = (
+                step["plain"] / step[label],
+                f"{step['plain']:.2f} vs {step[label]:.2f} ms ({batch / step['plain'] * 1e3:.0f} vs "
+                f"{batch / step[label] * 1e3:.0f} tok/s, batch {batch}); {mib['plain']:.0f} vs {mib[label]:.0f} MiB")
+    return measured
 
 
 def rows(results: dict) -> list[list[str]]:

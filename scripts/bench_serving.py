@@ -20,7 +20,8 @@ import json
 import math
 import sys
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import aiohttp
 
@@ -44,6 +45,15 @@ from scripts.bench_workload import (
 SSE_PREFIX = b"data: "
 
 
+@dataclass(frozen=True)
+class Wire:
+    """How one server streams a request: its route, the request's body, and the tokens received so far in a chunk."""
+
+    path: str
+    payload: Callable[[BenchRequest], dict]
+    tokens_so_far: Callable[[dict], int]  # cumulative count, from one streamed chunk
+
+
 def generate_payload(request: BenchRequest) -> dict:
     return {
         "input_ids": request.input_ids,
@@ -53,9 +63,13 @@ def generate_payload(request: BenchRequest) -> dict:
     }
 
 
+LORAPLEX = Wire("/generate", generate_payload, lambda chunk: len(chunk["output_ids"]))  # chunks are cumulative
+
+
 async def stream_generate(session: aiohttp.ClientSession, url: str, request: BenchRequest, run_start: float,
-                          result: RequestResult | None = None) -> RequestResult:
-    """One streamed /generate; every token's arrival time recorded. Errors are recorded, never raised.
+                          result: RequestResult | None = None, wire: Wire = LORAPLEX) -> RequestResult:
+    """One streamed request (loraplex's /generate unless another wire is given); every token's arrival time
+    recorded. Errors are recorded, never raised.
 
     Fills `result` as tokens arrive when one is given, so a cancelled request leaves what it got.
     """
@@ -65,7 +79,7 @@ async def stream_generate(session: aiohttp.ClientSession, url: str, request: Ben
     result.start_s = sent - run_start
     last, num_tokens = sent, 0
     try:
-        async with session.post(url + "/generate", json=generate_payload(request)) as resp:
+        async with session.post(url + wire.path, json=wire.payload(request)) as resp:
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return result
@@ -80,7 +94,7 @@ async def stream_generate(session: aiohttp.ClientSession, url: str, request: Ben
                     result.error = f"stream error: {chunk['error']}"
                     break
                 now = time.perf_counter()
-                new_tokens = len(chunk["output_ids"]) - num_tokens  # chunks are cumulative
+                new_tokens = wire.tokens_so_far(chunk) - num_tokens
                 if new_tokens <= 0:
                     continue
                 if num_tokens == 0:
@@ -107,7 +121,8 @@ def client_session(concurrency: int | None) -> aiohttp.ClientSession:
 
 
 async def run_requests(url: str, requests: list[BenchRequest], *, concurrency: int | None = None,
-                       progress: bool = True, desc: str = "requests") -> tuple[list[RequestResult], float]:
+                       progress: bool = True, desc: str = "requests",
+                       wire: Wire = LORAPLEX) -> tuple[list[RequestResult], float]:
     """Sends each request at its arrival time, at most `concurrency` in flight; (results, wall seconds)."""
     from tqdm import tqdm
 
@@ -122,10 +137,10 @@ async def run_requests(url: str, requests: list[BenchRequest], *, concurrency: i
             if delay > 0:
                 await asyncio.sleep(delay)
             if limit is None:
-                result = await stream_generate(session, url, request, run_start)
+                result = await stream_generate(session, url, request, run_start, wire=wire)
             else:
                 async with limit:
-                    result = await stream_generate(session, url, request, run_start)
+                    result = await stream_generate(session, url, request, run_start, wire=wire)
             bar.update(1)
             return result
 

@@ -195,6 +195,8 @@ def test_quantized_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
                                  "int4": ["int4 weight-only (torch CPU)"]}
     mib = result["linear_mib"]
     assert mib["int4"] < mib["int8"] < mib["plain"]  # resident bytes shrink with the bits
-    for label in ("int8", "int4"):
-        value, _ = result["measured"][f"{label}_decode"]
-        assert value == pytest.approx(result["step_ms"]["plain"] / result["step_ms"][label])
+    assert result["batch"] == {"single": 1, "adapters": bench_quantized.QUICK.num_adapters}
+    for batch in ("single", "adapters"):
+        for label in ("int8", "int4"):
+            value, _ = result["measured"][f"{label}_{batch}"]
+            assert value == pytest.approx(result["step_ms"][batch]["plain"] / result["step_ms"][batch][label])
