@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from typing import Any
 
 from loraplex.protocol.adapter_config import CONFIG_FILE, AdapterLoadError
@@ -23,15 +24,33 @@ MANIFEST_FILE = "loraplex-manifest.json"
 _HASH_CHUNK = 1 << 20
 
 
+# The words a quantized checkpoint's name adds to its base's (`Llama-3.1-8B-Instruct-AWQ-INT4`, `Qwen3-8B-FP8`,
+# `...-quantized.w4a16`, `llama-3-8b-bnb-4bit`): a QLoRA adapter names one side, the served model often the other.
+_QUANT_WORDS = frozenset({"awq", "gptq", "fp8", "int4", "int8", "w4a16", "w8a16", "w8a8", "w4a8", "fp8_dynamic",
+                          "dynamic", "quantized", "bnb", "4bit", "8bit", "nf4", "marlin", "gemm", "compressed"})
+_WORD_SEPARATOR = re.compile(r"[-_.]")
+
+
 def _last_component(name: str) -> str:
     return os.path.basename(os.path.normpath(name)).lower()
+
+
+def _without_quant_words(name: str) -> str:
+    """The name without the quantization words at its end (`llama-3.1-8b-instruct-awq-int4` -> `llama-3.1-8b-
+    instruct`); a name made of nothing else is kept whole."""
+    words = _WORD_SEPARATOR.split(name)
+    while len(words) > 1 and words[-1] in _QUANT_WORDS:
+        words.pop()
+    return name[: len("-".join(words))]  # separators are one character each
 
 
 class AdapterIntegrity:
     def __init__(self, config: ServerConfig):
         self.model_name = config.model_name
-        # the served model by the last component of its path (or Hub id), and by --served-model-name
-        self.base_names = {_last_component(config.model_path), config.model_name.lower()}
+        # the served model by the last component of its path (or Hub id), and by --served-model-name; each also
+        # without the words a quantized checkpoint's name adds
+        names = {_last_component(config.model_path), config.model_name.lower()}
+        self.base_names = names | {_without_quant_words(name) for name in names}
         self.allow_base_mismatch = config.lora_allow_base_mismatch
         self.require_manifest = config.lora_require_manifest
 
@@ -56,7 +75,8 @@ class AdapterIntegrity:
                                "base_model_mismatch")
 
     def _is_served(self, base: str) -> bool:
-        return base.lower() in self.base_names or _last_component(base) in self.base_names
+        last = _last_component(base)
+        return any(name in self.base_names for name in (base.lower(), last, _without_quant_words(last)))
 
     def _check_manifest(self, files: AdapterFiles, lora_name: str, path: str) -> None:
         files.check_dir(path)

@@ -13,14 +13,13 @@ MAX_TOKENS = 5
 
 
 def test_server_serves_and_reports_an_int4_base(llama_dir: Path, adapter_dirs: dict[str, Path], tmp_path: Path) -> None:
-    # The quantized copy keeps the base's name: the adapters record it as their base (a server refuses an adapter
-    # trained for another model: base_model_mismatch).
-    quant_dir, dequant_dir = tmp_path / "awq" / llama_dir.name, tmp_path / "dequantized"
+    # Named as quantized checkpoints are (`<base>-AWQ-INT4`): the adapters, which name the full-precision base, load.
+    quant_dir, dequant_dir = tmp_path / f"{llama_dir.name}-AWQ-INT4", tmp_path / "dequantized"
     write_quantized(llama_dir, "awq-4bit", quant_dir, dequant_dir)
     with ServerProcess("--model-path", str(quant_dir), "--lora-paths", f"a16={adapter_dirs['a16']}",
                        "--max-lora-rank", "16") as server:
         info = server.get("/server_info").json()
-        assert info["quantization"] == "awq" and info["served_model_name"] == llama_dir.name
+        assert info["quantization"] == "awq" and info["served_model_name"] == quant_dir.name
         prompt_ids = [5, 17, 33, 2, 9]
         body = {"model": "a16", "prompt": prompt_ids, "max_tokens": MAX_TOKENS, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True}

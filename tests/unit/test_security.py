@@ -220,6 +220,24 @@ def test_base_model_compared_by_last_component_and_served_name(adapter_copy, lla
     integrity.check_config("x", {"base_model_name_or_path": None})  # names none: nothing to compare
 
 
+def test_a_quantized_name_matches_its_base_both_ways(adapter_copy, tmp_path):
+    """A QLoRA adapter names the quantized checkpoint, a full-precision one the base: either loads on the other, as
+    the quantized checkpoint's name only adds its method's words (AWQ-INT4, FP8, quantized.w4a16, bnb-4bit)."""
+    for served, trained_for in (("Meta-Llama-3.1-8B-Instruct-AWQ-INT4", "meta-llama/Meta-Llama-3.1-8B-Instruct"),
+                                ("Meta-Llama-3.1-8B-Instruct-quantized.w4a16", "meta-llama/Meta-Llama-3.1-8B-Instruct"),
+                                ("Qwen3-8B-FP8", "Qwen/Qwen3-8B"),
+                                ("Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4"),
+                                ("llama-3-8b", "unsloth/llama-3-8b-bnb-4bit")):
+        integrity = AdapterIntegrity(ServerConfig(model_path=str(tmp_path / served)))
+        set_base(adapter_copy, trained_for)
+        integrity.check_dir("x", str(adapter_copy), None)
+    integrity = AdapterIntegrity(ServerConfig(model_path=str(tmp_path / "Qwen3-8B-FP8")))
+    for other in ("Qwen/Qwen3-4B", "Qwen/Qwen3-4B-FP8", "FP8", "Qwen/Qwen3-8B-Base"):  # another model stays refused
+        set_base(adapter_copy, other)
+        with pytest.raises(AdapterLoadError, match="base_model_mismatch"):
+            integrity.check_dir("x", str(adapter_copy), None)
+
+
 def test_base_mismatch_allowed_with_a_warning(adapter_copy, llama_dir, caplog):
     set_base(adapter_copy, "meta-llama/Llama-3.1-8B")
     integrity = AdapterIntegrity(ServerConfig(model_path=str(llama_dir), lora_allow_base_mismatch=True))
