@@ -40,10 +40,11 @@ GROUPS = [
     Group("g2", "attention", 25, 90, "scripts.gpu_check_model", "g2_attention", 20),
     Group("g3", "numerics", 35, 90, "scripts.gpu_check_model", "g3_numerics", 30),
     Group("g4", "decode", 60, 120, "scripts.gpu_check_serving", "g4_decode", 55),
-    Group("g5", "server", 60, 120, "scripts.gpu_check_serving", "g5_server", 50),
+    Group("g5", "server", 55, 120, "scripts.gpu_check_serving", "g5_server", 50),
     Group("g5b", "server_graphs", 45, 120, "scripts.gpu_check_serving", "g5b_server_graphs", 40),
     Group("g6", "kernel_perf", 20, 90, "scripts.gpu_check_kernels", "g6_kernel_perf", 15),
-    Group("g7", "tp2", 45, 90, "scripts.gpu_check_tp", "g7_tp2", 35),
+    Group("g9", "quantized", 12, 90, "scripts.gpu_check_quant", "g9_quantized", 12),
+    Group("g7", "tp2", 40, 90, "scripts.gpu_check_tp", "g7_tp2", 35),
     # off by default: under memcheck the small kernels alone take minutes; --sanitizer gives it SANITIZER_S
     Group(SANITIZER, "sanitizer", SANITIZER_S, 30, "scripts.gpu_check_tp", "g8_sanitizer", 180, in_default_run=False),
     Group("kernels_small", "kernels_small", 20, 60, "scripts.gpu_check_kernels", "kernels_small", 15,
