@@ -35,10 +35,10 @@ def _weight(path: str, num_rows: int, num_cols: int, device, seed: int):
     q = (torch.randn(num_rows, num_cols, generator=gen, device=device) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     if path == "fp8-block128":  # weight-only 128x128 blocks (compressed-tensors FP8 block)
         scales = torch.rand(-(-num_rows // 128), -(-num_cols // 128), generator=gen, device=device) * 2e-4 + 1e-5
-        return FloatWeight.blocked(q, scales.cpu(), 128, 128).to(device)
+        return FloatWeight.blocked(q, scales, 128, 128).to(device)  # ids made on the host
     rows = num_rows if path == "fp8-tensor-scaled-mm" else 1  # W8A8 per tensor or per channel
     scales = torch.rand(num_rows // rows, 1, generator=gen, device=device) * 2e-4 + 1e-5
-    return FloatWeight.blocked(q, scales.cpu(), rows, num_cols, w8a8=True).to(device)
+    return FloatWeight.blocked(q, scales, rows, num_cols, w8a8=True).to(device)
 
 
 def _layout(path: str, weight, dtype):
