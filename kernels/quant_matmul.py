@@ -4,8 +4,10 @@ weight is read from memory in its stored form (INT4: two per byte, INT8: one; FP
     INT:  w[n, k] = (u[n, k] - zeros[n, k // group_size]) · scales[n, k // group_size],  u unsigned
     FP8:  w[n, k] = q[n, k] · scales[row_ids[n], col_ids[k]]
 
-INT4 packs columns 2j and 2j+1 of a row into byte j (low nibble first). Products accumulate in float32; the weight
-tile is cast to the activation dtype before the dot (float32: IEEE products). Grid: (token blocks, row blocks)."""
+INT4 packs columns 2j and 2j+1 of a row into byte j (low nibble first). FP8 (e4m3fn) is read as its bytes and decoded
+with integer ops, not Triton's float8 type, which sm_80 lacks: the same kernel compiles for sm_80 and sm_90. Products
+accumulate in float32; the weight tile is cast to the activation dtype before the dot (float32: IEEE products).
+Grid: (token blocks, row blocks)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,15 @@ def _dot(x, w, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(x, w, input_precision="ieee")
     return tl.dot(x, w)
+
+
+@triton.jit
+def _e4m3_over_256(bits):
+    """float8_e4m3fn bytes (as int32) to their float32 values divided by 2^8, exactly: the sign, exponent and mantissa
+    bits moved into float16's places read as a float16, whose exponent bias is 15 where e4m3's is 7 (e4m3 subnormals
+    become float16 subnormals). The NaN bytes read as 480 / 2^8."""
+    half_bits = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)
+    return half_bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -66,11 +77,11 @@ def _fp8_matmul_kernel(x_ptr, q_ptr, scales_ptr, row_ids_ptr, col_ids_ptr, out_p
         x_mask = (rm[:, None] < M) & (rk[None, :] < K)
         x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=x_mask, other=0.0)
         w_mask = (rk[:, None] < K) & (rn[None, :] < N)
-        q = tl.load(q_ptr + rn[None, :].to(tl.int64) * stride_qn + rk[:, None], mask=w_mask, other=0.0)
+        bits = tl.load(q_ptr + rn[None, :].to(tl.int64) * stride_qn + rk[:, None], mask=w_mask, other=0).to(tl.int32)
         col_ids = tl.load(col_ids_ptr + rk, mask=rk < K, other=0)
         scale = tl.load(scales_ptr + row_ids[None, :].to(tl.int64) * stride_sr + col_ids[:, None], mask=w_mask,
                         other=0.0)
-        w = q.to(tl.float32) * scale  # (BLOCK_K, BLOCK_N)
+        w = _e4m3_over_256(bits) * (scale * 256.0)  # (BLOCK_K, BLOCK_N); scale · 2^8 is exact
         acc += _dot(x.to(dtype), w.to(dtype), IEEE)
     out_mask = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(dtype), mask=out_mask)
@@ -138,7 +149,7 @@ def fp8_weight_matmul_triton(x: torch.Tensor, q: torch.Tensor, scales: torch.Ten
         return out
     grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(num_rows, BLOCK_N))
     with device_scope(x):
-        _fp8_matmul_kernel[grid](x, q, scales, row_ids, col_ids, out, num_tokens, num_rows, x.shape[1], x.stride(0),
-                                 q.stride(0), scales.stride(0), out.stride(0), IEEE=x.dtype == torch.float32,
-                                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        _fp8_matmul_kernel[grid](x, q.view(torch.uint8), scales, row_ids, col_ids, out, num_tokens, num_rows,
+                                 x.shape[1], x.stride(0), q.stride(0), scales.stride(0), out.stride(0),
+                                 IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return out

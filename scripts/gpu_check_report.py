@@ -147,6 +147,7 @@ def reviewer_block(report: dict) -> str:
         f"{_fmt(perf.get('down_1tok_r64_us'))} us (split-K off {_fmt(perf.get('down_1tok_r64_no_split_us'))}), "
         f"host enqueue {_fmt(perf.get('enqueue_us'))} us/call"
         + _suffix(report, "g6"),
+        _quantized_row(report),
         f"DYNAMIC LORA: bitwise-unchanged {_yes(dynamic.get('bitwise_unchanged'))}; read p50 "
         f"{_fmt(dynamic.get('read_ms_p50'))} ms, slot load r16/r64 {_fmt(dynamic.get('load_slot_ms_r16'))}/"
         f"{_fmt(dynamic.get('load_slot_ms_r64'))} ms, p99 churn/quiet {_fmt(dynamic.get('p99_ratio'))}; GPU leak "
@@ -166,6 +167,17 @@ def reviewer_block(report: dict) -> str:
         f"PERF FLAGS: {', '.join(summary['perf_flags']) or 'none'}",
     ]
     return "\n".join(lines)
+
+
+def _quantized_row(report: dict) -> str:
+    """G9: each quantized path's µs on the 8B down projection at batch 1 beside the plain matmul's, the worst errors
+    and the kernel choice on this device."""
+    headline = _fig(report, "g9", "headline") or {}
+    paths = ", ".join(f"{path} {_fmt(us, '.1f')}" for path, us in (headline.get("down_B1_us") or {}).items())
+    worst = headline.get("worst_err") or {}
+    return (f"QUANTIZED (8B down, B=1, us): {paths or 'n/a'} vs bf16 {_fmt(headline.get('down_B1_plain_us'), '.1f')}; "
+            f"worst err triton {_fmt(worst.get('triton'))} (<=8e-3), scaled_mm {_fmt(worst.get('scaled_mm'))} "
+            f"(<=8e-3 vs emulated); kernel choice {_check(report, 'g9', 'kernel_choice')}" + _suffix(report, "g9"))
 
 
 def _check(report: dict, gid: str, name: str) -> str:

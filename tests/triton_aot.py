@@ -203,10 +203,72 @@ def _model_ops_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, in
     }
 
 
+# ---- the quantized linears' matmuls (kernels/quant_matmul.py), through the worker's CUDA layouts --------------------
+
+# (out, in) of each linear: a Llama-3-8B layer (qkv and gate_up fused, as the worker stacks them) and the bench
+# model's (scripts/bench_model.py "full": hidden 1024, 16 heads / 4 KV heads of 64, intermediate 2816).
+QUANT_SHAPES = {
+    "llama-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+    "bench": {"qkv": (1536, 1024), "o": (1024, 1024), "gate_up": (5632, 1024), "down": (1024, 2816)},
+}
+# weight form -> (kind, bits, group size or scale block; None: one group per row / one scale per tensor)
+QUANT_FORMS = {
+    "int4-g32": ("int", 4, 32), "int4-g64": ("int", 4, 64), "int4-g128": ("int", 4, 128),
+    "int8-channel": ("int", 8, None), "int8-g128": ("int", 8, 128),
+    "fp8-block128": ("fp8", 8, 128), "fp8-tensor": ("fp8", 8, None), "fp8-channel": ("fp8", 8, 1),
+}  # fmt: skip
+QUANT_DTYPES = ("bfloat16", "float16")
+QUANT_TOKENS = (1, 32, 1000)  # decode batch 1, a decode batch of 32, a prefill (not a multiple of 16)
+QUANT_KERNELS = {"int": "_int_matmul_kernel", "fp8": "_fp8_matmul_kernel"}
+
+
+def _quant_layout(form: str, num_rows: int, num_cols: int):
+    """The worker's CUDA layout (worker/quant/matmul.py) of a zero weight in `form`, built on the CPU."""
+    import torch
+    from loraplex.worker.quant.matmul import TritonFP8Matmul, TritonIntMatmul
+    from loraplex.worker.quant.weights import FloatWeight, IntWeight
+
+    kind, bits, group = QUANT_FORMS[form]
+    if kind == "int":  # GPTQ's form: unsigned values with zero points
+        group_size = group or num_cols
+        num_groups = num_cols // group_size
+        weight = IntWeight(q=torch.zeros(num_rows, num_cols, dtype=torch.uint8),
+                           scales=torch.ones(num_rows, num_groups),
+                           zeros=torch.zeros(num_rows, num_groups, dtype=torch.int32), g_idx=None,
+                           group_size=group_size, bits=bits)  # fmt: skip
+        return TritonIntMatmul(weight, torch.bfloat16)
+    q = torch.zeros(num_rows, num_cols, dtype=torch.float8_e4m3fn)
+    block_rows, block_cols = {128: (128, 128), None: (num_rows, num_cols), 1: (1, num_cols)}[group]
+    scales = torch.ones(-(-num_rows // block_rows), -(-num_cols // block_cols))
+    return TritonFP8Matmul(FloatWeight.blocked(q, scales, block_rows, block_cols), torch.bfloat16)
+
+
+def _quant_variants(target: GPUTarget, model: str) -> list[dict]:
+    import torch
+
+    results = []
+    for form, (kind, _, _) in QUANT_FORMS.items():
+        layouts = [(_quant_layout(form, *shape), shape[1]) for shape in QUANT_SHAPES[model].values()]
+        for dtype_name in QUANT_DTYPES:
+            dtype = getattr(torch, dtype_name)
+            with compile_only(target) as log:
+                for matmul, num_cols in layouts:
+                    for num_tokens in QUANT_TOKENS:
+                        matmul(torch.zeros(num_tokens, num_cols, dtype=dtype))
+            results.append({"arch": int(target.arch), "model": model, "form": form, "dtype": dtype_name,
+                            "kernel": QUANT_KERNELS[kind], "launches": len(log.launches),
+                            "compiled": [vars(c) for c in log.compiled.values()]})  # fmt: skip
+    return results
+
+
 def main() -> None:
     results = []
     for arch in (90, 80):
         target = GPUTarget("cuda", arch, 32)
+        if sys.argv[1:] == ["quant"]:
+            for model in QUANT_SHAPES:
+                results += _quant_variants(target, model)
+            continue
         if sys.argv[1:] == ["model-ops"]:
             for dtype_name, shape in MODEL_OPS_CONFIGS:
                 found = _model_ops_variants(target, dtype_name, shape)

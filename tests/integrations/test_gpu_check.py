@@ -15,7 +15,7 @@ from scripts.gpu_check import parse_args
 from scripts.gpu_check_plan import CAPS_LIMIT_S, DEVICE_CALL_S, INSTALL_S, caps_total, plan_lines
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-GROUPS = ("g0", "g1", "g2", "g3", "g4", "g5", "g5b", "g6", "g7")  # G8 (compute-sanitizer) only with --sanitizer
+GROUPS = ("g0", "g1", "g2", "g3", "g4", "g5", "g5b", "g6", "g9", "g7")  # G8 (compute-sanitizer) only with --sanitizer
 MAX_FILES = 6
 STATUSES = {"pass", "fail", "error", "timeout", "skipped"}
 DRY_RUN_TIMEOUT_S = 600
@@ -54,7 +54,7 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
     assert summary["tp2_backend"] == "gloo-cpu"
     for line_start in ("=== loraplex GPU check:", "RESULT:", "CEILINGS:", "KERNELS:", "ATTENTION:", "NUMERICS:",
                        "DECODE 1B", "PREFILL:", "DYNAMIC LORA:", "SERVER:", "SERVER GRAPHS:", "TP2 one GPU",
-                       "SANITIZER:", "VERSIONS:",
+                       "SANITIZER:", "VERSIONS:", "QUANTIZED",
                        "PERF FLAGS:"):
         assert any(line.lstrip().startswith(line_start) for line in stdout.splitlines()), line_start
     assert stdout.rstrip().splitlines()[-1].startswith("PERF FLAGS:")
@@ -84,6 +84,7 @@ def test_check_imports_without_requests_or_pytest() -> None:
     code = ("import sys; sys.modules['requests'] = None; sys.modules['pytest'] = None\n"
             "import scripts.gpu_check, scripts.gpu_check_model, scripts.gpu_check_kernels, scripts.gpu_check_serving\n"
             "import scripts.gpu_check_tp, scripts.gpu_check_server, scripts.bench_serving, scripts.bench_adapter_ops\n"
+            "import scripts.gpu_check_quant, loraplex.worker.quant.matmul\n"
             "import tests.worker_helpers, tests.adapter_specs, tests.reference, tests.kernel_refs\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, HF_HUB_OFFLINE="1"))

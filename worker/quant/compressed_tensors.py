@@ -1,7 +1,7 @@
 """compressed-tensors checkpoints (llm-compressor's output) read through the library's own config classes and
 unpacking: pack-quantized INT4/INT8 weights (W4A16, W8A16) per channel or per group (with act-order g_idx),
 int-quantized INT8 and float-quantized FP8 per tensor, per channel or per block; weight-only or with quantized
-activations (W8A8), whose activations stay in the activation dtype here."""
+activations (W8A8): INT8 W8A8 runs weight-only, FP8 W8A8 is marked for torch._scaled_mm (scaled_mm.py)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ class CompressedTensorsFormat:
         names = BaseCompressor.load_from_registry(self.format).compression_param_names(self.scheme)
         inputs = self.scheme.input_activations
         static_inputs = inputs is not None and not inputs.dynamic
+        self.w8a8 = inputs is not None and inputs.type == "float" and inputs.num_bits == 8 and weights.type == "float"
         has_g_idx = weights.actorder is not None and weights.strategy == "group"
         self.tensor_names = (*names, *(("input_scale",) if static_inputs else ()),
                              *(("weight_g_idx",) if has_g_idx else ()))
@@ -59,9 +60,9 @@ class CompressedTensorsFormat:
         if args.type == "float":
             q = tensors["weight"]
             if args.strategy == "block":
-                return FloatWeight.blocked(q, scale, *args.block_structure)
+                return FloatWeight.blocked(q, scale, *args.block_structure, w8a8=self.w8a8)
             rows = out_features if args.strategy == "tensor" else 1
-            return FloatWeight.blocked(q, scale.reshape(-1, 1), rows, in_features)
+            return FloatWeight.blocked(q, scale.reshape(-1, 1), rows, in_features, w8a8=self.w8a8)
         if self.format == "pack-quantized":
             shape = torch.Size((out_features, in_features))
             q = unpack_from_int32(tensors["weight_packed"], args.num_bits, shape)

@@ -99,8 +99,8 @@ class AWQFormat:
 
 class FP8Format:
     """vLLM's and transformers' `fp8` checkpoints: an FP8 `weight` with `weight_scale_inv` per
-    weight_block_size block (DeepSeek's layout), or `weight_scale` per tensor; `input_scale` with static activations
-    (read and unused: activations stay in the activation dtype)."""
+    weight_block_size block (DeepSeek's layout), or `weight_scale` per tensor. Activations are FP8 too (W8A8):
+    `input_scale` with static activations is read and unused (scaled_mm.py scales each call's own)."""
 
     method = "fp8"
 
@@ -119,11 +119,11 @@ class FP8Format:
             scale = tensors["weight_scale"].float().reshape(-1)
             if scale.numel() != 1:
                 raise ValueError(f"weight_scale has {scale.numel()} values, expected one per tensor")
-            return FloatWeight.blocked(weight, scale.reshape(1, 1), out_features, in_features)
+            return FloatWeight.blocked(weight, scale.reshape(1, 1), out_features, in_features, w8a8=True)
         rows, cols = self.block
         scales = tensors["weight_scale_inv"].float()
         _check_shape("weight_scale_inv", scales, (-(-out_features // rows), -(-in_features // cols)))
-        return FloatWeight.blocked(weight, scales, rows, cols)
+        return FloatWeight.blocked(weight, scales, rows, cols, w8a8=True)
 
 
 def build_format(method: str, config: dict[str, Any]) -> QuantFormat:

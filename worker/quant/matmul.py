@@ -4,11 +4,16 @@
                      (torch._weight_int8pack_mm); a zero point becomes a rank-1 correction
   Int4GroupMatmul    4-bit, groups of 32..256 contiguous columns (act-order ones permuted into place once):
                      torch's CPU int4 GEMM on its packed layout (torch._weight_int4pack_mm_for_cpu)
-  DequantTileMatmul  anything else (FP8, grouped 8-bit, any weight on CUDA): the weight stays stored quantized and
-                     is dequantized one tile of output rows at a time into the activation dtype
+  DequantTileMatmul  anything else (FP8 and grouped 8-bit on CPU, act-order shards whose groups are no longer
+                     whole): the weight stays stored quantized and is dequantized one tile of output rows at a time
+                     into the activation dtype
   TritonIntMatmul    on CUDA, INT4/INT8 in contiguous groups (act order permuted into place once): the weight read
                      packed and dequantized inside kernels/quant_matmul.py's kernel
-  TritonFP8Matmul    on CUDA, FP8 with any block scales, the same way
+  ScaledMMFP8Matmul  on CUDA with compute capability 8.9 and up, a W8A8 FP8 checkpoint with one scale per output row
+                     or per tensor, bf16/fp16 activations: torch._scaled_mm on activations quantized on the fly
+                     (scaled_mm.py)
+  TritonFP8Matmul    on CUDA, any other FP8 weight (block scales, weight-only, sm_80, float32 activations): read and
+                     dequantized inside kernels/quant_matmul.py's kernel
 
 Each holds only its packed layout, built once here, and reports `nbytes` (the resident weight bytes)."""
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from loraplex.kernels.quant_matmul import fp8_weight_matmul_triton, int_weight_matmul_triton
+from loraplex.worker.quant.scaled_mm import ScaledMMFP8Matmul
 from loraplex.worker.quant.weights import FloatWeight, IntWeight, QuantWeight
 
 TILE_ROWS = 512  # output rows dequantized at once
@@ -55,7 +61,7 @@ class Int8ChannelMatmul:
     name = "int8 weight-only (torch CPU)"
 
     @staticmethod
-    def fits(weight: QuantWeight, device: torch.device) -> bool:
+    def fits(weight: QuantWeight, device: torch.device, dtype: torch.dtype) -> bool:
         return (device.type == "cpu" and isinstance(weight, IntWeight) and weight.bits == 8
                 and weight.scales.shape[1] == 1)
 
@@ -82,7 +88,7 @@ class Int4GroupMatmul:
     name = "int4 weight-only (torch CPU)"
 
     @staticmethod
-    def fits(weight: QuantWeight, device: torch.device) -> bool:
+    def fits(weight: QuantWeight, device: torch.device, dtype: torch.dtype) -> bool:
         if device.type != "cpu" or not isinstance(weight, IntWeight) or weight.bits != 4:
             return False
         return weight.group_size in INT4_GROUP_SIZES and _has_contiguous_order(weight)
@@ -129,7 +135,7 @@ class TritonIntMatmul:
     name = "int weight-only (Triton)"
 
     @staticmethod
-    def fits(weight: QuantWeight, device: torch.device) -> bool:
+    def fits(weight: QuantWeight, device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cuda" and isinstance(weight, IntWeight) and _has_contiguous_order(weight)
 
     def __init__(self, weight: IntWeight, dtype: torch.dtype):
@@ -155,7 +161,7 @@ class TritonFP8Matmul:
     name = "fp8 weight-only (Triton)"
 
     @staticmethod
-    def fits(weight: QuantWeight, device: torch.device) -> bool:
+    def fits(weight: QuantWeight, device: torch.device, dtype: torch.dtype) -> bool:
         return device.type == "cuda" and isinstance(weight, FloatWeight)
 
     def __init__(self, weight: FloatWeight, dtype: torch.dtype):
@@ -167,12 +173,15 @@ class TritonFP8Matmul:
         return fp8_weight_matmul_triton(x.contiguous(), w.q, w.scales, w.row_ids, w.col_ids)
 
 
-QuantMatmul = Int8ChannelMatmul | Int4GroupMatmul | TritonIntMatmul | TritonFP8Matmul | DequantTileMatmul
+QuantMatmul = (Int8ChannelMatmul | Int4GroupMatmul | TritonIntMatmul | ScaledMMFP8Matmul | TritonFP8Matmul
+               | DequantTileMatmul)
+KERNELS = (Int8ChannelMatmul, Int4GroupMatmul, TritonIntMatmul, ScaledMMFP8Matmul, TritonFP8Matmul)  # first fit wins
+
+
+def choose_matmul(weight: QuantWeight, device: torch.device, dtype: torch.dtype) -> type[QuantMatmul]:
+    """The kernel for `weight` on `device` with `dtype` activations (the weight may still be on the host)."""
+    return next((kernel for kernel in KERNELS if kernel.fits(weight, device, dtype)), DequantTileMatmul)
 
 
 def build_matmul(weight: QuantWeight, device: torch.device, dtype: torch.dtype) -> QuantMatmul:
-    weight = weight.to(device)
-    for kernel in (Int8ChannelMatmul, Int4GroupMatmul, TritonIntMatmul, TritonFP8Matmul):
-        if kernel.fits(weight, device):
-            return kernel(weight, dtype)
-    return DequantTileMatmul(weight, dtype)
+    return choose_matmul(weight, device, dtype)(weight.to(device), dtype)

@@ -86,18 +86,21 @@ class IntWeight:
 @dataclass(frozen=True)
 class FloatWeight:
     """w[o, i] = q[o, i] · scales[row_ids[o], col_ids[i]]: a scale per block (per tensor and per channel become
-    per-row scales). The explicit indices let a TP shard or a fused projection start anywhere inside a block."""
+    per-row scales). The explicit indices let a TP shard or a fused projection start anywhere inside a block.
+    w8a8: the checkpoint quantizes activations to FP8 too (served so where torch._scaled_mm applies, scaled_mm.py)."""
 
     q: torch.Tensor  # (out, in) float8
     scales: torch.Tensor  # (row blocks, column blocks) float32
     row_ids: torch.Tensor  # (out,) int64
     col_ids: torch.Tensor  # (in,) int64
+    w8a8: bool = False
 
     @staticmethod
-    def blocked(q: torch.Tensor, scales: torch.Tensor, block_rows: int, block_cols: int) -> FloatWeight:
+    def blocked(q: torch.Tensor, scales: torch.Tensor, block_rows: int, block_cols: int,
+                w8a8: bool = False) -> FloatWeight:
         num_rows, num_cols = q.shape
         return FloatWeight(q=q, scales=scales, row_ids=torch.arange(num_rows) // block_rows,
-                           col_ids=torch.arange(num_cols) // block_cols)
+                           col_ids=torch.arange(num_cols) // block_cols, w8a8=w8a8)
 
     @property
     def shape(self) -> tuple[int, int]:
