@@ -85,7 +85,8 @@ def llama_cpp_wire(adapter_ids: dict[str, int]) -> Wire:
                 "temperature": 0.0, "cache_prompt": False,
                 "lora": [] if request.adapter is None else [{"id": adapter_ids[request.adapter], "scale": 1.0}]}
 
-    return Wire("/completion", payload, lambda chunk: chunk.get("tokens_predicted", 0))
+    # its HTTP server closes a connection idle for a few seconds: a new one per request
+    return Wire("/completion", payload, lambda chunk: chunk.get("tokens_predicted", 0), keep_alive=False)
 
 
 # ---- the weights in llama.cpp's format ----------------------------------------------------------------------------

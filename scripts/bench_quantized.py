@@ -59,7 +59,8 @@ def quantized_copies(bench: BenchModel) -> dict[str, BenchModel]:
         if fmt is None:
             models[label] = bench
             continue
-        out_dir = bench.base_dir.with_name(f"{bench.base_dir.name}-{fmt}")
+        # named as published quantized checkpoints are (base-INT8): the adapters' base check takes it for the base
+        out_dir = bench.base_dir.with_name(f"{bench.base_dir.name}-{label.upper()}")
         build_atomically(out_dir, lambda out, fmt=fmt: write_quantized(bench.base_dir, fmt, out, None, group_size))
         models[label] = replace(bench, base_dir=out_dir)
     return models

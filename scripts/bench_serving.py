@@ -52,6 +52,7 @@ class Wire:
     path: str
     payload: Callable[[BenchRequest], dict]
     tokens_so_far: Callable[[dict], int]  # cumulative count, from one streamed chunk
+    keep_alive: bool = True  # reuse connections (a server that closes idle ones after seconds wants a new one each)
 
 
 def generate_payload(request: BenchRequest) -> dict:
@@ -114,10 +115,11 @@ async def stream_generate(session: aiohttp.ClientSession, url: str, request: Ben
     return result
 
 
-def client_session(concurrency: int | None) -> aiohttp.ClientSession:
+def client_session(concurrency: int | None, keep_alive: bool = True) -> aiohttp.ClientSession:
     # No total timeout: a long benchmark request is not a failure. No connection cap beyond the concurrency.
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
-    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=concurrency or 0))
+    connector = aiohttp.TCPConnector(limit=concurrency or 0, force_close=not keep_alive)
+    return aiohttp.ClientSession(timeout=timeout, connector=connector)
 
 
 async def run_requests(url: str, requests: list[BenchRequest], *, concurrency: int | None = None,
@@ -129,7 +131,7 @@ async def run_requests(url: str, requests: list[BenchRequest], *, concurrency: i
     url = url.rstrip("/")
     limit = asyncio.Semaphore(concurrency) if concurrency else None
     bar = tqdm(total=len(requests), desc=desc, disable=not progress, file=sys.stderr)
-    async with client_session(concurrency) as session:
+    async with client_session(concurrency, wire.keep_alive) as session:
         run_start = time.perf_counter()
 
         async def one(request: BenchRequest) -> RequestResult:
