@@ -66,6 +66,7 @@ def test_dummy_tensors_take_the_checkpoints_layout_and_scale(name: str, quantize
             real = {key.removeprefix(prefix): checkpoint.get_tensor(key) for key in checkpoint.keys()
                     if key.startswith(prefix)}
             drawn = random_tensors(fmt, *shape, STD, generator)
+            assert sorted(drawn) == sorted(fmt.tensor_names)
             assert {k: tuple(t.shape) for k, t in drawn.items()} == {k: tuple(t.shape) for k, t in real.items()}
             # the stored values' dtypes (packed int32, FP8, int32 g_idx); scales may be stored in any float dtype
             assert {k: t.dtype for k, t in drawn.items() if "scale" not in k} == {
@@ -75,6 +76,36 @@ def test_dummy_tensors_take_the_checkpoints_layout_and_scale(name: str, quantize
             # encode is decode's inverse: the drawn form comes back exactly
             form = fmt.random_weight(*shape, STD, torch.Generator().manual_seed(1))
             assert torch.equal(dequantized(fmt, fmt.encode(form), shape), form.dequantize(slice(None), torch.float32))
+
+
+def _ct(weights: dict, fmt: str, inputs: dict | None = None) -> dict:
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": inputs}
+    return {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {"group_0": group}}
+
+
+# Configs the reference writer does not produce: every tensor a format reads is drawn, and decodes back exactly.
+OTHER_CONFIGS = {
+    "fp8-tensor-static": {"quant_method": "fp8", "activation_scheme": "static"},
+    "gptq-8bit-v2-no-groups": {"quant_method": "gptq", "bits": 8, "group_size": -1, "checkpoint_format": "gptq_v2"},
+    "ct-int8-w8a8": _ct({"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}, "int-quantized",
+                        {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}),
+    "ct-w4a16-act-order": _ct({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                               "group_size": 64, "actorder": "weight"}, "pack-quantized"),
+    "ct-w8a16-asym-channel": _ct({"num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"},
+                                 "pack-quantized"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_CONFIGS))
+def test_every_format_draws_every_tensor_it_reads(name: str) -> None:
+    fmt = build_format(OTHER_CONFIGS[name]["quant_method"], OTHER_CONFIGS[name])
+    shape = (96, 256)
+    drawn = random_tensors(fmt, *shape, STD, torch.Generator().manual_seed(0))
+    assert sorted(drawn) == sorted(fmt.tensor_names)  # a linear builds once it holds all of them
+    weight = dequantized(fmt, drawn, shape)
+    assert abs(weight.std().item() - STD) < 0.1 * STD and abs(weight.mean().item()) < 0.1 * STD
+    form = fmt.random_weight(*shape, STD, torch.Generator().manual_seed(1))
+    assert torch.equal(dequantized(fmt, fmt.encode(form), shape), form.dequantize(slice(None), torch.float32))
 
 
 def dummy_model(model_dir: Path, rank: int, world_size: int) -> torch.nn.Module:
