@@ -1,6 +1,7 @@
 """Sub-byte integers packed into int32 words, as GPTQ and AWQ checkpoints store them: word k holds the values of
 `pack = 32 // bits` consecutive elements along one dimension, element j of the word in bits [j·bits, (j+1)·bits),
-or in AWQ's interleaved order. Both directions live here: the loader unpacks, the tests pack checkpoints with it."""
+or in AWQ's interleaved order. Both directions live here: the loader unpacks; the formats' `encode` (for
+--load-format dummy) and the tests' checkpoint writer pack."""
 
 from __future__ import annotations
 
