@@ -84,3 +84,32 @@ class CompressedTensorsFormat:
                 g_idx = None
         return IntWeight(q=q.to(torch.int8).contiguous(), scales=scales.contiguous().clone(), zeros=zeros,
                          g_idx=g_idx, group_size=group_size, bits=args.num_bits)
+
+    def encode(self, weight: QuantWeight) -> dict[str, torch.Tensor]:
+        """Through the library's own compressor: the dequantized weight with its scales (and zero points) as an
+        observer would have left them, compressed as llm-compressor saves it (bfloat16 scales)."""
+        per_tensor = self.weights.strategy == "tensor"  # one value, shaped (1,) as calculate_qparams makes it
+
+        def stored(t: torch.Tensor) -> torch.Tensor:
+            return t[:1, :1].reshape(1) if per_tensor else t
+
+        state = {"weight": weight.dequantize(slice(None), torch.float32),
+                 "weight_scale": stored(weight.scales).bfloat16()}
+        if isinstance(weight, IntWeight) and weight.zeros is not None:
+            state["weight_zero_point"] = stored(weight.zeros).to(torch.int8)
+        tensors = BaseCompressor.load_from_registry(self.format).compress(state, self.scheme)
+        if "weight_g_idx" in self.tensor_names:
+            tensors["weight_g_idx"] = weight.group_index().to(torch.int32)
+        return {name: tensors[name] for name in self.tensor_names if name in tensors}
+
+    def random_weight(self, out_features: int, in_features: int, std: float,
+                      generator: torch.Generator) -> QuantWeight:
+        args = self.weights
+        if args.type == "float":
+            rows, cols = {"tensor": (out_features, in_features), "channel": (1, in_features)}.get(
+                args.strategy, args.block_structure)
+            return FloatWeight.random(out_features, in_features, block_rows=rows, block_cols=cols, std=std,
+                                      generator=generator)
+        group_size = args.group_size if args.strategy == "group" else in_features
+        return IntWeight.random(out_features, in_features, bits=args.num_bits, group_size=group_size,
+                                zero_point=None if args.symmetric else 0, std=std, generator=generator)

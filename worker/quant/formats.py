@@ -2,7 +2,8 @@
 
 A format object is built once from config.json's `quantization_config`; `tensor_names` are the suffixes each
 linear's checkpoint entries carry (`...q_proj.qweight`), `decode` turns one projection's full tensors into an
-(out, in) IntWeight or FloatWeight. GPTQ and AWQ are read per their documented packing (packing.py);
+(out, in) IntWeight or FloatWeight, and `encode` is its inverse. `random_tensors` draws one projection's tensors in
+the format's own layout for --load-format dummy. GPTQ and AWQ are read per their documented packing (packing.py);
 compressed-tensors through its own library."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
-from loraplex.worker.quant.packing import AWQ_ORDER, unpack_int32
+from loraplex.worker.quant.packing import AWQ_ORDER, pack_int32, unpack_int32
 from loraplex.worker.quant.weights import FloatWeight, IntWeight, QuantWeight
 
 # Modules a quantized checkpoint may leave in full precision: loraplex keeps the embedding and LM head plain.
@@ -26,6 +27,24 @@ class QuantFormat(Protocol):
     tensor_names: tuple[str, ...]
 
     def decode(self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int) -> QuantWeight: ...
+
+    def encode(self, weight: QuantWeight) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors that decode into `weight` (all of tensor_names but input_scale)."""
+        ...
+
+    def random_weight(self, out_features: int, in_features: int, std: float,
+                      generator: torch.Generator) -> QuantWeight:
+        """A weight of this format's shape of groups or blocks whose dequantized values are ~ N(0, std)."""
+        ...
+
+
+def random_tensors(fmt: QuantFormat, out_features: int, in_features: int, std: float,
+                   generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """One projection's full checkpoint tensors, drawn for --load-format dummy in the format's own layout."""
+    tensors = fmt.encode(fmt.random_weight(out_features, in_features, std, generator))
+    if "input_scale" in fmt.tensor_names:  # static activation scales: read and unused (activations stay unquantized)
+        tensors["input_scale"] = torch.ones(1)
+    return tensors
 
 
 def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -68,6 +87,22 @@ class GPTQFormat:
         return IntWeight(q=q, scales=tensors["scales"].t().float().contiguous(), zeros=zeros.contiguous(),
                          g_idx=None if contiguous else g_idx, group_size=group_size, bits=self.bits)
 
+    def encode(self, weight: IntWeight) -> dict[str, torch.Tensor]:
+        return {
+            "qweight": pack_int32(weight.q.t(), self.bits, dim=0),  # (in / pack, out)
+            "qzeros": pack_int32((weight.zeros - self.zero_offset).t(), self.bits, dim=1),  # (groups, out / pack)
+            "scales": weight.scales.t().half().contiguous(),  # (groups, out)
+            "g_idx": weight.group_index().to(torch.int32),  # (in,)
+        }
+
+    def random_weight(self, out_features: int, in_features: int, std: float,
+                      generator: torch.Generator) -> IntWeight:
+        # Symmetric, as AutoGPTQ writes it: unsigned around 2**(bits-1). Act order (desc_act) draws groups in column
+        # order, a g_idx a desc_act checkpoint may hold.
+        group_size = in_features if self.group_size == -1 else self.group_size
+        return IntWeight.random(out_features, in_features, bits=self.bits, group_size=group_size,
+                                zero_point=1 << (self.bits - 1), std=std, generator=generator)
+
 
 class AWQFormat:
     """AutoAWQ's GEMM layout: qweight (in, out / 8) and qzeros (groups, out / 8) packed along the output in the
@@ -95,6 +130,19 @@ class AWQFormat:
         zeros = unpack_int32(tensors["qzeros"], 4, dim=1, order=AWQ_ORDER).t().to(torch.int32).contiguous()
         return IntWeight(q=q, scales=tensors["scales"].t().float().contiguous(), zeros=zeros, g_idx=None,
                          group_size=group_size, bits=4)
+
+    def encode(self, weight: IntWeight) -> dict[str, torch.Tensor]:
+        return {
+            "qweight": pack_int32(weight.q.t(), 4, dim=1, order=AWQ_ORDER),  # (in, out / 8)
+            "qzeros": pack_int32(weight.zeros.t(), 4, dim=1, order=AWQ_ORDER),  # (groups, out / 8)
+            "scales": weight.scales.t().half().contiguous(),  # (groups, out)
+        }
+
+    def random_weight(self, out_features: int, in_features: int, std: float,
+                      generator: torch.Generator) -> IntWeight:
+        group_size = in_features if self.group_size == -1 else self.group_size
+        return IntWeight.random(out_features, in_features, bits=4, group_size=group_size, zero_point=8, std=std,
+                                generator=generator)
 
 
 class FP8Format:
@@ -124,6 +172,17 @@ class FP8Format:
         scales = tensors["weight_scale_inv"].float()
         _check_shape("weight_scale_inv", scales, (-(-out_features // rows), -(-in_features // cols)))
         return FloatWeight.blocked(weight, scales, rows, cols, w8a8=True)
+
+    def encode(self, weight: FloatWeight) -> dict[str, torch.Tensor]:
+        if self.block is None:
+            return {"weight": weight.q, "weight_scale": weight.scales.reshape(())}  # one scale per tensor
+        return {"weight": weight.q, "weight_scale_inv": weight.scales}  # (row blocks, column blocks) float32
+
+    def random_weight(self, out_features: int, in_features: int, std: float,
+                      generator: torch.Generator) -> FloatWeight:
+        rows, cols = self.block or (out_features, in_features)
+        return FloatWeight.random(out_features, in_features, block_rows=rows, block_cols=cols, std=std,
+                                  generator=generator)
 
 
 def build_format(method: str, config: dict[str, Any]) -> QuantFormat:

@@ -1,6 +1,7 @@
 """Sub-byte integers packed into int32 words, as GPTQ and AWQ checkpoints store them: word k holds the values of
 `pack = 32 // bits` consecutive elements along one dimension, element j of the word in bits [j·bits, (j+1)·bits),
-or in AWQ's interleaved order. Both directions live here: the loader unpacks, the tests pack checkpoints with it."""
+or in AWQ's interleaved order. Both directions live here: the loader unpacks; the formats' `encode` (for
+--load-format dummy) and the tests' checkpoint writer pack."""
 
 from __future__ import annotations
 
@@ -24,13 +25,12 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ..
 def pack_int32(values: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
     """The inverse of unpack_int32: unsigned values in [0, 2**bits) -> int32 words along `dim`."""
     pack = 32 // bits
-    v = values.to(torch.int64).movedim(dim, -1)
+    v = values.movedim(dim, -1)
     if v.shape[-1] % pack:
         raise ValueError(f"{v.shape[-1]} values do not fill whole words of {pack}")
     v = v.reshape(*v.shape[:-1], -1, pack)  # (..., words, pack)
-    if order is not None:
-        v = v[..., torch.tensor(order)]  # nibble j holds element order[j]
-    shifts = torch.arange(pack, dtype=torch.int64) * bits
-    words = (v << shifts).sum(-1)  # disjoint bits: the sum is the OR
-    words = torch.where(words >= 2**31, words - 2**32, words)  # as a two's-complement int32
-    return words.to(torch.int32).movedim(-1, dim)
+    words = torch.zeros(v.shape[:-1], dtype=torch.int32, device=v.device)
+    for j, element in enumerate(order or range(pack)):  # nibble j holds element order[j]
+        # int32 shifts wrap: the top value lands in the sign bit, as the two's-complement word stores it
+        words |= v[..., element].to(torch.int32) << (j * bits)
+    return words.movedim(-1, dim)

@@ -8,6 +8,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+# Random weights (--load-format dummy) spread their stored values as a real checkpoint's are: a group's largest |w|
+# sets its scale at about 2.75 standard deviations (128 Gaussian values), an FP8 block's at about 4 (128 x 128).
+_INT_SPREAD = 2.75
+_FP8_SPREAD = 4.0
+
+
+def _dummy_scale(std: float, spread: float) -> float:
+    """std / spread, rounded to bfloat16: exact in every dtype checkpoints store scales in (bf16, fp16, fp32)."""
+    return torch.tensor(std / spread).bfloat16().item()
+
 
 def _check_edges(what: str, start: int, num: int, total: int, step: int) -> None:
     """[start, start + num) of `total` may only be cut at multiples of `step` (the last piece may be short)."""
@@ -27,6 +38,22 @@ class IntWeight:
     g_idx: torch.Tensor | None  # (in,) int64: each column's group (GPTQ's act-order), else groups are contiguous
     group_size: int  # input columns per group (in for one group per row)
     bits: int
+
+    @staticmethod
+    def random(out_features: int, in_features: int, *, bits: int, group_size: int, zero_point: int | None,
+               std: float, generator: torch.Generator) -> IntWeight:
+        """Dequantized values ~ N(0, std) on the integer grid (clipped where a real group's range clips them), one
+        scale everywhere, groups in column order. zero_point: the stored integer of 0 (unsigned storage around
+        2**(bits-1), GPTQ's and AWQ's; 0: signed with zero points; None: signed, no zero points stored)."""
+        half = 1 << (bits - 1)
+        spread = half / _INT_SPREAD
+        values = torch.randn(out_features, in_features, generator=generator).mul_(spread).round_()
+        values.clamp_(-half, half - 1)  # (out, in)
+        num_groups = -(-in_features // group_size)
+        scales = torch.full((out_features, num_groups), _dummy_scale(std, spread))
+        zeros = None if zero_point is None else torch.full((out_features, num_groups), zero_point, dtype=torch.int32)
+        q = values.add_(zero_point or 0).to(torch.uint8 if zero_point else torch.int8)
+        return IntWeight(q=q, scales=scales, zeros=zeros, g_idx=None, group_size=group_size, bits=bits)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -101,6 +128,17 @@ class FloatWeight:
         num_rows, num_cols = q.shape
         return FloatWeight(q=q, scales=scales, row_ids=torch.arange(num_rows) // block_rows,
                            col_ids=torch.arange(num_cols) // block_cols, w8a8=w8a8)
+
+    @staticmethod
+    def random(out_features: int, in_features: int, *, block_rows: int, block_cols: int, std: float,
+               generator: torch.Generator) -> FloatWeight:
+        """Dequantized values ~ N(0, std) in FP8 with one scale everywhere, stored per (block_rows, block_cols)
+        block as the format keeps them (a whole tensor, a row, a 128 x 128 tile)."""
+        spread = FP8_MAX / _FP8_SPREAD
+        values = torch.randn(out_features, in_features, generator=generator).mul_(spread)
+        q = values.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # e4m3fn has no infinity: clip, never NaN
+        scales = torch.full((-(-out_features // block_rows), -(-in_features // block_cols)), _dummy_scale(std, spread))
+        return FloatWeight.blocked(q, scales, block_rows, block_cols)
 
     @property
     def shape(self) -> tuple[int, int]:
