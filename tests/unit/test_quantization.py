@@ -12,7 +12,13 @@ from loraplex.worker.layers.linear import RowParallelLinear
 from loraplex.worker.parallel import tensor_parallel
 from loraplex.worker.quant.formats import GPTQFormat
 from loraplex.worker.quant.layer import quantized_linears
-from loraplex.worker.quant.matmul import DequantTileMatmul, Int4GroupMatmul, Int8ChannelMatmul, build_matmul
+from loraplex.worker.quant.matmul import (
+    INT8_GEMM_MIN_TOKENS,
+    DequantTileMatmul,
+    Int4GroupMatmul,
+    Int8ChannelMatmul,
+    build_matmul,
+)
 from loraplex.worker.quant.packing import AWQ_ORDER, pack_int32, unpack_int32
 from loraplex.worker.quant.weights import FloatWeight
 
@@ -50,8 +56,9 @@ def test_documented_bit_orders() -> None:
 
 @pytest.mark.parametrize("signed", [True, False])
 @pytest.mark.parametrize("zeros", [True, False])
-def test_cpu_kernels_equal_the_dequantized_weight(signed: bool, zeros: bool) -> None:
-    x = torch.randn(5, 128)
+@pytest.mark.parametrize("num_tokens", [5, INT8_GEMM_MIN_TOKENS])  # both sides of the INT8 kernel's switch
+def test_cpu_kernels_equal_the_dequantized_weight(signed: bool, zeros: bool, num_tokens: int) -> None:
+    x = torch.randn(num_tokens, 128)
     cases = [
         (random_int_weight(8, 128, signed, zeros, False), Int8ChannelMatmul),
         (random_int_weight(4, 32, signed, zeros, False), Int4GroupMatmul),
