@@ -40,9 +40,9 @@ import requests
 
 import scripts.bench_quantized as bench_quantized
 from scripts.bench_model import SIZES, BenchModel, ensure_bench_model
-from scripts.bench_report import RequestResult, format_table, summarize, write_json
+from scripts.bench_report import format_table, summarize, write_json
 from scripts.bench_server import NUM_CORES, start_server
-from scripts.bench_serving import LORAPLEX, Wire, run_requests
+from scripts.bench_serving import LORAPLEX, Wire, run_requests, warm_up
 from scripts.bench_workload import BenchRequest, WorkloadSpec, make_workload
 from tests.net import free_port
 
@@ -194,24 +194,16 @@ def workloads(plan: Plan, adapter_names: list[str], seed: int) -> dict[str, tupl
 
 def drive(url: str, wire: Wire, runs: dict[str, tuple[list[BenchRequest], int]]) -> dict[str, dict]:
     """Warm-up (one short request per adapter), then each workload: {workload: summary}."""
-    first: dict[str | None, BenchRequest] = {}
-    for request in runs["adapters"][0]:
-        first.setdefault(request.adapter, request)
-    warm = [BenchRequest(r.index, r.input_ids[::-1], 4, r.adapter, 0.0) for r in first.values()]
-    results, _ = asyncio.run(run_requests(url, warm, concurrency=len(warm), progress=False, wire=wire))
-    _check(results, "warm-up")
+    mixed, concurrency = runs["adapters"]
+    asyncio.run(warm_up(url, mixed, concurrency, wire))
     summaries = {}
     for name, (reqs, concurrency) in runs.items():
         results, duration_s = asyncio.run(run_requests(url, reqs, concurrency=concurrency, desc=name, wire=wire))
-        _check(results, name)
+        failed = [r for r in results if not r.ok]
+        if failed:
+            raise SystemExit(f"{name}: {len(failed)} of {len(results)} requests failed; first: {failed[0].error}")
         summaries[name] = summarize(results, duration_s)
     return summaries
-
-
-def _check(results: list[RequestResult], what: str) -> None:
-    failed = [r for r in results if not r.ok]
-    if failed:
-        raise SystemExit(f"{what}: {len(failed)} of {len(results)} requests failed; first: {failed[0].error}")
 
 
 def benchmark(bench: BenchModel, plan: Plan, llama_cpp: Path, *, rounds: int, threads: int, seed: int) -> dict:

@@ -102,10 +102,11 @@ def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int,
                 reqs = decode_reqs(pages, plan.context, list(range(batch)))
                 times = [step_ms(runner, reqs, step) for step in range(NUM_WARMUP_STEPS + plan.num_steps)]
                 steps[batch_label][label].append(statistics.median(times[NUM_WARMUP_STEPS:]))
-        linear_mib = {label: linear_bytes(runner) / 2**20 for label, (runner, _) in runners.items()}
-        kernels = {label: sorted({m.quant.matmul.name for m in runner.model.modules()
-                                  if getattr(m, "quant", None) is not None})
-                   for label, (runner, _) in runners.items()}  # fmt: skip
+        if not linear_mib:  # the same weights at every batch
+            linear_mib = {label: linear_bytes(runner) / 2**20 for label, (runner, _) in runners.items()}
+            kernels = {label: sorted({m.quant.matmul.name for m in runner.model.modules()
+                                      if getattr(m, "quant", None) is not None})
+                       for label, (runner, _) in runners.items()}  # fmt: skip
         del runners
     best = {batch: {label: min(values) for label, values in by_label.items()} for batch, by_label in steps.items()}
     result = {"step_ms": best, "batch": {"single": 1, "adapters": plan.num_adapters}, "linear_mib": linear_mib,

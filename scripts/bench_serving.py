@@ -226,7 +226,7 @@ async def check_server(url: str, adapters: set[str]) -> None:
                                  f"{' ...' if len(missing) > 8 else ''}")
 
 
-async def warm_up(url: str, requests: list[BenchRequest], concurrency: int | None) -> None:
+async def warm_up(url: str, requests: list[BenchRequest], concurrency: int | None, wire: Wire = LORAPLEX) -> None:
     """One short request (4 tokens) per distinct adapter, base included, so first-use costs (an adapter's first
     trip into a device slot, lazy allocations) stay out of the measurement; the adapter-ops benchmark measures them.
     Each prompt is reversed: the same length, but no prefix the prefix cache could serve to a measured request."""
@@ -235,7 +235,7 @@ async def warm_up(url: str, requests: list[BenchRequest], concurrency: int | Non
         first_of.setdefault(r.adapter, r)
     short = [BenchRequest(r.index, r.input_ids[::-1], min(4, r.output_len), r.adapter, 0.0)
              for r in first_of.values()]
-    results, _ = await run_requests(url, short, concurrency=concurrency, progress=False)
+    results, _ = await run_requests(url, short, concurrency=concurrency, progress=False, wire=wire)
     failed = [r.error for r in results if not r.ok]
     if failed:
         raise SystemExit(f"warm-up request failed: {failed[0]}")
