@@ -163,7 +163,10 @@ _HELP: dict[str, str] = {
     "cluster_key_file": "CURVE key file (written by `loraplex keygen PATH`): encrypts and authenticates every TCP "
     "ZeroMQ socket between nodes and a TCP --rpc-addr; required with --nnodes > 1 or a non-loopback TCP --rpc-addr",
     "audit_log": "file that gets one JSON line per adapter operation or refusal (rotated at 100 MB)",
-    "lora_allow_base_mismatch": "load an adapter whose base_model_name_or_path names another model (with a warning)",
+    "lora_allow_base_mismatch": "load an adapter whose base_model_name_or_path names another model (with a warning); "
+    "without it only an adapter for another Hub model (family, version or size) is refused",
+    "lora_strict_base_match": "refuse an adapter whose base_model_name_or_path does not name the served model, also "
+    "where the names cannot tell (a local path, a re-uploader's spelling); without it those load with a warning",
     "lora_require_manifest": "an adapter needs loraplex-manifest.json (SHA-256 of every file read), checked before "
     "any rank reads it",
 }
@@ -184,7 +187,7 @@ _TOPICS: dict[str, str] = {
     "multi-node": "nnodes node_rank dist_init_addr dist_timeout",
     "chat and tools": "chat_template enable_auto_tool_choice tool_call_parser reasoning_parser",
     "security and audit": "allow_unauthenticated_lora_updates cluster_key_file audit_log lora_allow_base_mismatch "
-    "lora_require_manifest",
+    "lora_strict_base_match lora_require_manifest",
 }
 # A field missing from _TOPICS lands here (tests/process/test_help_and_progress.py catches it).
 OTHER_TOPIC = "other options"
@@ -287,6 +290,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cluster_key_file: str | None = None
     audit_log: str | None = None
     lora_allow_base_mismatch: bool = False
+    lora_strict_base_match: bool = False
     lora_require_manifest: bool = False
 
     def __post_init__(self) -> None:
@@ -323,6 +327,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (the format of the model's calls)")
+        if self.lora_allow_base_mismatch and self.lora_strict_base_match:
+            raise ConfigError("--lora-allow-base-mismatch and --lora-strict-base-match contradict each other: give one")
         if self.disable_lora_updates and self.lora_resolver_dir:
             raise ConfigError("--lora-resolver-dir loads adapters at run time, which --disable-lora-updates forbids")
         if self.rpc_addr and not self.api_key and not is_loopback_address(self.rpc_addr):

@@ -1,6 +1,8 @@
 """AdapterIntegrity: what the frontend checks of an adapter before any rank reads it — that it was trained for the
-served base model (unless --lora-allow-base-mismatch), and, under --lora-require-manifest, that every file a rank
-will read is listed in the directory's loraplex-manifest.json with its SHA-256.
+served base model (names compared by base_names.match_base: another model for certain is refused, a name it cannot
+confirm loads with a warning; --lora-strict-base-match refuses both, --lora-allow-base-mismatch neither), and, under
+--lora-require-manifest, that every file a rank will read is listed in the directory's loraplex-manifest.json with
+its SHA-256.
 
 The manifest is `{"files": {"relative name": "sha256 hex"}}`. Files are opened through AdapterFiles, so the hashes
 are taken inside --lora-path-root as the ranks' reads are; the ranks then read the same files by name."""
@@ -11,9 +13,9 @@ import hashlib
 import json
 import logging
 import os
-import re
 from typing import Any
 
+from loraplex.frontend.adapters.base_names import BaseMatch, cache_repo_id, is_hub_id, match_base
 from loraplex.protocol.adapter_config import CONFIG_FILE, AdapterLoadError
 from loraplex.protocol.adapter_files import AdapterFiles
 from loraplex.protocol.config import ServerConfig
@@ -24,34 +26,12 @@ MANIFEST_FILE = "loraplex-manifest.json"
 _HASH_CHUNK = 1 << 20
 
 
-# The words a quantized checkpoint's name adds to its base's (`Llama-3.1-8B-Instruct-AWQ-INT4`, `Qwen3-8B-FP8`,
-# `...-quantized.w4a16`, `llama-3-8b-bnb-4bit`): a QLoRA adapter names one side, the served model often the other.
-_QUANT_WORDS = frozenset({"awq", "gptq", "fp8", "int4", "int8", "w4a16", "w8a16", "w8a8", "w4a8", "fp8_dynamic",
-                          "dynamic", "quantized", "bnb", "4bit", "8bit", "nf4", "marlin", "gemm", "compressed"})
-_WORD_SEPARATOR = re.compile(r"[-_.]")
-
-
-def _last_component(name: str) -> str:
-    return os.path.basename(os.path.normpath(name)).lower()
-
-
-def _without_quant_words(name: str) -> str:
-    """The name without the quantization words at its end (`llama-3.1-8b-instruct-awq-int4` -> `llama-3.1-8b-
-    instruct`); a name made of nothing else is kept whole."""
-    words = _WORD_SEPARATOR.split(name)
-    while len(words) > 1 and words[-1] in _QUANT_WORDS:
-        words.pop()
-    return name[: len("-".join(words))]  # separators are one character each
-
-
 class AdapterIntegrity:
     def __init__(self, config: ServerConfig):
         self.model_name = config.model_name
-        # the served model by the last component of its path (or Hub id), and by --served-model-name; each also
-        # without the words a quantized checkpoint's name adds
-        names = {_last_component(config.model_path), config.model_name.lower()}
-        self.base_names = names | {_without_quant_words(name) for name in names}
+        self.served_names = served_model_names(config)
         self.allow_base_mismatch = config.lora_allow_base_mismatch
+        self.strict_base_match = config.lora_strict_base_match
         self.require_manifest = config.lora_require_manifest
 
     def check_dir(self, lora_name: str, path: str, root: str | None) -> None:
@@ -64,19 +44,25 @@ class AdapterIntegrity:
     def check_config(self, lora_name: str, raw_config: Any) -> None:
         """adapter_config.json's base model against the served one (an adapter that names none passes)."""
         base = raw_config.get("base_model_name_or_path") if isinstance(raw_config, dict) else None
-        if not isinstance(base, str) or not base or self._is_served(base):
+        if not isinstance(base, str) or not base:
             return
-        message = (f"base_model_mismatch: adapter {lora_name!r} was trained for base model {base!r}, but this server "
-                   f"serves {self.model_name!r}")
+        match = match_base(base, self.served_names)
+        if match is BaseMatch.SAME:
+            return
+        hub_ids = [name for name in self.served_names if is_hub_id(name) and name != self.model_name]
+        served = f"{self.model_name!r}" + (f" ({', '.join(hub_ids)})" if hub_ids else "")
+        if match is BaseMatch.DIFFERENT:
+            message = f"adapter {lora_name!r} was trained for base model {base!r}, but this server serves {served}"
+        else:
+            message = f"adapter {lora_name!r} names base model {base!r}, which may not be the served {served}"
         if self.allow_base_mismatch:
-            logger.warning("%s; loaded anyway (--lora-allow-base-mismatch)", message)
-            return
-        raise AdapterLoadError(f"{message} (start with --lora-allow-base-mismatch to load it anyway)",
-                               "base_model_mismatch")
-
-    def _is_served(self, base: str) -> bool:
-        last = _last_component(base)
-        return any(name in self.base_names for name in (base.lower(), last, _without_quant_words(last)))
+            logger.warning("base_model_mismatch: %s; loaded anyway (--lora-allow-base-mismatch)", message)
+        elif match is BaseMatch.DIFFERENT or self.strict_base_match:
+            why = "start with --lora-allow-base-mismatch to load it anyway" + (
+                ", without --lora-strict-base-match" if match is BaseMatch.UNSURE else "")
+            raise AdapterLoadError(f"base_model_mismatch: {message} ({why})", "base_model_mismatch")
+        else:
+            logger.warning("base_model_mismatch: %s; loaded anyway (--lora-strict-base-match refuses it)", message)
 
     def _check_manifest(self, files: AdapterFiles, lora_name: str, path: str) -> None:
         files.check_dir(path)
@@ -95,6 +81,22 @@ class AdapterIntegrity:
             if digest != listed[name].lower():
                 raise AdapterLoadError(f"manifest_mismatch: adapter {lora_name!r}: {name!r} has SHA-256 {digest}, "
                                        f"{MANIFEST_FILE} says {listed[name]}", "manifest_mismatch")
+
+
+def served_model_names(config: ServerConfig) -> list[str]:
+    """Every name the served model is known by: --served-model-name, the model path as given (a Hub id when it is
+    no local directory), its Hugging Face cache repo id, and the checkpoint's own config.json `_name_or_path`."""
+    path = config.model_path
+    names = [config.served_model_name, path if is_hub_id(path) and not os.path.isdir(path) else os.path.abspath(path),
+             cache_repo_id(os.path.abspath(path))]
+    try:
+        with open(os.path.join(path, "config.json")) as file:
+            own = json.load(file).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):  # no local checkpoint, or a config without the name
+        own = None
+    if isinstance(own, str) and own:
+        names += [own, cache_repo_id(own)]
+    return list(dict.fromkeys(name for name in names if name))
 
 
 def _read_manifest(files: AdapterFiles, lora_name: str, manifest_path: str) -> dict[str, str]:

@@ -204,38 +204,52 @@ def set_base(path, base: str) -> None:
     (path / "adapter_config.json").write_text(json.dumps(config))
 
 
-def test_base_model_compared_by_last_component_and_served_name(adapter_copy, llama_dir):
+def test_base_model_compared_by_last_component_and_served_name(adapter_copy, llama_dir, caplog):
     integrity = AdapterIntegrity(ServerConfig(model_path=str(llama_dir), served_model_name="tiny-chat"))
-    for base in (str(llama_dir), f"/elsewhere/{llama_dir.name.upper()}", f"org/{llama_dir.name}", "tiny-chat",
-                 "TINY-chat"):
-        set_base(adapter_copy, base)
+    with caplog.at_level(logging.WARNING, logger="loraplex.adapters"):
+        for base in (str(llama_dir), f"/elsewhere/{llama_dir.name.upper()}", f"org/{llama_dir.name}", "tiny-chat",
+                     "TINY-chat"):
+            set_base(adapter_copy, base)
+            integrity.check_dir("x", str(adapter_copy), None)
+        assert not caplog.records  # the served model's names: no warning
+        set_base(adapter_copy, "meta-llama/Llama-3.1-8B")  # a local checkpoint cannot be told apart: one warning
         integrity.check_dir("x", str(adapter_copy), None)
-    set_base(adapter_copy, "meta-llama/Llama-3.1-8B")
+    assert len(caplog.records) == 1 and "meta-llama/Llama-3.1-8B" in caplog.text and "'tiny-chat'" in caplog.text
+    strict = AdapterIntegrity(ServerConfig(model_path=str(llama_dir), served_model_name="tiny-chat",
+                                           lora_strict_base_match=True))
     with pytest.raises(AdapterLoadError) as info:
-        integrity.check_dir("x", str(adapter_copy), None)
+        strict.check_dir("x", str(adapter_copy), None)
     assert info.value.error_kind == "base_model_mismatch"
     assert "meta-llama/Llama-3.1-8B" in str(info.value) and "'tiny-chat'" in str(info.value)  # names both
     with pytest.raises(AdapterLoadError, match="base_model_mismatch"):  # inline adapters are checked too
-        integrity.check_config("x", {"base_model_name_or_path": "other"})
-    integrity.check_config("x", {"base_model_name_or_path": None})  # names none: nothing to compare
+        strict.check_config("x", {"base_model_name_or_path": "other"})
+    strict.check_config("x", {"base_model_name_or_path": None})  # names none: nothing to compare
 
 
-def test_a_quantized_name_matches_its_base_both_ways(adapter_copy, tmp_path):
+def test_a_quantized_name_matches_its_base_both_ways(adapter_copy, tmp_path, caplog):
     """A QLoRA adapter names the quantized checkpoint, a full-precision one the base: either loads on the other, as
     the quantized checkpoint's name only adds its method's words (AWQ-INT4, FP8, quantized.w4a16, bnb-4bit)."""
-    for served, trained_for in (("Meta-Llama-3.1-8B-Instruct-AWQ-INT4", "meta-llama/Meta-Llama-3.1-8B-Instruct"),
-                                ("Meta-Llama-3.1-8B-Instruct-quantized.w4a16", "meta-llama/Meta-Llama-3.1-8B-Instruct"),
-                                ("Qwen3-8B-FP8", "Qwen/Qwen3-8B"),
-                                ("Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4"),
-                                ("llama-3-8b", "unsloth/llama-3-8b-bnb-4bit")):
-        integrity = AdapterIntegrity(ServerConfig(model_path=str(tmp_path / served)))
-        set_base(adapter_copy, trained_for)
-        integrity.check_dir("x", str(adapter_copy), None)
-    integrity = AdapterIntegrity(ServerConfig(model_path=str(tmp_path / "Qwen3-8B-FP8")))
-    for other in ("Qwen/Qwen3-4B", "Qwen/Qwen3-4B-FP8", "FP8", "Qwen/Qwen3-8B-Base"):  # another model stays refused
+    with caplog.at_level(logging.WARNING, logger="loraplex.adapters"):
+        for served, trained_for in (("Meta-Llama-3.1-8B-Instruct-AWQ-INT4", "meta-llama/Meta-Llama-3.1-8B-Instruct"),
+                                    ("Meta-Llama-3.1-8B-Instruct-quantized.w4a16",
+                                     "meta-llama/Meta-Llama-3.1-8B-Instruct"),
+                                    ("Qwen3-8B-FP8", "Qwen/Qwen3-8B"),
+                                    ("Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4"),
+                                    ("llama-3-8b", "unsloth/llama-3-8b-bnb-4bit")):
+            integrity = AdapterIntegrity(ServerConfig(model_path=str(tmp_path / served), lora_strict_base_match=True))
+            set_base(adapter_copy, trained_for)
+            integrity.check_dir("x", str(adapter_copy), None)
+    assert not caplog.records  # the same model by name: no warning, even under --lora-strict-base-match
+    integrity = AdapterIntegrity(ServerConfig(model_path="RedHatAI/Qwen3-8B-FP8"))  # a Hub id: names its model
+    for other in ("Qwen/Qwen3-4B", "Qwen/Qwen3-4B-FP8"):  # another model stays refused
         set_base(adapter_copy, other)
         with pytest.raises(AdapterLoadError, match="base_model_mismatch"):
             integrity.check_dir("x", str(adapter_copy), None)
+    strict = AdapterIntegrity(ServerConfig(model_path=str(tmp_path / "Qwen3-8B-FP8"), lora_strict_base_match=True))
+    for other in ("Qwen/Qwen3-4B", "FP8", "Qwen/Qwen3-8B-Base"):  # not its name: refused when strict
+        set_base(adapter_copy, other)
+        with pytest.raises(AdapterLoadError, match="base_model_mismatch"):
+            strict.check_dir("x", str(adapter_copy), None)
 
 
 def test_base_mismatch_allowed_with_a_warning(adapter_copy, llama_dir, caplog):
