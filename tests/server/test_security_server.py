@@ -85,7 +85,7 @@ def keyed_server(llama_dir, adapter_dirs, tmp_path_factory):
     write_key_file(str(cluster_key))
     adapters = {}
     for name, base in (("good", str(llama_dir)), ("other_base", "meta-llama/Llama-3.1-8B"), ("unlisted", None),
-                       ("tampered", str(llama_dir))):
+                       ("tampered", str(llama_dir)), ("local_base", "/home/me/ckpt/base")):
         adapters[name] = root / name
         shutil.copytree(adapter_dirs["a8"], adapters[name])
         config = json.loads((adapters[name] / "adapter_config.json").read_text())
@@ -97,7 +97,9 @@ def keyed_server(llama_dir, adapter_dirs, tmp_path_factory):
     weights.write_bytes(weights.read_bytes()[:-1] + b"\x00")  # one byte changed after the manifest was written
     rpc_port = free_port()
     audit = root / "audit.jsonl"
-    with ServerProcess("--model-path", str(llama_dir), *LORA, "--api-key", KEY, "--lora-require-manifest",
+    # served under a Hub model's name, so an adapter for another Hub model is refused (a local name alone never is)
+    with ServerProcess("--model-path", str(llama_dir), "--served-model-name", "meta-llama/Llama-3.2-1B", *LORA,
+                       "--api-key", KEY, "--lora-require-manifest",
                        "--audit-log", str(audit), "--rpc-addr", f"tcp://127.0.0.1:{rpc_port}",
                        "--cluster-key-file", str(cluster_key)) as server:
         yield server, adapters, audit, rpc_port, str(cluster_key), root
@@ -121,6 +123,10 @@ def test_integrity_refusals_on_both_apis_and_the_rpc(keyed_server):
             "id"] in mismatch  # names both models
         assert client.load_lora_adapter("good", str(adapters["good"])).success
         assert client.unload_lora_adapter("good").success
+        assert client.load_lora_adapter("local_base", str(adapters["local_base"])).success  # cannot tell: a warning
+        assert client.unload_lora_adapter("local_base").success
+    warned = [line for line in server.log().splitlines() if "'/home/me/ckpt/base'" in line]
+    assert len(warned) == 1 and "meta-llama/Llama-3.2-1B" in warned[0], warned
     lines = audit_lines(audit)
     outcomes = [(e["op"], e["names"], e["outcome"]) for e in lines]
     for name, kind in expected.items():
