@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 
-class BaseMatch(enum.IntEnum):  # ordered: the best verdict over the served model's names wins
+class BaseMatch(enum.Enum):
     DIFFERENT = 0
     UNSURE = 1
     SAME = 2
@@ -66,6 +66,10 @@ class _Parsed:
     words: tuple[str, ...]  # glued numbers split off: `qwen2.5` -> `qwen`, `2.5`
     size: str | None
 
+    @property
+    def is_model_name(self) -> bool:  # a family with a version or a size, not `merged` or `my-finetune`
+        return self.family is not None and (self.size is not None or self.version_after(self.family) is not None)
+
     def version_after(self, family: str) -> str | None:
         """The version of `family` in this name: the number after its word, else a `v0.2` word anywhere."""
         words = self.words
@@ -77,7 +81,7 @@ class _Parsed:
 
 
 def _canonical_version(word: str) -> str:
-    parts = _VERSION.fullmatch(word)[1].split(".")  # type: ignore[index]
+    parts = word.removeprefix("v").split(".")
     while len(parts) > 1 and parts[-1] == "0":
         parts.pop()
     return ".".join(parts)
@@ -101,13 +105,15 @@ def _key(name: str) -> str:
 
 
 def _clearly_differ(a: _Parsed, b: _Parsed) -> bool:
-    if a.family is None or b.family is None:
+    if not (a.is_model_name and b.is_model_name):
         return False
+    # the family word both names contain (`Hermes-3-Llama-3.1-8B` contains `Llama-3.1-8B`'s `llama`)
     anchor = a.family if a.family in b.words else b.family if b.family in a.words else None
-    if anchor is None:  # neither names the other's family (`Hermes-3-Llama-3.1-8B` names `llama`)
-        return all(p.size or p.version_after(p.family) for p in (a, b))  # type: ignore[arg-type]
+    if anchor is None:
+        return True  # another family
     versions = a.version_after(anchor), b.version_after(anchor)
-    return (None not in versions and versions[0] != versions[1]) or (a.size and b.size and a.size != b.size)
+    differ_in_version = None not in versions and versions[0] != versions[1]
+    return differ_in_version or (a.size is not None and b.size is not None and a.size != b.size)
 
 
 def compare_names(base: str, served: str) -> BaseMatch:

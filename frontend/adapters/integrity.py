@@ -30,6 +30,8 @@ class AdapterIntegrity:
     def __init__(self, config: ServerConfig):
         self.model_name = config.model_name
         self.served_names = served_model_names(config)
+        hub_ids = [name for name in self.served_names if is_hub_id(name) and name != self.model_name]
+        self.served_label = f"{self.model_name!r}" + (f" ({', '.join(hub_ids)})" if hub_ids else "")
         self.allow_base_mismatch = config.lora_allow_base_mismatch
         self.strict_base_match = config.lora_strict_base_match
         self.require_manifest = config.lora_require_manifest
@@ -49,18 +51,20 @@ class AdapterIntegrity:
         match = match_base(base, self.served_names)
         if match is BaseMatch.SAME:
             return
-        hub_ids = [name for name in self.served_names if is_hub_id(name) and name != self.model_name]
-        served = f"{self.model_name!r}" + (f" ({', '.join(hub_ids)})" if hub_ids else "")
         if match is BaseMatch.DIFFERENT:
-            message = f"adapter {lora_name!r} was trained for base model {base!r}, but this server serves {served}"
+            message = (f"adapter {lora_name!r} was trained for base model {base!r}, but this server serves "
+                       f"{self.served_label}")
         else:
-            message = f"adapter {lora_name!r} names base model {base!r}, which may not be the served {served}"
+            message = (f"adapter {lora_name!r} names base model {base!r}, which may not be the served "
+                       f"{self.served_label}")
         if self.allow_base_mismatch:
             logger.warning("base_model_mismatch: %s; loaded anyway (--lora-allow-base-mismatch)", message)
-        elif match is BaseMatch.DIFFERENT or self.strict_base_match:
-            why = "start with --lora-allow-base-mismatch to load it anyway" + (
-                ", without --lora-strict-base-match" if match is BaseMatch.UNSURE else "")
-            raise AdapterLoadError(f"base_model_mismatch: {message} ({why})", "base_model_mismatch")
+        elif match is BaseMatch.DIFFERENT:
+            raise AdapterLoadError(f"base_model_mismatch: {message} (start with --lora-allow-base-mismatch to load it "
+                                   "anyway)", "base_model_mismatch")
+        elif self.strict_base_match:
+            raise AdapterLoadError(f"base_model_mismatch: {message} (--lora-strict-base-match; without it the adapter "
+                                   "loads with a warning)", "base_model_mismatch")
         else:
             logger.warning("base_model_mismatch: %s; loaded anyway (--lora-strict-base-match refuses it)", message)
 
