@@ -44,6 +44,7 @@ class RequestState:
         self.detokenizer = IncrementalDetokenizer(tokenizer, output.skip_special_tokens)
         self.stop_matcher = StopMatcher(stop_strings)
         self.output_ids: list[int] = []
+        self.num_cached_prompt_tokens = 0  # its prompt tokens the prefix cache held (usage's cached_tokens)
         self.output_logprobs: list[TokenLogprob] = []  # one per output id when sampling.logprobs >= 0
         # prompt positions max(logprob_start_len, 1) on, as they arrive (position 0 has none)
         self.input_logprobs: list[TokenLogprob] = []
@@ -66,6 +67,7 @@ class RequestState:
         """Take a scheduler delta; True if a stop string ended the request here (the scheduler must abort it)."""
         if self.finished:
             return False
+        self.num_cached_prompt_tokens += delta.num_cached_prompt_tokens  # nonzero in its first delta only
         now = time.monotonic()
         if delta.token_ids and self.first_token_at is None:
             self.first_token_at = now
@@ -161,6 +163,7 @@ class RequestState:
             "id": self.rid,
             "prompt_tokens": len(self.prompt_ids),
             "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.num_cached_prompt_tokens,
             "finish_reason": self.finish_reason,
         }
         if self.wants_logprobs:

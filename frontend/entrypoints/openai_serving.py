@@ -43,6 +43,7 @@ from loraplex.frontend.responses import (
     ModelCard,
     PromptLogprob,
     PromptLogprobs,
+    PromptTokensDetails,
     Usage,
     error_body,
 )
@@ -182,11 +183,14 @@ def finish_reason(state: RequestState) -> str | None:
     return {"stop": "stop", "length": "length"}.get(state.finish_reason["type"], "abort")
 
 
-def usage(states: list[RequestState], num_prompt_tokens: int) -> Usage:
-    """num_prompt_tokens: the request's prompts, each counted once (OpenAI, vLLM and SGLang do not count it n times)."""
+def usage(states: list[RequestState], num_prompt_tokens: int, n: int) -> Usage:
+    """num_prompt_tokens: the request's prompts, each counted once (OpenAI, vLLM and SGLang do not count it n times);
+    so are their cached tokens, as the first of each prompt's n choices found them (states hold n per prompt)."""
     completion = sum(len(s.output_ids) for s in states)  # so far, in a stream with continuous_usage_stats
+    cached = sum(s.num_cached_prompt_tokens for s in states[::n])
     return Usage(
-        prompt_tokens=num_prompt_tokens, completion_tokens=completion, total_tokens=num_prompt_tokens + completion
+        prompt_tokens=num_prompt_tokens, completion_tokens=completion, total_tokens=num_prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 
@@ -237,7 +241,7 @@ class OpenAIRun:
                     index=i, message=message, logprobs=chat_logprobs(s, 0) if s.wants_logprobs else None,
                     finish_reason=reason, token_ids=list(s.output_ids) if ids else None))
             return ChatCompletionResponse(**self.base, object="chat.completion", choices=chat_choices,
-                                          usage=usage(states, self.prompt_tokens),
+                                          usage=usage(states, self.prompt_tokens, self.req.n),
                                           prompt_token_ids=states[0].prompt_ids if ids else None,
                                           prompt_logprobs=prompts[0])
         choices = [
@@ -248,7 +252,7 @@ class OpenAIRun:
             for i, s in enumerate(states)
         ]
         return CompletionResponse(**self.base, object="text_completion", choices=choices,
-                                  usage=usage(states, self.prompt_tokens))
+                                  usage=usage(states, self.prompt_tokens, self.req.n))
 
     def message(self, text: str) -> AssistantMessage:
         if self.reasoning is None:
@@ -275,7 +279,7 @@ class OpenAIRun:
 
         def chunk(choices: list, usage_: Usage | None = None) -> CompletionChunk | ChatCompletionChunk:
             if continuous and usage_ is None:
-                usage_ = usage(states, self.prompt_tokens)
+                usage_ = usage(states, self.prompt_tokens, self.req.n)
             if chat:
                 return ChatCompletionChunk(**self.base, object="chat.completion.chunk", choices=choices, usage=usage_)
             return CompletionChunk(**self.base, object="text_completion", choices=choices, usage=usage_)
@@ -342,7 +346,7 @@ class OpenAIRun:
                     choice.prompt_token_ids, prompt_ids_sent[i] = state.prompt_ids, True
             yield chunk([choice])
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield chunk([], usage(states, self.prompt_tokens))
+            yield chunk([], usage(states, self.prompt_tokens, self.req.n))
 
 
 async def start_openai(
