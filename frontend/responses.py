@@ -110,6 +110,19 @@ class VersionResponse(msgspec.Struct):
     version: str
 
 
+class TokenizerInfoResponse(msgspec.Struct):
+    """vLLM's /tokenizer_info. Besides these, the tokenizer's own settings as tokenizer_config.json gave them (no
+    file names; an added token as its text)."""
+
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    model_max_length: int  # the tokenizer's own (transformers' 10**30 when the model sets none), as vLLM gives it
+    chat_template: str | dict[str, str] | None  # the one chat requests go through: --chat-template or the tokenizer's
+
+
 class ServerInfoResponse(msgspec.Struct):
     """Besides these, every server config field (keys masked)."""
 
