@@ -40,6 +40,17 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text) :]
 
 
+def text_offsets(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool) -> list[int]:
+    """Where each token's text starts in the text the ids decode to (as IncrementalDetokenizer builds it): a token
+    that adds no text (a skipped special token, the first bytes of a character) spans nothing."""
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+    offsets, num_chars = [], 0
+    for token_id in token_ids:
+        offsets.append(num_chars)
+        num_chars += len(detokenizer.push([token_id]))
+    return offsets
+
+
 class StopMatcher:
     """Finds stop strings in generated text; holds back a tail that could still become one,
     so streamed and non-streamed output agree."""

@@ -44,6 +44,8 @@ class RequestState:
         self.detokenizer = IncrementalDetokenizer(tokenizer, output.skip_special_tokens)
         self.stop_matcher = StopMatcher(stop_strings)
         self.output_ids: list[int] = []
+        self.output_offsets: list[int] = []  # per output id, where its text starts in full_text
+        self.num_cached_prompt_tokens = 0  # its prompt tokens the prefix cache held (usage's cached_tokens)
         self.output_logprobs: list[TokenLogprob] = []  # one per output id when sampling.logprobs >= 0
         # prompt positions max(logprob_start_len, 1) on, as they arrive (position 0 has none)
         self.input_logprobs: list[TokenLogprob] = []
@@ -66,6 +68,7 @@ class RequestState:
         """Take a scheduler delta; True if a stop string ended the request here (the scheduler must abort it)."""
         if self.finished:
             return False
+        self.num_cached_prompt_tokens += delta.num_cached_prompt_tokens  # nonzero in its first delta only
         now = time.monotonic()
         if delta.token_ids and self.first_token_at is None:
             self.first_token_at = now
@@ -74,7 +77,11 @@ class RequestState:
         self.output_logprobs.extend(delta.logprobs)
         self.input_logprobs.extend(delta.prompt_logprobs)
         old_len = len(self.full_text)
-        self.full_text += self.detokenizer.push(self._shown_ids(delta))
+        num_shown = len(self._shown_ids(delta))
+        for i, token_id in enumerate(delta.token_ids):  # one at a time, so each token's text starts where it did
+            self.output_offsets.append(len(self.full_text))
+            if i < num_shown:
+                self.full_text += self.detokenizer.push([token_id])
         if delta.finish_reason is not None:
             self.full_text += self.detokenizer.flush()
         # Stop strings count only once the output has more than min_new_tokens tokens (vLLM's min_tokens); the first
@@ -161,6 +168,7 @@ class RequestState:
             "id": self.rid,
             "prompt_tokens": len(self.prompt_ids),
             "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.num_cached_prompt_tokens,
             "finish_reason": self.finish_reason,
         }
         if self.wants_logprobs:

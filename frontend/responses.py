@@ -56,6 +56,7 @@ class MetaInfo(msgspec.Struct, omit_defaults=True):
     id: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache (SGLang's name)
     finish_reason: StopFinish | LengthFinish | AbortFinish | None
     # with return_logprob: one entry per output token (a stream chunk: its own tokens')
     output_token_logprobs: list[LogprobEntry] | None = None
@@ -107,6 +108,19 @@ class DetokenizeResponse(msgspec.Struct):
 
 class VersionResponse(msgspec.Struct):
     version: str
+
+
+class TokenizerInfoResponse(msgspec.Struct):
+    """vLLM's /tokenizer_info. Besides these, the tokenizer's own settings as tokenizer_config.json gave them (no
+    file names; an added token as its text)."""
+
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    model_max_length: int  # the tokenizer's own (transformers' 10**30 when the model sets none), as vLLM gives it
+    chat_template: str | dict[str, str] | None  # the one chat requests go through: --chat-template or the tokenizer's
 
 
 class ServerInfoResponse(msgspec.Struct):
@@ -189,10 +203,17 @@ class AuditLogResponse(msgspec.Struct):
 FinishReason = Literal["stop", "length", "tool_calls", "abort"] | None
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # prompt tokens served from the prefix cache, whole pages
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # always an object, as OpenAI sends it ({"cached_tokens": 0} when nothing was cached); vLLM sends it only under
+    # --enable-prompt-tokens-details and a hit, else null, so clients read it guarded for null
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(msgspec.Struct):

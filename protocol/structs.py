@@ -302,6 +302,8 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     logprobs: list[TokenLogprob] = []  # one per token id when the request asks for logprobs, else empty
     # the next prompt tokens' logprobs (logprob_start_len >= 0), in prompt order, each sent once
     prompt_logprobs: list[TokenLogprob] = []
+    # the request's first delta only: the prompt tokens its first admission took from the prefix cache (whole pages)
+    num_cached_prompt_tokens: int = 0
 
 
 class TokenDeltas(Struct, frozen=True):

@@ -38,6 +38,7 @@ class Request:
     page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages, computed so far
     num_offered_pages: int = 0  # full written pages already offered to the prefix cache
     num_preemptions: int = 0
+    num_hit_tokens_to_send: int = 0  # prompt tokens its first admission found cached, until its first delta says so
     slot: int = -1  # adapter device slot while running, -1 = base model
     status: RequestStatus = RequestStatus.WAITING
     is_aborted: bool = False  # aborted while a forward pass that includes it was in flight: ends when it returns

@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from loraplex.protocol.config import ServerConfig
@@ -193,13 +194,13 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         if req.is_on_workers:
             self._released_keys.append(req.arrival)  # its sampling parameters, penalty history, grammar matcher
-        return TokenDelta(
-            rid=req.rid,
-            token_ids=token_ids or [],
-            finish_reason=reason,
-            error_message=error_message,
-            logprobs=logprobs or [],
-        )
+        return self._delta(req, token_ids or [], finish_reason=reason, error_message=error_message,
+                           logprobs=logprobs or [])
+
+    def _delta(self, req: Request, token_ids: list[int], **fields: Any) -> TokenDelta:
+        """A delta of req's; the first it sends carries its prefix cache hit, so the count crosses once."""
+        num_cached, req.num_hit_tokens_to_send = req.num_hit_tokens_to_send, 0
+        return TokenDelta(rid=req.rid, token_ids=token_ids, num_cached_prompt_tokens=num_cached, **fields)
 
     # ---- one step ------------------------------------------------------------------------------------------
 
@@ -353,6 +354,8 @@ class Scheduler:
             self._budget_left = budget_before
             return False
         req.page_ids += self.cache.allocate(num_pages)
+        if not req.num_preemptions:  # usage reports the first admission's hit (vLLM's num_cached_tokens too)
+            req.num_hit_tokens_to_send = req.num_cached_tokens
         self._plan[req] = num_new
         req.sends_state = True
         return True
@@ -418,7 +421,7 @@ class Scheduler:
                     logprob = result.logprobs[i] if i < len(result.logprobs) else None
                     deltas.append(self._append_token(req, result.next_token_ids[i], logprob, prompt_logprobs))
                 elif prompt_logprobs:
-                    deltas.append(TokenDelta(rid=req.rid, token_ids=[], prompt_logprobs=prompt_logprobs))
+                    deltas.append(self._delta(req, [], prompt_logprobs=prompt_logprobs))
         return deltas
 
     def _offer_pages(self, req: Request) -> None:
@@ -457,7 +460,7 @@ class Scheduler:
         elif req.num_remaining_tokens <= 0:
             delta = self._finish(req, "length", [token_id], logprobs=logprobs)
         else:
-            delta = TokenDelta(rid=req.rid, token_ids=[token_id], logprobs=logprobs)
+            delta = self._delta(req, [token_id], logprobs=logprobs)
         return msgspec.structs.replace(delta, prompt_logprobs=prompt_logprobs) if prompt_logprobs else delta
 
     def stats(self, op_id: int) -> SchedulerStats:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from loraplex.frontend.constraints import Found, constrain, openai_constraint
+from loraplex.frontend.detokenizer import text_offsets
 from loraplex.frontend.entrypoints.openai_schemas import (
     ChatRequest,
     CommonParams,
@@ -43,6 +44,7 @@ from loraplex.frontend.responses import (
     ModelCard,
     PromptLogprob,
     PromptLogprobs,
+    PromptTokensDetails,
     Usage,
     error_body,
 )
@@ -101,22 +103,34 @@ def prompt_logprobs(state: RequestState, num_top: int) -> PromptLogprobs:
     return out
 
 
-def completion_logprobs(
-    state: RequestState, start: int, offset: int, with_prompt: bool = False
-) -> tuple[CompletionLogprobs, int]:
-    """The output tokens from `start` on in the completions shape, after the prompt's (echo) when with_prompt;
-    text offsets count from `offset`. Also returns the offset past the last token."""
-    entries = state.prompt_logprob_entries() if with_prompt else []
-    entries += zip(state.output_ids[start:], state.output_logprobs[start:], strict=False)
-    tokens, values, tops, offsets = [], [], [], []
+class Echo(NamedTuple):
+    """Completions' echo of one prompt: the text its choices begin with, and where each prompt token's text starts
+    in it (filled when logprobs are asked)."""
+
+    text: str
+    offsets: list[int]
+
+
+def completion_logprobs(state: RequestState, start: int, echo: Echo | None, with_prompt: bool) -> CompletionLogprobs:
+    """The output tokens from `start` on in the completions shape, after the echoed prompt's when with_prompt.
+    text_offset indexes the choice's whole text (the echoed prompt, then the output): a token that shows no text
+    there (a BOS the prompt's text lacks, a skipped special token) spans nothing."""
+    entries, offsets = [], []
+    if with_prompt and echo is not None:
+        entries = state.prompt_logprob_entries()
+        offsets = echo.offsets[: len(entries)]
+    base = len(echo.text) if echo is not None else 0
+    outputs = zip(state.output_ids[start:], state.output_logprobs[start:], state.output_offsets[start:], strict=False)
+    for tid, lp, offset in outputs:
+        entries.append((tid, lp))
+        offsets.append(base + offset)
+    tokens, values, tops = [], [], []
     for tid, lp in entries:
         token = state.token_text(tid)
         tokens.append(token)
         values.append(None if lp is None else lp.logprob)
         tops.append(None if lp is None else top_entries(state, token, lp))
-        offsets.append(offset)
-        offset += len(token)
-    return CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets), offset
+    return CompletionLogprobs(tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets)
 
 
 def chat_logprobs(state: RequestState, start: int) -> ChatLogprobs:
@@ -182,11 +196,14 @@ def finish_reason(state: RequestState) -> str | None:
     return {"stop": "stop", "length": "length"}.get(state.finish_reason["type"], "abort")
 
 
-def usage(states: list[RequestState], num_prompt_tokens: int) -> Usage:
-    """num_prompt_tokens: the request's prompts, each counted once (OpenAI, vLLM and SGLang do not count it n times)."""
+def usage(states: list[RequestState], num_prompt_tokens: int, n: int) -> Usage:
+    """num_prompt_tokens: the request's prompts, each counted once (OpenAI, vLLM and SGLang do not count it n times);
+    so are their cached tokens, as the first of each prompt's n choices found them (states hold n per prompt)."""
     completion = sum(len(s.output_ids) for s in states)  # so far, in a stream with continuous_usage_stats
+    cached = sum(s.num_cached_prompt_tokens for s in states[::n])
     return Usage(
-        prompt_tokens=num_prompt_tokens, completion_tokens=completion, total_tokens=num_prompt_tokens + completion
+        prompt_tokens=num_prompt_tokens, completion_tokens=completion, total_tokens=num_prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 
@@ -195,7 +212,7 @@ class OpenAIRun:
     every state, on every path."""
 
     def __init__(self, service: GenerateService, req: CommonParams, states: list[RequestState], chat: bool,
-                 served_by: str, prompt_tokens: int, echoes: list[str] | None, reasoning: Reasoning | None = None,
+                 served_by: str, prompt_tokens: int, echoes: list[Echo] | None, reasoning: Reasoning | None = None,
                  tools: ToolPlan | None = None):
         self.service = service
         self.tools = tools  # chat with tool calls: how its output becomes calls
@@ -203,7 +220,7 @@ class OpenAIRun:
         self.states = states
         self.chat = chat
         self.prompt_tokens = prompt_tokens  # each prompt once, however many choices share it (n)
-        self.echoes = echoes  # completions with echo: each choice's prompt text, put before its text
+        self.echoes = echoes  # completions with echo: each choice's prompt, its text put before the choice's
         self.reasoning = reasoning  # chat under --reasoning-parser: <think> text goes to reasoning_content
         # vLLM's prompt_logprobs (completions' echo with logprobs too): alternatives per prompt token, or None
         self.num_prompt_top = requested_prompt_logprobs(req, requested_logprobs(req))
@@ -237,18 +254,19 @@ class OpenAIRun:
                     index=i, message=message, logprobs=chat_logprobs(s, 0) if s.wants_logprobs else None,
                     finish_reason=reason, token_ids=list(s.output_ids) if ids else None))
             return ChatCompletionResponse(**self.base, object="chat.completion", choices=chat_choices,
-                                          usage=usage(states, self.prompt_tokens),
+                                          usage=usage(states, self.prompt_tokens, self.req.n),
                                           prompt_token_ids=states[0].prompt_ids if ids else None,
                                           prompt_logprobs=prompts[0])
         choices = [
-            CompletionChoice(index=i, text=(echoes[i] if echoes else "") + s.text, finish_reason=finish_reason(s),
-                             logprobs=completion_logprobs(s, 0, 0, bool(echoes))[0] if s.wants_logprobs else None,
+            CompletionChoice(index=i, text=(echoes[i].text if echoes else "") + s.text, finish_reason=finish_reason(s),
+                             logprobs=completion_logprobs(s, 0, echoes[i] if echoes else None, True)
+                             if s.wants_logprobs else None,
                              prompt_token_ids=s.prompt_ids if ids else None,
                              token_ids=list(s.output_ids) if ids else None, prompt_logprobs=prompts[i])
             for i, s in enumerate(states)
         ]
         return CompletionResponse(**self.base, object="text_completion", choices=choices,
-                                  usage=usage(states, self.prompt_tokens))
+                                  usage=usage(states, self.prompt_tokens, self.req.n))
 
     def message(self, text: str) -> AssistantMessage:
         if self.reasoning is None:
@@ -264,7 +282,6 @@ class OpenAIRun:
         ids = bool(req.return_token_ids)
         sent_ids = [0] * len(states)  # output tokens whose ids went out (return_token_ids)
         prompt_ids_sent = [False] * len(states)  # completions: a choice's prompt ids go with its first chunk
-        offsets = [0] * len(states)  # completions' text_offset of the next token
         echoed = [not echoes] * len(states)  # the prompt's text (and logprobs) go out with a choice's first chunk
         # vLLM's continuous_usage_stats: with include_usage, the usage so far in every chunk too
         parsers = [self.reasoning.parser() for _ in states] if chat and self.reasoning else None
@@ -275,7 +292,7 @@ class OpenAIRun:
 
         def chunk(choices: list, usage_: Usage | None = None) -> CompletionChunk | ChatCompletionChunk:
             if continuous and usage_ is None:
-                usage_ = usage(states, self.prompt_tokens)
+                usage_ = usage(states, self.prompt_tokens, self.req.n)
             if chat:
                 return ChatCompletionChunk(**self.base, object="chat.completion.chunk", choices=choices, usage=usage_)
             return CompletionChunk(**self.base, object="text_completion", choices=choices, usage=usage_)
@@ -326,7 +343,7 @@ class OpenAIRun:
                 continue
             with_prompt = not echoed[i]
             if with_prompt:
-                delta_text, echoed[i] = echoes[i] + delta_text, True
+                delta_text, echoed[i] = echoes[i].text + delta_text, True
             if chat:
                 delta = ChatDelta(content=delta_text or None, reasoning_content=reasoning_text or None)
                 chat_lp = chat_logprobs(state, start) if state.wants_logprobs else None
@@ -335,14 +352,14 @@ class OpenAIRun:
             else:
                 completion_lp = None
                 if state.wants_logprobs:
-                    completion_lp, offsets[i] = completion_logprobs(state, start, offsets[i], with_prompt)
+                    completion_lp = completion_logprobs(state, start, echoes[i] if echoes else None, with_prompt)
                 choice = CompletionChoice(index=i, text=delta_text, logprobs=completion_lp, finish_reason=reason,
                                           token_ids=new_ids)
                 if ids and not prompt_ids_sent[i]:
                     choice.prompt_token_ids, prompt_ids_sent[i] = state.prompt_ids, True
             yield chunk([choice])
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield chunk([], usage(states, self.prompt_tokens))
+            yield chunk([], usage(states, self.prompt_tokens, self.req.n))
 
 
 async def start_openai(
@@ -351,13 +368,13 @@ async def start_openai(
     prompts: list[list[int]],
     chat: bool,
     default_max: int | None,
-    echo_texts: list[str] | None = None,
+    echoes: list[Echo] | None = None,
     found: Found | None = None,
     reasoning: Reasoning | None = None,
     tools: ToolPlan | None = None,
 ) -> OpenAIRun:
-    """Validate and submit every choice (n per prompt), or none. echo_texts (completions with echo): each prompt's
-    text, put before its completions' text. found: a constraint the caller derived (/v1/responses' forced tool
+    """Validate and submit every choice (n per prompt), or none. echoes (completions with echo): each prompt's,
+    its text put before its completions' text. found: a constraint the caller derived (/v1/responses' forced tool
     call), else the body's structured-output fields give it. tools: a chat's tool calls (a forced choice constrains
     the output). reasoning: the constraint starts after the reasoning."""
     runtime = service.runtime
@@ -374,7 +391,7 @@ async def start_openai(
     for prompt in prompts:
         for sampling in await constrain(runtime, openai_sampling(runtime, req, len(prompt), default_max), found):
             jobs.append((prompt, sampling))
-    echoes = [text for text in echo_texts for _ in range(req.n)] if echo_texts is not None else None
+    echoes = [echo for echo in echoes for _ in range(req.n)] if echoes is not None else None
     stops = stop_list(req.stop)
     skip_special = req.skip_special_tokens and not (tools is not None and tools.parser.needs_special_tokens)
     output = OutputOptions(skip_special_tokens=skip_special, keep_stop=req.include_stop_str_in_output)
@@ -405,11 +422,15 @@ async def start_completion(service: GenerateService, req: CompletionRequest) -> 
         prompts = prompt
     else:
         raise InputError("'prompt' must be a string, a list of strings, token ids, or lists of token ids")
-    echo_texts = None
-    if req.echo:  # a text prompt is echoed as it came, token ids as they decode
-        echo_texts = [p if isinstance(p, str) else service.detokenize(ids)
-                      for p, ids in zip(prompt if isinstance(prompt[0], str) else prompts, prompts, strict=True)]
-    return await start_openai(service, req, prompts, chat=False, default_max=16, echo_texts=echo_texts)
+    echoes = None
+    if req.echo:  # a text prompt is echoed as it came, token ids as they decode (special tokens shown)
+        with_offsets = requested_logprobs(req) >= 0
+        echoes = []
+        for p, ids in zip(prompt if isinstance(prompt[0], str) else prompts, prompts, strict=True):
+            is_text = isinstance(p, str)
+            offsets = text_offsets(service.runtime.tokenizer, ids, is_text) if with_offsets else []
+            echoes.append(Echo(p if is_text else service.detokenize(ids), offsets))
+    return await start_openai(service, req, prompts, chat=False, default_max=16, echoes=echoes)
 
 
 async def start_chat(service: GenerateService, req: ChatRequest) -> OpenAIRun:

@@ -92,6 +92,8 @@ ROUTES = [
           {**POST_ERRORS, 404: "unknown model"}),
     Route("post", "/detokenize", "Token ids back to text", DetokenizeBody, {"application/json": r.DetokenizeResponse},
           {**POST_ERRORS, 404: "unknown model"}),
+    Route("get", "/tokenizer_info", "The base model's tokenizer: its class, settings, special tokens and chat "
+          "template (vLLM's route)", None, {"application/json": r.TokenizerInfoResponse}, GET_ERRORS),
     Route("get", "/version", "The server's version", None, {"application/json": r.VersionResponse}, GET_ERRORS),
     Route("get", "/ping", "As /health (vLLM's name); no key needed", None, {"application/json": r.HealthResponse},
           {503: "starting, shutting down or failed"}, {503: (r.HealthResponse,)}),

@@ -156,7 +156,8 @@ class ResponsesRun:
         usage = None
         if done:
             num_input, num_output = self.run.prompt_tokens, len(state.output_ids)
-            usage = ResponseUsage(input_tokens=num_input, input_tokens_details=InputTokensDetails(),
+            details = InputTokensDetails(cached_tokens=state.num_cached_prompt_tokens)
+            usage = ResponseUsage(input_tokens=num_input, input_tokens_details=details,
                                   output_tokens=num_output, output_tokens_details=OutputTokensDetails(),
                                   total_tokens=num_input + num_output)
         req = self.req

@@ -1,4 +1,4 @@
-"""vLLM's and SGLang's utility routes: /tokenize, /detokenize, /version, /ping, /health_generate."""
+"""vLLM's and SGLang's utility routes: /tokenize, /detokenize, /tokenizer_info, /version, /ping, /health_generate."""
 
 from __future__ import annotations
 
@@ -82,6 +82,39 @@ async def detokenize(request: web.Request) -> web.Response:
     if any(not 0 <= t < vocab_size for t in body.tokens):
         raise InputError(f"tokens must be token ids in [0, {vocab_size})")
     return json_response(DetokenizeResponse(prompt=service.detokenize(body.tokens)))
+
+
+def tokenizer_info(tokenizer: Any, chat_template: str | None) -> dict[str, Any]:
+    """vLLM's /tokenizer_info (responses.TokenizerInfoResponse): what lm-eval's remote tokenizer and others read
+    instead of loading the tokenizer themselves. The base model's; adapters do not change it."""
+    settings = getattr(tokenizer, "init_kwargs", None) or {}
+    info = {key: plain_json(value) for key, value in settings.items() if not key.endswith("_file")}  # server paths
+    info["tokenizer_class"] = type(tokenizer).__name__
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):  # set here even where the config lacks them
+        info[name] = getattr(tokenizer, name, None)
+    info["model_max_length"] = tokenizer.model_max_length
+    info["chat_template"] = plain_json(chat_template or getattr(tokenizer, "chat_template", None))
+    return info
+
+
+def plain_json(value: Any) -> Any:
+    """A tokenizer setting as JSON: an AddedToken as its text, mappings with string keys, any other object as its
+    str()."""
+    if value is None or isinstance(value, str | bool | int | float):
+        return value
+    if isinstance(value, dict):
+        return {str(k): plain_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set):
+        return [plain_json(v) for v in value]
+    content = getattr(value, "content", None)  # tokenizers' AddedToken
+    return content if isinstance(content, str) else str(value)
+
+
+@routes.get("/tokenizer_info")
+async def get_tokenizer_info(request: web.Request) -> web.Response:
+    runtime = runtime_of(request)
+    runtime.check_available()
+    return json_response(tokenizer_info(runtime.tokenizer, runtime.chat_template))
 
 
 @routes.get("/version")

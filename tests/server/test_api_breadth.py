@@ -239,6 +239,36 @@ def test_tokenize_is_what_generate_uses(vllm_server, llama_dir):
     assert server.post("/tokenize", {"prompt": "a"}).status_code == 401
 
 
+def test_tokenizer_info_is_vllm_s(vllm_server, llama_dir):
+    # vLLM's GET /tokenizer_info: the tokenizer's settings (tokenizer_config.json as loaded) with its class, special
+    # tokens as text and its chat template; lm-eval's remote tokenizer needs eos_token and reads chat_template.
+    from jinja2 import Template
+    from transformers import AutoTokenizer
+
+    server, _ = vllm_server
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    assert server.get("/tokenizer_info").status_code == 401  # behind the key, as every route but /health and /ping
+    resp = server.get("/tokenizer_info", headers=AUTH)
+    assert resp.status_code == 200, resp.text
+    info = resp.json()
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    assert (info["bos_token"], info["eos_token"], info["unk_token"], info["pad_token"]) == ("<s>", "</s>", "<unk>",
+                                                                                           None)
+    assert info["model_max_length"] == tokenizer.model_max_length
+    assert info["chat_template"] == tokenizer.chat_template and "{{ bos_token }}" in info["chat_template"]
+    assert info["added_tokens_decoder"] == {str(i): t.content for i, t in tokenizer.added_tokens_decoder.items()}
+    assert info["added_tokens_decoder"]["1"] == "<s>"
+    assert not any(key.endswith("_file") for key in info)  # no paths of the server's files
+    # what the template makes of a chat is what /tokenize gives for it
+    messages = [{"role": "user", "content": "Hi"}]
+    text = Template(info["chat_template"]).render(messages=messages, add_generation_prompt=True,
+                                                  bos_token=info["bos_token"])
+    chat = server.post("/tokenize", {"messages": messages}, headers=AUTH).json()["tokens"]
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] == chat
+    doc = server.get("/openapi.json", headers=AUTH).json()
+    assert "200" in doc["paths"]["/tokenizer_info"]["get"]["responses"]
+
+
 def test_version_ping_health_generate(vllm_server):
     server, _ = vllm_server
     assert isinstance(server.get("/version", headers=AUTH).json()["version"], str)

@@ -247,3 +247,57 @@ def test_prompt_logprobs_refused(static_lora_server, llama_dir, path):
     resp = requests.post(static_lora_server.url + path, json={**body, "prompt_logprobs": 1, "stream": True})
     assert resp.status_code == 400 and "prompt_logprobs" in resp.text and "stream" in resp.text
     assert requests.post(static_lora_server.url + path, json={**body, "prompt_logprobs": 20}).status_code == 200
+
+
+# ---- completions' text_offset ---------------------------------------------------------------------------------
+
+
+def spans(text: str, offsets: list[int]) -> list[str]:
+    """Each token's piece of text by text_offset: from its offset to the next token's (the last: to the end)."""
+    assert offsets == sorted(offsets) and all(0 <= o <= len(text) for o in offsets), (text, offsets)
+    return [text[a:b] for a, b in zip(offsets, [*offsets[1:], len(text)], strict=True)]
+
+
+def check_offsets(choice: dict, ids: list[int], tokenizer) -> None:
+    """text_offset indexes the returned text exactly: each token's span is its string, where the text shows it;
+    a special token the text leaves out (the BOS of a text prompt, an EOS) spans nothing. (The random model writes
+    the odd lone byte: such a token spans nothing of its own, and the U+FFFD it becomes opens the next one's span.)"""
+    lp = choice["logprobs"]
+    pieces = spans(choice["text"], lp["text_offset"])
+    assert "".join(pieces) == choice["text"] and len(pieces) == len(ids) == len(lp["tokens"])
+    after_byte = False
+    for piece, token, tid in zip(pieces, lp["tokens"], ids, strict=True):
+        if tid in tokenizer.all_special_ids and token not in choice["text"]:
+            assert piece == "", (piece, token, lp)
+        elif "\ufffd" not in token:
+            assert piece == token or after_byte and piece.endswith(token) and "\ufffd" in piece, (piece, token, lp)
+        after_byte = "\ufffd" in token
+    assert sum(piece == token for piece, token in zip(pieces, lp["tokens"], strict=True)) > len(pieces) // 2
+
+
+def test_text_offsets_index_the_returned_text(static_lora_server, tokenizer):
+    # The tiny Llama's tokenizer adds a BOS that an echoed text prompt does not contain: it used to push every
+    # offset after it 3 characters (len("<s>")) past its token.
+    url = static_lora_server.url + "/v1/completions"
+    prompt = "Once upon a time, the quick brown fox"
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    assert prompt_ids[0] == tokenizer.bos_token_id
+    body = {"model": "a8", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 1,
+            "return_token_ids": True}
+    plain = requests.post(url, json=body).json()["choices"][0]
+    check_offsets(plain, plain["token_ids"], tokenizer)
+    echo = requests.post(url, json={**body, "echo": True}).json()["choices"][0]
+    assert echo["text"] == prompt + plain["text"]
+    check_offsets(echo, prompt_ids + echo["token_ids"], tokenizer)
+    assert echo["logprobs"]["text_offset"][:2] == [0, 0]  # the BOS spans nothing; "Once" starts the text
+    # a prompt of token ids is echoed as they decode, special tokens shown: there the BOS spans "<s>"
+    by_ids = requests.post(url, json={**body, "echo": True, "prompt": prompt_ids}).json()["choices"][0]
+    assert by_ids["text"] == "<s>" + echo["text"]
+    check_offsets(by_ids, prompt_ids + by_ids["token_ids"], tokenizer)
+    assert spans(by_ids["text"], by_ids["logprobs"]["text_offset"])[0] == "<s>"
+    # streamed: each chunk's offsets index the whole text too
+    for whole in (plain, echo):
+        chunks = [c["choices"][0] for c in sse(url, {**body, "echo": whole is echo}) if c["choices"]]
+        text = "".join(c["text"] for c in chunks)
+        offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+        assert (text, offsets) == (whole["text"], whole["logprobs"]["text_offset"])

@@ -596,19 +596,26 @@ def test_continuous_usage_stats(server):
     assert [bool(c.get("usage")) for c in plain] == [False] * (len(plain) - 1) + [True]
 
 
+def counts(usage: dict) -> dict:
+    """Usage less its prompt_tokens_details, which a cached prompt changes (its tests are below)."""
+    details = usage["prompt_tokens_details"]
+    assert 0 <= details["cached_tokens"] < usage["prompt_tokens"]
+    return {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
+
+
 def test_usage_counts_each_prompt_once(server, tokenizer):
     # OpenAI, vLLM and SGLang: n choices share their prompt, so usage counts it once (a list of prompts: each once)
     num_prompt = len(tokenizer(PROMPT)["input_ids"])
     body = {"model": server_model(server), "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
             "n": 3}
     expected = {"prompt_tokens": num_prompt, "completion_tokens": 12, "total_tokens": num_prompt + 12}
-    assert post(server, "/v1/completions", body)["usage"] == expected
+    assert counts(post(server, "/v1/completions", body)["usage"]) == expected
     streamed = stream(server, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
-    assert streamed[-1]["usage"] == expected and not streamed[-1]["choices"]
+    assert counts(streamed[-1]["usage"]) == expected and not streamed[-1]["choices"]
     continuous = {"include_usage": True, "continuous_usage_stats": True}
     chunks = stream(server, "/v1/completions", {**body, "stream_options": continuous})
-    assert {c["usage"]["prompt_tokens"] for c in chunks} == {num_prompt} and chunks[-1]["usage"] == expected
-    both = post(server, "/v1/completions", {**body, "prompt": [PROMPT, "a b"]})["usage"]
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {num_prompt} and counts(chunks[-1]["usage"]) == expected
+    both = counts(post(server, "/v1/completions", {**body, "prompt": [PROMPT, "a b"]})["usage"])
     num_both = num_prompt + len(tokenizer("a b")["input_ids"])
     assert both == {"prompt_tokens": num_both, "completion_tokens": 24, "total_tokens": num_both + 24}
     chat = {k: v for k, v in body.items() if k != "prompt"} | {"messages": [{"role": "user", "content": "hi"}]}
@@ -616,6 +623,61 @@ def test_usage_counts_each_prompt_once(server, tokenizer):
     assert post(server, "/v1/chat/completions", chat)["usage"]["prompt_tokens"] == num_chat
     chat_chunks = stream(server, "/v1/chat/completions", {**chat, "stream_options": continuous})
     assert {c["usage"]["prompt_tokens"] for c in chat_chunks} == {num_chat}
+
+
+PAGE_SIZE = 16  # the server's --page-size (its default)
+
+
+def prefix_cache_hits(server: ServerProcess) -> float:
+    text = server.get("/metrics").text
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("loraplex_prefix_cache_hit_tokens_total"))
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(server):
+    # OpenAI's and vLLM's usage.prompt_tokens_details.cached_tokens (the Responses API's input_tokens_details, SGLang's
+    # meta_info.cached_tokens): a prompt sent again finds its whole pages cached, all but the one holding its last
+    # token, and says so; the first time it says 0 (OpenAI's {"cached_tokens": 0}, never null).
+    model = server_model(server)
+    short = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    include_usage = {**short, "stream_options": {"include_usage": True}}
+
+    def completions(text: str) -> tuple[int, int]:
+        usage = post(server, "/v1/completions", {**short, "model": model, "prompt": text})["usage"]
+        return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+    def completions_stream(text: str) -> tuple[int, int]:
+        usage = stream(server, "/v1/completions", {**include_usage, "model": model, "prompt": text})[-1]["usage"]
+        return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+    def chat(text: str) -> tuple[int, int]:
+        body = {**short, "model": model, "messages": [{"role": "user", "content": text}]}
+        usage = post(server, "/v1/chat/completions", body)["usage"]
+        return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+    def chat_stream(text: str) -> tuple[int, int]:
+        body = {**include_usage, "model": model, "messages": [{"role": "user", "content": text}]}
+        usage = stream(server, "/v1/chat/completions", body)[-1]["usage"]
+        return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+    def responses(text: str) -> tuple[int, int]:
+        usage = post(server, "/v1/responses", {"model": model, "input": text, "max_output_tokens": 2})["usage"]
+        return usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"]
+
+    def native(text: str) -> tuple[int, int]:
+        meta = post(server, "/generate", {"text": text, "sampling_params": {"max_new_tokens": 2}})["meta_info"]
+        return meta["prompt_tokens"], meta["cached_tokens"]
+
+    for send in (completions, completions_stream, chat, chat_stream, responses, native):
+        text = f"{send.__name__}: " + PROMPT  # a prompt of its own, so its first send finds nothing cached
+        before = prefix_cache_hits(server)
+        num_prompt, first = send(text)
+        assert num_prompt > 3 * PAGE_SIZE and first == 0, (send.__name__, num_prompt, first)
+        assert prefix_cache_hits(server) == before
+        num_again, again = send(text)
+        assert num_again == num_prompt
+        assert again == (num_prompt - 1) // PAGE_SIZE * PAGE_SIZE, (send.__name__, num_prompt, again)
+        assert prefix_cache_hits(server) - before == again  # what /metrics counts as hits
 
 
 @pytest.mark.parametrize(

@@ -103,6 +103,40 @@ def test_a_shared_prefix_is_reused_for_the_same_adapter_only():
     assert_drained(sched)
 
 
+@pytest.mark.parametrize("chunked_prefill_size", [-1, 4])
+def test_each_request_s_first_delta_carries_its_prefix_cache_hit(chunked_prefill_size):
+    # Usage's cached_tokens: the prompt tokens the first admission took from the cache, in whole pages and never
+    # the last prompt token's page; sent once, with the request's first delta (a chunked prompt's comes later).
+    sched = make_scheduler(num_pages=64, page_size=4, prefix_cache=True, chunked_prefill_size=chunked_prefill_size)
+    load(sched, 1)
+    workers = Workers(sched, by_position)
+    hits = {}
+    for rid, prompt_len, lora in (("first", 13, None), ("same", 13, None), ("shorter", 9, None), ("adapter", 13, 1),
+                                  ("page_exact", 12, None)):
+        sched.add_request(gen(rid, prompt_len=prompt_len, max_new=3, lora=lora))
+        workers.run_until_idle()
+        deltas = workers.deltas[rid]
+        assert all(d.num_cached_prompt_tokens == 0 for d in deltas[1:]), deltas
+        hits[rid] = deltas[0].num_cached_prompt_tokens
+    assert hits == {"first": 0, "same": 12, "shorter": 8, "adapter": 0, "page_exact": 8}
+    assert sched.stats(op_id=0).prefix_cache_hit_tokens == sum(hits.values())
+    assert_drained(sched)
+
+
+def test_a_preempted_request_reports_its_first_admission_s_hit():
+    sched = make_scheduler(num_pages=4, page_size=4, prefix_cache=True)  # 16 tokens: b is preempted once
+    workers = Workers(sched, by_position)
+    sched.add_request(gen("warm", prompt_len=5, max_new=1))
+    workers.run_until_idle()
+    sched.add_request(gen("a", prompt_len=5, max_new=10))
+    sched.add_request(gen("b", prompt_len=5, max_new=10))
+    workers.run_until_idle()
+    assert sched.num_preemptions == 1  # its recompute finds the page again, and says nothing of it
+    for rid in ("a", "b"):
+        assert [d.num_cached_prompt_tokens for d in workers.deltas[rid]] == [4] + [0] * 9
+    assert_drained(sched)
+
+
 def test_a_dropped_adapter_s_pages_are_never_matched_again():
     sched = make_scheduler(num_pages=64, page_size=4, prefix_cache=True)
     load(sched, 1)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 from loraplex.frontend.adapters.registry import AdapterEntry, AdapterError, AdapterRegistry
-from loraplex.frontend.detokenizer import IncrementalDetokenizer, StopMatcher
+from loraplex.frontend.detokenizer import IncrementalDetokenizer, StopMatcher, text_offsets
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.params import NativeSamplingParams, native_sampling
 from transformers import AutoTokenizer
@@ -25,6 +25,25 @@ def test_incremental_detokenization_matches_full_decode_and_never_splits_utf8(to
     pieces = [detok.push([t]) for t in ids] + [detok.flush()]
     assert "".join(pieces) == tokenizer.decode(ids) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_text_offsets_cut_the_decoded_text_into_each_token_s_piece(tokenizer, skip_special_tokens):
+    # completions' text_offset: with the BOS skipped it spans nothing; a character of several byte tokens lies in
+    # the span of the token that completes it, the tokens before spanning nothing
+    text = "Hi café 東京!"
+    ids = tokenizer(text)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id
+    decoded = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert decoded == ("" if skip_special_tokens else "<s>") + text
+    offsets = text_offsets(tokenizer, ids, skip_special_tokens)
+    pieces = [decoded[a:b] for a, b in zip(offsets, [*offsets[1:], len(decoded)], strict=True)]
+    assert "".join(pieces) == decoded
+    assert pieces[0] == ("" if skip_special_tokens else "<s>")
+    for token_id, piece in zip(ids[1:], pieces[1:], strict=True):
+        token = tokenizer.decode([token_id])
+        assert piece == token or ("\ufffd" in token and piece in ("", "é", "東", "京")), (token, piece)
+    assert [p for p in pieces if p in ("é", "東", "京")] == ["é", "東", "京"]
 
 
 def test_stop_matcher_finds_earliest_and_holds_back_prefixes():

@@ -110,6 +110,7 @@ class Workers:
         self.next_token = next_token
         self.outputs: dict[str, list[int]] = defaultdict(list)
         self.finished: dict[str, TokenDelta] = {}
+        self.deltas: dict[str, list[TokenDelta]] = defaultdict(list)  # every delta, by request
         self.slot_contents: dict[int, int] = {}  # the workers' view of the slots
         self.batches: list[ForwardBatch] = []
         self.prefilled_at: dict[str, int] = {}  # rid -> step index of its prefill
@@ -120,6 +121,7 @@ class Workers:
         for delta in deltas:
             assert delta.rid not in self.finished, f"delta for {delta.rid} after it finished"
             self.outputs[delta.rid] += delta.token_ids
+            self.deltas[delta.rid].append(delta)
             if delta.finish_reason is not None:
                 self.finished[delta.rid] = delta
 
