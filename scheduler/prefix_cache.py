@@ -89,8 +89,8 @@ class PrefixCache:
 
     def match(self, keys: Sequence[bytes], num_tokens: int) -> list[int]:
         """The cached pages that start a request whose full-page keys are `keys`, taken for it (at most up to its
-        last token's page, which it must compute itself to sample)."""
-        self.num_queried_tokens += num_tokens
+        last token's page, which it must compute itself to sample). Counted by `count_lookup` once the admission
+        holds: a request that matches, cannot be admitted and releases is not a lookup twice."""
         if not self.enabled:
             return []
         matched = []
@@ -101,8 +101,11 @@ class PrefixCache:
             matched.append(page_id)
         for page_id in matched:
             self._use(page_id)
-        self.num_hit_tokens += len(matched) * self.page_size
         return matched
+
+    def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.num_queried_tokens += num_tokens
+        self.num_hit_tokens += num_hit_tokens
 
     def peek(self, keys: Sequence[bytes], num_tokens: int) -> int:
         """How many pages match would return, changing nothing."""

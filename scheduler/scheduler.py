@@ -354,6 +354,7 @@ class Scheduler:
             self._budget_left = budget_before
             return False
         req.page_ids += self.cache.allocate(num_pages)
+        self.cache.count_lookup(req.num_tokens, req.num_cached_tokens)
         if not req.num_preemptions:  # usage reports the first admission's hit (vLLM's num_cached_tokens too)
             req.num_hit_tokens_to_send = req.num_cached_tokens
         self._plan[req] = num_new

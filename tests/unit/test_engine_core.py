@@ -56,7 +56,6 @@ def test_cache_matches_shares_evicts_lru_and_never_matches_the_last_token():
     cache.allocate(4)
     assert cache.num_cached == 2 and cache.peek(keys, 13) == 2
     assert cache.match(keys, 13) == pages[:2]
-    assert (cache.num_hit_tokens, cache.num_queried_tokens) == (28, 38)
     cache.check()
 
 
@@ -394,3 +393,23 @@ def test_a_model_with_a_full_attention_layer_frees_nothing():
     for _ in range(8):
         workers.step()
     assert req.num_freed_pages == 0 and sched.cache.num_in_use == len(req.page_ids) == -(-req.num_cached_tokens // 4)
+
+
+def test_a_request_that_waits_for_pages_counts_its_prefix_lookup_once():
+    # /metrics' hit rate: a waiting request matches cached pages at every try but counts only when admitted.
+    sched = make_scheduler(num_pages=4, page_size=4, prefix_cache=True)
+    workers = Workers(sched, by_position)
+    sched.add_request(gen("warm", prompt_len=5, max_new=1))
+    workers.run_until_idle()
+    sched.add_request(gen("hog", prompt_len=13, max_new=3))  # all 4 pages while it runs
+    workers.step()
+    sched.add_request(gen("waiter", prompt_len=5, max_new=2))
+    workers.step()
+    assert "waiter" not in workers.deltas  # still waiting: its lookups so far do not count
+    assert sched.stats(op_id=0).prefix_cache_queried_tokens == 5 + 13
+    workers.run_until_idle()
+    assert sched.num_preemptions == 0
+    stats = sched.stats(op_id=0)
+    assert stats.prefix_cache_queried_tokens == 5 + 13 + 5
+    assert stats.prefix_cache_hit_tokens == 0 + 4 + 4
+    assert_drained(sched)

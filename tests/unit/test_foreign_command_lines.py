@@ -172,6 +172,10 @@ def test_docs_table_lists_every_flag_of_theirs() -> None:
     assert sorted(theirs - listed) == []
     ours = {s for action in build_arg_parser()._actions for s in action.option_strings}
     assert sorted(listed - ours) == []  # every name there is a real flag: no stale rows
+    # the table of their flags with no setting here names only such flags (a flag that became ours leaves it)
+    table_rows = re.findall(r"^\| `(--[a-z0-9-]+)[^|]*\| (?:vLLM|SGLang)[^|]*\| (?:accepted|refused)", section, re.M)
+    foreign = {name for flag in FOREIGN_FLAGS for name in flag.names}
+    assert sorted(set(table_rows) - foreign) == []
 
 
 def test_reasoning_parser_is_a_setting_of_ours() -> None:
