@@ -31,6 +31,9 @@ def test_phi4_mini_instruct() -> None:
     assert rope.rope_type == "longrope" and rope.rotary_dim(config.head_dim) == 96
     assert rope.params["original_max_position_embeddings"] == 4096 and rope.max_position_embeddings == 131072
     assert len(rope.params["long_factor"]) == len(rope.params["short_factor"]) == 48
+    # As published: plain RoPE up to 4096 tokens, scaled factors past it. Were the two lists equal, the comparisons
+    # below could not tell the short rows from the long ones, and a swap of the two would pass.
+    assert rope.params["short_factor"] == [1.0] * 48 and rope.params["long_factor"][-1] == 47.77
     # The fused layers' slices: q 24 heads, k and v 8 heads each, of 128
     assert full_shapes(config)["q_proj"] == (3072, 3072) and full_shapes(config)["k_proj"] == (3072, 1024)
     # The short rows (a sequence of at most 4096 tokens) and the long ones (a longer sequence) as transformers'
@@ -44,6 +47,7 @@ def test_phi4_mini_instruct() -> None:
         cos, sin = hf(torch.zeros(1), torch.tensor([[position, 4199]]))  # sequence length 4200
         row = max_positions + position
         assert torch.equal(rotary.cos[row], cos[0, 0]) and torch.equal(rotary.sin[row], sin[0, 0])
+    assert not torch.allclose(rotary.cos[4095], rotary.cos[max_positions + 4095])  # the two sets of rows differ
 
 
 def test_phi3_mini_4k_instruct() -> None:
