@@ -13,7 +13,13 @@ from typing import Any
 
 from loraplex.frontend.chat_template import ChatOptions
 from loraplex.frontend.constraints import Found
-from loraplex.frontend.entrypoints.openai_schemas import ChatMessage, ChatRequest, chat_messages
+from loraplex.frontend.entrypoints.openai_schemas import (
+    ChatMessage,
+    ChatRequest,
+    ToolCall,
+    ToolCallFunction,
+    chat_messages,
+)
 from loraplex.frontend.entrypoints.openai_serving import OpenAIRun, start_openai
 from loraplex.frontend.entrypoints.responses_events import EventWriter, ParsedItemsStream, new_id, parsed_items
 from loraplex.frontend.entrypoints.responses_schemas import (
@@ -63,7 +69,7 @@ def input_items(raw: str | list[dict]) -> list[InputItem]:
         schema = INPUT_ITEMS.get(kind) if isinstance(kind, str) else None
         if schema is None:
             raise InputError(f"input[{i}] has type {kind!r}; supported: {', '.join(INPUT_ITEMS)}")
-        items.append(convert(item, schema, f"input[{i}]"))
+        items.append(convert(item, schema, f"input[{i}]", path=f"input[{i}]"))
     return items
 
 
@@ -73,8 +79,7 @@ def chat_of(items: list[InputItem], instructions: str | None) -> list[dict[str, 
     messages: list[ChatMessage] = [ChatMessage(role="system", content=instructions)] if instructions else []
     for item in items:
         if isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+            call = ToolCall(id=item.call_id, function=ToolCallFunction(name=item.name, arguments=item.arguments))
             last = messages[-1] if messages else None
             if last is None or last.role != "assistant":
                 last = ChatMessage(role="assistant", content=None, tool_calls=[])

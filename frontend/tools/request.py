@@ -9,29 +9,30 @@ from typing import Literal
 
 import msgspec
 from loraplex.frontend.errors import InputError
+from loraplex.frontend.params import Strict
 from loraplex.frontend.tools.base import ToolParser
 from loraplex.frontend.tools.forced import NamedParser, RequiredParser, named_schema, required_schema
 from loraplex.frontend.tools.parsers import PARSERS
 from loraplex.protocol.structs import OutputConstraint
 
 
-class FunctionDef(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):  # unset: not passed on
+class FunctionDef(Strict, kw_only=True, omit_defaults=True):  # unset: not passed on
     name: str
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments object
     strict: bool | None = None  # forced calls always follow the schema in full; parsed ones are not checked
 
 
-class Tool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class Tool(Strict, kw_only=True):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(msgspec.Struct, forbid_unknown_fields=True):
+class FunctionName(Strict):
     name: str
 
 
-class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: FunctionName
 

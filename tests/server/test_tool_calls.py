@@ -229,6 +229,28 @@ def test_langchain_agent_completes_a_two_step_tool_loop(server) -> None:
     assert answer.usage_metadata["input_tokens"] > asked.usage_metadata["input_tokens"]
 
 
+def test_unknown_fields_in_any_object_are_refused_naming_their_path(server) -> None:
+    """Every object of a chat body is strict, an assistant's earlier tool calls included (tests/unit/
+    test_strict_bodies.py walks every object type; here the answer over HTTP)."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
+    body = {"model": "tool-lora", "messages": history, "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 2}
+    assert server.post("/v1/chat/completions", body).status_code == 200
+    bad = {  # the object given an unknown field: the path the 400 names
+        "messages[1].tool_calls[0].flavour": lambda b: b["messages"][1]["tool_calls"][0],
+        "messages[1].tool_calls[0].function.flavour": lambda b: b["messages"][1]["tool_calls"][0]["function"],
+        "messages[1].flavour": lambda b: b["messages"][1],
+        "tools[0].function.flavour": lambda b: b["tools"][0]["function"],
+        "tool_choice.function.flavour": lambda b: b["tool_choice"]["function"],
+    }
+    for path, target in bad.items():
+        wrong = json.loads(json.dumps(body))
+        target(wrong)["flavour"] = "mint"
+        out = server.post("/v1/chat/completions", wrong)
+        assert out.status_code == 400 and out.json()["error"]["message"] == f"unknown field '{path}'", out.text
+
+
 # ---- /v1/responses, tool_choice auto: the parser's calls as function_call items ---------------------------------
 
 RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat tool shape
