@@ -201,7 +201,14 @@ class ResponseInProgress(ResponseEvent, tag="response.in_progress", kw_only=True
 
 
 class ResponseCompleted(ResponseEvent, tag="response.completed", kw_only=True):
-    """The last event, incomplete responses included (status says which, as vLLM sends it)."""
+    """The last event of a response that ended by itself."""
+
+    response: ResponseObject
+
+
+class ResponseIncomplete(ResponseEvent, tag="response.incomplete", kw_only=True):
+    """The last event of a response cut by max_output_tokens (status "incomplete", with incomplete_details), as OpenAI
+    sends it; clients tell the two apart (vLLM sends response.completed for both)."""
 
     response: ResponseObject
 
@@ -269,4 +276,4 @@ class ErrorEvent(ResponseEvent, tag="error", kw_only=True):
 
 STREAM_EVENTS = (ResponseCreated, ResponseInProgress, OutputItemAdded, ContentPartAdded, OutputTextDelta,
                  OutputTextDone, ContentPartDone, ArgumentsDelta, ArgumentsDone, OutputItemDone, ResponseCompleted,
-                 ErrorEvent)
+                 ResponseIncomplete, ErrorEvent)

@@ -40,6 +40,7 @@ from loraplex.frontend.entrypoints.responses_schemas import (
     ResponseCompleted,
     ResponseCreated,
     ResponseEvent,
+    ResponseIncomplete,
     ResponseInProgress,
     ResponseObject,
     ResponsesRequest,
@@ -214,8 +215,8 @@ class ResponsesRun:
                 sent = len(state.text)
 
     async def events(self) -> AsyncIterator[ResponseEvent]:
-        """The stream: created, in_progress, each output item's events, completed (incomplete ones too); an error
-        event ends it where generation fails."""
+        """The stream: created, in_progress, each output item's events, then completed, or incomplete where
+        max_output_tokens cut it; an error event ends it where generation fails."""
         yield ResponseCreated(sequence_number=self.writer.next(), response=self.response([], done=False))
         yield ResponseInProgress(sequence_number=self.writer.next(), response=self.response([], done=False))
         try:
@@ -255,7 +256,9 @@ class ResponsesRun:
         except GenerationFailed as e:
             yield ErrorEvent(sequence_number=self.writer.next(), code=str(e.status), message=str(e))
             return
-        yield ResponseCompleted(sequence_number=self.writer.next(), response=self.response(items, done=True))
+        final = self.response(items, done=True)
+        closing = ResponseIncomplete if final.status == "incomplete" else ResponseCompleted
+        yield closing(sequence_number=self.writer.next(), response=final)
 
 
 async def start_response(service: GenerateService, req: ResponsesRequest) -> ResponsesRun:

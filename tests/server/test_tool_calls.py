@@ -326,10 +326,10 @@ def test_responses_auto_choice_call_cut_by_max_output_tokens(client) -> None:
     assert cut is not None and out.status == "incomplete" and summary(out.output) == [("message", text)]
     assert AUTO_TEXT.startswith(text) and text != AUTO_TEXT
     with client.responses.stream(**{**response_kwargs(AUTO_TEXT), "max_output_tokens": cut}, temperature=0) as stream:
-        for _ in stream:
-            pass
-        final = stream.get_final_response()
-    assert final.status == "incomplete"
+        events = list(stream)
+    final = events[-1].response  # response.incomplete, as OpenAI ends a cut stream
+    assert events[-1].type == "response.incomplete" and final.status == "incomplete"
+    assert final.incomplete_details.reason == "max_output_tokens"
     assert "".join(item.content[0].text for item in final.output if item.type == "message") == text
     assert [(c.name, c.status) for c in final.output if c.type == "function_call"] == [("get_time", "incomplete")]
 
