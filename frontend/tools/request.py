@@ -42,11 +42,10 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 class ToolPlan(msgspec.Struct, frozen=True):
     """How a request's output becomes tool calls: parser reads them; constraint (forced choices) makes the output
-    parse. named: the call's function when tool_choice names one (its arguments are streamed as they come)."""
+    parse, unless max_tokens cuts it."""
 
     parser: ToolParser
     constraint: OutputConstraint | None = None
-    named: str | None = None
 
 
 def template_tools(tools: list[Tool] | None) -> list[dict] | None:
@@ -70,8 +69,7 @@ def tool_plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel: boo
         tool = next((t for t in specs if t["function"]["name"] == name), None)
         if tool is None:
             raise InputError(f"Tool '{name}' has not been passed in `tools`.")
-        return ToolPlan(NamedParser(specs, name), OutputConstraint("json_schema", json.dumps(named_schema(tool))),
-                        named=name)
+        return ToolPlan(NamedParser(specs, name), OutputConstraint("json_schema", json.dumps(named_schema(tool))))
     if choice == "required":
         many = parallel is not False
         schema = json.dumps(required_schema(specs, many))

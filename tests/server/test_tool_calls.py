@@ -251,6 +251,54 @@ def test_unknown_fields_in_any_object_are_refused_naming_their_path(server) -> N
         assert out.status_code == 400 and out.json()["error"]["message"] == f"unknown field '{path}'", out.text
 
 
+def chat_both_ways(client, **kwargs) -> tuple:
+    """The same request whole and streamed (raw chunks, as LangChain reads them): (whole choice, streamed content,
+    streamed tool call deltas, streamed finish_reason)."""
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    content, deltas, reason = "", [], None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            deltas += choice.delta.tool_calls or []
+            reason = choice.finish_reason or reason
+    return whole, content, deltas, reason
+
+
+@pytest.mark.parametrize(("choice", "inside"), [(NAMED, '{"'), ("required", '"parameters": {"')])
+def test_a_forced_call_cut_by_max_tokens_is_content_whole_and_streamed(client, choice, inside) -> None:
+    """A cut call is never presented as one: whole, its text is the content (finish_reason length, no calls); streamed,
+    no tool call delta goes out (a client would assemble a call from the pieces) and the same text is the content."""
+    kwargs = dict(model="tool-lora", messages=ASK, tools=TOOLS, tool_choice=choice, seed=1)
+    for limit in range(2, 60):  # the first limit that cuts inside the arguments
+        whole = client.chat.completions.create(**kwargs, max_tokens=limit).choices[0]
+        if inside in (whole.message.content or ""):
+            break
+    assert whole.finish_reason == "length" and not whole.message.tool_calls, whole
+    whole, content, deltas, reason = chat_both_ways(client, **kwargs, max_tokens=limit)
+    assert whole.finish_reason == "length" and not whole.message.tool_calls and inside in whole.message.content
+    assert (content, deltas, reason) == (whole.message.content, [], "length")
+    # not cut: the same calls whole and streamed, each streamed call in one piece once it parsed
+    whole, content, deltas, reason = chat_both_ways(client, **kwargs, max_tokens=128)
+    assert whole.finish_reason == reason == "tool_calls" and not content
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
+        (d.function.name, a.function.arguments) for d, a in zip(deltas[::2], deltas[1::2], strict=True)]
+
+
+def test_an_auto_call_cut_by_max_tokens_is_content_whole_and_streamed(client) -> None:
+    """tool_choice auto: a call cut inside its arguments does not parse, so the whole answer is its text; streamed, the
+    call is not sent either, and the content adds up to the same text."""
+    kwargs = dict(model="tool-lora", messages=ASK, tools=TOOLS, temperature=0,
+                  extra_body={"structured_outputs": {"choice": [AUTO_TEXT]}})
+    for limit in range(4, 60):  # the first limit that cuts inside the call's arguments
+        whole = client.chat.completions.create(**kwargs, max_tokens=limit).choices[0]
+        if '"arguments": {"' in (whole.message.content or ""):
+            break
+    text = whole.message.content
+    assert whole.finish_reason == "length" and not whole.message.tool_calls and AUTO_TEXT.startswith(text)
+    _, content, deltas, reason = chat_both_ways(client, **kwargs, max_tokens=limit)
+    assert (content, deltas, reason) == (text, [], "length")
+
+
 # ---- /v1/responses, tool_choice auto: the parser's calls as function_call items ---------------------------------
 
 RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat tool shape
