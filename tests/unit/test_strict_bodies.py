@@ -12,11 +12,14 @@ from typing import Any
 
 import msgspec
 import pytest
+from loraplex.frontend.entrypoints.native_api import AbortBody, LoadBody, UnloadBody
+from loraplex.frontend.entrypoints.openai_api import VllmLoadBody, VllmUnloadBody
 from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest, decode_openai
 from loraplex.frontend.entrypoints.responses_schemas import INPUT_ITEMS, ResponsesRequest, strip_responses
 from loraplex.frontend.entrypoints.responses_serving import input_items
+from loraplex.frontend.entrypoints.utility_api import DetokenizeBody, TokenizeBody
 from loraplex.frontend.errors import InputError
-from loraplex.frontend.params import decode_body
+from loraplex.frontend.params import NativeGenerateRequest, Strict, decode_body
 from msgspec import inspect
 
 COMMON = {
@@ -120,8 +123,7 @@ def test_every_object_type_is_strict_and_in_the_sample_body(route):
     dicts: set[str] = set()
     for root in roots:
         walk_types(inspect.type_info(root), "", structs, dicts)
-    assert all(info.forbid_unknown_fields for info in structs.values()), [
-        cls.__name__ for cls, info in structs.items() if not info.forbid_unknown_fields]
+    assert all(issubclass(cls, Strict) for cls in structs), [c.__name__ for c in structs if not issubclass(c, Strict)]
     # a `dict` that is not free-form would take any field: its shape belongs in a Strict struct
     assert dicts - {"input"} <= FREE_FORM, dicts - FREE_FORM  # responses' input: each item checked by input_items
     decoded = {type(s) for s in struct_instances(decode(json.dumps(body).encode()))}
@@ -141,3 +143,18 @@ def test_an_unknown_field_in_any_object_is_refused_naming_its_path(route):
             decode(json.dumps(bad).encode())
         expected = "unknown parameter 'flavour'" if path == "" else f"unknown field '{path}.flavour'"
         assert str(refused.value) == expected
+
+
+OTHER_BODIES = [NativeGenerateRequest, TokenizeBody, DetokenizeBody, AbortBody, LoadBody, UnloadBody, VllmLoadBody,
+                VllmUnloadBody]
+
+
+@pytest.mark.parametrize("schema", OTHER_BODIES, ids=lambda s: s.__name__)
+def test_every_other_route_body_is_strict_to_its_leaves(schema):
+    structs: dict[type, inspect.StructType] = {}
+    dicts: set[str] = set()
+    walk_types(inspect.type_info(schema), "", structs, dicts)
+    assert all(issubclass(cls, Strict) for cls in structs), [c.__name__ for c in structs if not issubclass(c, Strict)]
+    assert dicts <= FREE_FORM, dicts - FREE_FORM
+    with pytest.raises(InputError, match=r"^unknown field 'flavour'$"):
+        decode_body(b'{"flavour": 1}', schema)
