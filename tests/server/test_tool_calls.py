@@ -265,7 +265,7 @@ def chat_both_ways(client, **kwargs) -> tuple:
 
 
 @pytest.mark.parametrize(("choice", "inside"), [(NAMED, '{"'), ("required", '"parameters": {"')])
-def test_a_forced_call_cut_by_max_tokens_is_content_whole_and_streamed(client, choice, inside) -> None:
+def test_a_forced_call_cut_by_max_tokens_is_content_whole_and_streamed(client, server, choice, inside) -> None:
     """A cut call is never presented as one: whole, its text is the content (finish_reason length, no calls); streamed,
     no tool call delta goes out (a client would assemble a call from the pieces) and the same text is the content."""
     kwargs = dict(model="tool-lora", messages=ASK, tools=TOOLS, tool_choice=choice, seed=1)
@@ -277,6 +277,16 @@ def test_a_forced_call_cut_by_max_tokens_is_content_whole_and_streamed(client, c
     whole, content, deltas, reason = chat_both_ways(client, **kwargs, max_tokens=limit)
     assert whole.finish_reason == "length" and not whole.message.tool_calls and inside in whole.message.content
     assert (content, deltas, reason) == (whole.message.content, [], "length")
+    # LangChain, streaming: it would assemble a call from any pieces; it gets the text
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="tool-lora", base_url=server.url + "/v1", api_key="none", max_tokens=limit, seed=1,
+                     max_retries=0, timeout=120)
+    bound = llm.bind_tools(TOOLS, tool_choice=choice["function"]["name"] if isinstance(choice, dict) else choice)
+    chunks = list(bound.stream([HumanMessage(ASK[0]["content"])]))
+    streamed = sum(chunks[1:], chunks[0])
+    assert not streamed.tool_calls and not streamed.tool_call_chunks and streamed.content == whole.message.content
     # not cut: the same calls whole and streamed, each streamed call in one piece once it parsed
     whole, content, deltas, reason = chat_both_ways(client, **kwargs, max_tokens=128)
     assert whole.finish_reason == reason == "tool_calls" and not content
