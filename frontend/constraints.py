@@ -13,29 +13,39 @@ from typing import Any, Literal
 
 import msgspec
 from loraplex.frontend.errors import InputError
+from loraplex.frontend.params import Strict
 from loraplex.frontend.runtime import Runtime
 from loraplex.protocol.structs import OutputConstraint, SamplingParams
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object: any JSON object
 
 
-class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class JsonSchemaFormat(Strict, kw_only=True):
     name: str
     description: str | None = None
     schema: dict | None = None
     strict: bool | None = None  # the schema is always enforced in full
 
 
-class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class TagStructure(Strict, kw_only=True, omit_defaults=True):  # unset: not passed on to xgrammar
+    """One of a structural_tag's older `structures`: text from `begin` to `end`, the JSON between them following
+    `schema`."""
+
+    begin: str
+    schema: dict | None = None
+    end: str
+
+
+class ResponseFormat(Strict, kw_only=True):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
     # structural_tag, as vLLM takes it: xgrammar's `format`, or the older `structures` with `triggers`
     format: dict | None = None
-    structures: list[dict] | None = None
+    structures: list[TagStructure] | None = None
     triggers: list[str] | None = None
 
 
-class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class StructuredOutputs(Strict, kw_only=True):
     """vLLM's structured_outputs (>= 0.12), one constraint of: json (a schema, as an object or JSON text), regex,
     choice, grammar (xgrammar EBNF), json_object, structural_tag (JSON text)."""
 
@@ -123,7 +133,8 @@ def structural_tag_source(fmt: ResponseFormat) -> str:
         return json.dumps({"type": "structural_tag", "format": fmt.format})
     if fmt.structures is None or fmt.triggers is None:
         raise InputError("response_format structural_tag needs `format`, or `structures` with `triggers`")
-    return json.dumps({"type": "structural_tag", "structures": fmt.structures, "triggers": fmt.triggers})
+    structures = msgspec.to_builtins(fmt.structures)
+    return json.dumps({"type": "structural_tag", "structures": structures, "triggers": fmt.triggers})
 
 
 def choice_grammar(choices: list[str], field: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
@@ -38,7 +39,14 @@ LogprobStart = Annotated[int, msgspec.Meta(ge=-1, le=MAX_INT64, description="-1 
 AdapterPath = Annotated[str, msgspec.Meta(pattern=r"^[^\x00]*$", description="a directory holding a PEFT adapter")]
 
 
-class NativeSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class Strict(msgspec.Struct, forbid_unknown_fields=True):
+    """The base of every object of a request body, nested ones included: a field it does not name is refused (400
+    naming the field's JSON path, see `convert`), never dropped. Free-form objects (JSON schemas, template kwargs) are
+    typed `dict` on purpose; any other object of known shape is a Strict subclass (tests/unit/test_strict_bodies.py
+    walks every request schema to hold this)."""
+
+
+class NativeSamplingParams(Strict, kw_only=True):
     max_new_tokens: TokenCount = 128
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
@@ -62,7 +70,7 @@ class NativeSamplingParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=T
     logit_bias: LogitBias | None = None
 
 
-class NativeGenerateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class NativeGenerateRequest(Strict, kw_only=True):
     text: str | list[str] | None = None
     input_ids: list[TokenId | list[TokenId]] | None = None  # one prompt, or a batch of prompts
     sampling_params: NativeSamplingParams | None = None
@@ -152,10 +160,19 @@ def strip_native(raw: dict) -> None:
         )
 
 
-def convert(value: Any, schema: type[T], what: str) -> T:
+# msgspec's words for a field a Strict object does not name, with the path of that object ("$" alone at the top)
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(?P<field>.*?)`(?: - at `\$(?P<at>.*)`)?", re.DOTALL)
+
+
+def convert(value: Any, schema: type[T], what: str, path: str = "") -> T:
+    """value (decoded JSON) as schema, or an InputError. path: where value sits in the body, for the messages."""
     try:
         return msgspec.convert(value, schema)
     except msgspec.ValidationError as e:  # its message may quote a field name of any length
+        unknown = _UNKNOWN_FIELD.fullmatch(str(e))
+        if unknown is not None:
+            field_path = f"{path}{unknown['at'] or ''}.{unknown['field']}".lstrip(".")
+            raise InputError(f"unknown field {cut(repr(field_path), MAX_MESSAGE_LEN)}") from e
         raise InputError(f"invalid {what}: {cut(str(e), MAX_MESSAGE_LEN)}") from e
     except RecursionError as e:
         raise InputError(f"invalid {what}: nested too deeply") from e

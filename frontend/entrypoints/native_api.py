@@ -19,7 +19,7 @@ from loraplex.frontend.entrypoints.http_utils import (
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.generate import GenerationFailed
 from loraplex.frontend.metrics import combine_stats
-from loraplex.frontend.params import AdapterPath, NativeGenerateRequest, strip_native
+from loraplex.frontend.params import AdapterPath, NativeGenerateRequest, Strict, strip_native
 from loraplex.frontend.responses import (
     AbortResponse,
     AdapterReply,
@@ -59,7 +59,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         await service.finish(states)
 
 
-class AbortBody(msgspec.Struct, forbid_unknown_fields=True):
+class AbortBody(Strict):
     rid: str
 
 
@@ -165,20 +165,20 @@ async def metrics(request: web.Request) -> web.Response:
 # ---- adapters -----------------------------------------------------------------------------------------
 
 
-class AdapterSpecBody(msgspec.Struct, forbid_unknown_fields=True):
+class AdapterSpecBody(Strict):
     lora_name: str
     lora_path: AdapterPath
     pinned: bool = False
 
 
-class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
+class LoadBody(Strict):
     lora_name: str | None = None
     lora_path: AdapterPath | None = None
     pinned: bool = False
     adapters: list[AdapterSpecBody] | None = None
 
 
-class UnloadBody(msgspec.Struct, forbid_unknown_fields=True):
+class UnloadBody(Strict):
     lora_name: str | None = None
     lora_names: list[str] | None = None
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import msgspec
 from aiohttp import web
 from loraplex.frontend.adapters.registry import AdapterError
 from loraplex.frontend.entrypoints.http_utils import (
@@ -19,7 +18,7 @@ from loraplex.frontend.entrypoints.http_utils import (
 from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest, strip_openai
 from loraplex.frontend.entrypoints.openai_serving import OpenAIRun, model_cards, start_chat, start_completion
 from loraplex.frontend.generate import GenerationFailed
-from loraplex.frontend.params import AdapterPath, Int64
+from loraplex.frontend.params import AdapterPath, Int64, Strict
 from loraplex.frontend.responses import ModelList
 from loraplex.protocol.errors import http_status
 from loraplex.protocol.structs import LoRAAdapterSpec
@@ -70,14 +69,14 @@ async def model(request: web.Request) -> web.Response:
     return json_response(card)
 
 
-class VllmLoadBody(msgspec.Struct, forbid_unknown_fields=True):
+class VllmLoadBody(Strict):
     lora_name: str
     lora_path: AdapterPath
     load_inplace: bool = False
     pinned: bool | None = None  # None: a new adapter is unpinned, an in-place reload keeps its own
 
 
-class VllmUnloadBody(msgspec.Struct, forbid_unknown_fields=True):
+class VllmUnloadBody(Strict):
     lora_name: str
     lora_int_id: Int64 | None = None  # accepted for vLLM clients, unused
 

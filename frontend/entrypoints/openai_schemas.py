@@ -16,6 +16,7 @@ from loraplex.frontend.params import (
     Penalty,
     RepetitionPenalty,
     Seed,
+    Strict,
     Temperature,
     TokenCount,
     TokenId,
@@ -47,12 +48,12 @@ NEUTRAL = {
 }
 
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+class StreamOptions(Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class CommonParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class CommonParams(Strict, kw_only=True):
     model: str
     max_tokens: TokenCount | None = None
     max_completion_tokens: TokenCount | None = None
@@ -96,18 +97,31 @@ class CompletionRequest(CommonParams, kw_only=True):
     echo: bool = False  # the prompt's text before the completion (and its tokens' logprobs, with logprobs)
 
 
-class TextPart(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class TextPart(Strict, kw_only=True):
     type: Literal["text"]  # the only content part supported
     text: str
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class ToolCallFunction(Strict, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any]  # JSON text, as OpenAI sends it (an object, as templates take it, passes too)
+
+
+class ToolCall(Strict, kw_only=True):
+    """An assistant's earlier call, as OpenAI's clients send it back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(Strict, kw_only=True):
     """A message as OpenAI's clients send it; a field not here is refused (400 naming it), never dropped."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[dict] | None = None  # an assistant's earlier calls: [{"id", "type", "function": {...}}]
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
     reasoning_content: str | None = None
 
@@ -146,7 +160,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             if getattr(m, field) is not None:
                 message[field] = getattr(m, field)
         if m.tool_calls is not None:
-            message["tool_calls"] = [template_tool_call(call) for call in m.tool_calls]
+            message["tool_calls"] = [template_tool_call(msgspec.to_builtins(call)) for call in m.tool_calls]
         rendered.append(message)
     return rendered
 

@@ -287,7 +287,7 @@ class OpenAIRun:
         parsers = [self.reasoning.parser() for _ in states] if chat and self.reasoning else None
         options = req.stream_options
         continuous = options is not None and options.include_usage and options.continuous_usage_stats
-        tool_streams = [ToolCallStream(self.tools) for _ in states] if self.tools is not None else None
+        tool_streams = None if self.tools is None else [ToolCallStream(self.tools, whole_calls=True) for _ in states]
         answers = [""] * len(states)  # with tool calls: each choice's answer so far, its reasoning left out
 
         def chunk(choices: list, usage_: Usage | None = None) -> CompletionChunk | ChatCompletionChunk:

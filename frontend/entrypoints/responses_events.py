@@ -91,7 +91,7 @@ class ParsedItemsStream:
     `items` holds what went out, closed ones final, for the closing Response."""
 
     def __init__(self, plan: ToolPlan, writer: EventWriter):
-        self.calls = ToolCallStream(plan)
+        self.calls = ToolCallStream(plan, whole_calls=False)
         self.writer = writer
         self.items: list[OutputItem] = []
         self.is_open = False  # the last item is still being written

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from loraplex.frontend.constraints import StructuredOutputs
-from loraplex.frontend.params import MAX_INT64, Temperature, TopP, strip_neutral
+from loraplex.frontend.params import MAX_INT64, Strict, Temperature, TopP, strip_neutral
 
 # Responses parameters we do not implement, with the neutral values that mean "off" and are therefore accepted.
 # store: responses are never kept, so only false (or absent, which vLLM too serves unstored) is accepted.
@@ -29,11 +29,11 @@ NEUTRAL = {
 # ---- request -------------------------------------------------------------------------------------------
 
 
-class InputText(msgspec.Struct, tag="input_text", tag_field="type", forbid_unknown_fields=True):
+class InputText(Strict, tag="input_text", tag_field="type"):
     text: str
 
 
-class OutputTextPart(msgspec.Struct, tag="output_text", tag_field="type", forbid_unknown_fields=True, kw_only=True):
+class OutputTextPart(Strict, tag="output_text", tag_field="type", kw_only=True):
     """An earlier answer's text, as a client sends its previous output back."""
 
     text: str
@@ -41,7 +41,7 @@ class OutputTextPart(msgspec.Struct, tag="output_text", tag_field="type", forbid
     logprobs: list[Any] | None = None
 
 
-class MessageItem(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class MessageItem(Strict, kw_only=True):
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[InputText | OutputTextPart]
     type: Literal["message"] = "message"
@@ -49,7 +49,7 @@ class MessageItem(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     status: str | None = None
 
 
-class FunctionCallItem(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class FunctionCallItem(Strict, kw_only=True):
     """An earlier function call of the assistant (a client's previous output, sent back with its result)."""
 
     type: Literal["function_call"]
@@ -60,7 +60,7 @@ class FunctionCallItem(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     status: str | None = None
 
 
-class FunctionCallOutputItem(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class FunctionCallOutputItem(Strict, kw_only=True):
     type: Literal["function_call_output"]
     call_id: str
     output: str
@@ -73,7 +73,7 @@ INPUT_ITEMS: dict[str, type] = {"message": MessageItem, "function_call": Functio
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
 
 
-class FunctionTool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class FunctionTool(Strict, kw_only=True):
     type: Literal["function"]
     name: str
     description: str | None = None
@@ -81,7 +81,7 @@ class FunctionTool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     strict: bool | None = None  # a forced call's arguments always follow the schema
 
 
-class ToolChoiceFunction(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class ToolChoiceFunction(Strict, kw_only=True):
     type: Literal["function"]
     name: str
 
@@ -89,7 +89,7 @@ class ToolChoiceFunction(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
 ToolChoice = Literal["none", "auto", "required"] | ToolChoiceFunction
 
 
-class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class ResponsesRequest(Strict, kw_only=True):
     model: str
     # a text, or items: messages ({"role", "content"}, type "message" optional), function_call, function_call_output;
     # each item is checked against its type's schema (responses_serving.input_items)
@@ -201,7 +201,14 @@ class ResponseInProgress(ResponseEvent, tag="response.in_progress", kw_only=True
 
 
 class ResponseCompleted(ResponseEvent, tag="response.completed", kw_only=True):
-    """The last event, incomplete responses included (status says which, as vLLM sends it)."""
+    """The last event of a response that ended by itself."""
+
+    response: ResponseObject
+
+
+class ResponseIncomplete(ResponseEvent, tag="response.incomplete", kw_only=True):
+    """The last event of a response cut by max_output_tokens (status "incomplete", with incomplete_details), as OpenAI
+    sends it; clients tell the two apart (vLLM sends response.completed for both)."""
 
     response: ResponseObject
 
@@ -269,4 +276,4 @@ class ErrorEvent(ResponseEvent, tag="error", kw_only=True):
 
 STREAM_EVENTS = (ResponseCreated, ResponseInProgress, OutputItemAdded, ContentPartAdded, OutputTextDelta,
                  OutputTextDone, ContentPartDone, ArgumentsDelta, ArgumentsDone, OutputItemDone, ResponseCompleted,
-                 ErrorEvent)
+                 ResponseIncomplete, ErrorEvent)

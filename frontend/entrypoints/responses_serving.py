@@ -13,7 +13,13 @@ from typing import Any
 
 from loraplex.frontend.chat_template import ChatOptions
 from loraplex.frontend.constraints import Found
-from loraplex.frontend.entrypoints.openai_schemas import ChatMessage, ChatRequest, chat_messages
+from loraplex.frontend.entrypoints.openai_schemas import (
+    ChatMessage,
+    ChatRequest,
+    ToolCall,
+    ToolCallFunction,
+    chat_messages,
+)
 from loraplex.frontend.entrypoints.openai_serving import OpenAIRun, start_openai
 from loraplex.frontend.entrypoints.responses_events import EventWriter, ParsedItemsStream, new_id, parsed_items
 from loraplex.frontend.entrypoints.responses_schemas import (
@@ -34,6 +40,7 @@ from loraplex.frontend.entrypoints.responses_schemas import (
     ResponseCompleted,
     ResponseCreated,
     ResponseEvent,
+    ResponseIncomplete,
     ResponseInProgress,
     ResponseObject,
     ResponsesRequest,
@@ -63,7 +70,7 @@ def input_items(raw: str | list[dict]) -> list[InputItem]:
         schema = INPUT_ITEMS.get(kind) if isinstance(kind, str) else None
         if schema is None:
             raise InputError(f"input[{i}] has type {kind!r}; supported: {', '.join(INPUT_ITEMS)}")
-        items.append(convert(item, schema, f"input[{i}]"))
+        items.append(convert(item, schema, f"input[{i}]", path=f"input[{i}]"))
     return items
 
 
@@ -73,8 +80,7 @@ def chat_of(items: list[InputItem], instructions: str | None) -> list[dict[str, 
     messages: list[ChatMessage] = [ChatMessage(role="system", content=instructions)] if instructions else []
     for item in items:
         if isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+            call = ToolCall(id=item.call_id, function=ToolCallFunction(name=item.name, arguments=item.arguments))
             last = messages[-1] if messages else None
             if last is None or last.role != "assistant":
                 last = ChatMessage(role="assistant", content=None, tool_calls=[])
@@ -210,8 +216,8 @@ class ResponsesRun:
                 sent = len(state.text)
 
     async def events(self) -> AsyncIterator[ResponseEvent]:
-        """The stream: created, in_progress, each output item's events, completed (incomplete ones too); an error
-        event ends it where generation fails."""
+        """The stream: created, in_progress, each output item's events, then completed, or incomplete where
+        max_output_tokens cut it; an error event ends it where generation fails."""
         yield ResponseCreated(sequence_number=self.writer.next(), response=self.response([], done=False))
         yield ResponseInProgress(sequence_number=self.writer.next(), response=self.response([], done=False))
         try:
@@ -251,7 +257,9 @@ class ResponsesRun:
         except GenerationFailed as e:
             yield ErrorEvent(sequence_number=self.writer.next(), code=str(e.status), message=str(e))
             return
-        yield ResponseCompleted(sequence_number=self.writer.next(), response=self.response(items, done=True))
+        final = self.response(items, done=True)
+        closing = ResponseIncomplete if final.status == "incomplete" else ResponseCompleted
+        yield closing(sequence_number=self.writer.next(), response=final)
 
 
 async def start_response(service: GenerateService, req: ResponsesRequest) -> ResponsesRun:

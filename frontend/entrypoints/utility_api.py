@@ -7,7 +7,6 @@ import logging
 from importlib import metadata
 from typing import Any
 
-import msgspec
 from aiohttp import web
 from loraplex.frontend.entrypoints.http_utils import (
     health_response,
@@ -18,7 +17,7 @@ from loraplex.frontend.entrypoints.http_utils import (
 )
 from loraplex.frontend.entrypoints.openai_schemas import ChatMessage, chat_messages, chat_options
 from loraplex.frontend.errors import InputError
-from loraplex.frontend.params import NativeGenerateRequest, TokenId, convert
+from loraplex.frontend.params import NativeGenerateRequest, Strict, TokenId, convert
 from loraplex.frontend.responses import DetokenizeResponse, HealthResponse, TokenizeResponse, VersionResponse
 from loraplex.frontend.tools.request import Tool
 
@@ -37,7 +36,7 @@ def package_version() -> str:
         return "0.0.0+unknown"
 
 
-class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True):
+class TokenizeBody(Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     model: str | None = None
@@ -48,7 +47,7 @@ class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True):
     tools: list[Tool] | None = None
 
 
-class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True):
+class DetokenizeBody(Strict):
     tokens: list[TokenId]
     model: str | None = None
 

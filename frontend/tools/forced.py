@@ -31,7 +31,7 @@ def named_schema(tool: dict) -> dict:
 
 
 class NamedParser(ToolParser):
-    """The whole output is one call's arguments (streamed as they come: see stream.py)."""
+    """The whole output is one call's arguments: a call once it parses, else (cut by max_tokens) text."""
 
     def __init__(self, tools: list[dict], name: str):
         super().__init__(tools)
@@ -58,6 +58,12 @@ class RequiredParser(ToolParser):
         return 0
 
     def calls(self, region: str, final: bool) -> tuple[list[ToolCall], PartialCall | None]:
+        # Calls only once the whole output parses: a list cut by max_tokens is text, even where calls before the
+        # cut are complete (the list might have gone on), as a cut named call is.
+        try:
+            json.loads(region)
+        except ValueError:
+            return [], None
         body = region.strip()
         if self.parallel:
             if not body.startswith("["):

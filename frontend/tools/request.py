@@ -9,29 +9,30 @@ from typing import Literal
 
 import msgspec
 from loraplex.frontend.errors import InputError
+from loraplex.frontend.params import Strict
 from loraplex.frontend.tools.base import ToolParser
 from loraplex.frontend.tools.forced import NamedParser, RequiredParser, named_schema, required_schema
 from loraplex.frontend.tools.parsers import PARSERS
 from loraplex.protocol.structs import OutputConstraint
 
 
-class FunctionDef(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):  # unset: not passed on
+class FunctionDef(Strict, kw_only=True, omit_defaults=True):  # unset: not passed on
     name: str
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments object
     strict: bool | None = None  # forced calls always follow the schema in full; parsed ones are not checked
 
 
-class Tool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class Tool(Strict, kw_only=True):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(msgspec.Struct, forbid_unknown_fields=True):
+class FunctionName(Strict):
     name: str
 
 
-class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: FunctionName
 
@@ -41,11 +42,10 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 class ToolPlan(msgspec.Struct, frozen=True):
     """How a request's output becomes tool calls: parser reads them; constraint (forced choices) makes the output
-    parse. named: the call's function when tool_choice names one (its arguments are streamed as they come)."""
+    parse, unless max_tokens cuts it."""
 
     parser: ToolParser
     constraint: OutputConstraint | None = None
-    named: str | None = None
 
 
 def template_tools(tools: list[Tool] | None) -> list[dict] | None:
@@ -69,8 +69,7 @@ def tool_plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel: boo
         tool = next((t for t in specs if t["function"]["name"] == name), None)
         if tool is None:
             raise InputError(f"Tool '{name}' has not been passed in `tools`.")
-        return ToolPlan(NamedParser(specs, name), OutputConstraint("json_schema", json.dumps(named_schema(tool))),
-                        named=name)
+        return ToolPlan(NamedParser(specs, name), OutputConstraint("json_schema", json.dumps(named_schema(tool))))
     if choice == "required":
         many = parallel is not False
         schema = json.dumps(required_schema(specs, many))

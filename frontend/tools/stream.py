@@ -1,7 +1,9 @@
 """One choice's tool calls, whole (tool_answer) or streamed (ToolCallStream). Streamed: the text so far in,
 OpenAI's deltas out — content as it becomes safe to send, then per call a delta with its index, id, type and function
-name (arguments ""), then its arguments in pieces: as they are written where the format keeps them as JSON text (a
-named choice, hermes, llama3_json, mistral, required), in one piece once the call is complete for the others."""
+name (arguments ""), then its arguments: in one piece once the call is complete (whole_calls, chat), or in pieces as
+they are written where the format keeps them as JSON text (hermes, llama3_json, mistral; the Responses API, whose
+items can close incomplete). A call cut by max_tokens never goes out as a call with whole_calls: its text ends up
+as content, as in the whole answer."""
 
 from __future__ import annotations
 
@@ -33,12 +35,15 @@ def arguments_delta(index: int, piece: str) -> ToolCallDelta:
 
 
 class ToolCallStream:
-    def __init__(self, plan: ToolPlan):
+    def __init__(self, plan: ToolPlan, whole_calls: bool):
         self.plan = plan
+        # A chat delta cannot be taken back, and clients assemble whatever pieces came (a cut call would look
+        # complete), so chat sends a call only once it parses; the whole answer and the stream then always agree.
+        self.whole_calls = whole_calls
         self.num_content = 0  # content characters sent
         self.num_calls = 0  # complete calls sent whole
         self.open_call: int | None = None  # the call being written whose head went out
-        self.num_arguments = 0  # argument characters of the open (or named) call sent
+        self.num_arguments = 0  # argument characters of the open call sent
 
     @property
     def has_calls(self) -> bool:
@@ -47,8 +52,6 @@ class ToolCallStream:
     def update(self, text: str, final: bool) -> Deltas:
         """The deltas the text so far adds, each (content piece, tool call deltas), in order; final: the output is
         complete."""
-        if self.plan.named is not None:
-            return self._named(text, final)
         content, calls, partial = self.plan.parser.parse_prefix(text, final)
         out: Deltas = []
         if len(content) > self.num_content:
@@ -58,7 +61,7 @@ class ToolCallStream:
             out += self._arguments(index, calls[index].name, calls[index].arguments)
             self.open_call = None
         self.num_calls = len(calls)
-        if partial is not None:
+        if partial is not None and not self.whole_calls:
             out += self._arguments(len(calls), partial.name, partial.arguments)
         return out
 
@@ -71,18 +74,6 @@ class ToolCallStream:
         if len(arguments) > self.num_arguments:
             out.append(("", [arguments_delta(index, arguments[self.num_arguments :])]))
             self.num_arguments = len(arguments)
-        return out
-
-    def _named(self, text: str, final: bool) -> Deltas:
-        # The grammar makes every token part of the arguments; one cut by max_tokens stays a cut call, as vLLM's.
-        out: Deltas = []
-        if self.open_call is None:
-            out.append(("", [header_delta(0, self.plan.named)]))
-            self.open_call = 0
-        piece = text[self.num_arguments :]
-        if piece:
-            out.append(("", [arguments_delta(0, piece)]))
-            self.num_arguments = len(text)
         return out
 
 

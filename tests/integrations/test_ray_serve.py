@@ -223,10 +223,10 @@ def test_responses_pick_the_adapter_whole_and_streamed(cluster, llama_dir):
         assert texts[model] == chat, model
         with client.responses.stream(model=model, input="Hello there", max_output_tokens=MAX_NEW,
                                      temperature=0) as stream:
-            kinds = [event.type for event in stream]
-            final = stream.get_final_response()
+            events = list(stream)
+        kinds, final = [event.type for event in events], events[-1].response
         assert final.output_text == texts[model] and kinds[0] == "response.created"
-        assert kinds[-1] == "response.completed"
+        assert kinds[-1] == ("response.incomplete" if out["status"] == "incomplete" else "response.completed")
     assert texts["a8"] != texts[llama_dir.name]  # the adapter was applied
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.responses.create(model="nope", input="Hi")

@@ -423,17 +423,21 @@ def test_responses_create_equals_chat(vllm_server):
 
 
 def test_responses_stream_assembles_the_same_text(vllm_server):
+    """Cut by max_output_tokens, the stream ends with response.incomplete as OpenAI's does (the `openai` client's
+    get_final_response() wants response.completed: the last event carries the response)."""
     server, _ = vllm_server
     client = openai_client(server)
     whole = client.responses.create(model="x", input="Once upon", max_output_tokens=8, temperature=0)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
     with client.responses.stream(model="x", input="Once upon", max_output_tokens=8, temperature=0) as stream:
         events = list(stream)
-        final = stream.get_final_response()
+    final = events[-1].response
     kinds = [e.type for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed"]
+                          "response.incomplete"]
+    assert final.incomplete_details.reason == "max_output_tokens" and final.output[0].status == "incomplete"
     assert set(kinds[4:-4]) == {"response.output_text.delta"} and len(kinds) > 9
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
@@ -454,7 +458,7 @@ def test_responses_forced_function_call_parses(vllm_server):
         with client.responses.stream(model=model, input="Weather in Oslo?", tools=[WEATHER], tool_choice=named,
                                      max_output_tokens=40, temperature=0) as stream:
             events = list(stream)
-            final = stream.get_final_response()
+            final = stream.get_final_response()  # response.completed: the call ended by itself
         deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
         assert "".join(deltas) == call.arguments and final.output[0].arguments == call.arguments
         assert [e.type for e in events if e.type.endswith(".done")] == [

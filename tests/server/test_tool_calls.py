@@ -229,6 +229,86 @@ def test_langchain_agent_completes_a_two_step_tool_loop(server) -> None:
     assert answer.usage_metadata["input_tokens"] > asked.usage_metadata["input_tokens"]
 
 
+def test_unknown_fields_in_any_object_are_refused_naming_their_path(server) -> None:
+    """Every object of a chat body is strict, an assistant's earlier tool calls included (tests/unit/
+    test_strict_bodies.py walks every object type; here the answer over HTTP)."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
+    body = {"model": "tool-lora", "messages": history, "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 2}
+    assert server.post("/v1/chat/completions", body).status_code == 200
+    bad = {  # the object given an unknown field: the path the 400 names
+        "messages[1].tool_calls[0].flavour": lambda b: b["messages"][1]["tool_calls"][0],
+        "messages[1].tool_calls[0].function.flavour": lambda b: b["messages"][1]["tool_calls"][0]["function"],
+        "messages[1].flavour": lambda b: b["messages"][1],
+        "tools[0].function.flavour": lambda b: b["tools"][0]["function"],
+        "tool_choice.function.flavour": lambda b: b["tool_choice"]["function"],
+    }
+    for path, target in bad.items():
+        wrong = json.loads(json.dumps(body))
+        target(wrong)["flavour"] = "mint"
+        out = server.post("/v1/chat/completions", wrong)
+        assert out.status_code == 400 and out.json()["error"]["message"] == f"unknown field '{path}'", out.text
+
+
+def chat_both_ways(client, **kwargs) -> tuple:
+    """The same request whole and streamed (raw chunks, as LangChain reads them): (whole choice, streamed content,
+    streamed tool call deltas, streamed finish_reason)."""
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    content, deltas, reason = "", [], None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            deltas += choice.delta.tool_calls or []
+            reason = choice.finish_reason or reason
+    return whole, content, deltas, reason
+
+
+@pytest.mark.parametrize(("choice", "inside"), [(NAMED, '{"'), ("required", '"parameters": {"')])
+def test_a_forced_call_cut_by_max_tokens_is_content_whole_and_streamed(client, server, choice, inside) -> None:
+    """A cut call is never presented as one: whole, its text is the content (finish_reason length, no calls); streamed,
+    no tool call delta goes out (a client would assemble a call from the pieces) and the same text is the content."""
+    kwargs = dict(model="tool-lora", messages=ASK, tools=TOOLS, tool_choice=choice, seed=1)
+    for limit in range(2, 60):  # the first limit that cuts inside the arguments
+        whole = client.chat.completions.create(**kwargs, max_tokens=limit).choices[0]
+        if inside in (whole.message.content or ""):
+            break
+    assert whole.finish_reason == "length" and not whole.message.tool_calls, whole
+    whole, content, deltas, reason = chat_both_ways(client, **kwargs, max_tokens=limit)
+    assert whole.finish_reason == "length" and not whole.message.tool_calls and inside in whole.message.content
+    assert (content, deltas, reason) == (whole.message.content, [], "length")
+    # LangChain, streaming: it would assemble a call from any pieces; it gets the text
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="tool-lora", base_url=server.url + "/v1", api_key="none", max_tokens=limit, seed=1,
+                     max_retries=0, timeout=120)
+    bound = llm.bind_tools(TOOLS, tool_choice=choice["function"]["name"] if isinstance(choice, dict) else choice)
+    chunks = list(bound.stream([HumanMessage(ASK[0]["content"])]))
+    streamed = sum(chunks[1:], chunks[0])
+    assert not streamed.tool_calls and not streamed.tool_call_chunks and streamed.content == whole.message.content
+    # not cut: the same calls whole and streamed, each streamed call in one piece once it parsed
+    whole, content, deltas, reason = chat_both_ways(client, **kwargs, max_tokens=128)
+    assert whole.finish_reason == reason == "tool_calls" and not content
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
+        (d.function.name, a.function.arguments) for d, a in zip(deltas[::2], deltas[1::2], strict=True)]
+
+
+def test_an_auto_call_cut_by_max_tokens_is_content_whole_and_streamed(client) -> None:
+    """tool_choice auto: a call cut inside its arguments does not parse, so the whole answer is its text; streamed, the
+    call is not sent either, and the content adds up to the same text."""
+    kwargs = dict(model="tool-lora", messages=ASK, tools=TOOLS, temperature=0,
+                  extra_body={"structured_outputs": {"choice": [AUTO_TEXT]}})
+    for limit in range(4, 60):  # the first limit that cuts inside the call's arguments
+        whole = client.chat.completions.create(**kwargs, max_tokens=limit).choices[0]
+        if '"arguments": {"' in (whole.message.content or ""):
+            break
+    text = whole.message.content
+    assert whole.finish_reason == "length" and not whole.message.tool_calls and AUTO_TEXT.startswith(text)
+    _, content, deltas, reason = chat_both_ways(client, **kwargs, max_tokens=limit)
+    assert (content, deltas, reason) == (text, [], "length")
+
+
 # ---- /v1/responses, tool_choice auto: the parser's calls as function_call items ---------------------------------
 
 RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat tool shape
@@ -304,10 +384,10 @@ def test_responses_auto_choice_call_cut_by_max_output_tokens(client) -> None:
     assert cut is not None and out.status == "incomplete" and summary(out.output) == [("message", text)]
     assert AUTO_TEXT.startswith(text) and text != AUTO_TEXT
     with client.responses.stream(**{**response_kwargs(AUTO_TEXT), "max_output_tokens": cut}, temperature=0) as stream:
-        for _ in stream:
-            pass
-        final = stream.get_final_response()
-    assert final.status == "incomplete"
+        events = list(stream)
+    final = events[-1].response  # response.incomplete, as OpenAI ends a cut stream
+    assert events[-1].type == "response.incomplete" and final.status == "incomplete"
+    assert final.incomplete_details.reason == "max_output_tokens"
     assert "".join(item.content[0].text for item in final.output if item.type == "message") == text
     assert [(c.name, c.status) for c in final.output if c.type == "function_call"] == [("get_time", "incomplete")]
 

@@ -52,9 +52,9 @@ CASES = [  # (parser, model text, content, calls)
 ]
 
 
-def streamed(plan: ToolPlan, text: str, step: int) -> tuple[str, list[ToolCall], list]:
+def streamed(plan: ToolPlan, text: str, step: int, whole_calls: bool = True) -> tuple[str, list[ToolCall], list]:
     """Feed text `step` characters at a time; assemble the deltas as OpenAI's clients do."""
-    stream = ToolCallStream(plan)
+    stream = ToolCallStream(plan, whole_calls)
     content, calls, deltas = "", {}, []
     for end in [*range(step, len(text), step), len(text)]:
         for piece, call_deltas in stream.update(text[:end], final=end == len(text)):
@@ -78,21 +78,55 @@ def test_parser_one_shot_and_streamed(name: str, text: str, content: str, calls:
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [(c.name, json.loads(c.arguments))
                                                                          for c in calls]
     for step in (1, 3, 7, len(text)):
-        got_content, got_calls, _ = streamed(ToolPlan(parser), text, step)
-        assert (got_content, got_calls) == (parsed.content, parsed.calls), step
+        for whole_calls in (True, False):
+            got_content, got_calls, _ = streamed(ToolPlan(parser), text, step, whole_calls)
+            assert (got_content, got_calls) == (parsed.content, parsed.calls), (step, whole_calls)
 
 
 @pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
 def test_json_formats_stream_arguments_as_they_are_written(name: str) -> None:
     text = next(t for n, t, _, calls in CASES if n == name and len(calls) == 2)
-    _, calls, deltas = streamed(ToolPlan(PARSERS[name](TOOLS)), text, 2)
+    _, calls, deltas = streamed(ToolPlan(PARSERS[name](TOOLS)), text, 2, whole_calls=False)
     pieces = [d for d in deltas if d.id is None and d.index == 0]
     assert len(pieces) > 5 and "".join(p.function.arguments for p in pieces) == calls[0].arguments
     assert calls[0].arguments == '{"city": "Paris", "days": 2}'  # as the model wrote it
+    # whole_calls (chat): each call in one piece, once it is complete
+    _, whole, deltas = streamed(ToolPlan(PARSERS[name](TOOLS)), text, 2)
+    assert whole == calls and [d.function.arguments for d in deltas if d.id is None] == [c.arguments for c in calls]
+
+
+CUT = [  # (plan, an output cut by max_tokens): whole and streamed (whole_calls), it is text, and no call goes out
+    (ToolPlan(NamedParser(TOOLS, "get_weather")), '{"city": "Paris", "da'),
+    (ToolPlan(RequiredParser(TOOLS, True)), '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "se'),
+    (ToolPlan(RequiredParser(TOOLS, True)), '[{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+    (ToolPlan(RequiredParser(TOOLS, False)), '{"name": "get_weather", "parameters": {"city": "Pa'),
+    (ToolPlan(PARSERS["hermes"](TOOLS)), 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),
+    (ToolPlan(PARSERS["llama3_json"](TOOLS)), '{"name": "get_weather", "parameters": {"city": "Par'),
+]
+
+
+@pytest.mark.parametrize("plan, text", CUT, ids=[f"{type(p.parser).__name__}-{i}" for i, (p, _) in enumerate(CUT)])
+def test_a_cut_call_is_text_whole_and_streamed(plan: ToolPlan, text: str) -> None:
+    assert tool_answer(text, plan) == (text, [])
+    for step in (1, 4, len(text)):
+        content, calls, deltas = streamed(plan, text, step)
+        assert (content, calls, deltas) == (text, [], []), step
+
+
+def test_complete_calls_before_a_cut_one_agree_whole_and_streamed() -> None:
+    plan = ToolPlan(PARSERS["hermes"](TOOLS))
+    text = ('Checking.<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>\n<tool_call>\n'
+            '{"name": "get_weather", "arguments": {"ci')
+    content, calls = tool_answer(text, plan)
+    assert content == "Checking." and [(c.function.name, c.function.arguments) for c in calls] == [
+        ("search", '{"query": "x"}')]
+    for step in (1, 5, len(text)):
+        got_content, got_calls, _ = streamed(plan, text, step)
+        assert (got_content, got_calls) == (content, [ToolCall("search", '{"query": "x"}')]), step
 
 
 def test_streamed_content_never_sends_the_start_of_a_call() -> None:
-    stream = ToolCallStream(ToolPlan(PARSERS["hermes"](TOOLS)))
+    stream = ToolCallStream(ToolPlan(PARSERS["hermes"](TOOLS)), whole_calls=True)
     assert stream.update("Hi <tool_", final=False) == [("Hi ", [])]
     assert stream.update("Hi <tool_call>", final=False) == []
     assert stream.update("Hi <tooth>", final=True) == [("<tooth>", [])]
@@ -105,13 +139,12 @@ def test_answer_content_is_null_with_calls_alone() -> None:
     assert calls[0].id.startswith("call_") and calls[0].type == "function" and calls[0].function.arguments == "{}"
 
 
-def test_named_choice_streams_its_arguments_as_they_come() -> None:
-    plan = ToolPlan(NamedParser(TOOLS, "get_weather"), named="get_weather")
+def test_named_choice_sends_its_call_once_it_parses() -> None:
+    plan = ToolPlan(NamedParser(TOOLS, "get_weather"))
     text = '{"city": "Paris", "days": 2}'
     content, calls, deltas = streamed(plan, text, 4)
-    assert content == "" and calls == [ToolCall("get_weather", text)] and len(deltas) > 3
+    assert content == "" and calls == [ToolCall("get_weather", text)] and len(deltas) == 2  # head, arguments
     assert tool_answer(text, plan)[1][0].function.arguments == text
-    assert tool_answer('{"city": "Pa', plan) == ('{"city": "Pa', [])  # cut by max_tokens: plain text
 
 
 @pytest.mark.parametrize("parallel", [True, False])
@@ -145,7 +178,7 @@ def test_tool_choice_rules_are_vllms() -> None:
     with pytest.raises(InputError, match="Tool 'other' has not been passed"):
         tool_plan(tools, NamedToolChoice("function", FunctionName("other")), None, None)
     named = tool_plan(tools, NamedToolChoice("function", FunctionName("search")), None, None)
-    assert named.named == "search" and json.loads(named.constraint.source) == SEARCH["function"]["parameters"]
+    assert named.parser.name == "search" and json.loads(named.constraint.source) == SEARCH["function"]["parameters"]
     required = tool_plan(tools, "required", False, None)
     assert json.loads(required.constraint.source) == required_schema(TOOLS, parallel=False)
     assert isinstance(tool_plan(tools, "auto", None, "pythonic").parser, PARSERS["pythonic"])
