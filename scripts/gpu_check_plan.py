@@ -20,6 +20,9 @@ PARENT_OVERHEAD_S = 3  # a group's spawn, kill and merge, beyond its cap
 COLD_CAP_SCALE = 1.4  # cold Triton cache: every kernel variant compiles once (~0.3-1 s each)
 SANITIZER = "g8"
 SANITIZER_S = 240  # G8's own budget when --sanitizer asks for it: memcheck slows kernels 10-100x
+# What the GPU image has (GPU_CHECK.md): scripts/gpu_wheels.txt brings the rest, each wheel's dependencies included.
+IMAGE_PACKAGES = ("torch", "triton", "transformers", "peft", "tokenizers", "safetensors", "aiohttp", "uvloop", "psutil",
+                  "prometheus-client", "numpy")
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,14 @@ import os
 import re
 import subprocess
 import sys
+from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
 from scripts.gpu_check import parse_args
-from scripts.gpu_check_plan import CAPS_LIMIT_S, DEVICE_CALL_S, INSTALL_S, caps_total, plan_lines
+from scripts.gpu_check_plan import CAPS_LIMIT_S, DEVICE_CALL_S, IMAGE_PACKAGES, INSTALL_S, caps_total, plan_lines
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GROUPS = ("g0", "g1", "g2", "g3", "g4", "g5", "g5b", "g6", "g9", "g7")  # G8 (compute-sanitizer) only with --sanitizer
@@ -76,6 +80,64 @@ def test_plan_fits_one_cold_device_call() -> None:
     assert proc.returncode == 0 and command in proc.stdout, proc.stderr
     with_sanitizer = parse_args(["--plan", "--sanitizer"])
     assert "g8" in "\n".join(plan_lines(with_sanitizer))
+
+
+def _wheel_list() -> dict[str, Requirement]:
+    lines = (REPO_ROOT / "scripts" / "gpu_wheels.txt").read_text().splitlines()
+    reqs = [Requirement(line.split(" #")[0]) for line in lines if line.strip() and not line.startswith("#")]
+    return {canonicalize_name(r.name): r for r in reqs}
+
+
+def _device_markers() -> dict[str, str]:
+    """The marker environment of the interpreter fetch_gpu_wheels.sh downloads for (its --python-version and
+    --platform)."""
+    script = (REPO_ROOT / "scripts" / "fetch_gpu_wheels.sh").read_text()
+    python = re.search(r"--python-version (\d+\.\d+)", script).group(1)
+    machines = set(re.findall(r"--platform manylinux\w*?_(x86_64|aarch64)\b", script))
+    assert len(machines) == 1 and "--implementation cp" in script and "--no-deps" in script, script
+    return {"python_version": python, "python_full_version": f"{python}.0", "platform_system": "Linux",
+            "sys_platform": "linux", "os_name": "posix", "platform_machine": machines.pop(),
+            "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+
+
+def test_gpu_wheels_cover_their_dependencies() -> None:
+    """fetch_gpu_wheels.sh brings its wheels without their dependencies, so the list itself must hold every package
+    they need at import (Requires-Dist, recursively, for the image's python and platform), but for the image's own.
+    The installed metadata stands in for the wheels': it must be the pinned version's."""
+    wheels, markers = _wheel_list(), _device_markers()
+    image = {canonicalize_name(name) for name in IMAGE_PACKAGES}
+    assert not wheels.keys() & image, "a wheel would shadow the image's package"
+    missing, unmet, todo, seen = [], [], list(wheels), set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name in image:
+            continue
+        seen.add(name)
+        try:
+            dist = distribution(name)
+        except PackageNotFoundError:
+            missing.append(f"{name}: not installed here, its requirements unknown")
+            continue
+        assert dist.version in wheels[name].specifier, f"{name}: {dist.version} here, {wheels[name]} brought"
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is not None and not req.marker.evaluate(markers):
+                continue
+            dep = canonicalize_name(req.name)
+            if dep in image:
+                continue
+            if dep not in wheels:
+                missing.append(f"{dep} (required by {name}: {text})")
+                continue
+            pinned = [s.version for s in wheels[dep].specifier if s.operator == "=="]
+            if pinned and not req.specifier.contains(pinned[0], prereleases=True):
+                unmet.append(f"{name} needs {req}, {wheels[dep]} brought")
+            todo.append(dep)
+    assert not missing and not unmet, (missing, unmet)
+    assert {"xgrammar", "apache-tvm-ffi", "pydantic", "pydantic-core"} <= seen
+    doc = (REPO_ROOT / "scripts" / "GPU_CHECK.md").read_text()
+    for name in IMAGE_PACKAGES:
+        assert name in doc, f"GPU_CHECK.md does not say the image has {name}"
 
 
 def test_check_imports_without_requests_or_pytest() -> None:
