@@ -136,7 +136,8 @@ def choice_grammar(choices: list[str], field: str) -> str:
 
 
 async def constrain(runtime: Runtime, samplings: list[SamplingParams], found: Found | None) -> list[SamplingParams]:
-    """The samplings with the constraint attached, once it compiles (else an InputError-like 400 naming it)."""
+    """The samplings with the constraint attached, once it compiles (else an InputError-like 400 naming it; a 501 where
+    xgrammar cannot be imported, here or on a worker rank)."""
     if found is None:
         return samplings
     worker_errors = [ready.grammar_error for ready in runtime.replica_ready if ready.grammar_error]
