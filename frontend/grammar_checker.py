@@ -3,7 +3,8 @@
 The compile is xgrammar's, on the server's tokenizer (protocol/grammar.py, as the sampling worker does it), so a
 source that passes here compiles there too. Sources over MAX_SOURCE_BYTES or slower than COMPILE_TIMEOUT_S are
 refused (a slow compile runs on to its end on a daemon thread, holding one of MAX_CONCURRENT_COMPILES meanwhile).
-Outcomes are remembered by digest, good and bad, for the next request with the same source.
+Outcomes are remembered by digest, good and bad, for the next request with the same source. Where xgrammar cannot be
+imported (a dependency missing) or cannot read the tokenizer, every constraint is refused with a 501 saying so.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections import OrderedDict
 from typing import Any
 
 from loraplex.protocol.errors import ServerError
-from loraplex.protocol.grammar import compile_constraint, make_compiler
+from loraplex.protocol.grammar import compile_constraint, make_compiler, unavailable_message, xgrammar_import_error
 from loraplex.protocol.structs import OutputConstraint
 
 MAX_SOURCE_BYTES = 64 * 1024
@@ -35,9 +36,15 @@ class GrammarChecker:
         self._compiler_lock = threading.Lock()
         self._outcomes: OrderedDict[bytes, str] = OrderedDict()  # digest -> "" (compiles) or why not
         self._slots: asyncio.Semaphore | None = None  # made in the serving loop, on first use
+        self._unavailable: str | None = None  # why structured output cannot be served here ("" it can); None: not known
 
     async def check(self, constraint: OutputConstraint, field: str, tokenizer: Any, vocab_size: int) -> None:
-        """Raise a ServerError (400) naming `field` and the problem, unless the constraint compiles in bounds."""
+        """Raise a ServerError (400) naming `field` and the problem, unless the constraint compiles in bounds; (501)
+        when no constraint can compile here."""
+        if self._unavailable is None:
+            self._unavailable = await self._availability(tokenizer, vocab_size)
+        if self._unavailable:
+            raise ServerError(self._unavailable, kind="unsupported")
         size = len(constraint.source.encode("utf-8"))
         if size > MAX_SOURCE_BYTES:
             raise ServerError(f"{field} is {size} bytes, over the limit of {MAX_SOURCE_BYTES}")
@@ -54,12 +61,23 @@ class GrammarChecker:
         while len(self._outcomes) > MAX_REMEMBERED:
             self._outcomes.popitem(last=False)
 
+    async def _availability(self, tokenizer: Any, vocab_size: int) -> str:
+        """ "" when constraints can compile here, else why not: xgrammar's import (its own dependencies may be missing)
+        and its compiler over the tokenizer (the vocabulary read once; not a request's cost, so not timed)."""
+        reason = await _on_thread(xgrammar_import_error, ())
+        if reason:
+            return unavailable_message(reason)
+        try:
+            await _on_thread(self._compiler_for, (tokenizer, vocab_size))
+        except Exception as e:  # noqa: BLE001 - xgrammar cannot read this tokenizer: no constraint can compile
+            why = clean_message(str(e))
+            return f"structured output is unavailable on this server: xgrammar cannot read its tokenizer ({why})"
+        return ""
+
     async def _compile(self, constraint: OutputConstraint, tokenizer: Any, vocab_size: int) -> str:
-        """ "" when it compiles, else why not."""
+        """ "" when it compiles, else why not (after _availability: the compiler is built)."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(MAX_CONCURRENT_COMPILES)
-        # The compiler itself (the tokenizer's vocabulary read once) is not the request's cost: not timed.
-        await _on_thread(self._compiler_for, (tokenizer, vocab_size))
         await self._slots.acquire()  # given back when the compile ends, even one that outlived its timeout
         compiled = _on_thread(compile_constraint, (self._compiler, constraint), on_done=self._slots.release)
         try:

@@ -27,7 +27,8 @@ class ErrorResponse(msgspec.Struct):
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                404: "NotFoundError", 409: "ConflictError", 413: "RequestTooLarge", 429: "rate_limited",
                499: "ClientClosedRequest",
-               500: "InternalServerError", 503: "ServiceUnavailableError", 504: "TimeoutError"}
+               500: "InternalServerError", 501: "NotImplementedError", 503: "ServiceUnavailableError",
+               504: "TimeoutError"}
 
 
 def error_body(message: str, status: int) -> ErrorResponse:

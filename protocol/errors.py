@@ -23,6 +23,7 @@ STATUS_BY_KIND: dict[str, tuple[int, int]] = {
     "rate_limited": (429, 429),  # --max-requests-per-minute-per-key / --max-tokens-per-minute-per-key
     "timeout": (503, 503),  # a rank or replica missed --lora-load-timeout
     "unavailable": (503, 503),  # starting, stopping, or a process died
+    "unsupported": (501, 501),  # a feature this server cannot serve (structured output without xgrammar importable)
     "internal": (500, 500),  # a server fault
 }
 

@@ -4,6 +4,7 @@ agree on every source. xgrammar is imported on first use: the scheduler never pa
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -11,6 +12,22 @@ from loraplex.protocol.structs import OutputConstraint
 
 # A compiled grammar's token masks are cached by the compiler for reuse, least recently used dropped past this.
 COMPILE_CACHE_BYTES = 256 << 20
+
+
+@functools.cache
+def xgrammar_import_error() -> str:
+    """"" when xgrammar imports, else why not (say "ModuleNotFoundError: No module named 'tvm_ffi'": its dependencies
+    are packages of their own, which an environment may lack). Tried once per process."""
+    try:
+        import xgrammar  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - an ImportError, or an OSError from its shared library
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def unavailable_message(reason: str) -> str:
+    """What a structured-output request is answered (501) when xgrammar cannot be imported where it is needed."""
+    return f"structured output is unavailable on this server: xgrammar cannot be imported ({reason})"
 
 
 def make_compiler(tokenizer: Any, vocab_size: int) -> Any:

@@ -339,6 +339,7 @@ class SchedulerReady(Struct, frozen=True):
     lora_target_modules: list[str] = []
     model_type: str = ""  # the HF model_type the workers run
     num_hidden_layers: int = 0  # after --hf-overrides
+    grammar_error: str = ""  # why some rank cannot take structured output (xgrammar's import); "": every rank can
 
 
 class ProcessFailed(Struct, frozen=True):
@@ -410,6 +411,7 @@ class WorkerReady(Struct, frozen=True):
     # longrope models: a request whose sequence grows past this length is recomputed with the long factors
     # (ForwardReq.long_rope); 0: no such length within the context
     long_rope_len: int = 0
+    grammar_error: str = ""  # why this rank cannot take structured output (xgrammar's import); "": it can
 
 
 class Shutdown(Struct, frozen=True):

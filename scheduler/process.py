@@ -131,6 +131,7 @@ class SchedulerProcess:
                 lora_target_modules=first.lora_target_modules,
                 model_type=first.model_type,
                 num_hidden_layers=first.num_hidden_layers,
+                grammar_error=next((r.grammar_error for r in ready.values() if r.grammar_error), ""),
             )
         )
         log.info("ready: %d ranks, %d KV pages of %d tokens", len(ready), num_pages, page_size)

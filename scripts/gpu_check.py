@@ -1,7 +1,8 @@
-"""The one GPU check: correctness, numerics and performance of the CUDA path, in one cold 10-minute device call.
+"""The one GPU check: correctness, numerics and performance of the CUDA path, in two cold device calls (--plan).
 
     python -m scripts.gpu_check --out DIR [--cap-scale 1.4] [--only g1,g2] [--skip g5] [--sanitizer] [--dry-run]
-    python -m scripts.gpu_check --plan      # the exact device command and its expected time; runs nothing
+    python -m scripts.gpu_check --plan      # the exact device commands and their expected time; runs nothing
+    python -m scripts.gpu_check --warm-imports  # the device command's first step: cold imports before any cap runs
 
 The specification (groups, shapes, thresholds, report) and the command that runs it on a GPU: scripts/GPU_CHECK.md,
 beside this file; the groups, caps and plan: scripts/gpu_check_plan.py. Each group runs in a fresh spawned child
@@ -61,12 +62,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sanitizer", action="store_true", help="also run G8 (compute-sanitizer), off by default")
     parser.add_argument("--sanitizer-s", type=float, default=SANITIZER_S, help="G8's own budget in seconds")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes; CUDA-only parts skip")
-    parser.add_argument("--plan", action="store_true", help="print the device command and expected time; run nothing")
+    parser.add_argument("--plan", action="store_true", help="print the device commands and expected time; run nothing")
+    parser.add_argument("--warm-imports", action="store_true",
+                        help="import torch, triton, transformers and xgrammar once (a fresh machine reads them cold)")
     parser.add_argument("--keep-models", default=None, metavar="DIR",
                         help="where G4 writes the 1B model and adapters (G5 reuses them); default a temporary dir")
     args = parser.parse_args(argv)
-    if not args.plan and not args.out:
-        parser.error("--out is required (except with --plan)")
+    if not (args.plan or args.warm_imports) and not args.out:
+        parser.error("--out is required (except with --plan or --warm-imports)")
     if args.budget_s is None:
         args.budget_s = caps_total(args) + 5
     return args
@@ -154,10 +157,29 @@ def write_env(out_dir: Path, report: dict) -> None:
     (out_dir / "env.txt").write_text("\n".join(lines) + "\n" + smi)
 
 
+def warm_imports() -> None:
+    """A fresh machine's first `import torch, triton, transformers` reads gigabytes from a cold disk (tens of seconds):
+    done here, before the groups' caps run, it leaves G0 and every child the page-cached import. In a process of its
+    own: the parent never imports torch. xgrammar's import is warmed too; G0 reports whether it works."""
+    start = time.monotonic()
+    for module in ("torch", "triton", "transformers", "xgrammar"):
+        began = time.monotonic()
+        try:
+            __import__(module)
+            outcome = "ok"
+        except Exception as e:  # noqa: BLE001 - reported, not raised: G0 checks the imports
+            outcome = f"{type(e).__name__}: {e}"
+        print(f"warm-up: import {module} {time.monotonic() - began:.1f} s ({outcome})", flush=True)
+    print(f"warm-up: imports in {time.monotonic() - start:.1f} s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
     if args.plan:
         print_plan(args)
+        return None
+    if args.warm_imports:
+        warm_imports()
         return None
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ against HF/peft) of scripts/gpu_check.py."""
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import itertools
 import os
 import platform
@@ -23,6 +24,20 @@ def _version(module: str) -> str | None:
     except Exception as e:  # recorded, not raised: a missing package is the finding
         return f"missing ({type(e).__name__})"
     return getattr(mod, "__version__", None) or getattr(mod, "pyzmq_version", lambda: None)()
+
+
+def _xgrammar_import() -> tuple[str, str]:
+    """(version, "" or why it does not import): G5b's structured output needs the import, not only the package (its
+    dependencies come as wheels of their own, scripts/gpu_wheels.txt)."""
+    try:
+        version = importlib.metadata.version("xgrammar")
+    except importlib.metadata.PackageNotFoundError:
+        return "missing", "not installed"
+    try:
+        importlib.import_module("xgrammar")
+    except Exception as e:  # recorded, not raised: which module is missing is the finding
+        return version, f"{type(e).__name__}: {e}"
+    return version, ""
 
 
 def g0_env(ctx: Context) -> None:
@@ -45,8 +60,12 @@ def g0_env(ctx: Context) -> None:
         except Exception as e:
             failed.append(f"{module}: {type(e).__name__}: {e}")
     rec.check("imports", not failed, failed or "all", "worker.*, protocol.*, frontend.entrypoints.engine import")
+    xgrammar_version, xgrammar_error = _xgrammar_import()
+    rec.check("xgrammar_import", not xgrammar_error, xgrammar_error or "ok", "imports",
+              "structured output (G5b) needs it: without it the server answers 501")
     versions = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-                **{m: _version(m) for m in ("triton", "transformers", "peft", "msgspec", "zmq", "safetensors")}}
+                **{m: _version(m) for m in ("triton", "transformers", "peft", "msgspec", "zmq", "safetensors")},
+                "xgrammar": xgrammar_version + (f" (import fails: {xgrammar_error})" if xgrammar_error else "")}
     sdp = {}
     if ctx.is_cuda:
         rec.check("cuda_available", torch.cuda.is_available(), torch.cuda.is_available(), True)
@@ -186,15 +205,21 @@ def _attn_specs(ctx: Context) -> dict[str, list[tuple[int, int]]]:
     else:
         lengths, prefill = (1, 16, 17, 40, 70), [(0, 7), (5, 30), (10, 51), (0, 1)]
     decode = [(n - 1, 1) for n in lengths for _ in range(4)]
-    return {"decode": decode, "prefill": prefill, "mixed": decode + prefill}
+    # Few requests with long contexts: the triton backend splits their keys (decode_num_splits: 8 and 16 on CUDA, 4
+    # and 16 at the dry run's sizes) and merges the splits; a 1-key request among them leaves most of its splits empty.
+    long_lengths = (8192, 3001, 700, 1) if ctx.is_cuda else (1101, 600, 1)
+    longest = 8192 if ctx.is_cuda else 4096
+    return {"decode": decode, "prefill": prefill, "mixed": decode + prefill,
+            "long_decode": [(n - 1, 1) for n in long_lengths], "long_decode_one": [(longest - 1, 1)]}
 
 
-def _attn_error(setup: AttnSetup, spec) -> tuple[float, bool]:
+def _attn_error(setup: AttnSetup, spec) -> tuple[float, bool, object]:
+    """(max abs error against the fp32 reference, all finite, the batch's attention inputs)."""
     import torch
 
     reqs, inputs, q, k, v = setup.batch(spec)
     out = setup.run(inputs, q, k, v)
-    return max_abs(out.float(), setup.reference(reqs, q)), bool(torch.isfinite(out).all())
+    return max_abs(out.float(), setup.reference(reqs, q)), bool(torch.isfinite(out).all()), inputs.attention
 
 
 def _classify(names: list[str]) -> str:
@@ -226,7 +251,7 @@ def g2_attention(ctx: Context) -> None:
     for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-5)):
         setup = AttnSetup(ctx, dtype)
         for name, spec in specs.items():
-            err, finite = _attn_error(setup, spec)
+            err, finite, _ = _attn_error(setup, spec)
             rec.check(f"{name}.{str(dtype)[6:]}", finite and err <= tol, err, tol,
                       "" if finite else "NaN/Inf in the output")
             if dtype == torch.bfloat16:
@@ -234,17 +259,22 @@ def g2_attention(ctx: Context) -> None:
     rec.figure("max_err", worst)
     # The paged Triton kernels (--attention-backend triton, the CUDA default): the same batches and reference. In a
     # dry run they run in Triton's interpreter, whose bfloat16 dots are wrong: float16 stands in for it there.
-    triton_worst = 0.0
+    triton_worst, splits = 0.0, {}
     low = (torch.bfloat16, 2e-2) if ctx.is_cuda else (torch.float16, 5e-3)
     for dtype, tol in (low, (torch.float32, 1e-5)):
         setup = AttnSetup(ctx, dtype, "triton")
         for name, spec in specs.items():
-            err, finite = _attn_error(setup, spec)
+            err, finite, attention = _attn_error(setup, spec)
             rec.check(f"triton.{name}.{str(dtype)[6:]}", finite and err <= tol, err, tol,
                       "" if finite else "NaN/Inf in the output")
             if dtype != torch.float32:
                 triton_worst = max(triton_worst, err)
+            if name.startswith("long_decode"):  # the group exists to test the split path: it must take it
+                splits[name] = attention.decode.num_splits
+                rec.check(f"triton.{name}.{str(dtype)[6:]}.splits", splits[name] > 1, splits[name], "> 1",
+                          "key splits of the decode kernel, merged by the merge kernel")
     rec.figure("triton_max_err", triton_worst)
+    rec.figure("triton_decode_splits", splits)
     if not ctx.skip_unless_cuda("backend_probe"):
         for name in ("backends", "decode_timing", "prefill_8k_memory"):
             ctx.rec.skip(name, "dry-run: needs CUDA")
@@ -265,7 +295,7 @@ def _probe_backends(ctx: Context, setup: AttnSetup, spec) -> None:
     for backend in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "FLASH_ATTENTION", "MATH"):
         try:
             with sdpa_kernel([getattr(SDPBackend, backend)]):
-                err, finite = _attn_error(setup, spec)
+                err, finite, _ = _attn_error(setup, spec)
         except RuntimeError as e:
             results[backend] = {"accepts": False, "why": str(e)[:160]}
             continue

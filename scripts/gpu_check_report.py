@@ -119,7 +119,8 @@ def reviewer_block(report: dict) -> str:
         f"cuDNN {versions.get('cudnn', 'n/a')}, NCCL {versions.get('nccl', 'n/a')}; {meta['wall_s']:.0f} s of "
         f"{meta['budget_s']:.0f} ===",
         f"VERSIONS: python {versions.get('python', 'n/a')}, CUDA {versions.get('torch_cuda', 'n/a')}, driver "
-        f"{device.get('driver', 'n/a')}; Triton cache entries before/after {_fmt(meta.get('triton_cache'))}",
+        f"{device.get('driver', 'n/a')}, xgrammar {versions.get('xgrammar', 'n/a')}; Triton cache entries before/after "
+        f"{_fmt(meta.get('triton_cache'))}",
         f"RESULT: {summary['pass']} pass, {summary['fail']} FAIL, {summary['error']} error, {summary['skipped']} "
         f"skipped; first failure: {summary['first_failure'] or 'none'}",
         f"CEILINGS: copy {_fmt(copy / 1e3 if copy else None)} TB/s, bf16 GEMM "

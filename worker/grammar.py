@@ -10,6 +10,10 @@ So a prompt chunk that samples nothing (its num_generated does not move), a toke
 ended in the older of two passes in flight) and a preempted request recomputed later all leave the matcher right:
 it never accepts a token that is not in the request's output.
 
+Where xgrammar cannot be imported, the rank says so in its ready message and the frontend refuses constrained
+requests (501) before admission; a constrained batch that reaches the worker anyway is refused as a bad batch, on every
+rank alike before the forward (BatchError), and the worker serves on.
+
 A constraint with `start_after` (a reasoning model's `</think>` ids) leaves the request unmasked, its tokens unseen by
 the matcher, until its output has ended with that sequence; the matcher starts from the token after.
 """
@@ -23,8 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from loraplex.protocol.grammar import compile_constraint, make_compiler
+from loraplex.protocol.grammar import compile_constraint, make_compiler, unavailable_message, xgrammar_import_error
 from loraplex.protocol.structs import ForwardReq, SamplingParams
+from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.sampling_batch import SamplingBatch
 
 logger = logging.getLogger(__name__)
@@ -66,12 +71,21 @@ class GrammarMasks:
         self.vocab_size = vocab_size
         self.rank, self.world_size = rank, world_size
         self.backend = mask_backend(device or torch.device("cpu"))
+        # Why this rank cannot take constraints ("" it can), known at start-up for the ready message. Every rank asks,
+        # so that a batch is refused on all ranks alike (the frontend refuses first when any rank cannot).
+        self.import_error = xgrammar_import_error()
         self._compiler = None  # built on the first constrained request (it loads the tokenizer)
         self._sequences: dict[int, _Sequence] = {}  # req_key -> its matcher
 
     def end(self, req_keys: list[int]) -> None:
         for req_key in req_keys:
             self._sequences.pop(req_key, None)
+
+    def check(self, batch: SamplingBatch) -> None:
+        """Before the forward: a constrained row where xgrammar cannot be imported fails the batch (the frontend
+        refuses such requests first, from WorkerReady.grammar_error; this keeps a worker from dying on one)."""
+        if batch.constrained_rows and self.import_error:
+            raise BatchError(unavailable_message(self.import_error))
 
     def mask(self, logits: torch.Tensor, reqs: list[ForwardReq], batch: SamplingBatch) -> torch.Tensor:
         """logits (reqs, vocab) -> the same with every constrained row's forbidden tokens at -inf (a copy: the

@@ -256,6 +256,7 @@ class ModelRunner:
             return StepResult([], [], [])
         # Before the forward: a request with no parameters fails the batch on every rank alike, before a collective.
         sampling = SamplingBatch.of(batch.reqs, self.sampling_table.resolve(batch.reqs), self.vocab_size, self.device)
+        self.grammar.check(sampling)
         self.histories.update(batch.reqs, sampling.history_rows)
         extra_rows = prompt_logprob_rows(batch.reqs)
         logits = self.logits(batch.reqs, batch.slot_loads, last_only=True, extra_rows=extra_rows)

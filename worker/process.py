@@ -94,6 +94,7 @@ class Worker:
                 num_hidden_layers=self.runner.model_config.num_layers,
                 attention_window=self.runner.model_config.attention_window,
                 long_rope_len=self.runner.long_rope_len,
+                grammar_error=self.runner.grammar.import_error,
             )
         )
         while True:

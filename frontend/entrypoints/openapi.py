@@ -28,6 +28,8 @@ POST_ERRORS = {
     413: "the request body is over the size limit",
     **GET_ERRORS,
 }
+# The generation routes add structured output's refusal where it cannot be served.
+GENERATE_ERRORS = {**POST_ERRORS, 501: "a structured-output constraint on a server where xgrammar cannot be imported"}
 
 
 ADAPTER_FAILURE = (r.AdapterReply, r.ErrorResponse)  # what failed, per adapter; or the input was refused
@@ -48,7 +50,7 @@ ROUTES = [
     Route("post", "/generate", "Generate (SGLang's API); a batch for list input; SSE with stream: true",
           NativeGenerateRequest,
           {"application/json": r.GenerateResponse | list[r.GenerateResponse], SSE: (r.GenerateChunk, r.ErrorResponse)},
-          POST_ERRORS),
+          GENERATE_ERRORS),
     Route("post", "/abort_request", "Abort a request by rid (200 whether or not it was in flight)",
           AbortBody, {"application/json": r.AbortResponse}, POST_ERRORS),
     Route("post", "/load_lora_adapter", "Load one adapter, or a batch with `adapters`",
@@ -72,13 +74,13 @@ ROUTES = [
     Route("get", "/metrics", "Prometheus metrics", None, {TEXT: None}, GET_ERRORS),
     Route("post", "/v1/completions", "OpenAI completions; SSE with stream: true", CompletionRequest,
           {"application/json": r.CompletionResponse, SSE: (r.CompletionChunk, r.ErrorResponse)},
-          {**POST_ERRORS, 404: "unknown model"}),
+          {**GENERATE_ERRORS, 404: "unknown model"}),
     Route("post", "/v1/chat/completions", "OpenAI chat completions; SSE with stream: true", ChatRequest,
           {"application/json": r.ChatCompletionResponse, SSE: (r.ChatCompletionChunk, r.ErrorResponse)},
-          {**POST_ERRORS, 404: "unknown model"}),
+          {**GENERATE_ERRORS, 404: "unknown model"}),
     Route("post", "/v1/responses", "OpenAI Responses (text and function tools, store false); with stream: true, SSE "
           "named by type (`event:` lines) and no [DONE]", ResponsesRequest,
-          {"application/json": ResponseObject, SSE: STREAM_EVENTS}, {**POST_ERRORS, 404: "unknown model"}),
+          {"application/json": ResponseObject, SSE: STREAM_EVENTS}, {**GENERATE_ERRORS, 404: "unknown model"}),
     Route("get", "/v1/models", "The base model, then one card per adapter", None,
           {"application/json": r.ModelList}, GET_ERRORS),
     Route("get", "/v1/models/{model}", "One model's card, as in /v1/models: the base model or an adapter", None,

@@ -1,6 +1,7 @@
 """scripts/gpu_check.py --dry-run end to end: every group runs (or skips with a reason) on the CPU, the merged JSON
 has the documented shape, at most 6 files come back, the reviewer block is printed, and no check that ran failed.
-Also: the plan fits one cold 10-minute device call, and the check imports without `requests` or pytest."""
+Also: the plan is two device calls that fit the session's device time, the wheels brought cover their dependencies,
+and the check imports without `requests` or pytest."""
 
 from __future__ import annotations
 
@@ -9,10 +10,24 @@ import os
 import re
 import subprocess
 import sys
+from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
 from scripts.gpu_check import parse_args
-from scripts.gpu_check_plan import CAPS_LIMIT_S, DEVICE_CALL_S, INSTALL_S, caps_total, plan_lines
+from scripts.gpu_check_plan import (
+    CALL_LIMIT_S,
+    DEVICE_CALL_S,
+    IMAGE_PACKAGES,
+    INSTALL_S,
+    MACHINE_START_S,
+    SESSION_DEVICE_S,
+    plan_lines,
+    planned_calls,
+    selected_groups,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GROUPS = ("g0", "g1", "g2", "g3", "g4", "g5", "g5b", "g6", "g9", "g7")  # G8 (compute-sanitizer) only with --sanitizer
@@ -61,21 +76,95 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_plan_fits_one_cold_device_call() -> None:
+def test_plan_is_two_calls_that_fit_the_session_with_room_for_a_rerun() -> None:
+    """Correctness first, then speed and serving: each call ends inside its device call even with every group at its
+    cap, together they run every default group once (G0 in both), and start + both calls leave a rerun's time."""
     args = parse_args(["--plan"])
-    assert caps_total(args) <= CAPS_LIMIT_S
+    calls = planned_calls(args)
+    assert [call.title for call in calls] == ["correctness", "speed and serving"]
+    ran = [g.gid for call in calls for g in call.groups]
+    assert sorted(set(ran)) == sorted(g.gid for g in selected_groups(args)) and ran.count("g0") == 2, ran
+    assert {"g1", "g2", "g3"} <= {g.gid for g in calls[0].groups}
+    assert {"g4", "g5", "g5b"} <= {g.gid for g in calls[1].groups}  # G5 serves G4's model, G5b reads G5's tokens
     text = "\n".join(plan_lines(args))
-    caps = float(re.search(r"caps summed: (\d+) s", text).group(1))
-    assert caps <= CAPS_LIMIT_S, text
-    command = text.splitlines()[-1]
-    timeout_s = int(re.search(r"timeout -k 10 (\d+) python3 -m scripts.gpu_check --out \$OUT", command).group(1))
-    assert INSTALL_S + timeout_s + 10 <= DEVICE_CALL_S, command
-    assert len(command) < 2000 and "tee $OUT/gpu_check.log" in command and "nvidia-smi" not in command
+    commands = [line for line in text.splitlines() if line.startswith("set -o pipefail")]
+    assert len(commands) == 2, text
+    for call, command in zip(calls, commands, strict=True):
+        assert call.worst_s <= CALL_LIMIT_S < DEVICE_CALL_S, (call.title, call.worst_s)
+        timeout_s = int(re.search(r"timeout -k 10 (\d+) python3 -m scripts.gpu_check --out \$OUT", command).group(1))
+        warm_s = int(re.search(r"timeout (\d+) python3 -m scripts.gpu_check --warm-imports", command).group(1))
+        assert INSTALL_S + warm_s + timeout_s + 10 <= CALL_LIMIT_S, command
+        assert f"--only {','.join(g.gid for g in call.groups)}" in command, command
+        assert len(command) < 2000 and "tee -a $OUT/gpu_check.log" in command and "nvidia-smi" not in command
+    expected = MACHINE_START_S + sum(call.expected_s for call in calls)
+    assert expected + max(call.expected_s for call in calls) <= SESSION_DEVICE_S, text
+    assert re.search(rf"= ~{expected:.0f} s of {SESSION_DEVICE_S} s device time; left for a rerun", text), text
     proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--plan"], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=60)
-    assert proc.returncode == 0 and command in proc.stdout, proc.stderr
+    assert proc.returncode == 0 and all(command in proc.stdout for command in commands), proc.stderr
+    rerun = parse_args(["--plan", "--only", "g2", "--cap-scale", "1"])
+    assert len(planned_calls(rerun)) == 1 and "--only g2 " in "\n".join(plan_lines(rerun))
     with_sanitizer = parse_args(["--plan", "--sanitizer"])
     assert "g8" in "\n".join(plan_lines(with_sanitizer))
+    assert all(call.worst_s <= CALL_LIMIT_S for call in planned_calls(with_sanitizer))
+
+
+def _wheel_list() -> dict[str, Requirement]:
+    lines = (REPO_ROOT / "scripts" / "gpu_wheels.txt").read_text().splitlines()
+    reqs = [Requirement(line.split(" #")[0]) for line in lines if line.strip() and not line.startswith("#")]
+    return {canonicalize_name(r.name): r for r in reqs}
+
+
+def _device_markers() -> dict[str, str]:
+    """The marker environment of the interpreter fetch_gpu_wheels.sh downloads for (its --python-version and
+    --platform)."""
+    script = (REPO_ROOT / "scripts" / "fetch_gpu_wheels.sh").read_text()
+    python = re.search(r"--python-version (\d+\.\d+)", script).group(1)
+    machines = set(re.findall(r"--platform manylinux\w*?_(x86_64|aarch64)\b", script))
+    assert len(machines) == 1 and "--implementation cp" in script and "--no-deps" in script, script
+    return {"python_version": python, "python_full_version": f"{python}.0", "platform_system": "Linux",
+            "sys_platform": "linux", "os_name": "posix", "platform_machine": machines.pop(),
+            "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+
+
+def test_gpu_wheels_cover_their_dependencies() -> None:
+    """fetch_gpu_wheels.sh brings its wheels without their dependencies, so the list itself must hold every package
+    they need at import (Requires-Dist, recursively, for the image's python and platform), but for the image's own.
+    The installed metadata stands in for the wheels': it must be the pinned version's."""
+    wheels, markers = _wheel_list(), _device_markers()
+    image = {canonicalize_name(name) for name in IMAGE_PACKAGES}
+    assert not wheels.keys() & image, "a wheel would shadow the image's package"
+    missing, unmet, todo, seen = [], [], list(wheels), set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name in image:
+            continue
+        seen.add(name)
+        try:
+            dist = distribution(name)
+        except PackageNotFoundError:
+            missing.append(f"{name}: not installed here, its requirements unknown")
+            continue
+        assert dist.version in wheels[name].specifier, f"{name}: {dist.version} here, {wheels[name]} brought"
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is not None and not req.marker.evaluate(markers):
+                continue
+            dep = canonicalize_name(req.name)
+            if dep in image:
+                continue
+            if dep not in wheels:
+                missing.append(f"{dep} (required by {name}: {text})")
+                continue
+            pinned = [s.version for s in wheels[dep].specifier if s.operator == "=="]
+            if pinned and not req.specifier.contains(pinned[0], prereleases=True):
+                unmet.append(f"{name} needs {req}, {wheels[dep]} brought")
+            todo.append(dep)
+    assert not missing and not unmet, (missing, unmet)
+    assert {"xgrammar", "apache-tvm-ffi", "pydantic", "pydantic-core"} <= seen
+    doc = (REPO_ROOT / "scripts" / "GPU_CHECK.md").read_text()
+    for name in IMAGE_PACKAGES:
+        assert name in doc, f"GPU_CHECK.md does not say the image has {name}"
 
 
 def test_check_imports_without_requests_or_pytest() -> None:

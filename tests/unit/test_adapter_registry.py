@@ -113,7 +113,7 @@ def test_the_resolver_root_narrows_the_path_root(tmp_path: Path) -> None:
 def test_error_table_matches_the_contract() -> None:
     expected = {"invalid": (400, 400), "duplicate": (400, 400), "not_found": (400, 404), "unauthorized": (401, 401),
                 "disabled": (403, 403), "busy": (409, 409), "timeout": (503, 503), "unavailable": (503, 503),
-                "internal": (500, 500)}
+                "unsupported": (501, 501), "internal": (500, 500)}
     for kind, statuses in expected.items():
         assert STATUS_BY_KIND[kind] == statuses
     assert http_status("no such kind", openai=False) == 500
