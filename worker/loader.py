@@ -155,8 +155,8 @@ def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True
         raise CheckpointError(f"checkpoint {model_dir!r} has {len(unread)} tensors no parameter here reads (their "
                               f"values would be dropped), e.g. {', '.join(unread[:5])}")
     if num_cut:
-        logger.info("skipping %d checkpoint tensors of the layers from %d on (%d built)", num_cut, num_layers,
-                    num_layers)
+        logger.info("skipping %d checkpoint tensors of the layers from %d on (the model is built with %d)", num_cut,
+                    num_layers, num_layers)
     loaded: set[tuple[str, int | tuple[int, int] | None]] = set()
     with Progress(logger, f"loading {model_dir}", len(plan), "tensors", enabled=show_progress) as progress:
         for path, entries in itertools.groupby(plan, key=lambda entry: entry[0]):
@@ -184,11 +184,6 @@ def _skipped(name: str, num_layers: int, f: Any, hf_name: str) -> str | None:
     if name.endswith(".bias") and not f.get_tensor(hf_name).any():
         return "zero bias"  # quantizers (AutoGPTQ) may save zeros for a linear without a bias: adding them is a no-op
     return None
-
-
-def _num_tensors(path: str) -> int:
-    with safe_open(path, framework="pt", device="cpu") as f:
-        return len(f.keys())
 
 
 @torch.no_grad()
