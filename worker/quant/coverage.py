@@ -25,4 +25,4 @@ def check_coverage(fmt: QuantFormat, model: nn.Module) -> None:
                 # a piece is left plain when the checkpoint ignores it under any of its spellings
                 if all(fmt.quantizes(hf_name) for hf_name in piece):
                     raise QuantFormatError(f"MoE experts quantized as {fmt.description} are not served yet "
-                                           f"({piece[0]}); serve the model's unquantized checkpoint")
+                                           f"({name}); serve the model's unquantized checkpoint")
