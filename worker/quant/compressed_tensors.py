@@ -55,8 +55,12 @@ class CompressedTensorsFormat:
             raise QuantFormatError(f"compressed-tensors actorder 'group' with weight strategy {weights.strategy} "
                                    "(it orders groups)")
         self.weights = weights
-        self.description = (f"compressed-tensors {self.format} {weights.type}{weights.num_bits} per "
-                            f"{weights.group_size if weights.strategy == 'group' else ''}{weights.strategy}")
+        per = str(weights.strategy)
+        if per == "group":
+            per = f"group of {weights.group_size}"
+        elif per == "block":
+            per = "{}x{} block".format(*weights.block_structure)
+        self.description = f"compressed-tensors {self.format} {weights.type}{weights.num_bits} per {per}"
         names = BaseCompressor.load_from_registry(self.format).compression_param_names(self.scheme)
         inputs = self.scheme.input_activations
         static_inputs = inputs is not None and not inputs.dynamic
