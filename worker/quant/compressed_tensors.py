@@ -141,7 +141,8 @@ def _without_group_order(config: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     found = False
     for group in (config.get("config_groups") or {}).values():
         weights = group.get("weights") if isinstance(group, dict) else None
-        if isinstance(weights, dict) and any(weights.get("actorder") == order for order in _GROUP_ORDERS):
+        order = weights.get("actorder") if isinstance(weights, dict) else None
+        if (order.lower() if isinstance(order, str) else order) in _GROUP_ORDERS:
             weights["actorder"] = None
             found = True
     return config, found
