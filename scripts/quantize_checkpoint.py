@@ -29,6 +29,9 @@ FORMATS = {
     "awq-4bit": "AWQ 4-bit GEMM, groups, zero points",
     "ct-w4a16": "compressed-tensors pack-quantized INT4, symmetric groups",
     "ct-w4a16-asym": "compressed-tensors pack-quantized INT4, asymmetric groups",
+    "ct-w4a16-actorder-weight": "compressed-tensors INT4 groups, actorder weight (groups contiguous, no g_idx)",
+    "ct-w4a16-actorder-static": "compressed-tensors INT4 groups, actorder static (weight's alias)",
+    "ct-w4a16-actorder-group": "compressed-tensors INT4 groups, actorder group (shuffled weight_g_idx)",
     "ct-w8a16": "compressed-tensors pack-quantized INT8, per channel",
     "ct-fp8-tensor": "compressed-tensors FP8 per tensor, W8A8 with static input scales",
     "ct-fp8-channel": "compressed-tensors FP8 per channel, W8A8 with dynamic per-token activations",
@@ -80,6 +83,8 @@ def _quantize(fmt: str, w: torch.Tensor, perm: torch.Tensor,
         return _awq(w, group_size=group_size)
     if fmt == "fp8-block":
         return _fp8_block(w)
+    if fmt == "ct-w4a16-actorder-group":
+        return _ct_group_order(w, perm, group_size)
     return _compressed_tensors(fmt, w, group_size)
 
 
@@ -152,10 +157,12 @@ def _compressed_tensors(fmt: str, w: torch.Tensor, group_size: int):
     from compressed_tensors.quantization.utils import calculate_qparams
 
     inputs = None
-    if fmt in ("ct-w4a16", "ct-w4a16-asym", "ct-w8a16"):
+    if fmt.startswith(("ct-w4a16", "ct-w8a16")):
         bits = 8 if fmt == "ct-w8a16" else 4
         group = dict(strategy="channel") if bits == 8 else dict(strategy="group", group_size=group_size)
-        weights = QuantizationArgs(num_bits=bits, type="int", symmetric=not fmt.endswith("asym"), **group)
+        actorder = fmt.partition("-actorder-")[2] or None  # weight/static: calibration order only, nothing stored
+        weights = QuantizationArgs(num_bits=bits, type="int", symmetric=not fmt.endswith("asym"), actorder=actorder,
+                                   **group)
         compression = "pack-quantized"
     else:
         strategy = fmt.removeprefix("ct-fp8-")
@@ -179,6 +186,25 @@ def _compressed_tensors(fmt: str, w: torch.Tensor, group_size: int):
     dequant = compressor.decompress(tensors, scheme)["weight"]
     config = QuantizationConfig(config_groups={"group_0": scheme}, format=compression,
                                 quantization_status="compressed", ignore=["lm_head"]).model_dump(mode="json")
+    return tensors, dequant, config
+
+
+def _ct_group_order(w: torch.Tensor, perm: torch.Tensor, group_size: int):
+    """compressed-tensors W4A16 with actorder "group", as llm-compressor wrote it before the library removed that
+    ordering: group k holds the columns perm[k·size:(k+1)·size], weight_g_idx is each column's group. The library
+    refuses such a config and no longer quantizes by g_idx, so the integers are packed with its packer and the
+    config's actorder is written in after it is dumped."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    in_features = w.shape[1]
+    g_idx = torch.empty(in_features, dtype=torch.int64)
+    g_idx[perm] = torch.arange(in_features) // group_size
+    q, scales, zeros, dequant = _int_groups(w, 4, g_idx, in_features // group_size, sym=True)
+    tensors = {"weight_packed": pack_to_int32((q - zeros[:, g_idx]).to(torch.int8), 4),  # signed, (out, in / 8)
+               "weight_scale": scales.half(), "weight_shape": torch.tensor(w.shape),
+               "weight_g_idx": g_idx.to(torch.int32)}
+    config = _compressed_tensors("ct-w4a16", w, group_size)[2]
+    config["config_groups"]["group_0"]["weights"]["actorder"] = "group"
     return tensors, dequant, config
 
 

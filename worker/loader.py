@@ -11,9 +11,11 @@ keeps this rank's shard; the copy into the parameter converts the dtype and move
 from __future__ import annotations
 
 import glob
+import itertools
 import logging
 import os
 import re
+from typing import Any
 
 import torch
 from loraplex.protocol.progress import Progress
@@ -30,7 +32,9 @@ FUSED_SLICES = (
     ("gate_proj", "gate_up_proj", 0),
     ("up_proj", "gate_up_proj", 1),
 )
-# Checkpoint entries that are not parameters here (old checkpoints saved rotary tables).
+# Checkpoint entries with no parameter here that carry nothing the forward pass reads: old checkpoints saved the
+# rotary table, which the model recomputes from config.json. Any other tensor without a parameter stops the load
+# (its values would be dropped), except the two cases `_skipped` names.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -87,9 +91,34 @@ def renamed(hf_name: str, prefixes: tuple[tuple[str, str | None], ...]) -> str |
     return hf_name
 
 
+def checkpoint_module_names(model: nn.Module, module_name: str) -> list[list[str]]:
+    """The checkpoint (HF) names of the modules whose tensors load into our module `module_name`: one list per piece
+    (a fused layer's slice, one expert's slice), each holding every spelling a checkpoint may use for it (the
+    inverse of map_hf_name and the model's `checkpoint_prefixes`)."""
+    module = model.get_submodule(module_name)
+    base, _, last = module_name.rpartition(".")
+    if hasattr(module, "checkpoint_shards"):  # stacked experts: base is "...mlp.experts"
+        block = base.removesuffix(".experts")
+        blocks = [block, block.removesuffix(".mlp") + ".block_sparse_moe"] if block.endswith(".mlp") else [block]
+        pieces = [[f"{b}.experts.{expert}.{hf}" for b in blocks
+                   for hf, piece in EXPERT_SLICES.items() if piece == (last, slice_id)]
+                  for expert, slice_id in module.checkpoint_shards()]
+    else:  # a fused layer's slices, or the layer stored fused (Phi-3: qkv_proj, gate_up_proj) or unfused
+        pieces = [[f"{base}.{hf}", module_name] for hf, fused, _ in FUSED_SLICES if fused == last] or [[module_name]]
+    prefixes = getattr(model, "checkpoint_prefixes", ())
+
+    def spellings(name: str) -> list[str]:  # ours, and under each checkpoint prefix renamed to ours
+        return [name, *(prefix + name[len(ours) :] for prefix, ours in prefixes
+                        if ours is not None and name.startswith(ours))]
+
+    return [[spelled for name in piece for spelled in spellings(name)] for piece in pieces]
+
+
 def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True) -> None:
     """show_progress: report tensors loaded (a bar on a terminal, else log lines); one rank of several says it.
-    A model class may list `checkpoint_prefixes` ((checkpoint prefix, ours or None to skip), ...)."""
+    A model class may list `checkpoint_prefixes` ((checkpoint prefix, ours or None to skip), ...). Every checkpoint
+    tensor is read into a parameter, or skipped for a reason `_skipped` gives; any other stops the load, before any
+    weight is read, naming it."""
     prefixes = getattr(model, "checkpoint_prefixes", ())
     params = dict(model.named_parameters())  # a tied weight appears once, under its first name
     aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(params)
@@ -102,40 +131,59 @@ def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True
             for suffix, _ in module.named_parameters(recurse=False):
                 shards[f"{name}.{suffix}"] = list(range(module.num_slices))
     expected = {(name, shard) for name in params for shard in shards.get(name, [None])}
-    loaded: set[tuple[str, int | tuple[int, int] | None]] = set()
-    ignored: list[str] = []  # e.g. the layers --hf-overrides '{"num_hidden_layers": N}' leaves out
+    num_layers = 1 + max((int(m[1]) for name in params if (m := _LAYER.search(name))), default=-1)
+    plan: list[tuple[str, str, str, int | tuple[int, int] | None]] = []  # (file, checkpoint name, ours, slice)
+    unread: list[str] = []
+    num_cut = 0  # tensors of the layers --hf-overrides '{"num_hidden_layers": N}' leaves out
     files = checkpoint_files(model_dir)
-    total = sum(_num_tensors(path) for path in files)
-    with Progress(logger, f"loading {model_dir}", total, "tensors", enabled=show_progress) as progress:
-        for path in files:
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for hf_name in f.keys():
+                local_name = renamed(hf_name, prefixes)
+                if local_name is None or hf_name.endswith(IGNORED_SUFFIXES):
+                    continue
+                name, slice_id = map_hf_name(local_name)
+                if name in params:
+                    plan.append((path, hf_name, name, slice_id))
+                elif name in aliases:
+                    continue  # a tied weight: loaded under the name it is shared with
+                elif (reason := _skipped(name, num_layers, f, hf_name)) is None:
+                    unread.append(hf_name)
+                elif reason == "cut":
+                    num_cut += 1
+    if unread:
+        raise CheckpointError(f"checkpoint {model_dir!r} has {len(unread)} tensors no parameter here reads (their "
+                              f"values would be dropped), e.g. {', '.join(unread[:5])}")
+    if num_cut:
+        logger.info("skipping %d checkpoint tensors of the layers from %d on (the model is built with %d)", num_cut,
+                    num_layers, num_layers)
+    loaded: set[tuple[str, int | tuple[int, int] | None]] = set()
+    with Progress(logger, f"loading {model_dir}", len(plan), "tensors", enabled=show_progress) as progress:
+        for path, entries in itertools.groupby(plan, key=lambda entry: entry[0]):
             with safe_open(path, framework="pt", device="cpu") as f:
-                for hf_name in f.keys():
+                for _, hf_name, name, slice_id in entries:
                     progress.update()
-                    local_name = renamed(hf_name, prefixes)
-                    if local_name is None or hf_name.endswith(IGNORED_SUFFIXES):
-                        continue
-                    name, slice_id = map_hf_name(local_name)
-                    if name in aliases:
-                        continue  # a tied weight: loaded under the name it is shared with
-                    if name not in params:
-                        ignored.append(hf_name)
-                        continue
                     _load_one(params[name], f.get_tensor(hf_name), slice_id, hf_name)
                     if slice_id is None and name in shards:  # a stacked or fused (Phi-3) tensor holds every piece
                         loaded.update((name, shard) for shard in shards[name])
                     else:
                         loaded.add((name, slice_id))
-    if ignored:
-        logger.warning("ignoring %d checkpoint tensors with no parameter here, e.g. %s", len(ignored),
-                       ", ".join(ignored[:3]))  # fmt: skip
     missing = sorted(f"{name}[{slice_id}]" if slice_id is not None else name for name, slice_id in expected - loaded)
     if missing:
         raise CheckpointError(f"checkpoint {model_dir!r} lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
 
 
-def _num_tensors(path: str) -> int:
-    with safe_open(path, framework="pt", device="cpu") as f:
-        return len(f.keys())
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _skipped(name: str, num_layers: int, f: Any, hf_name: str) -> str | None:
+    """Why a checkpoint tensor with no parameter here carries nothing the model computes with, or None (an error)."""
+    layer = _LAYER.search(name)
+    if layer is not None and int(layer[1]) >= num_layers:
+        return "cut"  # a layer the model is built without (--hf-overrides num_hidden_layers; an MTP layer)
+    if name.endswith(".bias") and not f.get_tensor(hf_name).any():
+        return "zero bias"  # quantizers (AutoGPTQ) may save zeros for a linear without a bias: adding them is a no-op
+    return None
 
 
 @torch.no_grad()
@@ -143,6 +191,10 @@ def _load_one(
     param: nn.Parameter, tensor: torch.Tensor, slice_id: int | tuple[int, int] | None, hf_name: str
 ) -> None:
     loader = getattr(param, "weight_loader", None)
+    if param.numel() and param.is_floating_point() and (not tensor.is_floating_point() or tensor.element_size() == 1):
+        # a quantized checkpoint's stored values (FP8, packed integers) would be read as if they were the weights
+        raise CheckpointError(f"{hf_name}: stored as {str(tensor.dtype).removeprefix('torch.')}, quantized values "
+                              f"that this {str(param.dtype).removeprefix('torch.')} parameter cannot read")
     try:
         if loader is not None:
             loader(param, tensor, slice_id)

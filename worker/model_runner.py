@@ -28,7 +28,7 @@ from loraplex.worker.model.config import ModelConfig, ModelConfigError
 from loraplex.worker.model.registry import build_model
 from loraplex.worker.parallel import tensor_parallel
 from loraplex.worker.penalties import TokenHistories, apply_penalties
-from loraplex.worker.quant import checkpoint_format, quantized_linears
+from loraplex.worker.quant import check_coverage, checkpoint_format, quantized_linears
 from loraplex.worker.sampler import Sampler, prompt_logprob_rows, prompt_logprobs, token_logprobs
 from loraplex.worker.sampling_batch import SamplingBatch
 from loraplex.worker.sampling_table import SamplingTable
@@ -89,6 +89,8 @@ class ModelRunner:
         quantization = quantized_linears(self.quant_format)
         with tensor_parallel(rank, world_size), model_ops(ops), quantization, self.device, _default_dtype(self.dtype):
             self.model = build_model(self.model_config, max_positions=self.context_length)
+        if self.quant_format is not None:  # before any weight is read or drawn
+            check_coverage(self.quant_format, self.model)
         if config.load_format == "dummy":
             init_dummy_weights(self.model, self.model_config.initializer_range, config.seed)
         else:

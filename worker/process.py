@@ -33,7 +33,9 @@ from loraplex.worker.dist import (
     ranks_per_node,
     set_serving_timeout,
 )
+from loraplex.worker.loader import CheckpointError
 from loraplex.worker.model_runner import ModelRunner
+from loraplex.worker.quant import QuantFormatError
 
 logger = logging.getLogger("worker")
 
@@ -175,7 +177,8 @@ def main() -> int:
     try:
         worker = Worker(args, rank, to_scheduler, read_fault_plan(), key)
     except Exception as e:
-        if isinstance(e, BackendError):  # a configuration the device cannot run, not a fault: its one line says it
+        # a configuration the device cannot run or a checkpoint that cannot be served, not a fault: its line says it
+        if isinstance(e, (BackendError, CheckpointError, QuantFormatError)):
             logger.error("start-up failed: %s", e)
         else:
             logger.exception("start-up failed")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from loraplex.worker.quant.formats import build_format, random_tensors
 from safetensors import safe_open
 
 from scripts.quantize_checkpoint import FORMATS, write_quantized
+from tests.quant_weights import random_int_weight
 from tests.worker_helpers import make_runner, prefill_logits, random_prompts
 
 STD = 0.02
@@ -93,6 +95,8 @@ OTHER_CONFIGS = {
                                "group_size": 64, "actorder": "weight"}, "pack-quantized"),
     "ct-w8a16-asym-channel": _ct({"num_bits": 8, "type": "int", "symmetric": False, "strategy": "channel"},
                                  "pack-quantized"),
+    "ct-w4a16-asym-group-order": _ct({"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+                                      "group_size": 64, "actorder": "group"}, "pack-quantized"),
 }
 
 
@@ -106,6 +110,21 @@ def test_every_format_draws_every_tensor_it_reads(name: str) -> None:
     assert abs(weight.std().item() - STD) < 0.1 * STD and abs(weight.mean().item()) < 0.1 * STD
     form = fmt.random_weight(*shape, STD, torch.Generator().manual_seed(1))
     assert torch.equal(dequantized(fmt, fmt.encode(form), shape), form.dequantize(slice(None), torch.float32))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_compressed_tensors_group_order_encodes_scattered_groups(symmetric: bool) -> None:
+    # actorder "group": each column's group is its weight_g_idx entry, not its position
+    fmt = build_format("compressed-tensors", _ct({"num_bits": 4, "type": "int", "symmetric": symmetric,
+                                                  "strategy": "group", "group_size": 32, "actorder": "group"},
+                                                 "pack-quantized"))
+    weight = random_int_weight(bits=4, group_size=32, signed=True, zeros=not symmetric, act_order=True)
+    weight = replace(weight, scales=weight.scales.bfloat16().float())  # as stored
+    tensors = fmt.encode(weight)
+    assert sorted(tensors) == sorted(fmt.tensor_names) and "weight_g_idx" in tensors
+    decoded = fmt.decode(tensors, *weight.shape)
+    assert decoded.g_idx is not None and torch.equal(decoded.g_idx, weight.g_idx)
+    assert torch.equal(decoded.dequantize(slice(None), torch.float32), weight.dequantize(slice(None), torch.float32))
 
 
 def dummy_model(model_dir: Path, rank: int, world_size: int) -> torch.nn.Module:

@@ -26,6 +26,9 @@ EXPECTED_KERNEL = {  # the CPU kernel each format's linears take (matmul.py)
     "awq-4bit": "int4 weight-only (torch CPU)",
     "ct-w4a16": "int4 weight-only (torch CPU)",
     "ct-w4a16-asym": "int4 weight-only (torch CPU)",
+    "ct-w4a16-actorder-weight": "int4 weight-only (torch CPU)",
+    "ct-w4a16-actorder-static": "int4 weight-only (torch CPU)",
+    "ct-w4a16-actorder-group": "int4 weight-only (torch CPU)",  # act order permuted into whole groups at load
     "ct-w8a16": "int8 weight-only (torch CPU)",
 }
 TILES = "dequantize per tile"

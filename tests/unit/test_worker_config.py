@@ -144,6 +144,26 @@ def test_context_length_and_default_kv_size(llama_dir: Path) -> None:
         ModelRunner(runner_config(context_length=4096), str(llama_dir), 0, 1, "cpu")
 
 
+def test_a_checkpoint_tensor_no_parameter_reads_is_refused(llama_dir: Path, tmp_path: Path) -> None:
+    shutil.copy(llama_dir / "config.json", tmp_path / "config.json")
+    tensors = load_file(llama_dir / "model.safetensors")
+    # carry nothing the forward pass reads: a rotary table, a layer the model is built without, a bias of zeros
+    harmless = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8),
+                "model.layers.2.mlp.down_proj.weight": torch.ones(64, 128),
+                "model.layers.1.mlp.up_proj.bias": torch.zeros(128)}
+    save_file({**tensors, **harmless}, tmp_path / "model.safetensors")
+    ModelRunner(runner_config(), str(tmp_path), 0, 1, "cpu")
+    for stray in ("model.layers.1.mlp.down_proj.weight_scale", "model.layers.0.self_attn.o_proj.bias"):
+        save_file({**tensors, **harmless, stray: torch.full((64,), 0.5)}, tmp_path / "model.safetensors")
+        with pytest.raises(CheckpointError, match=f"1 tensors no parameter here reads.*{stray}$"):
+            ModelRunner(runner_config(), str(tmp_path), 0, 1, "cpu")
+    # quantized values without a quantization_config are not read as weights
+    name = "model.layers.0.mlp.gate_proj.weight"
+    save_file({**tensors, name: tensors[name].to(torch.float8_e4m3fn)}, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"{name}: stored as float8_e4m3fn"):
+        ModelRunner(runner_config(), str(tmp_path), 0, 1, "cpu")
+
+
 def test_default_kv_tokens_caps() -> None:
     per_token = kv_bytes_per_token(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     assert per_token == 2 * 32 * 8 * 128 * 2

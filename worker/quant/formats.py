@@ -14,9 +14,6 @@ import torch
 from loraplex.worker.quant.packing import AWQ_ORDER, pack_int32, unpack_int32
 from loraplex.worker.quant.weights import FloatWeight, IntWeight, QuantWeight
 
-# Modules a quantized checkpoint may leave in full precision: loraplex keeps the embedding and LM head plain.
-PLAIN_MODULES = ("lm_head", "embed_tokens")
-
 
 class QuantFormatError(ValueError):
     pass
@@ -24,7 +21,13 @@ class QuantFormatError(ValueError):
 
 class QuantFormat(Protocol):
     method: str  # --quantization's name
+    description: str  # the method and how its weights are stored, for messages ("fp8 in 128x128 blocks")
     tensor_names: tuple[str, ...]
+
+    def quantizes(self, module_name: str) -> bool:
+        """Whether the checkpoint stores the linear `module_name` (its own name, `model.layers.0.mlp.up_proj`)
+        quantized rather than in full precision."""
+        ...
 
     def decode(self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int) -> QuantWeight: ...
 
@@ -71,6 +74,10 @@ class GPTQFormat:
             raise QuantFormatError("GPTQ with a quantized lm_head is not supported")
         if config.get("dynamic"):
             raise QuantFormatError("GPTQ with per-module overrides (dynamic) is not supported")
+        self.description = f"gptq {self.bits}-bit" + (" with act-order (desc_act)" if self.desc_act else "")
+
+    def quantizes(self, module_name: str) -> bool:
+        return True  # every linear of the decoder
 
     def decode(self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int) -> IntWeight:
         group_size = in_features if self.group_size == -1 else self.group_size
@@ -119,6 +126,10 @@ class AWQFormat:
         if not config.get("zero_point", True):
             raise QuantFormatError("AWQ without zero points is not supported")
         self.group_size = int(config.get("group_size", config.get("q_group_size", 128)))
+        self.description = f"awq {self.bits}-bit {version}"
+
+    def quantizes(self, module_name: str) -> bool:
+        return True  # every linear of the decoder
 
     def decode(self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int) -> IntWeight:
         group_size = in_features if self.group_size == -1 else self.group_size
@@ -159,6 +170,10 @@ class FP8Format:
         scale = "weight_scale_inv" if self.block is not None else "weight_scale"
         static = config.get("activation_scheme", "dynamic") == "static"
         self.tensor_names = ("weight", scale, *(("input_scale",) if static else ()))
+        self.description = "fp8 " + ("per tensor" if self.block is None else "in {}x{} blocks".format(*self.block))
+
+    def quantizes(self, module_name: str) -> bool:
+        return True  # every linear of the decoder
 
     def decode(self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int) -> FloatWeight:
         weight = tensors["weight"]
