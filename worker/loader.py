@@ -34,7 +34,7 @@ FUSED_SLICES = (
 )
 # Checkpoint entries with no parameter here that carry nothing the forward pass reads: old checkpoints saved the
 # rotary table, which the model recomputes from config.json. Any other tensor without a parameter stops the load
-# (its values would be dropped), except the two cases `_skipped` names.
+# (its values would be dropped), except the cases `_skipped` names.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -174,6 +174,7 @@ def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_KV_CACHE_SCALES = (".k_scale", ".v_scale", ".kv_scale")
 
 
 def _skipped(name: str, num_layers: int, f: Any, hf_name: str) -> str | None:
@@ -181,6 +182,8 @@ def _skipped(name: str, num_layers: int, f: Any, hf_name: str) -> str | None:
     layer = _LAYER.search(name)
     if layer is not None and int(layer[1]) >= num_layers:
         return "cut"  # a layer the model is built without (--hf-overrides num_hidden_layers; an MTP layer)
+    if name.endswith(_KV_CACHE_SCALES) and ".self_attn." in name:
+        return "kv scale"  # an FP8 KV cache's static scales (kv_cache_scheme): the cache here holds the model dtype
     if name.endswith(".bias") and not f.get_tensor(hf_name).any():
         return "zero bias"  # quantizers (AutoGPTQ) may save zeros for a linear without a bias: adding them is a no-op
     return None

@@ -89,3 +89,26 @@ def test_mixtral_experts_are_found_under_its_names_and_may_be_ignored() -> None:
                 check_coverage(fmt, model)
         else:
             check_coverage(fmt, model)  # the experts stay plain, as the checkpoint stores them
+
+
+def test_an_fp8_kv_cache_s_static_scales_load_and_change_nothing(llama_dir: Path, tmp_path: Path) -> None:
+    # llm-compressor's kv_cache_scheme stores k_scale/v_scale per attention layer; the cache here keeps the model
+    # dtype, so the checkpoint serves exactly as without them
+    from safetensors.torch import load_file, save_file
+
+    write_quantized(llama_dir, "ct-fp8-channel", tmp_path / "plain-kv", None)
+    shutil.copytree(tmp_path / "plain-kv", tmp_path / "fp8-kv")
+    path = tmp_path / "fp8-kv" / "config.json"
+    config = json.loads(path.read_text())
+    config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                        "dynamic": False, "symmetric": True}
+    path.write_text(json.dumps(config))
+    (shard,) = (tmp_path / "fp8-kv").glob("*.safetensors")
+    tensors = load_file(shard)
+    for layer in range(config["num_hidden_layers"]):
+        for name in ("k_scale", "v_scale"):
+            tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(0.05)
+    save_file(tensors, shard)
+    runners = [make_runner(tmp_path / name) for name in ("plain-kv", "fp8-kv")]
+    prompt = random_prompts([7], runners[0].vocab_size, seed=3)[0]
+    assert torch.equal(*(prefill_logits(runner, prompt) for runner in runners))

@@ -147,8 +147,11 @@ def test_context_length_and_default_kv_size(llama_dir: Path) -> None:
 def test_a_checkpoint_tensor_no_parameter_reads_is_refused(llama_dir: Path, tmp_path: Path) -> None:
     shutil.copy(llama_dir / "config.json", tmp_path / "config.json")
     tensors = load_file(llama_dir / "model.safetensors")
-    # carry nothing the forward pass reads: a rotary table, a layer the model is built without, a bias of zeros
+    # carry nothing the forward pass reads: a rotary table, a layer the model is built without, a bias of zeros,
+    # an FP8 KV cache's static scales (compressed-tensors' kv_cache_scheme; the cache here keeps the model dtype)
     harmless = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8),
+                "model.layers.0.self_attn.k_scale": torch.tensor(0.02),
+                "model.layers.1.self_attn.v_scale": torch.tensor(0.03),
                 "model.layers.2.mlp.down_proj.weight": torch.ones(64, 128),
                 "model.layers.1.mlp.up_proj.bias": torch.zeros(128)}
     save_file({**tensors, **harmless}, tmp_path / "model.safetensors")
