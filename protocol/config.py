@@ -128,6 +128,9 @@ _HELP: dict[str, str] = {
     "context_length": "longest prompt + output (default: the model's max_position_embeddings)",
     "max_prefill_tokens": "most prompt tokens prefilled in one forward pass",
     "page_size": "tokens per KV cache page",
+    "max_mamba_cache_size": "state slots of a hybrid model's linear-attention layers (one per running request; "
+    "default: --max-running-requests)",
+    "mamba_ssm_cache_dtype": "dtype of a hybrid model's recurrent and conv states (auto: the model's)",
     "seed": "random seed for sampling without a per-request seed",
     "log_level": "logging level",
     "nnodes": "nodes for multi-node tensor parallelism",
@@ -182,7 +185,7 @@ _TOPICS: dict[str, str] = {
     "lora_state_file disable_lora_updates lora_drain_timeout lora_load_timeout",
     "scheduling and KV cache": "max_running_requests max_total_tokens max_prefill_tokens chunked_prefill_size "
     "page_size disable_radix_cache no_enable_prefix_caching gpu_memory_utilization max_running_per_adapter "
-    "disable_adapter_fairness scheduling_policy",
+    "disable_adapter_fairness scheduling_policy max_mamba_cache_size mamba_ssm_cache_dtype",
     "attention and CUDA graphs": "attention_backend enable_cuda_graph disable_cuda_graph cuda_graph_max_bs",
     "multi-node": "nnodes node_rank dist_init_addr dist_timeout",
     "chat and tools": "chat_template enable_auto_tool_choice tool_call_parser reasoning_parser",
@@ -292,6 +295,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     lora_allow_base_mismatch: bool = False
     lora_strict_base_match: bool = False
     lora_require_manifest: bool = False
+    max_mamba_cache_size: int | None = None
+    mamba_ssm_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
     def __post_init__(self) -> None:
         positive = (
@@ -308,7 +313,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("max_loaded_loras", "max_lora_rank", "max_total_tokens", "context_length", "cuda_graph_max_bs",
-                     "max_running_per_adapter", "max_requests_per_minute_per_key", "max_tokens_per_minute_per_key"):
+                     "max_running_per_adapter", "max_requests_per_minute_per_key", "max_tokens_per_minute_per_key",
+                     "max_mamba_cache_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")

@@ -322,6 +322,8 @@ class SchedulerStats(Struct, frozen=True):
     prefix_cache_queried_tokens: int = 0
     num_preemptions: int = 0
     num_loaded_adapters: int = 0  # adapter ids every rank of this scheduler holds
+    num_state_slots: int = 0  # hybrid models: the linear-attention state slots (0 = none), and those free
+    num_free_state_slots: int = 0
 
 
 class SlotsChanged(Struct, frozen=True):
@@ -372,6 +374,9 @@ class ForwardReq(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     # longrope models (WorkerReady.long_rope_len): every position of this request takes the long factors, as
     # transformers gives them to a sequence longer than the original length; False: the short ones.
     long_rope: bool = False
+    # Hybrid models (WorkerReady.num_state_slots > 0): the request's state slot, which holds its linear-attention
+    # layers' recurrent and conv states; a pass with num_cached_tokens == 0 starts them from zero. -1: none.
+    state_slot: int = -1
 
 
 class SlotLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -412,6 +417,9 @@ class WorkerReady(Struct, frozen=True):
     # (ForwardReq.long_rope); 0: no such length within the context
     long_rope_len: int = 0
     grammar_error: str = ""  # why this rank cannot take structured output (xgrammar's import); "": it can
+    # Hybrid models (linear-attention layers beside attention): the state slots the scheduler hands out, one per
+    # running request; 0 = no such layers.
+    num_state_slots: int = 0
 
 
 class Shutdown(Struct, frozen=True):

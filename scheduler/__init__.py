@@ -2,6 +2,7 @@
 
 Module map:
     page_allocator.py  PageAllocator: the free list of KV cache pages
+    state_slots.py     StateSlotAllocator: the free list of a hybrid model's linear-attention state slots
     slot_planner.py    SlotPlanner: which adapter sits in which device slot (holds, LRU eviction, pins)
     request.py         Request: one request's scheduler state
     batch_policy.py    BatchPolicy: which waiting requests join the next batch (limits, slots)

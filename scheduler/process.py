@@ -121,6 +121,7 @@ class SchedulerProcess:
             chunked_prefill_size=self.config.chunked_prefill_tokens(first.device_type),
             attention_window=first.attention_window,  # one model on every rank
             long_rope_len=first.long_rope_len,
+            num_state_slots=first.num_state_slots,
         )
         self.to_frontend.send(
             SchedulerReady(

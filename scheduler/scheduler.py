@@ -18,6 +18,12 @@ When every layer of the model attends only within a sliding window (`attention_w
 report), a request gives back its pages wholly behind the window of its next query, as soon as their tokens are
 written (a cached one stays cached, unused by it); its page table keeps FREED_PAGE in their place.
 
+Hybrid models (linear-attention layers beside attention; WorkerReady.num_state_slots > 0): a running request also
+holds a state slot, taken at admission with its first pages and given back with them (finish, abort, preemption).
+The workers keep its layers' recurrent and conv states there; a pass from position 0 starts them from zero, so a
+preempted request rebuilds its state when it is recomputed. Such states exist only at a request's current position,
+never at a cached page's end, so prefix caching is off for these models (a hit would need the state at the prefix).
+
 Overlap: up to two passes are in flight, so the workers start the next one the moment they finish one, and this
 process schedules and processes results meanwhile. A decoding request in the newer pass reads the token the older
 pass samples for it, which no one here knows yet: its ForwardReq names that token's row in the older pass
@@ -64,6 +70,7 @@ from loraplex.scheduler.page_allocator import PageAllocator
 from loraplex.scheduler.prefix_cache import BASE_NAMESPACE, PrefixCache, page_keys
 from loraplex.scheduler.request import FREED_PAGE, Request, RequestStatus
 from loraplex.scheduler.slot_planner import SlotError, SlotPlanner
+from loraplex.scheduler.state_slots import StateSlotAllocator
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +97,7 @@ class Scheduler:
         chunked_prefill_size: int = 512,
         long_rope_len: int = 0,
         attention_window: int | None = None,
+        num_state_slots: int = 0,
     ):
         """attention_window: the most tokens a query of any layer attends to (its own included); None = some layer
         attends to the whole context, and no page is given back before its request ends."""
@@ -99,7 +107,12 @@ class Scheduler:
         self.context_length = context_length
         self.long_rope_len = long_rope_len  # WorkerReady.long_rope_len: 0 = none
         self.pages = PageAllocator(num_pages)
-        self.cache = PrefixCache(self.pages, config.page_size, enabled=config.prefix_caching)
+        self.state_slots = StateSlotAllocator(num_state_slots)
+        self.is_hybrid = num_state_slots > 0
+        if self.is_hybrid and config.prefix_caching:
+            log.info("prefix caching is off: this hybrid model's linear-attention state exists only at each "
+                     "request's current position")
+        self.cache = PrefixCache(self.pages, config.page_size, enabled=config.prefix_caching and not self.is_hybrid)
         self.slots = SlotPlanner(config.max_loras_per_batch)
         self.adapters = AdapterTable(num_ranks, config.lora_load_timeout)
         self.policy = BatchPolicy(max_running_requests=config.max_running_requests,
@@ -300,6 +313,9 @@ class Scheduler:
         """A running request gives back its pages (cached ones stay cached) and its slot hold."""
         self.cache.release(req.live_page_ids)
         req.page_ids, req.num_freed_pages = [], 0
+        if req.state_slot != -1:
+            self.state_slots.free(req.state_slot)
+            req.state_slot = -1
         if req.lora_id is not None:
             self.slots.release(req.lora_id)
 
@@ -339,7 +355,7 @@ class Scheduler:
         return req.num_pages_for(num_matched * self.page_size + num_first, self.page_size) - num_matched
 
     def try_admit(self, req: Request, keep_free_pages: int) -> bool:
-        if self._budget_left <= 0:
+        if self._budget_left <= 0 or (self.is_hybrid and not self.state_slots.can_allocate()):
             return False
         req.is_long_rope = self._needs_long_rope(req)
         matched = self.cache.match(self._matchable_keys(req), req.num_tokens)
@@ -354,6 +370,8 @@ class Scheduler:
             self._budget_left = budget_before
             return False
         req.page_ids += self.cache.allocate(num_pages)
+        if self.is_hybrid:
+            req.state_slot = self.state_slots.allocate()
         self.cache.count_lookup(req.num_tokens, req.num_cached_tokens)
         if not req.num_preemptions:  # usage reports the first admission's hit (vLLM's num_cached_tokens too)
             req.num_hit_tokens_to_send = req.num_cached_tokens
@@ -384,6 +402,7 @@ class Scheduler:
             prompt_logprob_ids=req.prompt_ids[start:end],
             prompt_logprob_row=max(start - 1 - req.num_scheduled_tokens, 0),
             long_rope=req.is_long_rope,
+            state_slot=req.state_slot,
         )
 
     def process_result(self, result: BatchResult) -> list[TokenDelta]:
@@ -477,6 +496,8 @@ class Scheduler:
             prefix_cache_queried_tokens=self.cache.num_queried_tokens,
             num_preemptions=self.num_preemptions,
             num_loaded_adapters=len(self.adapters.loaded_ids),
+            num_state_slots=self.state_slots.num_slots,
+            num_free_state_slots=self.state_slots.num_free,
         )
 
     # ---- adapters (between forward passes) --------------------------------------------------------------------

@@ -32,6 +32,7 @@ from loraplex.worker.quant import check_coverage, checkpoint_format, quantized_l
 from loraplex.worker.sampler import Sampler, prompt_logprob_rows, prompt_logprobs, token_logprobs
 from loraplex.worker.sampling_batch import SamplingBatch
 from loraplex.worker.sampling_table import SamplingTable
+from loraplex.worker.state_cache import HybridCache
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +126,8 @@ class ModelRunner:
         num_pages = self._num_kv_tokens() // self.page_size
         if num_pages < 1:
             raise RuntimeError(f"not enough memory for one KV cache page of {self.page_size} tokens")
-        self.kv_cache = KVCache(
-            num_layers=self.model_config.num_layers,
+        kv_args = dict(
+            num_layers=len(self.model_config.attention_layer_ids),  # a hybrid model's linear layers hold no KV
             num_pages=num_pages,
             page_size=self.page_size,
             num_kv_heads=self.model_config.num_kv_heads // world_size,
@@ -134,6 +135,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        self.kv_cache = self._hybrid_cache(kv_args) if self.model_config.linear_attention else KVCache(**kv_args)
         self._warmup_attention()
         self._warmup_model_ops(ops)
         self.decode_graphs = self._decode_graphs()
@@ -149,8 +151,30 @@ class ModelRunner:
                 self.context_length,
             )
 
+    def _hybrid_cache(self, kv_args: dict) -> HybridCache:
+        la, ranks = self.model_config.linear_attention, self.world_size
+        num_slots = self.config.max_mamba_cache_size or self.config.max_running_requests
+        dtype = self.dtype if self.config.mamba_ssm_cache_dtype == "auto" else getattr(
+            torch, self.config.mamba_ssm_cache_dtype)
+        cache = HybridCache(num_state_slots=num_slots, num_linear_layers=len(la.layer_ids),
+                            conv_channels=la.conv_dim // ranks, conv_state_len=la.conv_kernel_size - 1,
+                            num_value_heads=la.num_value_heads // ranks, key_head_dim=la.key_head_dim,
+                            value_head_dim=la.value_head_dim, state_dtype=dtype, **kv_args)  # fmt: skip
+        logger.info("state slots: %d of %.2f MiB each (%d linear-attention layers, %s)", num_slots,
+                    cache.state_bytes / num_slots / 2**20, len(la.layer_ids), str(dtype).removeprefix("torch."))
+        return cache
+
+    @property
+    def num_state_slots(self) -> int:
+        """WorkerReady.num_state_slots: a hybrid model's linear-attention state slots, else 0."""
+        return self.kv_cache.num_state_slots if isinstance(self.kv_cache, HybridCache) else 0
+
     def _decode_graphs(self) -> DecodeGraphRunner | None:
         if not self.config.enable_cuda_graph:
+            return None
+        if self.model_config.linear_attention is not None:
+            logger.info("--enable-cuda-graph is ignored for %s: its linear-attention layers run eagerly",
+                        self.model_config.model_type)
             return None
         if self.device.type != "cuda":
             logger.info("--enable-cuda-graph is ignored on %s: CUDA graphs need a CUDA device", self.device.type)
@@ -287,6 +311,8 @@ class ModelRunner:
             self.lora.prepare(reqs)
         elif any(req.slot != -1 for req in reqs):
             raise BatchError("the batch uses adapter slots but LoRA is not enabled")
+        if isinstance(self.kv_cache, HybridCache):
+            self.kv_cache.begin(reqs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)  # (tokens, hidden)
         if last_only:  # and after them the extra token rows asked for
             rows = inputs.last_token_index
@@ -316,6 +342,10 @@ class ModelRunner:
 
     def _check_divisible(self) -> None:
         heads, kv_heads = self.model_config.num_heads, self.model_config.num_kv_heads
+        la = self.model_config.linear_attention
+        if la is not None and (la.num_key_heads % self.world_size or la.num_value_heads % self.world_size):
+            raise ModelConfigError(f"tp {self.world_size} must divide the linear-attention key heads "
+                                   f"({la.num_key_heads}) and value heads ({la.num_value_heads})")
         if heads % self.world_size or kv_heads % self.world_size:
             raise ModelConfigError(
                 f"tp {self.world_size} must divide the attention heads ({heads}) and KV heads ({kv_heads})"
@@ -328,7 +358,7 @@ class ModelRunner:
         if self.config.max_total_tokens is not None:
             return self.config.max_total_tokens
         bytes_per_token = kv_bytes_per_token(
-            self.model_config.num_layers,
+            len(self.model_config.attention_layer_ids),
             self.model_config.num_kv_heads // self.world_size,
             self.model_config.head_dim,
             self.dtype,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe", "gemma2", "gemma3_text",
-                         "gemma3", "phi3")
+                         "gemma3", "phi3", "qwen3_5", "qwen3_5_text")
 GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
@@ -62,6 +62,57 @@ class MoEConfig:
 
 
 _MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe")
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")  # Gated DeltaNet layers beside gated attention ones
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """A hybrid model's Gated DeltaNet layers (Qwen3.5): their heads, and which layers they are."""
+
+    num_key_heads: int
+    num_value_heads: int  # a multiple of num_key_heads: each q/k head serves num_value_heads // num_key_heads
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_size: int  # the causal depthwise conv over q|k|v; its state holds the last kernel - 1 inputs
+    layer_ids: tuple[int, ...]  # the linear-attention layers; the others are (gated) full attention
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim  # q | k | v channels
+
+    @classmethod
+    def from_dict(cls, hf: dict[str, Any], model_type: str) -> LinearAttentionConfig | None:
+        if model_type not in HYBRID_TYPES:
+            return None
+        num_layers = hf["num_hidden_layers"]
+        layer_types = hf.get("layer_types")
+        if layer_types is None:  # Qwen3.5's default: every full_attention_interval-th layer attends fully
+            interval = hf.get("full_attention_interval", 4)
+            layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+        layer_types = list(layer_types)[:num_layers]
+        if len(layer_types) != num_layers or set(layer_types) - {"linear_attention", "full_attention"}:
+            raise ModelConfigError(f"layer_types {layer_types} do not give one of linear_attention / "
+                                   f"full_attention to each of {num_layers} layers")
+        config = cls(
+            num_key_heads=hf["linear_num_key_heads"],
+            num_value_heads=hf["linear_num_value_heads"],
+            key_head_dim=hf["linear_key_head_dim"],
+            value_head_dim=hf["linear_value_head_dim"],
+            conv_kernel_size=hf["linear_conv_kernel_dim"],
+            layer_ids=tuple(i for i, kind in enumerate(layer_types) if kind == "linear_attention"),
+        )
+        if config.num_value_heads % config.num_key_heads:
+            raise ModelConfigError(f"linear_num_value_heads {config.num_value_heads} is not a multiple of "
+                                   f"linear_num_key_heads {config.num_key_heads}")
+        return config
 
 
 @dataclass(frozen=True)
@@ -94,6 +145,13 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # softmax scale = its ** -0.5; None = head_dim ** -0.5
     attn_logit_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    linear_attention: LinearAttentionConfig | None = None  # hybrid models' Gated DeltaNet layers; None: none
+
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        """The layers with softmax attention, which alone hold KV cache."""
+        linear = set(self.linear_attention.layer_ids) if self.linear_attention is not None else set()
+        return tuple(i for i in range(self.num_layers) if i not in linear)
 
     @property
     def max_context_length(self) -> int:
@@ -134,6 +192,9 @@ class ModelConfig:
             )
         if model_type in GEMMA_TYPES:
             hf = _gemma_fields(hf, model_type)
+        if model_type == "qwen3_5" and isinstance(hf.get("text_config"), dict):  # the multimodal checkpoint's LM
+            hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"],
+                  "model_type": model_type}
         hidden_act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
         allowed_act = "gelu_pytorch_tanh" if model_type in GEMMA_TYPES else "silu"
         if hidden_act != allowed_act:
@@ -171,6 +232,7 @@ class ModelConfig:
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
             attn_logit_softcap=hf.get("attn_logit_softcapping"),
             final_logit_softcap=hf.get("final_logit_softcapping"),
+            linear_attention=LinearAttentionConfig.from_dict(hf, model_type),
         )
 
 

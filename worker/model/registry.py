@@ -10,6 +10,7 @@ from loraplex.worker.model.mixtral import MixtralForCausalLM
 from loraplex.worker.model.olmoe import OlmoeForCausalLM
 from loraplex.worker.model.phi3 import Phi3ForCausalLM
 from loraplex.worker.model.qwen3 import Qwen3ForCausalLM
+from loraplex.worker.model.qwen3_5 import Qwen3_5ForCausalLM
 from loraplex.worker.model.qwen3_moe import Qwen3MoeForCausalLM
 from torch import nn
 
@@ -25,6 +26,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gemma3_text": Gemma3ForCausalLM,
     "gemma3": Gemma3ForCausalLM,  # the language model of the multimodal checkpoint
     "phi3": Phi3ForCausalLM,
+    "qwen3_5_text": Qwen3_5ForCausalLM,
+    "qwen3_5": Qwen3_5ForCausalLM,  # the language model of the multimodal checkpoint
 }
 
 

@@ -1,0 +1,57 @@
+"""Tiny random hybrid checkpoints (Qwen3.5 text: Gated DeltaNet and gated attention layers) built with transformers'
+config classes (no tests here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+QWEN3_5_TEXT = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,  # linear, linear, full, linear
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=512,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def hf_config(**overrides):
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(**{**QWEN3_5_TEXT, **overrides})
+
+
+def build_hybrid_model(out_dir: Path | str, seed: int = 0, **overrides) -> None:
+    """Random weights in fp32: (1 + w) norms' offsets and the gated norm near their identity, decays in the range
+    the published checkpoints have (A = exp(A_log) in [0.5, 8], dt_bias ~ 1), every other weight ~ N(0, 0.3)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(hf_config(**overrides), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            values = torch.randn(param.shape, generator=generator)
+            if name.endswith("linear_attn.norm.weight"):
+                param.copy_(1.0 + 0.1 * values)
+            elif name.endswith("norm.weight"):  # stored as an offset from 1
+                param.copy_(0.1 * values)
+            elif name.endswith("A_log"):
+                param.copy_(torch.rand(param.shape, generator=generator).mul(4.0).add(0.5).log())
+            elif name.endswith("dt_bias"):
+                param.copy_(1.0 + 0.1 * values)
+            else:
+                param.copy_(values * 0.3)
+    model.save_pretrained(out_dir, safe_serialization=True)
