@@ -200,6 +200,7 @@ class Seq:
     num_cached: int = 0  # and their tokens counted here
     output: list[int] = field(default_factory=list)
     slot: int = -1  # its adapter's slot
+    state_slot: int = -1  # hybrid models: its state slot
 
     def next_input(self) -> list[int]:
         if self.num_cached < len(self.prompt):
@@ -229,7 +230,7 @@ def run_greedy_schedule(
             reqs.append(
                 ForwardReq(
                     input_ids=input_ids, num_cached_tokens=s.num_cached, page_ids=list(s.page_ids), sampling=GREEDY,
-                    slot=s.slot,
+                    slot=s.slot, state_slot=s.state_slot,
                 )
             )
         loads = (slot_loads or []) if step == 0 else []
