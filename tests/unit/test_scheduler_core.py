@@ -45,6 +45,7 @@ def make_scheduler(
     prefix_cache=False,
     attention_window=None,
     long_rope_len=0,
+    num_state_slots=0,
 ) -> Scheduler:
     config = ServerConfig(
         page_size=page_size,
@@ -61,6 +62,7 @@ def make_scheduler(
         chunked_prefill_size=chunked_prefill_size,
         attention_window=attention_window,
         long_rope_len=long_rope_len,
+        num_state_slots=num_state_slots,
     )
 
 
@@ -228,6 +230,7 @@ def assert_drained(sched: Scheduler) -> None:
     assert sched.cache.num_available == sched.pages.num_pages and sched.cache.num_in_use == 0
     sched.cache.check()
     assert held_lora_ids(sched.slots) == set()
+    assert sched.state_slots.num_free == sched.state_slots.num_slots
 
 
 # ---- continuous batching -----------------------------------------------------------------------------------
