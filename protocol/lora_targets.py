@@ -7,6 +7,10 @@ from __future__ import annotations
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 TARGET_MODULES = ATTN_MODULES + MLP_MODULES
+# Hybrid models' linear-attention (Gated DeltaNet) layers, Qwen3.5's names. Its in_proj_qkv is fused q | k | v (a
+# FUSED_TARGETS entry below): the slices are named in_proj_q / in_proj_k / in_proj_v here, each cut on its own by TP.
+LINEAR_ATTN_MODULES = ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+LAYER_MODULES = TARGET_MODULES + LINEAR_ATTN_MODULES  # every decoder-layer target
 
 # "column": the linear's output is split over ranks, so a rank keeps some rows of B (out, r) and all of A;
 # "row": its input is split (the layer all-reduces the output), so a rank keeps some columns of A (r, in) and all of B.
@@ -20,14 +24,22 @@ TP_MODES = {
     "gate_proj": "column",
     "up_proj": "column",
     "down_proj": "row",
+    "in_proj_q": "column",
+    "in_proj_k": "column",
+    "in_proj_v": "column",
+    "in_proj_z": "column",
+    "in_proj_b": "column",
+    "in_proj_a": "column",
+    "out_proj": "row",
 }
-assert tuple(TP_MODES) == TARGET_MODULES
+assert tuple(TP_MODES) == LAYER_MODULES
 
 # The layers outside the decoder layers that LoRA may target, on request (--lora-target-modules; "all" means the seven
-# above): their pool holds vocabulary-sized buffers. Replicated on every rank, so TP cuts none of their weights.
+# above; a hybrid model's worker adds the linear-attention ones): their pool holds vocabulary-sized buffers.
+# Replicated on every rank, so TP cuts none of their weights.
 # PEFT names the embedding's pair lora_embedding_A (r, vocab) and lora_embedding_B (hidden, r).
 MODEL_TARGETS = ("embed_tokens", "lm_head")
-ALL_TARGETS = TARGET_MODULES + MODEL_TARGETS  # every target name, in the order every list of them is kept
+ALL_TARGETS = LAYER_MODULES + MODEL_TARGETS  # every target name, in the order every list of them is kept
 
 # Modules some checkpoints store fused (Phi-3: qkv_proj, gate_up_proj), so PEFT adapters of those models target them:
 # one A (r, in) and one B (sum of the slices' out, r). Each is served as one LoRA per slice, all sharing that A, with
@@ -36,8 +48,9 @@ ALL_TARGETS = TARGET_MODULES + MODEL_TARGETS  # every target name, in the order 
 FUSED_TARGETS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
+    "in_proj_qkv": ("in_proj_q", "in_proj_k", "in_proj_v"),
 }
-assert all(set(slices) <= set(TARGET_MODULES) for slices in FUSED_TARGETS.values())
+assert all(set(slices) <= set(LAYER_MODULES) for slices in FUSED_TARGETS.values())
 
 # Mixture-of-experts models: each expert's gate/up/down are the MLP modules above, per expert. Mixtral's checkpoints
 # (and PEFT adapters trained on them) name them w1/w3/w2; PEFT's `target_parameters` form names the stacked tensors of

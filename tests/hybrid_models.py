@@ -55,3 +55,27 @@ def build_hybrid_model(out_dir: Path | str, seed: int = 0, **overrides) -> None:
             else:
                 param.copy_(values * 0.3)
     model.save_pretrained(out_dir, safe_serialization=True)
+
+
+ADAPTERS = {  # name -> (rank, alpha, targets): mixed ranks, one adapter on both layer kinds, one on the DeltaNet only
+    "all": (8, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
+                    "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")),
+    "linear": (4, 12, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "down_proj")),
+}
+
+
+def build_hybrid_adapter(base_dir: Path | str, out_dir: Path | str, name: str, seed: int = 0) -> None:
+    """A PEFT adapter with random A and B (so every target changes the outputs)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    r, alpha, targets = ADAPTERS[name]
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                                                  init_lora_weights=False, lora_dropout=0.0))  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param_name, param in sorted(peft_model.named_parameters()):
+            if "lora_" in param_name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
+    peft_model.save_pretrained(str(out_dir))

@@ -22,10 +22,10 @@ import torch
 from loraplex.protocol.adapter_config import AdapterConfig, AdapterLoadError, parse_adapter_config
 from loraplex.protocol.adapter_files import AdapterFiles
 from loraplex.protocol.lora_shards import cut_shape, parse_lora_key, rank_cut
-from loraplex.protocol.lora_targets import FUSED_TARGETS, MLP_MODULES, MODEL_TARGETS, TARGET_MODULES, TP_MODES
+from loraplex.protocol.lora_targets import FUSED_TARGETS, LAYER_MODULES, MLP_MODULES, MODEL_TARGETS, TP_MODES
 from loraplex.protocol.structs import TensorSpec
 from loraplex.worker.lora.expert_weights import is_expert_key, match_expert_tensors
-from loraplex.worker.lora.targets import full_shapes, is_expert_module
+from loraplex.worker.lora.targets import full_shapes, is_expert_module, layer_has_module
 from loraplex.worker.model.config import ModelConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -383,7 +383,7 @@ def _match_tensors(
                 f"unexpected tensor {key!r}: only lora_A / lora_B weights of decoder layers, embed_tokens and lm_head"
             )
         layer, module, which = parsed
-        if module not in TARGET_MODULES:
+        if module not in LAYER_MODULES:
             raise AdapterLoadError(f"tensor {key!r}: unknown target module {module!r}")
         if module not in config.target_modules:
             raise AdapterLoadError(f"tensor {key!r} is for {module!r}, which target_modules does not list")
@@ -393,6 +393,8 @@ def _match_tensors(
             )
         if is_expert_module(model_config, layer, module):
             raise AdapterLoadError(f"tensor {key!r}: layer {layer}'s MLP is a mixture of experts; no expert is named")
+        if not layer_has_module(model_config, layer, module):
+            raise AdapterLoadError(f"tensor {key!r}: layer {layer} of the base model has no {module}")
         r, alpha = config.parsed.module_rank_alpha(_module_name(fused_keys.get(key, key)))
         in_features, out_features = shapes[module]
         expected = (r, in_features) if which == "A" else (out_features, r)
@@ -469,8 +471,8 @@ def _check_complete(pairs: set[tuple[int, str]], config: _Config, model_config: 
     without (PEFT converts a per-expert adapter to the stacked experts, where it no longer reaches them)."""
     for layer in config.layers:
         for module in config.target_modules:
-            if module in MODEL_TARGETS:
-                continue  # not a layer's: _match_vocab_tensors
+            if module in MODEL_TARGETS or not layer_has_module(model_config, layer, module):
+                continue  # not a layer's (_match_vocab_tensors), or not this layer's kind (a hybrid model's)
             expert = is_expert_module(model_config, layer, module)
             optional = model_config.moe is not None and module in MLP_MODULES and not expert
             if (layer, module) not in pairs and not optional:

@@ -23,7 +23,7 @@ from loraplex.worker.lora.adapter import AdapterLoadError, LoRAAdapter, PoolSpec
 from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.lora.layers import LoRABatchInfo, LoRALinear
 from loraplex.worker.lora.pool import LoRABuffers, LoRAPool
-from loraplex.worker.lora.targets import KINDS_OF
+from loraplex.worker.lora.targets import KINDS_OF, model_targets
 from loraplex.worker.lora.upload import uploader_for
 from loraplex.worker.lora.vocab import EMBED, HEAD, LoRAEmbedding, LoRALMHead
 from loraplex.worker.model.config import ModelConfig
@@ -59,7 +59,7 @@ class LoRAManager:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.spec = PoolSpec(
             max_lora_rank=config.max_lora_rank,
-            target_modules=config.target_modules,
+            target_modules=model_targets(model_config, config.target_modules),
             dtype=dtype,
             device=torch.device(device),
         )

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.protocol.lora_targets import TARGET_MODULES, TP_MODES
+from loraplex.protocol.lora_targets import (
+    ALL_TARGETS,
+    ATTN_MODULES,
+    LAYER_MODULES,
+    LINEAR_ATTN_MODULES,
+    TARGET_MODULES,
+    TP_MODES,
+)
 from loraplex.worker.model.config import ModelConfig
 
 
@@ -24,6 +31,12 @@ FUSED_LINEARS = (
     FusedLinear("self_attn.o_proj", ("o_proj",)),
     FusedLinear("mlp.gate_up_proj", ("gate_proj", "up_proj")),
     FusedLinear("mlp.down_proj", ("down_proj",)),
+    # a hybrid model's linear-attention layers (worker/model/qwen3_5.py)
+    FusedLinear("linear_attn.in_proj_qkv", ("in_proj_q", "in_proj_k", "in_proj_v")),
+    FusedLinear("linear_attn.in_proj_z", ("in_proj_z",)),
+    FusedLinear("linear_attn.in_proj_b", ("in_proj_b",)),
+    FusedLinear("linear_attn.in_proj_a", ("in_proj_a",)),
+    FusedLinear("linear_attn.out_proj", ("out_proj",)),
 )
 # An MoE layer's experts: the MLP modules of every expert, stacked (worker/layers/moe.py's ExpertsLinear). A layer has
 # either the dense MLP's linears or these.
@@ -35,7 +48,7 @@ EXPERT_FUSED_LINEARS = (
 SLICE_OF: dict[str, tuple[FusedLinear, int]] = {
     module: (fused, slice_id) for fused in FUSED_LINEARS for slice_id, module in enumerate(fused.slices)
 }
-assert set(SLICE_OF) == set(TARGET_MODULES)  # every module of the one table has its place here
+assert set(SLICE_OF) == set(LAYER_MODULES)  # every module of the one table has its place here
 # HF module -> (the experts' fused linear, slice index) in an MoE layer
 EXPERT_SLICE_OF: dict[str, tuple[FusedLinear, int]] = {
     module: (fused, slice_id) for fused in EXPERT_FUSED_LINEARS for slice_id, module in enumerate(fused.slices)
@@ -43,7 +56,7 @@ EXPERT_SLICE_OF: dict[str, tuple[FusedLinear, int]] = {
 # HF module -> the fused linears of any layer that hold it (what an adapter targeting it activates)
 KINDS_OF: dict[str, tuple[str, ...]] = {
     module: tuple(table[module][0].name for table in (SLICE_OF, EXPERT_SLICE_OF) if module in table)
-    for module in TARGET_MODULES
+    for module in LAYER_MODULES
 }
 
 
@@ -53,17 +66,49 @@ def is_expert_module(model_config: ModelConfig, layer: int, module: str) -> bool
     return moe is not None and module in EXPERT_SLICE_OF and layer not in moe.dense_layers
 
 
+def layer_has_module(config: ModelConfig, layer: int, module: str) -> bool:
+    """Whether decoder layer `layer` has `module`: a hybrid model's linear-attention layers have no softmax
+    attention projections, its attention layers none of the linear-attention ones; a plain model has none of those."""
+    la = config.linear_attention
+    if module in LINEAR_ATTN_MODULES:
+        return la is not None and layer in la.layer_ids
+    if module in ATTN_MODULES:
+        return la is None or layer not in la.layer_ids
+    return True
+
+
+def model_targets(config: ModelConfig, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """The pool's targets for this model: a hybrid model's pool of all seven decoder-layer modules ("all", or the
+    default) covers its linear-attention ones too."""
+    if config.linear_attention is None or not set(TARGET_MODULES) <= set(targets):
+        return targets
+    wanted = set(targets) | set(LINEAR_ATTN_MODULES)
+    return tuple(m for m in ALL_TARGETS if m in wanted)
+
+
 def full_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """HF module -> (in_features, out_features) of its full, unsharded weight (the embedding's: as a linear from
     one-hot tokens); `experts.` + module: one expert's."""
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
     expert_inter = config.moe.intermediate_size if config.moe is not None else inter
+    la = config.linear_attention
+    linear = {} if la is None else {
+        "in_proj_q": (hidden, la.key_dim),
+        "in_proj_k": (hidden, la.key_dim),
+        "in_proj_v": (hidden, la.value_dim),
+        "in_proj_z": (hidden, la.value_dim),
+        "in_proj_b": (hidden, la.num_value_heads),
+        "in_proj_a": (hidden, la.num_value_heads),
+        "out_proj": (la.value_dim, hidden),
+    }
+    q_out = 2 * q_size if la is not None else q_size  # a hybrid model's gated attention: q_proj yields q | gate
     return {
+        **linear,
         "experts.gate_proj": (hidden, expert_inter),
         "experts.up_proj": (hidden, expert_inter),
         "experts.down_proj": (expert_inter, hidden),
-        "q_proj": (hidden, q_size),
+        "q_proj": (hidden, q_out),
         "k_proj": (hidden, kv_size),
         "v_proj": (hidden, kv_size),
         "o_proj": (q_size, hidden),
