@@ -16,7 +16,6 @@ from loraplex.worker.lora.layers import LoRALinear
 from loraplex.worker.model_runner import ModelRunner
 from loraplex.worker.state_cache import HybridCache
 
-from tests.hybrid_models import ADAPTERS, build_hybrid_adapter, build_hybrid_model
 from tests.reference import assert_greedy_match, hf_greedy, hf_model
 from tests.worker_helpers import GREEDY, Seq, forward_logits, make_runner, random_prompts, run_greedy_schedule
 
@@ -25,24 +24,8 @@ LENGTHS = [5, 1, 70, 12, 3]  # one prompt of a single token (the decode path fro
 
 
 @pytest.fixture(scope="module")
-def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("qwen3_5_text")
-    build_hybrid_model(out)
-    return out
-
-
-@pytest.fixture(scope="module")
 def runner(hybrid_dir: Path) -> ModelRunner:
     return make_runner(hybrid_dir, max_running_requests=8)
-
-
-@pytest.fixture(scope="module")
-def adapter_dirs(tmp_path_factory: pytest.TempPathFactory, hybrid_dir: Path) -> dict[str, Path]:
-    dirs = {}
-    for seed, name in enumerate(ADAPTERS):
-        dirs[name] = tmp_path_factory.mktemp(f"qwen3_5_lora_{name}")
-        build_hybrid_adapter(hybrid_dir, dirs[name], name, seed=seed)
-    return dirs
 
 
 SLOTS = {"all": 0, "linear": 1}
@@ -50,10 +33,10 @@ SLOT_LOADS = [SlotLoad(slot=0, lora_id=1), SlotLoad(slot=1, lora_id=2)]
 
 
 @pytest.fixture(scope="module")
-def lora_runner(hybrid_dir: Path, adapter_dirs: dict[str, Path]) -> ModelRunner:
+def lora_runner(hybrid_dir: Path, hybrid_adapter_dirs: dict[str, Path]) -> ModelRunner:
     runner = make_runner(hybrid_dir, max_running_requests=8, enable_lora=True, max_lora_rank=8,
                          lora_target_modules=["all"], max_loras_per_batch=2)  # fmt: skip
-    specs = [AdapterToLoad(lora_name=name, lora_path=str(adapter_dirs[name]), lora_id=SLOTS[name] + 1)
+    specs = [AdapterToLoad(lora_name=name, lora_path=str(hybrid_adapter_dirs[name]), lora_id=SLOTS[name] + 1)
              for name in SLOTS]  # fmt: skip
     assert all(outcome.success for outcome in runner.lora.load(specs))
     return runner
@@ -159,7 +142,7 @@ def test_lora_wraps_every_linear_of_both_layer_kinds(lora_runner: ModelRunner) -
 
 
 def test_two_adapters_and_the_base_in_one_batch_match_peft(lora_runner: ModelRunner, hybrid_dir: Path,
-                                                           adapter_dirs: dict[str, Path]) -> None:  # fmt: skip
+                                                           hybrid_adapter_dirs: dict[str, Path]) -> None:  # fmt: skip
     names = [None, "all", "linear", "all", None, "linear"]
     lengths = [6, 9, 70, 4, 11, 8]
     prompts = random_prompts(lengths, lora_runner.vocab_size, seed=5)
@@ -169,7 +152,7 @@ def test_two_adapters_and_the_base_in_one_batch_match_peft(lora_runner: ModelRun
                        slot=-1 if names[i] is None else SLOTS[names[i]], state_slot=i) for i in order]  # fmt: skip
     logits = forward_logits(lora_runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=SLOT_LOADS))
     for i, ours in zip(order, logits.split([lengths[i] for i in order]), strict=True):
-        adapter = None if names[i] is None else adapter_dirs[names[i]]
+        adapter = None if names[i] is None else hybrid_adapter_dirs[names[i]]
         ref = hf_logits(hybrid_dir, prompts[i], adapter)
         diff = (ours - ref).abs().max().item()
         assert diff <= FP32_TOL, f"{names[i] or 'base'}: max abs logit diff {diff:.2e}"
@@ -178,7 +161,7 @@ def test_two_adapters_and_the_base_in_one_batch_match_peft(lora_runner: ModelRun
 
 
 def test_adapters_with_chunked_prefill_and_decode_match_peft_greedy(
-    lora_runner: ModelRunner, hybrid_dir: Path, adapter_dirs: dict[str, Path]
+    lora_runner: ModelRunner, hybrid_dir: Path, hybrid_adapter_dirs: dict[str, Path]
 ) -> None:
     names = [None, "all", "linear"]
     prompts = random_prompts([13, 17, 10], lora_runner.vocab_size, seed=6)
@@ -187,6 +170,6 @@ def test_adapters_with_chunked_prefill_and_decode_match_peft_greedy(
     outputs = run_greedy_schedule(lora_runner, seqs, start_steps=[0, 1, 2], max_new_tokens=5, slot_loads=SLOT_LOADS)
     num_compared = 0
     for prompt, name, out in zip(prompts, names, outputs, strict=True):
-        ref, margins = hf_greedy(hybrid_dir, prompt, 5, None if name is None else adapter_dirs[name])
+        ref, margins = hf_greedy(hybrid_dir, prompt, 5, None if name is None else hybrid_adapter_dirs[name])
         num_compared += assert_greedy_match(out, ref, margins, what=name or "base")
     assert num_compared >= 8
