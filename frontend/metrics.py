@@ -176,6 +176,8 @@ def combine_stats(replicas: list[SchedulerStats], capacities: list[int]) -> Sche
         prefix_cache_queried_tokens=sum(s.prefix_cache_queried_tokens for s in replicas),
         num_preemptions=sum(s.num_preemptions for s in replicas),
         num_loaded_adapters=min(s.num_loaded_adapters for s in replicas),
+        num_state_slots=sum(s.num_state_slots for s in replicas),
+        num_free_state_slots=sum(s.num_free_state_slots for s in replicas),
     )
 
 

@@ -34,11 +34,17 @@ def hf_config(**overrides):
     return Qwen3_5TextConfig(**{**QWEN3_5_TEXT, **overrides})
 
 
-def build_hybrid_model(out_dir: Path | str, seed: int = 0, **overrides) -> None:
+def build_hybrid_model(out_dir: Path | str, seed: int = 0, with_tokenizer: bool = False, **overrides) -> None:
     """Random weights in fp32: (1 + w) norms' offsets and the gated norm near their identity, decays in the range
-    the published checkpoints have (A = exp(A_log) in [0.5, 8], dt_bias ~ 1), every other weight ~ N(0, 0.3)."""
+    the published checkpoints have (A = exp(A_log) in [0.5, 4.5], dt_bias ~ 1), every other weight ~ N(0, 0.3);
+    with_tokenizer: the tests' tiny tokenizer beside it (and its vocabulary), for a server."""
     from transformers import AutoModelForCausalLM
 
+    from scripts.demo.builders import build_tokenizer, tokenizer_vocab_size
+
+    if with_tokenizer:
+        overrides = {"vocab_size": tokenizer_vocab_size(), **overrides}
+        build_tokenizer(out_dir)
     model = AutoModelForCausalLM.from_config(hf_config(**overrides), dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

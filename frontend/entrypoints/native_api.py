@@ -122,6 +122,9 @@ async def server_info(request: web.Request) -> web.Response:
         "kv_usage": stats.kv_usage if stats else None,
         "num_preemptions": stats.num_preemptions if stats else None,
         "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens if stats else None,
+        # hybrid models' linear-attention state slots (0 and 0 for other models), beside the KV pages
+        "state_slots_total": stats.num_state_slots if stats else None,
+        "state_slots_free": stats.num_free_state_slots if stats else None,
         "replicas": [replica_info(runtime, dp_rank, replicas[dp_rank] if replicas else None)
                      for dp_rank in range(len(runtime.replica_ready))],
     })
@@ -141,6 +144,8 @@ def replica_info(runtime: Runtime, dp_rank: int, stats: SchedulerStats | None) -
         "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens if stats else None,
         "slot_lora_ids": stats.slot_lora_ids if stats else None,
         "num_loaded_adapters": stats.num_loaded_adapters if stats else None,
+        "state_slots_total": stats.num_state_slots if stats else None,
+        "state_slots_free": stats.num_free_state_slots if stats else None,
     }
 
 

@@ -1,0 +1,67 @@
+"""A Qwen3.5 text model (Gated DeltaNet + gated attention) served end to end with two adapters, chunked prefill and
+fewer state slots than running places (--max-mamba-cache-size 2 of 4): a batch mixing the base model and both adapters
+equals HF + peft; /server_info counts the slots, all free again after; the prefix cache is off, with its log line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.hybrid_models import ADAPTERS, build_hybrid_adapter, build_hybrid_model
+from tests.reference import assert_greedy_match, hf_greedy
+from tests.server_utils import ServerProcess
+
+MAX_NEW = 8
+GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0}
+PREFIX = "The morning was cold and clear, and the old farmer walked slowly down the lane. "
+PROMPTS = [PREFIX + tail for tail in ("He", "The cows", "Then", "A thin layer of frost", "She")]
+NAMES = [None, "all", "linear", "all", None]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    base = tmp_path_factory.mktemp("qwen3_5_served")
+    build_hybrid_model(base, with_tokenizer=True)
+    adapters = {}
+    for seed, name in enumerate(ADAPTERS):
+        adapters[name] = tmp_path_factory.mktemp(f"qwen3_5_served_{name}")
+        build_hybrid_adapter(base, adapters[name], name, seed=seed)
+    return base, adapters
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs: tuple[Path, dict[str, Path]]):
+    base, adapters = model_dirs
+    lora_paths = [f"{name}={path}" for name, path in adapters.items()]
+    with ServerProcess("--model-path", str(base), "--lora-paths", *lora_paths, "--chunked-prefill-size", "8",
+                       "--page-size", "4", "--max-total-tokens", "1024", "--context-length", "256",
+                       "--max-running-requests", "4", "--max-mamba-cache-size", "2") as server:  # fmt: skip
+        yield server
+
+
+def test_hybrid_mixed_batch_equals_peft_with_chunks_and_few_state_slots(
+    server: ServerProcess, model_dirs: tuple[Path, dict[str, Path]]
+) -> None:
+    base, adapters = model_dirs
+    info = server.get("/server_info").json()
+    assert info["model_type"] == "qwen3_5_text"
+    assert info["state_slots_total"] == 2 and info["state_slots_free"] == 2
+    assert set(info["lora_target_modules"]) >= {"in_proj_q", "in_proj_z", "out_proj", "q_proj"}
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    refs = []
+    for prompt, name in zip(PROMPTS, NAMES, strict=True):
+        adapter = None if name is None else adapters[name]
+        refs.append(hf_greedy(base, tokenizer(prompt)["input_ids"], MAX_NEW, adapter))
+    assert len(tokenizer(PREFIX)["input_ids"]) > 8  # each prompt takes more than one chunk of 8
+    for attempt in ("first", "again"):  # the second round would hit the prefix cache, which is off
+        resp = server.post("/generate", {"text": PROMPTS, "lora_path": NAMES,
+                                         "sampling_params": {**GREEDY, "ignore_eos": True}})  # fmt: skip
+        assert resp.status_code == 200, resp.text
+        num_compared = sum(assert_greedy_match(out["output_ids"], ref, margins, f"{attempt} {name or 'base'}")
+                           for out, (ref, margins), name in zip(resp.json(), refs, NAMES, strict=True))  # fmt: skip
+        assert num_compared >= MAX_NEW * len(PROMPTS) // 2
+    info = server.get("/server_info").json()
+    assert info["state_slots_free"] == 2 and info["prefix_cache_hit_tokens"] == 0
+    assert "prefix caching is off" in server.log()
