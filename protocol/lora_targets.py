@@ -49,6 +49,9 @@ FUSED_TARGETS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
     "in_proj_qkv": ("in_proj_q", "in_proj_k", "in_proj_v"),
+    # Qwen3-Next: stored grouped by key head (the worker regroups B's rows into slice order before the cut)
+    "in_proj_qkvz": ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z"),
+    "in_proj_ba": ("in_proj_b", "in_proj_a"),
 }
 assert all(set(slices) <= set(LAYER_MODULES) for slices in FUSED_TARGETS.values())
 

@@ -1,5 +1,5 @@
-"""Tiny random hybrid checkpoints (Qwen3.5 text: Gated DeltaNet and gated attention layers) built with transformers'
-config classes (no tests here)."""
+"""Tiny random hybrid checkpoints (Gated DeltaNet and gated attention layers: Qwen3.5 text, Qwen3.5-MoE text,
+Qwen3-Next) built with transformers' config classes, and PEFT adapters on them (no tests here)."""
 
 from __future__ import annotations
 
@@ -28,13 +28,25 @@ QWEN3_5_TEXT = dict(
 )
 
 
-def hf_config(**overrides):
-    from transformers import Qwen3_5TextConfig
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=40)
+ARCHS = {  # model_type -> its config's fields beyond QWEN3_5_TEXT
+    "qwen3_5_text": {},
+    "qwen3_5_moe_text": _MOE,
+    # layer 1 dense (mlp_only_layers), with a dense MLP size unlike the experts'
+    "qwen3_next": dict(_MOE, mlp_only_layers=[1], decoder_sparse_step=1, norm_topk_prob=True),
+}
 
-    return Qwen3_5TextConfig(**{**QWEN3_5_TEXT, **overrides})
+
+def hf_config(arch: str = "qwen3_5_text", **overrides):
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+
+    cls = {"qwen3_5_text": Qwen3_5TextConfig, "qwen3_5_moe_text": Qwen3_5MoeTextConfig,
+           "qwen3_next": Qwen3NextConfig}[arch]  # fmt: skip
+    return cls(**{**QWEN3_5_TEXT, **ARCHS[arch], **overrides})
 
 
-def build_hybrid_model(out_dir: Path | str, seed: int = 0, with_tokenizer: bool = False, **overrides) -> None:
+def build_hybrid_model(out_dir: Path | str, seed: int = 0, with_tokenizer: bool = False, arch: str = "qwen3_5_text",
+                       **overrides) -> None:  # fmt: skip
     """Random weights in fp32: (1 + w) norms' offsets and the gated norm near their identity, decays in the range
     the published checkpoints have (A = exp(A_log) in [0.5, 4.5], dt_bias ~ 1), every other weight ~ N(0, 0.3);
     with_tokenizer: the tests' tiny tokenizer beside it (and its vocabulary), for a server."""
@@ -45,7 +57,7 @@ def build_hybrid_model(out_dir: Path | str, seed: int = 0, with_tokenizer: bool 
     if with_tokenizer:
         overrides = {"vocab_size": tokenizer_vocab_size(), **overrides}
         build_tokenizer(out_dir)
-    model = AutoModelForCausalLM.from_config(hf_config(**overrides), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config(arch, **overrides), dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
@@ -58,6 +70,8 @@ def build_hybrid_model(out_dir: Path | str, seed: int = 0, with_tokenizer: bool 
                 param.copy_(torch.rand(param.shape, generator=generator).mul(4.0).add(0.5).log())
             elif name.endswith("dt_bias"):
                 param.copy_(1.0 + 0.1 * values)
+            elif name.endswith("mlp.gate.weight"):  # the router: experts clearly apart
+                param.copy_(values)
             else:
                 param.copy_(values * 0.3)
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -68,14 +82,30 @@ ADAPTERS = {  # name -> (rank, alpha, targets): mixed ranks, one adapter on both
                     "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")),
     "linear": (4, 12, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "down_proj")),
 }
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 
-def build_hybrid_adapter(base_dir: Path | str, out_dir: Path | str, name: str, seed: int = 0) -> None:
+def adapter_targets(arch: str, name: str) -> tuple[str, ...]:
+    """ADAPTERS[name]'s targets as the arch names them: Qwen3-Next's fused in_proj_qkvz / in_proj_ba; no MLP module
+    in the MoE archs (their shared expert's linears carry the MLP names, which LoRA does not serve yet)."""
+    targets = ADAPTERS[name][2]
+    if arch in ("qwen3_next", "qwen3_5_moe_text"):
+        targets = tuple(t for t in targets if t not in MLP_TARGETS)
+    if arch == "qwen3_next":
+        fused = {"in_proj_qkv": "in_proj_qkvz", "in_proj_z": "in_proj_qkvz", "in_proj_b": "in_proj_ba",
+                 "in_proj_a": "in_proj_ba"}  # fmt: skip
+        targets = tuple(dict.fromkeys(fused.get(t, t) for t in targets))
+    return targets
+
+
+def build_hybrid_adapter(base_dir: Path | str, out_dir: Path | str, name: str, seed: int = 0,
+                         arch: str = "qwen3_5_text") -> None:  # fmt: skip
     """A PEFT adapter with random A and B (so every target changes the outputs)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    r, alpha, targets = ADAPTERS[name]
+    r, alpha, _ = ADAPTERS[name]
+    targets = adapter_targets(arch, name)
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
                                                   init_lora_weights=False, lora_dropout=0.0))  # fmt: skip

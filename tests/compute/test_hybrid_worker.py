@@ -1,7 +1,8 @@
-"""Qwen3.5 text (Gated DeltaNet + gated attention) in the worker against HF transformers (+ peft) in fp32: the chunked
-and recurrent forms of the delta rule against the reference's, whole prompts in one batch, chunked prefill carrying the
-state across passes beside decoding requests, a recomputed (preempted) request in a slot another left dirty, the state
-slot checks, and two adapters (mixed ranks and targets, LoRA on every linear of both layer kinds) beside the base."""
+"""Hybrid models (Gated DeltaNet + gated attention: Qwen3.5 text, Qwen3.5-MoE text, Qwen3-Next) in the worker against
+HF transformers (+ peft) in fp32: the chunked and recurrent forms of the delta rule against the reference's, whole
+prompts in one batch, chunked prefill carrying the state across passes beside decoding requests, a recomputed
+(preempted) request in a slot another left dirty, the state slot checks, and two adapters (mixed ranks and targets,
+LoRA on every linear of both layer kinds) beside the base."""
 
 from __future__ import annotations
 
@@ -16,11 +17,33 @@ from loraplex.worker.lora.layers import LoRALinear
 from loraplex.worker.model_runner import ModelRunner
 from loraplex.worker.state_cache import HybridCache
 
+from tests.hybrid_models import ADAPTERS, ARCHS, build_hybrid_adapter, build_hybrid_model
 from tests.reference import assert_greedy_match, hf_greedy, hf_model
 from tests.worker_helpers import GREEDY, Seq, forward_logits, make_runner, random_prompts, run_greedy_schedule
 
-FP32_TOL = 1e-4
+FP32_TOL = 3e-4  # fp32, logits of magnitude ~10 through four layers (MoE: top-2 experts and a shared one)
 LENGTHS = [5, 1, 70, 12, 3]  # one prompt of a single token (the decode path from a zero state), one past a chunk
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def arch(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
+    out = tmp_path_factory.mktemp(arch)
+    build_hybrid_model(out, arch=arch)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hybrid_adapter_dirs(tmp_path_factory: pytest.TempPathFactory, hybrid_dir: Path, arch: str) -> dict[str, Path]:
+    dirs = {}
+    for seed, name in enumerate(ADAPTERS):
+        dirs[name] = tmp_path_factory.mktemp(f"{arch}_lora_{name}")
+        build_hybrid_adapter(hybrid_dir, dirs[name], name, seed=seed, arch=arch)
+    return dirs
 
 
 @pytest.fixture(scope="module")
@@ -133,11 +156,16 @@ def test_bad_state_slots_fail_the_batch(runner: ModelRunner, slots: list[int]) -
         runner.forward(ForwardBatch(batch_id=0, reqs=reqs))
 
 
-def test_lora_wraps_every_linear_of_both_layer_kinds(lora_runner: ModelRunner) -> None:
+def test_lora_wraps_every_linear_of_both_layer_kinds(lora_runner: ModelRunner, arch: str) -> None:
     linear, full = lora_runner.model.model.layers[0], lora_runner.model.model.layers[2]
     gdn = linear.linear_attn
-    wrapped = [gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a, gdn.out_proj, full.self_attn.qkv_proj,
-               full.self_attn.o_proj, linear.mlp.gate_up_proj, linear.mlp.down_proj]
+    wrapped = [gdn.out_proj, full.self_attn.qkv_proj, full.self_attn.o_proj]
+    if arch == "qwen3_next":
+        wrapped += [gdn.in_proj_qkvz, gdn.in_proj_ba, lora_runner.model.model.layers[1].mlp.down_proj]  # dense
+    else:
+        wrapped += [gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a]
+    if arch == "qwen3_5_text":
+        wrapped += [linear.mlp.gate_up_proj, linear.mlp.down_proj]
     assert all(isinstance(m, LoRALinear) for m in wrapped)
 
 

@@ -189,3 +189,18 @@ class RouterLinear(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight)  # (tokens, experts)
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Qwen3-Next / Qwen3.5-MoE: the routed experts plus a shared expert (a dense SiLU-gated MLP, sharded as one)
+    whose output is scaled per token by sigmoid(shared_expert_gate(hidden)), a replicated one-output router."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
+                 shared_expert: nn.Module):  # fmt: skip
+        super().__init__(hidden_size, num_experts, top_k, intermediate_size, renormalize)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = RouterLinear(hidden_size, 1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert(hidden) * torch.sigmoid(self.shared_expert_gate(hidden))  # (tokens, hidden)
+        return super().forward(hidden) + shared

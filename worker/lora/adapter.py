@@ -25,7 +25,7 @@ from loraplex.protocol.lora_shards import cut_shape, parse_lora_key, rank_cut
 from loraplex.protocol.lora_targets import FUSED_TARGETS, LAYER_MODULES, MLP_MODULES, MODEL_TARGETS, TP_MODES
 from loraplex.protocol.structs import TensorSpec
 from loraplex.worker.lora.expert_weights import is_expert_key, match_expert_tensors
-from loraplex.worker.lora.targets import full_shapes, is_expert_module, layer_has_module
+from loraplex.worker.lora.targets import full_shapes, is_expert_module, layer_has_module, slice_order_rows
 from loraplex.worker.model.config import ModelConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -444,7 +444,8 @@ def _split_fused(
                 f"shape mismatch with the base model: tensor {key!r} has shape {shapes[key]}, expected "
                 f"({sum(sizes)}, r) ({fused} fuses {'+'.join(slices)}: {'+'.join(map(str, sizes))} outputs)"
             )
-        parts = tensor.split(sizes, dim=0) if which == "B" else [tensor] * len(slices)
+        parts = slice_order_rows(model_config, fused, tensor).split(sizes, dim=0) if which == "B" else \
+            [tensor] * len(slices)  # fmt: skip
         for module, part in zip(slices, parts, strict=True):
             slice_key = key.replace(f".{fused}.", f".{module}.")
             if slice_key in tensors:

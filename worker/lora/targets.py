@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from loraplex.protocol.lora_targets import (
     ALL_TARGETS,
     ATTN_MODULES,
@@ -37,6 +38,9 @@ FUSED_LINEARS = (
     FusedLinear("linear_attn.in_proj_b", ("in_proj_b",)),
     FusedLinear("linear_attn.in_proj_a", ("in_proj_a",)),
     FusedLinear("linear_attn.out_proj", ("out_proj",)),
+    # Qwen3-Next's fused, grouped projections (worker/model/qwen3_next.py)
+    FusedLinear("linear_attn.in_proj_qkvz", ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z")),
+    FusedLinear("linear_attn.in_proj_ba", ("in_proj_b", "in_proj_a")),
 )
 # An MoE layer's experts: the MLP modules of every expert, stacked (worker/layers/moe.py's ExpertsLinear). A layer has
 # either the dense MLP's linears or these.
@@ -44,20 +48,32 @@ EXPERT_FUSED_LINEARS = (
     FusedLinear("mlp.experts.gate_up_proj", ("gate_proj", "up_proj")),
     FusedLinear("mlp.experts.down_proj", ("down_proj",)),
 )
-# HF module -> (its fused linear, slice index) in a dense layer
-SLICE_OF: dict[str, tuple[FusedLinear, int]] = {
-    module: (fused, slice_id) for fused in FUSED_LINEARS for slice_id, module in enumerate(fused.slices)
-}
-assert set(SLICE_OF) == set(LAYER_MODULES)  # every module of the one table has its place here
+assert {m for fused in FUSED_LINEARS for m in fused.slices} == set(LAYER_MODULES)  # each module has its place here
 # HF module -> (the experts' fused linear, slice index) in an MoE layer
 EXPERT_SLICE_OF: dict[str, tuple[FusedLinear, int]] = {
     module: (fused, slice_id) for fused in EXPERT_FUSED_LINEARS for slice_id, module in enumerate(fused.slices)
 }
-# HF module -> the fused linears of any layer that hold it (what an adapter targeting it activates)
+# HF module -> the fused linears of any layer that hold it (what an adapter targeting it activates); a model has one
+# of each module's dense places (Qwen3.5's in_proj_qkv or Qwen3-Next's in_proj_qkvz)
 KINDS_OF: dict[str, tuple[str, ...]] = {
-    module: tuple(table[module][0].name for table in (SLICE_OF, EXPERT_SLICE_OF) if module in table)
+    module: tuple(f.name for f in (*FUSED_LINEARS, *EXPERT_FUSED_LINEARS) if module in f.slices)
     for module in LAYER_MODULES
 }
+# Fused targets whose B rows a checkpoint groups by key head (Qwen3-Next): regrouped into slice order before the split
+GROUPED_TARGETS = ("in_proj_qkvz", "in_proj_ba")
+
+
+def slice_order_rows(config: ModelConfig, fused: str, lora_b: torch.Tensor) -> torch.Tensor:
+    """A fused target's B (out, r) with its rows in slice order (lora_targets.FUSED_TARGETS): Qwen3-Next's grouped
+    projections regrouped as their weights are (worker/model/qwen3_next.py), any other as it is."""
+    if fused not in GROUPED_TARGETS:
+        return lora_b
+    from loraplex.worker.model.qwen3_next import ungroup_rows  # the one regrouping, the weights' too
+
+    la = config.linear_attention
+    sizes = [la.key_dim, la.key_dim, la.value_dim, la.value_dim] if fused == "in_proj_qkvz" else \
+        [la.num_value_heads, la.num_value_heads]  # fmt: skip
+    return ungroup_rows(lora_b, la.num_key_heads, sizes)
 
 
 def is_expert_module(model_config: ModelConfig, layer: int, module: str) -> bool:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe", "gemma2", "gemma3_text",
-                         "gemma3", "phi3", "qwen3_5", "qwen3_5_text")
+                         "gemma3", "phi3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
@@ -38,6 +38,9 @@ class MoEConfig:
     intermediate_size: int  # of each expert
     renormalize: bool  # the top-k weights rescaled to sum to 1 (Mixtral always; OLMoE/Qwen3-MoE: norm_topk_prob)
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of ModelConfig.intermediate_size instead
+    # Qwen3-Next, Qwen3.5-MoE: a shared expert (a dense MLP of this size, its output scaled by sigmoid of a
+    # one-output gate) added to every token's routed experts; 0 = none
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def from_dict(cls, hf: dict[str, Any], model_type: str) -> MoEConfig | None:
@@ -46,7 +49,7 @@ class MoEConfig:
         num_experts = hf.get("num_local_experts") or hf.get("num_experts")
         num_layers = hf["num_hidden_layers"]
         dense_layers: tuple[int, ...] = ()
-        if model_type == "qwen3_moe":  # Qwen3MoeDecoderLayer's rule
+        if model_type in ("qwen3_moe", "qwen3_next"):  # Qwen3MoeDecoderLayer's rule
             step = hf.get("decoder_sparse_step", 1) or 1
             only = set(hf.get("mlp_only_layers") or ())
             dense_layers = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
@@ -56,13 +59,17 @@ class MoEConfig:
             num_experts=num_experts,
             top_k=hf["num_experts_per_tok"],
             intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
-            renormalize=model_type == "mixtral" or bool(hf.get("norm_topk_prob", False)),
+            renormalize=model_type in ("mixtral", *_QWEN3_5_MOE) or bool(hf.get("norm_topk_prob", False)),
             dense_layers=dense_layers,
+            shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
         )
 
 
-_MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe")
-HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")  # Gated DeltaNet layers beside gated attention ones
+_QWEN3_5_MOE = ("qwen3_5_moe", "qwen3_5_moe_text")  # every layer MoE, top-k always renormalised
+_MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe", "qwen3_next", *_QWEN3_5_MOE)
+# Gated DeltaNet layers beside gated attention ones
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", *_QWEN3_5_MOE)
+MULTIMODAL_HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe")  # served as their language model (text_config)
 
 
 @dataclass(frozen=True)
@@ -192,7 +199,7 @@ class ModelConfig:
             )
         if model_type in GEMMA_TYPES:
             hf = _gemma_fields(hf, model_type)
-        if model_type == "qwen3_5" and isinstance(hf.get("text_config"), dict):  # the multimodal checkpoint's LM
+        if model_type in MULTIMODAL_HYBRID_TYPES and isinstance(hf.get("text_config"), dict):  # the language model
             hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"],
                   "model_type": model_type}
         hidden_act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
@@ -209,7 +216,7 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
+            intermediate_size=hf.get("intermediate_size") or hf["moe_intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,

@@ -13,12 +13,15 @@ A multimodal `qwen3_5` checkpoint serves its language model: the vision tower's 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from loraplex.worker.layers.attention import BatchAttention, paged_attention
 from loraplex.worker.layers.embedding import Embedding, LMHead
 from loraplex.worker.layers.gated_delta import chunked_rule, conv_decode, conv_prefill, l2norm, recurrent_step
 from loraplex.worker.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from loraplex.worker.layers.moe import SharedExpertMoeBlock
 from loraplex.worker.layers.norm import GemmaRMSNorm
 from loraplex.worker.layers.rotary import RotaryEmbedding
 from loraplex.worker.model.config import LinearAttentionConfig, ModelConfig
@@ -85,10 +88,9 @@ class GatedDeltaNet(HeadShardedParam):
         la: LinearAttentionConfig = config.linear_attention
         hidden = config.hidden_size
         self.key_head_dim, self.value_head_dim = la.key_head_dim, la.value_head_dim
-        self.in_proj_qkv = MergedColumnParallelLinear(hidden, [la.key_dim, la.key_dim, la.value_dim])
-        self.in_proj_z = ColumnParallelLinear(hidden, la.value_dim)
-        self.in_proj_b = ColumnParallelLinear(hidden, la.num_value_heads)
-        self.in_proj_a = ColumnParallelLinear(hidden, la.num_value_heads)
+        ranks = self.tp_size
+        self.qkv_sizes = [la.key_dim // ranks, la.key_dim // ranks, la.value_dim // ranks]  # this shard's
+        self.make_projections(hidden, la)
         # checkpoint names: conv1d.weight (channels, 1, kernel), A_log, dt_bias (value_heads,)
         self.conv1d = HeadShardedParam()
         self.conv1d.add("weight", [la.key_dim, la.key_dim, la.value_dim], 1, la.conv_kernel_size)
@@ -97,12 +99,21 @@ class GatedDeltaNet(HeadShardedParam):
         self.norm = GatedRMSNorm(la.value_head_dim, config.rms_norm_eps)
         self.out_proj = RowParallelLinear(la.value_dim, hidden)
 
+    def make_projections(self, hidden: int, la: LinearAttentionConfig) -> None:
+        self.in_proj_qkv = MergedColumnParallelLinear(hidden, [la.key_dim, la.key_dim, la.value_dim])
+        self.in_proj_z = ColumnParallelLinear(hidden, la.value_dim)
+        self.in_proj_b = ColumnParallelLinear(hidden, la.num_value_heads)
+        self.in_proj_a = ColumnParallelLinear(hidden, la.num_value_heads)
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q | k | v (tokens, conv channels of this shard), z (tokens, value_heads * dv), b, a (tokens, value_heads)"""
+        return self.in_proj_qkv(hidden), self.in_proj_z(hidden), self.in_proj_b(hidden), self.in_proj_a(hidden)
+
     def forward(self, hidden: torch.Tensor, state: LayerState) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        mixed = self.in_proj_qkv(hidden)  # (tokens, conv channels of this shard): q | k | v
-        z = self.in_proj_z(hidden)  # (tokens, value_heads * dv)
-        beta = self.in_proj_b(hidden).sigmoid()  # (tokens, value_heads)
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
+        mixed, z, b, a = self.project(hidden)
+        beta = b.sigmoid()  # (tokens, value_heads)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         weight = self.conv1d.weight[:, 0]  # (channels, kernel)
         batch = state.batch
         conv_out = torch.empty_like(mixed)
@@ -111,7 +122,7 @@ class GatedDeltaNet(HeadShardedParam):
             conv_out[rows] = conv_prefill(mixed[rows], state.conv[batch.slots[i]], weight)
         if batch.decode_rows.numel():
             conv_out[batch.decode_rows] = conv_decode(mixed[batch.decode_rows], state.conv, batch.decode_slots, weight)
-        q, k, v = conv_out.split(self.in_proj_qkv.output_sizes_per_rank, dim=-1)
+        q, k, v = conv_out.split(self.qkv_sizes, dim=-1)
         q = l2norm(q.float().view(num_tokens, -1, self.key_head_dim)) * self.key_head_dim**-0.5  # (tokens, kh, dk)
         k = l2norm(k.float().view(num_tokens, -1, self.key_head_dim))
         v = v.view(num_tokens, -1, self.value_head_dim)  # (tokens, value_heads, dv)
@@ -125,7 +136,7 @@ class GatedDeltaNet(HeadShardedParam):
             rows, slots = batch.decode_rows, batch.decode_slots
             out[rows], new = recurrent_step(q[rows], k[rows], v[rows], g[rows], beta[rows], state.recurrent[slots])
             state.recurrent[slots] = new.to(state.recurrent.dtype)
-        out = self.norm(out.to(hidden.dtype).view(-1, self.value_head_dim), z.view(-1, self.value_head_dim))
+        out = self.norm(out.to(hidden.dtype).view(-1, self.value_head_dim), z.reshape(-1, self.value_head_dim))
         return self.out_proj(out.view(num_tokens, -1))  # (tokens, hidden)
 
 
@@ -158,18 +169,24 @@ class GatedAttention(nn.Module):
 
 
 class Qwen3_5DecoderLayer(nn.Module):
+    linear_attn_cls: type[nn.Module] = GatedDeltaNet
+
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer_id: int):
         super().__init__()
         self.is_linear = layer_id in config.linear_attention.layer_ids
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(config)
+            self.linear_attn = self.linear_attn_cls(config)
         else:
             self.self_attn = GatedAttention(config, rotary, layer_id)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = self.mlp_cls(config)
-
-    mlp_cls: type[nn.Module] = LlamaMLP
+        moe = config.moe
+        if moe is None or layer_id in moe.dense_layers:
+            self.mlp = LlamaMLP(config)
+        else:  # Qwen3.5-MoE, Qwen3-Next: routed experts and a shared one
+            shared = LlamaMLP(dataclasses.replace(config, intermediate_size=moe.shared_expert_intermediate_size))
+            self.mlp = SharedExpertMoeBlock(config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size,
+                                            moe.renormalize, shared)  # fmt: skip
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 cache: HybridCache, cache_index: int, attention: BatchAttention,

@@ -12,6 +12,7 @@ from loraplex.worker.model.phi3 import Phi3ForCausalLM
 from loraplex.worker.model.qwen3 import Qwen3ForCausalLM
 from loraplex.worker.model.qwen3_5 import Qwen3_5ForCausalLM
 from loraplex.worker.model.qwen3_moe import Qwen3MoeForCausalLM
+from loraplex.worker.model.qwen3_next import Qwen3NextForCausalLM
 from torch import nn
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -28,6 +29,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "phi3": Phi3ForCausalLM,
     "qwen3_5_text": Qwen3_5ForCausalLM,
     "qwen3_5": Qwen3_5ForCausalLM,  # the language model of the multimodal checkpoint
+    "qwen3_5_moe_text": Qwen3_5ForCausalLM,  # its MLPs are MoE blocks (ModelConfig.moe)
+    "qwen3_5_moe": Qwen3_5ForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
 }
 
 
