@@ -72,28 +72,6 @@ def qwen3_adapter_dirs(tmp_path_factory: pytest.TempPathFactory, qwen3_dir: Path
 
 
 @pytest.fixture(scope="session")
-def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Qwen3.5 text model (tests/hybrid_models.py): Gated DeltaNet layers 0, 1, 3; gated attention layer 2."""
-    from tests.hybrid_models import build_hybrid_model
-
-    path = tmp_path_factory.mktemp("qwen3_5_text")
-    build_hybrid_model(path)
-    return path
-
-
-@pytest.fixture(scope="session")
-def hybrid_adapter_dirs(tmp_path_factory: pytest.TempPathFactory, hybrid_dir: Path) -> dict[str, Path]:
-    """Two PEFT adapters on hybrid_dir (tests/hybrid_models.py ADAPTERS): every linear at rank 8; the DeltaNet's and
-    down_proj at rank 4."""
-    from tests.hybrid_models import ADAPTERS, build_hybrid_adapter
-
-    root = tmp_path_factory.mktemp("qwen3_5_adapters")
-    for seed, name in enumerate(ADAPTERS):
-        build_hybrid_adapter(hybrid_dir, root / name, name, seed=seed)
-    return {name: root / name for name in ADAPTERS}
-
-
-@pytest.fixture(scope="session")
 def adapter_specs() -> dict[str, tuple[int, float, tuple[str, ...], bool]]:
     return dict(ADAPTER_SPECS)
 

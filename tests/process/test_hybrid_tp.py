@@ -1,18 +1,21 @@
-"""Qwen3.5 text with two adapters under tensor parallelism: two gloo ranks (DeltaNet heads, conv channels, A_log and
-dt_bias split; out_proj row-parallel; attention heads split) must reproduce tp=1 on a batch mixing the base model and
-both adapters, and on a schedule of chunked prefills beside decodes (each rank keeps its heads' states)."""
+"""Qwen3.5 text and Qwen3-Next with two adapters under tensor parallelism: two gloo ranks (DeltaNet heads, conv
+channels, A_log and dt_bias split; Qwen3-Next's grouped projections regrouped, then split; out_proj row-parallel;
+attention heads split) must reproduce tp=1 on a batch mixing the base model and both adapters, and on a schedule of
+chunked prefills beside decodes (each rank keeps its heads' states)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 from pathlib import Path
 
+import pytest
 import torch
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.dist import destroy_distributed, init_distributed
 from loraplex.worker.model_runner import ModelRunner
 
+from tests.hybrid_models import ADAPTERS, build_hybrid_adapter, build_hybrid_model
 from tests.worker_helpers import GREEDY, Seq, forward_logits, random_prompts, run_greedy_schedule, run_two_ranks
 
 LORA_IDS = {"all": 1, "linear": 2}
@@ -52,15 +55,22 @@ def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str],
     try:
         runner = ModelRunner(config, model_dir, rank, 2, "cpu")
         gdn = runner.model.model.layers[0].linear_attn
-        shapes = {"qkv": gdn.in_proj_qkv.base.output_sizes_per_rank, "conv": tuple(gdn.conv1d.weight.shape),
+        qkv = getattr(gdn, "in_proj_qkv", None) or gdn.in_proj_qkvz
+        shapes = {"qkv": qkv.base.output_sizes_per_rank[:3], "conv": tuple(gdn.conv1d.weight.shape),
                   "recurrent": tuple(runner.kv_cache.recurrent.shape)}  # fmt: skip
         results.put((rank, {**run_mixed(runner, adapter_dirs), **shapes}))
     finally:
         destroy_distributed()
 
 
-def test_hybrid_lora_tp2_matches_tp1(hybrid_dir: Path, hybrid_adapter_dirs: dict[str, Path]) -> None:
-    dirs = {name: str(path) for name, path in hybrid_adapter_dirs.items()}
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
+def test_hybrid_lora_tp2_matches_tp1(arch: str, tmp_path: Path) -> None:
+    hybrid_dir = tmp_path / arch
+    build_hybrid_model(hybrid_dir, arch=arch)
+    dirs = {}
+    for seed, name in enumerate(ADAPTERS):
+        dirs[name] = str(tmp_path / name)
+        build_hybrid_adapter(hybrid_dir, dirs[name], name, seed=seed, arch=arch)
     by_rank = run_two_ranks(tp_child, str(hybrid_dir), dirs, timeout_s=240)
     tp1 = run_mixed(ModelRunner(tp_config(tp=1), str(hybrid_dir), 0, 1, "cpu"), dirs)
     for rank in (0, 1):
