@@ -6,6 +6,8 @@ parallel.py                tensor-parallel state read by layers at construction;
 model_runner.py            ModelRunner: model + KV cache + sampler; forward(ForwardBatch) -> next tokens
 batch_inputs.py            ForwardBatch -> flat token ids, positions, cache slots, attention masks
 kv_cache.py                KVCache tensors and the default capacity rule
+state_cache.py             HybridCache: a hybrid model's KV (attention layers only) and its state slots (per running
+                           request: each linear-attention layer's recurrent and conv state), bound per pass
 loader.py                  safetensors checkpoint -> parameters, via each parameter's weight_loader
 dummy_weights.py           --load-format dummy: seeded random weights through the same weight loaders
 sampler.py                 greedy / temperature / top-k / top-p, stateless per-request seeds
@@ -16,12 +18,16 @@ model/qwen3.py             Qwen3: the Llama decoder with per-head q/k RMSNorm (Q
 model/mixtral.py           Mixtral: the Llama decoder with the MoE block as its MLP (MoEMLP, reusable)
 model/olmoe.py             OLMoE: q/k RMSNorm over the whole projections (summed over TP ranks), MoE without renorm
 model/qwen3_moe.py         Qwen3-MoE: Qwen3Attention and the MoE block; dense MLPs where the config says
+model/qwen3_5.py           Qwen3.5 (text, MoE): hybrid Gated DeltaNet + gated attention layers, state in HybridCache
+model/qwen3_next.py        Qwen3-Next: Qwen3.5's decoder with grouped in_proj_qkvz / in_proj_ba, MoE + shared expert
 model/registry.py          model_type -> decoder class (one file per family)
 layers/linear.py           Column-, MergedColumn- and RowParallelLinear with sharding weight loaders
 layers/attention.py        paged attention with torch SDPA
 layers/rotary.py, norm.py, embedding.py   RoPE (default, linear, dynamic, yarn, longrope, llama3; partial),
                            RMSNorm, replicated embedding / LM head
-layers/moe.py              MoE block: router top-k, stacked experts (ExpertsLinear) sharded like the dense MLP
+layers/moe.py              MoE block: router top-k, stacked experts (ExpertsLinear) sharded like the dense MLP; the
+                           shared-expert variant (Qwen3-Next, Qwen3.5-MoE)
+layers/gated_delta.py      Gated DeltaNet's ops: causal conv with state; the delta rule, chunked (prefill) and recurrent
 layers/sharded_norm.py     RMSNorm over a TP-sharded feature dimension (OLMoE's q/k norm)
 layers/ops.py              the model ops (RMSNorm + residual, rotary, SiLU-mul) chosen at start-up: Triton on CUDA
 quant/                     quantized checkpoints (FP8, compressed-tensors, GPTQ, AWQ): formats decoded into integer or
