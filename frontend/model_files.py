@@ -52,37 +52,41 @@ class ModelFiles:
 
 def resolve_model_files(config: ServerConfig) -> ModelFiles:
     """The local directories to serve from, downloading what is missing. Blocks; raises ModelFilesError."""
-    model_dir, revision = _local_dir(config.model_ref, config, weights=True)
+    model_dir, revision = _local_dir(config.model_ref, config, is_model=True)
     tokenizer_dir = model_dir
     if config.tokenizer_ref is not None:
-        tokenizer_dir, _ = _local_dir(config.tokenizer_ref, config, weights=False)
+        tokenizer_dir, _ = _local_dir(config.tokenizer_ref, config, is_model=False)
     return ModelFiles(model_dir, tokenizer_dir, revision)
 
 
-def _local_dir(ref: ModelRef, config: ServerConfig, *, weights: bool) -> tuple[str, str | None]:
+def _local_dir(ref: ModelRef, config: ServerConfig, *, is_model: bool) -> tuple[str, str | None]:
     if ref.is_local:
         path = resolve_model_dir(ref.given)
-        if weights and not os.path.isfile(os.path.join(path, CONFIG)):
+        if is_model and not os.path.isfile(os.path.join(path, CONFIG)):
             raise ModelFilesError(f"no model at {ref.given!r}: expected a directory with {CONFIG}, or a Hub id "
                                   "ORG/NAME[@REVISION]")
         if not os.path.isdir(path):
             raise ModelFilesError(f"no tokenizer at {ref.given!r}: expected a directory, or a Hub id ORG/NAME")
-        asked = config.revision if weights else config.tokenizer_revision
+        asked = config.revision if is_model else config.tokenizer_revision
         if asked and ref.revision is None:  # a snapshot directory carries its own commit
             raise ModelFilesError(f"a revision ({asked}) names a Hub revision, but {ref.given!r} is a local "
                                   "directory: give its Hub id instead, or drop the revision")
         return path, ref.revision
-    return HubDownload(ref.repo_id, ref.revision, config.download_dir, config.hf_token, weights=weights).run()
+    weights = is_model and config.load_format != "dummy"  # dummy weights are drawn on config.json alone
+    return HubDownload(ref.repo_id, ref.revision, config.download_dir, config.hf_token, is_model=is_model,
+                       weights=weights).run()
 
 
 class HubDownload:
     """One repo at one revision into the Hugging Face cache; run() -> (snapshot dir, commit)."""
 
     def __init__(self, repo_id: str, revision: str | None, cache_dir: str | None, token: str | None, *,
-                 weights: bool, endpoint: str | None = None):
+                 is_model: bool = True, weights: bool = True, endpoint: str | None = None):
         from huggingface_hub import constants
 
-        self.repo_id, self.revision, self.token, self.weights = repo_id, revision, token, weights
+        self.repo_id, self.revision, self.token = repo_id, revision, token
+        self.is_model = is_model  # config.json is required (a tokenizer-only repo may lack it)
+        self.weights = weights  # the safetensors too
         self.endpoint = endpoint or constants.ENDPOINT  # HF_ENDPOINT
         self.cache_dir = os.path.abspath(os.path.expanduser(cache_dir or constants.HF_HUB_CACHE))
         self.repo_dir = os.path.join(self.cache_dir, "models--" + repo_id.replace("/", "--"))
@@ -129,7 +133,8 @@ class HubDownload:
     def _download(self) -> tuple[str, str]:
         from huggingface_hub import HfApi
 
-        info = HfApi(endpoint=self.endpoint, token=self.token).model_info(self.repo_id, revision=self.revision, files_metadata=True)
+        api = HfApi(endpoint=self.endpoint, token=self.token)
+        info = api.model_info(self.repo_id, revision=self.revision, files_metadata=True)
         commit = info.sha
         sizes = {s.rfilename: s.size or 0 for s in info.siblings or []}
         names = self._wanted(sizes)
@@ -156,7 +161,7 @@ class HubDownload:
         names = [n for n in top if n in TOKENIZER_FILES or n == "generation_config.json"]
         if CONFIG in top:
             names.insert(0, CONFIG)
-        elif self.weights:
+        elif self.is_model:
             raise ModelFilesError(f"{self.named} has no {CONFIG}, so it is not a transformers checkpoint")
         if not self.weights:
             return names
@@ -247,7 +252,7 @@ class HubDownload:
 
     def _missing_offline(self, snapshot: str) -> str | None:
         """The first file serving needs that the cached snapshot lacks (the Hub's listing is out of reach)."""
-        if not os.path.isfile(os.path.join(snapshot, CONFIG)):
+        if self.is_model and not os.path.isfile(os.path.join(snapshot, CONFIG)):
             return CONFIG
         if not self.weights:
             return None

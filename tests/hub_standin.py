@@ -34,7 +34,8 @@ class HubStandIn(ThreadingHTTPServer):
     """`repos` given here get one commit (COMMIT) on `main`; publish() adds more. Counts file downloads (GETs with a
     body) per repo in `downloads`, and each one as (repo, file, first byte asked) in `file_gets`. A repo in `cut`
     gets half of each file, then the connection closes; a file named in `stall_after` (name -> bytes) gets that many
-    bytes, then nothing until the stand-in shuts down (`stalled` is set once that point is reached)."""
+    bytes, then nothing until the stand-in shuts down (`stalled` is set once that point is reached); one named in
+    `delay_s` (name -> seconds) starts that much later."""
 
     daemon_threads = True
 
@@ -47,6 +48,7 @@ class HubStandIn(ThreadingHTTPServer):
         self.file_gets: list[tuple[str, str, int]] = []
         self.cut: set[str] = set()
         self.stall_after: dict[str, int] = {}
+        self.delay_s: dict[str, float] = {}
         self.stalled = threading.Event()
         self._released = threading.Event()
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
@@ -126,6 +128,7 @@ class _HubHandler(BaseHTTPRequestHandler):
             return
         self.server.downloads[match.group(1)] += 1
         self.server.file_gets.append((match.group(1), name, start))
+        time.sleep(self.server.delay_s.get(name, 0.0))
         if match.group(1) in self.server.cut:  # half the file (nothing on a resumed try), then the connection drops
             self.wfile.write(data[start:][: (len(data) // 2) if not start else 0])
             self.close_connection = True

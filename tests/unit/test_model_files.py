@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections import namedtuple
 
 import pytest
 from loraplex.frontend import model_files
-from loraplex.frontend.model_files import HubDownload, ModelFilesError
-from loraplex.protocol.config import ConfigError, parse_command_line
+from loraplex.frontend.cluster.node_rendezvous import NodeRendezvous
+from loraplex.frontend.model_files import HubDownload, ModelFilesError, resolve_model_files
+from loraplex.protocol.config import ConfigError, ServerConfig, parse_command_line
 from loraplex.protocol.model_ref import parse_model_ref
 
 from tests.hub_standin import HubStandIn
+from tests.server_utils import REPO_ROOT
 
 SHA = "a" * 40
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
@@ -85,6 +89,10 @@ def hub(monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     server = HubStandIn().start()
+    # resolve_model_files reads HF_ENDPOINT as huggingface_hub did at import
+    monkeypatch.setattr(constants, "ENDPOINT", server.url)
+    template = server.url + "/{repo_id}/resolve/{revision}/{filename}"
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
     server.publish("org/model", REPO)
     server.publish("org/gated", REPO, token="secret")
     server.publish("org/bin-only", {n: d for n, d in REPO.items() if not n.endswith(".safetensors")})
@@ -93,7 +101,7 @@ def hub(monkeypatch):
 
 
 def download(hub: HubStandIn, cache, repo="org/model", revision=None, token=None) -> tuple[str, str]:
-    return HubDownload(repo, revision, str(cache), token, weights=True, endpoint=hub.url).run()
+    return HubDownload(repo, revision, str(cache), token, endpoint=hub.url).run()
 
 
 def final_files(cache) -> dict[str, int]:
@@ -169,3 +177,52 @@ def test_free_space_is_checked_before_the_first_byte(hub, tmp_path, monkeypatch)
     with pytest.raises(ModelFilesError, match=r"org/model needs 8.\d KB more and .* has 4.0 KB free: make room"):
         download(hub, tmp_path)
     assert [name for _, name, _ in hub.file_gets if name.endswith(".safetensors")] == []  # only the index came
+
+
+def test_a_hub_tokenizer_brings_no_weights_and_dummy_weights_need_none(hub, tmp_path):
+    hub.publish("org/tok", {n: d for n, d in REPO.items() if n.startswith(("tokenizer", "special", "chat"))})
+    config = ServerConfig(model_path="org/model", tokenizer="org/tok", download_dir=str(tmp_path),
+                          load_format="dummy")
+    files = resolve_model_files(config)
+    assert sorted(os.listdir(files.model_dir)) == [n for n in SERVED if not n.startswith("model")]
+    assert sorted(os.listdir(files.tokenizer_dir)) == ["chat_template.jinja", "special_tokens_map.json",
+                                                        "tokenizer.json", "tokenizer_config.json"]
+    assert files.revision == hub.repos["org/model"].refs["main"]
+
+
+def test_a_revision_for_a_local_directory_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelFilesError, match="is a local directory: give its Hub id instead"):
+        resolve_model_files(ServerConfig(model_path=str(tmp_path), revision="v2"))
+    assert resolve_model_files(ServerConfig(model_path=str(tmp_path))).revision is None
+    with pytest.raises(ModelFilesError, match="no model at '/no/such/dir': expected a directory with config.json"):
+        resolve_model_files(ServerConfig(model_path="/no/such/dir"))
+
+
+def test_two_processes_starting_at_once_on_one_cache_fetch_each_file_once(hub, tmp_path):
+    hub.delay_s[SHARDS[1]] = 2.0  # the first to take the file's lock holds it a while; the other waits for it
+    script = ("import sys; from loraplex.frontend.model_files import HubDownload; "
+              "print(HubDownload('org/model', None, sys.argv[1], None, endpoint=sys.argv[2]).run()[0])")
+    env = {**os.environ, "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path), hub.url], env=env, cwd=REPO_ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [proc.communicate(timeout=120) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outs
+    snapshots = {out.strip() for out, _ in outs}
+    assert len(snapshots) == 1
+    assert sorted(name for _, name, _ in hub.file_gets) == SERVED  # no file came twice
+    for name in SERVED:
+        with open(os.path.join(next(iter(snapshots)), name), "rb") as f:
+            assert f.read() == REPO[name], name
+    assert not list(tmp_path.rglob("*.incomplete"))
+
+
+def test_nodes_serving_different_commits_stop_the_start():
+    nodes = NodeRendezvous.__new__(NodeRendezvous)  # the check alone, no store
+    nodes.config = ServerConfig(model_path="org/model", node_rank=1, nnodes=2, tp=2, dist_init_addr="127.0.0.1:1",
+                                cluster_key_file="/k")
+    nodes.model_revision = "a" * 40
+    nodes._check_revision(0, "a" * 40)
+    nodes._check_revision(0, None)  # a plain directory on node 0: nothing to compare
+    with pytest.raises(RuntimeError, match="node 0 serves org/model at commit bbbb.* and node 1 at aaaa"):
+        nodes._check_revision(0, "b" * 40)
