@@ -200,3 +200,33 @@ def test_the_right_token_opens_the_gated_repo(hub, llama_dir, tmp_path):
     with ServerProcess("--hf-token", "secret", *SMALL, argv_prefix=("serve", "org/gated"),
                        env={**env, "HF_HOME": str(tmp_path / "other")}) as server:
         assert server.get("/server_info").json()["hf_token"] == "***"  # never shown
+
+
+def test_nodes_download_each_and_must_serve_one_commit(hub, tmp_path):
+    from loraplex.protocol.curve import write_key_file
+
+    stand_in, _ = hub
+    write_key_file(str(tmp_path / "cluster.key"))
+
+    def node(rank: int, revision: str, addr: str) -> subprocess.Popen:
+        env = {**os.environ, **hub_env(stand_in, tmp_path / f"hf-node{rank}")}  # each node its own cache
+        argv = ["--cluster-key-file", str(tmp_path / "cluster.key"), "--model-path", "org/tiny", "--revision",
+                revision, "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr, "--node-rank", str(rank),
+                "--max-total-tokens", "2048", "--context-length", "512", "--device", "cpu", "--port", str(free_port())]
+        return subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "scripts", "launch_server.py"), *argv],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+
+    v2 = stand_in.repos["org/tiny"].refs["v2"]
+    nodes = [node(1, "v2", addr := f"127.0.0.1:{free_port()}"), node(0, "main", addr)]
+    try:
+        errors = [proc.communicate(timeout=120)[1] for proc in nodes]
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+    for proc, stderr in zip(nodes, errors, strict=True):
+        last = stderr.strip().splitlines()[-1]
+        assert proc.returncode != 0 and last.startswith("loraplex: error: node "), stderr
+        assert f"at {v2}" in last or f"commit {v2}" in last, last
+        assert "give every node the same --revision" in last, last
