@@ -190,8 +190,8 @@ class HubDownload:
         if sys.stderr.isatty():  # one bar over all bytes on a terminal; a log line per file otherwise
             from tqdm import tqdm
 
-            bar = tqdm(total=total, desc=f"downloading {self.repo_id}", unit="B", unit_scale=True, unit_divisor=1024,
-                       file=sys.stderr, leave=False)
+            bar = tqdm(total=total, desc=f"downloading {self.repo_id}", unit="B", unit_scale=True, file=sys.stderr,
+                       leave=False)
         start = time.perf_counter()
         try:
             for name in names:

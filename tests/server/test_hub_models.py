@@ -125,10 +125,14 @@ def test_revision_picks_its_weights(hub, tmp_path):
     stand_in, _ = hub
     env = hub_env(stand_in, tmp_path / "hf-home")
     answers = {}
-    for revision in ("main", "v2"):
-        with ServerProcess("--model-path", "org/tiny", "--revision", revision, *SMALL, env=env) as server:
+    # v2 differs from main in its weights only: its other files are main's blobs, in the cache already
+    for revision, tp, num_fetched in (("main", "2", 7), ("v2", "1", 1)):
+        before = len(stand_in.file_gets)
+        with ServerProcess("--model-path", "org/tiny", "--revision", revision, "--tp", tp, *SMALL, env=env) as server:
             answers[revision] = completion(server, "org/tiny")
             assert server.get("/server_info").json()["revision"] == stand_in.repos["org/tiny"].refs[revision]
+            assert full_log(server).count("downloading 7 files") == 1
+        assert len(stand_in.file_gets) - before == num_fetched  # once per machine, whatever --tp says
     assert answers["main"] != answers["v2"]
     with ServerProcess("--model-path", "org/tiny@v2", *SMALL, env={**env, "HF_HUB_OFFLINE": "1"}) as server:
         assert completion(server, "org/tiny") == answers["v2"]  # offline: the cached ref v2
