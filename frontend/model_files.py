@@ -37,6 +37,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.json")
 OTHER_WEIGHTS = ("*.bin", "*.pth", "*.pt", "*.gguf", "*.h5", "*.msgpack", "*.ckpt")
 DEFAULT_BRANCH = "main"
+STALE_PARTIAL_S = 600.0  # a partial download file untouched this long was left by a killed start
 
 
 class ModelFilesError(Exception):
@@ -149,6 +150,7 @@ class HubDownload:
         snapshot = os.path.join(self.repo_dir, "snapshots", commit)
         todo = [n for n in names if not os.path.exists(os.path.join(snapshot, n))]
         if todo:
+            self._sweep_stale_partials()
             self._check_space(sum(sizes[n] for n in todo))
             self._fetch_all(todo, commit, sizes)
         else:
@@ -172,6 +174,17 @@ class HubDownload:
             raise ModelFilesError(f"{self.named} has no .safetensors weights{found}: loraplex reads safetensors only; "
                                   "pick a revision or repo that has them, or convert it and serve the directory")
         return names + ([INDEX] if INDEX in top else []) + weights
+
+    def _sweep_stale_partials(self) -> None:
+        """Removes the partial files a killed start left (huggingface_hub writes each download to a `*.incomplete`
+        file of its own and never resumes one). A download in progress writes to its file every chunk and gives up
+        after seconds without data, so a file untouched for STALE_PARTIAL_S belongs to no live download."""
+        blobs = Path(self.repo_dir) / "blobs"
+        stale = [p for p in blobs.glob("*.incomplete") if time.time() - p.stat().st_mtime > STALE_PARTIAL_S]
+        for path in stale:
+            path.unlink(missing_ok=True)
+        if stale:
+            logger.info("model %s: removed %d partial file(s) a stopped download left", self.repo_id, len(stale))
 
     def _check_space(self, needed: int) -> None:
         path = self.cache_dir

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import namedtuple
 
 import pytest
@@ -226,3 +227,15 @@ def test_nodes_serving_different_commits_stop_the_start():
     nodes._check_revision(0, None)  # a plain directory on node 0: nothing to compare
     with pytest.raises(RuntimeError, match="node 0 serves org/model at commit bbbb.* and node 1 at aaaa"):
         nodes._check_revision(0, "b" * 40)
+
+
+def test_partial_files_a_killed_start_left_are_removed_and_live_ones_kept(hub, tmp_path):
+    blobs = tmp_path / "models--org--model" / "blobs"
+    blobs.mkdir(parents=True)
+    stale, live = blobs / "0ab.1234abcd.incomplete", blobs / "0cd.5678abcd.incomplete"
+    stale.write_bytes(b"x" * 100)
+    live.write_bytes(b"y" * 100)
+    old = time.time() - model_files.STALE_PARTIAL_S - 60
+    os.utime(stale, (old, old))
+    download(hub, tmp_path)
+    assert not stale.exists() and live.exists()
