@@ -80,12 +80,12 @@ _HELP: dict[str, str] = {
     "model_path": "a Hugging Face checkpoint: a local dir, or a Hub id ORG/NAME[@REVISION] downloaded once into "
     "--download-dir (a local dir of that name wins); 'demo' = the shipped demo (adapters: reverse, sort, mirror)",
     "served_model_name": "base model name in the OpenAI API (default: the Hub id, or the last path component)",
-    "revision": "the Hub revision of the model: a branch, tag or commit (default: the default branch)",
-    "tokenizer": "the tokenizer's Hub id or dir (default: the model's)",
+    "revision": "the Hub revision of the model: a branch, tag or commit; none = the default branch",
+    "tokenizer": "the tokenizer's Hub id or dir; none = the model's",
     "tokenizer_revision": "the Hub revision of --tokenizer",
-    "download_dir": "where Hub models are downloaded (default: the Hugging Face cache, HF_HUB_CACHE / HF_HOME, shared "
-    "with other tools)",
-    "hf_token": "Hub token for gated or private models (default: HF_TOKEN, or the token `hf auth login` saved)",
+    "download_dir": "where Hub models are downloaded; none = the Hugging Face cache (HF_HUB_CACHE / HF_HOME), shared "
+    "with other tools",
+    "hf_token": "Hub token for gated or private models; none = HF_TOKEN, or the token `hf auth login` saved",
     "load_format": "where the weights come from: auto or safetensors (the checkpoint's *.safetensors files), dummy "
     "(random weights on the checkpoint's config.json, weight files or not: benchmarks and tests at real shapes)",
     "hf_overrides": "JSON object merged into the model's config.json before anything reads it, e.g. "
