@@ -234,3 +234,23 @@ def test_nodes_download_each_and_must_serve_one_commit(hub, tmp_path):
         assert proc.returncode != 0 and last.startswith("loraplex: error: node "), stderr
         assert f"at {v2}" in last or f"commit {v2}" in last, last
         assert "give every node the same --revision" in last, last
+
+    # the same revision: each node downloads its copy, the commits agree, node 0 serves
+    main = stand_in.repos["org/tiny"].refs["main"]
+    addr = f"127.0.0.1:{free_port()}"
+    flags = ("--cluster-key-file", str(tmp_path / "cluster.key"), "--tp", "2", "--nnodes", "2", "--dist-init-addr",
+             addr, "--max-total-tokens", "2048", "--context-length", "512")
+    node1 = subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "scripts", "launch_server.py"), "--model-path",
+                              "org/tiny", *flags, "--node-rank", "1", "--device", "cpu", "--port", str(free_port())],
+                             env={**os.environ, **hub_env(stand_in, tmp_path / "hf-node1")},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        with ServerProcess("--model-path", "org/tiny", *flags, "--node-rank", "0",
+                           env=hub_env(stand_in, tmp_path / "hf-node0")) as server:
+            assert server.get("/server_info").json()["revision"] == main
+            assert completion(server, "org/tiny")
+        for rank in (0, 1):
+            assert (tmp_path / f"hf-node{rank}" / "hub" / "models--org--tiny" / "snapshots" / main).is_dir()
+    finally:
+        os.killpg(node1.pid, 9)
+        node1.wait()
