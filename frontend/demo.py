@@ -11,7 +11,7 @@ from pathlib import Path
 
 DEMO_MODEL_PATH = "demo"
 DEMO_DIR = Path(__file__).resolve().with_name("demo_assets")
-# One adapter per task of scripts/demo/tasks.py, in the order the server loads them at start-up.
+# One adapter per task of tests/demo_tasks.py, in the order the server loads them at start-up.
 DEMO_ADAPTERS = ("reverse", "sort", "mirror")
 
 

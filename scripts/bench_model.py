@@ -21,8 +21,8 @@ from pathlib import Path
 
 from loraplex.protocol.lora_targets import ATTN_MODULES, TARGET_MODULES
 
-from scripts.demo.builders import build_lora_adapter, build_tiny_model
-from scripts.demo.expert_adapters import build_expert_module_adapter
+from tests.builders import build_lora_adapter, build_tiny_model
+from tests.expert_adapters import build_expert_module_adapter
 
 BENCH_VERSION = "bench-v1"  # bump when the builders below change what they write
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "loraplex" / BENCH_VERSION
@@ -38,7 +38,7 @@ class ModelShape:
     num_heads: int
     num_kv_heads: int
     intermediate_size: int
-    arch: str = "llama"  # scripts/demo/builders.py's Arch
+    arch: str = "llama"  # tests/builders.py's Arch
     head_dim: int | None = None  # None: hidden_size // num_heads
     num_experts: int | None = None  # MoE archs: intermediate_size is each expert's (top-2 routing)
 

@@ -4,7 +4,7 @@
     python -m scripts.bench_quantized --quick --json out.json
 
 The bench model's linears are written as compressed-tensors INT8 per channel (W8A16) and GPTQ INT4 in groups of 128
-(scripts/quantize_checkpoint.py; groups of 64 where 128 does not divide a layer), and each checkpoint decodes one
+(tests/quantize_checkpoint.py; groups of 64 where 128 does not divide a layer), and each checkpoint decodes one
 request alone and a batch of 32 requests on 32 different adapters in this process (scripts/bench_decode_step.py's
 ModelRunner, the requests' mean context), activations in --dtype (bf16 by default, as the plain side's weights): the
 median step of each, alternating the three per repeat, and each one's resident linear weight bytes. Ratios: plain
@@ -25,7 +25,7 @@ from scripts.bench_decode_step import decode_reqs, make_runner, step_ms
 from scripts.bench_model import BenchModel, build_atomically
 from scripts.bench_report import Targets, ratio_rows
 from scripts.bench_server import script_main, worker_threads
-from scripts.quantize_checkpoint import write_quantized
+from tests.quantize_checkpoint import write_quantized
 
 NUM_WARMUP_STEPS = 4
 VARIANTS = {"plain": None, "int8": "ct-w8a16", "int4": "gptq-4bit"}  # label -> scripts/quantize_checkpoint format

@@ -305,7 +305,7 @@ def write_llama(out_dir: Path, shape: LlamaShape, device, dtype, seed: int = 0) 
     import torch
     from safetensors.torch import save_file
 
-    from scripts.demo.builders import _token_ids, build_tokenizer, tokenizer_vocab_size
+    from tests.builders import _token_ids, build_tokenizer, tokenizer_vocab_size
 
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = tokenizer_vocab_size()

@@ -370,7 +370,7 @@ def _runner(ctx: Context, model_dir: Path, dtype: str, lora: bool = True):
 
 
 def _build_models(ctx: Context, root: Path) -> dict[str, Path]:
-    from scripts.demo.builders import build_tiny_model
+    from tests.builders import build_tiny_model
 
     models = {"llama": root / "llama", "qwen2": root / "qwen2"}
     build_tiny_model(models["llama"], arch="llama")
@@ -383,8 +383,8 @@ def _build_models(ctx: Context, root: Path) -> dict[str, Path]:
 
 
 def _build_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
-    from scripts.demo.builders import build_lora_adapter
     from tests.adapter_specs import ADAPTER_SPECS
+    from tests.builders import build_lora_adapter
 
     paths = {}
     for seed, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTER_SPECS.items(), start=1):

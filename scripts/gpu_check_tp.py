@@ -174,8 +174,8 @@ def g7_tp2(ctx: Context) -> None:
     import torch
     from loraplex.worker.model_runner import ModelRunner
 
-    from scripts.demo.builders import build_tiny_model
     from scripts.gpu_check_model import _build_adapters
+    from tests.builders import build_tiny_model
 
     rec = ctx.rec
     root = Path(tempfile.mkdtemp(prefix="gpu_check_g7_"))

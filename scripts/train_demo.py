@@ -4,7 +4,7 @@
     python -m scripts.train_demo --check         # replay the recorded runs in a temporary dir; compare accuracies
 
 The base model learns to repeat its input (`"hello world ="` -> `"hello world"`); each adapter (peft LoRA on all seven
-projections) learns one transformation from scripts/demo/tasks.py. Each task trains until a validation set is solved
+projections) learns one transformation from tests/demo_tasks.py. Each task trains until a validation set is solved
 (98 %), or until SIGUSR1 asks every task to stop at its next evaluation. Training is deterministic: fixed seeds (an
 adapter's from its name), fp32, one thread, deterministic algorithms. Every task is measured by greedy decoding on 200
 held-out inputs that training never sees; `--check` retrains each task for the steps recorded in the assets'
@@ -31,7 +31,7 @@ import torch
 from loraplex.frontend.demo import DEMO_DIR
 from loraplex.protocol.lora_targets import TARGET_MODULES
 
-from scripts.demo.builders import (
+from tests.builders import (
     BOS_TOKEN,
     EOS_TOKEN,
     IM_END_TOKEN,
@@ -39,11 +39,11 @@ from scripts.demo.builders import (
     byte_tokenizer_json,
     make_tokenizer,
 )
-from scripts.demo.tasks import (
+from tests.demo_tasks import (
     ADAPTER_TASKS,
     BASE_TASK,
-    MAX_ANSWER_CHARS,
     TASKS,
+    greedy_answers,
     held_out_inputs,
     prompt,
     random_input,
@@ -122,22 +122,6 @@ class Batcher:
             labels[i, prompt_len : len(ids)] = torch.tensor(ids[prompt_len:])
             attention_mask[i, : len(ids)] = 1
         return input_ids, labels, attention_mask
-
-
-@torch.no_grad()
-def greedy_answers(model, tokenizer, inputs: list[str], batch_size: int = 200) -> list[str]:
-    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    answers: list[str] = []
-    tokenizer.padding_side = "left"
-    tokenizer.pad_token = EOS_TOKEN
-    for start in range(0, len(inputs), batch_size):
-        encoded = tokenizer([prompt(t) for t in inputs[start : start + batch_size]], return_tensors="pt", padding=True)
-        output_ids = model.generate(
-            **encoded, max_new_tokens=MAX_ANSWER_CHARS + 2, do_sample=False, eos_token_id=eos_id, pad_token_id=eos_id
-        )
-        new_ids = output_ids[:, encoded["input_ids"].shape[1] :]  # (batch, new)
-        answers += tokenizer.batch_decode(new_ids, skip_special_tokens=True)
-    return answers
 
 
 def task_accuracy(model, tokenizer, task: str, inputs: list[str]) -> float:

@@ -1,9 +1,9 @@
 """The text tasks the built-in demo model was trained on: the base echoes its input, each adapter transforms it.
 
 A prompt is the input followed by PROMPT_SUFFIX (`"hello world ="`); the answer is the transformed text, then EOS,
-so greedy decoding stops by itself. Inputs are 1-3 lowercase words of 1-6 letters. Pure Python: the training script
-(scripts/train_demo.py) and the tests share it, and anyone can check an answer by eye. The server knows only the
-adapters' names (frontend/demo.py).
+so greedy decoding stops by itself. Inputs are 1-3 lowercase words of 1-6 letters. The tasks are pure Python, so
+anyone can check an answer by eye; `greedy_answers` runs an HF model on them. The training script
+(scripts/demo/train.py) and the tests share this module. The server knows only the adapters' names (frontend/demo.py).
 """
 
 from __future__ import annotations
@@ -11,6 +11,10 @@ from __future__ import annotations
 import random
 import string
 from collections.abc import Callable
+
+import torch
+
+from tests.builders import EOS_TOKEN
 
 PROMPT_SUFFIX = " ="
 MAX_WORDS = 3
@@ -72,3 +76,19 @@ def held_out_inputs(num_inputs: int = NUM_HELD_OUT, seed: int = HELD_OUT_SEED) -
 def accuracy(task: str, inputs: list[str], answers: list[str]) -> float:
     expected = [TASKS[task](text) for text in inputs]
     return sum(answer == want for answer, want in zip(answers, expected, strict=True)) / len(inputs)
+
+
+@torch.no_grad()
+def greedy_answers(model, tokenizer, inputs: list[str], batch_size: int = 200) -> list[str]:
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    answers: list[str] = []
+    tokenizer.padding_side = "left"
+    tokenizer.pad_token = EOS_TOKEN
+    for start in range(0, len(inputs), batch_size):
+        encoded = tokenizer([prompt(t) for t in inputs[start : start + batch_size]], return_tensors="pt", padding=True)
+        output_ids = model.generate(
+            **encoded, max_new_tokens=MAX_ANSWER_CHARS + 2, do_sample=False, eos_token_id=eos_id, pad_token_id=eos_id
+        )
+        new_ids = output_ids[:, encoded["input_ids"].shape[1] :]  # (batch, new)
+        answers += tokenizer.batch_decode(new_ids, skip_special_tokens=True)
+    return answers

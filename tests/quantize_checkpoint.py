@@ -1,7 +1,7 @@
 """A quantized copy of a plain checkpoint, beside the plain checkpoint of the same weights dequantized (what HF
 transformers and peft run as the reference in the tests; the benchmarks' bf16 side).
 
-    python -m scripts.quantize_checkpoint PLAIN_DIR FORMAT OUT_DIR [DEQUANTIZED_DIR] [--group-size N]
+    python -m tests.quantize_checkpoint PLAIN_DIR FORMAT OUT_DIR [DEQUANTIZED_DIR] [--group-size N]
 
 compressed-tensors checkpoints are written by the library's own compressors; GPTQ, AWQ and vLLM's fp8 in their
 documented layouts (loraplex's packing helpers, whose bit orders tests/unit/test_quantization.py checks). Scales and

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.demo.tasks import (
+from tests.demo_tasks import (
     ADAPTER_TASKS,
     BASE_TASK,
     MAX_ANSWER_CHARS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scripts.quantize_checkpoint import write_quantized
+from tests.quantize_checkpoint import write_quantized
 from tests.reference import hf_greedy
 from tests.server_utils import ServerProcess
 
