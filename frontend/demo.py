@@ -1,6 +1,7 @@
 """Where the built-in demo lives: `--model-path demo` serves the small Llama in demo_assets/ and its adapters.
 
-The files are package data written by scripts/train_demo.py (the builders and the text tasks live in scripts/demo/);
+The files are package data written by scripts/demo/train.py (the builders and the text tasks it uses live in
+tests/builders.py and tests/demo_tasks.py);
 SHA256SUMS lists every file's hash.
 """
 

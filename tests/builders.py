@@ -1,7 +1,7 @@
 """Tiny, deterministic Llama-family checkpoints, tokenizer and PEFT adapters, built locally.
 
 The random builders serve the tests (exact comparisons with HF and peft) and the benchmarks; the byte tokenizer is the
-trained demo's (scripts/train_demo.py). Nothing is fetched from a hub. Every build with the same arguments writes the
+trained demo's (scripts/demo/train.py). Nothing is fetched from a hub. Every build with the same arguments writes the
 same bytes (tokenizer training and weight init are seeded).
 """
 

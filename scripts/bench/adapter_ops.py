@@ -1,6 +1,6 @@
 """Adapter load/unload cost on a running server started with --enable-lora, next to what it cannot beat.
 
-    python -m scripts.bench_adapter_ops --url http://127.0.0.1:30000 --adapter-path DIR --cycles 20 \
+    python -m scripts.bench.adapter_ops --url http://127.0.0.1:30000 --adapter-path DIR --cycles 20 \
         --ops-per-second 2 --duration 60
 
 1. Idle: `--cycles` times, read and parse the adapter's files in this process (json + safetensors load_file; the
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import aiohttp
 
-from scripts.bench_report import distribution_ms, format_table, write_json
-from scripts.bench_serving import client_session, gaps_between, steady_stream
+from scripts.bench.report import distribution_ms, format_table, write_json
+from scripts.bench.serving import client_session, gaps_between, steady_stream
 
 
 def read_adapter_files(adapter_dir: Path) -> float:

@@ -1,8 +1,8 @@
 """Every benchmark on one workload, servers started and stopped here, and one table of the ratios the issue targets.
 
-    python -m scripts.bench_all                 # full: 137 M params, 128 requests, bf16, ~25 min on 2 cores (est.)
-    python -m scripts.bench_all --quick         # a small model and a short workload: a smoke run of ~2 minutes
-    python -m scripts.bench_all --dtype float32 --repeats 2 --json out.json   # fp32, best of two runs per workload
+    python -m scripts.bench.all                 # full: 137 M params, 128 requests, bf16, ~25 min on 2 cores (est.)
+    python -m scripts.bench.all --quick         # a small model and a short workload: a smoke run of ~2 minutes
+    python -m scripts.bench.all --dtype float32 --repeats 2 --json out.json   # fp32, best of two runs per workload
 
 Order: build (or reuse) the bench model; the PEFT baseline in this process (no server running); then one server
 with all the workload's adapters preloaded runs the 32-adapter workload, the same workload with 8 adapters and
@@ -28,19 +28,19 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import scripts.bench_adapter_ops as bench_adapter_ops
-import scripts.bench_chunked_prefill as bench_chunked_prefill
-import scripts.bench_dp as bench_dp
-import scripts.bench_families as bench_families
-import scripts.bench_kv_admission as bench_kv_admission
-import scripts.bench_peft_baseline as bench_peft_baseline
-import scripts.bench_prefix_cache as bench_prefix_cache
-import scripts.bench_quantized as bench_quantized
-import scripts.bench_serving as bench_serving
-import scripts.bench_step_overhead as bench_step_overhead
-import scripts.bench_structured as bench_structured
-from scripts.bench_model import SIZES, adapter_name, ensure_bench_model
-from scripts.bench_report import (
+import scripts.bench.adapter_ops as bench_adapter_ops
+import scripts.bench.chunked_prefill as bench_chunked_prefill
+import scripts.bench.dp as bench_dp
+import scripts.bench.families as bench_families
+import scripts.bench.kv_admission as bench_kv_admission
+import scripts.bench.peft_baseline as bench_peft_baseline
+import scripts.bench.prefix_cache as bench_prefix_cache
+import scripts.bench.quantized as bench_quantized
+import scripts.bench.serving as bench_serving
+import scripts.bench.step_overhead as bench_step_overhead
+import scripts.bench.structured as bench_structured
+from scripts.bench.model import SIZES, adapter_name, ensure_bench_model
+from scripts.bench.report import (
     RATIO_HEADERS,
     SUMMARY_HEADERS,
     Targets,
@@ -50,8 +50,8 @@ from scripts.bench_report import (
     summary_rows,
     write_json,
 )
-from scripts.bench_server import add_server_args, start_server
-from scripts.bench_workload import WorkloadSpec, make_workload
+from scripts.bench.server import add_server_args, start_server
+from scripts.bench.workload import WorkloadSpec, make_workload
 
 
 @dataclass(frozen=True)

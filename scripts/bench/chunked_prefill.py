@@ -1,7 +1,7 @@
 """Chunked prefill: what a long prompt's arrival costs the requests already decoding, chunked against whole.
 
-    python -m scripts.bench_chunked_prefill               # full: 32 streams, ten 1,536-token prompts
-    python -m scripts.bench_chunked_prefill --quick --json out.json
+    python -m scripts.bench.chunked_prefill               # full: 32 streams, ten 1,536-token prompts
+    python -m scripts.bench.chunked_prefill --quick --json out.json
 
 32 decoding streams (closed loop, 32-token prompts, outputs uniform in 64-192 tokens, round robin over 8 adapters)
 run while a 1,536-token prompt (1 token out) arrives every max(2 s, 2 x its prefill time), 10 arrivals. Its prefill
@@ -18,16 +18,16 @@ import asyncio
 import time
 from dataclasses import dataclass, replace
 
-import scripts.bench_serving as bench_serving
-from scripts.bench_model import BenchModel
-from scripts.bench_report import (
+import scripts.bench.serving as bench_serving
+from scripts.bench.model import BenchModel
+from scripts.bench.report import (
     Targets,
     best_of,
     distribution_ms,
     ratio_rows,
 )
-from scripts.bench_server import script_main, start_server
-from scripts.bench_workload import BenchRequest, WorkloadSpec, make_workload
+from scripts.bench.server import script_main, start_server
+from scripts.bench.workload import BenchRequest, WorkloadSpec, make_workload
 
 SEED_OF_LONE_PROMPTS = 1_000_000  # the prefill-time probes: a stream of their own, never a measured prompt
 

@@ -5,7 +5,7 @@ tokens, then times the same decode step over and over, alternating the two paths
 same machine (this CPU's speed drifts by tens of percent). Batches: base model only, 8 adapters scattered over the
 pool (as after a 32-adapter workload), and 32 adapters. Prints min and median step time per path and their ratios.
 
-    python -m scripts.bench_decode_step            # bfloat16, the full bench model, 32 requests of 200 tokens
+    python -m scripts.bench.decode_step            # bfloat16, the full bench model, 32 requests of 200 tokens
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SamplingParams, SlotLoad
 from loraplex.worker.model_runner import ModelRunner
 
-from scripts.bench_model import ADAPTER_RANK, SIZES, BenchModel, ensure_bench_model
-from scripts.bench_report import format_table, write_json
+from scripts.bench.model import ADAPTER_RANK, SIZES, BenchModel, ensure_bench_model
+from scripts.bench.report import format_table, write_json
 
 PAGE_SIZE = 16
 GREEDY = SamplingParams(temperature=0.0)

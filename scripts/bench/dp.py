@@ -1,7 +1,7 @@
 """Data parallelism: the same requests through one replica, then through `--dp-size 2`, on this machine.
 
-    python -m scripts.bench_dp                  # full: 8 adapters, 64 requests, 16 concurrent
-    python -m scripts.bench_dp --quick --json out.json
+    python -m scripts.bench.dp                  # full: 8 adapters, 64 requests, 16 concurrent
+    python -m scripts.bench.dp --quick --json out.json
 
 64 requests (inputs and outputs 16-128 tokens) on 8 adapters (uniform), 16 concurrent (closed loop), through a
 server with one replica, then one with `--dp-size 2` and otherwise the same flags. Both get the same
@@ -19,11 +19,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import scripts.bench_serving as bench_serving
-from scripts.bench_model import BenchModel
-from scripts.bench_report import Targets, best_of, ratio_rows
-from scripts.bench_server import script_main, start_server
-from scripts.bench_workload import WorkloadSpec, make_workload
+import scripts.bench.serving as bench_serving
+from scripts.bench.model import BenchModel
+from scripts.bench.report import Targets, best_of, ratio_rows
+from scripts.bench.server import script_main, start_server
+from scripts.bench.workload import WorkloadSpec, make_workload
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Fair sharing between adapters: one hot adapter sending ten times the others' rate, through a server with fair
 admission (virtual token counters) and one with `--disable-adapter-fairness`.
 
-    python -m scripts.bench_fairness --quick              # the small model, a minute of arrivals per server
-    python -m scripts.bench_fairness --json out.json      # the full plan
+    python -m scripts.bench.fairness --quick              # the small model, a minute of arrivals per server
+    python -m scripts.bench.fairness --json out.json      # the full plan
 
 The workload: Poisson arrivals, each request the hot adapter's with ten times the probability of each of the cold
 ones (so each adapter's requests are a Poisson stream, the hot one at ten times the rate), the hot adapter's rate
@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import scripts.bench_serving as bench_serving
-from scripts.bench_model import BenchModel
-from scripts.bench_report import (
+import scripts.bench.serving as bench_serving
+from scripts.bench.model import BenchModel
+from scripts.bench.report import (
     SUMMARY_HEADERS,
     RequestResult,
     Targets,
@@ -30,8 +30,8 @@ from scripts.bench_report import (
     summarize,
     summary_rows,
 )
-from scripts.bench_server import script_main, start_server
-from scripts.bench_workload import BenchRequest, WorkloadSpec, make_workload
+from scripts.bench.server import script_main, start_server
+from scripts.bench.workload import BenchRequest, WorkloadSpec, make_workload
 
 HOT_FACTOR = 10  # the hot adapter's rate over each cold one's
 

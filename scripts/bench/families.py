@@ -1,8 +1,8 @@
 """Model families beside the Llama rows: the same requests with 8 adapters and with none on a model of each family's
-shape (scripts/bench_model.py SIZES), on this machine.
+shape (scripts/bench/model.py SIZES), on this machine.
 
-    python -m scripts.bench_families                 # full: Qwen3- and Qwen3-MoE-shaped models, 64 requests
-    python -m scripts.bench_families --quick --json out.json
+    python -m scripts.bench.families                 # full: Qwen3- and Qwen3-MoE-shaped models, 64 requests
+    python -m scripts.bench.families --quick --json out.json
 
 Per family, one server with 8 rank-16 all-module adapters (on a MoE: attention and every expert) preloaded runs the
 workload on the 8 adapters (uniform), then the same requests on the base model alone, interleaved per repeat. Ratio:
@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field, replace
 
-import scripts.bench_serving as bench_serving
-from scripts.bench_model import SIZES, BenchModel, ensure_bench_model
-from scripts.bench_report import best_of, ratio_rows
-from scripts.bench_server import script_main, start_server
-from scripts.bench_workload import WorkloadSpec, make_workload
+import scripts.bench.serving as bench_serving
+from scripts.bench.model import SIZES, BenchModel, ensure_bench_model
+from scripts.bench.report import best_of, ratio_rows
+from scripts.bench.server import script_main, start_server
+from scripts.bench.workload import WorkloadSpec, make_workload
 
 # family -> its bench model size in SIZES (full plan, quick plan)
 FAMILY_SIZES: dict[str, tuple[str, str]] = {

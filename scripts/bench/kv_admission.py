@@ -1,7 +1,7 @@
 """How many chat requests without max_tokens run at once in a fixed KV cache, against the old reserve-everything rule.
 
-    python -m scripts.bench_kv_admission                  # full: 64 chats, --max-total-tokens 8192
-    python -m scripts.bench_kv_admission --quick --json out.json
+    python -m scripts.bench.kv_admission                  # full: 64 chats, --max-total-tokens 8192
+    python -m scripts.bench.kv_admission --quick --json out.json
 
 A chat request without max_tokens may write up to the context length. Reserving that much for each request (the rule
 before pages on demand) runs at most floor(max_total_tokens / context_length) at once; the scheduler now gives a
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import aiohttp
 
-import scripts.bench_serving as bench_serving
-from scripts.bench_model import BenchModel
-from scripts.bench_report import Targets, best_of, ratio_rows
-from scripts.bench_server import script_main, start_server
+import scripts.bench.serving as bench_serving
+from scripts.bench.model import BenchModel
+from scripts.bench.report import Targets, best_of, ratio_rows
+from scripts.bench.server import script_main, start_server
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """loraplex beside llama.cpp's server on the bench model's weights at bf16, 8 and 4 bits, with its 32 adapters.
 
-    python -m scripts.bench_llama_cpp --llama-cpp DIR [--rounds 2] [--json out.json]
+    python -m scripts.bench.llama_cpp --llama-cpp DIR [--rounds 2] [--json out.json]
 
 DIR is a llama.cpp source tree with `build/bin/llama-server` and `build/bin/llama-quantize` built
-(docs/BENCHMARKS.md says how). Both servers serve the bench model (scripts/bench_model.py, full size) and its 32
+(docs/BENCHMARKS.md says how). Both servers serve the bench model (scripts/bench/model.py, full size) and its 32
 rank-16 adapters on every linear:
 
   precision  loraplex                                      llama-server
@@ -38,12 +38,12 @@ from pathlib import Path
 
 import requests
 
-import scripts.bench_quantized as bench_quantized
-from scripts.bench_model import SIZES, BenchModel, ensure_bench_model
-from scripts.bench_report import format_table, summarize, write_json
-from scripts.bench_server import NUM_CORES, start_server
-from scripts.bench_serving import LORAPLEX, Wire, run_requests, warm_up
-from scripts.bench_workload import BenchRequest, WorkloadSpec, make_workload
+import scripts.bench.quantized as bench_quantized
+from scripts.bench.model import SIZES, BenchModel, ensure_bench_model
+from scripts.bench.report import format_table, summarize, write_json
+from scripts.bench.server import NUM_CORES, start_server
+from scripts.bench.serving import LORAPLEX, Wire, run_requests, warm_up
+from scripts.bench.workload import BenchRequest, WorkloadSpec, make_workload
 from tests.net import free_port
 
 PRECISIONS = {"bf16": ("plain", "BF16"), "8-bit": ("int8", "Q8_0"), "4-bit": ("int4", "Q4_0")}  # loraplex, GGUF

@@ -1,12 +1,12 @@
 """The benchmark checkpoint: a deterministic random Llama big enough that compute, not Python, dominates on CPU,
 plus rank-16 all-module PEFT adapters (distinct seeds). Built once and cached; every benchmark reuses it.
 
-    python -m scripts.bench_model --size full --num-adapters 33       # prints the base and adapter paths
+    python -m scripts.bench.model --size full --num-adapters 33       # prints the base and adapter paths
 
 Sizes (measured with HF on 2 CPU cores, fp32): `full` (137 M params) decodes a batch of 32 in ~120 ms and
 prefills ~1.5 ms/token; `quick` (hidden 256, 4 layers) is for smoke runs. The other families' shapes (`qwen3`, with
 its quick twin, and `qwen3_moe`, with rank-16 adapters on attention and every expert) serve
-scripts/bench_families.py.
+scripts/bench/families.py.
 """
 
 from __future__ import annotations

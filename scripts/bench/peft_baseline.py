@@ -1,6 +1,6 @@
 """The PEFT baseline: the same workload served by transformers + peft, the best way peft allows.
 
-    python -m scripts.bench_peft_baseline --size full --num-adapters 32 --batch-size 32 --num-requests 256
+    python -m scripts.bench.peft_baseline --size full --num-adapters 32 --batch-size 32 --num-requests 256
 
 One PeftModel holds every adapter; each static batch of `--batch-size` requests (arrival order, as S-LoRA measured
 its baselines; arrival times are ignored, every request is taken as queued at the start) is left-padded and
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from scripts.bench_model import DEFAULT_CACHE_DIR, SIZES, ensure_bench_model
-from scripts.bench_report import SUMMARY_HEADERS, RequestResult, format_table, summarize, summary_rows, write_json
-from scripts.bench_workload import BenchRequest, add_workload_args, make_workload, workload_spec_from_args
+from scripts.bench.model import DEFAULT_CACHE_DIR, SIZES, ensure_bench_model
+from scripts.bench.report import SUMMARY_HEADERS, RequestResult, format_table, summarize, summary_rows, write_json
+from scripts.bench.workload import BenchRequest, add_workload_args, make_workload, workload_spec_from_args
 
 PAD_TOKEN_ID = 0  # <unk>; masked out, so its value does not matter
 PEFT_BASE_ADAPTER = "__base__"  # peft's name for "no adapter" in adapter_names

@@ -1,7 +1,7 @@
 """The prefix cache on shared system prompts: the same requests through a server with it on, then one with it off.
 
-    python -m scripts.bench_prefix_cache                  # full: 8 adapters x 4 system prompts of 512 tokens
-    python -m scripts.bench_prefix_cache --quick --json out.json
+    python -m scripts.bench.prefix_cache                  # full: 8 adapters x 4 system prompts of 512 tokens
+    python -m scripts.bench.prefix_cache --quick --json out.json
 
 Every prompt is one of 4 system prompts of 512 tokens followed by its own user turn of 32-64 tokens, on one of 8
 adapters (uniform); 128 requests, 32 concurrent (closed loop), outputs of exact length. The cache is keyed by adapter,
@@ -16,11 +16,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import scripts.bench_serving as bench_serving
-from scripts.bench_model import BenchModel
-from scripts.bench_report import Targets, best_of, ratio_rows
-from scripts.bench_server import script_main, start_server
-from scripts.bench_workload import WorkloadSpec, make_workload
+import scripts.bench.serving as bench_serving
+from scripts.bench.model import BenchModel
+from scripts.bench.report import Targets, best_of, ratio_rows
+from scripts.bench.server import script_main, start_server
+from scripts.bench.workload import WorkloadSpec, make_workload
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """Decode on a quantized base: INT8 and INT4 copies of the bench model against its plain weights.
 
-    python -m scripts.bench_quantized                 # full: the bench model
-    python -m scripts.bench_quantized --quick --json out.json
+    python -m scripts.bench.quantized                 # full: the bench model
+    python -m scripts.bench.quantized --quick --json out.json
 
 The bench model's linears are written as compressed-tensors INT8 per channel (W8A16) and GPTQ INT4 in groups of 128
 (tests/quantize_checkpoint.py; groups of 64 where 128 does not divide a layer), and each checkpoint decodes one
-request alone and a batch of 32 requests on 32 different adapters in this process (scripts/bench_decode_step.py's
+request alone and a batch of 32 requests on 32 different adapters in this process (scripts/bench/decode_step.py's
 ModelRunner, the requests' mean context), activations in --dtype (bf16 by default, as the plain side's weights): the
 median step of each, alternating the three per repeat, and each one's resident linear weight bytes. Ratios: plain
 step / INT8 step and plain step / INT4 step, single stream and 32 adapters (above 1: the quantized base is faster).
@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from loraplex.worker.model_runner import ModelRunner
 
-from scripts.bench_decode_step import decode_reqs, make_runner, step_ms
-from scripts.bench_model import BenchModel, build_atomically
-from scripts.bench_report import Targets, ratio_rows
-from scripts.bench_server import script_main, worker_threads
+from scripts.bench.decode_step import decode_reqs, make_runner, step_ms
+from scripts.bench.model import BenchModel, build_atomically
+from scripts.bench.report import Targets, ratio_rows
+from scripts.bench.server import script_main, worker_threads
 from tests.quantize_checkpoint import write_quantized
 
 NUM_WARMUP_STEPS = 4

@@ -6,7 +6,7 @@ tokens over 8 adapters, then times the same decode step for each variant, altern
 that all see the same machine (this CPU's speed drifts by tens of percent). Prints min and median step time per
 variant and its ratio to plain greedy.
 
-    python -m scripts.bench_sampling_options             # bfloat16, the full bench model, 32 requests of 200 tokens
+    python -m scripts.bench.sampling_options             # bfloat16, the full bench model, 32 requests of 200 tokens
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch
 from loraplex.protocol.structs import ForwardBatch, ForwardReq, SamplingParams
 from loraplex.worker.model_runner import ModelRunner
 
-from scripts.bench_decode_step import decode_reqs, make_runner
-from scripts.bench_model import SIZES, ensure_bench_model
-from scripts.bench_report import format_table, write_json
+from scripts.bench.decode_step import decode_reqs, make_runner
+from scripts.bench.model import SIZES, ensure_bench_model
+from scripts.bench.report import format_table, write_json
 
 PENALTIES = SamplingParams(temperature=0.0, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)
 VARIANTS = {  # name -> (sampling of the rows that ask, share of the batch that asks)

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from scripts.bench_model import ADAPTER_RANK, DEFAULT_CACHE_DIR, SIZES, ensure_bench_model
-from scripts.bench_report import RATIO_HEADERS, format_table, write_json
+from scripts.bench.model import ADAPTER_RANK, DEFAULT_CACHE_DIR, SIZES, ensure_bench_model
+from scripts.bench.report import RATIO_HEADERS, format_table, write_json
 from tests.server_utils import ServerProcess
 
 NUM_CORES = len(os.sched_getaffinity(0))

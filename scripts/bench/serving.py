@@ -1,6 +1,6 @@
 """Load generator for a running loraplex server: many adapters, Poisson or closed-loop arrivals, streamed /generate.
 
-    python -m scripts.bench_serving --url http://127.0.0.1:30000 --num-adapters 32 --concurrency 32 \
+    python -m scripts.bench.serving --url http://127.0.0.1:30000 --num-adapters 32 --concurrency 32 \
         --num-requests 256 --input-len-range 16 256 --output-len-range 16 256 --json out.json
 
 Requests use random prompt ids and ignore_eos, so every output has exactly its requested length. TTFT is the time
@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import aiohttp
 
-from scripts.bench_report import (
+from scripts.bench.report import (
     SUMMARY_HEADERS,
     RequestResult,
     format_table,
@@ -34,7 +34,7 @@ from scripts.bench_report import (
     summary_rows,
     write_json,
 )
-from scripts.bench_workload import (
+from scripts.bench.workload import (
     BenchRequest,
     WorkloadSpec,
     add_workload_args,

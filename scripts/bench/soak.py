@@ -1,8 +1,8 @@
 """Soak: a server with fair sharing, per-key limits and priorities on, under mixed traffic for a while; afterwards
 nothing may be lost, no error may have happened beyond the limits' 429s, and the server's memory may not have grown.
 
-    python -m scripts.soak --duration-s 600                       # the demo model, 10 minutes
-    python -m scripts.soak --duration-s 180 --audit-log /tmp/audit.jsonl --json out.json
+    python -m scripts.bench.soak --duration-s 600                       # the demo model, 10 minutes
+    python -m scripts.bench.soak --duration-s 180 --audit-log /tmp/audit.jsonl --json out.json
 
 The server: the demo model and its three adapters, `--api-key` and `--admin-api-key`, per-key limits
 (`--max-requests-per-minute-per-key`, `--max-tokens-per-minute-per-key`), `--max-running-per-adapter`,
@@ -34,7 +34,7 @@ import aiohttp
 import psutil
 from loraplex.frontend.demo import demo_adapter_paths
 
-from scripts.bench_report import format_table, write_json
+from scripts.bench.report import format_table, write_json
 from tests.server_utils import ServerProcess
 
 KEY, ADMIN_KEY = "soak-key", "soak-admin-key"

@@ -1,11 +1,11 @@
 """What the server adds to a decode step: one stream's ITL through HTTP against the same forward step in process.
 
-    python -m scripts.bench_step_overhead                 # full: the bench model, 32 adapters preloaded
-    python -m scripts.bench_step_overhead --quick --json out.json
+    python -m scripts.bench.step_overhead                 # full: the bench model, 32 adapters preloaded
+    python -m scripts.bench.step_overhead --quick --json out.json
 
 One request (32-token prompt, 256 tokens out, on one adapter) streams through a server started as bench_all starts
 its own; its ITL p50 is a whole step of the server: scheduling, the ZeroMQ hops, the forward with sampling,
-detokenizing, the HTTP chunk. The same forward runs in this process (scripts/bench_decode_step.py's ModelRunner,
+detokenizing, the HTTP chunk. The same forward runs in this process (scripts/bench/decode_step.py's ModelRunner,
 batch 1, the adapter in slot 0, the stream's mean context, as many LoRA slots as the server, at the server worker's
 thread count) with the server idle; its median step is what the server cannot beat. Ratio: ITL p50 / step median
 (each the best of the repeats; the two alternate).
@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import torch
 from loraplex.worker.model_runner import ModelRunner
 
-import scripts.bench_serving as bench_serving
-from scripts.bench_decode_step import decode_reqs, make_runner, step_ms
-from scripts.bench_model import BenchModel
-from scripts.bench_report import Targets, best_of, ratio_rows
-from scripts.bench_server import script_main, start_server, worker_threads
-from scripts.bench_workload import WorkloadSpec, make_workload
+import scripts.bench.serving as bench_serving
+from scripts.bench.decode_step import decode_reqs, make_runner, step_ms
+from scripts.bench.model import BenchModel
+from scripts.bench.report import Targets, best_of, ratio_rows
+from scripts.bench.server import script_main, start_server, worker_threads
+from scripts.bench.workload import WorkloadSpec, make_workload
 
 NUM_WARMUP_STEPS = 4
 

@@ -1,7 +1,7 @@
 """Structured output's cost: throughput with a quarter of the requests held to a JSON schema, against none.
 
-    python -m scripts.bench_structured                 # full: 64 requests, 16 concurrent, 4 adapters
-    python -m scripts.bench_structured --quick --json out.json
+    python -m scripts.bench.structured                 # full: 64 requests, 16 concurrent, 4 adapters
+    python -m scripts.bench.structured --quick --json out.json
 
 One server runs the same requests (prompts, lengths, adapters: bench_workload's seeded list) twice per repeat,
 interleaved: every request free (greedy, ignore_eos), then every 4th request under a JSON schema (an object holding
@@ -17,11 +17,11 @@ import json
 import time
 from dataclasses import dataclass
 
-import scripts.bench_serving as bench_serving
-from scripts.bench_model import BenchModel
-from scripts.bench_report import Targets, best_of, ratio_rows
-from scripts.bench_server import script_main, start_server
-from scripts.bench_workload import BenchRequest, WorkloadSpec, make_workload
+import scripts.bench.serving as bench_serving
+from scripts.bench.model import BenchModel
+from scripts.bench.report import Targets, best_of, ratio_rows
+from scripts.bench.server import script_main, start_server
+from scripts.bench.workload import BenchRequest, WorkloadSpec, make_workload
 
 SCHEMA = json.dumps({
     "type": "object",

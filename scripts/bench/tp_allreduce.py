@@ -6,8 +6,8 @@ the same decode step over and over, alternating the two formulations step by ste
 Both ranks run the same steps; rank 0's times are reported. Prints per batch the median and min step time and the
 all-reduces per step of each.
 
-    python -m scripts.bench_tp_allreduce                  # the quick bench model, fp32, 8 requests, 4 adapters
-    python -m scripts.bench_tp_allreduce --size full --batch 32
+    python -m scripts.bench.tp_allreduce                  # the quick bench model, fp32, 8 requests, 4 adapters
+    python -m scripts.bench.tp_allreduce --size full --batch 32
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from loraplex.worker.dist import destroy_distributed, init_distributed
 from loraplex.worker.lora.layers import LoRALinear
 from loraplex.worker.parallel import all_reduce
 
-from scripts.bench_decode_step import decode_reqs, make_runner, step_ms
-from scripts.bench_model import SIZES, ensure_bench_model
-from scripts.bench_report import format_table, write_json
+from scripts.bench.decode_step import decode_reqs, make_runner, step_ms
+from scripts.bench.model import SIZES, ensure_bench_model
+from scripts.bench.report import format_table, write_json
 
 TP = 2
 WARMUP_STEPS = 2

@@ -1,8 +1,8 @@
 """Screenshots of the web console for the docs: the adapters view (with live charts, under traffic) and the
 playground with the base and each adapter answering one prompt side by side.
 
-    python -m scripts.console_screenshots                    # the demo model -> docs/img/console-*.png
-    python -m scripts.console_screenshots --model-path DIR   # any model; its --lora-paths via --server-arg
+    python -m scripts.demo.screenshots                    # the demo model -> docs/img/console-*.png
+    python -m scripts.demo.screenshots --model-path DIR   # any model; its --lora-paths via --server-arg
 
 Starts its own server (CPU), drives the page in headless Chromium (/usr/bin/chromium), and stops the server.
 """
@@ -19,7 +19,7 @@ from playwright.sync_api import expect, sync_playwright
 from tests.browser_helpers import launch_chromium
 from tests.server_utils import ServerProcess
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 VIEWPORT = {"width": 1200, "height": 900}
 MAX_PANES = 4  # the base and up to three adapters side by side
 

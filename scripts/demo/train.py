@@ -1,7 +1,7 @@
 """Train the built-in demo model: a small Llama that echoes its input, and one LoRA adapter per text skill.
 
-    python -m scripts.train_demo                 # train and write frontend/demo_assets/
-    python -m scripts.train_demo --check         # replay the recorded runs in a temporary dir; compare accuracies
+    python -m scripts.demo.train                 # train and write frontend/demo_assets/
+    python -m scripts.demo.train --check         # replay the recorded runs in a temporary dir; compare accuracies
 
 The base model learns to repeat its input (`"hello world ="` -> `"hello world"`); each adapter (peft LoRA on all seven
 projections) learns one transformation from tests/demo_tasks.py. Each task trains until a validation set is solved

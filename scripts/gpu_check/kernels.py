@@ -1,5 +1,5 @@
 """Groups G1 (Triton LoRA kernels against an fp64 reference), kernels_small (the sanitizer's run) and G6 (LoRA op
-micro-benchmarks) of scripts/gpu_check.py. On a CPU dry run the kernels run in Triton's interpreter at tiny shapes,
+micro-benchmarks) of the GPU check (runner.py). On a CPU dry run the kernels run in Triton's interpreter at tiny shapes,
 and bf16 becomes fp16 (the interpreter's bf16 dot is wrong)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from scripts.gpu_check_lib import Context, max_rel_err, median, time_ms, wall_ms
+from scripts.gpu_check.lib import Context, max_rel_err, median, time_ms, wall_ms
 
 RANK_CYCLE = (4, 8, 16, 32, 64)
 TOLERANCE = {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-5}

@@ -1,4 +1,4 @@
-"""What every group of scripts/gpu_check.py shares: the check recorder, the child entry point, timing helpers and
+"""What every group of scripts/gpu_check/runner.py shares: the check recorder, the child entry point, timing helpers and
 the direct writers of large random checkpoints and adapters (no transformers model built in memory).
 
 Each group is a function `group_fn(ctx: Context) -> None` in one of the gpu_check_*.py modules; it records checks
@@ -23,8 +23,7 @@ from typing import Any
 
 from loraplex.protocol.lora_targets import ATTN_MODULES, TARGET_MODULES
 
-SCRIPTS_DIR = Path(__file__).resolve().parent
-REPO_ROOT = SCRIPTS_DIR.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 NOT_IMPLEMENTED = "not implemented yet"
 KEEP_PGID_ENV = "GPU_CHECK_KEEP_PGID"
 

@@ -1,5 +1,5 @@
 """Groups G0 (environment and ceilings), G2 (paged attention against an fp32 reference) and G3 (model numerics
-against HF/peft) of scripts/gpu_check.py."""
+against HF/peft) of scripts/gpu_check/runner.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from scripts.gpu_check_lib import Context, max_abs, median, time_ms
+from scripts.gpu_check.lib import Context, max_abs, median, time_ms
 
 # ---- G0: environment ---------------------------------------------------------------------------------------------
 
@@ -28,7 +28,7 @@ def _version(module: str) -> str | None:
 
 def _xgrammar_import() -> tuple[str, str]:
     """(version, "" or why it does not import): G5b's structured output needs the import, not only the package (its
-    dependencies come as wheels of their own, scripts/gpu_wheels.txt)."""
+    dependencies come as wheels of their own, scripts/gpu_check/gpu_wheels.txt)."""
     try:
         version = importlib.metadata.version("xgrammar")
     except importlib.metadata.PackageNotFoundError:

@@ -1,4 +1,4 @@
-"""The groups of scripts/gpu_check.py, their caps, and the plan: the exact device commands and their expected time.
+"""The groups of the GPU check (runner.py), their caps, and the plan: the exact device commands and their expected time.
 
 Plain Python (the parent never imports torch). A session has SESSION_DEVICE_S of device time, a fresh machine's start
 included, and one call is at most DEVICE_CALL_S, with a cold cache (every Triton variant compiles on first use). So the
@@ -26,7 +26,7 @@ PARENT_OVERHEAD_S = 3  # a group's spawn, kill and merge, beyond its cap
 COLD_CAP_SCALE = 1.4  # cold Triton cache: every kernel variant compiles once (~0.3-1 s each)
 SANITIZER = "g8"
 SANITIZER_S = 240  # G8's own budget when --sanitizer asks for it: memcheck slows kernels 10-100x
-# What the GPU image has (GPU_CHECK.md): scripts/gpu_wheels.txt brings the rest, each wheel's dependencies included.
+# What the GPU image has (GPU_CHECK.md): gpu_wheels.txt brings the rest, each wheel's dependencies included.
 IMAGE_PACKAGES = ("torch", "triton", "transformers", "peft", "tokenizers", "safetensors", "aiohttp", "uvloop", "psutil",
                   "prometheus-client", "numpy")
 # The default plan's calls: (what they check, --only). G0 opens both (versions, and the ceilings the later groups
@@ -47,19 +47,19 @@ class Group:
 
 
 GROUPS = [
-    Group("g0", "env", 20, 45, "scripts.gpu_check_model", "g0_env", 10),
-    Group("g1", "kernels", 40, 90, "scripts.gpu_check_kernels", "g1_kernels", 35),
-    Group("g2", "attention", 28, 90, "scripts.gpu_check_model", "g2_attention", 23),
-    Group("g3", "numerics", 33, 90, "scripts.gpu_check_model", "g3_numerics", 30),
-    Group("g4", "decode", 60, 120, "scripts.gpu_check_serving", "g4_decode", 55),
-    Group("g5", "server", 55, 120, "scripts.gpu_check_serving", "g5_server", 50),
-    Group("g5b", "server_graphs", 45, 120, "scripts.gpu_check_serving", "g5b_server_graphs", 40),
-    Group("g6", "kernel_perf", 20, 90, "scripts.gpu_check_kernels", "g6_kernel_perf", 15),
-    Group("g9", "quantized", 14, 90, "scripts.gpu_check_quant", "g9_quantized", 12),
-    Group("g7", "tp2", 40, 90, "scripts.gpu_check_tp", "g7_tp2", 35),
+    Group("g0", "env", 20, 45, "scripts.gpu_check.model", "g0_env", 10),
+    Group("g1", "kernels", 40, 90, "scripts.gpu_check.kernels", "g1_kernels", 35),
+    Group("g2", "attention", 28, 90, "scripts.gpu_check.model", "g2_attention", 23),
+    Group("g3", "numerics", 33, 90, "scripts.gpu_check.model", "g3_numerics", 30),
+    Group("g4", "decode", 60, 120, "scripts.gpu_check.serving", "g4_decode", 55),
+    Group("g5", "server", 55, 120, "scripts.gpu_check.serving", "g5_server", 50),
+    Group("g5b", "server_graphs", 45, 120, "scripts.gpu_check.serving", "g5b_server_graphs", 40),
+    Group("g6", "kernel_perf", 20, 90, "scripts.gpu_check.kernels", "g6_kernel_perf", 15),
+    Group("g9", "quantized", 14, 90, "scripts.gpu_check.quant", "g9_quantized", 12),
+    Group("g7", "tp2", 40, 90, "scripts.gpu_check.tp", "g7_tp2", 35),
     # off by default: under memcheck the small kernels alone take minutes; --sanitizer gives it SANITIZER_S
-    Group(SANITIZER, "sanitizer", SANITIZER_S, 30, "scripts.gpu_check_tp", "g8_sanitizer", 180, in_default_run=False),
-    Group("kernels_small", "kernels_small", 20, 60, "scripts.gpu_check_kernels", "kernels_small", 15,
+    Group(SANITIZER, "sanitizer", SANITIZER_S, 30, "scripts.gpu_check.tp", "g8_sanitizer", 180, in_default_run=False),
+    Group("kernels_small", "kernels_small", 20, 60, "scripts.gpu_check.kernels", "kernels_small", 15,
           in_default_run=False),
 ]
 

@@ -1,4 +1,4 @@
-"""Group G9 (quantized linears) of scripts/gpu_check.py: each quantized matmul path the worker takes on CUDA (the
+"""Group G9 (quantized linears) of scripts/gpu_check/runner.py: each quantized matmul path the worker takes on CUDA (the
 Triton INT4/INT8/FP8 kernels of kernels/quant_matmul.py, torch._scaled_mm for W8A8 FP8), built through the worker's
 own layouts (worker/quant/matmul.py), against the dequantized weight's torch matmul in bf16, and timed beside the
 plain bf16 matmul on the same shape. On a CPU dry run the Triton kernels run in the interpreter at tiny shapes in
@@ -6,7 +6,7 @@ fp16 (the interpreter's bf16 dot is wrong) and _scaled_mm runs torch's CPU imple
 
 from __future__ import annotations
 
-from scripts.gpu_check_lib import Context, max_rel_err, median, time_ms
+from scripts.gpu_check.lib import Context, max_rel_err, median, time_ms
 
 # name -> (out, in): a Llama-3-8B layer's fused qkv and its down projection; the dry run's stand-ins
 MODULES = {"8b_qkv": (6144, 4096), "8b_down": (4096, 14336)}

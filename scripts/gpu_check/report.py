@@ -1,4 +1,4 @@
-"""The summary of gpu_check.json and the reviewer block printed last (scripts/GPU_CHECK.md: "The report", "What a
+"""The summary of gpu_check.json and the reviewer block printed last (GPU_CHECK.md: "The report", "What a
 reviewer reads"). Plain Python: the parent process that uses it never imports torch."""
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
     python -m scripts.gpu_check --plan      # the exact device commands and their expected time; runs nothing
     python -m scripts.gpu_check --warm-imports  # the device command's first step: cold imports before any cap runs
 
-The specification (groups, shapes, thresholds, report) and the command that runs it on a GPU: scripts/GPU_CHECK.md,
-beside this file; the groups, caps and plan: scripts/gpu_check_plan.py. Each group runs in a fresh spawned child
+The specification (groups, shapes, thresholds, report) and the command that runs it on a GPU: GPU_CHECK.md, beside
+this file; the groups, caps and plan: plan.py. Each group runs in a fresh spawned child
 under a hard cap (a warm-cache cap times --cap-scale), so a CUDA fault or a hang in one cannot poison or stall the
 rest; this parent never imports torch. A child leads its own process group and registers the servers it starts in
 sessions of their own; when the group ends or reaches its cap the parent kills all of them, so nothing holds GPU memory
@@ -29,13 +29,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from scripts.gpu_check_lib import REPO_ROOT, format_check, run_group
-from scripts.gpu_check_plan import (
+from scripts.gpu_check.lib import REPO_ROOT, format_check, run_group
+from scripts.gpu_check.plan import (
     COLD_CAP_SCALE,
     SANITIZER_S,
     Group,
@@ -45,7 +44,7 @@ from scripts.gpu_check_plan import (
     selected_groups,
     triton_cache_entries,
 )
-from scripts.gpu_check_report import reviewer_block, summarize
+from scripts.gpu_check.report import reviewer_block, summarize
 
 MERGE_EVERY_S = 2.0  # how often the parent folds a running group's part file into gpu_check.json
 
@@ -241,9 +240,3 @@ def main(argv: list[str] | None = None) -> dict | None:
     print(reviewer_block(report), flush=True)
     return report
 
-
-if __name__ == "__main__":
-    report = main()
-    if report is not None:
-        summary = report["summary"]
-        sys.exit(1 if summary["fail"] or summary["error"] else 0)

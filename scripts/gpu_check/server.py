@@ -1,4 +1,4 @@
-"""A loraplex server in a subprocess for scripts/gpu_check.py's G5, with only the standard library as its client
+"""A loraplex server in a subprocess for scripts/gpu_check/runner.py's G5, with only the standard library as its client
 (urllib: the GPU image has what `pip install .` brings, and `requests` is not among it).
 
 The server runs in a session of its own (its scheduler and workers with it), registered with the group's Context:
@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from scripts.gpu_check_lib import REPO_ROOT, Context
+from scripts.gpu_check.lib import REPO_ROOT, Context
 from tests.net import free_port
 
 

@@ -1,5 +1,5 @@
 """Groups G4 (1B decode performance and dynamic LoRA, in process) and G5 (the server under load) of
-scripts/gpu_check.py. G4 writes the model and adapters under --keep-models; G5 reuses them."""
+scripts/gpu_check/runner.py. G4 writes the model and adapters under --keep-models; G5 reuses them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from scripts.gpu_check_lib import (
+from scripts.gpu_check.lib import (
     Context,
     LlamaShape,
     hbm_bandwidth,
@@ -443,9 +443,9 @@ def _load(ctx: Context, server, served: list[str], count: int) -> tuple[dict, li
     """One bench_serving run on `count` adapters: its summary and the requests that did not complete exactly."""
     import asyncio
 
-    import scripts.bench_serving as bench_serving
-    from scripts.bench_report import summarize
-    from scripts.bench_workload import WorkloadSpec, make_workload
+    import scripts.bench.serving as bench_serving
+    from scripts.bench.report import summarize
+    from scripts.bench.workload import WorkloadSpec, make_workload
 
     num_requests, in_range, out_range, concurrency = ((128, (64, 256), (32, 128), 64) if ctx.is_cuda
                                                       else (8, (8, 16), (4, 8), 4))
@@ -496,8 +496,8 @@ def g5_server(ctx: Context) -> None:
     """The eager server under load. Each figure is recorded the moment it is measured, so a timeout keeps them."""
     import asyncio
 
-    import scripts.bench_adapter_ops as bench_adapter_ops
-    from scripts.gpu_check_server import CheckServer
+    import scripts.bench.adapter_ops as bench_adapter_ops
+    from scripts.gpu_check.server import CheckServer
 
     rec = ctx.rec
     model_dir, adapters, _ = ensure_models(ctx)
@@ -574,7 +574,7 @@ def g5b_server_graphs(ctx: Context) -> None:
     (xgrammar's mask on CUDA through its Triton path, no nvcc), timed."""
     import json as jsonlib
 
-    from scripts.gpu_check_server import CheckServer
+    from scripts.gpu_check.server import CheckServer
 
     rec = ctx.rec
     model_dir, adapters, _ = ensure_models(ctx)

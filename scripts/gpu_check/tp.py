@@ -1,5 +1,5 @@
 """Groups G7 (TP=2 at ModelRunner level, both ranks on one GPU) and G8 (compute-sanitizer over the small kernel
-cases) of scripts/gpu_check.py."""
+cases) of scripts/gpu_check/runner.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from scripts.gpu_check_lib import KEEP_PGID_ENV, SCRIPTS_DIR, Context, max_abs, median
+from scripts.gpu_check.lib import KEEP_PGID_ENV, REPO_ROOT, Context, max_abs, median
 from tests.net import free_port
 
 PROMPT_LENGTHS = [6, 11, 3, 17]
@@ -40,7 +40,7 @@ def _workload(runner, adapters: dict[str, str]) -> dict:
     travel as shared-memory handles that die with the rank)."""
     from loraplex.protocol.structs import SlotLoad
 
-    from scripts.gpu_check_model import _load_adapters, _prefill_and_step
+    from scripts.gpu_check.model import _load_adapters, _prefill_and_step
     from tests.worker_helpers import GREEDY, decode, random_prompts
 
     ids = _load_adapters(runner, {name: Path(adapters[name]) for name in ADAPTERS if name})
@@ -104,7 +104,7 @@ def tp_graph_rank(rank: int, port: int, backend: str, device_type: str, model_di
     from loraplex.worker.dist import destroy_distributed, init_distributed
     from loraplex.worker.model_runner import ModelRunner
 
-    from scripts.gpu_check_model import _load_adapters
+    from scripts.gpu_check.model import _load_adapters
     from tests.worker_helpers import GREEDY, decode, random_prompts
 
     device = torch.device("cuda", rank)
@@ -174,7 +174,7 @@ def g7_tp2(ctx: Context) -> None:
     import torch
     from loraplex.worker.model_runner import ModelRunner
 
-    from scripts.gpu_check_model import _build_adapters
+    from scripts.gpu_check.model import _build_adapters
     from tests.builders import build_tiny_model
 
     rec = ctx.rec
@@ -279,7 +279,7 @@ def g8_sanitizer(ctx: Context) -> None:
            "--only", "kernels_small", "--out", out_dir, "--cap-scale", "10", "--budget-s", str(limit_s)]
     # A session of its own, registered, with every process of the nested run in it (KEEP_PGID_ENV): one kill
     # here at the limit, or the parent's at the cap, ends all of them.
-    proc = subprocess.Popen(cmd, cwd=SCRIPTS_DIR.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=dict(os.environ, **{KEEP_PGID_ENV: "1"}))
     ctx.own_process_group(proc.pid)
     try:

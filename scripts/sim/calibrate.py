@@ -5,8 +5,8 @@ decode steps of 1 and --batch base requests (a fixed part and a per-token part),
 adapter), one prefill chunk (per prompt token), copying an adapter into a device slot, and reading one from disk.
 Run it on a quiet machine: other processes on the cores distort every figure (torch's threads wait on each other).
 
-    python -m scripts.sim_calibrate --json /tmp/cost.json
-    python -m scripts.simulate_cluster --cost-json /tmp/cost.json
+    python -m scripts.sim.calibrate --json /tmp/cost.json
+    python -m scripts.sim.simulate --cost-json /tmp/cost.json
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 
-from scripts.bench_decode_step import GREEDY, decode_reqs, make_runner, step_ms
-from scripts.bench_model import SIZES, ensure_bench_model
-from scripts.cluster_sim import StepCost
+from scripts.bench.decode_step import GREEDY, decode_reqs, make_runner, step_ms
+from scripts.bench.model import SIZES, ensure_bench_model
+from scripts.sim.cluster import StepCost
 
 NUM_ADAPTERS = 8
 

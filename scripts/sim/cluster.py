@@ -1,17 +1,17 @@
 """Cluster simulator core: N replicas, each running the real torch-free `Scheduler`, behind a routing policy
-(scripts/sim_policies.py).
+(scripts/sim/policies.py).
 
 A discrete-event simulation. Requests arrive open-loop (Poisson) with adapters drawn from a Zipf law; the router
 picks a replica; the replica's Scheduler batches them exactly as the server does (continuous batching, KV pages,
 chunked prefill, adapter device slots with LRU and the no-starvation rule). Only the forward pass is not run: its
-duration comes from a step-cost model (`StepCost`, calibrated by scripts/sim_calibrate.py or given as GPU figures),
+duration comes from a step-cost model (`StepCost`, calibrated by scripts/sim/calibrate.py or given as GPU figures),
 and it "samples" a fixed token, so requests end at their max_new_tokens.
 
 Assumptions (what the model leaves out): one forward pass in flight per replica (the server overlaps two, hiding the
 scheduler's own time); the router sees each replica's state at once (a gateway scrapes it every few tens of ms);
 host memory holds every adapter a replica has read (the first request for an adapter on a replica waits
 `host_load_s` for the disk read, off the decode loop); no prefix cache (random prompts share nothing).
-scripts/simulate_cluster.py sweeps it and draws the table and plot.
+scripts/sim/simulate.py sweeps it and draws the table and plot.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from loraplex.protocol.structs import (
 )
 from loraplex.scheduler.scheduler import Scheduler
 
-from scripts.sim_policies import POLICIES
+from scripts.sim.policies import POLICIES
 
 TOKEN = 7  # what every simulated pass samples; never a stop token, so requests run to max_new_tokens
 

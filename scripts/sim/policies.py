@@ -1,4 +1,4 @@
-"""The cluster simulator's routers (scripts/cluster_sim.py): each picks a replica for a request's adapter from what a
+"""The cluster simulator's routers (scripts/sim/cluster.py): each picks a replica for a request's adapter from what a
 router of that kind can see. Ties go to the lowest index unless said otherwise.
 
 `ProductRouter` is loraplex's own `--dp-size` routing, the frontend's `Router` itself, fed the events the frontend
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from loraplex.frontend.cluster.router import Router
 
 if TYPE_CHECKING:
-    from scripts.cluster_sim import Replica
+    from scripts.sim.cluster import Replica
 
 
 class Policy:

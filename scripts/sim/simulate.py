@@ -1,13 +1,13 @@
-"""How routing policies scale: N simulated replicas (each the real Scheduler, scripts/cluster_sim.py) under a Zipf
+"""How routing policies scale: N simulated replicas (each the real Scheduler, scripts/sim/cluster.py) under a Zipf
 adapter workload, for 1-64 replicas and 10-10,000 adapters. Prints a markdown table and draws a PNG.
 
 Two sweeps, each at every per-replica offered load in --rates-per-replica (Poisson requests/s; the default is one
 load under a replica's capacity and one above it), --requests-per-replica each: replicas 1..64 at --scaling-adapters
 adapters, and adapters 10..10,000 at --sweep-replicas replicas. The step
-costs are this repository's CPU figures unless --cost-json (scripts/sim_calibrate.py's output) or the --*-ms flags
+costs are this repository's CPU figures unless --cost-json (scripts/sim/calibrate.py's output) or the --*-ms flags
 say otherwise (e.g. GPU figures).
 
-    python -m scripts.simulate_cluster --png docs/img/simulator.png
+    python -m scripts.sim.simulate --png docs/img/simulator.png
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.cluster_sim import ReplicaShape, Result, StepCost, Workload, simulate
-from scripts.sim_policies import POLICIES
+from scripts.sim.cluster import ReplicaShape, Result, StepCost, Workload, simulate
+from scripts.sim.policies import POLICIES
 
 COST_FLAGS = {f.name: f.name.removesuffix("_s").replace("_", "-") + "-ms" for f in dataclasses.fields(StepCost)}
 
@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slots", type=int, default=8, help="device adapter slots per replica")
     parser.add_argument("--max-running", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cost-json", help="a StepCost as JSON (scripts/sim_calibrate.py --json)")
+    parser.add_argument("--cost-json", help="a StepCost as JSON (scripts/sim/calibrate.py --json)")
     for name, flag in COST_FLAGS.items():
         parser.add_argument(f"--{flag}", type=float, help=f"StepCost.{name} in ms")
     parser.add_argument("--png", help="draw the plot here")
