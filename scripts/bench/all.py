@@ -6,16 +6,16 @@
 
 Order: build (or reuse) the bench model; the PEFT baseline in this process (no server running); then one server
 with all the workload's adapters preloaded runs the 32-adapter workload, the same workload with 8 adapters and
-with none, one stream against the same forward step in this process (bench_step_overhead.py), and the adapter
-load/unload benchmark (an extra adapter, not in the workload). Then the engine-core benchmarks, each starting its own
-servers: prefix cache on / off (bench_prefix_cache.py), chunked / whole prefill (bench_chunked_prefill.py), chats
-without max_tokens in a fixed KV cache (bench_kv_admission.py), a quarter of the requests under a JSON schema
-against none (bench_structured.py), `--dp-size 2` against one replica on the same cores (bench_dp.py), 8 adapters
-against the base on a model of each other family's shape (bench_families.py: Qwen3), and decode (one stream, and
-one request per adapter on 32 adapters) on INT8 and INT4 copies of the bench model against its plain weights, in
-process (bench_quantized.py). Every
-ratio's two sides are measured in this run, on this machine. Both systems run in the same dtype (bfloat16 by
-default: on a CPU with AMX/AVX512-BF16 its matmuls are 3-6x faster than float32) and with one thread per core.
+with none, one stream against the same forward step in this process (step_overhead.py), and the adapter
+load/unload benchmark (an extra adapter, not in the workload). Then the engine-core benchmarks (rows of
+ratios.py), each starting its own servers: prefix cache on / off (prefix_cache.py), chunked / whole prefill
+(chunked_prefill.py), chats without max_tokens in a fixed KV cache (kv_admission.py), a quarter of the requests under
+a JSON schema against none (structured.py), `--dp-size 2` against one replica on the same cores (dp.py), 8 adapters
+against the base on a model of each other family's shape (families.py: Qwen3), and decode (one stream, and one
+request per adapter on 32 adapters) on INT8 and INT4 copies of the bench model against its plain weights, in process
+(quantized.py). Every ratio's two sides are measured in this run, on this machine. Both systems run in the same
+dtype (bfloat16 by default: on a CPU with AMX/AVX512-BF16 its matmuls are 3-6x faster than float32) and with one
+thread per core.
 """
 
 from __future__ import annotations
@@ -29,16 +29,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import scripts.bench.adapter_ops as bench_adapter_ops
-import scripts.bench.chunked_prefill as bench_chunked_prefill
-import scripts.bench.dp as bench_dp
-import scripts.bench.families as bench_families
-import scripts.bench.kv_admission as bench_kv_admission
 import scripts.bench.peft_baseline as bench_peft_baseline
-import scripts.bench.prefix_cache as bench_prefix_cache
-import scripts.bench.quantized as bench_quantized
 import scripts.bench.serving as bench_serving
 import scripts.bench.step_overhead as bench_step_overhead
-import scripts.bench.structured as bench_structured
+from scripts.bench import ratios
 from scripts.bench.model import SIZES, adapter_name, ensure_bench_model
 from scripts.bench.report import (
     RATIO_HEADERS,
@@ -88,9 +82,10 @@ TARGETS: Targets = {
 
 
 # The engine-core benchmarks that start servers of their own, in the order they run (after the main server's).
-ENGINE_BENCHMARKS = {"prefix_cache": bench_prefix_cache, "chunked_prefill": bench_chunked_prefill,
-                     "kv_admission": bench_kv_admission, "structured": bench_structured,
-                     "data_parallel": bench_dp, "families": bench_families, "quantized": bench_quantized}
+# results key -> its row of scripts/bench/ratios.py
+ENGINE_BENCHMARKS = {"prefix_cache": "prefix_cache", "chunked_prefill": "chunked_prefill",
+                     "kv_admission": "kv_admission", "structured": "structured", "data_parallel": "dp",
+                     "families": "families", "quantized": "quantized"}
 
 
 def cpu_speed_gflops(duration_s: float = 0.5) -> float:
@@ -199,8 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     results["cpu_gflops"]["before_serving"] = cpu_speed_gflops()
     results["server_threads"] = args.server_threads or "server default"
-    engine_plans = {module: module.QUICK if args.quick else module.FULL
-                    for module in (bench_step_overhead, *ENGINE_BENCHMARKS.values())}
+    engine_plans = {name: ratios.module(name).QUICK if args.quick else ratios.module(name).FULL
+                    for name in ("step_overhead", *ENGINE_BENCHMARKS.values())}
     with start_server(bench.base_dir, bench.adapter_dirs, dtype=args.dtype, server_threads=args.server_threads,
                       max_running_requests=plan.concurrency,
                       max_loras_per_batch=max(8, plan.num_adapters)) as server:
@@ -213,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
         results.update({key: best_of(key_runs) for key, key_runs in runs.items()})
         print(f"\n== one stream against the in-process forward step, best of {args.repeats}", flush=True)
         results["step_overhead"] = bench_step_overhead.benchmark_on(
-            server.url, bench, engine_plans[bench_step_overhead], dtype=args.dtype,
+            server.url, bench, engine_plans["step_overhead"], dtype=args.dtype,
             server_threads=args.server_threads, repeats=args.repeats, seed=args.seed)
         print(f"\n== adapter ops: {plan.ops_cycles} idle cycles, {plan.ops_duration_s:g} s quiet + "
               f"{plan.ops_duration_s:g} s storm", flush=True)
@@ -225,17 +220,18 @@ def main(argv: list[str] | None = None) -> dict:
         bench_adapter_ops.print_report(results["adapter_ops"])
 
     own_servers = {} if args.skip_engine else ENGINE_BENCHMARKS
-    for key, module in own_servers.items():
+    for key, name in own_servers.items():
+        module = ratios.module(name)
         results["cpu_gflops"][f"before_{key}"] = cpu_speed_gflops()
         print(f"\n== {key}: {module.__doc__.splitlines()[0]}", flush=True)
-        results[key] = module.benchmark(bench, engine_plans[module], dtype=args.dtype,
+        results[key] = module.benchmark(bench, engine_plans[name], dtype=args.dtype,
                                         server_threads=args.server_threads, repeats=args.repeats, seed=args.seed)
 
     results["cpu_gflops"]["at_end"] = cpu_speed_gflops()
     measured = measure_ratios(results)
     rows = ratio_rows(TARGETS, measured, n=plan.num_adapters, c=plan.concurrency, k=num_few, ops=plan.ops_per_second)
-    for key, module in {"step_overhead": bench_step_overhead, **own_servers}.items():
-        rows += module.rows(results[key])
+    for key, name in {"step_overhead": "step_overhead", **own_servers}.items():
+        rows += ratios.rows(name, results[key])
         measured.update(results[key]["measured"])
     results["ratios"] = {key: value for key, (value, _) in measured.items()}
     results["load_average"] = {"before": load_before, "after": os.getloadavg()}

@@ -1,7 +1,7 @@
 """Chunked prefill: what a long prompt's arrival costs the requests already decoding, chunked against whole.
 
-    python -m scripts.bench.chunked_prefill               # full: 32 streams, ten 1,536-token prompts
-    python -m scripts.bench.chunked_prefill --quick --json out.json
+    python -m scripts.bench chunked_prefill               # full: 32 streams, ten 1,536-token prompts
+    python -m scripts.bench chunked_prefill --quick --json out.json
 
 32 decoding streams (closed loop, 32-token prompts, outputs uniform in 64-192 tokens, round robin over 8 adapters)
 run while a 1,536-token prompt (1 token out) arrives every max(2 s, 2 x its prefill time), 10 arrivals. Its prefill
@@ -24,9 +24,8 @@ from scripts.bench.report import (
     Targets,
     best_of,
     distribution_ms,
-    ratio_rows,
 )
-from scripts.bench.server import script_main, start_server
+from scripts.bench.server import start_server
 from scripts.bench.workload import BenchRequest, WorkloadSpec, make_workload
 
 SEED_OF_LONE_PROMPTS = 1_000_000  # the prefill-time probes: a stream of their own, never a measured prompt
@@ -128,15 +127,3 @@ def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
     chunked, whole = (results[side]["stream_itl_ms"]["p99"] for side in ("chunked", "whole"))
     return {"chunked_itl": (chunked / whole, f"{chunked:.1f} vs {whole:.1f} ms (a prompt every "
                                              f"{results['interval_s']:.1f} s)")}
-
-
-def rows(results: dict) -> list[list[str]]:
-    return ratio_rows(TARGETS, results["measured"], **results["plan"])
-
-
-def main(argv: list[str] | None = None) -> dict:
-    return script_main(__doc__, FULL, QUICK, benchmark, rows, argv)
-
-
-if __name__ == "__main__":
-    main()

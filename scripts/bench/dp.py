@@ -1,7 +1,7 @@
 """Data parallelism: the same requests through one replica, then through `--dp-size 2`, on this machine.
 
-    python -m scripts.bench.dp                  # full: 8 adapters, 64 requests, 16 concurrent
-    python -m scripts.bench.dp --quick --json out.json
+    python -m scripts.bench dp                  # full: 8 adapters, 64 requests, 16 concurrent
+    python -m scripts.bench dp --quick --json out.json
 
 64 requests (inputs and outputs 16-128 tokens) on 8 adapters (uniform), 16 concurrent (closed loop), through a
 server with one replica, then one with `--dp-size 2` and otherwise the same flags. Both get the same
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import scripts.bench.serving as bench_serving
 from scripts.bench.model import BenchModel
-from scripts.bench.report import Targets, best_of, ratio_rows
-from scripts.bench.server import script_main, start_server
+from scripts.bench.report import Targets, best_of
+from scripts.bench.server import start_server
 from scripts.bench.workload import WorkloadSpec, make_workload
 
 
@@ -113,15 +113,3 @@ def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
     one_tput, many_tput = (r["summary"]["output_token_throughput"] for r in (one, many))
     routed = "/".join(str(n) for n in many["requests_routed"])
     return {"dp_throughput": (many_tput / one_tput, f"{many_tput:.1f} vs {one_tput:.1f} out tok/s (routed {routed})")}
-
-
-def rows(results: dict) -> list[list[str]]:
-    return ratio_rows(TARGETS, results["measured"], **results["plan"])
-
-
-def main(argv: list[str] | None = None) -> dict:
-    return script_main(__doc__, FULL, QUICK, benchmark, rows, argv)
-
-
-if __name__ == "__main__":
-    main()

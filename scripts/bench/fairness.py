@@ -1,8 +1,8 @@
 """Fair sharing between adapters: one hot adapter sending ten times the others' rate, through a server with fair
 admission (virtual token counters) and one with `--disable-adapter-fairness`.
 
-    python -m scripts.bench.fairness --quick              # the small model, a minute of arrivals per server
-    python -m scripts.bench.fairness --json out.json      # the full plan
+    python -m scripts.bench fairness --quick              # the small model, a minute of arrivals per server
+    python -m scripts.bench fairness --json out.json      # the full plan
 
 The workload: Poisson arrivals, each request the hot adapter's with ten times the probability of each of the cold
 ones (so each adapter's requests are a Poisson stream, the hot one at ten times the rate), the hot adapter's rate
@@ -26,11 +26,10 @@ from scripts.bench.report import (
     RequestResult,
     Targets,
     format_table,
-    ratio_rows,
     summarize,
     summary_rows,
 )
-from scripts.bench.server import script_main, start_server
+from scripts.bench.server import start_server
 from scripts.bench.workload import BenchRequest, WorkloadSpec, make_workload
 
 HOT_FACTOR = 10  # the hot adapter's rate over each cold one's
@@ -128,15 +127,3 @@ def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
         "throughput": (fair_tput / unfair_tput, f"{fair_tput:.1f} vs {unfair_tput:.1f} out tok/s, "
                        f"{failed} failed"),
     }
-
-
-def rows(results: dict) -> list[list[str]]:
-    return ratio_rows(TARGETS, results["measured"], **results["plan"])
-
-
-def main(argv: list[str] | None = None) -> dict:
-    return script_main(__doc__, FULL, QUICK, benchmark, rows, argv)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,12 +1,12 @@
 """Model families beside the Llama rows: the same requests with 8 adapters and with none on a model of each family's
 shape (scripts/bench/model.py SIZES), on this machine.
 
-    python -m scripts.bench.families                 # full: Qwen3- and Qwen3-MoE-shaped models, 64 requests
-    python -m scripts.bench.families --quick --json out.json
+    python -m scripts.bench families                 # full: Qwen3- and Qwen3-MoE-shaped models, 64 requests
+    python -m scripts.bench families --quick --json out.json
 
 Per family, one server with 8 rank-16 all-module adapters (on a MoE: attention and every expert) preloaded runs the
 workload on the 8 adapters (uniform), then the same requests on the base model alone, interleaved per repeat. Ratio:
-output throughput 8 adapters / base (best of the repeats), as bench_all's Llama row. A family is one entry of
+output throughput 8 adapters / base (best of the repeats), as all.py's Llama row. A family is one entry of
 FAMILY_SIZES.
 """
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, replace
 
 import scripts.bench.serving as bench_serving
 from scripts.bench.model import SIZES, BenchModel, ensure_bench_model
-from scripts.bench.report import best_of, ratio_rows
-from scripts.bench.server import script_main, start_server
+from scripts.bench.report import Targets, best_of
+from scripts.bench.server import start_server
 from scripts.bench.workload import WorkloadSpec, make_workload
 
 # family -> its bench model size in SIZES (full plan, quick plan)
@@ -30,7 +30,7 @@ FAMILY_SIZES: dict[str, tuple[str, str]] = {
 
 @dataclass(frozen=True)
 class Plan:
-    size: str  # the first family's (what script_main builds); each family builds its own below
+    size: str  # the first family's (what scripts/bench/ratios.py builds); each family builds its own below
     quick: bool
     num_adapters: int
     input_len_range: tuple[int, int]
@@ -47,6 +47,13 @@ FULL = Plan(size=FAMILY_SIZES["qwen3"][0], quick=False, num_adapters=8, input_le
             output_len_range=(16, 128), num_requests=64, concurrency=16)
 QUICK = Plan(size=FAMILY_SIZES["qwen3"][1], quick=True, num_adapters=8, input_len_range=(8, 16),
              output_len_range=(4, 8), num_requests=16, concurrency=8)
+
+
+TARGETS: Targets = {
+    f"{family}_multi_vs_base": (f"{family}-shaped: {{num_adapters}}-adapter / base-only throughput "
+                                "({concurrency} concurrent)", ">= 0.8", lambda v: v >= 0.8)
+    for family in FAMILY_SIZES
+}
 
 
 def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int, repeats: int, seed: int) -> dict:
@@ -83,19 +90,3 @@ def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
         multi, base = (runs[side]["summary"]["output_token_throughput"] for side in ("adapters", "base"))
         measured[f"{family}_multi_vs_base"] = (multi / base, f"{multi:.1f} vs {base:.1f} out tok/s ({runs['size']})")
     return measured
-
-
-def rows(results: dict) -> list[list[str]]:
-    plan = results["plan"]
-    targets = {f"{family}_multi_vs_base": (
-        f"{family}-shaped: {plan['num_adapters']}-adapter / base-only throughput ({plan['concurrency']} concurrent)",
-        ">= 0.8", lambda v: v >= 0.8) for family in plan["families"]}
-    return ratio_rows(targets, results["measured"])
-
-
-def main(argv: list[str] | None = None) -> dict:
-    return script_main(__doc__, FULL, QUICK, benchmark, rows, argv)
-
-
-if __name__ == "__main__":
-    main()

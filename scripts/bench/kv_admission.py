@@ -1,7 +1,7 @@
 """How many chat requests without max_tokens run at once in a fixed KV cache, against the old reserve-everything rule.
 
-    python -m scripts.bench.kv_admission                  # full: 64 chats, --max-total-tokens 8192
-    python -m scripts.bench.kv_admission --quick --json out.json
+    python -m scripts.bench kv_admission                  # full: 64 chats, --max-total-tokens 8192
+    python -m scripts.bench kv_admission --quick --json out.json
 
 A chat request without max_tokens may write up to the context length. Reserving that much for each request (the rule
 before pages on demand) runs at most floor(max_total_tokens / context_length) at once; the scheduler now gives a
@@ -22,8 +22,8 @@ import aiohttp
 
 import scripts.bench.serving as bench_serving
 from scripts.bench.model import BenchModel
-from scripts.bench.report import Targets, best_of, ratio_rows
-from scripts.bench.server import script_main, start_server
+from scripts.bench.report import Targets, best_of
+from scripts.bench.server import start_server
 
 
 @dataclass(frozen=True)
@@ -112,15 +112,3 @@ def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
     return {"kv_admission": (best["peak_running"] / old_rule if old_rule else float("inf"),
                              f"{best['peak_running']} vs {best['max_total_tokens']} // {best['context_length']} = "
                              f"{old_rule} running")}
-
-
-def rows(results: dict) -> list[list[str]]:
-    return ratio_rows(TARGETS, results["measured"], **results["plan"])
-
-
-def main(argv: list[str] | None = None) -> dict:
-    return script_main(__doc__, FULL, QUICK, benchmark, rows, argv)
-
-
-if __name__ == "__main__":
-    main()

@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="static batch size (= the server's concurrency)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and compute dtype")
-    parser.add_argument("--size", choices=sorted(SIZES), default="full", help="bench model (bench_model.py)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="full", help="bench model (scripts/bench/model.py)")
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR))
     parser.add_argument("--model-path", default=None, help="a checkpoint instead of the bench model")
     parser.add_argument("--lora-paths", nargs="+", default=[], metavar="NAME=PATH",

@@ -1,7 +1,7 @@
 """The prefix cache on shared system prompts: the same requests through a server with it on, then one with it off.
 
-    python -m scripts.bench.prefix_cache                  # full: 8 adapters x 4 system prompts of 512 tokens
-    python -m scripts.bench.prefix_cache --quick --json out.json
+    python -m scripts.bench prefix_cache                  # full: 8 adapters x 4 system prompts of 512 tokens
+    python -m scripts.bench prefix_cache --quick --json out.json
 
 Every prompt is one of 4 system prompts of 512 tokens followed by its own user turn of 32-64 tokens, on one of 8
 adapters (uniform); 128 requests, 32 concurrent (closed loop), outputs of exact length. The cache is keyed by adapter,
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import scripts.bench.serving as bench_serving
 from scripts.bench.model import BenchModel
-from scripts.bench.report import Targets, best_of, ratio_rows
-from scripts.bench.server import script_main, start_server
+from scripts.bench.report import Targets, best_of
+from scripts.bench.server import start_server
 from scripts.bench.workload import WorkloadSpec, make_workload
 
 
@@ -96,15 +96,3 @@ def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
                               f"({on['prefix_cache_hit_share']:.0%} of prompt tokens hit)"),
         "prefix_ttft": (on_ttft / off_ttft, f"{on_ttft:.0f} vs {off_ttft:.0f} ms"),
     }
-
-
-def rows(results: dict) -> list[list[str]]:
-    return ratio_rows(TARGETS, results["measured"], **results["plan"])
-
-
-def main(argv: list[str] | None = None) -> dict:
-    return script_main(__doc__, FULL, QUICK, benchmark, rows, argv)
-
-
-if __name__ == "__main__":
-    main()

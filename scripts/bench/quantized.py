@@ -1,7 +1,7 @@
 """Decode on a quantized base: INT8 and INT4 copies of the bench model against its plain weights.
 
-    python -m scripts.bench.quantized                 # full: the bench model
-    python -m scripts.bench.quantized --quick --json out.json
+    python -m scripts.bench quantized                 # full: the bench model
+    python -m scripts.bench quantized --quick --json out.json
 
 The bench model's linears are written as compressed-tensors INT8 per channel (W8A16) and GPTQ INT4 in groups of 128
 (tests/quantize_checkpoint.py; groups of 64 where 128 does not divide a layer), and each checkpoint decodes one
@@ -23,8 +23,8 @@ from loraplex.worker.model_runner import ModelRunner
 
 from scripts.bench.decode_step import decode_reqs, make_runner, step_ms
 from scripts.bench.model import BenchModel, build_atomically
-from scripts.bench.report import Targets, ratio_rows
-from scripts.bench.server import script_main, worker_threads
+from scripts.bench.report import Targets
+from scripts.bench.server import worker_threads
 from tests.quantize_checkpoint import write_quantized
 
 NUM_WARMUP_STEPS = 4
@@ -128,15 +128,3 @@ def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
                 f"{step['plain']:.2f} vs {step[label]:.2f} ms ({batch / step['plain'] * 1e3:.0f} vs "
                 f"{batch / step[label] * 1e3:.0f} tok/s, batch {batch}); {mib['plain']:.0f} vs {mib[label]:.0f} MiB")
     return measured
-
-
-def rows(results: dict) -> list[list[str]]:
-    return ratio_rows(TARGETS, results["measured"])
-
-
-def main(argv: list[str] | None = None) -> dict:
-    return script_main(__doc__, FULL, QUICK, benchmark, rows, argv)
-
-
-if __name__ == "__main__":
-    main()

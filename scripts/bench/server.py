@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from scripts.bench.model import ADAPTER_RANK, DEFAULT_CACHE_DIR, SIZES, ensure_bench_model
-from scripts.bench.report import RATIO_HEADERS, format_table, write_json
+from scripts.bench.model import ADAPTER_RANK, DEFAULT_CACHE_DIR
 from tests.server_utils import ServerProcess
 
 NUM_CORES = len(os.sched_getaffinity(0))
@@ -44,7 +42,7 @@ def start_server(base_dir: Path, adapter_dirs: dict[str, Path], *, dtype: str, s
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """The options every benchmark that starts its own servers takes (bench_all and the engine-core scripts)."""
+    """The options every benchmark that starts its own servers takes (all.py and the ratio benchmarks, ratios.py)."""
     parser.add_argument("--quick", action="store_true", help="small model, short workload (a smoke run)")
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR), help="where the bench model is built")
     parser.add_argument("--repeats", type=int, default=1,
@@ -58,19 +56,3 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="PATH", help="write every result here")
 
-
-def script_main(doc: str, full: Any, quick: Any, benchmark: Callable[..., dict],
-                rows: Callable[[dict], list[list[str]]], argv: list[str] | None) -> dict:
-    """The main() of each benchmark that starts its own servers: flags, the bench model, `benchmark(bench, plan,
-    dtype=, server_threads=, repeats=, seed=)`, the table, --json."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    add_server_args(parser)
-    args = parser.parse_args(argv)
-    plan = quick if args.quick else full
-    bench = ensure_bench_model(SIZES[plan.size], plan.num_adapters, args.cache_dir)
-    results = benchmark(bench, plan, dtype=args.dtype, server_threads=args.server_threads, repeats=args.repeats,
-                        seed=args.seed)
-    print(format_table(RATIO_HEADERS, rows(results)))
-    if args.json:
-        write_json(args.json, results)
-    return results

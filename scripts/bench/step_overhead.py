@@ -1,7 +1,7 @@
 """What the server adds to a decode step: one stream's ITL through HTTP against the same forward step in process.
 
-    python -m scripts.bench.step_overhead                 # full: the bench model, 32 adapters preloaded
-    python -m scripts.bench.step_overhead --quick --json out.json
+    python -m scripts.bench step_overhead                 # full: the bench model, 32 adapters preloaded
+    python -m scripts.bench step_overhead --quick --json out.json
 
 One request (32-token prompt, 256 tokens out, on one adapter) streams through a server started as bench_all starts
 its own; its ITL p50 is a whole step of the server: scheduling, the ZeroMQ hops, the forward with sampling,
@@ -23,8 +23,8 @@ from loraplex.worker.model_runner import ModelRunner
 import scripts.bench.serving as bench_serving
 from scripts.bench.decode_step import decode_reqs, make_runner, step_ms
 from scripts.bench.model import BenchModel
-from scripts.bench.report import Targets, best_of, ratio_rows
-from scripts.bench.server import script_main, start_server, worker_threads
+from scripts.bench.report import Targets, best_of
+from scripts.bench.server import start_server, worker_threads
 from scripts.bench.workload import WorkloadSpec, make_workload
 
 NUM_WARMUP_STEPS = 4
@@ -33,7 +33,7 @@ NUM_WARMUP_STEPS = 4
 @dataclass(frozen=True)
 class Plan:
     size: str
-    num_adapters: int  # preloaded on a server this script starts (bench_all passes its own server)
+    num_adapters: int  # preloaded on a server this script starts (all.py passes its own server)
     prompt_len: int
     output_len: int
     num_steps: int  # timed in-process steps per repeat
@@ -91,21 +91,10 @@ def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
     return {"step_overhead": (itl / step, f"{itl:.2f} vs {step:.2f} ms ({results['threads']} threads)")}
 
 
-def rows(results: dict) -> list[list[str]]:
-    return ratio_rows(TARGETS, results["measured"], **results["plan"])
-
 
 def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int, repeats: int, seed: int) -> dict:
-    """On a server of its own (bench_all runs benchmark_on against its main server)."""
+    """On a server of its own (all.py runs benchmark_on against its main server)."""
     with start_server(bench.base_dir, bench.adapter_dirs, dtype=dtype, server_threads=server_threads,
                       max_running_requests=32, max_loras_per_batch=max(8, plan.num_adapters)) as server:
         return benchmark_on(server.url, bench, plan, dtype=dtype, server_threads=server_threads, repeats=repeats,
                             seed=seed)
-
-
-def main(argv: list[str] | None = None) -> dict:
-    return script_main(__doc__, FULL, QUICK, benchmark, rows, argv)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,9 @@
 """Structured output's cost: throughput with a quarter of the requests held to a JSON schema, against none.
 
-    python -m scripts.bench.structured                 # full: 64 requests, 16 concurrent, 4 adapters
-    python -m scripts.bench.structured --quick --json out.json
+    python -m scripts.bench structured                 # full: 64 requests, 16 concurrent, 4 adapters
+    python -m scripts.bench structured --quick --json out.json
 
-One server runs the same requests (prompts, lengths, adapters: bench_workload's seeded list) twice per repeat,
+One server runs the same requests (prompts, lengths, adapters: workload.py's seeded list) twice per repeat,
 interleaved: every request free (greedy, ignore_eos), then every 4th request under a JSON schema (an object holding
 an array of at least 1,000 strings of 4-12 characters, so the grammar cannot end before max_new_tokens and every
 request writes exactly its output length on both sides). The grammar is compiled by a warm-up request first. Ratio:
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import scripts.bench.serving as bench_serving
 from scripts.bench.model import BenchModel
-from scripts.bench.report import Targets, best_of, ratio_rows
-from scripts.bench.server import script_main, start_server
+from scripts.bench.report import Targets, best_of
+from scripts.bench.server import start_server
 from scripts.bench.workload import BenchRequest, WorkloadSpec, make_workload
 
 SCHEMA = json.dumps({
@@ -115,15 +115,3 @@ def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int,
 def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
     constrained, free = (results[side]["summary"]["output_token_throughput"] for side in ("constrained", "free"))
     return {"structured_throughput": (constrained / free, f"{constrained:.1f} vs {free:.1f} out tok/s")}
-
-
-def rows(results: dict) -> list[list[str]]:
-    return ratio_rows(TARGETS, results["measured"], **results["plan"])
-
-
-def main(argv: list[str] | None = None) -> dict:
-    return script_main(__doc__, FULL, QUICK, benchmark, rows, argv)
-
-
-if __name__ == "__main__":
-    main()

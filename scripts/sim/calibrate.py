@@ -1,6 +1,6 @@
-"""Measure the cluster simulator's step-cost model (cluster_sim.StepCost) on this machine, in process.
+"""Measure the cluster simulator's step-cost model (cluster.StepCost) on this machine, in process.
 
-Loads the bench model and adapters into a ModelRunner (bench_decode_step.make_runner) and times, median of --steps:
+Loads the bench model and adapters into a ModelRunner (bench/decode_step.py's make_runner) and times, median of --steps:
 decode steps of 1 and --batch base requests (a fixed part and a per-token part), the same batch over 8 adapters (per
 adapter), one prefill chunk (per prompt token), copying an adapter into a device slot, and reading one from disk.
 Run it on a quiet machine: other processes on the cores distort every figure (torch's threads wait on each other).
