@@ -42,6 +42,7 @@ from scripts.bench.report import (
     format_table,
     ratio_rows,
     summary_rows,
+    versus,
     write_json,
 )
 from scripts.bench.server import add_server_args, start_server
@@ -119,10 +120,7 @@ def run_peft(base_dir: Path, adapter_dirs: dict[str, Path], spec: WorkloadSpec, 
 
 
 def run_serving(url: str, spec: WorkloadSpec, plan: Plan, desc: str) -> dict:
-    result = asyncio.run(bench_serving.benchmark(url, make_workload(spec), concurrency=plan.concurrency, desc=desc))
-    print(f"\n== loraplex, {desc}")
-    bench_serving.print_report({"summary": result["summary"], "per_adapter": {}})
-    return result
+    return bench_serving.run_and_report(url, make_workload(spec), plan.concurrency, desc, title=f"loraplex, {desc}")
 
 
 def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
@@ -136,11 +134,11 @@ def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
     idle_load, busy_load = ops["idle"]["load_ms"]["p50"], ops["storm"]["load_ms"]["p50"]
     storm_p99, quiet_p99 = ops["storm"]["itl_ms"]["p99"], ops["quiet"]["itl_ms"]["p99"]
     return {
-        "peft": (multi / peft, f"{multi:.1f} vs {peft:.1f} out tok/s"),
-        "multi_vs_base": (few / base, f"{few:.1f} vs {base:.1f} out tok/s"),
-        "load_idle": (idle_load / read, f"{idle_load:.1f} vs {read:.1f} ms"),
+        "peft": versus(multi, peft, "out tok/s"),
+        "multi_vs_base": versus(few, base, "out tok/s"),
+        "load_idle": versus(idle_load, read, "ms"),
         "load_busy": (busy_load / (read + step), f"{busy_load:.1f} vs {read:.1f} + {step:.1f} ms"),
-        "itl_storm": (storm_p99 / quiet_p99, f"{storm_p99:.1f} vs {quiet_p99:.1f} ms"),
+        "itl_storm": versus(storm_p99, quiet_p99, "ms"),
     }
 
 

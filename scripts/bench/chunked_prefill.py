@@ -20,12 +20,8 @@ from dataclasses import dataclass, replace
 
 import scripts.bench.serving as bench_serving
 from scripts.bench.model import BenchModel
-from scripts.bench.report import (
-    Targets,
-    best_of,
-    distribution_ms,
-)
-from scripts.bench.server import start_server
+from scripts.bench.report import Targets, best_of, distribution_ms, versus
+from scripts.bench.server import each_server
 from scripts.bench.workload import BenchRequest, WorkloadSpec, make_workload
 
 SEED_OF_LONE_PROMPTS = 1_000_000  # the prefill-time probes: a stream of their own, never a measured prompt
@@ -97,26 +93,25 @@ async def run_once(url: str, plan: Plan, adapters: list[str], interval_s: float,
 
 def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int, repeats: int, seed: int) -> dict:
     """Both servers, one after the other: {'whole', 'chunked'} (best runs), the interval, 'measured' ratios."""
-    adapters = list(bench.adapter_dirs)[:plan.num_adapters]
+    adapter_dirs = bench.first_adapters(plan.num_adapters)
+    adapters = list(adapter_dirs)
     results: dict = {"plan": plan.__dict__, "lone_prefill_ms": {}}
     interval_s = None
-    for side, extra in SIDES.items():
-        with start_server(bench.base_dir, {name: bench.adapter_dirs[name] for name in adapters}, dtype=dtype,
-                          server_threads=server_threads, max_running_requests=plan.num_streams + 1,
-                          max_loras_per_batch=plan.num_adapters, extra=extra) as server:
-            asyncio.run(bench_serving.warm_up(server.url, [BenchRequest(0, [5] * plan.stream_input_len, 4, name, 0.0)
-                                                           for name in adapters], None))
-            prefill_s = asyncio.run(lone_prefill_s(server.url, plan, adapters))
-            results["lone_prefill_ms"][side] = prefill_s * 1e3
-            interval_s = interval_s or max(plan.min_interval_s, 2 * prefill_s)
-            runs = []
-            for i in range(repeats):
-                run = asyncio.run(run_once(server.url, plan, adapters, interval_s, seed + i))
-                print(f"== {side} prefill, run {i + 1}: stream ITL p50 {run['stream_itl_ms']['p50']:.1f} / p99 "
-                      f"{run['stream_itl_ms']['p99']:.1f} / max {run['max_gap_ms']:.1f} ms over "
-                      f"{run['window_s']:.1f} s; long prompts' TTFT p50 {run['long_ttft_ms']['p50']:.0f} ms "
-                      f"(lone: {prefill_s * 1e3:.0f} ms)", flush=True)
-                runs.append(run)
+    for side, server in each_server(bench.base_dir, adapter_dirs, SIDES, dtype=dtype,
+                                    server_threads=server_threads, max_running_requests=plan.num_streams + 1):
+        asyncio.run(bench_serving.warm_up(server.url, [BenchRequest(0, [5] * plan.stream_input_len, 4, name, 0.0)
+                                                       for name in adapters], None))
+        prefill_s = asyncio.run(lone_prefill_s(server.url, plan, adapters))
+        results["lone_prefill_ms"][side] = prefill_s * 1e3
+        interval_s = interval_s or max(plan.min_interval_s, 2 * prefill_s)
+        runs = []
+        for i in range(repeats):
+            run = asyncio.run(run_once(server.url, plan, adapters, interval_s, seed + i))
+            print(f"== {side} prefill, run {i + 1}: stream ITL p50 {run['stream_itl_ms']['p50']:.1f} / p99 "
+                  f"{run['stream_itl_ms']['p99']:.1f} / max {run['max_gap_ms']:.1f} ms over "
+                  f"{run['window_s']:.1f} s; long prompts' TTFT p50 {run['long_ttft_ms']['p50']:.0f} ms "
+                  f"(lone: {prefill_s * 1e3:.0f} ms)", flush=True)
+            runs.append(run)
         results[side] = best_of(runs, lambda r: r["stream_itl_ms"]["p99"], lower_is_better=True)
     results["interval_s"] = interval_s
     results["measured"] = measure_ratios(results)
@@ -125,5 +120,4 @@ def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int,
 
 def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
     chunked, whole = (results[side]["stream_itl_ms"]["p99"] for side in ("chunked", "whole"))
-    return {"chunked_itl": (chunked / whole, f"{chunked:.1f} vs {whole:.1f} ms (a prompt every "
-                                             f"{results['interval_s']:.1f} s)")}
+    return {"chunked_itl": versus(chunked, whole, "ms", note=f" (a prompt every {results['interval_s']:.1f} s)")}

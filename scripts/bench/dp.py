@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import scripts.bench.serving as bench_serving
 from scripts.bench.model import BenchModel
-from scripts.bench.report import Targets, best_of
+from scripts.bench.report import Targets, best_of, versus
 from scripts.bench.server import start_server
 from scripts.bench.workload import WorkloadSpec, make_workload
 
@@ -76,9 +76,8 @@ TARGETS: Targets = {
 
 def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int, repeats: int, seed: int) -> dict:
     """One replica, then plan.dp_size, one after the other: {'dp1', 'dpN'} (best runs), 'measured' ratios."""
-    adapter_names = tuple(bench.adapter_dirs)[: plan.num_adapters]
-    adapters = {name: bench.adapter_dirs[name] for name in adapter_names}
-    requests = make_workload(plan.spec(adapter_names, seed))
+    adapters = bench.first_adapters(plan.num_adapters)
+    requests = make_workload(plan.spec(tuple(adapters), seed))
     results: dict = {"plan": plan.__dict__}
     for side, dp_size in (("dp1", 1), ("dpN", plan.dp_size)):
         # The same torch threads in total: each replica's worker gets its share (0 = the workers' own default).
@@ -92,14 +91,10 @@ def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int,
             max_loras_per_batch=plan.num_adapters,
             extra=("--dp-size", str(dp_size)),
         ) as server:
-            runs = []
-            for i in range(repeats):
-                desc = f"--dp-size {dp_size}, {threads or 'default'} threads per worker, run {i + 1}"
-                runs.append(
-                    asyncio.run(bench_serving.benchmark(server.url, requests, concurrency=plan.concurrency, desc=desc))
-                )
-                print(f"\n== {desc}")
-                bench_serving.print_report({"summary": runs[-1]["summary"], "per_adapter": {}})
+            runs = [bench_serving.run_and_report(server.url, requests, plan.concurrency,
+                                                 f"--dp-size {dp_size}, {threads or 'default'} threads per worker, "
+                                                 f"run {i + 1}")
+                    for i in range(repeats)]
             routed = asyncio.run(bench_serving.get_json(server.url, "/server_info"))["replicas"]
         results[side] = best_of(runs)
         results[side]["requests_routed"] = [r["num_requests_routed"] for r in routed]
@@ -112,4 +107,4 @@ def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
     one, many = results["dp1"], results["dpN"]
     one_tput, many_tput = (r["summary"]["output_token_throughput"] for r in (one, many))
     routed = "/".join(str(n) for n in many["requests_routed"])
-    return {"dp_throughput": (many_tput / one_tput, f"{many_tput:.1f} vs {one_tput:.1f} out tok/s (routed {routed})")}
+    return {"dp_throughput": versus(many_tput, one_tput, "out tok/s", note=f" (routed {routed})")}

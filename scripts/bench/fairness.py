@@ -28,8 +28,9 @@ from scripts.bench.report import (
     format_table,
     summarize,
     summary_rows,
+    versus,
 )
-from scripts.bench.server import start_server
+from scripts.bench.server import each_server
 from scripts.bench.workload import BenchRequest, WorkloadSpec, make_workload
 
 HOT_FACTOR = 10  # the hot adapter's rate over each cold one's
@@ -96,23 +97,21 @@ def run_side(url: str, requests: list[BenchRequest], hot: str, desc: str) -> dic
 def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int, repeats: int, seed: int) -> dict:
     """Capacity on the fair server, then the same overload through both: {'fair', 'unfair'}, 'measured' ratios.
     (repeats: each side's run is one long open-loop run; a repeat would only lengthen it.)"""
-    adapter_names = tuple(bench.adapter_dirs)[:plan.num_adapters]
-    adapters = {name: bench.adapter_dirs[name] for name in adapter_names}
+    adapter_dirs = bench.first_adapters(plan.num_adapters)
+    adapter_names = tuple(adapter_dirs)
     results: dict = {"plan": {**plan.__dict__, "hot_factor": HOT_FACTOR}}
     requests: list[BenchRequest] = []
-    for side, extra in SIDES.items():
-        with start_server(bench.base_dir, adapters, dtype=dtype, server_threads=server_threads,
-                          max_running_requests=plan.max_running_requests, max_loras_per_batch=plan.num_adapters,
-                          extra=extra) as server:
-            if not requests:
-                results["capacity_rps"] = capacity(server.url, plan, adapter_names, seed)
-                # The total rate: the hot adapter's, plus a tenth of it for each cold one.
-                num_cold = plan.num_adapters - 1
-                results["rate_rps"] = plan.hot_load * results["capacity_rps"] * (1 + num_cold / HOT_FACTOR)
-                requests = workload(plan, adapter_names, results["rate_rps"], seed)
-                print(f"capacity {results['capacity_rps']:.2f} req/s: {len(requests)} requests at "
-                      f"{results['rate_rps']:.2f} req/s over {plan.arrival_s:.0f} s")
-            results[side] = run_side(server.url, requests, adapter_names[0], f"fairness: {side}")
+    for side, server in each_server(bench.base_dir, adapter_dirs, SIDES, dtype=dtype,
+                                    server_threads=server_threads, max_running_requests=plan.max_running_requests):
+        if not requests:
+            results["capacity_rps"] = capacity(server.url, plan, adapter_names, seed)
+            # The total rate: the hot adapter's, plus a tenth of it for each cold one.
+            num_cold = plan.num_adapters - 1
+            results["rate_rps"] = plan.hot_load * results["capacity_rps"] * (1 + num_cold / HOT_FACTOR)
+            requests = workload(plan, adapter_names, results["rate_rps"], seed)
+            print(f"capacity {results['capacity_rps']:.2f} req/s: {len(requests)} requests at "
+                  f"{results['rate_rps']:.2f} req/s over {plan.arrival_s:.0f} s")
+        results[side] = run_side(server.url, requests, adapter_names[0], f"fairness: {side}")
     results["measured"] = measure_ratios(results)
     return results
 
@@ -123,7 +122,6 @@ def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
     fair_tput, unfair_tput = (s["all"]["output_token_throughput"] for s in (fair, unfair))
     failed = sum(s["all"]["num_failed"] for s in (fair, unfair))
     return {
-        "cold_ttft_p99": (fair_ttft / unfair_ttft, f"{fair_ttft:.0f} vs {unfair_ttft:.0f} ms"),
-        "throughput": (fair_tput / unfair_tput, f"{fair_tput:.1f} vs {unfair_tput:.1f} out tok/s, "
-                       f"{failed} failed"),
+        "cold_ttft_p99": versus(fair_ttft, unfair_ttft, "ms", digits=0),
+        "throughput": versus(fair_tput, unfair_tput, "out tok/s", note=f", {failed} failed"),
     }

@@ -12,12 +12,11 @@ FAMILY_SIZES.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field, replace
 
 import scripts.bench.serving as bench_serving
 from scripts.bench.model import SIZES, BenchModel, ensure_bench_model
-from scripts.bench.report import Targets, best_of
+from scripts.bench.report import Targets, best_of, versus
 from scripts.bench.server import start_server
 from scripts.bench.workload import WorkloadSpec, make_workload
 
@@ -75,10 +74,8 @@ def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int,
                 for side, spec in (("adapters", adapters), ("base", base)):
                     label = f"{plan.num_adapters} adapters" if spec.adapter_names else "base"
                     desc = f"{family} ({SIZES[size].key}), {label}, run {i + 1}"
-                    runs[side].append(asyncio.run(bench_serving.benchmark(
-                        server.url, make_workload(spec), concurrency=plan.concurrency, desc=desc)))
-                    print(f"\n== {desc}")
-                    bench_serving.print_report({"summary": runs[side][-1]["summary"], "per_adapter": {}})
+                    runs[side].append(bench_serving.run_and_report(server.url, make_workload(spec),
+                                                                   plan.concurrency, desc))
         results["families"][family] = {"size": SIZES[size].key, **{side: best_of(r) for side, r in runs.items()}}
     results["measured"] = measure_ratios(results)
     return results
@@ -88,5 +85,5 @@ def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
     measured = {}
     for family, runs in results["families"].items():
         multi, base = (runs[side]["summary"]["output_token_throughput"] for side in ("adapters", "base"))
-        measured[f"{family}_multi_vs_base"] = (multi / base, f"{multi:.1f} vs {base:.1f} out tok/s ({runs['size']})")
+        measured[f"{family}_multi_vs_base"] = versus(multi, base, "out tok/s", note=f" ({runs['size']})")
     return measured

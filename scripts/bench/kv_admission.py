@@ -89,8 +89,9 @@ async def run_once(url: str, plan: Plan, adapters: list[str], seed: int) -> dict
 
 
 def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int, repeats: int, seed: int) -> dict:
-    adapters = list(bench.adapter_dirs)[:plan.num_adapters]
-    with start_server(bench.base_dir, {name: bench.adapter_dirs[name] for name in adapters}, dtype=dtype,
+    adapter_dirs = bench.first_adapters(plan.num_adapters)
+    adapters = list(adapter_dirs)
+    with start_server(bench.base_dir, adapter_dirs, dtype=dtype,
                       server_threads=server_threads, max_running_requests=plan.num_chats,
                       max_loras_per_batch=plan.num_adapters,
                       extra=("--max-total-tokens", str(plan.max_total_tokens))) as server:

@@ -73,6 +73,9 @@ class BenchModel:
     base_dir: Path
     adapter_dirs: dict[str, Path]  # name -> PEFT adapter dir, in name order
 
+    def first_adapters(self, num: int) -> dict[str, Path]:
+        return {name: self.adapter_dirs[name] for name in tuple(self.adapter_dirs)[:num]}
+
 
 def adapter_name(index: int) -> str:
     return f"{ADAPTER_PREFIX}{index:03d}"

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import scripts.bench.serving as bench_serving
 from scripts.bench.model import BenchModel
-from scripts.bench.report import Targets, best_of
-from scripts.bench.server import start_server
+from scripts.bench.report import Targets, best_of, versus
+from scripts.bench.server import each_server
 from scripts.bench.workload import WorkloadSpec, make_workload
 
 
@@ -57,29 +57,23 @@ TARGETS: Targets = {
 
 def run_side(url: str, plan: Plan, adapter_names: tuple[str, ...], seed: int, desc: str) -> dict:
     before = asyncio.run(bench_serving.get_json(url, "/server_info"))["prefix_cache_hit_tokens"]
-    result = asyncio.run(bench_serving.benchmark(url, make_workload(plan.spec(adapter_names, seed)),
-                                                 concurrency=plan.concurrency, desc=desc))
+    result = bench_serving.run_and_report(url, make_workload(plan.spec(adapter_names, seed)), plan.concurrency, desc)
     after = asyncio.run(bench_serving.get_json(url, "/server_info"))["prefix_cache_hit_tokens"]
     summary = result["summary"]
     # Warm-up prompts are reversed (bench_serving.warm_up), so every hit is a measured request's.
     result["prefix_cache_hit_share"] = (after - before) / (summary["input_token_throughput"] * summary["duration_s"])
-    print(f"\n== {desc}")
-    bench_serving.print_report({"summary": summary, "per_adapter": {}})
     print(f"prefix cache hits: {result['prefix_cache_hit_share']:.0%} of prompt tokens")
     return result
 
 
 def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int, repeats: int, seed: int) -> dict:
     """Both servers, one after the other: {'cache_on', 'cache_off'} (best runs), 'measured' ratios."""
-    adapter_names = tuple(bench.adapter_dirs)[:plan.num_adapters]
-    adapters = {name: bench.adapter_dirs[name] for name in adapter_names}
+    adapters = bench.first_adapters(plan.num_adapters)
     results: dict = {"plan": plan.__dict__}
-    for side, extra in SIDES.items():
-        with start_server(bench.base_dir, adapters, dtype=dtype, server_threads=server_threads,
-                          max_running_requests=plan.concurrency, max_loras_per_batch=plan.num_adapters,
-                          extra=extra) as server:
-            runs = [run_side(server.url, plan, adapter_names, seed + i, f"prefix cache: {side}, run {i + 1}")
-                    for i in range(repeats)]
+    for side, server in each_server(bench.base_dir, adapters, SIDES, dtype=dtype, server_threads=server_threads,
+                                    max_running_requests=plan.concurrency):
+        runs = [run_side(server.url, plan, tuple(adapters), seed + i, f"prefix cache: {side}, run {i + 1}")
+                for i in range(repeats)]
         results[side] = best_of(runs)
         results[side]["best_ttft_p50_ms"] = best_of(runs, lambda r: r["summary"]["ttft_ms"]["p50"],
                                                     lower_is_better=True)["summary"]["ttft_ms"]["p50"]
@@ -92,7 +86,7 @@ def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
     on_tput, off_tput = (r["summary"]["output_token_throughput"] for r in (on, off))
     on_ttft, off_ttft = on["best_ttft_p50_ms"], off["best_ttft_p50_ms"]
     return {
-        "prefix_throughput": (on_tput / off_tput, f"{on_tput:.1f} vs {off_tput:.1f} out tok/s "
-                              f"({on['prefix_cache_hit_share']:.0%} of prompt tokens hit)"),
-        "prefix_ttft": (on_ttft / off_ttft, f"{on_ttft:.0f} vs {off_ttft:.0f} ms"),
+        "prefix_throughput": versus(on_tput, off_tput, "out tok/s",
+                                    note=f" ({on['prefix_cache_hit_share']:.0%} of prompt tokens hit)"),
+        "prefix_ttft": versus(on_ttft, off_ttft, "ms", digits=0),
     }

@@ -111,6 +111,11 @@ def ratio_rows(targets: Targets, measured: dict[str, tuple[float, str]], **label
     return rows
 
 
+def versus(a: float, b: float, unit: str, digits: int = 1, note: str = "") -> tuple[float, str]:
+    """A measured ratio a / b and its two sides in words (`12.3 vs 4.5 ms` + note)."""
+    return a / b, f"{a:.{digits}f} vs {b:.{digits}f} {unit}{note}"
+
+
 def output_throughput(run: dict) -> float:
     return run["summary"]["output_token_throughput"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from scripts.bench.model import ADAPTER_RANK, DEFAULT_CACHE_DIR
@@ -39,6 +39,17 @@ def start_server(base_dir: Path, adapter_dirs: dict[str, Path], *, dtype: str, s
     return ServerProcess(*server_args(base_dir, adapter_dirs, dtype=dtype, max_running_requests=max_running_requests,
                                       max_loras_per_batch=max_loras_per_batch, extra=extra),
                          env=server_env(server_threads), start_timeout_s=600)
+
+
+def each_server(base_dir: Path, adapter_dirs: dict[str, Path], sides: dict[str, Sequence[str]], *, dtype: str,
+                server_threads: int, max_running_requests: int) -> Iterator[tuple[str, ServerProcess]]:
+    """A server per side, one after the other, differing only in the side's extra flags; each stops before the next
+    starts (when the loop moves on, or leaves)."""
+    for side, extra in sides.items():
+        with start_server(base_dir, adapter_dirs, dtype=dtype, server_threads=server_threads,
+                          max_running_requests=max_running_requests, max_loras_per_batch=len(adapter_dirs),
+                          extra=extra) as server:
+            yield side, server
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

@@ -265,6 +265,15 @@ def print_report(result: dict) -> None:
           f"E2E p50 {summary['e2e_latency_ms']['p50']:.0f} ms")
 
 
+def run_and_report(url: str, requests: list[BenchRequest], concurrency: int | None, desc: str,
+                   title: str | None = None) -> dict:
+    """One run of `requests` (benchmark above), its summary printed under `== title` (default: desc)."""
+    result = asyncio.run(benchmark(url, requests, concurrency=concurrency, desc=desc))
+    print(f"\n== {title or desc}")
+    print_report({"summary": result["summary"], "per_adapter": {}})
+    return result
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:30000")

@@ -23,7 +23,7 @@ from loraplex.worker.model_runner import ModelRunner
 import scripts.bench.serving as bench_serving
 from scripts.bench.decode_step import decode_reqs, make_runner, step_ms
 from scripts.bench.model import BenchModel
-from scripts.bench.report import Targets, best_of
+from scripts.bench.report import Targets, best_of, versus
 from scripts.bench.server import start_server, worker_threads
 from scripts.bench.workload import WorkloadSpec, make_workload
 
@@ -88,8 +88,7 @@ def benchmark_on(url: str, bench: BenchModel, plan: Plan, *, dtype: str, server_
 
 def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
     itl, step = results["stream"]["itl_ms"]["p50"], results["step_ms"]
-    return {"step_overhead": (itl / step, f"{itl:.2f} vs {step:.2f} ms ({results['threads']} threads)")}
-
+    return {"step_overhead": versus(itl, step, "ms", digits=2, note=f" ({results['threads']} threads)")}
 
 
 def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int, repeats: int, seed: int) -> dict:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import scripts.bench.serving as bench_serving
 from scripts.bench.model import BenchModel
-from scripts.bench.report import Targets, best_of
+from scripts.bench.report import Targets, best_of, versus
 from scripts.bench.server import start_server
 from scripts.bench.workload import BenchRequest, WorkloadSpec, make_workload
 
@@ -92,9 +92,8 @@ async def run(url: str, requests: list[BenchRequest], plan: Plan, constrained: b
 
 def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int, repeats: int, seed: int) -> dict:
     """One server; free and constrained runs interleaved: {'free', 'constrained'} (best runs), 'measured' ratios."""
-    adapter_names = tuple(bench.adapter_dirs)[:plan.num_adapters]
-    adapters = {name: bench.adapter_dirs[name] for name in adapter_names}
-    requests = make_workload(plan.spec(adapter_names, seed))
+    adapters = bench.first_adapters(plan.num_adapters)
+    requests = make_workload(plan.spec(tuple(adapters), seed))
     runs: dict[str, list[dict]] = {"free": [], "constrained": []}
     with start_server(bench.base_dir, adapters, dtype=dtype, server_threads=server_threads,
                       max_running_requests=plan.concurrency, max_loras_per_batch=plan.num_adapters) as server:
@@ -114,4 +113,4 @@ def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int,
 
 def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
     constrained, free = (results[side]["summary"]["output_token_throughput"] for side in ("constrained", "free"))
-    return {"structured_throughput": (constrained / free, f"{constrained:.1f} vs {free:.1f} out tok/s")}
+    return {"structured_throughput": versus(constrained, free, "out tok/s")}
