@@ -28,7 +28,7 @@ from scripts.bench.server import worker_threads
 from tests.quantize_checkpoint import write_quantized
 
 NUM_WARMUP_STEPS = 4
-VARIANTS = {"plain": None, "int8": "ct-w8a16", "int4": "gptq-4bit"}  # label -> scripts/quantize_checkpoint format
+VARIANTS = {"plain": None, "int8": "ct-w8a16", "int4": "gptq-4bit"}  # label -> tests/quantize_checkpoint.py format
 
 
 @dataclass(frozen=True)
