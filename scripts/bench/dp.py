@@ -37,40 +37,18 @@ class Plan:
     dp_size: int
 
     def spec(self, adapter_names: tuple[str, ...], seed: int) -> WorkloadSpec:
-        return WorkloadSpec(
-            num_requests=self.num_requests,
-            input_len_range=self.input_len_range,
-            output_len_range=self.output_len_range,
-            adapter_names=adapter_names,
-            seed=seed,
-        )
+        return WorkloadSpec(num_requests=self.num_requests, input_len_range=self.input_len_range,
+                            output_len_range=self.output_len_range, adapter_names=adapter_names, seed=seed)
 
 
-FULL = Plan(
-    size="full",
-    num_adapters=8,
-    input_len_range=(16, 128),
-    output_len_range=(16, 128),
-    num_requests=64,
-    concurrency=16,
-    dp_size=2,
-)
-QUICK = Plan(
-    size="quick",
-    num_adapters=2,
-    input_len_range=(8, 16),
-    output_len_range=(4, 8),
-    num_requests=24,
-    concurrency=8,
-    dp_size=2,
-)
+FULL = Plan(size="full", num_adapters=8, input_len_range=(16, 128), output_len_range=(16, 128), num_requests=64,
+            concurrency=16, dp_size=2)
+QUICK = Plan(size="quick", num_adapters=2, input_len_range=(8, 16), output_len_range=(4, 8), num_requests=24,
+             concurrency=8, dp_size=2)
 
 TARGETS: Targets = {
-    "dp_throughput": (
-        "throughput, --dp-size {dp_size} / one replica (same cores; {num_adapters} adapters, {concurrency} concurrent)",
-        "~1 on 2 cores",
-        lambda v: v >= 0.8,
-    ),
+    "dp_throughput": ("throughput, --dp-size {dp_size} / one replica (same cores; {num_adapters} adapters, "
+                      "{concurrency} concurrent)", "~1 on 2 cores", lambda v: v >= 0.8),
 }
 
 
@@ -82,15 +60,9 @@ def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int,
     for side, dp_size in (("dp1", 1), ("dpN", plan.dp_size)):
         # The same torch threads in total: each replica's worker gets its share (0 = the workers' own default).
         threads = max(1, server_threads // dp_size) if server_threads else 0
-        with start_server(
-            bench.base_dir,
-            adapters,
-            dtype=dtype,
-            server_threads=threads,
-            max_running_requests=plan.concurrency,
-            max_loras_per_batch=plan.num_adapters,
-            extra=("--dp-size", str(dp_size)),
-        ) as server:
+        with start_server(bench.base_dir, adapters, dtype=dtype, server_threads=threads,
+                          max_running_requests=plan.concurrency, max_loras_per_batch=plan.num_adapters,
+                          extra=("--dp-size", str(dp_size))) as server:
             runs = [bench_serving.run_and_report(server.url, requests, plan.concurrency,
                                                  f"--dp-size {dp_size}, {threads or 'default'} threads per worker, "
                                                  f"run {i + 1}")
