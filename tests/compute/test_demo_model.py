@@ -78,7 +78,7 @@ def test_tokenizer_build_is_deterministic_across_processes(tmp_path: Path) -> No
     build_tokenizer(tmp_path / "here")
     code = "import sys; from tests.builders import build_tokenizer; build_tokenizer(sys.argv[1])"
     env = dict(os.environ, PYTHONHASHSEED="12345", RAYON_NUM_THREADS="1")
-    repo_root = Path(builders.__file__).resolve().parents[2]
+    repo_root = Path(builders.__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "there")], check=True, cwd=repo_root, env=env)
     assert _read_files(tmp_path / "here") == _read_files(tmp_path / "there")
 
