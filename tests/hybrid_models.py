@@ -47,14 +47,14 @@ def hf_config(arch: str = "qwen3_5_text", **overrides):
 
 def build_hybrid_model(out_dir: Path | str, seed: int = 0, with_tokenizer: bool = False, arch: str = "qwen3_5_text",
                        **overrides) -> None:  # fmt: skip
-    """Random weights in fp32: (1 + w) norms' offsets and the gated norm near their identity, decays in the range
-    the published checkpoints have (A = exp(A_log) in [0.5, 4.5], dt_bias ~ 1), every other weight ~ N(0, 0.3);
+    """Random weights in fp32: (1 + w) norms' offsets and the gated norm near their identity, decays that neither
+    vanish nor explode (A = exp(A_log) in [0.5, 4.5], dt_bias ~ 1), every other weight ~ N(0, 0.3);
     with_tokenizer: the tests' tiny tokenizer beside it (and its vocabulary), for a server."""
     from transformers import AutoModelForCausalLM
 
-    from scripts.demo.builders import build_tokenizer, tokenizer_vocab_size
-
     if with_tokenizer:
+        from tests.builders import build_tokenizer, tokenizer_vocab_size
+
         overrides = {"vocab_size": tokenizer_vocab_size(), **overrides}
         build_tokenizer(out_dir)
     model = AutoModelForCausalLM.from_config(hf_config(arch, **overrides), dtype=torch.float32)
