@@ -138,7 +138,8 @@ _HELP: dict[str, str] = {
     "page_size": "tokens per KV cache page",
     "max_mamba_cache_size": "state slots of a hybrid model's linear-attention layers (one per running request; "
     "default: --max-running-requests)",
-    "mamba_ssm_cache_dtype": "dtype of a hybrid model's recurrent and conv states (auto: the model's)",
+    "mamba_ssm_cache_dtype": "dtype of a hybrid model's recurrent and conv states (auto: the checkpoint's "
+    "mamba_ssm_dtype, else the model's)",
     "seed": "random seed for sampling without a per-request seed",
     "log_level": "logging level",
     "nnodes": "nodes for multi-node tensor parallelism",

@@ -154,8 +154,9 @@ class ModelRunner:
     def _hybrid_cache(self, kv_args: dict) -> HybridCache:
         la, ranks = self.model_config.linear_attention, self.world_size
         num_slots = self.config.max_mamba_cache_size or self.config.max_running_requests
-        dtype = self.dtype if self.config.mamba_ssm_cache_dtype == "auto" else getattr(
-            torch, self.config.mamba_ssm_cache_dtype)
+        # auto: the dtype the checkpoint names for its states (Qwen3.5's mamba_ssm_dtype), else the model's
+        name = self.config.mamba_ssm_cache_dtype if self.config.mamba_ssm_cache_dtype != "auto" else la.state_dtype
+        dtype = getattr(torch, name) if name in ("float32", "bfloat16", "float16") else self.dtype
         cache = HybridCache(num_state_slots=num_slots, num_linear_layers=len(la.layer_ids),
                             conv_channels=la.conv_dim // ranks, conv_state_len=la.conv_kernel_size - 1,
                             num_value_heads=la.num_value_heads // ranks, key_head_dim=la.key_head_dim,

@@ -31,7 +31,8 @@ GREEDY = SamplingParams(temperature=0.0)
 COMMON = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2,
               head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False)  # fmt: skip
 HYBRID = dict(COMMON, intermediate_size=3072, linear_num_key_heads=8, linear_num_value_heads=16,
-              linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)  # fmt: skip
+              linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+              mamba_ssm_dtype="float32")  # fmt: skip  (as Qwen3.5 publishes: states in float32)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -47,12 +47,20 @@ def _expand_heads(x: torch.Tensor, num_value_heads: int) -> torch.Tensor:
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One token each of a batch: q, k (reqs, key_heads, dk) normed and q scaled, v (reqs, value_heads, dv), g and
-    beta (reqs, value_heads), state (reqs, value_heads, dk, dv) -> (out (reqs, value_heads, dv), new state)."""
-    q, k = _expand_heads(q.float(), v.shape[-2]), _expand_heads(k.float(), v.shape[-2])
-    state = state.float() * g.float().exp()[..., None, None]
-    delta = (v.float() - torch.einsum("bhkv,bhk->bhv", state, k)) * beta.float()[..., None]  # (reqs, heads, dv)
-    state = state + k[..., :, None] * delta[..., None, :]
-    return torch.einsum("bhkv,bhk->bhv", state, q), state
+    beta (reqs, value_heads), state (reqs, value_heads, dk, dv) -> (out (reqs, value_heads, dv), new state).
+    The state is read once for both of its products (with the old state: S'ᵀk = e^g Sᵀk, S'ᵀq = e^g Sᵀq +
+    (k.q) d) and then updated in place when it is float32 (a copy otherwise), so a step makes three passes over it."""
+    q, k = _expand_heads(q.float(), v.shape[-2]), _expand_heads(k.float(), v.shape[-2])  # (reqs, heads, dk)
+    decay = g.float().exp()  # (reqs, heads)
+    state = state if state.dtype == torch.float32 else state.float()
+    reqs, heads, dk, dv = state.shape
+    flat = state.view(reqs * heads, dk, dv)
+    reads = torch.bmm(torch.stack([k, q], dim=-2).view(reqs * heads, 2, dk), flat).view(reqs, heads, 2, dv)
+    k_read, q_read = reads[:, :, 0] * decay[..., None], reads[:, :, 1] * decay[..., None]  # (reqs, heads, dv)
+    delta = (v.float() - k_read) * beta.float()[..., None]  # (reqs, heads, dv)
+    out = q_read + (k * q).sum(-1, keepdim=True) * delta
+    flat.mul_(decay.view(-1, 1, 1)).baddbmm_(k.reshape(-1, dk, 1), delta.reshape(-1, 1, dv))
+    return out, state
 
 
 def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -60,7 +68,7 @@ def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     """The recurrent form over one request's tokens (tokens lead each tensor, state (heads, dk, dv)): the reference
     the chunked form is tested against."""
     outs = []
-    state = state.float()
+    state = state.float().clone()  # recurrent_step updates a float32 state in place
     for t in range(q.shape[0]):
         out, state = recurrent_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1],
                                     state.unsqueeze(0))  # fmt: skip

@@ -82,6 +82,7 @@ class LinearAttentionConfig:
     value_head_dim: int
     conv_kernel_size: int  # the causal depthwise conv over q|k|v; its state holds the last kernel - 1 inputs
     layer_ids: tuple[int, ...]  # the linear-attention layers; the others are (gated) full attention
+    state_dtype: str | None = None  # the states' dtype the checkpoint asks for (Qwen3.5: mamba_ssm_dtype float32)
 
     @property
     def key_dim(self) -> int:
@@ -115,6 +116,7 @@ class LinearAttentionConfig:
             value_head_dim=hf["linear_value_head_dim"],
             conv_kernel_size=hf["linear_conv_kernel_dim"],
             layer_ids=tuple(i for i, kind in enumerate(layer_types) if kind == "linear_attention"),
+            state_dtype=hf.get("mamba_ssm_dtype"),
         )
         if config.num_value_heads % config.num_key_heads:
             raise ModelConfigError(f"linear_num_value_heads {config.num_value_heads} is not a multiple of "
