@@ -9,7 +9,7 @@ import sys
 from typing import Any, Literal, NoReturn
 
 import msgspec
-from loraplex.protocol.foreign_flags import FOREIGN_BY_DEST, FOREIGN_FLAGS
+from loraplex.frontend.entrypoints.foreign_flags import FOREIGN_BY_DEST, FOREIGN_FLAGS
 from loraplex.protocol.lora_targets import ALL_TARGETS, TARGET_MODULES
 from loraplex.protocol.model_ref import ModelRef, parse_model_ref
 
