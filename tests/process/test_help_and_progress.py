@@ -14,9 +14,9 @@ from pathlib import Path
 import msgspec
 import pytest
 from loraplex.frontend.entrypoints.cli import _TOPICS, FOREIGN_TOPIC, OTHER_TOPIC, field_topic
-from loraplex.protocol import progress
+from loraplex.kernels import progress
+from loraplex.kernels.progress import Progress, elapsed
 from loraplex.protocol.config import ALIASES, ServerConfig
-from loraplex.protocol.progress import Progress, elapsed
 
 REPO = Path(__file__).resolve().parents[2]
 
