@@ -7,7 +7,7 @@ import os
 from typing import Annotated, Any, Literal
 
 import msgspec
-from loraplex.protocol.lora_targets import ALL_TARGETS, TARGET_MODULES
+from loraplex.protocol.adapters.lora_targets import ALL_TARGETS, TARGET_MODULES
 from loraplex.protocol.model_ref import ModelRef, parse_model_ref
 from msgspec import Meta
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loraplex.protocol.lora_targets import ATTN_MODULES, TARGET_MODULES
+from loraplex.protocol.adapters.lora_targets import ATTN_MODULES, TARGET_MODULES
 
 SCRIPTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = SCRIPTS_DIR.parent

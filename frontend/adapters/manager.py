@@ -25,7 +25,7 @@ from loraplex.frontend.adapters.sources import SourceError, cache_for, parse_rem
 from loraplex.frontend.adapters.state_file import AdapterStateFile
 from loraplex.frontend.cluster.replica_set import ReplicaSet, merge_replica_answers
 from loraplex.frontend.metrics import Metrics
-from loraplex.protocol.adapter_config import AdapterLoadError
+from loraplex.protocol.adapters.adapter_config import AdapterLoadError
 from loraplex.protocol.config import ServerConfig, is_loopback_host
 from loraplex.protocol.errors import ServerError
 from loraplex.protocol.structs import (

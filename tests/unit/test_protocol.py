@@ -179,7 +179,7 @@ def test_engine_kwargs_are_strict():
 
 
 def test_merge_outcomes_is_all_or_nothing_and_names_who_failed():
-    from loraplex.protocol.adapter_outcomes import merge_outcomes
+    from loraplex.protocol.adapters.adapter_outcomes import merge_outcomes
     from loraplex.protocol.structs import AdapterOutcome
 
     def ok(lora_id: int) -> AdapterOutcome:

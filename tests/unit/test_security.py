@@ -16,7 +16,7 @@ from loraplex.frontend.adapters.integrity import MANIFEST_FILE, AdapterIntegrity
 from loraplex.frontend.adapters.manager import update_policy
 from loraplex.frontend.entrypoints.cli import config_from_args
 from loraplex.frontend.entrypoints.launch import main as launch_main
-from loraplex.protocol.adapter_config import AdapterLoadError
+from loraplex.protocol.adapters.adapter_config import AdapterLoadError
 from loraplex.protocol.config import ConfigError, ServerConfig, is_loopback_host
 from loraplex.protocol.curve import ClusterKey, ClusterKeyError, write_key_file
 from loraplex.protocol.sockets import PULL, PUSH, TypedSocket
