@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import msgspec
 from aiohttp import web
+from loraplex.frontend.bodies import (
+    AbortResponse,
+    AdapterReply,
+    AdapterResult,
+    AuditLogResponse,
+    ModelInfoResponse,
+)
 from loraplex.frontend.entrypoints.http_utils import (
     caller_of,
     error_response,
@@ -20,13 +27,6 @@ from loraplex.frontend.errors import InputError
 from loraplex.frontend.generate import GenerationFailed
 from loraplex.frontend.metrics import combine_stats
 from loraplex.frontend.params import AdapterPath, NativeGenerateRequest, Strict, strip_native
-from loraplex.frontend.responses import (
-    AbortResponse,
-    AdapterReply,
-    AdapterResult,
-    AuditLogResponse,
-    ModelInfoResponse,
-)
 from loraplex.frontend.runtime import Runtime
 from loraplex.protocol.errors import http_status
 from loraplex.protocol.structs import (

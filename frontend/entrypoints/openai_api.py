@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 from loraplex.frontend.adapters.registry import AdapterError
+from loraplex.frontend.bodies import ModelList
 from loraplex.frontend.entrypoints.http_utils import (
     caller_of,
     error_response,
@@ -15,11 +16,10 @@ from loraplex.frontend.entrypoints.http_utils import (
     service_of,
     start_sse,
 )
-from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest, strip_openai
-from loraplex.frontend.entrypoints.openai_serving import OpenAIRun, model_cards, start_chat, start_completion
 from loraplex.frontend.generate import GenerationFailed
+from loraplex.frontend.openai.schemas import ChatRequest, CompletionRequest, strip_openai
+from loraplex.frontend.openai.serving import OpenAIRun, model_cards, start_chat, start_completion
 from loraplex.frontend.params import AdapterPath, Int64, Strict
-from loraplex.frontend.responses import ModelList
 from loraplex.protocol.errors import http_status
 from loraplex.protocol.structs import LoRAAdapterSpec
 

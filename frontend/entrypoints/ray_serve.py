@@ -23,16 +23,16 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from loraplex.frontend.bodies import ModelCard, error_body
 from loraplex.frontend.caller import set_caller_key
-from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest, decode_openai
-from loraplex.frontend.entrypoints.openai_serving import OpenAIRun, base_card, start_chat, start_completion
-from loraplex.frontend.entrypoints.responses_schemas import ResponsesRequest, strip_responses
-from loraplex.frontend.entrypoints.responses_serving import ResponsesRun, start_response
 from loraplex.frontend.entrypoints.wire import SSE_DONE, encode_json, failure, key_matches, named_sse_event, sse_event
 from loraplex.frontend.errors import RateLimited
 from loraplex.frontend.generate import GenerateService, GenerationFailed
+from loraplex.frontend.openai.responses import ResponsesRun, start_response
+from loraplex.frontend.openai.responses_schemas import ResponsesRequest, strip_responses
+from loraplex.frontend.openai.schemas import ChatRequest, CompletionRequest, decode_openai
+from loraplex.frontend.openai.serving import OpenAIRun, base_card, start_chat, start_completion
 from loraplex.frontend.params import decode_body
-from loraplex.frontend.responses import ModelCard, error_body
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.errors import http_status
 from ray import serve

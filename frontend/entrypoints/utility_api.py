@@ -8,6 +8,7 @@ from importlib import metadata
 from typing import Any
 
 from aiohttp import web
+from loraplex.frontend.bodies import DetokenizeResponse, HealthResponse, TokenizeResponse, VersionResponse
 from loraplex.frontend.entrypoints.http_utils import (
     health_response,
     json_response,
@@ -15,10 +16,9 @@ from loraplex.frontend.entrypoints.http_utils import (
     runtime_of,
     service_of,
 )
-from loraplex.frontend.entrypoints.openai_schemas import ChatMessage, chat_messages, chat_options
 from loraplex.frontend.errors import InputError
+from loraplex.frontend.openai.schemas import ChatMessage, chat_messages, chat_options
 from loraplex.frontend.params import NativeGenerateRequest, Strict, TokenId, convert
-from loraplex.frontend.responses import DetokenizeResponse, HealthResponse, TokenizeResponse, VersionResponse
 from loraplex.frontend.tools.request import Tool
 
 logger = logging.getLogger("loraplex.http")

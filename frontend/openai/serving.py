@@ -8,26 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
-from loraplex.frontend.constraints import Found, constrain, openai_constraint
-from loraplex.frontend.detokenizer import text_offsets
-from loraplex.frontend.entrypoints.openai_schemas import (
-    ChatRequest,
-    CommonParams,
-    CompletionRequest,
-    chat_messages,
-    chat_options,
-)
-from loraplex.frontend.errors import InputError
-from loraplex.frontend.generate import GenerateService, n_samplings, raise_failure
-from loraplex.frontend.params import (
-    MAX_N,
-    logit_controls,
-    make_sampling,
-    stop_list,
-)
-from loraplex.frontend.reasoning import Reasoning, constraint_after_reasoning, request_reasoning
-from loraplex.frontend.request_state import OutputOptions, RequestState
-from loraplex.frontend.responses import (
+from loraplex.frontend.bodies import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -48,6 +29,25 @@ from loraplex.frontend.responses import (
     Usage,
     error_body,
 )
+from loraplex.frontend.constraints import Found, constrain, openai_constraint
+from loraplex.frontend.detokenizer import text_offsets
+from loraplex.frontend.errors import InputError
+from loraplex.frontend.generate import GenerateService, n_samplings, raise_failure
+from loraplex.frontend.openai.schemas import (
+    ChatRequest,
+    CommonParams,
+    CompletionRequest,
+    chat_messages,
+    chat_options,
+)
+from loraplex.frontend.params import (
+    MAX_N,
+    logit_controls,
+    make_sampling,
+    stop_list,
+)
+from loraplex.frontend.reasoning import Reasoning, constraint_after_reasoning, request_reasoning
+from loraplex.frontend.request_state import OutputOptions, RequestState
 from loraplex.frontend.runtime import Runtime
 from loraplex.frontend.tools.request import ToolPlan, tool_plan
 from loraplex.frontend.tools.stream import ToolCallStream, tool_answer

@@ -13,16 +13,10 @@ from typing import Any
 
 from loraplex.frontend.chat_template import ChatOptions
 from loraplex.frontend.constraints import Found
-from loraplex.frontend.entrypoints.openai_schemas import (
-    ChatMessage,
-    ChatRequest,
-    ToolCall,
-    ToolCallFunction,
-    chat_messages,
-)
-from loraplex.frontend.entrypoints.openai_serving import OpenAIRun, start_openai
-from loraplex.frontend.entrypoints.responses_events import EventWriter, ParsedItemsStream, new_id, parsed_items
-from loraplex.frontend.entrypoints.responses_schemas import (
+from loraplex.frontend.errors import InputError
+from loraplex.frontend.generate import GenerateService, GenerationFailed, raise_failure
+from loraplex.frontend.openai.responses_events import EventWriter, ParsedItemsStream, new_id, parsed_items
+from loraplex.frontend.openai.responses_schemas import (
     INPUT_ITEMS,
     ErrorEvent,
     FunctionCall,
@@ -46,8 +40,14 @@ from loraplex.frontend.entrypoints.responses_schemas import (
     ResponsesRequest,
     ResponseUsage,
 )
-from loraplex.frontend.errors import InputError
-from loraplex.frontend.generate import GenerateService, GenerationFailed, raise_failure
+from loraplex.frontend.openai.schemas import (
+    ChatMessage,
+    ChatRequest,
+    ToolCall,
+    ToolCallFunction,
+    chat_messages,
+)
+from loraplex.frontend.openai.serving import OpenAIRun, start_openai
 from loraplex.frontend.params import convert
 from loraplex.frontend.tools.parsers import PARSERS
 from loraplex.frontend.tools.request import ToolPlan
