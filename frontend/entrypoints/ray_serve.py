@@ -29,8 +29,13 @@ from loraplex.frontend.entrypoints.wire import SSE_DONE, encode_json, failure, k
 from loraplex.frontend.errors import RateLimited
 from loraplex.frontend.generate import GenerateService, GenerationFailed
 from loraplex.frontend.openai.responses import ResponsesRun, start_response
-from loraplex.frontend.openai.responses_schemas import ResponsesRequest, strip_responses
-from loraplex.frontend.openai.schemas import ChatRequest, CompletionRequest, decode_openai
+from loraplex.frontend.openai.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    ResponsesRequest,
+    decode_openai,
+    strip_responses,
+)
 from loraplex.frontend.openai.serving import OpenAIRun, base_card, start_chat, start_completion
 from loraplex.frontend.params import decode_body
 from loraplex.protocol.config import ServerConfig

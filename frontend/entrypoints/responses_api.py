@@ -8,7 +8,7 @@ from loraplex.frontend.entrypoints.http_utils import error_response, json_respon
 from loraplex.frontend.entrypoints.wire import named_sse_event
 from loraplex.frontend.generate import GenerationFailed
 from loraplex.frontend.openai.responses import start_response
-from loraplex.frontend.openai.responses_schemas import ResponsesRequest, strip_responses
+from loraplex.frontend.openai.schemas import ResponsesRequest, strip_responses
 
 routes = web.RouteTableDef()
 

@@ -17,16 +17,10 @@ from loraplex.frontend.errors import InputError
 from loraplex.frontend.generate import GenerateService, GenerationFailed, raise_failure
 from loraplex.frontend.openai.responses_events import EventWriter, ParsedItemsStream, new_id, parsed_items
 from loraplex.frontend.openai.responses_schemas import (
-    INPUT_ITEMS,
     ErrorEvent,
     FunctionCall,
-    FunctionCallItem,
-    FunctionCallOutputItem,
-    FunctionTool,
     IncompleteDetails,
-    InputItem,
     InputTokensDetails,
-    MessageItem,
     OutputItem,
     OutputMessage,
     OutputText,
@@ -37,12 +31,18 @@ from loraplex.frontend.openai.responses_schemas import (
     ResponseIncomplete,
     ResponseInProgress,
     ResponseObject,
-    ResponsesRequest,
     ResponseUsage,
 )
 from loraplex.frontend.openai.schemas import (
+    INPUT_ITEMS,
     ChatMessage,
     ChatRequest,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    InputItem,
+    MessageItem,
+    ResponsesRequest,
     ToolCall,
     ToolCallFunction,
     chat_messages,
