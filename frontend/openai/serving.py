@@ -9,25 +9,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from loraplex.frontend.bodies import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionResponse,
-    ChatDelta,
-    CompletionChoice,
-    CompletionChunk,
     CompletionResponse,
     ModelCard,
-    PromptTokensDetails,
-    Usage,
     error_body,
 )
 from loraplex.frontend.constraints import Found, constrain, openai_constraint
 from loraplex.frontend.detokenizer import text_offsets
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.generate import GenerateService, n_samplings, raise_failure
-from loraplex.frontend.openai.logprobs import Echo, chat_logprobs, completion_logprobs, prompt_logprobs
+from loraplex.frontend.openai.logprobs import Echo
 from loraplex.frontend.openai.schemas import (
     ChatRequest,
     CommonParams,
@@ -35,6 +26,7 @@ from loraplex.frontend.openai.schemas import (
     chat_messages,
     chat_options,
 )
+from loraplex.frontend.openai.writers import ChatWriter, CompletionWriter
 from loraplex.frontend.params import (
     MAX_N,
     logit_controls,
@@ -45,7 +37,6 @@ from loraplex.frontend.reasoning import Reasoning, constraint_after_reasoning, r
 from loraplex.frontend.request_state import OutputOptions, RequestState
 from loraplex.frontend.runtime import Runtime
 from loraplex.frontend.tools.request import ToolPlan, tool_plan
-from loraplex.frontend.tools.stream import ToolCallStream, tool_answer
 
 
 def requested_logprobs(req: CommonParams) -> int:
@@ -112,42 +103,24 @@ def openai_sampling(runtime: Runtime, req: CommonParams, prompt_len: int, defaul
     return n_samplings(sampling, req.n)
 
 
-def finish_reason(state: RequestState) -> str | None:
-    if state.finish_reason is None:
-        return None
-    return {"stop": "stop", "length": "length"}.get(state.finish_reason["type"], "abort")
-
-
-def usage(states: list[RequestState], num_prompt_tokens: int, n: int) -> Usage:
-    """num_prompt_tokens: the request's prompts, each counted once (OpenAI, vLLM and SGLang do not count it n times);
-    so are their cached tokens, as the first of each prompt's n choices found them (states hold n per prompt)."""
-    completion = sum(len(s.output_ids) for s in states)  # so far, in a stream with continuous_usage_stats
-    cached = sum(s.num_cached_prompt_tokens for s in states[::n])
-    return Usage(
-        prompt_tokens=num_prompt_tokens, completion_tokens=completion, total_tokens=num_prompt_tokens + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
-    )
-
-
 class OpenAIRun:
-    """One completions or chat request, submitted: its answer whole (response) or as stream chunks; close() ends
-    every state, on every path."""
+    """One completions or chat request, submitted: its answer whole (response) or as stream chunks, both written by
+    its writer; close() ends every state, on every path."""
 
     def __init__(self, service: GenerateService, req: CommonParams, states: list[RequestState], chat: bool,
                  served_by: str, prompt_tokens: int, echoes: list[Echo] | None, reasoning: Reasoning | None = None,
                  tools: ToolPlan | None = None):
         self.service = service
-        self.tools = tools  # chat with tool calls: how its output becomes calls
         self.req = req
         self.states = states
-        self.chat = chat
         self.prompt_tokens = prompt_tokens  # each prompt once, however many choices share it (n)
-        self.echoes = echoes  # completions with echo: each choice's prompt, its text put before the choice's
-        self.reasoning = reasoning  # chat under --reasoning-parser: <think> text goes to reasoning_content
-        # vLLM's prompt_logprobs (completions' echo with logprobs too): alternatives per prompt token, or None
-        self.num_prompt_top = requested_prompt_logprobs(req, requested_logprobs(req))
         self.base = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
                      "model": served_by}
+        # vLLM's prompt_logprobs (completions' echo with logprobs too): alternatives per prompt token, or None
+        num_prompt_top = requested_prompt_logprobs(req, requested_logprobs(req))
+        self.writer: ChatWriter | CompletionWriter = (
+            ChatWriter(self.base, states, prompt_tokens, req, num_prompt_top, reasoning, tools) if chat else
+            CompletionWriter(self.base, states, prompt_tokens, req, num_prompt_top, echoes))
 
     @property
     def stream(self) -> bool:
@@ -158,130 +131,25 @@ class OpenAIRun:
 
     async def response(self) -> CompletionResponse | ChatCompletionResponse:
         """The whole answer once every choice finished; GenerationFailed if one failed."""
-        states, echoes = self.states, self.echoes
-        await self.service.wait(states)
-        raise_failure(states)
-        ids = bool(self.req.return_token_ids)
-        num_prompt_top = self.num_prompt_top
-        prompts = [None if num_prompt_top is None else prompt_logprobs(s, num_prompt_top) for s in states]
-        if self.chat:
-            chat_choices = []
-            for i, s in enumerate(states):
-                message = self.message(s.text)
-                if self.tools is not None:  # tool calls are read in the answer, after any reasoning
-                    message.content, message.tool_calls = tool_answer(message.content or "", self.tools)
-                reason = finish_reason(s)
-                reason = "tool_calls" if message.tool_calls and reason == "stop" else reason
-                chat_choices.append(ChatChoice(
-                    index=i, message=message, logprobs=chat_logprobs(s, 0) if s.wants_logprobs else None,
-                    finish_reason=reason, token_ids=list(s.output_ids) if ids else None))
-            return ChatCompletionResponse(**self.base, object="chat.completion", choices=chat_choices,
-                                          usage=usage(states, self.prompt_tokens, self.req.n),
-                                          prompt_token_ids=states[0].prompt_ids if ids else None,
-                                          prompt_logprobs=prompts[0])
-        choices = [
-            CompletionChoice(index=i, text=(echoes[i].text if echoes else "") + s.text, finish_reason=finish_reason(s),
-                             logprobs=completion_logprobs(s, 0, echoes[i] if echoes else None, True)
-                             if s.wants_logprobs else None,
-                             prompt_token_ids=s.prompt_ids if ids else None,
-                             token_ids=list(s.output_ids) if ids else None, prompt_logprobs=prompts[i])
-            for i, s in enumerate(states)
-        ]
-        return CompletionResponse(**self.base, object="text_completion", choices=choices,
-                                  usage=usage(states, self.prompt_tokens, self.req.n))
-
-    def message(self, text: str) -> AssistantMessage:
-        if self.reasoning is None:
-            return AssistantMessage(role="assistant", content=text)
-        reasoning, content = self.reasoning.parser().split(text)
-        return AssistantMessage(role="assistant", content=content, reasoning_content=reasoning)
+        await self.service.wait(self.states)
+        raise_failure(self.states)
+        return self.writer.response()
 
     async def chunks(self) -> AsyncIterator[Any]:
         """The stream's events in order (an error body where a choice failed), before the closing [DONE]."""
-        states, echoes, chat, req = self.states, self.echoes, self.chat, self.req
-        sent = [0] * len(states)
-        sent_logprobs = [0] * len(states)  # output tokens whose logprobs went out
-        ids = bool(req.return_token_ids)
-        sent_ids = [0] * len(states)  # output tokens whose ids went out (return_token_ids)
-        prompt_ids_sent = [False] * len(states)  # completions: a choice's prompt ids go with its first chunk
-        echoed = [not echoes] * len(states)  # the prompt's text (and logprobs) go out with a choice's first chunk
-        # vLLM's continuous_usage_stats: with include_usage, the usage so far in every chunk too
-        parsers = [self.reasoning.parser() for _ in states] if chat and self.reasoning else None
-        options = req.stream_options
-        continuous = options is not None and options.include_usage and options.continuous_usage_stats
-        tool_streams = None if self.tools is None else [ToolCallStream(self.tools, whole_calls=True) for _ in states]
-        answers = [""] * len(states)  # with tool calls: each choice's answer so far, its reasoning left out
-
-        def chunk(choices: list, usage_: Usage | None = None) -> CompletionChunk | ChatCompletionChunk:
-            if continuous and usage_ is None:
-                usage_ = usage(states, self.prompt_tokens, self.req.n)
-            if chat:
-                return ChatCompletionChunk(**self.base, object="chat.completion.chunk", choices=choices, usage=usage_)
-            return CompletionChunk(**self.base, object="text_completion", choices=choices, usage=usage_)
-
-        if chat:
-            for i in range(len(states)):
-                delta = ChatDelta(role="assistant", content="")
-                first = chunk([ChatChunkChoice(index=i, delta=delta, logprobs=None, finish_reason=None)])
-                if ids and i == 0:
-                    first.prompt_token_ids = states[0].prompt_ids
-                yield first
-        async for i, state in self.service.stream(states):
+        writer = self.writer
+        cursors = [writer.cursor(i) for i in range(len(self.states))]
+        for chunk in writer.opening():
+            yield chunk
+        async for i, state in self.service.stream(self.states):
             if state.error:
                 yield error_body(state.error, state.error_status)
                 continue
-            delta_text = state.text[sent[i] :]
-            sent[i] = len(state.text)
-            reason = finish_reason(state)
-            reasoning_text = ""
-            if parsers:  # a partial tag waits for the next piece; the last piece releases it
-                reasoning_text, delta_text = parsers[i].feed(delta_text)
-                if reason is not None:
-                    rest_reasoning, rest_content = parsers[i].flush()
-                    reasoning_text, delta_text = reasoning_text + rest_reasoning, delta_text + rest_content
-            start = sent_logprobs[i]
-            new_logprobs = state.wants_logprobs and len(state.output_logprobs) > start
-            sent_logprobs[i] = len(state.output_logprobs)
-            new_ids = state.output_ids[sent_ids[i] :] if ids else None
-            sent_ids[i] = len(state.output_ids)
-            if tool_streams is not None:  # the answer goes out as content and tool call deltas, one chunk each
-                answers[i] += delta_text
-                pieces = tool_streams[i].update(answers[i], state.finished)
-                reason = "tool_calls" if reason == "stop" and tool_streams[i].has_calls else reason
-                if reasoning_text:
-                    yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(reasoning_content=reasoning_text),
-                                                 logprobs=None, finish_reason=None)])
-                if not pieces and reason is None and not new_logprobs and not new_ids:
-                    continue
-                pieces = pieces or [("", [])]
-                for k, (content, calls) in enumerate(pieces):
-                    last = k == len(pieces) - 1
-                    delta = ChatDelta(content=content or None, tool_calls=calls or None)
-                    yield chunk([ChatChunkChoice(
-                        index=i, delta=delta, logprobs=chat_logprobs(state, start) if last and new_logprobs else None,
-                        finish_reason=reason if last else None, token_ids=new_ids if last else None)])
-                continue
-            if not delta_text and not reasoning_text and reason is None and not new_logprobs and not new_ids:
-                continue
-            with_prompt = not echoed[i]
-            if with_prompt:
-                delta_text, echoed[i] = echoes[i].text + delta_text, True
-            if chat:
-                delta = ChatDelta(content=delta_text or None, reasoning_content=reasoning_text or None)
-                chat_lp = chat_logprobs(state, start) if state.wants_logprobs else None
-                choice = ChatChunkChoice(index=i, delta=delta, logprobs=chat_lp, finish_reason=reason,
-                                         token_ids=new_ids)
-            else:
-                completion_lp = None
-                if state.wants_logprobs:
-                    completion_lp = completion_logprobs(state, start, echoes[i] if echoes else None, with_prompt)
-                choice = CompletionChoice(index=i, text=delta_text, logprobs=completion_lp, finish_reason=reason,
-                                          token_ids=new_ids)
-                if ids and not prompt_ids_sent[i]:
-                    choice.prompt_token_ids, prompt_ids_sent[i] = state.prompt_ids, True
-            yield chunk([choice])
-        if req.stream_options is not None and req.stream_options.include_usage:
-            yield chunk([], usage(states, self.prompt_tokens, self.req.n))
+            for choice in writer.stream_choices(cursors[i], state):
+                yield writer.chunk([choice])
+        if writer.include_usage:
+            yield writer.chunk([], writer.usage())
+
 
 
 async def start_openai(
