@@ -4,7 +4,7 @@ The ingress reads `model` from the body and calls the engine deployment with `mu
 so Serve's router sends the request to a replica that already holds it (or, if none does, to one with the fewest).
 Each engine replica loads adapters from `adapter_root/<name>/` on first use, keeps at most `max_adapters_per_replica`
 (LRU, `serve.multiplexed`) and unloads an evicted one from its Engine once the requests using it are done. The
-replica answers with the server's own OpenAI code (openai_serving.py) on its Engine's GenerateService, so the
+replica answers with the server's own OpenAI code (frontend/openai/) on its Engine's GenerateService, so the
 validation, keys and status codes are the server's, said once.
 
     from loraplex.frontend.entrypoints.ray_serve import build_app

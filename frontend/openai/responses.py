@@ -1,7 +1,7 @@
 """One /v1/responses request without HTTP: its input items as chat messages through the chat template (tools
 included), a forced function call as a JSON-schema constraint, and the answer as a Response object or its events.
 
-The generation itself is the chat route's (openai_serving.start_openai): the same model resolution, sampling and
+The generation itself is the chat route's (serving.start_openai): the same model resolution, sampling and
 admission, so a Responses request and a chat request with the same messages produce the same tokens."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The OpenAI API without HTTP: sampling, logprobs, and one completions or chat request from its body to its answer,
-whole or as stream chunks. The aiohttp routes (openai_api.py) and the Ray replica (ray_serve.py) serve it."""
+"""The OpenAI API without HTTP: one completions or chat request from its body to its sampling, its submitted
+choices, and its answer, whole or as stream chunks (writers.py shapes both). The aiohttp routes
+(entrypoints/openai_api.py) and the Ray replica (entrypoints/ray_serve.py) serve it."""
 
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ def decode_responses(body: bytes) -> list:
 ROUTES = {
     "chat": (CHAT, lambda body: [decode_openai(body, ChatRequest)], [ChatRequest]),
     "completion": (COMPLETION, lambda body: [decode_openai(body, CompletionRequest)], [CompletionRequest]),
-    # input items are checked one by one against their type's schema (responses_serving.input_items)
+    # input items are checked one by one against their type's schema (openai/responses.py input_items)
     "responses": (RESPONSES, decode_responses, [ResponsesRequest, *INPUT_ITEMS.values()]),
 }
 
