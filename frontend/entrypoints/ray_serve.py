@@ -204,7 +204,7 @@ async def answer(service: GenerateService, path: str, body: bytes, headers: dict
         return
     responses = isinstance(run, ResponsesRun)
     try:
-        if not (run.req.stream if responses else run.stream):
+        if not run.stream:
             try:
                 payload, status = await (run.result() if responses else run.response()), 200
             except GenerationFailed as e:

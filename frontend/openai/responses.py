@@ -153,6 +153,10 @@ class ResponsesRun:
         self.call_id = new_id("call_")
         self.writer = EventWriter()
 
+    @property
+    def stream(self) -> bool:
+        return self.req.stream
+
     async def close(self) -> None:
         await self.run.close()
 
