@@ -36,3 +36,8 @@ def test_every_path_a_doc_names_exists(doc: str) -> None:
 
 def test_the_check_sees_paths() -> None:
     assert (1, "worker/loader.py") in [(1, p) for _, p in named_paths("docs/ARCHITECTURE.md")]
+
+
+def test_the_readme_stays_short() -> None:
+    # the README is for users: what it does, two set-up commands, today's figures; the rest lives in docs/
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 200
