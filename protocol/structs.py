@@ -246,7 +246,7 @@ class AdapterOutcome(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
     success: bool
     error_message: str = ""
     error_kind: str = ""
-    rank: int = 0  # the adapter's LoRA rank
+    lora_rank: int = 0  # the adapter's LoRA rank
     target_modules: list[str] = []
 
 
@@ -396,7 +396,7 @@ class BatchResult(Struct, frozen=True):
 
 
 class WorkerReady(Struct, frozen=True):
-    rank: int
+    tp_rank: int
     max_total_tokens: int
     context_length: int
     vocab_size: int
@@ -435,7 +435,7 @@ class ProcessArgs(msgspec.Struct, frozen=True, kw_only=True):
     config: ServerConfig
     endpoints: Endpoints
     model_dir: str  # resolved checkpoint directory
-    rank: int = 0  # the worker's local rank on its node; unused by the scheduler
+    local_rank: int = 0  # the worker's rank on its node; unused by the scheduler
     dp_rank: int = 0  # the data-parallel replica this process belongs to (--dp-size)
 
 

@@ -95,7 +95,7 @@ class SchedulerProcess:
         while len(ready) < len(self.to_workers):
             msg = _recv(self.from_workers, READY_POLL_MS)
             if isinstance(msg, WorkerReady):
-                ready[msg.rank] = msg
+                ready[msg.tp_rank] = msg
             elif isinstance(msg, ProcessFailed):
                 self.to_frontend.send(msg)
                 raise ProcessExit(1)

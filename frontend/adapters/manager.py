@@ -283,7 +283,7 @@ class AdapterManager:
             self.metrics.on_adapter_op(op_name, outcome.success, elapsed_s)
             logger.info("%s adapter %s path=%s rank=%s %s in %.1f ms%s", op_name, adapter.lora_name,
                         adapter.lora_path or "(tensors)",
-                        outcome.rank or "?", "ok" if outcome.success else "FAILED", elapsed_s * 1e3,
+                        outcome.lora_rank or "?", "ok" if outcome.success else "FAILED", elapsed_s * 1e3,
                         "" if outcome.success else f": {outcome.error_message}")
         return outcomes
 
@@ -351,7 +351,7 @@ class AdapterManager:
         if parent is None and old is not None and plan.replaces is not None:
             parent = old.parent  # an in-place reload keeps the card's lineage
         entry = AdapterEntry(name=plan.lora_name, path=client_path, lora_id=plan.lora_id, pinned=plan.pinned,
-                             resolved_path=plan.lora_path or "", root=plan.root, rank=outcome.rank,
+                             resolved_path=plan.lora_path or "", root=plan.root, rank=outcome.lora_rank,
                              target_modules=list(outcome.target_modules), parent=parent)
         replaced = self.registry.add(entry)
         if replaced is not None:  # in-place reload: the old weights go once the requests running on them finish

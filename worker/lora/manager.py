@@ -200,7 +200,7 @@ class LoRAManager:
                 AdapterOutcome(
                     lora_id=spec.lora_id,
                     success=True,
-                    rank=outcome.lora_rank,
+                    lora_rank=outcome.lora_rank,
                     target_modules=list(outcome.target_modules),
                 )
             )
