@@ -298,7 +298,7 @@ class AdapterManager:
                     self.integrity.check_dir(adapter.lora_name, adapter.lora_path, adapter.root)
             except AdapterLoadError as e:
                 failures[adapter.lora_id] = AdapterOutcome(lora_id=adapter.lora_id, success=False,
-                                                           error_message=str(e), error_kind=e.error_kind)
+                                                           error_message=str(e), error_kind=e.kind)
         return failures
 
     async def _read_for_nodes(self, adapters: list[AdapterToLoad], buffers: Sequence[Any]
@@ -317,7 +317,7 @@ class AdapterManager:
                         None, read_adapter_dir, adapter.lora_path, adapter.root, adapter.lora_name)
                 except AdapterLoadError as e:  # worded and kinded as a worker's refusal of the same files
                     failures[adapter.lora_id] = AdapterOutcome(lora_id=adapter.lora_id, success=False,
-                                                               error_message=str(e), error_kind=e.error_kind)
+                                                               error_message=str(e), error_kind=e.kind)
                     continue
                 adapter = msgspec.structs.replace(adapter, lora_path=None,
                                                   inline=InlineAdapter(config=config, tensors=specs))

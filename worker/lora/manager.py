@@ -183,7 +183,7 @@ class LoRAManager:
                 logger.warning("adapter %r (%s) refused: %s", spec.lora_name, spec.lora_path or "tensors", outcome)
                 results.append(
                     AdapterOutcome(
-                        lora_id=spec.lora_id, success=False, error_message=str(outcome), error_kind=outcome.error_kind
+                        lora_id=spec.lora_id, success=False, error_message=str(outcome), error_kind=outcome.kind
                     )
                 )
                 continue
