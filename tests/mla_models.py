@@ -68,3 +68,63 @@ def build_mla_model(out_dir: Path | str, seed: int = 0, with_tokenizer: bool = F
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.5 * torch.randn(buffer.shape, generator=generator))
     model.save_pretrained(out_dir, safe_serialization=True)
+
+
+MLA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+
+def build_mla_expert_adapter(model_dir: Path | str, out_dir: Path | str, *, r: int, lora_alpha: float, seed: int,
+                             init_std: float = 0.2) -> None:
+    """PEFT's per-expert form: every latent-attention linear of every layer, and each routed expert's gate/up/down
+    of the MoE layers (`mlp.experts.N.gate_proj`), A and B entries of std `init_std`."""
+    import json
+
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    qk_head = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    shapes = {"q_a_proj": (hidden, cfg["q_lora_rank"]), "q_b_proj": (cfg["q_lora_rank"], heads * qk_head),
+              "kv_a_proj_with_mqa": (hidden, cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]),
+              "kv_b_proj": (cfg["kv_lora_rank"], heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"])),
+              "o_proj": (heads * cfg["v_head_dim"], hidden)}
+    inter = cfg["moe_intermediate_size"]
+    expert_shapes = {"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+
+    def add(prefix: str, in_dim: int, out_dim: int) -> None:
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, in_dim, generator=gen) * init_std
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_dim, r, generator=gen) * init_std
+
+    for layer in range(cfg["num_hidden_layers"]):
+        base = f"base_model.model.model.layers.{layer}"
+        for module, shape in shapes.items():
+            add(f"{base}.self_attn.{module}", *shape)
+        if layer < cfg["first_k_dense_replace"]:
+            continue
+        for expert in range(cfg["n_routed_experts"]):
+            for module, shape in expert_shapes.items():
+                add(f"{base}.mlp.experts.{expert}.{module}", *shape)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": r, "lora_alpha": lora_alpha, "lora_dropout": 0.0, "bias": "none",
+              "target_modules": [*shapes, *expert_shapes], "task_type": "CAUSAL_LM",
+              "base_model_name_or_path": None, "rank_pattern": {}, "alpha_pattern": {}}
+    (out_dir / "adapter_config.json").write_text(json.dumps(config))
+
+
+def build_mla_set(root: Path, with_tokenizer: bool = False) -> tuple[Path, dict[str, Path]]:
+    """A model and two adapters on it, both on every latent-attention linear (kv_b_proj included): "a4" in the
+    per-expert form (all routed experts), "a8" in PEFT's target_parameters form (the stacked experts) with its own
+    rank and alpha on kv_b_proj (patterns)."""
+    from tests.moe_models import build_parameter_adapter
+
+    model_dir = root / "deepseek_v3"
+    build_mla_model(model_dir, with_tokenizer=with_tokenizer)
+    adapters = {"a4": root / "deepseek_v3-a4", "a8": root / "deepseek_v3-a8"}
+    build_mla_expert_adapter(model_dir, adapters["a4"], r=4, lora_alpha=8, seed=1)
+    build_parameter_adapter(model_dir, adapters["a8"], r=8, lora_alpha=16, target_modules=MLA_TARGETS, seed=2,
+                            rank_pattern={r".*\.kv_b_proj": 4}, alpha_pattern={r".*\.kv_b_proj": 12})
+    return model_dir, adapters

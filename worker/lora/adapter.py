@@ -22,7 +22,7 @@ import torch
 from loraplex.protocol.adapter_config import AdapterConfig, AdapterLoadError, parse_adapter_config
 from loraplex.protocol.adapter_files import AdapterFiles
 from loraplex.protocol.lora_shards import cut_shape, parse_lora_key, rank_cut
-from loraplex.protocol.lora_targets import FUSED_TARGETS, MLP_MODULES, MODEL_TARGETS, TARGET_MODULES, TP_MODES
+from loraplex.protocol.lora_targets import FUSED_TARGETS, LAYER_MODULES, MLP_MODULES, MODEL_TARGETS, TP_MODES
 from loraplex.protocol.structs import TensorSpec
 from loraplex.worker.lora.expert_weights import is_expert_key, match_expert_tensors
 from loraplex.worker.lora.targets import full_shapes, is_expert_module
@@ -383,7 +383,7 @@ def _match_tensors(
                 f"unexpected tensor {key!r}: only lora_A / lora_B weights of decoder layers, embed_tokens and lm_head"
             )
         layer, module, which = parsed
-        if module not in TARGET_MODULES:
+        if module not in LAYER_MODULES or module not in shapes:
             raise AdapterLoadError(f"tensor {key!r}: unknown target module {module!r}")
         if module not in config.target_modules:
             raise AdapterLoadError(f"tensor {key!r} is for {module!r}, which target_modules does not list")

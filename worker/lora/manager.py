@@ -21,6 +21,7 @@ from loraplex.protocol.structs import AdapterOutcome, AdapterToLoad, ForwardReq,
 from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.lora.adapter import AdapterLoadError, LoRAAdapter, PoolSpec, adapter_from_tensors, load_adapter
 from loraplex.worker.lora.experts import LoRAExpertsLinear
+from loraplex.worker.lora.latent import LoRALatentKVProj
 from loraplex.worker.lora.layers import LoRABatchInfo, LoRALinear
 from loraplex.worker.lora.pool import LoRABuffers, LoRAPool
 from loraplex.worker.lora.targets import KINDS_OF
@@ -30,6 +31,9 @@ from loraplex.worker.model.config import ModelConfig
 from torch import nn
 
 logger = logging.getLogger(__name__)
+
+# The linears whose model code calls more than forward (fused name -> wrapper); the others get LoRALinear.
+WRAPPERS = {"self_attn.kv_b_proj": LoRALatentKVProj}
 
 
 class LoRAConfigError(ValueError):
@@ -72,7 +76,7 @@ class LoRAManager:
         for (layer_id, name), buffers in self.pool.buffers.items():
             parent_name, attr = name.rsplit(".", 1)
             parent = layers[layer_id].get_submodule(parent_name)
-            wrapper = LoRALinear if buffers.num_experts == 1 else LoRAExpertsLinear
+            wrapper = LoRAExpertsLinear if buffers.num_experts > 1 else WRAPPERS.get(name, LoRALinear)
             setattr(parent, attr, wrapper(getattr(parent, attr), buffers, self.batch))
         if EMBED in self.pool.vocab:
             model.model.embed_tokens = LoRAEmbedding(model.model.embed_tokens, self.pool.vocab[EMBED], self.batch)

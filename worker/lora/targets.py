@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.protocol.lora_targets import TARGET_MODULES, TP_MODES
+from loraplex.protocol.lora_targets import LAYER_MODULES, TP_MODES
 from loraplex.worker.model.config import ModelConfig
 
 
@@ -24,6 +24,11 @@ FUSED_LINEARS = (
     FusedLinear("self_attn.o_proj", ("o_proj",)),
     FusedLinear("mlp.gate_up_proj", ("gate_proj", "up_proj")),
     FusedLinear("mlp.down_proj", ("down_proj",)),
+    # latent attention (worker/model/deepseek_v3.py); kv_b_proj's wrapper is worker/lora/latent.py's
+    FusedLinear("self_attn.q_a_proj", ("q_a_proj",)),
+    FusedLinear("self_attn.q_b_proj", ("q_b_proj",)),
+    FusedLinear("self_attn.kv_a_proj_with_mqa", ("kv_a_proj_with_mqa",)),
+    FusedLinear("self_attn.kv_b_proj", ("kv_b_proj",)),
 )
 # An MoE layer's experts: the MLP modules of every expert, stacked (worker/layers/moe.py's ExpertsLinear). A layer has
 # either the dense MLP's linears or these.
@@ -35,7 +40,7 @@ EXPERT_FUSED_LINEARS = (
 SLICE_OF: dict[str, tuple[FusedLinear, int]] = {
     module: (fused, slice_id) for fused in FUSED_LINEARS for slice_id, module in enumerate(fused.slices)
 }
-assert set(SLICE_OF) == set(TARGET_MODULES)  # every module of the one table has its place here
+assert set(SLICE_OF) == set(LAYER_MODULES)  # every module of the one table has its place here
 # HF module -> (the experts' fused linear, slice index) in an MoE layer
 EXPERT_SLICE_OF: dict[str, tuple[FusedLinear, int]] = {
     module: (fused, slice_id) for fused in EXPERT_FUSED_LINEARS for slice_id, module in enumerate(fused.slices)
@@ -43,7 +48,7 @@ EXPERT_SLICE_OF: dict[str, tuple[FusedLinear, int]] = {
 # HF module -> the fused linears of any layer that hold it (what an adapter targeting it activates)
 KINDS_OF: dict[str, tuple[str, ...]] = {
     module: tuple(table[module][0].name for table in (SLICE_OF, EXPERT_SLICE_OF) if module in table)
-    for module in TARGET_MODULES
+    for module in LAYER_MODULES
 }
 
 
@@ -59,17 +64,33 @@ def full_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
     expert_inter = config.moe.intermediate_size if config.moe is not None else inter
-    return {
+    mla = config.mla
+    if mla is not None:
+        q_size = config.num_heads * mla.qk_head_dim
+        latent_shapes = {
+            "kv_a_proj_with_mqa": (hidden, mla.cache_dim),
+            "kv_b_proj": (mla.kv_lora_rank, config.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)),
+        }
+        if mla.q_lora_rank is not None:
+            latent_shapes.update(q_a_proj=(hidden, mla.q_lora_rank), q_b_proj=(mla.q_lora_rank, q_size))
+    else:
+        latent_shapes = {}
+    o_in = q_size if mla is None else config.num_heads * mla.v_head_dim
+    # Latent attention has no k/v projections, and LoRA on its plain q_proj (q_lora_rank null) is not served.
+    absent = ("q_proj", "k_proj", "v_proj") if mla is not None else ()
+    shapes = {
+        **latent_shapes,
         "experts.gate_proj": (hidden, expert_inter),
         "experts.up_proj": (hidden, expert_inter),
         "experts.down_proj": (expert_inter, hidden),
         "q_proj": (hidden, q_size),
         "k_proj": (hidden, kv_size),
         "v_proj": (hidden, kv_size),
-        "o_proj": (q_size, hidden),
+        "o_proj": (o_in, hidden),
         "gate_proj": (hidden, inter),
         "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
         "embed_tokens": (config.vocab_size, hidden),  # lora_embedding_A (r, vocab), lora_embedding_B (hidden, r)
         "lm_head": (hidden, config.vocab_size),
     }
+    return {module: shape for module, shape in shapes.items() if module not in absent}
