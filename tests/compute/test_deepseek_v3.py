@@ -164,3 +164,22 @@ def test_recompute_after_preemption_matches_peft(mla_set, runner: ModelRunner) -
     second = run(prompt + first, [90, 91, 92, 93], 3)
     ref, margins = hf_greedy(model_dir, prompt, 6, adapters["a4"])
     assert assert_greedy_match(first + second, ref, margins, "preempted") >= 3
+
+
+def test_plain_q_proj_model_with_lora_matches_peft(tmp_path: Path) -> None:
+    """q_lora_rank null (a plain q_proj per head, as DeepSeek-V2-Lite): LoRA on q_proj and the latent linears."""
+    from tests.mla_models import build_mla_model
+    from tests.moe_models import build_parameter_adapter
+
+    model_dir, adapter_dir = tmp_path / "plain_q", tmp_path / "plain_q-a8"
+    build_mla_model(model_dir, q_lora_rank=None, rope_interleave=False)
+    build_parameter_adapter(model_dir, adapter_dir, r=8, lora_alpha=16, seed=3,
+                            target_modules=("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"))
+    runner = make_runner(model_dir, **MLA_LORA)
+    results = runner.lora.load([AdapterToLoad(lora_name="a8", lora_path=str(adapter_dir), lora_id=ADAPTER_IDS["a8"])])
+    assert all(r.success for r in results), [r.error_message for r in results]
+    assert "self_attn.q_proj" in {name for _, name in runner.lora.pool.buffers}
+    prompts = random_prompts([6, 10], runner.vocab_size, seed=7)
+    for prompt, name, logits in zip(prompts, ["a8", None], batch_logits(runner, prompts, ["a8", None]), strict=True):
+        ref = hf_logits(model_dir, prompt, None if name is None else adapter_dir)
+        assert (logits - ref).abs().max().item() <= LOGITS_TOL, name

@@ -24,7 +24,7 @@ from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.lora.latent import LoRALatentKVProj
 from loraplex.worker.lora.layers import LoRABatchInfo, LoRALinear
 from loraplex.worker.lora.pool import LoRABuffers, LoRAPool
-from loraplex.worker.lora.targets import KINDS_OF
+from loraplex.worker.lora.targets import KINDS_OF, full_shapes
 from loraplex.worker.lora.upload import uploader_for
 from loraplex.worker.lora.vocab import EMBED, HEAD, LoRAEmbedding, LoRALMHead
 from loraplex.worker.model.config import ModelConfig
@@ -63,7 +63,8 @@ class LoRAManager:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.spec = PoolSpec(
             max_lora_rank=config.max_lora_rank,
-            target_modules=config.target_modules,
+            # "all" names every layer linear of any family: the pool holds this model's
+            target_modules=tuple(m for m in config.target_modules if m in full_shapes(model_config)),
             dtype=dtype,
             device=torch.device(device),
         )

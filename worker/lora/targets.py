@@ -29,6 +29,7 @@ FUSED_LINEARS = (
     FusedLinear("self_attn.q_b_proj", ("q_b_proj",)),
     FusedLinear("self_attn.kv_a_proj_with_mqa", ("kv_a_proj_with_mqa",)),
     FusedLinear("self_attn.kv_b_proj", ("kv_b_proj",)),
+    FusedLinear("self_attn.q_proj", ("q_proj",)),  # latent attention's own, where q_lora_rank is null
 )
 # An MoE layer's experts: the MLP modules of every expert, stacked (worker/layers/moe.py's ExpertsLinear). A layer has
 # either the dense MLP's linears or these.
@@ -36,20 +37,18 @@ EXPERT_FUSED_LINEARS = (
     FusedLinear("mlp.experts.gate_up_proj", ("gate_proj", "up_proj")),
     FusedLinear("mlp.experts.down_proj", ("down_proj",)),
 )
-# HF module -> (its fused linear, slice index) in a dense layer
-SLICE_OF: dict[str, tuple[FusedLinear, int]] = {
-    module: (fused, slice_id) for fused in FUSED_LINEARS for slice_id, module in enumerate(fused.slices)
-}
-assert set(SLICE_OF) == set(LAYER_MODULES)  # every module of the one table has its place here
 # HF module -> (the experts' fused linear, slice index) in an MoE layer
 EXPERT_SLICE_OF: dict[str, tuple[FusedLinear, int]] = {
     module: (fused, slice_id) for fused in EXPERT_FUSED_LINEARS for slice_id, module in enumerate(fused.slices)
 }
-# HF module -> the fused linears of any layer that hold it (what an adapter targeting it activates)
+# HF module -> the fused linears of any layer that may hold it (what an adapter targeting it activates); a layer has
+# one of each module's (q_proj: a Llama layer's qkv_proj or latent attention's own q_proj; gate_proj: the dense MLP's
+# or the experts')
 KINDS_OF: dict[str, tuple[str, ...]] = {
-    module: tuple(table[module][0].name for table in (SLICE_OF, EXPERT_SLICE_OF) if module in table)
+    module: tuple(fused.name for fused in (*FUSED_LINEARS, *EXPERT_FUSED_LINEARS) if module in fused.slices)
     for module in LAYER_MODULES
 }
+assert all(KINDS_OF.values())  # every module of the one table has its place here
 
 
 def is_expert_module(model_config: ModelConfig, layer: int, module: str) -> bool:
@@ -76,8 +75,10 @@ def full_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     else:
         latent_shapes = {}
     o_in = q_size if mla is None else config.num_heads * mla.v_head_dim
-    # Latent attention has no k/v projections, and LoRA on its plain q_proj (q_lora_rank null) is not served.
-    absent = ("q_proj", "k_proj", "v_proj") if mla is not None else ()
+    # Latent attention has no k/v projections, and q_proj only where q_lora_rank is null (then q_a/q_b are absent).
+    absent: tuple[str, ...] = ()
+    if mla is not None:
+        absent = ("k_proj", "v_proj") if mla.q_lora_rank is None else ("q_proj", "k_proj", "v_proj")
     shapes = {
         **latent_shapes,
         "experts.gate_proj": (hidden, expert_inter),
