@@ -1,11 +1,12 @@
 """Completes the LoRA part of the config before the workers start: demo adapters, and the pool size inferred
-from the start-up adapters when --max-lora-rank / --lora-target-modules are not given (with no start-up adapters,
-vLLM's defaults: rank 16, all seven modules)."""
+from the start-up adapters (a Hub or S3 one fetched into the adapter cache first) when --max-lora-rank /
+--lora-target-modules are not given (with no start-up adapters, vLLM's defaults: rank 16, all seven modules)."""
 
 from __future__ import annotations
 
 import msgspec
 from loraplex.frontend.adapters.files import read_adapter_config
+from loraplex.frontend.adapters.sources import SourceError, cache_for, parse_remote
 from loraplex.frontend.demo import DEMO_MODEL_PATH, demo_adapter_paths
 from loraplex.protocol.adapter_config import AdapterConfig, AdapterLoadError
 from loraplex.protocol.config import DEFAULT_LORA_RANK, ConfigError, ServerConfig
@@ -14,8 +15,11 @@ from loraplex.protocol.lora_targets import ALL_TARGETS, TARGET_MODULES
 
 def _start_up_config(config: ServerConfig, name: str, path: str) -> AdapterConfig:
     try:
+        remote = parse_remote(path)
+        if remote is not None:  # a Hub or S3 adapter: fetched into the adapter cache, where its load finds it
+            return read_adapter_config(name, cache_for(config.lora_cache_dir, config.lora_cache_max_gb).fetch(remote))
         return read_adapter_config(name, path, config.lora_path_root)
-    except AdapterLoadError as e:
+    except (AdapterLoadError, SourceError) as e:
         raise ConfigError(f"adapter {name!r}: {e}") from e
 
 

@@ -128,6 +128,7 @@ class ServerInfoResponse(msgspec.Struct):
     """Besides these, every server config field (keys masked)."""
 
     model_dir: str | None
+    revision: str | None  # the commit served (Hub id or HF-cache snapshot), in place of the --revision asked for
     served_model_name: str
     quantization: str | None  # the checkpoint's method in use (config field --quantization says what was asked)
     max_total_tokens: int | None

@@ -22,11 +22,11 @@ from loraplex.frontend.cluster.node_rendezvous import NodeRendezvous
 from loraplex.frontend.cluster.process_group import ProcessGroup
 from loraplex.frontend.cluster.replica_set import ReplicaSet
 from loraplex.frontend.cluster.router import Router
-from loraplex.frontend.demo import resolve_model_dir
 from loraplex.frontend.errors import ServerUnavailable
 from loraplex.frontend.grammar_checker import GrammarChecker
 from loraplex.frontend.lora_config import resolve_lora_config
 from loraplex.frontend.metrics import Metrics
+from loraplex.frontend.model_files import ModelFiles, resolve_model_files
 from loraplex.frontend.rate_limits import KeyRateLimits
 from loraplex.frontend.request_state import RequestState
 from loraplex.protocol.config import ServerConfig
@@ -52,8 +52,11 @@ ABORT_GRACE_S = 3.0
 
 
 class Runtime:
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, model_files: ModelFiles | None = None):
+        """model_files: the model's local files when the launcher already has them (downloaded before anything
+        starts); else start() resolves them, downloading from the Hub if need be."""
         self.config = config
+        self.model_files = model_files
         self.created = int(time.time())  # the base model's card's `created`
         self.registry = AdapterRegistry(config.lora_path_root, max_pinned=config.max_loras_per_batch - 1)
         self.metrics = Metrics(config.model_name, config.dp_size)
@@ -84,14 +87,17 @@ class Runtime:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        logger.info("resolving model %s", self.config.model_path)
-        self.model_dir = await loop.run_in_executor(None, resolve_model_dir, self.config.model_path)
+        if self.model_files is None:
+            logger.info("resolving model %s", self.config.model_path)
+            self.model_files = await loop.run_in_executor(None, resolve_model_files, self.config)
+        self.model_dir = self.model_files.model_dir
         self.config = resolve_lora_config(self.config, self.model_dir)
         self.quantization = resolve_quantization(self.config.quantization, read_hf_config(self.model_dir))
         logger.info("quantization: %s (--quantization %s)", self.quantization or "none", self.config.quantization)
         self.procs = ProcessGroup(self.config, self.model_dir)
         if self.config.nnodes > 1:  # every rank's endpoints, the remote ones as their nodes published them
-            self.nodes = await loop.run_in_executor(None, NodeRendezvous, self.config, START_TIMEOUT_S)
+            self.nodes = await loop.run_in_executor(None, NodeRendezvous, self.config, START_TIMEOUT_S,
+                                                    self.model_files.revision)
             endpoints = await loop.run_in_executor(None, self.nodes.host_endpoints, self.procs.ipc_dir,
                                                    START_TIMEOUT_S)
             self.procs.endpoints = [endpoints]
@@ -100,8 +106,10 @@ class Runtime:
         self.adapters = AdapterManager(self.config, self.registry, self.metrics, self.replicas, state_file,
                                        self.audit)
         self.procs.start()
-        logger.info("loading tokenizer from %s", self.model_dir)
-        self.tokenizer, self.eos_token_ids = await loop.run_in_executor(None, load_tokenizer, self.model_dir)
+        tokenizer_dir = self.model_files.tokenizer_dir
+        logger.info("loading tokenizer from %s", tokenizer_dir)
+        self.tokenizer, self.eos_token_ids = await loop.run_in_executor(None, load_tokenizer, tokenizer_dir,
+                                                                        self.model_dir)
         self.replica_ready = await self.replicas.wait_ready(self._dead, START_TIMEOUT_S)
         self.ready = min(self.replica_ready, key=lambda ready: ready.max_total_tokens)
         logger.info(
@@ -221,13 +229,13 @@ class Runtime:
         return await self.replicas.stats()
 
 
-def load_tokenizer(model_dir: str) -> tuple[Any, list[int]]:
+def load_tokenizer(tokenizer_dir: str, model_dir: str) -> tuple[Any, list[int]]:
     import json
     import os
 
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     eos: set[int] = set()
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)

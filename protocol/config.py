@@ -11,6 +11,7 @@ from typing import Any, Literal, NoReturn
 import msgspec
 from loraplex.protocol.foreign_flags import FOREIGN_BY_DEST, FOREIGN_FLAGS
 from loraplex.protocol.lora_targets import ALL_TARGETS, LAYER_MODULES
+from loraplex.protocol.model_ref import ModelRef, parse_model_ref
 
 
 class ConfigError(ValueError):
@@ -76,8 +77,15 @@ def is_loopback_host(host: str) -> bool:
 
 # Help text per field; the CLI below is generated from the struct.
 _HELP: dict[str, str] = {
-    "model_path": "local Hugging Face checkpoint dir; 'demo' = the shipped demo (adapters: reverse, sort, mirror)",
-    "served_model_name": "base model name in the OpenAI API (default: last path component)",
+    "model_path": "a Hugging Face checkpoint: a local dir, or a Hub id ORG/NAME[@REVISION] downloaded once into "
+    "--download-dir (a local dir of that name wins); 'demo' = the shipped demo (adapters: reverse, sort, mirror)",
+    "served_model_name": "base model name in the OpenAI API (default: the Hub id, or the last path component)",
+    "revision": "the Hub revision of the model: a branch, tag or commit; none = the default branch",
+    "tokenizer": "the tokenizer's Hub id or dir; none = the model's",
+    "tokenizer_revision": "the Hub revision of --tokenizer",
+    "download_dir": "where Hub models are downloaded; none = the Hugging Face cache (HF_HUB_CACHE / HF_HOME), shared "
+    "with other tools",
+    "hf_token": "Hub token for gated or private models; none = HF_TOKEN, or the token `hf auth login` saved",
     "load_format": "where the weights come from: auto or safetensors (the checkpoint's *.safetensors files), dummy "
     "(random weights on the checkpoint's config.json, weight files or not: benchmarks and tests at real shapes)",
     "hf_overrides": "JSON object merged into the model's config.json before anything reads it, e.g. "
@@ -173,7 +181,8 @@ _HELP: dict[str, str] = {
 
 # `loraplex --help` shows the flags in these groups, in this order; every field belongs to exactly one.
 _TOPICS: dict[str, str] = {
-    "model and devices": "model_path served_model_name load_format hf_overrides device dtype quantization tp dp_size "
+    "model and devices": "model_path served_model_name revision tokenizer tokenizer_revision download_dir hf_token "
+    "load_format hf_overrides device dtype quantization tp dp_size "
     "context_length seed",
     "HTTP server and access": "host port api_key admin_api_key rpc_addr shutdown_timeout log_level "
     "max_requests_per_minute_per_key max_tokens_per_minute_per_key",
@@ -213,6 +222,7 @@ ALIASES: dict[str, str] = {
     "mem_fraction_static": "gpu_memory_utilization",  # SGLang: weights and KV cache, as ours
     "block_size": "page_size",  # vLLM: tokens per KV cache block
     "random_seed": "seed",  # SGLang
+    "tokenizer_path": "tokenizer",  # SGLang
 }
 # vLLM's short forms
 _SHORT: dict[str, str] = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp", "quantization": "-q"}
@@ -229,6 +239,11 @@ DEFAULT_LORA_RANK = 16  # --enable-lora with nothing to infer the pool from (vLL
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model_path: str = "demo"
     served_model_name: str | None = None
+    revision: str | None = None
+    tokenizer: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    hf_token: str | None = None
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
     hf_overrides: dict[str, Any] = {}
     host: str = "127.0.0.1"
@@ -358,6 +373,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         names = [s.lora_name for s in sources]
         if len(set(names)) != len(names):
             raise ConfigError(f"an adapter name appears twice in --lora-paths / --lora-modules: {names}")
+        if self.tokenizer_revision is not None and self.tokenizer is None:
+            raise ConfigError("--tokenizer-revision needs --tokenizer (the model's own tokenizer comes at --revision)")
+        try:  # ORG/NAME@REV and another --revision
+            self.model_ref, self.tokenizer_ref  # noqa: B018
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
         if self.max_loaded_loras is not None and self.max_loaded_loras < len(sources):
             raise ConfigError("--max-loaded-loras is smaller than the number of --lora-paths and --lora-modules")
 
@@ -406,10 +427,21 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return tuple(m for m in ALL_TARGETS if m in wanted)
 
     @property
+    def model_ref(self) -> ModelRef:
+        """What --model-path names: a local dir, an HF-cache snapshot, or a Hub id (protocol/model_ref.py)."""
+        return parse_model_ref(self.model_path, self.revision)
+
+    @property
+    def tokenizer_ref(self) -> ModelRef | None:
+        """--tokenizer's, None when the tokenizer is the model's."""
+        return None if self.tokenizer is None else parse_model_ref(self.tokenizer, self.tokenizer_revision)
+
+    @property
     def model_name(self) -> str:
+        """The served name: --served-model-name, else the Hub id (a snapshot's repo id), else the directory's name."""
         if self.served_model_name:
             return self.served_model_name
-        return os.path.basename(os.path.normpath(self.model_path))
+        return self.model_ref.repo_id or os.path.basename(os.path.normpath(self.model_path))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerConfig:

@@ -2,7 +2,8 @@
 it asks (the start-up log says so, one line per flag) or refused at start with one line naming it and why: a command
 line copied from either project never has a flag ignored silently. Flags that do map onto a setting are ALIASES in
 protocol/config.py, and flags of theirs that are settings of ours under the same name (--load-format, --hf-overrides)
-are ServerConfig fields."""
+are ServerConfig fields (among them the Hub flags --revision, --tokenizer, --tokenizer-revision,
+--download-dir and --hf-token)."""
 
 from __future__ import annotations
 
@@ -55,19 +56,13 @@ def _only(*names: str, family: str, ok: tuple[str, ...], note: str, why: str) ->
 
 V, S, VS = "vLLM", "SGLang", "vLLM and SGLang"
 _LATER = "not supported yet"
-_LOCAL = "the model is read from a local directory; loraplex downloads nothing"
 
 FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     # -- model loading
     _accept("--trust-remote-code", family=VS, note="loraplex never runs code from a checkpoint: its model classes are "
             "built in (docs/MODELS.md), so this changes nothing"),
-    _refuse("--tokenizer", family=V, why="the tokenizer is read from the model directory"),
-    _refuse("--tokenizer-path", family=S, why="the tokenizer is read from the model directory"),
     _only("--tokenizer-mode", family=VS, ok=("auto",), note="the tokenizer's own (fast) mode, as auto means",
           why="only auto: the tokenizer is loaded as transformers' AutoTokenizer does"),
-    _refuse("--revision", family=VS, why=_LOCAL),
-    _refuse("--tokenizer-revision", family=V, why=_LOCAL),
-    _refuse("--download-dir", family=VS, why=_LOCAL),
     _only("--kv-cache-dtype", family=VS, ok=("auto",), note="the KV cache holds the model's dtype",
           why="the KV cache holds the model's dtype (--dtype); no other KV cache dtype is supported"),
     _only("--generation-config", family=V, ok=("vllm",), note="sampling defaults are vLLM's own",

@@ -39,17 +39,10 @@ _SIZE = re.compile(r"(\d+x)?\d+(\.\d+)?[bm]")  # 8b, 1.5b, 135m, 8x7b
 _VERSION = re.compile(r"v?(\d+(?:\.\d+)*)")  # 3, 3.1, v0.2
 _GLUED = re.compile(r"([a-z]+)(\d+(?:\.\d+)*)")  # qwen2.5, llama3, phi3
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-_CACHE_SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
 
 
 def is_hub_id(name: str) -> bool:
     return _HUB_ID.fullmatch(name) is not None
-
-
-def cache_repo_id(path: str) -> str | None:
-    """The Hub id of a Hugging Face cache snapshot (`.../models--ORG--NAME/snapshots/SHA` -> `ORG/NAME`)."""
-    match = _CACHE_SNAPSHOT.search(path.replace("\\", "/"))
-    return f"{match[1]}/{match[2]}" if match else None
 
 
 def _words(name: str) -> list[str]:

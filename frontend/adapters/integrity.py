@@ -15,10 +15,11 @@ import logging
 import os
 from typing import Any
 
-from loraplex.frontend.adapters.base_names import BaseMatch, cache_repo_id, is_hub_id, match_base
+from loraplex.frontend.adapters.base_names import BaseMatch, is_hub_id, match_base
 from loraplex.protocol.adapter_config import CONFIG_FILE, AdapterLoadError
 from loraplex.protocol.adapter_files import AdapterFiles
 from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.model_ref import parse_model_ref
 
 logger = logging.getLogger("loraplex.adapters")
 
@@ -90,16 +91,15 @@ class AdapterIntegrity:
 def served_model_names(config: ServerConfig) -> list[str]:
     """Every name the served model is known by: --served-model-name, the model path as given (a Hub id when it is
     no local directory), its Hugging Face cache repo id, and the checkpoint's own config.json `_name_or_path`."""
-    path = config.model_path
-    names = [config.served_model_name, path if is_hub_id(path) and not os.path.isdir(path) else os.path.abspath(path),
-             cache_repo_id(os.path.abspath(path))]
+    path, ref = config.model_path, config.model_ref
+    names = [config.served_model_name, ref.repo_id, path if ref.is_hub else os.path.abspath(path)]
     try:
         with open(os.path.join(path, "config.json")) as file:
             own = json.load(file).get("_name_or_path")
     except (OSError, ValueError, AttributeError):  # no local checkpoint, or a config without the name
         own = None
     if isinstance(own, str) and own:
-        names += [own, cache_repo_id(own)]
+        names += [own, parse_model_ref(own).repo_id]
     return list(dict.fromkeys(name for name in names if name))
 
 

@@ -5,7 +5,9 @@ ranks join their process group through it too (worker/dist.py). Every other inte
 node that binds it and published there: node 0 the scheduler's TCP socket for the ranks' replies, every other node
 its ranks' batch and loader sockets. Liveness goes through the same store: each headless node bumps a beat counter;
 node 0 calls a node dead when its counter stands still for NODE_TIMEOUT_S, and writes `failed` when it stops serving,
-which the headless nodes read (a store they cannot reach means node 0 is gone).
+which the headless nodes read (a store they cannot reach means node 0 is gone). Each node's launcher resolved (and
+downloaded) the model itself: the nodes publish the commit they serve, and a node whose commit differs from node 0's
+stops the start on both sides with one line.
 """
 
 from __future__ import annotations
@@ -48,10 +50,11 @@ def own_address_towards(host: str, port: int) -> str:
 
 
 class NodeRendezvous:
-    def __init__(self, config: ServerConfig, start_timeout_s: float):
+    def __init__(self, config: ServerConfig, start_timeout_s: float, model_revision: str | None = None):
         from torch.distributed import TCPStore  # only multi-node servers pay for torch in the frontend
 
         self.config = config
+        self.model_revision = model_revision  # the commit this node's launcher resolved; None for a plain directory
         self.host, self.port = split_addr(config.dist_init_addr)
         is_master = config.node_rank == 0
         logger.info("%s the node store at %s:%d", "hosting" if is_master else "joining", self.host, self.port)
@@ -73,11 +76,13 @@ class NodeRendezvous:
         reply_addr = f"tcp://{self.host}:{free_tcp_port(self.host)}"
         # The LoRA pool as node 0 resolved it (perhaps from adapters only node 0 reads): every rank sizes it alike.
         pool = {name: getattr(self.config, name) for name in LORA_POOL_FIELDS}
-        self.store.set(PREFIX + "node0", json.dumps({"workers_to_scheduler": reply_addr, "lora_pool": pool}))
+        self.store.set(PREFIX + "node0", json.dumps({"workers_to_scheduler": reply_addr, "lora_pool": pool,
+                                                     "revision": self.model_revision}))
         to_workers = [f"ipc://{ipc_dir}/dp0_to_worker{i}" for i in range(local_ranks)]
         to_loaders = [f"ipc://{ipc_dir}/dp0_to_loader{i}" for i in range(local_ranks)]
         for node in range(1, self.config.nnodes):
             published = json.loads(self._wait_key(f"node{node}", start_timeout_s))
+            self._check_revision(node, published.get("revision"))
             to_workers += published["scheduler_to_workers"]
             to_loaders += published["scheduler_to_loaders"]
             self._beats[node] = (0, time.monotonic())
@@ -97,9 +102,11 @@ class NodeRendezvous:
         own = own_address_towards(self.host, self.port)
         to_workers = [f"tcp://{own}:{free_tcp_port(own)}" for _ in range(local_ranks)]
         to_loaders = [f"tcp://{own}:{free_tcp_port(own)}" for _ in range(local_ranks)]
-        published = {"scheduler_to_workers": to_workers, "scheduler_to_loaders": to_loaders}
+        published = {"scheduler_to_workers": to_workers, "scheduler_to_loaders": to_loaders,
+                     "revision": self.model_revision}
         self.store.set(PREFIX + f"node{self.config.node_rank}", json.dumps(published))
         node0 = json.loads(self._wait_key("node0", start_timeout_s))
+        self._check_revision(0, node0.get("revision"))
         endpoints = Endpoints(
             frontend_to_scheduler="",
             scheduler_to_frontend="",
@@ -109,6 +116,14 @@ class NodeRendezvous:
             dist_init_addr=self.config.dist_init_addr,
         )
         return endpoints, msgspec.structs.replace(self.config, **node0["lora_pool"])
+
+    def _check_revision(self, node: int, revision: str | None) -> None:
+        """Every node serves the same commit of the model (each node's launcher downloaded its own copy); a plain
+        directory has no commit to compare."""
+        if revision is not None and self.model_revision is not None and revision != self.model_revision:
+            raise RuntimeError(f"node {node} serves {self.config.model_path} at commit {revision} and node "
+                               f"{self.config.node_rank} at {self.model_revision}: give every node the same "
+                               "--revision (a commit)")
 
     def _wait_key(self, key: str, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s

@@ -17,7 +17,7 @@ import time
 from aiohttp import web
 from loraplex.frontend.cluster.node_rendezvous import BEAT_INTERVAL_S, NodeRendezvous
 from loraplex.frontend.cluster.process_group import ProcessGroup
-from loraplex.frontend.demo import resolve_model_dir
+from loraplex.frontend.model_files import ModelFiles
 from loraplex.frontend.runtime import START_TIMEOUT_S
 from loraplex.protocol.config import ServerConfig
 
@@ -27,8 +27,9 @@ RANKS_EXIT_GRACE_S = 5.0  # node 0 stopped serving: how long the ranks get to en
 
 
 class HeadlessNode:
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, model_files: ModelFiles):
         self.config = config
+        self.model_files = model_files  # resolved (downloaded) by this node's launcher
         self.unhealthy_reason: str | None = "starting"  # None: healthy
         self.procs: ProcessGroup | None = None
 
@@ -49,10 +50,10 @@ class HeadlessNode:
         await web.TCPSite(runner, self.config.host, self.config.port).start()
         logger.info("node %d: /health on http://%s:%d", self.config.node_rank, self.config.host, self.config.port)
         try:
-            model_dir = await loop.run_in_executor(None, resolve_model_dir, self.config.model_path)
-            nodes = await loop.run_in_executor(None, NodeRendezvous, self.config, START_TIMEOUT_S)
+            nodes = await loop.run_in_executor(None, NodeRendezvous, self.config, START_TIMEOUT_S,
+                                               self.model_files.revision)
             endpoints, ranks_config = await loop.run_in_executor(None, nodes.join_endpoints, START_TIMEOUT_S)
-            self.procs = ProcessGroup(ranks_config, model_dir)
+            self.procs = ProcessGroup(ranks_config, self.model_files.model_dir)
             self.procs.endpoints = [endpoints]
             self.procs.start()
             return await self.watch(nodes, stop)
@@ -91,5 +92,5 @@ class HeadlessNode:
         return 0 if all(code == 0 for code in self.procs.exit_codes().values()) else 1
 
 
-async def serve_headless(config: ServerConfig) -> int:
-    return await HeadlessNode(config).run()
+async def serve_headless(config: ServerConfig, model_files: ModelFiles) -> int:
+    return await HeadlessNode(config, model_files).run()

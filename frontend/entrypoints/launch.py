@@ -4,10 +4,10 @@ failure."""
 from __future__ import annotations
 
 import logging
-import os
+import signal
 import sys
 
-from loraplex.frontend.demo import DEMO_MODEL_PATH, resolve_model_dir
+from loraplex.frontend.model_files import ModelFilesError, resolve_model_files
 from loraplex.protocol.config import ConfigError, parse_command_line
 from loraplex.protocol.curve import ClusterKey, ClusterKeyError, write_key_file
 from loraplex.protocol.proc import setup_logging
@@ -27,6 +27,10 @@ def keygen(argv: list[str]) -> None:
     print(f"wrote {argv[0]}: copy it to every node (and RPC client) as --cluster-key-file; keep it secret")
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["keygen"]:
@@ -38,18 +42,27 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, ClusterKeyError) as e:
         print(f"loraplex: error: {e}", file=sys.stderr)
         sys.exit(2)
-    if config.model_path != DEMO_MODEL_PATH and not os.path.isfile(os.path.join(config.model_path, "config.json")):
-        print(f"loraplex: error: no model at {config.model_path!r} (expected a directory with config.json)",
-              file=sys.stderr)
-        sys.exit(2)
-    try:  # a checkpoint whose quantization is not served never starts
-        resolve_quantization(config.quantization, read_hf_config(resolve_model_dir(config.model_path)))
-    except ConfigError as e:
-        print(f"loraplex: error: {e}", file=sys.stderr)
-        sys.exit(2)
     setup_logging(config.log_level, "frontend")
     for note in notes:  # vLLM's and SGLang's flags that change nothing here, said once each
         logging.getLogger("loraplex").info("%s", note)
+    # A Hub model is downloaded here, once per machine, before any rank starts. SIGTERM then unwinds (the file being
+    # written is removed; finished files stay in the cache and the next start goes on from them).
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        model_files = resolve_model_files(config)
+    except ModelFilesError as e:
+        print(f"loraplex: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("loraplex: error: stopped while fetching the model (finished files are kept)", file=sys.stderr)
+        sys.exit(130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    try:  # a checkpoint whose quantization is not served never starts
+        resolve_quantization(config.quantization, read_hf_config(model_files.model_dir))
+    except ConfigError as e:
+        print(f"loraplex: error: {e}", file=sys.stderr)
+        sys.exit(2)
     import uvloop
     from loraplex.frontend.entrypoints.headless import serve_headless
     from loraplex.frontend.entrypoints.http_server import serve
@@ -57,8 +70,8 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         if config.node_rank > 0:  # only this node's ranks, and /health
-            sys.exit(uvloop.run(serve_headless(config)))
-        uvloop.run(serve(Runtime(config)))
+            sys.exit(uvloop.run(serve_headless(config, model_files)))
+        uvloop.run(serve(Runtime(config, model_files)))
     except (RuntimeError, OSError, ValueError) as e:
         logging.getLogger("loraplex").debug("start-up failed", exc_info=True)
         print(f"loraplex: error: {e}", file=sys.stderr)

@@ -91,7 +91,7 @@ async def replica_stats(runtime: Runtime) -> list[SchedulerStats] | None:
 async def server_info(request: web.Request) -> web.Response:
     runtime = runtime_of(request)
     config = msgspec.to_builtins(runtime.config)
-    for secret in ("api_key", "admin_api_key"):
+    for secret in ("api_key", "admin_api_key", "hf_token"):
         config[secret] = None if config[secret] is None else "***"
     ready = runtime.ready
     replicas = await replica_stats(runtime)
@@ -100,6 +100,8 @@ async def server_info(request: web.Request) -> web.Response:
     return json_response({
         **config,
         "model_dir": runtime.model_dir,
+        # the commit served: a Hub id's resolved revision, an HF-cache snapshot's; None for a plain directory
+        "revision": runtime.model_files.revision if runtime.model_files else None,
         "served_model_name": runtime.config.model_name,
         "quantization": runtime.quantization,  # the method in use (config.json's), None for plain weights
         "max_total_tokens": sum(capacities) if ready else None,  # over all replicas

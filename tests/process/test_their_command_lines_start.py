@@ -1,9 +1,11 @@
-"""Every command line of tests/unit/test_foreign_command_lines.py's ACCEPTED list, with the program name replaced and
-the model and adapter paths pointing at the test model, starts a server that answers /health and a completion on its
-first adapter; a line that asks for the Triton kernels (CUDA) has its choice refused on this CPU with one line."""
+"""Every command line of tests/unit/test_foreign_command_lines.py's ACCEPTED list, with the program name replaced,
+starts a server that answers /health and a completion on its first adapter. The model and adapters keep their Hub ids:
+a local Hub stand-in serves the test model and adapters under those names (downloaded once, into one cache for all
+lines). A line that asks for the Triton kernels (CUDA) has its choice refused on this CPU with one line."""
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import torch
 from loraplex.kernels.backend import BackendError, select_backend
 from loraplex.protocol.config import parse_command_line
 
+from tests.hub_standin import HubStandIn, dir_files, hub_env
 from tests.server_utils import ServerProcess
 from tests.unit.test_foreign_command_lines import ACCEPTED, MODEL, A, B, ours
 
@@ -22,12 +25,27 @@ NEEDS_CUDA = {i for i, (command, _) in enumerate(ACCEPTED) if "--lora-backend tr
 STARTED = [i for i, (command, _) in enumerate(ACCEPTED) if " -q " not in command and "--quantization" not in command]
 
 
-def local_argv(command: str, model: Path, adapters: dict[str, Path], tmp_path: Path) -> list[str]:
-    """The line's arguments on this machine: local paths, the test's port and loopback (ServerProcess adds them)."""
+@pytest.fixture(scope="module")
+def hub(llama_dir: Path, adapter_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    """The stand-in serving MODEL, A and B, and the environment (one Hugging Face cache) the servers share."""
+    stand_in = HubStandIn().start()
+    stand_in.publish(MODEL, dir_files(llama_dir))
+    for repo, adapter in ((A, adapter_dirs["a8"]), (B, adapter_dirs["a16"])):
+        files = dir_files(adapter)  # trained on MODEL, as its config says
+        files["adapter_config.json"] = json.dumps({**json.loads(files["adapter_config.json"]),
+                                                   "base_model_name_or_path": MODEL}).encode()
+        stand_in.publish(repo, files)
+    home = tmp_path_factory.mktemp("hub-home")
+    yield hub_env(stand_in, home / "hf"), home / "adapters"
+    stand_in.shutdown()
+
+
+def local_argv(command: str, tmp_path: Path) -> list[str]:
+    """The line's arguments on this machine: the test's chat template file, port and loopback (ServerProcess adds
+    them)."""
     template = tmp_path / "template_chatml.jinja"
     template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    command = command.replace(MODEL, str(model)).replace(A, str(adapters["a8"])).replace(B, str(adapters["a16"]))
     command = command.replace("./template_chatml.jinja", str(template))
     command = command.replace(" --port 8000", "").replace("--host 0.0.0.0", "--host 127.0.0.1")
     command = command.replace("--max-model-len 4096", "--max-model-len 2048")  # the test model's whole context
@@ -46,9 +64,9 @@ def first_adapter(argv: list[str]) -> str | None:
 
 
 @pytest.mark.parametrize("index", STARTED, ids=[ACCEPTED[i][0][:40] for i in STARTED])
-def test_their_command_line_starts(index: int, llama_dir: Path, adapter_dirs: dict[str, Path], tmp_path: Path,
+def test_their_command_line_starts(index: int, hub: tuple[dict[str, str], Path], tmp_path: Path,
                                    monkeypatch: pytest.MonkeyPatch):
-    argv = local_argv(ACCEPTED[index][0], llama_dir, adapter_dirs, tmp_path)
+    argv = local_argv(ACCEPTED[index][0], tmp_path)
     if index in NEEDS_CUDA:
         config = parse_command_line(argv)[0]
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the tests' Triton interpreter is not a device
@@ -61,7 +79,8 @@ def test_their_command_line_starts(index: int, llama_dir: Path, adapter_dirs: di
     prefix, flags = tuple(argv[:cut]), argv[cut:]
     key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    with ServerProcess(*flags, argv_prefix=prefix) as server:
+    env, adapter_cache = hub
+    with ServerProcess(*flags, "--lora-cache-dir", str(adapter_cache), argv_prefix=prefix, env=env) as server:
         assert server.get("/health").status_code == 200
         model = first_adapter(argv) or server.get("/v1/models", headers=headers).json()["data"][0]["id"]
         body = {"model": model, "prompt": "Hello", "max_tokens": 3, "temperature": 0}

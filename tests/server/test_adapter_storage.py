@@ -5,113 +5,17 @@ bucket is a 4xx."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import re
 import shutil
-import threading
-from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
+from tests.hub_standin import COMMIT, HubStandIn, hub_env
+from tests.hub_standin import dir_files as _files
 from tests.server.test_adapter_control import LORA_FLAGS, gen, load
 from tests.server_utils import ServerProcess, free_port
 
-COMMIT = "1" * 40
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-
-class HubStandIn(ThreadingHTTPServer):
-    """The Hub's model-info, tree and file endpoints as huggingface_hub calls them, for repos of one commit on
-    `main`. Counts file downloads per repo; a repo in `cut` gets half of each file, then the connection closes."""
-
-    daemon_threads = True
-
-    def __init__(self, repos: dict[str, dict[str, bytes]]):
-        super().__init__(("127.0.0.1", 0), _HubHandler)
-        self.repos = repos
-        self.downloads: Counter[str] = Counter()
-        self.cut: set[str] = set()
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _HubHandler(BaseHTTPRequestHandler):
-    server: HubStandIn
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def do_HEAD(self) -> None:
-        self._answer(body=False)
-
-    def do_GET(self) -> None:
-        self._answer(body=True)
-
-    def _answer(self, body: bool) -> None:
-        path = self.path.split("?")[0]
-        api = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/(revision|tree)/([^/]+))?", path)
-        resolve = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
-        match = api or resolve
-        repo = match.group(1) if match else ""
-        revision = (api.group(3) if api else resolve.group(2)) if match else None
-        files = self.server.repos.get(repo)
-        if files is None:
-            return self._error(404, "RepoNotFound")
-        if revision not in (None, "main", COMMIT):
-            return self._error(404, "RevisionNotFound")
-        if api and api.group(2) == "tree":
-            return self._json([{"type": "file", "path": name, "size": len(data), "oid": _oid(data)}
-                               for name, data in files.items()])
-        if api:
-            return self._json({"id": repo, "modelId": repo, "sha": COMMIT,
-                               "siblings": [{"rfilename": name} for name in files]})
-        data = files.get(resolve.group(3))
-        if data is None:
-            return self._error(404, "EntryNotFound")
-        start = int(re.match(r"bytes=(\d+)-", self.headers.get("Range", "bytes=0-")).group(1))
-        self.send_response(206 if start else 200)
-        self.send_header("ETag", f'"{_oid(data)}"')
-        self.send_header("X-Repo-Commit", COMMIT)
-        self.send_header("Content-Length", str(len(data) - start))
-        self.end_headers()
-        if not body:
-            return
-        self.server.downloads[repo] += 1
-        if repo in self.server.cut:  # half the file (nothing on a resumed try), then the connection drops
-            self.wfile.write(data[start:][: (len(data) // 2) if not start else 0])
-            self.close_connection = True
-            return
-        self.wfile.write(data[start:])
-
-    def _json(self, payload: object) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("X-Repo-Commit", COMMIT)
-        self.end_headers()
-        if self.command == "GET":
-            self.wfile.write(data)
-
-    def _error(self, status: int, code: str) -> None:
-        data = json.dumps({"error": code}).encode()
-        self.send_response(status)
-        self.send_header("X-Error-Code", code)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if self.command == "GET":
-            self.wfile.write(data)
-
-
-def _oid(data: bytes) -> str:
-    return hashlib.sha1(data).hexdigest()
-
-
-def _files(path: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in path.iterdir() if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +26,7 @@ def storage(llama_dir, adapter_dirs, tmp_path_factory):
     adapter = adapter_dirs["a16"]
     root = tmp / "root"  # --lora-path-root: the directory load lives here, the cache elsewhere
     shutil.copytree(adapter, root / "a16")
-    hub = HubStandIn({"org/a16": _files(adapter), "org/cut": _files(adapter)})
-    threading.Thread(target=hub.serve_forever, daemon=True).start()
+    hub = HubStandIn({"org/a16": _files(adapter), "org/cut": _files(adapter)}).start()
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port())
     moto.start()
     s3_url = f"http://127.0.0.1:{moto._port}"
@@ -135,8 +38,7 @@ def storage(llama_dir, adapter_dirs, tmp_path_factory):
         for prefix in ("adapters/a16", "resolver/a16"):
             for name, data in _files(adapter).items():
                 s3.put_object(Bucket="bucket", Key=f"{prefix}/{name}", Body=data)
-        env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-               "HF_HOME": str(tmp / "hf-home"), "AWS_ENDPOINT_URL": s3_url, **AWS_ENV}
+        env = {**hub_env(hub, tmp / "hf-home"), "AWS_ENDPOINT_URL": s3_url, **AWS_ENV}
         cache = tmp / "cache"
         with ServerProcess("--model-path", str(llama_dir), *LORA_FLAGS, "--lora-path-root", str(root),
                            "--lora-cache-dir", str(cache), "--lora-resolver-dir", "s3://bucket/resolver",
@@ -221,10 +123,8 @@ def test_a_cut_download_leaves_nothing_usable_and_a_retry_succeeds(storage):
 def hub_resolver(llama_dir, adapter_dirs, tmp_path_factory):
     """A server whose --lora-resolver-dir is hf://org, against the Hub stand-in, with directory loads to compare."""
     tmp = tmp_path_factory.mktemp("hub-resolver")
-    hub = HubStandIn({"org/a16": _files(adapter_dirs["a16"]), "org/a8": _files(adapter_dirs["a8"])})
-    threading.Thread(target=hub.serve_forever, daemon=True).start()
-    env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-           "HF_HOME": str(tmp / "hf-home")}
+    hub = HubStandIn({"org/a16": _files(adapter_dirs["a16"]), "org/a8": _files(adapter_dirs["a8"])}).start()
+    env = hub_env(hub, tmp / "hf-home")
     try:
         with ServerProcess("--model-path", str(llama_dir), *LORA_FLAGS, "--lora-paths",
                            f"dir16={adapter_dirs['a16']}", f"dir8={adapter_dirs['a8']}", "--lora-cache-dir",

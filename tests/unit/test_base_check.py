@@ -8,10 +8,11 @@ import json
 import logging
 
 import pytest
-from loraplex.frontend.adapters.base_names import BaseMatch, cache_repo_id, compare_names
+from loraplex.frontend.adapters.base_names import BaseMatch, compare_names
 from loraplex.frontend.adapters.integrity import AdapterIntegrity
 from loraplex.protocol.adapter_config import AdapterLoadError
 from loraplex.protocol.config import ConfigError, ServerConfig, config_from_args
+from loraplex.protocol.model_ref import parse_model_ref
 
 LOAD, WARN, REFUSE = "load", "warn", "refuse"
 SNAPSHOT = "/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/5206a32e0bd3067aef1ce90f5528ade7d866253f"
@@ -112,10 +113,10 @@ def test_compare_names(base, served, match):
     assert compare_names(served, base) is match  # symmetric
 
 
-def test_cache_repo_id():
-    assert cache_repo_id(SNAPSHOT) == "meta-llama/Llama-3.1-8B-Instruct"
-    assert cache_repo_id(SNAPSHOT + "/") == "meta-llama/Llama-3.1-8B-Instruct"
-    assert cache_repo_id("/models/Llama-3.1-8B") is None
+def test_a_cache_snapshot_is_known_by_its_repo_id():
+    assert parse_model_ref(SNAPSHOT).repo_id == "meta-llama/Llama-3.1-8B-Instruct"
+    assert parse_model_ref(SNAPSHOT + "/").repo_id == "meta-llama/Llama-3.1-8B-Instruct"
+    assert parse_model_ref("/models/Llama-3.1-8B").repo_id is None
 
 
 def test_strict_and_allow_contradict():

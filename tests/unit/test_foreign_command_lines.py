@@ -1,6 +1,6 @@
-"""Command lines from vLLM's and SGLang's LoRA serving docs, the program name replaced by `loraplex` (and model and
-adapter paths by local test directories): each parses into the settings it asks for, or is refused with one line
-naming the flag and why. tests/process/test_serve_form.py starts a server from one of them."""
+"""Command lines from vLLM's and SGLang's LoRA serving docs, the program name replaced by `loraplex` (the model and
+adapters by Hub id, as there): each parses into the settings it asks for, or is refused with one line naming the flag
+and why. tests/process/test_their_command_lines_start.py starts servers from them against a local Hub stand-in."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from loraplex.protocol.config import ALIASES, ConfigError, ServerConfig, build_arg_parser, parse_command_line
 from loraplex.protocol.foreign_flags import FOREIGN_FLAGS
 
-MODEL, A, B = "/models/llama", "/adapters/a", "/adapters/b"
+MODEL, A, B = "meta-llama/Llama-2-7b-hf", "yard1/llama-2-7b-sql-lora-test", "algoprog/fact-generation-llama-3.1-8b-lora"
 DOCS_API = Path(__file__).resolve().parents[2] / "docs" / "API.md"
 
 # vLLM: docs/features/lora.md and its serving examples; SGLang: docs/advanced_features/lora.ipynb. `vllm serve` and
