@@ -74,9 +74,11 @@ MLA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_pro
 
 
 def build_mla_expert_adapter(model_dir: Path | str, out_dir: Path | str, *, r: int, lora_alpha: float, seed: int,
-                             init_std: float = 0.2) -> None:
+                             init_std: float = 0.2, with_mlps: bool = False) -> None:
     """PEFT's per-expert form: every latent-attention linear of every layer, and each routed expert's gate/up/down
-    of the MoE layers (`mlp.experts.N.gate_proj`), A and B entries of std `init_std`."""
+    of the MoE layers (`mlp.experts.N.gate_proj`), A and B entries of std `init_std`; `with_mlps`: the dense layers'
+    MLP and the shared experts' too, as an adapter trained on DeepSeek's own per-expert modules holds them (PEFT on
+    transformers 5 converts gate/up/down to the stacked experts alone, so no peft reference reads these)."""
     import json
 
     from safetensors.torch import save_file
@@ -88,8 +90,11 @@ def build_mla_expert_adapter(model_dir: Path | str, out_dir: Path | str, *, r: i
               "kv_a_proj_with_mqa": (hidden, cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]),
               "kv_b_proj": (cfg["kv_lora_rank"], heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"])),
               "o_proj": (heads * cfg["v_head_dim"], hidden)}
-    inter = cfg["moe_intermediate_size"]
+    inter, dense = cfg["moe_intermediate_size"], cfg["intermediate_size"]
     expert_shapes = {"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    dense_shapes = {"gate_proj": (hidden, dense), "up_proj": (hidden, dense), "down_proj": (dense, hidden)}
+    shared = inter * cfg["n_shared_experts"]
+    shared_shapes = {"gate_proj": (hidden, shared), "up_proj": (hidden, shared), "down_proj": (shared, hidden)}
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
 
@@ -102,7 +107,11 @@ def build_mla_expert_adapter(model_dir: Path | str, out_dir: Path | str, *, r: i
         for module, shape in shapes.items():
             add(f"{base}.self_attn.{module}", *shape)
         if layer < cfg["first_k_dense_replace"]:
+            for module, shape in dense_shapes.items() if with_mlps else ():
+                add(f"{base}.mlp.{module}", *shape)
             continue
+        for module, shape in shared_shapes.items() if with_mlps else ():
+            add(f"{base}.mlp.shared_experts.{module}", *shape)
         for expert in range(cfg["n_routed_experts"]):
             for module, shape in expert_shapes.items():
                 add(f"{base}.mlp.experts.{expert}.{module}", *shape)
@@ -128,3 +137,31 @@ def build_mla_set(root: Path, with_tokenizer: bool = False) -> tuple[Path, dict[
     build_parameter_adapter(model_dir, adapters["a8"], r=8, lora_alpha=16, target_modules=MLA_TARGETS, seed=2,
                             rank_pattern={r".*\.kv_b_proj": 4}, alpha_pattern={r".*\.kv_b_proj": 12})
     return model_dir, adapters
+
+
+def merged_reference(model_dir: Path | str, adapter_dir: Path | str):
+    """HF's model with a per-expert adapter's every product merged into its weights (W += scale · B·A), the
+    reference for what PEFT does not load on transformers 5 (the shared experts)."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with safe_open(str(Path(adapter_dir) / "adapter_model.safetensors"), "pt") as f, torch.no_grad():
+        for key_a in [k for k in f.keys() if k.endswith(".lora_A.weight")]:
+            delta = scale * f.get_tensor(key_a.replace("lora_A", "lora_B")) @ f.get_tensor(key_a)  # (out, in)
+            path = key_a.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            parent, _, module = path.rpartition(".")
+            if ".experts." in path:  # one routed expert of the stacked (experts, out, in) tensors
+                experts, _, expert = parent.rpartition(".")
+                stacked = model.get_submodule(experts)
+                inter = stacked.down_proj.shape[-1]
+                rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter), "down_proj": slice(None)}
+                target = stacked.down_proj if module == "down_proj" else stacked.gate_up_proj
+                target[int(expert), rows[module]] += delta
+            else:
+                model.get_submodule(path).weight += delta
+    return model

@@ -183,3 +183,34 @@ def test_plain_q_proj_model_with_lora_matches_peft(tmp_path: Path) -> None:
     for prompt, name, logits in zip(prompts, ["a8", None], batch_logits(runner, prompts, ["a8", None]), strict=True):
         ref = hf_logits(model_dir, prompt, None if name is None else adapter_dir)
         assert (logits - ref).abs().max().item() <= LOGITS_TOL, name
+
+
+def test_shared_experts_and_dense_mlp_adapter_matches_merged_weights(tmp_path: Path) -> None:
+    """An adapter on DeepSeek's own per-expert modules also holds the dense layers' MLP and the shared experts'
+    (`mlp.shared_experts.gate_proj`): served, it equals HF's model with every product merged into the weights."""
+    from tests.mla_models import build_mla_expert_adapter, build_mla_model, merged_reference
+
+    model_dir, adapter_dir = tmp_path / "model", tmp_path / "mlps"
+    build_mla_model(model_dir)
+    build_mla_expert_adapter(model_dir, adapter_dir, r=4, lora_alpha=8, seed=4, with_mlps=True)
+    runner = make_runner(model_dir, **MLA_LORA)
+    results = runner.lora.load([AdapterToLoad(lora_name="a4", lora_path=str(adapter_dir), lora_id=ADAPTER_IDS["a4"])])
+    assert all(r.success for r in results), [r.error_message for r in results]
+    assert {(0, "mlp.gate_up_proj"), (1, "mlp.shared_experts.gate_up_proj"), (1, "mlp.shared_experts.down_proj"),
+            (1, "mlp.experts.gate_up_proj")} <= set(runner.lora.pool.buffers)
+    merged = merged_reference(model_dir, adapter_dir)
+    prompts = random_prompts([8, 5], runner.vocab_size, seed=9)
+    for prompt, name, logits in zip(prompts, ["a4", None], batch_logits(runner, prompts, ["a4", None]), strict=True):
+        with torch.inference_mode():
+            ref = (merged if name else hf_model(str(model_dir)))(torch.tensor([prompt])).logits[0]
+        assert (logits - ref).abs().max().item() <= LOGITS_TOL, name
+    # the shared experts' terms are in it: without them the served logits leave the merged reference
+    shared = runner.lora.pool.buffers[(1, "mlp.shared_experts.down_proj")]
+    saved = shared.lora_b.clone()
+    shared.lora_b.zero_()
+    try:
+        without = batch_logits(runner, prompts[:1], ["a4"])[0]
+    finally:
+        shared.lora_b.copy_(saved)
+    with torch.inference_mode():
+        assert (without - merged(torch.tensor([prompts[0]])).logits[0]).abs().max().item() > MIN_ADAPTER_EFFECT

@@ -11,12 +11,20 @@ from loraplex.worker.model.config import ModelConfig
 @dataclass(frozen=True)
 class FusedLinear:
     name: str  # attribute path inside a decoder layer
-    slices: tuple[str, ...]  # the HF modules fused into it, in slice order (see worker/loader.py FUSED_SLICES)
+    # the HF modules fused into it, in slice order (see worker/loader.py FUSED_SLICES); a shared expert's are named
+    # `shared_experts.` + module, as an adapter's weights are keyed, apart from the routed experts' of the same layer
+    slices: tuple[str, ...]
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The HF module names an adapter config targets (target_modules) to reach the slices."""
+        return tuple(name.rpartition(".")[2] for name in self.slices)
 
     @property
     def tp_mode(self) -> str:
-        """'column' or 'row': the one rule of protocol/lora_shards.py, which cuts its adapters' weights."""
-        return TP_MODES[self.slices[0]]
+        """'column', 'row' or 'replicated': the one rule of protocol/lora_shards.py, which cuts its adapters'
+        weights."""
+        return TP_MODES[self.modules[0]]
 
 
 FUSED_LINEARS = (
@@ -37,15 +45,22 @@ EXPERT_FUSED_LINEARS = (
     FusedLinear("mlp.experts.gate_up_proj", ("gate_proj", "up_proj")),
     FusedLinear("mlp.experts.down_proj", ("down_proj",)),
 )
+# DeepSeek-V3's shared experts: one dense MLP beside the routed experts of an MoE layer (`mlp.shared_experts.*`).
+SHARED_PREFIX = "shared_experts."
+SHARED_FUSED_LINEARS = (
+    FusedLinear("mlp.shared_experts.gate_up_proj", (SHARED_PREFIX + "gate_proj", SHARED_PREFIX + "up_proj")),
+    FusedLinear("mlp.shared_experts.down_proj", (SHARED_PREFIX + "down_proj",)),
+)
 # HF module -> (the experts' fused linear, slice index) in an MoE layer
 EXPERT_SLICE_OF: dict[str, tuple[FusedLinear, int]] = {
     module: (fused, slice_id) for fused in EXPERT_FUSED_LINEARS for slice_id, module in enumerate(fused.slices)
 }
 # HF module -> the fused linears of any layer that may hold it (what an adapter targeting it activates); a layer has
-# one of each module's (q_proj: a Llama layer's qkv_proj or latent attention's own q_proj; gate_proj: the dense MLP's
-# or the experts')
+# one of each module's (q_proj: a Llama layer's qkv_proj or latent attention's own q_proj; gate_proj: the dense MLP's,
+# or the experts' and the shared experts')
 KINDS_OF: dict[str, tuple[str, ...]] = {
-    module: tuple(fused.name for fused in (*FUSED_LINEARS, *EXPERT_FUSED_LINEARS) if module in fused.slices)
+    module: tuple(fused.name for fused in (*FUSED_LINEARS, *EXPERT_FUSED_LINEARS, *SHARED_FUSED_LINEARS)
+                  if module in fused.modules)
     for module in LAYER_MODULES
 }
 assert all(KINDS_OF.values())  # every module of the one table has its place here
@@ -59,10 +74,14 @@ def is_expert_module(model_config: ModelConfig, layer: int, module: str) -> bool
 
 def full_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """HF module -> (in_features, out_features) of its full, unsharded weight (the embedding's: as a linear from
-    one-hot tokens); `experts.` + module: one expert's."""
+    one-hot tokens); `experts.` + module: one expert's; `shared_experts.` + module: the shared experts' MLP's."""
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
     expert_inter = config.moe.intermediate_size if config.moe is not None else inter
+    shared_inter = config.moe.shared_intermediate_size if config.moe is not None else 0
+    shared_shapes = {SHARED_PREFIX + "gate_proj": (hidden, shared_inter),
+                     SHARED_PREFIX + "up_proj": (hidden, shared_inter),
+                     SHARED_PREFIX + "down_proj": (shared_inter, hidden)} if shared_inter else {}  # fmt: skip
     mla = config.mla
     if mla is not None:
         q_size = config.num_heads * mla.qk_head_dim
@@ -84,6 +103,7 @@ def full_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
         "experts.gate_proj": (hidden, expert_inter),
         "experts.up_proj": (hidden, expert_inter),
         "experts.down_proj": (expert_inter, hidden),
+        **shared_shapes,
         "q_proj": (hidden, q_size),
         "k_proj": (hidden, kv_size),
         "v_proj": (hidden, kv_size),
