@@ -214,3 +214,30 @@ def test_shared_experts_and_dense_mlp_adapter_matches_merged_weights(tmp_path: P
         shared.lora_b.copy_(saved)
     with torch.inference_mode():
         assert (without - merged(torch.tensor([prompts[0]])).logits[0]).abs().max().item() > MIN_ADAPTER_EFFECT
+
+
+def test_dummy_weights_at_published_widths_with_fewer_layers_and_experts(tmp_path: Path) -> None:
+    """--load-format dummy on DeepseekV3Config's defaults (DeepSeek-V3's widths, heads, ranks and yarn-free rope)
+    with the layers, experts and vocabulary cut by overrides as --hf-overrides cuts them: the model builds, draws
+    every parameter (the router's float32 correction bias included) and decodes finite logits."""
+    import json
+
+    from transformers import DeepseekV3Config
+
+    from tests.worker_helpers import prefill_logits
+
+    model_dir = tmp_path / "dsv3"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(DeepseekV3Config().to_dict()))
+    overrides = {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 8, "n_group": 4,
+                 "topk_group": 2, "vocab_size": 512, "hidden_size": 512, "intermediate_size": 256,
+                 "moe_intermediate_size": 64, "num_attention_heads": 8}
+    runner = make_runner(model_dir, load_format="dummy", hf_overrides=overrides)
+    mla = runner.model_config.mla
+    assert (mla.q_lora_rank, mla.kv_lora_rank, mla.qk_rope_head_dim, mla.qk_nope_head_dim, mla.v_head_dim) == (
+        1536, 512, 64, 128, 128)
+    assert runner.kv_bytes_per_token == 2 * (512 + 64) * 4
+    bias = runner.model.model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.dtype == torch.float32 and bias.abs().sum() > 0
+    logits = prefill_logits(runner, [1, 2, 3, 4, 5])
+    assert torch.isfinite(logits).all()
