@@ -241,3 +241,16 @@ def test_dummy_weights_at_published_widths_with_fewer_layers_and_experts(tmp_pat
     assert bias.dtype == torch.float32 and bias.abs().sum() > 0
     logits = prefill_logits(runner, [1, 2, 3, 4, 5])
     assert torch.isfinite(logits).all()
+
+
+def test_bfloat16_on_the_cpu_keeps_kv_b_proj_plain(mla_set, runner: ModelRunner) -> None:
+    """bfloat16 on a CPU prepacks the linears for oneDNN (worker/layers/packed.py); kv_b_proj, read per head in the
+    absorbed form, stays plain, and the bfloat16 model decodes as the fp32 one within bfloat16's rounding."""
+    model_dir, _ = mla_set
+    bf16 = make_runner(model_dir, dtype="bfloat16", lora_backend="torch")
+    kv_b = bf16.model.model.layers[0].self_attn.kv_b_proj
+    assert kv_b.weight.numel() == kv_b.weight.shape[0] * kv_b.weight.shape[1] > 0 and kv_b.packed_weight is None
+    prompt = random_prompts([9], runner.vocab_size, seed=6)[0]
+    ours = batch_logits(bf16, [prompt], [None])[0].float()
+    ref = hf_logits(model_dir, prompt, None)
+    assert (ours - ref).abs().max().item() <= 0.05 * ref.abs().max().item()

@@ -27,7 +27,7 @@ from loraplex.worker.layers.linear import ColumnParallelLinear, ReplicatedLinear
 from loraplex.worker.layers.moe import SparseMoeBlock, route_grouped
 from loraplex.worker.layers.norm import RMSNorm
 from loraplex.worker.layers.rotary import RotaryEmbedding
-from loraplex.worker.model.config import ModelConfig
+from loraplex.worker.model.config import ModelConfig, ModelConfigError
 from loraplex.worker.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from torch import nn
 
@@ -39,8 +39,13 @@ class LatentKVProj(ColumnParallelLinear):
     together, so a rank's rows are whole heads). Never applied to tokens as a linear: its two halves are applied in
     the absorbed form."""
 
+    packable = False  # its weight is read per head, never through a linear (worker/layers/packed.py)
+
     def __init__(self, kv_lora_rank: int, num_heads: int, qk_nope_head_dim: int, v_head_dim: int):
         super().__init__(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
+        if self.quant is not None:  # the quantized matmuls keep no weight to split per head
+            raise ModelConfigError("quantized checkpoints of latent attention (DeepSeek-V3's FP8 ones) are not served: "
+                                   "kv_b_proj runs in the absorbed form, which needs its plain weight")
         self.qk_nope_head_dim, self.v_head_dim = qk_nope_head_dim, v_head_dim
 
     def head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +81,7 @@ class DeepseekV3Attention(nn.Module):
         self.kv_b_proj = LatentKVProj(mla.kv_lora_rank, num_heads, mla.qk_nope_head_dim, mla.v_head_dim)
         self.o_proj = RowParallelLinear(num_heads * mla.v_head_dim, hidden, bias=config.o_bias)
         self.rotary = rotary
-        self.layer = LayerAttention(scale=mla.softmax_scale)
+        self.layer = LayerAttention(scale=mla.softmax_scale)  # not `layer`'s head_dim ** -0.5: the qk head's, yarn's
 
     def forward(
         self,
@@ -132,8 +137,8 @@ class DeepseekV3MoE(SparseMoeBlock):
         super().__init__(config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize)
         self.moe = moe
         self.gate = DeepseekV3Router(config.hidden_size, moe.num_experts)
-        self.shared_experts = LlamaMLP(config, intermediate_size=moe.shared_intermediate_size) \
-            if moe.shared_intermediate_size else None
+        shared_size = moe.shared_intermediate_size
+        self.shared_experts = LlamaMLP(config, intermediate_size=shared_size) if shared_size else None
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         moe = self.moe
