@@ -1,6 +1,7 @@
 """Where the built-in demo lives: `--model-path demo` serves the small Llama in demo_assets/ and its adapters.
 
-The files are package data written by scripts/train_demo.py (the builders and the text tasks live in scripts/demo/);
+The files are package data written by scripts/demo/train.py (the builders and the text tasks it uses live in
+tests/builders.py and tests/demo_tasks.py);
 SHA256SUMS lists every file's hash.
 """
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 DEMO_MODEL_PATH = "demo"
 DEMO_DIR = Path(__file__).resolve().with_name("demo_assets")
-# One adapter per task of scripts/demo/tasks.py, in the order the server loads them at start-up.
+# One adapter per task of tests/demo_tasks.py, in the order the server loads them at start-up.
 DEMO_ADAPTERS = ("reverse", "sort", "mirror")
 
 

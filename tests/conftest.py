@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from scripts.demo.builders import build_tiny_model
+    from tests.builders import build_tiny_model
 
     path = tmp_path_factory.mktemp("llama")
     build_tiny_model(path, arch="llama")
@@ -39,7 +39,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from scripts.demo.builders import build_tiny_model
+    from tests.builders import build_tiny_model
 
     path = tmp_path_factory.mktemp("qwen2")
     build_tiny_model(path, arch="qwen2", tie_word_embeddings=False)
@@ -48,7 +48,7 @@ def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from scripts.demo.builders import build_tiny_model
+    from tests.builders import build_tiny_model
 
     # head_dim 32 with 4 heads: q is 128 wide against a hidden size of 64; the q/k norm weights are not all ones.
     path = tmp_path_factory.mktemp("qwen3")
@@ -61,7 +61,7 @@ def qwen3_adapter_dirs(tmp_path_factory: pytest.TempPathFactory, qwen3_dir: Path
     """Two adapters on qwen3_dir: every module at rank 8, attention only at rank 16 with rsLoRA."""
     from loraplex.protocol.lora_targets import ATTN_MODULES, TARGET_MODULES
 
-    from scripts.demo.builders import build_lora_adapter
+    from tests.builders import build_lora_adapter
 
     root = tmp_path_factory.mktemp("qwen3_adapters")
     specs = {"q8": (8, 16, TARGET_MODULES, False), "q16": (16, 32, ATTN_MODULES, True)}
@@ -78,7 +78,7 @@ def adapter_specs() -> dict[str, tuple[int, float, tuple[str, ...], bool]]:
 
 @pytest.fixture(scope="session")
 def adapter_dirs(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> dict[str, Path]:
-    from scripts.demo.builders import build_lora_adapter
+    from tests.builders import build_lora_adapter
 
     root = tmp_path_factory.mktemp("adapters")
     paths = {}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.demo.expert_adapters import build_expert_module_adapter
+from tests.expert_adapters import build_expert_module_adapter
 
 ARCHS = ("mixtral", "olmoe", "qwen3_moe")
 _COMMON = dict(
@@ -40,7 +40,7 @@ def build_moe_model(out_dir: Path | str, arch: str, seed: int = 0, with_tokenize
     tokenizer beside it (and its vocabulary), for a server."""
     from transformers import AutoModelForCausalLM
 
-    from scripts.demo.builders import build_tokenizer, tokenizer_vocab_size
+    from tests.builders import build_tokenizer, tokenizer_vocab_size
 
     overrides = dict(vocab_size=tokenizer_vocab_size(), bos_token_id=None, eos_token_id=None) if with_tokenizer else {}
     model = AutoModelForCausalLM.from_config(hf_config(arch, **overrides), dtype=torch.float32)

@@ -206,7 +206,7 @@ def _model_ops_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, in
 # ---- the quantized linears' matmuls (kernels/quant_matmul.py), through the worker's CUDA layouts --------------------
 
 # (out, in) of each linear: a Llama-3-8B layer (qkv and gate_up fused, as the worker stacks them) and the bench
-# model's (scripts/bench_model.py "full": hidden 1024, 16 heads / 4 KV heads of 64, intermediate 2816).
+# model's (scripts/bench/model.py "full": hidden 1024, 16 heads / 4 KV heads of 64, intermediate 2816).
 QUANT_SHAPES = {
     "llama-8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "bench": {"qkv": (1536, 1024), "o": (1024, 1024), "gate_up": (5632, 1024), "down": (1024, 2816)},

@@ -4,7 +4,7 @@
 import { call, describe } from "./api.js";
 
 // The built-in demo model (`--model-path demo`) answers prompts of 1-3 short lowercase words followed by " ="
-// (scripts/demo/tasks.py); on it the playground opens with such a prompt, so the first Run shows what each adapter does.
+// (tests/demo_tasks.py); on it the playground opens with such a prompt, so the first Run shows what each adapter does.
 const DEMO_MODEL_PATH = "demo";
 const DEMO_PROMPT = "fresh bread =";
 

@@ -16,7 +16,7 @@ from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, S
 from loraplex.worker.layers import packed
 from loraplex.worker.model_runner import ModelRunner
 
-from scripts.demo.builders import build_lora_adapter
+from tests.builders import build_lora_adapter
 from tests.worker_helpers import GREEDY, build_llama_variant, forward_logits, make_runner, random_prompts
 
 OFF = cpu_ext.unavailable_reason()

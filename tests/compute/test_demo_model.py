@@ -16,13 +16,13 @@ from loraplex.protocol.lora_targets import MLP_MODULES, TARGET_MODULES
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from scripts.demo import builders
-from scripts.demo.builders import (
+from tests import builders
+from tests.builders import (
     build_lora_adapter,
     build_tiny_model,
     build_tokenizer,
 )
-from scripts.demo.tasks import ADAPTER_TASKS, BASE_TASK, accuracy, held_out_inputs
+from tests.demo_tasks import ADAPTER_TASKS, BASE_TASK, accuracy, greedy_answers, held_out_inputs
 
 BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = 1, 2, 3, 4
 VOCAB_SIZE = 1000
@@ -76,9 +76,9 @@ def test_tokenizer_build_is_deterministic(tmp_path: Path) -> None:
 def test_tokenizer_build_is_deterministic_across_processes(tmp_path: Path) -> None:
     # Tokenizer training could depend on hash-map order, which differs per process.
     build_tokenizer(tmp_path / "here")
-    code = "import sys; from scripts.demo.builders import build_tokenizer; build_tokenizer(sys.argv[1])"
+    code = "import sys; from tests.builders import build_tokenizer; build_tokenizer(sys.argv[1])"
     env = dict(os.environ, PYTHONHASHSEED="12345", RAYON_NUM_THREADS="1")
-    repo_root = Path(builders.__file__).resolve().parents[2]
+    repo_root = Path(builders.__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "there")], check=True, cwd=repo_root, env=env)
     assert _read_files(tmp_path / "here") == _read_files(tmp_path / "there")
 
@@ -356,8 +356,6 @@ def _num_parameters(config) -> int:
 def test_demo_tasks_in_transformers_and_peft(demo_dir: Path) -> None:
     # The same files through HF and peft: base and adapters do their tasks (the server test covers 200 inputs).
     from peft import PeftModel
-
-    from scripts.train_demo import greedy_answers
 
     inputs = held_out_inputs()[:40]
     tokenizer = AutoTokenizer.from_pretrained(demo_dir)

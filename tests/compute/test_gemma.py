@@ -14,7 +14,7 @@ from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model_runner import ModelRunner
 from transformers import AutoModelForCausalLM
 
-from scripts.demo.builders import build_lora_adapter
+from tests.builders import build_lora_adapter
 from tests.gemma_helpers import LAYER_TYPES, WINDOW, build_tiny_gemma
 from tests.reference import assert_greedy_match, hf_greedy, hf_model
 from tests.worker_helpers import Seq, make_runner, prefill_logits, random_prompts, run_greedy_schedule

@@ -15,7 +15,7 @@ from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.lora.layers import LoRALinear
 from loraplex.worker.model_runner import ModelRunner
 
-from scripts.demo.builders import build_lora_adapter
+from tests.builders import build_lora_adapter
 from tests.device_helpers import USES_GPU
 from tests.lora_helpers import (
     ADAPTER_IDS,

@@ -19,8 +19,8 @@ from loraplex.worker.parallel import tensor_parallel
 from loraplex.worker.quant import QuantFormatError, check_coverage, quantized_linears
 from loraplex.worker.quant.formats import build_format
 
-from scripts.quantize_checkpoint import write_quantized
 from tests.moe_models import build_moe_model, hf_config
+from tests.quantize_checkpoint import write_quantized
 from tests.worker_helpers import make_runner, prefill_logits, random_prompts
 
 FP8_FORMATS = {"fp8-block": "fp8 in 128x128 blocks", "ct-fp8-channel": "compressed-tensors float-quantized float8 "

@@ -1,5 +1,5 @@
 """--load-format dummy on a quantized config: each format's tensors are drawn in its own checkpoint layout (the
-names, shapes and stored dtypes scripts/quantize_checkpoint.py writes for a real checkpoint), decode to weights of
+names, shapes and stored dtypes tests/quantize_checkpoint.py writes for a real checkpoint), decode to weights of
 the plain dummy draws' scale, go through the checkpoint's weight loaders, and give the same model at every TP
 degree; the shipped real quantized configs draw sane weights at their real widths."""
 
@@ -20,8 +20,8 @@ from loraplex.worker.quant import QuantFormat, quantized_linears
 from loraplex.worker.quant.formats import build_format, random_tensors
 from safetensors import safe_open
 
-from scripts.quantize_checkpoint import FORMATS, write_quantized
 from tests.quant_weights import random_int_weight
+from tests.quantize_checkpoint import FORMATS, write_quantized
 from tests.worker_helpers import make_runner, prefill_logits, random_prompts
 
 STD = 0.02

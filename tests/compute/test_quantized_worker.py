@@ -10,8 +10,8 @@ import pytest
 import torch
 from loraplex.worker.model_runner import ModelRunner
 
-from scripts.quantize_checkpoint import FORMATS, write_quantized
 from tests.lora_helpers import LORA_CONFIG, batch_logits, greedy_decode, specs
+from tests.quantize_checkpoint import FORMATS, write_quantized
 from tests.reference import assert_greedy_match, hf_greedy, hf_model
 from tests.worker_helpers import make_runner, random_prompts
 

@@ -9,7 +9,7 @@ import torch
 from loraplex.protocol.structs import ForwardBatch, ForwardReq, SamplingParams
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from scripts.demo.builders import build_tiny_model
+from tests.builders import build_tiny_model
 from tests.worker_helpers import (
     GREEDY,
     Seq,

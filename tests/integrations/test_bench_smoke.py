@@ -9,17 +9,18 @@ from pathlib import Path
 
 import pytest
 
-import scripts.bench_chunked_prefill as bench_chunked_prefill
-import scripts.bench_dp as bench_dp
-import scripts.bench_families as bench_families
-import scripts.bench_kv_admission as bench_kv_admission
-import scripts.bench_prefix_cache as bench_prefix_cache
-import scripts.bench_quantized as bench_quantized
-import scripts.bench_serving as bench_serving
-import scripts.bench_step_overhead as bench_step_overhead
-import scripts.bench_structured as bench_structured
-from scripts.bench_report import percentile
-from scripts.bench_workload import FIRST_PLAIN_TOKEN_ID, WorkloadSpec, make_workload
+import scripts.bench.chunked_prefill as bench_chunked_prefill
+import scripts.bench.dp as bench_dp
+import scripts.bench.families as bench_families
+import scripts.bench.kv_admission as bench_kv_admission
+import scripts.bench.prefix_cache as bench_prefix_cache
+import scripts.bench.quantized as bench_quantized
+import scripts.bench.serving as bench_serving
+import scripts.bench.step_overhead as bench_step_overhead
+import scripts.bench.structured as bench_structured
+from scripts.bench import ratios
+from scripts.bench.report import percentile
+from scripts.bench.workload import FIRST_PLAIN_TOKEN_ID, WorkloadSpec, make_workload
 from tests.server_utils import ServerProcess
 
 SPEC = WorkloadSpec(num_requests=64, input_len_range=(4, 40), output_len_range=(2, 30),
@@ -99,7 +100,7 @@ def test_system_prompts_prefix_the_same_user_turns() -> None:
         WorkloadSpec(**{**SPEC.__dict__, "num_system_prompts": 3})
 
 
-# ---- the engine-core benchmarks, each as `--quick` runs it (bench_all runs the same functions) ------------------
+# ---- the engine-core benchmarks, each as `--quick` runs it (bench/all.py runs the same functions) -------------
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,8 @@ def bench_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_quick(module, cache_dir: Path, out: Path) -> dict:
-    module.main(["--quick", "--cache-dir", str(cache_dir), "--json", str(out)])
+    """`python -m scripts.bench NAME --quick`, NAME the module's row of scripts/bench/ratios.py."""
+    ratios.main(module.__name__.rsplit(".", 1)[1], ["--quick", "--cache-dir", str(cache_dir), "--json", str(out)])
     return json.loads(out.read_text())
 
 

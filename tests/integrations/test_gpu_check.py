@@ -1,5 +1,5 @@
-"""scripts/gpu_check.py --dry-run end to end: every group runs (or skips with a reason) on the CPU, the merged JSON
-has the documented shape, at most 6 files come back, the reviewer block is printed, and no check that ran failed.
+"""`python -m scripts.gpu_check --dry-run` end to end: every group runs (or skips with a reason) on the CPU, the merged
+JSON has the documented shape, at most 6 files come back, the reviewer block is printed, and no check that ran failed.
 Also: the plan is two device calls that fit the session's device time, the wheels brought cover their dependencies,
 and the check imports without `requests` or pytest."""
 
@@ -16,8 +16,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from scripts.gpu_check import parse_args
-from scripts.gpu_check_plan import (
+from scripts.gpu_check.plan import (
     CALL_LIMIT_S,
     DEVICE_CALL_S,
     IMAGE_PACKAGES,
@@ -28,6 +27,7 @@ from scripts.gpu_check_plan import (
     planned_calls,
     selected_groups,
 )
+from scripts.gpu_check.runner import parse_args
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GROUPS = ("g0", "g1", "g2", "g3", "g4", "g5", "g5b", "g6", "g9", "g7")  # G8 (compute-sanitizer) only with --sanitizer
@@ -110,7 +110,7 @@ def test_plan_is_two_calls_that_fit_the_session_with_room_for_a_rerun() -> None:
 
 
 def _wheel_list() -> dict[str, Requirement]:
-    lines = (REPO_ROOT / "scripts" / "gpu_wheels.txt").read_text().splitlines()
+    lines = (REPO_ROOT / "scripts" / "gpu_check" / "gpu_wheels.txt").read_text().splitlines()
     reqs = [Requirement(line.split(" #")[0]) for line in lines if line.strip() and not line.startswith("#")]
     return {canonicalize_name(r.name): r for r in reqs}
 
@@ -118,7 +118,7 @@ def _wheel_list() -> dict[str, Requirement]:
 def _device_markers() -> dict[str, str]:
     """The marker environment of the interpreter fetch_gpu_wheels.sh downloads for (its --python-version and
     --platform)."""
-    script = (REPO_ROOT / "scripts" / "fetch_gpu_wheels.sh").read_text()
+    script = (REPO_ROOT / "scripts" / "gpu_check" / "fetch_gpu_wheels.sh").read_text()
     python = re.search(r"--python-version (\d+\.\d+)", script).group(1)
     machines = set(re.findall(r"--platform manylinux\w*?_(x86_64|aarch64)\b", script))
     assert len(machines) == 1 and "--implementation cp" in script and "--no-deps" in script, script
@@ -162,7 +162,7 @@ def test_gpu_wheels_cover_their_dependencies() -> None:
             todo.append(dep)
     assert not missing and not unmet, (missing, unmet)
     assert {"xgrammar", "apache-tvm-ffi", "pydantic", "pydantic-core"} <= seen
-    doc = (REPO_ROOT / "scripts" / "GPU_CHECK.md").read_text()
+    doc = (REPO_ROOT / "scripts" / "gpu_check" / "GPU_CHECK.md").read_text()
     for name in IMAGE_PACKAGES:
         assert name in doc, f"GPU_CHECK.md does not say the image has {name}"
 
@@ -171,9 +171,10 @@ def test_check_imports_without_requests_or_pytest() -> None:
     """The GPU image has what `pip install .` brings: every gpu_check module and the test helpers it uses import
     with `requests` and pytest unavailable."""
     code = ("import sys; sys.modules['requests'] = None; sys.modules['pytest'] = None\n"
-            "import scripts.gpu_check, scripts.gpu_check_model, scripts.gpu_check_kernels, scripts.gpu_check_serving\n"
-            "import scripts.gpu_check_tp, scripts.gpu_check_server, scripts.bench_serving, scripts.bench_adapter_ops\n"
-            "import scripts.gpu_check_quant, loraplex.worker.quant.matmul\n"
+            "import scripts.gpu_check.runner, scripts.gpu_check.model, scripts.gpu_check.kernels\n"
+            "import scripts.gpu_check.serving, scripts.gpu_check.tp, scripts.gpu_check.server\n"
+            "import scripts.bench.serving, scripts.bench.adapter_ops\n"
+            "import scripts.gpu_check.quant, loraplex.worker.quant.matmul\n"
             "import tests.worker_helpers, tests.adapter_specs, tests.reference, tests.kernel_refs\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, HF_HUB_OFFLINE="1"))

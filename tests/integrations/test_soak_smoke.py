@@ -1,9 +1,9 @@
-"""scripts/soak.py stays runnable: a short soak with a request limit low enough that some requests get 429s; no
+"""scripts/bench/soak.py stays runnable: a short soak with a request limit low enough that some requests get 429s; no
 error, nothing left in flight. (Memory growth is judged only on long runs: a short one is all warm-up.)"""
 
 from __future__ import annotations
 
-from scripts import soak
+from scripts.bench import soak
 
 
 def test_a_short_soak_has_no_errors_and_leaves_nothing_behind() -> None:

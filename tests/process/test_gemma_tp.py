@@ -13,7 +13,7 @@ from loraplex.protocol.structs import AdapterToLoad, SlotLoad
 from loraplex.worker.dist import destroy_distributed, init_distributed
 from loraplex.worker.model_runner import ModelRunner
 
-from scripts.demo.builders import build_lora_adapter
+from tests.builders import build_lora_adapter
 from tests.gemma_helpers import WINDOW, build_tiny_gemma
 from tests.worker_helpers import Seq, random_prompts, run_greedy_schedule, run_two_ranks
 

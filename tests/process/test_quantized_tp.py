@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from loraplex.worker.model_runner import ModelRunner
 
-from scripts.quantize_checkpoint import write_quantized
 from tests.process.test_lora_tp import MIXED, run_lora, run_tp2, tp_config
+from tests.quantize_checkpoint import write_quantized
 
 # act-order groups scattered over the row-parallel shards; AWQ's interleaved packing split by columns; an INT8
 # per-channel zero point; FP8 128x128 blocks that a 64-wide projection and its shards only partly fill

@@ -1,11 +1,11 @@
 """The trained demo through a live server: in one mixed /generate batch, every demo adapter does its task and the base
-model does its own, each on at least 95 % of the 200 held-out inputs (scripts/train_demo.py never trains on them)."""
+model does its own, each on at least 95 % of the 200 held-out inputs (scripts/demo/train.py never trains on them)."""
 
 from __future__ import annotations
 
 import pytest
 
-from scripts.demo.tasks import (
+from tests.demo_tasks import (
     ADAPTER_TASKS,
     BASE_TASK,
     MAX_ANSWER_CHARS,

@@ -14,7 +14,7 @@ import requests
 from loraplex.protocol.lora_targets import TARGET_MODULES
 from transformers import AutoTokenizer
 
-from scripts.demo.builders import build_lora_adapter
+from tests.builders import build_lora_adapter
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess, fault_env
 from tests.unit.test_metrics import SERIES as METRIC_SERIES

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.demo.builders import build_lora_adapter, build_tokenizer, tokenizer_vocab_size
+from tests.builders import build_lora_adapter, build_tokenizer, tokenizer_vocab_size
 from tests.gemma_helpers import WINDOW, build_tiny_gemma
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess

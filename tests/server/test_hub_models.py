@@ -44,7 +44,7 @@ def sharded(model_dir: Path, out: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def hub(llama_dir, adapter_dirs, tmp_path_factory):
-    from scripts.demo.builders import build_tiny_model
+    from tests.builders import build_tiny_model
 
     tmp = tmp_path_factory.mktemp("hub-models")
     build_tiny_model(tmp / "v2", arch="llama", seed=1)  # same shapes and tokenizer, other weights

@@ -10,7 +10,7 @@ import pytest
 from loraplex.protocol.lora_targets import ATTN_MODULES
 from transformers import AutoTokenizer
 
-from scripts.demo.builders import build_lora_adapter, build_tiny_model
+from tests.builders import build_lora_adapter, build_tiny_model
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from scripts.demo.builders import build_tokenizer, tokenizer_vocab_size
+from tests.builders import build_tokenizer, tokenizer_vocab_size
 from tests.lora_helpers import build_peft_adapter
 from tests.phi3_helpers import PHI3_TARGETS, PHI4_MINI_LIKE, build_tiny_phi3
 from tests.reference import assert_greedy_match, hf_greedy

@@ -15,7 +15,7 @@ import torch
 from loraplex.worker.model.config import ModelConfig
 from safetensors.torch import save_file
 
-from scripts.demo.builders import build_tokenizer
+from tests.builders import build_tokenizer
 from tests.server_utils import ServerProcess
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "data" / "model_configs"

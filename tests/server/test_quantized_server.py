@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts.quantize_checkpoint import write_quantized
 from tests.moe_models import build_moe_model
 from tests.net import free_port
+from tests.quantize_checkpoint import write_quantized
 from tests.reference import hf_greedy
 from tests.server_utils import REPO_ROOT, ServerProcess
 

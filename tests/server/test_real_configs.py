@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from scripts.demo.builders import build_tokenizer
+from tests.builders import build_tokenizer
 from tests.server_utils import ServerProcess
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "data" / "model_configs"

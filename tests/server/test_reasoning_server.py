@@ -37,7 +37,7 @@ def thinking_dir(llama_dir, tmp_path_factory):
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(path)
     tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"  # as scripts/demo/builders.py writes it
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"  # as tests/builders.py writes it
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     config = json.loads((path / "config.json").read_text())
     grown = len(tokenizer) - config["vocab_size"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig
 
-from scripts.demo.builders import build_tokenizer, tokenizer_vocab_size
+from tests.builders import build_tokenizer, tokenizer_vocab_size
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess
 from tests.worker_helpers import TINY_LLAMA, random_prompts

@@ -8,9 +8,9 @@ import json
 
 from aiohttp import web
 
-from scripts.bench_llama_cpp import FULL, llama_cpp_wire, workloads
-from scripts.bench_serving import run_requests
-from scripts.bench_workload import BenchRequest
+from scripts.bench.llama_cpp import FULL, llama_cpp_wire, workloads
+from scripts.bench.serving import run_requests
+from scripts.bench.workload import BenchRequest
 from tests.net import free_port
 
 

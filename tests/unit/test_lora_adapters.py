@@ -16,7 +16,7 @@ from loraplex.worker.lora.adapter import AdapterLoadError, _finite_in_dtype, _ma
 from loraplex.worker.model_runner import ModelRunner
 from safetensors.torch import load_file, save_file
 
-from scripts.demo.builders import build_lora_adapter, build_tiny_model
+from tests.builders import build_lora_adapter, build_tiny_model
 from tests.worker_helpers import GREEDY, forward_logits, make_runner, random_prompts
 
 A4_ID = 1

@@ -13,8 +13,8 @@ from loraplex.worker.quant.matmul import DequantTileMatmul, TritonFP8Matmul, Tri
 from loraplex.worker.quant.scaled_mm import FP8_MAX, ScaledMMFP8Matmul, quantize_activations
 from loraplex.worker.quant.weights import FloatWeight
 
-from scripts.quantize_checkpoint import _quantize
 from tests.quant_weights import random_int_weight
+from tests.quantize_checkpoint import _quantize
 
 CUDA = torch.device("cuda")
 E4M3_REL = 2.0**-4  # e4m3's relative rounding error bound (3 mantissa bits), normal range
@@ -24,7 +24,7 @@ def fp8_checkpoint_weight(fmt: str, num_rows: int = 96, num_cols: int = 256, see
     """(the FloatWeight loraplex decodes from a one-linear checkpoint in `fmt`, the weight its library dequantizes)."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(num_rows, num_cols, generator=gen) * 0.02 * torch.linspace(0.5, 3.0, num_rows)[:, None]
-    if fmt == "fp8-tensor":  # vLLM's fp8 method per tensor (scripts/quantize_checkpoint.py writes blocks only)
+    if fmt == "fp8-tensor":  # vLLM's fp8 method per tensor (tests/quantize_checkpoint.py writes blocks only)
         scale = w.abs().amax() / FP8_MAX
         q = (w / scale).to(torch.float8_e4m3fn)
         weight = FP8Format({"activation_scheme": "dynamic"}).decode({"weight": q, "weight_scale": scale.reshape(1)},

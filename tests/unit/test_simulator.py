@@ -1,12 +1,12 @@
-"""scripts/cluster_sim.py and sim_policies.py on small cases: properties a broken router, replica or cost model
+"""scripts/sim/cluster.py and sim_policies.py on small cases: properties a broken router, replica or cost model
 would violate."""
 
 from __future__ import annotations
 
 import random
 
-from scripts.cluster_sim import Replica, ReplicaShape, SimRequest, StepCost, Workload, simulate
-from scripts.sim_policies import POLICIES, LeastLoaded, LoRAAffinityScorer, ProductRouter
+from scripts.sim.cluster import Replica, ReplicaShape, SimRequest, StepCost, Workload, simulate
+from scripts.sim.policies import POLICIES, LeastLoaded, LoRAAffinityScorer, ProductRouter
 
 SMALL = ReplicaShape(num_slots=2, max_running=8, num_pages=512)
 
@@ -122,7 +122,7 @@ def test_simulation_releases_every_request_it_routes():
 def test_script_writes_table_plot_and_json(tmp_path, capsys):
     import json
 
-    import scripts.simulate_cluster as simulate_cluster
+    import scripts.sim.simulate as simulate_cluster
 
     args = ["--replicas", "1", "2", "--adapters", "10", "100", "--scaling-adapters", "10", "--sweep-replicas", "2",
             "--requests-per-replica", "10", "--rates-per-replica", "2", "4", "--base-ms", "20",
@@ -140,7 +140,7 @@ def test_calibration_measures_every_cost(tmp_path):
     import json
     import math
 
-    import scripts.sim_calibrate as sim_calibrate
+    import scripts.sim.calibrate as sim_calibrate
 
     out = tmp_path / "cost.json"
     cost = sim_calibrate.main(["--size", "quick", "--steps", "1", "--dtype", "float32", "--batch", "4", "--context",

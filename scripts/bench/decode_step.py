@@ -1,0 +1,152 @@
+"""One worker's decode step, in process: the `cpu` backend (kernels/cpu_ext) against the `torch` one it replaces.
+
+Loads the bench model and its adapters into a ModelRunner (no server), prefills `--batch` requests of `--context`
+tokens, then times the same decode step over and over, alternating the two paths step by step so that both see the
+same machine (this CPU's speed drifts by tens of percent). Batches: base model only, 8 adapters scattered over the
+pool (as after a 32-adapter workload), and 32 adapters. Prints min and median step time per path and their ratios.
+
+    python -m scripts.bench.decode_step            # bfloat16, the full bench model, 32 requests of 200 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+
+import torch
+from loraplex.kernels import BackendError, select_backend
+from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SamplingParams, SlotLoad
+from loraplex.worker.model_runner import ModelRunner
+
+from scripts.bench.model import ADAPTER_RANK, SIZES, BenchModel, ensure_bench_model
+from scripts.bench.report import format_table, write_json
+
+PAGE_SIZE = 16
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    parser.add_argument("--batch", type=int, default=32, help="requests in the decode step")
+    parser.add_argument("--context", type=int, default=200, help="tokens each request has in the KV cache")
+    parser.add_argument("--num-adapters", type=int, default=32, help="adapters loaded (the pool's slots)")
+    parser.add_argument("--steps", type=int, default=16, help="timed steps per path and batch")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--json", help="write the results here")
+    return parser.parse_args(argv)
+
+
+def make_runner(
+    bench: BenchModel,
+    *,
+    dtype: str,
+    batch: int,
+    context: int,
+    max_loras_per_batch: int,
+    num_adapters: int,
+    rank: int = 0,
+    tp: int = 1,
+    lora_backend: str = "auto",
+) -> tuple[ModelRunner, list[list[int]]]:
+    """A ModelRunner with the first `num_adapters` adapters in slots 0.., and `batch` requests of `context` random
+    tokens prefilled (in chunks of 8): the runner and each request's pages. With tp > 1, this process is rank `rank`
+    of a TP group it has joined (every rank makes the same calls)."""
+    pages_per_req = -(-(context + 1) // PAGE_SIZE)
+    config = ServerConfig(
+        device="cpu", dtype=dtype, page_size=PAGE_SIZE, max_total_tokens=batch * pages_per_req * PAGE_SIZE,
+        enable_lora=True, max_lora_rank=ADAPTER_RANK, lora_target_modules=["all"],
+        max_loras_per_batch=max_loras_per_batch, max_running_requests=batch, tp=tp, lora_backend=lora_backend,
+    )  # fmt: skip
+    runner = ModelRunner(config, str(bench.base_dir), rank=rank, world_size=tp, device="cpu")
+    specs = [
+        AdapterToLoad(lora_name=name, lora_path=str(path), lora_id=i + 1)
+        for i, (name, path) in enumerate(list(bench.adapter_dirs.items())[:num_adapters])
+    ]
+    assert all(result.success for result in runner.lora.load(specs))
+    loads = [SlotLoad(slot=i, lora_id=i + 1) for i in range(len(specs))]
+
+    rng = random.Random(0)
+    pages = [list(range(i * pages_per_req, (i + 1) * pages_per_req)) for i in range(batch)]
+    for start in range(0, batch, 8):  # prefill in chunks of 8 requests
+        reqs = [ForwardReq(input_ids=[rng.randrange(1000) for _ in range(context)], num_cached_tokens=0,
+                           page_ids=pages[i], sampling=GREEDY)
+                for i in range(start, min(start + 8, batch))]  # fmt: skip
+        runner.forward(ForwardBatch(batch_id=start, reqs=reqs, slot_loads=loads if start == 0 else []))
+    return runner, pages
+
+
+def decode_reqs(pages: list[list[int]], context: int, row_slots: list[int]) -> list[ForwardReq]:
+    """One decode token per request, request i in slot row_slots[i] (-1 = base)."""
+    return [ForwardReq(input_ids=[5], num_cached_tokens=context, page_ids=pages[i], sampling=GREEDY,
+                       num_generated=1, slot=slot)
+            for i, slot in enumerate(row_slots)]  # fmt: skip
+
+
+def step_ms(runner: ModelRunner, reqs: list[ForwardReq], batch_id: int) -> float:
+    """One forward of the decode batch (the same step every time: it rewrites the same KV slot), in ms."""
+    start = time.perf_counter()
+    runner.forward(ForwardBatch(batch_id=batch_id, reqs=reqs))
+    return (time.perf_counter() - start) * 1e3
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:  # the LoRA backend decides the model's kernels too; each layer binds its ops when built, so one runner each
+        select_backend("cpu", "cpu", getattr(torch, args.dtype))
+    except BackendError as e:
+        sys.exit(str(e))
+    bench = ensure_bench_model(SIZES[args.size], args.num_adapters)
+    runners = {}
+    for path, lora_backend in (("torch ops", "torch"), ("CPU kernels", "cpu")):
+        runners[path], pages = make_runner(
+            bench,
+            dtype=args.dtype,
+            batch=args.batch,
+            context=args.context,
+            max_loras_per_batch=args.num_adapters,
+            num_adapters=args.num_adapters,
+            lora_backend=lora_backend,
+        )
+    specs = list(bench.adapter_dirs)
+
+    few = sorted(random.Random(3).sample(range(len(specs)), min(8, len(specs))))
+    batches = {
+        "base only": [-1],
+        f"{len(few)} adapters (scattered slots)": few,
+        f"{len(specs)} adapters": list(range(len(specs))),
+    }
+    results, rows = {}, []
+    for name, slots in batches.items():
+        row_slots = sorted(slots[i % len(slots)] for i in range(args.batch))  # sorted by slot, as the scheduler does
+        reqs = decode_reqs(pages, args.context, row_slots)
+        times: dict[str, list[float]] = {"torch ops": [], "CPU kernels": []}
+        for step in range(args.steps + 2):
+            for path, runner in runners.items():
+                elapsed_ms = step_ms(runner, reqs, 100 + step)
+                if step >= 2:  # the first steps warm caches and plans
+                    times[path].append(elapsed_ms)
+        ops, kernels = (statistics.median(times[p]) for p in ("torch ops", "CPU kernels"))
+        results[name] = {path: {"min_ms": min(t), "median_ms": statistics.median(t)} for path, t in times.items()}
+        rows.append([name, min(times["torch ops"]), ops, min(times["CPU kernels"]), kernels, ops / kernels])
+    base_ops, base_kernels = rows[0][2], rows[0][4]
+    for row in rows:
+        row.extend([base_ops / row[2], base_kernels / row[4]])
+    headers = ["decode step, ms", "torch ops min", "median", "CPU kernels min", "median", "speedup",
+               "base/this (ops)", "base/this (kernels)"]  # fmt: skip
+    print(f"{args.batch} requests x {args.context} tokens of context, {args.dtype}, {torch.get_num_threads()} threads")
+    print(format_table(headers, rows))
+    if args.json:
+        write_json(args.json, {"args": vars(args), "results": results})
+    return results
+
+
+if __name__ == "__main__":
+    main()

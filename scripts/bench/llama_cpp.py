@@ -1,0 +1,273 @@
+"""loraplex beside llama.cpp's server on the bench model's weights at bf16, 8 and 4 bits, with its 32 adapters.
+
+    python -m scripts.bench.llama_cpp --llama-cpp DIR [--rounds 2] [--json out.json]
+
+DIR is a llama.cpp source tree with `build/bin/llama-server` and `build/bin/llama-quantize` built
+(docs/BENCHMARKS.md says how). Both servers serve the bench model (scripts/bench/model.py, full size) and its 32
+rank-16 adapters on every linear:
+
+  precision  loraplex                                      llama-server
+  bf16       the checkpoint as written                     GGUF bf16 (convert_hf_to_gguf.py)
+  8-bit      compressed-tensors INT8 per channel (W8A16)   Q8_0 (llama-quantize; blocks of 32)
+  4-bit      GPTQ INT4 in groups of 128 (W4A16)            Q4_0 (llama-quantize; blocks of 32)
+
+Adapters are the same PEFT files, converted for llama.cpp by its convert_lora_to_gguf.py (bf16); the conversions are
+written once next to the bench model. The bench tokenizer has no sentencepiece model and a pre-tokenizer llama.cpp
+does not know: the conversion is told both (prompts are token ids, so the tokenizer never runs).
+
+One server at a time, the two alternating which goes first per precision and round, each running two workloads with
+token-id prompts and exact output lengths (ignore_eos): single stream (one request after another, prompt 64,
+output 128, four adapters in turn: decode tokens/s from the inter-token gaps) and 32 adapters (the project's
+workload: in/out 16-256, 32 concurrent, uniform over the 32 adapters: output tokens/s, TTFT p99). Both use every core
+for compute. llama-server runs `--lora ... --lora-init-without-apply -np 32 --cont-batching --cache-ram 0`; every
+adapter's global scale is set to 0 after start, and each request names its own (`"lora": [{"id": k, "scale": 1}]`),
+so it batches only requests on the same adapter. Ratios: loraplex / llama-server, best of the rounds on each side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+import scripts.bench.quantized as bench_quantized
+from scripts.bench.model import SIZES, BenchModel, ensure_bench_model
+from scripts.bench.report import format_table, summarize, write_json
+from scripts.bench.server import NUM_CORES, start_server
+from scripts.bench.serving import LORAPLEX, Wire, run_requests, warm_up
+from scripts.bench.workload import BenchRequest, WorkloadSpec, make_workload
+from tests.net import free_port
+
+PRECISIONS = {"bf16": ("plain", "BF16"), "8-bit": ("int8", "Q8_0"), "4-bit": ("int4", "Q4_0")}  # loraplex, GGUF
+HEADERS = ("workload", "loraplex / llama-server", "loraplex vs llama-server")
+CONTEXT_PER_SLOT = 640  # the workload's longest request (256 + 256) fits a llama-server slot
+START_TIMEOUT_S = 600.0
+
+# Run inside llama.cpp's tree: its converters, told that the bench tokenizer is tokenizer.json only (no
+# sentencepiece model) and to take GPT-2's pre-tokenizer for a hash it does not list.
+CONVERT = """
+import runpy, sys
+from conversion import base
+def tokenizer_json_only(self):
+    raise FileNotFoundError("no tokenizer.model")
+base.TextModel._set_vocab_sentencepiece = tokenizer_json_only
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@dataclass(frozen=True)
+class Plan:
+    single_requests: int  # one after another
+    single_output: int
+    num_requests: int  # the 32-adapter workload
+    num_adapters: int = 32
+
+
+FULL = Plan(single_requests=8, single_output=128, num_requests=64)
+QUICK = Plan(single_requests=2, single_output=16, num_requests=8, num_adapters=4)
+
+
+def llama_cpp_wire(adapter_ids: dict[str, int]) -> Wire:
+    """llama-server's streamed /completion: token-id prompt, the request's adapter at scale 1 (others stay 0)."""
+
+    def payload(request: BenchRequest) -> dict:
+        return {"prompt": request.input_ids, "n_predict": request.output_len, "ignore_eos": True, "stream": True,
+                "temperature": 0.0, "cache_prompt": False,
+                "lora": [] if request.adapter is None else [{"id": adapter_ids[request.adapter], "scale": 1.0}]}
+
+    # its HTTP server closes a connection idle for a few seconds: a new one per request
+    return Wire("/completion", payload, lambda chunk: chunk.get("tokens_predicted", 0), keep_alive=False)
+
+
+# ---- the weights in llama.cpp's format ----------------------------------------------------------------------------
+
+
+def _run(cmd: list[str], cwd: Path) -> None:
+    done = subprocess.run(cmd, cwd=cwd, env=dict(os.environ, PYTHONPATH=f"{cwd}{os.pathsep}{cwd / 'gguf-py'}"),
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:3])} ... failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+
+
+def gguf_files(bench: BenchModel, llama_cpp: Path) -> tuple[dict[str, Path], dict[str, Path]]:
+    """({GGUF type: base file}, {adapter name: file}), converted once into the bench model's gguf/ folder."""
+    out = bench.base_dir.parent / "gguf"
+    out.mkdir(exist_ok=True)
+    bases = {kind: out / f"base-{kind.lower()}.gguf" for _, kind in PRECISIONS.values()}
+    if not bases["BF16"].exists():
+        print("converting the base to GGUF bf16", file=sys.stderr)
+        _run([sys.executable, "-c", CONVERT, "convert_hf_to_gguf.py", str(bench.base_dir), "--outtype", "bf16",
+              "--outfile", str(bases["BF16"])], llama_cpp)
+    for kind, path in bases.items():
+        if not path.exists():
+            print(f"quantizing the base to {kind}", file=sys.stderr)
+            _run([str(llama_cpp / "build" / "bin" / "llama-quantize"), str(bases["BF16"]), str(path), kind], llama_cpp)
+    adapters = {}
+    for name, adapter_dir in bench.adapter_dirs.items():
+        adapters[name] = out / f"{name}.gguf"
+        if not adapters[name].exists():
+            print(f"converting adapter {name}", file=sys.stderr)
+            _run([sys.executable, "-c", CONVERT, "convert_lora_to_gguf.py", str(adapter_dir), "--base",
+                  str(bench.base_dir), "--outtype", "bf16", "--outfile", str(adapters[name])], llama_cpp)
+    return bases, adapters
+
+
+# ---- llama-server -------------------------------------------------------------------------------------------------
+
+
+class LlamaServer:
+    """llama-server on one GGUF base with the adapters loaded unapplied, in its own session (stopped with it)."""
+
+    def __init__(self, llama_cpp: Path, base: Path, adapters: list[Path], *, threads: int, slots: int):
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{self.url.rsplit(':', 1)[1]}.log"
+        cmd = [str(llama_cpp / "build" / "bin" / "llama-server"), "-m", str(base),
+               *(arg for path in adapters for arg in ("--lora", str(path))), "--lora-init-without-apply",
+               "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * CONTEXT_PER_SLOT),
+               "--cont-batching", "--cache-ram", "0", "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1]]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_healthy()
+            # --lora-init-without-apply leaves each global scale at 1: zero them, requests name their own
+            resp = requests.post(self.url + "/lora-adapters", json=[{"id": i, "scale": 0.0}
+                                                                    for i in range(len(adapters))], timeout=30)
+            resp.raise_for_status()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"llama-server exited ({self.proc.returncode}); log: {self.log_path}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"llama-server not healthy in {START_TIMEOUT_S:.0f} s; log: {self.log_path}")
+
+    def stop(self) -> None:
+        for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout=wait_s)
+                return
+            except ProcessLookupError:
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __enter__(self) -> LlamaServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ---- the runs -----------------------------------------------------------------------------------------------------
+
+
+def workloads(plan: Plan, adapter_names: list[str], seed: int) -> dict[str, tuple[list[BenchRequest], int]]:
+    """name -> (requests, concurrency)."""
+    single = make_workload(WorkloadSpec(num_requests=plan.single_requests, input_len_range=(64, 64),
+                                        output_len_range=(plan.single_output, plan.single_output),
+                                        adapter_names=tuple(adapter_names[:4]), seed=seed))
+    single = [BenchRequest(r.index, r.input_ids, r.output_len, adapter_names[r.index % 4], 0.0) for r in single]
+    mixed = make_workload(WorkloadSpec(num_requests=plan.num_requests, input_len_range=(16, 256),
+                                       output_len_range=(16, 256), adapter_names=tuple(adapter_names), seed=seed))
+    return {"single": (single, 1), "adapters": (mixed, plan.num_adapters)}
+
+
+def drive(url: str, wire: Wire, runs: dict[str, tuple[list[BenchRequest], int]]) -> dict[str, dict]:
+    """Warm-up (one short request per adapter), then each workload: {workload: summary}."""
+    mixed, concurrency = runs["adapters"]
+    asyncio.run(warm_up(url, mixed, concurrency, wire))
+    summaries = {}
+    for name, (reqs, concurrency) in runs.items():
+        results, duration_s = asyncio.run(run_requests(url, reqs, concurrency=concurrency, desc=name, wire=wire))
+        failed = [r for r in results if not r.ok]
+        if failed:
+            raise SystemExit(f"{name}: {len(failed)} of {len(results)} requests failed; first: {failed[0].error}")
+        summaries[name] = summarize(results, duration_s)
+    return summaries
+
+
+def benchmark(bench: BenchModel, plan: Plan, llama_cpp: Path, *, rounds: int, threads: int, seed: int) -> dict:
+    copies = bench_quantized.quantized_copies(bench)
+    bases, adapter_files = gguf_files(bench, llama_cpp)
+    names = list(bench.adapter_dirs)[: plan.num_adapters]
+    runs = workloads(plan, names, seed)
+    wire = llama_cpp_wire({name: i for i, name in enumerate(names)})
+    raw: dict[str, dict[str, list[dict]]] = {p: {"loraplex": [], "llama.cpp": []} for p in PRECISIONS}
+    for round_index in range(rounds):
+        for index, (precision, (label, kind)) in enumerate(PRECISIONS.items()):
+            order = ["loraplex", "llama.cpp"][:: 1 if (round_index + index) % 2 == 0 else -1]
+            for side in order:
+                print(f"round {round_index + 1}/{rounds}, {precision}: {side}", file=sys.stderr)
+                if side == "loraplex":
+                    with start_server(copies[label].base_dir, {n: bench.adapter_dirs[n] for n in names},
+                                      dtype="bfloat16", server_threads=threads, max_running_requests=plan.num_adapters,
+                                      max_loras_per_batch=plan.num_adapters) as server:
+                        raw[precision][side].append(drive(server.url, LORAPLEX, runs))
+                else:
+                    with LlamaServer(llama_cpp, bases[kind], [adapter_files[n] for n in names], threads=threads,
+                                     slots=plan.num_adapters) as server:
+                        raw[precision][side].append(drive(server.url, wire, runs))
+    result = {"plan": plan.__dict__, "rounds": raw, "best": {}}
+    for precision, sides in raw.items():
+        result["best"][precision] = {side: {
+            "single_tok_s": max(1e3 / run["single"]["itl_ms"]["mean"] for run in runs_),
+            "adapters_tok_s": max(run["adapters"]["output_token_throughput"] for run in runs_),
+            "adapters_ttft_p99_ms": min(run["adapters"]["ttft_ms"]["p99"] for run in runs_),
+        } for side, runs_ in sides.items()}
+    return result
+
+
+def rows(result: dict) -> list[list[str]]:
+    out = []
+    for precision, sides in result["best"].items():
+        ours, theirs = sides["loraplex"], sides["llama.cpp"]
+        out.append([f"{precision}: single-stream decode tok/s", f"{ours['single_tok_s'] / theirs['single_tok_s']:.2f}",
+                    f"{ours['single_tok_s']:.1f} vs {theirs['single_tok_s']:.1f}"])
+        out.append([f"{precision}: {result['plan']['num_adapters']} adapters out tok/s",
+                    f"{ours['adapters_tok_s'] / theirs['adapters_tok_s']:.2f}",
+                    f"{ours['adapters_tok_s']:.1f} vs {theirs['adapters_tok_s']:.1f}; TTFT p99 "
+                    f"{ours['adapters_ttft_p99_ms']:.0f} vs {theirs['adapters_ttft_p99_ms']:.0f} ms"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp source tree with build/bin built")
+    parser.add_argument("--quick", action="store_true", help="few short requests on 4 adapters (a smoke run)")
+    parser.add_argument("--rounds", type=int, default=2, help="each side runs each precision this many times")
+    parser.add_argument("--threads", type=int, default=NUM_CORES, help="compute threads of each server")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, metavar="PATH", help="write every result here")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    bench = ensure_bench_model(SIZES["full"], FULL.num_adapters)
+    result = benchmark(bench, plan, args.llama_cpp.resolve(), rounds=args.rounds, threads=args.threads,
+                       seed=args.seed)
+    print(format_table(HEADERS, rows(result)))
+    if args.json:
+        write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
