@@ -203,6 +203,8 @@ class ModelConfig:
             )
         if model_type in GEMMA_TYPES:
             hf = _gemma_fields(hf, model_type)
+        if model_type == "deepseek_v3":
+            hf = _deepseek_v3_fields(hf)
         hidden_act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
         allowed_act = "gelu_pytorch_tanh" if model_type in GEMMA_TYPES else "silu"
         if hidden_act != allowed_act:
@@ -391,6 +393,39 @@ _GEMMA2_DEFAULTS: dict[str, Any] = {
     "final_logit_softcapping": 30.0,
     "tie_word_embeddings": True,
 }
+
+
+# DeepseekV3Config's defaults for the keys that change the arithmetic (a key present as null stays null: q_lora_rank).
+_DEEPSEEK_V3_DEFAULTS: dict[str, Any] = {
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 2048,
+    "routed_scaling_factor": 2.5,
+    "n_group": 8,
+    "topk_group": 4,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "rope_interleave": True,
+}
+
+
+def _deepseek_v3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """A DeepSeek-V3 config with the reference's defaults filled in; the router the reference runs (sigmoid scores,
+    grouped top-k with the correction bias), or ModelConfigError for a config that asks for another."""
+    hf = {**_DEEPSEEK_V3_DEFAULTS, **hf}
+    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ModelConfigError(f"deepseek_v3 routes with scoring_func sigmoid and topk_method noaux_tc, not "
+                               f"{hf.get('scoring_func')!r} and {hf.get('topk_method')!r}")
+    if (hf.get("moe_layer_freq") or 1) != 1:
+        raise ModelConfigError(f"deepseek_v3 with moe_layer_freq {hf['moe_layer_freq']} is not supported (every "
+                               f"layer from first_k_dense_replace on is MoE)")
+    return hf
 
 
 def _gemma_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
