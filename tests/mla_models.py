@@ -47,7 +47,7 @@ def build_mla_model(out_dir: Path | str, seed: int = 0, with_tokenizer: bool = F
     """Random weights, norms near 1, a router that separates the experts clearly, a visible correction bias."""
     from transformers import AutoModelForCausalLM
 
-    from scripts.demo.builders import build_tokenizer, tokenizer_vocab_size
+    from tests.builders import build_tokenizer, tokenizer_vocab_size
 
     if with_tokenizer:
         overrides = dict(vocab_size=tokenizer_vocab_size(), bos_token_id=None, eos_token_id=None, **overrides)
