@@ -38,3 +38,25 @@ def test_absent_keys_take_the_reference_defaults_and_null_stays_null() -> None:
 def test_other_routers_are_refused(change: dict) -> None:
     with pytest.raises(ModelConfigError):
         ModelConfig.from_dict({**hf_config().to_dict(), **change})
+
+
+@pytest.mark.parametrize("groups", [(4, 2), (1, 1)])  # DeepSeek-V3's grouped choice; Kimi K2's one group
+def test_router_matches_the_reference(groups: tuple[int, int]) -> None:
+    import torch
+    from loraplex.worker.layers.moe import route_grouped
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    n_group, topk_group = groups
+    hf = hf_config(n_group=n_group, topk_group=topk_group)
+    router = DeepseekV3TopkRouter(hf)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=generator))
+        router.e_score_correction_bias.copy_(torch.randn(8, generator=generator))
+    hidden = torch.randn(32, hf.hidden_size, generator=generator)
+    _, ref_weights, ref_ids = router(hidden)
+    weights, ids = route_grouped(hidden @ router.weight.T, router.e_score_correction_bias, hf.num_experts_per_tok,
+                                 n_group, topk_group, True, hf.routed_scaling_factor)  # fmt: skip
+    order, ref_order = ids.sort(dim=-1), ref_ids.sort(dim=-1)
+    assert torch.equal(order.values, ref_order.values)
+    torch.testing.assert_close(weights.gather(1, order.indices), ref_weights.gather(1, ref_order.indices))
