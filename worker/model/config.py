@@ -41,7 +41,6 @@ class MoEConfig:
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of ModelConfig.intermediate_size instead
     # DeepSeek-V3's router: sigmoid scores, experts chosen (with a correction bias) within the best `topk_group` of
     # `num_groups` groups, weights scaled by `routed_scaling_factor`; and shared experts beside the routed ones.
-    scoring: str = "softmax"  # or "sigmoid"
     num_groups: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
@@ -62,7 +61,7 @@ class MoEConfig:
         if model_type == "deepseek_v3":  # DeepseekV3DecoderLayer's rule: the first k layers dense
             num_experts = hf["n_routed_experts"]
             dense_layers = tuple(range(min(hf.get("first_k_dense_replace", 0) or 0, num_layers)))
-            extra = dict(scoring="sigmoid", num_groups=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+            extra = dict(num_groups=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
                          routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
                          shared_intermediate_size=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0))
             if num_experts % extra["num_groups"]:
