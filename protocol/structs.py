@@ -340,6 +340,7 @@ class SchedulerReady(Struct, frozen=True):
     model_type: str = ""  # the HF model_type the workers run
     num_hidden_layers: int = 0  # after --hf-overrides
     grammar_error: str = ""  # why some rank cannot take structured output (xgrammar's import); "": every rank can
+    kv_bytes_per_token: int = 0  # of one rank's KV cache, every layer
 
 
 class ProcessFailed(Struct, frozen=True):
@@ -412,6 +413,7 @@ class WorkerReady(Struct, frozen=True):
     # (ForwardReq.long_rope); 0: no such length within the context
     long_rope_len: int = 0
     grammar_error: str = ""  # why this rank cannot take structured output (xgrammar's import); "": it can
+    kv_bytes_per_token: int = 0  # of this rank's KV cache, every layer (latent attention: the latent and rope key)
 
 
 class Shutdown(Struct, frozen=True):

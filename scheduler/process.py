@@ -132,6 +132,7 @@ class SchedulerProcess:
                 model_type=first.model_type,
                 num_hidden_layers=first.num_hidden_layers,
                 grammar_error=next((r.grammar_error for r in ready.values() if r.grammar_error), ""),
+                kv_bytes_per_token=first.kv_bytes_per_token,
             )
         )
         log.info("ready: %d ranks, %d KV pages of %d tokens", len(ready), num_pages, page_size)

@@ -97,6 +97,7 @@ class Worker:
                 attention_window=self.runner.model_config.attention_window,
                 long_rope_len=self.runner.long_rope_len,
                 grammar_error=self.runner.grammar.import_error,
+                kv_bytes_per_token=self.runner.kv_bytes_per_token,
             )
         )
         while True:

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 from loraplex.frontend.entrypoints.cli import build_arg_parser, config_from_args
 from loraplex.protocol import rpc
+from loraplex.protocol.adapters.lora_targets import LAYER_MODULES
 from loraplex.protocol.config import ConfigError, ServerConfig, parse_lora_source
 from loraplex.protocol.faults import FAULTS_ENV, FaultPlan, read_fault_plan
 from loraplex.protocol.structs import (
@@ -157,7 +158,7 @@ def test_cli_parses_lora_paths_forms():
     assert [(s.lora_name, s.lora_path, s.pinned) for s in config.lora_sources] == [
         ("a", "/x", False), ("b", "/y/b", False), ("c", "/z", True)]
     assert config.lora_enabled and config.tp == 2
-    assert len(config.target_modules) == 7
+    assert config.target_modules == LAYER_MODULES  # every family's layer linears; a worker keeps its model's
 
 
 @pytest.mark.parametrize("argv", [["--tp", "0"], ["--lora-target-modules", "score"], ["--max-lora-rank", "-1"],
