@@ -15,13 +15,13 @@ from typing import Any
 
 import msgspec
 from loraplex.frontend.adapters.registry import AdapterError
+from loraplex.frontend.bodies import error_body
 from loraplex.frontend.caller import caller_key_id
 from loraplex.frontend.chat_template import ChatOptions, render_chat
 from loraplex.frontend.constraints import constrain, native_constraint
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.params import MAX_SEED, NativeGenerateRequest, NativeSamplingParams, native_sampling
 from loraplex.frontend.request_state import OutputOptions, RequestState
-from loraplex.frontend.responses import error_body
 from loraplex.frontend.runtime import Runtime
 from loraplex.protocol.request_limits import request_fit_error
 from loraplex.protocol.structs import AbortReq, AbortReqOutput, SamplingParams, TokenizedGenerateReq

@@ -1,4 +1,5 @@
-"""Request bodies: strict schemas for the native and OpenAI APIs, turned into protocol SamplingParams."""
+"""Request bodies: the native API's strict schemas, the field types and Strict base the OpenAI-side bodies
+(openai/schemas.py) share, and both turned into protocol SamplingParams."""
 
 from __future__ import annotations
 
@@ -97,6 +98,31 @@ NATIVE_SAMPLING_NEUTRAL = {
     "spaces_between_special_tokens": (None, True),
     "custom_params": (None,),
 }
+
+
+# ---- the native API's other bodies -----------------------------------------------------------------------
+
+
+class AbortBody(Strict):
+    rid: str
+
+
+class AdapterSpecBody(Strict):
+    lora_name: str
+    lora_path: AdapterPath
+    pinned: bool = False
+
+
+class LoadBody(Strict):
+    lora_name: str | None = None
+    lora_path: AdapterPath | None = None
+    pinned: bool = False
+    adapters: list[AdapterSpecBody] | None = None
+
+
+class UnloadBody(Strict):
+    lora_name: str | None = None
+    lora_names: list[str] | None = None
 
 
 def _is_neutral(value: object, neutral: tuple) -> bool:

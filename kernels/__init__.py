@@ -1,6 +1,7 @@
 """LoRA compute. The worker uses one backend object (kernels/backend.py: `select_backend`), chosen at start-up; the
 checked Triton launchers `*_triton` are the same products from tensors alone, for tests and scripts (their torch
-references live in tests/kernel_refs.py)."""
+references live in tests/kernel_refs.py). progress.py reports long start-up work (kernel builds, warm-ups; the
+worker's checkpoint loading uses it too). kernels/ imports nothing of ours (tests/unit/test_package_boundaries.py)."""
 
 from __future__ import annotations
 

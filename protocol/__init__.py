@@ -1,1 +1,16 @@
-"""Wire types and sockets shared by every process. Nothing else imports zmq."""
+"""Wire types and sockets shared by every process. Nothing else imports zmq; nothing here imports argparse (the
+command line is frontend/entrypoints/cli.py) or another loraplex package but protocol/.
+
+structs.py          every struct that crosses a process boundary, one tagged union per socket direction
+sockets.py, curve.py  typed ZeroMQ sockets; CURVE keys on TCP sockets (the only modules that import zmq)
+rpc.py              the internal RPC wire format, for clients in any language
+config.py           ServerConfig: every launch setting with its help, validated once (the CLI is generated from it)
+model_ref.py        what a model path names: a local dir, an HF-cache snapshot or a Hub id
+quantization.py     which quantization a checkpoint is served with
+request_limits.py   the one rule of a request's size, at the edge and in the scheduler
+grammar.py          what an OutputConstraint means (xgrammar's compile)
+errors.py           an error's kind -> its HTTP status
+proc.py, faults.py  child start-up (arguments, parent death, logging); test-only faults
+mathutil.py         cdiv
+adapters/           PEFT adapters as every process reads them (config, files, targets, TP shards, merged outcomes)
+"""

@@ -18,6 +18,8 @@ model/qwen3.py             Qwen3: the Llama decoder with per-head q/k RMSNorm (Q
 model/mixtral.py           Mixtral: the Llama decoder with the MoE block as its MLP (MoEMLP, reusable)
 model/olmoe.py             OLMoE: q/k RMSNorm over the whole projections (summed over TP ranks), MoE without renorm
 model/qwen3_moe.py         Qwen3-MoE: Qwen3Attention and the MoE block; dense MLPs where the config says
+model/deepseek_v3.py       DeepSeek-V3 / Kimi K2: latent attention (absorbed; the cache holds latent + rope key), MoE
+                           with a grouped sigmoid router and shared experts, the first layers dense
 model/qwen3_5.py           Qwen3.5 (text, MoE): hybrid Gated DeltaNet + gated attention layers, state in HybridCache
 model/qwen3_next.py        Qwen3-Next: Qwen3.5's decoder with grouped in_proj_qkvz / in_proj_ba, MoE + shared expert
 model/registry.py          model_type -> decoder class (one file per family)
@@ -25,8 +27,8 @@ layers/linear.py           Column-, MergedColumn- and RowParallelLinear with sha
 layers/attention.py        paged attention with torch SDPA
 layers/rotary.py, norm.py, embedding.py   RoPE (default, linear, dynamic, yarn, longrope, llama3; partial),
                            RMSNorm, replicated embedding / LM head
-layers/moe.py              MoE block: router top-k, stacked experts (ExpertsLinear) sharded like the dense MLP; the
-                           shared-expert variant (Qwen3-Next, Qwen3.5-MoE)
+layers/moe.py              MoE block: router top-k (softmax, or DeepSeek's grouped sigmoid), stacked experts
+                           (ExpertsLinear) sharded like the dense MLP; a sigmoid-gated shared expert (Qwen3-Next, 3.5)
 layers/gated_delta.py      Gated DeltaNet's ops: causal conv with state; the delta rule, chunked (prefill) and recurrent
 layers/sharded_norm.py     RMSNorm over a TP-sharded feature dimension (OLMoE's q/k norm)
 layers/ops.py              the model ops (RMSNorm + residual, rotary, SiLU-mul) chosen at start-up: Triton on CUDA

@@ -25,7 +25,7 @@ from loraplex.frontend.adapters.sources import SourceError, cache_for, parse_rem
 from loraplex.frontend.adapters.state_file import AdapterStateFile
 from loraplex.frontend.cluster.replica_set import ReplicaSet, merge_replica_answers
 from loraplex.frontend.metrics import Metrics
-from loraplex.protocol.adapter_config import AdapterLoadError
+from loraplex.protocol.adapters.adapter_config import AdapterLoadError
 from loraplex.protocol.config import ServerConfig, is_loopback_host
 from loraplex.protocol.errors import ServerError
 from loraplex.protocol.structs import (
@@ -283,7 +283,7 @@ class AdapterManager:
             self.metrics.on_adapter_op(op_name, outcome.success, elapsed_s)
             logger.info("%s adapter %s path=%s rank=%s %s in %.1f ms%s", op_name, adapter.lora_name,
                         adapter.lora_path or "(tensors)",
-                        outcome.rank or "?", "ok" if outcome.success else "FAILED", elapsed_s * 1e3,
+                        outcome.lora_rank or "?", "ok" if outcome.success else "FAILED", elapsed_s * 1e3,
                         "" if outcome.success else f": {outcome.error_message}")
         return outcomes
 
@@ -298,7 +298,7 @@ class AdapterManager:
                     self.integrity.check_dir(adapter.lora_name, adapter.lora_path, adapter.root)
             except AdapterLoadError as e:
                 failures[adapter.lora_id] = AdapterOutcome(lora_id=adapter.lora_id, success=False,
-                                                           error_message=str(e), error_kind=e.error_kind)
+                                                           error_message=str(e), error_kind=e.kind)
         return failures
 
     async def _read_for_nodes(self, adapters: list[AdapterToLoad], buffers: Sequence[Any]
@@ -317,7 +317,7 @@ class AdapterManager:
                         None, read_adapter_dir, adapter.lora_path, adapter.root, adapter.lora_name)
                 except AdapterLoadError as e:  # worded and kinded as a worker's refusal of the same files
                     failures[adapter.lora_id] = AdapterOutcome(lora_id=adapter.lora_id, success=False,
-                                                               error_message=str(e), error_kind=e.error_kind)
+                                                               error_message=str(e), error_kind=e.kind)
                     continue
                 adapter = msgspec.structs.replace(adapter, lora_path=None,
                                                   inline=InlineAdapter(config=config, tensors=specs))
@@ -351,7 +351,7 @@ class AdapterManager:
         if parent is None and old is not None and plan.replaces is not None:
             parent = old.parent  # an in-place reload keeps the card's lineage
         entry = AdapterEntry(name=plan.lora_name, path=client_path, lora_id=plan.lora_id, pinned=plan.pinned,
-                             resolved_path=plan.lora_path or "", root=plan.root, rank=outcome.rank,
+                             resolved_path=plan.lora_path or "", root=plan.root, rank=outcome.lora_rank,
                              target_modules=list(outcome.target_modules), parent=parent)
         replaced = self.registry.add(entry)
         if replaced is not None:  # in-place reload: the old weights go once the requests running on them finish

@@ -7,10 +7,10 @@ from typing import TypeVar
 
 from aiohttp import web
 from loraplex.frontend.adapters.audit import Caller
+from loraplex.frontend.bodies import HealthResponse, error_body
 from loraplex.frontend.entrypoints.wire import SSE_DONE, encode_json, presented_key, sse_event
 from loraplex.frontend.generate import GenerateService
 from loraplex.frontend.params import decode_body
-from loraplex.frontend.responses import HealthResponse, error_body
 from loraplex.frontend.runtime import Runtime
 
 T = TypeVar("T")

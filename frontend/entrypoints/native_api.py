@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import msgspec
 from aiohttp import web
+from loraplex.frontend.bodies import (
+    AbortResponse,
+    AdapterReply,
+    AdapterResult,
+    AuditLogResponse,
+    ModelInfoResponse,
+)
 from loraplex.frontend.entrypoints.http_utils import (
     caller_of,
     error_response,
@@ -19,14 +26,7 @@ from loraplex.frontend.entrypoints.http_utils import (
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.generate import GenerationFailed
 from loraplex.frontend.metrics import combine_stats
-from loraplex.frontend.params import AdapterPath, NativeGenerateRequest, Strict, strip_native
-from loraplex.frontend.responses import (
-    AbortResponse,
-    AdapterReply,
-    AdapterResult,
-    AuditLogResponse,
-    ModelInfoResponse,
-)
+from loraplex.frontend.params import AbortBody, LoadBody, NativeGenerateRequest, UnloadBody, strip_native
 from loraplex.frontend.runtime import Runtime
 from loraplex.protocol.errors import http_status
 from loraplex.protocol.structs import (
@@ -57,10 +57,6 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return resp
     finally:
         await service.finish(states)
-
-
-class AbortBody(Strict):
-    rid: str
 
 
 @routes.post("/abort_request")
@@ -109,6 +105,7 @@ async def server_info(request: web.Request) -> web.Response:
         "vocab_size": ready.vocab_size if ready else None,
         "model_type": ready.model_type if ready else None,
         "num_hidden_layers": ready.num_hidden_layers if ready else None,  # after --hf-overrides
+        "kv_bytes_per_token": ready.kv_bytes_per_token if ready else None,  # one rank's cache, every layer
         "lora_enabled": runtime.config.lora_enabled,
         "max_lora_rank": ready.max_lora_rank if ready else None,
         "lora_target_modules": ready.lora_target_modules if ready else None,
@@ -170,24 +167,6 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 # ---- adapters -----------------------------------------------------------------------------------------
-
-
-class AdapterSpecBody(Strict):
-    lora_name: str
-    lora_path: AdapterPath
-    pinned: bool = False
-
-
-class LoadBody(Strict):
-    lora_name: str | None = None
-    lora_path: AdapterPath | None = None
-    pinned: bool = False
-    adapters: list[AdapterSpecBody] | None = None
-
-
-class UnloadBody(Strict):
-    lora_name: str | None = None
-    lora_names: list[str] | None = None
 
 
 def adapter_reply(out: LoadLoRAAdapterReqOutput | UnloadLoRAAdapterReqOutput, batch: bool) -> web.Response:

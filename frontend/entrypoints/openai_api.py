@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 from loraplex.frontend.adapters.registry import AdapterError
+from loraplex.frontend.bodies import ModelList
 from loraplex.frontend.entrypoints.http_utils import (
     caller_of,
     error_response,
@@ -15,11 +16,15 @@ from loraplex.frontend.entrypoints.http_utils import (
     service_of,
     start_sse,
 )
-from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest, strip_openai
-from loraplex.frontend.entrypoints.openai_serving import OpenAIRun, model_cards, start_chat, start_completion
 from loraplex.frontend.generate import GenerationFailed
-from loraplex.frontend.params import AdapterPath, Int64, Strict
-from loraplex.frontend.responses import ModelList
+from loraplex.frontend.openai.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    VllmLoadBody,
+    VllmUnloadBody,
+    strip_openai,
+)
+from loraplex.frontend.openai.serving import OpenAIRun, model_cards, start_chat, start_completion
 from loraplex.protocol.errors import http_status
 from loraplex.protocol.structs import LoRAAdapterSpec
 
@@ -67,18 +72,6 @@ async def model(request: web.Request) -> web.Response:
     if card is None:
         raise AdapterError(f"The model `{name}` does not exist.", "not_found")
     return json_response(card)
-
-
-class VllmLoadBody(Strict):
-    lora_name: str
-    lora_path: AdapterPath
-    load_inplace: bool = False
-    pinned: bool | None = None  # None: a new adapter is unpinned, an in-place reload keeps its own
-
-
-class VllmUnloadBody(Strict):
-    lora_name: str
-    lora_int_id: Int64 | None = None  # accepted for vLLM clients, unused
 
 
 @routes.post("/v1/load_lora_adapter")

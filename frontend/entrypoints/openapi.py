@@ -7,14 +7,19 @@ from typing import Any, NamedTuple
 
 import msgspec
 from aiohttp import web
-from loraplex.frontend import responses as r
+from loraplex.frontend import bodies as r
 from loraplex.frontend.entrypoints.http_utils import json_response
-from loraplex.frontend.entrypoints.native_api import AbortBody, LoadBody, UnloadBody
-from loraplex.frontend.entrypoints.openai_api import VllmLoadBody, VllmUnloadBody
-from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest
-from loraplex.frontend.entrypoints.responses_schemas import STREAM_EVENTS, ResponseObject, ResponsesRequest
-from loraplex.frontend.entrypoints.utility_api import DetokenizeBody, TokenizeBody
-from loraplex.frontend.params import NativeGenerateRequest
+from loraplex.frontend.openai.responses_schemas import STREAM_EVENTS, ResponseObject
+from loraplex.frontend.openai.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeBody,
+    ResponsesRequest,
+    TokenizeBody,
+    VllmLoadBody,
+    VllmUnloadBody,
+)
+from loraplex.frontend.params import AbortBody, LoadBody, NativeGenerateRequest, UnloadBody
 
 routes = web.RouteTableDef()
 

@@ -4,7 +4,7 @@ The ingress reads `model` from the body and calls the engine deployment with `mu
 so Serve's router sends the request to a replica that already holds it (or, if none does, to one with the fewest).
 Each engine replica loads adapters from `adapter_root/<name>/` on first use, keeps at most `max_adapters_per_replica`
 (LRU, `serve.multiplexed`) and unloads an evicted one from its Engine once the requests using it are done. The
-replica answers with the server's own OpenAI code (openai_serving.py) on its Engine's GenerateService, so the
+replica answers with the server's own OpenAI code (frontend/openai/) on its Engine's GenerateService, so the
 validation, keys and status codes are the server's, said once.
 
     from loraplex.frontend.entrypoints.ray_serve import build_app
@@ -23,16 +23,21 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from loraplex.frontend.bodies import ModelCard, error_body
 from loraplex.frontend.caller import set_caller_key
-from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest, decode_openai
-from loraplex.frontend.entrypoints.openai_serving import OpenAIRun, base_card, start_chat, start_completion
-from loraplex.frontend.entrypoints.responses_schemas import ResponsesRequest, strip_responses
-from loraplex.frontend.entrypoints.responses_serving import ResponsesRun, start_response
 from loraplex.frontend.entrypoints.wire import SSE_DONE, encode_json, failure, key_matches, named_sse_event, sse_event
 from loraplex.frontend.errors import RateLimited
 from loraplex.frontend.generate import GenerateService, GenerationFailed
+from loraplex.frontend.openai.responses import ResponsesRun, start_response
+from loraplex.frontend.openai.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    ResponsesRequest,
+    decode_openai,
+    strip_responses,
+)
+from loraplex.frontend.openai.serving import OpenAIRun, base_card, start_chat, start_completion
 from loraplex.frontend.params import decode_body
-from loraplex.frontend.responses import ModelCard, error_body
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.errors import http_status
 from ray import serve
@@ -199,7 +204,7 @@ async def answer(service: GenerateService, path: str, body: bytes, headers: dict
         return
     responses = isinstance(run, ResponsesRun)
     try:
-        if not (run.req.stream if responses else run.stream):
+        if not run.stream:
             try:
                 payload, status = await (run.result() if responses else run.response()), 200
             except GenerationFailed as e:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from aiohttp import web
 from loraplex.frontend.entrypoints.http_utils import error_response, json_response, read_request, service_of, start_sse
-from loraplex.frontend.entrypoints.responses_schemas import ResponsesRequest, strip_responses
-from loraplex.frontend.entrypoints.responses_serving import start_response
 from loraplex.frontend.entrypoints.wire import named_sse_event
 from loraplex.frontend.generate import GenerationFailed
+from loraplex.frontend.openai.responses import start_response
+from loraplex.frontend.openai.schemas import ResponsesRequest, strip_responses
 
 routes = web.RouteTableDef()
 

@@ -8,6 +8,7 @@ from importlib import metadata
 from typing import Any
 
 from aiohttp import web
+from loraplex.frontend.bodies import DetokenizeResponse, HealthResponse, TokenizeResponse, VersionResponse
 from loraplex.frontend.entrypoints.http_utils import (
     health_response,
     json_response,
@@ -15,11 +16,9 @@ from loraplex.frontend.entrypoints.http_utils import (
     runtime_of,
     service_of,
 )
-from loraplex.frontend.entrypoints.openai_schemas import ChatMessage, chat_messages, chat_options
 from loraplex.frontend.errors import InputError
-from loraplex.frontend.params import NativeGenerateRequest, Strict, TokenId, convert
-from loraplex.frontend.responses import DetokenizeResponse, HealthResponse, TokenizeResponse, VersionResponse
-from loraplex.frontend.tools.request import Tool
+from loraplex.frontend.openai.schemas import DetokenizeBody, TokenizeBody, chat_messages, chat_options
+from loraplex.frontend.params import NativeGenerateRequest, convert
 
 logger = logging.getLogger("loraplex.http")
 routes = web.RouteTableDef()
@@ -34,22 +33,6 @@ def package_version() -> str:
         return metadata.version("loraplex")
     except metadata.PackageNotFoundError:  # run from a checkout that was never installed
         return "0.0.0+unknown"
-
-
-class TokenizeBody(Strict):
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    model: str | None = None
-    # with messages, as on /v1/chat/completions (vLLM's)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Tool] | None = None
-
-
-class DetokenizeBody(Strict):
-    tokens: list[TokenId]
-    model: str | None = None
 
 
 @routes.post("/tokenize")

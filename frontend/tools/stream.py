@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 
-from loraplex.frontend.responses import FunctionCall, FunctionCallDelta, ToolCallDelta, ToolCallItem
+from loraplex.frontend.bodies import FunctionCall, FunctionCallDelta, ToolCallDelta, ToolCallItem
 from loraplex.frontend.tools.base import ToolCall
 from loraplex.frontend.tools.request import ToolPlan
 

@@ -1,4 +1,4 @@
-"""protocol/adapter_config.py and protocol/adapter_files.py: the one parse of adapter_config.json and the one
+"""protocol/adapters/adapter_config.py and adapter_files.py: the one parse of adapter_config.json and the one
 confined reader of an adapter directory, as node 0's frontend uses them (the workers' use: test_lora_path_root.py,
 test_lora_adapters.py). A file is judged where the open file lies, never by a name checked before the open."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 from loraplex.frontend.adapters.files import read_adapter_config, read_adapter_dir
-from loraplex.protocol.adapter_config import CONFIG_FILE, WEIGHT_FILES, AdapterLoadError, parse_adapter_config
-from loraplex.protocol.adapter_files import AdapterFiles
-from loraplex.protocol.lora_targets import TARGET_MODULES
+from loraplex.protocol.adapters.adapter_config import CONFIG_FILE, WEIGHT_FILES, AdapterLoadError, parse_adapter_config
+from loraplex.protocol.adapters.adapter_files import AdapterFiles
+from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
 
 SAFETENSORS = WEIGHT_FILES[0]
 BASE = {"r": 8, "lora_alpha": 16, "target_modules": ["v_proj", "q_proj", "q_proj"], "peft_type": "LORA"}
@@ -57,7 +57,7 @@ def test_moe_forms_and_per_module_patterns_are_read_as_peft_reads_them():
 def test_what_we_cannot_serve_is_refused(change, message):
     with pytest.raises(AdapterLoadError, match=message) as info:
         parse_adapter_config({**BASE, **change})
-    assert info.value.error_kind == "invalid"
+    assert info.value.kind == "invalid"
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_node0_refuses_weights_linked_outside_the_root(rooted):
     (escaped / SAFETENSORS).symlink_to(rooted["outside"] / SAFETENSORS)
     with pytest.raises(AdapterLoadError, match="resolves outside the allowed root") as info:
         read_adapter_dir(str(escaped), str(rooted["root"]), "esc")
-    assert info.value.error_kind == "forbidden" and "adapter 'esc'" in str(info.value)
+    assert info.value.kind == "forbidden" and "adapter 'esc'" in str(info.value)
     config, specs, _ = read_adapter_dir(str(escaped), None)  # without a root, links are followed as before
     assert config["r"] == 4 and specs
 
@@ -94,11 +94,11 @@ def test_a_link_swapped_in_after_the_last_name_check_is_refused(rooted, monkeypa
     monkeypatch.setattr(AdapterFiles, "weights_path", found_then_swapped)
     with pytest.raises(AdapterLoadError, match="resolves outside the allowed root") as info:
         read_adapter_dir(str(rooted["plain"]), str(rooted["root"]), "swapped")
-    assert info.value.error_kind == "forbidden"
+    assert info.value.kind == "forbidden"
 
 
 def test_a_start_up_config_is_read_inside_the_root(rooted):
     assert read_adapter_config("a", str(rooted["plain"]), str(rooted["root"])).r == 4
     with pytest.raises(AdapterLoadError, match="outside the allowed root") as info:
         read_adapter_config("a", str(rooted["outside"]), str(rooted["root"]))
-    assert info.value.error_kind == "forbidden"
+    assert info.value.kind == "forbidden"

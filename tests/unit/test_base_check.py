@@ -10,8 +10,9 @@ import logging
 import pytest
 from loraplex.frontend.adapters.base_names import BaseMatch, compare_names
 from loraplex.frontend.adapters.integrity import AdapterIntegrity
-from loraplex.protocol.adapter_config import AdapterLoadError
-from loraplex.protocol.config import ConfigError, ServerConfig, config_from_args
+from loraplex.frontend.entrypoints.cli import config_from_args
+from loraplex.protocol.adapters.adapter_config import AdapterLoadError
+from loraplex.protocol.config import ConfigError, ServerConfig
 from loraplex.protocol.model_ref import parse_model_ref
 
 LOAD, WARN, REFUSE = "load", "warn", "refuse"
@@ -81,7 +82,7 @@ def test_base_check_table(tmp_path, caplog, mode, model_path, served_name, own_n
         if expected == REFUSE:
             with pytest.raises(AdapterLoadError) as info:
                 integrity.check_config("x", {"base_model_name_or_path": base})
-            assert info.value.error_kind == "base_model_mismatch"
+            assert info.value.kind == "base_model_mismatch"
             assert base in str(info.value) and config.model_name in str(info.value)  # names both
         else:
             integrity.check_config("x", {"base_model_name_or_path": base})

@@ -83,3 +83,4 @@ def test_the_checks_see_the_tree() -> None:
     assert f"{ENTRYPOINTS}.http_server" in MODULES and f"{PREFIX}.generate" in MODULES
     assert "aiohttp" in {m.split(".")[0] for m in imported(TREES[f"{ENTRYPOINTS}.http_server"])}
     assert f"{PREFIX}.generate" in frontend_imports(f"{ENTRYPOINTS}.engine")
+    assert f"{PREFIX}.openai.serving" in frontend_imports(f"{ENTRYPOINTS}.openai_api")  # the HTTP-free OpenAI layer

@@ -12,14 +12,21 @@ from typing import Any
 
 import msgspec
 import pytest
-from loraplex.frontend.entrypoints.native_api import AbortBody, LoadBody, UnloadBody
-from loraplex.frontend.entrypoints.openai_api import VllmLoadBody, VllmUnloadBody
-from loraplex.frontend.entrypoints.openai_schemas import ChatRequest, CompletionRequest, decode_openai
-from loraplex.frontend.entrypoints.responses_schemas import INPUT_ITEMS, ResponsesRequest, strip_responses
-from loraplex.frontend.entrypoints.responses_serving import input_items
-from loraplex.frontend.entrypoints.utility_api import DetokenizeBody, TokenizeBody
 from loraplex.frontend.errors import InputError
-from loraplex.frontend.params import NativeGenerateRequest, Strict, decode_body
+from loraplex.frontend.openai.responses import input_items
+from loraplex.frontend.openai.schemas import (
+    INPUT_ITEMS,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeBody,
+    ResponsesRequest,
+    TokenizeBody,
+    VllmLoadBody,
+    VllmUnloadBody,
+    decode_openai,
+    strip_responses,
+)
+from loraplex.frontend.params import AbortBody, LoadBody, NativeGenerateRequest, Strict, UnloadBody, decode_body
 from msgspec import inspect
 
 COMMON = {
@@ -72,7 +79,7 @@ def decode_responses(body: bytes) -> list:
 ROUTES = {
     "chat": (CHAT, lambda body: [decode_openai(body, ChatRequest)], [ChatRequest]),
     "completion": (COMPLETION, lambda body: [decode_openai(body, CompletionRequest)], [CompletionRequest]),
-    # input items are checked one by one against their type's schema (responses_serving.input_items)
+    # input items are checked one by one against their type's schema (openai/responses.py input_items)
     "responses": (RESPONSES, decode_responses, [ResponsesRequest, *INPUT_ITEMS.values()]),
 }
 

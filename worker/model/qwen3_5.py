@@ -184,7 +184,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         if moe is None or layer_id in moe.dense_layers:
             self.mlp = LlamaMLP(config)
         else:  # Qwen3.5-MoE, Qwen3-Next: routed experts and a shared one
-            shared = LlamaMLP(dataclasses.replace(config, intermediate_size=moe.shared_expert_intermediate_size))
+            shared = LlamaMLP(dataclasses.replace(config, intermediate_size=moe.shared_intermediate_size))
             self.mlp = SharedExpertMoeBlock(config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size,
                                             moe.renormalize, shared)  # fmt: skip
 

@@ -1,5 +1,6 @@
-"""The OpenAI API's request bodies: strict schemas (ranges included), the unimplemented parameters accepted at their
-neutral values, and chat messages as a template takes them."""
+"""The request bodies of the OpenAI-side APIs (completions, chat, Responses; vLLM's adapter and tokenizer routes):
+strict schemas (ranges included), the unimplemented parameters accepted at their neutral values, and chat messages
+as a template takes them. The native API's bodies are in frontend/params.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import msgspec
 from loraplex.frontend.chat_template import ChatOptions
 from loraplex.frontend.constraints import ResponseFormat, StructuredOutputs
 from loraplex.frontend.params import (
+    MAX_INT64,
     MAX_N,
+    AdapterPath,
+    Int64,
     LogitBias,
     MinP,
     Penalty,
@@ -183,3 +187,135 @@ def template_tool_call(call: dict) -> dict:
     except ValueError:
         return call
     return {**call, "function": {**function, "arguments": arguments}}
+
+
+# ---- POST /v1/responses -------------------------------------------------------------------------------
+
+# Responses parameters we do not implement, with the neutral values that mean "off" and are therefore accepted.
+# store: responses are never kept, so only false (or absent, which vLLM too serves unstored) is accepted.
+RESPONSES_NEUTRAL = {
+    "store": (None, False),
+    "previous_response_id": (None,),
+    "include": (None, []),
+    "metadata": (None, {}),
+    "reasoning": (None,),
+    "text": (None, {"format": {"type": "text"}}),
+    "truncation": (None, "disabled"),
+    "service_tier": (None, "auto", "default"),
+    "background": (None, False),
+    "top_logprobs": (None, 0),
+    "max_tool_calls": (None,),
+}
+
+
+class InputText(Strict, tag="input_text", tag_field="type"):
+    text: str
+
+
+class OutputTextPart(Strict, tag="output_text", tag_field="type", kw_only=True):
+    """An earlier answer's text, as a client sends its previous output back."""
+
+    text: str
+    annotations: list[Any] = []
+    logprobs: list[Any] | None = None
+
+
+class MessageItem(Strict, kw_only=True):
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputText | OutputTextPart]
+    type: Literal["message"] = "message"
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(Strict, kw_only=True):
+    """An earlier function call of the assistant (a client's previous output, sent back with its result)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(Strict, kw_only=True):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+INPUT_ITEMS: dict[str, type] = {"message": MessageItem, "function_call": FunctionCallItem,
+                                "function_call_output": FunctionCallOutputItem}
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+
+
+class FunctionTool(Strict, kw_only=True):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; None: any object
+    strict: bool | None = None  # a forced call's arguments always follow the schema
+
+
+class ToolChoiceFunction(Strict, kw_only=True):
+    type: Literal["function"]
+    name: str
+
+
+ResponsesToolChoice = Literal["none", "auto", "required"] | ToolChoiceFunction
+
+
+class ResponsesRequest(Strict, kw_only=True):
+    model: str
+    # a text, or items: messages ({"role", "content"}, type "message" optional), function_call, function_call_output;
+    # each item is checked against its type's schema (openai/responses.py input_items)
+    input: str | list[dict]
+    instructions: str | None = None  # a system message before the input
+    tools: list[FunctionTool] = []
+    tool_choice: ResponsesToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    max_output_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT64)] | None = None  # None: the context's rest
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    stream: bool = False
+    user: str | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension: the output's shape, as on chat
+
+
+def strip_responses(raw: dict) -> dict:
+    """The unimplemented parameters set to their neutral values are dropped; others are refused (400 naming them)."""
+    return strip_neutral(raw, set(ResponsesRequest.__struct_fields__), RESPONSES_NEUTRAL, "parameter")
+
+
+# ---- vLLM's adapter and tokenizer routes ----------------------------------------------------------------
+
+
+class VllmLoadBody(Strict):
+    lora_name: str
+    lora_path: AdapterPath
+    load_inplace: bool = False
+    pinned: bool | None = None  # None: a new adapter is unpinned, an in-place reload keeps its own
+
+
+class VllmUnloadBody(Strict):
+    lora_name: str
+    lora_int_id: Int64 | None = None  # accepted for vLLM clients, unused
+
+
+class TokenizeBody(Strict):
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    model: str | None = None
+    # with messages, as on /v1/chat/completions (vLLM's)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+
+
+class DetokenizeBody(Strict):
+    tokens: list[TokenId]
+    model: str | None = None

@@ -7,10 +7,13 @@ from __future__ import annotations
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 TARGET_MODULES = ATTN_MODULES + MLP_MODULES
+# Latent attention's own linears (DeepSeek-V3; its o_proj, and q_proj where q_lora_rank is null, are the ones above).
+# A model without them builds no pool for them.
+MLA_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 # Hybrid models' linear-attention (Gated DeltaNet) layers, Qwen3.5's names. Its in_proj_qkv is fused q | k | v (a
 # FUSED_TARGETS entry below): the slices are named in_proj_q / in_proj_k / in_proj_v here, each cut on its own by TP.
 LINEAR_ATTN_MODULES = ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-LAYER_MODULES = TARGET_MODULES + LINEAR_ATTN_MODULES  # every decoder-layer target
+LAYER_MODULES = TARGET_MODULES + MLA_MODULES + LINEAR_ATTN_MODULES  # every linear of a decoder layer ("all")
 
 # "column": the linear's output is split over ranks, so a rank keeps some rows of B (out, r) and all of A;
 # "row": its input is split (the layer all-reduces the output), so a rank keeps some columns of A (r, in) and all of B.
@@ -24,6 +27,11 @@ TP_MODES = {
     "gate_proj": "column",
     "up_proj": "column",
     "down_proj": "row",
+    # the latent down-projections are whole on every rank (A and B kept whole); the up-projections split by head
+    "q_a_proj": "replicated",
+    "q_b_proj": "column",
+    "kv_a_proj_with_mqa": "replicated",
+    "kv_b_proj": "column",
     "in_proj_q": "column",
     "in_proj_k": "column",
     "in_proj_v": "column",
@@ -34,9 +42,9 @@ TP_MODES = {
 }
 assert tuple(TP_MODES) == LAYER_MODULES
 
-# The layers outside the decoder layers that LoRA may target, on request (--lora-target-modules; "all" means the seven
-# above; a hybrid model's worker adds the linear-attention ones): their pool holds vocabulary-sized buffers.
-# Replicated on every rank, so TP cuts none of their weights.
+# The layers outside the decoder layers that LoRA may target, on request (--lora-target-modules; "all" means the
+# layers' linears above): their pool holds vocabulary-sized buffers. Replicated on every rank, so TP cuts none of
+# their weights.
 # PEFT names the embedding's pair lora_embedding_A (r, vocab) and lora_embedding_B (hidden, r).
 MODEL_TARGETS = ("embed_tokens", "lm_head")
 ALL_TARGETS = LAYER_MODULES + MODEL_TARGETS  # every target name, in the order every list of them is kept

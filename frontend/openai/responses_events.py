@@ -8,7 +8,7 @@ import itertools
 import uuid
 
 import msgspec
-from loraplex.frontend.entrypoints.responses_schemas import (
+from loraplex.frontend.openai.responses_schemas import (
     ArgumentsDelta,
     ArgumentsDone,
     ContentPartAdded,

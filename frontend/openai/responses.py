@@ -1,7 +1,7 @@
 """One /v1/responses request without HTTP: its input items as chat messages through the chat template (tools
 included), a forced function call as a JSON-schema constraint, and the answer as a Response object or its events.
 
-The generation itself is the chat route's (openai_serving.start_openai): the same model resolution, sampling and
+The generation itself is the chat route's (serving.start_openai): the same model resolution, sampling and
 admission, so a Responses request and a chat request with the same messages produce the same tokens."""
 
 from __future__ import annotations
@@ -13,26 +13,14 @@ from typing import Any
 
 from loraplex.frontend.chat_template import ChatOptions
 from loraplex.frontend.constraints import Found
-from loraplex.frontend.entrypoints.openai_schemas import (
-    ChatMessage,
-    ChatRequest,
-    ToolCall,
-    ToolCallFunction,
-    chat_messages,
-)
-from loraplex.frontend.entrypoints.openai_serving import OpenAIRun, start_openai
-from loraplex.frontend.entrypoints.responses_events import EventWriter, ParsedItemsStream, new_id, parsed_items
-from loraplex.frontend.entrypoints.responses_schemas import (
-    INPUT_ITEMS,
+from loraplex.frontend.errors import InputError
+from loraplex.frontend.generate import GenerateService, GenerationFailed, raise_failure
+from loraplex.frontend.openai.responses_events import EventWriter, ParsedItemsStream, new_id, parsed_items
+from loraplex.frontend.openai.responses_schemas import (
     ErrorEvent,
     FunctionCall,
-    FunctionCallItem,
-    FunctionCallOutputItem,
-    FunctionTool,
     IncompleteDetails,
-    InputItem,
     InputTokensDetails,
-    MessageItem,
     OutputItem,
     OutputMessage,
     OutputText,
@@ -43,11 +31,23 @@ from loraplex.frontend.entrypoints.responses_schemas import (
     ResponseIncomplete,
     ResponseInProgress,
     ResponseObject,
-    ResponsesRequest,
     ResponseUsage,
 )
-from loraplex.frontend.errors import InputError
-from loraplex.frontend.generate import GenerateService, GenerationFailed, raise_failure
+from loraplex.frontend.openai.schemas import (
+    INPUT_ITEMS,
+    ChatMessage,
+    ChatRequest,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    InputItem,
+    MessageItem,
+    ResponsesRequest,
+    ToolCall,
+    ToolCallFunction,
+    chat_messages,
+)
+from loraplex.frontend.openai.serving import OpenAIRun, start_openai
 from loraplex.frontend.params import convert
 from loraplex.frontend.tools.parsers import PARSERS
 from loraplex.frontend.tools.request import ToolPlan
@@ -152,6 +152,10 @@ class ResponsesRun:
         self.item_id = new_id("fc_" if named else "msg_")  # the item streamed as it is generated
         self.call_id = new_id("call_")
         self.writer = EventWriter()
+
+    @property
+    def stream(self) -> bool:
+        return self.req.stream
 
     async def close(self) -> None:
         await self.run.close()

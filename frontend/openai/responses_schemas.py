@@ -1,115 +1,12 @@
-"""OpenAI's Responses API (POST /v1/responses) as vLLM serves it: the request body with its input items and function
-tools, the Response object, and the streamed events, each in the shape the `openai` client's types parse."""
+"""OpenAI's Responses API (POST /v1/responses) as vLLM serves it: the Response object and the streamed events, each in
+the shape the `openai` client's types parse (the request body is in schemas.py)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import msgspec
-from loraplex.frontend.constraints import StructuredOutputs
-from loraplex.frontend.params import MAX_INT64, Strict, Temperature, TopP, strip_neutral
-
-# Responses parameters we do not implement, with the neutral values that mean "off" and are therefore accepted.
-# store: responses are never kept, so only false (or absent, which vLLM too serves unstored) is accepted.
-NEUTRAL = {
-    "store": (None, False),
-    "previous_response_id": (None,),
-    "include": (None, []),
-    "metadata": (None, {}),
-    "reasoning": (None,),
-    "text": (None, {"format": {"type": "text"}}),
-    "truncation": (None, "disabled"),
-    "service_tier": (None, "auto", "default"),
-    "background": (None, False),
-    "top_logprobs": (None, 0),
-    "max_tool_calls": (None,),
-}
-
-
-# ---- request -------------------------------------------------------------------------------------------
-
-
-class InputText(Strict, tag="input_text", tag_field="type"):
-    text: str
-
-
-class OutputTextPart(Strict, tag="output_text", tag_field="type", kw_only=True):
-    """An earlier answer's text, as a client sends its previous output back."""
-
-    text: str
-    annotations: list[Any] = []
-    logprobs: list[Any] | None = None
-
-
-class MessageItem(Strict, kw_only=True):
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputText | OutputTextPart]
-    type: Literal["message"] = "message"
-    id: str | None = None
-    status: str | None = None
-
-
-class FunctionCallItem(Strict, kw_only=True):
-    """An earlier function call of the assistant (a client's previous output, sent back with its result)."""
-
-    type: Literal["function_call"]
-    call_id: str
-    name: str
-    arguments: str
-    id: str | None = None
-    status: str | None = None
-
-
-class FunctionCallOutputItem(Strict, kw_only=True):
-    type: Literal["function_call_output"]
-    call_id: str
-    output: str
-    id: str | None = None
-    status: str | None = None
-
-
-INPUT_ITEMS: dict[str, type] = {"message": MessageItem, "function_call": FunctionCallItem,
-                                "function_call_output": FunctionCallOutputItem}
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
-
-
-class FunctionTool(Strict, kw_only=True):
-    type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict | None = None  # a JSON schema; None: any object
-    strict: bool | None = None  # a forced call's arguments always follow the schema
-
-
-class ToolChoiceFunction(Strict, kw_only=True):
-    type: Literal["function"]
-    name: str
-
-
-ToolChoice = Literal["none", "auto", "required"] | ToolChoiceFunction
-
-
-class ResponsesRequest(Strict, kw_only=True):
-    model: str
-    # a text, or items: messages ({"role", "content"}, type "message" optional), function_call, function_call_output;
-    # each item is checked against its type's schema (responses_serving.input_items)
-    input: str | list[dict]
-    instructions: str | None = None  # a system message before the input
-    tools: list[FunctionTool] = []
-    tool_choice: ToolChoice = "auto"
-    parallel_tool_calls: bool = True
-    max_output_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_INT64)] | None = None  # None: the context's rest
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    stream: bool = False
-    user: str | None = None
-    structured_outputs: StructuredOutputs | None = None  # vLLM's extension: the output's shape, as on chat
-
-
-def strip_responses(raw: dict) -> dict:
-    """The unimplemented parameters set to their neutral values are dropped; others are refused (400 naming them)."""
-    return strip_neutral(raw, set(ResponsesRequest.__struct_fields__), NEUTRAL, "parameter")
-
+from loraplex.frontend.openai.schemas import FunctionTool, ResponsesToolChoice
 
 # ---- the Response object --------------------------------------------------------------------------------
 
@@ -176,7 +73,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     temperature: float
     top_p: float
     tools: list[FunctionTool]
-    tool_choice: ToolChoice
+    tool_choice: ResponsesToolChoice
     parallel_tool_calls: bool
     metadata: dict = {}
     previous_response_id: None = None
