@@ -87,7 +87,8 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 def adapter_targets(arch: str, name: str) -> tuple[str, ...]:
     """ADAPTERS[name]'s targets as the arch names them: Qwen3-Next's fused in_proj_qkvz / in_proj_ba; no MLP module
-    in the MoE archs (their shared expert's linears carry the MLP names, which LoRA does not serve yet)."""
+    in the MoE archs (their shared expert's linears carry the MLP names, which LoRA does not serve yet; their routed
+    experts take build_hybrid_adapter's `experts`)."""
     targets = ADAPTERS[name][2]
     if arch in ("qwen3_next", "qwen3_5_moe_text"):
         targets = tuple(t for t in targets if t not in MLP_TARGETS)
@@ -98,9 +99,13 @@ def adapter_targets(arch: str, name: str) -> tuple[str, ...]:
     return targets
 
 
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
 def build_hybrid_adapter(base_dir: Path | str, out_dir: Path | str, name: str, seed: int = 0,
-                         arch: str = "qwen3_5_text") -> None:  # fmt: skip
-    """A PEFT adapter with random A and B (so every target changes the outputs)."""
+                         arch: str = "qwen3_5_text", experts: bool = False) -> None:  # fmt: skip
+    """A PEFT adapter with random A and B (so every target changes the outputs); experts: also LoRA on the MoE
+    archs' routed experts (PEFT's target_parameters over the stacked expert tensors)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -108,6 +113,7 @@ def build_hybrid_adapter(base_dir: Path | str, out_dir: Path | str, name: str, s
     targets = adapter_targets(arch, name)
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                                                  target_parameters=EXPERT_PARAMETERS if experts else None,
                                                   init_lora_weights=False, lora_dropout=0.0))  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -42,7 +42,9 @@ def hybrid_adapter_dirs(tmp_path_factory: pytest.TempPathFactory, hybrid_dir: Pa
     dirs = {}
     for seed, name in enumerate(ADAPTERS):
         dirs[name] = tmp_path_factory.mktemp(f"{arch}_lora_{name}")
-        build_hybrid_adapter(hybrid_dir, dirs[name], name, seed=seed, arch=arch)
+        # the MoE archs' "all" adapter also targets their routed experts
+        build_hybrid_adapter(hybrid_dir, dirs[name], name, seed=seed, arch=arch,
+                             experts=name == "all" and arch != "qwen3_5_text")  # fmt: skip
     return dirs
 
 
@@ -166,6 +168,8 @@ def test_lora_wraps_every_linear_of_both_layer_kinds(lora_runner: ModelRunner, a
         wrapped += [gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a]
     if arch == "qwen3_5_text":
         wrapped += [linear.mlp.gate_up_proj, linear.mlp.down_proj]
+    else:
+        wrapped += [linear.mlp.experts.gate_up_proj, linear.mlp.experts.down_proj]  # LoRAExpertsLinear, a LoRALinear
     assert all(isinstance(m, LoRALinear) for m in wrapped)
 
 
