@@ -9,4 +9,5 @@ layers.py    LoRALinear (wraps a linear: y = base(x) + segmented LoRA via kernel
 experts.py   LoRAExpertsLinear: an MoE layer's rows regrouped into (expert, slot) runs, virtual slots of the pool
 vocab.py     LoRA on embed_tokens and lm_head: their slot buffers and wrappers (torch ops on every backend)
 manager.py   LoRAManager: host copies by lora_id, the slot table, slot loads, per-forward token segments
+upload.py    SlotUploader: where the pool's slot writes (uploads, clears) run, chosen once
 """
