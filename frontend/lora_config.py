@@ -8,9 +8,9 @@ import msgspec
 from loraplex.frontend.adapters.files import read_adapter_config
 from loraplex.frontend.adapters.sources import SourceError, cache_for, parse_remote
 from loraplex.frontend.demo import DEMO_MODEL_PATH, demo_adapter_paths
-from loraplex.protocol.adapter_config import AdapterConfig, AdapterLoadError
+from loraplex.protocol.adapters.adapter_config import AdapterConfig, AdapterLoadError
+from loraplex.protocol.adapters.lora_targets import ALL_TARGETS, TARGET_MODULES
 from loraplex.protocol.config import DEFAULT_LORA_RANK, ConfigError, ServerConfig
-from loraplex.protocol.lora_targets import ALL_TARGETS, TARGET_MODULES
 
 
 def _start_up_config(config: ServerConfig, name: str, path: str) -> AdapterConfig:

@@ -1,6 +1,6 @@
 """LoRA compute. The worker uses one backend object (kernels/backend.py: `select_backend`), chosen at start-up; the
 checked Triton launchers `*_triton` are the same products from tensors alone, for tests and scripts (their torch
-references live in tests/kernel_refs.py).
+references live in tests/kernel_refs.py). kernels/ imports nothing of ours (tests/unit/test_package_boundaries.py).
 
 backend.py          LoRABackend: the one object, chosen at start-up (--lora-backend), that does every LoRA product
 checks.py           the argument contract the torch reference and the Triton launchers share
@@ -15,6 +15,7 @@ rms_norm.py         RMSNorm with the pre-norm residual add fused in, in Triton
 rotary.py           rotary position embedding in Triton, in place on q and k
 silu_mul.py         SiLU-and-multiply of a fused [gate | up] projection in Triton
 aot.py              ahead-of-time compilation of the Triton LoRA kernels for a GPU architecture
+progress.py         progress of long start-up work (kernel builds, warm-ups; the worker's checkpoint loading too)
 """
 
 from __future__ import annotations

@@ -25,12 +25,12 @@ from types import ModuleType
 from typing import Any, Protocol
 
 import torch
+import triton
 from loraplex.kernels import cpu_ext, lora_torch
 from loraplex.kernels.lora_expand import column_alignment, launch_expand
 from loraplex.kernels.lora_shrink import launch_shrink, shrink_output, shrink_summed
+from loraplex.kernels.progress import Progress
 from loraplex.kernels.segment_tiles import plan_tiles
-from loraplex.protocol.mathutil import cdiv
-from loraplex.protocol.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class LoRABackend:
         num_segments = len(seg_slots)
         # One copy for both vectors. seg_slots starts 16 bytes in (Triton specializes kernels on pointer alignment, so
         # an unaligned start would be a variant of its own).
-        offset = cdiv(num_segments + 1, 4) * 4
+        offset = triton.cdiv(num_segments + 1, 4) * 4
         values = seg_indptr + [0] * (offset - num_segments - 1) + seg_slots
         packed = torch.tensor(values, dtype=torch.int32, device=self.device)
         return LoRABatchMeta(

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from loraplex.protocol.progress import elapsed
+from loraplex.kernels.progress import elapsed
 
 logger = logging.getLogger(__name__)
 

@@ -1,17 +1,15 @@
-"""The one server configuration: every launch flag, validated once, and the CLI generated from it."""
+"""The one server configuration: every launch setting with its help, validated once. The command line
+(frontend/entrypoints/cli.py) is generated from it; the Engine's keywords arrive through `from_kwargs`."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
-from typing import Any, Literal, NoReturn
+from typing import Annotated, Any, Literal
 
 import msgspec
-from loraplex.protocol.foreign_flags import FOREIGN_BY_DEST, FOREIGN_FLAGS
-from loraplex.protocol.lora_targets import ALL_TARGETS, TARGET_MODULES
+from loraplex.protocol.adapters.lora_targets import ALL_TARGETS, TARGET_MODULES
 from loraplex.protocol.model_ref import ModelRef, parse_model_ref
+from msgspec import Meta
 
 
 class ConfigError(ValueError):
@@ -75,137 +73,6 @@ def is_loopback_host(host: str) -> bool:
     return is_loopback_address(f"tcp://{host}:0")
 
 
-# Help text per field; the CLI below is generated from the struct.
-_HELP: dict[str, str] = {
-    "model_path": "a Hugging Face checkpoint: a local dir, or a Hub id ORG/NAME[@REVISION] downloaded once into "
-    "--download-dir (a local dir of that name wins); 'demo' = the shipped demo (adapters: reverse, sort, mirror)",
-    "served_model_name": "base model name in the OpenAI API (default: the Hub id, or the last path component)",
-    "revision": "the Hub revision of the model: a branch, tag or commit; none = the default branch",
-    "tokenizer": "the tokenizer's Hub id or dir; none = the model's",
-    "tokenizer_revision": "the Hub revision of --tokenizer",
-    "download_dir": "where Hub models are downloaded; none = the Hugging Face cache (HF_HUB_CACHE / HF_HOME), shared "
-    "with other tools",
-    "hf_token": "Hub token for gated or private models; none = HF_TOKEN, or the token `hf auth login` saved",
-    "load_format": "where the weights come from: auto or safetensors (the checkpoint's *.safetensors files), dummy "
-    "(random weights on the checkpoint's config.json, weight files or not: benchmarks and tests at real shapes)",
-    "hf_overrides": "JSON object merged into the model's config.json before anything reads it, e.g. "
-    "'{\"num_hidden_layers\": 2}' (nested objects merge key by key)",
-    "host": "HTTP bind address",
-    "port": "HTTP port",
-    "tp": "tensor-parallel worker processes",
-    "device": "cpu or cuda (default: cuda if available)",
-    "dtype": "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16 or float16",
-    "quantization": "the checkpoint's quantization (vLLM's names): auto = as config.json's quantization_config says; "
-    "a named method must match it; none = plain weights (docs/QUANTIZATION.md)",
-    "enable_lora": "turn LoRA on (implied by --lora-paths)",
-    "lora_backend": "LoRA kernels: triton (CUDA), cpu (compiled AVX-512 BF16 kernels; bfloat16 on the CPU, also used "
-    "for attention and norms), torch (torch ops, any device); auto = triton on CUDA, else cpu where it builds and "
-    "runs, else torch",
-    "attention_backend": "attention kernels: triton (paged Triton kernels reading K/V from the cache pages in place; "
-    "CUDA), cpu (decodes in the compiled CPU kernels, prefills in SDPA; needs --lora-backend cpu or auto to build "
-    "them), torch (SDPA over gathered pages); auto = triton on CUDA, else cpu where the CPU kernels run and take the "
-    "model's head shapes, else torch",
-    "enable_cuda_graph": "capture decode steps as CUDA graphs at start-up, one per batch size of a ladder up to "
-    "--cuda-graph-max-bs, and replay them (CUDA, --attention-backend triton; ignored on a CPU, with a log line)",
-    "disable_cuda_graph": "SGLang's switch: decode runs eagerly (the default until a GPU run confirms the graphs)",
-    "cuda_graph_max_bs": "largest decode batch replayed from a CUDA graph (default: --max-running-requests); larger "
-    "batches run eagerly",
-    "lora_paths": "adapters loaded at start: NAME=PATH, PATH, or JSON {lora_name, lora_path, pinned}",
-    "max_loras_per_batch": "device adapter slots = most distinct adapters in one forward pass",
-    "max_loaded_loras": "adapters kept in host memory (LRU beyond it); default unlimited",
-    "lora_drain_timeout": "seconds an unload waits for the adapter's running requests",
-    "max_lora_rank": "largest adapter rank the device pool holds",
-    "lora_target_modules": "modules the device pool covers (names or 'all': the decoder layers' seven linears; "
-    "embed_tokens and lm_head by name)",
-    "lora_path_root": "when set, lora_path must resolve inside this directory",
-    "api_key": "bearer key for every endpoint but /health",
-    "admin_api_key": "bearer key for adapter load/unload",
-    "rpc_addr": "ZeroMQ address of the internal RPC endpoint (tcp://host:port or ipc://path)",
-    "max_running_requests": "most requests decoding at once",
-    "max_running_per_adapter": "most requests of one adapter running at once (default unlimited)",
-    "disable_adapter_fairness": "admit waiting requests first come, first served rather than by fair share between "
-    "adapters (virtual token counters, per API key and adapter)",
-    "scheduling_policy": "fcfs: waiting requests run by arrival (fair between adapters unless "
-    "--disable-adapter-fairness); priority: by the request's `priority` (lower first), then as fcfs; a preemption "
-    "then takes the lowest priority first",
-    "max_requests_per_minute_per_key": "requests one API key may start per minute; past it 429 with Retry-After "
-    "(needs --api-key)",
-    "max_tokens_per_minute_per_key": "prompt + output tokens one API key may use per minute; past it 429 with "
-    "Retry-After (needs --api-key)",
-    "max_total_tokens": "KV cache capacity in tokens (default: sized from the context length)",
-    "context_length": "longest prompt + output (default: the model's max_position_embeddings)",
-    "max_prefill_tokens": "most prompt tokens prefilled in one forward pass",
-    "page_size": "tokens per KV cache page",
-    "seed": "random seed for sampling without a per-request seed",
-    "log_level": "logging level",
-    "nnodes": "nodes for multi-node tensor parallelism",
-    "node_rank": "this node's rank",
-    "dist_init_addr": "host:port of the torch.distributed rendezvous; with --nnodes > 1 the one address every node "
-    "agrees on, hosted by node 0 (default: a free local port)",
-    "lora_load_timeout": "seconds an adapter operation waits for every rank before it fails and is rolled back",
-    "lora_state_file": "adapter registry file, rewritten after every change and restored at start",
-    "lora_resolver_dir": "an unknown adapter X named by a request is loaded from DIR/X on first use (DIR may also "
-    "be s3://bucket/prefix or hf://org)",
-    "lora_cache_dir": "where Hub and S3 adapters are downloaded (default: ~/.cache/loraplex/adapters)",
-    "lora_cache_max_gb": "size cap of --lora-cache-dir in GB; past it the least recently used adapters are deleted",
-    "disable_lora_updates": "serve the start-up adapters only: every load/unload after start is refused (403)",
-    "shutdown_timeout": "seconds in-flight requests may run after SIGTERM before they are aborted",
-    "dist_timeout": "seconds before a collective times out once serving (a backstop)",
-    "chunked_prefill_size": "most prompt tokens one forward pass takes, summed over requests; -1 = whole prompts "
-    "(default: 2048 on CUDA, 512 on CPU)",
-    "disable_radix_cache": "turn off the prefix cache (keyed by adapter)",
-    "no_enable_prefix_caching": "vLLM's spelling of --disable-radix-cache",
-    "dp_size": "data-parallel replicas behind one frontend, each a scheduler and --tp workers",
-    "gpu_memory_utilization": "share of the GPU's memory this server may use, KV cache included (CUDA; "
-    "default: the KV cache takes 0.85 of what is free after the weights)",
-    "lora_modules": "vLLM's adapters loaded at start: NAME=PATH or JSON {name, path, base_model_name}",
-    "reasoning_parser": "chat answers put the model's <think>...</think> text in reasoning_content: deepseek_r1 (the "
-    "template opened <think>) or qwen3 (reasoning only where the output opens <think>); a structured-output "
-    "constraint then applies after </think>",
-    "chat_template": "chat template for /v1/chat/completions: a file, or inline Jinja (default: the tokenizer's)",
-    "enable_auto_tool_choice": "tool_choice auto: the model's text is read for tool calls (needs --tool-call-parser)",
-    "tool_call_parser": "the format of the model's tool calls (tool_choice auto); required and named choices are "
-    "forced by a grammar and need none",
-    "allow_unauthenticated_lora_updates": "allow run-time adapter loads and unloads on a non-loopback --host without "
-    "--api-key or --admin-api-key (off by default: updates are refused with 403 updates_disabled)",
-    "cluster_key_file": "CURVE key file (written by `loraplex keygen PATH`): encrypts and authenticates every TCP "
-    "ZeroMQ socket between nodes and a TCP --rpc-addr; required with --nnodes > 1 or a non-loopback TCP --rpc-addr",
-    "audit_log": "file that gets one JSON line per adapter operation or refusal (rotated at 100 MB)",
-    "lora_allow_base_mismatch": "load an adapter whose base_model_name_or_path names another model (with a warning); "
-    "without it only an adapter for another Hub model (family, version or size) is refused",
-    "lora_strict_base_match": "refuse an adapter whose base_model_name_or_path does not name the served model, also "
-    "where the names cannot tell (a local path, a re-uploader's spelling); without it those load with a warning",
-    "lora_require_manifest": "an adapter needs loraplex-manifest.json (SHA-256 of every file read), checked before "
-    "any rank reads it",
-}
-
-# `loraplex --help` shows the flags in these groups, in this order; every field belongs to exactly one.
-_TOPICS: dict[str, str] = {
-    "model and devices": "model_path served_model_name revision tokenizer tokenizer_revision download_dir hf_token "
-    "load_format hf_overrides device dtype quantization tp dp_size "
-    "context_length seed",
-    "HTTP server and access": "host port api_key admin_api_key rpc_addr shutdown_timeout log_level "
-    "max_requests_per_minute_per_key max_tokens_per_minute_per_key",
-    "LoRA adapters": "enable_lora lora_paths lora_modules max_loras_per_batch max_loaded_loras max_lora_rank "
-    "lora_target_modules lora_backend lora_path_root lora_resolver_dir lora_cache_dir lora_cache_max_gb "
-    "lora_state_file disable_lora_updates lora_drain_timeout lora_load_timeout",
-    "scheduling and KV cache": "max_running_requests max_total_tokens max_prefill_tokens chunked_prefill_size "
-    "page_size disable_radix_cache no_enable_prefix_caching gpu_memory_utilization max_running_per_adapter "
-    "disable_adapter_fairness scheduling_policy",
-    "attention and CUDA graphs": "attention_backend enable_cuda_graph disable_cuda_graph cuda_graph_max_bs",
-    "multi-node": "nnodes node_rank dist_init_addr dist_timeout",
-    "chat and tools": "chat_template enable_auto_tool_choice tool_call_parser reasoning_parser",
-    "security and audit": "allow_unauthenticated_lora_updates cluster_key_file audit_log lora_allow_base_mismatch "
-    "lora_strict_base_match lora_require_manifest",
-}
-# A field missing from _TOPICS lands here (tests/process/test_help_and_progress.py catches it).
-OTHER_TOPIC = "other options"
-
-
-def field_topic(name: str) -> str:
-    return next((topic for topic, names in _TOPICS.items() if name in names.split()), OTHER_TOPIC)
-
-
 # vLLM's and SGLang's spellings of our flags, with their meaning there: alias -> field. Giving both spellings is an
 # error. docs/API.md's flag tables say where a meaning differs in detail.
 ALIASES: dict[str, str] = {
@@ -224,8 +91,6 @@ ALIASES: dict[str, str] = {
     "random_seed": "seed",  # SGLang
     "tokenizer_path": "tokenizer",  # SGLang
 }
-# vLLM's short forms
-_SHORT: dict[str, str] = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp", "quantization": "-q"}
 # Their names for our choices: field -> {their value: ours}.
 VALUE_ALIASES: dict[str, dict[str, str]] = {
     "dtype": {"half": "float16", "float": "float32"},  # vLLM and SGLang
@@ -237,76 +102,207 @@ DEFAULT_LORA_RANK = 16  # --enable-lora with nothing to infer the pool from (vLL
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    model_path: str = "demo"
-    served_model_name: str | None = None
-    revision: str | None = None
-    tokenizer: str | None = None
-    tokenizer_revision: str | None = None
-    download_dir: str | None = None
-    hf_token: str | None = None
-    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
-    hf_overrides: dict[str, Any] = {}
-    host: str = "127.0.0.1"
-    port: int = 30000
-    tp: int = 1
-    device: Literal["cpu", "cuda"] | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["auto", "fp8", "compressed-tensors", "gptq", "awq", "none"] = "auto"
-    enable_lora: bool = False
-    lora_backend: Literal["auto", "triton", "cpu", "torch"] = "auto"
-    attention_backend: Literal["auto", "triton", "cpu", "torch"] = "auto"
-    enable_cuda_graph: bool = False
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int | None = None
-    lora_paths: list[str] = []
-    max_loras_per_batch: int = 8
-    max_loaded_loras: int | None = None
-    lora_drain_timeout: float = 120.0
-    max_lora_rank: int | None = None
-    lora_target_modules: list[str] | None = None
-    lora_path_root: str | None = None
-    api_key: str | None = None
-    admin_api_key: str | None = None
-    rpc_addr: str | None = None
-    max_running_requests: int = 64
-    max_total_tokens: int | None = None
-    context_length: int | None = None
-    max_prefill_tokens: int = 8192
-    page_size: int = 16
-    seed: int = 0
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None
-    lora_load_timeout: float = 60.0
-    lora_state_file: str | None = None
-    lora_resolver_dir: str | None = None
-    lora_cache_dir: str | None = None
-    lora_cache_max_gb: float = 20.0
-    disable_lora_updates: bool = False
-    shutdown_timeout: float = 20.0
-    dist_timeout: float = 30.0
-    chunked_prefill_size: int | None = None
-    disable_radix_cache: bool = False
-    no_enable_prefix_caching: bool = False
-    dp_size: int = 1
-    gpu_memory_utilization: float | None = None
-    lora_modules: list[str] = []
-    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
-    chat_template: str | None = None
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "qwen3_coder", "xml", "pythonic"] | None = None
-    max_running_per_adapter: int | None = None
-    disable_adapter_fairness: bool = False
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    max_requests_per_minute_per_key: int | None = None
-    max_tokens_per_minute_per_key: int | None = None
-    allow_unauthenticated_lora_updates: bool = False
-    cluster_key_file: str | None = None
-    audit_log: str | None = None
-    lora_allow_base_mismatch: bool = False
-    lora_strict_base_match: bool = False
-    lora_require_manifest: bool = False
+    # Each field's description is its flag's help in `loraplex --help` (and its description in the JSON schema).
+    model_path: Annotated[str, Meta(description=
+        "a Hugging Face checkpoint: a local dir, or a Hub id ORG/NAME[@REVISION] downloaded once into --download-dir "
+        "(a local dir of that name wins); 'demo' = the shipped demo (adapters: reverse, sort, mirror)"
+    )] = "demo"
+    served_model_name: Annotated[str | None, Meta(description=
+        "base model name in the OpenAI API (default: the Hub id, or the last path component)"
+    )] = None
+    revision: Annotated[str | None, Meta(description=
+        "the Hub revision of the model: a branch, tag or commit; none = the default branch"
+    )] = None
+    tokenizer: Annotated[str | None, Meta(description="the tokenizer's Hub id or dir; none = the model's")] = None
+    tokenizer_revision: Annotated[str | None, Meta(description="the Hub revision of --tokenizer")] = None
+    download_dir: Annotated[str | None, Meta(description=
+        "where Hub models are downloaded; none = the Hugging Face cache (HF_HUB_CACHE / HF_HOME), shared with other "
+        "tools"
+    )] = None
+    hf_token: Annotated[str | None, Meta(description=
+        "Hub token for gated or private models; none = HF_TOKEN, or the token `hf auth login` saved"
+    )] = None
+    load_format: Annotated[Literal["auto", "safetensors", "dummy"], Meta(description=
+        "where the weights come from: auto or safetensors (the checkpoint's *.safetensors files), dummy (random "
+        "weights on the checkpoint's config.json, weight files or not: benchmarks and tests at real shapes)"
+    )] = "auto"
+    hf_overrides: Annotated[dict[str, Any], Meta(description=
+        "JSON object merged into the model's config.json before anything reads it, e.g. '{\"num_hidden_layers\": 2}' "
+        "(nested objects merge key by key)"
+    )] = {}
+    host: Annotated[str, Meta(description="HTTP bind address")] = "127.0.0.1"
+    port: Annotated[int, Meta(description="HTTP port")] = 30000
+    tp: Annotated[int, Meta(description="tensor-parallel worker processes")] = 1
+    device: Annotated[Literal["cpu", "cuda"] | None, Meta(description=
+        "cpu or cuda (default: cuda if available)"
+    )] = None
+    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Meta(description=
+        "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16 or float16"
+    )] = "auto"
+    quantization: Annotated[Literal["auto", "fp8", "compressed-tensors", "gptq", "awq", "none"], Meta(description=
+        "the checkpoint's quantization (vLLM's names): auto = as config.json's quantization_config says; a named "
+        "method must match it; none = plain weights (docs/QUANTIZATION.md)"
+    )] = "auto"
+    enable_lora: Annotated[bool, Meta(description="turn LoRA on (implied by --lora-paths)")] = False
+    lora_backend: Annotated[Literal["auto", "triton", "cpu", "torch"], Meta(description=
+        "LoRA kernels: triton (CUDA), cpu (compiled AVX-512 BF16 kernels; bfloat16 on the CPU, also used for attention "
+        "and norms), torch (torch ops, any device); auto = triton on CUDA, else cpu where it builds and runs, else "
+        "torch"
+    )] = "auto"
+    attention_backend: Annotated[Literal["auto", "triton", "cpu", "torch"], Meta(description=
+        "attention kernels: triton (paged Triton kernels reading K/V from the cache pages in place; CUDA), cpu "
+        "(decodes in the compiled CPU kernels, prefills in SDPA; needs --lora-backend cpu or auto to build them), "
+        "torch (SDPA over gathered pages); auto = triton on CUDA, else cpu where the CPU kernels run and take the "
+        "model's head shapes, else torch"
+    )] = "auto"
+    enable_cuda_graph: Annotated[bool, Meta(description=
+        "capture decode steps as CUDA graphs at start-up, one per batch size of a ladder up to --cuda-graph-max-bs, "
+        "and replay them (CUDA, --attention-backend triton; ignored on a CPU, with a log line)"
+    )] = False
+    disable_cuda_graph: Annotated[bool, Meta(description=
+        "SGLang's switch: decode runs eagerly (the default until a GPU run confirms the graphs)"
+    )] = False
+    cuda_graph_max_bs: Annotated[int | None, Meta(description=
+        "largest decode batch replayed from a CUDA graph (default: --max-running-requests); larger batches run eagerly"
+    )] = None
+    lora_paths: Annotated[list[str], Meta(description=
+        "adapters loaded at start: NAME=PATH, PATH, or JSON {lora_name, lora_path, pinned}"
+    )] = []
+    max_loras_per_batch: Annotated[int, Meta(description=
+        "device adapter slots = most distinct adapters in one forward pass"
+    )] = 8
+    max_loaded_loras: Annotated[int | None, Meta(description=
+        "adapters kept in host memory (LRU beyond it); default unlimited"
+    )] = None
+    lora_drain_timeout: Annotated[float, Meta(description=
+        "seconds an unload waits for the adapter's running requests"
+    )] = 120.0
+    max_lora_rank: Annotated[int | None, Meta(description="largest adapter rank the device pool holds")] = None
+    lora_target_modules: Annotated[list[str] | None, Meta(description=
+        "modules the device pool covers (names or 'all': the decoder layers' seven linears; embed_tokens and lm_head "
+        "by name)"
+    )] = None
+    lora_path_root: Annotated[str | None, Meta(description=
+        "when set, lora_path must resolve inside this directory"
+    )] = None
+    api_key: Annotated[str | None, Meta(description="bearer key for every endpoint but /health")] = None
+    admin_api_key: Annotated[str | None, Meta(description="bearer key for adapter load/unload")] = None
+    rpc_addr: Annotated[str | None, Meta(description=
+        "ZeroMQ address of the internal RPC endpoint (tcp://host:port or ipc://path)"
+    )] = None
+    max_running_requests: Annotated[int, Meta(description="most requests decoding at once")] = 64
+    max_total_tokens: Annotated[int | None, Meta(description=
+        "KV cache capacity in tokens (default: sized from the context length)"
+    )] = None
+    context_length: Annotated[int | None, Meta(description=
+        "longest prompt + output (default: the model's max_position_embeddings)"
+    )] = None
+    max_prefill_tokens: Annotated[int, Meta(description="most prompt tokens prefilled in one forward pass")] = 8192
+    page_size: Annotated[int, Meta(description="tokens per KV cache page")] = 16
+    seed: Annotated[int, Meta(description="random seed for sampling without a per-request seed")] = 0
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], Meta(description="logging level")] = "info"
+    nnodes: Annotated[int, Meta(description="nodes for multi-node tensor parallelism")] = 1
+    node_rank: Annotated[int, Meta(description="this node's rank")] = 0
+    dist_init_addr: Annotated[str | None, Meta(description=
+        "host:port of the torch.distributed rendezvous; with --nnodes > 1 the one address every node agrees on, hosted "
+        "by node 0 (default: a free local port)"
+    )] = None
+    lora_load_timeout: Annotated[float, Meta(description=
+        "seconds an adapter operation waits for every rank before it fails and is rolled back"
+    )] = 60.0
+    lora_state_file: Annotated[str | None, Meta(description=
+        "adapter registry file, rewritten after every change and restored at start"
+    )] = None
+    lora_resolver_dir: Annotated[str | None, Meta(description=
+        "an unknown adapter X named by a request is loaded from DIR/X on first use (DIR may also be s3://bucket/prefix "
+        "or hf://org)"
+    )] = None
+    lora_cache_dir: Annotated[str | None, Meta(description=
+        "where Hub and S3 adapters are downloaded (default: ~/.cache/loraplex/adapters)"
+    )] = None
+    lora_cache_max_gb: Annotated[float, Meta(description=
+        "size cap of --lora-cache-dir in GB; past it the least recently used adapters are deleted"
+    )] = 20.0
+    disable_lora_updates: Annotated[bool, Meta(description=
+        "serve the start-up adapters only: every load/unload after start is refused (403)"
+    )] = False
+    shutdown_timeout: Annotated[float, Meta(description=
+        "seconds in-flight requests may run after SIGTERM before they are aborted"
+    )] = 20.0
+    dist_timeout: Annotated[float, Meta(description=
+        "seconds before a collective times out once serving (a backstop)"
+    )] = 30.0
+    chunked_prefill_size: Annotated[int | None, Meta(description=
+        "most prompt tokens one forward pass takes, summed over requests; -1 = whole prompts (default: 2048 on CUDA, "
+        "512 on CPU)"
+    )] = None
+    disable_radix_cache: Annotated[bool, Meta(description="turn off the prefix cache (keyed by adapter)")] = False
+    no_enable_prefix_caching: Annotated[bool, Meta(description="vLLM's spelling of --disable-radix-cache")] = False
+    dp_size: Annotated[int, Meta(description=
+        "data-parallel replicas behind one frontend, each a scheduler and --tp workers"
+    )] = 1
+    gpu_memory_utilization: Annotated[float | None, Meta(description=
+        "share of the GPU's memory this server may use, KV cache included (CUDA; default: the KV cache takes 0.85 of "
+        "what is free after the weights)"
+    )] = None
+    lora_modules: Annotated[list[str], Meta(description=
+        "vLLM's adapters loaded at start: NAME=PATH or JSON {name, path, base_model_name}"
+    )] = []
+    reasoning_parser: Annotated[Literal["deepseek_r1", "qwen3"] | None, Meta(description=
+        "chat answers put the model's <think>...</think> text in reasoning_content: deepseek_r1 (the template opened "
+        "<think>) or qwen3 (reasoning only where the output opens <think>); a structured-output constraint then "
+        "applies after </think>"
+    )] = None
+    chat_template: Annotated[str | None, Meta(description=
+        "chat template for /v1/chat/completions: a file, or inline Jinja (default: the tokenizer's)"
+    )] = None
+    enable_auto_tool_choice: Annotated[bool, Meta(description=
+        "tool_choice auto: the model's text is read for tool calls (needs --tool-call-parser)"
+    )] = False
+    tool_call_parser: Annotated[
+        Literal["hermes", "llama3_json", "mistral", "qwen3_coder", "xml", "pythonic"] | None, Meta(description=
+        "the format of the model's tool calls (tool_choice auto); required and named choices are forced by a grammar "
+        "and need none"
+    )] = None
+    max_running_per_adapter: Annotated[int | None, Meta(description=
+        "most requests of one adapter running at once (default unlimited)"
+    )] = None
+    disable_adapter_fairness: Annotated[bool, Meta(description=
+        "admit waiting requests first come, first served rather than by fair share between adapters (virtual token "
+        "counters, per API key and adapter)"
+    )] = False
+    scheduling_policy: Annotated[Literal["fcfs", "priority"], Meta(description=
+        "fcfs: waiting requests run by arrival (fair between adapters unless --disable-adapter-fairness); priority: by "
+        "the request's `priority` (lower first), then as fcfs; a preemption then takes the lowest priority first"
+    )] = "fcfs"
+    max_requests_per_minute_per_key: Annotated[int | None, Meta(description=
+        "requests one API key may start per minute; past it 429 with Retry-After (needs --api-key)"
+    )] = None
+    max_tokens_per_minute_per_key: Annotated[int | None, Meta(description=
+        "prompt + output tokens one API key may use per minute; past it 429 with Retry-After (needs --api-key)"
+    )] = None
+    allow_unauthenticated_lora_updates: Annotated[bool, Meta(description=
+        "allow run-time adapter loads and unloads on a non-loopback --host without --api-key or --admin-api-key (off "
+        "by default: updates are refused with 403 updates_disabled)"
+    )] = False
+    cluster_key_file: Annotated[str | None, Meta(description=
+        "CURVE key file (written by `loraplex keygen PATH`): encrypts and authenticates every TCP ZeroMQ socket "
+        "between nodes and a TCP --rpc-addr; required with --nnodes > 1 or a non-loopback TCP --rpc-addr"
+    )] = None
+    audit_log: Annotated[str | None, Meta(description=
+        "file that gets one JSON line per adapter operation or refusal (rotated at 100 MB)"
+    )] = None
+    lora_allow_base_mismatch: Annotated[bool, Meta(description=
+        "load an adapter whose base_model_name_or_path names another model (with a warning); without it only an "
+        "adapter for another Hub model (family, version or size) is refused"
+    )] = False
+    lora_strict_base_match: Annotated[bool, Meta(description=
+        "refuse an adapter whose base_model_name_or_path does not name the served model, also where the names cannot "
+        "tell (a local path, a re-uploader's spelling); without it those load with a warning"
+    )] = False
+    lora_require_manifest: Annotated[bool, Meta(description=
+        "an adapter needs loraplex-manifest.json (SHA-256 of every file read), checked before any rank reads it"
+    )] = False
 
     def __post_init__(self) -> None:
         positive = (
@@ -350,7 +346,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"--rpc-addr {self.rpc_addr} is not loopback: set --api-key to open it")
         for name in ("max_requests_per_minute_per_key", "max_tokens_per_minute_per_key"):
             if getattr(self, name) is not None and not self.api_key:
-                raise ConfigError(f"--{_flag(name)} limits each API key: it needs --api-key")
+                raise ConfigError(f"--{flag_name(name)} limits each API key: it needs --api-key")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank {self.node_rank} outside 0..{self.nnodes - 1}")
         if self.nnodes > 1 and not self.dist_init_addr:
@@ -451,7 +447,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             if alias not in kwargs:
                 continue
             if name in kwargs:
-                raise ConfigError(f"--{_flag(alias)} and --{_flag(name)} are the same setting: give only one")
+                raise ConfigError(f"--{flag_name(alias)} and --{flag_name(name)} are the same setting: give only one")
             kwargs[name] = kwargs.pop(alias)
         for name, values in VALUE_ALIASES.items():
             if kwargs.get(name) in values:
@@ -465,120 +461,6 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(str(e)) from e
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
+    """A field's flag without its dashes: model_path -> model-path."""
     return name.replace("_", "-")
-
-
-def _field_type(field: msgspec.structs.FieldInfo) -> tuple[str, Any]:
-    """Classify a field for argparse: (kind, element type)."""
-    info = msgspec.inspect.type_info(field.type)
-    if isinstance(info, msgspec.inspect.UnionType):
-        info = next(t for t in info.types if not isinstance(t, msgspec.inspect.NoneType))
-    if isinstance(info, msgspec.inspect.BoolType):
-        return "bool", None
-    if isinstance(info, msgspec.inspect.ListType):
-        return "list", str
-    if isinstance(info, msgspec.inspect.DictType):
-        return "scalar", json_object
-    if isinstance(info, msgspec.inspect.LiteralType):
-        return "choice", list(info.values)
-    return "scalar", {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float}.get(type(info), str)
-
-
-def json_object(text: str) -> dict[str, Any]:
-    """A flag's JSON object value; argparse names the flag when this raises."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text}") from e
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"not a JSON object: {text}")
-    return value
-
-
-FOREIGN_TOPIC = "vLLM and SGLang flags with no setting here, accepted with a log line or refused"
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """A usage error is one line naming the flag (the full usage is a screen long: --help shows it)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def build_arg_parser(prog: str = "loraplex", *, model_positional: bool = False) -> argparse.ArgumentParser:
-    """One flag per field, plus vLLM's and SGLang's spellings of some (ALIASES) and their flags we have no setting for
-    (protocol/foreign_flags.py). A flag not given is absent from the parsed namespace (SUPPRESS), so the struct's
-    defaults apply and a setting given in both spellings can be told apart. No abbreviations: `--model` is a flag of
-    its own, and a prefix of a flag is an error, as in vLLM. With model_positional (`loraplex serve MODEL`), MODEL
-    is the first positional argument."""
-    parser = _OneLineParser(
-        prog=prog,
-        description="loraplex: many LoRA adapters on one base model",
-        argument_default=argparse.SUPPRESS,
-        allow_abbrev=False,
-    )
-    if model_positional:
-        parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="the same as --model-path MODEL")
-    groups = {topic: parser.add_argument_group(topic) for topic in (*_TOPICS, OTHER_TOPIC)}
-    fields = {field.name: field for field in msgspec.structs.fields(ServerConfig)}
-    # Topic by topic, in the order _TOPICS lists them, each other spelling right after ours.
-    ordered = [name for names in _TOPICS.values() for name in names.split() if name in fields]
-    ordered += [name for name in fields if name not in ordered]
-    entries = [(dest, name) for name in ordered for dest in (name, *sorted(a for a, n in ALIASES.items() if n == name))]
-    for dest, name in entries:
-        field = fields[name]
-        group = groups[field_topic(name)]
-        kind, elem = _field_type(field)
-        help_text = _HELP.get(name, "") if dest == name else f"the same as --{_flag(name)} (vLLM's or SGLang's name)"
-        option_strings = ["--" + _flag(dest), *([_SHORT[dest]] if dest in _SHORT else [])]
-        default = field.default
-        if kind == "bool":
-            group.add_argument(*option_strings, dest=dest, action="store_true", help=help_text)
-        elif kind == "list":
-            group.add_argument(*option_strings, dest=dest, nargs="+", help=help_text)
-        elif kind == "choice":
-            choices = [*elem, *VALUE_ALIASES.get(name, {})]
-            group.add_argument(*option_strings, dest=dest, choices=choices, help=f"{help_text} (default: {default})")
-        else:
-            group.add_argument(*option_strings, dest=dest, type=elem, help=f"{help_text} (default: {default})")
-    foreign = parser.add_argument_group(FOREIGN_TOPIC)
-    for flag in FOREIGN_FLAGS:
-        help_text = f"({flag.family}) {flag.summary}"
-        if flag.takes_value:
-            foreign.add_argument(*flag.names, dest=flag.dest, metavar="VALUE", help=help_text)
-        else:
-            foreign.add_argument(*flag.names, dest=flag.dest, action="store_true", help=help_text)
-    return parser
-
-
-def parse_command_line(argv: list[str] | None = None) -> tuple[ServerConfig, list[str]]:
-    """`loraplex [flags]` or `loraplex serve MODEL [flags]` (vLLM's form) -> the config, and one note per accepted
-    flag of vLLM's or SGLang's that changes nothing here (for the start-up log). A refused flag is a ConfigError
-    naming it and why."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    is_serve = bool(argv) and argv[0] == "serve"
-    parser = build_arg_parser("loraplex serve" if is_serve else "loraplex", model_positional=is_serve)
-    kwargs = vars(parser.parse_args(argv[1:] if is_serve else argv))
-    if "model_tag" in kwargs:
-        model = kwargs.pop("model_tag")
-        given = [f"--{_flag(k)}" for k in ("model_path", "model") if k in kwargs]
-        if given:
-            raise ConfigError(f"the model is given twice: as MODEL ({model}) and as {given[0]}; give it once")
-        kwargs["model_path"] = model
-    notes = []
-    for dest in [k for k in kwargs if k in FOREIGN_BY_DEST]:
-        flag, value = FOREIGN_BY_DEST[dest], kwargs.pop(dest)
-        try:
-            notes.append(flag.check(value if flag.takes_value else None))
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
-        for name, setting in (flag.sets or {}).items():
-            if name in kwargs:
-                raise ConfigError(f"{flag.names[0]} and --{_flag(name)} are the same setting: give only one")
-            kwargs[name] = setting
-    return ServerConfig.from_kwargs(**kwargs), notes
-
-
-def config_from_args(argv: list[str] | None = None) -> ServerConfig:
-    return parse_command_line(argv)[0]

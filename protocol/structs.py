@@ -255,8 +255,8 @@ class LoadAdapters(Struct, frozen=True):
 
     op_id: int
     adapters: list[AdapterToLoad]
-    # --nnodes > 1: node 0 cut every inline tensor per TP rank (protocol/lora_shards.py). The extra frames are then
-    # tp equal runs, rank r's the r-th, each laid out as split_inline_frames says; every TensorSpec names the whole
+    # --nnodes > 1: node 0 cut every inline tensor per TP rank (protocol/adapters/lora_shards.py). The extra frames are
+    # then tp equal runs, rank r's the r-th, each laid out as split_inline_frames says; every TensorSpec names the whole
     # tensor. The scheduler sends each rank only its run.
     frames_per_rank: bool = False
 

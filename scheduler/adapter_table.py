@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from loraplex.protocol.adapter_outcomes import merge_outcomes
+from loraplex.protocol.adapters.adapter_outcomes import merge_outcomes
 from loraplex.protocol.structs import (
     AdapterOpDone,
     AdapterOutcome,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loraplex.protocol.lora_targets import ATTN_MODULES, MLP_MODULES, TARGET_MODULES
+from loraplex.protocol.adapters.lora_targets import ATTN_MODULES, MLP_MODULES, TARGET_MODULES
 
 # name -> (r, lora_alpha, target_modules, use_rslora); ranks and target sets deliberately differ.
 ADAPTER_SPECS: dict[str, tuple[int, float, tuple[str, ...], bool]] = {

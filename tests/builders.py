@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from loraplex.protocol.lora_targets import ATTN_MODULES, TARGET_MODULES
+from loraplex.protocol.adapters.lora_targets import ATTN_MODULES, TARGET_MODULES
 from safetensors import safe_open
 from safetensors.torch import save_file
 

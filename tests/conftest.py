@@ -59,7 +59,7 @@ def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def qwen3_adapter_dirs(tmp_path_factory: pytest.TempPathFactory, qwen3_dir: Path) -> dict[str, Path]:
     """Two adapters on qwen3_dir: every module at rank 8, attention only at rank 16 with rsLoRA."""
-    from loraplex.protocol.lora_targets import ATTN_MODULES, TARGET_MODULES
+    from loraplex.protocol.adapters.lora_targets import ATTN_MODULES, TARGET_MODULES
 
     from tests.builders import build_lora_adapter
 

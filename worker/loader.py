@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 import torch
-from loraplex.protocol.progress import Progress
+from loraplex.kernels.progress import Progress
 from safetensors import safe_open
 from torch import nn
 

@@ -17,7 +17,7 @@ from loraplex.frontend.adapters.files import cut_per_rank, read_adapter_dir
 from loraplex.frontend.adapters.integrity import AdapterIntegrity
 from loraplex.frontend.cluster.replica_set import ReplicaSet, merge_replica_answers
 from loraplex.frontend.metrics import Metrics
-from loraplex.protocol.adapter_config import AdapterLoadError
+from loraplex.protocol.adapters.adapter_config import AdapterLoadError
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.errors import ServerError
 from loraplex.protocol.structs import AdapterOutcome, AdapterToLoad, DropAdapters, InlineAdapter, LoadAdapters

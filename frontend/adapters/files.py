@@ -2,7 +2,7 @@
 a directory read into TensorSpecs and raw buffers on node 0 (--nnodes > 1, so ranks on other nodes never open a
 path) and cut per TP rank, and the Engine's and the RPC client's torch tensors as specs and buffers (the bytes go as
 extra ZeroMQ frames, never pickled; the workers check every spec against its bytes). Files are found and opened by
-protocol/adapter_files.py and configs parsed by protocol/adapter_config.py, as the workers do."""
+protocol/adapters/adapter_files.py and configs parsed by protocol/adapters/adapter_config.py, as the workers do."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import math
 import warnings
 from typing import Any
 
-from loraplex.protocol.adapter_config import AdapterConfig, AdapterLoadError, parse_adapter_config
-from loraplex.protocol.adapter_files import AdapterFiles
-from loraplex.protocol.lora_shards import rank_cut
+from loraplex.protocol.adapters.adapter_config import AdapterConfig, AdapterLoadError, parse_adapter_config
+from loraplex.protocol.adapters.adapter_files import AdapterFiles
+from loraplex.protocol.adapters.lora_shards import rank_cut
 from loraplex.protocol.structs import TENSOR_DTYPES, TensorSpec
 
 
@@ -63,8 +63,8 @@ def read_adapter_dir(path: str, root: str | None,
 
 def cut_per_rank(specs: list[TensorSpec], buffers: list, tp_size: int) -> list[list[memoryview]]:
     """Each TP rank's part of each tensor as raw bytes, [tp_rank][tensor], by the rule the workers use
-    (protocol/lora_shards.py); a rank's frames then match its cut of the specs' whole shapes. A buffer whose size
-    is not its spec's goes whole to every rank, which refuses it on its size."""
+    (protocol/adapters/lora_shards.py); a rank's frames then match its cut of the specs' whole shapes. A buffer whose
+    size is not its spec's goes whole to every rank, which refuses it on its size."""
     import torch
 
     per_rank: list[list[memoryview]] = [[] for _ in range(tp_size)]

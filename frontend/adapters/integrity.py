@@ -16,8 +16,8 @@ import os
 from typing import Any
 
 from loraplex.frontend.adapters.base_names import BaseMatch, is_hub_id, match_base
-from loraplex.protocol.adapter_config import CONFIG_FILE, AdapterLoadError
-from loraplex.protocol.adapter_files import AdapterFiles
+from loraplex.protocol.adapters.adapter_config import CONFIG_FILE, AdapterLoadError
+from loraplex.protocol.adapters.adapter_files import AdapterFiles
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.model_ref import parse_model_ref
 

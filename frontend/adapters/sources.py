@@ -20,14 +20,14 @@ import tempfile
 import threading
 from dataclasses import dataclass
 
-from loraplex.protocol.adapter_config import CONFIG_FILE, WEIGHT_FILES
+from loraplex.protocol.adapters.adapter_config import CONFIG_FILE, WEIGHT_FILES
 from loraplex.protocol.errors import ServerError
 from loraplex.protocol.model_ref import COMMIT as _COMMIT
 from loraplex.protocol.model_ref import HUB_ID as _REPO_ID
 
 logger = logging.getLogger("loraplex.adapters")
 
-# the files an adapter is read from (protocol/adapter_files.py), and its manifest; nothing else is downloaded
+# the files an adapter is read from (protocol/adapters/adapter_files.py), and its manifest; nothing else is downloaded
 ADAPTER_FILES = (CONFIG_FILE, *WEIGHT_FILES, "loraplex-manifest.json")
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from loraplex.frontend.cluster.scheduler_client import SchedulerClient
-from loraplex.protocol.adapter_outcomes import merge_outcomes
+from loraplex.protocol.adapters.adapter_outcomes import merge_outcomes
 from loraplex.protocol.errors import ServerError
 from loraplex.protocol.structs import (
     AdapterOutcome,

@@ -2,6 +2,8 @@
 and a headless node. The only package of frontend/ that knows aiohttp, Ray or argv.
 
 launch.py         `loraplex [serve MODEL]` / scripts/launch_server.py: parse flags, start the server
+cli.py            the command line, generated from ServerConfig's fields and their help; vLLM's and SGLang's spellings
+foreign_flags.py  vLLM's and SGLang's flags with no setting here: accepted where already done, else refused by name
 http_server.py    the aiohttp application: routes, API keys, every failure mapped to a status and a message
 http_utils.py     small aiohttp helpers the routes share: the app's Runtime and GenerateService, JSON errors, SSE
 wire.py           what the aiohttp app and the Ray replica answer alike: JSON, Server-Sent Events, failures

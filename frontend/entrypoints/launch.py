@@ -7,8 +7,9 @@ import logging
 import signal
 import sys
 
+from loraplex.frontend.entrypoints.cli import parse_command_line
 from loraplex.frontend.model_files import ModelFilesError, resolve_model_files
-from loraplex.protocol.config import ConfigError, parse_command_line
+from loraplex.protocol.config import ConfigError
 from loraplex.protocol.curve import ClusterKey, ClusterKeyError, write_key_file
 from loraplex.protocol.proc import setup_logging
 from loraplex.protocol.quantization import read_hf_config, resolve_quantization

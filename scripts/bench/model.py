@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loraplex.protocol.lora_targets import ATTN_MODULES, TARGET_MODULES
+from loraplex.protocol.adapters.lora_targets import ATTN_MODULES, TARGET_MODULES
 
 from tests.builders import build_lora_adapter, build_tiny_model
 from tests.expert_adapters import build_expert_module_adapter

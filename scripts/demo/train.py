@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from loraplex.frontend.demo import DEMO_DIR
-from loraplex.protocol.lora_targets import TARGET_MODULES
+from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
 
 from tests.builders import (
     BOS_TOKEN,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loraplex.protocol.lora_targets import ATTN_MODULES, TARGET_MODULES
+from loraplex.protocol.adapters.lora_targets import ATTN_MODULES, TARGET_MODULES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NOT_IMPLEMENTED = "not implemented yet"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from loraplex.kernels import cpu_ext
-from loraplex.protocol.lora_targets import TARGET_MODULES
+from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.layers import packed
 from loraplex.worker.model_runner import ModelRunner

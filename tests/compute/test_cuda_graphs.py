@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.protocol.config import ConfigError, ServerConfig, config_from_args
+from loraplex.frontend.entrypoints.cli import config_from_args
+from loraplex.protocol.config import ConfigError, ServerConfig
 from loraplex.protocol.structs import ForwardBatch, ForwardReq
 from loraplex.worker.model_runner import ModelRunner
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from loraplex.frontend.demo import DEMO_ADAPTERS, demo_adapter_paths
-from loraplex.protocol.lora_targets import MLP_MODULES, TARGET_MODULES
+from loraplex.protocol.adapters.lora_targets import MLP_MODULES, TARGET_MODULES
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 

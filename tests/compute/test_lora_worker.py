@@ -9,7 +9,7 @@ import loraplex.kernels.backend as lora_backend
 import pytest
 import torch
 from loraplex.kernels import select_backend
-from loraplex.protocol.lora_targets import TARGET_MODULES
+from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.lora.layers import LoRALinear

@@ -291,7 +291,8 @@ def test_every_variant_compiles_for_sm90_and_sm80() -> None:
 
 
 def test_attention_backend_flag_and_selection(monkeypatch: pytest.MonkeyPatch) -> None:
-    from loraplex.protocol.config import ServerConfig, config_from_args
+    from loraplex.frontend.entrypoints.cli import config_from_args
+    from loraplex.protocol.config import ServerConfig
     from loraplex.worker.layers.attention import AttentionBackendError, SDPAAttention, select_attention_backend
     from loraplex.worker.layers.triton_attention import TritonAttention
 

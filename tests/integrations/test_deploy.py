@@ -11,8 +11,9 @@ import kubernetes_validate
 import pytest
 import yaml
 from loraplex.frontend.entrypoints import native_api
+from loraplex.frontend.entrypoints.cli import build_arg_parser
 from loraplex.frontend.metrics import Metrics
-from loraplex.protocol.config import ServerConfig, build_arg_parser
+from loraplex.protocol.config import ServerConfig
 
 K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 K8S_VERSION = "1.33.0"

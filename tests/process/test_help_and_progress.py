@@ -13,9 +13,10 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from loraplex.protocol import progress
-from loraplex.protocol.config import _TOPICS, ALIASES, FOREIGN_TOPIC, OTHER_TOPIC, ServerConfig, field_topic
-from loraplex.protocol.progress import Progress, elapsed
+from loraplex.frontend.entrypoints.cli import _TOPICS, FOREIGN_TOPIC, OTHER_TOPIC, field_topic
+from loraplex.kernels import progress
+from loraplex.kernels.progress import Progress, elapsed
+from loraplex.protocol.config import ALIASES, ServerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,7 +54,7 @@ def test_help_groups_flags_by_topic() -> None:
 
 
 def test_every_config_field_has_a_topic() -> None:
-    # A new field must be given a topic in protocol/config.py's _TOPICS, not left in "other options".
+    # A new field must be given a topic in frontend/entrypoints/cli.py's _TOPICS, not left in "other options".
     fields = [field.name for field in msgspec.structs.fields(ServerConfig)]
     assert [name for name in fields if field_topic(name) == OTHER_TOPIC] == []
     named = [name for names in _TOPICS.values() for name in names.split()]

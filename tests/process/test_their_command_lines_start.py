@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from loraplex.frontend.entrypoints.cli import parse_command_line
 from loraplex.kernels.backend import BackendError, select_backend
-from loraplex.protocol.config import parse_command_line
 
 from tests.hub_standin import HubStandIn, dir_files, hub_env
 from tests.server_utils import ServerProcess

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 import requests
-from loraplex.protocol.lora_targets import TARGET_MODULES
+from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
 from transformers import AutoTokenizer
 
 from tests.builders import build_lora_adapter

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from loraplex.frontend.entrypoints.cli import config_from_args
 from loraplex.kernels import BackendError, cpu_ext, select_backend
 from loraplex.kernels.backend import CPUKernelsBackend, TorchBackend, TritonBackend, warmup_batches
 from loraplex.kernels.segment_tiles import plan_tiles
-from loraplex.protocol.config import ServerConfig, config_from_args
+from loraplex.protocol.config import ServerConfig
 from loraplex.worker.model_runner import ModelRunner
 
 from tests.compute.test_kernels import CASES, TOLERANCES, dense_expand, dense_shrink, dense_shrink_expand, make_batch

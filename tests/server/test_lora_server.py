@@ -7,7 +7,7 @@ import json
 
 import openai
 import pytest
-from loraplex.protocol.lora_targets import ATTN_MODULES
+from loraplex.protocol.adapters.lora_targets import ATTN_MODULES
 from transformers import AutoTokenizer
 
 from tests.builders import build_lora_adapter, build_tiny_model

@@ -9,10 +9,11 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
+from loraplex.frontend.entrypoints.cli import config_from_args
 from loraplex.frontend.entrypoints.rpc_client import RpcCallError, RpcClient
 from loraplex.frontend.entrypoints.rpc_server import RpcServer
 from loraplex.protocol import rpc
-from loraplex.protocol.config import ConfigError, ServerConfig, config_from_args
+from loraplex.protocol.config import ConfigError, ServerConfig
 from loraplex.protocol.errors import ServerError
 from loraplex.protocol.sockets import DEALER, BlockingFrameSocket
 from loraplex.protocol.structs import (

@@ -1,4 +1,4 @@
-"""protocol/adapter_config.py and protocol/adapter_files.py: the one parse of adapter_config.json and the one
+"""protocol/adapters/adapter_config.py and adapter_files.py: the one parse of adapter_config.json and the one
 confined reader of an adapter directory, as node 0's frontend uses them (the workers' use: test_lora_path_root.py,
 test_lora_adapters.py). A file is judged where the open file lies, never by a name checked before the open."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 from loraplex.frontend.adapters.files import read_adapter_config, read_adapter_dir
-from loraplex.protocol.adapter_config import CONFIG_FILE, WEIGHT_FILES, AdapterLoadError, parse_adapter_config
-from loraplex.protocol.adapter_files import AdapterFiles
-from loraplex.protocol.lora_targets import TARGET_MODULES
+from loraplex.protocol.adapters.adapter_config import CONFIG_FILE, WEIGHT_FILES, AdapterLoadError, parse_adapter_config
+from loraplex.protocol.adapters.adapter_files import AdapterFiles
+from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
 
 SAFETENSORS = WEIGHT_FILES[0]
 BASE = {"r": 8, "lora_alpha": 16, "target_modules": ["v_proj", "q_proj", "q_proj"], "peft_type": "LORA"}

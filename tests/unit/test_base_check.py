@@ -10,8 +10,9 @@ import logging
 import pytest
 from loraplex.frontend.adapters.base_names import BaseMatch, compare_names
 from loraplex.frontend.adapters.integrity import AdapterIntegrity
-from loraplex.protocol.adapter_config import AdapterLoadError
-from loraplex.protocol.config import ConfigError, ServerConfig, config_from_args
+from loraplex.frontend.entrypoints.cli import config_from_args
+from loraplex.protocol.adapters.adapter_config import AdapterLoadError
+from loraplex.protocol.config import ConfigError, ServerConfig
 from loraplex.protocol.model_ref import parse_model_ref
 
 LOAD, WARN, REFUSE = "load", "warn", "refuse"

@@ -9,8 +9,9 @@ import shlex
 from pathlib import Path
 
 import pytest
-from loraplex.protocol.config import ALIASES, ConfigError, ServerConfig, build_arg_parser, parse_command_line
-from loraplex.protocol.foreign_flags import FOREIGN_FLAGS
+from loraplex.frontend.entrypoints.cli import build_arg_parser, parse_command_line
+from loraplex.frontend.entrypoints.foreign_flags import FOREIGN_FLAGS
+from loraplex.protocol.config import ALIASES, ConfigError, ServerConfig
 
 MODEL, A, B = "meta-llama/Llama-2-7b-hf", "yard1/llama-2-7b-sql-lora-test", "algoprog/fact-generation-llama-3.1-8b-lora"
 DOCS_API = Path(__file__).resolve().parents[2] / "docs" / "API.md"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from loraplex.frontend.adapters.files import encode_tensors
-from loraplex.protocol.adapter_config import AdapterLoadError, parse_adapter_config
-from loraplex.protocol.lora_targets import TARGET_MODULES
+from loraplex.protocol.adapters.adapter_config import AdapterLoadError, parse_adapter_config
+from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
 from loraplex.worker.lora.adapter import PoolSpec, adapter_from_tensors
 from loraplex.worker.model.config import ModelConfig
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.protocol.lora_targets import ATTN_MODULES
+from loraplex.protocol.adapters.lora_targets import ATTN_MODULES
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.lora.adapter import AdapterLoadError, _finite_in_dtype, _map_safetensors, load_adapter
 from loraplex.worker.model_runner import ModelRunner

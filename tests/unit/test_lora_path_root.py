@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.protocol.adapter_config import WEIGHT_FILES
-from loraplex.protocol.adapter_files import AdapterFiles
-from loraplex.protocol.lora_targets import ATTN_MODULES
+from loraplex.protocol.adapters.adapter_config import WEIGHT_FILES
+from loraplex.protocol.adapters.adapter_files import AdapterFiles
+from loraplex.protocol.adapters.lora_targets import ATTN_MODULES
 from loraplex.protocol.structs import AdapterToLoad
 from loraplex.worker.lora.adapter import AdapterLoadError, load_adapter
 from loraplex.worker.model_runner import ModelRunner

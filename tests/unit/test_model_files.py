@@ -15,8 +15,9 @@ from collections import namedtuple
 import pytest
 from loraplex.frontend import model_files
 from loraplex.frontend.cluster.node_rendezvous import NodeRendezvous
+from loraplex.frontend.entrypoints.cli import parse_command_line
 from loraplex.frontend.model_files import HubDownload, ModelFilesError, resolve_model_files
-from loraplex.protocol.config import ConfigError, ServerConfig, parse_command_line
+from loraplex.protocol.config import ConfigError, ServerConfig
 from loraplex.protocol.model_ref import parse_model_ref
 
 from tests.hub_standin import HubStandIn

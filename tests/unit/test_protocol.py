@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from loraplex.frontend.entrypoints.cli import build_arg_parser, config_from_args
 from loraplex.protocol import rpc
-from loraplex.protocol.config import ConfigError, ServerConfig, build_arg_parser, config_from_args, parse_lora_source
+from loraplex.protocol.config import ConfigError, ServerConfig, parse_lora_source
 from loraplex.protocol.faults import FAULTS_ENV, FaultPlan, read_fault_plan
 from loraplex.protocol.structs import (
     AbortReq,
@@ -178,7 +179,7 @@ def test_engine_kwargs_are_strict():
 
 
 def test_merge_outcomes_is_all_or_nothing_and_names_who_failed():
-    from loraplex.protocol.adapter_outcomes import merge_outcomes
+    from loraplex.protocol.adapters.adapter_outcomes import merge_outcomes
     from loraplex.protocol.structs import AdapterOutcome
 
     def ok(lora_id: int) -> AdapterOutcome:

@@ -9,11 +9,12 @@ from types import SimpleNamespace
 import pytest
 from loraplex.frontend.bodies import error_body
 from loraplex.frontend.caller import caller_key_id, key_id, set_caller_key
+from loraplex.frontend.entrypoints.cli import parse_command_line
 from loraplex.frontend.entrypoints.ray_serve import answer
 from loraplex.frontend.errors import RateLimited
 from loraplex.frontend.generate import GenerateService
 from loraplex.frontend.rate_limits import KeyRateLimits
-from loraplex.protocol.config import ConfigError, ServerConfig, parse_command_line
+from loraplex.protocol.config import ConfigError, ServerConfig
 from loraplex.protocol.errors import http_status
 
 

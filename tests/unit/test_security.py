@@ -14,9 +14,10 @@ import zmq
 from loraplex.frontend.adapters.audit import AuditLog, Caller, key_id
 from loraplex.frontend.adapters.integrity import MANIFEST_FILE, AdapterIntegrity
 from loraplex.frontend.adapters.manager import update_policy
+from loraplex.frontend.entrypoints.cli import config_from_args
 from loraplex.frontend.entrypoints.launch import main as launch_main
-from loraplex.protocol.adapter_config import AdapterLoadError
-from loraplex.protocol.config import ConfigError, ServerConfig, config_from_args, is_loopback_host
+from loraplex.protocol.adapters.adapter_config import AdapterLoadError
+from loraplex.protocol.config import ConfigError, ServerConfig, is_loopback_host
 from loraplex.protocol.curve import ClusterKey, ClusterKeyError, write_key_file
 from loraplex.protocol.sockets import PULL, PUSH, TypedSocket
 from loraplex.protocol.structs import AbortReq

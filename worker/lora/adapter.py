@@ -4,9 +4,9 @@ Two sources feed one path: a directory (`load_adapter`: adapter_config.json and 
 raw tensor buffers sent along (`adapter_from_tensors`); both go through `_check_config`, `_finite_in_dtype` and
 `_build` (matching, shape checks, the TP slice). Runs on the worker's loader thread: it touches no shared state, and
 every refusal is an AdapterLoadError whose message names the cause (the HTTP layer passes it on to the user as is).
-The directory's layout and its confinement to --lora-path-root are protocol/adapter_files.py's, the config's rules
-protocol/adapter_config.py's (node 0's frontend reads adapters by the same two); every file is checked where the open
-file really lies, so a reload of an evicted adapter is checked again."""
+The directory's layout and its confinement to --lora-path-root are protocol/adapters/adapter_files.py's, the config's
+rules protocol/adapters/adapter_config.py's (node 0's frontend reads adapters by the same two); every file is checked
+where the open file really lies, so a reload of an evicted adapter is checked again."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from loraplex.protocol.adapter_config import AdapterConfig, AdapterLoadError, parse_adapter_config
-from loraplex.protocol.adapter_files import AdapterFiles
-from loraplex.protocol.lora_shards import cut_shape, parse_lora_key, rank_cut
-from loraplex.protocol.lora_targets import FUSED_TARGETS, MLP_MODULES, MODEL_TARGETS, TARGET_MODULES, TP_MODES
+from loraplex.protocol.adapters.adapter_config import AdapterConfig, AdapterLoadError, parse_adapter_config
+from loraplex.protocol.adapters.adapter_files import AdapterFiles
+from loraplex.protocol.adapters.lora_shards import cut_shape, parse_lora_key, rank_cut
+from loraplex.protocol.adapters.lora_targets import FUSED_TARGETS, MLP_MODULES, MODEL_TARGETS, TARGET_MODULES, TP_MODES
 from loraplex.protocol.structs import TensorSpec
 from loraplex.worker.lora.expert_weights import is_expert_key, match_expert_tensors
 from loraplex.worker.lora.targets import full_shapes, is_expert_module
@@ -107,7 +107,7 @@ def adapter_from_tensors(
 ) -> LoRAAdapter:
     """An adapter from adapter_config.json's content and its tensors' raw bytes (one buffer per spec, in order),
     checked exactly as a directory load is. `is_cut`: each buffer holds only this rank's part of its tensor
-    (protocol/lora_shards.py; node 0 cut it), while the spec still names the whole tensor."""
+    (protocol/adapters/lora_shards.py; node 0 cut it), while the spec still names the whole tensor."""
     checked = _check_config(config, model_config, pool_spec)
     tensors = _tensors_from_buffers(tensor_specs, buffers, (tp_rank, tp_size) if is_cut else None)
     whole_shapes = {spec.name: tuple(spec.shape) for spec in tensor_specs} if is_cut else None
@@ -170,7 +170,7 @@ def _build(
 
 
 def _check_config(raw: Any, model_config: ModelConfig, pool_spec: PoolSpec) -> _Config:
-    """The one parse (protocol/adapter_config.py), then what this server can hold."""
+    """The one parse (protocol/adapters/adapter_config.py), then what this server can hold."""
     config = parse_adapter_config(raw)
     if config.max_rank > pool_spec.max_lora_rank:
         raise AdapterLoadError(f"rank {config.max_rank} exceeds --max-lora-rank {pool_spec.max_lora_rank}")
@@ -423,8 +423,8 @@ def _split_fused(
 ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]], dict[str, str]]:
     """Each lora_A / lora_B of a fused module (lora_targets.FUSED_TARGETS) as its slices' (the same A; B's rows of
     the slice), under the slice's name. Returns the tensors, their whole shapes, and the keys made here, each with
-    the fused tensor's key: whole tensors, for a fused module's travel uncut (protocol/lora_shards.py), and the name
-    a rank_pattern / alpha_pattern matches (PEFT's module is the fused one)."""
+    the fused tensor's key: whole tensors, for a fused module's travel uncut (protocol/adapters/lora_shards.py), and the
+    name a rank_pattern / alpha_pattern matches (PEFT's module is the fused one)."""
     out_features = {module: out for module, (_, out) in full_shapes(model_config).items()}
     split_tensors: dict[str, torch.Tensor] = {}
     split_shapes: dict[str, tuple[int, ...]] = {}

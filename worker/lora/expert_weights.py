@@ -17,8 +17,8 @@ from __future__ import annotations
 import re
 
 import torch
-from loraplex.protocol.adapter_config import AdapterConfig, AdapterLoadError
-from loraplex.protocol.lora_targets import EXPERT_MODULE_ALIASES, EXPERT_PARAMETERS
+from loraplex.protocol.adapters.adapter_config import AdapterConfig, AdapterLoadError
+from loraplex.protocol.adapters.lora_targets import EXPERT_MODULE_ALIASES, EXPERT_PARAMETERS
 from loraplex.worker.lora.targets import full_shapes, is_expert_module
 from loraplex.worker.model.config import ModelConfig
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.protocol.lora_targets import TARGET_MODULES, TP_MODES
+from loraplex.protocol.adapters.lora_targets import TARGET_MODULES, TP_MODES
 from loraplex.worker.model.config import ModelConfig
 
 
@@ -15,7 +15,7 @@ class FusedLinear:
 
     @property
     def tp_mode(self) -> str:
-        """'column' or 'row': the one rule of protocol/lora_shards.py, which cuts its adapters' weights."""
+        """'column' or 'row': the one rule of protocol/adapters/lora_shards.py, which cuts its adapters' weights."""
         return TP_MODES[self.slices[0]]
 
 

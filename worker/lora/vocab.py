@@ -1,4 +1,5 @@
-"""LoRA on the embedding and the LM head (protocol/lora_targets.MODEL_TARGETS), the layers whose size is the vocabulary.
+"""LoRA on the embedding and the LM head (protocol/adapters/lora_targets.MODEL_TARGETS), the layers whose size is the
+vocabulary.
 
 PEFT's LoRA on the embedding adds scale · A[:, token]ᵀ·Bᵀ to each token's row (lora_embedding_A (r, vocab),
 lora_embedding_B (hidden, r)); on the LM head, as on any linear, scale · (h·Aᵀ)·Bᵀ to each logits row. Both layers are

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import re
 
-from loraplex.protocol.lora_targets import TP_MODES
+from loraplex.protocol.adapters.lora_targets import TP_MODES
 
 # e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (older PEFT: ...lora_A.default.weight)
 _TENSOR_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:\w+\.)*?(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")

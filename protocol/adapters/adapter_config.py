@@ -2,7 +2,7 @@
 every worker (loading one) read a PEFT adapter's config here. Plain Python, no torch.
 
 What is refused is what would change the math beyond y += scale · x·Aᵀ·Bᵀ on our seven linears (in an MoE model, the
-experts' gate/up/down are three of them) and the embedding's and LM head's (protocol/lora_targets.MODEL_TARGETS), so an
+experts' gate/up/down are three of them) and the embedding's and LM head's (lora_targets.MODEL_TARGETS), so an
 adapter is never served wrong; what depends on the server (the pool's rank and modules, the model's layer count) is
 checked by the worker that holds them."""
 
@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.protocol.lora_targets import ALL_TARGETS, EXPERT_MODULE_ALIASES, EXPERT_PARAMETERS, FUSED_TARGETS
+from loraplex.protocol.adapters.lora_targets import ALL_TARGETS, EXPERT_MODULE_ALIASES, EXPERT_PARAMETERS, FUSED_TARGETS
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")

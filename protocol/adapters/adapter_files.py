@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from loraplex.protocol.adapter_config import CONFIG_FILE, WEIGHT_FILES, AdapterLoadError
+from loraplex.protocol.adapters.adapter_config import CONFIG_FILE, WEIGHT_FILES, AdapterLoadError
 
 
 @dataclass(frozen=True)
