@@ -7,7 +7,7 @@ import os
 from typing import Annotated, Any, Literal
 
 import msgspec
-from loraplex.protocol.adapters.lora_targets import ALL_TARGETS, TARGET_MODULES
+from loraplex.protocol.adapters.lora_targets import ALL_TARGETS, LAYER_MODULES
 from loraplex.protocol.model_ref import ModelRef, parse_model_ref
 from msgspec import Meta
 
@@ -418,8 +418,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def target_modules(self) -> tuple[str, ...] | None:
         if self.lora_target_modules is None:
             return None
-        wanted = set(self.lora_target_modules) | (set(TARGET_MODULES) if "all" in self.lora_target_modules else set())
-        return tuple(m for m in ALL_TARGETS if m in wanted)  # "all": the seven linears; the rest by name
+        wanted = set(self.lora_target_modules) | (set(LAYER_MODULES) if "all" in self.lora_target_modules else set())
+        # "all": a decoder layer's linears (the seven, and latent attention's where the model has it); the rest by name
+        return tuple(m for m in ALL_TARGETS if m in wanted)
 
     @property
     def model_ref(self) -> ModelRef:

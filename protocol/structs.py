@@ -246,7 +246,7 @@ class AdapterOutcome(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
     success: bool
     error_message: str = ""
     error_kind: str = ""
-    rank: int = 0  # the adapter's LoRA rank
+    lora_rank: int = 0  # the adapter's LoRA rank
     target_modules: list[str] = []
 
 
@@ -340,6 +340,7 @@ class SchedulerReady(Struct, frozen=True):
     model_type: str = ""  # the HF model_type the workers run
     num_hidden_layers: int = 0  # after --hf-overrides
     grammar_error: str = ""  # why some rank cannot take structured output (xgrammar's import); "": every rank can
+    kv_bytes_per_token: int = 0  # of one rank's KV cache, every layer
 
 
 class ProcessFailed(Struct, frozen=True):
@@ -396,7 +397,7 @@ class BatchResult(Struct, frozen=True):
 
 
 class WorkerReady(Struct, frozen=True):
-    rank: int
+    tp_rank: int
     max_total_tokens: int
     context_length: int
     vocab_size: int
@@ -412,6 +413,7 @@ class WorkerReady(Struct, frozen=True):
     # (ForwardReq.long_rope); 0: no such length within the context
     long_rope_len: int = 0
     grammar_error: str = ""  # why this rank cannot take structured output (xgrammar's import); "": it can
+    kv_bytes_per_token: int = 0  # of this rank's KV cache, every layer (latent attention: the latent and rope key)
 
 
 class Shutdown(Struct, frozen=True):
@@ -435,7 +437,7 @@ class ProcessArgs(msgspec.Struct, frozen=True, kw_only=True):
     config: ServerConfig
     endpoints: Endpoints
     model_dir: str  # resolved checkpoint directory
-    rank: int = 0  # the worker's local rank on its node; unused by the scheduler
+    local_rank: int = 0  # the worker's rank on its node; unused by the scheduler
     dp_rank: int = 0  # the data-parallel replica this process belongs to (--dp-size)
 
 

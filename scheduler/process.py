@@ -95,7 +95,7 @@ class SchedulerProcess:
         while len(ready) < len(self.to_workers):
             msg = _recv(self.from_workers, READY_POLL_MS)
             if isinstance(msg, WorkerReady):
-                ready[msg.rank] = msg
+                ready[msg.tp_rank] = msg
             elif isinstance(msg, ProcessFailed):
                 self.to_frontend.send(msg)
                 raise ProcessExit(1)
@@ -132,6 +132,7 @@ class SchedulerProcess:
                 model_type=first.model_type,
                 num_hidden_layers=first.num_hidden_layers,
                 grammar_error=next((r.grammar_error for r in ready.values() if r.grammar_error), ""),
+                kv_bytes_per_token=first.kv_bytes_per_token,
             )
         )
         log.info("ready: %d ranks, %d KV pages of %d tokens", len(ready), num_pages, page_size)

@@ -30,7 +30,7 @@ def start_workers(
         procs = []
         try:
             for rank in range(tp):
-                args = ProcessArgs(config=config, endpoints=endpoints, model_dir=str(model_dir), rank=rank)
+                args = ProcessArgs(config=config, endpoints=endpoints, model_dir=str(model_dir), local_rank=rank)
                 env = {**os.environ, ARGS_ENV: encode_process_args(args), "PYTHONPATH": str(REPO_ROOT),
                        **fault_env(**(faults or {}))}
                 if tp > 1:

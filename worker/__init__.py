@@ -24,6 +24,8 @@ model/olmoe.py             OLMoE: q/k RMSNorm over the whole projections (summed
 model/qwen3_moe.py         Qwen3-MoE: Qwen3Attention and the MoE block; dense MLPs where the config says
 model/gemma2.py            Gemma 2: Llama's attention and fused linears, with Gemma's pieces around them
 model/gemma3.py            Gemma 3 text: Gemma 2's with per-head q/k RMSNorms, the local layers' own rope
+model/deepseek_v3.py       DeepSeek-V3 / Kimi K2: latent attention (absorbed; the cache holds latent + rope key), MoE
+                           with a grouped sigmoid router and shared experts, the first layers dense
 model/registry.py          model_type -> decoder class (one file per family)
 layers/linear.py           Column-, MergedColumn- and RowParallelLinear with sharding weight loaders
 layers/attention.py        paged attention with torch SDPA
@@ -34,7 +36,8 @@ layers/norm.py             RMSNorm
 layers/embedding.py        replicated embedding / LM head
 layers/activation.py       SiluAndMul of a fused [gate | up] projection
 layers/packed.py           linear weights prepacked for oneDNN (CPU, bfloat16)
-layers/moe.py              MoE block: router top-k, stacked experts (ExpertsLinear) sharded like the dense MLP
+layers/moe.py              MoE block: router top-k (softmax, or DeepSeek's grouped sigmoid), stacked experts
+                           (ExpertsLinear) sharded like the dense MLP
 layers/sharded_norm.py     RMSNorm over a TP-sharded feature dimension (OLMoE's q/k norm)
 layers/ops.py              the model ops (RMSNorm + residual, rotary, SiLU-mul) chosen at start-up: Triton on CUDA
 quant/                     quantized checkpoints (FP8, compressed-tensors, GPTQ, AWQ): formats decoded into integer or

@@ -32,7 +32,7 @@ class AdapterLoader(threading.Thread):
         super().__init__(name="adapter-loader", daemon=True)
         self.rank = rank
         self.manager = manager
-        inbox_addr = args.endpoints.scheduler_to_loaders[args.rank]
+        inbox_addr = args.endpoints.scheduler_to_loaders[args.local_rank]
         self.inbox = TypedSocket(PULL, inbox_addr, bind=True, recv_type=LoadAdapters, key=key)
         self.to_scheduler = TypedSocket(PUSH, args.endpoints.workers_to_scheduler, bind=False, key=key)
         self.send_lock = threading.Lock()  # zmq sockets are not thread-safe; reports leave from the op threads

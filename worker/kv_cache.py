@@ -29,7 +29,10 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        num_parts: int = 2,
     ):
+        """num_parts 2: keys and values; 1: one tensor that is both (latent attention's latent + rope key, whose
+        leading part the attention reads as its values)."""
         self.num_pages = num_pages  # the scheduler's pages, 0..num_pages - 1
         self.page_size = page_size
         # One more page, past the scheduler's, where the padding rows of a CUDA graph's batch write and read.
@@ -37,19 +40,22 @@ class KVCache:
         num_slots = (num_pages + 1) * page_size
         # Zeroed, not empty: masked-out keys still meet their values in SDPA, and 0 * NaN garbage would be NaN.
         self.kv = torch.zeros(
-            num_layers, 2, num_slots, num_kv_heads, head_dim, dtype=dtype, device=device
-        )  # (layers, k|v, slots, kv_heads, head_dim)
+            num_layers, num_parts, num_slots, num_kv_heads, head_dim, dtype=dtype, device=device
+        )  # (layers, k|v or one part, slots, kv_heads, head_dim)
 
     @property
     def num_tokens(self) -> int:
         return self.num_pages * self.page_size
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv[layer_id, 0], self.kv[layer_id, 1]  # each (slots, kv_heads, head_dim)
+        return self.kv[layer_id, 0], self.kv[layer_id, -1]  # each (slots, kv_heads, head_dim); one tensor if one part
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_parts: int = 2
+) -> int:
+    """Of one rank's cache (ModelConfig.kv_layout gives the parts, heads and head_dim)."""
+    return num_parts * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
 
 def default_kv_tokens(

@@ -143,6 +143,8 @@ def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True
                 if local_name is None or hf_name.endswith(IGNORED_SUFFIXES):
                     continue
                 name, slice_id = map_hf_name(local_name)
+                if name not in params and local_name in params:  # a model's own unfused q_proj (latent attention)
+                    name, slice_id = local_name, None
                 if name in params:
                     plan.append((path, hf_name, name, slice_id))
                 elif name in aliases:

@@ -73,13 +73,15 @@ class ModelRunner:
             self.device,
         )
 
+        self.kv_parts, self.kv_heads, self.kv_head_dim = self.model_config.kv_layout(world_size)
         self.attention = select_attention_backend(
             config.attention_backend,
             self.device,
             self.model_config.num_heads // world_size,
-            self.model_config.num_kv_heads // world_size,
-            self.model_config.head_dim,
+            self.kv_heads,
+            self.kv_head_dim,
             self.backend.cpu_kernels,
+            values_in_keys=self.kv_parts == 1,
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
         # the norms', rotary's and activation's, bound as the layers are built
@@ -129,10 +131,11 @@ class ModelRunner:
             num_layers=self.model_config.num_layers,
             num_pages=num_pages,
             page_size=self.page_size,
-            num_kv_heads=self.model_config.num_kv_heads // world_size,
-            head_dim=self.model_config.head_dim,
+            num_kv_heads=self.kv_heads,
+            head_dim=self.kv_head_dim,
             dtype=self.dtype,
             device=self.device,
+            num_parts=self.kv_parts,
         )
         self._warmup_attention()
         self._warmup_model_ops(ops)
@@ -181,7 +184,7 @@ class ModelRunner:
             self.kv_cache,
             self.lora,
             batch_sizes=batch_sizes or self.config.cuda_graph_batch_sizes or [1],
-            num_kv_heads=self.model_config.num_kv_heads // self.world_size,
+            num_kv_heads=self.kv_heads,
             context_length=self.context_length,
             device=self.device,
             capture=capture,
@@ -229,6 +232,12 @@ class ModelRunner:
     @property
     def max_total_tokens(self) -> int:
         return self.kv_cache.num_tokens
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Of this rank's cache, every layer: what the default KV capacity divides memory by."""
+        return kv_bytes_per_token(self.model_config.num_layers, self.kv_heads, self.kv_head_dim, self.dtype,
+                                  self.kv_parts)  # fmt: skip
 
     @property
     def vocab_size(self) -> int:
@@ -327,16 +336,10 @@ class ModelRunner:
                            self.config.gpu_memory_utilization, self.device.type)
         if self.config.max_total_tokens is not None:
             return self.config.max_total_tokens
-        bytes_per_token = kv_bytes_per_token(
-            self.model_config.num_layers,
-            self.model_config.num_kv_heads // self.world_size,
-            self.model_config.head_dim,
-            self.dtype,
-        )
         num_tokens = default_kv_tokens(
             max_running_requests=self.config.max_running_requests,
             context_length=self.context_length,
-            bytes_per_token=bytes_per_token,
+            bytes_per_token=self.kv_bytes_per_token,
             device=self.device,
             gpu_memory_utilization=self.config.gpu_memory_utilization,
         )

@@ -44,27 +44,27 @@ FAILURE_FLUSH_MS = 2000
 
 
 class Worker:
-    def __init__(self, args: ProcessArgs, rank: int, to_scheduler: TypedSocket, faults: FaultPlan,
+    def __init__(self, args: ProcessArgs, tp_rank: int, to_scheduler: TypedSocket, faults: FaultPlan,
                  key: ClusterKey | None = None):
         config, endpoints = args.config, args.endpoints
-        if not 0 <= args.rank < min(ranks_per_node(config), len(endpoints.scheduler_to_workers)):
-            raise ValueError(f"local rank {args.rank} does not fit tp {config.tp} over {config.nnodes} node(s)")
-        self.rank = rank
+        if not 0 <= args.local_rank < min(ranks_per_node(config), len(endpoints.scheduler_to_workers)):
+            raise ValueError(f"local rank {args.local_rank} does not fit tp {config.tp} over {config.nnodes} node(s)")
+        self.tp_rank = tp_rank
         self.to_scheduler = to_scheduler
         self.from_scheduler = TypedSocket(
-            PULL, endpoints.scheduler_to_workers[args.rank], bind=True, recv_type=SchedulerToWorker, key=key
+            PULL, endpoints.scheduler_to_workers[args.local_rank], bind=True, recv_type=SchedulerToWorker, key=key
         )
         # Replica r's ranks use devices r * ranks_per_node ... (r + 1) * ranks_per_node - 1 on this node.
-        device = pick_device(config, args.dp_rank * ranks_per_node(config) + args.rank)
+        device = pick_device(config, args.dp_rank * ranks_per_node(config) + args.local_rank)
         if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # The ranks share the host's cores with the frontend, the scheduler and often the clients. A thread pool
             # wider than what is free makes every small op wait at a barrier for a descheduled thread (measured on
             # 2 cores under load: 6x slower decode steps, 90x with many LoRA segments), so leave one core free.
             local_workers = ranks_per_node(config) * config.dp_size
             torch.set_num_threads(max(1, (len(os.sched_getaffinity(0)) - 1) // local_workers))
-        init_distributed(config, endpoints.dist_init_addr, rank, device)
+        init_distributed(config, endpoints.dist_init_addr, tp_rank, device)
         logger.info("loading model from %s on %s", args.model_dir, device)
-        self.runner = ModelRunner(config, args.model_dir, rank, config.tp, device)
+        self.runner = ModelRunner(config, args.model_dir, tp_rank, config.tp, device)
         logger.info(
             "ready: KV cache %d tokens, context length %d, vocab %d",
             self.runner.max_total_tokens,
@@ -72,12 +72,12 @@ class Worker:
             self.runner.vocab_size,
         )
         # Adapter reads (disk, validation, slicing) run on their own threads, off the decode loop.
-        self.loader = AdapterLoader(args, rank, self.runner.lora, faults, key)
+        self.loader = AdapterLoader(args, tp_rank, self.runner.lora, faults, key)
         self.last_token_ids: list[int] = []  # what the previous batch sampled, row by row
         self.loader.start()
         # Test-only fault injection (protocol/faults.py); inert unless a test set it.
-        self.crash_forward = faults.crash_forward_on_rank == rank
-        self.stall_forward_s = faults.stall_forward_s if faults.stall_forward_on_rank == rank else 0.0
+        self.crash_forward = faults.crash_forward_on_rank == tp_rank
+        self.stall_forward_s = faults.stall_forward_s if faults.stall_forward_on_rank == tp_rank else 0.0
         # Start-up is over: from here a collective that outlasts --dist-timeout raises, and the rank exits.
         set_serving_timeout(config)
 
@@ -85,7 +85,7 @@ class Worker:
         lora = self.runner.lora
         self.to_scheduler.send(
             WorkerReady(
-                rank=self.rank,
+                tp_rank=self.tp_rank,
                 device_type=self.runner.device.type,
                 max_total_tokens=self.runner.max_total_tokens,
                 context_length=self.runner.context_length,
@@ -97,6 +97,7 @@ class Worker:
                 attention_window=self.runner.model_config.attention_window,
                 long_rope_len=self.runner.long_rope_len,
                 grammar_error=self.runner.grammar.import_error,
+                kv_bytes_per_token=self.runner.kv_bytes_per_token,
             )
         )
         while True:
@@ -132,7 +133,7 @@ class Worker:
             next_token_ids, logprobs, prompt_logprobs, error_message = [], [], [], f"{type(e).__name__}: {e}"
         # Every rank samples the same tokens (same logits, same generators), so each keeps its own copy.
         self.last_token_ids = next_token_ids
-        if self.rank != 0:
+        if self.tp_rank != 0:
             return None
         return BatchResult(batch_id=batch.batch_id, next_token_ids=next_token_ids, error_message=error_message,
                            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
@@ -141,7 +142,7 @@ class Worker:
         if self.stall_forward_s:
             time.sleep(self.stall_forward_s)
         if self.crash_forward:
-            raise RuntimeError(f"injected fault on rank {self.rank}")
+            raise RuntimeError(f"injected fault on rank {self.tp_rank}")
 
     def close(self) -> None:
         self.loader.stop()
@@ -170,26 +171,26 @@ def main() -> int:
     args = read_process_args()
     die_with_parent()
     config = args.config
-    rank = global_rank(config, args.rank)
-    setup_logging(config.log_level, f"worker{rank}")
+    tp_rank = global_rank(config, args.local_rank)
+    setup_logging(config.log_level, f"worker{tp_rank}")
     key = ClusterKey.of(config.cluster_key_file)  # CURVE on the TCP sockets to and from node 0
     to_scheduler = TypedSocket(PUSH, args.endpoints.workers_to_scheduler, bind=False, key=key)
     try:
-        worker = Worker(args, rank, to_scheduler, read_fault_plan(), key)
+        worker = Worker(args, tp_rank, to_scheduler, read_fault_plan(), key)
     except Exception as e:
         # a configuration the device cannot run or a checkpoint that cannot be served, not a fault: its line says it
         if isinstance(e, (BackendError, CheckpointError, QuantFormatError)):
             logger.error("start-up failed: %s", e)
         else:
             logger.exception("start-up failed")
-        to_scheduler.send(ProcessFailed(who=f"worker{rank}", error_message=f"{type(e).__name__}: {e}"))
+        to_scheduler.send(ProcessFailed(who=f"worker{tp_rank}", error_message=f"{type(e).__name__}: {e}"))
         to_scheduler.sock.close(linger=FAILURE_FLUSH_MS)
         return 1
     try:
         worker.serve()
     except Exception as e:
         logger.exception("worker failed: exiting")
-        failed = ProcessFailed(who=f"worker{rank}", error_message=f"{type(e).__name__}: {e}")
+        failed = ProcessFailed(who=f"worker{tp_rank}", error_message=f"{type(e).__name__}: {e}")
         send_last(args.endpoints.workers_to_scheduler, failed, FAILURE_FLUSH_MS, key)
         # No orderly teardown: the process group may be mid-collective and broken; exiting must not wait on it.
         os._exit(1)

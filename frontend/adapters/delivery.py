@@ -70,7 +70,7 @@ class AdapterDelivery:
             self.metrics.on_adapter_op(op_name, outcome.success, elapsed_s)
             logger.info("%s adapter %s path=%s rank=%s %s in %.1f ms%s", op_name, adapter.lora_name,
                         adapter.lora_path or "(tensors)",
-                        outcome.rank or "?", "ok" if outcome.success else "FAILED", elapsed_s * 1e3,
+                        outcome.lora_rank or "?", "ok" if outcome.success else "FAILED", elapsed_s * 1e3,
                         "" if outcome.success else f": {outcome.error_message}")
         return outcomes
 
@@ -95,7 +95,7 @@ class AdapterDelivery:
                     self.integrity.check_dir(adapter.lora_name, adapter.lora_path, adapter.root)
             except AdapterLoadError as e:
                 failures[adapter.lora_id] = AdapterOutcome(lora_id=adapter.lora_id, success=False,
-                                                           error_message=str(e), error_kind=e.error_kind)
+                                                           error_message=str(e), error_kind=e.kind)
         return failures
 
     async def _read_for_nodes(self, shipments: list[Shipment]
@@ -114,7 +114,7 @@ class AdapterDelivery:
                         None, read_adapter_dir, adapter.lora_path, adapter.root, adapter.lora_name)
                 except AdapterLoadError as e:  # worded and kinded as a worker's refusal of the same files
                     failures[adapter.lora_id] = AdapterOutcome(lora_id=adapter.lora_id, success=False,
-                                                               error_message=str(e), error_kind=e.error_kind)
+                                                               error_message=str(e), error_kind=e.kind)
                     continue
                 adapter = msgspec.structs.replace(adapter, lora_path=None,
                                                   inline=InlineAdapter(config=config, tensors=specs))

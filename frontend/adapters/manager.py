@@ -254,7 +254,7 @@ class AdapterManager:
         if parent is None and old is not None and plan.replaces is not None:
             parent = old.parent  # an in-place reload keeps the card's lineage
         entry = AdapterEntry(name=plan.lora_name, path=client_path, lora_id=plan.lora_id, pinned=plan.pinned,
-                             resolved_path=plan.lora_path or "", root=plan.root, rank=outcome.rank,
+                             resolved_path=plan.lora_path or "", root=plan.root, rank=outcome.lora_rank,
                              target_modules=list(outcome.target_modules), parent=parent)
         replaced = self.registry.add(entry)
         if replaced is not None:  # in-place reload: the old weights go once the requests running on them finish

@@ -71,12 +71,12 @@ class ProcessGroup:
             for local_rank in range(local_ranks):
                 self._spawn(f"{prefix}worker{first_rank + local_rank}", "loraplex.worker", local_rank, dp_rank)
 
-    def _spawn(self, name: str, module: str, rank: int, dp_rank: int) -> None:
+    def _spawn(self, name: str, module: str, local_rank: int, dp_rank: int) -> None:
         args = ProcessArgs(
             config=self.config,
             endpoints=self.endpoints[dp_rank],
             model_dir=self.model_dir,
-            rank=rank,
+            local_rank=local_rank,
             dp_rank=dp_rank,
         )
         env = dict(os.environ, **{ARGS_ENV: encode_process_args(args)})

@@ -20,12 +20,12 @@ WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 class AdapterLoadError(ValueError):
-    """An adapter refused; error_kind is a kind of protocol.errors.STATUS_BY_KIND. The message names the cause and
-    is passed on to the user as it is."""
+    """An adapter refused; `kind` is a kind of protocol.errors.STATUS_BY_KIND, as every error's (`ServerError.kind`).
+    The message names the cause and is passed on to the user as it is."""
 
-    def __init__(self, message: str, error_kind: str = "invalid"):
+    def __init__(self, message: str, kind: str = "invalid"):
         super().__init__(message)
-        self.error_kind = error_kind
+        self.kind = kind
 
 
 @dataclass(frozen=True)

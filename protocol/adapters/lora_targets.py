@@ -7,6 +7,10 @@ from __future__ import annotations
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 TARGET_MODULES = ATTN_MODULES + MLP_MODULES
+# Latent attention's own linears (DeepSeek-V3; its o_proj, and q_proj where q_lora_rank is null, are the ones above).
+# A model without them builds no pool for them.
+MLA_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+LAYER_MODULES = TARGET_MODULES + MLA_MODULES  # every linear of a decoder layer LoRA may target ("all")
 
 # "column": the linear's output is split over ranks, so a rank keeps some rows of B (out, r) and all of A;
 # "row": its input is split (the layer all-reduces the output), so a rank keeps some columns of A (r, in) and all of B.
@@ -20,14 +24,20 @@ TP_MODES = {
     "gate_proj": "column",
     "up_proj": "column",
     "down_proj": "row",
+    # the latent down-projections are whole on every rank (A and B kept whole); the up-projections split by head
+    "q_a_proj": "replicated",
+    "q_b_proj": "column",
+    "kv_a_proj_with_mqa": "replicated",
+    "kv_b_proj": "column",
 }
-assert tuple(TP_MODES) == TARGET_MODULES
+assert tuple(TP_MODES) == LAYER_MODULES
 
-# The layers outside the decoder layers that LoRA may target, on request (--lora-target-modules; "all" means the seven
-# above): their pool holds vocabulary-sized buffers. Replicated on every rank, so TP cuts none of their weights.
+# The layers outside the decoder layers that LoRA may target, on request (--lora-target-modules; "all" means the
+# layers' linears above): their pool holds vocabulary-sized buffers. Replicated on every rank, so TP cuts none of
+# their weights.
 # PEFT names the embedding's pair lora_embedding_A (r, vocab) and lora_embedding_B (hidden, r).
 MODEL_TARGETS = ("embed_tokens", "lm_head")
-ALL_TARGETS = TARGET_MODULES + MODEL_TARGETS  # every target name, in the order every list of them is kept
+ALL_TARGETS = LAYER_MODULES + MODEL_TARGETS  # every target name, in the order every list of them is kept
 
 # Modules some checkpoints store fused (Phi-3: qkv_proj, gate_up_proj), so PEFT adapters of those models target them:
 # one A (r, in) and one B (sum of the slices' out, r). Each is served as one LoRA per slice, all sharing that A, with

@@ -171,7 +171,7 @@ class Replica:
         load = LoadAdapters(op_id=self._next_op, adapters=[AdapterToLoad(lora_id=adapter, lora_name=f"a{adapter}",
                                                                          lora_path=f"/sim/a{adapter}")])  # fmt: skip
         self.scheduler.load_adapters(load, now=0.0)
-        outcome = AdapterOutcome(lora_id=adapter, success=True, rank=16)
+        outcome = AdapterOutcome(lora_id=adapter, success=True, lora_rank=16)
         self.scheduler.add_adapter_report(AdapterReport(op_id=self._next_op, tp_rank=0, outcomes=[outcome]))
 
     def submit(self, req: SimRequest) -> None:

@@ -30,7 +30,7 @@ def test_rank_and_alpha_patterns_match_peft(llama_dir: Path, tmp_path: Path) -> 
     runner = make_runner(llama_dir, enable_lora=True, max_lora_rank=8, lora_target_modules=["all"],
                          max_loras_per_batch=2)  # fmt: skip
     results = runner.lora.load([AdapterToLoad(lora_name="p", lora_path=str(adapter_dir), lora_id=1)])
-    assert results[0].success and results[0].rank == 8, results[0].error_message
+    assert results[0].success and results[0].lora_rank == 8, results[0].error_message
     adapter = runner.lora.adapters[1]
     assert adapter.weights[(0, "q_proj")][0].shape[0] == 8 and adapter.weights[(0, "v_proj")][0].shape[0] == 4
     prompt = random_prompts([10], runner.vocab_size, seed=4)[0]

@@ -41,7 +41,7 @@ def test_sliding_window_and_patterns_on_fused_modules_match_peft(tmp_path: Path)
                          max_loras_per_batch=2)  # fmt: skip
     assert runner.model_config.attention_window == WINDOW
     results = runner.lora.load([AdapterToLoad(lora_name="p", lora_path=str(adapter_dir), lora_id=1)])
-    assert results[0].success and results[0].rank == 8, results[0].error_message
+    assert results[0].success and results[0].lora_rank == 8, results[0].error_message
     adapter = runner.lora.adapters[1]
     assert adapter.weights[(0, "k_proj")][0].shape[0] == 8 and adapter.weights[(0, "up_proj")][0].shape[0] == 4
     runner.lora.apply_slot_loads([SlotLoad(slot=0, lora_id=1)])

@@ -81,7 +81,8 @@ def test_loads_run_off_the_decode_loop(llama_dir: Path, adapter_dirs: dict[str, 
 
         reports = recv_reports(scheduler, 2)  # each names its operation: the order they come in does not matter
         first, second = reports[21, 0].outcomes, reports[22, 0].outcomes
-        assert [(o.lora_id, o.success, o.rank) for o in first + second] == [(2, True, 8), (9, False, 0), (3, True, 16)]
+        assert [(o.lora_id, o.success, o.lora_rank) for o in first + second] == [
+            (2, True, 8), (9, False, 0), (3, True, 16)]
         assert first[0].target_modules == ["gate_proj", "up_proj", "down_proj"]
         assert first[1].error_kind == "not_found" and "does not exist" in first[1].error_message
 
@@ -112,12 +113,12 @@ def test_injected_fault_fails_one_rank(llama_dir: Path, adapter_dirs: dict[str, 
     faults = {"fail_load_on_rank": 1, "fail_load_name": "faulty"}
     with start_workers(llama_dir, tp=2, faults=faults) as (procs, scheduler):
         readies = [scheduler.recv(timeout_ms=READY_TIMEOUT_MS) for _ in procs]
-        assert sorted(r.rank for r in readies if isinstance(r, WorkerReady)) == [0, 1], readies
+        assert sorted(r.tp_rank for r in readies if isinstance(r, WorkerReady)) == [0, 1], readies
 
         adapters = [spec("faulty", adapter_dirs["a4"], 1), spec("fine", adapter_dirs["a8"], 2)]
         scheduler.load(LoadAdapters(op_id=7, adapters=adapters))
         reports = recv_reports(scheduler, 2)
-        assert [(o.lora_id, o.success, o.rank) for o in reports[7, 0].outcomes] == [(1, True, 4), (2, True, 8)]
+        assert [(o.lora_id, o.success, o.lora_rank) for o in reports[7, 0].outcomes] == [(1, True, 4), (2, True, 8)]
         assert [(o.lora_id, o.success, o.error_message) for o in reports[7, 1].outcomes] == [
             (1, False, "injected fault on rank 1"),
             (2, True, ""),

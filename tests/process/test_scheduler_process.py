@@ -78,7 +78,7 @@ class Harness:
         return msg
 
     def start(self) -> SchedulerReady:
-        self.worker_out.send(WorkerReady(rank=0, max_total_tokens=100, context_length=64, vocab_size=32))
+        self.worker_out.send(WorkerReady(tp_rank=0, max_total_tokens=100, context_length=64, vocab_size=32))
         return self.to_frontend(SchedulerReady)
 
     def wait_exit(self) -> int:
@@ -102,7 +102,7 @@ def harness(tmp_path):
 
 
 def test_scheduler_process_serves_a_request_and_shuts_down(harness):
-    harness.worker_out.send(WorkerReady(rank=0, max_total_tokens=100, context_length=64, vocab_size=32))
+    harness.worker_out.send(WorkerReady(tp_rank=0, max_total_tokens=100, context_length=64, vocab_size=32))
     ready = harness.to_frontend(SchedulerReady)
     assert (ready.max_total_tokens, ready.context_length, ready.vocab_size) == (100, 64, 32)
 
@@ -110,7 +110,7 @@ def test_scheduler_process_serves_a_request_and_shuts_down(harness):
     op = LoadAdapters(op_id=5, adapters=[AdapterToLoad(lora_id=0, lora_name="a", lora_path="/adapters/a")])
     harness.frontend_out.send(op)
     assert harness.to_loader() == op
-    outcome = AdapterOutcome(lora_id=0, success=True, rank=8, target_modules=["q_proj"])
+    outcome = AdapterOutcome(lora_id=0, success=True, lora_rank=8, target_modules=["q_proj"])
     harness.worker_out.send(AdapterReport(op_id=5, tp_rank=0, outcomes=[outcome]))
     assert harness.to_frontend(AdapterOpDone) == AdapterOpDone(op_id=5, outcomes=[outcome])
 
@@ -152,7 +152,7 @@ def test_scheduler_process_forwards_a_worker_failure_and_exits(harness):
 
 
 def test_abort_is_read_while_a_pass_runs(harness):
-    harness.worker_out.send(WorkerReady(rank=0, max_total_tokens=100, context_length=64, vocab_size=32))
+    harness.worker_out.send(WorkerReady(tp_rank=0, max_total_tokens=100, context_length=64, vocab_size=32))
     harness.to_frontend(SchedulerReady)
     sampling = SamplingParams(max_new_tokens=50)
     harness.frontend_out.send(TokenizedGenerateReq(rid="r", input_ids=[1, 2, 3], sampling=sampling))
@@ -201,7 +201,7 @@ def test_a_load_that_a_rank_never_answers_times_out_and_is_rolled_back(tmp_path)
         assert "rank 0 did not answer" in done.outcomes[0].error_message
         assert harness.to_worker(DropAdapters) == DropAdapters(op_id=2, lora_ids=[7])  # the rollback
         # A late report is ignored: no second reply.
-        outcome = AdapterOutcome(lora_id=7, success=True, rank=8)
+        outcome = AdapterOutcome(lora_id=7, success=True, lora_rank=8)
         harness.worker_out.send(AdapterReport(op_id=2, tp_rank=0, outcomes=[outcome]))
         harness.frontend_out.send(SchedulerStatsReq(op_id=4))
         assert harness.to_frontend(SchedulerStats).op_id == 4
@@ -217,7 +217,7 @@ def test_a_load_that_a_rank_never_answers_times_out_and_is_rolled_back(tmp_path)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_idle_scheduler_sleeps(harness):
-    harness.worker_out.send(WorkerReady(rank=0, max_total_tokens=100, context_length=64, vocab_size=32))
+    harness.worker_out.send(WorkerReady(tp_rank=0, max_total_tokens=100, context_length=64, vocab_size=32))
     harness.to_frontend(SchedulerReady)
 
     def cpu_seconds() -> float:

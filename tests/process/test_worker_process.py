@@ -54,7 +54,7 @@ def test_worker_serves_batches_and_shuts_down(llama_dir: Path) -> None:
     with start_worker(str(llama_dir)) as (proc, scheduler):
         ready = scheduler.recv(timeout_ms=READY_TIMEOUT_MS)
         assert isinstance(ready, WorkerReady), ready
-        assert (ready.rank, ready.max_total_tokens, ready.context_length) == (0, 256, 2048)
+        assert (ready.tp_rank, ready.max_total_tokens, ready.context_length) == (0, 256, 2048)
         assert ready.vocab_size == runner.vocab_size
 
         req = ForwardReq(input_ids=prompt, num_cached_tokens=0, page_ids=[9, 2], sampling=GREEDY)

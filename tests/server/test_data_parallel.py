@@ -83,7 +83,7 @@ def test_router_rejects_a_bad_size():
 
 
 def ok(lora_id: int) -> AdapterOutcome:
-    return AdapterOutcome(lora_id=lora_id, success=True, rank=8, target_modules=["q_proj"])
+    return AdapterOutcome(lora_id=lora_id, success=True, lora_rank=8, target_modules=["q_proj"])
 
 
 def bad(lora_id: int, message: str) -> AdapterOutcome:

@@ -57,7 +57,7 @@ def test_moe_forms_and_per_module_patterns_are_read_as_peft_reads_them():
 def test_what_we_cannot_serve_is_refused(change, message):
     with pytest.raises(AdapterLoadError, match=message) as info:
         parse_adapter_config({**BASE, **change})
-    assert info.value.error_kind == "invalid"
+    assert info.value.kind == "invalid"
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_node0_refuses_weights_linked_outside_the_root(rooted):
     (escaped / SAFETENSORS).symlink_to(rooted["outside"] / SAFETENSORS)
     with pytest.raises(AdapterLoadError, match="resolves outside the allowed root") as info:
         read_adapter_dir(str(escaped), str(rooted["root"]), "esc")
-    assert info.value.error_kind == "forbidden" and "adapter 'esc'" in str(info.value)
+    assert info.value.kind == "forbidden" and "adapter 'esc'" in str(info.value)
     config, specs, _ = read_adapter_dir(str(escaped), None)  # without a root, links are followed as before
     assert config["r"] == 4 and specs
 
@@ -94,11 +94,11 @@ def test_a_link_swapped_in_after_the_last_name_check_is_refused(rooted, monkeypa
     monkeypatch.setattr(AdapterFiles, "weights_path", found_then_swapped)
     with pytest.raises(AdapterLoadError, match="resolves outside the allowed root") as info:
         read_adapter_dir(str(rooted["plain"]), str(rooted["root"]), "swapped")
-    assert info.value.error_kind == "forbidden"
+    assert info.value.kind == "forbidden"
 
 
 def test_a_start_up_config_is_read_inside_the_root(rooted):
     assert read_adapter_config("a", str(rooted["plain"]), str(rooted["root"])).r == 4
     with pytest.raises(AdapterLoadError, match="outside the allowed root") as info:
         read_adapter_config("a", str(rooted["outside"]), str(rooted["root"]))
-    assert info.value.error_kind == "forbidden"
+    assert info.value.kind == "forbidden"

@@ -38,7 +38,7 @@ def make_manager(tmp_path, **config) -> AdapterManager:
 
     async def load(shipments, op_name):
         await asyncio.sleep(0)  # the ranks take their time: other tasks run meanwhile
-        return [AdapterOutcome(lora_id=s.adapter.lora_id, success=True, rank=8) for s in shipments]
+        return [AdapterOutcome(lora_id=s.adapter.lora_id, success=True, lora_rank=8) for s in shipments]
 
     async def drop(lora_ids):
         await asyncio.sleep(0)

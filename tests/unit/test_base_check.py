@@ -82,7 +82,7 @@ def test_base_check_table(tmp_path, caplog, mode, model_path, served_name, own_n
         if expected == REFUSE:
             with pytest.raises(AdapterLoadError) as info:
                 integrity.check_config("x", {"base_model_name_or_path": base})
-            assert info.value.error_kind == "base_model_mismatch"
+            assert info.value.kind == "base_model_mismatch"
             assert base in str(info.value) and config.model_name in str(info.value)  # names both
         else:
             integrity.check_config("x", {"base_model_name_or_path": base})

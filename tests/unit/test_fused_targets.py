@@ -7,7 +7,7 @@ import pytest
 import torch
 from loraplex.frontend.adapters.files import encode_tensors
 from loraplex.protocol.adapters.adapter_config import AdapterLoadError, parse_adapter_config
-from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
+from loraplex.protocol.adapters.lora_targets import LAYER_MODULES, TARGET_MODULES
 from loraplex.worker.lora.adapter import PoolSpec, adapter_from_tensors
 from loraplex.worker.model.config import ModelConfig
 
@@ -62,8 +62,9 @@ def test_fused_b_of_the_wrong_size_is_refused() -> None:
 def test_the_embedding_and_head_are_pool_targets_by_name_only() -> None:
     from loraplex.protocol.config import ServerConfig
 
-    assert ServerConfig(lora_target_modules=["all"]).target_modules == TARGET_MODULES
+    # "all": every decoder-layer linear of any family (a worker's pool keeps those its model has)
+    assert ServerConfig(lora_target_modules=["all"]).target_modules == LAYER_MODULES
     both = ServerConfig(lora_target_modules=["lm_head", "all", "embed_tokens"]).target_modules
-    assert both == (*TARGET_MODULES, "embed_tokens", "lm_head")
+    assert both == (*LAYER_MODULES, "embed_tokens", "lm_head")
     assert parse_adapter_config(_config(["lm_head", "qkv_proj"])).target_modules == ("q_proj", "k_proj", "v_proj",
                                                                                      "lm_head")  # fmt: skip

@@ -181,7 +181,7 @@ def test_bin_weights_load_like_safetensors(runner: ModelRunner, adapter_dirs: di
     (path / "adapter_model.safetensors").unlink()
     [result] = runner.lora.load([AdapterToLoad(lora_name="a4bin", lora_path=str(path), lora_id=2)])
     assert result.success, result.error_message
-    assert (result.rank, result.target_modules) == (4, list(ATTN_MODULES))
+    assert (result.lora_rank, result.target_modules) == (4, list(ATTN_MODULES))
     prompt = random_prompts([10], runner.vocab_size, seed=2)[0]
     req = ForwardReq(input_ids=prompt, num_cached_tokens=0, page_ids=[0, 1, 2], sampling=GREEDY, slot=0)
     from_bin = forward_logits(runner, ForwardBatch(batch_id=0, reqs=[req], slot_loads=[SlotLoad(slot=0, lora_id=2)]))

@@ -78,7 +78,7 @@ def test_a_file_outside_the_root_is_refused(runner: ModelRunner, dirs: dict[str,
     with pytest.raises(AdapterLoadError) as info:
         read(runner, dirs[case], dirs["root"], name=case)
     message = str(info.value)
-    assert info.value.error_kind == "forbidden", message
+    assert info.value.kind == "forbidden", message
     assert f"adapter {case!r}" in message and "--lora-path-root" in message and "outside" in message, message
     if file is not None:
         assert repr(str(dirs[case] / file)) in message, message

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 from loraplex.frontend.entrypoints.cli import build_arg_parser, config_from_args
 from loraplex.protocol import rpc
+from loraplex.protocol.adapters.lora_targets import LAYER_MODULES
 from loraplex.protocol.config import ConfigError, ServerConfig, parse_lora_source
 from loraplex.protocol.faults import FAULTS_ENV, FaultPlan, read_fault_plan
 from loraplex.protocol.structs import (
@@ -59,7 +60,7 @@ SPEC = LoRAAdapterSpec(lora_name="a", lora_path="/p", pinned=True)
 RESULT = LoRAAdapterResult(lora_name="a", success=False, error_message="bad", error_kind="invalid")
 TO_LOAD = AdapterToLoad(lora_id=4, lora_name="a", lora_path="/p", pinned=True, replaces=2)
 OUTCOMES = [
-    AdapterOutcome(lora_id=4, success=True, rank=8, target_modules=["q_proj"]),
+    AdapterOutcome(lora_id=4, success=True, lora_rank=8, target_modules=["q_proj"]),
     AdapterOutcome(lora_id=5, success=False, error_message="bad", error_kind="invalid"),
 ]
 LOAD = LoadAdapters(op_id=11, adapters=[TO_LOAD, AdapterToLoad(lora_id=5, lora_name="b", lora_path="/q")])
@@ -87,7 +88,7 @@ CASES = [
     (SchedulerToLoader, LOAD),
     (WorkerToScheduler, BatchResult(batch_id=9, next_token_ids=[3], error_message="")),
     (WorkerToScheduler, AdapterReport(op_id=11, tp_rank=1, outcomes=OUTCOMES)),
-    (WorkerToScheduler, WorkerReady(rank=0, max_total_tokens=64, context_length=32, vocab_size=100)),
+    (WorkerToScheduler, WorkerReady(tp_rank=0, max_total_tokens=64, context_length=32, vocab_size=100)),
     (WorkerToScheduler, ProcessFailed(who="worker1", error_message="x")),
     (RpcRequest, GenerateReqInput(text=["a", "b"], sampling_params={"max_new_tokens": 2}, lora_path=["x", None])),
     (RpcRequest, AbortReqInput(rid="r")),
@@ -124,7 +125,7 @@ def test_process_args_round_trip():
     args = ProcessArgs(config=config, endpoints=Endpoints(
         frontend_to_scheduler="ipc://a", scheduler_to_frontend="ipc://b", scheduler_to_workers=["ipc://c", "ipc://d"],
         workers_to_scheduler="ipc://e", dist_init_addr="127.0.0.1:1", scheduler_to_loaders=["ipc://f", "ipc://g"]),
-        model_dir="/m", rank=1, dp_rank=1)
+        model_dir="/m", local_rank=1, dp_rank=1)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(args), type=ProcessArgs) == args
 
 
@@ -157,7 +158,7 @@ def test_cli_parses_lora_paths_forms():
     assert [(s.lora_name, s.lora_path, s.pinned) for s in config.lora_sources] == [
         ("a", "/x", False), ("b", "/y/b", False), ("c", "/z", True)]
     assert config.lora_enabled and config.tp == 2
-    assert len(config.target_modules) == 7
+    assert config.target_modules == LAYER_MODULES  # every family's layer linears; a worker keeps its model's
 
 
 @pytest.mark.parametrize("argv", [["--tp", "0"], ["--lora-target-modules", "score"], ["--max-lora-rank", "-1"],
@@ -183,7 +184,7 @@ def test_merge_outcomes_is_all_or_nothing_and_names_who_failed():
     from loraplex.protocol.structs import AdapterOutcome
 
     def ok(lora_id: int) -> AdapterOutcome:
-        return AdapterOutcome(lora_id=lora_id, success=True, rank=8, target_modules=["q_proj"])
+        return AdapterOutcome(lora_id=lora_id, success=True, lora_rank=8, target_modules=["q_proj"])
 
     def bad(lora_id: int, message: str, kind: str) -> AdapterOutcome:
         return AdapterOutcome(lora_id=lora_id, success=False, error_message=message, error_kind=kind)

@@ -76,7 +76,7 @@ def adapter(lora_id: int, pinned=False, replaces: int | None = None) -> AdapterT
 
 
 def ok(lora_id: int) -> AdapterOutcome:
-    return AdapterOutcome(lora_id=lora_id, success=True, rank=8, target_modules=["q_proj"])
+    return AdapterOutcome(lora_id=lora_id, success=True, lora_rank=8, target_modules=["q_proj"])
 
 
 def bad(lora_id: int, message: str, kind: str = "invalid") -> AdapterOutcome:

@@ -220,7 +220,7 @@ def test_base_model_compared_by_last_component_and_served_name(adapter_copy, lla
                                            lora_strict_base_match=True))
     with pytest.raises(AdapterLoadError) as info:
         strict.check_dir("x", str(adapter_copy), None)
-    assert info.value.error_kind == "base_model_mismatch"
+    assert info.value.kind == "base_model_mismatch"
     assert "meta-llama/Llama-3.1-8B" in str(info.value) and "'tiny-chat'" in str(info.value)  # names both
     with pytest.raises(AdapterLoadError, match="base_model_mismatch"):  # inline adapters are checked too
         strict.check_config("x", {"base_model_name_or_path": "other"})
@@ -265,7 +265,7 @@ def test_manifest_required_complete_and_matching(adapter_copy, llama_dir):
     integrity = AdapterIntegrity(ServerConfig(model_path=str(llama_dir), lora_require_manifest=True))
     with pytest.raises(AdapterLoadError) as info:
         integrity.check_dir("x", str(adapter_copy), None)
-    assert info.value.error_kind == "manifest_missing"
+    assert info.value.kind == "manifest_missing"
     write_manifest(adapter_copy)
     integrity.check_dir("x", str(adapter_copy), str(adapter_copy.parent))  # inside a root too
     AdapterIntegrity(ServerConfig(model_path=str(llama_dir))).check_dir("x", str(adapter_copy), None)
@@ -275,10 +275,10 @@ def test_manifest_required_complete_and_matching(adapter_copy, llama_dir):
     weights.write_bytes(bytes(data))
     with pytest.raises(AdapterLoadError) as info:
         integrity.check_dir("x", str(adapter_copy), None)
-    assert info.value.error_kind == "manifest_mismatch" and "adapter_model.safetensors" in str(info.value)
+    assert info.value.kind == "manifest_mismatch" and "adapter_model.safetensors" in str(info.value)
     manifest = json.loads((adapter_copy / MANIFEST_FILE).read_text())
     del manifest["files"]["adapter_model.safetensors"]
     (adapter_copy / MANIFEST_FILE).write_text(json.dumps(manifest))
     with pytest.raises(AdapterLoadError) as info:  # a file that would be read but is not listed
         integrity.check_dir("x", str(adapter_copy), None)
-    assert info.value.error_kind == "manifest_missing"
+    assert info.value.kind == "manifest_missing"

@@ -203,12 +203,20 @@ def select_attention_backend(
     num_kv_heads: int,
     head_dim: int,
     cpu_kernels: ModuleType | None = None,
+    *,
+    values_in_keys: bool = False,
 ) -> AttentionBackend:
     """The attention backend for this worker (`--attention-backend`), or AttentionBackendError (one line).
-    Heads: this rank's. `cpu_kernels`: the compiled CPU module the worker's LoRA backend built (cpu_ext), or None."""
+    Heads: this rank's. `cpu_kernels`: the compiled CPU module the worker's LoRA backend built (cpu_ext), or None.
+    `values_in_keys`: latent attention, whose one cache tensor is keys and values both (its values the leading
+    part of each key); SDPA takes it as any other, the paged kernels are not built for it."""
     device = torch.device(device)
     if choice not in ATTENTION_BACKENDS:
         raise AttentionBackendError(f"--attention-backend {choice!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+    if values_in_keys:
+        if choice not in ("auto", "torch"):
+            raise AttentionBackendError(f"--attention-backend {choice}: latent attention runs the torch backend")
+        return SDPAAttention(device)
     cpu_runs = device.type == "cpu" and cpu_kernels is not None
     if choice == "cpu" and not cpu_runs:
         raise AttentionBackendError(

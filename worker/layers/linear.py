@@ -3,6 +3,7 @@ the full Hugging Face tensor and keeps this rank's shard, so model code never se
 
 What a wrapper (e.g. LoRA) can read from any of them:
   tp_mode            "column" (output dim sharded, output left sharded) or "row" (input dim sharded, output all-reduced)
+                     or "replicated" (nothing sharded)
   tp_rank, tp_size   the shard this layer holds
   partial(x), finish(y)   forward(x) == finish(partial(x)); partial is this rank's product before any reduction, so a
                      wrapper can add its own per-rank term to it and share the layer's one all-reduce
@@ -21,7 +22,7 @@ import itertools
 
 import torch
 from loraplex.worker.layers import packed
-from loraplex.worker.parallel import all_reduce, current_tp
+from loraplex.worker.parallel import TPInfo, all_reduce, current_tp
 from loraplex.worker.quant.layer import QuantizedLinearWeights, current_format
 from torch import nn
 
@@ -62,8 +63,8 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self._init_slices(input_size, [output_size], bias)
 
-    def _init_slices(self, input_size: int, output_sizes: list[int], bias: bool) -> None:
-        tp = current_tp()
+    def _init_slices(self, input_size: int, output_sizes: list[int], bias: bool, tp: TPInfo | None = None) -> None:
+        tp = tp or current_tp()
         self.tp_rank, self.tp_size = tp.rank, tp.world_size
         for size in output_sizes:
             if size % self.tp_size:
@@ -122,6 +123,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], *, bias: bool = False):
         nn.Module.__init__(self)
         self._init_slices(input_size, output_sizes, bias)
+
+
+class ReplicatedLinear(ColumnParallelLinear):
+    """y = x Wᵀ + b, the whole weight on every rank (latent attention's down-projections, whose output every rank's
+    heads read). A LoRA adapter's A and B stay whole too."""
+
+    tp_mode = "replicated"
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = False):
+        nn.Module.__init__(self)
+        self._init_slices(input_size, [output_size], bias, tp=TPInfo(rank=0, world_size=1))
 
 
 class RowParallelLinear(nn.Module):

@@ -61,6 +61,33 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
+def route_grouped(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_group: int,
+    renormalize: bool,
+    scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router, as HF's DeepseekV3TopkRouter: sigmoid scores; the choice reads them plus the correction
+    bias, within the `topk_group` groups whose two best experts score highest; the weights are the plain scores
+    (renormalised when asked), times `scaling_factor`. (weights (tokens, top_k) float32, expert ids)"""
+    scores = router_logits.float().sigmoid()  # (tokens, experts)
+    for_choice = scores + correction_bias.float()
+    num_tokens, num_experts = scores.shape
+    grouped = for_choice.view(num_tokens, num_groups, num_experts // num_groups)
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)  # (tokens, groups)
+    group_ids = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1).bool()  # (tokens, groups)
+    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+    ids = torch.topk(for_choice.masked_fill(~expert_mask, float("-inf")), k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling_factor, ids
+
+
 class ExpertsLinear(nn.Module):
     """Every expert's copy of one linear, stacked: weight (experts, out_per_rank, in_per_rank). `tp_mode` and the size
     attributes follow worker/layers/linear.py's promise to wrappers, per expert; forward(rows, routing) applies each
@@ -170,8 +197,12 @@ class SparseMoeBlock(nn.Module):
         self.gate = RouterLinear(hidden_size, num_experts)
         self.experts = MoEExperts(num_experts, hidden_size, intermediate_size)
 
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights (tokens, top_k) float32, expert ids (tokens, top_k)) of each token's experts."""
+        return route(self.gate(hidden), self.top_k, self.renormalize)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(hidden), self.top_k, self.renormalize)  # (tokens, top_k) each
+        weights, ids = self.route(hidden)  # (tokens, top_k) each
         routing = Routing.build(ids, weights, self.num_experts)
         rows = hidden[routing.token_ids]  # (rows, hidden)
         out_rows = self.experts(rows, routing)  # (rows, hidden)

@@ -22,10 +22,10 @@ import torch
 from loraplex.protocol.adapters.adapter_config import AdapterConfig, AdapterLoadError, parse_adapter_config
 from loraplex.protocol.adapters.adapter_files import AdapterFiles
 from loraplex.protocol.adapters.lora_shards import cut_shape, parse_lora_key, rank_cut
-from loraplex.protocol.adapters.lora_targets import FUSED_TARGETS, MLP_MODULES, MODEL_TARGETS, TARGET_MODULES, TP_MODES
+from loraplex.protocol.adapters.lora_targets import FUSED_TARGETS, LAYER_MODULES, MLP_MODULES, MODEL_TARGETS, TP_MODES
 from loraplex.protocol.structs import TensorSpec
 from loraplex.worker.lora.expert_weights import is_expert_key, match_expert_tensors
-from loraplex.worker.lora.targets import full_shapes, is_expert_module
+from loraplex.worker.lora.targets import SHARED_PREFIX, full_shapes, is_expert_module
 from loraplex.worker.model.config import ModelConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -382,11 +382,13 @@ def _match_tensors(
             raise AdapterLoadError(
                 f"unexpected tensor {key!r}: only lora_A / lora_B weights of decoder layers, embed_tokens and lm_head"
             )
-        layer, module, which = parsed
-        if module not in TARGET_MODULES:
+        layer, hf_module, which = parsed
+        # a shared expert's MLP module (DeepSeek-V3), keyed apart from the routed experts' of its layer
+        module = SHARED_PREFIX + hf_module if f".{SHARED_PREFIX}{hf_module}." in key else hf_module
+        if hf_module not in LAYER_MODULES or module not in shapes:
             raise AdapterLoadError(f"tensor {key!r}: unknown target module {module!r}")
-        if module not in config.target_modules:
-            raise AdapterLoadError(f"tensor {key!r} is for {module!r}, which target_modules does not list")
+        if hf_module not in config.target_modules:
+            raise AdapterLoadError(f"tensor {key!r} is for {hf_module!r}, which target_modules does not list")
         if not layer < model_config.num_layers:
             raise AdapterLoadError(
                 f"tensor {key!r}: layer {layer} is out of range (the base model has {model_config.num_layers} layers)"

@@ -21,15 +21,19 @@ from loraplex.protocol.structs import AdapterOutcome, AdapterToLoad, ForwardReq,
 from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.lora.adapter import AdapterLoadError, LoRAAdapter, PoolSpec, adapter_from_tensors, load_adapter
 from loraplex.worker.lora.experts import LoRAExpertsLinear
+from loraplex.worker.lora.latent import LoRALatentKVProj
 from loraplex.worker.lora.layers import LoRABatchInfo, LoRALinear
 from loraplex.worker.lora.pool import LoRABuffers, LoRAPool
-from loraplex.worker.lora.targets import KINDS_OF
+from loraplex.worker.lora.targets import KINDS_OF, full_shapes
 from loraplex.worker.lora.upload import uploader_for
 from loraplex.worker.lora.vocab import EMBED, HEAD, LoRAEmbedding, LoRALMHead
 from loraplex.worker.model.config import ModelConfig
 from torch import nn
 
 logger = logging.getLogger(__name__)
+
+# The linears whose model code calls more than forward (fused name -> wrapper); the others get LoRALinear.
+WRAPPERS = {"self_attn.kv_b_proj": LoRALatentKVProj}
 
 
 class LoRAConfigError(ValueError):
@@ -59,7 +63,8 @@ class LoRAManager:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.spec = PoolSpec(
             max_lora_rank=config.max_lora_rank,
-            target_modules=config.target_modules,
+            # "all" names every layer linear of any family: the pool holds this model's
+            target_modules=tuple(m for m in config.target_modules if m in full_shapes(model_config)),
             dtype=dtype,
             device=torch.device(device),
         )
@@ -72,7 +77,7 @@ class LoRAManager:
         for (layer_id, name), buffers in self.pool.buffers.items():
             parent_name, attr = name.rsplit(".", 1)
             parent = layers[layer_id].get_submodule(parent_name)
-            wrapper = LoRALinear if buffers.num_experts == 1 else LoRAExpertsLinear
+            wrapper = LoRAExpertsLinear if buffers.num_experts > 1 else WRAPPERS.get(name, LoRALinear)
             setattr(parent, attr, wrapper(getattr(parent, attr), buffers, self.batch))
         if EMBED in self.pool.vocab:
             model.model.embed_tokens = LoRAEmbedding(model.model.embed_tokens, self.pool.vocab[EMBED], self.batch)
@@ -183,7 +188,7 @@ class LoRAManager:
                 logger.warning("adapter %r (%s) refused: %s", spec.lora_name, spec.lora_path or "tensors", outcome)
                 results.append(
                     AdapterOutcome(
-                        lora_id=spec.lora_id, success=False, error_message=str(outcome), error_kind=outcome.error_kind
+                        lora_id=spec.lora_id, success=False, error_message=str(outcome), error_kind=outcome.kind
                     )
                 )
                 continue
@@ -200,7 +205,7 @@ class LoRAManager:
                 AdapterOutcome(
                     lora_id=spec.lora_id,
                     success=True,
-                    rank=outcome.lora_rank,
+                    lora_rank=outcome.lora_rank,
                     target_modules=list(outcome.target_modules),
                 )
             )

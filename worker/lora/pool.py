@@ -16,7 +16,13 @@ from dataclasses import dataclass
 
 import torch
 from loraplex.worker.lora.adapter import LoRAAdapter, PoolSpec
-from loraplex.worker.lora.targets import EXPERT_FUSED_LINEARS, FUSED_LINEARS, KINDS_OF, FusedLinear
+from loraplex.worker.lora.targets import (
+    EXPERT_FUSED_LINEARS,
+    FUSED_LINEARS,
+    KINDS_OF,
+    SHARED_FUSED_LINEARS,
+    FusedLinear,
+)
 from loraplex.worker.lora.vocab import VocabLoRABuffers
 from torch import nn
 
@@ -63,7 +69,8 @@ class LoRAPool:
         # A fused linear gets buffers if any of its slices is a pool target; its other slices stay zero. Each layer
         # has those of the kinds it has (an MoE layer: the experts' in place of the dense MLP's).
         targets = set(spec.target_modules)
-        candidates = [f for f in (*FUSED_LINEARS, *EXPERT_FUSED_LINEARS) if set(f.slices) & targets]
+        candidates = [f for f in (*FUSED_LINEARS, *EXPERT_FUSED_LINEARS, *SHARED_FUSED_LINEARS)
+                      if set(f.modules) & targets]  # fmt: skip
         device = spec.device
         self.buffers: dict[tuple[int, str], LoRABuffers] = {}
         linears = {}

@@ -4,19 +4,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.protocol.adapters.lora_targets import TARGET_MODULES, TP_MODES
+from loraplex.protocol.adapters.lora_targets import LAYER_MODULES, TP_MODES
 from loraplex.worker.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
 class FusedLinear:
     name: str  # attribute path inside a decoder layer
-    slices: tuple[str, ...]  # the HF modules fused into it, in slice order (see worker/loader.py FUSED_SLICES)
+    # the HF modules fused into it, in slice order (see worker/loader.py FUSED_SLICES); a shared expert's are named
+    # `shared_experts.` + module, as an adapter's weights are keyed, apart from the routed experts' of the same layer
+    slices: tuple[str, ...]
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The HF module names an adapter config targets (target_modules) to reach the slices."""
+        return tuple(name.rpartition(".")[2] for name in self.slices)
 
     @property
     def tp_mode(self) -> str:
-        """'column' or 'row': the one rule of protocol/adapters/lora_shards.py, which cuts its adapters' weights."""
-        return TP_MODES[self.slices[0]]
+        """'column', 'row' or 'replicated': the one rule of protocol/adapters/lora_shards.py, which cuts its adapters'
+        weights."""
+        return TP_MODES[self.modules[0]]
 
 
 FUSED_LINEARS = (
@@ -24,6 +32,12 @@ FUSED_LINEARS = (
     FusedLinear("self_attn.o_proj", ("o_proj",)),
     FusedLinear("mlp.gate_up_proj", ("gate_proj", "up_proj")),
     FusedLinear("mlp.down_proj", ("down_proj",)),
+    # latent attention (worker/model/deepseek_v3.py); kv_b_proj's wrapper is worker/lora/latent.py's
+    FusedLinear("self_attn.q_a_proj", ("q_a_proj",)),
+    FusedLinear("self_attn.q_b_proj", ("q_b_proj",)),
+    FusedLinear("self_attn.kv_a_proj_with_mqa", ("kv_a_proj_with_mqa",)),
+    FusedLinear("self_attn.kv_b_proj", ("kv_b_proj",)),
+    FusedLinear("self_attn.q_proj", ("q_proj",)),  # latent attention's own, where q_lora_rank is null
 )
 # An MoE layer's experts: the MLP modules of every expert, stacked (worker/layers/moe.py's ExpertsLinear). A layer has
 # either the dense MLP's linears or these.
@@ -31,20 +45,25 @@ EXPERT_FUSED_LINEARS = (
     FusedLinear("mlp.experts.gate_up_proj", ("gate_proj", "up_proj")),
     FusedLinear("mlp.experts.down_proj", ("down_proj",)),
 )
-# HF module -> (its fused linear, slice index) in a dense layer
-SLICE_OF: dict[str, tuple[FusedLinear, int]] = {
-    module: (fused, slice_id) for fused in FUSED_LINEARS for slice_id, module in enumerate(fused.slices)
-}
-assert set(SLICE_OF) == set(TARGET_MODULES)  # every module of the one table has its place here
+# DeepSeek-V3's shared experts: one dense MLP beside the routed experts of an MoE layer (`mlp.shared_experts.*`).
+SHARED_PREFIX = "shared_experts."
+SHARED_FUSED_LINEARS = (
+    FusedLinear("mlp.shared_experts.gate_up_proj", (SHARED_PREFIX + "gate_proj", SHARED_PREFIX + "up_proj")),
+    FusedLinear("mlp.shared_experts.down_proj", (SHARED_PREFIX + "down_proj",)),
+)
 # HF module -> (the experts' fused linear, slice index) in an MoE layer
 EXPERT_SLICE_OF: dict[str, tuple[FusedLinear, int]] = {
     module: (fused, slice_id) for fused in EXPERT_FUSED_LINEARS for slice_id, module in enumerate(fused.slices)
 }
-# HF module -> the fused linears of any layer that hold it (what an adapter targeting it activates)
+# HF module -> the fused linears of any layer that may hold it (what an adapter targeting it activates); a layer has
+# one of each module's (q_proj: a Llama layer's qkv_proj or latent attention's own q_proj; gate_proj: the dense MLP's,
+# or the experts' and the shared experts')
 KINDS_OF: dict[str, tuple[str, ...]] = {
-    module: tuple(table[module][0].name for table in (SLICE_OF, EXPERT_SLICE_OF) if module in table)
-    for module in TARGET_MODULES
+    module: tuple(fused.name for fused in (*FUSED_LINEARS, *EXPERT_FUSED_LINEARS, *SHARED_FUSED_LINEARS)
+                  if module in fused.modules)
+    for module in LAYER_MODULES
 }
+assert all(KINDS_OF.values())  # every module of the one table has its place here
 
 
 def is_expert_module(model_config: ModelConfig, layer: int, module: str) -> bool:
@@ -55,21 +74,44 @@ def is_expert_module(model_config: ModelConfig, layer: int, module: str) -> bool
 
 def full_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """HF module -> (in_features, out_features) of its full, unsharded weight (the embedding's: as a linear from
-    one-hot tokens); `experts.` + module: one expert's."""
+    one-hot tokens); `experts.` + module: one expert's; `shared_experts.` + module: the shared experts' MLP's."""
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
     expert_inter = config.moe.intermediate_size if config.moe is not None else inter
-    return {
+    shared_inter = config.moe.shared_intermediate_size if config.moe is not None else 0
+    shared_shapes = {SHARED_PREFIX + "gate_proj": (hidden, shared_inter),
+                     SHARED_PREFIX + "up_proj": (hidden, shared_inter),
+                     SHARED_PREFIX + "down_proj": (shared_inter, hidden)} if shared_inter else {}  # fmt: skip
+    mla = config.mla
+    if mla is not None:
+        q_size = config.num_heads * mla.qk_head_dim
+        latent_shapes = {
+            "kv_a_proj_with_mqa": (hidden, mla.cache_dim),
+            "kv_b_proj": (mla.kv_lora_rank, config.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)),
+        }
+        if mla.q_lora_rank is not None:
+            latent_shapes.update(q_a_proj=(hidden, mla.q_lora_rank), q_b_proj=(mla.q_lora_rank, q_size))
+    else:
+        latent_shapes = {}
+    o_in = q_size if mla is None else config.num_heads * mla.v_head_dim
+    # Latent attention has no k/v projections, and q_proj only where q_lora_rank is null (then q_a/q_b are absent).
+    absent: tuple[str, ...] = ()
+    if mla is not None:
+        absent = ("k_proj", "v_proj") if mla.q_lora_rank is None else ("q_proj", "k_proj", "v_proj")
+    shapes = {
+        **latent_shapes,
         "experts.gate_proj": (hidden, expert_inter),
         "experts.up_proj": (hidden, expert_inter),
         "experts.down_proj": (expert_inter, hidden),
+        **shared_shapes,
         "q_proj": (hidden, q_size),
         "k_proj": (hidden, kv_size),
         "v_proj": (hidden, kv_size),
-        "o_proj": (q_size, hidden),
+        "o_proj": (o_in, hidden),
         "gate_proj": (hidden, inter),
         "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
         "embed_tokens": (config.vocab_size, hidden),  # lora_embedding_A (r, vocab), lora_embedding_B (hidden, r)
         "lm_head": (hidden, config.vocab_size),
     }
+    return {module: shape for module, shape in shapes.items() if module not in absent}

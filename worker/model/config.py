@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe", "gemma2", "gemma3_text",
-                         "gemma3", "phi3")
+                         "gemma3", "phi3", "deepseek_v3")
 GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
@@ -38,6 +39,12 @@ class MoEConfig:
     intermediate_size: int  # of each expert
     renormalize: bool  # the top-k weights rescaled to sum to 1 (Mixtral always; OLMoE/Qwen3-MoE: norm_topk_prob)
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP of ModelConfig.intermediate_size instead
+    # DeepSeek-V3's router: sigmoid scores, experts chosen (with a correction bias) within the best `topk_group` of
+    # `num_groups` groups, weights scaled by `routed_scaling_factor`; and shared experts beside the routed ones.
+    num_groups: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0  # of the shared experts' one MLP; 0: none
 
     @classmethod
     def from_dict(cls, hf: dict[str, Any], model_type: str) -> MoEConfig | None:
@@ -50,6 +57,15 @@ class MoEConfig:
             step = hf.get("decoder_sparse_step", 1) or 1
             only = set(hf.get("mlp_only_layers") or ())
             dense_layers = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+        extra: dict[str, Any] = {}
+        if model_type == "deepseek_v3":  # DeepseekV3DecoderLayer's rule: the first k layers dense
+            num_experts = hf["n_routed_experts"]
+            dense_layers = tuple(range(min(hf.get("first_k_dense_replace", 0) or 0, num_layers)))
+            extra = dict(num_groups=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
+                         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                         shared_intermediate_size=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0))
+            if num_experts % extra["num_groups"]:
+                raise ModelConfigError(f"n_group {extra['num_groups']} must divide n_routed_experts {num_experts}")
         if model_type == "olmoe" and hf.get("clip_qkv") is not None:
             raise ModelConfigError(f"OLMoE with clip_qkv={hf['clip_qkv']} is not supported")
         return cls(
@@ -58,10 +74,53 @@ class MoEConfig:
             intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
             renormalize=model_type == "mixtral" or bool(hf.get("norm_topk_prob", False)),
             dense_layers=dense_layers,
+            **extra,
         )
 
 
-_MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe")
+_MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe", "deepseek_v3")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): q through a low-rank q_a/q_b pair (or one q_proj), keys and
+    values from one compressed latent of kv_lora_rank per token plus one rotary key shared by every head."""
+
+    q_lora_rank: int | None  # None: a plain q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the checkpoint's rotary dims come in (even, odd) pairs
+    softmax_scale: float  # qk_head_dim ** -0.5, times yarn's mscale(factor, mscale_all_dim) squared
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """What the cache holds per token and layer: the normed latent, then the rotated rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_dict(cls, hf: dict[str, Any], rope: RopeConfig) -> MLAConfig:
+        qk_head_dim = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
+        scale = qk_head_dim**-0.5
+        mscale_all_dim = rope.params.get("mscale_all_dim") if rope.rope_type != "default" else None
+        if mscale_all_dim:  # as the reference's yarn_apply_mscale
+            factor = rope.params["factor"]
+            mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+            scale = scale * mscale * mscale
+        return cls(
+            q_lora_rank=hf.get("q_lora_rank"),
+            kv_lora_rank=hf["kv_lora_rank"],
+            qk_nope_head_dim=hf["qk_nope_head_dim"],
+            qk_rope_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"],
+            rope_interleave=bool(hf.get("rope_interleave", True)),
+            softmax_scale=scale,
+        )
 
 
 @dataclass(frozen=True)
@@ -94,6 +153,15 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # softmax scale = its ** -0.5; None = head_dim ** -0.5
     attn_logit_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    mla: MLAConfig | None = None  # latent attention (DeepSeek-V3); None: q/k/v heads
+
+    def kv_layout(self, world_size: int) -> tuple[int, int, int]:
+        """(parts, heads, head_dim) the paged cache holds per token and layer on one of `world_size` ranks: keys and
+        values of this rank's KV heads, or with latent attention one part of one head, the latent and rope key,
+        replicated on every rank."""
+        if self.mla is not None:
+            return 1, 1, self.mla.cache_dim
+        return 2, self.num_kv_heads // world_size, self.head_dim
 
     @property
     def max_context_length(self) -> int:
@@ -134,16 +202,21 @@ class ModelConfig:
             )
         if model_type in GEMMA_TYPES:
             hf = _gemma_fields(hf, model_type)
+        if model_type == "deepseek_v3":
+            hf = _deepseek_v3_fields(hf)
         hidden_act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
         allowed_act = "gelu_pytorch_tanh" if model_type in GEMMA_TYPES else "silu"
         if hidden_act != allowed_act:
             raise ModelConfigError(f"unsupported hidden_act {hidden_act!r}; {model_type} runs {allowed_act}")
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        if model_type == "deepseek_v3":  # rotary runs over the rope part of each head alone
+            head_dim = hf["qk_rope_head_dim"]
         # Phi-3's linears have no biases whatever attention_bias says (its HF code builds them without).
         attention_bias = bool(hf.get("attention_bias", False)) and model_type != "phi3"
         is_qwen2 = model_type == "qwen2"
         sliding_window = _read_sliding_window(hf, model_type)
+        rope = _read_rope(hf, model_type, head_dim)
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -154,7 +227,7 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope=_read_rope(hf, model_type, head_dim),
+            rope=rope,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases and none on o_proj; Llama's attention_bias covers all four.
@@ -171,6 +244,7 @@ class ModelConfig:
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
             attn_logit_softcap=hf.get("attn_logit_softcapping"),
             final_logit_softcap=hf.get("final_logit_softcapping"),
+            mla=MLAConfig.from_dict(hf, rope) if model_type == "deepseek_v3" else None,
         )
 
 
@@ -318,6 +392,39 @@ _GEMMA2_DEFAULTS: dict[str, Any] = {
     "final_logit_softcapping": 30.0,
     "tie_word_embeddings": True,
 }
+
+
+# DeepseekV3Config's defaults for the keys that change the arithmetic (a key present as null stays null: q_lora_rank).
+_DEEPSEEK_V3_DEFAULTS: dict[str, Any] = {
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 2048,
+    "routed_scaling_factor": 2.5,
+    "n_group": 8,
+    "topk_group": 4,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "rope_interleave": True,
+}
+
+
+def _deepseek_v3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """A DeepSeek-V3 config with the reference's defaults filled in; the router the reference runs (sigmoid scores,
+    grouped top-k with the correction bias), or ModelConfigError for a config that asks for another."""
+    hf = {**_DEEPSEEK_V3_DEFAULTS, **hf}
+    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ModelConfigError(f"deepseek_v3 routes with scoring_func sigmoid and topk_method noaux_tc, not "
+                               f"{hf.get('scoring_func')!r} and {hf.get('topk_method')!r}")
+    if (hf.get("moe_layer_freq") or 1) != 1:
+        raise ModelConfigError(f"deepseek_v3 with moe_layer_freq {hf['moe_layer_freq']} is not supported (every "
+                               f"layer from first_k_dense_replace on is MoE)")
+    return hf
 
 
 def _gemma_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from loraplex.worker.model.config import ModelConfig
+from loraplex.worker.model.deepseek_v3 import DeepseekV3ForCausalLM
 from loraplex.worker.model.gemma2 import Gemma2ForCausalLM
 from loraplex.worker.model.gemma3 import Gemma3ForCausalLM
 from loraplex.worker.model.llama import LlamaForCausalLM
@@ -25,6 +26,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gemma3_text": Gemma3ForCausalLM,
     "gemma3": Gemma3ForCausalLM,  # the language model of the multimodal checkpoint
     "phi3": Phi3ForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
 }
 
 
