@@ -1,9 +1,10 @@
 """GenerateService: generation without HTTP — submit (n results per prompt included), stream or collect, abort,
-tokenize and detokenize.
+tokenize and detokenize, and the adapter operations the ways in offer.
 
-Every way in calls it: the native, OpenAI and utility routes, the Engine, the RPC server and the Ray replica (through
-its Engine). It admits each request (the edge's checks, the adapter's hold, the replica the router picks), puts it in
-the Runtime's table of requests in flight, and is the one place every request leaves it.
+Every way in calls it, one service per Runtime: the native, OpenAI and utility routes, the Engine, the RPC server and
+the Ray replica (through its Engine). It says once whether the server is up (check_up), admits each request (the
+edge's checks, the adapter's hold, the replica the router picks) into its table of requests in flight
+(frontend/request_table.py), and is the one place every request leaves it.
 """
 
 from __future__ import annotations
@@ -14,17 +15,27 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
-from loraplex.frontend.adapters.registry import AdapterError
+from loraplex.frontend.adapters.audit import SERVER, Caller
+from loraplex.frontend.adapters.registry import AdapterEntry, AdapterError
 from loraplex.frontend.bodies import error_body
 from loraplex.frontend.caller import caller_key_id
 from loraplex.frontend.chat_template import ChatOptions, render_chat
 from loraplex.frontend.constraints import constrain, native_constraint
-from loraplex.frontend.errors import InputError
+from loraplex.frontend.errors import InputError, ServerUnavailable
 from loraplex.frontend.params import MAX_SEED, NativeGenerateRequest, NativeSamplingParams, native_sampling
 from loraplex.frontend.request_state import OutputOptions, RequestState
+from loraplex.frontend.request_table import RequestTable
 from loraplex.frontend.runtime import Runtime
 from loraplex.protocol.request_limits import request_fit_error
-from loraplex.protocol.structs import AbortReq, AbortReqOutput, SamplingParams, TokenizedGenerateReq
+from loraplex.protocol.structs import (
+    AbortReqOutput,
+    LoadLoRAAdapterFromTensorsReqInput,
+    LoadLoRAAdapterReqOutput,
+    LoRAAdapterSpec,
+    SamplingParams,
+    TokenizedGenerateReq,
+    UnloadLoRAAdapterReqOutput,
+)
 
 
 class GenerationFailed(Exception):
@@ -72,29 +83,72 @@ def _per_item(value: Any, count: int, batched: bool, what: str) -> list[Any]:
 class GenerateService:
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
+        self.requests = RequestTable(runtime)
+        runtime.attach(self.requests)
+
+    def check_up(self) -> None:
+        """ServerUnavailable (503) unless the server takes work: every operation of a way in starts here."""
+        runtime = self.runtime
+        if runtime.failure is not None:
+            raise ServerUnavailable(f"server is unhealthy: {runtime.failure}")
+        if runtime.stopping or runtime.draining:
+            raise ServerUnavailable("server is shutting down")
+        if runtime.ready is None:
+            raise ServerUnavailable("server is starting")
+
+    # ---- adapters ----------------------------------------------------------------------------------------
+
+    async def load_adapters(self, specs: list[LoRAAdapterSpec], load_inplace: bool = False,
+                            caller: Caller = SERVER) -> LoadLoRAAdapterReqOutput:
+        self.check_up()
+        return await self.runtime.adapters.load(specs, load_inplace, caller=caller)
+
+    async def load_adapter_from_tensors(self, request: LoadLoRAAdapterFromTensorsReqInput, buffers: list,
+                                        caller: Caller = SERVER) -> LoadLoRAAdapterReqOutput:
+        self.check_up()
+        return await self.runtime.adapters.load_from_tensors(request, buffers, caller)
+
+    async def unload_adapters(self, names: list[str], caller: Caller = SERVER) -> UnloadLoRAAdapterReqOutput:
+        self.check_up()
+        return await self.runtime.adapters.unload(names, caller=caller)
 
     # ---- tokens ------------------------------------------------------------------------------------------
 
+    def tokenizer(self) -> Any:
+        """The tokenizer, once the server is up (/tokenizer_info)."""
+        self.check_up()
+        return self.runtime.tokenizer
+
     def tokenize(self, text: str) -> list[int]:
         """A text prompt's tokens, as every generate route and /tokenize take them: the tokenizer's defaults (BOS)."""
+        self.check_up()
         return self.runtime.tokenizer(text)["input_ids"]
 
     def tokenize_chat(self, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions()) -> list[int]:
         """The prompt of a chat: its messages (and tools) through the chat template (frontend/chat_template.py)."""
+        self.check_up()
         if not messages:
             raise InputError("'messages' is empty")
         text = render_chat(self.runtime.tokenizer, self.runtime.chat_template, messages, options)
         return self.runtime.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def detokenize(self, token_ids: list[int]) -> str:
-        """Token ids as text, special tokens included (/detokenize, and an echoed prompt given as ids)."""
+        """Token ids as text, special tokens included (an echoed prompt given as ids)."""
         return self.runtime.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def detokenize_checked(self, token_ids: list[int]) -> str:
+        """/detokenize: the ids checked against the vocabulary first."""
+        self.check_up()
+        vocab_size = self.runtime.ready.vocab_size
+        if any(not 0 <= t < vocab_size for t in token_ids):
+            raise InputError(f"tokens must be token ids in [0, {vocab_size})")
+        return self.detokenize(token_ids)
 
     async def resolve_model(self, model: str) -> tuple[str | None, str]:
         """An OpenAI `model` (base, adapter, or base:adapter): (adapter name or None for the base model, the name
         that serves it). An adapter the resolver or the host cache still has to bring in is loaded first."""
-        runtime = self.runtime
-        base = runtime.config.model_name
+        self.check_up()
+        base = self.runtime.config.model_name
         if model == base:
             return None, base
         name = model
@@ -102,10 +156,7 @@ class GenerateService:
             prefix, name = model.split(":", 1)
             if prefix != base:
                 raise AdapterError(f"The model `{model}` does not exist.", "not_found")
-        if runtime.adapters is not None and runtime.config.lora_enabled:
-            await runtime.adapters.ensure(name)  # the resolver's first use, or an evicted host copy
-        entry = runtime.registry.get(name)
-        if entry is None or entry.draining:
+        if await self.runtime.adapters.find(name) is None:  # the resolver's first use loads it here
             raise AdapterError(f"The model `{model}` does not exist.", "not_found")
         return name, name
 
@@ -122,37 +173,66 @@ class GenerateService:
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
                      stops: list[str], lora_names: list[str | None], rids: list[str | None],
                      output: OutputOptions = OutputOptions(), *, priority: int = 0) -> list[RequestState]:
-        """Submit every prompt (with its own sampling when given a list), or none if one is refused."""
+        """Submit every prompt (with its own sampling when given a list), or none if one is refused: every item is
+        checked and holds its adapter before the first is sent."""
+        self.check_up()
         runtime = self.runtime
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        batch = list(dict.fromkeys(name for name in lora_names if name is not None))  # distinct, in item order
-        if batch and runtime.config.lora_enabled:
-            runtime.adapters.check_batch(batch)
-        states: list[RequestState] = []
-        # Until every item holds its adapter, the batch's adapters are the last any other load may evict.
-        runtime.registry.want(batch)
+        rids = [rid or uuid.uuid4().hex for rid in rids]
+        for k, (prompt, one_sampling, rid) in enumerate(zip(prompts, samplings, rids, strict=False)):
+            if rid in self.requests or rid in rids[:k]:
+                raise InputError(f"request id {rid!r} is already in use")
+            self._check_fits(prompt, one_sampling)
+        entries = await self._hold_adapters(lora_names, rids)
+        states = [RequestState(rid, prompt, one_sampling, stops, runtime.tokenizer, name,
+                               entry.lora_id if entry is not None else None, output)
+                  for prompt, one_sampling, name, rid, entry in zip(prompts, samplings, lora_names, rids, entries,
+                                                                    strict=False)]
+        key_id = caller_key_id()
+        for state in states:  # no await since the holds: each state frees its own from here on (finish)
+            state.key_id = key_id
+            self.requests.add(state)
         try:
-            # Check every adapter first so a bad name in a batch starts nothing; bringing one back evicts none of the
-            # rest.
-            for name in batch:
-                if runtime.config.lora_enabled:
-                    await runtime.adapters.ensure(name, batch)  # the resolver's first use, or an evicted host copy
-                if runtime.registry.get(name) is None or runtime.registry.get(name).draining:
-                    raise AdapterError(f"adapter {name!r} is not loaded", kind="not_found")
-            for prompt, one_sampling, name, rid in zip(prompts, samplings, lora_names, rids, strict=False):
-                states.append(await self._submit_one(prompt, one_sampling, stops, name, rid, output, priority))
+            for state in states:
+                await runtime.replicas.send(state.dp_rank, TokenizedGenerateReq(
+                    rid=state.rid, input_ids=state.prompt_ids, sampling=state.sampling, lora_id=state.lora_id,
+                    priority=priority, key_id=key_id))
         except BaseException:
             await self.finish(states)
             raise
-        finally:
-            runtime.registry.unwant(batch)
         return states
+
+    async def _hold_adapters(self, lora_names: list[str | None], rids: list[str]) -> list[AdapterEntry | None]:
+        """Each item's hold on its adapter (one per item), then the server checked once more: a process may have
+        died, or a drain begun, while they were taken. All or none."""
+        batch = list(dict.fromkeys(name for name in lora_names if name is not None))  # distinct, in item order
+        if not batch:
+            self.check_up()
+            return [None] * len(lora_names)
+        adapters = self.runtime.adapters
+        if self.runtime.config.lora_enabled:
+            adapters.check_batch(batch)
+        entries: list[AdapterEntry | None] = []
+        # Until every item holds its adapter, the batch's adapters are the last any other load may evict; bringing
+        # one back evicts none of the rest.
+        self.runtime.registry.want(batch)
+        try:
+            for name, rid in zip(lora_names, rids, strict=False):
+                entries.append(None if name is None else await adapters.hold(name, rid, batch))
+            self.check_up()
+        except BaseException:
+            for entry, rid in zip(entries, rids, strict=False):
+                if entry is not None:
+                    adapters.release(entry.lora_id, rid)
+            raise
+        finally:
+            self.runtime.registry.unwant(batch)
+        return entries
 
     async def start(self, body: NativeGenerateRequest) -> tuple[list[RequestState], bool]:
         """Validate and submit a /generate body (HTTP, Engine and RPC alike): (states, batched). With n > 1, n results
         per prompt in one flat list, prompt-major (always a list)."""
-        runtime = self.runtime
-        runtime.check_available()
+        self.check_up()
         prompts, batched = self._prompts(body)
         params = body.sampling_params or NativeSamplingParams()
         refund = self.take_rate(_repeat_n(prompts, params.n))
@@ -257,33 +337,6 @@ class GenerateService:
                 chunk["index"] = index
             yield chunk
 
-    async def _submit_one(self, prompt_ids: list[int], sampling: SamplingParams, stop_strings: list[str],
-                          lora_name: str | None, rid: str | None, output: OutputOptions,
-                          priority: int) -> RequestState:
-        """Check and enqueue one request. Raises InputError, AdapterError or ServerUnavailable."""
-        runtime = self.runtime
-        rid = rid or uuid.uuid4().hex
-        if rid in runtime.requests:
-            raise InputError(f"request id {rid!r} is already in use")
-        self._check_fits(prompt_ids, sampling)
-        if lora_name is not None:
-            await runtime.adapters.ensure(lora_name)  # the guard: an eviction since the batch's ensure brings it back
-        runtime.check_available()  # a process may have died, or a drain begun, while this request was prepared
-        entry = runtime.registry.acquire(lora_name, rid) if lora_name is not None else None
-        state = RequestState(
-            rid, prompt_ids, sampling, stop_strings, runtime.tokenizer, lora_name, entry.lora_id if entry else None,
-            output,
-        )
-        state.key_id = caller_key_id()
-        state.dp_rank = runtime.router.pick(state.lora_id)
-        runtime.router.acquire(state.dp_rank, state.lora_id)
-        runtime.requests[rid] = state
-        runtime.metrics.on_submit(len(prompt_ids))
-        req = TokenizedGenerateReq(rid=rid, input_ids=prompt_ids, sampling=sampling, lora_id=state.lora_id,
-                                   priority=priority, key_id=state.key_id)
-        await runtime.replicas.send(state.dp_rank, req)
-        return state
-
     def _check_fits(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         # The rule the scheduler checks again; max_total_tokens is the smallest replica's.
         ready = self.runtime.ready
@@ -302,28 +355,10 @@ class GenerateService:
 
     async def finish(self, states: list[RequestState]) -> None:
         """Every path of every request ends here (done, failed, client gone): frees what each state holds."""
-        runtime = self.runtime
-        for state in states:
-            if runtime.requests.pop(state.rid, None) is None:
-                continue
-            was_finished = state.finished
-            if not was_finished:
-                state.fail("aborted by the client", status=499)
-            # Counted before the hold goes: once released, an unload may drop the adapter's series.
-            runtime.metrics.on_finish(state)
-            runtime.rate_limits.charge_output(state.key_id, len(state.output_ids))
-            runtime.router.release(state.dp_rank, state.lora_id)
-            if state.lora_id is not None:
-                runtime.registry.release(state.lora_id, state.rid)
-            if not was_finished and runtime.failure is None and not runtime.stopping:
-                await runtime.replicas.send(state.dp_rank, AbortReq(rid=state.rid))
+        await self.requests.finish(states)
 
     async def abort(self, rid: str) -> AbortReqOutput:
-        state = self.runtime.requests.get(rid)
-        if state is None:
-            return AbortReqOutput(success=False, rid=rid, message=f"no request {rid!r} in flight")
-        await self.runtime.replicas.send(state.dp_rank, AbortReq(rid=rid))
-        return AbortReqOutput(success=True, rid=rid, message="")
+        return await self.requests.abort(rid)
 
 
 async def _changes(state: RequestState) -> AsyncIterator[RequestState]:

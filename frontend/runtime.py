@@ -1,9 +1,9 @@
-"""Runtime: the frontend's lifecycle — start and stop the child processes, own the pieces (tokenizer, adapter
-registry and manager, replicas, router, metrics, the table of requests in flight), apply the schedulers' token
-deltas, drain on SIGTERM, fail whole.
+"""Runtime: the frontend's lifecycle — start the child processes, own the pieces (tokenizer, adapter registry and
+manager, replicas, router, metrics), watch the children, drain on SIGTERM, fail whole, shut down.
 
-Every entry point drives one Runtime from one event loop through the GenerateService (frontend/generate.py), which
-adds requests to the table and takes them out again.
+Every entry point drives one Runtime from one event loop through its one GenerateService (frontend/generate.py),
+which owns the table of requests in flight (frontend/request_table.py) and attaches it here: the schedulers' token
+deltas go to it, and a drain or a failure ends what it holds.
 """
 
 from __future__ import annotations
@@ -22,23 +22,15 @@ from loraplex.frontend.cluster.node_rendezvous import NodeRendezvous
 from loraplex.frontend.cluster.process_group import ProcessGroup
 from loraplex.frontend.cluster.replica_set import ReplicaSet
 from loraplex.frontend.cluster.router import Router
-from loraplex.frontend.errors import ServerUnavailable
 from loraplex.frontend.grammar_checker import GrammarChecker
 from loraplex.frontend.lora_config import resolve_lora_config
 from loraplex.frontend.metrics import Metrics
 from loraplex.frontend.model_files import ModelFiles, resolve_model_files
 from loraplex.frontend.rate_limits import KeyRateLimits
-from loraplex.frontend.request_state import RequestState
+from loraplex.frontend.request_table import RequestTable
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.quantization import read_hf_config, resolve_quantization
-from loraplex.protocol.structs import (
-    AbortReq,
-    LoRAAdapterSpec,
-    SchedulerReady,
-    SchedulerStats,
-    SlotsChanged,
-    TokenDeltas,
-)
+from loraplex.protocol.structs import LoRAAdapterSpec, SchedulerReady, SlotsChanged, TokenDeltas
 
 logger = logging.getLogger("loraplex.runtime")
 
@@ -47,8 +39,6 @@ WATCH_INTERVAL_S = 0.2
 DRAIN_POLL_S = 0.05
 # After a drain aborts what is left, how long the handlers get to write their last chunk and call finish().
 ABORT_GRACE_S = 3.0
-
-
 
 
 class Runtime:
@@ -61,7 +51,7 @@ class Runtime:
         self.registry = AdapterRegistry(config.lora_path_root, max_pinned=config.max_loras_per_batch - 1)
         self.metrics = Metrics(config.model_name, config.dp_size)
         self.rate_limits = KeyRateLimits(config.max_requests_per_minute_per_key, config.max_tokens_per_minute_per_key)
-        self.requests: dict[str, RequestState] = {}
+        self.requests: RequestTable | None = None  # the GenerateService's, attached when it is built
         self.ready: SchedulerReady | None = None  # what every replica can take (the smallest KV cache)
         self.replica_ready: list[SchedulerReady] = []  # by dp_rank
         self.started = False  # every process up and start-up adapters loaded
@@ -82,6 +72,12 @@ class Runtime:
         self.adapters: AdapterManager | None = None  # built once the LoRA config is complete (start)
         self.audit = AuditLog(config.audit_log)  # before start: refusals at the edges are recorded from the first one
         self._watch_task: asyncio.Task | None = None
+
+    def attach(self, requests: RequestTable) -> None:
+        """The GenerateService's table of requests in flight: one service per Runtime, so one table."""
+        if self.requests is not None:
+            raise RuntimeError("this Runtime already serves a GenerateService; share that one")
+        self.requests = requests
 
     # ---- start / stop -------------------------------------------------------------------------------
 
@@ -136,13 +132,9 @@ class Runtime:
         logger.info("draining %d request(s) for up to %.0f s", len(self.requests), timeout_s)
         while self.requests and self.failure is None and loop.time() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
-        left = [state for state in self.requests.values() if not state.finished]
-        if left:
-            logger.info("aborting %d request(s) still running after %.0f s", len(left), timeout_s)
-        for state in left:
-            state.abort("server is shutting down")
-            if self.failure is None:
-                await self.replicas.send(state.dp_rank, AbortReq(rid=state.rid))
+        num_left = await self.requests.abort_unfinished("server is shutting down")
+        if num_left:
+            logger.info("aborting %d request(s) still running after %.0f s", num_left, timeout_s)
         deadline = loop.time() + ABORT_GRACE_S
         while self.requests and loop.time() < deadline:  # the handlers send their last chunk, then finish()
             await asyncio.sleep(DRAIN_POLL_S)
@@ -170,23 +162,10 @@ class Runtime:
     def healthy(self) -> bool:
         return self.started and not self.draining and not self.stopping and self.failure is None
 
-    def check_available(self) -> None:
-        if self.failure is not None:
-            raise ServerUnavailable(f"server is unhealthy: {self.failure}")
-        if self.stopping or self.draining:
-            raise ServerUnavailable("server is shutting down")
-        if self.ready is None:
-            raise ServerUnavailable("server is starting")
-
     # ---- background ------------------------------------------------------------------------------------
 
     async def _apply_deltas(self, msg: TokenDeltas) -> None:
-        for delta in msg.deltas:
-            state = self.requests.get(delta.rid)
-            if state is None:
-                continue
-            if state.apply(delta):  # a stop string ended it: free its scheduler resources
-                await self.replicas.send(state.dp_rank, AbortReq(rid=state.rid))
+        await self.requests.apply_deltas(msg)
 
     def _on_slots(self, dp_rank: int, msg: SlotsChanged) -> None:
         self.router.set_resident(dp_rank, msg.slot_lora_ids)
@@ -220,13 +199,8 @@ class Runtime:
             self.replicas.fail_pending(reason)
 
     def _fail_all(self, message: str, status: int) -> None:
-        for state in list(self.requests.values()):
-            state.fail(message, status)
-
-    async def replica_stats(self) -> list[SchedulerStats]:
-        """Each replica scheduler's counters, by dp_rank."""
-        self.check_available()
-        return await self.replicas.stats()
+        if self.requests is not None:
+            self.requests.fail_all(message, status)
 
 
 def load_tokenizer(tokenizer_dir: str, model_dir: str) -> tuple[Any, list[int]]:

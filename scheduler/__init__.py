@@ -1,14 +1,15 @@
 """The scheduler process: queues, continuous batching, KV pages and adapter slots. It never imports torch.
 
 Module map:
-    page_allocator.py  PageAllocator: the free list of KV cache pages
-    state_slots.py     StateSlotAllocator: the free list of a hybrid model's linear-attention state slots
-    slot_planner.py    SlotPlanner: which adapter sits in which device slot (holds, LRU eviction, pins)
-    request.py         Request: one request's scheduler state
-    batch_policy.py    BatchPolicy: which waiting requests join the next batch (limits, slots)
-    admission_order.py AdmissionOrder: the order waiting requests are offered in (priority, fair share), preemption
-    fair_share.py      FairShare: virtual token counters (VTC), the fair order between clients
-    adapter_table.py   AdapterTable: loaded adapter ids, and loads waiting on the ranks' reports
-    scheduler.py       Scheduler: the state machine the process drives (no sockets)
-    process.py         SchedulerProcess: sockets, start-up handshake and the main loop
+    page_allocator.py   PageAllocator: the free list of KV cache pages
+    state_slots.py      StateSlotAllocator: the free list of a hybrid model's linear-attention state slots
+    prefix_cache.py     PrefixCache: full KV pages kept after their requests finish, found again by tokens and adapter
+    slot_planner.py     SlotPlanner: which adapter sits in which device slot (holds, LRU eviction, pins)
+    request.py          Request: one request's scheduler state
+    batch_policy.py     BatchPolicy: which waiting requests join the next batch (limits, slots)
+    admission_order.py  AdmissionOrder: the order waiting requests are offered in (priority, fair share), preemption
+    fair_share.py       FairShare: virtual token counters (VTC), the fair order between clients
+    adapter_table.py    AdapterTable: loaded adapter ids, and loads waiting on the ranks' reports
+    scheduler.py        Scheduler: the state machine the process drives (no sockets)
+    __main__.py / process.py  `python -m scheduler`; SchedulerProcess: sockets, start-up handshake and the main loop
 """

@@ -4,13 +4,19 @@ __main__.py / process.py   `python -m worker`: start-up, ready report, the recv 
 dist.py                    global rank, device, dtype, torch.distributed group (gloo on CPU, nccl on CUDA)
 parallel.py                tensor-parallel state read by layers at construction; the all-reduce
 model_runner.py            ModelRunner: model + KV cache + sampler; forward(ForwardBatch) -> next tokens
+cuda_graphs.py             DecodeGraphRunner: decode steps replayed from CUDA graphs captured at start-up
 batch_inputs.py            ForwardBatch -> flat token ids, positions, cache slots, attention masks
 kv_cache.py                KVCache tensors and the default capacity rule
 state_cache.py             HybridCache: a hybrid model's KV (attention layers only) and its state slots (per running
                            request: each linear-attention layer's recurrent and conv state), bound per pass
+adapter_loader.py          AdapterLoader: reads, validates and installs adapters while the main loop runs forwards
 loader.py                  safetensors checkpoint -> parameters, via each parameter's weight_loader
 dummy_weights.py           --load-format dummy: seeded random weights through the same weight loaders
 sampler.py                 greedy / temperature / top-k / top-p, stateless per-request seeds
+sampling_table.py          SamplingTable: each request's SamplingParams on this rank, kept between its passes
+sampling_batch.py          SamplingBatch: one pass's sampling parameters row by row, and their tensors
+penalties.py               presence / frequency / repetition penalties, min_new_tokens (logits from request state)
+grammar.py                 structured output: one xgrammar matcher per constrained request, its token mask
 model/config.py            ModelConfig from an HF config.json (transformers 4 and 5 forms)
 model/llama.py             Llama / Mistral / Qwen2 decoder, free of TP and LoRA
 model/phi3.py              Phi-3 / Phi-4-mini: the Llama decoder; fused checkpoints, partial rotary, longrope
@@ -18,6 +24,8 @@ model/qwen3.py             Qwen3: the Llama decoder with per-head q/k RMSNorm (Q
 model/mixtral.py           Mixtral: the Llama decoder with the MoE block as its MLP (MoEMLP, reusable)
 model/olmoe.py             OLMoE: q/k RMSNorm over the whole projections (summed over TP ranks), MoE without renorm
 model/qwen3_moe.py         Qwen3-MoE: Qwen3Attention and the MoE block; dense MLPs where the config says
+model/gemma2.py            Gemma 2: Llama's attention and fused linears, with Gemma's pieces around them
+model/gemma3.py            Gemma 3 text: Gemma 2's with per-head q/k RMSNorms, the local layers' own rope
 model/deepseek_v3.py       DeepSeek-V3 / Kimi K2: latent attention (absorbed; the cache holds latent + rope key), MoE
                            with a grouped sigmoid router and shared experts, the first layers dense
 model/qwen3_5.py           Qwen3.5 (text, MoE): hybrid Gated DeltaNet + gated attention layers, state in HybridCache
@@ -25,8 +33,13 @@ model/qwen3_next.py        Qwen3-Next: Qwen3.5's decoder with grouped in_proj_qk
 model/registry.py          model_type -> decoder class (one file per family)
 layers/linear.py           Column-, MergedColumn- and RowParallelLinear with sharding weight loaders
 layers/attention.py        paged attention with torch SDPA
-layers/rotary.py, norm.py, embedding.py   RoPE (default, linear, dynamic, yarn, longrope, llama3; partial),
-                           RMSNorm, replicated embedding / LM head
+layers/attention_spec.py   what differs between one model's attention layers, as every attention backend reads it
+layers/triton_attention.py  the `triton` attention backend: paged decode and extend kernels
+layers/rotary.py           RoPE (default, linear, dynamic, yarn, longrope, llama3; partial)
+layers/norm.py             RMSNorm
+layers/embedding.py        replicated embedding / LM head
+layers/activation.py       SiluAndMul of a fused [gate | up] projection
+layers/packed.py           linear weights prepacked for oneDNN (CPU, bfloat16)
 layers/moe.py              MoE block: router top-k (softmax, or DeepSeek's grouped sigmoid), stacked experts
                            (ExpertsLinear) sharded like the dense MLP; a sigmoid-gated shared expert (Qwen3-Next, 3.5)
 layers/gated_delta.py      Gated DeltaNet's ops: causal conv with state; the delta rule, chunked (prefill) and recurrent

@@ -1,5 +1,6 @@
-"""AdapterManager: the adapter operations (load, unload, in-place reload, eviction, reload of an evicted host copy,
-first use through the resolver), between the registry, which decides, and the scheduler, which carries them out.
+"""AdapterManager: the adapter operations (load, unload, in-place reload, first use through the resolver) and a
+request's hold on its adapter, between the registry, which decides, and the ranks, which carry them out
+(frontend/adapters/delivery.py). Which host copies stay loaded is HostResidency's (frontend/adapters/residency.py).
 
 Operations are serialized by the registry's update lock; an unload waits for the adapter's requests outside the lock,
 so other operations go on meanwhile. Every operation reaches every data-parallel replica and counts only where all of
@@ -12,41 +13,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
-from collections.abc import Collection, Sequence
-from typing import Any
+from collections.abc import Collection
 
 import msgspec
 from loraplex.frontend.adapters.audit import SERVER, AuditLog, Caller
-from loraplex.frontend.adapters.files import cut_per_rank, read_adapter_dir
-from loraplex.frontend.adapters.integrity import AdapterIntegrity
+from loraplex.frontend.adapters.delivery import AdapterDelivery, Shipment
 from loraplex.frontend.adapters.registry import AdapterEntry, AdapterError, AdapterRegistry
+from loraplex.frontend.adapters.residency import HostResidency
 from loraplex.frontend.adapters.sources import SourceError, cache_for, parse_remote, resolver_source
 from loraplex.frontend.adapters.state_file import AdapterStateFile
-from loraplex.frontend.cluster.replica_set import ReplicaSet, merge_replica_answers
+from loraplex.frontend.cluster.replica_set import ReplicaSet
 from loraplex.frontend.metrics import Metrics
-from loraplex.protocol.adapters.adapter_config import AdapterLoadError
 from loraplex.protocol.config import ServerConfig, is_loopback_host
 from loraplex.protocol.errors import ServerError
 from loraplex.protocol.structs import (
     AdapterOutcome,
     AdapterToLoad,
-    DropAdapters,
     InlineAdapter,
-    LoadAdapters,
     LoadLoRAAdapterFromTensorsReqInput,
     LoadLoRAAdapterReqOutput,
     LoRAAdapterResult,
     LoRAAdapterSpec,
     UnloadLoRAAdapterReqOutput,
-    split_inline_frames,
 )
 
 logger = logging.getLogger("loraplex.adapters")
-
-# The scheduler fails a load at --lora-load-timeout itself; the frontend waits this much longer before it gives up
-# on the scheduler (a stuck forward pass) and rolls back on its own.
-SCHEDULER_MARGIN_S = 5.0
 
 
 class AdapterManager:
@@ -62,12 +53,13 @@ class AdapterManager:
         self.config = config
         self.registry = registry
         self.metrics = metrics
-        self.replicas = replicas
         self.state_file = state_file
         self.cache = cache_for(config.lora_cache_dir, config.lora_cache_max_gb)  # Hub and S3 adapters land here
         registry.allow_cache(self.cache.root)
-        self.integrity = AdapterIntegrity(config)
         self.audit = audit or AuditLog(None)
+        self.delivery = AdapterDelivery(config, replicas, metrics)
+        self.residency = HostResidency(config, registry, metrics, self.audit, self.delivery, self._localize,
+                                       self._resolve)
         self.updates_refusal: tuple[str, str] | None = None  # (message, kind) once updates are closed after start-up
         self._retiring: set[asyncio.Task] = set()
 
@@ -79,7 +71,7 @@ class AdapterManager:
         (--lora-modules' base_model_name; default the served base name)."""
         names, paths = [s.lora_name for s in specs], [s.lora_path for s in specs]
         with self.audit.operation("reload" if load_inplace else "load", names, paths, caller) as op:
-            out = await self._load(specs, [None] * len(specs), [], load_inplace, parents or {})
+            out = await self._load(specs, [None] * len(specs), None, load_inplace, parents or {})
             op.set_outcome(out.results)
             return out
 
@@ -94,12 +86,13 @@ class AdapterManager:
             # lora_path is never read for an inline adapter: plan_load checks no path for it
             spec = LoRAAdapterSpec(lora_name=request.lora_name, lora_path="", pinned=request.pinned)
             inline = InlineAdapter(config=request.config_dict, tensors=request.tensors)
-            out = await self._load([spec], [inline], buffers, request.load_inplace, {})
+            out = await self._load([spec], [inline], list(buffers), request.load_inplace, {})
             op.set_outcome(out.results)
             return out
 
-    async def _load(self, specs: list[LoRAAdapterSpec], inline: list[InlineAdapter | None], buffers: list,
+    async def _load(self, specs: list[LoRAAdapterSpec], inline: list[InlineAdapter | None], frames: list | None,
                     load_inplace: bool, parents: dict[str, str]) -> LoadLoRAAdapterReqOutput:
+        """frames: the tensor bytes of the one inline adapter (load_from_tensors), or None."""
         self._check_updates_open()
         if not self.config.lora_enabled:
             results = [_failed(s.lora_name, "LoRA is not enabled (start with --enable-lora)", "invalid") for s in specs]
@@ -110,7 +103,8 @@ class AdapterManager:
         async with self.registry.update_lock:
             planned = self._plan(local_specs, inline, load_inplace)
             to_load = [p for p in planned if isinstance(p, AdapterToLoad)]
-            sent = await self._send_load(to_load, "load", buffers if to_load else [])
+            shipments = [Shipment(a, frames if a.inline is not None and frames is not None else []) for a in to_load]
+            sent = await self.delivery.load(shipments, "load")
             outcomes = dict(zip([a.lora_id for a in to_load], sent, strict=True))
             results = []
             for spec, plan in zip(specs, planned, strict=True):
@@ -124,7 +118,7 @@ class AdapterManager:
                     client_path = None if plan.inline is not None else spec.lora_path
                     self._commit(plan, client_path, outcome, parents.get(plan.lora_name))
                 results.append(_result(plan.lora_name, outcome))
-            await self._evict_over_limit({a.lora_name for a in to_load})
+            await self.residency.evict_over_limit({a.lora_name for a in to_load})
             self._save_state()
             self._count_loaded()
         return _merge(LoadLoRAAdapterReqOutput, results, self.registry.loaded_adapters())
@@ -203,31 +197,28 @@ class AdapterManager:
         return _merge(UnloadLoRAAdapterReqOutput, results, self.registry.loaded_adapters())
 
     def check_batch(self, names: Collection[str]) -> None:
-        """A batch needing more adapters than --max-loaded-loras keeps in host memory could only evict what its own
-        items need: refused before anything starts (SGLang's rule)."""
-        limit = self.config.max_loaded_loras
-        if limit is not None and len(set(names)) > limit:
-            raise AdapterError(f"the batch needs {len(set(names))} distinct adapters, more than --max-loaded-loras "
-                               f"({limit}) keeps in host memory; split it", "invalid")
+        self.residency.check_batch(names)
 
-    async def ensure(self, name: str, batch: Collection[str] = ()) -> None:
-        """Before a request naming `name` is admitted: load it through the resolver on first use, or bring its
-        evicted host copy back, evicting none of `batch` (the adapters its batch needs). Errors (unknown, broken)
-        are raised for the request."""
+    async def find(self, name: str) -> AdapterEntry | None:
+        """The live entry of `name`, loaded through the resolver on its first use (None: unknown, or unloading)."""
+        if self.registry.get(name) is None and self.config.lora_enabled:
+            await self.residency.ensure(name)
         entry = self.registry.get(name)
-        if entry is not None and entry.resident:
-            return
-        if entry is None and not self.config.lora_resolver_dir:
-            return  # acquire() reports the unknown name
-        async with self.registry.update_lock:
-            entry = self.registry.get(name)  # another request may have done it meanwhile, or an unload removed it
-            if entry is None:
-                if self.config.lora_resolver_dir:
-                    with self.audit.operation("resolve", [name], [self.config.lora_resolver_dir], SERVER):
-                        await self._resolve(name, {name, *batch})
-            elif not entry.resident and not entry.draining:
-                with self.audit.operation("reload", [name], [entry.path], SERVER):
-                    await self._reload(entry, {name, *batch})
+        return None if entry is None or entry.draining else entry
+
+    async def hold(self, name: str, rid: str, batch: Collection[str] = ()) -> AdapterEntry:
+        """Request `rid`'s hold on adapter `name`: its host copy brought back (or first loaded through the resolver)
+        evicting none of `batch`, then acquired. No await lies between the two, so no eviction or unload slips in
+        between. AdapterError if it cannot be had."""
+        if self.config.lora_enabled:
+            await self.residency.ensure(name, batch)
+        entry = self.registry.get(name)
+        if entry is None or entry.draining:
+            raise AdapterError(f"adapter {name!r} is not loaded", kind="not_found")
+        return self.registry.acquire(name, rid)
+
+    def release(self, lora_id: int, rid: str) -> None:
+        self.registry.release(lora_id, rid)
 
     # ---- start-up -------------------------------------------------------------------------------------------
 
@@ -256,94 +247,6 @@ class AdapterManager:
     def _check_updates_open(self) -> None:
         if self.updates_refusal is not None:
             raise ServerError(*self.updates_refusal)
-
-    async def _send_load(self, adapters: list[AdapterToLoad], op_name: str,
-                         buffers: Sequence[Any] = ()) -> list[AdapterOutcome]:
-        """Load on every rank: one outcome per adapter. A missed deadline is an outcome, rolled back everywhere.
-        `buffers`: the inline adapters' tensor bytes, sent as the message's extra frames."""
-        if not adapters:
-            return []
-        t0 = time.monotonic()
-        read_failures = await asyncio.get_running_loop().run_in_executor(None, self._integrity_failures, adapters)
-        if read_failures:  # refused before any rank reads them; their inline frames stay here too
-            kept = [(a, f) for a, f in zip(adapters, split_inline_frames(adapters, list(buffers)), strict=True)
-                    if a.lora_id not in read_failures]
-            to_send, buffers = [a for a, _ in kept], [frame for _, frames in kept for frame in frames]
-        else:
-            to_send = adapters
-        frames_per_rank = self.config.nnodes > 1
-        if frames_per_rank and to_send:  # node 0 reads the files; every rank gets its part as raw tensor frames
-            to_send, buffers, unread = await self._read_for_nodes(to_send, buffers)
-            read_failures.update(unread)
-        outcomes = await self._load_everywhere(to_send, buffers, frames_per_rank) if to_send else []
-        sent = dict(zip([a.lora_id for a in to_send], outcomes, strict=True))
-        outcomes = [read_failures.get(a.lora_id) or sent[a.lora_id] for a in adapters]
-        elapsed_s = time.monotonic() - t0
-        for adapter, outcome in zip(adapters, outcomes, strict=True):
-            self.metrics.on_adapter_op(op_name, outcome.success, elapsed_s)
-            logger.info("%s adapter %s path=%s rank=%s %s in %.1f ms%s", op_name, adapter.lora_name,
-                        adapter.lora_path or "(tensors)",
-                        outcome.lora_rank or "?", "ok" if outcome.success else "FAILED", elapsed_s * 1e3,
-                        "" if outcome.success else f": {outcome.error_message}")
-        return outcomes
-
-    def _integrity_failures(self, adapters: list[AdapterToLoad]) -> dict[int, AdapterOutcome]:
-        """The adapters AdapterIntegrity refuses (base model, manifest), by id, worded as a rank's refusal."""
-        failures = {}
-        for adapter in adapters:
-            try:
-                if adapter.inline is not None:
-                    self.integrity.check_config(adapter.lora_name, adapter.inline.config)
-                else:
-                    self.integrity.check_dir(adapter.lora_name, adapter.lora_path, adapter.root)
-            except AdapterLoadError as e:
-                failures[adapter.lora_id] = AdapterOutcome(lora_id=adapter.lora_id, success=False,
-                                                           error_message=str(e), error_kind=e.kind)
-        return failures
-
-    async def _read_for_nodes(self, adapters: list[AdapterToLoad], buffers: Sequence[Any]
-                              ) -> tuple[list[AdapterToLoad], list, dict[int, AdapterOutcome]]:
-        """Directory loads turned into inline ones (config and tensor frames read here), so ranks on other nodes
-        never open a path, and every tensor cut per TP rank: (what to send, its frames as LoadAdapters.frames_per_rank
-        lays them out, the adapters that could not be read)."""
-        loop = asyncio.get_running_loop()
-        per_adapter = split_inline_frames(adapters, list(buffers))
-        to_send, failures = [], {}
-        rank_frames: list[list] = [[] for _ in range(self.config.tp)]
-        for adapter, own_frames in zip(adapters, per_adapter, strict=True):
-            if adapter.inline is None:
-                try:
-                    config, specs, own_frames = await loop.run_in_executor(
-                        None, read_adapter_dir, adapter.lora_path, adapter.root, adapter.lora_name)
-                except AdapterLoadError as e:  # worded and kinded as a worker's refusal of the same files
-                    failures[adapter.lora_id] = AdapterOutcome(lora_id=adapter.lora_id, success=False,
-                                                               error_message=str(e), error_kind=e.kind)
-                    continue
-                adapter = msgspec.structs.replace(adapter, lora_path=None,
-                                                  inline=InlineAdapter(config=config, tensors=specs))
-            to_send.append(adapter)
-            cut = await loop.run_in_executor(None, cut_per_rank, adapter.inline.tensors, own_frames, self.config.tp)
-            for frames, part in zip(rank_frames, cut, strict=True):
-                frames += part
-        return to_send, [frame for frames in rank_frames for frame in frames], failures
-
-    async def _load_everywhere(self, adapters: list[AdapterToLoad], buffers: Sequence[Any],
-                               frames_per_rank: bool = False) -> list[AdapterOutcome]:
-        """One LoadAdapters to every replica; the merged outcomes, and what must go again rolled back."""
-        op = LoadAdapters(op_id=self.replicas.next_op_id(), adapters=adapters, frames_per_rank=frames_per_rank)
-        timeout_s = self.config.lora_load_timeout + SCHEDULER_MARGIN_S
-        answers = [reply if isinstance(reply, ServerError) else reply.outcomes
-                   for reply in await self.replicas.call_all(op, timeout_s, buffers)]
-        outcomes, rollback = merge_replica_answers([a.lora_id for a in adapters], answers, self.replicas.who)
-        # A replica's scheduler rolls back its own ranks; what loaded on one replica but failed on another, or was sent
-        # to a scheduler that did not answer (it may load it once it listens again), is dropped here.
-        for dp_rank, lora_ids in rollback.items():
-            try:
-                await self.replicas.call(dp_rank, DropAdapters(op_id=self.replicas.next_op_id(), lora_ids=lora_ids),
-                                         timeout_s)
-            except ServerError as rollback_error:
-                logger.error("rollback of op %d failed: %s", op.op_id, rollback_error)
-        return outcomes
 
     def _commit(self, plan: AdapterToLoad, client_path: str | None, outcome: AdapterOutcome,
                 parent: str | None = None) -> None:
@@ -380,55 +283,14 @@ class AdapterManager:
         planned = self.registry.plan_load([spec], replace=False, root=resolver_dir)[0]
         if isinstance(planned, AdapterError):
             raise AdapterError(f"adapter {name!r} from --lora-resolver-dir: {planned}", "invalid")
-        outcome = (await self._send_load([planned], "load"))[0]
+        outcome = (await self.delivery.load([Shipment(planned)], "load"))[0]
         if not outcome.success:
             kind = outcome.error_kind if outcome.error_kind in ("timeout", "unavailable") else "invalid"
             raise AdapterError(f"adapter {name!r} from --lora-resolver-dir: {outcome.error_message}", kind)
         self._commit(planned, client_path, outcome)
-        await self._evict_over_limit(keep)
+        await self.residency.evict_over_limit(keep)
         self._save_state()
         self._count_loaded()
-
-    async def _reload(self, entry: AdapterEntry, keep: set[str]) -> None:
-        """Bring an evicted host copy back from its path (checked against the root again) under a fresh id, evicting
-        none of `keep`."""
-        resolver_root = entry.root if entry.root != self.registry.path_root else None
-        try:
-            local_path = await self._localize(entry.path)  # a Hub or S3 adapter: the cache, fetched again if gone
-        except SourceError as e:
-            raise AdapterError(f"adapter {entry.name!r} could not be reloaded: {e}", e.kind) from e
-        path = self.registry.check_path(entry.name, local_path, resolver_root)
-        adapter = AdapterToLoad(lora_id=self.registry.mint_id(), lora_name=entry.name, lora_path=path,
-                                pinned=entry.pinned, root=entry.root)
-        outcome = (await self._send_load([adapter], "reload"))[0]
-        if not outcome.success:
-            kind = outcome.error_kind if outcome.error_kind in ("timeout", "unavailable") else "internal"
-            raise AdapterError(f"adapter {entry.name!r} could not be reloaded: {outcome.error_message}", kind)
-        self.registry.rebind(entry, adapter.lora_id)
-        await self._evict_over_limit(keep)
-
-    async def _evict_over_limit(self, keep: set[str]) -> None:
-        """Drop least recently used host copies past --max-loaded-loras (caller holds the update lock)."""
-        victims = self.registry.eviction_candidates(self.config.max_loaded_loras, keep)
-        if not victims:
-            return
-        # Non-resident before the first await: a request admitted while the drop is in flight must reload (it waits
-        # for the update lock we hold) rather than acquire the id being dropped.
-        for entry in victims:
-            entry.resident = False
-        try:
-            await self._drop_ids([e.lora_id for e in victims])
-        except ServerError as e:  # the copies are forgotten here either way; the drop reaches a late scheduler later
-            self.audit.record("evict", [v.name for v in victims], [v.path for v in victims], SERVER, e.kind)
-            for entry in victims:
-                self.metrics.on_adapter_op("evict", False)
-                logger.error("evict adapter %s host copy: drop failed: %s", entry.name, e)
-            return
-        self.audit.record("evict", [v.name for v in victims], [v.path for v in victims], SERVER, "ok")
-        for entry in victims:
-            self.metrics.on_adapter_op("evict", True)
-            logger.info("evict adapter %s host copy (least recently used, --max-loaded-loras %d)", entry.name,
-                        self.config.max_loaded_loras)
 
     async def _retire(self, entry: AdapterEntry) -> None:
         await entry.released.wait()
@@ -440,16 +302,7 @@ class AdapterManager:
         # and nothing may use the adapter meanwhile.
         for entry in entries:
             self.registry.forget(entry)
-        await self._drop_ids([e.lora_id for e in entries if e.resident])
-
-    async def _drop_ids(self, lora_ids: list[int]) -> None:
-        if not lora_ids:
-            return
-        op = DropAdapters(op_id=self.replicas.next_op_id(), lora_ids=lora_ids)
-        replies = await self.replicas.call_all(op, self.config.lora_load_timeout + SCHEDULER_MARGIN_S)
-        failed = next((reply for reply in replies if isinstance(reply, ServerError)), None)
-        if failed is not None:
-            raise failed
+        await self.delivery.drop([e.lora_id for e in entries if e.resident])
 
     def _count_loaded(self) -> None:
         self.metrics.set_loaded(len(self.registry.live()))

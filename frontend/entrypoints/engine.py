@@ -175,7 +175,7 @@ class Engine:
         request = LoadLoRAAdapterFromTensorsReqInput(lora_name=lora_name, config_dict=config_dict, tensors=specs,
                                                      pinned=pinned, load_inplace=load_inplace)
         try:
-            return await self.runtime.adapters.load_from_tensors(request, buffers)
+            return await self.service.load_adapter_from_tensors(request, buffers)
         except ServerError as e:
             return _refused(LoadLoRAAdapterReqOutput, lora_name, e)
 
@@ -183,13 +183,13 @@ class Engine:
                     load_inplace: bool) -> LoadLoRAAdapterReqOutput:
         spec = LoRAAdapterSpec(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
         try:
-            return await self.runtime.adapters.load([spec], load_inplace)
+            return await self.service.load_adapters([spec], load_inplace)
         except ServerError as e:  # refused as a whole (updates disabled, server unavailable): a value here too
             return _refused(LoadLoRAAdapterReqOutput, lora_name, e)
 
     async def _unload(self, lora_name: str) -> UnloadLoRAAdapterReqOutput:
         try:
-            return await self.runtime.adapters.unload([lora_name])
+            return await self.service.unload_adapters([lora_name])
         except ServerError as e:
             return _refused(UnloadLoRAAdapterReqOutput, lora_name, e)
 

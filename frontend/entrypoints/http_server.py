@@ -104,7 +104,7 @@ async def serve(runtime: Runtime) -> None:
         if config.rpc_addr:
             from loraplex.frontend.entrypoints.rpc_server import RpcServer
 
-            rpc = RpcServer(runtime, config.rpc_addr)
+            rpc = RpcServer(app["generate"], config.rpc_addr)
             rpc.start()
         logger.info("serving %s on http://%s:%d", config.model_name, config.host, config.port)
         await stop.wait()

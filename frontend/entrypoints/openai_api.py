@@ -77,10 +77,8 @@ async def model(request: web.Request) -> web.Response:
 @routes.post("/v1/load_lora_adapter")
 async def vllm_load(request: web.Request) -> web.Response:
     body = await read_request(request, VllmLoadBody)
-    runtime = runtime_of(request)
-    runtime.check_available()
     spec = LoRAAdapterSpec(lora_name=body.lora_name, lora_path=body.lora_path, pinned=body.pinned)
-    out = await runtime.adapters.load([spec], load_inplace=body.load_inplace, caller=caller_of(request))
+    out = await service_of(request).load_adapters([spec], load_inplace=body.load_inplace, caller=caller_of(request))
     result = out.results[0]
     if result.success:
         return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -90,9 +88,7 @@ async def vllm_load(request: web.Request) -> web.Response:
 @routes.post("/v1/unload_lora_adapter")
 async def vllm_unload(request: web.Request) -> web.Response:
     body = await read_request(request, VllmUnloadBody)
-    runtime = runtime_of(request)
-    runtime.check_available()
-    out = await runtime.adapters.unload([body.lora_name], caller=caller_of(request))
+    out = await service_of(request).unload_adapters([body.lora_name], caller=caller_of(request))
     result = out.results[0]
     if result.success:
         return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -15,7 +15,6 @@ from loraplex.frontend.caller import set_caller_key
 from loraplex.frontend.generate import GenerateService, raise_failure
 from loraplex.frontend.params import NativeGenerateRequest, convert
 from loraplex.frontend.request_state import RequestState
-from loraplex.frontend.runtime import Runtime
 from loraplex.protocol import rpc
 from loraplex.protocol.curve import ClusterKey
 from loraplex.protocol.errors import ServerError
@@ -36,9 +35,10 @@ logger = logging.getLogger("loraplex.rpc")
 
 
 class RpcServer:
-    def __init__(self, runtime: Runtime, addr: str):
-        self.runtime = runtime
-        self.service = GenerateService(runtime)
+    def __init__(self, service: GenerateService, addr: str):
+        """service: the Runtime's one GenerateService (the HTTP app's), so both ways in share its requests."""
+        self.service = service
+        self.runtime = runtime = service.runtime
         self.addr = addr
         # a TCP address beyond loopback has the cluster key (config): CURVE, and only its holders get through
         self.sock = FrameSocket(ROUTER, addr, bind=True, key=ClusterKey.of(runtime.config.cluster_key_file))
@@ -89,8 +89,7 @@ class RpcServer:
                     self._audit_refusal(request, caller)
                 reply = RpcError(error_message="missing or invalid API key")
             elif isinstance(request, LoadLoRAAdapterFromTensorsReqInput):
-                self.runtime.check_available()
-                reply = await self.runtime.adapters.load_from_tensors(request, tensor_frames, caller)
+                reply = await self.service.load_adapter_from_tensors(request, tensor_frames, caller)
             elif tensor_frames:
                 reply = RpcError(error_message=f"{type(request).__name__} takes 2 frames, got "
                                  f"{2 + len(tensor_frames)}")
@@ -125,14 +124,12 @@ class RpcServer:
                                       caller, "unauthorized")
 
     async def _dispatch(self, request: msgspec.Struct, caller: Caller) -> msgspec.Struct:
-        runtime = self.runtime
-        runtime.check_available()
         if isinstance(request, LoadLoRAAdapterReqInput):
-            return await runtime.adapters.load(request.adapters, request.load_inplace, caller=caller)
+            return await self.service.load_adapters(request.adapters, request.load_inplace, caller=caller)
         if isinstance(request, UnloadLoRAAdapterReqInput):
-            return await runtime.adapters.unload(request.lora_names, caller=caller)
+            return await self.service.unload_adapters(request.lora_names, caller=caller)
         if isinstance(request, ListLoRAAdaptersReqInput):
-            return ListLoRAAdaptersReqOutput(adapters=runtime.registry.table())
+            return ListLoRAAdaptersReqOutput(adapters=self.runtime.registry.table())
         if isinstance(request, AbortReqInput):
             return await self.service.abort(request.rid)
         if isinstance(request, GenerateReqInput):

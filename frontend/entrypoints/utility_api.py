@@ -39,7 +39,6 @@ def package_version() -> str:
 async def tokenize(request: web.Request) -> web.Response:
     """The tokens /v1/completions (prompt) or /v1/chat/completions (messages) would feed the model."""
     service = service_of(request)
-    service.runtime.check_available()
     body = await read_request(request, TokenizeBody)
     if (body.prompt is None) == (body.messages is None):
         raise InputError("give exactly one of 'prompt' or 'messages'")
@@ -56,14 +55,10 @@ async def tokenize(request: web.Request) -> web.Response:
 @routes.post("/detokenize")
 async def detokenize(request: web.Request) -> web.Response:
     service = service_of(request)
-    service.runtime.check_available()
     body = await read_request(request, DetokenizeBody)
     if body.model is not None:
         await service.resolve_model(body.model)
-    vocab_size = service.runtime.ready.vocab_size
-    if any(not 0 <= t < vocab_size for t in body.tokens):
-        raise InputError(f"tokens must be token ids in [0, {vocab_size})")
-    return json_response(DetokenizeResponse(prompt=service.detokenize(body.tokens)))
+    return json_response(DetokenizeResponse(prompt=service.detokenize_checked(body.tokens)))
 
 
 def tokenizer_info(tokenizer: Any, chat_template: str | None) -> dict[str, Any]:
@@ -94,9 +89,8 @@ def plain_json(value: Any) -> Any:
 
 @routes.get("/tokenizer_info")
 async def get_tokenizer_info(request: web.Request) -> web.Response:
-    runtime = runtime_of(request)
-    runtime.check_available()
-    return json_response(tokenizer_info(runtime.tokenizer, runtime.chat_template))
+    service = service_of(request)
+    return json_response(tokenizer_info(service.tokenizer(), service.runtime.chat_template))
 
 
 @routes.get("/version")

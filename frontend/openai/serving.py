@@ -169,7 +169,6 @@ async def start_openai(
     call), else the body's structured-output fields give it. tools: a chat's tool calls (a forced choice constrains
     the output). reasoning: the constraint starts after the reasoning."""
     runtime = service.runtime
-    runtime.check_available()
     lora_name, served_by = await service.resolve_model(req.model)
     jobs: list[tuple[list[int], Any]] = []
     found = found or openai_constraint(req)

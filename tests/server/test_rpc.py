@@ -249,11 +249,12 @@ def test_rpc_server_error_is_an_rpc_error_with_its_message(tmp_path):
         async def load(self, specs, load_inplace, caller):
             raise ServerError("adapter updates are disabled (--disable-lora-updates)", "disabled")
 
-    runtime = SimpleNamespace(config=ServerConfig(), adapters=Adapters(), check_available=lambda: None)
+    runtime = SimpleNamespace(config=ServerConfig(), adapters=Adapters())
+    service = SimpleNamespace(runtime=runtime, load_adapters=runtime.adapters.load)
     addr = f"ipc://{tmp_path}/rpc.sock"
 
     async def main() -> None:
-        server = RpcServer(runtime, addr)
+        server = RpcServer(service, addr)
         server.start()
         try:
             with RpcClient(addr, timeout_s=10) as client:

@@ -123,9 +123,10 @@ def test_the_service_refunds_refused_requests_and_charges_outputs_once_on_every_
         sent.append(message)
 
     runtime = SimpleNamespace(
-        rate_limits=KeyRateLimits(requests_per_minute=None, tokens_per_minute=600, clock=clock), requests={},
-        metrics=SimpleNamespace(on_finish=lambda state: None), router=SimpleNamespace(release=lambda *args: None),
-        failure=None, stopping=False, replicas=SimpleNamespace(send=send))
+        rate_limits=KeyRateLimits(requests_per_minute=None, tokens_per_minute=600, clock=clock),
+        metrics=SimpleNamespace(on_finish=lambda state: None, on_submit=lambda num_prompt_tokens: None),
+        router=SimpleNamespace(release=lambda *args: None, pick=lambda lora_id: 0, acquire=lambda *args: None),
+        failure=None, stopping=False, replicas=SimpleNamespace(send=send), attach=lambda requests: None)
     service = GenerateService(runtime)
     set_caller_key("tenant")
     refund = service.take_rate([[7] * 100, [7] * 50])
@@ -136,10 +137,12 @@ def test_the_service_refunds_refused_requests_and_charges_outputs_once_on_every_
 
     def state(rid: str, num_output: int, finished: bool) -> SimpleNamespace:
         return SimpleNamespace(rid=rid, key_id=key_id("tenant"), output_ids=[7] * num_output, finished=finished,
-                               lora_id=None, dp_rank=0, fail=lambda message, status: None)
+                               lora_id=None, dp_rank=0, fail=lambda message, status: None,
+                               prompt_ids=[])
 
     done, aborted = state("done", 20, True), state("aborted", 30, False)
-    runtime.requests.update(done=done, aborted=aborted)
+    service.requests.add(done)
+    service.requests.add(aborted)
     asyncio.run(service.finish([done, aborted]))
     asyncio.run(service.finish([done, aborted]))  # a second finish (a route's finally after a failure) charges nothing
     assert runtime.rate_limits.levels(key_id("tenant")) == (None, 600 - 100 - 20 - 30)
@@ -148,10 +151,10 @@ def test_the_service_refunds_refused_requests_and_charges_outputs_once_on_every_
 
 
 def test_the_ray_ingress_answers_429_with_retry_after():
-    def limited() -> None:
+    def limited(*args) -> None:
         raise RateLimited("rate limit reached: retry after 7 s", retry_after_s=7)
 
-    service = SimpleNamespace(runtime=SimpleNamespace(config=SimpleNamespace(api_key=None), check_available=limited))
+    service = SimpleNamespace(runtime=SimpleNamespace(config=SimpleNamespace(api_key=None)), resolve_model=limited)
 
     async def collect() -> list:
         return [item async for item in answer(service, "/v1/completions", b'{"model": "m", "prompt": [5, 6]}', {})]

@@ -10,4 +10,5 @@ experts.py   LoRAExpertsLinear: an MoE layer's rows regrouped into (expert, slot
 latent.py    LoRALatentKVProj: kv_b_proj's adapter term in latent attention's absorbed query and values
 vocab.py     LoRA on embed_tokens and lm_head: their slot buffers and wrappers (torch ops on every backend)
 manager.py   LoRAManager: host copies by lora_id, the slot table, slot loads, per-forward token segments
+upload.py    SlotUploader: where the pool's slot writes (uploads, clears) run, chosen once
 """

@@ -1,6 +1,16 @@
 """Quantized checkpoints (docs/QUANTIZATION.md): formats.py reads each method's tensors into weights.py's two forms,
 layer.py stages and shards them per linear, matmul.py picks the kernel once at load; coverage.py checks the model
-reads quantized exactly the modules the checkpoint quantizes."""
+reads quantized exactly the modules the checkpoint quantizes.
+
+formats.py             checkpoint formats: which tensors one quantized linear stores, how they decode
+compressed_tensors.py  compressed-tensors checkpoints, through the library's own config classes
+packing.py             sub-byte integers packed into int32 words (GPTQ, AWQ)
+weights.py             the two forms every format decodes into: integer weights with scales, FP8 weights
+layer.py               QuantizedLinearWeights: one TP linear's quantized weight, checkpoint tensors to kernel
+matmul.py              x · Wᵀ for one quantized weight, the kernel chosen once at load
+scaled_mm.py           W8A8 FP8 through torch._scaled_mm
+coverage.py            the modules the checkpoint quantizes against those the model reads quantized
+"""
 
 from __future__ import annotations
 
