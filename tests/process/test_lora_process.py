@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from loraplex.protocol.config import TARGET_MODULES
+from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
 from loraplex.protocol.structs import (
     AdapterReport,
     AdapterToLoad,

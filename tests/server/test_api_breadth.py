@@ -14,7 +14,8 @@ from loraplex.frontend.entrypoints.cli import config_from_args
 from loraplex.frontend.entrypoints.rpc_client import RpcCallError, RpcClient
 from loraplex.frontend.lora_config import resolve_lora_config
 from loraplex.protocol import rpc
-from loraplex.protocol.config import TARGET_MODULES, ConfigError, ServerConfig
+from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
+from loraplex.protocol.config import ConfigError, ServerConfig
 from loraplex.protocol.sockets import DEALER, BlockingFrameSocket
 from loraplex.protocol.structs import LoadLoRAAdapterFromTensorsReqInput, LoadLoRAAdapterReqOutput, TensorSpec
 from loraplex.worker.lora.adapter import AdapterLoadError, PoolSpec, adapter_from_tensors, load_adapter

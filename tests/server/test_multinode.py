@@ -20,7 +20,8 @@ import requests
 import torch
 from loraplex.frontend.adapters.files import cut_per_rank, read_adapter_dir
 from loraplex.protocol.adapters.lora_shards import cut_shape
-from loraplex.protocol.config import TARGET_MODULES, ConfigError, ServerConfig
+from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
+from loraplex.protocol.config import ConfigError, ServerConfig
 from loraplex.protocol.curve import write_key_file
 from loraplex.protocol.structs import TENSOR_DTYPES, AdapterToLoad, LoadAdapters, TensorSpec, frames_of_rank
 from loraplex.worker.lora.adapter import AdapterLoadError, PoolSpec, adapter_from_tensors, load_adapter
