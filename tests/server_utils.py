@@ -22,6 +22,8 @@ from loraplex.protocol.structs import Endpoints
 from tests.net import free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The server's command line, as the installed `loraplex` runs it (the tests do not go through scripts/)
+LAUNCH = (sys.executable, "-m", "loraplex.frontend.entrypoints.launch")
 
 
 def fault_env(**faults: object) -> dict[str, str]:
@@ -37,7 +39,7 @@ class ServerProcess:
         healthy; wait_log watches it)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, os.path.join(REPO_ROOT, "scripts", "launch_server.py"), *argv_prefix,
+        cmd = [*LAUNCH, *argv_prefix,
                "--port", str(self.port), "--device", "cpu", *args]
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}  # env may turn the Hub back on
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"loraplex-test-{self.port}.log")

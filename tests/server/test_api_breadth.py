@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from loraplex.worker.lora.adapter import AdapterLoadError, PoolSpec, adapter_fro
 from loraplex.worker.model.config import ModelConfig
 from safetensors.torch import load_file
 
-from tests.server_utils import REPO_ROOT, ServerProcess
+from tests.server_utils import LAUNCH, ServerProcess
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0}
 PROMPTS = ["Once upon a time", "The cat"]
@@ -95,7 +94,7 @@ def test_data_parallel_flags():
 
 
 def test_both_spellings_exit_non_zero_with_one_line():
-    proc = subprocess.run([sys.executable, str(Path(REPO_ROOT) / "scripts" / "launch_server.py"), "--tp", "1",
+    proc = subprocess.run([*LAUNCH, "--tp", "1",
                            "--tensor-parallel-size", "1"], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.hub_standin import HubStandIn, dir_files, hub_env
-from tests.server_utils import REPO_ROOT, ServerProcess, free_port
+from tests.server_utils import LAUNCH, ServerProcess, free_port
 
 BODY = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 SMALL = ("--max-total-tokens", "4096", "--context-length", "2048")
@@ -186,7 +185,7 @@ def test_each_failure_is_one_line_and_a_nonzero_exit_within_30_s(hub, tmp_path, 
     stand_in, _ = hub
     env = {**os.environ, **hub_env(stand_in, tmp_path / "hf-home"), **extra_env}
     start = time.monotonic()
-    done = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "scripts", "launch_server.py"), *argv,
+    done = subprocess.run([*LAUNCH, *argv,
                            "--port", str(free_port()), "--device", "cpu"], env=env, capture_output=True, text=True,
                           timeout=60)
     assert time.monotonic() - start < 30
@@ -217,7 +216,7 @@ def test_nodes_download_each_and_must_serve_one_commit(hub, tmp_path):
         argv = ["--cluster-key-file", str(tmp_path / "cluster.key"), "--model-path", "org/tiny", "--revision",
                 revision, "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr, "--node-rank", str(rank),
                 "--max-total-tokens", "2048", "--context-length", "512", "--device", "cpu", "--port", str(free_port())]
-        return subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "scripts", "launch_server.py"), *argv],
+        return subprocess.Popen([*LAUNCH, *argv],
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
 
@@ -240,7 +239,7 @@ def test_nodes_download_each_and_must_serve_one_commit(hub, tmp_path):
     addr = f"127.0.0.1:{free_port()}"
     flags = ("--cluster-key-file", str(tmp_path / "cluster.key"), "--tp", "2", "--nnodes", "2", "--dist-init-addr",
              addr, "--max-total-tokens", "2048", "--context-length", "512")
-    node1 = subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "scripts", "launch_server.py"), "--model-path",
+    node1 = subprocess.Popen([*LAUNCH, "--model-path",
                               "org/tiny", *flags, "--node-rank", "1", "--device", "cpu", "--port", str(free_port())],
                              env={**os.environ, **hub_env(stand_in, tmp_path / "hf-node1")},
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

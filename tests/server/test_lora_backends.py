@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +20,7 @@ from loraplex.worker.model_runner import ModelRunner
 from tests.compute.test_kernels import CASES, TOLERANCES, dense_expand, dense_shrink, dense_shrink_expand, make_batch
 from tests.device_helpers import TEST_DEVICE, USES_GPU
 from tests.lora_helpers import LORA_CONFIG, MIXED, batch_logits, load_all
-from tests.server_utils import REPO_ROOT, free_port
+from tests.server_utils import LAUNCH, free_port
 from tests.worker_helpers import NUM_PAGES, PAGE_SIZE, random_prompts
 
 CPU_KERNELS_OFF = cpu_ext.unavailable_reason()
@@ -91,7 +90,7 @@ def test_runner_fails_before_loading_weights(llama_dir: Path, monkeypatch: pytes
     ids=["cpu_in_fp32", "triton_on_cpu"],
 )
 def test_server_exits_nonzero_with_one_line(argv: list[str], env: dict[str, str], llama_dir: Path) -> None:
-    cmd = [sys.executable, f"{REPO_ROOT}/scripts/launch_server.py", "--device", "cpu", "--model-path", str(llama_dir),
+    cmd = [*LAUNCH, "--device", "cpu", "--model-path", str(llama_dir),
            "--port", str(free_port()), "--log-level", "error", *argv]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**_env(), **env})
     assert proc.returncode != 0, proc.stderr

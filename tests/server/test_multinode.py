@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
@@ -30,7 +29,7 @@ from transformers import AutoTokenizer
 
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server.test_server_lifecycle import alive, wait_until
-from tests.server_utils import REPO_ROOT, ServerProcess, fault_env, free_port
+from tests.server_utils import LAUNCH, ServerProcess, fault_env, free_port
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0}
 PROMPTS = ["Once upon a time", "The quick brown fox"]
@@ -54,8 +53,7 @@ class HeadlessNode:
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"loraplex-node1-{self.port}.log")
         self._log = open(self.log_path, "w")
         cmd = [
-            sys.executable,
-            os.path.join(REPO_ROOT, "scripts", "launch_server.py"),
+            *LAUNCH,
             *flags,
             "--node-rank",
             "1",

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from tests.moe_models import build_moe_model
 from tests.net import free_port
 from tests.quantize_checkpoint import write_quantized
 from tests.reference import hf_greedy
-from tests.server_utils import REPO_ROOT, ServerProcess
+from tests.server_utils import LAUNCH, ServerProcess
 
 MAX_TOKENS = 5
 
@@ -42,7 +41,7 @@ def test_server_serves_and_reports_an_int4_base(llama_dir: Path, adapter_dirs: d
 def test_fp8_moe_experts_exit_at_start_with_one_line(tmp_path: Path) -> None:
     build_moe_model(tmp_path / "plain", "qwen3_moe", with_tokenizer=True)
     write_quantized(tmp_path / "plain", "fp8-block", tmp_path / "fp8", None)  # attention and every expert in FP8
-    cmd = [sys.executable, f"{REPO_ROOT}/scripts/launch_server.py", "--device", "cpu", "--model-path",
+    cmd = [*LAUNCH, "--device", "cpu", "--model-path",
            str(tmp_path / "fp8"), "--port", str(free_port()), "--log-level", "error"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr

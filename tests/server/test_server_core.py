@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import subprocess
-import sys
 import time
 
 import openai
@@ -14,7 +13,7 @@ import requests
 from transformers import AutoTokenizer
 
 from tests.reference import assert_greedy_match, hf_greedy
-from tests.server_utils import REPO_ROOT, ServerProcess
+from tests.server_utils import LAUNCH, ServerProcess
 
 PROMPTS = ["Hello", "The quick brown fox jumps over", "Once upon a time there was a little", "1 2 3",
            "In the beginning the small town had many stories to tell about the"]
@@ -196,7 +195,7 @@ def test_info_endpoints(server, llama_dir):
 
 def test_bad_flags_exit_nonzero_with_one_line(tmp_path):
     for argv in (["--tp", "0"], ["--model-path", str(tmp_path / "missing")]):
-        proc = subprocess.run([sys.executable, f"{REPO_ROOT}/scripts/launch_server.py", *argv], capture_output=True,
+        proc = subprocess.run([*LAUNCH, *argv], capture_output=True,
                               text=True, timeout=60)
         assert proc.returncode != 0
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
