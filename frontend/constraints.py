@@ -14,10 +14,7 @@ from typing import Any, Literal
 import msgspec
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.params import Strict
-from loraplex.frontend.runtime import Runtime
-from loraplex.protocol.errors import ServerError
-from loraplex.protocol.grammar import unavailable_message
-from loraplex.protocol.structs import OutputConstraint, SamplingParams
+from loraplex.protocol.structs import OutputConstraint
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object: any JSON object
 
@@ -144,17 +141,3 @@ def choice_grammar(choices: list[str], field: str) -> str:
     if not choices:
         raise InputError(f"{field} is an empty list")
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
-
-
-async def constrain(runtime: Runtime, samplings: list[SamplingParams], found: Found | None) -> list[SamplingParams]:
-    """The samplings with the constraint attached, once it compiles (else an InputError-like 400 naming it; a 501 where
-    xgrammar cannot be imported, here or on a worker rank)."""
-    if found is None:
-        return samplings
-    worker_errors = [ready.grammar_error for ready in runtime.replica_ready if ready.grammar_error]
-    if worker_errors:  # a rank of some replica cannot import xgrammar: it would refuse the batch
-        raise ServerError(unavailable_message(worker_errors[0]), kind="unsupported")
-    if any(not s.stop_token_ids for s in samplings):
-        raise InputError(f"{found.field} needs a stop token to end the text: ignore_eos without stop_token_ids")
-    await runtime.grammars.check(found.constraint, found.field, runtime.tokenizer, runtime.ready.vocab_size)
-    return [msgspec.structs.replace(s, constraint=found.constraint) for s in samplings]

@@ -20,12 +20,14 @@ from loraplex.frontend.adapters.registry import AdapterEntry, AdapterError
 from loraplex.frontend.bodies import error_body
 from loraplex.frontend.caller import caller_key_id
 from loraplex.frontend.chat_template import ChatOptions, render_chat
-from loraplex.frontend.constraints import constrain, native_constraint
+from loraplex.frontend.constraints import Found, native_constraint
 from loraplex.frontend.errors import InputError, ServerUnavailable
 from loraplex.frontend.params import MAX_SEED, NativeGenerateRequest, NativeSamplingParams, native_sampling
 from loraplex.frontend.request_state import OutputOptions, RequestState
 from loraplex.frontend.request_table import RequestTable
 from loraplex.frontend.runtime import Runtime
+from loraplex.protocol.errors import ServerError
+from loraplex.protocol.grammar import unavailable_message
 from loraplex.protocol.request_limits import request_fit_error
 from loraplex.protocol.structs import (
     AbortReqOutput,
@@ -97,6 +99,20 @@ class GenerateService:
             raise ServerUnavailable("server is starting")
 
     # ---- adapters ----------------------------------------------------------------------------------------
+
+    async def constrain(self, samplings: list[SamplingParams], found: Found | None) -> list[SamplingParams]:
+        """The samplings with the constraint attached, once it compiles (else an InputError-like 400 naming it; a 501
+        where xgrammar cannot be imported, here or on a worker rank)."""
+        if found is None:
+            return samplings
+        runtime = self.runtime
+        worker_errors = [ready.grammar_error for ready in runtime.replica_ready if ready.grammar_error]
+        if worker_errors:  # a rank of some replica cannot import xgrammar: it would refuse the batch
+            raise ServerError(unavailable_message(worker_errors[0]), kind="unsupported")
+        if any(not s.stop_token_ids for s in samplings):
+            raise InputError(f"{found.field} needs a stop token to end the text: ignore_eos without stop_token_ids")
+        await runtime.grammars.check(found.constraint, found.field, runtime.tokenizer, runtime.ready.vocab_size)
+        return [msgspec.structs.replace(s, constraint=found.constraint) for s in samplings]
 
     async def load_adapters(self, specs: list[LoRAAdapterSpec], load_inplace: bool = False,
                             caller: Caller = SERVER) -> LoadLoRAAdapterReqOutput:
@@ -250,7 +266,7 @@ class GenerateService:
         logprob_start_len = body.logprob_start_len if body.return_logprob else -1
         sampling, stops = native_sampling(params, runtime.eos_token_ids, logprobs, logprob_start_len,
                                           runtime.ready.vocab_size if runtime.ready else None)
-        [sampling] = await constrain(runtime, [sampling], native_constraint(params))
+        [sampling] = await self.constrain([sampling], native_constraint(params))
         lora_names = _per_item(body.lora_path, len(prompts), batched, "lora_path")
         rids = _per_item(body.rid, len(prompts), batched, "rid")
         if params.n > 1:

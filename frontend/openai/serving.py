@@ -15,7 +15,7 @@ from loraplex.frontend.bodies import (
     ModelCard,
     error_body,
 )
-from loraplex.frontend.constraints import Found, constrain, openai_constraint
+from loraplex.frontend.constraints import Found, openai_constraint
 from loraplex.frontend.detokenizer import text_offsets
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.generate import GenerateService, n_samplings, raise_failure
@@ -179,7 +179,7 @@ async def start_openai(
         found = Found(tools.constraint, "tool_choice")
     found = constraint_after_reasoning(found, reasoning)
     for prompt in prompts:
-        for sampling in await constrain(runtime, openai_sampling(runtime, req, len(prompt), default_max), found):
+        for sampling in await service.constrain(openai_sampling(runtime, req, len(prompt), default_max), found):
             jobs.append((prompt, sampling))
     echoes = [echo for echo in echoes for _ in range(req.n)] if echoes is not None else None
     stops = stop_list(req.stop)

@@ -78,6 +78,39 @@ def test_frontend_imports_have_no_cycle() -> None:
         visit(name, ())
 
 
+def room(name: str) -> str:
+    """A sub-package is one room; a module at frontend's top level is a room of its own."""
+    parts = name.split(".")
+    sub = ".".join(parts[:3])
+    return sub if len(parts) > 3 or (len(parts) == 3 and (FRONTEND / parts[2]).is_dir()) else name
+
+
+def run_time_imports(name: str) -> set[str]:
+    """frontend_imports without those under `if TYPE_CHECKING:` (annotations only: no arrow at run time)."""
+    tree = ast.parse(MODULES[name].read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = [ast.Pass()]
+    return {m for m in imported(tree) if m in MODULES and m != name}
+
+
+def test_the_rooms_stand_at_most_seven_floors_with_no_arrow_back_up() -> None:
+    arrows: dict[str, set[str]] = {}
+    for name in MODULES:
+        arrows.setdefault(room(name), set()).update(room(m) for m in run_time_imports(name) if room(m) != room(name))
+    floors: dict[str, int] = {}
+
+    def floor(r: str, path: tuple[str, ...]) -> int:
+        if r in path:  # an arrow back up: the rooms form a cycle
+            raise AssertionError("rooms in a cycle: " + " -> ".join((*path[path.index(r):], r)))
+        if r not in floors:
+            floors[r] = 1 + max((floor(dep, (*path, r)) for dep in arrows[r]), default=0)
+        return floors[r]
+
+    assert max(floor(r, ()) for r in sorted(arrows)) <= 7, floors
+    assert floors[ENTRYPOINTS] == max(floors.values())  # the ways in stand on top
+
+
 def test_the_checks_see_the_tree() -> None:
     """The walk finds the packages (a moved folder would otherwise pass every check above vacuously)."""
     assert f"{ENTRYPOINTS}.http_server" in MODULES and f"{PREFIX}.generate" in MODULES

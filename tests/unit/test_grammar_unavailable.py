@@ -10,7 +10,8 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from loraplex.frontend.constraints import Found, constrain
+from loraplex.frontend.constraints import Found
+from loraplex.frontend.generate import GenerateService
 from loraplex.frontend.grammar_checker import GrammarChecker
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.errors import ServerError, http_status
@@ -49,11 +50,13 @@ def test_the_frontend_refuses_when_a_worker_rank_cannot_import_xgrammar() -> Non
     ready = SchedulerReady(max_total_tokens=64, context_length=64, vocab_size=256,
                            grammar_error="ModuleNotFoundError: No module named 'tvm_ffi'")  # fmt: skip
     runtime = SimpleNamespace(replica_ready=[ready], ready=ready)  # the grammar checker is never reached
+    service = SimpleNamespace(runtime=runtime)  # GenerateService.constrain reads only its runtime
     samplings = [SamplingParams(stop_token_ids=[2])]
     with pytest.raises(ServerError) as refused:
-        asyncio.run(constrain(runtime, samplings, Found(REGEX, "regex")))
+        asyncio.run(GenerateService.constrain(service, samplings, Found(REGEX, "regex")))
     assert refused.value.kind == "unsupported" and "tvm_ffi" in str(refused.value)
-    assert asyncio.run(constrain(runtime, samplings, None)) == samplings  # an unconstrained request goes through
+    # an unconstrained request goes through
+    assert asyncio.run(GenerateService.constrain(service, samplings, None)) == samplings
 
 
 def test_the_worker_refuses_a_constrained_batch_and_serves_on(llama_dir, no_xgrammar) -> None:
