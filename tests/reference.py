@@ -22,6 +22,12 @@ def hf_model(model_dir: str, adapter_dir: str | None = None):
 
 
 @torch.inference_mode()
+def hf_logits(model_dir: str | Path, prompt_ids: list[int], adapter_dir: str | Path | None = None) -> torch.Tensor:
+    model = hf_model(str(model_dir), None if adapter_dir is None else str(adapter_dir))
+    return model(torch.tensor([prompt_ids])).logits[0]  # (len, vocab)
+
+
+@torch.inference_mode()
 def hf_greedy(model_dir: str | Path, prompt_ids: list[int], max_new_tokens: int, adapter_dir: str | Path | None = None,
               eos_token_ids: tuple[int, ...] = ()) -> tuple[list[int], list[float]]:
     """Greedy continuation computed step by step with the full sequence each step, and each step's top-1 margin."""

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import loraplex.kernels.backend as lora_backend
 import pytest
-import torch
 from loraplex.kernels import select_backend
 from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
@@ -29,7 +28,7 @@ from tests.lora_helpers import (
     slot_of,
     use_lora_backend,
 )
-from tests.reference import assert_greedy_match, hf_greedy, hf_model
+from tests.reference import assert_greedy_match, hf_greedy, hf_logits
 from tests.worker_helpers import GREEDY, PAGE_SIZE, forward_logits, make_runner, prefill_logits, random_prompts
 
 FP32_TOL = 1e-4
@@ -42,12 +41,6 @@ def runner(llama_dir: Path, adapter_dirs: dict[str, Path]) -> ModelRunner:
     runner = make_runner(llama_dir, **LORA_CONFIG)
     load_all(runner, adapter_dirs)
     return runner
-
-
-@torch.inference_mode()
-def hf_logits(model_dir: Path, prompt: list[int], adapter_dir: Path | None) -> torch.Tensor:
-    model = hf_model(str(model_dir), None if adapter_dir is None else str(adapter_dir))
-    return model(torch.tensor([prompt])).logits[0]  # (len, vocab)
 
 
 def one_req(prompt: list[int], slot: int, first_page: int = 0) -> ForwardReq:

@@ -14,9 +14,9 @@ from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.model_runner import ModelRunner
 
 from tests.device_helpers import USES_GPU
-from tests.lora_helpers import ADAPTER_IDS, batch_logits, greedy_decode
+from tests.lora_helpers import ADAPTER_IDS, batch_logits, greedy_decode, load_all
 from tests.moe_models import ARCHS, build_moe_set
-from tests.reference import assert_greedy_match, hf_greedy, hf_model
+from tests.reference import assert_greedy_match, hf_greedy, hf_logits
 from tests.worker_helpers import make_runner, random_prompts
 
 LOGITS_TOL = 1e-3  # fp32, logits of magnitude ~10 through three layers of top-2 experts
@@ -37,17 +37,8 @@ def moe_set(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Pat
 def runner(moe_set) -> ModelRunner:
     _, model_dir, adapters = moe_set
     runner = make_runner(model_dir, **MOE_LORA)
-    specs = [AdapterToLoad(lora_name=name, lora_path=str(path), lora_id=ADAPTER_IDS[name])
-             for name, path in adapters.items()]  # fmt: skip
-    results = runner.lora.load(specs)
-    assert all(r.success for r in results), [r.error_message for r in results]
+    load_all(runner, adapters)
     return runner
-
-
-@torch.inference_mode()
-def hf_logits(model_dir: Path, prompt: list[int], adapter_dir: Path | None) -> torch.Tensor:
-    model = hf_model(str(model_dir), None if adapter_dir is None else str(adapter_dir))
-    return model(torch.tensor([prompt])).logits[0]
 
 
 def test_experts_are_wrapped(moe_set, runner: ModelRunner) -> None:

@@ -12,7 +12,7 @@ from loraplex.worker.model_runner import ModelRunner
 
 from tests.lora_helpers import LORA_CONFIG, batch_logits, greedy_decode, specs
 from tests.quantize_checkpoint import FORMATS, write_quantized
-from tests.reference import assert_greedy_match, hf_greedy, hf_model
+from tests.reference import assert_greedy_match, hf_greedy, hf_logits
 from tests.worker_helpers import make_runner, random_prompts
 
 FP32_TOL = 1e-4
@@ -56,12 +56,6 @@ def load_two(runner: ModelRunner, adapter_dirs: dict[str, Path]) -> None:
 
 def kernels(runner: ModelRunner) -> set[str]:
     return {m.quant.matmul.name for m in runner.model.modules() if getattr(m, "quant", None) is not None}
-
-
-@torch.inference_mode()
-def hf_logits(model_dir: Path, prompt: list[int], adapter_dir: Path | None) -> torch.Tensor:
-    model = hf_model(str(model_dir), None if adapter_dir is None else str(adapter_dir))
-    return model(torch.tensor([prompt])).logits[0]  # (len, vocab)
 
 
 def assert_matches_reference(runner: ModelRunner, dequant_dir: Path, adapters: dict[str, Path],
