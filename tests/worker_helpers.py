@@ -6,7 +6,8 @@ import multiprocessing as mp
 import queue
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from loraplex.protocol.structs import (
     SlotLoad,
     WorkerToScheduler,
 )
+from loraplex.worker.dist import destroy_distributed, init_distributed
 from loraplex.worker.grammar import GrammarMasks
 from loraplex.worker.model_runner import ModelRunner
 
@@ -109,6 +111,18 @@ def decode(
             out.append(token)
     runner.forward(ForwardBatch(batch_id=steps, reqs=[], released_keys=list(range(len(prompts)))))
     return outputs
+
+
+@contextmanager
+def tp_group(config: ServerConfig, rank: int, port: int) -> Iterator[None]:
+    """Inside a run_two_ranks child: this rank's gloo group on the loopback port, one thread (two ranks share the
+    machine's cores), torn down on the way out."""
+    torch.set_num_threads(1)
+    init_distributed(config, f"127.0.0.1:{port}", rank, torch.device("cpu"))
+    try:
+        yield
+    finally:
+        destroy_distributed()
 
 
 def run_two_ranks(target: Callable[..., None], *args: Any, timeout_s: float = 120.0) -> dict[int, Any]:
