@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from loraplex.protocol.adapters.lora_targets import ATTN_MODULES
-from loraplex.protocol.config import TARGET_MODULES, ServerConfig
+from loraplex.protocol.adapters.lora_targets import ATTN_MODULES, TARGET_MODULES
+from loraplex.protocol.config import ServerConfig
 from loraplex.worker.lora.adapter import PoolSpec, load_adapter
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model_runner import ModelRunner

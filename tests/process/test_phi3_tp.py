@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from loraplex.frontend.adapters.files import cut_per_rank, read_adapter_dir
-from loraplex.protocol.config import TARGET_MODULES, ServerConfig
+from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
+from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.lora.adapter import PoolSpec, adapter_from_tensors, load_adapter
 from loraplex.worker.model.config import ModelConfig
