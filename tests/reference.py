@@ -27,6 +27,24 @@ def hf_logits(model_dir: str | Path, prompt_ids: list[int], adapter_dir: str | P
     return model(torch.tensor([prompt_ids])).logits[0]  # (len, vocab)
 
 
+def assert_logits_match_peft(ours: list[torch.Tensor], prompts: list[list[int]], names: list[str | None],
+                             model_dir: str | Path, adapter_dirs: dict[str, Path], tol: float,
+                             min_effect: float) -> dict[str, float]:
+    """Each request's (len, vocab) logits equal HF + peft's (name None: the base model) within `tol`, and each
+    adapter moves HF's logits by more than `min_effect`, so the comparison tells it from none. Returns the largest
+    difference per name ("base" for None)."""
+    max_diffs: dict[str, float] = {}
+    for prompt, name, logits in zip(prompts, names, ours, strict=True):
+        ref = hf_logits(model_dir, prompt, None if name is None else adapter_dirs[name])
+        diff = (logits - ref).abs().max().item()
+        max_diffs[name or "base"] = max(diff, max_diffs.get(name or "base", 0.0))
+        assert diff <= tol, f"{name or 'base'}: max abs logit diff {diff:.2e}"
+        if name is not None:
+            effect = (ref - hf_logits(model_dir, prompt, None)).abs().max().item()
+            assert effect > min_effect, f"{name} barely changes the logits ({effect:.3f})"
+    return max_diffs
+
+
 @torch.inference_mode()
 def hf_greedy(model_dir: str | Path, prompt_ids: list[int], max_new_tokens: int, adapter_dir: str | Path | None = None,
               eos_token_ids: tuple[int, ...] = ()) -> tuple[list[int], list[float]]:
@@ -55,3 +73,14 @@ def assert_greedy_match(ours: list[int], ref: list[int], margins: list[float], w
         assert a == b, f"{what}: token {i} differs: ours {ours[: i + 1]} vs reference {ref[: i + 1]}"
     assert len(ours) == len(ref), f"{what}: lengths differ: ours {ours} vs reference {ref}"
     return len(ref)
+
+
+def assert_greedy_matches_peft(outputs: list[list[int]], prompts: list[list[int]], names: list[str | None],
+                               model_dir: str | Path, adapter_dirs: dict[str, Path], steps: int) -> None:
+    """Each request's `steps` greedy tokens equal HF + peft's (name None: the base model) up to a near tie, and most
+    steps had a clear margin."""
+    num_compared = 0
+    for prompt, name, out in zip(prompts, names, outputs, strict=True):
+        ref, margins = hf_greedy(model_dir, prompt, steps, None if name is None else adapter_dirs[name])
+        num_compared += assert_greedy_match(out, ref, margins, what=name or "base")
+    assert num_compared >= steps * len(prompts) // 2, f"only {num_compared} tokens had a clear margin"

@@ -17,7 +17,14 @@ from loraplex.worker.model_runner import ModelRunner
 
 from tests.lora_helpers import ADAPTER_IDS, batch_logits, greedy_decode, load_all, slot_loads, slot_of
 from tests.mla_models import build_mla_set, hf_config
-from tests.reference import assert_greedy_match, hf_greedy, hf_logits, hf_model
+from tests.reference import (
+    assert_greedy_match,
+    assert_greedy_matches_peft,
+    assert_logits_match_peft,
+    hf_greedy,
+    hf_logits,
+    hf_model,
+)
 from tests.worker_helpers import GREEDY, chunked_prefill_after_a_prefix, make_runner, random_prompts
 
 LOGITS_TOL = 1e-3  # fp32; observed ~2e-5
@@ -71,13 +78,7 @@ def test_mixed_batch_logits_match_peft(mla_set, runner: ModelRunner) -> None:
     model_dir, adapters = mla_set
     prompts = random_prompts(LENGTHS, runner.vocab_size, seed=11)
     ours = batch_logits(runner, prompts, NAMES)
-    for prompt, name, logits in zip(prompts, NAMES, ours, strict=True):
-        ref = hf_logits(model_dir, prompt, None if name is None else adapters[name])
-        diff = (logits - ref).abs().max().item()
-        assert diff <= LOGITS_TOL, f"{name or 'base'}: max abs logit diff {diff:.2e}"
-        if name is not None:
-            effect = (ref - hf_logits(model_dir, prompt, None)).abs().max().item()
-            assert effect > MIN_ADAPTER_EFFECT, f"{name} barely changes the logits ({effect:.3f})"
+    assert_logits_match_peft(ours, prompts, NAMES, model_dir, adapters, LOGITS_TOL, MIN_ADAPTER_EFFECT)
 
 
 def test_kv_b_proj_adapter_changes_the_absorbed_products(mla_set, runner: ModelRunner) -> None:
@@ -102,11 +103,7 @@ def test_mixed_batch_greedy_matches_peft(mla_set, runner: ModelRunner) -> None:
     model_dir, adapters = mla_set
     prompts = random_prompts(LENGTHS, runner.vocab_size, seed=12)
     ours = greedy_decode(runner, prompts, NAMES, steps=DECODE_STEPS)
-    compared = 0
-    for prompt, name, out in zip(prompts, NAMES, ours, strict=True):
-        ref, margins = hf_greedy(model_dir, prompt, DECODE_STEPS, None if name is None else adapters[name])
-        compared += assert_greedy_match(out, ref, margins, name or "base")
-    assert compared >= DECODE_STEPS * len(prompts) // 2
+    assert_greedy_matches_peft(ours, prompts, NAMES, model_dir, adapters, DECODE_STEPS)
 
 
 def test_chunked_prefill_over_a_shared_prefix_matches_peft(mla_set, runner: ModelRunner) -> None:

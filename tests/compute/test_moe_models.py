@@ -16,7 +16,7 @@ from loraplex.worker.model_runner import ModelRunner
 from tests.device_helpers import USES_GPU
 from tests.lora_helpers import ADAPTER_IDS, batch_logits, greedy_decode, load_all
 from tests.moe_models import ARCHS, build_moe_set
-from tests.reference import assert_greedy_match, hf_greedy, hf_logits
+from tests.reference import assert_greedy_matches_peft, assert_logits_match_peft
 from tests.worker_helpers import make_runner, random_prompts
 
 LOGITS_TOL = 1e-3  # fp32, logits of magnitude ~10 through three layers of top-2 experts
@@ -56,24 +56,14 @@ def test_mixed_batch_logits_match_peft(moe_set, runner: ModelRunner) -> None:
     _, model_dir, adapters = moe_set
     prompts = random_prompts(LENGTHS, runner.vocab_size, seed=11)
     ours = batch_logits(runner, prompts, NAMES)
-    for prompt, name, logits in zip(prompts, NAMES, ours, strict=True):
-        ref = hf_logits(model_dir, prompt, None if name is None else adapters[name])
-        diff = (logits - ref).abs().max().item()
-        assert diff <= LOGITS_TOL, f"{name or 'base'}: max abs logit diff {diff:.2e}"
-        if name is not None:
-            effect = (ref - hf_logits(model_dir, prompt, None)).abs().max().item()
-            assert effect > MIN_ADAPTER_EFFECT, f"{name} barely changes the logits ({effect:.3f})"
+    assert_logits_match_peft(ours, prompts, NAMES, model_dir, adapters, LOGITS_TOL, MIN_ADAPTER_EFFECT)
 
 
 def test_mixed_batch_greedy_matches_peft(moe_set, runner: ModelRunner) -> None:
     _, model_dir, adapters = moe_set
     prompts = random_prompts(LENGTHS, runner.vocab_size, seed=12)
     ours = greedy_decode(runner, prompts, NAMES, steps=DECODE_STEPS)
-    compared = 0
-    for prompt, name, tokens in zip(prompts, NAMES, ours, strict=True):
-        ref, margins = hf_greedy(model_dir, prompt, DECODE_STEPS, None if name is None else adapters[name])
-        compared += assert_greedy_match(tokens, ref, margins, what=name or "base")
-    assert compared >= len(prompts) * DECODE_STEPS // 2, f"only {compared} tokens had a clear margin"
+    assert_greedy_matches_peft(ours, prompts, NAMES, model_dir, adapters, DECODE_STEPS)
 
 
 @pytest.mark.skipif(USES_GPU, reason="checked in the interpreter here; on a GPU the compiled kernels run everywhere")

@@ -11,7 +11,11 @@ from loraplex.worker.lora.layers import LoRALinear
 from loraplex.worker.model.qwen3 import Qwen3Attention
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.reference import assert_greedy_match, hf_greedy, hf_logits
+from tests.reference import (
+    assert_greedy_matches_peft,
+    assert_logits_match_peft,
+    hf_logits,
+)
 from tests.worker_helpers import (
     GREEDY,
     chunked_prefill_after_a_prefix,
@@ -67,21 +71,12 @@ def test_mixed_batch_matches_peft(runner: ModelRunner, qwen3_dir: Path, qwen3_ad
     reqs = [ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=slot_of(n))
             for p, pg, n in zip(prompts, pages, MIXED, strict=True)]  # fmt: skip
     logits = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=SLOT_LOADS))
-    for prompt, name, ours in zip(prompts, MIXED, logits.split(LENGTHS), strict=True):
-        ref = hf_logits(qwen3_dir, prompt, None if name is None else qwen3_adapter_dirs[name])
-        diff = (ours - ref).abs().max().item()
-        assert diff <= FP32_TOL, f"{name or 'base'}: max abs logit diff {diff:.2e}"
-        if name is not None:
-            effect = (ref - hf_logits(qwen3_dir, prompt, None)).abs().max().item()
-            assert effect > MIN_ADAPTER_EFFECT, f"{name} barely changes the logits ({effect:.3f})"
+    ours = logits.split(LENGTHS)
+    assert_logits_match_peft(ours, prompts, MIXED, qwen3_dir, qwen3_adapter_dirs, FP32_TOL, MIN_ADAPTER_EFFECT)
 
     slots = [slot_of(n) for n in MIXED]
     outputs = decode(runner, prompts, [GREEDY] * len(prompts), DECODE_STEPS, slots=slots, slot_loads=SLOT_LOADS)
-    num_compared = 0
-    for prompt, name, out in zip(prompts, MIXED, outputs, strict=True):
-        ref, margins = hf_greedy(qwen3_dir, prompt, DECODE_STEPS, None if name is None else qwen3_adapter_dirs[name])
-        num_compared += assert_greedy_match(out, ref, margins, what=name or "base")
-    assert num_compared >= DECODE_STEPS * len(MIXED) // 2  # most steps had a clear margin
+    assert_greedy_matches_peft(outputs, prompts, MIXED, qwen3_dir, qwen3_adapter_dirs, DECODE_STEPS)
 
 
 def test_chunked_prefill_over_a_shared_prefix_matches_peft(
