@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+if TYPE_CHECKING:
+    from tests.server_utils import ServerProcess
+
+# prompts for a server batch, sharing a prefix of more than 8 tokens
+SHARED_PREFIX = "The morning was cold and clear, and the old farmer walked slowly down the lane. "
+SHARED_PREFIX_PROMPTS = [SHARED_PREFIX + tail for tail in ("He", "The cows", "Then", "A thin layer of frost")]
 CLEAR_MARGIN = 1e-3  # below this, a tiny float difference may pick the other token: stop comparing there
 
 
@@ -84,3 +91,26 @@ def assert_greedy_matches_peft(outputs: list[list[int]], prompts: list[list[int]
         ref, margins = hf_greedy(model_dir, prompt, steps, None if name is None else adapter_dirs[name])
         num_compared += assert_greedy_match(out, ref, margins, what=name or "base")
     assert num_compared >= steps * len(prompts) // 2, f"only {num_compared} tokens had a clear margin"
+
+
+def assert_mixed_batch_equals_peft(server: ServerProcess, model_dir: Path, adapter_dirs: dict[str, Path],
+                                   names: list[str | None], sampling_params: dict,
+                                   eos_token_ids: tuple[int, ...] = ()) -> None:
+    """One /generate batch of SHARED_PREFIX_PROMPTS (to a server with server_utils.CHUNKED_ARGS), each under its
+    adapter name (None: the base model), equals HF + peft's greedy tokens; cold, and again when the prompts' prefixes
+    come from the cache."""
+    max_new_tokens = sampling_params["max_new_tokens"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    refs = [hf_greedy(model_dir, tokenizer(prompt)["input_ids"], max_new_tokens,
+                      None if name is None else adapter_dirs[name], eos_token_ids=eos_token_ids)
+            for prompt, name in zip(SHARED_PREFIX_PROMPTS, names, strict=True)]  # fmt: skip
+    assert len(tokenizer(SHARED_PREFIX)["input_ids"]) > 8  # each prompt takes more than one chunk of 8
+    for attempt in ("cold", "cached"):
+        body = {"text": SHARED_PREFIX_PROMPTS, "lora_path": names, "sampling_params": sampling_params}
+        resp = server.post("/generate", body)
+        assert resp.status_code == 200, resp.text
+        num_compared = sum(assert_greedy_match(out["output_ids"], ref, margins, f"{attempt} {name or 'base'}")
+                           for out, (ref, margins), name in zip(resp.json(), refs, names, strict=True))  # fmt: skip
+        assert num_compared >= max_new_tokens * len(SHARED_PREFIX_PROMPTS) // 2  # most steps had a clear margin
+    # The second round (and the batch's later rows with one adapter) found their prefix in the cache.
+    assert server.get("/server_info").json()["prefix_cache_hit_tokens"] > 0

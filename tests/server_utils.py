@@ -18,17 +18,13 @@ from loraplex.frontend.cluster.process_group import make_endpoints
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.faults import FAULTS_ENV, FaultPlan
 from loraplex.protocol.structs import Endpoints
-from transformers import AutoTokenizer
 
 from tests.net import free_port
-from tests.reference import assert_greedy_match, hf_greedy
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# A server that prefills in chunks of 8 tokens over pages of 4, and prompts whose shared prefix takes more than a chunk
+# A server that prefills in chunks of 8 tokens over pages of 4 (reference.SHARED_PREFIX_PROMPTS)
 CHUNKED_ARGS = ("--chunked-prefill-size", "8", "--page-size", "4", "--max-total-tokens", "2048",
                 "--context-length", "256")  # fmt: skip
-PREFIX = "The morning was cold and clear, and the old farmer walked slowly down the lane. "
-PROMPTS = [PREFIX + tail for tail in ("He", "The cows", "Then", "A thin layer of frost")]
 
 
 def fault_env(**faults: object) -> dict[str, str]:
@@ -130,24 +126,3 @@ def ipc_endpoints(tp: int = 1) -> Iterator[Endpoints]:
     """make_test_endpoints in a short private directory: ipc:// paths are limited to ~100 characters."""
     with tempfile.TemporaryDirectory(prefix="lpx") as sock_dir:
         yield make_test_endpoints(sock_dir, tp)
-
-
-def assert_mixed_batch_equals_peft(server: ServerProcess, model_dir: Path, adapter_dirs: dict[str, Path],
-                                   names: list[str | None], sampling_params: dict,
-                                   eos_token_ids: tuple[int, ...] = ()) -> None:
-    """One /generate batch of PROMPTS (a server with CHUNKED_ARGS), each under its adapter name (None: the base
-    model), equals HF + peft's greedy tokens; cold, and again when the prompts' prefixes come from the cache."""
-    max_new_tokens = sampling_params["max_new_tokens"]
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    refs = [hf_greedy(model_dir, tokenizer(prompt)["input_ids"], max_new_tokens,
-                      None if name is None else adapter_dirs[name], eos_token_ids=eos_token_ids)
-            for prompt, name in zip(PROMPTS, names, strict=True)]  # fmt: skip
-    assert len(tokenizer(PREFIX)["input_ids"]) > 8  # each prompt takes more than one chunk of 8
-    for attempt in ("cold", "cached"):
-        resp = server.post("/generate", {"text": PROMPTS, "lora_path": names, "sampling_params": sampling_params})
-        assert resp.status_code == 200, resp.text
-        num_compared = sum(assert_greedy_match(out["output_ids"], ref, margins, f"{attempt} {name or 'base'}")
-                           for out, (ref, margins), name in zip(resp.json(), refs, names, strict=True))  # fmt: skip
-        assert num_compared >= max_new_tokens * len(PROMPTS) // 2  # most steps had a clear margin
-    # The second round (and the batch's later rows with one adapter) found their prefix in the cache.
-    assert server.get("/server_info").json()["prefix_cache_hit_tokens"] > 0

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.moe_models import build_moe_set
-from tests.server_utils import CHUNKED_ARGS, ServerProcess, assert_mixed_batch_equals_peft
+from tests.reference import assert_mixed_batch_equals_peft
+from tests.server_utils import CHUNKED_ARGS, ServerProcess
 
 MAX_NEW = 8
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}

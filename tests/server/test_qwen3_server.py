@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.server_utils import CHUNKED_ARGS, ServerProcess, assert_mixed_batch_equals_peft
+from tests.reference import assert_mixed_batch_equals_peft
+from tests.server_utils import CHUNKED_ARGS, ServerProcess
 
 EOS = (2, 4)
 MAX_NEW = 10
