@@ -27,7 +27,6 @@ def build_expert_module_adapter(model_dir: str | os.PathLike[str], out_dir: str 
     """Attention `attn_modules` and every sparse layer's experts (A and B entries of std `init_std`)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     arch = cfg["model_type"]
-    gen = torch.Generator().manual_seed(seed)
     hidden, inter = cfg["hidden_size"], cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
     q_size, kv_size = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
@@ -37,27 +36,34 @@ def build_expert_module_adapter(model_dir: str | os.PathLike[str], out_dir: str 
     expert_shapes = {gate: (hidden, inter), up: (hidden, inter), down: (inter, hidden)}
     num_experts = cfg.get("num_local_experts") or cfg["num_experts"]
     dense = set(cfg.get("mlp_only_layers") or ())
-    tensors = {}
-
-    def add(prefix: str, in_dim: int, out_dim: int) -> None:
-        tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, in_dim, generator=gen) * init_std
-        tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_dim, r, generator=gen) * init_std
-
+    modules: dict[str, tuple[int, int]] = {}  # module path -> (in, out)
     for layer in range(cfg["num_hidden_layers"]):
-        base = f"base_model.model.model.layers.{layer}"
+        base = f"model.layers.{layer}"
         for module in attn_modules:
-            add(f"{base}.self_attn.{module}", *attn_shapes[module])
+            modules[f"{base}.self_attn.{module}"] = attn_shapes[module]
         if layer in dense:
             # A dense layer's MLP has the experts' module names, so transformers 4's PEFT targeted it too; but on
             # transformers 5 PEFT converts the adapter to the stacked experts only, and the reference would drop these.
             continue
         for expert in range(num_experts):
             for module, shape in expert_shapes.items():
-                add(f"{base}.{EXPERT_PARENT[arch]}.experts.{expert}.{module}", *shape)
+                modules[f"{base}.{EXPERT_PARENT[arch]}.experts.{expert}.{module}"] = shape
+    save_random_adapter(out_dir, modules, r=r, lora_alpha=lora_alpha, seed=seed, init_std=init_std,
+                        target_modules=[*attn_modules, gate, up, down])
+
+
+def save_random_adapter(out_dir: str | os.PathLike[str], modules: dict[str, tuple[int, int]], *, r: int,
+                        lora_alpha: float, seed: int, init_std: float, target_modules: list[str]) -> None:
+    """A PEFT adapter file pair: for each module path, in order, A (r, in) and B (out, r) of std `init_std`."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for path, (in_dim, out_dim) in modules.items():
+        tensors[f"base_model.model.{path}.lora_A.weight"] = torch.randn(r, in_dim, generator=gen) * init_std
+        tensors[f"base_model.model.{path}.lora_B.weight"] = torch.randn(out_dim, r, generator=gen) * init_std
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "r": r, "lora_alpha": lora_alpha, "lora_dropout": 0.0, "bias": "none",
-              "target_modules": [*attn_modules, gate, up, down], "task_type": "CAUSAL_LM",
+              "target_modules": target_modules, "task_type": "CAUSAL_LM",
               "base_model_name_or_path": None, "rank_pattern": {}, "alpha_pattern": {}}
     (out_dir / "adapter_config.json").write_text(json.dumps(config))

@@ -24,7 +24,9 @@ def specs(adapter_dirs: dict[str, Path | str], ids: dict[str, int] = ADAPTER_IDS
 
 
 def load_all(runner: ModelRunner, adapter_dirs: dict[str, Path | str]) -> None:
-    results = runner.lora.load(specs(adapter_dirs))
+    """Load the named adapters (any of ADAPTER_IDS's) under their ids; every load must succeed."""
+    ids = {name: lora_id for name, lora_id in ADAPTER_IDS.items() if name in adapter_dirs}
+    results = runner.lora.load(specs(adapter_dirs, ids))
     assert all(r.success for r in results), [r.error_message for r in results if not r.success]
 
 

@@ -48,6 +48,7 @@ def build_mla_model(out_dir: Path | str, seed: int = 0, with_tokenizer: bool = F
     from transformers import AutoModelForCausalLM
 
     from tests.builders import build_tokenizer, tokenizer_vocab_size
+    from tests.moe_models import fill_random_weights
 
     if with_tokenizer:
         overrides = dict(vocab_size=tokenizer_vocab_size(), bos_token_id=None, eos_token_id=None, **overrides)
@@ -55,15 +56,8 @@ def build_mla_model(out_dir: Path | str, seed: int = 0, with_tokenizer: bool = F
     if with_tokenizer:
         build_tokenizer(out_dir)
     generator = torch.Generator().manual_seed(seed)
+    fill_random_weights(model, generator)
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            values = torch.randn(param.shape, generator=generator)
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * values)
-            elif name.endswith("gate.weight"):  # the router
-                param.copy_(values)
-            else:
-                param.copy_(values * 0.3)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.5 * torch.randn(buffer.shape, generator=generator))
@@ -81,7 +75,7 @@ def build_mla_expert_adapter(model_dir: Path | str, out_dir: Path | str, *, r: i
     transformers 5 converts gate/up/down to the stacked experts alone, so no peft reference reads these)."""
     import json
 
-    from safetensors.torch import save_file
+    from tests.expert_adapters import save_random_adapter
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
@@ -95,33 +89,22 @@ def build_mla_expert_adapter(model_dir: Path | str, out_dir: Path | str, *, r: i
     dense_shapes = {"gate_proj": (hidden, dense), "up_proj": (hidden, dense), "down_proj": (dense, hidden)}
     shared = inter * cfg["n_shared_experts"]
     shared_shapes = {"gate_proj": (hidden, shared), "up_proj": (hidden, shared), "down_proj": (shared, hidden)}
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-
-    def add(prefix: str, in_dim: int, out_dim: int) -> None:
-        tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, in_dim, generator=gen) * init_std
-        tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_dim, r, generator=gen) * init_std
-
+    modules: dict[str, tuple[int, int]] = {}  # module path -> (in, out)
     for layer in range(cfg["num_hidden_layers"]):
-        base = f"base_model.model.model.layers.{layer}"
+        base = f"model.layers.{layer}"
         for module, shape in shapes.items():
-            add(f"{base}.self_attn.{module}", *shape)
+            modules[f"{base}.self_attn.{module}"] = shape
         if layer < cfg["first_k_dense_replace"]:
             for module, shape in dense_shapes.items() if with_mlps else ():
-                add(f"{base}.mlp.{module}", *shape)
+                modules[f"{base}.mlp.{module}"] = shape
             continue
         for module, shape in shared_shapes.items() if with_mlps else ():
-            add(f"{base}.mlp.shared_experts.{module}", *shape)
+            modules[f"{base}.mlp.shared_experts.{module}"] = shape
         for expert in range(cfg["n_routed_experts"]):
             for module, shape in expert_shapes.items():
-                add(f"{base}.mlp.experts.{expert}.{module}", *shape)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": r, "lora_alpha": lora_alpha, "lora_dropout": 0.0, "bias": "none",
-              "target_modules": [*shapes, *expert_shapes], "task_type": "CAUSAL_LM",
-              "base_model_name_or_path": None, "rank_pattern": {}, "alpha_pattern": {}}
-    (out_dir / "adapter_config.json").write_text(json.dumps(config))
+                modules[f"{base}.mlp.experts.{expert}.{module}"] = shape
+    save_random_adapter(out_dir, modules, r=r, lora_alpha=lora_alpha, seed=seed, init_std=init_std,
+                        target_modules=[*shapes, *expert_shapes])
 
 
 def build_mla_set(root: Path, with_tokenizer: bool = False) -> tuple[Path, dict[str, Path]]:

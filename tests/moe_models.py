@@ -46,17 +46,21 @@ def build_moe_model(out_dir: Path | str, arch: str, seed: int = 0, with_tokenize
     model = AutoModelForCausalLM.from_config(hf_config(arch, **overrides), dtype=torch.float32)
     if with_tokenizer:
         build_tokenizer(out_dir)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            values = torch.randn(param.shape, generator=generator)
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * values)
-            elif name.endswith("gate.weight"):  # the router
-                param.copy_(values)
-            else:
-                param.copy_(values * 0.3)
+    fill_random_weights(model, torch.Generator().manual_seed(seed))
     model.save_pretrained(out_dir, safe_serialization=True)
+
+
+@torch.no_grad()
+def fill_random_weights(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """Norms near 1, a router (`gate.weight`) of std 1 that separates the experts clearly, the rest of std 0.3."""
+    for name, param in sorted(model.named_parameters()):
+        values = torch.randn(param.shape, generator=generator)
+        if name.endswith("norm.weight"):
+            param.copy_(1.0 + 0.1 * values)
+        elif name.endswith("gate.weight"):  # the router
+            param.copy_(values)
+        else:
+            param.copy_(values * 0.3)
 
 
 def build_parameter_adapter(model_dir: Path | str, out_dir: Path | str, *, r: int, lora_alpha: float,

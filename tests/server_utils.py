@@ -24,6 +24,9 @@ from tests.net import free_port
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The server's command line, as the installed `loraplex` runs it (the tests do not go through scripts/)
 LAUNCH = (sys.executable, "-m", "loraplex.frontend.entrypoints.launch")
+# A server that prefills in chunks of 8 tokens over pages of 4 (reference.SHARED_PREFIX_PROMPTS)
+CHUNKED_ARGS = ("--chunked-prefill-size", "8", "--page-size", "4", "--max-total-tokens", "2048",
+                "--context-length", "256")  # fmt: skip
 
 
 def fault_env(**faults: object) -> dict[str, str]:

@@ -6,7 +6,8 @@ import multiprocessing as mp
 import queue
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from loraplex.protocol.structs import (
     SlotLoad,
     WorkerToScheduler,
 )
+from loraplex.worker.dist import destroy_distributed, init_distributed
 from loraplex.worker.grammar import GrammarMasks
 from loraplex.worker.model_runner import ModelRunner
 
@@ -111,6 +113,18 @@ def decode(
     return outputs
 
 
+@contextmanager
+def tp_group(config: ServerConfig, rank: int, port: int) -> Iterator[None]:
+    """Inside a run_two_ranks child: this rank's gloo group on the loopback port, one thread (two ranks share the
+    machine's cores), torn down on the way out."""
+    torch.set_num_threads(1)
+    init_distributed(config, f"127.0.0.1:{port}", rank, torch.device("cpu"))
+    try:
+        yield
+    finally:
+        destroy_distributed()
+
+
 def run_two_ranks(target: Callable[..., None], *args: Any, timeout_s: float = 120.0) -> dict[int, Any]:
     """Run target(rank, port, *args, results) in two spawned processes (a gloo TP group on a free loopback port);
     each puts (rank, output) on results. Polls, so a rank that died is reported at once, and kills what is left."""
@@ -185,6 +199,29 @@ def prefill_logits(runner: ModelRunner, input_ids: list[int], slot: int = -1) ->
         input_ids=input_ids, num_cached_tokens=0, page_ids=list(range(num_pages)), sampling=SamplingParams(), slot=slot
     )
     return runner.logits([req], [], last_only=False)
+
+
+def chunked_prefill_after_a_prefix(
+    runner: ModelRunner, slot: int, slot_loads: list[SlotLoad]
+) -> tuple[list[int], int, torch.Tensor]:
+    """As the scheduler runs the prefix cache and chunked prefill: request A fills pages; request B (same slot, same
+    first two pages) reuses them as cached and prefills the rest in chunks of 5. Returns B's prompt, the number of
+    cached tokens and the chunks' (new tokens, vocab) logits."""
+    page = runner.page_size
+    prefix = random_prompts([2 * page], runner.vocab_size, seed=43)[0]
+    prompt_a = prefix + random_prompts([3], runner.vocab_size, seed=44)[0]
+    prompt_b = prefix + random_prompts([11], runner.vocab_size, seed=45)[0]
+    pages_a, pages_b = [60, 61, 62], [60, 61, 70, 71, 72]  # B shares A's two prefix pages
+    req_a = ForwardReq(input_ids=prompt_a, num_cached_tokens=0, page_ids=pages_a, sampling=GREEDY, slot=slot)
+    runner.forward(ForwardBatch(batch_id=0, reqs=[req_a], slot_loads=slot_loads))
+    chunks, num_cached = [], len(prefix)
+    while num_cached < len(prompt_b):
+        chunk = prompt_b[num_cached : num_cached + 5]
+        req = ForwardReq(input_ids=chunk, num_cached_tokens=num_cached, page_ids=pages_b, sampling=GREEDY, slot=slot)
+        chunks.append(forward_logits(runner, ForwardBatch(batch_id=1, reqs=[req])))
+        num_cached += len(chunk)
+    assert len(chunks) == 3
+    return prompt_b, len(prefix), torch.cat(chunks)
 
 
 def num_grammar_sequences(grammar: GrammarMasks) -> int:

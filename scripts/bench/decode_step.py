@@ -88,6 +88,11 @@ def decode_reqs(pages: list[list[int]], context: int, row_slots: list[int]) -> l
             for i, slot in enumerate(row_slots)]  # fmt: skip
 
 
+def spread_slots(slots: list[int], batch: int) -> list[int]:
+    """`batch` requests' slots taking `slots` in turn, sorted by slot as the scheduler orders a batch."""
+    return sorted(slots[i % len(slots)] for i in range(batch))
+
+
 def step_ms(runner: ModelRunner, reqs: list[ForwardReq], batch_id: int) -> float:
     """One forward of the decode batch (the same step every time: it rewrites the same KV slot), in ms."""
     start = time.perf_counter()
@@ -125,8 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     results, rows = {}, []
     for name, slots in batches.items():
-        row_slots = sorted(slots[i % len(slots)] for i in range(args.batch))  # sorted by slot, as the scheduler does
-        reqs = decode_reqs(pages, args.context, row_slots)
+        reqs = decode_reqs(pages, args.context, spread_slots(slots, args.batch))
         times: dict[str, list[float]] = {"torch ops": [], "CPU kernels": []}
         for step in range(args.steps + 2):
             for path, runner in runners.items():

@@ -25,7 +25,7 @@ from loraplex.worker.dist import destroy_distributed, init_distributed
 from loraplex.worker.lora.layers import LoRALinear
 from loraplex.worker.parallel import all_reduce
 
-from scripts.bench.decode_step import decode_reqs, make_runner, step_ms
+from scripts.bench.decode_step import decode_reqs, make_runner, spread_slots, step_ms
 from scripts.bench.model import SIZES, ensure_bench_model
 from scripts.bench.report import format_table, write_json
 
@@ -88,8 +88,7 @@ def measure(rank: int, args: argparse.Namespace) -> dict:
     batches = {"base only": [-1], f"{args.num_adapters} adapters": list(range(args.num_adapters))}
     out = {}
     for name, slots in batches.items():
-        row_slots = sorted(slots[i % len(slots)] for i in range(args.batch))  # sorted by slot, as the scheduler does
-        reqs = decode_reqs(pages, args.context, row_slots)
+        reqs = decode_reqs(pages, args.context, spread_slots(slots, args.batch))
         times: dict[str, list[float]] = {path: [] for path in forwards}
         reduces: dict[str, int] = {}
         for step in range(WARMUP_STEPS + args.steps):

@@ -15,10 +15,17 @@ from loraplex.worker.lora.latent import LoRALatentKVProj
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.lora_helpers import ADAPTER_IDS, batch_logits, greedy_decode, slot_loads, slot_of
+from tests.lora_helpers import ADAPTER_IDS, batch_logits, greedy_decode, load_all, slot_loads, slot_of
 from tests.mla_models import build_mla_set, hf_config
-from tests.reference import assert_greedy_match, hf_greedy, hf_model
-from tests.worker_helpers import GREEDY, forward_logits, make_runner, random_prompts
+from tests.reference import (
+    assert_greedy_match,
+    assert_greedy_matches_peft,
+    assert_logits_match_peft,
+    hf_greedy,
+    hf_logits,
+    hf_model,
+)
+from tests.worker_helpers import GREEDY, chunked_prefill_after_a_prefix, make_runner, random_prompts
 
 LOGITS_TOL = 1e-3  # fp32; observed ~2e-5
 MIN_ADAPTER_EFFECT = 0.1
@@ -37,17 +44,8 @@ def mla_set(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, P
 def runner(mla_set) -> ModelRunner:
     model_dir, adapters = mla_set
     runner = make_runner(model_dir, **MLA_LORA)
-    specs = [AdapterToLoad(lora_name=name, lora_path=str(path), lora_id=ADAPTER_IDS[name])
-             for name, path in adapters.items()]  # fmt: skip
-    results = runner.lora.load(specs)
-    assert all(r.success for r in results), [r.error_message for r in results]
+    load_all(runner, adapters)
     return runner
-
-
-@torch.inference_mode()
-def hf_logits(model_dir: Path, prompt: list[int], adapter_dir: Path | None) -> torch.Tensor:
-    model = hf_model(str(model_dir), None if adapter_dir is None else str(adapter_dir))
-    return model(torch.tensor([prompt])).logits[0]
 
 
 def test_cache_holds_the_latent_and_rope_key(runner: ModelRunner) -> None:
@@ -80,13 +78,7 @@ def test_mixed_batch_logits_match_peft(mla_set, runner: ModelRunner) -> None:
     model_dir, adapters = mla_set
     prompts = random_prompts(LENGTHS, runner.vocab_size, seed=11)
     ours = batch_logits(runner, prompts, NAMES)
-    for prompt, name, logits in zip(prompts, NAMES, ours, strict=True):
-        ref = hf_logits(model_dir, prompt, None if name is None else adapters[name])
-        diff = (logits - ref).abs().max().item()
-        assert diff <= LOGITS_TOL, f"{name or 'base'}: max abs logit diff {diff:.2e}"
-        if name is not None:
-            effect = (ref - hf_logits(model_dir, prompt, None)).abs().max().item()
-            assert effect > MIN_ADAPTER_EFFECT, f"{name} barely changes the logits ({effect:.3f})"
+    assert_logits_match_peft(ours, prompts, NAMES, model_dir, adapters, LOGITS_TOL, MIN_ADAPTER_EFFECT)
 
 
 def test_kv_b_proj_adapter_changes_the_absorbed_products(mla_set, runner: ModelRunner) -> None:
@@ -111,34 +103,14 @@ def test_mixed_batch_greedy_matches_peft(mla_set, runner: ModelRunner) -> None:
     model_dir, adapters = mla_set
     prompts = random_prompts(LENGTHS, runner.vocab_size, seed=12)
     ours = greedy_decode(runner, prompts, NAMES, steps=DECODE_STEPS)
-    compared = 0
-    for prompt, name, out in zip(prompts, NAMES, ours, strict=True):
-        ref, margins = hf_greedy(model_dir, prompt, DECODE_STEPS, None if name is None else adapters[name])
-        compared += assert_greedy_match(out, ref, margins, name or "base")
-    assert compared >= DECODE_STEPS * len(prompts) // 2
+    assert_greedy_matches_peft(ours, prompts, NAMES, model_dir, adapters, DECODE_STEPS)
 
 
 def test_chunked_prefill_over_a_shared_prefix_matches_peft(mla_set, runner: ModelRunner) -> None:
-    # As the scheduler runs the prefix cache and chunked prefill: A fills pages; B (same adapter, same first two
-    # pages) reuses them as cached and prefills the rest in chunks of 5, beside a base request's decode-sized chunk.
     model_dir, adapters = mla_set
-    page = runner.page_size
-    prefix = random_prompts([2 * page], runner.vocab_size, seed=43)[0]
-    prompt_a = prefix + random_prompts([3], runner.vocab_size, seed=44)[0]
-    prompt_b = prefix + random_prompts([11], runner.vocab_size, seed=45)[0]
-    slot = slot_of("a8")
-    pages_a, pages_b = [60, 61, 62], [60, 61, 70, 71, 72]  # B shares A's two prefix pages
-    req_a = ForwardReq(input_ids=prompt_a, num_cached_tokens=0, page_ids=pages_a, sampling=GREEDY, slot=slot)
-    runner.forward(ForwardBatch(batch_id=0, reqs=[req_a], slot_loads=slot_loads(["a4", "a8"])))
-    chunks, num_cached = [], len(prefix)
-    while num_cached < len(prompt_b):
-        chunk = prompt_b[num_cached : num_cached + 5]
-        req = ForwardReq(input_ids=chunk, num_cached_tokens=num_cached, page_ids=pages_b, sampling=GREEDY, slot=slot)
-        chunks.append(forward_logits(runner, ForwardBatch(batch_id=1, reqs=[req])))
-        num_cached += len(chunk)
-    assert len(chunks) == 3
-    ref = hf_logits(model_dir, prompt_b, adapters["a8"])[len(prefix) :]
-    diff = (torch.cat(chunks) - ref).abs().max().item()
+    prompt, num_cached, ours = chunked_prefill_after_a_prefix(runner, slot_of("a8"), slot_loads(["a4", "a8"]))
+    ref = hf_logits(model_dir, prompt, adapters["a8"])[num_cached:]
+    diff = (ours - ref).abs().max().item()
     assert diff <= LOGITS_TOL, f"max abs logit diff {diff:.2e}"
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import loraplex.kernels.backend as lora_backend
 import pytest
-import torch
 from loraplex.kernels import select_backend
 from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
@@ -29,7 +28,11 @@ from tests.lora_helpers import (
     slot_of,
     use_lora_backend,
 )
-from tests.reference import assert_greedy_match, hf_greedy, hf_model
+from tests.reference import (
+    assert_greedy_matches_peft,
+    assert_logits_match_peft,
+    hf_logits,
+)
 from tests.worker_helpers import GREEDY, PAGE_SIZE, forward_logits, make_runner, prefill_logits, random_prompts
 
 FP32_TOL = 1e-4
@@ -42,12 +45,6 @@ def runner(llama_dir: Path, adapter_dirs: dict[str, Path]) -> ModelRunner:
     runner = make_runner(llama_dir, **LORA_CONFIG)
     load_all(runner, adapter_dirs)
     return runner
-
-
-@torch.inference_mode()
-def hf_logits(model_dir: Path, prompt: list[int], adapter_dir: Path | None) -> torch.Tensor:
-    model = hf_model(str(model_dir), None if adapter_dir is None else str(adapter_dir))
-    return model(torch.tensor([prompt])).logits[0]  # (len, vocab)
 
 
 def one_req(prompt: list[int], slot: int, first_page: int = 0) -> ForwardReq:
@@ -68,23 +65,11 @@ def test_pool_covers_the_model(runner: ModelRunner) -> None:
 def test_mixed_batch_matches_peft(runner: ModelRunner, llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:
     prompts = random_prompts(MIXED_LENGTHS, runner.vocab_size, seed=11)
     ours = batch_logits(runner, prompts, MIXED)
-    max_diffs: dict[str, float] = {}
-    for prompt, name, logits in zip(prompts, MIXED, ours, strict=True):
-        ref = hf_logits(llama_dir, prompt, None if name is None else adapter_dirs[name])
-        diff = (logits - ref).abs().max().item()
-        max_diffs[name or "base"] = max(diff, max_diffs.get(name or "base", 0.0))
-        assert diff <= FP32_TOL, f"{name or 'base'}: max abs logit diff {diff:.2e}"
-        if name is not None:
-            effect = (ref - hf_logits(llama_dir, prompt, None)).abs().max().item()
-            assert effect > MIN_ADAPTER_EFFECT, f"{name} barely changes the logits ({effect:.3f})"
+    max_diffs = assert_logits_match_peft(ours, prompts, MIXED, llama_dir, adapter_dirs, FP32_TOL, MIN_ADAPTER_EFFECT)
     print("max abs logit diff vs HF/peft:", {k: f"{v:.1e}" for k, v in max_diffs.items()})
 
     outputs = greedy_decode(runner, prompts, MIXED, steps=DECODE_STEPS)
-    num_compared = 0
-    for prompt, name, out in zip(prompts, MIXED, outputs, strict=True):
-        ref, margins = hf_greedy(llama_dir, prompt, DECODE_STEPS, None if name is None else adapter_dirs[name])
-        num_compared += assert_greedy_match(out, ref, margins, what=name or "base")
-    assert num_compared >= DECODE_STEPS * len(MIXED) // 2  # most steps had a clear margin
+    assert_greedy_matches_peft(outputs, prompts, MIXED, llama_dir, adapter_dirs, DECODE_STEPS)
 
 
 def test_decode_step_sorted_by_slot_matches_peft(

@@ -14,9 +14,9 @@ from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.model_runner import ModelRunner
 
 from tests.device_helpers import USES_GPU
-from tests.lora_helpers import ADAPTER_IDS, batch_logits, greedy_decode
+from tests.lora_helpers import ADAPTER_IDS, batch_logits, greedy_decode, load_all
 from tests.moe_models import ARCHS, build_moe_set
-from tests.reference import assert_greedy_match, hf_greedy, hf_model
+from tests.reference import assert_greedy_matches_peft, assert_logits_match_peft
 from tests.worker_helpers import make_runner, random_prompts
 
 LOGITS_TOL = 1e-3  # fp32, logits of magnitude ~10 through three layers of top-2 experts
@@ -37,17 +37,8 @@ def moe_set(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Pat
 def runner(moe_set) -> ModelRunner:
     _, model_dir, adapters = moe_set
     runner = make_runner(model_dir, **MOE_LORA)
-    specs = [AdapterToLoad(lora_name=name, lora_path=str(path), lora_id=ADAPTER_IDS[name])
-             for name, path in adapters.items()]  # fmt: skip
-    results = runner.lora.load(specs)
-    assert all(r.success for r in results), [r.error_message for r in results]
+    load_all(runner, adapters)
     return runner
-
-
-@torch.inference_mode()
-def hf_logits(model_dir: Path, prompt: list[int], adapter_dir: Path | None) -> torch.Tensor:
-    model = hf_model(str(model_dir), None if adapter_dir is None else str(adapter_dir))
-    return model(torch.tensor([prompt])).logits[0]
 
 
 def test_experts_are_wrapped(moe_set, runner: ModelRunner) -> None:
@@ -65,24 +56,14 @@ def test_mixed_batch_logits_match_peft(moe_set, runner: ModelRunner) -> None:
     _, model_dir, adapters = moe_set
     prompts = random_prompts(LENGTHS, runner.vocab_size, seed=11)
     ours = batch_logits(runner, prompts, NAMES)
-    for prompt, name, logits in zip(prompts, NAMES, ours, strict=True):
-        ref = hf_logits(model_dir, prompt, None if name is None else adapters[name])
-        diff = (logits - ref).abs().max().item()
-        assert diff <= LOGITS_TOL, f"{name or 'base'}: max abs logit diff {diff:.2e}"
-        if name is not None:
-            effect = (ref - hf_logits(model_dir, prompt, None)).abs().max().item()
-            assert effect > MIN_ADAPTER_EFFECT, f"{name} barely changes the logits ({effect:.3f})"
+    assert_logits_match_peft(ours, prompts, NAMES, model_dir, adapters, LOGITS_TOL, MIN_ADAPTER_EFFECT)
 
 
 def test_mixed_batch_greedy_matches_peft(moe_set, runner: ModelRunner) -> None:
     _, model_dir, adapters = moe_set
     prompts = random_prompts(LENGTHS, runner.vocab_size, seed=12)
     ours = greedy_decode(runner, prompts, NAMES, steps=DECODE_STEPS)
-    compared = 0
-    for prompt, name, tokens in zip(prompts, NAMES, ours, strict=True):
-        ref, margins = hf_greedy(model_dir, prompt, DECODE_STEPS, None if name is None else adapters[name])
-        compared += assert_greedy_match(tokens, ref, margins, what=name or "base")
-    assert compared >= len(prompts) * DECODE_STEPS // 2, f"only {compared} tokens had a clear margin"
+    assert_greedy_matches_peft(ours, prompts, NAMES, model_dir, adapters, DECODE_STEPS)
 
 
 @pytest.mark.skipif(USES_GPU, reason="checked in the interpreter here; on a GPU the compiled kernels run everywhere")

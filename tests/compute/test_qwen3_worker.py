@@ -6,14 +6,24 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.lora.layers import LoRALinear
 from loraplex.worker.model.qwen3 import Qwen3Attention
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.reference import assert_greedy_match, hf_greedy, hf_model
-from tests.worker_helpers import GREEDY, decode, forward_logits, make_runner, random_prompts
+from tests.reference import (
+    assert_greedy_matches_peft,
+    assert_logits_match_peft,
+    hf_logits,
+)
+from tests.worker_helpers import (
+    GREEDY,
+    chunked_prefill_after_a_prefix,
+    decode,
+    forward_logits,
+    make_runner,
+    random_prompts,
+)
 
 FP32_TOL = 1e-4
 DECODE_STEPS = 6
@@ -41,12 +51,6 @@ def slot_of(name: str | None) -> int:
 SLOT_LOADS = [SlotLoad(slot=SLOTS[name], lora_id=LORA_IDS[name]) for name in SLOTS]
 
 
-@torch.inference_mode()
-def hf_logits(model_dir: Path, prompt: list[int], adapter_dir: Path | None) -> torch.Tensor:
-    model = hf_model(str(model_dir), None if adapter_dir is None else str(adapter_dir))
-    return model(torch.tensor([prompt])).logits[0]  # (len, vocab)
-
-
 def test_model_is_qwen3_with_lora_on_every_projection(runner: ModelRunner) -> None:
     layer = runner.model.model.layers[0]
     assert isinstance(layer.self_attn, Qwen3Attention)
@@ -67,43 +71,18 @@ def test_mixed_batch_matches_peft(runner: ModelRunner, qwen3_dir: Path, qwen3_ad
     reqs = [ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=slot_of(n))
             for p, pg, n in zip(prompts, pages, MIXED, strict=True)]  # fmt: skip
     logits = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=SLOT_LOADS))
-    for prompt, name, ours in zip(prompts, MIXED, logits.split(LENGTHS), strict=True):
-        ref = hf_logits(qwen3_dir, prompt, None if name is None else qwen3_adapter_dirs[name])
-        diff = (ours - ref).abs().max().item()
-        assert diff <= FP32_TOL, f"{name or 'base'}: max abs logit diff {diff:.2e}"
-        if name is not None:
-            effect = (ref - hf_logits(qwen3_dir, prompt, None)).abs().max().item()
-            assert effect > MIN_ADAPTER_EFFECT, f"{name} barely changes the logits ({effect:.3f})"
+    ours = logits.split(LENGTHS)
+    assert_logits_match_peft(ours, prompts, MIXED, qwen3_dir, qwen3_adapter_dirs, FP32_TOL, MIN_ADAPTER_EFFECT)
 
     slots = [slot_of(n) for n in MIXED]
     outputs = decode(runner, prompts, [GREEDY] * len(prompts), DECODE_STEPS, slots=slots, slot_loads=SLOT_LOADS)
-    num_compared = 0
-    for prompt, name, out in zip(prompts, MIXED, outputs, strict=True):
-        ref, margins = hf_greedy(qwen3_dir, prompt, DECODE_STEPS, None if name is None else qwen3_adapter_dirs[name])
-        num_compared += assert_greedy_match(out, ref, margins, what=name or "base")
-    assert num_compared >= DECODE_STEPS * len(MIXED) // 2  # most steps had a clear margin
+    assert_greedy_matches_peft(outputs, prompts, MIXED, qwen3_dir, qwen3_adapter_dirs, DECODE_STEPS)
 
 
 def test_chunked_prefill_over_a_shared_prefix_matches_peft(
     runner: ModelRunner, qwen3_dir: Path, qwen3_adapter_dirs: dict[str, Path]
 ) -> None:
-    # As the scheduler runs the prefix cache and chunked prefill: request A (q16) fills pages; request B (q16, same
-    # first 8 tokens = two whole pages) reuses those two pages as cached and prefills the rest in chunks of 5.
-    page = runner.page_size
-    prefix = random_prompts([2 * page], runner.vocab_size, seed=43)[0]
-    prompt_a = prefix + random_prompts([3], runner.vocab_size, seed=44)[0]
-    prompt_b = prefix + random_prompts([11], runner.vocab_size, seed=45)[0]
-    slot = slot_of("q16")
-    pages_a, pages_b = [60, 61, 62], [60, 61, 70, 71, 72]  # B shares A's two prefix pages
-    req_a = ForwardReq(input_ids=prompt_a, num_cached_tokens=0, page_ids=pages_a, sampling=GREEDY, slot=slot)
-    runner.forward(ForwardBatch(batch_id=0, reqs=[req_a], slot_loads=SLOT_LOADS))
-    chunks, num_cached = [], len(prefix)
-    while num_cached < len(prompt_b):
-        chunk = prompt_b[num_cached : num_cached + 5]
-        req = ForwardReq(input_ids=chunk, num_cached_tokens=num_cached, page_ids=pages_b, sampling=GREEDY, slot=slot)
-        chunks.append(forward_logits(runner, ForwardBatch(batch_id=1, reqs=[req])))
-        num_cached += len(chunk)
-    assert len(chunks) == 3
-    ref = hf_logits(qwen3_dir, prompt_b, qwen3_adapter_dirs["q16"])[len(prefix) :]
-    diff = (torch.cat(chunks) - ref).abs().max().item()
+    prompt, num_cached, ours = chunked_prefill_after_a_prefix(runner, slot_of("q16"), SLOT_LOADS)
+    ref = hf_logits(qwen3_dir, prompt, qwen3_adapter_dirs["q16"])[num_cached:]
+    diff = (ours - ref).abs().max().item()
     assert diff <= FP32_TOL, f"max abs logit diff {diff:.2e}"

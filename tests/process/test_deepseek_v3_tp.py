@@ -7,14 +7,12 @@ from __future__ import annotations
 import multiprocessing as mp
 from pathlib import Path
 
-import torch
-from loraplex.worker.dist import destroy_distributed, init_distributed
 from loraplex.worker.model_runner import ModelRunner
 
 from tests.lora_helpers import batch_logits
 from tests.mla_models import build_mla_expert_adapter, build_mla_set
 from tests.process.test_moe_tp import CHILD_TIMEOUT_S, NAMES, run_moe, tp_config
-from tests.worker_helpers import random_prompts, run_two_ranks
+from tests.worker_helpers import random_prompts, run_two_ranks, tp_group
 
 
 def run_mla(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
@@ -27,17 +25,13 @@ def run_mla(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
 
 
 def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str], results: mp.Queue) -> None:
-    torch.set_num_threads(1)  # two ranks share the machine's cores
     config = tp_config(tp=2)
-    init_distributed(config, f"127.0.0.1:{port}", rank, torch.device("cpu"))
-    try:
+    with tp_group(config, rank, port):
         runner = ModelRunner(config, model_dir, rank, 2, "cpu")
         attn = runner.model.model.layers[1].self_attn
         shapes = (tuple(attn.kv_b_proj.base.weight.shape), tuple(attn.q_b_proj.base.weight.shape),
                   tuple(attn.kv_a_proj_with_mqa.base.weight.shape), tuple(runner.kv_cache.kv.shape[-2:]))
         results.put((rank, {**run_mla(runner, adapter_dirs), "shapes": shapes}))
-    finally:
-        destroy_distributed()
 
 
 def test_deepseek_v3_tp2_matches_tp1(tmp_path: Path) -> None:

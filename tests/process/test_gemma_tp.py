@@ -7,15 +7,13 @@ import multiprocessing as mp
 from pathlib import Path
 
 import pytest
-import torch
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import AdapterToLoad, SlotLoad
-from loraplex.worker.dist import destroy_distributed, init_distributed
 from loraplex.worker.model_runner import ModelRunner
 
 from tests.builders import build_lora_adapter
 from tests.gemma_helpers import WINDOW, build_tiny_gemma
-from tests.worker_helpers import Seq, random_prompts, run_greedy_schedule, run_two_ranks
+from tests.worker_helpers import Seq, random_prompts, run_greedy_schedule, run_two_ranks, tp_group
 
 STEPS = 5
 NAMES = [None, "a", "b", "a"]
@@ -39,13 +37,9 @@ def run_batch(runner: ModelRunner, adapter_dirs: dict[str, str]) -> list[list[in
 
 
 def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str], results: mp.Queue) -> None:
-    torch.set_num_threads(1)  # two ranks share the machine's cores
     config = tp_config(tp=2)
-    init_distributed(config, f"127.0.0.1:{port}", rank, torch.device("cpu"))
-    try:
+    with tp_group(config, rank, port):
         results.put((rank, run_batch(ModelRunner(config, model_dir, rank, 2, "cpu"), adapter_dirs)))
-    finally:
-        destroy_distributed()
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])

@@ -9,14 +9,13 @@ import torch
 import torch.distributed as dist
 from loraplex.protocol.adapters.lora_targets import ATTN_MODULES, TARGET_MODULES
 from loraplex.protocol.config import ServerConfig
-from loraplex.worker.dist import destroy_distributed, init_distributed
 from loraplex.worker.lora.adapter import PoolSpec, load_adapter
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model_runner import ModelRunner
 from safetensors.torch import load_file
 
 from tests.lora_helpers import LORA_CONFIG, MIXED, MIXED_LENGTHS, batch_logits, greedy_decode, load_all
-from tests.worker_helpers import random_prompts, run_two_ranks
+from tests.worker_helpers import random_prompts, run_two_ranks, tp_group
 
 DECODE_STEPS = 6
 CHILD_TIMEOUT_S = 120
@@ -51,16 +50,12 @@ def count_collectives(runner: ModelRunner) -> dict[str, int]:
 
 
 def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str], results: mp.Queue) -> None:
-    torch.set_num_threads(1)  # two ranks share the machine's cores
     config = tp_config(tp=2)
-    init_distributed(config, f"127.0.0.1:{port}", rank, torch.device("cpu"))
-    try:
+    with tp_group(config, rank, port):
         runner = ModelRunner(config, model_dir, rank, 2, "cpu")
         counts = count_collectives(runner)
         result = run_lora(runner, adapter_dirs)
         results.put((rank, {**result, **counts, "num_layers": len(runner.model.model.layers)}))
-    finally:
-        destroy_distributed()
 
 
 def run_tp2(model_dir: str, adapter_dirs: dict[str, str]) -> dict[int, dict]:

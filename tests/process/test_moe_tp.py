@@ -8,15 +8,12 @@ import multiprocessing as mp
 from pathlib import Path
 
 import pytest
-import torch
 from loraplex.protocol.config import ServerConfig
-from loraplex.protocol.structs import AdapterToLoad
-from loraplex.worker.dist import destroy_distributed, init_distributed
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.lora_helpers import ADAPTER_IDS, batch_logits, greedy_decode
+from tests.lora_helpers import batch_logits, greedy_decode, load_all
 from tests.moe_models import ARCHS, build_moe_set
-from tests.worker_helpers import random_prompts, run_two_ranks
+from tests.worker_helpers import random_prompts, run_two_ranks, tp_group
 
 DECODE_STEPS = 4
 CHILD_TIMEOUT_S = 180
@@ -30,9 +27,7 @@ def tp_config(tp: int) -> ServerConfig:
 
 
 def run_moe(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
-    specs = [AdapterToLoad(lora_name=n, lora_path=p, lora_id=ADAPTER_IDS[n]) for n, p in adapter_dirs.items()]
-    results = runner.lora.load(specs)
-    assert all(r.success for r in results), [r.error_message for r in results]
+    load_all(runner, adapter_dirs)
     prompts = random_prompts(LENGTHS, runner.vocab_size, seed=31)
     return {
         "logits": [t.numpy() for t in batch_logits(runner, prompts, NAMES)],  # numpy: tensors die with the child
@@ -41,16 +36,12 @@ def run_moe(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
 
 
 def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str], results: mp.Queue) -> None:
-    torch.set_num_threads(1)  # two ranks share the machine's cores
     config = tp_config(tp=2)
-    init_distributed(config, f"127.0.0.1:{port}", rank, torch.device("cpu"))
-    try:
+    with tp_group(config, rank, port):
         runner = ModelRunner(config, model_dir, rank, 2, "cpu")
         experts = runner.model.model.layers[0].mlp.experts
         shapes = (tuple(experts.gate_up_proj.base.weight.shape), tuple(experts.down_proj.base.weight.shape))
         results.put((rank, {**run_moe(runner, adapter_dirs), "shapes": shapes}))
-    finally:
-        destroy_distributed()
 
 
 @pytest.mark.parametrize("arch", ARCHS)

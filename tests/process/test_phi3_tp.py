@@ -13,7 +13,6 @@ from loraplex.frontend.adapters.files import cut_per_rank, read_adapter_dir
 from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
-from loraplex.worker.dist import destroy_distributed, init_distributed
 from loraplex.worker.lora.adapter import PoolSpec, adapter_from_tensors, load_adapter
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model_runner import ModelRunner
@@ -21,7 +20,7 @@ from safetensors.torch import load_file
 
 from tests.lora_helpers import build_peft_adapter
 from tests.phi3_helpers import PHI3_TARGETS, PHI4_MINI_LIKE, build_tiny_phi3
-from tests.worker_helpers import GREEDY, decode, forward_logits, random_prompts, run_two_ranks
+from tests.worker_helpers import GREEDY, decode, forward_logits, random_prompts, run_two_ranks, tp_group
 
 NAMES = [None, "fused", "attn", "vocab", "fused"]
 IDS = {"fused": 1, "attn": 2, "vocab": 3}
@@ -64,13 +63,9 @@ def run_phi3(runner: ModelRunner, dirs: dict[str, str]) -> dict:
 
 
 def tp_child(rank: int, port: int, dirs: dict[str, str], results: mp.Queue) -> None:
-    torch.set_num_threads(1)  # two ranks share the machine's cores
     config = tp_config(tp=2)
-    init_distributed(config, f"127.0.0.1:{port}", rank, torch.device("cpu"))
-    try:
+    with tp_group(config, rank, port):
         results.put((rank, run_phi3(ModelRunner(config, dirs["base"], rank, 2, "cpu"), dirs)))
-    finally:
-        destroy_distributed()
 
 
 def test_phi3_tp2_matches_tp1(phi3_dirs: dict[str, str]) -> None:

@@ -6,13 +6,11 @@ from __future__ import annotations
 import multiprocessing as mp
 from pathlib import Path
 
-import torch
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
-from loraplex.worker.dist import destroy_distributed, init_distributed
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.worker_helpers import GREEDY, decode, forward_logits, random_prompts, run_two_ranks
+from tests.worker_helpers import GREEDY, decode, forward_logits, random_prompts, run_two_ranks, tp_group
 
 DECODE_STEPS = 6
 LORA_IDS = {"q8": 1, "q16": 2}
@@ -45,15 +43,11 @@ def run_mixed(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
 
 
 def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str], results: mp.Queue) -> None:
-    torch.set_num_threads(1)  # two ranks share the machine's cores
     config = tp_config(tp=2)
-    init_distributed(config, f"127.0.0.1:{port}", rank, torch.device("cpu"))
-    try:
+    with tp_group(config, rank, port):
         runner = ModelRunner(config, model_dir, rank, 2, "cpu")
         heads = runner.model.model.layers[0].self_attn.qkv_proj.base.output_sizes_per_rank
         results.put((rank, {**run_mixed(runner, adapter_dirs), "qkv_per_rank": heads}))
-    finally:
-        destroy_distributed()
 
 
 def test_qwen3_lora_tp2_matches_tp1(qwen3_dir: Path, qwen3_adapter_dirs: dict[str, Path]) -> None:

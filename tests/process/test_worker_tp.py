@@ -5,13 +5,19 @@ from __future__ import annotations
 import multiprocessing as mp
 from pathlib import Path
 
-import torch
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import SamplingParams
-from loraplex.worker.dist import destroy_distributed, init_distributed
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.worker_helpers import GREEDY, build_llama_variant, decode, prefill_logits, random_prompts, run_two_ranks
+from tests.worker_helpers import (
+    GREEDY,
+    build_llama_variant,
+    decode,
+    prefill_logits,
+    random_prompts,
+    run_two_ranks,
+    tp_group,
+)
 
 PROMPT_LENGTHS = [6, 11, 3, 17]
 DECODE_STEPS = 6
@@ -39,14 +45,10 @@ def run_model(runner: ModelRunner) -> dict:
 
 
 def tp_child(rank: int, port: int, model_dirs: dict[str, str], results: mp.Queue) -> None:
-    torch.set_num_threads(1)  # two ranks share the machine's cores
     config = tp_config(tp=2)
-    init_distributed(config, f"127.0.0.1:{port}", rank, torch.device("cpu"))
-    try:
+    with tp_group(config, rank, port):
         out = {kind: run_model(ModelRunner(config, path, rank, 2, "cpu")) for kind, path in model_dirs.items()}
         results.put((rank, out))
-    finally:
-        destroy_distributed()
 
 
 def run_tp2(model_dirs: dict[str, str]) -> dict[int, dict]:

@@ -24,11 +24,12 @@ import torch
 from loraplex.worker.layers.attention import BatchAttention
 from loraplex.worker.layers.attention_spec import LayerAttention
 from loraplex.worker.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from loraplex.worker.layers.moe import SparseMoeBlock, route_grouped
+from loraplex.worker.layers.moe import RouterLinear, route_grouped
 from loraplex.worker.layers.norm import RMSNorm
 from loraplex.worker.layers.rotary import RotaryEmbedding
 from loraplex.worker.model.config import ModelConfig, ModelConfigError
 from loraplex.worker.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from loraplex.worker.model.mixtral import MoEMLP
 from torch import nn
 
 LATENT_NORM_EPS = 1e-6  # the reference builds q_a_layernorm and kv_a_layernorm with the default eps, not the config's
@@ -116,26 +117,24 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
-class DeepseekV3Router(nn.Module):
-    """The router's weight (experts, hidden) and the correction bias its choice adds, whole on every rank; float32,
-    as the reference computes the scores."""
+class DeepseekV3Router(RouterLinear):
+    """RouterLinear in float32, as the reference computes the scores, and the correction bias its choice adds (whole
+    on every rank too)."""
 
     def __init__(self, hidden_size: int, num_experts: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        super().__init__(hidden_size, num_experts)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(hidden.float(), self.weight.float())  # (tokens, experts)
 
 
-class DeepseekV3MoE(SparseMoeBlock):
-    """The routed experts (SparseMoeBlock, routed as DeepSeek routes) plus the shared experts' one dense MLP."""
+class DeepseekV3MoE(MoEMLP):
+    """The routed experts (the config's MoE block, routed as DeepSeek routes) plus the shared experts' one dense MLP."""
 
     def __init__(self, config: ModelConfig):
-        moe = config.moe
-        super().__init__(config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize)
-        self.moe = moe
+        super().__init__(config)
+        moe = self.moe = config.moe
         self.gate = DeepseekV3Router(config.hidden_size, moe.num_experts)
         shared_size = moe.shared_intermediate_size
         self.shared_experts = LlamaMLP(config, intermediate_size=shared_size) if shared_size else None
