@@ -56,14 +56,7 @@ async def server_info(runtime: Runtime, requests: RequestTable) -> dict[str, Any
         "num_adapter_entries": runtime.registry.num_entries(),
         "num_adapter_holds": runtime.registry.total_holds(),
         "slot_lora_ids": stats.slot_lora_ids if stats and len(replicas) == 1 else None,  # per replica below
-        "num_running": stats.num_running if stats else None,
-        "num_waiting": stats.num_waiting if stats else None,
-        "kv_usage": stats.kv_usage if stats else None,
-        "num_preemptions": stats.num_preemptions if stats else None,
-        "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens if stats else None,
-        # hybrid models' linear-attention state slots (0 and 0 for other models), beside the KV pages
-        "state_slots_total": stats.num_state_slots if stats else None,
-        "state_slots_free": stats.num_free_state_slots if stats else None,
+        **scheduler_counters(stats),
         "replicas": [replica_info(runtime, dp_rank, replicas[dp_rank] if replicas else None)
                      for dp_rank in range(len(runtime.replica_ready))],
     }
@@ -76,6 +69,16 @@ def replica_info(runtime: Runtime, dp_rank: int, stats: SchedulerStats | None) -
         "max_total_tokens": runtime.replica_ready[dp_rank].max_total_tokens,
         "num_requests_in_flight": runtime.router.loads[dp_rank],
         "num_requests_routed": runtime.router.num_routed[dp_rank],
+        **scheduler_counters(stats),
+        "slot_lora_ids": stats.slot_lora_ids if stats else None,
+        "num_loaded_adapters": stats.num_loaded_adapters if stats else None,
+    }
+
+
+def scheduler_counters(stats: SchedulerStats | None) -> dict[str, Any]:
+    """A scheduler's live counters (None before its first report); hybrid models' linear-attention state slots
+    beside the KV pages (0 and 0 for other models)."""
+    return {
         "num_running": stats.num_running if stats else None,
         "num_waiting": stats.num_waiting if stats else None,
         "kv_usage": stats.kv_usage if stats else None,
@@ -83,6 +86,4 @@ def replica_info(runtime: Runtime, dp_rank: int, stats: SchedulerStats | None) -
         "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens if stats else None,
         "state_slots_total": stats.num_state_slots if stats else None,
         "state_slots_free": stats.num_free_state_slots if stats else None,
-        "slot_lora_ids": stats.slot_lora_ids if stats else None,
-        "num_loaded_adapters": stats.num_loaded_adapters if stats else None,
     }
