@@ -1,6 +1,6 @@
 """The worker process: one tensor-parallel rank holding a model shard, its KV cache, and the forward pass.
 
-__main__.py / process.py   `python -m worker`: start-up, ready report, the recv -> forward -> reply loop
+__main__.py / process.py   `python -m loraplex.worker`: start-up, ready report, the recv -> forward -> reply loop
 dist.py                    global rank, device, dtype, torch.distributed group (gloo on CPU, nccl on CUDA)
 parallel.py                tensor-parallel state read by layers at construction; the all-reduce
 model_runner.py            ModelRunner: model + KV cache + sampler; forward(ForwardBatch) -> next tokens

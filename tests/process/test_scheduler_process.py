@@ -1,4 +1,4 @@
-"""`python -m scheduler` as a process: the test plays the frontend and a tp=1 worker over real sockets."""
+"""`python -m loraplex.scheduler` as a process: the test plays the frontend and a tp=1 worker over real sockets."""
 
 from __future__ import annotations
 
