@@ -11,5 +11,5 @@ Module map:
     fair_share.py       FairShare: virtual token counters (VTC), the fair order between clients
     adapter_table.py    AdapterTable: loaded adapter ids, and loads waiting on the ranks' reports
     scheduler.py        Scheduler: the state machine the process drives (no sockets)
-    __main__.py / process.py  `python -m loraplex.scheduler`; SchedulerProcess: sockets, start-up handshake and the main loop
+    __main__.py / process.py  `python -m loraplex.scheduler`; SchedulerProcess: sockets, start-up handshake, main loop
 """

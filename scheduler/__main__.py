@@ -1,4 +1,4 @@
-"""`python -m loraplex.scheduler`: the scheduler process, started by the launcher with ProcessArgs in its environment."""
+"""`python -m loraplex.scheduler`: the scheduler process, started by the launcher (ProcessArgs in its environment)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""`python -m loraplex.worker` with LoRA, as the scheduler sees it: loads on the loader sockets, off the decode loop, each
-report naming its operation; faults (fail, hang); drops, and batches naming a dropped adapter failing as values."""
+"""`python -m loraplex.worker` with LoRA, as the scheduler sees it: loads on the loader sockets, off the decode loop,
+each report naming its operation; faults (fail, hang); drops, and batches naming a dropped adapter failing as values."""
 
 from __future__ import annotations
 

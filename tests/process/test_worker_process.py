@@ -1,5 +1,5 @@
-"""`python -m loraplex.worker` as the scheduler sees it: ready, forward, errors as values, adapters refused, shutdown; and
-exits on any other error (an injected fault, a collective past --dist-timeout)."""
+"""`python -m loraplex.worker` as the scheduler sees it: ready, forward, errors as values, adapters refused, shutdown;
+and exits on any other error (an injected fault, a collective past --dist-timeout)."""
 
 from __future__ import annotations
 
