@@ -9,7 +9,7 @@ from loraplex.kernels import LoRABackend
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.worker_helpers import GREEDY, decode, forward_logits
+from tests.worker_helpers import GREEDY, consecutive_pages, decode, forward_logits
 
 LORA_CONFIG = dict(enable_lora=True, max_lora_rank=64, lora_target_modules=["all"], max_loras_per_batch=6)
 ADAPTER_IDS = {"a4": 1, "a8": 2, "a16": 3, "a32": 4, "a64": 5}
@@ -40,11 +40,7 @@ def slot_of(name: str | None) -> int:
 
 def batch_logits(runner: ModelRunner, prompts: list[list[int]], names: list[str | None]) -> list[torch.Tensor]:
     """Prefill all prompts in one batch (loading the slots first); each request's (len, vocab) logits."""
-    pages, next_page = [], 0
-    for prompt in prompts:
-        num_pages = -(-len(prompt) // runner.page_size)
-        pages.append(list(range(next_page, next_page + num_pages)))
-        next_page += num_pages
+    pages = consecutive_pages([len(p) for p in prompts], runner.page_size)
     reqs = [
         ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=slot_of(name))
         for p, pg, name in zip(prompts, pages, names, strict=True)

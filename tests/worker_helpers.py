@@ -68,6 +68,16 @@ def make_runner(model_dir: Path | str, **config_kwargs) -> ModelRunner:
     return ModelRunner(config, str(model_dir), rank=0, world_size=1, device="cpu")
 
 
+def consecutive_pages(lengths: list[int], page_size: int, first: int = 0) -> list[list[int]]:
+    """Page tables for sequences of these lengths laid one after the other from page `first`."""
+    pages, next_page = [], first
+    for length in lengths:
+        num_pages = -(-length // page_size)
+        pages.append(list(range(next_page, next_page + num_pages)))
+        next_page += num_pages
+    return pages
+
+
 def random_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]

@@ -19,7 +19,15 @@ from loraplex.worker.state_cache import HybridCache
 
 from tests.hybrid_models import ADAPTERS, ARCHS, build_hybrid_adapter, build_hybrid_model
 from tests.reference import assert_greedy_match, hf_greedy, hf_model
-from tests.worker_helpers import GREEDY, Seq, forward_logits, make_runner, random_prompts, run_greedy_schedule
+from tests.worker_helpers import (
+    GREEDY,
+    Seq,
+    consecutive_pages,
+    forward_logits,
+    make_runner,
+    random_prompts,
+    run_greedy_schedule,
+)
 
 FP32_TOL = 3e-4  # fp32, logits of magnitude ~10 through four layers (MoE: top-2 experts and a shared one)
 LENGTHS = [5, 1, 70, 12, 3]  # one prompt of a single token (the decode path from a zero state), one past a chunk
@@ -73,15 +81,6 @@ def hf_logits(model_dir: Path, prompt: list[int], adapter_dir: Path | None = Non
     return model(torch.tensor([prompt])).logits[0]  # (len, vocab)
 
 
-def _pages(lengths: list[int], page_size: int, first: int = 0) -> list[list[int]]:
-    pages, next_page = [], first
-    for n in lengths:
-        num = -(-n // page_size)
-        pages.append(list(range(next_page, next_page + num)))
-        next_page += num
-    return pages
-
-
 @pytest.mark.parametrize("chunk_len", [64, 5])
 def test_chunked_form_equals_the_recurrent_form_and_the_reference(chunk_len: int) -> None:
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as hf_chunked
@@ -111,7 +110,7 @@ def test_cache_holds_kv_for_attention_layers_only(runner: ModelRunner) -> None:
 
 def test_prompts_in_one_batch_match_hf(runner: ModelRunner, hybrid_dir: Path) -> None:
     prompts = random_prompts(LENGTHS, runner.vocab_size, seed=1)
-    pages = _pages(LENGTHS, runner.page_size)
+    pages = consecutive_pages(LENGTHS, runner.page_size)
     reqs = [ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, state_slot=7 - i)
             for i, (p, pg) in enumerate(zip(prompts, pages, strict=True))]  # fmt: skip
     logits = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs))
@@ -179,7 +178,7 @@ def test_two_adapters_and_the_base_in_one_batch_match_peft(lora_runner: ModelRun
     lengths = [6, 9, 70, 4, 11, 8]
     prompts = random_prompts(lengths, lora_runner.vocab_size, seed=5)
     order = sorted(range(len(names)), key=lambda i: -1 if names[i] is None else SLOTS[names[i]])  # by slot
-    pages = _pages(lengths, lora_runner.page_size)
+    pages = consecutive_pages(lengths, lora_runner.page_size)
     reqs = [ForwardReq(input_ids=prompts[i], num_cached_tokens=0, page_ids=pages[i], sampling=GREEDY,
                        slot=-1 if names[i] is None else SLOTS[names[i]], state_slot=i) for i in order]  # fmt: skip
     logits = forward_logits(lora_runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=SLOT_LOADS))

@@ -33,7 +33,15 @@ from tests.reference import (
     assert_logits_match_peft,
     hf_logits,
 )
-from tests.worker_helpers import GREEDY, PAGE_SIZE, forward_logits, make_runner, prefill_logits, random_prompts
+from tests.worker_helpers import (
+    GREEDY,
+    PAGE_SIZE,
+    consecutive_pages,
+    forward_logits,
+    make_runner,
+    prefill_logits,
+    random_prompts,
+)
 
 FP32_TOL = 1e-4
 DECODE_STEPS = 6
@@ -80,11 +88,7 @@ def test_decode_step_sorted_by_slot_matches_peft(
     names = [None, "a4", "a8", "a16", "a32", "a64"]
     prompts = random_prompts([6, 7, 5, 9, 4, 8], runner.vocab_size, seed=23)
     next_tokens = [3, 17, 42, 5, 99, 64]
-    pages, next_page = [], 0
-    for prompt in prompts:
-        num_pages = -(-(len(prompt) + 1) // PAGE_SIZE)
-        pages.append(list(range(next_page, next_page + num_pages)))
-        next_page += num_pages
+    pages = consecutive_pages([len(p) + 1 for p in prompts], PAGE_SIZE)  # room for the decode token
     prefill = [
         ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=slot_of(n))
         for p, pg, n in zip(prompts, pages, names, strict=True)

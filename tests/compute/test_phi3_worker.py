@@ -16,7 +16,7 @@ from safetensors import safe_open
 from tests.lora_helpers import build_peft_adapter
 from tests.phi3_helpers import PHI3_TARGETS, PHI4_MINI_LIKE, build_tiny_phi3
 from tests.reference import assert_greedy_match, hf_greedy, hf_model
-from tests.worker_helpers import GREEDY, PAGE_SIZE, forward_logits, make_runner, random_prompts
+from tests.worker_helpers import GREEDY, PAGE_SIZE, consecutive_pages, forward_logits, make_runner, random_prompts
 
 FP32_TOL = 1e-4
 LORA = dict(enable_lora=True, max_lora_rank=16, lora_target_modules=["all"], max_loras_per_batch=2)
@@ -77,11 +77,7 @@ def test_checkpoint_is_fused_and_read_as_phi3(phi3_case: dict) -> None:
 def test_mixed_batch_logits_match_peft(phi3_case: dict) -> None:
     runner: ModelRunner = phi3_case["runner"]
     prompts = random_prompts(LENGTHS, runner.vocab_size, seed=5)
-    pages, next_page = [], 0
-    for prompt in prompts:
-        num_pages = -(-len(prompt) // PAGE_SIZE)
-        pages.append(list(range(next_page, next_page + num_pages)))
-        next_page += num_pages
+    pages = consecutive_pages(LENGTHS, PAGE_SIZE)
     reqs = [
         ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=_slot(n))
         for p, pg, n in zip(prompts, pages, MIXED, strict=True)

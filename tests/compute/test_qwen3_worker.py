@@ -19,6 +19,7 @@ from tests.reference import (
 from tests.worker_helpers import (
     GREEDY,
     chunked_prefill_after_a_prefix,
+    consecutive_pages,
     decode,
     forward_logits,
     make_runner,
@@ -63,11 +64,7 @@ def test_model_is_qwen3_with_lora_on_every_projection(runner: ModelRunner) -> No
 
 def test_mixed_batch_matches_peft(runner: ModelRunner, qwen3_dir: Path, qwen3_adapter_dirs: dict[str, Path]) -> None:
     prompts = random_prompts(LENGTHS, runner.vocab_size, seed=41)
-    pages, next_page = [], 0
-    for prompt in prompts:
-        num_pages = -(-len(prompt) // runner.page_size)
-        pages.append(list(range(next_page, next_page + num_pages)))
-        next_page += num_pages
+    pages = consecutive_pages(LENGTHS, runner.page_size)
     reqs = [ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=slot_of(n))
             for p, pg, n in zip(prompts, pages, MIXED, strict=True)]  # fmt: skip
     logits = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=SLOT_LOADS))

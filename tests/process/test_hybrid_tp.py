@@ -9,14 +9,21 @@ import multiprocessing as mp
 from pathlib import Path
 
 import pytest
-import torch
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
-from loraplex.worker.dist import destroy_distributed, init_distributed
 from loraplex.worker.model_runner import ModelRunner
 
 from tests.hybrid_models import ADAPTERS, build_hybrid_adapter, build_hybrid_model
-from tests.worker_helpers import GREEDY, Seq, forward_logits, random_prompts, run_greedy_schedule, run_two_ranks
+from tests.worker_helpers import (
+    GREEDY,
+    Seq,
+    consecutive_pages,
+    forward_logits,
+    random_prompts,
+    run_greedy_schedule,
+    run_two_ranks,
+    tp_group,
+)
 
 LORA_IDS = {"all": 1, "linear": 2}
 SLOT_LOADS = [SlotLoad(slot=slot, lora_id=LORA_IDS[name]) for slot, name in enumerate(LORA_IDS)]
@@ -34,10 +41,7 @@ def run_mixed(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
     assert all(r.success for r in runner.lora.load(specs))
     slots = [-1 if name is None else list(LORA_IDS).index(name) for name in MIXED]
     prompts = random_prompts(LENGTHS, runner.vocab_size, seed=51)
-    pages, next_page = [], 0
-    for prompt in prompts:
-        pages.append(list(range(next_page, next_page + -(-len(prompt) // runner.page_size))))
-        next_page += len(pages[-1])
+    pages = consecutive_pages(LENGTHS, runner.page_size)
     reqs = [ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=s, state_slot=i)
             for i, (p, pg, s) in enumerate(zip(prompts, pages, slots, strict=True))]  # fmt: skip
     logits = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=SLOT_LOADS))
@@ -49,18 +53,14 @@ def run_mixed(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
 
 
 def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str], results: mp.Queue) -> None:
-    torch.set_num_threads(1)  # two ranks share the machine's cores
     config = tp_config(tp=2)
-    init_distributed(config, f"127.0.0.1:{port}", rank, torch.device("cpu"))
-    try:
+    with tp_group(config, rank, port):
         runner = ModelRunner(config, model_dir, rank, 2, "cpu")
         gdn = runner.model.model.layers[0].linear_attn
         qkv = getattr(gdn, "in_proj_qkv", None) or gdn.in_proj_qkvz
         shapes = {"qkv": qkv.base.output_sizes_per_rank[:3], "conv": tuple(gdn.conv1d.weight.shape),
                   "recurrent": tuple(runner.kv_cache.recurrent.shape)}  # fmt: skip
         results.put((rank, {**run_mixed(runner, adapter_dirs), **shapes}))
-    finally:
-        destroy_distributed()
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])

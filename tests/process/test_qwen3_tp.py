@@ -10,7 +10,15 @@ from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.worker_helpers import GREEDY, decode, forward_logits, random_prompts, run_two_ranks, tp_group
+from tests.worker_helpers import (
+    GREEDY,
+    consecutive_pages,
+    decode,
+    forward_logits,
+    random_prompts,
+    run_two_ranks,
+    tp_group,
+)
 
 DECODE_STEPS = 6
 LORA_IDS = {"q8": 1, "q16": 2}
@@ -29,10 +37,7 @@ def run_mixed(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
     assert all(r.success for r in runner.lora.load(specs))
     slots = [-1 if name is None else list(LORA_IDS).index(name) for name in MIXED]
     prompts = random_prompts(LENGTHS, runner.vocab_size, seed=51)
-    pages, next_page = [], 0
-    for prompt in prompts:
-        pages.append(list(range(next_page, next_page + -(-len(prompt) // runner.page_size))))
-        next_page += len(pages[-1])
+    pages = consecutive_pages(LENGTHS, runner.page_size)
     reqs = [ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=s)
             for p, pg, s in zip(prompts, pages, slots, strict=True)]  # fmt: skip
     logits = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=SLOT_LOADS))
