@@ -1,8 +1,8 @@
 """Torch references the kernels are checked against, with the kernels' own signatures (no tests here): the LoRA
 shrink/expand of the torch path from tensors alone (through the compiled CPU kernels for bfloat16 CPU tensors where they
-are built, as the `cpu` backend runs), the Triton backend's shrink_expand from tensors alone, paged attention in
-float32, and the model's fused ops (RMSNorm with its residual add, rotary embedding, SiLU-and-multiply) as the torch
-ops compute them. The worker never calls these: it runs its backend objects (kernels/backend.py,
+are built, as the `cpu` backend runs), the Triton backend's shrink_expand from tensors alone, paged attention (plain
+and latent) in float32, and the model's fused ops (RMSNorm with its residual add, rotary embedding, SiLU-and-multiply)
+as the torch ops compute them. The worker never calls these: it runs its backend objects (kernels/backend.py,
 worker/layers/attention.py, worker/layers/ops.py)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from types import ModuleType
 import torch
 from loraplex.kernels import cpu_ext, lora_torch
 from loraplex.kernels.checks import check_expand_args, check_shrink_args
+from loraplex.kernels.latent_attention import check_latent_decode_args, check_latent_extend_args
 from loraplex.kernels.lora_expand import column_alignment, launch_expand
 from loraplex.kernels.lora_shrink import launch_shrink, shrink_output
 from loraplex.kernels.lora_torch import expand_planned, shrink_expand_compiled, shrink_planned
@@ -170,6 +171,50 @@ def paged_extend_attention_torch(out: torch.Tensor, q: torch.Tensor, k_cache: to
         out[start : start + q_len] = _attend_one(q[start : start + q_len], k_cache, v_cache, page_table[req].tolist(),
                                                  page_size, positions, scale, window,
                                                  logit_cap).to(out.dtype)  # fmt: skip
+
+
+def _latent_attend_one(q: torch.Tensor, cache: torch.Tensor, pages: list[int], page_size: int,
+                       q_positions: torch.Tensor, latent_dim: int, scale: float) -> torch.Tensor:  # fmt: skip
+    """q (n, heads, latent + rope) at q_positions over one request's cache rows [c | k_pe] 0..max position, causal,
+    in fp32 -> (n, heads, latent_dim): every head against the one KV head, the values each row's latent."""
+    num_keys = int(q_positions.max()) + 1
+    positions = torch.arange(num_keys, device=q.device)
+    page_ids = torch.tensor(pages, dtype=torch.long, device=q.device)
+    rows = cache[page_ids[positions // page_size] * page_size + positions % page_size, 0].float()  # (keys, d)
+    scores = torch.einsum("qhd,kd->hqk", q.float(), rows) * scale  # (heads, n, keys)
+    scores = scores.masked_fill(positions[None, None, :] > q_positions[None, :, None], float("-inf"))
+    return torch.einsum("hqk,kc->qhc", scores.softmax(-1), rows[:, :latent_dim])
+
+
+def paged_latent_decode_attention_torch(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor,
+                                        page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor,
+                                        page_size: int, latent_dim: int, scale: float,
+                                        num_splits: int) -> None:  # fmt: skip
+    check_latent_decode_args(out, q, cache, page_table, kv_lens, q_rows, page_size, latent_dim, num_splits)
+    for req, (kv_len, row) in enumerate(zip(kv_lens.tolist(), q_rows.tolist(), strict=True)):
+        if kv_len == 0:
+            out[row] = 0
+            continue
+        position = torch.tensor([kv_len - 1], device=q.device)
+        out[row] = _latent_attend_one(q[row : row + 1], cache, page_table[req].tolist(), page_size, position,
+                                      latent_dim, scale)[0].to(out.dtype)  # fmt: skip
+
+
+def paged_latent_extend_attention_torch(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor,
+                                        page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
+                                        cached_lens: torch.Tensor, tile_reqs: torch.Tensor,
+                                        tile_offsets: torch.Tensor, page_size: int, latent_dim: int,
+                                        scale: float) -> None:  # fmt: skip
+    check_latent_extend_args(out, q, cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets,
+                             page_size, latent_dim)  # fmt: skip
+    for req, (start, q_len, cached) in enumerate(
+        zip(q_starts.tolist(), q_lens.tolist(), cached_lens.tolist(), strict=True)
+    ):
+        if q_len == 0:
+            continue
+        positions = cached + torch.arange(q_len, device=q.device)
+        out[start : start + q_len] = _latent_attend_one(q[start : start + q_len], cache, page_table[req].tolist(),
+                                                        page_size, positions, latent_dim, scale).to(out.dtype)
 
 
 # ---- the model's fused ops: the torch ops the model runs without them (worker/layers/ops.py) -------------------------
