@@ -82,7 +82,7 @@ class ModelRunner:
             self.kv_heads,
             self.kv_head_dim,
             self.backend.cpu_kernels,
-            values_in_keys=self.kv_parts == 1,
+            latent_dim=self.model_config.mla.kv_lora_rank if self.model_config.mla is not None else None,
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
         # the norms', rotary's and activation's, bound as the layers are built
@@ -178,6 +178,10 @@ class ModelRunner:
             return None
         if self.model_config.linear_attention is not None:
             logger.info("--enable-cuda-graph is ignored for %s: its linear-attention layers run eagerly",
+                        self.model_config.model_type)
+            return None
+        if self.model_config.mla is not None:  # the graphs' static metadata is built for the plain kernels
+            logger.info("--enable-cuda-graph is ignored for %s: its latent attention runs eagerly",
                         self.model_config.model_type)
             return None
         if self.device.type != "cuda":

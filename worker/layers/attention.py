@@ -122,7 +122,9 @@ class BatchAttention(Protocol):
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: LayerAttention | None = None
     ) -> torch.Tensor:
-        """`layer` None: head_dim ** -0.5, no window, no cap."""
+        """-> (tokens, heads, head_dim); `layer` None: head_dim ** -0.5, no window, no cap. For latent attention
+        (k_cache is v_cache) the torch backend returns whole heads and the triton backend only the values' leading
+        latent dims (select_attention_backend's latent_dim): the model keeps those."""
         ...
 
 
@@ -204,20 +206,19 @@ def select_attention_backend(
     head_dim: int,
     cpu_kernels: ModuleType | None = None,
     *,
-    values_in_keys: bool = False,
+    latent_dim: int | None = None,
 ) -> AttentionBackend:
     """The attention backend for this worker (`--attention-backend`), or AttentionBackendError (one line).
     Heads: this rank's. `cpu_kernels`: the compiled CPU module the worker's LoRA backend built (cpu_ext), or None.
-    `values_in_keys`: latent attention, whose one cache tensor is keys and values both (its values the leading
-    part of each key); SDPA takes it as any other, the paged kernels are not built for it."""
+    `latent_dim`: latent attention, whose one cache tensor (one KV head of head_dim) is keys and values both, the
+    values each key's leading latent_dim dims; SDPA takes it as any other, the triton backend with its latent
+    kernels (its output only the latent dims), the CPU kernels not at all."""
     device = torch.device(device)
     if choice not in ATTENTION_BACKENDS:
         raise AttentionBackendError(f"--attention-backend {choice!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
-    if values_in_keys:
-        if choice not in ("auto", "torch"):
-            raise AttentionBackendError(f"--attention-backend {choice}: latent attention runs the torch backend")
-        return SDPAAttention(device)
-    cpu_runs = device.type == "cpu" and cpu_kernels is not None
+    if latent_dim is not None and choice == "cpu":
+        raise AttentionBackendError("--attention-backend cpu: latent attention runs the triton or torch backend")
+    cpu_runs = device.type == "cpu" and cpu_kernels is not None and latent_dim is None
     if choice == "cpu" and not cpu_runs:
         raise AttentionBackendError(
             f"--attention-backend cpu needs the compiled CPU kernels (bfloat16 on a CPU, --lora-backend cpu or auto); "
@@ -235,7 +236,7 @@ def select_attention_backend(
         return SDPAAttention(device)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise AttentionBackendError(f"--attention-backend triton needs a CUDA device; this worker runs on {device}")
-    return TritonAttention(device, num_kv_heads)
+    return TritonAttention(device, num_kv_heads, num_heads=num_heads, latent_dim=latent_dim)
 
 
 def paged_attention(
