@@ -9,7 +9,8 @@ variant is compiled once per target and recorded.
 Needs TRITON_INTERPRET unset or 0 when the kernels are imported (the interpreter wraps @triton.jit functions in
 something that cannot be compiled), so the tests run it in a child process: `python tests/triton_aot.py` prints the
 attention warm-up's variants and the variants of a sweep of real batches, as JSON; `python tests/triton_aot.py
-model-ops` the same for the model's fused ops (RMSNorm with its residual add, rotary embedding, SiLU-and-multiply).
+model-ops` the same for the model's fused ops (RMSNorm with its residual add, rotary embedding, SiLU-and-multiply);
+`python tests/triton_aot.py latent` for latent attention's kernels at DeepSeek-V3's dims.
 """
 
 from __future__ import annotations
@@ -107,24 +108,13 @@ ATTENTION_CONFIGS = [
 KERNELS_PER_CONFIG = 4  # decode, decode with splits, the splits' merge, extend
 
 
-def _attention_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, int, int], page_size: int) -> dict:
+def _sweep_batches(num_pages: int, page_size: int) -> list:
+    """Real batches of every kind the scheduler sends: decodes only (short and long, 1..40 requests, so 1 to many
+    splits and page tables of every width), prefills with and without a cached prefix, and both mixed."""
     import random
 
-    import torch
     from loraplex.protocol.structs import ForwardReq, SamplingParams
-    from loraplex.worker.layers.triton_attention import TritonAttention
 
-    heads, kv_heads, head_dim = shape
-    dtype = getattr(torch, dtype_name)
-    cpu = torch.device("cpu")
-    num_pages = 4096 // page_size
-    kv = torch.zeros(2, num_pages * page_size, kv_heads, head_dim, dtype=dtype)
-    backend = TritonAttention(cpu, kv_heads)
-    with compile_only(target) as log:
-        backend.warmup((kv[0], kv[1]), heads, page_size)
-    warmup_keys = set(log.compiled)
-    # Real batches of every kind the scheduler sends: decodes only (short and long, 1..40 requests, so 1 to many
-    # splits and page tables of every width), prefills with and without a cached prefix, and both mixed.
     rng = random.Random(0)
     batches = []
     for num_decodes, num_extends in ((1, 0), (3, 0), (40, 0), (0, 1), (0, 3), (5, 2), (16, 1)):
@@ -137,8 +127,24 @@ def _attention_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, in
             reqs.append(ForwardReq(input_ids=[1] * new, num_cached_tokens=cached, page_ids=pages,
                                    sampling=SamplingParams()))  # fmt: skip
         batches.append(reqs)
+    return batches
+
+
+def _attention_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, int, int], page_size: int) -> dict:
+    import torch
+    from loraplex.worker.layers.triton_attention import TritonAttention
+
+    heads, kv_heads, head_dim = shape
+    dtype = getattr(torch, dtype_name)
+    cpu = torch.device("cpu")
+    num_pages = 4096 // page_size
+    kv = torch.zeros(2, num_pages * page_size, kv_heads, head_dim, dtype=dtype)
+    backend = TritonAttention(cpu, kv_heads)
+    with compile_only(target) as log:
+        backend.warmup((kv[0], kv[1]), heads, page_size)
+    warmup_keys = set(log.compiled)
     with compile_only(target) as sweep:
-        for reqs in batches:
+        for reqs in _sweep_batches(num_pages, page_size):
             num_tokens = sum(len(r.input_ids) for r in reqs)
             starts = [sum(len(r.input_ids) for r in reqs[:i]) for i in range(len(reqs))]
             qkv = torch.zeros(num_tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
@@ -146,6 +152,45 @@ def _attention_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, in
             page_tables = torch.zeros(len(reqs), 1, dtype=torch.long)  # the SDPA backend's; unused here
             inputs = backend.build(reqs, starts, page_tables, torch.zeros(num_tokens, dtype=torch.long), page_size)
             inputs.attend(q, kv[0], kv[1])
+    return {
+        "compiled": [vars(c) for c in log.compiled.values()],
+        "warmup_keys": sorted(warmup_keys),
+        "serving_keys": sorted(set(sweep.launches)),
+    }
+
+
+# ---- latent attention (DeepSeek-V3's 512 + 64 cache rows): the warm-up's variants, and those of real batches ---------
+
+# (dtype, query heads per rank, page size): 128 heads at TP=1, 16 at TP=8 in bfloat16 (the CUDA default) and float16,
+# float32 (the largest tiles), and pages of 64 tokens.
+LATENT_CONFIGS = [
+    ("bfloat16", 128, 16),
+    ("bfloat16", 16, 16),
+    ("float16", 16, 64),
+    ("float32", 16, 16),
+]
+LATENT_DIMS = (512, 64)  # kv_lora_rank, qk_rope_head_dim
+
+
+def _latent_variants(target: GPUTarget, dtype_name: str, heads: int, page_size: int) -> dict:
+    import torch
+    from loraplex.worker.layers.triton_attention import TritonAttention
+
+    latent_dim, rope_dim = LATENT_DIMS
+    dtype = getattr(torch, dtype_name)
+    cache = torch.zeros(4096, 1, latent_dim + rope_dim, dtype=dtype)  # keys and values: one tensor
+    backend = TritonAttention(torch.device("cpu"), 1, num_heads=heads, latent_dim=latent_dim)
+    with compile_only(target) as log:
+        backend.warmup((cache, cache), heads, page_size)
+    warmup_keys = set(log.compiled)
+    with compile_only(target) as sweep:
+        for reqs in _sweep_batches(4096 // page_size, page_size):
+            num_tokens = sum(len(r.input_ids) for r in reqs)
+            starts = [sum(len(r.input_ids) for r in reqs[:i]) for i in range(len(reqs))]
+            q = torch.zeros(num_tokens, heads, latent_dim + rope_dim, dtype=dtype)  # as the model builds it
+            page_tables = torch.zeros(len(reqs), 1, dtype=torch.long)  # the SDPA backend's; unused here
+            inputs = backend.build(reqs, starts, page_tables, torch.zeros(num_tokens, dtype=torch.long), page_size)
+            inputs.attend(q, cache, cache)
     return {
         "compiled": [vars(c) for c in log.compiled.values()],
         "warmup_keys": sorted(warmup_keys),
@@ -268,6 +313,11 @@ def main() -> None:
         if sys.argv[1:] == ["quant"]:
             for model in QUANT_SHAPES:
                 results += _quant_variants(target, model)
+            continue
+        if sys.argv[1:] == ["latent"]:
+            for dtype_name, heads, page_size in LATENT_CONFIGS:
+                found = _latent_variants(target, dtype_name, heads, page_size)
+                results.append({"arch": arch, "dtype": dtype_name, "heads": heads, "page_size": page_size, **found})
             continue
         if sys.argv[1:] == ["model-ops"]:
             for dtype_name, shape in MODEL_OPS_CONFIGS:

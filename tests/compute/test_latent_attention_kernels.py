@@ -270,7 +270,7 @@ def test_latent_kernels_compile_for_sm90_and_sm80() -> None:
     for result in results:
         where = f"sm_{result['arch']} {result['dtype']} heads {result['heads']} page {result['page_size']}"
         assert len(result["compiled"]) == triton_aot.KERNELS_PER_CONFIG, where
-        assert sorted(result["serving_keys"]) == result["warmup_keys"], where
+        assert set(result["serving_keys"]) <= set(result["warmup_keys"]), where
         for compiled in result["compiled"]:
             assert compiled["arch"] == result["arch"]
             assert compiled["shared_bytes"] <= triton_aot.SHARED_LIMIT[result["arch"]], (where, compiled)
