@@ -117,8 +117,8 @@ def _latent_decode_kernel(
     for block_start in range(start, end, BLOCK_N):
         pos = block_start + tl.arange(0, BLOCK_N)  # (BN,) key positions
         pos_mask = pos < end
-        # every head sees every key of its split: (1, BN), broadcast over the heads
-        m, row_sum, acc = _latent_block(q_c, q_pe, cache_ptr, page_row, pos, pos_mask, pos_mask[None, :], m, row_sum, acc,
+        visible = pos_mask[None, :]  # (1, BN): every head sees every key of its split
+        m, row_sum, acc = _latent_block(q_c, q_pe, cache_ptr, page_row, pos, pos_mask, visible, m, row_sum, acc,
                                         scale, stride_cache_slot, LATENT_DIM, BLOCK_C, ROPE_DIM, BLOCK_R, PAGE_SIZE,
                                         DOT_PRECISION)  # fmt: skip
     has_keys = row_sum > 0  # false for an empty split, or a request with no keys

@@ -214,7 +214,8 @@ def paged_latent_extend_attention_torch(out: torch.Tensor, q: torch.Tensor, cach
             continue
         positions = cached + torch.arange(q_len, device=q.device)
         out[start : start + q_len] = _latent_attend_one(q[start : start + q_len], cache, page_table[req].tolist(),
-                                                        page_size, positions, latent_dim, scale).to(out.dtype)
+                                                        page_size, positions, latent_dim,
+                                                        scale).to(out.dtype)  # fmt: skip
 
 
 # ---- the model's fused ops: the torch ops the model runs without them (worker/layers/ops.py) -------------------------

@@ -182,7 +182,7 @@ class ModelRunner:
             return None
         if self.model_config.mla is not None:  # the graphs' static metadata is built for the plain kernels
             logger.info("--enable-cuda-graph is ignored for %s: its latent attention runs eagerly",
-                        self.model_config.model_type)
+                        self.model_config.model_type)  # fmt: skip
             return None
         if self.device.type != "cuda":
             logger.info("--enable-cuda-graph is ignored on %s: CUDA graphs need a CUDA device", self.device.type)

@@ -46,8 +46,14 @@ class LatentSetup:
         reqs = []
         for cached, new in spec:
             num = -(-(cached + new) // PAGE_SIZE)
-            reqs.append(ForwardReq(input_ids=[0] * new, num_cached_tokens=cached,
-                                   page_ids=list(itertools.islice(pages, num)), sampling=SamplingParams()))
+            reqs.append(
+                ForwardReq(
+                    input_ids=[0] * new,
+                    num_cached_tokens=cached,
+                    page_ids=list(itertools.islice(pages, num)),
+                    sampling=SamplingParams(),
+                )
+            )
         inputs = BatchInputs.build(reqs, PAGE_SIZE, self.num_pages, 1 << 20, self.dev, self.attention).attention
         q = self.randn(sum(new for _, new in spec), self.heads, self.latent_dim + self.rope_dim)
         return reqs, inputs, q
@@ -104,8 +110,13 @@ def latent_attention(ctx: Context) -> None:
                     worst = max(worst, err)
                 if name == "long_decode":  # the batch exists to test the split path: it must take it
                     splits[label] = inputs.decode.num_splits
-                    rec.check(f"{label}.splits", splits[label] > 1, splits[label], "> 1",
-                              "key splits of the latent decode kernel, merged by the merge kernel")
+                    rec.check(
+                        f"{label}.splits",
+                        splits[label] > 1,
+                        splits[label],
+                        "> 1",
+                        "key splits of the latent decode kernel, merged by the merge kernel",
+                    )
     rec.figure("latent_max_err", worst)
     rec.figure("latent_decode_splits", splits)
     if ctx.skip_unless_cuda("latent_decode_timing"):
@@ -124,9 +135,12 @@ def _decode_timing(ctx: Context) -> None:
         for batch in (1, 32, 128):
             for context in (2048, 8192):
                 _, inputs, q = setup.batch([(context - 1, 1)] * batch)
-                us = median(time_ms(lambda a=(inputs, q): setup.run(*a), setup.dev, reps=ctx.reps(),
+                us = median(time_ms(lambda s=setup, a=(inputs, q): s.run(*a), setup.dev, reps=ctx.reps(),
                                     warmups=ctx.warmups())) * 1e3  # fmt: skip
                 cache_bytes = batch * context * (setup.latent_dim + setup.rope_dim) * 2
-                table[f"h{heads}_B{batch}_ctx{context}"] = {"us": us, "splits": inputs.decode.num_splits,
-                                                            "x_kv_roofline": us / (cache_bytes / copy_gbps / 1e3)}
+                table[f"h{heads}_B{batch}_ctx{context}"] = {
+                    "us": us,
+                    "splits": inputs.decode.num_splits,
+                    "x_kv_roofline": us / (cache_bytes / copy_gbps / 1e3),
+                }
     ctx.rec.figure("latent_decode_timing", table)

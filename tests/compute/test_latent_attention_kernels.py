@@ -277,7 +277,9 @@ def test_latent_kernels_compile_for_sm90_and_sm80() -> None:
 
 
 @pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="the interpreter's runs, on the CPU")
-def test_deepseek_v3_worker_on_the_triton_backend_matches_torch(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_deepseek_v3_worker_on_the_triton_backend_matches_torch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     # A tiny DeepSeek-V3 (latent 32 + rope 8, 4 heads) in fp32 through the worker with each backend, the same batches:
     # two prefills, then their decodes beside a new prefill and a chunk over a cached prefix; every token's logits.
     import logging
