@@ -37,7 +37,11 @@ def test_dummy_weights_at_published_widths_with_fewer_layers(name: str, tmp_path
     runner = make_runner(model_dir, load_format="dummy", hf_overrides={**CUT, **cut}, max_running_requests=2)
     config, la = runner.model_config, runner.model_config.linear_attention
     assert (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim) == (
-        published.hidden_size, published.num_attention_heads, published.num_key_value_heads, published.head_dim)
+        published.hidden_size,
+        published.num_attention_heads,
+        published.num_key_value_heads,
+        published.head_dim,
+    )
     assert (la.num_value_heads, la.key_head_dim, la.value_head_dim, la.conv_kernel_size) == (
         published.linear_num_value_heads, published.linear_key_head_dim, published.linear_value_head_dim,
         published.linear_conv_kernel_dim)  # fmt: skip
