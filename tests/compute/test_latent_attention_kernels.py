@@ -293,9 +293,12 @@ def test_deepseek_v3_worker_on_the_triton_backend_matches_torch(
     runners = {}
     with caplog.at_level(logging.INFO, logger="loraplex.worker.model_runner"):
         for backend in ("torch", "triton"):
-            runners[backend] = make_runner(tmp_path, attention_backend=backend)
+            runners[backend] = make_runner(tmp_path, attention_backend=backend, enable_cuda_graph=backend == "triton")
     assert runners["triton"].attention.name == "triton" and runners["triton"].attention.latent_dim == 32
     assert "triton attention kernels compiled: 4 launches in" in caplog.text
+    # the graphs' static metadata is the plain kernels': latent attention decodes eagerly
+    assert runners["triton"].decode_graphs is None
+    assert "--enable-cuda-graph is ignored for deepseek_v3: its latent attention runs eagerly" in caplog.text
     a, b, c, d = random_prompts([9, 20, 6, 30], runners["torch"].vocab_size, seed=3)
     page = runners["torch"].page_size
     d[: 4 * page] = b[: 4 * page]  # d's first four pages are b's, cached

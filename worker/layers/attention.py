@@ -9,7 +9,7 @@ That is the `torch` attention backend. The `cpu` one (bfloat16 on a CPU where th
 shapes they take) is the same but for the group of decodes, which goes to cpu_ext's decode_attention: it reads each
 request's keys and values straight from its pages, no gathered copy, no padding, no mask. The `triton` one
 (worker/layers/triton_attention.py; CUDA by default) reads every request's keys and values from its pages in Triton
-kernels. The worker picks one at start-up (`select_attention_backend`); it builds each batch's AttentionInputs-like
+kernels (latent attention's one tensor of [latent | rope key] rows with kernels of its own). The worker picks one at start-up (`select_attention_backend`); it builds each batch's AttentionInputs-like
 object, whose `attend` the model reaches through `paged_attention`, so model code never knows which backend runs.
 
 A layer's own attention (softmax scale, sliding window, logit soft-cap: worker/layers/attention_spec.py) comes with
