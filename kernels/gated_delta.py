@@ -196,8 +196,9 @@ def check_conv_args(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Te
     _check_float(op, "weight", weight, 2, x.device)
     channels, kernel = weight.shape
     if x.shape[1] != channels or conv_states.shape[1:] != (channels, kernel - 1):
-        raise ValueError(f"{op}: x (tokens, {channels}) and conv_states (slots, {channels}, {kernel - 1}) must match "
-                         f"weight {tuple(weight.shape)}, got {tuple(x.shape)} and {tuple(conv_states.shape)}")  # fmt: skip
+        raise ValueError(f"{op}: x (tokens, {channels}) and conv_states (slots, {channels}, {kernel - 1}) must "
+                         f"match weight {tuple(weight.shape)}, got {tuple(x.shape)} and "
+                         f"{tuple(conv_states.shape)}")  # fmt: skip
 
 
 def _launch_conv(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, table: torch.Tensor,
