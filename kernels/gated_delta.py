@@ -34,11 +34,14 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def _request(table_ptr, num_reqs, req, ONE_TOKEN: tl.constexpr):
     """(first row, tokens, slot) of request `req`: the table's columns, or row req, one token, slot table[req]."""
-    if ONE_TOKEN:
-        return req.to(tl.int64), 1, tl.load(table_ptr + req).to(tl.int64)
-    start = tl.load(table_ptr + req).to(tl.int64)
-    num_tokens = tl.load(table_ptr + num_reqs + req)
-    slot = tl.load(table_ptr + 2 * num_reqs + req).to(tl.int64)
+    if ONE_TOKEN:  # a constexpr: only one branch is compiled
+        start = req.to(tl.int64)
+        num_tokens = 1
+        slot = tl.load(table_ptr + req).to(tl.int64)
+    else:
+        start = tl.load(table_ptr + req).to(tl.int64)
+        num_tokens = tl.load(table_ptr + num_reqs + req)
+        slot = tl.load(table_ptr + 2 * num_reqs + req).to(tl.int64)
     return start, num_tokens, slot
 
 
