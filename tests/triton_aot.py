@@ -293,6 +293,9 @@ def _gated_delta_variants(target: GPUTarget, dtype_name: str, state_dtype_name: 
     weight = torch.zeros(channels, 1, kernel, dtype=dtype)[:, 0]  # as the layer slices conv1d.weight
     mixer = TritonDeltaMixer()
     with compile_only(target) as log:
+        mixer.warmup(conv_states, states, weight, key_heads)
+    warmup_keys = set(log.compiled)
+    with compile_only(target) as sweep:
         for num_new in GATED_DELTA_BATCHES:
             num_tokens = sum(num_new)
             batch = StateBatch.of(list(range(len(num_new))), num_new, cpu)
@@ -302,7 +305,8 @@ def _gated_delta_variants(target: GPUTarget, dtype_name: str, state_dtype_name: 
             beta = torch.zeros(num_tokens, value_heads, dtype=dtype)
             mixer.rule(q.view(num_tokens, key_heads, dk), k.view(num_tokens, key_heads, dk),
                        v.view(num_tokens, value_heads, dv), g, beta, states, batch)  # fmt: skip
-    return {"compiled": [vars(c) for c in log.compiled.values()], "launches": log.launches}
+    return {"compiled": [vars(c) for c in log.compiled.values()], "warmup_keys": sorted(warmup_keys),
+            "serving_keys": sorted(set(sweep.launches)), "launches": sweep.launches}  # fmt: skip
 
 
 def main() -> None:

@@ -202,9 +202,9 @@ def test_hybrid_model_on_the_kernels_matches_torch_ops(arch: str, tmp_path: Path
 
 
 def test_every_variant_compiles_for_sm90_and_sm80() -> None:
-    # In a child without the interpreter (tests/triton_aot.py gated-delta): the four kernels, launched through the
-    # Triton mixer on batches of every kind, compiled through ptxas for each target and each model shape; batches of
-    # other sizes meet no new variant.
+    # In a child without the interpreter (tests/triton_aot.py gated-delta): the start-up warm-up's launches
+    # (TritonDeltaMixer.warmup: the four kernels) compiled through ptxas for each target and model shape, and a sweep
+    # of batches of every kind through the Triton mixer meets no variant the warm-up did not.
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     proc = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "triton_aot.py"), "gated-delta"], env=env,
                           capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])  # fmt: skip
@@ -215,5 +215,6 @@ def test_every_variant_compiles_for_sm90_and_sm80() -> None:
         where = f"sm_{result['arch']} {result['dtype']} state {result['state_dtype']} {result['shape']}"
         assert len(result["compiled"]) == triton_aot.GATED_DELTA_KERNELS, where
         assert len(result["launches"]) == 2 * len(triton_aot.GATED_DELTA_BATCHES), where
+        assert result["serving_keys"] == result["warmup_keys"], where
         assert all(c["arch"] == result["arch"] for c in result["compiled"]), where
         assert all(c["shared_bytes"] <= triton_aot.SHARED_LIMIT[result["arch"]] for c in result["compiled"]), where

@@ -50,6 +50,9 @@ class TorchDeltaMixer:
             states[slots] = new.to(states.dtype)
         return out
 
+    def warmup(self, conv_states: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, key_heads: int) -> int:
+        return 0  # nothing compiles
+
 
 class TritonDeltaMixer:
     """A batch of decodes only (its rows are its requests) takes the one-token launches and the decode slots; any
@@ -68,6 +71,24 @@ class TritonDeltaMixer:
         if not batch.prefills:
             return delta_rule_decode_triton(q, k, v, g, beta, states, batch.decode_slots)
         return delta_rule_triton(q, k, v, g, beta, states, batch.table)
+
+    def warmup(self, conv_states: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, key_heads: int) -> int:
+        """Compile the four kernels before the first request: a pass of one decode, then one of a decode beside a
+        prompt, in slot 0 of a layer's states, on zero inputs laid out as the layer lays them out (their constexprs
+        follow the model's sizes and dtypes only, and no token or request count is specialized on). Zero inputs
+        leave a zero slot zero, and a request from position 0 zeroes its slot anyway."""
+        device, dtype = weight.device, weight.dtype
+        value_heads, dk, dv = states.shape[1:]
+        for num_new in ([1], [1, 2]):
+            batch = StateBatch.of(list(range(len(num_new))), num_new, device)
+            num_tokens = sum(num_new)
+            mixed = torch.zeros(num_tokens, weight.shape[0], dtype=dtype, device=device)
+            q, k, v = self.conv(mixed, conv_states, weight, batch).split([key_heads * dk] * 2 + [value_heads * dv], -1)
+            g = torch.zeros(num_tokens, value_heads, device=device)
+            beta = torch.zeros(num_tokens, value_heads, dtype=dtype, device=device)
+            self.rule(q.view(num_tokens, key_heads, dk), k.view(num_tokens, key_heads, dk),
+                      v.view(num_tokens, value_heads, dv), g, beta, states, batch)  # fmt: skip
+        return 4
 
 
 DeltaMixer = TorchDeltaMixer | TritonDeltaMixer

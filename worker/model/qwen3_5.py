@@ -112,6 +112,10 @@ class GatedDeltaNet(HeadShardedParam):
         """q | k | v (tokens, conv channels of this shard), z (tokens, value_heads * dv), b, a (tokens, value_heads)"""
         return self.in_proj_qkv(hidden), self.in_proj_z(hidden), self.in_proj_b(hidden), self.in_proj_a(hidden)
 
+    def warmup(self, conv_states: torch.Tensor, states: torch.Tensor) -> int:
+        """Compile the mixer's kernels on this layer's states (slot 0 left zero); the launches made."""
+        return self.mixer.warmup(conv_states, states, self.conv1d.weight[:, 0], self.qkv_sizes[0] // self.key_head_dim)
+
     def forward(self, hidden: torch.Tensor, state: LayerState) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         mixed, z, b, a = self.project(hidden)
