@@ -264,8 +264,9 @@ def _quant_variants(target: GPUTarget, model: str) -> list[dict]:
 
 # ---- Gated DeltaNet's kernels (kernels/gated_delta.py), launched by the layer's Triton mixer -------------------------
 
-# (dtype, state dtype, (key_heads, value_heads, dk, dv, conv kernel) per rank): Qwen3-Next-80B-A3B's linear attention
-# in every activation dtype, its state in float32 too (--mamba-ssm-cache-dtype float32), and its shard at TP=4.
+# (dtype, state dtype, (key_heads, value_heads, dk, dv, conv kernel) per rank): the linear attention of
+# Qwen3-Next-80B-A3B, Qwen3.5-27B and Qwen3.5-35B-A3B (one shape: transformers' config defaults) in every activation
+# dtype, its state in float32 too (--mamba-ssm-cache-dtype float32), and its shard at TP=4.
 GATED_DELTA_CONFIGS = [
     ("bfloat16", "bfloat16", (16, 32, 128, 128, 4)),
     ("bfloat16", "float32", (16, 32, 128, 128, 4)),

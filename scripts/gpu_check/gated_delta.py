@@ -3,13 +3,14 @@ launched as the layer's Triton mixer launches them, against the torch mixer on t
 at Qwen3-Next-80B's shape per rank in bf16 with the state slots in bf16 and in fp32: a batch of decodes (the one-token
 launches) and a mixed batch of decodes and prompts (the varlen launches; one prompt of 1000 tokens), each request in a
 scattered slot. Then both mixers timed on a decode batch and a prefill. On a CPU dry run: a tiny shape in fp16 in the
-interpreter (its bf16 dot is wrong), the state slots in fp16 only, no timings."""
+interpreter (its bf16 dot is wrong), the state slots in fp16 only, no timings; in the sanitizer's run (kernels_small)
+the same tiny shape in bf16, untimed."""
 
 from __future__ import annotations
 
 from scripts.gpu_check.lib import Context, max_rel_err, median, time_ms
 
-SHAPE = (16, 32, 128, 128, 4)  # key heads, value heads, dk, dv, conv kernel: Qwen3-Next-80B-A3B at TP=1
+SHAPE = (16, 32, 128, 128, 4)  # key heads, value heads, dk, dv, conv kernel: Qwen3-Next-80B-A3B's (and Qwen3.5's)
 DRY_SHAPE = (2, 4, 16, 24, 4)
 BATCHES = {"decode32": [1] * 32, "mixed": [1] * 8 + [300, 37, 64, 1000]}
 DRY_BATCHES = {"decode3": [1] * 3, "mixed": [1, 1, 20, 3]}
@@ -85,14 +86,16 @@ def _timings(ctx: Context, dtype) -> dict:
     return figures
 
 
-def check_gated_delta(ctx: Context) -> None:
+def check_gated_delta(ctx: Context, small: bool = False) -> None:
+    """small: the sanitizer's run (kernels_small), the dry run's shapes and batches in bf16, untimed."""
     import torch
 
     dtype_name = "float16" if ctx.dry_run else "bfloat16"
     dtype = getattr(torch, dtype_name)
-    shape, batches = (DRY_SHAPE, DRY_BATCHES) if ctx.dry_run else (SHAPE, BATCHES)
+    tiny = ctx.dry_run or small
+    shape, batches = (DRY_SHAPE, DRY_BATCHES) if tiny else (SHAPE, BATCHES)
     worst: dict = {}
-    for state_dtype in (dtype,) if ctx.dry_run else (dtype, torch.float32):
+    for state_dtype in (dtype,) if tiny else (dtype, torch.float32):
         for batch_name, num_new in batches.items():
             name = f"gated_delta.{batch_name}.{dtype_name}.state_{str(state_dtype).removeprefix('torch.')}"
             try:
@@ -100,6 +103,8 @@ def check_gated_delta(ctx: Context) -> None:
             except Exception as e:  # one case's failure is its check's, not the group's
                 ctx.rec.check(name, False, None, None, f"{type(e).__name__}: {e}"[:300])
     ctx.rec.figure("gated_delta_worst_rel_err", worst)
+    if small:
+        return
     if ctx.dry_run:
         ctx.rec.skip("DELTA_PREFILL_SLOW", "dry-run: interpreter timings mean nothing")
         return

@@ -262,6 +262,7 @@ def g1_kernels(ctx: Context) -> None:
 
 def kernels_small(ctx: Context) -> None:
     _run_cases(ctx, _cases(ctx, SMALL_CASES))
+    check_gated_delta(ctx, small=True)
 
 
 # ---- G6: kernel perf ---------------------------------------------------------------------------------------------
