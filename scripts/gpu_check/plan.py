@@ -59,7 +59,7 @@ GROUPS = [
     Group("g7", "tp2", 40, 90, "scripts.gpu_check.tp", "g7_tp2", 35),
     # off by default: under memcheck the small kernels alone take minutes; --sanitizer gives it SANITIZER_S
     Group(SANITIZER, "sanitizer", SANITIZER_S, 30, "scripts.gpu_check.tp", "g8_sanitizer", 180, in_default_run=False),
-    Group("kernels_small", "kernels_small", 20, 60, "scripts.gpu_check.kernels", "kernels_small", 15,
+    Group("kernels_small", "kernels_small", 20, 120, "scripts.gpu_check.kernels", "kernels_small", 15,
           in_default_run=False),
 ]
 
