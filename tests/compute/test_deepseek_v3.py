@@ -26,6 +26,7 @@ from tests.lora_helpers import (
     build_peft_adapter,
     greedy_decode,
     load_all,
+    mixed_prefill_decode_logits,
     slot_loads,
     slot_of,
 )
@@ -42,8 +43,6 @@ from tests.reference import (
 from tests.worker_helpers import (
     GREEDY,
     chunked_prefill_after_a_prefix,
-    consecutive_pages,
-    forward_logits,
     make_runner,
     random_prompts,
 )
@@ -212,33 +211,6 @@ def test_kv_b_proj_adapter_enters_either_form(
     without = batch_logits(runner, [prompt], ["a8"])[0]
     assert (with_term - ref).abs().max().item() <= LOGITS_TOL
     assert (without - ref).abs().max().item() > MIN_ADAPTER_EFFECT
-
-
-def mixed_prefill_decode_logits(
-    runner: ModelRunner,
-) -> tuple[list[list[int]], list[int], list[str | None], list[torch.Tensor]]:
-    """One batch of decodes and prefills in turn: three requests prefilled first now decode one token each (a4,
-    base, a8), between a new prompt (a8) and the second chunk of a prompt whose first chunk went with the first
-    batch (a4). Returns each request's whole sequence, its number of tokens computed before, its adapter, and its
-    new tokens' (new, vocab) logits from the mixed batch."""
-    prompts = random_prompts([7, 5, 6, 9, 10], runner.vocab_size, seed=15)
-    extra = random_prompts([3], runner.vocab_size, seed=16)[0]
-    sequences = [prompts[0] + extra[:1], prompts[3], prompts[1] + extra[1:2], prompts[4], prompts[2] + extra[2:]]
-    names = ["a4", "a8", None, "a4", "a8"]
-    cached = [7, 0, 5, 4, 6]  # tokens in the cache before the mixed batch (the chunked prompt: its first 4)
-    pages = consecutive_pages([len(seq) for seq in sequences], runner.page_size, first=20)
-    first = [ForwardReq(input_ids=seq[:n], num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=slot_of(name))
-             for seq, n, pg, name in zip(sequences, cached, pages, names, strict=True) if n]  # fmt: skip
-    forward_logits(runner, ForwardBatch(batch_id=0, reqs=first, slot_loads=slot_loads(names)))
-    mixed = [ForwardReq(input_ids=seq[n:], num_cached_tokens=n, page_ids=pg, sampling=GREEDY, slot=slot_of(name))
-             for seq, n, pg, name in zip(sequences, cached, pages, names, strict=True)]  # fmt: skip
-    logits = forward_logits(runner, ForwardBatch(batch_id=1, reqs=mixed))
-    return (
-        sequences,
-        cached,
-        names,
-        list(logits.split([len(seq) - n for seq, n in zip(sequences, cached, strict=True)])),
-    )
 
 
 def test_mixed_prefill_and_decode_batch_matches_peft(adapter_case, form_rows: Counter) -> None:

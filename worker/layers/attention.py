@@ -14,6 +14,12 @@ object, whose `attend` the model reaches through `paged_attention`, so model cod
 
 A layer's own attention (softmax scale, sliding window, logit soft-cap: worker/layers/attention_spec.py) comes with
 each call; the batch's metadata is shared by every layer. Soft-capped scores run eager attention here (SDPA has no cap).
+
+Latent attention (worker/model/deepseek_v3.py) runs its decodes and its prefills in different forms, so the torch
+backend's metadata also hands out its two groups as BatchParts (`decodes_and_prefills`): a part takes and places its
+requests' rows of the batch, attends over the cache as `attend` does, or gathers its requests' whole context (cached
+and new tokens, padded to whole pages as SDPA reads them) for the model to transform and attend over
+(`gather_context`, `attend_context`). RowOwners say which request each of those rows serves, for kv_b_proj's LoRA.
 """
 
 from __future__ import annotations

@@ -3,14 +3,29 @@ experts and a grouped sigmoid router; the first `first_k_dense_replace` layers k
 
 Latent attention. Per token, kv_a_proj_with_mqa gives a latent c (kv_lora_rank, RMS-normed) and one rotary key k_pe
 shared by every head; kv_b_proj expands c to each head's k_nope and v. The paged cache holds only [c | k_pe] per token
-and layer (one "head" of kv_lora_rank + qk_rope_head_dim, keys and values in one tensor), and attention runs in the
-absorbed form for prefill and decode alike, exact in exact arithmetic:
+and layer (one "head" of kv_lora_rank + qk_rope_head_dim, keys and values in one tensor). Attention runs in one of two
+forms, equal in exact arithmetic, chosen per request by its number of new tokens:
+
+Prefills (several new tokens): the expanded form, the reference's own. The request's whole context, cached prefix
+pages and the new tokens alike, is gathered from the cache as [c | k_pe] and expanded by kv_b_proj applied as a
+linear to [k_nope | v] per head; q = [q_nope | q_pe] attends to k = [k_nope | k_pe] (k_pe broadcast over the heads)
+and v, causally. With many new tokens it is the cheaper form: each head's scores and outputs run over qk_head_dim and
+v_head_dim, not kv_lora_rank + rope, and the expansion is paid once per context token (once per chunk, in a chunked
+prefill), shared by all of the new tokens.
+
+Decodes (one new token): the absorbed form, which never expands the context:
     score(q, j) = q_nope · (W_uk c_j) + q_pe · k_pe_j = (W_ukᵀ q_nope) · c_j + q_pe · k_pe_j
     out         = Σ_j p_j W_uv c_j = W_uv (Σ_j p_j c_j)
 so the query per head becomes [W_ukᵀ q_nope | q_pe] against the cached [c | k_pe] (multi-query attention with one KV
 head), and the attention's output per head is the latent Σ p_j c_j (the leading kv_lora_rank of the values [c | k_pe],
-the rope part dropped), mapped to v_head_dim by W_uv. kv_b_proj's `absorb_query` and `expand_values` do the two
-products, so a LoRA wrapper on kv_b_proj adds its adapter's term to both (worker/lora/latent.py).
+the rope part dropped), mapped to v_head_dim by W_uv. For one query token this reads each cached latent once; the
+expanded form would expand the whole context for it.
+
+A batch holding both kinds is split (the attention metadata's decodes_and_prefills, worker/layers/attention.py), each
+part run in its form and its outputs placed back in the batch's rows before o_proj. Both forms use the same softmax
+scale, the qk head's with yarn's mscale² (MLAConfig.softmax_scale). kv_b_proj's `expand`, `absorb_query` and
+`expand_values` do the products, so a LoRA wrapper on kv_b_proj adds its adapter's term to each
+(worker/lora/latent.py); the other linears are plain ones to a LoRA wrapper.
 
 Tensor parallelism: the heads are split over ranks (q_b_proj and kv_b_proj column-parallel by head, o_proj
 row-parallel); q_a_proj and kv_a_proj_with_mqa are replicated, so every rank computes and caches the whole latent.
