@@ -18,7 +18,8 @@ each call; the batch's metadata is shared by every layer. Soft-capped scores run
 Latent attention (worker/model/deepseek_v3.py) runs its decodes and its prefills in different forms, so the torch
 backend's metadata also hands out its two groups as BatchParts (`decodes_and_prefills`): a part takes and places its
 requests' rows of the batch, attends over the cache as `attend` does, or gathers its requests' whole context (cached
-and new tokens, padded to whole pages as SDPA reads them) for the model to transform and attend over
+and new tokens, each padded to the group's longest in whole pages, as SDPA reads them) for the model to transform and
+attend over
 (`gather_context`, `attend_context`). RowOwners say which request each of those rows serves, for kv_b_proj's LoRA.
 """
 
@@ -157,7 +158,7 @@ class AttentionInputs:
         # build() makes at most one group of each kind, decodes first
         parts: list[BatchPart | None] = [None, None]
         for group in self.groups:
-            parts[group.max_q_len > 1] = BatchPart(self, group, is_whole=len(self.groups) == 1)
+            parts[1 if group.max_q_len > 1 else 0] = BatchPart(self, group, is_whole=len(self.groups) == 1)
         return parts[0], parts[1]
 
     def attend(
