@@ -19,8 +19,8 @@ Latent attention (worker/model/deepseek_v3.py) runs its decodes and its prefills
 backend's metadata also hands out its two groups as BatchParts (`decodes_and_prefills`): a part takes and places its
 requests' rows of the batch, attends over the cache as `attend` does, or gathers its requests' whole context (cached
 and new tokens, each padded to the group's longest in whole pages, as SDPA reads them) for the model to transform and
-attend over
-(`gather_context`, `attend_context`). RowOwners say which request each of those rows serves, for kv_b_proj's LoRA.
+attend over (`gather_context`, `attend_context`). RowOwners say which request each of those rows serves, for
+kv_b_proj's LoRA.
 """
 
 from __future__ import annotations
