@@ -22,13 +22,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from loraplex.kernels.checks import FLOAT_DTYPES
 from loraplex.kernels.segment_tiles import device_scope
 
 L2NORM_EPS = 1e-6  # worker/layers/gated_delta.py: l2norm
 CONV_BLOCK_T = 16  # tokens per tile of the conv
 CONV_BLOCK_C = 128  # channels per conv program
 RULE_BLOCK_DV = 32  # value columns of the state per delta-rule program
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
