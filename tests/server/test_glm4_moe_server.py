@@ -1,0 +1,145 @@
+"""A GLM-4.5-shaped model (q/k/v biases, partial rotary, q/k norms, grouped sigmoid router, shared experts, a dense
+first layer) served end to end with chunked prefill and the prefix cache: one batch mixing the base model and the
+attention adapter equals HF + peft, cold and from the cache, and the adapter on attention, experts and shared experts
+equals HF with it merged; and GLM-4.5's tool calls through `--tool-call-parser glm45` (with `--reasoning-parser glm45`
+on) come back through the `openai` client, whole and streamed. Random weights write garbage, so the model's text is
+pinned by a structured_outputs choice (thinking off: the constraint would otherwise wait for `</think>`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tests.glm4_moe_models import build_glm4_moe_set
+from tests.mla_models import merged_reference
+from tests.reference import (
+    SHARED_PREFIX_PROMPTS,
+    assert_greedy_match,
+    assert_mixed_batch_equals_peft,
+    greedy_with_margins,
+)
+from tests.server_utils import CHUNKED_ARGS, ServerProcess
+
+MAX_NEW = 8
+GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}},
+}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "Weather in Paris, and the time?"}]
+TWO_CALLS = (
+    "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+    "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>\n<tool_call>get_time\n"
+    "<arg_key>zone</arg_key>\n<arg_value>CET</arg_value>\n</tool_call>"
+)
+MALFORMED = "<tool_call>get_time\n<arg_key>zone</arg_key>\nCET\n</tool_call>"
+TEXT_ONLY = "It is sunny in Paris."
+
+
+@pytest.fixture(scope="module")
+def glm_set(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    return build_glm4_moe_set(tmp_path_factory.mktemp("glm4_moe"), with_tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def server(glm_set):
+    model_dir, adapters = glm_set
+    lora_paths = [f"{name}={path}" for name, path in adapters.items()]
+    with ServerProcess("--model-path", str(model_dir), "--lora-paths", *lora_paths, "--dtype", "float32",
+                       "--enable-auto-tool-choice", "--tool-call-parser", "glm45", "--reasoning-parser", "glm45",
+                       *CHUNKED_ARGS, "--context-length", "512") as server:  # fmt: skip
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_glm4_moe_mixed_batch_equals_the_references_with_chunks_and_prefix_cache(
+    server: ServerProcess, glm_set
+) -> None:
+    model_dir, adapters = glm_set
+    info = server.get("/server_info").json()
+    assert info["model_type"] == "glm4_moe" and info["num_hidden_layers"] == 2
+    assert_mixed_batch_equals_peft(server, model_dir, adapters, [None, "a4", None, "a4"], GREEDY)
+    # a8 (attention, every expert, the shared experts): HF with the adapter merged is its reference
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    merged = merged_reference(model_dir, adapters["a8"])
+    prompt = SHARED_PREFIX_PROMPTS[1]
+    ref, margins = greedy_with_margins(merged, tokenizer(prompt)["input_ids"], MAX_NEW)
+    resp = server.post("/generate", {"text": prompt, "lora_path": "a8", "sampling_params": GREEDY})
+    assert resp.status_code == 200, resp.text
+    assert assert_greedy_match(resp.json()["output_ids"], ref, margins, "a8") >= MAX_NEW // 2
+
+
+def ask(client, text: str, stream: bool):
+    """The chat answer to ASK with the tools on adapter a8, the model's text pinned to `text` (spelled in as many as
+    one token per byte); streamed: assembled by the client's stream helper."""
+    kwargs = dict(
+        model="a8",
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=400,
+        extra_body={"structured_outputs": {"choice": [text]}, "chat_template_kwargs": {"enable_thinking": False}},
+    )
+    if not stream:
+        return client.chat.completions.create(**kwargs)
+    with client.chat.completions.stream(**kwargs) as s:
+        events = [event.type for event in s]
+        out = s.get_final_completion()
+    assert ("tool_calls.function.arguments.done" in events) == bool(out.choices[0].message.tool_calls)
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_glm45_tool_calls_come_back_through_the_openai_client(client, stream: bool) -> None:
+    out = ask(client, TWO_CALLS, stream)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check.\n"
+    calls = choice.message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 2}),
+        ("get_time", {"zone": "CET"}),
+    ]
+    assert all(c.id.startswith("call_") and c.type == "function" for c in calls)
+    for text in (TEXT_ONLY, MALFORMED):  # no call: the text is the answer
+        message = ask(client, text, stream).choices[0].message
+        assert message.content == text and not message.tool_calls
+
+
+def test_glm45_streamed_deltas_send_names_then_arguments(client) -> None:
+    deltas = [
+        d
+        for chunk in client.chat.completions.create(
+            model="a8",
+            messages=ASK,
+            tools=TOOLS,
+            max_tokens=400,
+            stream=True,
+            extra_body={
+                "structured_outputs": {"choice": [TWO_CALLS]},
+                "chat_template_kwargs": {"enable_thinking": False},
+            },
+        )
+        if chunk.choices
+        for d in chunk.choices[0].delta.tool_calls or []
+    ]
+    assert [(d.index, d.function.name) for d in deltas if d.id is not None] == [(0, "get_weather"), (1, "get_time")]
+    for index in (0, 1):
+        pieces = [d for d in deltas if d.index == index]
+        assert pieces[0].id is not None and pieces[0].function.arguments == ""
+        assert all(d.id is None and d.function.name is None for d in pieces[1:])
+        json.loads("".join(d.function.arguments for d in pieces[1:]))
