@@ -3,7 +3,7 @@ router, shared experts and a dense first layer) in the worker against HF transfo
 and two adapters in one batch, one on attention alone (peft's reference) and one on attention, every routed expert,
 the shared experts and the dense MLP (HF with the adapter merged into its weights: peft on transformers 5 drops the
 shared experts' terms); prefill logits, greedy decoding, chunked prefill over a prefix-cache hit; a config without
-qk norms; and GLM-4.5-Air's widths with dummy weights."""
+qk norms; a checkpoint's MTP layer skipped; and GLM-4.5-Air's widths with dummy weights."""
 
 from __future__ import annotations
 
@@ -171,3 +171,26 @@ def test_dummy_weights_at_glm_4_5_air_widths_with_fewer_layers_and_experts(tmp_p
     bias = runner.model.model.layers[1].mlp.gate.e_score_correction_bias
     assert bias.dtype == torch.float32 and bias.abs().sum() > 0
     assert torch.isfinite(prefill_logits(runner, [1, 2, 3, 4, 5])).all()
+
+
+def test_the_multi_token_prediction_layer_is_skipped_at_load(glm_set, runner: ModelRunner, tmp_path: Path) -> None:
+    """Published GLM-4.5 checkpoints carry one MTP layer after the decoder's (model.layers.<num_hidden_layers>.*,
+    which HF's model ignores too): the model loads without it and computes as before."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir, _ = glm_set
+    with_mtp = tmp_path / "with_mtp"
+    shutil.copytree(model_dir, with_mtp)
+    weights = load_file(with_mtp / "model.safetensors")
+    hidden = runner.model_config.hidden_size
+    weights |= {"model.layers.2.eh_proj.weight": torch.ones(hidden, 2 * hidden),
+                "model.layers.2.enorm.weight": torch.ones(hidden),
+                "model.layers.2.self_attn.q_proj.weight": torch.ones(64, hidden)}  # fmt: skip
+    save_file(weights, with_mtp / "model.safetensors", metadata={"format": "pt"})
+    prompt = random_prompts([7], runner.vocab_size, seed=3)[0]
+    ours = prefill_logits(make_runner(with_mtp), prompt)
+    with torch.inference_mode():
+        ref = hf_model(str(model_dir))(torch.tensor([prompt])).logits[0]
+    assert (ours - ref).abs().max().item() <= LOGITS_TOL
