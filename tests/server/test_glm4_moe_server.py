@@ -1,9 +1,10 @@
 """A GLM-4.5-shaped model (q/k/v biases, partial rotary, q/k norms, grouped sigmoid router, shared experts, a dense
 first layer) served end to end with chunked prefill and the prefix cache: one batch mixing the base model and the
 attention adapter equals HF + peft, cold and from the cache, and the adapter on attention, experts and shared experts
-equals HF with it merged; and GLM-4.5's tool calls through `--tool-call-parser glm45` (with `--reasoning-parser glm45`
-on) come back through the `openai` client, whole and streamed. Random weights write garbage, so the model's text is
-pinned by a structured_outputs choice (thinking off: the constraint would otherwise wait for `</think>`)."""
+equals HF with it merged; and GLM-4.5's tool calls through `--tool-call-parser glm45` and its reasoning through
+`--reasoning-parser glm45` come back through the `openai` client, whole and streamed. Random weights write garbage, so
+the model's text is pinned by a structured_outputs choice: with thinking off (the constraint would otherwise wait for
+`</think>`), or on a model whose weights are set to write `<think>plan</think>` first (thinking_dir)."""
 
 from __future__ import annotations
 
@@ -143,3 +144,100 @@ def test_glm45_streamed_deltas_send_names_then_arguments(client) -> None:
         assert pieces[0].id is not None and pieces[0].function.arguments == ""
         assert all(d.id is None and d.function.name is None for d in pieces[1:])
         json.loads("".join(d.function.arguments for d in pieces[1:]))
+
+
+REASONING = "plan"
+
+
+@pytest.fixture(scope="module")
+def thinking_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A GLM-4.5-shaped model that thinks as GLM-4.5 does: its tokenizer has `<think>` and `</think>` as added (not
+    special) tokens, and its weights make it a bigram table (every o_proj and down_proj zero, so each position's
+    final hidden state is its normed embedding; the head's row of each designed next token aligned with it): after
+    the generation prompt it writes `<think>plan</think>`, then what the request's constraint allows."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tokenizers import AddedToken
+
+    from tests.builders import build_tokenizer, tokenizer_vocab_size
+    from tests.glm4_moe_models import build_glm4_moe_model
+
+    path = tmp_path_factory.mktemp("thinking") / "glm4_moe"
+    build_glm4_moe_model(path, vocab_size=tokenizer_vocab_size() + 2, bos_token_id=None, eos_token_id=None)
+    build_tokenizer(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    tokenizer.save_pretrained(path)
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"  # as tests/builders.py writes it
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    assert len(tokenizer) == tokenizer_vocab_size() + 2
+    weights = load_file(path / "model.safetensors")
+    for name in weights:
+        if "o_proj" in name or "down_proj" in name:
+            weights[name] = torch.zeros_like(weights[name])
+    weights["model.norm.weight"] = torch.ones_like(weights["model.norm.weight"])
+    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"].clone()
+    prompt = tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False)
+    prompt_end = tokenizer(prompt, add_special_tokens=False)["input_ids"][-1]
+    chain = [prompt_end, *tokenizer.convert_tokens_to_ids(["<think>", *REASONING, "</think>"])]
+    assert tokenizer.decode(chain[1:]) == f"<think>{REASONING}</think>" and len(set(chain[:-1])) == len(chain) - 1
+    for token, next_token in zip(chain, chain[1:], strict=False):
+        hidden = embed[token] / embed[token].pow(2).mean().sqrt()  # the final norm's output at `token`
+        head[next_token] = 60.0 * hidden / hidden.pow(2).sum()  # its logit: 60
+    weights["lm_head.weight"] = head
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def thinking_client(thinking_dir):
+    with ServerProcess("--model-path", str(thinking_dir), "--dtype", "float32", "--enable-auto-tool-choice",
+                       "--tool-call-parser", "glm45", "--reasoning-parser", "glm45", "--context-length", "512",
+                       "--max-total-tokens", "2048") as server:  # fmt: skip
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_glm45_reasoning_then_tool_calls_through_the_openai_client(thinking_client, stream: bool) -> None:
+    """The model writes `<think>plan</think>` and then the calls (pinned by a constraint, which applies after
+    `</think>`): the reasoning comes back as reasoning_content, the calls as tool_calls, whole and streamed."""
+    kwargs = dict(
+        model=thinking_client.models.list().data[0].id,
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=400,
+        extra_body={"structured_outputs": {"choice": [TWO_CALLS]}},
+    )
+    if stream:
+        chunks = list(thinking_client.chat.completions.create(**kwargs, stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        content = "".join(d.content or "" for d in deltas)
+        heads = [t.function.name for d in deltas for t in d.tool_calls or [] if t.id is not None]
+        assert (reasoning, content, heads) == (REASONING, "Let me check.\n", ["get_weather", "get_time"])
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+        return
+    choice = thinking_client.chat.completions.create(**kwargs).choices[0]
+    message = choice.message
+    assert (getattr(message, "reasoning_content", None), message.content) == (REASONING, "Let me check.\n")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": 2}),
+        ("get_time", {"zone": "CET"}),
+    ]
+    assert choice.finish_reason == "tool_calls"
+    # thinking off: the template would have closed the reasoning, so none is parsed and the text is the answer
+    off = thinking_client.chat.completions.create(
+        **{
+            **kwargs,
+            "tools": None,
+            "extra_body": {
+                "structured_outputs": {"choice": [TEXT_ONLY]},
+                "chat_template_kwargs": {"enable_thinking": False},
+            },
+        }
+    )
+    assert (getattr(off.choices[0].message, "reasoning_content", None), off.choices[0].message.content) == (
+        None,
+        TEXT_ONLY,
+    )
