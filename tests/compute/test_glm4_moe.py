@@ -3,7 +3,8 @@ router, shared experts and a dense first layer) in the worker against HF transfo
 and two adapters in one batch, one on attention alone (peft's reference) and one on attention, every routed expert,
 the shared experts and the dense MLP (HF with the adapter merged into its weights: peft on transformers 5 drops the
 shared experts' terms); prefill logits, greedy decoding, chunked prefill over a prefix-cache hit; a config without
-qk norms; a checkpoint's MTP layer skipped; and GLM-4.5-Air's widths with dummy weights."""
+qk norms; PEFT's target_parameters form over the stacked experts; a checkpoint's MTP layer skipped; and GLM-4.5-Air's
+widths with dummy weights."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from loraplex.worker.model_runner import ModelRunner
 from tests.glm4_moe_models import build_glm4_moe_set, hf_config
 from tests.lora_helpers import batch_logits, greedy_decode, load_all, slot_loads, slot_of
 from tests.mla_models import merged_reference
-from tests.reference import assert_greedy_match, greedy_with_margins, hf_model
+from tests.reference import assert_greedy_match, greedy_with_margins, hf_logits, hf_model
 from tests.worker_helpers import chunked_prefill_after_a_prefix, make_runner, prefill_logits, random_prompts
 
 LOGITS_TOL = 1e-3  # fp32
@@ -194,3 +195,21 @@ def test_the_multi_token_prediction_layer_is_skipped_at_load(glm_set, runner: Mo
     with torch.inference_mode():
         ref = hf_model(str(model_dir))(torch.tensor([prompt])).logits[0]
     assert (ours - ref).abs().max().item() <= LOGITS_TOL
+
+
+def test_peft_target_parameters_adapter_matches_peft(glm_set, runner: ModelRunner, references, tmp_path: Path) -> None:
+    """PEFT's other expert form, `target_parameters` over the stacked experts (with attention), built and read back
+    by peft itself, in one batch with the base model and the per-expert a8."""
+    from tests.glm4_moe_models import ATTENTION
+    from tests.moe_models import build_parameter_adapter
+
+    model_dir, adapters = glm_set
+    a16 = tmp_path / "a16"
+    build_parameter_adapter(model_dir, a16, r=8, lora_alpha=16, target_modules=ATTENTION, seed=3)
+    load_all(runner, {"a16": a16})
+    prompts = random_prompts([6, 9, 5], runner.vocab_size, seed=13)
+    names = ["a16", None, "a8"]
+    for prompt, name, logits in zip(prompts, names, batch_logits(runner, prompts, names), strict=True):
+        ref = hf_logits(model_dir, prompt, a16) if name == "a16" else ref_logits(references, name, prompt)
+        assert (logits - ref).abs().max().item() <= LOGITS_TOL, name
+    assert (hf_logits(model_dir, prompts[0], a16) - hf_logits(model_dir, prompts[0])).abs().max() > MIN_ADAPTER_EFFECT
