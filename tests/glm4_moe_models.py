@@ -29,7 +29,7 @@ CONFIG = dict(
     norm_topk_prob=True,
     attention_bias=True,
     use_qk_norm=True,
-    max_position_embeddings=512,
+    max_position_embeddings=2048,
     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
 )
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -4,7 +4,8 @@ attention adapter equals HF + peft, cold and from the cache, and the adapter on 
 equals HF with it merged; and GLM-4.5's tool calls through `--tool-call-parser glm45` and its reasoning through
 `--reasoning-parser glm45` come back through the `openai` client, whole and streamed. Random weights write garbage, so
 the model's text is pinned by a structured_outputs choice: with thinking off (the constraint would otherwise wait for
-`</think>`), or on a model whose weights are set to write `<think>plan</think>` first (thinking_dir)."""
+`</think>`), or on a model whose weights are set to write `<think>plan</think>` first (thinking_dir); and a LangChain
+agent's round trip (call, tool result, answer) on GLM-format calls."""
 
 from __future__ import annotations
 
@@ -47,6 +48,16 @@ TWO_CALLS = (
 )
 MALFORMED = "<tool_call>get_time\n<arg_key>zone</arg_key>\nCET\n</tool_call>"
 TEXT_ONLY = "It is sunny in Paris."
+# GLM-4.5's roles and tags, written for these tests (no GLM-4.5 tokenizer_config is available here to copy its
+# template): tools, an assistant's earlier calls and tool results rendered, and thinking closed when it is off.
+TEMPLATE = (
+    "[gMASK]<sop>{% if tools %}<|system|>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}<|observation|>\n<tool_response>{{ m.content }}</tool_response>"
+    "{% else %}<|{{ m.role }}|>\n{{ m.content or '' }}{% for call in m.tool_calls or [] %}<tool_call>"
+    "{{ call.function.name }}\n<arg_key>arguments</arg_key>\n<arg_value>{{ call.function.arguments }}</arg_value>\n"
+    "</tool_call>{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>\n{% endif %}{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +66,15 @@ def glm_set(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, P
 
 
 @pytest.fixture(scope="module")
-def server(glm_set):
+def server(glm_set, tmp_path_factory: pytest.TempPathFactory):
     model_dir, adapters = glm_set
+    template = tmp_path_factory.mktemp("template") / "glm.jinja"
+    template.write_text(TEMPLATE)
     lora_paths = [f"{name}={path}" for name, path in adapters.items()]
     with ServerProcess("--model-path", str(model_dir), "--lora-paths", *lora_paths, "--dtype", "float32",
                        "--enable-auto-tool-choice", "--tool-call-parser", "glm45", "--reasoning-parser", "glm45",
-                       *CHUNKED_ARGS, "--context-length", "512") as server:  # fmt: skip
+                       "--chat-template", str(template), *CHUNKED_ARGS,
+                       "--context-length", "1024") as server:  # fmt: skip
         yield server
 
 
@@ -144,6 +158,41 @@ def test_glm45_streamed_deltas_send_names_then_arguments(client) -> None:
         assert pieces[0].id is not None and pieces[0].function.arguments == ""
         assert all(d.id is None and d.function.name is None for d in pieces[1:])
         json.loads("".join(d.function.arguments for d in pieces[1:]))
+
+
+def test_langchain_agent_round_trip_with_glm45_calls(server) -> None:
+    """LangChain's ChatOpenAI with bind_tools (tool_choice auto): the model's GLM-format call (pinned) comes back as
+    a tool call, the tool runs, its result goes back in the next turn's prompt, and the answer is text."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_time(zone: str) -> str:
+        """The time in a zone."""
+        return f"12:00 {zone}"
+
+    def llm(text: str) -> ChatOpenAI:
+        return ChatOpenAI(
+            model="a8",
+            base_url=server.url + "/v1",
+            api_key="none",
+            max_tokens=400,
+            max_retries=0,
+            timeout=120,
+            extra_body={"structured_outputs": {"choice": [text]}, "chat_template_kwargs": {"enable_thinking": False}},
+        )
+
+    messages = [HumanMessage("What time is it in CET?")]
+    call_text = "<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>CET</arg_value>\n</tool_call>"
+    asked = llm(call_text).bind_tools([get_time]).invoke(messages)
+    [call] = asked.tool_calls
+    assert (call["name"], call["args"]) == ("get_time", {"zone": "CET"}) and call["id"].startswith("call_")
+    messages += [asked, ToolMessage(get_time.invoke(call["args"]), tool_call_id=call["id"])]
+    answer = llm("It is noon.").bind_tools([get_time]).invoke(messages)
+    assert answer.content == "It is noon." and not answer.tool_calls
+    # the call and its result reached the prompt
+    assert answer.usage_metadata["input_tokens"] > asked.usage_metadata["input_tokens"] + 20
 
 
 REASONING = "plan"
