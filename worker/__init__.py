@@ -28,6 +28,8 @@ model/gemma2.py            Gemma 2: Llama's attention and fused linears, with Ge
 model/gemma3.py            Gemma 3 text: Gemma 2's with per-head q/k RMSNorms, the local layers' own rope
 model/deepseek_v3.py       DeepSeek-V3 / Kimi K2: latent attention (cache of latent + rope key; prefills expanded,
                            decodes absorbed), MoE with a grouped sigmoid router and shared experts, first layers dense
+model/glm4_moe.py          GLM-4.5 / 4.6: DeepSeek-V3's MoE (grouped sigmoid router, shared experts, dense first
+                           layers) with GQA attention: q/k/v biases, partial rotary, optional per-head q/k norms
 model/qwen3_5.py           Qwen3.5 (text, MoE): hybrid Gated DeltaNet + gated attention layers, state in HybridCache
 model/qwen3_next.py        Qwen3-Next: Qwen3.5's decoder with grouped in_proj_qkvz / in_proj_ba, MoE + shared expert
 model/registry.py          model_type -> decoder class (one file per family)

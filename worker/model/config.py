@@ -8,7 +8,7 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe", "gemma2", "gemma3_text",
                          "gemma3", "phi3", "deepseek_v3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
-                         "qwen3_next")
+                         "qwen3_next", "glm4_moe")
 GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
@@ -61,7 +61,7 @@ class MoEConfig:
             only = set(hf.get("mlp_only_layers") or ())
             dense_layers = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
         extra: dict[str, Any] = {}
-        if model_type == "deepseek_v3":  # DeepseekV3DecoderLayer's rule: the first k layers dense
+        if model_type in _GROUPED_SIGMOID_TYPES:  # DeepseekV3DecoderLayer's rule (GLM-4.5's too): the first k dense
             num_experts = hf["n_routed_experts"]
             dense_layers = tuple(range(min(hf.get("first_k_dense_replace", 0) or 0, num_layers)))
             extra = dict(num_groups=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
@@ -84,7 +84,9 @@ class MoEConfig:
 
 
 _QWEN3_5_MOE = ("qwen3_5_moe", "qwen3_5_moe_text")  # every layer MoE, top-k always renormalised
-_MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe", "deepseek_v3", "qwen3_next", *_QWEN3_5_MOE)
+# DeepSeek-V3's router, shared experts and leading dense layers (GLM-4.5 keeps them with plain attention)
+_GROUPED_SIGMOID_TYPES = ("deepseek_v3", "glm4_moe")
+_MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe", "qwen3_next", *_GROUPED_SIGMOID_TYPES, *_QWEN3_5_MOE)
 # Gated DeltaNet layers beside gated attention ones
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", *_QWEN3_5_MOE)
 MULTIMODAL_HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe")  # served as their language model (text_config)
@@ -216,6 +218,7 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     mla: MLAConfig | None = None  # latent attention (DeepSeek-V3); None: q/k/v heads
     linear_attention: LinearAttentionConfig | None = None  # hybrid models' Gated DeltaNet layers; None: none
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k before rotary (GLM-4.5's use_qk_norm)
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
@@ -275,6 +278,8 @@ class ModelConfig:
                   "model_type": model_type}
         if model_type == "deepseek_v3":
             hf = _deepseek_v3_fields(hf)
+        if model_type == "glm4_moe":
+            hf = _glm4_moe_fields(hf)
         hidden_act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
         allowed_act = "gelu_pytorch_tanh" if model_type in GEMMA_TYPES else "silu"
         if hidden_act != allowed_act:
@@ -303,7 +308,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases and none on o_proj; Llama's attention_bias covers all four.
             qkv_bias=is_qwen2 or attention_bias,
-            o_bias=not is_qwen2 and attention_bias,
+            o_bias=not is_qwen2 and attention_bias and model_type != "glm4_moe",  # GLM-4.5: biases on q, k, v only
             mlp_bias=bool(hf.get("mlp_bias", False)) and model_type != "phi3",
             sliding_window=sliding_window,
             checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
@@ -317,6 +322,7 @@ class ModelConfig:
             final_logit_softcap=hf.get("final_logit_softcapping"),
             linear_attention=LinearAttentionConfig.from_dict(hf, model_type),
             mla=MLAConfig.from_dict(hf, rope) if model_type == "deepseek_v3" else None,
+            qk_norm=model_type == "glm4_moe" and bool(hf.get("use_qk_norm", False)),
         )
 
 
@@ -497,6 +503,29 @@ def _deepseek_v3_fields(hf: dict[str, Any]) -> dict[str, Any]:
         raise ModelConfigError(f"deepseek_v3 with moe_layer_freq {hf['moe_layer_freq']} is not supported (every "
                                f"layer from first_k_dense_replace on is MoE)")
     return hf
+
+
+# Glm4MoeConfig's defaults for the keys that change the arithmetic; partial_rotary_factor is the one it sets in
+# __post_init__ when a config names none.
+_GLM4_MOE_DEFAULTS: dict[str, Any] = {
+    "partial_rotary_factor": 0.5,
+    "n_shared_experts": 1,
+    "n_routed_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 1408,
+    "routed_scaling_factor": 1.0,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "use_qk_norm": False,
+}
+
+
+def _glm4_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """A GLM-4.5 config with the reference's defaults filled in (it routes as DeepSeek-V3 always, so there is no
+    other router to refuse)."""
+    return {**_GLM4_MOE_DEFAULTS, **hf}
 
 
 def _gemma_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
