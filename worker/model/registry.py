@@ -7,6 +7,7 @@ from loraplex.worker.model.deepseek_v3 import DeepseekV3ForCausalLM
 from loraplex.worker.model.gemma2 import Gemma2ForCausalLM
 from loraplex.worker.model.gemma3 import Gemma3ForCausalLM
 from loraplex.worker.model.llama import LlamaForCausalLM
+from loraplex.worker.model.llama4 import Llama4ForCausalLM
 from loraplex.worker.model.mixtral import MixtralForCausalLM
 from loraplex.worker.model.olmoe import OlmoeForCausalLM
 from loraplex.worker.model.phi3 import Phi3ForCausalLM
@@ -34,6 +35,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_5_moe_text": Qwen3_5ForCausalLM,  # its MLPs are MoE blocks (ModelConfig.moe)
     "qwen3_5_moe": Qwen3_5ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
+    "llama4_text": Llama4ForCausalLM,
+    "llama4": Llama4ForCausalLM,  # the language model of the multimodal checkpoint
 }
 
 

@@ -1,0 +1,138 @@
+"""Llama 4's language model (chunked local attention on its RoPE layers, NoPE global layers with temperature tuning,
+QK L2 norm, interleaved rotary, sigmoid top-1 experts fed their routing weight, a shared expert, dense layers
+between) in the worker against HF transformers + peft in fp32: the base model and two adapters (attention only;
+attention, MLPs, shared experts and the stacked experts) in one batch, prompts across several chunks; greedy
+decoding, chunked prefill over a prefix-cache hit, the multimodal checkpoint's language model, and a start at
+Llama4TextConfig's default widths with dummy weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from loraplex.worker.layers.attention import AttentionBackendError, SDPAAttention, select_attention_backend
+from loraplex.worker.layers.moe import ExpertsLinear
+from loraplex.worker.lora.experts import LoRAExpertsLinear
+from loraplex.worker.model.config import ModelConfig
+from loraplex.worker.model_runner import ModelRunner
+
+from tests.llama4_models import build_llama4_set, build_multimodal_checkpoint, hf_config
+from tests.lora_helpers import batch_logits, greedy_decode, load_all, slot_loads, slot_of
+from tests.reference import assert_greedy_matches_peft, assert_logits_match_peft, hf_logits
+from tests.worker_helpers import chunked_prefill_after_a_prefix, make_runner, prefill_logits, random_prompts
+
+LOGITS_TOL = 1e-3  # fp32
+MIN_ADAPTER_EFFECT = 0.1
+DECODE_STEPS = 6
+NAMES = [None, "a4", "a4", "a8", None, "a8"]  # base rows between adapters, a segment of two requests
+LENGTHS = [5, 9, 3, 14, 7, 13]  # chunks of 6: most prompts cross one or two chunk boundaries
+LLAMA4_LORA = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["all"], max_loras_per_batch=3)
+
+
+@pytest.fixture(scope="module")
+def llama4_set(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    return build_llama4_set(tmp_path_factory.mktemp("llama4"))
+
+
+@pytest.fixture(scope="module")
+def runner(llama4_set) -> ModelRunner:
+    model_dir, adapters = llama4_set
+    runner = make_runner(model_dir, **LLAMA4_LORA)
+    load_all(runner, adapters)
+    return runner
+
+
+def test_config_reads_the_layer_kinds() -> None:
+    config = ModelConfig.from_dict(hf_config().to_dict())
+    assert config.layer_chunks == (6, None, 6, 6) and config.nope_layers == (1,)
+    assert config.moe.dense_layers == (0, 2) and config.intermediate_size == 96 and config.moe.intermediate_size == 48
+    assert config.moe.shared_intermediate_size == 48 and config.qk_l2_norm and config.attn_temperature == (4.0, 0.5)
+    # the NoPE layer reads every key: the scheduler must free no page behind the chunks
+    assert config.attention_window is None
+
+
+def test_layers_and_lora_buffers(runner: ModelRunner) -> None:
+    layers = runner.model.model.layers
+    assert [layer.self_attn.rotary is None for layer in layers] == [False, True, False, False]
+    for layer_id in (1, 3):
+        experts = layers[layer_id].mlp.experts
+        assert isinstance(experts.gate_up_proj, LoRAExpertsLinear) and isinstance(
+            experts.gate_up_proj.base, ExpertsLinear
+        )
+    assert {
+        (0, "mlp.gate_up_proj"),
+        (1, "mlp.shared_experts.gate_up_proj"),
+        (3, "mlp.shared_experts.down_proj"),
+        (1, "mlp.experts.gate_up_proj"),
+        (3, "mlp.experts.down_proj"),
+    } <= set(runner.lora.pool.buffers)
+
+
+def test_mixed_batch_logits_match_peft(llama4_set, runner: ModelRunner) -> None:
+    model_dir, adapters = llama4_set
+    prompts = random_prompts(LENGTHS, runner.vocab_size, seed=11)
+    ours = batch_logits(runner, prompts, NAMES)
+    assert_logits_match_peft(ours, prompts, NAMES, model_dir, adapters, LOGITS_TOL, MIN_ADAPTER_EFFECT)
+
+
+def test_mixed_batch_greedy_matches_peft(llama4_set, runner: ModelRunner) -> None:
+    model_dir, adapters = llama4_set
+    prompts = random_prompts(LENGTHS, runner.vocab_size, seed=12)
+    ours = greedy_decode(runner, prompts, NAMES, steps=DECODE_STEPS)
+    assert_greedy_matches_peft(ours, prompts, NAMES, model_dir, adapters, DECODE_STEPS)
+
+
+def test_chunked_prefill_over_a_shared_prefix_matches_peft(llama4_set, runner: ModelRunner) -> None:
+    model_dir, adapters = llama4_set
+    prompt, num_cached, ours = chunked_prefill_after_a_prefix(runner, slot_of("a8"), slot_loads(["a4", "a8"]))
+    ref = hf_logits(model_dir, prompt, adapters["a8"])[num_cached:]
+    diff = (ours - ref).abs().max().item()
+    assert diff <= LOGITS_TOL, f"max abs logit diff {diff:.2e}"
+
+
+def test_multimodal_checkpoint_serves_its_language_model(llama4_set, tmp_path: Path) -> None:
+    """A `llama4` checkpoint (language_model.* beside a vision tower and projector, a text_config): the text model's
+    logits; the vision tensors are skipped."""
+    model_dir, _ = llama4_set
+    build_multimodal_checkpoint(model_dir, tmp_path / "mm")
+    runner = make_runner(tmp_path / "mm")
+    assert runner.model_config.model_type == "llama4" and runner.model_config.nope_layers == (1,)
+    prompt = random_prompts([10], runner.vocab_size, seed=3)[0]
+    diff = (prefill_logits(runner, prompt) - hf_logits(model_dir, prompt)).abs().max().item()
+    assert diff <= LOGITS_TOL
+
+
+def test_triton_attention_is_refused_for_chunked_layers() -> None:
+    with pytest.raises(AttentionBackendError, match="chunked local attention"):
+        select_attention_backend("triton", "cuda", 4, 2, 16, chunked_attention=True)
+    assert isinstance(select_attention_backend("auto", "cuda", 4, 2, 16, chunked_attention=True), SDPAAttention)
+
+
+def test_dummy_weights_at_default_widths_with_fewer_layers_and_experts(tmp_path: Path) -> None:
+    """--load-format dummy on Llama4TextConfig's defaults (its docstring names meta-llama/Llama-4-Scout-17B-16E:
+    hidden 5120, 40 heads of 128, 8 KV heads, chunks of 8192, a NoPE layer every fourth) with the layers, experts,
+    vocabulary and MLP widths cut by overrides as --hf-overrides cuts them: the model builds, draws every parameter
+    and decodes finite logits."""
+    from transformers import Llama4TextConfig
+
+    model_dir = tmp_path / "scout"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(Llama4TextConfig().to_dict()))
+    overrides = {
+        "num_hidden_layers": 4,
+        "num_local_experts": 2,
+        "vocab_size": 512,
+        "intermediate_size": 128,
+        "intermediate_size_mlp": 256,
+    }
+    runner = make_runner(model_dir, load_format="dummy", hf_overrides=overrides)
+    config = runner.model_config
+    assert (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim) == (5120, 40, 8, 128)
+    assert config.layer_chunks == (8192, 8192, 8192, None) and config.nope_layers == (3,)
+    assert config.moe.dense_layers == () and config.rope.theta == 500_000.0
+    shared = runner.model.model.layers[0].mlp.shared_experts.down_proj.weight
+    assert shared.abs().sum() > 0
+    logits = prefill_logits(runner, [1, 2, 3, 4, 5])
+    assert torch.isfinite(logits).all()
