@@ -44,10 +44,16 @@ def hf_config(**overrides):
     return Llama4TextConfig(**{**CONFIG, **overrides})
 
 
-def build_llama4_model(out_dir: Path | str, seed: int = 0, **overrides) -> None:
-    """Random weights: norms near 1, a router of std 1 (its experts clearly apart), the rest of std 0.3."""
+def build_llama4_model(out_dir: Path | str, seed: int = 0, with_tokenizer: bool = False, **overrides) -> None:
+    """Random weights: norms near 1, a router of std 1 (its experts clearly apart), the rest of std 0.3;
+    with_tokenizer: the tests' tiny tokenizer beside it (and its vocabulary), for a server."""
     from transformers import AutoModelForCausalLM
 
+    from tests.builders import build_tokenizer, tokenizer_vocab_size
+
+    if with_tokenizer:
+        overrides = dict(vocab_size=tokenizer_vocab_size(), **overrides)
+        build_tokenizer(out_dir)
     model = AutoModelForCausalLM.from_config(hf_config(**overrides), dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -121,11 +127,11 @@ def build_llama4_adapter(
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def build_llama4_set(root: Path) -> tuple[Path, dict[str, Path]]:
+def build_llama4_set(root: Path, with_tokenizer: bool = False) -> tuple[Path, dict[str, Path]]:
     """A model and two adapters: "a4" on attention only, "a8" on attention, the MLPs (the dense layers' and the
     shared experts') and the stacked experts, whose gate_up has its own rank and alpha (patterns)."""
     model_dir = root / "llama4"
-    build_llama4_model(model_dir)
+    build_llama4_model(model_dir, with_tokenizer=with_tokenizer)
     adapters = {"a4": root / "llama4-a4", "a8": root / "llama4-a8"}
     build_llama4_adapter(model_dir, adapters["a4"], r=4, lora_alpha=8, target_modules=ATTENTION, experts=False, seed=1)
     build_llama4_adapter(
