@@ -12,16 +12,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.worker.layers.attention import AttentionBackendError, SDPAAttention, select_attention_backend
+from loraplex.kernels import cpu_ext
+from loraplex.protocol.structs import ForwardBatch, ForwardReq
+from loraplex.worker.layers.attention import (
+    AttentionBackendError,
+    CPUAttention,
+    SDPAAttention,
+    select_attention_backend,
+)
 from loraplex.worker.layers.moe import ExpertsLinear
 from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.llama4_models import build_llama4_set, build_multimodal_checkpoint, hf_config
+from tests.llama4_models import build_llama4_model, build_llama4_set, build_multimodal_checkpoint, hf_config
 from tests.lora_helpers import batch_logits, greedy_decode, load_all, slot_loads, slot_of
 from tests.reference import assert_greedy_matches_peft, assert_logits_match_peft, hf_logits
-from tests.worker_helpers import chunked_prefill_after_a_prefix, make_runner, prefill_logits, random_prompts
+from tests.worker_helpers import (
+    GREEDY,
+    chunked_prefill_after_a_prefix,
+    forward_logits,
+    make_runner,
+    prefill_logits,
+    random_prompts,
+)
 
 LOGITS_TOL = 1e-3  # fp32
 MIN_ADAPTER_EFFECT = 0.1
@@ -136,3 +150,25 @@ def test_dummy_weights_at_default_widths_with_fewer_layers_and_experts(tmp_path:
     assert shared.abs().sum() > 0
     logits = prefill_logits(runner, [1, 2, 3, 4, 5])
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.skipif(cpu_ext.unavailable_reason() is not None, reason="the CPU kernels cannot run here")
+def test_bfloat16_cpu_decode_keeps_the_chunks(tmp_path: Path) -> None:
+    """bfloat16 on a CPU with the compiled kernels (head_dim 64: the `cpu` attention backend): a decode step's
+    logits equal the same token's in a whole prefill, the chunked layers' decodes left to SDPA (the kernel would read
+    the keys of earlier chunks), and HF's fp32 logits within bfloat16's rounding."""
+    model_dir = tmp_path / "llama4_hd64"
+    build_llama4_model(model_dir, head_dim=64, hidden_size=128)
+    runner = make_runner(model_dir, dtype="bfloat16")
+    assert type(runner.attention) is CPUAttention
+    prompt = random_prompts([10], runner.vocab_size, seed=4)[0]  # the last token at 9, in the chunk [6, 12)
+    whole = prefill_logits(runner, prompt)[-1].float()
+    pages = list(range(3))
+    first = ForwardReq(input_ids=prompt[:9], num_cached_tokens=0, page_ids=pages, sampling=GREEDY, slot=-1)
+    runner.forward(ForwardBatch(batch_id=0, reqs=[first]))
+    step = ForwardReq(input_ids=prompt[9:], num_cached_tokens=9, page_ids=pages, sampling=GREEDY, slot=-1)
+    decoded = forward_logits(runner, ForwardBatch(batch_id=1, reqs=[step]))[-1].float()
+    ref = hf_logits(model_dir, prompt)[-1]
+    scale = ref.abs().max().item()
+    assert (decoded - whole).abs().max().item() <= 0.02 * scale
+    assert (decoded - ref).abs().max().item() <= 0.05 * scale
