@@ -114,8 +114,11 @@ def checkpoint_module_names(model: nn.Module, module_name: str) -> list[list[str
     else:  # a fused layer's slices, or the layer stored fused (Phi-3: qkv_proj, gate_up_proj) or unfused
         pieces = [[f"{base}.{hf}", module_name] for hf, fused, _ in FUSED_SLICES if fused == last] or [[module_name]]
     prefixes = getattr(model, "checkpoint_prefixes", ())
+    renames = getattr(model, "checkpoint_renames", ())
 
     def spellings(name: str) -> list[str]:  # ours, and under each checkpoint prefix renamed to ours
+        # the checkpoint's module path (the first of checkpoint_renames whose part of ours the name holds)
+        name = next((name.replace(ours, theirs, 1) for theirs, ours in renames if ours in name), name)
         return [name, *(prefix + name[len(ours) :] for prefix, ours in prefixes
                         if ours is not None and name.startswith(ours))]
 

@@ -172,3 +172,19 @@ def test_bfloat16_cpu_decode_keeps_the_chunks(tmp_path: Path) -> None:
     scale = ref.abs().max().item()
     assert (decoded - whole).abs().max().item() <= 0.02 * scale
     assert (decoded - ref).abs().max().item() <= 0.05 * scale
+
+
+def test_checkpoint_names_of_the_renamed_modules() -> None:
+    """What the quantized-coverage check reads: our `mlp.*` modules under the checkpoint's `feed_forward.*` names."""
+    from loraplex.worker.loader import checkpoint_module_names
+    from loraplex.worker.model.registry import build_model
+
+    with torch.device("meta"):
+        model = build_model(ModelConfig.from_dict(hf_config().to_dict()), max_positions=64)
+    assert checkpoint_module_names(model, "model.layers.1.mlp.shared_experts.gate_up_proj")[1][:2] == [
+        "model.layers.1.feed_forward.shared_expert.up_proj",
+        "language_model.model.layers.1.feed_forward.shared_expert.up_proj",
+    ]
+    assert checkpoint_module_names(model, "model.layers.0.mlp.down_proj") == [
+        ["model.layers.0.feed_forward.down_proj", "language_model.model.layers.0.feed_forward.down_proj"]
+    ]
