@@ -188,3 +188,17 @@ def test_checkpoint_names_of_the_renamed_modules() -> None:
     assert checkpoint_module_names(model, "model.layers.0.mlp.down_proj") == [
         ["model.layers.0.feed_forward.down_proj", "language_model.model.layers.0.feed_forward.down_proj"]
     ]
+
+
+def test_llama3_scaled_rope_matches_hf(tmp_path: Path) -> None:
+    """Rope scaling `llama3` (the kind Llama 4's published configs use), rotated as complex pairs: the base model's
+    logits equal HF's over a prompt across several chunks."""
+    model_dir = tmp_path / "llama4_llama3_rope"
+    rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=64)  # fmt: skip
+    build_llama4_model(model_dir, rope_parameters=rope)
+    runner = make_runner(model_dir)
+    assert runner.model_config.rope.rope_type == "llama3"
+    prompt = random_prompts([17], runner.vocab_size, seed=8)[0]
+    diff = (prefill_logits(runner, prompt) - hf_logits(model_dir, prompt)).abs().max().item()
+    assert diff <= LOGITS_TOL, f"max abs logit diff {diff:.2e}"
