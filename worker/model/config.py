@@ -579,7 +579,9 @@ def _llama4_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
         if not isinstance(text, dict):
             raise ModelConfigError("a llama4 config needs its text_config (loraplex serves its language model)")
         outer = {key: hf[key] for key in ("dtype", "torch_dtype", "tie_word_embeddings") if key in hf}
-        hf = {**outer, **text, "model_type": model_type}
+        # the text config's own values, but a null of it (transformers saves dtype null there) leaves the outer's
+        hf = {**outer, **{key: value for key, value in text.items() if value is not None or key not in outer},
+              "model_type": model_type}
     hf = {**_LLAMA4_TEXT_DEFAULTS, **hf}
     num_layers = hf["num_hidden_layers"]
     interval, step = hf["no_rope_layer_interval"], hf["interleave_moe_layer_step"]
