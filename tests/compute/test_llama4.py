@@ -202,3 +202,16 @@ def test_llama3_scaled_rope_matches_hf(tmp_path: Path) -> None:
     prompt = random_prompts([17], runner.vocab_size, seed=8)[0]
     diff = (prefill_logits(runner, prompt) - hf_logits(model_dir, prompt)).abs().max().item()
     assert diff <= LOGITS_TOL, f"max abs logit diff {diff:.2e}"
+
+
+def test_every_layer_moe_top2_without_qk_norm_matches_hf(tmp_path: Path) -> None:
+    """The other switches: every layer MoE (interleave_moe_layer_step 1), no QK norm, two experts per token (each
+    fed the token scaled by its own weight), no temperature tuning."""
+    model_dir = tmp_path / "llama4_variant"
+    build_llama4_model(model_dir, interleave_moe_layer_step=1, use_qk_norm=False, num_experts_per_tok=2,
+                       attn_temperature_tuning=False)  # fmt: skip
+    runner = make_runner(model_dir)
+    assert runner.model_config.moe.dense_layers == () and not runner.model_config.qk_l2_norm
+    prompt = random_prompts([15], runner.vocab_size, seed=9)[0]
+    diff = (prefill_logits(runner, prompt) - hf_logits(model_dir, prompt)).abs().max().item()
+    assert diff <= LOGITS_TOL, f"max abs logit diff {diff:.2e}"
