@@ -84,6 +84,7 @@ class ModelRunner:
             self.kv_head_dim,
             self.backend.cpu_kernels,
             values_in_keys=self.kv_parts == 1,
+            chunked_attention=any(self.model_config.layer_chunks),
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
         # the norms', rotary's and activation's, bound as the layers are built
