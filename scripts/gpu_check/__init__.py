@@ -8,5 +8,6 @@
     latent.py   G2's latent attention (DeepSeek-V3's paged latent kernels)
     serving.py  G4 decode, G5 / G5b server                 server.py   a server subprocess for G5
     tp.py       G7 tensor parallel, G8 compute-sanitizer   quant.py    G9 quantized linears
+    gated_delta.py  G1's Gated DeltaNet kernels against the torch mixer, and both timed
     gpu_wheels.txt, fetch_gpu_wheels.sh   the wheels the GPU image lacks
 """
