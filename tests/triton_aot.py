@@ -171,16 +171,17 @@ LATENT_CONFIGS = [
     ("float32", 16, 16),
 ]
 LATENT_DIMS = (512, 64)  # kv_lora_rank, qk_rope_head_dim
+LATENT_KERNELS = 3  # decode, decode with splits, the splits' merge (prefills run the model's expanded form in torch)
 
 
 def _latent_variants(target: GPUTarget, dtype_name: str, heads: int, page_size: int) -> dict:
     import torch
-    from loraplex.worker.layers.triton_attention import TritonAttention
+    from loraplex.worker.layers.attention import LatentTritonAttention
 
     latent_dim, rope_dim = LATENT_DIMS
     dtype = getattr(torch, dtype_name)
     cache = torch.zeros(4096, 1, latent_dim + rope_dim, dtype=dtype)  # keys and values: one tensor
-    backend = TritonAttention(torch.device("cpu"), 1, num_heads=heads, latent_dim=latent_dim)
+    backend = LatentTritonAttention(torch.device("cpu"), heads, latent_dim)
     with compile_only(target) as log:
         backend.warmup((cache, cache), heads, page_size)
     warmup_keys = set(log.compiled)
@@ -189,7 +190,8 @@ def _latent_variants(target: GPUTarget, dtype_name: str, heads: int, page_size: 
             num_tokens = sum(len(r.input_ids) for r in reqs)
             starts = [sum(len(r.input_ids) for r in reqs[:i]) for i in range(len(reqs))]
             q = torch.zeros(num_tokens, heads, latent_dim + rope_dim, dtype=dtype)  # as the model builds it
-            page_tables = torch.zeros(len(reqs), 1, dtype=torch.long)  # the SDPA backend's; unused here
+            width = max(len(r.page_ids) for r in reqs)
+            page_tables = torch.tensor([r.page_ids + [0] * (width - len(r.page_ids)) for r in reqs])  # the prefills'
             inputs = backend.build(reqs, starts, page_tables, torch.zeros(num_tokens, dtype=torch.long), page_size)
             inputs.attend(q, cache, cache)
     return {

@@ -3,12 +3,7 @@ request's keys and values from its cache pages in place.
 
 Per batch, `build` lays the requests' metadata out on the host and copies it to the device in one int32 tensor:
 decodes (one new token) go to the decode kernel, the rest (prefill chunks, with or without a cached prefix) to the
-extend kernel; both write their rows of one output, so nothing is gathered, padded or scattered back.
-
-Latent attention (DeepSeek-V3: one cache tensor of [latent | rope key] rows, the values each row's latent) runs
-kernels/latent_attention.py's kernels instead, chosen when the backend is built (`latent_dim`): the same metadata,
-extend tiles of LATENT_EXTEND_BLOCK_M rows, split counts by head blocks, and an output of only the latent dims
-(tokens, heads, latent_dim), which the model expands to its value heads."""
+extend kernel; both write their rows of one output, so nothing is gathered, padded or scattered back."""
 
 from __future__ import annotations
 
@@ -16,19 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from loraplex.kernels.latent_attention import (
-    LATENT_EXTEND_BLOCK_M,
-    latent_head_blocks,
-    launch_latent_decode,
-    launch_latent_extend,
-)
-from loraplex.kernels.paged_attention import (
-    EXTEND_BLOCK_M,
-    decode_num_splits,
-    launch_decode,
-    launch_extend,
-    plan_extend_tiles,
-)
+from loraplex.kernels.paged_attention import decode_num_splits, launch_decode, launch_extend, plan_extend_tiles
 from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.structs import ForwardReq
 from loraplex.worker.layers.attention_spec import LayerAttention
@@ -60,15 +43,12 @@ class PagedAttentionInputs:
     page_size: int
     decode: DecodeMeta | None
     extend: ExtendMeta | None
-    latent_dim: int | None = None  # latent attention: k_cache is v_cache, the values each row's leading latent_dim
 
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: LayerAttention | None = None
     ) -> torch.Tensor:
-        layer = layer or LayerAttention.default(q.shape[2])
-        if self.latent_dim is not None:
-            return self._attend_latent(q, k_cache, layer)
         out = torch.empty_like(q)  # (tokens, heads, head_dim); every row is some request's
+        layer = layer or LayerAttention.default(q.shape[2])
         window, cap = layer.sliding_window or 0, layer.logit_cap or 0.0  # 0: none
         if self.decode is not None:
             d = self.decode
@@ -80,33 +60,13 @@ class PagedAttentionInputs:
                           e.tile_offsets, self.page_size, layer.scale, window, cap)  # fmt: skip
         return out
 
-    def _attend_latent(self, q: torch.Tensor, cache: torch.Tensor, layer: LayerAttention) -> torch.Tensor:
-        if layer.sliding_window is not None or layer.logit_cap is not None:
-            raise ValueError("latent attention's kernels take no sliding window or logit cap")
-        out = q.new_empty(*q.shape[:2], self.latent_dim)  # (tokens, heads, latent_dim); every row is some request's
-        if self.decode is not None:
-            d = self.decode
-            launch_latent_decode(out, q, cache, d.page_table, d.kv_lens, d.q_rows, self.page_size, self.latent_dim,
-                                 layer.scale, d.num_splits)  # fmt: skip
-        if self.extend is not None:
-            e = self.extend
-            launch_latent_extend(out, q, cache, e.page_table, e.q_starts, e.q_lens, e.cached_lens, e.tile_reqs,
-                                 e.tile_offsets, self.page_size, self.latent_dim, layer.scale)  # fmt: skip
-        return out
-
 
 class TritonAttention:
     name = "triton"
 
-    def __init__(self, device: torch.device, num_kv_heads: int, *, num_heads: int = 0, latent_dim: int | None = None):
-        """`latent_dim`: latent attention (one KV head of [latent | rope key] rows) with this rank's `num_heads`."""
+    def __init__(self, device: torch.device, num_kv_heads: int):
         self.device = device
-        self.num_kv_heads = num_kv_heads  # this rank's
-        self.latent_dim = latent_dim
-        # Decode programs per request and split, which the split count depends on: one per KV head, or for latent
-        # attention one per block of query heads.
-        self.decode_programs = num_kv_heads if latent_dim is None else latent_head_blocks(num_heads)
-        self.extend_block_m = EXTEND_BLOCK_M if latent_dim is None else LATENT_EXTEND_BLOCK_M
+        self.num_kv_heads = num_kv_heads  # this rank's: the decode split count depends on it
 
     def build(
         self,
@@ -124,7 +84,7 @@ class TritonAttention:
             parts += [_page_rows(reqs, decodes, page_size), kv_lens, [token_starts[i] for i in decodes]]
         if extends:
             q_lens = [len(reqs[i].input_ids) for i in extends]
-            tile_reqs, tile_offsets = plan_extend_tiles(q_lens, self.extend_block_m)
+            tile_reqs, tile_offsets = plan_extend_tiles(q_lens)
             parts += [
                 _page_rows(reqs, extends, page_size),
                 [token_starts[i] for i in extends],
@@ -139,36 +99,32 @@ class TritonAttention:
             table, kv_lens_t, q_rows = tensors[:3]
             tensors = tensors[3:]
             max_kv_len = max(reqs[i].num_cached_tokens for i in decodes) + 1
-            splits = decode_num_splits(len(decodes), self.decode_programs, max_kv_len)
+            splits = decode_num_splits(len(decodes), self.num_kv_heads, max_kv_len)
             decode = DecodeMeta(table.view(len(decodes), -1), kv_lens_t, q_rows, splits)
         if extends:
             table, *rest = tensors
             extend = ExtendMeta(table.view(len(extends), -1), *rest)
-        return PagedAttentionInputs(write_slots, page_size, decode, extend, self.latent_dim)
+        return PagedAttentionInputs(write_slots=write_slots, page_size=page_size, decode=decode, extend=extend)
 
     @torch.inference_mode()
     def warmup(self, kv_layer: tuple[torch.Tensor, torch.Tensor], num_heads: int, page_size: int) -> int:
         """Launch every kernel variant serving meets, on one layer's cache (read only): decode without and with splits
         (and the merge), and extend. Their constexprs depend only on the model, dtype and page size, and q is laid
-        out as the model's (a view of the fused qkv output; latent attention's whole), so these are the variants of
-        every later batch."""
+        out as the model's (a view of the fused qkv output), so these are the variants of every later batch."""
         k_cache, v_cache = kv_layer
         head_dim = k_cache.shape[2]
-        if self.latent_dim is None:
-            qkv = k_cache.new_zeros(2, (num_heads + 2 * self.num_kv_heads) * head_dim)
-            q = qkv[:, : num_heads * head_dim].view(2, num_heads, head_dim)  # (tokens, heads, head_dim)
-        else:  # the latent query is built whole: [W_ukᵀ q_nope | q_pe], contiguous
-            q = k_cache.new_zeros(2, num_heads, head_dim)
+        qkv = k_cache.new_zeros(2, (num_heads + 2 * self.num_kv_heads) * head_dim)
+        q = qkv[:, : num_heads * head_dim].view(2, num_heads, head_dim)  # (tokens, heads, head_dim)
         no_writes = torch.empty(0, dtype=torch.long, device=self.device)  # attend reads the cache only
         launches = 0
         for num_splits in (1, 2):
             table, kv_lens, q_rows = _pack([[0], [1], [0]], self.device)
             decode = DecodeMeta(table.view(1, 1), kv_lens, q_rows, num_splits)
-            PagedAttentionInputs(no_writes, page_size, decode, None, self.latent_dim).attend(q, k_cache, v_cache)
+            PagedAttentionInputs(no_writes, page_size, decode, None).attend(q, k_cache, v_cache)
             launches += num_splits
         table, *rest = _pack([[0], [0], [2], [0], [0], [0]], self.device)
         extend = ExtendMeta(table.view(1, 1), *rest)
-        PagedAttentionInputs(no_writes, page_size, None, extend, self.latent_dim).attend(q, k_cache, v_cache)
+        PagedAttentionInputs(no_writes, page_size, None, extend).attend(q, k_cache, v_cache)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return launches + 1
