@@ -14,7 +14,9 @@ own, where 576 as one would pad to 1024).
 - Extend (a chunk of new tokens after a cached prefix): a tile of one request's new tokens and one head against its
   keys, causal, online softmax; tiles from paged_attention.plan_extend_tiles with LATENT_EXTEND_BLOCK_M rows.
 
-Both write the (tokens, heads, latent_dim) output at each request's rows of the batch's flat token layout. Latent
+Both write the (tokens, heads, latent_dim) output at each request's rows of the batch's flat token layout. The worker
+runs the decode kernel (worker/layers/attention.py: LatentTritonAttention); the model runs its prefills in the
+expanded form in torch, so the extend kernel is checked (tests) but not launched by the worker. Latent
 attention has no sliding window or logit cap. Each launcher checks its arguments and has a torch reference with the
 same signature (tests/kernel_refs.py).
 """

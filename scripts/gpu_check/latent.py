@@ -1,7 +1,8 @@
 """G2's latent attention part: the triton backend's paged latent kernels (kernels/latent_attention.py) at DeepSeek-V3's
-dims, 512 + 64 cache rows, 16 query heads (TP=8) and 128 (TP=1), through the real TritonAttention.build and attend,
-against a float32 reference straight from the pages; and the decode's time against reading its cache rows once.
-A dry run takes small dims (latent 64 + rope 16, 8 heads) in the interpreter, float16 standing in for bfloat16."""
+dims, 512 + 64 cache rows, 16 query heads (TP=8) and 128 (TP=1), through LatentTritonAttention's real build and
+attend (decodes in the kernel, prefills in torch), against a float32 reference straight from the pages; and the
+decode's time against reading its cache rows once. A dry run takes small dims (latent 64 + rope 16, 8 heads) in the
+interpreter, float16 standing in for bfloat16."""
 
 from __future__ import annotations
 
