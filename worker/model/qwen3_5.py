@@ -117,9 +117,12 @@ class GatedDeltaNet(HeadShardedParam):
         weight = self.conv1d.weight[:, 0]  # (channels, kernel)
         batch = state.batch
         conv_out = torch.empty_like(mixed)
-        for i in batch.prefills:
-            rows = slice(batch.token_starts[i], batch.token_starts[i] + batch.num_new[i])
-            conv_out[rows] = conv_prefill(mixed[rows], state.conv[batch.slots[i]], weight)
+        for i in batch.prefills:  # in pieces cut at the snapshots it saves (one piece when none)
+            slot = batch.slots[i]
+            for rows, snapshot in batch.pieces[i]:
+                conv_out[rows] = conv_prefill(mixed[rows], state.conv[slot], weight)
+                if snapshot >= 0:
+                    state.conv_snapshots[snapshot] = state.conv[slot]
         if batch.decode_rows.numel():
             conv_out[batch.decode_rows] = conv_decode(mixed[batch.decode_rows], state.conv, batch.decode_slots, weight)
         q, k, v = conv_out.split(self.qkv_sizes, dim=-1)
@@ -128,10 +131,12 @@ class GatedDeltaNet(HeadShardedParam):
         v = v.view(num_tokens, -1, self.value_head_dim)  # (tokens, value_heads, dv)
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         for i in batch.prefills:
-            rows = slice(batch.token_starts[i], batch.token_starts[i] + batch.num_new[i])
             slot = batch.slots[i]
-            out[rows], final = chunked_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], state.recurrent[slot])
-            state.recurrent[slot] = final
+            for rows, snapshot in batch.pieces[i]:
+                out[rows], final = chunked_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], state.recurrent[slot])
+                state.recurrent[slot] = final
+                if snapshot >= 0:
+                    state.recurrent_snapshots[snapshot] = state.recurrent[slot]
         if batch.decode_rows.numel():
             rows, slots = batch.decode_rows, batch.decode_slots
             out[rows], new = recurrent_step(q[rows], k[rows], v[rows], g[rows], beta[rows], state.recurrent[slots])
