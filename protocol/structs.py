@@ -324,6 +324,8 @@ class SchedulerStats(Struct, frozen=True):
     num_loaded_adapters: int = 0  # adapter ids every rank of this scheduler holds
     num_state_slots: int = 0  # hybrid models: the linear-attention state slots (0 = none), and those free
     num_free_state_slots: int = 0
+    num_state_snapshots: int = 0  # ... the prefix cache's state snapshots, and those neither kept nor being saved
+    num_free_state_snapshots: int = 0
 
 
 class SlotsChanged(Struct, frozen=True):

@@ -554,6 +554,8 @@ class Scheduler:
             num_loaded_adapters=len(self.adapters.loaded_ids),
             num_state_slots=self.state_slots.num_slots,
             num_free_state_slots=self.state_slots.num_free,
+            num_state_snapshots=self.snapshots.num_slots,
+            num_free_state_snapshots=self.snapshots.num_free,
         )
 
     # ---- adapters (between forward passes) --------------------------------------------------------------------

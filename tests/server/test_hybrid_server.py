@@ -51,6 +51,7 @@ def test_hybrid_mixed_batch_equals_peft_with_chunks_and_few_state_slots(
     info = server.get("/server_info").json()
     assert info["model_type"] == "qwen3_5_text"
     assert info["state_slots_total"] == 2 and info["state_slots_free"] == 2
+    assert info["state_snapshots_total"] == 8 and info["state_snapshots_free"] == 8
     assert set(info["lora_target_modules"]) >= {"in_proj_q", "in_proj_z", "out_proj", "q_proj"}
     tokenizer = AutoTokenizer.from_pretrained(base)
     refs = []
@@ -67,6 +68,7 @@ def test_hybrid_mixed_batch_equals_peft_with_chunks_and_few_state_slots(
         assert num_compared >= MAX_NEW * len(PROMPTS) // 2
     info = server.get("/server_info").json()
     assert info["state_slots_free"] == 2 and info["prefix_cache_hit_tokens"] > 0  # the second round's
+    assert info["state_snapshots_free"] < 8  # kept by cached pages
     assert "prefix caching with 8 state snapshots" in server.log()
 
 
