@@ -305,7 +305,7 @@ def test_a_shared_system_prompt_restores_its_snapshot_and_matches_peft(
     page = runner.page_size
     system = random_prompts([SYSTEM_LEN], runner.vocab_size, seed=20)[0]
     tails = random_prompts([9, 7, 6] * 3, runner.vocab_size, seed=21)
-    pages = iter(consecutive_pages([24] * 12, page))  # 6 pages each
+    pages = iter(consecutive_pages([24] * 14, page))  # 6 pages each
     slots = {name: -1 if name is None else SLOTS[name] for name in NAMES}
     firsts, seconds = [], []
     for n, name in enumerate(NAMES):
@@ -322,6 +322,11 @@ def test_a_shared_system_prompt_restores_its_snapshot_and_matches_peft(
     run_prefills(runner, [fresh], BOUNDARY)
     assert_states_equal(saved, states(cache, slot=7), "the snapshot at 12 vs the prefix computed alone")
     assert (states(cache, slot=0)[1] - saved[1]).abs().max().item() > 1e-3  # slot 0 holds another state
+    # A one-token pass that saves (a prompt's last token alone in its chunk) runs in the chunked form, then copies.
+    run_prefills(runner, [Prefill(system[: BOUNDARY + 1], next(pages), state_slot=6, saves=[(BOUNDARY + 1, 11)])],
+                 BOUNDARY)  # fmt: skip
+    run_prefills(runner, [Prefill(system[: BOUNDARY + 1], next(pages), state_slot=7)], BOUNDARY + 1)
+    assert_states_equal(states(cache, snapshot=11), states(cache, slot=7), "a one-token pass's snapshot")
 
     thirds = [Prefill(system + tails[3 * n + 2], seconds[n].page_ids[: BOUNDARY // page] + next(pages),
                       state_slot=n, slot=slots[name], num_cached=BOUNDARY, restore=3 * n + 1)
