@@ -15,6 +15,7 @@ inputs before p, and the recurrent state the one after the tokens before p, as a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,17 +30,64 @@ class StateSlotError(BatchError):
 
 @dataclass(frozen=True)
 class StateBatch:
-    """Where each request's tokens and state sit in this pass (host lists: the layers loop over prefills)."""
+    """Where each request's tokens and state sit in this pass: host lists for the torch path, which loops over the
+    prefills; the same on the device as one table for the Triton kernels, which take the whole batch per launch."""
 
     slots: list[int]  # per request
     token_starts: list[int]  # its first row in the flat batch
     num_new: list[int]  # its rows
     decode_rows: torch.Tensor  # (decodes,) the rows of the one-token requests, batched in one recurrent step
     decode_slots: torch.Tensor  # (decodes,) their slots
-    # the requests with more than one new token or a snapshot to save, stepped one by one in chunked form
-    prefills: list[int]
-    # per request: its rows cut at its snapshot boundaries, each piece with the snapshot saved after it (-1: none)
-    pieces: list[list[tuple[slice, int]]]
+    prefills: list[int]  # the requests stepped one by one in chunked form (more than one new token, or stepwise)
+    table: torch.Tensor  # (3, reqs) int32 [first rows; new tokens; slots]: the Triton kernels' whole batch
+
+    @classmethod
+    def of(cls, slots: list[int], num_new: list[int], device: torch.device, starts: list[int] | None = None,
+           stepwise: bool = False) -> StateBatch:  # fmt: skip
+        """Requests laid one after the other from row 0, or from `starts`; `stepwise`: none of them batched as a
+        one-token decode (a round's pieces, whose rows are not its requests)."""
+        if starts is None:
+            starts = [0] * len(slots)
+            for i in range(1, len(slots)):
+                starts[i] = starts[i - 1] + num_new[i - 1]
+        decodes = [] if stepwise else [i for i, n in enumerate(num_new) if n == 1]
+        return cls(
+            slots=slots,
+            token_starts=starts,
+            num_new=num_new,
+            decode_rows=torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device),
+            decode_slots=torch.tensor([slots[i] for i in decodes], dtype=torch.long, device=device),
+            prefills=[i for i in range(len(slots)) if i not in decodes],
+            table=torch.tensor([starts, num_new, slots], dtype=torch.int32, device=device).view(3, len(slots)),
+        )
+
+
+@dataclass(frozen=True)
+class StateRound:
+    """What a layer runs in one go: a pass without saves is one round over its whole batch; a pass with saves runs
+    each request's pieces (its rows cut after each save) in rounds, the r-th piece of every request in round r, and
+    copies the states of `saves` into their snapshots once the round has run."""
+
+    batch: StateBatch
+    rows: torch.Tensor | None  # (rows,) the rows its pieces cover; None: every row of the pass
+    saves: tuple[tuple[int, int], ...]  # (slot, snapshot)
+
+
+def run_rounds(rounds: tuple[StateRound, ...], run: Callable[[StateBatch], torch.Tensor], states: torch.Tensor,
+               snapshots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """run(batch) -> an output over every row of the pass, those of the batch's pieces written; each round's saves
+    copy states[slot] into snapshots[snapshot]. The rounds' rows, taken together, are every row once."""
+    out = None
+    for state_round in rounds:
+        part = run(state_round.batch)
+        if out is None:
+            out = part
+        else:
+            out[state_round.rows] = part[state_round.rows]
+        for slot, snapshot in state_round.saves:
+            snapshots[snapshot] = states[slot]
+    assert out is not None
+    return out
 
 
 @dataclass(frozen=True)
@@ -48,7 +96,7 @@ class LayerState:
     recurrent: torch.Tensor  # (slots, value_heads, key_head_dim, value_head_dim)
     conv_snapshots: torch.Tensor  # (snapshots, conv_channels, kernel - 1)
     recurrent_snapshots: torch.Tensor  # (snapshots, value_heads, key_head_dim, value_head_dim)
-    batch: StateBatch
+    rounds: tuple[StateRound, ...]  # this pass's, in order (one when it saves no snapshot)
 
 
 class HybridCache(KVCache):
@@ -71,7 +119,7 @@ class HybridCache(KVCache):
                                           device=device)  # fmt: skip
         self.recurrent_snapshots = torch.zeros(_with_count(recurrent_shape, num_state_snapshots), dtype=state_dtype,
                                                device=device)  # fmt: skip
-        self._batch: StateBatch | None = None
+        self._rounds: tuple[StateRound, ...] = ()
 
     @property
     def state_bytes(self) -> int:
@@ -99,20 +147,10 @@ class HybridCache(KVCache):
             self.conv[:, into] = self.conv_snapshots[:, source]
             self.recurrent[:, into] = self.recurrent_snapshots[:, source]
         num_new = [len(req.input_ids) for req in reqs]
-        starts = [0] * len(reqs)
-        for i in range(1, len(reqs)):
-            starts[i] = starts[i - 1] + num_new[i - 1]
-        decodes = [i for i, (n, req) in enumerate(zip(num_new, reqs, strict=True)) if n == 1 and not req.snapshot_saves]
-        device = self.conv.device
-        self._batch = StateBatch(
-            slots=slots,
-            token_starts=starts,
-            num_new=num_new,
-            decode_rows=torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device),
-            decode_slots=torch.tensor([slots[i] for i in decodes], dtype=torch.long, device=device),
-            prefills=[i for i in range(len(reqs)) if i not in decodes],
-            pieces=[_pieces(req, start) for req, start in zip(reqs, starts, strict=True)],
-        )
+        if not any(req.snapshot_saves for req in reqs):
+            self._rounds = (StateRound(StateBatch.of(slots, num_new, self.conv.device), rows=None, saves=()),)
+        else:
+            self._rounds = _rounds(reqs, self.conv.device)
 
     def _check(self, reqs: list[ForwardReq]) -> None:
         bad = [req.state_slot for req in reqs if not 0 <= req.state_slot < self.num_state_slots]
@@ -138,11 +176,11 @@ class HybridCache(KVCache):
                                      f"positions in its pass's {req.num_cached_tokens + 1}..{end}")  # fmt: skip
 
     def linear_state(self, index: int) -> LayerState:
-        if self._batch is None:
+        if not self._rounds:
             raise RuntimeError("HybridCache.begin(reqs) must run before a hybrid model's forward pass")
         return LayerState(conv=self.conv[index], recurrent=self.recurrent[index],
                           conv_snapshots=self.conv_snapshots[index],
-                          recurrent_snapshots=self.recurrent_snapshots[index], batch=self._batch)  # fmt: skip
+                          recurrent_snapshots=self.recurrent_snapshots[index], rounds=self._rounds)  # fmt: skip
 
 
 def _with_count(shape: tuple[int, ...], count: int) -> tuple[int, ...]:
@@ -160,3 +198,22 @@ def _pieces(req: ForwardReq, start: int) -> list[tuple[slice, int]]:
     if begin < start + len(req.input_ids):
         pieces.append((slice(begin, start + len(req.input_ids)), -1))
     return pieces
+
+
+def _rounds(reqs: list[ForwardReq], device: torch.device) -> tuple[StateRound, ...]:
+    """The pass in rounds: round r runs the r-th piece of every request that has one (a request saving nothing is
+    one piece, in round 0), stepwise, and saves after each piece its snapshot."""
+    pieces, start = [], 0
+    for req in reqs:
+        pieces.append(_pieces(req, start))
+        start += len(req.input_ids)
+    rounds = []
+    for r in range(max(len(p) for p in pieces)):
+        members = [(req.state_slot, p[r]) for req, p in zip(reqs, pieces, strict=True) if len(p) > r]
+        rows = [s for _, (s, _) in members]
+        batch = StateBatch.of([slot for slot, _ in members], [s.stop - s.start for s in rows], device,
+                              starts=[s.start for s in rows], stepwise=True)  # fmt: skip
+        index = torch.cat([torch.arange(s.start, s.stop, device=device) for s in rows])
+        saves = tuple((slot, snapshot) for slot, (_, snapshot) in members if snapshot >= 0)
+        rounds.append(StateRound(batch, rows=index, saves=saves))
+    return tuple(rounds)
