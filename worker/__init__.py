@@ -30,6 +30,7 @@ model/deepseek_v3.py       DeepSeek-V3 / Kimi K2: latent attention (absorbed; th
                            with a grouped sigmoid router and shared experts, the first layers dense
 model/qwen3_5.py           Qwen3.5 (text, MoE): hybrid Gated DeltaNet + gated attention layers, state in HybridCache
 model/qwen3_next.py        Qwen3-Next: Qwen3.5's decoder with grouped in_proj_qkvz / in_proj_ba, MoE + shared expert
+model/gpt_oss.py           gpt-oss: attention sinks, biased top-k-softmax router, experts with biases, clamped SwiGLU
 model/registry.py          model_type -> decoder class (one file per family)
 layers/linear.py           Column-, MergedColumn- and RowParallelLinear with sharding weight loaders
 layers/attention.py        paged attention with torch SDPA

@@ -83,6 +83,7 @@ class ModelRunner:
             self.kv_head_dim,
             self.backend.cpu_kernels,
             values_in_keys=self.kv_parts == 1,
+            sinks=self.model_config.attention_sinks,
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
         # the norms', rotary's and activation's, bound as the layers are built

@@ -13,7 +13,9 @@ kernels. The worker picks one at start-up (`select_attention_backend`); it build
 object, whose `attend` the model reaches through `paged_attention`, so model code never knows which backend runs.
 
 A layer's own attention (softmax scale, sliding window, logit soft-cap: worker/layers/attention_spec.py) comes with
-each call; the batch's metadata is shared by every layer. Soft-capped scores run eager attention here (SDPA has no cap).
+each call; the batch's metadata is shared by every layer. Soft-capped scores and attention sinks run eager attention
+here (SDPA has neither); the `cpu` backend sends such layers' decodes there too, and the `triton` one is refused for a
+model with sinks (its kernels have none).
 """
 
 from __future__ import annotations
@@ -102,8 +104,8 @@ class CPUAttentionInputs(AttentionInputs):
         group: AttentionGroup,
         layer: LayerAttention,
     ) -> torch.Tensor:
-        # The kernel reads decodes from whole pages, without a logit cap.
-        if group.max_q_len > 1 or not k_cache.is_contiguous() or layer.logit_cap is not None:
+        # The kernel reads decodes from whole pages, without a logit cap or sinks.
+        if group.max_q_len > 1 or not k_cache.is_contiguous() or layer.logit_cap is not None or layer.sinks is not None:
             return _sdpa_group(q, k_cache, v_cache, group, layer)
         out = torch.empty_like(q)  # (reqs, heads, head_dim): one token per request, in request order
         window = layer.sliding_window or 0  # 0: every key
@@ -205,11 +207,13 @@ def select_attention_backend(
     cpu_kernels: ModuleType | None = None,
     *,
     values_in_keys: bool = False,
+    sinks: bool = False,
 ) -> AttentionBackend:
     """The attention backend for this worker (`--attention-backend`), or AttentionBackendError (one line).
     Heads: this rank's. `cpu_kernels`: the compiled CPU module the worker's LoRA backend built (cpu_ext), or None.
     `values_in_keys`: latent attention, whose one cache tensor is keys and values both (its values the leading
-    part of each key); SDPA takes it as any other, the paged kernels are not built for it."""
+    part of each key); SDPA takes it as any other, the paged kernels are not built for it. `sinks`: the model's
+    layers have attention sinks, which the Triton kernels do not add (the CPU one's layers fall back to eager)."""
     device = torch.device(device)
     if choice not in ATTENTION_BACKENDS:
         raise AttentionBackendError(f"--attention-backend {choice!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
@@ -217,6 +221,10 @@ def select_attention_backend(
         if choice not in ("auto", "torch"):
             raise AttentionBackendError(f"--attention-backend {choice}: latent attention runs the torch backend")
         return SDPAAttention(device)
+    if sinks and choice == "triton":
+        raise AttentionBackendError(
+            "--attention-backend triton: its kernels have no attention sinks (gpt-oss); use torch"
+        )
     cpu_runs = device.type == "cpu" and cpu_kernels is not None
     if choice == "cpu" and not cpu_runs:
         raise AttentionBackendError(
@@ -231,7 +239,7 @@ def select_attention_backend(
         )
     if choice == "cpu" or (choice == "auto" and cpu_takes_shapes):
         return CPUAttention(device, cpu_kernels)
-    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+    if choice == "torch" or (choice == "auto" and (device.type != "cuda" or sinks)):
         return SDPAAttention(device)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise AttentionBackendError(f"--attention-backend triton needs a CUDA device; this worker runs on {device}")
@@ -263,32 +271,38 @@ def _sdpa_group(
     keys = _gather_pages(k_cache, group.read_pages, group.page_size)  # (reqs, kv_heads, max_kv_len, head_dim)
     values = _gather_pages(v_cache, group.read_pages, group.page_size)  # (reqs, kv_heads, max_kv_len, head_dim)
     mask = group.mask_for(layer.sliding_window)
-    if layer.logit_cap is None:
+    if layer.logit_cap is None and layer.sinks is None:
         out = F.scaled_dot_product_attention(
             q_padded, keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=keys.shape[1] != num_heads
         )  # (reqs, heads, max_q_len, head_dim)
     else:
-        out = _capped_attention(q_padded, keys, values, mask, layer.scale, layer.logit_cap)
+        out = _eager_attention(q_padded, keys, values, mask, layer)
     out = out.transpose(1, 2).reshape(num_reqs * max_q_len, num_heads, head_dim)
     return out.index_select(0, group.query_index)  # (tokens, heads, head_dim)
 
 
-def _capped_attention(
+def _eager_attention(
     q: torch.Tensor,  # (reqs, heads, q, head_dim)
     keys: torch.Tensor,  # (reqs, kv_heads, kv, head_dim)
     values: torch.Tensor,  # (reqs, kv_heads, kv, head_dim)
     mask: torch.Tensor,  # (reqs, 1, q, kv) bool
-    scale: float,
-    cap: float,
+    layer: LayerAttention,
 ) -> torch.Tensor:
-    """Eager attention with soft-capped scores, rounded as the reference (HF's eager Gemma 2 attention) rounds."""
+    """Eager attention with soft-capped scores (rounded as HF's eager Gemma 2 attention rounds) and/or sinks: each
+    head's sink logit is one more column of the softmax, dropped after it (its value is zero)."""
     group_size = q.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(group_size, dim=1)  # (reqs, heads, kv, head_dim): query head h reads kv head h // g
     values = values.repeat_interleave(group_size, dim=1)
-    scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # (reqs, heads, q, kv)
-    scores = torch.tanh(scores / cap) * cap
+    scores = torch.matmul(q, keys.transpose(2, 3)) * layer.scale  # (reqs, heads, q, kv)
+    if layer.logit_cap is not None:
+        scores = torch.tanh(scores / layer.logit_cap) * layer.logit_cap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if layer.sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        num_reqs, num_heads, q_len, _ = scores.shape
+        sinks = layer.sinks.to(scores.dtype).view(1, num_heads, 1, 1).expand(num_reqs, num_heads, q_len, 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
     return torch.matmul(probs, values)  # (reqs, heads, q, head_dim)
 
 

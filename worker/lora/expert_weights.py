@@ -9,7 +9,8 @@ adapter's (the pool holds one scale per slot).
   A is (experts * r, in), expert e's rows e*r ... e*r + r; B is (out, r * experts), expert e's columns e, e + E, ...
   (peft's ParamWrapper). gate_up_proj's one A serves both gate and up, its B's rows are [gate | up]. The keys do not
   say which parameter is which: their shapes do (gate_up: in = hidden, out = 2 * intermediate; down: in =
-  intermediate, out = hidden; both at once would need hidden = intermediate = 2 * intermediate).
+  intermediate, out = hidden; both at once would need hidden = intermediate = 2 * intermediate). gpt-oss's gate_up
+  alternates gate and up rows (its B's too), reordered here into [gate | up].
 """
 
 from __future__ import annotations
@@ -148,6 +149,8 @@ def _split_stacked(
         )
     stacked_a = lora_a.view(num_experts, r, -1)  # (experts, r, in)
     stacked_b = _scaled(lora_b.view(-1, r, num_experts).permute(2, 0, 1), config, r, alpha)  # (experts, out, r)
+    if len(modules) > 1 and model_config.moe.gate_up_interleaved:  # gpt-oss: rows g0 u0 g1 u1 ... -> [gate | up]
+        stacked_b = stacked_b.unflatten(1, (-1, len(modules))).transpose(1, 2).flatten(1, 2)
     out_sizes = [shapes[f"experts.{m}"][1] for m in modules]
     return {module: (stacked_a, b) for module, b in zip(modules, stacked_b.split(out_sizes, dim=1), strict=True)}
 

@@ -8,7 +8,7 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe", "gemma2", "gemma3_text",
                          "gemma3", "phi3", "deepseek_v3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
-                         "qwen3_next")
+                         "qwen3_next", "gpt_oss")
 GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
@@ -48,6 +48,11 @@ class MoEConfig:
     # of the shared experts' one MLP (DeepSeek-V3; Qwen3-Next and Qwen3.5-MoE: its output scaled by sigmoid of a
     # one-output gate); 0: none
     shared_intermediate_size: int = 0
+    # gpt-oss's experts: biases on every expert linear and on the router, softmax over the top-k logits alone, and a
+    # clamped SwiGLU (gate clamped above, up on both sides at `swiglu_limit`; gate * sigmoid(alpha * gate) * (up + 1))
+    swiglu_limit: float | None = None  # None: silu(gate) * up
+    swiglu_alpha: float = 1.0
+    gate_up_interleaved: bool = False  # a stacked gate_up (weights, bias, an adapter's B) alternates gate and up rows
 
     @classmethod
     def from_dict(cls, hf: dict[str, Any], model_type: str) -> MoEConfig | None:
@@ -71,6 +76,9 @@ class MoEConfig:
                 raise ModelConfigError(f"n_group {extra['num_groups']} must divide n_routed_experts {num_experts}")
         if model_type in ("qwen3_next", *_QWEN3_5_MOE):  # one shared expert, gated (worker/layers/moe.py)
             extra = dict(shared_intermediate_size=hf.get("shared_expert_intermediate_size") or 0)
+        if model_type == "gpt_oss":
+            extra = dict(swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), gate_up_interleaved=True)
         if model_type == "olmoe" and hf.get("clip_qkv") is not None:
             raise ModelConfigError(f"OLMoE with clip_qkv={hf['clip_qkv']} is not supported")
         return cls(
@@ -84,7 +92,7 @@ class MoEConfig:
 
 
 _QWEN3_5_MOE = ("qwen3_5_moe", "qwen3_5_moe_text")  # every layer MoE, top-k always renormalised
-_MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe", "deepseek_v3", "qwen3_next", *_QWEN3_5_MOE)
+_MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe", "deepseek_v3", "qwen3_next", "gpt_oss", *_QWEN3_5_MOE)
 # Gated DeltaNet layers beside gated attention ones
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", *_QWEN3_5_MOE)
 MULTIMODAL_HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe")  # served as their language model (text_config)
@@ -216,6 +224,7 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     mla: MLAConfig | None = None  # latent attention (DeepSeek-V3); None: q/k/v heads
     linear_attention: LinearAttentionConfig | None = None  # hybrid models' Gated DeltaNet layers; None: none
+    attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
@@ -317,6 +326,7 @@ class ModelConfig:
             final_logit_softcap=hf.get("final_logit_softcapping"),
             linear_attention=LinearAttentionConfig.from_dict(hf, model_type),
             mla=MLAConfig.from_dict(hf, rope) if model_type == "deepseek_v3" else None,
+            attention_sinks=model_type == "gpt_oss",
         )
 
 

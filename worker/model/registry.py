@@ -6,6 +6,7 @@ from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model.deepseek_v3 import DeepseekV3ForCausalLM
 from loraplex.worker.model.gemma2 import Gemma2ForCausalLM
 from loraplex.worker.model.gemma3 import Gemma3ForCausalLM
+from loraplex.worker.model.gpt_oss import GptOssForCausalLM
 from loraplex.worker.model.llama import LlamaForCausalLM
 from loraplex.worker.model.mixtral import MixtralForCausalLM
 from loraplex.worker.model.olmoe import OlmoeForCausalLM
@@ -34,6 +35,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_5_moe_text": Qwen3_5ForCausalLM,  # its MLPs are MoE blocks (ModelConfig.moe)
     "qwen3_5_moe": Qwen3_5ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 

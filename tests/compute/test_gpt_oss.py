@@ -1,0 +1,102 @@
+"""gpt-oss in the worker against HF transformers + peft in fp32: attention sinks, alternating sliding-window (4) and
+full layers, YaRN, the biased top-k-softmax router and the experts' clamped SwiGLU with biases; the base model, an
+adapter on attention alone and one on attention and every expert (PEFT's target_parameters form) in one batch,
+prefill logits, greedy decoding, and chunked prefill over a prefix-cache hit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from loraplex.worker.layers.attention import AttentionBackendError, SDPAAttention, select_attention_backend
+from loraplex.worker.layers.moe import ExpertsLinear
+from loraplex.worker.lora.experts import LoRAExpertsLinear
+from loraplex.worker.model_runner import ModelRunner
+
+from tests.gpt_oss_models import build_gpt_oss_set
+from tests.lora_helpers import batch_logits, greedy_decode, load_all, slot_loads, slot_of
+from tests.reference import assert_greedy_matches_peft, assert_logits_match_peft, hf_logits
+from tests.worker_helpers import chunked_prefill_after_a_prefix, make_runner, random_prompts
+
+LOGITS_TOL = 1e-3  # fp32; observed ~5e-5
+MIN_ADAPTER_EFFECT = 0.1
+DECODE_STEPS = 6
+NAMES = [None, "a4", "a4", "a8", None, "a8"]  # base rows between adapters, a segment of two requests
+LENGTHS = [5, 9, 3, 12, 7, 4]  # most past the window of 4
+GPT_OSS_LORA = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["all"], max_loras_per_batch=3)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_set(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    return build_gpt_oss_set(tmp_path_factory.mktemp("gpt_oss"))
+
+
+@pytest.fixture(scope="module")
+def runner(gpt_oss_set) -> ModelRunner:
+    model_dir, adapters = gpt_oss_set
+    runner = make_runner(model_dir, **GPT_OSS_LORA)
+    load_all(runner, adapters)
+    return runner
+
+
+def test_the_config_is_read_as_transformers_builds_the_model(runner: ModelRunner) -> None:
+    config = runner.model_config
+    assert config.layer_windows == (4, None, 4) and config.attention_sinks and config.rope.rope_type == "yarn"
+    assert (config.qkv_bias, config.o_bias) == (True, True)
+    moe = config.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (4, 2, 48)
+    assert (moe.swiglu_limit, moe.swiglu_alpha, moe.gate_up_interleaved) == (7.0, 1.702, True)
+    for layer in runner.model.model.layers:
+        assert layer.self_attn.layer.sinks is layer.self_attn.sinks
+        for linear in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+            assert isinstance(linear, LoRAExpertsLinear) and isinstance(linear.base, ExpertsLinear)
+            assert linear.base.bias is not None
+    assert runner.attention.name == "torch"
+
+
+def test_mixed_batch_logits_match_peft(gpt_oss_set, runner: ModelRunner) -> None:
+    model_dir, adapters = gpt_oss_set
+    prompts = random_prompts(LENGTHS, runner.vocab_size, seed=11)
+    ours = batch_logits(runner, prompts, NAMES)
+    assert_logits_match_peft(ours, prompts, NAMES, model_dir, adapters, LOGITS_TOL, MIN_ADAPTER_EFFECT)
+
+
+def test_mixed_batch_greedy_matches_peft(gpt_oss_set, runner: ModelRunner) -> None:
+    model_dir, adapters = gpt_oss_set
+    prompts = random_prompts(LENGTHS, runner.vocab_size, seed=12)
+    ours = greedy_decode(runner, prompts, NAMES, steps=DECODE_STEPS)
+    assert_greedy_matches_peft(ours, prompts, NAMES, model_dir, adapters, DECODE_STEPS)
+
+
+@pytest.mark.parametrize("name", ["a4", "a8"])
+def test_chunked_prefill_over_a_shared_prefix_matches_peft(gpt_oss_set, runner: ModelRunner, name: str) -> None:
+    model_dir, adapters = gpt_oss_set
+    prompt, num_cached, ours = chunked_prefill_after_a_prefix(runner, slot_of(name), slot_loads(["a4", "a8"]))
+    ref = hf_logits(model_dir, prompt, adapters[name])[num_cached:]
+    diff = (ours - ref).abs().max().item()
+    assert diff <= LOGITS_TOL, f"max abs logit diff {diff:.2e}"
+
+
+def test_the_sinks_take_their_share(gpt_oss_set, runner: ModelRunner) -> None:
+    """Sinks pushed to -inf (no share of any softmax) change the logits: the comparisons above see them."""
+    model_dir, _ = gpt_oss_set
+    prompt = random_prompts([9], runner.vocab_size, seed=13)[0]
+    sinks = [layer.self_attn.sinks for layer in runner.model.model.layers]
+    saved = [s.clone() for s in sinks]
+    try:
+        for s in sinks:
+            s.data.fill_(float("-inf"))
+        without = batch_logits(runner, [prompt], [None])[0]
+    finally:
+        for s, value in zip(sinks, saved, strict=True):
+            s.data.copy_(value)
+    assert (without - hf_logits(model_dir, prompt)).abs().max().item() > 0.1
+
+
+def test_a_model_with_sinks_is_refused_the_triton_kernels() -> None:
+    heads = (4, 2, 16)
+    with pytest.raises(AttentionBackendError, match="no attention sinks"):
+        select_attention_backend("triton", "cuda", *heads, sinks=True)
+    assert type(select_attention_backend("auto", "cuda", *heads, sinks=True)) is SDPAAttention  # nothing launched
+    assert type(select_attention_backend("auto", torch.device("cpu"), *heads, sinks=True)) is SDPAAttention
