@@ -11,11 +11,12 @@ import torch
 from tests.lora_helpers import build_peft_adapter
 from tests.moe_models import build_parameter_adapter
 
-# Three layers: sliding (window 4), full, sliding. 4 experts of intermediate 48 (gate_up 96 rows, interleaved), top 2.
+# Three layers: sliding (window 4), full, sliding. 4 experts of intermediate 64 (gate_up's 128 rows interleaved; MXFP4
+# needs inputs in blocks of 32), top 2.
 CONFIG = dict(
     vocab_size=256,
     hidden_size=64,
-    intermediate_size=48,
+    intermediate_size=64,
     num_hidden_layers=3,
     num_attention_heads=4,
     num_key_value_heads=2,
@@ -24,8 +25,15 @@ CONFIG = dict(
     num_experts_per_tok=2,
     sliding_window=4,
     max_position_embeddings=512,
-    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, original_max_position_embeddings=64,
-                         beta_fast=32.0, beta_slow=1.0, truncate=False),
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=150000.0,
+        factor=8.0,
+        original_max_position_embeddings=64,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+    ),
 )
 
 
@@ -66,7 +74,8 @@ def build_gpt_oss_set(root: Path, with_tokenizer: bool = False) -> tuple[Path, d
     model_dir = root / "gpt_oss"
     build_gpt_oss_model(model_dir, with_tokenizer=with_tokenizer)
     adapters = {"a4": root / "gpt_oss-a4", "a8": root / "gpt_oss-a8"}
-    build_peft_adapter(model_dir, adapters["a4"], r=4, lora_alpha=8, seed=1,
-                       target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+    build_peft_adapter(
+        model_dir, adapters["a4"], r=4, lora_alpha=8, seed=1, target_modules=("q_proj", "k_proj", "v_proj", "o_proj")
+    )
     build_parameter_adapter(model_dir, adapters["a8"], r=8, lora_alpha=16, target_modules=("q_proj", "o_proj"), seed=2)
     return model_dir, adapters

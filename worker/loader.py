@@ -57,6 +57,8 @@ EXPERT_SLICES = {
 # (gpt-oss's: (experts, in, out), and a stacked bias beside each, `gate_up_proj_bias`).
 _STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 _STACKED_EXPERT_BIAS = re.compile(r"\.experts\.(gate_up_proj|down_proj)_bias$")
+# MXFP4 experts (worker/quant/mxfp4.py): codes and scales of each stacked linear
+_STACKED_EXPERT_MXFP4 = re.compile(r"\.experts\.(gate_up_proj|down_proj)_(blocks|scales)$")
 
 
 def map_hf_name(hf_name: str) -> tuple[str, int | tuple[int, int] | None]:
@@ -72,6 +74,8 @@ def map_hf_name(hf_name: str) -> tuple[str, int | tuple[int, int] | None]:
         return f"{hf_name}.weight", None
     if (bias := _STACKED_EXPERT_BIAS.search(hf_name)) is not None:
         return f"{hf_name[: bias.start()]}.experts.{bias[1]}.bias", None
+    if (packed := _STACKED_EXPERT_MXFP4.search(hf_name)) is not None:
+        return f"{hf_name[: packed.start()]}.experts.{packed[1]}.{packed[2]}", None
     for hf_module, fused_module, slice_id in FUSED_SLICES:
         marker = f".{hf_module}."
         if marker in hf_name:

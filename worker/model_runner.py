@@ -241,6 +241,15 @@ class ModelRunner:
         if self.quant_format is None:
             logger.info("quantization: none (plain weights)")
             return
+        if self.quant_format.experts_only:
+            experts = [m for m in self.model.modules() if getattr(m, "packed", False)]
+            packed_bytes = sum(m.resident_bytes for m in experts)
+            plain_bytes = sum(m.blocks.numel() * 2 * self.dtype.itemsize for m in experts)
+            logger.info("quantization: %s (--quantization %s); expert weights %.1f MiB resident on this rank (%.1f MiB "
+                        "as %s), dequantized per expert at its matmul", self.quant_format.method,
+                        self.config.quantization, packed_bytes / 2**20, plain_bytes / 2**20,
+                        str(self.dtype).removeprefix("torch."))  # fmt: skip
+            return
         kernels = sorted({m.quant.matmul.name for m in self.model.modules() if getattr(m, "quant", None) is not None})
         num_bytes = sum(m.quant.nbytes for m in self.model.modules() if getattr(m, "quant", None) is not None)
         logger.info("quantization: %s (--quantization %s); linear weights %.1f MiB on this rank, kernels: %s",

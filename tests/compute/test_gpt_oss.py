@@ -16,6 +16,7 @@ from loraplex.worker.model_runner import ModelRunner
 
 from tests.gpt_oss_models import build_gpt_oss_set
 from tests.lora_helpers import batch_logits, greedy_decode, load_all, slot_loads, slot_of
+from tests.mxfp4_checkpoint import write_mxfp4
 from tests.reference import assert_greedy_matches_peft, assert_logits_match_peft, hf_logits
 from tests.worker_helpers import chunked_prefill_after_a_prefix, make_runner, random_prompts
 
@@ -45,7 +46,7 @@ def test_the_config_is_read_as_transformers_builds_the_model(runner: ModelRunner
     assert config.layer_windows == (4, None, 4) and config.attention_sinks and config.rope.rope_type == "yarn"
     assert (config.qkv_bias, config.o_bias) == (True, True)
     moe = config.moe
-    assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (4, 2, 48)
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (4, 2, 64)
     assert (moe.swiglu_limit, moe.swiglu_alpha, moe.gate_up_interleaved) == (7.0, 1.702, True)
     for layer in runner.model.model.layers:
         assert layer.self_attn.layer.sinks is layer.self_attn.sinks
@@ -100,3 +101,41 @@ def test_a_model_with_sinks_is_refused_the_triton_kernels() -> None:
         select_attention_backend("triton", "cuda", *heads, sinks=True)
     assert type(select_attention_backend("auto", "cuda", *heads, sinks=True)) is SDPAAttention  # nothing launched
     assert type(select_attention_backend("auto", torch.device("cpu"), *heads, sinks=True)) is SDPAAttention
+
+
+@pytest.fixture(scope="module")
+def mxfp4_pair(gpt_oss_set, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The model's experts quantized to MXFP4 as the published checkpoints store them, and the same weights
+    dequantized into a plain checkpoint."""
+    model_dir, _ = gpt_oss_set
+    root = tmp_path_factory.mktemp("mxfp4")
+    write_mxfp4(model_dir, root / "mxfp4", root / "dequantized")
+    return root / "mxfp4", root / "dequantized"
+
+
+def test_mxfp4_experts_serve_as_their_dequantized_model(gpt_oss_set, mxfp4_pair) -> None:
+    """Base and both adapters in one batch: the MXFP4 checkpoint (experts dequantized per expert at each matmul)
+    equals its dequantized plain checkpoint, which equals HF + peft."""
+    _, adapters = gpt_oss_set
+    quant_dir, dequant_dir = mxfp4_pair
+    prompts = random_prompts(LENGTHS, 256, seed=14)
+    logits = {}
+    for path in mxfp4_pair:
+        runner = make_runner(path, **GPT_OSS_LORA)
+        load_all(runner, adapters)
+        logits[path] = batch_logits(runner, prompts, NAMES)
+    for ours, ref in zip(logits[quant_dir], logits[dequant_dir], strict=True):
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-5)
+    assert_logits_match_peft(logits[quant_dir], prompts, NAMES, dequant_dir, adapters, LOGITS_TOL, MIN_ADAPTER_EFFECT)
+
+
+def test_mxfp4_experts_stay_packed(mxfp4_pair) -> None:
+    """The experts hold codes and scales (4.25 bits per weight), no float weight; 17/128 of fp32's bytes."""
+    quant_dir, dequant_dir = mxfp4_pair
+    quant, plain = make_runner(quant_dir), make_runner(dequant_dir)
+    for ours, theirs in zip(quant.model.model.layers, plain.model.model.layers, strict=True):
+        for name in ("gate_up_proj", "down_proj"):
+            packed, full = getattr(ours.mlp.experts, name), getattr(theirs.mlp.experts, name)
+            assert packed.packed and not hasattr(packed, "weight") and packed.blocks.dtype == torch.uint8
+            assert packed.resident_bytes * 128 == full.resident_bytes * 17  # (1/2 + 1/32) bytes against 4
+    assert not quant.model.model.layers[0].self_attn.qkv_proj.quant  # attention stays plain

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from loraplex.worker.layers.activation import SiluAndMul
 from loraplex.worker.parallel import all_reduce, current_tp
+from loraplex.worker.quant import mxfp4
+from loraplex.worker.quant.layer import current_format
 from torch import nn
 
 
@@ -121,10 +123,22 @@ class ExpertsLinear(nn.Module):
         self.input_size_per_rank = input_size // self.tp_size if tp_mode == "row" else input_size
         self.output_sizes_per_rank = [s // self.tp_size for s in output_sizes] if tp_mode == "column" else output_sizes
         self.output_offsets_per_rank = [0, *itertools.accumulate(self.output_sizes_per_rank)][:-1]
-        self.weight = nn.Parameter(
-            torch.empty(num_experts, sum(self.output_sizes_per_rank), self.input_size_per_rank), requires_grad=False
-        )
-        self.weight.weight_loader = self.weight_loader
+        num_rows = sum(self.output_sizes_per_rank)
+        fmt = current_format()
+        self.packed = fmt is not None and fmt.experts_only  # MXFP4 (worker/quant/mxfp4.py): bytes kept resident
+        if self.packed:
+            if self.input_size_per_rank % mxfp4.BLOCK_SIZE:
+                raise ValueError(f"mxfp4 experts' {self.input_size_per_rank} inputs per rank split a block of "
+                                 f"{mxfp4.BLOCK_SIZE}")
+            self.dtype = torch.get_default_dtype()  # of the dequantized tiles
+            num_blocks = self.input_size_per_rank // mxfp4.BLOCK_SIZE
+            self.blocks = self._packed_param((num_experts, num_rows, num_blocks * mxfp4.BLOCK_SIZE // 2),
+                                             mxfp4.random_blocks)  # fmt: skip
+            self.scales = self._packed_param((num_experts, num_rows, num_blocks), mxfp4.random_scales)
+        else:
+            weight = torch.empty(num_experts, num_rows, self.input_size_per_rank)
+            self.weight = nn.Parameter(weight, requires_grad=False)
+            self.weight.weight_loader = self.weight_loader
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(num_experts, sum(self.output_sizes_per_rank)), requires_grad=False)
@@ -138,10 +152,20 @@ class ExpertsLinear(nn.Module):
         """The (expert, slice) pieces a per-expert checkpoint holds, each loaded on its own."""
         return [(e, s) for e in range(self.num_experts) for s in range(self.num_slices)]
 
+    def _packed_param(self, shape: tuple[int, ...], draw) -> nn.Parameter:
+        param = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
+        param.weight_loader = self.weight_loader
+        param.random_checkpoint = draw  # --load-format dummy draws the format's bytes (worker/dummy_weights.py)
+        return param
+
     def full_shape(self, param: nn.Parameter, shard_id: int | None = None) -> tuple[int, ...]:
         """The stacked checkpoint tensor weight_loader takes: every expert's slice `shard_id` (None: every slice)."""
         rows = sum(self.output_sizes) if shard_id is None else self.output_sizes[shard_id]
-        return self.num_experts, rows, self.input_size
+        return self.num_experts, rows, self._full_columns(param)
+
+    def _full_columns(self, param: nn.Parameter) -> int:
+        """Columns of the whole input in `param`'s units: inputs, MXFP4 code bytes (2 inputs) or scales (32)."""
+        return param.shape[2] * self.tp_size if self.tp_mode == "row" else param.shape[2]
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | int | None
@@ -149,8 +173,10 @@ class ExpertsLinear(nn.Module):
         """shard_id (expert, slice): one expert's (out of the slice, in) tensor, as per-expert checkpoints hold them;
         None: the stacked tensor of a checkpoint that saves experts fused; an int: every expert's slice, stacked."""
         if not isinstance(shard_id, tuple):
+            if loaded.dim() == 4:  # MXFP4 codes as checkpoints store them: (experts, out, blocks, 16 bytes)
+                loaded = loaded.flatten(2)
             if shard_id is None:
-                loaded = self.checkpoint_order(loaded.transpose(1, 2) if self.in_major else loaded)
+                loaded = self.checkpoint_order(loaded.transpose(1, 2) if self.in_major and not self.packed else loaded)
             expected = self.full_shape(param, shard_id)
             if tuple(loaded.shape) != expected:
                 raise ValueError(f"stacked experts tensor has shape {tuple(loaded.shape)}, expected {expected}")
@@ -165,14 +191,15 @@ class ExpertsLinear(nn.Module):
                 self.weight_loader(param, piece, (expert, slice_id))
             return
         expert, slice_id = shard_id
-        expected = (self.output_sizes[slice_id], self.input_size)
+        expected = (self.output_sizes[slice_id], self._full_columns(param))
         if tuple(loaded.shape) != expected:
             raise ValueError(f"expert {expert} tensor has shape {tuple(loaded.shape)}, expected {expected}")
         if self.tp_mode == "column":
             num_rows = self.output_sizes_per_rank[slice_id]
             shard = loaded.narrow(0, self.tp_rank * num_rows, num_rows)
         else:
-            shard = loaded.narrow(1, self.tp_rank * self.input_size_per_rank, self.input_size_per_rank)
+            num_cols = param.shape[2]  # this rank's inputs, in param's units
+            shard = loaded.narrow(1, self.tp_rank * num_cols, num_cols)
         rows = param.data[expert].narrow(0, self.output_offsets_per_rank[slice_id], shard.shape[0])
         rows.copy_(shard)
 
@@ -201,8 +228,16 @@ class ExpertsLinear(nn.Module):
         return self.partial(rows, routing)
 
     def expert_weight(self, expert: int) -> torch.Tensor:
-        """(out_per_rank, in_per_rank) of one expert, in the rows' dtype (a quantized subclass dequantizes here)."""
+        """(out_per_rank, in_per_rank) of one expert; MXFP4 experts dequantize it here, one expert's tile at a time."""
+        if self.packed:
+            return mxfp4.dequantize(self.blocks[expert], self.scales[expert], self.dtype)
         return self.weight[expert]
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of this rank's expert weights held on the device (MXFP4: codes and scales; biases not counted)."""
+        params = (self.blocks, self.scales) if self.packed else (self.weight,)
+        return sum(p.numel() * p.element_size() for p in params)
 
     def partial(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
         out = rows.new_empty(rows.shape[0], sum(self.output_sizes_per_rank))  # (rows, out_per_rank)
