@@ -438,6 +438,7 @@ def _read_layer_windows(hf: dict[str, Any], model_type: str, window: int | None)
             layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
         else:
             layer_types = ["sliding_attention"] * num_layers
+    layer_types = list(layer_types)[:num_layers]  # the layers a shortened model keeps (--hf-overrides)
     if len(layer_types) != num_layers:
         raise ModelConfigError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
     unknown = set(layer_types) - {"sliding_attention", "full_attention"}
