@@ -14,8 +14,7 @@ object, whose `attend` the model reaches through `paged_attention`, so model cod
 
 A layer's own attention (softmax scale, sliding window, logit soft-cap: worker/layers/attention_spec.py) comes with
 each call; the batch's metadata is shared by every layer. Soft-capped scores and attention sinks run eager attention
-here (SDPA has neither); the `cpu` backend sends such layers' decodes there too, and the `triton` one is refused for a
-model with sinks (its kernels have none).
+here (SDPA has neither); the `cpu` backend sends such layers' decodes there too; the `triton` kernels take both.
 """
 
 from __future__ import annotations
@@ -213,7 +212,8 @@ def select_attention_backend(
     Heads: this rank's. `cpu_kernels`: the compiled CPU module the worker's LoRA backend built (cpu_ext), or None.
     `values_in_keys`: latent attention, whose one cache tensor is keys and values both (its values the leading
     part of each key); SDPA takes it as any other, the paged kernels are not built for it. `sinks`: the model's
-    layers have attention sinks, which the Triton kernels do not add (the CPU one's layers fall back to eager)."""
+    layers have attention sinks (the Triton kernels' sinks variant is warmed up; the CPU kernel has none, so those
+    layers' decodes run the torch path)."""
     device = torch.device(device)
     if choice not in ATTENTION_BACKENDS:
         raise AttentionBackendError(f"--attention-backend {choice!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
@@ -221,10 +221,6 @@ def select_attention_backend(
         if choice not in ("auto", "torch"):
             raise AttentionBackendError(f"--attention-backend {choice}: latent attention runs the torch backend")
         return SDPAAttention(device)
-    if sinks and choice == "triton":
-        raise AttentionBackendError(
-            "--attention-backend triton: its kernels have no attention sinks (gpt-oss); use torch"
-        )
     cpu_runs = device.type == "cpu" and cpu_kernels is not None
     if choice == "cpu" and not cpu_runs:
         raise AttentionBackendError(
@@ -239,11 +235,11 @@ def select_attention_backend(
         )
     if choice == "cpu" or (choice == "auto" and cpu_takes_shapes):
         return CPUAttention(device, cpu_kernels)
-    if choice == "torch" or (choice == "auto" and (device.type != "cuda" or sinks)):
+    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
         return SDPAAttention(device)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise AttentionBackendError(f"--attention-backend triton needs a CUDA device; this worker runs on {device}")
-    return TritonAttention(device, num_kv_heads)
+    return TritonAttention(device, num_kv_heads, sinks=sinks)
 
 
 def paged_attention(
