@@ -153,8 +153,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     attention_backend: Annotated[Literal["auto", "triton", "cpu", "torch"], Meta(description=
         "attention kernels: triton (paged Triton kernels reading K/V from the cache pages in place; CUDA), cpu "
         "(decodes in the compiled CPU kernels, prefills in SDPA; needs --lora-backend cpu or auto to build them), "
-        "torch (SDPA over gathered pages); auto = triton on CUDA, else cpu where the CPU kernels run and take the "
-        "model's head shapes, else torch"
+        "torch (SDPA over gathered pages); auto = triton on CUDA (torch for a model with chunked local attention, "
+        "Llama 4, which triton refuses), else cpu where the CPU kernels run and take the model's head shapes, else "
+        "torch"
     )] = "auto"
     enable_cuda_graph: Annotated[bool, Meta(description=
         "capture decode steps as CUDA graphs at start-up, one per batch size of a ladder up to --cuda-graph-max-bs, "
@@ -249,10 +250,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     lora_modules: Annotated[list[str], Meta(description=
         "vLLM's adapters loaded at start: NAME=PATH or JSON {name, path, base_model_name}"
     )] = []
-    reasoning_parser: Annotated[Literal["deepseek_r1", "qwen3"] | None, Meta(description=
+    reasoning_parser: Annotated[Literal["deepseek_r1", "qwen3", "glm45"] | None, Meta(description=
         "chat answers put the model's <think>...</think> text in reasoning_content: deepseek_r1 (the template opened "
-        "<think>) or qwen3 (reasoning only where the output opens <think>); a structured-output constraint then "
-        "applies after </think>"
+        "<think>) or qwen3 / glm45 (reasoning only where the output opens <think>); a structured-output constraint "
+        "then applies after </think>"
     )] = None
     chat_template: Annotated[str | None, Meta(description=
         "chat template for /v1/chat/completions: a file, or inline Jinja (default: the tokenizer's)"
@@ -261,7 +262,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "tool_choice auto: the model's text is read for tool calls (needs --tool-call-parser)"
     )] = False
     tool_call_parser: Annotated[
-        Literal["hermes", "llama3_json", "mistral", "qwen3_coder", "xml", "pythonic"] | None, Meta(description=
+        Literal["hermes", "llama3_json", "mistral", "qwen3_coder", "xml", "pythonic", "glm45"] | None, Meta(description=
         "the format of the model's tool calls (tool_choice auto); required and named choices are forced by a grammar "
         "and need none"
     )] = None

@@ -25,6 +25,7 @@ from loraplex.worker.layers.ops import ModelOps, model_ops, select_model_ops
 from loraplex.worker.loader import load_weights
 from loraplex.worker.lora.manager import LoRAManager
 from loraplex.worker.model.config import ModelConfig, ModelConfigError
+from loraplex.worker.model.qwen3_5 import GatedDeltaNet
 from loraplex.worker.model.registry import build_model
 from loraplex.worker.parallel import tensor_parallel
 from loraplex.worker.penalties import TokenHistories, apply_penalties
@@ -84,6 +85,7 @@ class ModelRunner:
             self.backend.cpu_kernels,
             values_in_keys=self.kv_parts == 1,
             sinks=self.model_config.attention_sinks,
+            chunked_attention=any(self.model_config.layer_chunks),
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
         # the norms', rotary's and activation's, bound as the layers are built
@@ -142,6 +144,7 @@ class ModelRunner:
         self.kv_cache = self._hybrid_cache(kv_args) if self.model_config.linear_attention else KVCache(**kv_args)
         self._warmup_attention()
         self._warmup_model_ops(ops)
+        self._warmup_linear_attention()
         self.decode_graphs = self._decode_graphs()
         self.sampler = Sampler(config.seed, self.device)
         self.sampling_table = SamplingTable()  # every request's sampling parameters, sent on its first pass
@@ -235,6 +238,17 @@ class ModelRunner:
                               mc.num_kv_heads // ranks, mc.head_dim, self.dtype, self.device)  # fmt: skip
         if launches:
             logger.info("%s model op kernels compiled: %d launches in %.1f s", ops.name, launches,
+                        time.perf_counter() - start)  # fmt: skip
+
+    def _warmup_linear_attention(self) -> None:
+        """A hybrid model's DeltaNet kernels, compiled on its first such layer (every one shares their variants)."""
+        layer = next((m for m in self.model.modules() if isinstance(m, GatedDeltaNet)), None)
+        if layer is None:
+            return
+        start = time.perf_counter()
+        launches = layer.warmup(self.kv_cache.conv[0], self.kv_cache.recurrent[0])
+        if launches:
+            logger.info("%s linear-attention kernels compiled: %d launches in %.1f s", layer.mixer.name, launches,
                         time.perf_counter() - start)  # fmt: skip
 
     def _log_quantization(self) -> None:

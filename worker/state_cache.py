@@ -22,7 +22,8 @@ class StateSlotError(BatchError):
 
 @dataclass(frozen=True)
 class StateBatch:
-    """Where each request's tokens and state sit in this pass (host lists: the layers loop over prefills)."""
+    """Where each request's tokens and state sit in this pass: host lists for the torch path, which loops over the
+    prefills; the same on the device as one table for the Triton kernels, which take the whole batch per launch."""
 
     slots: list[int]  # per request
     token_starts: list[int]  # its first row in the flat batch
@@ -30,6 +31,23 @@ class StateBatch:
     decode_rows: torch.Tensor  # (decodes,) the rows of the one-token requests, batched in one recurrent step
     decode_slots: torch.Tensor  # (decodes,) their slots
     prefills: list[int]  # the requests with more than one new token, stepped one by one in chunked form
+    table: torch.Tensor  # (3, reqs) int32 [first rows; new tokens; slots]: the Triton kernels' whole batch
+
+    @classmethod
+    def of(cls, slots: list[int], num_new: list[int], device: torch.device) -> StateBatch:
+        starts = [0] * len(slots)
+        for i in range(1, len(slots)):
+            starts[i] = starts[i - 1] + num_new[i - 1]
+        decodes = [i for i, n in enumerate(num_new) if n == 1]
+        return cls(
+            slots=slots,
+            token_starts=starts,
+            num_new=num_new,
+            decode_rows=torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device),
+            decode_slots=torch.tensor([slots[i] for i in decodes], dtype=torch.long, device=device),
+            prefills=[i for i, n in enumerate(num_new) if n > 1],
+            table=torch.tensor([starts, num_new, slots], dtype=torch.int32, device=device).view(3, len(slots)),
+        )
 
 
 @dataclass(frozen=True)
@@ -72,20 +90,7 @@ class HybridCache(KVCache):
             index = torch.tensor(fresh, device=self.conv.device)
             self.conv[:, index] = 0
             self.recurrent[:, index] = 0
-        num_new = [len(req.input_ids) for req in reqs]
-        starts = [0] * len(reqs)
-        for i in range(1, len(reqs)):
-            starts[i] = starts[i - 1] + num_new[i - 1]
-        decodes = [i for i, n in enumerate(num_new) if n == 1]
-        device = self.conv.device
-        self._batch = StateBatch(
-            slots=slots,
-            token_starts=starts,
-            num_new=num_new,
-            decode_rows=torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device),
-            decode_slots=torch.tensor([slots[i] for i in decodes], dtype=torch.long, device=device),
-            prefills=[i for i, n in enumerate(num_new) if n > 1],
-        )
+        self._batch = StateBatch.of(slots, [len(req.input_ids) for req in reqs], self.conv.device)
 
     def linear_state(self, index: int) -> LayerState:
         if self._batch is None:

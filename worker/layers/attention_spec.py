@@ -15,6 +15,8 @@ class LayerAttention:
     # (heads of this rank,) a learned logit per head that joins the softmax's denominator and attends to no value
     # (gpt-oss): probs = exp(s_j) / (sum_k exp(s_k) + exp(sink)). The layer's parameter itself, so loading fills it.
     sinks: torch.Tensor | None = None
+    # chunked local attention (Llama 4): a query at position p sees the keys at [p - p % chunk, p]; None = no chunks
+    chunk_size: int | None = None
 
     @classmethod
     def default(cls, head_dim: int) -> LayerAttention:

@@ -9,7 +9,7 @@ block's one all-reduce sums the ranks' partial outputs after the weighted sum.
 gpt-oss's experts add a bias to every expert linear (a row-parallel one's on rank 0 alone, so the block's sum adds it
 once) and route with a biased router, softmax over the top-k logits alone; its checkpoints stack each linear as
 (experts, in, out) with gate and up interleaved (gate_up's rows g0 u0 g1 u1 ...), which the loader turns into our
-(experts, out, in) [gate | up] layout (`in_major`, `interleaved`).
+(experts, out, in) [gate | up] layout (`stacked_in_out`, `interleaved`).
 
 Rows: each (token, chosen expert) pair is one row; the rows are sorted by expert, tokens in batch order within an
 expert, so an expert's rows are one contiguous range (one matmul each), and the rows of one expert that come from one
@@ -74,6 +74,13 @@ def route_topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.T
     return torch.softmax(logits, dim=-1), ids
 
 
+def route_sigmoid(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4's router, as HF's Llama4Router: the top-k logits, each through a sigmoid (the others weigh 0).
+    (weights (tokens, top_k) float32, expert ids (tokens, top_k))"""
+    logits, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.sigmoid(logits.float()), ids
+
+
 def route_grouped(
     router_logits: torch.Tensor,
     correction_bias: torch.Tensor,
@@ -107,11 +114,11 @@ class ExpertsLinear(nn.Module):
     expert's weight to its rows. `partial`/`finish` as there: a row-parallel one leaves its sum to the block."""
 
     def __init__(self, num_experts: int, input_size: int, output_sizes: list[int], tp_mode: str, *,
-                 bias: bool = False, in_major: bool = False, interleaved: bool = False):  # fmt: skip
-        """in_major: a stacked checkpoint tensor is (experts, in, out); interleaved: its slices' rows alternate
-        (row i of slice s is row i * slices + s), as gpt-oss stores gate_up."""
+                 bias: bool = False, interleaved: bool = False):  # fmt: skip
+        """interleaved: a stacked checkpoint tensor's slices' rows alternate (row i of slice s is row i * slices + s),
+        as gpt-oss stores gate_up."""
         super().__init__()
-        self.in_major, self.interleaved = in_major, interleaved
+        self.interleaved = interleaved
         tp = current_tp()
         self.tp_rank, self.tp_size, self.tp_mode = tp.rank, tp.world_size, tp_mode
         self.num_experts = num_experts
@@ -143,6 +150,9 @@ class ExpertsLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(num_experts, sum(self.output_sizes_per_rank)), requires_grad=False)
             self.bias.weight_loader = self.bias_loader
+        # a checkpoint's stacked tensor is (experts, in, out) (Llama 4's, gpt-oss's), not (experts, out, in): set by the
+        # model (MXFP4 codes are stored (experts, out, ...) whatever it says)
+        self.stacked_in_out = False
 
     @property
     def num_slices(self) -> int:
@@ -161,6 +171,8 @@ class ExpertsLinear(nn.Module):
     def full_shape(self, param: nn.Parameter, shard_id: int | None = None) -> tuple[int, ...]:
         """The stacked checkpoint tensor weight_loader takes: every expert's slice `shard_id` (None: every slice)."""
         rows = sum(self.output_sizes) if shard_id is None else self.output_sizes[shard_id]
+        if self.stacked_in_out and not self.packed:
+            return self.num_experts, self._full_columns(param), rows
         return self.num_experts, rows, self._full_columns(param)
 
     def _full_columns(self, param: nn.Parameter) -> int:
@@ -175,11 +187,13 @@ class ExpertsLinear(nn.Module):
         if not isinstance(shard_id, tuple):
             if loaded.dim() == 4:  # MXFP4 codes as checkpoints store them: (experts, out, blocks, 16 bytes)
                 loaded = loaded.flatten(2)
-            if shard_id is None:
-                loaded = self.checkpoint_order(loaded.transpose(1, 2) if self.in_major and not self.packed else loaded)
             expected = self.full_shape(param, shard_id)
             if tuple(loaded.shape) != expected:
                 raise ValueError(f"stacked experts tensor has shape {tuple(loaded.shape)}, expected {expected}")
+            if self.stacked_in_out and not self.packed:
+                loaded = loaded.transpose(1, 2)  # (experts, out, in), as the pieces below are cut
+            if shard_id is None:
+                loaded = self.checkpoint_order(loaded)
             starts = [0, *itertools.accumulate(self.output_sizes)]
             for expert, slice_id in self.checkpoint_shards():
                 if shard_id is None:
@@ -324,3 +338,26 @@ class SharedExpertMoeBlock(SparseMoeBlock):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(hidden) * torch.sigmoid(self.shared_expert_gate(hidden))  # (tokens, hidden)
         return super().forward(hidden) + shared
+
+
+class InputScaledMoeBlock(SparseMoeBlock):
+    """Llama 4: each token's chosen experts (route_sigmoid) take its hidden state scaled by their routing weight, and
+    their outputs are summed unweighted (the weight sits before the SiLU, so this is not the weighted sum of
+    SparseMoeBlock); a shared expert (a dense SiLU-gated MLP, sharded as one) adds its output unscaled."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 shared_experts: nn.Module):  # fmt: skip
+        super().__init__(hidden_size, num_experts, top_k, intermediate_size, renormalize=False)
+        self.shared_experts = shared_experts
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route_sigmoid(self.gate(hidden), self.top_k)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(hidden)  # (tokens, top_k) each
+        routing = Routing.build(ids, weights, self.num_experts)
+        # (rows, hidden); the weights rounded to the activations' dtype first, as the reference rounds them
+        rows = hidden[routing.token_ids] * routing.row_weights.to(hidden.dtype)[:, None]
+        out_rows = self.experts(rows, routing)  # (rows, hidden)
+        routed = torch.zeros_like(hidden).index_add_(0, routing.token_ids, out_rows)  # (tokens, hidden)
+        return self.shared_experts(hidden) + all_reduce(routed, self.tp_size)

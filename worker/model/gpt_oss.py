@@ -44,7 +44,11 @@ class GptOssMoeBlock(SparseMoeBlock):
         moe = config.moe
         activation = ClampedSwiGLU(moe.swiglu_limit, moe.swiglu_alpha)
         experts = MoEExperts(moe.num_experts, config.hidden_size, moe.intermediate_size, activation, bias=True,
-                             in_major=True, interleaved=moe.gate_up_interleaved)  # fmt: skip
+                             interleaved=moe.gate_up_interleaved)  # fmt: skip
+        # Stacked (experts, in, out); transformers marks them transposed, so PEFT's adapters on them are not swapped
+        # as Llama 4's are (ModelConfig.moe.stacked_in_out stays False).
+        for linear in (experts.gate_up_proj, experts.down_proj):
+            linear.stacked_in_out = True
         super().__init__(config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size, renormalize=False,
                          experts=experts, router_bias=True)  # fmt: skip
 
