@@ -309,6 +309,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "state slots of a hybrid model's linear-attention layers (one per running request; default: "
         "--max-running-requests)"
     )] = None
+    max_state_snapshots: Annotated[int | None, Meta(description=
+        "snapshots of a hybrid model's linear-attention states that its prefix cache keeps at cached page boundaries "
+        "(a hit restores one; each the size of a state slot; 0: no prefix caching for these models; default: as "
+        "many as state slots)"
+    )] = None
     mamba_ssm_cache_dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Meta(description=
         "dtype of a hybrid model's recurrent and conv states (auto: the checkpoint's mamba_ssm_dtype, else the model's)"
     )] = "auto"
@@ -333,6 +338,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.max_state_snapshots is not None and self.max_state_snapshots < 0:
+            raise ConfigError(f"--max-state-snapshots must be >= 0, got {self.max_state_snapshots}")
         for name in ("lora_drain_timeout", "lora_load_timeout", "dist_timeout", "lora_cache_max_gb"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")

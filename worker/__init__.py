@@ -8,7 +8,8 @@ cuda_graphs.py             DecodeGraphRunner: decode steps replayed from CUDA gr
 batch_inputs.py            ForwardBatch -> flat token ids, positions, cache slots, attention masks
 kv_cache.py                KVCache tensors and the default capacity rule
 state_cache.py             HybridCache: a hybrid model's KV (attention layers only) and its state slots (per running
-                           request: each linear-attention layer's recurrent and conv state), bound per pass
+                           request: each linear-attention layer's recurrent and conv state), bound per pass, and
+                           the prefix cache's snapshots of them
 adapter_loader.py          AdapterLoader: reads, validates and installs adapters while the main loop runs forwards
 loader.py                  safetensors checkpoint -> parameters, via each parameter's weight_loader
 dummy_weights.py           --load-format dummy: seeded random weights through the same weight loaders

@@ -164,18 +164,29 @@ class ModelRunner:
         # auto: the dtype the checkpoint names for its states (Qwen3.5's mamba_ssm_dtype), else the model's
         name = self.config.mamba_ssm_cache_dtype if self.config.mamba_ssm_cache_dtype != "auto" else la.state_dtype
         dtype = getattr(torch, name) if name in ("float32", "bfloat16", "float16") else self.dtype
-        cache = HybridCache(num_state_slots=num_slots, num_linear_layers=len(la.layer_ids),
+        # the prefix cache's snapshots (a hit restores one): --max-state-snapshots, by default one per slot
+        num_snapshots = 0
+        if self.config.prefix_caching:
+            num_snapshots = num_slots if self.config.max_state_snapshots is None else self.config.max_state_snapshots
+        cache = HybridCache(num_state_slots=num_slots, num_state_snapshots=num_snapshots,
+                            num_linear_layers=len(la.layer_ids),
                             conv_channels=la.conv_dim // ranks, conv_state_len=la.conv_kernel_size - 1,
                             num_value_heads=la.num_value_heads // ranks, key_head_dim=la.key_head_dim,
                             value_head_dim=la.value_head_dim, state_dtype=dtype, **kv_args)  # fmt: skip
         logger.info("state slots: %d of %.2f MiB each (%d linear-attention layers, %s)", num_slots,
                     cache.state_bytes / num_slots / 2**20, len(la.layer_ids), str(dtype).removeprefix("torch."))
+        logger.info("state snapshots for the prefix cache: %d (%.2f MiB)", num_snapshots, cache.snapshot_bytes / 2**20)
         return cache
 
     @property
     def num_state_slots(self) -> int:
         """WorkerReady.num_state_slots: a hybrid model's linear-attention state slots, else 0."""
         return self.kv_cache.num_state_slots if isinstance(self.kv_cache, HybridCache) else 0
+
+    @property
+    def num_state_snapshots(self) -> int:
+        """WorkerReady.num_state_snapshots: the prefix cache's snapshots of those states, else 0."""
+        return self.kv_cache.num_state_snapshots if isinstance(self.kv_cache, HybridCache) else 0
 
     def _decode_graphs(self) -> DecodeGraphRunner | None:
         if not self.config.enable_cuda_graph:

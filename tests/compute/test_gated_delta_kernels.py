@@ -197,6 +197,46 @@ def test_hybrid_model_on_the_kernels_matches_torch_ops(tmp_path: Path, monkeypat
     torch.testing.assert_close(runner.kv_cache.conv, torch_runner.kv_cache.conv, atol=1e-4, rtol=1e-4)
 
 
+
+@pytest.mark.skipif(USES_GPU, reason="the worker helpers build CPU models: Triton runs them only in its interpreter")
+def test_snapshot_saves_and_restores_on_the_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A pass saving snapshots runs in rounds (worker/state_cache.py): round r the r-th piece of every request, on the
+    # varlen launches even where a piece is one token. Two saves inside one prompt (one past the chunk boundary),
+    # one at a prompt's end, a request saving nothing beside them: the pass equals the same pass saving nothing, on
+    # the kernels; the snapshots equal the torch ops'; a request restoring one equals its prompt computed whole.
+    build_hybrid_model(tmp_path, arch="qwen3_next")
+    torch_runner = make_runner(tmp_path, max_running_requests=8, max_state_snapshots=4)
+    monkeypatch.setattr(model_runner, "select_model_ops", lambda device, cpu_kernels: TritonOps())
+    runner, plain = (make_runner(tmp_path, max_running_requests=8, max_state_snapshots=4) for _ in range(2))
+    lengths, slots = [9, 70, 12], [3, 0, 5]
+    prompts = random_prompts(lengths, runner.vocab_size, seed=8)
+    pages = consecutive_pages(lengths, runner.page_size)
+
+    def reqs(saves: list[list[tuple[int, int]]]) -> list[ForwardReq]:
+        return [ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, state_slot=s,
+                           snapshot_saves=sv)
+                for p, pg, s, sv in zip(prompts, pages, slots, saves, strict=True)]  # fmt: skip
+
+    with torch.inference_mode():
+        saving = runner.logits(reqs([[(9, 2)], [(8, 0), (68, 1)], []]), [], last_only=False)
+        torch_runner.logits(reqs([[(9, 2)], [(8, 0), (68, 1)], []]), [], last_only=False)
+        torch.testing.assert_close(saving, plain.logits(reqs([[], [], []]), [], last_only=False), atol=1e-5, rtol=1e-5)
+    for name in ("recurrent", "conv"):
+        torch.testing.assert_close(getattr(runner.kv_cache, name), getattr(plain.kv_cache, name))
+    cache, reference = runner.kv_cache, torch_runner.kv_cache
+    assert cache.recurrent_snapshots[:, :3].abs().sum(dim=(2, 3, 4)).min() > 0  # all three saved
+    torch.testing.assert_close(cache.recurrent_snapshots, reference.recurrent_snapshots, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cache.conv_snapshots, reference.conv_snapshots, atol=1e-4, rtol=1e-4)
+    whole = prompts[1][:68] + random_prompts([7], runner.vocab_size, seed=9)[0]
+    table = consecutive_pages([75], runner.page_size, first=40)[0]
+    resumed = ForwardReq(input_ids=whole[68:], num_cached_tokens=68, page_ids=pages[1][:17] + table[17:],
+                         sampling=GREEDY, state_slot=6, restore_snapshot=1)  # fmt: skip
+    recomputed = ForwardReq(input_ids=whole, num_cached_tokens=0, page_ids=table, sampling=GREEDY, state_slot=7)
+    with torch.inference_mode():
+        torch.testing.assert_close(runner.logits([resumed], [], last_only=False),
+                                   plain.logits([recomputed], [], last_only=False)[68:], atol=1e-4, rtol=1e-4)
+
+
 # ---- ahead of time, for the GPUs -----------------------------------------------------------------------------------
 
 

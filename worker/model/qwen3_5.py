@@ -29,7 +29,7 @@ from loraplex.worker.layers.rotary import RotaryEmbedding
 from loraplex.worker.model.config import LinearAttentionConfig, ModelConfig
 from loraplex.worker.model.llama import LlamaMLP, layer_attention
 from loraplex.worker.parallel import current_tp
-from loraplex.worker.state_cache import HybridCache, LayerState
+from loraplex.worker.state_cache import HybridCache, LayerState, run_rounds
 from torch import nn
 
 
@@ -122,12 +122,15 @@ class GatedDeltaNet(HeadShardedParam):
         beta = b.sigmoid()  # (tokens, value_heads)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         weight = self.conv1d.weight[:, 0]  # (channels, kernel)
-        conv_out = self.mixer.conv(mixed, state.conv, weight, state.batch)  # (tokens, channels)
+        # (tokens, channels); in rounds where the pass saves snapshots (worker/state_cache.py), else in one go
+        conv_out = run_rounds(state.rounds, lambda batch: self.mixer.conv(mixed, state.conv, weight, batch),
+                              state.conv, state.conv_snapshots)  # fmt: skip
         q, k, v = conv_out.split(self.qkv_sizes, dim=-1)
         q = q.view(num_tokens, -1, self.key_head_dim)  # (tokens, key_heads, dk)
         k = k.view(num_tokens, -1, self.key_head_dim)
         v = v.view(num_tokens, -1, self.value_head_dim)  # (tokens, value_heads, dv)
-        out = self.mixer.rule(q, k, v, g, beta, state.recurrent, state.batch)  # (tokens, value_heads, dv) float32
+        out = run_rounds(state.rounds, lambda batch: self.mixer.rule(q, k, v, g, beta, state.recurrent, batch),
+                         state.recurrent, state.recurrent_snapshots)  # (tokens, value_heads, dv) float32
         out = self.norm(out.to(hidden.dtype).view(-1, self.value_head_dim), z.reshape(-1, self.value_head_dim))
         return self.out_proj(out.view(num_tokens, -1))  # (tokens, hidden)
 
