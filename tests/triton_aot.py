@@ -96,7 +96,8 @@ def compile_only(target: GPUTarget) -> Iterator[AOTLog]:
 
 # (dtype, (heads, kv_heads, head_dim) per rank, page size): every dtype the server serves in on Llama-3.2-1B's shape;
 # bfloat16 (the CUDA default) and float32 on Llama-3-8B's, on Qwen2-7B's with 7 query heads per KV head and pages of
-# one token, and on an MHA model with head_dim 80 (padded to 128 in the kernels).
+# one token, and on an MHA model with head_dim 80 (padded to 128 in the kernels). A fourth field True: the model has
+# attention sinks (gpt-oss's shape), whose kernel variants are the ones warmed up and served.
 ATTENTION_CONFIGS = [
     ("bfloat16", (32, 8, 64), 16),
     ("float16", (32, 8, 64), 16),
@@ -105,6 +106,7 @@ ATTENTION_CONFIGS = [
     ("float32", (32, 8, 128), 16),  # the largest tiles: shared memory is tightest here
     ("bfloat16", (28, 4, 128), 1),
     ("bfloat16", (32, 32, 80), 16),
+    ("bfloat16", (64, 8, 64), 16, True),
 ]
 KERNELS_PER_CONFIG = 4  # decode, decode with splits, the splits' merge, extend
 
@@ -131,8 +133,10 @@ def _sweep_batches(num_pages: int, page_size: int) -> list:
     return batches
 
 
-def _attention_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, int, int], page_size: int) -> dict:
+def _attention_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, int, int], page_size: int,
+                        sinks: bool = False) -> dict:  # fmt: skip
     import torch
+    from loraplex.worker.layers.attention_spec import LayerAttention
     from loraplex.worker.layers.triton_attention import TritonAttention
 
     heads, kv_heads, head_dim = shape
@@ -140,7 +144,8 @@ def _attention_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, in
     cpu = torch.device("cpu")
     num_pages = 4096 // page_size
     kv = torch.zeros(2, num_pages * page_size, kv_heads, head_dim, dtype=dtype)
-    backend = TritonAttention(cpu, kv_heads)
+    backend = TritonAttention(cpu, kv_heads, sinks=sinks)
+    layer = LayerAttention(scale=head_dim**-0.5, sinks=torch.zeros(heads, dtype=dtype) if sinks else None)
     with compile_only(target) as log:
         backend.warmup((kv[0], kv[1]), heads, page_size)
     warmup_keys = set(log.compiled)
@@ -152,7 +157,7 @@ def _attention_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, in
             q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)  # as the model lays it out
             page_tables = torch.zeros(len(reqs), 1, dtype=torch.long)  # the SDPA backend's; unused here
             inputs = backend.build(reqs, starts, page_tables, torch.zeros(num_tokens, dtype=torch.long), page_size)
-            inputs.attend(q, kv[0], kv[1])
+            inputs.attend(q, kv[0], kv[1], layer)
     return {
         "compiled": [vars(c) for c in log.compiled.values()],
         "warmup_keys": sorted(warmup_keys),
@@ -381,8 +386,8 @@ def main() -> None:
                 found = _model_ops_variants(target, dtype_name, shape)
                 results.append({"arch": arch, "dtype": dtype_name, "shape": shape, **found})
             continue
-        for dtype_name, shape, page_size in ATTENTION_CONFIGS:
-            found = _attention_variants(target, dtype_name, shape, page_size)
+        for dtype_name, shape, page_size, *sinks in ATTENTION_CONFIGS:
+            found = _attention_variants(target, dtype_name, shape, page_size, *sinks)
             results.append({"arch": arch, "dtype": dtype_name, "shape": shape, "page_size": page_size, **found})
     json.dump(results, sys.stdout)
 

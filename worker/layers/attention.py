@@ -14,7 +14,8 @@ start-up (`select_attention_backend`); it builds each batch's AttentionInputs-li
 reaches through `paged_attention`, so model code never knows which backend runs.
 
 A layer's own attention (softmax scale, sliding window, logit soft-cap: worker/layers/attention_spec.py) comes with
-each call; the batch's metadata is shared by every layer. Soft-capped scores run eager attention here (SDPA has no cap).
+each call; the batch's metadata is shared by every layer. Soft-capped scores and attention sinks run eager attention
+here (SDPA has neither); the `cpu` backend sends such layers' decodes there too; the `triton` kernels take both.
 
 Latent attention (worker/model/deepseek_v3.py) runs its decodes and its prefills in different forms, so the torch
 backend's metadata also hands out its two groups as BatchParts (`decodes_and_prefills`): a part takes and places its
@@ -209,8 +210,9 @@ class CPUAttentionInputs(AttentionInputs):
         group: AttentionGroup,
         layer: LayerAttention,
     ) -> torch.Tensor:
-        # The kernel reads decodes from whole pages, without a logit cap or attention chunks.
-        if group.max_q_len > 1 or not k_cache.is_contiguous() or layer.logit_cap is not None or layer.chunk_size:
+        # The kernel reads decodes from whole pages, without a logit cap, attention chunks or sinks.
+        if (group.max_q_len > 1 or not k_cache.is_contiguous() or layer.logit_cap is not None or layer.chunk_size
+                or layer.sinks is not None):  # fmt: skip
             return _sdpa_group(q, k_cache, v_cache, group, layer)
         out = torch.empty_like(q)  # (reqs, heads, head_dim): one token per request, in request order
         window = layer.sliding_window or 0  # 0: every key
@@ -412,6 +414,7 @@ def select_attention_backend(
     cpu_kernels: ModuleType | None = None,
     *,
     latent_dim: int | None = None,
+    sinks: bool = False,
     chunked_attention: bool = False,
 ) -> AttentionBackend:
     """The attention backend for this worker (`--attention-backend`), or AttentionBackendError (one line).
@@ -420,7 +423,9 @@ def select_attention_backend(
     values each key's leading latent_dim dims; SDPA takes it as any other, the triton backend as
     LatentTritonAttention (the latent decode kernel; its output only the latent dims), the CPU kernels not at all.
     `chunked_attention`: some layer attends within chunks (Llama 4), which the paged Triton kernels do not mask:
-    torch's SDPA runs it (and the `cpu` backend, whose decode kernel leaves those layers to SDPA)."""
+    torch's SDPA runs it (and the `cpu` backend, whose decode kernel leaves those layers to SDPA). `sinks`: the
+    model's layers have attention sinks (the Triton kernels' sinks variant is warmed up; the CPU kernel has none, so
+    those layers' decodes run the torch path)."""
     device = torch.device(device)
     if choice not in ATTENTION_BACKENDS:
         raise AttentionBackendError(f"--attention-backend {choice!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
@@ -451,7 +456,7 @@ def select_attention_backend(
         raise AttentionBackendError(f"--attention-backend triton needs a CUDA device; this worker runs on {device}")
     if latent_dim is not None:
         return LatentTritonAttention(device, num_heads, latent_dim)
-    return TritonAttention(device, num_kv_heads)
+    return TritonAttention(device, num_kv_heads, sinks=sinks)
 
 
 def paged_attention(
@@ -489,32 +494,38 @@ def _sdpa_padded(
     q_padded.index_copy_(0, group.query_index, q)
     q_padded = q_padded.view(num_reqs, max_q_len, num_heads, head_dim).transpose(1, 2)  # (reqs, heads, q, d)
     mask = group.mask_for(layer)
-    if layer.logit_cap is None:
+    if layer.logit_cap is None and layer.sinks is None:
         out = F.scaled_dot_product_attention(
             q_padded, keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=keys.shape[1] != num_heads
         )  # (reqs, heads, max_q_len, v_dim)
     else:
-        out = _capped_attention(q_padded, keys, values, mask, layer.scale, layer.logit_cap)
+        out = _eager_attention(q_padded, keys, values, mask, layer)
     out = out.transpose(1, 2).reshape(num_reqs * max_q_len, num_heads, v_dim)
     return out.index_select(0, group.query_index)  # (tokens, heads, v_dim)
 
 
-def _capped_attention(
+def _eager_attention(
     q: torch.Tensor,  # (reqs, heads, q, head_dim)
     keys: torch.Tensor,  # (reqs, kv_heads, kv, head_dim)
     values: torch.Tensor,  # (reqs, kv_heads, kv, head_dim)
     mask: torch.Tensor,  # (reqs, 1, q, kv) bool
-    scale: float,
-    cap: float,
+    layer: LayerAttention,
 ) -> torch.Tensor:
-    """Eager attention with soft-capped scores, rounded as the reference (HF's eager Gemma 2 attention) rounds."""
+    """Eager attention with soft-capped scores (rounded as HF's eager Gemma 2 attention rounds) and/or sinks: each
+    head's sink logit is one more column of the softmax, dropped after it (its value is zero)."""
     group_size = q.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(group_size, dim=1)  # (reqs, heads, kv, head_dim): query head h reads kv head h // g
     values = values.repeat_interleave(group_size, dim=1)
-    scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # (reqs, heads, q, kv)
-    scores = torch.tanh(scores / cap) * cap
+    scores = torch.matmul(q, keys.transpose(2, 3)) * layer.scale  # (reqs, heads, q, kv)
+    if layer.logit_cap is not None:
+        scores = torch.tanh(scores / layer.logit_cap) * layer.logit_cap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if layer.sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        num_reqs, num_heads, q_len, _ = scores.shape
+        sinks = layer.sinks.to(scores.dtype).view(1, num_heads, 1, 1).expand(num_reqs, num_heads, q_len, 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
     return torch.matmul(probs, values)  # (reqs, heads, q, head_dim)
 
 
