@@ -291,9 +291,10 @@ def launch_latent_decode(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor
             SPLIT=split, DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=LATENT_STAGES, **dims,
         )  # fmt: skip
         if split:
+            # part_lse stands in for the sinks pointer: no latent layer has sinks, so it is never read
             _merge_splits_kernel[(num_reqs, num_heads)](
-                part_out, part_lse, q_rows, out, num_splits, out.stride(0), out.stride(1),
-                HEAD_DIM=latent_dim, BLOCK_D=dims["BLOCK_C"], BLOCK_S=MAX_SPLITS,
+                part_out, part_lse, q_rows, out, part_lse, num_splits, out.stride(0), out.stride(1),
+                HEAD_DIM=latent_dim, BLOCK_D=dims["BLOCK_C"], BLOCK_S=MAX_SPLITS, HAS_SINKS=False,
             )  # fmt: skip
 
 
