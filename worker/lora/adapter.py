@@ -27,6 +27,7 @@ from loraplex.protocol.structs import TensorSpec
 from loraplex.worker.lora.expert_weights import is_expert_key, match_expert_tensors
 from loraplex.worker.lora.targets import (
     SHARED_PREFIX,
+    adapter_module,
     full_shapes,
     is_expert_module,
     layer_has_module,
@@ -389,8 +390,7 @@ def _match_tensors(
                 f"unexpected tensor {key!r}: only lora_A / lora_B weights of decoder layers, embed_tokens and lm_head"
             )
         layer, hf_module, which = parsed
-        # a shared expert's MLP module (DeepSeek-V3), keyed apart from the routed experts' of its layer
-        module = SHARED_PREFIX + hf_module if f".{SHARED_PREFIX}{hf_module}." in key else hf_module
+        module = adapter_module(key, hf_module)
         if hf_module not in LAYER_MODULES or module not in shapes:
             raise AdapterLoadError(f"tensor {key!r}: unknown target module {module!r}")
         if hf_module not in config.target_modules:
@@ -477,13 +477,17 @@ def _module_name(key: str) -> str:
 
 def _check_complete(pairs: set[tuple[int, str]], config: _Config, model_config: ModelConfig) -> None:
     """Every target in every layer the config names has weights; but in an MoE model a dense layer's MLP may go
-    without (PEFT converts a per-expert adapter to the stacked experts, where it no longer reaches them)."""
+    without (PEFT converts a per-expert adapter to the stacked experts, where it no longer reaches them), and where a
+    layer has a shared expert, its weights or the routed experts' will do (PEFT's target_modules reach the one, its
+    target_parameters the other)."""
     for layer in config.layers:
         for module in config.target_modules:
             if module in MODEL_TARGETS or not layer_has_module(model_config, layer, module):
                 continue  # not a layer's (_match_vocab_tensors), or not this layer's kind (a hybrid model's)
             expert = is_expert_module(model_config, layer, module)
             optional = model_config.moe is not None and module in MLP_MODULES and not expert
+            if expert and (layer, SHARED_PREFIX + module) in pairs:
+                continue
             if (layer, module) not in pairs and not optional:
                 name = f"experts.{module}" if expert else module
                 raise AdapterLoadError(f"missing lora_A weight for layers.{layer}.{name}")
