@@ -1,6 +1,7 @@
 """A Qwen3.5 text model (Gated DeltaNet + gated attention) served end to end with two adapters, chunked prefill and
 fewer state slots than running places (--max-mamba-cache-size 2 of 4): a batch mixing the base model and both adapters
-equals HF + peft; /server_info counts the slots, all free again after; the prefix cache is off, with its log line."""
+equals HF + peft; /server_info and /metrics count the slots, all free again after; the prefix cache is off, with its
+log line."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from transformers import AutoTokenizer
 from tests.hybrid_models import ADAPTERS, build_hybrid_adapter, build_hybrid_model
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess
+from tests.unit.test_metrics import parse as parse_metrics
+from tests.unit.test_metrics import value as metric
 
 MAX_NEW = 8
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0}
@@ -65,3 +68,5 @@ def test_hybrid_mixed_batch_equals_peft_with_chunks_and_few_state_slots(
     info = server.get("/server_info").json()
     assert info["state_slots_free"] == 2 and info["prefix_cache_hit_tokens"] == 0
     assert "prefix caching is off" in server.log()
+    _, samples = parse_metrics(server.get("/metrics").text)
+    assert metric(samples, "loraplex_state_slots") == 2 and metric(samples, "loraplex_state_slots_free") == 2
