@@ -39,20 +39,46 @@ class LayerState:
     batch: StateBatch
 
 
+@dataclass(frozen=True)
+class StateShape:
+    """One state slot on this rank: every linear-attention layer's conv state and recurrent state, this rank's
+    channels and heads. Its bytes come out of the memory the KV cache is sized from (worker/kv_cache.py)."""
+
+    num_linear_layers: int
+    conv_channels: int
+    conv_state_len: int  # kernel - 1
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        return self.conv_channels, self.conv_state_len
+
+    @property
+    def recurrent_shape(self) -> tuple[int, int, int]:
+        return self.num_value_heads, self.key_head_dim, self.value_head_dim
+
+    @property
+    def slot_bytes(self) -> int:
+        per_layer = self.conv_channels * self.conv_state_len + self.num_value_heads * self.key_head_dim * \
+            self.value_head_dim  # fmt: skip
+        return self.num_linear_layers * per_layer * self.dtype.itemsize
+
+
 class HybridCache(KVCache):
     """The KV cache of the attention layers (KVCache's `layer(i)` takes the i-th attention layer) and the state
     slots of the linear-attention ones (`linear_state(i)`, the i-th such layer, for the batch `begin` set)."""
 
-    def __init__(self, *, num_state_slots: int, num_linear_layers: int, conv_channels: int, conv_state_len: int,
-                 num_value_heads: int, key_head_dim: int, value_head_dim: int, state_dtype: torch.dtype,
-                 **kv_args):  # fmt: skip
+    def __init__(self, *, num_state_slots: int, state_shape: StateShape, **kv_args):
         super().__init__(**kv_args)
-        device = kv_args["device"]
+        device, layers = kv_args["device"], state_shape.num_linear_layers
         self.num_state_slots = num_state_slots
-        self.conv = torch.zeros(num_linear_layers, num_state_slots, conv_channels, conv_state_len,
-                                dtype=state_dtype, device=device)  # fmt: skip
-        self.recurrent = torch.zeros(num_linear_layers, num_state_slots, num_value_heads, key_head_dim,
-                                     value_head_dim, dtype=state_dtype, device=device)  # fmt: skip
+        self.conv = torch.zeros(layers, num_state_slots, *state_shape.conv_shape, dtype=state_shape.dtype,
+                                device=device)  # fmt: skip
+        self.recurrent = torch.zeros(layers, num_state_slots, *state_shape.recurrent_shape, dtype=state_shape.dtype,
+                                     device=device)  # fmt: skip
         self._batch: StateBatch | None = None
 
     @property

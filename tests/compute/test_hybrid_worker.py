@@ -7,9 +7,11 @@ LoRA on every linear of both layer kinds) beside the base."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.layers.gated_delta import chunked_rule, l2norm, recurrent_rule
@@ -21,6 +23,7 @@ from tests.hybrid_models import ADAPTERS, ARCHS, build_hybrid_adapter, build_hyb
 from tests.reference import assert_greedy_match, hf_greedy, hf_model
 from tests.worker_helpers import (
     GREEDY,
+    PAGE_SIZE,
     Seq,
     consecutive_pages,
     forward_logits,
@@ -147,6 +150,25 @@ def test_recomputed_request_in_a_used_slot_matches_hf(runner: ModelRunner, hybri
     ours = forward_logits(runner, ForwardBatch(batch_id=2, reqs=[req]))
     diff = (ours - hf_logits(hybrid_dir, prompt)).abs().max().item()
     assert diff <= FP32_TOL, f"max abs logit diff {diff:.2e}"
+
+
+def test_state_slots_come_out_of_the_kv_budget(hybrid_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sized from memory, the KV cache gets what the state slots leave: state bytes / kv_bytes_per_token tokens
+    fewer than a model without them would get from the same memory."""
+    import loraplex.worker.kv_cache as kv_cache
+
+    available = 1_000_000  # host bytes: 20% of them hold fewer tokens than 8 requests at full context want
+    monkeypatch.setattr(kv_cache.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+    config = ServerConfig(device="cpu", page_size=PAGE_SIZE, max_running_requests=8)  # no --max-total-tokens
+    runner = ModelRunner(config, str(hybrid_dir), rank=0, world_size=1, device="cpu")
+    state_bytes = runner.kv_cache.state_bytes  # what the slots really took
+    assert state_bytes == runner.state_bytes == 8 * runner.state_plan[1].slot_bytes > 0
+    budget = int(available * kv_cache.CPU_MEMORY_FRACTION)
+    assert budget // runner.kv_bytes_per_token < 8 * runner.context_length  # the memory, not the wish, binds
+    page = runner.page_size
+    assert runner.max_total_tokens == (budget - state_bytes) // runner.kv_bytes_per_token // page * page
+    without = budget // runner.kv_bytes_per_token // page * page  # what the KV cache got were the slots free
+    assert without - runner.max_total_tokens >= state_bytes // runner.kv_bytes_per_token - page
 
 
 @pytest.mark.parametrize("slots", [[-1], [8], [1, 1]])
