@@ -9,7 +9,7 @@ from loraplex.kernels import LoRABackend
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.worker_helpers import GREEDY, consecutive_pages, decode, forward_logits
+from tests.worker_helpers import GREEDY, consecutive_pages, decode, forward_logits, random_prompts
 
 LORA_CONFIG = dict(enable_lora=True, max_lora_rank=64, lora_target_modules=["all"], max_loras_per_batch=6)
 ADAPTER_IDS = {"a4": 1, "a8": 2, "a16": 3, "a32": 4, "a64": 5}
@@ -55,6 +55,28 @@ def greedy_decode(
     """Greedy decoding of a mixed batch, each request with its adapter (worker_helpers.decode with slots)."""
     slots = [slot_of(name) for name in names]
     return decode(runner, prompts, [GREEDY] * len(prompts), steps, slots=slots, slot_loads=slot_loads(names))
+
+
+def mixed_prefill_decode_logits(
+    runner: ModelRunner,
+) -> tuple[list[list[int]], list[int], list[str | None], list[torch.Tensor]]:
+    """One batch of decodes and prefills in turn: three requests prefilled first now decode one token each (a4,
+    base, a8), between a new prompt (a8) and the second chunk of a prompt whose first chunk went with the first
+    batch (a4). Returns each request's whole sequence, its number of tokens computed before, its adapter, and its
+    new tokens' (new, vocab) logits from the mixed batch."""
+    prompts = random_prompts([7, 5, 6, 9, 10], runner.vocab_size, seed=15)
+    extra = random_prompts([3], runner.vocab_size, seed=16)[0]
+    sequences = [prompts[0] + extra[:1], prompts[3], prompts[1] + extra[1:2], prompts[4], prompts[2] + extra[2:]]
+    names = ["a4", "a8", None, "a4", "a8"]
+    cached = [7, 0, 5, 4, 6]  # tokens in the cache before the mixed batch (the chunked prompt: its first 4)
+    pages = consecutive_pages([len(seq) for seq in sequences], runner.page_size, first=20)
+    first = [ForwardReq(input_ids=seq[:n], num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=slot_of(name))
+             for seq, n, pg, name in zip(sequences, cached, pages, names, strict=True) if n]  # fmt: skip
+    forward_logits(runner, ForwardBatch(batch_id=0, reqs=first, slot_loads=slot_loads(names)))
+    mixed = [ForwardReq(input_ids=seq[n:], num_cached_tokens=n, page_ids=pg, sampling=GREEDY, slot=slot_of(name))
+             for seq, n, pg, name in zip(sequences, cached, pages, names, strict=True)]  # fmt: skip
+    logits = forward_logits(runner, ForwardBatch(batch_id=1, reqs=mixed))  # (new tokens, vocab)
+    return sequences, cached, names, list(logits.split([len(req.input_ids) for req in mixed]))
 
 
 def use_lora_backend(runner: ModelRunner, backend: LoRABackend) -> None:

@@ -26,13 +26,13 @@ model/olmoe.py             OLMoE: q/k RMSNorm over the whole projections (summed
 model/qwen3_moe.py         Qwen3-MoE: Qwen3Attention and the MoE block; dense MLPs where the config says
 model/gemma2.py            Gemma 2: Llama's attention and fused linears, with Gemma's pieces around them
 model/gemma3.py            Gemma 3 text: Gemma 2's with per-head q/k RMSNorms, the local layers' own rope
-model/deepseek_v3.py       DeepSeek-V3 / Kimi K2: latent attention (absorbed; the cache holds latent + rope key), MoE
-                           with a grouped sigmoid router and shared experts, the first layers dense
+model/deepseek_v3.py       DeepSeek-V3 / Kimi K2: latent attention (cache of latent + rope key; prefills expanded,
+                           decodes absorbed), MoE with a grouped sigmoid router and shared experts, first layers dense
 model/qwen3_5.py           Qwen3.5 (text, MoE): hybrid Gated DeltaNet + gated attention layers, state in HybridCache
 model/qwen3_next.py        Qwen3-Next: Qwen3.5's decoder with grouped in_proj_qkvz / in_proj_ba, MoE + shared expert
 model/registry.py          model_type -> decoder class (one file per family)
 layers/linear.py           Column-, MergedColumn- and RowParallelLinear with sharding weight loaders
-layers/attention.py        paged attention with torch SDPA
+layers/attention.py        paged attention with torch SDPA; a batch's decodes and prefills as parts (latent attention)
 layers/attention_spec.py   what differs between one model's attention layers, as every attention backend reads it
 layers/triton_attention.py  the `triton` attention backend: paged decode and extend kernels
 layers/rotary.py           RoPE (default, linear, dynamic, yarn, longrope, llama3; partial)

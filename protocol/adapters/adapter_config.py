@@ -157,8 +157,8 @@ def _parse_pattern(pattern: Any, field: str, *, is_rank: bool) -> tuple[tuple[st
 
 def _parse_targets(targets: Any) -> tuple[str, ...]:
     """Our module names; Mixtral's expert names (w1/w3/w2) are its experts' gate/up/down, a fused module
-    (FUSED_TARGETS) its slices."""
-    if targets is None:
+    (FUSED_TARGETS) its slices. None or [] (PEFT saves [] for an adapter on target_parameters alone): none."""
+    if targets is None or targets == []:
         return ()
     if isinstance(targets, str):
         raise AdapterLoadError(

@@ -9,16 +9,17 @@ from pathlib import Path
 
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.lora_helpers import batch_logits
+from tests.lora_helpers import batch_logits, mixed_prefill_decode_logits
 from tests.mla_models import build_mla_expert_adapter, build_mla_set
 from tests.process.test_moe_tp import CHILD_TIMEOUT_S, NAMES, run_moe, tp_config
 from tests.worker_helpers import random_prompts, run_two_ranks, tp_group
 
 
 def run_mla(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
-    """run_moe's batch and decode on a4 and a8, then a16 (the shared experts' and dense MLP's LoRA too) beside the
-    base model."""
+    """run_moe's batch and decode on a4 and a8 (prefills in the expanded form, decodes in the absorbed one), one batch
+    of both forms, then a16 (the shared experts' and dense MLP's LoRA too) beside the base model."""
     results = run_moe(runner, adapter_dirs)
+    results["mixed"] = [t.numpy() for t in mixed_prefill_decode_logits(runner)[3]]
     prompts = random_prompts([7, 5], runner.vocab_size, seed=33)
     results["mlps"] = [t.numpy() for t in batch_logits(runner, prompts, ["a16", None])]
     return results
@@ -29,8 +30,12 @@ def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str],
     with tp_group(config, rank, port):
         runner = ModelRunner(config, model_dir, rank, 2, "cpu")
         attn = runner.model.model.layers[1].self_attn
-        shapes = (tuple(attn.kv_b_proj.base.weight.shape), tuple(attn.q_b_proj.base.weight.shape),
-                  tuple(attn.kv_a_proj_with_mqa.base.weight.shape), tuple(runner.kv_cache.kv.shape[-2:]))
+        shapes = (
+            tuple(attn.kv_b_proj.base.weight.shape),
+            tuple(attn.q_b_proj.base.weight.shape),
+            tuple(attn.kv_a_proj_with_mqa.base.weight.shape),
+            tuple(runner.kv_cache.kv.shape[-2:]),
+        )
         results.put((rank, {**run_mla(runner, adapter_dirs), "shapes": shapes}))
 
 
@@ -47,5 +52,5 @@ def test_deepseek_v3_tp2_matches_tp1(tmp_path: Path) -> None:
             diff = abs(ours - ref).max()
             assert diff <= 1e-3, (rank, name, diff)
         assert by_rank[rank]["greedy"] == tp1["greedy"], rank
-        for ours, ref in zip(by_rank[rank]["mlps"], tp1["mlps"], strict=True):
+        for ours, ref in zip(by_rank[rank]["mixed"] + by_rank[rank]["mlps"], tp1["mixed"] + tp1["mlps"], strict=True):
             assert abs(ours - ref).max() <= 1e-3, rank

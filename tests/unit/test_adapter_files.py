@@ -30,12 +30,19 @@ def test_moe_forms_and_per_module_patterns_are_read_as_peft_reads_them():
     # Mixtral's expert names are its experts' gate/up/down; target_parameters name the stacked experts' tensors
     mixtral = parse_adapter_config({**BASE, "target_modules": ["q_proj", "w1", "w3", "w2"]})
     assert mixtral.target_modules == ("q_proj", "gate_proj", "up_proj", "down_proj")
-    fused = parse_adapter_config({**BASE, "target_modules": None,
-                                  "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]})
+    fused = parse_adapter_config(
+        {**BASE, "target_modules": None, "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    )
     assert fused.target_modules == ("gate_proj", "up_proj", "down_proj")
+    # PEFT itself saves target_modules [] for an adapter on the stacked experts alone
+    experts_only = parse_adapter_config(
+        {**BASE, "target_modules": [], "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    )
+    assert experts_only.target_modules == fused.target_modules
     # the first pattern matching the module's full name (as a suffix after a dot) sets its rank and alpha
-    patterns = parse_adapter_config({**BASE, "rank_pattern": {r".*\.gate_up_proj": 16, "q_proj": 4},
-                                     "alpha_pattern": {r".*\.gate_up_proj": 32}})
+    patterns = parse_adapter_config(
+        {**BASE, "rank_pattern": {r".*\.gate_up_proj": 16, "q_proj": 4}, "alpha_pattern": {r".*\.gate_up_proj": 32}}
+    )
     assert patterns.max_rank == 16
     assert patterns.module_rank_alpha("model.layers.0.mlp.experts.gate_up_proj") == (16, 32)
     assert patterns.module_rank_alpha("model.layers.3.self_attn.q_proj") == (4, 16)
@@ -43,17 +50,23 @@ def test_moe_forms_and_per_module_patterns_are_read_as_peft_reads_them():
     assert patterns.module_rank_alpha("model.layers.3.self_attn.xq_proj") == (8, 16)  # not a whole-name suffix
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"use_dora": True}, "DoRA"),
-    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-    ({"rank_pattern": {"q_proj": 0}}, "rank_pattern 'q_proj': the value must be a positive integer"),
-    ({"alpha_pattern": {"q_proj": "x"}}, "alpha_pattern 'q_proj': the value must be a number"),
-    ({"target_parameters": ["mlp.experts.gate_proj"]}, "target_parameters 'mlp.experts.gate_proj' is not supported"),
-    ({"target_modules": ["q_proj", "score"]}, "unknown target module 'score'"),
-    ({"target_modules": "all-linear"}, "is a pattern"),
-    ({"r": True}, "'r' must be a positive integer"),
-    ({"layers_to_transform": "0"}, "layers_to_transform"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"rank_pattern": {"q_proj": 0}}, "rank_pattern 'q_proj': the value must be a positive integer"),
+        ({"alpha_pattern": {"q_proj": "x"}}, "alpha_pattern 'q_proj': the value must be a number"),
+        (
+            {"target_parameters": ["mlp.experts.gate_proj"]},
+            "target_parameters 'mlp.experts.gate_proj' is not supported",
+        ),
+        ({"target_modules": ["q_proj", "score"]}, "unknown target module 'score'"),
+        ({"target_modules": "all-linear"}, "is a pattern"),
+        ({"r": True}, "'r' must be a positive integer"),
+        ({"layers_to_transform": "0"}, "layers_to_transform"),
+    ],
+)
 def test_what_we_cannot_serve_is_refused(change, message):
     with pytest.raises(AdapterLoadError, match=message) as info:
         parse_adapter_config({**BASE, **change})

@@ -14,13 +14,22 @@ object, whose `attend` the model reaches through `paged_attention`, so model cod
 
 A layer's own attention (softmax scale, sliding window, logit soft-cap: worker/layers/attention_spec.py) comes with
 each call; the batch's metadata is shared by every layer. Soft-capped scores run eager attention here (SDPA has no cap).
+
+Latent attention (worker/model/deepseek_v3.py) runs its decodes and its prefills in different forms, so the torch
+backend's metadata also hands out its two groups as BatchParts (`decodes_and_prefills`): a part takes and places its
+requests' rows of the batch, attends over the cache as `attend` does, or gathers its requests' whole context (cached
+and new tokens, each padded to the group's longest in whole pages, as SDPA reads them) for the model to transform and
+attend over (`gather_context`, `attend_context`). RowOwners say which request each of those rows serves, for
+kv_b_proj's LoRA.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import ModuleType
 from typing import Protocol
 
@@ -51,6 +60,8 @@ class AttentionGroup:
     num_reqs: int
     max_q_len: int
     page_size: int
+    first_rows: tuple[int, ...]  # (reqs,) host: each request's first row in the batch's flat token dimension
+    q_lens: tuple[int, ...]  # (reqs,) host: each request's new tokens
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by window, built on a layer's first use
 
     def mask_for(self, window: int | None) -> torch.Tensor:
@@ -61,11 +72,94 @@ class AttentionGroup:
             mask = self.window_masks[window] = self.mask & (self.distance < window)
         return mask
 
+    @property
+    def max_kv_len(self) -> int:
+        return self.mask.shape[-1]
+
+
+@dataclass(frozen=True)
+class RowOwners:
+    """Which request each row of a tensor derived from the batch belongs to, in runs: rows [run_starts[i],
+    run_starts[i + 1]) belong to the request whose new tokens start at batch row owner_rows[i]; runs in batch order.
+    A LoRA wrapper reads each row's adapter through it (worker/lora/latent.py) and keeps what it derives from it, once
+    per forward, in `extras`."""
+
+    run_starts: tuple[int, ...]  # (runs + 1,)
+    owner_rows: tuple[int, ...]  # (runs,)
+    extras: dict = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class BatchPart:
+    """One group of the batch's requests, for a model that runs its decodes and its prefills apart (latent attention:
+    the absorbed form for the one, the expanded form for the other): its tokens' rows, and attention over them
+    either from the cache (`attend`) or over keys and values the model computed from the gathered context."""
+
+    inputs: AttentionInputs
+    group: AttentionGroup
+    is_whole: bool  # the part is every request of the batch: its rows are the batch's, in order
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """(tokens, ...) of the batch -> (part_tokens, ...) of this part's requests."""
+        return x if self.is_whole else x.index_select(0, self.group.token_rows)
+
+    def place(self, out: torch.Tensor, part_out: torch.Tensor) -> None:
+        """Write (part_tokens, ...) into this part's rows of the batch's (tokens, ...) `out`."""
+        if self.is_whole:
+            out.copy_(part_out)
+        else:
+            out.index_copy_(0, self.group.token_rows, part_out)
+
+    @cached_property
+    def token_owners(self) -> RowOwners:
+        """The owners of `take`'s rows: each request's new tokens."""
+        return RowOwners(run_starts=_cumulative(self.group.q_lens), owner_rows=self.group.first_rows)
+
+    @cached_property
+    def context_owners(self) -> RowOwners:
+        """The owners of `gather_context`'s rows: each request's max_kv_len of them."""
+        group = self.group
+        return RowOwners(run_starts=_cumulative([group.max_kv_len] * group.num_reqs), owner_rows=group.first_rows)
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: LayerAttention
+    ) -> torch.Tensor:
+        """q (part_tokens, heads, head_dim) over the cache, as the batch's `attend` -> (part_tokens, heads, d)."""
+        return self.inputs.attend_group(q, k_cache, v_cache, self.group, layer)
+
+    def gather_context(self, cache: torch.Tensor) -> torch.Tensor:
+        """(slots, kv_heads, head_dim) cache -> (reqs * max_kv_len, kv_heads, head_dim): each request's cached and new
+        tokens in position order, padded to max_kv_len (`attend_context` masks the padding)."""
+        rows = _gather_rows(cache, self.group.read_pages, self.group.page_size)  # (reqs, max_kv_len, kv_heads, d)
+        return rows.flatten(0, 1)
+
+    def attend_context(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: LayerAttention
+    ) -> torch.Tensor:
+        """q (part_tokens, heads, head_dim) over keys (reqs * max_kv_len, heads, head_dim) and values (reqs *
+        max_kv_len, heads, v_dim) laid out as `gather_context`, causal within each request -> (part_tokens, heads,
+        v_dim)."""
+        group = self.group
+        keys = keys.view(group.num_reqs, group.max_kv_len, *keys.shape[1:]).transpose(1, 2)  # (reqs, heads, kv, d)
+        values = values.view(group.num_reqs, group.max_kv_len, *values.shape[1:]).transpose(1, 2)
+        return _sdpa_padded(q, keys, values, group, layer)
+
 
 @dataclass(frozen=True)
 class AttentionInputs:
     write_slots: torch.Tensor  # (tokens,) cache slot each new token's K/V goes to
     groups: list[AttentionGroup]
+
+    def decodes_and_prefills(self) -> tuple[BatchPart | None, BatchPart | None]:
+        return self._parts
+
+    @cached_property
+    def _parts(self) -> tuple[BatchPart | None, BatchPart | None]:
+        # build() makes at most one group of each kind, decodes first
+        parts: list[BatchPart | None] = [None, None]
+        for group in self.groups:
+            parts[1 if group.max_q_len > 1 else 0] = BatchPart(self, group, is_whole=len(self.groups) == 1)
+        return parts[0], parts[1]
 
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: LayerAttention | None = None
@@ -123,6 +217,15 @@ class BatchAttention(Protocol):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: LayerAttention | None = None
     ) -> torch.Tensor:
         """`layer` None: head_dim ** -0.5, no window, no cap."""
+        ...
+
+
+class SplitBatchAttention(BatchAttention, Protocol):
+    """A batch's attention that also hands its decodes and its prefills apart, for a model that runs them in different
+    forms (latent attention: select_attention_backend gives it the torch backend, whose AttentionInputs do this)."""
+
+    def decodes_and_prefills(self) -> tuple[BatchPart | None, BatchPart | None]:
+        """The requests computing one new token, those computing several; None where the batch has none."""
         ...
 
 
@@ -255,22 +358,32 @@ def paged_attention(
 def _sdpa_group(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup, layer: LayerAttention
 ) -> torch.Tensor:
+    keys = _gather_pages(k_cache, group.read_pages, group.page_size)  # (reqs, kv_heads, max_kv_len, head_dim)
+    values = _gather_pages(v_cache, group.read_pages, group.page_size)  # (reqs, kv_heads, max_kv_len, head_dim)
+    return _sdpa_padded(q, keys, values, group, layer)
+
+
+def _sdpa_padded(
+    q: torch.Tensor,  # (tokens, heads, head_dim): the group's new tokens
+    keys: torch.Tensor,  # (reqs, kv_heads, max_kv_len, head_dim)
+    values: torch.Tensor,  # (reqs, kv_heads, max_kv_len, v_dim)
+    group: AttentionGroup,
+    layer: LayerAttention,
+) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
-    num_reqs, max_q_len = group.num_reqs, group.max_q_len
+    num_reqs, max_q_len, v_dim = group.num_reqs, group.max_q_len, values.shape[-1]
     q_padded = q.new_zeros(num_reqs * max_q_len, num_heads, head_dim)
     q_padded.index_copy_(0, group.query_index, q)
     q_padded = q_padded.view(num_reqs, max_q_len, num_heads, head_dim).transpose(1, 2)  # (reqs, heads, q, d)
-    keys = _gather_pages(k_cache, group.read_pages, group.page_size)  # (reqs, kv_heads, max_kv_len, head_dim)
-    values = _gather_pages(v_cache, group.read_pages, group.page_size)  # (reqs, kv_heads, max_kv_len, head_dim)
     mask = group.mask_for(layer.sliding_window)
     if layer.logit_cap is None:
         out = F.scaled_dot_product_attention(
             q_padded, keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=keys.shape[1] != num_heads
-        )  # (reqs, heads, max_q_len, head_dim)
+        )  # (reqs, heads, max_q_len, v_dim)
     else:
         out = _capped_attention(q_padded, keys, values, mask, layer.scale, layer.logit_cap)
-    out = out.transpose(1, 2).reshape(num_reqs * max_q_len, num_heads, head_dim)
-    return out.index_select(0, group.query_index)  # (tokens, heads, head_dim)
+    out = out.transpose(1, 2).reshape(num_reqs * max_q_len, num_heads, v_dim)
+    return out.index_select(0, group.query_index)  # (tokens, heads, v_dim)
 
 
 def _capped_attention(
@@ -293,12 +406,22 @@ def _capped_attention(
 
 
 def _gather_pages(cache: torch.Tensor, read_pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    """(slots, kv_heads, head_dim) cache, (reqs, pages) page tables -> (reqs, kv_heads, pages * page_size, head_dim):
+    """(slots, kv_heads, head_dim) cache, (reqs, pages) page tables -> (reqs, kv_heads, pages * page_size, head_dim)."""
+    return _gather_rows(cache, read_pages, page_size).transpose(1, 2)
+
+
+def _gather_rows(cache: torch.Tensor, read_pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """(slots, kv_heads, head_dim) cache, (reqs, pages) page tables -> (reqs, pages * page_size, kv_heads, head_dim):
     one row copy per page (index_select over whole pages is ~3x faster on CPU than indexing per token position)."""
     num_slots, num_kv_heads, head_dim = cache.shape
     num_reqs, num_pages = read_pages.shape
     pages = cache.view(num_slots // page_size, -1).index_select(0, read_pages.view(-1))  # (reqs * pages, page elems)
-    return pages.view(num_reqs, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)
+    return pages.view(num_reqs, num_pages * page_size, num_kv_heads, head_dim)
+
+
+def _cumulative(lengths: Sequence[int]) -> tuple[int, ...]:
+    """(n,) lengths -> (n + 1,) offsets from 0."""
+    return (0, *itertools.accumulate(lengths))
 
 
 def _build_group(
@@ -339,4 +462,6 @@ def _build_group(
         num_reqs=len(members),
         max_q_len=max_q_len,
         page_size=page_size,
+        first_rows=tuple(token_starts[i] for i in members),
+        q_lens=tuple(q_lens),
     )

@@ -7,7 +7,7 @@ expert_weights.py  an adapter's MoE expert weights (per-expert modules or target
 pool.py      LoRAPool: zero-padded per-slot A/B buffers per layer per fused linear, slot ranks and scales
 layers.py    LoRALinear (wraps a linear: y = base(x) + segmented LoRA via kernels/), LoRABatchInfo
 experts.py   LoRAExpertsLinear: an MoE layer's rows regrouped into (expert, slot) runs, virtual slots of the pool
-latent.py    LoRALatentKVProj: kv_b_proj's adapter term in latent attention's absorbed query and values
+latent.py    LoRALatentKVProj: kv_b_proj's adapter term in latent attention's expanded context and absorbed products
 vocab.py     LoRA on embed_tokens and lm_head: their slot buffers and wrappers (torch ops on every backend)
 manager.py   LoRAManager: host copies by lora_id, the slot table, slot loads, per-forward token segments
 upload.py    SlotUploader: where the pool's slot writes (uploads, clears) run, chosen once

@@ -1,51 +1,87 @@
-"""LoRALatentKVProj: latent attention's kv_b_proj plus the batch's adapters, in the absorbed form the model applies it.
+"""LoRALatentKVProj: latent attention's kv_b_proj plus the batch's adapters, in both forms the model applies it.
 
-kv_b_proj is never applied to tokens: its k half W_uk is folded into the query and its v half W_uv maps the
-attention's latent output (worker/model/deepseek_v3.py). An adapter replaces W by W + s·B·A (A (r, kv_lora_rank),
-B (heads * (qk_nope + v), r), per head B_k (qk_nope, r) and B_v (v, r)), so for the rows of a request on that adapter
-    absorb_query:  (W_uk + s·B_k·A)ᵀ q_nope = W_ukᵀ q_nope + s · Aᵀ (B_kᵀ q_nope)
-    expand_values: (W_uv + s·B_v·A) o       = W_uv o       + s · B_v (A o)
+kv_b_proj (W, (heads * (qk_nope + v), kv_lora_rank)) maps a latent c to each head's [k_nope | v]
+(worker/model/deepseek_v3.py). An adapter replaces W by W + s·B·A (A (r, kv_lora_rank), B (heads * (qk_nope + v), r),
+per head B_k (qk_nope, r) and B_v (v, r)). For the rows of a request on that adapter:
+    expand (prefills, on the gathered context):  (W + s·B·A) c            = W c            + s · B (A c)
+    absorb_query (decodes):                      (W_uk + s·B_k·A)ᵀ q_nope = W_ukᵀ q_nope + s · Aᵀ (B_kᵀ q_nope)
+    expand_values (decodes):                     (W_uv + s·B_v·A) o       = W_uv o       + s · B_v (A o)
 exact, with every cached key of the request expanded by its own adapter as the reference expands it: a request's
 cached latents were all written under its adapter (the prefix cache is keyed by adapter), and the query's adapter is
-the one applied to them. The terms are computed per segment of one slot (few per batch), in torch."""
+the one applied to them.
+
+The rows these take are not the batch's own (a part of its requests, or their gathered context), so each call comes
+with the rows' RowOwners (worker/layers/attention.py): runs of rows, each a request's, named by the request's first
+row in the batch, whose segment gives the adapter slot. The runs of one slot are derived once per forward and kept in
+the owners' extras; the terms are computed per run of one slot (few per batch), in torch."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator
 
 import torch
-from loraplex.worker.lora.layers import LoRALinear
+from loraplex.worker.layers.attention import RowOwners
+from loraplex.worker.lora.layers import LoRABatchInfo, LoRALinear
 
 
 class LoRALatentKVProj(LoRALinear):
-    def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
-        out = self.base.absorb_query(q_nope)  # (tokens, heads, kv_lora_rank)
-        for rows, lora_a, b_k, _, scale in self._segments():
-            h = torch.einsum("thn,hnr->thr", q_nope[rows], b_k)  # (seg_tokens, heads, r)
-            out[rows] += scale * (h @ lora_a)
+    def expand(self, latents: torch.Tensor, owners: RowOwners) -> torch.Tensor:
+        out = self.base.expand(latents, owners)  # (rows, heads, qk_nope + v)
+        flat = out.view(out.shape[0], -1)  # (rows, heads * (qk_nope + v))
+        for rows, slot, scale in self._runs(owners):
+            h = latents[rows] @ self.buffers.lora_a[slot].T  # (run_rows, r)
+            flat[rows] += scale * (h @ self.buffers.lora_b[slot])
         return out
 
-    def expand_values(self, latent_out: torch.Tensor) -> torch.Tensor:
-        out = self.base.expand_values(latent_out)  # (tokens, heads, v)
-        for rows, lora_a, _, b_v, scale in self._segments():
-            h = latent_out[rows] @ lora_a.T  # (seg_tokens, heads, r)
+    def absorb_query(self, q_nope: torch.Tensor, owners: RowOwners) -> torch.Tensor:
+        out = self.base.absorb_query(q_nope, owners)  # (rows, heads, kv_lora_rank)
+        for rows, slot, scale in self._runs(owners):
+            b_k, _ = self._head_b(slot)
+            h = torch.einsum("thn,hnr->thr", q_nope[rows], b_k)  # (run_rows, heads, r)
+            out[rows] += scale * (h @ self.buffers.lora_a[slot])
+        return out
+
+    def expand_values(self, latent_out: torch.Tensor, owners: RowOwners) -> torch.Tensor:
+        out = self.base.expand_values(latent_out, owners)  # (rows, heads, v)
+        for rows, slot, scale in self._runs(owners):
+            _, b_v = self._head_b(slot)
+            h = latent_out[rows] @ self.buffers.lora_a[slot].T  # (run_rows, heads, r)
             out[rows] += scale * torch.einsum("thr,hvr->thv", h, b_v)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise TypeError("kv_b_proj is applied in the absorbed form: absorb_query and expand_values")
+        raise TypeError("kv_b_proj is applied to gathered latents or in the absorbed form, with their rows' owners")
 
-    def _segments(self) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor, float]]:
-        """Each segment on an adapter that targets kv_b_proj: (its token rows, A (r_max, kv_lora_rank), B_k (heads,
-        qk_nope, r_max), B_v (heads, v, r_max), scale); past an adapter's rank A and B are zero."""
-        batch, buffers = self.batch, self.buffers
-        if self.fused_name not in batch.active:
+    def _head_b(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """B of `slot` per head: B_k (heads, qk_nope, r_max), B_v (heads, v, r_max); past the rank, zero."""
+        nope, buffers = self.base.qk_nope_head_dim, self.buffers
+        lora_b = buffers.lora_b[slot].T.reshape(-1, nope + self.base.v_head_dim, buffers.max_rank)
+        return lora_b[:, :nope], lora_b[:, nope:]
+
+    def _runs(self, owners: RowOwners) -> Iterator[tuple[slice, int, float]]:
+        """Each run of rows on an adapter that targets kv_b_proj: (its rows, its slot, scale)."""
+        if self.fused_name not in self.batch.active:
             return
-        seg_indptr, seg_slots = batch.host_segments
-        nope = self.base.qk_nope_head_dim
-        for start, end, slot in zip(seg_indptr[:-1], seg_indptr[1:], seg_slots, strict=True):
-            if slot < 0 or not buffers.host_ranks[slot]:
-                continue
-            lora_b = buffers.lora_b[slot].T.reshape(-1, nope + self.base.v_head_dim, buffers.max_rank)
-            yield (slice(start, end), buffers.lora_a[slot], lora_b[:, :nope], lora_b[:, nope:],
-                   buffers.host_scales[slot])  # fmt: skip
+        runs = owners.extras.get("lora_runs")
+        if runs is None:
+            runs = owners.extras["lora_runs"] = slot_runs(owners, self.batch)
+        buffers = self.buffers
+        for start, end, slot in runs:
+            if buffers.host_ranks[slot]:
+                yield slice(start, end), slot, buffers.host_scales[slot]
+
+
+def slot_runs(owners: RowOwners, batch: LoRABatchInfo) -> list[tuple[int, int, int]]:
+    """The owners' rows as runs of one adapter slot, (start, end, slot), base rows left out."""
+    seg_indptr, seg_slots = batch.host_segments
+    runs: list[tuple[int, int, int]] = []
+    for start, end, owner in zip(owners.run_starts[:-1], owners.run_starts[1:], owners.owner_rows, strict=True):
+        slot = seg_slots[bisect.bisect_right(seg_indptr, owner) - 1]  # the segment holding the owner's row
+        if slot < 0 or start == end:
+            continue
+        if runs and runs[-1][1] == start and runs[-1][2] == slot:
+            runs[-1] = (runs[-1][0], end, slot)
+        else:
+            runs.append((start, end, slot))
+    return runs

@@ -3,14 +3,29 @@ experts and a grouped sigmoid router; the first `first_k_dense_replace` layers k
 
 Latent attention. Per token, kv_a_proj_with_mqa gives a latent c (kv_lora_rank, RMS-normed) and one rotary key k_pe
 shared by every head; kv_b_proj expands c to each head's k_nope and v. The paged cache holds only [c | k_pe] per token
-and layer (one "head" of kv_lora_rank + qk_rope_head_dim, keys and values in one tensor), and attention runs in the
-absorbed form for prefill and decode alike, exact in exact arithmetic:
+and layer (one "head" of kv_lora_rank + qk_rope_head_dim, keys and values in one tensor). Attention runs in one of two
+forms, equal in exact arithmetic, chosen per request by its number of new tokens:
+
+Prefills (several new tokens): the expanded form, the reference's own. The request's whole context, cached prefix
+pages and the new tokens alike, is gathered from the cache as [c | k_pe] and expanded by kv_b_proj applied as a
+linear to [k_nope | v] per head; q = [q_nope | q_pe] attends to k = [k_nope | k_pe] (k_pe broadcast over the heads)
+and v, causally. With many new tokens it is the cheaper form: each head's scores and outputs run over qk_head_dim and
+v_head_dim, not kv_lora_rank + rope, and the expansion is paid once per context token (once per chunk, in a chunked
+prefill), shared by all of the new tokens.
+
+Decodes (one new token): the absorbed form, which never expands the context:
     score(q, j) = q_nope · (W_uk c_j) + q_pe · k_pe_j = (W_ukᵀ q_nope) · c_j + q_pe · k_pe_j
     out         = Σ_j p_j W_uv c_j = W_uv (Σ_j p_j c_j)
 so the query per head becomes [W_ukᵀ q_nope | q_pe] against the cached [c | k_pe] (multi-query attention with one KV
 head), and the attention's output per head is the latent Σ p_j c_j (the leading kv_lora_rank of the values [c | k_pe],
-the rope part dropped), mapped to v_head_dim by W_uv. kv_b_proj's `absorb_query` and `expand_values` do the two
-products, so a LoRA wrapper on kv_b_proj adds its adapter's term to both (worker/lora/latent.py).
+the rope part dropped), mapped to v_head_dim by W_uv. For one query token this reads each cached latent once; the
+expanded form would expand the whole context for it.
+
+A batch holding both kinds is split (the attention metadata's decodes_and_prefills, worker/layers/attention.py), each
+part run in its form and its outputs placed back in the batch's rows before o_proj. Both forms use the same softmax
+scale, the qk head's with yarn's mscale² (MLAConfig.softmax_scale). kv_b_proj's `expand`, `absorb_query` and
+`expand_values` do the products, so a LoRA wrapper on kv_b_proj adds its adapter's term to each
+(worker/lora/latent.py); the other linears are plain ones to a LoRA wrapper.
 
 Tensor parallelism: the heads are split over ranks (q_b_proj and kv_b_proj column-parallel by head, o_proj
 row-parallel); q_a_proj and kv_a_proj_with_mqa are replicated, so every rank computes and caches the whole latent.
@@ -21,7 +36,7 @@ common permutation."""
 from __future__ import annotations
 
 import torch
-from loraplex.worker.layers.attention import BatchAttention
+from loraplex.worker.layers.attention import BatchPart, RowOwners, SplitBatchAttention
 from loraplex.worker.layers.attention_spec import LayerAttention
 from loraplex.worker.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from loraplex.worker.layers.moe import RouterLinear, route_grouped
@@ -37,16 +52,19 @@ LATENT_NORM_EPS = 1e-6  # the reference builds q_a_layernorm and kv_a_layernorm 
 
 class LatentKVProj(ColumnParallelLinear):
     """kv_b_proj: (heads * (qk_nope + v), kv_lora_rank), column-parallel by head (each head's rows [k_nope | v] lie
-    together, so a rank's rows are whole heads). Never applied to tokens as a linear: its two halves are applied in
-    the absorbed form."""
+    together, so a rank's rows are whole heads). Applied as a linear to a prefill's gathered latents (`expand`), or
+    in its two halves in the absorbed form (`absorb_query`, `expand_values`). `owners`: whose rows the input holds
+    (worker/layers/attention.py's RowOwners), for a LoRA wrapper's per-request terms; the base ignores them."""
 
-    packable = False  # its weight is read per head, never through a linear (worker/layers/packed.py)
+    packable = False  # its weight is read per head, never through a prepacked linear (worker/layers/packed.py)
 
     def __init__(self, kv_lora_rank: int, num_heads: int, qk_nope_head_dim: int, v_head_dim: int):
         super().__init__(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
         if self.quant is not None:  # the quantized matmuls keep no weight to split per head
-            raise ModelConfigError("quantized checkpoints of latent attention (DeepSeek-V3's FP8 ones) are not served: "
-                                   "kv_b_proj runs in the absorbed form, which needs its plain weight")
+            raise ModelConfigError(
+                "quantized checkpoints of latent attention (DeepSeek-V3's FP8 ones) are not served: "
+                "kv_b_proj's absorbed form reads its plain weight per head"
+            )
         self.qk_nope_head_dim, self.v_head_dim = qk_nope_head_dim, v_head_dim
 
     def head_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,13 +72,18 @@ class LatentKVProj(ColumnParallelLinear):
         per_head = self.weight.view(-1, self.qk_nope_head_dim + self.v_head_dim, self.input_size)
         return per_head[:, : self.qk_nope_head_dim], per_head[:, self.qk_nope_head_dim :]
 
-    def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
-        """q_nope (tokens, heads, qk_nope) -> W_ukᵀ q_nope (tokens, heads, kv_lora_rank)."""
+    def expand(self, latents: torch.Tensor, owners: RowOwners) -> torch.Tensor:
+        """latents (rows, kv_lora_rank) -> [k_nope | v] (rows, heads, qk_nope + v) of this rank's heads."""
+        out = self.forward(latents)  # (rows, heads * (qk_nope + v))
+        return out.view(latents.shape[0], -1, self.qk_nope_head_dim + self.v_head_dim)
+
+    def absorb_query(self, q_nope: torch.Tensor, owners: RowOwners) -> torch.Tensor:
+        """q_nope (rows, heads, qk_nope) -> W_ukᵀ q_nope (rows, heads, kv_lora_rank)."""
         w_uk, _ = self.head_weights()
         return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
-    def expand_values(self, latent_out: torch.Tensor) -> torch.Tensor:
-        """latent_out (tokens, heads, kv_lora_rank) -> W_uv latent_out (tokens, heads, v)."""
+    def expand_values(self, latent_out: torch.Tensor, owners: RowOwners) -> torch.Tensor:
+        """latent_out (rows, heads, kv_lora_rank) -> W_uv latent_out (rows, heads, v)."""
         _, w_uv = self.head_weights()
         return torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
@@ -89,7 +112,7 @@ class DeepseekV3Attention(nn.Module):
         positions: torch.Tensor,
         hidden: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
-        attention: BatchAttention,
+        attention: SplitBatchAttention,
     ) -> torch.Tensor:
         mla, num_tokens = self.mla, hidden.shape[0]
         if mla.q_lora_rank is None:
@@ -104,12 +127,35 @@ class DeepseekV3Attention(nn.Module):
         if mla.rope_interleave:
             q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
         q_pe, k_pe = self.rotary(positions, q_pe.contiguous(), k_pe.contiguous())
-        query = torch.cat((self.kv_b_proj.absorb_query(q_nope), q_pe), dim=-1)  # (tokens, heads, cache_dim)
-        cache = kv[0]  # (slots, 1, cache_dim): keys [c | k_pe], and values read from it
+        cache = kv[0]  # (slots, 1, cache_dim): [c | k_pe] per token, keys and values both
         cache.index_copy_(0, attention.write_slots, torch.cat((latent.unsqueeze(1), k_pe), dim=-1))
-        out = attention.attend(query, cache, cache, self.layer)  # (tokens, heads, cache_dim)
-        values = self.kv_b_proj.expand_values(out[..., : mla.kv_lora_rank])  # (tokens, heads, v)
-        return self.o_proj(values.reshape(num_tokens, -1))  # (tokens, hidden)
+        out = q.new_empty(num_tokens, q.shape[1], mla.v_head_dim)  # (tokens, heads, v)
+        decodes, prefills = attention.decodes_and_prefills()
+        if decodes is not None:
+            decodes.place(out, self._absorbed(decodes.take(q_nope), decodes.take(q_pe), cache, decodes))
+        if prefills is not None:
+            prefills.place(out, self._expanded(prefills.take(q_nope), prefills.take(q_pe), cache, prefills))
+        return self.o_proj(out.view(num_tokens, -1))  # (tokens, hidden)
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, part: BatchPart) -> torch.Tensor:
+        """(rows, heads, qk_nope), (rows, heads, rope) -> (rows, heads, v): [W_ukᵀ q_nope | q_pe] against the cached
+        [c | k_pe] as one KV head, the latent output mapped by W_uv."""
+        owners = part.token_owners
+        query = torch.cat((self.kv_b_proj.absorb_query(q_nope, owners), q_pe), dim=-1)  # (rows, heads, cache_dim)
+        out = part.attend(query, cache, cache, self.layer)  # (rows, heads, cache_dim)
+        return self.kv_b_proj.expand_values(out[..., : self.mla.kv_lora_rank], owners)  # (rows, heads, v)
+
+    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, part: BatchPart) -> torch.Tensor:
+        """(rows, heads, qk_nope), (rows, heads, rope) -> (rows, heads, v): the context's latents expanded to every
+        head's k_nope and v, then [q_nope | q_pe] against [k_nope | k_pe]."""
+        mla = self.mla
+        context = part.gather_context(cache).squeeze(1)  # (context, cache_dim)
+        latents, k_pe = context.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        expanded = self.kv_b_proj.expand(latents, part.context_owners)  # (context, heads, qk_nope + v)
+        k_nope, values = expanded.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+        keys = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, k_nope.shape[1], -1)), dim=-1)  # (context, heads, qk)
+        query = torch.cat((q_nope, q_pe), dim=-1)  # (rows, heads, qk)
+        return part.attend_context(query, keys, values, self.layer)
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -165,4 +211,3 @@ class DeepseekV3Model(LlamaModel):
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     model_cls = DeepseekV3Model
-
