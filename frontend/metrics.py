@@ -185,6 +185,8 @@ def combine_stats(replicas: list[SchedulerStats], capacities: list[int]) -> Sche
         num_loaded_adapters=min(s.num_loaded_adapters for s in replicas),
         num_state_slots=sum(s.num_state_slots for s in replicas),
         num_free_state_slots=sum(s.num_free_state_slots for s in replicas),
+        num_state_snapshots=sum(s.num_state_snapshots for s in replicas),
+        num_free_state_snapshots=sum(s.num_free_state_snapshots for s in replicas),
     )
 
 

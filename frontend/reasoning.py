@@ -5,7 +5,8 @@ applies only after the reasoning, from the token after the `</think>` ids (worke
 deepseek_r1: the chat template already opened `<think>`, so the output starts inside the reasoning (a `<think>` the
 model writes first anyway is dropped); without `</think>` everything is reasoning. qwen3: reasoning only between a
 `<think>` the output writes and its `</think>`; text before `<think>`, or an output without it, is content; with
-`chat_template_kwargs.enable_thinking` false, no reasoning (the template closed it).
+`chat_template_kwargs.enable_thinking` false, no reasoning (the template closed it). glm45 (GLM-4.5 / 4.6) reads as
+qwen3: the model opens `<think>` itself, and its template closes an empty one when thinking is off.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import msgspec
 from loraplex.frontend.constraints import Found
 
 START_TAG, END_TAG = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3")
+PARSERS = ("deepseek_r1", "qwen3", "glm45")
 
 _BEFORE, _REASONING, _CONTENT = "before", "reasoning", "content"  # where the text read so far stands
 
@@ -96,7 +97,7 @@ def request_reasoning(parser_name: str | None, template_kwargs: dict[str, Any] |
     """The request's Reasoning under --reasoning-parser, or None: no parser, or qwen3 with thinking turned off."""
     if parser_name is None:
         return None
-    if parser_name == "qwen3" and (template_kwargs or {}).get("enable_thinking", True) is False:
+    if parser_name in ("qwen3", "glm45") and (template_kwargs or {}).get("enable_thinking", True) is False:
         return None
     # `</think>` is one added token in DeepSeek-R1's and Qwen3's tokenizers; elsewhere the worker matches the sequence
     end_ids = tuple(tokenizer.encode(END_TAG, add_special_tokens=False))

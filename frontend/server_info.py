@@ -77,7 +77,7 @@ def replica_info(runtime: Runtime, dp_rank: int, stats: SchedulerStats | None) -
 
 def scheduler_counters(stats: SchedulerStats | None) -> dict[str, Any]:
     """A scheduler's live counters (None before its first report); hybrid models' linear-attention state slots
-    beside the KV pages (0 and 0 for other models)."""
+    beside the KV pages, and their prefix cache's state snapshots (0 and 0 for other models)."""
     return {
         "num_running": stats.num_running if stats else None,
         "num_waiting": stats.num_waiting if stats else None,
@@ -86,4 +86,6 @@ def scheduler_counters(stats: SchedulerStats | None) -> dict[str, Any]:
         "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens if stats else None,
         "state_slots_total": stats.num_state_slots if stats else None,
         "state_slots_free": stats.num_free_state_slots if stats else None,
+        "state_snapshots_total": stats.num_state_snapshots if stats else None,
+        "state_snapshots_free": stats.num_free_state_snapshots if stats else None,
     }

@@ -14,6 +14,7 @@ quant_matmul.py     weight-only quantized matmul in Triton, dequantized tile by 
 rms_norm.py         RMSNorm with the pre-norm residual add fused in, in Triton
 rotary.py           rotary position embedding in Triton, in place on q and k
 silu_mul.py         SiLU-and-multiply of a fused [gate | up] projection in Triton
+gated_delta.py      Gated DeltaNet's causal conv and gated delta rule in Triton, states by slot, a batch per launch
 aot.py              ahead-of-time compilation of the Triton LoRA kernels for a GPU architecture
 progress.py         progress of long start-up work (kernel builds, warm-ups; the worker's checkpoint loading too)
 """

@@ -152,8 +152,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     attention_backend: Annotated[Literal["auto", "triton", "cpu", "torch"], Meta(description=
         "attention kernels: triton (paged Triton kernels reading K/V from the cache pages in place; CUDA), cpu "
         "(decodes in the compiled CPU kernels, prefills in SDPA; needs --lora-backend cpu or auto to build them), "
-        "torch (SDPA over gathered pages); auto = triton on CUDA, else cpu where the CPU kernels run and take the "
-        "model's head shapes, else torch"
+        "torch (SDPA over gathered pages); auto = triton on CUDA (torch for a model with chunked local attention, "
+        "Llama 4, which triton refuses), else cpu where the CPU kernels run and take the model's head shapes, else "
+        "torch"
     )] = "auto"
     enable_cuda_graph: Annotated[bool, Meta(description=
         "capture decode steps as CUDA graphs at start-up, one per batch size of a ladder up to --cuda-graph-max-bs, "
@@ -248,10 +249,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     lora_modules: Annotated[list[str], Meta(description=
         "vLLM's adapters loaded at start: NAME=PATH or JSON {name, path, base_model_name}"
     )] = []
-    reasoning_parser: Annotated[Literal["deepseek_r1", "qwen3"] | None, Meta(description=
+    reasoning_parser: Annotated[Literal["deepseek_r1", "qwen3", "glm45"] | None, Meta(description=
         "chat answers put the model's <think>...</think> text in reasoning_content: deepseek_r1 (the template opened "
-        "<think>) or qwen3 (reasoning only where the output opens <think>); a structured-output constraint then "
-        "applies after </think>"
+        "<think>) or qwen3 / glm45 (reasoning only where the output opens <think>); a structured-output constraint "
+        "then applies after </think>"
     )] = None
     chat_template: Annotated[str | None, Meta(description=
         "chat template for /v1/chat/completions: a file, or inline Jinja (default: the tokenizer's)"
@@ -260,7 +261,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "tool_choice auto: the model's text is read for tool calls (needs --tool-call-parser)"
     )] = False
     tool_call_parser: Annotated[
-        Literal["hermes", "llama3_json", "mistral", "qwen3_coder", "xml", "pythonic"] | None, Meta(description=
+        Literal["hermes", "llama3_json", "mistral", "qwen3_coder", "xml", "pythonic", "glm45"] | None, Meta(description=
         "the format of the model's tool calls (tool_choice auto); required and named choices are forced by a grammar "
         "and need none"
     )] = None
@@ -307,6 +308,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "state slots of a hybrid model's linear-attention layers (one per running request; default: "
         "--max-running-requests)"
     )] = None
+    max_state_snapshots: Annotated[int | None, Meta(description=
+        "snapshots of a hybrid model's linear-attention states that its prefix cache keeps at cached page boundaries "
+        "(a hit restores one; each the size of a state slot; 0: no prefix caching for these models; default: as "
+        "many as state slots)"
+    )] = None
     mamba_ssm_cache_dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Meta(description=
         "dtype of a hybrid model's recurrent and conv states (auto: the checkpoint's mamba_ssm_dtype, else the model's)"
     )] = "auto"
@@ -331,6 +337,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.max_state_snapshots is not None and self.max_state_snapshots < 0:
+            raise ConfigError(f"--max-state-snapshots must be >= 0, got {self.max_state_snapshots}")
         for name in ("lora_drain_timeout", "lora_load_timeout", "dist_timeout", "lora_cache_max_gb"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")

@@ -324,6 +324,8 @@ class SchedulerStats(Struct, frozen=True):
     num_loaded_adapters: int = 0  # adapter ids every rank of this scheduler holds
     num_state_slots: int = 0  # hybrid models: the linear-attention state slots (0 = none), and those free
     num_free_state_slots: int = 0
+    num_state_snapshots: int = 0  # ... the prefix cache's state snapshots, and those neither kept nor being saved
+    num_free_state_snapshots: int = 0
 
 
 class SlotsChanged(Struct, frozen=True):
@@ -378,6 +380,12 @@ class ForwardReq(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     # Hybrid models (WorkerReady.num_state_slots > 0): the request's state slot, which holds its linear-attention
     # layers' recurrent and conv states; a pass with num_cached_tokens == 0 starts them from zero. -1: none.
     state_slot: int = -1
+    # Hybrid models' prefix cache (WorkerReady.num_state_snapshots): a pass with num_cached_tokens > 0 and
+    # restore_snapshot >= 0 first copies that snapshot (the states saved at position num_cached_tokens) into the
+    # slot. Each (position, snapshot) of snapshot_saves: after the tokens before that position (one of this pass's,
+    # its last included), the slot's states are copied into the snapshot.
+    restore_snapshot: int = -1
+    snapshot_saves: list[tuple[int, int]] = []
 
 
 class SlotLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -420,8 +428,10 @@ class WorkerReady(Struct, frozen=True):
     grammar_error: str = ""  # why this rank cannot take structured output (xgrammar's import); "": it can
     kv_bytes_per_token: int = 0  # of this rank's KV cache, every layer (latent attention: the latent and rope key)
     # Hybrid models (linear-attention layers beside attention): the state slots the scheduler hands out, one per
-    # running request; 0 = no such layers.
+    # running request; 0 = no such layers. And the state snapshots (ForwardReq.restore_snapshot, snapshot_saves) the
+    # prefix cache keeps at cached page boundaries; 0 = none, so no prefix caching.
     num_state_slots: int = 0
+    num_state_snapshots: int = 0
 
 
 class Shutdown(Struct, frozen=True):

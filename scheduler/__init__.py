@@ -2,8 +2,9 @@
 
 Module map:
     page_allocator.py   PageAllocator: the free list of KV cache pages
-    state_slots.py      StateSlotAllocator: the free list of a hybrid model's linear-attention state slots
+    state_slots.py      StateSlotAllocator: the free list of a hybrid model's state slots (and of its state snapshots)
     prefix_cache.py     PrefixCache: full KV pages kept after their requests finish, found again by tokens and adapter
+                        (a hybrid model's with the state snapshots a hit restores)
     slot_planner.py     SlotPlanner: which adapter sits in which device slot (holds, LRU eviction, pins)
     request.py          Request: one request's scheduler state
     batch_policy.py     BatchPolicy: which waiting requests join the next batch (limits, slots)

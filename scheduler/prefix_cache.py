@@ -9,6 +9,12 @@ written are cached; a request always computes at least its last token itself, so
 Every page is either free (the allocator's), private (one request's, not cached) or cached. A cached page counts the
 requests using it; with none it is evictable, least recently used first, and goes back to the allocator only when
 pages are needed.
+
+Hybrid models (linear-attention layers beside attention) need more than KV to start from a cached prefix: the
+layers' states at its end. Such a cache holds state snapshots (ids from a StateSlotAllocator), each attached to the
+cached page that ends at the boundary where it was saved; a hit reaches only as deep as the deepest matched page with
+one (the pages past it are not used), and the snapshot goes when its page is evicted or purged. When none is free, a
+new one takes the snapshot of the least recently used evictable page that has one (the page stays cached).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from loraplex.scheduler.page_allocator import PageAllocator, PageError
+from loraplex.scheduler.state_slots import StateSlotAllocator
 
 BASE_NAMESPACE = -1  # the base model's requests (adapters use their lora_id, which is never negative)
 
@@ -37,10 +44,14 @@ def page_keys(namespace: int, token_ids: Sequence[int], page_size: int, num_page
 
 
 class PrefixCache:
-    def __init__(self, pages: PageAllocator, page_size: int, enabled: bool = True):
+    def __init__(self, pages: PageAllocator, page_size: int, enabled: bool = True,
+                 snapshots: StateSlotAllocator | None = None):  # fmt: skip
+        """snapshots: a hybrid model's state snapshots (a hit needs one at its end); None: KV is all a hit needs."""
         self.pages = pages
         self.page_size = page_size
         self.enabled = enabled
+        self.snapshots = snapshots
+        self._snapshot_of_page: dict[int, int] = {}
         self._page_of_key: dict[bytes, int] = {}
         self._key_of_page: dict[int, bytes] = {}
         self._namespace_of_page: dict[int, int] = {}
@@ -89,19 +100,36 @@ class PrefixCache:
 
     def match(self, keys: Sequence[bytes], num_tokens: int) -> list[int]:
         """The cached pages that start a request whose full-page keys are `keys`, taken for it (at most up to its
-        last token's page, which it must compute itself to sample). Counted by `count_lookup` once the admission
-        holds: a request that matches, cannot be admitted and releases is not a lookup twice."""
+        last token's page, which it must compute itself to sample; with snapshots, up to the deepest one that has
+        a snapshot). Counted by `count_lookup` once the admission holds: a request that matches, cannot be admitted
+        and releases is not a lookup twice."""
+        found = self._cached_prefix(keys, num_tokens)
+        matched = found[: self._num_usable(found)]
+        for page_id in matched:
+            self._use(page_id)
+        return matched
+
+    def num_matching(self, keys: Sequence[bytes], num_tokens: int) -> int:
+        """How many of the keys' pages are cached from the first on, snapshot or not (at most up to the last
+        token's page), changing nothing."""
+        return len(self._cached_prefix(keys, num_tokens))
+
+    def _cached_prefix(self, keys: Sequence[bytes], num_tokens: int) -> list[int]:
         if not self.enabled:
             return []
-        matched = []
+        found = []
         for key in keys[: (num_tokens - 1) // self.page_size]:
             page_id = self._page_of_key.get(key)
             if page_id is None:
                 break
-            matched.append(page_id)
-        for page_id in matched:
-            self._use(page_id)
-        return matched
+            found.append(page_id)
+        return found
+
+    def _num_usable(self, found: list[int]) -> int:
+        """Of a cached prefix, the pages a hit may use: all, or with snapshots up to the deepest that has one."""
+        if self.snapshots is None:
+            return len(found)
+        return next((n for n in range(len(found), 0, -1) if found[n - 1] in self._snapshot_of_page), 0)
 
     def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_tokens
@@ -109,14 +137,7 @@ class PrefixCache:
 
     def peek(self, keys: Sequence[bytes], num_tokens: int) -> int:
         """How many pages match would return, changing nothing."""
-        if not self.enabled:
-            return 0
-        num = 0
-        for key in keys[: (num_tokens - 1) // self.page_size]:
-            if key not in self._page_of_key:
-                break
-            num += 1
-        return num
+        return self._num_usable(self._cached_prefix(keys, num_tokens))
 
     def insert(self, keys: Sequence[bytes], page_ids: Sequence[int], namespace: int) -> list[int]:
         """Offer a request's written full pages (keys[i] for page_ids[i]); returns its page table, where a page
@@ -143,6 +164,28 @@ class PrefixCache:
         self.pages.free(duplicates)
         return table
 
+    # ---- state snapshots (hybrid models) ------------------------------------------------------------------------
+
+    def snapshot_of(self, page_id: int) -> int:
+        """The snapshot saved at the end of a cached page (match's last page has one)."""
+        return self._snapshot_of_page[page_id]
+
+    def allocate_snapshot(self) -> int | None:
+        """A snapshot for a pass to save into: a free one, else the least recently used evictable page's; None
+        when every snapshot is being saved or belongs to a page in use."""
+        if self.snapshots.can_allocate():
+            return self.snapshots.allocate()
+        page_id = next((p for p in self._evictable if p in self._snapshot_of_page), None)
+        return None if page_id is None else self._snapshot_of_page.pop(page_id)
+
+    def attach_snapshot(self, page_id: int, snapshot: int) -> None:
+        """The pass that saved `snapshot` at the end of page_id returned: the page keeps it, unless the page is not
+        cached or has one already (saved by another request at the same boundary), when it is freed."""
+        if page_id in self._key_of_page and page_id not in self._snapshot_of_page:
+            self._snapshot_of_page[page_id] = snapshot
+        else:
+            self.snapshots.free(snapshot)
+
     def purge(self, namespace: int) -> None:
         """Drop the evictable pages an adapter computed (it was unloaded: nothing will ask for them again)."""
         for page_id in [p for p in self._evictable if self._namespace_of_page[p] == namespace]:
@@ -160,6 +203,9 @@ class PrefixCache:
         del self._page_of_key[key]
         del self._namespace_of_page[page_id]
         self.pages.free([page_id])
+        snapshot = self._snapshot_of_page.pop(page_id, None)
+        if snapshot is not None:
+            self.snapshots.free(snapshot)
 
     def check(self) -> None:
         """Invariants, for tests: every page is free, private-or-used, or evictable, and the maps agree."""
@@ -167,3 +213,5 @@ class PrefixCache:
         assert set(self._evictable) | set(self._num_users) == set(self._key_of_page)
         assert not set(self._evictable) & set(self._num_users)
         assert all(n > 0 for n in self._num_users.values())
+        assert set(self._snapshot_of_page) <= set(self._key_of_page)
+        assert len(set(self._snapshot_of_page.values())) == len(self._snapshot_of_page)

@@ -122,6 +122,7 @@ class SchedulerProcess:
             attention_window=first.attention_window,  # one model on every rank
             long_rope_len=first.long_rope_len,
             num_state_slots=first.num_state_slots,
+            num_state_snapshots=first.num_state_snapshots,
         )
         self.to_frontend.send(
             SchedulerReady(

@@ -41,6 +41,8 @@ class Request:
     num_hit_tokens_to_send: int = 0  # prompt tokens its first admission found cached, until its first delta says so
     slot: int = -1  # adapter device slot while running, -1 = base model
     state_slot: int = -1  # hybrid models: its linear-attention state slot while running, else -1
+    restore_snapshot: int = -1  # ... the snapshot at its prefix-cache hit's end, until its first pass restores it
+    snapshot_positions: list[int] = field(default_factory=list)  # ... boundaries it is still to save its states at
     status: RequestStatus = RequestStatus.WAITING
     is_aborted: bool = False  # aborted while a forward pass that includes it was in flight: ends when it returns
     # Its next pass tells the workers its sampling parameters, and its cached tokens if penalties read them: the first

@@ -21,8 +21,13 @@ written (a cached one stays cached, unused by it); its page table keeps FREED_PA
 Hybrid models (linear-attention layers beside attention; WorkerReady.num_state_slots > 0): a running request also
 holds a state slot, taken at admission with its first pages and given back with them (finish, abort, preemption).
 The workers keep its layers' recurrent and conv states there; a pass from position 0 starts them from zero, so a
-preempted request rebuilds its state when it is recomputed. Such states exist only at a request's current position,
-never at a cached page's end, so prefix caching is off for these models (a hit would need the state at the prefix).
+preempted request rebuilds its state when it is recomputed. Such a state exists only at a request's current
+position, so the prefix cache keeps state snapshots (WorkerReady.num_state_snapshots) at cached page boundaries
+(prefix_cache.py): a hit reaches only to the deepest matched page with one, and its first pass restores it into the
+request's slot. An admitted request saves its states, in the pass that crosses each, at two boundaries: its
+prompt's last full page (a later turn of the conversation starts there) and, where the KV cache matched deeper than
+any snapshot, the deepest matched page (the next request sharing that system prompt hits it). A save's snapshot is
+attached to its page only when its pass returns, so no pass restores a snapshot still being written.
 
 Overlap: up to two passes are in flight, so the workers start the next one the moment they finish one, and this
 process schedules and processes results meanwhile. A decoding request in the newer pass reads the token the older
@@ -84,6 +89,7 @@ class _InFlight:
     reqs: list[Request]  # in the order of the batch's ForwardReqs
     num_new: list[int]  # tokens each request writes in this pass
     samples: list[bool]  # whether the pass samples a token for the request (it reaches its last known token)
+    saves: list[list[tuple[int, int]]]  # hybrid models: the (position, snapshot) states each request saves
 
 
 class Scheduler:
@@ -98,6 +104,7 @@ class Scheduler:
         long_rope_len: int = 0,
         attention_window: int | None = None,
         num_state_slots: int = 0,
+        num_state_snapshots: int = 0,
     ):
         """attention_window: the most tokens a query of any layer attends to (its own included); None = some layer
         attends to the whole context, and no page is given back before its request ends."""
@@ -109,10 +116,17 @@ class Scheduler:
         self.pages = PageAllocator(num_pages)
         self.state_slots = StateSlotAllocator(num_state_slots)
         self.is_hybrid = num_state_slots > 0
+        self.snapshots = StateSlotAllocator(num_state_snapshots, kind="state snapshot")
+        caches = config.prefix_caching and (num_state_snapshots > 0 or not self.is_hybrid)
         if self.is_hybrid and config.prefix_caching:
-            log.info("prefix caching is off: this hybrid model's linear-attention state exists only at each "
-                     "request's current position")
-        self.cache = PrefixCache(self.pages, config.page_size, enabled=config.prefix_caching and not self.is_hybrid)
+            if caches:
+                log.info("prefix caching with %d state snapshots: a hit restores the linear-attention states saved "
+                         "at its last page", num_state_snapshots)  # fmt: skip
+            else:
+                log.info("prefix caching is off: no state snapshots (--max-state-snapshots 0) to restore this hybrid "
+                         "model's linear-attention states at a cached prefix")  # fmt: skip
+        self.cache = PrefixCache(self.pages, config.page_size, enabled=caches,
+                                 snapshots=self.snapshots if self.is_hybrid else None)  # fmt: skip
         self.slots = SlotPlanner(config.max_loras_per_batch)
         self.adapters = AdapterTable(num_ranks, config.lora_load_timeout)
         self.policy = BatchPolicy(max_running_requests=config.max_running_requests,
@@ -257,9 +271,10 @@ class Scheduler:
         num_new = [self._plan[r] for r in reqs]
         previous = self._in_flight[-1] if self._in_flight else None
         prev_rows = {req: row for row, req in enumerate(previous.reqs)} if previous else {}
-        forward_reqs, samples = [], []
+        forward_reqs, samples, saves = [], [], []
         for req, n in zip(reqs, num_new, strict=True):
-            forward_reqs.append(self._forward_req(req, n, prev_rows.get(req, -1)))
+            saves.append(self._snapshot_saves(req, n))
+            forward_reqs.append(self._forward_req(req, n, prev_rows.get(req, -1), saves[-1]))
             req.num_scheduled_tokens += n
             req.num_passes_in_flight += 1
             samples.append(req.num_unscheduled_tokens == 0)
@@ -268,7 +283,8 @@ class Scheduler:
                              released_keys=self._released_keys)
         self._released_keys = []
         self._next_batch_id += 1
-        self._in_flight.append(_InFlight(batch_id=batch.batch_id, reqs=reqs, num_new=num_new, samples=samples))
+        self._in_flight.append(_InFlight(batch_id=batch.batch_id, reqs=reqs, num_new=num_new, samples=samples,
+                                         saves=saves))  # fmt: skip
         return batch
 
     def _prefill_len(self, req: Request) -> int:
@@ -303,6 +319,7 @@ class Scheduler:
         self._plan.pop(req, None)
         del self.running[req.rid]
         req.num_cached_tokens = req.num_scheduled_tokens = req.num_offered_pages = 0
+        req.restore_snapshot, req.snapshot_positions = -1, []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -349,6 +366,36 @@ class Scheduler:
             return keys[: (req.prompt_logprob_next - 1) // self.page_size]
         return keys
 
+    def _snapshot_positions(self, req: Request) -> list[int]:
+        """Where an admitted hybrid request saves its states (past its hit): the deepest page of its prefix the KV
+        cache holds, and its prompt's last full page."""
+        if not (self.is_hybrid and self.cache.enabled) or req.is_long_rope:
+            return []
+        num_matching = self.cache.num_matching(self._matchable_keys(req), req.num_tokens)
+        positions = {num_matching * self.page_size, len(req.prompt_ids) // self.page_size * self.page_size}
+        return sorted(p for p in positions if p > req.num_cached_tokens)
+
+    def _snapshot_saves(self, req: Request, num_new: int) -> list[tuple[int, int]]:
+        """The (position, snapshot) saves of its next pass, writing num_new tokens: a boundary it crosses, where a
+        snapshot can be had (else that one is not saved)."""
+        saves = []
+        end = req.num_scheduled_tokens + num_new
+        while req.snapshot_positions and req.snapshot_positions[0] <= end:
+            position = req.snapshot_positions.pop(0)
+            snapshot = self.cache.allocate_snapshot()
+            if snapshot is not None:
+                saves.append((position, snapshot))
+        return saves
+
+    def _keep_snapshots(self, req: Request, saves: list[tuple[int, int]], is_written: bool) -> None:
+        """A pass that saved snapshots returned: each goes to the cached page ending at its position, if the pass
+        wrote it (and the page was cached); else it is freed."""
+        for position, snapshot in saves:
+            if is_written:
+                self.cache.attach_snapshot(req.page_ids[position // self.page_size - 1], snapshot)
+            else:
+                self.snapshots.free(snapshot)
+
     def pages_wanted(self, req: Request) -> int:
         num_matched = self.cache.peek(self._matchable_keys(req), req.num_tokens)
         num_first = min(req.num_tokens - num_matched * self.page_size, max(self.prefill_budget, 1))
@@ -372,6 +419,9 @@ class Scheduler:
         req.page_ids += self.cache.allocate(num_pages)
         if self.is_hybrid:
             req.state_slot = self.state_slots.allocate()
+            num_hit_pages = req.num_cached_tokens // self.page_size
+            req.restore_snapshot = self.cache.snapshot_of(req.page_ids[num_hit_pages - 1]) if num_hit_pages else -1
+            req.snapshot_positions = self._snapshot_positions(req)
         self.cache.count_lookup(req.num_tokens, req.num_cached_tokens)
         if not req.num_preemptions:  # usage reports the first admission's hit (vLLM's num_cached_tokens too)
             req.num_hit_tokens_to_send = req.num_cached_tokens
@@ -379,13 +429,14 @@ class Scheduler:
         req.sends_state = True
         return True
 
-    def _forward_req(self, req: Request, num_new: int, prev_row: int) -> ForwardReq:
+    def _forward_req(self, req: Request, num_new: int, prev_row: int, saves: list[tuple[int, int]]) -> ForwardReq:
         input_ids = req.next_input_ids(num_new)
         if not input_ids:  # its one new token is the one the pass in flight samples
             input_ids = [0]
         else:
             prev_row = -1
         sends_state, req.sends_state, req.is_on_workers = req.sends_state, False, True
+        restore_snapshot, req.restore_snapshot = req.restore_snapshot, -1  # its first pass after admission
         needs_history = sends_state and req.sampling.needs_token_history
         history_ids = req.token_ids[: req.num_scheduled_tokens] if needs_history else None
         start, end = req.prompt_logprob_span(num_new)
@@ -403,6 +454,8 @@ class Scheduler:
             prompt_logprob_row=max(start - 1 - req.num_scheduled_tokens, 0),
             long_rope=req.is_long_rope,
             state_slot=req.state_slot,
+            restore_snapshot=restore_snapshot,
+            snapshot_saves=saves,
         )
 
     def process_result(self, result: BatchResult) -> list[TokenDelta]:
@@ -416,10 +469,15 @@ class Scheduler:
         if not error and len(result.next_token_ids) != len(in_flight.reqs):
             error = f"batch {result.batch_id}: {len(result.next_token_ids)} tokens for {len(in_flight.reqs)} requests"
         deltas = []
-        rows = zip(in_flight.reqs, in_flight.num_new, in_flight.samples, strict=True)
-        for i, (req, num_new, samples) in enumerate(rows):
+        rows = zip(in_flight.reqs, in_flight.num_new, in_flight.samples, in_flight.saves, strict=True)
+        for i, (req, num_new, samples, saves) in enumerate(rows):
             req.num_passes_in_flight -= 1
             req.num_pending_samples -= samples
+            is_written = not (error or req.is_aborted or req.status is RequestStatus.FINISHED)
+            if is_written:
+                req.num_cached_tokens += num_new  # the pass wrote the KV of every token it was given
+                self._offer_pages(req)
+            self._keep_snapshots(req, saves, is_written)  # before a finish below lets its pages go
             if req.status is RequestStatus.FINISHED:  # ended while this pass was in flight: only the pages remain
                 if not req.num_passes_in_flight:
                     self._let_go(req)
@@ -429,8 +487,6 @@ class Scheduler:
             elif error:
                 deltas.append(self._finish(req, "error", error_message=error))
             else:
-                req.num_cached_tokens += num_new  # the pass wrote the KV of every token it was given
-                self._offer_pages(req)
                 self._free_behind_window(req)
                 prompt_logprobs = result.prompt_logprobs[i] if i < len(result.prompt_logprobs) else []
                 req.prompt_logprob_next += len(prompt_logprobs)
@@ -498,6 +554,8 @@ class Scheduler:
             num_loaded_adapters=len(self.adapters.loaded_ids),
             num_state_slots=self.state_slots.num_slots,
             num_free_state_slots=self.state_slots.num_free,
+            num_state_snapshots=self.snapshots.num_slots,
+            num_free_state_snapshots=self.snapshots.num_free,
         )
 
     # ---- adapters (between forward passes) --------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """Torch references the kernels are checked against, with the kernels' own signatures (no tests here): the LoRA
 shrink/expand of the torch path from tensors alone (through the compiled CPU kernels for bfloat16 CPU tensors where they
 are built, as the `cpu` backend runs), the Triton backend's shrink_expand from tensors alone, paged attention in
-float32, and the model's fused ops (RMSNorm with its residual add, rotary embedding, SiLU-and-multiply) as the torch
-ops compute them. The worker never calls these: it runs its backend objects (kernels/backend.py,
-worker/layers/attention.py, worker/layers/ops.py)."""
+float32, the model's fused ops (RMSNorm with its residual add, rotary embedding, SiLU-and-multiply) as the torch
+ops compute them, and Gated DeltaNet's conv and delta rule as its torch mixer computes them. The worker never calls
+these: it runs its backend objects (kernels/backend.py, worker/layers/attention.py, worker/layers/ops.py,
+worker/layers/delta_mixer.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from types import ModuleType
 import torch
 from loraplex.kernels import cpu_ext, lora_torch
 from loraplex.kernels.checks import check_expand_args, check_shrink_args
+from loraplex.kernels.gated_delta import check_conv_args, check_delta_rule_args
 from loraplex.kernels.lora_expand import column_alignment, launch_expand
 from loraplex.kernels.lora_shrink import launch_shrink, shrink_output
 from loraplex.kernels.lora_torch import expand_planned, shrink_expand_compiled, shrink_planned
@@ -21,7 +23,9 @@ from loraplex.kernels.rms_norm import check_rms_norm_args
 from loraplex.kernels.rotary import check_rotary_args
 from loraplex.kernels.segment_tiles import plan_tiles
 from loraplex.kernels.silu_mul import check_silu_and_mul_args
+from loraplex.worker.layers.delta_mixer import TorchDeltaMixer
 from loraplex.worker.layers.ops import TorchOps
+from loraplex.worker.state_cache import StateBatch
 
 # ---- LoRA, torch path -----------------------------------------------------------------------------------------------
 
@@ -204,8 +208,9 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 # ---- weight-only quantized matmul ---------------------------------------------------------------------------------
 
 
-def int_weight_matmul_torch(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                            group_size: int, bits: int) -> torch.Tensor:
+def int_weight_matmul_torch(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bits: int
+) -> torch.Tensor:
     check_int_matmul_args(x, q, scales, zeros, group_size, bits)
     u = torch.stack([q & 0xF, q >> 4], dim=-1).flatten(1) if bits == 4 else q  # (out, in)
     groups = torch.arange(u.shape[1], device=u.device) // group_size
@@ -213,8 +218,44 @@ def int_weight_matmul_torch(x: torch.Tensor, q: torch.Tensor, scales: torch.Tens
     return (x.float() @ w.t()).to(x.dtype)
 
 
-def fp8_weight_matmul_torch(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, row_ids: torch.Tensor,
-                            col_ids: torch.Tensor) -> torch.Tensor:
+def fp8_weight_matmul_torch(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, row_ids: torch.Tensor, col_ids: torch.Tensor
+) -> torch.Tensor:
     check_fp8_matmul_args(x, q, scales, row_ids, col_ids)
     w = q.float() * scales[row_ids][:, col_ids]
     return (x.float() @ w.t()).to(x.dtype)
+
+
+# ---- Gated DeltaNet: the torch mixer the layer runs without the kernels (worker/layers/delta_mixer.py) --------------
+
+
+def _state_batch(table: torch.Tensor) -> StateBatch:
+    starts, num_new, slots = table.tolist()
+    if starts != [sum(num_new[:i]) for i in range(len(num_new))]:
+        raise ValueError("the torch mixer takes requests laid one after the other from row 0")
+    return StateBatch.of(slots, num_new, table.device)
+
+
+def causal_conv_torch(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor,
+                      table: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    check_conv_args(x, conv_states, weight)
+    return TorchDeltaMixer().conv(x, conv_states, weight, _state_batch(table))
+
+
+def causal_conv_decode_torch(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor,
+                             slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    check_conv_args(x, conv_states, weight)
+    return TorchDeltaMixer().conv(x, conv_states, weight, StateBatch.of(slots.tolist(), [1] * len(slots), x.device))
+
+
+def delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, table: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    check_delta_rule_args(q, k, v, g, beta, state)
+    return TorchDeltaMixer().rule(q, k, v, g, beta, state, _state_batch(table))
+
+
+def delta_rule_decode_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    check_delta_rule_args(q, k, v, g, beta, state)
+    batch = StateBatch.of(slots.tolist(), [1] * len(slots), v.device)
+    return TorchDeltaMixer().rule(q, k, v, g, beta, state, batch)

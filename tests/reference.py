@@ -57,6 +57,13 @@ def hf_greedy(model_dir: str | Path, prompt_ids: list[int], max_new_tokens: int,
               eos_token_ids: tuple[int, ...] = ()) -> tuple[list[int], list[float]]:
     """Greedy continuation computed step by step with the full sequence each step, and each step's top-1 margin."""
     model = hf_model(str(model_dir), None if adapter_dir is None else str(adapter_dir))
+    return greedy_with_margins(model, prompt_ids, max_new_tokens, eos_token_ids)
+
+
+@torch.inference_mode()
+def greedy_with_margins(model, prompt_ids: list[int], max_new_tokens: int,
+                        eos_token_ids: tuple[int, ...] = ()) -> tuple[list[int], list[float]]:
+    """hf_greedy on a model already built (a merged reference)."""
     ids = list(prompt_ids)
     out: list[int] = []
     margins: list[float] = []

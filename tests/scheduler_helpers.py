@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from loraplex.scheduler.adapter_table import AdapterTable
+from loraplex.scheduler.prefix_cache import PrefixCache
 from loraplex.scheduler.request import Request
 from loraplex.scheduler.scheduler import Scheduler
 from loraplex.scheduler.slot_planner import SlotPlanner
@@ -27,3 +28,17 @@ def held_lora_ids(slots: SlotPlanner) -> set[int]:
 
 def num_pending_loads(adapters: AdapterTable) -> int:
     return len(adapters._pending)
+
+
+def kept_snapshots(cache: PrefixCache) -> dict[int, int]:
+    """Cached page -> the state snapshot saved at its end (hybrid models)."""
+    return dict(cache._snapshot_of_page)
+
+
+def saving_snapshots(scheduler: Scheduler) -> list[int]:
+    """The state snapshots that passes in flight save into."""
+    return [snapshot for batch in scheduler._in_flight for saves in batch.saves for _, snapshot in saves]
+
+
+def cached_namespaces(cache: PrefixCache) -> set[int]:
+    return set(cache._namespace_of_page.values())

@@ -9,7 +9,8 @@ variant is compiled once per target and recorded.
 Needs TRITON_INTERPRET unset or 0 when the kernels are imported (the interpreter wraps @triton.jit functions in
 something that cannot be compiled), so the tests run it in a child process: `python tests/triton_aot.py` prints the
 attention warm-up's variants and the variants of a sweep of real batches, as JSON; `python tests/triton_aot.py
-model-ops` the same for the model's fused ops (RMSNorm with its residual add, rotary embedding, SiLU-and-multiply).
+model-ops` the same for the model's fused ops (RMSNorm with its residual add, rotary embedding, SiLU-and-multiply);
+`gated-delta` Gated DeltaNet's conv and delta rule kernels over batches of every kind; `quant` the quantized matmuls.
 """
 
 from __future__ import annotations
@@ -261,6 +262,54 @@ def _quant_variants(target: GPUTarget, model: str) -> list[dict]:
     return results
 
 
+# ---- Gated DeltaNet's kernels (kernels/gated_delta.py), launched by the layer's Triton mixer -------------------------
+
+# (dtype, state dtype, (key_heads, value_heads, dk, dv, conv kernel) per rank): the linear attention of
+# Qwen3-Next-80B-A3B, Qwen3.5-27B and Qwen3.5-35B-A3B (one shape: transformers' config defaults) in every activation
+# dtype, its state in float32 too (--mamba-ssm-cache-dtype float32), and its shard at TP=4.
+GATED_DELTA_CONFIGS = [
+    ("bfloat16", "bfloat16", (16, 32, 128, 128, 4)),
+    ("bfloat16", "float32", (16, 32, 128, 128, 4)),
+    ("float16", "float16", (16, 32, 128, 128, 4)),
+    ("float32", "float32", (16, 32, 128, 128, 4)),
+    ("bfloat16", "bfloat16", (4, 8, 128, 128, 4)),
+]
+GATED_DELTA_KERNELS = 4  # the conv and the delta rule, each varlen and one-token
+# new tokens per request: decodes only (the one-token launches), then mixed batches and one long prompt (varlen)
+GATED_DELTA_BATCHES = ([1], [1] * 40, [5, 1, 300], [1] * 7 + [17, 64], [2000])
+
+
+def _gated_delta_variants(target: GPUTarget, dtype_name: str, state_dtype_name: str,
+                          shape: tuple[int, int, int, int, int]) -> dict:  # fmt: skip
+    import torch
+    from loraplex.worker.layers.delta_mixer import TritonDeltaMixer
+    from loraplex.worker.state_cache import StateBatch
+
+    key_heads, value_heads, dk, dv, kernel = shape
+    dtype, state_dtype = getattr(torch, dtype_name), getattr(torch, state_dtype_name)
+    cpu = torch.device("cpu")
+    num_slots, channels = 48, 2 * key_heads * dk + value_heads * dv
+    conv_states = torch.zeros(num_slots, channels, kernel - 1, dtype=state_dtype)
+    states = torch.zeros(num_slots, value_heads, dk, dv, dtype=state_dtype)
+    weight = torch.zeros(channels, 1, kernel, dtype=dtype)[:, 0]  # as the layer slices conv1d.weight
+    mixer = TritonDeltaMixer()
+    with compile_only(target) as log:
+        mixer.warmup(conv_states, states, weight, key_heads)
+    warmup_keys = set(log.compiled)
+    with compile_only(target) as sweep:
+        for num_new in GATED_DELTA_BATCHES:
+            num_tokens = sum(num_new)
+            batch = StateBatch.of(list(range(len(num_new))), num_new, cpu)
+            mixed = torch.zeros(num_tokens, channels, dtype=dtype)
+            q, k, v = mixer.conv(mixed, conv_states, weight, batch).split([key_heads * dk] * 2 + [value_heads * dv], -1)
+            g = torch.zeros(num_tokens, value_heads)
+            beta = torch.zeros(num_tokens, value_heads, dtype=dtype)
+            mixer.rule(q.view(num_tokens, key_heads, dk), k.view(num_tokens, key_heads, dk),
+                       v.view(num_tokens, value_heads, dv), g, beta, states, batch)  # fmt: skip
+    return {"compiled": [vars(c) for c in log.compiled.values()], "warmup_keys": sorted(warmup_keys),
+            "serving_keys": sorted(set(sweep.launches)), "launches": sweep.launches}  # fmt: skip
+
+
 def main() -> None:
     results = []
     for arch in (90, 80):
@@ -268,6 +317,12 @@ def main() -> None:
         if sys.argv[1:] == ["quant"]:
             for model in QUANT_SHAPES:
                 results += _quant_variants(target, model)
+            continue
+        if sys.argv[1:] == ["gated-delta"]:
+            for dtype_name, state_dtype_name, shape in GATED_DELTA_CONFIGS:
+                found = _gated_delta_variants(target, dtype_name, state_dtype_name, shape)
+                results.append({"arch": arch, "dtype": dtype_name, "state_dtype": state_dtype_name, "shape": shape,
+                                **found})  # fmt: skip
             continue
         if sys.argv[1:] == ["model-ops"]:
             for dtype_name, shape in MODEL_OPS_CONFIGS:

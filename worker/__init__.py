@@ -8,7 +8,8 @@ cuda_graphs.py             DecodeGraphRunner: decode steps replayed from CUDA gr
 batch_inputs.py            ForwardBatch -> flat token ids, positions, cache slots, attention masks
 kv_cache.py                KVCache tensors and the default capacity rule
 state_cache.py             HybridCache: a hybrid model's KV (attention layers only) and its state slots (per running
-                           request: each linear-attention layer's recurrent and conv state), bound per pass
+                           request: each linear-attention layer's recurrent and conv state), bound per pass, and
+                           the prefix cache's snapshots of them
 adapter_loader.py          AdapterLoader: reads, validates and installs adapters while the main loop runs forwards
 loader.py                  safetensors checkpoint -> parameters, via each parameter's weight_loader
 dummy_weights.py           --load-format dummy: seeded random weights through the same weight loaders
@@ -28,8 +29,12 @@ model/gemma2.py            Gemma 2: Llama's attention and fused linears, with Ge
 model/gemma3.py            Gemma 3 text: Gemma 2's with per-head q/k RMSNorms, the local layers' own rope
 model/deepseek_v3.py       DeepSeek-V3 / Kimi K2: latent attention (cache of latent + rope key; prefills expanded,
                            decodes absorbed), MoE with a grouped sigmoid router and shared experts, first layers dense
+model/glm4_moe.py          GLM-4.5 / 4.6: DeepSeek-V3's MoE (grouped sigmoid router, shared experts, dense first
+                           layers) with GQA attention: q/k/v biases, partial rotary, optional per-head q/k norms
 model/qwen3_5.py           Qwen3.5 (text, MoE): hybrid Gated DeltaNet + gated attention layers, state in HybridCache
 model/qwen3_next.py        Qwen3-Next: Qwen3.5's decoder with grouped in_proj_qkvz / in_proj_ba, MoE + shared expert
+model/llama4.py            Llama 4 (text): chunked local attention on RoPE layers, NoPE global layers with temperature
+                           tuning, QK L2 norm; sigmoid top-1 experts fed their weight, a shared expert, dense layers
 model/registry.py          model_type -> decoder class (one file per family)
 layers/linear.py           Column-, MergedColumn- and RowParallelLinear with sharding weight loaders
 layers/attention.py        paged attention with torch SDPA; a batch's decodes and prefills as parts (latent attention)
@@ -43,6 +48,7 @@ layers/packed.py           linear weights prepacked for oneDNN (CPU, bfloat16)
 layers/moe.py              MoE block: router top-k (softmax, or DeepSeek's grouped sigmoid), stacked experts
                            (ExpertsLinear) sharded like the dense MLP; a sigmoid-gated shared expert (Qwen3-Next, 3.5)
 layers/gated_delta.py      Gated DeltaNet's ops: causal conv with state; the delta rule, chunked (prefill) and recurrent
+layers/delta_mixer.py      a DeltaNet layer's conv and delta rule over a batch: Triton kernels on CUDA, else torch ops
 layers/sharded_norm.py     RMSNorm over a TP-sharded feature dimension (OLMoE's q/k norm)
 layers/ops.py              the model ops (RMSNorm + residual, rotary, SiLU-mul) chosen at start-up: Triton on CUDA
 quant/                     quantized checkpoints (FP8, compressed-tensors, GPTQ, AWQ): formats decoded into integer or

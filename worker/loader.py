@@ -91,6 +91,14 @@ def renamed(hf_name: str, prefixes: tuple[tuple[str, str | None], ...]) -> str |
     return hf_name
 
 
+def module_renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """The name with the first of a model's `checkpoint_renames` (checkpoint part, ours) it holds replaced once."""
+    for theirs, ours in renames:
+        if theirs in name:
+            return name.replace(theirs, ours, 1)
+    return name
+
+
 def checkpoint_module_names(model: nn.Module, module_name: str) -> list[list[str]]:
     """The checkpoint (HF) names of the modules whose tensors load into our module `module_name`: one list per piece
     (a fused layer's slice, one expert's slice), each holding every spelling a checkpoint may use for it (the
@@ -106,8 +114,11 @@ def checkpoint_module_names(model: nn.Module, module_name: str) -> list[list[str
     else:  # a fused layer's slices, or the layer stored fused (Phi-3: qkv_proj, gate_up_proj) or unfused
         pieces = [[f"{base}.{hf}", module_name] for hf, fused, _ in FUSED_SLICES if fused == last] or [[module_name]]
     prefixes = getattr(model, "checkpoint_prefixes", ())
+    renames = getattr(model, "checkpoint_renames", ())
 
     def spellings(name: str) -> list[str]:  # ours, and under each checkpoint prefix renamed to ours
+        # the checkpoint's module path (the first of checkpoint_renames whose part of ours the name holds)
+        name = next((name.replace(ours, theirs, 1) for theirs, ours in renames if ours in name), name)
         return [name, *(prefix + name[len(ours) :] for prefix, ours in prefixes
                         if ours is not None and name.startswith(ours))]
 
@@ -116,10 +127,12 @@ def checkpoint_module_names(model: nn.Module, module_name: str) -> list[list[str
 
 def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True) -> None:
     """show_progress: report tensors loaded (a bar on a terminal, else log lines); one rank of several says it.
-    A model class may list `checkpoint_prefixes` ((checkpoint prefix, ours or None to skip), ...). Every checkpoint
+    A model class may list `checkpoint_prefixes` ((checkpoint prefix, ours or None to skip), ...) and
+    `checkpoint_renames` ((checkpoint module path part, ours), ...: Llama 4's `feed_forward`). Every checkpoint
     tensor is read into a parameter, or skipped for a reason `_skipped` gives; any other stops the load, before any
     weight is read, naming it."""
     prefixes = getattr(model, "checkpoint_prefixes", ())
+    module_renames = getattr(model, "checkpoint_renames", ())
     params = dict(model.named_parameters())  # a tied weight appears once, under its first name
     aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(params)
     shards: dict[str, list] = {}  # a parameter loaded in pieces -> the pieces' shard ids
@@ -142,6 +155,7 @@ def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True
                 local_name = renamed(hf_name, prefixes)
                 if local_name is None or hf_name.endswith(IGNORED_SUFFIXES):
                     continue
+                local_name = module_renamed(local_name, module_renames)
                 name, slice_id = map_hf_name(local_name)
                 if name not in params and local_name in params:  # a model's own unfused q_proj (latent attention)
                     name, slice_id = local_name, None

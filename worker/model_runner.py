@@ -25,6 +25,7 @@ from loraplex.worker.layers.ops import ModelOps, model_ops, select_model_ops
 from loraplex.worker.loader import load_weights
 from loraplex.worker.lora.manager import LoRAManager
 from loraplex.worker.model.config import ModelConfig, ModelConfigError
+from loraplex.worker.model.qwen3_5 import GatedDeltaNet
 from loraplex.worker.model.registry import build_model
 from loraplex.worker.parallel import tensor_parallel
 from loraplex.worker.penalties import TokenHistories, apply_penalties
@@ -32,7 +33,7 @@ from loraplex.worker.quant import check_coverage, checkpoint_format, quantized_l
 from loraplex.worker.sampler import Sampler, prompt_logprob_rows, prompt_logprobs, token_logprobs
 from loraplex.worker.sampling_batch import SamplingBatch
 from loraplex.worker.sampling_table import SamplingTable
-from loraplex.worker.state_cache import HybridCache, StateShape
+from loraplex.worker.state_cache import HybridCache, StatePlan, StateShape
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class ModelRunner:
             self.kv_head_dim,
             self.backend.cpu_kernels,
             values_in_keys=self.kv_parts == 1,
+            chunked_attention=any(self.model_config.layer_chunks),
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
         # the norms', rotary's and activation's, bound as the layers are built
@@ -142,10 +144,12 @@ class ModelRunner:
         if self.state_plan is None:
             self.kv_cache = KVCache(**kv_args)
         else:
-            num_slots, shape = self.state_plan
-            self.kv_cache = HybridCache(num_state_slots=num_slots, state_shape=shape, **kv_args)
+            plan = self.state_plan
+            self.kv_cache = HybridCache(num_state_slots=plan.num_slots, num_state_snapshots=plan.num_snapshots,
+                                        state_shape=plan.shape, **kv_args)  # fmt: skip
         self._warmup_attention()
         self._warmup_model_ops(ops)
+        self._warmup_linear_attention()
         self.decode_graphs = self._decode_graphs()
         self.sampler = Sampler(config.seed, self.device)
         self.sampling_table = SamplingTable()  # every request's sampling parameters, sent on its first pass
@@ -159,8 +163,9 @@ class ModelRunner:
                 self.context_length,
             )
 
-    def _state_plan(self) -> tuple[int, StateShape] | None:
-        """A hybrid model's state slots: how many, and one's shape on this rank; None for a model without them."""
+    def _state_plan(self) -> StatePlan | None:
+        """A hybrid model's state slots and snapshots: how many, and one's shape on this rank; None for a model
+        without them."""
         la, ranks = self.model_config.linear_attention, self.world_size
         if la is None:
             return None
@@ -168,22 +173,34 @@ class ModelRunner:
         # auto: the dtype the checkpoint names for its states (Qwen3.5's mamba_ssm_dtype), else the model's
         name = self.config.mamba_ssm_cache_dtype if self.config.mamba_ssm_cache_dtype != "auto" else la.state_dtype
         dtype = getattr(torch, name) if name in ("float32", "bfloat16", "float16") else self.dtype
+        # the prefix cache's snapshots (a hit restores one): --max-state-snapshots, by default one per slot
+        num_snapshots = 0
+        if self.config.prefix_caching:
+            num_snapshots = num_slots if self.config.max_state_snapshots is None else self.config.max_state_snapshots
         shape = StateShape(num_linear_layers=len(la.layer_ids), conv_channels=la.conv_dim // ranks,
                            conv_state_len=la.conv_kernel_size - 1, num_value_heads=la.num_value_heads // ranks,
                            key_head_dim=la.key_head_dim, value_head_dim=la.value_head_dim, dtype=dtype)  # fmt: skip
         logger.info("state slots: %d of %.2f MiB each (%d linear-attention layers, %s)", num_slots,
                     shape.slot_bytes / 2**20, len(la.layer_ids), str(dtype).removeprefix("torch."))  # fmt: skip
-        return num_slots, shape
+        logger.info("state snapshots for the prefix cache: %d (%.2f MiB)", num_snapshots,
+                    num_snapshots * shape.slot_bytes / 2**20)  # fmt: skip
+        return StatePlan(num_slots, num_snapshots, shape)
 
     @property
     def state_bytes(self) -> int:
-        """What the planned state slots take of this rank's memory (0 without them)."""
-        return 0 if self.state_plan is None else self.state_plan[0] * self.state_plan[1].slot_bytes
+        """What the planned state slots and snapshots take of this rank's memory (0 without them)."""
+        plan = self.state_plan
+        return 0 if plan is None else (plan.num_slots + plan.num_snapshots) * plan.shape.slot_bytes
 
     @property
     def num_state_slots(self) -> int:
         """WorkerReady.num_state_slots: a hybrid model's linear-attention state slots, else 0."""
         return self.kv_cache.num_state_slots if isinstance(self.kv_cache, HybridCache) else 0
+
+    @property
+    def num_state_snapshots(self) -> int:
+        """WorkerReady.num_state_snapshots: the prefix cache's snapshots of those states, else 0."""
+        return self.kv_cache.num_state_snapshots if isinstance(self.kv_cache, HybridCache) else 0
 
     def _decode_graphs(self) -> DecodeGraphRunner | None:
         if not self.config.enable_cuda_graph:
@@ -246,6 +263,17 @@ class ModelRunner:
                               mc.num_kv_heads // ranks, mc.head_dim, self.dtype, self.device)  # fmt: skip
         if launches:
             logger.info("%s model op kernels compiled: %d launches in %.1f s", ops.name, launches,
+                        time.perf_counter() - start)  # fmt: skip
+
+    def _warmup_linear_attention(self) -> None:
+        """A hybrid model's DeltaNet kernels, compiled on its first such layer (every one shares their variants)."""
+        layer = next((m for m in self.model.modules() if isinstance(m, GatedDeltaNet)), None)
+        if layer is None:
+            return
+        start = time.perf_counter()
+        launches = layer.warmup(self.kv_cache.conv[0], self.kv_cache.recurrent[0])
+        if launches:
+            logger.info("%s linear-attention kernels compiled: %d launches in %.1f s", layer.mixer.name, launches,
                         time.perf_counter() - start)  # fmt: skip
 
     def _log_quantization(self) -> None:
@@ -389,8 +417,8 @@ class ModelRunner:
             reserved_bytes=self.state_bytes,  # the state slots come out of the same memory
         )
         if self.state_bytes:
-            logger.info("KV budget less the state slots' %.2f MiB (at most %d tokens fewer)", self.state_bytes / 2**20,
-                        self.state_bytes // self.kv_bytes_per_token)  # fmt: skip
+            logger.info("KV budget less the state slots' and snapshots' %.2f MiB (at most %d tokens fewer)",
+                        self.state_bytes / 2**20, self.state_bytes // self.kv_bytes_per_token)  # fmt: skip
         if self.world_size > 1:  # ranks measure their own memory; all must agree on one capacity
             agreed = torch.tensor([num_tokens], dtype=torch.int64, device=self.device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN)

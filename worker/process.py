@@ -99,6 +99,7 @@ class Worker:
                 grammar_error=self.runner.grammar.import_error,
                 kv_bytes_per_token=self.runner.kv_bytes_per_token,
                 num_state_slots=self.runner.num_state_slots,
+                num_state_snapshots=self.runner.num_state_snapshots,
             )
         )
         while True:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from loraplex.frontend.tools.base import ToolParser
+from loraplex.frontend.tools.glm45 import Glm45Parser
 from loraplex.frontend.tools.hermes import HermesParser
 from loraplex.frontend.tools.llama3_json import Llama3JsonParser
 from loraplex.frontend.tools.mistral import MistralParser
@@ -16,4 +17,5 @@ PARSERS: dict[str, type[ToolParser]] = {
     "qwen3_coder": XmlParser,
     "xml": XmlParser,
     "pythonic": PythonicParser,
+    "glm45": Glm45Parser,
 }

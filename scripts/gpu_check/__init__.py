@@ -7,5 +7,6 @@
     model.py    G0 env, G2 attention, G3 numerics          kernels.py  G1 kernels, G6 kernel timings
     serving.py  G4 decode, G5 / G5b server                 server.py   a server subprocess for G5
     tp.py       G7 tensor parallel, G8 compute-sanitizer   quant.py    G9 quantized linears
+    gated_delta.py  G1's Gated DeltaNet kernels against the torch mixer, and both timed
     gpu_wheels.txt, fetch_gpu_wheels.sh   the wheels the GPU image lacks
 """

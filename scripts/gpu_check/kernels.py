@@ -1,12 +1,13 @@
-"""Groups G1 (Triton LoRA kernels against an fp64 reference), kernels_small (the sanitizer's run) and G6 (LoRA op
-micro-benchmarks) of the GPU check (runner.py). On a CPU dry run the kernels run in Triton's interpreter at tiny shapes,
-and bf16 becomes fp16 (the interpreter's bf16 dot is wrong)."""
+"""Groups G1 (Triton LoRA kernels against an fp64 reference, then Gated DeltaNet's: gated_delta.py), kernels_small
+(the sanitizer's run) and G6 (LoRA op micro-benchmarks) of the GPU check (runner.py). On a CPU dry run the kernels
+run in Triton's interpreter at tiny shapes, and bf16 becomes fp16 (the interpreter's bf16 dot is wrong)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
 
+from scripts.gpu_check.gated_delta import check_gated_delta
 from scripts.gpu_check.lib import Context, max_rel_err, median, time_ms, wall_ms
 
 RANK_CYCLE = (4, 8, 16, 32, 64)
@@ -256,10 +257,12 @@ def _run_cases(ctx: Context, cases: list[KernelCase]) -> None:
 
 def g1_kernels(ctx: Context) -> None:
     _run_cases(ctx, _cases(ctx))
+    check_gated_delta(ctx)
 
 
 def kernels_small(ctx: Context) -> None:
     _run_cases(ctx, _cases(ctx, SMALL_CASES))
+    check_gated_delta(ctx, small=True)
 
 
 # ---- G6: kernel perf ---------------------------------------------------------------------------------------------

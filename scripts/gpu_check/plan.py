@@ -48,7 +48,7 @@ class Group:
 
 GROUPS = [
     Group("g0", "env", 20, 45, "scripts.gpu_check.model", "g0_env", 10),
-    Group("g1", "kernels", 40, 90, "scripts.gpu_check.kernels", "g1_kernels", 35),
+    Group("g1", "kernels", 50, 120, "scripts.gpu_check.kernels", "g1_kernels", 45),  # LoRA, then Gated DeltaNet
     Group("g2", "attention", 28, 90, "scripts.gpu_check.model", "g2_attention", 23),
     Group("g3", "numerics", 33, 90, "scripts.gpu_check.model", "g3_numerics", 30),
     Group("g4", "decode", 60, 120, "scripts.gpu_check.serving", "g4_decode", 55),
@@ -59,7 +59,7 @@ GROUPS = [
     Group("g7", "tp2", 40, 90, "scripts.gpu_check.tp", "g7_tp2", 35),
     # off by default: under memcheck the small kernels alone take minutes; --sanitizer gives it SANITIZER_S
     Group(SANITIZER, "sanitizer", SANITIZER_S, 30, "scripts.gpu_check.tp", "g8_sanitizer", 180, in_default_run=False),
-    Group("kernels_small", "kernels_small", 20, 60, "scripts.gpu_check.kernels", "kernels_small", 15,
+    Group("kernels_small", "kernels_small", 20, 120, "scripts.gpu_check.kernels", "kernels_small", 15,
           in_default_run=False),
 ]
 

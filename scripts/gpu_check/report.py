@@ -127,7 +127,7 @@ def reviewer_block(report: dict) -> str:
         f"{_fmt(ceilings.get('bf16_gemm_TFLOPs'))} TFLOP/s, pinned H2D {_fmt(ceilings.get('h2d_pinned_GBps'))} GB/s",
         f"KERNELS: worst bf16 rel err {_fmt(kernels_worst.get('err'))} (<=8e-3) at {kernels_worst.get('case', 'n/a')}; "
         f"compile variants {_fmt(_fig(report, 'g1', 'compiled_variants'))}, worst first-call "
-        f"{_fmt(_fig(report, 'g1', 'worst_first_call_ms'))} ms" + _suffix(report, "g1"),
+        f"{_fmt(_fig(report, 'g1', 'worst_first_call_ms'))} ms; {_gated_delta(report)}" + _suffix(report, "g1"),
         f"ATTENTION: backend decode={summary['attention_backend']['decode']} "
         f"prefill={summary['attention_backend']['prefill']}; max err {_fmt(attention.get('max_err'))} (<=2e-2); "
         f"backends accepting: {_fmt(attention.get('backends_accepting'))}; 8k prefill mem "
@@ -168,6 +168,13 @@ def reviewer_block(report: dict) -> str:
         f"PERF FLAGS: {', '.join(summary['perf_flags']) or 'none'}",
     ]
     return "\n".join(lines)
+
+
+def _gated_delta(report: dict) -> str:
+    worst, us = _fig(report, "g1", "gated_delta_worst_rel_err") or {}, _fig(report, "g1", "gated_delta_us") or {}
+    return (f"gated delta err {_fmt(worst.get('err'))} at {worst.get('case', 'n/a')}, triton/torch us decode32 "
+            f"{_fmt(us.get('decode32.triton_us'))}/{_fmt(us.get('decode32.torch_us'))} prefill4x512 "
+            f"{_fmt(us.get('prefill4x512.triton_us'))}/{_fmt(us.get('prefill4x512.torch_us'))}")  # fmt: skip
 
 
 def _quantized_row(report: dict) -> str:

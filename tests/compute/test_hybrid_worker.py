@@ -2,10 +2,13 @@
 HF transformers (+ peft) in fp32: the chunked and recurrent forms of the delta rule against the reference's, whole
 prompts in one batch, chunked prefill carrying the state across passes beside decoding requests, a recomputed
 (preempted) request in a slot another left dirty, the state slot checks, and two adapters (mixed ranks and targets,
-LoRA on every linear of both layer kinds) beside the base."""
+LoRA on every linear of both layer kinds) beside the base; and the prefix cache's state snapshots: saved at a page
+boundary inside a prefill chunk, restored into another request's slot (a third request sharing a system prompt),
+again after a forced preemption, each equal to HF and to recomputing from scratch."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -71,7 +74,7 @@ SLOT_LOADS = [SlotLoad(slot=0, lora_id=1), SlotLoad(slot=1, lora_id=2)]
 @pytest.fixture(scope="module")
 def lora_runner(hybrid_dir: Path, hybrid_adapter_dirs: dict[str, Path]) -> ModelRunner:
     runner = make_runner(hybrid_dir, max_running_requests=8, enable_lora=True, max_lora_rank=8,
-                         lora_target_modules=["all"], max_loras_per_batch=2)  # fmt: skip
+                         lora_target_modules=["all"], max_loras_per_batch=2, max_state_snapshots=12)  # fmt: skip
     specs = [AdapterToLoad(lora_name=name, lora_path=str(hybrid_adapter_dirs[name]), lora_id=SLOTS[name] + 1)
              for name in SLOTS]  # fmt: skip
     assert all(outcome.success for outcome in runner.lora.load(specs))
@@ -109,6 +112,7 @@ def test_cache_holds_kv_for_attention_layers_only(runner: ModelRunner) -> None:
     assert cache.kv.shape[0] == 1  # one full-attention layer of four
     assert cache.conv.shape[:2] == (3, 8) and cache.recurrent.shape[:2] == (3, 8)  # 3 linear layers, 8 slots
     assert runner.num_state_slots == 8
+    assert cache.conv_snapshots.shape[:2] == (3, 8) and cache.recurrent_snapshots.shape[:2] == (3, 8)  # one a slot
 
 
 def test_prompts_in_one_batch_match_hf(runner: ModelRunner, hybrid_dir: Path) -> None:
@@ -153,16 +157,18 @@ def test_recomputed_request_in_a_used_slot_matches_hf(runner: ModelRunner, hybri
 
 
 def test_state_slots_come_out_of_the_kv_budget(hybrid_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sized from memory, the KV cache gets what the state slots leave: state bytes / kv_bytes_per_token tokens
-    fewer than a model without them would get from the same memory."""
+    """Sized from memory, the KV cache gets what the state slots and the prefix cache's snapshots leave: their bytes
+    / kv_bytes_per_token tokens fewer than a model without them would get from the same memory."""
     import loraplex.worker.kv_cache as kv_cache
 
     available = 1_000_000  # host bytes: 20% of them hold fewer tokens than 8 requests at full context want
     monkeypatch.setattr(kv_cache.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
     config = ServerConfig(device="cpu", page_size=PAGE_SIZE, max_running_requests=8)  # no --max-total-tokens
     runner = ModelRunner(config, str(hybrid_dir), rank=0, world_size=1, device="cpu")
-    state_bytes = runner.kv_cache.state_bytes  # what the slots really took
-    assert state_bytes == runner.state_bytes == 8 * runner.state_plan[1].slot_bytes > 0
+    plan, cache = runner.state_plan, runner.kv_cache
+    state_bytes = cache.state_bytes + cache.snapshot_bytes  # what the slots and snapshots really took
+    assert plan.num_slots == 8 and plan.num_snapshots == 8  # prefix caching on: one snapshot per slot by default
+    assert state_bytes == runner.state_bytes == 16 * plan.shape.slot_bytes > 0
     budget = int(available * kv_cache.CPU_MEMORY_FRACTION)
     assert budget // runner.kv_bytes_per_token < 8 * runner.context_length  # the memory, not the wish, binds
     page = runner.page_size
@@ -177,6 +183,22 @@ def test_bad_state_slots_fail_the_batch(runner: ModelRunner, slots: list[int]) -
             for i, s in enumerate(slots)]  # fmt: skip
     with pytest.raises(BatchError, match="state slot"):
         runner.forward(ForwardBatch(batch_id=0, reqs=reqs))
+
+
+@pytest.mark.parametrize("cached, restore, saves, match", [
+    (0, 2, [], "position 0"),  # a snapshot is never of position 0
+    (4, 8, [], "snapshots \\[8\\]"),  # outside the pool
+    (4, -1, [(4, 1)], "saves snapshots at \\[4\\]"),  # a position before this pass's first token is computed
+    (4, -1, [(7, 1)], "saves snapshots at \\[7\\]"),  # past its last
+    (4, -1, [(6, 1), (5, 2)], "not increasing"),
+    (4, 1, [(5, 1)], "named twice"),
+])  # fmt: skip
+def test_bad_state_snapshots_fail_the_batch(runner: ModelRunner, cached: int, restore: int,
+                                            saves: list[tuple[int, int]], match: str) -> None:  # fmt: skip
+    req = ForwardReq(input_ids=[1, 2], num_cached_tokens=cached, page_ids=[90, 91], sampling=GREEDY, state_slot=0,
+                     restore_snapshot=restore, snapshot_saves=saves)  # fmt: skip
+    with pytest.raises(BatchError, match=match):
+        runner.forward(ForwardBatch(batch_id=0, reqs=[req]))
 
 
 def test_lora_wraps_every_linear_of_both_layer_kinds(lora_runner: ModelRunner, arch: str) -> None:
@@ -318,3 +340,123 @@ def test_next_per_expert_adapter_with_shared_expert_matches_merged_weights(tmp_p
         shared.lora_b.copy_(saved)
     for name, ours, ref in zip(names[1:], without[1:], refs[1:], strict=True):
         assert (ours - ref).abs().max().item() > 0.05, name
+
+
+# ---- the prefix cache's state snapshots ------------------------------------------------------------------------
+
+
+@dataclass
+class Prefill:
+    """A request's prompt as the scheduler runs it: from a prefix-cache hit of num_cached tokens (restoring that
+    snapshot), in passes of a fixed length, saving the states at the boundaries `saves` names (position, snapshot)."""
+
+    prompt: list[int]
+    page_ids: list[int]
+    state_slot: int
+    slot: int = -1
+    num_cached: int = 0
+    restore: int = -1
+    saves: list[tuple[int, int]] = field(default_factory=list)
+
+
+def run_prefills(runner: ModelRunner, prefills: list[Prefill], chunk_len: int) -> list[torch.Tensor]:
+    """Every prompt's uncached tokens in passes of chunk_len, all requests in each pass (by adapter slot): each
+    one's (new tokens, vocab) logits."""
+    positions = [p.num_cached for p in prefills]
+    logits: list[list[torch.Tensor]] = [[] for _ in prefills]
+    order = sorted(range(len(prefills)), key=lambda i: prefills[i].slot)
+    for step in range(len(max((p.prompt for p in prefills), key=len))):
+        live = [i for i in order if positions[i] < len(prefills[i].prompt)]
+        if not live:
+            break
+        reqs = []
+        for i in live:
+            p, start = prefills[i], positions[i]
+            input_ids = p.prompt[start : start + chunk_len]
+            end = start + len(input_ids)
+            reqs.append(ForwardReq(input_ids=input_ids, num_cached_tokens=start, page_ids=p.page_ids, sampling=GREEDY,
+                                   slot=p.slot, state_slot=p.state_slot,
+                                   restore_snapshot=p.restore if start == p.num_cached else -1,
+                                   snapshot_saves=[(q, s) for q, s in p.saves if start < q <= end]))  # fmt: skip
+            positions[i] = end
+        out = forward_logits(runner, ForwardBatch(batch_id=step, reqs=reqs, slot_loads=SLOT_LOADS))
+        for i, rows in zip(live, out.split([len(r.input_ids) for r in reqs]), strict=True):
+            logits[i].append(rows)
+    return [torch.cat(rows) for rows in logits]
+
+
+def states(cache: HybridCache, slot: int | None = None, snapshot: int | None = None) -> list[torch.Tensor]:
+    """A slot's or a snapshot's conv and recurrent states, every layer."""
+    if slot is not None:
+        return [cache.conv[:, slot].clone(), cache.recurrent[:, slot].clone()]
+    return [cache.conv_snapshots[:, snapshot].clone(), cache.recurrent_snapshots[:, snapshot].clone()]
+
+
+def assert_states_equal(ours: list[torch.Tensor], theirs: list[torch.Tensor], what: str) -> None:
+    """Equal up to fp32 rounding (the passes were cut differently): states of other prefixes differ by ~0.1."""
+    for a, b, kind in zip(ours, theirs, ("conv", "recurrent"), strict=True):
+        diff = (a - b).abs().max().item()
+        assert diff <= 1e-4, f"{what}: {kind} states differ by {diff:.2e}"
+
+
+def assert_logits_equal_peft(logits: torch.Tensor, prefill: Prefill, name: str | None, hybrid_dir: Path,
+                             adapter_dirs: dict[str, Path], what: str) -> None:  # fmt: skip
+    ref = hf_logits(hybrid_dir, prefill.prompt, None if name is None else adapter_dirs[name])[prefill.num_cached :]
+    diff = (logits - ref).abs().max().item()
+    assert diff <= FP32_TOL, f"{what} {name or 'base'}: max abs logit diff {diff:.2e}"
+
+
+SYSTEM_LEN, BOUNDARY, CHUNK = 14, 12, 7  # the system prompt's last full page ends at 12, inside the pass [7, 14)
+NAMES = [None, "all", "linear"]
+
+
+def test_a_shared_system_prompt_restores_its_snapshot_and_matches_peft(
+    lora_runner: ModelRunner, hybrid_dir: Path, hybrid_adapter_dirs: dict[str, Path]
+) -> None:
+    # As the scheduler runs a shared system prompt, base and two adapters side by side: the first request of each
+    # saves its prompt's last full page (20, inside the pass [14, 21)); the second, whose cached pages reach 12 but
+    # no snapshot does, recomputes and saves 12 and 20; the third restores 12 into the slot the first left dirty and
+    # computes from its pages on. The fourth is the third again, preempted after one pass and recomputed from 12.
+    runner, cache = lora_runner, lora_runner.kv_cache
+    page = runner.page_size
+    system = random_prompts([SYSTEM_LEN], runner.vocab_size, seed=20)[0]
+    tails = random_prompts([9, 7, 6] * 3, runner.vocab_size, seed=21)
+    pages = iter(consecutive_pages([24] * 14, page))  # 6 pages each
+    slots = {name: -1 if name is None else SLOTS[name] for name in NAMES}
+    firsts, seconds = [], []
+    for n, name in enumerate(NAMES):
+        firsts.append(Prefill(system + tails[3 * n], next(pages), state_slot=n, slot=slots[name],
+                              saves=[(20, 3 * n)]))  # fmt: skip
+        seconds.append(Prefill(system + tails[3 * n + 1], next(pages), state_slot=3 + n, slot=slots[name],
+                               saves=[(BOUNDARY, 3 * n + 1), (20, 3 * n + 2)]))  # fmt: skip
+    round_one = run_prefills(runner, firsts + seconds, CHUNK)
+    for prefill, logits, name in zip(firsts + seconds, round_one, NAMES * 2, strict=True):
+        assert_logits_equal_peft(logits, prefill, name, hybrid_dir, hybrid_adapter_dirs, "saving")
+    # A snapshot is the state a pass ending at its boundary leaves: compute the prefix alone, in a spare slot.
+    saved = states(cache, snapshot=1)
+    fresh = Prefill(system[:BOUNDARY], next(pages), state_slot=7)
+    run_prefills(runner, [fresh], BOUNDARY)
+    assert_states_equal(saved, states(cache, slot=7), "the snapshot at 12 vs the prefix computed alone")
+    assert (states(cache, slot=0)[1] - saved[1]).abs().max().item() > 1e-3  # slot 0 holds another state
+    # A one-token pass that saves (a prompt's last token alone in its chunk) runs in the chunked form, then copies.
+    run_prefills(runner, [Prefill(system[: BOUNDARY + 1], next(pages), state_slot=6, saves=[(BOUNDARY + 1, 11)])],
+                 BOUNDARY)  # fmt: skip
+    run_prefills(runner, [Prefill(system[: BOUNDARY + 1], next(pages), state_slot=7)], BOUNDARY + 1)
+    assert_states_equal(states(cache, snapshot=11), states(cache, slot=7), "a one-token pass's snapshot")
+
+    thirds = [Prefill(system + tails[3 * n + 2], seconds[n].page_ids[: BOUNDARY // page] + next(pages),
+                      state_slot=n, slot=slots[name], num_cached=BOUNDARY, restore=3 * n + 1)
+              for n, name in enumerate(NAMES)]  # fmt: skip
+    for prefill, logits, name in zip(thirds, run_prefills(runner, thirds, CHUNK), NAMES, strict=True):
+        assert_logits_equal_peft(logits, prefill, name, hybrid_dir, hybrid_adapter_dirs, "restored")
+    restored = states(cache, slot=0)  # the base request's, at the end of its prompt
+    run_prefills(runner, [Prefill(thirds[0].prompt, next(pages), state_slot=7)], CHUNK)
+    assert_states_equal(restored, states(cache, slot=7), "restored and continued vs recomputed from scratch")
+
+    # Forced preemption: one pass from the snapshot, then the request is dropped and recomputed from it again, its
+    # slot still holding the state of that pass (and the snapshot untouched by the restores).
+    preempted = [Prefill(p.prompt[: BOUNDARY + CHUNK], p.page_ids, p.state_slot, p.slot, BOUNDARY, p.restore)
+                 for p in thirds]  # fmt: skip
+    run_prefills(runner, preempted, CHUNK)
+    for prefill, logits, name in zip(thirds, run_prefills(runner, thirds, 4), NAMES, strict=True):
+        assert_logits_equal_peft(logits, prefill, name, hybrid_dir, hybrid_adapter_dirs, "after a preemption")

@@ -2,7 +2,8 @@
 channels, A_log and dt_bias split; Qwen3-Next's grouped projections regrouped, then split; out_proj row-parallel;
 attention heads split; the routed experts' and Qwen3.5-MoE's shared expert's LoRA cut as their MLPs) must reproduce
 tp=1 on a batch mixing the base model and both adapters, and on a schedule of chunked prefills beside decodes (each
-rank keeps its heads' states)."""
+rank keeps its heads' states), and across a prefix-cache hit (each rank saves and restores its heads' share of a
+state snapshot)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,15 @@ def run_mixed(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
             for i, (p, c, s) in enumerate(zip(random_prompts([13, 9, 17], runner.vocab_size, seed=52), [5, 3, 100],
                                               [-1, 0, 1], strict=True))]  # fmt: skip
     greedy = run_greedy_schedule(runner, seqs, start_steps=[0, 1, 2], max_new_tokens=6)
-    return {"logits": logits.numpy(), "greedy": greedy}
+    # A saves its states at 8, inside its pass; B shares A's first two pages and restores the snapshot.
+    prompt = random_prompts([15], runner.vocab_size, seed=53)[0]
+    saving = ForwardReq(input_ids=prompt[:11], num_cached_tokens=0, page_ids=[100, 101, 102], sampling=GREEDY,
+                        slot=0, state_slot=6, snapshot_saves=[(8, 0)])  # fmt: skip
+    runner.forward(ForwardBatch(batch_id=1, reqs=[saving]))
+    restoring = ForwardReq(input_ids=prompt[8:], num_cached_tokens=8, page_ids=[100, 101, 110, 111], sampling=GREEDY,
+                           slot=0, state_slot=7, restore_snapshot=0)  # fmt: skip
+    restored = forward_logits(runner, ForwardBatch(batch_id=2, reqs=[restoring]))
+    return {"logits": logits.numpy(), "greedy": greedy, "restored": restored.numpy()}
 
 
 def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str], results: mp.Queue) -> None:
@@ -79,6 +88,7 @@ def test_hybrid_lora_tp2_matches_tp1(arch: str, tmp_path: Path) -> None:
         assert by_rank[rank]["qkv"] == [8, 8, 16]  # one of 2 key heads (dk 8) for q and k, 2 of 4 value heads
         assert by_rank[rank]["conv"] == (32, 1, 4)
         assert by_rank[rank]["recurrent"] == (3, 8, 2, 8, 8)  # 3 layers, 8 slots, 2 value heads here
-        diff = abs(by_rank[rank]["logits"] - tp1["logits"]).max()
-        assert diff <= 1e-4, (rank, diff)
+        for name in ("logits", "restored"):
+            diff = abs(by_rank[rank][name] - tp1[name]).max()
+            assert diff <= 1e-4, (rank, name, diff)
         assert by_rank[rank]["greedy"] == tp1["greedy"], rank

@@ -33,18 +33,41 @@ def test_real_config_serves_with_dummy_weights_and_two_layers(model: str, tmp_pa
     model_dir.mkdir()
     shutil.copy(CONFIGS_DIR / model / "config.json", model_dir / "config.json")
     build_tokenizer(model_dir)
+    serves_with_dummy_weights(model_dir, {"num_hidden_layers": 2})
+
+
+def test_glm_4_5_air_shape_serves_with_dummy_weights_and_fewer_layers_and_experts(tmp_path: Path) -> None:
+    """GLM-4.5-Air's shape, which no config.json here records: transformers' Glm4MoeConfig defaults (46 layers,
+    hidden 4096, 96 q / 8 KV heads, 128 routed experts of 1408 with top 8, one shared expert, the first layer dense,
+    vocabulary 151552, partial rotary 0.5), with what they leave out of Air's shape as slime's (THUDM's training
+    framework) scripts/models/glm4.5-106B-A12B.sh states it: head_dim 128 (kv-channels), q/k/v biases (add-qkv-bias),
+    rope theta 1e6 (rotary-base). Not the published config.json. Cut to 2 layers (1 dense, 1 MoE) and 16 experts by
+    --hf-overrides."""
+    from transformers import Glm4MoeConfig
+
+    model_dir = tmp_path / "glm-4.5-air-shape"
+    model_dir.mkdir()
+    config = Glm4MoeConfig(head_dim=128, attention_bias=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5})
+    (model_dir / "config.json").write_text(json.dumps(config.to_dict()))
+    build_tokenizer(model_dir)
+    serves_with_dummy_weights(model_dir, {"num_hidden_layers": 2, "n_routed_experts": 16})
+
+
+def serves_with_dummy_weights(model_dir: Path, overrides: dict) -> None:
+    """model_dir (its config.json and the tests' tokenizer) starts with dummy weights and `overrides`, and answers."""
     real = json.loads((model_dir / "config.json").read_text())
     # as transformers reads it (a multimodal config's language model: Gemma 3's text_config, its defaults filled in)
     vocab_size = AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size
     # torch ops: what is tested here is the config, the overrides and the dummy weights at real shapes, so no server
     # waits for the CPU kernels' build (tests/compute/test_cpu_kernels_worker.py covers those).
     with ServerProcess("--model-path", str(model_dir), "--load-format", "dummy", "--hf-overrides",
-                       '{"num_hidden_layers": 2}', "--dtype", "bfloat16", "--context-length", "128",
+                       json.dumps(overrides), "--dtype", "bfloat16", "--context-length", "128",
                        "--max-total-tokens", "512", "--max-running-requests", "4", "--lora-backend", "torch",
                        "--attention-backend", "torch", start_timeout_s=600) as server:  # fmt: skip
         info = server.get("/server_info").json()
         assert (info["model_type"], info["num_hidden_layers"], info["load_format"]) == (real["model_type"], 2, "dummy")
-        assert info["vocab_size"] == vocab_size and info["hf_overrides"] == {"num_hidden_layers": 2}
+        assert info["vocab_size"] == vocab_size and info["hf_overrides"] == overrides
         sampling = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
         resp = server.post("/generate", {"text": "The morning was cold", "sampling_params": sampling})
         assert resp.status_code == 200, resp.text

@@ -86,6 +86,9 @@ def test_request_reasoning_and_the_constraint_after_it():
     assert request_reasoning("deepseek_r1", None, single) == Reasoning(starts_in_reasoning=True, end_ids=(9,))
     assert request_reasoning("qwen3", {"enable_thinking": True}, split) == Reasoning(False, (4, 5, 6))
     assert request_reasoning("qwen3", {"enable_thinking": False}, single) is None
+    # GLM-4.5 opens <think> itself, as Qwen3 does, and its template closes an empty one when thinking is off
+    assert request_reasoning("glm45", None, single) == Reasoning(starts_in_reasoning=False, end_ids=(9,))
+    assert request_reasoning("glm45", {"enable_thinking": False}, single) is None
     assert request_reasoning("deepseek_r1", {"enable_thinking": False}, single).end_ids == (9,)
     found = Found(OutputConstraint("regex", "[0-9]+"), "structured_outputs.regex")
     after = constraint_after_reasoning(found, Reasoning(True, (4, 5, 6)))

@@ -27,7 +27,14 @@ from loraplex.scheduler.batch_policy import BatchPolicy
 from loraplex.scheduler.request import FREED_PAGE
 from loraplex.scheduler.scheduler import Scheduler
 
-from tests.scheduler_helpers import held_lora_ids, in_flight_requests, num_holds, num_pending_loads, slot_of
+from tests.scheduler_helpers import (
+    held_lora_ids,
+    in_flight_requests,
+    kept_snapshots,
+    num_holds,
+    num_pending_loads,
+    slot_of,
+)
 
 TOKEN = 7
 
@@ -46,6 +53,7 @@ def make_scheduler(
     attention_window=None,
     long_rope_len=0,
     num_state_slots=0,
+    num_state_snapshots=0,
 ) -> Scheduler:
     config = ServerConfig(
         page_size=page_size,
@@ -63,6 +71,7 @@ def make_scheduler(
         attention_window=attention_window,
         long_rope_len=long_rope_len,
         num_state_slots=num_state_slots,
+        num_state_snapshots=num_state_snapshots,
     )
 
 
@@ -231,6 +240,8 @@ def assert_drained(sched: Scheduler) -> None:
     sched.cache.check()
     assert held_lora_ids(sched.slots) == set()
     assert sched.state_slots.num_free == sched.state_slots.num_slots
+    # every snapshot is free or kept by a cached page (evictable now)
+    assert sched.snapshots.num_free + len(kept_snapshots(sched.cache)) == sched.snapshots.num_slots
 
 
 # ---- continuous batching -----------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """A hybrid model's state slots in the scheduler, on plain ints: the allocator, and random traffic (admissions, chunks,
 preemptions, finishes, aborts, two passes in flight) played against workers that keep a state per slot, checking
 each pass: a request's state is its own and at its position (never another request's, never stale after a
-preemption), and a running request holds a slot exactly while it holds pages; at the end nothing leaked."""
+preemption), and a running request holds a slot exactly while it holds pages; at the end nothing leaked. Without
+state snapshots there is no prefix caching (test_state_snapshots.py has it)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ def test_allocator_hands_out_low_slots_first_and_refuses_bad_frees():
         slots.free(3)
 
 
-def test_a_plain_model_sends_no_state_slot_and_a_hybrid_one_disables_the_prefix_cache():
+def test_a_plain_model_sends_no_state_slot_and_a_hybrid_one_without_snapshots_disables_the_prefix_cache():
     plain = make_scheduler(prefix_cache=True)
     assert plain.cache.enabled and plain.state_slots.num_slots == 0
+    assert make_scheduler(prefix_cache=True, num_state_slots=4, num_state_snapshots=4).cache.enabled
     hybrid = make_scheduler(prefix_cache=True, num_state_slots=4)
     assert not hybrid.cache.enabled
     hybrid.add_request(gen("a", prompt_len=6, max_new=2))

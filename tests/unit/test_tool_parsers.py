@@ -49,6 +49,20 @@ CASES = [  # (parser, model text, content, calls)
     ("pythonic", '<|python_start|>[search(query="a [b], c")]<|python_end|>', "", TWO_CALLS[1:]),
     ("pythonic", "[not a call]", "[not a call]", []),
     ("pythonic", "Hello there (friend).", "Hello there (friend).", []),
+    ("glm45", "I will check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+     "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>\n<tool_call>search\n<arg_key>query</arg_key>\n"
+     "<arg_value>a [b], c</arg_value>\n</tool_call>", "I will check.\n", TWO_CALLS),
+    ("glm45", "<tool_call>search<arg_key>query</arg_key><arg_value>a [b], c</arg_value></tool_call>", "",
+     TWO_CALLS[1:]),  # no newlines between the tags
+    ("glm45", "No tools needed: 1 < 2 and <b>bold</b>.", "No tools needed: 1 < 2 and <b>bold</b>.", []),
+    ("glm45", "<tool_call>get_weather\n<arg_key>city</arg_key>\nParis\n</tool_call>",  # a value outside its tags
+     "<tool_call>get_weather\n<arg_key>city</arg_key>\nParis\n</tool_call>", []),
+    ("glm45", "<tool_call>search<arg_key>a</arg_key>x<arg_key>query</arg_key><arg_value>v</arg_value></tool_call>",
+     "<tool_call>search<arg_key>a</arg_key>x<arg_key>query</arg_key><arg_value>v</arg_value></tool_call>", []),
+    ("glm45", "<tool_call>\n<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>",  # no name
+     "<tool_call>\n<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>", []),
+    ("glm45", "Cut: <tool_call>search\n<arg_key>query</arg_key>\n<arg_value>a [b]",  # cut by max_tokens
+     "Cut: <tool_call>search\n<arg_key>query</arg_key>\n<arg_value>a [b]", []),
 ]
 
 
@@ -95,6 +109,45 @@ def test_json_formats_stream_arguments_as_they_are_written(name: str) -> None:
     assert whole == calls and [d.function.arguments for d in deltas if d.id is None] == [c.arguments for c in calls]
 
 
+GLM_TOOLS = [WEATHER, SEARCH, {"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+
+
+def test_glm45_values_are_typed_by_the_schema_or_read_as_json() -> None:
+    """A string-typed parameter stays text ("007"); others are JSON where they parse (an object, a number), text
+    where they do not; a call with no pairs has empty arguments."""
+    text = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>007</arg_value>\n<arg_key>days</arg_key>\n"
+            "<arg_value>three</arg_value>\n<arg_key>extra</arg_key>\n<arg_value>{\"a\": [1, 2.5], \"b\": null}"
+            "</arg_value>\n<arg_key>n</arg_key>\n<arg_value>12</arg_value>\n</tool_call><tool_call>get_time\n</tool_call>")
+    calls = PARSERS["glm45"](GLM_TOOLS).parse(text).calls
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "007", "days": "three", "extra": {"a": [1, 2.5], "b": None}, "n": 12}),
+        ("get_time", {})]
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 11])
+@pytest.mark.parametrize("whole_calls", [True, False])
+def test_glm45_streams_each_call_name_first_then_its_arguments(step: int, whole_calls: bool) -> None:
+    """Whatever the chunks (cut inside tags, names and values), each call goes out once closed: a head with its name,
+    then its arguments in one piece; the content before the calls goes out before them, the marker never."""
+    text = next(t for n, t, _, calls in CASES if n == "glm45" and len(calls) == 2)
+    parser = PARSERS["glm45"](TOOLS)
+    content, calls, deltas = streamed(ToolPlan(parser), text, step, whole_calls)
+    assert (content, calls) == ("I will check.\n", parser.parse(text).calls)
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+        (0, "get_weather", ""), (0, None, calls[0].arguments), (1, "search", ""), (1, None, calls[1].arguments)]
+
+
+def test_glm45_sends_a_call_only_once_it_closes() -> None:
+    stream = ToolCallStream(ToolPlan(PARSERS["glm45"](TOOLS)), whole_calls=False)
+    assert stream.update("Ok <tool_ca", final=False) == [("Ok ", [])]
+    assert stream.update("Ok <tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value>",
+                         final=False) == []
+    out = stream.update("Ok <tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>",
+                        final=False)
+    assert [(d.function.name, d.function.arguments) for _, deltas in out for d in deltas] == [
+        ("get_weather", ""), (None, '{"city": "Oslo"}')]
+
+
 CUT = [  # (plan, an output cut by max_tokens): whole and streamed (whole_calls), it is text, and no call goes out
     (ToolPlan(NamedParser(TOOLS, "get_weather")), '{"city": "Paris", "da'),
     (ToolPlan(RequiredParser(TOOLS, True)), '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "se'),
@@ -102,6 +155,8 @@ CUT = [  # (plan, an output cut by max_tokens): whole and streamed (whole_calls)
     (ToolPlan(RequiredParser(TOOLS, False)), '{"name": "get_weather", "parameters": {"city": "Pa'),
     (ToolPlan(PARSERS["hermes"](TOOLS)), 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),
     (ToolPlan(PARSERS["llama3_json"](TOOLS)), '{"name": "get_weather", "parameters": {"city": "Par'),
+    (ToolPlan(PARSERS["glm45"](TOOLS)), "Checking.<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Paris"
+     "</arg_value>"),
 ]
 
 

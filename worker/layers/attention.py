@@ -62,14 +62,24 @@ class AttentionGroup:
     page_size: int
     first_rows: tuple[int, ...]  # (reqs,) host: each request's first row in the batch's flat token dimension
     q_lens: tuple[int, ...]  # (reqs,) host: each request's new tokens
-    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # by window, built on a layer's first use
+    # (reqs, 1, max_q_len, 1) each query row's position (padding rows: the last key's), for chunked attention
+    query_positions: torch.Tensor | None = None
+    # by (window, chunk), built on a layer's first use
+    local_masks: dict[tuple[int | None, int | None], torch.Tensor] = field(default_factory=dict)
 
-    def mask_for(self, window: int | None) -> torch.Tensor:
-        if window is None:
+    def mask_for(self, layer: LayerAttention) -> torch.Tensor:
+        if layer.sliding_window is None and layer.chunk_size is None:
             return self.mask
-        mask = self.window_masks.get(window)
+        key = (layer.sliding_window, layer.chunk_size)
+        mask = self.local_masks.get(key)
         if mask is None:
-            mask = self.window_masks[window] = self.mask & (self.distance < window)
+            mask = self.mask
+            if layer.sliding_window is not None:
+                mask = mask & (self.distance < layer.sliding_window)
+            if layer.chunk_size is not None:  # the key at j = q - distance is in q's chunk: j // chunk == q // chunk
+                chunk, q_pos = layer.chunk_size, self.query_positions
+                mask = mask & (torch.div(q_pos - self.distance, chunk, rounding_mode="floor") == q_pos // chunk)
+            self.local_masks[key] = mask
         return mask
 
     @property
@@ -196,8 +206,8 @@ class CPUAttentionInputs(AttentionInputs):
         group: AttentionGroup,
         layer: LayerAttention,
     ) -> torch.Tensor:
-        # The kernel reads decodes from whole pages, without a logit cap.
-        if group.max_q_len > 1 or not k_cache.is_contiguous() or layer.logit_cap is not None:
+        # The kernel reads decodes from whole pages, without a logit cap or attention chunks.
+        if group.max_q_len > 1 or not k_cache.is_contiguous() or layer.logit_cap is not None or layer.chunk_size:
             return _sdpa_group(q, k_cache, v_cache, group, layer)
         out = torch.empty_like(q)  # (reqs, heads, head_dim): one token per request, in request order
         window = layer.sliding_window or 0  # 0: every key
@@ -308,11 +318,14 @@ def select_attention_backend(
     cpu_kernels: ModuleType | None = None,
     *,
     values_in_keys: bool = False,
+    chunked_attention: bool = False,
 ) -> AttentionBackend:
     """The attention backend for this worker (`--attention-backend`), or AttentionBackendError (one line).
     Heads: this rank's. `cpu_kernels`: the compiled CPU module the worker's LoRA backend built (cpu_ext), or None.
     `values_in_keys`: latent attention, whose one cache tensor is keys and values both (its values the leading
-    part of each key); SDPA takes it as any other, the paged kernels are not built for it."""
+    part of each key); SDPA takes it as any other, the paged kernels are not built for it. `chunked_attention`: some
+    layer attends within chunks (Llama 4), which the paged Triton kernels do not mask: torch's SDPA runs it (and the
+    `cpu` backend, whose decode kernel leaves those layers to SDPA)."""
     device = torch.device(device)
     if choice not in ATTENTION_BACKENDS:
         raise AttentionBackendError(f"--attention-backend {choice!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
@@ -334,8 +347,13 @@ def select_attention_backend(
         )
     if choice == "cpu" or (choice == "auto" and cpu_takes_shapes):
         return CPUAttention(device, cpu_kernels)
-    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+    if choice == "torch" or (choice == "auto" and (device.type != "cuda" or chunked_attention)):
         return SDPAAttention(device)
+    if chunked_attention:
+        raise AttentionBackendError(
+            "--attention-backend triton: the paged kernels do not mask chunked local attention (Llama 4); choose "
+            "torch or auto"
+        )
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise AttentionBackendError(f"--attention-backend triton needs a CUDA device; this worker runs on {device}")
     return TritonAttention(device, num_kv_heads)
@@ -375,7 +393,7 @@ def _sdpa_padded(
     q_padded = q.new_zeros(num_reqs * max_q_len, num_heads, head_dim)
     q_padded.index_copy_(0, group.query_index, q)
     q_padded = q_padded.view(num_reqs, max_q_len, num_heads, head_dim).transpose(1, 2)  # (reqs, heads, q, d)
-    mask = group.mask_for(layer.sliding_window)
+    mask = group.mask_for(layer)
     if layer.logit_cap is None:
         out = F.scaled_dot_product_attention(
             q_padded, keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=keys.shape[1] != num_heads
@@ -459,6 +477,7 @@ def _build_group(
         kv_lens=total.view(-1),
         mask=mask.unsqueeze(1),
         distance=distance.unsqueeze(1),
+        query_positions=torch.minimum(q_pos, total - 1).unsqueeze(1),
         num_reqs=len(members),
         max_q_len=max_q_len,
         page_size=page_size,

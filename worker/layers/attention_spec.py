@@ -10,6 +10,8 @@ class LayerAttention:
     scale: float  # of q·k before the softmax
     sliding_window: int | None = None  # a query at position p sees the keys at (p - window, p]; None = all up to p
     logit_cap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask and softmax (Gemma 2)
+    # chunked local attention (Llama 4): a query at position p sees the keys at [p - p % chunk, p]; None = no chunks
+    chunk_size: int | None = None
 
     @classmethod
     def default(cls, head_dim: int) -> LayerAttention:

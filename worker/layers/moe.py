@@ -61,6 +61,13 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
+def route_sigmoid(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4's router, as HF's Llama4Router: the top-k logits, each through a sigmoid (the others weigh 0).
+    (weights (tokens, top_k) float32, expert ids (tokens, top_k))"""
+    logits, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.sigmoid(logits.float()), ids
+
+
 def route_grouped(
     router_logits: torch.Tensor,
     correction_bias: torch.Tensor,
@@ -110,6 +117,8 @@ class ExpertsLinear(nn.Module):
             torch.empty(num_experts, sum(self.output_sizes_per_rank), self.input_size_per_rank), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader
+        # a checkpoint's stacked tensor is (experts, in, out) (Llama 4's), not (experts, out, in): set by the model
+        self.stacked_in_out = False
 
     @property
     def num_slices(self) -> int:
@@ -122,6 +131,8 @@ class ExpertsLinear(nn.Module):
     def full_shape(self, param: nn.Parameter, shard_id: int | None = None) -> tuple[int, ...]:
         """The stacked checkpoint tensor weight_loader takes: every expert's slice `shard_id` (None: every slice)."""
         rows = sum(self.output_sizes) if shard_id is None else self.output_sizes[shard_id]
+        if self.stacked_in_out:
+            return self.num_experts, self.input_size, rows
         return self.num_experts, rows, self.input_size
 
     def weight_loader(
@@ -133,6 +144,8 @@ class ExpertsLinear(nn.Module):
             expected = self.full_shape(param, shard_id)
             if tuple(loaded.shape) != expected:
                 raise ValueError(f"stacked experts tensor has shape {tuple(loaded.shape)}, expected {expected}")
+            if self.stacked_in_out:
+                loaded = loaded.transpose(1, 2)  # (experts, out, in), as the pieces below are cut
             starts = [0, *itertools.accumulate(self.output_sizes)]
             for expert, slice_id in self.checkpoint_shards():
                 if shard_id is None:
@@ -235,3 +248,26 @@ class SharedExpertMoeBlock(SparseMoeBlock):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(hidden) * torch.sigmoid(self.shared_expert_gate(hidden))  # (tokens, hidden)
         return super().forward(hidden) + shared
+
+
+class InputScaledMoeBlock(SparseMoeBlock):
+    """Llama 4: each token's chosen experts (route_sigmoid) take its hidden state scaled by their routing weight, and
+    their outputs are summed unweighted (the weight sits before the SiLU, so this is not the weighted sum of
+    SparseMoeBlock); a shared expert (a dense SiLU-gated MLP, sharded as one) adds its output unscaled."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 shared_experts: nn.Module):  # fmt: skip
+        super().__init__(hidden_size, num_experts, top_k, intermediate_size, renormalize=False)
+        self.shared_experts = shared_experts
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route_sigmoid(self.gate(hidden), self.top_k)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(hidden)  # (tokens, top_k) each
+        routing = Routing.build(ids, weights, self.num_experts)
+        # (rows, hidden); the weights rounded to the activations' dtype first, as the reference rounds them
+        rows = hidden[routing.token_ids] * routing.row_weights.to(hidden.dtype)[:, None]
+        out_rows = self.experts(rows, routing)  # (rows, hidden)
+        routed = torch.zeros_like(hidden).index_add_(0, routing.token_ids, out_rows)  # (tokens, hidden)
+        return self.shared_experts(hidden) + all_reduce(routed, self.tp_size)

@@ -27,7 +27,6 @@ from loraplex.protocol.structs import TensorSpec
 from loraplex.worker.lora.expert_weights import is_expert_key, match_expert_tensors
 from loraplex.worker.lora.targets import (
     SHARED_PREFIX,
-    adapter_module,
     full_shapes,
     is_expert_module,
     layer_has_module,
@@ -390,7 +389,7 @@ def _match_tensors(
                 f"unexpected tensor {key!r}: only lora_A / lora_B weights of decoder layers, embed_tokens and lm_head"
             )
         layer, hf_module, which = parsed
-        module = adapter_module(key, hf_module)
+        module = _shared_or_plain(key, hf_module, model_config)
         if hf_module not in LAYER_MODULES or module not in shapes:
             raise AdapterLoadError(f"tensor {key!r}: unknown target module {module!r}")
         if hf_module not in config.target_modules:
@@ -461,6 +460,18 @@ def _split_fused(
             split_tensors[slice_key], split_shapes[slice_key] = part, tuple(part.shape)
             made[slice_key] = key
     return split_tensors, split_shapes, made
+
+
+def _shared_or_plain(key: str, hf_module: str, model_config: ModelConfig) -> str:
+    """A shared expert's MLP module (DeepSeek-V3's `shared_experts.`; Llama 4's, Qwen3-Next's and Qwen3.5-MoE's
+    `shared_expert.`), keyed apart from the routed experts' of its layer as `shared_experts.` + module; any other its
+    own name. A shared expert named otherwise than this model names its own is refused."""
+    if not any(f".{name}.{hf_module}." in key for name in ("shared_experts", "shared_expert")):
+        return hf_module
+    name = model_config.moe.shared_expert_name if model_config.moe is not None else None
+    if name is None or f".{name}.{hf_module}." not in key:
+        raise AdapterLoadError(f"tensor {key!r}: LoRA on this model's shared expert is not supported")
+    return SHARED_PREFIX + hf_module
 
 
 def _fold_scale(lora_b: torch.Tensor, module_scale: float, config: _Config) -> torch.Tensor:

@@ -9,7 +9,9 @@ adapter's (the pool holds one scale per slot).
   A is (experts * r, in), expert e's rows e*r ... e*r + r; B is (out, r * experts), expert e's columns e, e + E, ...
   (peft's ParamWrapper). gate_up_proj's one A serves both gate and up, its B's rows are [gate | up]. The keys do not
   say which parameter is which: their shapes do (gate_up: in = hidden, out = 2 * intermediate; down: in =
-  intermediate, out = hidden; both at once would need hidden = intermediate = 2 * intermediate).
+  intermediate, out = hidden; both at once would need hidden = intermediate = 2 * intermediate). Llama 4 stores its
+  stacked experts (experts, in, out) without transformers' mark of a transposed layout, so PEFT reads them as
+  (experts, out, in): its A (experts * r, out) and B (in, r * experts) then play each other's part (transposed).
 """
 
 from __future__ import annotations
@@ -126,9 +128,11 @@ def _split_stacked(
     hidden, inter = shapes["experts.gate_proj"]
     if lora_a.dim() != 2 or lora_b.dim() != 2:
         raise AdapterLoadError(f"tensors {key_a!r} and {key_b!r} must be 2-D")
-    param = {(hidden, 2 * inter): "experts.gate_up_proj", (inter, hidden): "experts.down_proj"}.get(
-        (lora_a.shape[1], lora_b.shape[0])
-    )
+    # (in, out) of the linear; where PEFT read (experts, in, out) tensors as (experts, out, in) (Llama 4), its A maps
+    # the linear's output side and its B the input side
+    swapped = model_config.moe.stacked_in_out
+    in_out = (lora_b.shape[0], lora_a.shape[1]) if swapped else (lora_a.shape[1], lora_b.shape[0])
+    param = {(hidden, 2 * inter): "experts.gate_up_proj", (inter, hidden): "experts.down_proj"}.get(in_out)
     if param is None:
         raise AdapterLoadError(
             f"tensors {key_a!r} {tuple(lora_a.shape)} and {key_b!r} {tuple(lora_b.shape)} fit neither stacked expert "
@@ -146,8 +150,12 @@ def _split_stacked(
             f"shape mismatch with the base model: {key_a!r} {tuple(lora_a.shape)} and {key_b!r} "
             f"{tuple(lora_b.shape)} are not r={r} for each of {num_experts} experts"
         )
-    stacked_a = lora_a.view(num_experts, r, -1)  # (experts, r, in)
-    stacked_b = _scaled(lora_b.view(-1, r, num_experts).permute(2, 0, 1), config, r, alpha)  # (experts, out, r)
+    if swapped:  # y = x·(W + B_e A_e) with W (in, out): our A_e is their B_eᵀ, our B_e their A_eᵀ
+        stacked_a = lora_b.view(-1, r, num_experts).permute(2, 1, 0)  # (experts, r, in)
+        stacked_b = _scaled(lora_a.view(num_experts, r, -1).transpose(1, 2), config, r, alpha)  # (experts, out, r)
+    else:
+        stacked_a = lora_a.view(num_experts, r, -1)  # (experts, r, in)
+        stacked_b = _scaled(lora_b.view(-1, r, num_experts).permute(2, 0, 1), config, r, alpha)  # (experts, out, r)
     out_sizes = [shapes[f"experts.{m}"][1] for m in modules]
     return {module: (stacked_a, b) for module, b in zip(modules, stacked_b.split(out_sizes, dim=1), strict=True)}
 

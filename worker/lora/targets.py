@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -56,9 +55,10 @@ EXPERT_FUSED_LINEARS = (
     FusedLinear("mlp.experts.gate_up_proj", ("gate_proj", "up_proj")),
     FusedLinear("mlp.experts.down_proj", ("down_proj",)),
 )
-# A shared expert: one dense MLP beside the routed experts of an MoE layer, DeepSeek-V3's `mlp.shared_experts.*` and
-# Qwen3-Next's / Qwen3.5-MoE's `mlp.shared_expert.*` (a layer has one or neither). Its modules are named
-# SHARED_PREFIX + module whichever the parent, so one adapter table serves both; the sigmoid gate that scales Qwen's
+# A shared expert: one dense MLP beside the routed experts of an MoE layer, DeepSeek-V3's (and Llama 4's, renamed at
+# load) `mlp.shared_experts.*` and Qwen3-Next's / Qwen3.5-MoE's `mlp.shared_expert.*` (a layer has one or neither). Its
+# modules are named SHARED_PREFIX + module whichever the parent (worker/lora/adapter.py reads the adapter's name
+# against MoEConfig.shared_expert_name), so one adapter table serves both; the sigmoid gate that scales Qwen's
 # (`shared_expert_gate`, one output per token) is a router, not a LoRA target.
 SHARED_PREFIX = "shared_experts."
 SHARED_PARENTS = ("shared_experts", "shared_expert")
@@ -70,7 +70,6 @@ SHARED_FUSED_LINEARS = tuple(
         FusedLinear(f"mlp.{parent}.down_proj", (SHARED_PREFIX + "down_proj",)),
     )
 )
-_SHARED_KEY = re.compile(rf"\.(?:{'|'.join(SHARED_PARENTS)})\.(\w+)\.lora_")
 # HF module -> (the experts' fused linear, slice index) in an MoE layer
 EXPERT_SLICE_OF: dict[str, tuple[FusedLinear, int]] = {
     module: (fused, slice_id) for fused in EXPERT_FUSED_LINEARS for slice_id, module in enumerate(fused.slices)
@@ -99,13 +98,6 @@ def slice_order_rows(config: ModelConfig, fused: str, lora_b: torch.Tensor) -> t
     sizes = [la.key_dim, la.key_dim, la.value_dim, la.value_dim] if fused == "in_proj_qkvz" else \
         [la.num_value_heads, la.num_value_heads]  # fmt: skip
     return ungroup_rows(lora_b, la.num_key_heads, sizes)
-
-
-def adapter_module(key: str, hf_module: str) -> str:
-    """The module a decoder layer's LoRA tensor `key` is for: SHARED_PREFIX + `hf_module` under a shared expert's
-    parent (keyed apart from the routed experts' of its layer), else `hf_module`."""
-    match = _SHARED_KEY.search(key)
-    return SHARED_PREFIX + hf_module if match is not None and match[1] == hf_module else hf_module
 
 
 def layer_has_module(config: ModelConfig, layer: int, module: str) -> bool:

@@ -8,8 +8,9 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe", "gemma2", "gemma3_text",
                          "gemma3", "phi3", "deepseek_v3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
-                         "qwen3_next")
+                         "qwen3_next", "glm4_moe", "llama4_text", "llama4")
 GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
+LLAMA4_TYPES = ("llama4_text", "llama4")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 
 
@@ -48,6 +49,14 @@ class MoEConfig:
     # of the shared experts' one MLP (DeepSeek-V3; Qwen3-Next and Qwen3.5-MoE: its output scaled by sigmoid of a
     # one-output gate); 0: none
     shared_intermediate_size: int = 0
+    # Llama 4: each chosen expert's routing weight (sigmoid of its logit) scales the expert's input, not its output
+    weight_scales_input: bool = False
+    # the name checkpoints and adapters give the shared expert that LoRA reaches (`mlp.shared_experts` here):
+    # DeepSeek-V3's `shared_experts`; Llama 4's, Qwen3-Next's and Qwen3.5-MoE's `shared_expert`; None: refused
+    shared_expert_name: str | None = "shared_experts"
+    # the stacked expert tensors are (experts, in, out) (Llama 4), unmarked as transposed in transformers, so PEFT's
+    # target_parameters LoRA reads them as (experts, out, in): its A and B change roles (worker/lora/expert_weights.py)
+    stacked_in_out: bool = False
 
     @classmethod
     def from_dict(cls, hf: dict[str, Any], model_type: str) -> MoEConfig | None:
@@ -61,7 +70,7 @@ class MoEConfig:
             only = set(hf.get("mlp_only_layers") or ())
             dense_layers = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
         extra: dict[str, Any] = {}
-        if model_type == "deepseek_v3":  # DeepseekV3DecoderLayer's rule: the first k layers dense
+        if model_type in _GROUPED_SIGMOID_TYPES:  # DeepseekV3DecoderLayer's rule (GLM-4.5's too): the first k dense
             num_experts = hf["n_routed_experts"]
             dense_layers = tuple(range(min(hf.get("first_k_dense_replace", 0) or 0, num_layers)))
             extra = dict(num_groups=hf.get("n_group") or 1, topk_group=hf.get("topk_group") or 1,
@@ -70,7 +79,13 @@ class MoEConfig:
             if num_experts % extra["num_groups"]:
                 raise ModelConfigError(f"n_group {extra['num_groups']} must divide n_routed_experts {num_experts}")
         if model_type in ("qwen3_next", *_QWEN3_5_MOE):  # one shared expert, gated (worker/layers/moe.py)
-            extra = dict(shared_intermediate_size=hf.get("shared_expert_intermediate_size") or 0)
+            extra = dict(shared_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
+                         shared_expert_name="shared_expert")
+        if model_type in LLAMA4_TYPES:  # Llama4TextConfig's moe_layers (from interleave_moe_layer_step)
+            moe_layers = set(hf["moe_layers"])
+            dense_layers = tuple(i for i in range(num_layers) if i not in moe_layers)
+            extra = dict(shared_intermediate_size=hf["intermediate_size"], weight_scales_input=True,
+                         shared_expert_name="shared_expert", stacked_in_out=True)
         if model_type == "olmoe" and hf.get("clip_qkv") is not None:
             raise ModelConfigError(f"OLMoE with clip_qkv={hf['clip_qkv']} is not supported")
         return cls(
@@ -84,7 +99,10 @@ class MoEConfig:
 
 
 _QWEN3_5_MOE = ("qwen3_5_moe", "qwen3_5_moe_text")  # every layer MoE, top-k always renormalised
-_MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe", "deepseek_v3", "qwen3_next", *_QWEN3_5_MOE)
+# DeepSeek-V3's router, shared experts and leading dense layers (GLM-4.5 keeps them with plain attention)
+_GROUPED_SIGMOID_TYPES = ("deepseek_v3", "glm4_moe")
+_MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe", "qwen3_next", *_GROUPED_SIGMOID_TYPES, *_QWEN3_5_MOE,
+                    *LLAMA4_TYPES)
 # Gated DeltaNet layers beside gated attention ones
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", *_QWEN3_5_MOE)
 MULTIMODAL_HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe")  # served as their language model (text_config)
@@ -216,6 +234,15 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     mla: MLAConfig | None = None  # latent attention (DeepSeek-V3); None: q/k/v heads
     linear_attention: LinearAttentionConfig | None = None  # hybrid models' Gated DeltaNet layers; None: none
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k before rotary (GLM-4.5's use_qk_norm)
+    # Per layer: the chunk of its chunked local attention (a query at p sees the keys of its own chunk up to p, chunks
+    # [0, c), [c, 2c), ...) or None (Llama 4's RoPE layers are chunked, its NoPE layers global); () = none chunked.
+    layer_chunks: tuple[int | None, ...] = ()
+    nope_layers: tuple[int, ...] = ()  # layers without rotary (Llama 4's `no_rope_layers` zeros)
+    qk_l2_norm: bool = False  # q and k RMS-normed without a weight after rotary, on the rotary layers (Llama 4)
+    # (floor_scale, attn_scale) of Llama 4's attention-temperature tuning on its NoPE layers: q at position p scaled
+    # by 1 + attn_scale * log1p(floor((p + 1) / floor_scale)); None: none
+    attn_temperature: tuple[float, float] | None = None
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
@@ -250,6 +277,9 @@ class ModelConfig:
     def layer_window(self, layer_id: int) -> int | None:
         return self.layer_windows[layer_id] if self.layer_windows else None
 
+    def layer_chunk(self, layer_id: int) -> int | None:
+        return self.layer_chunks[layer_id] if self.layer_chunks else None
+
     @classmethod
     def from_dir(cls, model_dir: str, overrides: dict[str, Any] | None = None) -> ModelConfig:
         """config.json with `overrides` (--hf-overrides) merged in before any field is read."""
@@ -275,6 +305,10 @@ class ModelConfig:
                   "model_type": model_type}
         if model_type == "deepseek_v3":
             hf = _deepseek_v3_fields(hf)
+        if model_type == "glm4_moe":
+            hf = _glm4_moe_fields(hf)
+        if model_type in LLAMA4_TYPES:
+            hf = _llama4_fields(hf, model_type)
         hidden_act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
         allowed_act = "gelu_pytorch_tanh" if model_type in GEMMA_TYPES else "silu"
         if hidden_act != allowed_act:
@@ -292,7 +326,9 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            intermediate_size=hf.get("intermediate_size") or hf["moe_intermediate_size"],
+            # Llama 4's dense layers: intermediate_size_mlp (its intermediate_size is the experts')
+            intermediate_size=hf.get("intermediate_size_mlp") or hf.get("intermediate_size")
+            or hf["moe_intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
@@ -303,7 +339,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases and none on o_proj; Llama's attention_bias covers all four.
             qkv_bias=is_qwen2 or attention_bias,
-            o_bias=not is_qwen2 and attention_bias,
+            o_bias=not is_qwen2 and attention_bias and model_type != "glm4_moe",  # GLM-4.5: biases on q, k, v only
             mlp_bias=bool(hf.get("mlp_bias", False)) and model_type != "phi3",
             sliding_window=sliding_window,
             checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
@@ -317,6 +353,8 @@ class ModelConfig:
             final_logit_softcap=hf.get("final_logit_softcapping"),
             linear_attention=LinearAttentionConfig.from_dict(hf, model_type),
             mla=MLAConfig.from_dict(hf, rope) if model_type == "deepseek_v3" else None,
+            qk_norm=model_type == "glm4_moe" and bool(hf.get("use_qk_norm", False)),
+            **(_llama4_attention(hf) if model_type in LLAMA4_TYPES else {}),
         )
 
 
@@ -499,6 +537,29 @@ def _deepseek_v3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return hf
 
 
+# Glm4MoeConfig's defaults for the keys that change the arithmetic; partial_rotary_factor is the one it sets in
+# __post_init__ when a config names none.
+_GLM4_MOE_DEFAULTS: dict[str, Any] = {
+    "partial_rotary_factor": 0.5,
+    "n_shared_experts": 1,
+    "n_routed_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 1408,
+    "routed_scaling_factor": 1.0,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "use_qk_norm": False,
+}
+
+
+def _glm4_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """A GLM-4.5 config with the reference's defaults filled in (it routes as DeepSeek-V3 always, so there is no
+    other router to refuse)."""
+    return {**_GLM4_MOE_DEFAULTS, **hf}
+
+
 def _gemma_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
     """A Gemma config with its family's defaults filled in; a multimodal `gemma3` config is read through its
     text_config (the language model only: loraplex serves text, the vision tower is not loaded)."""
@@ -511,3 +572,74 @@ def _gemma_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
         outer = {key: hf[key] for key in ("dtype", "torch_dtype") if key in hf}
         hf = {**outer, **text, "model_type": "gemma3"}
     return {**_GEMMA3_TEXT_DEFAULTS, **hf}
+
+
+# Llama4TextConfig's defaults for the keys that change the arithmetic (its class docstring names
+# meta-llama/Llama-4-Scout-17B-16E as the checkpoint they describe).
+_LLAMA4_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 202_048,
+    "hidden_size": 5120,
+    "intermediate_size": 8192,
+    "intermediate_size_mlp": 16_384,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500_000.0,
+    "num_experts_per_tok": 1,
+    "num_local_experts": 16,
+    "interleave_moe_layer_step": 1,
+    "use_qk_norm": True,
+    "no_rope_layer_interval": 4,
+    "attention_chunk_size": 8192,
+    "attn_temperature_tuning": True,
+    "floor_scale": 8192,
+    "attn_scale": 0.1,
+}
+
+
+def _llama4_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """A Llama 4 text config with Llama4TextConfig's defaults and derived lists (no_rope_layers, moe_layers,
+    layer_types) filled in, each cut to num_hidden_layers (--hf-overrides may shorten the model); a multimodal
+    `llama4` config is read through its text_config (its language model; the vision tower is not loaded)."""
+    if model_type == "llama4":
+        text = hf.get("text_config")
+        if not isinstance(text, dict):
+            raise ModelConfigError("a llama4 config needs its text_config (loraplex serves its language model)")
+        outer = {key: hf[key] for key in ("dtype", "torch_dtype", "tie_word_embeddings") if key in hf}
+        # the text config's own values, but a null of it (transformers saves dtype null there) leaves the outer's
+        hf = {**outer, **{key: value for key, value in text.items() if value is not None or key not in outer},
+              "model_type": model_type}
+    hf = {**_LLAMA4_TEXT_DEFAULTS, **hf}
+    num_layers = hf["num_hidden_layers"]
+    interval, step = hf["no_rope_layer_interval"], hf["interleave_moe_layer_step"]
+    no_rope = list(hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(num_layers)])[:num_layers]
+    moe_layers = hf.get("moe_layers")
+    if moe_layers is None:
+        moe_layers = range(step - 1, num_layers, step)
+    layer_types = hf.get("layer_types") or ["chunked_attention" if rope else "full_attention" for rope in no_rope]
+    hf = {**hf, "no_rope_layers": no_rope, "moe_layers": [i for i in moe_layers if i < num_layers],
+          "layer_types": list(layer_types)[:num_layers]}
+    if len(no_rope) != num_layers or len(hf["layer_types"]) != num_layers:
+        raise ModelConfigError(f"no_rope_layers {no_rope} and layer_types {hf['layer_types']} must name each of "
+                               f"{num_layers} layers")
+    unknown = set(hf["layer_types"]) - {"chunked_attention", "full_attention"}
+    if unknown:
+        raise ModelConfigError(f"unsupported llama4 layer_types {sorted(unknown)}")
+    if "chunked_attention" in hf["layer_types"] and not hf["attention_chunk_size"]:
+        raise ModelConfigError("llama4 chunked_attention layers need attention_chunk_size")
+    return hf
+
+
+def _llama4_attention(hf: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's Llama 4 attention fields from a config _llama4_fields completed."""
+    chunk = hf["attention_chunk_size"]
+    tuning = (float(hf["floor_scale"]), float(hf["attn_scale"])) if hf["attn_temperature_tuning"] else None
+    return dict(
+        layer_chunks=tuple(chunk if kind == "chunked_attention" else None for kind in hf["layer_types"]),
+        nope_layers=tuple(i for i, rope in enumerate(hf["no_rope_layers"]) if not rope),
+        qk_l2_norm=bool(hf["use_qk_norm"]),
+        attn_temperature=tuning,
+    )

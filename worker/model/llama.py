@@ -20,9 +20,12 @@ from torch import nn
 
 
 def layer_attention(config: ModelConfig, layer_id: int) -> LayerAttention:
-    """Layer `layer_id`'s softmax scale, sliding window and logit cap, as the config sets them."""
+    """Layer `layer_id`'s softmax scale, sliding window or attention chunk, and logit cap, as the config sets them."""
     return LayerAttention(
-        scale=config.attention_scale, sliding_window=config.layer_window(layer_id), logit_cap=config.attn_logit_softcap
+        scale=config.attention_scale,
+        sliding_window=config.layer_window(layer_id),
+        logit_cap=config.attn_logit_softcap,
+        chunk_size=config.layer_chunk(layer_id),
     )
 
 

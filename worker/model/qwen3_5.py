@@ -6,8 +6,9 @@ a plain-weight RMSNorm gated by silu(z).
 Gated attention: q_proj yields, per head, [q | gate]; the attention output is multiplied by sigmoid(gate) before
 o_proj; per-head q/k norms; partial rotary. DeltaNet: in_proj_qkv (q | k | v, causal depthwise conv + silu),
 in_proj_z (the output gate), in_proj_b (beta = sigmoid(b)), in_proj_a (decay g = -exp(A_log) softplus(a + dt_bias)),
-out_proj. Heads are the TP shards: every DeltaNet tensor is cut by heads (q/k by key heads, v/z/a/b/A_log/dt_bias by
-value heads, the conv's channels as q | k | v), out_proj by its input; the model code does not know it.
+out_proj; the conv and the delta rule run on layers/delta_mixer.py's choice (Triton kernels on CUDA, else torch ops).
+Heads are the TP shards: every DeltaNet tensor is cut by heads (q/k by key heads, v/z/a/b/A_log/dt_bias by value
+heads, the conv's channels as q | k | v), out_proj by its input; the model code does not know it.
 
 A multimodal `qwen3_5` checkpoint serves its language model: the vision tower's tensors are skipped."""
 
@@ -18,16 +19,17 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from loraplex.worker.layers.attention import BatchAttention, paged_attention
+from loraplex.worker.layers.delta_mixer import select_delta_mixer
 from loraplex.worker.layers.embedding import Embedding, LMHead
-from loraplex.worker.layers.gated_delta import chunked_rule, conv_decode, conv_prefill, l2norm, recurrent_step
 from loraplex.worker.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from loraplex.worker.layers.moe import SharedExpertMoeBlock
 from loraplex.worker.layers.norm import GemmaRMSNorm
+from loraplex.worker.layers.ops import current_ops
 from loraplex.worker.layers.rotary import RotaryEmbedding
 from loraplex.worker.model.config import LinearAttentionConfig, ModelConfig
 from loraplex.worker.model.llama import LlamaMLP, layer_attention
 from loraplex.worker.parallel import current_tp
-from loraplex.worker.state_cache import HybridCache, LayerState
+from loraplex.worker.state_cache import HybridCache, LayerState, run_rounds
 from torch import nn
 
 
@@ -98,6 +100,7 @@ class GatedDeltaNet(HeadShardedParam):
         self.add("dt_bias", [la.num_value_heads])
         self.norm = GatedRMSNorm(la.value_head_dim, config.rms_norm_eps)
         self.out_proj = RowParallelLinear(la.value_dim, hidden)
+        self.mixer = select_delta_mixer(current_ops())  # bound at construction: the worker's choice, made at start-up
 
     def make_projections(self, hidden: int, la: LinearAttentionConfig) -> None:
         self.in_proj_qkv = MergedColumnParallelLinear(hidden, [la.key_dim, la.key_dim, la.value_dim])
@@ -109,33 +112,25 @@ class GatedDeltaNet(HeadShardedParam):
         """q | k | v (tokens, conv channels of this shard), z (tokens, value_heads * dv), b, a (tokens, value_heads)"""
         return self.in_proj_qkv(hidden), self.in_proj_z(hidden), self.in_proj_b(hidden), self.in_proj_a(hidden)
 
+    def warmup(self, conv_states: torch.Tensor, states: torch.Tensor) -> int:
+        """Compile the mixer's kernels on this layer's states (slot 0 left zero); the launches made."""
+        return self.mixer.warmup(conv_states, states, self.conv1d.weight[:, 0], self.qkv_sizes[0] // self.key_head_dim)
+
     def forward(self, hidden: torch.Tensor, state: LayerState) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         mixed, z, b, a = self.project(hidden)
         beta = b.sigmoid()  # (tokens, value_heads)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         weight = self.conv1d.weight[:, 0]  # (channels, kernel)
-        batch = state.batch
-        conv_out = torch.empty_like(mixed)
-        for i in batch.prefills:
-            rows = slice(batch.token_starts[i], batch.token_starts[i] + batch.num_new[i])
-            conv_out[rows] = conv_prefill(mixed[rows], state.conv[batch.slots[i]], weight)
-        if batch.decode_rows.numel():
-            conv_out[batch.decode_rows] = conv_decode(mixed[batch.decode_rows], state.conv, batch.decode_slots, weight)
+        # (tokens, channels); in rounds where the pass saves snapshots (worker/state_cache.py), else in one go
+        conv_out = run_rounds(state.rounds, lambda batch: self.mixer.conv(mixed, state.conv, weight, batch),
+                              state.conv, state.conv_snapshots)  # fmt: skip
         q, k, v = conv_out.split(self.qkv_sizes, dim=-1)
-        q = l2norm(q.float().view(num_tokens, -1, self.key_head_dim)) * self.key_head_dim**-0.5  # (tokens, kh, dk)
-        k = l2norm(k.float().view(num_tokens, -1, self.key_head_dim))
+        q = q.view(num_tokens, -1, self.key_head_dim)  # (tokens, key_heads, dk)
+        k = k.view(num_tokens, -1, self.key_head_dim)
         v = v.view(num_tokens, -1, self.value_head_dim)  # (tokens, value_heads, dv)
-        out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        for i in batch.prefills:
-            rows = slice(batch.token_starts[i], batch.token_starts[i] + batch.num_new[i])
-            slot = batch.slots[i]
-            out[rows], final = chunked_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], state.recurrent[slot])
-            state.recurrent[slot] = final
-        if batch.decode_rows.numel():
-            rows, slots = batch.decode_rows, batch.decode_slots
-            out[rows], new = recurrent_step(q[rows], k[rows], v[rows], g[rows], beta[rows], state.recurrent[slots])
-            state.recurrent[slots] = new.to(state.recurrent.dtype)
+        out = run_rounds(state.rounds, lambda batch: self.mixer.rule(q, k, v, g, beta, state.recurrent, batch),
+                         state.recurrent, state.recurrent_snapshots)  # (tokens, value_heads, dv) float32
         out = self.norm(out.to(hidden.dtype).view(-1, self.value_head_dim), z.reshape(-1, self.value_head_dim))
         return self.out_proj(out.view(num_tokens, -1))  # (tokens, hidden)
 
