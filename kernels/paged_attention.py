@@ -16,7 +16,9 @@ token layout, so a batch of decodes and prefills needs no index_select of q or o
 
 Both take a layer's sliding window (`window` > 0: a query at position p sees the keys at (p - window, p]; the loops
 start at the window, so a windowed layer reads only its keys) and logit soft-cap (`logit_cap` > 0: scores ->
-cap * tanh(scores / cap), Gemma 2), as runtime arguments: one compiled variant serves every layer.
+cap * tanh(scores / cap), Gemma 2), as runtime arguments: one compiled variant serves every layer. Attention sinks
+(gpt-oss: a learned logit per query head that joins the softmax's denominator and attends to no value) are a second
+variant (`HAS_SINKS`): the finished row's sum gains exp(sink - max); under decode splits, the merge adds it once.
 Each launcher checks its arguments and has a torch reference with the same signature (tests/kernel_refs.py).
 """
 
@@ -41,6 +43,16 @@ def _soft_cap(s, logit_cap):
     return logit_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / logit_cap) + 1.0))
 
 
+@triton.jit
+def _add_sinks(acc, row_sum, m, sinks):
+    # acc (R, BD) and row_sum (R,) relative to the running max m (R,): both rescaled to max(m, sink), and the sink's
+    # exp(sink - max) joins the sum. m = -inf (no key): the sink alone, acc 0.
+    sinks = sinks.to(tl.float32)
+    m_final = tl.maximum(m, sinks)
+    alpha = tl.exp(m - m_final)
+    return acc * alpha[:, None], row_sum * alpha + tl.exp(sinks - m_final)
+
+
 # The page table's row stride is its width, the batch's longest page list: not specialized on, or each width class
 # (1, a multiple of 16, other) would be a variant of its own. Likewise the merge's split count and the window.
 @triton.jit(do_not_specialize=["stride_page_table", "window"])
@@ -54,6 +66,7 @@ def _decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    sinks_ptr,
     scale,
     window,
     logit_cap,
@@ -71,6 +84,7 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # grid: (request, kv head, split)
@@ -123,7 +137,9 @@ def _decode_kernel(
         row_sum = row_sum * alpha + tl.sum(p, 1)
         m = m_new
     has_keys = row_sum > 0  # false for an empty split, or a request with no keys
-    result = acc / tl.where(has_keys, row_sum, 1.0)[:, None]  # (BH, BD)
+    if HAS_SINKS and not SPLIT:  # with splits, the merge adds the sink once
+        acc, row_sum = _add_sinks(acc, row_sum, m, tl.load(sinks_ptr + heads, mask=h_mask, other=0.0))
+    result = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]  # (BH, BD)
     if SPLIT:
         num_heads = tl.num_programs(1) * HEADS_PER_KV
         part = (req * num_heads + heads).to(tl.int64) * num_splits + split  # (BH,) rows of (reqs, heads, splits)
@@ -141,12 +157,14 @@ def _merge_splits_kernel(
     part_lse_ptr,
     q_rows_ptr,
     out_ptr,
+    sinks_ptr,
     num_splits,
     stride_out_row,
     stride_out_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # grid: (request, query head); the splits' outputs weighted by exp(lse - max lse)
     req = tl.program_id(0)
@@ -158,10 +176,15 @@ def _merge_splits_kernel(
     part = (req * tl.num_programs(1) + head).to(tl.int64) * num_splits + s  # (BS,)
     lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)  # a request with no keys at all: every weight 0, output 0
     w = tl.exp(lse - m)  # (BS,)
     parts = tl.load(part_out_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_mask[:, None], other=0.0)
     total = tl.sum(w, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - m)
     result = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)  # (BD,)
     tl.store(out_ptr + row * stride_out_row + head * stride_out_head + d, result.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)  # fmt: skip
@@ -179,6 +202,7 @@ def _extend_kernel(
     tile_reqs_ptr,
     tile_offsets_ptr,
     out_ptr,
+    sinks_ptr,
     scale,
     window,
     logit_cap,
@@ -195,6 +219,7 @@ def _extend_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # grid: (row tile, query head); a tile is BLOCK_M consecutive new tokens of one request
@@ -253,6 +278,8 @@ def _extend_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_sum = row_sum * alpha + tl.sum(p, 1)
         m = m_new
+    if HAS_SINKS:
+        acc, row_sum = _add_sinks(acc, row_sum, m, tl.load(sinks_ptr + head + 0 * i))
     result = acc / row_sum[:, None]
     out_ptrs = out_ptr + rows[:, None] * stride_out_row + head * stride_out_head + d[None, :]
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -317,11 +344,19 @@ def _check_vector(op: str, name: str, t: torch.Tensor, length: int, device: torc
                          f"{tuple(t.shape)} {t.dtype} on {t.device}")  # fmt: skip
 
 
+def _check_sinks(op: str, q: torch.Tensor, sinks: torch.Tensor | None) -> None:
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[1] or sinks.device != q.device
+                              or sinks.stride(0) != 1 or not sinks.is_floating_point()):  # fmt: skip
+        raise ValueError(f"{op}: sinks must be a contiguous ({q.shape[1]},) float tensor on {q.device}, got "
+                         f"{tuple(sinks.shape)} {sinks.dtype} on {sinks.device}")  # fmt: skip
+
+
 def check_decode_args(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor, page_size: int,
-                      num_splits: int) -> None:  # fmt: skip
+                      num_splits: int, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
     op = "paged_decode_attention"
     _check_common(op, out, q, k_cache, v_cache, page_table, page_size)
+    _check_sinks(op, q, sinks)
     num_reqs = page_table.shape[0]
     _check_vector(op, "kv_lens", kv_lens, num_reqs, q.device)
     _check_vector(op, "q_rows", q_rows, num_reqs, q.device)
@@ -332,9 +367,10 @@ def check_decode_args(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
 def check_extend_args(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                       cached_lens: torch.Tensor, tile_reqs: torch.Tensor, tile_offsets: torch.Tensor,
-                      page_size: int) -> None:  # fmt: skip
+                      page_size: int, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
     op = "paged_extend_attention"
     _check_common(op, out, q, k_cache, v_cache, page_table, page_size)
+    _check_sinks(op, q, sinks)
     num_reqs = page_table.shape[0]
     for name, t in (("q_starts", q_starts), ("q_lens", q_lens), ("cached_lens", cached_lens)):
         _check_vector(op, name, t, num_reqs, q.device)
@@ -345,6 +381,10 @@ def check_extend_args(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
 # ---- launchers -----------------------------------------------------------------------------------------------------
 
 
+def _sinks_arg(q: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    return q if sinks is None else sinks  # without sinks the kernels never read the pointer
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # the precision only matters for fp32 inputs
 
@@ -352,17 +392,19 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def paged_decode_attention_triton(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor,
                                   page_size: int, scale: float, num_splits: int, window: int = 0,
-                                  logit_cap: float = 0.0) -> None:  # fmt: skip
+                                  logit_cap: float = 0.0, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
     """out[q_rows[r]] = attention of q[q_rows[r]] over request r's first kv_lens[r] keys (the last `window` of them
-    when window > 0), for every request r of page_table (reqs, pages); scores soft-capped when logit_cap > 0."""
-    check_decode_args(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, num_splits)
+    when window > 0), for every request r of page_table (reqs, pages); scores soft-capped when logit_cap > 0; each
+    head's sink logit (heads,) in the softmax's denominator when sinks is given."""
+    check_decode_args(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, num_splits, sinks)
     launch_decode(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, scale, num_splits, window,
-                  logit_cap)  # fmt: skip
+                  logit_cap, sinks)  # fmt: skip
 
 
 def launch_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor, page_size: int,
-                  scale: float, num_splits: int, window: int = 0, logit_cap: float = 0.0) -> None:  # fmt: skip
+                  scale: float, num_splits: int, window: int = 0, logit_cap: float = 0.0,
+                  sinks: torch.Tensor | None = None) -> None:  # fmt: skip
     """The launch alone, on checked arguments (the worker checks its shapes once, at start-up)."""
     num_reqs = page_table.shape[0]
     _, num_heads, head_dim = q.shape
@@ -378,17 +420,18 @@ def launch_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
         part_lse = q.new_empty(num_reqs, num_heads, num_splits, dtype=torch.float32)
     with device_scope(q):
         _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
-            q, k_cache, v_cache, page_table, kv_lens, q_rows, out, part_out, part_lse, scale, window, float(logit_cap),
+            q, k_cache, v_cache, page_table, kv_lens, q_rows, out, part_out, part_lse, _sinks_arg(q, sinks), scale,
+            window, float(logit_cap),
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
             out.stride(0), out.stride(1),
             HEADS_PER_KV=heads_per_kv, BLOCK_H=max(16, triton.next_power_of_2(heads_per_kv)), HEAD_DIM=head_dim,
-            BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=DECODE_BLOCK_N, SPLIT=split,
+            BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=DECODE_BLOCK_N, SPLIT=split, HAS_SINKS=sinks is not None,
             DOT_PRECISION=_dot_precision(q.dtype),
         )  # fmt: skip
         if split:
             _merge_splits_kernel[(num_reqs, num_heads)](
-                part_out, part_lse, q_rows, out, num_splits, out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS,
+                part_out, part_lse, q_rows, out, _sinks_arg(q, sinks), num_splits, out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS, HAS_SINKS=sinks is not None,
             )  # fmt: skip
 
 
@@ -396,31 +439,33 @@ def paged_extend_attention_triton(out: torch.Tensor, q: torch.Tensor, k_cache: t
                                   page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                                   cached_lens: torch.Tensor, tile_reqs: torch.Tensor, tile_offsets: torch.Tensor,
                                   page_size: int, scale: float, window: int = 0,
-                                  logit_cap: float = 0.0) -> None:  # fmt: skip
+                                  logit_cap: float = 0.0, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
     """For every request r of page_table: out rows q_starts[r] .. + q_lens[r] = causal attention of those q rows
     (positions p = cached_lens[r] + i) over the request's keys 0..p (those past p - window when window > 0), scores
-    soft-capped when logit_cap > 0. Tiles from plan_extend_tiles."""
+    soft-capped when logit_cap > 0, each head's sink logit in the denominator when sinks is given. Tiles from
+    plan_extend_tiles."""
     check_extend_args(out, q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets,
-                      page_size)  # fmt: skip
+                      page_size, sinks)  # fmt: skip
     launch_extend(out, q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets,
-                  page_size, scale, window, logit_cap)  # fmt: skip
+                  page_size, scale, window, logit_cap, sinks)  # fmt: skip
 
 
 def launch_extend(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor, cached_lens: torch.Tensor,
                   tile_reqs: torch.Tensor, tile_offsets: torch.Tensor, page_size: int,
-                  scale: float, window: int = 0, logit_cap: float = 0.0) -> None:  # fmt: skip
+                  scale: float, window: int = 0, logit_cap: float = 0.0,
+                  sinks: torch.Tensor | None = None) -> None:  # fmt: skip
     num_tiles = tile_reqs.shape[0]
     _, num_heads, head_dim = q.shape
     if num_tiles == 0:
         return
     with device_scope(q):
         _extend_kernel[(num_tiles, num_heads)](
-            q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets, out, scale,
-            window, float(logit_cap),
+            q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets, out,
+            _sinks_arg(q, sinks), scale, window, float(logit_cap),
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
             out.stride(0), out.stride(1),
             HEADS_PER_KV=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-            PAGE_SIZE=page_size, BLOCK_M=EXTEND_BLOCK_M, BLOCK_N=EXTEND_BLOCK_N,
+            PAGE_SIZE=page_size, BLOCK_M=EXTEND_BLOCK_M, BLOCK_N=EXTEND_BLOCK_N, HAS_SINKS=sinks is not None,
             DOT_PRECISION=_dot_precision(q.dtype),
         )  # fmt: skip

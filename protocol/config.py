@@ -139,7 +139,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Meta(description=
         "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16 or float16"
     )] = "auto"
-    quantization: Annotated[Literal["auto", "fp8", "compressed-tensors", "gptq", "awq", "none"], Meta(description=
+    quantization: Annotated[Literal["auto", "fp8", "compressed-tensors", "gptq", "awq", "mxfp4", "none"], Meta(
+        description=
         "the checkpoint's quantization (vLLM's names): auto = as config.json's quantization_config says; a named "
         "method must match it; none = plain weights (docs/QUANTIZATION.md)"
     )] = "auto"

@@ -10,7 +10,7 @@ from typing import Any
 
 from loraplex.protocol.config import ConfigError
 
-SERVED_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
+SERVED_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "mxfp4")
 
 
 def read_hf_config(model_dir: str) -> dict[str, Any]:

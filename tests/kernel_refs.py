@@ -1,9 +1,9 @@
 """Torch references the kernels are checked against, with the kernels' own signatures (no tests here): the LoRA
 shrink/expand of the torch path from tensors alone (through the compiled CPU kernels for bfloat16 CPU tensors where they
-are built, as the `cpu` backend runs), the Triton backend's shrink_expand from tensors alone, paged attention in
-float32, the model's fused ops (RMSNorm with its residual add, rotary embedding, SiLU-and-multiply) as the torch
-ops compute them, and Gated DeltaNet's conv and delta rule as its torch mixer computes them. The worker never calls
-these: it runs its backend objects (kernels/backend.py, worker/layers/attention.py, worker/layers/ops.py,
+are built, as the `cpu` backend runs), the Triton backend's shrink_expand from tensors alone, paged attention (plain
+and latent) in float32, the model's fused ops (RMSNorm with its residual add, rotary embedding, SiLU-and-multiply) as
+the torch ops compute them, and Gated DeltaNet's conv and delta rule as its torch mixer computes them. The worker never
+calls these: it runs its backend objects (kernels/backend.py, worker/layers/attention.py, worker/layers/ops.py,
 worker/layers/delta_mixer.py)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from loraplex.kernels import cpu_ext, lora_torch
 from loraplex.kernels.checks import check_expand_args, check_shrink_args
 from loraplex.kernels.gated_delta import check_conv_args, check_delta_rule_args
+from loraplex.kernels.latent_attention import check_latent_decode_args, check_latent_extend_args
 from loraplex.kernels.lora_expand import column_alignment, launch_expand
 from loraplex.kernels.lora_shrink import launch_shrink, shrink_output
 from loraplex.kernels.lora_torch import expand_planned, shrink_expand_compiled, shrink_planned
@@ -124,9 +125,11 @@ def lora_shrink_expand_triton(
 
 
 def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: list[int], page_size: int,
-                q_positions: torch.Tensor, scale: float, window: int, logit_cap: float) -> torch.Tensor:  # fmt: skip
+                q_positions: torch.Tensor, scale: float, window: int, logit_cap: float,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """q (n, heads, d) at q_positions (n,) over the keys 0..max position of one request (those past position - window
-    when window > 0; scores soft-capped when logit_cap > 0), in fp32 -> (n, heads, d)."""
+    when window > 0; scores soft-capped when logit_cap > 0; each head's sink logit one more softmax column, of no
+    value), in fp32 -> (n, heads, d)."""
     num_keys = int(q_positions.max()) + 1
     positions = torch.arange(num_keys, device=q.device)
     page_ids = torch.tensor(pages, dtype=torch.long, device=q.device)
@@ -141,30 +144,34 @@ def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     if window > 0:
         hidden |= positions[None, None, :] <= q_positions[None, :, None] - window
     scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+    if sinks is None:
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+    sink_column = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)  # (heads, n, 1)
+    probs = torch.cat([scores, sink_column], dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", probs, values)
 
 
 def paged_decode_attention_torch(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor,
                                  page_size: int, scale: float, num_splits: int, window: int = 0,
-                                 logit_cap: float = 0.0) -> None:  # fmt: skip
-    check_decode_args(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, num_splits)
+                                 logit_cap: float = 0.0, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
+    check_decode_args(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, num_splits, sinks)
     for req, (kv_len, row) in enumerate(zip(kv_lens.tolist(), q_rows.tolist(), strict=True)):
         if kv_len == 0:
             out[row] = 0
             continue
         position = torch.tensor([kv_len - 1], device=q.device)
         out[row] = _attend_one(q[row : row + 1], k_cache, v_cache, page_table[req].tolist(), page_size, position,
-                               scale, window, logit_cap)[0].to(out.dtype)  # fmt: skip
+                               scale, window, logit_cap, sinks)[0].to(out.dtype)  # fmt: skip
 
 
 def paged_extend_attention_torch(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                                  cached_lens: torch.Tensor, tile_reqs: torch.Tensor, tile_offsets: torch.Tensor,
                                  page_size: int, scale: float, window: int = 0,
-                                 logit_cap: float = 0.0) -> None:  # fmt: skip
+                                 logit_cap: float = 0.0, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
     check_extend_args(out, q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets,
-                      page_size)  # fmt: skip
+                      page_size, sinks)  # fmt: skip
     for req, (start, q_len, cached) in enumerate(
         zip(q_starts.tolist(), q_lens.tolist(), cached_lens.tolist(), strict=True)
     ):
@@ -172,8 +179,53 @@ def paged_extend_attention_torch(out: torch.Tensor, q: torch.Tensor, k_cache: to
             continue
         positions = cached + torch.arange(q_len, device=q.device)
         out[start : start + q_len] = _attend_one(q[start : start + q_len], k_cache, v_cache, page_table[req].tolist(),
-                                                 page_size, positions, scale, window,
-                                                 logit_cap).to(out.dtype)  # fmt: skip
+                                                 page_size, positions, scale, window, logit_cap,
+                                                 sinks).to(out.dtype)  # fmt: skip
+
+
+def _latent_attend_one(q: torch.Tensor, cache: torch.Tensor, pages: list[int], page_size: int,
+                       q_positions: torch.Tensor, latent_dim: int, scale: float) -> torch.Tensor:  # fmt: skip
+    """q (n, heads, latent + rope) at q_positions over one request's cache rows [c | k_pe] 0..max position, causal,
+    in fp32 -> (n, heads, latent_dim): every head against the one KV head, the values each row's latent."""
+    num_keys = int(q_positions.max()) + 1
+    positions = torch.arange(num_keys, device=q.device)
+    page_ids = torch.tensor(pages, dtype=torch.long, device=q.device)
+    rows = cache[page_ids[positions // page_size] * page_size + positions % page_size, 0].float()  # (keys, d)
+    scores = torch.einsum("qhd,kd->hqk", q.float(), rows) * scale  # (heads, n, keys)
+    scores = scores.masked_fill(positions[None, None, :] > q_positions[None, :, None], float("-inf"))
+    return torch.einsum("hqk,kc->qhc", scores.softmax(-1), rows[:, :latent_dim])
+
+
+def paged_latent_decode_attention_torch(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor,
+                                        page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor,
+                                        page_size: int, latent_dim: int, scale: float,
+                                        num_splits: int) -> None:  # fmt: skip
+    check_latent_decode_args(out, q, cache, page_table, kv_lens, q_rows, page_size, latent_dim, num_splits)
+    for req, (kv_len, row) in enumerate(zip(kv_lens.tolist(), q_rows.tolist(), strict=True)):
+        if kv_len == 0:
+            out[row] = 0
+            continue
+        position = torch.tensor([kv_len - 1], device=q.device)
+        out[row] = _latent_attend_one(q[row : row + 1], cache, page_table[req].tolist(), page_size, position,
+                                      latent_dim, scale)[0].to(out.dtype)  # fmt: skip
+
+
+def paged_latent_extend_attention_torch(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor,
+                                        page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
+                                        cached_lens: torch.Tensor, tile_reqs: torch.Tensor,
+                                        tile_offsets: torch.Tensor, page_size: int, latent_dim: int,
+                                        scale: float) -> None:  # fmt: skip
+    check_latent_extend_args(out, q, cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets,
+                             page_size, latent_dim)  # fmt: skip
+    for req, (start, q_len, cached) in enumerate(
+        zip(q_starts.tolist(), q_lens.tolist(), cached_lens.tolist(), strict=True)
+    ):
+        if q_len == 0:
+            continue
+        positions = cached + torch.arange(q_len, device=q.device)
+        out[start : start + q_len] = _latent_attend_one(q[start : start + q_len], cache, page_table[req].tolist(),
+                                                        page_size, positions, latent_dim,
+                                                        scale).to(out.dtype)  # fmt: skip
 
 
 # ---- the model's fused ops: the torch ops the model runs without them (worker/layers/ops.py) -------------------------

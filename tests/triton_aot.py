@@ -10,7 +10,8 @@ Needs TRITON_INTERPRET unset or 0 when the kernels are imported (the interpreter
 something that cannot be compiled), so the tests run it in a child process: `python tests/triton_aot.py` prints the
 attention warm-up's variants and the variants of a sweep of real batches, as JSON; `python tests/triton_aot.py
 model-ops` the same for the model's fused ops (RMSNorm with its residual add, rotary embedding, SiLU-and-multiply);
-`gated-delta` Gated DeltaNet's conv and delta rule kernels over batches of every kind; `quant` the quantized matmuls.
+`gated-delta` Gated DeltaNet's conv and delta rule kernels over batches of every kind; `quant` the quantized matmuls;
+`latent` latent attention's kernels at DeepSeek-V3's dims.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def compile_only(target: GPUTarget) -> Iterator[AOTLog]:
 
 # (dtype, (heads, kv_heads, head_dim) per rank, page size): every dtype the server serves in on Llama-3.2-1B's shape;
 # bfloat16 (the CUDA default) and float32 on Llama-3-8B's, on Qwen2-7B's with 7 query heads per KV head and pages of
-# one token, and on an MHA model with head_dim 80 (padded to 128 in the kernels).
+# one token, and on an MHA model with head_dim 80 (padded to 128 in the kernels). A fourth field True: the model has
+# attention sinks (gpt-oss's shape), whose kernel variants are the ones warmed up and served.
 ATTENTION_CONFIGS = [
     ("bfloat16", (32, 8, 64), 16),
     ("float16", (32, 8, 64), 16),
@@ -104,28 +106,18 @@ ATTENTION_CONFIGS = [
     ("float32", (32, 8, 128), 16),  # the largest tiles: shared memory is tightest here
     ("bfloat16", (28, 4, 128), 1),
     ("bfloat16", (32, 32, 80), 16),
+    ("bfloat16", (64, 8, 64), 16, True),
 ]
 KERNELS_PER_CONFIG = 4  # decode, decode with splits, the splits' merge, extend
 
 
-def _attention_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, int, int], page_size: int) -> dict:
+def _sweep_batches(num_pages: int, page_size: int) -> list:
+    """Real batches of every kind the scheduler sends: decodes only (short and long, 1..40 requests, so 1 to many
+    splits and page tables of every width), prefills with and without a cached prefix, and both mixed."""
     import random
 
-    import torch
     from loraplex.protocol.structs import ForwardReq, SamplingParams
-    from loraplex.worker.layers.triton_attention import TritonAttention
 
-    heads, kv_heads, head_dim = shape
-    dtype = getattr(torch, dtype_name)
-    cpu = torch.device("cpu")
-    num_pages = 4096 // page_size
-    kv = torch.zeros(2, num_pages * page_size, kv_heads, head_dim, dtype=dtype)
-    backend = TritonAttention(cpu, kv_heads)
-    with compile_only(target) as log:
-        backend.warmup((kv[0], kv[1]), heads, page_size)
-    warmup_keys = set(log.compiled)
-    # Real batches of every kind the scheduler sends: decodes only (short and long, 1..40 requests, so 1 to many
-    # splits and page tables of every width), prefills with and without a cached prefix, and both mixed.
     rng = random.Random(0)
     batches = []
     for num_decodes, num_extends in ((1, 0), (3, 0), (40, 0), (0, 1), (0, 3), (5, 2), (16, 1)):
@@ -138,15 +130,75 @@ def _attention_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, in
             reqs.append(ForwardReq(input_ids=[1] * new, num_cached_tokens=cached, page_ids=pages,
                                    sampling=SamplingParams()))  # fmt: skip
         batches.append(reqs)
+    return batches
+
+
+def _attention_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, int, int], page_size: int,
+                        sinks: bool = False) -> dict:  # fmt: skip
+    import torch
+    from loraplex.worker.layers.attention_spec import LayerAttention
+    from loraplex.worker.layers.triton_attention import TritonAttention
+
+    heads, kv_heads, head_dim = shape
+    dtype = getattr(torch, dtype_name)
+    cpu = torch.device("cpu")
+    num_pages = 4096 // page_size
+    kv = torch.zeros(2, num_pages * page_size, kv_heads, head_dim, dtype=dtype)
+    backend = TritonAttention(cpu, kv_heads, sinks=sinks)
+    layer = LayerAttention(scale=head_dim**-0.5, sinks=torch.zeros(heads, dtype=dtype) if sinks else None)
+    with compile_only(target) as log:
+        backend.warmup((kv[0], kv[1]), heads, page_size)
+    warmup_keys = set(log.compiled)
     with compile_only(target) as sweep:
-        for reqs in batches:
+        for reqs in _sweep_batches(num_pages, page_size):
             num_tokens = sum(len(r.input_ids) for r in reqs)
             starts = [sum(len(r.input_ids) for r in reqs[:i]) for i in range(len(reqs))]
             qkv = torch.zeros(num_tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
             q = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)  # as the model lays it out
             page_tables = torch.zeros(len(reqs), 1, dtype=torch.long)  # the SDPA backend's; unused here
             inputs = backend.build(reqs, starts, page_tables, torch.zeros(num_tokens, dtype=torch.long), page_size)
-            inputs.attend(q, kv[0], kv[1])
+            inputs.attend(q, kv[0], kv[1], layer)
+    return {
+        "compiled": [vars(c) for c in log.compiled.values()],
+        "warmup_keys": sorted(warmup_keys),
+        "serving_keys": sorted(set(sweep.launches)),
+    }
+
+
+# ---- latent attention (DeepSeek-V3's 512 + 64 cache rows): the warm-up's variants, and those of real batches ---------
+
+# (dtype, query heads per rank, page size): 128 heads at TP=1, 16 at TP=8 in bfloat16 (the CUDA default) and float16,
+# float32 (the largest tiles), and pages of 64 tokens.
+LATENT_CONFIGS = [
+    ("bfloat16", 128, 16),
+    ("bfloat16", 16, 16),
+    ("float16", 16, 64),
+    ("float32", 16, 16),
+]
+LATENT_DIMS = (512, 64)  # kv_lora_rank, qk_rope_head_dim
+LATENT_KERNELS = 3  # decode, decode with splits, the splits' merge (prefills run the model's expanded form in torch)
+
+
+def _latent_variants(target: GPUTarget, dtype_name: str, heads: int, page_size: int) -> dict:
+    import torch
+    from loraplex.worker.layers.attention import LatentTritonAttention
+
+    latent_dim, rope_dim = LATENT_DIMS
+    dtype = getattr(torch, dtype_name)
+    cache = torch.zeros(4096, 1, latent_dim + rope_dim, dtype=dtype)  # keys and values: one tensor
+    backend = LatentTritonAttention(torch.device("cpu"), heads, latent_dim)
+    with compile_only(target) as log:
+        backend.warmup((cache, cache), heads, page_size)
+    warmup_keys = set(log.compiled)
+    with compile_only(target) as sweep:
+        for reqs in _sweep_batches(4096 // page_size, page_size):
+            num_tokens = sum(len(r.input_ids) for r in reqs)
+            starts = [sum(len(r.input_ids) for r in reqs[:i]) for i in range(len(reqs))]
+            q = torch.zeros(num_tokens, heads, latent_dim + rope_dim, dtype=dtype)  # as the model builds it
+            width = max(len(r.page_ids) for r in reqs)
+            page_tables = torch.tensor([r.page_ids + [0] * (width - len(r.page_ids)) for r in reqs])  # the prefills'
+            inputs = backend.build(reqs, starts, page_tables, torch.zeros(num_tokens, dtype=torch.long), page_size)
+            inputs.attend(q, cache, cache)
     return {
         "compiled": [vars(c) for c in log.compiled.values()],
         "warmup_keys": sorted(warmup_keys),
@@ -318,6 +370,11 @@ def main() -> None:
             for model in QUANT_SHAPES:
                 results += _quant_variants(target, model)
             continue
+        if sys.argv[1:] == ["latent"]:
+            for dtype_name, heads, page_size in LATENT_CONFIGS:
+                found = _latent_variants(target, dtype_name, heads, page_size)
+                results.append({"arch": arch, "dtype": dtype_name, "heads": heads, "page_size": page_size, **found})
+            continue
         if sys.argv[1:] == ["gated-delta"]:
             for dtype_name, state_dtype_name, shape in GATED_DELTA_CONFIGS:
                 found = _gated_delta_variants(target, dtype_name, state_dtype_name, shape)
@@ -329,8 +386,8 @@ def main() -> None:
                 found = _model_ops_variants(target, dtype_name, shape)
                 results.append({"arch": arch, "dtype": dtype_name, "shape": shape, **found})
             continue
-        for dtype_name, shape, page_size in ATTENTION_CONFIGS:
-            found = _attention_variants(target, dtype_name, shape, page_size)
+        for dtype_name, shape, page_size, *sinks in ATTENTION_CONFIGS:
+            found = _attention_variants(target, dtype_name, shape, page_size, *sinks)
             results.append({"arch": arch, "dtype": dtype_name, "shape": shape, "page_size": page_size, **found})
     json.dump(results, sys.stdout)
 

@@ -33,6 +33,7 @@ model/glm4_moe.py          GLM-4.5 / 4.6: DeepSeek-V3's MoE (grouped sigmoid rou
                            layers) with GQA attention: q/k/v biases, partial rotary, optional per-head q/k norms
 model/qwen3_5.py           Qwen3.5 (text, MoE): hybrid Gated DeltaNet + gated attention layers, state in HybridCache
 model/qwen3_next.py        Qwen3-Next: Qwen3.5's decoder with grouped in_proj_qkvz / in_proj_ba, MoE + shared expert
+model/gpt_oss.py           gpt-oss: attention sinks, biased top-k-softmax router, experts with biases, clamped SwiGLU
 model/llama4.py            Llama 4 (text): chunked local attention on RoPE layers, NoPE global layers with temperature
                            tuning, QK L2 norm; sigmoid top-1 experts fed their weight, a shared expert, dense layers
 model/registry.py          model_type -> decoder class (one file per family)

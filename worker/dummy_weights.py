@@ -31,6 +31,9 @@ class _Draw(NamedTuple):
 
 def _plain_draw(param: nn.Parameter, shape: tuple[int, ...], key: str, shard_id: int | None, std: float) -> _Draw:
     def values(generator: torch.Generator) -> torch.Tensor:
+        draw = getattr(param, "random_checkpoint", None)  # packed codes and scales (MXFP4 experts): the format's
+        if draw is not None:
+            return draw(shape, std, generator)
         return torch.randn(shape, generator=generator, dtype=param.dtype, device=param.device).mul_(std)
 
     def load(full: torch.Tensor) -> None:

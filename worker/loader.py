@@ -53,20 +53,29 @@ EXPERT_SLICES = {
     "w2": ("down_proj", 0),
     "down_proj": ("down_proj", 0),
 }
-# Stacked (experts, out, in) tensors, as transformers 5 names the parameters: the whole of our experts linear.
+# Stacked (experts, out, in) tensors, as transformers 5 names the parameters: the whole of our experts linear
+# (gpt-oss's: (experts, in, out), and a stacked bias beside each, `gate_up_proj_bias`).
 _STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+_STACKED_EXPERT_BIAS = re.compile(r"\.experts\.(gate_up_proj|down_proj)_bias$")
+# MXFP4 experts (worker/quant/mxfp4.py): codes and scales of each stacked linear
+_STACKED_EXPERT_MXFP4 = re.compile(r"\.experts\.(gate_up_proj|down_proj)_(blocks|scales)$")
 
 
 def map_hf_name(hf_name: str) -> tuple[str, int | tuple[int, int] | None]:
     """HF parameter name -> (our parameter name, slice of a fused layer or (expert, slice) of a stacked experts
     linear, or None for all of it)."""
     hf_name = hf_name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name of the MoE block
+    hf_name = hf_name.replace(".mlp.router.", ".mlp.gate.")  # gpt-oss's name of the router
     expert = _EXPERT.search(hf_name)
     if expert is not None:
         stacked, slice_id = EXPERT_SLICES[expert[2]]
         return f"{hf_name[: expert.start()]}.experts.{stacked}.weight", (int(expert[1]), slice_id)
     if _STACKED_EXPERTS.search(hf_name):
         return f"{hf_name}.weight", None
+    if (bias := _STACKED_EXPERT_BIAS.search(hf_name)) is not None:
+        return f"{hf_name[: bias.start()]}.experts.{bias[1]}.bias", None
+    if (packed := _STACKED_EXPERT_MXFP4.search(hf_name)) is not None:
+        return f"{hf_name[: packed.start()]}.experts.{packed[1]}.{packed[2]}", None
     for hf_module, fused_module, slice_id in FUSED_SLICES:
         marker = f".{hf_module}."
         if marker in hf_name:

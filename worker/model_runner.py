@@ -83,7 +83,8 @@ class ModelRunner:
             self.kv_heads,
             self.kv_head_dim,
             self.backend.cpu_kernels,
-            values_in_keys=self.kv_parts == 1,
+            latent_dim=self.model_config.mla.kv_lora_rank if self.model_config.mla is not None else None,
+            sinks=self.model_config.attention_sinks,
             chunked_attention=any(self.model_config.layer_chunks),
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
@@ -209,6 +210,10 @@ class ModelRunner:
             logger.info("--enable-cuda-graph is ignored for %s: its linear-attention layers run eagerly",
                         self.model_config.model_type)
             return None
+        if self.model_config.mla is not None:  # the graphs' static metadata is built for the plain kernels
+            logger.info("--enable-cuda-graph is ignored for %s: its latent attention runs eagerly",
+                        self.model_config.model_type)  # fmt: skip
+            return None
         if self.device.type != "cuda":
             logger.info("--enable-cuda-graph is ignored on %s: CUDA graphs need a CUDA device", self.device.type)
             return None
@@ -279,6 +284,15 @@ class ModelRunner:
     def _log_quantization(self) -> None:
         if self.quant_format is None:
             logger.info("quantization: none (plain weights)")
+            return
+        if self.quant_format.experts_only:
+            experts = [m for m in self.model.modules() if getattr(m, "packed", False)]
+            packed_bytes = sum(m.resident_bytes for m in experts)
+            plain_bytes = sum(m.blocks.numel() * 2 * self.dtype.itemsize for m in experts)
+            logger.info("quantization: %s (--quantization %s); expert weights %.1f MiB resident on this rank (%.1f MiB "
+                        "as %s), dequantized per expert at its matmul", self.quant_format.method,
+                        self.config.quantization, packed_bytes / 2**20, plain_bytes / 2**20,
+                        str(self.dtype).removeprefix("torch."))  # fmt: skip
             return
         kernels = sorted({m.quant.matmul.name for m in self.model.modules() if getattr(m, "quant", None) is not None})
         num_bytes = sum(m.quant.nbytes for m in self.model.modules() if getattr(m, "quant", None) is not None)

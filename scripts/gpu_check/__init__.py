@@ -5,6 +5,7 @@
     report.py   the summary and the reviewer block
     lib.py      what every group shares: the recorder, the child entry point, timing, model files
     model.py    G0 env, G2 attention, G3 numerics          kernels.py  G1 kernels, G6 kernel timings
+    latent.py   G2's latent attention (DeepSeek-V3's paged latent kernels)
     serving.py  G4 decode, G5 / G5b server                 server.py   a server subprocess for G5
     tp.py       G7 tensor parallel, G8 compute-sanitizer   quant.py    G9 quantized linears
     gated_delta.py  G1's Gated DeltaNet kernels against the torch mixer, and both timed

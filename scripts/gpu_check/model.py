@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from scripts.gpu_check.latent import latent_attention
 from scripts.gpu_check.lib import Context, max_abs, median, time_ms
 
 # ---- G0: environment ---------------------------------------------------------------------------------------------
@@ -275,6 +276,7 @@ def g2_attention(ctx: Context) -> None:
                           "key splits of the decode kernel, merged by the merge kernel")
     rec.figure("triton_max_err", triton_worst)
     rec.figure("triton_decode_splits", splits)
+    latent_attention(ctx)  # the triton backend's latent kernels (DeepSeek-V3), scripts/gpu_check/latent.py
     if not ctx.skip_unless_cuda("backend_probe"):
         for name in ("backends", "decode_timing", "prefill_8k_memory"):
             ctx.rec.skip(name, "dry-run: needs CUDA")

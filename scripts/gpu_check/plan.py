@@ -49,7 +49,7 @@ class Group:
 GROUPS = [
     Group("g0", "env", 20, 45, "scripts.gpu_check.model", "g0_env", 10),
     Group("g1", "kernels", 50, 120, "scripts.gpu_check.kernels", "g1_kernels", 45),  # LoRA, then Gated DeltaNet
-    Group("g2", "attention", 28, 90, "scripts.gpu_check.model", "g2_attention", 23),
+    Group("g2", "attention", 34, 120, "scripts.gpu_check.model", "g2_attention", 30),  # plain, then latent
     Group("g3", "numerics", 33, 90, "scripts.gpu_check.model", "g3_numerics", 30),
     Group("g4", "decode", 60, 120, "scripts.gpu_check.serving", "g4_decode", 55),
     Group("g5", "server", 55, 120, "scripts.gpu_check.serving", "g5_server", 50),

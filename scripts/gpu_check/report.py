@@ -97,6 +97,10 @@ def _triton_decode_us(attention: dict) -> float | None:
     return (attention.get("decode_timing") or {}).get("B128_ctx2048", {}).get("triton_us")
 
 
+def _latent_decode_us(attention: dict) -> float | None:
+    return (attention.get("latent_decode_timing") or {}).get("h16_B32_ctx8192", {}).get("us")
+
+
 def _sdpa_decode_us(attention: dict) -> float | None:
     return (attention.get("decode_timing") or {}).get("B128_ctx2048", {}).get("us")
 
@@ -133,7 +137,9 @@ def reviewer_block(report: dict) -> str:
         f"backends accepting: {_fmt(attention.get('backends_accepting'))}; 8k prefill mem "
         f"{_fmt(attention.get('prefill_8k_mem_GiB'))} GiB; triton paged: max err "
         f"{_fmt(attention.get('triton_max_err'))}, decode B128 ctx2048 {_fmt(_triton_decode_us(attention))} us vs SDPA "
-        f"{_fmt(_sdpa_decode_us(attention))} us" + _suffix(report, "g2"),
+        f"{_fmt(_sdpa_decode_us(attention))} us; latent (DeepSeek-V3 512+64): max err "
+        f"{_fmt(attention.get('latent_max_err'))}, decode 16 heads B32 ctx8192 {_fmt(_latent_decode_us(attention))} us"
+        + _suffix(report, "g2"),
         f"NUMERICS: fp32 vs HF {_fmt(numerics.get('fp32_vs_hf'))} (<=2e-4); bf16 ours/HF err "
         f"{_fmt(numerics.get('bf16_ours'))}/{_fmt(numerics.get('bf16_hf'))}; LoRA mixed vs peft fp32 "
         f"{_fmt(numerics.get('lora_mixed_fp32'))}; greedy steps matched {_fmt(numerics.get('greedy_matched'))}/"

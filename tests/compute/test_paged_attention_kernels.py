@@ -221,6 +221,36 @@ def test_extend_sliding_window_and_soft_cap(window: int, logit_cap: float, dtype
                                        **TOLERANCES[dtype])  # fmt: skip
 
 
+# (window, num_splits): sinks (gpt-oss) alone, with a window, and added once across the decode splits' merge
+SINK_CASES = [(0, 1), (5, 1), (0, 3), (70, 3)]
+
+
+@pytest.mark.parametrize(("window", "num_splits"), SINK_CASES)
+def test_decode_with_sinks(window: int, num_splits: int) -> None:
+    kv_lens = [1, 5, 17, 129, 300]
+    p = make_paged([n - 1 for n in kv_lens], [1] * len(kv_lens), heads=8, kv_heads=2, head_dim=32, page_size=16,
+                   dtype=torch.float32)  # fmt: skip
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(5)) * 2.0  # (heads,)
+    args = (*decode_args(p, torch.full_like(p.q, 7.0), num_splits, 0.3), window, 0.0, sinks)
+    ref, tri = run_both(kernel_refs.paged_decode_attention_torch, pa.paged_decode_attention_triton, args)
+    torch.testing.assert_close(tri, ref, **TOLERANCES[torch.float32])
+    plain = decode_args(p, torch.full_like(p.q, 7.0), num_splits, 0.3)
+    kernel_refs.paged_decode_attention_torch(*plain, window)
+    assert (plain[0][p.q_starts[0]] - ref[p.q_starts[0]]).abs().max() > 0.05  # the sinks take their share
+
+
+@pytest.mark.parametrize("window", [0, 40])
+def test_extend_with_sinks(window: int) -> None:
+    cached_lens, q_lens = [0, 5, 100, 30], [7, 70, 3, 130]
+    p = make_paged(cached_lens, q_lens, heads=4, kv_heads=2, head_dim=32, page_size=16, dtype=torch.float32, filler=2)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(6)) * 2.0
+    tile_reqs, tile_offsets = pa.plan_extend_tiles(q_lens)
+    args = (torch.full_like(p.q, 7.0), p.q, p.k_cache, p.v_cache, p.page_table, int32(p.q_starts), int32(q_lens),
+            int32(cached_lens), int32(tile_reqs), int32(tile_offsets), 16, 0.3, window, 0.0, sinks)  # fmt: skip
+    ref, tri = run_both(kernel_refs.paged_extend_attention_torch, pa.paged_extend_attention_triton, args)
+    torch.testing.assert_close(tri, ref, **TOLERANCES[torch.float32])
+
+
 def test_plans() -> None:
     assert pa.plan_extend_tiles([1, 64, 65, 0, 3], block_m=64) == ([0, 1, 2, 2, 4], [0, 0, 0, 64, 0])
     assert pa.decode_num_splits(1, 8, 100) == 1  # short: one split

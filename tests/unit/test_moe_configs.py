@@ -55,3 +55,19 @@ def test_olmoe_qkv_clipping_is_refused() -> None:
     assert ModelConfig.from_dict(base).moe.renormalize is False
     with pytest.raises(ModelConfigError, match="clip_qkv"):
         ModelConfig.from_dict({**base, "clip_qkv": 8.0})
+
+
+def test_gpt_oss_config_is_read_as_transformers_builds_the_model() -> None:
+    """transformers' GptOssConfig defaults (not a published config.json): sinks, windows of 128 on every other layer
+    from the first, yarn x32, the clamped SwiGLU; an override shortening the model keeps its first layer_types."""
+    from transformers import GptOssConfig
+
+    hf = GptOssConfig().to_dict()
+    config = ModelConfig.from_dict(hf)
+    assert config.attention_sinks and (config.qkv_bias, config.o_bias) == (True, True)
+    assert config.layer_windows[:4] == (128, None, 128, None) and len(config.layer_windows) == hf["num_hidden_layers"]
+    assert (config.rope.rope_type, config.rope.params["factor"], config.rope.theta) == ("yarn", 32.0, 150000.0)
+    assert config.moe == MoEConfig(hf["num_local_experts"], 4, 2880, renormalize=False, swiglu_limit=7.0,
+                                   swiglu_alpha=1.702, gate_up_interleaved=True)  # fmt: skip
+    short = ModelConfig.from_dict({**hf, "num_hidden_layers": 3})
+    assert short.layer_windows == (128, None, 128)

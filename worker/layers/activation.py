@@ -23,3 +23,21 @@ class GeluTanhAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)  # (tokens, 2 * intermediate): [gate | up]
         return F.gelu(gate, approximate="tanh") * up  # (tokens, intermediate)
+
+
+class ClampedSwiGLU(nn.Module):
+    """gpt-oss's experts' activation over a [gate | up] projection: gate clamped to at most `limit`, up to
+    [-limit, limit], then gate * sigmoid(alpha * gate) * (up + 1); torch ops everywhere."""
+
+    def __init__(self, limit: float, alpha: float):
+        super().__init__()
+        self.limit, self.alpha = limit, alpha
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)  # (rows, 2 * intermediate): [gate | up]
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return gate * torch.sigmoid(gate * self.alpha) * (up + 1)  # (rows, intermediate)
+
+    def extra_repr(self) -> str:
+        return f"limit={self.limit}, alpha={self.alpha}"

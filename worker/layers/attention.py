@@ -9,11 +9,13 @@ That is the `torch` attention backend. The `cpu` one (bfloat16 on a CPU where th
 shapes they take) is the same but for the group of decodes, which goes to cpu_ext's decode_attention: it reads each
 request's keys and values straight from its pages, no gathered copy, no padding, no mask. The `triton` one
 (worker/layers/triton_attention.py; CUDA by default) reads every request's keys and values from its pages in Triton
-kernels. The worker picks one at start-up (`select_attention_backend`); it builds each batch's AttentionInputs-like
-object, whose `attend` the model reaches through `paged_attention`, so model code never knows which backend runs.
+kernels (latent attention's one tensor of [latent | rope key] rows with kernels of its own). The worker picks one at
+start-up (`select_attention_backend`); it builds each batch's AttentionInputs-like object, whose `attend` the model
+reaches through `paged_attention`, so model code never knows which backend runs.
 
 A layer's own attention (softmax scale, sliding window, logit soft-cap: worker/layers/attention_spec.py) comes with
-each call; the batch's metadata is shared by every layer. Soft-capped scores run eager attention here (SDPA has no cap).
+each call; the batch's metadata is shared by every layer. Soft-capped scores and attention sinks run eager attention
+here (SDPA has neither); the `cpu` backend sends such layers' decodes there too; the `triton` kernels take both.
 
 Latent attention (worker/model/deepseek_v3.py) runs its decodes and its prefills in different forms, so the torch
 backend's metadata also hands out its two groups as BatchParts (`decodes_and_prefills`): a part takes and places its
@@ -36,10 +38,12 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from loraplex.kernels import BackendError
+from loraplex.kernels.latent_attention import latent_head_blocks, launch_latent_decode
+from loraplex.kernels.paged_attention import decode_num_splits
 from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.structs import ForwardReq
 from loraplex.worker.layers.attention_spec import LayerAttention
-from loraplex.worker.layers.triton_attention import TritonAttention
+from loraplex.worker.layers.triton_attention import DecodeMeta, TritonAttention, _pack, _page_rows
 
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
 
@@ -206,8 +210,9 @@ class CPUAttentionInputs(AttentionInputs):
         group: AttentionGroup,
         layer: LayerAttention,
     ) -> torch.Tensor:
-        # The kernel reads decodes from whole pages, without a logit cap or attention chunks.
-        if group.max_q_len > 1 or not k_cache.is_contiguous() or layer.logit_cap is not None or layer.chunk_size:
+        # The kernel reads decodes from whole pages, without a logit cap, attention chunks or sinks.
+        if (group.max_q_len > 1 or not k_cache.is_contiguous() or layer.logit_cap is not None or layer.chunk_size
+                or layer.sinks is not None):  # fmt: skip
             return _sdpa_group(q, k_cache, v_cache, group, layer)
         out = torch.empty_like(q)  # (reqs, heads, head_dim): one token per request, in request order
         window = layer.sliding_window or 0  # 0: every key
@@ -215,6 +220,48 @@ class CPUAttentionInputs(AttentionInputs):
             q.contiguous(), k_cache, v_cache, group.read_pages, group.kv_lens, group.page_size, layer.scale, window,
             out,
         )  # fmt: skip
+        return out
+
+
+@dataclass(frozen=True)
+class LatentTritonInputs(AttentionInputs):
+    """Latent attention's batch on the triton backend: the decodes through the paged latent decode kernel
+    (kernels/latent_attention.py), prefills as AttentionInputs serve them (the model's expanded form gathers their
+    context). Outputs over the cache are the latent dims only, (rows, heads, latent_dim)."""
+
+    decode: DecodeMeta | None  # the decode group's requests in group order; q_rows are the group's own rows
+    latent_dim: int
+    page_size: int
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: LayerAttention | None = None
+    ) -> torch.Tensor:
+        layer = layer or LayerAttention.default(q.shape[2])
+        out = q.new_empty(*q.shape[:2], self.latent_dim)  # (tokens, heads, latent_dim)
+        for group in self.groups:
+            group_q = q if len(self.groups) == 1 else q.index_select(0, group.token_rows)
+            group_out = self.attend_group(group_q, k_cache, v_cache, group, layer)
+            if len(self.groups) == 1:
+                return group_out
+            out.index_copy_(0, group.token_rows, group_out)
+        return out
+
+    def attend_group(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: AttentionGroup,
+        layer: LayerAttention,
+    ) -> torch.Tensor:
+        if group.max_q_len > 1:
+            return _sdpa_group(q, k_cache, v_cache, group, layer)[..., : self.latent_dim]
+        if layer.sliding_window is not None or layer.logit_cap is not None:
+            raise ValueError("the latent decode kernel takes no sliding window or logit cap")
+        out = q.new_empty(*q.shape[:2], self.latent_dim)  # (reqs, heads, latent_dim): one token per request
+        d = self.decode
+        launch_latent_decode(out, q, k_cache, d.page_table, d.kv_lens, d.q_rows, self.page_size, self.latent_dim,
+                             layer.scale, d.num_splits)  # fmt: skip
         return out
 
 
@@ -226,7 +273,9 @@ class BatchAttention(Protocol):
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: LayerAttention | None = None
     ) -> torch.Tensor:
-        """`layer` None: head_dim ** -0.5, no window, no cap."""
+        """-> (tokens, heads, head_dim); `layer` None: head_dim ** -0.5, no window, no cap. For latent attention
+        (k_cache is v_cache) the torch backend returns whole heads and the triton backend only the values' leading
+        latent dims (LatentTritonAttention): the model keeps those."""
         ...
 
 
@@ -309,6 +358,53 @@ class CPUAttention(SDPAAttention):
         return CPUAttentionInputs(write_slots=inputs.write_slots, groups=inputs.groups, compiled=self.compiled)
 
 
+class LatentTritonAttention(SDPAAttention):
+    """The `triton` backend for latent attention: SDPAAttention's groups, the decodes' paged latent decode kernel."""
+
+    name = "triton"
+
+    def __init__(self, device: torch.device, num_heads: int, latent_dim: int):
+        super().__init__(device)
+        self.latent_dim = latent_dim
+        self.decode_programs = latent_head_blocks(num_heads)  # per request and split: the split count depends on it
+
+    def build(
+        self,
+        reqs: Sequence[ForwardReq],
+        token_starts: list[int],
+        page_tables: torch.Tensor,
+        write_slots: torch.Tensor,
+        page_size: int,
+    ) -> LatentTritonInputs:
+        inputs = super().build(reqs, token_starts, page_tables, write_slots, page_size)
+        decodes = [i for i, req in enumerate(reqs) if len(req.input_ids) == 1]
+        decode = None
+        if decodes:
+            kv_lens = [reqs[i].num_cached_tokens + 1 for i in decodes]
+            table, kv_lens_t, q_rows = _pack([_page_rows(reqs, decodes, page_size), kv_lens,
+                                              list(range(len(decodes)))], self.device)  # fmt: skip
+            splits = decode_num_splits(len(decodes), self.decode_programs, max(kv_lens))
+            decode = DecodeMeta(table.view(len(decodes), -1), kv_lens_t, q_rows, splits)
+        return LatentTritonInputs(write_slots=inputs.write_slots, groups=inputs.groups, decode=decode,
+                                  latent_dim=self.latent_dim, page_size=page_size)  # fmt: skip
+
+    @torch.inference_mode()
+    def warmup(self, kv_layer: tuple[torch.Tensor, torch.Tensor], num_heads: int, page_size: int) -> int:
+        """The decode kernel without and with splits (and the merge), on one layer's cache (read only), q laid out as
+        the model builds it ([W_ukᵀ q_nope | q_pe], contiguous): the variants of every later batch."""
+        cache = kv_layer[0]
+        q = cache.new_zeros(1, num_heads, cache.shape[2])  # (1 decode, heads, latent + rope)
+        for num_splits in (1, 2):
+            table, kv_lens, q_rows = _pack([[0], [1], [0]], self.device)
+            decode = DecodeMeta(table.view(1, 1), kv_lens, q_rows, num_splits)
+            out = q.new_empty(1, num_heads, self.latent_dim)
+            launch_latent_decode(out, q, cache, decode.page_table, decode.kv_lens, decode.q_rows, page_size,
+                                 self.latent_dim, 1.0, num_splits)  # fmt: skip
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return 3
+
+
 def select_attention_backend(
     choice: str,
     device: torch.device | str,
@@ -317,23 +413,25 @@ def select_attention_backend(
     head_dim: int,
     cpu_kernels: ModuleType | None = None,
     *,
-    values_in_keys: bool = False,
+    latent_dim: int | None = None,
+    sinks: bool = False,
     chunked_attention: bool = False,
 ) -> AttentionBackend:
     """The attention backend for this worker (`--attention-backend`), or AttentionBackendError (one line).
     Heads: this rank's. `cpu_kernels`: the compiled CPU module the worker's LoRA backend built (cpu_ext), or None.
-    `values_in_keys`: latent attention, whose one cache tensor is keys and values both (its values the leading
-    part of each key); SDPA takes it as any other, the paged kernels are not built for it. `chunked_attention`: some
-    layer attends within chunks (Llama 4), which the paged Triton kernels do not mask: torch's SDPA runs it (and the
-    `cpu` backend, whose decode kernel leaves those layers to SDPA)."""
+    `latent_dim`: latent attention, whose one cache tensor (one KV head of head_dim) is keys and values both, the
+    values each key's leading latent_dim dims; SDPA takes it as any other, the triton backend as
+    LatentTritonAttention (the latent decode kernel; its output only the latent dims), the CPU kernels not at all.
+    `chunked_attention`: some layer attends within chunks (Llama 4), which the paged Triton kernels do not mask:
+    torch's SDPA runs it (and the `cpu` backend, whose decode kernel leaves those layers to SDPA). `sinks`: the
+    model's layers have attention sinks (the Triton kernels' sinks variant is warmed up; the CPU kernel has none, so
+    those layers' decodes run the torch path)."""
     device = torch.device(device)
     if choice not in ATTENTION_BACKENDS:
         raise AttentionBackendError(f"--attention-backend {choice!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
-    if values_in_keys:
-        if choice not in ("auto", "torch"):
-            raise AttentionBackendError(f"--attention-backend {choice}: latent attention runs the torch backend")
-        return SDPAAttention(device)
-    cpu_runs = device.type == "cpu" and cpu_kernels is not None
+    if latent_dim is not None and choice == "cpu":
+        raise AttentionBackendError("--attention-backend cpu: latent attention runs the triton or torch backend")
+    cpu_runs = device.type == "cpu" and cpu_kernels is not None and latent_dim is None
     if choice == "cpu" and not cpu_runs:
         raise AttentionBackendError(
             f"--attention-backend cpu needs the compiled CPU kernels (bfloat16 on a CPU, --lora-backend cpu or auto); "
@@ -356,7 +454,9 @@ def select_attention_backend(
         )
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise AttentionBackendError(f"--attention-backend triton needs a CUDA device; this worker runs on {device}")
-    return TritonAttention(device, num_kv_heads)
+    if latent_dim is not None:
+        return LatentTritonAttention(device, num_heads, latent_dim)
+    return TritonAttention(device, num_kv_heads, sinks=sinks)
 
 
 def paged_attention(
@@ -394,32 +494,38 @@ def _sdpa_padded(
     q_padded.index_copy_(0, group.query_index, q)
     q_padded = q_padded.view(num_reqs, max_q_len, num_heads, head_dim).transpose(1, 2)  # (reqs, heads, q, d)
     mask = group.mask_for(layer)
-    if layer.logit_cap is None:
+    if layer.logit_cap is None and layer.sinks is None:
         out = F.scaled_dot_product_attention(
             q_padded, keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=keys.shape[1] != num_heads
         )  # (reqs, heads, max_q_len, v_dim)
     else:
-        out = _capped_attention(q_padded, keys, values, mask, layer.scale, layer.logit_cap)
+        out = _eager_attention(q_padded, keys, values, mask, layer)
     out = out.transpose(1, 2).reshape(num_reqs * max_q_len, num_heads, v_dim)
     return out.index_select(0, group.query_index)  # (tokens, heads, v_dim)
 
 
-def _capped_attention(
+def _eager_attention(
     q: torch.Tensor,  # (reqs, heads, q, head_dim)
     keys: torch.Tensor,  # (reqs, kv_heads, kv, head_dim)
     values: torch.Tensor,  # (reqs, kv_heads, kv, head_dim)
     mask: torch.Tensor,  # (reqs, 1, q, kv) bool
-    scale: float,
-    cap: float,
+    layer: LayerAttention,
 ) -> torch.Tensor:
-    """Eager attention with soft-capped scores, rounded as the reference (HF's eager Gemma 2 attention) rounds."""
+    """Eager attention with soft-capped scores (rounded as HF's eager Gemma 2 attention rounds) and/or sinks: each
+    head's sink logit is one more column of the softmax, dropped after it (its value is zero)."""
     group_size = q.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(group_size, dim=1)  # (reqs, heads, kv, head_dim): query head h reads kv head h // g
     values = values.repeat_interleave(group_size, dim=1)
-    scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # (reqs, heads, q, kv)
-    scores = torch.tanh(scores / cap) * cap
+    scores = torch.matmul(q, keys.transpose(2, 3)) * layer.scale  # (reqs, heads, q, kv)
+    if layer.logit_cap is not None:
+        scores = torch.tanh(scores / layer.logit_cap) * layer.logit_cap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if layer.sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        num_reqs, num_heads, q_len, _ = scores.shape
+        sinks = layer.sinks.to(scores.dtype).view(1, num_heads, 1, 1).expand(num_reqs, num_heads, q_len, 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
     return torch.matmul(probs, values)  # (reqs, heads, q, head_dim)
 
 

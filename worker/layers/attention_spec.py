@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class LayerAttention:
     scale: float  # of q·k before the softmax
     sliding_window: int | None = None  # a query at position p sees the keys at (p - window, p]; None = all up to p
     logit_cap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask and softmax (Gemma 2)
+    # (heads of this rank,) a learned logit per head that joins the softmax's denominator and attends to no value
+    # (gpt-oss): probs = exp(s_j) / (sum_k exp(s_k) + exp(sink)). The layer's parameter itself, so loading fills it.
+    sinks: torch.Tensor | None = None
     # chunked local attention (Llama 4): a query at position p sees the keys at [p - p % chunk, p]; None = no chunks
     chunk_size: int | None = None
 

@@ -35,7 +35,7 @@ def _check_full_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]
 def _init_weight(layer: nn.Module, num_rows: int, num_cols: int) -> None:
     """The plain (num_rows, num_cols) weight, or the quantized checkpoint's tensors when one is being read."""
     fmt = current_format()
-    layer.quant = None if fmt is None else QuantizedLinearWeights(layer, fmt)
+    layer.quant = None if fmt is None or fmt.experts_only else QuantizedLinearWeights(layer, fmt)
     if layer.quant is None:
         layer.weight = _empty_param(num_rows, num_cols)
         layer.weight.weight_loader = layer.weight_loader

@@ -6,6 +6,11 @@ The experts' weights are stacked: gate_up_proj (experts, 2 * intermediate_per_ra
 dense MLP does (gate_up column-parallel, down row-parallel), so each rank computes every expert on its slice and the
 block's one all-reduce sums the ranks' partial outputs after the weighted sum.
 
+gpt-oss's experts add a bias to every expert linear (a row-parallel one's on rank 0 alone, so the block's sum adds it
+once) and route with a biased router, softmax over the top-k logits alone; its checkpoints stack each linear as
+(experts, in, out) with gate and up interleaved (gate_up's rows g0 u0 g1 u1 ...), which the loader turns into our
+(experts, out, in) [gate | up] layout (`stacked_in_out`, `interleaved`).
+
 Rows: each (token, chosen expert) pair is one row; the rows are sorted by expert, tokens in batch order within an
 expert, so an expert's rows are one contiguous range (one matmul each), and the rows of one expert that come from one
 request stay consecutive (a LoRA wrapper finds its segments there: see worker/lora/experts.py).
@@ -21,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from loraplex.worker.layers.activation import SiluAndMul
 from loraplex.worker.parallel import all_reduce, current_tp
+from loraplex.worker.quant import mxfp4
+from loraplex.worker.quant.layer import current_format
 from torch import nn
 
 
@@ -59,6 +66,12 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def route_topk_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's router: the top-k logits, then a softmax over those alone. (weights float32, expert ids)"""
+    logits, ids = torch.topk(router_logits.float(), top_k, dim=-1)  # (tokens, top_k)
+    return torch.softmax(logits, dim=-1), ids
 
 
 def route_sigmoid(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,8 +113,12 @@ class ExpertsLinear(nn.Module):
     attributes follow worker/layers/linear.py's promise to wrappers, per expert; forward(rows, routing) applies each
     expert's weight to its rows. `partial`/`finish` as there: a row-parallel one leaves its sum to the block."""
 
-    def __init__(self, num_experts: int, input_size: int, output_sizes: list[int], tp_mode: str):
+    def __init__(self, num_experts: int, input_size: int, output_sizes: list[int], tp_mode: str, *,
+                 bias: bool = False, interleaved: bool = False):  # fmt: skip
+        """interleaved: a stacked checkpoint tensor's slices' rows alternate (row i of slice s is row i * slices + s),
+        as gpt-oss stores gate_up."""
         super().__init__()
+        self.interleaved = interleaved
         tp = current_tp()
         self.tp_rank, self.tp_size, self.tp_mode = tp.rank, tp.world_size, tp_mode
         self.num_experts = num_experts
@@ -113,11 +130,28 @@ class ExpertsLinear(nn.Module):
         self.input_size_per_rank = input_size // self.tp_size if tp_mode == "row" else input_size
         self.output_sizes_per_rank = [s // self.tp_size for s in output_sizes] if tp_mode == "column" else output_sizes
         self.output_offsets_per_rank = [0, *itertools.accumulate(self.output_sizes_per_rank)][:-1]
-        self.weight = nn.Parameter(
-            torch.empty(num_experts, sum(self.output_sizes_per_rank), self.input_size_per_rank), requires_grad=False
-        )
-        self.weight.weight_loader = self.weight_loader
-        # a checkpoint's stacked tensor is (experts, in, out) (Llama 4's), not (experts, out, in): set by the model
+        num_rows = sum(self.output_sizes_per_rank)
+        fmt = current_format()
+        self.packed = fmt is not None and fmt.experts_only  # MXFP4 (worker/quant/mxfp4.py): bytes kept resident
+        if self.packed:
+            if self.input_size_per_rank % mxfp4.BLOCK_SIZE:
+                raise ValueError(f"mxfp4 experts' {self.input_size_per_rank} inputs per rank split a block of "
+                                 f"{mxfp4.BLOCK_SIZE}")
+            self.dtype = torch.get_default_dtype()  # of the dequantized tiles
+            num_blocks = self.input_size_per_rank // mxfp4.BLOCK_SIZE
+            self.blocks = self._packed_param((num_experts, num_rows, num_blocks * mxfp4.BLOCK_SIZE // 2),
+                                             mxfp4.random_blocks)  # fmt: skip
+            self.scales = self._packed_param((num_experts, num_rows, num_blocks), mxfp4.random_scales)
+        else:
+            weight = torch.empty(num_experts, num_rows, self.input_size_per_rank)
+            self.weight = nn.Parameter(weight, requires_grad=False)
+            self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(num_experts, sum(self.output_sizes_per_rank)), requires_grad=False)
+            self.bias.weight_loader = self.bias_loader
+        # a checkpoint's stacked tensor is (experts, in, out) (Llama 4's, gpt-oss's), not (experts, out, in): set by the
+        # model (MXFP4 codes are stored (experts, out, ...) whatever it says)
         self.stacked_in_out = False
 
     @property
@@ -128,12 +162,22 @@ class ExpertsLinear(nn.Module):
         """The (expert, slice) pieces a per-expert checkpoint holds, each loaded on its own."""
         return [(e, s) for e in range(self.num_experts) for s in range(self.num_slices)]
 
+    def _packed_param(self, shape: tuple[int, ...], draw) -> nn.Parameter:
+        param = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
+        param.weight_loader = self.weight_loader
+        param.random_checkpoint = draw  # --load-format dummy draws the format's bytes (worker/dummy_weights.py)
+        return param
+
     def full_shape(self, param: nn.Parameter, shard_id: int | None = None) -> tuple[int, ...]:
         """The stacked checkpoint tensor weight_loader takes: every expert's slice `shard_id` (None: every slice)."""
         rows = sum(self.output_sizes) if shard_id is None else self.output_sizes[shard_id]
-        if self.stacked_in_out:
-            return self.num_experts, self.input_size, rows
-        return self.num_experts, rows, self.input_size
+        if self.stacked_in_out and not self.packed:
+            return self.num_experts, self._full_columns(param), rows
+        return self.num_experts, rows, self._full_columns(param)
+
+    def _full_columns(self, param: nn.Parameter) -> int:
+        """Columns of the whole input in `param`'s units: inputs, MXFP4 code bytes (2 inputs) or scales (32)."""
+        return param.shape[2] * self.tp_size if self.tp_mode == "row" else param.shape[2]
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | int | None
@@ -141,11 +185,15 @@ class ExpertsLinear(nn.Module):
         """shard_id (expert, slice): one expert's (out of the slice, in) tensor, as per-expert checkpoints hold them;
         None: the stacked tensor of a checkpoint that saves experts fused; an int: every expert's slice, stacked."""
         if not isinstance(shard_id, tuple):
+            if loaded.dim() == 4:  # MXFP4 codes as checkpoints store them: (experts, out, blocks, 16 bytes)
+                loaded = loaded.flatten(2)
             expected = self.full_shape(param, shard_id)
             if tuple(loaded.shape) != expected:
                 raise ValueError(f"stacked experts tensor has shape {tuple(loaded.shape)}, expected {expected}")
-            if self.stacked_in_out:
+            if self.stacked_in_out and not self.packed:
                 loaded = loaded.transpose(1, 2)  # (experts, out, in), as the pieces below are cut
+            if shard_id is None:
+                loaded = self.checkpoint_order(loaded)
             starts = [0, *itertools.accumulate(self.output_sizes)]
             for expert, slice_id in self.checkpoint_shards():
                 if shard_id is None:
@@ -157,27 +205,65 @@ class ExpertsLinear(nn.Module):
                 self.weight_loader(param, piece, (expert, slice_id))
             return
         expert, slice_id = shard_id
-        expected = (self.output_sizes[slice_id], self.input_size)
+        expected = (self.output_sizes[slice_id], self._full_columns(param))
         if tuple(loaded.shape) != expected:
             raise ValueError(f"expert {expert} tensor has shape {tuple(loaded.shape)}, expected {expected}")
         if self.tp_mode == "column":
             num_rows = self.output_sizes_per_rank[slice_id]
             shard = loaded.narrow(0, self.tp_rank * num_rows, num_rows)
         else:
-            shard = loaded.narrow(1, self.tp_rank * self.input_size_per_rank, self.input_size_per_rank)
+            num_cols = param.shape[2]  # this rank's inputs, in param's units
+            shard = loaded.narrow(1, self.tp_rank * num_cols, num_cols)
         rows = param.data[expert].narrow(0, self.output_offsets_per_rank[slice_id], shard.shape[0])
         rows.copy_(shard)
+
+    def checkpoint_order(self, stacked: torch.Tensor) -> torch.Tensor:
+        """(experts, out, ...) as the checkpoint orders the rows -> slice after slice ([gate | up])."""
+        if not self.interleaved:
+            return stacked
+        num_experts, num_rows = stacked.shape[:2]
+        per_slice = stacked.view(num_experts, num_rows // self.num_slices, self.num_slices, *stacked.shape[2:])
+        return per_slice.transpose(1, 2).reshape(stacked.shape)
+
+    def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: None) -> None:
+        """The stacked (experts, out) bias; a column-parallel linear keeps its rows of each slice."""
+        expected = (self.num_experts, sum(self.output_sizes))
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"stacked experts bias has shape {tuple(loaded.shape)}, expected {expected}")
+        loaded = self.checkpoint_order(loaded)
+        if self.tp_mode == "column":
+            starts = [0, *itertools.accumulate(self.output_sizes)][:-1]
+            pieces = [loaded.narrow(1, start + self.tp_rank * size, size)
+                      for start, size in zip(starts, self.output_sizes_per_rank, strict=True)]  # fmt: skip
+            loaded = torch.cat(pieces, dim=1)
+        param.data.copy_(loaded)
 
     def forward(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
         return self.partial(rows, routing)
 
+    def expert_weight(self, expert: int) -> torch.Tensor:
+        """(out_per_rank, in_per_rank) of one expert; MXFP4 experts dequantize it here, one expert's tile at a time."""
+        if self.packed:
+            return mxfp4.dequantize(self.blocks[expert], self.scales[expert], self.dtype)
+        return self.weight[expert]
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of this rank's expert weights held on the device (MXFP4: codes and scales; biases not counted)."""
+        params = (self.blocks, self.scales) if self.packed else (self.weight,)
+        return sum(p.numel() * p.element_size() for p in params)
+
     def partial(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
-        out = rows.new_empty(rows.shape[0], self.weight.shape[1])  # (rows, out_per_rank)
+        out = rows.new_empty(rows.shape[0], sum(self.output_sizes_per_rank))  # (rows, out_per_rank)
         bounds = routing.expert_bounds
+        # a row-parallel linear's bias is added on one rank: the block sums the ranks' partial outputs
+        with_bias = self.bias is not None and (self.tp_mode == "column" or self.tp_rank == 0)
         for expert in range(self.num_experts):
             start, end = bounds[expert], bounds[expert + 1]
             if end > start:
-                torch.matmul(rows[start:end], self.weight[expert].T, out=out[start:end])
+                torch.matmul(rows[start:end], self.expert_weight(expert).T, out=out[start:end])
+                if with_bias:
+                    out[start:end] += self.bias[expert]
         return out
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
@@ -188,12 +274,13 @@ class ExpertsLinear(nn.Module):
 
 
 class MoEExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act_fn: nn.Module | None = None,
+                 **linear_kwargs: bool):  # fmt: skip
         super().__init__()
         size = intermediate_size
-        self.gate_up_proj = ExpertsLinear(num_experts, hidden_size, [size, size], "column")
-        self.down_proj = ExpertsLinear(num_experts, size, [hidden_size], "row")
-        self.act_fn = SiluAndMul()
+        self.gate_up_proj = ExpertsLinear(num_experts, hidden_size, [size, size], "column", **linear_kwargs)
+        self.down_proj = ExpertsLinear(num_experts, size, [hidden_size], "row", **linear_kwargs)
+        self.act_fn = act_fn or SiluAndMul()
 
     def forward(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
         gate_up = self.gate_up_proj(rows, routing)  # (rows, 2 * intermediate_per_rank): [gate | up]
@@ -203,12 +290,14 @@ class MoEExperts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router (`gate`, replicated) and experts; forward(hidden) -> (tokens, hidden), all-reduced."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
+                 experts: MoEExperts | None = None, router_bias: bool = False):  # fmt: skip
+        """experts: a family's own (gpt-oss: biased, clamped SwiGLU); None: SiLU-gated experts without biases."""
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.tp_size = current_tp().world_size
-        self.gate = RouterLinear(hidden_size, num_experts)
-        self.experts = MoEExperts(num_experts, hidden_size, intermediate_size)
+        self.gate = RouterLinear(hidden_size, num_experts, bias=router_bias)
+        self.experts = experts or MoEExperts(num_experts, hidden_size, intermediate_size)
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights (tokens, top_k) float32, expert ids (tokens, top_k)) of each token's experts."""
@@ -225,14 +314,15 @@ class SparseMoeBlock(nn.Module):
 
 
 class RouterLinear(nn.Module):
-    """The router's (experts, hidden) weight, whole on every rank: logits = hidden · Wᵀ."""
+    """The router's (experts, hidden) weight (and bias: gpt-oss), whole on every rank: logits = hidden · Wᵀ + b."""
 
-    def __init__(self, hidden_size: int, num_experts: int):
+    def __init__(self, hidden_size: int, num_experts: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)  # (tokens, experts)
+        return F.linear(hidden, self.weight, self.bias)  # (tokens, experts)
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):

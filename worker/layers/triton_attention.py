@@ -8,7 +8,7 @@ extend kernel; both write their rows of one output, so nothing is gathered, padd
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from loraplex.kernels.paged_attention import decode_num_splits, launch_decode, launch_extend, plan_extend_tiles
@@ -53,20 +53,21 @@ class PagedAttentionInputs:
         if self.decode is not None:
             d = self.decode
             launch_decode(out, q, k_cache, v_cache, d.page_table, d.kv_lens, d.q_rows, self.page_size, layer.scale,
-                          d.num_splits, window, cap)  # fmt: skip
+                          d.num_splits, window, cap, layer.sinks)  # fmt: skip
         if self.extend is not None:
             e = self.extend
             launch_extend(out, q, k_cache, v_cache, e.page_table, e.q_starts, e.q_lens, e.cached_lens, e.tile_reqs,
-                          e.tile_offsets, self.page_size, layer.scale, window, cap)  # fmt: skip
+                          e.tile_offsets, self.page_size, layer.scale, window, cap, layer.sinks)  # fmt: skip
         return out
 
 
 class TritonAttention:
     name = "triton"
 
-    def __init__(self, device: torch.device, num_kv_heads: int):
+    def __init__(self, device: torch.device, num_kv_heads: int, sinks: bool = False):
         self.device = device
         self.num_kv_heads = num_kv_heads  # this rank's: the decode split count depends on it
+        self.sinks = sinks  # the model's layers have attention sinks: their kernel variant is the one warmed up
 
     def build(
         self,
@@ -116,15 +117,18 @@ class TritonAttention:
         qkv = k_cache.new_zeros(2, (num_heads + 2 * self.num_kv_heads) * head_dim)
         q = qkv[:, : num_heads * head_dim].view(2, num_heads, head_dim)  # (tokens, heads, head_dim)
         no_writes = torch.empty(0, dtype=torch.long, device=self.device)  # attend reads the cache only
+        layer = LayerAttention.default(head_dim)
+        if self.sinks:
+            layer = replace(layer, sinks=k_cache.new_zeros(num_heads))
         launches = 0
         for num_splits in (1, 2):
             table, kv_lens, q_rows = _pack([[0], [1], [0]], self.device)
             decode = DecodeMeta(table.view(1, 1), kv_lens, q_rows, num_splits)
-            PagedAttentionInputs(no_writes, page_size, decode, None).attend(q, k_cache, v_cache)
+            PagedAttentionInputs(no_writes, page_size, decode, None).attend(q, k_cache, v_cache, layer)
             launches += num_splits
         table, *rest = _pack([[0], [0], [2], [0], [0], [0]], self.device)
         extend = ExtendMeta(table.view(1, 1), *rest)
-        PagedAttentionInputs(no_writes, page_size, None, extend).attend(q, k_cache, v_cache)
+        PagedAttentionInputs(no_writes, page_size, None, extend).attend(q, k_cache, v_cache, layer)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return launches + 1

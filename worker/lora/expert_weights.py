@@ -12,6 +12,8 @@ adapter's (the pool holds one scale per slot).
   intermediate, out = hidden; both at once would need hidden = intermediate = 2 * intermediate). Llama 4 stores its
   stacked experts (experts, in, out) without transformers' mark of a transposed layout, so PEFT reads them as
   (experts, out, in): its A (experts * r, out) and B (in, r * experts) then play each other's part (transposed).
+  gpt-oss's (experts, in, out) carry that mark (no swap), and its gate_up alternates gate and up rows (its B's too),
+  reordered here into [gate | up].
 """
 
 from __future__ import annotations
@@ -156,6 +158,8 @@ def _split_stacked(
     else:
         stacked_a = lora_a.view(num_experts, r, -1)  # (experts, r, in)
         stacked_b = _scaled(lora_b.view(-1, r, num_experts).permute(2, 0, 1), config, r, alpha)  # (experts, out, r)
+    if len(modules) > 1 and model_config.moe.gate_up_interleaved:  # gpt-oss: rows g0 u0 g1 u1 ... -> [gate | up]
+        stacked_b = stacked_b.unflatten(1, (-1, len(modules))).transpose(1, 2).flatten(1, 2)
     out_sizes = [shapes[f"experts.{m}"][1] for m in modules]
     return {module: (stacked_a, b) for module, b in zip(modules, stacked_b.split(out_sizes, dim=1), strict=True)}
 

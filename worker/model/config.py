@@ -8,7 +8,8 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe", "gemma2", "gemma3_text",
                          "gemma3", "phi3", "deepseek_v3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
-                         "qwen3_next", "glm4_moe", "llama4_text", "llama4")
+                         "qwen3_next", "glm4_moe", "llama4_text", "llama4",
+                         "gpt_oss")
 GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
 LLAMA4_TYPES = ("llama4_text", "llama4")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
@@ -57,6 +58,11 @@ class MoEConfig:
     # the stacked expert tensors are (experts, in, out) (Llama 4), unmarked as transposed in transformers, so PEFT's
     # target_parameters LoRA reads them as (experts, out, in): its A and B change roles (worker/lora/expert_weights.py)
     stacked_in_out: bool = False
+    # gpt-oss's experts: biases on every expert linear and on the router, softmax over the top-k logits alone, and a
+    # clamped SwiGLU (gate clamped above, up on both sides at `swiglu_limit`; gate * sigmoid(alpha * gate) * (up + 1))
+    swiglu_limit: float | None = None  # None: silu(gate) * up
+    swiglu_alpha: float = 1.0
+    gate_up_interleaved: bool = False  # a stacked gate_up (weights, bias, an adapter's B) alternates gate and up rows
 
     @classmethod
     def from_dict(cls, hf: dict[str, Any], model_type: str) -> MoEConfig | None:
@@ -86,6 +92,9 @@ class MoEConfig:
             dense_layers = tuple(i for i in range(num_layers) if i not in moe_layers)
             extra = dict(shared_intermediate_size=hf["intermediate_size"], weight_scales_input=True,
                          shared_expert_name="shared_expert", stacked_in_out=True)
+        if model_type == "gpt_oss":
+            extra = dict(swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                         swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), gate_up_interleaved=True)
         if model_type == "olmoe" and hf.get("clip_qkv") is not None:
             raise ModelConfigError(f"OLMoE with clip_qkv={hf['clip_qkv']} is not supported")
         return cls(
@@ -102,7 +111,7 @@ _QWEN3_5_MOE = ("qwen3_5_moe", "qwen3_5_moe_text")  # every layer MoE, top-k alw
 # DeepSeek-V3's router, shared experts and leading dense layers (GLM-4.5 keeps them with plain attention)
 _GROUPED_SIGMOID_TYPES = ("deepseek_v3", "glm4_moe")
 _MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe", "qwen3_next", *_GROUPED_SIGMOID_TYPES, *_QWEN3_5_MOE,
-                    *LLAMA4_TYPES)
+                    *LLAMA4_TYPES, "gpt_oss")
 # Gated DeltaNet layers beside gated attention ones
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", *_QWEN3_5_MOE)
 MULTIMODAL_HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe")  # served as their language model (text_config)
@@ -243,6 +252,7 @@ class ModelConfig:
     # (floor_scale, attn_scale) of Llama 4's attention-temperature tuning on its NoPE layers: q at position p scaled
     # by 1 + attn_scale * log1p(floor((p + 1) / floor_scale)); None: none
     attn_temperature: tuple[float, float] | None = None
+    attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
@@ -353,6 +363,7 @@ class ModelConfig:
             final_logit_softcap=hf.get("final_logit_softcapping"),
             linear_attention=LinearAttentionConfig.from_dict(hf, model_type),
             mla=MLAConfig.from_dict(hf, rope) if model_type == "deepseek_v3" else None,
+            attention_sinks=model_type == "gpt_oss",
             qk_norm=model_type == "glm4_moe" and bool(hf.get("use_qk_norm", False)),
             **(_llama4_attention(hf) if model_type in LLAMA4_TYPES else {}),
         )
@@ -466,6 +477,7 @@ def _read_layer_windows(hf: dict[str, Any], model_type: str, window: int | None)
             layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
         else:
             layer_types = ["sliding_attention"] * num_layers
+    layer_types = list(layer_types)[:num_layers]  # the layers a shortened model keeps (--hf-overrides)
     if len(layer_types) != num_layers:
         raise ModelConfigError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
     unknown = set(layer_types) - {"sliding_attention", "full_attention"}

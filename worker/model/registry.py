@@ -7,6 +7,7 @@ from loraplex.worker.model.deepseek_v3 import DeepseekV3ForCausalLM
 from loraplex.worker.model.gemma2 import Gemma2ForCausalLM
 from loraplex.worker.model.gemma3 import Gemma3ForCausalLM
 from loraplex.worker.model.glm4_moe import Glm4MoeForCausalLM
+from loraplex.worker.model.gpt_oss import GptOssForCausalLM
 from loraplex.worker.model.llama import LlamaForCausalLM
 from loraplex.worker.model.llama4 import Llama4ForCausalLM
 from loraplex.worker.model.mixtral import MixtralForCausalLM
@@ -36,6 +37,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_5_moe_text": Qwen3_5ForCausalLM,  # its MLPs are MoE blocks (ModelConfig.moe)
     "qwen3_5_moe": Qwen3_5ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "llama4_text": Llama4ForCausalLM,
     "llama4": Llama4ForCausalLM,  # the language model of the multimodal checkpoint

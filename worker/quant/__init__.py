@@ -10,6 +10,7 @@ layer.py               QuantizedLinearWeights: one TP linear's quantized weight,
 matmul.py              x · Wᵀ for one quantized weight, the kernel chosen once at load
 scaled_mm.py           W8A8 FP8 through torch._scaled_mm
 coverage.py            the modules the checkpoint quantizes against those the model reads quantized
+mxfp4.py               MXFP4 experts (gpt-oss): the format, E2M1 codes and E8M0 scales dequantized per expert
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ _GROUP_ORDERS = ("group", "dynamic", True)
 
 class CompressedTensorsFormat:
     method = "compressed-tensors"
+    experts_only = False
 
     def __init__(self, config: dict[str, Any]):
         config, self.group_order = _without_group_order(config)

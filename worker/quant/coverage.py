@@ -1,7 +1,8 @@
 """Which of the model's modules the checkpoint quantizes, against how the model reads them, checked once the model is
 built and before any weight is read: every decoder linear is read in the checkpoint's format, so one the checkpoint
-leaves in full precision (compressed-tensors' `ignore`) is refused; MoE experts are read plain, so quantized experts
-are refused, naming their format. Modules the checkpoint leaves plain that the model reads plain (the LM head, an
+leaves in full precision (compressed-tensors' `ignore`) is refused; MoE experts are read plain but under MXFP4
+(worker/quant/mxfp4.py: the experts alone quantized, the linears plain), so other quantized experts are refused,
+naming their format. Modules the checkpoint leaves plain that the model reads plain (the LM head, an
 MoE router, a vision tower it does not build) are what they should be."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def check_coverage(fmt: QuantFormat, model: nn.Module) -> None:
                     raise QuantFormatError(f"{fmt.description}: the checkpoint leaves {plain} in full precision "
                                            "(ignore); a decoder linear unquantized beside quantized ones is not "
                                            "supported")
-        elif hasattr(module, "checkpoint_shards"):  # stacked MoE experts, read plain
+        elif hasattr(module, "checkpoint_shards") and not module.packed:  # stacked MoE experts, read plain
             for piece in checkpoint_module_names(model, name):
                 # a piece is left plain when the checkpoint ignores it under any of its spellings
                 if all(fmt.quantizes(hf_name) for hf_name in piece):

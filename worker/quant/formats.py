@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
+from loraplex.worker.quant.mxfp4 import Mxfp4Format
 from loraplex.worker.quant.packing import AWQ_ORDER, pack_int32, unpack_int32
 from loraplex.worker.quant.weights import FloatWeight, IntWeight, QuantWeight
 
@@ -23,6 +24,7 @@ class QuantFormat(Protocol):
     method: str  # --quantization's name
     description: str  # the method and how its weights are stored, for messages ("fp8 in 128x128 blocks")
     tensor_names: tuple[str, ...]
+    experts_only: bool  # the checkpoint quantizes MoE experts alone (mxfp4.py); the decoder's linears are plain
 
     def quantizes(self, module_name: str) -> bool:
         """Whether the checkpoint stores the linear `module_name` (its own name, `model.layers.0.mlp.up_proj`)
@@ -61,6 +63,7 @@ class GPTQFormat:
     (in,) each input column's group (a permutation of the groups under desc_act)."""
 
     method = "gptq"
+    experts_only = False
     tensor_names = ("qweight", "qzeros", "scales", "g_idx")
 
     def __init__(self, config: dict[str, Any]):
@@ -116,6 +119,7 @@ class AWQFormat:
     interleaved order AWQ_ORDER, scales (groups, out); w = (q - zero) · scale."""
 
     method = "awq"
+    experts_only = False
     tensor_names = ("qweight", "qzeros", "scales")
 
     def __init__(self, config: dict[str, Any]):
@@ -162,6 +166,7 @@ class FP8Format:
     `input_scale` with static activations is read and unused (scaled_mm.py scales each call's own)."""
 
     method = "fp8"
+    experts_only = False
 
     def __init__(self, config: dict[str, Any]):
         self.block = tuple(config["weight_block_size"]) if config.get("weight_block_size") else None
@@ -208,6 +213,8 @@ def build_format(method: str, config: dict[str, Any]) -> QuantFormat:
         return AWQFormat(config)
     if method == "fp8":
         return FP8Format(config)
+    if method == "mxfp4":
+        return Mxfp4Format(config)
     # Only here: the library imports transformers, seconds of start-up a plain checkpoint need not pay.
     from loraplex.worker.quant.compressed_tensors import CompressedTensorsFormat
 
