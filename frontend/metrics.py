@@ -69,6 +69,11 @@ class Metrics:
         self.adapter_resident = Gauge("loraplex_adapter_resident", "1 while the adapter is in a device slot, 0 "
                                       "while it is loaded but not", ["adapter", *per_replica], registry=r)
         self.per_adapter = (self.adapter_requests, self.adapter_prompt_tokens, self.adapter_generation_tokens)
+        # ---- a hybrid model's per-request state (linear-attention layers): one slot per running request, beside its
+        # KV pages; 0 and 0 for a model without such layers
+        self.state_slots = Gauge("loraplex_state_slots", "Linear-attention state slots", per_replica, registry=r)
+        self.state_slots_free = Gauge("loraplex_state_slots_free", "Linear-attention state slots free", per_replica,
+                                      registry=r)  # fmt: skip
         # ---- the vLLM gauges, one series each
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", ["model_name"], registry=r)
         self.running = Gauge("vllm:num_requests_running", "Requests running", ["model_name"], registry=r)
@@ -152,6 +157,8 @@ class Metrics:
             resident_ids = {i for i in replica.slot_lora_ids if i != -1}
             self._series(self.adapters_resident, dp_rank).set(len(resident_ids))
             self._series(self.adapters_running, dp_rank).set(len(set(replica.running_lora_ids)))
+            self._series(self.state_slots, dp_rank).set(replica.num_state_slots)
+            self._series(self.state_slots_free, dp_rank).set(replica.num_free_state_slots)
             for lora_id, name in names.items():
                 self._series(self.adapter_resident, dp_rank, adapter=name).set(1 if lora_id in resident_ids else 0)
 

@@ -1,6 +1,7 @@
 """PEFT LoRA adapters on a MoE checkpoint in PEFT's per-expert form, as adapters trained on transformers 4 are saved
 (layers.N.<parent>.experts.E.<module> lora_A/B, beside attention modules), written by hand: transformers 5 models have
-no per-expert modules to build them on with peft. Shapes come from the checkpoint's config.json."""
+no per-expert modules to build them on with peft. Shapes come from the checkpoint's config.json. merged_reference is
+the HF model such an adapter should equal."""
 
 from __future__ import annotations
 
@@ -67,3 +68,29 @@ def save_random_adapter(out_dir: str | os.PathLike[str], modules: dict[str, tupl
               "target_modules": target_modules, "task_type": "CAUSAL_LM",
               "base_model_name_or_path": None, "rank_pattern": {}, "alpha_pattern": {}}
     (out_dir / "adapter_config.json").write_text(json.dumps(config))
+
+
+def merged_reference(model_dir: Path | str, adapter_dir: Path | str):
+    """HF's model with a per-expert adapter's every product merged into its weights (W += scale · B·A), the
+    reference for what PEFT does not load on transformers 5 (shared experts: it converts their names away)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with safe_open(str(Path(adapter_dir) / "adapter_model.safetensors"), "pt") as f, torch.no_grad():
+        for key_a in [k for k in f.keys() if k.endswith(".lora_A.weight")]:
+            delta = scale * f.get_tensor(key_a.replace("lora_A", "lora_B")) @ f.get_tensor(key_a)  # (out, in)
+            path = key_a.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            parent, _, module = path.rpartition(".")
+            if ".experts." in path:  # one routed expert of the stacked (experts, out, in) tensors
+                experts, _, expert = parent.rpartition(".")
+                stacked = model.get_submodule(experts)
+                inter = stacked.down_proj.shape[-1]
+                rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter), "down_proj": slice(None)}
+                target = stacked.down_proj if module == "down_proj" else stacked.gate_up_proj
+                target[int(expert), rows[module]] += delta
+            else:
+                model.get_submodule(path).weight += delta
+    return model

@@ -86,11 +86,12 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 
 def adapter_targets(arch: str, name: str) -> tuple[str, ...]:
-    """ADAPTERS[name]'s targets as the arch names them: Qwen3-Next's fused in_proj_qkvz / in_proj_ba; no MLP module
-    in the MoE archs (their shared expert's linears carry the MLP names, which LoRA does not serve yet; their routed
-    experts take build_hybrid_adapter's `experts`)."""
+    """ADAPTERS[name]'s targets as the arch names them: Qwen3-Next's fused in_proj_qkvz / in_proj_ba. In the MoE
+    archs the MLP names reach the shared expert (`mlp.shared_expert.*`) and Qwen3-Next's dense layer, the routed
+    experts take build_hybrid_adapter's `experts`; but PEFT on transformers 5 rewrites Qwen3-Next's MLP names into
+    its stacked experts' parameters, so there none is named (build_next_expert_adapter writes that case by hand)."""
     targets = ADAPTERS[name][2]
-    if arch in ("qwen3_next", "qwen3_5_moe_text"):
+    if arch == "qwen3_next":
         targets = tuple(t for t in targets if t not in MLP_TARGETS)
     if arch == "qwen3_next":
         fused = {"in_proj_qkv": "in_proj_qkvz", "in_proj_z": "in_proj_qkvz", "in_proj_b": "in_proj_ba",
@@ -121,3 +122,43 @@ def build_hybrid_adapter(base_dir: Path | str, out_dir: Path | str, name: str, s
             if "lora_" in param_name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
     peft_model.save_pretrained(str(out_dir))
+
+
+def build_next_expert_adapter(model_dir: Path | str, out_dir: Path | str, *, r: int, lora_alpha: float,
+                              seed: int) -> None:  # fmt: skip
+    """A Qwen3-Next adapter as PEFT saves one trained on transformers 4's modules: the attention layers' k/v/o, the
+    DeltaNet's fused (grouped) in_proj_qkvz and out_proj, the dense layer's MLP, and each MoE layer's routed experts
+    one by one (`mlp.experts.E.gate_proj`) beside its shared expert (`mlp.shared_expert.gate_proj`). PEFT on
+    transformers 5 converts the MLP names to the stacked experts, dropping the rest: expert_adapters.merged_reference
+    is its reference."""
+    import json
+
+    from tests.expert_adapters import save_random_adapter
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, head_dim = cfg["hidden_size"], cfg["head_dim"]
+    q_size, kv_size = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    key_dim = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    value_dim = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    attn = {"k_proj": (hidden, kv_size), "v_proj": (hidden, kv_size), "o_proj": (q_size, hidden)}
+    linear = {"in_proj_qkvz": (hidden, 2 * key_dim + 2 * value_dim), "out_proj": (value_dim, hidden)}
+
+    def mlp(inter: int) -> dict[str, tuple[int, int]]:
+        return {"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+
+    modules: dict[str, tuple[int, int]] = {}  # module path -> (in, out)
+    for layer, kind in enumerate(cfg["layer_types"]):
+        base = f"model.layers.{layer}"
+        mixer = linear if kind == "linear_attention" else attn
+        parent = "linear_attn" if kind == "linear_attention" else "self_attn"
+        modules.update({f"{base}.{parent}.{module}": shape for module, shape in mixer.items()})
+        if layer in cfg["mlp_only_layers"]:
+            modules.update({f"{base}.mlp.{module}": shape for module, shape in mlp(cfg["intermediate_size"]).items()})
+            continue
+        for expert in range(cfg["num_experts"]):
+            modules.update({f"{base}.mlp.experts.{expert}.{module}": shape
+                            for module, shape in mlp(cfg["moe_intermediate_size"]).items()})  # fmt: skip
+        shared = mlp(cfg["shared_expert_intermediate_size"])
+        modules.update({f"{base}.mlp.shared_expert.{module}": shape for module, shape in shared.items()})
+    save_random_adapter(out_dir, modules, r=r, lora_alpha=lora_alpha, seed=seed, init_std=0.15,
+                        target_modules=[*attn, *linear, "gate_proj", "up_proj", "down_proj"])  # fmt: skip

@@ -120,31 +120,3 @@ def build_mla_set(root: Path, with_tokenizer: bool = False) -> tuple[Path, dict[
     build_parameter_adapter(model_dir, adapters["a8"], r=8, lora_alpha=16, target_modules=MLA_TARGETS, seed=2,
                             rank_pattern={r".*\.kv_b_proj": 4}, alpha_pattern={r".*\.kv_b_proj": 12})
     return model_dir, adapters
-
-
-def merged_reference(model_dir: Path | str, adapter_dir: Path | str):
-    """HF's model with a per-expert adapter's every product merged into its weights (W += scale · B·A), the
-    reference for what PEFT does not load on transformers 5 (the shared experts)."""
-    import json
-
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
-    scale = config["lora_alpha"] / config["r"]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with safe_open(str(Path(adapter_dir) / "adapter_model.safetensors"), "pt") as f, torch.no_grad():
-        for key_a in [k for k in f.keys() if k.endswith(".lora_A.weight")]:
-            delta = scale * f.get_tensor(key_a.replace("lora_A", "lora_B")) @ f.get_tensor(key_a)  # (out, in)
-            path = key_a.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-            parent, _, module = path.rpartition(".")
-            if ".experts." in path:  # one routed expert of the stacked (experts, out, in) tensors
-                experts, _, expert = parent.rpartition(".")
-                stacked = model.get_submodule(experts)
-                inter = stacked.down_proj.shape[-1]
-                rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter), "down_proj": slice(None)}
-                target = stacked.down_proj if module == "down_proj" else stacked.gate_up_proj
-                target[int(expert), rows[module]] += delta
-            else:
-                model.get_submodule(path).weight += delta
-    return model

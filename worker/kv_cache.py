@@ -65,11 +65,14 @@ def default_kv_tokens(
     bytes_per_token: int,
     device: torch.device,
     gpu_memory_utilization: float | None = None,
+    reserved_bytes: int = 0,
 ) -> int:
     """Enough for every running request at full context, capped by a share of memory and by MAX_DEFAULT_TOKENS.
 
     On CUDA with `gpu_memory_utilization` (vLLM's meaning: the share of the whole device this server may use), the
-    KV cache gets that share of the device less what is in use already (the weights, loaded before this runs)."""
+    KV cache gets that share of the device less what is in use already (the weights, loaded before this runs).
+    `reserved_bytes`: what else takes its memory from the same share, allocated beside the KV cache (a hybrid
+    model's state slots), so the KV cache gets the rest."""
     if device.type == "cuda":
         free_bytes, total_bytes = torch.cuda.mem_get_info(device)
         if gpu_memory_utilization is None:
@@ -78,5 +81,6 @@ def default_kv_tokens(
             budget = max(0, int(total_bytes * gpu_memory_utilization) - (total_bytes - free_bytes))
     else:
         budget = int(psutil.virtual_memory().available * CPU_MEMORY_FRACTION)
+    budget = max(0, budget - reserved_bytes)
     wanted = max_running_requests * context_length
     return min(wanted, budget // bytes_per_token, MAX_DEFAULT_TOKENS)

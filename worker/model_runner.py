@@ -33,7 +33,7 @@ from loraplex.worker.quant import check_coverage, checkpoint_format, quantized_l
 from loraplex.worker.sampler import Sampler, prompt_logprob_rows, prompt_logprobs, token_logprobs
 from loraplex.worker.sampling_batch import SamplingBatch
 from loraplex.worker.sampling_table import SamplingTable
-from loraplex.worker.state_cache import HybridCache
+from loraplex.worker.state_cache import HybridCache, StatePlan, StateShape
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ class ModelRunner:
         )
 
         self.page_size = config.page_size
+        self.state_plan = self._state_plan()
         num_pages = self._num_kv_tokens() // self.page_size
         if num_pages < 1:
             raise RuntimeError(f"not enough memory for one KV cache page of {self.page_size} tokens")
@@ -141,7 +142,12 @@ class ModelRunner:
             device=self.device,
             num_parts=self.kv_parts,
         )
-        self.kv_cache = self._hybrid_cache(kv_args) if self.model_config.linear_attention else KVCache(**kv_args)
+        if self.state_plan is None:
+            self.kv_cache = KVCache(**kv_args)
+        else:
+            plan = self.state_plan
+            self.kv_cache = HybridCache(num_state_slots=plan.num_slots, num_state_snapshots=plan.num_snapshots,
+                                        state_shape=plan.shape, **kv_args)  # fmt: skip
         self._warmup_attention()
         self._warmup_model_ops(ops)
         self._warmup_linear_attention()
@@ -158,8 +164,12 @@ class ModelRunner:
                 self.context_length,
             )
 
-    def _hybrid_cache(self, kv_args: dict) -> HybridCache:
+    def _state_plan(self) -> StatePlan | None:
+        """A hybrid model's state slots and snapshots: how many, and one's shape on this rank; None for a model
+        without them."""
         la, ranks = self.model_config.linear_attention, self.world_size
+        if la is None:
+            return None
         num_slots = self.config.max_mamba_cache_size or self.config.max_running_requests
         # auto: the dtype the checkpoint names for its states (Qwen3.5's mamba_ssm_dtype), else the model's
         name = self.config.mamba_ssm_cache_dtype if self.config.mamba_ssm_cache_dtype != "auto" else la.state_dtype
@@ -168,15 +178,20 @@ class ModelRunner:
         num_snapshots = 0
         if self.config.prefix_caching:
             num_snapshots = num_slots if self.config.max_state_snapshots is None else self.config.max_state_snapshots
-        cache = HybridCache(num_state_slots=num_slots, num_state_snapshots=num_snapshots,
-                            num_linear_layers=len(la.layer_ids),
-                            conv_channels=la.conv_dim // ranks, conv_state_len=la.conv_kernel_size - 1,
-                            num_value_heads=la.num_value_heads // ranks, key_head_dim=la.key_head_dim,
-                            value_head_dim=la.value_head_dim, state_dtype=dtype, **kv_args)  # fmt: skip
+        shape = StateShape(num_linear_layers=len(la.layer_ids), conv_channels=la.conv_dim // ranks,
+                           conv_state_len=la.conv_kernel_size - 1, num_value_heads=la.num_value_heads // ranks,
+                           key_head_dim=la.key_head_dim, value_head_dim=la.value_head_dim, dtype=dtype)  # fmt: skip
         logger.info("state slots: %d of %.2f MiB each (%d linear-attention layers, %s)", num_slots,
-                    cache.state_bytes / num_slots / 2**20, len(la.layer_ids), str(dtype).removeprefix("torch."))
-        logger.info("state snapshots for the prefix cache: %d (%.2f MiB)", num_snapshots, cache.snapshot_bytes / 2**20)
-        return cache
+                    shape.slot_bytes / 2**20, len(la.layer_ids), str(dtype).removeprefix("torch."))  # fmt: skip
+        logger.info("state snapshots for the prefix cache: %d (%.2f MiB)", num_snapshots,
+                    num_snapshots * shape.slot_bytes / 2**20)  # fmt: skip
+        return StatePlan(num_slots, num_snapshots, shape)
+
+    @property
+    def state_bytes(self) -> int:
+        """What the planned state slots and snapshots take of this rank's memory (0 without them)."""
+        plan = self.state_plan
+        return 0 if plan is None else (plan.num_slots + plan.num_snapshots) * plan.shape.slot_bytes
 
     @property
     def num_state_slots(self) -> int:
@@ -413,7 +428,11 @@ class ModelRunner:
             bytes_per_token=self.kv_bytes_per_token,
             device=self.device,
             gpu_memory_utilization=self.config.gpu_memory_utilization,
+            reserved_bytes=self.state_bytes,  # the state slots come out of the same memory
         )
+        if self.state_bytes:
+            logger.info("KV budget less the state slots' and snapshots' %.2f MiB (at most %d tokens fewer)",
+                        self.state_bytes / 2**20, self.state_bytes // self.kv_bytes_per_token)  # fmt: skip
         if self.world_size > 1:  # ranks measure their own memory; all must agree on one capacity
             agreed = torch.tensor([num_tokens], dtype=torch.int64, device=self.device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN)

@@ -99,19 +99,46 @@ class LayerState:
     rounds: tuple[StateRound, ...]  # this pass's, in order (one when it saves no snapshot)
 
 
+@dataclass(frozen=True)
+class StateShape:
+    """One state slot (or snapshot) on this rank: every linear-attention layer's conv state and recurrent state, this
+    rank's channels and heads. Its bytes come out of the memory the KV cache is sized from (worker/kv_cache.py)."""
+
+    num_linear_layers: int
+    conv_channels: int
+    conv_state_len: int  # kernel - 1
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def slot_bytes(self) -> int:
+        per_layer = self.conv_channels * self.conv_state_len + self.num_value_heads * self.key_head_dim * \
+            self.value_head_dim  # fmt: skip
+        return self.num_linear_layers * per_layer * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class StatePlan:
+    """What a hybrid model's HybridCache will hold, known before it is built (the KV budget leaves its bytes out)."""
+
+    num_slots: int  # one per running request
+    num_snapshots: int  # the prefix cache's
+    shape: StateShape
+
+
 class HybridCache(KVCache):
     """The KV cache of the attention layers (KVCache's `layer(i)` takes the i-th attention layer) and the state
     slots of the linear-attention ones (`linear_state(i)`, the i-th such layer, for the batch `begin` set)."""
 
-    def __init__(self, *, num_state_slots: int, num_state_snapshots: int, num_linear_layers: int,
-                 conv_channels: int, conv_state_len: int, num_value_heads: int, key_head_dim: int,
-                 value_head_dim: int, state_dtype: torch.dtype, **kv_args):  # fmt: skip
+    def __init__(self, *, num_state_slots: int, num_state_snapshots: int, state_shape: StateShape, **kv_args):
         super().__init__(**kv_args)
-        device = kv_args["device"]
+        device, state_dtype, shape = kv_args["device"], state_shape.dtype, state_shape
         self.num_state_slots = num_state_slots
         self.num_state_snapshots = num_state_snapshots
-        conv_shape = (num_linear_layers, conv_channels, conv_state_len)
-        recurrent_shape = (num_linear_layers, num_value_heads, key_head_dim, value_head_dim)
+        conv_shape = (shape.num_linear_layers, shape.conv_channels, shape.conv_state_len)
+        recurrent_shape = (shape.num_linear_layers, shape.num_value_heads, shape.key_head_dim, shape.value_head_dim)
         # (layers, slots or snapshots, ...): a slot's or snapshot's states of every layer are one index
         self.conv = torch.zeros(_with_count(conv_shape, num_state_slots), dtype=state_dtype, device=device)
         self.recurrent = torch.zeros(_with_count(recurrent_shape, num_state_slots), dtype=state_dtype, device=device)

@@ -11,11 +11,12 @@ load/unload benchmark (an extra adapter, not in the workload). Then the engine-c
 ratios.py), each starting its own servers: prefix cache on / off (prefix_cache.py), chunked / whole prefill
 (chunked_prefill.py), chats without max_tokens in a fixed KV cache (kv_admission.py), a quarter of the requests under
 a JSON schema against none (structured.py), `--dp-size 2` against one replica on the same cores (dp.py), 8 adapters
-against the base on a model of each other family's shape (families.py: Qwen3), and decode (one stream, and one
-request per adapter on 32 adapters) on INT8 and INT4 copies of the bench model against its plain weights, in process
-(quantized.py). Every ratio's two sides are measured in this run, on this machine. Both systems run in the same
-dtype (bfloat16 by default: on a CPU with AMX/AVX512-BF16 its matmuls are 3-6x faster than float32) and with one
-thread per core.
+against the base on a model of each other family's shape (families.py: Qwen3, Qwen3-MoE; with a hybrid model's decode
+step against a dense one's and latent attention's KV bytes per token against plain attention's), and decode (one
+stream, and one request per adapter on 32 adapters) on INT8 and INT4 copies of the bench model against its plain
+weights, in process (quantized.py). Every ratio's two sides are measured in this run, on this machine. Both systems
+run in the same dtype (bfloat16 by default: on a CPU with AMX/AVX512-BF16 its matmuls are 3-6x faster than float32)
+and with one thread per core.
 """
 
 from __future__ import annotations

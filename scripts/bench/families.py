@@ -8,12 +8,21 @@ Per family, one server with 8 rank-16 all-module adapters (on a MoE: attention a
 workload on the 8 adapters (uniform), then the same requests on the base model alone, interleaved per repeat. Ratio:
 output throughput 8 adapters / base (best of the repeats), as all.py's Llama row. A family is one entry of
 FAMILY_SIZES.
+
+Two families' caches beside them, in process: a hybrid model's decode step (Gated DeltaNet state update) against a
+dense model of equal parameters (KV read) at 1, 8 and 32 running requests (scripts/bench/hybrid_decode.py's
+measurement; --quick on its small shapes), and latent attention's KV bytes per token against the same model with
+plain multi-head attention, on DeepSeek-V3's published shapes (DeepseekV3Config's defaults) through the worker's own
+KV layout.
 """
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
+import scripts.bench.hybrid_decode as hybrid_decode
 import scripts.bench.serving as bench_serving
 from scripts.bench.model import SIZES, BenchModel, ensure_bench_model
 from scripts.bench.report import Targets, best_of, versus
@@ -37,6 +46,8 @@ class Plan:
     num_requests: int
     concurrency: int
     families: tuple[str, ...] = field(default=tuple(FAMILY_SIZES))
+    hybrid_context: int = 256  # tokens each running request has before the timed decode steps
+    hybrid_steps: int = 5  # timed steps per model and batch (the median is the figure)
 
     def family_size(self, family: str) -> str:
         return FAMILY_SIZES[family][1 if self.quick else 0]
@@ -45,13 +56,21 @@ class Plan:
 FULL = Plan(size=FAMILY_SIZES["qwen3"][0], quick=False, num_adapters=8, input_len_range=(16, 128),
             output_len_range=(16, 128), num_requests=64, concurrency=16)
 QUICK = Plan(size=FAMILY_SIZES["qwen3"][1], quick=True, num_adapters=8, input_len_range=(8, 16),
-             output_len_range=(4, 8), num_requests=16, concurrency=8)
+             output_len_range=(4, 8), num_requests=16, concurrency=8, hybrid_context=16, hybrid_steps=2)
+HYBRID_BATCHES = (1, 8, 32)  # running requests per timed decode step
 
 
 TARGETS: Targets = {
     f"{family}_multi_vs_base": (f"{family}-shaped: {{num_adapters}}-adapter / base-only throughput "
                                 "({concurrency} concurrent)", ">= 0.8", lambda v: v >= 0.8)
     for family in FAMILY_SIZES
+} | {
+    f"hybrid_decode_{batch}": (f"hybrid / dense decode step, equal parameters, {batch} running ({{hybrid_context}} "
+                               "tokens of context)", "<= 1", lambda v: v <= 1)
+    for batch in HYBRID_BATCHES
+} | {
+    "latent_kv_bytes": ("latent / plain attention KV bytes per token (DeepSeek-V3's shapes)", "<= 0.1",
+                        lambda v: v <= 0.1),
 }
 
 
@@ -77,8 +96,37 @@ def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int,
                     runs[side].append(bench_serving.run_and_report(server.url, make_workload(spec),
                                                                    plan.concurrency, desc))
         results["families"][family] = {"size": SIZES[size].key, **{side: best_of(r) for side, r in runs.items()}}
+    results["hybrid"] = hybrid_steps(plan, dtype)
+    results["latent_kv"] = latent_kv_bytes(dtype)
     results["measured"] = measure_ratios(results)
     return results
+
+
+def hybrid_steps(plan: Plan, dtype: str) -> dict:
+    """{'parameters': per model, 'rows': one per batch of HYBRID_BATCHES} (hybrid_decode.measure)."""
+    shapes = hybrid_decode.QUICK_SHAPES if plan.quick else hybrid_decode.SHAPES
+    with tempfile.TemporaryDirectory() as tmp:
+        models = hybrid_decode.write_models(Path(tmp), shapes)
+        rows = hybrid_decode.measure(models, list(HYBRID_BATCHES), plan.hybrid_context, plan.hybrid_steps, dtype)
+    return {"parameters": {name: n for name, (_, n) in models.items()}, "rows": rows}
+
+
+def latent_kv_bytes(dtype: str) -> dict:
+    """KV bytes per token of every layer on one rank: DeepSeek-V3's latent cache as the worker lays it out, and the
+    same model with plain multi-head attention (keys of qk_head_dim and values of v_head_dim, every head)."""
+    import torch
+    from loraplex.worker.kv_cache import kv_bytes_per_token
+    from loraplex.worker.model.config import ModelConfig
+    from transformers import DeepseekV3Config
+
+    hf = DeepseekV3Config()
+    config = ModelConfig.from_dict(hf.to_dict())
+    parts, heads, head_dim = config.kv_layout(1)
+    itemsize = getattr(torch, dtype).itemsize
+    latent = kv_bytes_per_token(config.num_layers, heads, head_dim, getattr(torch, dtype), parts)
+    mla = config.mla
+    plain = config.num_layers * config.num_heads * (mla.qk_head_dim + mla.v_head_dim) * itemsize
+    return {"layers": config.num_layers, "latent": latent, "plain": plain, "dtype": dtype}
 
 
 def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
@@ -86,4 +134,12 @@ def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
     for family, runs in results["families"].items():
         multi, base = (runs[side]["summary"]["output_token_throughput"] for side in ("adapters", "base"))
         measured[f"{family}_multi_vs_base"] = versus(multi, base, "out tok/s", note=f" ({runs['size']})")
+    params = results["hybrid"]["parameters"]
+    note = f" (median step; {params['hybrid'] / 1e6:.1f} M vs {params['dense'] / 1e6:.1f} M parameters)"
+    for row in results["hybrid"]["rows"]:
+        measured[f"hybrid_decode_{row['batch']}"] = versus(row["hybrid_median_ms"], row["dense_median_ms"], "ms",
+                                                           digits=2, note=note)  # fmt: skip
+    kv = results["latent_kv"]
+    measured["latent_kv_bytes"] = versus(kv["latent"], kv["plain"], "bytes", digits=0,
+                                         note=f" per token ({kv['layers']} layers, {kv['dtype']})")  # fmt: skip
     return measured

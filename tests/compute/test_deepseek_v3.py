@@ -295,7 +295,8 @@ def test_plain_q_proj_model_with_lora_matches_peft(tmp_path: Path) -> None:
 def test_shared_experts_and_dense_mlp_adapter_matches_merged_weights(tmp_path: Path) -> None:
     """An adapter on DeepSeek's own per-expert modules also holds the dense layers' MLP and the shared experts'
     (`mlp.shared_experts.gate_proj`): served, it equals HF's model with every product merged into the weights."""
-    from tests.mla_models import build_mla_expert_adapter, build_mla_model, merged_reference
+    from tests.expert_adapters import merged_reference
+    from tests.mla_models import build_mla_expert_adapter, build_mla_model
 
     model_dir, adapter_dir = tmp_path / "model", tmp_path / "mlps"
     build_mla_model(model_dir)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.layers.gated_delta import chunked_rule, l2norm, recurrent_rule
@@ -24,6 +26,7 @@ from tests.hybrid_models import ADAPTERS, ARCHS, build_hybrid_adapter, build_hyb
 from tests.reference import assert_greedy_match, hf_greedy, hf_model
 from tests.worker_helpers import (
     GREEDY,
+    PAGE_SIZE,
     Seq,
     consecutive_pages,
     forward_logits,
@@ -153,6 +156,27 @@ def test_recomputed_request_in_a_used_slot_matches_hf(runner: ModelRunner, hybri
     assert diff <= FP32_TOL, f"max abs logit diff {diff:.2e}"
 
 
+def test_state_slots_come_out_of_the_kv_budget(hybrid_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sized from memory, the KV cache gets what the state slots and the prefix cache's snapshots leave: their bytes
+    / kv_bytes_per_token tokens fewer than a model without them would get from the same memory."""
+    import loraplex.worker.kv_cache as kv_cache
+
+    available = 1_000_000  # host bytes: 20% of them hold fewer tokens than 8 requests at full context want
+    monkeypatch.setattr(kv_cache.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+    config = ServerConfig(device="cpu", page_size=PAGE_SIZE, max_running_requests=8)  # no --max-total-tokens
+    runner = ModelRunner(config, str(hybrid_dir), rank=0, world_size=1, device="cpu")
+    plan, cache = runner.state_plan, runner.kv_cache
+    state_bytes = cache.state_bytes + cache.snapshot_bytes  # what the slots and snapshots really took
+    assert plan.num_slots == 8 and plan.num_snapshots == 8  # prefix caching on: one snapshot per slot by default
+    assert state_bytes == runner.state_bytes == 16 * plan.shape.slot_bytes > 0
+    budget = int(available * kv_cache.CPU_MEMORY_FRACTION)
+    assert budget // runner.kv_bytes_per_token < 8 * runner.context_length  # the memory, not the wish, binds
+    page = runner.page_size
+    assert runner.max_total_tokens == (budget - state_bytes) // runner.kv_bytes_per_token // page * page
+    without = budget // runner.kv_bytes_per_token // page * page  # what the KV cache got were the slots free
+    assert without - runner.max_total_tokens >= state_bytes // runner.kv_bytes_per_token - page
+
+
 @pytest.mark.parametrize("slots", [[-1], [8], [1, 1]])
 def test_bad_state_slots_fail_the_batch(runner: ModelRunner, slots: list[int]) -> None:
     reqs = [ForwardReq(input_ids=[1, 2], num_cached_tokens=0, page_ids=[90 + i], sampling=GREEDY, state_slot=s)
@@ -187,9 +211,52 @@ def test_lora_wraps_every_linear_of_both_layer_kinds(lora_runner: ModelRunner, a
         wrapped += [gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a]
     if arch == "qwen3_5_text":
         wrapped += [linear.mlp.gate_up_proj, linear.mlp.down_proj]
-    else:
-        wrapped += [linear.mlp.experts.gate_up_proj, linear.mlp.experts.down_proj]  # LoRAExpertsLinear, a LoRALinear
+    else:  # the routed experts (LoRAExpertsLinear, a LoRALinear) and the shared expert
+        experts, shared = linear.mlp.experts, linear.mlp.shared_expert
+        wrapped += [experts.gate_up_proj, experts.down_proj, shared.gate_up_proj, shared.down_proj]
     assert all(isinstance(m, LoRALinear) for m in wrapped)
+    if arch != "qwen3_5_text":
+        assert not isinstance(linear.mlp.shared_expert_gate, LoRALinear)  # a router, not a LoRA target
+
+
+def test_shared_expert_terms_are_served(lora_runner: ModelRunner, arch: str) -> None:
+    """Qwen3.5-MoE's PEFT adapters reach the shared expert (`mlp.shared_expert.*`): "all" beside the routed experts,
+    "linear" (down_proj) on it alone; without its terms "all" leaves HF + peft. (Qwen3-Next's: see
+    test_next_per_expert_adapter_with_shared_expert_matches_merged_weights.)"""
+    if arch != "qwen3_5_moe_text":
+        pytest.skip("PEFT reaches a shared expert here only in Qwen3.5-MoE")
+    lora = lora_runner.lora
+    all_weights = set(lora.adapters[SLOTS["all"] + 1].weights)
+    assert {(0, "shared_experts.gate_proj"), (0, "shared_experts.down_proj"), (0, "gate_proj")} <= all_weights
+    linear_weights = set(lora.adapters[SLOTS["linear"] + 1].weights)
+    assert (0, "shared_experts.down_proj") in linear_weights and (0, "down_proj") not in linear_weights
+    prompt = random_prompts([9], lora_runner.vocab_size, seed=8)[0]
+    req = ForwardReq(input_ids=prompt, num_cached_tokens=0, page_ids=[0, 1, 2], sampling=GREEDY, slot=SLOTS["all"],
+                     state_slot=0)  # fmt: skip
+    with_it = forward_logits(lora_runner, ForwardBatch(batch_id=0, reqs=[req], slot_loads=SLOT_LOADS))  # slots loaded
+    shared = lora.pool.buffers[(0, "mlp.shared_expert.down_proj")]
+    saved = shared.lora_b.clone()
+    shared.lora_b.zero_()
+    try:
+        without = forward_logits(lora_runner, ForwardBatch(batch_id=1, reqs=[req], slot_loads=SLOT_LOADS))
+    finally:
+        shared.lora_b.copy_(saved)
+    assert (with_it - without).abs().max().item() > 0.05
+
+
+def test_shared_expert_gate_is_refused_by_name(lora_runner: ModelRunner, hybrid_dir: Path, arch: str,
+                                               tmp_path: Path) -> None:  # fmt: skip
+    """shared_expert_gate (one output per token: the sigmoid that scales the shared expert) is a router, as the MoE
+    `gate` is: an adapter targeting it is refused, naming it, rather than served without it."""
+    if arch != "qwen3_5_moe_text":
+        pytest.skip("PEFT can target shared_expert_gate (an nn.Linear) only in Qwen3.5-MoE")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hybrid_dir), dtype=torch.float32)
+    get_peft_model(model, LoraConfig(r=4, target_modules=["o_proj", "shared_expert_gate"])).save_pretrained(tmp_path)
+    outcome = lora_runner.lora.load([AdapterToLoad(lora_name="gate", lora_path=str(tmp_path), lora_id=9)])[0]
+    assert not outcome.success and "shared_expert_gate" in outcome.error_message
 
 
 def test_two_adapters_and_the_base_in_one_batch_match_peft(lora_runner: ModelRunner, hybrid_dir: Path,
@@ -224,6 +291,55 @@ def test_adapters_with_chunked_prefill_and_decode_match_peft_greedy(
         ref, margins = hf_greedy(hybrid_dir, prompt, 5, None if name is None else hybrid_adapter_dirs[name])
         num_compared += assert_greedy_match(out, ref, margins, what=name or "base")
     assert num_compared >= 8
+
+
+def test_next_per_expert_adapter_with_shared_expert_matches_merged_weights(tmp_path: Path) -> None:
+    """Qwen3-Next adapters trained on transformers 4 name the routed experts one by one and the shared expert
+    (`mlp.shared_expert.gate_proj`) beside the DeltaNet's grouped in_proj_qkvz, attention and the dense layer's MLP.
+    Two of them (ranks 4 and 8) and the base in one batch equal HF with each adapter merged into the weights (PEFT
+    on transformers 5 converts the MLP names to the stacked experts and drops the rest), and without the shared
+    expert's terms they do not."""
+    from tests.expert_adapters import merged_reference
+    from tests.hybrid_models import build_next_expert_adapter
+
+    model_dir = tmp_path / "model"
+    build_hybrid_model(model_dir, arch="qwen3_next")
+    adapter_dirs = {"r4": tmp_path / "r4", "r8": tmp_path / "r8"}
+    for seed, (name, r) in enumerate((("r4", 4), ("r8", 8))):
+        build_next_expert_adapter(model_dir, adapter_dirs[name], r=r, lora_alpha=2 * r, seed=seed)
+    runner = make_runner(model_dir, max_running_requests=4, enable_lora=True, max_lora_rank=8,
+                         lora_target_modules=["all"], max_loras_per_batch=2)  # fmt: skip
+    specs = [AdapterToLoad(lora_name=name, lora_path=str(path), lora_id=i + 1)
+             for i, (name, path) in enumerate(adapter_dirs.items())]  # fmt: skip
+    results = runner.lora.load(specs)
+    assert all(r.success for r in results), [r.error_message for r in results]
+    assert (0, "shared_experts.up_proj") in runner.lora.adapters[1].weights
+    slot_loads = [SlotLoad(slot=0, lora_id=1), SlotLoad(slot=1, lora_id=2)]
+    names, lengths = [None, "r4", "r8"], [7, 12, 9]
+    prompts = random_prompts(lengths, runner.vocab_size, seed=10)
+    pages = consecutive_pages(lengths, runner.page_size)
+
+    def served() -> list[torch.Tensor]:
+        reqs = [ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=i - 1, state_slot=i)
+                for i, (p, pg) in enumerate(zip(prompts, pages, strict=True))]  # fmt: skip
+        return list(forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=slot_loads)).split(lengths))
+
+    refs = []
+    for prompt, name in zip(prompts, names, strict=True):
+        model = hf_model(str(model_dir)) if name is None else merged_reference(model_dir, adapter_dirs[name])
+        with torch.inference_mode():
+            refs.append(model(torch.tensor([prompt])).logits[0])
+    for name, ours, ref in zip(names, served(), refs, strict=True):
+        assert (ours - ref).abs().max().item() <= FP32_TOL, name
+    shared = runner.lora.pool.buffers[(0, "mlp.shared_expert.gate_up_proj")]
+    saved = shared.lora_b.clone()
+    shared.lora_b.zero_()
+    try:
+        without = served()
+    finally:
+        shared.lora_b.copy_(saved)
+    for name, ours, ref in zip(names[1:], without[1:], refs[1:], strict=True):
+        assert (ours - ref).abs().max().item() > 0.05, name
 
 
 # ---- the prefix cache's state snapshots ------------------------------------------------------------------------

@@ -189,6 +189,17 @@ def test_families_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
         throughputs = [runs[side]["summary"]["output_token_throughput"] for side in ("adapters", "base")]
         assert value == pytest.approx(throughputs[0] / throughputs[1])
     assert result["families"]["qwen3_moe"]["size"].endswith("-e8")  # 8 experts (adapters on each: bench_model)
+    # the hybrid's decode step beside the dense one's, equal parameters within one MLP width step, every batch
+    params = result["hybrid"]["parameters"]
+    assert abs(params["hybrid"] - params["dense"]) < 0.05 * params["hybrid"]
+    assert [row["batch"] for row in result["hybrid"]["rows"]] == list(bench_families.HYBRID_BATCHES)
+    for row in result["hybrid"]["rows"]:
+        value, _ = result["measured"][f"hybrid_decode_{row['batch']}"]
+        assert value == pytest.approx(row["hybrid_median_ms"] / row["dense_median_ms"]) and value > 0
+    kv = result["latent_kv"]  # DeepSeek-V3: per layer one head of kv_lora_rank + rope dims, against 128 heads' k and v
+    assert (kv["layers"], kv["latent"], kv["plain"]) == (61, 61 * (512 + 64) * 2, 61 * 128 * (192 + 128) * 2)
+    assert result["measured"]["latent_kv_bytes"][0] == pytest.approx(kv["latent"] / kv["plain"])
+    assert set(result["measured"]) == set(bench_families.TARGETS)
 
 
 def test_quantized_quick(bench_cache_dir: Path, tmp_path: Path) -> None:

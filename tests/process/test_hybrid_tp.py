@@ -1,8 +1,9 @@
-"""Qwen3.5 text and Qwen3-Next with two adapters under tensor parallelism: two gloo ranks (DeltaNet heads, conv
+"""Qwen3.5-MoE and Qwen3-Next with two adapters under tensor parallelism: two gloo ranks (DeltaNet heads, conv
 channels, A_log and dt_bias split; Qwen3-Next's grouped projections regrouped, then split; out_proj row-parallel;
-attention heads split) must reproduce tp=1 on a batch mixing the base model and both adapters, and on a schedule of
-chunked prefills beside decodes (each rank keeps its heads' states), and across a prefix-cache hit (each rank saves
-and restores its heads' share of a state snapshot)."""
+attention heads split; the routed experts' and Qwen3.5-MoE's shared expert's LoRA cut as their MLPs) must reproduce
+tp=1 on a batch mixing the base model and both adapters, and on a schedule of chunked prefills beside decodes (each
+rank keeps its heads' states), and across a prefix-cache hit (each rank saves and restores its heads' share of a
+state snapshot)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str],
         results.put((rank, {**run_mixed(runner, adapter_dirs), **shapes}))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_5_moe_text", "qwen3_next"])
 def test_hybrid_lora_tp2_matches_tp1(arch: str, tmp_path: Path) -> None:
     hybrid_dir = tmp_path / arch
     build_hybrid_model(hybrid_dir, arch=arch)

@@ -1,8 +1,9 @@
 """A Qwen3.5 text model (Gated DeltaNet + gated attention) served end to end with two adapters, chunked prefill and
 fewer state slots than running places (--max-mamba-cache-size 2 of 4): a batch mixing the base model and both adapters
-equals HF + peft, cold and again from the prefix cache; /server_info counts the slots, all free again after. A system
-prompt shared by requests one after another is served from the cache by the third (its states restored from a
-snapshot), which usage reports as cached tokens, with HF's greedy tokens (what the server gives with no cache)."""
+equals HF + peft, cold and again from the prefix cache; /server_info and /metrics count the slots, all free again
+after. A system prompt shared by requests one after another is served from the cache by the third (its states restored
+from a snapshot), which usage reports as cached tokens, with HF's greedy tokens (what the server gives with no
+cache)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from transformers import AutoTokenizer
 from tests.hybrid_models import ADAPTERS, build_hybrid_adapter, build_hybrid_model
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess
+from tests.unit.test_metrics import parse as parse_metrics
+from tests.unit.test_metrics import value as metric
 
 MAX_NEW = 8
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0}
@@ -70,6 +73,8 @@ def test_hybrid_mixed_batch_equals_peft_with_chunks_and_few_state_slots(
     assert info["state_slots_free"] == 2 and info["prefix_cache_hit_tokens"] > 0  # the second round's
     assert info["state_snapshots_free"] < 8  # kept by cached pages
     assert "prefix caching with 8 state snapshots" in server.log()
+    _, samples = parse_metrics(server.get("/metrics").text)
+    assert metric(samples, "loraplex_state_slots") == 2 and metric(samples, "loraplex_state_slots_free") == 2
 
 
 SYSTEM = ("You are a careful assistant who answers questions about farming, weather and the seasons in short, "

@@ -29,6 +29,8 @@ SERIES = {
     "loraplex_adapters_resident": "gauge",
     "loraplex_adapters_running": "gauge",
     "loraplex_adapter_resident": "gauge",
+    "loraplex_state_slots": "gauge",
+    "loraplex_state_slots_free": "gauge",
     "vllm:num_requests_waiting": "gauge",
     "vllm:num_requests_running": "gauge",
     "vllm:kv_cache_usage_perc": "gauge",
@@ -165,3 +167,24 @@ def test_drop_adapter_removes_every_series_of_it() -> None:
                  "loraplex_adapter_generation_tokens_total", "loraplex_adapter_resident"):
         assert ("adapter", "kept") in next(labels for n, labels in samples if n == name), name
     assert value(samples, "loraplex_requests_total", finish="length") == 2  # totals keep what it served
+
+
+def test_state_slot_gauges_follow_each_replica() -> None:
+    """A hybrid model's state slots (all and free) per replica, as the schedulers report them; 0 before any report."""
+    metrics = Metrics(BASE)
+    _, samples = parse(metrics.render().decode())
+    assert (value(samples, "loraplex_state_slots"), value(samples, "loraplex_state_slots_free")) == (0, 0)
+    stats = SchedulerStats(op_id=0, num_running=3, num_waiting=0, kv_usage=0.2, num_state_slots=8,
+                           num_free_state_slots=5)  # fmt: skip
+    metrics.update_scheduler([stats], [1000], 4, {})
+    _, samples = parse(metrics.render().decode())
+    assert (value(samples, "loraplex_state_slots"), value(samples, "loraplex_state_slots_free")) == (8, 5)
+    metrics = Metrics(BASE, dp_size=2)
+    replicas = [SchedulerStats(op_id=0, num_running=r, num_waiting=0, kv_usage=0.1, num_state_slots=8,
+                               num_free_state_slots=8 - r) for r in (2, 7)]  # fmt: skip
+    metrics.update_scheduler(replicas, [1000, 1000], 4, {})
+    types, samples = parse(metrics.render().decode())
+    assert types == SERIES
+    for dp_rank, free in enumerate((6, 1)):
+        assert value(samples, "loraplex_state_slots", dp_rank=str(dp_rank)) == 8
+        assert value(samples, "loraplex_state_slots_free", dp_rank=str(dp_rank)) == free

@@ -463,9 +463,9 @@ def _split_fused(
 
 
 def _shared_or_plain(key: str, hf_module: str, model_config: ModelConfig) -> str:
-    """A shared expert's MLP module (DeepSeek-V3's `shared_experts.`, Llama 4's `shared_expert.`), keyed apart from
-    the routed experts' of its layer as `shared_experts.` + module; any other its own name. A shared expert whose
-    LoRA this model does not serve (Qwen3-Next's) is refused."""
+    """A shared expert's MLP module (DeepSeek-V3's `shared_experts.`; Llama 4's, Qwen3-Next's and Qwen3.5-MoE's
+    `shared_expert.`), keyed apart from the routed experts' of its layer as `shared_experts.` + module; any other its
+    own name. A shared expert named otherwise than this model names its own is refused."""
     if not any(f".{name}.{hf_module}." in key for name in ("shared_experts", "shared_expert")):
         return hf_module
     name = model_config.moe.shared_expert_name if model_config.moe is not None else None
@@ -488,13 +488,17 @@ def _module_name(key: str) -> str:
 
 def _check_complete(pairs: set[tuple[int, str]], config: _Config, model_config: ModelConfig) -> None:
     """Every target in every layer the config names has weights; but in an MoE model a dense layer's MLP may go
-    without (PEFT converts a per-expert adapter to the stacked experts, where it no longer reaches them)."""
+    without (PEFT converts a per-expert adapter to the stacked experts, where it no longer reaches them), and where a
+    layer has a shared expert, its weights or the routed experts' will do (PEFT's target_modules reach the one, its
+    target_parameters the other)."""
     for layer in config.layers:
         for module in config.target_modules:
             if module in MODEL_TARGETS or not layer_has_module(model_config, layer, module):
                 continue  # not a layer's (_match_vocab_tensors), or not this layer's kind (a hybrid model's)
             expert = is_expert_module(model_config, layer, module)
             optional = model_config.moe is not None and module in MLP_MODULES and not expert
+            if expert and (layer, SHARED_PREFIX + module) in pairs:
+                continue
             if (layer, module) not in pairs and not optional:
                 name = f"experts.{module}" if expert else module
                 raise AdapterLoadError(f"missing lora_A weight for layers.{layer}.{name}")

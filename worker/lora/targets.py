@@ -55,11 +55,20 @@ EXPERT_FUSED_LINEARS = (
     FusedLinear("mlp.experts.gate_up_proj", ("gate_proj", "up_proj")),
     FusedLinear("mlp.experts.down_proj", ("down_proj",)),
 )
-# DeepSeek-V3's shared experts: one dense MLP beside the routed experts of an MoE layer (`mlp.shared_experts.*`).
+# A shared expert: one dense MLP beside the routed experts of an MoE layer, DeepSeek-V3's (and Llama 4's, renamed at
+# load) `mlp.shared_experts.*` and Qwen3-Next's / Qwen3.5-MoE's `mlp.shared_expert.*` (a layer has one or neither). Its
+# modules are named SHARED_PREFIX + module whichever the parent (worker/lora/adapter.py reads the adapter's name
+# against MoEConfig.shared_expert_name), so one adapter table serves both; the sigmoid gate that scales Qwen's
+# (`shared_expert_gate`, one output per token) is a router, not a LoRA target.
 SHARED_PREFIX = "shared_experts."
-SHARED_FUSED_LINEARS = (
-    FusedLinear("mlp.shared_experts.gate_up_proj", (SHARED_PREFIX + "gate_proj", SHARED_PREFIX + "up_proj")),
-    FusedLinear("mlp.shared_experts.down_proj", (SHARED_PREFIX + "down_proj",)),
+SHARED_PARENTS = ("shared_experts", "shared_expert")
+SHARED_FUSED_LINEARS = tuple(
+    fused
+    for parent in SHARED_PARENTS
+    for fused in (
+        FusedLinear(f"mlp.{parent}.gate_up_proj", (SHARED_PREFIX + "gate_proj", SHARED_PREFIX + "up_proj")),
+        FusedLinear(f"mlp.{parent}.down_proj", (SHARED_PREFIX + "down_proj",)),
+    )
 )
 # HF module -> (the experts' fused linear, slice index) in an MoE layer
 EXPERT_SLICE_OF: dict[str, tuple[FusedLinear, int]] = {

@@ -53,7 +53,7 @@ class MoEConfig:
     # Llama 4: each chosen expert's routing weight (sigmoid of its logit) scales the expert's input, not its output
     weight_scales_input: bool = False
     # the name checkpoints and adapters give the shared expert that LoRA reaches (`mlp.shared_experts` here):
-    # DeepSeek-V3's `shared_experts`, Llama 4's `shared_expert`; None: its adapters are refused (Qwen3-Next's)
+    # DeepSeek-V3's `shared_experts`; Llama 4's, Qwen3-Next's and Qwen3.5-MoE's `shared_expert`; None: refused
     shared_expert_name: str | None = "shared_experts"
     # the stacked expert tensors are (experts, in, out) (Llama 4), unmarked as transposed in transformers, so PEFT's
     # target_parameters LoRA reads them as (experts, out, in): its A and B change roles (worker/lora/expert_weights.py)
@@ -86,7 +86,7 @@ class MoEConfig:
                 raise ModelConfigError(f"n_group {extra['num_groups']} must divide n_routed_experts {num_experts}")
         if model_type in ("qwen3_next", *_QWEN3_5_MOE):  # one shared expert, gated (worker/layers/moe.py)
             extra = dict(shared_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
-                         shared_expert_name=None)
+                         shared_expert_name="shared_expert")
         if model_type in LLAMA4_TYPES:  # Llama4TextConfig's moe_layers (from interleave_moe_layer_step)
             moe_layers = set(hf["moe_layers"])
             dense_layers = tuple(i for i in range(num_layers) if i not in moe_layers)
