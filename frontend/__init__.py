@@ -17,6 +17,7 @@ Module map:
     constraints.py       structured-output fields of both APIs -> one OutputConstraint
     grammar_checker.py   GrammarChecker: a constraint compiles, within bounds, before its request is admitted
     reasoning.py         reasoning parsers: `<think>` text goes to reasoning_content
+    harmony.py           gpt-oss's harmony output read as channel messages (its reasoning and tool-call parsers)
     metrics.py           Metrics: the Prometheus series of one server
     model_files.py       the model's local files, downloaded from the Hub when need be
     lora_config.py       the LoRA part of the config completed before the workers start

@@ -7,6 +7,9 @@ model writes first anyway is dropped); without `</think>` everything is reasonin
 `<think>` the output writes and its `</think>`; text before `<think>`, or an output without it, is content; with
 `chat_template_kwargs.enable_thinking` false, no reasoning (the template closed it). glm45 (GLM-4.5 / 4.6) reads as
 qwen3: the model opens `<think>` itself, and its template closes an empty one when thinking is off.
+openai_gptoss (gpt-oss): no tags, harmony channels (frontend/harmony.py): the analysis channel is reasoning, the final
+channel content, and a call stays in the content as written for the `openai` tool-call parser; a constraint applies
+after `<|channel|>final<|message|>`.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from typing import Any
 
 import msgspec
 from loraplex.frontend.constraints import Found
+from loraplex.frontend.harmony import CHANNEL, MESSAGE, split_reasoning
 
 START_TAG, END_TAG = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3", "glm45")
+PARSERS = ("deepseek_r1", "qwen3", "glm45", "openai_gptoss")
+HARMONY_FINAL = CHANNEL + "final" + MESSAGE  # where gpt-oss's answer starts
 
 _BEFORE, _REASONING, _CONTENT = "before", "reasoning", "content"  # where the text read so far stands
 
@@ -73,6 +78,32 @@ class ReasoningParser:
         return (reasoning + rest_reasoning) or None, (content + rest_content) or None
 
 
+class HarmonyReasoningParser:
+    """openai_gptoss: ReasoningParser's feed / flush / split over harmony channels. The text so far is read whole at
+    each piece; what it adds to the reading before goes out (a reading only ever extends the one before)."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._sent = (0, 0)  # reasoning, content characters released
+
+    def feed(self, piece: str) -> tuple[str, str]:
+        self._text += piece
+        return self._release(final=False)
+
+    def flush(self) -> tuple[str, str]:
+        return self._release(final=True)
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        reasoning, content = split_reasoning(text, final=True)
+        return reasoning or None, content or None
+
+    def _release(self, final: bool) -> tuple[str, str]:
+        reasoning, content = split_reasoning(self._text, final)
+        sent_reasoning, sent_content = self._sent
+        self._sent = (len(reasoning), len(content))
+        return reasoning[sent_reasoning:], content[sent_content:]
+
+
 def _partial_tag_len(text: str, tag: str) -> int:
     """The length of the longest end of text that begins tag (shorter than tag)."""
     for size in range(min(len(text), len(tag) - 1), 0, -1):
@@ -87,9 +118,14 @@ class Reasoning:
 
     starts_in_reasoning: bool
     end_ids: tuple[int, ...]
+    harmony: bool = False  # openai_gptoss: channels, not tags; its special tokens must stay in the text
 
-    def parser(self) -> ReasoningParser:
-        return ReasoningParser(self.starts_in_reasoning)
+    @property
+    def needs_special_tokens(self) -> bool:
+        return self.harmony
+
+    def parser(self) -> ReasoningParser | HarmonyReasoningParser:
+        return HarmonyReasoningParser() if self.harmony else ReasoningParser(self.starts_in_reasoning)
 
 
 def request_reasoning(parser_name: str | None, template_kwargs: dict[str, Any] | None,
@@ -99,6 +135,8 @@ def request_reasoning(parser_name: str | None, template_kwargs: dict[str, Any] |
         return None
     if parser_name in ("qwen3", "glm45") and (template_kwargs or {}).get("enable_thinking", True) is False:
         return None
+    if parser_name == "openai_gptoss":
+        return Reasoning(False, tuple(tokenizer.encode(HARMONY_FINAL, add_special_tokens=False)), harmony=True)
     # `</think>` is one added token in DeepSeek-R1's and Qwen3's tokenizers; elsewhere the worker matches the sequence
     end_ids = tuple(tokenizer.encode(END_TAG, add_special_tokens=False))
     return Reasoning(starts_in_reasoning=parser_name == "deepseek_r1", end_ids=end_ids)

@@ -250,10 +250,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     lora_modules: Annotated[list[str], Meta(description=
         "vLLM's adapters loaded at start: NAME=PATH or JSON {name, path, base_model_name}"
     )] = []
-    reasoning_parser: Annotated[Literal["deepseek_r1", "qwen3", "glm45"] | None, Meta(description=
+    reasoning_parser: Annotated[Literal["deepseek_r1", "qwen3", "glm45", "openai_gptoss"] | None, Meta(description=
         "chat answers put the model's <think>...</think> text in reasoning_content: deepseek_r1 (the template opened "
         "<think>) or qwen3 / glm45 (reasoning only where the output opens <think>); a structured-output constraint "
-        "then applies after </think>"
+        "then applies after </think>; openai_gptoss (gpt-oss's harmony): the analysis channel is the reasoning, the "
+        "final channel the content"
     )] = None
     chat_template: Annotated[str | None, Meta(description=
         "chat template for /v1/chat/completions: a file, or inline Jinja (default: the tokenizer's)"
@@ -262,7 +263,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "tool_choice auto: the model's text is read for tool calls (needs --tool-call-parser)"
     )] = False
     tool_call_parser: Annotated[
-        Literal["hermes", "llama3_json", "mistral", "qwen3_coder", "xml", "pythonic", "glm45"] | None, Meta(description=
+        Literal["hermes", "llama3_json", "mistral", "qwen3_coder", "xml", "pythonic", "glm45", "openai"] | None,
+        Meta(description=
         "the format of the model's tool calls (tool_choice auto); required and named choices are forced by a grammar "
         "and need none"
     )] = None

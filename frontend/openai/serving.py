@@ -183,7 +183,7 @@ async def start_openai(
             jobs.append((prompt, sampling))
     echoes = [echo for echo in echoes for _ in range(req.n)] if echoes is not None else None
     stops = stop_list(req.stop)
-    skip_special = req.skip_special_tokens and not (tools is not None and tools.parser.needs_special_tokens)
+    skip_special = req.skip_special_tokens and not keeps_special_tokens(reasoning, tools)
     output = OutputOptions(skip_special_tokens=skip_special, keep_stop=req.include_stop_str_in_output)
     states: list[RequestState] = []
     refund = service.take_rate([prompt for prompt, _ in jobs])
@@ -196,6 +196,12 @@ async def start_openai(
         await service.finish(states)
         raise
     return OpenAIRun(service, req, states, chat, served_by, sum(len(p) for p in prompts), echoes, reasoning, tools)
+
+
+def keeps_special_tokens(reasoning: Reasoning | None, tools: ToolPlan | None) -> bool:
+    """Whether a parser reads special tokens (GLM-4.5's call markup, gpt-oss's harmony), so the text keeps them."""
+    return (tools is not None and tools.parser.needs_special_tokens
+            or reasoning is not None and reasoning.needs_special_tokens)
 
 
 async def start_completion(service: GenerateService, req: CompletionRequest) -> OpenAIRun:

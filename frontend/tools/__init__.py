@@ -13,4 +13,5 @@ mistral.py      Mistral: `[TOOL_CALLS] [...]`
 pythonic.py     Pythonic calls: `[f(a=1), g(b="x")]`
 xml.py          Qwen3-Coder's XML calls
 glm45.py        GLM-4.5 / 4.6: `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>`
+harmony.py      gpt-oss (`openai`): harmony messages `<|channel|>commentary to=functions.NAME ...<|message|>{...}`
 """

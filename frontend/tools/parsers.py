@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from loraplex.frontend.tools.base import ToolParser
 from loraplex.frontend.tools.glm45 import Glm45Parser
+from loraplex.frontend.tools.harmony import HarmonyParser
 from loraplex.frontend.tools.hermes import HermesParser
 from loraplex.frontend.tools.llama3_json import Llama3JsonParser
 from loraplex.frontend.tools.mistral import MistralParser
@@ -18,4 +19,5 @@ PARSERS: dict[str, type[ToolParser]] = {
     "xml": XmlParser,
     "pythonic": PythonicParser,
     "glm45": Glm45Parser,
+    "openai": HarmonyParser,
 }

@@ -82,6 +82,6 @@ def tool_answer(text: str, plan: ToolPlan | None) -> tuple[str | None, list[Tool
     if plan is None:
         return text, []
     content, calls, _ = plan.parser.parse(text)
-    if not calls:
-        return text, []
+    if not calls:  # the text (harmony: its markup read off), as the stream sends it
+        return content, []
     return (content if content.strip() else None), [tool_call_item(call) for call in calls]

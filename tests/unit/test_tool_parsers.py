@@ -22,6 +22,11 @@ SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
 TOOLS = [WEATHER, SEARCH]
 TWO_CALLS = [ToolCall("get_weather", '{"city": "Paris", "days": 2}'), ToolCall("search", '{"query": "a [b], c"}')]
 
+HARMONY_TWO_CALLS = (
+    '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 2}<|call|>'
+    '<|start|>assistant to=functions.search<|channel|>commentary <|constrain|>json<|message|>{"query": "a [b], c"}'
+    "<|call|>")
+
 CASES = [  # (parser, model text, content, calls)
     ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
      '</tool_call>\n<tool_call>\n{"name": "search", "arguments": {"query": "a [b], c"}}\n</tool_call>',
@@ -63,6 +68,16 @@ CASES = [  # (parser, model text, content, calls)
      "<tool_call>\n<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>", []),
     ("glm45", "Cut: <tool_call>search\n<arg_key>query</arg_key>\n<arg_value>a [b]",  # cut by max_tokens
      "Cut: <tool_call>search\n<arg_key>query</arg_key>\n<arg_value>a [b]", []),
+    # gpt-oss harmony (the output opens after `<|start|>assistant`; `<|call|>` may be absent: it is a stop token)
+    ("openai", HARMONY_TWO_CALLS, "", TWO_CALLS),
+    ("openai", "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.search <|constrain|>json<|message|>{"query": "a [b], c"}', "Need the weather.", TWO_CALLS[1:]),
+    ("openai", ' to=functions.search<|channel|>commentary json<|message|>{"query": "a [b], c"}<|call|>', "",
+     TWO_CALLS[1:]),  # the recipient before the channel
+    ("openai", "<|channel|>final<|message|>No tools needed: 1 < 2.<|return|>", "No tools needed: 1 < 2.", []),
+    ("openai", "<|channel|>commentary to=functions.search <|constrain|>json<|message|>not json<|call|>"
+     "<|start|>assistant<|channel|>final<|message|>ok", "<|start|>assistant<|channel|>commentary to=functions.search "
+     "<|constrain|>json<|message|>not json<|call|>ok", []),  # malformed: as written, in the content
 ]
 
 
@@ -97,7 +112,7 @@ def test_parser_one_shot_and_streamed(name: str, text: str, content: str, calls:
             assert (got_content, got_calls) == (parsed.content, parsed.calls), (step, whole_calls)
 
 
-@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "openai"])
 def test_json_formats_stream_arguments_as_they_are_written(name: str) -> None:
     text = next(t for n, t, _, calls in CASES if n == name and len(calls) == 2)
     _, calls, deltas = streamed(ToolPlan(PARSERS[name](TOOLS)), text, 2, whole_calls=False)
@@ -157,6 +172,8 @@ CUT = [  # (plan, an output cut by max_tokens): whole and streamed (whole_calls)
     (ToolPlan(PARSERS["llama3_json"](TOOLS)), '{"name": "get_weather", "parameters": {"city": "Par'),
     (ToolPlan(PARSERS["glm45"](TOOLS)), "Checking.<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Paris"
      "</arg_value>"),
+    (ToolPlan(PARSERS["openai"](TOOLS)), "<|start|>assistant<|channel|>commentary to=functions.get_weather "
+     '<|constrain|>json<|message|>{"city": "Par'),
 ]
 
 
