@@ -219,7 +219,7 @@ def test_lora_wraps_every_linear_of_both_layer_kinds(lora_runner: ModelRunner, a
         assert not isinstance(linear.mlp.shared_expert_gate, LoRALinear)  # a router, not a LoRA target
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_moe_text"])  # PEFT reaches a shared expert only in Qwen3.5-MoE
+@pytest.mark.parametrize("arch", ["qwen3_5_moe_text"], scope="module")  # PEFT reaches it there only
 def test_shared_expert_terms_are_served(lora_runner: ModelRunner, arch: str) -> None:
     """Qwen3.5-MoE's PEFT adapters reach the shared expert (`mlp.shared_expert.*`): "all" beside the routed experts,
     "linear" (down_proj) on it alone; without its terms "all" leaves HF + peft. (Qwen3-Next's: see
@@ -243,7 +243,7 @@ def test_shared_expert_terms_are_served(lora_runner: ModelRunner, arch: str) -> 
     assert (with_it - without).abs().max().item() > 0.05
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_moe_text"])  # PEFT targets shared_expert_gate only in Qwen3.5-MoE
+@pytest.mark.parametrize("arch", ["qwen3_5_moe_text"], scope="module")  # PEFT targets it there only
 def test_shared_expert_gate_is_refused_by_name(lora_runner: ModelRunner, hybrid_dir: Path, arch: str,
                                                tmp_path: Path) -> None:  # fmt: skip
     """shared_expert_gate (one output per token: the sigmoid that scales the shared expert) is a router, as the MoE
