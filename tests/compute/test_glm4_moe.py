@@ -17,9 +17,9 @@ import torch
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model_runner import ModelRunner
 
+from tests.expert_adapters import merged_reference
 from tests.glm4_moe_models import build_glm4_moe_set, hf_config
 from tests.lora_helpers import batch_logits, greedy_decode, load_all, slot_loads, slot_of
-from tests.mla_models import merged_reference
 from tests.reference import assert_greedy_match, greedy_with_margins, hf_logits, hf_model
 from tests.worker_helpers import chunked_prefill_after_a_prefix, make_runner, prefill_logits, random_prompts
 

@@ -219,12 +219,11 @@ def test_lora_wraps_every_linear_of_both_layer_kinds(lora_runner: ModelRunner, a
         assert not isinstance(linear.mlp.shared_expert_gate, LoRALinear)  # a router, not a LoRA target
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5_moe_text"], scope="module")  # PEFT reaches it there only
 def test_shared_expert_terms_are_served(lora_runner: ModelRunner, arch: str) -> None:
     """Qwen3.5-MoE's PEFT adapters reach the shared expert (`mlp.shared_expert.*`): "all" beside the routed experts,
     "linear" (down_proj) on it alone; without its terms "all" leaves HF + peft. (Qwen3-Next's: see
     test_next_per_expert_adapter_with_shared_expert_matches_merged_weights.)"""
-    if arch != "qwen3_5_moe_text":
-        pytest.skip("PEFT reaches a shared expert here only in Qwen3.5-MoE")
     lora = lora_runner.lora
     all_weights = set(lora.adapters[SLOTS["all"] + 1].weights)
     assert {(0, "shared_experts.gate_proj"), (0, "shared_experts.down_proj"), (0, "gate_proj")} <= all_weights
@@ -244,12 +243,11 @@ def test_shared_expert_terms_are_served(lora_runner: ModelRunner, arch: str) -> 
     assert (with_it - without).abs().max().item() > 0.05
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5_moe_text"], scope="module")  # PEFT targets it there only
 def test_shared_expert_gate_is_refused_by_name(lora_runner: ModelRunner, hybrid_dir: Path, arch: str,
                                                tmp_path: Path) -> None:  # fmt: skip
     """shared_expert_gate (one output per token: the sigmoid that scales the shared expert) is a router, as the MoE
     `gate` is: an adapter targeting it is refused, naming it, rather than served without it."""
-    if arch != "qwen3_5_moe_text":
-        pytest.skip("PEFT can target shared_expert_gate (an nn.Linear) only in Qwen3.5-MoE")
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 

@@ -16,8 +16,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from tests.expert_adapters import merged_reference
 from tests.glm4_moe_models import build_glm4_moe_set
-from tests.mla_models import merged_reference
 from tests.reference import (
     SHARED_PREFIX_PROMPTS,
     assert_greedy_match,
