@@ -6,6 +6,7 @@ written); and the special tokens kept in the detokenized text for these parsers.
 from __future__ import annotations
 
 import pytest
+from loraplex.frontend.entrypoints.cli import parse_command_line
 from loraplex.frontend.harmony import held, segments
 from loraplex.frontend.openai.serving import keeps_special_tokens
 from loraplex.frontend.reasoning import HarmonyReasoningParser, Reasoning, request_reasoning
@@ -182,3 +183,10 @@ def test_harmony_tokens_survive_detokenization(tmp_path) -> None:
             assert whole(out) == (REASONING, None, CALLS[:1])
         else:
             assert "<|channel|>" not in out
+
+
+def test_the_command_line_takes_both_names() -> None:
+    line = ["serve", "openai/gpt-oss-20b", "--enable-auto-tool-choice", "--tool-call-parser", "openai",
+            "--reasoning-parser", "openai_gptoss"]  # fmt: skip
+    config = parse_command_line(line)[0]
+    assert (config.tool_call_parser, config.reasoning_parser) == ("openai", "openai_gptoss")
