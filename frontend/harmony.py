@@ -28,7 +28,7 @@ RECIPIENT = re.compile(r"(?:^|\s)to=([^\s<]+)")
 
 
 class Segment(NamedTuple):
-    """A message, or plain text outside any (header "" and body the text)."""
+    """A message, or plain text outside any (header None, body the text)."""
 
     header: str | None  # from its opener to `<|message|>`, both left out; None for plain text
     body: str  # so far: a possible special token's start left out while streaming
