@@ -11,6 +11,8 @@ from loraplex.frontend.openai.schemas import ChatRequest, CompletionRequest, Str
 from loraplex.frontend.openai.writers import ChatWriter, CompletionWriter
 from loraplex.frontend.reasoning import Reasoning
 from loraplex.frontend.request_state import RequestState
+from loraplex.frontend.tools.parsers import PARSERS
+from loraplex.frontend.tools.request import ToolPlan
 from loraplex.protocol.structs import SamplingParams, TokenDelta, TokenLogprob
 from transformers import AutoTokenizer
 
@@ -85,3 +87,24 @@ def test_chat_stream_adds_up_to_the_whole_answer_with_reasoning(tokenizer):
     assert [t for c in streamed for t in c.token_ids] == whole.token_ids == outputs[0]
     assert streamed[-1].finish_reason == whole.finish_reason == "length"
     assert writer.chunk([]).usage.completion_tokens == len(outputs[0])  # continuous_usage_stats
+
+
+def test_chat_stream_adds_up_to_the_whole_answer_with_harmony_reasoning_and_calls(tokenizer):
+    """gpt-oss: openai_gptoss's analysis channel as reasoning, openai's calls, streamed a token at a time."""
+    text = ("<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.search <|constrain|>json<|message|>{"query": "a <b>"}<|call|>')  # fmt: skip
+    outputs = [tokenizer(text, add_special_tokens=False)["input_ids"]]
+    prompt = tokenizer("Find it.")["input_ids"]
+    req = ChatRequest(model="m", messages=[], stream=True)
+    states = [RequestState("r", prompt, SamplingParams(max_new_tokens=128), [], tokenizer, None, None)]
+    reasoning = Reasoning(starts_in_reasoning=False, end_ids=(), harmony=True)
+    plan = ToolPlan(PARSERS["openai"]([{"type": "function", "function": {"name": "search"}}]))
+    writer = ChatWriter(BASE, states, len(prompt), req, None, reasoning, plan)
+    streamed = feed(writer, states, outputs, prompt_logprobs=False)[0]
+    whole = writer.response().choices[0].message
+    assert whole.reasoning_content == "Use the tool." and whole.content is None
+    assert [(c.function.name, c.function.arguments) for c in whole.tool_calls] == [("search", '{"query": "a <b>"}')]
+    assert "".join(c.delta.reasoning_content or "" for c in streamed) == "Use the tool."
+    assert not any(c.delta.content for c in streamed)
+    deltas = [d for c in streamed for d in c.delta.tool_calls or []]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [("search", ""), (None, '{"query": "a <b>"}')]
