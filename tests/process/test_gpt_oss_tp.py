@@ -9,32 +9,12 @@ import multiprocessing as mp
 from pathlib import Path
 
 import pytest
-from loraplex.protocol.config import ServerConfig
 from loraplex.worker.model_runner import ModelRunner
 
 from tests.gpt_oss_models import build_gpt_oss_set
-from tests.lora_helpers import batch_logits, greedy_decode, load_all
 from tests.mxfp4_checkpoint import write_mxfp4
-from tests.worker_helpers import random_prompts, run_two_ranks, tp_group
-
-DECODE_STEPS = 4
-CHILD_TIMEOUT_S = 180
-NAMES = [None, "a4", "a8", "a8", None]
-LENGTHS = [6, 9, 4, 11, 5]
-
-
-def tp_config(tp: int) -> ServerConfig:
-    return ServerConfig(device="cpu", tp=tp, page_size=4, max_total_tokens=512, enable_lora=True, max_lora_rank=8,
-                        lora_target_modules=["all"], max_loras_per_batch=3)  # fmt: skip
-
-
-def run_gpt_oss(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
-    load_all(runner, adapter_dirs)
-    prompts = random_prompts(LENGTHS, runner.vocab_size, seed=31)
-    return {
-        "logits": [t.numpy() for t in batch_logits(runner, prompts, NAMES)],  # numpy: tensors die with the child
-        "greedy": greedy_decode(runner, prompts, NAMES, steps=DECODE_STEPS),
-    }
+from tests.process.test_moe_tp import CHILD_TIMEOUT_S, assert_ranks_match_tp1, run_moe, tp_config
+from tests.worker_helpers import run_two_ranks, tp_group
 
 
 def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str], results: mp.Queue) -> None:
@@ -45,7 +25,7 @@ def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str],
         gate_up, down = layer.mlp.experts.gate_up_proj.base, layer.mlp.experts.down_proj.base
         held = [(linear.blocks if linear.packed else linear.weight).shape for linear in (gate_up, down)]
         shapes = (*map(tuple, held), tuple(layer.self_attn.sinks.shape))
-        results.put((rank, {**run_gpt_oss(runner, adapter_dirs), "shapes": shapes}))
+        results.put((rank, {**run_moe(runner, adapter_dirs), "shapes": shapes}))
 
 
 @pytest.mark.parametrize("experts", ["plain", "mxfp4"])
@@ -56,13 +36,8 @@ def test_gpt_oss_tp2_matches_tp1(experts: str, tmp_path: Path) -> None:
         model_dir = tmp_path / "mxfp4"
     dirs = {name: str(path) for name, path in adapters.items()}
     by_rank = run_two_ranks(tp_child, str(model_dir), dirs, timeout_s=CHILD_TIMEOUT_S)
-    tp1 = run_gpt_oss(ModelRunner(tp_config(tp=1), str(model_dir), 0, 1, "cpu"), dirs)
+    tp1 = run_moe(ModelRunner(tp_config(tp=1), str(model_dir), 0, 1, "cpu"), dirs)
     # 4 experts of intermediate 64 over hidden 64, half on each rank: gate_up 2 * 32 rows, down 32 inputs (MXFP4: in
     # code bytes, two inputs each); 2 of the 4 heads' sinks
     expected = ((4, 64, 64), (4, 64, 32), (2,)) if experts == "plain" else ((4, 64, 32), (4, 64, 16), (2,))
-    for rank in (0, 1):
-        assert by_rank[rank]["shapes"] == expected, by_rank[rank]["shapes"]
-        for name, ours, ref in zip(NAMES, by_rank[rank]["logits"], tp1["logits"], strict=True):
-            diff = abs(ours - ref).max()
-            assert diff <= 1e-3, (rank, name, diff)
-        assert by_rank[rank]["greedy"] == tp1["greedy"], rank
+    assert_ranks_match_tp1(by_rank, tp1, expected)

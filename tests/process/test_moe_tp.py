@@ -26,9 +26,10 @@ def tp_config(tp: int) -> ServerConfig:
                         lora_target_modules=["all"], max_loras_per_batch=3)  # fmt: skip
 
 
-def run_moe(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
+def run_moe(runner: ModelRunner, adapter_dirs: dict[str, str], lengths: list[int] = LENGTHS) -> dict:
+    """The base model and the adapters a4, a8 in one batch (NAMES): every prompt's logits, then greedy steps."""
     load_all(runner, adapter_dirs)
-    prompts = random_prompts(LENGTHS, runner.vocab_size, seed=31)
+    prompts = random_prompts(lengths, runner.vocab_size, seed=31)
     return {
         "logits": [t.numpy() for t in batch_logits(runner, prompts, NAMES)],  # numpy: tensors die with the child
         "greedy": greedy_decode(runner, prompts, NAMES, steps=DECODE_STEPS),
@@ -44,16 +45,21 @@ def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str],
         results.put((rank, {**run_moe(runner, adapter_dirs), "shapes": shapes}))
 
 
+def assert_ranks_match_tp1(by_rank: dict, tp1: dict, shapes: tuple) -> None:
+    """Each rank held `shapes` (its shards) and gave tp=1's logits (to 1e-3) and greedy tokens."""
+    for rank in (0, 1):
+        assert by_rank[rank]["shapes"] == shapes, by_rank[rank]["shapes"]
+        for name, ours, ref in zip(NAMES, by_rank[rank]["logits"], tp1["logits"], strict=True):
+            diff = abs(ours - ref).max()
+            assert diff <= 1e-3, (rank, name, diff)
+        assert by_rank[rank]["greedy"] == tp1["greedy"], rank
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_moe_tp2_matches_tp1(arch: str, tmp_path: Path) -> None:
     model_dir, adapters = build_moe_set(tmp_path, arch)
     dirs = {name: str(path) for name, path in adapters.items()}
     by_rank = run_two_ranks(tp_child, str(model_dir), dirs, timeout_s=CHILD_TIMEOUT_S)
     tp1 = run_moe(ModelRunner(tp_config(tp=1), str(model_dir), 0, 1, "cpu"), dirs)
-    for rank in (0, 1):
-        # 4 experts of intermediate 96, half on each rank: gate_up (4, 2 * 48, 64), down (4, 64, 48)
-        assert by_rank[rank]["shapes"] == ((4, 96, 64), (4, 64, 48)), by_rank[rank]["shapes"]
-        for name, ours, ref in zip(NAMES, by_rank[rank]["logits"], tp1["logits"], strict=True):
-            diff = abs(ours - ref).max()
-            assert diff <= 1e-3, (rank, name, diff)
-        assert by_rank[rank]["greedy"] == tp1["greedy"], rank
+    # 4 experts of intermediate 96, half on each rank: gate_up (4, 2 * 48, 64), down (4, 64, 48)
+    assert_ranks_match_tp1(by_rank, tp1, ((4, 96, 64), (4, 64, 48)))
