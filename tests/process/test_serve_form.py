@@ -55,7 +55,7 @@ def test_quantization_the_checkpoint_lacks_exits_with_one_line(llama_dir: Path, 
     (tmp_path / "config.json").write_text(json.dumps(config))
     line = _start_error("serve", str(tmp_path))
     assert line == ("loraplex: error: the checkpoint's quantization_config names quant_method 'bitsandbytes', which "
-                    "loraplex does not serve (served: fp8, compressed-tensors, gptq, awq)")
+                    "loraplex does not serve (served: fp8, compressed-tensors, gptq, awq, mxfp4)")
 
 
 def test_unknown_or_abbreviated_flag_exits_with_one_line(llama_dir: Path) -> None:
