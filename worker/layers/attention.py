@@ -181,9 +181,11 @@ class AttentionInputs:
         layer = layer or LayerAttention.default(q.shape[2])
         if len(self.groups) == 1:
             return self.attend_group(q, k_cache, v_cache, self.groups[0], layer)
-        out = torch.empty_like(q)  # (tokens, heads, head_dim)
+        out = None  # (tokens, heads, the backend's output width: head_dim, or latent attention's latent dims)
         for group in self.groups:
             group_out = self.attend_group(q.index_select(0, group.token_rows), k_cache, v_cache, group, layer)
+            if out is None:
+                out = group_out.new_empty(q.shape[0], *group_out.shape[1:])
             out.index_copy_(0, group.token_rows, group_out)
         return out
 
@@ -232,19 +234,6 @@ class LatentTritonInputs(AttentionInputs):
     decode: DecodeMeta | None  # the decode group's requests in group order; q_rows are the group's own rows
     latent_dim: int
     page_size: int
-
-    def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: LayerAttention | None = None
-    ) -> torch.Tensor:
-        layer = layer or LayerAttention.default(q.shape[2])
-        out = q.new_empty(*q.shape[:2], self.latent_dim)  # (tokens, heads, latent_dim)
-        for group in self.groups:
-            group_q = q if len(self.groups) == 1 else q.index_select(0, group.token_rows)
-            group_out = self.attend_group(group_q, k_cache, v_cache, group, layer)
-            if len(self.groups) == 1:
-                return group_out
-            out.index_copy_(0, group.token_rows, group_out)
-        return out
 
     def attend_group(
         self,
