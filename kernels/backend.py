@@ -95,6 +95,11 @@ class LoRABackend:
     def plan(self, seg_indptr: list[int], seg_slots: list[int]) -> Any:
         raise NotImplementedError
 
+    def prepare_device(self, seg_indptr: torch.Tensor, seg_slots: torch.Tensor, num_tokens: int) -> LoRABatchMeta:
+        """Segments built on the device (an MoE layer's, worker/lora/experts.py), their count a bound known from
+        shapes (empty segments trail): for a backend that plans from shapes alone, so nothing is read back."""
+        raise BackendError(f"the {self.name} LoRA backend plans from segments on the host")
+
     def shrink(self, x: torch.Tensor, w: LoRAWeights, meta: LoRABatchMeta) -> torch.Tensor:
         """(tokens, num_slices * max_rank) h; zero on base rows and past each row's rank."""
         raise NotImplementedError
@@ -152,6 +157,9 @@ class TritonBackend(LoRABackend):
 
     def plan(self, seg_indptr: list[int], seg_slots: list[int]) -> Any:
         return plan_tiles(seg_indptr[-1], len(seg_slots))
+
+    def prepare_device(self, seg_indptr: torch.Tensor, seg_slots: torch.Tensor, num_tokens: int) -> LoRABatchMeta:
+        return LoRABatchMeta(seg_indptr, seg_slots, num_tokens, plan_tiles(num_tokens, seg_slots.shape[0]))
 
     def shrink(self, x: torch.Tensor, w: LoRAWeights, meta: LoRABatchMeta) -> torch.Tensor:
         return shrink_summed(x, w.lora_a, meta.seg_indptr, meta.seg_slots, w.slot_ranks, w.num_slices, meta.plan)

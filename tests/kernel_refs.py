@@ -2,7 +2,8 @@
 shrink/expand of the torch path from tensors alone (through the compiled CPU kernels for bfloat16 CPU tensors where they
 are built, as the `cpu` backend runs), the Triton backend's shrink_expand from tensors alone, paged attention (plain
 and latent) in float32, the model's fused ops (RMSNorm with its residual add, rotary embedding, SiLU-and-multiply) as
-the torch ops compute them, and Gated DeltaNet's conv and delta rule as its torch mixer computes them. The worker never
+the torch ops compute them, the experts' grouped matmul as ExpertsLinear's host path does, and Gated DeltaNet's conv
+and delta rule as its torch mixer computes them. The worker never
 calls these: it runs its backend objects (kernels/backend.py, worker/layers/attention.py, worker/layers/ops.py,
 worker/layers/delta_mixer.py)."""
 
@@ -18,6 +19,7 @@ from loraplex.kernels.latent_attention import check_latent_decode_args, check_la
 from loraplex.kernels.lora_expand import column_alignment, launch_expand
 from loraplex.kernels.lora_shrink import launch_shrink, shrink_output
 from loraplex.kernels.lora_torch import expand_planned, shrink_expand_compiled, shrink_planned
+from loraplex.kernels.moe_matmul import check_moe_matmul_args
 from loraplex.kernels.paged_attention import check_decode_args, check_extend_args
 from loraplex.kernels.quant_matmul import check_fp8_matmul_args, check_int_matmul_args
 from loraplex.kernels.rms_norm import check_rms_norm_args
@@ -26,6 +28,7 @@ from loraplex.kernels.segment_tiles import plan_tiles
 from loraplex.kernels.silu_mul import check_silu_and_mul_args
 from loraplex.worker.layers.delta_mixer import TorchDeltaMixer
 from loraplex.worker.layers.ops import TorchOps
+from loraplex.worker.quant import mxfp4
 from loraplex.worker.state_cache import StateBatch
 
 # ---- LoRA, torch path -----------------------------------------------------------------------------------------------
@@ -257,7 +260,7 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return TorchOps().silu_and_mul(gate_up)
 
 
-# ---- weight-only quantized matmul ---------------------------------------------------------------------------------
+# ---- weight-only quantized matmul, and the experts' grouped matmul ---------------------------------------------
 
 
 def int_weight_matmul_torch(
@@ -276,6 +279,21 @@ def fp8_weight_matmul_torch(
     check_fp8_matmul_args(x, q, scales, row_ids, col_ids)
     w = q.float() * scales[row_ids][:, col_ids]
     return (x.float() @ w.t()).to(x.dtype)
+
+
+def moe_matmul_torch(rows: torch.Tensor, weight: torch.Tensor, expert_indptr: torch.Tensor, expert_ids: torch.Tensor,
+                     bias: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Expert by expert, as the host path of ExpertsLinear computes (MXFP4 dequantized per expert first)."""
+    check_moe_matmul_args(rows, weight, expert_indptr, expert_ids, bias, scales)
+    out = rows.new_empty(rows.shape[0], weight.shape[1])
+    bounds = expert_indptr.tolist()
+    for expert in range(weight.shape[0]):
+        w = weight[expert] if scales is None else mxfp4.dequantize(weight[expert], scales[expert], rows.dtype)
+        start, end = bounds[expert], bounds[expert + 1]
+        out[start:end] = rows[start:end] @ w.T
+        if bias is not None:
+            out[start:end] += bias[expert]
+    return out
 
 
 # ---- Gated DeltaNet: the torch mixer the layer runs without the kernels (worker/layers/delta_mixer.py) --------------

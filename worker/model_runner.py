@@ -21,6 +21,7 @@ from loraplex.worker.grammar import GrammarMasks
 from loraplex.worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token
 from loraplex.worker.layers import packed
 from loraplex.worker.layers.attention import AttentionBackendError, BatchAttention, select_attention_backend
+from loraplex.worker.layers.moe import device_routing_refusal, use_device_routing
 from loraplex.worker.layers.ops import ModelOps, model_ops, select_model_ops
 from loraplex.worker.loader import load_weights
 from loraplex.worker.lora.manager import LoRAManager
@@ -115,6 +116,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.warmup()  # Triton: every kernel variant compiled now, not inside a request's forward
         self._pack_weights()
+        self._route_moe()
         logger.info(
             "loaded %s (--load-format %s): %d layers, shard %d of %d, %s on %s, context length %d",
             self.model_config.model_type,
@@ -203,6 +205,23 @@ class ModelRunner:
         """WorkerReady.num_state_snapshots: the prefix cache's snapshots of those states, else 0."""
         return self.kv_cache.num_state_snapshots if isinstance(self.kv_cache, HybridCache) else 0
 
+    def _route_moe(self) -> None:
+        """On CUDA an MoE model routes with device ops alone (no host read per layer; what a CUDA graph captures),
+        its experts in one grouped kernel, where its expert format and LoRA backend allow; on the CPU, on the host."""
+        if self.model_config.moe is None or self.device.type != "cuda":
+            return
+        refusal = self._moe_device_refusal()
+        if refusal is not None:
+            logger.info("MoE layers route on the host: %s", refusal)
+            return
+        use_device_routing(self.model)
+        logger.info("MoE layers route on the device")
+
+    def _moe_device_refusal(self) -> str | None:
+        if self.lora is not None and self.backend.name != "triton":  # the others plan from host segments
+            return f"--lora-backend {self.backend.name} plans expert LoRA on the host"
+        return device_routing_refusal(self.model)
+
     def _decode_graphs(self) -> DecodeGraphRunner | None:
         if not self.config.enable_cuda_graph:
             return None
@@ -217,10 +236,6 @@ class ModelRunner:
         if self.device.type != "cuda":
             logger.info("--enable-cuda-graph is ignored on %s: CUDA graphs need a CUDA device", self.device.type)
             return None
-        if self.model_config.moe is not None:  # the MoE block reads its routing on the host: nothing to capture
-            logger.info("--enable-cuda-graph is ignored for %s: MoE layers route on the host",
-                        self.model_config.model_type)
-            return None
         if self.attention.name != "triton":
             raise AttentionBackendError(
                 f"--enable-cuda-graph needs --attention-backend triton (this worker runs {self.attention.name})"
@@ -232,6 +247,8 @@ class ModelRunner:
         if self.lora is not None and self.lora.pool.vocab:
             raise AttentionBackendError("--enable-cuda-graph does not cover LoRA on embed_tokens or lm_head "
                                         f"(--lora-target-modules {' '.join(self.lora.pool.vocab)})")  # fmt: skip
+        if self.model_config.moe is not None and (refusal := self._moe_device_refusal()) is not None:
+            raise AttentionBackendError(f"--enable-cuda-graph cannot capture these MoE layers: {refusal}")
         return self.graph_runner(capture=True)
 
     @torch.inference_mode()

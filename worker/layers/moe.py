@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from loraplex.kernels.moe_matmul import moe_matmul_triton
 from loraplex.worker.layers.activation import SiluAndMul
 from loraplex.worker.parallel import all_reduce, current_tp
 from loraplex.worker.quant import mxfp4
@@ -33,30 +34,50 @@ from torch import nn
 
 @dataclass
 class Routing:
-    """One forward's rows: which token and expert each row is, and each expert's range of rows."""
+    """One forward's rows: which token and expert each row is, and each expert's range of rows. Built with device ops
+    alone (`on_device`: nothing is read back, so a CUDA graph captures it and the experts run as one grouped kernel),
+    or with one copy to the host that the host path's loop over experts reads."""
 
     num_experts: int
     token_ids: torch.Tensor  # (rows,) int64: each row's token
     row_weights: torch.Tensor  # (rows,) float32: each row's routing weight
-    expert_bounds: list[int]  # (experts + 1,) on the host: expert e's rows are expert_bounds[e] ... [e + 1]
-    host_token_ids: list[int]  # token_ids on the host
+    row_experts: torch.Tensor  # (rows,) int64: each row's expert, ascending
+    expert_indptr: torch.Tensor  # (experts + 1,) int32: expert e's rows are expert_indptr[e] ... [e + 1]
+    expert_bounds: list[int] | None  # expert_indptr on the host; None on the device path
+    host_token_ids: list[int] | None  # token_ids on the host; None on the device path
     extras: dict[str, Any] = field(default_factory=dict)  # what wrappers compute once per forward and share
 
+    @property
+    def on_device(self) -> bool:
+        return self.expert_bounds is None
+
     @classmethod
-    def build(cls, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> Routing:
+    def build(cls, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, *,
+              on_device: bool = False) -> Routing:  # fmt: skip
         top_k = topk_ids.shape[1]
         flat_ids = topk_ids.flatten()  # (tokens * top_k,) row t * top_k + j: token t's j-th choice
-        order = torch.sort(flat_ids, stable=True).indices  # by expert, tokens in order within one
-        counts = torch.bincount(flat_ids, minlength=num_experts)
+        row_experts, order = torch.sort(flat_ids, stable=True)  # by expert, tokens in order within one
         token_ids = order // top_k
-        host = torch.cat([counts, token_ids]).tolist()  # one copy to the host: the loop over experts needs it
+        # each expert's first row, and the end: a search of the sorted ids (bincount would read its maximum back)
+        experts = torch.arange(num_experts + 1, dtype=row_experts.dtype, device=row_experts.device)
+        expert_indptr = torch.searchsorted(row_experts, experts).to(torch.int32)  # (experts + 1,)
+        expert_bounds = host_token_ids = None
+        if not on_device:
+            host = torch.cat([expert_indptr.long(), token_ids]).tolist()  # one copy: the loop over experts needs it
+            expert_bounds, host_token_ids = host[: num_experts + 1], host[num_experts + 1 :]
         return cls(
             num_experts=num_experts,
             token_ids=token_ids,
             row_weights=topk_weights.flatten().float()[order],
-            expert_bounds=[0, *itertools.accumulate(host[:num_experts])],
-            host_token_ids=host[num_experts:],
+            row_experts=row_experts,
+            expert_indptr=expert_indptr,
+            expert_bounds=expert_bounds,
+            host_token_ids=host_token_ids,
         )
+
+    def expert_ids(self) -> torch.Tensor:
+        """(experts,) int32 0 ... experts - 1 on the routing's device: the grouped kernel's segment ids."""
+        return torch.arange(self.num_experts, dtype=torch.int32, device=self.expert_indptr.device)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,11 +274,23 @@ class ExpertsLinear(nn.Module):
         params = (self.blocks, self.scales) if self.packed else (self.weight,)
         return sum(p.numel() * p.element_size() for p in params)
 
+    @property
+    def device_refusal(self) -> str | None:
+        """Why the grouped kernel (kernels/moe_matmul.py: plain or MXFP4 experts) cannot run this linear, or None."""
+        if self.packed or self.weight.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            return None
+        return f"its {str(self.weight.dtype).removeprefix('torch.')} weights are not a format the grouped MoE kernel reads"
+
     def partial(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
-        out = rows.new_empty(rows.shape[0], sum(self.output_sizes_per_rank))  # (rows, out_per_rank)
-        bounds = routing.expert_bounds
         # a row-parallel linear's bias is added on one rank: the block sums the ranks' partial outputs
         with_bias = self.bias is not None and (self.tp_mode == "column" or self.tp_rank == 0)
+        if routing.on_device:  # one launch, its grid from shapes alone
+            weight, scales = (self.blocks, self.scales) if self.packed else (self.weight, None)
+            bias = self.bias if with_bias else None
+            return moe_matmul_triton(rows.contiguous(), weight, routing.expert_indptr, routing.expert_ids(), bias,
+                                     scales)  # fmt: skip
+        out = rows.new_empty(rows.shape[0], sum(self.output_sizes_per_rank))  # (rows, out_per_rank)
+        bounds = routing.expert_bounds
         for expert in range(self.num_experts):
             start, end = bounds[expert], bounds[expert + 1]
             if end > start:
@@ -295,6 +328,7 @@ class SparseMoeBlock(nn.Module):
         """experts: a family's own (gpt-oss: biased, clamped SwiGLU); None: SiLU-gated experts without biases."""
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.routes_on_device = False  # set once at start-up (use_device_routing)
         self.tp_size = current_tp().world_size
         self.gate = RouterLinear(hidden_size, num_experts, bias=router_bias)
         self.experts = experts or MoEExperts(num_experts, hidden_size, intermediate_size)
@@ -305,12 +339,31 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(hidden)  # (tokens, top_k) each
-        routing = Routing.build(ids, weights, self.num_experts)
+        routing = Routing.build(ids, weights, self.num_experts, on_device=self.routes_on_device)
         rows = hidden[routing.token_ids]  # (rows, hidden)
         out_rows = self.experts(rows, routing)  # (rows, hidden)
         out_rows = out_rows * routing.row_weights.to(out_rows.dtype)[:, None]
         out = torch.zeros_like(hidden).index_add_(0, routing.token_ids, out_rows)  # (tokens, hidden)
         return all_reduce(out, self.tp_size)
+
+
+def device_routing_refusal(model: nn.Module) -> str | None:
+    """Why `model`'s MoE blocks cannot route on the device (an expert format the grouped kernel does not cover), or
+    None."""
+    for name, module in model.named_modules():
+        if isinstance(module, ExpertsLinear) and module.device_refusal is not None:
+            return f"{name}: {module.device_refusal}"
+    return None
+
+
+def use_device_routing(model: nn.Module) -> int:
+    """Every MoE block of `model` routes on the device from now on (chosen once, at start-up); how many blocks."""
+    if (refusal := device_routing_refusal(model)) is not None:
+        raise ValueError(f"MoE routing cannot run on the device: {refusal}")
+    blocks = [module for module in model.modules() if isinstance(module, SparseMoeBlock)]
+    for block in blocks:
+        block.routes_on_device = True
+    return len(blocks)
 
 
 class RouterLinear(nn.Module):
@@ -355,7 +408,7 @@ class InputScaledMoeBlock(SparseMoeBlock):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(hidden)  # (tokens, top_k) each
-        routing = Routing.build(ids, weights, self.num_experts)
+        routing = Routing.build(ids, weights, self.num_experts, on_device=self.routes_on_device)
         # (rows, hidden); the weights rounded to the activations' dtype first, as the reference rounds them
         rows = hidden[routing.token_ids] * routing.row_weights.to(hidden.dtype)[:, None]
         out_rows = self.experts(rows, routing)  # (rows, hidden)

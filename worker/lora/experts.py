@@ -5,8 +5,9 @@ The pool holds an experts' linear with one row per (slot, expert): read as slot 
 is one ordinary slot to the backends, so every backend's segmented shrink/expand (torch, CPU kernels, Triton) runs
 unchanged. The MoE block sorts its rows by expert, tokens in batch order within an expert (worker/layers/moe.py), and
 a batch's tokens come in runs of one slot (its segments): so the rows form runs of one (expert, slot), which are this
-linear's segments. They are computed once per MoE layer and forward, on the host (the block already brought the
-routing there), and shared by the layer's gate_up and down wrappers through Routing.extras."""
+linear's segments. They are computed once per MoE layer and forward, and shared by the layer's gate_up and down
+wrappers through Routing.extras: on the host where the block brought the routing there (expert_segments), else with
+device ops alone into a segment count bounded from shapes (device_expert_segments: what a CUDA graph captures)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ class LoRAExpertsLinear(LoRALinear):
         y = self.base.partial(rows, routing)  # (rows, out_per_rank): before any reduction (the block reduces)
         batch = self.batch
         if self.fused_name in batch.active:
-            meta = routing.extras.get("lora_meta")
-            if meta is None:
-                meta = routing.extras["lora_meta"] = expert_segments(routing, batch)
+            if "lora_meta" not in routing.extras:
+                segments = device_expert_segments if routing.on_device else expert_segments
+                routing.extras["lora_meta"] = segments(routing, batch)
+            meta = routing.extras["lora_meta"]
             if meta is not None:  # None: no row of an adapter's token
                 batch.backend.shrink_expand(y, rows.contiguous(), self.buffers, meta)
         return self.base.finish(y)
@@ -46,3 +48,28 @@ def expert_segments(routing: Routing, batch: LoRABatchInfo) -> LoRABatchMeta | N
     starts[1:] = virtual[1:] != virtual[:-1]
     first_rows = starts.nonzero().flatten()
     return batch.backend.prepare([*first_rows.tolist(), virtual.shape[0]], virtual[first_rows].tolist())
+
+
+def device_expert_segments(routing: Routing, batch: LoRABatchInfo) -> LoRABatchMeta:
+    """expert_segments with device ops alone, from the batch's segments on the device (batch.meta). Within one expert
+    the slot changes at most at each of the batch's segments, so there are at most min(rows, experts * segments)
+    runs: that many segments, the runs first and empty base segments after them."""
+    meta = batch.meta
+    num_experts, num_segments = routing.num_experts, meta.seg_slots.shape[0]
+    device = routing.token_ids.device
+    tokens = torch.arange(meta.num_tokens, dtype=meta.seg_indptr.dtype, device=device)
+    token_slots = meta.seg_slots[torch.searchsorted(meta.seg_indptr[1:], tokens, right=True)].long()  # (tokens,)
+    row_slots = token_slots[routing.token_ids]  # (rows,)
+    virtual = torch.where(row_slots >= 0, row_slots * num_experts + routing.row_experts, -1)  # (rows,)
+    num_rows = virtual.shape[0]
+    num_runs = min(num_rows, num_experts * num_segments)
+    starts = torch.ones_like(virtual, dtype=torch.bool)
+    starts[1:] = virtual[1:] != virtual[:-1]
+    run_ids = starts.cumsum(0) - 1  # (rows,) each row's run
+    rows = torch.arange(num_rows, dtype=torch.int32, device=device)
+    # a run starts at its smallest row; the runs past the last (and the end) stay at num_rows: empty segments
+    seg_indptr = torch.full((num_runs + 1,), num_rows, dtype=torch.int32, device=device)
+    seg_indptr.scatter_reduce_(0, run_ids, rows, reduce="amin")
+    seg_slots = torch.full((num_runs,), -1, dtype=torch.int32, device=device)
+    seg_slots.scatter_(0, run_ids, virtual.to(torch.int32))  # every row of a run writes the same value
+    return batch.backend.prepare_device(seg_indptr, seg_slots, num_rows)
