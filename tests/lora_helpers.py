@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -77,6 +78,37 @@ def mixed_prefill_decode_logits(
              for seq, n, pg, name in zip(sequences, cached, pages, names, strict=True)]  # fmt: skip
     logits = forward_logits(runner, ForwardBatch(batch_id=1, reqs=mixed))  # (new tokens, vocab)
     return sequences, cached, names, list(logits.split([len(req.input_ids) for req in mixed]))
+
+
+def decode_steps(runner: ModelRunner, prompts: list[list[int]], names: list[str | None], stops: list[int]):
+    """Prefill every prompt, then greedy decode steps; request i leaves after step stops[i] (batches shrink, so they
+    land on different graph sizes). Each step's (reqs, vocab) logits and tokens."""
+    free_pages = list(range(runner.kv_cache.num_pages))
+    random.Random(0).shuffle(free_pages)
+    steps = max(stops)
+    pages = [[free_pages.pop() for _ in range(-(-(len(p) + steps) // runner.page_size))] for p in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    all_logits = []
+    for step in range(steps):
+        active = [i for i in range(len(prompts)) if step < stops[i]]
+        reqs = [
+            ForwardReq(
+                input_ids=prompts[i] if step == 0 else outputs[i][-1:],
+                num_cached_tokens=0 if step == 0 else len(prompts[i]) + step - 1,
+                page_ids=pages[i],
+                sampling=GREEDY,
+                slot=slot_of(names[i]),
+            )
+            for i in active
+        ]
+        batch = ForwardBatch(batch_id=step, reqs=reqs, slot_loads=slot_loads(names) if step == 0 else [])
+        logits = forward_logits(runner, batch).clone()
+        if step == 0:
+            logits = logits[torch.tensor([len(p) for p in prompts]).cumsum(0) - 1]  # each prompt's last token
+        all_logits.append(logits)
+        for i, token in zip(active, logits.argmax(-1).tolist(), strict=True):
+            outputs[i].append(token)
+    return outputs, all_logits
 
 
 def use_lora_backend(runner: ModelRunner, backend: LoRABackend) -> None:

@@ -5,7 +5,6 @@ buffers (padded batch, scratch page, fixed-shape LoRA metadata), which must give
 from __future__ import annotations
 
 import logging
-import random
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,8 @@ from loraplex.protocol.structs import ForwardBatch, ForwardReq
 from loraplex.worker.model_runner import ModelRunner
 
 from tests.device_helpers import USES_GPU
-from tests.lora_helpers import LORA_CONFIG, load_all, slot_loads, slot_of
-from tests.worker_helpers import GREEDY, forward_logits, make_runner, random_prompts
+from tests.lora_helpers import LORA_CONFIG, decode_steps, load_all
+from tests.worker_helpers import GREEDY, make_runner, random_prompts
 
 
 def test_flags_and_ladder() -> None:
@@ -50,37 +49,6 @@ def _runner(llama_dir: Path, adapter_dirs: dict[str, Path], backend: str = "trit
     return runner
 
 
-def _decode_run(runner: ModelRunner, prompts: list[list[int]], names: list[str | None], stops: list[int]):
-    """Prefill every prompt, then greedy decode steps; request i leaves after step stops[i] (batches shrink, so they
-    land on different graph sizes). Each step's (reqs, vocab) logits and tokens."""
-    free_pages = list(range(runner.kv_cache.num_pages))
-    random.Random(0).shuffle(free_pages)
-    steps = max(stops)
-    pages = [[free_pages.pop() for _ in range(-(-(len(p) + steps) // runner.page_size))] for p in prompts]
-    outputs: list[list[int]] = [[] for _ in prompts]
-    all_logits = []
-    for step in range(steps):
-        active = [i for i in range(len(prompts)) if step < stops[i]]
-        reqs = [
-            ForwardReq(
-                input_ids=prompts[i] if step == 0 else outputs[i][-1:],
-                num_cached_tokens=0 if step == 0 else len(prompts[i]) + step - 1,
-                page_ids=pages[i],
-                sampling=GREEDY,
-                slot=slot_of(names[i]),
-            )
-            for i in active
-        ]
-        batch = ForwardBatch(batch_id=step, reqs=reqs, slot_loads=slot_loads(names) if step == 0 else [])
-        logits = forward_logits(runner, batch).clone()
-        if step == 0:
-            logits = logits[torch.tensor([len(p) for p in prompts]).cumsum(0) - 1]  # each prompt's last token
-        all_logits.append(logits)
-        for i, token in zip(active, logits.argmax(-1).tolist(), strict=True):
-            outputs[i].append(token)
-    return outputs, all_logits
-
-
 def test_static_buffer_decoding_equals_the_normal_path(llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:
     # Base rows and three adapters; 6, 5, 4, 2, 1 requests decoding: graphs of 8, 8, 4, 2, 1 rows. The reference is
     # the normal path with torch ops (SDPA, torch LoRA); the static buffers feed the Triton kernels (interpreter).
@@ -88,7 +56,7 @@ def test_static_buffer_decoding_equals_the_normal_path(llama_dir: Path, adapter_
     prompts = random_prompts([5, 9, 3, 6, 4, 7], 256, seed=5)
     stops = [6, 3, 4, 2, 4, 5]
     eager = _runner(llama_dir, adapter_dirs, "torch")
-    tokens_ref, logits_ref = _decode_run(eager, prompts, names, stops)
+    tokens_ref, logits_ref = decode_steps(eager, prompts, names, stops)
 
     graphed = _runner(llama_dir, adapter_dirs)
     graphed.decode_graphs = graphed.graph_runner(capture=False)
@@ -96,7 +64,7 @@ def test_static_buffer_decoding_equals_the_normal_path(llama_dir: Path, adapter_
     sizes_used = []
     real_logits = graphed.decode_graphs.logits
     graphed.decode_graphs.logits = lambda reqs: (sizes_used.append(len(reqs)), real_logits(reqs))[1]
-    tokens, logits = _decode_run(graphed, prompts, names, stops)
+    tokens, logits = decode_steps(graphed, prompts, names, stops)
 
     assert sizes_used == [6, 5, 4, 2, 1]  # every decode step went through the static buffers
     assert tokens == tokens_ref
