@@ -35,15 +35,15 @@ def hf_config(arch: str, **overrides):
     return cls(**{**_COMMON, **CONFIGS[arch], **overrides})
 
 
-def build_moe_model(out_dir: Path | str, arch: str, seed: int = 0, with_tokenizer: bool = False) -> None:
+def build_moe_model(out_dir: Path | str, arch: str, seed: int = 0, with_tokenizer: bool = False, **config) -> None:
     """Random weights, norms near 1, a router that separates the experts clearly; with_tokenizer: the tests' tiny
-    tokenizer beside it (and its vocabulary), for a server."""
+    tokenizer beside it (and its vocabulary), for a server; `config`: overrides of the config (num_hidden_layers...)."""
     from transformers import AutoModelForCausalLM
 
     from tests.builders import build_tokenizer, tokenizer_vocab_size
 
     overrides = dict(vocab_size=tokenizer_vocab_size(), bos_token_id=None, eos_token_id=None) if with_tokenizer else {}
-    model = AutoModelForCausalLM.from_config(hf_config(arch, **overrides), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config(arch, **overrides, **config), dtype=torch.float32)
     if with_tokenizer:
         build_tokenizer(out_dir)
     fill_random_weights(model, torch.Generator().manual_seed(seed))
@@ -83,11 +83,11 @@ def build_parameter_adapter(model_dir: Path | str, out_dir: Path | str, *, r: in
     peft_model.save_pretrained(out_dir)
 
 
-def build_moe_set(root: Path, arch: str, with_tokenizer: bool = False) -> tuple[Path, dict[str, Path]]:
+def build_moe_set(root: Path, arch: str, with_tokenizer: bool = False, **config) -> tuple[Path, dict[str, Path]]:
     """A model and two adapters on it: "a4" in the per-expert form (attention q/v, all experts), "a8" in the
     target_parameters form (attention q/o, stacked experts) whose gate_up has its own rank and alpha (patterns)."""
     model_dir = root / arch
-    build_moe_model(model_dir, arch, with_tokenizer=with_tokenizer)
+    build_moe_model(model_dir, arch, with_tokenizer=with_tokenizer, **config)
     adapters = {"a4": root / f"{arch}-a4", "a8": root / f"{arch}-a8"}
     build_expert_module_adapter(model_dir, adapters["a4"], r=4, lora_alpha=8, seed=1)
     build_parameter_adapter(model_dir, adapters["a8"], r=8, lora_alpha=16, target_modules=("q_proj", "o_proj"), seed=2,

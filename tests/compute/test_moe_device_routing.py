@@ -17,6 +17,7 @@ from loraplex.worker.layers.attention import AttentionBackendError
 from loraplex.worker.layers.moe import ExpertsLinear, Routing, use_device_routing
 from loraplex.worker.lora.experts import device_expert_segments, expert_segments
 from loraplex.worker.lora.layers import LoRABatchInfo
+from loraplex.worker.lora.manager import LoRAManager
 from loraplex.worker.model_runner import ModelRunner
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -95,16 +96,25 @@ def test_device_expert_segments_equal_the_host_ones() -> None:
 
 @pytest.fixture(scope="module")
 def moe_set(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
-    return build_moe_set(tmp_path_factory.mktemp("moe_graphs"), "mixtral")
+    # one layer: the interpreter runs every LoRA and expert kernel program by program
+    return build_moe_set(tmp_path_factory.mktemp("moe_graphs"), "mixtral", num_hidden_layers=1)
 
 
 def _runner(moe_set, backend: str) -> ModelRunner:
     model_dir, adapters = moe_set
-    runner = make_runner(model_dir, dtype="float32", attention_backend=backend, lora_backend=backend,
-                         enable_cuda_graph=True, max_running_requests=4, enable_lora=True, max_lora_rank=8,
-                         lora_target_modules=["all"], max_loras_per_batch=3)  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        # the interpreter would spend minutes on the start-up compile warm-up, which compiles nothing there
+        patch.setattr(LoRAManager, "warmup", lambda self: None)
+        runner = make_runner(model_dir, dtype="float32", attention_backend=backend, lora_backend=backend,
+                             enable_cuda_graph=True, max_running_requests=4, enable_lora=True, max_lora_rank=8,
+                             lora_target_modules=["all"], max_loras_per_batch=3)  # fmt: skip
     load_all(runner, adapters)
     return runner
+
+
+@pytest.fixture(scope="module")
+def triton_runner(moe_set) -> ModelRunner:
+    return _runner(moe_set, "triton")
 
 
 class _NoSyncingOps(TorchDispatchMode):
@@ -146,13 +156,13 @@ def _guarded(graphs) -> None:
     graphs._run = run_without_host_reads
 
 
-def test_moe_decoding_on_device_routing_equals_the_host_path(moe_set) -> None:
-    """Base rows and both adapters; 4, 3, 2, 1 requests decoding (graphs of 4, 4, 2, 1 rows). The reference: the
-    normal path, routing on the host, torch LoRA and SDPA; ours: the static buffers, device routing, Triton, with no
-    host read in the step."""
+def test_moe_decoding_on_device_routing_equals_the_host_path(moe_set, triton_runner: ModelRunner) -> None:
+    """Base rows and both adapters: a mixed prefill, then 3 and 1 requests decoding (graphs of 4 and 1 rows). The
+    reference: the normal path, routing on the host, torch LoRA and SDPA; ours: device routing, Triton, and the decode
+    steps through the graphs' static buffers with no host read in them."""
     names = [None, "a4", "a8", "a4"]
     prompts = random_prompts([5, 3, 6, 4], 256, seed=7)
-    stops = [4, 2, 3, 1]
+    stops = [3, 2, 2, 1]
     eager = _runner(moe_set, "torch")
     tokens_ref, logits_ref = decode_steps(eager, prompts, names, stops)
     host_routed = eager.graph_runner(capture=False, batch_sizes=[1])
@@ -160,8 +170,8 @@ def test_moe_decoding_on_device_routing_equals_the_host_path(moe_set) -> None:
     with pytest.raises(AssertionError, match="host read in the captured step"):
         host_routed._run(host_routed.entries[1])
 
-    graphed = _runner(moe_set, "triton")
-    assert use_device_routing(graphed.model) == 3
+    graphed = triton_runner
+    assert use_device_routing(graphed.model) == 1
     graphed.decode_graphs = graphed.graph_runner(capture=False)
     _guarded(graphed.decode_graphs)
     tokens, logits = decode_steps(graphed, prompts, names, stops)
@@ -170,10 +180,12 @@ def test_moe_decoding_on_device_routing_equals_the_host_path(moe_set) -> None:
         assert (ours - ref).abs().max().item() <= 1e-4, f"step {step}"
 
 
-def test_graphs_refuse_an_expert_format_the_kernel_does_not_read(moe_set) -> None:
-    runner = _runner(moe_set, "triton")
-    linear = next(m for m in runner.model.modules() if isinstance(m, ExpertsLinear))
-    linear.weight.data = linear.weight.data.to(torch.int8)  # stands in for a format the grouped kernel lacks
-    runner.device = torch.device("cuda")  # as on a GPU; the check comes before anything touches the device
+def test_graphs_refuse_an_expert_format_the_kernel_does_not_read(
+    triton_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    linear = next(m for m in triton_runner.model.modules() if isinstance(m, ExpertsLinear))
+    # an int8 weight stands in for a format the grouped kernel does not read
+    monkeypatch.setattr(linear.weight, "data", linear.weight.data.to(torch.int8))
+    monkeypatch.setattr(triton_runner, "device", torch.device("cuda"))  # as on a GPU: checked before any device work
     with pytest.raises(AttentionBackendError, match="cannot capture these MoE layers: .*int8 weights"):
-        runner._decode_graphs()
+        triton_runner._decode_graphs()
