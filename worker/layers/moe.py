@@ -279,7 +279,8 @@ class ExpertsLinear(nn.Module):
         """Why the grouped kernel (kernels/moe_matmul.py: plain or MXFP4 experts) cannot run this linear, or None."""
         if self.packed or self.weight.dtype in (torch.float16, torch.bfloat16, torch.float32):
             return None
-        return f"its {str(self.weight.dtype).removeprefix('torch.')} weights are not a format the grouped MoE kernel reads"
+        dtype = str(self.weight.dtype).removeprefix("torch.")
+        return f"its {dtype} weights are not a format the grouped MoE kernel reads"
 
     def partial(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
         # a row-parallel linear's bias is added on one rank: the block sums the ranks' partial outputs
