@@ -9,5 +9,6 @@
     serving.py  G4 decode, G5 / G5b server                 server.py   a server subprocess for G5
     tp.py       G7 tensor parallel, G8 compute-sanitizer   quant.py    G9 quantized linears
     gated_delta.py  G1's Gated DeltaNet kernels against the torch mixer, and both timed
+    moe.py      G9's MoE experts: the grouped kernel (plain, MXFP4), the device-routed step captured as a CUDA graph
     gpu_wheels.txt, fetch_gpu_wheels.sh   the wheels the GPU image lacks
 """

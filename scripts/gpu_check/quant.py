@@ -2,11 +2,13 @@
 Triton INT4/INT8/FP8 kernels of kernels/quant_matmul.py, torch._scaled_mm for W8A8 FP8), built through the worker's
 own layouts (worker/quant/matmul.py), against the dequantized weight's torch matmul in bf16, and timed beside the
 plain bf16 matmul on the same shape. On a CPU dry run the Triton kernels run in the interpreter at tiny shapes in
-fp16 (the interpreter's bf16 dot is wrong) and _scaled_mm runs torch's CPU implementation."""
+fp16 (the interpreter's bf16 dot is wrong) and _scaled_mm runs torch's CPU implementation. Then the MoE experts'
+grouped kernel and the device-routed MoE step under a CUDA graph (scripts/gpu_check/moe.py)."""
 
 from __future__ import annotations
 
 from scripts.gpu_check.lib import Context, max_rel_err, median, time_ms
+from scripts.gpu_check.moe import moe_experts
 
 # name -> (out, in): a Llama-3-8B layer's fused qkv and its down projection; the dry run's stand-ins
 MODULES = {"8b_qkv": (6144, 4096), "8b_down": (4096, 14336)}
@@ -125,6 +127,7 @@ def g9_quantized(ctx: Context) -> None:
                 except Exception as e:  # one path's failure is its check's, not the group's
                     ctx.rec.check(f"{path}|{module}|B{num_tokens}", False, None, None, f"{type(e).__name__}: {e}"[:300])
     ctx.rec.figure("headline", _headline(cells))
+    moe_experts(ctx)
     if ctx.dry_run:
         ctx.rec.skip("QUANT_DECODE_SLOW", "dry-run: interpreter timings mean nothing")
         return

@@ -191,7 +191,9 @@ def _quantized_row(report: dict) -> str:
     worst = headline.get("worst_err") or {}
     return (f"QUANTIZED (8B down, B=1, us): {paths or 'n/a'} vs bf16 {_fmt(headline.get('down_B1_plain_us'), '.1f')}; "
             f"worst err triton {_fmt(worst.get('triton'))} (<=8e-3), scaled_mm {_fmt(worst.get('scaled_mm'))} "
-            f"(<=8e-3 vs emulated); kernel choice {_check(report, 'g9', 'kernel_choice')}" + _suffix(report, "g9"))
+            f"(<=8e-3 vs emulated); kernel choice {_check(report, 'g9', 'kernel_choice')}; MoE grouped plain/mxfp4 "
+            f"{_check(report, 'g9', 'moe_grouped.plain')}/{_check(report, 'g9', 'moe_grouped.mxfp4')}, device-routed "
+            f"step graph {_check(report, 'g9', 'moe_cuda_graph')}" + _suffix(report, "g9"))
 
 
 def _check(report: dict, gid: str, name: str) -> str:
