@@ -21,7 +21,7 @@ from loraplex.worker.grammar import GrammarMasks
 from loraplex.worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token
 from loraplex.worker.layers import packed
 from loraplex.worker.layers.attention import AttentionBackendError, BatchAttention, select_attention_backend
-from loraplex.worker.layers.moe import device_routing_refusal, use_device_routing
+from loraplex.worker.layers.moe import device_routing_refusal, use_device_routing, warm_up_device_routing
 from loraplex.worker.layers.ops import ModelOps, model_ops, select_model_ops
 from loraplex.worker.loader import load_weights
 from loraplex.worker.lora.manager import LoRAManager
@@ -215,7 +215,10 @@ class ModelRunner:
             logger.info("MoE layers route on the host: %s", refusal)
             return
         use_device_routing(self.model)
-        logger.info("MoE layers route on the device")
+        start = time.perf_counter()
+        launches = warm_up_device_routing(self.model)
+        logger.info("MoE layers route on the device; grouped expert kernel compiled: %d launches in %.1f s", launches,
+                    time.perf_counter() - start)  # fmt: skip
 
     def _moe_device_refusal(self) -> str | None:
         if self.lora is not None and self.backend.name != "triton":  # the others plan from host segments

@@ -14,7 +14,7 @@ import torch
 from loraplex.kernels import select_backend
 from loraplex.kernels.moe_matmul import moe_matmul_triton
 from loraplex.worker.layers.attention import AttentionBackendError
-from loraplex.worker.layers.moe import ExpertsLinear, Routing, use_device_routing
+from loraplex.worker.layers.moe import ExpertsLinear, Routing, use_device_routing, warm_up_device_routing
 from loraplex.worker.lora.experts import device_expert_segments, expert_segments
 from loraplex.worker.lora.layers import LoRABatchInfo
 from loraplex.worker.lora.manager import LoRAManager
@@ -172,6 +172,7 @@ def test_moe_decoding_on_device_routing_equals_the_host_path(moe_set, triton_run
 
     graphed = triton_runner
     assert use_device_routing(graphed.model) == 1
+    assert warm_up_device_routing(graphed.model) == 6  # gate_up and down, three row tiles each
     graphed.decode_graphs = graphed.graph_runner(capture=False)
     _guarded(graphed.decode_graphs)
     tokens, logits = decode_steps(graphed, prompts, names, stops)

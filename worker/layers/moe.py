@@ -367,6 +367,26 @@ def use_device_routing(model: nn.Module) -> int:
     return len(blocks)
 
 
+@torch.inference_mode()
+def warm_up_device_routing(model: nn.Module) -> int:
+    """Launch the grouped kernel once per variant it compiles (its row tile: 16, 32 or 64 rows, from the mean rows per
+    expert) for each kind of experts linear in `model`, before any request meets them; the launches."""
+    kinds: dict[tuple, ExpertsLinear] = {}
+    for module in model.modules():
+        if isinstance(module, ExpertsLinear):
+            key = (module.num_experts, module.input_size_per_rank, tuple(module.output_sizes_per_rank), module.packed,
+                   module.bias is not None)  # fmt: skip
+            kinds.setdefault(key, module)
+    for linear in kinds.values():
+        device = linear.scales.device if linear.packed else linear.weight.device
+        dtype = linear.dtype if linear.packed else linear.weight.dtype
+        for rows_per_expert in (1, 32, 33):  # segment_tiles.plan_tiles' three row tiles
+            ids = torch.arange(linear.num_experts, device=device).repeat_interleave(rows_per_expert)[:, None]
+            routing = Routing.build(ids, torch.ones(ids.shape, device=device), linear.num_experts, on_device=True)
+            linear.partial(torch.zeros(ids.shape[0], linear.input_size_per_rank, dtype=dtype, device=device), routing)
+    return 3 * len(kinds)
+
+
 class RouterLinear(nn.Module):
     """The router's (experts, hidden) weight (and bias: gpt-oss), whole on every rank: logits = hidden · Wᵀ + b."""
 
