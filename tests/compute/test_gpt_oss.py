@@ -1,7 +1,8 @@
 """gpt-oss in the worker against HF transformers + peft in fp32: attention sinks, alternating sliding-window (4) and
 full layers, YaRN, the biased top-k-softmax router and the experts' clamped SwiGLU with biases; the base model, an
 adapter on attention alone and one on attention and every expert (PEFT's target_parameters form) in one batch,
-prefill logits, greedy decoding, and chunked prefill over a prefix-cache hit."""
+prefill logits, greedy decoding, and chunked prefill over a prefix-cache hit; MXFP4 experts against their dequantized
+checkpoint, and through the grouped kernel on device routing against the host path."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.worker.layers.moe import ExpertsLinear
+from loraplex.worker.layers.moe import ExpertsLinear, use_device_routing
 from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.model_runner import ModelRunner
 
@@ -18,7 +19,7 @@ from tests.gpt_oss_models import build_gpt_oss_set
 from tests.lora_helpers import batch_logits, greedy_decode, load_all, slot_loads, slot_of
 from tests.mxfp4_checkpoint import write_mxfp4
 from tests.reference import assert_greedy_matches_peft, assert_logits_match_peft, hf_logits
-from tests.worker_helpers import chunked_prefill_after_a_prefix, make_runner, random_prompts
+from tests.worker_helpers import chunked_prefill_after_a_prefix, make_runner, prefill_logits, random_prompts
 
 LOGITS_TOL = 1e-3  # fp32; observed ~5e-5
 MIN_ADAPTER_EFFECT = 0.1
@@ -149,3 +150,13 @@ def test_mxfp4_experts_stay_packed(mxfp4_pair) -> None:
             assert packed.packed and not hasattr(packed, "weight") and packed.blocks.dtype == torch.uint8
             assert packed.resident_bytes * 128 == full.resident_bytes * 17  # (1/2 + 1/32) bytes against 4
     assert not quant.model.model.layers[0].self_attn.qkv_proj.quant  # attention stays plain
+
+
+def test_mxfp4_experts_on_device_routing_equal_the_host_path(mxfp4_pair) -> None:
+    """The grouped kernel (Triton, the interpreter without a GPU) dequantizing the codes per tile, with the experts'
+    biases, on routing built on the device: the logits of the host path (one expert dequantized at a time)."""
+    runner = make_runner(mxfp4_pair[0])
+    prompt = random_prompts([12], 256, seed=15)[0]
+    host = prefill_logits(runner, prompt)
+    assert use_device_routing(runner.model) == len(runner.model.model.layers)
+    torch.testing.assert_close(prefill_logits(runner, prompt), host, atol=1e-4, rtol=1e-5)
