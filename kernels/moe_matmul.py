@@ -34,8 +34,9 @@ def _e2m1(codes):
 @triton.jit
 def _moe_matmul_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, expert_indptr_ptr, expert_ids_ptr, num_experts,
                        N, K, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
-                       HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SEG_BLOCK: tl.constexpr):  # fmt: skip
+                       HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr, SCALE_BLOCK: tl.constexpr, IEEE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SEG_BLOCK: tl.constexpr):  # fmt: skip
     # grid: (row tile, output block)
     expert, row_start, row_end = segment_tile(
         tl.program_id(0), expert_indptr_ptr, expert_ids_ptr, num_experts, BLOCK_M, SEG_BLOCK
@@ -58,7 +59,7 @@ def _moe_matmul_kernel(x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, expert_indpt
             byte = tl.load(w_base + rk[:, None] // 2, mask=w_mask, other=0).to(tl.int32)  # (BK, BN)
             codes = (byte >> ((rk[:, None] % 2) * 4)) & 0xF
             s_ptrs = scales_ptr + expert.to(tl.int64) * stride_se + rn[None, :].to(tl.int64) * stride_sn
-            exponent = tl.load(s_ptrs + rk[:, None] // MXFP4_BLOCK, mask=w_mask, other=127).to(tl.int32)
+            exponent = tl.load(s_ptrs + rk[:, None] // SCALE_BLOCK, mask=w_mask, other=127).to(tl.int32)
             scale = (exponent << 23).to(tl.float32, bitcast=True)  # 2 ** (exponent - 127), exactly
             w = (_e2m1(codes) * scale).to(dtype)  # (BK, BN)
         else:
@@ -141,6 +142,7 @@ def launch_moe_matmul(
             rows, weight, scale_args[0], bias if bias is not None else weight, out, expert_indptr, expert_ids,
             num_experts, num_out, num_in, rows.stride(0), weight.stride(0), weight.stride(1), scale_args[1],
             scale_args[2], bias.stride(0) if bias is not None else 0, out.stride(0), HAS_BIAS=bias is not None,
-            MXFP4=scales is not None, IEEE=rows.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+            MXFP4=scales is not None,
+        SCALE_BLOCK=MXFP4_BLOCK, IEEE=rows.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
             BLOCK_K=BLOCK_K, SEG_BLOCK=seg_block,
         )  # fmt: skip

@@ -11,7 +11,7 @@ something that cannot be compiled), so the tests run it in a child process: `pyt
 attention warm-up's variants and the variants of a sweep of real batches, as JSON; `python tests/triton_aot.py
 model-ops` the same for the model's fused ops (RMSNorm with its residual add, rotary embedding, SiLU-and-multiply);
 `gated-delta` Gated DeltaNet's conv and delta rule kernels over batches of every kind; `quant` the quantized matmuls;
-`latent` latent attention's kernels at DeepSeek-V3's dims.
+`moe` the MoE experts' grouped matmul; `latent` latent attention's kernels at DeepSeek-V3's dims.
 """
 
 from __future__ import annotations
@@ -314,6 +314,50 @@ def _quant_variants(target: GPUTarget, model: str) -> list[dict]:
     return results
 
 
+# ---- the MoE experts' grouped matmul (kernels/moe_matmul.py), on device routing -------------------------------------
+
+# (dtype, MXFP4, (experts, hidden, intermediate) per rank, bias): gpt-oss-20b's experts (MXFP4, with biases) and
+# Mixtral-8x7B's at TP=2 (plain, no bias) in bfloat16, and in float32 (the largest tiles).
+MOE_CONFIGS = [
+    ("bfloat16", True, (32, 2880, 2880), True),
+    ("bfloat16", False, (8, 4096, 7168), False),
+    ("float32", False, (8, 4096, 7168), False),
+]
+MOE_TOKENS = (1, 7, 64, 300, 2048)  # decode batches and prefills, top-4 (gpt-oss) or top-2 rows each
+
+
+def _moe_variants(target: GPUTarget, dtype_name: str, mxfp4: bool, shape: tuple[int, int, int], bias: bool) -> dict:
+    """The start-up warm-up's variants (warm_up_device_routing) and those of a sweep of real batches, for the block's
+    gate_up and down linears."""
+    import torch
+    from loraplex.worker.layers.moe import MoEExperts, Routing, warm_up_device_routing
+    from loraplex.worker.quant.layer import quantized_linears
+    from loraplex.worker.quant.mxfp4 import Mxfp4Format
+
+    dtype = getattr(torch, dtype_name)
+    num_experts, hidden, intermediate = shape
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with quantized_linears(Mxfp4Format({}) if mxfp4 else None), torch.device("meta"):
+            experts = MoEExperts(num_experts, hidden, intermediate, bias=bias)
+    finally:
+        torch.set_default_dtype(previous)
+    experts = experts.to_empty(device="cpu")
+    with compile_only(target) as log:
+        warm_up_device_routing(experts)
+    warmup_keys = set(log.compiled)
+    top_k = 4 if mxfp4 else 2
+    with compile_only(target) as sweep:
+        for num_tokens in MOE_TOKENS:
+            ids = torch.arange(num_tokens * top_k).view(num_tokens, top_k) % num_experts
+            routing = Routing.build(ids, torch.ones(ids.shape), num_experts, on_device=True)
+            gate_up = experts.gate_up_proj(torch.zeros(num_tokens * top_k, hidden, dtype=dtype), routing)
+            experts.down_proj(gate_up[:, :intermediate].contiguous(), routing)
+    return {"compiled": [vars(c) for c in log.compiled.values()], "warmup_keys": sorted(warmup_keys),
+            "serving_keys": sorted(set(sweep.launches)), "launches": sweep.launches}  # fmt: skip
+
+
 # ---- Gated DeltaNet's kernels (kernels/gated_delta.py), launched by the layer's Triton mixer -------------------------
 
 # (dtype, state dtype, (key_heads, value_heads, dk, dv, conv kernel) per rank): the linear attention of
@@ -369,6 +413,11 @@ def main() -> None:
         if sys.argv[1:] == ["quant"]:
             for model in QUANT_SHAPES:
                 results += _quant_variants(target, model)
+            continue
+        if sys.argv[1:] == ["moe"]:
+            for dtype_name, mxfp4, shape, bias in MOE_CONFIGS:
+                found = _moe_variants(target, dtype_name, mxfp4, shape, bias)
+                results.append({"arch": arch, "dtype": dtype_name, "mxfp4": mxfp4, "shape": shape, **found})
             continue
         if sys.argv[1:] == ["latent"]:
             for dtype_name, heads, page_size in LATENT_CONFIGS:

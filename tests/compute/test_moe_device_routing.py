@@ -1,11 +1,16 @@
 """MoE routing on the device (what CUDA graphs capture): the grouped expert kernel against its torch reference (Triton
-in the interpreter without a GPU: fp32, fp16 and MXFP4, shapes with tails and an expert without rows), the device-built
-routing and expert LoRA segments against the host-built ones, and a tiny MoE model with two adapters decoding through
-the graphs' static buffers on device routing equal to the normal host path, its forward free of host reads."""
+in the interpreter without a GPU: fp32, fp16 and MXFP4, shapes with tails and an expert without rows; compiled for
+sm_90 and sm_80 ahead of time), the device-built routing and expert LoRA segments against the host-built ones, and a
+tiny MoE model with two adapters decoding through the graphs' static buffers on device routing equal to the normal
+host path, its forward free of host reads."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +26,7 @@ from loraplex.worker.lora.manager import LoRAManager
 from loraplex.worker.model_runner import ModelRunner
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import tests.triton_aot as triton_aot
 from tests.device_helpers import TEST_DEVICE
 from tests.kernel_refs import moe_matmul_torch
 from tests.lora_helpers import decode_steps, load_all
@@ -72,6 +78,23 @@ def test_grouped_kernel_equals_torch(dtype: torch.dtype, mxfp4: bool) -> None:
     torch.testing.assert_close(ours, ref, **tolerance)
     with pytest.raises(ValueError, match="expert_ids must be a contiguous int32"):
         moe_matmul_triton(rows, weight, routing.expert_indptr, routing.expert_ids().long(), bias, scales)
+
+
+def test_grouped_kernel_compiles_for_sm90_and_sm80_as_warmed_up() -> None:
+    """In a child without the interpreter (tests/triton_aot.py `moe`): every variant a sweep of decode batches and
+    prefills launches is one the start-up warm-up (warm_up_device_routing) compiled, within shared memory."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "triton_aot.py"), "moe"], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout)
+    assert len(results) == 2 * len(triton_aot.MOE_CONFIGS)
+    for r in results:
+        where = f"sm_{r['arch']} {r['dtype']} mxfp4={r['mxfp4']} {r['shape']}"
+        assert len(r["launches"]) == 2 * len(triton_aot.MOE_TOKENS), where  # gate_up and down per batch
+        assert set(r["serving_keys"]) <= set(r["warmup_keys"]), where
+        for c in r["compiled"]:
+            assert 0 < c["shared_bytes"] <= triton_aot.SHARED_LIMIT[r["arch"]], (where, c["shared_bytes"])
 
 
 def _row_slots(meta, num_rows: int) -> list[int]:
