@@ -6,7 +6,9 @@ metadata (padded with empty segments to the graph's batch size, every LoRA linea
 in the graph of the smallest size n >= B: its rows are copied into the buffers, rows B..n are padding (token 0 at
 position 0 of the KV cache's scratch page, which no request owns, no adapter), and the graph replays; the first B
 rows of the static logits are the batch's. The attention is the paged Triton decode with a split count fixed by the
-graph's size and the context length (kernels/paged_attention.py: decode_num_splits), so any lengths replay.
+graph's size and the context length (kernels/paged_attention.py: decode_num_splits), so any lengths replay. MoE layers
+route inside the graph with device ops alone (worker/layers/moe.py: Routing.build(on_device=True)), so their rows,
+expert offsets and expert LoRA segments are recomputed at each replay from the step's own router logits.
 
 Without capture (a CPU: tests) `logits` runs the same forward eagerly on the same buffers, so everything but the
 capture itself is checked without a GPU.
