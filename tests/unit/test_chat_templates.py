@@ -11,6 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from loraplex.frontend.chat_template import ChatOptions, render_chat
+from loraplex.frontend.errors import InputError
 from loraplex.frontend.openai.schemas import ChatMessage, chat_messages
 from loraplex.frontend.tools.parsers import PARSERS
 
@@ -78,3 +79,15 @@ def test_deepseek_v3_thinking_opens_the_answer_inside_the_reasoning(tokenizer) -
     on = render_chat(tokenizer, source, [ASK], ChatOptions(template_kwargs={"thinking": True}))
     off = render_chat(tokenizer, source, [ASK], ChatOptions())
     assert on.endswith("<｜Assistant｜><think>") and off.endswith("<｜Assistant｜></think>")
+
+
+def test_a_template_that_joins_arguments_as_text_gets_them_as_text(tokenizer) -> None:
+    """DeepSeek's released template fails on the arguments object templates are given; render_chat renders it again
+    with OpenAI's JSON text, and a template that fails for other reasons is still the client's error."""
+    source = (TEMPLATES / "deepseek_v3.jinja").read_text()
+    with pytest.raises(TypeError):
+        tokenizer.apply_chat_template(round_trip("call_1"), chat_template=source, tokenize=False)
+    text = render_chat(tokenizer, source, round_trip("call_1"), ChatOptions())
+    assert '<｜tool▁sep｜>{"city": "Oslo", "days": 2}<｜tool▁call▁end｜>' in text
+    with pytest.raises(InputError, match="the chat template rejected the messages"):
+        render_chat(tokenizer, "{{ messages[0].content + 1 }}", round_trip("call_1"), ChatOptions())
