@@ -100,6 +100,9 @@ VALUE_ALIASES: dict[str, dict[str, str]] = {
         "llama3": "llama3_json", "qwen25": "hermes", "qwen": "hermes", "deepseekv3": "deepseek_v3",
         "deepseekv31": "deepseek_v3", "deepseek_v31": "deepseek_v3", "gpt-oss": "openai",
     },
+    "reasoning_parser": {  # SGLang
+        "deepseek-r1": "deepseek_r1", "deepseek-v3": "deepseek_v3", "gpt-oss": "openai_gptoss",
+    },
 }
 DEFAULT_LORA_RANK = 16  # --enable-lora with nothing to infer the pool from (vLLM's default; all seven modules)
 

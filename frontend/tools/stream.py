@@ -1,9 +1,10 @@
 """One choice's tool calls, whole (tool_answer) or streamed (ToolCallStream). Streamed: the text so far in,
-OpenAI's deltas out — content as it becomes safe to send, then per call a delta with its index, id, type and function
-name (arguments ""), then its arguments: in one piece once the call is complete (whole_calls, chat), or in pieces as
-they are written where the format keeps them as JSON text (hermes, llama3_json, mistral; the Responses API, whose
-items can close incomplete). A call cut by max_tokens never goes out as a call with whole_calls: its text ends up
-as content, as in the whole answer."""
+OpenAI's deltas out — content as it becomes safe to send, then per call a delta with its index, id (the model's own
+where its format writes one, else a new `call_` id), type and function name (arguments ""), then its arguments: in
+one piece once the call is complete (whole_calls, chat), or in pieces as they are written where the format keeps them
+as JSON text (hermes, llama3_json, mistral, deepseek_v3, kimi_k2; the Responses API, whose items can close
+incomplete). A call cut by max_tokens never goes out as a call with whole_calls: its text ends up as content, as in
+the whole answer."""
 
 from __future__ import annotations
 

@@ -185,6 +185,8 @@ def test_reasoning_parser_is_a_setting_of_ours() -> None:
     assert config.reasoning_parser == "deepseek_r1"
     assert parse_command_line(["--model-path", MODEL, "--reasoning-parser", "qwen3"])[0].reasoning_parser == "qwen3"
     assert parse_command_line(["--model-path", MODEL])[0].reasoning_parser is None
+    for name, ours in [("deepseek-v3", "deepseek_v3"), ("gpt-oss", "openai_gptoss"), ("deepseek_v3", "deepseek_v3")]:
+        assert parse_command_line(["--model-path", MODEL, "--reasoning-parser", name])[0].reasoning_parser == ours
     with pytest.raises(SystemExit):  # argparse names the valid choices
         parse_command_line(["--model-path", MODEL, "--reasoning-parser", "granite"])
 
