@@ -7,12 +7,18 @@ from __future__ import annotations
 import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
+from loraplex.protocol.config import ServerConfig
 from loraplex.worker.layers.expert_parallel import ExpertDispatcher
 from loraplex.worker.layers.moe import ExpertsLinear, Routing
+from loraplex.worker.model.config import ModelConfigError
+from loraplex.worker.model_runner import ModelRunner
 from loraplex.worker.parallel import tensor_parallel
+
+from tests.moe_models import hf_config
 
 HIDDEN, NUM_EXPERTS, TOP_K = 8, 4, 2
 
@@ -123,3 +129,11 @@ def test_experts_linear_holds_its_experts_whole(tp_mode: str) -> None:
         torch.testing.assert_close(stacked.weight.data, full[mine], rtol=0, atol=0)
         torch.testing.assert_close(pieces.weight.data, full[mine], rtol=0, atol=0)
         torch.testing.assert_close(stacked.bias.data, bias[mine], rtol=0, atol=0)
+
+
+def test_a_model_whose_experts_tp_does_not_divide_is_refused_at_start(tmp_path: Path) -> None:
+    """Before any weight is read: config.json alone."""
+    hf_config("qwen3_moe", num_experts=3).save_pretrained(tmp_path)
+    config = ServerConfig(device="cpu", tp=2, enable_expert_parallel=True)
+    with pytest.raises(ModelConfigError, match=r"--enable-expert-parallel: tp 2 must divide the experts \(3\)"):
+        ModelRunner(config, str(tmp_path), 0, 2, "cpu")
