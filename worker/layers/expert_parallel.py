@@ -10,8 +10,9 @@ ids, experts and routing weights), runs its experts on the rows it receives, and
 the row came from (a second all-to-all), which sums its tokens' outputs. The block places those sums in its
 (tokens, hidden) output, zero elsewhere, and its one all-reduce gives every rank the whole output, as under TP.
 
-Received rows come in sender order, each sender's in batch token order: sorted by expert (stably), the rows of one
-expert keep batch order, and the LoRA wrappers find their (expert, slot) runs there as under TP."""
+Each rank sends its rows sorted by expert, tokens in batch order within one, and receives them in sender order:
+sorted by expert (stably), the rows of one expert keep batch order, and the LoRA wrappers find their (expert, slot)
+runs there as under TP."""
 
 from __future__ import annotations
 
@@ -61,10 +62,11 @@ class ExpertDispatcher:
         their routing. Sends every (token, choice) row to its expert's owner; returns the rows this rank received."""
         top_k = topk_ids.shape[1]
         flat_ids = topk_ids.flatten()  # (tokens * top_k,) row t * top_k + j: token t's j-th choice
-        owners = flat_ids // self.num_local_experts
-        order = torch.sort(owners, stable=True).indices  # by owner, in (token, choice) order within one
+        # by expert, tokens in order within one (so by owner too): combine then adds each token's outputs in the
+        # order a single rank's block adds them
+        order = torch.sort(flat_ids, stable=True).indices
         sent_token_ids = order // top_k
-        send_counts = torch.bincount(owners, minlength=self.world_size)  # (world,)
+        send_counts = torch.bincount(flat_ids // self.num_local_experts, minlength=self.world_size)  # (world,)
         recv_counts = self.exchange(send_counts, [1] * self.world_size, [1] * self.world_size)
         counts = torch.cat([send_counts, recv_counts]).tolist()  # one copy to the host: the exchanges' sizes
         send, recv = counts[: self.world_size], counts[self.world_size :]
