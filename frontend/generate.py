@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 from loraplex.frontend.adapters.audit import SERVER, Caller
 from loraplex.frontend.adapters.registry import AdapterEntry, AdapterError
+from loraplex.frontend.adapters.strength import item_scales
 from loraplex.frontend.bodies import error_body
 from loraplex.frontend.caller import caller_key_id
 from loraplex.frontend.chat_template import ChatOptions, render_chat
@@ -188,11 +189,13 @@ class GenerateService:
 
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
                      stops: list[str], lora_names: list[str | None], rids: list[str | None],
-                     output: OutputOptions = OutputOptions(), *, priority: int = 0) -> list[RequestState]:
+                     output: OutputOptions = OutputOptions(), *, priority: int = 0,
+                     lora_scales: list[float | None] | None = None) -> list[RequestState]:
         """Submit every prompt (with its own sampling when given a list), or none if one is refused: every item is
-        checked and holds its adapter before the first is sent."""
+        checked and holds its adapter before the first is sent. lora_scales: each item's adapter strength."""
         self.check_up()
         runtime = self.runtime
+        scales = item_scales(lora_scales or [None] * len(prompts), lora_names)
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         rids = [rid or uuid.uuid4().hex for rid in rids]
         for k, (prompt, one_sampling, rid) in enumerate(zip(prompts, samplings, rids, strict=False)):
@@ -209,10 +212,10 @@ class GenerateService:
             state.key_id = key_id
             self.requests.add(state)
         try:
-            for state in states:
+            for state, scale in zip(states, scales, strict=True):
                 await runtime.replicas.send(state.dp_rank, TokenizedGenerateReq(
                     rid=state.rid, input_ids=state.prompt_ids, sampling=state.sampling, lora_id=state.lora_id,
-                    priority=priority, key_id=key_id))
+                    lora_scale=scale, priority=priority, key_id=key_id))
         except BaseException:
             await self.finish(states)
             raise
@@ -268,13 +271,16 @@ class GenerateService:
                                           runtime.ready.vocab_size if runtime.ready else None)
         [sampling] = await self.constrain([sampling], native_constraint(params))
         lora_names = _per_item(body.lora_path, len(prompts), batched, "lora_path")
+        lora_scales = _per_item(body.lora_scale, len(prompts), batched, "lora_scale")
         rids = _per_item(body.rid, len(prompts), batched, "rid")
         if params.n > 1:
             rids = [None if rid is None else f"{rid}-{k}" for rid in rids for k in range(params.n)]
             prompts, lora_names = _repeat_n(prompts, params.n), _repeat_n(lora_names, params.n)
+            lora_scales = _repeat_n(lora_scales, params.n)
         samplings = n_samplings(sampling, params.n) * (len(prompts) // params.n)
         output = OutputOptions(skip_special_tokens=params.skip_special_tokens, keep_stop=params.no_stop_trim)
-        states = await self.submit(prompts, samplings, stops, lora_names, rids, output, priority=body.priority)
+        states = await self.submit(prompts, samplings, stops, lora_names, rids, output, priority=body.priority,
+                                   lora_scales=lora_scales)
         for state in states:
             state.return_text_in_logprobs = body.return_text_in_logprobs
         return states

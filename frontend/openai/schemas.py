@@ -16,6 +16,7 @@ from loraplex.frontend.params import (
     AdapterPath,
     Int64,
     LogitBias,
+    LoRAScale,
     MinP,
     Penalty,
     RepetitionPenalty,
@@ -80,6 +81,7 @@ class CommonParams(Strict, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0  # vLLM's: --scheduling-policy priority runs lower first; fcfs ignores it
+    lora_scale: LoRAScale | None = None  # the strength of the adapter `model` names (None: 1)
     # vLLM's logit controls (frontend/params.py logit_controls)
     logit_bias: LogitBias | None = None
     allowed_token_ids: list[TokenId] | None = None

@@ -190,7 +190,7 @@ async def start_openai(
     try:
         for prompt, sampling in jobs:
             states += await service.submit([prompt], sampling, stops, [lora_name], [None], output,
-                                           priority=req.priority)
+                                           priority=req.priority, lora_scales=[req.lora_scale])
     except BaseException:
         refund()
         await service.finish(states)
