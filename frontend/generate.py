@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 from loraplex.frontend.adapters.audit import SERVER, Caller
+from loraplex.frontend.adapters.mixes import mix_error, parse_mix
 from loraplex.frontend.adapters.registry import AdapterEntry, AdapterError
 from loraplex.frontend.adapters.strength import item_scales
 from loraplex.frontend.bodies import error_body
@@ -188,14 +189,16 @@ class GenerateService:
         return lambda: limits.refund(key_id, 1, num_prompt_tokens)
 
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
-                     stops: list[str], lora_names: list[str | None], rids: list[str | None],
+                     stops: list[str], lora_names: list[str | dict | None], rids: list[str | None],
                      output: OutputOptions = OutputOptions(), *, priority: int = 0,
                      lora_scales: list[float | None] | None = None) -> list[RequestState]:
         """Submit every prompt (with its own sampling when given a list), or none if one is refused: every item is
-        checked and holds its adapter before the first is sent. lora_scales: each item's adapter strength."""
+        checked and holds its adapter before the first is sent. lora_names: each item's adapter, or a mix of
+        adapters (a lora_mix object); lora_scales: each item's adapter strength."""
         self.check_up()
         runtime = self.runtime
         scales = item_scales(lora_scales or [None] * len(prompts), lora_names)
+        lora_names = [await self._mix_name(item) if isinstance(item, dict) else item for item in lora_names]
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         rids = [rid or uuid.uuid4().hex for rid in rids]
         for k, (prompt, one_sampling, rid) in enumerate(zip(prompts, samplings, rids, strict=False)):
@@ -220,6 +223,12 @@ class GenerateService:
             await self.finish(states)
             raise
         return states
+
+    async def _mix_name(self, raw: dict) -> str:
+        """The adapter serving a lora_mix object (computed and loaded on its first use)."""
+        if not self.runtime.config.lora_enabled:
+            raise mix_error("LoRA is not enabled (start with --enable-lora)")
+        return await self.runtime.adapters.mixes.resolve(parse_mix(raw))
 
     async def _hold_adapters(self, lora_names: list[str | None], rids: list[str]) -> list[AdapterEntry | None]:
         """Each item's hold on its adapter (one per item), then the server checked once more: a process may have

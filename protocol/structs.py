@@ -117,7 +117,7 @@ class GenerateReqInput(Struct, frozen=True):
     text: str | list[str] | None = None
     input_ids: list[int | list[int]] | None = None  # one prompt, or a batch of prompts
     sampling_params: dict | None = None
-    lora_path: str | list[str | None] | None = None
+    lora_path: str | dict | list[str | dict | None] | None = None  # an adapter's name, or a lora_mix object
     lora_scale: float | list[float | None] | None = None  # the adapter's strength, per item for a batch (None: 1)
     rid: str | list[str] | None = None
     stream: bool = False  # RPC: GenerateReqOutput chunks with finished=False, then one with finished=True
