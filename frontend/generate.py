@@ -24,7 +24,7 @@ from loraplex.frontend.caller import caller_key_id
 from loraplex.frontend.chat_template import ChatOptions, render_chat
 from loraplex.frontend.constraints import Found, native_constraint
 from loraplex.frontend.errors import InputError, ServerUnavailable
-from loraplex.frontend.params import MAX_SEED, NativeGenerateRequest, NativeSamplingParams, native_sampling
+from loraplex.frontend.params import MAX_SEED, LoRAMixBody, NativeGenerateRequest, NativeSamplingParams, native_sampling
 from loraplex.frontend.request_state import OutputOptions, RequestState
 from loraplex.frontend.request_table import RequestTable
 from loraplex.frontend.runtime import Runtime
@@ -189,7 +189,7 @@ class GenerateService:
         return lambda: limits.refund(key_id, 1, num_prompt_tokens)
 
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
-                     stops: list[str], lora_names: list[str | dict | None], rids: list[str | None],
+                     stops: list[str], lora_names: list[str | LoRAMixBody | None], rids: list[str | None],
                      output: OutputOptions = OutputOptions(), *, priority: int = 0,
                      lora_scales: list[float | None] | None = None) -> list[RequestState]:
         """Submit every prompt (with its own sampling when given a list), or none if one is refused: every item is
@@ -198,7 +198,7 @@ class GenerateService:
         self.check_up()
         runtime = self.runtime
         scales = item_scales(lora_scales or [None] * len(prompts), lora_names)
-        lora_names = [await self._mix_name(item) if isinstance(item, dict) else item for item in lora_names]
+        lora_names = [await self._mix_name(item) if isinstance(item, LoRAMixBody) else item for item in lora_names]
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         rids = [rid or uuid.uuid4().hex for rid in rids]
         for k, (prompt, one_sampling, rid) in enumerate(zip(prompts, samplings, rids, strict=False)):
@@ -224,11 +224,11 @@ class GenerateService:
             raise
         return states
 
-    async def _mix_name(self, raw: dict) -> str:
+    async def _mix_name(self, raw: LoRAMixBody) -> str:
         """The adapter serving a lora_mix object (computed and loaded on its first use)."""
         if not self.runtime.config.lora_enabled:
             raise mix_error("LoRA is not enabled (start with --enable-lora)")
-        return await self.runtime.adapters.mixes.resolve(parse_mix(raw))
+        return await self.runtime.adapters.mixes.resolve(parse_mix(msgspec.to_builtins(raw)))
 
     async def _hold_adapters(self, lora_names: list[str | None], rids: list[str]) -> list[AdapterEntry | None]:
         """Each item's hold on its adapter (one per item), then the server checked once more: a process may have

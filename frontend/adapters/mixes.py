@@ -63,7 +63,9 @@ def parse_mix(raw: Any) -> LoRAMix:
     how = raw.get("merge", "linear")
     if how not in MERGES:
         raise mix_error(f"merge {how!r}: choose one of {', '.join(MERGES)}")
-    density = raw.get("density", 1.0 if how == "linear" else None)
+    density = raw.get("density")
+    if density is None and how == "linear":
+        density = 1.0  # unused by linear
     if density is None:
         raise mix_error(f"merge {how!r} needs a 'density' in (0, 1]")
     if isinstance(density, bool) or not isinstance(density, int | float) or not 0 < density <= 1:

@@ -31,6 +31,7 @@ from loraplex.frontend.openai.schemas import (
 from loraplex.frontend.openai.writers import ChatWriter, CompletionWriter
 from loraplex.frontend.params import (
     MAX_N,
+    LoRAMixBody,
     logit_controls,
     make_sampling,
     stop_list,
@@ -171,7 +172,7 @@ async def start_openai(
     the output). reasoning: the constraint starts after the reasoning."""
     runtime = service.runtime
     lora_name, served_by = await service.resolve_model(req.model)
-    adapter: str | dict | None = lora_name
+    adapter: str | LoRAMixBody | None = lora_name
     if req.lora_mix is not None:
         if lora_name is not None:
             raise mix_error(f"lora_mix is served on the base model: `model` names the adapter {lora_name!r}")

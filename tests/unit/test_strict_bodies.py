@@ -68,7 +68,7 @@ RESPONSES = {
 # Objects taken as they come: JSON schemas, template variables, token id -> bias, xgrammar's structural-tag format, a
 # call's arguments as an object, and an earlier answer's annotations and logprobs (sent back, not read).
 FREE_FORM = {"schema", "parameters", "chat_template_kwargs", "logit_bias", "guided_json", "json", "format", "arguments",
-             "annotations", "logprobs"}
+             "annotations", "logprobs", "adapters"}  # adapters: lora_mix's adapter name -> weight
 
 
 def decode_responses(body: bytes) -> list:
