@@ -9,9 +9,9 @@ from loraplex.frontend.adapters.files import read_adapter_config
 from loraplex.frontend.adapters.mix_merge import MixMergeError, merge
 from loraplex.protocol.adapters.lora_targets import ATTN_MODULES, TARGET_MODULES
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from tests.builders import build_lora_adapter
+from tests.reference import peft_mix
 
 WEIGHTS = {"m1": 0.7, "m2": -0.3, "m3": 1.2}
 
@@ -31,28 +31,10 @@ def ours(dirs, how, density=0.5, seed=0):
     return merge(parts, list(WEIGHTS.values()), how, density, seed)
 
 
-def peft_mix(llama_dir, dirs, combination_type, density=None, seed=0):
-    from peft import PeftModel, get_peft_model_state_dict
+def peft_tensors(llama_dir, dirs, combination_type, density=None, seed=0):
+    from peft import get_peft_model_state_dict
 
-    base = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
-    names = list(dirs)
-    model = PeftModel.from_pretrained(base, str(dirs[names[0]]), adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(str(dirs[name]), adapter_name=name)
-    # The global generator seeded as the combination begins (add_weighted_adapter first draws the new adapter's
-    # initial weights): DARE's masks are then the ones a generator seeded with `seed` gives.
-    combine = model.base_model._generalized_task_arithmetic_weighted_adapter
-    calls = []
-
-    def seeded_first(*args, **kwargs):
-        if not calls:
-            torch.manual_seed(seed)
-        calls.append(1)
-        return combine(*args, **kwargs)
-
-    model.base_model._generalized_task_arithmetic_weighted_adapter = seeded_first
-    model.add_weighted_adapter(names, list(WEIGHTS.values()), "mix", combination_type=combination_type,
-                               density=density)  # fmt: skip
+    model = peft_mix(llama_dir, dirs, list(WEIGHTS.values()), combination_type, density, seed)
     return model.peft_config["mix"], get_peft_model_state_dict(model, adapter_name="mix")
 
 
@@ -60,7 +42,7 @@ def peft_mix(llama_dir, dirs, combination_type, density=None, seed=0):
                                                     ("dare_linear", "dare_linear", 0.6)])  # fmt: skip
 def test_mix_equals_peft(llama_dir, mix_adapters, how, peft_name, density):
     config, tensors = ours(mix_adapters, how, density or 1.0, seed=3)
-    peft_config, expected = peft_mix(llama_dir, mix_adapters, peft_name, density, seed=3)
+    peft_config, expected = peft_tensors(llama_dir, mix_adapters, peft_name, density, seed=3)
     assert set(tensors) == set(expected)
     for key, tensor in expected.items():
         torch.testing.assert_close(tensors[key], tensor, atol=1e-6, rtol=1e-5, msg=key)
