@@ -18,6 +18,7 @@ from tests.lora_helpers import LORA_CONFIG, MIXED, MIXED_LENGTHS, batch_logits, 
 from tests.worker_helpers import random_prompts, run_two_ranks, tp_group
 
 DECODE_STEPS = 6
+SCALES = [1.0, 0.5, 0.0, 4.0, 1.0, 0.25, 1.0, 2.0, 1.5]  # per MIXED row (its base rows stay at 1)
 CHILD_TIMEOUT_S = 120
 
 
@@ -31,6 +32,8 @@ def run_lora(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
     return {
         # numpy, not tensors: torch sends tensors between processes as shared memory handles that die with the child.
         "logits": [t.numpy() for t in batch_logits(runner, prompts, MIXED)],
+        # each adapter row at its own strength (lora_scale), 0 and up to the limit of 4 among them
+        "scaled": [t.numpy() for t in batch_logits(runner, prompts, MIXED, SCALES)],
         "greedy": greedy_decode(runner, prompts, MIXED, steps=DECODE_STEPS),
     }
 
@@ -70,12 +73,15 @@ def test_lora_tp2_matches_tp1(llama_dir: Path, adapter_dirs: dict[str, Path]) ->
         for name, ours, ref in zip(MIXED, by_rank[rank]["logits"], tp1["logits"], strict=True):
             diff = abs(ours - ref).max()
             assert diff <= 1e-4, (rank, name, diff)
+        for name, ours, ref in zip(MIXED, by_rank[rank]["scaled"], tp1["scaled"], strict=True):
+            assert abs(ours - ref).max() <= 1e-4, (rank, name, "scaled")
         assert by_rank[rank]["greedy"] == tp1["greedy"], rank
         # The row-parallel LoRA terms (o_proj, down_proj; every batch here uses an all-module adapter) ride on their
         # layer's own all-reduce: two per decoder layer per forward, as for the base model alone.
         counts = by_rank[rank]
-        assert counts["forwards"] == 1 + DECODE_STEPS, counts
+        assert counts["forwards"] == 2 + DECODE_STEPS, counts
         assert counts["all_reduces"] == counts["forwards"] * 2 * counts["num_layers"], counts
+    assert abs(tp1["scaled"][1] - tp1["logits"][1]).max() > 1e-3  # the strengths change the adapter rows
 
 
 def test_adapter_is_sliced_per_rank(llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:
