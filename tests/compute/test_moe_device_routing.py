@@ -105,16 +105,22 @@ def _row_slots(meta, num_rows: int) -> list[int]:
 
 
 def test_device_expert_segments_equal_the_host_ones() -> None:
-    # the batch's token segments: base, slot 0, slot 1, base, slot 0, then two empty padding segments (a graph's)
+    # the batch's token segments: base, slot 0, slot 1, base, slot 0, then two empty padding segments (a graph's);
+    # each token's request strength (lora_scale) too
     seg_indptr, seg_slots = [0, 3, 7, 9, 11, 14, 14, 14], [-1, 0, 1, -1, 0, -1, -1]
+    token_scales = [0.5 + 0.1 * token for token in range(14)]
     backend = select_backend("triton", TEST_DEVICE, torch.float32)
-    batch = LoRABatchInfo(backend=backend, host_segments=(seg_indptr[:6], seg_slots[:5]))
-    batch.meta = backend.prepare(seg_indptr, seg_slots)
-    host = expert_segments(_routing(14, 3, on_device=False), batch)
+    batch = LoRABatchInfo(backend=backend, host_segments=(seg_indptr[:6], seg_slots[:5]), host_row_scales=token_scales)
+    batch.meta = backend.prepare(seg_indptr, seg_slots, token_scales)
+    host_routing = _routing(14, 3, on_device=False)
+    host = expert_segments(host_routing, batch)
     device = device_expert_segments(_routing(14, 3, on_device=True), batch)
     assert device.seg_slots.shape[0] == 28  # min(rows, experts * segments): a bound from shapes alone
     assert _row_slots(device, 28) == _row_slots(host, 28)
     assert device.plan == backend.plan([28], [0] * 28)
+    torch.testing.assert_close(device.row_scales, host.row_scales, atol=0, rtol=0)
+    expected = torch.tensor([token_scales[token] for token in host_routing.host_token_ids], device=TEST_DEVICE)
+    assert torch.equal(device.row_scales, expected)  # each row its own token's strength
 
 
 @pytest.fixture(scope="module")

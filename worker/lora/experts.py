@@ -47,7 +47,9 @@ def expert_segments(routing: Routing, batch: LoRABatchInfo) -> LoRABatchMeta | N
     starts = torch.ones_like(virtual, dtype=torch.bool)
     starts[1:] = virtual[1:] != virtual[:-1]
     first_rows = starts.nonzero().flatten()
-    return batch.backend.prepare([*first_rows.tolist(), virtual.shape[0]], virtual[first_rows].tolist())
+    token_scales = batch.host_row_scales
+    row_scales = None if token_scales is None else [token_scales[token] for token in routing.host_token_ids]
+    return batch.backend.prepare([*first_rows.tolist(), virtual.shape[0]], virtual[first_rows].tolist(), row_scales)
 
 
 def device_expert_segments(routing: Routing, batch: LoRABatchInfo) -> LoRABatchMeta:
@@ -72,4 +74,5 @@ def device_expert_segments(routing: Routing, batch: LoRABatchInfo) -> LoRABatchM
     seg_indptr.scatter_reduce_(0, run_ids, rows, reduce="amin")
     seg_slots = torch.full((num_runs,), -1, dtype=torch.int32, device=device)
     seg_slots.scatter_(0, run_ids, virtual.to(torch.int32))  # every row of a run writes the same value
-    return batch.backend.prepare_device(seg_indptr, seg_slots, num_rows)
+    row_scales = None if meta.row_scales is None else meta.row_scales[routing.token_ids]  # (rows,)
+    return batch.backend.prepare_device(seg_indptr, seg_slots, num_rows, row_scales)
