@@ -30,8 +30,9 @@ def build_moe_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
     return adapters
 
 
-def build_quantized_moe(root: Path, formats: tuple[str, ...] = EXPERT_FORMATS,
-                        with_tokenizer: bool = False) -> tuple[dict[str, tuple[Path, Path]], dict[str, Path]]:
+def build_quantized_moe(
+    root: Path, formats: tuple[str, ...] = EXPERT_FORMATS, with_tokenizer: bool = False
+) -> tuple[dict[str, tuple[Path, Path]], dict[str, Path]]:
     """({format: (quantized dir, dequantized dir)}, adapters)."""
     plain = root / "qwen3_moe"
     build_moe_model(plain, "qwen3_moe", with_tokenizer=with_tokenizer)
