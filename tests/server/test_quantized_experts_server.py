@@ -1,7 +1,8 @@
 """A Qwen3-MoE checkpoint whose attention, dense MLP and every expert are quantized (FP8 in blocks,
-compressed-tensors INT4; AWQ's INT4 is checked in the worker, tests/compute/test_quantized_experts.py), served end to end with chunked prefill and the prefix cache: one batch mixing the base
-model, an attention-only adapter and an adapter on every expert equals HF + peft on the same weights dequantized;
-each worker logs its experts' resident bytes against the plain ones."""
+compressed-tensors INT4; AWQ's INT4 is checked in the worker, tests/compute/test_quantized_experts.py), served end
+to end with chunked prefill and the prefix cache: one batch mixing the base model, an attention-only adapter and an
+adapter on every expert equals HF + peft on the same weights dequantized; each worker logs its experts' resident
+bytes against the plain ones."""
 
 from __future__ import annotations
 
