@@ -1,4 +1,6 @@
-"""Quantized MoE experts (worker/layers/expert_weights.py) in the worker: each format's checkpoint equals the same
+"""Quantized MoE experts (worker/layers/expert_weights.py): each rank's expert weight equals its shard of the format's
+own dequantized weight (GPTQ, AWQ, FP8 blocks, compressed-tensors INT4; column and row parallel); in the worker, each
+format's checkpoint equals the same
 weights dequantized into a plain one, for one batch mixing the base model, an attention-only adapter and an adapter
 on every expert (fp32 logits, greedy tokens), holding fewer bytes than plain experts; --load-format dummy draws
 quantized experts; a TP cut inside a group, a stacked quantized tensor and partly quantized experts are refused."""
@@ -13,7 +15,7 @@ import torch
 from loraplex.worker.layers.moe import ExpertsLinear
 from loraplex.worker.parallel import tensor_parallel
 from loraplex.worker.quant import QuantFormatError, quantized_linears
-from loraplex.worker.quant.formats import build_format
+from loraplex.worker.quant.formats import build_format, random_tensors
 
 from tests.compute.test_quantized_coverage import set_ignore
 from tests.lora_helpers import LORA_CONFIG, batch_logits, greedy_decode, load_all
@@ -72,6 +74,42 @@ def test_dummy_weights_draw_quantized_experts(quantized_moe, tmp_path: Path) -> 
 def _int4_pieces(fmt, out_features: int, in_features: int) -> dict[str, torch.Tensor]:
     weight = fmt.random_weight(out_features, in_features, 0.02, torch.Generator().manual_seed(0))
     return fmt.encode(weight)
+
+
+CONFIGS = {  # quantization_config -> each checkpoint format the experts read
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": False},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 16, "version": "gemm"},
+    "fp8": {"quant_method": "fp8", "weight_block_size": [16, 16]},
+    "compressed-tensors": {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": False,
+                                                       "strategy": "group", "group_size": 16}}}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("method", sorted(CONFIGS))
+@pytest.mark.parametrize("tp_mode", ["column", "row"])
+def test_each_rank_s_expert_weight_is_its_shard_of_the_format_s_dequantized_weight(method: str, tp_mode: str) -> None:
+    fmt = build_format(method, CONFIGS[method])
+    out_sizes, in_size = ([32, 32], 64) if tp_mode == "column" else ([48], 64)
+    generator = torch.Generator().manual_seed(1)
+    pieces = {(e, s): random_tensors(fmt, size, in_size, 0.02, generator)
+              for e in range(3) for s, size in enumerate(out_sizes)}  # fmt: skip
+    full = [torch.cat([fmt.decode(pieces[e, s], size, in_size).dequantize(slice(None), torch.float32)
+                       for s, size in enumerate(out_sizes)]) for e in range(3)]  # fmt: skip
+    for rank in (0, 1):
+        with tensor_parallel(rank, 2), quantized_linears(fmt):
+            linear = ExpertsLinear(3, in_size, out_sizes, tp_mode)
+        for (e, s), tensors in pieces.items():
+            for name, tensor in tensors.items():
+                getattr(linear, name).weight_loader(getattr(linear, name), tensor, (e, s))
+        assert linear.is_quantized and not hasattr(linear, fmt.tensor_names[0])  # staged tensors dropped
+        for e in range(3):
+            if tp_mode == "column":  # this rank's rows of each slice
+                expected = torch.cat([part.chunk(2)[rank] for part in full[e].split(out_sizes)])
+            else:
+                expected = full[e].chunk(2, dim=1)[rank]
+            assert torch.equal(linear.expert_weight(e).float(), expected), (method, tp_mode, rank, e)
+        assert linear.resident_bytes < linear.num_weights * 4 // 3
 
 
 def test_a_tp_cut_inside_a_group_and_a_stacked_tensor_are_refused() -> None:
