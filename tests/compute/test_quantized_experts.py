@@ -1,9 +1,9 @@
 """Quantized MoE experts (worker/layers/expert_weights.py): each rank's expert weight equals its shard of the format's
-own dequantized weight (GPTQ, AWQ, FP8 blocks, compressed-tensors INT4; column and row parallel); in the worker, each
-format's checkpoint equals the same
-weights dequantized into a plain one, for one batch mixing the base model, an attention-only adapter and an adapter
-on every expert (fp32 logits, greedy tokens), holding fewer bytes than plain experts; --load-format dummy draws
-quantized experts; a TP cut inside a group, a stacked quantized tensor and partly quantized experts are refused."""
+own dequantized weight (GPTQ, AWQ, FP8 blocks, compressed-tensors INT4; column and row parallel); in the worker,
+each format's checkpoint equals the same weights dequantized into a plain one, for one batch mixing the base model,
+an attention-only adapter and an adapter on every expert (fp32 logits, greedy tokens), holding fewer bytes than
+plain experts; --load-format dummy draws quantized experts; a TP cut inside a group, a stacked quantized tensor and
+partly quantized experts are refused."""
 
 from __future__ import annotations
 
