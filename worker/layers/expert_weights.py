@@ -176,7 +176,8 @@ class StackedIntWeights:
 
 class QuantizedExpertWeights:
     """One placeholder parameter per checkpoint tensor of the format (`weight` and `weight_scale_inv`, `qweight`,
-    `weight_packed`, ...); their loaders take one (expert, slice) piece at a time. Once an expert has every slice,
+    `weight_packed`, ...); their loaders take one (expert, slice) piece at a time (under expert parallelism, of the
+    experts this rank holds; others are skipped). Once an expert has every slice,
     it is decoded and cut, and stored in the stacked form of its kind; once every expert is stored, the placeholders
     go."""
 
@@ -196,7 +197,10 @@ class QuantizedExpertWeights:
                 f"experts in {self.format.description} are read per expert (experts.N.<proj>.{name}); "
                 "a stacked experts tensor is not supported"
             )
-        expert, slice_id = shard_id
+        expert = shard_id[0] - self.layer.first_expert  # the checkpoint's expert id -> this rank's
+        if not 0 <= expert < self.layer.num_experts:
+            return  # expert parallelism: another rank holds it
+        slice_id = shard_id[1]
         pieces = self.staged.setdefault(expert, {})
         pieces.setdefault(slice_id, {})[name] = loaded
         num_names = len(self.format.tensor_names)
