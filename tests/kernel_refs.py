@@ -18,6 +18,7 @@ from loraplex.kernels.latent_attention import check_latent_decode_args, check_la
 from loraplex.kernels.lora_expand import column_alignment, launch_expand
 from loraplex.kernels.lora_shrink import launch_shrink, shrink_output
 from loraplex.kernels.lora_torch import expand_planned, shrink_expand_compiled, shrink_planned
+from loraplex.kernels.mxfp4_matmul import check_mxfp4_matmul_args
 from loraplex.kernels.paged_attention import check_decode_args, check_extend_args
 from loraplex.kernels.quant_matmul import check_fp8_matmul_args, check_int_matmul_args
 from loraplex.kernels.rms_norm import check_rms_norm_args
@@ -26,6 +27,7 @@ from loraplex.kernels.segment_tiles import plan_tiles
 from loraplex.kernels.silu_mul import check_silu_and_mul_args
 from loraplex.worker.layers.delta_mixer import TorchDeltaMixer
 from loraplex.worker.layers.ops import TorchOps
+from loraplex.worker.quant import mxfp4
 from loraplex.worker.state_cache import StateBatch
 
 # ---- LoRA, torch path -----------------------------------------------------------------------------------------------
@@ -280,6 +282,15 @@ def fp8_weight_matmul_torch(
     check_fp8_matmul_args(x, q, scales, row_ids, col_ids)
     w = q.float() * scales[row_ids][:, col_ids]
     return (x.float() @ w.t()).to(x.dtype)
+
+
+def mxfp4_weight_matmul_torch(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+                              out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x · Wᵀ on the weight the CPU path dequantizes (worker/quant/mxfp4.py), in x's dtype, as ExpertsLinear runs it
+    there."""
+    check_mxfp4_matmul_args(x, blocks, scales, out)
+    y = x @ mxfp4.dequantize(blocks, scales, x.dtype).t()
+    return y if out is None else out.copy_(y)
 
 
 # ---- Gated DeltaNet: the torch mixer the layer runs without the kernels (worker/layers/delta_mixer.py) --------------
