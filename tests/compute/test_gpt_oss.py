@@ -149,3 +149,20 @@ def test_mxfp4_experts_stay_packed(mxfp4_pair) -> None:
             assert packed.packed and not hasattr(packed, "weight") and packed.blocks.dtype == torch.uint8
             assert packed.resident_bytes * 128 == full.resident_bytes * 17  # (1/2 + 1/32) bytes against 4
     assert not quant.model.model.layers[0].self_attn.qkv_proj.quant  # attention stays plain
+
+
+@pytest.mark.skipif(USES_GPU, reason="checked in the interpreter here; on a GPU the Triton path is the one chosen")
+def test_mxfp4_experts_through_the_triton_matmul_equal_the_torch_path(mxfp4_pair) -> None:
+    """The CUDA path's choice (kernels/mxfp4_matmul.py, codes decoded inside the tiles; the interpreter here), made
+    on the CPU-built experts: the base model's logits equal the torch path's, which dequantizes whole experts."""
+    quant_dir, _ = mxfp4_pair
+    runner = make_runner(quant_dir)
+    prompts = random_prompts([7, 12], 256, seed=16)
+    experts = [m for m in runner.model.modules() if isinstance(m, ExpertsLinear)]
+    assert experts and all(m.packed and not m.mxfp4_triton for m in experts)  # the CPU's choice
+    torch_path = batch_logits(runner, prompts, [None, None])
+    for module in experts:
+        module.mxfp4_triton = True
+    triton_path = batch_logits(runner, prompts, [None, None])
+    for ours, ref in zip(triton_path, torch_path, strict=True):
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-5)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from loraplex.kernels.mxfp4_matmul import launch_mxfp4_matmul
 from loraplex.worker.layers.activation import SiluAndMul
 from loraplex.worker.parallel import all_reduce, current_tp
 from loraplex.worker.quant import mxfp4
@@ -142,6 +143,8 @@ class ExpertsLinear(nn.Module):
             self.blocks = self._packed_param((num_experts, num_rows, num_blocks * mxfp4.BLOCK_SIZE // 2),
                                              mxfp4.random_blocks)  # fmt: skip
             self.scales = self._packed_param((num_experts, num_rows, num_blocks), mxfp4.random_scales)
+            # on CUDA the codes are decoded inside the matmul's tiles (kernels/mxfp4_matmul.py); chosen once, here
+            self.mxfp4_triton = torch.empty(0).device.type == "cuda"  # built under the target device
         else:
             weight = torch.empty(num_experts, num_rows, self.input_size_per_rank)
             self.weight = nn.Parameter(weight, requires_grad=False)
@@ -260,10 +263,14 @@ class ExpertsLinear(nn.Module):
         with_bias = self.bias is not None and (self.tp_mode == "column" or self.tp_rank == 0)
         for expert in range(self.num_experts):
             start, end = bounds[expert], bounds[expert + 1]
-            if end > start:
+            if end == start:
+                continue
+            if self.packed and self.mxfp4_triton:  # rows (and out) contiguous, the codes' shapes checked at build
+                launch_mxfp4_matmul(rows[start:end], self.blocks[expert], self.scales[expert], out[start:end])
+            else:
                 torch.matmul(rows[start:end], self.expert_weight(expert).T, out=out[start:end])
-                if with_bias:
-                    out[start:end] += self.bias[expert]
+            if with_bias:
+                out[start:end] += self.bias[expert]
         return out
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
