@@ -265,8 +265,9 @@ class ExpertsLinear(nn.Module):
             start, end = bounds[expert], bounds[expert + 1]
             if end == start:
                 continue
-            if self.packed and self.mxfp4_triton:  # rows (and out) contiguous, the codes' shapes checked at build
-                launch_mxfp4_matmul(rows[start:end], self.blocks[expert], self.scales[expert], out[start:end])
+            if self.packed and self.mxfp4_triton:  # the codes' shapes are this layer's own: no checks per launch
+                launch_mxfp4_matmul(rows[start:end].contiguous(), self.blocks[expert], self.scales[expert],
+                                    out[start:end])  # fmt: skip
             else:
                 torch.matmul(rows[start:end], self.expert_weight(expert).T, out=out[start:end])
             if with_bias:
