@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from loraplex.kernels.mxfp4_matmul import launch_mxfp4_matmul
 from loraplex.worker.layers.activation import SiluAndMul
 from loraplex.worker.layers.expert_parallel import ExpertDispatcher
 from loraplex.worker.layers.expert_weights import (
@@ -169,6 +170,8 @@ class ExpertsLinear(nn.Module):
         self.output_offsets_per_rank = [0, *itertools.accumulate(self.output_sizes_per_rank)][:-1]
         self.storage = build_expert_weights(self, current_format())
         self.packed = isinstance(self.storage, Mxfp4ExpertWeights)  # stacked MXFP4 codes, stored (experts, out, ...)
+        # on CUDA MXFP4 codes are decoded inside the matmul's tiles (kernels/mxfp4_matmul.py); chosen once, here
+        self.mxfp4_triton = self.packed and torch.empty(0).device.type == "cuda"  # built under the target device
         self.bias = None
         if bias:
             bias_shape = (self.num_experts, sum(self.output_sizes_per_rank))
@@ -297,10 +300,15 @@ class ExpertsLinear(nn.Module):
         with_bias = self.bias is not None and (self.tp_mode == "column" or self.tp_rank == 0)
         for expert in range(self.num_experts):
             start, end = bounds[expert], bounds[expert + 1]
-            if end > start:
+            if end == start:
+                continue
+            if self.mxfp4_triton:  # the codes' shapes are this layer's own: no checks per launch
+                launch_mxfp4_matmul(rows[start:end].contiguous(), self.blocks[expert], self.scales[expert],
+                                    out[start:end])  # fmt: skip
+            else:
                 torch.matmul(rows[start:end], self.expert_weight(expert).T, out=out[start:end])
-                if with_bias:
-                    out[start:end] += self.bias[expert]
+            if with_bias:
+                out[start:end] += self.bias[expert]
         return out
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
