@@ -528,7 +528,11 @@ def _gather_rows(cache: torch.Tensor, read_pages: torch.Tensor, page_size: int) 
     one row copy per page (index_select over whole pages is ~3x faster on CPU than indexing per token position)."""
     num_slots, num_kv_heads, head_dim = cache.shape
     num_reqs, num_pages = read_pages.shape
-    pages = cache.view(num_slots // page_size, -1).index_select(0, read_pages.view(-1))  # (reqs * pages, page elems)
+    if cache.is_contiguous():
+        pages = cache.view(num_slots // page_size, -1)  # (all pages, page elems)
+    else:  # a narrower layer's view of a wider cache (Gemma 4): each page's rows, strided
+        pages = cache.unflatten(0, (num_slots // page_size, page_size))  # (all pages, page_size, kv_heads, d)
+    pages = pages.index_select(0, read_pages.view(-1))  # (reqs * pages, ...)
     return pages.view(num_reqs, num_pages * page_size, num_kv_heads, head_dim)
 
 

@@ -304,7 +304,10 @@ class SparseMoeBlock(nn.Module):
         return route(self.gate(hidden), self.top_k, self.renormalize)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(hidden)  # (tokens, top_k) each
+        return self.run_experts(hidden, *self.route(hidden))
+
+    def run_experts(self, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routing-weighted sum of each token's experts (weights, ids (tokens, top_k)), all-reduced."""
         routing = Routing.build(ids, weights, self.num_experts)
         rows = hidden[routing.token_ids]  # (rows, hidden)
         out_rows = self.experts(rows, routing)  # (rows, hidden)
