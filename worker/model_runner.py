@@ -411,6 +411,9 @@ class ModelRunner:
         if la is not None and (la.num_key_heads % self.world_size or la.num_value_heads % self.world_size):
             raise ModelConfigError(f"tp {self.world_size} must divide the linear-attention key heads "
                                    f"({la.num_key_heads}) and value heads ({la.num_value_heads})")
+        g4 = self.model_config.gemma4
+        if g4 is not None:  # the full layers' KV heads may be fewer
+            kv_heads = next((n for n in g4.kv_heads if n % self.world_size), kv_heads)
         if heads % self.world_size or kv_heads % self.world_size:
             raise ModelConfigError(
                 f"tp {self.world_size} must divide the attention heads ({heads}) and KV heads ({kv_heads})"
