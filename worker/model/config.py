@@ -657,7 +657,9 @@ def _gemma4_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
         outer = {key: hf[key] for key in ("dtype", "torch_dtype", "tie_word_embeddings") if key in hf}
         hf = {**outer, **{key: value for key, value in text.items() if value is not None or key not in outer},
               "model_type": model_type}
-    hf = {**_GEMMA4_TEXT_DEFAULTS, **{key: value for key, value in hf.items() if value is not None}}
+    hf = {**_GEMMA4_TEXT_DEFAULTS, **hf}  # a key present as null stays null (hidden_size_per_layer_input: no PLE)
+    if hf["rope_parameters"] is None:
+        hf["rope_parameters"] = _GEMMA4_TEXT_DEFAULTS["rope_parameters"]
     if hf.get("use_bidirectional_attention") == "all":
         raise ModelConfigError("gemma4 with use_bidirectional_attention 'all' is not a causal language model")
     num_layers = hf["num_hidden_layers"]
