@@ -68,7 +68,9 @@ def test_layers_and_lora_buffers(runners: dict[str, ModelRunner]) -> None:
     assert not {(1, "self_attn.v_proj"), (3, "self_attn.k_proj")} & buffers
     moe = runners["moe"].model.model.layers
     assert isinstance(moe[0].mlp.experts.gate_up_proj, LoRAExpertsLinear)
-    assert {(2, "mlp.shared_experts.gate_up_proj"), (2, "mlp.experts.down_proj")} <= set(runners["moe"].lora.pool.buffers)
+    assert {(2, "mlp.shared_experts.gate_up_proj"), (2, "mlp.experts.down_proj")} <= set(
+        runners["moe"].lora.pool.buffers
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -23,7 +23,11 @@ def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str],
         runner = ModelRunner(config, model_dir, rank, 2, "cpu")
         layer = runner.model.model.layers[1]
         if hasattr(layer.mlp, "experts"):
-            linears = (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj, layer.mlp.shared_experts.gate_up_proj)
+            linears = (
+                layer.mlp.experts.gate_up_proj,
+                layer.mlp.experts.down_proj,
+                layer.mlp.shared_experts.gate_up_proj,
+            )
         else:
             linears = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.gate_up_proj)
         shapes = tuple(tuple(linear.base.weight.shape) for linear in linears)

@@ -464,10 +464,11 @@ def _split_fused(
 
 def _shared_or_plain(key: str, hf_module: str, model_config: ModelConfig) -> str:
     """A shared expert's MLP module (DeepSeek-V3's `shared_experts.`; Llama 4's, Qwen3-Next's and Qwen3.5-MoE's
-    `shared_expert.`; Gemma 4's dense MLP beside its experts, `mlp.`), keyed apart from the routed experts' of its layer as `shared_experts.` + module; any other its
-    own name. A shared expert named otherwise than this model names its own is refused."""
+    `shared_expert.`; Gemma 4's dense MLP beside its experts, `mlp.`), keyed apart from the routed experts' of its
+    layer as `shared_experts.` + module; any other its own name. A shared expert named otherwise than this model
+    names its own is refused."""
     name = model_config.moe.shared_expert_name if model_config.moe is not None else None
-    if name is not None and f".{name}.{hf_module}." in key:  # Gemma 4's: `mlp.` + a dense MLP module
+    if name is not None and f".{name}.{hf_module}." in key:
         return SHARED_PREFIX + hf_module
     if any(f".{other}.{hf_module}." in key for other in ("shared_experts", "shared_expert")):
         raise AdapterLoadError(f"tensor {key!r}: LoRA on this model's shared expert is not supported")

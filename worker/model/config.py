@@ -109,7 +109,8 @@ class MoEConfig:
             num_experts=num_experts,
             top_k=hf["num_experts_per_tok"],
             intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
-            renormalize=model_type in ("mixtral", *_QWEN3_5_MOE, *GEMMA4_TYPES) or bool(hf.get("norm_topk_prob", False)),
+            renormalize=model_type in ("mixtral", *_QWEN3_5_MOE, *GEMMA4_TYPES)
+            or bool(hf.get("norm_topk_prob", False)),
             dense_layers=dense_layers,
             **extra,
         )
@@ -686,7 +687,8 @@ def _gemma4_layers(hf: dict[str, Any]) -> Gemma4Layers:
     per_layer = {int(i): dict(entry) for i, entry in per_layer.items()}
     unknown = {key for entry in per_layer.values() for key in entry} - set(_GEMMA4_LAYER_KEYS)
     if unknown:
-        raise ModelConfigError(f"gemma4 per_layer_config sets {sorted(unknown)}; served: {', '.join(_GEMMA4_LAYER_KEYS)}")
+        raise ModelConfigError(f"gemma4 per_layer_config sets {sorted(unknown)}; served: "
+                               f"{', '.join(_GEMMA4_LAYER_KEYS)}")
     head_dims = tuple(per_layer.get(i, {}).get("head_dim", hf["head_dim"]) for i in range(num_layers))
     kv_heads = tuple(per_layer.get(i, {}).get("num_key_value_heads", hf["num_key_value_heads"])
                      for i in range(num_layers))  # fmt: skip
