@@ -13,7 +13,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe
 GEMMA4_TYPES = ("gemma4_text", "gemma4")
 GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3", *GEMMA4_TYPES)
 LLAMA4_TYPES = ("llama4_text", "llama4")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")  # last: Gemma 4
 
 
 class ModelConfigError(ValueError):
@@ -456,6 +456,8 @@ def _parse_rope(hf: dict[str, Any], params: dict[str, Any], model_type: str, hea
     params.pop("type", None)
     if model_type == "phi3" and rope_type in ("su", "yarn"):  # Phi3Config's older names of longrope
         rope_type = "longrope"
+    if rope_type == "proportional" and model_type not in GEMMA4_TYPES:
+        raise ModelConfigError("unsupported rope scaling type 'proportional' for this model: Gemma 4's alone")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
             f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
