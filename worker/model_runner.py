@@ -86,6 +86,7 @@ class ModelRunner:
             latent_dim=self.model_config.mla.kv_lora_rank if self.model_config.mla is not None else None,
             sinks=self.model_config.attention_sinks,
             chunked_attention=any(self.model_config.layer_chunks),
+            mixed_head_shapes=self.model_config.mixed_head_shapes,
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
         # the norms', rotary's and activation's, bound as the layers are built

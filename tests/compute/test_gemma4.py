@@ -117,3 +117,16 @@ def test_multimodal_checkpoint_serves_its_language_model(gemma4_sets, tmp_path: 
     prompt = random_prompts([10], runner.vocab_size, seed=3)[0]
     diff = (prefill_logits(runner, prompt) - hf_logits(model_dir, prompt)).abs().max().item()
     assert diff <= LOGITS_TOL
+
+
+def test_cpu_decode_kernel_is_not_chosen_for_mixed_head_shapes() -> None:
+    """The CPU decode kernel is checked for one head shape at start: a model whose layers differ runs SDPA under
+    `auto` and refuses `cpu` in one line."""
+    from loraplex.worker.layers.attention import AttentionBackendError, SDPAAttention, select_attention_backend
+
+    assert ModelConfig.from_dict(hf_config("dense").to_dict()).mixed_head_shapes
+    kernels = object()  # never asked: the mixed shapes decide first
+    auto = select_attention_backend("auto", "cpu", 4, 4, 16, kernels, mixed_head_shapes=True)
+    assert isinstance(auto, SDPAAttention)
+    with pytest.raises(AttentionBackendError, match="differ in head width"):
+        select_attention_backend("cpu", "cpu", 4, 4, 16, kernels, mixed_head_shapes=True)

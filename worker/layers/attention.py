@@ -405,6 +405,7 @@ def select_attention_backend(
     latent_dim: int | None = None,
     sinks: bool = False,
     chunked_attention: bool = False,
+    mixed_head_shapes: bool = False,
 ) -> AttentionBackend:
     """The attention backend for this worker (`--attention-backend`), or AttentionBackendError (one line).
     Heads: this rank's. `cpu_kernels`: the compiled CPU module the worker's LoRA backend built (cpu_ext), or None.
@@ -414,7 +415,8 @@ def select_attention_backend(
     `chunked_attention`: some layer attends within chunks (Llama 4), which the paged Triton kernels do not mask:
     torch's SDPA runs it (and the `cpu` backend, whose decode kernel leaves those layers to SDPA). `sinks`: the
     model's layers have attention sinks (the Triton kernels' sinks variant is warmed up; the CPU kernel has none, so
-    those layers' decodes run the torch path)."""
+    those layers' decodes run the torch path). `mixed_head_shapes`: the layers' heads differ in width or KV heads
+    (Gemma 4), where the CPU decode kernel, checked for one shape, is not used."""
     device = torch.device(device)
     if choice not in ATTENTION_BACKENDS:
         raise AttentionBackendError(f"--attention-backend {choice!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
@@ -426,7 +428,13 @@ def select_attention_backend(
             f"--attention-backend cpu needs the compiled CPU kernels (bfloat16 on a CPU, --lora-backend cpu or auto); "
             f"this worker runs on {device} without them"
         )
-    cpu_takes_shapes = cpu_runs and cpu_kernels.decode_attention_supports(num_heads // num_kv_heads, head_dim)
+    if choice == "cpu" and mixed_head_shapes:
+        raise AttentionBackendError(
+            "--attention-backend cpu: the CPU decode kernel takes one head shape; this "
+            "model's layers differ in head width or KV heads (choose torch or auto)"
+        )
+    cpu_takes_shapes = (cpu_runs and not mixed_head_shapes
+                        and cpu_kernels.decode_attention_supports(num_heads // num_kv_heads, head_dim))  # fmt: skip
     if choice == "cpu" and not cpu_takes_shapes:
         raise AttentionBackendError(
             f"--attention-backend cpu: the CPU decode kernel does not take {num_heads // num_kv_heads} query heads "

@@ -310,6 +310,12 @@ class ModelConfig:
         return 2, self.num_kv_heads // world_size, self.head_dim
 
     @property
+    def mixed_head_shapes(self) -> bool:
+        """Whether the attention layers' (KV heads, head_dim) differ (Gemma 4's full and sliding layers)."""
+        g4 = self.gemma4
+        return g4 is not None and len({(g4.kv_heads[i], g4.head_dims[i]) for i in self.attention_layer_ids}) > 1
+
+    @property
     def max_context_length(self) -> int:
         return self.max_position_embeddings
 
