@@ -14,7 +14,14 @@ from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.gemma4_models import DENSE, WINDOW, build_gemma4_set, build_multimodal_checkpoint, hf_config
+from tests.gemma4_models import (
+    DENSE,
+    WINDOW,
+    build_gemma4_model,
+    build_gemma4_set,
+    build_multimodal_checkpoint,
+    hf_config,
+)
 from tests.lora_helpers import batch_logits, greedy_decode, load_all, slot_loads, slot_of
 from tests.reference import assert_greedy_matches_peft, assert_logits_match_peft, hf_logits
 from tests.worker_helpers import chunked_prefill_after_a_prefix, make_runner, prefill_logits, random_prompts
@@ -130,3 +137,18 @@ def test_cpu_decode_kernel_is_not_chosen_for_mixed_head_shapes() -> None:
     assert isinstance(auto, SDPAAttention)
     with pytest.raises(AttentionBackendError, match="differ in head width"):
         select_attention_backend("cpu", "cpu", 4, 4, 16, kernels, mixed_head_shapes=True)
+
+
+def test_attention_biases_and_rope_variants_match_hf(tmp_path: Path) -> None:
+    """q/k/v/o biases (attention_bias); a sliding layers' default rope that names a partial factor (Gemma 4's default
+    rope rotates whole heads regardless); a proportional rope rotating half the pairs, slowed by a factor."""
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1e6, "factor": 2.0},
+    }
+    model_dir = tmp_path / "gemma4_variant"
+    build_gemma4_model(model_dir, "dense", attention_bias=True, rope_parameters=rope)
+    runner = make_runner(model_dir)
+    prompt = random_prompts([2 * WINDOW + 5], runner.vocab_size, seed=6)[0]
+    diff = (prefill_logits(runner, prompt) - hf_logits(model_dir, prompt)).abs().max().item()
+    assert diff <= LOGITS_TOL, f"max abs logit diff {diff:.2e}"

@@ -471,6 +471,8 @@ def _parse_rope(hf: dict[str, Any], params: dict[str, Any], model_type: str, hea
     partial = params.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor") or 1.0
     if rope_type == "proportional":  # the whole head, its trailing frequencies zero (rotary.py)
         params["rope_proportion"], partial = partial, 1.0
+    elif model_type in GEMMA4_TYPES:  # Gemma 4's default rope rotates whole heads whatever the factor says
+        partial = 1.0
     if not 0.0 < partial <= 1.0 or int(head_dim * partial) % 2:
         raise ModelConfigError(f"partial_rotary_factor {partial} must rotate an even part of head_dim {head_dim}")
     max_positions = hf.get("max_position_embeddings", 2048)

@@ -46,15 +46,16 @@ class Gemma4Attention(nn.Module):
         self.rotary = rotary
         self.layer = layer_attention(config, layer_id)
         self.cache_elements = g4.cache_elements(layer_id, current_tp().world_size)
-        self.q_proj = ColumnParallelLinear(hidden, q_size)
+        self.q_proj = ColumnParallelLinear(hidden, q_size, bias=config.qkv_bias)
         self.q_norm = Gemma4RMSNorm(head_dim, eps)
         self.is_kv_shared = g4.is_kv_shared(layer_id)
         if not self.is_kv_shared:
-            self.k_proj = ColumnParallelLinear(hidden, kv_size)
-            self.v_proj = None if g4.values_are_keys[layer_id] else ColumnParallelLinear(hidden, kv_size)
+            self.k_proj = ColumnParallelLinear(hidden, kv_size, bias=config.qkv_bias)
+            self.v_proj = None if g4.values_are_keys[layer_id] else \
+                ColumnParallelLinear(hidden, kv_size, bias=config.qkv_bias)  # fmt: skip
             self.k_norm = Gemma4RMSNorm(head_dim, eps)
             self.v_norm = Gemma4RMSNorm(head_dim, eps, with_weight=False)
-        self.o_proj = RowParallelLinear(q_size, hidden)
+        self.o_proj = RowParallelLinear(q_size, hidden, bias=config.o_bias)
 
     def forward(
         self,
