@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from loraplex.worker.lora.experts import LoRAExpertsLinear
-from loraplex.worker.model.config import ModelConfig
+from loraplex.worker.model.config import ModelConfig, ModelConfigError
 from loraplex.worker.model_runner import ModelRunner
 
 from tests.gemma4_models import (
@@ -62,6 +62,8 @@ def test_config_reads_the_layer_shapes() -> None:
         assert config.attention_layer_ids == (0, 1, 2) and config.kv_layout(2) == (2, 2, 16)
         assert config.attention_scale == 1.0 and config.rope.rope_type == "proportional"
         assert config.layer_windows == (WINDOW, None, WINDOW, WINDOW, None)
+    with pytest.raises(ModelConfigError, match="lower num_kv_shared_layers too"):
+        ModelConfig.from_dict({**published, "num_hidden_layers": 2})  # 2 shared layers of 2: no source left
     moe = ModelConfig.from_dict(hf_config("moe").to_dict())
     assert (moe.moe.num_experts, moe.moe.top_k, moe.moe.shared_intermediate_size) == (4, 2, 48)
 

@@ -709,7 +709,9 @@ def _gemma4_layers(hf: dict[str, Any]) -> Gemma4Layers:
             sources = [j for j in range(first_shared) if layer_types[j] == layer_types[i]]
             if not sources:
                 raise ModelConfigError(f"gemma4 layer {i} shares the keys and values of an earlier "
-                                       f"{layer_types[i]} layer, and there is none before layer {first_shared}")
+                                       f"{layer_types[i]} layer, and there is none before layer {first_shared} "
+                                       f"(num_kv_shared_layers {hf['num_kv_shared_layers']} of {num_layers}; with "
+                                       f"fewer layers, lower num_kv_shared_layers too)")
             kv_sources[i] = sources[-1]
     double = bool(hf["use_double_wide_mlp"])
     mlp_sizes = tuple(hf["intermediate_size"] * (2 if double and kv_sources[i] != i else 1) for i in range(num_layers))
