@@ -24,7 +24,7 @@ from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.lora.latent import LoRALatentKVProj
 from loraplex.worker.lora.layers import LoRABatchInfo, LoRALinear
 from loraplex.worker.lora.pool import LoRABuffers, LoRAPool
-from loraplex.worker.lora.targets import KINDS_OF, full_shapes
+from loraplex.worker.lora.targets import EXPERT_FUSED_LINEARS, KINDS_OF, full_shapes
 from loraplex.worker.lora.upload import uploader_for
 from loraplex.worker.lora.vocab import EMBED, HEAD, LoRAEmbedding, LoRALMHead
 from loraplex.worker.model.config import ModelConfig
@@ -67,6 +67,7 @@ class LoRAManager:
             target_modules=tuple(m for m in config.target_modules if m in full_shapes(model_config)),
             dtype=dtype,
             device=torch.device(device),
+            expert_parallel=config.enable_expert_parallel,
         )
         layers = model.model.layers
         vocab_shapes = {EMBED: (model_config.vocab_size, model_config.hidden_size),
@@ -77,7 +78,7 @@ class LoRAManager:
         for (layer_id, name), buffers in self.pool.buffers.items():
             parent_name, attr = name.rsplit(".", 1)
             parent = layers[layer_id].get_submodule(parent_name)
-            wrapper = LoRAExpertsLinear if buffers.num_experts > 1 else WRAPPERS.get(name, LoRALinear)
+            wrapper = LoRAExpertsLinear if buffers.fused in EXPERT_FUSED_LINEARS else WRAPPERS.get(name, LoRALinear)
             setattr(parent, attr, wrapper(getattr(parent, attr), buffers, self.batch))
         if EMBED in self.pool.vocab:
             model.model.embed_tokens = LoRAEmbedding(model.model.embed_tokens, self.pool.vocab[EMBED], self.batch)

@@ -162,7 +162,7 @@ class Gemma4DecoderLayer(nn.Module):
         out = dense(self.pre_feedforward_layernorm(hidden))  # (tokens, hidden)
         if dense is self.mlp:
             return out
-        routed = self.mlp.run_experts(self.pre_feedforward_layernorm_2(hidden), *self.mlp.route(hidden))
+        routed = self.mlp(self.pre_feedforward_layernorm_2(hidden), router_input=hidden)  # (tokens, hidden)
         return self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(routed)
 
 
