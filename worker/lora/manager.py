@@ -256,9 +256,14 @@ class LoRAManager:
             self.batch.meta = None
             self.batch.active = frozenset()
             self.batch.token_slots = self.batch.row_slots = None  # none of another batch's
+            self.batch.token_scales = self.batch.row_scales = self.batch.host_row_scales = None
             return
-        self.batch.meta = self.batch.backend.prepare(seg_indptr, seg_slots)
+        row_scales = None  # (tokens,) each row's request strength; None: all 1
+        if any(req.lora_scale != 1.0 for req in reqs):
+            row_scales = [req.lora_scale for req in reqs for _ in range(len(req.input_ids))]
+        self.batch.meta = self.batch.backend.prepare(seg_indptr, seg_slots, row_scales)
         self.batch.host_segments = (seg_indptr, seg_slots)
+        self.batch.host_row_scales = row_scales
         self.batch.active = frozenset(
             name
             for slot in used
@@ -269,11 +274,14 @@ class LoRAManager:
             lengths = torch.tensor([len(req.input_ids) for req in reqs])
             slots = torch.tensor([req.slot for req in reqs]).repeat_interleave(lengths)  # (tokens,)
             self.batch.token_slots = self.batch.row_slots = slots.to(self.spec.device, non_blocking=True)
+            self.batch.token_scales = self.batch.row_scales = self.batch.meta.row_scales
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """The LM head computes these token rows (rows,) of this forward (default: every token)."""
         if self.batch.token_slots is not None:
             self.batch.row_slots = self.batch.token_slots[rows]
+        if self.batch.token_scales is not None:
+            self.batch.row_scales = self.batch.token_scales[rows]
 
     def prepare_fixed(self, reqs: Sequence[ForwardReq], num_segments: int, into: LoRABatchMeta | None) -> LoRABatchMeta:
         """prepare() in the fixed shapes a CUDA graph replays: the segments padded with empty ones to `num_segments`,
@@ -294,6 +302,7 @@ class LoRAManager:
             meta = into
         self.batch.meta = meta
         self.batch.host_segments = (seg_indptr, seg_slots)
+        self.batch.host_row_scales = None  # a replayed batch's scales are all 1 (DecodeGraphRunner.can_run)
         self.batch.active = frozenset(buffers.fused.name for buffers in self.pool.buffers.values())
         return meta
 
