@@ -28,6 +28,7 @@ model/olmoe.py             OLMoE: q/k RMSNorm over the whole projections (summed
 model/qwen3_moe.py         Qwen3-MoE: Qwen3Attention and the MoE block; dense MLPs where the config says
 model/gemma2.py            Gemma 2: Llama's attention and fused linears, with Gemma's pieces around them
 model/gemma3.py            Gemma 3 text: Gemma 2's with per-head q/k RMSNorms, the local layers' own rope
+model/gemma4.py            Gemma 4 text: per-layer head widths, KV sharing, per-layer inputs, a dense MLP beside experts
 model/deepseek_v3.py       DeepSeek-V3 / Kimi K2: latent attention (cache of latent + rope key; prefills expanded,
                            decodes absorbed), MoE with a grouped sigmoid router and shared experts, first layers dense
 model/glm4_moe.py          GLM-4.5 / 4.6: DeepSeek-V3's MoE (grouped sigmoid router, shared experts, dense first

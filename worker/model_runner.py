@@ -86,6 +86,7 @@ class ModelRunner:
             self.backend.cpu_kernels,
             latent_dim=self.model_config.mla.kv_lora_rank if self.model_config.mla is not None else None,
             sinks=self.model_config.attention_sinks,
+            mixed_head_shapes=self.model_config.mixed_head_shapes,
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
         # the norms', rotary's and activation's, bound as the layers are built
@@ -436,6 +437,9 @@ class ModelRunner:
         if la is not None and (la.num_key_heads % self.world_size or la.num_value_heads % self.world_size):
             raise ModelConfigError(f"tp {self.world_size} must divide the linear-attention key heads "
                                    f"({la.num_key_heads}) and value heads ({la.num_value_heads})")
+        g4 = self.model_config.gemma4
+        if g4 is not None:  # the full layers' KV heads may be fewer
+            kv_heads = next((n for n in g4.kv_heads if n % self.world_size), kv_heads)
         if heads % self.world_size or kv_heads % self.world_size:
             raise ModelConfigError(
                 f"tp {self.world_size} must divide the attention heads ({heads}) and KV heads ({kv_heads})"

@@ -2,8 +2,9 @@
 experts whole (and their adapters' weights), attention and shared experts tensor-parallel, rows dispatched and
 combined by all-to-all, serving the base model and two adapters in one batch, then a batch mixing decodes, a new
 prompt and a prompt's second chunk, must reproduce tp=1. The families: Qwen3-MoE (per-expert and stacked expert
-adapters), DeepSeek-V3 (grouped routing, shared experts, latent attention), gpt-oss with MXFP4 experts and Llama 4
-(input-scaled experts, a shared expert); one launch of the two ranks serves all four, one after another."""
+adapters), DeepSeek-V3 (grouped routing, shared experts, latent attention), gpt-oss with MXFP4 experts, Llama 4
+(input-scaled experts, a shared expert) and Gemma 4 (a dense MLP beside experts whose router reads its own input); one
+launch of the two ranks serves all five, one after another."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import msgspec
 from loraplex.protocol.config import ServerConfig
 from loraplex.worker.model_runner import ModelRunner
 
+from tests.gemma4_models import build_gemma4_set
 from tests.gpt_oss_models import build_gpt_oss_set
 from tests.llama4_models import build_llama4_set
 from tests.lora_helpers import mixed_prefill_decode_logits
@@ -58,6 +60,7 @@ def build_families(root: Path) -> dict[str, tuple[str, dict[str, str]]]:
         "deepseek_v3": build_mla_set(root),
         "gpt_oss_mxfp4": (root / "mxfp4", gpt_oss_adapters),
         "llama4": build_llama4_set(root),
+        "gemma4_moe": build_gemma4_set(root, "moe"),
     }
     return {family: (str(model_dir), {name: str(path) for name, path in adapters.items()})
             for family, (model_dir, adapters) in sets.items()}  # fmt: skip
@@ -73,6 +76,7 @@ def test_moe_ep2_matches_tp1(tmp_path: Path) -> None:
         "deepseek_v3": ((4, 64, 64), (4, 64, 32)),
         "gpt_oss_mxfp4": ((2, 128, 32), (2, 64, 32)),
         "llama4": ((2, 96, 64), (2, 64, 48)),
+        "gemma4_moe": ((2, 64, 64), (2, 64, 32)),
     }
     for family, (model_dir, adapter_dirs) in families.items():
         tp1 = run_ep(ModelRunner(ep_config(tp=1), model_dir, 0, 1, "cpu"), adapter_dirs, family)

@@ -407,13 +407,16 @@ def select_attention_backend(
     *,
     latent_dim: int | None = None,
     sinks: bool = False,
+    mixed_head_shapes: bool = False,
 ) -> AttentionBackend:
     """The attention backend for this worker (`--attention-backend`), or AttentionBackendError (one line).
     Heads: this rank's. `cpu_kernels`: the compiled CPU module the worker's LoRA backend built (cpu_ext), or None.
     `latent_dim`: latent attention, whose one cache tensor (one KV head of head_dim) is keys and values both, the
     values each key's leading latent_dim dims; SDPA takes it as any other, the triton backend as
     LatentTritonAttention (the latent decode kernel; its output only the latent dims), the CPU kernels not at all.
-    `sinks`: the model's layers have attention sinks (the Triton kernels' sinks variant is warmed up)."""
+    `sinks`: the model's layers have attention sinks (the Triton kernels' sinks variant is warmed up).
+    `mixed_head_shapes`: the layers' heads differ in width or KV heads (Gemma 4), where the CPU decode kernel, checked
+    for one shape, is not used."""
     device = torch.device(device)
     if choice not in ATTENTION_BACKENDS:
         raise AttentionBackendError(f"--attention-backend {choice!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
@@ -425,7 +428,13 @@ def select_attention_backend(
             f"--attention-backend cpu needs the compiled CPU kernels (bfloat16 on a CPU, --lora-backend cpu or auto); "
             f"this worker runs on {device} without them"
         )
-    cpu_takes_shapes = cpu_runs and cpu_kernels.decode_attention_supports(num_heads // num_kv_heads, head_dim)
+    if choice == "cpu" and mixed_head_shapes:
+        raise AttentionBackendError(
+            "--attention-backend cpu: the CPU decode kernel takes one head shape; this "
+            "model's layers differ in head width or KV heads (choose torch or auto)"
+        )
+    cpu_takes_shapes = (cpu_runs and not mixed_head_shapes
+                        and cpu_kernels.decode_attention_supports(num_heads // num_kv_heads, head_dim))  # fmt: skip
     if choice == "cpu" and not cpu_takes_shapes:
         raise AttentionBackendError(
             f"--attention-backend cpu: the CPU decode kernel does not take {num_heads // num_kv_heads} query heads "
@@ -522,7 +531,11 @@ def _gather_rows(cache: torch.Tensor, read_pages: torch.Tensor, page_size: int) 
     one row copy per page (index_select over whole pages is ~3x faster on CPU than indexing per token position)."""
     num_slots, num_kv_heads, head_dim = cache.shape
     num_reqs, num_pages = read_pages.shape
-    pages = cache.view(num_slots // page_size, -1).index_select(0, read_pages.view(-1))  # (reqs * pages, page elems)
+    if cache.is_contiguous():
+        pages = cache.view(num_slots // page_size, -1)  # (all pages, page elems)
+    else:  # a narrower layer's view of a wider cache (Gemma 4): each page's rows, strided
+        pages = cache.unflatten(0, (num_slots // page_size, page_size))  # (all pages, page_size, kv_heads, d)
+    pages = pages.index_select(0, read_pages.view(-1))  # (reqs * pages, ...)
     return pages.view(num_reqs, num_pages * page_size, num_kv_heads, head_dim)
 
 

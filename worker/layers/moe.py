@@ -392,15 +392,17 @@ class SparseMoeBlock(nn.Module):
         """(weights (tokens, top_k) float32, expert ids (tokens, top_k)) of each token's experts."""
         return route(self.gate(hidden), self.top_k, self.renormalize)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.routed(hidden), self.tp_size)
+    def forward(self, hidden: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
+        return all_reduce(self.routed(hidden, router_input), self.tp_size)
 
-    def routed(self, hidden: torch.Tensor) -> torch.Tensor:
+    def routed(self, hidden: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
         """(tokens, hidden): each token's sum of its experts' weighted outputs, this rank's share of it (under TP
-        each expert's partial output, under expert parallelism this rank's tokens; the caller all-reduces)."""
+        each expert's partial output, under expert parallelism this rank's tokens; the caller all-reduces).
+        `router_input`: what the router reads, where it is not the experts' input (Gemma 4); None: hidden."""
+        router_input = hidden if router_input is None else router_input
         if self.dispatcher is not None:
-            return self._routed_by_expert(hidden)
-        weights, ids = self.route(hidden)  # (tokens, top_k) each
+            return self._routed_by_expert(hidden, router_input)
+        weights, ids = self.route(router_input)  # (tokens, top_k) each
         routing = Routing.build(ids, weights, self.num_experts, on_device=self.routes_on_device)
         out_rows = self.expert_outputs(hidden[routing.token_ids], routing)  # (rows, hidden)
         return torch.zeros_like(hidden).index_add_(0, routing.token_ids, out_rows)  # (tokens, hidden)
@@ -410,11 +412,11 @@ class SparseMoeBlock(nn.Module):
         out_rows = self.experts(rows, routing)
         return out_rows * routing.row_weights.to(out_rows.dtype)[:, None]
 
-    def _routed_by_expert(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _routed_by_expert(self, hidden: torch.Tensor, router_input: torch.Tensor) -> torch.Tensor:
         """routed() under expert parallelism: this rank's tokens routed, their rows run where their experts are."""
         dispatcher = self.dispatcher
         start, end = dispatcher.token_range(hidden.shape[0])
-        weights, ids = self.route(hidden[start:end])  # (tokens of this rank, top_k) each
+        weights, ids = self.route(router_input[start:end])  # (tokens of this rank, top_k) each
         received = dispatcher.dispatch(hidden[start:end], weights, ids, start)
         routing, order = Routing.of_rows(received.expert_ids, received.token_ids, received.row_weights,
                                          dispatcher.num_local_experts)  # fmt: skip

@@ -27,11 +27,13 @@ class GemmaRMSNorm(nn.Module):
     ops on every device."""
 
     identity_weight = 0.0  # the stored weight that scales by one (--load-format dummy fills norms with it)
+    weight_offset = 1.0  # what the stored weight is an offset from
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, *, with_weight: bool = True):
+        """with_weight False: no weight, x * rsqrt(...) alone (Gemma 4's value norm and router norm)."""
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False) if with_weight else None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -42,4 +44,13 @@ class GemmaRMSNorm(nn.Module):
             return self.forward(residual), residual
         x_fp32 = x.float()  # (..., dim)
         x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x_fp32 * (1.0 + self.weight.float())).to(x.dtype)
+        if self.weight is None:
+            return x_fp32.to(x.dtype)
+        return (x_fp32 * (self.weight_offset + self.weight.float())).to(x.dtype)
+
+
+class Gemma4RMSNorm(GemmaRMSNorm):
+    """Gemma 4's: the weight stored as the scale itself (x * rsqrt(...) * w, in fp32, one rounding)."""
+
+    identity_weight = 1.0
+    weight_offset = 0.0

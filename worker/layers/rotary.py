@@ -9,7 +9,8 @@ from the sequence length:
             every position once it is longer (Phi-3's generate() then re-encodes the whole sequence). The tables hold
             both sets, short rows then long rows; the scheduler marks a request long (ForwardReq.long_rope, whose rows
             batch_inputs.rotary_row picks) and recomputes it when it passes that length.
-Partial rotary (partial_rotary_factor < 1) rotates the first rotary_dim features of each head and passes the rest."""
+Partial rotary (partial_rotary_factor < 1) rotates the first rotary_dim features of each head and passes the rest;
+Gemma 4's `proportional` rope instead rotates whole heads, its trailing frequencies zero."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def inverse_frequencies(rotary_dim: int, rope: RopeConfig) -> tuple[torch.Tensor
         return _longrope_frequencies(rotary_dim, rope, params["short_factor"])
     if rope.rope_type == "dynamic":
         return _dynamic_frequencies(rotary_dim, rope), 1.0
+    if rope.rope_type == "proportional":
+        return _proportional_frequencies(rotary_dim, rope), 1.0
     return _default_frequencies(rotary_dim, rope.theta), 1.0
 
 
@@ -56,6 +59,15 @@ def _llama3_frequencies(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _proportional_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    # Gemma 4's full layers: the first rope_proportion of the head's frequency pairs turn at the default rates of the
+    # whole head_dim, the rest not at all (zero: those pairs pass unrotated), all divided by `factor`.
+    num_rotated = int(rope.params["rope_proportion"] * head_dim // 2)
+    rotated = 1.0 / (rope.theta ** (torch.arange(0, 2 * num_rotated, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = torch.cat((rotated, torch.zeros(head_dim // 2 - num_rotated)))
+    return inv_freq / rope.params.get("factor", 1.0)  # (head_dim / 2,)
 
 
 def _dynamic_frequencies(dim: int, rope: RopeConfig) -> torch.Tensor:

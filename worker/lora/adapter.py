@@ -381,7 +381,6 @@ def _match_tensors(
     """Every tensor must be an A or B of a target module in a layer of the model, with the base model's shape (at the
     module's rank: r, or its rank_pattern's, matched against the fused module's name where `fused_keys` says the
     tensor is a slice of one). Returns the keys of each (layer, module)'s A and B, and its scale."""
-    shapes = full_shapes(model_config)
     found: dict[tuple[int, str, str], str] = {}
     ranks: dict[tuple[int, str], tuple[int, float]] = {}
     for key, shape in tensor_shapes.items():
@@ -392,6 +391,7 @@ def _match_tensors(
             )
         layer, hf_module, which = parsed
         module = _shared_or_plain(key, hf_module, model_config)
+        shapes = full_shapes(model_config, layer if layer < model_config.num_layers else None)
         if hf_module not in LAYER_MODULES or module not in shapes:
             raise AdapterLoadError(f"tensor {key!r}: unknown target module {module!r}")
         if hf_module not in config.target_modules:
@@ -466,14 +466,15 @@ def _split_fused(
 
 def _shared_or_plain(key: str, hf_module: str, model_config: ModelConfig) -> str:
     """A shared expert's MLP module (DeepSeek-V3's `shared_experts.`; Llama 4's, Qwen3-Next's and Qwen3.5-MoE's
-    `shared_expert.`), keyed apart from the routed experts' of its layer as `shared_experts.` + module; any other its
-    own name. A shared expert named otherwise than this model names its own is refused."""
-    if not any(f".{name}.{hf_module}." in key for name in ("shared_experts", "shared_expert")):
-        return hf_module
+    `shared_expert.`; Gemma 4's dense MLP beside its experts, `mlp.`), keyed apart from the routed experts' of its
+    layer as `shared_experts.` + module; any other its own name. A shared expert named otherwise than this model
+    names its own is refused."""
     name = model_config.moe.shared_expert_name if model_config.moe is not None else None
-    if name is None or f".{name}.{hf_module}." not in key:
+    if name is not None and f".{name}.{hf_module}." in key:
+        return SHARED_PREFIX + hf_module
+    if any(f".{other}.{hf_module}." in key for other in ("shared_experts", "shared_expert")):
         raise AdapterLoadError(f"tensor {key!r}: LoRA on this model's shared expert is not supported")
-    return SHARED_PREFIX + hf_module
+    return hf_module
 
 
 def _fold_scale(lora_b: torch.Tensor, module_scale: float, config: _Config) -> torch.Tensor:

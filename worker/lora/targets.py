@@ -38,7 +38,10 @@ FUSED_LINEARS = (
     FusedLinear("self_attn.q_b_proj", ("q_b_proj",)),
     FusedLinear("self_attn.kv_a_proj_with_mqa", ("kv_a_proj_with_mqa",)),
     FusedLinear("self_attn.kv_b_proj", ("kv_b_proj",)),
-    FusedLinear("self_attn.q_proj", ("q_proj",)),  # latent attention's own, where q_lora_rank is null
+    FusedLinear("self_attn.q_proj", ("q_proj",)),  # latent attention's own, where q_lora_rank is null; Gemma 4's
+    # Gemma 4's unfused k and v (a KV-shared layer has neither, a layer whose values are its keys no v_proj)
+    FusedLinear("self_attn.k_proj", ("k_proj",)),
+    FusedLinear("self_attn.v_proj", ("v_proj",)),
     # a hybrid model's linear-attention layers (worker/model/qwen3_5.py)
     FusedLinear("linear_attn.in_proj_qkv", ("in_proj_q", "in_proj_k", "in_proj_v")),
     FusedLinear("linear_attn.in_proj_z", ("in_proj_z",)),
@@ -106,6 +109,9 @@ def layer_has_module(config: ModelConfig, layer: int, module: str) -> bool:
     la = config.linear_attention
     if module in LINEAR_ATTN_MODULES:
         return la is not None and layer in la.layer_ids
+    g4 = config.gemma4
+    if g4 is not None and module in ("k_proj", "v_proj"):  # a KV-shared layer projects queries alone
+        return not g4.is_kv_shared(layer) and not (module == "v_proj" and g4.values_are_keys[layer])
     if module in ATTN_MODULES:
         return la is None or layer not in la.layer_ids
     return True
@@ -117,13 +123,19 @@ def is_expert_module(model_config: ModelConfig, layer: int, module: str) -> bool
     return moe is not None and module in EXPERT_SLICE_OF and layer not in moe.dense_layers
 
 
-def full_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+def full_shapes(config: ModelConfig, layer: int | None = None) -> dict[str, tuple[int, int]]:
     """HF module -> (in_features, out_features) of its full, unsharded weight (the embedding's: as a linear from
-    one-hot tokens); `experts.` + module: one expert's; `shared_experts.` + module: the shared experts' MLP's."""
+    one-hot tokens); `experts.` + module: one expert's; `shared_experts.` + module: the shared experts' MLP's.
+    `layer`: that layer's, where layers differ (Gemma 4's head widths and MLP widths); None: every module's name."""
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
     expert_inter = config.moe.intermediate_size if config.moe is not None else inter
     shared_inter = config.moe.shared_intermediate_size if config.moe is not None else 0
+    g4 = config.gemma4
+    if g4 is not None and layer is not None:
+        q_size, kv_size = config.num_heads * g4.head_dims[layer], g4.kv_heads[layer] * g4.head_dims[layer]
+        inter = g4.mlp_sizes[layer]
+        shared_inter = inter if shared_inter else 0
     shared_shapes = {SHARED_PREFIX + "gate_proj": (hidden, shared_inter),
                      SHARED_PREFIX + "up_proj": (hidden, shared_inter),
                      SHARED_PREFIX + "down_proj": (shared_inter, hidden)} if shared_inter else {}  # fmt: skip

@@ -9,10 +9,11 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe", "gemma2", "gemma3_text",
                          "gemma3", "phi3", "deepseek_v3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
                          "qwen3_next", "glm4_moe", "llama4_text", "llama4",
-                         "gpt_oss")
-GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3")
+                         "gpt_oss", "gemma4_text", "gemma4")
+GEMMA4_TYPES = ("gemma4_text", "gemma4")
+GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3", *GEMMA4_TYPES)
 LLAMA4_TYPES = ("llama4_text", "llama4")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")  # last: Gemma 4
 
 
 class ModelConfigError(ValueError):
@@ -53,7 +54,8 @@ class MoEConfig:
     # Llama 4: each chosen expert's routing weight (sigmoid of its logit) scales the expert's input, not its output
     weight_scales_input: bool = False
     # the name checkpoints and adapters give the shared expert that LoRA reaches (`mlp.shared_experts` here):
-    # DeepSeek-V3's `shared_experts`; Llama 4's, Qwen3-Next's and Qwen3.5-MoE's `shared_expert`; None: refused
+    # DeepSeek-V3's `shared_experts`; Llama 4's, Qwen3-Next's and Qwen3.5-MoE's `shared_expert`; Gemma 4's `mlp` (its
+    # layer's dense MLP, which runs beside the experts); None: refused
     shared_expert_name: str | None = "shared_experts"
     # the stacked expert tensors are (experts, in, out) (Llama 4), unmarked as transposed in transformers, so PEFT's
     # target_parameters LoRA reads them as (experts, out, in): its A and B change roles (worker/lora/expert_weights.py)
@@ -95,13 +97,20 @@ class MoEConfig:
         if model_type == "gpt_oss":
             extra = dict(swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
                          swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), gate_up_interleaved=True)
+        if model_type in GEMMA4_TYPES:  # every layer: its dense MLP (`mlp.*`) beside the experts (`experts.*`)
+            if not hf.get("enable_moe_block"):
+                return None
+            num_experts = hf["num_experts"]
+            extra = dict(shared_intermediate_size=hf["intermediate_size"], shared_expert_name="mlp")
+            hf = {**hf, "num_experts_per_tok": hf["top_k_experts"]}
         if model_type == "olmoe" and hf.get("clip_qkv") is not None:
             raise ModelConfigError(f"OLMoE with clip_qkv={hf['clip_qkv']} is not supported")
         return cls(
             num_experts=num_experts,
             top_k=hf["num_experts_per_tok"],
             intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
-            renormalize=model_type in ("mixtral", *_QWEN3_5_MOE) or bool(hf.get("norm_topk_prob", False)),
+            renormalize=model_type in ("mixtral", *_QWEN3_5_MOE, *GEMMA4_TYPES)
+            or bool(hf.get("norm_topk_prob", False)),
             dense_layers=dense_layers,
             **extra,
         )
@@ -111,7 +120,7 @@ _QWEN3_5_MOE = ("qwen3_5_moe", "qwen3_5_moe_text")  # every layer MoE, top-k alw
 # DeepSeek-V3's router, shared experts and leading dense layers (GLM-4.5 keeps them with plain attention)
 _GROUPED_SIGMOID_TYPES = ("deepseek_v3", "glm4_moe")
 _MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe", "qwen3_next", *_GROUPED_SIGMOID_TYPES, *_QWEN3_5_MOE,
-                    *LLAMA4_TYPES, "gpt_oss")
+                    *LLAMA4_TYPES, "gpt_oss", *GEMMA4_TYPES)
 # Gated DeltaNet layers beside gated attention ones
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", *_QWEN3_5_MOE)
 MULTIMODAL_HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe")  # served as their language model (text_config)
@@ -212,6 +221,31 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class Gemma4Layers:
+    """What Gemma 4's layers vary that Gemma 3's share, per layer: the full-attention layers' heads may be wider
+    (`global_head_dim`) and fewer (`num_global_key_value_heads`, with `attention_k_eq_v`: their values are the keys'
+    projection), the last `num_kv_shared_layers` layers attend over an earlier layer's keys and values (their MLPs
+    twice as wide with `use_double_wide_mlp`); and per-layer inputs (PLE) of `per_layer_input_size` feed every layer."""
+
+    head_dims: tuple[int, ...]
+    kv_heads: tuple[int, ...]
+    values_are_keys: tuple[bool, ...]
+    # the layer whose cached keys and values each layer attends over: itself, or for a KV-shared layer the last
+    # layer of its kind before the shared ones
+    kv_sources: tuple[int, ...]
+    mlp_sizes: tuple[int, ...]
+    per_layer_input_size: int  # 0: no per-layer inputs
+    per_layer_vocab_size: int
+
+    def is_kv_shared(self, layer_id: int) -> bool:
+        return self.kv_sources[layer_id] != layer_id
+
+    def cache_elements(self, layer_id: int, world_size: int) -> int:
+        """Keys (or values) one token holds in this rank's cache of the layer."""
+        return self.kv_heads[layer_id] // world_size * self.head_dims[layer_id]
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The fields of an HF config.json that a Llama-family model needs, read in both transformers 4 and 5 forms."""
 
@@ -253,11 +287,14 @@ class ModelConfig:
     # by 1 + attn_scale * log1p(floor((p + 1) / floor_scale)); None: none
     attn_temperature: tuple[float, float] | None = None
     attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
+    gemma4: Gemma4Layers | None = None  # Gemma 4's per-layer shapes, KV sharing and per-layer inputs
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
         """The layers with softmax attention, which alone hold KV cache."""
         linear = set(self.linear_attention.layer_ids) if self.linear_attention is not None else set()
+        if self.gemma4 is not None:  # a KV-shared layer reads another layer's cache
+            linear = {i for i in range(self.num_layers) if self.gemma4.is_kv_shared(i)}
         return tuple(i for i in range(self.num_layers) if i not in linear)
 
     def kv_layout(self, world_size: int) -> tuple[int, int, int]:
@@ -266,7 +303,17 @@ class ModelConfig:
         replicated on every rank."""
         if self.mla is not None:
             return 1, 1, self.mla.cache_dim
+        g4 = self.gemma4
+        if g4 is not None:  # the widest layer's; each other layer views the leading part of every token's slot
+            widest = max(self.attention_layer_ids, key=lambda i: g4.cache_elements(i, world_size))
+            return 2, g4.kv_heads[widest] // world_size, g4.head_dims[widest]
         return 2, self.num_kv_heads // world_size, self.head_dim
+
+    @property
+    def mixed_head_shapes(self) -> bool:
+        """Whether the attention layers' (KV heads, head_dim) differ (Gemma 4's full and sliding layers)."""
+        g4 = self.gemma4
+        return g4 is not None and len({(g4.kv_heads[i], g4.head_dims[i]) for i in self.attention_layer_ids}) > 1
 
     @property
     def max_context_length(self) -> int:
@@ -308,7 +355,9 @@ class ModelConfig:
             raise ModelConfigError(
                 f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        if model_type in GEMMA_TYPES:
+        if model_type in GEMMA4_TYPES:
+            hf = _gemma4_fields(hf, model_type)
+        elif model_type in GEMMA_TYPES:
             hf = _gemma_fields(hf, model_type)
         if model_type in MULTIMODAL_HYBRID_TYPES and isinstance(hf.get("text_config"), dict):  # the language model
             hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"],
@@ -365,6 +414,7 @@ class ModelConfig:
             mla=MLAConfig.from_dict(hf, rope) if model_type == "deepseek_v3" else None,
             attention_sinks=model_type == "gpt_oss",
             qk_norm=model_type == "glm4_moe" and bool(hf.get("use_qk_norm", False)),
+            gemma4=_gemma4_layers(hf) if model_type in GEMMA4_TYPES else None,
             **(_llama4_attention(hf) if model_type in LLAMA4_TYPES else {}),
         )
 
@@ -412,11 +462,17 @@ def _parse_rope(hf: dict[str, Any], params: dict[str, Any], model_type: str, hea
     params.pop("type", None)
     if model_type == "phi3" and rope_type in ("su", "yarn"):  # Phi3Config's older names of longrope
         rope_type = "longrope"
+    if rope_type == "proportional" and model_type not in GEMMA4_TYPES:
+        raise ModelConfigError("unsupported rope scaling type 'proportional' for this model: Gemma 4's alone")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
             f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     partial = params.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor") or 1.0
+    if rope_type == "proportional":  # the whole head, its trailing frequencies zero (rotary.py)
+        params["rope_proportion"], partial = partial, 1.0
+    elif model_type in GEMMA4_TYPES:  # Gemma 4's default rope rotates whole heads whatever the factor says
+        partial = 1.0
     if not 0.0 < partial <= 1.0 or int(head_dim * partial) % 2:
         raise ModelConfigError(f"partial_rotary_factor {partial} must rotate an even part of head_dim {head_dim}")
     max_positions = hf.get("max_position_embeddings", 2048)
@@ -570,6 +626,104 @@ def _glm4_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """A GLM-4.5 config with the reference's defaults filled in (it routes as DeepSeek-V3 always, so there is no
     other router to refuse)."""
     return {**_GLM4_MOE_DEFAULTS, **hf}
+
+
+# Gemma4TextConfig's defaults for the keys that change the arithmetic (its docstring names google/gemma-4-e2b-it)
+_GEMMA4_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_144,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "sliding_window": 512,
+    "vocab_size_per_layer_input": 262_144,
+    "hidden_size_per_layer_input": 256,
+    "attention_k_eq_v": False,
+    "num_kv_shared_layers": 0,
+    "enable_moe_block": False,
+    "use_double_wide_mlp": False,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+    },
+}
+_GEMMA4_LAYER_KEYS = ("head_dim", "num_key_value_heads")  # what a per_layer_config entry may set
+
+
+def _gemma4_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """A Gemma 4 text config with Gemma4TextConfig's defaults and layer_types filled in (every sixth layer full, the
+    last always full, cut to num_hidden_layers); the softmax scale is 1 (query_pre_attn_scalar 1). A multimodal
+    `gemma4` config is read through its text_config: its language model (the vision and audio towers are not
+    served)."""
+    if model_type == "gemma4":
+        text = hf.get("text_config")
+        if not isinstance(text, dict):
+            raise ModelConfigError("a gemma4 config needs its text_config (loraplex serves its language model)")
+        outer = {key: hf[key] for key in ("dtype", "torch_dtype", "tie_word_embeddings") if key in hf}
+        hf = {**outer, **{key: value for key, value in text.items() if value is not None or key not in outer},
+              "model_type": model_type}
+    hf = {**_GEMMA4_TEXT_DEFAULTS, **hf}  # a key present as null stays null (hidden_size_per_layer_input: no PLE)
+    if hf["rope_parameters"] is None:
+        hf["rope_parameters"] = _GEMMA4_TEXT_DEFAULTS["rope_parameters"]
+    if hf.get("use_bidirectional_attention") == "all":
+        raise ModelConfigError("gemma4 with use_bidirectional_attention 'all' is not a causal language model")
+    num_layers = hf["num_hidden_layers"]
+    layer_types = list(hf.get("layer_types") or
+                       ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(num_layers)])
+    layer_types = layer_types[:num_layers]
+    if layer_types:
+        layer_types[-1] = "full_attention"  # as Gemma4TextConfig forces it
+    return {**hf, "layer_types": layer_types, "query_pre_attn_scalar": 1.0}
+
+
+def _gemma4_layers(hf: dict[str, Any]) -> Gemma4Layers:
+    """Gemma4Layers from a config _gemma4_fields completed: the full layers' heads from `per_layer_config` (as
+    transformers 5 saves it) or from `global_head_dim` (default 512) and, with attention_k_eq_v,
+    `num_global_key_value_heads` (as the published configs name them)."""
+    num_layers, layer_types = hf["num_hidden_layers"], hf["layer_types"]
+    values_are_keys = bool(hf["attention_k_eq_v"])
+    per_layer = hf.get("per_layer_config")
+    if per_layer is None:
+        full = {"head_dim": hf.get("global_head_dim") or 512}
+        if values_are_keys and hf.get("num_global_key_value_heads") is not None:
+            full["num_key_value_heads"] = hf["num_global_key_value_heads"]
+        per_layer = {i: full for i, kind in enumerate(layer_types) if kind == "full_attention"}
+    per_layer = {int(i): dict(entry) for i, entry in per_layer.items()}
+    unknown = {key for entry in per_layer.values() for key in entry} - set(_GEMMA4_LAYER_KEYS)
+    if unknown:
+        raise ModelConfigError(f"gemma4 per_layer_config sets {sorted(unknown)}; served: "
+                               f"{', '.join(_GEMMA4_LAYER_KEYS)}")
+    head_dims = tuple(per_layer.get(i, {}).get("head_dim", hf["head_dim"]) for i in range(num_layers))
+    kv_heads = tuple(per_layer.get(i, {}).get("num_key_value_heads", hf["num_key_value_heads"])
+                     for i in range(num_layers))  # fmt: skip
+    first_shared = num_layers - (hf["num_kv_shared_layers"] or 0)
+    kv_sources = list(range(num_layers))
+    if first_shared < num_layers:  # Gemma4TextConfig.kv_sharing_modes: the last earlier layer of the same kind
+        for i in range(max(first_shared, 0), num_layers):
+            sources = [j for j in range(first_shared) if layer_types[j] == layer_types[i]]
+            if not sources:
+                raise ModelConfigError(f"gemma4 layer {i} shares the keys and values of an earlier "
+                                       f"{layer_types[i]} layer, and there is none before layer {first_shared} "
+                                       f"(num_kv_shared_layers {hf['num_kv_shared_layers']} of {num_layers}; with "
+                                       f"fewer layers, lower num_kv_shared_layers too)")
+            kv_sources[i] = sources[-1]
+    double = bool(hf["use_double_wide_mlp"])
+    mlp_sizes = tuple(hf["intermediate_size"] * (2 if double and kv_sources[i] != i else 1) for i in range(num_layers))
+    return Gemma4Layers(
+        head_dims=head_dims,
+        kv_heads=kv_heads,
+        values_are_keys=tuple(values_are_keys and kind == "full_attention" for kind in layer_types),
+        kv_sources=tuple(kv_sources),
+        mlp_sizes=mlp_sizes,
+        per_layer_input_size=hf["hidden_size_per_layer_input"] or 0,
+        per_layer_vocab_size=hf["vocab_size_per_layer_input"],
+    )
 
 
 def _gemma_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:

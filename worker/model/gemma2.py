@@ -21,9 +21,9 @@ from torch import nn
 
 
 class GemmaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=False)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False)
         self.act_fn = GeluTanhAndMul()
