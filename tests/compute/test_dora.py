@@ -1,0 +1,73 @@
+"""DoRA adapters in the worker against HF transformers + peft, in one batch with a plain adapter and the base model;
+a slot that held a DoRA adapter and then a plain one; the refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from loraplex.protocol.structs import AdapterToLoad, SlotLoad
+from loraplex.worker.model_runner import ModelRunner
+
+from tests.lora_helpers import (
+    DORA_IDS,
+    DORA_MIXED,
+    DORA_SLOTS,
+    build_dora_adapters,
+    dora_batch_logits,
+)
+from tests.reference import assert_logits_match_peft
+from tests.worker_helpers import make_runner, random_prompts
+
+FP32_TOL = 1e-4
+MIN_ADAPTER_EFFECT = 0.1
+DORA_CONFIG = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["all"], max_loras_per_batch=3)
+
+
+@pytest.fixture(scope="module")
+def dora_dirs(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> dict[str, Path]:
+    return build_dora_adapters(llama_dir, tmp_path_factory.mktemp("dora"))
+
+
+@pytest.fixture(scope="module")
+def runner(llama_dir: Path) -> ModelRunner:
+    return make_runner(llama_dir, **DORA_CONFIG)
+
+
+def test_dora_mixed_batch_matches_peft(runner: ModelRunner, llama_dir: Path, dora_dirs: dict[str, Path]) -> None:
+    prompts = random_prompts([5, 9, 3, 7, 6, 8, 4], runner.vocab_size, seed=7)
+    ours = dora_batch_logits(runner, dora_dirs, prompts, DORA_MIXED)
+    assert runner.lora.pool.dora_slots == {DORA_SLOTS["dora"], DORA_SLOTS["dora_qv"]}
+    assert_logits_match_peft(ours, prompts, DORA_MIXED, llama_dir, dora_dirs, FP32_TOL, MIN_ADAPTER_EFFECT)
+
+    # The plain adapter into the DoRA adapter's slot: its rows are no longer rescaled
+    slot = DORA_SLOTS["dora"]
+    runner.lora.apply_slot_loads([SlotLoad(slot=slot, lora_id=DORA_IDS["plain"])])
+    assert slot not in runner.lora.pool.dora_slots
+    runner.lora.apply_slot_loads([SlotLoad(slot=slot, lora_id=DORA_IDS["dora"])])  # and back
+    again = dora_batch_logits(runner, dora_dirs, prompts[:3], DORA_MIXED[:3])
+    assert_logits_match_peft(again, prompts[:3], DORA_MIXED[:3], llama_dir, dora_dirs, FP32_TOL, MIN_ADAPTER_EFFECT)
+
+
+def _copy_with(src: Path, dst: Path, **config_changes) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "adapter_config.json").read_text())
+    (dst / "adapter_config.json").write_text(json.dumps({**config, **config_changes}))
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("source", "changes", "message"),
+    [
+        ("dora", {"use_dora": False}, "is a DoRA magnitude, but use_dora is false"),
+        ("plain", {"use_dora": True}, "missing lora_magnitude_vector"),
+        ("dora", {"use_dora": "yes"}, "'use_dora' must be true or false"),
+    ],
+)
+def test_dora_refusals(runner: ModelRunner, dora_dirs: dict[str, Path], tmp_path: Path, source: str,
+                       changes: dict, message: str) -> None:  # fmt: skip
+    path = _copy_with(dora_dirs[source], tmp_path / "edited", **changes)
+    [outcome] = runner.lora.load([AdapterToLoad(lora_name="edited", lora_path=str(path), lora_id=99)])
+    assert not outcome.success and message in outcome.error_message, outcome.error_message
