@@ -148,13 +148,13 @@ def dora_batch_logits(
 ) -> list[torch.Tensor]:
     """Load the DoRA set (once), then prefill `prompts` in one batch, each under its adapter."""
     if not runner.lora.adapters:
-        results = runner.lora.load(specs(dirs, DORA_IDS))
+        results = runner.lora.load(specs(dirs, {name: DORA_IDS[name] for name in dirs}))
         assert all(r.success for r in results), [r.error_message for r in results if not r.success]
     pages = consecutive_pages([len(p) for p in prompts], runner.page_size)
+    slots = [-1 if name is None else DORA_SLOTS[name] for name in names]
     reqs = [
-        ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY,
-                   slot=-1 if name is None else DORA_SLOTS[name])  # fmt: skip
-        for p, pg, name in zip(prompts, pages, names, strict=True)
+        ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=slot)
+        for p, pg, slot in zip(prompts, pages, slots, strict=True)
     ]
     loads = [SlotLoad(slot=DORA_SLOTS[name], lora_id=DORA_IDS[name]) for name in sorted({n for n in names if n})]
     logits = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=loads))

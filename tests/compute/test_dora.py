@@ -1,5 +1,5 @@
 """DoRA adapters in the worker against HF transformers + peft, in one batch with a plain adapter and the base model;
-a slot that held a DoRA adapter and then a plain one; the refusals."""
+a slot that held a DoRA adapter and then a plain one; PEFT's fused modules (Phi-3); the refusals."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from tests.lora_helpers import (
     DORA_MIXED,
     DORA_SLOTS,
     build_dora_adapters,
+    build_peft_adapter,
     dora_batch_logits,
 )
+from tests.phi3_helpers import PHI3_TARGETS, build_tiny_phi3
 from tests.reference import assert_logits_match_peft
 from tests.worker_helpers import make_runner, random_prompts
 
@@ -71,3 +73,16 @@ def test_dora_refusals(runner: ModelRunner, dora_dirs: dict[str, Path], tmp_path
     path = _copy_with(dora_dirs[source], tmp_path / "edited", **changes)
     [outcome] = runner.lora.load([AdapterToLoad(lora_name="edited", lora_path=str(path), lora_id=99)])
     assert not outcome.success and message in outcome.error_message, outcome.error_message
+
+
+def test_dora_on_fused_modules_matches_peft(tmp_path: Path) -> None:
+    """Phi-3's fused qkv_proj and gate_up_proj: PEFT's one magnitude per fused module, split into its slices."""
+    base = tmp_path / "phi3"
+    build_tiny_phi3(base)
+    dirs = {"dora": tmp_path / "dora"}
+    build_peft_adapter(base, dirs["dora"], r=8, lora_alpha=16, target_modules=PHI3_TARGETS, seed=5, use_dora=True)
+    runner = make_runner(base, **DORA_CONFIG)
+    prompts = random_prompts([6, 9, 5], runner.vocab_size, seed=9)
+    names = [None, "dora", "dora"]
+    ours = dora_batch_logits(runner, dirs, prompts, names)
+    assert_logits_match_peft(ours, prompts, names, base, dirs, FP32_TOL, MIN_ADAPTER_EFFECT)
