@@ -1,5 +1,5 @@
 """DoRA adapters in the worker against HF transformers + peft, in one batch with a plain adapter and the base model;
-a slot that held a DoRA adapter and then a plain one; PEFT's fused modules (Phi-3); the refusals."""
+a slot that held a DoRA adapter and then a plain one; PEFT's fused modules (Phi-3); a quantized base; the refusals."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
 from loraplex.protocol.structs import AdapterToLoad, SlotLoad
 from loraplex.worker.model_runner import ModelRunner
 
@@ -20,6 +21,7 @@ from tests.lora_helpers import (
     dora_batch_logits,
 )
 from tests.phi3_helpers import PHI3_TARGETS, build_tiny_phi3
+from tests.quantize_checkpoint import write_quantized
 from tests.reference import assert_logits_match_peft
 from tests.worker_helpers import make_runner, random_prompts
 
@@ -86,3 +88,18 @@ def test_dora_on_fused_modules_matches_peft(tmp_path: Path) -> None:
     names = [None, "dora", "dora"]
     ours = dora_batch_logits(runner, dirs, prompts, names)
     assert_logits_match_peft(ours, prompts, names, base, dirs, FP32_TOL, MIN_ADAPTER_EFFECT)
+
+
+def test_dora_on_a_quantized_base_matches_peft_on_its_dequantized_weights(llama_dir: Path, tmp_path: Path) -> None:
+    """The norms come from the weight the 4-bit layer computes with: PEFT on the dequantized checkpoint is the
+    reference."""
+    quant_dir, dequant_dir = tmp_path / "gptq", tmp_path / "dequantized"
+    write_quantized(llama_dir, "gptq-4bit", quant_dir, dequant_dir)
+    dirs = {"dora": tmp_path / "dora"}
+    build_peft_adapter(dequant_dir, dirs["dora"], r=8, lora_alpha=16, target_modules=TARGET_MODULES, seed=6,
+                       use_dora=True)  # fmt: skip
+    runner = make_runner(quant_dir, **DORA_CONFIG)
+    prompts = random_prompts([7, 5, 8], runner.vocab_size, seed=4)
+    names = ["dora", None, "dora"]
+    ours = dora_batch_logits(runner, dirs, prompts, names)
+    assert_logits_match_peft(ours, prompts, names, dequant_dir, dirs, FP32_TOL, MIN_ADAPTER_EFFECT)
