@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from loraplex.kernels import LoRABackend, LoRABatchMeta
@@ -276,25 +276,25 @@ class LoRAManager:
             return
         self.batch.meta = self.batch.backend.prepare(seg_indptr, seg_slots)
         self.batch.host_segments = (seg_indptr, seg_slots)
-        self.batch.active = frozenset(
-            name
-            for slot in used
-            for module in self.adapters[self.slot_lora_ids[slot]].target_modules
-            for name in KINDS_OF.get(module, (module,))  # embed_tokens, lm_head: named by their module
-        )
+        self.batch.active = self._targeted(used) | self._targeted_vocab(used)
         if self.pool.vocab or self.pool.dora_slots.intersection(used):
             lengths = torch.tensor([len(req.input_ids) for req in reqs])
             slots = torch.tensor([req.slot for req in reqs]).repeat_interleave(lengths)  # (tokens,)
             slots = slots.to(self.spec.device, non_blocking=True)
         if self.pool.vocab:
             self.batch.token_slots = self.batch.row_slots = slots
-        self.batch.dora_active = frozenset(
-            name
-            for slot in self.pool.dora_slots.intersection(used)
-            for module in self.adapters[self.slot_lora_ids[slot]].target_modules
-            for name in KINDS_OF.get(module, ())
-        )
+        self.batch.dora_active = self._targeted(self.pool.dora_slots.intersection(used))
         self.batch.dora_rows = torch.where(slots < 0, self.num_slots, slots) if self.batch.dora_active else None
+
+    def _targeted(self, slots: Iterable[int]) -> frozenset[str]:
+        """The fused linears that the adapters in `slots` target."""
+        modules = {module for slot in slots for module in self.adapters[self.slot_lora_ids[slot]].target_modules}
+        return frozenset(name for module in modules for name in KINDS_OF.get(module, ()))
+
+    def _targeted_vocab(self, slots: Iterable[int]) -> frozenset[str]:
+        """embed_tokens and lm_head where an adapter in `slots` targets them (named by their module)."""
+        return frozenset(m for slot in slots for m in self.adapters[self.slot_lora_ids[slot]].target_modules
+                         if m not in KINDS_OF)  # fmt: skip
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """The LM head computes these token rows (rows,) of this forward (default: every token)."""
