@@ -4,6 +4,7 @@ chat_template_kwargs (e.g. Qwen3's enable_thinking)."""
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -51,9 +52,34 @@ def render_chat(tokenizer: Any, template: str | None, messages: list[dict], opti
     if not template:
         raise InputError("the model has no chat template, so it cannot take 'messages' (start with --chat-template)")
     try:
-        return tokenizer.apply_chat_template(
-            messages, tools=options.tools, chat_template=template, tokenize=False,
-            add_generation_prompt=options.add_generation_prompt,
-            continue_final_message=options.continue_final_message, **options.template_kwargs)
+        try:
+            return apply_template(tokenizer, template, messages, options)
+        except TypeError:
+            # Templates take a call's arguments as an object (transformers' rule, and vLLM's); some released ones
+            # (DeepSeek-V3 / V3.1's) join them to text as OpenAI's JSON text and fail on an object: they get the text.
+            as_text = arguments_as_text(messages)
+            if as_text == messages:
+                raise
+            return apply_template(tokenizer, template, as_text, options)
     except Exception as e:  # noqa: BLE001 - a template that rejects these messages is a client error
         raise InputError(f"the chat template rejected the messages: {e}") from e
+
+
+def apply_template(tokenizer: Any, template: str, messages: list[dict], options: ChatOptions) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tools=options.tools, chat_template=template, tokenize=False,
+        add_generation_prompt=options.add_generation_prompt,
+        continue_final_message=options.continue_final_message, **options.template_kwargs)
+
+
+def arguments_as_text(messages: list[dict]) -> list[dict]:
+    """The messages with each earlier call's arguments as JSON text where they are an object."""
+    def call_as_text(call: dict) -> dict:
+        function = call.get("function")
+        if not isinstance(function, dict) or isinstance(function.get("arguments"), str):
+            return call
+        return {**call, "function": {**function, "arguments": json.dumps(function.get("arguments"),
+                                                                          ensure_ascii=False)}}
+
+    return [{**m, "tool_calls": [call_as_text(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in messages]

@@ -7,6 +7,8 @@ model writes first anyway is dropped); without `</think>` everything is reasonin
 `<think>` the output writes and its `</think>`; text before `<think>`, or an output without it, is content; with
 `chat_template_kwargs.enable_thinking` false, no reasoning (the template closed it). glm45 (GLM-4.5 / 4.6) reads as
 qwen3: the model opens `<think>` itself, and its template closes an empty one when thinking is off.
+deepseek_v3 (DeepSeek-V3.1 / V3.2): reasoning only with `chat_template_kwargs.thinking` true (its template then opens
+`<think>`, and the output reads as deepseek_r1's); off by default, where the template closes it and all is content.
 openai_gptoss (gpt-oss): no tags, harmony channels (frontend/harmony.py): the analysis channel is reasoning, the final
 channel content, and a call stays in the content as written for the `openai` tool-call parser; a constraint applies
 after `<|channel|>final<|message|>`.
@@ -22,7 +24,7 @@ from loraplex.frontend.constraints import Found
 from loraplex.frontend.harmony import CHANNEL, MESSAGE, split_reasoning
 
 START_TAG, END_TAG = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3", "glm45", "openai_gptoss")
+PARSERS = ("deepseek_r1", "qwen3", "glm45", "openai_gptoss", "deepseek_v3")
 HARMONY_FINAL = CHANNEL + "final" + MESSAGE  # where gpt-oss's answer starts
 
 _BEFORE, _REASONING, _CONTENT = "before", "reasoning", "content"  # where the text read so far stands
@@ -130,16 +132,20 @@ class Reasoning:
 
 def request_reasoning(parser_name: str | None, template_kwargs: dict[str, Any] | None,
                       tokenizer: Any) -> Reasoning | None:  # fmt: skip
-    """The request's Reasoning under --reasoning-parser, or None: no parser, or qwen3 with thinking turned off."""
+    """The request's Reasoning under --reasoning-parser, or None: no parser, qwen3 / glm45 with thinking turned off, or
+    deepseek_v3 without it turned on."""
+    kwargs = template_kwargs or {}
     if parser_name is None:
         return None
-    if parser_name in ("qwen3", "glm45") and (template_kwargs or {}).get("enable_thinking", True) is False:
+    if parser_name in ("qwen3", "glm45") and kwargs.get("enable_thinking", True) is False:
+        return None
+    if parser_name == "deepseek_v3" and not kwargs.get("thinking", False):
         return None
     if parser_name == "openai_gptoss":
         return Reasoning(False, tuple(tokenizer.encode(HARMONY_FINAL, add_special_tokens=False)), harmony=True)
     # `</think>` is one added token in DeepSeek-R1's and Qwen3's tokenizers; elsewhere the worker matches the sequence
     end_ids = tuple(tokenizer.encode(END_TAG, add_special_tokens=False))
-    return Reasoning(starts_in_reasoning=parser_name == "deepseek_r1", end_ids=end_ids)
+    return Reasoning(starts_in_reasoning=parser_name in ("deepseek_r1", "deepseek_v3"), end_ids=end_ids)
 
 
 def constraint_after_reasoning(found: Found | None, reasoning: Reasoning | None) -> Found | None:

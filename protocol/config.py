@@ -96,7 +96,13 @@ VALUE_ALIASES: dict[str, dict[str, str]] = {
     "dtype": {"half": "float16", "float": "float32"},  # vLLM and SGLang
     "lora_backend": {"csgmv": "triton", "torch_native": "torch"},  # SGLang's CUDA kernels and torch ops
     "attention_backend": {"torch_native": "torch"},  # SGLang
-    "tool_call_parser": {"llama3": "llama3_json", "qwen25": "hermes", "qwen": "hermes"},  # SGLang
+    "tool_call_parser": {  # SGLang's, and vLLM's deepseek_v31 (deepseek_v3 reads V3.1's calls too)
+        "llama3": "llama3_json", "qwen25": "hermes", "qwen": "hermes", "deepseekv3": "deepseek_v3",
+        "deepseekv31": "deepseek_v3", "deepseek_v31": "deepseek_v3", "gpt-oss": "openai",
+    },
+    "reasoning_parser": {  # SGLang
+        "deepseek-r1": "deepseek_r1", "deepseek-v3": "deepseek_v3", "gpt-oss": "openai_gptoss",
+    },
 }
 DEFAULT_LORA_RANK = 16  # --enable-lora with nothing to infer the pool from (vLLM's default; all seven modules)
 
@@ -250,11 +256,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     lora_modules: Annotated[list[str], Meta(description=
         "vLLM's adapters loaded at start: NAME=PATH or JSON {name, path, base_model_name}"
     )] = []
-    reasoning_parser: Annotated[Literal["deepseek_r1", "qwen3", "glm45", "openai_gptoss"] | None, Meta(description=
+    reasoning_parser: Annotated[
+        Literal["deepseek_r1", "qwen3", "glm45", "openai_gptoss", "deepseek_v3"] | None, Meta(description=
         "chat answers put the model's <think>...</think> text in reasoning_content: deepseek_r1 (the template opened "
-        "<think>) or qwen3 / glm45 (reasoning only where the output opens <think>); a structured-output constraint "
-        "then applies after </think>; openai_gptoss (gpt-oss's harmony): the analysis channel is the reasoning, the "
-        "final channel the content"
+        "<think>), qwen3 / glm45 (reasoning only where the output opens <think>) or deepseek_v3 (as deepseek_r1 with "
+        "chat_template_kwargs.thinking true, else none); a structured-output constraint then applies after </think>; "
+        "openai_gptoss (gpt-oss's harmony): the analysis channel is the reasoning, the final channel the content"
     )] = None
     chat_template: Annotated[str | None, Meta(description=
         "chat template for /v1/chat/completions: a file, or inline Jinja (default: the tokenizer's)"
@@ -263,7 +270,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "tool_choice auto: the model's text is read for tool calls (needs --tool-call-parser)"
     )] = False
     tool_call_parser: Annotated[
-        Literal["hermes", "llama3_json", "mistral", "qwen3_coder", "xml", "pythonic", "glm45", "openai"] | None,
+        Literal["hermes", "llama3_json", "mistral", "qwen3_coder", "xml", "pythonic", "glm45", "openai", "deepseek_v3",
+                "kimi_k2", "llama4_pythonic"] | None,
         Meta(description=
         "the format of the model's tool calls (tool_choice auto); required and named choices are forced by a grammar "
         "and need none"

@@ -248,6 +248,46 @@ def tokenizer_vocab_size() -> int:
     return len(json.loads(_tokenizer_json())["model"]["vocab"])
 
 
+def add_tokenizer_words(out_dir: str | os.PathLike[str], words: list[str]):  # -> the tokenizer
+    """Add words to the tokenizer saved in out_dir as added tokens that are not special (a model's markup that must
+    survive detokenizing); the model needs tokenizer_vocab_size() + len(words) rows."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    out_dir = Path(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    tokenizer.add_tokens([AddedToken(word, special=False) for word in words])
+    tokenizer.save_pretrained(out_dir)
+    config_path = out_dir / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"  # as build_tokenizer writes it
+    config_path.write_text(json.dumps(tokenizer_config))
+    assert len(tokenizer) == tokenizer_vocab_size() + len(words)
+    return tokenizer
+
+
+def make_bigram_model(model_dir: str | os.PathLike[str], steps: list[tuple[int, int, float]]) -> None:
+    """Turn a saved checkpoint into a bigram table that writes chosen text: every attention output and MLP or expert
+    down projection zeroed, biases too (so each position's final hidden state is its token's normed embedding), the
+    final norm's weight ones, and per (token, next token, logit) the head's row of the next token aligned with that
+    state so that its logit there is `logit` (rows set once: a next token follows one token)."""
+    from safetensors.torch import load_file
+
+    path = Path(model_dir) / "model.safetensors"
+    weights = load_file(path)
+    for name in weights:
+        if "o_proj" in name or "down_proj" in name:
+            weights[name] = torch.zeros_like(weights[name])
+    weights["model.norm.weight"] = torch.ones_like(weights["model.norm.weight"])
+    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"].clone()
+    assert len({next_token for _, next_token, _ in steps}) == len(steps), "a next token's row is set once"
+    for token, next_token, logit in steps:
+        hidden = embed[token] / embed[token].pow(2).mean().sqrt()  # the final norm's output at `token`
+        head[next_token] = logit * hidden / hidden.pow(2).sum()
+    weights["lm_head.weight"] = head
+    save_file(weights, path, metadata={"format": "pt"})
+
+
 # --- base model --------------------------------------------------------------------------------
 
 

@@ -11,13 +11,15 @@ from typing import Any, NamedTuple
 class ToolCall(NamedTuple):
     name: str
     arguments: str  # JSON text of an object, as OpenAI sends it
+    id: str | None = None  # the model's own id for the call (Kimi K2's `functions.NAME:IDX`); None: one is made
 
 
 class PartialCall(NamedTuple):
-    """A call still being written: its name, and its arguments' JSON text so far."""
+    """A call still being written: its name, its arguments' JSON text so far, and the model's id for it if any."""
 
     name: str
     arguments: str
+    id: str | None = None
 
 
 class Parsed(NamedTuple):

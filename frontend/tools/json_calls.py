@@ -1,6 +1,7 @@
 """Calls written as JSON objects, `{"name": ..., "arguments" | "parameters": {...}}` (hermes, llama3_json, mistral,
 forced `required`): read one after another, each call's arguments kept as the model wrote them, so a call still being
-written streams its arguments and the pieces add up to the finished call's."""
+written streams its arguments and the pieces add up to the finished call's. HeadedParser: calls written as a head
+(the name, maybe an id) and then the arguments' JSON object (mistral's v11 form, deepseek_v3, kimi_k2)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import re
 from typing import Any
 
-from loraplex.frontend.tools.base import PartialCall, ToolCall, arguments_text
+from loraplex.frontend.tools.base import PartialCall, ToolCall, ToolParser, arguments_text
 
 KEYS = ("arguments", "parameters")
 # A call's head: its name first, then its arguments' key (another order is read whole, never streamed).
@@ -84,3 +85,49 @@ def json_calls(text: str, keys: tuple[str, ...] = KEYS, separators: str = ",;"
         if call is not None:
             calls.append(call)
         i = end
+
+
+def leading_object(text: str) -> tuple[str, bool] | None:
+    """The JSON object that opens text (after blanks): (its text so far, whether it is closed); None: none opens it."""
+    text = text.lstrip()
+    if not text.startswith("{"):
+        return None
+    end = value_end(text, 0)
+    return (text, False) if end < 0 else (text[:end], True)
+
+
+def is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+class HeadedParser(ToolParser):
+    """Calls each opened by `call_begin`, then a head, `separator`, and the arguments' JSON object (what follows the
+    object up to the next call is markup). A call is complete once its object closes, and streams its arguments as
+    they are written until then; a head that does not read, or arguments that are not an object, end the calls."""
+
+    call_begin = ""
+    separator = ""
+
+    def calls(self, region: str, final: bool) -> tuple[list[ToolCall], PartialCall | None]:
+        calls = []
+        for block in region.split(self.call_begin)[1:]:
+            head, found, rest = block.partition(self.separator)
+            read = self.read_head(head, rest) if found else None
+            arguments = leading_object(read[2]) if read is not None else None
+            if arguments is None:  # still being written, or not a call
+                return calls, None
+            (name, call_id, _), (text, closed) = read, arguments
+            if not closed:
+                return calls, PartialCall(name, text, call_id)
+            if not is_object(text):
+                return calls, None
+            calls.append(ToolCall(name, text, call_id))
+        return calls, None
+
+    def read_head(self, head: str, rest: str) -> tuple[str, str | None, str] | None:
+        """(name, the model's id for the call or None, the text where the arguments start); None: no call's head."""
+        name = head.strip()
+        return (name, None, rest) if name and not any(c.isspace() for c in name) else None

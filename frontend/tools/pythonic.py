@@ -1,5 +1,6 @@
-"""Pythonic calls (Llama 3.2 / 4, ToolACE): the output is a Python list of calls, `[f(a=1), g(b="x")]`, keyword
-arguments as Python literals (optionally between `<|python_start|>` and `<|python_end|>`)."""
+"""Pythonic calls (Llama 3.2 / 4, ToolACE; `pythonic` and `llama4_pythonic`): the output is a Python list of calls,
+`[f(a=1), g(b="x")]`, keyword arguments as Python literals (optionally between `<|python_start|>` and
+`<|python_end|>`, as Llama 4 writes it)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,17 @@
 """One choice's tool calls, whole (tool_answer) or streamed (ToolCallStream). Streamed: the text so far in,
-OpenAI's deltas out — content as it becomes safe to send, then per call a delta with its index, id, type and function
-name (arguments ""), then its arguments: in one piece once the call is complete (whole_calls, chat), or in pieces as
-they are written where the format keeps them as JSON text (hermes, llama3_json, mistral; the Responses API, whose
-items can close incomplete). A call cut by max_tokens never goes out as a call with whole_calls: its text ends up
-as content, as in the whole answer."""
+OpenAI's deltas out — content as it becomes safe to send, then per call a delta with its index, id (the model's own
+where its format writes one, else a new `call_` id), type and function name (arguments ""), then its arguments: in
+one piece once the call is complete (whole_calls, chat), or in pieces as they are written where the format keeps them
+as JSON text (hermes, llama3_json, mistral, deepseek_v3, kimi_k2; the Responses API, whose items can close
+incomplete). A call cut by max_tokens never goes out as a call with whole_calls: its text ends up as content, as in
+the whole answer."""
 
 from __future__ import annotations
 
 import uuid
 
 from loraplex.frontend.bodies import FunctionCall, FunctionCallDelta, ToolCallDelta, ToolCallItem
-from loraplex.frontend.tools.base import ToolCall
+from loraplex.frontend.tools.base import PartialCall, ToolCall
 from loraplex.frontend.tools.request import ToolPlan
 
 Deltas = list[tuple[str, list[ToolCallDelta]]]  # (content piece, tool call deltas), one chunk each
@@ -22,11 +23,12 @@ def call_id() -> str:
 
 def tool_call_item(call: ToolCall) -> ToolCallItem:
     """A call in a response's message.tool_calls."""
-    return ToolCallItem(id=call_id(), type="function", function=FunctionCall(name=call.name, arguments=call.arguments))
+    return ToolCallItem(id=call.id or call_id(), type="function",
+                        function=FunctionCall(name=call.name, arguments=call.arguments))
 
 
-def header_delta(index: int, name: str) -> ToolCallDelta:
-    return ToolCallDelta(index=index, id=call_id(), type="function",
+def header_delta(index: int, name: str, model_id: str | None = None) -> ToolCallDelta:
+    return ToolCallDelta(index=index, id=model_id or call_id(), type="function",
                          function=FunctionCallDelta(name=name, arguments=""))
 
 
@@ -58,18 +60,19 @@ class ToolCallStream:
             out.append((content[self.num_content :], []))
             self.num_content = len(content)
         for index in range(self.num_calls, len(calls)):
-            out += self._arguments(index, calls[index].name, calls[index].arguments)
+            out += self._arguments(index, calls[index])
             self.open_call = None
         self.num_calls = len(calls)
         if partial is not None and not self.whole_calls:
-            out += self._arguments(len(calls), partial.name, partial.arguments)
+            out += self._arguments(len(calls), partial)
         return out
 
-    def _arguments(self, index: int, name: str, arguments: str) -> Deltas:
+    def _arguments(self, index: int, call: ToolCall | PartialCall) -> Deltas:
         """Call `index` so far: its head once, then what its arguments add (they only ever grow)."""
         out: Deltas = []
+        name, arguments = call.name, call.arguments
         if self.open_call != index:
-            out.append(("", [header_delta(index, name)]))
+            out.append(("", [header_delta(index, name, call.id)]))
             self.open_call, self.num_arguments = index, 0
         if len(arguments) > self.num_arguments:
             out.append(("", [arguments_delta(index, arguments[self.num_arguments :])]))

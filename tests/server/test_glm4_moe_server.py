@@ -204,38 +204,18 @@ def thinking_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     special) tokens, and its weights make it a bigram table (every o_proj and down_proj zero, so each position's
     final hidden state is its normed embedding; the head's row of each designed next token aligned with it): after
     the generation prompt it writes `<think>plan</think>`, then what the request's constraint allows."""
-    import torch
-    from safetensors.torch import load_file, save_file
-    from tokenizers import AddedToken
-
-    from tests.builders import build_tokenizer, tokenizer_vocab_size
+    from tests.builders import add_tokenizer_words, build_tokenizer, make_bigram_model, tokenizer_vocab_size
     from tests.glm4_moe_models import build_glm4_moe_model
 
     path = tmp_path_factory.mktemp("thinking") / "glm4_moe"
     build_glm4_moe_model(path, vocab_size=tokenizer_vocab_size() + 2, bos_token_id=None, eos_token_id=None)
     build_tokenizer(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
-    tokenizer.save_pretrained(path)
-    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"  # as tests/builders.py writes it
-    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    assert len(tokenizer) == tokenizer_vocab_size() + 2
-    weights = load_file(path / "model.safetensors")
-    for name in weights:
-        if "o_proj" in name or "down_proj" in name:
-            weights[name] = torch.zeros_like(weights[name])
-    weights["model.norm.weight"] = torch.ones_like(weights["model.norm.weight"])
-    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"].clone()
+    tokenizer = add_tokenizer_words(path, ["<think>", "</think>"])
     prompt = tokenizer.apply_chat_template(ASK, add_generation_prompt=True, tokenize=False)
     prompt_end = tokenizer(prompt, add_special_tokens=False)["input_ids"][-1]
     chain = [prompt_end, *tokenizer.convert_tokens_to_ids(["<think>", *REASONING, "</think>"])]
     assert tokenizer.decode(chain[1:]) == f"<think>{REASONING}</think>" and len(set(chain[:-1])) == len(chain) - 1
-    for token, next_token in zip(chain, chain[1:], strict=False):
-        hidden = embed[token] / embed[token].pow(2).mean().sqrt()  # the final norm's output at `token`
-        head[next_token] = 60.0 * hidden / hidden.pow(2).sum()  # its logit: 60
-    weights["lm_head.weight"] = head
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    make_bigram_model(path, [(token, next_token, 60.0) for token, next_token in zip(chain, chain[1:], strict=False)])
     return path
 
 

@@ -185,6 +185,8 @@ def test_reasoning_parser_is_a_setting_of_ours() -> None:
     assert config.reasoning_parser == "deepseek_r1"
     assert parse_command_line(["--model-path", MODEL, "--reasoning-parser", "qwen3"])[0].reasoning_parser == "qwen3"
     assert parse_command_line(["--model-path", MODEL])[0].reasoning_parser is None
+    for name, ours in [("deepseek-v3", "deepseek_v3"), ("gpt-oss", "openai_gptoss"), ("deepseek_v3", "deepseek_v3")]:
+        assert parse_command_line(["--model-path", MODEL, "--reasoning-parser", name])[0].reasoning_parser == ours
     with pytest.raises(SystemExit):  # argparse names the valid choices
         parse_command_line(["--model-path", MODEL, "--reasoning-parser", "granite"])
 
@@ -192,6 +194,9 @@ def test_reasoning_parser_is_a_setting_of_ours() -> None:
 def test_tool_flags() -> None:
     config = parse_command_line(["--enable-auto-tool-choice", "--tool-call-parser", "qwen25"])[0]
     assert (config.enable_auto_tool_choice, config.tool_call_parser) == (True, "hermes")
+    for name, ours in [("deepseekv31", "deepseek_v3"), ("deepseek_v31", "deepseek_v3"), ("gpt-oss", "openai"),
+                       ("kimi_k2", "kimi_k2"), ("llama4_pythonic", "llama4_pythonic")]:
+        assert parse_command_line(["--tool-call-parser", name])[0].tool_call_parser == ours
     with pytest.raises(ConfigError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         parse_command_line(["--enable-auto-tool-choice"])
     with pytest.raises(SystemExit):

@@ -108,3 +108,31 @@ def test_chat_stream_adds_up_to_the_whole_answer_with_harmony_reasoning_and_call
     assert not any(c.delta.content for c in streamed)
     deltas = [d for c in streamed for d in c.delta.tool_calls or []]
     assert [(d.function.name, d.function.arguments) for d in deltas] == [("search", ""), (None, '{"query": "a <b>"}')]
+
+
+@pytest.mark.parametrize("parser, reasoning, text, call_id", [
+    ("deepseek_v3", "plan", "plan</think>Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>"
+     '{"query": "a <b>"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None),
+    ("kimi_k2", None, "Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0"
+     '<|tool_call_argument_begin|>{"query": "a <b>"}<|tool_call_end|><|tool_calls_section_end|>', "functions.search:0"),
+])  # fmt: skip
+def test_chat_stream_adds_up_to_the_whole_answer_with_deepseek_and_kimi_calls(tokenizer, parser, reasoning, text,
+                                                                              call_id):  # fmt: skip
+    """DeepSeek-V3.1 thinking (deepseek_v3: the output opens inside the reasoning) then its calls, and Kimi K2's
+    calls with their ids, streamed a token at a time (the byte-level tokenizer splits the markup's characters)."""
+    outputs = [tokenizer(text, add_special_tokens=False)["input_ids"]]
+    prompt = tokenizer("Find it.")["input_ids"]
+    req = ChatRequest(model="m", messages=[], stream=True)
+    states = [RequestState("r", prompt, SamplingParams(max_new_tokens=256), [], tokenizer, None, None)]
+    plan = ToolPlan(PARSERS[parser]([{"type": "function", "function": {"name": "search"}}]))
+    writer = ChatWriter(BASE, states, len(prompt), req, None, reasoning and Reasoning(True, ()), plan)
+    streamed = feed(writer, states, outputs, prompt_logprobs=False)[0]
+    whole = writer.response().choices[0].message
+    assert whole.content == "Checking." and (reasoning is None or whole.reasoning_content == reasoning)
+    assert [(c.function.name, c.function.arguments) for c in whole.tool_calls] == [("search", '{"query": "a <b>"}')]
+    assert "".join(c.delta.reasoning_content or "" for c in streamed) == (reasoning or "")
+    assert "".join(c.delta.content or "" for c in streamed) == "Checking."
+    deltas = [d for c in streamed for d in c.delta.tool_calls or []]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [("search", ""), (None, '{"query": "a <b>"}')]
+    if call_id is not None:  # the model's id, whole and streamed
+        assert whole.tool_calls[0].id == deltas[0].id == call_id

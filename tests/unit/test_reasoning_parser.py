@@ -90,6 +90,10 @@ def test_request_reasoning_and_the_constraint_after_it():
     assert request_reasoning("glm45", None, single) == Reasoning(starts_in_reasoning=False, end_ids=(9,))
     assert request_reasoning("glm45", {"enable_thinking": False}, single) is None
     assert request_reasoning("deepseek_r1", {"enable_thinking": False}, single).end_ids == (9,)
+    # DeepSeek-V3.1: reasoning only with chat_template_kwargs.thinking (its template then opens <think>)
+    assert request_reasoning("deepseek_v3", None, single) is None
+    assert request_reasoning("deepseek_v3", {"thinking": False}, single) is None
+    assert request_reasoning("deepseek_v3", {"thinking": True}, split) == Reasoning(True, (4, 5, 6))
     found = Found(OutputConstraint("regex", "[0-9]+"), "structured_outputs.regex")
     after = constraint_after_reasoning(found, Reasoning(True, (4, 5, 6)))
     assert after == Found(OutputConstraint("regex", "[0-9]+", start_after=(4, 5, 6)), "structured_outputs.regex")

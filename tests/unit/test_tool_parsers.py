@@ -26,6 +26,20 @@ HARMONY_TWO_CALLS = (
     '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 2}<|call|>'
     '<|start|>assistant to=functions.search<|channel|>commentary <|constrain|>json<|message|>{"query": "a [b], c"}'
     "<|call|>")
+# DeepSeek-V3's calls (type, name, fenced JSON) and V3.1's (name, JSON), as their chat templates write them back
+DEEPSEEK_V3_TWO_CALLS = (
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+    '{"city": "Paris", "days": 2}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n```json\n'
+    '{"query": "a [b], c"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+DEEPSEEK_V31_TWO_CALLS = (
+    '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", "days": 2}'
+    "<｜tool▁call▁end｜>"
+    '<｜tool▁call▁begin｜>search<｜tool▁sep｜>{"query": "a [b], c"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+KIMI_TWO_CALLS = (
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+    '{"city": "Paris", "days": 2}<|tool_call_end|><|tool_call_begin|>functions.search:1<|tool_call_argument_begin|>'
+    '{"query": "a [b], c"}<|tool_call_end|><|tool_calls_section_end|>')
+KIMI_IDS = [ToolCall(c.name, c.arguments, f"functions.{c.name}:{i}") for i, c in enumerate(TWO_CALLS)]
 
 CASES = [  # (parser, model text, content, calls)
     ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
@@ -78,6 +92,21 @@ CASES = [  # (parser, model text, content, calls)
     ("openai", "<|channel|>commentary to=functions.search <|constrain|>json<|message|>not json<|call|>"
      "<|start|>assistant<|channel|>final<|message|>ok", "<|start|>assistant<|channel|>commentary to=functions.search "
      "<|constrain|>json<|message|>not json<|call|>ok", []),  # malformed: as written, in the content
+    ("deepseek_v3", "Let me look." + DEEPSEEK_V3_TWO_CALLS, "Let me look.", TWO_CALLS),
+    ("deepseek_v3", DEEPSEEK_V31_TWO_CALLS, "", TWO_CALLS),
+    ("deepseek_v3", "Plain {answer}: 1 < 2.", "Plain {answer}: 1 < 2.", []),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>not json<｜tool▁call▁end｜>",
+     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>not json<｜tool▁call▁end｜>", []),
+    ("kimi_k2", "I will check." + KIMI_TWO_CALLS, "I will check.", KIMI_IDS),
+    ("kimi_k2", " <|tool_call_section_begin|> <|tool_call_begin|> functions.search:1 <|tool_call_argument_begin|> "
+     '{"query": "a [b], c"} <|tool_call_end|> <|tool_call_section_end|>', " ", KIMI_IDS[1:]),  # spaced, singular
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>search<|tool_call_argument_begin|>{}<|tool_call_end|>",
+     "<|tool_calls_section_begin|><|tool_call_begin|>search<|tool_call_argument_begin|>{}<|tool_call_end|>",
+     []),  # no `:IDX`: not Kimi's call id
+    ("llama4_pythonic", '<|python_start|>[get_weather(city="Paris", days=2), search(query="a [b], c")]'
+     "<|python_end|>", "", TWO_CALLS),
+    ("llama4_pythonic", '[search(query="a [b], c")]', "", TWO_CALLS[1:]),
+    ("llama4_pythonic", "It is [sunny].", "It is [sunny].", []),
 ]
 
 
@@ -92,11 +121,12 @@ def streamed(plan: ToolPlan, text: str, step: int, whole_calls: bool = True) -> 
     for delta in deltas:
         if delta.id is not None:  # a call's first delta: id, type, name and empty arguments
             assert delta.index == len(calls) and delta.type == "function" and delta.function.arguments == ""
-            calls[delta.index] = [delta.function.name, ""]
+            model_id = None if delta.id.startswith("call_") else delta.id  # made ids read as None, as parsers give
+            calls[delta.index] = [delta.function.name, "", model_id]
         else:
             assert delta.function.name is None
             calls[delta.index][1] += delta.function.arguments
-    return content, [ToolCall(name, arguments) for name, arguments in calls.values()], deltas
+    return content, [ToolCall(*call) for call in calls.values()], deltas
 
 
 @pytest.mark.parametrize("name, text, content, calls", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
@@ -104,15 +134,15 @@ def test_parser_one_shot_and_streamed(name: str, text: str, content: str, calls:
     parser = PARSERS[name](TOOLS)
     parsed = parser.parse(text)
     assert parsed.content == content
-    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [(c.name, json.loads(c.arguments))
-                                                                         for c in calls]
+    assert [(c.name, json.loads(c.arguments), c.id) for c in parsed.calls] == [
+        (c.name, json.loads(c.arguments), c.id) for c in calls]
     for step in (1, 3, 7, len(text)):
         for whole_calls in (True, False):
             got_content, got_calls, _ = streamed(ToolPlan(parser), text, step, whole_calls)
             assert (got_content, got_calls) == (parsed.content, parsed.calls), (step, whole_calls)
 
 
-@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "openai"])
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "openai", "deepseek_v3", "kimi_k2"])
 def test_json_formats_stream_arguments_as_they_are_written(name: str) -> None:
     text = next(t for n, t, _, calls in CASES if n == name and len(calls) == 2)
     _, calls, deltas = streamed(ToolPlan(PARSERS[name](TOOLS)), text, 2, whole_calls=False)
@@ -122,6 +152,26 @@ def test_json_formats_stream_arguments_as_they_are_written(name: str) -> None:
     # whole_calls (chat): each call in one piece, once it is complete
     _, whole, deltas = streamed(ToolPlan(PARSERS[name](TOOLS)), text, 2)
     assert whole == calls and [d.function.arguments for d in deltas if d.id is None] == [c.arguments for c in calls]
+
+
+def test_kimi_k2_calls_keep_the_models_ids_whole_and_streamed() -> None:
+    """Kimi's template writes `functions.NAME:IDX` back with the tool's result, so it is the call's id."""
+    plan = ToolPlan(PARSERS["kimi_k2"](TOOLS))
+    content, calls = tool_answer(KIMI_TWO_CALLS, plan)
+    assert content is None and [c.id for c in calls] == ["functions.get_weather:0", "functions.search:1"]
+    for whole_calls in (True, False):
+        _, _, deltas = streamed(plan, KIMI_TWO_CALLS, 1, whole_calls)
+        assert [d.id for d in deltas if d.id is not None] == ["functions.get_weather:0", "functions.search:1"]
+
+
+def test_deepseek_v3_streams_a_call_as_its_arguments_are_written() -> None:
+    stream = ToolCallStream(ToolPlan(PARSERS["deepseek_v3"](TOOLS)), whole_calls=False)
+    head = "Ok<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n``"
+    assert stream.update("Ok<｜tool▁calls", final=False) == [("Ok", [])]
+    assert stream.update(head, final=False) == []  # the fence not yet written: no head yet
+    out = stream.update(head + '`json\n{"city": "Pa', final=False)
+    assert [(d.function.name, d.function.arguments) for _, deltas in out for d in deltas] == [
+        ("get_weather", ""), (None, '{"city": "Pa')]
 
 
 GLM_TOOLS = [WEATHER, SEARCH, {"type": "function", "function": {"name": "get_time", "parameters": {}}}]
@@ -174,6 +224,9 @@ CUT = [  # (plan, an output cut by max_tokens): whole and streamed (whole_calls)
      "</arg_value>"),
     (ToolPlan(PARSERS["openai"](TOOLS)), "<|start|>assistant<|channel|>commentary to=functions.get_weather "
      '<|constrain|>json<|message|>{"city": "Par'),
+    (ToolPlan(PARSERS["deepseek_v3"](TOOLS)), DEEPSEEK_V3_TWO_CALLS[:90]),
+    (ToolPlan(PARSERS["deepseek_v3"](TOOLS)), "Checking." + DEEPSEEK_V31_TWO_CALLS[:75]),
+    (ToolPlan(PARSERS["kimi_k2"](TOOLS)), "Checking." + KIMI_TWO_CALLS[:100]),
 ]
 
 
