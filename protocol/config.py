@@ -139,6 +139,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     host: Annotated[str, Meta(description="HTTP bind address")] = "127.0.0.1"
     port: Annotated[int, Meta(description="HTTP port")] = 30000
     tp: Annotated[int, Meta(description="tensor-parallel worker processes")] = 1
+    enable_expert_parallel: Annotated[bool, Meta(description=
+        "MoE models: shard the routed experts by expert over the --tp ranks (each holds experts / tp of them whole, "
+        "with their adapters' weights; tokens go to their experts' ranks and back by all-to-all) instead of every "
+        "expert by rows; attention, dense MLPs and shared experts stay tensor-parallel. --tp must divide the experts"
+    )] = False
     device: Annotated[Literal["cpu", "cuda"] | None, Meta(description=
         "cpu or cuda (default: cuda if available)"
     )] = None

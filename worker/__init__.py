@@ -2,7 +2,8 @@
 
 __main__.py / process.py   `python -m loraplex.worker`: start-up, ready report, the recv -> forward -> reply loop
 dist.py                    global rank, device, dtype, torch.distributed group (gloo on CPU, nccl on CUDA)
-parallel.py                tensor-parallel state read by layers at construction; the all-reduce
+parallel.py                tensor-parallel state read by layers at construction (expert parallelism on or off);
+                           the all-reduce and the all-to-all
 model_runner.py            ModelRunner: model + KV cache + sampler; forward(ForwardBatch) -> next tokens
 cuda_graphs.py             DecodeGraphRunner: decode steps replayed from CUDA graphs captured at start-up
 batch_inputs.py            ForwardBatch -> flat token ids, positions, cache slots, attention masks
@@ -48,6 +49,8 @@ layers/activation.py       SiluAndMul of a fused [gate | up] projection
 layers/packed.py           linear weights prepacked for oneDNN (CPU, bfloat16)
 layers/moe.py              MoE block: router top-k (softmax, or DeepSeek's grouped sigmoid), stacked experts
                            (ExpertsLinear) sharded like the dense MLP; a sigmoid-gated shared expert (Qwen3-Next, 3.5)
+layers/expert_parallel.py  ExpertDispatcher: --enable-expert-parallel's dispatch of rows to the ranks holding their
+                           experts and combine of the outputs, by all-to-all
 layers/gated_delta.py      Gated DeltaNet's ops: causal conv with state; the delta rule, chunked (prefill) and recurrent
 layers/delta_mixer.py      a DeltaNet layer's conv and delta rule over a batch: Triton kernels on CUDA, else torch ops
 layers/sharded_norm.py     RMSNorm over a TP-sharded feature dimension (OLMoE's q/k norm)

@@ -93,7 +93,8 @@ class ModelRunner:
         logger.info("model ops: %s", ops.name)
 
         quantization = quantized_linears(self.quant_format)
-        with tensor_parallel(rank, world_size), model_ops(ops), quantization, self.device, _default_dtype(self.dtype):
+        parallel = tensor_parallel(rank, world_size, expert_parallel=config.enable_expert_parallel)
+        with parallel, model_ops(ops), quantization, self.device, _default_dtype(self.dtype):
             self.model = build_model(self.model_config, max_positions=self.context_length)
         if self.quant_format is not None:  # before any weight is read or drawn
             check_coverage(self.quant_format, self.model)
@@ -126,6 +127,11 @@ class ModelRunner:
             self.device,
             self.context_length,
         )
+        moe = self.model_config.moe
+        if config.enable_expert_parallel and moe is not None and world_size > 1:
+            num_local = moe.num_experts // world_size
+            logger.info("expert parallelism: rank %d holds experts %d..%d of %d whole", rank, rank * num_local,
+                        (rank + 1) * num_local - 1, moe.num_experts)  # fmt: skip
 
         self.page_size = config.page_size
         self.state_plan = self._state_plan()
@@ -416,6 +422,10 @@ class ModelRunner:
             raise ModelConfigError(
                 f"tp {self.world_size} must divide the attention heads ({heads}) and KV heads ({kv_heads})"
             )
+        moe = self.model_config.moe
+        if self.config.enable_expert_parallel and moe is not None and moe.num_experts % self.world_size:
+            raise ModelConfigError(f"--enable-expert-parallel: tp {self.world_size} must divide the experts "
+                                   f"({moe.num_experts}), each rank holding the same number whole")  # fmt: skip
 
     def _num_kv_tokens(self) -> int:
         if self.config.gpu_memory_utilization is not None and self.device.type != "cuda":

@@ -17,7 +17,7 @@ from loraplex.protocol.config import ALIASES, VALUE_ALIASES, ConfigError, Server
 # `loraplex --help` shows the flags in these groups, in this order; every field belongs to exactly one.
 _TOPICS: dict[str, str] = {
     "model and devices": "model_path served_model_name revision tokenizer tokenizer_revision download_dir hf_token "
-    "load_format hf_overrides device dtype quantization tp dp_size "
+    "load_format hf_overrides device dtype quantization tp enable_expert_parallel dp_size "
     "context_length seed",
     "HTTP server and access": "host port api_key admin_api_key rpc_addr shutdown_timeout log_level "
     "max_requests_per_minute_per_key max_tokens_per_minute_per_key",

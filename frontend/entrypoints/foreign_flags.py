@@ -81,7 +81,6 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
           "to host memory"),
     _accept("--swap-space", family=V, value=True, note="preempted requests are recomputed, never swapped"),
     _refuse("--base-gpu-id", family=S, why="choose GPUs with CUDA_VISIBLE_DEVICES"),
-    _refuse("--enable-expert-parallel", family=V, why="expert parallelism is not supported", value=False),
     # -- scheduling and CUDA graphs
     _accept("--enable-prefix-caching", family=V, note="the prefix cache is on by default "
             "(--no-enable-prefix-caching turns it off)", sets={"disable_radix_cache": False,

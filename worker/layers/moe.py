@@ -4,7 +4,9 @@ the token's output is the routing-weighted sum of its experts' outputs.
 The experts' weights are stacked: gate_up_proj (experts, 2 * intermediate_per_rank, hidden) and down_proj
 (experts, hidden, intermediate_per_rank). Tensor parallelism splits every expert's intermediate dimension as the
 dense MLP does (gate_up column-parallel, down row-parallel), so each rank computes every expert on its slice and the
-block's one all-reduce sums the ranks' partial outputs after the weighted sum.
+block's one all-reduce sums the ranks' partial outputs after the weighted sum. With --enable-expert-parallel the
+experts are sharded by expert instead (each rank holds E / tp of them, whole) and each row runs on the rank holding
+its expert (worker/layers/expert_parallel.py); the block's all-reduce then sums the ranks' tokens.
 
 gpt-oss's experts add a bias to every expert linear (a row-parallel one's on rank 0 alone, so the block's sum adds it
 once) and route with a biased router, softmax over the top-k logits alone; its checkpoints stack each linear as
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from loraplex.worker.layers.activation import SiluAndMul
+from loraplex.worker.layers.expert_parallel import ExpertDispatcher
 from loraplex.worker.parallel import all_reduce, current_tp
 from loraplex.worker.quant import mxfp4
 from loraplex.worker.quant.layer import current_format
@@ -48,12 +51,26 @@ class Routing:
         flat_ids = topk_ids.flatten()  # (tokens * top_k,) row t * top_k + j: token t's j-th choice
         order = torch.sort(flat_ids, stable=True).indices  # by expert, tokens in order within one
         counts = torch.bincount(flat_ids, minlength=num_experts)
-        token_ids = order // top_k
+        return cls.of_sorted(counts, order // top_k, topk_weights.flatten().float()[order])
+
+    @classmethod
+    def of_rows(cls, expert_ids: torch.Tensor, token_ids: torch.Tensor, row_weights: torch.Tensor,
+                num_experts: int) -> tuple[Routing, torch.Tensor]:  # fmt: skip
+        """Rows given one by one (expert parallelism's received rows), tokens in batch order within an expert:
+        (their Routing, order) where routed row i is given row order[i]."""
+        order = torch.sort(expert_ids, stable=True).indices
+        counts = torch.bincount(expert_ids, minlength=num_experts)
+        return cls.of_sorted(counts, token_ids[order], row_weights[order]), order
+
+    @classmethod
+    def of_sorted(cls, counts: torch.Tensor, token_ids: torch.Tensor, row_weights: torch.Tensor) -> Routing:
+        """Rows sorted by expert: counts (experts,) of each expert's rows; token_ids, row_weights (rows,)."""
+        num_experts = counts.shape[0]
         host = torch.cat([counts, token_ids]).tolist()  # one copy to the host: the loop over experts needs it
         return cls(
             num_experts=num_experts,
             token_ids=token_ids,
-            row_weights=topk_weights.flatten().float()[order],
+            row_weights=row_weights,
             expert_bounds=[0, *itertools.accumulate(host[:num_experts])],
             host_token_ids=host[num_experts:],
         )
@@ -111,7 +128,9 @@ def route_grouped(
 class ExpertsLinear(nn.Module):
     """Every expert's copy of one linear, stacked: weight (experts, out_per_rank, in_per_rank). `tp_mode` and the size
     attributes follow worker/layers/linear.py's promise to wrappers, per expert; forward(rows, routing) applies each
-    expert's weight to its rows. `partial`/`finish` as there: a row-parallel one leaves its sum to the block."""
+    expert's weight to its rows. `partial`/`finish` as there: a row-parallel one leaves its sum to the block.
+    Under expert parallelism it holds num_experts of the checkpoint's num_global_experts, from first_expert on, whole
+    (tp_size 1 within an expert); its loaders take the checkpoint's tensors and expert ids as they are."""
 
     def __init__(self, num_experts: int, input_size: int, output_sizes: list[int], tp_mode: str, *,
                  bias: bool = False, interleaved: bool = False):  # fmt: skip
@@ -120,8 +139,20 @@ class ExpertsLinear(nn.Module):
         super().__init__()
         self.interleaved = interleaved
         tp = current_tp()
-        self.tp_rank, self.tp_size, self.tp_mode = tp.rank, tp.world_size, tp_mode
-        self.num_experts = num_experts
+        self.tp_mode = tp_mode
+        self.num_global_experts = num_experts  # the checkpoint's
+        if tp.expert_parallel and tp.world_size > 1:
+            # sharded by expert (worker/layers/expert_parallel.py): experts first_expert ... + num_experts - 1, each
+            # whole, so within an expert this rank is the only shard
+            if num_experts % tp.world_size:
+                raise ValueError(f"--enable-expert-parallel needs the experts ({num_experts}) divisible by tp "
+                                 f"{tp.world_size}")  # fmt: skip
+            self.num_experts = num_experts // tp.world_size
+            self.first_expert = tp.rank * self.num_experts
+            self.tp_rank, self.tp_size = 0, 1
+        else:
+            self.num_experts, self.first_expert = num_experts, 0
+            self.tp_rank, self.tp_size = tp.rank, tp.world_size
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         split_sizes = [input_size] if tp_mode == "row" else output_sizes
@@ -139,16 +170,17 @@ class ExpertsLinear(nn.Module):
                                  f"{mxfp4.BLOCK_SIZE}")
             self.dtype = torch.get_default_dtype()  # of the dequantized tiles
             num_blocks = self.input_size_per_rank // mxfp4.BLOCK_SIZE
-            self.blocks = self._packed_param((num_experts, num_rows, num_blocks * mxfp4.BLOCK_SIZE // 2),
+            self.blocks = self._packed_param((self.num_experts, num_rows, num_blocks * mxfp4.BLOCK_SIZE // 2),
                                              mxfp4.random_blocks)  # fmt: skip
-            self.scales = self._packed_param((num_experts, num_rows, num_blocks), mxfp4.random_scales)
+            self.scales = self._packed_param((self.num_experts, num_rows, num_blocks), mxfp4.random_scales)
         else:
-            weight = torch.empty(num_experts, num_rows, self.input_size_per_rank)
+            weight = torch.empty(self.num_experts, num_rows, self.input_size_per_rank)
             self.weight = nn.Parameter(weight, requires_grad=False)
             self.weight.weight_loader = self.weight_loader
         self.bias = None
         if bias:
-            self.bias = nn.Parameter(torch.empty(num_experts, sum(self.output_sizes_per_rank)), requires_grad=False)
+            bias_shape = (self.num_experts, sum(self.output_sizes_per_rank))
+            self.bias = nn.Parameter(torch.empty(bias_shape), requires_grad=False)
             self.bias.weight_loader = self.bias_loader
         # a checkpoint's stacked tensor is (experts, in, out) (Llama 4's, gpt-oss's), not (experts, out, in): set by the
         # model (MXFP4 codes are stored (experts, out, ...) whatever it says)
@@ -159,8 +191,10 @@ class ExpertsLinear(nn.Module):
         return len(self.output_sizes)
 
     def checkpoint_shards(self) -> list[tuple[int, int]]:
-        """The (expert, slice) pieces a per-expert checkpoint holds, each loaded on its own."""
-        return [(e, s) for e in range(self.num_experts) for s in range(self.num_slices)]
+        """The (expert, slice) pieces of a per-expert checkpoint this rank holds (checkpoint expert ids), each loaded
+        on its own."""
+        experts = range(self.first_expert, self.first_expert + self.num_experts)
+        return [(e, s) for e in experts for s in range(self.num_slices)]
 
     def _packed_param(self, shape: tuple[int, ...], draw) -> nn.Parameter:
         param = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
@@ -172,8 +206,8 @@ class ExpertsLinear(nn.Module):
         """The stacked checkpoint tensor weight_loader takes: every expert's slice `shard_id` (None: every slice)."""
         rows = sum(self.output_sizes) if shard_id is None else self.output_sizes[shard_id]
         if self.stacked_in_out and not self.packed:
-            return self.num_experts, self._full_columns(param), rows
-        return self.num_experts, rows, self._full_columns(param)
+            return self.num_global_experts, self._full_columns(param), rows
+        return self.num_global_experts, rows, self._full_columns(param)
 
     def _full_columns(self, param: nn.Parameter) -> int:
         """Columns of the whole input in `param`'s units: inputs, MXFP4 code bytes (2 inputs) or scales (32)."""
@@ -182,8 +216,9 @@ class ExpertsLinear(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | int | None
     ) -> None:
-        """shard_id (expert, slice): one expert's (out of the slice, in) tensor, as per-expert checkpoints hold them;
-        None: the stacked tensor of a checkpoint that saves experts fused; an int: every expert's slice, stacked."""
+        """shard_id (expert, slice): one expert's (out of the slice, in) tensor, as per-expert checkpoints hold them
+        (another rank's expert is skipped); None: the stacked tensor of a checkpoint that saves experts fused; an int:
+        every expert's slice, stacked."""
         if not isinstance(shard_id, tuple):
             if loaded.dim() == 4:  # MXFP4 codes as checkpoints store them: (experts, out, blocks, 16 bytes)
                 loaded = loaded.flatten(2)
@@ -205,6 +240,9 @@ class ExpertsLinear(nn.Module):
                 self.weight_loader(param, piece, (expert, slice_id))
             return
         expert, slice_id = shard_id
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_experts:
+            return  # expert parallelism: another rank holds it
         expected = (self.output_sizes[slice_id], self._full_columns(param))
         if tuple(loaded.shape) != expected:
             raise ValueError(f"expert {expert} tensor has shape {tuple(loaded.shape)}, expected {expected}")
@@ -214,7 +252,7 @@ class ExpertsLinear(nn.Module):
         else:
             num_cols = param.shape[2]  # this rank's inputs, in param's units
             shard = loaded.narrow(1, self.tp_rank * num_cols, num_cols)
-        rows = param.data[expert].narrow(0, self.output_offsets_per_rank[slice_id], shard.shape[0])
+        rows = param.data[local].narrow(0, self.output_offsets_per_rank[slice_id], shard.shape[0])
         rows.copy_(shard)
 
     def checkpoint_order(self, stacked: torch.Tensor) -> torch.Tensor:
@@ -227,10 +265,10 @@ class ExpertsLinear(nn.Module):
 
     def bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: None) -> None:
         """The stacked (experts, out) bias; a column-parallel linear keeps its rows of each slice."""
-        expected = (self.num_experts, sum(self.output_sizes))
+        expected = (self.num_global_experts, sum(self.output_sizes))
         if tuple(loaded.shape) != expected:
             raise ValueError(f"stacked experts bias has shape {tuple(loaded.shape)}, expected {expected}")
-        loaded = self.checkpoint_order(loaded)
+        loaded = self.checkpoint_order(loaded.narrow(0, self.first_expert, self.num_experts))
         if self.tp_mode == "column":
             starts = [0, *itertools.accumulate(self.output_sizes)][:-1]
             pieces = [loaded.narrow(1, start + self.tp_rank * size, size)
@@ -270,7 +308,8 @@ class ExpertsLinear(nn.Module):
         return y  # the block reduces once, after the weighted sum
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, in={self.input_size}, out={self.output_sizes}, tp={self.tp_size}"
+        experts = f"{self.first_expert}..{self.first_expert + self.num_experts - 1} of {self.num_global_experts}"
+        return f"experts={experts}, in={self.input_size}, out={self.output_sizes}, tp={self.tp_size}"
 
 
 class MoEExperts(nn.Module):
@@ -295,7 +334,11 @@ class SparseMoeBlock(nn.Module):
         """experts: a family's own (gpt-oss: biased, clamped SwiGLU); None: SiLU-gated experts without biases."""
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.tp_size = current_tp().world_size
+        tp = current_tp()
+        self.tp_size = tp.world_size
+        # expert parallelism: the experts are this rank's share, and rows travel to the rank holding theirs
+        self.dispatcher = (ExpertDispatcher(num_experts, tp.rank, tp.world_size)
+                           if tp.expert_parallel and tp.world_size > 1 else None)  # fmt: skip
         self.gate = RouterLinear(hidden_size, num_experts, bias=router_bias)
         self.experts = experts or MoEExperts(num_experts, hidden_size, intermediate_size)
 
@@ -304,13 +347,36 @@ class SparseMoeBlock(nn.Module):
         return route(self.gate(hidden), self.top_k, self.renormalize)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.routed(hidden), self.tp_size)
+
+    def routed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(tokens, hidden): each token's sum of its experts' weighted outputs, this rank's share of it (under TP
+        each expert's partial output, under expert parallelism this rank's tokens; the caller all-reduces)."""
+        if self.dispatcher is not None:
+            return self._routed_by_expert(hidden)
         weights, ids = self.route(hidden)  # (tokens, top_k) each
         routing = Routing.build(ids, weights, self.num_experts)
-        rows = hidden[routing.token_ids]  # (rows, hidden)
-        out_rows = self.experts(rows, routing)  # (rows, hidden)
-        out_rows = out_rows * routing.row_weights.to(out_rows.dtype)[:, None]
-        out = torch.zeros_like(hidden).index_add_(0, routing.token_ids, out_rows)  # (tokens, hidden)
-        return all_reduce(out, self.tp_size)
+        out_rows = self.expert_outputs(hidden[routing.token_ids], routing)  # (rows, hidden)
+        return torch.zeros_like(hidden).index_add_(0, routing.token_ids, out_rows)  # (tokens, hidden)
+
+    def expert_outputs(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """(rows, hidden): each row's expert output, weighted by its routing weight."""
+        out_rows = self.experts(rows, routing)
+        return out_rows * routing.row_weights.to(out_rows.dtype)[:, None]
+
+    def _routed_by_expert(self, hidden: torch.Tensor) -> torch.Tensor:
+        """routed() under expert parallelism: this rank's tokens routed, their rows run where their experts are."""
+        dispatcher = self.dispatcher
+        start, end = dispatcher.token_range(hidden.shape[0])
+        weights, ids = self.route(hidden[start:end])  # (tokens of this rank, top_k) each
+        received = dispatcher.dispatch(hidden[start:end], weights, ids, start)
+        routing, order = Routing.of_rows(received.expert_ids, received.token_ids, received.row_weights,
+                                         dispatcher.num_local_experts)  # fmt: skip
+        out_rows = torch.empty_like(received.rows)  # (received, hidden), in received order
+        out_rows[order] = self.expert_outputs(received.rows[order], routing)
+        out = torch.zeros_like(hidden)
+        out[start:end] = dispatcher.combine(out_rows, received, end - start)
+        return out
 
 
 class RouterLinear(nn.Module):
@@ -353,11 +419,9 @@ class InputScaledMoeBlock(SparseMoeBlock):
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route_sigmoid(self.gate(hidden), self.top_k)
 
+    def expert_outputs(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
+        # the weights rounded to the activations' dtype first, as the reference rounds them
+        return self.experts(rows * routing.row_weights.to(rows.dtype)[:, None], routing)  # (rows, hidden)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(hidden)  # (tokens, top_k) each
-        routing = Routing.build(ids, weights, self.num_experts)
-        # (rows, hidden); the weights rounded to the activations' dtype first, as the reference rounds them
-        rows = hidden[routing.token_ids] * routing.row_weights.to(hidden.dtype)[:, None]
-        out_rows = self.experts(rows, routing)  # (rows, hidden)
-        routed = torch.zeros_like(hidden).index_add_(0, routing.token_ids, out_rows)  # (tokens, hidden)
-        return self.shared_experts(hidden) + all_reduce(routed, self.tp_size)
+        return self.shared_experts(hidden) + all_reduce(self.routed(hidden), self.tp_size)

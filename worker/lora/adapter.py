@@ -47,6 +47,8 @@ class PoolSpec:
     target_modules: tuple[str, ...]  # HF module names, in TARGET_MODULES order
     dtype: torch.dtype
     device: torch.device  # host copies are pinned when it is a CUDA device (async slot loads)
+    # --enable-expert-parallel: an MoE layer's pool rows hold this rank's experts, whole (worker/layers/moe.py)
+    expert_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,7 @@ def _build(
         host_b = _host_copy(_fold_scale(keep(key_b), module_scale, config), pin, tp_size, transposed=True)
         weights[(layer, module)] = (_host_copy(keep(key_a), pin, tp_size), host_b)
     for (layer, module), (lora_a, lora_b) in expert_pairs.items():
-        lora_a, lora_b = _keep_experts(module, lora_a, lora_b, tp_rank, tp_size)
+        lora_a, lora_b = _keep_experts(module, lora_a, lora_b, tp_rank, tp_size, pool_spec.expert_parallel)
         weights[(layer, module)] = (_host_copy(lora_a, pin, tp_size), _host_copy(lora_b, pin, tp_size, transposed=True))
     vocab_weights = {}
     for module, (key_a, key_b, module_scale) in vocab_pairs.items():  # replicated layers: every rank keeps all of it
@@ -573,12 +575,15 @@ def _keep(key: str, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> torch.T
 
 
 def _keep_experts(
-    module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, tp_rank: int, tp_size: int
+    module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, tp_rank: int, tp_size: int, expert_parallel: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's slices of stacked expert A (experts, r, in) and B (experts, out, r): each expert is cut as the
-    dense module is (column: B's rows; row: A's columns)."""
+    dense module is (column: B's rows; row: A's columns); under expert parallelism, this rank's experts whole."""
     if tp_size == 1:
         return lora_a, lora_b
+    if expert_parallel:
+        num_local = lora_a.shape[0] // tp_size
+        return lora_a.narrow(0, tp_rank * num_local, num_local), lora_b.narrow(0, tp_rank * num_local, num_local)
     if TP_MODES[module] == "column":
         rows = lora_b.shape[1] // tp_size
         return lora_a, lora_b.narrow(1, tp_rank * rows, rows)

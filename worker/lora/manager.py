@@ -25,7 +25,7 @@ from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.lora.latent import LoRALatentKVProj
 from loraplex.worker.lora.layers import LoRABatchInfo, LoRALinear
 from loraplex.worker.lora.pool import LoRABuffers, LoRAPool
-from loraplex.worker.lora.targets import KINDS_OF, full_shapes
+from loraplex.worker.lora.targets import EXPERT_FUSED_LINEARS, KINDS_OF, full_shapes
 from loraplex.worker.lora.upload import uploader_for
 from loraplex.worker.lora.vocab import EMBED, HEAD, LoRAEmbedding, LoRALMHead
 from loraplex.worker.model.config import ModelConfig
@@ -68,6 +68,7 @@ class LoRAManager:
             target_modules=tuple(m for m in config.target_modules if m in full_shapes(model_config)),
             dtype=dtype,
             device=torch.device(device),
+            expert_parallel=config.enable_expert_parallel,
         )
         layers = model.model.layers
         vocab_shapes = {EMBED: (model_config.vocab_size, model_config.hidden_size),
@@ -80,7 +81,7 @@ class LoRAManager:
             parent_name, attr = name.rsplit(".", 1)
             parent = layers[layer_id].get_submodule(parent_name)
             self.base_linears[(layer_id, name)] = getattr(parent, attr)
-            wrapper = LoRAExpertsLinear if buffers.num_experts > 1 else WRAPPERS.get(name, LoRALinear)
+            wrapper = LoRAExpertsLinear if buffers.fused in EXPERT_FUSED_LINEARS else WRAPPERS.get(name, LoRALinear)
             setattr(parent, attr, wrapper(getattr(parent, attr), buffers, self.batch))
         if EMBED in self.pool.vocab:
             model.model.embed_tokens = LoRAEmbedding(model.model.embed_tokens, self.pool.vocab[EMBED], self.batch)
