@@ -16,13 +16,15 @@ from typing import Any
 
 import msgspec
 from loraplex.frontend.adapters.audit import SERVER, Caller
+from loraplex.frontend.adapters.mixes import mix_error, parse_mix
 from loraplex.frontend.adapters.registry import AdapterEntry, AdapterError
+from loraplex.frontend.adapters.strength import item_scales
 from loraplex.frontend.bodies import error_body
 from loraplex.frontend.caller import caller_key_id
 from loraplex.frontend.chat_template import ChatOptions, render_chat
 from loraplex.frontend.constraints import Found, native_constraint
 from loraplex.frontend.errors import InputError, ServerUnavailable
-from loraplex.frontend.params import MAX_SEED, NativeGenerateRequest, NativeSamplingParams, native_sampling
+from loraplex.frontend.params import MAX_SEED, LoRAMixBody, NativeGenerateRequest, NativeSamplingParams, native_sampling
 from loraplex.frontend.request_state import OutputOptions, RequestState
 from loraplex.frontend.request_table import RequestTable
 from loraplex.frontend.runtime import Runtime
@@ -187,12 +189,16 @@ class GenerateService:
         return lambda: limits.refund(key_id, 1, num_prompt_tokens)
 
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
-                     stops: list[str], lora_names: list[str | None], rids: list[str | None],
-                     output: OutputOptions = OutputOptions(), *, priority: int = 0) -> list[RequestState]:
+                     stops: list[str], lora_names: list[str | LoRAMixBody | None], rids: list[str | None],
+                     output: OutputOptions = OutputOptions(), *, priority: int = 0,
+                     lora_scales: list[float | None] | None = None) -> list[RequestState]:
         """Submit every prompt (with its own sampling when given a list), or none if one is refused: every item is
-        checked and holds its adapter before the first is sent."""
+        checked and holds its adapter before the first is sent. lora_names: each item's adapter, or a mix of
+        adapters (a lora_mix object); lora_scales: each item's adapter strength."""
         self.check_up()
         runtime = self.runtime
+        scales = item_scales(lora_scales or [None] * len(prompts), lora_names)
+        lora_names = [await self._mix_name(item) if isinstance(item, LoRAMixBody) else item for item in lora_names]
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         rids = [rid or uuid.uuid4().hex for rid in rids]
         for k, (prompt, one_sampling, rid) in enumerate(zip(prompts, samplings, rids, strict=False)):
@@ -209,14 +215,20 @@ class GenerateService:
             state.key_id = key_id
             self.requests.add(state)
         try:
-            for state in states:
+            for state, scale in zip(states, scales, strict=True):
                 await runtime.replicas.send(state.dp_rank, TokenizedGenerateReq(
                     rid=state.rid, input_ids=state.prompt_ids, sampling=state.sampling, lora_id=state.lora_id,
-                    priority=priority, key_id=key_id))
+                    lora_scale=scale, priority=priority, key_id=key_id))
         except BaseException:
             await self.finish(states)
             raise
         return states
+
+    async def _mix_name(self, raw: LoRAMixBody) -> str:
+        """The adapter serving a lora_mix object (computed and loaded on its first use)."""
+        if not self.runtime.config.lora_enabled:
+            raise mix_error("LoRA is not enabled (start with --enable-lora)")
+        return await self.runtime.adapters.mixes.resolve(parse_mix(msgspec.to_builtins(raw)))
 
     async def _hold_adapters(self, lora_names: list[str | None], rids: list[str]) -> list[AdapterEntry | None]:
         """Each item's hold on its adapter (one per item), then the server checked once more: a process may have
@@ -268,13 +280,16 @@ class GenerateService:
                                           runtime.ready.vocab_size if runtime.ready else None)
         [sampling] = await self.constrain([sampling], native_constraint(params))
         lora_names = _per_item(body.lora_path, len(prompts), batched, "lora_path")
+        lora_scales = _per_item(body.lora_scale, len(prompts), batched, "lora_scale")
         rids = _per_item(body.rid, len(prompts), batched, "rid")
         if params.n > 1:
             rids = [None if rid is None else f"{rid}-{k}" for rid in rids for k in range(params.n)]
             prompts, lora_names = _repeat_n(prompts, params.n), _repeat_n(lora_names, params.n)
+            lora_scales = _repeat_n(lora_scales, params.n)
         samplings = n_samplings(sampling, params.n) * (len(prompts) // params.n)
         output = OutputOptions(skip_special_tokens=params.skip_special_tokens, keep_stop=params.no_stop_trim)
-        states = await self.submit(prompts, samplings, stops, lora_names, rids, output, priority=body.priority)
+        states = await self.submit(prompts, samplings, stops, lora_names, rids, output, priority=body.priority,
+                                   lora_scales=lora_scales)
         for state in states:
             state.return_text_in_logprobs = body.return_text_in_logprobs
         return states

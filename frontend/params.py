@@ -37,6 +37,7 @@ LogitBiasValue = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0, description=
 LogitBias = dict[str, LogitBiasValue]
 LogprobStart = Annotated[int, msgspec.Meta(ge=-1, le=MAX_INT64, description="-1 = output logprobs only")]
 # The OS cannot take a NUL byte in a path: refused here, before any file call raises on it.
+LoRAScale = Annotated[float, msgspec.Meta(description="the adapter's strength: its term times this, in [0, 4]")]
 AdapterPath = Annotated[str, msgspec.Meta(pattern=r"^[^\x00]*$", description="a directory holding a PEFT adapter")]
 
 
@@ -71,11 +72,21 @@ class NativeSamplingParams(Strict, kw_only=True):
     logit_bias: LogitBias | None = None
 
 
+class LoRAMixBody(Strict, kw_only=True):
+    """A weighted mix of loaded adapters (frontend/adapters/mixes.py checks the values)."""
+
+    adapters: dict[str, float]  # adapter name -> weight
+    merge: str = "linear"  # linear | ties | dare_linear
+    density: float | None = None  # ties, dare_linear: the share of each tensor kept, in (0, 1]
+    seed: int = 0  # dare_linear: the seed of its random masks
+
+
 class NativeGenerateRequest(Strict, kw_only=True):
     text: str | list[str] | None = None
     input_ids: list[TokenId | list[TokenId]] | None = None  # one prompt, or a batch of prompts
     sampling_params: NativeSamplingParams | None = None
-    lora_path: str | list[str | None] | None = None
+    lora_path: str | LoRAMixBody | list[str | LoRAMixBody | None] | None = None  # an adapter's name, or a mix
+    lora_scale: LoRAScale | list[LoRAScale | None] | None = None  # the adapter's strength, per item for a batch
     stream: bool = False
     rid: str | list[str] | None = None
     return_logprob: bool = False

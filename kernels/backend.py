@@ -17,6 +17,7 @@ the host or inspects one to decide what to run.
 
 from __future__ import annotations
 
+import array
 import logging
 import os
 from collections.abc import Sequence
@@ -65,6 +66,9 @@ class LoRABatchMeta:
     seg_slots: torch.Tensor  # (segments,) int32 on the device
     num_tokens: int
     plan: Any  # the backend's own: lora_torch's plan, or the Triton row-tile sizes
+    # (tokens,) float32 on the device: each row's request strength (lora_scale), multiplied into its adapter's term
+    # beside the slot's scaling; None: every row's is 1
+    row_scales: torch.Tensor | None = None
 
 
 class LoRABackend:
@@ -77,19 +81,26 @@ class LoRABackend:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
 
-    def prepare(self, seg_indptr: list[int], seg_slots: list[int]) -> LoRABatchMeta:
-        """The batch's segment metadata on the device, and the backend's plan, once per forward pass."""
+    def prepare(
+        self, seg_indptr: list[int], seg_slots: list[int], row_scales: Sequence[float] | None = None
+    ) -> LoRABatchMeta:
+        """The batch's segment metadata on the device, and the backend's plan, once per forward pass; row_scales:
+        each row's strength (None: all 1)."""
         num_segments = len(seg_slots)
-        # One copy for both vectors. seg_slots starts 16 bytes in (Triton specializes kernels on pointer alignment, so
-        # an unaligned start would be a variant of its own).
+        # One copy for every vector. seg_slots starts 16 bytes in (Triton specializes kernels on pointer alignment, so
+        # an unaligned start would be a variant of its own); the row scales follow as float32 bit patterns.
         offset = triton.cdiv(num_segments + 1, 4) * 4
         values = seg_indptr + [0] * (offset - num_segments - 1) + seg_slots
+        scales_at = triton.cdiv(len(values), 4) * 4
+        if row_scales is not None:
+            values += [0] * (scales_at - len(values)) + list(array.array("i", array.array("f", row_scales).tobytes()))
         packed = torch.tensor(values, dtype=torch.int32, device=self.device)
         return LoRABatchMeta(
             seg_indptr=packed[: num_segments + 1],
-            seg_slots=packed[offset:],
+            seg_slots=packed[offset : offset + num_segments],
             num_tokens=seg_indptr[-1],
             plan=self.plan(seg_indptr, seg_slots),
+            row_scales=None if row_scales is None else packed[scales_at:].view(torch.float32),
         )
 
     def plan(self, seg_indptr: list[int], seg_slots: list[int]) -> Any:
@@ -124,6 +135,8 @@ class TorchBackend(LoRABackend):
         )
 
     def expand(self, y: torch.Tensor, h: torch.Tensor, w: LoRAWeights, meta: LoRABatchMeta) -> None:
+        if meta.row_scales is not None:
+            h = h * meta.row_scales.to(h.dtype)[:, None]  # (tokens, num_slices * max_rank)
         lora_torch.expand_planned(
             y, h, w.lora_b, w.slot_ranks, w.slot_scales, w.row_offsets, meta.plan, w.host_ranks, w.host_scales,
             self.compiled,
@@ -141,6 +154,9 @@ class CPUKernelsBackend(TorchBackend):
         self.compiled = self.cpu_kernels = compiled
 
     def shrink_expand(self, y: torch.Tensor, x: torch.Tensor, w: LoRAWeights, meta: LoRABatchMeta) -> None:
+        if meta.row_scales is not None:  # the row scales go onto h between the compiled shrink and expand
+            super().shrink_expand(y, x, w, meta)
+            return
         lora_torch.shrink_expand_compiled(
             y, x, w.lora_a, w.lora_b, w.slot_ranks, w.slot_scales, w.slice_offsets, w.row_offsets, meta.plan,
             w.host_ranks, w.host_scales, self.compiled,
@@ -169,7 +185,7 @@ class TritonBackend(LoRABackend):
     def _expand(self, y: torch.Tensor, h_splits: torch.Tensor, w: LoRAWeights, meta: LoRABatchMeta) -> None:
         launch_expand(
             y, h_splits, w.lora_b, meta.seg_indptr, meta.seg_slots, w.slot_ranks, w.slot_scales, w.slice_offsets,
-            meta.plan, column_alignment(w.row_offsets),
+            meta.plan, column_alignment(w.row_offsets), meta.row_scales,
         )  # fmt: skip
 
     @torch.inference_mode()

@@ -81,10 +81,12 @@ def check_expand_args(
     slot_ranks: torch.Tensor,
     slot_scales: torch.Tensor,
     slice_offsets: torch.Tensor,
+    row_scales: torch.Tensor | None = None,
     *,
     float32_h: bool = False,
 ) -> int:
-    """float32_h: h may also be float32 (the Triton shrink's split-K planes, which the expand rounds as it reads)."""
+    """float32_h: h may also be float32 (the Triton shrink's split-K planes, which the expand rounds as it reads);
+    row_scales: None, or (tokens,) float32."""
     op = "lora_expand"
     _check_matrix(op, "y", y, 2, y.device)
     _check_matrix(op, "h", h, 2, y.device)
@@ -114,4 +116,8 @@ def check_expand_args(
         raise ValueError(
             f"{op}: slot_scales must have num_slots = {lora_b.shape[0]} entries, got {slot_scales.shape[0]}"
         )
+    if row_scales is not None:
+        _check_vector(op, "row_scales", row_scales, torch.float32, y.device)
+        if row_scales.shape[0] != y.shape[0]:
+            raise ValueError(f"{op}: row_scales must have one entry per row of y ({y.shape[0]}), got {len(row_scales)}")
     return max_rank

@@ -22,6 +22,7 @@ def _expand_kernel(
     slot_ranks_ptr,
     slot_scales_ptr,
     slice_offsets_ptr,
+    row_scales_ptr,
     num_segments,
     max_rank,
     num_splits,
@@ -36,6 +37,7 @@ def _expand_kernel(
     SEG_BLOCK: tl.constexpr,
     COL_ALIGN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_ROW_SCALES: tl.constexpr,
 ):
     # grid: (row tile, slice, out block within the slice); out blocks start at the slice start,
     # so none straddles two slices, and blocks past a narrow slice's end exit at once.
@@ -77,6 +79,8 @@ def _expand_kernel(
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]  # (BM, BN)
     y_mask = row_mask[:, None] & col_mask[None, :]
     y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    if HAS_ROW_SCALES:  # each row's request strength (lora_scale)
+        acc *= tl.load(row_scales_ptr + rows, mask=row_mask, other=0.0)[:, None]
     tl.store(y_ptrs, (y_tile + scale * acc).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
@@ -89,13 +93,15 @@ def lora_expand_triton(
     slot_ranks: torch.Tensor,
     slot_scales: torch.Tensor,
     slice_offsets: torch.Tensor,
+    row_scales: torch.Tensor | None = None,
 ) -> None:
-    check_expand_args(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets)
+    check_expand_args(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets, row_scales)
     tiles = plan_tiles(y.shape[0], seg_slots.shape[0])
     col_align = column_alignment(slice_offsets.tolist())
     launch_expand(
-        y, h.unsqueeze(0), lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets, tiles, col_align
-    )
+        y, h.unsqueeze(0), lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets, tiles, col_align,
+        row_scales,
+    )  # fmt: skip
 
 
 def column_alignment(col_bounds: Sequence[int]) -> int:
@@ -114,10 +120,12 @@ def launch_expand(
     slice_offsets: torch.Tensor,
     tiles: tuple[int, int, int],
     col_align: int,
+    row_scales: torch.Tensor | None = None,
 ) -> None:
     """The launch alone, on checked arguments and a row-tile plan (plan_tiles) made once per batch. h_splits:
     (splits, tokens, num_slices * max_rank), summed over splits (lora_shrink.shrink_output's planes, or one h);
-    col_align: column_alignment of the slice bounds."""
+    col_align: column_alignment of the slice bounds; row_scales: (tokens,) float32 multiplied into each row's term
+    (None: all 1)."""
     num_tokens, out_dim = y.shape
     max_rank = lora_b.shape[1]
     num_segments = seg_slots.shape[0]
@@ -138,6 +146,7 @@ def launch_expand(
             slot_ranks,
             slot_scales,
             slice_offsets,
+            slot_scales if row_scales is None else row_scales,  # not read without HAS_ROW_SCALES
             num_segments,
             max_rank,
             h_splits.shape[0],
@@ -152,4 +161,5 @@ def launch_expand(
             SEG_BLOCK=seg_block,
             COL_ALIGN=col_align,
             DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
+            HAS_ROW_SCALES=row_scales is not None,
         )

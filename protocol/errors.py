@@ -25,6 +25,8 @@ STATUS_BY_KIND: dict[str, tuple[int, int]] = {
     "unavailable": (503, 503),  # starting, stopping, or a process died
     "unsupported": (501, 501),  # a feature this server cannot serve (structured output without xgrammar importable)
     "internal": (500, 500),  # a server fault
+    "invalid_lora_scale": (400, 400),  # a request's lora_scale outside [0, 4], or given without an adapter
+    "invalid_lora_mix": (400, 400),  # a request's lora_mix: unknown adapters, different targets, too many, bad weights
 }
 
 ADAPTER_ERROR_KINDS = frozenset(STATUS_BY_KIND)

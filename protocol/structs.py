@@ -117,7 +117,8 @@ class GenerateReqInput(Struct, frozen=True):
     text: str | list[str] | None = None
     input_ids: list[int | list[int]] | None = None  # one prompt, or a batch of prompts
     sampling_params: dict | None = None
-    lora_path: str | list[str | None] | None = None
+    lora_path: str | dict | list[str | dict | None] | None = None  # an adapter's name, or a lora_mix object
+    lora_scale: float | list[float | None] | None = None  # the adapter's strength, per item for a batch (None: 1)
     rid: str | list[str] | None = None
     stream: bool = False  # RPC: GenerateReqOutput chunks with finished=False, then one with finished=True
     return_logprob: bool | None = None
@@ -198,6 +199,7 @@ class TokenizedGenerateReq(Struct, frozen=True):
     input_ids: list[int]
     sampling: SamplingParams
     lora_id: int | None = None  # None = base model
+    lora_scale: float = 1.0  # the adapter's strength for this request, in [0, 4] (1 with no adapter)
     priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's); fcfs ignores it
     key_id: str | None = None  # the API key it came with, by id: fair sharing counts per (key, adapter)
 
@@ -386,6 +388,7 @@ class ForwardReq(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     # its last included), the slot's states are copied into the snapshot.
     restore_snapshot: int = -1
     snapshot_saves: list[tuple[int, int]] = []
+    lora_scale: float = 1.0  # the request's strength: multiplies its adapter's term (the slot's scaling too)
 
 
 class SlotLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

@@ -2,8 +2,9 @@
 that computed them.
 
 A page's key is a chain digest over its adapter namespace and every token from the prompt's start to the page's end
-(`page_keys`), so a key names one exact prefix computed by one adapter: base requests have their own namespace, and an
-in-place reload mints a new adapter id, hence a new namespace. Only full pages whose keys and values the workers have
+(`page_keys`), so a key names one exact prefix computed by one adapter at one strength: base requests have their own
+namespace, an in-place reload mints a new adapter id, hence a new namespace, and a request strength (lora_scale) other
+than 1 starts the chain apart from the adapter's own. Only full pages whose keys and values the workers have
 written are cached; a request always computes at least its last token itself, so it never writes into a shared page.
 
 Every page is either free (the allocator's), private (one request's, not cached) or cached. A cached page counts the
@@ -20,6 +21,7 @@ new one takes the snapshot of the least recently used evictable page that has on
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -30,10 +32,13 @@ BASE_NAMESPACE = -1  # the base model's requests (adapters use their lora_id, wh
 
 
 def page_keys(namespace: int, token_ids: Sequence[int], page_size: int, num_pages: int,
-              known: Sequence[bytes] = ()) -> list[bytes]:
-    """Keys of the first num_pages full pages of token_ids; `known` are the first keys, already computed."""
+              known: Sequence[bytes] = (), lora_scale: float = 1.0) -> list[bytes]:
+    """Keys of the first num_pages full pages of token_ids; `known` are the first keys, already computed. A request
+    strength (lora_scale) other than 1 is part of the chain's start: its pages are another adapter's."""
     keys = list(known[:num_pages])
     previous = keys[-1] if keys else namespace.to_bytes(8, "little", signed=True)
+    if not keys and lora_scale != 1.0:
+        previous += struct.pack("<d", lora_scale)
     for i in range(len(keys), num_pages):
         page = token_ids[i * page_size : (i + 1) * page_size]
         digest = hashlib.blake2b(previous, digest_size=16)

@@ -25,6 +25,7 @@ class Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     lora_id: int | None = None  # None = base model
+    lora_scale: float = 1.0  # its adapter's strength (part of its prefix-cache keys when not 1)
     arrival: int = 0  # order of arrival: the queue's order, and preemption takes the newest first
     priority: int = 0  # --scheduling-policy priority: lower runs first
     key_id: str | None = None  # the API key it came with (fair sharing counts per key and adapter)
@@ -59,7 +60,7 @@ class Request:
     @classmethod
     def from_req(cls, req: TokenizedGenerateReq, arrival: int) -> Request:
         return cls(rid=req.rid, prompt_ids=list(req.input_ids), sampling=req.sampling, lora_id=req.lora_id,
-                   arrival=arrival, priority=req.priority, key_id=req.key_id)
+                   lora_scale=req.lora_scale, arrival=arrival, priority=req.priority, key_id=req.key_id)
 
     @property
     def client(self) -> tuple[str | None, int | None]:

@@ -349,7 +349,8 @@ class Scheduler:
     def _keys(self, req: Request) -> list[bytes]:
         num_full = req.num_tokens // self.page_size
         if len(req.page_keys) < num_full:
-            req.page_keys = page_keys(self._namespace(req), req.token_ids, self.page_size, num_full, req.page_keys)
+            req.page_keys = page_keys(self._namespace(req), req.token_ids, self.page_size, num_full, req.page_keys,
+                                      req.lora_scale)  # fmt: skip
         return req.page_keys
 
     def _reserve(self) -> int:
@@ -447,6 +448,7 @@ class Scheduler:
             sampling=req.sampling if sends_state else None,
             num_generated=len(req.output_ids) + req.num_pending_samples,
             slot=req.slot,
+            lora_scale=req.lora_scale,
             prev_row=prev_row,
             req_key=req.arrival,
             history_ids=history_ids,

@@ -63,8 +63,11 @@ def lora_expand_torch(
     slot_ranks: torch.Tensor,
     slot_scales: torch.Tensor,
     slice_offsets: torch.Tensor,
+    row_scales: torch.Tensor | None = None,
 ) -> None:
-    check_expand_args(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets)
+    check_expand_args(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets, row_scales)
+    if row_scales is not None:
+        h = h * row_scales.to(h.dtype)[:, None]
     compiled = _compiled_for(y)
     plan = _plan(seg_indptr, seg_slots, compiled is not None)
     expand_planned(y, h, lora_b, slot_ranks, slot_scales, slice_offsets.tolist(), plan, None, None, compiled)
@@ -80,13 +83,15 @@ def lora_shrink_expand_torch(
     slot_ranks: torch.Tensor,
     slot_scales: torch.Tensor,
     slice_offsets: torch.Tensor,
+    row_scales: torch.Tensor | None = None,
 ) -> None:
-    """y += each row's expand of its shrink. With the compiled kernels, the short segments' rows take one call for
-    both (which checks its arguments itself) and each long segment its own matmuls; otherwise shrink then expand."""
+    """y += each row's expand of its shrink (times its row scale). With the compiled kernels and no row scales, the
+    short segments' rows take one call for both (which checks its arguments itself) and each long segment its own
+    matmuls; otherwise shrink then expand."""
     compiled = _compiled_for(x)
-    if compiled is None or y.dtype != x.dtype:
+    if compiled is None or y.dtype != x.dtype or row_scales is not None:
         h = lora_shrink_torch(x, lora_a, seg_indptr, seg_slots, slot_ranks, slice_offsets.shape[0] - 1)
-        lora_expand_torch(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets)
+        lora_expand_torch(y, h, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets, row_scales)
         return
     plan = _plan(seg_indptr, seg_slots, compiled=True)
     shrink_expand_compiled(y, x, lora_a, lora_b, slot_ranks, slot_scales, slice_offsets, None, plan, None, None,
@@ -106,6 +111,7 @@ def lora_shrink_expand_triton(
     slot_ranks: torch.Tensor,
     slot_scales: torch.Tensor,
     slice_offsets: torch.Tensor,
+    row_scales: torch.Tensor | None = None,
 ) -> None:
     """y += the expand of the shrink, as the Triton backend runs it: two launches, no fill, split-K planes summed by the
     expand (checked and planned from the tensors here: host reads the backend does not make)."""
@@ -113,12 +119,13 @@ def lora_shrink_expand_triton(
     check_shrink_args(x, lora_a, seg_indptr, seg_slots, slot_ranks, num_slices)
     h_splits = shrink_output(x, lora_a)
     check_expand_args(
-        y, h_splits[0], lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets, float32_h=True
-    )
+        y, h_splits[0], lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets, row_scales,
+        float32_h=True,
+    )  # fmt: skip
     tiles = plan_tiles(x.shape[0], seg_slots.shape[0])
     launch_shrink(x, lora_a, h_splits, seg_indptr, seg_slots, slot_ranks, num_slices, tiles)
     launch_expand(y, h_splits, lora_b, seg_indptr, seg_slots, slot_ranks, slot_scales, slice_offsets, tiles,
-                  column_alignment(slice_offsets.tolist()))  # fmt: skip
+                  column_alignment(slice_offsets.tolist()), row_scales)  # fmt: skip
 
 
 # ---- paged attention ------------------------------------------------------------------------------------------------

@@ -39,12 +39,15 @@ def slot_of(name: str | None) -> int:
     return -1 if name is None else SLOTS[name]
 
 
-def batch_logits(runner: ModelRunner, prompts: list[list[int]], names: list[str | None]) -> list[torch.Tensor]:
-    """Prefill all prompts in one batch (loading the slots first); each request's (len, vocab) logits."""
+def batch_logits(
+    runner: ModelRunner, prompts: list[list[int]], names: list[str | None], scales: list[float] | None = None
+) -> list[torch.Tensor]:
+    """Prefill all prompts in one batch (loading the slots first), each at its adapter strength (default 1); each
+    request's (len, vocab) logits."""
     pages = consecutive_pages([len(p) for p in prompts], runner.page_size)
     reqs = [
-        ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=slot_of(name))
-        for p, pg, name in zip(prompts, pages, names, strict=True)
+        ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=slot_of(name), lora_scale=s)
+        for p, pg, name, s in zip(prompts, pages, names, scales or [1.0] * len(prompts), strict=True)
     ]
     logits = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=slot_loads(names)))
     return list(logits.split([len(p) for p in prompts]))

@@ -121,3 +121,30 @@ def assert_mixed_batch_equals_peft(server: ServerProcess, model_dir: Path, adapt
         assert num_compared >= max_new_tokens * len(SHARED_PREFIX_PROMPTS) // 2  # most steps had a clear margin
     # The second round (and the batch's later rows with one adapter) found their prefix in the cache.
     assert server.get("/server_info").json()["prefix_cache_hit_tokens"] > 0
+
+
+def peft_mix(model_dir: str | Path, adapter_dirs: dict[str, Path], weights: list[float], combination_type: str,
+             density: float | None = None, seed: int = 0):
+    """HF + peft (fp32) with add_weighted_adapter's combination of the adapters active, as adapter "mix": loraplex's
+    linear mix is PEFT's "cat". Torch's global generator is seeded with `seed` as the combination begins (after
+    add_weighted_adapter has drawn the new adapter's initial weights): dare_linear's masks come from there."""
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    names = list(adapter_dirs)
+    model = PeftModel.from_pretrained(base, str(adapter_dirs[names[0]]), adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(str(adapter_dirs[name]), adapter_name=name)
+    combine = model.base_model._generalized_task_arithmetic_weighted_adapter
+    calls = []
+
+    def seeded_first(*args, **kwargs):
+        if not calls:
+            torch.manual_seed(seed)
+        calls.append(1)
+        return combine(*args, **kwargs)
+
+    model.base_model._generalized_task_arithmetic_weighted_adapter = seeded_first
+    model.add_weighted_adapter(names, weights, "mix", combination_type=combination_type, density=density)
+    model.set_adapter("mix")
+    return model.eval()

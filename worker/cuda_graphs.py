@@ -94,7 +94,8 @@ class DecodeGraphRunner:
                         time.perf_counter() - start)  # fmt: skip
 
     def can_run(self, reqs: Sequence[ForwardReq]) -> bool:
-        return len(reqs) <= self.sizes[-1] and all(len(req.input_ids) == 1 for req in reqs)
+        # a batch with request strengths (lora_scale) other than 1 runs eagerly: the graphs hold no row scales
+        return len(reqs) <= self.sizes[-1] and all(len(req.input_ids) == 1 and req.lora_scale == 1.0 for req in reqs)
 
     def logits(self, reqs: list[ForwardReq]) -> torch.Tensor:
         """(reqs, vocab) logits of a batch of decodes; a view of the graph's output, valid until the next call."""

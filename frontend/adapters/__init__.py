@@ -10,4 +10,7 @@ sources.py     Hub and S3 adapter paths, the download cache, the resolver's remo
 audit.py       AuditLog: every adapter operation and refusal, who asked and how it ended
 state_file.py  AdapterStateFile: --lora-state-file, atomic rewrite, restore
 files.py       a start-up adapter's config; a directory as tensor frames (node 0); torch tensors as specs and frames
+strength.py    a request's adapter strength (lora_scale): checked per item
+mixes.py       AdapterMixes: a request's lora_mix checked, computed once and loaded as an adapter of its own
+mix_merge.py   a mix's PEFT tensors from its adapters' (linear: stacked ranks; PEFT's ties and dare_linear)
 """

@@ -40,6 +40,13 @@ def read_adapter_dir(path: str, root: str | None,
     """A PEFT directory as its config and raw tensor buffers: how node 0 sends a directory load to ranks on other
     nodes (--nnodes > 1). Every file is opened inside `root` and checked on the open file, as a worker does; the
     config is sent as it is and parsed by each rank. AdapterLoadError says what is wrong."""
+    config, tensors = read_adapter_tensors(path, root, lora_name)
+    return config, *encode_tensors(tensors)
+
+
+def read_adapter_tensors(path: str, root: str | None, lora_name: str = "") -> tuple[dict, dict[str, Any]]:
+    """A PEFT directory's config (as written) and its torch tensors by key, every file opened inside `root`;
+    AdapterLoadError says what is wrong."""
     import torch
     from safetensors.torch import load_file
 
@@ -58,7 +65,7 @@ def read_adapter_dir(path: str, root: str | None,
         raise AdapterLoadError(f"cannot read the adapter weights in {path!r}: {type(e).__name__}: {e}") from e
     if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
         raise AdapterLoadError(f"{weights_path!r} does not hold a dict of tensors")
-    return config, *encode_tensors(tensors)
+    return config, tensors
 
 
 def cut_per_rank(specs: list[TensorSpec], buffers: list, tp_size: int) -> list[list[memoryview]]:

@@ -18,6 +18,7 @@ from collections.abc import Collection
 import msgspec
 from loraplex.frontend.adapters.audit import SERVER, AuditLog, Caller
 from loraplex.frontend.adapters.delivery import AdapterDelivery, Shipment
+from loraplex.frontend.adapters.mixes import AdapterMixes
 from loraplex.frontend.adapters.registry import AdapterEntry, AdapterError, AdapterRegistry
 from loraplex.frontend.adapters.residency import HostResidency
 from loraplex.frontend.adapters.sources import SourceError, cache_for, parse_remote, resolver_source
@@ -34,6 +35,7 @@ from loraplex.protocol.structs import (
     LoadLoRAAdapterReqOutput,
     LoRAAdapterResult,
     LoRAAdapterSpec,
+    TensorSpec,
     UnloadLoRAAdapterReqOutput,
 )
 
@@ -62,6 +64,7 @@ class AdapterManager:
                                        self._resolve)
         self.updates_refusal: tuple[str, str] | None = None  # (message, kind) once updates are closed after start-up
         self._retiring: set[asyncio.Task] = set()
+        self.mixes = AdapterMixes(self)
 
     # ---- the public operations ---------------------------------------------------------------------------
 
@@ -73,7 +76,9 @@ class AdapterManager:
         with self.audit.operation("reload" if load_inplace else "load", names, paths, caller) as op:
             out = await self._load(specs, [None] * len(specs), None, load_inplace, parents or {})
             op.set_outcome(out.results)
-            return out
+        if load_inplace:
+            await self.mixes.drop_using({r.lora_name for r in out.results if r.success})
+        return out
 
     async def load_from_tensors(self, request: LoadLoRAAdapterFromTensorsReqInput, buffers: list,
                                 caller: Caller = SERVER) -> LoadLoRAAdapterReqOutput:
@@ -88,12 +93,30 @@ class AdapterManager:
             inline = InlineAdapter(config=request.config_dict, tensors=request.tensors)
             out = await self._load([spec], [inline], list(buffers), request.load_inplace, {})
             op.set_outcome(out.results)
-            return out
+        if request.load_inplace and out.success:
+            await self.mixes.drop_using({request.lora_name})
+        return out
+
+    async def load_mix(self, name: str, config: dict, tensors: list[TensorSpec], buffers: list) -> LoRAAdapterResult:
+        """A request's mix (mixes.py) as an adapter from tensors. A mix is part of a request, so it loads whether or
+        not run-time adapter updates are open."""
+        spec = LoRAAdapterSpec(lora_name=name, lora_path="", pinned=False)
+        inline = InlineAdapter(config=config, tensors=tensors)
+        out = await self._load([spec], [inline], list(buffers), False, {}, check_updates=False)
+        return out.results[0]
+
+    async def unload_mixes(self, names: list[str]) -> None:
+        out = await self._unload(names, check_updates=False)
+        for result in out.results:
+            if not result.success:
+                logger.warning("mix %s stays loaded: %s", result.lora_name, result.error_message)
 
     async def _load(self, specs: list[LoRAAdapterSpec], inline: list[InlineAdapter | None], frames: list | None,
-                    load_inplace: bool, parents: dict[str, str]) -> LoadLoRAAdapterReqOutput:
+                    load_inplace: bool, parents: dict[str, str], check_updates: bool = True,
+                    ) -> LoadLoRAAdapterReqOutput:  # fmt: skip
         """frames: the tensor bytes of the one inline adapter (load_from_tensors), or None."""
-        self._check_updates_open()
+        if check_updates:
+            self._check_updates_open()
         if not self.config.lora_enabled:
             results = [_failed(s.lora_name, "LoRA is not enabled (start with --enable-lora)", "invalid") for s in specs]
             return _merge(LoadLoRAAdapterReqOutput, results, {})
@@ -152,10 +175,12 @@ class AdapterManager:
         with self.audit.operation("unload", names, paths, caller) as op:
             out = await self._unload(names)
             op.set_outcome(out.results)
-            return out
+        await self.mixes.drop_using({r.lora_name for r in out.results if r.success})
+        return out
 
-    async def _unload(self, names: list[str]) -> UnloadLoRAAdapterReqOutput:
-        self._check_updates_open()
+    async def _unload(self, names: list[str], check_updates: bool = True) -> UnloadLoRAAdapterReqOutput:
+        if check_updates:
+            self._check_updates_open()
         results: list[LoRAAdapterResult | None] = [None] * len(names)
         draining: list[tuple[int, AdapterEntry]] = []
         async with self.registry.update_lock:

@@ -59,12 +59,13 @@ class Engine:
 
     @staticmethod
     def _body(prompt: str | list[str] | None, sampling_params: dict | None, lora_path: Any,
-              input_ids: Any, rid: Any, stream: bool, logprob_options: dict) -> NativeGenerateRequest:
+              input_ids: Any, rid: Any, stream: bool, logprob_options: dict,
+              lora_scale: Any = None) -> NativeGenerateRequest:  # fmt: skip
         unknown = set(logprob_options) - LOGPROB_OPTIONS
         if unknown:
             raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
         raw = {"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params, "lora_path": lora_path,
-               "rid": rid, "stream": stream, **logprob_options}
+               "lora_scale": lora_scale, "rid": rid, "stream": stream, **logprob_options}
         return convert({k: v for k, v in raw.items() if v is not None}, NativeGenerateRequest, "generate request")
 
     async def _generate(self, body: NativeGenerateRequest) -> dict | list[dict]:
@@ -95,11 +96,11 @@ class Engine:
             sink(_END)
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | None = None,
-                 lora_path: Any = None, *, input_ids: Any = None, rid: Any = None,
+                 lora_path: Any = None, *, input_ids: Any = None, rid: Any = None, lora_scale: Any = None,
                  stream: bool = False, **logprob_options: Any) -> dict | list[dict] | Iterator[dict]:
-        """logprob_options: return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs, as
-        /generate takes them."""
-        body = self._body(prompt, sampling_params, lora_path, input_ids, rid, stream, logprob_options)
+        """lora_path and lora_scale as /generate takes them (an adapter name or a lora_mix dict; its strength);
+        logprob_options: return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs."""
+        body = self._body(prompt, sampling_params, lora_path, input_ids, rid, stream, logprob_options, lora_scale)
         if not stream:
             return self._run(self._generate(body))
         return self._sync_stream(body)
@@ -117,8 +118,9 @@ class Engine:
 
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | None = None,
                              lora_path: Any = None, *, input_ids: Any = None, rid: Any = None,
-                             stream: bool = False, **logprob_options: Any) -> dict | list[dict] | AsyncIterator[dict]:
-        body = self._body(prompt, sampling_params, lora_path, input_ids, rid, stream, logprob_options)
+                             lora_scale: Any = None, stream: bool = False,
+                             **logprob_options: Any) -> dict | list[dict] | AsyncIterator[dict]:  # fmt: skip
+        body = self._body(prompt, sampling_params, lora_path, input_ids, rid, stream, logprob_options, lora_scale)
         if not stream:
             return await self._await(self._generate(body))
         return self.async_iterate(lambda _: self._chunks(body))

@@ -104,8 +104,8 @@ class RpcClient:
     def generate(self, text: str | list[str] | None = None, sampling_params: dict | None = None,
                  lora_path: Any = None, input_ids: Any = None, rid: str | list[str] | None = None,
                  **logprob_options: Any) -> list[dict]:
-        """logprob_options: return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs (the
-        GenerateReqInput fields, as /generate takes them)."""
+        """logprob_options: return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs, lora_scale
+        (the GenerateReqInput fields, as /generate takes them); lora_path: an adapter name or a lora_mix dict."""
         req = GenerateReqInput(text=text, input_ids=input_ids, sampling_params=sampling_params, lora_path=lora_path,
                                rid=rid, **logprob_options)
         result: GenerateReqOutput = self.call(req)

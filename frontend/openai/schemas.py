@@ -16,6 +16,8 @@ from loraplex.frontend.params import (
     AdapterPath,
     Int64,
     LogitBias,
+    LoRAMixBody,
+    LoRAScale,
     MinP,
     Penalty,
     RepetitionPenalty,
@@ -80,6 +82,9 @@ class CommonParams(Strict, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0  # vLLM's: --scheduling-policy priority runs lower first; fcfs ignores it
+    lora_scale: LoRAScale | None = None  # the strength of the adapter `model` names, or of lora_mix (None: 1)
+    # a weighted mix of loaded adapters, served for `model` the base (frontend/adapters/mixes.py checks it)
+    lora_mix: LoRAMixBody | None = None
     # vLLM's logit controls (frontend/params.py logit_controls)
     logit_bias: LogitBias | None = None
     allowed_token_ids: list[TokenId] | None = None

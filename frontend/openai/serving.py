@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from loraplex.frontend.adapters.mixes import mix_error
 from loraplex.frontend.bodies import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -30,6 +31,7 @@ from loraplex.frontend.openai.schemas import (
 from loraplex.frontend.openai.writers import ChatWriter, CompletionWriter
 from loraplex.frontend.params import (
     MAX_N,
+    LoRAMixBody,
     logit_controls,
     make_sampling,
     stop_list,
@@ -170,6 +172,11 @@ async def start_openai(
     the output). reasoning: the constraint starts after the reasoning."""
     runtime = service.runtime
     lora_name, served_by = await service.resolve_model(req.model)
+    adapter: str | LoRAMixBody | None = lora_name
+    if req.lora_mix is not None:
+        if lora_name is not None:
+            raise mix_error(f"lora_mix is served on the base model: `model` names the adapter {lora_name!r}")
+        adapter = req.lora_mix
     jobs: list[tuple[list[int], Any]] = []
     found = found or openai_constraint(req)
     if tools is not None and tools.constraint is not None:
@@ -189,8 +196,8 @@ async def start_openai(
     refund = service.take_rate([prompt for prompt, _ in jobs])
     try:
         for prompt, sampling in jobs:
-            states += await service.submit([prompt], sampling, stops, [lora_name], [None], output,
-                                           priority=req.priority)
+            states += await service.submit([prompt], sampling, stops, [adapter], [None], output,
+                                           priority=req.priority, lora_scales=[req.lora_scale])
     except BaseException:
         refund()
         await service.finish(states)

@@ -4,10 +4,12 @@ Loads the bench model and its adapters into a ModelRunner (no server), prefills 
 tokens, then times the same decode step over and over, alternating the two paths step by step so that both see the
 same machine (this CPU's speed drifts by tens of percent). Batches: base model only, 8 adapters scattered over the
 pool (as after a 32-adapter workload), 32 adapters, and the same 32 as DoRA adapters (each bench adapter with
-magnitude vectors added: the same products, then each row rescaled). Prints min and median step time per path and
-their ratios.
+magnitude vectors added: the same products, then each row rescaled); then, on runners whose pool holds rank 4 x 16,
+every row on one adapter against every row on a linear mix of 4 (lora_mix: its ranks stacked, rank 64). Prints min
+and median step time per path and their ratios.
 
     python -m scripts.bench.decode_step            # bfloat16, the full bench model, 32 requests of 200 tokens
+    python -m scripts.bench.decode_step --paths torch --size quick --dtype float32   # where the CPU kernels cannot run
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=16, help="timed steps per path and batch")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--paths", default="torch,cpu", help="the LoRA backends compared, comma-separated")
+    parser.add_argument("--mix-size", type=int, default=4, help="adapters in the mix row (0: no mix rows)")
     parser.add_argument("--json", help="write the results here")
     return parser.parse_args(argv)
 
@@ -58,6 +62,7 @@ def make_runner(
     rank: int = 0,
     tp: int = 1,
     lora_backend: str = "auto",
+    max_lora_rank: int = ADAPTER_RANK,
 ) -> tuple[ModelRunner, list[list[int]]]:
     """A ModelRunner with the first `num_adapters` adapters in slots 0.., and `batch` requests of `context` random
     tokens prefilled (in chunks of 8): the runner and each request's pages. With tp > 1, this process is rank `rank`
@@ -65,7 +70,7 @@ def make_runner(
     pages_per_req = -(-(context + 1) // PAGE_SIZE)
     config = ServerConfig(
         device="cpu", dtype=dtype, page_size=PAGE_SIZE, max_total_tokens=batch * pages_per_req * PAGE_SIZE,
-        enable_lora=True, max_lora_rank=ADAPTER_RANK, lora_target_modules=["all"],
+        enable_lora=True, max_lora_rank=max_lora_rank, lora_target_modules=["all"],
         max_loras_per_batch=max_loras_per_batch, max_running_requests=batch, tp=tp, lora_backend=lora_backend,
     )  # fmt: skip
     runner = ModelRunner(config, str(bench.base_dir), rank=rank, world_size=tp, device="cpu")
@@ -122,6 +127,26 @@ def spread_slots(slots: list[int], batch: int) -> list[int]:
     return sorted(slots[i % len(slots)] for i in range(batch))
 
 
+def load_mix(runner: ModelRunner, adapter_dirs: list[str], slot: int, lora_id: int) -> SlotLoad:
+    """A linear mix of these adapters (equal weights) loaded as the frontend loads one, from its tensors; the slot
+    load that puts it in `slot`."""
+    from loraplex.frontend.adapters.files import encode_tensors, read_adapter_tensors
+    from loraplex.frontend.adapters.mix_merge import merge
+    from loraplex.protocol.adapters.adapter_config import parse_adapter_config
+    from loraplex.protocol.structs import InlineAdapter
+
+    parts = []
+    for path in adapter_dirs:
+        config, tensors = read_adapter_tensors(path, None)
+        parts.append((parse_adapter_config(config), tensors))
+    config, tensors = merge(parts, [1.0 / len(parts)] * len(parts), "linear", 1.0, 0)
+    specs, buffers = encode_tensors(tensors)
+    inline = InlineAdapter(config=config, tensors=specs)
+    spec = AdapterToLoad(lora_name="mix", lora_path=None, lora_id=lora_id, inline=inline)
+    assert all(result.success for result in runner.lora.load([spec], buffers))
+    return SlotLoad(slot=slot, lora_id=lora_id)
+
+
 def step_ms(runner: ModelRunner, reqs: list[ForwardReq], batch_id: int) -> float:
     """One forward of the decode batch (the same step every time: it rewrites the same KV slot), in ms."""
     start = time.perf_counter()
@@ -133,56 +158,83 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:  # the LoRA backend decides the model's kernels too; each layer binds its ops when built, so one runner each
-        select_backend("cpu", "cpu", getattr(torch, args.dtype))
-    except BackendError as e:
-        sys.exit(str(e))
-    bench = ensure_bench_model(SIZES[args.size], args.num_adapters)
-    runners = {}
-    for path, lora_backend in (("torch ops", "torch"), ("CPU kernels", "cpu")):
-        runners[path], pages = make_runner(
-            bench,
-            dtype=args.dtype,
-            batch=args.batch,
-            context=args.context,
-            max_loras_per_batch=args.num_adapters,
-            num_adapters=args.num_adapters,
-            lora_backend=lora_backend,
-        )
+    backends = {"torch": "torch ops", "cpu": "CPU kernels"}
+    paths = {backends[b]: b for b in args.paths.split(",")}
+    if "cpu" in paths.values():
+        try:  # the LoRA backend decides the model's kernels too; each layer binds its ops when built: one runner each
+            select_backend("cpu", "cpu", getattr(torch, args.dtype))
+        except BackendError as e:
+            sys.exit(str(e))
+    bench = ensure_bench_model(SIZES[args.size], max(args.num_adapters, args.mix_size))
     specs = list(bench.adapter_dirs)[: args.num_adapters]
-    dora_loads = {path: dora_copies(runner, bench, len(specs), first_id=1000) for path, runner in runners.items()}
+
+    def runners_with(max_lora_rank: int, num_adapters: int) -> tuple[dict[str, ModelRunner], list[list[int]]]:
+        runners = {}
+        for path, lora_backend in paths.items():
+            runners[path], pages = make_runner(
+                bench, dtype=args.dtype, batch=args.batch, context=args.context,
+                max_loras_per_batch=max(num_adapters, 2), num_adapters=num_adapters, lora_backend=lora_backend,
+                max_lora_rank=max_lora_rank,
+            )  # fmt: skip
+        return runners, pages
 
     few = sorted(random.Random(3).sample(range(len(specs)), min(8, len(specs))))
+    runners, pages = runners_with(ADAPTER_RANK, args.num_adapters)
+    results, rows = {}, []
     batches = {
         "base only": [-1],
         f"{len(few)} adapters (scattered slots)": few,
         f"{len(specs)} adapters": list(range(len(specs))),
-        f"{len(specs)} DoRA adapters": list(range(len(specs))),  # last: its slot loads replace the plain adapters
     }
-    results, rows = {}, []
-    for name, slots in batches.items():
-        reqs = decode_reqs(pages, args.context, spread_slots(slots, args.batch))
-        times: dict[str, list[float]] = {"torch ops": [], "CPU kernels": []}
-        for step in range(args.steps + 2):
-            for path, runner in runners.items():
-                if step == 0 and "DoRA" in name:
-                    runner.lora.apply_slot_loads(dora_loads[path])
-                elapsed_ms = step_ms(runner, reqs, 100 + step)
-                if step >= 2:  # the first steps warm caches and plans
-                    times[path].append(elapsed_ms)
-        ops, kernels = (statistics.median(times[p]) for p in ("torch ops", "CPU kernels"))
-        results[name] = {path: {"min_ms": min(t), "median_ms": statistics.median(t)} for path, t in times.items()}
-        rows.append([name, min(times["torch ops"]), ops, min(times["CPU kernels"]), kernels, ops / kernels])
-    base_ops, base_kernels = rows[0][2], rows[0][4]
+    time_batches(args, runners, pages, batches, results, rows)
+    for runner in runners.values():  # the same adapters as DoRA adapters, in the same slots
+        runner.lora.apply_slot_loads(dora_copies(runner, bench, len(specs), first_id=2000))
+    time_batches(args, runners, pages, {f"{len(specs)} DoRA adapters": list(range(len(specs)))}, results, rows)
+    if args.mix_size:
+        # one adapter in slot 0, the mix of the first mix_size adapters in slot 1, on a pool that holds its rank
+        runners, pages = runners_with(ADAPTER_RANK * args.mix_size, 1)
+        mix_dirs = [str(path) for path in list(bench.adapter_dirs.values())[: args.mix_size]]
+        for runner in runners.values():
+            load = load_mix(runner, mix_dirs, slot=1, lora_id=1000)
+            runner.forward(ForwardBatch(batch_id=99, reqs=decode_reqs(pages, args.context, [1]), slot_loads=[load]))
+        mix_batches = {"1 adapter, every row (rank-64 pool)": [0], f"a mix of {args.mix_size}, every row": [1]}
+        time_batches(args, runners, pages, mix_batches, results, rows)
+    base = rows[0][1:]
+    both = len(paths) == 2
     for row in rows:
-        row.extend([base_ops / row[2], base_kernels / row[4]])
-    headers = ["decode step, ms", "torch ops min", "median", "CPU kernels min", "median", "speedup",
-               "base/this (ops)", "base/this (kernels)"]  # fmt: skip
+        if both:
+            row.append(row[2] / row[4])  # the speedup of the second path's median over the first's
+        row.extend(base[2 * i + 1] / row[2 * i + 2] for i in range(len(paths)))
+    headers = ["decode step, ms"]
+    for path in paths:
+        headers += [f"{path} min", "median"]
+    headers += ["speedup"] * both + [f"base/this ({path})" for path in paths]
     print(f"{args.batch} requests x {args.context} tokens of context, {args.dtype}, {torch.get_num_threads()} threads")
     print(format_table(headers, rows))
     if args.json:
         write_json(args.json, {"args": vars(args), "results": results})
     return results
+
+
+def time_batches(
+    args: argparse.Namespace,
+    runners: dict[str, ModelRunner],
+    pages: list[list[int]],
+    batches: dict[str, list[int]],
+    results: dict,
+    rows: list,
+) -> None:
+    """Each batch's decode step on every runner, the paths alternating step by step: min and median per path."""
+    for name, slots in batches.items():
+        reqs = decode_reqs(pages, args.context, spread_slots(slots, args.batch))
+        times: dict[str, list[float]] = {path: [] for path in runners}
+        for step in range(args.steps + 2):
+            for path, runner in runners.items():
+                elapsed_ms = step_ms(runner, reqs, 100 + step)
+                if step >= 2:  # the first steps warm caches and plans
+                    times[path].append(elapsed_ms)
+        results[name] = {path: {"min_ms": min(t), "median_ms": statistics.median(t)} for path, t in times.items()}
+        rows.append([name, *(v for t in times.values() for v in (min(t), statistics.median(t)))])
 
 
 if __name__ == "__main__":

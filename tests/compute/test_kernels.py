@@ -400,3 +400,40 @@ def test_expand_rejects(expand, bad: str) -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match=message):
         expand(**_apply(args, edits))
+
+
+def test_row_scales() -> None:
+    # Each row's request strength multiplies its adapter term (0 leaves the row as the base left it), in the torch
+    # reference and the Triton kernels alike, and through each backend's prepare (the scales packed in its one copy).
+    from loraplex.kernels.backend import TorchBackend, TritonBackend
+
+    b = make_batch(CASES["prefill_and_decodes"], 3, torch.float32)  # a long segment and single rows, split-K planes
+    gen = torch.Generator().manual_seed(1)
+    row_scales = torch.rand(b.x.shape[0], generator=gen) * 4
+    row_scales[::3] = 0.0
+    expected = dense_expand(replace(b, h=dense_shrink(b) * row_scales.double()[:, None]))
+    y_torch = b.y.clone()
+    lora_shrink_expand_torch(*shrink_expand_args(b, y_torch), row_scales)
+    torch.testing.assert_close(y_torch.double(), expected, **TOLERANCES[torch.float32])
+    on_device = on_test_device(b)
+
+    @dataclass
+    class Weights:  # kernels/backend.py's LoRAWeights over the batch's tensors
+        lora_a: torch.Tensor
+        lora_b: torch.Tensor
+        slice_offsets: torch.Tensor
+        slot_ranks: torch.Tensor
+        slot_scales: torch.Tensor
+        num_slices: int
+
+        def __post_init__(self) -> None:
+            self.row_offsets = tuple(self.slice_offsets.tolist())
+            self.host_ranks, self.host_scales = self.slot_ranks.tolist(), self.slot_scales.tolist()
+
+    for backend, batch in ((TorchBackend("cpu"), b), (TritonBackend(TEST_DEVICE), on_device)):
+        w = Weights(batch.lora_a, batch.lora_b, batch.slice_offsets, batch.slot_ranks, batch.slot_scales, 3)
+        meta = backend.prepare(batch.seg_indptr.tolist(), batch.seg_slots.tolist(), row_scales.tolist())
+        assert torch.equal(meta.row_scales.cpu(), row_scales) and torch.equal(meta.seg_slots.cpu(), b.seg_slots)
+        y = batch.y.clone()
+        backend.shrink_expand(y, batch.x, w, meta)
+        torch.testing.assert_close(y.cpu().double(), expected, **TOLERANCES[torch.float32], msg=backend.name)

@@ -59,6 +59,20 @@ def test_mixed_batch_logits_match_peft(moe_set, runner: ModelRunner) -> None:
     assert_logits_match_peft(ours, prompts, NAMES, model_dir, adapters, LOGITS_TOL, MIN_ADAPTER_EFFECT)
 
 
+def test_strength_reaches_the_expert_terms(moe_set, runner: ModelRunner) -> None:
+    # lora_scale per row through the experts' regrouped rows: 0 is the base model, 1 the adapter, 2 neither
+    if moe_set[0] != "mixtral":
+        pytest.skip("one family is enough: the regrouping is the same code for every MoE family")
+    prompts = random_prompts(LENGTHS, runner.vocab_size, seed=11)
+    plain, base = batch_logits(runner, prompts, NAMES), batch_logits(runner, prompts, [None] * len(NAMES))
+    scaled = batch_logits(runner, prompts, NAMES, [1.0, 0.0, 1.0, 2.0, 1.0, 0.0])
+    for row in (1, 5):
+        torch.testing.assert_close(scaled[row], base[row], atol=1e-5, rtol=1e-5)
+    for row in (0, 2):
+        torch.testing.assert_close(scaled[row], plain[row], atol=1e-5, rtol=1e-5)
+    assert (scaled[3] - plain[3]).abs().max() > 1e-2 and (scaled[3] - base[3]).abs().max() > 1e-2
+
+
 def test_mixed_batch_greedy_matches_peft(moe_set, runner: ModelRunner) -> None:
     _, model_dir, adapters = moe_set
     prompts = random_prompts(LENGTHS, runner.vocab_size, seed=12)

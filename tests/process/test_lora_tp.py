@@ -7,17 +7,24 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from loraplex.frontend.adapters.files import encode_tensors, read_adapter_tensors
+from loraplex.frontend.adapters.mix_merge import merge
+from loraplex.protocol.adapters.adapter_config import parse_adapter_config
 from loraplex.protocol.adapters.lora_targets import ATTN_MODULES, TARGET_MODULES
 from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, InlineAdapter, SlotLoad
 from loraplex.worker.lora.adapter import PoolSpec, load_adapter
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model_runner import ModelRunner
 from safetensors.torch import load_file
 
+from tests.builders import build_lora_adapter
 from tests.lora_helpers import LORA_CONFIG, MIXED, MIXED_LENGTHS, batch_logits, greedy_decode, load_all
-from tests.worker_helpers import random_prompts, run_two_ranks, tp_group
+from tests.worker_helpers import GREEDY, consecutive_pages, forward_logits, random_prompts, run_two_ranks, tp_group
 
 DECODE_STEPS = 6
+SCALES = [1.0, 0.5, 0.0, 4.0, 1.0, 0.25, 1.0, 2.0, 1.5]  # per MIXED row (its base rows stay at 1)
+MIX_ID, MIX_SLOT = 9, 5  # a slot lora_helpers' adapters leave free
 CHILD_TIMEOUT_S = 120
 
 
@@ -25,12 +32,37 @@ def tp_config(tp: int) -> ServerConfig:
     return ServerConfig(device="cpu", tp=tp, page_size=4, max_total_tokens=512, **LORA_CONFIG)
 
 
+def mix_logits(runner: ModelRunner, adapter_dirs: dict[str, str], prompts: list[list[int]]) -> list:
+    """A linear lora_mix of a16 and b16, loaded as the frontend loads one (its whole tensors, each rank cutting its
+    shard), in one batch: on the mix, on the mix at strength 0.5, on the base model."""
+    parts = []
+    for name in ("a16", "b16"):
+        config, tensors = read_adapter_tensors(adapter_dirs[name], None)
+        parts.append((parse_adapter_config(config), tensors))
+    config, tensors = merge(parts, [0.7, -0.4], "linear", 1.0, 0)
+    specs, buffers = encode_tensors(tensors)
+    inline = InlineAdapter(config=config, tensors=specs)
+    [outcome] = runner.lora.load([AdapterToLoad(lora_name="mix", lora_path=None, lora_id=MIX_ID, inline=inline)],
+                                 buffers)  # fmt: skip
+    assert outcome.success, outcome.error_message
+    pages = consecutive_pages([len(p) for p in prompts], runner.page_size)
+    reqs = [
+        ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=slot, lora_scale=scale)
+        for p, pg, slot, scale in zip(prompts, pages, (MIX_SLOT, MIX_SLOT, -1), (1.0, 0.5, 1.0), strict=True)
+    ]
+    batch = ForwardBatch(batch_id=50, reqs=reqs, slot_loads=[SlotLoad(slot=MIX_SLOT, lora_id=MIX_ID)])
+    return [t.numpy() for t in forward_logits(runner, batch).split([len(p) for p in prompts])]
+
+
 def run_lora(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
     load_all(runner, adapter_dirs)
     prompts = random_prompts(MIXED_LENGTHS, runner.vocab_size, seed=21)
     return {
+        "mix": mix_logits(runner, adapter_dirs, prompts[:3]),
         # numpy, not tensors: torch sends tensors between processes as shared memory handles that die with the child.
         "logits": [t.numpy() for t in batch_logits(runner, prompts, MIXED)],
+        # each adapter row at its own strength (lora_scale), 0 and up to the limit of 4 among them
+        "scaled": [t.numpy() for t in batch_logits(runner, prompts, MIXED, SCALES)],
         "greedy": greedy_decode(runner, prompts, MIXED, steps=DECODE_STEPS),
     }
 
@@ -62,20 +94,27 @@ def run_tp2(model_dir: str, adapter_dirs: dict[str, str]) -> dict[int, dict]:
     return run_two_ranks(tp_child, model_dir, adapter_dirs, timeout_s=CHILD_TIMEOUT_S)
 
 
-def test_lora_tp2_matches_tp1(llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:
-    dirs = {name: str(path) for name, path in adapter_dirs.items()}
+def test_lora_tp2_matches_tp1(llama_dir: Path, adapter_dirs: dict[str, Path], tmp_path: Path) -> None:
+    build_lora_adapter(llama_dir, tmp_path / "b16", r=16, lora_alpha=32, target_modules=TARGET_MODULES, seed=77)
+    dirs = {name: str(path) for name, path in {**adapter_dirs, "b16": tmp_path / "b16"}.items()}
     by_rank = run_tp2(str(llama_dir), dirs)
     tp1 = run_lora(ModelRunner(tp_config(tp=1), str(llama_dir), 0, 1, "cpu"), dirs)
     for rank in (0, 1):
         for name, ours, ref in zip(MIXED, by_rank[rank]["logits"], tp1["logits"], strict=True):
             diff = abs(ours - ref).max()
             assert diff <= 1e-4, (rank, name, diff)
+        for name, ours, ref in zip(MIXED, by_rank[rank]["scaled"], tp1["scaled"], strict=True):
+            assert abs(ours - ref).max() <= 1e-4, (rank, name, "scaled")
+        for row, (ours, ref) in enumerate(zip(by_rank[rank]["mix"], tp1["mix"], strict=True)):
+            assert abs(ours - ref).max() <= 1e-4, (rank, "mix", row)
         assert by_rank[rank]["greedy"] == tp1["greedy"], rank
         # The row-parallel LoRA terms (o_proj, down_proj; every batch here uses an all-module adapter) ride on their
         # layer's own all-reduce: two per decoder layer per forward, as for the base model alone.
         counts = by_rank[rank]
-        assert counts["forwards"] == 1 + DECODE_STEPS, counts
+        assert counts["forwards"] == 3 + DECODE_STEPS, counts
         assert counts["all_reduces"] == counts["forwards"] * 2 * counts["num_layers"], counts
+    assert abs(tp1["scaled"][1] - tp1["logits"][1]).max() > 1e-3  # the strengths change the adapter rows
+    assert abs(tp1["mix"][0] - tp1["logits"][0]).max() > 1e-3  # the mix changes its row (MIXED[0] is the base)
 
 
 def test_adapter_is_sliced_per_rank(llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:

@@ -30,6 +30,9 @@ def test_page_keys_chain_the_whole_prefix_and_the_namespace():
     assert len(set(keys)) == 3
     assert page_keys(BASE_NAMESPACE, tokens, 4, 3, keys[:1]) == keys  # resumable
     assert page_keys(7, tokens, 4, 3)[0] != keys[0]  # an adapter has its own namespace
+    half = page_keys(7, tokens, 4, 3, lora_scale=0.5)  # ... and each strength of it its own
+    assert half[0] != page_keys(7, tokens, 4, 3)[0] and half[0] != page_keys(7, tokens, 4, 3, lora_scale=0.25)[0]
+    assert page_keys(7, tokens, 4, 3, half[:1], lora_scale=0.5) == half  # resumable
     other = page_keys(BASE_NAMESPACE, [99, *tokens[1:]], 4, 3)
     assert other[1] != keys[1] and other[2] != keys[2]  # a page's key covers every token before it
 

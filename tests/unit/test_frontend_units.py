@@ -122,3 +122,32 @@ def test_registry_confines_paths(tmp_path):
         with pytest.raises(AdapterError) as err:
             registry.check_path("a", path)
         assert err.value.kind == kind, path
+
+
+def test_lora_scale_and_mix_bodies_are_checked():
+    from loraplex.frontend.adapters.mixes import parse_mix
+    from loraplex.frontend.adapters.strength import item_scales
+    from loraplex.frontend.entrypoints.engine import Engine
+    from loraplex.frontend.params import LoRAMixBody
+    from loraplex.protocol.errors import ServerError
+
+    assert item_scales([None, 0, 4, 0.5], [None, "a", "a", "b"]) == [1.0, 0.0, 4.0, 0.5]
+    for scale, name in ((4.01, "a"), (-1, "a"), (True, "a"), (float("nan"), "a"), (0.5, None)):
+        with pytest.raises(ServerError) as refused:
+            item_scales([scale], [name])
+        assert refused.value.kind == "invalid_lora_scale" and "lora_scale" in str(refused.value)
+    mix = parse_mix({"adapters": {"a": 0.7, "b": 0.3}, "merge": "ties", "density": 0.5, "seed": 1})
+    assert mix.weights == (("a", 0.7), ("b", 0.3)) and mix.name.startswith("mix-")
+    # one mix, one name; any change of weight, order, merge, density or seed is another mix
+    same = parse_mix({"seed": 1, "density": 0.5, "merge": "ties", "adapters": {"a": 0.7, "b": 0.3}})
+    other = parse_mix({"adapters": {"a": 0.7, "b": 0.3}, "merge": "ties", "density": 0.5, "seed": 2})
+    assert same.name == mix.name != other.name
+    assert parse_mix({"adapters": {"a": 1}}).merge == "linear"
+    for bad in ({"adapters": {}}, {"adapters": {"a": "x"}}, {"adapters": {"a": 1}, "merge": "cat"},
+                {"adapters": {"a": 1}, "merge": "dare_linear"}, {"adapters": {"a": 1}, "seed": -1},
+                {"adapters": {"a": 1}, "rank": 4}, ["a"]):  # fmt: skip
+        with pytest.raises(ServerError) as refused:
+            parse_mix(bad)
+        assert refused.value.kind == "invalid_lora_mix"
+    body = Engine._body("x", None, {"adapters": {"a": 1.0}}, None, None, False, {}, 0.5)
+    assert isinstance(body.lora_path, LoRAMixBody) and body.lora_scale == 0.5

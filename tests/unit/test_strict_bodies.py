@@ -38,6 +38,7 @@ COMMON = {
     "structured_outputs": {"json": {"type": "object"}},
     "logit_bias": {"5": 1.0},
     "guided_json": {"type": "object"},
+    "lora_mix": {"adapters": {"a": 0.7, "b": 0.3}, "merge": "ties", "density": 0.5, "seed": 1},
 }
 CHAT = {
     **COMMON,
@@ -66,9 +67,10 @@ RESPONSES = {
 }
 
 # Objects taken as they come: JSON schemas, template variables, token id -> bias, xgrammar's structural-tag format, a
-# call's arguments as an object, and an earlier answer's annotations and logprobs (sent back, not read).
+# call's arguments as an object, an earlier answer's annotations and logprobs (sent back, not read), and a mix's
+# adapter name -> weight.
 FREE_FORM = {"schema", "parameters", "chat_template_kwargs", "logit_bias", "guided_json", "json", "format", "arguments",
-             "annotations", "logprobs"}
+             "annotations", "logprobs", "adapters"}
 
 
 def decode_responses(body: bytes) -> list:

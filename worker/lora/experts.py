@@ -45,4 +45,6 @@ def expert_segments(routing: Routing, batch: LoRABatchInfo) -> LoRABatchMeta | N
     starts = torch.ones_like(virtual, dtype=torch.bool)
     starts[1:] = virtual[1:] != virtual[:-1]
     first_rows = starts.nonzero().flatten()
-    return batch.backend.prepare([*first_rows.tolist(), virtual.shape[0]], virtual[first_rows].tolist())
+    token_scales = batch.host_row_scales
+    row_scales = None if token_scales is None else [token_scales[token] for token in routing.host_token_ids]
+    return batch.backend.prepare([*first_rows.tolist(), virtual.shape[0]], virtual[first_rows].tolist(), row_scales)

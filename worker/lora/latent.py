@@ -67,21 +67,24 @@ class LoRALatentKVProj(LoRALinear):
         if runs is None:
             runs = owners.extras["lora_runs"] = slot_runs(owners, self.batch)
         buffers = self.buffers
-        for start, end, slot in runs:
+        for start, end, slot, row_scale in runs:
             if buffers.host_ranks[slot]:
-                yield slice(start, end), slot, buffers.host_scales[slot]
+                yield slice(start, end), slot, buffers.host_scales[slot] * row_scale
 
 
-def slot_runs(owners: RowOwners, batch: LoRABatchInfo) -> list[tuple[int, int, int]]:
-    """The owners' rows as runs of one adapter slot, (start, end, slot), base rows left out."""
+def slot_runs(owners: RowOwners, batch: LoRABatchInfo) -> list[tuple[int, int, int, float]]:
+    """The owners' rows as runs of one adapter slot and request strength, (start, end, slot, strength), base rows
+    left out."""
     seg_indptr, seg_slots = batch.host_segments
-    runs: list[tuple[int, int, int]] = []
+    row_scales = batch.host_row_scales
+    runs: list[tuple[int, int, int, float]] = []
     for start, end, owner in zip(owners.run_starts[:-1], owners.run_starts[1:], owners.owner_rows, strict=True):
         slot = seg_slots[bisect.bisect_right(seg_indptr, owner) - 1]  # the segment holding the owner's row
         if slot < 0 or start == end:
             continue
-        if runs and runs[-1][1] == start and runs[-1][2] == slot:
-            runs[-1] = (runs[-1][0], end, slot)
+        row_scale = 1.0 if row_scales is None else row_scales[owner]
+        if runs and runs[-1][1] == start and runs[-1][2:] == (slot, row_scale):
+            runs[-1] = (runs[-1][0], end, slot, row_scale)
         else:
-            runs.append((start, end, slot))
+            runs.append((start, end, slot, row_scale))
     return runs

@@ -43,10 +43,14 @@ class LoRABatchInfo:
     # the segments on the host, (seg_indptr, seg_slots): an MoE layer regroups its rows by them (worker/lora/experts.py)
     host_segments: tuple[Sequence[int], Sequence[int]] = ((0,), ())
     used_slots: tuple[int, ...] = ()  # the slots of this forward's adapter rows
+    # each token's request strength (lora_scale) on the host, None when every one is 1 (meta.row_scales on the device)
+    host_row_scales: Sequence[float] | None = None
     # Only where the pool covers the embedding or the LM head: each token's slot (-1: base), and that of each row
     # the LM head computes (ModelRunner picks the rows: LoRAManager.select_rows).
     token_slots: torch.Tensor | None = None  # (tokens,)
     row_slots: torch.Tensor | None = None  # (rows,)
+    token_scales: torch.Tensor | None = None  # (tokens,) float32, as token_slots; None: all 1
+    row_scales: torch.Tensor | None = None  # (rows,)
     # Only where a slot of this forward holds a DoRA adapter: the fused linears it targets, and each token's row of
     # their DoraTable (its slot; the table's last row, all ones, for the base)
     dora_active: frozenset[str] = field(default_factory=frozenset)

@@ -274,9 +274,14 @@ class LoRAManager:
             self.batch.meta = None
             self.batch.active = self.batch.dora_active = frozenset()
             self.batch.token_slots = self.batch.row_slots = None  # none of another batch's
+            self.batch.token_scales = self.batch.row_scales = self.batch.host_row_scales = None
             return
-        self.batch.meta = self.batch.backend.prepare(seg_indptr, seg_slots)
+        row_scales = None  # (tokens,) each row's request strength; None: all 1
+        if any(req.lora_scale != 1.0 for req in reqs):
+            row_scales = [req.lora_scale for req in reqs for _ in range(len(req.input_ids))]
+        self.batch.meta = self.batch.backend.prepare(seg_indptr, seg_slots, row_scales)
         self.batch.host_segments = (seg_indptr, seg_slots)
+        self.batch.host_row_scales = row_scales
         self.batch.active = self._targeted(used) | self._targeted_vocab(used)
         if self.pool.vocab or self.pool.dora_slots.intersection(used):
             lengths = torch.tensor([len(req.input_ids) for req in reqs])
@@ -284,6 +289,7 @@ class LoRAManager:
             slots = slots.to(self.spec.device, non_blocking=True)
         if self.pool.vocab:
             self.batch.token_slots = self.batch.row_slots = slots
+            self.batch.token_scales = self.batch.row_scales = self.batch.meta.row_scales
         self.batch.dora_active = self._targeted(self.pool.dora_slots.intersection(used))
         self.batch.dora_rows = torch.where(slots < 0, self.num_slots, slots) if self.batch.dora_active else None
 
@@ -301,6 +307,8 @@ class LoRAManager:
         """The LM head computes these token rows (rows,) of this forward (default: every token)."""
         if self.batch.token_slots is not None:
             self.batch.row_slots = self.batch.token_slots[rows]
+        if self.batch.token_scales is not None:
+            self.batch.row_scales = self.batch.token_scales[rows]
 
     def uses_dora(self, reqs: Sequence[ForwardReq]) -> bool:
         """Whether a request's slot holds a DoRA adapter (the decode graphs do not rescale rows: it runs eagerly)."""
@@ -325,6 +333,7 @@ class LoRAManager:
             meta = into
         self.batch.meta = meta
         self.batch.host_segments = (seg_indptr, seg_slots)
+        self.batch.host_row_scales = None  # a replayed batch's scales are all 1 (DecodeGraphRunner.can_run)
         self.batch.active = frozenset(buffers.fused.name for buffers in self.pool.buffers.values())
         self.batch.dora_active = frozenset()  # batches with DoRA rows run eagerly (uses_dora)
         return meta

@@ -64,10 +64,13 @@ class VocabLoRABuffers:
 
 
 def add_per_slot(y: torch.Tensor, shrunk: dict[int, torch.Tensor], row_slots: torch.Tensor,
-                 buffers: VocabLoRABuffers) -> torch.Tensor:  # fmt: skip
-    """y (rows, out) + scale · shrunk[slot] · Bᵀ[slot] on the rows of each slot; shrunk[slot] (rows, max_rank)."""
+                 buffers: VocabLoRABuffers, row_scales: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """y (rows, out) + scale · shrunk[slot] · Bᵀ[slot] on the rows of each slot; shrunk[slot] (rows, max_rank);
+    row_scales (rows,): each row's request strength (None: all 1)."""
     for slot, rows_r in shrunk.items():
         delta = (rows_r @ buffers.lora_b[slot]) * buffers.host_scales[slot]  # (rows, out)
+        if row_scales is not None:
+            delta = delta * row_scales.to(delta.dtype)[:, None]
         y = y + torch.where((row_slots == slot)[:, None], delta, 0)
     return y
 
@@ -84,7 +87,7 @@ class LoRAEmbedding(nn.Module):
             return y
         token_slots = self.batch.token_slots  # (tokens,), -1 for base rows
         rows_r = self.buffers.lora_a[token_slots.clamp(min=0), input_ids]  # (tokens, max_rank): A[:, token]ᵀ
-        return add_per_slot(y, dict.fromkeys(slots, rows_r), token_slots, self.buffers)
+        return add_per_slot(y, dict.fromkeys(slots, rows_r), token_slots, self.buffers, self.batch.token_scales)
 
 
 class LoRALMHead(nn.Module):
@@ -98,4 +101,4 @@ class LoRALMHead(nn.Module):
         if not slots:
             return y
         shrunk = {slot: hidden @ self.buffers.lora_a[slot].T for slot in slots}  # (rows, max_rank) each
-        return add_per_slot(y, shrunk, self.batch.row_slots, self.buffers)
+        return add_per_slot(y, shrunk, self.batch.row_slots, self.buffers, self.batch.row_scales)
