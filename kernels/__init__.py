@@ -12,6 +12,7 @@ cpu_ext.py          builds and loads the AVX-512 BF16 CPU kernels (csrc/)
 paged_attention.py  paged attention in Triton, reading keys and values from their cache pages in place
 latent_attention.py  paged latent attention (DeepSeek-V3's [latent | rope key] rows, one KV head) in Triton
 quant_matmul.py     weight-only quantized matmul in Triton, dequantized tile by tile
+mxfp4_matmul.py     one expert's MXFP4 (gpt-oss) matmul in Triton, e2m1 codes and e8m0 scales decoded in the tile
 rms_norm.py         RMSNorm with the pre-norm residual add fused in, in Triton
 rotary.py           rotary position embedding in Triton, in place on q and k
 silu_mul.py         SiLU-and-multiply of a fused [gate | up] projection in Triton

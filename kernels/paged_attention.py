@@ -14,11 +14,13 @@ written when these run, so a request attends to its cached prefix and its new to
 Both write into rows of one (tokens, heads, head_dim) output, located by each request's first row in the batch's flat
 token layout, so a batch of decodes and prefills needs no index_select of q or of the output.
 
-Both take a layer's sliding window (`window` > 0: a query at position p sees the keys at (p - window, p]; the loops
-start at the window, so a windowed layer reads only its keys) and logit soft-cap (`logit_cap` > 0: scores ->
-cap * tanh(scores / cap), Gemma 2), as runtime arguments: one compiled variant serves every layer. Attention sinks
-(gpt-oss: a learned logit per query head that joins the softmax's denominator and attends to no value) are a second
-variant (`HAS_SINKS`): the finished row's sum gains exp(sink - max); under decode splits, the merge adds it once.
+Both take a layer's sliding window (`window` > 0: a query at position p sees the keys at (p - window, p]), chunked
+local attention (`chunk` > 0: a query at position p sees the keys at [p - p % chunk, p], Llama 4) and logit soft-cap
+(`logit_cap` > 0: scores -> cap * tanh(scores / cap), Gemma 2) as runtime arguments: one compiled variant serves
+every layer. The key loops start at the window's or the chunk's first key, so a local layer reads only its keys.
+Attention sinks (gpt-oss: a learned logit per query head that joins the softmax's denominator and attends to no
+value) are a second variant (`HAS_SINKS`): the finished row's sum gains exp(sink - max); under decode splits, the
+merge adds it once.
 Each launcher checks its arguments and has a torch reference with the same signature (tests/kernel_refs.py).
 """
 
@@ -54,8 +56,9 @@ def _add_sinks(acc, row_sum, m, sinks):
 
 
 # The page table's row stride is its width, the batch's longest page list: not specialized on, or each width class
-# (1, a multiple of 16, other) would be a variant of its own. Likewise the merge's split count and the window.
-@triton.jit(do_not_specialize=["stride_page_table", "window"])
+# (1, a multiple of 16, other) would be a variant of its own. Likewise the merge's split count, the window and the
+# chunk size.
+@triton.jit(do_not_specialize=["stride_page_table", "window", "chunk"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -69,6 +72,7 @@ def _decode_kernel(
     sinks_ptr,
     scale,
     window,
+    chunk,
     logit_cap,
     stride_q_row,
     stride_q_head,
@@ -97,6 +101,8 @@ def _decode_kernel(
     first = 0
     if window > 0:
         first = tl.maximum(kv_len - window, 0)  # the window's oldest key
+    if chunk > 0:
+        first = tl.maximum(first, (kv_len - 1) // chunk * chunk)  # the first key of the query's chunk
     # Whole key blocks per split, so only the last block of a request is ragged.
     blocks_per_split = tl.cdiv(tl.cdiv(kv_len - first, BLOCK_N), num_splits)
     start = first + split * blocks_per_split * BLOCK_N
@@ -190,7 +196,7 @@ def _merge_splits_kernel(
              mask=d < HEAD_DIM)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["stride_page_table", "window"])
+@triton.jit(do_not_specialize=["stride_page_table", "window", "chunk"])
 def _extend_kernel(
     q_ptr,
     k_cache_ptr,
@@ -205,6 +211,7 @@ def _extend_kernel(
     sinks_ptr,
     scale,
     window,
+    chunk,
     logit_cap,
     stride_q_row,
     stride_q_head,
@@ -245,11 +252,18 @@ def _extend_kernel(
     )  # (BM, BD)
     q_pos = cached + i  # (BM,) positions; padding rows past q_len see keys as far as the tile's last position
     kv_end = cached + tl.minimum(offset + BLOCK_M, q_len)  # the tile's causal bound
-    # A window's oldest key per row; padding rows count from the tile's last key, so every row sees some key.
-    oldest = tl.minimum(q_pos, kv_end - 1) - window + 1  # (BM,)
+    # Each row's oldest visible key, of its window and its chunk; padding rows count from the tile's last key, so
+    # every row sees some key. The loop starts at the block holding the tile's first row's oldest key.
+    last_pos = tl.minimum(q_pos, kv_end - 1)  # (BM,)
+    oldest = tl.zeros((BLOCK_M,), dtype=tl.int32)
     lo = 0
     if window > 0:
-        lo = tl.maximum(cached + offset - window + 1, 0) // BLOCK_N * BLOCK_N  # the tile's first row's window
+        oldest = last_pos - window + 1
+        lo = tl.maximum(cached + offset - window + 1, 0)
+    if chunk > 0:
+        oldest = tl.maximum(oldest, last_pos // chunk * chunk)
+        lo = tl.maximum(lo, (cached + offset) // chunk * chunk)
+    lo = lo // BLOCK_N * BLOCK_N
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -266,11 +280,12 @@ def _extend_kernel(
         if logit_cap > 0:
             s = _soft_cap(s, logit_cap)
         visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
-        if window > 0:
+        if window > 0 or chunk > 0:
             visible = visible & (pos[None, :] >= oldest[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        # A row whose window starts past this block has no key in it yet: keep its maximum finite (exp(-inf) = 0).
+        # A row whose window or chunk starts past this block has no key in it yet: keep its maximum finite
+        # (exp(-inf) = 0).
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
@@ -344,6 +359,11 @@ def _check_vector(op: str, name: str, t: torch.Tensor, length: int, device: torc
                          f"{tuple(t.shape)} {t.dtype} on {t.device}")  # fmt: skip
 
 
+def _check_chunk(op: str, chunk: int) -> None:
+    if chunk < 0:
+        raise ValueError(f"{op}: chunk must be 0 (none) or a positive chunk size, got {chunk}")
+
+
 def _check_sinks(op: str, q: torch.Tensor, sinks: torch.Tensor | None) -> None:
     if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[1] or sinks.device != q.device
                               or sinks.stride(0) != 1 or not sinks.is_floating_point()):  # fmt: skip
@@ -353,10 +373,11 @@ def _check_sinks(op: str, q: torch.Tensor, sinks: torch.Tensor | None) -> None:
 
 def check_decode_args(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor, page_size: int,
-                      num_splits: int, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
+                      num_splits: int, sinks: torch.Tensor | None = None, chunk: int = 0) -> None:  # fmt: skip
     op = "paged_decode_attention"
     _check_common(op, out, q, k_cache, v_cache, page_table, page_size)
     _check_sinks(op, q, sinks)
+    _check_chunk(op, chunk)
     num_reqs = page_table.shape[0]
     _check_vector(op, "kv_lens", kv_lens, num_reqs, q.device)
     _check_vector(op, "q_rows", q_rows, num_reqs, q.device)
@@ -367,10 +388,11 @@ def check_decode_args(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
 def check_extend_args(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                       cached_lens: torch.Tensor, tile_reqs: torch.Tensor, tile_offsets: torch.Tensor,
-                      page_size: int, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
+                      page_size: int, sinks: torch.Tensor | None = None, chunk: int = 0) -> None:  # fmt: skip
     op = "paged_extend_attention"
     _check_common(op, out, q, k_cache, v_cache, page_table, page_size)
     _check_sinks(op, q, sinks)
+    _check_chunk(op, chunk)
     num_reqs = page_table.shape[0]
     for name, t in (("q_starts", q_starts), ("q_lens", q_lens), ("cached_lens", cached_lens)):
         _check_vector(op, name, t, num_reqs, q.device)
@@ -392,19 +414,21 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def paged_decode_attention_triton(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor,
                                   page_size: int, scale: float, num_splits: int, window: int = 0,
-                                  logit_cap: float = 0.0, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
+                                  logit_cap: float = 0.0, sinks: torch.Tensor | None = None,
+                                  chunk: int = 0) -> None:  # fmt: skip
     """out[q_rows[r]] = attention of q[q_rows[r]] over request r's first kv_lens[r] keys (the last `window` of them
-    when window > 0), for every request r of page_table (reqs, pages); scores soft-capped when logit_cap > 0; each
-    head's sink logit (heads,) in the softmax's denominator when sinks is given."""
-    check_decode_args(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, num_splits, sinks)
+    when window > 0; with chunk > 0 only those of the query's chunk, from position p - p % chunk), for every request
+    r of page_table (reqs, pages); scores soft-capped when logit_cap > 0; each head's sink logit (heads,) in the
+    softmax's denominator when sinks is given."""
+    check_decode_args(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, num_splits, sinks, chunk)
     launch_decode(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, scale, num_splits, window,
-                  logit_cap, sinks)  # fmt: skip
+                  logit_cap, sinks, chunk)  # fmt: skip
 
 
 def launch_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor, page_size: int,
                   scale: float, num_splits: int, window: int = 0, logit_cap: float = 0.0,
-                  sinks: torch.Tensor | None = None) -> None:  # fmt: skip
+                  sinks: torch.Tensor | None = None, chunk: int = 0) -> None:  # fmt: skip
     """The launch alone, on checked arguments (the worker checks its shapes once, at start-up)."""
     num_reqs = page_table.shape[0]
     _, num_heads, head_dim = q.shape
@@ -421,7 +445,7 @@ def launch_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
     with device_scope(q):
         _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
             q, k_cache, v_cache, page_table, kv_lens, q_rows, out, part_out, part_lse, _sinks_arg(q, sinks), scale,
-            window, float(logit_cap),
+            window, chunk, float(logit_cap),
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
             out.stride(0), out.stride(1),
             HEADS_PER_KV=heads_per_kv, BLOCK_H=max(16, triton.next_power_of_2(heads_per_kv)), HEAD_DIM=head_dim,
@@ -439,22 +463,23 @@ def paged_extend_attention_triton(out: torch.Tensor, q: torch.Tensor, k_cache: t
                                   page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                                   cached_lens: torch.Tensor, tile_reqs: torch.Tensor, tile_offsets: torch.Tensor,
                                   page_size: int, scale: float, window: int = 0,
-                                  logit_cap: float = 0.0, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
+                                  logit_cap: float = 0.0, sinks: torch.Tensor | None = None,
+                                  chunk: int = 0) -> None:  # fmt: skip
     """For every request r of page_table: out rows q_starts[r] .. + q_lens[r] = causal attention of those q rows
-    (positions p = cached_lens[r] + i) over the request's keys 0..p (those past p - window when window > 0), scores
-    soft-capped when logit_cap > 0, each head's sink logit in the denominator when sinks is given. Tiles from
-    plan_extend_tiles."""
+    (positions p = cached_lens[r] + i) over the request's keys 0..p (those past p - window when window > 0, those
+    from p - p % chunk when chunk > 0), scores soft-capped when logit_cap > 0, each head's sink logit in the
+    denominator when sinks is given. Tiles from plan_extend_tiles."""
     check_extend_args(out, q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets,
-                      page_size, sinks)  # fmt: skip
+                      page_size, sinks, chunk)  # fmt: skip
     launch_extend(out, q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets,
-                  page_size, scale, window, logit_cap, sinks)  # fmt: skip
+                  page_size, scale, window, logit_cap, sinks, chunk)  # fmt: skip
 
 
 def launch_extend(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor, cached_lens: torch.Tensor,
                   tile_reqs: torch.Tensor, tile_offsets: torch.Tensor, page_size: int,
                   scale: float, window: int = 0, logit_cap: float = 0.0,
-                  sinks: torch.Tensor | None = None) -> None:  # fmt: skip
+                  sinks: torch.Tensor | None = None, chunk: int = 0) -> None:  # fmt: skip
     num_tiles = tile_reqs.shape[0]
     _, num_heads, head_dim = q.shape
     if num_tiles == 0:
@@ -462,7 +487,7 @@ def launch_extend(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
     with device_scope(q):
         _extend_kernel[(num_tiles, num_heads)](
             q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets, out,
-            _sinks_arg(q, sinks), scale, window, float(logit_cap),
+            _sinks_arg(q, sinks), scale, window, chunk, float(logit_cap),
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
             out.stride(0), out.stride(1),
             HEADS_PER_KV=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),

@@ -164,9 +164,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     attention_backend: Annotated[Literal["auto", "triton", "cpu", "torch"], Meta(description=
         "attention kernels: triton (paged Triton kernels reading K/V from the cache pages in place; CUDA), cpu "
         "(decodes in the compiled CPU kernels, prefills in SDPA; needs --lora-backend cpu or auto to build them), "
-        "torch (SDPA over gathered pages); auto = triton on CUDA (torch for a model with chunked local attention, "
-        "Llama 4, which triton refuses), else cpu where the CPU kernels run and take the model's head shapes, else "
-        "torch"
+        "torch (SDPA over gathered pages); auto = triton on CUDA, else cpu where the CPU kernels run and take the "
+        "model's head shapes, else torch"
     )] = "auto"
     enable_cuda_graph: Annotated[bool, Meta(description=
         "capture decode steps as CUDA graphs at start-up, one per batch size of a ladder up to --cuda-graph-max-bs, "

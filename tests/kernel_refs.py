@@ -18,6 +18,7 @@ from loraplex.kernels.latent_attention import check_latent_decode_args, check_la
 from loraplex.kernels.lora_expand import column_alignment, launch_expand
 from loraplex.kernels.lora_shrink import launch_shrink, shrink_output
 from loraplex.kernels.lora_torch import expand_planned, shrink_expand_compiled, shrink_planned
+from loraplex.kernels.mxfp4_matmul import check_mxfp4_matmul_args
 from loraplex.kernels.paged_attention import check_decode_args, check_extend_args
 from loraplex.kernels.quant_matmul import check_fp8_matmul_args, check_int_matmul_args
 from loraplex.kernels.rms_norm import check_rms_norm_args
@@ -26,6 +27,7 @@ from loraplex.kernels.segment_tiles import plan_tiles
 from loraplex.kernels.silu_mul import check_silu_and_mul_args
 from loraplex.worker.layers.delta_mixer import TorchDeltaMixer
 from loraplex.worker.layers.ops import TorchOps
+from loraplex.worker.quant import mxfp4
 from loraplex.worker.state_cache import StateBatch
 
 # ---- LoRA, torch path -----------------------------------------------------------------------------------------------
@@ -133,10 +135,10 @@ def lora_shrink_expand_triton(
 
 def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: list[int], page_size: int,
                 q_positions: torch.Tensor, scale: float, window: int, logit_cap: float,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                sinks: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:  # fmt: skip
     """q (n, heads, d) at q_positions (n,) over the keys 0..max position of one request (those past position - window
-    when window > 0; scores soft-capped when logit_cap > 0; each head's sink logit one more softmax column, of no
-    value), in fp32 -> (n, heads, d)."""
+    when window > 0, those of the position's chunk when chunk > 0; scores soft-capped when logit_cap > 0; each head's
+    sink logit one more softmax column, of no value), in fp32 -> (n, heads, d)."""
     num_keys = int(q_positions.max()) + 1
     positions = torch.arange(num_keys, device=q.device)
     page_ids = torch.tensor(pages, dtype=torch.long, device=q.device)
@@ -150,6 +152,8 @@ def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     hidden = positions[None, None, :] > q_positions[None, :, None]
     if window > 0:
         hidden |= positions[None, None, :] <= q_positions[None, :, None] - window
+    if chunk > 0:
+        hidden |= positions[None, None, :] // chunk != q_positions[None, :, None] // chunk
     scores = scores.masked_fill(hidden, float("-inf"))
     if sinks is None:
         return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
@@ -161,24 +165,26 @@ def _attend_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
 def paged_decode_attention_torch(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor,
                                  page_size: int, scale: float, num_splits: int, window: int = 0,
-                                 logit_cap: float = 0.0, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
-    check_decode_args(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, num_splits, sinks)
+                                 logit_cap: float = 0.0, sinks: torch.Tensor | None = None,
+                                 chunk: int = 0) -> None:  # fmt: skip
+    check_decode_args(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, num_splits, sinks, chunk)
     for req, (kv_len, row) in enumerate(zip(kv_lens.tolist(), q_rows.tolist(), strict=True)):
         if kv_len == 0:
             out[row] = 0
             continue
         position = torch.tensor([kv_len - 1], device=q.device)
         out[row] = _attend_one(q[row : row + 1], k_cache, v_cache, page_table[req].tolist(), page_size, position,
-                               scale, window, logit_cap, sinks)[0].to(out.dtype)  # fmt: skip
+                               scale, window, logit_cap, sinks, chunk)[0].to(out.dtype)  # fmt: skip
 
 
 def paged_extend_attention_torch(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                                  cached_lens: torch.Tensor, tile_reqs: torch.Tensor, tile_offsets: torch.Tensor,
                                  page_size: int, scale: float, window: int = 0,
-                                 logit_cap: float = 0.0, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
+                                 logit_cap: float = 0.0, sinks: torch.Tensor | None = None,
+                                 chunk: int = 0) -> None:  # fmt: skip
     check_extend_args(out, q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets,
-                      page_size, sinks)  # fmt: skip
+                      page_size, sinks, chunk)  # fmt: skip
     for req, (start, q_len, cached) in enumerate(
         zip(q_starts.tolist(), q_lens.tolist(), cached_lens.tolist(), strict=True)
     ):
@@ -187,7 +193,7 @@ def paged_extend_attention_torch(out: torch.Tensor, q: torch.Tensor, k_cache: to
         positions = cached + torch.arange(q_len, device=q.device)
         out[start : start + q_len] = _attend_one(q[start : start + q_len], k_cache, v_cache, page_table[req].tolist(),
                                                  page_size, positions, scale, window, logit_cap,
-                                                 sinks).to(out.dtype)  # fmt: skip
+                                                 sinks, chunk).to(out.dtype)  # fmt: skip
 
 
 def _latent_attend_one(q: torch.Tensor, cache: torch.Tensor, pages: list[int], page_size: int,
@@ -283,6 +289,15 @@ def fp8_weight_matmul_torch(
     check_fp8_matmul_args(x, q, scales, row_ids, col_ids)
     w = q.float() * scales[row_ids][:, col_ids]
     return (x.float() @ w.t()).to(x.dtype)
+
+
+def mxfp4_weight_matmul_torch(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+                              out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x · Wᵀ on the weight the CPU path dequantizes (worker/quant/mxfp4.py), in x's dtype, as ExpertsLinear runs it
+    there."""
+    check_mxfp4_matmul_args(x, blocks, scales, out)
+    y = x @ mxfp4.dequantize(blocks, scales, x.dtype).t()
+    return y if out is None else out.copy_(y)
 
 
 # ---- Gated DeltaNet: the torch mixer the layer runs without the kernels (worker/layers/delta_mixer.py) --------------

@@ -49,6 +49,8 @@ layers/activation.py       SiluAndMul of a fused [gate | up] projection
 layers/packed.py           linear weights prepacked for oneDNN (CPU, bfloat16)
 layers/moe.py              MoE block: router top-k (softmax, or DeepSeek's grouped sigmoid), stacked experts
                            (ExpertsLinear) sharded like the dense MLP; a sigmoid-gated shared expert (Qwen3-Next, 3.5)
+layers/expert_weights.py   how stacked experts hold their weights: plain, MXFP4, or a linear format's FP8 / packed
+                           integers per expert, each dequantized at its matmul
 layers/expert_parallel.py  ExpertDispatcher: --enable-expert-parallel's dispatch of rows to the ranks holding their
                            experts and combine of the outputs, by all-to-all
 layers/gated_delta.py      Gated DeltaNet's ops: causal conv with state; the delta rule, chunked (prefill) and recurrent

@@ -7,8 +7,8 @@ device and dtype it is made in.
 
 A quantized linear (a checkpoint with a quantization_config) draws each projection's checkpoint tensors in the
 format's own layout (formats.random_tensors: packed qweight/qzeros/scales/g_idx, FP8 weight and its scales, ...),
-whose dequantized values are ~ N(0, initializer_range) too; they are drawn on the CPU in float32, where a real
-checkpoint's tensors are decoded, so they are the same on every device."""
+quantized MoE experts each expert's, whose dequantized values are ~ N(0, initializer_range) too; they are drawn on
+the CPU in float32, where a real checkpoint's tensors are decoded, so they are the same on every device."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
-from loraplex.worker.quant.formats import random_tensors
+from loraplex.worker.quant.formats import QuantFormat, random_tensors
 from torch import nn
 
 
@@ -46,12 +46,11 @@ def _plain_draw(param: nn.Parameter, shape: tuple[int, ...], key: str, shard_id:
     return _Draw(key, param.device, values, load)
 
 
-def _quantized_draw(module: nn.Module, module_name: str, slice_id: int, std: float) -> _Draw:
-    """One projection (slice) of a quantized linear: its tensors staged through the placeholders' loaders, as the
-    checkpoint loader stages them (the layer decodes and shards once it holds every slice)."""
-    shard_id = slice_id if module.num_slices > 1 else None
-    out_features, in_features = module.output_sizes[slice_id], module.input_size
-    fmt = module.quant.format
+def _quantized_draw(module: nn.Module, fmt: QuantFormat, key: str, shard_id: int | tuple[int, int] | None,
+                    out_features: int, in_features: int, std: float) -> _Draw:
+    """One projection (a linear's slice, an expert's slice) of a quantized layer: its tensors staged through the
+    placeholders' loaders, as the checkpoint loader stages them (the layer decodes and shards once it holds every
+    slice)."""
 
     def values(generator: torch.Generator) -> dict[str, torch.Tensor]:
         return random_tensors(fmt, out_features, in_features, std, generator)
@@ -61,7 +60,17 @@ def _quantized_draw(module: nn.Module, module_name: str, slice_id: int, std: flo
             placeholder = getattr(module, name)
             placeholder.weight_loader(placeholder, tensor, shard_id)
 
-    return _Draw(f"{module_name}[{shard_id}]", torch.device("cpu"), values, load)
+    return _Draw(key, torch.device("cpu"), values, load)
+
+
+def _quantized_draws(module: nn.Module, module_name: str, fmt: QuantFormat, std: float) -> list[_Draw]:
+    """Every projection of a quantized linear (per slice) or of quantized stacked experts (per expert and slice)."""
+    if hasattr(module, "checkpoint_shards"):
+        pieces = [((expert, slice_id), slice_id) for expert, slice_id in module.checkpoint_shards()]
+    else:
+        pieces = [(slice_id if module.num_slices > 1 else None, slice_id) for slice_id in range(module.num_slices)]
+    return [_quantized_draw(module, fmt, f"{module_name}[{shard_id}]", shard_id, module.output_sizes[slice_id],
+                            module.input_size, std) for shard_id, slice_id in pieces]  # fmt: skip
 
 
 @torch.no_grad()
@@ -70,8 +79,10 @@ def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
     seen: set[int] = set()  # a tied weight is drawn once, under its first name
     for module_name, module in model.named_modules():
         is_norm = type(module).__name__.endswith("Norm")
-        quant = getattr(module, "quant", None)
-        quantized = () if quant is None else quant.format.tensor_names  # drawn per projection, below
+        # a quantized linear's, or quantized experts' (worker/layers/expert_weights.py), format
+        quant = getattr(module, "quant", None) or getattr(module, "storage", None)
+        fmt = getattr(quant, "format", None)
+        quantized = () if fmt is None else fmt.tensor_names  # drawn per projection, below
         for param_name, param in module.named_parameters(recurse=False):
             if id(param) in seen or param_name in quantized:
                 continue
@@ -88,8 +99,8 @@ def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
                 for shard_id in range(num_slices) if num_slices > 1 else (None,):
                     shape = module.full_shape(param, shard_id)
                     draws.append(_plain_draw(param, shape, f"{name}[{shard_id}]", shard_id, std))
-        if quant is not None:
-            draws.extend(_quantized_draw(module, module_name, slice_id, std) for slice_id in range(module.num_slices))
+        if fmt is not None:
+            draws.extend(_quantized_draws(module, module_name, fmt, std))
 
     def draw(job: _Draw) -> Any:
         # One 32-bit seed of (seed, name): the CPU generator keeps only 32 bits of what it is given.

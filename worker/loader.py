@@ -43,8 +43,8 @@ class CheckpointError(ValueError):
 
 
 # One expert's linear in a per-expert checkpoint (Mixtral's w1/w3/w2, OLMoE's and Qwen3-MoE's gate/up/down_proj) ->
-# (stacked experts linear, slice).
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+# (stacked experts linear, slice); its tensor is `weight`, or a quantized format's (`qweight`, `weight_scale_inv`...).
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.(?!bias$)(\w+)$")
 EXPERT_SLICES = {
     "w1": ("gate_up_proj", 0),
     "gate_proj": ("gate_up_proj", 0),
@@ -69,7 +69,7 @@ def map_hf_name(hf_name: str) -> tuple[str, int | tuple[int, int] | None]:
     expert = _EXPERT.search(hf_name)
     if expert is not None:
         stacked, slice_id = EXPERT_SLICES[expert[2]]
-        return f"{hf_name[: expert.start()]}.experts.{stacked}.weight", (int(expert[1]), slice_id)
+        return f"{hf_name[: expert.start()]}.experts.{stacked}.{expert[3]}", (int(expert[1]), slice_id)
     if _STACKED_EXPERTS.search(hf_name):
         return f"{hf_name}.weight", None
     if (bias := _STACKED_EXPERT_BIAS.search(hf_name)) is not None:
@@ -146,8 +146,10 @@ def load_weights(model: nn.Module, model_dir: str, *, show_progress: bool = True
     aliases = set(dict(model.named_parameters(remove_duplicate=False))) - set(params)
     shards: dict[str, list] = {}  # a parameter loaded in pieces -> the pieces' shard ids
     for name, module in model.named_modules():
-        if hasattr(module, "checkpoint_shards"):  # stacked experts
-            shards[f"{name}.weight"] = module.checkpoint_shards()
+        if hasattr(module, "checkpoint_shards"):  # stacked experts: each tensor (a quantized format's too) per piece
+            for suffix, _ in module.named_parameters(recurse=False):
+                if suffix != "bias":
+                    shards[f"{name}.{suffix}"] = module.checkpoint_shards()
         elif getattr(module, "num_slices", 1) > 1:
             # each of a fused layer's own tensors (weight, bias, a quantized format's) per slice
             for suffix, _ in module.named_parameters(recurse=False):

@@ -85,7 +85,6 @@ class ModelRunner:
             self.backend.cpu_kernels,
             latent_dim=self.model_config.mla.kv_lora_rank if self.model_config.mla is not None else None,
             sinks=self.model_config.attention_sinks,
-            chunked_attention=any(self.model_config.layer_chunks),
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
         # the norms', rotary's and activation's, bound as the layers are built
@@ -291,19 +290,19 @@ class ModelRunner:
         if self.quant_format is None:
             logger.info("quantization: none (plain weights)")
             return
+        method, flag = self.quant_format.method, self.config.quantization
+        experts = [m for m in self.model.modules() if getattr(m, "is_quantized", False)]  # ExpertsLinear's
+        held = (f"expert weights {sum(m.resident_bytes for m in experts) / 2**20:.1f} MiB resident on this rank "
+                f"({sum(m.num_weights for m in experts) * self.dtype.itemsize / 2**20:.1f} MiB as "
+                f"{str(self.dtype).removeprefix('torch.')}), dequantized per expert at its matmul")
         if self.quant_format.experts_only:
-            experts = [m for m in self.model.modules() if getattr(m, "packed", False)]
-            packed_bytes = sum(m.resident_bytes for m in experts)
-            plain_bytes = sum(m.blocks.numel() * 2 * self.dtype.itemsize for m in experts)
-            logger.info("quantization: %s (--quantization %s); expert weights %.1f MiB resident on this rank (%.1f MiB "
-                        "as %s), dequantized per expert at its matmul", self.quant_format.method,
-                        self.config.quantization, packed_bytes / 2**20, plain_bytes / 2**20,
-                        str(self.dtype).removeprefix("torch."))  # fmt: skip
+            logger.info("quantization: %s (--quantization %s); %s", method, flag, held)
             return
-        kernels = sorted({m.quant.matmul.name for m in self.model.modules() if getattr(m, "quant", None) is not None})
-        num_bytes = sum(m.quant.nbytes for m in self.model.modules() if getattr(m, "quant", None) is not None)
-        logger.info("quantization: %s (--quantization %s); linear weights %.1f MiB on this rank, kernels: %s",
-                    self.quant_format.method, self.config.quantization, num_bytes / 2**20, ", ".join(kernels))
+        linears = [m.quant for m in self.model.modules() if getattr(m, "quant", None) is not None]
+        kernels = sorted({quant.matmul.name for quant in linears})
+        num_bytes = sum(quant.nbytes for quant in linears)
+        logger.info("quantization: %s (--quantization %s); linear weights %.1f MiB on this rank, kernels: %s%s", method,
+                    flag, num_bytes / 2**20, ", ".join(kernels), f"; {held}" if experts else "")
 
     def _pack_weights(self) -> None:
         reason = packed.unavailable_reason(self.device, self.dtype)

@@ -263,10 +263,11 @@ namespace {
 
 // decode_attention for kGroup query heads per KV head and head_dim = 32 * kChunks, known at compile time so that
 // the per-head accumulators live in registers.
+// sink_logits: (heads,) float32, or nullptr for none.
 template <int64_t kGroup, int64_t kChunks>
 void decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor read_pages,
-                           torch::Tensor kv_lens, int64_t page_size, double scale, int64_t window,
-                           torch::Tensor out) {
+                           torch::Tensor kv_lens, int64_t page_size, double scale, int64_t window, int64_t chunk,
+                           const float* sink_logits, torch::Tensor out) {
   const int64_t num_reqs = q.size(0), num_kv_heads = k_cache.size(1);
   const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
   const bf16* kp = reinterpret_cast<const bf16*>(k_cache.data_ptr<at::BFloat16>());
@@ -293,15 +294,17 @@ void decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   std::vector<int64_t> slots(max_len);
   for (int64_t n = begin; n < end; ++n) {
     const int64_t len = lens[n];
-    const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;  // the window's oldest key
+    int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;  // the window's oldest key
+    if (chunk > 0) first = std::max(first, (len - 1) / chunk * chunk);  // the first key of the query's chunk
     for (int64_t t = first; t < len; ++t) slots[t] = pages[n * pages_stride + t / page_size] * page_size + t % page_size;
     for (int64_t g = 0; g < num_kv_heads; ++g) {
       __m512bh q_vec[kGroup][kChunks];
       for (int64_t j = 0; j < kGroup; ++j)
         for (int64_t c = 0; c < kChunks; ++c)
           q_vec[j][c] = (__m512bh)_mm512_loadu_si512(qp + n * q_req + (g * kGroup + j) * q_head + 32 * c);
+      // A sink joins the maximum as it joins the softmax: its exp(sink - max) <= 1 is added to the sum below.
       float max_score[kGroup];
-      std::fill_n(max_score, kGroup, -INFINITY);
+      for (int64_t j = 0; j < kGroup; ++j) max_score[j] = sink_logits ? sink_logits[g * kGroup + j] : -INFINITY;
       for (int64_t t = first; t < len; ++t) {
         const bf16* k_row = kp + slots[t] * kv_slot + g * kv_head;
         __m512bh k_vec[kChunks];
@@ -325,7 +328,9 @@ void decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
           _mm512_mask_storeu_ps(row + t, mask, p);
           sum_vec = _mm512_add_ps(sum_vec, p);
         }
-        inv_sum[j] = 1.0f / _mm512_reduce_add_ps(sum_vec);
+        float sum = _mm512_reduce_add_ps(sum_vec);
+        if (sink_logits) sum += std::exp(sink_logits[g * kGroup + j] - max_score[j]);
+        inv_sum[j] = 1.0f / sum;
       }
       __m512 acc[kGroup][2 * kChunks];
       for (int64_t j = 0; j < kGroup; ++j)
@@ -357,16 +362,24 @@ bool decode_attention_supports(int64_t group, int64_t head_dim) {
 }
 
 // One new token per request: out[n, h] = softmax(scale * q[n, h] · K[n]ᵀ) V[n] over the request's first kv_lens[n]
-// positions (with window > 0 only the last `window` of them), K/V read straight from the paged cache through
-// read_pages (no gather); the query heads of one KV head share each K/V row load. Scores and probabilities in float32.
+// positions (with window > 0 only the last `window` of them; with chunk > 0 only those of the new token's chunk,
+// from p - p % chunk for its position p), K/V read straight from the paged cache through read_pages (no gather); the
+// query heads of one KV head share each K/V row load. Scores and probabilities in float32. sinks: (heads,) one
+// learned logit per head that joins the softmax's denominator and attends to no value (gpt-oss), or empty for none.
 void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor read_pages,
-                      torch::Tensor kv_lens, int64_t page_size, double scale, int64_t window, torch::Tensor out) {
+                      torch::Tensor kv_lens, int64_t page_size, double scale, int64_t window, int64_t chunk,
+                      torch::Tensor sinks, torch::Tensor out) {
   const int64_t group = q.size(1) / k_cache.size(1), head_dim = q.size(2);
   TORCH_CHECK(decode_attention_supports(group, head_dim), "decode_attention: unsupported group ", group,
               " or head_dim ", head_dim);
-#define LORAPLEX_DISPATCH(G, C)                                                                   \
-  if (group == G && head_dim == 32 * C)                                                           \
-    return decode_attention_impl<G, C>(q, k_cache, v_cache, read_pages, kv_lens, page_size, scale, window, out);
+  TORCH_CHECK(sinks.numel() == 0 || (sinks.dim() == 1 && sinks.size(0) == q.size(1) && sinks.is_floating_point()),
+              "decode_attention: sinks must be (heads,) floats or empty");
+  const torch::Tensor sink_logits = sinks.to(at::kFloat).contiguous();  // (heads,): a copy of a few floats at most
+  const float* sink_ptr = sinks.numel() ? sink_logits.data_ptr<float>() : nullptr;
+#define LORAPLEX_DISPATCH(G, C)                                                                               \
+  if (group == G && head_dim == 32 * C)                                                                       \
+    return decode_attention_impl<G, C>(q, k_cache, v_cache, read_pages, kv_lens, page_size, scale, window, chunk, \
+                                       sink_ptr, out);
   LORAPLEX_DISPATCH(1, 2) LORAPLEX_DISPATCH(2, 2) LORAPLEX_DISPATCH(4, 2) LORAPLEX_DISPATCH(8, 2)
   LORAPLEX_DISPATCH(1, 4) LORAPLEX_DISPATCH(2, 4) LORAPLEX_DISPATCH(4, 4) LORAPLEX_DISPATCH(8, 4)
 #undef LORAPLEX_DISPATCH

@@ -13,18 +13,23 @@ Two families' caches beside them, in process: a hybrid model's decode step (Gate
 dense model of equal parameters (KV read) at 1, 8 and 32 running requests (scripts/bench/hybrid_decode.py's
 measurement; --quick on its small shapes), and latent attention's KV bytes per token against the same model with
 plain multi-head attention, on DeepSeek-V3's published shapes (DeepseekV3Config's defaults) through the worker's own
-KV layout.
+KV layout. And quantized experts (worker/layers/expert_weights.py), in process: the Qwen3-MoE-shaped bench model with
+its attention, dense and expert linears in FP8 (128x128 blocks) and in compressed-tensors INT4 (groups of 64)
+against its plain weights in --dtype: each one's resident expert bytes on one rank and its median decode step of one
+request per adapter (scripts/bench/decode_step.py's runner, alternating the three per repeat).
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import scripts.bench.hybrid_decode as hybrid_decode
 import scripts.bench.serving as bench_serving
-from scripts.bench.model import SIZES, BenchModel, ensure_bench_model
+from scripts.bench.decode_step import decode_reqs, make_runner, step_ms
+from scripts.bench.model import SIZES, BenchModel, build_atomically, ensure_bench_model
 from scripts.bench.report import Targets, best_of, versus
 from scripts.bench.server import start_server
 from scripts.bench.workload import WorkloadSpec, make_workload
@@ -58,6 +63,8 @@ FULL = Plan(size=FAMILY_SIZES["qwen3"][0], quick=False, num_adapters=8, input_le
 QUICK = Plan(size=FAMILY_SIZES["qwen3"][1], quick=True, num_adapters=8, input_len_range=(8, 16),
              output_len_range=(4, 8), num_requests=16, concurrency=8, hybrid_context=16, hybrid_steps=2)
 HYBRID_BATCHES = (1, 8, 32)  # running requests per timed decode step
+QUANTIZED_EXPERTS = {"fp8": "fp8-block", "int4": "ct-w4a16"}  # label -> tests/quantize_checkpoint.py format
+EXPERTS_GROUP_SIZE = 64  # divides every linear's input in both MoE sizes
 
 
 TARGETS: Targets = {
@@ -71,6 +78,14 @@ TARGETS: Targets = {
 } | {
     "latent_kv_bytes": ("latent / plain attention KV bytes per token (DeepSeek-V3's shapes)", "<= 0.1",
                         lambda v: v <= 0.1),
+    "moe_fp8_expert_bytes": ("Qwen3-MoE-shaped: FP8-block / plain ({dtype}) resident expert bytes", "<= 0.55",
+                             lambda v: v <= 0.55),
+    "moe_int4_expert_bytes": ("Qwen3-MoE-shaped: INT4 / plain ({dtype}) resident expert bytes", "<= 0.3",
+                              lambda v: v <= 0.3),
+    "moe_fp8_decode": ("Qwen3-MoE-shaped decode step, plain / FP8-block experts ({num_adapters} adapters)", ">= 0.5",
+                       lambda v: v >= 0.5),
+    "moe_int4_decode": ("Qwen3-MoE-shaped decode step, plain / INT4 experts ({num_adapters} adapters)", ">= 0.5",
+                        lambda v: v >= 0.5),
 }
 
 
@@ -98,8 +113,39 @@ def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int,
         results["families"][family] = {"size": SIZES[size].key, **{side: best_of(r) for side, r in runs.items()}}
     results["hybrid"] = hybrid_steps(plan, dtype)
     results["latent_kv"] = latent_kv_bytes(dtype)
+    results["quantized_moe"] = quantized_moe_steps(plan, dtype, cache_dir, repeats)
     results["measured"] = measure_ratios(results)
     return results
+
+
+def quantized_moe_steps(plan: Plan, dtype: str, cache_dir: Path, repeats: int) -> dict:
+    """{label: {'step_ms', 'expert_mib'}} for the plain MoE bench model and its QUANTIZED_EXPERTS copies (written once
+    beside it)."""
+    from tests.quantize_checkpoint import write_quantized
+
+    bench = ensure_bench_model(SIZES[plan.family_size("qwen3_moe")], plan.num_adapters, cache_dir)
+    models = {"plain": bench}
+    for label, fmt in QUANTIZED_EXPERTS.items():
+        out_dir = bench.base_dir.with_name(f"{bench.base_dir.name}-{label.upper()}")  # as published copies are named
+        build_atomically(out_dir, lambda out, fmt=fmt: write_quantized(bench.base_dir, fmt, out, None,
+                                                                       EXPERTS_GROUP_SIZE))  # fmt: skip
+        models[label] = replace(bench, base_dir=out_dir)
+    batch = plan.num_adapters
+    runners = {label: make_runner(model, dtype=dtype, batch=batch, context=plan.hybrid_context,
+                                  max_loras_per_batch=batch, num_adapters=batch)
+               for label, model in models.items()}  # fmt: skip
+    steps: dict[str, list[float]] = {label: [] for label in runners}
+    for _ in range(repeats):
+        for label, (runner, pages) in runners.items():
+            reqs = decode_reqs(pages, plan.hybrid_context, list(range(batch)))
+            times = [step_ms(runner, reqs, step) for step in range(2 + plan.hybrid_steps)]  # 2 warm-up steps
+            steps[label].append(statistics.median(times[2:]))
+    rows = {}
+    for label, (runner, _) in runners.items():
+        experts = [m for m in runner.model.modules() if hasattr(m, "checkpoint_shards")]
+        rows[label] = {"step_ms": min(steps[label]), "expert_mib": sum(m.resident_bytes for m in experts) / 2**20}
+    print(f"quantized MoE experts: {rows}")
+    return rows
 
 
 def hybrid_steps(plan: Plan, dtype: str) -> dict:
@@ -142,4 +188,9 @@ def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
     kv = results["latent_kv"]
     measured["latent_kv_bytes"] = versus(kv["latent"], kv["plain"], "bytes", digits=0,
                                          note=f" per token ({kv['layers']} layers, {kv['dtype']})")  # fmt: skip
+    moe = results["quantized_moe"]
+    for label in QUANTIZED_EXPERTS:
+        measured[f"moe_{label}_expert_bytes"] = versus(moe[label]["expert_mib"], moe["plain"]["expert_mib"], "MiB")
+        measured[f"moe_{label}_decode"] = versus(moe["plain"]["step_ms"], moe[label]["step_ms"], "ms", digits=2,
+                                                 note=" (median step, best of the repeats)")  # fmt: skip
     return measured

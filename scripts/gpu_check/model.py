@@ -172,14 +172,16 @@ class AttnSetup:
         return reqs, inputs, q, self.randn(tokens, self.kv_heads, self.head_dim), self.randn(
             tokens, self.kv_heads, self.head_dim)
 
-    def run(self, inputs, q, k, v):
+    def run(self, inputs, q, k, v, chunk: int | None = None):
         from loraplex.worker.layers.attention import paged_attention
+        from loraplex.worker.layers.attention_spec import LayerAttention
 
-        return paged_attention(q, k, v, self.k_cache, self.v_cache, inputs.attention)
+        layer = LayerAttention(scale=self.head_dim**-0.5, chunk_size=chunk)
+        return paged_attention(q, k, v, self.k_cache, self.v_cache, inputs.attention, layer)
 
-    def reference(self, reqs, q):
+    def reference(self, reqs, q, chunk: int | None = None):
         """fp32 softmax(QKᵀ/√d + causal)V per request, straight from the pages (call after run: the cache holds the
-        new K/V)."""
+        new K/V); with a chunk, each query sees only its chunk's keys (Llama 4's chunked local attention)."""
         import torch
 
         outs, row = [], 0
@@ -194,7 +196,10 @@ class AttnSetup:
             qs = q[row : row + new].float()  # (new, heads, d)
             row += new
             scores = torch.einsum("qhd,khd->hqk", qs, keys) * self.head_dim**-0.5
-            causal = pos[None, :] <= (cached + torch.arange(new, device=self.dev))[:, None]  # (new, kv_len)
+            q_pos = (cached + torch.arange(new, device=self.dev))[:, None]  # (new, 1)
+            causal = pos[None, :] <= q_pos  # (new, kv_len)
+            if chunk is not None:
+                causal &= pos[None, :] // chunk == q_pos // chunk
             scores = scores.masked_fill(~causal, float("-inf"))
             outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
         return torch.cat(outs)
@@ -214,13 +219,13 @@ def _attn_specs(ctx: Context) -> dict[str, list[tuple[int, int]]]:
             "long_decode": [(n - 1, 1) for n in long_lengths], "long_decode_one": [(longest - 1, 1)]}
 
 
-def _attn_error(setup: AttnSetup, spec) -> tuple[float, bool, object]:
+def _attn_error(setup: AttnSetup, spec, chunk: int | None = None) -> tuple[float, bool, object]:
     """(max abs error against the fp32 reference, all finite, the batch's attention inputs)."""
     import torch
 
     reqs, inputs, q, k, v = setup.batch(spec)
-    out = setup.run(inputs, q, k, v)
-    return max_abs(out.float(), setup.reference(reqs, q)), bool(torch.isfinite(out).all()), inputs.attention
+    out = setup.run(inputs, q, k, v, chunk)
+    return max_abs(out.float(), setup.reference(reqs, q, chunk)), bool(torch.isfinite(out).all()), inputs.attention
 
 
 def _classify(names: list[str]) -> str:
@@ -274,6 +279,12 @@ def g2_attention(ctx: Context) -> None:
                 splits[name] = attention.decode.num_splits
                 rec.check(f"triton.{name}.{str(dtype)[6:]}.splits", splits[name] > 1, splits[name], "> 1",
                           "key splits of the decode kernel, merged by the merge kernel")
+        # Llama 4's chunked local attention: a mixed batch (one decode of each length, the prefills), each query
+        # seeing only its chunk's keys (chunks across pages and key blocks; several per long request)
+        chunked = specs["decode"][::4] + specs["prefill"]
+        err, finite, _ = _attn_error(setup, chunked, chunk=192 if ctx.is_cuda else 24)
+        rec.check(f"triton.chunked_mixed.{str(dtype)[6:]}", finite and err <= tol, err, tol,
+                  "" if finite else "NaN/Inf in the output")
     rec.figure("triton_max_err", triton_worst)
     rec.figure("triton_decode_splits", splits)
     latent_attention(ctx)  # the triton backend's latent kernels (DeepSeek-V3), scripts/gpu_check/latent.py

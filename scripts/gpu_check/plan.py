@@ -55,7 +55,7 @@ GROUPS = [
     Group("g5", "server", 55, 120, "scripts.gpu_check.serving", "g5_server", 50),
     Group("g5b", "server_graphs", 45, 120, "scripts.gpu_check.serving", "g5b_server_graphs", 40),
     Group("g6", "kernel_perf", 20, 90, "scripts.gpu_check.kernels", "g6_kernel_perf", 15),
-    Group("g9", "quantized", 14, 90, "scripts.gpu_check.quant", "g9_quantized", 12),
+    Group("g9", "quantized", 16, 90, "scripts.gpu_check.quant", "g9_quantized", 12),
     Group("g7", "tp2", 40, 90, "scripts.gpu_check.tp", "g7_tp2", 35),
     # off by default: under memcheck the small kernels alone take minutes; --sanitizer gives it SANITIZER_S
     Group(SANITIZER, "sanitizer", SANITIZER_S, 30, "scripts.gpu_check.tp", "g8_sanitizer", 180, in_default_run=False),

@@ -1,8 +1,9 @@
 """Group G9 (quantized linears) of scripts/gpu_check/runner.py: each quantized matmul path the worker takes on CUDA (the
-Triton INT4/INT8/FP8 kernels of kernels/quant_matmul.py, torch._scaled_mm for W8A8 FP8), built through the worker's
-own layouts (worker/quant/matmul.py), against the dequantized weight's torch matmul in bf16, and timed beside the
-plain bf16 matmul on the same shape. On a CPU dry run the Triton kernels run in the interpreter at tiny shapes in
-fp16 (the interpreter's bf16 dot is wrong) and _scaled_mm runs torch's CPU implementation."""
+Triton INT4/INT8/FP8 kernels of kernels/quant_matmul.py, torch._scaled_mm for W8A8 FP8, MXFP4 experts'
+kernels/mxfp4_matmul.py), built through the worker's own layouts (worker/quant/matmul.py; one expert's codes), against
+the dequantized weight's torch matmul in bf16, and timed beside the plain bf16 matmul on the same shape. On a CPU dry
+run the Triton kernels run in the interpreter at tiny shapes in fp16 (the interpreter's bf16 dot is wrong) and
+_scaled_mm runs torch's CPU implementation."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from scripts.gpu_check.lib import Context, max_rel_err, median, time_ms
 # name -> (out, in): a Llama-3-8B layer's fused qkv and its down projection; the dry run's stand-ins
 MODULES = {"8b_qkv": (6144, 4096), "8b_down": (4096, 14336)}
 DRY_MODULES = {"8b_qkv": (96, 128), "8b_down": (64, 256)}
+# MXFP4 experts (kernels/mxfp4_matmul.py, one expert per launch): gpt-oss-20b's down projection of one expert
+MXFP4_MODULES = {"20b_down": (2880, 2880)}
+DRY_MXFP4_MODULES = {"20b_down": (48, 96)}  # tails in rows and the last K tile
 BATCHES = (1, 32)  # decode batch 1 and 32
 PATHS = ("int4-g128", "int8-channel", "fp8-block128", "fp8-channel-scaled-mm", "fp8-tensor-scaled-mm")
 TOLERANCE = {"bfloat16": 8e-3, "float16": 2e-3}  # as G1: output rounding, relative to the largest |ref|
@@ -19,12 +23,41 @@ TOLERANCE = {"bfloat16": 8e-3, "float16": 2e-3}  # as G1: output rounding, relat
 FP8_ACTIVATION_TOLERANCE = 0.08
 
 
+class _Mxfp4Weight:
+    """One MXFP4 expert's codes and scales (worker/quant/mxfp4.py), dequantized as the CPU path does."""
+
+    def __init__(self, blocks, scales):
+        self.blocks, self.scales = blocks, scales
+
+    def dequantize(self, rows: slice, dtype):
+        from loraplex.worker.quant import mxfp4
+
+        return mxfp4.dequantize(self.blocks[rows], self.scales[rows], dtype)
+
+
+class _Mxfp4Matmul:
+    """ExpertsLinear's CUDA path for one expert: kernels/mxfp4_matmul.py on the resident codes."""
+
+    def __init__(self, weight: _Mxfp4Weight, dtype):
+        self.weight = weight
+        self.nbytes = weight.blocks.numel() + weight.scales.numel()
+
+    def __call__(self, x):
+        from loraplex.kernels.mxfp4_matmul import mxfp4_weight_matmul_triton
+
+        return mxfp4_weight_matmul_triton(x, self.weight.blocks, self.weight.scales)
+
+
 def _weight(path: str, num_rows: int, num_cols: int, device, seed: int):
     """A random weight in the path's form, as a checkpoint would decode it (worker/quant/weights.py)."""
     import torch
     from loraplex.worker.quant.weights import FloatWeight, IntWeight
 
     gen = torch.Generator(device=device).manual_seed(seed)
+    if path == "mxfp4":  # every code; exponents 2^-8 .. 2^-5, gpt-oss's weights' range
+        blocks = torch.randint(0, 256, (num_rows, num_cols // 2), generator=gen, device=device, dtype=torch.uint8)
+        scales = torch.randint(119, 123, (num_rows, num_cols // 32), generator=gen, device=device, dtype=torch.uint8)
+        return _Mxfp4Weight(blocks, scales)
     if path.startswith("int"):
         bits, group_size = (4, 128) if path == "int4-g128" else (8, num_cols)
         num_groups = num_cols // group_size
@@ -44,6 +77,8 @@ def _weight(path: str, num_rows: int, num_cols: int, device, seed: int):
 def _layout(path: str, weight, dtype):
     from loraplex.worker.quant.matmul import ScaledMMFP8Matmul, TritonFP8Matmul, TritonIntMatmul
 
+    if path == "mxfp4":
+        return _Mxfp4Matmul(weight, dtype)
     kind = TritonIntMatmul if path.startswith("int") else ScaledMMFP8Matmul if "scaled-mm" in path else TritonFP8Matmul
     return kind(weight, dtype)
 
@@ -117,8 +152,9 @@ def g9_quantized(ctx: Context) -> None:
     if ctx.skip_unless_cuda("kernel_choice"):
         _selection(ctx)
     cells: dict[str, dict] = {}
-    for path in PATHS:
-        for module, shape in modules.items():
+    mxfp4_modules = DRY_MXFP4_MODULES if ctx.dry_run else MXFP4_MODULES
+    for path, path_modules in [*((p, modules) for p in PATHS), ("mxfp4", mxfp4_modules)]:
+        for module, shape in path_modules.items():
             for num_tokens in BATCHES:
                 try:
                     _cell(ctx, path, module, shape, num_tokens, dtype_name, cells)

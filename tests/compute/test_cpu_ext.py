@@ -1,5 +1,6 @@
-"""cpu_ext's kernels besides LoRA (test_kernels.py): paged decode attention against a float64 softmax over the same
-keys read page by page, RMSNorm and SiLU-and-multiply against the torch ops they replace, and the kernels' guards."""
+"""cpu_ext's kernels besides LoRA (test_kernels.py): paged decode attention (sliding windows, attention chunks and
+sinks included) against a float64 softmax over the same keys read page by page, RMSNorm and SiLU-and-multiply against
+the torch ops they replace, and the kernels' guards."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from loraplex.kernels import cpu_ext
 OFF = cpu_ext.unavailable_reason()
 pytestmark = pytest.mark.skipif(OFF is not None, reason=f"CPU kernels cannot run here: {OFF}")
 PAGE_SIZE = 16
+NO_SINKS = torch.empty(0)
 
 
 def paged_batch(kv_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, seed: int = 0):
@@ -30,18 +32,27 @@ def paged_batch(kv_lens: list[int], num_heads: int, num_kv_heads: int, head_dim:
     return q, k_cache, v_cache, read_pages, torch.tensor(kv_lens, dtype=torch.int64)
 
 
-def reference(q, k_cache, v_cache, read_pages, kv_lens, window: int = 0) -> torch.Tensor:
+def reference(q, k_cache, v_cache, read_pages, kv_lens, window: int = 0, chunk: int = 0,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """float64: the request's last `window` keys (window > 0), those of its last position's chunk (chunk > 0); each
+    head's sink logit one more softmax entry of no value."""
     num_reqs, num_heads, head_dim = q.shape
     group = num_heads // k_cache.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for n in range(num_reqs):
-        first = max(0, int(kv_lens[n]) - window) if window else 0
-        positions = torch.arange(first, int(kv_lens[n]))
+        length = int(kv_lens[n])
+        first = max(0, length - window) if window else 0
+        if chunk:
+            first = max(first, (length - 1) // chunk * chunk)
+        positions = torch.arange(first, length)
         slots = read_pages[n, positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
         keys, values = k_cache[slots].double(), v_cache[slots].double()  # (len, kv_heads, head_dim)
         for h in range(num_heads):
             scores = keys[:, h // group] @ q[n, h].double() / head_dim**0.5
-            out[n, h] = torch.softmax(scores, 0) @ values[:, h // group]
+            if sinks is not None:
+                scores = torch.cat([scores, sinks[h : h + 1].double()])
+            probs = torch.softmax(scores, 0)[: len(positions)]
+            out[n, h] = probs @ values[:, h // group]
     return out
 
 
@@ -55,7 +66,7 @@ def test_decode_attention_matches_reference(num_heads: int, num_kv_heads: int, h
     # one key; exactly a page; one past a page; a long context; lengths that are not multiples of 16
     batch = paged_batch([1, 16, 17, 300, 45, 2], num_heads, num_kv_heads, head_dim)
     out = torch.empty_like(batch[0])
-    kernels.decode_attention(*batch, PAGE_SIZE, head_dim**-0.5, 0, out)
+    kernels.decode_attention(*batch, PAGE_SIZE, head_dim**-0.5, 0, 0, NO_SINKS, out)
     torch.testing.assert_close(out.double(), reference(*batch), atol=2e-2, rtol=2e-2)
 
 
@@ -65,10 +76,24 @@ def test_decode_attention_sliding_window(window: int) -> None:
     # shorter than, equal to and longer than the window; a window that starts mid-page
     batch = paged_batch([1, 7, 16, 17, 300, 45], 8, 2, 64, seed=window)
     out = torch.empty_like(batch[0])
-    kernels.decode_attention(*batch, PAGE_SIZE, 64**-0.5, window, out)
+    kernels.decode_attention(*batch, PAGE_SIZE, 64**-0.5, window, 0, NO_SINKS, out)
     expected = reference(*batch, window=window)
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
     assert (expected - reference(*batch)).abs()[4].max() > 0.1  # the window changes the long request's output
+
+
+@pytest.mark.parametrize(("window", "chunk", "with_sinks"), [(0, 0, True), (7, 0, True), (0, 24, False),
+                                                          (40, 24, True)])  # fmt: skip
+def test_decode_attention_sinks_and_chunks(window: int, chunk: int, with_sinks: bool) -> None:
+    # gpt-oss's sinks (with its sliding window) and Llama 4's chunks: a chunk's first key, its last, mid-page starts
+    kernels = cpu_ext.kernels()
+    batch = paged_batch([1, 24, 25, 47, 300, 45], 8, 2, 64, seed=window + chunk)
+    sinks = (2 * torch.randn(8, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16) if with_sinks else None
+    out = torch.empty_like(batch[0])
+    kernels.decode_attention(*batch, PAGE_SIZE, 64**-0.5, window, chunk, NO_SINKS if sinks is None else sinks, out)
+    expected = reference(*batch, window=window, chunk=chunk, sinks=sinks)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+    assert (expected - reference(*batch, window=window)).abs().max() > 0.1  # the sinks or the chunk change it
 
 
 def test_decode_attention_shapes_it_is_not_built_for() -> None:
@@ -76,7 +101,8 @@ def test_decode_attention_shapes_it_is_not_built_for() -> None:
     assert not kernels.decode_attention_supports(3, 64) and not kernels.decode_attention_supports(4, 96)
     q, k_cache, v_cache, read_pages, kv_lens = paged_batch([5], 6, 2, 64)
     with pytest.raises(RuntimeError, match="unsupported group 3"):
-        kernels.decode_attention(q, k_cache, v_cache, read_pages, kv_lens, PAGE_SIZE, 0.125, 0, torch.empty_like(q))
+        kernels.decode_attention(q, k_cache, v_cache, read_pages, kv_lens, PAGE_SIZE, 0.125, 0, 0, NO_SINKS,
+                                 torch.empty_like(q))  # fmt: skip
 
 
 @pytest.mark.parametrize("bad", ["page", "length"])
@@ -88,7 +114,8 @@ def test_decode_attention_refuses_reads_outside_the_cache(bad: str) -> None:
     else:
         kv_lens[0] = read_pages.shape[1] * PAGE_SIZE + 1  # more keys than its page table holds
     with pytest.raises(RuntimeError, match="reads page|keys"):
-        kernels.decode_attention(q, k_cache, v_cache, read_pages, kv_lens, PAGE_SIZE, 0.125, 0, torch.empty_like(q))
+        kernels.decode_attention(q, k_cache, v_cache, read_pages, kv_lens, PAGE_SIZE, 0.125, 0, 0, NO_SINKS,
+                                 torch.empty_like(q))  # fmt: skip
 
 
 def test_lora_kernels_refuse_a_slot_outside_the_pool() -> None:

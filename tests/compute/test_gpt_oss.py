@@ -9,16 +9,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from loraplex.kernels import cpu_ext
+from loraplex.protocol.structs import ForwardBatch, ForwardReq
+from loraplex.worker.layers.attention import CPUAttention
 from loraplex.worker.layers.moe import ExpertsLinear
 from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.model_runner import ModelRunner
 
 from tests.device_helpers import USES_GPU
-from tests.gpt_oss_models import build_gpt_oss_set
+from tests.gpt_oss_models import build_gpt_oss_model, build_gpt_oss_set
 from tests.lora_helpers import batch_logits, greedy_decode, load_all, slot_loads, slot_of
 from tests.mxfp4_checkpoint import write_mxfp4
 from tests.reference import assert_greedy_matches_peft, assert_logits_match_peft, hf_logits
-from tests.worker_helpers import chunked_prefill_after_a_prefix, make_runner, random_prompts
+from tests.worker_helpers import (
+    GREEDY,
+    chunked_prefill_after_a_prefix,
+    forward_logits,
+    make_runner,
+    prefill_logits,
+    random_prompts,
+)
 
 LOGITS_TOL = 1e-3  # fp32; observed ~5e-5
 MIN_ADAPTER_EFFECT = 0.1
@@ -149,3 +159,59 @@ def test_mxfp4_experts_stay_packed(mxfp4_pair) -> None:
             assert packed.packed and not hasattr(packed, "weight") and packed.blocks.dtype == torch.uint8
             assert packed.resident_bytes * 128 == full.resident_bytes * 17  # (1/2 + 1/32) bytes against 4
     assert not quant.model.model.layers[0].self_attn.qkv_proj.quant  # attention stays plain
+
+
+@pytest.mark.skipif(USES_GPU, reason="checked in the interpreter here; on a GPU the Triton path is the one chosen")
+def test_mxfp4_experts_through_the_triton_matmul_equal_the_torch_path(mxfp4_pair) -> None:
+    """The CUDA path's choice (kernels/mxfp4_matmul.py, codes decoded inside the tiles; the interpreter here), made
+    on the CPU-built experts: the base model's logits equal the torch path's, which dequantizes whole experts."""
+    quant_dir, _ = mxfp4_pair
+    runner = make_runner(quant_dir)
+    prompts = random_prompts([7, 12], 256, seed=16)
+    experts = [m for m in runner.model.modules() if isinstance(m, ExpertsLinear)]
+    assert experts and all(m.packed and not m.mxfp4_triton for m in experts)  # the CPU's choice
+    torch_path = batch_logits(runner, prompts, [None, None])
+    for module in experts:
+        module.mxfp4_triton = True
+    triton_path = batch_logits(runner, prompts, [None, None])
+    for ours, ref in zip(triton_path, torch_path, strict=True):
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-5)
+
+
+class _CountingKernels:
+    """cpu_ext's module, counting its decode attention calls."""
+
+    def __init__(self, module):
+        self.module, self.decode_calls = module, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)
+
+    def decode_attention(self, *args) -> None:
+        self.decode_calls += 1
+        self.module.decode_attention(*args)
+
+
+@pytest.mark.skipif(cpu_ext.unavailable_reason() is not None, reason="the CPU kernels cannot run here")
+def test_bfloat16_cpu_decode_runs_the_sinks_in_the_kernel(tmp_path: Path) -> None:
+    """bfloat16 on a CPU with the compiled kernels (head_dim 64: the `cpu` attention backend): every layer's decode,
+    sliding (window 4) and full, with its sinks, runs in the kernel; the step's logits equal the same token's in a
+    whole prefill, and HF's fp32 logits within bfloat16's rounding."""
+    model_dir = tmp_path / "gpt_oss_hd64"
+    build_gpt_oss_model(model_dir, head_dim=64)
+    runner = make_runner(model_dir, dtype="bfloat16")
+    assert type(runner.attention) is CPUAttention
+    counting = runner.attention.compiled = _CountingKernels(runner.attention.compiled)
+    prompt = random_prompts([10], runner.vocab_size, seed=17)[0]  # the last token at 9: past the window
+    whole = prefill_logits(runner, prompt)[-1].float()
+    pages = list(range(3))
+    first = ForwardReq(input_ids=prompt[:9], num_cached_tokens=0, page_ids=pages, sampling=GREEDY, slot=-1)
+    runner.forward(ForwardBatch(batch_id=0, reqs=[first]))
+    step = ForwardReq(input_ids=prompt[9:], num_cached_tokens=9, page_ids=pages, sampling=GREEDY, slot=-1)
+    calls = counting.decode_calls
+    decoded = forward_logits(runner, ForwardBatch(batch_id=1, reqs=[step]))[-1].float()
+    assert counting.decode_calls - calls == runner.model_config.num_layers  # every layer's decode, in the kernel
+    ref = hf_logits(model_dir, prompt)[-1]
+    scale = ref.abs().max().item()
+    assert (decoded - whole).abs().max().item() <= 0.02 * scale
+    assert (decoded - ref).abs().max().item() <= 0.05 * scale

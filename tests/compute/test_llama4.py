@@ -14,13 +14,9 @@ import pytest
 import torch
 from loraplex.kernels import cpu_ext
 from loraplex.protocol.structs import ForwardBatch, ForwardReq
-from loraplex.worker.layers.attention import (
-    AttentionBackendError,
-    CPUAttention,
-    SDPAAttention,
-    select_attention_backend,
-)
+from loraplex.worker.layers.attention import CPUAttention, select_attention_backend
 from loraplex.worker.layers.moe import ExpertsLinear
+from loraplex.worker.layers.triton_attention import TritonAttention
 from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model_runner import ModelRunner
@@ -31,6 +27,7 @@ from tests.reference import assert_greedy_matches_peft, assert_logits_match_peft
 from tests.worker_helpers import (
     GREEDY,
     chunked_prefill_after_a_prefix,
+    consecutive_pages,
     forward_logits,
     make_runner,
     prefill_logits,
@@ -118,10 +115,28 @@ def test_multimodal_checkpoint_serves_its_language_model(llama4_set, tmp_path: P
     assert diff <= LOGITS_TOL
 
 
-def test_triton_attention_is_refused_for_chunked_layers() -> None:
-    with pytest.raises(AttentionBackendError, match="chunked local attention"):
-        select_attention_backend("triton", "cuda", 4, 2, 16, chunked_attention=True)
-    assert isinstance(select_attention_backend("auto", "cuda", 4, 2, 16, chunked_attention=True), SDPAAttention)
+def test_triton_attention_backend_matches_torch(llama4_set) -> None:
+    """--attention-backend triton (the paged kernels mask the chunks; Triton's interpreter here): prefills that cross
+    chunk boundaries, then decode steps across more of them, in one batch; logits equal the torch backend's."""
+    model_dir, _ = llama4_set
+    assert isinstance(select_attention_backend("auto", "cuda", 4, 2, 16), TritonAttention)
+    lengths, steps = [5, 12, 11], 2  # chunks of 6: decodes at 5-6 (across a boundary), 12-13 (at one), 11-12
+    logits = {}
+    for backend in ("triton", "torch"):
+        runner = make_runner(model_dir, attention_backend=backend)
+        assert runner.attention.name == backend
+        prompts = random_prompts(lengths, runner.vocab_size, seed=21)
+        pages = consecutive_pages([n + steps for n in lengths], runner.page_size)
+        reqs = [ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=-1)
+                for p, pg in zip(prompts, pages, strict=True)]  # fmt: skip
+        outs = [forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs))]
+        for step in range(steps):
+            reqs = [ForwardReq(input_ids=[(7 * step + i) % runner.vocab_size], num_cached_tokens=n + step,
+                               page_ids=pg, sampling=GREEDY, slot=-1)
+                    for i, (n, pg) in enumerate(zip(lengths, pages, strict=True))]  # fmt: skip
+            outs.append(forward_logits(runner, ForwardBatch(batch_id=step + 1, reqs=reqs)))
+        logits[backend] = torch.cat(outs)
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
 
 
 def test_dummy_weights_at_default_widths_with_fewer_layers_and_experts(tmp_path: Path) -> None:
@@ -155,8 +170,8 @@ def test_dummy_weights_at_default_widths_with_fewer_layers_and_experts(tmp_path:
 @pytest.mark.skipif(cpu_ext.unavailable_reason() is not None, reason="the CPU kernels cannot run here")
 def test_bfloat16_cpu_decode_keeps_the_chunks(tmp_path: Path) -> None:
     """bfloat16 on a CPU with the compiled kernels (head_dim 64: the `cpu` attention backend): a decode step's
-    logits equal the same token's in a whole prefill, the chunked layers' decodes left to SDPA (the kernel would read
-    the keys of earlier chunks), and HF's fp32 logits within bfloat16's rounding."""
+    logits, the chunked layers' decodes in the kernel (which reads only the token's chunk), equal the same token's in
+    a whole prefill, and HF's fp32 logits within bfloat16's rounding."""
     model_dir = tmp_path / "llama4_hd64"
     build_llama4_model(model_dir, head_dim=64, hidden_size=128)
     runner = make_runner(model_dir, dtype="bfloat16")

@@ -66,9 +66,9 @@ def make_paged(cached_lens: list[int], q_lens: list[int], *, heads: int, kv_head
     return Paged(q, k_cache, v_cache, page_table, keys, values, q_starts, list(q_lens), list(cached_lens), page_size)
 
 
-def sdpa_reference(p: Paged, req: int, scale: float, window: int = 0) -> torch.Tensor:
+def sdpa_reference(p: Paged, req: int, scale: float, window: int = 0, chunk: int = 0) -> torch.Tensor:
     """(q_len, heads, d) in fp32 from the request's contiguous keys: causal, bottom-right aligned; with a window > 0
-    a query at position p sees keys at (p - window, p]."""
+    a query at position p sees keys at (p - window, p], with a chunk > 0 those at [p - p % chunk, p]."""
     q_len, cached = p.q_lens[req], p.cached_lens[req]
     q = p.q[p.q_starts[req] : p.q_starts[req] + q_len].float().transpose(0, 1)  # (heads, q_len, d)
     k = p.keys[req].float().transpose(0, 1)  # (kv_heads, kv_len, d)
@@ -78,6 +78,8 @@ def sdpa_reference(p: Paged, req: int, scale: float, window: int = 0) -> torch.T
     mask = kv_pos[None, :] <= q_pos
     if window > 0:
         mask &= kv_pos[None, :] > q_pos - window
+    if chunk > 0:
+        mask &= kv_pos[None, :] >= q_pos - q_pos % chunk
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
 
@@ -249,6 +251,47 @@ def test_extend_with_sinks(window: int) -> None:
             int32(cached_lens), int32(tile_reqs), int32(tile_offsets), 16, 0.3, window, 0.0, sinks)  # fmt: skip
     ref, tri = run_both(kernel_refs.paged_extend_attention_torch, pa.paged_extend_attention_triton, args)
     torch.testing.assert_close(tri, ref, **TOLERANCES[torch.float32])
+
+
+FP32, FP16 = torch.float32, torch.float16
+# (chunk, page_size, window, num_splits, dtype): chunks inside a page, across pages and key blocks, with a window and
+# with splits
+CHUNK_CASES = [(4, 16, 0, 1, FP16), (24, 16, 0, 3, FP32), (80, 16, 0, 2, FP32), (24, 8, 10, 1, FP32)]
+
+
+@pytest.mark.parametrize(("chunk", "page_size", "window", "num_splits", "dtype"), CHUNK_CASES)
+def test_decode_chunked(chunk: int, page_size: int, window: int, num_splits: int, dtype: torch.dtype) -> None:
+    # Llama 4's chunked local attention: the new token at p - 1 sees its chunk's keys only (a chunk's first key, its
+    # last, one past a chunk, several chunks back)
+    kv_lens = [1, 5, 25, 81, 170]
+    p = make_paged([n - 1 for n in kv_lens], [1] * len(kv_lens), heads=4, kv_heads=2, head_dim=32,
+                   page_size=page_size, dtype=dtype)  # fmt: skip
+    args = (*decode_args(p, torch.full_like(p.q, 7.0), num_splits, 0.3), window, 0.0, None, chunk)
+    ref, tri = run_both(kernel_refs.paged_decode_attention_torch, pa.paged_decode_attention_triton, args)
+    torch.testing.assert_close(tri, ref, **TOLERANCES[dtype])
+    for req, start in enumerate(p.q_starts):
+        torch.testing.assert_close(ref[start : start + 1].float(), sdpa_reference(p, req, 0.3, window, chunk),
+                                   **TOLERANCES[dtype])  # fmt: skip
+    plain = decode_args(p, torch.full_like(p.q, 7.0), num_splits, 0.3)
+    kernel_refs.paged_decode_attention_torch(*plain, window)
+    assert (plain[0][p.q_starts[-1]] - ref[p.q_starts[-1]]).abs().max() > 0.05  # the chunk changes it
+
+
+@pytest.mark.parametrize(("chunk", "page_size", "window", "dtype"), [(4, 16, 0, FP16), (80, 16, 0, FP32),
+                                                                    (24, 8, 10, FP32)])  # fmt: skip
+def test_extend_chunked(chunk: int, page_size: int, window: int, dtype: torch.dtype) -> None:
+    # prefills from 0 and after cached prefixes that end inside a chunk, a row tile spanning several chunks
+    cached_lens, q_lens = [0, 5, 23, 100], [9, 70, 3, 30]
+    p = make_paged(cached_lens, q_lens, heads=4, kv_heads=2, head_dim=32, page_size=page_size, dtype=dtype, filler=2)
+    tile_reqs, tile_offsets = pa.plan_extend_tiles(q_lens)
+    args = (torch.full_like(p.q, 7.0), p.q, p.k_cache, p.v_cache, p.page_table, int32(p.q_starts), int32(q_lens),
+            int32(cached_lens), int32(tile_reqs), int32(tile_offsets), page_size, 0.3, window, 0.0, None,
+            chunk)  # fmt: skip
+    ref, tri = run_both(kernel_refs.paged_extend_attention_torch, pa.paged_extend_attention_triton, args)
+    torch.testing.assert_close(tri, ref, **TOLERANCES[dtype])
+    for req, (start, q_len) in enumerate(zip(p.q_starts, q_lens, strict=True)):
+        torch.testing.assert_close(ref[start : start + q_len].float(), sdpa_reference(p, req, 0.3, window, chunk),
+                                   **TOLERANCES[dtype])  # fmt: skip
 
 
 def test_plans() -> None:

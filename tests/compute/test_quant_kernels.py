@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from loraplex.kernels.mxfp4_matmul import mxfp4_weight_matmul_triton
 from loraplex.kernels.quant_matmul import fp8_weight_matmul_triton, int_weight_matmul_triton
+from loraplex.worker.quant import mxfp4
 from loraplex.worker.quant.matmul import TritonFP8Matmul, TritonIntMatmul
 from loraplex.worker.quant.weights import FloatWeight
 
 from tests.device_helpers import TEST_DEVICE
-from tests.kernel_refs import fp8_weight_matmul_torch, int_weight_matmul_torch
+from tests.kernel_refs import fp8_weight_matmul_torch, int_weight_matmul_torch, mxfp4_weight_matmul_torch
 from tests.quant_weights import random_int_weight
 
 SIZES = [(1, 64, 64, 32), (7, 96, 128, 64), (33, 200, 256, 128)]  # (tokens, out, in, group size)
@@ -78,3 +80,45 @@ def test_cuda_layouts_equal_the_dequantized_weight(bits: int, group_size: int, a
     x = torch.randn(3, 150).to(TEST_DEVICE)
     ref = F.linear(x, fp8.dequantize(slice(None), torch.float32))
     assert close(TritonFP8Matmul(fp8, torch.float32)(x), ref, torch.float32)
+
+
+# (tokens, out, in): one token; tails in tokens, rows and the last K tile (in = 3 blocks of 32)
+MXFP4_SIZES = [(1, 64, 64), (7, 70, 96)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("size", MXFP4_SIZES)
+def test_mxfp4_weight_matmul(size: tuple[int, int, int], dtype: torch.dtype) -> None:
+    # every e2m1 code (both nibbles) and exponents around gpt-oss's (2^-8 .. 2^0), into a row range of an output
+    num_tokens, num_rows, num_cols = size
+    gen = torch.Generator().manual_seed(num_rows)
+    blocks = torch.randint(0, 256, (num_rows, num_cols // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(119, 128, (num_rows, num_cols // 32), generator=gen, dtype=torch.uint8)
+    x = torch.randn(num_tokens, num_cols, generator=gen).to(dtype)
+    out = torch.full((num_tokens + 2, num_rows), 5.0, dtype=dtype)
+    ref = mxfp4_weight_matmul_torch(x.float(), blocks, scales).to(dtype)
+    x, blocks, scales, out = (t.to(TEST_DEVICE) for t in (x, blocks, scales, out))
+    ours = mxfp4_weight_matmul_triton(x, blocks, scales, out=out[1 : num_tokens + 1])
+    assert ours.data_ptr() == out[1].data_ptr() and close(ours.cpu(), ref, dtype)
+    assert (out[0] == 5.0).all() and (out[-1] == 5.0).all()  # rows outside the range untouched
+    assert torch.equal(mxfp4_weight_matmul_triton(x, blocks, scales).cpu(), ours.cpu())
+
+
+def test_mxfp4_matmul_refuses_partial_blocks_and_wrong_scales() -> None:
+    x = torch.randn(2, 48)
+    with pytest.raises(ValueError, match="not whole blocks of 32"):
+        mxfp4_weight_matmul_triton(x, torch.zeros(4, 24, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8))
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="scales must be uint8 \\(4, 2\\)"):
+        mxfp4_weight_matmul_triton(x, torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8))
+
+
+def test_mxfp4_kernel_decodes_every_code_and_exponent_exactly() -> None:
+    # x = I in float32 (IEEE products): the output is Wᵀ itself, against the CPU path's dequantization
+    codes = torch.arange(256, dtype=torch.uint8).view(8, 32)  # every byte: both nibbles take all 16 codes
+    blocks = codes.repeat(8, 1)  # (64 rows, 32 bytes) = 64 inputs per row
+    # exponents 0 (2^-127, a subnormal) .. 63 and 100 .. 163 (2^36: no product near float32's overflow)
+    scales = torch.cat([torch.arange(64), torch.arange(100, 164)]).to(torch.uint8).view(64, 2)
+    eye = torch.eye(64)
+    ours = mxfp4_weight_matmul_triton(*(t.to(TEST_DEVICE) for t in (eye, blocks, scales))).cpu()
+    assert torch.equal(ours, mxfp4.dequantize(blocks, scales, torch.float32).t())

@@ -7,7 +7,8 @@ its length.
 
 That is the `torch` attention backend. The `cpu` one (bfloat16 on a CPU where the compiled CPU kernels run, for head
 shapes they take) is the same but for the group of decodes, which goes to cpu_ext's decode_attention: it reads each
-request's keys and values straight from its pages, no gathered copy, no padding, no mask. The `triton` one
+request's keys and values straight from its pages, no gathered copy, no padding, no mask (sliding windows, attention
+chunks and sinks included). The `triton` one
 (worker/layers/triton_attention.py; CUDA by default) reads every request's keys and values from its pages in Triton
 kernels (latent attention's one tensor of [latent | rope key] rows with kernels of its own). The worker picks one at
 start-up (`select_attention_backend`); it builds each batch's AttentionInputs-like object, whose `attend` the model
@@ -15,7 +16,8 @@ reaches through `paged_attention`, so model code never knows which backend runs.
 
 A layer's own attention (softmax scale, sliding window, logit soft-cap: worker/layers/attention_spec.py) comes with
 each call; the batch's metadata is shared by every layer. Soft-capped scores and attention sinks run eager attention
-here (SDPA has neither); the `cpu` backend sends such layers' decodes there too; the `triton` kernels take both.
+here (SDPA has neither); the `cpu` backend sends soft-capped layers' decodes there too; the `triton` kernels take
+both.
 
 Latent attention (worker/model/deepseek_v3.py) runs its decodes and its prefills in different forms, so the torch
 backend's metadata also hands out its two groups as BatchParts (`decodes_and_prefills`): a part takes and places its
@@ -46,6 +48,7 @@ from loraplex.worker.layers.attention_spec import LayerAttention
 from loraplex.worker.layers.triton_attention import DecodeMeta, TritonAttention, _pack, _page_rows
 
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
+_NO_SINKS = torch.empty(0)  # the CPU decode kernel's sinks for a layer without them
 
 
 class AttentionBackendError(BackendError):
@@ -212,15 +215,15 @@ class CPUAttentionInputs(AttentionInputs):
         group: AttentionGroup,
         layer: LayerAttention,
     ) -> torch.Tensor:
-        # The kernel reads decodes from whole pages, without a logit cap, attention chunks or sinks.
-        if (group.max_q_len > 1 or not k_cache.is_contiguous() or layer.logit_cap is not None or layer.chunk_size
-                or layer.sinks is not None):  # fmt: skip
+        # The kernel reads decodes from whole pages, without a logit cap.
+        if group.max_q_len > 1 or not k_cache.is_contiguous() or layer.logit_cap is not None:
             return _sdpa_group(q, k_cache, v_cache, group, layer)
         out = torch.empty_like(q)  # (reqs, heads, head_dim): one token per request, in request order
-        window = layer.sliding_window or 0  # 0: every key
+        window, chunk = layer.sliding_window or 0, layer.chunk_size or 0  # 0: every key
+        sinks = _NO_SINKS if layer.sinks is None else layer.sinks
         self.compiled.decode_attention(
             q.contiguous(), k_cache, v_cache, group.read_pages, group.kv_lens, group.page_size, layer.scale, window,
-            out,
+            chunk, sinks, out,
         )  # fmt: skip
         return out
 
@@ -245,8 +248,8 @@ class LatentTritonInputs(AttentionInputs):
     ) -> torch.Tensor:
         if group.max_q_len > 1:
             return _sdpa_group(q, k_cache, v_cache, group, layer)[..., : self.latent_dim]
-        if layer.sliding_window is not None or layer.logit_cap is not None:
-            raise ValueError("the latent decode kernel takes no sliding window or logit cap")
+        if layer.sliding_window is not None or layer.logit_cap is not None or layer.chunk_size is not None:
+            raise ValueError("the latent decode kernel takes no sliding window, logit cap or attention chunks")
         out = q.new_empty(*q.shape[:2], self.latent_dim)  # (reqs, heads, latent_dim): one token per request
         d = self.decode
         launch_latent_decode(out, q, k_cache, d.page_table, d.kv_lens, d.q_rows, self.page_size, self.latent_dim,
@@ -404,17 +407,13 @@ def select_attention_backend(
     *,
     latent_dim: int | None = None,
     sinks: bool = False,
-    chunked_attention: bool = False,
 ) -> AttentionBackend:
     """The attention backend for this worker (`--attention-backend`), or AttentionBackendError (one line).
     Heads: this rank's. `cpu_kernels`: the compiled CPU module the worker's LoRA backend built (cpu_ext), or None.
     `latent_dim`: latent attention, whose one cache tensor (one KV head of head_dim) is keys and values both, the
     values each key's leading latent_dim dims; SDPA takes it as any other, the triton backend as
     LatentTritonAttention (the latent decode kernel; its output only the latent dims), the CPU kernels not at all.
-    `chunked_attention`: some layer attends within chunks (Llama 4), which the paged Triton kernels do not mask:
-    torch's SDPA runs it (and the `cpu` backend, whose decode kernel leaves those layers to SDPA). `sinks`: the
-    model's layers have attention sinks (the Triton kernels' sinks variant is warmed up; the CPU kernel has none, so
-    those layers' decodes run the torch path)."""
+    `sinks`: the model's layers have attention sinks (the Triton kernels' sinks variant is warmed up)."""
     device = torch.device(device)
     if choice not in ATTENTION_BACKENDS:
         raise AttentionBackendError(f"--attention-backend {choice!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
@@ -434,13 +433,8 @@ def select_attention_backend(
         )
     if choice == "cpu" or (choice == "auto" and cpu_takes_shapes):
         return CPUAttention(device, cpu_kernels)
-    if choice == "torch" or (choice == "auto" and (device.type != "cuda" or chunked_attention)):
+    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
         return SDPAAttention(device)
-    if chunked_attention:
-        raise AttentionBackendError(
-            "--attention-backend triton: the paged kernels do not mask chunked local attention (Llama 4); choose "
-            "torch or auto"
-        )
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise AttentionBackendError(f"--attention-backend triton needs a CUDA device; this worker runs on {device}")
     if latent_dim is not None:

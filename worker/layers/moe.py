@@ -26,10 +26,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from loraplex.kernels.mxfp4_matmul import launch_mxfp4_matmul
 from loraplex.worker.layers.activation import SiluAndMul
 from loraplex.worker.layers.expert_parallel import ExpertDispatcher
+from loraplex.worker.layers.expert_weights import (
+    Mxfp4ExpertWeights,
+    PlainExpertWeights,
+    QuantizedExpertWeights,
+    build_expert_weights,
+)
 from loraplex.worker.parallel import all_reduce, current_tp
-from loraplex.worker.quant import mxfp4
 from loraplex.worker.quant.layer import current_format
 from torch import nn
 
@@ -126,7 +132,8 @@ def route_grouped(
 
 
 class ExpertsLinear(nn.Module):
-    """Every expert's copy of one linear, stacked: weight (experts, out_per_rank, in_per_rank). `tp_mode` and the size
+    """Every expert's copy of one linear, stacked in one of expert_weights.py's forms (plain: weight (experts,
+    out_per_rank, in_per_rank); MXFP4; a linear format's FP8 or packed integers). `tp_mode` and the size
     attributes follow worker/layers/linear.py's promise to wrappers, per expert; forward(rows, routing) applies each
     expert's weight to its rows. `partial`/`finish` as there: a row-parallel one leaves its sum to the block.
     Under expert parallelism it holds num_experts of the checkpoint's num_global_experts, from first_expert on, whole
@@ -161,22 +168,10 @@ class ExpertsLinear(nn.Module):
         self.input_size_per_rank = input_size // self.tp_size if tp_mode == "row" else input_size
         self.output_sizes_per_rank = [s // self.tp_size for s in output_sizes] if tp_mode == "column" else output_sizes
         self.output_offsets_per_rank = [0, *itertools.accumulate(self.output_sizes_per_rank)][:-1]
-        num_rows = sum(self.output_sizes_per_rank)
-        fmt = current_format()
-        self.packed = fmt is not None and fmt.experts_only  # MXFP4 (worker/quant/mxfp4.py): bytes kept resident
-        if self.packed:
-            if self.input_size_per_rank % mxfp4.BLOCK_SIZE:
-                raise ValueError(f"mxfp4 experts' {self.input_size_per_rank} inputs per rank split a block of "
-                                 f"{mxfp4.BLOCK_SIZE}")
-            self.dtype = torch.get_default_dtype()  # of the dequantized tiles
-            num_blocks = self.input_size_per_rank // mxfp4.BLOCK_SIZE
-            self.blocks = self._packed_param((self.num_experts, num_rows, num_blocks * mxfp4.BLOCK_SIZE // 2),
-                                             mxfp4.random_blocks)  # fmt: skip
-            self.scales = self._packed_param((self.num_experts, num_rows, num_blocks), mxfp4.random_scales)
-        else:
-            weight = torch.empty(self.num_experts, num_rows, self.input_size_per_rank)
-            self.weight = nn.Parameter(weight, requires_grad=False)
-            self.weight.weight_loader = self.weight_loader
+        self.storage = build_expert_weights(self, current_format())
+        self.packed = isinstance(self.storage, Mxfp4ExpertWeights)  # stacked MXFP4 codes, stored (experts, out, ...)
+        # on CUDA MXFP4 codes are decoded inside the matmul's tiles (kernels/mxfp4_matmul.py); chosen once, here
+        self.mxfp4_triton = self.packed and torch.empty(0).device.type == "cuda"  # built under the target device
         self.bias = None
         if bias:
             bias_shape = (self.num_experts, sum(self.output_sizes_per_rank))
@@ -195,12 +190,6 @@ class ExpertsLinear(nn.Module):
         on its own."""
         experts = range(self.first_expert, self.first_expert + self.num_experts)
         return [(e, s) for e in experts for s in range(self.num_slices)]
-
-    def _packed_param(self, shape: tuple[int, ...], draw) -> nn.Parameter:
-        param = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
-        param.weight_loader = self.weight_loader
-        param.random_checkpoint = draw  # --load-format dummy draws the format's bytes (worker/dummy_weights.py)
-        return param
 
     def full_shape(self, param: nn.Parameter, shard_id: int | None = None) -> tuple[int, ...]:
         """The stacked checkpoint tensor weight_loader takes: every expert's slice `shard_id` (None: every slice)."""
@@ -280,16 +269,29 @@ class ExpertsLinear(nn.Module):
         return self.partial(rows, routing)
 
     def expert_weight(self, expert: int) -> torch.Tensor:
-        """(out_per_rank, in_per_rank) of one expert; MXFP4 experts dequantize it here, one expert's tile at a time."""
-        if self.packed:
-            return mxfp4.dequantize(self.blocks[expert], self.scales[expert], self.dtype)
-        return self.weight[expert]
+        """(out_per_rank, in_per_rank) of one expert in the activation dtype; quantized experts dequantize it here,
+        one expert's tile at a time."""
+        return self.storage.expert_weight(expert)
+
+    @property
+    def is_quantized(self) -> bool:
+        return not isinstance(self.storage, PlainExpertWeights)
+
+    @property
+    def num_weights(self) -> int:
+        """Weights this rank holds (every expert's out_per_rank x in_per_rank)."""
+        return self.num_experts * sum(self.output_sizes_per_rank) * self.input_size_per_rank
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes of this rank's expert weights held on the device (MXFP4: codes and scales; biases not counted)."""
-        params = (self.blocks, self.scales) if self.packed else (self.weight,)
-        return sum(p.numel() * p.element_size() for p in params)
+        """Bytes of this rank's expert weights held on the device, in their stored form (biases not counted)."""
+        return self.storage.resident_bytes
+
+    def read_plain(self) -> None:
+        """Read the experts plain: the checkpoint leaves them unquantized beside quantized linears."""
+        if isinstance(self.storage, QuantizedExpertWeights):
+            self.storage.drop_placeholders()
+            self.storage = PlainExpertWeights(self)
 
     def partial(self, rows: torch.Tensor, routing: Routing) -> torch.Tensor:
         out = rows.new_empty(rows.shape[0], sum(self.output_sizes_per_rank))  # (rows, out_per_rank)
@@ -298,10 +300,15 @@ class ExpertsLinear(nn.Module):
         with_bias = self.bias is not None and (self.tp_mode == "column" or self.tp_rank == 0)
         for expert in range(self.num_experts):
             start, end = bounds[expert], bounds[expert + 1]
-            if end > start:
+            if end == start:
+                continue
+            if self.mxfp4_triton:  # the codes' shapes are this layer's own: no checks per launch
+                launch_mxfp4_matmul(rows[start:end].contiguous(), self.blocks[expert], self.scales[expert],
+                                    out[start:end])  # fmt: skip
+            else:
                 torch.matmul(rows[start:end], self.expert_weight(expert).T, out=out[start:end])
-                if with_bias:
-                    out[start:end] += self.bias[expert]
+            if with_bias:
+                out[start:end] += self.bias[expert]
         return out
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:

@@ -49,15 +49,15 @@ class PagedAttentionInputs:
     ) -> torch.Tensor:
         out = torch.empty_like(q)  # (tokens, heads, head_dim); every row is some request's
         layer = layer or LayerAttention.default(q.shape[2])
-        window, cap = layer.sliding_window or 0, layer.logit_cap or 0.0  # 0: none
+        window, cap, chunk = layer.sliding_window or 0, layer.logit_cap or 0.0, layer.chunk_size or 0  # 0: none
         if self.decode is not None:
             d = self.decode
             launch_decode(out, q, k_cache, v_cache, d.page_table, d.kv_lens, d.q_rows, self.page_size, layer.scale,
-                          d.num_splits, window, cap, layer.sinks)  # fmt: skip
+                          d.num_splits, window, cap, layer.sinks, chunk)  # fmt: skip
         if self.extend is not None:
             e = self.extend
             launch_extend(out, q, k_cache, v_cache, e.page_table, e.q_starts, e.q_lens, e.cached_lens, e.tile_reqs,
-                          e.tile_offsets, self.page_size, layer.scale, window, cap, layer.sinks)  # fmt: skip
+                          e.tile_offsets, self.page_size, layer.scale, window, cap, layer.sinks, chunk)  # fmt: skip
         return out
 
 

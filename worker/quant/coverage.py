@@ -1,9 +1,10 @@
 """Which of the model's modules the checkpoint quantizes, against how the model reads them, checked once the model is
 built and before any weight is read: every decoder linear is read in the checkpoint's format, so one the checkpoint
-leaves in full precision (compressed-tensors' `ignore`) is refused; MoE experts are read plain but under MXFP4
-(worker/quant/mxfp4.py: the experts alone quantized, the linears plain), so other quantized experts are refused,
-naming their format. Modules the checkpoint leaves plain that the model reads plain (the LM head, an
-MoE router, a vision tower it does not build) are what they should be."""
+leaves in full precision (compressed-tensors' `ignore`) is refused. MoE experts are built to read the checkpoint's
+format (worker/layers/expert_weights.py; under MXFP4 the experts alone are quantized, the linears plain): experts the
+checkpoint leaves plain are switched to plain weights here, a layer whose experts are partly plain is refused. Modules
+the checkpoint leaves plain that the model reads plain (the LM head, an MoE router, a vision tower it does not build)
+are what they should be."""
 
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ def check_coverage(fmt: QuantFormat, model: nn.Module) -> None:
                     raise QuantFormatError(f"{fmt.description}: the checkpoint leaves {plain} in full precision "
                                            "(ignore); a decoder linear unquantized beside quantized ones is not "
                                            "supported")
-        elif hasattr(module, "checkpoint_shards") and not module.packed:  # stacked MoE experts, read plain
-            for piece in checkpoint_module_names(model, name):
-                # a piece is left plain when the checkpoint ignores it under any of its spellings
-                if all(fmt.quantizes(hf_name) for hf_name in piece):
-                    raise QuantFormatError(f"MoE experts quantized as {fmt.description} are not served yet "
-                                           f"({name}); serve the model's unquantized checkpoint")
+        elif hasattr(module, "checkpoint_shards") and not fmt.experts_only:  # stacked MoE experts, built quantized
+            # a piece is left plain when the checkpoint ignores it under any of its spellings
+            plain = [not all(fmt.quantizes(hf_name) for hf_name in piece)
+                     for piece in checkpoint_module_names(model, name)]  # fmt: skip
+            if all(plain):
+                module.read_plain()
+            elif any(plain):
+                raise QuantFormatError(f"{fmt.description}: the checkpoint leaves some of {name}'s experts in full "
+                                       "precision (ignore) and quantizes others; that mix is not supported")

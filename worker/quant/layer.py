@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from loraplex.worker.quant.formats import QuantFormat
 from loraplex.worker.quant.matmul import QuantMatmul, build_matmul
-from loraplex.worker.quant.weights import FloatWeight, IntWeight
+from loraplex.worker.quant.weights import FloatWeight, IntWeight, QuantWeight
 from torch import nn
 
 _current: QuantFormat | None = None
@@ -36,6 +36,31 @@ def current_format() -> QuantFormat | None:
     return _current
 
 
+def add_placeholders(layer: nn.Module, fmt: QuantFormat, stage: Callable[..., None]) -> None:
+    """One empty parameter on `layer` per checkpoint tensor of `fmt`, whose loader is stage(name, param, tensor,
+    shard_id): the loader finds each tensor's parameter by name, the layer keeps what it decodes from them."""
+    for name in fmt.tensor_names:
+        placeholder = nn.Parameter(torch.empty(0, device="cpu"), requires_grad=False)
+        placeholder.weight_loader = functools.partial(stage, name)
+        layer.register_parameter(name, placeholder)
+
+
+def decode_shard(fmt: QuantFormat, layer: nn.Module, tensors: dict[int, dict[str, torch.Tensor]]) -> QuantWeight:
+    """This rank's (out_per_rank, in_per_rank) weight of a linear with linear.py's size attributes, from each slice's
+    full checkpoint tensors (slice -> tensor name -> tensor): rows of every slice for a column-parallel layer,
+    columns for a row-parallel one (refused where they would split a group)."""
+    shards = []
+    for slice_id, size in enumerate(layer.output_sizes):
+        full = fmt.decode(tensors[slice_id], size, layer.input_size)
+        if layer.tp_mode == "column":
+            num_rows = layer.output_sizes_per_rank[slice_id]
+            shards.append(full.narrow_rows(layer.tp_rank * num_rows, num_rows))
+        else:
+            num_cols = layer.input_size_per_rank
+            shards.append(full.narrow_cols(layer.tp_rank * num_cols, num_cols))
+    return (IntWeight if isinstance(shards[0], IntWeight) else FloatWeight).cat_rows(shards)
+
+
 class QuantizedLinearWeights:
     def __init__(self, layer: nn.Module, fmt: QuantFormat):
         self.layer = layer  # the linear's sizes and shard (linear.py's attributes)
@@ -44,10 +69,7 @@ class QuantizedLinearWeights:
         self.dtype = torch.get_default_dtype()
         self.staged: dict[int, dict[str, torch.Tensor]] = {}  # slice -> tensor name -> full checkpoint tensor
         self.matmul: QuantMatmul | None = None
-        for name in fmt.tensor_names:
-            placeholder = nn.Parameter(torch.empty(0, device="cpu"), requires_grad=False)
-            placeholder.weight_loader = functools.partial(self._stage, name)
-            layer.register_parameter(name, placeholder)
+        add_placeholders(layer, fmt, self._stage)
 
     def _stage(self, name: str, _param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         self.staged.setdefault(shard_id or 0, {})[name] = loaded
@@ -56,21 +78,10 @@ class QuantizedLinearWeights:
             self._build()
 
     def _build(self) -> None:
-        layer = self.layer
-        shards = []
-        for slice_id, size in enumerate(layer.output_sizes):
-            full = self.format.decode(self.staged[slice_id], size, layer.input_size)
-            if layer.tp_mode == "column":
-                num_rows = layer.output_sizes_per_rank[slice_id]
-                shards.append(full.narrow_rows(layer.tp_rank * num_rows, num_rows))
-            else:
-                num_cols = layer.input_size_per_rank
-                shards.append(full.narrow_cols(layer.tp_rank * num_cols, num_cols))
-        weight = (IntWeight if isinstance(shards[0], IntWeight) else FloatWeight).cat_rows(shards)
-        self.matmul = build_matmul(weight, self.device, self.dtype)
+        self.matmul = build_matmul(decode_shard(self.format, self.layer, self.staged), self.device, self.dtype)
         self.staged.clear()
         for name in self.format.tensor_names:
-            delattr(layer, name)
+            delattr(self.layer, name)
 
     @property
     def nbytes(self) -> int:

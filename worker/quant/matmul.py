@@ -37,11 +37,6 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _signed_offset(weight: IntWeight) -> int:
-    """What to add to q to make it unsigned: formats that store signed values center them on zero."""
-    return 1 << (weight.bits - 1) if weight.q.dtype == torch.int8 else 0
-
-
 def _act_order(weight: IntWeight) -> torch.Tensor | None:
     """The column order that makes act-order groups contiguous, if each group has exactly group_size columns."""
     order = torch.argsort(weight.g_idx, stable=True)
@@ -72,7 +67,7 @@ class Int8ChannelMatmul:
     def __init__(self, weight: IntWeight, dtype: torch.dtype):
         # w = (q - z)·s = (u - 128)·s + (128 - z')·s with u = q + offset unsigned and z' = z + offset: the first term
         # is the int8 GEMM on u - 128, the second a per-row bias scaled by each token's input sum.
-        offset = _signed_offset(weight)
+        offset = weight.signed_offset
         unsigned = weight.q.to(torch.int16) + offset  # (out, in) in [0, 256)
         self.q = (unsigned - 128).to(torch.int8).contiguous()  # (out, in)
         self.scales = weight.scales[:, 0].to(dtype).contiguous()  # (out,)
@@ -102,7 +97,7 @@ class Int4GroupMatmul:
 
     def __init__(self, weight: IntWeight, dtype: torch.dtype):
         self.order, q, groups = _contiguous_groups(weight)
-        offset = _signed_offset(weight)
+        offset = weight.signed_offset
         unsigned = (q.to(torch.int32) + offset).contiguous()  # (out, in) in [0, 16)
         self.packed = torch._convert_weight_to_int4pack_for_cpu(unsigned, 1)
         # The kernel computes (u - 8)·s + z per group: with w = (u - offset - zero)·s, z = (8 - offset - zero)·s.
@@ -147,7 +142,7 @@ class TritonIntMatmul:
 
     def __init__(self, weight: IntWeight, dtype: torch.dtype):
         self.order, q, groups = _contiguous_groups(weight)
-        offset = _signed_offset(weight)
+        offset = weight.signed_offset
         unsigned = (q.to(torch.int16) + offset).to(torch.uint8)  # (out, in)
         self.bits, self.group_size = weight.bits, weight.group_size
         if self.bits == 4:  # columns 2j, 2j + 1 in byte j, low nibble first

@@ -8,7 +8,8 @@ odd one), and one e8m0 scale byte s, so value = E2M1[nibble] * 2 ** (s - 127). E
 0, 0.5, 1, 1.5, 2, 3, 4, 6.
 
 The experts keep the packed bytes resident (4.25 bits per weight) and dequantize one expert's weight when its rows
-are multiplied (worker/layers/moe.py's ExpertsLinear): per tile of one expert, in torch ops on every device."""
+are multiplied (worker/layers/moe.py's ExpertsLinear): on the CPU the expert's whole weight in torch ops (`dequantize`),
+on CUDA tile by tile inside the Triton matmul (kernels/mxfp4_matmul.py)."""
 
 from __future__ import annotations
 

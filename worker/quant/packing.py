@@ -14,11 +14,12 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
     """int32 words -> unsigned values (uint8), `32 // bits` per word along `dim`, each word's values in `order`."""
     pack = 32 // bits
-    shifts = torch.arange(pack, dtype=torch.int32) * bits
+    shifts = torch.arange(pack, dtype=torch.int32, device=packed.device) * bits
     words = packed.to(torch.int32).movedim(dim, -1).unsqueeze(-1)  # (..., words, 1)
     values = (words >> shifts) & ((1 << bits) - 1)  # (..., words, pack): nibble j of each word
     if order is not None:
-        values = values[..., torch.tensor([order.index(j) for j in range(pack)])]  # position j holds element j
+        positions = torch.tensor([order.index(j) for j in range(pack)], device=packed.device)
+        values = values[..., positions]  # position j holds element j
     return values.flatten(-2).movedim(-1, dim).to(torch.uint8)
 
 

@@ -59,6 +59,11 @@ class IntWeight:
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
 
+    @property
+    def signed_offset(self) -> int:
+        """What to add to q to make it unsigned: formats that store signed values center them on zero."""
+        return 1 << (self.bits - 1) if self.q.dtype == torch.int8 else 0
+
     def group_index(self) -> torch.Tensor:
         """(in,) each column's group."""
         if self.g_idx is not None:
