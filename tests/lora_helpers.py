@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 from loraplex.kernels import LoRABackend
+from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.model_runner import ModelRunner
 
@@ -132,19 +133,64 @@ def build_peft_adapter(
     target_modules: tuple[str, ...],
     seed: int,
     save_embedding_layers: bool = False,
+    use_dora: bool = False,
 ) -> None:
     """A LoRA adapter of the base at base_dir built and saved by peft itself (its layout is PEFT's own: fused
     modules, lora_embedding_A/B), A and B random (PEFT would start B at zero). `save_embedding_layers`: as PEFT's
-    save_pretrained (True: it also saves full copies of the embedding and LM head)."""
+    save_pretrained (True: it also saves full copies of the embedding and LM head). `use_dora`: DoRA, each module's
+    magnitude its updated weight's row norms times 1 ± 0.3 (PEFT would start it at the norms: no change)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0)
+    config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0,
+                        use_dora=use_dora)  # fmt: skip
     peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(peft_model.named_parameters()):
-            if ".lora_" in name:
+            if ".lora_" in name and ".lora_magnitude_vector." not in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
+        for module in peft_model.modules():
+            magnitudes = getattr(module, "lora_magnitude_vector", None)
+            if magnitudes:
+                a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+                norms = (module.base_layer.weight + module.scaling["default"] * b @ a).norm(dim=1)
+                spread = 1 + 0.3 * torch.randn(norms.shape, generator=generator).clamp(-2, 2)
+                magnitudes["default"].weight.copy_(norms * spread)
     peft_model.save_pretrained(out_dir, save_embedding_layers=save_embedding_layers)
+
+
+# DoRA beside plain LoRA (built by peft): every module; attention's q and v only at another rank; a plain adapter
+DORA_ADAPTERS = {"dora": (8, 16, True), "dora_qv": (4, 8, True), "plain": (8, 16, False)}
+DORA_TARGETS = {"dora": TARGET_MODULES, "dora_qv": ("q_proj", "v_proj"), "plain": TARGET_MODULES}
+DORA_IDS = {name: i for i, name in enumerate(DORA_ADAPTERS, start=11)}
+DORA_SLOTS = {name: i for i, name in enumerate(DORA_ADAPTERS)}
+DORA_MIXED = [None, "dora", "dora", "plain", None, "dora_qv", "dora"]
+
+
+def build_dora_adapters(base_dir: Path | str, root: Path) -> dict[str, Path]:
+    dirs = {}
+    for seed, (name, (r, alpha, use_dora)) in enumerate(DORA_ADAPTERS.items(), start=31):
+        dirs[name] = root / name
+        build_peft_adapter(base_dir, dirs[name], r=r, lora_alpha=alpha, target_modules=DORA_TARGETS[name],
+                           seed=seed, use_dora=use_dora)  # fmt: skip
+    return dirs
+
+
+def dora_batch_logits(
+    runner: ModelRunner, dirs: dict[str, Path | str], prompts: list[list[int]], names: list[str | None]
+) -> list[torch.Tensor]:
+    """Load the DoRA set (once), then prefill `prompts` in one batch, each under its adapter."""
+    if not runner.lora.adapters:
+        results = runner.lora.load(specs(dirs, {name: DORA_IDS[name] for name in dirs}))
+        assert all(r.success for r in results), [r.error_message for r in results if not r.success]
+    pages = consecutive_pages([len(p) for p in prompts], runner.page_size)
+    slots = [-1 if name is None else DORA_SLOTS[name] for name in names]
+    reqs = [
+        ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=slot)
+        for p, pg, slot in zip(prompts, pages, slots, strict=True)
+    ]
+    loads = [SlotLoad(slot=DORA_SLOTS[name], lora_id=DORA_IDS[name]) for name in sorted({n for n in names if n})]
+    logits = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=loads))
+    return list(logits.split([len(p) for p in prompts]))

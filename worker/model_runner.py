@@ -393,7 +393,8 @@ class ModelRunner:
         self._apply_slot_loads(slot_loads)
         if not self.long_rope_len and any(req.long_rope for req in reqs):
             raise BatchError("a request asks for longrope's long factors, which this model has no use for")
-        if self.decode_graphs is not None and not extra_rows and self.decode_graphs.can_run(reqs):
+        graphs_fit = self.decode_graphs is not None and not (self.lora is not None and self.lora.uses_dora(reqs))
+        if graphs_fit and not extra_rows and self.decode_graphs.can_run(reqs):
             return self.decode_graphs.logits(reqs)  # one token per request: every row is a last one, none extra
         inputs = BatchInputs.build(
             reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device, self.attention

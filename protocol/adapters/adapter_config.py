@@ -1,10 +1,10 @@
 """adapter_config.json, parsed once by one rule set: the frontend (sizing the pool from the start-up adapters) and
 every worker (loading one) read a PEFT adapter's config here. Plain Python, no torch.
 
-What is refused is what would change the math beyond y += scale · x·Aᵀ·Bᵀ on our seven linears (in an MoE model, the
-experts' gate/up/down are three of them) and the embedding's and LM head's (lora_targets.MODEL_TARGETS), so an
-adapter is never served wrong; what depends on the server (the pool's rank and modules, the model's layer count) is
-checked by the worker that holds them."""
+What is refused is what would change the math beyond y += scale · x·Aᵀ·Bᵀ (with DoRA, y's rows then rescaled) on
+our seven linears (in an MoE model, the experts' gate/up/down are three of them) and the embedding's and LM head's
+(lora_targets.MODEL_TARGETS), so an adapter is never served wrong; what depends on the server (the pool's rank and
+modules, the model's layer count) is checked by the worker that holds them."""
 
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ class AdapterConfig:
     # PEFT's per-module rank and alpha: (pattern, value) pairs, in the file's order (the first match wins, as in PEFT)
     rank_pattern: tuple[tuple[str, int], ...] = ()
     alpha_pattern: tuple[tuple[str, float], ...] = ()
+    # DoRA: each targeted module's output rows scaled by magnitude / ||W + scale·B·A|| (worker/lora/dora.py)
+    use_dora: bool = False
 
     @property
     def scale(self) -> float:
@@ -90,8 +92,11 @@ def parse_adapter_config(raw: Any) -> AdapterConfig:
     if not isinstance(use_rslora, bool):
         raise AdapterLoadError(f"'use_rslora' must be true or false, got {use_rslora!r}")
     # Features that change the math beyond y += scale · x·Aᵀ·Bᵀ: refused rather than served wrong.
-    if raw.get("use_dora"):
-        raise AdapterLoadError("DoRA adapters (use_dora: true) are not supported")
+    use_dora = raw.get("use_dora", False)
+    if not isinstance(use_dora, bool):
+        raise AdapterLoadError(f"'use_dora' must be true or false, got {use_dora!r}")
+    if use_dora and raw.get("target_parameters"):
+        raise AdapterLoadError("DoRA (use_dora: true) on target_parameters (MoE experts) is not supported")
     if raw.get("modules_to_save"):
         raise AdapterLoadError(f"modules_to_save {raw['modules_to_save']!r} is not supported (must be empty)")
     if raw.get("trainable_token_indices"):
@@ -112,6 +117,7 @@ def parse_adapter_config(raw: Any) -> AdapterConfig:
         base_model_name_or_path=base_model if isinstance(base_model, str) else None,
         rank_pattern=_parse_pattern(raw.get("rank_pattern"), "rank_pattern", is_rank=True),
         alpha_pattern=_parse_pattern(raw.get("alpha_pattern"), "alpha_pattern", is_rank=False),
+        use_dora=use_dora,
     )
 
 

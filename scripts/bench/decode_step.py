@@ -3,9 +3,10 @@
 Loads the bench model and its adapters into a ModelRunner (no server), prefills `--batch` requests of `--context`
 tokens, then times the same decode step over and over, alternating the two paths step by step so that both see the
 same machine (this CPU's speed drifts by tens of percent). Batches: base model only, 8 adapters scattered over the
-pool (as after a 32-adapter workload), and 32 adapters; then, on runners whose pool holds rank 4 x 16, every row on one
-adapter against every row on a linear mix of 4 (lora_mix: its ranks stacked, rank 64). Prints min and median step
-time per path and their ratios.
+pool (as after a 32-adapter workload), 32 adapters, and the same 32 as DoRA adapters (each bench adapter with
+magnitude vectors added: the same products, then each row rescaled); then, on runners whose pool holds rank 4 x 16,
+every row on one adapter against every row on a linear mix of 4 (lora_mix: its ranks stacked, rank 64). Prints min
+and median step time per path and their ratios.
 
     python -m scripts.bench.decode_step            # bfloat16, the full bench model, 32 requests of 200 tokens
     python -m scripts.bench.decode_step --paths torch --size quick --dtype float32   # where the CPU kernels cannot run
@@ -14,18 +15,21 @@ time per path and their ratios.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from loraplex.kernels import BackendError, select_backend
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SamplingParams, SlotLoad
 from loraplex.worker.model_runner import ModelRunner
+from safetensors.torch import load_file, save_file
 
-from scripts.bench.model import ADAPTER_RANK, SIZES, BenchModel, ensure_bench_model
+from scripts.bench.model import ADAPTER_RANK, SIZES, BenchModel, build_atomically, ensure_bench_model
 from scripts.bench.report import format_table, write_json
 
 PAGE_SIZE = 16
@@ -85,6 +89,30 @@ def make_runner(
                 for i in range(start, min(start + 8, batch))]  # fmt: skip
         runner.forward(ForwardBatch(batch_id=start, reqs=reqs, slot_loads=loads if start == 0 else []))
     return runner, pages
+
+
+def write_dora_copy(path: Path, out: Path) -> None:
+    """The PEFT adapter at `path` as a DoRA adapter in `out`: every module's magnitude vector all ones."""
+    tensors = load_file(path / "adapter_model.safetensors")
+    for key in [k for k in tensors if k.endswith(".lora_B.weight")]:
+        magnitude_key = key.removesuffix(".lora_B.weight") + ".lora_magnitude_vector"
+        tensors[magnitude_key] = torch.ones(tensors[key].shape[0], dtype=tensors[key].dtype)
+    config = json.loads((path / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    save_file(tensors, out / "adapter_model.safetensors")
+
+
+def dora_copies(runner: ModelRunner, bench: BenchModel, num_adapters: int, first_id: int) -> list[SlotLoad]:
+    """Load a DoRA copy of each of the first `num_adapters` bench adapters (magnitudes of ones, written once beside
+    them) under ids first_id..; the slot loads that put them in slots 0.. instead of the plain ones."""
+    specs = []
+    for i, (name, path) in enumerate(list(bench.adapter_dirs.items())[:num_adapters]):
+        dora_dir = path.parent / f"{name}-dora"
+        build_atomically(dora_dir, lambda out, path=path: write_dora_copy(path, out))
+        specs.append(AdapterToLoad(lora_name=f"{name}-dora", lora_path=str(dora_dir), lora_id=first_id + i))
+    results = runner.lora.load(specs)
+    assert all(result.success for result in results), [r.error_message for r in results if not r.success]
+    return [SlotLoad(slot=i, lora_id=spec.lora_id) for i, spec in enumerate(specs)]
 
 
 def decode_reqs(pages: list[list[int]], context: int, row_slots: list[int]) -> list[ForwardReq]:
@@ -159,6 +187,9 @@ def main(argv: list[str] | None = None) -> dict:
         f"{len(specs)} adapters": list(range(len(specs))),
     }
     time_batches(args, runners, pages, batches, results, rows)
+    for runner in runners.values():  # the same adapters as DoRA adapters, in the same slots
+        runner.lora.apply_slot_loads(dora_copies(runner, bench, len(specs), first_id=2000))
+    time_batches(args, runners, pages, {f"{len(specs)} DoRA adapters": list(range(len(specs)))}, results, rows)
     if args.mix_size:
         # one adapter in slot 0, the mix of the first mix_size adapters in slot 1, on a pool that holds its rank
         runners, pages = runners_with(ADAPTER_RANK * args.mix_size, 1)

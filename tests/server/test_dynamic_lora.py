@@ -15,7 +15,8 @@ from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
 from transformers import AutoTokenizer
 
 from tests.builders import build_lora_adapter
-from tests.reference import assert_greedy_match, hf_greedy
+from tests.lora_helpers import build_dora_adapters
+from tests.reference import SHARED_PREFIX_PROMPTS, assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess, fault_env
 from tests.unit.test_metrics import SERIES as METRIC_SERIES
 from tests.unit.test_metrics import parse as parse_metrics
@@ -345,3 +346,33 @@ def test_host_lru_under_max_loaded_loras(llama_dir, adapter_dirs, static_lora_se
             expected = gen(static_lora_server, name).json()["output_ids"]
             assert gen(server, name).json()["output_ids"] == expected, name
         assert [c["id"] for c in server.get("/v1/models").json()["data"]][1:] == ["a4", "a8", "a16", "a32"]
+
+
+def test_dora_with_plain_and_base_in_one_batch_equals_peft(dynamic_server, llama_dir, tmp_path):
+    """DoRA adapters loaded at run time serve one /generate batch beside a plain adapter and the base model as HF +
+    peft does; an in-place reload swaps one DoRA adapter's magnitudes and norms for another's."""
+    server = dynamic_server
+    dirs = build_dora_adapters(llama_dir, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    names = [None, "dora", "plain", "dora_qv"]
+    for name in names[1:]:
+        assert load(server, name, dirs[name]).status_code == 200
+    try:
+
+        def expect(served, refs):
+            body = {"text": SHARED_PREFIX_PROMPTS, "lora_path": served, "sampling_params": GREEDY}
+            resp = server.post("/generate", body)
+            assert resp.status_code == 200, resp.text
+            compared = sum(assert_greedy_match(out["output_ids"], *hf_greedy(llama_dir, ids, 12, ref), ref or "base")
+                           for out, ids, ref in zip(resp.json(), prompt_ids, refs, strict=True))  # fmt: skip
+            assert compared >= 12 * len(refs) // 2
+
+        prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in SHARED_PREFIX_PROMPTS]
+        expect(names, [None if name is None else dirs[name] for name in names])
+        resp = server.post("/v1/load_lora_adapter", {"lora_name": "dora", "lora_path": str(dirs["dora_qv"]),
+                                                     "load_inplace": True})
+        assert resp.status_code == 200, resp.text
+        expect(["dora", None, "plain", "dora"], [dirs["dora_qv"], None, dirs["plain"], dirs["dora_qv"]])
+    finally:
+        for name in names[1:]:
+            unload(server, name)

@@ -155,7 +155,7 @@ def invalid_adapters(tmp_path_factory, llama_dir, adapter_dirs):
 
 
 EXPECTED = {
-    "dora": "DoRA",
+    "dora": "lora_magnitude_vector",  # use_dora without magnitudes
     "save": "modules_to_save",
     "bias": "bias",
     "lmhead": "lm_head",

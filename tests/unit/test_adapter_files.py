@@ -53,7 +53,8 @@ def test_moe_forms_and_per_module_patterns_are_read_as_peft_reads_them():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"use_dora": True}, "DoRA"),
+        ({"use_dora": "yes"}, "'use_dora' must be true or false"),
+        ({"use_dora": True, "target_parameters": ["experts.down_proj"]}, r"DoRA \(use_dora: true\) on target_param"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"rank_pattern": {"q_proj": 0}}, "rank_pattern 'q_proj': the value must be a positive integer"),
         ({"alpha_pattern": {"q_proj": "x"}}, "alpha_pattern 'q_proj': the value must be a number"),

@@ -104,7 +104,7 @@ CASES: dict[str, tuple[Callable[[Path], None] | str, tuple[str, ...], str]] = {
         "invalid",
     ),
     "target_regex": (edit_config(target_modules=".*proj"), ("'.*proj' is a pattern",), "invalid"),
-    "dora": (edit_config(use_dora=True), ("DoRA",), "invalid"),
+    "dora_without_magnitudes": (edit_config(use_dora=True), ("missing lora_magnitude_vector",), "invalid"),
     "modules_to_save": (edit_config(modules_to_save=["lm_head"]), ("modules_to_save", "lm_head"), "invalid"),
     "bias": (edit_config(bias="all"), ("bias 'all' is not supported",), "invalid"),
     "not_lora": (edit_config(peft_type="PREFIX_TUNING"), ("peft_type 'PREFIX_TUNING'",), "invalid"),

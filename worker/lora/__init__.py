@@ -5,6 +5,8 @@ adapter.py   load_adapter: a PEFT directory -> a validated LoRAAdapter, sliced t
              targets (qkv_proj, gate_up_proj) split per slice
 expert_weights.py  an adapter's MoE expert weights (per-expert modules or target_parameters) stacked per module
 pool.py      LoRAPool: zero-padded per-slot A/B buffers per layer per fused linear, slot ranks and scales
+dora.py      DoRA: magnitudes, the updated weight's row norms (all-reduced across row-parallel shards), the slot
+             tables of row scales LoRALinear applies
 layers.py    LoRALinear (wraps a linear: y = base(x) + segmented LoRA via kernels/), LoRABatchInfo
 experts.py   LoRAExpertsLinear: an MoE layer's rows regrouped into (expert, slot) runs, virtual slots of the pool
 latent.py    LoRALatentKVProj: kv_b_proj's adapter term in latent attention's expanded context and absorbed products

@@ -24,8 +24,10 @@ from loraplex.protocol.adapters.adapter_files import AdapterFiles
 from loraplex.protocol.adapters.lora_shards import cut_shape, parse_lora_key, rank_cut
 from loraplex.protocol.adapters.lora_targets import FUSED_TARGETS, LAYER_MODULES, MLP_MODULES, MODEL_TARGETS, TP_MODES
 from loraplex.protocol.structs import TensorSpec
+from loraplex.worker.lora.dora import DoraNorms, check_dora_targets, is_magnitude_key, lora_key_of
 from loraplex.worker.lora.expert_weights import is_expert_key, match_expert_tensors
 from loraplex.worker.lora.targets import (
+    GROUPED_TARGETS,
     SHARED_PREFIX,
     full_shapes,
     is_expert_module,
@@ -61,6 +63,8 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     # embed_tokens / lm_head -> (A (r, in), B (out, r)), whole on every rank (the embedding's in is the vocabulary)
     vocab_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # DoRA: the magnitudes by (layer, HF module), this rank's rows (the manager adds the norms: worker/lora/dora.py)
+    dora: DoraNorms | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -138,14 +142,17 @@ def _build(
     expert_tensors = {key: t for key, t in tensors.items() if is_expert_key(key)}
     if expert_tensors and whole_shapes is not None:
         raise AdapterLoadError("MoE expert adapters cannot be sent cut per rank (--nnodes > 1) yet")
-    tensors = {key: t for key, t in tensors.items() if key not in expert_tensors}
-    shapes = whole_shapes or {key: tuple(t.shape) for key, t in tensors.items()}
+    magnitudes = {key: t for key, t in tensors.items() if is_magnitude_key(key)}
+    tensors = {key: t for key, t in tensors.items() if key not in expert_tensors and key not in magnitudes}
+    shapes = {key: shape for key, shape in whole_shapes.items() if key in tensors} if whole_shapes else \
+        {key: tuple(t.shape) for key, t in tensors.items()}  # fmt: skip
     tensors, shapes, fused_keys = _split_fused(tensors, shapes, model_config)
     vocab_pairs = _match_vocab_tensors(shapes, config, model_config)  # every tensor of these layers, or it raised
     vocab_keys = {key for pair in vocab_pairs.values() for key in pair[:2]}
     pairs = _match_tensors({k: v for k, v in shapes.items() if k not in vocab_keys}, config, model_config, fused_keys)
     expert_pairs = match_expert_tensors(expert_tensors, config.parsed, model_config) if expert_tensors else {}
     _check_complete(set(pairs) | set(expert_pairs), config, model_config)
+    dora = _match_magnitudes(magnitudes, set(pairs), config, model_config, tp_rank, tp_size, expert_pairs)
     pin = pool_spec.device.type == "cuda" and torch.cuda.is_available()
 
     def keep(key: str) -> torch.Tensor:  # already cut by the sender: keep all that came
@@ -171,6 +178,7 @@ def _build(
         target_modules=config.target_modules,
         weights=weights,
         vocab_weights=vocab_weights,
+        dora=dora,
     )
 
 
@@ -427,6 +435,60 @@ def _match_tensors(
         elif (layer, module, "A") not in found:
             raise AdapterLoadError(f"missing lora_A weight for layers.{layer}.{module}")
     return pairs
+
+
+# DoRA is served on the linears LoRALinear wraps; these have wrappers of their own
+_NO_DORA = (*MODEL_TARGETS, "kv_b_proj")
+
+
+def _match_magnitudes(
+    magnitudes: dict[str, torch.Tensor],
+    pairs: set[tuple[int, str]],
+    config: _Config,
+    model_config: ModelConfig,
+    tp_rank: int,
+    tp_size: int,
+    expert_pairs: dict,
+) -> DoraNorms | None:
+    """DoRA's magnitude vectors, one per (layer, module) that has A and B, each (out,) (a fused module's split into
+    its slices'), as this rank keeps it: a column-parallel module's rows of this rank, a row-parallel one's all."""
+    if not config.parsed.use_dora:
+        if magnitudes:
+            raise AdapterLoadError(f"tensor {next(iter(magnitudes))!r} is a DoRA magnitude, but use_dora is false")
+        return None
+    check_dora_targets(config.target_modules, _NO_DORA)
+    if expert_pairs:
+        raise AdapterLoadError("DoRA (use_dora: true) on MoE experts is not supported")
+    shapes = full_shapes(model_config)
+    found: dict[tuple[int, str], torch.Tensor] = {}
+    for key, magnitude in magnitudes.items():
+        parsed = parse_lora_key(lora_key_of(key, "B"))
+        if parsed is None:
+            raise AdapterLoadError(f"unexpected tensor {key!r}: a DoRA magnitude of no decoder layer's linear")
+        layer, hf_module, _ = parsed
+        slices = FUSED_TARGETS.get(hf_module, (hf_module,))
+        sizes = [shapes[module][1] for module in slices if module in shapes]
+        if magnitude.dim() != 1 or len(sizes) != len(slices) or magnitude.shape[0] != sum(sizes):
+            raise AdapterLoadError(
+                f"shape mismatch with the base model: tensor {key!r} has shape {tuple(magnitude.shape)}, "
+                f"expected ({sum(sizes)},) ({hf_module}'s outputs)"
+            )
+        if hf_module in GROUPED_TARGETS:
+            raise AdapterLoadError(f"DoRA on {hf_module} (grouped projections) is not supported")
+        for module, part in zip(slices, magnitude.split(sizes), strict=True):
+            slice_key = lora_key_of(key.replace(f".{hf_module}.", f".{module}."), "B")
+            module = _shared_or_plain(slice_key, module, model_config)
+            if (layer, module) not in pairs:
+                raise AdapterLoadError(f"tensor {key!r}: a DoRA magnitude of a module without lora_A / lora_B")
+            if (layer, module) in found:
+                raise AdapterLoadError(f"tensor {key!r}: layers.{layer}.{module}'s magnitude appears twice")
+            found[(layer, module)] = _keep(slice_key, part[:, None], tp_rank, tp_size)[:, 0].clone()
+    missing = sorted(pairs - set(found))
+    if missing:
+        layer, module = missing[0]
+        raise AdapterLoadError(f"missing lora_magnitude_vector for layers.{layer}.{module} (use_dora is true)")
+    row_parallel = frozenset(key for key in found if TP_MODES.get(key[1].removeprefix(SHARED_PREFIX)) == "row")
+    return DoraNorms(magnitudes=found, row_parallel=row_parallel if tp_size > 1 else frozenset())
 
 
 def _split_fused(

@@ -1,4 +1,5 @@
-"""LoRALinear: a base linear plus the batch's adapters: y = base(x) + scale · (x · Aᵀ) · Bᵀ, A and B of each row's slot.
+"""LoRALinear: a base linear plus the batch's adapters: y = base(x) + scale · (x · Aᵀ) · Bᵀ, A and B of each row's slot
+(a DoRA adapter's rows then rescaled per output: worker/lora/dora.py).
 
 It replaces a linear on the built model (model code never sees it) and exposes the same attributes, so the model
 reads e.g. `qkv_proj.output_sizes_per_rank` as before. All wrappers share one LoRABatchInfo, set once per forward,
@@ -50,6 +51,10 @@ class LoRABatchInfo:
     row_slots: torch.Tensor | None = None  # (rows,)
     token_scales: torch.Tensor | None = None  # (tokens,) float32, as token_slots; None: all 1
     row_scales: torch.Tensor | None = None  # (rows,)
+    # Only where a slot of this forward holds a DoRA adapter: the fused linears it targets, and each token's row of
+    # their DoraTable (its slot; the table's last row, all ones, for the base)
+    dora_active: frozenset[str] = field(default_factory=frozenset)
+    dora_rows: torch.Tensor | None = None  # (tokens,) int64
 
     def vocab_slots(self, module: str, buffers: VocabLoRABuffers) -> list[int]:
         """This forward's slots whose adapter targets `module` (embed_tokens or lm_head)."""
@@ -78,6 +83,8 @@ class LoRALinear(nn.Module):
             if x.stride(-1) != 1:
                 x = x.contiguous()
             batch.backend.shrink_expand(y, x, self.buffers, batch.meta)
+            if self.fused_name in batch.dora_active:  # DoRA rows: (x·Wᵀ + scale·x·Aᵀ·Bᵀ) · m / ‖W + scale·B·A‖
+                self.buffers.dora.apply(y, batch.dora_rows)  # per output column, so before the all-reduce too
         return self.base.finish(y)
 
     def extra_repr(self) -> str:

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from loraplex.kernels import LoRABackend, LoRABatchMeta
@@ -20,6 +20,7 @@ from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import AdapterOutcome, AdapterToLoad, ForwardReq, SlotLoad, split_inline_frames
 from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.lora.adapter import AdapterLoadError, LoRAAdapter, PoolSpec, adapter_from_tensors, load_adapter
+from loraplex.worker.lora.dora import reduce_norms, weight_norm_sq
 from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.lora.latent import LoRALatentKVProj
 from loraplex.worker.lora.layers import LoRABatchInfo, LoRALinear
@@ -75,9 +76,11 @@ class LoRAManager:
         self.pool = LoRAPool(layers, self.spec, config.max_loras_per_batch, vocab_shapes)
         self.uploader = uploader_for(self.spec.device)  # every pool write goes through it (a side stream on CUDA)
         self.batch = LoRABatchInfo(backend=backend)
+        self.base_linears: dict[tuple[int, str], nn.Module] = {}  # (layer, fused name) -> the wrapped linear
         for (layer_id, name), buffers in self.pool.buffers.items():
             parent_name, attr = name.rsplit(".", 1)
             parent = layers[layer_id].get_submodule(parent_name)
+            self.base_linears[(layer_id, name)] = getattr(parent, attr)
             wrapper = LoRAExpertsLinear if buffers.fused in EXPERT_FUSED_LINEARS else WRAPPERS.get(name, LoRALinear)
             setattr(parent, attr, wrapper(getattr(parent, attr), buffers, self.batch))
         if EMBED in self.pool.vocab:
@@ -163,6 +166,8 @@ class LoRAManager:
                         lora_name=spec.lora_name,
                         path_root=spec.root,  # every file read is checked against it, reloads too
                     )
+                if adapter.dora is not None:
+                    self._dora_norms(adapter)
                 outcomes.append(adapter)
             except AdapterLoadError as e:
                 outcomes.append(e)
@@ -170,6 +175,15 @@ class LoRAManager:
                 logger.exception("reading adapter %r from %s failed", spec.lora_name, spec.lora_path or "tensors")
                 outcomes.append(AdapterLoadError(f"{type(e).__name__}: {e}", "internal"))
         return outcomes
+
+    def _dora_norms(self, adapter: LoRAAdapter) -> None:
+        """This rank's part of each DoRA module's ‖W + scale·B·A‖² per output row (worker/lora/dora.py)."""
+        for key in adapter.dora.magnitudes:
+            buffers, slice_id = self.pool.slice_of[key]
+            rows = slice(buffers.row_offsets[slice_id], buffers.row_offsets[slice_id + 1])
+            lora_a, lora_b = adapter.weights[key]
+            linear = self.base_linears[(key[0], buffers.fused.name)]
+            adapter.dora.norms_sq[key] = weight_norm_sq(linear, rows, lora_a, lora_b, adapter.scale).cpu()
 
     def install(
         self, specs: Sequence[AdapterToLoad], outcomes: Sequence[LoRAAdapter | AdapterLoadError]
@@ -239,6 +253,10 @@ class LoRAManager:
                     f"slot load of adapter id {load.lora_id} into slot {load.slot}: "
                     f"the adapter is not loaded on rank {self.tp_rank} (dropped or never loaded)"
                 )
+        for load in slot_loads:  # the same slot loads in the same order on every rank: a collective is safe here
+            dora = self.adapters[load.lora_id].dora if load.lora_id != -1 else None
+            if dora is not None:
+                reduce_norms(dora, self.tp_size, self.spec.device)
         with self.uploader.upload():
             for load in slot_loads:
                 if load.lora_id == -1:
@@ -254,7 +272,7 @@ class LoRAManager:
         self.batch.used_slots = tuple(used)
         if not used:
             self.batch.meta = None
-            self.batch.active = frozenset()
+            self.batch.active = self.batch.dora_active = frozenset()
             self.batch.token_slots = self.batch.row_slots = None  # none of another batch's
             self.batch.token_scales = self.batch.row_scales = self.batch.host_row_scales = None
             return
@@ -264,17 +282,26 @@ class LoRAManager:
         self.batch.meta = self.batch.backend.prepare(seg_indptr, seg_slots, row_scales)
         self.batch.host_segments = (seg_indptr, seg_slots)
         self.batch.host_row_scales = row_scales
-        self.batch.active = frozenset(
-            name
-            for slot in used
-            for module in self.adapters[self.slot_lora_ids[slot]].target_modules
-            for name in KINDS_OF.get(module, (module,))  # embed_tokens, lm_head: named by their module
-        )
-        if self.pool.vocab:
+        self.batch.active = self._targeted(used) | self._targeted_vocab(used)
+        if self.pool.vocab or self.pool.dora_slots.intersection(used):
             lengths = torch.tensor([len(req.input_ids) for req in reqs])
             slots = torch.tensor([req.slot for req in reqs]).repeat_interleave(lengths)  # (tokens,)
-            self.batch.token_slots = self.batch.row_slots = slots.to(self.spec.device, non_blocking=True)
+            slots = slots.to(self.spec.device, non_blocking=True)
+        if self.pool.vocab:
+            self.batch.token_slots = self.batch.row_slots = slots
             self.batch.token_scales = self.batch.row_scales = self.batch.meta.row_scales
+        self.batch.dora_active = self._targeted(self.pool.dora_slots.intersection(used))
+        self.batch.dora_rows = torch.where(slots < 0, self.num_slots, slots) if self.batch.dora_active else None
+
+    def _targeted(self, slots: Iterable[int]) -> frozenset[str]:
+        """The fused linears that the adapters in `slots` target."""
+        modules = {module for slot in slots for module in self.adapters[self.slot_lora_ids[slot]].target_modules}
+        return frozenset(name for module in modules for name in KINDS_OF.get(module, ()))
+
+    def _targeted_vocab(self, slots: Iterable[int]) -> frozenset[str]:
+        """embed_tokens and lm_head where an adapter in `slots` targets them (named by their module)."""
+        return frozenset(m for slot in slots for m in self.adapters[self.slot_lora_ids[slot]].target_modules
+                         if m not in KINDS_OF)  # fmt: skip
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """The LM head computes these token rows (rows,) of this forward (default: every token)."""
@@ -282,6 +309,10 @@ class LoRAManager:
             self.batch.row_slots = self.batch.token_slots[rows]
         if self.batch.token_scales is not None:
             self.batch.row_scales = self.batch.token_scales[rows]
+
+    def uses_dora(self, reqs: Sequence[ForwardReq]) -> bool:
+        """Whether a request's slot holds a DoRA adapter (the decode graphs do not rescale rows: it runs eagerly)."""
+        return any(req.slot in self.pool.dora_slots for req in reqs)
 
     def prepare_fixed(self, reqs: Sequence[ForwardReq], num_segments: int, into: LoRABatchMeta | None) -> LoRABatchMeta:
         """prepare() in the fixed shapes a CUDA graph replays: the segments padded with empty ones to `num_segments`,
@@ -304,6 +335,7 @@ class LoRAManager:
         self.batch.host_segments = (seg_indptr, seg_slots)
         self.batch.host_row_scales = None  # a replayed batch's scales are all 1 (DecodeGraphRunner.can_run)
         self.batch.active = frozenset(buffers.fused.name for buffers in self.pool.buffers.values())
+        self.batch.dora_active = frozenset()  # batches with DoRA rows run eagerly (uses_dora)
         return meta
 
     def _segments(self, reqs: Sequence[ForwardReq]) -> tuple[list[int], list[int]]:

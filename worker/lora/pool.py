@@ -7,6 +7,7 @@ zero-padded past the adapter's rank, and zero for a slice the adapter does not t
 one row per (slot, expert) instead of per slot (LoRABuffers.num_experts). Shared by all layers: slot_scales (slots,)
 and, per fused linear kind, slot_ranks (slots,): the adapter's r where it targets any slice of
 that kind, else 0, so the kernels skip the slot there (an attention-only adapter costs nothing in the MLP).
+A DoRA adapter's row scales go into each linear's DoraTable (dora.py), made at the first such adapter.
 The embedding's and the LM head's slots, where the pool targets them, are vocab.py's VocabLoRABuffers."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from loraplex.worker.lora.adapter import LoRAAdapter, PoolSpec
+from loraplex.worker.lora.dora import DoraTable
 from loraplex.worker.lora.targets import (
     EXPERT_FUSED_LINEARS,
     FUSED_LINEARS,
@@ -43,6 +45,8 @@ class LoRABuffers:
     # Experts' linears: every tensor above has one row per (slot, expert), slot-major: the kernels see slot * experts
     # + expert as a slot of its own (worker/lora/experts.py), and ranks and scales are repeated per expert.
     num_experts: int = 1
+    # DoRA's row scales per slot (worker/lora/dora.py); its tensor is made when a DoRA adapter first fills a slot
+    dora: DoraTable | None = None
 
     @property
     def num_slices(self) -> int:
@@ -73,6 +77,7 @@ class LoRAPool:
                       if set(f.modules) & targets]  # fmt: skip
         device = spec.device
         self.buffers: dict[tuple[int, str], LoRABuffers] = {}
+        self.dora_slots: set[int] = set()  # slots holding a DoRA adapter
         linears = {}
         for layer_id, layer in enumerate(layers):
             for fused in candidates:
@@ -126,6 +131,7 @@ class LoRAPool:
             host_ranks=self.host_ranks[fused.name],
             host_scales=self.host_scales[num_experts],
             num_experts=num_experts,
+            dora=DoraTable(self.num_slots, row_offsets[-1], dtype, device),
         )
 
     @torch.no_grad()
@@ -145,6 +151,12 @@ class LoRAPool:
             buffers.lora_b[rows, :r, b_start:b_end].copy_(lora_b.mT, non_blocking=True)
         for module, (lora_a, lora_b) in adapter.vocab_weights.items():
             self.vocab[module].load(slot, lora_a, lora_b)
+        if adapter.dora is not None:  # complete: the manager reduced its norms
+            for key in adapter.dora.magnitudes:
+                buffers, slice_id = self.slice_of[key]
+                cols = slice(buffers.row_offsets[slice_id], buffers.row_offsets[slice_id + 1])
+                buffers.dora.write(slot, cols, adapter.dora.row_scales(key, self.spec.dtype))
+            self.dora_slots.add(slot)
         targeted = {name for module in adapter.target_modules for name in KINDS_OF.get(module, ())}
         for name, ranks in self.slot_ranks.items():
             rows = slice(slot * self.experts_of[name], (slot + 1) * self.experts_of[name])
@@ -162,8 +174,11 @@ class LoRAPool:
         for buffers in self.buffers.values():
             buffers.lora_a[buffers.rows_of(slot)].zero_()
             buffers.lora_b[buffers.rows_of(slot)].zero_()
+            if slot in self.dora_slots:
+                buffers.dora.clear(slot)
         for vocab_buffers in self.vocab.values():
             vocab_buffers.clear(slot)
+        self.dora_slots.discard(slot)
         for name, ranks in self.slot_ranks.items():
             rows = slice(slot * self.experts_of[name], (slot + 1) * self.experts_of[name])
             ranks[rows] = 0
@@ -175,7 +190,8 @@ class LoRAPool:
 
     @property
     def num_bytes(self) -> int:
-        linears = sum(b.lora_a.nbytes + b.lora_b.nbytes for b in self.buffers.values())
+        dora = sum(b.dora.num_bytes for b in self.buffers.values() if b.dora is not None)
+        linears = dora + sum(b.lora_a.nbytes + b.lora_b.nbytes for b in self.buffers.values())
         return linears + sum(b.num_bytes for b in self.vocab.values())
 
 
