@@ -199,6 +199,7 @@ class GenerateService:
         runtime = self.runtime
         scales = item_scales(lora_scales or [None] * len(prompts), lora_names)
         lora_names = [await self._mix_name(item) if isinstance(item, LoRAMixBody) else item for item in lora_names]
+        self._check_fixed_strength(lora_names, scales)
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         rids = [rid or uuid.uuid4().hex for rid in rids]
         for k, (prompt, one_sampling, rid) in enumerate(zip(prompts, samplings, rids, strict=False)):
@@ -223,6 +224,15 @@ class GenerateService:
             await self.finish(states)
             raise
         return states
+
+    def _check_fixed_strength(self, lora_names: list[str | None], scales: list[float]) -> None:
+        """A DoRA adapter's norms were computed at its own scale: lora_scale other than 1 is refused for it."""
+        for name, scale in zip(lora_names, scales, strict=True):
+            entry = self.runtime.registry.get(name) if name is not None and scale != 1.0 else None
+            if entry is not None and entry.dora:
+                raise ServerError(f"invalid_lora_scale: adapter {name!r} is a DoRA adapter, whose strength is fixed "
+                                  f"(its weight norms are computed at its own scale); lora_scale must be 1",
+                                  "invalid_lora_scale")  # fmt: skip
 
     async def _mix_name(self, raw: LoRAMixBody) -> str:
         """The adapter serving a lora_mix object (computed and loaded on its first use)."""

@@ -250,6 +250,7 @@ class AdapterOutcome(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
     error_kind: str = ""
     lora_rank: int = 0  # the adapter's LoRA rank
     target_modules: list[str] = []
+    dora: bool = False  # a DoRA adapter: its strength is fixed (no lora_scale, no lora_mix)
 
 
 class LoadAdapters(Struct, frozen=True):

@@ -280,7 +280,8 @@ class AdapterManager:
             parent = old.parent  # an in-place reload keeps the card's lineage
         entry = AdapterEntry(name=plan.lora_name, path=client_path, lora_id=plan.lora_id, pinned=plan.pinned,
                              resolved_path=plan.lora_path or "", root=plan.root, rank=outcome.lora_rank,
-                             target_modules=list(outcome.target_modules), parent=parent)
+                             target_modules=list(outcome.target_modules), parent=parent,
+                             dora=outcome.dora)
         replaced = self.registry.add(entry)
         if replaced is not None:  # in-place reload: the old weights go once the requests running on them finish
             task = asyncio.get_running_loop().create_task(self._retire(replaced))

@@ -113,6 +113,8 @@ class AdapterMixes:
                 entry = await manager.find(adapter)
                 if entry is None or adapter in self.sources:
                     raise mix_error(f"adapter {adapter!r} is not loaded")
+                if entry.dora:
+                    raise mix_error(f"adapter {adapter!r} is a DoRA adapter: a mix sums plain LoRA deltas")
                 if entry.path is None:
                     raise mix_error(f"adapter {adapter!r} was loaded from tensors: a mix reads its adapters' files")
                 entries.append(entry)

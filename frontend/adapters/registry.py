@@ -34,6 +34,7 @@ class AdapterEntry:
     created: int = field(default_factory=lambda: int(time.time()))  # its card's `created`: when it was loaded
     rank: int = 0
     target_modules: list[str] = field(default_factory=list)
+    dora: bool = False  # DoRA: its norms are computed at its own scale, so no lora_scale or lora_mix takes it
     parent: str | None = None  # its card's parent in /v1/models (--lora-modules' base_model_name); None: the base
     holders: set[str] = field(default_factory=set)  # rids of requests in flight
     draining: bool = False  # an unload has begun: no new requests

@@ -373,6 +373,15 @@ def test_dora_with_plain_and_base_in_one_batch_equals_peft(dynamic_server, llama
                                                      "load_inplace": True})
         assert resp.status_code == 200, resp.text
         expect(["dora", None, "plain", "dora"], [dirs["dora_qv"], None, dirs["plain"], dirs["dora_qv"]])
+        # a DoRA adapter's norms hold at its own scale: neither a strength nor a mix takes it
+        scaled = server.post("/generate", {"text": "Hi", "lora_path": "dora", "lora_scale": 0.5,
+                                           "sampling_params": GREEDY})  # fmt: skip
+        assert scaled.status_code == 400 and "invalid_lora_scale" in scaled.text and "DoRA" in scaled.text
+        mix = {"adapters": {"dora": 0.5, "plain": 0.5}, "merge": "linear"}
+        mixed = server.post("/generate", {"text": "Hi", "lora_path": mix, "sampling_params": GREEDY})
+        assert mixed.status_code == 400 and "invalid_lora_mix" in mixed.text and "DoRA" in mixed.text
+        assert server.post("/generate", {"text": "Hi", "lora_path": "dora", "lora_scale": 1.0,
+                                         "sampling_params": GREEDY}).status_code == 200  # fmt: skip
     finally:
         for name in names[1:]:
             unload(server, name)

@@ -222,6 +222,7 @@ class LoRAManager:
                     success=True,
                     lora_rank=outcome.lora_rank,
                     target_modules=list(outcome.target_modules),
+                    dora=outcome.dora is not None,
                 )
             )
         return results
