@@ -3,8 +3,9 @@ experts whole (and their adapters' weights), attention and shared experts tensor
 combined by all-to-all, serving the base model and two adapters in one batch, then a batch mixing decodes, a new
 prompt and a prompt's second chunk, must reproduce tp=1. The families: Qwen3-MoE (per-expert and stacked expert
 adapters), DeepSeek-V3 (grouped routing, shared experts, latent attention), gpt-oss with MXFP4 experts, Llama 4
-(input-scaled experts, a shared expert) and Gemma 4 (a dense MLP beside experts whose router reads its own input); one
-launch of the two ranks serves all five, one after another."""
+(input-scaled experts, a shared expert), Gemma 4 (a dense MLP beside experts whose router reads its own input) and
+GLM-4.5 (partial rotary, sigmoid routing with a correction bias, a shared expert); one launch of the two ranks serves
+all six, one after another."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from loraplex.protocol.config import ServerConfig
 from loraplex.worker.model_runner import ModelRunner
 
 from tests.gemma4_models import build_gemma4_set
+from tests.glm4_moe_models import build_glm4_moe_set
 from tests.gpt_oss_models import build_gpt_oss_set
 from tests.llama4_models import build_llama4_set
 from tests.lora_helpers import mixed_prefill_decode_logits
@@ -61,6 +63,7 @@ def build_families(root: Path) -> dict[str, tuple[str, dict[str, str]]]:
         "gpt_oss_mxfp4": (root / "mxfp4", gpt_oss_adapters),
         "llama4": build_llama4_set(root),
         "gemma4_moe": build_gemma4_set(root, "moe"),
+        "glm4_moe": build_glm4_moe_set(root),
     }
     return {family: (str(model_dir), {name: str(path) for name, path in adapters.items()})
             for family, (model_dir, adapters) in sets.items()}  # fmt: skip
@@ -69,7 +72,7 @@ def build_families(root: Path) -> dict[str, tuple[str, dict[str, str]]]:
 def test_moe_ep2_matches_tp1(tmp_path: Path) -> None:
     families = build_families(tmp_path)
     by_rank = run_two_ranks(ep_child, families, timeout_s=600)
-    # half of the 4 (DeepSeek-V3: 8) experts on each rank, whole: gate_up (E / 2, 2 * intermediate, hidden), down
+    # half of the 4 (DeepSeek-V3, GLM-4.5: 8) experts on each rank, whole: gate_up (E / 2, 2 * intermediate, hidden), down
     # (E / 2, hidden, intermediate); MXFP4 in code bytes, two inputs each
     shapes = {
         "qwen3_moe": ((2, 192, 64), (2, 64, 96)),
@@ -77,6 +80,7 @@ def test_moe_ep2_matches_tp1(tmp_path: Path) -> None:
         "gpt_oss_mxfp4": ((2, 128, 32), (2, 64, 32)),
         "llama4": ((2, 96, 64), (2, 64, 48)),
         "gemma4_moe": ((2, 64, 64), (2, 64, 32)),
+        "glm4_moe": ((4, 64, 64), (4, 64, 32)),
     }
     for family, (model_dir, adapter_dirs) in families.items():
         tp1 = run_ep(ModelRunner(ep_config(tp=1), model_dir, 0, 1, "cpu"), adapter_dirs, family)
