@@ -1,7 +1,7 @@
 """Quantized MoE experts under tensor parallelism: two gloo ranks, each holding its shard of every expert in the
 checkpoint's precision (FP8 rows of a 128x128 block both ranks share; AWQ and compressed-tensors INT4 columns in whole
-groups of 16), or under expert parallelism half of the experts whole (AWQ INT4, FP8), serving the base model, an attention-only adapter and
-an adapter on every expert in one batch, must reproduce tp=1."""
+groups of 16), or under expert parallelism half of the experts whole (AWQ INT4, FP8), serving the base model, an
+attention-only adapter and an adapter on every expert in one batch, must reproduce tp=1."""
 
 from __future__ import annotations
 
