@@ -17,7 +17,8 @@ from tests.server_utils import CHUNKED_ARGS, ServerProcess
 MAX_NEW = 6
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
 NAMES = [None, "a4", "a8", "a4"]
-METHODS = {"fp8-block": "fp8", "awq-4bit": "awq", "ct-w4a16": "compressed-tensors"}  # format -> the method /server_info names
+# format -> the method /server_info names
+METHODS = {"fp8-block": "fp8", "awq-4bit": "awq", "ct-w4a16": "compressed-tensors"}
 
 
 @pytest.fixture(scope="module")
