@@ -35,7 +35,10 @@ from tests.worker_helpers import (
     run_greedy_schedule,
 )
 
-FP32_TOL = 3e-4  # fp32, logits of magnitude ~10 through four layers (MoE: top-2 experts and a shared one)
+# fp32, logits of magnitude ~10 (Qwen3-Next's more) through four layers (MoE: top-2 experts and a shared one), within
+# ~1e-4 of their scale: the sums round differently on CPUs with and without AVX-512, and HF runs the delta rule in its
+# chunked form where we run the form the batch needs; a wrong term moves logits by 1e-2 and more
+FP32_TOL = 3e-3
 LENGTHS = [5, 1, 70, 12, 3]  # one prompt of a single token (the decode path from a zero state), one past a chunk
 
 
