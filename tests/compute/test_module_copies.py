@@ -13,7 +13,7 @@ from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, S
 from tests.lora_helpers import build_peft_adapter
 from tests.phi3_helpers import PHI4_MINI_LIKE, build_tiny_phi3
 from tests.reference import hf_model
-from tests.worker_helpers import GREEDY, PAGE_SIZE, forward_logits, make_runner, random_prompts
+from tests.worker_helpers import GREEDY, PAGE_SIZE, decode, forward_logits, make_runner, random_prompts
 
 FP32_TOL = 1e-4
 TOKENS = [3, 5, 7]  # the trainable tokens, put into every prompt
@@ -73,7 +73,10 @@ def test_copies_and_tokens_in_one_batch_match_peft(llama_dir: Path, tmp_path: Pa
         assert (ours - ref).abs().max().item() <= FP32_TOL, name
         if name is not None:  # the copies and the token rows really move the logits
             assert (ref - base_model(torch.tensor([prompt])).logits[0]).abs().max().item() > 0.1, name
-    # the copies' slot emptied: its rows are the base's again
+    # a short batch on the copies, then a longer one without them: the head reads none of the short one's rows
+    _logits(runner, [prompts[1][:4]], ["copies"], ("copies",))
+    tokens = decode(runner, [prompts[0], prompts[2]], [GREEDY] * 2, 1, slots=[-1, ADAPTERS["plain"][1]])
+    assert tokens == [[int(logits.split(LENGTHS)[i][-1].argmax())] for i in (0, 2)]
     runner.lora.drop([ADAPTERS["copies"][0]])
     assert not runner.lora.copies.holders and not any(runner.lora.copies.slot_copies)
 

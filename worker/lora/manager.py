@@ -307,6 +307,9 @@ class LoRAManager:
         if self.pool.vocab or has_copies:
             self.batch.token_slots = self.batch.row_slots = slots
             self.batch.token_scales = self.batch.row_scales = self.batch.meta.row_scales
+        else:  # none of another batch's
+            self.batch.token_slots = self.batch.row_slots = None
+            self.batch.token_scales = self.batch.row_scales = None
         self.batch.dora_active = self._targeted(self.pool.dora_slots.intersection(used))
         self.batch.dora_rows = torch.where(slots < 0, self.num_slots, slots) if self.batch.dora_active else None
 
