@@ -72,8 +72,8 @@ def build_families(root: Path) -> dict[str, tuple[str, dict[str, str]]]:
 def test_moe_ep2_matches_tp1(tmp_path: Path) -> None:
     families = build_families(tmp_path)
     by_rank = run_two_ranks(ep_child, families, timeout_s=600)
-    # half of the 4 (DeepSeek-V3, GLM-4.5: 8) experts on each rank, whole: gate_up (E / 2, 2 * intermediate, hidden), down
-    # (E / 2, hidden, intermediate); MXFP4 in code bytes, two inputs each
+    # half of the 4 (DeepSeek-V3, GLM-4.5: 8) experts on each rank, whole: gate_up (E / 2, 2 * intermediate, hidden),
+    # down (E / 2, hidden, intermediate); MXFP4 in code bytes, two inputs each
     shapes = {
         "qwen3_moe": ((2, 192, 64), (2, 64, 96)),
         "deepseek_v3": ((4, 64, 64), (4, 64, 32)),

@@ -1,7 +1,7 @@
 """Quantized MoE experts under tensor parallelism: two gloo ranks, each holding its shard of every expert in the
-checkpoint's precision (FP8 rows of a 128x128 block both ranks share; AWQ INT4 columns in whole groups of 16), or
-under expert parallelism half of the experts whole (AWQ INT4), serving the base model, an attention-only adapter and
-an adapter on every expert in one batch, must reproduce tp=1."""
+checkpoint's precision (FP8 rows of a 128x128 block both ranks share; AWQ and compressed-tensors INT4 columns in whole
+groups of 16), or under expert parallelism half of the experts whole (AWQ INT4, FP8), serving the base model, an
+attention-only adapter and an adapter on every expert in one batch, must reproduce tp=1."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ SHARD_SHAPES = {
     ("fp8-block", "tp"): ((4, 96, 64), (4, 64, 48)),  # FP8 values
     ("awq-4bit", "tp"): ((4, 96, 8), (4, 64, 6)),  # int32 words of 8 values along the input
     ("awq-4bit", "ep"): ((2, 192, 8), (2, 64, 12)),  # two experts whole
+    ("ct-w4a16", "tp"): ((4, 96, 8), (4, 64, 6)),  # compressed-tensors' packed words, held as AWQ's
+    ("fp8-block", "ep"): ((2, 192, 64), (2, 64, 96)),  # two experts whole, FP8 values
 }
 
 

@@ -1,5 +1,5 @@
-"""A Qwen3-MoE checkpoint whose attention, dense MLP and every expert are quantized (FP8 in blocks,
-compressed-tensors INT4; AWQ's INT4 is checked in the worker, tests/compute/test_quantized_experts.py), served end
+"""A Qwen3-MoE checkpoint whose attention, dense MLP and every expert are quantized (FP8 in blocks, AWQ INT4,
+compressed-tensors INT4), served end
 to end with chunked prefill and the prefix cache: one batch mixing the base model, an attention-only adapter and an
 adapter on every expert equals HF + peft on the same weights dequantized; each worker logs its experts' resident
 bytes against the plain ones."""
@@ -17,7 +17,8 @@ from tests.server_utils import CHUNKED_ARGS, ServerProcess
 MAX_NEW = 6
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
 NAMES = [None, "a4", "a8", "a4"]
-METHODS = {"fp8-block": "fp8", "ct-w4a16": "compressed-tensors"}  # format -> the method /server_info names
+# format -> the method /server_info names
+METHODS = {"fp8-block": "fp8", "awq-4bit": "awq", "ct-w4a16": "compressed-tensors"}
 
 
 @pytest.fixture(scope="module")
