@@ -357,6 +357,7 @@ class LoRAManager:
         self.batch.host_row_scales = None  # a replayed batch's scales are all 1 (DecodeGraphRunner.can_run)
         self.batch.active = frozenset(buffers.fused.name for buffers in self.pool.buffers.values())
         self.batch.dora_active = frozenset()  # batches with DoRA rows run eagerly (uses_dora)
+        self.batch.used_slots = ()  # and so do those with module copies or token rows: a graph holds none of their ops
         return meta
 
     def _segments(self, reqs: Sequence[ForwardReq]) -> tuple[list[int], list[int]]:
