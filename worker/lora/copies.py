@@ -14,6 +14,7 @@ graphs do not run these terms: a batch whose slots hold any runs eagerly (model_
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +66,7 @@ class ModuleCopies:
     def clear_slot(self, slot: int) -> None:
         self.slot_copies[slot], self.slot_rows[slot] = {}, None
 
-    def holds_any(self, slots) -> bool:
+    def holds_any(self, slots: Iterable[int]) -> bool:
         return any(self.slot_copies[s] or self.slot_rows[s] is not None for s in slots if s >= 0)
 
 
