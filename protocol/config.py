@@ -190,6 +190,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "seconds an unload waits for the adapter's running requests"
     )] = 120.0
     max_lora_rank: Annotated[int | None, Meta(description="largest adapter rank the device pool holds")] = None
+    max_full_module_copies: Annotated[int, Meta(description=
+        "adapters that may hold full copies of embed_tokens / lm_head (PEFT modules_to_save) at once, each "
+        "vocab x hidden per module on every rank; 0 refuses such adapters"
+    )] = 2
     lora_target_modules: Annotated[list[str] | None, Meta(description=
         "modules the device pool covers (names or 'all': the decoder layers' seven linears; embed_tokens and lm_head "
         "by name)"
@@ -352,6 +356,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.max_full_module_copies < 0:
+            raise ConfigError(f"--max-full-module-copies must be >= 0, got {self.max_full_module_copies}")
         if self.max_state_snapshots is not None and self.max_state_snapshots < 0:
             raise ConfigError(f"--max-state-snapshots must be >= 0, got {self.max_state_snapshots}")
         for name in ("lora_drain_timeout", "lora_load_timeout", "dist_timeout", "lora_cache_max_gb"):

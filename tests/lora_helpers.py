@@ -134,23 +134,28 @@ def build_peft_adapter(
     seed: int,
     save_embedding_layers: bool = False,
     use_dora: bool = False,
+    **extra_config,
 ) -> None:
     """A LoRA adapter of the base at base_dir built and saved by peft itself (its layout is PEFT's own: fused
     modules, lora_embedding_A/B), A and B random (PEFT would start B at zero). `save_embedding_layers`: as PEFT's
     save_pretrained (True: it also saves full copies of the embedding and LM head). `use_dora`: DoRA, each module's
-    magnitude its updated weight's row norms times 1 ± 0.3 (PEFT would start it at the norms: no change)."""
+    magnitude its updated weight's row norms times 1 ± 0.3 (PEFT would start it at the norms: no change).
+    `extra_config`: more LoraConfig fields (modules_to_save, trainable_token_indices); their copies and token rows
+    get noise added (PEFT would start them equal to the base)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0,
-                        use_dora=use_dora)  # fmt: skip
+                        use_dora=use_dora, **extra_config)  # fmt: skip
     peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(peft_model.named_parameters()):
             if ".lora_" in name and ".lora_magnitude_vector." not in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
+            elif ".modules_to_save." in name or ".trainable_tokens_delta." in name:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.5)
         for module in peft_model.modules():
             magnitudes = getattr(module, "lora_magnitude_vector", None)
             if magnitudes:

@@ -42,6 +42,10 @@ class AdapterConfig:
     alpha_pattern: tuple[tuple[str, float], ...] = ()
     # DoRA: each targeted module's output rows scaled by magnitude / ||W + scale·B·A|| (worker/lora/dora.py)
     use_dora: bool = False
+    # PEFT's modules_to_save: full copies of embed_tokens / lm_head the adapter carries (worker/lora/copies.py)
+    modules_to_save: tuple[str, ...] = ()
+    # PEFT's trainable_token_indices: the embedding rows the adapter replaces, in the order its tensor holds them
+    trainable_tokens: tuple[int, ...] = ()
 
     @property
     def scale(self) -> float:
@@ -97,10 +101,6 @@ def parse_adapter_config(raw: Any) -> AdapterConfig:
         raise AdapterLoadError(f"'use_dora' must be true or false, got {use_dora!r}")
     if use_dora and raw.get("target_parameters"):
         raise AdapterLoadError("DoRA (use_dora: true) on target_parameters (MoE experts) is not supported")
-    if raw.get("modules_to_save"):
-        raise AdapterLoadError(f"modules_to_save {raw['modules_to_save']!r} is not supported (must be empty)")
-    if raw.get("trainable_token_indices"):
-        raise AdapterLoadError("trainable_token_indices (retrained or added token embeddings) are not supported")
     if raw.get("bias", "none") != "none":
         raise AdapterLoadError(f"bias {raw['bias']!r} is not supported (must be 'none')")
     if raw.get("fan_in_fan_out"):
@@ -118,7 +118,41 @@ def parse_adapter_config(raw: Any) -> AdapterConfig:
         rank_pattern=_parse_pattern(raw.get("rank_pattern"), "rank_pattern", is_rank=True),
         alpha_pattern=_parse_pattern(raw.get("alpha_pattern"), "alpha_pattern", is_rank=False),
         use_dora=use_dora,
+        modules_to_save=_parse_modules_to_save(raw.get("modules_to_save")),
+        trainable_tokens=_parse_trainable_tokens(raw.get("trainable_token_indices")),
     )
+
+
+COPYABLE_MODULES = ("embed_tokens", "lm_head")
+
+
+def _parse_modules_to_save(modules: Any) -> tuple[str, ...]:
+    """Only full copies of the embedding and the LM head are served; any other module (a score head) is refused."""
+    if not modules:
+        return ()
+    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        raise AdapterLoadError(f"modules_to_save must be a list of module names, got {modules!r}")
+    other = [m for m in modules if m not in COPYABLE_MODULES]
+    if other:
+        raise AdapterLoadError(f"modules_to_save {other!r} is not supported (only {', '.join(COPYABLE_MODULES)})")
+    return tuple(m for m in COPYABLE_MODULES if m in modules)
+
+
+def _parse_trainable_tokens(indices: Any) -> tuple[int, ...]:
+    """A list of token ids, or {"embed_tokens": [...]} (PEFT's two forms); only the input embedding is patched."""
+    if not indices:
+        return ()
+    if isinstance(indices, dict):
+        other = [name for name in indices if name != "embed_tokens"]
+        if other:
+            raise AdapterLoadError(f"trainable_token_indices on {other!r} is not supported (only embed_tokens)")
+        indices = indices["embed_tokens"]
+    if not isinstance(indices, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                for i in indices):  # fmt: skip
+        raise AdapterLoadError(f"trainable_token_indices must be a list of token ids, got {indices!r}")
+    if len(set(indices)) != len(indices):
+        raise AdapterLoadError(f"trainable_token_indices lists a token twice: {indices!r}")
+    return tuple(indices)
 
 
 def _ordered(modules: tuple[str, ...]) -> tuple[str, ...]:

@@ -19,12 +19,21 @@ from loraplex.worker.model_runner import ModelRunner
 from safetensors.torch import load_file
 
 from tests.builders import build_lora_adapter
-from tests.lora_helpers import LORA_CONFIG, MIXED, MIXED_LENGTHS, batch_logits, greedy_decode, load_all
+from tests.lora_helpers import (
+    LORA_CONFIG,
+    MIXED,
+    MIXED_LENGTHS,
+    batch_logits,
+    build_peft_adapter,
+    greedy_decode,
+    load_all,
+)
 from tests.worker_helpers import GREEDY, consecutive_pages, forward_logits, random_prompts, run_two_ranks, tp_group
 
 DECODE_STEPS = 6
 SCALES = [1.0, 0.5, 0.0, 4.0, 1.0, 0.25, 1.0, 2.0, 1.5]  # per MIXED row (its base rows stay at 1)
 MIX_ID, MIX_SLOT = 9, 5  # a slot lora_helpers' adapters leave free
+COPIES_ID, COPIES_TOKENS = 10, [3, 5, 7]  # an adapter with an lm_head copy and trainable tokens, then in MIX_SLOT
 CHILD_TIMEOUT_S = 120
 
 
@@ -54,11 +63,25 @@ def mix_logits(runner: ModelRunner, adapter_dirs: dict[str, str], prompts: list[
     return [t.numpy() for t in forward_logits(runner, batch).split([len(p) for p in prompts])]
 
 
+def copies_logits(runner: ModelRunner, adapter_dir: str, prompts: list[list[int]]) -> list:
+    """An adapter carrying a full lm_head copy (modules_to_save) and trainable tokens, beside the base model on the
+    same prompt: both layers are whole on every rank, and so are its copy and rows."""
+    [outcome] = runner.lora.load([AdapterToLoad(lora_name="copies", lora_path=adapter_dir, lora_id=COPIES_ID)])
+    assert outcome.success, outcome.error_message
+    prompts = [p[:1] + COPIES_TOKENS + p[4:] for p in prompts]
+    pages = consecutive_pages([len(p) for p in prompts], runner.page_size)
+    reqs = [ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=GREEDY, slot=slot)
+            for p, pg, slot in zip(prompts, pages, (MIX_SLOT, -1), strict=True)]  # fmt: skip
+    batch = ForwardBatch(batch_id=51, reqs=reqs, slot_loads=[SlotLoad(slot=MIX_SLOT, lora_id=COPIES_ID)])
+    return [t.numpy() for t in forward_logits(runner, batch).split([len(p) for p in prompts])]
+
+
 def run_lora(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
     load_all(runner, adapter_dirs)
     prompts = random_prompts(MIXED_LENGTHS, runner.vocab_size, seed=21)
     return {
         "mix": mix_logits(runner, adapter_dirs, prompts[:3]),
+        "copies": copies_logits(runner, adapter_dirs["copies"], [prompts[3], prompts[3]]),
         # numpy, not tensors: torch sends tensors between processes as shared memory handles that die with the child.
         "logits": [t.numpy() for t in batch_logits(runner, prompts, MIXED)],
         # each adapter row at its own strength (lora_scale), 0 and up to the limit of 4 among them
@@ -96,7 +119,12 @@ def run_tp2(model_dir: str, adapter_dirs: dict[str, str]) -> dict[int, dict]:
 
 def test_lora_tp2_matches_tp1(llama_dir: Path, adapter_dirs: dict[str, Path], tmp_path: Path) -> None:
     build_lora_adapter(llama_dir, tmp_path / "b16", r=16, lora_alpha=32, target_modules=TARGET_MODULES, seed=77)
-    dirs = {name: str(path) for name, path in {**adapter_dirs, "b16": tmp_path / "b16"}.items()}
+    build_peft_adapter(llama_dir, tmp_path / "copies", r=4, lora_alpha=8, target_modules=("q_proj",), seed=78,
+                       modules_to_save=["lm_head"], trainable_token_indices=COPIES_TOKENS)  # fmt: skip
+    dirs = {
+        name: str(path)
+        for name, path in {**adapter_dirs, "b16": tmp_path / "b16", "copies": tmp_path / "copies"}.items()
+    }
     by_rank = run_tp2(str(llama_dir), dirs)
     tp1 = run_lora(ModelRunner(tp_config(tp=1), str(llama_dir), 0, 1, "cpu"), dirs)
     for rank in (0, 1):
@@ -111,10 +139,13 @@ def test_lora_tp2_matches_tp1(llama_dir: Path, adapter_dirs: dict[str, Path], tm
         # The row-parallel LoRA terms (o_proj, down_proj; every batch here uses an all-module adapter) ride on their
         # layer's own all-reduce: two per decoder layer per forward, as for the base model alone.
         counts = by_rank[rank]
-        assert counts["forwards"] == 3 + DECODE_STEPS, counts
+        for row, (ours, ref) in enumerate(zip(by_rank[rank]["copies"], tp1["copies"], strict=True)):
+            assert abs(ours - ref).max() <= 1e-4, (rank, "copies", row)
+        assert counts["forwards"] == 4 + DECODE_STEPS, counts
         assert counts["all_reduces"] == counts["forwards"] * 2 * counts["num_layers"], counts
     assert abs(tp1["scaled"][1] - tp1["logits"][1]).max() > 1e-3  # the strengths change the adapter rows
     assert abs(tp1["mix"][0] - tp1["logits"][0]).max() > 1e-3  # the mix changes its row (MIXED[0] is the base)
+    assert abs(tp1["copies"][0] - tp1["copies"][1]).max() > 1e-1  # the copy and the token rows change their row
 
 
 def test_adapter_is_sliced_per_rank(llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:

@@ -15,7 +15,7 @@ from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
 from transformers import AutoTokenizer
 
 from tests.builders import build_lora_adapter
-from tests.lora_helpers import build_dora_adapters
+from tests.lora_helpers import build_dora_adapters, build_peft_adapter
 from tests.reference import SHARED_PREFIX_PROMPTS, assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess, fault_env
 from tests.unit.test_metrics import SERIES as METRIC_SERIES
@@ -385,3 +385,33 @@ def test_dora_with_plain_and_base_in_one_batch_equals_peft(dynamic_server, llama
     finally:
         for name in names[1:]:
             unload(server, name)
+
+
+def test_module_copies_and_trainable_tokens_load_at_run_time_and_equal_peft(dynamic_server, llama_dir, tmp_path):
+    """An adapter with full embed_tokens and lm_head copies (modules_to_save) and one with trainable tokens, loaded at
+    run time, serve one /generate batch beside the base model as HF + peft does; unloaded, their names are gone."""
+    server = dynamic_server
+    tokens = [3, 5, 7]
+    extras = {"copies": {"modules_to_save": ["lm_head", "embed_tokens"]}, "tokens": {"trainable_token_indices": tokens}}
+    dirs = {}
+    for seed, (name, extra) in enumerate(extras.items(), start=81):
+        dirs[name] = tmp_path / name
+        build_peft_adapter(llama_dir, dirs[name], r=4, lora_alpha=8, target_modules=("q_proj",), seed=seed, **extra)
+        assert load(server, name, dirs[name]).status_code == 200
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+        prompt_ids = [tokenizer(prompt)["input_ids"][:1] + tokens + tokenizer(prompt)["input_ids"][1:]
+                      for prompt in SHARED_PREFIX_PROMPTS[:3]]  # fmt: skip
+        names = ["copies", None, "tokens"]
+        body = {"input_ids": prompt_ids, "lora_path": names, "sampling_params": GREEDY}
+        resp = server.post("/generate", body)
+        assert resp.status_code == 200, resp.text
+        compared = sum(
+            assert_greedy_match(out["output_ids"], *hf_greedy(llama_dir, ids, 12, name and dirs[name]), name or "base")
+            for out, ids, name in zip(resp.json(), prompt_ids, names, strict=True)
+        )
+        assert compared >= 12 * len(names) // 2
+    finally:
+        for name in extras:
+            assert unload(server, name).status_code == 200
+    assert gen(server, "copies").status_code == 400

@@ -48,6 +48,10 @@ def test_moe_forms_and_per_module_patterns_are_read_as_peft_reads_them():
     assert patterns.module_rank_alpha("model.layers.3.self_attn.q_proj") == (4, 16)
     assert patterns.module_rank_alpha("model.layers.3.self_attn.k_proj") == (8, 16)
     assert patterns.module_rank_alpha("model.layers.3.self_attn.xq_proj") == (8, 16)  # not a whole-name suffix
+    # full copies and trainable tokens: PEFT's list form and its dict form of the same
+    copies = parse_adapter_config({**BASE, "modules_to_save": ["lm_head", "embed_tokens"],
+                                   "trainable_token_indices": {"embed_tokens": [7, 3]}})  # fmt: skip
+    assert copies.modules_to_save == ("embed_tokens", "lm_head") and copies.trainable_tokens == (7, 3)
 
 
 @pytest.mark.parametrize(
@@ -55,7 +59,9 @@ def test_moe_forms_and_per_module_patterns_are_read_as_peft_reads_them():
     [
         ({"use_dora": "yes"}, "'use_dora' must be true or false"),
         ({"use_dora": True, "target_parameters": ["experts.down_proj"]}, r"DoRA \(use_dora: true\) on target_param"),
-        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"modules_to_save": ["lm_head", "score"]}, r"modules_to_save \['score'\] is not supported"),
+        ({"trainable_token_indices": {"lm_head": [1]}}, "trainable_token_indices on \\['lm_head'\\]"),
+        ({"trainable_token_indices": [3, 3]}, "lists a token twice"),
         ({"rank_pattern": {"q_proj": 0}}, "rank_pattern 'q_proj': the value must be a positive integer"),
         ({"alpha_pattern": {"q_proj": "x"}}, "alpha_pattern 'q_proj': the value must be a number"),
         (

@@ -65,10 +65,15 @@ class LoRAAdapter:
     vocab_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # DoRA: the magnitudes by (layer, HF module), this rank's rows (the manager adds the norms: worker/lora/dora.py)
     dora: DoraNorms | None = None
+    # modules_to_save: embed_tokens / lm_head -> the adapter's full copy (vocab, hidden), whole on every rank
+    module_copies: dict[str, torch.Tensor] = field(default_factory=dict)
+    # trainable_token_indices: (token ids (k,) int64, their rows (k, hidden)) replacing the embedding's rows
+    token_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_bytes(self) -> int:
-        pairs = [*self.weights.values(), *self.vocab_weights.values()]
+        pairs = [*self.weights.values(), *self.vocab_weights.values(), tuple(self.module_copies.values()),
+                 self.token_rows or ()]  # fmt: skip
         return sum(t.numel() * t.element_size() for pair in pairs for t in pair)
 
 
@@ -143,9 +148,13 @@ def _build(
     if expert_tensors and whole_shapes is not None:
         raise AdapterLoadError("MoE expert adapters cannot be sent cut per rank (--nnodes > 1) yet")
     magnitudes = {key: t for key, t in tensors.items() if is_magnitude_key(key)}
+    copy_tensors = tensors  # the copies and token rows, whole on every rank (replicated layers)
     tensors = {key: t for key, t in tensors.items() if key not in expert_tensors and key not in magnitudes}
     shapes = {key: shape for key, shape in whole_shapes.items() if key in tensors} if whole_shapes else \
         {key: tuple(t.shape) for key, t in tensors.items()}  # fmt: skip
+    copy_keys, token_keys = _match_copies(shapes, config.parsed, model_config)
+    tensors = {key: t for key, t in tensors.items() if key not in copy_keys.values() and key not in token_keys}
+    shapes = {key: shape for key, shape in shapes.items() if key in tensors}
     tensors, shapes, fused_keys = _split_fused(tensors, shapes, model_config)
     vocab_pairs = _match_vocab_tensors(shapes, config, model_config)  # every tensor of these layers, or it raised
     vocab_keys = {key for pair in vocab_pairs.values() for key in pair[:2]}
@@ -179,6 +188,9 @@ def _build(
         weights=weights,
         vocab_weights=vocab_weights,
         dora=dora,
+        module_copies={module: _host_copy(copy_tensors[key], pin, tp_size) for module, key in copy_keys.items()},
+        token_rows=(torch.tensor(config.parsed.trainable_tokens, dtype=torch.int64),
+                    _host_copy(copy_tensors[token_keys[0]], pin, tp_size)) if token_keys else None,  # fmt: skip
     )
 
 
@@ -381,6 +393,56 @@ def _match_vocab_tensors(
                     raise AdapterLoadError(f"missing lora_{which} weight for {module}")
             pairs[module] = (found[(module, "A")], found[(module, "B")], config.parsed.module_scale(*ranks[module]))
     return pairs
+
+
+# PEFT's names: a modules_to_save copy is saved as the layer's own weight; trainable tokens' rows as token_adapter's.
+_COPY_KEY = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.weight$")
+_TOKEN_ROWS_KEY = re.compile(r"(?:^|\.)embed_tokens\.token_adapter\.trainable_tokens_delta(?:\.\w+)?$")
+
+
+def _match_copies(
+    tensor_shapes: dict[str, tuple[int, ...]], config: AdapterConfig, model_config: ModelConfig
+) -> tuple[dict[str, str], list[str]]:
+    """The full copies modules_to_save lists ({module: key}) and the trainable tokens' rows ([key] or []), each
+    checked against the base model's shapes. A copy of a module modules_to_save does not list is left to
+    _match_vocab_tensors (which refuses it)."""
+    vocab, hidden = model_config.vocab_size, model_config.hidden_size
+    if config.modules_to_save and model_config.tie_word_embeddings:
+        raise AdapterLoadError(
+            f"modules_to_save {list(config.modules_to_save)!r} on a model with tied embeddings is not supported"
+        )
+    both = [m for m in config.modules_to_save if m in config.target_modules]
+    if both:
+        raise AdapterLoadError(f"{both!r} is both in modules_to_save and a LoRA target")
+    copies: dict[str, str] = {}
+    token_keys = []
+    for key, shape in tensor_shapes.items():
+        match = _COPY_KEY.search(key)
+        if match is not None and match.group(1) in config.modules_to_save:
+            if shape != (vocab, hidden):
+                raise AdapterLoadError(
+                    f"tensor {key!r} (a copy of {match.group(1)}) has shape {shape}, expected {(vocab, hidden)}; "
+                    "resized vocabularies are not supported"
+                )
+            if match.group(1) in copies:
+                raise AdapterLoadError(f"tensor {key!r}: {match.group(1)}'s copy appears twice")
+            copies[match.group(1)] = key
+        elif _TOKEN_ROWS_KEY.search(key):
+            if not config.trainable_tokens:
+                raise AdapterLoadError(f"tensor {key!r} holds trainable tokens, but trainable_token_indices is empty")
+            expected = (len(config.trainable_tokens), hidden)
+            if shape != expected or token_keys:
+                raise AdapterLoadError(f"tensor {key!r} has shape {shape}, expected {expected} (once)")
+            token_keys.append(key)
+    missing = [m for m in config.modules_to_save if m not in copies]
+    if missing:
+        raise AdapterLoadError(f"modules_to_save lists {missing!r}, but the adapter holds no copy of it")
+    if config.trainable_tokens and not token_keys:
+        raise AdapterLoadError("trainable_token_indices is set, but the adapter holds no trainable_tokens_delta")
+    too_large = [i for i in config.trainable_tokens if i >= vocab]
+    if too_large:
+        raise AdapterLoadError(f"trainable_token_indices {too_large} are outside the vocabulary ({vocab} tokens)")
+    return copies, token_keys
 
 
 def _match_tensors(

@@ -20,6 +20,7 @@ from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import AdapterOutcome, AdapterToLoad, ForwardReq, SlotLoad, split_inline_frames
 from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.lora.adapter import AdapterLoadError, LoRAAdapter, PoolSpec, adapter_from_tensors, load_adapter
+from loraplex.worker.lora.copies import CopyEmbedding, CopyLMHead, ModuleCopies
 from loraplex.worker.lora.dora import reduce_norms, weight_norm_sq
 from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.lora.latent import LoRALatentKVProj
@@ -83,6 +84,12 @@ class LoRAManager:
             self.base_linears[(layer_id, name)] = getattr(parent, attr)
             wrapper = LoRAExpertsLinear if buffers.fused in EXPERT_FUSED_LINEARS else WRAPPERS.get(name, LoRALinear)
             setattr(parent, attr, wrapper(getattr(parent, attr), buffers, self.batch))
+        # Full copies and token patches replace their slots' rows of the base layers' output; the vocab LoRA wrappers
+        # around them add to other slots' rows only (an adapter never has both on one layer).
+        self.copies = ModuleCopies(config.max_full_module_copies, self.pool.num_slots, self.spec.device,
+                                   model_config.tie_word_embeddings)  # fmt: skip
+        model.model.embed_tokens = CopyEmbedding(model.model.embed_tokens, self.copies, self.batch)
+        model.lm_head = CopyLMHead(model.lm_head, self.copies, self.batch)
         if EMBED in self.pool.vocab:
             model.model.embed_tokens = LoRAEmbedding(model.model.embed_tokens, self.pool.vocab[EMBED], self.batch)
         if HEAD in self.pool.vocab:
@@ -198,7 +205,11 @@ class LoRAManager:
                 elif isinstance(outcome, LoRAAdapter) and spec.lora_id in self.adapters:
                     outcome = AdapterLoadError(f"lora_id {spec.lora_id} is already loaded on this rank", "internal")
                 elif isinstance(outcome, LoRAAdapter):
-                    self.adapters[spec.lora_id] = outcome
+                    try:
+                        self.copies.reserve(outcome)
+                        self.adapters[spec.lora_id] = outcome
+                    except AdapterLoadError as e:
+                        outcome = e
             if isinstance(outcome, AdapterLoadError):
                 logger.warning("adapter %r (%s) refused: %s", spec.lora_name, spec.lora_path or "tensors", outcome)
                 results.append(
@@ -236,10 +247,12 @@ class LoRAManager:
             for lora_id in lora_ids:
                 if self.adapters.pop(lora_id, None) is None:
                     self._dropped_early.add(lora_id)
+                self.copies.release(lora_id)
         for slot, lora_id in enumerate(self.slot_lora_ids):
             if lora_id in lora_ids:
                 with self.uploader.upload():
                     self.pool.clear_slot(slot)
+                self.copies.clear_slot(slot)
                 self.slot_lora_ids[slot] = -1
 
     # ---- slots and batches -------------------------------------------------------------------------
@@ -262,8 +275,10 @@ class LoRAManager:
             for load in slot_loads:
                 if load.lora_id == -1:
                     self.pool.clear_slot(load.slot)
+                    self.copies.clear_slot(load.slot)
                 elif self.slot_lora_ids[load.slot] != load.lora_id:  # host copies never change under one id
                     self.pool.load_slot(load.slot, self.adapters[load.lora_id])
+                    self.copies.load_slot(load.slot, self.adapters[load.lora_id])
                 self.slot_lora_ids[load.slot] = load.lora_id
 
     def prepare(self, reqs: Sequence[ForwardReq]) -> None:
@@ -284,13 +299,17 @@ class LoRAManager:
         self.batch.host_segments = (seg_indptr, seg_slots)
         self.batch.host_row_scales = row_scales
         self.batch.active = self._targeted(used) | self._targeted_vocab(used)
-        if self.pool.vocab or self.pool.dora_slots.intersection(used):
+        has_copies = self.copies.holds_any(used)
+        if self.pool.vocab or has_copies or self.pool.dora_slots.intersection(used):
             lengths = torch.tensor([len(req.input_ids) for req in reqs])
             slots = torch.tensor([req.slot for req in reqs]).repeat_interleave(lengths)  # (tokens,)
             slots = slots.to(self.spec.device, non_blocking=True)
-        if self.pool.vocab:
+        if self.pool.vocab or has_copies:
             self.batch.token_slots = self.batch.row_slots = slots
             self.batch.token_scales = self.batch.row_scales = self.batch.meta.row_scales
+        else:  # none of another batch's
+            self.batch.token_slots = self.batch.row_slots = None
+            self.batch.token_scales = self.batch.row_scales = None
         self.batch.dora_active = self._targeted(self.pool.dora_slots.intersection(used))
         self.batch.dora_rows = torch.where(slots < 0, self.num_slots, slots) if self.batch.dora_active else None
 
@@ -312,8 +331,9 @@ class LoRAManager:
             self.batch.row_scales = self.batch.token_scales[rows]
 
     def uses_dora(self, reqs: Sequence[ForwardReq]) -> bool:
-        """Whether a request's slot holds a DoRA adapter (the decode graphs do not rescale rows: it runs eagerly)."""
-        return any(req.slot in self.pool.dora_slots for req in reqs)
+        """Whether a request's slot holds a DoRA adapter, module copies or token rows (the decode graphs do not
+        rescale rows or replace them: it runs eagerly)."""
+        return any(req.slot in self.pool.dora_slots for req in reqs) or self.copies.holds_any(r.slot for r in reqs)
 
     def prepare_fixed(self, reqs: Sequence[ForwardReq], num_segments: int, into: LoRABatchMeta | None) -> LoRABatchMeta:
         """prepare() in the fixed shapes a CUDA graph replays: the segments padded with empty ones to `num_segments`,
@@ -337,6 +357,7 @@ class LoRAManager:
         self.batch.host_row_scales = None  # a replayed batch's scales are all 1 (DecodeGraphRunner.can_run)
         self.batch.active = frozenset(buffers.fused.name for buffers in self.pool.buffers.values())
         self.batch.dora_active = frozenset()  # batches with DoRA rows run eagerly (uses_dora)
+        self.batch.used_slots = ()  # and so do those with module copies or token rows: a graph holds none of their ops
         return meta
 
     def _segments(self, reqs: Sequence[ForwardReq]) -> tuple[list[int], list[int]]:
