@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from loraplex.kernels import cpu_ext
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.lora.vocab import LoRAEmbedding, LoRALMHead
 from loraplex.worker.model_runner import ModelRunner
@@ -99,6 +100,8 @@ def test_mixed_batch_matches_peft(vocab_case: dict) -> None:
 
 
 @pytest.mark.parametrize("vocab_case", ["llama"], indirect=True)
+@pytest.mark.skipif(cpu_ext.unavailable_reason() is not None,
+                    reason=f"CPU kernels cannot run here: {cpu_ext.unavailable_reason()}")  # fmt: skip
 @torch.inference_mode()
 def test_cpu_backend_in_bfloat16_matches_float32(vocab_case: dict) -> None:
     # The CPU backend (bfloat16 only) runs the decoder's LoRA in its kernels and these layers' in the same torch ops.
