@@ -21,7 +21,7 @@ WARP_SIZE = 32
 POINTER_TYPES = {  # argument -> its element type; "dtype": the batch's, "h": the h planes'
     "x_ptr": "dtype", "a_ptr": "dtype", "y_ptr": "dtype", "b_ptr": "dtype", "h_ptr": "h",
     "seg_indptr_ptr": "i32", "seg_slots_ptr": "i32", "slot_ranks_ptr": "i32", "slice_offsets_ptr": "i32",
-    "slot_scales_ptr": "fp32",
+    "slot_scales_ptr": "fp32", "row_scales_ptr": "fp32",
 }  # fmt: skip
 # Integers that are multiples of 16 for real model and pool shapes (Triton specializes on it, as for 16-byte aligned
 # pointers); the token-dependent ones are never specialized (do_not_specialize).
@@ -38,6 +38,7 @@ class Variant:
     h_dtype: str = "float32"  # expand: the split-K planes (serving) or the free function's h in the batch's dtype
     col_align: int = 8  # expand only
     seg_block: int = 64
+    row_scales: bool = False  # expand only: each row's request strength (lora_scale) multiplied in
 
 
 def variants() -> list[Variant]:
@@ -47,6 +48,7 @@ def variants() -> list[Variant]:
         out.append(Variant("shrink", dtype, 64, block_r=64, seg_block=16))
         for col_align in (8, 1):
             out.append(Variant("expand", dtype, 64, block_r=16, col_align=col_align))
+        out.append(Variant("expand", dtype, 64, block_r=16, row_scales=True))
         out.append(Variant("expand", dtype, 16, block_r=64, seg_block=16))
         if dtype != "float32":
             out.append(Variant("expand", dtype, 32, block_r=16, h_dtype=dtype))
@@ -69,7 +71,7 @@ def compile_variant(arch: str, v: Variant) -> dict:
     if v.kernel == "shrink":
         constexprs.update(BLOCK_K=BLOCK_K)
     else:
-        constexprs.update(BLOCK_N=BLOCK_N, COL_ALIGN=v.col_align)
+        constexprs.update(BLOCK_N=BLOCK_N, COL_ALIGN=v.col_align, HAS_ROW_SCALES=v.row_scales)
     element = {"dtype": TYPE_NAMES[v.dtype], "h": TYPE_NAMES[v.h_dtype]}
     signature = {}
     for name in kernel.arg_names:
