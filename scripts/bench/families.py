@@ -93,7 +93,7 @@ def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int,
     """Per family: {'size', 'adapters', 'base'} (best runs); 'measured' ratios. Each family's bench model is built
     beside `bench` (in the same cache directory)."""
     cache_dir = bench.base_dir.parent.parent
-    results: dict = {"plan": {**plan.__dict__, "families": list(plan.families)}, "families": {}}
+    results: dict = {"plan": {**plan.__dict__, "families": list(plan.families), "dtype": dtype}, "families": {}}
     for family in plan.families:
         size = plan.family_size(family)
         model = ensure_bench_model(SIZES[size], plan.num_adapters, cache_dir)
