@@ -77,11 +77,16 @@ def copies_logits(runner: ModelRunner, adapter_dir: str, prompts: list[list[int]
 
 
 def run_lora(runner: ModelRunner, adapter_dirs: dict[str, str]) -> dict:
+    """The mixed batches; a mix and a module-copies adapter where adapter_dirs holds "b16" and "copies"."""
     load_all(runner, adapter_dirs)
     prompts = random_prompts(MIXED_LENGTHS, runner.vocab_size, seed=21)
+    extra = {}
+    if "b16" in adapter_dirs:
+        extra["mix"] = mix_logits(runner, adapter_dirs, prompts[:3])
+    if "copies" in adapter_dirs:
+        extra["copies"] = copies_logits(runner, adapter_dirs["copies"], [prompts[3], prompts[3]])
     return {
-        "mix": mix_logits(runner, adapter_dirs, prompts[:3]),
-        "copies": copies_logits(runner, adapter_dirs["copies"], [prompts[3], prompts[3]]),
+        **extra,
         # numpy, not tensors: torch sends tensors between processes as shared memory handles that die with the child.
         "logits": [t.numpy() for t in batch_logits(runner, prompts, MIXED)],
         # each adapter row at its own strength (lora_scale), 0 and up to the limit of 4 among them
