@@ -662,12 +662,7 @@ def _gemma4_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
     `gemma4` config is read through its text_config: its language model (the vision and audio towers are not
     served)."""
     if model_type == "gemma4":
-        text = hf.get("text_config")
-        if not isinstance(text, dict):
-            raise ModelConfigError("a gemma4 config needs its text_config (loraplex serves its language model)")
-        outer = {key: hf[key] for key in ("dtype", "torch_dtype", "tie_word_embeddings") if key in hf}
-        hf = {**outer, **{key: value for key, value in text.items() if value is not None or key not in outer},
-              "model_type": model_type}
+        hf = _language_model_config(hf, model_type)
     hf = {**_GEMMA4_TEXT_DEFAULTS, **hf}  # a key present as null stays null (hidden_size_per_layer_input: no PLE)
     if hf["rope_parameters"] is None:
         hf["rope_parameters"] = _GEMMA4_TEXT_DEFAULTS["rope_parameters"]
@@ -771,13 +766,7 @@ def _llama4_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
     layer_types) filled in, each cut to num_hidden_layers (--hf-overrides may shorten the model); a multimodal
     `llama4` config is read through its text_config (its language model; the vision tower is not loaded)."""
     if model_type == "llama4":
-        text = hf.get("text_config")
-        if not isinstance(text, dict):
-            raise ModelConfigError("a llama4 config needs its text_config (loraplex serves its language model)")
-        outer = {key: hf[key] for key in ("dtype", "torch_dtype", "tie_word_embeddings") if key in hf}
-        # the text config's own values, but a null of it (transformers saves dtype null there) leaves the outer's
-        hf = {**outer, **{key: value for key, value in text.items() if value is not None or key not in outer},
-              "model_type": model_type}
+        hf = _language_model_config(hf, model_type)
     hf = {**_LLAMA4_TEXT_DEFAULTS, **hf}
     num_layers = hf["num_hidden_layers"]
     interval, step = hf["no_rope_layer_interval"], hf["interleave_moe_layer_step"]
@@ -809,3 +798,14 @@ def _llama4_attention(hf: dict[str, Any]) -> dict[str, Any]:
         qk_l2_norm=bool(hf["use_qk_norm"]),
         attn_temperature=tuning,
     )
+
+
+def _language_model_config(hf: dict, model_type: str) -> dict:
+    """A multimodal config's text_config, with the outer dtype and tie_word_embeddings where the text config leaves them
+    null (transformers saves dtype null there), under the outer model_type."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelConfigError(f"a {model_type} config needs its text_config (loraplex serves its language model)")
+    outer = {key: hf[key] for key in ("dtype", "torch_dtype", "tie_word_embeddings") if key in hf}
+    return {**outer, **{key: value for key, value in text.items() if value is not None or key not in outer},
+            "model_type": model_type}  # fmt: skip
