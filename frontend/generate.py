@@ -19,6 +19,7 @@ from loraplex.frontend.adapters.audit import SERVER, Caller
 from loraplex.frontend.adapters.mixes import mix_error, parse_mix
 from loraplex.frontend.adapters.registry import AdapterEntry, AdapterError
 from loraplex.frontend.adapters.strength import item_scales
+from loraplex.frontend.adapters.tokenizers import Vocabulary
 from loraplex.frontend.bodies import error_body
 from loraplex.frontend.caller import caller_key_id
 from loraplex.frontend.chat_template import ChatOptions, render_chat
@@ -55,6 +56,15 @@ def n_samplings(sampling: SamplingParams, n: int) -> list[SamplingParams]:
     if sampling.seed is None:
         return [sampling] * n
     return [msgspec.structs.replace(sampling, seed=(sampling.seed + k) % (MAX_SEED + 1)) for k in range(n)]
+
+
+def with_end_tokens(sampling: SamplingParams, vocabulary: Vocabulary) -> SamplingParams:
+    """The sampling with the end tokens of its vocabulary's tokenizer among its stop tokens (an adapter's own may
+    end on an added token); the base model's are there already (make_sampling)."""
+    extra = [t for t in vocabulary.eos_token_ids if t not in sampling.stop_token_ids]
+    if sampling.ignore_eos or not extra:
+        return sampling
+    return msgspec.structs.replace(sampling, stop_token_ids=[*sampling.stop_token_ids, *extra])
 
 
 def raise_failure(states: list[RequestState]) -> None:
@@ -137,30 +147,48 @@ class GenerateService:
         self.check_up()
         return self.runtime.tokenizer
 
-    def tokenize(self, text: str) -> list[int]:
+    def vocabulary(self, lora_name: str | LoRAMixBody | None = None) -> Vocabulary:
+        """What a request on this adapter is tokenized with: the adapter's own tokenizer when its directory carries
+        one (frontend/adapters/tokenizers.py), else the base model's (the base model, a mix, any other adapter)."""
+        entry = self.runtime.registry.get(lora_name) if isinstance(lora_name, str) else None
+        if entry is not None and entry.vocabulary is not None:
+            return entry.vocabulary
+        return self.runtime.vocabulary
+
+    async def request_vocabulary(self, lora_name: str | LoRAMixBody | None) -> Vocabulary:
+        """vocabulary() for a request about to be encoded: an adapter the resolver has yet to bring in is loaded
+        first, so that its own tokenizer encodes the prompt (its hold does the rest)."""
+        runtime = self.runtime
+        if isinstance(lora_name, str) and runtime.registry.get(lora_name) is None and runtime.config.lora_enabled:
+            await runtime.adapters.find(lora_name)
+        return self.vocabulary(lora_name)
+
+    def tokenize(self, text: str, lora_name: str | LoRAMixBody | None = None) -> list[int]:
         """A text prompt's tokens, as every generate route and /tokenize take them: the tokenizer's defaults (BOS)."""
         self.check_up()
-        return self.runtime.tokenizer(text)["input_ids"]
+        return self.vocabulary(lora_name).tokenizer(text)["input_ids"]
 
-    def tokenize_chat(self, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions()) -> list[int]:
+    def tokenize_chat(self, messages: list[dict[str, Any]], options: ChatOptions = ChatOptions(),
+                      lora_name: str | LoRAMixBody | None = None) -> list[int]:
         """The prompt of a chat: its messages (and tools) through the chat template (frontend/chat_template.py)."""
         self.check_up()
         if not messages:
             raise InputError("'messages' is empty")
-        text = render_chat(self.runtime.tokenizer, self.runtime.chat_template, messages, options)
-        return self.runtime.tokenizer(text, add_special_tokens=False)["input_ids"]
+        vocabulary = self.vocabulary(lora_name)
+        text = render_chat(vocabulary.tokenizer, vocabulary.chat_template, messages, options)
+        return vocabulary.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def detokenize(self, token_ids: list[int]) -> str:
+    def detokenize(self, token_ids: list[int], lora_name: str | LoRAMixBody | None = None) -> str:
         """Token ids as text, special tokens included (an echoed prompt given as ids)."""
-        return self.runtime.tokenizer.decode(token_ids, skip_special_tokens=False)
+        return self.vocabulary(lora_name).tokenizer.decode(token_ids, skip_special_tokens=False)
 
-    def detokenize_checked(self, token_ids: list[int]) -> str:
+    def detokenize_checked(self, token_ids: list[int], lora_name: str | None = None) -> str:
         """/detokenize: the ids checked against the vocabulary first."""
         self.check_up()
         vocab_size = self.runtime.ready.vocab_size
         if any(not 0 <= t < vocab_size for t in token_ids):
             raise InputError(f"tokens must be token ids in [0, {vocab_size})")
-        return self.detokenize(token_ids)
+        return self.detokenize(token_ids, lora_name)
 
     async def resolve_model(self, model: str) -> tuple[str | None, str]:
         """An OpenAI `model` (base, adapter, or base:adapter): (adapter name or None for the base model, the name
@@ -207,10 +235,12 @@ class GenerateService:
                 raise InputError(f"request id {rid!r} is already in use")
             self._check_fits(prompt, one_sampling)
         entries = await self._hold_adapters(lora_names, rids)
-        states = [RequestState(rid, prompt, one_sampling, stops, runtime.tokenizer, name,
-                               entry.lora_id if entry is not None else None, output)
-                  for prompt, one_sampling, name, rid, entry in zip(prompts, samplings, lora_names, rids, entries,
-                                                                    strict=False)]
+        vocabularies = [entry.vocabulary if entry is not None and entry.vocabulary is not None
+                        else runtime.vocabulary for entry in entries]  # fmt: skip
+        states = [RequestState(rid, prompt, with_end_tokens(one_sampling, vocabulary), stops, vocabulary.tokenizer,
+                               name, entry.lora_id if entry is not None else None, output)
+                  for prompt, one_sampling, name, rid, entry, vocabulary in zip(
+                      prompts, samplings, lora_names, rids, entries, vocabularies, strict=False)]
         key_id = caller_key_id()
         for state in states:  # no await since the holds: each state frees its own from here on (finish)
             state.key_id = key_id
@@ -271,7 +301,7 @@ class GenerateService:
         """Validate and submit a /generate body (HTTP, Engine and RPC alike): (states, batched). With n > 1, n results
         per prompt in one flat list, prompt-major (always a list)."""
         self.check_up()
-        prompts, batched = self._prompts(body)
+        prompts, batched = await self._prompts(body)
         params = body.sampling_params or NativeSamplingParams()
         refund = self.take_rate(_repeat_n(prompts, params.n))
         try:
@@ -304,15 +334,19 @@ class GenerateService:
             state.return_text_in_logprobs = body.return_text_in_logprobs
         return states
 
-    def _prompts(self, body: NativeGenerateRequest) -> tuple[list[list[int]], bool]:
-        """Prompts as token ids, and whether the request was batched."""
+    async def _prompts(self, body: NativeGenerateRequest) -> tuple[list[list[int]], bool]:
+        """Prompts as token ids (each text with its adapter's tokenizer), and whether the request was batched."""
         if (body.text is None) == (body.input_ids is None):
             raise InputError("give exactly one of 'text' or 'input_ids'")
         if body.text is not None:
             texts = [body.text] if isinstance(body.text, str) else body.text
             if not texts:
                 raise InputError("'text' is an empty list")
-            return [self.tokenize(t) for t in texts], not isinstance(body.text, str)
+            batched = not isinstance(body.text, str)
+            lora_names = _per_item(body.lora_path, len(texts), batched, "lora_path")
+            self.check_up()
+            return [(await self.request_vocabulary(name)).tokenizer(text)["input_ids"]
+                    for text, name in zip(texts, lora_names, strict=True)], batched  # fmt: skip
         ids = body.input_ids
         if not ids:
             raise InputError("'input_ids' is empty")

@@ -17,6 +17,7 @@ from loraplex.frontend.adapters.audit import AuditLog
 from loraplex.frontend.adapters.manager import AdapterManager
 from loraplex.frontend.adapters.registry import AdapterRegistry
 from loraplex.frontend.adapters.state_file import AdapterStateFile
+from loraplex.frontend.adapters.tokenizers import AdapterTokenizers, Vocabulary
 from loraplex.frontend.chat_template import load_chat_template
 from loraplex.frontend.cluster.node_rendezvous import NodeRendezvous
 from loraplex.frontend.cluster.process_group import ProcessGroup
@@ -64,6 +65,7 @@ class Runtime:
         self.tokenizer: Any = None
         self.chat_template = load_chat_template(config.chat_template)  # None: the tokenizer's own
         self.eos_token_ids: list[int] = []
+        self.vocabulary: Vocabulary | None = None  # the three above, as requests on no adapter of its own use them
         self.grammars = GrammarChecker()  # structured-output constraints compile before their request is admitted
         self.procs: ProcessGroup | None = None
         self.replicas: ReplicaSet | None = None
@@ -108,6 +110,8 @@ class Runtime:
                                                                         self.model_dir)
         self.replica_ready = await self.replicas.wait_ready(self._dead, START_TIMEOUT_S)
         self.ready = min(self.replica_ready, key=lambda ready: ready.max_total_tokens)
+        self.vocabulary = Vocabulary(self.tokenizer, self.chat_template, self.eos_token_ids)
+        self.adapters.tokenizers = AdapterTokenizers(self.vocabulary, self.ready.vocab_size)
         logger.info(
             "scheduler ready: model_type %s, %d hidden layers, load format %s, %d KV tokens, context length %d",
             self.ready.model_type, self.ready.num_hidden_layers, self.config.load_format, self.ready.max_total_tokens,

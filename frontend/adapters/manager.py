@@ -23,6 +23,7 @@ from loraplex.frontend.adapters.registry import AdapterEntry, AdapterError, Adap
 from loraplex.frontend.adapters.residency import HostResidency
 from loraplex.frontend.adapters.sources import SourceError, cache_for, parse_remote, resolver_source
 from loraplex.frontend.adapters.state_file import AdapterStateFile
+from loraplex.frontend.adapters.tokenizers import AdapterTokenizers, Vocabulary
 from loraplex.frontend.cluster.replica_set import ReplicaSet
 from loraplex.frontend.metrics import Metrics
 from loraplex.protocol.config import ServerConfig, is_loopback_host
@@ -65,6 +66,8 @@ class AdapterManager:
         self.updates_refusal: tuple[str, str] | None = None  # (message, kind) once updates are closed after start-up
         self._retiring: set[asyncio.Task] = set()
         self.mixes = AdapterMixes(self)
+        # adapters' own tokenizers, read against the base model's once it is up (the Runtime sets it); None: not read
+        self.tokenizers: AdapterTokenizers | None = None
 
     # ---- the public operations ---------------------------------------------------------------------------
 
@@ -125,6 +128,7 @@ class AdapterManager:
                        for spec, content in zip(specs, inline, strict=True)]
         async with self.registry.update_lock:
             planned = self._plan(local_specs, inline, load_inplace)
+            vocabularies = await self._read_vocabularies(planned)
             to_load = [p for p in planned if isinstance(p, AdapterToLoad)]
             shipments = [Shipment(a, frames if a.inline is not None and frames is not None else []) for a in to_load]
             sent = await self.delivery.load(shipments, "load")
@@ -139,12 +143,33 @@ class AdapterManager:
                 outcome = outcomes[plan.lora_id]
                 if outcome.success:
                     client_path = None if plan.inline is not None else spec.lora_path
-                    self._commit(plan, client_path, outcome, parents.get(plan.lora_name))
+                    self._commit(plan, client_path, outcome, parents.get(plan.lora_name),
+                                 vocabularies.get(plan.lora_id))
                 results.append(_result(plan.lora_name, outcome))
             await self.residency.evict_over_limit({a.lora_name for a in to_load})
             self._save_state()
             self._count_loaded()
         return _merge(LoadLoRAAdapterReqOutput, results, self.registry.loaded_adapters())
+
+    async def _read_vocabularies(self, planned: list[AdapterToLoad | AdapterError]) -> dict[int, Vocabulary]:
+        """The own tokenizers of the planned adapters that carry one (by lora_id), read before any rank loads them;
+        a plan whose tokenizer is refused becomes its AdapterError (in place)."""
+        vocabularies: dict[int, Vocabulary] = {}
+        if self.tokenizers is None:
+            return vocabularies
+        loop = asyncio.get_running_loop()
+        for i, plan in enumerate(planned):
+            if isinstance(plan, AdapterError) or plan.lora_path is None:
+                continue  # refused already, or from tensors (no files)
+            try:
+                vocabulary = await loop.run_in_executor(None, self.tokenizers.read, plan.lora_name, plan.lora_path,
+                                                        plan.root)  # fmt: skip
+            except AdapterError as e:
+                planned[i] = e
+                continue
+            if vocabulary is not None:
+                vocabularies[plan.lora_id] = vocabulary
+        return vocabularies
 
     def _plan(self, specs: list[LoRAAdapterSpec | AdapterError], inline: list[InlineAdapter | None],
               load_inplace: bool) -> list[AdapterToLoad | AdapterError]:
@@ -274,14 +299,14 @@ class AdapterManager:
             raise ServerError(*self.updates_refusal)
 
     def _commit(self, plan: AdapterToLoad, client_path: str | None, outcome: AdapterOutcome,
-                parent: str | None = None) -> None:
+                parent: str | None = None, vocabulary: Vocabulary | None = None) -> None:
         old = self.registry.get(plan.lora_name)
         if parent is None and old is not None and plan.replaces is not None:
             parent = old.parent  # an in-place reload keeps the card's lineage
         entry = AdapterEntry(name=plan.lora_name, path=client_path, lora_id=plan.lora_id, pinned=plan.pinned,
                              resolved_path=plan.lora_path or "", root=plan.root, rank=outcome.lora_rank,
                              target_modules=list(outcome.target_modules), parent=parent,
-                             dora=outcome.dora)
+                             dora=outcome.dora, vocabulary=vocabulary)
         replaced = self.registry.add(entry)
         if replaced is not None:  # in-place reload: the old weights go once the requests running on them finish
             task = asyncio.get_running_loop().create_task(self._retire(replaced))
@@ -306,14 +331,16 @@ class AdapterManager:
             except SourceError as e:
                 raise AdapterError(f"adapter {name!r} is not loaded, and --lora-resolver-dir: {e}", e.kind) from e
         spec = LoRAAdapterSpec(lora_name=name, lora_path=path)
-        planned = self.registry.plan_load([spec], replace=False, root=resolver_dir)[0]
+        plans = self.registry.plan_load([spec], replace=False, root=resolver_dir)
+        vocabularies = await self._read_vocabularies(plans)
+        planned = plans[0]
         if isinstance(planned, AdapterError):
             raise AdapterError(f"adapter {name!r} from --lora-resolver-dir: {planned}", "invalid")
         outcome = (await self.delivery.load([Shipment(planned)], "load"))[0]
         if not outcome.success:
             kind = outcome.error_kind if outcome.error_kind in ("timeout", "unavailable") else "invalid"
             raise AdapterError(f"adapter {name!r} from --lora-resolver-dir: {outcome.error_message}", kind)
-        self._commit(planned, client_path, outcome)
+        self._commit(planned, client_path, outcome, vocabulary=vocabularies.get(planned.lora_id))
         await self.residency.evict_over_limit(keep)
         self._save_state()
         self._count_loaded()

@@ -117,6 +117,9 @@ class AdapterMixes:
                     raise mix_error(f"adapter {adapter!r} is a DoRA adapter: a mix sums plain LoRA deltas")
                 if entry.path is None:
                     raise mix_error(f"adapter {adapter!r} was loaded from tensors: a mix reads its adapters' files")
+                if entry.vocabulary is not None:
+                    raise mix_error(f"adapter {adapter!r} has a tokenizer of its own: a mix is encoded and decoded "
+                                    "with the base model's")
                 entries.append(entry)
             ids = {entry.name: entry.lora_id for entry in entries}
             name = mix.name

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from loraplex.protocol.errors import ServerError
 from loraplex.protocol.structs import AdapterToLoad, InlineAdapter, LoRAAdapterSpec
@@ -35,6 +36,7 @@ class AdapterEntry:
     rank: int = 0
     target_modules: list[str] = field(default_factory=list)
     dora: bool = False  # DoRA: its norms are computed at its own scale, so no lora_scale or lora_mix takes it
+    vocabulary: Any = None  # its own tokenizer (adapters/tokenizers.py's Vocabulary); None: the base model's
     parent: str | None = None  # its card's parent in /v1/models (--lora-modules' base_model_name); None: the base
     holders: set[str] = field(default_factory=set)  # rids of requests in flight
     draining: bool = False  # an unload has begun: no new requests

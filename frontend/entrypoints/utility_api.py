@@ -42,12 +42,13 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await read_request(request, TokenizeBody)
     if (body.prompt is None) == (body.messages is None):
         raise InputError("give exactly one of 'prompt' or 'messages'")
+    lora_name = None  # an adapter with its own tokenizer is tokenized with it
     if body.model is not None:
-        await service.resolve_model(body.model)  # an unknown model is a 404, as on the generate routes
+        lora_name, _ = await service.resolve_model(body.model)  # an unknown model is a 404, as on the generate routes
     if body.prompt is not None:
-        tokens = service.tokenize(body.prompt)
+        tokens = service.tokenize(body.prompt, lora_name)
     else:
-        tokens = service.tokenize_chat(chat_messages(body.messages), chat_options(body))
+        tokens = service.tokenize_chat(chat_messages(body.messages), chat_options(body), lora_name)
     return json_response(TokenizeResponse(tokens=tokens, count=len(tokens),
                                           max_model_len=service.runtime.ready.context_length))
 
@@ -56,9 +57,10 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     service = service_of(request)
     body = await read_request(request, DetokenizeBody)
+    lora_name = None
     if body.model is not None:
-        await service.resolve_model(body.model)
-    return json_response(DetokenizeResponse(prompt=service.detokenize_checked(body.tokens)))
+        lora_name, _ = await service.resolve_model(body.model)
+    return json_response(DetokenizeResponse(prompt=service.detokenize_checked(body.tokens, lora_name)))
 
 
 def tokenizer_info(tokenizer: Any, chat_template: str | None) -> dict[str, Any]:

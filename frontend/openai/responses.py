@@ -274,7 +274,8 @@ async def start_response(service: GenerateService, req: ResponsesRequest) -> Res
         raise InputError(f"tool_choice {brief_choice(req.tool_choice)} forces the output's shape: structured_outputs "
                          "cannot be given with it")
     plan = auto_plan(req, service.runtime.config)
-    prompt = service.tokenize_chat(messages, ChatOptions(tools=template_tools(req.tools)))
+    lora_name, _ = await service.resolve_model(req.model)  # an adapter with its own tokenizer renders with it
+    prompt = service.tokenize_chat(messages, ChatOptions(tools=template_tools(req.tools)), lora_name)
     chat = ChatRequest(model=req.model, messages=[], max_tokens=req.max_output_tokens, temperature=req.temperature,
                        top_p=req.top_p, stream=req.stream, user=req.user, structured_outputs=req.structured_outputs)
     run = await start_openai(service, chat, [prompt], chat=True, default_max=None, found=found, tools=plan)

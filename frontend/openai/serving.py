@@ -62,7 +62,9 @@ def requested_prompt_logprobs(req: CommonParams, logprobs: int) -> int | None:
     return req.prompt_logprobs
 
 
-def openai_sampling(runtime: Runtime, req: CommonParams, prompt_len: int, default_max: int | None) -> Any:
+def openai_sampling(runtime: Runtime, req: CommonParams, prompt_len: int, default_max: int | None,
+                    tokenizer: Any = None) -> Any:
+    """tokenizer: the one the request is encoded with (bad_words), the base model's unless given."""
     if req.n < 1 or req.n > MAX_N:
         raise InputError(f"n must be in [1, {MAX_N}], got {req.n}")
     if req.stream_options is not None and not req.stream:
@@ -100,7 +102,7 @@ def openai_sampling(runtime: Runtime, req: CommonParams, prompt_len: int, defaul
         min_new_tokens=req.min_tokens,
         logprob_start_len=-1 if prompt_top is None else 0,
         prompt_top_logprobs=prompt_top or 0,
-        controls=logit_controls(req.logit_bias, req.allowed_token_ids, req.bad_words, runtime.tokenizer,
+        controls=logit_controls(req.logit_bias, req.allowed_token_ids, req.bad_words, tokenizer or runtime.tokenizer,
                                 runtime.ready.vocab_size),
     )
     return n_samplings(sampling, req.n)
@@ -186,7 +188,8 @@ async def start_openai(
         found = Found(tools.constraint, "tool_choice")
     found = constraint_after_reasoning(found, reasoning)
     for prompt in prompts:
-        for sampling in await service.constrain(openai_sampling(runtime, req, len(prompt), default_max), found):
+        samplings = openai_sampling(runtime, req, len(prompt), default_max, service.vocabulary(adapter).tokenizer)
+        for sampling in await service.constrain(samplings, found):
             jobs.append((prompt, sampling))
     echoes = [echo for echo in echoes for _ in range(req.n)] if echoes is not None else None
     stops = stop_list(req.stop)
@@ -211,14 +214,21 @@ def keeps_special_tokens(reasoning: Reasoning | None, tools: ToolPlan | None) ->
             or reasoning is not None and reasoning.needs_special_tokens)
 
 
+async def request_adapter(service: GenerateService, req: CommonParams) -> str | None:
+    """The adapter whose tokenizer encodes an OpenAI request (None: the base model's; a mix is served with it)."""
+    lora_name, _ = await service.resolve_model(req.model)
+    return None if req.lora_mix is not None else lora_name
+
+
 async def start_completion(service: GenerateService, req: CompletionRequest) -> OpenAIRun:
+    lora_name = await request_adapter(service, req)
     prompt = req.prompt
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
         raise InputError("'prompt' is empty")
     if all(isinstance(p, str) for p in prompt):
-        prompts = [service.tokenize(p) for p in prompt]
+        prompts = [service.tokenize(p, lora_name) for p in prompt]
     elif all(isinstance(p, int) for p in prompt):
         prompts = [prompt]
     elif all(isinstance(p, list) and p for p in prompt):
@@ -231,8 +241,9 @@ async def start_completion(service: GenerateService, req: CompletionRequest) -> 
         echoes = []
         for p, ids in zip(prompt if isinstance(prompt[0], str) else prompts, prompts, strict=True):
             is_text = isinstance(p, str)
-            offsets = text_offsets(service.runtime.tokenizer, ids, is_text) if with_offsets else []
-            echoes.append(Echo(p if is_text else service.detokenize(ids), offsets))
+            tokenizer = service.vocabulary(lora_name).tokenizer
+            offsets = text_offsets(tokenizer, ids, is_text) if with_offsets else []
+            echoes.append(Echo(p if is_text else service.detokenize(ids, lora_name), offsets))
     return await start_openai(service, req, prompts, chat=False, default_max=16, echoes=echoes)
 
 
@@ -241,8 +252,10 @@ async def start_chat(service: GenerateService, req: ChatRequest) -> OpenAIRun:
     config = runtime.config
     plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls,
                      config.tool_call_parser if config.enable_auto_tool_choice else None)
-    prompt = service.tokenize_chat(chat_messages(req.messages), chat_options(req))
-    reasoning = request_reasoning(config.reasoning_parser, req.chat_template_kwargs, runtime.tokenizer)
+    lora_name = await request_adapter(service, req)
+    prompt = service.tokenize_chat(chat_messages(req.messages), chat_options(req), lora_name)
+    reasoning = request_reasoning(config.reasoning_parser, req.chat_template_kwargs,
+                                  service.vocabulary(lora_name).tokenizer)
     return await start_openai(service, req, [prompt], chat=True, default_max=None, reasoning=reasoning, tools=plan)
 
 
