@@ -348,6 +348,7 @@ def build_tiny_model(
     tie_word_embeddings: bool = False,
     dtype: torch.dtype = torch.float32,
     with_tokenizer: bool = True,
+    vocab_size: int | None = None,  # embedding rows; None: the tokenizer's size (more: spare rows, as real models pad)
 ) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -357,7 +358,7 @@ def build_tiny_model(
     bos_id, eos_id, im_end_id = (token_ids[t] for t in (BOS_TOKEN, EOS_TOKEN, IM_END_TOKEN))
     config = _make_config(
         arch,
-        vocab_size=tokenizer_vocab_size(),
+        vocab_size=vocab_size or tokenizer_vocab_size(),
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
