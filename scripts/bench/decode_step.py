@@ -6,7 +6,8 @@ same machine (this CPU's speed drifts by tens of percent). Batches: base model o
 pool (as after a 32-adapter workload), 32 adapters, and the same 32 as DoRA adapters (each bench adapter with
 magnitude vectors added: the same products, then each row rescaled); then, on runners whose pool holds rank 4 x 16,
 every row on one adapter against every row on a linear mix of 4 (lora_mix: its ranks stacked, rank 64). Prints min
-and median step time per path and their ratios.
+and median step time per path and their ratios, then the adapter forms' two comparisons: DoRA / plain LoRA at 32
+adapters and a mix of 4 / one adapter (median over median, per path; `ratios` in --json).
 
     python -m scripts.bench.decode_step            # bfloat16, the full bench model, 32 requests of 200 tokens
     python -m scripts.bench.decode_step --paths torch --size quick --dtype float32   # where the CPU kernels cannot run
@@ -47,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--paths", default="torch,cpu", help="the LoRA backends compared, comma-separated")
     parser.add_argument("--mix-size", type=int, default=4, help="adapters in the mix row (0: no mix rows)")
+    parser.add_argument("--cache-dir", default=None, help="where the bench model is built (default: the bench cache)")
     parser.add_argument("--json", help="write the results here")
     return parser.parse_args(argv)
 
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
             select_backend("cpu", "cpu", getattr(torch, args.dtype))
         except BackendError as e:
             sys.exit(str(e))
-    bench = ensure_bench_model(SIZES[args.size], max(args.num_adapters, args.mix_size))
+    bench = ensure_bench_model(SIZES[args.size], max(args.num_adapters, args.mix_size), args.cache_dir)
     specs = list(bench.adapter_dirs)[: args.num_adapters]
 
     def runners_with(max_lora_rank: int, num_adapters: int) -> tuple[dict[str, ModelRunner], list[list[int]]]:
@@ -189,7 +191,9 @@ def main(argv: list[str] | None = None) -> dict:
     time_batches(args, runners, pages, batches, results, rows)
     for runner in runners.values():  # the same adapters as DoRA adapters, in the same slots
         runner.lora.apply_slot_loads(dora_copies(runner, bench, len(specs), first_id=2000))
-    time_batches(args, runners, pages, {f"{len(specs)} DoRA adapters": list(range(len(specs)))}, results, rows)
+    dora_row = f"{len(specs)} DoRA adapters"
+    time_batches(args, runners, pages, {dora_row: list(range(len(specs)))}, results, rows)
+    ratios = {f"DoRA / plain LoRA, {len(specs)} adapters": (dora_row, f"{len(specs)} adapters")}
     if args.mix_size:
         # one adapter in slot 0, the mix of the first mix_size adapters in slot 1, on a pool that holds its rank
         runners, pages = runners_with(ADAPTER_RANK * args.mix_size, 1)
@@ -197,8 +201,10 @@ def main(argv: list[str] | None = None) -> dict:
         for runner in runners.values():
             load = load_mix(runner, mix_dirs, slot=1, lora_id=1000)
             runner.forward(ForwardBatch(batch_id=99, reqs=decode_reqs(pages, args.context, [1]), slot_loads=[load]))
-        mix_batches = {"1 adapter, every row (rank-64 pool)": [0], f"a mix of {args.mix_size}, every row": [1]}
-        time_batches(args, runners, pages, mix_batches, results, rows)
+        one_row, mix_row = (f"1 adapter, every row (rank-{ADAPTER_RANK * args.mix_size} pool)",
+                            f"a mix of {args.mix_size}, every row")
+        time_batches(args, runners, pages, {one_row: [0], mix_row: [1]}, results, rows)
+        ratios[f"a mix of {args.mix_size} / one adapter"] = (mix_row, one_row)
     base = rows[0][1:]
     both = len(paths) == 2
     for row in rows:
@@ -211,9 +217,14 @@ def main(argv: list[str] | None = None) -> dict:
     headers += ["speedup"] * both + [f"base/this ({path})" for path in paths]
     print(f"{args.batch} requests x {args.context} tokens of context, {args.dtype}, {torch.get_num_threads()} threads")
     print(format_table(headers, rows))
+    # the two comparisons the adapter forms ask for: median step time of one row over another's, per path
+    medians = {name: {path: results[a][path]["median_ms"] / results[b][path]["median_ms"] for path in paths}
+               for name, (a, b) in ratios.items()}  # fmt: skip
+    for name, by_path in medians.items():
+        print(f"{name} (median): " + ", ".join(f"{path} {ratio:.2f}" for path, ratio in by_path.items()))
     if args.json:
-        write_json(args.json, {"args": vars(args), "results": results})
-    return results
+        write_json(args.json, {"args": vars(args), "results": results, "ratios": medians})
+    return {**results, "ratios": medians}
 
 
 def time_batches(

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import scripts.bench.chunked_prefill as bench_chunked_prefill
+import scripts.bench.decode_step as bench_decode_step
 import scripts.bench.dp as bench_dp
 import scripts.bench.families as bench_families
 import scripts.bench.kv_admission as bench_kv_admission
@@ -213,3 +214,18 @@ def test_quantized_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
         for label in ("int8", "int4"):
             value, _ = result["measured"][f"{label}_{batch}"]
             assert value == pytest.approx(result["step_ms"][batch]["plain"] / result["step_ms"][batch][label])
+
+
+def test_decode_step_rows_of_the_adapter_forms(bench_cache_dir: Path, tmp_path: Path) -> None:
+    # the in-process decode step at its smallest: 4 adapters, their DoRA copies, one adapter against a mix of 4
+    out = tmp_path / "decode_step.json"
+    bench_decode_step.main(["--size", "quick", "--paths", "torch", "--dtype", "float32", "--batch", "4", "--context",
+                            "8", "--num-adapters", "4", "--steps", "1", "--cache-dir", str(bench_cache_dir),
+                            "--json", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    rows = result["results"]
+    expected = {"4 adapters", "4 DoRA adapters", "1 adapter, every row (rank-64 pool)", "a mix of 4, every row"}
+    assert expected <= set(rows)
+    assert all(row["torch ops"]["median_ms"] > 0 for row in rows.values())
+    assert set(result["ratios"]) == {"DoRA / plain LoRA, 4 adapters", "a mix of 4 / one adapter"}
+    assert all(ratio["torch ops"] > 0 for ratio in result["ratios"].values())
