@@ -13,4 +13,5 @@ files.py       a start-up adapter's config; a directory as tensor frames (node 0
 strength.py    a request's adapter strength (lora_scale): checked per item
 mixes.py       AdapterMixes: a request's lora_mix checked, computed once and loaded as an adapter of its own
 mix_merge.py   a mix's PEFT tensors from its adapters' (linear: stacked ranks; PEFT's ties and dare_linear)
+tokenizers.py  AdapterTokenizers: an adapter's own tokenizer (added tokens, chat template) read at its load
 """
