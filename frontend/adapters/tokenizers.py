@@ -44,15 +44,17 @@ class AdapterTokenizers:
         base model's embedding. Blocking: call it off the event loop."""
         if not any(os.path.isfile(os.path.join(path, f)) for f in OWN_TOKENIZER_FILES):
             return None
-        if root is not None:  # the workers check the weights' files; these are read here
-            for entry in os.scandir(path):
-                if not _is_inside(os.path.realpath(entry.path), root):
-                    raise AdapterError(f"adapter {name!r}: file {entry.name!r} lies outside the allowed root",
-                                       "forbidden")  # fmt: skip
         from transformers import AutoTokenizer
 
         try:
+            if root is not None:  # the workers check the weights' files; these are read here
+                for entry in os.scandir(path):
+                    if not _is_inside(os.path.realpath(entry.path), root):
+                        raise AdapterError(f"adapter {name!r}: file {entry.name!r} lies outside the allowed root",
+                                           "forbidden")  # fmt: skip
             tokenizer = AutoTokenizer.from_pretrained(path)
+        except AdapterError:
+            raise
         except Exception as e:  # noqa: BLE001 - any failure to read the files is the adapter's fault
             raise AdapterError(f"adapter {name!r}: its tokenizer files cannot be read: {e}", "invalid") from e
         num_tokens = len(tokenizer)
