@@ -389,10 +389,12 @@ def test_dora_with_plain_and_base_in_one_batch_equals_peft(dynamic_server, llama
 
 def test_module_copies_and_trainable_tokens_load_at_run_time_and_equal_peft(dynamic_server, llama_dir, tmp_path):
     """An adapter with full embed_tokens and lm_head copies (modules_to_save) and one with trainable tokens, loaded at
-    run time, serve one /generate batch beside the base model as HF + peft does; unloaded, their names are gone."""
+    run time, serve one /generate batch beside a plain adapter and the base model as HF + peft does; unloaded, their
+    names are gone."""
     server = dynamic_server
     tokens = [3, 5, 7]
-    extras = {"copies": {"modules_to_save": ["lm_head", "embed_tokens"]}, "tokens": {"trainable_token_indices": tokens}}
+    extras = {"copies": {"modules_to_save": ["lm_head", "embed_tokens"]}, "tokens": {"trainable_token_indices": tokens},
+              "plain": {}}  # fmt: skip
     dirs = {}
     for seed, (name, extra) in enumerate(extras.items(), start=81):
         dirs[name] = tmp_path / name
@@ -401,8 +403,8 @@ def test_module_copies_and_trainable_tokens_load_at_run_time_and_equal_peft(dyna
     try:
         tokenizer = AutoTokenizer.from_pretrained(llama_dir)
         prompt_ids = [tokenizer(prompt)["input_ids"][:1] + tokens + tokenizer(prompt)["input_ids"][1:]
-                      for prompt in SHARED_PREFIX_PROMPTS[:3]]  # fmt: skip
-        names = ["copies", None, "tokens"]
+                      for prompt in SHARED_PREFIX_PROMPTS]  # fmt: skip
+        names = ["copies", None, "tokens", "plain"]
         body = {"input_ids": prompt_ids, "lora_path": names, "sampling_params": GREEDY}
         resp = server.post("/generate", body)
         assert resp.status_code == 200, resp.text
