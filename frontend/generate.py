@@ -150,10 +150,10 @@ class GenerateService:
     def vocabulary(self, lora_name: str | LoRAMixBody | None = None) -> Vocabulary:
         """What a request on this adapter is tokenized with: the adapter's own tokenizer when its directory carries
         one (frontend/adapters/tokenizers.py), else the base model's (the base model, a mix, any other adapter)."""
-        entry = self.runtime.registry.get(lora_name) if isinstance(lora_name, str) else None
-        if entry is not None and entry.vocabulary is not None:
-            return entry.vocabulary
-        return self.runtime.vocabulary
+        return self._vocabulary_of(self.runtime.registry.get(lora_name) if isinstance(lora_name, str) else None)
+
+    def _vocabulary_of(self, entry: AdapterEntry | None) -> Vocabulary:
+        return entry.vocabulary if entry is not None and entry.vocabulary is not None else self.runtime.vocabulary
 
     async def request_vocabulary(self, lora_name: str | LoRAMixBody | None) -> Vocabulary:
         """vocabulary() for a request about to be encoded: an adapter the resolver has yet to bring in is loaded
@@ -235,8 +235,7 @@ class GenerateService:
                 raise InputError(f"request id {rid!r} is already in use")
             self._check_fits(prompt, one_sampling)
         entries = await self._hold_adapters(lora_names, rids)
-        vocabularies = [entry.vocabulary if entry is not None and entry.vocabulary is not None
-                        else runtime.vocabulary for entry in entries]  # fmt: skip
+        vocabularies = [self._vocabulary_of(entry) for entry in entries]  # the held adapter's, for its whole life
         states = [RequestState(rid, prompt, with_end_tokens(one_sampling, vocabulary), stops, vocabulary.tokenizer,
                                name, entry.lora_id if entry is not None else None, output)
                   for prompt, one_sampling, name, rid, entry, vocabulary in zip(
