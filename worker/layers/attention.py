@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import ModuleType
 from typing import Protocol
@@ -44,6 +44,7 @@ from loraplex.kernels.latent_attention import latent_head_blocks, launch_latent_
 from loraplex.kernels.paged_attention import decode_num_splits
 from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.structs import ForwardReq
+from loraplex.worker.kv_cache import FP8_DTYPE, KVScales, dequantize_fp8, write_kv
 from loraplex.worker.layers.attention_spec import LayerAttention
 from loraplex.worker.layers.triton_attention import DecodeMeta, TritonAttention, _pack, _page_rows
 
@@ -215,8 +216,9 @@ class CPUAttentionInputs(AttentionInputs):
         group: AttentionGroup,
         layer: LayerAttention,
     ) -> torch.Tensor:
-        # The kernel reads decodes from whole pages, without a logit cap.
-        if group.max_q_len > 1 or not k_cache.is_contiguous() or layer.logit_cap is not None:
+        # The kernel reads decodes from whole pages, without a logit cap, from a cache in the model's dtype.
+        if (group.max_q_len > 1 or not k_cache.is_contiguous() or layer.logit_cap is not None
+                or layer.kv_scales is not None):  # fmt: skip
             return _sdpa_group(q, k_cache, v_cache, group, layer)
         out = torch.empty_like(q)  # (reqs, heads, head_dim): one token per request, in request order
         window, chunk = layer.sliding_window or 0, layer.chunk_size or 0  # 0: every key
@@ -459,9 +461,11 @@ def paged_attention(
     v_cache: torch.Tensor,  # (slots, kv_heads, head_dim)
     inputs: BatchAttention,
     layer: LayerAttention | None = None,  # None: head_dim ** -0.5, no window, no cap
+    scales: KVScales | None = None,  # an FP8 cache's (KVLayer.scales)
 ) -> torch.Tensor:
-    k_cache.index_copy_(0, inputs.write_slots, k)
-    v_cache.index_copy_(0, inputs.write_slots, v)
+    write_kv(k, v, k_cache, v_cache, inputs.write_slots, scales)
+    if scales is not None:  # the backends read the layer's scales beside its other settings
+        layer = replace(layer or LayerAttention.default(q.shape[2]), kv_scales=scales.values)
     return inputs.attend(q, k_cache, v_cache, layer)  # (tokens, heads, head_dim)
 
 
@@ -470,6 +474,9 @@ def _sdpa_group(
 ) -> torch.Tensor:
     keys = _gather_pages(k_cache, group.read_pages, group.page_size)  # (reqs, kv_heads, max_kv_len, head_dim)
     values = _gather_pages(v_cache, group.read_pages, group.page_size)  # (reqs, kv_heads, max_kv_len, head_dim)
+    if layer.kv_scales is not None:  # an FP8 cache: the gathered pages only, back to q's dtype
+        keys = dequantize_fp8(keys, layer.kv_scales[0:1], q.dtype)
+        values = dequantize_fp8(values, layer.kv_scales[1:2], q.dtype)
     return _sdpa_padded(q, keys, values, group, layer)
 
 
@@ -529,6 +536,8 @@ def _gather_pages(cache: torch.Tensor, read_pages: torch.Tensor, page_size: int)
 def _gather_rows(cache: torch.Tensor, read_pages: torch.Tensor, page_size: int) -> torch.Tensor:
     """(slots, kv_heads, head_dim) cache, (reqs, pages) page tables -> (reqs, pages * page_size, kv_heads, head_dim):
     one row copy per page (index_select over whole pages is ~3x faster on CPU than indexing per token position)."""
+    if cache.dtype == FP8_DTYPE:  # as bytes: torch's CPU index ops take no float8
+        return _gather_rows(cache.view(torch.uint8), read_pages, page_size).view(FP8_DTYPE)
     num_slots, num_kv_heads, head_dim = cache.shape
     num_reqs, num_pages = read_pages.shape
     if cache.is_contiguous():
