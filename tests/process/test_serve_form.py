@@ -41,8 +41,8 @@ def _start_error(*argv: str) -> str:
 
 
 def test_flag_for_a_missing_feature_exits_with_one_line(llama_dir: Path) -> None:
-    line = _start_error("serve", str(llama_dir), "--enable-lora", "--kv-cache-dtype", "fp8")
-    assert line.startswith("loraplex: error: --kv-cache-dtype fp8: the KV cache holds the model's dtype")
+    line = _start_error("serve", str(llama_dir), "--enable-lora", "--cpu-offload-gb", "4")
+    assert line.startswith("loraplex: error: --cpu-offload-gb 4: weights cannot be offloaded")
 
 
 def test_quantization_the_checkpoint_lacks_exits_with_one_line(llama_dir: Path, tmp_path: Path) -> None:
