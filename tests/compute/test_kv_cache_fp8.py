@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from loraplex.kernels import cpu_ext
 from loraplex.protocol.config import ConfigError, ServerConfig
 from loraplex.protocol.structs import ForwardReq
 from loraplex.worker.kv_cache import FP8_DTYPE, KVCache, default_kv_tokens, dequantize_fp8, quantize_fp8
@@ -131,3 +132,32 @@ def test_scales_come_from_the_checkpoint(llama_dir: Path, tmp_path: Path) -> Non
 def test_choices_it_cannot_serve_are_refused() -> None:
     with pytest.raises(ConfigError, match="--calculate-kv-scales .* needs --kv-cache-dtype fp8"):
         ServerConfig(calculate_kv_scales=True)
+
+
+@pytest.mark.skipif(cpu_ext.unavailable_reason() is not None, reason="the CPU kernels cannot run here")
+def test_the_cpu_decode_kernel_reads_fp8_as_its_dequantized_bfloat16() -> None:
+    kernels = cpu_ext.kernels()
+    assert kernels is not None, "the CPU kernels failed to build (see the log)"
+    num_heads, num_kv_heads, head_dim, page_size = 8, 2, 64, 16
+    gen = torch.Generator().manual_seed(1)
+    kv_lens = torch.tensor([1, 16, 17, 45, 48])
+    num_slots = 16 * 16
+    read_pages = torch.randperm(16, generator=gen)[:15].view(5, 3)  # scattered pages, 3 per request
+    k, v = (torch.randn(num_slots, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    k[::7] *= 1e-3  # some stored values fall on float8 subnormals (|x| / scale < 2^-6)
+    # power-of-two scales: fp8 * scale is exact in bfloat16, so both kernels read the very same numbers
+    kv_scales = torch.tensor([2.0**-3, 2.0**-4])
+    k8, v8 = quantize_fp8(k, kv_scales[:1]), quantize_fp8(v, kv_scales[1:])
+    assert ((k8.float().abs() < 2**-6) & (k8.float() != 0)).any()
+    k_deq, v_deq = (dequantize_fp8(x, s, torch.bfloat16) for x, s in ((k8, kv_scales[:1]), (v8, kv_scales[1:])))
+    q = (3 * torch.randn(5, num_heads, head_dim, generator=gen)).to(torch.bfloat16)
+    out_fp8, out_bf16 = torch.empty_like(q), torch.empty_like(q)
+    args = (read_pages, kv_lens, page_size, head_dim**-0.5, 0, 0, torch.empty(0))
+    kernels.decode_attention_fp8(q, k8, v8, *args, kv_scales, out_fp8)
+    kernels.decode_attention(q, k_deq, v_deq, *args, out_bf16)
+    # the same sums in another order: at most a bfloat16 rounding apart
+    torch.testing.assert_close(out_fp8.float(), out_bf16.float(), atol=1e-2, rtol=8e-3)
+    # and within float8's error of the bfloat16 cache it was quantized from
+    out_plain = torch.empty_like(q)
+    kernels.decode_attention(q, k.to(torch.bfloat16), v.to(torch.bfloat16), *args, out_plain)
+    assert (out_fp8.float() - out_plain.float()).norm() < 0.08 * out_plain.float().norm()

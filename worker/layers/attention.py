@@ -8,7 +8,8 @@ its length.
 That is the `torch` attention backend. The `cpu` one (bfloat16 on a CPU where the compiled CPU kernels run, for head
 shapes they take) is the same but for the group of decodes, which goes to cpu_ext's decode_attention: it reads each
 request's keys and values straight from its pages, no gathered copy, no padding, no mask (sliding windows, attention
-chunks and sinks included). The `triton` one
+chunks and sinks included; an FP8 cache converted in registers, decode_attention_fp8). The torch path dequantizes an
+FP8 cache's gathered pages to q's dtype. The `triton` one
 (worker/layers/triton_attention.py; CUDA by default) reads every request's keys and values from its pages in Triton
 kernels (latent attention's one tensor of [latent | rope key] rows with kernels of its own). The worker picks one at
 start-up (`select_attention_backend`); it builds each batch's AttentionInputs-like object, whose `attend` the model
@@ -216,17 +217,18 @@ class CPUAttentionInputs(AttentionInputs):
         group: AttentionGroup,
         layer: LayerAttention,
     ) -> torch.Tensor:
-        # The kernel reads decodes from whole pages, without a logit cap, from a cache in the model's dtype.
-        if (group.max_q_len > 1 or not k_cache.is_contiguous() or layer.logit_cap is not None
-                or layer.kv_scales is not None):  # fmt: skip
+        # The kernel reads decodes from whole pages, without a logit cap.
+        if group.max_q_len > 1 or not k_cache.is_contiguous() or layer.logit_cap is not None:
             return _sdpa_group(q, k_cache, v_cache, group, layer)
         out = torch.empty_like(q)  # (reqs, heads, head_dim): one token per request, in request order
         window, chunk = layer.sliding_window or 0, layer.chunk_size or 0  # 0: every key
         sinks = _NO_SINKS if layer.sinks is None else layer.sinks
-        self.compiled.decode_attention(
-            q.contiguous(), k_cache, v_cache, group.read_pages, group.kv_lens, group.page_size, layer.scale, window,
-            chunk, sinks, out,
-        )  # fmt: skip
+        args = (q.contiguous(), k_cache, v_cache, group.read_pages, group.kv_lens, group.page_size, layer.scale,
+                window, chunk, sinks)  # fmt: skip
+        if layer.kv_scales is None:
+            self.compiled.decode_attention(*args, out)
+        else:  # an FP8 cache, converted in registers
+            self.compiled.decode_attention_fp8(*args, layer.kv_scales, out)
         return out
 
 
