@@ -289,7 +289,7 @@ class ModelRunner:
     def _warmup_attention(self) -> None:
         start = time.perf_counter()
         launches = self.attention.warmup(
-            self.kv_cache.layer(0), self.model_config.num_heads // self.world_size, self.page_size
+            self.kv_cache.layer(0), self.model_config.num_heads // self.world_size, self.page_size, dtype=self.dtype
         )
         if launches:
             logger.info("%s attention kernels compiled: %d launches in %.1f s", self.attention.name, launches,
@@ -365,9 +365,6 @@ class ModelRunner:
         if mc.mla is not None:
             raise ModelConfigError(f"{flag}: {mc.model_type}'s latent attention keeps its cache in the model's dtype "
                                    "(its kernels read no FP8); use auto")  # fmt: skip
-        if self.attention.name == "triton":
-            raise ModelConfigError(f"{flag}: the Triton attention kernels read the model's dtype only; use "
-                                   "--attention-backend torch, or auto")  # fmt: skip
         if mc.gemma4 is not None:
             raise ModelConfigError(f"{flag}: {mc.model_type}'s layers share and narrow one cache, which stays in the "
                                    "model's dtype; use auto")  # fmt: skip

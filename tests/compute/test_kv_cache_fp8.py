@@ -161,3 +161,38 @@ def test_the_cpu_decode_kernel_reads_fp8_as_its_dequantized_bfloat16() -> None:
     out_plain = torch.empty_like(q)
     kernels.decode_attention(q, k.to(torch.bfloat16), v.to(torch.bfloat16), *args, out_plain)
     assert (out_fp8.float() - out_plain.float()).norm() < 0.08 * out_plain.float().norm()
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_the_triton_kernels_read_fp8_as_its_dequantized_values(num_splits: int) -> None:
+    from loraplex.kernels import paged_attention as pa  # Triton: the interpreter where no GPU is used (conftest)
+
+    gen = torch.Generator().manual_seed(2)
+    num_heads, num_kv_heads, head_dim, page_size, num_pages = 4, 2, 16, 16, 12
+    k, v = (torch.randn(num_pages * page_size, num_kv_heads, head_dim, generator=gen) * 4 for _ in range(2))
+    k[::5] *= 1e-3  # float8 subnormals among the stored values
+    kv_scales = torch.tensor([0.03, 0.02])
+    k8, v8 = quantize_fp8(k, kv_scales[:1]), quantize_fp8(v, kv_scales[1:])
+    k_deq, v_deq = (dequantize_fp8(x, s, torch.float32) for x, s in ((k8, kv_scales[:1]), (v8, kv_scales[1:])))
+    table = torch.randperm(num_pages, generator=gen)[:10].view(2, 5).to(torch.int32)  # 2 requests, scattered pages
+    # decode: one new token per request, after 70 and 33 cached tokens
+    q = torch.randn(3, num_heads, head_dim, generator=gen)  # rows 0 and 2 are the requests', row 1 padding
+    kv_lens, q_rows = torch.tensor([71, 34], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
+    outs = [torch.zeros_like(q) for _ in range(2)]
+    pa.paged_decode_attention_triton(outs[0], q, k8, v8, table, kv_lens, q_rows, page_size, 0.25, num_splits,
+                                     kv_scales=kv_scales)  # fmt: skip
+    pa.paged_decode_attention_triton(outs[1], q, k_deq, v_deq, table, kv_lens, q_rows, page_size, 0.25, num_splits)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
+    assert outs[0][[0, 2]].abs().sum() > 0
+    # extend: 20 and 9 new tokens after 40 and 0 cached
+    q = torch.randn(29, num_heads, head_dim, generator=gen)
+    q_starts, q_lens, cached = (torch.tensor(x, dtype=torch.int32) for x in ([0, 20], [20, 9], [40, 0]))
+    tile_reqs, tile_offsets = (torch.tensor(x, dtype=torch.int32) for x in pa.plan_extend_tiles([20, 9]))
+    outs = [torch.zeros_like(q) for _ in range(2)]
+    for out, caches, scales in ((outs[0], (k8, v8), kv_scales), (outs[1], (k_deq, v_deq), None)):
+        pa.paged_extend_attention_triton(out, q, *caches, table, q_starts, q_lens, cached, tile_reqs, tile_offsets,
+                                         page_size, 0.25, kv_scales=scales)  # fmt: skip
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="k_cache must be torch.float8_e4m3fn"):
+        pa.paged_decode_attention_triton(outs[0][:3], q[:3], k_deq, v_deq, table, kv_lens, q_rows, page_size, 0.25, 1,
+                                         kv_scales=kv_scales)  # fmt: skip

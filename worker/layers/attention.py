@@ -299,8 +299,10 @@ class AttentionBackend(Protocol):
         `page_tables` (reqs, max_pages) int64 on the device, padded with page 0."""
         ...
 
-    def warmup(self, kv_layer: tuple[torch.Tensor, torch.Tensor], num_heads: int, page_size: int) -> int:
-        """Compile what the backend compiles on first use, for every variant serving can meet; the launches made."""
+    def warmup(self, kv_layer: tuple[torch.Tensor, torch.Tensor], num_heads: int, page_size: int,
+               dtype: torch.dtype | None = None) -> int:
+        """Compile what the backend compiles on first use, for every variant serving can meet; the launches made.
+        dtype: the model's (default: the cache's, which an FP8 cache is not)."""
         ...
 
 
@@ -329,7 +331,8 @@ class SDPAAttention:
         ]
         return AttentionInputs(write_slots=write_slots, groups=groups)
 
-    def warmup(self, kv_layer: tuple[torch.Tensor, torch.Tensor], num_heads: int, page_size: int) -> int:
+    def warmup(self, kv_layer: tuple[torch.Tensor, torch.Tensor], num_heads: int, page_size: int,
+               dtype: torch.dtype | None = None) -> int:
         return 0
 
 
@@ -385,7 +388,8 @@ class LatentTritonAttention(SDPAAttention):
                                   latent_dim=self.latent_dim, page_size=page_size)  # fmt: skip
 
     @torch.inference_mode()
-    def warmup(self, kv_layer: tuple[torch.Tensor, torch.Tensor], num_heads: int, page_size: int) -> int:
+    def warmup(self, kv_layer: tuple[torch.Tensor, torch.Tensor], num_heads: int, page_size: int,
+               dtype: torch.dtype | None = None) -> int:
         """The decode kernel without and with splits (and the merge), on one layer's cache (read only), q laid out as
         the model builds it ([W_ukᵀ q_nope | q_pe], contiguous): the variants of every later batch."""
         cache = kv_layer[0]
