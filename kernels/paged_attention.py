@@ -58,9 +58,11 @@ def _fp8_to_f32(x):
 @triton.jit
 def _load_kv(ptrs, mask, scale, dtype: tl.constexpr, KV_FP8: tl.constexpr):
     """A block of keys or values in `dtype`: an FP8 cache's converted and multiplied by its scale."""
-    if KV_FP8:
-        return (_fp8_to_f32(tl.load(ptrs, mask=mask, other=0)) * scale).to(dtype)
-    return tl.load(ptrs, mask=mask, other=0.0)
+    if KV_FP8:  # one return: the compiler types every return of a function, constexpr branches included
+        x = (_fp8_to_f32(tl.load(ptrs, mask=mask, other=0)) * scale).to(dtype)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
 
 
 @triton.jit
