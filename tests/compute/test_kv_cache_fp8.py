@@ -16,6 +16,7 @@ from loraplex.protocol.structs import ForwardReq
 from loraplex.worker.kv_cache import FP8_DTYPE, KVCache, default_kv_tokens, dequantize_fp8, quantize_fp8
 from loraplex.worker.layers.attention import SDPAAttention, paged_attention
 from loraplex.worker.layers.attention_spec import LayerAttention
+from loraplex.worker.model.config import ModelConfigError
 from safetensors.torch import load_file, save_file
 
 from tests.worker_helpers import GREEDY, decode, make_runner, prefill_logits, random_prompts
@@ -129,9 +130,16 @@ def test_scales_come_from_the_checkpoint(llama_dir: Path, tmp_path: Path) -> Non
                                prefill_logits(make_runner(llama_dir), prompt))  # fmt: skip
 
 
-def test_choices_it_cannot_serve_are_refused() -> None:
+def test_choices_it_cannot_serve_are_refused(llama_dir: Path, tmp_path: Path) -> None:
+    from tests.mla_models import build_mla_model
+
     with pytest.raises(ConfigError, match="--calculate-kv-scales .* needs --kv-cache-dtype fp8"):
         ServerConfig(calculate_kv_scales=True)
+    with pytest.raises(ModelConfigError, match="--kv-cache-dtype bfloat16 holds the model's own dtype only"):
+        make_runner(llama_dir, kv_cache_dtype="bfloat16")  # a float32 model
+    build_mla_model(tmp_path / "mla")
+    with pytest.raises(ModelConfigError, match="--kv-cache-dtype fp8: deepseek_v3's latent attention keeps its cache"):
+        make_runner(tmp_path / "mla", kv_cache_dtype="fp8")
 
 
 @pytest.mark.skipif(cpu_ext.unavailable_reason() is not None, reason="the CPU kernels cannot run here")
