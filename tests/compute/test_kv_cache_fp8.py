@@ -204,3 +204,4 @@ def test_the_triton_kernels_read_fp8_as_its_dequantized_values(num_splits: int) 
     with pytest.raises(ValueError, match="k_cache must be torch.float8_e4m3fn"):
         pa.paged_decode_attention_triton(outs[0][:3], q[:3], k_deq, v_deq, table, kv_lens, q_rows, page_size, 0.25, 1,
                                          kv_scales=kv_scales)  # fmt: skip
+
