@@ -20,7 +20,8 @@ local attention (`chunk` > 0: a query at position p sees the keys at [p - p % ch
 every layer. The key loops start at the window's or the chunk's first key, so a local layer reads only its keys.
 Attention sinks (gpt-oss: a learned logit per query head that joins the softmax's denominator and attends to no
 value) are a second variant (`HAS_SINKS`): the finished row's sum gains exp(sink - max); under decode splits, the
-merge adds it once.
+merge adds it once. An FP8 cache (worker/kv_cache.py) is a third (`KV_FP8`): its float8_e4m3fn bytes are converted
+in registers and multiplied by the layer's k_scale / v_scale, read from a (2,) device tensor.
 Each launcher checks its arguments and has a torch reference with the same signature (tests/kernel_refs.py).
 """
 
@@ -43,6 +44,25 @@ SPLIT_TARGET_PROGRAMS = 256  # split until (requests x kv heads x splits) reache
 def _soft_cap(s, logit_cap):
     # cap * tanh(s / cap), tanh from exp (the interpreter has no tanh): 1 - 2 / (exp(2x) + 1) saturates to +-1.
     return logit_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / logit_cap) + 1.0))
+
+
+@triton.jit
+def _fp8_to_f32(x):
+    """float8_e4m3fn bytes (a uint8 view of the cache) -> float32, exactly: exponent and mantissa placed in a float16's
+    (bias 15 against 7), times 2^8 for the bias (subnormals land on float16 subnormals)."""
+    x = x.to(tl.uint16)
+    bits = ((x & 0x7F) << 7) | ((x & 0x80) << 8)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def _load_kv(ptrs, mask, scale, dtype: tl.constexpr, KV_FP8: tl.constexpr):
+    """A block of keys or values in `dtype`: an FP8 cache's converted and multiplied by its scale."""
+    if KV_FP8:  # one return: the compiler types every return of a function, constexpr branches included
+        x = (_fp8_to_f32(tl.load(ptrs, mask=mask, other=0)) * scale).to(dtype)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
 
 
 @triton.jit
@@ -70,6 +90,7 @@ def _decode_kernel(
     part_out_ptr,
     part_lse_ptr,
     sinks_ptr,
+    kv_scales_ptr,
     scale,
     window,
     chunk,
@@ -90,6 +111,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # grid: (request, kv head, split)
     req = tl.program_id(0)
@@ -123,6 +145,10 @@ def _decode_kernel(
     row_sum = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
     page_row = page_table_ptr + req.to(tl.int64) * stride_page_table
+    k_scale, v_scale = 1.0, 1.0
+    if KV_FP8:  # read on the device: a captured graph sees scales set after capture
+        k_scale = tl.load(kv_scales_ptr)
+        v_scale = tl.load(kv_scales_ptr + 1)
     for block_start in range(start, end, BLOCK_N):
         pos = block_start + n  # (BN,) key positions
         pos_mask = pos < end
@@ -130,7 +156,7 @@ def _decode_kernel(
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
         kv_offsets = slot[:, None] * stride_cache_slot + kv_head * stride_cache_head + d[None, :]  # (BN, BD)
         kv_mask = pos_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # (BN, BD)
+        k = _load_kv(k_cache_ptr + kv_offsets, kv_mask, k_scale, q.dtype, KV_FP8)  # (BN, BD)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (BH, BN)
         if logit_cap > 0:
             s = _soft_cap(s, logit_cap)
@@ -138,7 +164,7 @@ def _decode_kernel(
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])  # (BH, BN)
         alpha = tl.exp(m - m_new)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)  # (BN, BD)
+        v = _load_kv(v_cache_ptr + kv_offsets, kv_mask, v_scale, q.dtype, KV_FP8)  # (BN, BD)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_sum = row_sum * alpha + tl.sum(p, 1)
         m = m_new
@@ -209,6 +235,7 @@ def _extend_kernel(
     tile_offsets_ptr,
     out_ptr,
     sinks_ptr,
+    kv_scales_ptr,
     scale,
     window,
     chunk,
@@ -228,6 +255,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # grid: (row tile, query head); a tile is BLOCK_M consecutive new tokens of one request
     tile = tl.program_id(0)
@@ -268,6 +296,10 @@ def _extend_kernel(
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     page_row = page_table_ptr + req.to(tl.int64) * stride_page_table
+    k_scale, v_scale = 1.0, 1.0
+    if KV_FP8:  # read on the device: a captured graph sees scales set after capture
+        k_scale = tl.load(kv_scales_ptr)
+        v_scale = tl.load(kv_scales_ptr + 1)
     for block_start in range(lo, kv_end, BLOCK_N):
         pos = block_start + n  # (BN,)
         pos_mask = pos < kv_end
@@ -275,7 +307,7 @@ def _extend_kernel(
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
         kv_offsets = slot[:, None] * stride_cache_slot + kv_head * stride_cache_head + d[None, :]  # (BN, BD)
         kv_mask = pos_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        k = _load_kv(k_cache_ptr + kv_offsets, kv_mask, k_scale, q.dtype, KV_FP8)  # (BN, BD)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (BM, BN)
         if logit_cap > 0:
             s = _soft_cap(s, logit_cap)
@@ -289,7 +321,7 @@ def _extend_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = _load_kv(v_cache_ptr + kv_offsets, kv_mask, v_scale, q.dtype, KV_FP8)  # (BN, BD)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_sum = row_sum * alpha + tl.sum(p, 1)
         m = m_new
@@ -326,7 +358,7 @@ def plan_extend_tiles(q_lens: list[int], block_m: int = EXTEND_BLOCK_M) -> tuple
 
 
 def _check_common(op: str, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  page_table: torch.Tensor, page_size: int) -> None:  # fmt: skip
+                  page_table: torch.Tensor, page_size: int, kv_scales: torch.Tensor | None = None) -> None:  # fmt: skip
     if q.dim() != 3 or out.shape != q.shape:
         raise ValueError(f"{op}: q must be (tokens, heads, head_dim) and out the same shape, got {tuple(q.shape)} "
                          f"and {tuple(out.shape)}")  # fmt: skip
@@ -336,9 +368,14 @@ def _check_common(op: str, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
     if k_cache.shape[2] != q.shape[2] or q.shape[1] % k_cache.shape[1]:
         raise ValueError(f"{op}: q heads {q.shape[1]} must be a multiple of the cache's kv heads {k_cache.shape[1]} "
                          f"with the same head_dim ({q.shape[2]} vs {k_cache.shape[2]})")  # fmt: skip
-    for name, t in (("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{op}: {name} must be {q.dtype} on {q.device}, got {t.dtype} on {t.device}")
+    cache_dtype = q.dtype if kv_scales is None else torch.float8_e4m3fn
+    for name, t, dtype in (("out", out, q.dtype), ("k_cache", k_cache, cache_dtype), ("v_cache", v_cache, cache_dtype)):
+        if t.dtype != dtype or t.device != q.device:
+            raise ValueError(f"{op}: {name} must be {dtype} on {q.device}, got {t.dtype} on {t.device}")
+    if kv_scales is not None and (kv_scales.shape != (2,) or kv_scales.dtype != torch.float32
+                                  or kv_scales.device != q.device or kv_scales.stride(0) != 1):  # fmt: skip
+        raise ValueError(f"{op}: kv_scales must be a contiguous (2,) float32 tensor on {q.device}, got "
+                         f"{tuple(kv_scales.shape)} {kv_scales.dtype} on {kv_scales.device}")  # fmt: skip
     for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(2) != 1:
             raise ValueError(f"{op}: {name} must have unit stride in head_dim, got strides {t.stride()}")
@@ -373,9 +410,10 @@ def _check_sinks(op: str, q: torch.Tensor, sinks: torch.Tensor | None) -> None:
 
 def check_decode_args(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor, page_size: int,
-                      num_splits: int, sinks: torch.Tensor | None = None, chunk: int = 0) -> None:  # fmt: skip
+                      num_splits: int, sinks: torch.Tensor | None = None, chunk: int = 0,
+                      kv_scales: torch.Tensor | None = None) -> None:  # fmt: skip
     op = "paged_decode_attention"
-    _check_common(op, out, q, k_cache, v_cache, page_table, page_size)
+    _check_common(op, out, q, k_cache, v_cache, page_table, page_size, kv_scales)
     _check_sinks(op, q, sinks)
     _check_chunk(op, chunk)
     num_reqs = page_table.shape[0]
@@ -388,9 +426,10 @@ def check_decode_args(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
 def check_extend_args(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
                       cached_lens: torch.Tensor, tile_reqs: torch.Tensor, tile_offsets: torch.Tensor,
-                      page_size: int, sinks: torch.Tensor | None = None, chunk: int = 0) -> None:  # fmt: skip
+                      page_size: int, sinks: torch.Tensor | None = None, chunk: int = 0,
+                      kv_scales: torch.Tensor | None = None) -> None:  # fmt: skip
     op = "paged_extend_attention"
-    _check_common(op, out, q, k_cache, v_cache, page_table, page_size)
+    _check_common(op, out, q, k_cache, v_cache, page_table, page_size, kv_scales)
     _check_sinks(op, q, sinks)
     _check_chunk(op, chunk)
     num_reqs = page_table.shape[0]
@@ -407,6 +446,18 @@ def _sinks_arg(q: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     return q if sinks is None else sinks  # without sinks the kernels never read the pointer
 
 
+def _scales_arg(q: torch.Tensor, kv_scales: torch.Tensor | None) -> torch.Tensor:
+    return q if kv_scales is None else kv_scales  # without an FP8 cache the kernels never read the pointer
+
+
+def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                kv_scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """An FP8 cache as bytes: the kernels convert them (_fp8_to_f32), the same code under the interpreter."""
+    if kv_scales is None:
+        return k_cache, v_cache
+    return k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # the precision only matters for fp32 inputs
 
@@ -415,20 +466,23 @@ def paged_decode_attention_triton(out: torch.Tensor, q: torch.Tensor, k_cache: t
                                   page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor,
                                   page_size: int, scale: float, num_splits: int, window: int = 0,
                                   logit_cap: float = 0.0, sinks: torch.Tensor | None = None,
-                                  chunk: int = 0) -> None:  # fmt: skip
+                                  chunk: int = 0, kv_scales: torch.Tensor | None = None) -> None:  # fmt: skip
     """out[q_rows[r]] = attention of q[q_rows[r]] over request r's first kv_lens[r] keys (the last `window` of them
     when window > 0; with chunk > 0 only those of the query's chunk, from position p - p % chunk), for every request
     r of page_table (reqs, pages); scores soft-capped when logit_cap > 0; each head's sink logit (heads,) in the
-    softmax's denominator when sinks is given."""
-    check_decode_args(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, num_splits, sinks, chunk)
+    softmax's denominator when sinks is given. kv_scales (2,) float32: the caches are float8_e4m3fn holding K / k_scale
+    and V / v_scale."""
+    check_decode_args(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, num_splits, sinks, chunk,
+                      kv_scales)  # fmt: skip
     launch_decode(out, q, k_cache, v_cache, page_table, kv_lens, q_rows, page_size, scale, num_splits, window,
-                  logit_cap, sinks, chunk)  # fmt: skip
+                  logit_cap, sinks, chunk, kv_scales)  # fmt: skip
 
 
 def launch_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   page_table: torch.Tensor, kv_lens: torch.Tensor, q_rows: torch.Tensor, page_size: int,
                   scale: float, num_splits: int, window: int = 0, logit_cap: float = 0.0,
-                  sinks: torch.Tensor | None = None, chunk: int = 0) -> None:  # fmt: skip
+                  sinks: torch.Tensor | None = None, chunk: int = 0,
+                  kv_scales: torch.Tensor | None = None) -> None:  # fmt: skip
     """The launch alone, on checked arguments (the worker checks its shapes once, at start-up)."""
     num_reqs = page_table.shape[0]
     _, num_heads, head_dim = q.shape
@@ -444,13 +498,13 @@ def launch_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
         part_lse = q.new_empty(num_reqs, num_heads, num_splits, dtype=torch.float32)
     with device_scope(q):
         _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
-            q, k_cache, v_cache, page_table, kv_lens, q_rows, out, part_out, part_lse, _sinks_arg(q, sinks), scale,
-            window, chunk, float(logit_cap),
+            q, *_cache_args(k_cache, v_cache, kv_scales), page_table, kv_lens, q_rows, out, part_out, part_lse,
+            _sinks_arg(q, sinks), _scales_arg(q, kv_scales), scale, window, chunk, float(logit_cap),
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
             out.stride(0), out.stride(1),
             HEADS_PER_KV=heads_per_kv, BLOCK_H=max(16, triton.next_power_of_2(heads_per_kv)), HEAD_DIM=head_dim,
             BLOCK_D=block_d, PAGE_SIZE=page_size, BLOCK_N=DECODE_BLOCK_N, SPLIT=split, HAS_SINKS=sinks is not None,
-            DOT_PRECISION=_dot_precision(q.dtype),
+            DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=kv_scales is not None,
         )  # fmt: skip
         if split:
             _merge_splits_kernel[(num_reqs, num_heads)](
@@ -464,33 +518,34 @@ def paged_extend_attention_triton(out: torch.Tensor, q: torch.Tensor, k_cache: t
                                   cached_lens: torch.Tensor, tile_reqs: torch.Tensor, tile_offsets: torch.Tensor,
                                   page_size: int, scale: float, window: int = 0,
                                   logit_cap: float = 0.0, sinks: torch.Tensor | None = None,
-                                  chunk: int = 0) -> None:  # fmt: skip
+                                  chunk: int = 0, kv_scales: torch.Tensor | None = None) -> None:  # fmt: skip
     """For every request r of page_table: out rows q_starts[r] .. + q_lens[r] = causal attention of those q rows
     (positions p = cached_lens[r] + i) over the request's keys 0..p (those past p - window when window > 0, those
     from p - p % chunk when chunk > 0), scores soft-capped when logit_cap > 0, each head's sink logit in the
-    denominator when sinks is given. Tiles from plan_extend_tiles."""
+    denominator when sinks is given, an FP8 cache's kv_scales as in decode. Tiles from plan_extend_tiles."""
     check_extend_args(out, q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets,
-                      page_size, sinks, chunk)  # fmt: skip
+                      page_size, sinks, chunk, kv_scales)  # fmt: skip
     launch_extend(out, q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets,
-                  page_size, scale, window, logit_cap, sinks, chunk)  # fmt: skip
+                  page_size, scale, window, logit_cap, sinks, chunk, kv_scales)  # fmt: skip
 
 
 def launch_extend(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   page_table: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor, cached_lens: torch.Tensor,
                   tile_reqs: torch.Tensor, tile_offsets: torch.Tensor, page_size: int,
                   scale: float, window: int = 0, logit_cap: float = 0.0,
-                  sinks: torch.Tensor | None = None, chunk: int = 0) -> None:  # fmt: skip
+                  sinks: torch.Tensor | None = None, chunk: int = 0,
+                  kv_scales: torch.Tensor | None = None) -> None:  # fmt: skip
     num_tiles = tile_reqs.shape[0]
     _, num_heads, head_dim = q.shape
     if num_tiles == 0:
         return
     with device_scope(q):
         _extend_kernel[(num_tiles, num_heads)](
-            q, k_cache, v_cache, page_table, q_starts, q_lens, cached_lens, tile_reqs, tile_offsets, out,
-            _sinks_arg(q, sinks), scale, window, chunk, float(logit_cap),
+            q, *_cache_args(k_cache, v_cache, kv_scales), page_table, q_starts, q_lens, cached_lens, tile_reqs,
+            tile_offsets, out, _sinks_arg(q, sinks), _scales_arg(q, kv_scales), scale, window, chunk, float(logit_cap),
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
             out.stride(0), out.stride(1),
             HEADS_PER_KV=num_heads // k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
             PAGE_SIZE=page_size, BLOCK_M=EXTEND_BLOCK_M, BLOCK_N=EXTEND_BLOCK_N, HAS_SINKS=sinks is not None,
-            DOT_PRECISION=_dot_precision(q.dtype),
+            DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=kv_scales is not None,
         )  # fmt: skip

@@ -336,6 +336,16 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "dtype of a hybrid model's recurrent and conv states (auto: the checkpoint's mamba_ssm_dtype, else the model's)"
     )] = "auto"
 
+    kv_cache_dtype: Annotated[Literal["auto", "bfloat16", "fp8", "fp8_e4m3"], Meta(description=
+        "dtype of the KV cache (vLLM): auto = the model's (--dtype); fp8 = fp8_e4m3 (float8_e4m3fn with one scale per "
+        "layer for keys and one for values, from the checkpoint's k_scale/v_scale, computed with "
+        "--calculate-kv-scales, else 1.0), half the bytes per token of bfloat16 and so twice the tokens"
+    )] = "auto"
+    calculate_kv_scales: Annotated[bool, Meta(description=
+        "an FP8 KV cache's scales from the first prefill's largest keys and values (vLLM), fixed after; without it "
+        "the checkpoint's k_scale/v_scale, else 1.0"
+    )] = False
+
     def __post_init__(self) -> None:
         positive = (
             "port",
@@ -369,6 +379,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError("--dp-size > 1 with --nnodes > 1 is not supported: replicas run on one node")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.calculate_kv_scales and not self.kv_cache_is_fp8:
+            raise ConfigError("--calculate-kv-scales sets the scales of an FP8 KV cache: it needs --kv-cache-dtype fp8")
         if self.enable_cuda_graph and self.disable_cuda_graph:
             raise ConfigError("--enable-cuda-graph and --disable-cuda-graph contradict each other: give one")
         if self.shutdown_timeout < 0:
@@ -414,6 +426,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(str(e)) from e
         if self.max_loaded_loras is not None and self.max_loaded_loras < len(sources):
             raise ConfigError("--max-loaded-loras is smaller than the number of --lora-paths and --lora-modules")
+
+    @property
+    def kv_cache_is_fp8(self) -> bool:
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
     @property
     def cuda_graph_batch_sizes(self) -> list[int]:

@@ -97,7 +97,8 @@ def compile_only(target: GPUTarget) -> Iterator[AOTLog]:
 # (dtype, (heads, kv_heads, head_dim) per rank, page size): every dtype the server serves in on Llama-3.2-1B's shape;
 # bfloat16 (the CUDA default) and float32 on Llama-3-8B's, on Qwen2-7B's with 7 query heads per KV head and pages of
 # one token, and on an MHA model with head_dim 80 (padded to 128 in the kernels). A fourth field True: the model has
-# attention sinks (gpt-oss's shape), whose kernel variants are the ones warmed up and served.
+# attention sinks (gpt-oss's shape), whose kernel variants are the ones warmed up and served. A fifth field True: an
+# FP8 KV cache (--kv-cache-dtype fp8), the KV_FP8 variants.
 ATTENTION_CONFIGS = [
     ("bfloat16", (32, 8, 64), 16),
     ("float16", (32, 8, 64), 16),
@@ -107,6 +108,8 @@ ATTENTION_CONFIGS = [
     ("bfloat16", (28, 4, 128), 1),
     ("bfloat16", (32, 32, 80), 16),
     ("bfloat16", (64, 8, 64), 16, True),
+    ("bfloat16", (32, 8, 128), 16, False, True),
+    ("float32", (32, 8, 128), 16, False, True),
 ]
 KERNELS_PER_CONFIG = 4  # decode, decode with splits, the splits' merge, extend
 
@@ -134,8 +137,9 @@ def _sweep_batches(num_pages: int, page_size: int) -> list:
 
 
 def _attention_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, int, int], page_size: int,
-                        sinks: bool = False) -> dict:  # fmt: skip
+                        sinks: bool = False, kv_fp8: bool = False) -> dict:  # fmt: skip
     import torch
+    from loraplex.worker.kv_cache import FP8_DTYPE, KVCache
     from loraplex.worker.layers.attention_spec import LayerAttention
     from loraplex.worker.layers.triton_attention import TritonAttention
 
@@ -143,11 +147,14 @@ def _attention_variants(target: GPUTarget, dtype_name: str, shape: tuple[int, in
     dtype = getattr(torch, dtype_name)
     cpu = torch.device("cpu")
     num_pages = 4096 // page_size
-    kv = torch.zeros(2, num_pages * page_size, kv_heads, head_dim, dtype=dtype)
+    cache = KVCache(num_layers=1, num_pages=num_pages - 1, page_size=page_size, num_kv_heads=kv_heads,
+                    head_dim=head_dim, dtype=FP8_DTYPE if kv_fp8 else dtype, device=cpu)  # fmt: skip
+    kv = cache.layer(0)  # (k, v), each (num_pages * page_size, kv_heads, head_dim); an FP8 one with its scales
     backend = TritonAttention(cpu, kv_heads, sinks=sinks)
-    layer = LayerAttention(scale=head_dim**-0.5, sinks=torch.zeros(heads, dtype=dtype) if sinks else None)
+    layer = LayerAttention(scale=head_dim**-0.5, sinks=torch.zeros(heads, dtype=dtype) if sinks else None,
+                           kv_scales=kv.scales.values if kv_fp8 else None)  # fmt: skip
     with compile_only(target) as log:
-        backend.warmup((kv[0], kv[1]), heads, page_size)
+        backend.warmup(kv, heads, page_size, dtype=dtype)
     warmup_keys = set(log.compiled)
     with compile_only(target) as sweep:
         for reqs in _sweep_batches(num_pages, page_size):

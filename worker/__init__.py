@@ -7,7 +7,8 @@ parallel.py                tensor-parallel state read by layers at construction 
 model_runner.py            ModelRunner: model + KV cache + sampler; forward(ForwardBatch) -> next tokens
 cuda_graphs.py             DecodeGraphRunner: decode steps replayed from CUDA graphs captured at start-up
 batch_inputs.py            ForwardBatch -> flat token ids, positions, cache slots, attention masks
-kv_cache.py                KVCache tensors and the default capacity rule
+kv_cache.py                KVCache tensors and the default capacity rule; an FP8 cache's scales, writes, dequantizing
+kv_scales.py               an FP8 KV cache's static k_scale / v_scale read from the checkpoint
 state_cache.py             HybridCache: a hybrid model's KV (attention layers only) and its state slots (per running
                            request: each linear-attention layer's recurrent and conv state), bound per pass, and
                            the prefix cache's snapshots of them

@@ -210,7 +210,7 @@ def _skipped(name: str, num_layers: int, f: Any, hf_name: str) -> str | None:
     if layer is not None and int(layer[1]) >= num_layers:
         return "cut"  # a layer the model is built without (--hf-overrides num_hidden_layers; an MTP layer)
     if name.endswith(_KV_CACHE_SCALES) and ".self_attn." in name:
-        return "kv scale"  # an FP8 KV cache's static scales (kv_cache_scheme): the cache here holds the model dtype
+        return "kv scale"  # an FP8 KV cache's static scales (kv_cache_scheme): worker/kv_scales.py reads them for fp8
     if name.endswith(".bias") and not f.get_tensor(hf_name).any():
         return "zero bias"  # quantizers (AutoGPTQ) may save zeros for a linear without a bias: adding them is a no-op
     return None

@@ -18,7 +18,8 @@ from loraplex.worker.cuda_graphs import DecodeGraphRunner
 from loraplex.worker.dist import pick_dtype
 from loraplex.worker.dummy_weights import init_dummy_weights
 from loraplex.worker.grammar import GrammarMasks
-from loraplex.worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token
+from loraplex.worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token, kv_cache_dtype
+from loraplex.worker.kv_scales import read_kv_scales
 from loraplex.worker.layers import packed
 from loraplex.worker.layers.attention import AttentionBackendError, BatchAttention, select_attention_backend
 from loraplex.worker.layers.moe import device_routing_refusal, use_device_routing, warm_up_device_routing
@@ -49,6 +50,10 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def _range(values: torch.Tensor) -> str:
+    return f"{values.min().item():.3g}..{values.max().item():.3g}"
+
+
 class StepResult(NamedTuple):
     tokens: list[int]  # per request
     logprobs: list[TokenLogprob | None]  # per request where one asks, else []
@@ -58,6 +63,7 @@ class StepResult(NamedTuple):
 class ModelRunner:
     def __init__(self, config: ServerConfig, model_dir: str, rank: int, world_size: int, device: torch.device | str):
         self.config = config
+        self._kv_scales_pending = False  # --calculate-kv-scales until the first prefill sets them
         self.device = torch.device(device)
         self.dtype = pick_dtype(config, self.device)
         self.rank, self.world_size = rank, world_size
@@ -89,6 +95,7 @@ class ModelRunner:
             mixed_head_shapes=self.model_config.mixed_head_shapes,
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
+        self.kv_dtype = self._kv_cache_dtype()
         # the norms', rotary's and activation's, bound as the layers are built
         ops = select_model_ops(self.device, self.backend.cpu_kernels)
         logger.info("model ops: %s", ops.name)
@@ -146,7 +153,7 @@ class ModelRunner:
             page_size=self.page_size,
             num_kv_heads=self.kv_heads,
             head_dim=self.kv_head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
             num_parts=self.kv_parts,
         )
@@ -156,6 +163,7 @@ class ModelRunner:
             plan = self.state_plan
             self.kv_cache = HybridCache(num_state_slots=plan.num_slots, num_state_snapshots=plan.num_snapshots,
                                         state_shape=plan.shape, **kv_args)  # fmt: skip
+        self._set_kv_scales(model_dir)
         self._warmup_attention()
         self._warmup_model_ops(ops)
         self._warmup_linear_attention()
@@ -281,7 +289,7 @@ class ModelRunner:
     def _warmup_attention(self) -> None:
         start = time.perf_counter()
         launches = self.attention.warmup(
-            self.kv_cache.layer(0), self.model_config.num_heads // self.world_size, self.page_size
+            self.kv_cache.layer(0), self.model_config.num_heads // self.world_size, self.page_size, dtype=self.dtype
         )
         if launches:
             logger.info("%s attention kernels compiled: %d launches in %.1f s", self.attention.name, launches,
@@ -343,7 +351,38 @@ class ModelRunner:
         """Of this rank's cache, every layer with KV (a hybrid model's attention layers): what the default KV capacity
         divides memory by."""
         return kv_bytes_per_token(len(self.model_config.attention_layer_ids), self.kv_heads, self.kv_head_dim,
-                                  self.dtype, self.kv_parts)  # fmt: skip
+                                  self.kv_dtype, self.kv_parts)  # fmt: skip
+
+    def _kv_cache_dtype(self) -> torch.dtype:
+        """--kv-cache-dtype's storage dtype, or ModelConfigError where this model or device cannot hold it."""
+        try:
+            dtype = kv_cache_dtype(self.config.kv_cache_dtype, self.dtype)
+        except ValueError as e:
+            raise ModelConfigError(str(e)) from e
+        if dtype == self.dtype:
+            return dtype
+        flag, mc = f"--kv-cache-dtype {self.config.kv_cache_dtype}", self.model_config
+        if mc.mla is not None:
+            raise ModelConfigError(f"{flag}: {mc.model_type}'s latent attention keeps its cache in the model's dtype "
+                                   "(its kernels read no FP8); use auto")  # fmt: skip
+        if mc.gemma4 is not None:
+            raise ModelConfigError(f"{flag}: {mc.model_type}'s layers share and narrow one cache, which stays in the "
+                                   "model's dtype; use auto")  # fmt: skip
+        return dtype
+
+    def _set_kv_scales(self, model_dir: str) -> None:
+        """An FP8 cache's scales: the checkpoint's, else 1.0 (--calculate-kv-scales: the first prefill's)."""
+        if not self.kv_cache.is_fp8:
+            return
+        if self.config.calculate_kv_scales:
+            self._kv_scales_pending = True
+            logger.info("FP8 KV cache: scales from the first prefill's keys and values (--calculate-kv-scales)")
+            return
+        scales = read_kv_scales(model_dir, self.model_config.attention_layer_ids)
+        if scales is not None:
+            self.kv_cache.set_scales(scales)
+        logger.info("FP8 KV cache: scales %s", "from the checkpoint (k_scale, v_scale)" if scales is not None
+                    else "1.0 (the checkpoint has no k_scale/v_scale; --calculate-kv-scales computes them)")
 
     @property
     def vocab_size(self) -> int:
@@ -405,7 +444,14 @@ class ModelRunner:
             raise BatchError("the batch uses adapter slots but LoRA is not enabled")
         if isinstance(self.kv_cache, HybridCache):
             self.kv_cache.begin(reqs)
+        # --calculate-kv-scales: the first pass with a prefill sets the FP8 cache's scales, fixed after
+        calibrating = self._kv_scales_pending and any(len(req.input_ids) > 1 for req in reqs)
+        self.kv_cache.is_calibrating = calibrating
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)  # (tokens, hidden)
+        if calibrating:
+            self.kv_cache.is_calibrating = self._kv_scales_pending = False
+            logger.info("FP8 KV cache scales set from the first prefill: keys %s, values %s",
+                        _range(self.kv_cache.scales[:, 0]), _range(self.kv_cache.scales[:, 1]))  # fmt: skip
         if last_only:  # and after them the extra token rows asked for
             rows = inputs.last_token_index
             if extra_rows:

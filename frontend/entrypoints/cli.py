@@ -26,7 +26,8 @@ _TOPICS: dict[str, str] = {
     "lora_cache_max_gb lora_state_file disable_lora_updates lora_drain_timeout lora_load_timeout",
     "scheduling and KV cache": "max_running_requests max_total_tokens max_prefill_tokens chunked_prefill_size "
     "page_size disable_radix_cache no_enable_prefix_caching gpu_memory_utilization max_running_per_adapter "
-    "disable_adapter_fairness scheduling_policy max_mamba_cache_size max_state_snapshots mamba_ssm_cache_dtype",
+    "disable_adapter_fairness scheduling_policy max_mamba_cache_size max_state_snapshots mamba_ssm_cache_dtype "
+    "kv_cache_dtype calculate_kv_scales",
     "attention and CUDA graphs": "attention_backend enable_cuda_graph disable_cuda_graph cuda_graph_max_bs",
     "multi-node": "nnodes node_rank dist_init_addr dist_timeout",
     "chat and tools": "chat_template enable_auto_tool_choice tool_call_parser reasoning_parser",

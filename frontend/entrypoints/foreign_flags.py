@@ -63,8 +63,6 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
             "built in (docs/MODELS.md), so this changes nothing"),
     _only("--tokenizer-mode", family=VS, ok=("auto",), note="the tokenizer's own (fast) mode, as auto means",
           why="only auto: the tokenizer is loaded as transformers' AutoTokenizer does"),
-    _only("--kv-cache-dtype", family=VS, ok=("auto",), note="the KV cache holds the model's dtype",
-          why="the KV cache holds the model's dtype (--dtype); no other KV cache dtype is supported"),
     _only("--generation-config", family=V, ok=("vllm",), note="sampling defaults are vLLM's own",
           why="loraplex does not apply generation_config.json's sampling defaults (it reads only its eos_token_id); "
           "give --generation-config vllm, or set the sampling options per request"),

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -261,17 +262,30 @@ void shrink_expand(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch
 
 namespace {
 
+// 16 float8_e4m3fn values -> float32, exactly: each byte's exponent and mantissa placed in a float16's (exponent bias
+// 15 against 7), converted by vcvtph2ps, then times 2^8 for the bias. A float8 subnormal lands on a float16 subnormal,
+// which vcvtph2ps converts exactly (DAZ applies to float32 inputs only) into a normal float32.
+inline __m512 load_fp8x16(const uint8_t* p) {
+  const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i half_bits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7),
+                                            _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_mul_ps(_mm512_cvtph_ps(half_bits), _mm512_set1_ps(256.0f));
+}
+
 // decode_attention for kGroup query heads per KV head and head_dim = 32 * kChunks, known at compile time so that
-// the per-head accumulators live in registers.
+// the per-head accumulators live in registers. kFp8: the cache holds float8_e4m3fn K / k_scale and V / v_scale,
+// converted in registers (keys to bfloat16, exactly: 3 mantissa bits fit in 7) and scaled once per score and output.
 // sink_logits: (heads,) float32, or nullptr for none.
-template <int64_t kGroup, int64_t kChunks>
+template <int64_t kGroup, int64_t kChunks, bool kFp8>
 void decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor read_pages,
                            torch::Tensor kv_lens, int64_t page_size, double scale, int64_t window, int64_t chunk,
-                           const float* sink_logits, torch::Tensor out) {
+                           const float* sink_logits, torch::Tensor out, float k_scale = 1.0f, float v_scale = 1.0f) {
+  using Elem = std::conditional_t<kFp8, uint8_t, bf16>;
   const int64_t num_reqs = q.size(0), num_kv_heads = k_cache.size(1);
   const bf16* qp = reinterpret_cast<const bf16*>(q.data_ptr<at::BFloat16>());
-  const bf16* kp = reinterpret_cast<const bf16*>(k_cache.data_ptr<at::BFloat16>());
-  const bf16* vp = reinterpret_cast<const bf16*>(v_cache.data_ptr<at::BFloat16>());
+  const Elem* kp = reinterpret_cast<const Elem*>(k_cache.data_ptr());
+  const Elem* vp = reinterpret_cast<const Elem*>(v_cache.data_ptr());
+  const float score_scale = static_cast<float>(scale) * k_scale;
   bf16* op = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
   const int64_t* pages = read_pages.data_ptr<int64_t>();
   const int64_t* lens = kv_lens.data_ptr<int64_t>();
@@ -306,13 +320,18 @@ void decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       float max_score[kGroup];
       for (int64_t j = 0; j < kGroup; ++j) max_score[j] = sink_logits ? sink_logits[g * kGroup + j] : -INFINITY;
       for (int64_t t = first; t < len; ++t) {
-        const bf16* k_row = kp + slots[t] * kv_slot + g * kv_head;
+        const Elem* k_row = kp + slots[t] * kv_slot + g * kv_head;
         __m512bh k_vec[kChunks];
-        for (int64_t c = 0; c < kChunks; ++c) k_vec[c] = (__m512bh)_mm512_loadu_si512(k_row + 32 * c);
+        for (int64_t c = 0; c < kChunks; ++c) {
+          if constexpr (kFp8)  // _mm512_cvtne2ps_pbh(a, b): b's 16 values first, then a's
+            k_vec[c] = _mm512_cvtne2ps_pbh(load_fp8x16(k_row + 32 * c + 16), load_fp8x16(k_row + 32 * c));
+          else
+            k_vec[c] = (__m512bh)_mm512_loadu_si512(k_row + 32 * c);
+        }
         for (int64_t j = 0; j < kGroup; ++j) {
           __m512 acc = _mm512_setzero_ps();
           for (int64_t c = 0; c < kChunks; ++c) acc = _mm512_dpbf16_ps(acc, k_vec[c], q_vec[j][c]);
-          const float score = static_cast<float>(scale) * _mm512_reduce_add_ps(acc);
+          const float score = score_scale * _mm512_reduce_add_ps(acc);
           scores[j * score_stride + t] = score;
           max_score[j] = std::max(max_score[j], score);
         }
@@ -330,15 +349,20 @@ void decode_attention_impl(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         }
         float sum = _mm512_reduce_add_ps(sum_vec);
         if (sink_logits) sum += std::exp(sink_logits[g * kGroup + j] - max_score[j]);
-        inv_sum[j] = 1.0f / sum;
+        inv_sum[j] = v_scale / sum;  // the values' scale folded into the normalization
       }
       __m512 acc[kGroup][2 * kChunks];
       for (int64_t j = 0; j < kGroup; ++j)
         for (int64_t c = 0; c < 2 * kChunks; ++c) acc[j][c] = _mm512_setzero_ps();
       for (int64_t t = first; t < len; ++t) {
-        const bf16* v_row = vp + slots[t] * kv_slot + g * kv_head;
+        const Elem* v_row = vp + slots[t] * kv_slot + g * kv_head;
         __m512 v_vec[2 * kChunks];
-        for (int64_t c = 0; c < 2 * kChunks; ++c) v_vec[c] = load_bf16x16(v_row + 16 * c, 0xFFFF);
+        for (int64_t c = 0; c < 2 * kChunks; ++c) {
+          if constexpr (kFp8)
+            v_vec[c] = load_fp8x16(v_row + 16 * c);
+          else
+            v_vec[c] = load_bf16x16(v_row + 16 * c, 0xFFFF);
+        }
         for (int64_t j = 0; j < kGroup; ++j) {
           const __m512 p = _mm512_set1_ps(scores[j * score_stride + t]);
           for (int64_t c = 0; c < 2 * kChunks; ++c) acc[j][c] = _mm512_fmadd_ps(p, v_vec[c], acc[j][c]);
@@ -378,8 +402,34 @@ void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_ca
   const float* sink_ptr = sinks.numel() ? sink_logits.data_ptr<float>() : nullptr;
 #define LORAPLEX_DISPATCH(G, C)                                                                               \
   if (group == G && head_dim == 32 * C)                                                                       \
-    return decode_attention_impl<G, C>(q, k_cache, v_cache, read_pages, kv_lens, page_size, scale, window, chunk, \
-                                       sink_ptr, out);
+    return decode_attention_impl<G, C, false>(q, k_cache, v_cache, read_pages, kv_lens, page_size, scale, window, \
+                                              chunk, sink_ptr, out);
+  LORAPLEX_DISPATCH(1, 2) LORAPLEX_DISPATCH(2, 2) LORAPLEX_DISPATCH(4, 2) LORAPLEX_DISPATCH(8, 2)
+  LORAPLEX_DISPATCH(1, 4) LORAPLEX_DISPATCH(2, 4) LORAPLEX_DISPATCH(4, 4) LORAPLEX_DISPATCH(8, 4)
+#undef LORAPLEX_DISPATCH
+}
+
+// decode_attention over an FP8 cache: k_cache and v_cache float8_e4m3fn holding K / k_scale and V / v_scale,
+// kv_scales (2,) float32 [k_scale, v_scale] (a tensor: the cache's own, set after start by --calculate-kv-scales).
+void decode_attention_fp8(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor read_pages,
+                          torch::Tensor kv_lens, int64_t page_size, double scale, int64_t window, int64_t chunk,
+                          torch::Tensor sinks, torch::Tensor kv_scales, torch::Tensor out) {
+  const int64_t group = q.size(1) / k_cache.size(1), head_dim = q.size(2);
+  TORCH_CHECK(decode_attention_supports(group, head_dim), "decode_attention_fp8: unsupported group ", group,
+              " or head_dim ", head_dim);
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat8_e4m3fn && v_cache.scalar_type() == at::kFloat8_e4m3fn,
+              "decode_attention_fp8: the caches must be float8_e4m3fn");
+  TORCH_CHECK(kv_scales.scalar_type() == at::kFloat && kv_scales.numel() == 2 && kv_scales.is_contiguous(),
+              "decode_attention_fp8: kv_scales must be (2,) float32");
+  TORCH_CHECK(sinks.numel() == 0 || (sinks.dim() == 1 && sinks.size(0) == q.size(1) && sinks.is_floating_point()),
+              "decode_attention_fp8: sinks must be (heads,) floats or empty");
+  const torch::Tensor sink_logits = sinks.to(at::kFloat).contiguous();
+  const float* sink_ptr = sinks.numel() ? sink_logits.data_ptr<float>() : nullptr;
+  const float k_scale = kv_scales.data_ptr<float>()[0], v_scale = kv_scales.data_ptr<float>()[1];
+#define LORAPLEX_DISPATCH(G, C)                                                                              \
+  if (group == G && head_dim == 32 * C)                                                                      \
+    return decode_attention_impl<G, C, true>(q, k_cache, v_cache, read_pages, kv_lens, page_size, scale, window, \
+                                             chunk, sink_ptr, out, k_scale, v_scale);
   LORAPLEX_DISPATCH(1, 2) LORAPLEX_DISPATCH(2, 2) LORAPLEX_DISPATCH(4, 2) LORAPLEX_DISPATCH(8, 2)
   LORAPLEX_DISPATCH(1, 4) LORAPLEX_DISPATCH(2, 4) LORAPLEX_DISPATCH(4, 4) LORAPLEX_DISPATCH(8, 4)
 #undef LORAPLEX_DISPATCH
@@ -446,4 +496,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of bfloat16 [gate | up] rows");
   m.def("decode_attention_supports", &decode_attention_supports, "query heads per KV head and head_dim built for");
   m.def("decode_attention", &decode_attention, "attention of one new bfloat16 token per request over the paged cache");
+  m.def("decode_attention_fp8", &decode_attention_fp8, "decode_attention over a float8_e4m3fn cache with its scales");
 }

@@ -19,9 +19,12 @@ One server at a time, the two alternating which goes first per precision and rou
 token-id prompts and exact output lengths (ignore_eos): single stream (one request after another, prompt 64,
 output 128, four adapters in turn: decode tokens/s from the inter-token gaps) and 32 adapters (the project's
 workload: in/out 16-256, 32 concurrent, uniform over the 32 adapters: output tokens/s, TTFT p99). Both use every core
-for compute. llama-server runs `--lora ... --lora-init-without-apply -np 32 --cont-batching --cache-ram 0`; every
+for compute. llama-server runs `--lora A,B,... --lora-init-without-apply -np 32 --cont-batching --cache-ram 0`; every
 adapter's global scale is set to 0 after start, and each request names its own (`"lora": [{"id": k, "scale": 1}]`),
-so it batches only requests on the same adapter. Ratios: loraplex / llama-server, best of the rounds on each side.
+so it batches only requests on the same adapter. The adapters go as one comma-separated `--lora` list, as current
+llama.cpp reads it. A llama-server that dies at start (on some CPUs its repacked Q8_0/Q4_0 kernels crash at load) is
+started again with `--no-repack`, and the table's rows for that precision say so. Ratios: loraplex / llama-server,
+best of the rounds on each side.
 """
 
 from __future__ import annotations
@@ -125,16 +128,45 @@ def gguf_files(bench: BenchModel, llama_cpp: Path) -> tuple[dict[str, Path], dic
 # ---- llama-server -------------------------------------------------------------------------------------------------
 
 
+class DiedAtStart(RuntimeError):
+    """llama-server exited before it answered /health (on some CPUs its repacked Q8_0/Q4_0 kernels crash at load)."""
+
+
+def llama_server_command(llama_cpp: Path, base: Path, adapters: list[Path], *, threads: int, slots: int, port: int,
+                         no_repack: bool = False) -> list[str]:  # fmt: skip
+    """The command line: the adapters as one comma-separated `--lora` list, as current llama.cpp reads it (a second
+    `--lora` replaces the first there); `--no-repack` keeps the weights in their GGUF layout."""
+    commas = [str(path) for path in adapters if "," in str(path)]
+    if commas:
+        raise ValueError(f"llama-server's --lora list is comma-separated: rename {commas[0]}")
+    lora = ["--lora", ",".join(str(path) for path in adapters), "--lora-init-without-apply"] if adapters else []
+    return [str(llama_cpp / "build" / "bin" / "llama-server"), "-m", str(base), *lora,
+            "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * CONTEXT_PER_SLOT),
+            "--cont-batching", "--cache-ram", "0", *(["--no-repack"] if no_repack else []),
+            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+
+
+def start_llama_server(llama_cpp: Path, base: Path, adapters: list[Path], *, threads: int, slots: int) -> LlamaServer:
+    """A healthy llama-server; one that dies at start is started again with --no-repack (`server.no_repack` says
+    which ran, so the table can say so)."""
+    try:
+        return LlamaServer(llama_cpp, base, adapters, threads=threads, slots=slots)
+    except DiedAtStart as e:
+        print(f"{e}; retrying with --no-repack", file=sys.stderr)
+        return LlamaServer(llama_cpp, base, adapters, threads=threads, slots=slots, no_repack=True)
+
+
 class LlamaServer:
     """llama-server on one GGUF base with the adapters loaded unapplied, in its own session (stopped with it)."""
 
-    def __init__(self, llama_cpp: Path, base: Path, adapters: list[Path], *, threads: int, slots: int):
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{self.url.rsplit(':', 1)[1]}.log"
-        cmd = [str(llama_cpp / "build" / "bin" / "llama-server"), "-m", str(base),
-               *(arg for path in adapters for arg in ("--lora", str(path))), "--lora-init-without-apply",
-               "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * CONTEXT_PER_SLOT),
-               "--cont-batching", "--cache-ram", "0", "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1]]
+    def __init__(self, llama_cpp: Path, base: Path, adapters: list[Path], *, threads: int, slots: int,
+                 no_repack: bool = False):  # fmt: skip
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.no_repack = no_repack
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{port}.log"
+        cmd = llama_server_command(llama_cpp, base, adapters, threads=threads, slots=slots, port=port,
+                                   no_repack=no_repack)  # fmt: skip
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -151,7 +183,8 @@ class LlamaServer:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise SystemExit(f"llama-server exited ({self.proc.returncode}); log: {self.log_path}")
+                raise DiedAtStart(f"llama-server{' --no-repack' * self.no_repack} exited at start "
+                                  f"({self.proc.returncode}); log: {self.log_path}")  # fmt: skip
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -213,6 +246,7 @@ def benchmark(bench: BenchModel, plan: Plan, llama_cpp: Path, *, rounds: int, th
     runs = workloads(plan, names, seed)
     wire = llama_cpp_wire({name: i for i, name in enumerate(names)})
     raw: dict[str, dict[str, list[dict]]] = {p: {"loraplex": [], "llama.cpp": []} for p in PRECISIONS}
+    no_repack = dict.fromkeys(PRECISIONS, False)  # llama-server died at start and ran with --no-repack
     for round_index in range(rounds):
         for index, (precision, (label, kind)) in enumerate(PRECISIONS.items()):
             order = ["loraplex", "llama.cpp"][:: 1 if (round_index + index) % 2 == 0 else -1]
@@ -224,10 +258,11 @@ def benchmark(bench: BenchModel, plan: Plan, llama_cpp: Path, *, rounds: int, th
                                       max_loras_per_batch=plan.num_adapters) as server:
                         raw[precision][side].append(drive(server.url, LORAPLEX, runs))
                 else:
-                    with LlamaServer(llama_cpp, bases[kind], [adapter_files[n] for n in names], threads=threads,
-                                     slots=plan.num_adapters) as server:
+                    with start_llama_server(llama_cpp, bases[kind], [adapter_files[n] for n in names],
+                                            threads=threads, slots=plan.num_adapters) as server:  # fmt: skip
                         raw[precision][side].append(drive(server.url, wire, runs))
-    result = {"plan": plan.__dict__, "rounds": raw, "best": {}}
+                        no_repack[precision] |= server.no_repack
+    result = {"plan": plan.__dict__, "rounds": raw, "best": {}, "no_repack": no_repack}
     for precision, sides in raw.items():
         result["best"][precision] = {side: {
             "single_tok_s": max(1e3 / run["single"]["itl_ms"]["mean"] for run in runs_),
@@ -241,6 +276,8 @@ def rows(result: dict) -> list[list[str]]:
     out = []
     for precision, sides in result["best"].items():
         ours, theirs = sides["loraplex"], sides["llama.cpp"]
+        if result.get("no_repack", {}).get(precision):
+            precision += " (llama-server --no-repack: it died at start without)"
         out.append([f"{precision}: single-stream decode tok/s", f"{ours['single_tok_s'] / theirs['single_tok_s']:.2f}",
                     f"{ours['single_tok_s']:.1f} vs {theirs['single_tok_s']:.1f}"])
         out.append([f"{precision}: {result['plan']['num_adapters']} adapters out tok/s",

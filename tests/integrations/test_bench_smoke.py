@@ -16,6 +16,7 @@ import scripts.bench.families as bench_families
 import scripts.bench.kv_admission as bench_kv_admission
 import scripts.bench.prefix_cache as bench_prefix_cache
 import scripts.bench.quantized as bench_quantized
+import scripts.bench.roofline as bench_roofline
 import scripts.bench.serving as bench_serving
 import scripts.bench.step_overhead as bench_step_overhead
 import scripts.bench.structured as bench_structured
@@ -229,3 +230,20 @@ def test_decode_step_rows_of_the_adapter_forms(bench_cache_dir: Path, tmp_path: 
     assert all(row["torch ops"]["median_ms"] > 0 for row in rows.values())
     assert set(result["ratios"]) == {"DoRA / plain LoRA, 4 adapters", "a mix of 4 / one adapter"}
     assert all(ratio["torch ops"] > 0 for ratio in result["ratios"].values())
+
+
+def test_roofline_tiny(bench_cache_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "roofline.json"
+    bench_roofline.main(["--size", "quick", "--batches", "1,4", "--steps", "2", "--context", "16", "--array-mib", "32",
+                         "--bandwidth-repeats", "2", "--cache-dir", str(bench_cache_dir), "--json", str(out)])
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["precision"], r["batch"]) for r in rows] == [(p, b) for p in ("bf16", "int8", "int4") for b in (1, 4)]
+    keys = {"precision", "batch", "step_ms", "bytes_per_step", "bandwidth_gbs", "roofline_share"}
+    for row in rows:
+        assert set(row) == keys and row["step_ms"] > 0
+        assert row["bandwidth_gbs"] == pytest.approx(row["bytes_per_step"] / row["step_ms"] * 1e-6)
+        assert row["roofline_share"] == pytest.approx(row["bandwidth_gbs"] / result["read_bandwidth_gbs"])
+    by = {(r["precision"], r["batch"]): r["bytes_per_step"] for r in rows}
+    assert by[("int4", 1)] < by[("int8", 1)] < by[("bf16", 1)]  # fewer weight bytes with fewer bits
+    assert by[("bf16", 4)] > by[("bf16", 1)]  # and more KV bytes with more requests

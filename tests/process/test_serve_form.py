@@ -13,10 +13,10 @@ from tests.server_utils import REPO_ROOT, ServerProcess
 
 def test_vllm_command_line_serves_an_adapter(llama_dir: Path, adapter_dirs: dict[str, Path]) -> None:
     # vLLM's LoRA docs: vllm serve MODEL --enable-lora --lora-modules sql-lora=PATH --max-lora-rank 64, plus the
-    # flags most vLLM command lines carry (sized down for a CPU).
+    # flags most vLLM command lines carry (sized down for a CPU), and vLLM's FP8 KV cache with computed scales.
     flags = ("--enable-lora", "--lora-modules", f"sql-lora={adapter_dirs['a64']}", "--max-lora-rank", "64",
              "--max-model-len", "512", "--max-num-seqs", "4", "--enforce-eager", "--trust-remote-code",
-             "--disable-log-requests")
+             "--disable-log-requests", "--kv-cache-dtype", "fp8", "--calculate-kv-scales")
     with ServerProcess(*flags, argv_prefix=("serve", str(llama_dir))) as server:
         assert server.get("/health").status_code == 200
         models = [card["id"] for card in server.get("/v1/models").json()["data"]]
@@ -25,7 +25,14 @@ def test_vllm_command_line_serves_an_adapter(llama_dir: Path, adapter_dirs: dict
         answer = server.post("/v1/completions", json=body)
         assert answer.status_code == 200, answer.text
         assert answer.json()["model"] == "sql-lora" and answer.json()["usage"]["completion_tokens"] >= 1
+        info = server.get("/server_info").json()
         log = server.log()
+    # one byte per K and V element: a quarter of the float32 cache's bytes, so a memory budget holds 4x the tokens
+    config = json.loads((llama_dir / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    assert info["kv_bytes_per_token"] == 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
+    assert info["max_total_tokens"] == 4 * 512  # --max-num-seqs x --max-model-len: fits either way
+    assert "FP8 KV cache scales set from the first prefill" in log
     assert "--trust-remote-code: loraplex never runs code from a checkpoint" in log
     assert "--disable-log-requests: loraplex never logs requests" in log
 
@@ -41,8 +48,8 @@ def _start_error(*argv: str) -> str:
 
 
 def test_flag_for_a_missing_feature_exits_with_one_line(llama_dir: Path) -> None:
-    line = _start_error("serve", str(llama_dir), "--enable-lora", "--kv-cache-dtype", "fp8")
-    assert line.startswith("loraplex: error: --kv-cache-dtype fp8: the KV cache holds the model's dtype")
+    line = _start_error("serve", str(llama_dir), "--enable-lora", "--cpu-offload-gb", "4")
+    assert line.startswith("loraplex: error: --cpu-offload-gb 4: weights cannot be offloaded")
 
 
 def test_quantization_the_checkpoint_lacks_exits_with_one_line(llama_dir: Path, tmp_path: Path) -> None:

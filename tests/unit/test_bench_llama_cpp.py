@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+from pathlib import Path
 
+import pytest
+import requests
 from aiohttp import web
 
-from scripts.bench.llama_cpp import FULL, llama_cpp_wire, workloads
+from scripts.bench.llama_cpp import FULL, llama_cpp_wire, llama_server_command, rows, start_llama_server, workloads
 from scripts.bench.serving import run_requests
 from scripts.bench.workload import BenchRequest
 from tests.net import free_port
@@ -69,3 +73,45 @@ def test_both_servers_get_the_same_workloads():
     assert concurrency == 32 and len(mixed) == FULL.num_requests
     assert all(16 <= len(r.input_ids) <= 256 and 16 <= r.output_len <= 256 for r in mixed)
     assert workloads(FULL, names, seed=0)["adapters"][0] == mixed  # the same requests on both sides
+
+
+# A stand-in llama-server: dies at start as llama.cpp's repacked kernels do on some CPUs, unless given --no-repack;
+# then answers /health and /lora-adapters. It records its command line.
+FAKE_SERVER = """#!{python}
+import http.server, json, sys
+argv = sys.argv[1:]
+open({record!r}, "a").write(json.dumps(argv) + "\\n")
+if "--no-repack" not in argv:
+    sys.exit(134)
+class Handler(http.server.BaseHTTPRequestHandler):
+    def reply(self):
+        self.send_response(200); self.send_header("Content-Length", "2"); self.end_headers(); self.wfile.write(b"{{}}")
+    do_GET = do_POST = reply
+    def log_message(self, *args): pass
+http.server.HTTPServer(("127.0.0.1", int(argv[argv.index("--port") + 1])), Handler).serve_forever()
+"""
+
+
+def test_a_server_that_dies_at_start_is_retried_with_no_repack(tmp_path: Path) -> None:
+    record = tmp_path / "argv.jsonl"
+    binary = tmp_path / "build" / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_text(FAKE_SERVER.format(python=sys.executable, record=str(record)))
+    binary.chmod(0o755)
+    adapters = [tmp_path / "a.gguf", tmp_path / "b.gguf"]
+    with start_llama_server(tmp_path, tmp_path / "base.gguf", adapters, threads=2, slots=4) as server:
+        assert server.no_repack
+        assert requests.get(server.url + "/health", timeout=5).status_code == 200
+    first, retry = (json.loads(line) for line in record.read_text().splitlines())
+    assert "--no-repack" not in first and retry[retry.index("--no-repack") - 1] == "0"  # after --cache-ram 0
+    for argv in (first, retry):  # the adapters as one comma-separated list
+        assert argv.count("--lora") == 1 and argv[argv.index("--lora") + 1] == f"{adapters[0]},{adapters[1]}"
+    assert rows({"plan": {"num_adapters": 4}, "no_repack": {"8-bit": True},
+                 "best": {"8-bit": {side: {"single_tok_s": 1.0, "adapters_tok_s": 1.0, "adapters_ttft_p99_ms": 1.0}
+                                    for side in ("loraplex", "llama.cpp")}}})[0][0].startswith(
+        "8-bit (llama-server --no-repack: it died at start without)")  # fmt: skip
+
+
+def test_the_command_line_refuses_a_path_with_a_comma(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="comma-separated"):
+        llama_server_command(tmp_path, tmp_path / "b.gguf", [tmp_path / "x,y.gguf"], threads=1, slots=1, port=1)

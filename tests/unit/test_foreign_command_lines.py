@@ -84,7 +84,7 @@ ACCEPTED = [
 ]
 
 REFUSED = [  # (command line, the flag its one line names)
-    (f"vllm serve {MODEL} --enable-lora --lora-modules sql-lora={A} --kv-cache-dtype fp8", "--kv-cache-dtype fp8"),
+    (f"vllm serve {MODEL} --enable-lora --lora-modules sql-lora={A} --cpu-offload-gb 4", "--cpu-offload-gb 4"),
     (f"python3 -m sglang.launch_server --model-path {MODEL} --enable-lora --lora-paths lora0={A} "
      "--lora-eviction-policy fifo", "--lora-eviction-policy fifo"),
 ]

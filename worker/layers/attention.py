@@ -8,7 +8,8 @@ its length.
 That is the `torch` attention backend. The `cpu` one (bfloat16 on a CPU where the compiled CPU kernels run, for head
 shapes they take) is the same but for the group of decodes, which goes to cpu_ext's decode_attention: it reads each
 request's keys and values straight from its pages, no gathered copy, no padding, no mask (sliding windows, attention
-chunks and sinks included). The `triton` one
+chunks and sinks included; an FP8 cache converted in registers, decode_attention_fp8). The torch path dequantizes an
+FP8 cache's gathered pages to q's dtype. The `triton` one
 (worker/layers/triton_attention.py; CUDA by default) reads every request's keys and values from its pages in Triton
 kernels (latent attention's one tensor of [latent | rope key] rows with kernels of its own). The worker picks one at
 start-up (`select_attention_backend`); it builds each batch's AttentionInputs-like object, whose `attend` the model
@@ -32,7 +33,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import ModuleType
 from typing import Protocol
@@ -44,6 +45,7 @@ from loraplex.kernels.latent_attention import latent_head_blocks, launch_latent_
 from loraplex.kernels.paged_attention import decode_num_splits
 from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.structs import ForwardReq
+from loraplex.worker.kv_cache import FP8_DTYPE, KVScales, dequantize_fp8, write_kv
 from loraplex.worker.layers.attention_spec import LayerAttention
 from loraplex.worker.layers.triton_attention import DecodeMeta, TritonAttention, _pack, _page_rows
 
@@ -221,10 +223,12 @@ class CPUAttentionInputs(AttentionInputs):
         out = torch.empty_like(q)  # (reqs, heads, head_dim): one token per request, in request order
         window, chunk = layer.sliding_window or 0, layer.chunk_size or 0  # 0: every key
         sinks = _NO_SINKS if layer.sinks is None else layer.sinks
-        self.compiled.decode_attention(
-            q.contiguous(), k_cache, v_cache, group.read_pages, group.kv_lens, group.page_size, layer.scale, window,
-            chunk, sinks, out,
-        )  # fmt: skip
+        args = (q.contiguous(), k_cache, v_cache, group.read_pages, group.kv_lens, group.page_size, layer.scale,
+                window, chunk, sinks)  # fmt: skip
+        if layer.kv_scales is None:
+            self.compiled.decode_attention(*args, out)
+        else:  # an FP8 cache, converted in registers
+            self.compiled.decode_attention_fp8(*args, layer.kv_scales, out)
         return out
 
 
@@ -295,8 +299,10 @@ class AttentionBackend(Protocol):
         `page_tables` (reqs, max_pages) int64 on the device, padded with page 0."""
         ...
 
-    def warmup(self, kv_layer: tuple[torch.Tensor, torch.Tensor], num_heads: int, page_size: int) -> int:
-        """Compile what the backend compiles on first use, for every variant serving can meet; the launches made."""
+    def warmup(self, kv_layer: tuple[torch.Tensor, torch.Tensor], num_heads: int, page_size: int,
+               dtype: torch.dtype | None = None) -> int:
+        """Compile what the backend compiles on first use, for every variant serving can meet; the launches made.
+        dtype: the model's (default: the cache's, which an FP8 cache is not)."""
         ...
 
 
@@ -325,7 +331,8 @@ class SDPAAttention:
         ]
         return AttentionInputs(write_slots=write_slots, groups=groups)
 
-    def warmup(self, kv_layer: tuple[torch.Tensor, torch.Tensor], num_heads: int, page_size: int) -> int:
+    def warmup(self, kv_layer: tuple[torch.Tensor, torch.Tensor], num_heads: int, page_size: int,
+               dtype: torch.dtype | None = None) -> int:
         return 0
 
 
@@ -381,7 +388,8 @@ class LatentTritonAttention(SDPAAttention):
                                   latent_dim=self.latent_dim, page_size=page_size)  # fmt: skip
 
     @torch.inference_mode()
-    def warmup(self, kv_layer: tuple[torch.Tensor, torch.Tensor], num_heads: int, page_size: int) -> int:
+    def warmup(self, kv_layer: tuple[torch.Tensor, torch.Tensor], num_heads: int, page_size: int,
+               dtype: torch.dtype | None = None) -> int:
         """The decode kernel without and with splits (and the merge), on one layer's cache (read only), q laid out as
         the model builds it ([W_ukᵀ q_nope | q_pe], contiguous): the variants of every later batch."""
         cache = kv_layer[0]
@@ -459,9 +467,11 @@ def paged_attention(
     v_cache: torch.Tensor,  # (slots, kv_heads, head_dim)
     inputs: BatchAttention,
     layer: LayerAttention | None = None,  # None: head_dim ** -0.5, no window, no cap
+    scales: KVScales | None = None,  # an FP8 cache's (KVLayer.scales)
 ) -> torch.Tensor:
-    k_cache.index_copy_(0, inputs.write_slots, k)
-    v_cache.index_copy_(0, inputs.write_slots, v)
+    write_kv(k, v, k_cache, v_cache, inputs.write_slots, scales)
+    if scales is not None:  # the backends read the layer's scales beside its other settings
+        layer = replace(layer or LayerAttention.default(q.shape[2]), kv_scales=scales.values)
     return inputs.attend(q, k_cache, v_cache, layer)  # (tokens, heads, head_dim)
 
 
@@ -470,6 +480,9 @@ def _sdpa_group(
 ) -> torch.Tensor:
     keys = _gather_pages(k_cache, group.read_pages, group.page_size)  # (reqs, kv_heads, max_kv_len, head_dim)
     values = _gather_pages(v_cache, group.read_pages, group.page_size)  # (reqs, kv_heads, max_kv_len, head_dim)
+    if layer.kv_scales is not None:  # an FP8 cache: the gathered pages only, back to q's dtype
+        keys = dequantize_fp8(keys, layer.kv_scales[0:1], q.dtype)
+        values = dequantize_fp8(values, layer.kv_scales[1:2], q.dtype)
     return _sdpa_padded(q, keys, values, group, layer)
 
 
@@ -529,6 +542,8 @@ def _gather_pages(cache: torch.Tensor, read_pages: torch.Tensor, page_size: int)
 def _gather_rows(cache: torch.Tensor, read_pages: torch.Tensor, page_size: int) -> torch.Tensor:
     """(slots, kv_heads, head_dim) cache, (reqs, pages) page tables -> (reqs, pages * page_size, kv_heads, head_dim):
     one row copy per page (index_select over whole pages is ~3x faster on CPU than indexing per token position)."""
+    if cache.dtype == FP8_DTYPE:  # as bytes: torch's CPU index ops take no float8
+        return _gather_rows(cache.view(torch.uint8), read_pages, page_size).view(FP8_DTYPE)
     num_slots, num_kv_heads, head_dim = cache.shape
     num_reqs, num_pages = read_pages.shape
     if cache.is_contiguous():

@@ -17,6 +17,9 @@ class LayerAttention:
     sinks: torch.Tensor | None = None
     # chunked local attention (Llama 4): a query at position p sees the keys at [p - p % chunk, p]; None = no chunks
     chunk_size: int | None = None
+    # (2,) float32 keys' and values' scales of an FP8 KV cache (stored = value / scale), set by paged_attention from
+    # the cache; None: the cache holds the values themselves
+    kv_scales: torch.Tensor | None = None
 
     @classmethod
     def default(cls, head_dim: int) -> LayerAttention:

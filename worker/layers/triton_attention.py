@@ -14,6 +14,7 @@ import torch
 from loraplex.kernels.paged_attention import decode_num_splits, launch_decode, launch_extend, plan_extend_tiles
 from loraplex.protocol.mathutil import cdiv
 from loraplex.protocol.structs import ForwardReq
+from loraplex.worker.kv_cache import KVLayer
 from loraplex.worker.layers.attention_spec import LayerAttention
 
 _ALIGN = 4  # int32 elements: each packed part starts 16 bytes in, as Triton's pointer specialization expects
@@ -53,11 +54,12 @@ class PagedAttentionInputs:
         if self.decode is not None:
             d = self.decode
             launch_decode(out, q, k_cache, v_cache, d.page_table, d.kv_lens, d.q_rows, self.page_size, layer.scale,
-                          d.num_splits, window, cap, layer.sinks, chunk)  # fmt: skip
+                          d.num_splits, window, cap, layer.sinks, chunk, layer.kv_scales)  # fmt: skip
         if self.extend is not None:
             e = self.extend
             launch_extend(out, q, k_cache, v_cache, e.page_table, e.q_starts, e.q_lens, e.cached_lens, e.tile_reqs,
-                          e.tile_offsets, self.page_size, layer.scale, window, cap, layer.sinks, chunk)  # fmt: skip
+                          e.tile_offsets, self.page_size, layer.scale, window, cap, layer.sinks, chunk,
+                          layer.kv_scales)  # fmt: skip
         return out
 
 
@@ -108,18 +110,22 @@ class TritonAttention:
         return PagedAttentionInputs(write_slots=write_slots, page_size=page_size, decode=decode, extend=extend)
 
     @torch.inference_mode()
-    def warmup(self, kv_layer: tuple[torch.Tensor, torch.Tensor], num_heads: int, page_size: int) -> int:
+    def warmup(self, kv_layer: KVLayer, num_heads: int, page_size: int, dtype: torch.dtype | None = None) -> int:
         """Launch every kernel variant serving meets, on one layer's cache (read only): decode without and with splits
-        (and the merge), and extend. Their constexprs depend only on the model, dtype and page size, and q is laid
-        out as the model's (a view of the fused qkv output), so these are the variants of every later batch."""
+        (and the merge), and extend. Their constexprs depend only on the model, dtype and page size (and an FP8
+        cache), and q is laid out as the model's (a view of the fused qkv output), so these are the variants of every
+        later batch. dtype: the model's (default: the cache's)."""
         k_cache, v_cache = kv_layer
-        head_dim = k_cache.shape[2]
-        qkv = k_cache.new_zeros(2, (num_heads + 2 * self.num_kv_heads) * head_dim)
+        head_dim, dtype = k_cache.shape[2], dtype or k_cache.dtype
+        qkv = k_cache.new_zeros(2, (num_heads + 2 * self.num_kv_heads) * head_dim, dtype=dtype)
         q = qkv[:, : num_heads * head_dim].view(2, num_heads, head_dim)  # (tokens, heads, head_dim)
         no_writes = torch.empty(0, dtype=torch.long, device=self.device)  # attend reads the cache only
         layer = LayerAttention.default(head_dim)
         if self.sinks:
-            layer = replace(layer, sinks=k_cache.new_zeros(num_heads))
+            layer = replace(layer, sinks=q.new_zeros(num_heads))
+        scales = getattr(kv_layer, "scales", None)
+        if scales is not None:
+            layer = replace(layer, kv_scales=scales.values)
         launches = 0
         for num_splits in (1, 2):
             table, kv_lens, q_rows = _pack([[0], [1], [0]], self.device)

@@ -7,7 +7,7 @@ attention / MLP / layer / model class in the class attributes below and override
 from __future__ import annotations
 
 import torch
-from loraplex.worker.kv_cache import KVCache
+from loraplex.worker.kv_cache import KVCache, KVLayer
 from loraplex.worker.layers.activation import SiluAndMul
 from loraplex.worker.layers.attention import BatchAttention, paged_attention
 from loraplex.worker.layers.attention_spec import LayerAttention
@@ -43,7 +43,7 @@ class LlamaAttention(nn.Module):
         self,
         positions: torch.Tensor,
         hidden: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor],
+        kv: KVLayer,
         attention: BatchAttention,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -54,7 +54,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, -1, self.head_dim)
         q, k = self.norm_qk(q, k)
         q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv[0], kv[1], attention, self.layer)  # (tokens, heads, head_dim)
+        out = paged_attention(q, k, v, kv[0], kv[1], attention, self.layer, kv.scales)  # (tokens, heads, head_dim)
         return self.o_proj(out.reshape(num_tokens, -1))  # (tokens, hidden)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +91,7 @@ class LlamaDecoderLayer(nn.Module):
         positions: torch.Tensor,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        kv: tuple[torch.Tensor, torch.Tensor],
+        kv: KVLayer,
         attention: BatchAttention,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is carried beside each block's output and added by the next norm (one fused op):

@@ -19,6 +19,7 @@ checkpoint's language model is read under `language_model.` and its vision tower
 from __future__ import annotations
 
 import torch
+from loraplex.worker.kv_cache import KVLayer
 from loraplex.worker.layers.attention import BatchAttention, paged_attention
 from loraplex.worker.layers.attention_spec import LayerAttention
 from loraplex.worker.layers.moe import InputScaledMoeBlock
@@ -49,7 +50,7 @@ class Llama4Attention(LlamaAttention):
         self,
         positions: torch.Tensor,
         hidden: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor],
+        kv: KVLayer,
         attention: BatchAttention,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -65,7 +66,7 @@ class Llama4Attention(LlamaAttention):
             floor_scale, attn_scale = self.temperature
             scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0  # (tokens,)
             q = (q * scales[:, None, None]).to(q.dtype)
-        out = paged_attention(q, k, v, kv[0], kv[1], attention, self.layer)  # (tokens, heads, head_dim)
+        out = paged_attention(q, k, v, kv[0], kv[1], attention, self.layer, kv.scales)  # (tokens, heads, head_dim)
         return self.o_proj(out.reshape(num_tokens, -1))  # (tokens, hidden)
 
 

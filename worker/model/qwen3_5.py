@@ -18,6 +18,7 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from loraplex.worker.kv_cache import KVLayer
 from loraplex.worker.layers.attention import BatchAttention, paged_attention
 from loraplex.worker.layers.delta_mixer import select_delta_mixer
 from loraplex.worker.layers.embedding import Embedding, LMHead
@@ -149,7 +150,7 @@ class GatedAttention(nn.Module):
         self.rotary = rotary
         self.layer = layer_attention(config, layer_id)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv: KVLayer,
                 attention: BatchAttention) -> torch.Tensor:  # fmt: skip
         num_tokens = hidden.shape[0]
         q_gate, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes_per_rank, dim=-1)
@@ -158,7 +159,7 @@ class GatedAttention(nn.Module):
         k = self.k_norm(k.reshape(num_tokens, -1, self.head_dim))  # (tokens, kv_heads, hd)
         v = v.reshape(num_tokens, -1, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv[0], kv[1], attention, self.layer)  # (tokens, heads, hd)
+        out = paged_attention(q, k, v, kv[0], kv[1], attention, self.layer, kv.scales)  # (tokens, heads, hd)
         out = out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
         return self.o_proj(out)  # (tokens, hidden)
 
