@@ -390,6 +390,9 @@ class ForwardReq(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     restore_snapshot: int = -1
     snapshot_saves: list[tuple[int, int]] = []
     lora_scale: float = 1.0  # the request's strength: multiplies its adapter's term (the slot's scaling too)
+    # An encoder's (BERT) segment of each input token: 0 for a single text or a pair's first, 1 for its second
+    # (a cross-encoder's query | document); []: all 0
+    token_type_ids: list[int] = []
 
 
 class SlotLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -436,6 +439,9 @@ class WorkerReady(Struct, frozen=True):
     # prefix cache keeps at cached page boundaries; 0 = none, so no prefix caching.
     num_state_slots: int = 0
     num_state_snapshots: int = 0
+    # A bidirectional encoder (BERT): a sequence is computed whole in one pass, so the scheduler neither chunks its
+    # prompt nor reuses cached pages of another's prefix
+    is_bidirectional: bool = False
 
 
 class Shutdown(Struct, frozen=True):

@@ -105,6 +105,7 @@ class Scheduler:
         attention_window: int | None = None,
         num_state_slots: int = 0,
         num_state_snapshots: int = 0,
+        is_bidirectional: bool = False,
     ):
         """attention_window: the most tokens a query of any layer attends to (its own included); None = some layer
         attends to the whole context, and no page is given back before its request ends."""
@@ -117,7 +118,12 @@ class Scheduler:
         self.state_slots = StateSlotAllocator(num_state_slots)
         self.is_hybrid = num_state_slots > 0
         self.snapshots = StateSlotAllocator(num_state_snapshots, kind="state snapshot")
-        caches = config.prefix_caching and (num_state_snapshots > 0 or not self.is_hybrid)
+        caches = config.prefix_caching and (num_state_snapshots > 0 or not self.is_hybrid) and not is_bidirectional
+        if is_bidirectional and (config.prefix_caching or chunked_prefill_size > 0):
+            # a token's keys depend on the tokens after it, so a cached prefix or an earlier chunk cannot be reused
+            log.info("prefix caching and chunked prefill are off: a bidirectional encoder computes each sequence "
+                     "whole in one pass")  # fmt: skip
+            chunked_prefill_size = -1
         if self.is_hybrid and config.prefix_caching:
             if caches:
                 log.info("prefix caching with %d state snapshots: a hit restores the linear-attention states saved "

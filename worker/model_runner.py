@@ -87,6 +87,7 @@ class ModelRunner:
             latent_dim=self.model_config.mla.kv_lora_rank if self.model_config.mla is not None else None,
             sinks=self.model_config.attention_sinks,
             mixed_head_shapes=self.model_config.mixed_head_shapes,
+            bidirectional=self.model_config.is_bidirectional,
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
         # the norms', rotary's and activation's, bound as the layers are built
@@ -237,6 +238,10 @@ class ModelRunner:
         if self.model_config.linear_attention is not None:
             logger.info("--enable-cuda-graph is ignored for %s: its linear-attention layers run eagerly",
                         self.model_config.model_type)
+            return None
+        if self.model_config.is_bidirectional:  # an encoder computes whole sequences, never one token of decode
+            logger.info("--enable-cuda-graph is ignored for %s: an encoder does not decode",
+                        self.model_config.model_type)  # fmt: skip
             return None
         if self.model_config.mla is not None:  # the graphs' static metadata is built for the plain kernels
             logger.info("--enable-cuda-graph is ignored for %s: its latent attention runs eagerly",
@@ -391,6 +396,9 @@ class ModelRunner:
         """(rows, vocab): each request's last token's logits and then the `extra_rows` asked for, or with
         `last_only=False` every new token's, in request order. Call under torch.inference_mode()."""
         self._apply_slot_loads(slot_loads)
+        if self.model_config.is_bidirectional:
+            raise BatchError(f"{self.model_config.model_type} is an encoder: it pools sequences and computes no "
+                             "next-token logits")  # fmt: skip
         if not self.long_rope_len and any(req.long_rope for req in reqs):
             raise BatchError("a request asks for longrope's long factors, which this model has no use for")
         graphs_fit = self.decode_graphs is not None and not (self.lora is not None and self.lora.uses_dora(reqs))
@@ -414,6 +422,37 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.select_rows(rows)
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def pooled(self, reqs: list[ForwardReq], slot_loads: list[SlotLoad]) -> torch.Tensor:
+        """(reqs, dim) float32: each request's whole sequence pooled by the model's head (an encoder's embedding,
+        or a classifier's scores). Every request brings its whole sequence: nothing cached, no chunk."""
+        self._apply_slot_loads(slot_loads)
+        if not hasattr(self.model, "pool"):
+            raise BatchError(f"{self.model_config.model_type} has no pooling head")
+        if self.model_config.is_bidirectional:
+            self._check_whole_sequences(reqs)
+        inputs = BatchInputs.build(
+            reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device, self.attention
+        )
+        if self.lora is not None:
+            self.lora.prepare(reqs)
+        elif any(req.slot != -1 for req in reqs):
+            raise BatchError("the batch uses adapter slots but LoRA is not enabled")
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention,
+                            inputs.token_type_ids)  # (tokens, hidden)
+        return self.model.pool(hidden, [len(req.input_ids) for req in reqs])
+
+    def _check_whole_sequences(self, reqs: list[ForwardReq]) -> None:
+        """An encoder's request attends over its whole sequence, so it comes in one pass; its token types index the
+        model's segment embeddings (checked here: on a GPU a bad index is a device-side assert)."""
+        num_types = self.model_config.encoder.type_vocab_size
+        for i, req in enumerate(reqs):
+            if req.num_cached_tokens:
+                raise BatchError(f"request {i}: a bidirectional encoder computes a sequence whole, not after "
+                                 f"{req.num_cached_tokens} cached tokens")  # fmt: skip
+            if req.token_type_ids and not all(0 <= t < num_types for t in req.token_type_ids):
+                raise BatchError(f"request {i}: token types outside 0..{num_types - 1}")
 
     def _apply_slot_loads(self, slot_loads: list[SlotLoad]) -> None:
         if not slot_loads:

@@ -100,6 +100,7 @@ class Worker:
                 kv_bytes_per_token=self.runner.kv_bytes_per_token,
                 num_state_slots=self.runner.num_state_slots,
                 num_state_snapshots=self.runner.num_state_snapshots,
+                is_bidirectional=self.runner.model_config.is_bidirectional,
             )
         )
         while True:

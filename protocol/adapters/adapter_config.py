@@ -13,7 +13,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.protocol.adapters.lora_targets import ALL_TARGETS, EXPERT_MODULE_ALIASES, EXPERT_PARAMETERS, FUSED_TARGETS
+from loraplex.protocol.adapters.lora_targets import (
+    ALL_TARGETS,
+    ENCODER_MODULE_ALIASES,
+    EXPERT_MODULE_ALIASES,
+    EXPERT_PARAMETERS,
+    FUSED_TARGETS,
+)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -196,8 +202,9 @@ def _parse_pattern(pattern: Any, field: str, *, is_rank: bool) -> tuple[tuple[st
 
 
 def _parse_targets(targets: Any) -> tuple[str, ...]:
-    """Our module names; Mixtral's expert names (w1/w3/w2) are its experts' gate/up/down, a fused module
-    (FUSED_TARGETS) its slices. None or [] (PEFT saves [] for an adapter on target_parameters alone): none."""
+    """Our module names; Mixtral's expert names (w1/w3/w2) are its experts' gate/up/down, BERT's (query, ...,
+    output.dense: ENCODER_MODULE_ALIASES) the modules serving them, a fused module (FUSED_TARGETS) its slices.
+    None or [] (PEFT saves [] for an adapter on target_parameters alone): none."""
     if targets is None or targets == []:
         return ()
     if isinstance(targets, str):
@@ -217,8 +224,10 @@ def _parse_targets(targets: Any) -> tuple[str, ...]:
             modules.extend(FUSED_TARGETS[target])
         elif target in ALL_TARGETS:
             modules.append(target)
+        elif target in ENCODER_MODULE_ALIASES:
+            modules.extend(ENCODER_MODULE_ALIASES[target])
         else:
-            known = ", ".join((*ALL_TARGETS, *FUSED_TARGETS))
+            known = ", ".join((*ALL_TARGETS, *FUSED_TARGETS, *ENCODER_MODULE_ALIASES))
             raise AdapterLoadError(f"unknown target module {target!r}; LoRA supports {known}")
     return _ordered(tuple(modules))
 

@@ -17,6 +17,9 @@ class LayerAttention:
     sinks: torch.Tensor | None = None
     # chunked local attention (Llama 4): a query at position p sees the keys at [p - p % chunk, p]; None = no chunks
     chunk_size: int | None = None
+    # False: a bidirectional encoder's (BERT) layer, where each token attends to every token of its sequence; the
+    # sequence then comes whole in one pass (nothing cached before it), which the torch backends mask for
+    is_causal: bool = True
 
     @classmethod
     def default(cls, head_dim: int) -> LayerAttention:

@@ -89,10 +89,11 @@ class LoRAManager:
         self.copies = ModuleCopies(config.max_full_module_copies, self.pool.num_slots, self.spec.device,
                                    model_config.tie_word_embeddings)  # fmt: skip
         model.model.embed_tokens = CopyEmbedding(model.model.embed_tokens, self.copies, self.batch)
-        model.lm_head = CopyLMHead(model.lm_head, self.copies, self.batch)
+        if hasattr(model, "lm_head"):  # an encoder (BERT) has none
+            model.lm_head = CopyLMHead(model.lm_head, self.copies, self.batch)
         if EMBED in self.pool.vocab:
             model.model.embed_tokens = LoRAEmbedding(model.model.embed_tokens, self.pool.vocab[EMBED], self.batch)
-        if HEAD in self.pool.vocab:
+        if HEAD in self.pool.vocab and hasattr(model, "lm_head"):
             model.lm_head = LoRALMHead(model.lm_head, self.pool.vocab[HEAD], self.batch)
         self.adapters: dict[int, LoRAAdapter] = {}  # lora_id -> host copy
         self._dropped_early: set[int] = set()  # ids dropped before their install (ids are never reused)
