@@ -3,9 +3,10 @@ pass.
 
 Embeddings (word + absolute position + token type, then LayerNorm), then post-LN layers: x = LN(x + attn(x)),
 x = LN(x + down(gelu(up(x)))). Attention is not causal: every token sees its whole sequence (LayerAttention.is_causal
-False), through the same paged attention as the decoders. Two heads on top, as the checkpoint's architecture names:
-`BertEmbedder` (BertModel: sentence-transformers' pooling of the last hidden states, modules.json) and
-`BertCrossEncoder` (BertForSequenceClassification: pooler dense + tanh on the first token, then the classifier).
+False), through the same paged attention as the decoders. The model returns the last hidden states, which the
+pooling runner (worker/pooling.py) pools: `BertEmbedder` (BertModel, sentence-transformers' pooling and
+normalisation) or `BertCrossEncoder` (BertForSequenceClassification, whose `score` head is BERT's pooler, dense +
+tanh on the first token, then its classifier).
 
 Our module names are the decoders' (self_attn.qkv_proj, self_attn.o_proj, mlp.up_proj, mlp.down_proj), so tensor
 parallelism and LoRA (worker/lora/targets.py) treat them as any family's; the checkpoint's names are mapped at load
@@ -21,7 +22,6 @@ from loraplex.worker.layers.attention_spec import LayerAttention
 from loraplex.worker.layers.embedding import Embedding
 from loraplex.worker.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from loraplex.worker.model.config import ModelConfig
-from loraplex.worker.model.sentence_pooling import normalized_scores
 from torch import nn
 
 # checkpoint prefix -> ours (None: not loaded). BertForSequenceClassification's tensors sit under `bert.`; a
@@ -123,8 +123,7 @@ class BertEncoder(nn.Module):
 
 
 class BertEmbedder(nn.Module):
-    """BertModel: the encoder's last hidden states, pooled into one vector per sequence as the checkpoint's
-    sentence-transformers modules say (mean over tokens without them, as sentence-transformers defaults)."""
+    """BertModel: the encoder's last hidden states, which the pooling runner pools into one vector per text."""
 
     checkpoint_prefixes = (*_ENCODER_PREFIXES, ("pooler.", None))  # BertModel's pooler: unused by embeddings
     checkpoint_renames = _RENAMES
@@ -138,32 +137,33 @@ class BertEmbedder(nn.Module):
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         return self.model(input_ids, positions, kv_cache, attention, token_type_ids)  # (tokens, hidden)
 
-    def pool(self, hidden: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        """(tokens, hidden) of whole sequences -> (seqs, hidden) float32 embeddings."""
-        pooling = self.config.sentence_pooling
-        if pooling is None:
-            rows = hidden.float().split(seq_lens)
-            return torch.stack([r.mean(dim=0) for r in rows])
-        return pooling.pool(hidden, seq_lens)
+
+class BertScoreHead(nn.Module):
+    """A BERT classifier's head on the first token's state: tanh(pooler.dense(x)), then the classifier's logits."""
+
+    def __init__(self, hidden_size: int, num_labels: int):
+        super().__init__()
+        self.pooler = nn.Module()
+        self.pooler.dense = ReplicatedLinear(hidden_size, hidden_size, bias=True)
+        self.classifier = ReplicatedLinear(hidden_size, num_labels, bias=True)
+
+    @property
+    def weight(self) -> torch.Tensor:  # what the pooling runner reads the head's dtype from
+        return self.classifier.weight
+
+    def forward(self, first_token: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.tanh(self.pooler.dense(first_token)))  # (seqs, labels)
 
 
 class BertCrossEncoder(BertEmbedder):
-    """BertForSequenceClassification: tanh(dense(first token)) -> classifier; scores as CrossEncoder gives them."""
+    """BertForSequenceClassification: a cross-encoder for one label; its head is the pooling runner's `score`."""
 
-    checkpoint_prefixes = _ENCODER_PREFIXES
+    checkpoint_prefixes = (*_ENCODER_PREFIXES, ("classifier.", "score.classifier."))
+    checkpoint_renames = (*_RENAMES, ("pooler.dense", "score.pooler.dense"))
 
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__(config, max_positions)
-        self.pooler = nn.Module()
-        self.pooler.dense = ReplicatedLinear(config.hidden_size, config.hidden_size, bias=True)
-        self.classifier = ReplicatedLinear(config.hidden_size, config.encoder.num_labels, bias=True)
-
-    def pool(self, hidden: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        """(tokens, hidden) of whole sequences -> (seqs, labels) float32: a relevance score in (0, 1) for one label,
-        class probabilities for several."""
-        starts = torch.tensor([0, *seq_lens[:-1]], device=hidden.device).cumsum(0)  # each sequence's first row
-        pooled = torch.tanh(self.pooler.dense(hidden[starts]))  # (seqs, hidden)
-        return normalized_scores(self.classifier(pooled))  # (seqs, labels)
+        self.score = BertScoreHead(config.hidden_size, config.encoder.num_labels)
 
 
 def bert_model_class(config: ModelConfig) -> type[nn.Module]:

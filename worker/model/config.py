@@ -1,13 +1,10 @@
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
-
-from loraplex.worker.model.sentence_pooling import SentencePooling, SentencePoolingError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe", "gemma2", "gemma3_text",
                          "gemma3", "phi3", "deepseek_v3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
@@ -323,8 +320,6 @@ class ModelConfig:
     attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
     gemma4: Gemma4Layers | None = None  # Gemma 4's per-layer shapes, KV sharing and per-layer inputs
     encoder: EncoderConfig | None = None  # a bidirectional encoder (BERT); None: a decoder
-    # a sentence-transformers checkpoint's pooling of hidden states into one vector (its modules.json); None: none
-    sentence_pooling: SentencePooling | None = None
 
     @property
     def is_bidirectional(self) -> bool:
@@ -389,12 +384,7 @@ class ModelConfig:
         if not os.path.isfile(path):
             raise ModelConfigError(f"no config.json in model directory {model_dir!r}")
         with open(path) as f:
-            config = cls.from_dict(merge_overrides(json.load(f), overrides or {}))
-        try:
-            pooling = SentencePooling.from_dir(model_dir)
-        except (SentencePoolingError, OSError, ValueError) as e:
-            raise ModelConfigError(f"{model_dir}: {e}") from e
-        return dataclasses.replace(config, sentence_pooling=pooling) if pooling is not None else config
+            return cls.from_dict(merge_overrides(json.load(f), overrides or {}))
 
     @classmethod
     def from_dict(cls, hf: dict[str, Any]) -> ModelConfig:

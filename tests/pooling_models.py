@@ -1,0 +1,108 @@
+"""Tiny pooling checkpoints and their references (no tests here): a sentence-transformers embedder (Qwen3, last
+token, normalised), a Qwen3 reranker scored by its yes/no logits, a `Qwen3ForSequenceClassification`; adapters with
+the score head as a full module; and sentence-transformers / HF (+ PEFT) outputs to compare with."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.builders import build_lora_adapter, build_tiny_model
+
+LABELS = ["negative", "neutral", "positive"]
+# classifier_from_token of the reranker: both are one token of the test tokenizer
+RERANKER_TOKENS = ["no", "yes"]
+RERANKER_OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": RERANKER_TOKENS}
+
+
+def build_st_embedder(out_dir: Path, *, seed: int = 0) -> None:
+    """A sentence-transformers directory: a tiny Qwen3 decoder (bare names), last-token pooling, Normalize."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    causal = out_dir.parent / f"{out_dir.name}-causal"
+    build_tiny_model(causal, arch="qwen3", seed=seed)
+    # Plain texts, not chat messages (sentence-transformers renders a chat template where the tokenizer has one), and
+    # a pad token for its batches.
+    config_path = causal / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config.pop("chat_template", None)
+    tokenizer_config["pad_token"] = tokenizer_config.get("eos_token", "<|endoftext|>")
+    config_path.write_text(json.dumps(tokenizer_config))
+    (causal / "chat_template.jinja").unlink(missing_ok=True)
+    transformer = Transformer(str(causal))
+    pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode="lasttoken")
+    SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu").save(str(out_dir))
+    shutil.rmtree(causal)
+
+
+def build_classifier(out_dir: Path, *, seed: int = 0) -> None:
+    """A tiny Qwen3ForSequenceClassification with len(LABELS) labels and a random score head."""
+    from transformers import AutoModelForSequenceClassification
+
+    build_tiny_model(out_dir, arch="qwen3", seed=seed)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        out_dir, num_labels=len(LABELS), id2label=dict(enumerate(LABELS)), label2id={n: i for i, n in enumerate(LABELS)}
+    )
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=generator) * 0.5)
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def build_reranker(out_dir: Path, *, seed: int = 0) -> None:
+    """A tiny Qwen3 causal LM served as a reranker from its "yes"/"no" logits (RERANKER_OVERRIDES)."""
+    build_tiny_model(out_dir, arch="qwen3", seed=seed)
+
+
+def build_score_adapter(base_dir: Path, out_dir: Path, *, seed: int) -> None:
+    """A LoRA adapter on every linear of the classifier, with its own score head (modules_to_save=["score"])."""
+    build_lora_adapter(base_dir, out_dir, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                       seed=seed)  # fmt: skip
+    config = json.loads((out_dir / "adapter_config.json").read_text())
+    config.update(modules_to_save=["score"], task_type="SEQ_CLS")
+    (out_dir / "adapter_config.json").write_text(json.dumps(config))
+    tensors = load_file(out_dir / "adapter_model.safetensors")
+    base = load_file(base_dir / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed + 100)
+    score = base["score.weight"]
+    tensors["base_model.model.score.weight"] = score + torch.randn(score.shape, generator=generator) * 0.5
+    save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+def st_embeddings(model_dir: Path, texts: list[str]) -> torch.Tensor:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(model_dir), device="cpu")
+    return torch.as_tensor(model.encode(texts, convert_to_numpy=True, batch_size=1))
+
+
+@torch.no_grad()
+def hf_classify_logits(model_dir: Path, prompts: list[list[int]], adapter_dir: Path | None = None) -> torch.Tensor:
+    """(prompts, labels): HF's (+ PEFT's) sequence-classification logits, one prompt at a time (last token)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    return torch.cat([model(input_ids=torch.tensor([p])).logits for p in prompts]).float()
+
+
+@torch.no_grad()
+def hf_yes_no_scores(model_dir: Path, prompts: list[list[int]], yes_id: int, no_id: int,
+                     adapter_dir: Path | None = None) -> torch.Tensor:
+    """(prompts,): Qwen3-Reranker's score, p(yes) of a softmax over the yes and no logits at the last position."""
+    from tests.reference import hf_model
+
+    model = hf_model(str(model_dir), str(adapter_dir) if adapter_dir else None)
+    scores = []
+    for prompt in prompts:
+        last = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+        scores.append(torch.softmax(last[[no_id, yes_id]], dim=-1)[1])
+    return torch.stack(scores)
