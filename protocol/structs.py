@@ -205,6 +205,9 @@ class TokenizedGenerateReq(Struct, frozen=True):
     # The pooling runner's request (protocol/pooling.py): prefill only, nothing sampled; it ends after its prompt's
     # last pass with the pooled output in its one TokenDelta (`pooled`).
     pooling: bool = False
+    # An encoder's (BERT) segment of each prompt token, as its tokenizer gives them for a pair (0: the first text,
+    # 1: the second); []: all 0
+    token_type_ids: list[int] = []
 
 
 class AbortReq(Struct, frozen=True):

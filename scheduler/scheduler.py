@@ -193,6 +193,8 @@ class Scheduler:
             return f"request id {req.rid!r} is already in progress"
         if req.lora_id is not None and not self.adapters.is_loaded(req.lora_id):
             return f"adapter {req.lora_id} not loaded"
+        if req.token_type_ids and (len(req.token_type_ids) != len(req.input_ids) or not req.pooling):
+            return f"{len(req.token_type_ids)} token types for {len(req.input_ids)} prompt tokens (a pooling request's)"
         # The frontend refuses these at the edge; checked again so that no sender can make the scheduler fail.
         return request_fit_error(len(req.input_ids), req.sampling.max_new_tokens, self.context_length,
                                  self.max_total_tokens)
@@ -468,6 +470,8 @@ class Scheduler:
             state_slot=req.state_slot,
             restore_snapshot=restore_snapshot,
             snapshot_saves=saves,
+            # a pooling request on an encoder runs its prompt whole (pools_whole_prompt): these are all its types
+            token_type_ids=req.token_type_ids[req.num_scheduled_tokens : req.num_scheduled_tokens + len(input_ids)],
         )
 
     def process_result(self, result: BatchResult) -> list[TokenDelta]:
