@@ -19,10 +19,10 @@ from typing import Any
 import msgspec
 from loraplex.protocol.config import ConfigError, ServerConfig
 
-# sentence-transformers' Pooling config keys -> our pooling type, in the order it checks them
-_ST_POOLING_MODES = (("pooling_mode_cls_token", "cls"), ("pooling_mode_lasttoken", "last"),
+# sentence-transformers' Pooling config: `pooling_mode` (its version 5 on) -> our pooling type; before, flags
+_ST_POOLING_MODE = {"cls": "cls", "lasttoken": "last", "mean": "mean"}
+_ST_POOLING_FLAGS = (("pooling_mode_cls_token", "cls"), ("pooling_mode_lasttoken", "last"),
                      ("pooling_mode_mean_tokens", "mean"))  # fmt: skip
-_ST6_POOLING_MODES = {"cls": "cls", "lasttoken": "last", "mean": "mean"}
 # Encoder families pool their first token where the checkpoint names no pooling (a BERT classifier's [CLS] head);
 # decoders their last, the only one that has read the whole text.
 FIRST_TOKEN_MODEL_TYPES = {"bert", "modernbert", "roberta", "xlm-roberta"}
@@ -78,6 +78,16 @@ def _st_pooling(model_dir: str) -> dict[str, Any] | None:
     return {"pooling": config, "normalize": normalize}
 
 
+def _st_pooling_type(config: dict[str, Any], default: str) -> str:
+    mode = config.get("pooling_mode")
+    if isinstance(mode, str):
+        if mode not in _ST_POOLING_MODE:
+            raise ConfigError(f"sentence-transformers pooling_mode {mode!r} is not served (served: "
+                              f"{', '.join(_ST_POOLING_MODE)})")  # fmt: skip
+        return _ST_POOLING_MODE[mode]
+    return next((ours for key, ours in _ST_POOLING_FLAGS if config.get(key)), default)
+
+
 def _token_ids(model_dir: str, tokens: list[Any]) -> list[int]:
     """classifier_from_token entries as ids: ints as they are, strings looked up in tokenizer.json's vocabulary."""
     if all(isinstance(t, int) for t in tokens):
@@ -130,9 +140,7 @@ def resolve_pooling(config: ServerConfig, model_dir: str) -> PoolingSpec | None:
     default_type = "cls" if text_type in FIRST_TOKEN_MODEL_TYPES else "last"
     pooling_type, normalize = default_type, True
     if st is not None:
-        pooling_type = next((ours for key, ours in _ST_POOLING_MODES if st["pooling"].get(key)), default_type)
-        # sentence-transformers 6 names one `pooling_mode` in place of the flags
-        pooling_type = _ST6_POOLING_MODES.get(st["pooling"].get("pooling_mode"), pooling_type)
+        pooling_type = _st_pooling_type(st["pooling"], default_type)
         normalize = st["normalize"]
     whole = text_type in BIDIRECTIONAL_MODEL_TYPES or pooling_type != "last"
     if task == "embed":

@@ -5,13 +5,12 @@ the score head as a full module; and sentence-transformers / HF (+ PEFT) outputs
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.builders import build_lora_adapter, build_tiny_model
+from tests.builders import add_tokenizer_words, build_lora_adapter, build_tiny_model
 
 LABELS = ["negative", "neutral", "positive"]
 # classifier_from_token of the reranker: both are one token of the test tokenizer
@@ -19,8 +18,9 @@ RERANKER_TOKENS = ["no", "yes"]
 RERANKER_OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": RERANKER_TOKENS}
 
 
-def build_st_embedder(out_dir: Path, *, seed: int = 0) -> None:
-    """A sentence-transformers directory: a tiny Qwen3 decoder (bare names), last-token pooling, Normalize."""
+def build_st_embedder(out_dir: Path, *, seed: int = 0) -> Path:
+    """A sentence-transformers directory: a tiny Qwen3 decoder (bare names), last-token pooling, Normalize. Returns
+    the causal-LM checkpoint it was made from (beside it): adapters are built on it, and PEFT runs it."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
@@ -37,7 +37,7 @@ def build_st_embedder(out_dir: Path, *, seed: int = 0) -> None:
     transformer = Transformer(str(causal))
     pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode="lasttoken")
     SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu").save(str(out_dir))
-    shutil.rmtree(causal)
+    return causal
 
 
 def build_classifier(out_dir: Path, *, seed: int = 0) -> None:
@@ -55,8 +55,19 @@ def build_classifier(out_dir: Path, *, seed: int = 0) -> None:
 
 
 def build_reranker(out_dir: Path, *, seed: int = 0) -> None:
-    """A tiny Qwen3 causal LM served as a reranker from its "yes"/"no" logits (RERANKER_OVERRIDES)."""
+    """A tiny Qwen3 causal LM served as a reranker from its "yes"/"no" logits (RERANKER_OVERRIDES): the two words are
+    added to the tokenizer, with random rows of their own."""
+    from transformers import AutoModelForCausalLM
+
     build_tiny_model(out_dir, arch="qwen3", seed=seed)
+    tokenizer = add_tokenizer_words(out_dir, RERANKER_TOKENS)
+    model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    generator = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for weight in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+            weight[-len(RERANKER_TOKENS):] = torch.randn(len(RERANKER_TOKENS), weight.shape[1], generator=generator)
+    model.save_pretrained(out_dir, safe_serialization=True)
 
 
 def build_score_adapter(base_dir: Path, out_dir: Path, *, seed: int) -> None:
@@ -72,6 +83,17 @@ def build_score_adapter(base_dir: Path, out_dir: Path, *, seed: int) -> None:
     score = base["score.weight"]
     tensors["base_model.model.score.weight"] = score + torch.randn(score.shape, generator=generator) * 0.5
     save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+@torch.no_grad()
+def peft_last_token_embeddings(causal_dir: Path, prompts: list[list[int]], adapter_dir: Path) -> torch.Tensor:
+    """(prompts, hidden): the decoder's final (normed) state at the last token under the adapter, normalised."""
+    from tests.reference import hf_model
+
+    model = hf_model(str(causal_dir), str(adapter_dir))
+    decoder = model.get_base_model().model  # PEFT's LoRA layers sit in it
+    rows = [decoder(input_ids=torch.tensor([p])).last_hidden_state[0, -1] for p in prompts]
+    return torch.nn.functional.normalize(torch.stack(rows).float(), dim=-1)
 
 
 def st_embeddings(model_dir: Path, texts: list[str]) -> torch.Tensor:

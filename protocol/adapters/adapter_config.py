@@ -129,11 +129,13 @@ def parse_adapter_config(raw: Any) -> AdapterConfig:
     )
 
 
-COPYABLE_MODULES = ("embed_tokens", "lm_head")
+# "score": a pooling model's classification head (worker/pooling.py), served by the pooling runner only
+COPYABLE_MODULES = ("embed_tokens", "lm_head", "score")
 
 
 def _parse_modules_to_save(modules: Any) -> tuple[str, ...]:
-    """Only full copies of the embedding and the LM head are served; any other module (a score head) is refused."""
+    """Only full copies of the embedding, the LM head and a classifier's score head are served; any other module is
+    refused."""
     if not modules:
         return ()
     if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):

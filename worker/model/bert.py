@@ -146,6 +146,7 @@ class BertScoreHead(nn.Module):
         self.pooler = nn.Module()
         self.pooler.dense = ReplicatedLinear(hidden_size, hidden_size, bias=True)
         self.classifier = ReplicatedLinear(hidden_size, num_labels, bias=True)
+        self.out_features = num_labels
 
     @property
     def weight(self) -> torch.Tensor:  # what the pooling runner reads the head's dtype from
