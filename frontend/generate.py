@@ -191,11 +191,13 @@ class GenerateService:
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
                      stops: list[str], lora_names: list[str | LoRAMixBody | None], rids: list[str | None],
                      output: OutputOptions = OutputOptions(), *, priority: int = 0,
-                     lora_scales: list[float | None] | None = None, pooling: bool = False) -> list[RequestState]:
+                     lora_scales: list[float | None] | None = None, pooling: bool = False,
+                     token_type_ids: list[list[int]] | None = None) -> list[RequestState]:
         """Submit every prompt (with its own sampling when given a list), or none if one is refused: every item is
         checked and holds its adapter before the first is sent. lora_names: each item's adapter, or a mix of
         adapters (a lora_mix object); lora_scales: each item's adapter strength. pooling: prefill-only requests of
-        the pooling runner (frontend/pooling.py), whose states end with their pooled output."""
+        the pooling runner (frontend/pooling.py), whose states end with their pooled output; token_type_ids: each
+        item's tokens' segments (an encoder's pairs), None: none."""
         self.check_up()
         runtime = self.runtime
         self._check_runner(pooling)
@@ -218,10 +220,11 @@ class GenerateService:
             state.key_id = key_id
             self.requests.add(state)
         try:
-            for state, scale in zip(states, scales, strict=True):
+            types = token_type_ids or [[]] * len(states)
+            for state, scale, item_types in zip(states, scales, types, strict=True):
                 await runtime.replicas.send(state.dp_rank, TokenizedGenerateReq(
                     rid=state.rid, input_ids=state.prompt_ids, sampling=state.sampling, lora_id=state.lora_id,
-                    lora_scale=scale, priority=priority, key_id=key_id, pooling=pooling))
+                    lora_scale=scale, priority=priority, key_id=key_id, pooling=pooling, token_type_ids=item_types))
         except BaseException:
             await self.finish(states)
             raise

@@ -78,17 +78,22 @@ class PoolingService:
             prompts.append(self.truncate(ids, truncate))
         return prompts
 
-    def pair_prompts(self, firsts: list[str], seconds: list[str], truncate: int | None) -> list[list[int]]:
-        """Each (first, second) pair as one prompt of a classifier."""
+    def pair_prompts(self, firsts: list[str], seconds: list[str], truncate: int | None
+                     ) -> tuple[list[list[int]], list[list[int]]]:  # fmt: skip
+        """Each (first, second) pair as one prompt of a classifier, and its tokens' types where the tokenizer gives
+        them (an encoder's segments: 0 the first text, 1 the second; [] for a decoder's prompt)."""
         spec, tokenizer = self.spec, self.generate.tokenizer()
-        prompts = []
+        prompts, token_types = [], []
         for first, second in zip(firsts, seconds, strict=True):
             if spec.pair_format == "qwen3_reranker":
                 ids = tokenizer(qwen3_reranker_prompt(first, second), add_special_tokens=False)["input_ids"]
+                types: list[int] = []
             else:
-                ids = tokenizer(first, second)["input_ids"]
+                encoded = tokenizer(first, second)
+                ids, types = encoded["input_ids"], list(encoded.get("token_type_ids") or [])
             prompts.append(self.truncate(ids, truncate))
-        return prompts
+            token_types.append(types[len(types) - len(prompts[-1]):] if types else [])  # cut as the prompt is
+        return prompts, token_types
 
     def truncate(self, ids: list[int], truncate: int | None) -> list[int]:
         """truncate_prompt_tokens: the last k tokens (vLLM's); -1: the last context-length ones."""
@@ -105,15 +110,17 @@ class PoolingService:
 
     # ---- run ---------------------------------------------------------------------------------------------
 
-    async def run(self, model: str | None, prompts: list[list[int]]) -> PoolingResult:
-        """Every prompt as one prefill-only request on `model` (base or adapter; none: the base): their outputs."""
+    async def run(self, model: str | None, prompts: list[list[int]],
+                  token_types: list[list[int]] | None = None) -> PoolingResult:  # fmt: skip
+        """Every prompt as one prefill-only request on `model` (base or adapter; none: the base): their outputs.
+        `token_types`: each prompt's tokens' segments (an encoder's pairs; [] or None: all 0)."""
         self.spec  # noqa: B018 - the runner's 400 before anything else
         service = self.generate
         name, served = await service.resolve_model(model or service.runtime.config.model_name)
         refund = service.take_rate(prompts)
         try:
             states = await service.submit(prompts, _PREFILL_ONLY, [], [name] * len(prompts), [None] * len(prompts),
-                                          pooling=True)  # fmt: skip
+                                          pooling=True, token_type_ids=token_types)  # fmt: skip
         except BaseException:
             refund()
             raise
@@ -144,10 +151,11 @@ class PoolingService:
         result.rows = rows
         return result
 
-    async def classify(self, model: str | None, prompts: list[list[int]]) -> PoolingResult:
+    async def classify(self, model: str | None, prompts: list[list[int]],
+                       token_types: list[list[int]] | None = None) -> PoolingResult:  # fmt: skip
         """Each prompt's class probabilities (sigmoid of one label, softmax of several)."""
         spec = self.need_task("classify", "/classify")
-        result = await self.run(model, prompts)
+        result = await self.run(model, prompts, token_types)
         result.rows = [_activate(row, spec.activation) for row in result.rows]
         return result
 
@@ -166,7 +174,7 @@ class PoolingService:
         if spec.num_labels != 1:
             raise InputError(f"scoring pairs needs a classifier with one label; this one has {spec.num_labels} "
                              f"({', '.join(spec.labels)}): use /classify")  # fmt: skip
-        return await self.classify(model, self.pair_prompts(firsts, seconds, truncate))
+        return await self.classify(model, *self.pair_prompts(firsts, seconds, truncate))
 
 
 def _activate(logits: np.ndarray, activation: str) -> np.ndarray:
