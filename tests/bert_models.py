@@ -86,6 +86,17 @@ def build_bert_adapter(base_dir: Path, out_dir: Path, *, r: int, lora_alpha: flo
     peft_model.save_pretrained(out_dir)
 
 
+# the adapters the tests share: every linear at rank 8; query and value only at rank 4
+BERT_ADAPTERS = {"a8": (8, 16, BERT_TARGETS), "a4": (4, 16, ("query", "value"))}
+
+
+def build_bert_adapters(base_dir: Path, root: Path) -> dict[str, Path]:
+    """BERT_ADAPTERS on the checkpoint at base_dir, under root/<name>."""
+    for seed, (name, (r, alpha, targets)) in enumerate(BERT_ADAPTERS.items(), start=3):
+        build_bert_adapter(base_dir, root / name, r=r, lora_alpha=alpha, target_modules=targets, seed=seed)
+    return {name: root / name for name in BERT_ADAPTERS}
+
+
 def st_embeddings(st_dir: Path, texts: list[str], adapter_dir: Path | None = None) -> torch.Tensor:
     """sentence-transformers' embeddings of `texts` (the adapter through peft on its transformer)."""
     from sentence_transformers import SentenceTransformer

@@ -16,44 +16,14 @@ from loraplex.worker.lora.layers import LoRALinear
 from loraplex.worker.model.config import ModelConfigError
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.bert_models import (
-    BERT_TARGETS,
-    build_bert_adapter,
-    build_bert_cross_encoder,
-    build_bert_embedder,
-    cross_encoder_scores,
-    st_embeddings,
-    words,
-)
+from tests.bert_models import cross_encoder_scores, st_embeddings, words
 from tests.lora_helpers import load_all, slot_loads, slot_of
 from tests.worker_helpers import GREEDY, consecutive_pages, make_runner
 
 FP32_TOL = 1e-4
 MIN_ADAPTER_EFFECT = 1e-2
-# every linear at rank 8; query and value only at rank 4
-ADAPTERS = {"a8": (8, 16, BERT_TARGETS), "a4": (4, 16, ("query", "value"))}
-MIXED = [None, "a8", "a8", "a4", None, "a4"]
+MIXED = [None, "a8", "a8", "a4", None, "a4"]  # tests/bert_models.py's BERT_ADAPTERS
 LENGTHS = [5, 9, 3, 12, 1, 7]
-
-
-def _build_adapters(base: Path, root: Path) -> dict[str, Path]:
-    for seed, (name, (r, alpha, targets)) in enumerate(ADAPTERS.items(), start=3):
-        build_bert_adapter(base, root / name, r=r, lora_alpha=alpha, target_modules=targets, seed=seed)
-    return {name: root / name for name in ADAPTERS}
-
-
-@pytest.fixture(scope="module")
-def embedder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
-    root = tmp_path_factory.mktemp("bert_embedder")
-    build_bert_embedder(root)
-    return root / "st", _build_adapters(root / "st", root)
-
-
-@pytest.fixture(scope="module")
-def cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
-    root = tmp_path_factory.mktemp("bert_cross_encoder")
-    build_bert_cross_encoder(root / "model")
-    return root / "model", _build_adapters(root / "model", root)
 
 
 def _runner(model_dir: Path, adapter_dirs: dict[str, Path]) -> ModelRunner:
@@ -64,8 +34,8 @@ def _runner(model_dir: Path, adapter_dirs: dict[str, Path]) -> ModelRunner:
 
 
 @pytest.fixture(scope="module")
-def embedder_runner(embedder: tuple[Path, dict[str, Path]]) -> ModelRunner:
-    return _runner(*embedder)
+def embedder_runner(bert_embedder: tuple[Path, dict[str, Path]]) -> ModelRunner:
+    return _runner(*bert_embedder)
 
 
 def _pooled(runner: ModelRunner, encodings: list[dict[str, list[int]]], names: list[str | None]) -> torch.Tensor:
@@ -97,11 +67,11 @@ def test_encoder_layers_carry_lora(embedder_runner: ModelRunner) -> None:
     assert runner.attention.name == "torch"  # non-causal attention: the SDPA backends
 
 
-def test_embeddings_match_sentence_transformers(embedder: tuple[Path, dict[str, Path]],
+def test_embeddings_match_sentence_transformers(bert_embedder: tuple[Path, dict[str, Path]],
                                                 embedder_runner: ModelRunner) -> None:  # fmt: skip
     from transformers import AutoTokenizer
 
-    model_dir, adapter_dirs = embedder
+    model_dir, adapter_dirs = bert_embedder
     runner = embedder_runner
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = [words(n, seed) for seed, n in enumerate(LENGTHS)]
@@ -120,10 +90,10 @@ def test_embeddings_match_sentence_transformers(embedder: tuple[Path, dict[str, 
     assert all(effect[i] > MIN_ADAPTER_EFFECT for i, n in enumerate(MIXED) if n is not None)
 
 
-def test_cross_encoder_scores_match_sentence_transformers(cross_encoder: tuple[Path, dict[str, Path]]) -> None:
+def test_cross_encoder_scores_match_sentence_transformers(bert_cross_encoder: tuple[Path, dict[str, Path]]) -> None:
     from transformers import AutoTokenizer
 
-    model_dir, adapter_dirs = cross_encoder
+    model_dir, adapter_dirs = bert_cross_encoder
     runner = _runner(model_dir, adapter_dirs)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pairs = [(words(3, seed), words(n, seed + 50)) for seed, n in enumerate(LENGTHS)]
@@ -152,10 +122,10 @@ def test_encoder_refuses_a_sequence_in_parts(embedder_runner: ModelRunner) -> No
         runner.step(ForwardBatch(batch_id=0, reqs=[bad_types]))
 
 
-def test_encoder_without_pooling_is_refused(embedder: tuple[Path, dict[str, Path]]) -> None:
+def test_encoder_without_pooling_is_refused(bert_embedder: tuple[Path, dict[str, Path]]) -> None:
     # the BertModel checkpoint without sentence-transformers' modules: nothing says it pools, so generate is refused
     with pytest.raises(ModelConfigError, match="bidirectional encoder.*--runner pooling"):
-        make_runner(embedder[0].parent / "hf")
+        make_runner(bert_embedder[0].parent / "hf")
 
 
 def test_adapter_config_reads_bert_module_names() -> None:

@@ -13,7 +13,6 @@ import torch
 from loraplex.protocol.structs import ForwardBatch, ForwardReq
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.bert_models import BERT_TARGETS, build_bert_adapter, build_bert_cross_encoder
 from tests.lora_helpers import load_all, slot_loads, slot_of
 from tests.process.test_moe_tp import CHILD_TIMEOUT_S, tp_config
 from tests.worker_helpers import GREEDY, consecutive_pages, random_prompts, run_two_ranks, tp_group
@@ -46,12 +45,9 @@ def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str],
         results.put((rank, run_bert(ModelRunner(config, model_dir, rank, 2, "cpu"), adapter_dirs)))
 
 
-def test_bert_tp2_matches_tp1(tmp_path: Path) -> None:
-    model_dir = tmp_path / "model"
-    build_bert_cross_encoder(model_dir)
-    build_bert_adapter(model_dir, tmp_path / "a8", r=8, lora_alpha=16, target_modules=BERT_TARGETS, seed=3)
-    build_bert_adapter(model_dir, tmp_path / "a4", r=4, lora_alpha=8, target_modules=("query", "value"), seed=4)
-    dirs = {name: str(tmp_path / name) for name in ("a8", "a4")}
+def test_bert_tp2_matches_tp1(bert_cross_encoder: tuple[Path, dict[str, Path]]) -> None:
+    model_dir, adapters = bert_cross_encoder
+    dirs = {name: str(path) for name, path in adapters.items()}
     by_rank = run_two_ranks(tp_child, str(model_dir), dirs, timeout_s=CHILD_TIMEOUT_S)
     tp1 = run_bert(ModelRunner(tp_config(tp=1), str(model_dir), 0, 1, "cpu"), dirs)
     assert tp1["qkv_shape"] == (3 * 64, 64)

@@ -5,20 +5,13 @@ a text over the context is a 400."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import openai
 import pytest
 import torch
 
-from tests.bert_models import (
-    BERT_TARGETS,
-    TINY_BERT,
-    build_bert_adapter,
-    build_bert_cross_encoder,
-    build_bert_embedder,
-    cross_encoder_scores,
-    st_embeddings,
-    words,
-)
+from tests.bert_models import TINY_BERT, cross_encoder_scores, st_embeddings, words
 from tests.server_utils import ServerProcess
 
 TOL = 1e-4
@@ -26,22 +19,19 @@ SERVER_ARGS = ("--page-size", "4", "--max-total-tokens", "1024")
 
 
 @pytest.fixture(scope="module")
-def embedder(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("bert_server_embedder")
-    build_bert_embedder(root)
-    build_bert_adapter(root / "st", root / "a8", r=8, lora_alpha=16, target_modules=BERT_TARGETS, seed=3)
-    with ServerProcess("--model-path", str(root / "st"), "--lora-paths", f"a8={root / 'a8'}", *SERVER_ARGS) as server:
-        yield server, root / "st", root / "a8"
+def embedder(bert_embedder: tuple[Path, dict[str, Path]]):
+    model_dir, adapters = bert_embedder
+    with ServerProcess("--model-path", str(model_dir), "--lora-paths", f"a8={adapters['a8']}",
+                       *SERVER_ARGS) as server:  # fmt: skip
+        yield server, model_dir, adapters["a8"]
 
 
 @pytest.fixture(scope="module")
-def reranker(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("bert_server_reranker")
-    build_bert_cross_encoder(root / "model")
-    build_bert_adapter(root / "model", root / "r4", r=4, lora_alpha=8, target_modules=("query", "value"), seed=4)
-    with ServerProcess("--model-path", str(root / "model"), "--lora-paths", f"r4={root / 'r4'}",
+def reranker(bert_cross_encoder: tuple[Path, dict[str, Path]]):
+    model_dir, adapters = bert_cross_encoder
+    with ServerProcess("--model-path", str(model_dir), "--lora-paths", f"a4={adapters['a4']}",
                        *SERVER_ARGS) as server:  # fmt: skip
-        yield server, root / "model", root / "r4"
+        yield server, model_dir, adapters["a4"]
 
 
 def test_openai_embeddings_on_an_adapter_equal_sentence_transformers(embedder) -> None:
@@ -63,7 +53,7 @@ def test_rerank_on_an_adapter_equals_cross_encoder(reranker) -> None:
     server, model_dir, adapter_dir = reranker
     query = words(3, 20)
     documents = [words(n, 30 + n) for n in (6, 2, 9, 4)]
-    response = server.post("/v1/rerank", json={"model": "r4", "query": query, "documents": documents, "top_n": 3,
+    response = server.post("/v1/rerank", json={"model": "a4", "query": query, "documents": documents, "top_n": 3,
                                                "return_documents": True})  # fmt: skip
     assert response.status_code == 200, response.text
     results = response.json()["results"]
