@@ -12,6 +12,7 @@ import torch
 from loraplex.protocol.adapters.adapter_config import parse_adapter_config
 from loraplex.protocol.structs import ForwardBatch, ForwardReq
 from loraplex.worker.batch_inputs import BatchError
+from loraplex.worker.layers.attention import AttentionBackendError, select_attention_backend
 from loraplex.worker.lora.layers import LoRALinear
 from loraplex.worker.model.config import ModelConfigError
 from loraplex.worker.model_runner import ModelRunner
@@ -133,3 +134,10 @@ def test_adapter_config_reads_bert_module_names() -> None:
     assert config.target_modules == ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")
     config = parse_adapter_config({"r": 4, "lora_alpha": 8, "target_modules": ["key", "output.dense"]})
     assert config.target_modules == ("k_proj", "o_proj", "down_proj")
+
+
+def test_attention_backends_of_an_encoder() -> None:
+    # the Triton kernels are causal: refused at start for an encoder, which auto runs on SDPA (CUDA included)
+    with pytest.raises(AttentionBackendError, match="causal"):
+        select_attention_backend("triton", "cpu", 4, 4, 16, bidirectional=True)
+    assert select_attention_backend("auto", "cpu", 4, 4, 16, bidirectional=True).name == "torch"
