@@ -18,14 +18,15 @@ RERANKER_TOKENS = ["no", "yes"]
 RERANKER_OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": RERANKER_TOKENS}
 
 
-def build_st_embedder(out_dir: Path, *, seed: int = 0) -> Path:
+def build_st_embedder(out_dir: Path, *, seed: int = 0, **shape) -> Path:
     """A sentence-transformers directory: a tiny Qwen3 decoder (bare names), last-token pooling, Normalize. Returns
-    the causal-LM checkpoint it was made from (beside it): adapters are built on it, and PEFT runs it."""
+    the causal-LM checkpoint it was made from (beside it): adapters are built on it, and PEFT runs it. `shape`:
+    build_tiny_model's sizes (default: the tiny ones)."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
     causal = out_dir.parent / f"{out_dir.name}-causal"
-    build_tiny_model(causal, arch="qwen3", seed=seed)
+    build_tiny_model(causal, arch="qwen3", seed=seed, **shape)
     # Plain texts, not chat messages (sentence-transformers renders a chat template where the tokenizer has one), and
     # a pad token for its batches.
     config_path = causal / "tokenizer_config.json"
