@@ -5,6 +5,7 @@ the score head as a full module; and sentence-transformers / HF (+ PEFT) outputs
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -18,25 +19,39 @@ RERANKER_TOKENS = ["no", "yes"]
 RERANKER_OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": RERANKER_TOKENS}
 
 
-def build_st_embedder(out_dir: Path, *, seed: int = 0) -> Path:
-    """A sentence-transformers directory: a tiny Qwen3 decoder (bare names), last-token pooling, Normalize. Returns
-    the causal-LM checkpoint it was made from (beside it): adapters are built on it, and PEFT runs it."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
-
+def build_st_embedder(out_dir: Path, *, seed: int = 0, **shape) -> Path:
+    """A sentence-transformers directory as Qwen3-Embedding ships one: the bare decoder (`Qwen3Model`, no `model.`
+    prefix, no LM head), `modules.json`, `1_Pooling/config.json` (last token, the flags format) and Normalize; written
+    here, so building it imports no sentence-transformers. Returns the causal-LM checkpoint it was made from (beside
+    it): adapters are built on it, and PEFT runs it. `shape`: build_tiny_model's sizes (default: the tiny ones)."""
     causal = out_dir.parent / f"{out_dir.name}-causal"
-    build_tiny_model(causal, arch="qwen3", seed=seed)
+    build_tiny_model(causal, arch="qwen3", seed=seed, **shape)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = json.loads((causal / "config.json").read_text())
+    config["architectures"] = ["Qwen3Model"]
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    weights = load_file(causal / "model.safetensors")
+    bare = {name.removeprefix("model."): t for name, t in weights.items() if not name.startswith("lm_head.")}
+    save_file(bare, out_dir / "model.safetensors", metadata={"format": "pt"})
+    for name in ("tokenizer.json", "special_tokens_map.json"):
+        shutil.copy(causal / name, out_dir / name)
     # Plain texts, not chat messages (sentence-transformers renders a chat template where the tokenizer has one), and
     # a pad token for its batches.
-    config_path = causal / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config = json.loads((causal / "tokenizer_config.json").read_text())
     tokenizer_config.pop("chat_template", None)
     tokenizer_config["pad_token"] = tokenizer_config.get("eos_token", "<|endoftext|>")
-    config_path.write_text(json.dumps(tokenizer_config))
-    (causal / "chat_template.jinja").unlink(missing_ok=True)
-    transformer = Transformer(str(causal))
-    pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode="lasttoken")
-    SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu").save(str(out_dir))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (out_dir / "modules.json").write_text(json.dumps(modules, indent=2))
+    (out_dir / "1_Pooling").mkdir(exist_ok=True)
+    flags = {f"pooling_mode_{mode}": mode == "lasttoken" for mode in
+             ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")}
+    pooling = {"word_embedding_dimension": config["hidden_size"], **flags, "include_prompt": True}
+    (out_dir / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
+    (out_dir / "2_Normalize").mkdir(exist_ok=True)
+    (out_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))
     return causal
 
 
@@ -86,13 +101,18 @@ def build_score_adapter(base_dir: Path, out_dir: Path, *, seed: int) -> None:
 
 
 @torch.no_grad()
-def peft_last_token_embeddings(causal_dir: Path, prompts: list[list[int]], adapter_dir: Path) -> torch.Tensor:
-    """(prompts, hidden): the decoder's final (normed) state at the last token under the adapter, normalised."""
+def peft_embeddings(causal_dir: Path, prompts: list[list[int]], adapter_dir: Path | None = None,
+                    pooling_type: str = "last") -> torch.Tensor:
+    """(prompts, hidden): HF's (+ PEFT's) decoder final (normed) states pooled as sentence-transformers pools them
+    (the last token, the mean of all, the first), normalised."""
     from tests.reference import hf_model
 
-    model = hf_model(str(causal_dir), str(adapter_dir))
-    decoder = model.get_base_model().model  # PEFT's LoRA layers sit in it
-    rows = [decoder(input_ids=torch.tensor([p])).last_hidden_state[0, -1] for p in prompts]
+    model = hf_model(str(causal_dir), str(adapter_dir) if adapter_dir else None)
+    decoder = model.get_base_model().model if adapter_dir else model.model  # PEFT's LoRA layers sit in it
+    rows = []
+    for prompt in prompts:
+        states = decoder(input_ids=torch.tensor([prompt])).last_hidden_state[0]  # (len, hidden)
+        rows.append({"last": states[-1], "cls": states[0], "mean": states.mean(dim=0)}[pooling_type])
     return torch.nn.functional.normalize(torch.stack(rows).float(), dim=-1)
 
 

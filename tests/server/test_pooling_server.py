@@ -21,7 +21,7 @@ from tests.pooling_models import (
     build_reranker,
     build_st_embedder,
     hf_yes_no_scores,
-    peft_last_token_embeddings,
+    peft_embeddings,
     st_embeddings,
 )
 from tests.server_utils import CHUNKED_ARGS, ServerProcess
@@ -69,7 +69,7 @@ def test_embeddings_at_tp2_equal_sentence_transformers_and_peft(embedder) -> Non
     assert (cosines([d["embedding"] for d in base["data"]], st_embeddings(model_dir, TEXTS)) > 1 - 1e-4).all()
     for name in ("a", "b"):
         ours = [d["embedding"] for d in answers[name]["data"]]
-        assert (cosines(ours, peft_last_token_embeddings(causal, prompts, adapters[name])) > 1 - 1e-4).all()
+        assert (cosines(ours, peft_embeddings(causal, prompts, adapters[name])) > 1 - 1e-4).all()
     # token ids, base64, Matryoshka dimensions, truncation
     by_ids = embed(server, model="a", input=prompts[:2], encoding_format="base64")
     decoded = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in by_ids["data"]]

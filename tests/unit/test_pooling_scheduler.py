@@ -111,3 +111,14 @@ def test_spec_from_the_checkpoint(tmp_path: Path) -> None:
     reranker = resolve_pooling(ServerConfig(convert="classify", hf_overrides={"classifier_from_token": [5, 9]}), causal)
     assert (reranker.head, reranker.head_token_ids, reranker.num_labels, reranker.activation) == (
         "tokens", [5, 9], 1, "sigmoid")
+
+
+def test_a_pooling_request_on_a_generate_server_is_a_400_naming_the_runner() -> None:
+    from types import SimpleNamespace
+
+    from loraplex.frontend.errors import InputError
+    from loraplex.frontend.pooling import PoolingService
+
+    generate = SimpleNamespace(check_up=lambda: None, runtime=SimpleNamespace(pooling=None))
+    with pytest.raises(InputError, match="generate runner"):
+        PoolingService(generate).need_task("embed", "/v1/embeddings")
