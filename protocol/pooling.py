@@ -116,7 +116,8 @@ def wants_pooling(config: ServerConfig) -> bool:
 
 def resolve_pooling(config: ServerConfig, model_dir: str) -> PoolingSpec | None:
     """The pooling server's spec, or None for the generate runner; ConfigError names a contradiction."""
-    hf = _read_json(os.path.join(model_dir, "config.json"))
+    config_path = os.path.join(model_dir, "config.json")
+    hf = _read_json(config_path) if os.path.isfile(config_path) else {}  # the workers name a missing one
     hf.update(config.hf_overrides)
     architectures = hf.get("architectures") or []
     is_classifier = any(str(a).endswith("ForSequenceClassification") for a in architectures)

@@ -55,11 +55,12 @@ def build_st_embedder(out_dir: Path, *, seed: int = 0, **shape) -> Path:
     return causal
 
 
-def build_classifier(out_dir: Path, *, seed: int = 0) -> None:
-    """A tiny Qwen3ForSequenceClassification with len(LABELS) labels and a random score head."""
+def build_classifier(out_dir: Path, *, seed: int = 0, arch: str = "qwen3") -> None:
+    """A tiny Qwen3ForSequenceClassification (LlamaForSequenceClassification, ...) with len(LABELS) labels and a
+    random score head."""
     from transformers import AutoModelForSequenceClassification
 
-    build_tiny_model(out_dir, arch="qwen3", seed=seed)
+    build_tiny_model(out_dir, arch=arch, seed=seed)
     model = AutoModelForSequenceClassification.from_pretrained(
         out_dir, num_labels=len(LABELS), id2label=dict(enumerate(LABELS)), label2id={n: i for i, n in enumerate(LABELS)}
     )

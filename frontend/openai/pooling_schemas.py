@@ -54,4 +54,5 @@ class RerankRequest(Strict, kw_only=True):
     return_documents: bool = True
     user: str | None = None
     truncate_prompt_tokens: TruncateTokens | None = None
-    max_tokens_per_doc: TruncateTokens | None = None  # Cohere's: a document's tokens past it are cut
+    # Cohere's; here as truncate_prompt_tokens (when that is not given): each scored prompt keeps its last this many
+    max_tokens_per_doc: TruncateTokens | None = None

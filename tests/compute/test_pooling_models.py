@@ -83,9 +83,10 @@ def test_embedder_equals_peft(tmp_path: Path) -> None:
     assert torch.nn.functional.cosine_similarity(ours[1], ours[0], dim=0) < 0.999
 
 
-def test_classifier_equals_hf_with_a_score_head_adapter(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_classifier_equals_hf_with_a_score_head_adapter(tmp_path: Path, arch: str) -> None:
     model_dir = tmp_path / "classifier"
-    build_classifier(model_dir)
+    build_classifier(model_dir, arch=arch)
     dirs = {"a": tmp_path / "a", "b": tmp_path / "b"}
     build_score_adapter(model_dir, dirs["a"], seed=1)  # LoRA and its own score head
     build_lora_adapter(model_dir, dirs["b"], r=4, lora_alpha=8, target_modules=["o_proj", "up_proj"], seed=2)
