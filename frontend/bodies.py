@@ -192,6 +192,7 @@ class AdapterRow(msgspec.Struct):
 
 class AdapterTable(msgspec.Struct):
     adapters: list[AdapterRow]
+    task: str = "generate"  # what the server's adapters serve: generate, or the pooling runner's embed/rerank/classify
 
 
 class AuditLogResponse(msgspec.Struct):

@@ -219,12 +219,16 @@ class GenerateService:
     async def submit(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
                      stops: list[str], lora_names: list[str | LoRAMixBody | None], rids: list[str | None],
                      output: OutputOptions = OutputOptions(), *, priority: int = 0,
-                     lora_scales: list[float | None] | None = None) -> list[RequestState]:
+                     lora_scales: list[float | None] | None = None, pooling: bool = False,
+                     token_type_ids: list[list[int]] | None = None) -> list[RequestState]:
         """Submit every prompt (with its own sampling when given a list), or none if one is refused: every item is
         checked and holds its adapter before the first is sent. lora_names: each item's adapter, or a mix of
-        adapters (a lora_mix object); lora_scales: each item's adapter strength."""
+        adapters (a lora_mix object); lora_scales: each item's adapter strength. pooling: prefill-only requests of
+        the pooling runner (frontend/pooling.py), whose states end with their pooled output; token_type_ids: each
+        item's tokens' segments (an encoder's pairs), None: none."""
         self.check_up()
         runtime = self.runtime
+        self._check_runner(pooling)
         scales = item_scales(lora_scales or [None] * len(prompts), lora_names)
         lora_names = [await self._mix_name(item) if isinstance(item, LoRAMixBody) else item for item in lora_names]
         self._check_fixed_strength(lora_names, scales)
@@ -245,14 +249,25 @@ class GenerateService:
             state.key_id = key_id
             self.requests.add(state)
         try:
-            for state, scale in zip(states, scales, strict=True):
+            types = token_type_ids or [[]] * len(states)
+            for state, scale, item_types in zip(states, scales, types, strict=True):
                 await runtime.replicas.send(state.dp_rank, TokenizedGenerateReq(
                     rid=state.rid, input_ids=state.prompt_ids, sampling=state.sampling, lora_id=state.lora_id,
-                    lora_scale=scale, priority=priority, key_id=key_id))
+                    lora_scale=scale, priority=priority, key_id=key_id, pooling=pooling, token_type_ids=item_types))
         except BaseException:
             await self.finish(states)
             raise
         return states
+
+    def _check_runner(self, pooling: bool) -> None:
+        """A generation request on a pooling server, or the reverse: 400 naming the runner."""
+        spec = self.runtime.pooling
+        if spec is not None and not pooling:
+            raise InputError(f"this server runs the pooling runner (--runner pooling, task {spec.task}): it does not "
+                             "generate text; use /v1/embeddings, /pooling, /score, /rerank or /classify")
+        if spec is None and pooling:
+            raise InputError("this server runs the generate runner: embeddings, scores and classes need a server "
+                             "started with --runner pooling (or --convert embed|classify, --is-embedding)")
 
     def _check_fixed_strength(self, lora_names: list[str | None], scales: list[float]) -> None:
         """A DoRA adapter's norms were computed at its own scale: lora_scale other than 1 is refused for it."""

@@ -49,6 +49,7 @@ class RequestState:
         self.output_logprobs: list[TokenLogprob] = []  # one per output id when sampling.logprobs >= 0
         # prompt positions max(logprob_start_len, 1) on, as they arrive (position 0 has none)
         self.input_logprobs: list[TokenLogprob] = []
+        self.pooled = b""  # a pooling request's output (float32 bytes), once it finished
         self.return_text_in_logprobs = False  # native: fill the text of each logprob entry
         self.full_text = ""  # everything decoded so far
         self.text = ""  # what may be shown: stop strings cut, a possible stop prefix held back
@@ -74,6 +75,7 @@ class RequestState:
             self.first_token_at = now
         self.token_times.extend([now] * len(delta.token_ids))
         self.output_ids.extend(delta.token_ids)
+        self.pooled = self.pooled or delta.pooled
         self.output_logprobs.extend(delta.logprobs)
         self.input_logprobs.extend(delta.prompt_logprobs)
         old_len = len(self.full_text)

@@ -30,6 +30,7 @@ from loraplex.frontend.model_files import ModelFiles, resolve_model_files
 from loraplex.frontend.rate_limits import KeyRateLimits
 from loraplex.frontend.request_table import RequestTable
 from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.pooling import PoolingSpec, resolve_pooling
 from loraplex.protocol.quantization import read_hf_config, resolve_quantization
 from loraplex.protocol.structs import LoRAAdapterSpec, SchedulerReady, SlotsChanged, TokenDeltas
 
@@ -61,6 +62,7 @@ class Runtime:
         self.failure: str | None = None  # set once a child process died
         self._children_stopped: asyncio.Future | None = None  # the survivors of a failure, being stopped
         self.model_dir = ""
+        self.pooling: PoolingSpec | None = None  # the pooling runner's spec, once started (protocol/pooling.py)
         self.quantization: str | None = None  # the checkpoint's method in use (protocol/quantization.py)
         self.tokenizer: Any = None
         self.chat_template = load_chat_template(config.chat_template)  # None: the tokenizer's own
@@ -89,6 +91,7 @@ class Runtime:
             logger.info("resolving model %s", self.config.model_path)
             self.model_files = await loop.run_in_executor(None, resolve_model_files, self.config)
         self.model_dir = self.model_files.model_dir
+        self.pooling = resolve_pooling(self.config, self.model_dir)  # None: the generate runner
         self.config = resolve_lora_config(self.config, self.model_dir)
         self.quantization = resolve_quantization(self.config.quantization, read_hf_config(self.model_dir))
         logger.info("quantization: %s (--quantization %s)", self.quantization or "none", self.config.quantization)

@@ -335,6 +335,21 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     mamba_ssm_cache_dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Meta(description=
         "dtype of a hybrid model's recurrent and conv states (auto: the checkpoint's mamba_ssm_dtype, else the model's)"
     )] = "auto"
+    runner: Annotated[Literal["auto", "generate", "pooling"], Meta(description=
+        "generate (text) or pooling (embeddings, scores, classes: /v1/embeddings, /pooling, /score, /rerank, "
+        "/classify); auto = pooling for a *ForSequenceClassification or sentence-transformers checkpoint, or when "
+        "--convert, --task or --is-embedding asks for it, else generate"
+    )] = "auto"
+    convert: Annotated[Literal["auto", "none", "embed", "classify"], Meta(description=
+        "pooling runner: embed (pooled, normalised hidden states) or classify (the score head's, or with "
+        "classifier_from_token in --hf-overrides the LM head's token logits); auto = as the checkpoint says"
+    )] = "auto"
+    task: Annotated[Literal["generate", "embed", "score", "classify"] | None, Meta(description=
+        "vLLM's older spelling of --runner/--convert: embed, score or classify run the pooling runner"
+    )] = None
+    is_embedding: Annotated[bool, Meta(description=
+        "SGLang's switch for the pooling runner (embed unless the checkpoint is a classifier)"
+    )] = False
 
     kv_cache_dtype: Annotated[Literal["auto", "bfloat16", "fp8", "fp8_e4m3"], Meta(description=
         "dtype of the KV cache (vLLM): auto = the model's (--dtype); fp8 = fp8_e4m3 (float8_e4m3fn with one scale per "

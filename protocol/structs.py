@@ -202,6 +202,12 @@ class TokenizedGenerateReq(Struct, frozen=True):
     lora_scale: float = 1.0  # the adapter's strength for this request, in [0, 4] (1 with no adapter)
     priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's); fcfs ignores it
     key_id: str | None = None  # the API key it came with, by id: fair sharing counts per (key, adapter)
+    # The pooling runner's request (protocol/pooling.py): prefill only, nothing sampled; it ends after its prompt's
+    # last pass with the pooled output in its one TokenDelta (`pooled`).
+    pooling: bool = False
+    # An encoder's (BERT) segment of each prompt token, as its tokenizer gives them for a pair (0: the first text,
+    # 1: the second); []: all 0
+    token_type_ids: list[int] = []
 
 
 class AbortReq(Struct, frozen=True):
@@ -307,6 +313,7 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     prompt_logprobs: list[TokenLogprob] = []
     # the request's first delta only: the prompt tokens its first admission took from the prefix cache (whole pages)
     num_cached_prompt_tokens: int = 0
+    pooled: bytes = b""  # a pooling request's output (its last delta): float32 values, little-endian
 
 
 class TokenDeltas(Struct, frozen=True):
@@ -390,6 +397,12 @@ class ForwardReq(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     restore_snapshot: int = -1
     snapshot_saves: list[tuple[int, int]] = []
     lora_scale: float = 1.0  # the request's strength: multiplies its adapter's term (the slot's scaling too)
+    # A pooling request's pass that reaches its prompt's end: the row returns its pooled output (BatchResult.pooled)
+    # instead of a sampled token; `sampling` is not read.
+    pool: bool = False
+    # An encoder's (BERT) segment of each input token: 0 for a single text or a pair's first, 1 for its second
+    # (a cross-encoder's query | document); []: all 0
+    token_type_ids: list[int] = []
 
 
 class SlotLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -411,6 +424,8 @@ class BatchResult(Struct, frozen=True):
     # per row: the sampled token's logprob data where the row's sampling asks for it (else None); empty: none asked
     logprobs: list[TokenLogprob | None] = []
     prompt_logprobs: list[list[TokenLogprob]] = []  # per row, for its prompt_logprob_ids; empty: no row asked
+    # per row: its pooled output (ForwardReq.pool) as float32 bytes, little-endian, else b""; empty: no row pools
+    pooled: list[bytes] = []
 
 
 class WorkerReady(Struct, frozen=True):
@@ -436,6 +451,9 @@ class WorkerReady(Struct, frozen=True):
     # prefix cache keeps at cached page boundaries; 0 = none, so no prefix caching.
     num_state_slots: int = 0
     num_state_snapshots: int = 0
+    # The pooling runner (protocol/pooling.py): its requests' prompts run whole from position 0
+    # (PoolingSpec.whole_prompt)
+    pools_whole_prompt: bool = False
 
 
 class Shutdown(Struct, frozen=True):

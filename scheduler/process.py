@@ -123,6 +123,7 @@ class SchedulerProcess:
             long_rope_len=first.long_rope_len,
             num_state_slots=first.num_state_slots,
             num_state_snapshots=first.num_state_snapshots,
+            pools_whole_prompt=first.pools_whole_prompt,
         )
         self.to_frontend.send(
             SchedulerReady(

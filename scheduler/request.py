@@ -52,6 +52,8 @@ class Request:
     is_on_workers: bool = False  # the workers keep state for it: released (released_keys) when it ends
     prompt_logprob_next: int = 0  # the first prompt position whose logprob is still to be delivered
     is_long_rope: bool = False  # longrope models: its KV is written with the long factors (set at each admission)
+    is_pooling: bool = False  # the pooling runner's: prefill only, it ends with its prompt's last pass (no sample)
+    token_type_ids: list[int] = field(default_factory=list)  # an encoder's segment of each prompt token; []: all 0
 
     def __post_init__(self) -> None:
         # Position 0 has no logprob (nothing predicts it): the frontend puts its null.
@@ -60,7 +62,8 @@ class Request:
     @classmethod
     def from_req(cls, req: TokenizedGenerateReq, arrival: int) -> Request:
         return cls(rid=req.rid, prompt_ids=list(req.input_ids), sampling=req.sampling, lora_id=req.lora_id,
-                   lora_scale=req.lora_scale, arrival=arrival, priority=req.priority, key_id=req.key_id)
+                   lora_scale=req.lora_scale, arrival=arrival, priority=req.priority, key_id=req.key_id,
+                   is_pooling=req.pooling, token_type_ids=list(req.token_type_ids))
 
     @property
     def client(self) -> tuple[str | None, int | None]:

@@ -105,11 +105,16 @@ class Scheduler:
         attention_window: int | None = None,
         num_state_slots: int = 0,
         num_state_snapshots: int = 0,
+        pools_whole_prompt: bool = False,
     ):
         """attention_window: the most tokens a query of any layer attends to (its own included); None = some layer
-        attends to the whole context, and no page is given back before its request ends."""
+        attends to the whole context, and no page is given back before its request ends. pools_whole_prompt
+        (PoolingSpec.whole_prompt): a pooling request's prompt runs in one pass from position 0, neither chunked nor
+        matched or offered to the prefix cache (mean or first-token pooling reads every token's state; a
+        bidirectional model's states depend on the tokens after them)."""
         self.config = config
         self.attention_window = attention_window
+        self.pools_whole_prompt = pools_whole_prompt
         self.page_size = config.page_size
         self.context_length = context_length
         self.long_rope_len = long_rope_len  # WorkerReady.long_rope_len: 0 = none
@@ -175,7 +180,7 @@ class Scheduler:
         error = self._refusal(req)
         if error:
             return [TokenDelta(rid=req.rid, token_ids=[], finish_reason="error", error_message=error)]
-        if req.sampling.max_new_tokens == 0 and req.sampling.logprob_start_len < 0:
+        if req.sampling.max_new_tokens == 0 and req.sampling.logprob_start_len < 0 and not req.pooling:
             return [TokenDelta(rid=req.rid, token_ids=[], finish_reason="length")]
         self.waiting[req.rid] = Request.from_req(req, self._next_arrival)
         self.order.on_wait(self.waiting[req.rid])
@@ -188,6 +193,8 @@ class Scheduler:
             return f"request id {req.rid!r} is already in progress"
         if req.lora_id is not None and not self.adapters.is_loaded(req.lora_id):
             return f"adapter {req.lora_id} not loaded"
+        if req.token_type_ids and (len(req.token_type_ids) != len(req.input_ids) or not req.pooling):
+            return f"{len(req.token_type_ids)} token types for {len(req.input_ids)} prompt tokens (a pooling request's)"
         # The frontend refuses these at the edge; checked again so that no sender can make the scheduler fail.
         return request_fit_error(len(req.input_ids), req.sampling.max_new_tokens, self.context_length,
                                  self.max_total_tokens)
@@ -290,7 +297,7 @@ class Scheduler:
     def _prefill_len(self, req: Request) -> int:
         """Prompt tokens the request writes this step within the budget left (0: none this step); takes them."""
         remaining = req.num_unscheduled_tokens
-        if self.is_chunked:
+        if self.is_chunked and not self._is_whole(req):
             num_new = min(remaining, self._budget_left)
         elif remaining <= self._budget_left or self._budget_left == self.prefill_budget:
             num_new = remaining  # whole prompts; one longer than the budget runs alone
@@ -343,6 +350,10 @@ class Scheduler:
         is longer than longrope's original length."""
         return 0 < self.long_rope_len < req.num_tokens + req.num_pending_samples
 
+    def _is_whole(self, req: Request) -> bool:
+        """A pooling request whose prompt runs whole, from position 0 (pools_whole_prompt)."""
+        return req.is_pooling and self.pools_whole_prompt
+
     def _namespace(self, req: Request) -> int:
         return BASE_NAMESPACE if req.lora_id is None else req.lora_id
 
@@ -360,7 +371,7 @@ class Scheduler:
     def _matchable_keys(self, req: Request) -> list[bytes]:
         """Its page keys that a cached prefix may cover: not past the logits its undelivered prompt logprobs need
         (position prompt_logprob_next - 1 must be computed by the request itself)."""
-        if self._needs_long_rope(req):
+        if self._needs_long_rope(req) or self._is_whole(req):
             return []  # cached pages hold short-factor KV: a long-rope request computes its own, and keeps them
         keys = self._keys(req)
         if req.wants_prompt_logprobs:
@@ -449,6 +460,7 @@ class Scheduler:
             num_generated=len(req.output_ids) + req.num_pending_samples,
             slot=req.slot,
             lora_scale=req.lora_scale,
+            pool=req.is_pooling and req.num_scheduled_tokens + num_new == req.num_tokens,
             prev_row=prev_row,
             req_key=req.arrival,
             history_ids=history_ids,
@@ -458,6 +470,8 @@ class Scheduler:
             state_slot=req.state_slot,
             restore_snapshot=restore_snapshot,
             snapshot_saves=saves,
+            # a pooling request on an encoder runs its prompt whole (pools_whole_prompt): these are all its types
+            token_type_ids=req.token_type_ids[req.num_scheduled_tokens : req.num_scheduled_tokens + len(input_ids)],
         )
 
     def process_result(self, result: BatchResult) -> list[TokenDelta]:
@@ -492,7 +506,13 @@ class Scheduler:
                 self._free_behind_window(req)
                 prompt_logprobs = result.prompt_logprobs[i] if i < len(result.prompt_logprobs) else []
                 req.prompt_logprob_next += len(prompt_logprobs)
-                if samples and req.sampling.max_new_tokens == 0:  # it ran for its prompt logprobs only
+                if samples and req.is_pooling:  # its prompt's last pass: the pooled output ends it
+                    pooled = result.pooled[i] if i < len(result.pooled) else b""
+                    if not pooled:
+                        deltas.append(self._finish(req, "error", error_message="the workers returned no pooled output"))
+                    else:
+                        deltas.append(msgspec.structs.replace(self._finish(req, "stop"), pooled=pooled))
+                elif samples and req.sampling.max_new_tokens == 0:  # it ran for its prompt logprobs only
                     delta = self._finish(req, "length")
                     deltas.append(msgspec.structs.replace(delta, prompt_logprobs=prompt_logprobs))
                 elif samples:  # else a chunk of a longer prompt: its sampled token is not used
@@ -505,7 +525,8 @@ class Scheduler:
     def _offer_pages(self, req: Request) -> None:
         """Full pages now written go to the prefix cache (a page another request cached first replaces ours)."""
         num_full = req.num_cached_tokens // self.page_size
-        if num_full <= req.num_offered_pages or req.is_long_rope:  # long-factor KV: no request may share it
+        # long-factor KV, or a whole-prompt pooling request's (read both ways): no request may share it
+        if num_full <= req.num_offered_pages or req.is_long_rope or self._is_whole(req):
             return
         keys = self._keys(req)
         first = req.num_offered_pages

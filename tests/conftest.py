@@ -107,3 +107,23 @@ def static_lora_server(llama_dir: Path, adapter_dirs: dict[str, Path]):
     with ServerProcess("--model-path", str(llama_dir), "--lora-paths", *lora_paths, "--max-loras-per-batch", "8",
                        "--max-total-tokens", "8192", "--context-length", "512") as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def bert_embedder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    """A sentence-transformers BERT embedder (mean pooling, normalised), its adapters a8, a4 (tests/bert_models.py)."""
+    from tests.bert_models import build_bert_adapters, build_bert_embedder
+
+    root = tmp_path_factory.mktemp("bert_embedder")
+    build_bert_embedder(root)
+    return root / "st", build_bert_adapters(root / "st", root)
+
+
+@pytest.fixture(scope="session")
+def bert_cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    """A BERT cross-encoder (one label) and its adapters a8, a4 (tests/bert_models.py)."""
+    from tests.bert_models import build_bert_adapters, build_bert_cross_encoder
+
+    root = tmp_path_factory.mktemp("bert_cross_encoder")
+    build_bert_cross_encoder(root / "model")
+    return root / "model", build_bert_adapters(root / "model", root)

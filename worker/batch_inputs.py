@@ -21,6 +21,7 @@ class BatchInputs:
     positions: torch.Tensor  # (tokens,) each token's row of the rotary tables (rotary_row)
     last_token_index: torch.Tensor  # (reqs,) row of each request's last new token
     attention: BatchAttention
+    token_type_ids: torch.Tensor | None = None  # (tokens,) an encoder's segments, where a request names them
 
     @classmethod
     def build(
@@ -48,11 +49,16 @@ class BatchInputs:
 
         token_starts = [0, *itertools.accumulate(len(req.input_ids) for req in reqs)][:-1]  # host side: no sync
         attention = attention or SDPAAttention(device)
+        token_type_ids = None
+        if any(req.token_type_ids for req in reqs):
+            types = [t for req in reqs for t in (req.token_type_ids or [0] * len(req.input_ids))]
+            token_type_ids = torch.tensor(types, dtype=torch.long, device=device)
         return cls(
             input_ids=torch.tensor([t for req in reqs for t in req.input_ids], dtype=torch.long, device=device),
             positions=positions + row_offsets[req_of_token],
             last_token_index=token_ends - 1,
             attention=attention.build(reqs, token_starts, page_tables, write_slots, page_size),
+            token_type_ids=token_type_ids,
         )
 
 
@@ -80,6 +86,8 @@ def _check_req(i: int, req: ForwardReq, page_size: int, num_pages: int, context_
         raise BatchError(f"request {i}: {len(req.page_ids)} pages of {page_size} cannot hold {num_total} tokens")
     if req.prompt_logprob_ids and not 0 <= req.prompt_logprob_row <= len(req.input_ids) - len(req.prompt_logprob_ids):
         raise BatchError(f"request {i}: prompt logprob rows outside its {len(req.input_ids)} input tokens")
+    if req.token_type_ids and len(req.token_type_ids) != len(req.input_ids):
+        raise BatchError(f"request {i}: {len(req.token_type_ids)} token types for {len(req.input_ids)} input tokens")
     num_used_pages = cdiv(num_total, page_size)
     bad = [p for p in req.page_ids[:num_used_pages] if not 0 <= p < num_pages]
     if bad:

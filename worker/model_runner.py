@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from loraplex.kernels import select_backend
 from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.pooling import resolve_pooling
 from loraplex.protocol.structs import ForwardBatch, ForwardReq, SlotLoad, TokenLogprob
 from loraplex.worker.batch_inputs import BatchError, BatchInputs
 from loraplex.worker.cuda_graphs import DecodeGraphRunner
@@ -31,6 +32,7 @@ from loraplex.worker.model.qwen3_5 import GatedDeltaNet
 from loraplex.worker.model.registry import build_model
 from loraplex.worker.parallel import tensor_parallel
 from loraplex.worker.penalties import TokenHistories, apply_penalties
+from loraplex.worker.pooling import Pooler, attach_head, to_bytes
 from loraplex.worker.quant import check_coverage, checkpoint_format, quantized_linears
 from loraplex.worker.sampler import Sampler, prompt_logprob_rows, prompt_logprobs, token_logprobs
 from loraplex.worker.sampling_batch import SamplingBatch
@@ -58,6 +60,7 @@ class StepResult(NamedTuple):
     tokens: list[int]  # per request
     logprobs: list[TokenLogprob | None]  # per request where one asks, else []
     prompt_logprobs: list[list[TokenLogprob]]  # per request, for its prompt_logprob_ids; [] when none asks
+    pooled: list[bytes] = []  # the pooling runner: per request, its pooled output where it pools (else b"")
 
 
 class ModelRunner:
@@ -68,6 +71,10 @@ class ModelRunner:
         self.dtype = pick_dtype(config, self.device)
         self.rank, self.world_size = rank, world_size
         self.model_config = ModelConfig.from_dir(model_dir, config.hf_overrides)
+        self.pooling = resolve_pooling(config, model_dir)  # None: the generate runner
+        if self.model_config.is_bidirectional and self.pooling is None:
+            raise ModelConfigError(f"{self.model_config.model_type} is a bidirectional encoder: it embeds or scores "
+                                   "texts and never generates; serve it with --runner pooling")  # fmt: skip
         self.quant_format = checkpoint_format(config.quantization, model_dir)
         self.context_length = self._context_length()
         self._check_divisible()
@@ -93,6 +100,7 @@ class ModelRunner:
             latent_dim=self.model_config.mla.kv_lora_rank if self.model_config.mla is not None else None,
             sinks=self.model_config.attention_sinks,
             mixed_head_shapes=self.model_config.mixed_head_shapes,
+            bidirectional=self.model_config.is_bidirectional,
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
         self.kv_dtype = self._kv_cache_dtype()
@@ -104,6 +112,9 @@ class ModelRunner:
         parallel = tensor_parallel(rank, world_size, expert_parallel=config.enable_expert_parallel)
         with parallel, model_ops(ops), quantization, self.device, _default_dtype(self.dtype):
             self.model = build_model(self.model_config, max_positions=self.context_length)
+            if self.pooling is not None:
+                attach_head(self.model, self.pooling, self.model_config.hidden_size)
+        self.pooler = Pooler(self.pooling, self.model) if self.pooling is not None else None
         if self.quant_format is not None:  # before any weight is read or drawn
             check_coverage(self.quant_format, self.model)
         if config.load_format == "dummy":
@@ -242,9 +253,16 @@ class ModelRunner:
     def _decode_graphs(self) -> DecodeGraphRunner | None:
         if not self.config.enable_cuda_graph:
             return None
+        if self.pooling is not None:
+            logger.info("--enable-cuda-graph is ignored by the pooling runner: it never decodes")
+            return None
         if self.model_config.linear_attention is not None:
             logger.info("--enable-cuda-graph is ignored for %s: its linear-attention layers run eagerly",
                         self.model_config.model_type)
+            return None
+        if self.model_config.is_bidirectional:  # an encoder computes whole sequences, never one token of decode
+            logger.info("--enable-cuda-graph is ignored for %s: an encoder does not decode",
+                        self.model_config.model_type)  # fmt: skip
             return None
         if self.model_config.mla is not None:  # the graphs' static metadata is built for the plain kernels
             logger.info("--enable-cuda-graph is ignored for %s: its latent attention runs eagerly",
@@ -410,6 +428,8 @@ class ModelRunner:
         if not batch.reqs:
             self._apply_slot_loads(batch.slot_loads)
             return StepResult([], [], [])
+        if self.pooler is not None:
+            return self._pool_step(batch)
         # Before the forward: a request with no parameters fails the batch on every rank alike, before a collective.
         sampling = SamplingBatch.of(batch.reqs, self.sampling_table.resolve(batch.reqs), self.vocab_size, self.device)
         self.grammar.check(sampling)
@@ -424,17 +444,49 @@ class ModelRunner:
         return StepResult(tokens, token_logprobs(logits, sampling, tokens),
                           prompt_logprobs(prompt_logits, batch.reqs, sampling))
 
+    def _pool_step(self, batch: ForwardBatch) -> StepResult:
+        """The pooling runner's pass: no sampling; each request that ends its prompt here (ForwardReq.pool) gets its
+        pooled output, the others (earlier chunks) only write their KV."""
+        reqs = batch.reqs
+        hidden, inputs = self.hidden_states(reqs, batch.slot_loads)  # (tokens, hidden)
+        if self.lora is not None:  # the head reads each request's adapter by its row (an LM head's LoRA, copies)
+            self.lora.select_rows(inputs.last_token_index)
+        pooled = self.pooler.pool(hidden, [len(r.input_ids) for r in reqs], inputs.last_token_index)  # (reqs, hidden)
+        out = to_bytes(self.pooler.head(pooled))
+        return StepResult([0] * len(reqs), [], [], [row if req.pool else b"" for req, row in zip(reqs, out,
+                                                                                                 strict=True)])
+
     def logits(
         self, reqs: list[ForwardReq], slot_loads: list[SlotLoad], *, last_only: bool, extra_rows: list[int] = ()
     ) -> torch.Tensor:
         """(rows, vocab): each request's last token's logits and then the `extra_rows` asked for, or with
         `last_only=False` every new token's, in request order. Call under torch.inference_mode()."""
-        self._apply_slot_loads(slot_loads)
-        if not self.long_rope_len and any(req.long_rope for req in reqs):
-            raise BatchError("a request asks for longrope's long factors, which this model has no use for")
         graphs_fit = self.decode_graphs is not None and not (self.lora is not None and self.lora.uses_dora(reqs))
         if graphs_fit and not extra_rows and self.decode_graphs.can_run(reqs):
+            self._apply_slot_loads(slot_loads)
+            self._check_long_rope(reqs)
             return self.decode_graphs.logits(reqs)  # one token per request: every row is a last one, none extra
+        hidden, inputs = self.hidden_states(reqs, slot_loads)
+        if last_only:  # and after them the extra token rows asked for
+            rows = inputs.last_token_index
+            if extra_rows:
+                rows = torch.cat([rows, torch.tensor(extra_rows, dtype=rows.dtype, device=rows.device)])
+            hidden = hidden[rows]  # (reqs + extra, hidden)
+            if self.lora is not None:
+                self.lora.select_rows(rows)
+        return self.model.compute_logits(hidden)
+
+    def _check_long_rope(self, reqs: list[ForwardReq]) -> None:
+        if not self.long_rope_len and any(req.long_rope for req in reqs):
+            raise BatchError("a request asks for longrope's long factors, which this model has no use for")
+
+    def hidden_states(self, reqs: list[ForwardReq], slot_loads: list[SlotLoad]) -> tuple[torch.Tensor, BatchInputs]:
+        """The pass's final hidden states, (tokens, hidden) in request order, and its inputs. Call under
+        torch.inference_mode()."""
+        self._apply_slot_loads(slot_loads)
+        self._check_long_rope(reqs)
+        if self.model_config.is_bidirectional:
+            self._check_whole_sequences(reqs)
         inputs = BatchInputs.build(
             reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device, self.attention
         )
@@ -447,19 +499,27 @@ class ModelRunner:
         # --calculate-kv-scales: the first pass with a prefill sets the FP8 cache's scales, fixed after
         calibrating = self._kv_scales_pending and any(len(req.input_ids) > 1 for req in reqs)
         self.kv_cache.is_calibrating = calibrating
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)  # (tokens, hidden)
+        if self.model_config.is_bidirectional:  # an encoder's segments (a pair's second text); decoders have none
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention,
+                                token_type_ids=inputs.token_type_ids)  # fmt: skip
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)
         if calibrating:
             self.kv_cache.is_calibrating = self._kv_scales_pending = False
             logger.info("FP8 KV cache scales set from the first prefill: keys %s, values %s",
                         _range(self.kv_cache.scales[:, 0]), _range(self.kv_cache.scales[:, 1]))  # fmt: skip
-        if last_only:  # and after them the extra token rows asked for
-            rows = inputs.last_token_index
-            if extra_rows:
-                rows = torch.cat([rows, torch.tensor(extra_rows, dtype=rows.dtype, device=rows.device)])
-            hidden = hidden[rows]  # (reqs + extra, hidden)
-            if self.lora is not None:
-                self.lora.select_rows(rows)
-        return self.model.compute_logits(hidden)
+        return hidden, inputs  # hidden: (tokens, hidden)
+
+    def _check_whole_sequences(self, reqs: list[ForwardReq]) -> None:
+        """An encoder's request attends over its whole sequence, so it comes in one pass; its token types index the
+        model's segment embeddings (checked here: on a GPU a bad index is a device-side assert)."""
+        num_types = self.model_config.encoder.type_vocab_size
+        for i, req in enumerate(reqs):
+            if req.num_cached_tokens:
+                raise BatchError(f"request {i}: a bidirectional encoder computes a sequence whole, not after "
+                                 f"{req.num_cached_tokens} cached tokens")  # fmt: skip
+            if req.token_type_ids and not all(0 <= t < num_types for t in req.token_type_ids):
+                raise BatchError(f"request {i}: token types outside 0..{num_types - 1}")
 
     def _apply_slot_loads(self, slot_loads: list[SlotLoad]) -> None:
         if not slot_loads:

@@ -84,8 +84,10 @@ export class AdapterView {
   }
 
   // adapters: /lora_adapters' list; rates: name -> {req, tok} per second (null before the second scrape);
-  // base: the served model name, shown first with its own traffic.
-  update(adapters, rates, base) {
+  // base: the served model name, shown first with its own traffic; task: what they all serve (a pooling server's
+  // embed, rerank or classify is shown beside each name).
+  update(adapters, rates, base, task = "generate") {
+    this.task = task;
     const entries = [{ lora_name: base, isBase: true }, ...adapters];
     const names = new Set(entries.map((a) => a.lora_name));
     for (const [name, { row }] of this.rows) {
@@ -128,7 +130,15 @@ export class AdapterView {
     name.textContent = adapter.lora_name;
     cells.path = document.createElement("span");
     cells.path.className = "adapter-path";
-    cells.name.append(name, cells.path);
+    cells.name.append(name);
+    if (this.task && this.task !== "generate") {
+      const tag = document.createElement("span");
+      tag.className = "adapter-task";
+      tag.textContent = this.task;
+      tag.title = `served for ${this.task} (the pooling runner)`;
+      cells.name.append(" ", tag);
+    }
+    cells.name.append(cells.path);
     if (adapter.isBase) {
       row.classList.add("base");
       cells.path.textContent = "base model";

@@ -138,7 +138,7 @@ async function poll() {
     const seconds = performance.now() / 1000;
     const samples = parsePrometheus(metricsText);
     const base = state.server.served_model_name;
-    adapters.update(table.adapters, perAdapterRates(samples, seconds), base);
+    adapters.update(table.adapters, perAdapterRates(samples, seconds), base, table.task);
     playground.setTargets(base, table.adapters.map((a) => a.lora_name));
     updateCharts(samples, seconds);
     $("updated").textContent = `Updated ${new Date().toLocaleTimeString()}`;

@@ -18,7 +18,7 @@ from loraplex.protocol.config import ALIASES, VALUE_ALIASES, ConfigError, Server
 _TOPICS: dict[str, str] = {
     "model and devices": "model_path served_model_name revision tokenizer tokenizer_revision download_dir hf_token "
     "load_format hf_overrides device dtype quantization tp enable_expert_parallel dp_size "
-    "context_length seed",
+    "context_length seed runner convert task is_embedding",
     "HTTP server and access": "host port api_key admin_api_key rpc_addr shutdown_timeout log_level "
     "max_requests_per_minute_per_key max_tokens_per_minute_per_key",
     "LoRA adapters": "enable_lora lora_paths lora_modules max_loras_per_batch max_loaded_loras max_lora_rank "

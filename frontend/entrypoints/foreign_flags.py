@@ -68,7 +68,6 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
           "give --generation-config vllm, or set the sampling options per request"),
     _refuse("--skip-tokenizer-init", family=VS, why="requests are text or token ids and answers are detokenized: the "
             "tokenizer is always loaded", value=False),
-    _refuse("--is-embedding", family=S, why="loraplex serves generation only", value=False),
     # -- parallelism and memory
     _only("--pipeline-parallel-size", "-pp", family=VS, ok=("1",), note="one pipeline stage",
           why="pipeline parallelism is not supported: use --tensor-parallel-size (with --nnodes across nodes)"),

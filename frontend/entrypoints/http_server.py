@@ -8,7 +8,15 @@ import signal
 
 from aiohttp import web
 from loraplex.frontend.caller import set_caller_key
-from loraplex.frontend.entrypoints import console_api, native_api, openai_api, openapi, responses_api, utility_api
+from loraplex.frontend.entrypoints import (
+    console_api,
+    native_api,
+    openai_api,
+    openapi,
+    pooling_api,
+    responses_api,
+    utility_api,
+)
 from loraplex.frontend.entrypoints.http_utils import caller_of, error_response
 from loraplex.frontend.entrypoints.wire import failure, key_matches
 from loraplex.frontend.errors import RateLimited
@@ -54,7 +62,8 @@ async def error_middleware(request: web.Request, handler):
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception as e:  # noqa: BLE001 - the edge: a ServerError's kind picks the status, the rest is a 500
-        openai = request.path.startswith("/v1/") or request.path in utility_api.VLLM_STATUS_PATHS
+        openai = (request.path.startswith("/v1/") or request.path in utility_api.VLLM_STATUS_PATHS
+                  or request.path in pooling_api.VLLM_PATHS)
         response = error_response(*failure(e, openai, f"{request.method} {request.path}"))
         if isinstance(e, RateLimited):
             response.headers["Retry-After"] = str(e.retry_after_s)
@@ -67,6 +76,7 @@ def create_app(runtime: Runtime) -> web.Application:
     app["generate"] = GenerateService(runtime)
     app.add_routes(native_api.routes)
     app.add_routes(openai_api.routes)
+    app.add_routes(pooling_api.routes)
     app.add_routes(responses_api.routes)
     app.add_routes(utility_api.routes)
     app.add_routes(openapi.routes)

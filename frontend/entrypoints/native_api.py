@@ -27,6 +27,7 @@ from loraplex.frontend.generate import GenerationFailed
 from loraplex.frontend.params import AbortBody, LoadBody, NativeGenerateRequest, UnloadBody, strip_native
 from loraplex.frontend.server_info import replica_stats, server_info
 from loraplex.protocol.errors import http_status
+from loraplex.protocol.pooling import PoolingSpec
 from loraplex.protocol.structs import (
     LoadLoRAAdapterReqOutput,
     LoRAAdapterSpec,
@@ -146,4 +147,14 @@ async def lora_adapters(request: web.Request) -> web.Response:
     runtime = runtime_of(request)
     replicas = await replica_stats(runtime)
     slot_tables = [r.slot_lora_ids for r in replicas] if replicas is not None else None
-    return json_response({"adapters": runtime.registry.table(slot_tables)})
+    # task: what every adapter here serves (the console groups them by it): the pooling runner's, else generate
+    return json_response({"adapters": runtime.registry.table(slot_tables), "task": serving_task(runtime.pooling)})
+
+
+def serving_task(spec: PoolingSpec | None) -> str:
+    """generate, embed, rerank (a classifier with one label: /score, /rerank) or classify."""
+    if spec is None:
+        return "generate"
+    if spec.task == "classify" and spec.num_labels == 1:
+        return "rerank"
+    return spec.task

@@ -9,6 +9,12 @@ import msgspec
 from aiohttp import web
 from loraplex.frontend import bodies as r
 from loraplex.frontend.entrypoints.http_utils import json_response
+from loraplex.frontend.openai.pooling_schemas import (
+    ClassifyRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from loraplex.frontend.openai.responses_schemas import STREAM_EVENTS, ResponseObject
 from loraplex.frontend.openai.schemas import (
     ChatRequest,
@@ -36,6 +42,19 @@ POST_ERRORS = {
 # The generation routes add structured output's refusal where it cannot be served.
 GENERATE_ERRORS = {**POST_ERRORS, 501: "a structured-output constraint on a server where xgrammar cannot be imported"}
 
+
+# The pooling runner's routes (frontend/entrypoints/pooling_api.py; a generate server answers them 400)
+POOLING_ROUTES = [
+    ("/v1/embeddings", "OpenAI embeddings: a vector per input (pooling runner, task embed)", EmbeddingRequest),
+    ("/pooling", "vLLM's pooling: the pooler's output per input (an embedding, or class probabilities)",
+     EmbeddingRequest),
+    ("/classify", "vLLM's classify: class probabilities and the label per input", ClassifyRequest),
+    ("/score", "vLLM's score: a score per (text_1, text_2) pair", ScoreRequest),
+    ("/v1/score", "As /score", ScoreRequest),
+    ("/rerank", "vLLM's and Jina's rerank: the documents by relevance to the query", RerankRequest),
+    ("/v1/rerank", "As /rerank", RerankRequest),
+    ("/v2/rerank", "Cohere's rerank (v2): as /rerank", RerankRequest),
+]
 
 ADAPTER_FAILURE = (r.AdapterReply, r.ErrorResponse)  # what failed, per adapter; or the input was refused
 
@@ -108,6 +127,8 @@ ROUTES = [
           {"application/json": r.HealthResponse}, {**GET_ERRORS, 503: "starting, shutting down, failed, or the "
                                                    "generation failed"}, {503: (r.HealthResponse,)}),
     Route("get", "/openapi.json", "This document", None, {"application/json": dict[str, Any]}, GET_ERRORS),
+    *[Route("post", path, summary, body, {"application/json": dict[str, Any]}, {**POST_ERRORS, 404: "unknown model"})
+      for path, summary, body in POOLING_ROUTES],
 ]
 OPEN_ROUTES = {"/health", "/ping"}  # no API key
 

@@ -13,7 +13,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.protocol.adapters.lora_targets import ALL_TARGETS, EXPERT_MODULE_ALIASES, EXPERT_PARAMETERS, FUSED_TARGETS
+from loraplex.protocol.adapters.lora_targets import (
+    ALL_TARGETS,
+    ENCODER_MODULE_ALIASES,
+    EXPERT_MODULE_ALIASES,
+    EXPERT_PARAMETERS,
+    FUSED_TARGETS,
+)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -123,11 +129,13 @@ def parse_adapter_config(raw: Any) -> AdapterConfig:
     )
 
 
-COPYABLE_MODULES = ("embed_tokens", "lm_head")
+# "score": a pooling model's classification head (worker/pooling.py), served by the pooling runner only
+COPYABLE_MODULES = ("embed_tokens", "lm_head", "score")
 
 
 def _parse_modules_to_save(modules: Any) -> tuple[str, ...]:
-    """Only full copies of the embedding and the LM head are served; any other module (a score head) is refused."""
+    """Only full copies of the embedding, the LM head and a classifier's score head are served; any other module is
+    refused."""
     if not modules:
         return ()
     if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
@@ -196,8 +204,9 @@ def _parse_pattern(pattern: Any, field: str, *, is_rank: bool) -> tuple[tuple[st
 
 
 def _parse_targets(targets: Any) -> tuple[str, ...]:
-    """Our module names; Mixtral's expert names (w1/w3/w2) are its experts' gate/up/down, a fused module
-    (FUSED_TARGETS) its slices. None or [] (PEFT saves [] for an adapter on target_parameters alone): none."""
+    """Our module names; Mixtral's expert names (w1/w3/w2) are its experts' gate/up/down, BERT's (query, ...,
+    output.dense: ENCODER_MODULE_ALIASES) the modules serving them, a fused module (FUSED_TARGETS) its slices.
+    None or [] (PEFT saves [] for an adapter on target_parameters alone): none."""
     if targets is None or targets == []:
         return ()
     if isinstance(targets, str):
@@ -217,8 +226,10 @@ def _parse_targets(targets: Any) -> tuple[str, ...]:
             modules.extend(FUSED_TARGETS[target])
         elif target in ALL_TARGETS:
             modules.append(target)
+        elif target in ENCODER_MODULE_ALIASES:
+            modules.extend(ENCODER_MODULE_ALIASES[target])
         else:
-            known = ", ".join((*ALL_TARGETS, *FUSED_TARGETS))
+            known = ", ".join((*ALL_TARGETS, *FUSED_TARGETS, *ENCODER_MODULE_ALIASES))
             raise AdapterLoadError(f"unknown target module {target!r}; LoRA supports {known}")
     return _ordered(tuple(modules))
 

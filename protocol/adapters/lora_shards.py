@@ -7,17 +7,24 @@ from __future__ import annotations
 import functools
 import re
 
-from loraplex.protocol.adapters.lora_targets import TP_MODES
+from loraplex.protocol.adapters.lora_targets import ENCODER_MODULE_PATHS, TP_MODES
 
 # e.g. base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (older PEFT: ...lora_A.default.weight)
 _TENSOR_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:\w+\.)*?(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
+# an encoder's (BERT): base_model.model.bert.encoder.layer.0.attention.self.query.lora_A.weight
+_ENCODER_KEY = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.(" + "|".join(map(re.escape, ENCODER_MODULE_PATHS))
+                          + r")\.lora_([AB])(?:\.\w+)?\.weight$")
 
 
 @functools.lru_cache(maxsize=8192)  # adapters of one base model name their tensors alike
 def parse_lora_key(key: str) -> tuple[int, str, str] | None:
-    """(layer, HF module, "A" or "B") of a tensor name, or None if it is not a LoRA weight of a decoder layer."""
+    """(layer, HF module, "A" or "B") of a tensor name, or None if it is not a LoRA weight of a decoder layer (or an
+    encoder layer, its module then named as a decoder's: lora_targets.ENCODER_MODULE_PATHS)."""
     match = _TENSOR_KEY.search(key)
-    return None if match is None else (int(match[1]), match[2], match[3])
+    if match is not None:
+        return int(match[1]), match[2], match[3]
+    match = _ENCODER_KEY.search(key)
+    return None if match is None else (int(match[1]), ENCODER_MODULE_PATHS[match[2]], match[3])
 
 
 def rank_cut(key: str, shape: list[int] | tuple[int, ...], tp_rank: int, tp_size: int) -> tuple[int, int, int] | None:

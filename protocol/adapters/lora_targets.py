@@ -67,4 +67,26 @@ assert all(set(slices) <= set(LAYER_MODULES) for slices in FUSED_TARGETS.values(
 # (and PEFT adapters trained on them) name them w1/w3/w2; PEFT's `target_parameters` form names the stacked tensors of
 # transformers 5 (`mlp.experts.gate_up_proj`: gate and up fused, `mlp.experts.down_proj`).
 EXPERT_MODULE_ALIASES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# BERT's module names (PEFT's target_modules for an encoder) -> the ones above that serve them: an encoder layer's
+# attention.self.query/key/value, attention.output.dense, intermediate.dense and output.dense. As PEFT matches a name
+# at the end of a module's path, `output.dense` reaches both output denses and `dense` every one (the pooler's too,
+# whose tensors are then refused by name).
+ENCODER_MODULE_ALIASES = {
+    "query": ("q_proj",),
+    "key": ("k_proj",),
+    "value": ("v_proj",),
+    "attention.output.dense": ("o_proj",),
+    "intermediate.dense": ("up_proj",),
+    "output.dense": ("o_proj", "down_proj"),
+    "dense": ("o_proj", "up_proj", "down_proj"),
+}
+# An encoder layer's module path in an adapter's tensor names -> the module it is here
+ENCODER_MODULE_PATHS = {
+    "attention.self.query": "q_proj",
+    "attention.self.key": "k_proj",
+    "attention.self.value": "v_proj",
+    "attention.output.dense": "o_proj",
+    "intermediate.dense": "up_proj",
+    "output.dense": "down_proj",
+}
 EXPERT_PARAMETERS = {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)}

@@ -50,6 +50,7 @@ from loraplex.worker.layers.attention_spec import LayerAttention
 from loraplex.worker.layers.triton_attention import DecodeMeta, TritonAttention, _pack, _page_rows
 
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")
+_BIDIRECTIONAL = (-1, -1)  # AttentionGroup.local_masks' key of the mask of a non-causal layer
 _NO_SINKS = torch.empty(0)  # the CPU decode kernel's sinks for a layer without them
 
 
@@ -77,6 +78,12 @@ class AttentionGroup:
     local_masks: dict[tuple[int | None, int | None], torch.Tensor] = field(default_factory=dict)
 
     def mask_for(self, layer: LayerAttention) -> torch.Tensor:
+        if not layer.is_causal:  # every key of the request: (reqs, 1, 1, max_kv_len), broadcast over query rows
+            mask = self.local_masks.get(_BIDIRECTIONAL)
+            if mask is None:
+                kv_pos = torch.arange(self.max_kv_len, device=self.kv_lens.device)
+                mask = self.local_masks[_BIDIRECTIONAL] = (kv_pos[None, :] < self.kv_lens[:, None])[:, None, None, :]
+            return mask
         if layer.sliding_window is None and layer.chunk_size is None:
             return self.mask
         key = (layer.sliding_window, layer.chunk_size)
@@ -416,6 +423,7 @@ def select_attention_backend(
     latent_dim: int | None = None,
     sinks: bool = False,
     mixed_head_shapes: bool = False,
+    bidirectional: bool = False,
 ) -> AttentionBackend:
     """The attention backend for this worker (`--attention-backend`), or AttentionBackendError (one line).
     Heads: this rank's. `cpu_kernels`: the compiled CPU module the worker's LoRA backend built (cpu_ext), or None.
@@ -424,10 +432,15 @@ def select_attention_backend(
     LatentTritonAttention (the latent decode kernel; its output only the latent dims), the CPU kernels not at all.
     `sinks`: the model's layers have attention sinks (the Triton kernels' sinks variant is warmed up).
     `mixed_head_shapes`: the layers' heads differ in width or KV heads (Gemma 4), where the CPU decode kernel, checked
-    for one shape, is not used."""
+    for one shape, is not used.
+    `bidirectional`: an encoder's layers (LayerAttention.is_causal False), which SDPA masks; the Triton kernels are
+    causal, so such a model runs the torch or cpu backend (auto picks one)."""
     device = torch.device(device)
     if choice not in ATTENTION_BACKENDS:
         raise AttentionBackendError(f"--attention-backend {choice!r}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+    if bidirectional and choice == "triton":
+        raise AttentionBackendError("--attention-backend triton: its kernels are causal; this bidirectional encoder "
+                                    "runs the torch or cpu backend (or auto)")  # fmt: skip
     if latent_dim is not None and choice == "cpu":
         raise AttentionBackendError("--attention-backend cpu: latent attention runs the triton or torch backend")
     cpu_runs = device.type == "cpu" and cpu_kernels is not None and latent_dim is None
@@ -450,7 +463,7 @@ def select_attention_backend(
         )
     if choice == "cpu" or (choice == "auto" and cpu_takes_shapes):
         return CPUAttention(device, cpu_kernels)
-    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+    if choice == "torch" or (choice == "auto" and (device.type != "cuda" or bidirectional)):
         return SDPAAttention(device)
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise AttentionBackendError(f"--attention-backend triton needs a CUDA device; this worker runs on {device}")

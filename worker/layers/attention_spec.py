@@ -20,6 +20,9 @@ class LayerAttention:
     # (2,) float32 keys' and values' scales of an FP8 KV cache (stored = value / scale), set by paged_attention from
     # the cache; None: the cache holds the values themselves
     kv_scales: torch.Tensor | None = None
+    # False: a bidirectional encoder's (BERT) layer, where each token attends to every token of its sequence; the
+    # sequence then comes whole in one pass (nothing cached before it), which the torch backends mask for
+    is_causal: bool = True
 
     @classmethod
     def default(cls, head_dim: int) -> LayerAttention:

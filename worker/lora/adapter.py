@@ -396,7 +396,7 @@ def _match_vocab_tensors(
 
 
 # PEFT's names: a modules_to_save copy is saved as the layer's own weight; trainable tokens' rows as token_adapter's.
-_COPY_KEY = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.weight$")
+_COPY_KEY = re.compile(r"(?:^|\.)(embed_tokens|lm_head|score)\.weight$")
 _TOKEN_ROWS_KEY = re.compile(r"(?:^|\.)embed_tokens\.token_adapter\.trainable_tokens_delta(?:\.\w+)?$")
 
 
@@ -407,7 +407,7 @@ def _match_copies(
     checked against the base model's shapes. A copy of a module modules_to_save does not list is left to
     _match_vocab_tensors (which refuses it)."""
     vocab, hidden = model_config.vocab_size, model_config.hidden_size
-    if config.modules_to_save and model_config.tie_word_embeddings:
+    if set(config.modules_to_save) & {"embed_tokens", "lm_head"} and model_config.tie_word_embeddings:
         raise AdapterLoadError(
             f"modules_to_save {list(config.modules_to_save)!r} on a model with tied embeddings is not supported"
         )
@@ -419,7 +419,11 @@ def _match_copies(
     for key, shape in tensor_shapes.items():
         match = _COPY_KEY.search(key)
         if match is not None and match.group(1) in config.modules_to_save:
-            if shape != (vocab, hidden):
+            # a score head's rows are the labels, checked against the served head when it is installed
+            if match.group(1) == "score" and (len(shape) != 2 or shape[1] != hidden):
+                raise AdapterLoadError(f"tensor {key!r} (a copy of score) has shape {shape}, expected (labels, "
+                                       f"{hidden})")  # fmt: skip
+            if match.group(1) != "score" and shape != (vocab, hidden):
                 raise AdapterLoadError(
                     f"tensor {key!r} (a copy of {match.group(1)}) has shape {shape}, expected {(vocab, hidden)}; "
                     "resized vocabularies are not supported"

@@ -23,6 +23,8 @@ from loraplex.worker.lora.adapter import LoRAAdapter
 from loraplex.worker.lora.vocab import EMBED, HEAD
 from torch import nn
 
+SCORE = "score"  # a pooling model's classification head (worker/pooling.py)
+
 
 class ModuleCopies:
     def __init__(self, max_copies: int, num_slots: int, device: torch.device, tied: bool):
@@ -114,4 +116,25 @@ class CopyLMHead(nn.Module):
                 logits = hidden @ rows.T.to(hidden.dtype)  # (rows, k)
                 mine = (row_slots == slot)[:, None]
                 y = y.index_copy(1, ids, torch.where(mine, logits, y[:, ids]))
+        return y
+
+
+class CopyScoreHead(nn.Module):
+    """A pooling model's score head (hidden -> labels), with each row of a slot holding a copy computed from it."""
+
+    def __init__(self, base: nn.Module, copies: ModuleCopies, batch):
+        super().__init__()
+        self.base, self.copies, self.batch = base, copies, batch
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        y = self.base(hidden)  # (rows, labels)
+        row_slots = self.batch.row_slots  # (rows,), -1 for base rows
+        for slot in self.batch.used_slots:
+            copy = self.copies.slot_copies[slot].get(SCORE)
+            if copy is not None:
+                y = torch.where((row_slots == slot)[:, None], hidden @ copy.T.to(hidden.dtype), y)
         return y

@@ -33,6 +33,7 @@ FUSED_LINEARS = (
     FusedLinear("self_attn.o_proj", ("o_proj",)),
     FusedLinear("mlp.gate_up_proj", ("gate_proj", "up_proj")),
     FusedLinear("mlp.down_proj", ("down_proj",)),
+    FusedLinear("mlp.up_proj", ("up_proj",)),  # an MLP without a gate (BERT's intermediate.dense)
     # latent attention (worker/model/deepseek_v3.py); kv_b_proj's wrapper is worker/lora/latent.py's
     FusedLinear("self_attn.q_a_proj", ("q_a_proj",)),
     FusedLinear("self_attn.q_b_proj", ("q_b_proj",)),

@@ -9,7 +9,7 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe", "gemma2", "gemma3_text",
                          "gemma3", "phi3", "deepseek_v3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
                          "qwen3_next", "glm4_moe", "llama4_text", "llama4",
-                         "gpt_oss", "gemma4_text", "gemma4")
+                         "gpt_oss", "gemma4_text", "gemma4", "bert")
 GEMMA4_TYPES = ("gemma4_text", "gemma4")
 GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3", *GEMMA4_TYPES)
 LLAMA4_TYPES = ("llama4_text", "llama4")
@@ -221,6 +221,37 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class EncoderConfig:
+    """A bidirectional encoder's own fields (BERT): what the decoders lack, and the head its checkpoint names."""
+
+    type_vocab_size: int  # segment embeddings: 0 for a single text, 1 for the second text of a pair
+    layer_norm_eps: float
+    # BertForSequenceClassification: the pooler (dense + tanh on the first token) and a classifier of num_labels
+    # outputs (a cross-encoder when 1); False: the encoder alone (sentence-transformers pools its hidden states)
+    is_classifier: bool
+    num_labels: int
+
+    @classmethod
+    def from_dict(cls, hf: dict[str, Any]) -> EncoderConfig:
+        if hf.get("position_embedding_type", "absolute") != "absolute":
+            raise ModelConfigError(f"bert with position_embedding_type {hf['position_embedding_type']!r} is not "
+                                   "supported; only 'absolute'")  # fmt: skip
+        if hf.get("is_decoder") or hf.get("add_cross_attention"):
+            raise ModelConfigError("bert as a decoder (is_decoder, add_cross_attention) is not supported")
+        architectures = hf.get("architectures") or ["BertModel"]
+        known = ("BertModel", "BertForSequenceClassification")
+        if architectures[0] not in known:
+            raise ModelConfigError(f"bert architecture {architectures[0]!r} is not supported; {' or '.join(known)}")
+        labels = hf.get("id2label")
+        return cls(
+            type_vocab_size=hf.get("type_vocab_size", 2),
+            layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
+            is_classifier=architectures[0] == "BertForSequenceClassification",
+            num_labels=len(labels) if labels else hf.get("num_labels", 2),
+        )
+
+
+@dataclass(frozen=True)
 class Gemma4Layers:
     """What Gemma 4's layers vary that Gemma 3's share, per layer: the full-attention layers' heads may be wider
     (`global_head_dim`) and fewer (`num_global_key_value_heads`, with `attention_k_eq_v`: their values are the keys'
@@ -288,6 +319,13 @@ class ModelConfig:
     attn_temperature: tuple[float, float] | None = None
     attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
     gemma4: Gemma4Layers | None = None  # Gemma 4's per-layer shapes, KV sharing and per-layer inputs
+    encoder: EncoderConfig | None = None  # a bidirectional encoder (BERT); None: a decoder
+
+    @property
+    def is_bidirectional(self) -> bool:
+        """Every token attends to every token of its sequence, so a sequence is computed whole in one pass: no
+        chunked prefill, no prefix cache, no decoding."""
+        return self.encoder is not None
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
@@ -369,7 +407,7 @@ class ModelConfig:
         if model_type in LLAMA4_TYPES:
             hf = _llama4_fields(hf, model_type)
         hidden_act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
-        allowed_act = "gelu_pytorch_tanh" if model_type in GEMMA_TYPES else "silu"
+        allowed_act = "gelu_pytorch_tanh" if model_type in GEMMA_TYPES else "gelu" if model_type == "bert" else "silu"
         if hidden_act != allowed_act:
             raise ModelConfigError(f"unsupported hidden_act {hidden_act!r}; {model_type} runs {allowed_act}")
         num_heads = hf["num_attention_heads"]
@@ -377,7 +415,7 @@ class ModelConfig:
         if model_type == "deepseek_v3":  # rotary runs over the rope part of each head alone
             head_dim = hf["qk_rope_head_dim"]
         # Phi-3's linears have no biases whatever attention_bias says (its HF code builds them without).
-        attention_bias = bool(hf.get("attention_bias", False)) and model_type != "phi3"
+        attention_bias = bool(hf.get("attention_bias", False)) and model_type != "phi3" or model_type == "bert"
         is_qwen2 = model_type == "qwen2"
         sliding_window = _read_sliding_window(hf, model_type)
         rope = _read_rope(hf, model_type, head_dim)
@@ -399,7 +437,7 @@ class ModelConfig:
             # Qwen2 always has q/k/v biases and none on o_proj; Llama's attention_bias covers all four.
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=not is_qwen2 and attention_bias and model_type != "glm4_moe",  # GLM-4.5: biases on q, k, v only
-            mlp_bias=bool(hf.get("mlp_bias", False)) and model_type != "phi3",
+            mlp_bias=bool(hf.get("mlp_bias", False)) and model_type != "phi3" or model_type == "bert",
             sliding_window=sliding_window,
             checkpoint_dtype=hf.get("dtype") or hf.get("torch_dtype"),
             initializer_range=hf.get("initializer_range", 0.02),
@@ -415,6 +453,7 @@ class ModelConfig:
             attention_sinks=model_type == "gpt_oss",
             qk_norm=model_type == "glm4_moe" and bool(hf.get("use_qk_norm", False)),
             gemma4=_gemma4_layers(hf) if model_type in GEMMA4_TYPES else None,
+            encoder=EncoderConfig.from_dict(hf) if model_type == "bert" else None,
             **(_llama4_attention(hf) if model_type in LLAMA4_TYPES else {}),
         )
 

@@ -1,7 +1,9 @@
-"""model_type -> the decoder class that runs it; one file per family under worker/model/."""
+"""model_type -> the class that runs it; one file per family under worker/model/. A decoder's class follows from its
+model_type; an encoder's (BERT) from its architecture as well (embeddings or a classifier head)."""
 
 from __future__ import annotations
 
+from loraplex.worker.model.bert import bert_model_class
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model.deepseek_v3 import DeepseekV3ForCausalLM
 from loraplex.worker.model.gemma2 import Gemma2ForCausalLM
@@ -48,5 +50,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 
 
 def build_model(config: ModelConfig, max_positions: int) -> nn.Module:
-    """The decoder for config.model_type (ModelConfig already refused any type missing here)."""
+    """The model for config.model_type (ModelConfig already refused any type missing here)."""
+    if config.model_type == "bert":
+        return bert_model_class(config)(config, max_positions=max_positions)
     return MODEL_CLASSES[config.model_type](config, max_positions=max_positions)
