@@ -6,6 +6,7 @@ import random
 from collections import defaultdict
 from collections.abc import Callable
 
+import msgspec
 import pytest
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import (
@@ -54,8 +55,10 @@ def make_scheduler(
     long_rope_len=0,
     num_state_slots=0,
     num_state_snapshots=0,
+    speculative_config=None,
 ) -> Scheduler:
     config = ServerConfig(
+        speculative_config=speculative_config or {},
         page_size=page_size,
         max_loras_per_batch=num_slots,
         max_running_requests=max_running,
@@ -150,14 +153,31 @@ class Workers:
                 self.prefilled_at[req.rid] = len(self.batches)
         self.batches.append(batch)
         pairs = zip(reqs, batch.reqs, strict=True)
-        tokens = [] if error_message else [self.next_token(req.rid, fwd) for req, fwd in pairs]
+        tokens, accepted_ids = [], []
+        for req, fwd in [] if error_message else pairs:
+            accepted, token = self.verify(req.rid, fwd)
+            tokens.append(token)
+            accepted_ids.append(accepted)
+        if not any(accepted_ids):
+            accepted_ids = []
         self.record(
-            sched.process_result(
-                BatchResult(batch_id=batch.batch_id, next_token_ids=tokens, error_message=error_message)
-            )
+            sched.process_result(BatchResult(batch_id=batch.batch_id, next_token_ids=tokens,
+                                             error_message=error_message, accepted_ids=accepted_ids))  # fmt: skip
         )
         self.check_accounting()
         return batch
+
+    def verify(self, rid: str, fwd: ForwardReq) -> tuple[list[int], int]:
+        """Speculative decoding's verify, greedy: the drafts equal to the model's tokens, up to the first that is not,
+        and the model's token after them (the model's token after input row j is next_token of the rows up to j)."""
+        num_known = len(fwd.input_ids) - fwd.num_draft_tokens
+        drafts, accepted = fwd.input_ids[num_known:], []
+        for j in range(num_known, len(fwd.input_ids) + 1):
+            token = self.next_token(rid, msgspec.structs.replace(fwd, input_ids=fwd.input_ids[:j], num_draft_tokens=0))
+            if j - num_known == len(drafts) or drafts[j - num_known] != token:
+                return accepted, token
+            accepted.append(token)
+        raise AssertionError("unreachable")
 
     def check_batch(self, batch: ForwardBatch, reqs) -> None:
         sched = self.sched
@@ -178,9 +198,11 @@ class Workers:
                 assert self.slot_contents.get(fwd.slot) == req.lora_id, "request runs in a slot holding another adapter"
             # The tokens whose KV is not written yet, from the first: a prompt (chunk), a recompute, or the last token.
             cached = fwd.num_cached_tokens
-            assert fwd.input_ids == req.token_ids[cached : cached + len(fwd.input_ids)]
+            num_known = len(fwd.input_ids) - fwd.num_draft_tokens  # the drafts follow the known tokens
+            assert fwd.input_ids[:num_known] == req.token_ids[cached : cached + num_known]
+            assert not fwd.num_draft_tokens or (num_known == 1 and cached + 1 == req.num_tokens)
             assert fwd.num_generated == len(req.output_ids)
-            if len(fwd.input_ids) > 1 or cached < len(req.prompt_ids):
+            if num_known > 1 or cached < len(req.prompt_ids):
                 num_prefills += 1
                 num_prefill_tokens += len(fwd.input_ids)
             assert len(fwd.page_ids) == -(-(cached + len(fwd.input_ids)) // config.page_size)  # no more, no less
