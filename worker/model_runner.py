@@ -34,6 +34,7 @@ from loraplex.worker.quant import check_coverage, checkpoint_format, quantized_l
 from loraplex.worker.sampler import Sampler, prompt_logprob_rows, prompt_logprobs, token_logprobs
 from loraplex.worker.sampling_batch import SamplingBatch
 from loraplex.worker.sampling_table import SamplingTable
+from loraplex.worker.speculative import check_drafts, draft_rows, verify_drafts
 from loraplex.worker.state_cache import HybridCache, StatePlan, StateShape
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class StepResult(NamedTuple):
     tokens: list[int]  # per request
     logprobs: list[TokenLogprob | None]  # per request where one asks, else []
     prompt_logprobs: list[list[TokenLogprob]]  # per request, for its prompt_logprob_ids; [] when none asks
+    accepted_ids: list[list[int]] = []  # per request, its draft tokens accepted before its token; [] when none
 
 
 class ModelRunner:
@@ -374,16 +376,24 @@ class ModelRunner:
         # Before the forward: a request with no parameters fails the batch on every rank alike, before a collective.
         sampling = SamplingBatch.of(batch.reqs, self.sampling_table.resolve(batch.reqs), self.vocab_size, self.device)
         self.grammar.check(sampling)
+        check_drafts(batch.reqs, sampling)
         self.histories.update(batch.reqs, sampling.history_rows)
-        extra_rows = prompt_logprob_rows(batch.reqs)
-        logits = self.logits(batch.reqs, batch.slot_loads, last_only=True, extra_rows=extra_rows)
-        logits, prompt_logits = logits[: len(batch.reqs)], logits[len(batch.reqs) :]  # (reqs, vocab), (extra, vocab)
+        prompt_rows, verify_rows = prompt_logprob_rows(batch.reqs), draft_rows(batch.reqs)
+        logits = self.logits(batch.reqs, batch.slot_loads, last_only=True, extra_rows=prompt_rows + verify_rows)
+        num_reqs, num_prompt = len(batch.reqs), len(prompt_rows)
+        # (reqs, vocab), (prompt rows, vocab), (draft rows, vocab)
+        logits, prompt_logits, draft_logits = (logits[:num_reqs], logits[num_reqs : num_reqs + num_prompt],
+                                               logits[num_reqs + num_prompt :])  # fmt: skip
         processed = apply_penalties(logits, sampling, self.histories)  # logprobs read the raw logits
         processed = self.grammar.mask(processed, batch.reqs, sampling)  # structured output
         tokens = self.sampler.sample(processed, sampling)
         tokens = self.grammar.record(batch.reqs, sampling, tokens)
+        accepted_ids = []
+        if verify_rows:  # requests with drafts: their token follows the drafts accepted (no grammar, logprobs)
+            accepted_ids = verify_drafts(batch.reqs, sampling, logits, draft_logits, tokens, self.sampler)
         return StepResult(tokens, token_logprobs(logits, sampling, tokens),
-                          prompt_logprobs(prompt_logits, batch.reqs, sampling))
+                          prompt_logprobs(prompt_logits, batch.reqs, sampling),
+                          accepted_ids if any(accepted_ids) else [])  # fmt: skip
 
     def logits(
         self, reqs: list[ForwardReq], slot_loads: list[SlotLoad], *, last_only: bool, extra_rows: list[int] = ()
