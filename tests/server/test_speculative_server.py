@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from tests.reference import assert_greedy_match, hf_greedy
 from tests.server_utils import ServerProcess
 
-MAX_NEW = 24
+MAX_NEW = 16
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
 # Repetitive prompts: the n-gram proposer finds its suffixes in them (and tiny random models repeat themselves).
 PROMPTS = ["1 2 3 1 2 3 1 2 3 1 2", "the cat the cat the cat the", "a b c d a b c d a b"]
