@@ -339,21 +339,21 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     speculative_config: Annotated[dict[str, Any], Meta(description=
         "speculative decoding (vLLM's JSON): {\"method\": \"ngram\", \"num_speculative_tokens\": K, "
-        "\"prompt_lookup_min\": N, \"prompt_lookup_max\": M}; each decoding request drafts up to K tokens from its "
-        "own history and the target verifies them in one pass on the request's adapter (draft_model and eagle3 are "
-        "refused for now)"
+        "\"prompt_lookup_min\": N, \"prompt_lookup_max\": M} drafts up to K tokens from each request's own tokens; "
+        "{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": K} from a small model with the "
+        "target's tokenizer; the target verifies them in one pass on the request's adapter (eagle3 is refused for now)"
     )] = {}
     speculative_algorithm: Annotated[str | None, Meta(description=
-        "SGLang's spelling of --speculative-config's method: NGRAM (STANDALONE and EAGLE3 are refused for now)"
+        "SGLang's spelling of --speculative-config's method: NGRAM, STANDALONE (draft_model; EAGLE3 is refused for now)"
     )] = None
     speculative_draft_model_path: Annotated[str | None, Meta(description=
-        "SGLang's spelling of --speculative-config's model (the draft model)"
+        "SGLang's spelling of --speculative-config's model (the draft model's local directory)"
     )] = None
     speculative_num_draft_tokens: Annotated[int | None, Meta(description=
         "SGLang's spelling of --speculative-config's num_speculative_tokens (default 4)"
     )] = None
     speculative_lora_modules: Annotated[list[str], Meta(description=
-        "draft-model adapters NAME=PATH: a request on adapter NAME drafts with it (needs method draft_model)"
+        "draft-model adapters NAME=PATH (refused for now: every request drafts with the base draft model)"
     )] = []
 
     def __post_init__(self) -> None:
@@ -440,6 +440,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(str(e)) from e
         if self.speculative_lora_modules and (spec is None or spec.method != "draft_model"):
             raise ConfigError("--speculative-lora-modules are draft-model adapters: they need method draft_model")
+        if self.speculative_lora_modules:
+            raise ConfigError("--speculative-lora-modules: draft adapters are not supported yet (every request drafts "
+                              "with the base draft model)")
 
     @property
     def cuda_graph_batch_sizes(self) -> list[int]:

@@ -13,7 +13,7 @@ class SpeculativeConfigError(ValueError):
 
 
 # The methods that run; the others are named in the refusal.
-SUPPORTED_METHODS = ("ngram",)
+SUPPORTED_METHODS = ("ngram", "draft_model")
 # SGLang's --speculative-algorithm -> vLLM's method
 SGLANG_ALGORITHMS = {"NGRAM": "ngram", "STANDALONE": "draft_model", "EAGLE3": "eagle3", "EAGLE": "eagle3"}
 MAX_SPECULATIVE_TOKENS = 16  # a verify pass writes 1 + k tokens per request: bounded so a pass stays a decode step

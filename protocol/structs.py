@@ -411,6 +411,9 @@ class ForwardReq(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     # Speculative decoding: the last num_draft_tokens of input_ids are draft tokens (never prev_row's); the pass
     # verifies them and returns the accepted ones (BatchResult.accepted_ids) before its sampled token.
     num_draft_tokens: int = 0
+    # Speculative decoding with a draft model (method draft_model): the workers' draft model proposes this many
+    # tokens after input_ids (pages cover them), which the pass then verifies as drafts.
+    num_model_drafts: int = 0
 
 
 class SlotLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

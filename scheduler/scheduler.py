@@ -36,10 +36,11 @@ pass samples for it, which no one here knows yet: its ForwardReq names that toke
 that pass's token is dropped, and its pages and slot are held until that pass returns. Preemption and adapter drops
 wait until nothing is in flight.
 
-Speculative decoding (--speculative-config, method ngram): a decoding request whose sampling the workers verify
-exactly (SamplingParams.allows_drafts) and that has no pass in flight (its last token must be known to draft from)
-takes up to k draft tokens from NgramProposer, never past its max_new_tokens; its pass writes the last token and the
-drafts (pages for all of them), and the workers return the drafts they accepted and one token more. When it returns,
+Speculative decoding (--speculative-config): a decoding request whose sampling the workers verify exactly
+(SamplingParams.allows_drafts) and that has no pass in flight (its last token must be known to draft from) takes up
+to k draft tokens, never past its max_new_tokens: from NgramProposer (method ngram), or, with method draft_model,
+the workers' draft model proposes them (the pass names how many). Its pass writes the last token and the drafts
+(pages for all of them), and the workers return the drafts they accepted and one token more. When it returns,
 the rejected drafts' positions and any page past the accepted ones go back, so the request holds exactly the pages
 of its written tokens, as without speculation. Such a request sits out the pass after its own while that one is in
 flight (no overlap for it). Hybrid models (linear-attention state cannot be rolled back) and longrope models (a
@@ -62,6 +63,7 @@ from typing import Any
 import msgspec
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.request_limits import request_fit_error
+from loraplex.protocol.speculative import SpeculativeConfig
 from loraplex.protocol.structs import (
     AdapterOpDone,
     AdapterOutcome,
@@ -157,12 +159,17 @@ class Scheduler:
         self._plan: dict[Request, int] = {}  # the step being built: request -> tokens it writes
         self._released_keys: list[int] = []  # ended requests whose state the workers keep, told with the next batch
         self._budget_left = 0
-        self.proposer = self._proposer(config, num_state_slots, long_rope_len)
+        spec = self._speculation(config, num_state_slots, long_rope_len)
+        is_ngram = spec is not None and spec.method == "ngram"
+        self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                      spec.num_speculative_tokens) if is_ngram else None  # fmt: skip
+        # method draft_model: the workers' draft model proposes this many tokens a pass (the scheduler plans pages)
+        self.num_model_drafts = spec.num_speculative_tokens if spec is not None and not is_ngram else 0
         self._drafts: dict[Request, list[int]] = {}  # the step being built: request -> its draft tokens
         self.spec_counts: dict[int | None, list[int]] = {}  # lora_id -> [drafted, accepted, verify passes]
 
     @staticmethod
-    def _proposer(config: ServerConfig, num_state_slots: int, long_rope_len: int) -> NgramProposer | None:
+    def _speculation(config: ServerConfig, num_state_slots: int, long_rope_len: int) -> SpeculativeConfig | None:
         spec = config.speculation
         if spec is None:
             return None
@@ -174,7 +181,7 @@ class Scheduler:
             log.warning("speculative decoding is off: a draft may cross this longrope model's original length")
             return None
         log.info("speculative decoding: %s, up to %d draft tokens a pass", spec.method, spec.num_speculative_tokens)
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
+        return spec
 
     @property
     def is_idle(self) -> bool:
@@ -279,7 +286,10 @@ class Scheduler:
             num_new = 1 if req.num_unscheduled_tokens == 1 else self._prefill_len(req)
             is_decoding = req.num_unscheduled_tokens == 1 and req.num_scheduled_tokens >= len(req.prompt_ids)
             if num_new == 1 and is_decoding and self._drafts_for(req):
-                drafts = self.proposer.propose(req.token_ids, req.num_remaining_tokens - 1)
+                if self.proposer is not None:
+                    drafts = self.proposer.propose(req.token_ids, req.num_remaining_tokens - 1)
+                else:  # the workers' draft model proposes them: the scheduler knows only how many
+                    drafts = [-1] * min(self.num_model_drafts, req.num_remaining_tokens - 1)
                 if drafts:
                     self._drafts[req] = drafts
                     num_new += len(drafts)
@@ -328,7 +338,7 @@ class Scheduler:
 
     def _drafts_for(self, req: Request) -> bool:
         """Whether speculative decoding drafts for the request (its decoding passes)."""
-        return self.proposer is not None and req.sampling.allows_drafts
+        return (self.proposer is not None or self.num_model_drafts > 0) and req.sampling.allows_drafts
 
     def _prefill_len(self, req: Request) -> int:
         """Prompt tokens the request writes this step within the budget left (0: none this step); takes them."""
@@ -477,7 +487,10 @@ class Scheduler:
     def _forward_req(self, req: Request, num_new: int, prev_row: int, saves: list[tuple[int, int]],
                      drafts: list[int] | None = None) -> ForwardReq:  # fmt: skip
         drafts = drafts or []
-        input_ids = req.next_input_ids(num_new - len(drafts)) + drafts
+        input_ids = req.next_input_ids(num_new - len(drafts))
+        num_model_drafts = len(drafts) if self.num_model_drafts else 0  # placeholders: the workers draft them
+        if not num_model_drafts:
+            input_ids += drafts
         if not input_ids:  # its one new token is the one the pass in flight samples
             input_ids = [0]
         else:
@@ -504,7 +517,8 @@ class Scheduler:
             state_slot=req.state_slot,
             restore_snapshot=restore_snapshot,
             snapshot_saves=saves,
-            num_draft_tokens=len(drafts),
+            num_draft_tokens=len(drafts) - num_model_drafts,
+            num_model_drafts=num_model_drafts,
         )
 
     def process_result(self, result: BatchResult) -> list[TokenDelta]:

@@ -30,12 +30,15 @@ def draft_rows(reqs: list[ForwardReq]) -> list[int]:
     return rows
 
 
-def check_drafts(reqs: list[ForwardReq], sampling: SamplingBatch) -> None:
+def check_drafts(reqs: list[ForwardReq], sampling: SamplingBatch, *, has_draft_model: bool) -> None:
     """A bad batch fails on every rank alike, before the forward."""
     for req, params in zip(reqs, sampling.params, strict=True):
-        if not req.num_draft_tokens:
+        if req.num_model_drafts and (not has_draft_model or req.num_draft_tokens):
+            raise BatchError(f"request {req.req_key} asks for {req.num_model_drafts} draft-model tokens, but "
+                             + ("it carries drafts already" if has_draft_model else "no draft model runs here"))
+        if not req.num_draft_tokens and not req.num_model_drafts:
             continue
-        if req.num_draft_tokens >= len(req.input_ids) or req.prev_row >= 0:
+        if req.num_draft_tokens >= len(req.input_ids):
             raise BatchError(f"request {req.req_key}: {req.num_draft_tokens} draft tokens need a known token before "
                              "them")  # fmt: skip
         if not params.allows_drafts:

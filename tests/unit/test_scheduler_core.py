@@ -119,9 +119,12 @@ def load(sched: Scheduler, *lora_ids: int, pinned=False) -> AdapterOpDone:
 class Workers:
     """Plays the workers: applies slot loads, answers each batch, records deltas, checks invariants."""
 
-    def __init__(self, sched: Scheduler, next_token: Callable[[str, ForwardReq], int] = lambda rid, fwd: TOKEN):
+    def __init__(self, sched: Scheduler, next_token: Callable[[str, ForwardReq], int] = lambda rid, fwd: TOKEN,
+                 draft_token: Callable[[str, ForwardReq], int] | None = None):
+        """draft_token: speculative decoding's draft model (method draft_model), by default the model itself."""
         self.sched = sched
         self.next_token = next_token
+        self.draft_token = draft_token or next_token
         self.outputs: dict[str, list[int]] = defaultdict(list)
         self.finished: dict[str, TokenDelta] = {}
         self.deltas: dict[str, list[TokenDelta]] = defaultdict(list)  # every delta, by request
@@ -170,6 +173,13 @@ class Workers:
     def verify(self, rid: str, fwd: ForwardReq) -> tuple[list[int], int]:
         """Speculative decoding's verify, greedy: the drafts equal to the model's tokens, up to the first that is not,
         and the model's token after them (the model's token after input row j is next_token of the rows up to j)."""
+        if fwd.num_model_drafts:  # the draft model proposes them, one after the other
+            drafts = []
+            for _ in range(fwd.num_model_drafts):
+                prefix = msgspec.structs.replace(fwd, input_ids=fwd.input_ids + drafts, num_model_drafts=0)
+                drafts.append(self.draft_token(rid, prefix))
+            fwd = msgspec.structs.replace(fwd, input_ids=fwd.input_ids + drafts, num_draft_tokens=len(drafts),
+                                          num_model_drafts=0)  # fmt: skip
         num_known = len(fwd.input_ids) - fwd.num_draft_tokens
         drafts, accepted = fwd.input_ids[num_known:], []
         for j in range(num_known, len(fwd.input_ids) + 1):
@@ -201,11 +211,13 @@ class Workers:
             num_known = len(fwd.input_ids) - fwd.num_draft_tokens  # the drafts follow the known tokens
             assert fwd.input_ids[:num_known] == req.token_ids[cached : cached + num_known]
             assert not fwd.num_draft_tokens or (num_known == 1 and cached + 1 == req.num_tokens)
+            assert not fwd.num_model_drafts or (len(fwd.input_ids) == 1 and not fwd.num_draft_tokens)
             assert fwd.num_generated == len(req.output_ids)
             if num_known > 1 or cached < len(req.prompt_ids):
                 num_prefills += 1
                 num_prefill_tokens += len(fwd.input_ids)
-            assert len(fwd.page_ids) == -(-(cached + len(fwd.input_ids)) // config.page_size)  # no more, no less
+            num_positions = cached + len(fwd.input_ids) + fwd.num_model_drafts  # model drafts: positions planned
+            assert len(fwd.page_ids) == -(-num_positions // config.page_size)  # no more, no less
             assert fwd.page_ids == req.page_ids
         if sched.is_chunked:
             assert num_prefill_tokens <= sched.prefill_budget + len(batch.reqs)

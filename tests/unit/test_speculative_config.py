@@ -14,6 +14,8 @@ def test_vllm_json_and_sglang_flags_give_one_setting():
     assert vllm.speculation == SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_max=3)
     sglang = ServerConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
     assert sglang.speculation == SpeculativeConfig(method="ngram", num_speculative_tokens=5)
+    draft = ServerConfig(speculative_algorithm="STANDALONE", speculative_draft_model_path="/d")
+    assert draft.speculation == SpeculativeConfig(method="draft_model", num_speculative_tokens=4, model="/d")
     assert ServerConfig().speculation is None
 
 
@@ -26,7 +28,9 @@ def test_the_command_line_takes_the_json():
 
 @pytest.mark.parametrize(("settings", "cause"), [
     ({"speculative_config": {"method": "eagle3", "num_speculative_tokens": 3, "model": "head"}}, "not supported yet"),
-    ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/d"}, "draft_model is not supported"),
+    ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/d"}, "eagle3 is not supported"),
+    ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/d",
+      "speculative_lora_modules": ["x=/y"]}, "draft adapters are not supported yet"),
     ({"speculative_config": {"method": "draft_model", "num_speculative_tokens": 3}}, "needs `model`"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 0}}, "num_speculative_tokens"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3,

@@ -13,6 +13,7 @@ from loraplex.scheduler.ngram_proposer import NgramProposer
 from tests.unit.test_scheduler_core import Workers, assert_drained, load, make_scheduler
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+DRAFT_MODEL = {"method": "draft_model", "num_speculative_tokens": 3, "model": "/draft"}
 
 
 def test_proposer_takes_what_followed_the_longest_recurring_suffix():
@@ -78,8 +79,19 @@ def test_hybrid_models_decode_without_drafts():
     assert sched.proposer is None
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_traffic_with_drafts_gives_the_outputs_without(seed):
+def sloppy_draft(sched):
+    """A draft model that agrees with model_token but at every fifth position."""
+    model = model_token(sched)
+
+    def draft_token(rid, fwd) -> int:
+        token = model(rid, fwd)
+        return token + 1 if (fwd.num_cached_tokens + len(fwd.input_ids)) % 5 == 0 else token
+
+    return draft_token
+
+
+@pytest.mark.parametrize(("seed", "spec"), [(s, NGRAM) for s in range(4)] + [(s, DRAFT_MODEL) for s in range(2)])
+def test_random_traffic_with_drafts_gives_the_outputs_without(seed, spec):
     rng = random.Random(seed)
     traffic = []
     for step in range(30):
@@ -92,7 +104,7 @@ def test_random_traffic_with_drafts_gives_the_outputs_without(seed):
         sched = make_scheduler(page_size=4, num_slots=2, context_length=64, speculative_config=speculative_config,
                                **options)  # fmt: skip
         load(sched, 0, 1)
-        workers = Workers(sched, model_token(sched))
+        workers = Workers(sched, model_token(sched), sloppy_draft(sched))
         for step in range(30):
             for _, rid, prompt, max_new, lora, stop in [t for t in traffic if t[0] == step]:
                 workers.record(sched.add_request(spec_gen(rid, prompt, max_new, lora, temperature=0.0,
@@ -105,10 +117,10 @@ def test_random_traffic_with_drafts_gives_the_outputs_without(seed):
     reference, _ = run(None, num_pages=400, max_running=64)
     pressure = dict(num_pages=rng.randint(12, 20), max_running=rng.randint(2, 8),
                     chunked_prefill_size=rng.randint(3, 12), max_prefill=64, prefix_cache=True)  # fmt: skip
-    outputs, sched = run(NGRAM, **pressure)
+    outputs, sched = run(spec, **pressure)
     assert outputs == reference
     counts = {c.lora_id: c for c in sched.stats(op_id=0).spec}
     assert sum(c.num_accepted_tokens for c in counts.values()) > 0
     assert any(c.num_accepted_tokens < c.num_draft_tokens for c in counts.values())
-    roomy, _ = run(NGRAM, num_pages=400, max_running=64, prefix_cache=True)
+    roomy, _ = run(spec, num_pages=400, max_running=64, prefix_cache=True)
     assert roomy == reference
