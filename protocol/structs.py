@@ -66,11 +66,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def allows_drafts(self) -> bool:
-        """Whether speculative decoding may draft for it: plain sampling (temperature, top-k/p, min-p, seed), which
-        the workers verify exactly; penalties, logit controls, grammars, min_new_tokens and logprobs decode one token
-        a pass, as without speculation."""
+        """Whether speculative decoding may draft for it: plain sampling (temperature, top-k/p, min-p, seed; output
+        logprobs), which the workers verify exactly; penalties, logit controls, grammars and min_new_tokens decode one
+        token a pass, as without speculation."""
         return not (self.uses_penalty or self.bad_words_ids or self.logit_bias or self.allowed_token_ids is not None
-                    or self.constraint is not None or self.min_new_tokens or self.logprobs >= 0)
+                    or self.constraint is not None or self.min_new_tokens)
 
     @property
     def needs_token_history(self) -> bool:
@@ -438,6 +438,9 @@ class BatchResult(Struct, frozen=True):
     # Speculative decoding, per row: its draft tokens the pass accepted, which come before next_token_ids[row] (the
     # token sampled where the first draft was rejected, or after the last); empty: no row accepted any.
     accepted_ids: list[list[int]] = []
+    # ... and their logprob data, per row that asks for logprobs (logprobs[row] is then its sampled token's); empty
+    # when no row has both
+    accepted_logprobs: list[list[TokenLogprob]] = []
 
 
 class WorkerReady(Struct, frozen=True):

@@ -565,7 +565,10 @@ class Scheduler:
                 elif samples:  # else a chunk of a longer prompt: its sampled token is not used
                     logprob = result.logprobs[i] if i < len(result.logprobs) else None
                     token_ids = [*accepted, result.next_token_ids[i]]
-                    deltas.append(self._append_tokens(req, token_ids, logprob, prompt_logprobs))
+                    logprobs = [logprob] if logprob is not None else []
+                    if accepted and logprobs and i < len(result.accepted_logprobs):
+                        logprobs = [*result.accepted_logprobs[i], *logprobs]
+                    deltas.append(self._append_tokens(req, token_ids, logprobs, prompt_logprobs))
                 elif prompt_logprobs:
                     deltas.append(self._delta(req, [], prompt_logprobs=prompt_logprobs))
         return deltas
@@ -621,19 +624,19 @@ class Scheduler:
         req.page_ids[first:num_behind] = [FREED_PAGE] * (num_behind - first)
         req.num_freed_pages = num_behind
 
-    def _append_tokens(self, req: Request, token_ids: list[int], logprob: TokenLogprob | None = None,
+    def _append_tokens(self, req: Request, token_ids: list[int], logprobs: list[TokenLogprob],
                        prompt_logprobs: list[TokenLogprob] | None = None) -> TokenDelta:
-        """A pass's tokens for the request (several after accepted drafts, which never ask for logprobs), in order
-        until one ends it: the tokens after a stop token or past max_new_tokens are dropped."""
-        logprobs = [logprob] if logprob is not None else []
+        """A pass's tokens for the request (several after accepted drafts) and their logprobs (one each where it
+        asks, else []), in order until one ends it: the tokens after a stop token or past max_new_tokens are
+        dropped."""
         for num_taken, token_id in enumerate(token_ids, 1):
             req.output_ids.append(token_id)
             self.order.on_output(req)
             if token_id in req.sampling.stop_token_ids and len(req.output_ids) > req.sampling.min_new_tokens:
-                delta = self._finish(req, "stop", token_ids[:num_taken], logprobs=logprobs)
+                delta = self._finish(req, "stop", token_ids[:num_taken], logprobs=logprobs[:num_taken])
                 break
             if req.num_remaining_tokens <= 0:
-                delta = self._finish(req, "length", token_ids[:num_taken], logprobs=logprobs)
+                delta = self._finish(req, "length", token_ids[:num_taken], logprobs=logprobs[:num_taken])
                 break
         else:
             delta = self._delta(req, token_ids, logprobs=logprobs)

@@ -56,6 +56,7 @@ class StepResult(NamedTuple):
     logprobs: list[TokenLogprob | None]  # per request where one asks, else []
     prompt_logprobs: list[list[TokenLogprob]]  # per request, for its prompt_logprob_ids; [] when none asks
     accepted_ids: list[list[int]] = []  # per request, its draft tokens accepted before its token; [] when none
+    accepted_logprobs: list[list[TokenLogprob]] = []  # ... their logprob data where it asks; [] when none
 
 
 class ModelRunner:
@@ -400,12 +401,14 @@ class ModelRunner:
         processed = self.grammar.mask(processed, reqs, sampling)  # structured output
         tokens = self.sampler.sample(processed, sampling)
         tokens = self.grammar.record(reqs, sampling, tokens)
-        accepted_ids = []
-        if verify_rows:  # requests with drafts: their token follows the drafts accepted (no grammar, logprobs)
-            accepted_ids = verify_drafts(reqs, sampling, logits, draft_logits, tokens, self.sampler)
-        return StepResult(tokens, token_logprobs(logits, sampling, tokens),
-                          prompt_logprobs(prompt_logits, reqs, sampling),
-                          accepted_ids if any(accepted_ids) else [])  # fmt: skip
+        logprobs = token_logprobs(logits, sampling, tokens)
+        accepted_ids, accepted_logprobs = [], []
+        if verify_rows:  # requests with drafts (no penalties, no grammar): their token follows the drafts accepted
+            accepted_ids, accepted_logprobs = verify_drafts(reqs, sampling, logits, draft_logits, tokens, self.sampler,
+                                                            logprobs)  # fmt: skip
+        return StepResult(tokens, logprobs, prompt_logprobs(prompt_logits, reqs, sampling),
+                          accepted_ids if any(accepted_ids) else [],
+                          accepted_logprobs if any(accepted_logprobs) else [])  # fmt: skip
 
     def logits(
         self, reqs: list[ForwardReq], slot_loads: list[SlotLoad], *, last_only: bool, extra_rows: list[int] = ()

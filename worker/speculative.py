@@ -12,9 +12,9 @@ recompute after a preemption (same history, same drafts) gives the same tokens.
 from __future__ import annotations
 
 import torch
-from loraplex.protocol.structs import ForwardReq
+from loraplex.protocol.structs import ForwardReq, TokenLogprob
 from loraplex.worker.batch_inputs import BatchError
-from loraplex.worker.sampler import Sampler
+from loraplex.worker.sampler import Sampler, logprob_entries
 from loraplex.worker.sampling_batch import SamplingBatch
 
 
@@ -42,8 +42,8 @@ def check_drafts(reqs: list[ForwardReq], sampling: SamplingBatch, *, has_draft_m
             raise BatchError(f"request {req.req_key}: {req.num_draft_tokens} draft tokens need a known token before "
                              "them")  # fmt: skip
         if not params.allows_drafts:
-            raise BatchError(f"request {req.req_key}: its sampling (penalties, logit controls, grammar, "
-                             "min_new_tokens or logprobs) is not verified with drafts")  # fmt: skip
+            raise BatchError(f"request {req.req_key}: its sampling (penalties, logit controls, grammar or "
+                             "min_new_tokens) is not verified with drafts")  # fmt: skip
 
 
 def verify_drafts(
@@ -53,10 +53,13 @@ def verify_drafts(
     draft_logits: torch.Tensor,
     tokens: list[int],
     sampler: Sampler,
-) -> list[list[int]]:
+    logprobs: list[TokenLogprob | None] | None = None,
+) -> tuple[list[list[int]], list[list[TokenLogprob]]]:
     """last_logits (reqs, vocab), draft_logits (draft_rows, vocab): per request, its accepted drafts ([] for one
-    without); tokens[i] becomes the token that follows them."""
+    without) and, where it asks for logprobs, theirs; tokens[i] becomes the token that follows them, and
+    logprobs[i] (token_logprobs' list, for requests that ask) its entry."""
     accepted_ids: list[list[int]] = [[] for _ in reqs]
+    accepted_logprobs: list[list[TokenLogprob]] = [[] for _ in reqs]
     start = 0
     for i, req in enumerate(reqs):
         k = req.num_draft_tokens
@@ -65,17 +68,21 @@ def verify_drafts(
         logits = torch.cat([draft_logits[start : start + k], last_logits[i : i + 1]])  # (k + 1, vocab)
         start += k
         drafts = req.input_ids[-k:]
+        params, step = sampling.params[i], sampling.num_generated[i]
         if sampling.is_greedy[i]:
             best = logits.argmax(dim=-1).tolist()
             num_accepted = next((j for j in range(k) if best[j] != drafts[j]), k)
             accepted_ids[i], tokens[i] = drafts[:num_accepted], best[num_accepted]
-            continue
-        params, step = sampling.params[i], sampling.num_generated[i]
-        rows = SamplingBatch.build([params] * (k + 1), [step + j for j in range(k + 1)], [req.req_key] * (k + 1),
-                                   logits.shape[-1], logits.device)  # fmt: skip
-        probs = sampler.probs(logits.float(), rows)  # (k + 1, vocab)
-        accepted_ids[i], tokens[i] = _rejection_sample(probs, drafts, params.seed, step, sampler)
-    return accepted_ids
+        else:
+            rows = SamplingBatch.build([params] * (k + 1), [step + j for j in range(k + 1)], [req.req_key] * (k + 1),
+                                       logits.shape[-1], logits.device)  # fmt: skip
+            probs = sampler.probs(logits.float(), rows)  # (k + 1, vocab)
+            accepted_ids[i], tokens[i] = _rejection_sample(probs, drafts, params.seed, step, sampler)
+        if params.logprobs >= 0 and logprobs:  # row j's raw logits give output token j's logprob, as without drafts
+            num_rows = len(accepted_ids[i]) + 1
+            entries = logprob_entries(logits[:num_rows], [*accepted_ids[i], tokens[i]], [params.logprobs] * num_rows)
+            accepted_logprobs[i], logprobs[i] = entries[:-1], entries[-1]
+    return accepted_ids, accepted_logprobs
 
 
 def _rejection_sample(probs: torch.Tensor, drafts: list[int], seed: int | None, step: int,

@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
-from tests.reference import assert_greedy_match, hf_greedy
+from tests.reference import assert_greedy_match, hf_greedy, hf_model
 from tests.server_utils import ServerProcess
 
 MAX_NEW = 16
@@ -46,6 +47,20 @@ def test_greedy_with_drafts_equals_hf_for_base_and_two_adapters_in_one_batch(spe
     metrics = spec_server.get("/metrics").text
     assert 'loraplex_spec_draft_tokens_total{adapter="' in metrics
     assert "loraplex_spec_accepted_tokens_total" in metrics
+
+
+@torch.inference_mode()
+def test_logprobs_of_accepted_drafts_equal_hf(spec_server, llama_dir, adapter_dirs):
+    body = {"text": PROMPTS[0], "lora_path": "a8", "sampling_params": GREEDY, "return_logprob": True}
+    out = spec_server.post("/generate", body).json()
+    entries = out["meta_info"]["output_token_logprobs"]
+    assert [e[1] for e in entries] == out["output_ids"]
+    prompt_ids = AutoTokenizer.from_pretrained(llama_dir)(PROMPTS[0])["input_ids"]
+    model = hf_model(str(llama_dir), str(adapter_dirs["a8"]))
+    logits = model(torch.tensor([prompt_ids + out["output_ids"]])).logits[0, len(prompt_ids) - 1 : -1].float()
+    ref = logits.log_softmax(-1)  # (outputs, vocab)
+    for i, (logprob, token_id, _) in enumerate(entries):
+        assert abs(logprob - float(ref[i, token_id])) < 1e-3, (i, logprob, float(ref[i, token_id]))
 
 
 def test_sampled_requests_and_bad_settings(spec_server):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 from loraplex.protocol.structs import ForwardReq, SamplingParams
-from loraplex.worker.sampler import Sampler
+from loraplex.worker.sampler import Sampler, logprob_entries
 from loraplex.worker.sampling_batch import SamplingBatch
 from loraplex.worker.speculative import draft_rows, verify_drafts
 
@@ -24,7 +24,7 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, samp
     k = len(drafts)
     assert draft_rows([req]) == list(range(k))
     tokens = [-1]
-    [accepted] = verify_drafts([req], sampling, logits[k:], logits[:k], tokens, sampler)
+    [accepted], _ = verify_drafts([req], sampling, logits[k:], logits[:k], tokens, sampler)
     return accepted, tokens[0]
 
 
@@ -42,6 +42,22 @@ def test_greedy_accepts_the_argmax_run_and_corrects_the_first_miss():
     assert verify(logits, [2, 5, 1], greedy, sampler) == ([2, 5, 1], 3)  # all accepted: the bonus token
     assert verify(logits, [2, 4, 1], greedy, sampler) == ([2], 5)  # the first miss is replaced by the argmax
     assert verify(logits, [0, 5, 1], greedy, sampler) == ([], 2)
+
+
+def test_each_output_token_s_logprob_comes_from_its_own_row():
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))  # (k + 1, vocab)
+    best = logits.argmax(dim=-1).tolist()
+    drafts = [best[0], best[1], (best[2] + 1) % VOCAB]  # two accepted, the third rejected
+    params = SamplingParams(temperature=0.0, logprobs=2)
+    req = ForwardReq(input_ids=[0, *drafts], num_cached_tokens=5, page_ids=[0, 1, 2], num_draft_tokens=3,
+                     req_key=1)  # fmt: skip
+    sampling = SamplingBatch.of([req], [params], VOCAB, torch.device("cpu"))
+    tokens, logprobs = [-1], [None]
+    [accepted], [accepted_logprobs] = verify_drafts([req], sampling, logits[3:], logits[:3], tokens,
+                                                    Sampler(0, torch.device("cpu")), logprobs)  # fmt: skip
+    assert accepted == drafts[:2] and tokens == [best[2]]
+    expected = logprob_entries(logits[:3], [*drafts[:2], best[2]], [2, 2, 2])  # rows 0, 1, 2: as decoding one by one
+    assert [*accepted_logprobs, logprobs[0]] == expected
 
 
 def test_rejection_sampling_keeps_the_target_distribution():

@@ -64,11 +64,11 @@ def test_a_verify_pass_writes_the_drafts_and_keeps_only_the_accepted_tokens_page
     assert_drained(sched)
 
 
-def test_requests_that_sampling_reads_history_of_decode_without_drafts():
+def test_requests_whose_sampling_reads_their_history_decode_without_drafts():
     sched = make_scheduler(num_pages=32, page_size=4, speculative_config=NGRAM)
     workers = Workers(sched, model_token(sched))
     sched.add_request(spec_gen("p", [1, 2, 3, 1, 2, 3], 8, temperature=0.0, presence_penalty=0.5))
-    sched.add_request(spec_gen("l", [1, 2, 3, 1, 2, 3], 8, temperature=0.0, logprobs=2))
+    sched.add_request(spec_gen("m", [1, 2, 3, 1, 2, 3], 8, temperature=0.0, min_new_tokens=2))
     workers.run_until_idle()
     assert all(not fwd.num_draft_tokens for batch in workers.batches for fwd in batch.reqs)
     assert_drained(sched)
