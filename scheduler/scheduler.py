@@ -165,7 +165,10 @@ class Scheduler:
                                       spec.num_speculative_tokens) if is_ngram else None  # fmt: skip
         # method draft_model: the workers' draft model proposes this many tokens a pass (the scheduler plans pages)
         self.num_model_drafts = spec.num_speculative_tokens if spec is not None and not is_ngram else 0
-        self._drafts: dict[Request, list[int]] = {}  # the step being built: request -> its draft tokens
+        # the step being built: request -> its draft count, and its n-gram draft tokens (a draft model's are the
+        # workers' to propose)
+        self._num_drafts: dict[Request, int] = {}
+        self._drafts: dict[Request, list[int]] = {}
         self.spec_counts: dict[int | None, list[int]] = {}  # lora_id -> [drafted, accepted, verify passes]
 
     @staticmethod
@@ -271,7 +274,7 @@ class Scheduler:
     def schedule(self) -> ForwardBatch | None:
         if not self.can_schedule:
             raise RuntimeError(f"schedule() called with {len(self._in_flight)} batches in flight")
-        self._plan, self._drafts, self._budget_left = {}, {}, self.prefill_budget
+        self._plan, self._num_drafts, self._drafts, self._budget_left = {}, {}, {}, self.prefill_budget
         for req in sorted(self.running.values(), key=lambda r: r.arrival):
             if req.is_aborted or not req.wants_more:
                 continue  # it ends when its passes in flight return
@@ -287,16 +290,15 @@ class Scheduler:
             is_decoding = req.num_unscheduled_tokens == 1 and req.num_scheduled_tokens >= len(req.prompt_ids)
             if num_new == 1 and is_decoding and self._drafts_for(req):
                 if self.proposer is not None:
-                    drafts = self.proposer.propose(req.token_ids, req.num_remaining_tokens - 1)
+                    self._drafts[req] = self.proposer.propose(req.token_ids, req.num_remaining_tokens - 1)
+                    self._num_drafts[req] = len(self._drafts[req])
                 else:  # the workers' draft model proposes them: the scheduler knows only how many
-                    drafts = [-1] * min(self.num_model_drafts, req.num_remaining_tokens - 1)
-                if drafts:
-                    self._drafts[req] = drafts
-                    num_new += len(drafts)
+                    self._num_drafts[req] = min(self.num_model_drafts, req.num_remaining_tokens - 1)
+                num_new += self._num_drafts[req]
             if num_new:
                 self._plan[req] = num_new
         if not self._grow_running():
-            self._plan, self._drafts = {}, {}
+            self._plan, self._num_drafts, self._drafts = {}, {}, {}
             return None  # it needs a preemption: after the passes in flight return
         waiting = self.order.order(self.waiting.values())
         admitted = self.policy.pick_prefills(waiting, list(self.running.values()), self.slots, self)
@@ -320,10 +322,10 @@ class Scheduler:
         previous = self._in_flight[-1] if self._in_flight else None
         prev_rows = {req: row for row, req in enumerate(previous.reqs)} if previous else {}
         forward_reqs, samples, saves = [], [], []
-        num_drafts = [len(self._drafts.get(r, ())) for r in reqs]
+        num_drafts = [self._num_drafts.get(r, 0) for r in reqs]
         for req, n, k in zip(reqs, num_new, num_drafts, strict=True):
             saves.append(self._snapshot_saves(req, n))
-            forward_reqs.append(self._forward_req(req, n, prev_rows.get(req, -1), saves[-1], self._drafts.get(req)))
+            forward_reqs.append(self._forward_req(req, n, prev_rows.get(req, -1), saves[-1], k))
             req.num_scheduled_tokens += n
             req.num_passes_in_flight += 1
             samples.append(req.num_unscheduled_tokens + k == 0)  # its drafts are scheduled, not yet its tokens
@@ -370,6 +372,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self._let_go(req)
         self._plan.pop(req, None)
+        self._num_drafts.pop(req, None)
         self._drafts.pop(req, None)
         del self.running[req.rid]
         req.num_cached_tokens = req.num_scheduled_tokens = req.num_offered_pages = 0
@@ -485,12 +488,11 @@ class Scheduler:
         return True
 
     def _forward_req(self, req: Request, num_new: int, prev_row: int, saves: list[tuple[int, int]],
-                     drafts: list[int] | None = None) -> ForwardReq:  # fmt: skip
-        drafts = drafts or []
-        input_ids = req.next_input_ids(num_new - len(drafts))
-        num_model_drafts = len(drafts) if self.num_model_drafts else 0  # placeholders: the workers draft them
-        if not num_model_drafts:
-            input_ids += drafts
+                     num_drafts: int = 0) -> ForwardReq:  # fmt: skip
+        """num_new counts its num_drafts: n-gram drafts follow its known tokens in input_ids; a draft model's the
+        workers propose (num_model_drafts)."""
+        drafts = self._drafts.get(req, [])
+        input_ids = req.next_input_ids(num_new - num_drafts) + drafts
         if not input_ids:  # its one new token is the one the pass in flight samples
             input_ids = [0]
         else:
@@ -517,8 +519,8 @@ class Scheduler:
             state_slot=req.state_slot,
             restore_snapshot=restore_snapshot,
             snapshot_saves=saves,
-            num_draft_tokens=len(drafts) - num_model_drafts,
-            num_model_drafts=num_model_drafts,
+            num_draft_tokens=len(drafts),
+            num_model_drafts=num_drafts - len(drafts),
         )
 
     def process_result(self, result: BatchResult) -> list[TokenDelta]:
