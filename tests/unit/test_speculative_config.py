@@ -46,3 +46,4 @@ def test_the_command_line_takes_the_json():
 def test_bad_settings_are_refused_with_their_cause(settings, cause):
     with pytest.raises(ConfigError, match=cause):
         ServerConfig(**settings)
+
