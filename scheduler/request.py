@@ -52,6 +52,10 @@ class Request:
     is_on_workers: bool = False  # the workers keep state for it: released (released_keys) when it ends
     prompt_logprob_next: int = 0  # the first prompt position whose logprob is still to be delivered
     is_long_rope: bool = False  # longrope models: its KV is written with the long factors (set at each admission)
+    # Speculative decoding's back-off: verify passes in a row that accepted nothing, and the decode passes it still
+    # takes without drafts because of them (they keep the overlap of passes that drafting gives up)
+    num_draft_misses: int = 0
+    num_passes_without_drafts: int = 0
 
     def __post_init__(self) -> None:
         # Position 0 has no logprob (nothing predicts it): the frontend puts its null.

@@ -43,8 +43,11 @@ the workers' draft model proposes them (the pass names how many). Its pass write
 (pages for all of them), and the workers return the drafts they accepted and one token more. When it returns,
 the rejected drafts' positions and any page past the accepted ones go back, so the request holds exactly the pages
 of its written tokens, as without speculation. Such a request sits out the pass after its own while that one is in
-flight (no overlap for it). Hybrid models (linear-attention state cannot be rolled back) and longrope models (a
-draft may cross the original length) decode without drafts. Draft and accepted counts are kept per adapter.
+flight (no overlap for it). A request whose verify pass accepts nothing, or that has nothing to draft, backs off:
+after m such passes in a row it decodes min(2^m, MAX_PASSES_WITHOUT_DRAFTS) passes without drafts (and with the
+overlap), so open generation that no draft predicts runs almost as without speculation. Hybrid models
+(linear-attention state cannot be rolled back) and longrope models (a draft may cross the original length) decode
+without drafts. Draft and accepted counts are kept per adapter.
 
 Request state on the workers: a request's first pass after each admission carries its sampling parameters (a
 grammar's whole text included), and its cached tokens when penalties read them; every rank keeps them under the
@@ -94,6 +97,9 @@ log = logging.getLogger(__name__)
 
 
 MAX_IN_FLIGHT = 2  # the workers compute one pass while the next waits in their socket
+# Speculative decoding: after m verify passes in a row that accepted nothing, a request decodes min(2^m, this) passes
+# without drafts before it drafts again, so open generation that no draft predicts runs as without speculation.
+MAX_PASSES_WITHOUT_DRAFTS = 32
 
 
 @dataclass
@@ -278,7 +284,7 @@ class Scheduler:
         for req in sorted(self.running.values(), key=lambda r: r.arrival):
             if req.is_aborted or not req.wants_more:
                 continue  # it ends when its passes in flight return
-            if req.num_passes_in_flight and req.num_unscheduled_tokens <= 1 and self._drafts_for(req):
+            if req.num_passes_in_flight and req.num_unscheduled_tokens <= 1 and self._drafts_now(req):
                 continue  # it drafts from its last token, which a pass in flight is still sampling
             if req.is_long_rope != self._needs_long_rope(req):
                 # It grew past longrope's original length: as transformers does, every position takes the long
@@ -288,13 +294,17 @@ class Scheduler:
                 continue
             num_new = 1 if req.num_unscheduled_tokens == 1 else self._prefill_len(req)
             is_decoding = req.num_unscheduled_tokens == 1 and req.num_scheduled_tokens >= len(req.prompt_ids)
-            if num_new == 1 and is_decoding and self._drafts_for(req):
+            if num_new == 1 and is_decoding and req.num_passes_without_drafts:
+                req.num_passes_without_drafts -= 1
+            elif num_new == 1 and is_decoding and self._drafts_for(req):
                 if self.proposer is not None:
                     self._drafts[req] = self.proposer.propose(req.token_ids, req.num_remaining_tokens - 1)
                     self._num_drafts[req] = len(self._drafts[req])
                 else:  # the workers' draft model proposes them: the scheduler knows only how many
                     self._num_drafts[req] = min(self.num_model_drafts, req.num_remaining_tokens - 1)
                 num_new += self._num_drafts[req]
+                if not self._num_drafts[req]:  # nothing to draft: back off as from a miss
+                    self._count_miss(req)
             if num_new:
                 self._plan[req] = num_new
         if not self._grow_running():
@@ -341,6 +351,10 @@ class Scheduler:
     def _drafts_for(self, req: Request) -> bool:
         """Whether speculative decoding drafts for the request (its decoding passes)."""
         return (self.proposer is not None or self.num_model_drafts > 0) and req.sampling.allows_drafts
+
+    def _drafts_now(self, req: Request) -> bool:
+        """... and its next decoding pass is one that drafts (not backing off)."""
+        return self._drafts_for(req) and not req.num_passes_without_drafts
 
     def _prefill_len(self, req: Request) -> int:
         """Prompt tokens the request writes this step within the budget left (0: none this step); takes them."""
@@ -594,11 +608,21 @@ class Scheduler:
         if len(req.page_ids) > num_kept:
             self.cache.release(req.page_ids[num_kept:])
             del req.page_ids[num_kept:]
+        if num_accepted:
+            req.num_draft_misses = 0
+        else:
+            self._count_miss(req)
         counts = self.spec_counts.setdefault(req.lora_id, [0, 0, 0])
         counts[0] += num_drafts
         counts[1] += num_accepted
         counts[2] += 1
         return num_rejected
+
+    @staticmethod
+    def _count_miss(req: Request) -> None:
+        """A verify pass accepted nothing, or there was nothing to draft: decode the next passes without drafts."""
+        req.num_draft_misses += 1
+        req.num_passes_without_drafts = min(2**req.num_draft_misses, MAX_PASSES_WITHOUT_DRAFTS)
 
     def _offer_pages(self, req: Request) -> None:
         """Full pages now written go to the prefix cache (a page another request cached first replaces ours)."""

@@ -124,3 +124,17 @@ def test_random_traffic_with_drafts_gives_the_outputs_without(seed, spec):
     assert any(c.num_accepted_tokens < c.num_draft_tokens for c in counts.values())
     roomy, _ = run(spec, num_pages=400, max_running=64, prefix_cache=True)
     assert roomy == reference
+
+
+def test_a_request_whose_drafts_keep_missing_backs_off():
+    """Drafts never accepted: after m misses in a row the request decodes 2^m passes without drafts (up to a cap),
+    keeping the overlap of passes; its outputs stay those of the model."""
+    sched = make_scheduler(num_pages=64, page_size=4, speculative_config=DRAFT_MODEL)
+    model = model_token(sched)
+    workers = Workers(sched, model, lambda rid, fwd: model(rid, fwd) + 1)  # a draft model that is always wrong
+    sched.add_request(spec_gen("a", [1, 2, 3], 40, temperature=0.0))
+    workers.run_until_idle()
+    [count] = sched.stats(op_id=0).spec
+    assert count.num_accepted_tokens == 0 and 3 <= count.num_verify_passes <= 6
+    assert len(workers.outputs["a"]) == 40
+    assert_drained(sched)
