@@ -119,6 +119,7 @@ def test_random_traffic_with_drafts_gives_the_outputs_without(seed, spec):
                     chunked_prefill_size=rng.randint(3, 12), max_prefill=64, prefix_cache=True)  # fmt: skip
     outputs, sched = run(spec, **pressure)
     assert outputs == reference
+    assert sched.num_preemptions > 0  # rolled-back and recomputed requests among them
     counts = {c.lora_id: c for c in sched.stats(op_id=0).spec}
     assert sum(c.num_accepted_tokens for c in counts.values()) > 0
     assert any(c.num_accepted_tokens < c.num_draft_tokens for c in counts.values())
