@@ -11,7 +11,7 @@ from loraplex.worker.sampling_batch import SamplingBatch
 from loraplex.worker.speculative import draft_rows, verify_drafts
 
 VOCAB = 6
-NUM_SAMPLES = 600
+NUM_SAMPLES = 1000
 # chi-square critical value for 5 degrees of freedom at p = 0.001: a correct sampler fails one seed in a thousand
 CHI2_CRITICAL_DF5 = 20.52
 
