@@ -1,10 +1,10 @@
-"""Speculative decoding (n-gram) end to end: one batch mixing the base model and two adapters, each request verifying
-its drafts on its own adapter, gives HF + peft's greedy tokens; the draft and accepted counts reach /metrics and
-/server_info per adapter."""
+"""Speculative decoding end to end: one batch mixing the base model and two adapters, each request verifying its drafts
+on its own adapter, gives HF + peft's greedy tokens; the draft and accepted counts reach /metrics and /server_info per
+adapter. The draft model is the base model itself (SGLang's spelling): the base requests' drafts are all accepted, the
+adapters' only where the adapter keeps the base's choice, so both acceptance and rejection run. (The n-gram proposer
+feeds the same verify step: tests/unit/test_speculative_scheduler.py.)"""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
@@ -18,7 +18,6 @@ GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
 # Repetitive prompts: the n-gram proposer finds its suffixes in them (and tiny random models repeat themselves).
 PROMPTS = ["1 2 3 1 2 3 1 2 3 1 2", "the cat the cat the cat the", "a b c d a b c d a b"]
 NAMES = [None, "a4", "a8"]
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +25,8 @@ def spec_server(llama_dir, adapter_dirs):
     lora_paths = [f"{name}={adapter_dirs[name]}" for name in ("a4", "a8")]
     with ServerProcess("--model-path", str(llama_dir), "--lora-paths", *lora_paths, "--max-loras-per-batch", "2",
                        "--max-total-tokens", "4096", "--context-length", "256",
-                       "--speculative-config", json.dumps(NGRAM)) as server:  # fmt: skip
+                       "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(llama_dir),
+                       "--speculative-num-draft-tokens", "3") as server:  # fmt: skip
         yield server
 
 
@@ -39,9 +39,10 @@ def test_greedy_with_drafts_equals_hf_for_base_and_two_adapters_in_one_batch(spe
         ref, margins = hf_greedy(llama_dir, tokenizer(prompt)["input_ids"], MAX_NEW, adapter)
         assert_greedy_match(out["output_ids"], ref, margins, f"{name}: {prompt}")
     info = spec_server.get("/server_info").json()["speculative"]
-    assert info["method"] == "ngram"
+    assert info["method"] == "draft_model"
     per_adapter = {a["adapter"]: a for a in info["adapters"]}
-    assert sum(a["num_accepted_tokens"] for a in per_adapter.values()) > 0  # drafts really were accepted
+    assert per_adapter["base"]["acceptance_rate"] == 1.0  # the target drafting for itself
+    assert {"a4", "a8"} <= set(per_adapter) and per_adapter["a4"]["num_draft_tokens"] > 0
     for a in per_adapter.values():
         assert 0 <= a["acceptance_rate"] <= 1 and a["mean_accepted_length"] >= 1
     metrics = spec_server.get("/metrics").text
