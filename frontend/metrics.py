@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from loraplex.frontend.spec_stats import adapter_label, combine_spec
 from loraplex.protocol.structs import SchedulerStats
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -45,6 +46,12 @@ class Metrics:
                                                "prefix cache", registry=r)
         self.prefix_cache_queried_tokens = Counter("loraplex_prefix_cache_queried_tokens", "Prompt tokens looked "
                                                    "up in the prefix cache", registry=r)
+        # speculative decoding, per adapter ("base": the base model's requests); 0 until a request drafts
+        self.spec_draft_tokens = Counter("loraplex_spec_draft_tokens", "Draft tokens verified (speculative "
+                                         "decoding)", ["adapter"], registry=r)
+        self.spec_accepted_tokens = Counter("loraplex_spec_accepted_tokens", "Draft tokens accepted (speculative "
+                                            "decoding)", ["adapter"], registry=r)
+        self._spec_totals: dict[tuple[str, int | None], int] = {}  # the schedulers' cumulative counts, last seen
         self.ttft = Histogram("loraplex_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
                               registry=r)
         self.itl = Histogram("loraplex_inter_token_latency_seconds", "Time between output tokens",
@@ -144,6 +151,13 @@ class Metrics:
         ):
             counter.inc(max(0, total - self._scheduler_totals.get(name, 0)))
             self._scheduler_totals[name] = max(total, self._scheduler_totals.get(name, 0))
+        for count in combine_spec(replicas):
+            label = adapter_label(count.lora_id, names)
+            for kind, counter, total in (("draft", self.spec_draft_tokens, count.num_draft_tokens),
+                                         ("accepted", self.spec_accepted_tokens, count.num_accepted_tokens)):
+                key = (kind, count.lora_id)
+                counter.labels(adapter=label).inc(max(0, total - self._spec_totals.get(key, 0)))
+                self._spec_totals[key] = max(total, self._spec_totals.get(key, 0))
         self.waiting.labels(model_name=self.model_name).set(stats.num_waiting)
         self.running.labels(model_name=self.model_name).set(stats.num_running)
         self.kv_usage.labels(model_name=self.model_name).set(stats.kv_usage)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -92,6 +93,7 @@ class RequestState:
         hit = self.stop_matcher.find(self.full_text, old_len) if may_stop else None
         if hit is not None:
             index, matched = hit
+            self._drop_tokens_after(index + len(matched), len(self.output_ids) - len(delta.token_ids))
             self.text = self.full_text[: index + (len(matched) if self.output.keep_stop else 0)]
             self.finish_reason = {"type": "stop", "matched": matched}
             self.changed.set()
@@ -103,6 +105,14 @@ class RequestState:
             self._finish_from_scheduler(delta)
         self.changed.set()
         return False
+
+    def _drop_tokens_after(self, text_end: int, num_before: int) -> None:
+        """A stop string ending at text_end: the tokens whose text starts after it are not output. Only a delta of
+        several tokens (speculative decoding's accepted drafts) has such tokens, and they are dropped as decoding
+        one token a pass would never have made them."""
+        num_kept = max(bisect.bisect_left(self.output_offsets, text_end), num_before)
+        for kept in (self.output_ids, self.output_logprobs, self.token_times, self.output_offsets):
+            del kept[num_kept:]
 
     def _shown_ids(self, delta: TokenDelta) -> list[int]:
         """The delta's tokens whose text is shown: a special token that stopped generation is not (it stays in

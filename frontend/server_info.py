@@ -9,6 +9,7 @@ import msgspec
 from loraplex.frontend.metrics import combine_stats
 from loraplex.frontend.request_table import RequestTable
 from loraplex.frontend.runtime import Runtime
+from loraplex.frontend.spec_stats import spec_info
 from loraplex.protocol.structs import SchedulerStats
 
 SECRETS = ("api_key", "admin_api_key", "hf_token")
@@ -56,6 +57,7 @@ async def server_info(runtime: Runtime, requests: RequestTable) -> dict[str, Any
         "num_adapter_entries": runtime.registry.num_entries(),
         "num_adapter_holds": runtime.registry.total_holds(),
         "slot_lora_ids": stats.slot_lora_ids if stats and len(replicas) == 1 else None,  # per replica below
+        "speculative": spec_info(runtime.config, replicas, {e.lora_id: e.name for e in runtime.registry.live()}),
         **scheduler_counters(stats),
         "replicas": [replica_info(runtime, dp_rank, replicas[dp_rank] if replicas else None)
                      for dp_rank in range(len(runtime.replica_ready))],

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from loraplex.protocol.adapters.lora_targets import ALL_TARGETS, LAYER_MODULES
 from loraplex.protocol.model_ref import ModelRef, parse_model_ref
+from loraplex.protocol.speculative import SpeculativeConfig, SpeculativeConfigError, speculative_config
 from msgspec import Meta
 
 
@@ -361,6 +362,25 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "the checkpoint's k_scale/v_scale, else 1.0"
     )] = False
 
+    speculative_config: Annotated[dict[str, Any], Meta(description=
+        "speculative decoding (vLLM's JSON): {\"method\": \"ngram\", \"num_speculative_tokens\": K, "
+        "\"prompt_lookup_min\": N, \"prompt_lookup_max\": M} drafts up to K tokens from each request's own tokens; "
+        "{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": K} from a small model with the "
+        "target's tokenizer; the target verifies them in one pass on the request's adapter (eagle3 is refused for now)"
+    )] = {}
+    speculative_algorithm: Annotated[str | None, Meta(description=
+        "SGLang's spelling of --speculative-config's method: NGRAM, STANDALONE (draft_model; EAGLE3 is refused for now)"
+    )] = None
+    speculative_draft_model_path: Annotated[str | None, Meta(description=
+        "SGLang's spelling of --speculative-config's model (the draft model's local directory)"
+    )] = None
+    speculative_num_draft_tokens: Annotated[int | None, Meta(description=
+        "SGLang's spelling of --speculative-config's num_speculative_tokens (default 4)"
+    )] = None
+    speculative_lora_modules: Annotated[list[str], Meta(description=
+        "draft-model adapters NAME=PATH (refused for now: every request drafts with the base draft model)"
+    )] = []
+
     def __post_init__(self) -> None:
         positive = (
             "port",
@@ -441,6 +461,15 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(str(e)) from e
         if self.max_loaded_loras is not None and self.max_loaded_loras < len(sources):
             raise ConfigError("--max-loaded-loras is smaller than the number of --lora-paths and --lora-modules")
+        try:
+            spec = self.speculation
+        except SpeculativeConfigError as e:
+            raise ConfigError(str(e)) from e
+        if self.speculative_lora_modules and (spec is None or spec.method != "draft_model"):
+            raise ConfigError("--speculative-lora-modules are draft-model adapters: they need method draft_model")
+        if self.speculative_lora_modules:
+            raise ConfigError("--speculative-lora-modules: draft adapters are not supported yet (every request drafts "
+                              "with the base draft model)")
 
     @property
     def kv_cache_is_fp8(self) -> bool:
@@ -456,6 +485,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         while sizes[-1] * 2 < largest:
             sizes.append(sizes[-1] * 2)
         return sizes if sizes[-1] == largest else [*sizes, largest]
+
+    @property
+    def speculation(self) -> SpeculativeConfig | None:
+        """Speculative decoding's settings of either spelling (protocol/speculative.py), None when off."""
+        return speculative_config(self.speculative_config, self.speculative_algorithm,
+                                  self.speculative_draft_model_path, self.speculative_num_draft_tokens)  # fmt: skip
 
     @property
     def lora_updates_need_key(self) -> bool:

@@ -65,6 +65,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def allows_drafts(self) -> bool:
+        """Whether speculative decoding may draft for it: plain sampling (temperature, top-k/p, min-p, seed; output
+        logprobs), which the workers verify exactly; penalties, logit controls, grammars and min_new_tokens decode one
+        token a pass, as without speculation."""
+        return not (self.uses_penalty or self.bad_words_ids or self.logit_bias or self.allowed_token_ids is not None
+                    or self.constraint is not None or self.min_new_tokens)
+
+    @property
     def needs_token_history(self) -> bool:
         """Whether sampling reads the tokens so far (penalties, bad words of several tokens): the workers then keep
         them per request."""
@@ -320,6 +328,15 @@ class TokenDeltas(Struct, frozen=True):
     deltas: list[TokenDelta]
 
 
+class SpecCount(Struct, frozen=True, kw_only=True):
+    """Speculative decoding's counts for one adapter's requests (lora_id None: the base model's), since start."""
+
+    lora_id: int | None
+    num_draft_tokens: int = 0  # draft tokens verified
+    num_accepted_tokens: int = 0  # ... and accepted
+    num_verify_passes: int = 0  # request passes that verified drafts (each yields accepted + 1 tokens)
+
+
 class SchedulerStats(Struct, frozen=True):
     op_id: int
     num_running: int
@@ -336,6 +353,7 @@ class SchedulerStats(Struct, frozen=True):
     num_free_state_slots: int = 0
     num_state_snapshots: int = 0  # ... the prefix cache's state snapshots, and those neither kept nor being saved
     num_free_state_snapshots: int = 0
+    spec: list[SpecCount] = []  # speculative decoding's counts per adapter since start (adapters that drafted)
 
 
 class SlotsChanged(Struct, frozen=True):
@@ -403,6 +421,12 @@ class ForwardReq(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     # An encoder's (BERT) segment of each input token: 0 for a single text or a pair's first, 1 for its second
     # (a cross-encoder's query | document); []: all 0
     token_type_ids: list[int] = []
+    # Speculative decoding: the last num_draft_tokens of input_ids are draft tokens (never prev_row's); the pass
+    # verifies them and returns the accepted ones (BatchResult.accepted_ids) before its sampled token.
+    num_draft_tokens: int = 0
+    # Speculative decoding with a draft model (method draft_model): the workers' draft model proposes this many
+    # tokens after input_ids (pages cover them), which the pass then verifies as drafts.
+    num_model_drafts: int = 0
 
 
 class SlotLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -426,6 +450,12 @@ class BatchResult(Struct, frozen=True):
     prompt_logprobs: list[list[TokenLogprob]] = []  # per row, for its prompt_logprob_ids; empty: no row asked
     # per row: its pooled output (ForwardReq.pool) as float32 bytes, little-endian, else b""; empty: no row pools
     pooled: list[bytes] = []
+    # Speculative decoding, per row: its draft tokens the pass accepted, which come before next_token_ids[row] (the
+    # token sampled where the first draft was rejected, or after the last); empty: no row accepted any.
+    accepted_ids: list[list[int]] = []
+    # ... and their logprob data, per row that asks for logprobs (logprobs[row] is then its sampled token's); empty
+    # when no row has both
+    accepted_logprobs: list[list[TokenLogprob]] = []
 
 
 class WorkerReady(Struct, frozen=True):

@@ -54,6 +54,10 @@ class Request:
     is_long_rope: bool = False  # longrope models: its KV is written with the long factors (set at each admission)
     is_pooling: bool = False  # the pooling runner's: prefill only, it ends with its prompt's last pass (no sample)
     token_type_ids: list[int] = field(default_factory=list)  # an encoder's segment of each prompt token; []: all 0
+    # Speculative decoding's back-off: verify passes in a row that accepted nothing, and the decode passes it still
+    # takes without drafts because of them (they keep the overlap of passes that drafting gives up)
+    num_draft_misses: int = 0
+    num_passes_without_drafts: int = 0
 
     def __post_init__(self) -> None:
         # Position 0 has no logprob (nothing predicts it): the frontend puts its null.

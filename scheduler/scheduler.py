@@ -36,6 +36,19 @@ pass samples for it, which no one here knows yet: its ForwardReq names that toke
 that pass's token is dropped, and its pages and slot are held until that pass returns. Preemption and adapter drops
 wait until nothing is in flight.
 
+Speculative decoding (--speculative-config): a decoding request whose sampling the workers verify exactly
+(SamplingParams.allows_drafts) and that has no pass in flight (its last token must be known to draft from) takes up
+to k draft tokens, never past its max_new_tokens: from NgramProposer (method ngram), or, with method draft_model,
+the workers' draft model proposes them (the pass names how many). Its pass writes the last token and the drafts
+(pages for all of them), and the workers return the drafts they accepted and one token more. When it returns,
+the rejected drafts' positions and any page past the accepted ones go back, so the request holds exactly the pages
+of its written tokens, as without speculation. Such a request sits out the pass after its own while that one is in
+flight (no overlap for it). A request whose verify pass accepts nothing, or that has nothing to draft, backs off:
+after m such passes in a row it decodes min(2^m, MAX_PASSES_WITHOUT_DRAFTS) passes without drafts (and with the
+overlap), so open generation that no draft predicts runs almost as without speculation. Hybrid models
+(linear-attention state cannot be rolled back) and longrope models (a draft may cross the original length) decode
+without drafts. Draft and accepted counts are kept per adapter.
+
 Request state on the workers: a request's first pass after each admission carries its sampling parameters (a
 grammar's whole text included), and its cached tokens when penalties read them; every rank keeps them under the
 request's `req_key` (its arrival number), so later passes carry neither. Rank 0 also keeps a grammar matcher for a
@@ -53,6 +66,7 @@ from typing import Any
 import msgspec
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.request_limits import request_fit_error
+from loraplex.protocol.speculative import SpeculativeConfig
 from loraplex.protocol.structs import (
     AdapterOpDone,
     AdapterOutcome,
@@ -64,6 +78,7 @@ from loraplex.protocol.structs import (
     LoadAdapters,
     SchedulerStats,
     SlotLoad,
+    SpecCount,
     TokenDelta,
     TokenizedGenerateReq,
     TokenLogprob,
@@ -71,6 +86,7 @@ from loraplex.protocol.structs import (
 from loraplex.scheduler.adapter_table import AdapterTable, LoadFinished
 from loraplex.scheduler.admission_order import AdmissionOrder
 from loraplex.scheduler.batch_policy import BatchPolicy
+from loraplex.scheduler.ngram_proposer import NgramProposer
 from loraplex.scheduler.page_allocator import PageAllocator
 from loraplex.scheduler.prefix_cache import BASE_NAMESPACE, PrefixCache, page_keys
 from loraplex.scheduler.request import FREED_PAGE, Request, RequestStatus
@@ -81,6 +97,9 @@ log = logging.getLogger(__name__)
 
 
 MAX_IN_FLIGHT = 2  # the workers compute one pass while the next waits in their socket
+# Speculative decoding: after m verify passes in a row that accepted nothing, a request decodes min(2^m, this) passes
+# without drafts before it drafts again, so open generation that no draft predicts runs as without speculation.
+MAX_PASSES_WITHOUT_DRAFTS = 32
 
 
 @dataclass
@@ -90,6 +109,7 @@ class _InFlight:
     num_new: list[int]  # tokens each request writes in this pass
     samples: list[bool]  # whether the pass samples a token for the request (it reaches its last known token)
     saves: list[list[tuple[int, int]]]  # hybrid models: the (position, snapshot) states each request saves
+    num_drafts: list[int]  # speculative decoding: draft tokens each request verifies (among its num_new)
 
 
 class Scheduler:
@@ -150,6 +170,32 @@ class Scheduler:
         self._plan: dict[Request, int] = {}  # the step being built: request -> tokens it writes
         self._released_keys: list[int] = []  # ended requests whose state the workers keep, told with the next batch
         self._budget_left = 0
+        spec = self._speculation(config, num_state_slots, long_rope_len)
+        is_ngram = spec is not None and spec.method == "ngram"
+        self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                      spec.num_speculative_tokens) if is_ngram else None  # fmt: skip
+        # method draft_model: the workers' draft model proposes this many tokens a pass (the scheduler plans pages)
+        self.num_model_drafts = spec.num_speculative_tokens if spec is not None and not is_ngram else 0
+        # the step being built: request -> its draft count, and its n-gram draft tokens (a draft model's are the
+        # workers' to propose)
+        self._num_drafts: dict[Request, int] = {}
+        self._drafts: dict[Request, list[int]] = {}
+        self.spec_counts: dict[int | None, list[int]] = {}  # lora_id -> [drafted, accepted, verify passes]
+
+    @staticmethod
+    def _speculation(config: ServerConfig, num_state_slots: int, long_rope_len: int) -> SpeculativeConfig | None:
+        spec = config.speculation
+        if spec is None:
+            return None
+        if num_state_slots:
+            log.warning("speculative decoding is off: this hybrid model's linear-attention states cannot be rolled "
+                        "back past rejected drafts")  # fmt: skip
+            return None
+        if long_rope_len:
+            log.warning("speculative decoding is off: a draft may cross this longrope model's original length")
+            return None
+        log.info("speculative decoding: %s, up to %d draft tokens a pass", spec.method, spec.num_speculative_tokens)
+        return spec
 
     @property
     def is_idle(self) -> bool:
@@ -241,10 +287,12 @@ class Scheduler:
     def schedule(self) -> ForwardBatch | None:
         if not self.can_schedule:
             raise RuntimeError(f"schedule() called with {len(self._in_flight)} batches in flight")
-        self._plan, self._budget_left = {}, self.prefill_budget
+        self._plan, self._num_drafts, self._drafts, self._budget_left = {}, {}, {}, self.prefill_budget
         for req in sorted(self.running.values(), key=lambda r: r.arrival):
             if req.is_aborted or not req.wants_more:
                 continue  # it ends when its passes in flight return
+            if req.num_passes_in_flight and req.num_unscheduled_tokens <= 1 and self._drafts_now(req):
+                continue  # it drafts from its last token, which a pass in flight is still sampling
             if req.is_long_rope != self._needs_long_rope(req):
                 # It grew past longrope's original length: as transformers does, every position takes the long
                 # factors from now on, so its KV is recomputed (once the passes that write it have returned).
@@ -252,10 +300,22 @@ class Scheduler:
                     self._preempt(req)
                 continue
             num_new = 1 if req.num_unscheduled_tokens == 1 else self._prefill_len(req)
+            is_decoding = req.num_unscheduled_tokens == 1 and req.num_scheduled_tokens >= len(req.prompt_ids)
+            if num_new == 1 and is_decoding and req.num_passes_without_drafts:
+                req.num_passes_without_drafts -= 1
+            elif num_new == 1 and is_decoding and self._drafts_for(req):
+                if self.proposer is not None:
+                    self._drafts[req] = self.proposer.propose(req.token_ids, req.num_remaining_tokens - 1)
+                    self._num_drafts[req] = len(self._drafts[req])
+                else:  # the workers' draft model proposes them: the scheduler knows only how many
+                    self._num_drafts[req] = min(self.num_model_drafts, req.num_remaining_tokens - 1)
+                num_new += self._num_drafts[req]
+                if not self._num_drafts[req]:  # nothing to draft: back off as from a miss
+                    self._count_miss(req)
             if num_new:
                 self._plan[req] = num_new
         if not self._grow_running():
-            self._plan = {}
+            self._plan, self._num_drafts, self._drafts = {}, {}, {}
             return None  # it needs a preemption: after the passes in flight return
         waiting = self.order.order(self.waiting.values())
         admitted = self.policy.pick_prefills(waiting, list(self.running.values()), self.slots, self)
@@ -279,20 +339,29 @@ class Scheduler:
         previous = self._in_flight[-1] if self._in_flight else None
         prev_rows = {req: row for row, req in enumerate(previous.reqs)} if previous else {}
         forward_reqs, samples, saves = [], [], []
-        for req, n in zip(reqs, num_new, strict=True):
+        num_drafts = [self._num_drafts.get(r, 0) for r in reqs]
+        for req, n, k in zip(reqs, num_new, num_drafts, strict=True):
             saves.append(self._snapshot_saves(req, n))
-            forward_reqs.append(self._forward_req(req, n, prev_rows.get(req, -1), saves[-1]))
+            forward_reqs.append(self._forward_req(req, n, prev_rows.get(req, -1), saves[-1], k))
             req.num_scheduled_tokens += n
             req.num_passes_in_flight += 1
-            samples.append(req.num_unscheduled_tokens == 0)
+            samples.append(req.num_unscheduled_tokens + k == 0)  # its drafts are scheduled, not yet its tokens
             req.num_pending_samples += samples[-1]
         batch = ForwardBatch(batch_id=self._next_batch_id, reqs=forward_reqs, slot_loads=slot_loads,
                              released_keys=self._released_keys)
         self._released_keys = []
         self._next_batch_id += 1
         self._in_flight.append(_InFlight(batch_id=batch.batch_id, reqs=reqs, num_new=num_new, samples=samples,
-                                         saves=saves))  # fmt: skip
+                                         saves=saves, num_drafts=num_drafts))  # fmt: skip
         return batch
+
+    def _drafts_for(self, req: Request) -> bool:
+        """Whether speculative decoding drafts for the request (its decoding passes)."""
+        return (self.proposer is not None or self.num_model_drafts > 0) and req.sampling.allows_drafts
+
+    def _drafts_now(self, req: Request) -> bool:
+        """... and its next decoding pass is one that drafts (not backing off)."""
+        return self._drafts_for(req) and not req.num_passes_without_drafts
 
     def _prefill_len(self, req: Request) -> int:
         """Prompt tokens the request writes this step within the budget left (0: none this step); takes them."""
@@ -324,6 +393,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self._let_go(req)
         self._plan.pop(req, None)
+        self._num_drafts.pop(req, None)
+        self._drafts.pop(req, None)
         del self.running[req.rid]
         req.num_cached_tokens = req.num_scheduled_tokens = req.num_offered_pages = 0
         req.restore_snapshot, req.snapshot_positions = -1, []
@@ -441,8 +512,12 @@ class Scheduler:
         req.sends_state = True
         return True
 
-    def _forward_req(self, req: Request, num_new: int, prev_row: int, saves: list[tuple[int, int]]) -> ForwardReq:
-        input_ids = req.next_input_ids(num_new)
+    def _forward_req(self, req: Request, num_new: int, prev_row: int, saves: list[tuple[int, int]],
+                     num_drafts: int = 0) -> ForwardReq:  # fmt: skip
+        """num_new counts its num_drafts: n-gram drafts follow its known tokens in input_ids; a draft model's the
+        workers propose (num_model_drafts)."""
+        drafts = self._drafts.get(req, [])
+        input_ids = req.next_input_ids(num_new - num_drafts) + drafts
         if not input_ids:  # its one new token is the one the pass in flight samples
             input_ids = [0]
         else:
@@ -472,6 +547,8 @@ class Scheduler:
             snapshot_saves=saves,
             # a pooling request on an encoder runs its prompt whole (pools_whole_prompt): these are all its types
             token_type_ids=req.token_type_ids[req.num_scheduled_tokens : req.num_scheduled_tokens + len(input_ids)],
+            num_draft_tokens=len(drafts),
+            num_model_drafts=num_drafts - len(drafts),
         )
 
     def process_result(self, result: BatchResult) -> list[TokenDelta]:
@@ -485,11 +562,17 @@ class Scheduler:
         if not error and len(result.next_token_ids) != len(in_flight.reqs):
             error = f"batch {result.batch_id}: {len(result.next_token_ids)} tokens for {len(in_flight.reqs)} requests"
         deltas = []
-        rows = zip(in_flight.reqs, in_flight.num_new, in_flight.samples, in_flight.saves, strict=True)
-        for i, (req, num_new, samples, saves) in enumerate(rows):
+        if not error and any(in_flight.num_drafts):
+            error = self._accepted_error(result, in_flight)
+        rows = zip(in_flight.reqs, in_flight.num_new, in_flight.samples, in_flight.saves, in_flight.num_drafts,
+                   strict=True)  # fmt: skip
+        for i, (req, num_new, samples, saves, num_drafts) in enumerate(rows):
             req.num_passes_in_flight -= 1
             req.num_pending_samples -= samples
             is_written = not (error or req.is_aborted or req.status is RequestStatus.FINISHED)
+            accepted = result.accepted_ids[i] if num_drafts and is_written and result.accepted_ids else []
+            if num_drafts and is_written:
+                num_new -= self._roll_back(req, num_drafts, len(accepted))
             if is_written:
                 req.num_cached_tokens += num_new  # the pass wrote the KV of every token it was given
                 self._offer_pages(req)
@@ -517,10 +600,49 @@ class Scheduler:
                     deltas.append(msgspec.structs.replace(delta, prompt_logprobs=prompt_logprobs))
                 elif samples:  # else a chunk of a longer prompt: its sampled token is not used
                     logprob = result.logprobs[i] if i < len(result.logprobs) else None
-                    deltas.append(self._append_token(req, result.next_token_ids[i], logprob, prompt_logprobs))
+                    token_ids = [*accepted, result.next_token_ids[i]]
+                    logprobs = [logprob] if logprob is not None else []
+                    if accepted and logprobs and i < len(result.accepted_logprobs):
+                        logprobs = [*result.accepted_logprobs[i], *logprobs]
+                    deltas.append(self._append_tokens(req, token_ids, logprobs, prompt_logprobs))
                 elif prompt_logprobs:
                     deltas.append(self._delta(req, [], prompt_logprobs=prompt_logprobs))
         return deltas
+
+    @staticmethod
+    def _accepted_error(result: BatchResult, in_flight: _InFlight) -> str:
+        """Why the workers' accepted drafts do not fit the batch's, or ""."""
+        if result.accepted_ids and len(result.accepted_ids) != len(in_flight.reqs):
+            return f"batch {result.batch_id}: accepted drafts for {len(result.accepted_ids)} of {len(in_flight.reqs)}"
+        for accepted, num_drafts in zip(result.accepted_ids, in_flight.num_drafts, strict=False):
+            if len(accepted) > num_drafts:
+                return f"batch {result.batch_id}: {len(accepted)} drafts accepted of {num_drafts}"
+        return ""
+
+    def _roll_back(self, req: Request, num_drafts: int, num_accepted: int) -> int:
+        """A verify pass returned: its rejected drafts' positions, and the pages past its accepted tokens, go back
+        (never offered to the prefix cache: only written full pages are). Counts it; returns the rejected count."""
+        num_rejected = num_drafts - num_accepted
+        req.num_scheduled_tokens -= num_rejected
+        num_kept = req.num_pages_for(req.num_scheduled_tokens, self.page_size)
+        if len(req.page_ids) > num_kept:
+            self.cache.release(req.page_ids[num_kept:])
+            del req.page_ids[num_kept:]
+        if num_accepted:
+            req.num_draft_misses = 0
+        else:
+            self._count_miss(req)
+        counts = self.spec_counts.setdefault(req.lora_id, [0, 0, 0])
+        counts[0] += num_drafts
+        counts[1] += num_accepted
+        counts[2] += 1
+        return num_rejected
+
+    @staticmethod
+    def _count_miss(req: Request) -> None:
+        """A verify pass accepted nothing, or there was nothing to draft: decode the next passes without drafts."""
+        req.num_draft_misses += 1
+        req.num_passes_without_drafts = min(2**req.num_draft_misses, MAX_PASSES_WITHOUT_DRAFTS)
 
     def _offer_pages(self, req: Request) -> None:
         """Full pages now written go to the prefix cache (a page another request cached first replaces ours)."""
@@ -549,17 +671,22 @@ class Scheduler:
         req.page_ids[first:num_behind] = [FREED_PAGE] * (num_behind - first)
         req.num_freed_pages = num_behind
 
-    def _append_token(self, req: Request, token_id: int, logprob: TokenLogprob | None = None,
-                      prompt_logprobs: list[TokenLogprob] | None = None) -> TokenDelta:
-        req.output_ids.append(token_id)
-        self.order.on_output(req)
-        logprobs = [logprob] if logprob is not None else []
-        if token_id in req.sampling.stop_token_ids and len(req.output_ids) > req.sampling.min_new_tokens:
-            delta = self._finish(req, "stop", [token_id], logprobs=logprobs)
-        elif req.num_remaining_tokens <= 0:
-            delta = self._finish(req, "length", [token_id], logprobs=logprobs)
+    def _append_tokens(self, req: Request, token_ids: list[int], logprobs: list[TokenLogprob],
+                       prompt_logprobs: list[TokenLogprob] | None = None) -> TokenDelta:
+        """A pass's tokens for the request (several after accepted drafts) and their logprobs (one each where it
+        asks, else []), in order until one ends it: the tokens after a stop token or past max_new_tokens are
+        dropped."""
+        for num_taken, token_id in enumerate(token_ids, 1):
+            req.output_ids.append(token_id)
+            self.order.on_output(req)
+            if token_id in req.sampling.stop_token_ids and len(req.output_ids) > req.sampling.min_new_tokens:
+                delta = self._finish(req, "stop", token_ids[:num_taken], logprobs=logprobs[:num_taken])
+                break
+            if req.num_remaining_tokens <= 0:
+                delta = self._finish(req, "length", token_ids[:num_taken], logprobs=logprobs[:num_taken])
+                break
         else:
-            delta = self._delta(req, [token_id], logprobs=logprobs)
+            delta = self._delta(req, token_ids, logprobs=logprobs)
         return msgspec.structs.replace(delta, prompt_logprobs=prompt_logprobs) if prompt_logprobs else delta
 
     def stats(self, op_id: int) -> SchedulerStats:
@@ -579,6 +706,8 @@ class Scheduler:
             num_free_state_slots=self.state_slots.num_free,
             num_state_snapshots=self.snapshots.num_slots,
             num_free_state_snapshots=self.snapshots.num_free,
+            spec=[SpecCount(lora_id=lora_id, num_draft_tokens=c[0], num_accepted_tokens=c[1], num_verify_passes=c[2])
+                  for lora_id, c in self.spec_counts.items()],
         )
 
     # ---- adapters (between forward passes) --------------------------------------------------------------------

@@ -17,6 +17,7 @@ from loraplex.protocol.structs import ForwardBatch, ForwardReq, SlotLoad, TokenL
 from loraplex.worker.batch_inputs import BatchError, BatchInputs
 from loraplex.worker.cuda_graphs import DecodeGraphRunner
 from loraplex.worker.dist import pick_dtype
+from loraplex.worker.draft_model import DraftRunner
 from loraplex.worker.dummy_weights import init_dummy_weights
 from loraplex.worker.grammar import GrammarMasks
 from loraplex.worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token, kv_cache_dtype
@@ -37,6 +38,7 @@ from loraplex.worker.quant import check_coverage, checkpoint_format, quantized_l
 from loraplex.worker.sampler import Sampler, prompt_logprob_rows, prompt_logprobs, token_logprobs
 from loraplex.worker.sampling_batch import SamplingBatch
 from loraplex.worker.sampling_table import SamplingTable
+from loraplex.worker.speculative import check_drafts, draft_rows, verify_drafts
 from loraplex.worker.state_cache import HybridCache, StatePlan, StateShape
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,8 @@ class StepResult(NamedTuple):
     logprobs: list[TokenLogprob | None]  # per request where one asks, else []
     prompt_logprobs: list[list[TokenLogprob]]  # per request, for its prompt_logprob_ids; [] when none asks
     pooled: list[bytes] = []  # the pooling runner: per request, its pooled output where it pools (else b"")
+    accepted_ids: list[list[int]] = []  # per request, its draft tokens accepted before its token; [] when none
+    accepted_logprobs: list[list[TokenLogprob]] = []  # ... their logprob data where it asks; [] when none
 
 
 class ModelRunner:
@@ -179,6 +183,7 @@ class ModelRunner:
         self._warmup_model_ops(ops)
         self._warmup_linear_attention()
         self.decode_graphs = self._decode_graphs()
+        self.draft = self._draft_runner(num_pages)
         self.sampler = Sampler(config.seed, self.device)
         self.sampling_table = SamplingTable()  # every request's sampling parameters, sent on its first pass
         self.histories = TokenHistories()  # the tokens so far of the requests that use penalties
@@ -190,6 +195,15 @@ class ModelRunner:
                 self.max_total_tokens,
                 self.context_length,
             )
+
+    def _draft_runner(self, num_pages: int) -> DraftRunner | None:
+        """Speculative decoding's draft model (method draft_model), its cache on the target's pages; else None."""
+        spec = self.config.speculation
+        if spec is None or spec.method != "draft_model":
+            return None
+        return DraftRunner(self.config, spec.model, vocab_size=self.vocab_size, num_pages=num_pages,
+                           page_size=self.page_size, context_length=self.context_length, device=self.device,
+                           dtype=self.dtype, cpu_kernels=self.backend.cpu_kernels)  # fmt: skip
 
     def _state_plan(self) -> StatePlan | None:
         """A hybrid model's state slots and snapshots: how many, and one's shape on this rank; None for a model
@@ -433,16 +447,27 @@ class ModelRunner:
         # Before the forward: a request with no parameters fails the batch on every rank alike, before a collective.
         sampling = SamplingBatch.of(batch.reqs, self.sampling_table.resolve(batch.reqs), self.vocab_size, self.device)
         self.grammar.check(sampling)
-        self.histories.update(batch.reqs, sampling.history_rows)
-        extra_rows = prompt_logprob_rows(batch.reqs)
-        logits = self.logits(batch.reqs, batch.slot_loads, last_only=True, extra_rows=extra_rows)
-        logits, prompt_logits = logits[: len(batch.reqs)], logits[len(batch.reqs) :]  # (reqs, vocab), (extra, vocab)
+        check_drafts(batch.reqs, sampling, has_draft_model=self.draft is not None)
+        reqs = batch.reqs if self.draft is None else self.draft.propose(batch.reqs)  # drafts appended where asked
+        self.histories.update(reqs, sampling.history_rows)
+        prompt_rows, verify_rows = prompt_logprob_rows(reqs), draft_rows(reqs)
+        logits = self.logits(reqs, batch.slot_loads, last_only=True, extra_rows=prompt_rows + verify_rows)
+        num_reqs, num_prompt = len(reqs), len(prompt_rows)
+        # (reqs, vocab), (prompt rows, vocab), (draft rows, vocab)
+        logits, prompt_logits, draft_logits = (logits[:num_reqs], logits[num_reqs : num_reqs + num_prompt],
+                                               logits[num_reqs + num_prompt :])  # fmt: skip
         processed = apply_penalties(logits, sampling, self.histories)  # logprobs read the raw logits
-        processed = self.grammar.mask(processed, batch.reqs, sampling)  # structured output
+        processed = self.grammar.mask(processed, reqs, sampling)  # structured output
         tokens = self.sampler.sample(processed, sampling)
-        tokens = self.grammar.record(batch.reqs, sampling, tokens)
-        return StepResult(tokens, token_logprobs(logits, sampling, tokens),
-                          prompt_logprobs(prompt_logits, batch.reqs, sampling))
+        tokens = self.grammar.record(reqs, sampling, tokens)
+        logprobs = token_logprobs(logits, sampling, tokens)
+        accepted_ids, accepted_logprobs = [], []
+        if verify_rows:  # requests with drafts (no penalties, no grammar): their token follows the drafts accepted
+            accepted_ids, accepted_logprobs = verify_drafts(reqs, sampling, logits, draft_logits, tokens, self.sampler,
+                                                            logprobs)  # fmt: skip
+        return StepResult(tokens, logprobs, prompt_logprobs(prompt_logits, reqs, sampling),
+                          accepted_ids=accepted_ids if any(accepted_ids) else [],
+                          accepted_logprobs=accepted_logprobs if any(accepted_logprobs) else [])  # fmt: skip
 
     def _pool_step(self, batch: ForwardBatch) -> StepResult:
         """The pooling runner's pass: no sampling; each request that ends its prompt here (ForwardReq.pool) gets its

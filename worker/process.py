@@ -130,17 +130,19 @@ class Worker:
         self.inject_faults()
         try:
             batch = with_sampled_tokens(batch, self.last_token_ids)
-            (next_token_ids, logprobs, prompt_logprobs, pooled), error_message = self.runner.step(batch), ""
+            step, error_message = self.runner.step(batch), ""
+            next_token_ids, logprobs, prompt_logprobs, pooled, accepted_ids, accepted_logprobs = step
         except BatchError as e:  # the batch itself is wrong: the message says it all
             logger.error("batch %d rejected: %s", batch.batch_id, e)
-            next_token_ids, logprobs, prompt_logprobs, pooled = [], [], [], []
+            next_token_ids, logprobs, prompt_logprobs, pooled, accepted_ids, accepted_logprobs = [], [], [], [], [], []
             error_message = f"{type(e).__name__}: {e}"
         # Every rank samples the same tokens (same logits, same generators), so each keeps its own copy.
         self.last_token_ids = next_token_ids
         if self.tp_rank != 0:
             return None
         return BatchResult(batch_id=batch.batch_id, next_token_ids=next_token_ids, error_message=error_message,
-                           logprobs=logprobs, prompt_logprobs=prompt_logprobs, pooled=pooled)
+                           logprobs=logprobs, prompt_logprobs=prompt_logprobs, pooled=pooled,
+                           accepted_ids=accepted_ids, accepted_logprobs=accepted_logprobs)
 
     def inject_faults(self) -> None:
         if self.stall_forward_s:

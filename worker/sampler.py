@@ -33,12 +33,14 @@ class Sampler:
         """logits (reqs, vocab) float32 -> one token id per request."""
         if batch.is_all_greedy:
             return logits.argmax(dim=-1).tolist()
-        probs = self._probs(logits, batch)  # (reqs, vocab), zero outside each request's top-k / top-p
+        probs = self.probs(logits, batch)  # (reqs, vocab), zero outside each request's top-k / top-p
         noise = self._exponential_noise(logits.shape, batch)  # (reqs, vocab)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(batch.greedy_mask, logits.argmax(dim=-1), sampled).tolist()
 
-    def _probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """(rows, vocab) the distribution each row samples from: softmax at its temperature, after min-p, top-k and
+        top-p (greedy rows: at temperature 1)."""
         vocab_size = logits.shape[-1]
         scaled = logits / batch.temperatures  # (reqs, vocab)
         if batch.uses_min_p:
@@ -55,6 +57,14 @@ class Sampler:
         removed[:, 0] = False
         sorted_probs = sorted_probs.masked_fill(removed, 0.0)
         return torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+
+    def row_generator(self, seed: int | None, step: int) -> torch.Generator:
+        """The generator of a request's step: seeded by (seed, step), or the process's shared one."""
+        if seed is None:
+            return self.generator
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(request_seed(seed, step))
+        return generator
 
     def _exponential_noise(self, shape: torch.Size, batch: SamplingBatch) -> torch.Tensor:
         noise = torch.ones(shape, device=self.device)  # greedy rows keep 1 and draw nothing

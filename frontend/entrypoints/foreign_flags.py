@@ -94,7 +94,6 @@ FOREIGN_FLAGS: tuple[ForeignFlag, ...] = (
     _refuse("--enable-torch-compile", family=S, why="torch.compile is not used: decode runs eagerly or from CUDA "
             "graphs (--enable-cuda-graph)", value=False),
     _accept("--skip-server-warmup", family=S, note="loraplex sends no warm-up request"),
-    _refuse("--speculative-config", family=V, why="speculative decoding is not supported"),
     _refuse("--enable-sleep-mode", family=V, why="sleep mode is not supported", value=False),
     # -- LoRA
     _only("--lora-dtype", family=V, ok=("auto",), note="adapters take the model's dtype",

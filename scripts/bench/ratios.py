@@ -32,6 +32,7 @@ RATIO_BENCHMARKS: dict[str, str] = {
     "quantized": "decode step, plain / INT8 and INT4 bases, in process",
     "fairness": "cold adapters' TTFT and throughput under a hot adapter, fair / unfair admission",
     "step_overhead": "one stream's ITL through the server / the same forward step in process",
+    "speculative": "throughput, n-gram speculation on / off, 1 and 8 streams, repetitive and open generation",
 }
 
 

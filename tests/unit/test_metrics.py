@@ -21,6 +21,8 @@ SERIES = {
     "loraplex_adapter_operations": "counter",
     "loraplex_prefix_cache_hit_tokens": "counter",
     "loraplex_prefix_cache_queried_tokens": "counter",
+    "loraplex_spec_draft_tokens": "counter",
+    "loraplex_spec_accepted_tokens": "counter",
     "loraplex_time_to_first_token_seconds": "histogram",
     "loraplex_inter_token_latency_seconds": "histogram",
     "loraplex_e2e_request_latency_seconds": "histogram",

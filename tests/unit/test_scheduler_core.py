@@ -6,6 +6,7 @@ import random
 from collections import defaultdict
 from collections.abc import Callable
 
+import msgspec
 import pytest
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import (
@@ -54,8 +55,10 @@ def make_scheduler(
     long_rope_len=0,
     num_state_slots=0,
     num_state_snapshots=0,
+    speculative_config=None,
 ) -> Scheduler:
     config = ServerConfig(
+        speculative_config=speculative_config or {},
         page_size=page_size,
         max_loras_per_batch=num_slots,
         max_running_requests=max_running,
@@ -116,9 +119,12 @@ def load(sched: Scheduler, *lora_ids: int, pinned=False) -> AdapterOpDone:
 class Workers:
     """Plays the workers: applies slot loads, answers each batch, records deltas, checks invariants."""
 
-    def __init__(self, sched: Scheduler, next_token: Callable[[str, ForwardReq], int] = lambda rid, fwd: TOKEN):
+    def __init__(self, sched: Scheduler, next_token: Callable[[str, ForwardReq], int] = lambda rid, fwd: TOKEN,
+                 draft_token: Callable[[str, ForwardReq], int] | None = None):
+        """draft_token: speculative decoding's draft model (method draft_model), by default the model itself."""
         self.sched = sched
         self.next_token = next_token
+        self.draft_token = draft_token or next_token
         self.outputs: dict[str, list[int]] = defaultdict(list)
         self.finished: dict[str, TokenDelta] = {}
         self.deltas: dict[str, list[TokenDelta]] = defaultdict(list)  # every delta, by request
@@ -150,14 +156,38 @@ class Workers:
                 self.prefilled_at[req.rid] = len(self.batches)
         self.batches.append(batch)
         pairs = zip(reqs, batch.reqs, strict=True)
-        tokens = [] if error_message else [self.next_token(req.rid, fwd) for req, fwd in pairs]
+        tokens, accepted_ids = [], []
+        for req, fwd in [] if error_message else pairs:
+            accepted, token = self.verify(req.rid, fwd)
+            tokens.append(token)
+            accepted_ids.append(accepted)
+        if not any(accepted_ids):
+            accepted_ids = []
         self.record(
-            sched.process_result(
-                BatchResult(batch_id=batch.batch_id, next_token_ids=tokens, error_message=error_message)
-            )
+            sched.process_result(BatchResult(batch_id=batch.batch_id, next_token_ids=tokens,
+                                             error_message=error_message, accepted_ids=accepted_ids))  # fmt: skip
         )
         self.check_accounting()
         return batch
+
+    def verify(self, rid: str, fwd: ForwardReq) -> tuple[list[int], int]:
+        """Speculative decoding's verify, greedy: the drafts equal to the model's tokens, up to the first that is not,
+        and the model's token after them (the model's token after input row j is next_token of the rows up to j)."""
+        if fwd.num_model_drafts:  # the draft model proposes them, one after the other
+            drafts = []
+            for _ in range(fwd.num_model_drafts):
+                prefix = msgspec.structs.replace(fwd, input_ids=fwd.input_ids + drafts, num_model_drafts=0)
+                drafts.append(self.draft_token(rid, prefix))
+            fwd = msgspec.structs.replace(fwd, input_ids=fwd.input_ids + drafts, num_draft_tokens=len(drafts),
+                                          num_model_drafts=0)  # fmt: skip
+        num_known = len(fwd.input_ids) - fwd.num_draft_tokens
+        drafts, accepted = fwd.input_ids[num_known:], []
+        for j in range(num_known, len(fwd.input_ids) + 1):
+            token = self.next_token(rid, msgspec.structs.replace(fwd, input_ids=fwd.input_ids[:j], num_draft_tokens=0))
+            if j - num_known == len(drafts) or drafts[j - num_known] != token:
+                return accepted, token
+            accepted.append(token)
+        raise AssertionError("unreachable")
 
     def check_batch(self, batch: ForwardBatch, reqs) -> None:
         sched = self.sched
@@ -178,12 +208,16 @@ class Workers:
                 assert self.slot_contents.get(fwd.slot) == req.lora_id, "request runs in a slot holding another adapter"
             # The tokens whose KV is not written yet, from the first: a prompt (chunk), a recompute, or the last token.
             cached = fwd.num_cached_tokens
-            assert fwd.input_ids == req.token_ids[cached : cached + len(fwd.input_ids)]
+            num_known = len(fwd.input_ids) - fwd.num_draft_tokens  # the drafts follow the known tokens
+            assert fwd.input_ids[:num_known] == req.token_ids[cached : cached + num_known]
+            assert not fwd.num_draft_tokens or (num_known == 1 and cached + 1 == req.num_tokens)
+            assert not fwd.num_model_drafts or (len(fwd.input_ids) == 1 and not fwd.num_draft_tokens)
             assert fwd.num_generated == len(req.output_ids)
-            if len(fwd.input_ids) > 1 or cached < len(req.prompt_ids):
+            if num_known > 1 or cached < len(req.prompt_ids):
                 num_prefills += 1
                 num_prefill_tokens += len(fwd.input_ids)
-            assert len(fwd.page_ids) == -(-(cached + len(fwd.input_ids)) // config.page_size)  # no more, no less
+            num_positions = cached + len(fwd.input_ids) + fwd.num_model_drafts  # model drafts: positions planned
+            assert len(fwd.page_ids) == -(-num_positions // config.page_size)  # no more, no less
             assert fwd.page_ids == req.page_ids
         if sched.is_chunked:
             assert num_prefill_tokens <= sched.prefill_budget + len(batch.reqs)

@@ -1,0 +1,74 @@
+"""Speculative decoding end to end: one batch mixing the base model and two adapters, each request verifying its drafts
+on its own adapter, gives HF + peft's greedy tokens; the draft and accepted counts reach /metrics and /server_info per
+adapter. The draft model is the base model itself (SGLang's spelling): the base requests' drafts are all accepted, the
+adapters' only where the adapter keeps the base's choice, so both acceptance and rejection run. (The n-gram proposer
+feeds the same verify step: tests/unit/test_speculative_scheduler.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from tests.reference import assert_greedy_match, hf_greedy, hf_model
+from tests.server_utils import ServerProcess
+
+MAX_NEW = 16
+GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
+# Repetitive prompts: the n-gram proposer finds its suffixes in them (and tiny random models repeat themselves).
+PROMPTS = ["1 2 3 1 2 3 1 2 3 1 2", "the cat the cat the cat the", "a b c d a b c d a b"]
+NAMES = [None, "a4", "a8"]
+
+
+@pytest.fixture(scope="module")
+def spec_server(llama_dir, adapter_dirs):
+    lora_paths = [f"{name}={adapter_dirs[name]}" for name in ("a4", "a8")]
+    with ServerProcess("--model-path", str(llama_dir), "--lora-paths", *lora_paths, "--max-loras-per-batch", "2",
+                       "--max-total-tokens", "4096", "--context-length", "256",
+                       "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(llama_dir),
+                       "--speculative-num-draft-tokens", "3") as server:  # fmt: skip
+        yield server
+
+
+def test_greedy_with_drafts_equals_hf_for_base_and_two_adapters_in_one_batch(spec_server, llama_dir, adapter_dirs):
+    resp = spec_server.post("/generate", {"text": PROMPTS, "lora_path": NAMES, "sampling_params": GREEDY})
+    assert resp.status_code == 200, resp.text
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    for prompt, name, out in zip(PROMPTS, NAMES, resp.json(), strict=True):
+        adapter = None if name is None else adapter_dirs[name]
+        ref, margins = hf_greedy(llama_dir, tokenizer(prompt)["input_ids"], MAX_NEW, adapter)
+        assert_greedy_match(out["output_ids"], ref, margins, f"{name}: {prompt}")
+    info = spec_server.get("/server_info").json()["speculative"]
+    assert info["method"] == "draft_model"
+    per_adapter = {a["adapter"]: a for a in info["adapters"]}
+    assert per_adapter["base"]["acceptance_rate"] == 1.0  # the target drafting for itself
+    assert {"a4", "a8"} <= set(per_adapter) and per_adapter["a4"]["num_draft_tokens"] > 0
+    for a in per_adapter.values():
+        assert 0 <= a["acceptance_rate"] <= 1 and a["mean_accepted_length"] >= 1
+    metrics = spec_server.get("/metrics").text
+    assert 'loraplex_spec_draft_tokens_total{adapter="' in metrics
+    assert "loraplex_spec_accepted_tokens_total" in metrics
+
+
+@torch.inference_mode()
+def test_logprobs_of_accepted_drafts_equal_hf(spec_server, llama_dir, adapter_dirs):
+    body = {"text": PROMPTS[0], "lora_path": "a8", "sampling_params": GREEDY, "return_logprob": True}
+    out = spec_server.post("/generate", body).json()
+    entries = out["meta_info"]["output_token_logprobs"]
+    assert [e[1] for e in entries] == out["output_ids"]
+    prompt_ids = AutoTokenizer.from_pretrained(llama_dir)(PROMPTS[0])["input_ids"]
+    model = hf_model(str(llama_dir), str(adapter_dirs["a8"]))
+    logits = model(torch.tensor([prompt_ids + out["output_ids"]])).logits[0, len(prompt_ids) - 1 : -1].float()
+    ref = logits.log_softmax(-1)  # (outputs, vocab)
+    for i, (logprob, token_id, _) in enumerate(entries):
+        assert abs(logprob - float(ref[i, token_id])) < 1e-3, (i, logprob, float(ref[i, token_id]))
+
+
+def test_sampled_requests_and_bad_settings(spec_server):
+    body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "seed": 3}}
+    first = spec_server.post("/generate", body).json()
+    again = spec_server.post("/generate", body).json()
+    assert first["output_ids"] == again["output_ids"] and len(first["output_ids"]) == 16  # seeded: reproducible
+    stop = {"max_new_tokens": MAX_NEW, "temperature": 0, "stop_token_ids": [first["output_ids"][3]]}
+    out = spec_server.post("/generate", {"text": PROMPTS[0], "sampling_params": stop}).json()
+    assert out["output_ids"][-1] == first["output_ids"][3] or len(out["output_ids"]) == MAX_NEW
