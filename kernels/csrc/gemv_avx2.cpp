@@ -1,0 +1,197 @@
+// Skinny-matrix products for decode steps on CPUs with AVX2/FMA (no AVX-512): y = x · Wᵀ for 1-32 rows of float32
+// activations against a whole weight in its stored form, bfloat16 or unsigned INT8/INT4 with a scale and bias per
+// group of input columns:
+//
+//   bf16:  w[n, k] = bits << 16 read as a float
+//   INT:   w[n, k] = u[n, k] · scales[n, g] + biases[n, g],  g = k / group_size  (biases = -zero · scale)
+//
+// A decode step's matmuls read every weight once and do little arithmetic: their limit is memory bandwidth. torch's
+// GEMMs tile for large batches and, at a few rows, read the weight (or a converted copy of it) more than once. Here
+// each block of kRowsPerBlock weight rows is read from memory once and multiplied against every activation row while
+// it sits in cache; the weight's rows are split across threads (at::parallel_for); each weight vector is converted to
+// float32 in registers (bf16: a shift; INT: widen, convert, one FMA with the group's scale and bias) and the products
+// accumulate in float32, as the reference's dequantized fp32 matmul does.
+//
+// INT4 packs input columns 2j and 2j+1 into byte j, low nibble first: the 4 bytes of 8 columns are one 32-bit word
+// whose lanes shift by 0, 4, ..., 28. Tails (K not a multiple of 8, N not a multiple of the row block) run the same
+// arithmetic one element or one row at a time.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int kRowsPerBlock = 4;  // weight rows sharing each load of an activation vector
+constexpr int kActRows = 2;       // activation rows sharing each converted weight vector
+
+enum class Kind { kBf16, kInt8, kInt4 };
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+struct Weight {
+  Kind kind;
+  const uint8_t* data;  // row n starts at data + n * row_bytes
+  int64_t row_bytes;
+  const float* scales;  // (N, groups), INT only
+  const float* biases;
+  int64_t groups;
+  int64_t group_size;
+};
+
+// 8 weights of row n from column k (k a multiple of 8), as float32, before the group's scale and bias.
+inline __m256 load8(const Weight& w, int64_t n, int64_t k) {
+  const uint8_t* row = w.data + n * w.row_bytes;
+  switch (w.kind) {
+    case Kind::kBf16: {
+      __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+    }
+    case Kind::kInt8: {
+      __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k));
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    }
+    default: {
+      uint32_t word;
+      std::memcpy(&word, row + k / 2, 4);
+      __m256i nibbles = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)),
+                                          _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+      return _mm256_cvtepi32_ps(_mm256_and_si256(nibbles, _mm256_set1_epi32(0xF)));
+    }
+  }
+}
+
+// One weight (row n, column k), dequantized: the tail columns.
+inline float load1(const Weight& w, int64_t n, int64_t k) {
+  const uint8_t* row = w.data + n * w.row_bytes;
+  float u;
+  switch (w.kind) {
+    case Kind::kBf16: {
+      uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(row)[k]) << 16;
+      float f;
+      std::memcpy(&f, &bits, sizeof f);
+      return f;
+    }
+    case Kind::kInt8:
+      u = row[k];
+      break;
+    default:
+      u = (row[k / 2] >> (4 * (k & 1))) & 0xF;
+  }
+  const int64_t g = n * w.groups + k / w.group_size;
+  return u * w.scales[g] + w.biases[g];
+}
+
+// y[m, n0:n0+NB] for activation rows m0..m0+MB: every column, group by group. A group's scale and bias turn each
+// converted weight vector into its values once, shared by the MB activation rows.
+template <int NB, int MB>
+void block(const Weight& w, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t K, int64_t n0, int64_t m0) {
+  __m256 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
+  float tail[MB][NB] = {};
+  const bool quantized = w.kind != Kind::kBf16;
+  const int64_t group_size = quantized ? w.group_size : K;
+  for (int64_t k0 = 0; k0 < K; k0 += group_size) {
+    const int64_t k1 = std::min(K, k0 + group_size);
+    const int64_t vec_end = k0 + (k1 - k0) / 8 * 8;
+    __m256 scale[NB], bias[NB];
+    if (quantized) {
+      for (int j = 0; j < NB; ++j) {
+        const int64_t g = (n0 + j) * w.groups + k0 / group_size;
+        scale[j] = _mm256_set1_ps(w.scales[g]);
+        bias[j] = _mm256_set1_ps(w.biases[g]);
+      }
+    }
+    for (int64_t k = k0; k < vec_end; k += 8) {
+      __m256 xv[MB];
+      for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + (m0 + m) * ldx + k);
+      for (int j = 0; j < NB; ++j) {
+        __m256 wv = load8(w, n0 + j, k);
+        if (quantized) wv = _mm256_fmadd_ps(wv, scale[j], bias[j]);
+        for (int m = 0; m < MB; ++m) acc[m][j] = _mm256_fmadd_ps(wv, xv[m], acc[m][j]);
+      }
+    }
+    for (int64_t k = vec_end; k < k1; ++k)  // only the last group can be short of a vector (group sizes are 8·i)
+      for (int j = 0; j < NB; ++j) {
+        const float wk = load1(w, n0 + j, k);
+        for (int m = 0; m < MB; ++m) tail[m][j] += wk * x[(m0 + m) * ldx + k];
+      }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) y[(m0 + m) * ldy + n0 + j] = hsum(acc[m][j]) + tail[m][j];
+}
+
+template <int NB>
+void rows_block(const Weight& w, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t M, int64_t K,
+                int64_t n0) {
+  int64_t m0 = 0;
+  for (; m0 + kActRows <= M; m0 += kActRows) block<NB, kActRows>(w, x, ldx, y, ldy, K, n0, m0);
+  for (; m0 < M; ++m0) block<NB, 1>(w, x, ldx, y, ldy, K, n0, m0);
+}
+
+torch::Tensor run(const Weight& w, torch::Tensor x, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: (rows, in) float32");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t num_blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
+  // Grain: enough weight rows per task that a thread streams a long run of memory (~64 KiB at least).
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, kRowsPerBlock * w.row_bytes));
+  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kRowsPerBlock;
+      if (n0 + kRowsPerBlock <= N) {
+        rows_block<kRowsPerBlock>(w, xp, K, yp, N, M, K, n0);
+      } else {
+        for (int64_t n = n0; n < N; ++n) rows_block<1>(w, xp, K, yp, N, M, K, n);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+// x (M, K) float32 · w (N, K) bfloat16ᵀ -> (M, N) float32
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(), "w: contiguous (out, in) bf16");
+  TORCH_CHECK(x.size(-1) == w.size(1), "x and w disagree on in");
+  Weight weight{Kind::kBf16, reinterpret_cast<const uint8_t*>(w.data_ptr()), 2 * w.size(1), nullptr, nullptr, 1,
+                w.size(1)};
+  return run(weight, x, w.size(0));
+}
+
+// x (M, K) float32 · w(q, scales, biases)ᵀ -> (M, N) float32. q: (N, K) uint8 (bits 8) or (N, ceil(K / 2)) uint8
+// (bits 4, low nibble first); scales, biases: (N, groups) float32 over groups of group_size columns.
+torch::Tensor gemv_int(torch::Tensor x, torch::Tensor q, torch::Tensor scales, torch::Tensor biases, int64_t group_size,
+                       int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kUInt8 && q.is_contiguous(), "q: contiguous uint8 (out, *)");
+  const int64_t N = q.size(0), K = x.size(-1);
+  TORCH_CHECK(q.size(1) == (bits == 8 ? K : (K + 1) / 2), "q's row does not hold in columns");
+  const int64_t groups = (K + group_size - 1) / group_size;
+  TORCH_CHECK(group_size == K || group_size % 8 == 0, "group_size: a multiple of 8, or in");
+  for (const auto& t : {scales, biases})
+    TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.size(0) == N && t.size(1) == groups,
+                "scales and biases: contiguous float32 (out, groups)");
+  Weight weight{bits == 8 ? Kind::kInt8 : Kind::kInt4, q.data_ptr<uint8_t>(), q.size(1), scales.data_ptr<float>(),
+                biases.data_ptr<float>(), groups, group_size};
+  return run(weight, x, N);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv_bf16", &gemv_bf16, "float32 rows times a bfloat16 weight, transposed");
+  m.def("gemv_int", &gemv_int, "float32 rows times an unsigned INT8/INT4 weight with per-group scales and biases");
+}
