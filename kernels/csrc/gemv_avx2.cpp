@@ -18,7 +18,6 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -139,13 +138,7 @@ void rows_block(const Weight& w, const float* x, int64_t ldx, float* y, int64_t 
   for (; m0 < M; ++m0) block<NB, 1>(w, x, ldx, y, ldy, K, n0, m0);
 }
 
-torch::Tensor run(const Weight& w, torch::Tensor x, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: (rows, in) float32");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+void run(const Weight& w, const float* x, int64_t M, int64_t K, float* y, int64_t N) {
   const int64_t num_blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
   // Grain: enough weight rows per task that a thread streams a long run of memory (~64 KiB at least).
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, kRowsPerBlock * w.row_bytes));
@@ -153,45 +146,33 @@ torch::Tensor run(const Weight& w, torch::Tensor x, int64_t N) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kRowsPerBlock;
       if (n0 + kRowsPerBlock <= N) {
-        rows_block<kRowsPerBlock>(w, xp, K, yp, N, M, K, n0);
+        rows_block<kRowsPerBlock>(w, x, K, y, N, M, K, n0);
       } else {
-        for (int64_t n = n0; n < N; ++n) rows_block<1>(w, xp, K, yp, N, M, K, n);
+        for (int64_t n = n0; n < N; ++n) rows_block<1>(w, x, K, y, N, M, K, n);
       }
     }
   });
-  return y;
 }
 
 }  // namespace
 
-// x (M, K) float32 · w (N, K) bfloat16ᵀ -> (M, N) float32
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous(), "w: contiguous (out, in) bf16");
-  TORCH_CHECK(x.size(-1) == w.size(1), "x and w disagree on in");
-  Weight weight{Kind::kBf16, reinterpret_cast<const uint8_t*>(w.data_ptr()), 2 * w.size(1), nullptr, nullptr, 1,
-                w.size(1)};
-  return run(weight, x, w.size(0));
+// Plain C entry points on contiguous buffers (kernels/cpu_gemv.py checks shapes and dtypes): no torch/pybind headers
+// but ATen/Parallel.h, so the library compiles in ~2 s where a torch extension takes a minute.
+extern "C" {
+
+// y (M, N) = x (M, K) · w (N, K)ᵀ, w bfloat16 bits.
+void loraplex_gemv_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
+  const Weight weight{Kind::kBf16, reinterpret_cast<const uint8_t*>(w), 2 * K, nullptr, nullptr, 1, K};
+  run(weight, x, M, K, y, N);
 }
 
-// x (M, K) float32 · w(q, scales, biases)ᵀ -> (M, N) float32. q: (N, K) uint8 (bits 8) or (N, ceil(K / 2)) uint8
-// (bits 4, low nibble first); scales, biases: (N, groups) float32 over groups of group_size columns.
-torch::Tensor gemv_int(torch::Tensor x, torch::Tensor q, torch::Tensor scales, torch::Tensor biases, int64_t group_size,
-                       int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kUInt8 && q.is_contiguous(), "q: contiguous uint8 (out, *)");
-  const int64_t N = q.size(0), K = x.size(-1);
-  TORCH_CHECK(q.size(1) == (bits == 8 ? K : (K + 1) / 2), "q's row does not hold in columns");
-  const int64_t groups = (K + group_size - 1) / group_size;
-  TORCH_CHECK(group_size == K || group_size % 8 == 0, "group_size: a multiple of 8, or in");
-  for (const auto& t : {scales, biases})
-    TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.size(0) == N && t.size(1) == groups,
-                "scales and biases: contiguous float32 (out, groups)");
-  Weight weight{bits == 8 ? Kind::kInt8 : Kind::kInt4, q.data_ptr<uint8_t>(), q.size(1), scales.data_ptr<float>(),
-                biases.data_ptr<float>(), groups, group_size};
-  return run(weight, x, N);
+// y (M, N) = x (M, K) · wᵀ, w from q: (N, K) uint8 (bits 8) or (N, ceil(K / 2)) (bits 4, low nibble first), and
+// scales, biases: (N, ceil(K / group_size)) float32; group_size a multiple of 8, or K.
+void loraplex_gemv_int(const float* x, int64_t M, int64_t K, const uint8_t* q, int64_t N, const float* scales,
+                       const float* biases, int64_t group_size, int64_t bits, float* y) {
+  const Weight weight{bits == 8 ? Kind::kInt8 : Kind::kInt4, q, bits == 8 ? K : (K + 1) / 2, scales, biases,
+                      (K + group_size - 1) / group_size, group_size};
+  run(weight, x, M, K, y, N);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv_bf16", &gemv_bf16, "float32 rows times a bfloat16 weight, transposed");
-  m.def("gemv_int", &gemv_int, "float32 rows times an unsigned INT8/INT4 weight with per-group scales and biases");
-}
+}  // extern "C"
