@@ -109,10 +109,11 @@ def test_bad_shapes_are_refused() -> None:
 
 
 NAMES = [None, "a4", "a16", None, "a16", "a4"]  # the base and two adapters, mixed
-LENGTHS = [5, 9, 3, 12, 7, 4]
+LENGTHS = [5, 9, 3, 6, 4, 2]  # 29 rows: one prefill batch within the kernel's 32 rows
 
 
-def run_batch(model_dir: Path, adapter_dirs: dict[str, Path], **config) -> tuple[list[torch.Tensor], list]:
+def run_batch(model_dir: Path, adapter_dirs: dict[str, Path], **config) -> tuple[list[torch.Tensor], list, object]:
+    """Logits of one mixed prefill batch (29 rows: the kernel's shape) and 4 greedy steps."""
     runner = make_runner(model_dir, **LORA_CONFIG, **config)
     results = runner.lora.load(specs(adapter_dirs, {"a4": 1, "a16": 3}))
     assert all(r.success for r in results)
@@ -140,15 +141,18 @@ def test_quantized_worker_unchanged_against_the_torch_path(fmt, quantized_dirs, 
     assert tokens == torch_tokens
 
 
-def test_bf16_worker_takes_the_kernel_and_stays_near_fp32(llama_dir, adapter_dirs,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    fp32_logits, _, _ = run_batch(llama_dir, adapter_dirs)
+def test_bf16_worker_errs_no_more_than_the_torch_path(llama_dir, adapter_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
+    # bf16 activations: against the fp32 run, the kernel (fp32 products, one rounding) errs no more than torch's bf16
+    # matmul. lora_backend torch: the LoRA path beside the linears stays the same in both bf16 runs.
+    oracle, _, _ = run_batch(llama_dir, adapter_dirs)
+    plain, _, _ = run_batch(llama_dir, adapter_dirs, dtype="bfloat16", lora_backend="torch")
     monkeypatch.setattr(cpu_gemv, "chosen", lambda: True)
     calls = []
     gemv_bf16 = cpu_gemv.gemv_bf16
     monkeypatch.setattr(cpu_gemv, "gemv_bf16", lambda x, w: calls.append(x.shape[0]) or gemv_bf16(x, w))
-    logits, _, runner = run_batch(llama_dir, adapter_dirs, dtype="bfloat16")
+    ours, _, runner = run_batch(llama_dir, adapter_dirs, dtype="bfloat16", lora_backend="torch")
     assert all(m.gemv for m in runner.model.modules() if hasattr(m, "packed_weight") and hasattr(m, "weight"))
-    assert calls and max(calls) <= cpu_gemv.MAX_ROWS  # decode rows; the prefill (40 rows) stays on torch
-    for ours, ref in zip(logits, fp32_logits, strict=True):
-        assert ((ours.float() - ref).abs().max() / ref.abs().max()).item() < 0.05
+    assert sum(LENGTHS) in calls and max(calls) <= cpu_gemv.MAX_ROWS
+    ours_err = max((a.float() - c).abs().max().item() for a, c in zip(ours, oracle, strict=True))
+    plain_err = max((b.float() - c).abs().max().item() for b, c in zip(plain, oracle, strict=True))
+    assert ours_err <= 1.5 * plain_err, (ours_err, plain_err)
