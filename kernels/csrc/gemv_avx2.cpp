@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -48,9 +49,10 @@ struct Weight {
 };
 
 // 8 weights of row n from column k (k a multiple of 8), as float32, before the group's scale and bias.
+template <Kind KIND>
 inline __m256 load8(const Weight& w, int64_t n, int64_t k) {
   const uint8_t* row = w.data + n * w.row_bytes;
-  switch (w.kind) {
+  switch (KIND) {
     case Kind::kBf16: {
       __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k));
       return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
@@ -70,10 +72,11 @@ inline __m256 load8(const Weight& w, int64_t n, int64_t k) {
 }
 
 // One weight (row n, column k), dequantized: the tail columns.
+template <Kind KIND>
 inline float load1(const Weight& w, int64_t n, int64_t k) {
   const uint8_t* row = w.data + n * w.row_bytes;
   float u;
-  switch (w.kind) {
+  switch (KIND) {
     case Kind::kBf16: {
       uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(row)[k]) << 16;
       float f;
@@ -92,13 +95,13 @@ inline float load1(const Weight& w, int64_t n, int64_t k) {
 
 // y[m, n0:n0+NB] for activation rows m0..m0+MB: every column, group by group. A group's scale and bias turn each
 // converted weight vector into its values once, shared by the MB activation rows.
-template <int NB, int MB>
+template <Kind KIND, int NB, int MB>
 void block(const Weight& w, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t K, int64_t n0, int64_t m0) {
   __m256 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
   float tail[MB][NB] = {};
-  const bool quantized = w.kind != Kind::kBf16;
+  constexpr bool quantized = KIND != Kind::kBf16;
   const int64_t group_size = quantized ? w.group_size : K;
   for (int64_t k0 = 0; k0 < K; k0 += group_size) {
     const int64_t k1 = std::min(K, k0 + group_size);
@@ -115,14 +118,14 @@ void block(const Weight& w, const float* x, int64_t ldx, float* y, int64_t ldy, 
       __m256 xv[MB];
       for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + (m0 + m) * ldx + k);
       for (int j = 0; j < NB; ++j) {
-        __m256 wv = load8(w, n0 + j, k);
+        __m256 wv = load8<KIND>(w, n0 + j, k);
         if (quantized) wv = _mm256_fmadd_ps(wv, scale[j], bias[j]);
         for (int m = 0; m < MB; ++m) acc[m][j] = _mm256_fmadd_ps(wv, xv[m], acc[m][j]);
       }
     }
     for (int64_t k = vec_end; k < k1; ++k)  // only the last group can be short of a vector (group sizes are 8·i)
       for (int j = 0; j < NB; ++j) {
-        const float wk = load1(w, n0 + j, k);
+        const float wk = load1<KIND>(w, n0 + j, k);
         for (int m = 0; m < MB; ++m) tail[m][j] += wk * x[(m0 + m) * ldx + k];
       }
   }
@@ -130,15 +133,75 @@ void block(const Weight& w, const float* x, int64_t ldx, float* y, int64_t ldy, 
     for (int j = 0; j < NB; ++j) y[(m0 + m) * ldy + n0 + j] = hsum(acc[m][j]) + tail[m][j];
 }
 
-template <int NB>
-void rows_block(const Weight& w, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t M, int64_t K,
-                int64_t n0) {
-  int64_t m0 = 0;
-  for (; m0 + kActRows <= M; m0 += kActRows) block<NB, kActRows>(w, x, ldx, y, ldy, K, n0, m0);
-  for (; m0 < M; ++m0) block<NB, 1>(w, x, ldx, y, ldy, K, n0, m0);
+// Several activation rows: the block's weights are converted to float32 once per chunk of kChunk columns into a
+// buffer that stays in L1, then every pair of activation rows runs plain FMAs over it (converting per row pair would
+// repeat the conversion M / 2 times: at 32 rows that, not memory, bounds the step).
+constexpr int64_t kChunk = 512;  // columns per chunk (a group that straddles two takes its scale in each)
+
+template <int NB, int MB>
+void chunk_rows(const float (*buf)[kChunk], int64_t len, const float* x, int64_t ldx, int64_t m0, float* sums) {
+  __m256 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
+  const int64_t vec_end = len / 8 * 8;
+  for (int64_t k = 0; k < vec_end; k += 8) {
+    __m256 xv[MB];
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + (m0 + m) * ldx + k);
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+      const __m256 wv = _mm256_loadu_ps(buf[j] + k);
+#pragma GCC unroll 4
+      for (int m = 0; m < MB; ++m) acc[m][j] = _mm256_fmadd_ps(wv, xv[m], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) {
+      float tail = 0;
+      for (int64_t k = vec_end; k < len; ++k) tail += buf[j][k] * x[(m0 + m) * ldx + k];
+      sums[(m0 + m) * NB + j] += hsum(acc[m][j]) + tail;
+    }
 }
 
-void run(const Weight& w, const float* x, int64_t M, int64_t K, float* y, int64_t N) {
+template <Kind KIND, int NB>
+void rows_block(const Weight& w, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t M, int64_t K,
+                int64_t n0) {
+  if (M == 1) {  // one row: convert in registers, straight from memory
+    block<KIND, NB, 1>(w, x, ldx, y, ldy, K, n0, 0);
+    return;
+  }
+  alignas(32) float buf[NB][kChunk];
+  std::vector<float> sums(M * NB, 0.0f);
+  constexpr bool quantized = KIND != Kind::kBf16;
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const int64_t k1 = std::min(K, k0 + kChunk);
+    for (int j = 0; j < NB; ++j) {
+      const int64_t n = n0 + j;
+      for (int64_t start = k0; start < k1;) {  // group by group (a chunk holds whole groups but for the last)
+        const int64_t end = quantized ? std::min(k1, (start / w.group_size + 1) * w.group_size) : k1;
+        const int64_t g = quantized ? n * w.groups + start / w.group_size : 0;
+        const __m256 scale = _mm256_set1_ps(quantized ? w.scales[g] : 1.0f);
+        const __m256 bias = _mm256_set1_ps(quantized ? w.biases[g] : 0.0f);
+        int64_t k = start;
+        for (; k + 8 <= end; k += 8) {
+          __m256 wv = load8<KIND>(w, n, k);
+          if (quantized) wv = _mm256_fmadd_ps(wv, scale, bias);
+          _mm256_store_ps(buf[j] + (k - k0), wv);
+        }
+        for (; k < end; ++k) buf[j][k - k0] = load1<KIND>(w, n, k);
+        start = end;
+      }
+    }
+    int64_t m0 = 0;
+    for (; m0 + kActRows <= M; m0 += kActRows) chunk_rows<NB, kActRows>(buf, k1 - k0, x + k0, ldx, m0, sums.data());
+    for (; m0 < M; ++m0) chunk_rows<NB, 1>(buf, k1 - k0, x + k0, ldx, m0, sums.data());
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int j = 0; j < NB; ++j) y[m * ldy + n0 + j] = sums[m * NB + j];
+}
+
+template <Kind KIND>
+void run_kind(const Weight& w, const float* x, int64_t M, int64_t K, float* y, int64_t N) {
   const int64_t num_blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
   // Grain: enough weight rows per task that a thread streams a long run of memory (~64 KiB at least).
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, kRowsPerBlock * w.row_bytes));
@@ -146,12 +209,23 @@ void run(const Weight& w, const float* x, int64_t M, int64_t K, float* y, int64_
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kRowsPerBlock;
       if (n0 + kRowsPerBlock <= N) {
-        rows_block<kRowsPerBlock>(w, x, K, y, N, M, K, n0);
+        rows_block<KIND, kRowsPerBlock>(w, x, K, y, N, M, K, n0);
       } else {
-        for (int64_t n = n0; n < N; ++n) rows_block<1>(w, x, K, y, N, M, K, n);
+        for (int64_t n = n0; n < N; ++n) rows_block<KIND, 1>(w, x, K, y, N, M, K, n);
       }
     }
   });
+}
+
+void run(const Weight& w, const float* x, int64_t M, int64_t K, float* y, int64_t N) {
+  switch (w.kind) {  // once per call: the kind is a constant inside the loops
+    case Kind::kBf16:
+      return run_kind<Kind::kBf16>(w, x, M, K, y, N);
+    case Kind::kInt8:
+      return run_kind<Kind::kInt8>(w, x, M, K, y, N);
+    default:
+      return run_kind<Kind::kInt4>(w, x, M, K, y, N);
+  }
 }
 
 }  // namespace

@@ -22,7 +22,7 @@ OFF = cpu_gemv.unavailable_reason()
 pytestmark = pytest.mark.skipif(OFF is not None, reason=f"AVX2 kernels cannot run here: {OFF}")
 
 ROWS = (1, 2, 7, 32)
-SHAPES = [(13, 37), (64, 256), (130, 200)]  # (out, in): tails in both, whole blocks, K % 8 == 0 with N % 4 != 0
+SHAPES = [(13, 37), (64, 256), (130, 200), (9, 1031)]  # (out, in): tails, whole blocks, N % 4 != 0, 3 column chunks
 
 
 @pytest.fixture
@@ -73,6 +73,8 @@ CASES = [  # (bits, group_size (None: per channel), zero points, act order, (out
     (4, 32, False, False, (13, 96)),
     (4, 64, True, True, (130, 192)),
     (4, 128, True, False, (66, 256)),
+    (8, 96, True, False, (10, 1152)),  # groups straddling the kernel's 512-column chunks
+    (4, None, False, False, (9, 1031)),
 ]
 
 
