@@ -27,7 +27,7 @@
 namespace {
 
 constexpr int kRowsPerBlock = 4;  // weight rows sharing each load of an activation vector
-constexpr int kActRows = 2;       // activation rows sharing each converted weight vector
+constexpr int kActRows = 3;       // activation rows sharing each converted weight vector (12 accumulators)
 
 enum class Kind { kBf16, kInt8, kInt4 };
 
@@ -194,7 +194,8 @@ void rows_block(const Weight& w, const float* x, int64_t ldx, float* y, int64_t 
     }
     int64_t m0 = 0;
     for (; m0 + kActRows <= M; m0 += kActRows) chunk_rows<NB, kActRows>(buf, k1 - k0, x + k0, ldx, m0, sums.data());
-    for (; m0 < M; ++m0) chunk_rows<NB, 1>(buf, k1 - k0, x + k0, ldx, m0, sums.data());
+    if (M - m0 == 2) chunk_rows<NB, 2>(buf, k1 - k0, x + k0, ldx, m0, sums.data());
+    if (M - m0 == 1) chunk_rows<NB, 1>(buf, k1 - k0, x + k0, ldx, m0, sums.data());
   }
   for (int64_t m = 0; m < M; ++m)
     for (int j = 0; j < NB; ++j) y[m * ldy + n0 + j] = sums[m * NB + j];
