@@ -137,7 +137,11 @@ MAX_ROWS = 32  # from 33 rows on, a GEMM (torch/oneDNN) reuses each weight load 
 
 def chosen() -> bool:
     """Whether the worker's decode linears take these kernels: on CPUs that can run them and lack cpu_ext's AVX-512
-    BF16 (where torch's AVX-512 kernels and oneDNN stay)."""
+    BF16 (where torch's AVX-512 kernels and oneDNN stay). LORAPLEX_CPU_GEMV=on takes them wherever they run (to
+    measure them against torch restricted to AVX2: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2), =off never."""
     from loraplex.kernels import cpu_ext
 
-    return unavailable_reason() is None and cpu_ext.unavailable_reason() is not None
+    setting = os.environ.get("LORAPLEX_CPU_GEMV", "auto")
+    if setting == "off" or unavailable_reason() is not None:
+        return False
+    return setting == "on" or cpu_ext.unavailable_reason() is not None
