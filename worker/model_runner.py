@@ -366,6 +366,10 @@ class ModelRunner:
                     flag, num_bytes / 2**20, ", ".join(kernels), f"; {held}" if experts else "")
 
     def _pack_weights(self) -> None:
+        if packed.gemv_unavailable_reason(self.device, self.dtype) is None:
+            num_marked = packed.use_gemv(self.model)
+            logger.info("%d linear weights stay plain for the AVX2 decode kernel (kernels/cpu_gemv.py)", num_marked)
+            return
         reason = packed.unavailable_reason(self.device, self.dtype)
         if reason is not None:
             logger.info("linear weights stay plain (%s)", reason)

@@ -21,6 +21,7 @@ class LMHead(nn.Module):
     """hidden -> logits. With tied embeddings it shares the embedding's weight tensor."""
 
     packed_weight: torch.Tensor | None = None  # set by packed.pack_linears (the CPU bfloat16 path), if not tied
+    gemv = False  # set by packed.use_gemv (the CPU bfloat16 path on AVX2)
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: Embedding | None = None):
         super().__init__()
@@ -31,4 +32,4 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return packed.linear(hidden, self.weight, self.packed_weight)  # (rows, vocab)
+        return packed.linear(hidden, self.weight, self.packed_weight, gemv=self.gemv)  # (rows, vocab)

@@ -45,7 +45,7 @@ def _matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None)
     if layer.quant is not None:
         y = layer.quant(x)
         return y if bias is None else y + bias
-    return packed.linear(x, layer.weight, layer.packed_weight, bias)
+    return packed.linear(x, layer.weight, layer.packed_weight, bias, layer.gemv)
 
 
 def _empty_param(*shape: int) -> nn.Parameter:
@@ -58,6 +58,7 @@ class ColumnParallelLinear(nn.Module):
 
     tp_mode = "column"
     packed_weight: torch.Tensor | None = None  # set by packed.pack_linears (the CPU bfloat16 path)
+    gemv = False  # set by packed.use_gemv (the CPU bfloat16 path on AVX2)
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = False):
         super().__init__()
@@ -142,6 +143,7 @@ class RowParallelLinear(nn.Module):
 
     tp_mode = "row"
     packed_weight: torch.Tensor | None = None  # set by packed.pack_linears (the CPU bfloat16 path)
+    gemv = False  # set by packed.use_gemv (the CPU bfloat16 path on AVX2)
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = False):
         super().__init__()

@@ -6,7 +6,10 @@ once per matmul (measured on the bench model: decode steps 5-15% faster, a decod
 with bit-identical results. The plain weight is freed once packed, so the model takes no more memory.
 
 A linear opts in with a `packed_weight` attribute (None until packed) and computes through `linear` below; one whose
-model code reads its plain weight (latent attention's kv_b_proj) opts out with `packable = False`."""
+model code reads its plain weight (latent attention's kv_b_proj) opts out with `packable = False`.
+
+On a CPU with AVX2 and without AVX-512 BF16 (kernels/cpu_gemv.py) the weights stay plain instead and decode rows (up
+to 32) take the AVX2 skinny-matrix kernel, which reads each bfloat16 weight once per call: `use_gemv` marks them."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from loraplex.kernels import cpu_gemv
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -28,8 +32,12 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None):
-    """x Wᵀ + b, from the packed weight where there is one."""
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None,
+           gemv: bool = False):
+    """x Wᵀ + b, from the packed weight where there is one; with `gemv` (use_gemv), up to 32 rows by the AVX2 kernel."""
+    if gemv and x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_ROWS:
+        y = cpu_gemv.gemv_bf16(x.float(), weight).to(x.dtype)
+        return y if bias is None else y + bias
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -49,3 +57,27 @@ def pack_linears(model: nn.Module) -> int:
         weight.data = weight.data.new_empty(0)  # the packed copy replaces it
         num_packed += 1
     return num_packed
+
+
+def gemv_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why bfloat16 linears do not take the AVX2 decode kernel here, or None if they do."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return f"only for bfloat16 on the CPU, not {str(dtype).removeprefix('torch.')} on {device.type}"
+    if not cpu_gemv.chosen():
+        return "the CPU has AVX-512 BF16 (oneDNN) or lacks AVX2/FMA/F16C"
+    return None if cpu_gemv.kernels() is not None else "the AVX2 kernels failed to build"
+
+
+def use_gemv(model: nn.Module) -> int:
+    """Mark every linear that owns a plain bfloat16 weight (as pack_linears chooses them) to compute its decode rows
+    with the AVX2 kernel; returns how many."""
+    num_marked = 0
+    for module in model.modules():
+        if not hasattr(module, "packed_weight") or getattr(module, "quant", None) is not None:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
+            continue
+        module.gemv = True
+        num_marked += 1
+    return num_marked

@@ -16,6 +16,9 @@
   TritonFP8Matmul    on CUDA, any other FP8 weight (block scales, weight-only, sm_80, float32 activations): read and
                      dequantized inside kernels/quant_matmul.py's kernel
 
+  Avx2IntMatmul      on CPUs with AVX2 and no AVX-512 BF16, INT8/INT4 (per channel, or groups of 8·i columns): the
+                     skinny-matrix kernel of kernels/cpu_gemv.py up to 32 tokens, dequantized tiles above (avx2.py)
+
 Each holds only its packed layout, built once here, and reports `nbytes` (the resident weight bytes)."""
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from loraplex.kernels.quant_matmul import fp8_weight_matmul_triton, int_weight_matmul_triton
+from loraplex.worker.quant.avx2 import Avx2IntMatmul
 from loraplex.worker.quant.scaled_mm import ScaledMMFP8Matmul
 from loraplex.worker.quant.weights import FloatWeight, IntWeight, QuantWeight
 
@@ -175,9 +179,10 @@ class TritonFP8Matmul:
         return fp8_weight_matmul_triton(x.contiguous(), w.q, w.scales, w.row_ids, w.col_ids)
 
 
-QuantMatmul = (Int8ChannelMatmul | Int4GroupMatmul | TritonIntMatmul | ScaledMMFP8Matmul | TritonFP8Matmul
-               | DequantTileMatmul)
-KERNELS = (Int8ChannelMatmul, Int4GroupMatmul, TritonIntMatmul, ScaledMMFP8Matmul, TritonFP8Matmul)  # first fit wins
+QuantMatmul = (Avx2IntMatmul | Int8ChannelMatmul | Int4GroupMatmul | TritonIntMatmul | ScaledMMFP8Matmul
+               | TritonFP8Matmul | DequantTileMatmul)
+KERNELS = (Avx2IntMatmul, Int8ChannelMatmul, Int4GroupMatmul, TritonIntMatmul, ScaledMMFP8Matmul,
+           TritonFP8Matmul)  # first fit wins
 
 
 def choose_matmul(weight: QuantWeight, device: torch.device, dtype: torch.dtype) -> type[QuantMatmul]:

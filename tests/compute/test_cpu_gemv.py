@@ -1,0 +1,160 @@
+"""The AVX2 skinny-matrix kernels (kernels/cpu_gemv.py) against torch's fp32 matmul on the dequantized weight: bf16,
+INT8 per channel and per group, INT4 per group (GPTQ/AWQ/compressed-tensors layouts repacked by worker/quant/avx2.py),
+1-32 rows, N and K off the vector width, groups of 32/64/128, act order, zero points; above 32 rows the dequantized-tile
+GEMM. Then workers that take them (forced on, as on a CPU without AVX-512) against the torch path in fp32: logits and
+greedy tokens of a batch mixing the base and two adapters, quantized and bf16."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from loraplex.kernels import cpu_gemv
+from loraplex.worker.quant.avx2 import Avx2IntMatmul
+from loraplex.worker.quant.weights import IntWeight
+
+from tests.lora_helpers import LORA_CONFIG, batch_logits, greedy_decode, specs
+from tests.quantize_checkpoint import write_quantized
+from tests.worker_helpers import make_runner, random_prompts
+
+OFF = cpu_gemv.unavailable_reason()
+pytestmark = pytest.mark.skipif(OFF is not None, reason=f"AVX2 kernels cannot run here: {OFF}")
+
+ROWS = (1, 2, 7, 32)
+SHAPES = [(13, 37), (64, 256), (130, 200), (9, 1031)]  # (out, in): tails, whole blocks, N % 4 != 0, 3 column chunks
+
+
+@pytest.fixture
+def forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels chosen as on a CPU with AVX2 and no AVX-512 BF16."""
+    monkeypatch.setattr(cpu_gemv, "chosen", lambda: True)
+
+
+def relative_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+def test_bf16_equals_fp32_matmul(out_features: int, in_features: int) -> None:
+    gen = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    for rows in ROWS:
+        x = torch.randn(rows, in_features, generator=gen)
+        assert relative_err(cpu_gemv.gemv_bf16(x, w), x @ w.float().T) < 1e-5, rows
+
+
+def random_int_weight(out_features: int, in_features: int, bits: int, group_size: int, zeros: bool, act_order: bool,
+                      seed: int) -> IntWeight:
+    """Random values, scales and zero points on the whole range; act order: a shuffled g_idx of whole groups."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = -(-in_features // group_size)
+    if zeros:  # unsigned storage with zero points (GPTQ, AWQ, asymmetric compressed-tensors)
+        q = torch.randint(0, 1 << bits, (out_features, in_features), generator=gen).to(torch.uint8)
+        zero = torch.randint(0, 1 << bits, (out_features, groups), generator=gen, dtype=torch.int32)
+    else:  # signed storage around 0 (symmetric compressed-tensors)
+        half = 1 << (bits - 1)
+        q = torch.randint(-half, half, (out_features, in_features), generator=gen).to(torch.int8)
+        zero = None
+    scales = torch.rand(out_features, groups, generator=gen) * 0.02 + 0.001
+    g_idx = None
+    if act_order:
+        g_idx = (torch.arange(in_features) // group_size)[torch.randperm(in_features, generator=gen)]
+    return IntWeight(q=q, scales=scales, zeros=zero, g_idx=g_idx, group_size=group_size, bits=bits)
+
+
+CASES = [  # (bits, group_size (None: per channel), zero points, act order, (out, in))
+    (8, None, False, False, (13, 37)),
+    (8, None, True, False, (130, 200)),
+    (8, 32, True, False, (13, 96)),
+    (8, 64, False, True, (66, 128)),
+    (8, 128, True, False, (64, 256)),
+    (4, None, True, False, (13, 37)),
+    (4, 32, False, False, (13, 96)),
+    (4, 64, True, True, (130, 192)),
+    (4, 128, True, False, (66, 256)),
+    (8, 96, True, False, (10, 1152)),  # groups straddling the kernel's 512-column chunks
+    (4, None, False, False, (9, 1031)),
+]
+
+
+@pytest.mark.parametrize("bits,group_size,zeros,act_order,shape", CASES)
+def test_int_equals_fp32_matmul_on_the_dequantized_weight(bits, group_size, zeros, act_order, shape, forced) -> None:
+    weight = random_int_weight(*shape, bits, group_size or shape[1], zeros, act_order, seed=bits + shape[0])
+    assert Avx2IntMatmul.fits(weight, torch.device("cpu"), torch.float32)
+    matmul = Avx2IntMatmul(weight, torch.float32)
+    assert matmul.nbytes < weight.q.numel() * (1 if bits == 8 else 0.5) + 9 * weight.scales.numel() + 8 * shape[1]
+    reference = weight.dequantize(slice(None), torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    for rows in (*ROWS, 33):  # 33: the dequantized-tile GEMM
+        x = torch.randn(rows, shape[1], generator=gen)
+        assert relative_err(matmul(x), x @ reference.T) < 1e-5, rows
+    x = torch.randn(3, shape[1], generator=gen).bfloat16()  # bf16 activations: fp32 products, one rounding
+    y = matmul(x)
+    assert y.dtype == torch.bfloat16 and relative_err(y, x.float() @ reference.T) < 1e-2
+
+
+def test_fits_only_what_it_streams(forced, monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert not Avx2IntMatmul.fits(random_int_weight(8, 100, 4, 20, True, False, 0), cpu, torch.float32)  # 20 % 8
+    assert not Avx2IntMatmul.fits(random_int_weight(8, 64, 4, 32, True, False, 0), torch.device("meta"), torch.float32)
+    monkeypatch.setattr(cpu_gemv, "chosen", lambda: False)  # a CPU with AVX-512 BF16 keeps torch's kernels
+    assert not Avx2IntMatmul.fits(random_int_weight(8, 64, 4, 32, True, False, 0), cpu, torch.float32)
+
+
+def test_bad_shapes_are_refused() -> None:
+    x = torch.randn(2, 40)
+    with pytest.raises(ValueError, match="columns"):
+        cpu_gemv.gemv_bf16(x, torch.zeros(3, 41, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_gemv.gemv_int(x, torch.zeros(3, 21, dtype=torch.uint8), torch.ones(3, 2), torch.ones(3, 2), 20, 4)
+
+
+NAMES = [None, "a4", "a16", None, "a16", "a4"]  # the base and two adapters, mixed
+LENGTHS = [5, 9, 3, 6, 4, 2]  # 29 rows: one prefill batch within the kernel's 32 rows
+
+
+def run_batch(model_dir: Path, adapter_dirs: dict[str, Path], **config) -> tuple[list[torch.Tensor], list, object]:
+    """Logits of one mixed prefill batch (29 rows: the kernel's shape) and 4 greedy steps."""
+    runner = make_runner(model_dir, **LORA_CONFIG, **config)
+    results = runner.lora.load(specs(adapter_dirs, {"a4": 1, "a16": 3}))
+    assert all(r.success for r in results)
+    prompts = random_prompts(LENGTHS, runner.vocab_size, seed=5)
+    return batch_logits(runner, prompts, NAMES), greedy_decode(runner, prompts, NAMES, steps=4), runner
+
+
+@pytest.fixture(scope="module")
+def quantized_dirs(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gemv-quantized")
+    for fmt in ("gptq-4bit-act-order", "ct-w8a16"):
+        write_quantized(llama_dir, fmt, root / fmt, root / f"{fmt}-dequantized")
+    return {fmt: root / fmt for fmt in ("gptq-4bit-act-order", "ct-w8a16")}
+
+
+@pytest.mark.parametrize("fmt", ["gptq-4bit-act-order", "ct-w8a16"])
+def test_quantized_worker_unchanged_against_the_torch_path(fmt, quantized_dirs, adapter_dirs,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    torch_logits, torch_tokens, _ = run_batch(quantized_dirs[fmt], adapter_dirs)
+    monkeypatch.setattr(cpu_gemv, "chosen", lambda: True)
+    logits, tokens, runner = run_batch(quantized_dirs[fmt], adapter_dirs)
+    assert {m.quant.matmul.name for m in runner.model.modules() if getattr(m, "quant", None)} == {Avx2IntMatmul.name}
+    for ours, ref in zip(logits, torch_logits, strict=True):
+        assert (ours - ref).abs().max().item() < 1e-4
+    assert tokens == torch_tokens
+
+
+def test_bf16_worker_errs_no_more_than_the_torch_path(llama_dir, adapter_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
+    # bf16 activations: against the fp32 run, the kernel (fp32 products, one rounding) errs no more than torch's bf16
+    # matmul. lora_backend torch: the LoRA path beside the linears stays the same in both bf16 runs.
+    oracle, _, _ = run_batch(llama_dir, adapter_dirs)
+    plain, _, _ = run_batch(llama_dir, adapter_dirs, dtype="bfloat16", lora_backend="torch")
+    monkeypatch.setattr(cpu_gemv, "chosen", lambda: True)
+    calls = []
+    gemv_bf16 = cpu_gemv.gemv_bf16
+    monkeypatch.setattr(cpu_gemv, "gemv_bf16", lambda x, w: calls.append(x.shape[0]) or gemv_bf16(x, w))
+    ours, _, runner = run_batch(llama_dir, adapter_dirs, dtype="bfloat16", lora_backend="torch")
+    assert all(m.gemv for m in runner.model.modules() if hasattr(m, "packed_weight") and hasattr(m, "weight"))
+    assert sum(LENGTHS) in calls and max(calls) <= cpu_gemv.MAX_ROWS
+    ours_err = max((a.float() - c).abs().max().item() for a, c in zip(ours, oracle, strict=True))
+    plain_err = max((b.float() - c).abs().max().item() for b, c in zip(plain, oracle, strict=True))
+    assert ours_err <= 1.5 * plain_err, (ours_err, plain_err)

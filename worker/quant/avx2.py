@@ -1,0 +1,94 @@
+"""Avx2IntMatmul: INT8 (per channel or per group) and INT4 (per group) weights on CPUs with AVX2 and without
+AVX-512 BF16, through kernels/cpu_gemv.py's skinny-matrix kernel for up to 32 rows (a decode step) and torch's GEMM on
+dequantized tiles above that.
+
+Whatever the checkpoint's packing (GPTQ, AWQ, compressed-tensors decode into an IntWeight, formats.py), the weight is
+repacked once here into the one layout the kernel streams: unsigned values (u = q + signed_offset), INT4 two per byte
+(columns 2j, 2j+1 in byte j, low nibble first), and per group a float32 scale and bias with w = u · scale + bias
+(bias = -(zero + signed_offset) · scale). Act-order groups are permuted into place once, as the torch path does."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from loraplex.kernels import cpu_gemv
+from loraplex.worker.quant.weights import IntWeight, QuantWeight
+
+TILE_ROWS = 512  # output rows dequantized at once above cpu_gemv.MAX_ROWS
+
+
+def _act_order(weight: IntWeight) -> torch.Tensor | None:
+    """The column order that makes act-order groups contiguous, if each group has exactly group_size columns."""
+    order = torch.argsort(weight.g_idx, stable=True)
+    expected = torch.arange(weight.q.shape[1], device=weight.g_idx.device) // weight.group_size
+    return order if torch.equal(weight.g_idx[order], expected) else None
+
+
+class Avx2IntMatmul:
+    name = "int weight-only (AVX2 decode kernel)"
+
+    @staticmethod
+    def fits(weight: QuantWeight, device: torch.device, dtype: torch.dtype) -> bool:
+        if device.type != "cpu" or not isinstance(weight, IntWeight) or weight.bits not in (4, 8):
+            return False
+        if dtype not in (torch.float32, torch.bfloat16) or not cpu_gemv.chosen():
+            return False
+        cols, size = weight.q.shape[1], weight.group_size
+        if size >= cols:  # one group per row (per channel): any width, tails included
+            return weight.g_idx is None
+        return size % 8 == 0 and cols % size == 0 and (weight.g_idx is None or _act_order(weight) is not None)
+
+    def __init__(self, weight: IntWeight, dtype: torch.dtype):
+        self.order = None
+        q, scales = weight.q, weight.scales
+        zeros = None if weight.zeros is None else weight.zeros
+        self.group_size = min(weight.group_size, q.shape[1])
+        if weight.g_idx is not None:
+            self.order = _act_order(weight)
+            q = q[:, self.order]
+            groups = weight.g_idx[self.order][:: self.group_size]
+            scales = scales[:, groups]
+            zeros = None if zeros is None else zeros[:, groups]
+        offset = weight.signed_offset
+        unsigned = (q.to(torch.int16) + offset).to(torch.uint8)  # (out, in)
+        self.bits, self.cols = weight.bits, q.shape[1]
+        if self.bits == 4:
+            if self.cols % 2:
+                unsigned = F.pad(unsigned, (0, 1))
+            unsigned = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
+        self.q = unsigned.contiguous()
+        self.scales = scales.float().contiguous()  # (out, groups)
+        zero = (0 if zeros is None else zeros.float()) + offset
+        self.biases = (-zero * self.scales).contiguous()
+        self.dtype = dtype
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.biases))
+        if self.order is not None:
+            self.nbytes += self.order.numel() * self.order.element_size()
+
+    def unsigned(self, rows: slice) -> torch.Tensor:
+        """(rows, in) uint8 values."""
+        q = self.q[rows]
+        if self.bits == 4:
+            q = torch.stack([q & 0xF, q >> 4], dim=-1).flatten(1)[:, : self.cols]
+        return q
+
+    def dequantize(self, rows: slice, dtype: torch.dtype) -> torch.Tensor:
+        """(rows, in) in dtype, computed in float32 as the kernel does."""
+        u = self.unsigned(rows).float()
+        num_rows, groups = u.shape[0], self.scales.shape[1]
+        u = u.view(num_rows, groups, self.cols // groups)
+        w = torch.addcmul(self.biases[rows, :, None], u, self.scales[rows, :, None])
+        return w.view(num_rows, self.cols).to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.order is not None:
+            x = x.index_select(-1, self.order)
+        if x.shape[0] <= cpu_gemv.MAX_ROWS:
+            y = cpu_gemv.gemv_int(x.float(), self.q, self.scales, self.biases, self.group_size, self.bits)
+            return y.to(x.dtype)
+        num_rows = self.q.shape[0]
+        y = x.new_empty(x.shape[0], num_rows)
+        for start in range(0, num_rows, TILE_ROWS):
+            rows = slice(start, min(start + TILE_ROWS, num_rows))
+            y[:, rows] = F.linear(x, self.dequantize(rows, x.dtype))
+        return y
