@@ -85,7 +85,14 @@ def _st_pooling_type(config: dict[str, Any], default: str) -> str:
             raise ConfigError(f"sentence-transformers pooling_mode {mode!r} is not served (served: "
                               f"{', '.join(_ST_POOLING_MODE)})")  # fmt: skip
         return _ST_POOLING_MODE[mode]
-    return next((ours for key, ours in _ST_POOLING_FLAGS if config.get(key)), default)
+    # the older flags: several set concatenate their poolings, which no served mode does; max or mean-sqrt-len alone
+    # is not served either
+    set_flags = sorted(key for key, value in config.items() if key.startswith("pooling_mode_") and value is True)
+    served = dict(_ST_POOLING_FLAGS)
+    if len(set_flags) > 1 or any(key not in served for key in set_flags):
+        raise ConfigError(f"sentence-transformers pooling {', '.join(set_flags)} is not served (served: one of "
+                          f"{', '.join(served)})")  # fmt: skip
+    return served[set_flags[0]] if set_flags else default
 
 
 def _token_ids(model_dir: str, tokens: list[Any]) -> list[int]:

@@ -97,6 +97,16 @@ def test_spec_from_the_checkpoint(tmp_path: Path) -> None:
                                                                      "1_Pooling/config.json": {"pooling_mode": "mean"}})
     spec = resolve_pooling(auto, st)
     assert (spec.task, spec.pooling_type, spec.normalize, spec.whole_prompt) == ("embed", "mean", True, True)
+    flags = {"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False}
+    older = write_checkpoint(tmp_path / "st_flags", {"model_type": "bert"}, {"modules.json": ST_MODULES,
+                                                                             "1_Pooling/config.json": flags})
+    assert resolve_pooling(auto, older).pooling_type == "mean"
+    for unserved in ({**flags, "pooling_mode_max_tokens": True}, {**flags, "pooling_mode_mean_tokens": False,
+                                                                   "pooling_mode_mean_sqrt_len_tokens": True}):
+        bad = write_checkpoint(tmp_path / f"st_bad{len(str(unserved))}", {"model_type": "bert"},
+                               {"modules.json": ST_MODULES, "1_Pooling/config.json": unserved})  # fmt: skip
+        with pytest.raises(ConfigError, match="is not served"):  # never a silent fallback to another pooling
+            resolve_pooling(auto, bad)
     classifier = write_checkpoint(tmp_path / "cls", {"model_type": "llama", "num_labels": 2,
                                                      "architectures": ["LlamaForSequenceClassification"],
                                                      "id2label": {"0": "no", "1": "yes"}})  # fmt: skip
