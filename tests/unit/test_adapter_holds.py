@@ -62,8 +62,8 @@ def make_service(manager: AdapterManager) -> tuple[GenerateService, list]:
 
     runtime = SimpleNamespace(
         config=manager.config, ready=SimpleNamespace(context_length=64, max_total_tokens=1024, vocab_size=100),
-        tokenizer=None, vocabulary=Vocabulary(None, None, []), registry=manager.registry, adapters=manager,
-        router=Router(1), metrics=manager.metrics,
+        tokenizer=None, vocabulary=Vocabulary(None, None, []), pooling=None, registry=manager.registry,
+        adapters=manager, router=Router(1), metrics=manager.metrics,
         rate_limits=KeyRateLimits(None, None), replicas=SimpleNamespace(send=send), failure=None, stopping=False,
         draining=False, attach=lambda requests: None)
     return GenerateService(runtime), sent
