@@ -19,6 +19,7 @@ Module map:
     reasoning.py         reasoning parsers: `<think>` text goes to reasoning_content
     harmony.py           gpt-oss's harmony output read as channel messages (its reasoning and tool-call parsers)
     metrics.py           Metrics: the Prometheus series of one server
+    pooling.py           PoolingService: embeddings, scores and classes from the pooling runner (prompts, pairs)
     model_files.py       the model's local files, downloaded from the Hub when need be
     lora_config.py       the LoRA part of the config completed before the workers start
     demo.py              where the built-in demo model and its adapters live

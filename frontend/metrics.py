@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from loraplex.frontend.spec_stats import adapter_label, combine_spec
+from loraplex.protocol.spec_stats import adapter_label, combine_spec
 from loraplex.protocol.structs import SchedulerStats
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric

@@ -9,7 +9,7 @@ import msgspec
 from loraplex.frontend.metrics import combine_stats
 from loraplex.frontend.request_table import RequestTable
 from loraplex.frontend.runtime import Runtime
-from loraplex.frontend.spec_stats import spec_info
+from loraplex.protocol.spec_stats import spec_info
 from loraplex.protocol.structs import SchedulerStats
 
 SECRETS = ("api_key", "admin_api_key", "hf_token")

@@ -5,6 +5,9 @@ structs.py          every struct that crosses a process boundary, one tagged uni
 sockets.py, curve.py  typed ZeroMQ sockets; CURVE keys on TCP sockets (the only modules that import zmq)
 rpc.py              the internal RPC wire format, for clients in any language
 config.py           ServerConfig: every launch setting with its help, validated once (the CLI is generated from it)
+pooling.py          PoolingSpec: the pooling runner's task, pooling and head, from the flags and the checkpoint
+speculative.py      SpeculativeConfig: --speculative-config and SGLang's spellings, validated once
+spec_stats.py       speculative decoding's counts per adapter, summed over replicas, with their rates
 model_ref.py        what a model path names: a local dir, an HF-cache snapshot or a Hub id
 quantization.py     which quantization a checkpoint is served with
 request_limits.py   the one rule of a request's size, at the edge and in the scheduler

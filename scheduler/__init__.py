@@ -7,6 +7,7 @@ Module map:
                         (a hybrid model's with the state snapshots a hit restores)
     slot_planner.py     SlotPlanner: which adapter sits in which device slot (holds, LRU eviction, pins)
     request.py          Request: one request's scheduler state
+    ngram_proposer.py   speculative decoding's n-gram drafts from a request's own tokens (prompt lookup)
     batch_policy.py     BatchPolicy: which waiting requests join the next batch (limits, slots)
     admission_order.py  AdmissionOrder: the order waiting requests are offered in (priority, fair share), preemption
     fair_share.py       FairShare: virtual token counters (VTC), the fair order between clients

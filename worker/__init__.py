@@ -5,6 +5,9 @@ dist.py                    global rank, device, dtype, torch.distributed group (
 parallel.py                tensor-parallel state read by layers at construction (expert parallelism on or off);
                            the all-reduce and the all-to-all
 model_runner.py            ModelRunner: model + KV cache + sampler; forward(ForwardBatch) -> next tokens
+pooling.py                 Pooler: the pooling runner's last/mean/first-token pooling, head and normalisation
+speculative.py             speculative decoding's verify step: drafts accepted (greedy or rejection sampling)
+draft_model.py             DraftModel: a small model beside the target proposing drafts on the target's pages
 cuda_graphs.py             DecodeGraphRunner: decode steps replayed from CUDA graphs captured at start-up
 batch_inputs.py            ForwardBatch -> flat token ids, positions, cache slots, attention masks
 kv_cache.py                KVCache tensors and the default capacity rule; an FP8 cache's scales, writes, dequantizing
@@ -22,6 +25,7 @@ penalties.py               presence / frequency / repetition penalties, min_new_
 grammar.py                 structured output: one xgrammar matcher per constrained request, its token mask
 model/config.py            ModelConfig from an HF config.json (transformers 4 and 5 forms)
 model/llama.py             Llama / Mistral / Qwen2 decoder, free of TP and LoRA
+model/bert.py              BERT: a bidirectional encoder (post-LN, GELU) for embeddings and cross-encoders
 model/phi3.py              Phi-3 / Phi-4-mini: the Llama decoder; fused checkpoints, partial rotary, longrope
 model/qwen3.py             Qwen3: the Llama decoder with per-head q/k RMSNorm (Qwen3Attention, reusable)
 model/mixtral.py           Mixtral: the Llama decoder with the MoE block as its MLP (MoEMLP, reusable)

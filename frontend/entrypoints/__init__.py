@@ -9,6 +9,7 @@ http_utils.py     small aiohttp helpers the routes share: the app's Runtime and 
 wire.py           what the aiohttp app and the Ray replica answer alike: JSON, Server-Sent Events, failures
 native_api.py     native, SGLang-compatible routes: /generate, adapters, abort, health and info
 openai_api.py     OpenAI-compatible routes: completions, chat, models, adapter load/unload
+pooling_api.py    the pooling runner's routes: /v1/embeddings, /pooling, /score, /rerank (v1, v2), /classify
 responses_api.py  POST /v1/responses
 utility_api.py    /tokenize, /detokenize, /tokenizer_info, /version, /ping, /health_generate
 openapi.py        GET /openapi.json, its schemas generated from the routes' Structs

@@ -3,6 +3,7 @@ answer, whole or streamed. The routes (entrypoints/openai_api.py, responses_api.
 nothing here imports entrypoints/.
 
 schemas.py            the request bodies: completions, chat, Responses, vLLM's adapter and tokenize routes
+pooling_schemas.py    the pooling routes' request bodies (embeddings, score, rerank, classify)
 serving.py            a request's sampling, its choices submitted (start_openai); OpenAIRun: its answer; model cards
 writers.py            ChoiceCursor: what of one choice went out; ChatWriter, CompletionWriter: chunks or whole answer
 logprobs.py           completions' and chat's logprobs, vLLM's prompt_logprobs

@@ -122,7 +122,9 @@ def test_packed_weights_match_plain_weights(
     runner = make_runner(base_dir, dtype="bfloat16", **config)
     decoder_linears = [m for m in runner.model.model.layers.modules() if hasattr(m, "packed_weight")]
     assert len(decoder_linears) == 4 * runner.model_config.num_layers
-    for module in [*decoder_linears, runner.model.lm_head]:
+    lm_head = runner.model.lm_head
+    lm_head = getattr(lm_head, "base", lm_head)  # under the module copies' wrapper (CopyLMHead) where LoRA is on
+    for module in [*decoder_linears, lm_head]:
         is_packed = not getattr(module, "tied", False)
         assert (module.packed_weight is not None) == is_packed
         assert (module.weight.numel() == 0) == is_packed  # the plain copy is freed once packed

@@ -8,6 +8,7 @@ packing.py             sub-byte integers packed into int32 words (GPTQ, AWQ)
 weights.py             the two forms every format decodes into: integer weights with scales, FP8 weights
 layer.py               QuantizedLinearWeights: one TP linear's quantized weight, checkpoint tensors to kernel
 matmul.py              x · Wᵀ for one quantized weight, the kernel chosen once at load
+avx2.py                INT8/INT4 weights repacked at load for the AVX2 skinny-matrix decode kernel
 scaled_mm.py           W8A8 FP8 through torch._scaled_mm
 coverage.py            the modules the checkpoint quantizes against those the model reads quantized
 mxfp4.py               MXFP4 experts (gpt-oss): the format, E2M1 codes and E8M0 scales dequantized per expert
