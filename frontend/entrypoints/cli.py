@@ -31,6 +31,8 @@ _TOPICS: dict[str, str] = {
     "attention and CUDA graphs": "attention_backend enable_cuda_graph disable_cuda_graph cuda_graph_max_bs",
     "multi-node": "nnodes node_rank dist_init_addr dist_timeout",
     "chat and tools": "chat_template enable_auto_tool_choice tool_call_parser reasoning_parser",
+    "speculative decoding": "speculative_config speculative_algorithm speculative_draft_model_path "
+    "speculative_num_draft_tokens speculative_lora_modules",
     "security and audit": "allow_unauthenticated_lora_updates cluster_key_file audit_log lora_allow_base_mismatch "
     "lora_strict_base_match lora_require_manifest",
 }
