@@ -115,7 +115,7 @@ def test_min_p_matches_hf_warper(runner):
     logits = torch.randn(4, runner.vocab_size) * 3
     params = [SamplingParams(temperature=0.7, min_p=m) for m in (0.0, 0.05, 0.3, 1.0)]
     batch = SamplingBatch.build(params, [0] * 4, [-1] * 4, runner.vocab_size, torch.device("cpu"))
-    probs = Sampler(0, torch.device("cpu"))._probs(logits, batch)
+    probs = Sampler(0, torch.device("cpu")).probs(logits, batch)
     for row, p in enumerate(params):
         scaled = logits[row : row + 1] / p.temperature
         expected = (MinPLogitsWarper(p.min_p)(None, scaled) if p.min_p else scaled).softmax(-1)[0]
