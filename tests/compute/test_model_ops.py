@@ -74,7 +74,8 @@ def test_model_code_never_asks_which_backend_runs() -> None:
         source = inspect.getsource(module)
         for word in BACKEND_WORDS:
             assert word not in source, (module.__name__, word)
-    # attention reaches the model through the batch's metadata object alone (and the layer's own scale, window, cap)
+    # attention reaches the model through the batch's metadata object alone (and the layer's own scale, window, cap;
+    # an FP8 cache's scales travel with the cache's layer)
     assert list(inspect.signature(attention.paged_attention).parameters) == ["q", "k", "v", "k_cache", "v_cache",
-                                                                              "inputs", "layer"]  # fmt: skip
+                                                                              "inputs", "layer", "scales"]  # fmt: skip
     assert "hasattr" not in inspect.getsource(ModelRunner)
