@@ -202,6 +202,18 @@ class RpcError(Struct, frozen=True):
 # ---- frontend <-> scheduler --------------------------------------------------------------------
 
 
+class ImageInput(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One image of a prompt, as the model's image processor made it in the frontend (frontend/multimodal/); the
+    workers' vision encoder turns it into num_tokens embeddings that replace its placeholder tokens."""
+
+    offset: int  # index in the prompt's input_ids of its first placeholder token
+    num_tokens: int  # its run of placeholder tokens: one per row the encoder outputs for it
+    content_hash: str  # sha256 hex of pixel_values and grid_thw: the prefix cache's key for its positions
+    pixel_values: bytes  # float32, row-major, of shape `shape`
+    shape: list[int]  # Qwen-VL: (patches, channels * temporal_patch_size * patch_size**2)
+    grid_thw: list[int] = []  # Qwen-VL: (temporal, height, width) in patches before merging; []: a fixed-size encoder
+
+
 class TokenizedGenerateReq(Struct, frozen=True):
     rid: str
     input_ids: list[int]
@@ -216,6 +228,12 @@ class TokenizedGenerateReq(Struct, frozen=True):
     # An encoder's (BERT) segment of each prompt token, as its tokenizer gives them for a pair (0: the first text,
     # 1: the second); []: all 0
     token_type_ids: list[int] = []
+    # A vision-language model's prompt: its images, in prompt order, each over its run of placeholder tokens
+    images: list[ImageInput] = []
+    # Qwen-VL's rotary positions of the prompt's tokens (protocol/mrope.py): 3 rows (time, height, width) of
+    # len(input_ids); []: 1-D positions. A token after the prompt at index i takes i + mrope_delta in every row.
+    mrope_positions: list[list[int]] = []
+    mrope_delta: int = 0
 
 
 class AbortReq(Struct, frozen=True):
@@ -427,6 +445,12 @@ class ForwardReq(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     # Speculative decoding with a draft model (method draft_model): the workers' draft model proposes this many
     # tokens after input_ids (pages cover them), which the pass then verifies as drafts.
     num_model_drafts: int = 0
+    # A vision-language model's request: the images whose placeholder runs overlap this pass's tokens (offsets in
+    # the prompt; the worker encodes each whole and takes the rows that fall in this pass), and this pass's tokens'
+    # M-RoPE positions (3 rows of len(input_ids); [] with mrope_delta != 0: token index + mrope_delta in every row).
+    images: list[ImageInput] = []
+    mrope_positions: list[list[int]] = []
+    mrope_delta: int = 0
 
 
 class SlotLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
