@@ -10,6 +10,7 @@ speculative.py      SpeculativeConfig: --speculative-config and SGLang's spellin
 spec_stats.py       speculative decoding's counts per adapter, summed over replicas, with their rates
 model_ref.py        what a model path names: a local dir, an HF-cache snapshot or a Hub id
 quantization.py     which quantization a checkpoint is served with
+mrope.py            Qwen-VL's three-row rotary positions of a prompt with images
 request_limits.py   the one rule of a request's size, at the edge and in the scheduler
 grammar.py          what an OutputConstraint means (xgrammar's compile)
 errors.py           an error's kind -> its HTTP status
