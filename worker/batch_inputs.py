@@ -18,7 +18,9 @@ class BatchError(ValueError):
 @dataclass(frozen=True)
 class BatchInputs:
     input_ids: torch.Tensor  # (tokens,) new tokens of every request, concatenated in request order
-    positions: torch.Tensor  # (tokens,) each token's row of the rotary tables (rotary_row)
+    # (tokens,) each token's row of the rotary tables (rotary_row); M-RoPE: (3, tokens) when a request of the pass
+    # gives its tokens' three rows (ForwardReq.mrope_positions), the others' row repeated
+    positions: torch.Tensor
     last_token_index: torch.Tensor  # (reqs,) row of each request's last new token
     attention: BatchAttention
     token_type_ids: torch.Tensor | None = None  # (tokens,) an encoder's segments, where a request names them
@@ -53,9 +55,12 @@ class BatchInputs:
         if any(req.token_type_ids for req in reqs):
             types = [t for req in reqs for t in (req.token_type_ids or [0] * len(req.input_ids))]
             token_type_ids = torch.tensor(types, dtype=torch.long, device=device)
+        positions = positions + row_offsets[req_of_token]
+        if any(req.mrope_positions for req in reqs):
+            positions = _mrope_rows(reqs, positions, token_starts, device)
         return cls(
             input_ids=torch.tensor([t for req in reqs for t in req.input_ids], dtype=torch.long, device=device),
-            positions=positions + row_offsets[req_of_token],
+            positions=positions,
             last_token_index=token_ends - 1,
             attention=attention.build(reqs, token_starts, page_tables, write_slots, page_size),
             token_type_ids=token_type_ids,
@@ -64,8 +69,20 @@ class BatchInputs:
 
 def rotary_row(req: ForwardReq, position: int, context_length: int) -> int:
     """The row of the rotary tables (layers/rotary.py, context_length rows per set) of a token of `req` at
-    `position`: longrope's long factors sit in the second set."""
-    return position + context_length if req.long_rope else position
+    `position`: longrope's long factors sit in the second set; an M-RoPE request's tokens after its images sit
+    mrope_delta rows from their index (protocol/mrope.py)."""
+    return position + req.mrope_delta + (context_length if req.long_rope else 0)
+
+
+def _mrope_rows(reqs: list[ForwardReq], rows: torch.Tensor, token_starts: list[int], device: torch.device
+                ) -> torch.Tensor:  # fmt: skip
+    """(3, tokens): the requests' own M-RoPE rows where they give them, else their one row in all three."""
+    out = rows.unsqueeze(0).repeat(3, 1)
+    for req, start in zip(reqs, token_starts, strict=True):
+        if req.mrope_positions:
+            given = torch.tensor(req.mrope_positions, dtype=torch.long)
+            out[:, start : start + len(req.input_ids)] = given.to(device)
+    return out
 
 
 def check_reqs(reqs: list[ForwardReq], page_size: int, num_pages: int, context_length: int) -> None:
@@ -88,6 +105,14 @@ def _check_req(i: int, req: ForwardReq, page_size: int, num_pages: int, context_
         raise BatchError(f"request {i}: prompt logprob rows outside its {len(req.input_ids)} input tokens")
     if req.token_type_ids and len(req.token_type_ids) != len(req.input_ids):
         raise BatchError(f"request {i}: {len(req.token_type_ids)} token types for {len(req.input_ids)} input tokens")
+    if req.mrope_positions:
+        rows = req.mrope_positions
+        if len(rows) != 3 or any(len(row) != len(req.input_ids) for row in rows):
+            raise BatchError(f"request {i}: M-RoPE positions must be 3 rows of its {len(req.input_ids)} input tokens")
+        if not all(0 <= p < context_length for row in rows for p in row):
+            raise BatchError(f"request {i}: M-RoPE positions outside 0..{context_length - 1}")
+    elif not (0 <= req.num_cached_tokens + req.mrope_delta and num_total + req.mrope_delta <= context_length):
+        raise BatchError(f"request {i}: mrope_delta {req.mrope_delta} puts its positions outside the context")
     num_used_pages = cdiv(num_total, page_size)
     bad = [p for p in req.page_ids[:num_used_pages] if not 0 <= p < num_pages]
     if bad:

@@ -97,7 +97,9 @@ class DecodeGraphRunner:
 
     def can_run(self, reqs: Sequence[ForwardReq]) -> bool:
         # a batch with request strengths (lora_scale) other than 1 runs eagerly: the graphs hold no row scales
-        return len(reqs) <= self.sizes[-1] and all(len(req.input_ids) == 1 and req.lora_scale == 1.0 for req in reqs)
+        # and a pass with images or M-RoPE rows (a prompt's last token) too: the graphs take one position a token
+        return len(reqs) <= self.sizes[-1] and all(len(req.input_ids) == 1 and req.lora_scale == 1.0
+                                                   and not req.images and not req.mrope_positions for req in reqs)
 
     def logits(self, reqs: list[ForwardReq]) -> torch.Tensor:
         """(reqs, vocab) logits of a batch of decodes; a view of the graph's output, valid until the next call."""

@@ -20,6 +20,7 @@ from loraplex.worker.dist import pick_dtype
 from loraplex.worker.draft_model import DraftRunner
 from loraplex.worker.dummy_weights import init_dummy_weights
 from loraplex.worker.grammar import GrammarMasks
+from loraplex.worker.images import pass_images
 from loraplex.worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token, kv_cache_dtype
 from loraplex.worker.kv_scales import read_kv_scales
 from loraplex.worker.layers import packed
@@ -531,6 +532,9 @@ class ModelRunner:
         if self.model_config.is_bidirectional:  # an encoder's segments (a pair's second text); decoders have none
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention,
                                 token_type_ids=inputs.token_type_ids)  # fmt: skip
+        elif (images := pass_images(self.model, self.model_config.vision, reqs, self.device)) is not None:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention,
+                                image_rows=images.rows, image_embeds=images.embeds)  # fmt: skip
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)
         if calibrating:

@@ -9,6 +9,9 @@ from the sequence length:
             every position once it is longer (Phi-3's generate() then re-encodes the whole sequence). The tables hold
             both sets, short rows then long rows; the scheduler marks a request long (ForwardReq.long_rope, whose rows
             batch_inputs.rotary_row picks) and recomputes it when it passes that length.
+M-RoPE (Qwen2.5-VL, rope params `mrope_section`): positions come as 3 rows (time, height, width) and the rotary
+frequencies are split by mrope_section, the k-th group turned by row k's position (transformers'
+apply_multimodal_rotary_pos_emb); 1-D positions turn every group by the same position, which is plain RoPE.
 Partial rotary (partial_rotary_factor < 1) rotates the first rotary_dim features of each head and passes the rest;
 Gemma 4's `proportional` rope instead rotates whole heads, its trailing frequencies zero."""
 
@@ -146,14 +149,39 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos() * attention_factor, persistent=False)
         self.register_buffer("sin", angles.sin() * attention_factor, persistent=False)
         self.ops = current_ops()  # bound at construction: the worker's choice, made once at start-up
+        section = rope.params.get("mrope_section")
+        self.mrope_rows: torch.Tensor | None = None  # M-RoPE: each column's position row (0, 1, 2)
+        if section is not None:
+            if 2 * sum(section) != self.rotary_dim:
+                raise ValueError(f"mrope_section {section} does not split {self.rotary_dim // 2} rotary frequencies")
+            rows = torch.repeat_interleave(torch.arange(len(section)) % 3, torch.tensor(section))
+            self.mrope_rows = torch.cat((rows, rows)).to(self.cos.device)  # (rotary_dim,): both rotate-half halves
+        # the last 3-row positions and the per-token tables made for them: every layer of a forward shares them
+        self._mrope_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _mrope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(token indices, cos, sin): per-token (tokens, rotary_dim) tables for 3-row positions (3, tokens), each
+        column read at its row's position, and the rows of those tables each token takes (itself)."""
+        cached = self._mrope_cache
+        if cached is not None and cached[0] is positions:
+            return cached[1:]
+        if self.mrope_rows is None:
+            raise ValueError("3-row (M-RoPE) positions for a model whose rope has no mrope_section")
+        index = positions[self.mrope_rows].t()  # (tokens, rotary_dim): each column's position
+        tables = (torch.arange(positions.shape[1], device=positions.device),
+                  self.cos.gather(0, index), self.sin.gather(0, index))  # fmt: skip
+        self._mrope_cache = (positions, *tables)
+        return tables
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions (tokens,): rows of the tables; q (tokens, heads, head_dim), k (tokens, kv_heads, head_dim):
-        # rotated, possibly in place
+        # positions (tokens,): rows of the tables, or M-RoPE's (3, tokens); q (tokens, heads, head_dim),
+        # k (tokens, kv_heads, head_dim): rotated, possibly in place
+        cos, sin = self.cos, self.sin
+        if positions.dim() == 2:
+            positions, cos, sin = self._mrope_tables(positions)
         rotary_dim = self.rotary_dim
         if rotary_dim == q.shape[-1]:
-            return self.ops.rotary_embedding(positions, q, k, self.cos, self.sin)
-        q_rot, k_rot = self.ops.rotary_embedding(
-            positions, q[..., :rotary_dim], k[..., :rotary_dim], self.cos, self.sin
-        )  # (tokens, heads, rotary_dim) each
+            return self.ops.rotary_embedding(positions, q, k, cos, sin)
+        # (tokens, heads, rotary_dim) each
+        q_rot, k_rot = self.ops.rotary_embedding(positions, q[..., :rotary_dim], k[..., :rotary_dim], cos, sin)
         return torch.cat((q_rot, q[..., rotary_dim:]), dim=-1), torch.cat((k_rot, k[..., rotary_dim:]), dim=-1)

@@ -9,7 +9,7 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe", "gemma2", "gemma3_text",
                          "gemma3", "phi3", "deepseek_v3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
                          "qwen3_next", "glm4_moe", "llama4_text", "llama4",
-                         "gpt_oss", "gemma4_text", "gemma4", "bert")
+                         "gpt_oss", "gemma4_text", "gemma4", "bert", "qwen2_5_vl")
 GEMMA4_TYPES = ("gemma4_text", "gemma4")
 GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3", *GEMMA4_TYPES)
 LLAMA4_TYPES = ("llama4_text", "llama4")
@@ -124,6 +124,54 @@ _MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe", "qwen3_next", *_GROUPED_SIG
 # Gated DeltaNet layers beside gated attention ones
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", *_QWEN3_5_MOE)
 MULTIMODAL_HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe")  # served as their language model (text_config)
+VISION_TYPES = ("qwen2_5_vl",)  # a language model (text_config, or the top level in older configs) and a vision tower
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """Qwen2.5-VL's vision tower (vision_config) and the language model's image placeholder token."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int  # the merger's output: the language model's hidden size
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    window_size: int  # in pixels: windowed blocks attend within (window_size / patch / merge)**2 merged patches
+    fullatt_block_indexes: tuple[int, ...]  # the blocks that attend over a whole image
+    rope_theta: float
+    image_token_id: int
+    hidden_act: str = "silu"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_dict(cls, hf: dict[str, Any]) -> VisionConfig:
+        vision = hf.get("vision_config") or {}
+        text = hf.get("text_config") or {}
+        act = vision.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(f"unsupported vision hidden_act {act!r}; the vision tower runs silu")
+        return cls(
+            depth=vision["depth"],
+            hidden_size=vision["hidden_size"],
+            intermediate_size=vision["intermediate_size"],
+            num_heads=vision["num_heads"],
+            out_hidden_size=vision.get("out_hidden_size") or text.get("hidden_size") or hf["hidden_size"],
+            patch_size=vision.get("patch_size", 14),
+            temporal_patch_size=vision.get("temporal_patch_size", 2),
+            spatial_merge_size=vision.get("spatial_merge_size", 2),
+            in_channels=vision.get("in_channels", 3),
+            window_size=vision.get("window_size", 112),
+            fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+            rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            image_token_id=hf.get("image_token_id", text.get("image_token_id", 151655)),
+        )
 
 
 @dataclass(frozen=True)
@@ -320,6 +368,7 @@ class ModelConfig:
     attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
     gemma4: Gemma4Layers | None = None  # Gemma 4's per-layer shapes, KV sharing and per-layer inputs
     encoder: EncoderConfig | None = None  # a bidirectional encoder (BERT); None: a decoder
+    vision: VisionConfig | None = None  # a vision-language model's tower (Qwen2.5-VL); None: text only
 
     @property
     def is_bidirectional(self) -> bool:
@@ -400,6 +449,10 @@ class ModelConfig:
         if model_type in MULTIMODAL_HYBRID_TYPES and isinstance(hf.get("text_config"), dict):  # the language model
             hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"],
                   "model_type": model_type}
+        vision = VisionConfig.from_dict(hf) if model_type in VISION_TYPES else None
+        if model_type in VISION_TYPES and isinstance(hf.get("text_config"), dict):  # the language model
+            hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"],
+                  "model_type": model_type}
         if model_type == "deepseek_v3":
             hf = _deepseek_v3_fields(hf)
         if model_type == "glm4_moe":
@@ -416,7 +469,7 @@ class ModelConfig:
             head_dim = hf["qk_rope_head_dim"]
         # Phi-3's linears have no biases whatever attention_bias says (its HF code builds them without).
         attention_bias = bool(hf.get("attention_bias", False)) and model_type != "phi3" or model_type == "bert"
-        is_qwen2 = model_type == "qwen2"
+        is_qwen2 = model_type in ("qwen2", *VISION_TYPES)
         sliding_window = _read_sliding_window(hf, model_type)
         rope = _read_rope(hf, model_type, head_dim)
         return cls(
@@ -454,6 +507,7 @@ class ModelConfig:
             qk_norm=model_type == "glm4_moe" and bool(hf.get("use_qk_norm", False)),
             gemma4=_gemma4_layers(hf) if model_type in GEMMA4_TYPES else None,
             encoder=EncoderConfig.from_dict(hf) if model_type == "bert" else None,
+            vision=vision,
             **(_llama4_attention(hf) if model_type in LLAMA4_TYPES else {}),
         )
 
@@ -499,6 +553,8 @@ def _parse_rope(hf: dict[str, Any], params: dict[str, Any], model_type: str, hea
     theta = params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
+    if rope_type == "mrope":  # Qwen2.5-VL's transformers 4 name: default frequencies over mrope_section's rows
+        rope_type = "default"
     if model_type == "phi3" and rope_type in ("su", "yarn"):  # Phi3Config's older names of longrope
         rope_type = "longrope"
     if rope_type == "proportional" and model_type not in GEMMA4_TYPES:

@@ -16,6 +16,7 @@ from loraplex.worker.model.llama4 import Llama4ForCausalLM
 from loraplex.worker.model.mixtral import MixtralForCausalLM
 from loraplex.worker.model.olmoe import OlmoeForCausalLM
 from loraplex.worker.model.phi3 import Phi3ForCausalLM
+from loraplex.worker.model.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from loraplex.worker.model.qwen3 import Qwen3ForCausalLM
 from loraplex.worker.model.qwen3_5 import Qwen3_5ForCausalLM
 from loraplex.worker.model.qwen3_moe import Qwen3MoeForCausalLM
@@ -46,6 +47,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "glm4_moe": Glm4MoeForCausalLM,
     "llama4_text": Llama4ForCausalLM,
     "llama4": Llama4ForCausalLM,  # the language model of the multimodal checkpoint
+    "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,  # with its vision tower
 }
 
 
