@@ -1,0 +1,259 @@
+"""Qwen2.5-VL in the worker (M-RoPE decoder, windowed vision tower, image rows in place of placeholder tokens)
+against HF transformers + peft in fp32: prompts with one image, two images and none in one batch with the base model
+and two language-model adapters; a chunked prefill whose chunks cut an image's run; greedy decoding; the M-RoPE
+positions of protocol/mrope.py against HF's get_rope_index; bad images refused with a BatchError."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from loraplex.protocol.mrope import mrope_positions
+from loraplex.protocol.structs import ForwardBatch, ForwardReq, ImageInput
+from loraplex.worker.batch_inputs import BatchError
+from loraplex.worker.model_runner import ModelRunner
+
+from tests.lora_helpers import load_all, slot_loads, slot_of
+from tests.reference import CLEAR_MARGIN, assert_greedy_match
+from tests.vision_models import IMAGE_PAD, MERGE, VISION_END, VISION_START, build_qwen2_5_vl, hf_inputs
+from tests.vision_models import test_image as make_image
+from tests.worker_helpers import GREEDY, consecutive_pages, forward_logits, make_runner
+
+LOGITS_TOL = 1e-3  # fp32
+MIN_ADAPTER_EFFECT = 0.1
+DECODE_STEPS = 5
+IMG = VISION_START + IMAGE_PAD + VISION_END
+# (prompt, images as (width, height, seed)): one image (16 placeholders), two of different sizes, none
+PROMPTS = {
+    "one": (f"hello {IMG} what is it", [(32, 32, 0)]),
+    "two": (f"{IMG} and {IMG} differ in", [(32, 32, 1), (48, 32, 2)]),
+    "text": ("plain words with no picture at all", []),
+}
+# target names the language model alone has (the tower's are qkv / proj / its MLP's gate_up / down)
+ADAPTERS = {"a4": (4, 8, ("q_proj", "v_proj")), "a8": (8, 16, ("q_proj", "k_proj", "v_proj", "o_proj"))}
+LORA = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            max_loras_per_batch=2)  # fmt: skip
+
+
+def build_vl_adapter(base_dir: Path, out_dir: Path, r: int, alpha: int, targets: tuple[str, ...], seed: int) -> None:
+    """A PEFT LoRA adapter of the Qwen2.5-VL base, saved by peft (keys model.language_model.layers.N...), random A
+    and B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(base_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets)))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(peft_model.named_parameters()):
+            if ".lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
+    peft_model.save_pretrained(out_dir)
+
+
+@pytest.fixture(scope="module")
+def vl_set(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    root = tmp_path_factory.mktemp("qwen2_5_vl")
+    build_qwen2_5_vl(root / "base")
+    adapters = {}
+    for seed, (name, (r, alpha, targets)) in enumerate(ADAPTERS.items()):
+        adapters[name] = root / name
+        build_vl_adapter(root / "base", adapters[name], r, alpha, targets, seed)
+    return root / "base", adapters
+
+
+@pytest.fixture(scope="module")
+def runner(vl_set) -> ModelRunner:
+    model_dir, adapters = vl_set
+    runner = make_runner(model_dir, **LORA)
+    load_all(runner, adapters)
+    return runner
+
+
+@functools.lru_cache(maxsize=4)
+def hf_vl(model_dir: str, adapter_dir: str | None = None):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    return model.eval()
+
+
+def inputs(key: str) -> dict:
+    """HF's inputs for a prompt of PROMPTS, with the token types its M-RoPE reads (1: an image's placeholder)."""
+    text, images = PROMPTS[key]
+    hf = hf_inputs(text, [make_image(*image) for image in images])
+    hf["mm_token_type_ids"] = (hf["input_ids"] == image_token_id()).int()
+    return hf
+
+
+def image_token_id() -> int:
+    from tests.vision_models import make_tokenizer
+
+    return make_tokenizer().convert_tokens_to_ids(IMAGE_PAD)
+
+
+@torch.inference_mode()
+def hf_logits(model_dir: Path, hf: dict, adapter_dir: Path | None = None, extra: list[int] = ()) -> torch.Tensor:
+    """(len, vocab) of the prompt (and `extra` text tokens after it)."""
+    hf = dict(hf)
+    if extra:
+        hf["input_ids"] = torch.cat([hf["input_ids"], torch.tensor([list(extra)])], dim=1)
+        hf["mm_token_type_ids"] = torch.cat([hf["mm_token_type_ids"], torch.zeros(1, len(extra), dtype=torch.int)], 1)
+    model = hf_vl(str(model_dir), None if adapter_dir is None else str(adapter_dir))
+    return model(**hf).logits[0]
+
+
+def image_inputs(hf: dict) -> list[ImageInput]:
+    """The frontend's ImageInputs for HF's processed prompt: each image's patches, grid and placeholder run."""
+    ids = hf["input_ids"][0].tolist()
+    token = image_token_id()
+    grids = hf.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.long)).tolist()
+    patches = hf["pixel_values"].float().split([t * h * w for t, h, w in grids]) if grids else []
+    starts = [i for i, t in enumerate(ids) if t == token and (i == 0 or ids[i - 1] != token)]
+    out = []
+    for start, grid, pixels in zip(starts, grids, patches, strict=True):
+        data = pixels.contiguous().numpy().tobytes()
+        out.append(ImageInput(offset=start, num_tokens=grid[0] * grid[1] * grid[2] // MERGE**2,
+                              content_hash=hashlib.sha256(data + str(grid).encode()).hexdigest(),
+                              pixel_values=data, shape=list(pixels.shape), grid_thw=grid))  # fmt: skip
+    return out
+
+
+def request(hf: dict, pages: list[int], name: str | None = None, start: int = 0, end: int | None = None,
+            key: int = 0) -> ForwardReq:  # fmt: skip
+    """The pass over prompt tokens [start, end) as the scheduler slices it: the images overlapping them, their
+    M-RoPE rows."""
+    ids = hf["input_ids"][0].tolist()
+    end = len(ids) if end is None else end
+    images = image_inputs(hf)
+    rows, delta = mrope_positions(ids, image_token_id(), [image.grid_thw for image in images], MERGE)
+    return ForwardReq(
+        input_ids=ids[start:end], num_cached_tokens=start, page_ids=pages, sampling=GREEDY, slot=slot_of(name),
+        req_key=key, images=[i for i in images if i.offset < end and i.offset + i.num_tokens > start],
+        mrope_positions=[row[start:end] for row in rows] if images else [], mrope_delta=delta,
+    )  # fmt: skip
+
+
+MIXED = [("one", None), ("two", None), ("text", None), ("one", "a4"), ("two", "a8"), ("text", "a8")]
+
+
+def test_mixed_batch_matches_hf_and_peft(runner, vl_set) -> None:
+    """One image, two images and none, each with the base and an adapter, in one batch (the same image in several
+    requests, encoded once)."""
+    model_dir, adapters = vl_set
+    prompts = [inputs(key) for key, _ in MIXED]
+    names = [name for _, name in MIXED]
+    lengths = [p["input_ids"].shape[1] for p in prompts]
+    pages = consecutive_pages(lengths, runner.page_size)
+    reqs = [request(p, pg, name) for p, pg, name in zip(prompts, pages, names, strict=True)]
+    with torch.inference_mode():
+        logits = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=slot_loads(names)))
+    for (key, name), hf, ours in zip(MIXED, prompts, logits.split(lengths), strict=True):
+        ref = hf_logits(model_dir, hf, None if name is None else adapters[name])
+        diff = (ours - ref).abs().max().item()
+        assert diff <= LOGITS_TOL, f"{key}/{name or 'base'}: max abs logit diff {diff:.2e}"
+        if name is not None:
+            effect = (ref - hf_logits(model_dir, hf)).abs().max().item()
+            assert effect > MIN_ADAPTER_EFFECT, f"{name} barely changes the logits ({effect:.3f})"
+    # the images matter: the same prompt with its images' rows left as placeholder embeddings differs
+    plain = request(prompts[0], pages[0])
+    with torch.inference_mode():
+        without = forward_logits(runner, ForwardBatch(batch_id=1, reqs=[ForwardReq(
+            input_ids=plain.input_ids, num_cached_tokens=0, page_ids=pages[0], sampling=GREEDY,
+            mrope_positions=plain.mrope_positions)]))  # fmt: skip
+    assert (without - logits.split(lengths)[0]).abs().max().item() > MIN_ADAPTER_EFFECT
+
+
+def test_chunked_prefill_cuts_an_image(runner, vl_set) -> None:
+    """Chunks of 7 tokens: the first image's run (offset 1, 16 tokens) spans three passes, the second's is cut too;
+    each pass carries only the images it overlaps. Every chunk's logits equal HF's rows of the whole prompt."""
+    model_dir, adapters = vl_set
+    hf = inputs("two")
+    length = hf["input_ids"].shape[1]
+    pages = consecutive_pages([length], runner.page_size)[0]
+    chunks = []
+    with torch.inference_mode():
+        for batch_id, start in enumerate(range(0, length, 7)):
+            req = request(hf, pages, "a4", start, min(start + 7, length))
+            chunks.append(forward_logits(runner, ForwardBatch(batch_id=batch_id, reqs=[req],
+                                                              slot_loads=slot_loads(["a4"]))))  # fmt: skip
+    assert len({len(request(hf, pages, None, s, s + 7).images) for s in range(0, length, 7)}) > 1
+    diff = (torch.cat(chunks) - hf_logits(model_dir, hf, adapters["a4"])).abs().max().item()
+    assert diff <= LOGITS_TOL, f"chunked prefill: max abs logit diff {diff:.2e}"
+
+
+@torch.inference_mode()
+def hf_greedy(model_dir: Path, hf: dict, steps: int, adapter_dir: Path | None) -> tuple[list[int], list[float]]:
+    """Greedy continuation, the whole sequence each step (HF recomputes its M-RoPE rows), and each step's margin."""
+    out, margins = [], []
+    for _ in range(steps):
+        top2 = torch.topk(hf_logits(model_dir, hf, adapter_dir, extra=out)[-1], 2)
+        out.append(int(top2.indices[0]))
+        margins.append(float(top2.values[0] - top2.values[1]))
+    return out, margins
+
+
+def test_greedy_decode_matches_hf(runner, vl_set) -> None:
+    """Prefill then decode in one batch: the decode passes carry no rows, only mrope_delta (one image, two images,
+    an adapter's row beside the base's)."""
+    model_dir, adapters = vl_set
+    cases = [("one", None), ("two", "a8"), ("text", None)]
+    prompts = [inputs(key) for key, _ in cases]
+    names = [name for _, name in cases]
+    lengths = [p["input_ids"].shape[1] for p in prompts]
+    pages = consecutive_pages([n + DECODE_STEPS for n in lengths], runner.page_size)
+    reqs = [request(p, pg, name, key=i) for i, (p, pg, name) in enumerate(zip(prompts, pages, names, strict=True))]
+    outputs = [[t] for t in runner.forward(ForwardBatch(batch_id=0, reqs=reqs, slot_loads=slot_loads(names)))]
+    for step in range(1, DECODE_STEPS):
+        reqs = [ForwardReq(input_ids=out[-1:], num_cached_tokens=n + step - 1, page_ids=pg, num_generated=step,
+                           slot=slot_of(name), req_key=i, mrope_delta=req.mrope_delta)
+                for i, (out, n, pg, name, req) in enumerate(zip(outputs, lengths, pages, names, reqs, strict=True))]
+        for out, token in zip(outputs, runner.forward(ForwardBatch(batch_id=step, reqs=reqs)), strict=True):
+            out.append(token)
+    runner.forward(ForwardBatch(batch_id=DECODE_STEPS, reqs=[], released_keys=list(range(len(cases)))))
+    compared = 0
+    for (key, name), hf, out in zip(cases, prompts, outputs, strict=True):
+        ref, margins = hf_greedy(model_dir, hf, DECODE_STEPS, None if name is None else adapters[name])
+        compared += assert_greedy_match(out, ref, margins, what=f"{key}/{name or 'base'}")
+    assert compared >= DECODE_STEPS * len(cases) // 2, f"only {compared} tokens had a clear margin (> {CLEAR_MARGIN})"
+
+
+def test_mrope_positions_match_hf_get_rope_index(vl_set) -> None:
+    """protocol/mrope.py's rows and delta equal HF's for one image and two (text after each)."""
+    model_dir, _ = vl_set
+    model = hf_vl(str(model_dir))
+    for key in ("one", "two"):
+        hf = inputs(key)
+        ids = hf["input_ids"][0].tolist()
+        rows, delta = mrope_positions(ids, image_token_id(), hf["image_grid_thw"].tolist(), MERGE)
+        ref, ref_delta = model.model.get_rope_index(hf["input_ids"], mm_token_type_ids=hf["mm_token_type_ids"],
+                                                    image_grid_thw=hf["image_grid_thw"])  # fmt: skip
+        assert rows == ref[:, 0].tolist() and delta == int(ref_delta[0]), key
+        assert delta < 0  # an image costs fewer positions than tokens
+
+
+def test_bad_images_fail_the_batch(runner) -> None:
+    hf = inputs("one")
+    pages = consecutive_pages([hf["input_ids"].shape[1]], runner.page_size)[0]
+    good = request(hf, pages)
+    image = good.images[0]
+    bad = {  # what the error names -> the image
+        "merge blocks": ImageInput(offset=image.offset, num_tokens=image.num_tokens, content_hash="g",
+                           pixel_values=image.pixel_values, shape=image.shape, grid_thw=[1, 8, 7]),
+        "bytes": ImageInput(offset=image.offset, num_tokens=image.num_tokens, content_hash="b",
+                            pixel_values=image.pixel_values[:-4], shape=image.shape, grid_thw=image.grid_thw),
+        "not its placeholder": ImageInput(offset=image.offset - 1, num_tokens=image.num_tokens, content_hash="p",
+                                  pixel_values=image.pixel_values, shape=image.shape, grid_thw=image.grid_thw),
+    }  # fmt: skip
+    for what, image in bad.items():
+        req = ForwardReq(input_ids=good.input_ids, num_cached_tokens=0, page_ids=pages, sampling=GREEDY,
+                         images=[image], mrope_positions=good.mrope_positions)  # fmt: skip
+        with pytest.raises(BatchError, match=what), torch.inference_mode():
+            forward_logits(runner, ForwardBatch(batch_id=0, reqs=[req]))
