@@ -157,6 +157,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "method must match it; none = plain weights (docs/QUANTIZATION.md)"
     )] = "auto"
     enable_lora: Annotated[bool, Meta(description="turn LoRA on (implied by --lora-paths)")] = False
+    enable_tower_connector_lora: Annotated[bool, Meta(description=
+        "adapters may also target a vision-language model's vision tower and its merger (PEFT's names, e.g. "
+        "visual.blocks.0.attn.qkv, visual.merger.mlp.0): each image is encoded with its request's adapter; without "
+        "it such an adapter is refused"
+    )] = False
     lora_backend: Annotated[Literal["auto", "triton", "cpu", "torch"], Meta(description=
         "LoRA kernels: triton (CUDA), cpu (compiled AVX-512 BF16 kernels; bfloat16 on the CPU, also used for attention "
         "and norms), torch (torch ops, any device); auto = triton on CUDA, else cpu where it builds and runs, else "

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from loraplex.protocol.structs import ForwardReq, ImageInput
 from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.model.config import VisionConfig
+
+if TYPE_CHECKING:
+    from loraplex.worker.lora.manager import LoRAManager
 
 
 @dataclass(frozen=True)
@@ -23,15 +27,19 @@ class PassImages:
     embeds: torch.Tensor  # (image tokens, hidden) in the same order
 
 
-def pass_images(model, vision: VisionConfig | None, reqs: list[ForwardReq], device: torch.device
-                ) -> PassImages | None:  # fmt: skip
-    """The image rows of this pass (None: it has none). `model.encode_images(pixels, grids)` is the tower."""
+def pass_images(model, vision: VisionConfig | None, reqs: list[ForwardReq], device: torch.device,
+                lora: LoRAManager | None = None) -> PassImages | None:  # fmt: skip
+    """The image rows of this pass (None: it has none). `model.encode_images(pixels, grids)` is the tower; with
+    `lora` holding tower adapters (--enable-tower-connector-lora), each image is encoded with its request's adapter
+    (an image shared by requests on different adapters, once for each)."""
     if not any(req.images for req in reqs):
         return None
     if vision is None:
         raise BatchError("the batch carries images but this model has no vision tower")
-    unique: dict[str, int] = {}  # content_hash -> index among the images encoded
+    tower = lora.tower if lora is not None else None
+    unique: dict[tuple, int] = {}  # (content_hash, the tower adapter and strength) -> index among those encoded
     encoded: list[ImageInput] = []
+    adapters: list[tuple[dict, float]] = []  # per image encoded: its tower weights ({}: none) and strength
     wanted: list[tuple[int, int, int, int]] = []  # (first batch row, image index, first image row, count)
     token_start = 0
     for i, req in enumerate(reqs):
@@ -45,15 +53,25 @@ def pass_images(model, vision: VisionConfig | None, reqs: list[ForwardReq], devi
             if any(t != vision.image_token_id for t in placeholders):
                 raise BatchError(f"request {i}: the image at {image.offset} covers tokens that are not its "
                                  f"placeholder {vision.image_token_id}")  # fmt: skip
-            index = unique.setdefault(image.content_hash, len(encoded))
+            weights = lora.tower_weights(req.slot) if tower is not None else {}
+            scale = req.lora_scale if weights else 1.0
+            index = unique.setdefault((image.content_hash, id(weights) if weights else None, scale), len(encoded))
             if index == len(encoded):
                 encoded.append(image)
+                adapters.append((weights, scale))
             wanted.append((token_start + lo - start, index, lo - image.offset, hi - lo))
         token_start += len(req.input_ids)
     if not wanted:
         return None
     pixels = torch.cat([_pixels(image) for image in encoded]).to(device)
-    out = model.encode_images(pixels, [image.grid_thw for image in encoded])  # (rows of every image, hidden)
+    if tower is not None:
+        tower.begin([math.prod(image.grid_thw) for image in encoded], [w for w, _ in adapters],
+                    [scale for _, scale in adapters], device)  # fmt: skip
+    try:
+        out = model.encode_images(pixels, [image.grid_thw for image in encoded])  # (rows of every image, hidden)
+    finally:
+        if tower is not None:
+            tower.end()
     per_image = out.split([image.num_tokens for image in encoded])
     rows = torch.cat([torch.arange(first, first + count) for first, _, _, count in wanted]).to(device)
     embeds = torch.cat([per_image[index][offset : offset + count] for _, index, offset, count in wanted])

@@ -532,7 +532,7 @@ class ModelRunner:
         if self.model_config.is_bidirectional:  # an encoder's segments (a pair's second text); decoders have none
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention,
                                 token_type_ids=inputs.token_type_ids)  # fmt: skip
-        elif (images := pass_images(self.model, self.model_config.vision, reqs, self.device)) is not None:
+        elif (images := pass_images(self.model, self.model_config.vision, reqs, self.device, self.lora)) is not None:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention,
                                 image_rows=images.rows, image_embeds=images.embeds)  # fmt: skip
         else:

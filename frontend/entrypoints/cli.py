@@ -23,7 +23,8 @@ _TOPICS: dict[str, str] = {
     "max_requests_per_minute_per_key max_tokens_per_minute_per_key",
     "LoRA adapters": "enable_lora lora_paths lora_modules max_loras_per_batch max_loaded_loras max_lora_rank "
     "max_full_module_copies lora_target_modules lora_backend lora_path_root lora_resolver_dir lora_cache_dir "
-    "lora_cache_max_gb lora_state_file disable_lora_updates lora_drain_timeout lora_load_timeout",
+    "lora_cache_max_gb lora_state_file disable_lora_updates lora_drain_timeout lora_load_timeout "
+    "enable_tower_connector_lora",
     "scheduling and KV cache": "max_running_requests max_total_tokens max_prefill_tokens chunked_prefill_size "
     "page_size disable_radix_cache no_enable_prefix_caching gpu_memory_utilization max_running_per_adapter "
     "disable_adapter_fairness scheduling_policy max_mamba_cache_size max_state_snapshots mamba_ssm_cache_dtype "

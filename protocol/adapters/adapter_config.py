@@ -52,6 +52,9 @@ class AdapterConfig:
     modules_to_save: tuple[str, ...] = ()
     # PEFT's trainable_token_indices: the embedding rows the adapter replaces, in the order its tensor holds them
     trainable_tokens: tuple[int, ...] = ()
+    # the target_modules names of a vision tower's and its merger's linears (TOWER_TARGETS), as listed; served only
+    # with --enable-tower-connector-lora (worker/lora/tower.py)
+    tower_modules: tuple[str, ...] = ()
 
     @property
     def scale(self) -> float:
@@ -126,6 +129,7 @@ def parse_adapter_config(raw: Any) -> AdapterConfig:
         use_dora=use_dora,
         modules_to_save=_parse_modules_to_save(raw.get("modules_to_save")),
         trainable_tokens=_parse_trainable_tokens(raw.get("trainable_token_indices")),
+        tower_modules=tuple(t for t in raw.get("target_modules") or () if isinstance(t, str) and t in TOWER_TARGETS),
     )
 
 
@@ -203,6 +207,11 @@ def _parse_pattern(pattern: Any, field: str, *, is_rank: bool) -> tuple[tuple[st
     return tuple(pairs)
 
 
+# Qwen2.5-VL's vision tower (attn.qkv, attn.proj) and patch merger (mlp.0, mlp.2) linears, as PEFT's target_modules
+# name them; its tower MLP shares gate_proj/up_proj/down_proj with the language model (told apart by the tensors)
+TOWER_TARGETS = ("qkv", "attn.qkv", "proj", "attn.proj", "mlp.0", "mlp.2", "merger.mlp.0", "merger.mlp.2")
+
+
 def _parse_targets(targets: Any) -> tuple[str, ...]:
     """Our module names; Mixtral's expert names (w1/w3/w2) are its experts' gate/up/down, BERT's (query, ...,
     output.dense: ENCODER_MODULE_ALIASES) the modules serving them, a fused module (FUSED_TARGETS) its slices.
@@ -216,7 +225,7 @@ def _parse_targets(targets: Any) -> tuple[str, ...]:
         )
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise AdapterLoadError(f"target_modules must be a non-empty list of module names, got {targets!r}")
-    targets = [EXPERT_MODULE_ALIASES.get(target, target) for target in targets]
+    targets = [EXPERT_MODULE_ALIASES.get(target, target) for target in targets if target not in TOWER_TARGETS]
     modules = []
     for target in targets:
         if target in FUSED_TARGETS:

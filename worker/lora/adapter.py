@@ -34,7 +34,8 @@ from loraplex.worker.lora.targets import (
     layer_has_module,
     slice_order_rows,
 )
-from loraplex.worker.model.config import ModelConfig
+from loraplex.worker.lora.tower import TOWER_FLAG, is_tower_key, tower_weights
+from loraplex.worker.model.config import ModelConfig, VisionConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -49,6 +50,9 @@ class PoolSpec:
     device: torch.device  # host copies are pinned when it is a CUDA device (async slot loads)
     # --enable-expert-parallel: an MoE layer's pool rows hold this rank's experts, whole (worker/layers/moe.py)
     expert_parallel: bool = False
+    # --enable-tower-connector-lora on a vision-language model: its tower, whose linears adapters may reach
+    # (worker/lora/tower.py); None: an adapter that targets it is refused
+    tower: VisionConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -69,11 +73,13 @@ class LoRAAdapter:
     module_copies: dict[str, torch.Tensor] = field(default_factory=dict)
     # trainable_token_indices: (token ids (k,) int64, their rows (k, hidden)) replacing the embedding's rows
     token_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    # --enable-tower-connector-lora: the vision tower's modules (ours) -> (A, B) of this rank (worker/lora/tower.py)
+    tower_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def num_bytes(self) -> int:
         pairs = [*self.weights.values(), *self.vocab_weights.values(), tuple(self.module_copies.values()),
-                 self.token_rows or ()]  # fmt: skip
+                 self.token_rows or (), *self.tower_weights.values()]  # fmt: skip
         return sum(t.numel() * t.element_size() for pair in pairs for t in pair)
 
 
@@ -144,6 +150,19 @@ def _build(
 ) -> LoRAAdapter:
     """Match the tensors (already in the pool's dtype, finite) to the config and the model, keep this rank's slice.
     `whole_shapes`: set when `tensors` are already this rank's slices; the whole tensors' shapes, checked instead."""
+    tower_tensors = {key: t for key, t in tensors.items() if is_tower_key(key)}
+    if tower_tensors and pool_spec.tower is None:
+        raise AdapterLoadError(f"tensor {next(iter(tower_tensors))!r} targets the vision tower or its merger; "
+                               f"serve with {TOWER_FLAG} to load such an adapter")  # fmt: skip
+    if tower_tensors and whole_shapes is not None:
+        raise AdapterLoadError("vision tower adapters cannot be sent cut per rank (--nnodes > 1) yet")
+    tensors = {key: t for key, t in tensors.items() if key not in tower_tensors}
+
+    def tower_scale(key: str) -> tuple[int, float]:
+        r, alpha = config.parsed.module_rank_alpha(_module_name(key))
+        return r, config.parsed.module_scale(r, alpha)
+
+    tower = tower_weights(tower_tensors, pool_spec.tower, tower_scale, tp_rank, tp_size) if tower_tensors else {}
     expert_tensors = {key: t for key, t in tensors.items() if is_expert_key(key)}
     if expert_tensors and whole_shapes is not None:
         raise AdapterLoadError("MoE expert adapters cannot be sent cut per rank (--nnodes > 1) yet")
@@ -191,6 +210,8 @@ def _build(
         module_copies={module: _host_copy(copy_tensors[key], pin, tp_size) for module, key in copy_keys.items()},
         token_rows=(torch.tensor(config.parsed.trainable_tokens, dtype=torch.int64),
                     _host_copy(copy_tensors[token_keys[0]], pin, tp_size)) if token_keys else None,  # fmt: skip
+        tower_weights={name: (_host_copy(a, pin, tp_size), _host_copy(b, pin, tp_size))
+                       for name, (a, b) in tower.items()},  # fmt: skip
     )
 
 
@@ -200,6 +221,9 @@ def _build(
 def _check_config(raw: Any, model_config: ModelConfig, pool_spec: PoolSpec) -> _Config:
     """The one parse (protocol/adapters/adapter_config.py), then what this server can hold."""
     config = parse_adapter_config(raw)
+    if config.tower_modules and pool_spec.tower is None:
+        raise AdapterLoadError(f"target_modules {list(config.tower_modules)} are the vision tower's or its merger's; "
+                               f"serve with {TOWER_FLAG} to load such an adapter")  # fmt: skip
     if config.max_rank > pool_spec.max_lora_rank:
         raise AdapterLoadError(f"rank {config.max_rank} exceeds --max-lora-rank {pool_spec.max_lora_rank}")
     for target in config.target_modules:

@@ -27,6 +27,7 @@ from loraplex.worker.lora.latent import LoRALatentKVProj
 from loraplex.worker.lora.layers import LoRABatchInfo, LoRALinear
 from loraplex.worker.lora.pool import LoRABuffers, LoRAPool
 from loraplex.worker.lora.targets import EXPERT_FUSED_LINEARS, KINDS_OF, full_shapes
+from loraplex.worker.lora.tower import TowerLoRA
 from loraplex.worker.lora.upload import uploader_for
 from loraplex.worker.lora.vocab import EMBED, HEAD, LoRAEmbedding, LoRALMHead
 from loraplex.worker.model.config import ModelConfig
@@ -70,6 +71,7 @@ class LoRAManager:
             dtype=dtype,
             device=torch.device(device),
             expert_parallel=config.enable_expert_parallel,
+            tower=model_config.vision if config.enable_tower_connector_lora else None,
         )
         layers = model.model.layers
         vocab_shapes = {EMBED: (model_config.vocab_size, model_config.hidden_size),
@@ -99,6 +101,8 @@ class LoRAManager:
             model.model.embed_tokens = LoRAEmbedding(model.model.embed_tokens, self.pool.vocab[EMBED], self.batch)
         if HEAD in self.pool.vocab and hasattr(model, "lm_head"):
             model.lm_head = LoRALMHead(model.lm_head, self.pool.vocab[HEAD], self.batch)
+        # --enable-tower-connector-lora: the vision tower's linears wrapped, each image encoded with its adapter
+        self.tower = TowerLoRA(model.visual, self.spec.tower) if self.spec.tower is not None else None
         self.adapters: dict[int, LoRAAdapter] = {}  # lora_id -> host copy
         self._dropped_early: set[int] = set()  # ids dropped before their install (ids are never reused)
         self._lock = threading.Lock()  # adapters and _dropped_early: install runs on the loader's thread
@@ -260,6 +264,11 @@ class LoRAManager:
                     self.pool.clear_slot(slot)
                 self.copies.clear_slot(slot)
                 self.slot_lora_ids[slot] = -1
+
+    def tower_weights(self, slot: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The vision tower's weights of the adapter in `slot` ({} for none, or the base's -1)."""
+        lora_id = self.slot_lora_ids[slot] if slot != -1 else -1
+        return self.adapters[lora_id].tower_weights if lora_id != -1 else {}
 
     # ---- slots and batches -------------------------------------------------------------------------
 

@@ -1,0 +1,176 @@
+"""LoRA on a vision-language model's vision tower and patch merger (--enable-tower-connector-lora): each image is
+encoded with its request's adapter.
+
+An adapter's tower tensors (PEFT keys `...visual.<module>.lora_A/B.weight`: blocks.N.attn.qkv / attn.proj /
+mlp.gate_proj / up_proj / down_proj, merger.mlp.0 / mlp.2) are kept per module of ours as one (A, B) pair of this
+rank: the slices of a fused linear (gate_up_proj's gate and up) stacked along the rank, B block-diagonal, the scale
+folded into B; column-parallel linears keep B's rows of this rank, row-parallel ones A's columns (their delta joins the
+layer's partial sum before its one all-reduce). The tower's linears are wrapped once at start; a pass sets which rows
+(each image's patches, or its merged rows in the merger) take which adapter, and every wrapper adds x·Aᵀ·Bᵀ to those
+rows. The tower's images are few and short next to the decoder's tokens: a plain gather per adapter, no kernel."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from loraplex.protocol.adapters.adapter_config import AdapterLoadError
+from loraplex.worker.model.config import VisionConfig
+from torch import nn
+
+TOWER_KEY = re.compile(r"(?:^|\.)visual\.(.+)\.lora_([AB])(?:\.\w+)?\.weight$")
+TOWER_FLAG = "--enable-tower-connector-lora"
+# PEFT's MLP slices -> (our fused module, slice)
+_SLICES = {"mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1)}
+
+
+def is_tower_key(key: str) -> bool:
+    return TOWER_KEY.search(key) is not None
+
+
+@dataclass(frozen=True)
+class TowerLinear:
+    mode: str  # "column" or "row"
+    input_size: int
+    output_sizes: tuple[int, ...]  # per fused slice (qkv's three, gate_up's two)
+
+
+def tower_linears(c: VisionConfig) -> dict[str, TowerLinear]:
+    """Our module path inside the tower -> its shape, for every linear an adapter may reach."""
+    group = c.hidden_size * c.spatial_merge_size**2
+    out: dict[str, TowerLinear] = {}
+    for i in range(c.depth):
+        out[f"blocks.{i}.attn.qkv"] = TowerLinear("column", c.hidden_size, (c.hidden_size,) * 3)
+        out[f"blocks.{i}.attn.proj"] = TowerLinear("row", c.hidden_size, (c.hidden_size,))
+        out[f"blocks.{i}.mlp.gate_up_proj"] = TowerLinear("column", c.hidden_size, (c.intermediate_size,) * 2)
+        out[f"blocks.{i}.mlp.down_proj"] = TowerLinear("row", c.intermediate_size, (c.hidden_size,))
+    out["merger.mlp.0"] = TowerLinear("column", group, (group,))
+    out["merger.mlp.2"] = TowerLinear("row", group, (c.out_hidden_size,))
+    return out
+
+
+def tower_weights(
+    tensors: dict[str, torch.Tensor],
+    vision: VisionConfig | None,
+    scale_of: Callable[[str], tuple[int, float]],
+    tp_rank: int,
+    tp_size: int,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The adapter's tower tensors -> our module path -> (A (R, in of this rank), B (out of this rank, R)), scale in
+    B. `scale_of(key)`: the module's (r, scale) as its adapter config sets them."""
+    if vision is None:
+        raise AdapterLoadError(f"tensor {next(iter(tensors))!r} targets a vision tower, which this model lacks")
+    linears = tower_linears(vision)
+    pieces: dict[tuple[str, int | None], dict[str, tuple[str, torch.Tensor]]] = {}
+    for key, tensor in tensors.items():
+        match = TOWER_KEY.search(key)
+        path = match[1]
+        block, _, leaf = path.rpartition(".mlp.")
+        fused, slice_id = _SLICES.get(f"mlp.{leaf}", (None, None)) if block else (None, None)
+        ours = f"{block}.{fused}" if fused else path
+        if ours not in linears:
+            raise AdapterLoadError(f"tensor {key!r}: unknown vision tower module {path!r}")
+        pieces.setdefault((ours, slice_id), {})[match[2]] = (key, tensor)
+    out: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = {}
+    for (ours, slice_id), pair in pieces.items():
+        if set(pair) != {"A", "B"}:
+            raise AdapterLoadError(f"missing lora_{'B' if 'A' in pair else 'A'} weight for visual.{ours}")
+        (key_a, a), (_, b) = pair["A"], pair["B"]
+        linear = linears[ours]
+        r, scale = scale_of(key_a)
+        full_out = linear.output_sizes[slice_id] if slice_id is not None else sum(linear.output_sizes)
+        if tuple(a.shape) != (r, linear.input_size) or tuple(b.shape) != (full_out, r):
+            raise AdapterLoadError(f"shape mismatch with the vision tower: visual.{ours} lora_A {tuple(a.shape)}, "
+                                   f"lora_B {tuple(b.shape)}, expected ({r}, {linear.input_size}), ({full_out}, {r})")
+        out.setdefault(ours, []).append((slice_id, a, b * scale))
+    return {ours: _this_rank(linears[ours], parts, tp_rank, tp_size) for ours, parts in out.items()}
+
+
+def _this_rank(linear: TowerLinear, parts: list[tuple[int | None, torch.Tensor, torch.Tensor]], rank: int, size: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One (A, B) for the module: slices stacked along the rank, B block-diagonal over this rank's output rows."""
+    if linear.mode == "row":  # one slice: A's columns of this rank, B whole
+        (_, a, b), = parts
+        cols = linear.input_size // size
+        return a[:, rank * cols : (rank + 1) * cols].contiguous(), b.contiguous()
+    per_rank = [n // size for n in linear.output_sizes]
+    offsets = [sum(per_rank[:i]) for i in range(len(per_rank))]
+    total_r = sum(a.shape[0] for _, a, _ in parts)
+    big_b = torch.zeros(sum(per_rank), total_r, dtype=parts[0][2].dtype)
+    r0 = 0
+    for slice_id, a, b in parts:
+        r = a.shape[0]
+        slices = range(len(per_rank)) if slice_id is None else [slice_id]
+        rows = b.split(list(linear.output_sizes)) if slice_id is None else [b]
+        for s, rows_s in zip(slices, rows, strict=True):
+            mine = rows_s[rank * per_rank[s] : (rank + 1) * per_rank[s]]
+            big_b[offsets[s] : offsets[s] + per_rank[s], r0 : r0 + r] = mine
+        r0 += r
+    return torch.cat([a for _, a, _ in parts]).contiguous(), big_b
+
+
+class TowerRows:
+    """This pass's adapters in the tower: (patch rows, merged rows, {module: (A, B)}) per adapter; empty: none."""
+
+    def __init__(self):
+        self.groups: list[tuple[torch.Tensor, torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]] = []
+
+
+class TowerLoRALinear(nn.Module):
+    """A tower linear plus its adapters' deltas on their rows; the base layer's own forward where a pass has none."""
+
+    def __init__(self, base: nn.Module, name: str, rows: TowerRows):
+        super().__init__()
+        self.base, self.name, self.rows = base, name, rows
+        self.merged = name.startswith("merger.")  # reads merged rows, not patches
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        groups = [g for g in self.rows.groups if self.name in g[2]]
+        if not groups:
+            return self.base(x)
+        y = self.base.partial(x)  # row-parallel: before its all-reduce, which sums the deltas of every rank too
+        for patch_rows, merged_rows, weights in groups:
+            rows = merged_rows if self.merged else patch_rows
+            a, b = weights[self.name]
+            y = y.index_add(0, rows, (x[rows] @ a.t().to(x.dtype)) @ b.t().to(x.dtype))
+        return self.base.finish(y)
+
+
+class TowerLoRA:
+    """The wrapped tower and the rows each adapter takes in this pass."""
+
+    def __init__(self, tower: nn.Module, vision: VisionConfig):
+        self.rows = TowerRows()
+        self.unit = vision.spatial_merge_size**2
+        for name in tower_linears(vision):
+            parent_name, _, attr = name.rpartition(".")
+            parent = tower.get_submodule(parent_name)
+            base = parent[int(attr)] if attr.isdigit() else getattr(parent, attr)
+            wrapper = TowerLoRALinear(base, name, self.rows)
+            if attr.isdigit():
+                parent[int(attr)] = wrapper
+            else:
+                setattr(parent, attr, wrapper)
+
+    def begin(self, patch_counts: list[int], adapters: list[dict[str, tuple[torch.Tensor, torch.Tensor]] | None],
+              scales: list[float], device: torch.device) -> None:  # fmt: skip
+        """Image i (patch_counts[i] patches, in order) takes adapters[i]'s tower weights (None or {}: none) at
+        strength scales[i]."""
+        by_adapter: dict[tuple[int, float], list[int]] = {}
+        for i, weights in enumerate(adapters):
+            if weights:
+                by_adapter.setdefault((id(weights), scales[i]), []).append(i)
+        starts = [sum(patch_counts[:i]) for i in range(len(patch_counts))]
+        groups = []
+        for (_, scale), images in by_adapter.items():
+            patches = torch.cat([torch.arange(starts[i], starts[i] + patch_counts[i]) for i in images]).to(device)
+            merged = torch.cat([torch.arange(starts[i] // self.unit, (starts[i] + patch_counts[i]) // self.unit)
+                                for i in images]).to(device)  # fmt: skip
+            weights = {name: (a.to(device), b.to(device) * scale) for name, (a, b) in adapters[images[0]].items()}
+            groups.append((patches, merged, weights))
+        self.rows.groups = groups
+
+    def end(self) -> None:
+        self.rows.groups = []
