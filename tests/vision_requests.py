@@ -30,13 +30,24 @@ LORA = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj", "k
             max_loras_per_batch=2)  # fmt: skip
 
 
-def build_vl_set(root: Path) -> tuple[Path, dict[str, Path]]:
-    """The tiny Qwen2.5-VL base under root/base and ADAPTERS beside it."""
+# --enable-tower-connector-lora: an adapter on the language model and on the tower's attention, MLP and merger
+# (gate_proj / down_proj reach both the language model's MLPs and the tower's)
+# (named a16 for tests/lora_helpers.py's ids and slots)
+# ("proj" alone would reach the patch embedding's Conv3d too, which takes no adapter)
+TOWER_ADAPTERS = {
+    "a16": (16, 32, ("q_proj", "v_proj", "gate_proj", "down_proj", "qkv", "attn.proj", "mlp.0", "mlp.2")),
+}
+TOWER_LORA = dict(LORA, enable_tower_connector_lora=True, lora_target_modules=["all"], max_loras_per_batch=3,
+                  max_lora_rank=16)  # fmt: skip
+
+
+def build_vl_set(root: Path, tower: bool = False) -> tuple[Path, dict[str, Path]]:
+    """The tiny Qwen2.5-VL base under root/base and ADAPTERS (and with `tower` TOWER_ADAPTERS) beside it."""
     from tests.vision_models import build_qwen2_5_vl
 
     build_qwen2_5_vl(root / "base")
     adapters = {}
-    for seed, (name, (r, alpha, targets)) in enumerate(ADAPTERS.items()):
+    for seed, (name, (r, alpha, targets)) in enumerate({**ADAPTERS, **(TOWER_ADAPTERS if tower else {})}.items()):
         adapters[name] = root / name
         build_vl_adapter(root / "base", adapters[name], r, alpha, targets, seed)
     return root / "base", adapters

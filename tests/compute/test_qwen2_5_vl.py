@@ -12,12 +12,22 @@ import torch
 from loraplex.protocol.mrope import mrope_positions
 from loraplex.protocol.structs import ForwardBatch, ForwardReq, ImageInput
 from loraplex.worker.batch_inputs import BatchError
+from loraplex.worker.images import pass_images
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.lora_helpers import load_all, slot_loads, slot_of
+from tests.lora_helpers import load_all, slot_loads, slot_of, specs
 from tests.reference import CLEAR_MARGIN, assert_greedy_match
 from tests.vision_models import MERGE
-from tests.vision_requests import LORA, build_vl_set, hf_logits, hf_vl, image_token_id, inputs, request
+from tests.vision_requests import (
+    LORA,
+    TOWER_LORA,
+    build_vl_set,
+    hf_logits,
+    hf_vl,
+    image_token_id,
+    inputs,
+    request,
+)
 from tests.worker_helpers import GREEDY, consecutive_pages, forward_logits, make_runner
 
 LOGITS_TOL = 1e-3  # fp32
@@ -27,13 +37,22 @@ DECODE_STEPS = 5
 
 @pytest.fixture(scope="module")
 def vl_set(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
-    return build_vl_set(tmp_path_factory.mktemp("qwen2_5_vl"))
+    return build_vl_set(tmp_path_factory.mktemp("qwen2_5_vl"), tower=True)
 
 
 @pytest.fixture(scope="module")
 def runner(vl_set) -> ModelRunner:
     model_dir, adapters = vl_set
     runner = make_runner(model_dir, **LORA)
+    load_all(runner, {name: adapters[name] for name in ("a4", "a8")})
+    return runner
+
+
+@pytest.fixture(scope="module")
+def tower_runner(vl_set) -> ModelRunner:
+    """--enable-tower-connector-lora, every language-model module in the pool."""
+    model_dir, adapters = vl_set
+    runner = make_runner(model_dir, **TOWER_LORA)
     load_all(runner, adapters)
     return runner
 
@@ -154,3 +173,34 @@ def test_bad_images_fail_the_batch(runner) -> None:
                          images=[image], mrope_positions=good.mrope_positions)  # fmt: skip
         with pytest.raises(BatchError, match=what), torch.inference_mode():
             forward_logits(runner, ForwardBatch(batch_id=0, reqs=[req]))
+
+
+TOWER_MIXED = [("one", "a16"), ("one", None), ("two", "a4"), ("text", "a16"), ("two", "a16")]
+
+
+def test_tower_lora_matches_peft(tower_runner, vl_set) -> None:
+    """--enable-tower-connector-lora: an adapter on the tower's attention, MLP and merger (and the language model)
+    beside one with none there and the base, in one batch; the image shared by a16 and the base is encoded once
+    for each, and its rows differ."""
+    model_dir, adapters = vl_set
+    prompts = [inputs(key) for key, _ in TOWER_MIXED]
+    names = [name for _, name in TOWER_MIXED]
+    lengths = [p["input_ids"].shape[1] for p in prompts]
+    pages = consecutive_pages(lengths, tower_runner.page_size)
+    reqs = [request(p, pg, name) for p, pg, name in zip(prompts, pages, names, strict=True)]
+    with torch.inference_mode():
+        logits = forward_logits(tower_runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=slot_loads(names)))
+        images = pass_images(tower_runner.model, tower_runner.model_config.vision, reqs[:2], torch.device("cpu"),
+                             tower_runner.lora)  # fmt: skip
+    for (key, name), hf, ours in zip(TOWER_MIXED, prompts, logits.split(lengths), strict=True):
+        ref = hf_logits(model_dir, hf, None if name is None else adapters[name])
+        diff = (ours - ref).abs().max().item()
+        assert diff <= LOGITS_TOL, f"{key}/{name or 'base'}: max abs logit diff {diff:.2e}"
+    with_adapter, base = images.embeds.split(len(images.rows) // 2)
+    assert (with_adapter - base).abs().max().item() > MIN_ADAPTER_EFFECT  # the tower's adapter moved the rows
+
+
+def test_tower_adapter_refused_without_the_flag(runner, vl_set) -> None:
+    _, adapters = vl_set
+    (outcome,) = runner.lora.load(specs({"a16": adapters["a16"]}, {"a16": 3}))
+    assert not outcome.success and "--enable-tower-connector-lora" in outcome.error_message, outcome

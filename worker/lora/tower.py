@@ -125,6 +125,7 @@ class TowerLoRALinear(nn.Module):
         super().__init__()
         self.base, self.name, self.rows = base, name, rows
         self.merged = name.startswith("merger.")  # reads merged rows, not patches
+        self.output_sizes_per_rank = base.output_sizes_per_rank  # what the model reads of the layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         groups = [g for g in self.rows.groups if self.name in g[2]]
