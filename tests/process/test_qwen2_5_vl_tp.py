@@ -1,6 +1,6 @@
 """Qwen2.5-VL under tensor parallelism: two gloo ranks (the vision tower's heads, MLP and merger split like the
-language model's) reproduce tp=1 on a batch of prompts with images and without, the base model and two adapters,
-prefill and greedy decode."""
+language model's, and with them a tower adapter's A and B) reproduce tp=1 on a batch of prompts with images and
+without, the base model, two language-model adapters and one on the tower too, prefill and greedy decode."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from loraplex.protocol.structs import ForwardBatch, ForwardReq
 from loraplex.worker.model_runner import ModelRunner
 
 from tests.lora_helpers import load_all, slot_loads, slot_of
-from tests.vision_requests import LORA, build_vl_set, inputs, request
+from tests.vision_requests import TOWER_LORA, build_vl_set, inputs, request
 from tests.worker_helpers import consecutive_pages, forward_logits, run_two_ranks, tp_group
 
 DECODE_STEPS = 4
-MIXED = [("one", None), ("two", "a4"), ("text", "a8"), ("two", None)]
+MIXED = [("one", None), ("two", "a4"), ("text", "a8"), ("two", None), ("one", "a16"), ("two", "a16")]
 
 
 def tp_config(tp: int) -> ServerConfig:
-    return ServerConfig(device="cpu", tp=tp, page_size=4, max_total_tokens=512, **LORA)
+    return ServerConfig(device="cpu", tp=tp, page_size=4, max_total_tokens=512, **TOWER_LORA)
 
 
 @torch.inference_mode()
@@ -54,7 +54,7 @@ def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str],
 
 @pytest.fixture(scope="module")
 def vl_set(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
-    return build_vl_set(tmp_path_factory.mktemp("qwen2_5_vl_tp"))
+    return build_vl_set(tmp_path_factory.mktemp("qwen2_5_vl_tp"), tower=True)
 
 
 def test_qwen2_5_vl_tp2_matches_tp1(vl_set) -> None:
@@ -65,5 +65,6 @@ def test_qwen2_5_vl_tp2_matches_tp1(vl_set) -> None:
     for rank in (0, 1):
         assert by_rank[rank]["qkv_per_rank"] == [16, 16, 16]  # one of the tower's two heads (width 16) each
         diff = abs(by_rank[rank]["logits"] - tp1["logits"]).max()
-        assert diff <= 1e-4, (rank, diff)
+        # fp32 sums split over two ranks add in another order; the logits here are ~10 in magnitude
+        assert diff <= 3e-4, (rank, diff)
         assert by_rank[rank]["greedy"] == tp1["greedy"], rank
