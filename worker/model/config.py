@@ -553,7 +553,8 @@ def _parse_rope(hf: dict[str, Any], params: dict[str, Any], model_type: str, hea
     theta = params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if rope_type == "mrope":  # Qwen2.5-VL's transformers 4 name: default frequencies over mrope_section's rows
+    if rope_type == "mrope" and model_type in VISION_TYPES:  # Qwen2.5-VL's transformers 4 name: default frequencies
+        # turned by mrope_section's rows
         rope_type = "default"
     if model_type == "phi3" and rope_type in ("su", "yarn"):  # Phi3Config's older names of longrope
         rope_type = "longrope"
