@@ -5,6 +5,7 @@ positions of protocol/mrope.py against HF's get_rope_index; bad images refused w
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,25 @@ def test_tower_adapter_refused_without_the_flag(runner, vl_set) -> None:
     _, adapters = vl_set
     (outcome,) = runner.lora.load(specs({"a16": adapters["a16"]}, {"a16": 3}))
     assert not outcome.success and "--enable-tower-connector-lora" in outcome.error_message, outcome
+
+
+def test_transformers_5_checkpoint_names_load(vl_set, tmp_path: Path) -> None:
+    """The same weights saved under transformers 5's module names (model.language_model.*, model.visual.*) serve
+    the same logits."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir, _ = vl_set
+    renamed = tmp_path / "t5"
+    shutil.copytree(model_dir, renamed)
+    tensors = load_file(renamed / "model.safetensors")
+    moved = {("model." + key if key.startswith("visual.") else key.replace("model.", "model.language_model.", 1)
+              if key.startswith("model.") else key): t for key, t in tensors.items()}  # fmt: skip
+    assert {k.split(".")[1] for k in moved if k.startswith("model.")} == {"visual", "language_model"}
+    save_file(moved, renamed / "model.safetensors")
+    hf = inputs("one")
+    length = hf["input_ids"].shape[1]
+    runner = make_runner(renamed)
+    with torch.inference_mode():
+        ours = forward_logits(runner, ForwardBatch(batch_id=0, reqs=[request(hf, consecutive_pages([length], 4)[0])]))
+    diff = (ours - hf_logits(model_dir, hf)).abs().max().item()
+    assert diff <= LOGITS_TOL, f"max abs logit diff {diff:.2e}"
