@@ -1,14 +1,15 @@
 """A pass's images -> the embedding rows that replace their placeholder tokens.
 
 ForwardReq.images holds the images whose placeholder runs overlap the pass's tokens (offsets in the whole prompt);
-a chunked prefill may cut a run, so each image is encoded whole and only the rows inside the pass are kept. Every
-image of the batch goes through the vision tower in one call (each attends within itself); an image two requests
-share (one content_hash) is encoded once. Each image is checked on the host first: a bad one fails the batch with a
-BatchError, never a shape error inside the tower."""
+a chunked prefill may cut a run, so each image is encoded whole (once: its embeddings are kept for the passes after)
+and only the rows inside the pass are taken. Every image of the batch goes through the vision tower in one call (each
+attends within itself); an image two requests share (one content_hash) is encoded once. Each image is checked on the
+host first: a bad one fails the batch with a BatchError, never a shape error inside the tower."""
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,55 +28,83 @@ class PassImages:
     embeds: torch.Tensor  # (image tokens, hidden) in the same order
 
 
-def pass_images(model, vision: VisionConfig | None, reqs: list[ForwardReq], device: torch.device,
-                lora: LoRAManager | None = None) -> PassImages | None:  # fmt: skip
-    """The image rows of this pass (None: it has none). `model.encode_images(pixels, grids)` is the tower; with
-    `lora` holding tower adapters (--enable-tower-connector-lora), each image is encoded with its request's adapter
-    (an image shared by requests on different adapters, once for each)."""
-    if not any(req.images for req in reqs):
-        return None
-    if vision is None:
-        raise BatchError("the batch carries images but this model has no vision tower")
-    tower = lora.tower if lora is not None else None
-    unique: dict[tuple, int] = {}  # (content_hash, the tower adapter and strength) -> index among those encoded
-    encoded: list[ImageInput] = []
-    adapters: list[tuple[dict, float]] = []  # per image encoded: its tower weights ({}: none) and strength
-    wanted: list[tuple[int, int, int, int]] = []  # (first batch row, image index, first image row, count)
-    token_start = 0
-    for i, req in enumerate(reqs):
-        start, end = req.num_cached_tokens, req.num_cached_tokens + len(req.input_ids)
-        for image in req.images:
-            _check_image(i, image, vision)
-            lo, hi = max(image.offset, start), min(image.offset + image.num_tokens, end)
-            if lo >= hi:
-                continue  # no placeholder of it in this pass
-            placeholders = req.input_ids[lo - start : hi - start]
-            if any(t != vision.image_token_id for t in placeholders):
-                raise BatchError(f"request {i}: the image at {image.offset} covers tokens that are not its "
-                                 f"placeholder {vision.image_token_id}")  # fmt: skip
-            weights = lora.tower_weights(req.slot) if tower is not None else {}
-            scale = req.lora_scale if weights else 1.0
-            index = unique.setdefault((image.content_hash, id(weights) if weights else None, scale), len(encoded))
-            if index == len(encoded):
-                encoded.append(image)
-                adapters.append((weights, scale))
-            wanted.append((token_start + lo - start, index, lo - image.offset, hi - lo))
-        token_start += len(req.input_ids)
-    if not wanted:
-        return None
-    pixels = torch.cat([_pixels(image) for image in encoded]).to(device)
-    if tower is not None:
-        tower.begin([math.prod(image.grid_thw) for image in encoded], [w for w, _ in adapters],
-                    [scale for _, scale in adapters], device)  # fmt: skip
-    try:
-        out = model.encode_images(pixels, [image.grid_thw for image in encoded])  # (rows of every image, hidden)
-    finally:
+class ImageEncoder:
+    """A runner's images -> rows. An image that a chunked prefill cuts is encoded on the pass that reaches its first
+    row and its embeddings kept (up to `max_kept` images, the oldest dropped first) for the passes that take its later
+    rows; they go when its last row is taken (a request aborted mid-image leaves its entry to age out)."""
+
+    def __init__(self, model, vision: VisionConfig | None, device: torch.device, lora: LoRAManager | None = None,
+                 max_kept: int = 16):  # fmt: skip
+        self.model, self.vision, self.device, self.lora = model, vision, device, lora
+        self.max_kept = max_kept
+        self.kept: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # (content_hash, adapter, strength) -> rows
+
+    def rows(self, reqs: list[ForwardReq]) -> PassImages | None:
+        """The image rows of this pass (None: it has none). `model.encode_images(pixels, grids)` is the tower; with
+        `lora` holding tower adapters (--enable-tower-connector-lora), each image is encoded with its request's
+        adapter (an image shared by requests on different adapters, once for each)."""
+        if not any(req.images for req in reqs):
+            return None
+        vision, lora = self.vision, self.lora
+        if vision is None:
+            raise BatchError("the batch carries images but this model has no vision tower")
+        tower = lora.tower if lora is not None else None
+        keys: list[tuple] = []  # (content_hash, the tower adapter's lora_id or -1, strength) of each image taken
+        images: dict[tuple, ImageInput] = {}
+        adapters: dict[tuple, tuple[dict, float]] = {}  # its tower weights ({}: none) and strength
+        wanted: list[tuple[int, tuple, int, int]] = []  # (first batch row, image key, first image row, count)
+        finished: set[tuple] = set()  # images whose last row this pass takes
+        token_start = 0
+        for i, req in enumerate(reqs):
+            start, end = req.num_cached_tokens, req.num_cached_tokens + len(req.input_ids)
+            for image in req.images:
+                _check_image(i, image, vision)
+                lo, hi = max(image.offset, start), min(image.offset + image.num_tokens, end)
+                if lo >= hi:
+                    continue  # no placeholder of it in this pass
+                if any(t != vision.image_token_id for t in req.input_ids[lo - start : hi - start]):
+                    raise BatchError(f"request {i}: the image at {image.offset} covers tokens that are not its "
+                                     f"placeholder {vision.image_token_id}")  # fmt: skip
+                weights = lora.tower_weights(req.slot) if tower is not None else {}
+                scale = req.lora_scale if weights else 1.0
+                key = (image.content_hash, lora.slot_lora_ids[req.slot] if weights else -1, scale)
+                if key not in images:
+                    keys.append(key)
+                    images[key], adapters[key] = image, (weights, scale)
+                if hi == image.offset + image.num_tokens:
+                    finished.add(key)
+                wanted.append((token_start + lo - start, key, lo - image.offset, hi - lo))
+            token_start += len(req.input_ids)
+        if not wanted:
+            return None
+        embeds = {key: self.kept[key] for key in keys if key in self.kept}
+        embeds.update(self._encode([key for key in keys if key not in embeds], images, adapters))
+        for key in keys:  # keep what a later pass takes more rows of
+            self.kept.pop(key, None)
+            if key not in finished:
+                self.kept[key] = embeds[key]
+        while len(self.kept) > self.max_kept:
+            self.kept.popitem(last=False)
+        rows = torch.cat([torch.arange(first, first + count) for first, _, _, count in wanted]).to(self.device)
+        out = torch.cat([embeds[key][offset : offset + count] for _, key, offset, count in wanted])
+        return PassImages(rows=rows, embeds=out)
+
+    def _encode(self, keys: list[tuple], images: dict[tuple, ImageInput], adapters: dict[tuple, tuple[dict, float]]
+                ) -> dict[tuple, torch.Tensor]:  # fmt: skip
+        """Every image of `keys` through the tower in one call: key -> its (num_tokens, hidden) rows."""
+        if not keys:
+            return {}
+        tower = self.lora.tower if self.lora is not None else None
+        pixels = torch.cat([_pixels(images[key]) for key in keys]).to(self.device)
         if tower is not None:
-            tower.end()
-    per_image = out.split([image.num_tokens for image in encoded])
-    rows = torch.cat([torch.arange(first, first + count) for first, _, _, count in wanted]).to(device)
-    embeds = torch.cat([per_image[index][offset : offset + count] for _, index, offset, count in wanted])
-    return PassImages(rows=rows, embeds=embeds)
+            tower.begin([math.prod(images[key].grid_thw) for key in keys], [adapters[key][0] for key in keys],
+                        [adapters[key][1] for key in keys], self.device)  # fmt: skip
+        try:
+            out = self.model.encode_images(pixels, [images[key].grid_thw for key in keys])  # (rows of all, hidden)
+        finally:
+            if tower is not None:
+                tower.end()
+        return dict(zip(keys, out.split([images[key].num_tokens for key in keys]), strict=True))
 
 
 def _pixels(image: ImageInput) -> torch.Tensor:

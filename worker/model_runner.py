@@ -20,7 +20,7 @@ from loraplex.worker.dist import pick_dtype
 from loraplex.worker.draft_model import DraftRunner
 from loraplex.worker.dummy_weights import init_dummy_weights
 from loraplex.worker.grammar import GrammarMasks
-from loraplex.worker.images import pass_images
+from loraplex.worker.images import ImageEncoder
 from loraplex.worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token, kv_cache_dtype
 from loraplex.worker.kv_scales import read_kv_scales
 from loraplex.worker.layers import packed
@@ -141,6 +141,8 @@ class ModelRunner:
             self.lora.warmup()  # Triton: every kernel variant compiled now, not inside a request's forward
         self._pack_weights()
         self._route_moe()
+        # a vision-language model's images -> the rows that replace their placeholders (worker/images.py)
+        self.images = ImageEncoder(self.model, self.model_config.vision, self.device, self.lora)
         logger.info(
             "loaded %s (--load-format %s): %d layers, shard %d of %d, %s on %s, context length %d",
             self.model_config.model_type,
@@ -532,7 +534,7 @@ class ModelRunner:
         if self.model_config.is_bidirectional:  # an encoder's segments (a pair's second text); decoders have none
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention,
                                 token_type_ids=inputs.token_type_ids)  # fmt: skip
-        elif (images := pass_images(self.model, self.model_config.vision, reqs, self.device, self.lora)) is not None:
+        elif (images := self.images.rows(reqs)) is not None:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention,
                                 image_rows=images.rows, image_embeds=images.embeds)  # fmt: skip
         else:

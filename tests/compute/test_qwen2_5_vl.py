@@ -13,7 +13,6 @@ import torch
 from loraplex.protocol.mrope import mrope_positions
 from loraplex.protocol.structs import ForwardBatch, ForwardReq, ImageInput
 from loraplex.worker.batch_inputs import BatchError
-from loraplex.worker.images import pass_images
 from loraplex.worker.model_runner import ModelRunner
 
 from tests.lora_helpers import load_all, slot_loads, slot_of, specs
@@ -90,17 +89,26 @@ def test_mixed_batch_matches_hf_and_peft(runner, vl_set) -> None:
 
 def test_chunked_prefill_cuts_an_image(runner, vl_set) -> None:
     """Chunks of 7 tokens: the first image's run (offset 1, 16 tokens) spans three passes, the second's is cut too;
-    each pass carries only the images it overlaps. Every chunk's logits equal HF's rows of the whole prompt."""
+    each pass carries only the images it overlaps, and each image is encoded once (kept between the passes). Every
+    chunk's logits equal HF's rows of the whole prompt."""
     model_dir, adapters = vl_set
     hf = inputs("two")
     length = hf["input_ids"].shape[1]
     pages = consecutive_pages([length], runner.page_size)[0]
     chunks = []
-    with torch.inference_mode():
-        for batch_id, start in enumerate(range(0, length, 7)):
-            req = request(hf, pages, "a4", start, min(start + 7, length))
-            chunks.append(forward_logits(runner, ForwardBatch(batch_id=batch_id, reqs=[req],
-                                                              slot_loads=slot_loads(["a4"]))))  # fmt: skip
+    encoded = []  # the images each tower call encodes: every image once, though chunks cut both
+    encode = runner.model.encode_images
+    runner.model.encode_images = lambda pixels, grids: encoded.append(grids) or encode(pixels, grids)
+    try:
+        with torch.inference_mode():
+            for batch_id, start in enumerate(range(0, length, 7)):
+                req = request(hf, pages, "a4", start, min(start + 7, length))
+                chunks.append(forward_logits(runner, ForwardBatch(batch_id=batch_id, reqs=[req],
+                                                                  slot_loads=slot_loads(["a4"]))))  # fmt: skip
+    finally:
+        runner.model.encode_images = encode
+    assert [grid for grids in encoded for grid in grids] == hf["image_grid_thw"].tolist()
+    assert not runner.images.kept  # the last chunk took the last image's last rows
     assert len({len(request(hf, pages, None, s, s + 7).images) for s in range(0, length, 7)}) > 1
     diff = (torch.cat(chunks) - hf_logits(model_dir, hf, adapters["a4"])).abs().max().item()
     assert diff <= LOGITS_TOL, f"chunked prefill: max abs logit diff {diff:.2e}"
@@ -191,8 +199,7 @@ def test_tower_lora_matches_peft(tower_runner, vl_set) -> None:
     reqs = [request(p, pg, name) for p, pg, name in zip(prompts, pages, names, strict=True)]
     with torch.inference_mode():
         logits = forward_logits(tower_runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=slot_loads(names)))
-        images = pass_images(tower_runner.model, tower_runner.model_config.vision, reqs[:2], torch.device("cpu"),
-                             tower_runner.lora)  # fmt: skip
+        images = tower_runner.images.rows(reqs[:2])
     for (key, name), hf, ours in zip(TOWER_MIXED, prompts, logits.split(lengths), strict=True):
         ref = hf_logits(model_dir, hf, None if name is None else adapters[name])
         diff = (ours - ref).abs().max().item()
