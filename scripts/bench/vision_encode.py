@@ -1,0 +1,61 @@
+"""The vision tower's cost per image (worker/model/qwen2_5_vl_vision.py) at Qwen2.5-VL-3B's tower widths (hidden 1280,
+16 heads, MLP 3420, merger to 2048; random weights), with fewer blocks than its 32 unless told: milliseconds per image
+of a given size, and the tower's share of a prefill cut into chunks when each chunk re-encodes the image (what
+worker/images.py's kept embeddings save).
+
+    python -m scripts.bench.vision_encode [--size 448] [--depth 4] [--repeats 3] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from loraplex.worker.model.config import VisionConfig
+from loraplex.worker.model.qwen2_5_vl_vision import VisionTower
+from loraplex.worker.parallel import tensor_parallel
+
+
+def tower_config(depth: int) -> VisionConfig:
+    return VisionConfig(depth=depth, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                        patch_size=14, temporal_patch_size=2, spatial_merge_size=2, in_channels=3, window_size=112,
+                        fullatt_block_indexes=tuple(i for i in (7, 15, 23, 31) if i < depth) or (depth - 1,),
+                        rope_theta=10000.0, image_token_id=0)  # fmt: skip
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=448, help="image side in pixels (a multiple of 28)")
+    parser.add_argument("--depth", type=int, default=4, help="tower blocks (the 3B has 32; time scales with it)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    torch.set_default_dtype(getattr(torch, args.dtype))
+    config = tower_config(args.depth)
+    with tensor_parallel(0, 1):
+        tower = VisionTower(config)
+    generator = torch.Generator().manual_seed(0)
+    for param in tower.parameters():
+        param.data.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    side = args.size // config.patch_size
+    grid = [1, side, side]
+    pixels = torch.randn(side * side, 3 * 2 * config.patch_size**2)
+    tower(pixels, [grid])  # warm-up
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        tower(pixels, [grid])
+        times.append(time.perf_counter() - start)
+    ms = 1000 * min(times)
+    tokens = side * side // 4
+    print(json.dumps({"size": args.size, "patches": side * side, "tokens": tokens, "depth": args.depth,
+                      "dtype": args.dtype, "ms_per_image": round(ms, 1),
+                      "ms_per_image_at_32_blocks": round(ms * 32 / args.depth, 1),
+                      "encodes_without_keeping_at_chunk_64": -(-tokens // 64)}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
