@@ -60,7 +60,11 @@ class DraftRunner:
                     page_size)  # fmt: skip
 
     def _last_logits(self, reqs: list[ForwardReq]) -> torch.Tensor:
-        """(reqs, vocab): the draft's logits at each request's last new token, its KV written for all of them."""
+        """(reqs, vocab): the draft's logits at each request's last new token, its KV written for all of them. The
+        draft is a text model: a vision-language target's images and M-RoPE rows are not its (it reads placeholders
+        as tokens at their indices)."""
+        reqs = [msgspec.structs.replace(req, images=[], mrope_positions=[], mrope_delta=0)
+                if req.images or req.mrope_positions or req.mrope_delta else req for req in reqs]  # fmt: skip
         inputs = BatchInputs.build(reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device,
                                    self.attention)  # fmt: skip
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)  # (tokens, hidden)
@@ -83,5 +87,13 @@ class DraftRunner:
                 if j < reqs[i].num_model_drafts:
                     drafts[i].append(token)
         return [msgspec.structs.replace(req, input_ids=req.input_ids + drafts[i], num_draft_tokens=len(drafts[i]),
-                                        num_model_drafts=0) if i in drafts else req
-                for i, req in enumerate(reqs)]  # fmt: skip
+                                        num_model_drafts=0, mrope_positions=_mrope_with_drafts(req, len(drafts[i])))
+                if i in drafts else req for i, req in enumerate(reqs)]  # fmt: skip
+
+
+def _mrope_with_drafts(req: ForwardReq, num_drafts: int) -> list[list[int]]:
+    """A request's M-RoPE rows continued over its drafts: text after the prompt, index + mrope_delta in every row."""
+    if not req.mrope_positions:
+        return []
+    first = req.num_cached_tokens + len(req.input_ids) + req.mrope_delta
+    return [row + list(range(first, first + num_drafts)) for row in req.mrope_positions]

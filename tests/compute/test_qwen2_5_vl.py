@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from loraplex.protocol.mrope import mrope_positions
@@ -234,3 +235,27 @@ def test_transformers_5_checkpoint_names_load(vl_set, tmp_path: Path) -> None:
         ours = forward_logits(runner, ForwardBatch(batch_id=0, reqs=[request(hf, consecutive_pages([length], 4)[0])]))
     diff = (ours - hf_logits(model_dir, hf)).abs().max().item()
     assert diff <= LOGITS_TOL, f"max abs logit diff {diff:.2e}"
+
+
+def test_draft_model_drafts_after_an_image_prompt(runner, vl_set) -> None:
+    """Speculative decoding with a draft model (the VL checkpoint itself, which as a draft reads the placeholders as
+    tokens, without images, at plain positions): a prefill pass with images and M-RoPE rows that asks for drafts runs
+    (its rows continued over the drafts), and the tokens it accepts (here the draft disagrees: none) and samples equal
+    plain greedy decoding's."""
+    model_dir, _ = vl_set
+    spec = make_runner(model_dir, speculative_config={"method": "draft_model", "num_speculative_tokens": 3,
+                                                      "model": str(model_dir)})  # fmt: skip
+    hf = inputs("two")
+    length = hf["input_ids"].shape[1]
+    pages = consecutive_pages([length + DECODE_STEPS], spec.page_size)[0]
+    req = msgspec.structs.replace(request(hf, pages), num_model_drafts=3)
+    step = spec.step(ForwardBatch(batch_id=0, reqs=[req]))
+    spec.forward(ForwardBatch(batch_id=1, reqs=[], released_keys=[0]))
+    accepted = [*step.accepted_ids[0], step.tokens[0]] if step.accepted_ids else step.tokens
+    plain = [runner.forward(ForwardBatch(batch_id=2, reqs=[request(hf, pages)]))[0]]
+    runner.forward(ForwardBatch(batch_id=3, reqs=[], released_keys=[0]))
+    for i in range(1, len(accepted)):  # plain greedy decoding for as many tokens
+        plain += runner.forward(ForwardBatch(batch_id=3 + i, reqs=[ForwardReq(
+            input_ids=plain[-1:], num_cached_tokens=length + i - 1, page_ids=pages, num_generated=i,
+            sampling=GREEDY, mrope_delta=req.mrope_delta)]))  # fmt: skip
+    assert accepted == plain, (accepted, plain)
