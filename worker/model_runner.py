@@ -519,6 +519,8 @@ class ModelRunner:
         self._check_long_rope(reqs)
         if self.model_config.is_bidirectional:
             self._check_whole_sequences(reqs)
+        if "mrope_section" not in self.model_config.rope.params and any(req.mrope_positions for req in reqs):
+            raise BatchError(f"a request gives M-RoPE positions, which {self.model_config.model_type} does not use")
         inputs = BatchInputs.build(
             reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device, self.attention
         )

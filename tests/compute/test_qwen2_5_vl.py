@@ -259,3 +259,18 @@ def test_draft_model_drafts_after_an_image_prompt(runner, vl_set) -> None:
             input_ids=plain[-1:], num_cached_tokens=length + i - 1, page_ids=pages, num_generated=i,
             sampling=GREEDY, mrope_delta=req.mrope_delta)]))  # fmt: skip
     assert accepted == plain, (accepted, plain)
+
+
+def test_a_text_model_refuses_images_and_mrope_rows(llama_dir) -> None:
+    text_runner = make_runner(llama_dir)
+    hf = inputs("one")
+    good = request(hf, consecutive_pages([hf["input_ids"].shape[1]], 4)[0])
+    ids = [t % text_runner.vocab_size for t in good.input_ids]
+    for what, req in {
+        "M-RoPE": ForwardReq(input_ids=ids, num_cached_tokens=0, page_ids=good.page_ids, sampling=GREEDY,
+                             mrope_positions=good.mrope_positions),
+        "no vision tower": ForwardReq(input_ids=ids, num_cached_tokens=0, page_ids=good.page_ids, sampling=GREEDY,
+                                      images=good.images),
+    }.items():  # fmt: skip
+        with pytest.raises(BatchError, match=what), torch.inference_mode():
+            forward_logits(text_runner, ForwardBatch(batch_id=0, reqs=[req]))
