@@ -378,7 +378,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "SGLang's spelling of --speculative-config's num_speculative_tokens (default 4)"
     )] = None
     speculative_lora_modules: Annotated[list[str], Meta(description=
-        "draft-model adapters NAME=PATH (refused for now: every request drafts with the base draft model)"
+        "draft-model adapters NAME=PATH (or --lora-modules' JSON), loaded at start: a request on adapter NAME drafts "
+        "with draft adapter NAME, one on an adapter without a draft counterpart with the bare draft model"
     )] = []
 
     def __post_init__(self) -> None:
@@ -467,9 +468,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(str(e)) from e
         if self.speculative_lora_modules and (spec is None or spec.method != "draft_model"):
             raise ConfigError("--speculative-lora-modules are draft-model adapters: they need method draft_model")
-        if self.speculative_lora_modules:
-            raise ConfigError("--speculative-lora-modules: draft adapters are not supported yet (every request drafts "
-                              "with the base draft model)")
+        draft_names = [s.lora_name for s in self.draft_lora_sources]  # parses every entry
+        if len(set(draft_names)) != len(draft_names):
+            raise ConfigError(f"a draft adapter name appears twice in --speculative-lora-modules: {draft_names}")
 
     @property
     def kv_cache_is_fp8(self) -> bool:
@@ -516,6 +517,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def lora_sources(self) -> list[LoRASource]:
         """The start-up adapters: --lora-paths, then --lora-modules."""
         return [parse_lora_source(t) for t in self.lora_paths] + [parse_lora_module(t) for t in self.lora_modules]
+
+    @property
+    def draft_lora_sources(self) -> list[LoRASource]:
+        """The draft model's adapters (--speculative-lora-modules), by the target adapters' names."""
+        return [parse_lora_module(t) for t in self.speculative_lora_modules]
 
     @property
     def target_modules(self) -> tuple[str, ...] | None:

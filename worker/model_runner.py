@@ -203,7 +203,7 @@ class ModelRunner:
             return None
         return DraftRunner(self.config, spec.model, vocab_size=self.vocab_size, num_pages=num_pages,
                            page_size=self.page_size, context_length=self.context_length, device=self.device,
-                           dtype=self.dtype, cpu_kernels=self.backend.cpu_kernels)  # fmt: skip
+                           dtype=self.dtype, backend=self.backend)  # fmt: skip
 
     def _state_plan(self) -> StatePlan | None:
         """A hybrid model's state slots and snapshots: how many, and one's shape on this rank; None for a model
@@ -452,10 +452,17 @@ class ModelRunner:
         sampling = SamplingBatch.of(batch.reqs, self.sampling_table.resolve(batch.reqs), self.vocab_size, self.device)
         self.grammar.check(sampling)
         check_drafts(batch.reqs, sampling, has_draft_model=self.draft is not None)
-        reqs = batch.reqs if self.draft is None else self.draft.propose(batch.reqs)  # drafts appended where asked
+        slot_loads = batch.slot_loads
+        if self.draft is not None:  # drafts appended where asked, each on its adapter's namesake (the slots loaded)
+            self._apply_slot_loads(slot_loads)
+            slot_loads = []
+            names = [None if self.lora is None else self.lora.slot_adapter_name(req.slot) for req in batch.reqs]
+            reqs = self.draft.propose(batch.reqs, names)
+        else:
+            reqs = batch.reqs
         self.histories.update(reqs, sampling.history_rows)
         prompt_rows, verify_rows = prompt_logprob_rows(reqs), draft_rows(reqs)
-        logits = self.logits(reqs, batch.slot_loads, last_only=True, extra_rows=prompt_rows + verify_rows)
+        logits = self.logits(reqs, slot_loads, last_only=True, extra_rows=prompt_rows + verify_rows)
         num_reqs, num_prompt = len(reqs), len(prompt_rows)
         # (reqs, vocab), (prompt rows, vocab), (draft rows, vocab)
         logits, prompt_logits, draft_logits = (logits[:num_reqs], logits[num_reqs : num_reqs + num_prompt],
