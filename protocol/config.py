@@ -366,13 +366,14 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "speculative decoding (vLLM's JSON): {\"method\": \"ngram\", \"num_speculative_tokens\": K, "
         "\"prompt_lookup_min\": N, \"prompt_lookup_max\": M} drafts up to K tokens from each request's own tokens; "
         "{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": K} from a small model with the "
-        "target's tokenizer; the target verifies them in one pass on the request's adapter (eagle3 is refused for now)"
+        "target's tokenizer; {\"method\": \"eagle3\", \"model\": HEAD_DIR, ...} from an EAGLE-3 head reading the "
+        "target's hidden states; the target verifies them in one pass on the request's adapter"
     )] = {}
     speculative_algorithm: Annotated[str | None, Meta(description=
-        "SGLang's spelling of --speculative-config's method: NGRAM, STANDALONE (draft_model; EAGLE3 is refused for now)"
+        "SGLang's spelling of --speculative-config's method: NGRAM, STANDALONE (draft_model), EAGLE3 (eagle3)"
     )] = None
     speculative_draft_model_path: Annotated[str | None, Meta(description=
-        "SGLang's spelling of --speculative-config's model (the draft model's local directory)"
+        "SGLang's spelling of --speculative-config's model (the draft model's or EAGLE-3 head's local directory)"
     )] = None
     speculative_num_draft_tokens: Annotated[int | None, Meta(description=
         "SGLang's spelling of --speculative-config's num_speculative_tokens (default 4)"

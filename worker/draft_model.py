@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 
 class DraftRunner:
+    reads_target_hidden = False
+
     def __init__(self, config: ServerConfig, model_dir: str, *, vocab_size: int, num_pages: int, page_size: int,
                  context_length: int, device: torch.device, dtype: torch.dtype,
                  backend: LoRABackend) -> None:  # fmt: skip
@@ -98,3 +100,9 @@ class DraftRunner:
         return [msgspec.structs.replace(req, input_ids=req.input_ids + drafts[i], num_draft_tokens=len(drafts[i]),
                                         num_model_drafts=0) if i in drafts else req
                 for i, req in enumerate(target_reqs)]  # fmt: skip
+
+    def record(self, reqs: list[ForwardReq], accepted_ids: list[list[int]]) -> None:
+        """After the target's pass: nothing to keep (the draft reads tokens alone; its cache holds their KV)."""
+
+    def release(self, req_keys: list[int]) -> None:
+        """Requests that ended: nothing kept per request."""

@@ -16,6 +16,10 @@ def test_vllm_json_and_sglang_flags_give_one_setting():
     assert sglang.speculation == SpeculativeConfig(method="ngram", num_speculative_tokens=5)
     draft = ServerConfig(speculative_algorithm="STANDALONE", speculative_draft_model_path="/d")
     assert draft.speculation == SpeculativeConfig(method="draft_model", num_speculative_tokens=4, model="/d")
+    eagle = ServerConfig(speculative_algorithm="EAGLE3", speculative_draft_model_path="/h")
+    assert eagle.speculation == SpeculativeConfig(method="eagle3", num_speculative_tokens=4, model="/h")
+    vllm_eagle = ServerConfig(speculative_config={"method": "eagle3", "num_speculative_tokens": 4, "model": "/h"})
+    assert vllm_eagle.speculation == eagle.speculation
     assert ServerConfig().speculation is None
 
 
@@ -27,8 +31,9 @@ def test_the_command_line_takes_the_json():
 
 
 @pytest.mark.parametrize(("settings", "cause"), [
-    ({"speculative_config": {"method": "eagle3", "num_speculative_tokens": 3, "model": "head"}}, "not supported yet"),
-    ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/d"}, "eagle3 is not supported"),
+    ({"speculative_config": {"method": "eagle3", "num_speculative_tokens": 3}}, "eagle3 needs `model`"),
+    ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/d",
+      "speculative_lora_modules": ["x=/y"]}, "need method draft_model"),
     ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/d",
       "speculative_lora_modules": ["x=/y", "x=/z"]}, "draft adapter name appears twice"),
     ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/d",
