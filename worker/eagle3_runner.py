@@ -63,7 +63,10 @@ class Eagle3Runner:
             torch.set_default_dtype(previous)
         load_weights(self.head, head_dir, show_progress=False)
         self.head.eval()
-        self.target_embedding = target.model.embed_tokens.weight  # read where the head has no embedding of its own
+        embedding = target.model.embed_tokens
+        while not hasattr(embedding, "weight"):  # under LoRA's wrappers: the base embedding
+            embedding = embedding.base
+        self.target_embedding = embedding.weight  # read where the head has no embedding of its own
         mc = hc.model
         self.attention = select_attention_backend(config.attention_backend, device, mc.num_heads, mc.num_kv_heads,
                                                   mc.head_dim, cpu_kernels)  # fmt: skip

@@ -3,7 +3,7 @@
 prefix hits and many concurrent requests; a draft that is the target itself has every draft accepted. Draft adapters
 (--speculative-lora-modules): in a batch of the base and two adapters, the adapter with a draft counterpart (the target
 adapter itself, on a draft that is the target) has every draft accepted, where without it fewer are; outputs equal the
-run without speculation."""
+run without speculation. An EAGLE-3 head (random weights) leaves the same batch's greedy outputs as they are."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from loraplex.protocol.structs import (
 from loraplex.scheduler.scheduler import Scheduler
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.builders import build_tiny_model
+from tests.builders import build_eagle3_head, build_tiny_model
 from tests.lora_helpers import ADAPTER_IDS, LORA_CONFIG, specs
 from tests.worker_helpers import NUM_PAGES, PAGE_SIZE, random_prompts
 
@@ -85,17 +85,27 @@ def test_greedy_with_a_draft_model_equals_greedy_without(llama_dir, draft_dir):
     assert count.num_accepted_tokens == count.num_draft_tokens > 0  # the target drafting for itself: all accepted
 
 
-def test_a_draft_adapter_drafts_for_its_namesake(llama_dir, adapter_dirs):
-    """The draft model is the target and a8's draft adapter is a8 itself: a8's drafts are all accepted, as the base's;
-    a4 (no draft adapter) drafts with the bare draft and has some rejected; without a8's draft adapter so has a8."""
+MIXED_NAMES = [None, "a4", "a8", "a8", "a4", None]
+
+
+@pytest.fixture(scope="module")
+def mixed(llama_dir, adapter_dirs) -> tuple[list[list[int]], dict, dict]:
+    """(prompts, adapters, greedy outputs without speculation) of a batch mixing the base model and a4, a8."""
     adapters = {name: adapter_dirs[name] for name in ("a4", "a8")}
     prompts = random_prompts([7, 12, 9, 6, 11, 8], vocab_size=200, seed=11)
-    names = [None, "a4", "a8", "a8", "a4", None]
-    reference, _ = generate(llama_dir, prompts, adapters=adapters, names=names)
+    prompts[3] = prompts[2][:8] + prompts[3]  # a prefix hit on a8's pages
+    reference, _ = generate(llama_dir, prompts, adapters=adapters, names=MIXED_NAMES)
+    return prompts, adapters, reference
+
+
+def test_a_draft_adapter_drafts_for_its_namesake(llama_dir, adapter_dirs, mixed):
+    """The draft model is the target and a8's draft adapter is a8 itself: a8's drafts are all accepted, as the base's;
+    a4 (no draft adapter) drafts with the bare draft and has some rejected; without a8's draft adapter so has a8."""
+    prompts, adapters, reference = mixed
     itself = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(llama_dir)}
     acceptance = {}
     for draft_adapters in ([], [f"a8={adapter_dirs['a8']}"]):
-        outputs, sched = generate(llama_dir, prompts, itself, adapters=adapters, names=names,
+        outputs, sched = generate(llama_dir, prompts, itself, adapters=adapters, names=MIXED_NAMES,
                                   speculative_lora_modules=draft_adapters)  # fmt: skip
         assert outputs == reference
         counts = {c.lora_id: c for c in sched.stats(op_id=0).spec}
@@ -108,3 +118,17 @@ def test_a_draft_adapter_drafts_for_its_namesake(llama_dir, adapter_dirs):
     a8 = ADAPTER_IDS["a8"]
     assert acceptance[False][a8] < 1.0 and acceptance[True][a8] == 1.0, acceptance
     assert acceptance[True][ADAPTER_IDS["a4"]] == acceptance[False][ADAPTER_IDS["a4"]]
+
+
+def test_greedy_with_an_eagle3_head_equals_greedy_without(llama_dir, mixed, tmp_path):
+    """Any head's drafts leave greedy outputs as they are (verification decides): base and two adapters in one batch,
+    prefill chunks and a prefix hit; every request drafted."""
+    prompts, adapters, reference = mixed
+    build_eagle3_head(llama_dir, tmp_path / "head", draft_vocab_size=400, aux_layer_ids=(0, 1, 1), seed=3,
+                      with_embedding=False)  # fmt: skip
+    eagle3 = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
+    outputs, sched = generate(llama_dir, prompts, eagle3, adapters=adapters, names=MIXED_NAMES)
+    assert outputs == reference
+    counts = {c.lora_id: c for c in sched.stats(op_id=0).spec}
+    assert set(counts) == {None, ADAPTER_IDS["a4"], ADAPTER_IDS["a8"]}
+    assert all(c.num_draft_tokens > 0 and c.num_verify_passes > 0 for c in counts.values())
