@@ -8,22 +8,11 @@ run without speculation. An EAGLE-3 head (random weights) leaves the same batch'
 from __future__ import annotations
 
 import pytest
-from loraplex.protocol.config import ServerConfig
-from loraplex.protocol.structs import (
-    AdapterReport,
-    BatchResult,
-    LoadAdapters,
-    SamplingParams,
-    TokenizedGenerateReq,
-)
-from loraplex.scheduler.scheduler import Scheduler
-from loraplex.worker.model_runner import ModelRunner
 
 from tests.builders import build_eagle3_head, build_tiny_model
-from tests.lora_helpers import ADAPTER_IDS, LORA_CONFIG, specs
-from tests.worker_helpers import NUM_PAGES, PAGE_SIZE, random_prompts
-
-MAX_NEW = 12
+from tests.lora_helpers import ADAPTER_IDS
+from tests.speculative_helpers import MIXED_NAMES, generate, mixed_prompts
+from tests.worker_helpers import random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -32,41 +21,6 @@ def draft_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("draft")
     build_tiny_model(path, num_layers=1, seed=5)
     return path
-
-
-def generate(model_dir, prompts: list[list[int]], speculative_config: dict | None = None, *,
-             adapters: dict | None = None, names: list[str | None] | None = None,
-             **config_kwargs) -> tuple[dict, Scheduler]:  # fmt: skip
-    """Every prompt's greedy tokens through Scheduler + ModelRunner in one loop (prefill chunks of 8 tokens), prompt i
-    on adapter names[i] of `adapters` (name -> directory, loaded on both first)."""
-    lora = LORA_CONFIG if adapters else {}
-    config = ServerConfig(device="cpu", page_size=PAGE_SIZE, max_total_tokens=NUM_PAGES * PAGE_SIZE,
-                          speculative_config=speculative_config or {}, **lora, **config_kwargs)  # fmt: skip
-    runner = ModelRunner(config, str(model_dir), rank=0, world_size=1, device="cpu")
-    sched = Scheduler(config, num_pages=NUM_PAGES, context_length=256, chunked_prefill_size=8)
-    if adapters:
-        op = LoadAdapters(op_id=1, adapters=specs(adapters, {name: ADAPTER_IDS[name] for name in adapters}))
-        assert sched.load_adapters(op, now=0.0) == op
-        outcomes = runner.lora.load(op.adapters)
-        assert all(o.success for o in outcomes), outcomes
-        assert sched.add_adapter_report(AdapterReport(op_id=1, tp_rank=0, outcomes=outcomes)) is not None
-    outputs: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
-        lora_id = None if names is None or names[i] is None else ADAPTER_IDS[names[i]]
-        req = TokenizedGenerateReq(rid=f"r{i}", input_ids=prompt, sampling=sampling, lora_id=lora_id)
-        assert sched.add_request(req) == []
-    for _ in range(500):
-        batch = sched.schedule()
-        if batch is None:
-            break
-        step = runner.step(batch)
-        result = BatchResult(batch_id=batch.batch_id, next_token_ids=step.tokens, accepted_ids=step.accepted_ids)
-        for delta in sched.process_result(result):
-            assert delta.finish_reason in (None, "length"), delta
-            outputs.setdefault(delta.rid, []).extend(delta.token_ids)
-    assert sched.is_idle and sched.cache.num_in_use == 0
-    return outputs, sched
 
 
 def test_greedy_with_a_draft_model_equals_greedy_without(llama_dir, draft_dir):
@@ -85,15 +39,11 @@ def test_greedy_with_a_draft_model_equals_greedy_without(llama_dir, draft_dir):
     assert count.num_accepted_tokens == count.num_draft_tokens > 0  # the target drafting for itself: all accepted
 
 
-MIXED_NAMES = [None, "a4", "a8", "a8", "a4", None]
-
-
 @pytest.fixture(scope="module")
 def mixed(llama_dir, adapter_dirs) -> tuple[list[list[int]], dict, dict]:
     """(prompts, adapters, greedy outputs without speculation) of a batch mixing the base model and a4, a8."""
     adapters = {name: adapter_dirs[name] for name in ("a4", "a8")}
-    prompts = random_prompts([7, 12, 9, 6, 11, 8], vocab_size=200, seed=11)
-    prompts[3] = prompts[2][:8] + prompts[3]  # a prefix hit on a8's pages
+    prompts = mixed_prompts()
     reference, _ = generate(llama_dir, prompts, adapters=adapters, names=MIXED_NAMES)
     return prompts, adapters, reference
 
