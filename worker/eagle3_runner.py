@@ -34,6 +34,9 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+# the targets whose decoder layers return (MLP output, residual stream before it), as the hooks read them
+TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
 
 @dataclass
 class _Kept:
@@ -48,9 +51,9 @@ class Eagle3Runner:
     def __init__(self, config: ServerConfig, head_dir: str, target: nn.Module, target_config: ModelConfig, *,
                  num_pages: int, page_size: int, context_length: int, device: torch.device, dtype: torch.dtype,
                  cpu_kernels) -> None:  # fmt: skip
-        if not hasattr(target, "model") or not hasattr(target.model, "layers"):
-            raise ModelConfigError(f"EAGLE-3 drafts from a decoder's hidden states: {target_config.model_type} has "
-                                   "no decoder layers")
+        if target_config.model_type not in TARGET_TYPES:
+            raise ModelConfigError(f"EAGLE-3 drafts from the hidden states of a Llama-family decoder "
+                                   f"({', '.join(TARGET_TYPES)}), not {target_config.model_type}'s")  # fmt: skip
         self.head_config = hc = Eagle3Config.from_dir(head_dir, target_config)
         self.device, self.page_size, self.context_length = device, page_size, context_length
         ops = select_model_ops(device, cpu_kernels)
@@ -82,8 +85,6 @@ class Eagle3Runner:
     def _capture_hook(self, layer_id: int):
         def hook(module: nn.Module, args, output) -> None:
             # a decoder layer returns (its MLP output, the stream before it): the stream after it is their sum
-            if not (isinstance(output, tuple) and len(output) == 2):
-                raise ModelConfigError("EAGLE-3 reads a decoder layer's (output, residual); this model's layers differ")
             hidden, residual = output
             self._captured[layer_id] = hidden if residual is None else hidden + residual
 

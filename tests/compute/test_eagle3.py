@@ -15,7 +15,7 @@ from loraplex.protocol.structs import ForwardBatch, ForwardReq, SamplingParams
 from loraplex.worker.batch_inputs import BatchInputs
 from loraplex.worker.kv_cache import KVCache
 from loraplex.worker.loader import load_weights
-from loraplex.worker.model.config import ModelConfig
+from loraplex.worker.model.config import ModelConfig, ModelConfigError
 from loraplex.worker.model.eagle3 import Eagle3Config, Eagle3Head
 from safetensors.torch import load_file
 
@@ -158,3 +158,20 @@ def test_a_workers_drafts_equal_the_reference_after_a_prefill_and_after_accepted
     assert proposed.input_ids[1:] == reference_drafts(llama_dir, head_dir, prompt + greedy[:4], k)
     runner.step(ForwardBatch(batch_id=2, reqs=[], released_keys=[1]))
     assert not runner.draft.kept  # an ended request's features go
+
+
+def test_a_head_that_does_not_fit_stops_the_start_naming_why(llama_dir, head_dirs, tmp_path):
+    target = ModelConfig.from_dir(str(llama_dir))
+    config = json.loads(open(f"{head_dirs['own']}/config.json").read())
+    for change, cause in (({"architectures": ["LlamaForCausalLM"]}, "is not one of LlamaForCausalLMEagle3"),
+                          ({"target_hidden_size": 32}, "reads hidden states of size 32"),
+                          ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}, "three layers of the"),
+                          ({"vocab_size": 999}, "its vocabulary \\(999\\)")):  # fmt: skip
+        bad = tmp_path / str(len(cause))
+        bad.mkdir()
+        (bad / "config.json").write_text(json.dumps({**config, **change}))
+        (bad / "model.safetensors").symlink_to(f"{head_dirs['own']}/model.safetensors")
+        with pytest.raises(ModelConfigError, match=cause):
+            Eagle3Config.from_dir(str(bad), target)
+    with pytest.raises(ModelConfigError, match="no readable config.json"):
+        Eagle3Config.from_dir(str(tmp_path / "absent"), target)

@@ -8,11 +8,12 @@ run without speculation. An EAGLE-3 head (random weights) leaves the same batch'
 from __future__ import annotations
 
 import pytest
+from loraplex.worker.model.config import ModelConfigError
 
 from tests.builders import build_eagle3_head, build_tiny_model
-from tests.lora_helpers import ADAPTER_IDS
+from tests.lora_helpers import ADAPTER_IDS, LORA_CONFIG
 from tests.speculative_helpers import MIXED_NAMES, generate, mixed_prompts
-from tests.worker_helpers import random_prompts
+from tests.worker_helpers import make_runner, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +83,10 @@ def test_greedy_with_an_eagle3_head_equals_greedy_without(llama_dir, mixed, tmp_
     counts = {c.lora_id: c for c in sched.stats(op_id=0).spec}
     assert set(counts) == {None, ADAPTER_IDS["a4"], ADAPTER_IDS["a8"]}
     assert all(c.num_draft_tokens > 0 and c.num_verify_passes > 0 for c in counts.values())
+
+
+def test_a_draft_adapter_that_does_not_load_stops_the_start_naming_it(llama_dir, tmp_path):
+    itself = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(llama_dir)}
+    with pytest.raises(ModelConfigError, match="draft adapter 'x'.*does not exist"):
+        make_runner(llama_dir, speculative_config=itself, speculative_lora_modules=[f"x={tmp_path / 'absent'}"],
+                    **LORA_CONFIG)  # fmt: skip
