@@ -25,17 +25,19 @@ def mixed_prompts() -> list[list[int]]:
 
 def generate(model_dir, prompts: list[list[int]], speculative_config: dict | None = None, *,
              adapters: dict | None = None, names: list[str | None] | None = None, rank: int = 0, tp: int = 1,
+             lora_ids: dict[str, int] = ADAPTER_IDS, lora_config: dict = LORA_CONFIG,
              **config_kwargs) -> tuple[dict, Scheduler]:  # fmt: skip
     """Every prompt's greedy tokens through Scheduler + ModelRunner in one loop (prefill chunks of 8 tokens), prompt i
     on adapter names[i] of `adapters` (name -> directory, loaded on both first). With tp 2, call it on both ranks of a
-    TP group (tests/worker_helpers.tp_group): each rank's own scheduler plans the same batches."""
-    lora = LORA_CONFIG if adapters else {}
+    TP group (tests/worker_helpers.tp_group): each rank's own scheduler plans the same batches. lora_ids: each
+    adapter name's id (lora_helpers' by default)."""
+    lora = lora_config if adapters else {}
     config = ServerConfig(device="cpu", tp=tp, page_size=PAGE_SIZE, max_total_tokens=NUM_PAGES * PAGE_SIZE,
                           speculative_config=speculative_config or {}, **lora, **config_kwargs)  # fmt: skip
     runner = ModelRunner(config, str(model_dir), rank=rank, world_size=tp, device="cpu")
     sched = Scheduler(config, num_pages=NUM_PAGES, context_length=256, chunked_prefill_size=8)
     if adapters:
-        op = LoadAdapters(op_id=1, adapters=specs(adapters, {name: ADAPTER_IDS[name] for name in adapters}))
+        op = LoadAdapters(op_id=1, adapters=specs(adapters, {name: lora_ids[name] for name in adapters}))
         assert sched.load_adapters(op, now=0.0) == op
         outcomes = runner.lora.load(op.adapters)
         assert all(o.success for o in outcomes), outcomes
@@ -43,7 +45,7 @@ def generate(model_dir, prompts: list[list[int]], speculative_config: dict | Non
     outputs: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts):
         sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
-        lora_id = None if names is None or names[i] is None else ADAPTER_IDS[names[i]]
+        lora_id = None if names is None or names[i] is None else lora_ids[names[i]]
         req = TokenizedGenerateReq(rid=f"r{i}", input_ids=prompt, sampling=sampling, lora_id=lora_id)
         assert sched.add_request(req) == []
     for _ in range(500):
