@@ -380,7 +380,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     )] = None
     speculative_lora_modules: Annotated[list[str], Meta(description=
         "draft-model adapters NAME=PATH (or --lora-modules' JSON), loaded at start: a request on adapter NAME drafts "
-        "with draft adapter NAME, one on an adapter without a draft counterpart with the bare draft model"
+        "with draft adapter NAME, one on an adapter without a draft counterpart with the bare draft model; with "
+        "eagle3, NAME=HEAD_DIR is adapter NAME's own EAGLE-3 head (the others use the base head)"
     )] = []
 
     def __post_init__(self) -> None:
@@ -467,8 +468,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             spec = self.speculation
         except SpeculativeConfigError as e:
             raise ConfigError(str(e)) from e
-        if self.speculative_lora_modules and (spec is None or spec.method != "draft_model"):
-            raise ConfigError("--speculative-lora-modules are draft-model adapters: they need method draft_model")
+        if self.speculative_lora_modules and (spec is None or spec.method not in ("draft_model", "eagle3")):
+            raise ConfigError("--speculative-lora-modules are a draft model's adapters or EAGLE-3 heads per adapter: "
+                              "they need method draft_model or eagle3")
         draft_names = [s.lora_name for s in self.draft_lora_sources]  # parses every entry
         if len(set(draft_names)) != len(draft_names):
             raise ConfigError(f"a draft adapter name appears twice in --speculative-lora-modules: {draft_names}")

@@ -16,6 +16,7 @@ that pass. The drafts are only guesses: the target's verification alone decides 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -54,18 +55,17 @@ class Eagle3Runner:
         if target_config.model_type not in TARGET_TYPES:
             raise ModelConfigError(f"EAGLE-3 drafts from the hidden states of a Llama-family decoder "
                                    f"({', '.join(TARGET_TYPES)}), not {target_config.model_type}'s")  # fmt: skip
-        self.head_config = hc = Eagle3Config.from_dir(head_dir, target_config)
         self.device, self.page_size, self.context_length = device, page_size, context_length
-        ops = select_model_ops(device, cpu_kernels)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with model_ops(ops), device:  # whole on every rank, like a draft model
-                self.head = Eagle3Head(hc, max_positions=context_length)
-        finally:
-            torch.set_default_dtype(previous)
-        load_weights(self.head, head_dir, show_progress=False)
-        self.head.eval()
+        # None: the head of every request whose adapter has none of its own (--speculative-lora-modules NAME=HEAD)
+        dirs = {None: head_dir, **{s.lora_name: s.lora_path for s in config.draft_lora_sources}}
+        self.heads = {name: self._load_head(path, target_config, context_length, device, dtype, cpu_kernels)
+                      for name, path in dirs.items()}  # fmt: skip
+        hc = self.heads[None].config
+        if any((h.config.model.num_heads, h.config.model.num_kv_heads, h.config.model.head_dim)
+               != (hc.model.num_heads, hc.model.num_kv_heads, hc.model.head_dim) for h in self.heads.values()):
+            raise ModelConfigError("EAGLE-3 heads for adapters share one KV cache: they need the base head's "
+                                   "attention heads and head size")  # fmt: skip
+        self._pass_heads: list[str | None] = []  # the head of each request of the pass running
         embedding = target.model.embed_tokens
         while not hasattr(embedding, "weight"):  # under LoRA's wrappers: the base embedding
             embedding = embedding.base
@@ -77,10 +77,27 @@ class Eagle3Runner:
                                 head_dim=mc.head_dim, dtype=dtype, device=device)  # fmt: skip
         self.kept: dict[int, _Kept] = {}  # req_key -> the features the next pass catches up over
         self._captured: dict[int, torch.Tensor] = {}  # target layer -> (tokens, hidden) of the pass running
-        for layer_id in sorted(set(hc.aux_layer_ids)):
+        for layer_id in sorted({i for head in self.heads.values() for i in head.config.aux_layer_ids}):
             target.model.layers[layer_id].register_forward_hook(self._capture_hook(layer_id))
-        logger.info("EAGLE-3 head %s: draft vocabulary %d, reading target layers %s, its KV cache %d pages of %d",
-                    head_dir, hc.draft_vocab_size, list(hc.aux_layer_ids), num_pages, page_size)  # fmt: skip
+        for name, path in dirs.items():
+            logger.info("EAGLE-3 head %s%s: draft vocabulary %d, reading target layers %s", path,
+                        "" if name is None else f" (adapter {name})", self.heads[name].config.draft_vocab_size,
+                        list(self.heads[name].config.aux_layer_ids))  # fmt: skip
+        logger.info("EAGLE-3 KV cache: %d pages of %d", num_pages, page_size)
+
+    @staticmethod
+    def _load_head(head_dir: str, target_config: ModelConfig, max_positions: int, device: torch.device,
+                   dtype: torch.dtype, cpu_kernels) -> Eagle3Head:  # fmt: skip
+        config = Eagle3Config.from_dir(head_dir, target_config)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with model_ops(select_model_ops(device, cpu_kernels)), device:  # whole on every rank, like a draft model
+                head = Eagle3Head(config, max_positions=max_positions)
+        finally:
+            torch.set_default_dtype(previous)
+        load_weights(head, head_dir, show_progress=False)
+        return head.eval()
 
     def _capture_hook(self, layer_id: int):
         def hook(module: nn.Module, args, output) -> None:
@@ -96,52 +113,62 @@ class Eagle3Runner:
 
     # ---- before the target ----------------------------------------------------------------------------
 
-    def _run(self, reqs: list[ForwardReq], features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, head: Eagle3Head, reqs: list[ForwardReq],
+             features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The head over the requests' tokens (their positions from num_cached_tokens): (normed, pre-norm) at each
         request's last token, (reqs, hidden) each."""
         inputs = BatchInputs.build(reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device,
                                    self.attention)  # fmt: skip
-        normed, prenorm = self.head(inputs.input_ids, inputs.positions, features, self.target_embedding,
-                                    self.kv_cache.layer(0), inputs.attention)  # fmt: skip
+        normed, prenorm = head(inputs.input_ids, inputs.positions, features, self.target_embedding,
+                               self.kv_cache.layer(0), inputs.attention)  # fmt: skip
         return normed[inputs.last_token_index], prenorm[inputs.last_token_index]
 
     def propose(self, reqs: list[ForwardReq], adapter_names: list[str | None]) -> list[ForwardReq]:
         """The pass's requests, each asking for num_model_drafts tokens now carrying its drafts (none where the head
-        has nothing to draft from); the head's cache caught up to each request's first new token."""
-        del adapter_names  # one head for every adapter: its features come from the request's own adapter
+        has nothing to draft from); the heads' cache caught up to each request's first new token. Each request runs
+        on its adapter's head where one was given (adapter_names: its target adapter's), else on the base head; its
+        features come from the target on its own adapter either way."""
         self._captured = {}  # the coming target forward's alone
-        rows = [i for i, req in enumerate(reqs) if self._catches_up(req)]
+        self._pass_heads = [name if name in self.heads else None for name in adapter_names]
+        drafts: dict[int, list[int]] = {}
+        for name, head in self.heads.items():
+            rows = [i for i, req in enumerate(reqs) if self._pass_heads[i] == name and self._catches_up(req)]
+            drafts.update(self._catch_up_and_draft(head, reqs, rows))
+        return [msgspec.structs.replace(req, input_ids=req.input_ids + drafts.get(i, []),
+                                        num_draft_tokens=len(drafts.get(i, [])), num_model_drafts=0)
+                if req.num_model_drafts else req for i, req in enumerate(reqs)]  # fmt: skip
+
+    def _catch_up_and_draft(self, head: Eagle3Head, reqs: list[ForwardReq], rows: list[int]) -> dict[int, list[int]]:
+        """One head's requests reqs[rows]: caught up over their kept features, and the drafts of those that ask."""
         drafts: dict[int, list[int]] = {}
         if rows:
             kept = [self.kept[reqs[i].req_key] for i in rows]
             catch_up = [ForwardReq(input_ids=[*k.next_tokens, reqs[i].input_ids[0]], num_cached_tokens=k.start,
                                    page_ids=reqs[i].page_ids) for i, k in zip(rows, kept, strict=True)]  # fmt: skip
-            normed, prenorm = self._run(catch_up, torch.cat([k.features for k in kept]))
+            normed, prenorm = self._run(head, catch_up, torch.cat([k.features for k in kept]))
             # a decoding request (one new token) drafts from its last caught-up position, which predicts the token
             # after its new one
             drafting = [j for j, i in enumerate(rows) if reqs[i].num_model_drafts and len(reqs[i].input_ids) == 1]
             if drafting:
-                drafts = self._draft(reqs, [rows[j] for j in drafting], normed[drafting], prenorm[drafting])
-        return [msgspec.structs.replace(req, input_ids=req.input_ids + drafts.get(i, []),
-                                        num_draft_tokens=len(drafts.get(i, [])), num_model_drafts=0)
-                if req.num_model_drafts else req for i, req in enumerate(reqs)]  # fmt: skip
+                drafts = self._draft(head, reqs, [rows[j] for j in drafting], normed[drafting], prenorm[drafting])
+        return drafts
 
     def _catches_up(self, req: ForwardReq) -> bool:
         kept = self.kept.get(req.req_key)
         return kept is not None and kept.start + len(kept.features) == req.num_cached_tokens and bool(req.input_ids)
 
-    def _draft(self, reqs: list[ForwardReq], rows: list[int], normed: torch.Tensor,
+    def _draft(self, head: Eagle3Head, reqs: list[ForwardReq], rows: list[int], normed: torch.Tensor,
                prenorm: torch.Tensor) -> dict[int, list[int]]:  # fmt: skip
         """Greedy drafts for reqs[rows] from the head's outputs at their last caught-up positions; step j writes the
         head's KV at the request's new token's position + j - 1 (pages cover its drafts)."""
-        drafts = {i: [t] for i, t in zip(rows, self.head.draft_tokens(normed).tolist(), strict=True)}
+        drafts = {i: [t] for i, t in zip(rows, head.draft_tokens(normed).tolist(), strict=True)}
         features = dict(zip(rows, prenorm, strict=True))
         for j in range(1, max(reqs[i].num_model_drafts for i in rows)):
             live = [i for i in rows if j < reqs[i].num_model_drafts]
             steps = [ForwardReq(input_ids=[drafts[i][-1]], page_ids=reqs[i].page_ids,
                                 num_cached_tokens=reqs[i].num_cached_tokens + j - 1) for i in live]  # fmt: skip
-            normed, prenorm = self._run(steps, torch.stack([features[i] for i in live]))
-            for i, token, feature in zip(live, self.head.draft_tokens(normed).tolist(), prenorm, strict=True):
+            normed, prenorm = self._run(head, steps, torch.stack([features[i] for i in live]))
+            for i, token, feature in zip(live, head.draft_tokens(normed).tolist(), prenorm, strict=True):
                 drafts[i].append(token)
                 features[i] = feature
         return drafts
@@ -154,18 +181,17 @@ class Eagle3Runner:
         captured, self._captured = self._captured, {}
         if not captured:  # no target forward ran over the hidden states (a pass of no requests)
             return
-        aux = torch.cat([captured[i] for i in self.head_config.aux_layer_ids], dim=-1)  # (tokens, 3 x hidden)
-        start = 0
-        keep: list[tuple[int, ForwardReq, int]] = []  # (first row, request, rows kept)
-        for i, req in enumerate(reqs):
-            num_accepted = len(accepted_ids[i]) if accepted_ids else 0
-            num_kept = len(req.input_ids) - req.num_draft_tokens + num_accepted
-            if req.req_key >= 0:
-                keep.append((start, req, num_kept))
-            start += len(req.input_ids)
-        if not keep:
-            return
-        index = torch.tensor([first + r for first, _, n in keep for r in range(n)], device=aux.device)
-        features = self.head.features(aux[index]).split([n for _, _, n in keep])
-        for (_, req, n), rows in zip(keep, features, strict=True):
-            self.kept[req.req_key] = _Kept(start=req.num_cached_tokens, features=rows, next_tokens=req.input_ids[1:n])
+        starts = [0, *itertools.accumulate(len(req.input_ids) for req in reqs)]
+        for name, head in self.heads.items():
+            keep: list[tuple[int, ForwardReq, int]] = []  # (first row, request, rows kept) of this head's requests
+            for i, req in enumerate(reqs):
+                if req.req_key >= 0 and self._pass_heads[i] == name:
+                    num_accepted = len(accepted_ids[i]) if accepted_ids else 0
+                    keep.append((starts[i], req, len(req.input_ids) - req.num_draft_tokens + num_accepted))
+            if not keep:
+                continue
+            index = torch.tensor([first + r for first, _, n in keep for r in range(n)], device=self.device)
+            aux = torch.cat([captured[i][index] for i in head.config.aux_layer_ids], dim=-1)  # (rows, 3 x hidden)
+            for (_, req, n), rows in zip(keep, head.features(aux).split([n for _, _, n in keep]), strict=True):
+                self.kept[req.req_key] = _Kept(start=req.num_cached_tokens, features=rows,
+                                               next_tokens=req.input_ids[1:n])  # fmt: skip

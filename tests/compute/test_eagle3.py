@@ -3,7 +3,8 @@ format's definition (there is no HF one): one decoder layer over concat(input_la
 hidden_norm(feature)), the residual stream starting at the feature, a final norm and an LM head over the draft
 vocabulary mapped by d2t. The head's forward through its paged KV cache (a prefill, then a step reading its own
 pre-norm output) equals the reference; in a worker, the drafts a decoding pass proposes equal the reference's drafts
-from HF's hidden states of the target's three layers, after a prefill and after a pass that accepted drafts."""
+from HF's hidden states of the target's three layers, after a prefill and after a pass that accepted drafts; an adapter
+with its own head (--speculative-lora-modules) drafts with it beside base requests on the base head."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ import json
 
 import pytest
 import torch
-from loraplex.protocol.structs import ForwardBatch, ForwardReq, SamplingParams
+from loraplex.protocol.structs import ForwardBatch, ForwardReq, SamplingParams, SlotLoad
 from loraplex.worker.batch_inputs import BatchInputs
 from loraplex.worker.kv_cache import KVCache
 from loraplex.worker.loader import load_weights
 from loraplex.worker.model.config import ModelConfig, ModelConfigError
 from loraplex.worker.model.eagle3 import Eagle3Config, Eagle3Head
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tests.builders import build_eagle3_head
+from tests.lora_helpers import ADAPTER_IDS, LORA_CONFIG, SLOTS, specs
 from tests.reference import hf_greedy, hf_model
 from tests.worker_helpers import PAGE_SIZE, make_runner, random_prompts
 
@@ -175,3 +177,34 @@ def test_a_head_that_does_not_fit_stops_the_start_naming_why(llama_dir, head_dir
             Eagle3Config.from_dir(str(bad), target)
     with pytest.raises(ModelConfigError, match="no readable config.json"):
         Eagle3Config.from_dir(str(tmp_path / "absent"), target)
+
+
+@torch.inference_mode()
+def test_an_adapter_with_its_own_head_drafts_with_it(llama_dir, head_dirs, adapter_dirs, tmp_path):
+    """--speculative-lora-modules a8=HEAD with eagle3: a8's requests draft with their head (here one whose LM head is
+    zero, so it always drafts draft token 0), the base's with the base head (the reference's drafts), in one pass."""
+    constant = tmp_path / "constant"
+    build_eagle3_head(llama_dir, constant, draft_vocab_size=300, aux_layer_ids=(1, 1, 0), seed=9)
+    weights = load_file(constant / "model.safetensors")
+    weights["lm_head.weight"] = torch.zeros_like(weights["lm_head.weight"])
+    save_file(weights, constant / "model.safetensors")
+    k = 3
+    runner = make_runner(llama_dir, speculative_config={"method": "eagle3", "num_speculative_tokens": k,
+                                                        "model": head_dirs["shared"]},
+                         speculative_lora_modules=[f"a8={constant}"], **LORA_CONFIG)  # fmt: skip
+    assert all(o.success for o in runner.lora.load(specs({"a8": adapter_dirs["a8"]}, {"a8": ADAPTER_IDS["a8"]})))
+    [prompt] = random_prompts([9], vocab_size=200, seed=5)
+    greedy, _ = hf_greedy(llama_dir, prompt, 1)
+    sampling = SamplingParams(temperature=0.0)
+    prefills = [ForwardReq(input_ids=prompt, num_cached_tokens=0, page_ids=list(range(first, first + 4)),
+                           sampling=sampling, req_key=key, slot=slot)
+                for key, first, slot in ((1, 0, -1), (2, 4, SLOTS["a8"]))]  # fmt: skip
+    loads = [SlotLoad(slot=SLOTS["a8"], lora_id=ADAPTER_IDS["a8"])]
+    tokens = runner.step(ForwardBatch(batch_id=0, reqs=prefills, slot_loads=loads)).tokens
+    assert tokens[0] == greedy[0]
+    decodes = [ForwardReq(input_ids=[token], num_cached_tokens=len(prompt), page_ids=req.page_ids, slot=req.slot,
+                          req_key=req.req_key, num_model_drafts=k) for req, token in zip(prefills, tokens, strict=True)]
+    base, a8 = runner.draft.propose(decodes, [None, "a8"])
+    assert base.input_ids[1:] == reference_drafts(llama_dir, head_dirs["shared"], prompt + greedy[:1], k)
+    draft_0 = int(weights["d2t"][0])  # draft token 0 as a target id
+    assert a8.input_ids[1:] == [draft_0] * k

@@ -3,7 +3,8 @@
 prefix hits and many concurrent requests; a draft that is the target itself has every draft accepted. Draft adapters
 (--speculative-lora-modules): in a batch of the base and two adapters, the adapter with a draft counterpart (the target
 adapter itself, on a draft that is the target) has every draft accepted, where without it fewer are; outputs equal the
-run without speculation. An EAGLE-3 head (random weights) leaves the same batch's greedy outputs as they are."""
+run without speculation. EAGLE-3 heads (random weights; a8 on its own) leave the same batch's greedy outputs as they
+are."""
 
 from __future__ import annotations
 
@@ -73,12 +74,14 @@ def test_a_draft_adapter_drafts_for_its_namesake(llama_dir, adapter_dirs, mixed)
 
 def test_greedy_with_an_eagle3_head_equals_greedy_without(llama_dir, mixed, tmp_path):
     """Any head's drafts leave greedy outputs as they are (verification decides): base and two adapters in one batch,
-    prefill chunks and a prefix hit; every request drafted."""
+    a8 on a head of its own (--speculative-lora-modules), prefill chunks and a prefix hit; every request drafted."""
     prompts, adapters, reference = mixed
     build_eagle3_head(llama_dir, tmp_path / "head", draft_vocab_size=400, aux_layer_ids=(0, 1, 1), seed=3,
                       with_embedding=False)  # fmt: skip
+    build_eagle3_head(llama_dir, tmp_path / "a8_head", draft_vocab_size=200, aux_layer_ids=(1, 0, 0), seed=4)
     eagle3 = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(tmp_path / "head")}
-    outputs, sched = generate(llama_dir, prompts, eagle3, adapters=adapters, names=MIXED_NAMES)
+    outputs, sched = generate(llama_dir, prompts, eagle3, adapters=adapters, names=MIXED_NAMES,
+                              speculative_lora_modules=[f"a8={tmp_path / 'a8_head'}"])  # fmt: skip
     assert outputs == reference
     counts = {c.lora_id: c for c in sched.stats(op_id=0).spec}
     assert set(counts) == {None, ADAPTER_IDS["a4"], ADAPTER_IDS["a8"]}
