@@ -1,5 +1,7 @@
 """Eagle3Runner: speculative decoding's EAGLE-3 head (worker/model/eagle3.py) beside the target, its one-layer KV cache
-on the target's pages (as DraftRunner's), drafting from the target's own hidden states.
+on the target's pages (as DraftRunner's), drafting from the target's own hidden states. An adapter may have a head of
+its own (--speculative-lora-modules NAME=HEAD_DIR); a request always runs on the same head (its adapter's, else the
+base head), so the heads share one KV cache.
 
 The head's position p reads the token at p + 1 and the target's feature at p, so it can only run over a position once
 the next token is known. Each pass therefore runs in two halves:
