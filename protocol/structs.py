@@ -254,7 +254,7 @@ class InlineAdapter(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
 
 class AdapterToLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     lora_id: int  # minted once by the frontend's registry, never reused
-    lora_name: str  # for messages and logs only
+    lora_name: str  # for messages and logs, and a draft model's adapter of the same name (speculative decoding)
     lora_path: str | None  # resolved directory; None when the adapter comes inline
     pinned: bool = False
     replaces: int | None = None  # in-place reload: the id whose pin moves to this one once it is loaded

@@ -15,4 +15,5 @@ copies.py    ModuleCopies: full embed_tokens/lm_head copies (modules_to_save) un
              token rows, selected per row by slot; their wrappers
 manager.py   LoRAManager: host copies by lora_id, the slot table, slot loads, per-forward token segments
 upload.py    SlotUploader: where the pool's slot writes (uploads, clears) run, chosen once
+draft_adapters.py  DraftAdapters: the draft model's adapters (--speculative-lora-modules) in its own pool, by name
 """

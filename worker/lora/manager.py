@@ -100,6 +100,7 @@ class LoRAManager:
         if HEAD in self.pool.vocab and hasattr(model, "lm_head"):
             model.lm_head = LoRALMHead(model.lm_head, self.pool.vocab[HEAD], self.batch)
         self.adapters: dict[int, LoRAAdapter] = {}  # lora_id -> host copy
+        self.names: dict[int, str] = {}  # lora_id -> the name it was loaded under (draft adapters go by it)
         self._dropped_early: set[int] = set()  # ids dropped before their install (ids are never reused)
         self._lock = threading.Lock()  # adapters and _dropped_early: install runs on the loader's thread
         self.slot_lora_ids = [-1] * self.pool.num_slots  # -1 = empty
@@ -214,6 +215,7 @@ class LoRAManager:
                         self._check_score_copy(outcome)
                         self.copies.reserve(outcome)
                         self.adapters[spec.lora_id] = outcome
+                        self.names[spec.lora_id] = spec.lora_name
                     except AdapterLoadError as e:
                         outcome = e
             if isinstance(outcome, AdapterLoadError):
@@ -253,6 +255,7 @@ class LoRAManager:
             for lora_id in lora_ids:
                 if self.adapters.pop(lora_id, None) is None:
                     self._dropped_early.add(lora_id)
+                self.names.pop(lora_id, None)
                 self.copies.release(lora_id)
         for slot, lora_id in enumerate(self.slot_lora_ids):
             if lora_id in lora_ids:
@@ -262,6 +265,11 @@ class LoRAManager:
                 self.slot_lora_ids[slot] = -1
 
     # ---- slots and batches -------------------------------------------------------------------------
+
+    def slot_adapter_name(self, slot: int) -> str | None:
+        """The name of the adapter in `slot` (as the last slot loads left it); None for -1 or an empty slot."""
+        lora_id = self.slot_lora_ids[slot] if 0 <= slot < self.num_slots else -1
+        return self.names.get(lora_id)
 
     def apply_slot_loads(self, slot_loads: Sequence[SlotLoad]) -> None:
         """Copy each named adapter into its slot (lora_id -1 empties it). All or nothing: checked before any copy."""
