@@ -251,7 +251,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     )] = 30.0
     chunked_prefill_size: Annotated[int | None, Meta(description=
         "most prompt tokens one forward pass takes, summed over requests; -1 = whole prompts (default: 2048 on CUDA, "
-        "512 on CPU)"
+        "512 on CPU; the pooling runner's: --max-prefill-tokens)"
     )] = None
     disable_radix_cache: Annotated[bool, Meta(description="turn off the prefix cache (keyed by adapter)")] = False
     no_enable_prefix_caching: Annotated[bool, Meta(description="vLLM's spelling of --disable-radix-cache")] = False
@@ -506,10 +506,14 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def prefix_caching(self) -> bool:
         return not (self.disable_radix_cache or self.no_enable_prefix_caching)
 
-    def chunked_prefill_tokens(self, device_type: str) -> int:
-        """The step's prefill token budget (-1 = off), defaulting by device."""
+    def chunked_prefill_tokens(self, device_type: str, is_pooling: bool = False) -> int:
+        """The step's prefill token budget (-1 = off), defaulting by device; the pooling runner's is
+        --max-prefill-tokens: with no decode rows to keep waiting, small chunks only cut a batch into more passes,
+        each launching every op of the model again (vLLM's pooling default is large too)."""
         if self.chunked_prefill_size is not None:
             return self.chunked_prefill_size
+        if is_pooling:
+            return self.max_prefill_tokens
         return 2048 if device_type == "cuda" else 512
 
     @property

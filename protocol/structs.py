@@ -505,8 +505,9 @@ class WorkerReady(Struct, frozen=True):
     # prefix cache keeps at cached page boundaries; 0 = none, so no prefix caching.
     num_state_slots: int = 0
     num_state_snapshots: int = 0
-    # The pooling runner (protocol/pooling.py): its requests' prompts run whole from position 0
-    # (PoolingSpec.whole_prompt)
+    # The pooling runner (protocol/pooling.py) runs: its default prefill budget is larger (chunked_prefill_tokens)
+    is_pooling: bool = False
+    # The pooling runner's requests' prompts run whole from position 0 (PoolingSpec.whole_prompt)
     pools_whole_prompt: bool = False
 
 

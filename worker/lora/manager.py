@@ -20,7 +20,13 @@ from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import AdapterOutcome, AdapterToLoad, ForwardReq, SlotLoad, split_inline_frames
 from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.lora.adapter import AdapterLoadError, LoRAAdapter, PoolSpec, adapter_from_tensors, load_adapter
-from loraplex.worker.lora.copies import SCORE, CopyEmbedding, CopyLMHead, CopyScoreHead, ModuleCopies
+from loraplex.worker.lora.copies import (
+    CopyEmbedding,
+    CopyLMHead,
+    ModuleCopies,
+    check_head_copies,
+    wrap_head_linears,
+)
 from loraplex.worker.lora.dora import reduce_norms, weight_norm_sq
 from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.lora.latent import LoRALatentKVProj
@@ -92,9 +98,7 @@ class LoRAManager:
         if hasattr(model, "lm_head"):  # a pooling model's embedder or classifier has none
             model.lm_head = CopyLMHead(model.lm_head, self.copies, self.batch)
         # a pooling classifier's head (worker/pooling.py): adapters may carry their own (modules_to_save)
-        self.score_labels = model.score.out_features if hasattr(model, "score") else 0
-        if hasattr(model, "score"):
-            model.score = CopyScoreHead(model.score, self.copies, self.batch)
+        self.head_linears = wrap_head_linears(model, self.copies, self.batch)
         if EMBED in self.pool.vocab:
             model.model.embed_tokens = LoRAEmbedding(model.model.embed_tokens, self.pool.vocab[EMBED], self.batch)
         if HEAD in self.pool.vocab and hasattr(model, "lm_head"):
@@ -212,7 +216,7 @@ class LoRAManager:
                     outcome = AdapterLoadError(f"lora_id {spec.lora_id} is already loaded on this rank", "internal")
                 elif isinstance(outcome, LoRAAdapter):
                     try:
-                        self._check_score_copy(outcome)
+                        check_head_copies(outcome, self.head_linears)
                         self.copies.reserve(outcome)
                         self.adapters[spec.lora_id] = outcome
                         self.names[spec.lora_id] = spec.lora_name
@@ -336,18 +340,6 @@ class LoRAManager:
         """embed_tokens and lm_head where an adapter in `slots` targets them (named by their module)."""
         return frozenset(m for slot in slots for m in self.adapters[self.slot_lora_ids[slot]].target_modules
                          if m not in KINDS_OF)  # fmt: skip
-
-    def _check_score_copy(self, adapter: LoRAAdapter) -> None:
-        """A score head copy fits only the served classifier's head (its labels); AdapterLoadError otherwise."""
-        copy = adapter.module_copies.get(SCORE)
-        if copy is None:
-            return
-        if not self.score_labels:
-            raise AdapterLoadError("the adapter carries a score head (modules_to_save), but this server runs no "
-                                   "classifier with one (--runner pooling on a *ForSequenceClassification checkpoint)")
-        if copy.shape[0] != self.score_labels:
-            raise AdapterLoadError(f"the adapter's score head has {copy.shape[0]} labels, the served model's "
-                                   f"{self.score_labels}")  # fmt: skip
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """The LM head computes these token rows (rows,) of this forward (default: every token)."""
