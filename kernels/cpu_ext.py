@@ -11,13 +11,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import platform
 import shutil
-import threading
 import time
 from pathlib import Path
 from types import ModuleType
 
+from loraplex.kernels import cpu_build
 from loraplex.kernels.progress import elapsed
 
 logger = logging.getLogger(__name__)
@@ -27,36 +26,10 @@ REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # -fopenmp: at::parallel_for on torch's own OpenMP threads (the same libgomp.so.1 torch loads)
 COMPILER_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 
-_lock = threading.Lock()
-_loaded: tuple[ModuleType | None] | None = None  # (module or None) once tried
-
 
 def unavailable_reason() -> str | None:
     """Why these kernels cannot run here, or None if they can (before building them)."""
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        return f"needs Linux on x86_64, not {platform.system()} on {platform.machine()}"
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError as e:
-        return f"cannot read /proc/cpuinfo: {e}"
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in flags]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
-    compiler = os.environ.get("CXX", "c++")  # what torch's builder runs
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler ({compiler}) on PATH"
-    return None
-
-
-def kernels() -> ModuleType | None:
-    """The compiled module (built on the first call, ~30 s once per machine), or None where it cannot run."""
-    global _loaded
-    if _loaded is None:
-        with _lock:
-            if _loaded is None:
-                _loaded = (_build(),)
-    return _loaded[0]
+    return cpu_build.unavailable_reason(REQUIRED_CPU_FLAGS)
 
 
 def _build() -> ModuleType | None:
@@ -85,6 +58,10 @@ def _build() -> ModuleType | None:
         return None
     logger.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
     return module
+
+
+# The compiled module (built on the first call, ~30 s once per machine), or None where it cannot run.
+kernels = cpu_build.BuiltOnce(_build)
 
 
 def _put_ninja_on_path() -> None:

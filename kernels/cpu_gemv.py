@@ -13,13 +13,11 @@ import ctypes
 import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import threading
 from pathlib import Path
 
 import torch
+from loraplex.kernels import cpu_build
 from loraplex.kernels.progress import elapsed
 
 logger = logging.getLogger(__name__)
@@ -28,39 +26,10 @@ SOURCE = Path(__file__).parent / "csrc" / "gemv_avx2.cpp"
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 COMPILER_FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
 
-_lock = threading.Lock()
-_loaded: tuple[ctypes.CDLL | None] | None = None
-
-
-def cpu_flags() -> set[str]:
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []))
-
 
 def unavailable_reason() -> str | None:
     """Why these kernels cannot run here, or None if they can (before building them)."""
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        return f"needs Linux on x86_64, not {platform.system()} on {platform.machine()}"
-    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in cpu_flags()]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler ({compiler}) on PATH"
-    return None
-
-
-def kernels() -> ctypes.CDLL | None:
-    """The compiled library (built on the first call, ~2 s), or None where it cannot run."""
-    global _loaded
-    if _loaded is None:
-        with _lock:
-            if _loaded is None:
-                _loaded = (_build(),)
-    return _loaded[0]
+    return cpu_build.unavailable_reason(REQUIRED_CPU_FLAGS)
 
 
 def _build() -> ctypes.CDLL | None:
@@ -95,6 +64,10 @@ def _build() -> ctypes.CDLL | None:
     for function in (lib.loraplex_gemv_bf16, lib.loraplex_gemv_int):
         function.restype = None
     return lib
+
+
+# The compiled library (built on the first call, ~2 s), or None where it cannot run.
+kernels = cpu_build.BuiltOnce(_build)
 
 
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -256,7 +256,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     )] = 30.0
     chunked_prefill_size: Annotated[int | None, Meta(description=
         "most prompt tokens one forward pass takes, summed over requests; -1 = whole prompts (default: 2048 on CUDA, "
-        "512 on CPU)"
+        "512 on CPU; the pooling runner's: --max-prefill-tokens)"
     )] = None
     disable_radix_cache: Annotated[bool, Meta(description="turn off the prefix cache (keyed by adapter)")] = False
     no_enable_prefix_caching: Annotated[bool, Meta(description="vLLM's spelling of --disable-radix-cache")] = False
@@ -371,19 +371,22 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "speculative decoding (vLLM's JSON): {\"method\": \"ngram\", \"num_speculative_tokens\": K, "
         "\"prompt_lookup_min\": N, \"prompt_lookup_max\": M} drafts up to K tokens from each request's own tokens; "
         "{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": K} from a small model with the "
-        "target's tokenizer; the target verifies them in one pass on the request's adapter (eagle3 is refused for now)"
+        "target's tokenizer; {\"method\": \"eagle3\", \"model\": HEAD_DIR, ...} from an EAGLE-3 head reading the "
+        "target's hidden states; the target verifies them in one pass on the request's adapter"
     )] = {}
     speculative_algorithm: Annotated[str | None, Meta(description=
-        "SGLang's spelling of --speculative-config's method: NGRAM, STANDALONE (draft_model; EAGLE3 is refused for now)"
+        "SGLang's spelling of --speculative-config's method: NGRAM, STANDALONE (draft_model), EAGLE3 (eagle3)"
     )] = None
     speculative_draft_model_path: Annotated[str | None, Meta(description=
-        "SGLang's spelling of --speculative-config's model (the draft model's local directory)"
+        "SGLang's spelling of --speculative-config's model (the draft model's or EAGLE-3 head's local directory)"
     )] = None
     speculative_num_draft_tokens: Annotated[int | None, Meta(description=
         "SGLang's spelling of --speculative-config's num_speculative_tokens (default 4)"
     )] = None
     speculative_lora_modules: Annotated[list[str], Meta(description=
-        "draft-model adapters NAME=PATH (refused for now: every request drafts with the base draft model)"
+        "draft-model adapters NAME=PATH (or --lora-modules' JSON), loaded at start: a request on adapter NAME drafts "
+        "with draft adapter NAME, one on an adapter without a draft counterpart with the bare draft model; with "
+        "eagle3, NAME=HEAD_DIR is adapter NAME's own EAGLE-3 head (the others use the base head)"
     )] = []
 
     def __post_init__(self) -> None:
@@ -470,11 +473,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             spec = self.speculation
         except SpeculativeConfigError as e:
             raise ConfigError(str(e)) from e
-        if self.speculative_lora_modules and (spec is None or spec.method != "draft_model"):
-            raise ConfigError("--speculative-lora-modules are draft-model adapters: they need method draft_model")
-        if self.speculative_lora_modules:
-            raise ConfigError("--speculative-lora-modules: draft adapters are not supported yet (every request drafts "
-                              "with the base draft model)")
+        if self.speculative_lora_modules and (spec is None or spec.method not in ("draft_model", "eagle3")):
+            raise ConfigError("--speculative-lora-modules are a draft model's adapters or EAGLE-3 heads per adapter: "
+                              "they need method draft_model or eagle3")
+        draft_names = [s.lora_name for s in self.draft_lora_sources]  # parses every entry
+        if len(set(draft_names)) != len(draft_names):
+            raise ConfigError(f"a draft adapter name appears twice in --speculative-lora-modules: {draft_names}")
 
     @property
     def kv_cache_is_fp8(self) -> bool:
@@ -507,10 +511,14 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def prefix_caching(self) -> bool:
         return not (self.disable_radix_cache or self.no_enable_prefix_caching)
 
-    def chunked_prefill_tokens(self, device_type: str) -> int:
-        """The step's prefill token budget (-1 = off), defaulting by device."""
+    def chunked_prefill_tokens(self, device_type: str, is_pooling: bool = False) -> int:
+        """The step's prefill token budget (-1 = off), defaulting by device; the pooling runner's is
+        --max-prefill-tokens: with no decode rows to keep waiting, small chunks only cut a batch into more passes,
+        each launching every op of the model again (vLLM's pooling default is large too)."""
         if self.chunked_prefill_size is not None:
             return self.chunked_prefill_size
+        if is_pooling:
+            return self.max_prefill_tokens
         return 2048 if device_type == "cuda" else 512
 
     @property
@@ -521,6 +529,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def lora_sources(self) -> list[LoRASource]:
         """The start-up adapters: --lora-paths, then --lora-modules."""
         return [parse_lora_source(t) for t in self.lora_paths] + [parse_lora_module(t) for t in self.lora_modules]
+
+    @property
+    def draft_lora_sources(self) -> list[LoRASource]:
+        """The draft model's adapters (--speculative-lora-modules), by the target adapters' names."""
+        return [parse_lora_module(t) for t in self.speculative_lora_modules]
 
     @property
     def target_modules(self) -> tuple[str, ...] | None:

@@ -32,7 +32,8 @@ def adapter_label(lora_id: int | None, names: dict[int, str]) -> str:
 
 
 def spec_info(config: ServerConfig, replicas: list[SchedulerStats] | None, names: dict[int, str]) -> dict[str, Any]:
-    """/server_info's "speculative": the settings, and per adapter the counts and the rates made of them."""
+    """/server_info's "speculative": the settings (the draft model's adapters by name), and per adapter the counts and
+    the rates made of them."""
     spec = config.speculation
     if spec is None:
         return {"method": None, "adapters": []}
@@ -46,4 +47,5 @@ def spec_info(config: ServerConfig, replicas: list[SchedulerStats] | None, names
             "acceptance_rate": count.num_accepted_tokens / max(1, count.num_draft_tokens),
             "mean_accepted_length": 1 + count.num_accepted_tokens / max(1, count.num_verify_passes),
         })  # fmt: skip
-    return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens, "adapters": adapters}
+    return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens, "adapters": adapters,
+            "draft_adapters": [source.lora_name for source in config.draft_lora_sources]}

@@ -13,7 +13,7 @@ class SpeculativeConfigError(ValueError):
 
 
 # The methods that run; the others are named in the refusal.
-SUPPORTED_METHODS = ("ngram", "draft_model")
+SUPPORTED_METHODS = ("ngram", "draft_model", "eagle3")
 # SGLang's --speculative-algorithm -> vLLM's method
 SGLANG_ALGORITHMS = {"NGRAM": "ngram", "STANDALONE": "draft_model", "EAGLE3": "eagle3", "EAGLE": "eagle3"}
 MAX_SPECULATIVE_TOKENS = 16  # a verify pass writes 1 + k tokens per request: bounded so a pass stays a decode step
@@ -26,7 +26,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # tokens long, that occurred before; the tokens that followed it are the draft.
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    model: str | None = None  # draft_model: a smaller model with the target's tokenizer; eagle3: the head
+    model: str | None = None  # draft_model: a smaller model with the target's tokenizer; eagle3: the head's directory
 
 
 def speculative_config(

@@ -254,7 +254,7 @@ class InlineAdapter(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
 
 class AdapterToLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     lora_id: int  # minted once by the frontend's registry, never reused
-    lora_name: str  # for messages and logs only
+    lora_name: str  # for messages and logs, and a draft model's adapter of the same name (speculative decoding)
     lora_path: str | None  # resolved directory; None when the adapter comes inline
     pinned: bool = False
     replaces: int | None = None  # in-place reload: the id whose pin moves to this one once it is loaded
@@ -505,8 +505,9 @@ class WorkerReady(Struct, frozen=True):
     # prefix cache keeps at cached page boundaries; 0 = none, so no prefix caching.
     num_state_slots: int = 0
     num_state_snapshots: int = 0
-    # The pooling runner (protocol/pooling.py): its requests' prompts run whole from position 0
-    # (PoolingSpec.whole_prompt)
+    # The pooling runner (protocol/pooling.py) runs: its default prefill budget is larger (chunked_prefill_tokens)
+    is_pooling: bool = False
+    # The pooling runner's requests' prompts run whole from position 0 (PoolingSpec.whole_prompt)
     pools_whole_prompt: bool = False
 
 

@@ -118,7 +118,7 @@ class SchedulerProcess:
             num_pages=num_pages,
             context_length=context_length,
             num_ranks=len(ready),
-            chunked_prefill_size=self.config.chunked_prefill_tokens(first.device_type),
+            chunked_prefill_size=self.config.chunked_prefill_tokens(first.device_type, first.is_pooling),
             attention_window=first.attention_window,  # one model on every rank
             long_rope_len=first.long_rope_len,
             num_state_slots=first.num_state_slots,

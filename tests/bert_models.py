@@ -86,6 +86,32 @@ def build_bert_adapter(base_dir: Path, out_dir: Path, *, r: int, lora_alpha: flo
     peft_model.save_pretrained(out_dir)
 
 
+HEAD_ADAPTER_TARGETS = ("query", "value", "intermediate.dense")
+
+
+def build_bert_head_adapter(base_dir: Path, out_dir: Path, *, seed: int,
+                            target_modules: tuple[str, ...] = HEAD_ADAPTER_TARGETS,
+                            head: tuple[str, ...] = ("pooler.dense",)) -> None:  # fmt: skip
+    """A PEFT SEQ_CLS adapter on the cross-encoder at base_dir, as PEFT trains one: LoRA on `target_modules`, and its
+    own classifier (SEQ_CLS puts "classifier" and "score" in modules_to_save) and the modules of `head` (PEFT saves
+    each copy's weight and bias); LoRA random, the copies the base's plus noise."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import BertForSequenceClassification
+
+    model = BertForSequenceClassification.from_pretrained(base_dir)
+    config = LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=list(target_modules), lora_dropout=0.0,
+                        modules_to_save=list(head) or None)  # fmt: skip
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(peft_model.named_parameters()):
+            if ".lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+            elif ".modules_to_save." in name:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.5)
+    peft_model.save_pretrained(out_dir)
+
+
 # the adapters the tests share: every linear at rank 8; query and value only at rank 4
 BERT_ADAPTERS = {"a8": (8, 16, BERT_TARGETS), "a4": (4, 16, ("query", "value"))}
 

@@ -467,3 +467,64 @@ def build_lora_adapter(
     (out_dir / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
     save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
 
+
+
+# --- EAGLE-3 draft heads -------------------------------------------------------------------------
+
+
+def build_eagle3_head(
+    target_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    draft_vocab_size: int,
+    aux_layer_ids: tuple[int, int, int] = (0, 0, 1),
+    seed: int = 0,
+    init_std: float = DEFAULT_INIT_STD,
+    with_embedding: bool = True,
+) -> None:
+    """An EAGLE-3 head for the target in the published format (`LlamaForCausalLMEagle3`): one `midlayer` whose q/k/v
+    read 2 x hidden, `fc` over three target hidden states, `norm`, an `lm_head` over `draft_vocab_size` tokens (a
+    seeded subset of the target's, mapped by `d2t`: target id = draft id + d2t[draft id]; `t2d` its mask), and
+    `embed_tokens` unless with_embedding is False (the target's is read). Random weights; norms around 1."""
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    hidden, heads, kv_heads = target["hidden_size"], target["num_attention_heads"], target["num_key_value_heads"]
+    head_dim, intermediate, vocab = hidden // heads, target["intermediate_size"], target["vocab_size"]
+    generator = torch.Generator().manual_seed(seed)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator) * init_std
+
+    def norm() -> torch.Tensor:
+        return 1.0 + 0.2 * torch.randn(hidden, generator=generator)
+
+    draft_ids = torch.randperm(vocab, generator=generator)[:draft_vocab_size].sort().values
+    tensors = {
+        "midlayer.self_attn.q_proj.weight": weight(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": weight(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": weight(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": weight(hidden, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": weight(intermediate, hidden),
+        "midlayer.mlp.up_proj.weight": weight(intermediate, hidden),
+        "midlayer.mlp.down_proj.weight": weight(hidden, intermediate),
+        "midlayer.input_layernorm.weight": norm(),
+        "midlayer.hidden_norm.weight": norm(),
+        "midlayer.post_attention_layernorm.weight": norm(),
+        "fc.weight": weight(hidden, 3 * hidden),
+        "norm.weight": norm(),
+        "lm_head.weight": weight(draft_vocab_size, hidden),
+        "d2t": draft_ids - torch.arange(draft_vocab_size),
+        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, draft_ids, True),
+    }
+    if with_embedding:
+        tensors["embed_tokens.weight"] = weight(vocab, hidden)
+    config = {key: target[key] for key in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                           "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings",
+                                           "bos_token_id", "eos_token_id")}  # fmt: skip
+    config["rope_theta"] = target.get("rope_theta") or target["rope_parameters"]["rope_theta"]  # transformers 4's key
+    config.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+                  hidden_act="silu", tie_word_embeddings=False, draft_vocab_size=draft_vocab_size,
+                  target_hidden_size=hidden, eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)})
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out_dir / "model.safetensors", metadata={"format": "pt"})

@@ -1,6 +1,7 @@
 """Tiny pooling checkpoints and their references (no tests here): a sentence-transformers embedder (Qwen3, last
 token, normalised), a Qwen3 reranker scored by its yes/no logits, a `Qwen3ForSequenceClassification`; adapters with
-the score head as a full module; and sentence-transformers / HF (+ PEFT) outputs to compare with."""
+the score head as a full module; a pooled pass of the base and two adapters; and sentence-transformers / HF (+ PEFT)
+outputs to compare with."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
+from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SamplingParams, SlotLoad
+from loraplex.worker.model_runner import ModelRunner
 from safetensors.torch import load_file, save_file
 
 from tests.builders import add_tokenizer_words, build_lora_adapter, build_tiny_model
+from tests.worker_helpers import consecutive_pages
 
 LABELS = ["negative", "neutral", "positive"]
 # classifier_from_token of the reranker: both are one token of the test tokenizer
@@ -99,6 +104,25 @@ def build_score_adapter(base_dir: Path, out_dir: Path, *, seed: int) -> None:
     score = base["score.weight"]
     tensors["base_model.model.score.weight"] = score + torch.randn(score.shape, generator=generator) * 0.5
     save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+def load_adapters(runner: ModelRunner, dirs: dict[str, Path]) -> None:
+    specs = [AdapterToLoad(lora_id=i + 1, lora_name=name, lora_path=str(path)) for i, (name, path) in
+             enumerate(dirs.items())]  # fmt: skip
+    results = runner.lora.load(specs)
+    assert all(r.success for r in results), [r.error_message for r in results]
+
+
+def pool(runner: ModelRunner, prompts: list[list[int]], names: list[str | None]) -> torch.Tensor:
+    """One pass over every prompt, each with its adapter ("a" in slot 0, "b" in slot 1): (prompts, out)."""
+    slots = {None: -1, "a": 0, "b": 1}
+    loads = [SlotLoad(slot=0, lora_id=1), SlotLoad(slot=1, lora_id=2)] if runner.lora is not None else []
+    pages = consecutive_pages([len(p) for p in prompts], runner.page_size)
+    reqs = [ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=SamplingParams(), pool=True,
+                       slot=slots[name]) for p, pg, name in zip(prompts, pages, names, strict=True)]  # fmt: skip
+    result = runner.step(ForwardBatch(batch_id=0, reqs=reqs, slot_loads=loads))
+    assert len(result.pooled) == len(prompts) and all(result.pooled)
+    return torch.tensor(np.stack([np.frombuffer(row, "<f4") for row in result.pooled]))
 
 
 @torch.no_grad()

@@ -7,7 +7,10 @@ parallel.py                tensor-parallel state read by layers at construction 
 model_runner.py            ModelRunner: model + KV cache + sampler; forward(ForwardBatch) -> next tokens
 pooling.py                 Pooler: the pooling runner's last/mean/first-token pooling, head and normalisation
 speculative.py             speculative decoding's verify step: drafts accepted (greedy or rejection sampling)
-draft_model.py             DraftModel: a small model beside the target proposing drafts on the target's pages
+draft_model.py             DraftRunner: a small model beside the target proposing drafts on the target's pages, each
+                           request with its adapter's namesake among the draft adapters
+eagle3_runner.py           Eagle3Runner: an EAGLE-3 head drafting from the target's hidden states (hooks on three
+                           layers), its KV on the target's pages, each request's verified features kept between passes
 cuda_graphs.py             DecodeGraphRunner: decode steps replayed from CUDA graphs captured at start-up
 batch_inputs.py            ForwardBatch -> flat token ids, positions, cache slots, attention masks
 kv_cache.py                KVCache tensors and the default capacity rule; an FP8 cache's scales, writes, dequantizing
@@ -25,6 +28,7 @@ penalties.py               presence / frequency / repetition penalties, min_new_
 grammar.py                 structured output: one xgrammar matcher per constrained request, its token mask
 model/config.py            ModelConfig from an HF config.json (transformers 4 and 5 forms)
 model/llama.py             Llama / Mistral / Qwen2 decoder, free of TP and LoRA
+model/eagle3.py            EAGLE-3 draft head (LlamaForCausalLMEagle3): one layer over embedding | feature
 model/bert.py              BERT: a bidirectional encoder (post-LN, GELU) for embeddings and cross-encoders
 model/phi3.py              Phi-3 / Phi-4-mini: the Llama decoder; fused checkpoints, partial rotary, longrope
 model/qwen3.py             Qwen3: the Llama decoder with per-head q/k RMSNorm (Qwen3Attention, reusable)

@@ -19,6 +19,7 @@ from loraplex.worker.cuda_graphs import DecodeGraphRunner
 from loraplex.worker.dist import pick_dtype
 from loraplex.worker.draft_model import DraftRunner
 from loraplex.worker.dummy_weights import init_dummy_weights
+from loraplex.worker.eagle3_runner import Eagle3Runner
 from loraplex.worker.grammar import GrammarMasks
 from loraplex.worker.images import ImageEncoder
 from loraplex.worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token, kv_cache_dtype
@@ -71,6 +72,7 @@ class StepResult(NamedTuple):
 class ModelRunner:
     def __init__(self, config: ServerConfig, model_dir: str, rank: int, world_size: int, device: torch.device | str):
         self.config = config
+        self.draft: DraftRunner | Eagle3Runner | None = None  # speculative decoding's, once the KV pages are known
         self._kv_scales_pending = False  # --calculate-kv-scales until the first prefill sets them
         self.device = torch.device(device)
         self.dtype = pick_dtype(config, self.device)
@@ -199,14 +201,19 @@ class ModelRunner:
                 self.context_length,
             )
 
-    def _draft_runner(self, num_pages: int) -> DraftRunner | None:
-        """Speculative decoding's draft model (method draft_model), its cache on the target's pages; else None."""
+    def _draft_runner(self, num_pages: int) -> DraftRunner | Eagle3Runner | None:
+        """Speculative decoding's draft model (method draft_model) or EAGLE-3 head (eagle3), its cache on the target's
+        pages; else None."""
         spec = self.config.speculation
-        if spec is None or spec.method != "draft_model":
+        if spec is None or spec.method == "ngram":
             return None
+        if spec.method == "eagle3":
+            return Eagle3Runner(self.config, spec.model, self.model, self.model_config, num_pages=num_pages,
+                                page_size=self.page_size, context_length=self.context_length, device=self.device,
+                                dtype=self.dtype, cpu_kernels=self.backend.cpu_kernels)  # fmt: skip
         return DraftRunner(self.config, spec.model, vocab_size=self.vocab_size, num_pages=num_pages,
                            page_size=self.page_size, context_length=self.context_length, device=self.device,
-                           dtype=self.dtype, cpu_kernels=self.backend.cpu_kernels)  # fmt: skip
+                           dtype=self.dtype, backend=self.backend)  # fmt: skip
 
     def _state_plan(self) -> StatePlan | None:
         """A hybrid model's state slots and snapshots: how many, and one's shape on this rank; None for a model
@@ -446,6 +453,8 @@ class ModelRunner:
         self.sampling_table.release(batch.released_keys)
         self.histories.release(batch.released_keys)
         self.grammar.end(batch.released_keys)
+        if self.draft is not None:
+            self.draft.release(batch.released_keys)
         if not batch.reqs:
             self._apply_slot_loads(batch.slot_loads)
             return StepResult([], [], [])
@@ -455,10 +464,17 @@ class ModelRunner:
         sampling = SamplingBatch.of(batch.reqs, self.sampling_table.resolve(batch.reqs), self.vocab_size, self.device)
         self.grammar.check(sampling)
         check_drafts(batch.reqs, sampling, has_draft_model=self.draft is not None)
-        reqs = batch.reqs if self.draft is None else self.draft.propose(batch.reqs)  # drafts appended where asked
+        slot_loads = batch.slot_loads
+        if self.draft is not None:  # drafts appended where asked, each on its adapter's namesake (the slots loaded)
+            self._apply_slot_loads(slot_loads)
+            slot_loads = []
+            names = [None if self.lora is None else self.lora.slot_adapter_name(req.slot) for req in batch.reqs]
+            reqs = self.draft.propose(batch.reqs, names)
+        else:
+            reqs = batch.reqs
         self.histories.update(reqs, sampling.history_rows)
         prompt_rows, verify_rows = prompt_logprob_rows(reqs), draft_rows(reqs)
-        logits = self.logits(reqs, batch.slot_loads, last_only=True, extra_rows=prompt_rows + verify_rows)
+        logits = self.logits(reqs, slot_loads, last_only=True, extra_rows=prompt_rows + verify_rows)
         num_reqs, num_prompt = len(reqs), len(prompt_rows)
         # (reqs, vocab), (prompt rows, vocab), (draft rows, vocab)
         logits, prompt_logits, draft_logits = (logits[:num_reqs], logits[num_reqs : num_reqs + num_prompt],
@@ -472,6 +488,8 @@ class ModelRunner:
         if verify_rows:  # requests with drafts (no penalties, no grammar): their token follows the drafts accepted
             accepted_ids, accepted_logprobs = verify_drafts(reqs, sampling, logits, draft_logits, tokens, self.sampler,
                                                             logprobs)  # fmt: skip
+        if self.draft is not None:  # an EAGLE-3 head keeps the features of the tokens kept
+            self.draft.record(reqs, accepted_ids)
         return StepResult(tokens, logprobs, prompt_logprobs(prompt_logits, reqs, sampling),
                           accepted_ids=accepted_ids if any(accepted_ids) else [],
                           accepted_logprobs=accepted_logprobs if any(accepted_logprobs) else [])  # fmt: skip
@@ -494,6 +512,7 @@ class ModelRunner:
         """(rows, vocab): each request's last token's logits and then the `extra_rows` asked for, or with
         `last_only=False` every new token's, in request order. Call under torch.inference_mode()."""
         graphs_fit = self.decode_graphs is not None and not (self.lora is not None and self.lora.uses_dora(reqs))
+        graphs_fit = graphs_fit and not (self.draft is not None and self.draft.reads_target_hidden)
         if graphs_fit and not extra_rows and self.decode_graphs.can_run(reqs):
             self._apply_slot_loads(slot_loads)
             self._check_long_rope(reqs)

@@ -100,6 +100,7 @@ class Worker:
                 kv_bytes_per_token=self.runner.kv_bytes_per_token,
                 num_state_slots=self.runner.num_state_slots,
                 num_state_snapshots=self.runner.num_state_snapshots,
+                is_pooling=self.runner.pooling is not None,
                 pools_whole_prompt=self.runner.pooling is not None and self.runner.pooling.whole_prompt,
             )
         )

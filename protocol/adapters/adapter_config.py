@@ -48,7 +48,7 @@ class AdapterConfig:
     alpha_pattern: tuple[tuple[str, float], ...] = ()
     # DoRA: each targeted module's output rows scaled by magnitude / ||W + scale·B·A|| (worker/lora/dora.py)
     use_dora: bool = False
-    # PEFT's modules_to_save: full copies of embed_tokens / lm_head the adapter carries (worker/lora/copies.py)
+    # PEFT's modules_to_save: full copies of embed_tokens / lm_head / a classifier's head (worker/lora/copies.py)
     modules_to_save: tuple[str, ...] = ()
     # PEFT's trainable_token_indices: the embedding rows the adapter replaces, in the order its tensor holds them
     trainable_tokens: tuple[int, ...] = ()
@@ -133,17 +133,22 @@ def parse_adapter_config(raw: Any) -> AdapterConfig:
     )
 
 
-# "score": a pooling model's classification head (worker/pooling.py), served by the pooling runner only
-COPYABLE_MODULES = ("embed_tokens", "lm_head", "score")
+# A pooling classifier's head (worker/pooling.py), served by the pooling runner only: a decoder's `score`, BERT's
+# `classifier` and the `pooler.dense` before it. PEFT's SEQ_CLS task lists "classifier" and "score" both, whichever
+# the model has, so a head name the adapter holds no copy of is not an error where it holds another.
+HEAD_MODULES = ("score", "classifier", "pooler.dense")
+COPYABLE_MODULES = ("embed_tokens", "lm_head", *HEAD_MODULES)
+_MODULE_ALIASES = {"pooler": "pooler.dense"}  # BERT's pooler holds one linear (then tanh)
 
 
 def _parse_modules_to_save(modules: Any) -> tuple[str, ...]:
-    """Only full copies of the embedding, the LM head and a classifier's score head are served; any other module is
+    """Only full copies of the embedding, the LM head and a classifier's head are served; any other module is
     refused."""
     if not modules:
         return ()
     if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
         raise AdapterLoadError(f"modules_to_save must be a list of module names, got {modules!r}")
+    modules = [_MODULE_ALIASES.get(m, m) for m in modules]
     other = [m for m in modules if m not in COPYABLE_MODULES]
     if other:
         raise AdapterLoadError(f"modules_to_save {other!r} is not supported (only {', '.join(COPYABLE_MODULES)})")

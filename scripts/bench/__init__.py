@@ -24,6 +24,7 @@ TOOLS: dict[str, str] = {
     "hybrid_decode": "a hybrid (Gated DeltaNet) model's decode step beside a dense one of equal parameters",
     "sampling_options": "what sampling options cost a decode step, in process",
     "tp_allreduce": "row-parallel LoRA under TP=2: the LoRA term in the layer's all-reduce against its own",
+    "spec_acceptance": "draft adapters' acceptance per adapter on the trained demo (a cut demo as the draft model)",
     "model": "build (or find) the bench model and print its paths",
     "soak": "a server with fairness, limits and priorities under mixed traffic for a while",
 }

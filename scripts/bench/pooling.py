@@ -2,6 +2,7 @@
 
     python -m scripts.bench.pooling                 # qwen3 shape (hidden 1024, 12 layers), 8 adapters
     python -m scripts.bench.pooling --quick --json out.json
+    python -m scripts.bench.pooling --quick --chunked-prefill-size 512   # the server cuts prompts into 512-token passes
 
 A sentence-transformers directory (Qwen3 decoder, last-token pooling, Normalize; tests/pooling_models.py) with 8
 rank-16 adapters, served by one server. Texts of 64-128 tokens. Rows (texts embedded per second):
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-texts", type=int, default=64)
     parser.add_argument("--server-threads", type=int, default=NUM_CORES)
     parser.add_argument("--json", default=None, metavar="PATH")
+    parser.add_argument("--chunked-prefill-size", type=int, default=None, metavar="N",
+                        help="the server's (default: its own, the pooling runner's --max-prefill-tokens)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.server_threads or NUM_CORES)
     size = "quick" if args.quick else "full"
@@ -72,9 +75,10 @@ def main(argv: list[str] | None = None) -> dict:
     batch = texts(args.num_texts, seed=0)
     ones = batch[:16]
     results: dict[str, dict[str, float]] = {}
+    chunking = ["--chunked-prefill-size", str(args.chunked_prefill_size)] if args.chunked_prefill_size else []
     with ServerProcess("--model-path", str(model_dir), "--dtype", "float32", "--max-loras-per-batch",
                        str(NUM_ADAPTERS), "--lora-paths", *[f"{n}={p}" for n, p in adapters.items()],
-                       env=server_env(args.server_threads), start_timeout_s=600) as server:  # fmt: skip
+                       *chunking, env=server_env(args.server_threads), start_timeout_s=600) as server:  # fmt: skip
         embed(server.url, "embedder", batch[:2])  # warm
         per_adapter = [batch[i::NUM_ADAPTERS] for i in range(NUM_ADAPTERS)]
 

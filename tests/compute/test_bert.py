@@ -1,23 +1,27 @@
 """BERT in the pooling runner against sentence-transformers in fp32, the base model and two adapters in one batch:
 a sentence-transformers embedder (mean pooling, normalised) against SentenceTransformer.encode, and a cross-encoder
-(BertForSequenceClassification, one label) against CrossEncoder.predict, each adapter through peft."""
+(BertForSequenceClassification, one label) against CrossEncoder.predict, each adapter through peft; a PEFT SEQ_CLS
+adapter with its own classifier and pooler (modules_to_save) beside one without."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from loraplex.protocol.adapters.adapter_config import parse_adapter_config
-from loraplex.protocol.structs import ForwardBatch, ForwardReq
+from loraplex.protocol.structs import AdapterOutcome, AdapterToLoad, ForwardBatch, ForwardReq
 from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.layers.attention import AttentionBackendError, select_attention_backend
 from loraplex.worker.lora.layers import LoRALinear
 from loraplex.worker.model.config import ModelConfigError
 from loraplex.worker.model_runner import ModelRunner
+from safetensors.torch import load_file, save_file
 
-from tests.bert_models import cross_encoder_scores, st_embeddings, words
+from tests.bert_models import build_bert_head_adapter, cross_encoder_scores, st_embeddings, words
 from tests.lora_helpers import load_all, slot_loads, slot_of
 from tests.worker_helpers import GREEDY, consecutive_pages, make_runner
 
@@ -110,6 +114,55 @@ def test_cross_encoder_scores_match_sentence_transformers(bert_cross_encoder: tu
     torch.testing.assert_close(ours, ref, atol=FP32_TOL, rtol=0)
     base = cross_encoder_scores(model_dir, pairs)
     assert all((ref[i] - base[i]).abs().item() > MIN_ADAPTER_EFFECT / 10 for i, n in enumerate(MIXED) if n)
+
+
+def test_cross_encoder_adapter_with_its_own_classifier(bert_cross_encoder: tuple[Path, dict[str, Path]],
+                                                      embedder_runner: ModelRunner,
+                                                      tmp_path: Path) -> None:  # fmt: skip
+    # A PEFT SEQ_CLS adapter: LoRA, and its own classifier and pooler.dense (weights and biases), each row's head
+    # the one of its adapter; beside it a4 (LoRA only) and the base, in one batch.
+    from transformers import AutoTokenizer
+
+    model_dir, adapter_dirs = bert_cross_encoder
+    head_dir = tmp_path / "head"
+    build_bert_head_adapter(model_dir, head_dir, seed=11)
+    dirs = {"a4": adapter_dirs["a4"], "a8": head_dir}  # the head adapter in a8's id and slot
+    runner = _runner(model_dir, dirs)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pairs = [(words(4, seed), words(n, seed + 70)) for seed, n in enumerate(LENGTHS)]
+    ours = torch.sigmoid(_pooled(runner, [tokenizer(q, d) for q, d in pairs], MIXED))
+
+    def reference(rows: list[int], name: str | None) -> torch.Tensor:
+        return cross_encoder_scores(model_dir, [pairs[i] for i in rows], dirs[name] if name else None)
+
+    ref = _by_adapter(MIXED, reference)
+    torch.testing.assert_close(ours, ref, atol=FP32_TOL, rtol=0)
+    # the head's copies are what moved the scores: the same LoRA under the base's head scores otherwise
+    config = json.loads((head_dir / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["pooler.dense", "classifier", "score"]  # as PEFT 0.21 writes it
+    lora_only = tmp_path / "lora_only"
+    shutil.copytree(head_dir, lora_only)
+    tensors = load_file(head_dir / "adapter_model.safetensors")
+    save_file({k: t for k, t in tensors.items() if ".lora_" in k}, lora_only / "adapter_model.safetensors")
+    (lora_only / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": None}))
+    head_rows = [i for i, n in enumerate(MIXED) if n == "a8"]
+    without = cross_encoder_scores(model_dir, [pairs[i] for i in head_rows], lora_only)
+    assert (without - ref[head_rows]).abs().min().item() > MIN_ADAPTER_EFFECT
+    # a head copy on a server with no classifier, and LoRA on the head, are refused by name
+    on_embedder = runner_load(embedder_runner, head_dir)
+    assert "runs no classifier" in on_embedder.error_message, on_embedder.error_message
+    head_lora = tmp_path / "head_lora"
+    build_bert_head_adapter(model_dir, head_lora, seed=12, target_modules=("query", "dense"), head=())
+    refused = runner_load(runner, head_lora)
+    assert refused.error_kind == "invalid"
+    assert "LoRA on the classifier's pooler.dense is not supported" in refused.error_message, refused.error_message
+
+
+def runner_load(runner: ModelRunner, adapter_dir: Path) -> AdapterOutcome:
+    """One more adapter's load (a new id), expected to be refused."""
+    outcome = runner.lora.load([AdapterToLoad(lora_name="extra", lora_path=str(adapter_dir), lora_id=90)])[0]
+    assert not outcome.success
+    return outcome
 
 
 def test_encoder_refuses_a_sequence_in_parts(embedder_runner: ModelRunner) -> None:

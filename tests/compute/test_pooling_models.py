@@ -9,11 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SamplingParams, SlotLoad
-from loraplex.worker.model_runner import ModelRunner
 
 from tests.builders import build_lora_adapter
 from tests.pooling_models import (
@@ -26,32 +23,15 @@ from tests.pooling_models import (
     build_st_embedder,
     hf_classify_logits,
     hf_yes_no_scores,
+    load_adapters,
     peft_embeddings,
+    pool,
 )
-from tests.worker_helpers import consecutive_pages, make_runner, random_prompts
+from tests.worker_helpers import make_runner, random_prompts
 
 TEXTS = ["hello world", "The morning was cold and clear", "a", "He wrote quickly, then stopped."]
 LORA = dict(enable_lora=True, max_lora_rank=8, max_loras_per_batch=2, lora_target_modules=["all"])
 NAMES = [None, "a", "b", None, "a", "b"]  # base and two adapters, mixed in one batch
-
-
-def load_adapters(runner: ModelRunner, dirs: dict[str, Path]) -> None:
-    specs = [AdapterToLoad(lora_id=i + 1, lora_name=name, lora_path=str(path)) for i, (name, path) in
-             enumerate(dirs.items())]  # fmt: skip
-    results = runner.lora.load(specs)
-    assert all(r.success for r in results), [r.error_message for r in results]
-
-
-def pool(runner: ModelRunner, prompts: list[list[int]], names: list[str | None]) -> torch.Tensor:
-    """One pass over every prompt, each with its adapter ("a" in slot 0, "b" in slot 1): (prompts, out)."""
-    slots = {None: -1, "a": 0, "b": 1}
-    loads = [SlotLoad(slot=0, lora_id=1), SlotLoad(slot=1, lora_id=2)] if runner.lora is not None else []
-    pages = consecutive_pages([len(p) for p in prompts], runner.page_size)
-    reqs = [ForwardReq(input_ids=p, num_cached_tokens=0, page_ids=pg, sampling=SamplingParams(), pool=True,
-                       slot=slots[name]) for p, pg, name in zip(prompts, pages, names, strict=True)]  # fmt: skip
-    result = runner.step(ForwardBatch(batch_id=0, reqs=reqs, slot_loads=loads))
-    assert len(result.pooled) == len(prompts) and all(result.pooled)
-    return torch.tensor(np.stack([np.frombuffer(row, "<f4") for row in result.pooled]))
 
 
 def assert_cosine(ours: torch.Tensor, ref: torch.Tensor) -> None:

@@ -1,4 +1,6 @@
-"""Multi-LoRA under tensor parallelism: two gloo ranks serving one batch of five adapters must reproduce tp=1."""
+"""Multi-LoRA under tensor parallelism: two gloo ranks serving one batch of five adapters must reproduce tp=1; so must
+speculative decoding (n-gram drafts, a draft model with a draft adapter, an EAGLE-3 head) over the base and two
+adapters."""
 
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model_runner import ModelRunner
 from safetensors.torch import load_file
 
-from tests.builders import build_lora_adapter
+from tests.builders import build_eagle3_head, build_lora_adapter
 from tests.lora_helpers import (
+    ADAPTER_IDS,
     LORA_CONFIG,
     MIXED,
     MIXED_LENGTHS,
@@ -28,13 +31,14 @@ from tests.lora_helpers import (
     greedy_decode,
     load_all,
 )
+from tests.speculative_helpers import MIXED_NAMES, generate, mixed_prompts
 from tests.worker_helpers import GREEDY, consecutive_pages, forward_logits, random_prompts, run_two_ranks, tp_group
 
 DECODE_STEPS = 6
 SCALES = [1.0, 0.5, 0.0, 4.0, 1.0, 0.25, 1.0, 2.0, 1.5]  # per MIXED row (its base rows stay at 1)
 MIX_ID, MIX_SLOT = 9, 5  # a slot lora_helpers' adapters leave free
 COPIES_ID, COPIES_TOKENS = 10, [3, 5, 7]  # an adapter with an lm_head copy and trainable tokens, then in MIX_SLOT
-CHILD_TIMEOUT_S = 120
+CHILD_TIMEOUT_S = 240
 
 
 def tp_config(tp: int) -> ServerConfig:
@@ -109,13 +113,31 @@ def count_collectives(runner: ModelRunner) -> dict[str, int]:
     return counts
 
 
+def speculative_outputs(model_dir: str, adapter_dirs: dict[str, str], rank: int) -> dict:
+    """Speculative decoding at TP=2, base + a4 + a8 in one batch: n-gram drafts, a draft model (the target itself, whole
+    on every rank) with a8's draft adapter, and an EAGLE-3 head (reading the all-reduced hidden states of three
+    layers); each rank's greedy outputs and its per-adapter draft counts."""
+    adapters = {name: adapter_dirs[name] for name in ("a4", "a8")}
+    out = {}
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    draft_model = {"method": "draft_model", "num_speculative_tokens": 3, "model": model_dir}
+    eagle3 = {"method": "eagle3", "num_speculative_tokens": 3, "model": adapter_dirs["eagle3"]}
+    runs = (("ngram", ngram, []), ("draft_model", draft_model, [f"a8={adapter_dirs['a8']}"]), ("eagle3", eagle3, []))
+    for method, spec, draft_adapters in runs:
+        outputs, sched = generate(model_dir, mixed_prompts(), spec, adapters=adapters, names=MIXED_NAMES, rank=rank,
+                                  tp=2, speculative_lora_modules=draft_adapters)  # fmt: skip
+        out[method] = (outputs, {c.lora_id: (c.num_draft_tokens, c.num_accepted_tokens) for c in sched.stats(0).spec})
+    return out
+
+
 def tp_child(rank: int, port: int, model_dir: str, adapter_dirs: dict[str, str], results: mp.Queue) -> None:
     config = tp_config(tp=2)
     with tp_group(config, rank, port):
         runner = ModelRunner(config, model_dir, rank, 2, "cpu")
         counts = count_collectives(runner)
-        result = run_lora(runner, adapter_dirs)
-        results.put((rank, {**result, **counts, "num_layers": len(runner.model.model.layers)}))
+        result = {**run_lora(runner, adapter_dirs), **counts}  # the counts so far: the LoRA batches'
+        result["speculative"] = speculative_outputs(model_dir, adapter_dirs, rank)  # in this spawn: CI time
+        results.put((rank, {**result, "num_layers": len(runner.model.model.layers)}))
 
 
 def run_tp2(model_dir: str, adapter_dirs: dict[str, str]) -> dict[int, dict]:
@@ -124,11 +146,13 @@ def run_tp2(model_dir: str, adapter_dirs: dict[str, str]) -> dict[int, dict]:
 
 def test_lora_tp2_matches_tp1(llama_dir: Path, adapter_dirs: dict[str, Path], tmp_path: Path) -> None:
     build_lora_adapter(llama_dir, tmp_path / "b16", r=16, lora_alpha=32, target_modules=TARGET_MODULES, seed=77)
+    build_eagle3_head(llama_dir, tmp_path / "eagle3", draft_vocab_size=400, aux_layer_ids=(0, 1, 1), seed=3)
     build_peft_adapter(llama_dir, tmp_path / "copies", r=4, lora_alpha=8, target_modules=("q_proj",), seed=78,
                        modules_to_save=["lm_head"], trainable_token_indices=COPIES_TOKENS)  # fmt: skip
     dirs = {
         name: str(path)
-        for name, path in {**adapter_dirs, "b16": tmp_path / "b16", "copies": tmp_path / "copies"}.items()
+        for name, path in {**adapter_dirs, "b16": tmp_path / "b16", "copies": tmp_path / "copies",
+                           "eagle3": tmp_path / "eagle3"}.items()
     }
     by_rank = run_tp2(str(llama_dir), dirs)
     tp1 = run_lora(ModelRunner(tp_config(tp=1), str(llama_dir), 0, 1, "cpu"), dirs)
@@ -148,6 +172,15 @@ def test_lora_tp2_matches_tp1(llama_dir: Path, adapter_dirs: dict[str, Path], tm
             assert abs(ours - ref).max() <= 1e-4, (rank, "copies", row)
         assert counts["forwards"] == 4 + DECODE_STEPS, counts
         assert counts["all_reduces"] == counts["forwards"] * 2 * counts["num_layers"], counts
+    # speculative decoding at TP=2 (n-gram drafts; a draft model with a draft adapter): TP=1's greedy tokens
+    reference, _ = generate(str(llama_dir), mixed_prompts(), adapters={n: dirs[n] for n in ("a4", "a8")},
+                            names=MIXED_NAMES)  # fmt: skip
+    for method in ("ngram", "draft_model", "eagle3"):
+        (outputs, counts), (outputs_1, counts_1) = by_rank[0]["speculative"][method], by_rank[1]["speculative"][method]
+        assert outputs == outputs_1 == reference, method
+        assert counts == counts_1 and all(drafted > 0 for drafted, _ in counts.values()), (method, counts)
+    a8 = by_rank[0]["speculative"]["draft_model"][1][ADAPTER_IDS["a8"]]
+    assert a8[0] == a8[1]  # a8's draft adapter is a8 on the target itself: every draft accepted
     assert abs(tp1["scaled"][1] - tp1["logits"][1]).max() > 1e-3  # the strengths change the adapter rows
     assert abs(tp1["mix"][0] - tp1["logits"][0]).max() > 1e-3  # the mix changes its row (MIXED[0] is the base)
     assert abs(tp1["copies"][0] - tp1["copies"][1]).max() > 1e-1  # the copy and the token rows change their row

@@ -1,7 +1,7 @@
 """BERT served by the pooling runner with adapters, through real clients: the `openai` client's embeddings.create on
 an adapter of a sentence-transformers embedder equals SentenceTransformer.encode with it, and a Cohere-style /rerank
-on an adapter of a cross-encoder equals CrossEncoder.predict with it (the pair's token types reach the model);
-a text over the context is a 400."""
+on an adapter of a cross-encoder equals CrossEncoder.predict with it (the pair's token types reach the model), and so
+does /score on an adapter with its own classifier loaded at run time; a text over the context is a 400."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import openai
 import pytest
 import torch
 
-from tests.bert_models import TINY_BERT, cross_encoder_scores, st_embeddings, words
+from tests.bert_models import TINY_BERT, build_bert_head_adapter, cross_encoder_scores, st_embeddings, words
 from tests.server_utils import ServerProcess
 
 TOL = 1e-4
@@ -64,3 +64,24 @@ def test_rerank_on_an_adapter_equals_cross_encoder(reranker) -> None:
         assert r["document"]["text"] == documents[r["index"]]
     base = cross_encoder_scores(model_dir, [(query, d) for d in documents])[:, 0]
     assert (ref - base).abs().max().item() > 1e-3  # the adapter's effect is in what was compared
+
+
+def test_score_on_an_adapter_with_its_own_classifier_loaded_at_run_time(reranker, tmp_path: Path) -> None:
+    # a PEFT SEQ_CLS adapter (its own classifier and pooler.dense), loaded into the running server: /score on it
+    # and on the base equal CrossEncoder.predict with it and without
+    server, model_dir, _ = reranker
+    head_dir = tmp_path / "head"
+    build_bert_head_adapter(model_dir, head_dir, seed=21, target_modules=("query", "value"))  # the pool a4 sized
+    loaded = server.post("/load_lora_adapter", {"lora_name": "head", "lora_path": str(head_dir)})
+    assert loaded.status_code == 200, loaded.text
+    query = words(4, 40)
+    documents = [words(n, 41 + n) for n in (5, 3, 8)]
+    pairs = [(query, d) for d in documents]
+    for model, adapter_dir in (("head", head_dir), (None, None)):
+        response = server.post("/score", {"text_1": query, "text_2": documents, **({"model": model} if model else {})})
+        assert response.status_code == 200, response.text
+        ours = torch.tensor([d["score"] for d in response.json()["data"]])
+        ref = cross_encoder_scores(model_dir, pairs, adapter_dir)[:, 0]
+        torch.testing.assert_close(ours, ref, atol=TOL, rtol=0)
+    base = cross_encoder_scores(model_dir, pairs)[:, 0]
+    assert (cross_encoder_scores(model_dir, pairs, head_dir)[:, 0] - base).abs().max().item() > 1e-2

@@ -1,7 +1,8 @@
 """Speculative decoding end to end: one batch mixing the base model and two adapters, each request verifying its drafts
 on its own adapter, gives HF + peft's greedy tokens; the draft and accepted counts reach /metrics and /server_info per
-adapter. The draft model is the base model itself (SGLang's spelling): the base requests' drafts are all accepted, the
-adapters' only where the adapter keeps the base's choice, so both acceptance and rejection run. (The n-gram proposer
+adapter. The draft model is the base model itself (SGLang's spelling) with a8 as a8's draft adapter
+(--speculative-lora-modules): the base's and a8's drafts are all accepted, a4's (the bare draft model) only where a4
+keeps the base's choice, so both acceptance and rejection run. (The n-gram proposer
 feeds the same verify step: tests/unit/test_speculative_scheduler.py.)"""
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def spec_server(llama_dir, adapter_dirs):
     with ServerProcess("--model-path", str(llama_dir), "--lora-paths", *lora_paths, "--max-loras-per-batch", "2",
                        "--max-total-tokens", "4096", "--context-length", "256",
                        "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(llama_dir),
-                       "--speculative-num-draft-tokens", "3") as server:  # fmt: skip
+                       "--speculative-num-draft-tokens", "3",
+                       "--speculative-lora-modules", f"a8={adapter_dirs['a8']}") as server:  # fmt: skip
         yield server
 
 
@@ -42,6 +44,7 @@ def test_greedy_with_drafts_equals_hf_for_base_and_two_adapters_in_one_batch(spe
     assert info["method"] == "draft_model"
     per_adapter = {a["adapter"]: a for a in info["adapters"]}
     assert per_adapter["base"]["acceptance_rate"] == 1.0  # the target drafting for itself
+    assert info["draft_adapters"] == ["a8"] and per_adapter["a8"]["acceptance_rate"] == 1.0  # a8 drafting for a8
     assert {"a4", "a8"} <= set(per_adapter) and per_adapter["a4"]["num_draft_tokens"] > 0
     for a in per_adapter.values():
         assert 0 <= a["acceptance_rate"] <= 1 and a["mean_accepted_length"] >= 1

@@ -52,6 +52,9 @@ def test_moe_forms_and_per_module_patterns_are_read_as_peft_reads_them():
     copies = parse_adapter_config({**BASE, "modules_to_save": ["lm_head", "embed_tokens"],
                                    "trainable_token_indices": {"embed_tokens": [7, 3]}})  # fmt: skip
     assert copies.modules_to_save == ("embed_tokens", "lm_head") and copies.trainable_tokens == (7, 3)
+    # PEFT's SEQ_CLS lists both head names; BERT's pooler is its one linear
+    heads = parse_adapter_config({**BASE, "modules_to_save": ["pooler", "classifier", "score"]})
+    assert heads.modules_to_save == ("score", "classifier", "pooler.dense")
 
 
 @pytest.mark.parametrize(
@@ -59,7 +62,7 @@ def test_moe_forms_and_per_module_patterns_are_read_as_peft_reads_them():
     [
         ({"use_dora": "yes"}, "'use_dora' must be true or false"),
         ({"use_dora": True, "target_parameters": ["experts.down_proj"]}, r"DoRA \(use_dora: true\) on target_param"),
-        ({"modules_to_save": ["lm_head", "classifier"]}, r"modules_to_save \['classifier'\] is not supported"),
+        ({"modules_to_save": ["lm_head", "norm"]}, r"modules_to_save \['norm'\] is not supported"),
         ({"trainable_token_indices": {"lm_head": [1]}}, "trainable_token_indices on \\['lm_head'\\]"),
         ({"trainable_token_indices": [3, 3]}, "lists a token twice"),
         ({"rank_pattern": {"q_proj": 0}}, "rank_pattern 'q_proj': the value must be a positive integer"),

@@ -62,6 +62,18 @@ def test_whole_prompt_pooling_neither_chunks_nor_shares_pages() -> None:
     assert scheduler.cache.num_hit_tokens == 0
 
 
+def test_the_pooling_runner_prefills_up_to_max_prefill_tokens_a_pass() -> None:
+    # no decode rows wait on a pooling server's prefills: its default budget is a pass's most, not the CPU's 512
+    assert ServerConfig().chunked_prefill_tokens("cpu") == 512
+    assert ServerConfig(max_prefill_tokens=4096).chunked_prefill_tokens("cpu", is_pooling=True) == 4096
+    assert ServerConfig(chunked_prefill_size=256).chunked_prefill_tokens("cpu", is_pooling=True) == 256
+    scheduler = make_scheduler(chunk=ServerConfig(max_prefill_tokens=64).chunked_prefill_tokens("cpu", True))
+    for i in range(6):
+        scheduler.add_request(pooling_req(f"r{i}", list(range(100 * i + 1, 100 * i + 20))))  # 19 tokens each
+    passes, _ = run(scheduler)
+    assert [sum(n for n, _, _ in p) for p in passes] == [64, 50]  # 6 × 19 tokens in two passes
+
+
 def test_missing_pooled_output_fails_the_request() -> None:
     scheduler = make_scheduler(chunk=16)
     scheduler.add_request(pooling_req("r", [1, 2, 3]))

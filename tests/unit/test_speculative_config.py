@@ -16,6 +16,10 @@ def test_vllm_json_and_sglang_flags_give_one_setting():
     assert sglang.speculation == SpeculativeConfig(method="ngram", num_speculative_tokens=5)
     draft = ServerConfig(speculative_algorithm="STANDALONE", speculative_draft_model_path="/d")
     assert draft.speculation == SpeculativeConfig(method="draft_model", num_speculative_tokens=4, model="/d")
+    eagle = ServerConfig(speculative_algorithm="EAGLE3", speculative_draft_model_path="/h")
+    assert eagle.speculation == SpeculativeConfig(method="eagle3", num_speculative_tokens=4, model="/h")
+    vllm_eagle = ServerConfig(speculative_config={"method": "eagle3", "num_speculative_tokens": 4, "model": "/h"})
+    assert vllm_eagle.speculation == eagle.speculation
     assert ServerConfig().speculation is None
 
 
@@ -27,10 +31,11 @@ def test_the_command_line_takes_the_json():
 
 
 @pytest.mark.parametrize(("settings", "cause"), [
-    ({"speculative_config": {"method": "eagle3", "num_speculative_tokens": 3, "model": "head"}}, "not supported yet"),
-    ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/d"}, "eagle3 is not supported"),
+    ({"speculative_config": {"method": "eagle3", "num_speculative_tokens": 3}}, "eagle3 needs `model`"),
     ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/d",
-      "speculative_lora_modules": ["x=/y"]}, "draft adapters are not supported yet"),
+      "speculative_lora_modules": ["x=/y", "x=/z"]}, "draft adapter name appears twice"),
+    ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/d",
+      "speculative_lora_modules": ["/y"]}, "expected NAME=PATH"),
     ({"speculative_config": {"method": "draft_model", "num_speculative_tokens": 3}}, "needs `model`"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 0}}, "num_speculative_tokens"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3,
@@ -41,7 +46,7 @@ def test_the_command_line_takes_the_json():
      "two spellings"),
     ({"speculative_num_draft_tokens": 3}, "need --speculative-algorithm"),
     ({"speculative_algorithm": "MEDUSA"}, "expected one of"),
-    ({"speculative_lora_modules": ["x=/y"], "speculative_algorithm": "NGRAM"}, "need method draft_model"),
+    ({"speculative_lora_modules": ["x=/y"], "speculative_algorithm": "NGRAM"}, "need method draft_model or eagle3"),
 ])  # fmt: skip
 def test_bad_settings_are_refused_with_their_cause(settings, cause):
     with pytest.raises(ConfigError, match=cause):

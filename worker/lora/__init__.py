@@ -11,8 +11,9 @@ layers.py    LoRALinear (wraps a linear: y = base(x) + segmented LoRA via kernel
 experts.py   LoRAExpertsLinear: an MoE layer's rows regrouped into (expert, slot) runs, virtual slots of the pool
 latent.py    LoRALatentKVProj: kv_b_proj's adapter term in latent attention's expanded context and absorbed products
 vocab.py     LoRA on embed_tokens and lm_head: their slot buffers and wrappers (torch ops on every backend)
-copies.py    ModuleCopies: full embed_tokens/lm_head copies (modules_to_save) under their own budget and trainable
-             token rows, selected per row by slot; their wrappers
+copies.py    ModuleCopies: full embed_tokens/lm_head copies (modules_to_save) under their own budget, a pooling
+             classifier's head copies and trainable token rows, selected per row by slot; their wrappers
 manager.py   LoRAManager: host copies by lora_id, the slot table, slot loads, per-forward token segments
 upload.py    SlotUploader: where the pool's slot writes (uploads, clears) run, chosen once
+draft_adapters.py  DraftAdapters: the draft model's adapters (--speculative-lora-modules) in its own pool, by name
 """

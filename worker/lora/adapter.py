@@ -19,7 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from loraplex.protocol.adapters.adapter_config import AdapterConfig, AdapterLoadError, parse_adapter_config
+from loraplex.protocol.adapters.adapter_config import (
+    HEAD_MODULES,
+    AdapterConfig,
+    AdapterLoadError,
+    parse_adapter_config,
+)
 from loraplex.protocol.adapters.adapter_files import AdapterFiles
 from loraplex.protocol.adapters.lora_shards import cut_shape, parse_lora_key, rank_cut
 from loraplex.protocol.adapters.lora_targets import FUSED_TARGETS, LAYER_MODULES, MLP_MODULES, MODEL_TARGETS, TP_MODES
@@ -69,7 +74,8 @@ class LoRAAdapter:
     vocab_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # DoRA: the magnitudes by (layer, HF module), this rank's rows (the manager adds the norms: worker/lora/dora.py)
     dora: DoraNorms | None = None
-    # modules_to_save: embed_tokens / lm_head -> the adapter's full copy (vocab, hidden), whole on every rank
+    # modules_to_save: embed_tokens / lm_head -> the adapter's full copy (vocab, hidden); a classifier's head (score,
+    # classifier, pooler.dense) -> its weight, and copy_bias(module) -> its bias; whole on every rank
     module_copies: dict[str, torch.Tensor] = field(default_factory=dict)
     # trainable_token_indices: (token ids (k,) int64, their rows (k, hidden)) replacing the embedding's rows
     token_rows: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -419,17 +425,26 @@ def _match_vocab_tensors(
     return pairs
 
 
-# PEFT's names: a modules_to_save copy is saved as the layer's own weight; trainable tokens' rows as token_adapter's.
-_COPY_KEY = re.compile(r"(?:^|\.)(embed_tokens|lm_head|score)\.weight$")
+# PEFT's names: a modules_to_save copy is saved as the layer's own weight (a head's bias too: the one of
+# BERT's pooler is under `bert.pooler.dense`); trainable tokens' rows as token_adapter's.
+_COPY_KEY = re.compile(r"(?:^|\.)(embed_tokens|lm_head|score|classifier|pooler\.dense)\.(weight|bias)$")
 _TOKEN_ROWS_KEY = re.compile(r"(?:^|\.)embed_tokens\.token_adapter\.trainable_tokens_delta(?:\.\w+)?$")
+# LoRA on a classifier's head (PEFT's `dense` reaches BERT's pooler.dense): refused by name
+_HEAD_LORA_KEY = re.compile(r"(?:^|\.)(score|classifier|pooler\.dense)\.lora_\w+\.weight$")
+
+
+def copy_bias(module: str) -> str:
+    """The module_copies name of a head copy's bias (its weight's is the module's name)."""
+    return f"{module}.bias"
 
 
 def _match_copies(
     tensor_shapes: dict[str, tuple[int, ...]], config: AdapterConfig, model_config: ModelConfig
 ) -> tuple[dict[str, str], list[str]]:
-    """The full copies modules_to_save lists ({module: key}) and the trainable tokens' rows ([key] or []), each
-    checked against the base model's shapes. A copy of a module modules_to_save does not list is left to
-    _match_vocab_tensors (which refuses it)."""
+    """The full copies modules_to_save lists ({module, or copy_bias(module): key}) and the trainable tokens' rows
+    ([key] or []), each checked against the base model's shapes (a head's rows, its labels, against the served head
+    when it is installed). A copy of a module modules_to_save does not list is left to _match_vocab_tensors (which
+    refuses it)."""
     vocab, hidden = model_config.vocab_size, model_config.hidden_size
     if set(config.modules_to_save) & {"embed_tokens", "lm_head"} and model_config.tie_word_embeddings:
         raise AdapterLoadError(
@@ -438,23 +453,25 @@ def _match_copies(
     both = [m for m in config.modules_to_save if m in config.target_modules]
     if both:
         raise AdapterLoadError(f"{both!r} is both in modules_to_save and a LoRA target")
+    for key in tensor_shapes:
+        lora = _HEAD_LORA_KEY.search(key)
+        if lora is not None:
+            raise AdapterLoadError(f"tensor {key!r}: LoRA on the classifier's {lora.group(1)} is not supported (PEFT's "
+                                   "target_modules reach it); list it in modules_to_save instead")  # fmt: skip
     copies: dict[str, str] = {}
     token_keys = []
     for key, shape in tensor_shapes.items():
         match = _COPY_KEY.search(key)
         if match is not None and match.group(1) in config.modules_to_save:
-            # a score head's rows are the labels, checked against the served head when it is installed
-            if match.group(1) == "score" and (len(shape) != 2 or shape[1] != hidden):
-                raise AdapterLoadError(f"tensor {key!r} (a copy of score) has shape {shape}, expected (labels, "
-                                       f"{hidden})")  # fmt: skip
-            if match.group(1) != "score" and shape != (vocab, hidden):
-                raise AdapterLoadError(
-                    f"tensor {key!r} (a copy of {match.group(1)}) has shape {shape}, expected {(vocab, hidden)}; "
-                    "resized vocabularies are not supported"
-                )
-            if match.group(1) in copies:
-                raise AdapterLoadError(f"tensor {key!r}: {match.group(1)}'s copy appears twice")
-            copies[match.group(1)] = key
+            module, is_bias = match.group(1), match.group(2) == "bias"
+            name = copy_bias(module) if is_bias else module
+            if is_bias and module not in HEAD_MODULES:
+                raise AdapterLoadError(f"tensor {key!r}: a copy of {module} with a bias is not supported")
+            if not is_bias:
+                _check_copy_shape(key, module, shape, vocab, hidden)
+            if name in copies:
+                raise AdapterLoadError(f"tensor {key!r}: {name}'s copy appears twice")
+            copies[name] = key
         elif _TOKEN_ROWS_KEY.search(key):
             if not config.trainable_tokens:
                 raise AdapterLoadError(f"tensor {key!r} holds trainable tokens, but trainable_token_indices is empty")
@@ -462,7 +479,16 @@ def _match_copies(
             if shape != expected or token_keys:
                 raise AdapterLoadError(f"tensor {key!r} has shape {shape}, expected {expected} (once)")
             token_keys.append(key)
-    missing = [m for m in config.modules_to_save if m not in copies]
+    for module in HEAD_MODULES:
+        bias = copies.get(copy_bias(module))
+        if bias is not None and (module not in copies or tensor_shapes[bias] != tensor_shapes[copies[module]][:1]):
+            raise AdapterLoadError(f"tensor {bias!r} (a bias of {module}) has shape {tensor_shapes[bias]}, which does "
+                                   f"not fit its weight's")  # fmt: skip
+    # PEFT's SEQ_CLS lists each head name a model may have: one of them copied is the head
+    listed_heads = [m for m in config.modules_to_save if m in HEAD_MODULES]
+    missing = [m for m in config.modules_to_save if m not in copies and m not in HEAD_MODULES]
+    if listed_heads and not any(m in copies for m in listed_heads):
+        missing += listed_heads
     if missing:
         raise AdapterLoadError(f"modules_to_save lists {missing!r}, but the adapter holds no copy of it")
     if config.trainable_tokens and not token_keys:
@@ -471,6 +497,22 @@ def _match_copies(
     if too_large:
         raise AdapterLoadError(f"trainable_token_indices {too_large} are outside the vocabulary ({vocab} tokens)")
     return copies, token_keys
+
+
+def _check_copy_shape(key: str, module: str, shape: tuple[int, ...], vocab: int, hidden: int) -> None:
+    if module in ("score", "classifier"):  # (labels, hidden)
+        if len(shape) != 2 or shape[1] != hidden:
+            raise AdapterLoadError(f"tensor {key!r} (a copy of {module}) has shape {shape}, expected (labels, "
+                                   f"{hidden})")  # fmt: skip
+    elif module == "pooler.dense":
+        if shape != (hidden, hidden):
+            raise AdapterLoadError(f"tensor {key!r} (a copy of {module}) has shape {shape}, expected "
+                                   f"{(hidden, hidden)}")  # fmt: skip
+    elif shape != (vocab, hidden):
+        raise AdapterLoadError(
+            f"tensor {key!r} (a copy of {module}) has shape {shape}, expected {(vocab, hidden)}; resized vocabularies "
+            "are not supported"
+        )
 
 
 def _match_tensors(

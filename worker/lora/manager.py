@@ -20,7 +20,13 @@ from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.structs import AdapterOutcome, AdapterToLoad, ForwardReq, SlotLoad, split_inline_frames
 from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.lora.adapter import AdapterLoadError, LoRAAdapter, PoolSpec, adapter_from_tensors, load_adapter
-from loraplex.worker.lora.copies import SCORE, CopyEmbedding, CopyLMHead, CopyScoreHead, ModuleCopies
+from loraplex.worker.lora.copies import (
+    CopyEmbedding,
+    CopyLMHead,
+    ModuleCopies,
+    check_head_copies,
+    wrap_head_linears,
+)
 from loraplex.worker.lora.dora import reduce_norms, weight_norm_sq
 from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.lora.latent import LoRALatentKVProj
@@ -94,9 +100,7 @@ class LoRAManager:
         if hasattr(model, "lm_head"):  # a pooling model's embedder or classifier has none
             model.lm_head = CopyLMHead(model.lm_head, self.copies, self.batch)
         # a pooling classifier's head (worker/pooling.py): adapters may carry their own (modules_to_save)
-        self.score_labels = model.score.out_features if hasattr(model, "score") else 0
-        if hasattr(model, "score"):
-            model.score = CopyScoreHead(model.score, self.copies, self.batch)
+        self.head_linears = wrap_head_linears(model, self.copies, self.batch)
         if EMBED in self.pool.vocab:
             model.model.embed_tokens = LoRAEmbedding(model.model.embed_tokens, self.pool.vocab[EMBED], self.batch)
         if HEAD in self.pool.vocab and hasattr(model, "lm_head"):
@@ -104,6 +108,7 @@ class LoRAManager:
         # --enable-tower-connector-lora: the vision tower's linears wrapped, each image encoded with its adapter
         self.tower = TowerLoRA(model.visual, self.spec.tower) if self.spec.tower is not None else None
         self.adapters: dict[int, LoRAAdapter] = {}  # lora_id -> host copy
+        self.names: dict[int, str] = {}  # lora_id -> the name it was loaded under (draft adapters go by it)
         self._dropped_early: set[int] = set()  # ids dropped before their install (ids are never reused)
         self._lock = threading.Lock()  # adapters and _dropped_early: install runs on the loader's thread
         self.slot_lora_ids = [-1] * self.pool.num_slots  # -1 = empty
@@ -215,9 +220,10 @@ class LoRAManager:
                     outcome = AdapterLoadError(f"lora_id {spec.lora_id} is already loaded on this rank", "internal")
                 elif isinstance(outcome, LoRAAdapter):
                     try:
-                        self._check_score_copy(outcome)
+                        check_head_copies(outcome, self.head_linears)
                         self.copies.reserve(outcome)
                         self.adapters[spec.lora_id] = outcome
+                        self.names[spec.lora_id] = spec.lora_name
                     except AdapterLoadError as e:
                         outcome = e
             if isinstance(outcome, AdapterLoadError):
@@ -257,6 +263,7 @@ class LoRAManager:
             for lora_id in lora_ids:
                 if self.adapters.pop(lora_id, None) is None:
                     self._dropped_early.add(lora_id)
+                self.names.pop(lora_id, None)
                 self.copies.release(lora_id)
         for slot, lora_id in enumerate(self.slot_lora_ids):
             if lora_id in lora_ids:
@@ -271,6 +278,11 @@ class LoRAManager:
         return self.adapters[lora_id].tower_weights if lora_id != -1 else {}
 
     # ---- slots and batches -------------------------------------------------------------------------
+
+    def slot_adapter_name(self, slot: int) -> str | None:
+        """The name of the adapter in `slot` (as the last slot loads left it); None for -1 or an empty slot."""
+        lora_id = self.slot_lora_ids[slot] if 0 <= slot < self.num_slots else -1
+        return self.names.get(lora_id)
 
     def apply_slot_loads(self, slot_loads: Sequence[SlotLoad]) -> None:
         """Copy each named adapter into its slot (lora_id -1 empties it). All or nothing: checked before any copy."""
@@ -337,18 +349,6 @@ class LoRAManager:
         """embed_tokens and lm_head where an adapter in `slots` targets them (named by their module)."""
         return frozenset(m for slot in slots for m in self.adapters[self.slot_lora_ids[slot]].target_modules
                          if m not in KINDS_OF)  # fmt: skip
-
-    def _check_score_copy(self, adapter: LoRAAdapter) -> None:
-        """A score head copy fits only the served classifier's head (its labels); AdapterLoadError otherwise."""
-        copy = adapter.module_copies.get(SCORE)
-        if copy is None:
-            return
-        if not self.score_labels:
-            raise AdapterLoadError("the adapter carries a score head (modules_to_save), but this server runs no "
-                                   "classifier with one (--runner pooling on a *ForSequenceClassification checkpoint)")
-        if copy.shape[0] != self.score_labels:
-            raise AdapterLoadError(f"the adapter's score head has {copy.shape[0]} labels, the served model's "
-                                   f"{self.score_labels}")  # fmt: skip
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """The LM head computes these token rows (rows,) of this forward (default: every token)."""
