@@ -18,10 +18,11 @@ from tests.vision_models import test_image as make_image
 from tests.worker_helpers import GREEDY
 
 IMG = VISION_START + IMAGE_PAD + VISION_END
-# (prompt, images as (width, height, seed)): one image (16 placeholders), two of different sizes, none
+# (prompt, images as (width, height, seed)): one image (16 placeholders), two of different sizes (the second 3x5
+# merged patches: windows of 2x2, 2x1, 1x2 and 1x1 at its edges), none
 PROMPTS = {
     "one": (f"hello {IMG} what is it", [(32, 32, 0)]),
-    "two": (f"{IMG} and {IMG} differ in", [(32, 32, 1), (48, 32, 2)]),
+    "two": (f"{IMG} and {IMG} differ in", [(32, 32, 1), (40, 24, 2)]),
     "text": ("plain words with no picture at all", []),
 }
 # target names the language model alone has (the tower's are qkv / proj / its MLP's gate_up / down)

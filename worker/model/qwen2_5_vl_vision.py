@@ -8,7 +8,7 @@ frequencies turned by the patch's row, half by its column); the patch merger (RM
 concatenated, Linear-GELU-Linear). Windowed blocks attend within windows of window_size pixels, the blocks in
 fullatt_block_indexes over the whole image; the patches are reordered window by window (in merge groups) before the
 blocks so every window is one contiguous run, and the merged rows put back in image order at the end. Several images
-go through in one call, each its own runs: no attention crosses an image.
+go through in one call, each its own runs: no attention crosses an image (runs of one length attend as one batch).
 
 Sharded like the language model: attention heads and the MLP's width split over the ranks (column then row
 parallel), the merger's hidden width too."""
@@ -48,12 +48,15 @@ class VisionAttention(nn.Module):
         self.qkv = MergedColumnParallelLinear(dim, [dim, dim, dim], bias=True)  # stored fused: q | k | v
         self.proj = RowParallelLinear(dim, dim, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: list[torch.Tensor]) -> torch.Tensor:
         num = x.shape[0]
         q, k, v = (t.view(num, -1, self.head_dim) for t in self.qkv(x).split(self.qkv.output_sizes_per_rank, -1))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # (patches, heads, head_dim)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
-        return self.proj(out.transpose(0, 1).reshape(num, -1))  # (patches, hidden)
+        out = torch.empty_like(q)
+        for index in runs:  # (runs, length): the patches of runs of one length, each attending within itself
+            q_runs, k_runs, v_runs = (t[index].transpose(1, 2) for t in (q, k, v))  # (runs, heads, length, head_dim)
+            out[index] = F.scaled_dot_product_attention(q_runs, k_runs, v_runs).transpose(1, 2)
+        return self.proj(out.reshape(num, -1))  # (patches, hidden)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -83,8 +86,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(config)
         self.mlp = VisionMLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: list[torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, runs)
         return x + self.mlp(self.norm2(x))
 
 
@@ -128,9 +131,9 @@ class VisionTower(nn.Module):
         angles = angles.view(-1, unit, angles.shape[-1])[order].flatten(0, 1)
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # (patches, 1, head_dim)
         cos, sin = angles.cos(), angles.sin()
-        window_mask, image_mask = _block_mask(windows, device), _block_mask(images, device)
+        window_runs, image_runs = _runs(windows, device), _runs(images, device)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, image_mask if i in c.fullatt_block_indexes else window_mask)
+            x = block(x, cos, sin, image_runs if i in c.fullatt_block_indexes else window_runs)
         merged = self.merger(x)  # (merged rows, out_hidden), window order
         return merged[torch.argsort(order)]  # image order
 
@@ -161,7 +164,14 @@ def _layout(grids: list[list[int]], c: VisionConfig) -> tuple[list[int], list[in
     return order, windows, images, positions
 
 
-def _block_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
-    """(patches, patches) bool: a patch attends to the patches of its own run."""
-    ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
-    return ids[:, None] == ids[None, :]
+def _runs(lengths: list[int], device: torch.device) -> list[torch.Tensor]:
+    """Consecutive runs of these lengths as index tensors (runs, length), one per distinct length: attention within
+    each run batched by length (most windows of an image are full, the few at its right and bottom edges shorter),
+    with no (patches, patches) mask."""
+    starts: dict[int, list[int]] = {}
+    first = 0
+    for length in lengths:
+        starts.setdefault(length, []).append(first)
+        first += length
+    return [torch.tensor(firsts, device=device)[:, None] + torch.arange(length, device=device)
+            for length, firsts in starts.items()]  # fmt: skip
