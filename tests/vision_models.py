@@ -86,8 +86,8 @@ def make_image_processor():  # -> Qwen2VLImageProcessorPil (the PIL backend: tor
 
 def hf_inputs(prompt: str, images: list) -> dict:
     """What Qwen2_5_VLProcessor gives for one prompt (its video half needs torchvision): the image processor's
-    pixel_values and image_grid_thw, and the prompt's input_ids with each image's placeholder repeated once per
-    merged patch."""
+    pixel_values and image_grid_thw, the prompt's input_ids with each image's placeholder repeated once per merged
+    patch, and mm_token_type_ids marking those placeholders."""
     tokenizer, image_processor = make_tokenizer(), make_image_processor()
     vision = image_processor(images=images, return_tensors="pt") if images else {}
     pieces = prompt.split(IMAGE_PAD)
@@ -96,7 +96,9 @@ def hf_inputs(prompt: str, images: list) -> dict:
     for grid, piece in zip(vision.get("image_grid_thw", []), pieces[1:], strict=True):
         expanded += IMAGE_PAD * (int(grid.prod()) // MERGE**2) + piece
     input_ids = tokenizer(expanded, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    return {"input_ids": input_ids, **dict(vision)}
+    # Which tokens are an image's (1) or text (0): without it transformers' forward takes 1-D positions.
+    mm_token_type_ids = (input_ids == tokenizer.convert_tokens_to_ids(IMAGE_PAD)).int()
+    return {"input_ids": input_ids, "mm_token_type_ids": mm_token_type_ids, **dict(vision)}
 
 
 def hf_config(**text_overrides):  # -> transformers.Qwen2_5_VLConfig

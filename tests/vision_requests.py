@@ -83,11 +83,9 @@ def hf_vl(model_dir: str, adapter_dir: str | None = None):
 
 
 def inputs(key: str) -> dict:
-    """HF's inputs for a prompt of PROMPTS, with the token types its M-RoPE reads (1: an image's placeholder)."""
+    """HF's inputs for a prompt of PROMPTS (with the token types its M-RoPE reads)."""
     text, images = PROMPTS[key]
-    hf = hf_inputs(text, [make_image(*image) for image in images])
-    hf["mm_token_type_ids"] = (hf["input_ids"] == image_token_id()).int()
-    return hf
+    return hf_inputs(text, [make_image(*image) for image in images])
 
 
 @functools.cache
