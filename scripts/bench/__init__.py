@@ -26,4 +26,5 @@ TOOLS: dict[str, str] = {
     "tp_allreduce": "row-parallel LoRA under TP=2: the LoRA term in the layer's all-reduce against its own",
     "model": "build (or find) the bench model and print its paths",
     "soak": "a server with fairness, limits and priorities under mixed traffic for a while",
+    "vision": "image requests: TTFT and throughput (32 at once, mixed adapters), prefix cache on and off, image cost",
 }
