@@ -61,6 +61,9 @@ def test_an_image_goes_to_every_ticked_model_and_each_answers(page, server, tmp_
     page.get_by_label("Max tokens", exact=True).fill(str(MAX_TOKENS))
     page.get_by_label("Image (for a vision model)").set_input_files(str(image_path))
     expect(page.locator("#play-image-preview figcaption")).to_contain_text("cat.png")
+    preview = page.locator("#play-image-preview img")  # shown (the page's CSP lets data: images in)
+    page.wait_for_function("img => img.complete", arg=preview.element_handle())
+    assert preview.evaluate("img => img.naturalWidth") == 32
     page.get_by_role("button", name="Run").click()
     expect(page.locator("#play-status")).to_contain_text("Done:")
     for model in ("vl", "seer"):
