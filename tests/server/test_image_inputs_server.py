@@ -3,20 +3,38 @@ image_data reach the scheduler as expanded prompts, and 22 kinds of bad image in
 (OpenAI: type BadRequestError; native: error.message), after which the server still serves a greedy request
 exactly as before, with nothing left in flight.
 
-The server is the frontend's whole image path on a stand-in checkpoint (tests/image_inputs.build_vision_standin): a
-tiny Qwen2 whose directory reads as a Qwen-VL one, so the workers ignore the images; the answers' text is not about
-the image, the prompt's token count is (each 32x32 image is 16 placeholders)."""
+The server serves the tiny Qwen2.5-VL (tests/vision_models.py) where the workers have its model, and its answers
+with one and two images equal transformers' greedy ones, chunked prefill cutting the images and the prefix cache
+serving a repeated image. Until then it serves a stand-in (tests/image_inputs.build_vision_standin): a tiny Qwen2 whose
+directory reads as a Qwen-VL one, whose workers ignore the images, so only the prompts' token counts (each 32x32 image
+is 16 placeholders) are checked."""
 
 from __future__ import annotations
 
+import base64
+import importlib.util
 import os
 
 import pytest
+import torch
 
 from tests.image_inputs import BAD_FILES, GOOD_PNG, ImageServer, build_vision_standin, data_url
 from tests.net import free_port
 from tests.server_utils import ServerProcess
-from tests.vision_models import IMAGE_PAD, VISION_END, VISION_START
+from tests.vision_models import (
+    CHAT_TEMPLATE,
+    IMAGE_PAD,
+    VISION_END,
+    VISION_START,
+    build_qwen2_5_vl,
+    hf_inputs,
+    make_tokenizer,
+    png_bytes,
+)
+from tests.vision_models import test_image as make_image
+
+# The workers' Qwen2.5-VL (the vision encoder; issue 35's worker side): without it the stand-in serves.
+HAS_VL_WORKER = importlib.util.find_spec("loraplex.worker.model.qwen2_5_vl") is not None
 
 TOKENS_PER_IMAGE = 16  # a 32x32 image: 8x8 patches of 4, merged 2x2
 LIMIT = 2
@@ -34,11 +52,18 @@ def media(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, media):
-    model_dir = tmp_path_factory.mktemp("vision_standin")
-    build_vision_standin(model_dir)
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vision_model")
+    (build_qwen2_5_vl if HAS_VL_WORKER else build_vision_standin)(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, media):
+    # pages of 4 and chunks of 8: a 16-token image run is cut by chunks, and a repeated image fills cached pages
     with ServerProcess("--model-path", str(model_dir), "--served-model-name", "vl", "--context-length", "512",
-                       "--max-total-tokens", "4096", "--allowed-local-media-path", str(media[0]),
+                       "--max-total-tokens", "4096", "--page-size", "4", "--chunked-prefill-size", "8",
+                       "--allowed-local-media-path", str(media[0]),
                        "--limit-mm-per-prompt", f'{{"image": {LIMIT}}}') as proc:  # fmt: skip
         yield proc
 
@@ -85,6 +110,35 @@ def test_images_in_chat_and_generate_reach_the_model_expanded(server, images, me
     counts = [item["meta_info"]["prompt_tokens"] for item in batch]
     assert counts[0] == single["meta_info"]["prompt_tokens"] and counts[2] == 2 * counts[0] - 1  # one BOS
     assert server.get("/server_info").json()["num_requests_in_flight"] == 0
+
+
+@pytest.mark.skipif(not HAS_VL_WORKER, reason="the workers' Qwen2.5-VL is not in this tree: the stand-in serves")
+def test_answers_with_images_equal_transformers_greedy(server, model_dir):
+    import openai
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = make_tokenizer()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    cases = [[make_image(32, 32, seed=0)], [make_image(32, 32, seed=1), make_image(48, 32, seed=2)], []]
+    for repeat in range(2):  # the second time, the images' pages come from the prefix cache
+        for images in cases:
+            parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": "what is it"}]
+            text = tokenizer.apply_chat_template([{"role": "user", "content": parts}], chat_template=CHAT_TEMPLATE,
+                                                 tokenize=False, add_generation_prompt=True)  # fmt: skip
+            hf = hf_inputs(text, images)
+            hf["mm_token_type_ids"] = (hf["input_ids"] == tokenizer.convert_tokens_to_ids(IMAGE_PAD)).int()
+            with torch.no_grad():
+                out = model.generate(**hf, max_new_tokens=8, do_sample=False)
+            want = tokenizer.decode(out[0, hf["input_ids"].shape[1] :], skip_special_tokens=True)
+            urls = ["data:image/png;base64," + base64.b64encode(png_bytes(image)).decode() for image in images]
+            content = [image_part(url) for url in urls] + [{"type": "text", "text": "what is it"}]
+            got = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": content}],
+                                                 max_tokens=8, temperature=0)  # fmt: skip
+            assert got.usage.prompt_tokens == hf["input_ids"].shape[1]
+            assert got.choices[0].message.content == want, (repeat, len(images))
+            if repeat and images:
+                assert got.usage.prompt_tokens_details.cached_tokens >= 16 * len(images)
 
 
 def bad_inputs(images, media) -> dict[str, tuple[str, dict, str]]:
