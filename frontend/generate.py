@@ -400,8 +400,8 @@ class GenerateService:
         sources = _image_sources(image_data, len(prompts), batched)
         for k, item in enumerate(sources):
             self.check_images(len(item), f"image_data[{k}]" if batched else "image_data")
-        return [await self.prompt_images(prompt, item, f"prompt {k}", bare=True) if item else None
-                for k, (prompt, item) in enumerate(zip(prompts, sources, strict=True))]
+        return [await self.prompt_images(prompt, item, f"prompt {k}" if batched else "prompt", bare=True) if item
+                else None for k, (prompt, item) in enumerate(zip(prompts, sources, strict=True))]  # fmt: skip
 
     async def _prompts(self, body: NativeGenerateRequest) -> tuple[list[list[int]], bool]:
         """Prompts as token ids (each text with its adapter's tokenizer), and whether the request was batched."""

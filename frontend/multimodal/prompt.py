@@ -27,8 +27,8 @@ def expand_prompt(input_ids: list[int], images: list[ProcessedImage], spec: Visi
     token = spec.image_token_id
     at = [i for i, t in enumerate(input_ids) if t == token]
     if len(at) != len(images):
-        raise InputError(f"{what}: the prompt has {len(at)} image placeholder token(s) (id {token}) for "
-                         f"{len(images)} image(s): give one per image, where it goes")  # fmt: skip
+        raise InputError(f"{what}: {len(at)} image placeholder token(s) (id {token}) for {len(images)} image(s): "
+                         "give one per image, where it goes")  # fmt: skip
     expanded: list[int] = []
     inputs: list[ImageInput] = []
     start = 0
