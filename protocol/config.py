@@ -423,9 +423,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if self.calculate_kv_scales and not self.kv_cache_is_fp8:
             raise ConfigError("--calculate-kv-scales sets the scales of an FP8 KV cache: it needs --kv-cache-dtype fp8")
         for modality, limit in self.limit_mm_per_prompt.items():
-            if modality != "image" or not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-                raise ConfigError(f"--limit-mm-per-prompt takes {{\"image\": N}} with N >= 0, got "
-                                  f"{modality!r}: {limit!r}")
+            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+                raise ConfigError(f"--limit-mm-per-prompt's {modality!r} must be an int >= 0, got {limit!r}")
+            if modality != "image" and limit:  # vLLM's other modalities are accepted at 0, which is what is served
+                raise ConfigError(f"--limit-mm-per-prompt: only images are served here; {modality!r} must be 0")
         if self.enable_cuda_graph and self.disable_cuda_graph:
             raise ConfigError("--enable-cuda-graph and --disable-cuda-graph contradict each other: give one")
         if self.shutdown_timeout < 0:

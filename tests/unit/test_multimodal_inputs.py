@@ -178,3 +178,15 @@ def test_image_data_shapes() -> None:
         _image_sources(["a"], 2, True)
     with pytest.raises(InputError, match="an image"):
         _image_sources([["a"]], 1, False)
+
+
+def test_the_flags() -> None:
+    from loraplex.frontend.entrypoints.cli import config_from_args
+    from loraplex.protocol.config import ConfigError
+
+    config = config_from_args(["--limit-mm-per-prompt", '{"image": 3, "video": 0}', "--allowed-local-media-path", "/m"])
+    assert (config.image_limit, config.allowed_local_media_path) == (3, "/m")
+    assert ServerConfig().image_limit == 4  # vLLM's default
+    for bad, words in (({"video": 1}, "only images"), ({"image": -1}, "int >= 0"), ({"image": True}, "int >= 0")):
+        with pytest.raises(ConfigError, match=words):
+            ServerConfig(limit_mm_per_prompt=bad)
