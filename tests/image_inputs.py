@@ -4,6 +4,7 @@ answers) on 127.0.0.1 (no tests here)."""
 from __future__ import annotations
 
 import base64
+import importlib.util
 import io
 import struct
 import threading
@@ -11,6 +12,9 @@ import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from tests.vision_models import png_bytes, test_image
+
+# The workers' Qwen2.5-VL (its vision encoder: issue 35's worker side). Without it, tests serve build_vision_standin.
+HAS_VL_WORKER = importlib.util.find_spec("loraplex.worker.model.qwen2_5_vl") is not None
 
 
 def data_url(data: bytes, mime: str = "image/png") -> str:

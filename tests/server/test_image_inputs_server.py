@@ -12,13 +12,12 @@ is 16 placeholders) are checked."""
 from __future__ import annotations
 
 import base64
-import importlib.util
 import os
 
 import pytest
 import torch
 
-from tests.image_inputs import BAD_FILES, GOOD_PNG, ImageServer, build_vision_standin, data_url
+from tests.image_inputs import BAD_FILES, GOOD_PNG, HAS_VL_WORKER, ImageServer, build_vision_standin, data_url
 from tests.net import free_port
 from tests.server_utils import ServerProcess
 from tests.vision_models import (
@@ -32,9 +31,6 @@ from tests.vision_models import (
     png_bytes,
 )
 from tests.vision_models import test_image as make_image
-
-# The workers' Qwen2.5-VL (the vision encoder; issue 35's worker side): without it the stand-in serves.
-HAS_VL_WORKER = importlib.util.find_spec("loraplex.worker.model.qwen2_5_vl") is not None
 
 TOKENS_PER_IMAGE = 16  # a 32x32 image: 8x8 patches of 4, merged 2x2
 LIMIT = 2
