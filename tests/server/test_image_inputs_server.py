@@ -94,6 +94,10 @@ def test_images_in_chat_and_generate_reach_the_model_expanded(server, images, me
         assert again.choices[0].message.content == one.choices[0].message.content
     two = client.chat.completions.create(**chat_body(image_part(data_url(GOOD_PNG)), image_part(images.url("/ok.png"))))
     assert two.usage.prompt_tokens == one.usage.prompt_tokens + 2 + TOKENS_PER_IMAGE
+    # /tokenize gives the chat's prompt as generation has it: each image's placeholders expanded
+    tokenized = server.post("/tokenize", {"model": "vl", "messages": chat_body(image_part(data_url(GOOD_PNG)))[
+        "messages"]}).json()  # fmt: skip
+    assert tokenized["count"] == one.usage.prompt_tokens
     # /generate: one placeholder per image in the text, image_data as a string, a list, and a batch's list of lists
     prompt = f"{VISION_START}{IMAGE_PAD}{VISION_END} describe"
     body = {"text": prompt, "image_data": data_url(GOOD_PNG), "sampling_params": {"max_new_tokens": 2}}
