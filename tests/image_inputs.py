@@ -8,6 +8,7 @@ import importlib.util
 import io
 import struct
 import threading
+import time
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -52,7 +53,7 @@ BAD_FILES: dict[str, tuple[bytes, str]] = {
 
 class ImageServer:
     """127.0.0.1 on a free port: /ok.png, /same-host (a redirect to /ok.png), /other-host (a redirect to
-    localhost), /huge (a Content-Length past any limit), /missing (404)."""
+    localhost), /huge (a Content-Length past any limit), /slow (3 s late), /missing (404)."""
 
     def __init__(self):
         served = self
@@ -66,6 +67,9 @@ class ImageServer:
                     self._redirect(f"http://127.0.0.1:{served.port}/ok.png")
                 elif path == "/other-host":
                     self._redirect(f"http://localhost:{served.port}/ok.png")
+                elif path == "/slow":  # answers after any test's fetch timeout
+                    time.sleep(3)
+                    self._send(200, GOOD_PNG, "image/png")
                 elif path == "/huge":
                     self.send_response(200)
                     self.send_header("Content-Type", "image/png")

@@ -164,6 +164,8 @@ def test_http_urls_with_limits() -> None:
         for path, words in refused.items():
             with pytest.raises(InputError, match=words):
                 run(image_bytes(server.url(path), "x", access))
+        with pytest.raises(InputError, match="took longer than 0.5 s"):
+            run(image_bytes(server.url("/slow"), "x", MediaAccess(timeout_s=0.5)))
     with pytest.raises(InputError, match="could not fetch"):
         run(image_bytes(f"http://127.0.0.1:{free_port()}/a.png", "x", access))  # a closed port
 
