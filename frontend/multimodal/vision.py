@@ -63,7 +63,11 @@ class ProcessedImage:
 def load_image_processor(model_dir: str) -> Any:
     from transformers import AutoImageProcessor
 
-    return AutoImageProcessor.from_pretrained(model_dir)
+    try:
+        return AutoImageProcessor.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:  # the server cannot serve its images: it does not start
+        raise RuntimeError(f"the model at {model_dir} takes images, but its image processor does not load "
+                           f"(preprocessor_config.json): {e}") from e  # fmt: skip
 
 
 def process_image(processor: Any, spec: VisionSpec, image: Any, what: str) -> ProcessedImage:

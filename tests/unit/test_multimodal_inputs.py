@@ -192,3 +192,9 @@ def test_the_flags() -> None:
     for bad, words in (({"video": 1}, "only images"), ({"image": -1}, "int >= 0"), ({"image": True}, "int >= 0")):
         with pytest.raises(ConfigError, match=words):
             ServerConfig(limit_mm_per_prompt=bad)
+
+
+def test_a_vision_model_without_its_image_processor_does_not_start(tmp_path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2_5_vl", "vision_config": {}, "image_token_id": 5}')
+    with pytest.raises(RuntimeError, match="takes images, but its image processor does not load"):
+        ImagePipeline.load(str(tmp_path), ServerConfig())
