@@ -26,6 +26,7 @@ Module map:
     entrypoints/         the ways in: HTTP app and routes, Engine, RPC server and client, Ray Serve, CLI, headless node
     openai/              the OpenAI APIs without HTTP: bodies, a request from its body to its answer, whole or streamed
     tools/               tool calling: the request's tools, the parsers that find calls, the grammar that forces one
+    multimodal/          images in requests: sources, checks, the model's image processor, placeholders; see its map
     adapters/            the adapter registry, its operations, host-copy residency, files and sources; see its map
     cluster/             the child processes, scheduler sockets, data-parallel replicas and routing, the nodes
 """

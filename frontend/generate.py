@@ -25,6 +25,9 @@ from loraplex.frontend.caller import caller_key_id
 from loraplex.frontend.chat_template import ChatOptions, render_chat
 from loraplex.frontend.constraints import Found, native_constraint
 from loraplex.frontend.errors import InputError, ServerUnavailable
+from loraplex.frontend.multimodal.images import ImageSource
+from loraplex.frontend.multimodal.prompt import PromptImages
+from loraplex.frontend.multimodal.vision import no_images_error
 from loraplex.frontend.params import MAX_SEED, LoRAMixBody, NativeGenerateRequest, NativeSamplingParams, native_sampling
 from loraplex.frontend.request_state import OutputOptions, RequestState
 from loraplex.frontend.request_table import RequestTable
@@ -92,6 +95,25 @@ def _per_item(value: Any, count: int, batched: bool, what: str) -> list[Any]:
     if what == "rid" and value is not None and batched:
         raise InputError("a batched request needs a list of rids")
     return [value] * count
+
+
+def _image_sources(image_data: Any, count: int, batched: bool) -> list[list[ImageSource]]:
+    """image_data as each prompt's (what, source) list: one image or a list for one prompt; for a batch, one item
+    (None, an image or a list) per prompt."""
+    if image_data is None:
+        return [[] for _ in range(count)]
+    if not batched:
+        if isinstance(image_data, str):
+            return [[("image_data", image_data)]]
+        if any(not isinstance(item, str) for item in image_data):
+            raise InputError("'image_data' of one prompt must be an image (a string) or a list of images")
+        return [[(f"image_data[{j}]", item) for j, item in enumerate(image_data)]]
+    if not isinstance(image_data, list) or len(image_data) != count:
+        raise InputError(f"'image_data' of a batch of {count} prompts must be a list of {count} items (an image, a "
+                         "list of images, or null each)")  # fmt: skip
+    return [[] if item is None else [(f"image_data[{k}]", item)] if isinstance(item, str)
+            else [(f"image_data[{k}][{j}]", one) for j, one in enumerate(item)]
+            for k, item in enumerate(image_data)]  # fmt: skip
 
 
 class GenerateService:
@@ -178,6 +200,22 @@ class GenerateService:
         text = render_chat(vocabulary.tokenizer, vocabulary.chat_template, messages, options)
         return vocabulary.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def check_images(self, count: int, what: str) -> None:
+        """A prompt of `count` images, before any is read: a model without vision, or more than
+        --limit-mm-per-prompt, is a 400."""
+        if count:
+            self.check_up()
+            if self.runtime.images is None:
+                raise no_images_error()
+            self.runtime.images.check_count(count, what)
+
+    async def prompt_images(self, input_ids: list[int], sources: list[ImageSource], what: str, *,
+                            bare: bool = False) -> PromptImages:
+        """A prompt's images read, checked and processed (frontend/multimodal/), each placeholder token of
+        input_ids expanded to its image's run. bare: a source may be a path or raw base64 (image_data)."""
+        self.check_images(len(sources), what)
+        return await self.runtime.images.prompt(input_ids, sources, what, bare=bare)
+
     def detokenize(self, token_ids: list[int], lora_name: str | LoRAMixBody | None = None) -> str:
         """Token ids as text, special tokens included (an echoed prompt given as ids)."""
         return self.vocabulary(lora_name).tokenizer.decode(token_ids, skip_special_tokens=False)
@@ -220,12 +258,14 @@ class GenerateService:
                      stops: list[str], lora_names: list[str | LoRAMixBody | None], rids: list[str | None],
                      output: OutputOptions = OutputOptions(), *, priority: int = 0,
                      lora_scales: list[float | None] | None = None, pooling: bool = False,
-                     token_type_ids: list[list[int]] | None = None) -> list[RequestState]:
+                     token_type_ids: list[list[int]] | None = None,
+                     images: list[PromptImages | None] | None = None) -> list[RequestState]:
         """Submit every prompt (with its own sampling when given a list), or none if one is refused: every item is
         checked and holds its adapter before the first is sent. lora_names: each item's adapter, or a mix of
         adapters (a lora_mix object); lora_scales: each item's adapter strength. pooling: prefill-only requests of
         the pooling runner (frontend/pooling.py), whose states end with their pooled output; token_type_ids: each
-        item's tokens' segments (an encoder's pairs), None: none."""
+        item's tokens' segments (an encoder's pairs), None: none. images: each item's images (prompt_images), whose
+        expanded tokens its prompt is; None: none."""
         self.check_up()
         runtime = self.runtime
         self._check_runner(pooling)
@@ -250,10 +290,13 @@ class GenerateService:
             self.requests.add(state)
         try:
             types = token_type_ids or [[]] * len(states)
-            for state, scale, item_types in zip(states, scales, types, strict=True):
+            for state, scale, item_types, mm in zip(states, scales, types, images or [None] * len(states),
+                                                    strict=True):
                 await runtime.replicas.send(state.dp_rank, TokenizedGenerateReq(
                     rid=state.rid, input_ids=state.prompt_ids, sampling=state.sampling, lora_id=state.lora_id,
-                    lora_scale=scale, priority=priority, key_id=key_id, pooling=pooling, token_type_ids=item_types))
+                    lora_scale=scale, priority=priority, key_id=key_id, pooling=pooling, token_type_ids=item_types,
+                    images=mm.images if mm else [], mrope_positions=mm.mrope_positions if mm else [],
+                    mrope_delta=mm.mrope_delta if mm else 0))
         except BaseException:
             await self.finish(states)
             raise
@@ -336,17 +379,29 @@ class GenerateService:
         lora_names = _per_item(body.lora_path, len(prompts), batched, "lora_path")
         lora_scales = _per_item(body.lora_scale, len(prompts), batched, "lora_scale")
         rids = _per_item(body.rid, len(prompts), batched, "rid")
+        images = await self._native_images(body.image_data, prompts, batched)
+        prompts = [mm.input_ids if mm else prompt for prompt, mm in zip(prompts, images, strict=True)]
         if params.n > 1:
             rids = [None if rid is None else f"{rid}-{k}" for rid in rids for k in range(params.n)]
             prompts, lora_names = _repeat_n(prompts, params.n), _repeat_n(lora_names, params.n)
             lora_scales = _repeat_n(lora_scales, params.n)
+            images = _repeat_n(images, params.n)
         samplings = n_samplings(sampling, params.n) * (len(prompts) // params.n)
         output = OutputOptions(skip_special_tokens=params.skip_special_tokens, keep_stop=params.no_stop_trim)
         states = await self.submit(prompts, samplings, stops, lora_names, rids, output, priority=body.priority,
-                                   lora_scales=lora_scales)
+                                   lora_scales=lora_scales, images=images)
         for state in states:
             state.return_text_in_logprobs = body.return_text_in_logprobs
         return states
+
+    async def _native_images(self, image_data: Any, prompts: list[list[int]],
+                             batched: bool) -> list[PromptImages | None]:
+        """Each prompt's images from /generate's image_data (every prompt's counted before any image is read)."""
+        sources = _image_sources(image_data, len(prompts), batched)
+        for k, item in enumerate(sources):
+            self.check_images(len(item), f"image_data[{k}]" if batched else "image_data")
+        return [await self.prompt_images(prompt, item, f"prompt {k}" if batched else "prompt", bare=True) if item
+                else None for k, (prompt, item) in enumerate(zip(prompts, sources, strict=True))]  # fmt: skip
 
     async def _prompts(self, body: NativeGenerateRequest) -> tuple[list[list[int]], bool]:
         """Prompts as token ids (each text with its adapter's tokenizer), and whether the request was batched."""

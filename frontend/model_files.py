@@ -6,9 +6,10 @@ standard Hugging Face cache, so a model another tool downloaded is reused): its 
 starting at once on one cache from writing the same file, and a file is written under a temporary name and renamed
 into place only when complete. A server killed mid-download starts again with the files it finished.
 
-Only what serving reads is fetched: the config, the generation config, the tokenizer files and chat template, and the
-safetensors weights (with their index; only the shards it names). Before the first byte the free disk space is checked
-against the sizes the Hub lists. Each failure is a ModelFilesError: one line naming the cause and the fix.
+Only what serving reads is fetched: the config, the generation config, the tokenizer files and chat template, a
+vision-language model's image processor config, and the safetensors weights (with their index; only the shards it
+names). Before the first byte the free disk space is checked against the sizes the Hub lists. Each failure is a
+ModelFilesError: one line naming the cause and the fix.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
                    "chat_template.json")
+PREPROCESSOR = "preprocessor_config.json"  # a vision-language model's image processor (frontend/multimodal/)
 OTHER_WEIGHTS = ("*.bin", "*.pth", "*.pt", "*.gguf", "*.h5", "*.msgpack", "*.ckpt")
 DEFAULT_BRANCH = "main"
 STALE_PARTIAL_S = 600.0  # a partial download file untouched this long was left by a killed start
@@ -160,7 +162,7 @@ class HubDownload:
 
     def _wanted(self, sizes: dict[str, int]) -> list[str]:
         top = [n for n in sizes if "/" not in n]
-        names = [n for n in top if n in TOKENIZER_FILES or n == "generation_config.json"]
+        names = [n for n in top if n in TOKENIZER_FILES or n in ("generation_config.json", PREPROCESSOR)]
         if CONFIG in top:
             names.insert(0, CONFIG)
         elif self.is_model:

@@ -94,11 +94,13 @@ class NativeGenerateRequest(Strict, kw_only=True):
     return_text_in_logprobs: bool = False
     logprob_start_len: LogprobStart = -1
     priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's order); fcfs ignores it
+    # SGLang's images (a vision model's): one image (a data: or http(s):// URL, a file:// URL or path under
+    # --allowed-local-media-path, or raw base64), a prompt's list, or for a batch one item (image or list) per prompt
+    image_data: str | list[str | list[str] | None] | None = None
 
 
 # SGLang /generate fields we do not implement, with the values that mean "off" (accepted and dropped).
 NATIVE_NEUTRAL = {
-    "image_data": (None,),
     "audio_data": (None,),
     "modalities": (None, []),
     "custom_logit_processor": (None,),

@@ -27,6 +27,7 @@ from loraplex.frontend.grammar_checker import GrammarChecker
 from loraplex.frontend.lora_config import resolve_lora_config
 from loraplex.frontend.metrics import Metrics
 from loraplex.frontend.model_files import ModelFiles, resolve_model_files
+from loraplex.frontend.multimodal.images import ImagePipeline
 from loraplex.frontend.rate_limits import KeyRateLimits
 from loraplex.frontend.request_table import RequestTable
 from loraplex.protocol.config import ServerConfig
@@ -68,6 +69,7 @@ class Runtime:
         self.chat_template = load_chat_template(config.chat_template)  # None: the tokenizer's own
         self.eos_token_ids: list[int] = []
         self.vocabulary: Vocabulary | None = None  # the three above, as requests on no adapter of its own use them
+        self.images: ImagePipeline | None = None  # a request's images to its prompt (None until started)
         self.grammars = GrammarChecker()  # structured-output constraints compile before their request is admitted
         self.procs: ProcessGroup | None = None
         self.replicas: ReplicaSet | None = None
@@ -95,6 +97,7 @@ class Runtime:
         self.config = resolve_lora_config(self.config, self.model_dir)
         self.quantization = resolve_quantization(self.config.quantization, read_hf_config(self.model_dir))
         logger.info("quantization: %s (--quantization %s)", self.quantization or "none", self.config.quantization)
+        self.images = await loop.run_in_executor(None, ImagePipeline.load, self.model_dir, self.config)
         self.procs = ProcessGroup(self.config, self.model_dir)
         if self.config.nnodes > 1:  # every rank's endpoints, the remote ones as their nodes published them
             self.nodes = await loop.run_in_executor(None, NodeRendezvous, self.config, START_TIMEOUT_S,
@@ -164,6 +167,8 @@ class Runtime:
         if self.replicas is not None:
             self.replicas.close_sockets()
         self.audit.close()
+        if self.images is not None:
+            self.images.close()
 
     @property
     def healthy(self) -> bool:

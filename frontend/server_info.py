@@ -47,6 +47,8 @@ async def server_info(runtime: Runtime, requests: RequestTable) -> dict[str, Any
         "model_type": ready.model_type if ready else None,
         "num_hidden_layers": ready.num_hidden_layers if ready else None,  # after --hf-overrides
         "kv_bytes_per_token": ready.kv_bytes_per_token if ready else None,  # one rank's cache, every layer
+        # what prompts may hold: ["text"], or ["text", "image"] for a model that takes images (frontend/multimodal/)
+        "modalities": runtime.images.modalities if runtime.images else ["text"],
         "lora_enabled": runtime.config.lora_enabled,
         "max_lora_rank": ready.max_lora_rank if ready else None,
         "lora_target_modules": ready.lora_target_modules if ready else None,

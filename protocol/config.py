@@ -137,6 +137,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "JSON object merged into the model's config.json before anything reads it, e.g. '{\"num_hidden_layers\": 2}' "
         "(nested objects merge key by key)"
     )] = {}
+    allowed_local_media_path: Annotated[str | None, Meta(description=
+        "images may be given as file:// paths that resolve (symlinks followed) inside this directory; unset: none"
+    )] = None
+    limit_mm_per_prompt: Annotated[dict[str, Any], Meta(description=
+        "JSON object: the most items of each modality in one prompt, e.g. '{\"image\": 2}' (default 4 images)"
+    )] = {}
     host: Annotated[str, Meta(description="HTTP bind address")] = "127.0.0.1"
     port: Annotated[int, Meta(description="HTTP port")] = 30000
     tp: Annotated[int, Meta(description="tensor-parallel worker processes")] = 1
@@ -424,6 +430,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.calculate_kv_scales and not self.kv_cache_is_fp8:
             raise ConfigError("--calculate-kv-scales sets the scales of an FP8 KV cache: it needs --kv-cache-dtype fp8")
+        for modality, limit in self.limit_mm_per_prompt.items():
+            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+                raise ConfigError(f"--limit-mm-per-prompt's {modality!r} must be an int >= 0, got {limit!r}")
+            if modality != "image" and limit:  # vLLM's other modalities are accepted at 0, which is what is served
+                raise ConfigError(f"--limit-mm-per-prompt: only images are served here; {modality!r} must be 0")
         if self.enable_cuda_graph and self.disable_cuda_graph:
             raise ConfigError("--enable-cuda-graph and --disable-cuda-graph contradict each other: give one")
         if self.shutdown_timeout < 0:
@@ -520,6 +531,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if is_pooling:
             return self.max_prefill_tokens
         return 2048 if device_type == "cuda" else 512
+
+    @property
+    def image_limit(self) -> int:
+        """--limit-mm-per-prompt's images per prompt (vLLM's JSON; default 4)."""
+        return self.limit_mm_per_prompt.get("image", 4)
 
     @property
     def lora_enabled(self) -> bool:

@@ -4,8 +4,10 @@ that computed them.
 A page's key is a chain digest over its adapter namespace and every token from the prompt's start to the page's end
 (`page_keys`), so a key names one exact prefix computed by one adapter at one strength: base requests have their own
 namespace, an in-place reload mints a new adapter id, hence a new namespace, and a request strength (lora_scale) other
-than 1 starts the chain apart from the adapter's own. Only full pages whose keys and values the workers have
-written are cached; a request always computes at least its last token itself, so it never writes into a shared page.
+than 1 starts the chain apart from the adapter's own. A page holding (part of) an image's placeholder run is keyed by
+the image's content hash as well: the same image after the same tokens shares pages, another image never does. Only
+full pages whose keys and values the workers have written are cached; a request always computes at least its last
+token itself, so it never writes into a shared page.
 
 Every page is either free (the allocator's), private (one request's, not cached) or cached. A cached page counts the
 requests using it; with none it is evictable, least recently used first, and goes back to the allocator only when
@@ -32,17 +34,24 @@ BASE_NAMESPACE = -1  # the base model's requests (adapters use their lora_id, wh
 
 
 def page_keys(namespace: int, token_ids: Sequence[int], page_size: int, num_pages: int,
-              known: Sequence[bytes] = (), lora_scale: float = 1.0) -> list[bytes]:
+              known: Sequence[bytes] = (), lora_scale: float = 1.0,
+              images: Sequence[tuple[int, int, str]] = ()) -> list[bytes]:
     """Keys of the first num_pages full pages of token_ids; `known` are the first keys, already computed. A request
-    strength (lora_scale) other than 1 is part of the chain's start: its pages are another adapter's."""
+    strength (lora_scale) other than 1 is part of the chain's start: its pages are another adapter's. images: the
+    prompt's (offset, num_tokens, content hash) runs of image placeholders, whose tokens are all one id: a page that
+    holds part of a run is keyed by the image's content too, so two images never share pages (nor what follows)."""
     keys = list(known[:num_pages])
     previous = keys[-1] if keys else namespace.to_bytes(8, "little", signed=True)
     if not keys and lora_scale != 1.0:
         previous += struct.pack("<d", lora_scale)
     for i in range(len(keys), num_pages):
-        page = token_ids[i * page_size : (i + 1) * page_size]
+        start, end = i * page_size, (i + 1) * page_size
+        page = token_ids[start:end]
         digest = hashlib.blake2b(previous, digest_size=16)
         digest.update(b"".join(t.to_bytes(4, "little") for t in page))
+        for offset, num_tokens, content_hash in images:
+            if offset < end and offset + num_tokens > start:
+                digest.update(content_hash.encode())
         previous = digest.digest()
         keys.append(previous)
     return keys

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from loraplex.protocol.mathutil import cdiv
-from loraplex.protocol.structs import SamplingParams, TokenizedGenerateReq
+from loraplex.protocol.structs import ImageInput, SamplingParams, TokenizedGenerateReq
 
 # Stands in a request's page table for a page it gave back (wholly outside every layer's sliding window): the workers
 # never attend to it, and it is any valid page id so the table keeps one entry per page of positions.
@@ -54,6 +54,11 @@ class Request:
     is_long_rope: bool = False  # longrope models: its KV is written with the long factors (set at each admission)
     is_pooling: bool = False  # the pooling runner's: prefill only, it ends with its prompt's last pass (no sample)
     token_type_ids: list[int] = field(default_factory=list)  # an encoder's segment of each prompt token; []: all 0
+    # A vision-language model's prompt: its images over their placeholder runs, and its M-RoPE positions (3 rows of
+    # len(prompt_ids); []: 1-D), a token at index i >= len(prompt_ids) sitting at i + mrope_delta in every row
+    images: list[ImageInput] = field(default_factory=list)
+    mrope_positions: list[list[int]] = field(default_factory=list)
+    mrope_delta: int = 0
     # Speculative decoding's back-off: verify passes in a row that accepted nothing, and the decode passes it still
     # takes without drafts because of them (they keep the overlap of passes that drafting gives up)
     num_draft_misses: int = 0
@@ -67,7 +72,8 @@ class Request:
     def from_req(cls, req: TokenizedGenerateReq, arrival: int) -> Request:
         return cls(rid=req.rid, prompt_ids=list(req.input_ids), sampling=req.sampling, lora_id=req.lora_id,
                    lora_scale=req.lora_scale, arrival=arrival, priority=req.priority, key_id=req.key_id,
-                   is_pooling=req.pooling, token_type_ids=list(req.token_type_ids))
+                   is_pooling=req.pooling, token_type_ids=list(req.token_type_ids), images=list(req.images),
+                   mrope_positions=req.mrope_positions, mrope_delta=req.mrope_delta)
 
     @property
     def client(self) -> tuple[str | None, int | None]:
@@ -116,9 +122,46 @@ class Request:
         start = max(self.num_scheduled_tokens + 1, self.prompt_logprob_next)
         return start, max(start, min(self.num_scheduled_tokens + num_new + 1, len(self.prompt_ids)))
 
+    @property
+    def image_runs(self) -> list[tuple[int, int, str]]:
+        """Its images' (offset, num_tokens, content hash): what its prefix-cache keys take beyond the tokens."""
+        return [(image.offset, image.num_tokens, image.content_hash) for image in self.images]
+
+    def images_in(self, start: int, num_tokens: int) -> list[ImageInput]:
+        """The images whose placeholder runs overlap positions [start, start + num_tokens)."""
+        end = start + num_tokens
+        return [image for image in self.images if image.offset < end and image.offset + image.num_tokens > start]
+
+    def mrope_rows(self, start: int, num_tokens: int) -> list[list[int]]:
+        """M-RoPE positions of positions [start, start + num_tokens): [] for a pass wholly past the prompt (the
+        workers take index + mrope_delta), else 3 rows, a recomputed output token's at index + mrope_delta."""
+        num_prompt = len(self.prompt_ids)
+        if not self.mrope_positions or start >= num_prompt:
+            return []
+        end = start + num_tokens
+        past = list(range(num_prompt + self.mrope_delta, end + self.mrope_delta)) if end > num_prompt else []
+        return [row[start:end] + past for row in self.mrope_positions]
+
     def num_pages_for(self, num_tokens: int, page_size: int) -> int:
         return cdiv(num_tokens, page_size)
 
     def next_input_ids(self, num_new: int) -> list[int]:
         """The next num_new known tokens for a pass, from the first one no pass has been given."""
         return self.token_ids[self.num_scheduled_tokens : self.num_scheduled_tokens + num_new]
+
+
+def image_error(req: TokenizedGenerateReq) -> str:
+    """Why a request's images or M-RoPE positions do not fit its prompt, or "" when they do (the frontend makes them
+    right; checked again so that no sender can make a worker fail)."""
+    end = 0
+    for k, image in enumerate(req.images):
+        if image.num_tokens < 1 or image.offset < end or image.offset + image.num_tokens > len(req.input_ids):
+            return (f"image {k}'s placeholder run [{image.offset}, {image.offset + image.num_tokens}) is not inside "
+                    f"the prompt of {len(req.input_ids)} tokens after the image before it")  # fmt: skip
+        if len(set(req.input_ids[image.offset : image.offset + image.num_tokens])) != 1:
+            return f"image {k}'s placeholder run holds tokens other than its placeholder"
+        end = image.offset + image.num_tokens
+    rows = req.mrope_positions
+    if rows and (len(rows) != 3 or any(len(row) != len(req.input_ids) for row in rows)):
+        return f"M-RoPE positions must be 3 rows of the prompt's {len(req.input_ids)} tokens"
+    return ""

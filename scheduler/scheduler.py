@@ -89,7 +89,7 @@ from loraplex.scheduler.batch_policy import BatchPolicy
 from loraplex.scheduler.ngram_proposer import NgramProposer
 from loraplex.scheduler.page_allocator import PageAllocator
 from loraplex.scheduler.prefix_cache import BASE_NAMESPACE, PrefixCache, page_keys
-from loraplex.scheduler.request import FREED_PAGE, Request, RequestStatus
+from loraplex.scheduler.request import FREED_PAGE, Request, RequestStatus, image_error
 from loraplex.scheduler.slot_planner import SlotError, SlotPlanner
 from loraplex.scheduler.state_slots import StateSlotAllocator
 
@@ -241,6 +241,8 @@ class Scheduler:
             return f"adapter {req.lora_id} not loaded"
         if req.token_type_ids and (len(req.token_type_ids) != len(req.input_ids) or not req.pooling):
             return f"{len(req.token_type_ids)} token types for {len(req.input_ids)} prompt tokens (a pooling request's)"
+        if error := image_error(req):
+            return error
         # The frontend refuses these at the edge; checked again so that no sender can make the scheduler fail.
         return request_fit_error(len(req.input_ids), req.sampling.max_new_tokens, self.context_length,
                                  self.max_total_tokens)
@@ -432,7 +434,7 @@ class Scheduler:
         num_full = req.num_tokens // self.page_size
         if len(req.page_keys) < num_full:
             req.page_keys = page_keys(self._namespace(req), req.token_ids, self.page_size, num_full, req.page_keys,
-                                      req.lora_scale)  # fmt: skip
+                                      req.lora_scale, req.image_runs)  # fmt: skip
         return req.page_keys
 
     def _reserve(self) -> int:
@@ -549,6 +551,9 @@ class Scheduler:
             token_type_ids=req.token_type_ids[req.num_scheduled_tokens : req.num_scheduled_tokens + len(input_ids)],
             num_draft_tokens=len(drafts),
             num_model_drafts=num_drafts - len(drafts),
+            images=req.images_in(req.num_scheduled_tokens, len(input_ids)),
+            mrope_positions=req.mrope_rows(req.num_scheduled_tokens, len(input_ids)),
+            mrope_delta=req.mrope_delta,
         )
 
     def process_result(self, result: BatchResult) -> list[TokenDelta]:

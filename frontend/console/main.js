@@ -21,6 +21,8 @@ const audit = new AuditView({ table: $("audit-table"), status: $("audit-status")
 const playground = new Playground({
   form: $("play-form"), targets: $("play-targets"), panes: $("play-panes"), status: $("play-status"),
   stop: $("play-stop"),
+  image: { input: $("play-image"), drop: $("play-image-drop"), preview: $("play-image-preview"),
+    clear: $("play-image-clear") },
 });
 const charts = {
   throughput: new LineChart($("chart-throughput"), {

@@ -1,5 +1,6 @@
 // One prompt to several models side by side: the base and any adapters, each streamed into its own pane
-// through /v1/completions (Server-Sent Events read from fetch's ReadableStream).
+// through /v1/completions (Server-Sent Events read from fetch's ReadableStream). With an image (picked or dropped),
+// each gets a /v1/chat/completions request whose user message is the image, as a data: URL, then the prompt.
 
 import { call, describe } from "./api.js";
 
@@ -31,8 +32,24 @@ async function* sseEvents(resp) {
 }
 
 export class Playground {
-  constructor({ form, targets, panes, status, stop }) {
+  constructor({ form, targets, panes, status, stop, image }) {
     this.form = form;
+    this.image = image; // {input, drop, preview, clear}
+    this.imageUrl = null; // the chosen image as a data: URL
+    image.input.addEventListener("change", () => this.pickImage(image.input.files[0]));
+    image.clear.addEventListener("click", () => this.pickImage(null));
+    for (const kind of ["dragenter", "dragover"]) {
+      image.drop.addEventListener(kind, (event) => {
+        event.preventDefault();
+        image.drop.classList.add("dragging");
+      });
+    }
+    image.drop.addEventListener("dragleave", () => image.drop.classList.remove("dragging"));
+    image.drop.addEventListener("drop", (event) => {
+      event.preventDefault();
+      image.drop.classList.remove("dragging");
+      this.pickImage(event.dataTransfer.files[0]);
+    });
     this.targets = targets; // the <fieldset> of checkboxes
     this.panes = panes;
     this.status = status;
@@ -50,6 +67,26 @@ export class Playground {
   setModel(modelPath) {
     const prompt = this.form.elements.prompt;
     if (modelPath === DEMO_MODEL_PATH && prompt.value === prompt.defaultValue) prompt.value = DEMO_PROMPT;
+  }
+
+  // The image to send with the prompt (a File), or none; read as a data: URL and shown.
+  async pickImage(file) {
+    const { input, preview } = this.image;
+    if (!file) {
+      this.imageUrl = null;
+      input.value = "";
+      preview.hidden = true;
+      return;
+    }
+    this.imageUrl = await new Promise((resolve, reject) => {
+      const reader = new FileReader();
+      reader.onload = () => resolve(reader.result);
+      reader.onerror = () => reject(reader.error);
+      reader.readAsDataURL(file);
+    });
+    preview.querySelector("img").src = this.imageUrl;
+    preview.querySelector("figcaption").textContent = `${file.name} (${Math.ceil(file.size / 1024)} KiB)`;
+    preview.hidden = false;
   }
 
   // names: what can answer (the base first, then the adapters); keeps each box's checked state.
@@ -83,10 +120,13 @@ export class Playground {
       return;
     }
     const elements = this.form.elements;
-    const request = {
-      prompt: elements.prompt.value,
-      max_tokens: Number(elements.max_tokens.value),
-      temperature: Number(elements.temperature.value),
+    const options = { max_tokens: Number(elements.max_tokens.value), temperature: Number(elements.temperature.value) };
+    const request = this.imageUrl === null ? { ...options, prompt: elements.prompt.value } : {
+      ...options,
+      messages: [{ role: "user", content: [
+        { type: "image_url", image_url: { url: this.imageUrl } },
+        { type: "text", text: elements.prompt.value },
+      ] }],
     };
     this.controller = new AbortController();
     const runButton = this.form.querySelector("button[type=submit]");
@@ -126,16 +166,18 @@ export class Playground {
     let tokens = null;
     let finish = null;
     try {
-      const resp = await call("/v1/completions", {
+      const route = request.messages ? "/v1/chat/completions" : "/v1/completions";
+      const resp = await call(route, {
         method: "POST", signal: this.controller.signal,
         body: { ...request, model, stream: true, stream_options: { include_usage: true } },
       });
       for await (const chunk of sseEvents(resp)) {
         if (chunk.error) throw new Error(`${chunk.error.code}: ${chunk.error.message}`);
         for (const choice of chunk.choices ?? []) {
-          if (choice.text) {
+          const piece = choice.text ?? choice.delta?.content; // completions' text, chat's delta
+          if (piece) {
             firstTokenMs ??= performance.now() - started;
-            text.textContent += choice.text;
+            text.textContent += piece;
           }
           finish = choice.finish_reason ?? finish;
         }

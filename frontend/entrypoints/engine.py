@@ -32,6 +32,8 @@ T = TypeVar("T")
 
 # /generate's top-level logprob fields, taken as keyword arguments by generate and async_generate
 LOGPROB_OPTIONS = {"return_logprob", "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs"}
+# /generate's other fields the keyword arguments may set: a vision model's images (SGLang's image_data)
+BODY_OPTIONS = LOGPROB_OPTIONS | {"image_data"}
 
 
 class Engine:
@@ -61,7 +63,7 @@ class Engine:
     def _body(prompt: str | list[str] | None, sampling_params: dict | None, lora_path: Any,
               input_ids: Any, rid: Any, stream: bool, logprob_options: dict,
               lora_scale: Any = None) -> NativeGenerateRequest:  # fmt: skip
-        unknown = set(logprob_options) - LOGPROB_OPTIONS
+        unknown = set(logprob_options) - BODY_OPTIONS
         if unknown:
             raise TypeError(f"unexpected keyword arguments {sorted(unknown)}")
         raw = {"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params, "lora_path": lora_path,
@@ -99,7 +101,8 @@ class Engine:
                  lora_path: Any = None, *, input_ids: Any = None, rid: Any = None, lora_scale: Any = None,
                  stream: bool = False, **logprob_options: Any) -> dict | list[dict] | Iterator[dict]:
         """lora_path and lora_scale as /generate takes them (an adapter name or a lora_mix dict; its strength);
-        logprob_options: return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs."""
+        logprob_options: return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs; and
+        image_data, a vision model's images as /generate takes them."""
         body = self._body(prompt, sampling_params, lora_path, input_ids, rid, stream, logprob_options, lora_scale)
         if not stream:
             return self._run(self._generate(body))

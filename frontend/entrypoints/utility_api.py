@@ -17,7 +17,7 @@ from loraplex.frontend.entrypoints.http_utils import (
     service_of,
 )
 from loraplex.frontend.errors import InputError
-from loraplex.frontend.openai.schemas import DetokenizeBody, TokenizeBody, chat_messages, chat_options
+from loraplex.frontend.openai.schemas import DetokenizeBody, TokenizeBody, chat_images, chat_messages, chat_options
 from loraplex.frontend.params import NativeGenerateRequest, convert
 
 logger = logging.getLogger("loraplex.http")
@@ -47,8 +47,12 @@ async def tokenize(request: web.Request) -> web.Response:
         lora_name, _ = await service.resolve_model(body.model)  # an unknown model is a 404, as on the generate routes
     if body.prompt is not None:
         tokens = service.tokenize(body.prompt, lora_name)
-    else:
+    else:  # a chat's images expanded as its generation's prompt has them
+        sources = chat_images(body.messages)
+        service.check_images(len(sources), "messages")
         tokens = service.tokenize_chat(chat_messages(body.messages), chat_options(body), lora_name)
+        if sources:
+            tokens = (await service.prompt_images(tokens, sources, "messages")).input_ids
     return json_response(TokenizeResponse(tokens=tokens, count=len(tokens),
                                           max_model_len=service.runtime.ready.context_length))
 

@@ -106,9 +106,19 @@ class CompletionRequest(CommonParams, kw_only=True):
     echo: bool = False  # the prompt's text before the completion (and its tokens' logprobs, with logprobs)
 
 
-class TextPart(Strict, kw_only=True):
-    type: Literal["text"]  # the only content part supported
+class TextPart(Strict, tag="text", tag_field="type", kw_only=True):
     text: str
+
+
+class ImageURL(Strict, kw_only=True):
+    url: str  # data:image/...;base64,..., http(s)://... or file://... (frontend/multimodal/sources.py)
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; the model's image processor sets the size
+
+
+class ImageURLPart(Strict, tag="image_url", tag_field="type", kw_only=True):
+    """An image in a message (a vision-language model's; any other model refuses it with a 400)."""
+
+    image_url: ImageURL
 
 
 class ToolCallFunction(Strict, kw_only=True):
@@ -128,7 +138,7 @@ class ChatMessage(Strict, kw_only=True):
     """A message as OpenAI's clients send it; a field not here is refused (400 naming it), never dropped."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImageURLPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
@@ -159,11 +169,17 @@ def decode_openai(body: bytes, schema: type[CommonParams]) -> Any:
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as a chat template takes them: content parts joined into one text; name, tool_calls,
+    """The messages as a chat template takes them: text parts joined into one text (a message with images keeps its
+    parts, each image as {"type": "image"}, where a vision model's template puts its placeholder); name, tool_calls,
     tool_call_id and reasoning_content passed on where set (Hugging Face templates read them)."""
     rendered = []
     for m in messages:
-        content = "".join(part.text for part in m.content) if isinstance(m.content, list) else m.content
+        content: Any = m.content
+        if isinstance(m.content, list) and any(isinstance(part, ImageURLPart) for part in m.content):
+            content = [{"type": "image"} if isinstance(part, ImageURLPart) else {"type": "text", "text": part.text}
+                       for part in m.content]  # fmt: skip
+        elif isinstance(m.content, list):
+            content = "".join(part.text for part in m.content)
         message: dict[str, Any] = {"role": m.role, "content": content or ""}
         for field in ("name", "tool_call_id", "reasoning_content"):
             if getattr(m, field) is not None:
@@ -172,6 +188,13 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             message["tool_calls"] = [template_tool_call(msgspec.to_builtins(call)) for call in m.tool_calls]
         rendered.append(message)
     return rendered
+
+
+def chat_images(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    """The messages' images in prompt order: (the part's JSON path, for errors; its URL)."""
+    return [(f"messages[{i}].content[{j}]", part.image_url.url)
+            for i, m in enumerate(messages) if isinstance(m.content, list)
+            for j, part in enumerate(m.content) if isinstance(part, ImageURLPart)]  # fmt: skip
 
 
 def chat_options(req: Any) -> ChatOptions:

@@ -20,11 +20,13 @@ from loraplex.frontend.constraints import Found, openai_constraint
 from loraplex.frontend.detokenizer import text_offsets
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.generate import GenerateService, n_samplings, raise_failure
+from loraplex.frontend.multimodal.prompt import PromptImages
 from loraplex.frontend.openai.logprobs import Echo
 from loraplex.frontend.openai.schemas import (
     ChatRequest,
     CommonParams,
     CompletionRequest,
+    chat_images,
     chat_messages,
     chat_options,
 )
@@ -167,11 +169,13 @@ async def start_openai(
     found: Found | None = None,
     reasoning: Reasoning | None = None,
     tools: ToolPlan | None = None,
+    images: list[PromptImages | None] | None = None,
 ) -> OpenAIRun:
     """Validate and submit every choice (n per prompt), or none. echoes (completions with echo): each prompt's,
     its text put before its completions' text. found: a constraint the caller derived (/v1/responses' forced tool
     call), else the body's structured-output fields give it. tools: a chat's tool calls (a forced choice constrains
-    the output). reasoning: the constraint starts after the reasoning."""
+    the output). reasoning: the constraint starts after the reasoning. images: each prompt's images (a chat's), whose
+    expanded tokens the prompt is."""
     runtime = service.runtime
     lora_name, served_by = await service.resolve_model(req.model)
     adapter: str | LoRAMixBody | None = lora_name
@@ -179,7 +183,7 @@ async def start_openai(
         if lora_name is not None:
             raise mix_error(f"lora_mix is served on the base model: `model` names the adapter {lora_name!r}")
         adapter = req.lora_mix
-    jobs: list[tuple[list[int], Any]] = []
+    jobs: list[tuple[list[int], Any, PromptImages | None]] = []
     found = found or openai_constraint(req)
     if tools is not None and tools.constraint is not None:
         if found is not None:
@@ -187,20 +191,21 @@ async def start_openai(
                              "given with it")
         found = Found(tools.constraint, "tool_choice")
     found = constraint_after_reasoning(found, reasoning)
-    for prompt in prompts:
+    for prompt, prompt_images in zip(prompts, images or [None] * len(prompts), strict=True):
         samplings = openai_sampling(runtime, req, len(prompt), default_max, service.vocabulary(adapter).tokenizer)
         for sampling in await service.constrain(samplings, found):
-            jobs.append((prompt, sampling))
+            jobs.append((prompt, sampling, prompt_images))
     echoes = [echo for echo in echoes for _ in range(req.n)] if echoes is not None else None
     stops = stop_list(req.stop)
     skip_special = req.skip_special_tokens and not keeps_special_tokens(reasoning, tools)
     output = OutputOptions(skip_special_tokens=skip_special, keep_stop=req.include_stop_str_in_output)
     states: list[RequestState] = []
-    refund = service.take_rate([prompt for prompt, _ in jobs])
+    refund = service.take_rate([prompt for prompt, _, _ in jobs])
     try:
-        for prompt, sampling in jobs:
+        for prompt, sampling, prompt_images in jobs:
             states += await service.submit([prompt], sampling, stops, [adapter], [None], output,
-                                           priority=req.priority, lora_scales=[req.lora_scale])
+                                           priority=req.priority, lora_scales=[req.lora_scale],
+                                           images=[prompt_images])
     except BaseException:
         refund()
         await service.finish(states)
@@ -253,10 +258,16 @@ async def start_chat(service: GenerateService, req: ChatRequest) -> OpenAIRun:
     plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls,
                      config.tool_call_parser if config.enable_auto_tool_choice else None)
     lora_name = await request_adapter(service, req)
+    sources = chat_images(req.messages)
+    service.check_images(len(sources), "messages")  # before the template or any image is read
     prompt = service.tokenize_chat(chat_messages(req.messages), chat_options(req), lora_name)
+    prompt_images = await service.prompt_images(prompt, sources, "messages") if sources else None
+    if prompt_images is not None:
+        prompt = prompt_images.input_ids
     reasoning = request_reasoning(config.reasoning_parser, req.chat_template_kwargs,
                                   service.vocabulary(lora_name).tokenizer)
-    return await start_openai(service, req, [prompt], chat=True, default_max=None, reasoning=reasoning, tools=plan)
+    return await start_openai(service, req, [prompt], chat=True, default_max=None, reasoning=reasoning, tools=plan,
+                              images=[prompt_images])
 
 
 def base_card(runtime: Runtime) -> ModelCard:

@@ -27,4 +27,5 @@ TOOLS: dict[str, str] = {
     "spec_acceptance": "draft adapters' acceptance per adapter on the trained demo (a cut demo as the draft model)",
     "model": "build (or find) the bench model and print its paths",
     "soak": "a server with fairness, limits and priorities under mixed traffic for a while",
+    "vision": "image requests: TTFT and throughput (32 at once, mixed adapters), prefix cache on and off, image cost",
 }

@@ -500,3 +500,17 @@ def test_responses_refusals(vllm_server):
         assert resp.status_code == 400 and named in resp.json()["error"]["message"], (body, resp.text)
     assert server.post("/v1/responses", {"model": "x", "input": "Hi"}).status_code == 401
     assert server.get("/server_info", headers=AUTH).json()["num_requests_in_flight"] == 0
+
+
+def test_images_on_a_text_only_model_are_refused(vllm_server):
+    server, _ = vllm_server
+    assert server.get("/server_info", headers=AUTH).json()["modalities"] == ["text"]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    chat = {"model": "tiny", "max_tokens": 2,
+            "messages": [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}]}
+    resp = server.post("/v1/chat/completions", chat, headers=AUTH)
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "BadRequestError"
+    assert resp.json()["error"]["message"] == "this model takes no images"
+    resp = server.post("/generate", {"text": "hi", "image_data": "data:image/png;base64,iVBORw0KGgo="}, headers=AUTH)
+    assert resp.status_code == 400 and resp.json()["error"]["message"] == "this model takes no images"
+    assert server.get("/server_info", headers=AUTH).json()["num_requests_in_flight"] == 0

@@ -34,8 +34,7 @@ REPO = {  # what a Hub checkpoint often holds beside what serving reads
     "pytorch_model.bin": b"b" * 8000, "README.md": b"# card", "preprocessor_config.json": b'{"p": 1}',
     "original/params.json": b'{"o": 1}',
 }
-SERVED = sorted(set(REPO) - {"consolidated.safetensors", "pytorch_model.bin", "README.md", "preprocessor_config.json",
-                             "original/params.json"})
+SERVED = sorted(set(REPO) - {"consolidated.safetensors", "pytorch_model.bin", "README.md", "original/params.json"})
 
 
 # ---- what a path names, and the config ---------------------------------------------------------------------

@@ -43,7 +43,8 @@ COMMON = {
 CHAT = {
     **COMMON,
     "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
         {"role": "tool", "content": "sunny", "tool_call_id": "c1"},

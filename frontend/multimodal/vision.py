@@ -1,0 +1,96 @@
+"""What the frontend knows of a vision-language model, from its config.json: whether it takes images at all, its
+image placeholder token, how many placeholders an image's grid makes (the vision tower merges merge x merge patches
+into one token), and whether it positions tokens with Qwen-VL's M-RoPE (protocol/mrope.py). The image processor is
+the checkpoint's own (transformers' AutoImageProcessor on preprocessor_config.json)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from loraplex.frontend.errors import InputError
+
+# Multimodal checkpoints whose workers serve the language model alone (MODELS.md): their images are refused.
+TEXT_ONLY_TYPES = frozenset({"gemma3", "gemma4", "llama4", "qwen3_5", "qwen3_5_moe", "mistral3"})
+MROPE_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
+NO_IMAGES = "this model takes no images"
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    image_token_id: int
+    merge_size: int  # spatial_merge_size: an image of grid (t, h, w) patches takes t*h*w / merge**2 tokens
+    mrope: bool  # Qwen-VL's 3-row rotary positions
+
+
+def read_vision_spec(model_dir: str) -> VisionSpec | None:
+    """The model's VisionSpec, or None when it takes no images (a text model, or a multimodal checkpoint served as
+    its language model)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            hf = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return vision_spec(hf)
+
+
+def vision_spec(hf: dict[str, Any]) -> VisionSpec | None:
+    vision = hf.get("vision_config")
+    token_id = hf.get("image_token_id", hf.get("image_token_index"))
+    if not isinstance(vision, dict) or not isinstance(token_id, int) or hf.get("model_type") in TEXT_ONLY_TYPES:
+        return None
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    rope = [c.get(key) for c in (hf, text) for key in ("rope_parameters", "rope_scaling")]
+    has_section = any(isinstance(r, dict) and r.get("mrope_section") for r in rope)
+    return VisionSpec(image_token_id=token_id, merge_size=int(vision.get("spatial_merge_size", 1)),
+                      mrope=has_section or hf.get("model_type") in MROPE_TYPES)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    """One image as the model's image processor made it."""
+
+    pixel_values: bytes  # float32, row-major
+    shape: list[int]
+    grid_thw: list[int]
+    num_tokens: int
+    content_hash: str  # sha256 of the pixels and the grid: equal only for images the encoder sees alike
+
+
+def load_image_processor(model_dir: str) -> Any:
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:  # the server cannot serve its images: it does not start
+        raise RuntimeError(f"the model at {model_dir} takes images, but its image processor does not load "
+                           f"(preprocessor_config.json): {e}") from e  # fmt: skip
+
+
+def process_image(processor: Any, spec: VisionSpec, image: Any, what: str) -> ProcessedImage:
+    """One RGB PIL image through the processor. Blocking (torch/numpy work): the image pool's threads run it."""
+    import numpy as np
+
+    try:
+        out = processor(images=[image], return_tensors="np")
+    except ValueError as e:  # e.g. Qwen-VL's aspect ratio over 200
+        raise InputError(f"{what}: the model's image processor refused the image ({e})") from e
+    pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+    grid = [int(x) for x in out["image_grid_thw"][0]] if "image_grid_thw" in out else []
+    num_tokens = (grid[0] * grid[1] * grid[2]) // spec.merge_size**2 if grid else int(pixels.shape[0])
+    digest = hashlib.sha256(pixels.tobytes())
+    digest.update(np.asarray(grid, dtype=np.int64).tobytes())
+    return ProcessedImage(pixel_values=pixels.tobytes(), shape=list(pixels.shape), grid_thw=grid,
+                          num_tokens=num_tokens, content_hash=digest.hexdigest())  # fmt: skip
+
+
+def min_side(processor: Any) -> int:
+    """The smallest side an image may have: one patch (a 1x1 image says nothing the model can see)."""
+    return max(2, int(getattr(processor, "patch_size", 2) or 2))
+
+
+def no_images_error() -> InputError:
+    return InputError(NO_IMAGES)
