@@ -4,7 +4,6 @@ answers) on 127.0.0.1 (no tests here)."""
 from __future__ import annotations
 
 import base64
-import importlib.util
 import io
 import struct
 import threading
@@ -13,9 +12,6 @@ import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from tests.vision_models import png_bytes, test_image
-
-# The workers' Qwen2.5-VL (its vision encoder: issue 35's worker side). Without it, tests serve build_vision_standin.
-HAS_VL_WORKER = importlib.util.find_spec("loraplex.worker.model.qwen2_5_vl") is not None
 
 
 def data_url(data: bytes, mime: str = "image/png") -> str:
@@ -109,28 +105,3 @@ class ImageServer:
     def __exit__(self, *exc) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-def build_vision_standin(out_dir) -> None:
-    """A text-only tiny Qwen2 whose directory reads to the frontend as a Qwen-VL checkpoint: the VL tokenizer (vision
-    tokens, chat template with image parts), the image processor, and config.json's vision_config and image token
-    (no M-RoPE). The workers serve its language model and ignore the images: what the frontend does with images is
-    tested whole while the vision encoder is elsewhere."""
-    import json
-    from pathlib import Path
-
-    from tests.builders import build_tiny_model
-    from tests.vision_models import IMAGE_PAD, MERGE, make_image_processor, make_tokenizer
-
-    out_dir = Path(out_dir)
-    tokenizer = make_tokenizer()
-    build_tiny_model(out_dir, arch="qwen2", with_tokenizer=False, vocab_size=len(tokenizer))
-    tokenizer.save_pretrained(out_dir)
-    make_image_processor().save_pretrained(out_dir)
-    tokenizer_config = json.loads((out_dir / "tokenizer_config.json").read_text())
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    config = json.loads((out_dir / "config.json").read_text())
-    config["vision_config"] = {"spatial_merge_size": MERGE}
-    config["image_token_id"] = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-    (out_dir / "config.json").write_text(json.dumps(config))

@@ -1,13 +1,13 @@
 """Image requests through a server: time to first token and throughput, with the prefix cache on and off, and the
 time an image adds to a request.
 
-    python -m scripts.bench.vision                        # the vision stand-in, 32 concurrent, 4 adapters
+    python -m scripts.bench.vision                        # the tests' tiny Qwen2.5-VL, 32 concurrent, 4 adapters
     python -m scripts.bench.vision --quick --json out.json
     python -m scripts.bench.vision --model-path DIR       # a vision-language checkpoint the workers serve
 
-Without --model-path the model is tests/image_inputs.build_vision_standin (a tiny Qwen2 whose directory reads as a
-Qwen-VL checkpoint: the frontend's whole image path — fetch, decode, the checkpoint's image processor, placeholders —
-and the placeholders' prefill, no vision encoder) with 4 rank-8 adapters. Each request is a chat with one 64x64 PNG
+Without --model-path the model is the tests' tiny Qwen2.5-VL (tests/vision_models.py: the frontend's whole image
+path — fetch, decode, the checkpoint's image processor, placeholders — the workers' vision tower and the prefill)
+with 4 rank-8 adapters on its language model. Each request is a chat with one 64x64 PNG
 as a data: URL and a short question, greedy, 16 new tokens, streamed. Rows, for each of prefix cache on and off:
 - `single`: one request at a time, the same image each time (TTFT's median; with the cache on, the image's pages
   are shared after the first);
@@ -32,11 +32,10 @@ from pathlib import Path
 import requests
 
 from scripts.bench.server import NUM_CORES, server_env
-from tests.builders import build_lora_adapter
-from tests.image_inputs import build_vision_standin
 from tests.server_utils import ServerProcess
-from tests.vision_models import png_bytes
+from tests.vision_models import build_qwen2_5_vl, png_bytes
 from tests.vision_models import test_image as random_image
+from tests.vision_requests import build_vl_adapter
 
 NUM_ADAPTERS = 4
 MAX_TOKENS = 16
@@ -102,7 +101,8 @@ def measure(url: str, models: list[str], num_concurrent: int, num_single: int) -
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--model-path", default=None, help="a vision-language checkpoint (default: the stand-in)")
+    parser.add_argument("--model-path", default=None,
+                        help="a vision-language checkpoint (default: the tests' tiny Qwen2.5-VL)")
     parser.add_argument("--server-threads", type=int, default=NUM_CORES)
     parser.add_argument("--json", default=None, metavar="PATH")
     args = parser.parse_args(argv)
@@ -113,11 +113,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.model_path:
         model_args += ["--model-path", args.model_path]
     else:
-        model_dir = work / "standin"
-        build_vision_standin(model_dir)
+        model_dir = work / "base"
+        build_qwen2_5_vl(model_dir)
         adapters = {f"lora-{i}": work / f"lora-{i}" for i in range(NUM_ADAPTERS)}
         for seed, path in enumerate(adapters.values(), start=1):
-            build_lora_adapter(model_dir, path, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], seed=seed)
+            build_vl_adapter(model_dir, path, 8, 16, ("q_proj", "v_proj"), seed)
         model_args += ["--model-path", str(model_dir), "--max-loras-per-batch", str(NUM_ADAPTERS + 1),
                        "--lora-paths", *[f"{n}={p}" for n, p in adapters.items()]]  # fmt: skip
         models += list(adapters)

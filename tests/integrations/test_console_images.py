@@ -1,8 +1,7 @@
 """The console's playground with an image, in headless Chromium: an image picked from a file is sent as a data: URL in
 a chat request to every ticked model side by side, and each pane shows that model's answer — the text a plain chat
-request with the same image answers (greedy). On a server whose model takes images: the tiny Qwen2.5-VL with an
-adapter where the workers have its model (tests/vision_requests.py), else the vision stand-in
-(tests/image_inputs.build_vision_standin, whose workers serve its language model) with one."""
+request with the same image answers (greedy). The server serves the tiny Qwen2.5-VL with an adapter
+(tests/vision_requests.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +11,9 @@ import pytest
 from playwright.sync_api import expect, sync_playwright
 
 from tests.browser_helpers import launch_chromium
-from tests.builders import build_lora_adapter
-from tests.image_inputs import GOOD_PNG, HAS_VL_WORKER, build_vision_standin
+from tests.image_inputs import GOOD_PNG
 from tests.server_utils import ServerProcess
+from tests.vision_requests import build_vl_set
 
 MAX_TOKENS = 6
 PROMPT = "what is it?"
@@ -23,15 +22,8 @@ PROMPT = "what is it?"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("vision")
-    if HAS_VL_WORKER:
-        from tests.vision_requests import build_vl_set
-
-        model_dir, adapters = build_vl_set(root)
-        adapter_dir = adapters["a4"]
-    else:
-        model_dir, adapter_dir = root / "standin", root / "adapter"
-        build_vision_standin(model_dir)
-        build_lora_adapter(model_dir, adapter_dir, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=3)
+    model_dir, adapters = build_vl_set(root)
+    adapter_dir = adapters["a4"]
     with ServerProcess("--model-path", str(model_dir), "--served-model-name", "vl", "--lora-paths",
                        f"seer={adapter_dir}", "--max-total-tokens", "2048", "--context-length", "512") as proc:
         yield proc

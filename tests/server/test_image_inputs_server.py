@@ -3,11 +3,8 @@ image_data reach the scheduler as expanded prompts, and 22 kinds of bad image in
 (OpenAI: type BadRequestError; native: error.message), after which the server still serves a greedy request
 exactly as before, with nothing left in flight.
 
-The server serves the tiny Qwen2.5-VL (tests/vision_models.py) where the workers have its model, and its answers
-with one and two images equal transformers' greedy ones, chunked prefill cutting the images and the prefix cache
-serving a repeated image. Until then it serves a stand-in (tests/image_inputs.build_vision_standin): a tiny Qwen2 whose
-directory reads as a Qwen-VL one, whose workers ignore the images, so only the prompts' token counts (each 32x32 image
-is 16 placeholders) are checked."""
+The server serves the tiny Qwen2.5-VL (tests/vision_models.py), and its answers with one and two images equal
+transformers' greedy ones, chunked prefill cutting the images and the prefix cache serving a repeated image."""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ import os
 import pytest
 import torch
 
-from tests.image_inputs import BAD_FILES, GOOD_PNG, HAS_VL_WORKER, ImageServer, build_vision_standin, data_url
+from tests.image_inputs import BAD_FILES, GOOD_PNG, ImageServer, data_url
 from tests.net import free_port
 from tests.server_utils import ServerProcess
 from tests.vision_models import (
@@ -50,7 +47,7 @@ def media(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("vision_model")
-    (build_qwen2_5_vl if HAS_VL_WORKER else build_vision_standin)(path)
+    build_qwen2_5_vl(path)
     return path
 
 
@@ -112,7 +109,6 @@ def test_images_in_chat_and_generate_reach_the_model_expanded(server, images, me
     assert server.get("/server_info").json()["num_requests_in_flight"] == 0
 
 
-@pytest.mark.skipif(not HAS_VL_WORKER, reason="the workers' Qwen2.5-VL is not in this tree: the stand-in serves")
 def test_answers_with_images_equal_transformers_greedy(server, model_dir):
     import openai
     from transformers import Qwen2_5_VLForConditionalGeneration
