@@ -78,8 +78,9 @@ class LoRAManager:
         self.uploader = uploader_for(self.spec.device)  # every pool write goes through it (a side stream on CUDA)
         self.batch = LoRABatchInfo(backend=backend)
         self.base_linears: dict[tuple[int, str], nn.Module] = {}  # (layer, fused name) -> the wrapped linear
-        # (layer, fused name) -> Σ W² per output row of this rank (float32): DoRA's norms start from it; read at the
-        # first DoRA adapter on the linear (the loader's thread), kept for the next
+        # (layer, fused name) -> Σ W² per output row of this rank (float32): DoRA's norms start from it; read at
+        # start-up where the weights are packed next (read_base_norms), else at the first DoRA adapter on the linear
+        # (the loader's thread); kept for the next
         self._base_rows_sq: dict[tuple[int, str], torch.Tensor] = {}
         for (layer_id, name), buffers in self.pool.buffers.items():
             parent_name, attr = name.rsplit(".", 1)
