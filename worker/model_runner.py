@@ -384,6 +384,8 @@ class ModelRunner:
         if reason is not None:
             logger.info("linear weights stay plain (%s)", reason)
             return
+        if self.lora is not None:  # DoRA's norms start from the plain weights, which packing frees
+            self.lora.read_base_norms()
         start = time.perf_counter()
         num_packed = packed.pack_linears(self.model)
         logger.info("packed %d linear weights for oneDNN in %.1f s", num_packed, time.perf_counter() - start)

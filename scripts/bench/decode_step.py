@@ -7,7 +7,8 @@ pool (as after a 32-adapter workload), 32 adapters, and the same 32 as DoRA adap
 magnitude vectors added: the same products, then each row rescaled); then, on runners whose pool holds rank 4 x 16,
 every row on one adapter against every row on a linear mix of 4 (lora_mix: its ranks stacked, rank 64). Prints min
 and median step time per path and their ratios, then the adapter forms' two comparisons: DoRA / plain LoRA at 32
-adapters and a mix of 4 / one adapter (median over median, per path; `ratios` in --json).
+adapters and a mix of 4 / one adapter (median over median, per path; `ratios` in --json), and the time the 32 DoRA
+adapters took to load on each runner (`dora_load_s`).
 
     python -m scripts.bench.decode_step            # bfloat16, the full bench model, 32 requests of 200 tokens
     python -m scripts.bench.decode_step --paths torch --size quick --dtype float32   # where the CPU kernels cannot run
@@ -189,8 +190,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"{len(specs)} adapters": list(range(len(specs))),
     }
     time_batches(args, runners, pages, batches, results, rows)
+    start = time.perf_counter()
     for runner in runners.values():  # the same adapters as DoRA adapters, in the same slots
         runner.lora.apply_slot_loads(dora_copies(runner, bench, len(specs), first_id=2000))
+    dora_load_s = (time.perf_counter() - start) / len(runners)  # each adapter read and its norms computed
     dora_row = f"{len(specs)} DoRA adapters"
     time_batches(args, runners, pages, {dora_row: list(range(len(specs)))}, results, rows)
     ratios = {f"DoRA / plain LoRA, {len(specs)} adapters": (dora_row, f"{len(specs)} adapters")}
@@ -222,9 +225,10 @@ def main(argv: list[str] | None = None) -> dict:
                for name, (a, b) in ratios.items()}  # fmt: skip
     for name, by_path in medians.items():
         print(f"{name} (median): " + ", ".join(f"{path} {ratio:.2f}" for path, ratio in by_path.items()))
+    print(f"DoRA set-up: {len(specs)} adapters loaded (their norms included) in {dora_load_s:.1f} s per runner")
     if args.json:
-        write_json(args.json, {"args": vars(args), "results": results, "ratios": medians})
-    return {**results, "ratios": medians}
+        write_json(args.json, {"args": vars(args), "results": results, "ratios": medians, "dora_load_s": dora_load_s})
+    return {**results, "ratios": medians, "dora_load_s": dora_load_s}
 
 
 def time_batches(

@@ -17,6 +17,7 @@ from loraplex.worker.layers import packed
 from loraplex.worker.model_runner import ModelRunner
 
 from tests.builders import build_lora_adapter
+from tests.lora_helpers import build_peft_adapter
 from tests.worker_helpers import GREEDY, build_llama_variant, forward_logits, make_runner, random_prompts
 
 OFF = cpu_ext.unavailable_reason()
@@ -134,6 +135,22 @@ def test_packed_weights_match_plain_weights(
     plain = make_runner(base_dir, dtype="bfloat16", **config)
     assert all(m.packed_weight is None for m in plain.model.modules() if hasattr(m, "packed_weight"))
     torch.testing.assert_close(with_packed, run_decode(plain, adapters), atol=1e-2, rtol=1e-2)
+    if not tied:
+        # a DoRA adapter's row norms: the packed runner read its ‖W‖² before packing and its cross terms through the
+        # packed layers; the plain runner reads both from the plain weights
+        dora_dir = tmp_path / "dora"
+        build_peft_adapter(base_dir, dora_dir, r=8, lora_alpha=16, target_modules=TARGET_MODULES, seed=4,
+                           use_dora=True)  # fmt: skip
+        ours, ref = dora_norms_sq(runner, dora_dir), dora_norms_sq(plain, dora_dir)
+        assert ours.keys() == ref.keys() and len(ours) == len(TARGET_MODULES) * runner.model_config.num_layers
+        for key, norms_sq in ours.items():
+            torch.testing.assert_close(norms_sq, ref[key], atol=0, rtol=2e-2, msg=str(key))
+
+
+def dora_norms_sq(runner: ModelRunner, adapter_dir: Path) -> dict:
+    [outcome] = runner.lora.load([AdapterToLoad(lora_name="dora", lora_path=str(adapter_dir), lora_id=9)])
+    assert outcome.success, outcome.error_message
+    return runner.lora.adapters[9].dora.norms_sq
 
 
 def test_weights_are_packed_only_for_bfloat16_on_cpu() -> None:

@@ -1,5 +1,6 @@
 """DoRA adapters in the worker against HF transformers + peft, in one batch with a plain adapter and the base model;
-a slot that held a DoRA adapter and then a plain one; PEFT's fused modules (Phi-3); a quantized base; the refusals."""
+a slot that held a DoRA adapter and then a plain one; PEFT's fused modules (Phi-3); a quantized base; the refusals;
+the norms read through a layer with a bias."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
 from loraplex.protocol.structs import AdapterToLoad, SlotLoad
+from loraplex.worker.layers.linear import MergedColumnParallelLinear
+from loraplex.worker.lora.dora import base_rows_sq, weight_norm_sq
 from loraplex.worker.model_runner import ModelRunner
 
 from tests.lora_helpers import (
@@ -103,3 +107,38 @@ def test_dora_on_a_quantized_base_matches_peft_on_its_dequantized_weights(llama_
     names = ["dora", None, "dora"]
     ours = dora_batch_logits(runner, dirs, prompts, names)
     assert_logits_match_peft(ours, prompts, names, dequant_dir, dirs, FP32_TOL, MIN_ADAPTER_EFFECT)
+
+
+class _ThroughTheLayer:
+    """Stands in for a weight that the layer holds only in a form it multiplies by (quantized or packed): x·Wᵀ."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight, self.device, self.dtype = weight, weight.device, weight.dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T
+
+
+def test_dora_norms_through_the_layer_leave_out_its_bias() -> None:
+    """‖W + scale·B·A‖² per row of each slice of a fused layer with a bias (Qwen2's qkv), read from its plain weight
+    and through the layer (as a quantized or packed weight is read), against the rows computed whole in float64."""
+    generator = torch.Generator().manual_seed(3)
+    linear = MergedColumnParallelLinear(48, [32, 16, 16], bias=True)
+    weight = torch.randn(64, 48, generator=generator)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        linear.bias.copy_(torch.randn(64, generator=generator) * 3)
+    through = MergedColumnParallelLinear(48, [32, 16, 16], bias=True)
+    with torch.no_grad():
+        through.bias.copy_(linear.bias)
+    del through.weight
+    through.quant = _ThroughTheLayer(weight)
+    scale = 2.0
+    for rows in (slice(0, 32), slice(32, 48), slice(48, 64)):
+        lora_a = torch.randn(4, 48, generator=generator)
+        lora_b = torch.randn(rows.stop - rows.start, 4, generator=generator)
+        expected = (weight[rows].double() + scale * lora_b.double() @ lora_a.double()).square().sum(dim=1)
+        for layer in (linear, through):
+            base_sq = base_rows_sq(layer)[rows]
+            ours = weight_norm_sq(layer, rows, lora_a, lora_b, scale, base_sq)
+            assert torch.allclose(ours.double(), expected, rtol=1e-5), (rows, layer is through)

@@ -230,6 +230,7 @@ def test_decode_step_rows_of_the_adapter_forms(bench_cache_dir: Path, tmp_path: 
     assert all(row["torch ops"]["median_ms"] > 0 for row in rows.values())
     assert set(result["ratios"]) == {"DoRA / plain LoRA, 4 adapters", "a mix of 4 / one adapter"}
     assert all(ratio["torch ops"] > 0 for ratio in result["ratios"].values())
+    assert result["dora_load_s"] > 0
 
 
 def test_roofline_tiny(bench_cache_dir: Path, tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
 """An adapter's own tokenizer through the server: a PEFT adapter that trained two new special tokens (trainable
 token rows, and an lm_head copy) saved beside its tokenizer (the tokens added, one of them its end token, and a chat
 template of its own). Its requests are encoded, templated, stopped and decoded with that tokenizer and equal HF +
-peft in fp32, in one batch with a plain adapter and the base model, which read the tokens' text as plain text; a
-vocabulary larger than the base model's embedding is refused by name; unloaded, the tokenizer goes with it."""
+peft in fp32, in one batch with a plain adapter, a DoRA adapter, an adapter with an embed_tokens copy and the base
+model, which read the tokens' text as plain text (so the batch holds every adapter form PEFT saves: DoRA, both module
+copies, trainable tokens and an added special token); a vocabulary larger than the base model's embedding is refused
+by name; unloaded, the tokenizer goes with it."""
 
 from __future__ import annotations
 
@@ -57,12 +59,16 @@ def adapters(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> dict[
     tokenizer.chat_template = TEMPLATE
     new_ids = tokenizer.convert_tokens_to_ids([END, TOOL])
     assert new_ids == [tokenizer_vocab_size(), tokenizer_vocab_size() + 1]  # rows the base model has, untrained
-    dirs = {name: root / name for name in ("tok", "plain", "huge")}
+    dirs = {name: root / name for name in ("tok", "plain", "huge", "dora", "embed")}
     build_peft_adapter(model_dir, dirs["tok"], r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"), seed=91,
                        trainable_token_indices=new_ids, modules_to_save=["lm_head"])  # fmt: skip
     tokenizer.save_pretrained(dirs["tok"])
     _end_early(dirs["tok"], model_dir, tokenizer(PROMPT)["input_ids"], new_ids[0])
     build_peft_adapter(model_dir, dirs["plain"], r=4, lora_alpha=8, target_modules=("q_proj",), seed=92)
+    build_peft_adapter(model_dir, dirs["dora"], r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "down_proj"),
+                       seed=93, use_dora=True)  # fmt: skip
+    build_peft_adapter(model_dir, dirs["embed"], r=4, lora_alpha=8, target_modules=("q_proj",), seed=94,
+                       modules_to_save=["embed_tokens"])  # fmt: skip
     shutil.copytree(dirs["plain"], dirs["huge"])
     huge = AutoTokenizer.from_pretrained(model_dir)
     huge.add_special_tokens({"additional_special_tokens": [f"<|extra_{i}|>" for i in range(SPARE_ROWS + 1)]})
@@ -72,9 +78,9 @@ def adapters(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> dict[
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, adapters: dict[str, Path]):
-    with ServerProcess("--model-path", str(model_dir), "--lora-paths", f"tok={adapters['tok']}",
-                       f"plain={adapters['plain']}", "--max-loras-per-batch", "4", "--max-total-tokens", "4096",
-                       "--context-length", "512") as server:  # fmt: skip
+    lora_paths = [f"{name}={adapters[name]}" for name in ("tok", "plain", "dora", "embed")]
+    with ServerProcess("--model-path", str(model_dir), "--lora-paths", *lora_paths, "--max-loras-per-batch", "4",
+                       "--max-total-tokens", "4096", "--context-length", "512") as server:  # fmt: skip
         yield server
 
 
@@ -88,13 +94,13 @@ def test_own_tokenizer_in_one_batch_with_others_equals_peft(server, model_dir, a
     own = AutoTokenizer.from_pretrained(adapters["tok"])
     base = AutoTokenizer.from_pretrained(model_dir)
     end_id, tool_id = own.convert_tokens_to_ids([END, TOOL])
-    names = ["tok", "plain", None]
-    prompt_ids = [own(PROMPT)["input_ids"], base(PROMPT)["input_ids"], base(PROMPT)["input_ids"]]
+    names = ["tok", "plain", None, "dora", "embed"]
+    prompt_ids = [own(PROMPT)["input_ids"]] + [base(PROMPT)["input_ids"]] * 4
     # the adapter reads <|tool|> as its one token; the base model and the other adapter as the text it spells
     assert tool_id in prompt_ids[0] and all(t < tokenizer_vocab_size() for t in prompt_ids[1])
     assert _tokenize(server, "tok", PROMPT) == prompt_ids[0]
     assert _tokenize(server, "plain", PROMPT) == _tokenize(server, model_dir.name, PROMPT) == prompt_ids[1]
-    body = {"text": [PROMPT] * 3, "lora_path": names, "sampling_params": GREEDY}
+    body = {"text": [PROMPT] * len(names), "lora_path": names, "sampling_params": GREEDY}
     resp = server.post("/generate", body)
     assert resp.status_code == 200, resp.text
     outs = resp.json()

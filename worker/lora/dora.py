@@ -3,9 +3,10 @@ y = (x·Wᵀ + scale·(x·Aᵀ)·Bᵀ) · m / ‖W + scale·B·A‖, the norm of
 peft.tuners.lora.dora.DoraLinearLayer computes it in eval mode (no dropout; the norm a constant). The bias is added
 after the rescale, as PEFT leaves it outside too.
 
-The norms are computed once per adapter, on the loader's thread: this rank's weight rows are read through the base
-layer's own `partial` on identity columns (a quantized base gives its dequantized weight, as its forward uses it), so
-a row-parallel shard holds only its input columns' part of each sum of squares. `reduce_norms` completes those with
+The norms are computed once per adapter, on the loader's thread, expanded as ‖W‖² + 2·scale·⟨W, B·A⟩ + scale²·‖B·A‖²
+per row: ‖W‖² is the base layer's, read once per linear and kept; the cross term is A through the base weight (r rows,
+a quantized base's dequantized weight as its forward uses it). Each sum runs over this rank's input columns, so a
+row-parallel shard holds only its columns' part of each sum of squares. `reduce_norms` completes those with
 one all-reduce per adapter, at its first slot load, on the main loop, where every rank runs the same slot loads in
 the same order. The pool keeps per layer per fused linear a table of each slot's row scales (DoraTable: 1 for a plain
 adapter, an untargeted slice and the base rows), made when a DoRA adapter first reaches that linear; LoRALinear
@@ -53,24 +54,59 @@ class DoraNorms:
 
 
 @torch.no_grad()
-def weight_norm_sq(linear: nn.Module, rows: slice, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                   scale: float) -> torch.Tensor:  # fmt: skip
+def weight_norm_sq(linear: nn.Module, rows: slice, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+                   base_sq: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """(rows,) float32: Σ over this rank's input columns of (W + scale·B·A)², W the base `linear`'s rows `rows` of
-    this rank (before its all-reduce and bias), A (r, in of this rank) and B (rows, r) an adapter's."""
-    weight = _weight_param(linear)
-    device, dtype = weight.device, weight.dtype
+    this rank (before its all-reduce and bias), A (r, in of this rank) and B (rows, r) an adapter's, base_sq (rows,)
+    the rows' Σ W² (base_rows_sq). Expanded as ‖W‖² + 2·scale·Σ_k B[:, k]·(A·Wᵀ)[k] + scale²·‖B·A‖², so an adapter
+    costs one product of its A with the weight (r rows through the layer) and no (rows, in) tensor."""
+    device = base_sq.device
+    lora_a = lora_a.to(device, torch.float32)  # (r, in)
+    lora_b = lora_b.to(device, torch.float32)  # (rows, r)
+    a_w = weight_products(linear, lora_a, rows)  # (r, rows) = A·Wᵀ
+    cross = (lora_b * a_w.mT).sum(dim=1)  # (rows,) = Σ_in W·(B·A)
+    update_sq = ((lora_b @ (lora_a @ lora_a.mT)) * lora_b).sum(dim=1)  # (rows,) = Σ_in (B·A)²
+    return (base_sq + 2 * scale * cross + scale * scale * update_sq).clamp_(min=0)
+
+
+@torch.no_grad()
+def base_rows_sq(linear: nn.Module) -> torch.Tensor:
+    """(out of this rank,) float32: Σ over this rank's input columns of W², each output row; the part of every DoRA
+    adapter's norms that no adapter changes (the manager keeps it per linear). A plain weight is read as it is; a
+    packed or quantized one through the layer on identity columns, once."""
+    weight = _plain_weight(linear)
+    if weight is not None:
+        return torch.linalg.vector_norm(weight, dim=1, dtype=torch.float32).square()  # no float32 copy of W
     num_cols = linear.input_size_per_rank
-    lora_a = lora_a.to(device, torch.float32)
-    lora_b = lora_b.to(device, torch.float32)
-    sums = torch.zeros(rows.stop - rows.start, dtype=torch.float32, device=device)
+    device = _weight_param(linear).device
+    all_rows = slice(0, sum(linear.output_sizes_per_rank))
+    sums = torch.zeros(all_rows.stop, dtype=torch.float32, device=device)
     for start in range(0, num_cols, _IDENTITY_ROWS):
         stop = min(start + _IDENTITY_ROWS, num_cols)
-        identity = torch.zeros(stop - start, num_cols, dtype=dtype, device=device)
+        identity = torch.zeros(stop - start, num_cols, dtype=torch.float32, device=device)
         identity[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
-        w_cols = linear.partial(identity)[:, rows].float()  # (cols, rows) = W[rows, start:stop]ᵀ
-        updated = w_cols + scale * (lora_a[:, start:stop].mT @ lora_b.mT)  # (cols, rows)
-        sums += updated.square().sum(dim=0)
+        sums += weight_products(linear, identity, all_rows).square().sum(dim=0)  # W[:, start:stop]ᵀ squared
     return sums
+
+
+def weight_products(linear: nn.Module, x: torch.Tensor, rows: slice) -> torch.Tensor:
+    """(n, rows) float32 = x·W[rows]ᵀ, x (n, in of this rank) float32, without the layer's bias or all-reduce. A
+    plain weight in float32; a packed or quantized one through the layer's own `partial` in its dtype (a quantized
+    base: its dequantized weight, as its forward uses it), less its output on a zero row (the bias, if any)."""
+    weight = _plain_weight(linear)
+    if weight is not None:
+        return x @ weight[rows].float().mT
+    padded = torch.cat([x, x.new_zeros(1, x.shape[1])]).to(_weight_param(linear).dtype)  # (n + 1, in)
+    y = linear.partial(padded)[:, rows].float()  # (n + 1, rows)
+    return y[:-1] - y[-1:]
+
+
+def _plain_weight(linear: nn.Module) -> torch.Tensor | None:
+    """The layer's (out, in) weight where it holds one (not quantized, not packed away: worker/layers/packed.py)."""
+    weight = getattr(linear, "weight", None)
+    if getattr(linear, "quant", None) is not None or weight is None or weight.numel() == 0:
+        return None
+    return weight
 
 
 def _weight_param(linear: nn.Module) -> torch.Tensor:

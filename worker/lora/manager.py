@@ -27,7 +27,7 @@ from loraplex.worker.lora.copies import (
     check_head_copies,
     wrap_head_linears,
 )
-from loraplex.worker.lora.dora import reduce_norms, weight_norm_sq
+from loraplex.worker.lora.dora import base_rows_sq, reduce_norms, weight_norm_sq
 from loraplex.worker.lora.experts import LoRAExpertsLinear
 from loraplex.worker.lora.latent import LoRALatentKVProj
 from loraplex.worker.lora.layers import LoRABatchInfo, LoRALinear
@@ -86,6 +86,10 @@ class LoRAManager:
         self.uploader = uploader_for(self.spec.device)  # every pool write goes through it (a side stream on CUDA)
         self.batch = LoRABatchInfo(backend=backend)
         self.base_linears: dict[tuple[int, str], nn.Module] = {}  # (layer, fused name) -> the wrapped linear
+        # (layer, fused name) -> Σ W² per output row of this rank (float32): DoRA's norms start from it; read at
+        # start-up where the weights are packed next (read_base_norms), else at the first DoRA adapter on the linear
+        # (the loader's thread); kept for the next
+        self._base_rows_sq: dict[tuple[int, str], torch.Tensor] = {}
         for (layer_id, name), buffers in self.pool.buffers.items():
             parent_name, attr = name.rsplit(".", 1)
             parent = layers[layer_id].get_submodule(parent_name)
@@ -197,14 +201,26 @@ class LoRAManager:
                 outcomes.append(AdapterLoadError(f"{type(e).__name__}: {e}", "internal"))
         return outcomes
 
+    def read_base_norms(self) -> None:
+        """Read each wrapped linear's Σ W² per row now, while its weight is plain (one pass over the weights): the
+        model runner packs them next, and a packed weight gives them only through an identity pass per linear."""
+        for key, linear in self.base_linears.items():
+            weight = getattr(linear, "weight", None)
+            if getattr(linear, "quant", None) is None and weight is not None and weight.dim() == 2:
+                self._base_rows_sq[key] = base_rows_sq(linear)
+
     def _dora_norms(self, adapter: LoRAAdapter) -> None:
         """This rank's part of each DoRA module's ‖W + scale·B·A‖² per output row (worker/lora/dora.py)."""
         for key in adapter.dora.magnitudes:
             buffers, slice_id = self.pool.slice_of[key]
             rows = slice(buffers.row_offsets[slice_id], buffers.row_offsets[slice_id + 1])
             lora_a, lora_b = adapter.weights[key]
-            linear = self.base_linears[(key[0], buffers.fused.name)]
-            adapter.dora.norms_sq[key] = weight_norm_sq(linear, rows, lora_a, lora_b, adapter.scale).cpu()
+            linear_key = (key[0], buffers.fused.name)
+            linear = self.base_linears[linear_key]
+            if linear_key not in self._base_rows_sq:
+                self._base_rows_sq[linear_key] = base_rows_sq(linear)
+            base_sq = self._base_rows_sq[linear_key][rows]
+            adapter.dora.norms_sq[key] = weight_norm_sq(linear, rows, lora_a, lora_b, adapter.scale, base_sq).cpu()
 
     def install(
         self, specs: Sequence[AdapterToLoad], outcomes: Sequence[LoRAAdapter | AdapterLoadError]
