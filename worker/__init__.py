@@ -12,7 +12,8 @@ draft_model.py             DraftRunner: a small model beside the target proposin
 eagle3_runner.py           Eagle3Runner: an EAGLE-3 head drafting from the target's hidden states (hooks on three
                            layers), its KV on the target's pages, each request's verified features kept between passes
 cuda_graphs.py             DecodeGraphRunner: decode steps replayed from CUDA graphs captured at start-up
-batch_inputs.py            ForwardBatch -> flat token ids, positions, cache slots, attention masks
+batch_inputs.py            ForwardBatch -> flat token ids, positions (M-RoPE rows too), cache slots, attention masks
+images.py                  a pass's images -> the tower's embedding rows for their placeholders (kept across chunks)
 kv_cache.py                KVCache tensors and the default capacity rule; an FP8 cache's scales, writes, dequantizing
 kv_scales.py               an FP8 KV cache's static k_scale / v_scale read from the checkpoint
 state_cache.py             HybridCache: a hybrid model's KV (attention layers only) and its state slots (per running
@@ -47,6 +48,8 @@ model/qwen3_next.py        Qwen3-Next: Qwen3.5's decoder with grouped in_proj_qk
 model/gpt_oss.py           gpt-oss: attention sinks, biased top-k-softmax router, experts with biases, clamped SwiGLU
 model/llama4.py            Llama 4 (text): chunked local attention on RoPE layers, NoPE global layers with temperature
                            tuning, QK L2 norm; sigmoid top-1 experts fed their weight, a shared expert, dense layers
+model/qwen2_5_vl.py        Qwen2.5-VL: a Qwen2 decoder with M-RoPE whose image placeholders take the tower's rows
+model/qwen2_5_vl_vision.py  Qwen2.5-VL's vision tower (windowed and full blocks, 2-D rotary, patch merger), TP-sharded
 model/registry.py          model_type -> decoder class (one file per family)
 layers/linear.py           Column-, MergedColumn- and RowParallelLinear with sharding weight loaders
 layers/attention.py        paged attention with torch SDPA; a batch's decodes and prefills as parts (latent attention)

@@ -15,5 +15,6 @@ copies.py    ModuleCopies: full embed_tokens/lm_head copies (modules_to_save) un
              classifier's head copies and trainable token rows, selected per row by slot; their wrappers
 manager.py   LoRAManager: host copies by lora_id, the slot table, slot loads, per-forward token segments
 upload.py    SlotUploader: where the pool's slot writes (uploads, clears) run, chosen once
+tower.py     LoRA on a VL model's vision tower and merger (--enable-tower-connector-lora), per image
 draft_adapters.py  DraftAdapters: the draft model's adapters (--speculative-lora-modules) in its own pool, by name
 """
