@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -89,12 +90,12 @@ def _stage(wheels: Path | None, ca_cert: Path | None) -> list[Path]:
     staged = []
     for source, name in sources:
         dest = WHEELS_DIR / name
-        if not dest.exists():
-            try:
-                dest.hardlink_to(source)
-            except OSError:  # another filesystem
-                shutil.copy2(source, dest)
-            staged.append(dest)
+        dest.unlink(missing_ok=True)  # a copy an interrupted build left
+        try:
+            dest.hardlink_to(source)
+        except OSError:  # another filesystem
+            shutil.copy2(source, dest)
+        staged.append(dest)
     return staged
 
 
@@ -161,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     base.add_argument("--tag", default=LOCAL_BASE)
     base.add_argument("--mirror", default=DEBIAN_MIRROR)
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the staged copies are removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         if args.command == "base":
             print(build_base(args.tag, args.mirror))

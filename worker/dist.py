@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 
 import torch
@@ -50,6 +51,10 @@ def init_distributed(config: ServerConfig, dist_init_addr: str, rank: int, devic
     logger.info(
         "joining torch.distributed group: rank %d of %d, %s at tcp://%s", rank, config.tp, backend, dist_init_addr
     )
+    if config.dist_interface:
+        # The collectives connect rank to rank on their own sockets, outside the cluster key's CURVE channel: they stay
+        # on the interface named (a private network). Both backends read these when the group is made.
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = config.dist_interface
     if config.nnodes > 1:
         # Node 0's frontend hosts the store at --dist-init-addr (frontend/cluster/node_rendezvous.py): every rank joins
         # as a client, under a prefix of its own beside the nodes' keys.
