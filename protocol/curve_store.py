@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import msgspec
 import zmq
-from loraplex.protocol.curve import ClusterKey
+from loraplex.protocol.curve import ClusterKey, _watch_refusals
 
 logger = logging.getLogger("loraplex.store")
 _encode = msgspec.msgpack.Encoder().encode
@@ -108,6 +108,7 @@ class CurveStoreClient:
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.linger = 0
         key.secure(self._sock, self.addr, bind=False)
+        _watch_refusals(self._sock)  # a node with another key says so in its log, not only node 0
         self._sock.connect(self.addr)
         self._lock = threading.Lock()  # one request in flight: torch may call from several threads
         self._seq = 0

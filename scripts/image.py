@@ -75,6 +75,11 @@ def image_exists(tag: str) -> bool:
     return subprocess.run(probe, capture_output=True).returncode == 0
 
 
+def image_id(tag: str) -> str | None:
+    found = subprocess.run([*engine(), "image", "inspect", "--format", "{{.Id}}", tag], capture_output=True, text=True)
+    return found.stdout.strip() or None if found.returncode == 0 else None
+
+
 def _stage(wheels: Path | None, ca_cert: Path | None) -> list[Path]:
     """Copy the wheels and the CA bundle into deploy/wheels/ (the Containerfile's /wheels); returns the copies, which
     the build removes after."""
@@ -114,8 +119,11 @@ def build(target: str, base: str | None = None, tag: str | None = None, wheels: 
         cmd += ["--build-arg", f"PIP_INDEX_URL={pip_index_url}"]
     if cmd[0] == "podman":
         # docker format keeps HEALTHCHECK (OCI has no field for it). chroot isolation runs the RUN steps without an
-        # OCI runtime or cgroups (which sandboxes and nested containers often refuse), on the host's network.
-        cmd += ["--format", "docker", "--isolation", "chroot", "--layers"]
+        # OCI runtime or cgroups (which sandboxes and nested containers often refuse), on the host's network. No
+        # intermediate layers: under vfs each one is a full copy of the tree (gigabytes); pip's download cache
+        # (the Containerfile's cache mount) is what a rebuild reuses.
+        cmd += ["--format", "docker", "--isolation", "chroot", "--layers=false"]
+    previous = image_id(tag)
     staged = _stage(wheels, ca_cert)
     try:
         print("+", " ".join(cmd), str(REPO), flush=True)
@@ -124,6 +132,8 @@ def build(target: str, base: str | None = None, tag: str | None = None, wheels: 
     finally:
         for path in staged:
             path.unlink(missing_ok=True)
+    if previous and previous != image_id(tag):  # the image this build replaced, now untagged: its space back
+        subprocess.run([*engine(), "rmi", previous], capture_output=True)
     return tag
 
 
