@@ -61,3 +61,21 @@ class NetNS:
 
     def __exit__(self, *exc: object) -> None:
         self.delete()
+
+
+def bridged_hosts(prefix: str, count: int, subnet: str = "10.77.0") -> tuple[NetNS, list[tuple[NetNS, str]]]:
+    """`count` hosts on one Ethernet segment: a switch namespace with a bridge (br0), and per host a namespace whose
+    eth0 (a veth into the bridge) has SUBNET.(i + 1)/24. Returns (the switch, [(host, its address)]); the caller
+    deletes them all (deleting a namespace takes its veth with it)."""
+    switch = NetNS(f"{prefix}-sw")
+    _ip("-n", switch.name, "link", "add", "br0", "type", "bridge")
+    _ip("-n", switch.name, "link", "set", "br0", "up")
+    hosts = []
+    for i in range(count):
+        host, addr = NetNS(f"{prefix}-h{i}"), f"{subnet}.{i + 1}"
+        _ip("-n", switch.name, "link", "add", f"port{i}", "type", "veth", "peer", "name", "eth0", "netns", host.name)
+        _ip("-n", switch.name, "link", "set", f"port{i}", "master", "br0", "up")
+        _ip("-n", host.name, "addr", "add", f"{addr}/24", "dev", "eth0")
+        _ip("-n", host.name, "link", "set", "eth0", "up")
+        hosts.append((host, addr))
+    return switch, hosts
