@@ -22,15 +22,19 @@ from pathlib import Path
 
 import pytest
 import requests
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from scripts import image
-from tests.demo_tasks import TASKS, prompt
+from tests.demo_tasks import MAX_ANSWER_CHARS, TASKS, greedy_answers, held_out_inputs, prompt
 from tests.netns import NetNS
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces and podman's storage need root")
-DEMO_ADAPTERS = Path(image.REPO) / "frontend" / "demo_assets" / "adapters"
+DEMO_DIR = Path(image.REPO) / "frontend" / "demo_assets"
+DEMO_ADAPTERS = DEMO_DIR / "adapters"
 PORT = 8000  # the image's own (EXPOSE and its default command); its network namespace is its own
 START_TIMEOUT_S = 240.0
+ADMIN_KEY = "image-test-admin"
 # Inside the new mount namespace: the kernel file systems, fresh /tmp and /dev/shm, the cache volume as the image's
 # user's tmpfs, the adapters volume from the host; then the image's command as the image's user.
 RUN_SCRIPT = r"""
@@ -108,7 +112,8 @@ def container(built: dict, tmp_path_factory: pytest.TempPathFactory):
     try:
         root = Path(podman("mount", cid))
         env = [*config["Env"], "HF_HUB_OFFLINE=1"]
-        command = [*config["Entrypoint"], *config["Cmd"]]
+        # the default command (the demo on 0.0.0.0) with an admin key: beyond loopback, updates need one
+        command = [*config["Entrypoint"], *config["Cmd"], "--admin-api-key", ADMIN_KEY]
         with open(log, "w") as out:
             proc = subprocess.Popen(
                 [*ns.prefix(), "unshare", "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private",
@@ -136,8 +141,10 @@ def healthy() -> bool:
         return False
 
 
-def call(ns: NetNS, method: str, path: str, body: object = None) -> requests.Response:
-    return ns.call(requests.request, method, f"http://127.0.0.1:{PORT}{path}", json=body, timeout=120)
+def call(ns: NetNS, method: str, path: str, body: object = None, key: str | None = None) -> requests.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return ns.call(requests.request, method, f"http://127.0.0.1:{PORT}{path}", json=body, headers=headers,
+                   timeout=120)
 
 
 def test_image_metadata(built: dict):
@@ -165,12 +172,21 @@ def test_load_an_adapter_from_the_volume_and_complete(container):
     ns, _ = container
     demo = {a["lora_name"] for a in call(ns, "GET", "/lora_adapters").json()["adapters"]}
     assert demo == set(TASKS) - {"echo"}
-    loaded = call(ns, "POST", "/load_lora_adapter", {"lora_name": "reverse-volume", "lora_path": "/adapters/reverse"})
+    load = {"lora_name": "reverse-volume", "lora_path": "/adapters/reverse"}
+    assert call(ns, "POST", "/load_lora_adapter", load).status_code == 401  # no key, no load
+    loaded = call(ns, "POST", "/load_lora_adapter", load, key=ADMIN_KEY)
     assert loaded.status_code == 200, loaded.text
-    texts = ["hello world", "abc de fgh"]
-    for adapter, task in (("reverse-volume", "reverse"), ("sort", "sort"), (None, "echo")):
+    texts = held_out_inputs()[:6]
+    demo = AutoModelForCausalLM.from_pretrained(DEMO_DIR).eval()
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR)
+    for adapter, adapter_dir in (("reverse-volume", DEMO_DIR / "adapters" / "reverse"), ("sort", DEMO_DIR / "adapters"
+                                 / "sort"), (None, None)):
         response = call(ns, "POST", "/generate", {
             "text": [prompt(t) for t in texts], "lora_path": [adapter] * len(texts),
-            "sampling_params": {"max_new_tokens": 24, "temperature": 0}})
+            "sampling_params": {"max_new_tokens": MAX_ANSWER_CHARS + 2, "temperature": 0}})
         assert response.status_code == 200, response.text
-        assert [o["text"] for o in response.json()] == [TASKS[task](t) for t in texts], adapter
+        # the reference: transformers (and peft) on this machine, the same files
+        model = PeftModel.from_pretrained(demo, adapter_dir).eval() if adapter_dir else demo
+        assert [o["text"] for o in response.json()] == greedy_answers(model, tokenizer, texts), adapter
+        if adapter_dir:
+            demo = model.unload()
