@@ -128,7 +128,10 @@ def container(built: dict, tmp_path_factory: pytest.TempPathFactory):
         yield ns, proc
     finally:
         if proc is not None:
-            os.killpg(proc.pid, 9)  # --kill-child takes the namespace's first process, and with it the rest
+            try:  # --kill-child takes the namespace's first process, and with it the rest
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:  # it had exited already
+                pass
             proc.wait()
         ns.delete()
         subprocess.run([*image.engine(), "rm", "--force", cid], capture_output=True)
