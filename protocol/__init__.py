@@ -2,7 +2,9 @@
 command line is frontend/entrypoints/cli.py) or another loraplex package but protocol/.
 
 structs.py          every struct that crosses a process boundary, one tagged union per socket direction
-sockets.py, curve.py  typed ZeroMQ sockets; CURVE keys on TCP sockets (the only modules that import zmq)
+sockets.py, curve.py  typed ZeroMQ sockets; CURVE keys on TCP sockets (with curve_store.py, the only modules that
+                    import zmq)
+curve_store.py      the multi-node rendezvous store behind the cluster key (TCPStore's operations over CURVE)
 rpc.py              the internal RPC wire format, for clients in any language
 config.py           ServerConfig: every launch setting with its help, validated once (the CLI is generated from it)
 pooling.py          PoolingSpec: the pooling runner's task, pooling and head, from the flags and the checkpoint

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -59,6 +60,11 @@ def parse_lora_module(text: str) -> LoRASource:
         raise ConfigError(f"bad --lora-modules entry {text!r}: expected NAME=PATH or JSON")
     name, path = text.split("=", 1)
     return LoRASource(lora_name=name, lora_path=path)
+
+
+def interface_names() -> list[str]:
+    """This host's network interfaces, as --dist-interface names them."""
+    return sorted(name for _, name in socket.if_nameindex())
 
 
 def is_loopback_address(addr: str) -> bool:
@@ -234,6 +240,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     dist_init_addr: Annotated[str | None, Meta(description=
         "host:port of the torch.distributed rendezvous; with --nnodes > 1 the one address every node agrees on, hosted "
         "by node 0 (default: a free local port)"
+    )] = None
+    dist_interface: Annotated[str | None, Meta(description=
+        "network interface the collectives' own connections use (gloo's and NCCL's sockets: GLOO_SOCKET_IFNAME, "
+        "NCCL_SOCKET_IFNAME); their tensors travel unencrypted, so name a private network's interface"
     )] = None
     lora_load_timeout: Annotated[float, Meta(description=
         "seconds an adapter operation waits for every rank before it fails and is rolled back"
@@ -458,6 +468,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ConfigError(f"--dist-init-addr {self.dist_init_addr!r} is not HOST:PORT")
+        if self.dist_interface is not None and self.dist_interface not in (names := interface_names()):
+            raise ConfigError(f"--dist-interface {self.dist_interface}: no such network interface here (this host has "
+                              f"{', '.join(names)})")
         if self.tp % self.nnodes:
             raise ConfigError(f"--tp {self.tp} is not divisible by --nnodes {self.nnodes}")
         needs_cluster_key = self.nnodes > 1 or (self.rpc_addr is not None and not is_loopback_address(self.rpc_addr))

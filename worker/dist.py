@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.curve import ClusterKey
+from loraplex.protocol.curve_store import CurveStoreClient, torch_store
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 logger = logging.getLogger(__name__)
@@ -50,12 +53,17 @@ def init_distributed(config: ServerConfig, dist_init_addr: str, rank: int, devic
     logger.info(
         "joining torch.distributed group: rank %d of %d, %s at tcp://%s", rank, config.tp, backend, dist_init_addr
     )
+    if config.dist_interface:
+        # The collectives connect rank to rank on their own sockets, outside the cluster key's CURVE channel: they stay
+        # on the interface named (a private network). Both backends read these when the group is made.
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = config.dist_interface
     if config.nnodes > 1:
-        # Node 0's frontend hosts the store at --dist-init-addr (frontend/cluster/node_rendezvous.py): every rank joins
-        # as a client, under a prefix of its own beside the nodes' keys.
+        # Node 0's frontend hosts the store at --dist-init-addr (frontend/cluster/node_rendezvous.py), behind the
+        # cluster key: every rank joins as a client, under a prefix of its own beside the nodes' keys.
         host, port = dist_init_addr.rsplit(":", 1)
-        client = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=DIST_INIT_TIMEOUT)
-        store = dist.PrefixStore("tp/", client)
+        client = CurveStoreClient(host.strip("[]"), int(port), ClusterKey.load(config.cluster_key_file),
+                                  timeout=DIST_INIT_TIMEOUT)
+        store = dist.PrefixStore("tp/", torch_store(client))
         dist.init_process_group(backend=backend, store=store, world_size=config.tp, rank=rank,
                                 timeout=DIST_INIT_TIMEOUT, device_id=device if device.type == "cuda" else None)
         return

@@ -1,13 +1,14 @@
 """NodeRendezvous: how the nodes of a multi-node server (--nnodes) find and watch each other.
 
-Node 0's frontend hosts the torch.distributed TCPStore at --dist-init-addr, the one address the nodes agree on; the
-ranks join their process group through it too (worker/dist.py). Every other internal endpoint is picked free by the
-node that binds it and published there: node 0 the scheduler's TCP socket for the ranks' replies, every other node
-its ranks' batch and loader sockets. Liveness goes through the same store: each headless node bumps a beat counter;
-node 0 calls a node dead when its counter stands still for NODE_TIMEOUT_S, and writes `failed` when it stops serving,
-which the headless nodes read (a store they cannot reach means node 0 is gone). Each node's launcher resolved (and
-downloaded) the model itself: the nodes publish the commit they serve, and a node whose commit differs from node 0's
-stops the start on both sides with one line.
+Node 0's frontend hosts the rendezvous store at --dist-init-addr, the one address the nodes agree on: a key-value
+store over the cluster key's CURVE channel (protocol/curve_store.py), so only holders of --cluster-key-file read or
+write it. The ranks join their process group through it too (worker/dist.py). Every other internal endpoint is
+picked free by the node that binds it and published there: node 0 the scheduler's TCP socket for the ranks' replies,
+every other node its ranks' batch and loader sockets. Liveness goes through the same store: each headless node bumps
+a beat counter; node 0 calls a node dead when its counter stands still for NODE_TIMEOUT_S, and writes `failed` when
+it stops serving, which the headless nodes read (a store they cannot reach means node 0 is gone). Each node's
+launcher resolved (and downloaded) the model itself: the nodes publish the commit they serve, and a node whose
+commit differs from node 0's stops the start on both sides with one line.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from datetime import timedelta
 
 import msgspec
 from loraplex.protocol.config import ServerConfig
+from loraplex.protocol.curve import ClusterKey
+from loraplex.protocol.curve_store import CurveStoreClient, CurveStoreServer
 from loraplex.protocol.structs import Endpoints
 
 logger = logging.getLogger("loraplex.nodes")
@@ -51,20 +54,16 @@ def own_address_towards(host: str, port: int) -> str:
 
 class NodeRendezvous:
     def __init__(self, config: ServerConfig, start_timeout_s: float, model_revision: str | None = None):
-        from torch.distributed import TCPStore  # only multi-node servers pay for torch in the frontend
-
         self.config = config
         self.model_revision = model_revision  # the commit this node's launcher resolved; None for a plain directory
         self.host, self.port = split_addr(config.dist_init_addr)
+        key = ClusterKey.load(config.cluster_key_file)  # required with --nnodes > 1 (ServerConfig checks)
         is_master = config.node_rank == 0
         logger.info("%s the node store at %s:%d", "hosting" if is_master else "joining", self.host, self.port)
-        self.store = TCPStore(
-            self.host,
-            self.port,
-            is_master=is_master,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=start_timeout_s),
-        )
+        self.server = CurveStoreServer(self.host, self.port, key) if is_master else None
+        # The first call waits for node 0 (a headless node usually starts first); later ones fail fast.
+        self.store = CurveStoreClient(self.host, self.port, key, timeout=timedelta(seconds=start_timeout_s))
+        self.store.num_keys()
         self.store.set_timeout(STORE_OP_TIMEOUT)
         self._beats: dict[int, tuple[int, float]] = {}  # node 0: node -> (last count seen, when it changed)
 

@@ -15,7 +15,7 @@ import threading
 import time
 
 from loraplex.protocol.config import ServerConfig
-from loraplex.protocol.proc import ARGS_ENV, encode_process_args
+from loraplex.protocol.proc import ARGS_ENV, PARENT_PID_ENV, encode_process_args
 from loraplex.protocol.structs import Endpoints, ProcessArgs
 
 logger = logging.getLogger("loraplex.launcher")
@@ -79,7 +79,7 @@ class ProcessGroup:
             local_rank=local_rank,
             dp_rank=dp_rank,
         )
-        env = dict(os.environ, **{ARGS_ENV: encode_process_args(args)})
+        env = dict(os.environ, **{ARGS_ENV: encode_process_args(args), PARENT_PID_ENV: str(os.getpid())})
         env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
         logger.info("starting %s", name)
         self.procs[name] = subprocess.Popen([sys.executable, "-m", module], env=env)

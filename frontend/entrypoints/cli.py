@@ -30,7 +30,7 @@ _TOPICS: dict[str, str] = {
     "disable_adapter_fairness scheduling_policy max_mamba_cache_size max_state_snapshots mamba_ssm_cache_dtype "
     "kv_cache_dtype calculate_kv_scales",
     "attention and CUDA graphs": "attention_backend enable_cuda_graph disable_cuda_graph cuda_graph_max_bs",
-    "multi-node": "nnodes node_rank dist_init_addr dist_timeout",
+    "multi-node": "nnodes node_rank dist_init_addr dist_interface dist_timeout",
     "images": "allowed_local_media_path limit_mm_per_prompt",
     "chat and tools": "chat_template enable_auto_tool_choice tool_call_parser reasoning_parser",
     "speculative decoding": "speculative_config speculative_algorithm speculative_draft_model_path "

@@ -5,6 +5,7 @@ and metric names match what the server serves and exports."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import kubernetes_validate
@@ -14,6 +15,8 @@ from loraplex.frontend.entrypoints import native_api
 from loraplex.frontend.entrypoints.cli import build_arg_parser
 from loraplex.frontend.metrics import Metrics
 from loraplex.protocol.config import ServerConfig
+
+from scripts import image
 
 K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 K8S_VERSION = "1.33.0"
@@ -163,3 +166,25 @@ def test_endpoint_picker_reads_exported_metrics():
     config_map = one("ConfigMap", "loraplex-epp")
     plugins = yaml.safe_load(config_map["data"][Path(flag_value(args, "--config-file")).name])
     assert "lora-affinity-scorer" in {p["type"] for p in plugins["plugins"]}
+
+
+def containerfile_instruction(name: str) -> str:
+    """The argument of the last `NAME ...` instruction of deploy/Containerfile (its final stage's)."""
+    lines = [line for line in image.CONTAINERFILE.read_text().splitlines() if line.startswith(name + " ")]
+    return lines[-1][len(name) + 1 :]
+
+
+def test_the_manifest_runs_the_image_the_script_builds():
+    c = container(one("Deployment", "loraplex"))
+    target = flag_value(c["args"], "--device")  # the GPU pods run the CUDA image
+    assert c["image"] == image.default_tag(target) == f"loraplex:{image.version()}-{target}"
+    assert c["command"] == json.loads(containerfile_instruction("ENTRYPOINT"))
+    # the image's user is a number (runAsNonRoot can only check numbers), and it is not root
+    assert c["securityContext"]["runAsNonRoot"] is True
+    assert int(containerfile_instruction("USER").split(":")[0]) > 0
+
+
+def test_the_image_volumes_are_mounted():
+    volumes = set(json.loads(containerfile_instruction("VOLUME")))
+    mounts = {m["mountPath"] for m in container(one("Deployment", "loraplex"))["volumeMounts"]}
+    assert volumes <= mounts

@@ -178,8 +178,8 @@ def test_losing_node0_stops_node1_with_nonzero_exit(two_nodes):
 
 
 def test_node_with_a_wrong_cluster_key_is_refused_and_logged(llama_dir, tmp_path):
-    """Node 1 holds another key: node 0's scheduler refuses its ranks' connections (and logs it), and node 1's ranks
-    refuse node 0's, so the server never starts serving; nothing crosses between them."""
+    """Node 1 holds another key: node 0's rendezvous store refuses its connection (and logs it), and node 1 refuses
+    node 0's store in turn (and logs it), so the server never starts serving; nothing crosses between them."""
     keys = [str(tmp_path / "node0.key"), str(tmp_path / "node1.key")]
     for key in keys:
         write_key_file(key)
@@ -190,7 +190,7 @@ def test_node_with_a_wrong_cluster_key_is_refused_and_logged(llama_dir, tmp_path
         with ServerProcess(*flags, "--cluster-key-file", keys[0], "--node-rank", "0", healthy=False) as node0:
             assert node0.wait_log("CURVE handshake failed", 120), node0.log()
             assert "refused" in node0.log() and node0.get("/health").status_code == 503
-            # node 1's ranks refuse node 0's scheduler too; under load their line may come a while after node 0's
+            # node 1's side of the handshake fails too; under load its line may come a while after node 0's
             assert wait_until(lambda: "CURVE handshake failed" in node1.log(), 120), node1.log()
     finally:
         node1.stop()

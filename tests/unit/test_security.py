@@ -70,6 +70,26 @@ def test_cluster_key_required_beyond_one_host():
     assert config_from_args(["--rpc-addr", "tcp://127.0.0.1:5555"]).cluster_key_file is None  # loopback: as today
 
 
+def test_dist_interface_names_one_of_the_hosts_interfaces():
+    assert config_from_args(["--dist-interface", "lo"]).dist_interface == "lo"
+    with pytest.raises(ConfigError, match="--dist-interface nosuch0: no such network interface here .*lo"):
+        config_from_args(["--dist-interface", "nosuch0"])
+
+
+def test_dist_interface_binds_the_collectives(monkeypatch):
+    """The rank exports the interface to both backends before it makes its group (tp=1 makes none)."""
+    from loraplex.worker.dist import init_distributed
+
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.setenv(name, "unset-after")  # the test's end restores the variables as they were
+    made = []
+    monkeypatch.setattr("torch.distributed.init_process_group", lambda **kw: made.append(dict(os.environ)))
+    import torch
+
+    init_distributed(config_from_args(["--tp", "2", "--dist-interface", "lo"]), "127.0.0.1:1", 0, torch.device("cpu"))
+    assert made[0]["GLOO_SOCKET_IFNAME"] == made[0]["NCCL_SOCKET_IFNAME"] == "lo"
+
+
 def test_keygen_writes_an_owner_only_key_and_never_overwrites(tmp_path, capsys):
     path = str(tmp_path / "cluster.key")
     launch_main(["keygen", path])
