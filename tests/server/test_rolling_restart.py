@@ -49,11 +49,10 @@ def pair(llama_dir, adapter_dirs, tmp_path_factory):
     an adapter on every pod)."""
     root = tmp_path_factory.mktemp("rolling")
     server_flags = [flags(llama_dir, adapter_dirs, root / f"state{i}.json") for i in range(2)]
-    servers = []
+    servers = [ServerProcess(*f, env=SLOW_STEPS, healthy=False) for f in server_flags]  # both start at once
     try:
-        for f in server_flags:
-            servers.append(ServerProcess(*f, env=SLOW_STEPS))
         for server in servers:
+            server.wait_healthy(180)
             resp = server.post("/load_lora_adapter", {"lora_name": "live", "lora_path": str(adapter_dirs["a8"])})
             assert resp.status_code == 200, resp.text
         yield servers, server_flags
