@@ -7,6 +7,7 @@ the balancer sends new requests to the other one, and the restarted server comes
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import signal
 import threading
@@ -38,9 +39,23 @@ def adapter_list(url: str) -> dict[str, tuple[str, bool]]:
     return {row["lora_name"]: (row["lora_path"], row["pinned"]) for row in rows}
 
 
-def generate(url: str, prompt: str, model: str | None) -> requests.Response:
-    return requests.post(url + "/generate", json={"text": prompt, "lora_path": model, "sampling_params": GREEDY},
-                         timeout=120)
+def generate(url: str, prompt: str, model: str | None, stream: bool = False) -> tuple[int, str]:
+    """The status and the whole answer's text, which must have ended by its length (not cut short or aborted); for
+    anything else, what came back instead."""
+    body = {"text": prompt, "lora_path": model, "sampling_params": GREEDY, "stream": stream}
+    resp = requests.post(url + "/generate", json=body, timeout=120)
+    if resp.status_code != 200:
+        return resp.status_code, resp.text
+    if stream:  # the proxy relays the events whole; each carries the text so far
+        events = [line[6:] for line in resp.content.decode().splitlines() if line.startswith("data: ")]
+        if len(events) < 2 or events[-1] != "[DONE]":
+            return 200, f"stream cut short: {events[-2:]}"
+        out = json.loads(events[-2])
+    else:
+        out = resp.json()
+    if out["meta_info"]["finish_reason"]["type"] != "length":
+        return 200, f"ended by {out['meta_info']['finish_reason']}: {out['text']!r}"
+    return 200, out["text"]
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +80,8 @@ def test_restarting_one_server_at_a_time_under_load_fails_no_request_and_keeps_e
     servers, server_flags = pair
     before = [adapter_list(s.url) for s in servers]
     assert set(before[0]) == {"boot", "live"} and before[0] == before[1]
-    expected = {(p, m): generate(servers[0].url, p, m).json()["text"] for p in PROMPTS for m in MODELS}
-    assert all(generate(servers[1].url, p, m).json()["text"] == text for (p, m), text in expected.items())
+    expected = {(p, m): generate(servers[0].url, p, m)[1] for p in PROMPTS for m in MODELS}
+    assert all(generate(servers[1].url, p, m) == (200, text) for (p, m), text in expected.items())
     for prompt in PROMPTS:  # the adapters change the answers: a lost adapter could not go unnoticed
         assert len({expected[prompt, m] for m in MODELS}) == len(MODELS), prompt
 
@@ -75,19 +90,19 @@ def test_restarting_one_server_at_a_time_under_load_fails_no_request_and_keeps_e
     results: list[tuple[str, str | None, int, str]] = []  # prompt, model, status, text (or the error)
     lock = threading.Lock()
 
-    def client(offset: int) -> None:
+    def client(offset: int, stream: bool) -> None:
         for prompt, model in itertools.islice(itertools.cycle(expected), offset, None):
             if stop.is_set():
                 return
             try:
-                resp = generate(proxy.url, prompt, model)
-                outcome = (resp.status_code, resp.json().get("text") if resp.ok else resp.text)
+                outcome = generate(proxy.url, prompt, model, stream)
             except requests.RequestException as e:
                 outcome = (-1, repr(e))
             with lock:
                 results.append((prompt, model, *outcome))
 
-    clients = [threading.Thread(target=client, args=(i * 3,)) for i in range(NUM_CLIENTS)]
+    # The last client streams: a drain must finish a stream in flight as it finishes a whole answer.
+    clients = [threading.Thread(target=client, args=(i * 3, i == NUM_CLIENTS - 1)) for i in range(NUM_CLIENTS)]
     drained = []
     try:
         assert wait_until(lambda: all(proxy.ready), 10), "the proxy never saw both servers ready"
@@ -97,7 +112,9 @@ def test_restarting_one_server_at_a_time_under_load_fails_no_request_and_keeps_e
             old = servers[index]
             n_before = len(results)
             assert wait_until(lambda n=n_before: len(results) >= n + NUM_CLIENTS, 60), "no traffic before the restart"
-            old.proc.send_signal(signal.SIGTERM)  # what the kubelet sends (after preStop)
+            # What the kubelet sends, here with no preStop pause: the proxy may still send this server a request,
+            # which it refuses with 503 while it drains, and the proxy sends to the other one.
+            old.proc.send_signal(signal.SIGTERM)
             assert old.proc.wait(timeout=60) == 0
             drained += [int(n) for n in re.findall(r"draining (\d+) request", old.log())]
             old.stop()
@@ -113,7 +130,7 @@ def test_restarting_one_server_at_a_time_under_load_fails_no_request_and_keeps_e
             thread.join(timeout=60)
         proxy.close()
 
-    failed = [r for r in results if r[2] != 200 or r[3] != expected[r[0], r[1]]]
+    failed = [r for r in results if (r[2], r[3]) != (200, expected[r[0], r[1]])]
     assert not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:5]}"
     assert len(drained) == len(RESTARTS) and sum(drained) > 0, f"in flight at SIGTERM: {drained}"
     assert [adapter_list(s.url) for s in servers] == before
