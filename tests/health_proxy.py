@@ -16,7 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import requests
 
-POLL_S = 0.1
+POLL_S = 0.5  # like a gateway, it learns of a draining server a while after SIGTERM: refused requests meanwhile
+RETRY_PAUSE_S = 0.05  # between tries when no backend is ready
 RETRY_FOR_S = 60.0  # a request waits this long for some backend to be ready before it gets the 503 itself
 
 
@@ -88,7 +89,7 @@ class HealthProxy:
                 self._mark_down(index, url)
             if time.monotonic() > deadline:
                 return 503, "application/json", b'{"error": {"message": "no backend ready"}}'
-            time.sleep(POLL_S / 2)
+            time.sleep(RETRY_PAUSE_S)
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         proxy = self
