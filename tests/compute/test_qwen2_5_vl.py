@@ -98,6 +98,7 @@ def test_chunked_prefill_cuts_an_image(runner, vl_set) -> None:
     length = hf["input_ids"].shape[1]
     pages = consecutive_pages([length], runner.page_size)[0]
     chunks = []
+    runner.images.done.clear()  # the earlier tests' images (the same ones) are kept: these must go through the tower
     encoded = []  # the images each tower call encodes: every image once, though chunks cut both
     encode = runner.model.encode_images
     runner.model.encode_images = lambda pixels, grids: encoded.append(grids) or encode(pixels, grids)
@@ -129,6 +130,7 @@ def test_a_prefix_hit_inside_an_image_takes_its_kept_rows(runner, vl_set) -> Non
     first = request(hf, pages, "a4")
     [image] = first.images
     hit = image.offset + image.num_tokens // 2  # inside the run
+    runner.images.done.clear()  # an earlier test's pass kept this image
     before = runner.images.num_encoded
     with torch.inference_mode():
         forward_logits(runner, ForwardBatch(batch_id=0, reqs=[first], slot_loads=slot_loads(["a4"])))
