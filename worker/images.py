@@ -4,8 +4,8 @@ ForwardReq.images holds the images whose placeholder runs overlap the pass's tok
 a chunked prefill may cut a run, and a prefix-cache hit may end inside one, so each image is encoded whole (once: its
 embeddings are kept for the passes after) and only the rows inside the pass are taken. Every image of the batch goes
 through the vision tower in one call (each attends within itself); an image two requests share (one content_hash) is
-encoded once. Each image is checked on the
-host first: a bad one fails the batch with a BatchError, never a shape error inside the tower."""
+encoded once. Each image is checked on the host first: a bad one fails the batch with a BatchError, never a shape
+error inside the tower."""
 
 from __future__ import annotations
 
@@ -46,11 +46,6 @@ class ImageEncoder:
         self.partial: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self.done: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self.num_encoded = 0  # images through the tower (for tests and logs)
-
-    @property
-    def kept(self) -> dict[tuple, torch.Tensor]:
-        """Every image whose embeddings are kept."""
-        return {**self.done, **self.partial}
 
     def rows(self, reqs: list[ForwardReq]) -> PassImages | None:
         """The image rows of this pass (None: it has none). `model.encode_images(pixels, grids)` is the tower; with
