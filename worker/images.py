@@ -1,10 +1,11 @@
 """A pass's images -> the embedding rows that replace their placeholder tokens.
 
 ForwardReq.images holds the images whose placeholder runs overlap the pass's tokens (offsets in the whole prompt);
-a chunked prefill may cut a run, so each image is encoded whole (once: its embeddings are kept for the passes after)
-and only the rows inside the pass are taken. Every image of the batch goes through the vision tower in one call (each
-attends within itself); an image two requests share (one content_hash) is encoded once. Each image is checked on the
-host first: a bad one fails the batch with a BatchError, never a shape error inside the tower."""
+a chunked prefill may cut a run, and a prefix-cache hit may end inside one, so each image is encoded whole (once: its
+embeddings are kept for the passes after) and only the rows inside the pass are taken. Every image of the batch goes
+through the vision tower in one call (each attends within itself); an image two requests share (one content_hash) is
+encoded once. Each image is checked on the host first: a bad one fails the batch with a BatchError, never a shape
+error inside the tower."""
 
 from __future__ import annotations
 
@@ -29,15 +30,22 @@ class PassImages:
 
 
 class ImageEncoder:
-    """A runner's images -> rows. An image that a chunked prefill cuts is encoded on the pass that reaches its first
-    row and its embeddings kept (up to `max_kept` images, the oldest dropped first) for the passes that take its later
-    rows; they go when its last row is taken (a request aborted mid-image leaves its entry to age out)."""
+    """A runner's images -> rows. An image is encoded on the pass that first takes rows of it and its embeddings kept
+    for the passes after: those of an image a chunked prefill cuts (its later rows), and those of a whole image too,
+    because a request whose prefix-cache hit ends inside the image's placeholder run takes its rows past the hit, and
+    another request may send the same image a pass later (without them, each such pass ran the tower again). Kept:
+    up to `max_kept` images whose rows a pass still has to take (`partial`, oldest dropped first; a request aborted
+    mid-image leaves its entry to age out) and up to `max_done` images taken whole (`done`, least recently used
+    dropped first)."""
 
     def __init__(self, model, vision: VisionConfig | None, device: torch.device, lora: LoRAManager | None = None,
-                 max_kept: int = 16):  # fmt: skip
+                 max_kept: int = 16, max_done: int = 16):  # fmt: skip
         self.model, self.vision, self.device, self.lora = model, vision, device, lora
-        self.max_kept = max_kept
-        self.kept: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # (content_hash, adapter, strength) -> rows
+        self.max_kept, self.max_done = max_kept, max_done
+        # (content_hash, tower adapter, strength) -> its rows; a key is in one of the two at most
+        self.partial: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self.done: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self.num_encoded = 0  # images through the tower (for tests and logs)
 
     def rows(self, reqs: list[ForwardReq]) -> PassImages | None:
         """The image rows of this pass (None: it has none). `model.encode_images(pixels, grids)` is the tower; with
@@ -77,14 +85,15 @@ class ImageEncoder:
             token_start += len(req.input_ids)
         if not wanted:
             return None
-        embeds = {key: self.kept[key] for key in keys if key in self.kept}
-        embeds.update(self._encode([key for key in keys if key not in embeds], images, adapters))
-        for key in keys:  # keep what a later pass takes more rows of
-            self.kept.pop(key, None)
-            if key not in finished:
-                self.kept[key] = embeds[key]
-        while len(self.kept) > self.max_kept:
-            self.kept.popitem(last=False)
+        embeds = {key: self.partial.get(key, self.done.get(key)) for key in keys}
+        embeds.update(self._encode([key for key, rows in embeds.items() if rows is None], images, adapters))
+        for key in keys:  # an image a pass takes the last rows of is done; else a later pass takes more of it
+            self.partial.pop(key, None)
+            self.done.pop(key, None)
+            (self.done if key in finished else self.partial)[key] = embeds[key]
+        for kept, limit in ((self.partial, self.max_kept), (self.done, self.max_done)):
+            while len(kept) > limit:
+                kept.popitem(last=False)
         rows = torch.cat([torch.arange(first, first + count) for first, _, _, count in wanted]).to(self.device)
         out = torch.cat([embeds[key][offset : offset + count] for _, key, offset, count in wanted])
         return PassImages(rows=rows, embeds=out)
@@ -94,6 +103,7 @@ class ImageEncoder:
         """Every image of `keys` through the tower in one call: key -> its (num_tokens, hidden) rows."""
         if not keys:
             return {}
+        self.num_encoded += len(keys)
         tower = self.lora.tower if self.lora is not None else None
         pixels = torch.cat([_pixels(images[key]) for key in keys]).to(self.device)
         if tower is not None:

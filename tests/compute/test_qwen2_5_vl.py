@@ -1,6 +1,7 @@
 """Qwen2.5-VL in the worker (M-RoPE decoder, windowed vision tower, image rows in place of placeholder tokens)
 against HF transformers + peft in fp32: prompts with one image, two images and none in one batch with the base model
-and two language-model adapters; a chunked prefill whose chunks cut an image's run; greedy decoding; the M-RoPE
+and two language-model adapters; a chunked prefill whose chunks cut an image's run; a prefix hit that ends inside
+one (its rows from the kept embeddings, no second tower call); greedy decoding; the M-RoPE
 positions of protocol/mrope.py against HF's get_rope_index; bad images refused with a BatchError."""
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def test_chunked_prefill_cuts_an_image(runner, vl_set) -> None:
     length = hf["input_ids"].shape[1]
     pages = consecutive_pages([length], runner.page_size)[0]
     chunks = []
+    runner.images.done.clear()  # the earlier tests' images (the same ones) are kept: these must go through the tower
     encoded = []  # the images each tower call encodes: every image once, though chunks cut both
     encode = runner.model.encode_images
     runner.model.encode_images = lambda pixels, grids: encoded.append(grids) or encode(pixels, grids)
@@ -109,12 +111,36 @@ def test_chunked_prefill_cuts_an_image(runner, vl_set) -> None:
     finally:
         runner.model.encode_images = encode
     assert [grid for grids in encoded for grid in grids] == hf["image_grid_thw"].tolist()
-    assert not runner.images.kept  # the last chunk took the last image's last rows
+    assert not runner.images.partial  # the last chunk took the last image's last rows
     carried = [tuple(i.offset for i in request(hf, pages, None, s, s + 7).images) for s in range(0, length, 7)]
     # each image cut over several passes, each pass carrying only the one it overlaps
     assert all(len(c) == 1 for c in carried) and all(carried.count(c) > 1 for c in set(carried)), carried
     diff = (torch.cat(chunks) - hf_logits(model_dir, hf, adapters["a4"])).abs().max().item()
     assert diff <= LOGITS_TOL, f"chunked prefill: max abs logit diff {diff:.2e}"
+
+
+def test_a_prefix_hit_inside_an_image_takes_its_kept_rows(runner, vl_set) -> None:
+    """A request whose prefix-cache hit ends inside an image's placeholder run (the scheduler sends the image with
+    the pass over the rest) takes the rows past the hit from the embeddings the first request's pass kept: the tower
+    runs once for both, and the second pass's logits equal HF's rows of the whole prompt past the hit."""
+    model_dir, adapters = vl_set
+    hf = inputs("one")
+    length = hf["input_ids"].shape[1]
+    pages = consecutive_pages([length], runner.page_size)[0]
+    first = request(hf, pages, "a4")
+    [image] = first.images
+    hit = image.offset + image.num_tokens // 2  # inside the run
+    runner.images.done.clear()  # an earlier test's pass kept this image
+    before = runner.images.num_encoded
+    with torch.inference_mode():
+        forward_logits(runner, ForwardBatch(batch_id=0, reqs=[first], slot_loads=slot_loads(["a4"])))
+        # the cached pages are the first request's: the second writes the same KV past the hit
+        cached = request(hf, pages, "a4", hit, length, key=1)
+        assert cached.images == [image]
+        logits = forward_logits(runner, ForwardBatch(batch_id=1, reqs=[cached], slot_loads=slot_loads(["a4"])))
+    assert runner.images.num_encoded - before == 1  # the hit's pass ran no tower
+    diff = (logits - hf_logits(model_dir, hf, adapters["a4"])[hit:]).abs().max().item()
+    assert diff <= LOGITS_TOL, f"hit inside the image: max abs logit diff {diff:.2e}"
 
 
 @torch.inference_mode()

@@ -105,6 +105,9 @@ def test_the_same_image_shares_pages_and_another_image_never_does() -> None:
     assert passes["other"][0].num_cached_tokens == 0  # page 0 holds the run's first token: keyed by the image
     # the hit ends inside the run: the pass that computes the rest still carries the whole image, and its rows
     assert passes["same"][0].images == same.images
+    # ... in one pass over the rest of its prompt, then decodes: the hit inside the run costs no other pass
+    shape = [(f.num_cached_tokens, len(f.input_ids), len(f.images)) for f in passes["same"]]
+    assert shape == [(8, 3, 1), (11, 1, 0), (12, 1, 0)]
     assert_passes_match(same, passes["same"])
     assert_passes_match(other, passes["other"])
     assert_no_leak(scheduler)
