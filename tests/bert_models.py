@@ -74,15 +74,13 @@ def build_bert_adapter(base_dir: Path, out_dir: Path, *, r: int, lora_alpha: flo
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, BertForSequenceClassification, BertModel
 
+    from tests.lora_helpers import randomize_adapter
+
     is_classifier = "BertForSequenceClassification" in (AutoConfig.from_pretrained(base_dir).architectures or [])
     model = (BertForSequenceClassification if is_classifier else BertModel).from_pretrained(base_dir)
     peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules),
                                                   lora_dropout=0.0))  # fmt: skip
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(peft_model.named_parameters()):
-            if ".lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    randomize_adapter(peft_model, seed, lora_std=0.2)
     peft_model.save_pretrained(out_dir)
 
 
@@ -98,17 +96,13 @@ def build_bert_head_adapter(base_dir: Path, out_dir: Path, *, seed: int,
     from peft import LoraConfig, get_peft_model
     from transformers import BertForSequenceClassification
 
+    from tests.lora_helpers import randomize_adapter
+
     model = BertForSequenceClassification.from_pretrained(base_dir)
     config = LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=list(target_modules), lora_dropout=0.0,
                         modules_to_save=list(head) or None)  # fmt: skip
     peft_model = get_peft_model(model, config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(peft_model.named_parameters()):
-            if ".lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
-            elif ".modules_to_save." in name:
-                param.add_(torch.randn(param.shape, generator=generator) * 0.5)
+    randomize_adapter(peft_model, seed, lora_std=0.2)
     peft_model.save_pretrained(out_dir)
 
 

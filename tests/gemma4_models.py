@@ -119,15 +119,13 @@ def build_gemma4_adapter(model_dir: Path | str, out_dir: Path | str, *, r: int, 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from tests.lora_helpers import randomize_adapter
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0,
                         target_parameters=EXPERT_PARAMETERS if experts else None)  # fmt: skip
     peft_model = get_peft_model(model, config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(peft_model.named_parameters()):
-            if ".lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
+    randomize_adapter(peft_model, seed)
     peft_model.save_pretrained(out_dir)
 
 

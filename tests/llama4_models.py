@@ -106,6 +106,8 @@ def build_llama4_adapter(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from tests.lora_helpers import randomize_adapter
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = LoraConfig(
         r=r,
@@ -116,11 +118,7 @@ def build_llama4_adapter(
         **patterns,
     )
     peft_model = get_peft_model(model, config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(peft_model.named_parameters()):
-            if ".lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
+    randomize_adapter(peft_model, seed)
     peft_model.save_pretrained(out_dir)
 
 

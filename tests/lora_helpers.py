@@ -124,6 +124,20 @@ def use_lora_backend(runner: ModelRunner, backend: LoRABackend) -> None:
     runner.lora.batch.active = frozenset()
 
 
+@torch.no_grad()
+def randomize_adapter(peft_model, seed: int, lora_std: float = 0.15, copy_std: float = 0.5) -> torch.Generator:
+    """A peft model's adapter as a trained one would differ from PEFT's start: A and B random (PEFT starts B at zero),
+    full module copies and token rows the base's plus noise (PEFT starts them equal to the base). DoRA magnitudes are
+    left to the caller, with the generator returned (its draws so far fixed by the seed and the sorted names)."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in sorted(peft_model.named_parameters()):
+        if ".lora_" in name and ".lora_magnitude_vector." not in name:
+            param.copy_(torch.randn(param.shape, generator=generator) * lora_std)
+        elif ".modules_to_save." in name or ".trainable_tokens_delta." in name:
+            param.add_(torch.randn(param.shape, generator=generator) * copy_std)
+    return generator
+
+
 def build_peft_adapter(
     base_dir: Path | str,
     out_dir: Path | str,
@@ -149,13 +163,8 @@ def build_peft_adapter(
     config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0,
                         use_dora=use_dora, **extra_config)  # fmt: skip
     peft_model = get_peft_model(model, config)
-    generator = torch.Generator().manual_seed(seed)
+    generator = randomize_adapter(peft_model, seed)
     with torch.no_grad():
-        for name, param in sorted(peft_model.named_parameters()):
-            if ".lora_" in name and ".lora_magnitude_vector." not in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
-            elif ".modules_to_save." in name or ".trainable_tokens_delta." in name:
-                param.add_(torch.randn(param.shape, generator=generator) * 0.5)
         for module in peft_model.modules():
             magnitudes = getattr(module, "lora_magnitude_vector", None)
             if magnitudes:

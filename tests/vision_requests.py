@@ -12,7 +12,7 @@ import torch
 from loraplex.protocol.mrope import mrope_positions
 from loraplex.protocol.structs import ForwardReq, ImageInput
 
-from tests.lora_helpers import slot_of
+from tests.lora_helpers import randomize_adapter, slot_of
 from tests.vision_models import IMAGE_PAD, MERGE, VISION_END, VISION_START, hf_inputs, make_tokenizer
 from tests.vision_models import test_image as make_image
 from tests.worker_helpers import GREEDY
@@ -62,11 +62,7 @@ def build_vl_adapter(base_dir: Path, out_dir: Path, r: int, alpha: int, targets:
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(base_dir, dtype=torch.float32)
     peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets)))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(peft_model.named_parameters()):
-            if ".lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
+    randomize_adapter(peft_model, seed)
     peft_model.save_pretrained(out_dir)
 
 
