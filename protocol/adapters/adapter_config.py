@@ -213,8 +213,11 @@ def _parse_pattern(pattern: Any, field: str, *, is_rank: bool) -> tuple[tuple[st
 
 
 # Qwen2.5-VL's vision tower (attn.qkv, attn.proj) and patch merger (mlp.0, mlp.2) linears, as PEFT's target_modules
-# name them; its tower MLP shares gate_proj/up_proj/down_proj with the language model (told apart by the tensors)
-TOWER_TARGETS = ("qkv", "attn.qkv", "proj", "attn.proj", "mlp.0", "mlp.2", "merger.mlp.0", "merger.mlp.2")
+# name them; its tower MLP shares gate_proj/up_proj/down_proj with the language model (told apart by the tensors).
+# Qwen3-VL's tower MLP and (deepstack) mergers: linear_fc1, linear_fc2.
+TOWER_TARGETS = ("qkv", "attn.qkv", "proj", "attn.proj", "mlp.0", "mlp.2", "merger.mlp.0", "merger.mlp.2",
+                 "linear_fc1", "linear_fc2", "mlp.linear_fc1", "mlp.linear_fc2", "merger.linear_fc1",
+                 "merger.linear_fc2")
 
 
 def _parse_targets(targets: Any) -> tuple[str, ...]:

@@ -2,7 +2,8 @@
 encoded with its request's adapter.
 
 An adapter's tower tensors (PEFT keys `...visual.<module>.lora_A/B.weight`: blocks.N.attn.qkv / attn.proj /
-mlp.gate_proj / up_proj / down_proj, merger.mlp.0 / mlp.2) are kept per module of ours as one (A, B) pair of this
+mlp.gate_proj / up_proj / down_proj, merger.mlp.0 / mlp.2; Qwen3-VL's blocks.N.mlp.linear_fc1 / linear_fc2 and its
+mergers' and deepstack mergers' linear_fc1 / linear_fc2) are kept per module of ours as one (A, B) pair of this
 rank: the slices of a fused linear (gate_up_proj's gate and up) stacked along the rank, B block-diagonal, the scale
 folded into B; column-parallel linears keep B's rows of this rank, row-parallel ones A's columns (their delta joins the
 layer's partial sum before its one all-reduce). The tower's linears are wrapped once at start; a pass sets which rows
@@ -41,6 +42,16 @@ def tower_linears(c: VisionConfig) -> dict[str, TowerLinear]:
     """Our module path inside the tower -> its shape, for every linear an adapter may reach."""
     group = c.hidden_size * c.spatial_merge_size**2
     out: dict[str, TowerLinear] = {}
+    if c.kind == "qwen3_vl":  # its MLPs and mergers' linears are linear_fc1/2, as PEFT names them
+        for i in range(c.depth):
+            out[f"blocks.{i}.attn.qkv"] = TowerLinear("column", c.hidden_size, (c.hidden_size,) * 3)
+            out[f"blocks.{i}.attn.proj"] = TowerLinear("row", c.hidden_size, (c.hidden_size,))
+            out[f"blocks.{i}.mlp.linear_fc1"] = TowerLinear("column", c.hidden_size, (c.intermediate_size,))
+            out[f"blocks.{i}.mlp.linear_fc2"] = TowerLinear("row", c.intermediate_size, (c.hidden_size,))
+        for merger in ("merger", *(f"deepstack_merger_list.{j}" for j in range(len(c.deepstack_indexes)))):
+            out[f"{merger}.linear_fc1"] = TowerLinear("column", group, (group,))
+            out[f"{merger}.linear_fc2"] = TowerLinear("row", group, (c.out_hidden_size,))
+        return out
     for i in range(c.depth):
         out[f"blocks.{i}.attn.qkv"] = TowerLinear("column", c.hidden_size, (c.hidden_size,) * 3)
         out[f"blocks.{i}.attn.proj"] = TowerLinear("row", c.hidden_size, (c.hidden_size,))
@@ -124,7 +135,7 @@ class TowerLoRALinear(nn.Module):
     def __init__(self, base: nn.Module, name: str, rows: TowerRows):
         super().__init__()
         self.base, self.name, self.rows = base, name, rows
-        self.merged = name.startswith("merger.")  # reads merged rows, not patches
+        self.merged = name.startswith(("merger.", "deepstack_merger_list."))  # reads merged rows, not patches
         self.output_sizes_per_rank = base.output_sizes_per_rank  # what the model reads of the layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

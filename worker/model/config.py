@@ -9,7 +9,7 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe", "gemma2", "gemma3_text",
                          "gemma3", "phi3", "deepseek_v3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
                          "qwen3_next", "glm4_moe", "llama4_text", "llama4",
-                         "gpt_oss", "gemma4_text", "gemma4", "bert", "qwen2_5_vl")
+                         "gpt_oss", "gemma4_text", "gemma4", "bert", "qwen2_5_vl", "qwen3_vl")
 GEMMA4_TYPES = ("gemma4_text", "gemma4")
 GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3", *GEMMA4_TYPES)
 LLAMA4_TYPES = ("llama4_text", "llama4")
@@ -124,12 +124,14 @@ _MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe", "qwen3_next", *_GROUPED_SIG
 # Gated DeltaNet layers beside gated attention ones
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", *_QWEN3_5_MOE)
 MULTIMODAL_HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe")  # served as their language model (text_config)
-VISION_TYPES = ("qwen2_5_vl",)  # a language model (text_config, or the top level in older configs) and a vision tower
+VISION_TYPES = ("qwen2_5_vl", "qwen3_vl")  # a language model (text_config, or the top level in older configs) and a
+# vision tower
 
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """Qwen2.5-VL's vision tower (vision_config) and the language model's image placeholder token."""
+    """A Qwen-VL vision tower (vision_config) and the language model's image placeholder token: Qwen2.5-VL's
+    (windowed blocks) or Qwen3-VL's (`kind` qwen3_vl: learned position embeddings, deepstack mergers)."""
 
     depth: int
     hidden_size: int
@@ -145,6 +147,9 @@ class VisionConfig:
     rope_theta: float
     image_token_id: int
     hidden_act: str = "silu"
+    kind: str = "qwen2_5_vl"  # the model_type whose tower this is
+    num_position_embeddings: int = 0  # Qwen3-VL: a square grid of learned position embeddings, resampled per image
+    deepstack_indexes: tuple[int, ...] = ()  # Qwen3-VL: the blocks whose output a deepstack merger takes
 
     @property
     def head_dim(self) -> int:
@@ -154,9 +159,31 @@ class VisionConfig:
     def from_dict(cls, hf: dict[str, Any]) -> VisionConfig:
         vision = hf.get("vision_config") or {}
         text = hf.get("text_config") or {}
+        kind = hf.get("model_type", "qwen2_5_vl")
         act = vision.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelConfigError(f"unsupported vision hidden_act {act!r}; the vision tower runs silu")
+        wanted = "gelu_pytorch_tanh" if kind == "qwen3_vl" else "silu"
+        if act != wanted:
+            raise ModelConfigError(f"unsupported vision hidden_act {act!r}; the vision tower runs {wanted}")
+        if kind == "qwen3_vl":
+            return cls(
+                depth=vision["depth"],
+                hidden_size=vision["hidden_size"],
+                intermediate_size=vision["intermediate_size"],
+                num_heads=vision["num_heads"],
+                out_hidden_size=vision.get("out_hidden_size") or text.get("hidden_size") or hf["hidden_size"],
+                patch_size=vision.get("patch_size", 16),
+                temporal_patch_size=vision.get("temporal_patch_size", 2),
+                spatial_merge_size=vision.get("spatial_merge_size", 2),
+                in_channels=vision.get("in_channels", 3),
+                window_size=0,
+                fullatt_block_indexes=(),
+                rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+                image_token_id=hf.get("image_token_id", text.get("image_token_id", 151655)),
+                hidden_act=act,
+                kind=kind,
+                num_position_embeddings=vision.get("num_position_embeddings", 2304),
+                deepstack_indexes=tuple(vision.get("deepstack_visual_indexes", (8, 16, 24))),
+            )
         return cls(
             depth=vision["depth"],
             hidden_size=vision["hidden_size"],
@@ -469,7 +496,7 @@ class ModelConfig:
             head_dim = hf["qk_rope_head_dim"]
         # Phi-3's linears have no biases whatever attention_bias says (its HF code builds them without).
         attention_bias = bool(hf.get("attention_bias", False)) and model_type != "phi3" or model_type == "bert"
-        is_qwen2 = model_type in ("qwen2", *VISION_TYPES)
+        is_qwen2 = model_type in ("qwen2", "qwen2_5_vl")
         sliding_window = _read_sliding_window(hf, model_type)
         rope = _read_rope(hf, model_type, head_dim)
         return cls(
