@@ -145,8 +145,13 @@ def save_random_vl(model, image_processor, out_dir: Path | str, seed: int, init_
             std = 0.1 if "visual" in name else init_std
             param.copy_(torch.randn(param.shape, generator=generator) * std)
     model.save_pretrained(out_dir, safe_serialization=True)
-    make_tokenizer().save_pretrained(out_dir)
     image_processor.save_pretrained(out_dir)
+    save_tokenizer(out_dir)
+
+
+def save_tokenizer(out_dir: Path) -> None:
+    """make_tokenizer()'s files (the vision tokens and chat template) in out_dir."""
+    make_tokenizer().save_pretrained(out_dir)
     # transformers 5 names its own backend class here; the generic name loads anywhere.
     config_path = out_dir / "tokenizer_config.json"
     tokenizer_config = json.loads(config_path.read_text())
