@@ -50,6 +50,8 @@ model/llama4.py            Llama 4 (text): chunked local attention on RoPE layer
                            tuning, QK L2 norm; sigmoid top-1 experts fed their weight, a shared expert, dense layers
 model/qwen2_5_vl.py        Qwen2.5-VL: a Qwen2 decoder with M-RoPE whose image placeholders take the tower's rows
 model/qwen2_5_vl_vision.py  Qwen2.5-VL's vision tower (windowed and full blocks, 2-D rotary, patch merger), TP-sharded
+model/qwen3_vl.py          Qwen3-VL: a Qwen3 decoder with interleaved M-RoPE; image rows in place, deepstack rows added
+model/qwen3_vl_vision.py   Qwen3-VL's vision tower (learned positions resampled, 2-D rotary, merger, deepstack mergers)
 model/registry.py          model_type -> decoder class (one file per family)
 layers/linear.py           Column-, MergedColumn- and RowParallelLinear with sharding weight loaders
 layers/attention.py        paged attention with torch SDPA; a batch's decodes and prefills as parts (latent attention)
