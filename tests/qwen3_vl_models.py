@@ -85,3 +85,22 @@ def build_qwen3_vl(out_dir: Path | str, seed: int = 0, init_std: float = 0.35, *
     with torch.no_grad():
         save_random_vl(Qwen3VLForConditionalGeneration(hf_config(**text_overrides)), make_image_processor(), out_dir,
                        seed, init_std)  # fmt: skip
+
+
+# Qwen3-VL-MoE's decoder: every layer's MLP 4 experts of 48, top 2 (2 x 48 is not the hidden 64, so a stacked
+# expert tensor's layout shows in its shape)
+MOE_TEXT = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1)
+
+
+def build_qwen3_vl_moe(out_dir: Path | str, seed: int = 0, init_std: float = 0.35) -> None:
+    """A random Qwen3VLMoeForConditionalGeneration (this file's tower, MOE_TEXT's layers) saved as build_qwen3_vl
+    saves its model (transformers 5 writes the stacked experts (experts, out, in))."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    dense = hf_config(**MOE_TEXT).to_dict()
+    tokens = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    # (its text config keeps Qwen3VLMoeTextConfig's tie_word_embeddings True: transformers ties by the outer False)
+    config = Qwen3VLMoeConfig(text_config=dense["text_config"], vision_config=dict(VISION), tie_word_embeddings=False,
+                              **{key: dense[key] for key in tokens})  # fmt: skip
+    with torch.no_grad():
+        save_random_vl(Qwen3VLMoeForConditionalGeneration(config), make_image_processor(), out_dir, seed, init_std)

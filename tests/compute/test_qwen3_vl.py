@@ -3,10 +3,13 @@ vision tower with learned positions and deepstack mergers) against HF transforme
 image, two images and none in one batch with the base model and two language-model adapters; a chunked prefill whose
 chunks cut both images' runs (each image's row and deepstack rows kept between passes); greedy decoding; the M-RoPE
 positions of protocol/mrope.py against HF's get_rope_index; LoRA on the tower, its mergers and deepstack mergers
-(--enable-tower-connector-lora) mixed with an adapter without, and refused without the flag."""
+(--enable-tower-connector-lora) mixed with an adapter without, and refused without the flag. Qwen3-VL-MoE
+(Qwen3-MoE's layers) likewise on a mixed batch, its stacked experts loading in the published (experts, in, out)
+layout too."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,9 +19,25 @@ from loraplex.protocol.structs import ForwardBatch, ForwardReq
 from loraplex.worker.model_runner import ModelRunner
 
 from tests.lora_helpers import load_all, slot_loads, slot_of, specs
-from tests.qwen3_vl_models import MERGE, TOWER_ADAPTERS, VISION, build_qwen3_vl, make_image_processor
+from tests.qwen3_vl_models import (
+    MERGE,
+    TOWER_ADAPTERS,
+    VISION,
+    build_qwen3_vl,
+    build_qwen3_vl_moe,
+    make_image_processor,
+)
 from tests.reference import CLEAR_MARGIN, assert_greedy_match
-from tests.vision_requests import LORA, TOWER_LORA, build_vl_set, hf_logits, hf_vl, image_token_id, request
+from tests.vision_requests import (
+    LORA,
+    TOWER_LORA,
+    build_vl_adapter,
+    build_vl_set,
+    hf_logits,
+    hf_vl,
+    image_token_id,
+    request,
+)
 from tests.vision_requests import inputs as vl_inputs
 from tests.worker_helpers import consecutive_pages, forward_logits, make_runner
 
@@ -172,3 +191,34 @@ def test_tower_lora_matches_peft_and_needs_the_flag(runner, vl_set) -> None:
     assert_matches(model_dir, adapters, TOWER_MIXED, prompts, logits)
     (outcome,) = runner.lora.load(specs({"a16": adapters["a16"]}, {"a16": 3}))
     assert not outcome.success and "--enable-tower-connector-lora" in outcome.error_message, outcome
+
+
+@pytest.fixture(scope="module")
+def moe_set(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    root = tmp_path_factory.mktemp("qwen3_vl_moe")
+    build_qwen3_vl_moe(root / "base")
+    build_vl_adapter(root / "base", root / "a4", 4, 8, ("q_proj", "v_proj"), seed=0)
+    return root / "base", {"a4": root / "a4"}
+
+
+def test_moe_matches_hf_and_peft_in_both_expert_layouts(moe_set, tmp_path: Path) -> None:
+    """qwen3_vl_moe: one image, two with an adapter, none, in one batch; then the same checkpoint with its stacked
+    experts transposed to the published (experts, in, out) layout serves the same logits."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir, adapters = moe_set
+    runner = make_runner(model_dir, **LORA)
+    load_all(runner, adapters)
+    cases = [("one", None), ("two", "a4"), ("text", None)]
+    prompts, logits = run_batch(runner, cases)
+    assert_matches(model_dir, adapters, cases, prompts, logits)
+    published = tmp_path / "published"
+    shutil.copytree(model_dir, published)
+    tensors = load_file(published / "model.safetensors")
+    stacked = [key for key in tensors if key.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert stacked
+    save_file({key: t.transpose(1, 2).contiguous() if key in stacked else t for key, t in tensors.items()},
+              published / "model.safetensors")  # fmt: skip
+    _, again = run_batch(make_runner(published), cases[:1])
+    diff = (again[0] - hf_logits(model_dir, prompts[0])).abs().max().item()
+    assert diff <= LOGITS_TOL, f"(experts, in, out) checkpoint: max abs logit diff {diff:.2e}"

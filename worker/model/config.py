@@ -9,7 +9,7 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe", "gemma2", "gemma3_text",
                          "gemma3", "phi3", "deepseek_v3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
                          "qwen3_next", "glm4_moe", "llama4_text", "llama4",
-                         "gpt_oss", "gemma4_text", "gemma4", "bert", "qwen2_5_vl", "qwen3_vl")
+                         "gpt_oss", "gemma4_text", "gemma4", "bert", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 GEMMA4_TYPES = ("gemma4_text", "gemma4")
 GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3", *GEMMA4_TYPES)
 LLAMA4_TYPES = ("llama4_text", "llama4")
@@ -73,7 +73,7 @@ class MoEConfig:
         num_experts = hf.get("num_local_experts") or hf.get("num_experts")
         num_layers = hf["num_hidden_layers"]
         dense_layers: tuple[int, ...] = ()
-        if model_type in ("qwen3_moe", "qwen3_next"):  # Qwen3MoeDecoderLayer's rule
+        if model_type in ("qwen3_moe", "qwen3_next", "qwen3_vl_moe"):  # Qwen3MoeDecoderLayer's rule
             step = hf.get("decoder_sparse_step", 1) or 1
             only = set(hf.get("mlp_only_layers") or ())
             dense_layers = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
@@ -109,7 +109,7 @@ class MoEConfig:
             num_experts=num_experts,
             top_k=hf["num_experts_per_tok"],
             intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
-            renormalize=model_type in ("mixtral", *_QWEN3_5_MOE, *GEMMA4_TYPES)
+            renormalize=model_type in ("mixtral", *_QWEN3_5_MOE, *GEMMA4_TYPES, "qwen3_vl_moe")
             or bool(hf.get("norm_topk_prob", False)),
             dense_layers=dense_layers,
             **extra,
@@ -120,12 +120,13 @@ _QWEN3_5_MOE = ("qwen3_5_moe", "qwen3_5_moe_text")  # every layer MoE, top-k alw
 # DeepSeek-V3's router, shared experts and leading dense layers (GLM-4.5 keeps them with plain attention)
 _GROUPED_SIGMOID_TYPES = ("deepseek_v3", "glm4_moe")
 _MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe", "qwen3_next", *_GROUPED_SIGMOID_TYPES, *_QWEN3_5_MOE,
-                    *LLAMA4_TYPES, "gpt_oss", *GEMMA4_TYPES)
+                    *LLAMA4_TYPES, "gpt_oss", *GEMMA4_TYPES, "qwen3_vl_moe")
 # Gated DeltaNet layers beside gated attention ones
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", *_QWEN3_5_MOE)
 MULTIMODAL_HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe")  # served as their language model (text_config)
-VISION_TYPES = ("qwen2_5_vl", "qwen3_vl")  # a language model (text_config, or the top level in older configs) and a
-# vision tower
+QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe")  # one vision tower; the second's decoder layers are Qwen3-MoE's
+VISION_TYPES = ("qwen2_5_vl", *QWEN3_VL_TYPES)  # a language model (text_config, or the top level in older configs) and
+# a vision tower
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ class VisionConfig:
     def from_dict(cls, hf: dict[str, Any]) -> VisionConfig:
         vision = hf.get("vision_config") or {}
         text = hf.get("text_config") or {}
-        kind = hf.get("model_type", "qwen2_5_vl")
+        kind = "qwen3_vl" if hf.get("model_type") in QWEN3_VL_TYPES else "qwen2_5_vl"
         act = vision.get("hidden_act", "silu")
         wanted = "gelu_pytorch_tanh" if kind == "qwen3_vl" else "silu"
         if act != wanted:
@@ -478,8 +479,11 @@ class ModelConfig:
                   "model_type": model_type}
         vision = VisionConfig.from_dict(hf) if model_type in VISION_TYPES else None
         if model_type in VISION_TYPES and isinstance(hf.get("text_config"), dict):  # the language model
+            outer = hf
             hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"],
                   "model_type": model_type}
+            if model_type in QWEN3_VL_TYPES and "tie_word_embeddings" in outer:  # transformers ties by the outer one
+                hf["tie_word_embeddings"] = outer["tie_word_embeddings"]
         if model_type == "deepseek_v3":
             hf = _deepseek_v3_fields(hf)
         if model_type == "glm4_moe":

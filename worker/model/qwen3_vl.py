@@ -1,7 +1,7 @@
 """Qwen3-VL: a Qwen3 decoder (q/k norms, no biases) with interleaved M-RoPE (worker/layers/rotary.py, rope params
 `mrope_interleaved`) and the vision tower of qwen3_vl_vision.py, whose rows replace the image placeholder tokens'
 embeddings; deepstack adds the tower's intermediate rows (its deepstack mergers') to the hidden states at the same
-rows after each of the first decoder layers.
+rows after each of the first decoder layers. Qwen3-VL-MoE (`qwen3_vl_moe`) is the same with Qwen3-MoE's layers.
 
 As Qwen2.5-VL's (qwen2_5_vl.py), the pass hands the model its image rows already encoded (worker/images.py):
 `image_rows` and `image_embeds` (image tokens, 1 + deepstack, hidden), the placeholder's row and its deepstack rows
@@ -15,6 +15,7 @@ from loraplex.worker.kv_cache import KVCache
 from loraplex.worker.layers.attention import BatchAttention
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model.qwen3 import Qwen3ForCausalLM, Qwen3Model
+from loraplex.worker.model.qwen3_moe import Qwen3MoeDecoderLayer, Qwen3MoeModel
 from loraplex.worker.model.qwen3_vl_vision import Qwen3VLVisionTower
 
 
@@ -42,6 +43,20 @@ class Qwen3VLTextModel(Qwen3Model):
         return self.norm(hidden, residual)[0]
 
 
+class Qwen3VLMoeTextModel(Qwen3VLTextModel, Qwen3MoeModel):
+    """Qwen3-VL-MoE's decoder: Qwen3-MoE's layers (qwen3_moe.py builds them, dense ones where the config says) under
+    Qwen3-VL's forward (image rows, deepstack)."""
+
+    layer_cls = Qwen3MoeDecoderLayer
+
+    def __init__(self, config: ModelConfig, max_positions: int):
+        super().__init__(config, max_positions)
+        for layer in self.layers:
+            experts = getattr(layer.mlp, "experts", None)
+            for linear in (experts.gate_up_proj, experts.down_proj) if experts is not None else ():
+                linear.either_layout = True  # published (experts, in, out); transformers 5 saves (experts, out, in)
+
+
 class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
     model_cls = Qwen3VLTextModel
     checkpoint_prefixes = (
@@ -67,3 +82,7 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
     def encode_images(self, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
         """(every image's placeholder rows in order, 1 + deepstack, hidden) from their patches and grids."""
         return self.visual(pixels, grids)
+
+
+class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    model_cls = Qwen3VLMoeTextModel

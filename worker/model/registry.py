@@ -21,7 +21,7 @@ from loraplex.worker.model.qwen3 import Qwen3ForCausalLM
 from loraplex.worker.model.qwen3_5 import Qwen3_5ForCausalLM
 from loraplex.worker.model.qwen3_moe import Qwen3MoeForCausalLM
 from loraplex.worker.model.qwen3_next import Qwen3NextForCausalLM
-from loraplex.worker.model.qwen3_vl import Qwen3VLForConditionalGeneration
+from loraplex.worker.model.qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 from torch import nn
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -50,6 +50,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama4": Llama4ForCausalLM,  # the language model of the multimodal checkpoint
     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,  # with its vision tower
     "qwen3_vl": Qwen3VLForConditionalGeneration,  # with its vision tower and deepstack
+    "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,  # the same with Qwen3-MoE's layers
 }
 
 
