@@ -57,14 +57,16 @@ def build_vl_set(root: Path, tower: bool = False, build=None, tower_adapters: di
     return root / "base", adapters
 
 
-def build_vl_adapter(base_dir: Path, out_dir: Path, r: int, alpha: int, targets: tuple[str, ...], seed: int) -> None:
+def build_vl_adapter(base_dir: Path, out_dir: Path, r: int, alpha: int, targets: tuple[str, ...], seed: int,
+                     target_parameters: tuple[str, ...] = ()) -> None:  # fmt: skip
     """A PEFT LoRA adapter of the VL base (Qwen2.5-VL, Qwen3-VL), saved by peft (keys
-    model.language_model.layers.N...), random A and B."""
+    model.language_model.layers.N...), random A and B; target_parameters: stacked experts (Qwen3-VL-MoE's)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(base_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets)))
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                                                  target_parameters=list(target_parameters) or None))
     randomize_adapter(peft_model, seed)
     peft_model.save_pretrained(out_dir)
 

@@ -197,17 +197,19 @@ def test_tower_lora_matches_peft_and_needs_the_flag(runner, vl_set) -> None:
 def moe_set(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
     root = tmp_path_factory.mktemp("qwen3_vl_moe")
     build_qwen3_vl_moe(root / "base")
-    build_vl_adapter(root / "base", root / "a4", 4, 8, ("q_proj", "v_proj"), seed=0)
+    build_vl_adapter(root / "base", root / "a4", 4, 8, ("q_proj", "v_proj"), seed=0,
+                     target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
     return root / "base", {"a4": root / "a4"}
 
 
 def test_moe_matches_hf_and_peft_in_both_expert_layouts(moe_set, tmp_path: Path) -> None:
-    """qwen3_vl_moe: one image, two with an adapter, none, in one batch; then the same checkpoint with its stacked
-    experts transposed to the published (experts, in, out) layout serves the same logits."""
+    """qwen3_vl_moe: one image, two with an adapter (on attention and, by PEFT's target_parameters, the stacked
+    experts), none, in one batch; then the same checkpoint with its stacked experts transposed to the published
+    (experts, in, out) layout serves the same logits."""
     from safetensors.torch import load_file, save_file
 
     model_dir, adapters = moe_set
-    runner = make_runner(model_dir, **LORA)
+    runner = make_runner(model_dir, **dict(LORA, lora_target_modules=["all"]))
     load_all(runner, adapters)
     cases = [("one", None), ("two", "a4"), ("text", None)]
     prompts, logits = run_batch(runner, cases)
