@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class PassImages:
     rows: torch.Tensor  # (image tokens,) their rows in the pass's flat token batch
-    embeds: torch.Tensor  # (image tokens, hidden) in the same order
+    embeds: torch.Tensor  # (image tokens, hidden) in the same order; Qwen3-VL: (image tokens, 1 + deepstack, hidden)
 
 
 class ImageEncoder:
