@@ -38,8 +38,8 @@ class ImageEncoder:
     mid-image leaves its entry to age out) and up to `max_done` images taken whole (`done`, least recently used
     dropped first)."""
 
-    def __init__(self, model, vision: VisionConfig | Llama4VisionConfig | None, device: torch.device, lora: LoRAManager | None = None,
-                 max_kept: int = 16, max_done: int = 16):  # fmt: skip
+    def __init__(self, model, vision: VisionConfig | Llama4VisionConfig | None, device: torch.device,
+                 lora: LoRAManager | None = None, max_kept: int = 16, max_done: int = 16):  # fmt: skip
         self.model, self.vision, self.device, self.lora = model, vision, device, lora
         self.max_kept, self.max_done = max_kept, max_done
         # (content_hash, tower adapter, strength) -> its rows; a key is in one of the two at most

@@ -211,7 +211,7 @@ class Llama4VisionConfig:
     def from_dict(cls, hf: dict[str, Any]) -> Llama4VisionConfig:
         vision = hf.get("vision_config") or {}
         text = hf.get("text_config") or {}
-        c = cls(
+        return cls(
             num_layers=vision.get("num_hidden_layers", 34),
             hidden_size=vision.get("hidden_size", 768),
             intermediate_size=vision.get("intermediate_size", 5632),
@@ -224,9 +224,13 @@ class Llama4VisionConfig:
             projector_output_dim=vision.get("projector_output_dim", 4096),
             vision_output_dim=vision.get("vision_output_dim", 7680),
             out_hidden_size=text.get("hidden_size", 5120),
-            rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", vision.get("rope_theta", 10000.0))),
+            rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", vision.get("rope_theta", 1e4))),
             image_token_id=hf.get("image_token_index", hf.get("image_token_id", 200092)),
         )
+
+    def check(self) -> None:
+        """Before the tower is built (transformers' defaults alone do not make a tower that runs)."""
+        c = self
         shuffled = int(c.hidden_size / c.pixel_shuffle_ratio**2)
         if c.intermediate_size != shuffled or c.projector_input_dim != c.projector_output_dim:
             raise ModelConfigError(f"llama4 vision_config: intermediate_size {c.intermediate_size} must be hidden_size "
@@ -236,7 +240,6 @@ class Llama4VisionConfig:
             raise ModelConfigError(f"llama4 vision_config: vision_output_dim {c.vision_output_dim} must equal "
                                    f"projector_output_dim {c.projector_output_dim} (the projector reads the adapter's "
                                    "output)")
-        return c
 
     def image_problem(self, shape: list[int], num_tokens: int, num_bytes: int) -> str | None:
         """Why a tile (ImageInput) cannot go through this tower, or None."""

@@ -21,14 +21,13 @@ vision_config serves the language model alone)."""
 from __future__ import annotations
 
 import torch
-from loraplex.worker.kv_cache import KVLayer
+from loraplex.worker.kv_cache import KVCache, KVLayer
 from loraplex.worker.layers.attention import BatchAttention, paged_attention
 from loraplex.worker.layers.attention_spec import LayerAttention
 from loraplex.worker.layers.moe import InputScaledMoeBlock
 from loraplex.worker.layers.norm import RMSNorm
 from loraplex.worker.layers.rotary import RotaryEmbedding
 from loraplex.worker.model.config import ModelConfig
-from loraplex.worker.model.llama4_vision import Llama4Projector, Llama4VisionModel
 from loraplex.worker.model.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -37,6 +36,7 @@ from loraplex.worker.model.llama import (
     LlamaModel,
     layer_attention,
 )
+from loraplex.worker.model.llama4_vision import Llama4Projector, Llama4VisionModel
 from loraplex.worker.model.qwen2_5_vl import Qwen2_5_VLTextModel
 from torch import nn
 

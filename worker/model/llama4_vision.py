@@ -135,6 +135,7 @@ def pixel_shuffle(x: torch.Tensor, ratio: float) -> torch.Tensor:
 class Llama4VisionModel(nn.Module):
     def __init__(self, c: Llama4VisionConfig):
         super().__init__()
+        c.check()
         self.config = c
         num_positions = c.patches_per_side**2 + 1
         self.patch_embedding = PatchEmbedding(c)
