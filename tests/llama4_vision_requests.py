@@ -38,14 +38,21 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 ADAPTERS = {"a4": (4, 8, ("q_proj", "v_proj")), "a8": (8, 16, (*ATTENTION, "gate_proj", "up_proj", "down_proj"))}
 LORA = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
             "gate_proj", "up_proj", "down_proj"], max_loras_per_batch=2)  # fmt: skip
+# --enable-tower-connector-lora: an adapter on the language model's attention and on the vision model's (q/v_proj
+# reach both), its encoder MLPs and pixel-shuffle adapter (fc1, fc2) and the projector (linear_1); named a16 for
+# tests/lora_helpers.py's ids and slots
+TOWER_ADAPTERS = {"a16": (16, 32, ("q_proj", "v_proj", "fc1", "fc2", "linear_1"))}
+TOWER_LORA = dict(LORA, enable_tower_connector_lora=True, max_loras_per_batch=3, max_lora_rank=16)
 
 
-def build_llama4_vl_set(root: Path) -> tuple[Path, dict[str, Path]]:
+def build_llama4_vl_set(root: Path, tower: bool = False) -> tuple[Path, dict[str, Path]]:
+    """The tiny Llama 4 base under root/base, ADAPTERS (and with `tower` TOWER_ADAPTERS) beside it."""
     build_llama4_vl(root / "base")
     adapters = {}
-    for seed, (name, (r, alpha, targets)) in enumerate(ADAPTERS.items()):
+    for seed, (name, (r, alpha, targets)) in enumerate({**ADAPTERS, **(TOWER_ADAPTERS if tower else {})}.items()):
         adapters[name] = root / name
-        build_llama4_vl_adapter(root / "base", adapters[name], r, alpha, targets, seed + 1)
+        build_llama4_vl_adapter(root / "base", adapters[name], r, alpha, targets, seed + 1,
+                                tower=name in TOWER_ADAPTERS)
     return root / "base", adapters
 
 
