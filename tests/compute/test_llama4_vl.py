@@ -149,3 +149,42 @@ def test_bad_tiles_fail_the_batch(runner) -> None:
                          images=[image])  # fmt: skip
         with pytest.raises(BatchError, match=what), torch.inference_mode():
             forward_logits(runner, ForwardBatch(batch_id=0, reqs=[req]))
+
+
+@pytest.fixture(scope="module")
+def tower_runner(vl_set) -> ModelRunner:
+    """--enable-tower-connector-lora."""
+    model_dir, adapters = vl_set
+    runner = make_runner(model_dir, **TOWER_LORA)
+    load_all(runner, adapters)
+    return runner
+
+
+TOWER_MIXED = [("two", "a16"), ("two", None), ("one", "a4"), ("text", "a16"), ("one", "a16")]
+
+
+def test_tower_lora_matches_peft(tower_runner, vl_set) -> None:
+    """An adapter on the vision model's attention and MLPs, the pixel-shuffle adapter and the projector (and the
+    language model) beside one with none there and the base, in one batch; the tiles a16 and the base share are
+    encoded once for each, and their rows differ."""
+    model_dir, adapters = vl_set
+    prompts = [inputs(key) for key, _ in TOWER_MIXED]
+    names = [name for _, name in TOWER_MIXED]
+    lengths = [p["input_ids"].shape[1] for p in prompts]
+    pages = consecutive_pages(lengths, tower_runner.page_size)
+    reqs = [request(p, pg, name) for p, pg, name in zip(prompts, pages, names, strict=True)]
+    with torch.inference_mode():
+        logits = forward_logits(tower_runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=slot_loads(names)))
+        images = tower_runner.images.rows(reqs[:2])
+    for (key, name), hf, ours in zip(TOWER_MIXED, prompts, logits.split(lengths), strict=True):
+        ref = hf_logits(model_dir, hf, None if name is None else adapters[name])
+        diff = (ours - ref).abs().max().item()
+        assert diff <= LOGITS_TOL, f"{key}/{name or 'base'}: max abs logit diff {diff:.2e}"
+    with_adapter, base = images.embeds.split(len(images.rows) // 2)
+    assert (with_adapter - base).abs().max().item() > MIN_EFFECT  # the tower's adapter moved the rows
+
+
+def test_tower_adapter_refused_without_the_flag(runner, vl_set) -> None:
+    _, adapters = vl_set
+    (outcome,) = runner.lora.load(specs({"a16": adapters["a16"]}, {"a16": 3}))
+    assert not outcome.success and "--enable-tower-connector-lora" in outcome.error_message, outcome
