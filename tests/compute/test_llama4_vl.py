@@ -28,7 +28,7 @@ from tests.worker_helpers import GREEDY, consecutive_pages, forward_logits, make
 
 LOGITS_TOL = 1e-3  # fp32
 MIN_EFFECT = 0.1
-DECODE_STEPS = 4
+DECODE_STEPS = 3
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +60,13 @@ def test_mixed_batch_matches_hf_and_peft(runner, vl_set) -> None:
     with torch.inference_mode():
         logits = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=slot_loads(names)))
     assert runner.images.num_encoded - before == 1 + 6  # "one"'s tile and "two"'s six, each once
+    refs = {}
     for (key, name), hf, ours in zip(MIXED, prompts, logits.split(lengths), strict=True):
-        ref = hf_logits(model_dir, hf, None if name is None else adapters[name])
+        ref = refs[key, name] = hf_logits(model_dir, hf, None if name is None else adapters[name])
         diff = (ours - ref).abs().max().item()
         assert diff <= LOGITS_TOL, f"{key}/{name or 'base'}: max abs logit diff {diff:.2e}"
-        if name is not None:
-            effect = (ref - hf_logits(model_dir, hf)).abs().max().item()
+        if name is not None:  # MIXED has each prompt with the base first
+            effect = (ref - refs[key, None]).abs().max().item()
             assert effect > MIN_EFFECT, f"{name} barely changes the logits ({effect:.3f})"
     # the images matter: the same prompt with its placeholders' own embeddings differs
     plain = request(prompts[1], pages[1])
@@ -108,7 +109,7 @@ def hf_greedy(model_dir: Path, hf: dict, steps: int, adapter_dir: Path | None) -
 
 def test_greedy_decode_matches_hf(runner, vl_set) -> None:
     model_dir, adapters = vl_set
-    cases = [("one", "a4"), ("two", None), ("text", "a8")]
+    cases = [("one", "a4"), ("two", "a8")]
     prompts = [inputs(key) for key, _ in cases]
     names = [name for _, name in cases]
     lengths = [p["input_ids"].shape[1] for p in prompts]

@@ -55,19 +55,22 @@ def test_answers_with_images_equal_transformers_greedy(server, model_dir) -> Non
     tokenizer = make_tokenizer()
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
     cases = [[make_image(16, 16, seed=0)], [make_image(20, 40, seed=1), make_image(32, 14, seed=2)], []]
+    wants = []
+    for images in cases:
+        parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": "what is it"}]
+        text = tokenizer.apply_chat_template([{"role": "user", "content": parts}], chat_template=CHAT_TEMPLATE,
+                                             tokenize=False, add_generation_prompt=True)  # fmt: skip
+        hf = hf_inputs(text, images)
+        with torch.no_grad():
+            out = model.generate(**hf, max_new_tokens=MAX_NEW, do_sample=False)
+        wants.append((hf["input_ids"].shape[1], tokenizer.decode(out[0, hf["input_ids"].shape[1] :],
+                                                                 skip_special_tokens=True)))  # fmt: skip
     for repeat in range(2):  # the second time, the images' pages come from the prefix cache
-        for images in cases:
-            parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": "what is it"}]
-            text = tokenizer.apply_chat_template([{"role": "user", "content": parts}], chat_template=CHAT_TEMPLATE,
-                                                 tokenize=False, add_generation_prompt=True)  # fmt: skip
-            hf = hf_inputs(text, images)
-            with torch.no_grad():
-                out = model.generate(**hf, max_new_tokens=MAX_NEW, do_sample=False)
-            want = tokenizer.decode(out[0, hf["input_ids"].shape[1] :], skip_special_tokens=True)
+        for images, (num_prompt, want) in zip(cases, wants, strict=True):
             content = [image_part(image) for image in images] + [{"type": "text", "text": "what is it"}]
             got = client.chat.completions.create(model="l4", messages=[{"role": "user", "content": content}],
                                                  max_tokens=MAX_NEW, temperature=0)  # fmt: skip
-            assert got.usage.prompt_tokens == hf["input_ids"].shape[1]
+            assert got.usage.prompt_tokens == num_prompt
             assert got.choices[0].message.content == want, (repeat, len(images))
             if repeat and images:
                 assert got.usage.prompt_tokens_details.cached_tokens >= TOKENS_PER_TILE * len(images)
