@@ -74,6 +74,12 @@ def test_answers_with_images_equal_transformers_greedy(server, model_dir) -> Non
             assert got.choices[0].message.content == want, (repeat, len(images))
             if repeat and images:
                 assert got.usage.prompt_tokens_details.cached_tokens >= TOKENS_PER_TILE * len(images)
+    # /generate: the text's <|image|> per image_data item, expanded as in chat (one tile: 3 markers and its run)
+    sampling = {"max_new_tokens": 1}
+    plain = server.post("/generate", {"text": "describe", "sampling_params": sampling}).json()
+    body = {"text": "<|image|>describe", "image_data": data_url(png_bytes(cases[0][0])), "sampling_params": sampling}
+    imaged = server.post("/generate", body).json()
+    assert imaged["meta_info"]["prompt_tokens"] == plain["meta_info"]["prompt_tokens"] + 3 + TOKENS_PER_TILE
     assert server.get("/server_info").json()["num_requests_in_flight"] == 0
 
 
