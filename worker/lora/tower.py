@@ -89,6 +89,11 @@ def _our_path(path: str, vision: VisionConfig | Llama4VisionConfig) -> tuple[str
     return path, None
 
 
+def _shown(ours: str, vision: VisionConfig | Llama4VisionConfig) -> str:
+    """Our module path as an error names it: Qwen2.5-VL's under `visual.`, Llama 4's from the model's root."""
+    return f"visual.{ours}" if isinstance(vision, VisionConfig) else ours
+
+
 def tower_weights(
     tensors: dict[str, torch.Tensor],
     vision: VisionConfig | Llama4VisionConfig | None,
@@ -112,14 +117,15 @@ def tower_weights(
     out: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = {}
     for (ours, slice_id), pair in pieces.items():
         if set(pair) != {"A", "B"}:
-            raise AdapterLoadError(f"missing lora_{'B' if 'A' in pair else 'A'} weight for visual.{ours}")
+            raise AdapterLoadError(f"missing lora_{'B' if 'A' in pair else 'A'} weight for {_shown(ours, vision)}")
         (key_a, a), (_, b) = pair["A"], pair["B"]
         linear = linears[ours]
         r, scale = scale_of(key_a)
         full_out = linear.output_sizes[slice_id] if slice_id is not None else sum(linear.output_sizes)
         if tuple(a.shape) != (r, linear.input_size) or tuple(b.shape) != (full_out, r):
-            raise AdapterLoadError(f"shape mismatch with the vision tower: visual.{ours} lora_A {tuple(a.shape)}, "
-                                   f"lora_B {tuple(b.shape)}, expected ({r}, {linear.input_size}), ({full_out}, {r})")
+            raise AdapterLoadError(f"shape mismatch with the vision tower: {_shown(ours, vision)} lora_A "
+                                   f"{tuple(a.shape)}, lora_B {tuple(b.shape)}, expected ({r}, {linear.input_size}), "
+                                   f"({full_out}, {r})")
         out.setdefault(ours, []).append((slice_id, a, b * scale))
     return {ours: _this_rank(linears[ours], parts, tp_rank, tp_size) for ours, parts in out.items()}
 
