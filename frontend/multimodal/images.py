@@ -46,7 +46,7 @@ class ImagePipeline:
         """Blocking (reads the processor's files): Runtime.start runs it on an executor."""
         spec = read_vision_spec(model_dir)
         if isinstance(spec, Llama4Spec):
-            processor = Llama4ImageProcessor.load(model_dir)
+            processor = Llama4ImageProcessor.load(model_dir, spec)
             logger.info("images: Llama 4 tiles of %d pixels (at most %d an image), %d placeholders a tile, at most %d "
                         "a prompt", processor.size, processor.max_patches, spec.tokens_per_tile, config.image_limit)
         elif spec is not None:

@@ -33,6 +33,7 @@ class Llama4Spec:
 
     token_ids: dict[str, int]  # TOKENS -> id
     tokens_per_tile: int  # (tile / patch)**2 / downsample ratio
+    tile_size: int = 0  # the vision model's image_size: the image processor's tiles must be as large
 
     @property
     def image_token_id(self) -> int:
@@ -49,7 +50,7 @@ def llama4_spec(hf: dict[str, Any], model_dir: str) -> Llama4Spec:
     if missing:
         raise RuntimeError(f"the llama4 model at {model_dir} takes images, but its tokenizer lacks {missing}")
     return Llama4Spec(token_ids={token: ids[token] for token in TOKENS},
-                      tokens_per_tile=side * side // round(1 / ratio**2))  # fmt: skip
+                      tokens_per_tile=side * side // round(1 / ratio**2), tile_size=vision.get("image_size", 448))
 
 
 def _special_token_ids(model_dir: str) -> dict[str, int]:
@@ -89,7 +90,7 @@ class Llama4ImageProcessor:
         self.canvases = supported_canvases(max_patches, size)
 
     @classmethod
-    def load(cls, model_dir: str) -> Llama4ImageProcessor:
+    def load(cls, model_dir: str, spec: Llama4Spec) -> Llama4ImageProcessor:
         try:
             with open(os.path.join(model_dir, "preprocessor_config.json")) as f:
                 raw = json.load(f)
@@ -99,6 +100,9 @@ class Llama4ImageProcessor:
         size = raw.get("size") or {}
         if size.get("height", 336) != size.get("width", 336):
             raise RuntimeError(f"the llama4 image processor's size {size} must be square")
+        if size.get("height", 336) != spec.tile_size:
+            raise RuntimeError(f"the llama4 image processor's tiles of {size.get('height', 336)} pixels are not the "
+                               f"vision model's image_size {spec.tile_size} (preprocessor_config.json, config.json)")
         return cls(size=size.get("height", 336), max_patches=raw.get("max_patches", 16),
                    mean=raw.get("image_mean", (0.5,) * 3), std=raw.get("image_std", (0.5,) * 3),
                    rescale_factor=raw.get("rescale_factor", 1 / 255),

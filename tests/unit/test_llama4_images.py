@@ -121,6 +121,27 @@ def test_expansion_puts_each_tile_on_its_run() -> None:
         expand_llama4(prompt, images[:1], spec, "messages[0]")
 
 
+def test_tiles_of_another_size_than_the_vision_model_stop_the_start(tmp_path) -> None:
+    import json
+
+    from loraplex.frontend.multimodal.images import ImagePipeline
+    from loraplex.protocol.config import ServerConfig
+
+    from tests.llama4_vision_models import VISION, write_preprocessor_config
+
+    make_tokenizer().save_pretrained(tmp_path)
+    write_preprocessor_config(tmp_path)
+    config = {"model_type": "llama4", "text_config": {"hidden_size": 64}, "vision_config": dict(VISION)}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    pipeline = ImagePipeline.load(str(tmp_path), ServerConfig(device="cpu"))
+    assert pipeline.modalities == ["text", "image"] and pipeline.spec.tokens_per_tile == 4
+    pipeline.close()
+    config["vision_config"]["image_size"] = 32
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(RuntimeError, match="image_size 32"):
+        ImagePipeline.load(str(tmp_path), ServerConfig(device="cpu"))
+
+
 @pytest.mark.skipif(not HAS_TORCHVISION, reason="transformers' Llama4ImageProcessor needs torchvision")
 def test_whole_output_equals_llama4_image_processor() -> None:
     from transformers import Llama4ImageProcessor as Reference
