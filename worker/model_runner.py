@@ -110,6 +110,10 @@ class ModelRunner:
             bidirectional=self.model_config.is_bidirectional,
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
+        # Gemma 3: an image's placeholders attend to each other both ways in prefill (the torch/cpu backends' mask)
+        self.image_blocks = getattr(self.model_config.vision, "bidirectional_images", False)
+        if self.image_blocks and hasattr(self.attention, "image_blocks"):
+            self.attention.image_blocks = True
         self.kv_dtype = self._kv_cache_dtype()
         # the norms', rotary's and activation's, bound as the layers are built
         ops = select_model_ops(self.device, self.backend.cpu_kernels)
@@ -542,6 +546,10 @@ class ModelRunner:
             self._check_whole_sequences(reqs)
         if "mrope_section" not in self.model_config.rope.params and any(req.mrope_positions for req in reqs):
             raise BatchError(f"a request gives M-RoPE positions, which {self.model_config.model_type} does not use")
+        if self.image_blocks and not getattr(self.attention, "image_blocks", False) and any(r.images for r in reqs):
+            raise BatchError(f"images on {self.model_config.model_type} attend both ways within each image, which the "
+                             f"{self.attention.name} attention backend does not do: serve with --attention-backend "
+                             "torch")  # fmt: skip
         inputs = BatchInputs.build(
             reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device, self.attention
         )
