@@ -43,9 +43,8 @@ PROMPTS = {
     "two": (f"{BOI} and {BOI} differ in", [(32, 32, 1), (40, 24, 2)]),
     "text": ("plain words with no picture at all", []),
 }
-# the language model's attention alone (the tower's linears are q/k/v_proj too: layers_to_transform would not tell
-# them apart, the regex does)
-LM_ONLY = r".*language_model.*\.({})"
+# the language model's modules alone: the tower's attention is q/k/v_proj too
+TOWER_ONLY = r".*vision_tower.*"
 ADAPTERS = {"a4": (4, 8, ("q_proj", "v_proj")), "a8": (8, 16, ("q_proj", "k_proj", "v_proj", "o_proj"))}
 LORA = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
             max_loras_per_batch=2)  # fmt: skip
@@ -113,15 +112,15 @@ def build_gemma3_vl(out_dir: Path | str, seed: int = 0) -> None:
 
 def build_adapter(base_dir: Path, out_dir: Path, r: int, alpha: int, targets: tuple[str, ...], seed: int,
                   target_modules=None) -> None:  # fmt: skip
-    """A PEFT LoRA adapter of the base (keys model.language_model.layers.N...), random A and B; `target_modules`
-    (default: `targets` on the language model alone)."""
+    """A PEFT LoRA adapter of the base (keys model.language_model.layers.N...), random A and B: `targets` on the
+    language model alone, or `target_modules` wherever they match."""
     from peft import LoraConfig, get_peft_model
     from transformers import Gemma3ForConditionalGeneration
 
     model = Gemma3ForConditionalGeneration.from_pretrained(base_dir, dtype=torch.float32)
-    if target_modules is None:
-        target_modules = LM_ONLY.format("|".join(targets))
-    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules))
+    exclude = None if target_modules is not None else TOWER_ONLY
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules or list(targets), exclude_modules=exclude)
+    peft_model = get_peft_model(model, config)
     randomize_adapter(peft_model, seed)
     peft_model.save_pretrained(out_dir)
 

@@ -550,6 +550,8 @@ class ModelRunner:
             raise BatchError(f"images on {self.model_config.model_type} attend both ways within each image, which the "
                              f"{self.attention.name} attention backend does not do: serve with --attention-backend "
                              "torch")  # fmt: skip
+        if self.image_blocks:
+            self._check_whole_images(reqs)
         inputs = BatchInputs.build(
             reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device, self.attention
         )
@@ -575,6 +577,17 @@ class ModelRunner:
             logger.info("FP8 KV cache scales set from the first prefill: keys %s, values %s",
                         _range(self.kv_cache.scales[:, 0]), _range(self.kv_cache.scales[:, 1]))  # fmt: skip
         return hidden, inputs  # hidden: (tokens, hidden)
+
+    def _check_whole_images(self, reqs: list[ForwardReq]) -> None:
+        """Each image's placeholders attend to the ones after them too: a pass may not end inside a run (the
+        scheduler cuts chunks outside them, scheduler/image_runs.py)."""
+        for i, req in enumerate(reqs):
+            end = req.num_cached_tokens + len(req.input_ids)
+            for image in req.images:
+                if image.offset < end < image.offset + image.num_tokens:
+                    raise BatchError(f"request {i}: the pass ends at {end}, inside the image placeholder run "
+                                     f"[{image.offset}, {image.offset + image.num_tokens}), whose tokens attend "
+                                     "to each other both ways")  # fmt: skip
 
     def _check_whole_sequences(self, reqs: list[ForwardReq]) -> None:
         """An encoder's request attends over its whole sequence, so it comes in one pass; its token types index the

@@ -32,6 +32,10 @@ class Gemma3DecoderLayer(Gemma2DecoderLayer):
 class Gemma3Model(Gemma2Model):
     layer_cls = Gemma3DecoderLayer
 
+    def __init__(self, config: ModelConfig, max_positions: int):
+        super().__init__(config, max_positions)
+        self.vocab_size = config.vocab_size
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -44,7 +48,7 @@ class Gemma3Model(Gemma2Model):
         if image_rows is None:
             return super().forward(input_ids, positions, kv_cache, attention)
         # the placeholder id may lie past the vocabulary (HF reads it as token 0): its rows are replaced anyway
-        ids = input_ids.masked_fill(input_ids >= self.embed_tokens.weight.shape[0], 0)
+        ids = input_ids.masked_fill(input_ids >= self.vocab_size, 0)
         hidden = self.embed_tokens(ids) * self.embed_scale  # (tokens, hidden)
         hidden = hidden.index_copy(0, image_rows, image_embeds.to(hidden.dtype))  # unscaled, as HF merges them
         residual = None

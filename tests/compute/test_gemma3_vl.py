@@ -1,0 +1,152 @@
+"""Gemma 3 with images in the worker (SigLIP tower, pooled projector, image rows in place of the soft tokens, each
+image's soft tokens attending both ways in prefill, sliding-window layers narrower than an image) against HF
+transformers + peft in fp32: one image, two and none in one batch with the base and two language-model adapters; a
+chunked prefill whose chunks the scheduler keeps off an image's run; greedy decoding; a pass that would cut a run
+refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from loraplex.protocol.structs import ForwardBatch, ForwardReq
+from loraplex.scheduler.image_runs import whole_image_len
+from loraplex.worker.batch_inputs import BatchError
+from loraplex.worker.model_runner import ModelRunner
+
+from tests.gemma3_vl_models import LORA, build_set, hf_logits, hf_model, inputs, request
+from tests.lora_helpers import load_all, slot_loads, slot_of
+from tests.reference import CLEAR_MARGIN, assert_greedy_match
+from tests.worker_helpers import GREEDY, consecutive_pages, forward_logits, make_runner
+
+LOGITS_TOL = 1e-3  # fp32
+MIN_EFFECT = 0.1
+DECODE_STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def vl_set(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    return build_set(tmp_path_factory.mktemp("gemma3_vl"))
+
+
+@pytest.fixture(scope="module")
+def runner(vl_set) -> ModelRunner:
+    model_dir, adapters = vl_set
+    runner = make_runner(model_dir, **LORA)
+    load_all(runner, adapters)
+    return runner
+
+
+MIXED = [("one", None), ("two", None), ("text", None), ("one", "a4"), ("two", "a8"), ("text", "a8")]
+
+
+def test_mixed_batch_matches_hf_and_peft(runner, vl_set) -> None:
+    """One image, two and none, each with the base and an adapter, in one batch; the image blocks matter (HF without
+    token_type_ids, all causal, differs)."""
+    model_dir, adapters = vl_set
+    prompts = [inputs(key) for key, _ in MIXED]
+    names = [name for _, name in MIXED]
+    lengths = [p["input_ids"].shape[1] for p in prompts]
+    pages = consecutive_pages(lengths, runner.page_size)
+    reqs = [request(p, pg, name, key=i) for i, (p, pg, name) in enumerate(zip(prompts, pages, names, strict=True))]
+    with torch.inference_mode():
+        logits = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=slot_loads(names)))
+    for (key, name), hf, ours in zip(MIXED, prompts, logits.split(lengths), strict=True):
+        ref = hf_logits(model_dir, hf, None if name is None else adapters[name])
+        diff = (ours - ref).abs().max().item()
+        assert diff <= LOGITS_TOL, f"{key}/{name or 'base'}: max abs logit diff {diff:.2e}"
+        if name is not None:
+            effect = (ref - hf_logits(model_dir, hf)).abs().max().item()
+            assert effect > MIN_EFFECT, f"{name} barely changes the logits ({effect:.3f})"
+    causal = {k: v for k, v in prompts[1].items() if k != "token_type_ids"}
+    with torch.inference_mode():
+        all_causal = hf_model(str(model_dir))(**causal).logits[0]
+    assert (all_causal - logits.split(lengths)[1]).abs().max().item() > MIN_EFFECT
+
+
+def test_chunked_prefill_keeps_each_image_whole(runner, vl_set) -> None:
+    """A budget of 7 tokens a pass: the scheduler's cut (scheduler/image_runs.py) moves back to an image's start,
+    or takes the run whole past the budget; every chunk's logits equal HF's rows of the whole prompt. A pass that
+    ends inside a run is refused."""
+    model_dir, adapters = vl_set
+    hf = inputs("two")
+    length = hf["input_ids"].shape[1]
+    pages = consecutive_pages([length], runner.page_size)[0]
+    images = request(hf, pages).images
+    budget, starts, chunks = 7, [], []
+    with torch.inference_mode():
+        start = 0
+        while start < length:
+            num_new = whole_image_len(images, start, min(budget, length - start), alone=True)
+            assert num_new > 0
+            starts.append(start)
+            req = request(hf, pages, "a4", start, start + num_new)
+            chunks.append(forward_logits(runner, ForwardBatch(batch_id=len(starts), reqs=[req],
+                                                              slot_loads=slot_loads(["a4"]))))  # fmt: skip
+            start += num_new
+    offsets = [image.offset for image in images]
+    assert all(offset in starts for offset in offsets), (starts, offsets)  # each run begins a pass ...
+    assert all(offset + images[0].num_tokens in starts + [length] for offset in offsets)  # ... and ends one
+    diff = (torch.cat(chunks) - hf_logits(model_dir, hf, adapters["a4"])).abs().max().item()
+    assert diff <= LOGITS_TOL, f"chunked prefill: max abs logit diff {diff:.2e}"
+    cut = request(hf, pages, None, 0, offsets[0] + 3)
+    with pytest.raises(BatchError, match="inside the image placeholder run"), torch.inference_mode():
+        forward_logits(runner, ForwardBatch(batch_id=99, reqs=[cut]))
+
+
+@torch.inference_mode()
+def hf_greedy(model_dir: Path, hf: dict, steps: int, adapter_dir: Path | None) -> tuple[list[int], list[float]]:
+    out, margins = [], []
+    for _ in range(steps):
+        top2 = torch.topk(hf_logits(model_dir, hf, adapter_dir, extra=out)[-1], 2)
+        out.append(int(top2.indices[0]))
+        margins.append(float(top2.values[0] - top2.values[1]))
+    return out, margins
+
+
+def test_greedy_decode_matches_hf(runner, vl_set) -> None:
+    """Prefill with images, then decode steps (text tokens, causal) in one batch."""
+    model_dir, adapters = vl_set
+    cases = [("one", None), ("two", "a8"), ("text", None)]
+    prompts = [inputs(key) for key, _ in cases]
+    names = [name for _, name in cases]
+    lengths = [p["input_ids"].shape[1] for p in prompts]
+    pages = consecutive_pages([n + DECODE_STEPS for n in lengths], runner.page_size)
+    reqs = [request(p, pg, name, key=i) for i, (p, pg, name) in enumerate(zip(prompts, pages, names, strict=True))]
+    outputs = [[t] for t in runner.forward(ForwardBatch(batch_id=0, reqs=reqs, slot_loads=slot_loads(names)))]
+    for step in range(1, DECODE_STEPS):
+        reqs = [ForwardReq(input_ids=out[-1:], num_cached_tokens=n + step - 1, page_ids=pg, num_generated=step,
+                           slot=slot_of(name), req_key=i)
+                for i, (out, n, pg, name) in enumerate(zip(outputs, lengths, pages, names, strict=True))]
+        for out, token in zip(outputs, runner.forward(ForwardBatch(batch_id=step, reqs=reqs)), strict=True):
+            out.append(token)
+    runner.forward(ForwardBatch(batch_id=DECODE_STEPS, reqs=[], released_keys=list(range(len(cases)))))
+    compared = 0
+    for (key, name), hf, out in zip(cases, prompts, outputs, strict=True):
+        ref, margins = hf_greedy(model_dir, hf, DECODE_STEPS, None if name is None else adapters[name])
+        compared += assert_greedy_match(out, ref, margins, what=f"{key}/{name or 'base'}")
+    assert compared >= DECODE_STEPS * len(cases) // 2, f"only {compared} tokens had a clear margin (> {CLEAR_MARGIN})"
+
+
+def test_bad_images_fail_the_batch(runner) -> None:
+    hf = inputs("one")
+    pages = consecutive_pages([hf["input_ids"].shape[1]], runner.page_size)[0]
+    good = request(hf, pages)
+    image = good.images[0]
+    bad = {  # what the error names -> the image
+        "expected": msgspec_replace(image, shape=[1, 3, 16, 16]),
+        "bytes": msgspec_replace(image, pixel_values=image.pixel_values[:-4]),
+        "placeholder tokens": msgspec_replace(image, num_tokens=image.num_tokens - 1),
+    }
+    for what, image in bad.items():
+        req = ForwardReq(input_ids=good.input_ids, num_cached_tokens=0, page_ids=pages, sampling=GREEDY,
+                         images=[image])  # fmt: skip
+        with pytest.raises(BatchError, match=what), torch.inference_mode():
+            forward_logits(runner, ForwardBatch(batch_id=0, reqs=[req]))
+
+
+def msgspec_replace(struct, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(struct, **changes)
