@@ -509,7 +509,7 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         siglip = None  # a multimodal gemma3 checkpoint's tower, read before its text_config replaces the config
-        if model_type == "gemma3" and isinstance(hf.get("vision_config"), dict) and isinstance(hf.get("text_config"), dict):
+        if model_type == "gemma3" and all(isinstance(hf.get(key), dict) for key in ("vision_config", "text_config")):
             siglip = SiglipVisionConfig.from_dict(hf)
         if model_type in GEMMA4_TYPES:
             hf = _gemma4_fields(hf, model_type)

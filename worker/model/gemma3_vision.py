@@ -10,8 +10,7 @@ mm_input_projection_weight (vision hidden, text hidden).
 
 Sharded like the language model: attention heads and the MLP's width split over the ranks (q/k/v and fc1 column
 parallel, out_proj and fc2 row parallel); embeddings, norms and the projector are whole on every rank. Module names
-are the checkpoint's (vision_tower.*, as transformers 5 saves it, multi_modal_projector.*), so PEFT's adapter names on the tower
-read as ours (worker/lora/tower.py)."""
+are the checkpoint's (vision_tower.* as transformers 5 saves it, multi_modal_projector.*)."""
 
 from __future__ import annotations
 
