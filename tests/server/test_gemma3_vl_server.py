@@ -80,7 +80,8 @@ def test_gemma_3_4b_config_answers_an_image_with_dummy_weights(tmp_path: Path) -
                        "--attention-backend", "torch", start_timeout_s=600) as server:  # fmt: skip
         info = server.get("/server_info").json()
         assert info["model_type"] == "gemma3" and info["modalities"] == ["text", "image"]
-        body = {"text": "<start_of_image> describe", "image_data": data_url(make_image(64, 48, seed=3)),
+        boi = json.loads((model_dir / "config.json").read_text())["boi_token_index"]  # not in the tiny tokenizer
+        body = {"input_ids": [2, boi, 300, 301], "image_data": data_url(make_image(64, 48, seed=3)),
                 "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
         resp = server.post("/generate", body, timeout=300)
         assert resp.status_code == 200, resp.text
