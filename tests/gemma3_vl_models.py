@@ -48,6 +48,11 @@ TOWER_ONLY = r".*vision_tower.*"
 ADAPTERS = {"a4": (4, 8, ("q_proj", "v_proj")), "a8": (8, 16, ("q_proj", "k_proj", "v_proj", "o_proj"))}
 LORA = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
             max_loras_per_batch=2)  # fmt: skip
+# --enable-tower-connector-lora: q/v_proj on the language model and the tower's attention both, fc1/fc2 the tower's MLP
+# (named a16 for tests/lora_helpers.py's ids and slots)
+TOWER_ADAPTERS = {"a16": (16, 32, ("q_proj", "v_proj", "fc1", "fc2"))}
+TOWER_LORA = dict(LORA, enable_tower_connector_lora=True, lora_target_modules=["all"], max_loras_per_batch=3,
+                  max_lora_rank=16)  # fmt: skip
 
 
 def make_tokenizer():  # -> transformers.PreTrainedTokenizerFast with Gemma 3's image tokens and a chat template
@@ -125,12 +130,16 @@ def build_adapter(base_dir: Path, out_dir: Path, r: int, alpha: int, targets: tu
     peft_model.save_pretrained(out_dir)
 
 
-def build_set(root: Path) -> tuple[Path, dict[str, Path]]:
+def build_set(root: Path, tower: bool = False) -> tuple[Path, dict[str, Path]]:
+    """The base under root/base, ADAPTERS (on the language model) beside it, and with `tower` TOWER_ADAPTERS."""
     build_gemma3_vl(root / "base")
     adapters = {}
     for seed, (name, (r, alpha, targets)) in enumerate(ADAPTERS.items()):
         adapters[name] = root / name
         build_adapter(root / "base", adapters[name], r, alpha, targets, seed)
+    for seed, (name, (r, alpha, targets)) in enumerate(TOWER_ADAPTERS.items() if tower else (), start=len(adapters)):
+        adapters[name] = root / name
+        build_adapter(root / "base", adapters[name], r, alpha, targets, seed, target_modules=list(targets))
     return root / "base", adapters
 
 

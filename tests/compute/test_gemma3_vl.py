@@ -2,7 +2,8 @@
 image's soft tokens attending both ways in prefill, sliding-window layers narrower than an image) against HF
 transformers + peft in fp32: one image, two and none in one batch with the base and two language-model adapters; a
 chunked prefill whose chunks the scheduler keeps off an image's run; greedy decoding; a pass that would cut a run
-refused."""
+refused; an adapter on the tower (--enable-tower-connector-lora) beside one without, equal to peft, and refused by
+the flag's name without it."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from loraplex.scheduler.image_runs import whole_image_len
 from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.gemma3_vl_models import LORA, build_set, hf_logits, hf_model, inputs, request
-from tests.lora_helpers import load_all, slot_loads, slot_of
+from tests.gemma3_vl_models import LORA, TOWER_LORA, build_set, hf_logits, hf_model, inputs, request
+from tests.lora_helpers import load_all, slot_loads, slot_of, specs
 from tests.reference import CLEAR_MARGIN, assert_greedy_match
 from tests.worker_helpers import GREEDY, consecutive_pages, forward_logits, make_runner
 
@@ -27,13 +28,22 @@ DECODE_STEPS = 5
 
 @pytest.fixture(scope="module")
 def vl_set(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
-    return build_set(tmp_path_factory.mktemp("gemma3_vl"))
+    return build_set(tmp_path_factory.mktemp("gemma3_vl"), tower=True)
 
 
 @pytest.fixture(scope="module")
 def runner(vl_set) -> ModelRunner:
     model_dir, adapters = vl_set
     runner = make_runner(model_dir, **LORA)
+    load_all(runner, {name: adapters[name] for name in ("a4", "a8")})
+    return runner
+
+
+@pytest.fixture(scope="module")
+def tower_runner(vl_set) -> ModelRunner:
+    """--enable-tower-connector-lora, every language-model module in the pool."""
+    model_dir, adapters = vl_set
+    runner = make_runner(model_dir, **TOWER_LORA)
     load_all(runner, adapters)
     return runner
 
@@ -150,3 +160,32 @@ def msgspec_replace(struct, **changes):
     import msgspec
 
     return msgspec.structs.replace(struct, **changes)
+
+
+TOWER_MIXED = [("one", "a16"), ("one", None), ("two", "a4"), ("text", "a16"), ("two", "a16")]
+
+
+def test_tower_lora_matches_peft(tower_runner, vl_set) -> None:
+    """An adapter on the tower's attention and MLP (and the language model's q/v) beside one on the language model
+    alone and the base, in one batch; the image shared by a16 and the base is encoded once for each."""
+    model_dir, adapters = vl_set
+    prompts = [inputs(key) for key, _ in TOWER_MIXED]
+    names = [name for _, name in TOWER_MIXED]
+    lengths = [p["input_ids"].shape[1] for p in prompts]
+    pages = consecutive_pages(lengths, tower_runner.page_size)
+    reqs = [request(p, pg, name, key=i) for i, (p, pg, name) in enumerate(zip(prompts, pages, names, strict=True))]
+    with torch.inference_mode():
+        logits = forward_logits(tower_runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=slot_loads(names)))
+        images = tower_runner.images.rows(reqs[:2])
+    for (key, name), hf, ours in zip(TOWER_MIXED, prompts, logits.split(lengths), strict=True):
+        ref = hf_logits(model_dir, hf, None if name is None else adapters[name])
+        diff = (ours - ref).abs().max().item()
+        assert diff <= LOGITS_TOL, f"{key}/{name or 'base'}: max abs logit diff {diff:.2e}"
+    with_adapter, base = images.embeds.split(len(images.rows) // 2)
+    assert (with_adapter - base).abs().max().item() > MIN_EFFECT  # the tower's adapter moved the rows
+
+
+def test_tower_adapter_refused_without_the_flag(runner, vl_set) -> None:
+    _, adapters = vl_set
+    (outcome,) = runner.lora.load(specs({"a16": adapters["a16"]}, {"a16": 3}))
+    assert not outcome.success and "--enable-tower-connector-lora" in outcome.error_message, outcome

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 from loraplex.protocol.adapters.adapter_config import AdapterLoadError
-from loraplex.worker.model.config import VisionConfig
+from loraplex.worker.model.config import SiglipVisionConfig, VisionConfig
 from torch import nn
 
-TOWER_KEY = re.compile(r"(?:^|\.)visual\.(.+)\.lora_([AB])(?:\.\w+)?\.weight$")
+# Qwen-VL's `visual.`; Gemma 3's SigLIP `vision_tower.` (transformers 4 and the Hub: `vision_tower.vision_model.`)
+TOWER_KEY = re.compile(r"(?:^|\.)(?:visual|vision_tower(?:\.vision_model)?)\.(.+)\.lora_([AB])(?:\.\w+)?\.weight$")
 TOWER_FLAG = "--enable-tower-connector-lora"
 # PEFT's MLP slices -> (our fused module, slice)
 _SLICES = {"mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1)}
@@ -37,8 +38,10 @@ class TowerLinear:
     output_sizes: tuple[int, ...]  # per fused slice (qkv's three, gate_up's two)
 
 
-def tower_linears(c: VisionConfig) -> dict[str, TowerLinear]:
+def tower_linears(c: VisionConfig | SiglipVisionConfig) -> dict[str, TowerLinear]:
     """Our module path inside the tower -> its shape, for every linear an adapter may reach."""
+    if isinstance(c, SiglipVisionConfig):  # Gemma 3's SigLIP (its projector is a bare matrix: no adapter's)
+        return siglip_linears(c)
     group = c.hidden_size * c.spatial_merge_size**2
     out: dict[str, TowerLinear] = {}
     for i in range(c.depth):
@@ -49,6 +52,22 @@ def tower_linears(c: VisionConfig) -> dict[str, TowerLinear]:
     out["merger.mlp.0"] = TowerLinear("column", group, (group,))
     out["merger.mlp.2"] = TowerLinear("row", group, (c.out_hidden_size,))
     return out
+
+
+def siglip_linears(c: SiglipVisionConfig) -> dict[str, TowerLinear]:
+    out: dict[str, TowerLinear] = {}
+    for i in range(c.depth):
+        for name in ("q_proj", "k_proj", "v_proj"):
+            out[f"encoder.layers.{i}.self_attn.{name}"] = TowerLinear("column", c.hidden_size, (c.hidden_size,))
+        out[f"encoder.layers.{i}.self_attn.out_proj"] = TowerLinear("row", c.hidden_size, (c.hidden_size,))
+        out[f"encoder.layers.{i}.mlp.fc1"] = TowerLinear("column", c.hidden_size, (c.intermediate_size,))
+        out[f"encoder.layers.{i}.mlp.fc2"] = TowerLinear("row", c.intermediate_size, (c.hidden_size,))
+    return out
+
+
+def tower_module(model: nn.Module) -> nn.Module:
+    """The model's vision tower, whose linears an adapter reaches: Qwen-VL's `visual`, Gemma 3's `vision_tower`."""
+    return model.visual if hasattr(model, "visual") else model.vision_tower
 
 
 def tower_weights(
