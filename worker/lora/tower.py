@@ -1,5 +1,6 @@
 """LoRA on a vision-language model's vision tower and patch merger (--enable-tower-connector-lora): each image is
-encoded with its request's adapter.
+encoded with its request's adapter. Qwen-VL's tower as below; Gemma 3's SigLIP (`vision_tower.*`): each block's
+q/k/v_proj and fc1 (column parallel), out_proj and fc2 (row parallel), every patch of an image its adapter's rows.
 
 An adapter's tower tensors (PEFT keys `...visual.<module>.lora_A/B.weight`: blocks.N.attn.qkv / attn.proj /
 mlp.gate_proj / up_proj / down_proj, merger.mlp.0 / mlp.2) are kept per module of ours as one (A, B) pair of this
