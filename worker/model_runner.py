@@ -25,7 +25,12 @@ from loraplex.worker.images import ImageEncoder
 from loraplex.worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token, kv_cache_dtype
 from loraplex.worker.kv_scales import read_kv_scales
 from loraplex.worker.layers import packed
-from loraplex.worker.layers.attention import AttentionBackendError, BatchAttention, select_attention_backend
+from loraplex.worker.layers.attention import (
+    AttentionBackendError,
+    BatchAttention,
+    SDPAAttention,
+    select_attention_backend,
+)
 from loraplex.worker.layers.moe import device_routing_refusal, use_device_routing, warm_up_device_routing
 from loraplex.worker.layers.ops import ModelOps, model_ops, select_model_ops
 from loraplex.worker.loader import load_weights
@@ -110,10 +115,16 @@ class ModelRunner:
             bidirectional=self.model_config.is_bidirectional,
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
-        # Gemma 3: an image's placeholders attend to each other both ways in prefill (the torch/cpu backends' mask)
+        # Gemma 3: an image's placeholders attend to each other both ways in prefill (the torch/cpu backends' mask);
+        # with the triton backend, whose kernels are causal, a pass carrying images runs torch's SDPA over the same
+        # paged cache (image passes run eagerly anyway)
         self.image_blocks = getattr(self.model_config.vision, "bidirectional_images", False)
-        if self.image_blocks and hasattr(self.attention, "image_blocks"):
-            self.attention.image_blocks = True
+        self.image_attention = self.attention
+        if self.image_blocks and not hasattr(self.attention, "image_blocks"):
+            self.image_attention = SDPAAttention(self.device)
+            logger.info("images attend both ways within each image: passes with images run the torch attention")
+        if self.image_blocks:
+            self.image_attention.image_blocks = True
         self.kv_dtype = self._kv_cache_dtype()
         # the norms', rotary's and activation's, bound as the layers are built
         ops = select_model_ops(self.device, self.backend.cpu_kernels)
@@ -546,15 +557,12 @@ class ModelRunner:
             self._check_whole_sequences(reqs)
         if "mrope_section" not in self.model_config.rope.params and any(req.mrope_positions for req in reqs):
             raise BatchError(f"a request gives M-RoPE positions, which {self.model_config.model_type} does not use")
-        if self.image_blocks and not getattr(self.attention, "image_blocks", False) and any(r.images for r in reqs):
-            raise BatchError(f"images on {self.model_config.model_type} attend both ways within each image, which the "
-                             f"{self.attention.name} attention backend does not do: serve with --attention-backend "
-                             "torch")  # fmt: skip
-        if self.image_blocks:
+        attention = self.attention
+        if self.image_blocks and any(req.images for req in reqs):
             self._check_whole_images(reqs)
-        inputs = BatchInputs.build(
-            reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device, self.attention
-        )
+            attention = self.image_attention
+        inputs = BatchInputs.build(reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device,
+                                   attention)  # fmt: skip
         if self.lora is not None:
             self.lora.prepare(reqs)
         elif any(req.slot != -1 for req in reqs):

@@ -2,8 +2,8 @@
 image's soft tokens attending both ways in prefill, sliding-window layers narrower than an image) against HF
 transformers + peft in fp32: one image, two and none in one batch with the base and two language-model adapters; a
 chunked prefill whose chunks the scheduler keeps off an image's run; greedy decoding; a pass that would cut a run
-refused; an adapter on the tower (--enable-tower-connector-lora) beside one without, equal to peft, and refused by
-the flag's name without it."""
+refused; the triton backend's image passes on torch attention; an adapter on the tower
+(--enable-tower-connector-lora) beside one without, equal to peft, and refused by the flag's name without it."""
 
 from __future__ import annotations
 
@@ -189,3 +189,19 @@ def test_tower_adapter_refused_without_the_flag(runner, vl_set) -> None:
     _, adapters = vl_set
     (outcome,) = runner.lora.load(specs({"a16": adapters["a16"]}, {"a16": 3}))
     assert not outcome.success and "--enable-tower-connector-lora" in outcome.error_message, outcome
+
+
+def test_the_triton_backend_runs_image_passes_on_torch_attention(vl_set) -> None:
+    """The Triton kernels (interpreted here) are causal: a pass with images runs torch's SDPA with the image blocks
+    over the same paged cache, a pass without stays on Triton; both equal HF."""
+    model_dir, _ = vl_set
+    runner = make_runner(model_dir, attention_backend="triton")
+    assert runner.attention.name == "triton" and runner.image_attention.name == "torch"
+    prompts = [inputs("one"), inputs("text")]
+    lengths = [p["input_ids"].shape[1] for p in prompts]
+    pages = consecutive_pages(lengths, runner.page_size)
+    for batch_id, (hf, pg) in enumerate(zip(prompts, pages, strict=True)):
+        with torch.inference_mode():
+            ours = forward_logits(runner, ForwardBatch(batch_id=batch_id, reqs=[request(hf, pg, key=batch_id)]))
+        diff = (ours - hf_logits(model_dir, hf)).abs().max().item()
+        assert diff <= LOGITS_TOL, f"max abs logit diff {diff:.2e}"
