@@ -1,8 +1,8 @@
 """Gemma 3 with images in the worker (SigLIP tower, pooled projector, image rows in place of the soft tokens, each
 image's soft tokens attending both ways in prefill, sliding-window layers narrower than an image) against HF
 transformers + peft in fp32: one image, two and none in one batch with the base and two language-model adapters; a
-chunked prefill whose chunks the scheduler keeps off an image's run; greedy decoding; a pass that would cut a run
-refused; the triton backend's image passes on torch attention; an adapter on the tower
+chunked prefill whose chunks the scheduler keeps off an image's run; a prefix hit inside one; greedy decoding; a pass
+that would cut a run refused; the triton backend's image passes on torch attention; an adapter on the tower
 (--enable-tower-connector-lora) beside one without, equal to peft, and refused by the flag's name without it."""
 
 from __future__ import annotations
@@ -103,6 +103,29 @@ def test_chunked_prefill_keeps_each_image_whole(runner, vl_set) -> None:
     cut = request(hf, pages, None, 0, offsets[0] + 3)
     with pytest.raises(BatchError, match="inside the image placeholder run"), torch.inference_mode():
         forward_logits(runner, ForwardBatch(batch_id=99, reqs=[cut]))
+
+
+def test_a_prefix_hit_inside_an_image_attends_to_the_whole_run(runner, vl_set) -> None:
+    """A request whose prefix-cache hit ends inside an image's run (pages written by a pass that held the run whole):
+    the rest of the run attends to the cached part and both ways among itself, its rows from the kept embeddings
+    (no second tower call); the logits past the hit equal HF's."""
+    model_dir, adapters = vl_set
+    hf = inputs("one")
+    length = hf["input_ids"].shape[1]
+    pages = consecutive_pages([length], runner.page_size)[0]
+    first = request(hf, pages, "a4")
+    [image] = first.images
+    hit = image.offset + image.num_tokens // 2
+    runner.images.done.clear()
+    before = runner.images.num_encoded
+    with torch.inference_mode():
+        forward_logits(runner, ForwardBatch(batch_id=0, reqs=[first], slot_loads=slot_loads(["a4"])))
+        cached = request(hf, pages, "a4", hit, length, key=1)
+        assert cached.images == [image]
+        logits = forward_logits(runner, ForwardBatch(batch_id=1, reqs=[cached], slot_loads=slot_loads(["a4"])))
+    assert runner.images.num_encoded - before == 1
+    diff = (logits - hf_logits(model_dir, hf, adapters["a4"])[hit:]).abs().max().item()
+    assert diff <= LOGITS_TOL, f"hit inside the image: max abs logit diff {diff:.2e}"
 
 
 @torch.inference_mode()
