@@ -2,8 +2,8 @@
 greedy generate does (Gemma3Processor's layout of each image, its soft tokens attending both ways; chunks of 8 that
 the scheduler keeps off an image's 16 soft tokens; the second time round the images' pages from the prefix cache).
 And the Hub config of google/gemma-3-4b-it (tests/data/model_configs/gemma-3-4b-it: config.json and
-preprocessor_config.json as published) starts with dummy weights, its layers cut by --hf-overrides, and answers an
-image request at its real 896x896 image size."""
+preprocessor_config.json as published) starts with dummy weights, its layers cut and its tower narrowed by
+--hf-overrides, and answers an image request at its real 896x896 image size."""
 
 from __future__ import annotations
 
@@ -73,7 +73,11 @@ def test_gemma_3_4b_config_answers_an_image_with_dummy_weights(tmp_path: Path) -
     model_dir = tmp_path / "gemma-3-4b-it"
     shutil.copytree(CONFIGS_DIR / "gemma-3-4b-it", model_dir)
     build_tokenizer(model_dir)  # the tests' tiny tokenizer: its ids are inside the real vocabulary
-    overrides = {"num_hidden_layers": 2, "vision_config": {"num_hidden_layers": 1}}
+    # the language model at its real widths and vocabulary; the tower's one block narrowed (at 1152 wide, 4096
+    # patches cost seconds a block here), its image size and patches real
+    overrides = {"num_hidden_layers": 2,
+                 "vision_config": {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
+                                   "num_attention_heads": 4}}  # fmt: skip
     with ServerProcess("--model-path", str(model_dir), "--load-format", "dummy", "--hf-overrides",
                        json.dumps(overrides), "--dtype", "bfloat16", "--context-length", "512",
                        "--max-total-tokens", "2048", "--max-running-requests", "2", "--lora-backend", "torch",
