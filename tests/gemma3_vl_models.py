@@ -48,9 +48,10 @@ TOWER_ONLY = r".*vision_tower.*"
 ADAPTERS = {"a4": (4, 8, ("q_proj", "v_proj")), "a8": (8, 16, ("q_proj", "k_proj", "v_proj", "o_proj"))}
 LORA = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
             max_loras_per_batch=2)  # fmt: skip
-# --enable-tower-connector-lora: q/v_proj on the language model and the tower's attention both, fc1/fc2 the tower's MLP
+# --enable-tower-connector-lora: q/v_proj on the language model and the tower's attention both; out_proj, fc1 and fc2
+# the tower's alone
 # (named a16 for tests/lora_helpers.py's ids and slots)
-TOWER_ADAPTERS = {"a16": (16, 32, ("q_proj", "v_proj", "fc1", "fc2"))}
+TOWER_ADAPTERS = {"a16": (16, 32, ("q_proj", "v_proj", "out_proj", "fc1", "fc2"))}
 TOWER_LORA = dict(LORA, enable_tower_connector_lora=True, lora_target_modules=["all"], max_loras_per_batch=3,
                   max_lora_rank=16)  # fmt: skip
 

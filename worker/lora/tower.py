@@ -66,6 +66,12 @@ def siglip_linears(c: SiglipVisionConfig) -> dict[str, TowerLinear]:
     return out
 
 
+def siglip_leaves(vision: object) -> set[str]:
+    """The target_modules names of a SigLIP tower's linears (none for another tower: Qwen-VL's are TOWER_TARGETS)."""
+    return {name.rpartition(".")[2] for name in siglip_linears(vision)} if isinstance(vision, SiglipVisionConfig) \
+        else set()  # fmt: skip
+
+
 def tower_module(model: nn.Module) -> nn.Module:
     """The model's vision tower, whose linears an adapter reaches: Qwen-VL's `visual`, Gemma 3's `vision_tower`."""
     return model.visual if hasattr(model, "visual") else model.vision_tower
