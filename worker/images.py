@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from loraplex.protocol.structs import ForwardReq, ImageInput
 from loraplex.worker.batch_inputs import BatchError
-from loraplex.worker.model.config import SiglipVisionConfig, VisionConfig
+from loraplex.worker.model.config import Llama4VisionConfig, SiglipVisionConfig, VisionConfig
 from loraplex.worker.model.gemma3_vision import check_image_shape
 
 if TYPE_CHECKING:
@@ -39,8 +39,8 @@ class ImageEncoder:
     mid-image leaves its entry to age out) and up to `max_done` images taken whole (`done`, least recently used
     dropped first)."""
 
-    def __init__(self, model, vision: VisionConfig | None, device: torch.device, lora: LoRAManager | None = None,
-                 max_kept: int = 16, max_done: int = 16):  # fmt: skip
+    def __init__(self, model, vision: VisionConfig | Llama4VisionConfig | None, device: torch.device,
+                 lora: LoRAManager | None = None, max_kept: int = 16, max_done: int = 16):  # fmt: skip
         self.model, self.vision, self.device, self.lora = model, vision, device, lora
         self.max_kept, self.max_done = max_kept, max_done
         # (content_hash, tower adapter, strength) -> its rows; a key is in one of the two at most
@@ -118,15 +118,22 @@ class ImageEncoder:
         return dict(zip(keys, out.split([images[key].num_tokens for key in keys]), strict=True))
 
     def _num_patches(self, image: ImageInput) -> int:
-        """The rows the tower runs for the image: its grid's patches, or a fixed-size tower's (no grid)."""
-        return math.prod(image.grid_thw) if image.grid_thw else self.vision.patches_per_side**2
+        """The rows the tower's adapters count for the image (worker/lora/tower.py's patch_counts)."""
+        if isinstance(self.vision, SiglipVisionConfig):  # Gemma 3: every image the same square of patches
+            return self.vision.patches_per_side**2
+        return math.prod(image.grid_thw)  # Llama 4's tile (no grid): its one leading row
 
 
 def _pixels(image: ImageInput) -> torch.Tensor:
     return torch.frombuffer(bytearray(image.pixel_values), dtype=torch.float32).view(*image.shape)
 
 
-def _check_image(i: int, image: ImageInput, vision: VisionConfig | SiglipVisionConfig) -> None:
+def _check_image(i: int, image: ImageInput, vision: VisionConfig | Llama4VisionConfig | SiglipVisionConfig) -> None:
+    if isinstance(vision, Llama4VisionConfig):  # one tile of a Llama 4 image
+        problem = vision.image_problem(image.shape, image.num_tokens, len(image.pixel_values))
+        if problem is not None:
+            raise BatchError(f"request {i}: {problem}")
+        return
     c = vision
     if isinstance(c, SiglipVisionConfig):  # a fixed-size image (Gemma 3): (1, channels, size, size), no grid
         problem = check_image_shape(image.shape, c)

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.frontend.errors import InputError
+from loraplex.frontend.multimodal.llama4 import Llama4Spec, llama4_spec
 
 # Multimodal checkpoints whose workers serve the language model alone (MODELS.md): their images are refused.
-TEXT_ONLY_TYPES = frozenset({"gemma4", "llama4", "qwen3_5", "qwen3_5_moe", "mistral3"})
+TEXT_ONLY_TYPES = frozenset({"gemma4", "qwen3_5", "qwen3_5_moe", "mistral3"})
 MROPE_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
 NO_IMAGES = "this model takes no images"
 
@@ -36,14 +37,16 @@ class VisionSpec:
     expand: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
 
-def read_vision_spec(model_dir: str) -> VisionSpec | None:
-    """The model's VisionSpec, or None when it takes no images (a text model, or a multimodal checkpoint served as
-    its language model)."""
+def read_vision_spec(model_dir: str) -> VisionSpec | Llama4Spec | None:
+    """The model's VisionSpec (Llama 4's own Llama4Spec), or None when it takes no images (a text model, or a
+    multimodal checkpoint served as its language model)."""
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
             hf = json.load(f)
     except (OSError, ValueError):
         return None
+    if hf.get("model_type") == "llama4":
+        return llama4_spec(hf, model_dir) if isinstance(hf.get("vision_config"), dict) else None
     return vision_spec(hf, model_dir)
 
 
