@@ -86,6 +86,7 @@ from loraplex.protocol.structs import (
 from loraplex.scheduler.adapter_table import AdapterTable, LoadFinished
 from loraplex.scheduler.admission_order import AdmissionOrder
 from loraplex.scheduler.batch_policy import BatchPolicy
+from loraplex.scheduler.image_runs import whole_image_len
 from loraplex.scheduler.ngram_proposer import NgramProposer
 from loraplex.scheduler.page_allocator import PageAllocator
 from loraplex.scheduler.prefix_cache import BASE_NAMESPACE, PrefixCache, page_keys
@@ -126,13 +127,16 @@ class Scheduler:
         num_state_slots: int = 0,
         num_state_snapshots: int = 0,
         pools_whole_prompt: bool = False,
+        images_whole: bool = False,
     ):
         """attention_window: the most tokens a query of any layer attends to (its own included); None = some layer
         attends to the whole context, and no page is given back before its request ends. pools_whole_prompt
         (PoolingSpec.whole_prompt): a pooling request's prompt runs in one pass from position 0, neither chunked nor
         matched or offered to the prefix cache (mean or first-token pooling reads every token's state; a
-        bidirectional model's states depend on the tokens after them)."""
+        bidirectional model's states depend on the tokens after them). images_whole (WorkerReady.images_whole): a
+        chunk of a prompt never ends inside an image's placeholder run (its tokens attend to each other both ways)."""
         self.config = config
+        self.images_whole = images_whole
         self.attention_window = attention_window
         self.pools_whole_prompt = pools_whole_prompt
         self.page_size = config.page_size
@@ -370,6 +374,9 @@ class Scheduler:
         remaining = req.num_unscheduled_tokens
         if self.is_chunked and not self._is_whole(req):
             num_new = min(remaining, self._budget_left)
+            if self.images_whole and req.images:
+                num_new = whole_image_len(req.images, req.num_scheduled_tokens, num_new,
+                                          alone=self._budget_left == self.prefill_budget)  # fmt: skip
         elif remaining <= self._budget_left or self._budget_left == self.prefill_budget:
             num_new = remaining  # whole prompts; one longer than the budget runs alone
         else:

@@ -1,5 +1,6 @@
 """LoRA on a vision-language model's vision tower and patch merger (--enable-tower-connector-lora): each image is
-encoded with its request's adapter.
+encoded with its request's adapter. Qwen-VL's tower as below; Gemma 3's SigLIP (`vision_tower.*`): each block's
+q/k/v_proj and fc1 (column parallel), out_proj and fc2 (row parallel), every patch of an image its adapter's rows.
 
 An adapter's tower tensors (PEFT keys `...visual.<module>.lora_A/B.weight`: blocks.N.attn.qkv / attn.proj /
 mlp.gate_proj / up_proj / down_proj, merger.mlp.0 / mlp.2; Qwen3-VL's blocks.N.mlp.linear_fc1 / linear_fc2 and its
@@ -23,10 +24,13 @@ from dataclasses import dataclass
 
 import torch
 from loraplex.protocol.adapters.adapter_config import AdapterLoadError
-from loraplex.worker.model.config import Llama4VisionConfig, VisionConfig
+from loraplex.worker.model.config import Llama4VisionConfig, SiglipVisionConfig, VisionConfig
 from torch import nn
 
-TOWER_KEY = re.compile(r"(?:^|\.)((?:visual|vision_model|multi_modal_projector)\..+)\.lora_([AB])(?:\.\w+)?\.weight$")
+# the tower's root in PEFT's key: Qwen-VL's `visual.`, Gemma 3's SigLIP `vision_tower.` (the Hub's transformers 4
+# checkpoints: `vision_tower.vision_model.`), Llama 4's `vision_model.` / `multi_modal_projector.`
+TOWER_KEY = re.compile(
+    r"(?:^|\.)((?:visual|vision_tower|vision_model|multi_modal_projector)\..+)\.lora_([AB])(?:\.\w+)?\.weight$")
 TOWER_FLAG = "--enable-tower-connector-lora"
 # PEFT's slices of our fused linears -> (our fused module, slice)
 _SLICES = {"mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1),
@@ -45,15 +49,19 @@ class TowerLinear:
     output_sizes: tuple[int, ...]  # per fused slice (qkv's three, gate_up's two)
 
 
-def tower_root(model: nn.Module, c: VisionConfig | Llama4VisionConfig) -> nn.Module:
-    """The module tower_linears' paths start from: Qwen2.5-VL's tower, Llama 4's whole model."""
+def tower_root(model: nn.Module, c: VisionConfig | Llama4VisionConfig | SiglipVisionConfig) -> nn.Module:
+    """The module tower_linears' paths start from: Qwen2.5-VL's tower, Gemma 3's SigLIP, Llama 4's whole model."""
+    if isinstance(c, SiglipVisionConfig):
+        return model.vision_tower
     return model if isinstance(c, Llama4VisionConfig) else model.visual
 
 
-def tower_linears(c: VisionConfig | Llama4VisionConfig) -> dict[str, TowerLinear]:
+def tower_linears(c: VisionConfig | Llama4VisionConfig | SiglipVisionConfig) -> dict[str, TowerLinear]:
     """Our module path inside the tower -> its shape, for every linear an adapter may reach."""
     if isinstance(c, Llama4VisionConfig):
         return _llama4_linears(c)
+    if isinstance(c, SiglipVisionConfig):  # Gemma 3's SigLIP (its projector is a bare matrix: no adapter's)
+        return siglip_linears(c)
     group = c.hidden_size * c.spatial_merge_size**2
     out: dict[str, TowerLinear] = {}
     if c.kind == "qwen3_vl":  # its MLPs and mergers' linears are linear_fc1/2, as PEFT names them
@@ -76,6 +84,23 @@ def tower_linears(c: VisionConfig | Llama4VisionConfig) -> dict[str, TowerLinear
     return out
 
 
+def siglip_linears(c: SiglipVisionConfig) -> dict[str, TowerLinear]:
+    out: dict[str, TowerLinear] = {}
+    for i in range(c.depth):
+        for name in ("q_proj", "k_proj", "v_proj"):
+            out[f"encoder.layers.{i}.self_attn.{name}"] = TowerLinear("column", c.hidden_size, (c.hidden_size,))
+        out[f"encoder.layers.{i}.self_attn.out_proj"] = TowerLinear("row", c.hidden_size, (c.hidden_size,))
+        out[f"encoder.layers.{i}.mlp.fc1"] = TowerLinear("column", c.hidden_size, (c.intermediate_size,))
+        out[f"encoder.layers.{i}.mlp.fc2"] = TowerLinear("row", c.intermediate_size, (c.hidden_size,))
+    return out
+
+
+def siglip_leaves(vision: object) -> set[str]:
+    """The target_modules names of a SigLIP tower's linears (none for another tower: Qwen-VL's are TOWER_TARGETS)."""
+    return {name.rpartition(".")[2] for name in siglip_linears(vision)} if isinstance(vision, SiglipVisionConfig) \
+        else set()  # fmt: skip
+
+
 def _llama4_linears(c: Llama4VisionConfig) -> dict[str, TowerLinear]:
     out: dict[str, TowerLinear] = {}
     for i in range(c.num_layers):
@@ -90,8 +115,10 @@ def _llama4_linears(c: Llama4VisionConfig) -> dict[str, TowerLinear]:
     return out
 
 
-def _our_path(path: str, vision: VisionConfig | Llama4VisionConfig) -> tuple[str, int | None]:
+def _our_path(path: str, vision: VisionConfig | Llama4VisionConfig | SiglipVisionConfig) -> tuple[str, int | None]:
     """A PEFT module path (from the tower's root name on) -> (our module path, slice of a fused linear or None)."""
+    if isinstance(vision, SiglipVisionConfig):  # its q/k/v_proj are not fused
+        return path.removeprefix("vision_tower.").removeprefix("vision_model."), None
     if isinstance(vision, VisionConfig):
         path = path.removeprefix("visual.")
     for theirs, (ours, slice_id) in _SLICES.items():
@@ -100,8 +127,11 @@ def _our_path(path: str, vision: VisionConfig | Llama4VisionConfig) -> tuple[str
     return path, None
 
 
-def _shown(ours: str, vision: VisionConfig | Llama4VisionConfig) -> str:
-    """Our module path as an error names it: Qwen2.5-VL's under `visual.`, Llama 4's from the model's root."""
+def _shown(ours: str, vision: VisionConfig | Llama4VisionConfig | SiglipVisionConfig) -> str:
+    """Our module path as an error names it: Qwen2.5-VL's under `visual.`, Gemma 3's under `vision_tower.`, Llama
+    4's from the model's root."""
+    if isinstance(vision, SiglipVisionConfig):
+        return f"vision_tower.{ours}"
     return f"visual.{ours}" if isinstance(vision, VisionConfig) else ours
 
 

@@ -282,6 +282,71 @@ class Llama4VisionConfig:
 
 
 @dataclass(frozen=True)
+class SiglipVisionConfig:
+    """Gemma 3's SigLIP vision tower (vision_config) and its multi-modal projector: a fixed image_size square of
+    (image_size / patch_size)**2 patches, average-pooled to mm_tokens_per_image rows (worker/model/gemma3_vision.py)."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float
+    mm_tokens_per_image: int
+    out_hidden_size: int  # the language model's hidden size
+    image_token_id: int
+    hidden_act: str = "gelu_pytorch_tanh"
+    # an image's placeholder run attends within itself both ways during prefill (SDPAAttention.image_blocks)
+    bidirectional_images: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def spatial_merge_size(self) -> int:
+        """The projector's pooling kernel: merge x merge patches average into one row (worker/lora/tower.py's
+        patches-to-rows ratio)."""
+        return self.patches_per_side // int(self.mm_tokens_per_image**0.5)
+
+    @classmethod
+    def from_dict(cls, hf: dict[str, Any]) -> SiglipVisionConfig:
+        """SiglipVisionConfig's and Gemma3Config's defaults for the keys a Hub config.json leaves out."""
+        vision = hf.get("vision_config") or {}
+        text = hf.get("text_config") or {}
+        act = vision.get("hidden_act", "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise ModelConfigError(f"unsupported vision hidden_act {act!r}; the SigLIP tower runs gelu_pytorch_tanh")
+        config = cls(
+            depth=vision.get("num_hidden_layers", 12),
+            hidden_size=vision.get("hidden_size", 768),
+            intermediate_size=vision.get("intermediate_size", 3072),
+            num_heads=vision.get("num_attention_heads", 12),
+            in_channels=vision.get("num_channels", 3),
+            image_size=vision.get("image_size", 224),
+            patch_size=vision.get("patch_size", 16),
+            layer_norm_eps=vision.get("layer_norm_eps", 1e-6),
+            mm_tokens_per_image=hf.get("mm_tokens_per_image", 256),
+            out_hidden_size=text.get("hidden_size", 2304),
+            image_token_id=hf.get("image_token_index", hf.get("image_token_id", 262_144)),
+        )
+        side = int(config.mm_tokens_per_image**0.5)
+        if side * side != config.mm_tokens_per_image or config.patches_per_side % max(side, 1):
+            raise ModelConfigError(f"mm_tokens_per_image {config.mm_tokens_per_image} does not pool the "
+                                   f"{config.patches_per_side}x{config.patches_per_side} patches evenly")  # fmt: skip
+        if config.hidden_size % config.num_heads:
+            raise ModelConfigError(f"vision hidden_size {config.hidden_size} does not split into "
+                                   f"{config.num_heads} heads")  # fmt: skip
+        return config
+
+
+@dataclass(frozen=True)
 class LinearAttentionConfig:
     """A hybrid model's Gated DeltaNet layers (Qwen3.5): their heads, and which layers they are."""
 
@@ -475,8 +540,8 @@ class ModelConfig:
     attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
     gemma4: Gemma4Layers | None = None  # Gemma 4's per-layer shapes, KV sharing and per-layer inputs
     encoder: EncoderConfig | None = None  # a bidirectional encoder (BERT); None: a decoder
-    # a vision-language model's tower (Qwen2.5-VL's, Llama 4's); None: text only
-    vision: VisionConfig | Llama4VisionConfig | None = None
+    # a vision-language model's tower (Qwen2.5-VL's, Llama 4's, Gemma 3's SigLIP); None: text only
+    vision: VisionConfig | Llama4VisionConfig | SiglipVisionConfig | None = None
 
     @property
     def is_bidirectional(self) -> bool:
@@ -550,6 +615,9 @@ class ModelConfig:
             raise ModelConfigError(
                 f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        siglip = None  # a multimodal gemma3 checkpoint's tower, read before its text_config replaces the config
+        if model_type == "gemma3" and all(isinstance(hf.get(key), dict) for key in ("vision_config", "text_config")):
+            siglip = SiglipVisionConfig.from_dict(hf)
         if model_type in GEMMA4_TYPES:
             hf = _gemma4_fields(hf, model_type)
         elif model_type in GEMMA_TYPES:
@@ -557,7 +625,7 @@ class ModelConfig:
         if model_type in MULTIMODAL_HYBRID_TYPES and isinstance(hf.get("text_config"), dict):  # the language model
             hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"],
                   "model_type": model_type}
-        vision = VisionConfig.from_dict(hf) if model_type in VISION_TYPES else None
+        vision = VisionConfig.from_dict(hf) if model_type in VISION_TYPES else siglip
         if model_type in VISION_TYPES and isinstance(hf.get("text_config"), dict):  # the language model
             outer = hf
             hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"],

@@ -7,7 +7,7 @@ from loraplex.worker.model.bert import bert_model_class
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model.deepseek_v3 import DeepseekV3ForCausalLM
 from loraplex.worker.model.gemma2 import Gemma2ForCausalLM
-from loraplex.worker.model.gemma3 import Gemma3ForCausalLM
+from loraplex.worker.model.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from loraplex.worker.model.gemma4 import Gemma4ForCausalLM
 from loraplex.worker.model.glm4_moe import Glm4MoeForCausalLM
 from loraplex.worker.model.gpt_oss import GptOssForCausalLM
@@ -34,7 +34,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
-    "gemma3": Gemma3ForCausalLM,  # the language model of the multimodal checkpoint
+    "gemma3": Gemma3ForConditionalGeneration,  # with its SigLIP tower and projector
     "gemma4_text": Gemma4ForCausalLM,  # its MLPs are dense MLPs beside experts with enable_moe_block
     "gemma4": Gemma4ForCausalLM,  # the language model of the multimodal checkpoint
     "phi3": Phi3ForCausalLM,
