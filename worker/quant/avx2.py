@@ -1,6 +1,6 @@
-"""Avx2IntMatmul: INT8 (per channel or per group) and INT4 (per group) weights on CPUs with AVX2 and without
-AVX-512 BF16, through kernels/cpu_gemv.py's skinny-matrix kernel for up to 32 rows (a decode step) and torch's GEMM on
-dequantized tiles above that.
+"""Avx2IntMatmul: INT8 (per channel or per group) and INT4 (per group) weights on CPUs with AVX-512 BF16 or AVX2,
+through kernels/cpu_gemv.py's skinny-matrix kernel (its AVX-512 build, else its AVX2 one) for up to 32 rows (a decode
+step) and torch's GEMM on dequantized tiles above that.
 
 Whatever the checkpoint's packing (GPTQ, AWQ, compressed-tensors decode into an IntWeight, formats.py), the weight is
 repacked once here into the one layout the kernel streams: unsigned values (u = q + signed_offset), INT4 two per byte
@@ -25,7 +25,7 @@ def _act_order(weight: IntWeight) -> torch.Tensor | None:
 
 
 class Avx2IntMatmul:
-    name = "int weight-only (AVX2 decode kernel)"
+    name = f"int weight-only ({getattr(cpu_gemv.isa(), 'name', 'AVX2')} decode kernel)"
 
     @staticmethod
     def fits(weight: QuantWeight, device: torch.device, dtype: torch.dtype) -> bool:
@@ -36,7 +36,7 @@ class Avx2IntMatmul:
         cols, size = weight.q.shape[1], weight.group_size
         if size >= cols:  # one group per row (per channel): any width, tails included
             return weight.g_idx is None
-        return size % 8 == 0 and cols % size == 0 and (weight.g_idx is None or _act_order(weight) is not None)
+        return size % cpu_gemv.group_multiple() == 0 and cols % size == 0 and (weight.g_idx is None or _act_order(weight) is not None)
 
     def __init__(self, weight: IntWeight, dtype: torch.dtype):
         self.order = None

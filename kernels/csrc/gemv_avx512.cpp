@@ -1,0 +1,252 @@
+// Skinny-matrix products for decode steps on CPUs with AVX-512 (F, BW, VL) and AVX512-BF16: y = x · Wᵀ for 1-32 rows
+// of float32 activations against a whole weight in its stored form, the same forms and layouts as gemv_avx2.cpp:
+//
+//   bf16:  w[n, k] = bits << 16 read as a float
+//   INT:   w[n, k] = u[n, k] · scales[n, g] + biases[n, g],  g = k / group_size  (biases = -zero · scale)
+//
+// A decode step's matmuls read every weight once and do little arithmetic: their limit is memory bandwidth. Each block
+// of kRowsPerBlock weight rows is read from memory once per call and multiplied against every activation row while it
+// sits in L1 (kChunk columns at a time); the weight's rows are split across threads (at::parallel_for).
+//
+// bf16: the activations are rounded to bfloat16 once per call (exact for a bfloat16 model's activations) and every
+// 32 weights meet them in one _mm512_dpbf16_ps, which sums the products of each pair of columns into a float32 lane:
+// twice the FMA rate of float32, and the weight needs no conversion at all.
+// INT: each weight vector is dequantized in registers (widen, convert, one FMA with its group's scale and bias) and
+// multiplied in float32, as the reference's dequantized fp32 matmul does (an int8 VNNI product would need activations
+// quantized per row, which the fp32 reference does not). With several activation rows a chunk of the block's weights is
+// dequantized once into an L1 buffer that every row then reads.
+//
+// Tails: the activations are copied once into rows padded with zeros to a whole vector, and the weight's last vector
+// in a row is a masked load, so tails run the same instructions; N not a multiple of the block runs a row at a time.
+// INT4 packs input columns 2j and 2j+1 into byte j, low nibble first. Groups are multiples of 16 columns, or the row.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kRowsPerBlock = 4;  // weight rows sharing each load of an activation vector
+constexpr int kActRows = 4;       // activation rows sharing each weight vector: 16 accumulators
+constexpr int kMaxRows = 32;      // activation rows per call (cpu_gemv.MAX_ROWS)
+constexpr int64_t kChunk = 512;   // columns of the block's weights held in L1 while every row reads them
+
+enum class Kind { kInt8, kInt4 };
+
+struct IntWeight {
+  const uint8_t* data;  // row n starts at data + n * row_bytes
+  int64_t row_bytes;
+  const float* scales;  // (N, groups)
+  const float* biases;
+  int64_t groups;
+  int64_t group_size;
+};
+
+inline __mmask16 mask16(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
+inline __mmask32 mask32(int64_t left) { return left >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << left) - 1); }
+
+// 16 weights of row n from column k (k a multiple of 16; `left` columns remain in the row), before scale and bias.
+template <Kind KIND>
+inline __m512 load16(const IntWeight& w, int64_t n, int64_t k, int64_t left) {
+  const uint8_t* row = w.data + n * w.row_bytes;
+  if (KIND == Kind::kInt8) {
+    const __m128i bytes = _mm_maskz_loadu_epi8(mask16(left), row + k);
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+  }
+  const int64_t left_bytes = std::min<int64_t>(8, (left + 1) / 2);
+  const __m128i bytes = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << left_bytes) - 1), row + k / 2);
+  const __m512i twice = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));  // byte j in lanes 2j and 2j+1
+  const __m512i shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(twice, shifts), _mm512_set1_epi32(0xF)));
+}
+
+// Row n's columns [k0, k1) dequantized into out (k1 - k0 rounded up to 16 floats; lanes past the row hold the
+// group's bias, met by zero activations).
+template <Kind KIND>
+inline void dequantize(const IntWeight& w, int64_t n, int64_t k0, int64_t k1, int64_t K, float* out) {
+  for (int64_t start = k0; start < k1;) {
+    const int64_t end = std::min(k1, (start / w.group_size + 1) * w.group_size);
+    const int64_t g = n * w.groups + start / w.group_size;
+    const __m512 scale = _mm512_set1_ps(w.scales[g]), bias = _mm512_set1_ps(w.biases[g]);
+    for (int64_t k = start; k < end; k += 16)
+      _mm512_store_ps(out + (k - k0), _mm512_fmadd_ps(load16<KIND>(w, n, k, K - k), scale, bias));
+    start = end;
+  }
+}
+
+// acc[m][j] += Σ_k buf[j][k] · x[m0 + m][k] over one chunk (len a multiple of 16), MB activation rows.
+template <int NB, int MB>
+inline void fma_rows(const float* const* wrow, int64_t len, const float* x, int64_t ldx, int64_t m0, __m512* acc) {
+  __m512 a[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) a[m][j] = acc[(m0 + m) * NB + j];
+  for (int64_t k = 0; k < len; k += 16) {
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(wrow[j] + k);
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + (m0 + m) * ldx + k);
+      for (int j = 0; j < NB; ++j) a[m][j] = _mm512_fmadd_ps(wv[j], xv, a[m][j]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[(m0 + m) * NB + j] = a[m][j];
+}
+
+template <int NB, int MB>
+inline void dpbf16_rows(const uint16_t* const* wrow, int64_t k0, int64_t k1, int64_t K, const uint16_t* x, int64_t ldx,
+                        int64_t m0, __m512* acc) {
+  __m512 a[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) a[m][j] = acc[(m0 + m) * NB + j];
+  for (int64_t k = k0; k < k1; k += 32) {
+    __m512bh wv[NB];
+    const __mmask32 mask = mask32(K - k);
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wrow[j] + k);
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + m) * ldx + k);
+      for (int j = 0; j < NB; ++j) a[m][j] = _mm512_dpbf16_ps(a[m][j], wv[j], xv);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[(m0 + m) * NB + j] = a[m][j];
+}
+
+// Every activation row against the rows of one chunk: kActRows at a time, then the rest.
+template <int NB, typename Rows>
+inline void all_rows(int64_t M, Rows rows) {
+  int64_t m0 = 0;
+  for (; m0 + kActRows <= M; m0 += kActRows) rows(m0, std::integral_constant<int, kActRows>{});
+  switch (M - m0) {
+    case 3:
+      return rows(m0, std::integral_constant<int, 3>{});
+    case 2:
+      return rows(m0, std::integral_constant<int, 2>{});
+    case 1:
+      return rows(m0, std::integral_constant<int, 1>{});
+  }
+}
+
+template <int NB>
+inline void store(const __m512* acc, int64_t M, float* y, int64_t ldy, int64_t n0) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int j = 0; j < NB; ++j) y[m * ldy + n0 + j] = _mm512_reduce_add_ps(acc[m * NB + j]);
+}
+
+// y[:, n0:n0+NB] for the bf16 weight (rows of K bfloat16), xb: (M, ldx) bfloat16 activations padded with zeros.
+template <int NB>
+void bf16_block(const uint16_t* w, int64_t K, int64_t n0, const uint16_t* xb, int64_t ldx, int64_t M, float* y,
+                int64_t N) {
+  alignas(64) __m512 acc[kMaxRows * NB];
+  for (int64_t i = 0; i < M * NB; ++i) acc[i] = _mm512_setzero_ps();
+  const uint16_t* wrow[NB];
+  for (int j = 0; j < NB; ++j) wrow[j] = w + (n0 + j) * K;
+  const int64_t chunk = M <= kActRows ? K : kChunk;  // one pass of rows: nothing to keep in L1
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t k1 = std::min(K, k0 + chunk);
+    all_rows<NB>(M, [&](int64_t m0, auto mb) { dpbf16_rows<NB, decltype(mb)::value>(wrow, k0, k1, K, xb, ldx, m0, acc); });
+  }
+  store<NB>(acc, M, y, N, n0);
+}
+
+template <Kind KIND, int NB>
+void int_block(const IntWeight& w, int64_t K, int64_t n0, const float* x, int64_t ldx, int64_t M, float* y,
+               int64_t N) {
+  alignas(64) __m512 acc[kMaxRows * NB];
+  for (int64_t i = 0; i < M * NB; ++i) acc[i] = _mm512_setzero_ps();
+  alignas(64) float buf[NB][kChunk];
+  const float* wrow[NB];
+  for (int j = 0; j < NB; ++j) wrow[j] = buf[j];
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const int64_t k1 = std::min(K, k0 + kChunk);
+    const int64_t len = (k1 - k0 + 15) / 16 * 16;
+    if (M == 1) {  // one row: dequantize in registers, straight from memory
+      __m512 a[NB];
+      for (int j = 0; j < NB; ++j) a[j] = acc[j];
+      for (int j = 0; j < NB; ++j) {
+        const int64_t n = n0 + j;
+        for (int64_t start = k0; start < k1;) {
+          const int64_t end = std::min(k1, (start / w.group_size + 1) * w.group_size);
+          const int64_t g = n * w.groups + start / w.group_size;
+          const __m512 scale = _mm512_set1_ps(w.scales[g]), bias = _mm512_set1_ps(w.biases[g]);
+          for (int64_t k = start; k < end; k += 16) {
+            const __m512 wv = _mm512_fmadd_ps(load16<KIND>(w, n, k, K - k), scale, bias);
+            a[j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + k), a[j]);
+          }
+          start = end;
+        }
+      }
+      for (int j = 0; j < NB; ++j) acc[j] = a[j];
+      continue;
+    }
+    for (int j = 0; j < NB; ++j) dequantize<KIND>(w, n0 + j, k0, k1, K, buf[j]);
+    all_rows<NB>(M, [&](int64_t m0, auto mb) { fma_rows<NB, decltype(mb)::value>(wrow, len, x + k0, ldx, m0, acc); });
+  }
+  store<NB>(acc, M, y, N, n0);
+}
+
+// Weight rows split across threads, kRowsPerBlock at a time, the last few one by one.
+template <typename Block>
+void over_rows(int64_t N, int64_t row_bytes, Block block) {
+  const int64_t num_blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
+  // Grain: enough weight rows per task that a thread streams a long run of memory (~64 KiB at least).
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, kRowsPerBlock * row_bytes));
+  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kRowsPerBlock;
+      if (n0 + kRowsPerBlock <= N) {
+        block(n0, std::integral_constant<int, kRowsPerBlock>{});
+      } else {
+        for (int64_t n = n0; n < N; ++n) block(n, std::integral_constant<int, 1>{});
+      }
+    }
+  });
+}
+
+// x (M, K) float32 copied into rows of ldx columns, zeros past K.
+std::vector<float> padded(const float* x, int64_t M, int64_t K, int64_t ldx) {
+  std::vector<float> out(M * ldx, 0.0f);
+  for (int64_t m = 0; m < M; ++m) std::memcpy(out.data() + m * ldx, x + m * K, K * sizeof(float));
+  return out;
+}
+
+}  // namespace
+
+// Plain C entry points on contiguous buffers (kernels/cpu_gemv.py checks shapes and dtypes), the AVX2 library's
+// signatures: M at most 32.
+extern "C" {
+
+// y (M, N) = bf16(x) (M, K) · w (N, K)ᵀ, w bfloat16 bits; x rounded to bfloat16 (to nearest even) once here.
+void loraplex_gemv_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
+  const int64_t ldx = (K + 31) / 32 * 32;
+  std::vector<float> xf = padded(x, M, K, ldx);
+  std::vector<uint16_t> xb(M * ldx);
+  for (int64_t i = 0; i < M * ldx; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb.data() + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xf.data() + i)));
+  over_rows(N, 2 * K, [&](int64_t n0, auto nb) {
+    bf16_block<decltype(nb)::value>(w, K, n0, xb.data(), ldx, M, y, N);
+  });
+}
+
+// y (M, N) = x (M, K) · wᵀ, w from q: (N, K) uint8 (bits 8) or (N, ceil(K / 2)) (bits 4, low nibble first), and
+// scales, biases: (N, ceil(K / group_size)) float32; group_size a multiple of 16, or K.
+void loraplex_gemv_int(const float* x, int64_t M, int64_t K, const uint8_t* q, int64_t N, const float* scales,
+                       const float* biases, int64_t group_size, int64_t bits, float* y) {
+  const IntWeight w{q, bits == 8 ? K : (K + 1) / 2, scales, biases, (K + group_size - 1) / group_size, group_size};
+  const int64_t ldx = (K + 15) / 16 * 16;
+  std::vector<float> xp = padded(x, M, K, ldx);
+  over_rows(N, w.row_bytes, [&](int64_t n0, auto nb) {
+    if (bits == 8)
+      int_block<Kind::kInt8, decltype(nb)::value>(w, K, n0, xp.data(), ldx, M, y, N);
+    else
+      int_block<Kind::kInt4, decltype(nb)::value>(w, K, n0, xp.data(), ldx, M, y, N);
+  });
+}
+
+}  // extern "C"
