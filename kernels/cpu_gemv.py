@@ -11,6 +11,7 @@ load there. `kernels()` is None where neither can run or the build fails."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -92,8 +93,10 @@ avx512_kernels = cpu_build.BuiltOnce(lambda: _build(AVX512))
 avx2_kernels = cpu_build.BuiltOnce(lambda: _build(AVX2))
 
 
+@functools.cache
 def isa() -> Isa | None:
-    """The build the kernels below run: AVX-512 (BF16) where the CPU has it, else AVX2, else None."""
+    """The build the kernels below run: AVX-512 (BF16) where the CPU has it, else AVX2, else None (read once: calls
+    ask per linear)."""
     if unavailable_reason(AVX512) is None:
         return AVX512
     return AVX2 if unavailable_reason(AVX2) is None else None
@@ -156,8 +159,11 @@ MAX_ROWS = 32  # from 33 rows on, a GEMM (torch/oneDNN) reuses each weight load 
 
 
 def chosen() -> bool:
-    """Whether the worker's decode linears take these kernels: wherever a build runs (AVX-512 BF16 first, else AVX2).
-    LORAPLEX_CPU_GEMV=off never (torch's kernels and oneDNN's packed weights instead), =on or auto wherever they run."""
-    if os.environ.get("LORAPLEX_CPU_GEMV", "auto") == "off":
+    """Whether the worker's decode linears take these kernels: by default only the AVX2 build, on CPUs without AVX-512
+    BF16. Where AVX-512 BF16 is, oneDNN's packed bf16 GEMM and torch's AVX-512 int8/int4 kernels measured as fast or
+    faster at 1-32 rows (docs/BENCHMARKS.md, scripts/bench/gemv.py), so they stay. LORAPLEX_CPU_GEMV=on takes the
+    kernels wherever a build runs (the AVX-512 one first), =off never."""
+    setting = os.environ.get("LORAPLEX_CPU_GEMV", "auto")
+    if setting == "off" or isa() is None:
         return False
-    return unavailable_reason() is None
+    return setting == "on" or isa() is AVX2

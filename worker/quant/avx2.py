@@ -36,7 +36,8 @@ class Avx2IntMatmul:
         cols, size = weight.q.shape[1], weight.group_size
         if size >= cols:  # one group per row (per channel): any width, tails included
             return weight.g_idx is None
-        return size % cpu_gemv.group_multiple() == 0 and cols % size == 0 and (weight.g_idx is None or _act_order(weight) is not None)
+        whole = size % cpu_gemv.group_multiple() == 0 and cols % size == 0
+        return whole and (weight.g_idx is None or _act_order(weight) is not None)
 
     def __init__(self, weight: IntWeight, dtype: torch.dtype):
         self.order = None
