@@ -112,7 +112,7 @@ def kernels() -> ctypes.CDLL | None:
 
 def group_multiple() -> int:
     """What group sizes the kernels take (besides one group per row) must be multiples of: a vector's columns."""
-    return 16 if isa() is AVX512 else 8
+    return 32 if isa() is AVX512 else 8
 
 
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

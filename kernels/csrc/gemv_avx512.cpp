@@ -11,14 +11,15 @@
 // bf16: the activations are rounded to bfloat16 once per call (exact for a bfloat16 model's activations) and every
 // 32 weights meet them in one _mm512_dpbf16_ps, which sums the products of each pair of columns into a float32 lane:
 // twice the FMA rate of float32, and the weight needs no conversion at all.
-// INT: each weight vector is dequantized in registers (widen, convert, one FMA with its group's scale and bias) and
-// multiplied in float32, as the reference's dequantized fp32 matmul does (an int8 VNNI product would need activations
+// INT: each weight vector is dequantized in registers (INT8: widen, convert, one FMA with its group's scale and bias;
+// INT4: one permute from the group's table of its 16 values) and multiplied in float32, as the reference's
+// dequantized fp32 matmul does (an int8 VNNI product would need activations
 // quantized per row, which the fp32 reference does not). With several activation rows a chunk of the block's weights is
 // dequantized once into an L1 buffer that every row then reads.
 //
 // Tails: the activations are copied once into rows padded with zeros to a whole vector, and the weight's last vector
 // in a row is a masked load, so tails run the same instructions; N not a multiple of the block runs a row at a time.
-// INT4 packs input columns 2j and 2j+1 into byte j, low nibble first. Groups are multiples of 16 columns, or the row.
+// INT4 packs input columns 2j and 2j+1 into byte j, low nibble first. Groups are multiples of 32 columns, or the row.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -46,36 +47,74 @@ struct IntWeight {
   int64_t group_size;
 };
 
-inline __mmask16 mask16(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
+inline __mmask16 mask16(int64_t left) {
+  return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+}
 inline __mmask32 mask32(int64_t left) { return left >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << left) - 1); }
 
-// 16 weights of row n from column k (k a multiple of 16; `left` columns remain in the row), before scale and bias.
-template <Kind KIND>
-inline __m512 load16(const IntWeight& w, int64_t n, int64_t k, int64_t left) {
-  const uint8_t* row = w.data + n * w.row_bytes;
-  if (KIND == Kind::kInt8) {
-    const __m128i bytes = _mm_maskz_loadu_epi8(mask16(left), row + k);
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
-  }
-  const int64_t left_bytes = std::min<int64_t>(8, (left + 1) / 2);
-  const __m128i bytes = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << left_bytes) - 1), row + k / 2);
-  const __m512i twice = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes));  // byte j in lanes 2j and 2j+1
-  const __m512i shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
-  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(twice, shifts), _mm512_set1_epi32(0xF)));
+// A group's scale and bias, and for INT4 the 16 values a nibble can take (u · scale + bias): one permute per 16
+// weights then dequantizes them, reading only each lane's low 4 bits.
+struct Group {
+  __m512 scale, bias, table;
+};
+
+inline Group group_of(const IntWeight& w, int64_t n, int64_t k) {
+  const int64_t g = n * w.groups + k / w.group_size;
+  const __m512 scale = _mm512_set1_ps(w.scales[g]), bias = _mm512_set1_ps(w.biases[g]);
+  const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return {scale, bias, _mm512_fmadd_ps(nibbles, scale, bias)};
 }
 
-// Row n's columns [k0, k1) dequantized into out (k1 - k0 rounded up to 16 floats; lanes past the row hold the
-// group's bias, met by zero activations).
+// The 32 weights of row n from column k (k a multiple of 32; `left` columns remain in the row), dequantized, in the
+// order of the activations' layout (see padded_activations): INT8 columns in order, INT4 the even columns then the
+// odd ones (each byte's low nibble, then its high one). Lanes past the row hold the group's bias, met by zeros.
+template <Kind KIND>
+inline void load32(const IntWeight& w, int64_t n, int64_t k, int64_t left, const Group& group, __m512& w0,
+                   __m512& w1) {
+  const uint8_t* row = w.data + n * w.row_bytes;
+  if (KIND == Kind::kInt8) {
+    const __m512 u0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask16(left), row + k)));
+    const __m512 u1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask16(left - 16), row + k + 16)));
+    w0 = _mm512_fmadd_ps(u0, group.scale, group.bias);
+    w1 = _mm512_fmadd_ps(u1, group.scale, group.bias);
+  } else {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask16((left + 1) / 2), row + k / 2));
+    w0 = _mm512_permutexvar_ps(bytes, group.table);
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), group.table);
+  }
+}
+
+// Row n's columns [k0, k1) dequantized into out (k1 - k0 rounded up to 32 floats), in the activations' order.
 template <Kind KIND>
 inline void dequantize(const IntWeight& w, int64_t n, int64_t k0, int64_t k1, int64_t K, float* out) {
-  for (int64_t start = k0; start < k1;) {
-    const int64_t end = std::min(k1, (start / w.group_size + 1) * w.group_size);
-    const int64_t g = n * w.groups + start / w.group_size;
-    const __m512 scale = _mm512_set1_ps(w.scales[g]), bias = _mm512_set1_ps(w.biases[g]);
-    for (int64_t k = start; k < end; k += 16)
-      _mm512_store_ps(out + (k - k0), _mm512_fmadd_ps(load16<KIND>(w, n, k, K - k), scale, bias));
-    start = end;
+  Group group{};
+  for (int64_t k = k0; k < k1; k += 32) {
+    if (k == k0 || k % w.group_size == 0) group = group_of(w, n, k);
+    __m512 w0, w1;
+    load32<KIND>(w, n, k, K - k, group, w0, w1);
+    _mm512_store_ps(out + (k - k0), w0);
+    _mm512_store_ps(out + (k - k0) + 16, w1);
   }
+}
+
+// One activation row against NB weight rows' columns [k0, k1): dequantized in registers, straight from memory.
+template <Kind KIND, int NB>
+inline void one_row(const IntWeight& w, int64_t K, int64_t n0, const float* x, int64_t k0, int64_t k1, __m512* acc) {
+  __m512 a0[NB], a1[NB];
+  Group group[NB];
+  for (int j = 0; j < NB; ++j) a0[j] = acc[j], a1[j] = _mm512_setzero_ps();
+  for (int64_t k = k0; k < k1; k += 32) {
+    if (k == k0 || k % w.group_size == 0)
+      for (int j = 0; j < NB; ++j) group[j] = group_of(w, n0 + j, k);
+    const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+    for (int j = 0; j < NB; ++j) {
+      __m512 w0, w1;
+      load32<KIND>(w, n0 + j, k, K - k, group[j], w0, w1);
+      a0[j] = _mm512_fmadd_ps(w0, x0, a0[j]);
+      a1[j] = _mm512_fmadd_ps(w1, x1, a1[j]);
+    }
+  }
+  for (int j = 0; j < NB; ++j) acc[j] = _mm512_add_ps(a0[j], a1[j]);
 }
 
 // acc[m][j] += Σ_k buf[j][k] · x[m0 + m][k] over one chunk (len a multiple of 16), MB activation rows.
@@ -164,27 +203,13 @@ void int_block(const IntWeight& w, int64_t K, int64_t n0, const float* x, int64_
   for (int j = 0; j < NB; ++j) wrow[j] = buf[j];
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
     const int64_t k1 = std::min(K, k0 + kChunk);
-    const int64_t len = (k1 - k0 + 15) / 16 * 16;
-    if (M == 1) {  // one row: dequantize in registers, straight from memory
-      __m512 a[NB];
-      for (int j = 0; j < NB; ++j) a[j] = acc[j];
-      for (int j = 0; j < NB; ++j) {
-        const int64_t n = n0 + j;
-        for (int64_t start = k0; start < k1;) {
-          const int64_t end = std::min(k1, (start / w.group_size + 1) * w.group_size);
-          const int64_t g = n * w.groups + start / w.group_size;
-          const __m512 scale = _mm512_set1_ps(w.scales[g]), bias = _mm512_set1_ps(w.biases[g]);
-          for (int64_t k = start; k < end; k += 16) {
-            const __m512 wv = _mm512_fmadd_ps(load16<KIND>(w, n, k, K - k), scale, bias);
-            a[j] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + k), a[j]);
-          }
-          start = end;
-        }
-      }
-      for (int j = 0; j < NB; ++j) acc[j] = a[j];
+    if (M == 1) {
+      one_row<KIND, NB>(w, K, n0, x, k0, k1, acc);
       continue;
     }
+    // several rows: the chunk dequantized once into L1, then read by every row
     for (int j = 0; j < NB; ++j) dequantize<KIND>(w, n0 + j, k0, k1, K, buf[j]);
+    const int64_t len = (k1 - k0 + 31) / 32 * 32;
     all_rows<NB>(M, [&](int64_t m0, auto mb) { fma_rows<NB, decltype(mb)::value>(wrow, len, x + k0, ldx, m0, acc); });
   }
   store<NB>(acc, M, y, N, n0);
@@ -208,10 +233,18 @@ void over_rows(int64_t N, int64_t row_bytes, Block block) {
   });
 }
 
-// x (M, K) float32 copied into rows of ldx columns, zeros past K.
-std::vector<float> padded(const float* x, int64_t M, int64_t K, int64_t ldx) {
+// x (M, K) float32 copied into rows of ldx columns (a multiple of 32), zeros past K; `pairs_split`: each 32 columns
+// reordered as their 16 even columns then their 16 odd ones (the order load32 dequantizes INT4 in).
+std::vector<float> padded_activations(const float* x, int64_t M, int64_t K, int64_t ldx, bool pairs_split) {
   std::vector<float> out(M * ldx, 0.0f);
-  for (int64_t m = 0; m < M; ++m) std::memcpy(out.data() + m * ldx, x + m * K, K * sizeof(float));
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = out.data() + m * ldx;
+    if (!pairs_split) {
+      std::memcpy(row, x + m * K, K * sizeof(float));
+      continue;
+    }
+    for (int64_t k = 0; k < K; ++k) row[k / 32 * 32 + (k % 2) * 16 + (k % 32) / 2] = x[m * K + k];
+  }
   return out;
 }
 
@@ -224,7 +257,7 @@ extern "C" {
 // y (M, N) = bf16(x) (M, K) · w (N, K)ᵀ, w bfloat16 bits; x rounded to bfloat16 (to nearest even) once here.
 void loraplex_gemv_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
   const int64_t ldx = (K + 31) / 32 * 32;
-  std::vector<float> xf = padded(x, M, K, ldx);
+  std::vector<float> xf = padded_activations(x, M, K, ldx, false);
   std::vector<uint16_t> xb(M * ldx);
   for (int64_t i = 0; i < M * ldx; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb.data() + i),
@@ -235,12 +268,12 @@ void loraplex_gemv_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w,
 }
 
 // y (M, N) = x (M, K) · wᵀ, w from q: (N, K) uint8 (bits 8) or (N, ceil(K / 2)) (bits 4, low nibble first), and
-// scales, biases: (N, ceil(K / group_size)) float32; group_size a multiple of 16, or K.
+// scales, biases: (N, ceil(K / group_size)) float32; group_size a multiple of 32, or K.
 void loraplex_gemv_int(const float* x, int64_t M, int64_t K, const uint8_t* q, int64_t N, const float* scales,
                        const float* biases, int64_t group_size, int64_t bits, float* y) {
   const IntWeight w{q, bits == 8 ? K : (K + 1) / 2, scales, biases, (K + group_size - 1) / group_size, group_size};
-  const int64_t ldx = (K + 15) / 16 * 16;
-  std::vector<float> xp = padded(x, M, K, ldx);
+  const int64_t ldx = (K + 31) / 32 * 32;
+  std::vector<float> xp = padded_activations(x, M, K, ldx, bits == 4);
   over_rows(N, w.row_bytes, [&](int64_t n0, auto nb) {
     if (bits == 8)
       int_block<Kind::kInt8, decltype(nb)::value>(w, K, n0, xp.data(), ldx, M, y, N);

@@ -114,7 +114,7 @@ def test_fits_only_what_it_streams(forced, monkeypatch: pytest.MonkeyPatch) -> N
     cpu = torch.device("cpu")
     assert not Avx2IntMatmul.fits(random_int_weight(8, 100, 4, 20, True, False, 0), cpu, torch.float32)  # 20 % 8
     fits_24 = Avx2IntMatmul.fits(random_int_weight(8, 96, 4, 24, True, False, 0), cpu, torch.float32)
-    assert fits_24 == (forced is cpu_gemv.AVX2)  # the AVX-512 build's vectors are 16 columns
+    assert fits_24 == (forced is cpu_gemv.AVX2)  # the AVX-512 build takes groups of 32·i columns
     assert not Avx2IntMatmul.fits(random_int_weight(8, 64, 4, 32, True, False, 0), torch.device("meta"), torch.float32)
     monkeypatch.setattr(cpu_gemv, "chosen", lambda: False)  # a CPU with AVX-512 BF16 keeps torch's kernels
     assert not Avx2IntMatmul.fits(random_int_weight(8, 64, 4, 32, True, False, 0), cpu, torch.float32)
