@@ -82,8 +82,13 @@ def _build(isa: Isa) -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(library))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.loraplex_gemv_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+    functions = [lib.loraplex_gemv_bf16, lib.loraplex_gemv_int]
+    lib.loraplex_gemv_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr]
     lib.loraplex_gemv_int.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, ptr]
-    for function in (lib.loraplex_gemv_bf16, lib.loraplex_gemv_int):
+    if isa is AVX512:
+        lib.loraplex_gemv_int_bf16.argtypes = lib.loraplex_gemv_int.argtypes
+        functions.append(lib.loraplex_gemv_int_bf16)
+    for function in functions:
         function.restype = None
     return lib
 
@@ -132,10 +137,11 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_int(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int,
-             bits: int) -> torch.Tensor:
+             bits: int, bf16: bool = False) -> torch.Tensor:
     """x (rows, in) float32 · wᵀ with w[n, k] = u[n, k] · scales[n, k // group_size] + biases[n, k // group_size],
     u from q: (out, in) uint8 for 8 bits, (out, ceil(in / 2)) uint8 for 4 (columns 2j, 2j+1 in byte j, low nibble
-    first). group_size: a multiple of group_multiple(), or in."""
+    first). group_size: a multiple of group_multiple(), or in. `bf16` (the AVX-512 build only): x and w rounded to
+    bfloat16 first, as torch's path for a bf16 model computes (twice the product rate, for several rows)."""
     lib = kernels()
     rows, cols = x.shape
     groups = -(-cols // group_size)
@@ -150,8 +156,11 @@ def gemv_int(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, biases: tor
             raise ValueError(f"scales and biases: contiguous float32 ({q.shape[0]}, {groups})")
     x = x.float().contiguous()
     y = x.new_empty(rows, q.shape[0])
-    lib.loraplex_gemv_int(x.data_ptr(), rows, cols, q.data_ptr(), q.shape[0], scales.data_ptr(), biases.data_ptr(),
-                          group_size, bits, y.data_ptr())
+    if bf16 and isa() is not AVX512:
+        raise ValueError(f"bf16 products need the AVX-512 build, not {getattr(isa(), 'name', None)}")
+    function = lib.loraplex_gemv_int_bf16 if bf16 else lib.loraplex_gemv_int
+    function(x.data_ptr(), rows, cols, q.data_ptr(), q.shape[0], scales.data_ptr(), biases.data_ptr(), group_size,
+             bits, y.data_ptr())
     return y
 
 

@@ -34,7 +34,7 @@ namespace {
 constexpr int kRowsPerBlock = 4;  // weight rows sharing each load of an activation vector
 constexpr int kActRows = 4;       // activation rows sharing each weight vector: 16 accumulators
 constexpr int kMaxRows = 32;      // activation rows per call (cpu_gemv.MAX_ROWS)
-constexpr int64_t kChunk = 512;   // columns of the block's weights held in L1 while every row reads them
+constexpr int64_t kChunk = 256;   // columns of the block's weights held in L1 while every row reads them
 
 enum class Kind { kInt8, kInt4 };
 
@@ -215,6 +215,36 @@ void int_block(const IntWeight& w, int64_t K, int64_t n0, const float* x, int64_
   store<NB>(acc, M, y, N, n0);
 }
 
+// bfloat16 activations (a bf16 model's), several rows: the chunk dequantized once and rounded to bfloat16, as torch's
+// path for a bf16 model dequantizes its tiles, then every row meets it in _mm512_dpbf16_ps (twice float32's FMA rate:
+// at 32 rows the products, not the weight's bytes, bound the step).
+template <Kind KIND, int NB>
+void int_block_bf16(const IntWeight& w, int64_t K, int64_t n0, const uint16_t* xb, int64_t ldx, int64_t M, float* y,
+                    int64_t N) {
+  alignas(64) __m512 acc[kMaxRows * NB];
+  for (int64_t i = 0; i < M * NB; ++i) acc[i] = _mm512_setzero_ps();
+  alignas(64) uint16_t buf[NB][kChunk];
+  const uint16_t* wrow[NB];
+  for (int j = 0; j < NB; ++j) wrow[j] = buf[j];
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const int64_t k1 = std::min(K, k0 + kChunk);
+    for (int j = 0; j < NB; ++j) {
+      Group group{};
+      for (int64_t k = k0; k < k1; k += 32) {
+        if (k == k0 || k % w.group_size == 0) group = group_of(w, n0 + j, k);
+        __m512 w0, w1;
+        load32<KIND>(w, n0 + j, k, K - k, group, w0, w1);
+        _mm512_store_si512(buf[j] + (k - k0), (__m512i)_mm512_cvtne2ps_pbh(w1, w0));  // w0's 16 first
+      }
+    }
+    const int64_t len = (k1 - k0 + 31) / 32 * 32;
+    all_rows<NB>(M, [&](int64_t m0, auto mb) {
+      dpbf16_rows<NB, decltype(mb)::value>(wrow, 0, len, len, xb + k0, ldx, m0, acc);
+    });
+  }
+  store<NB>(acc, M, y, N, n0);
+}
+
 // Weight rows split across threads, kRowsPerBlock at a time, the last few one by one.
 template <typename Block>
 void over_rows(int64_t N, int64_t row_bytes, Block block) {
@@ -248,6 +278,14 @@ std::vector<float> padded_activations(const float* x, int64_t M, int64_t K, int6
   return out;
 }
 
+std::vector<uint16_t> to_bf16(const std::vector<float>& x) {  // x.size() a multiple of 16
+  std::vector<uint16_t> out(x.size());
+  for (size_t i = 0; i < x.size(); i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.data() + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x.data() + i)));
+  return out;
+}
+
 }  // namespace
 
 // Plain C entry points on contiguous buffers (kernels/cpu_gemv.py checks shapes and dtypes), the AVX2 library's
@@ -257,11 +295,7 @@ extern "C" {
 // y (M, N) = bf16(x) (M, K) · w (N, K)ᵀ, w bfloat16 bits; x rounded to bfloat16 (to nearest even) once here.
 void loraplex_gemv_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
   const int64_t ldx = (K + 31) / 32 * 32;
-  std::vector<float> xf = padded_activations(x, M, K, ldx, false);
-  std::vector<uint16_t> xb(M * ldx);
-  for (int64_t i = 0; i < M * ldx; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb.data() + i),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(xf.data() + i)));
+  const std::vector<uint16_t> xb = to_bf16(padded_activations(x, M, K, ldx, false));
   over_rows(N, 2 * K, [&](int64_t n0, auto nb) {
     bf16_block<decltype(nb)::value>(w, K, n0, xb.data(), ldx, M, y, N);
   });
@@ -279,6 +313,20 @@ void loraplex_gemv_int(const float* x, int64_t M, int64_t K, const uint8_t* q, i
       int_block<Kind::kInt8, decltype(nb)::value>(w, K, n0, xp.data(), ldx, M, y, N);
     else
       int_block<Kind::kInt4, decltype(nb)::value>(w, K, n0, xp.data(), ldx, M, y, N);
+  });
+}
+
+// loraplex_gemv_int with x and the dequantized weight rounded to bfloat16 (products and sums in float32), M at least 2.
+void loraplex_gemv_int_bf16(const float* x, int64_t M, int64_t K, const uint8_t* q, int64_t N, const float* scales,
+                            const float* biases, int64_t group_size, int64_t bits, float* y) {
+  const IntWeight w{q, bits == 8 ? K : (K + 1) / 2, scales, biases, (K + group_size - 1) / group_size, group_size};
+  const int64_t ldx = (K + 31) / 32 * 32;
+  const std::vector<uint16_t> xb = to_bf16(padded_activations(x, M, K, ldx, bits == 4));
+  over_rows(N, w.row_bytes, [&](int64_t n0, auto nb) {
+    if (bits == 8)
+      int_block_bf16<Kind::kInt8, decltype(nb)::value>(w, K, n0, xb.data(), ldx, M, y, N);
+    else
+      int_block_bf16<Kind::kInt4, decltype(nb)::value>(w, K, n0, xb.data(), ldx, M, y, N);
   });
 }
 

@@ -105,9 +105,17 @@ def test_int_equals_fp32_matmul_on_the_dequantized_weight(bits, group_size, zero
     for rows in (*ROWS, 33):  # 33: the dequantized-tile GEMM
         x = torch.randn(rows, shape[1], generator=gen)
         assert relative_err(matmul(x), x @ reference.T) < 1e-5, rows
-    x = torch.randn(3, shape[1], generator=gen).bfloat16()  # bf16 activations: fp32 products, one rounding
-    y = matmul(x)
-    assert y.dtype == torch.bfloat16 and relative_err(y, x.float() @ reference.T) < 1e-2
+    for rows in (3, 8):  # bf16 activations: fp32 products (or, from 4 rows on AVX-512, bf16 ones), one rounding
+        x = torch.randn(rows, shape[1], generator=gen).bfloat16()
+        y = matmul(x)
+        assert y.dtype == torch.bfloat16 and relative_err(y, x.float() @ reference.T) < 1e-2
+    if forced is cpu_gemv.AVX512:  # its bf16 products: x and the dequantized weight rounded, as torch's bf16 path
+        rounded = matmul.dequantize(slice(None), torch.bfloat16).float()  # in the kernel's column order
+        for rows in (2, 7, 32):
+            x = torch.randn(rows, shape[1], generator=gen).bfloat16().float()
+            x = x if matmul.order is None else x[:, matmul.order]
+            y = cpu_gemv.gemv_int(x, matmul.q, matmul.scales, matmul.biases, matmul.group_size, bits, bf16=True)
+            assert relative_err(y, x @ rounded.T) < 1e-5, rows
 
 
 def test_fits_only_what_it_streams(forced, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,6 +15,10 @@ from loraplex.kernels import cpu_gemv
 from loraplex.worker.quant.weights import IntWeight, QuantWeight
 
 TILE_ROWS = 512  # output rows dequantized at once above cpu_gemv.MAX_ROWS
+# From this many rows of bfloat16 activations the AVX-512 build multiplies in bfloat16 (the weight dequantized and
+# rounded, as torch's path for a bf16 model does): below it the float32 products cost less than the rounding; from it
+# the products bound the call and dpbf16 does them at twice the rate (scripts/bench/gemv.py).
+BF16_PRODUCTS_MIN_ROWS = 4
 
 
 def _act_order(weight: IntWeight) -> torch.Tensor | None:
@@ -62,6 +66,7 @@ class Avx2IntMatmul:
         zero = (0 if zeros is None else zeros.float()) + offset
         self.biases = (-zero * self.scales).contiguous()
         self.dtype = dtype
+        self.bf16_products = cpu_gemv.isa() is cpu_gemv.AVX512
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.biases))
         if self.order is not None:
             self.nbytes += self.order.numel() * self.order.element_size()
@@ -85,7 +90,8 @@ class Avx2IntMatmul:
         if self.order is not None:
             x = x.index_select(-1, self.order)
         if x.shape[0] <= cpu_gemv.MAX_ROWS:
-            y = cpu_gemv.gemv_int(x.float(), self.q, self.scales, self.biases, self.group_size, self.bits)
+            bf16 = self.bf16_products and x.dtype == torch.bfloat16 and x.shape[0] >= BF16_PRODUCTS_MIN_ROWS
+            y = cpu_gemv.gemv_int(x.float(), self.q, self.scales, self.biases, self.group_size, self.bits, bf16=bf16)
             return y.to(x.dtype)
         num_rows = self.q.shape[0]
         y = x.new_empty(x.shape[0], num_rows)
