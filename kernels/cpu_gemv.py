@@ -168,11 +168,18 @@ MAX_ROWS = 32  # from 33 rows on, a GEMM (torch/oneDNN) reuses each weight load 
 
 
 def chosen() -> bool:
-    """Whether the worker's decode linears take these kernels: by default only the AVX2 build, on CPUs without AVX-512
-    BF16. Where AVX-512 BF16 is, oneDNN's packed bf16 GEMM and torch's AVX-512 int8/int4 kernels measured as fast or
-    faster at 1-32 rows (docs/BENCHMARKS.md, scripts/bench/gemv.py), so they stay. LORAPLEX_CPU_GEMV=on takes the
-    kernels wherever a build runs (the AVX-512 one first), =off never."""
+    """Whether the worker's bfloat16 decode linears take these kernels: by default only the AVX2 build, on CPUs without
+    AVX-512 BF16. Where AVX-512 BF16 is, oneDNN's packed bf16 GEMM measured as fast at one row and faster from 4
+    (docs/BENCHMARKS.md, scripts/bench/gemv.py), so it stays. LORAPLEX_CPU_GEMV=on takes the kernels wherever a build
+    runs (the AVX-512 one first), =off never."""
     setting = os.environ.get("LORAPLEX_CPU_GEMV", "auto")
     if setting == "off" or isa() is None:
         return False
     return setting == "on" or isa() is AVX2
+
+
+def chosen_for_int() -> bool:
+    """Whether INT8/INT4 linears take these kernels (worker/quant/avx2.py): wherever bf16 ones do, and by default on
+    CPUs with AVX-512 BF16 too, where the AVX-512 build's decode steps measured faster than torch's int8/int4 kernels
+    (docs/BENCHMARKS.md, scripts/bench/roofline.py). LORAPLEX_CPU_GEMV=off never."""
+    return chosen() or (os.environ.get("LORAPLEX_CPU_GEMV", "auto") == "auto" and isa() is AVX512)

@@ -124,7 +124,10 @@ def test_fits_only_what_it_streams(forced, monkeypatch: pytest.MonkeyPatch) -> N
     fits_24 = Avx2IntMatmul.fits(random_int_weight(8, 96, 4, 24, True, False, 0), cpu, torch.float32)
     assert fits_24 == (forced is cpu_gemv.AVX2)  # the AVX-512 build takes groups of 32·i columns
     assert not Avx2IntMatmul.fits(random_int_weight(8, 64, 4, 32, True, False, 0), torch.device("meta"), torch.float32)
-    monkeypatch.setattr(cpu_gemv, "chosen", lambda: False)  # a CPU with AVX-512 BF16 keeps torch's kernels
+    monkeypatch.setattr(cpu_gemv, "chosen", lambda: False)  # bf16 linears on oneDNN: INT ones still on AVX-512
+    fits = Avx2IntMatmul.fits(random_int_weight(8, 64, 4, 32, True, False, 0), cpu, torch.float32)
+    assert fits == (forced is cpu_gemv.AVX512)
+    monkeypatch.setenv("LORAPLEX_CPU_GEMV", "off")
     assert not Avx2IntMatmul.fits(random_int_weight(8, 64, 4, 32, True, False, 0), cpu, torch.float32)
 
 

@@ -1,6 +1,6 @@
-"""Avx2IntMatmul: INT8 (per channel or per group) and INT4 (per group) weights on CPUs with AVX-512 BF16 or AVX2,
-through kernels/cpu_gemv.py's skinny-matrix kernel (its AVX-512 build, else its AVX2 one) for up to 32 rows (a decode
-step) and torch's GEMM on dequantized tiles above that.
+"""Avx2IntMatmul: INT8 (per channel or per group) and INT4 (per group) weights on CPUs with AVX-512 BF16 or AVX2
+(cpu_gemv.chosen_for_int), through kernels/cpu_gemv.py's skinny-matrix kernel (its AVX-512 build, else its AVX2 one)
+for up to 32 rows (a decode step) and torch's GEMM on dequantized tiles above that.
 
 Whatever the checkpoint's packing (GPTQ, AWQ, compressed-tensors decode into an IntWeight, formats.py), the weight is
 repacked once here into the one layout the kernel streams: unsigned values (u = q + signed_offset), INT4 two per byte
@@ -35,7 +35,7 @@ class Avx2IntMatmul:
     def fits(weight: QuantWeight, device: torch.device, dtype: torch.dtype) -> bool:
         if device.type != "cpu" or not isinstance(weight, IntWeight) or weight.bits not in (4, 8):
             return False
-        if dtype not in (torch.float32, torch.bfloat16) or not cpu_gemv.chosen():
+        if dtype not in (torch.float32, torch.bfloat16) or not cpu_gemv.chosen_for_int():
             return False
         cols, size = weight.q.shape[1], weight.group_size
         if size >= cols:  # one group per row (per channel): any width, tails included
