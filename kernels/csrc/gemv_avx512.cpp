@@ -68,20 +68,34 @@ inline Group group_of(const IntWeight& w, int64_t n, int64_t k) {
 // The 32 weights of row n from column k (k a multiple of 32; `left` columns remain in the row), dequantized, in the
 // order of the activations' layout (see padded_activations): INT8 columns in order, INT4 the even columns then the
 // odd ones (each byte's low nibble, then its high one). Lanes past the row hold the group's bias, met by zeros.
-template <Kind KIND>
-inline void load32(const IntWeight& w, int64_t n, int64_t k, int64_t left, const Group& group, __m512& w0,
-                   __m512& w1) {
+template <Kind KIND, bool WHOLE>
+inline void load32_as(const IntWeight& w, int64_t n, int64_t k, int64_t left, const Group& group, __m512& w0,
+                      __m512& w1) {
   const uint8_t* row = w.data + n * w.row_bytes;
   if (KIND == Kind::kInt8) {
-    const __m512 u0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask16(left), row + k)));
-    const __m512 u1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask16(left - 16), row + k + 16)));
-    w0 = _mm512_fmadd_ps(u0, group.scale, group.bias);
-    w1 = _mm512_fmadd_ps(u1, group.scale, group.bias);
+    const __m128i b0 = WHOLE ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k))
+                             : _mm_maskz_loadu_epi8(mask16(left), row + k);
+    const __m128i b1 = WHOLE ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16))
+                             : _mm_maskz_loadu_epi8(mask16(left - 16), row + k + 16);
+    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b0)), group.scale, group.bias);
+    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b1)), group.scale, group.bias);
   } else {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask16((left + 1) / 2), row + k / 2));
+    const __m128i b = WHOLE ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2))
+                            : _mm_maskz_loadu_epi8(mask16((left + 1) / 2), row + k / 2);
+    const __m512i bytes = _mm512_cvtepu8_epi32(b);
     w0 = _mm512_permutexvar_ps(bytes, group.table);
     w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), group.table);
   }
+}
+
+// The masked loads only at a row's last, short step: plain loads everywhere else.
+template <Kind KIND>
+inline void load32(const IntWeight& w, int64_t n, int64_t k, int64_t left, const Group& group, __m512& w0,
+                   __m512& w1) {
+  if (left >= 32)
+    load32_as<KIND, true>(w, n, k, left, group, w0, w1);
+  else
+    load32_as<KIND, false>(w, n, k, left, group, w0, w1);
 }
 
 // Row n's columns [k0, k1) dequantized into out (k1 - k0 rounded up to 32 floats), in the activations' order.
@@ -108,6 +122,9 @@ inline void one_row(const IntWeight& w, int64_t K, int64_t n0, const float* x, i
       for (int j = 0; j < NB; ++j) group[j] = group_of(w, n0 + j, k);
     const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
     for (int j = 0; j < NB; ++j) {
+      // the block after next's rows, as far ahead: NB short interleaved streams defeat the hardware prefetcher
+      _mm_prefetch(reinterpret_cast<const char*>(w.data + (n0 + j + 2 * NB) * w.row_bytes + k * w.row_bytes / K),
+                   _MM_HINT_T0);
       __m512 w0, w1;
       load32<KIND>(w, n0 + j, k, K - k, group[j], w0, w1);
       a0[j] = _mm512_fmadd_ps(w0, x0, a0[j]);
