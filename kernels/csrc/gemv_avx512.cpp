@@ -155,14 +155,18 @@ inline void fma_rows(const float* const* wrow, int64_t len, const float* x, int6
 
 template <int NB, int MB>
 inline void dpbf16_rows(const uint16_t* const* wrow, int64_t k0, int64_t k1, int64_t K, const uint16_t* x, int64_t ldx,
-                        int64_t m0, __m512* acc) {
+                        int64_t m0, __m512* acc, int64_t ldw = 0) {
   __m512 a[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j) a[m][j] = acc[(m0 + m) * NB + j];
   for (int64_t k = k0; k < k1; k += 32) {
     __m512bh wv[NB];
     const __mmask32 mask = mask32(K - k);
-    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wrow[j] + k);
+    for (int j = 0; j < NB; ++j) {
+      if (m0 == 0 && ldw)  // the first rows read the weight from memory: fetch the block after next meanwhile
+        _mm_prefetch(reinterpret_cast<const char*>(wrow[j] + 2 * NB * ldw + k), _MM_HINT_T0);
+      wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wrow[j] + k);
+    }
 #pragma GCC unroll 4
     for (int m = 0; m < MB; ++m) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + m) * ldx + k);
@@ -205,7 +209,9 @@ void bf16_block(const uint16_t* w, int64_t K, int64_t n0, const uint16_t* xb, in
   const int64_t chunk = M <= kActRows ? K : kChunk;  // one pass of rows: nothing to keep in L1
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t k1 = std::min(K, k0 + chunk);
-    all_rows<NB>(M, [&](int64_t m0, auto mb) { dpbf16_rows<NB, decltype(mb)::value>(wrow, k0, k1, K, xb, ldx, m0, acc); });
+    all_rows<NB>(M, [&](int64_t m0, auto mb) {
+      dpbf16_rows<NB, decltype(mb)::value>(wrow, k0, k1, K, xb, ldx, m0, acc, K);  // rows of K in memory
+    });
   }
   store<NB>(acc, M, y, N, n0);
 }
