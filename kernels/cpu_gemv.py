@@ -101,10 +101,9 @@ avx2_kernels = cpu_build.BuiltOnce(lambda: _build(AVX2))
 @functools.cache
 def isa() -> Isa | None:
     """The build the kernels below run: AVX-512 (BF16) where the CPU has it, else AVX2, else None (read once: calls
-    ask per linear)."""
-    if unavailable_reason(AVX512) is None:
-        return AVX512
-    return AVX2 if unavailable_reason(AVX2) is None else None
+    ask per linear). LORAPLEX_CPU_GEMV_BUILD=avx2 takes the AVX2 build on an AVX-512 CPU (to measure it there)."""
+    builds = (AVX2,) if os.environ.get("LORAPLEX_CPU_GEMV_BUILD", "").lower() == "avx2" else (AVX512, AVX2)
+    return next((build for build in builds if unavailable_reason(build) is None), None)
 
 
 def kernels() -> ctypes.CDLL | None:
