@@ -51,8 +51,8 @@ def parse_cores(text: str) -> tuple[int, ...]:
 
 
 def format_cores(cores: Sequence[int]) -> str:
-    """(0, 1, 2, 3) -> `0-3`; (0, 2) -> `0,2`."""
-    if list(cores) == list(range(cores[0], cores[-1] + 1)):
+    """(0, 1, 2, 3) -> `0-3`; (0, 2) -> `0,2`; (5,) -> `5`."""
+    if len(cores) > 1 and list(cores) == list(range(cores[0], cores[-1] + 1)):
         return f"{cores[0]}-{cores[-1]}"
     return ",".join(map(str, cores))
 

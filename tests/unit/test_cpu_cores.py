@@ -49,4 +49,4 @@ def test_bad_lists_are_refused_by_name(setting: str, match: str) -> None:
 
 def test_core_lists_read_and_print_back() -> None:
     assert parse_cores(" 0-2, 7") == (0, 1, 2, 7)
-    assert format_cores((4, 5, 6)) == "4-6" and format_cores((0, 2)) == "0,2"
+    assert format_cores((4, 5, 6)) == "4-6" and format_cores((0, 2)) == "0,2" and format_cores((5,)) == "5"
