@@ -37,6 +37,8 @@ class Avx2IntMatmul:
             return False
         if dtype not in (torch.float32, torch.bfloat16) or not cpu_gemv.chosen_for_int():
             return False
+        if cpu_gemv.kernels() is None:  # the build failed (logged): torch's kernels
+            return False
         cols, size = weight.q.shape[1], weight.group_size
         if size >= cols:  # one group per row (per channel): any width, tails included
             return weight.g_idx is None
