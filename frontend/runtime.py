@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any
 
@@ -30,6 +31,7 @@ from loraplex.frontend.model_files import ModelFiles, resolve_model_files
 from loraplex.frontend.multimodal.images import ImagePipeline
 from loraplex.frontend.rate_limits import KeyRateLimits
 from loraplex.frontend.request_table import RequestTable
+from loraplex.protocol import cpu_cores
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.pooling import PoolingSpec, resolve_pooling
 from loraplex.protocol.quantization import read_hf_config, resolve_quantization
@@ -78,6 +80,7 @@ class Runtime:
         self.adapters: AdapterManager | None = None  # built once the LoRA config is complete (start)
         self.audit = AuditLog(config.audit_log)  # before start: refusals at the edges are recorded from the first one
         self._watch_task: asyncio.Task | None = None
+        self._cores_before: list[int] = []  # this process's cores before start() kept it off the compute cores
 
     def attach(self, requests: RequestTable) -> None:
         """The GenerateService's table of requests in flight: one service per Runtime, so one table."""
@@ -116,6 +119,9 @@ class Runtime:
                                                                         self.model_dir)
         self.replica_ready = await self.replicas.wait_ready(self._dead, START_TIMEOUT_S)
         self.ready = min(self.replica_ready, key=lambda ready: ready.max_total_tokens)
+        if self.ready.service_cpu_cores:  # off the ranks' pinned compute threads; given back at shutdown (an Engine
+            self._cores_before = sorted(os.sched_getaffinity(0))  # runs in its caller's process)
+            cpu_cores.pin_to(self.ready.service_cpu_cores)
         self.vocabulary = Vocabulary(self.tokenizer, self.chat_template, self.eos_token_ids)
         self.adapters.tokenizers = AdapterTokenizers(self.vocabulary, self.ready.vocab_size)
         logger.info(
@@ -169,6 +175,7 @@ class Runtime:
         self.audit.close()
         if self.images is not None:
             self.images.close()
+        cpu_cores.pin_to(self._cores_before)
 
     @property
     def healthy(self) -> bool:

@@ -17,6 +17,7 @@ request_limits.py   the one rule of a request's size, at the edge and in the sch
 grammar.py          what an OutputConstraint means (xgrammar's compile)
 errors.py           an error's kind -> its HTTP status
 proc.py, faults.py  child start-up (arguments, parent death, logging); test-only faults
+cpu_cores.py        CorePlan: each CPU worker's threads and pinned cores, the cores the frontend and scheduler keep to
 mathutil.py         cdiv
 adapters/           PEFT adapters as every process reads them (config, files, targets, TP shards, merged outcomes)
 """

@@ -391,6 +391,7 @@ class SchedulerReady(Struct, frozen=True):
     num_hidden_layers: int = 0  # after --hf-overrides
     grammar_error: str = ""  # why some rank cannot take structured output (xgrammar's import); "": every rank can
     kv_bytes_per_token: int = 0  # of one rank's KV cache, every layer
+    service_cpu_cores: list[int] = []  # the cores the frontend keeps to (WorkerReady's); empty: not restricted
 
 
 class ProcessFailed(Struct, frozen=True):
@@ -505,6 +506,9 @@ class WorkerReady(Struct, frozen=True):
     # prefix cache keeps at cached page boundaries; 0 = none, so no prefix caching.
     num_state_slots: int = 0
     num_state_snapshots: int = 0
+    # The cores the frontend and the scheduler keep to, off this rank's pinned compute threads (protocol/cpu_cores.py);
+    # empty: not restricted
+    service_cpu_cores: list[int] = []
     # The pooling runner (protocol/pooling.py) runs: its default prefill budget is larger (chunked_prefill_tokens)
     is_pooling: bool = False
     # The pooling runner's requests' prompts run whole from position 0 (PoolingSpec.whole_prompt)

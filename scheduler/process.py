@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import msgspec
+from loraplex.protocol import cpu_cores
 from loraplex.protocol.curve import ClusterKey
 from loraplex.protocol.proc import die_with_parent, read_process_args, setup_logging
 from loraplex.protocol.sockets import PULL, PUSH, TypedSocket, wait_readable
@@ -137,8 +138,10 @@ class SchedulerProcess:
                 num_hidden_layers=first.num_hidden_layers,
                 grammar_error=next((r.grammar_error for r in ready.values() if r.grammar_error), ""),
                 kv_bytes_per_token=first.kv_bytes_per_token,
+                service_cpu_cores=first.service_cpu_cores,
             )
         )
+        cpu_cores.pin_to(first.service_cpu_cores)  # off the ranks' pinned compute threads (protocol/cpu_cores.py)
         log.info("ready: %d ranks, %d KV pages of %d tokens", len(ready), num_pages, page_size)
         self.scheduler = scheduler
         self.sent_slot_table = scheduler.slots.slot_table()  # all empty, as the frontend assumes

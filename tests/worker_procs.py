@@ -22,7 +22,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 @contextmanager
 def start_workers(
-    model_dir: str | Path, tp: int = 1, faults: dict[str, object] | None = None, **config_kwargs
+    model_dir: str | Path, tp: int = 1, faults: dict[str, object] | None = None,
+    extra_env: dict[str, str] | None = None, **config_kwargs
 ) -> Iterator[tuple[list[subprocess.Popen], FakeScheduler]]:
     with ipc_endpoints(tp) as endpoints:
         config = ServerConfig(device="cpu", tp=tp, page_size=4, max_total_tokens=256, **config_kwargs)
@@ -32,7 +33,7 @@ def start_workers(
             for rank in range(tp):
                 args = ProcessArgs(config=config, endpoints=endpoints, model_dir=str(model_dir), local_rank=rank)
                 env = {**os.environ, ARGS_ENV: encode_process_args(args), "PYTHONPATH": str(REPO_ROOT),
-                       **fault_env(**(faults or {}))}
+                       **fault_env(**(faults or {})), **(extra_env or {})}
                 if tp > 1:
                     env["OMP_NUM_THREADS"] = "1"  # the ranks share the machine's cores
                 procs.append(subprocess.Popen([sys.executable, "-m", "loraplex.worker"], cwd=REPO_ROOT, env=env))

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from loraplex.kernels import select_backend
+from loraplex.kernels import cpu_gemv, select_backend
 from loraplex.protocol.config import ServerConfig
 from loraplex.protocol.pooling import resolve_pooling
 from loraplex.protocol.structs import ForwardBatch, ForwardReq, SlotLoad, TokenLogprob
@@ -393,7 +393,8 @@ class ModelRunner:
     def _pack_weights(self) -> None:
         if packed.gemv_unavailable_reason(self.device, self.dtype) is None:
             num_marked = packed.use_gemv(self.model)
-            logger.info("%d linear weights stay plain for the AVX2 decode kernel (kernels/cpu_gemv.py)", num_marked)
+            logger.info("%d linear weights stay plain for the %s decode kernel (kernels/cpu_gemv.py)", num_marked,
+                        cpu_gemv.isa().name)
             return
         reason = packed.unavailable_reason(self.device, self.dtype)
         if reason is not None:

@@ -9,6 +9,7 @@ import time
 import msgspec
 import torch
 from loraplex.kernels import BackendError
+from loraplex.protocol import cpu_cores
 from loraplex.protocol.curve import ClusterKey
 from loraplex.protocol.faults import FaultPlan, read_fault_plan
 from loraplex.protocol.proc import die_with_parent, read_process_args, setup_logging
@@ -56,12 +57,21 @@ class Worker:
         )
         # Replica r's ranks use devices r * ranks_per_node ... (r + 1) * ranks_per_node - 1 on this node.
         device = pick_device(config, args.dp_rank * ranks_per_node(config) + args.local_rank)
-        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        self.service_cores: tuple[int, ...] = ()  # where the frontend and scheduler keep to (WorkerReady)
+        if device.type == "cpu" and ("OMP_NUM_THREADS" not in os.environ or cpu_cores.BIND_ENV in os.environ):
             # The ranks share the host's cores with the frontend, the scheduler and often the clients. A thread pool
             # wider than what is free makes every small op wait at a barrier for a descheduled thread (measured on
-            # 2 cores under load: 6x slower decode steps, 90x with many LoRA segments), so leave one core free.
+            # 2 cores under load: 6x slower decode steps, 90x with many LoRA segments), so leave one core free, and
+            # where the host has cores to spare pin each rank's threads to cores of their own (protocol/cpu_cores.py).
             local_workers = ranks_per_node(config) * config.dp_size
-            torch.set_num_threads(max(1, (len(os.sched_getaffinity(0)) - 1) // local_workers))
+            local_index = args.dp_rank * ranks_per_node(config) + args.local_rank
+            plan = cpu_cores.plan_cores(sorted(os.sched_getaffinity(0)), local_workers,
+                                        os.environ.get(cpu_cores.BIND_ENV))
+            if plan.worker_cores:
+                cpu_cores.pin_to(plan.worker_cores[local_index])  # before torch's pool starts: its threads inherit it
+                self.service_cores = plan.service_cores
+            torch.set_num_threads(plan.num_threads)
+            logger.info("%s", plan.describe(local_index))
         init_distributed(config, endpoints.dist_init_addr, tp_rank, device)
         logger.info("loading model from %s on %s", args.model_dir, device)
         self.runner = ModelRunner(config, args.model_dir, tp_rank, config.tp, device)
@@ -103,6 +113,7 @@ class Worker:
                 is_pooling=self.runner.pooling is not None,
                 pools_whole_prompt=self.runner.pooling is not None and self.runner.pooling.whole_prompt,
                 images_whole=self.runner.image_blocks,
+                service_cpu_cores=list(self.service_cores),
             )
         )
         while True:

@@ -1,5 +1,6 @@
-"""Per-linear decode timings: the AVX2 skinny-matrix kernels (kernels/cpu_gemv.py) against the torch path the worker
-takes otherwise, at bf16, INT8 (per channel) and INT4 (groups of 128), 1 and 32 rows, on a decode step's shapes.
+"""Per-linear decode timings: the skinny-matrix kernels (kernels/cpu_gemv.py: the AVX-512 BF16 build where the CPU has
+it, else the AVX2 one) against the torch path the worker takes otherwise, at bf16, INT8 (per channel) and INT4
+(groups of 128), 1 and 32 rows, on a decode step's shapes.
 
 torch's paths: bf16 `F.linear` on the oneDNN-packed weight where oneDNN has bf16 (packed.py), else the plain one;
 INT8 torch._weight_int8pack_mm, INT4 torch._weight_int4pack_mm_for_cpu (worker/quant/matmul.py). Both paths alternate
@@ -62,7 +63,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if cpu_gemv.kernels() is None:
-        raise SystemExit(f"the AVX2 kernels cannot run here: {cpu_gemv.unavailable_reason()}")
+        raise SystemExit(f"the skinny-matrix kernels cannot run here: {cpu_gemv.unavailable_reason()}")
+    print(f"kernels: the {cpu_gemv.isa().name} build, {args.threads} thread(s)")
     rows_out = []
     print(f"{'precision':9} {'shape':>11} {'rows':>4} {'kernel ms':>9} {'torch ms':>9} {'GB/s':>6} {'speedup':>7}")
     for shape in args.shapes:
@@ -79,7 +81,7 @@ def main() -> None:
                 ours_ms, ref_ms = statistics.median(ours_all), statistics.median(ref_all)
                 row = dict(precision=precision, shape=shape, rows=rows, kernel_ms=round(ours_ms, 4),
                            torch_ms=round(ref_ms, 4), kernel_gbs=round(nbytes / ours_ms / 1e6, 2),
-                           speedup=round(ref_ms / ours_ms, 2), threads=args.threads)
+                           speedup=round(ref_ms / ours_ms, 2), threads=args.threads, build=cpu_gemv.isa().name)
                 rows_out.append(row)
                 print(f"{precision:9} {shape:>11} {rows:>4} {ours_ms:9.3f} {ref_ms:9.3f} {row['kernel_gbs']:6.1f} "
                       f"{row['speedup']:6.2f}x")

@@ -1,8 +1,8 @@
-"""The AVX2 skinny-matrix kernels (kernels/cpu_gemv.py) against torch's fp32 matmul on the dequantized weight: bf16,
-INT8 per channel and per group, INT4 per group (GPTQ/AWQ/compressed-tensors layouts repacked by worker/quant/avx2.py),
-1-32 rows, N and K off the vector width, groups of 32/64/128, act order, zero points; above 32 rows the dequantized-tile
-GEMM. Then workers that take them (forced on, as on a CPU without AVX-512) against the torch path in fp32: logits and
-greedy tokens of a batch mixing the base and two adapters, quantized and bf16."""
+"""The skinny-matrix kernels (kernels/cpu_gemv.py), each build this CPU runs (AVX-512 BF16, AVX2), against torch's
+fp32 matmul on the dequantized weight: bf16, INT8 per channel and per group, INT4 per group (GPTQ/AWQ/compressed-tensors
+layouts repacked by worker/quant/avx2.py), 1-32 rows, N and K off the vector width, groups of 32/64/128, act order, zero
+points; above 32 rows the dequantized-tile GEMM. Then workers that take them (forced on, each build) against
+the torch path in fp32: logits and greedy tokens of a batch mixing the base and two adapters, quantized and bf16."""
 
 from __future__ import annotations
 
@@ -25,10 +25,22 @@ ROWS = (1, 2, 7, 32)
 SHAPES = [(13, 37), (64, 256), (130, 200), (9, 1031)]  # (out, in): tails, whole blocks, N % 4 != 0, 3 column chunks
 
 
+@pytest.fixture(params=[cpu_gemv.AVX512, cpu_gemv.AVX2], ids=lambda isa: isa.name)
+def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> cpu_gemv.Isa:
+    """Each build of the kernels this CPU runs, taken as if it were the CPU's best."""
+    isa = request.param
+    reason = cpu_gemv.unavailable_reason(isa)
+    if reason is not None:
+        pytest.skip(f"the {isa.name} kernels cannot run here: {reason}")
+    monkeypatch.setattr(cpu_gemv, "isa", lambda: isa)
+    return isa
+
+
 @pytest.fixture
-def forced(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernels chosen as on a CPU with AVX2 and no AVX-512 BF16."""
+def forced(build: cpu_gemv.Isa, monkeypatch: pytest.MonkeyPatch) -> cpu_gemv.Isa:
+    """The kernels chosen, as on a CPU whose best build is `build`."""
     monkeypatch.setattr(cpu_gemv, "chosen", lambda: True)
+    return build
 
 
 def relative_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -36,12 +48,16 @@ def relative_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("out_features,in_features", SHAPES)
-def test_bf16_equals_fp32_matmul(out_features: int, in_features: int) -> None:
+def test_bf16_equals_fp32_matmul(out_features: int, in_features: int, build: cpu_gemv.Isa) -> None:
+    # bfloat16 activations (a bf16 model's) exactly; float32 ones the AVX-512 build rounds to bfloat16 first
     gen = torch.Generator().manual_seed(out_features)
     w = torch.randn(out_features, in_features, generator=gen).bfloat16()
     for rows in ROWS:
         x = torch.randn(rows, in_features, generator=gen)
-        assert relative_err(cpu_gemv.gemv_bf16(x, w), x @ w.float().T) < 1e-5, rows
+        rounded = x.bfloat16().float()
+        assert relative_err(cpu_gemv.gemv_bf16(rounded, w), rounded @ w.float().T) < 1e-5, rows
+        tolerance = 1e-5 if build is cpu_gemv.AVX2 else 1e-2
+        assert relative_err(cpu_gemv.gemv_bf16(x, w), x @ w.float().T) < tolerance, rows
 
 
 def random_int_weight(out_features: int, in_features: int, bits: int, group_size: int, zeros: bool, act_order: bool,
@@ -89,16 +105,29 @@ def test_int_equals_fp32_matmul_on_the_dequantized_weight(bits, group_size, zero
     for rows in (*ROWS, 33):  # 33: the dequantized-tile GEMM
         x = torch.randn(rows, shape[1], generator=gen)
         assert relative_err(matmul(x), x @ reference.T) < 1e-5, rows
-    x = torch.randn(3, shape[1], generator=gen).bfloat16()  # bf16 activations: fp32 products, one rounding
-    y = matmul(x)
-    assert y.dtype == torch.bfloat16 and relative_err(y, x.float() @ reference.T) < 1e-2
+    for rows in (3, 8):  # bf16 activations: fp32 products (or, from 4 rows on AVX-512, bf16 ones), one rounding
+        x = torch.randn(rows, shape[1], generator=gen).bfloat16()
+        y = matmul(x)
+        assert y.dtype == torch.bfloat16 and relative_err(y, x.float() @ reference.T) < 1e-2
+    if forced is cpu_gemv.AVX512:  # its bf16 products: x and the dequantized weight rounded, as torch's bf16 path
+        rounded = matmul.dequantize(slice(None), torch.bfloat16).float()  # in the kernel's column order
+        for rows in (2, 7, 32):
+            x = torch.randn(rows, shape[1], generator=gen).bfloat16().float()
+            x = x if matmul.order is None else x[:, matmul.order]
+            y = cpu_gemv.gemv_int(x, matmul.q, matmul.scales, matmul.biases, matmul.group_size, bits, bf16=True)
+            assert relative_err(y, x @ rounded.T) < 1e-5, rows
 
 
 def test_fits_only_what_it_streams(forced, monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     assert not Avx2IntMatmul.fits(random_int_weight(8, 100, 4, 20, True, False, 0), cpu, torch.float32)  # 20 % 8
+    fits_24 = Avx2IntMatmul.fits(random_int_weight(8, 96, 4, 24, True, False, 0), cpu, torch.float32)
+    assert fits_24 == (forced is cpu_gemv.AVX2)  # the AVX-512 build takes groups of 32·i columns
     assert not Avx2IntMatmul.fits(random_int_weight(8, 64, 4, 32, True, False, 0), torch.device("meta"), torch.float32)
-    monkeypatch.setattr(cpu_gemv, "chosen", lambda: False)  # a CPU with AVX-512 BF16 keeps torch's kernels
+    monkeypatch.setattr(cpu_gemv, "chosen", lambda: False)  # bf16 linears on oneDNN: INT ones still on AVX-512
+    fits = Avx2IntMatmul.fits(random_int_weight(8, 64, 4, 32, True, False, 0), cpu, torch.float32)
+    assert fits == (forced is cpu_gemv.AVX512)
+    monkeypatch.setenv("LORAPLEX_CPU_GEMV", "off")
     assert not Avx2IntMatmul.fits(random_int_weight(8, 64, 4, 32, True, False, 0), cpu, torch.float32)
 
 
@@ -106,6 +135,8 @@ def test_bad_shapes_are_refused() -> None:
     x = torch.randn(2, 40)
     with pytest.raises(ValueError, match="columns"):
         cpu_gemv.gemv_bf16(x, torch.zeros(3, 41, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="at most 32"):
+        cpu_gemv.gemv_bf16(torch.randn(33, 40), torch.zeros(3, 40, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="do not fit"):
         cpu_gemv.gemv_int(x, torch.zeros(3, 21, dtype=torch.uint8), torch.ones(3, 2), torch.ones(3, 2), 20, 4)
 
@@ -132,7 +163,7 @@ def quantized_dirs(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.mark.parametrize("fmt", ["gptq-4bit-act-order", "ct-w8a16"])
-def test_quantized_worker_unchanged_against_the_torch_path(fmt, quantized_dirs, adapter_dirs,
+def test_quantized_worker_unchanged_against_the_torch_path(fmt, quantized_dirs, adapter_dirs, build,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     torch_logits, torch_tokens, _ = run_batch(quantized_dirs[fmt], adapter_dirs)
     monkeypatch.setattr(cpu_gemv, "chosen", lambda: True)
@@ -143,7 +174,8 @@ def test_quantized_worker_unchanged_against_the_torch_path(fmt, quantized_dirs, 
     assert tokens == torch_tokens
 
 
-def test_bf16_worker_errs_no_more_than_the_torch_path(llama_dir, adapter_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_worker_errs_no_more_than_the_torch_path(llama_dir, adapter_dirs, build,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # bf16 activations: against the fp32 run, the kernel (fp32 products, one rounding) errs no more than torch's bf16
     # matmul. lora_backend torch: the LoRA path beside the linears stays the same in both bf16 runs.
     oracle, _, _ = run_batch(llama_dir, adapter_dirs)

@@ -3,6 +3,7 @@ and exits on any other error (an injected fault, a collective past --dist-timeou
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -10,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from loraplex.protocol import cpu_cores
 from loraplex.protocol.structs import (
     AdapterOutcome,
     AdapterReport,
@@ -39,6 +41,19 @@ def start_workers(
 ) -> Iterator[tuple[list[subprocess.Popen], FakeScheduler]]:
     with worker_procs.start_workers(model_dir, tp, faults, log_level="debug", **config_kwargs) as started:
         yield started
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_worker_pins_its_threads_and_names_the_cores_it_leaves(llama_dir: Path) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    bind = {cpu_cores.BIND_ENV: str(cores[-1])}  # vLLM's setting: the last core to the worker
+    with worker_procs.start_workers(str(llama_dir), extra_env=bind) as (procs, scheduler):
+        ready = scheduler.recv(timeout_ms=READY_TIMEOUT_MS)
+        assert isinstance(ready, WorkerReady), ready
+        assert os.sched_getaffinity(procs[0].pid) == {cores[-1]}
+        assert ready.service_cpu_cores == cores[:-1]  # where the scheduler and the frontend keep to
+        scheduler.send(Shutdown())
+        assert procs[0].wait(timeout=EXIT_TIMEOUT_S) == 0
 
 
 @contextmanager

@@ -57,7 +57,9 @@ def test_documented_bit_orders() -> None:
 @pytest.mark.parametrize("signed", [True, False])
 @pytest.mark.parametrize("zeros", [True, False])
 @pytest.mark.parametrize("num_tokens", [5, INT8_GEMM_MIN_TOKENS])  # both sides of the INT8 kernel's switch
-def test_cpu_kernels_equal_the_dequantized_weight(signed: bool, zeros: bool, num_tokens: int) -> None:
+def test_cpu_kernels_equal_the_dequantized_weight(signed: bool, zeros: bool, num_tokens: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAPLEX_CPU_GEMV", "off")  # torch's kernels (the skinny-matrix ones: test_cpu_gemv.py)
     x = torch.randn(num_tokens, 128)
     cases = [
         (random_int_weight(8, 128, signed, zeros, False), Int8ChannelMatmul),

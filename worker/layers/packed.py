@@ -8,8 +8,9 @@ with bit-identical results. The plain weight is freed once packed, so the model 
 A linear opts in with a `packed_weight` attribute (None until packed) and computes through `linear` below; one whose
 model code reads its plain weight (latent attention's kv_b_proj) opts out with `packable = False`.
 
-On a CPU with AVX2 and without AVX-512 BF16 (kernels/cpu_gemv.py) the weights stay plain instead and decode rows (up
-to 32) take the AVX2 skinny-matrix kernel, which reads each bfloat16 weight once per call: `use_gemv` marks them."""
+Where kernels/cpu_gemv.py's skinny-matrix kernels are chosen (by default a CPU with AVX2 and without AVX-512 BF16) the
+weights stay plain instead and decode rows (up to 32) take the kernel, which reads each bfloat16 weight once per call:
+`use_gemv` marks them."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None,
            gemv: bool = False):
-    """x Wᵀ + b, from the packed weight where there is one; with `gemv` (use_gemv), up to 32 rows by the AVX2 kernel."""
+    """x Wᵀ + b, from the packed weight where there is one; with `gemv` (use_gemv), up to 32 rows by cpu_gemv."""
     if gemv and x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_ROWS:
         y = cpu_gemv.gemv_bf16(x.float(), weight).to(x.dtype)
         return y if bias is None else y + bias
@@ -60,17 +61,17 @@ def pack_linears(model: nn.Module) -> int:
 
 
 def gemv_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why bfloat16 linears do not take the AVX2 decode kernel here, or None if they do."""
+    """Why bfloat16 linears do not take cpu_gemv's decode kernel here, or None if they do."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return f"only for bfloat16 on the CPU, not {str(dtype).removeprefix('torch.')} on {device.type}"
     if not cpu_gemv.chosen():
-        return "the CPU has AVX-512 BF16 (oneDNN) or lacks AVX2/FMA/F16C"
-    return None if cpu_gemv.kernels() is not None else "the AVX2 kernels failed to build"
+        return "the CPU has AVX-512 BF16 (oneDNN; LORAPLEX_CPU_GEMV=on takes the kernel) or lacks AVX2/FMA/F16C"
+    return None if cpu_gemv.kernels() is not None else f"the {cpu_gemv.isa().name} kernels failed to build"
 
 
 def use_gemv(model: nn.Module) -> int:
     """Mark every linear that owns a plain bfloat16 weight (as pack_linears chooses them) to compute its decode rows
-    with the AVX2 kernel; returns how many."""
+    with cpu_gemv's kernel; returns how many."""
     num_marked = 0
     for module in model.modules():
         if not hasattr(module, "packed_weight") or getattr(module, "quant", None) is not None:

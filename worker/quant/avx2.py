@@ -1,6 +1,6 @@
-"""Avx2IntMatmul: INT8 (per channel or per group) and INT4 (per group) weights on CPUs with AVX2 and without
-AVX-512 BF16, through kernels/cpu_gemv.py's skinny-matrix kernel for up to 32 rows (a decode step) and torch's GEMM on
-dequantized tiles above that.
+"""Avx2IntMatmul: INT8 (per channel or per group) and INT4 (per group) weights on CPUs with AVX-512 BF16 or AVX2
+(cpu_gemv.chosen_for_int), through kernels/cpu_gemv.py's skinny-matrix kernel (its AVX-512 build, else its AVX2 one)
+for up to 32 rows (a decode step) and torch's GEMM on dequantized tiles above that.
 
 Whatever the checkpoint's packing (GPTQ, AWQ, compressed-tensors decode into an IntWeight, formats.py), the weight is
 repacked once here into the one layout the kernel streams: unsigned values (u = q + signed_offset), INT4 two per byte
@@ -15,6 +15,10 @@ from loraplex.kernels import cpu_gemv
 from loraplex.worker.quant.weights import IntWeight, QuantWeight
 
 TILE_ROWS = 512  # output rows dequantized at once above cpu_gemv.MAX_ROWS
+# From this many rows of bfloat16 activations the AVX-512 build multiplies in bfloat16 (the weight dequantized and
+# rounded, as torch's path for a bf16 model does): below it the float32 products cost less than the rounding; from it
+# the products bound the call and dpbf16 does them at twice the rate (scripts/bench/gemv.py).
+BF16_PRODUCTS_MIN_ROWS = 4
 
 
 def _act_order(weight: IntWeight) -> torch.Tensor | None:
@@ -25,18 +29,21 @@ def _act_order(weight: IntWeight) -> torch.Tensor | None:
 
 
 class Avx2IntMatmul:
-    name = "int weight-only (AVX2 decode kernel)"
+    name = f"int weight-only ({getattr(cpu_gemv.isa(), 'name', 'AVX2')} decode kernel)"
 
     @staticmethod
     def fits(weight: QuantWeight, device: torch.device, dtype: torch.dtype) -> bool:
         if device.type != "cpu" or not isinstance(weight, IntWeight) or weight.bits not in (4, 8):
             return False
-        if dtype not in (torch.float32, torch.bfloat16) or not cpu_gemv.chosen():
+        if dtype not in (torch.float32, torch.bfloat16) or not cpu_gemv.chosen_for_int():
+            return False
+        if cpu_gemv.kernels() is None:  # the build failed (logged): torch's kernels
             return False
         cols, size = weight.q.shape[1], weight.group_size
         if size >= cols:  # one group per row (per channel): any width, tails included
             return weight.g_idx is None
-        return size % 8 == 0 and cols % size == 0 and (weight.g_idx is None or _act_order(weight) is not None)
+        whole = size % cpu_gemv.group_multiple() == 0 and cols % size == 0
+        return whole and (weight.g_idx is None or _act_order(weight) is not None)
 
     def __init__(self, weight: IntWeight, dtype: torch.dtype):
         self.order = None
@@ -61,6 +68,7 @@ class Avx2IntMatmul:
         zero = (0 if zeros is None else zeros.float()) + offset
         self.biases = (-zero * self.scales).contiguous()
         self.dtype = dtype
+        self.bf16_products = cpu_gemv.isa() is cpu_gemv.AVX512
         self.nbytes = sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.biases))
         if self.order is not None:
             self.nbytes += self.order.numel() * self.order.element_size()
@@ -84,7 +92,8 @@ class Avx2IntMatmul:
         if self.order is not None:
             x = x.index_select(-1, self.order)
         if x.shape[0] <= cpu_gemv.MAX_ROWS:
-            y = cpu_gemv.gemv_int(x.float(), self.q, self.scales, self.biases, self.group_size, self.bits)
+            bf16 = self.bf16_products and x.dtype == torch.bfloat16 and x.shape[0] >= BF16_PRODUCTS_MIN_ROWS
+            y = cpu_gemv.gemv_int(x.float(), self.q, self.scales, self.biases, self.group_size, self.bits, bf16=bf16)
             return y.to(x.dtype)
         num_rows = self.q.shape[0]
         y = x.new_empty(x.shape[0], num_rows)

@@ -16,7 +16,7 @@
   TritonFP8Matmul    on CUDA, any other FP8 weight (block scales, weight-only, sm_80, float32 activations): read and
                      dequantized inside kernels/quant_matmul.py's kernel
 
-  Avx2IntMatmul      on CPUs with AVX2 and no AVX-512 BF16, INT8/INT4 (per channel, or groups of 8·i columns): the
+  Avx2IntMatmul      on CPUs with AVX-512 BF16 or AVX2, INT8/INT4 (per channel, or groups of 32·i / 8·i columns): the
                      skinny-matrix kernel of kernels/cpu_gemv.py up to 32 tokens, dequantized tiles above (avx2.py)
 
 Each holds only its packed layout, built once here, and reports `nbytes` (the resident weight bytes)."""
