@@ -37,7 +37,7 @@ model/mixtral.py           Mixtral: the Llama decoder with the MoE block as its 
 model/olmoe.py             OLMoE: q/k RMSNorm over the whole projections (summed over TP ranks), MoE without renorm
 model/qwen3_moe.py         Qwen3-MoE: Qwen3Attention and the MoE block; dense MLPs where the config says
 model/gemma2.py            Gemma 2: Llama's attention and fused linears, with Gemma's pieces around them
-model/gemma3.py            Gemma 3: Gemma 2's with per-head q/k RMSNorms, the local layers' own rope; image rows in place
+model/gemma3.py            Gemma 3: Gemma 2's with per-head q/k RMSNorms, local layers' own rope; image rows in place
 model/gemma3_vision.py     Gemma 3's SigLIP vision tower and multi-modal projector, TP-sharded
 model/gemma4.py            Gemma 4 text: per-layer head widths, KV sharing, per-layer inputs, a dense MLP beside experts
 model/deepseek_v3.py       DeepSeek-V3 / Kimi K2: latent attention (cache of latent + rope key; prefills expanded,
