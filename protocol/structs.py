@@ -94,6 +94,9 @@ class LoRAAdapterSpec(msgspec.Struct, frozen=True, kw_only=True):
     lora_name: str
     lora_path: str
     pinned: bool | None = None  # None: False for a new adapter; an in-place reload keeps the adapter's own
+    # speculative decoding (method draft_model): the draft model's adapter for this one, loaded with it on every rank
+    # and dropped with it (SGLang's and vLLM's spelling); None: the --speculative-lora-modules namesake, if any
+    draft_lora_path: str | None = None
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -260,6 +263,7 @@ class AdapterToLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     replaces: int | None = None  # in-place reload: the id whose pin moves to this one once it is loaded
     root: str | None = None  # every file read for it must resolve inside (--lora-path-root, --lora-resolver-dir)
     inline: InlineAdapter | None = None  # set exactly when lora_path is None
+    draft_lora_path: str | None = None  # resolved directory of its draft model's adapter (LoRAAdapterSpec's)
 
 
 def split_inline_frames(adapters: list[AdapterToLoad], frames: list) -> list[list]:

@@ -29,6 +29,7 @@ from loraplex.worker.layers.attention import AttentionBackendError, BatchAttenti
 from loraplex.worker.layers.moe import device_routing_refusal, use_device_routing, warm_up_device_routing
 from loraplex.worker.layers.ops import ModelOps, model_ops, select_model_ops
 from loraplex.worker.loader import load_weights
+from loraplex.worker.lora.draft_adapters import DraftAdapters
 from loraplex.worker.lora.manager import LoRAManager
 from loraplex.worker.model.config import ModelConfig, ModelConfigError
 from loraplex.worker.model.qwen3_5 import GatedDeltaNet
@@ -213,7 +214,12 @@ class ModelRunner:
                                 dtype=self.dtype, cpu_kernels=self.backend.cpu_kernels)  # fmt: skip
         return DraftRunner(self.config, spec.model, vocab_size=self.vocab_size, num_pages=num_pages,
                            page_size=self.page_size, context_length=self.context_length, device=self.device,
-                           dtype=self.dtype, backend=self.backend)  # fmt: skip
+                           dtype=self.dtype, backend=self.backend, target_lora=self.lora)  # fmt: skip
+
+    @property
+    def draft_adapters(self) -> DraftAdapters | None:
+        """The draft model's adapters, loaded and dropped with the target's (None without a draft model or LoRA)."""
+        return self.draft.adapters if isinstance(self.draft, DraftRunner) else None
 
     def _state_plan(self) -> StatePlan | None:
         """A hybrid model's state slots and snapshots: how many, and one's shape on this rank; None for a model
