@@ -66,11 +66,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def allows_drafts(self) -> bool:
-        """Whether speculative decoding may draft for it: plain sampling (temperature, top-k/p, min-p, seed; output
-        logprobs), which the workers verify exactly; penalties, logit controls, grammars and min_new_tokens decode one
-        token a pass, as without speculation."""
-        return not (self.uses_penalty or self.bad_words_ids or self.logit_bias or self.allowed_token_ids is not None
-                    or self.constraint is not None or self.min_new_tokens)
+        """Whether speculative decoding may draft for it: every verify row is processed as without drafts (penalties,
+        logit controls, min_new_tokens and a grammar after the drafts before it; worker/speculative.py). A grammar
+        that starts after a reasoning section, or one on a request sampled without a seed (only rank 0 masks, and the
+        ranks' shared generator must draw alike), decodes one token a pass."""
+        constraint = self.constraint
+        return constraint is None or not (constraint.start_after or (self.temperature > 0.0 and self.seed is None))
 
     @property
     def needs_token_history(self) -> bool:

@@ -487,15 +487,17 @@ class ModelRunner:
         # (reqs, vocab), (prompt rows, vocab), (draft rows, vocab)
         logits, prompt_logits, draft_logits = (logits[:num_reqs], logits[num_reqs : num_reqs + num_prompt],
                                                logits[num_reqs + num_prompt :])  # fmt: skip
-        processed = apply_penalties(logits, sampling, self.histories)  # logprobs read the raw logits
-        processed = self.grammar.mask(processed, reqs, sampling)  # structured output
+        # logprobs read the raw logits; a drafted request's rows are processed again, row by row, in verify_drafts
+        processed = apply_penalties(logits, sampling, self.histories)
+        processed = self.grammar.mask(processed, reqs, sampling)  # structured output (drafted rows: mask_drafts)
         tokens = self.sampler.sample(processed, sampling)
         tokens = self.grammar.record(reqs, sampling, tokens)
         logprobs = token_logprobs(logits, sampling, tokens)
         accepted_ids, accepted_logprobs = [], []
-        if verify_rows:  # requests with drafts (no penalties, no grammar): their token follows the drafts accepted
+        if verify_rows:  # requests with drafts: their token follows the drafts accepted
             accepted_ids, accepted_logprobs = verify_drafts(reqs, sampling, logits, draft_logits, tokens, self.sampler,
-                                                            logprobs)  # fmt: skip
+                                                            logprobs, self.histories, self.grammar)  # fmt: skip
+            self.grammar.record_drafts(reqs, sampling, tokens, accepted_ids)
         if self.draft is not None:  # an EAGLE-3 head keeps the features of the tokens kept
             self.draft.record(reqs, accepted_ids)
         return StepResult(tokens, logprobs, prompt_logprobs(prompt_logits, reqs, sampling),
