@@ -11,10 +11,10 @@ backwards) are not in the prompt. Greedy requests, each to its own EOS: a probe 
 gives every answer's length, and the requests ask for exactly that many tokens; every side's probe outputs are
 compared with those without speculation (equal in float32; the result says so per run).
 
-Sides, one server each, started one after the other with the same flags but their own: off; ngram
-(`prompt_lookup_min` 1, max 4); draft_model, the demo cut to its first DRAFT_LAYERS layers with each adapter cut alike
-as its draft adapter (--speculative-lora-modules; scripts/bench/spec_acceptance.py's cut). EAGLE-3 is not measured:
-there is no head trained for the demo. llama.cpp is not installed here (docs/PEERS.md says how it was built when it
+Sides, one server each, started one after the other with the same flags but their own: off; ngram (`prompt_lookup_min`
+1, max 4); draft_model, the demo cut to its first DRAFT_LAYERS layers with each adapter cut alike as its draft adapter
+(--speculative-lora-modules; scripts/bench/spec_acceptance.py's cut). EAGLE-3 is not measured: there is no head trained
+for the demo. llama.cpp is not installed here (docs/BENCHMARKS.md's llama.cpp section says how it was built when it
 was), so its `--draft` / lookup decoding are not beside these figures. Ratios: output throughput against the side
 without speculation, measured in the same run; the notes carry the acceptance rate and the mean tokens per verify pass
 of the run (from /server_info).
