@@ -4,7 +4,14 @@
 from __future__ import annotations
 
 from loraplex.protocol.config import ServerConfig
-from loraplex.protocol.structs import AdapterReport, BatchResult, LoadAdapters, SamplingParams, TokenizedGenerateReq
+from loraplex.protocol.structs import (
+    AdapterReport,
+    BatchResult,
+    LoadAdapters,
+    OutputConstraint,
+    SamplingParams,
+    TokenizedGenerateReq,
+)
 from loraplex.scheduler.scheduler import Scheduler
 from loraplex.worker.model_runner import ModelRunner
 
@@ -21,6 +28,19 @@ def mixed_prompts() -> list[list[int]]:
     prompts = [p + p for p in random_prompts([4, 6, 5, 3, 6, 4], vocab_size=200, seed=11)]
     prompts[3] = prompts[2][:8] + prompts[3]
     return prompts
+
+
+def processed_sampling(model_dir, num_prompts: int) -> list[SamplingParams]:
+    """Greedy sampling whose verify rows are processed (worker/speculative.py), in turn: penalties with logprobs, a
+    grammar (no "e" in any token) with logprobs, the grammar with a frequency penalty, and plain."""
+    from transformers import AutoTokenizer
+
+    grammar = {"constraint": OutputConstraint("regex", "[^e]*"),
+               "stop_token_ids": [AutoTokenizer.from_pretrained(str(model_dir)).eos_token_id]}  # fmt: skip
+    kinds = [{"repetition_penalty": 1.5, "frequency_penalty": 0.7, "presence_penalty": 0.4, "logprobs": 2},
+             {**grammar, "logprobs": 1}, {**grammar, "frequency_penalty": 1.0}, {}]  # fmt: skip
+    return [SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, **kinds[i % len(kinds)])
+            for i in range(num_prompts)]  # fmt: skip
 
 
 def generate(model_dir, prompts: list[list[int]], speculative_config: dict | None = None, *,
