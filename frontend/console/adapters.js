@@ -38,6 +38,8 @@ export class AdapterView {
 
   setServer(info) {
     this.resolverDir = info.lora_resolver_dir ?? null;
+    // a draft model's server: an adapter may bring its draft adapter (draft_lora_path)
+    this.form.querySelector("#load-draft-field").hidden = info.speculative?.method !== "draft_model";
     const hint = this.form.querySelector("#load-hint");
     hint.textContent = this.resolverDir
       ? `A path on the server. Leave it empty to load NAME from the resolver directory ${this.resolverDir} ` +
@@ -54,12 +56,14 @@ export class AdapterView {
     const name = this.form.elements.name.value.trim();
     const path = this.form.elements.path.value.trim();
     const pinned = this.form.elements.pinned.checked;
+    const draft = this.form.elements.draft.value.trim();
     const button = this.form.querySelector("button[type=submit]");
     button.disabled = true;
     this.say(`Loading ${name}…`);
     try {
       if (path) {
-        await postJSON("/load_lora_adapter", { lora_name: name, lora_path: path, pinned });
+        await postJSON("/load_lora_adapter",
+          { lora_name: name, lora_path: path, pinned, ...(draft ? { draft_lora_path: draft } : {}) });
       } else if (this.resolverDir && !pinned) {
         // The resolver loads a name the first time a request names it; /tokenize is the cheapest such request.
         await postJSON("/tokenize", { prompt: " ", model: name });
@@ -69,6 +73,7 @@ export class AdapterView {
       }
       this.say(`Loaded ${name}.`);
       this.form.elements.path.value = "";
+      this.form.elements.draft.value = "";
       this.onChange();
     } catch (error) {
       this.say(describe(error), true);

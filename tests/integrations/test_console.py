@@ -76,9 +76,11 @@ def page(browser):
     assert not errors, errors
 
 
-def load_through_form(page, name: str, path: str = "", pinned: bool = False) -> None:
+def load_through_form(page, name: str, path: str = "", pinned: bool = False, draft: str = "") -> None:
     page.get_by_label("Name", exact=True).fill(name)
     page.get_by_label("Path", exact=True).fill(path)
+    if draft:  # the field shows on a server with a draft model
+        page.get_by_label("Draft adapter path", exact=True).fill(draft)
     page.get_by_label("Pinned").set_checked(pinned)
     page.get_by_role("button", name="Load", exact=True).click()
 
@@ -98,8 +100,9 @@ def test_load_list_play_and_unload_through_the_console(page, server, adapter_dir
     expect(page.locator("#health")).to_have_text("healthy")
     expect(row(page, base)).to_contain_text("base model")
 
-    load_through_form(page, "alpha", str(adapter_dirs["a4"]))
+    load_through_form(page, "alpha", str(adapter_dirs["a4"]), draft=str(adapter_dirs["a4"]))  # its own draft adapter
     expect(page.locator("#adapter-status")).to_have_text("Loaded alpha.")
+    assert server.get("/server_info").json()["speculative"]["draft_adapters"] == ["alpha"]
     load_through_form(page, "beta", str(adapter_dirs["a8"]), pinned=True)
     expect(page.locator("#adapter-status")).to_have_text("Loaded beta.")
     assert served_names(server) == {"alpha", "beta"}
@@ -136,6 +139,7 @@ def test_load_list_play_and_unload_through_the_console(page, server, adapter_dir
     expect(page.locator("#adapter-status")).to_have_text("Unloaded alpha.")
     expect(row(page, "alpha")).to_have_count(0)
     assert served_names(server) == {"beta"}
+    assert server.get("/server_info").json()["speculative"]["draft_adapters"] == []  # its draft adapter went with it
     expect(targets.get_by_label("alpha", exact=True)).to_have_count(0)  # gone from the playground too
 
     # A bad path: the server's own message, as is, with its status.
@@ -259,7 +263,9 @@ def test_the_key_prompt_keeps_the_key_in_the_tab(page, keyed_server, adapter_dir
     key_input.press("Enter")  # the keyboard submits the form
     expect(page.locator("#model-name")).not_to_have_text("…")
     expect(error).to_be_hidden()
-    expect(page.locator("th.col-accept")).to_be_hidden()  # a server that does not speculate: no acceptance columns
+    # a server that does not speculate: no acceptance columns, no draft adapter field
+    expect(page.locator("th.col-accept")).to_be_hidden()
+    expect(page.locator("#load-draft")).to_be_hidden()
     # Loads need the admin key: without it the server's 401 shows; with it the load goes through.
     load_through_form(page, "alpha", str(adapter_dirs["a4"]))
     expect(page.locator("#adapter-status")).to_have_text("401: missing or invalid API key")
