@@ -124,12 +124,14 @@ class AdapterSpecBody(Strict):
     lora_name: str
     lora_path: AdapterPath
     pinned: bool = False
+    draft_lora_path: AdapterPath | None = None  # its draft model's adapter (speculative decoding, SGLang's name)
 
 
 class LoadBody(Strict):
     lora_name: str | None = None
     lora_path: AdapterPath | None = None
     pinned: bool = False
+    draft_lora_path: AdapterPath | None = None
     adapters: list[AdapterSpecBody] | None = None
 
 

@@ -59,7 +59,8 @@ async def server_info(runtime: Runtime, requests: RequestTable) -> dict[str, Any
         "num_adapter_entries": runtime.registry.num_entries(),
         "num_adapter_holds": runtime.registry.total_holds(),
         "slot_lora_ids": stats.slot_lora_ids if stats and len(replicas) == 1 else None,  # per replica below
-        "speculative": spec_info(runtime.config, replicas, {e.lora_id: e.name for e in runtime.registry.live()}),
+        "speculative": spec_info(runtime.config, replicas, {e.lora_id: e.name for e in runtime.registry.live()},
+                                 [e.name for e in runtime.registry.live() if e.draft_path and not e.draining]),
         **scheduler_counters(stats),
         "replicas": [replica_info(runtime, dp_rank, replicas[dp_rank] if replicas else None)
                      for dp_rank in range(len(runtime.replica_ready))],

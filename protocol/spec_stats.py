@@ -31,9 +31,11 @@ def adapter_label(lora_id: int | None, names: dict[int, str]) -> str:
     return names.get(lora_id, f"id:{lora_id}")
 
 
-def spec_info(config: ServerConfig, replicas: list[SchedulerStats] | None, names: dict[int, str]) -> dict[str, Any]:
-    """/server_info's "speculative": the settings (the draft model's adapters by name), and per adapter the counts and
-    the rates made of them."""
+def spec_info(config: ServerConfig, replicas: list[SchedulerStats] | None, names: dict[int, str],
+              loaded_drafts: list[str] = ()) -> dict[str, Any]:  # fmt: skip
+    """/server_info's "speculative": the settings (the draft model's adapters by the names of their target adapters:
+    --speculative-lora-modules, then `loaded_drafts`, those loaded with their adapter's draft_lora_path), and per
+    adapter the counts and the rates made of them."""
     spec = config.speculation
     if spec is None:
         return {"method": None, "adapters": []}
@@ -48,4 +50,4 @@ def spec_info(config: ServerConfig, replicas: list[SchedulerStats] | None, names
             "mean_accepted_length": 1 + count.num_accepted_tokens / max(1, count.num_verify_passes),
         })  # fmt: skip
     return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens, "adapters": adapters,
-            "draft_adapters": [source.lora_name for source in config.draft_lora_sources]}
+            "draft_adapters": list(dict.fromkeys([s.lora_name for s in config.draft_lora_sources] + loaded_drafts))}

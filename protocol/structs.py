@@ -66,11 +66,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def allows_drafts(self) -> bool:
-        """Whether speculative decoding may draft for it: plain sampling (temperature, top-k/p, min-p, seed; output
-        logprobs), which the workers verify exactly; penalties, logit controls, grammars and min_new_tokens decode one
-        token a pass, as without speculation."""
-        return not (self.uses_penalty or self.bad_words_ids or self.logit_bias or self.allowed_token_ids is not None
-                    or self.constraint is not None or self.min_new_tokens)
+        """Whether speculative decoding may draft for it: every verify row is processed as without drafts (penalties,
+        logit controls, min_new_tokens and a grammar after the drafts before it; worker/speculative.py). A grammar
+        that starts after a reasoning section, or one on a request sampled without a seed (only rank 0 masks, and the
+        ranks' shared generator must draw alike), decodes one token a pass."""
+        constraint = self.constraint
+        return constraint is None or not (constraint.start_after or (self.temperature > 0.0 and self.seed is None))
 
     @property
     def needs_token_history(self) -> bool:
@@ -94,6 +95,9 @@ class LoRAAdapterSpec(msgspec.Struct, frozen=True, kw_only=True):
     lora_name: str
     lora_path: str
     pinned: bool | None = None  # None: False for a new adapter; an in-place reload keeps the adapter's own
+    # speculative decoding (method draft_model): the draft model's adapter for this one, loaded with it on every rank
+    # and dropped with it (SGLang's and vLLM's spelling); None: the --speculative-lora-modules namesake, if any
+    draft_lora_path: str | None = None
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -260,6 +264,7 @@ class AdapterToLoad(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     replaces: int | None = None  # in-place reload: the id whose pin moves to this one once it is loaded
     root: str | None = None  # every file read for it must resolve inside (--lora-path-root, --lora-resolver-dir)
     inline: InlineAdapter | None = None  # set exactly when lora_path is None
+    draft_lora_path: str | None = None  # resolved directory of its draft model's adapter (LoRAAdapterSpec's)
 
 
 def split_inline_frames(adapters: list[AdapterToLoad], frames: list) -> list[list]:

@@ -4,7 +4,14 @@
 from __future__ import annotations
 
 from loraplex.protocol.config import ServerConfig
-from loraplex.protocol.structs import AdapterReport, BatchResult, LoadAdapters, SamplingParams, TokenizedGenerateReq
+from loraplex.protocol.structs import (
+    AdapterReport,
+    BatchResult,
+    LoadAdapters,
+    OutputConstraint,
+    SamplingParams,
+    TokenizedGenerateReq,
+)
 from loraplex.scheduler.scheduler import Scheduler
 from loraplex.worker.model_runner import ModelRunner
 
@@ -23,14 +30,29 @@ def mixed_prompts() -> list[list[int]]:
     return prompts
 
 
+def processed_sampling(model_dir, num_prompts: int) -> list[SamplingParams]:
+    """Greedy sampling whose verify rows are processed (worker/speculative.py), in turn: penalties with logprobs, a
+    grammar (no "e" in any token) with logprobs, the grammar with a frequency penalty, and plain."""
+    from transformers import AutoTokenizer
+
+    grammar = {"constraint": OutputConstraint("regex", "[^e]*"),
+               "stop_token_ids": [AutoTokenizer.from_pretrained(str(model_dir)).eos_token_id]}  # fmt: skip
+    kinds = [{"repetition_penalty": 1.5, "frequency_penalty": 0.7, "presence_penalty": 0.4, "logprobs": 2},
+             {**grammar, "logprobs": 1}, {**grammar, "frequency_penalty": 1.0}, {}]  # fmt: skip
+    return [SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, **kinds[i % len(kinds)])
+            for i in range(num_prompts)]  # fmt: skip
+
+
 def generate(model_dir, prompts: list[list[int]], speculative_config: dict | None = None, *,
              adapters: dict | None = None, names: list[str | None] | None = None, rank: int = 0, tp: int = 1,
              lora_ids: dict[str, int] = ADAPTER_IDS, lora_config: dict = LORA_CONFIG,
+             sampling: list[SamplingParams] | None = None, logprobs: dict | None = None,
              **config_kwargs) -> tuple[dict, Scheduler]:  # fmt: skip
     """Every prompt's greedy tokens through Scheduler + ModelRunner in one loop (prefill chunks of 8 tokens), prompt i
     on adapter names[i] of `adapters` (name -> directory, loaded on both first). With tp 2, call it on both ranks of a
     TP group (tests/worker_helpers.tp_group): each rank's own scheduler plans the same batches. lora_ids: each
-    adapter name's id (lora_helpers' by default)."""
+    adapter name's id (lora_helpers' by default). sampling: prompt i's parameters (default greedy, MAX_NEW tokens);
+    logprobs: filled with each rid's output logprobs (their TokenLogprob entries) where its sampling asks."""
     lora = lora_config if adapters else {}
     config = ServerConfig(device="cpu", tp=tp, page_size=PAGE_SIZE, max_total_tokens=NUM_PAGES * PAGE_SIZE,
                           speculative_config=speculative_config or {}, **lora, **config_kwargs)  # fmt: skip
@@ -44,18 +66,21 @@ def generate(model_dir, prompts: list[list[int]], speculative_config: dict | Non
         assert sched.add_adapter_report(AdapterReport(op_id=1, tp_rank=0, outcomes=outcomes)) is not None
     outputs: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts):
-        sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+        params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0) if sampling is None else sampling[i]
         lora_id = None if names is None or names[i] is None else lora_ids[names[i]]
-        req = TokenizedGenerateReq(rid=f"r{i}", input_ids=prompt, sampling=sampling, lora_id=lora_id)
+        req = TokenizedGenerateReq(rid=f"r{i}", input_ids=prompt, sampling=params, lora_id=lora_id)
         assert sched.add_request(req) == []
     for _ in range(500):
         batch = sched.schedule()
         if batch is None:
             break
         step = runner.step(batch)
-        result = BatchResult(batch_id=batch.batch_id, next_token_ids=step.tokens, accepted_ids=step.accepted_ids)
+        result = BatchResult(batch_id=batch.batch_id, next_token_ids=step.tokens, accepted_ids=step.accepted_ids,
+                             logprobs=step.logprobs, accepted_logprobs=step.accepted_logprobs)  # fmt: skip
         for delta in sched.process_result(result):
-            assert delta.finish_reason in (None, "length"), delta
+            assert delta.finish_reason in (None, "length", "stop"), delta  # "stop": a stop token the sampling names
             outputs.setdefault(delta.rid, []).extend(delta.token_ids)
+            if logprobs is not None and delta.logprobs:
+                logprobs.setdefault(delta.rid, []).extend(delta.logprobs)
     assert sched.is_idle and sched.cache.num_in_use == 0
     return outputs, sched

@@ -17,8 +17,9 @@ import time
 from loraplex.protocol.curve import ClusterKey
 from loraplex.protocol.faults import FaultPlan
 from loraplex.protocol.sockets import PULL, PUSH, TypedSocket
-from loraplex.protocol.structs import AdapterOutcome, AdapterReport, LoadAdapters, ProcessArgs
+from loraplex.protocol.structs import AdapterOutcome, AdapterReport, AdapterToLoad, LoadAdapters, ProcessArgs
 from loraplex.worker.lora.adapter import AdapterLoadError
+from loraplex.worker.lora.draft_adapters import DraftAdapters
 from loraplex.worker.lora.manager import LoRAManager
 
 logger = logging.getLogger("loraplex.worker.loader")
@@ -28,10 +29,11 @@ STOP_POLL_MS = 200
 
 class AdapterLoader(threading.Thread):
     def __init__(self, args: ProcessArgs, rank: int, manager: LoRAManager | None, faults: FaultPlan,
-                 key: ClusterKey | None = None):
+                 key: ClusterKey | None = None, draft: DraftAdapters | None = None):
         super().__init__(name="adapter-loader", daemon=True)
         self.rank = rank
         self.manager = manager
+        self.draft = draft  # the draft model's adapters (speculative decoding): loaded with their targets
         inbox_addr = args.endpoints.scheduler_to_loaders[args.local_rank]
         self.inbox = TypedSocket(PULL, inbox_addr, bind=True, recv_type=LoadAdapters, key=key)
         self.to_scheduler = TypedSocket(PUSH, args.endpoints.workers_to_scheduler, bind=False, key=key)
@@ -87,7 +89,19 @@ class AdapterLoader(threading.Thread):
                 fault if self.fault_name in (None, spec.lora_name) else outcome
                 for spec, outcome in zip(op.adapters, outcomes, strict=True)
             ]
-        return self.manager.install(op.adapters, outcomes)
+        if self.draft is None:
+            return self.manager.install(op.adapters, self._refuse_drafts(op.adapters, outcomes))
+        # a target and its draft adapter load together or not at all
+        outcomes, pending = self.draft.read(op.adapters, outcomes)
+        outcomes = self.draft.install(op.adapters, outcomes, pending)
+        results = self.manager.install(op.adapters, outcomes)
+        self.draft.forget_failed(results)
+        return results
+
+    def _refuse_drafts(self, adapters: list[AdapterToLoad], outcomes: list) -> list:
+        """No draft model's adapters here: an adapter that brings one is refused (the frontend refuses it first)."""
+        return [AdapterLoadError(f"adapter {a.lora_name!r}: draft_lora_path needs a draft model", "invalid")
+                if a.draft_lora_path is not None else o for a, o in zip(adapters, outcomes, strict=True)]  # fmt: skip
 
     def stop(self) -> None:
         self.stopping.set()

@@ -8,9 +8,9 @@ accepts, the draft's cache holds every accepted position). A greedy draft is a o
 verifies it exactly as an n-gram draft (worker/speculative.py), at any temperature.
 
 Every rank holds the whole draft model (it is small) and computes the same drafts. Draft adapters
-(--speculative-lora-modules, worker/lora/draft_adapters.py): a request on target adapter X drafts with the draft's
-adapter X where there is one, else with the bare draft model; its draft KV is always written with the same one (the
-prefix cache shares pages only between requests of one adapter).
+(worker/lora/draft_adapters.py: loaded with their target adapter, or --speculative-lora-modules by name): a request on
+target adapter X drafts with X's draft adapter where there is one, else with the bare draft model; its draft KV is
+always written with the same one (the prefix cache shares pages only between requests of one adapter).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from loraplex.worker.layers.attention import select_attention_backend
 from loraplex.worker.layers.ops import model_ops, select_model_ops
 from loraplex.worker.loader import load_weights
 from loraplex.worker.lora.draft_adapters import DraftAdapters
+from loraplex.worker.lora.manager import LoRAManager
 from loraplex.worker.model.config import ModelConfig, ModelConfigError
 from loraplex.worker.model.registry import build_model
 
@@ -38,8 +39,8 @@ class DraftRunner:
     reads_target_hidden = False
 
     def __init__(self, config: ServerConfig, model_dir: str, *, vocab_size: int, num_pages: int, page_size: int,
-                 context_length: int, device: torch.device, dtype: torch.dtype,
-                 backend: LoRABackend) -> None:  # fmt: skip
+                 context_length: int, device: torch.device, dtype: torch.dtype, backend: LoRABackend,
+                 target_lora: LoRAManager | None = None) -> None:  # fmt: skip
         self.model_config = mc = ModelConfig.from_dir(model_dir)
         if mc.vocab_size != vocab_size:
             raise ModelConfigError(f"the draft model's vocabulary ({mc.vocab_size} tokens) is not the target's "
@@ -58,8 +59,9 @@ class DraftRunner:
             torch.set_default_dtype(previous)
         load_weights(self.model, model_dir, show_progress=False)
         self.model.eval()
-        sources = config.draft_lora_sources
-        self.adapters = DraftAdapters(self.model, mc, config, sources, device, dtype, backend) if sources else None
+        # with LoRA on the target, the draft's own pool mirrors its slots (draft adapters at start and at run time)
+        self.adapters = None if target_lora is None else DraftAdapters(
+            self.model, mc, config, config.draft_lora_sources, target_lora, device, dtype, backend)
         num_parts, num_kv_heads, head_dim = mc.kv_layout(1)
         self.attention = select_attention_backend(config.attention_backend, device, mc.num_heads, num_kv_heads,
                                                   head_dim, cpu_kernels)  # fmt: skip
@@ -84,9 +86,10 @@ class DraftRunner:
 
     def propose(self, target_reqs: list[ForwardReq], adapter_names: list[str | None]) -> list[ForwardReq]:
         """The pass's requests, each asking for num_model_drafts tokens now carrying them as its drafts (input_ids
-        extended, num_draft_tokens set); the draft's cache written over every request's new tokens. adapter_names:
-        per request, the name of its target adapter (None: the base model)."""
-        reqs = target_reqs if self.adapters is None else self.adapters.bind(target_reqs, adapter_names)
+        extended, num_draft_tokens set); the draft's cache written over every request's new tokens. Call once the
+        target's slot loads of the pass are applied: the draft's slots follow them. adapter_names: unused here (the
+        EAGLE-3 runner's heads go by them)."""
+        reqs = target_reqs if self.adapters is None else self.adapters.bind(target_reqs)
         last = self._last_logits(reqs).argmax(dim=-1).tolist()
         drafts = {i: [last[i]] for i, req in enumerate(reqs) if req.num_model_drafts}
         # step j writes draft j's KV (at the position after the request's new tokens plus j - 1) and, but for the

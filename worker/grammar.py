@@ -76,6 +76,7 @@ class GrammarMasks:
         self.import_error = xgrammar_import_error()
         self._compiler = None  # built on the first constrained request (it loads the tokenizer)
         self._sequences: dict[int, _Sequence] = {}  # req_key -> its matcher
+        self._taken: dict[int, int] = {}  # req_key -> drafts its matcher took in this pass's mask_drafts
 
     def end(self, req_keys: list[int]) -> None:
         for req_key in req_keys:
@@ -90,7 +91,7 @@ class GrammarMasks:
     def mask(self, logits: torch.Tensor, reqs: list[ForwardReq], batch: SamplingBatch) -> torch.Tensor:
         """logits (reqs, vocab) -> the same with every constrained row's forbidden tokens at -inf (a copy: the
         caller's logits stay raw, for logprobs); the logits themselves when no row is constrained, or off rank 0."""
-        rows = batch.constrained_rows
+        rows = [i for i in batch.constrained_rows if not reqs[i].num_draft_tokens]  # drafted rows: mask_drafts
         if not rows or self.rank != 0:
             return logits
         import xgrammar as xgr
@@ -117,6 +118,8 @@ class GrammarMasks:
             return tokens
         if self.rank == 0:
             for i in batch.constrained_rows:
+                if reqs[i].num_draft_tokens:  # record_drafts, once verified
+                    continue
                 seq = self._sequences[reqs[i].req_key]
                 seq.pending_at, seq.pending_token = reqs[i].num_generated, tokens[i]
         if self.world_size > 1:
@@ -124,6 +127,65 @@ class GrammarMasks:
             dist.broadcast(shared, src=0)
             tokens = shared.tolist()
         return tokens
+
+    # ---- speculative decoding: a request's drafts verified under its grammar ------------------------------------
+
+    def mask_drafts(self, logits: torch.Tensor, req: ForwardReq, params: SamplingParams) -> torch.Tensor:
+        """logits (k + 1, vocab): a drafted request's verify rows, row j masked as the grammar stands after its first
+        j drafts (a copy). The matcher takes the drafts in turn up to the first it refuses, where the mask forbids
+        that draft, so acceptance ends there (later rows stay unmasked: no token of theirs is kept). record_drafts
+        rolls the matcher back to the drafts accepted. Off rank 0: the logits as they are (rank 0's verdict is
+        broadcast)."""
+        if self.rank != 0:
+            return logits
+        import xgrammar as xgr
+
+        seq = self._sequence(req, params)
+        k = req.num_draft_tokens
+        drafts = req.input_ids[-k:]
+        bitmask = xgr.allocate_token_bitmask(k + 1, self.vocab_size)  # (k + 1, ceil(vocab / 32)) int32
+        rows, num_taken = [], 0
+        if not seq.is_broken:
+            for j in range(k + 1):
+                if seq.matcher.is_terminated():  # a draft ended the grammar: the request ends with it
+                    break
+                seq.matcher.fill_next_token_bitmask(bitmask, j)
+                rows.append(j)
+                if j == k or not seq.matcher.accept_token(drafts[j]):
+                    break
+                num_taken += 1
+        self._taken[req.req_key] = num_taken
+        if not rows:
+            return logits
+        masked = logits.clone()
+        xgr.apply_token_bitmask_inplace(masked, bitmask.to(logits.device, non_blocking=True), indices=rows,
+                                        backend=self.backend)  # fmt: skip
+        return masked
+
+    def record_drafts(self, reqs: list[ForwardReq], batch: SamplingBatch, tokens: list[int],
+                      accepted_ids: list[list[int]]) -> None:  # fmt: skip
+        """After verification, for the constrained rows with drafts: rank 0's matchers keep the accepted drafts and
+        take the token after them lazily, as record's; with tensor parallelism every rank takes rank 0's verdict
+        (tokens[i] and accepted_ids[i], in place), since only rank 0 masked."""
+        rows = [i for i in batch.constrained_rows if reqs[i].num_draft_tokens]
+        if not rows:
+            return
+        if self.rank == 0:
+            for i in rows:
+                seq, num_accepted = self._sequences[reqs[i].req_key], len(accepted_ids[i])
+                num_taken = self._taken.pop(reqs[i].req_key)
+                if num_taken > num_accepted:
+                    seq.matcher.rollback(num_taken - num_accepted)
+                seq.num_accepted += num_accepted
+                seq.pending_at, seq.pending_token = seq.num_accepted, tokens[i]
+        if self.world_size > 1:
+            verdict = [v for i in rows for v in (tokens[i], len(accepted_ids[i]))]
+            shared = torch.tensor(verdict, dtype=torch.int64, device=self._collective_device())
+            dist.broadcast(shared, src=0)
+            verdict = shared.tolist()
+            for n, i in enumerate(rows):
+                tokens[i], num_accepted = verdict[2 * n], verdict[2 * n + 1]
+                accepted_ids[i] = reqs[i].input_ids[len(reqs[i].input_ids) - reqs[i].num_draft_tokens :][:num_accepted]
 
     def _sequence(self, req: ForwardReq, params: SamplingParams) -> _Sequence:
         """The request's matcher, having accepted exactly its num_generated output tokens. A count that disagrees

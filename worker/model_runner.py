@@ -34,6 +34,7 @@ from loraplex.worker.layers.attention import (
 from loraplex.worker.layers.moe import device_routing_refusal, use_device_routing, warm_up_device_routing
 from loraplex.worker.layers.ops import ModelOps, model_ops, select_model_ops
 from loraplex.worker.loader import load_weights
+from loraplex.worker.lora.draft_adapters import DraftAdapters
 from loraplex.worker.lora.manager import LoRAManager
 from loraplex.worker.model.config import ModelConfig, ModelConfigError
 from loraplex.worker.model.qwen3_5 import GatedDeltaNet
@@ -228,7 +229,12 @@ class ModelRunner:
                                 dtype=self.dtype, cpu_kernels=self.backend.cpu_kernels)  # fmt: skip
         return DraftRunner(self.config, spec.model, vocab_size=self.vocab_size, num_pages=num_pages,
                            page_size=self.page_size, context_length=self.context_length, device=self.device,
-                           dtype=self.dtype, backend=self.backend)  # fmt: skip
+                           dtype=self.dtype, backend=self.backend, target_lora=self.lora)  # fmt: skip
+
+    @property
+    def draft_adapters(self) -> DraftAdapters | None:
+        """The draft model's adapters, loaded and dropped with the target's (None without a draft model or LoRA)."""
+        return self.draft.adapters if isinstance(self.draft, DraftRunner) else None
 
     def _state_plan(self) -> StatePlan | None:
         """A hybrid model's state slots and snapshots: how many, and one's shape on this rank; None for a model
@@ -497,15 +503,17 @@ class ModelRunner:
         # (reqs, vocab), (prompt rows, vocab), (draft rows, vocab)
         logits, prompt_logits, draft_logits = (logits[:num_reqs], logits[num_reqs : num_reqs + num_prompt],
                                                logits[num_reqs + num_prompt :])  # fmt: skip
-        processed = apply_penalties(logits, sampling, self.histories)  # logprobs read the raw logits
-        processed = self.grammar.mask(processed, reqs, sampling)  # structured output
+        # logprobs read the raw logits; a drafted request's rows are processed again, row by row, in verify_drafts
+        processed = apply_penalties(logits, sampling, self.histories)
+        processed = self.grammar.mask(processed, reqs, sampling)  # structured output (drafted rows: mask_drafts)
         tokens = self.sampler.sample(processed, sampling)
         tokens = self.grammar.record(reqs, sampling, tokens)
         logprobs = token_logprobs(logits, sampling, tokens)
         accepted_ids, accepted_logprobs = [], []
-        if verify_rows:  # requests with drafts (no penalties, no grammar): their token follows the drafts accepted
+        if verify_rows:  # requests with drafts: their token follows the drafts accepted
             accepted_ids, accepted_logprobs = verify_drafts(reqs, sampling, logits, draft_logits, tokens, self.sampler,
-                                                            logprobs)  # fmt: skip
+                                                            logprobs, self.histories, self.grammar)  # fmt: skip
+            self.grammar.record_drafts(reqs, sampling, tokens, accepted_ids)
         if self.draft is not None:  # an EAGLE-3 head keeps the features of the tokens kept
             self.draft.record(reqs, accepted_ids)
         return StepResult(tokens, logprobs, prompt_logprobs(prompt_logits, reqs, sampling),

@@ -82,7 +82,7 @@ class Worker:
             self.runner.vocab_size,
         )
         # Adapter reads (disk, validation, slicing) run on their own threads, off the decode loop.
-        self.loader = AdapterLoader(args, tp_rank, self.runner.lora, faults, key)
+        self.loader = AdapterLoader(args, tp_rank, self.runner.lora, faults, key, self.runner.draft_adapters)
         self.last_token_ids: list[int] = []  # what the previous batch sampled, row by row
         self.loader.start()
         # Test-only fault injection (protocol/faults.py); inert unless a test set it.
@@ -131,6 +131,8 @@ class Worker:
         if isinstance(msg, DropAdapters):
             if self.runner.lora is not None:
                 self.runner.lora.drop(msg.lora_ids)
+            if self.runner.draft_adapters is not None:  # their draft adapters go with them
+                self.runner.draft_adapters.drop(msg.lora_ids)
             return None
         raise TypeError(f"unexpected message {type(msg).__name__}")
 

@@ -1,12 +1,15 @@
 """Speculative decoding's verify step: a request's draft tokens against the target's logits at their positions.
 
-Greedy: the drafts equal to the target's argmax are accepted, up to the first that is not, and the argmax there (or
-after the last draft) follows: exactly the tokens decoding without drafts gives. Temperature > 0 (rejection sampling,
-Leviathan et al. 2023; an n-gram draft's distribution is one-hot): draft d at row j is accepted with probability
-p_j(d), else the token is drawn from the residual, p_j without d renormalised; after k accepted drafts one more is
-drawn from p_k. Each output token is then distributed exactly as the target's p. Row j's draws come from the
-request's generator of step num_generated + j, so a seeded request's tokens do not depend on its batch, and a
-recompute after a preemption (same history, same drafts) gives the same tokens.
+Each verify row is processed as the same token's row without drafts: penalties and logit controls over the tokens
+before it (the drafts before it included), min_new_tokens by its own step, and a grammar's mask as the grammar
+stands after the drafts before it (a draft the grammar refuses is masked out, so acceptance ends there).
+Greedy: the drafts equal to the target's processed argmax are accepted, up to the first that is not, and the argmax
+there (or after the last draft) follows: exactly the tokens decoding without drafts gives. Temperature > 0 (rejection
+sampling, Leviathan et al. 2023; an n-gram draft's distribution is one-hot): draft d at row j is accepted with
+probability p_j(d), else the token is drawn from the residual, p_j without d renormalised; after k accepted drafts one
+more is drawn from p_k. Each output token is then distributed exactly as the target's p. Row j's draws come from the
+request's generator of step num_generated + j, so a seeded request's tokens do not depend on its batch, and a recompute
+after a preemption (same history, same drafts) gives the same tokens.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import torch
 from loraplex.protocol.structs import ForwardReq, TokenLogprob
 from loraplex.worker.batch_inputs import BatchError
+from loraplex.worker.grammar import GrammarMasks
+from loraplex.worker.penalties import TokenHistories, apply_penalties
 from loraplex.worker.sampler import Sampler, logprob_entries
 from loraplex.worker.sampling_batch import SamplingBatch
 
@@ -42,8 +47,8 @@ def check_drafts(reqs: list[ForwardReq], sampling: SamplingBatch, *, has_draft_m
             raise BatchError(f"request {req.req_key}: {req.num_draft_tokens} draft tokens need a known token before "
                              "them")  # fmt: skip
         if not params.allows_drafts:
-            raise BatchError(f"request {req.req_key}: its sampling (penalties, logit controls, grammar or "
-                             "min_new_tokens) is not verified with drafts")  # fmt: skip
+            raise BatchError(f"request {req.req_key}: its grammar (after a reasoning section, or sampled without a "
+                             "seed) is not verified with drafts")  # fmt: skip
 
 
 def verify_drafts(
@@ -54,10 +59,14 @@ def verify_drafts(
     tokens: list[int],
     sampler: Sampler,
     logprobs: list[TokenLogprob | None] | None = None,
+    histories: TokenHistories | None = None,
+    grammar: GrammarMasks | None = None,
 ) -> tuple[list[list[int]], list[list[TokenLogprob]]]:
     """last_logits (reqs, vocab), draft_logits (draft_rows, vocab): per request, its accepted drafts ([] for one
     without) and, where it asks for logprobs, theirs; tokens[i] becomes the token that follows them, and
-    logprobs[i] (token_logprobs' list, for requests that ask) its entry."""
+    logprobs[i] (token_logprobs' list, for requests that ask) its entry. histories: the requests' tokens so far, the
+    pass's drafts included (TokenHistories.update); grammar: the constrained requests' matchers (then call
+    grammar.record_drafts after)."""
     accepted_ids: list[list[int]] = [[] for _ in reqs]
     accepted_logprobs: list[list[TokenLogprob]] = [[] for _ in reqs]
     start = 0
@@ -69,20 +78,39 @@ def verify_drafts(
         start += k
         drafts = req.input_ids[-k:]
         params, step = sampling.params[i], sampling.num_generated[i]
+        # row j samples output token step + j, after the drafts before it: its own row of a batch (keys 0..k index
+        # the history views)
+        rows = SamplingBatch.build([params] * (k + 1), [step + j for j in range(k + 1)], list(range(k + 1)),
+                                   logits.shape[-1], logits.device)  # fmt: skip
+        processed = apply_penalties(logits, rows, _DraftHistories(histories, req.req_key, k))  # (k + 1, vocab)
+        if params.constraint is not None and grammar is not None:
+            processed = grammar.mask_drafts(processed, req, params)
         if sampling.is_greedy[i]:
-            best = logits.argmax(dim=-1).tolist()
+            best = processed.argmax(dim=-1).tolist()
             num_accepted = next((j for j in range(k) if best[j] != drafts[j]), k)
             accepted_ids[i], tokens[i] = drafts[:num_accepted], best[num_accepted]
         else:
-            rows = SamplingBatch.build([params] * (k + 1), [step + j for j in range(k + 1)], [req.req_key] * (k + 1),
-                                       logits.shape[-1], logits.device)  # fmt: skip
-            probs = sampler.probs(logits.float(), rows)  # (k + 1, vocab)
+            probs = sampler.probs(processed.float(), rows)  # (k + 1, vocab)
             accepted_ids[i], tokens[i] = _rejection_sample(probs, drafts, params.seed, step, sampler)
         if params.logprobs >= 0 and logprobs:  # row j's raw logits give output token j's logprob, as without drafts
             num_rows = len(accepted_ids[i]) + 1
             entries = logprob_entries(logits[:num_rows], [*accepted_ids[i], tokens[i]], [params.logprobs] * num_rows)
             accepted_logprobs[i], logprobs[i] = entries[:-1], entries[-1]
     return accepted_ids, accepted_logprobs
+
+
+class _DraftHistories:
+    """A drafted request's token history as its verify rows see it: row j's (key j) ends after the first j drafts.
+    TokenHistories already holds the pass's drafts (they are its input tokens)."""
+
+    def __init__(self, histories: TokenHistories | None, req_key: int, num_drafts: int) -> None:
+        self.histories, self.req_key, self.num_drafts = histories, req_key, num_drafts
+
+    def tokens(self, row: int) -> torch.Tensor:
+        if self.histories is None or self.req_key not in self.histories:
+            raise BatchError(f"request {self.req_key} uses a penalty but its token history is not kept")
+        full = self.histories.tokens(self.req_key)  # (prompt + output so far + drafts,)
+        return full[: len(full) - self.num_drafts + row]
 
 
 def _rejection_sample(probs: torch.Tensor, drafts: list[int], seed: int | None, step: int,

@@ -126,6 +126,7 @@ class AdapterManager:
         # Downloads happen before the update lock, so other operations go on meanwhile.
         local_specs = [spec if content is not None else await self._localize_spec(spec)
                        for spec, content in zip(specs, inline, strict=True)]
+        local_specs = [self._check_draft(spec) for spec in local_specs]
         async with self.registry.update_lock:
             planned = self._plan(local_specs, inline, load_inplace)
             vocabularies = await self._read_vocabularies(planned)
@@ -178,6 +179,20 @@ class AdapterManager:
         planned = iter(self.registry.plan_load([specs[i] for i in ok], replace=load_inplace,
                                                inline=[inline[i] for i in ok]))
         return [next(planned) if i in ok else spec for i, spec in enumerate(specs)]
+
+    def _check_draft(self, spec: LoRAAdapterSpec | AdapterError) -> LoRAAdapterSpec | AdapterError:
+        """A draft_lora_path is a draft model's adapter: refused by name where no draft model runs, and across nodes
+        (every rank reads it from its path)."""
+        if isinstance(spec, AdapterError) or spec.draft_lora_path is None:
+            return spec
+        speculation = self.config.speculation
+        if speculation is None or speculation.method != "draft_model":
+            return AdapterError(f"adapter {spec.lora_name!r}: draft_lora_path needs a draft model "
+                                "(--speculative-config method draft_model)", "invalid")  # fmt: skip
+        if self.config.nnodes > 1:
+            return AdapterError(f"adapter {spec.lora_name!r}: draft_lora_path is not served with --nnodes > 1",
+                                "invalid")  # fmt: skip
+        return spec
 
     async def _localize_spec(self, spec: LoRAAdapterSpec) -> LoRAAdapterSpec | AdapterError:
         if not isinstance(spec.lora_path, str):
@@ -306,7 +321,7 @@ class AdapterManager:
         entry = AdapterEntry(name=plan.lora_name, path=client_path, lora_id=plan.lora_id, pinned=plan.pinned,
                              resolved_path=plan.lora_path or "", root=plan.root, rank=outcome.lora_rank,
                              target_modules=list(outcome.target_modules), parent=parent,
-                             dora=outcome.dora, vocabulary=vocabulary)
+                             dora=outcome.dora, vocabulary=vocabulary, draft_path=plan.draft_lora_path)
         replaced = self.registry.add(entry)
         if replaced is not None:  # in-place reload: the old weights go once the requests running on them finish
             task = asyncio.get_running_loop().create_task(self._retire(replaced))

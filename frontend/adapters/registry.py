@@ -38,6 +38,7 @@ class AdapterEntry:
     dora: bool = False  # DoRA: its norms are computed at its own scale, so no lora_scale or lora_mix takes it
     vocabulary: Any = None  # its own tokenizer (adapters/tokenizers.py's Vocabulary); None: the base model's
     parent: str | None = None  # its card's parent in /v1/models (--lora-modules' base_model_name); None: the base
+    draft_path: str | None = None  # its draft model's adapter (resolved), loaded and dropped with it
     holders: set[str] = field(default_factory=set)  # rids of requests in flight
     draining: bool = False  # an unload has begun: no new requests
     released: asyncio.Event = field(default_factory=asyncio.Event)  # set whenever holders becomes empty
@@ -130,6 +131,9 @@ class AdapterRegistry:
                     raise AdapterError(f"adapter {name!r} appears twice in one request", "duplicate")
                 names.add(name)
                 path = self.check_path(name, spec.lora_path, root) if content is None else None
+                draft_path = None
+                if spec.draft_lora_path is not None:
+                    draft_path = self.check_path(name, spec.draft_lora_path, root, field="draft_lora_path")
                 old = self.get(name)
                 pinned = spec.pinned if spec.pinned is not None else bool(old and old.pinned)
                 if pinned and num_pinned - bool(old and old.pinned) + 1 > self.max_pinned:
@@ -146,7 +150,8 @@ class AdapterRegistry:
             replaces = old.lora_id if old is not None else None
             adapter_root = None if content is not None else root or self.root_for(path)
             planned.append(AdapterToLoad(lora_id=lora_id, lora_name=name, lora_path=path, pinned=pinned,
-                                         replaces=replaces, root=adapter_root, inline=content))
+                                         replaces=replaces, root=adapter_root, inline=content,
+                                         draft_lora_path=draft_path))
         return planned
 
     def allow_cache(self, cache_root: str) -> None:
@@ -159,17 +164,19 @@ class AdapterRegistry:
             return self.cache_root
         return self.path_root
 
-    def check_path(self, name: str, path: object, root: str | None = None) -> str:
+    def check_path(self, name: str, path: object, root: str | None = None, field: str = "lora_path") -> str:
+        """`field`: the request field that gave the path, named in the refusal (draft_lora_path: a draft adapter's)."""
+        said = "path" if field == "lora_path" else field
         if not isinstance(path, str) or not path or "\x00" in path:
-            raise AdapterError(f"adapter {name!r}: lora_path must be a non-empty string without NUL bytes", "invalid")
+            raise AdapterError(f"adapter {name!r}: {field} must be a non-empty string without NUL bytes", "invalid")
         resolved = os.path.realpath(path)
         for allowed, flag in ((self.root_for(resolved), "--lora-path-root"), (root, "--lora-resolver-dir")):
             if allowed is not None and not _is_inside(resolved, allowed):
-                raise AdapterError(f"adapter {name!r}: path {path!r} is outside the allowed root {flag}", "forbidden")
+                raise AdapterError(f"adapter {name!r}: {said} {path!r} is outside the allowed root {flag}", "forbidden")
         if not os.path.exists(resolved):
-            raise AdapterError(f"adapter {name!r}: path {path!r} does not exist", "not_found")
+            raise AdapterError(f"adapter {name!r}: {said} {path!r} does not exist", "not_found")
         if not os.path.isdir(resolved):
-            raise AdapterError(f"adapter {name!r}: path {path!r} is not a directory", "invalid")
+            raise AdapterError(f"adapter {name!r}: {said} {path!r} is not a directory", "invalid")
         return resolved
 
     def mint_id(self) -> int:

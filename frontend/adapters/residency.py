@@ -74,7 +74,7 @@ class HostResidency:
             raise AdapterError(f"adapter {entry.name!r} could not be reloaded: {e}", e.kind) from e
         path = self.registry.check_path(entry.name, local_path, resolver_root)
         adapter = AdapterToLoad(lora_id=self.registry.mint_id(), lora_name=entry.name, lora_path=path,
-                                pinned=entry.pinned, root=entry.root)
+                                pinned=entry.pinned, root=entry.root, draft_lora_path=entry.draft_path)
         outcome = (await self.delivery.load([Shipment(adapter)], "reload"))[0]
         if not outcome.success:
             kind = outcome.error_kind if outcome.error_kind in ("timeout", "unavailable") else "internal"

@@ -4,7 +4,14 @@
 import { describe, postJSON } from "./api.js";
 import { formatNumber } from "./linechart.js";
 
-const COLUMNS = ["name", "rank", "targets", "pinned", "slot", "inFlight", "draining", "reqRate", "tokRate", "action"];
+const COLUMNS = ["name", "rank", "targets", "pinned", "slot", "inFlight", "draining", "reqRate", "tokRate", "accept",
+  "acceptLen", "action"];
+
+// Speculative decoding's figures of one adapter (/server_info's speculative.adapters entry), or dashes before it drafts.
+function acceptance(entry) {
+  if (!entry || !entry.num_draft_tokens) return { rate: "—", length: "—" };
+  return { rate: `${Math.round(100 * entry.acceptance_rate)} %`, length: formatNumber(entry.mean_accepted_length) };
+}
 
 function shortTargets(modules) {
   return (modules ?? []).map((m) => m.replace(/_proj$/, "")).join(" ");
@@ -31,6 +38,8 @@ export class AdapterView {
 
   setServer(info) {
     this.resolverDir = info.lora_resolver_dir ?? null;
+    // a draft model's server: an adapter may bring its draft adapter (draft_lora_path)
+    this.form.querySelector("#load-draft-field").hidden = info.speculative?.method !== "draft_model";
     const hint = this.form.querySelector("#load-hint");
     hint.textContent = this.resolverDir
       ? `A path on the server. Leave it empty to load NAME from the resolver directory ${this.resolverDir} ` +
@@ -47,12 +56,14 @@ export class AdapterView {
     const name = this.form.elements.name.value.trim();
     const path = this.form.elements.path.value.trim();
     const pinned = this.form.elements.pinned.checked;
+    const draft = this.form.elements.draft.value.trim();
     const button = this.form.querySelector("button[type=submit]");
     button.disabled = true;
     this.say(`Loading ${name}…`);
     try {
       if (path) {
-        await postJSON("/load_lora_adapter", { lora_name: name, lora_path: path, pinned });
+        await postJSON("/load_lora_adapter",
+          { lora_name: name, lora_path: path, pinned, ...(draft ? { draft_lora_path: draft } : {}) });
       } else if (this.resolverDir && !pinned) {
         // The resolver loads a name the first time a request names it; /tokenize is the cheapest such request.
         await postJSON("/tokenize", { prompt: " ", model: name });
@@ -62,6 +73,7 @@ export class AdapterView {
       }
       this.say(`Loaded ${name}.`);
       this.form.elements.path.value = "";
+      this.form.elements.draft.value = "";
       this.onChange();
     } catch (error) {
       this.say(describe(error), true);
@@ -85,9 +97,11 @@ export class AdapterView {
 
   // adapters: /lora_adapters' list; rates: name -> {req, tok} per second (null before the second scrape);
   // base: the served model name, shown first with its own traffic; task: what they all serve (a pooling server's
-  // embed, rerank or classify is shown beside each name).
-  update(adapters, rates, base, task = "generate") {
+  // embed, rerank or classify is shown beside each name); spec: null when the server does not speculate, else
+  // name -> its speculative decoding figures (the base model's under its served name).
+  update(adapters, rates, base, task = "generate", spec = null) {
     this.task = task;
+    this.body.parentElement.classList.toggle("no-spec", !spec);
     const entries = [{ lora_name: base, isBase: true }, ...adapters];
     const names = new Set(entries.map((a) => a.lora_name));
     for (const [name, { row }] of this.rows) {
@@ -102,6 +116,9 @@ export class AdapterView {
       const rate = rates.get(adapter.lora_name) ?? { req: null, tok: null };
       cells.reqRate.textContent = formatNumber(rate.req);
       cells.tokRate.textContent = formatNumber(rate.tok);
+      const drafted = acceptance(spec?.get(adapter.lora_name));
+      cells.accept.textContent = drafted.rate;
+      cells.acceptLen.textContent = drafted.length;
       if (adapter.isBase) return;
       cells.rank.textContent = adapter.rank;
       cells.targets.textContent = shortTargets(adapter.target_modules);

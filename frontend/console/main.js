@@ -1,6 +1,6 @@
 // The console's wiring: ask for a key when the server wants one, then every POLL_MS read /lora_adapters,
-// /metrics and /audit_log and hand them to the adapters table, the playground's target list, the charts and the
-// audit panel.
+// /metrics and /audit_log (and /server_info's speculative decoding figures on a server that speculates) and hand
+// them to the adapters table, the playground's target list, the charts and the audit panel.
 
 import { AdapterView } from "./adapters.js";
 import { AuditView } from "./audit.js";
@@ -114,6 +114,14 @@ function perAdapterRates(samples, seconds) {
   return out;
 }
 
+// Speculative decoding's acceptance per adapter, by the names the table shows; null when the server does not
+// speculate. /server_info labels the base model's requests "base".
+async function speculation(base) {
+  if (!state.server.speculative?.method) return null;
+  const info = (await getJSON("/server_info")).speculative;
+  return new Map(info.adapters.map((a) => [a.adapter === "base" ? base : a.adapter, a]));
+}
+
 function updateCharts(samples, seconds) {
   charts.throughput.push(seconds, [
     state.rates.rate("generated", total(samples, "loraplex_generation_tokens_total"), seconds),
@@ -135,12 +143,12 @@ async function poll() {
       adapters.setServer(state.server);
       playground.setModel(state.server.model_path);
     }
-    const [table, metricsText] = await Promise.all([getJSON("/lora_adapters"), getText("/metrics"),
-      audit.refresh()]);
+    const base = state.server.served_model_name;
+    const [table, metricsText, spec] = await Promise.all([getJSON("/lora_adapters"), getText("/metrics"),
+      speculation(base), audit.refresh()]);
     const seconds = performance.now() / 1000;
     const samples = parsePrometheus(metricsText);
-    const base = state.server.served_model_name;
-    adapters.update(table.adapters, perAdapterRates(samples, seconds), base, table.task);
+    adapters.update(table.adapters, perAdapterRates(samples, seconds), base, table.task, spec);
     playground.setTargets(base, table.adapters.map((a) => a.lora_name));
     updateCharts(samples, seconds);
     $("updated").textContent = `Updated ${new Date().toLocaleTimeString()}`;

@@ -149,12 +149,13 @@ class Engine:
     # ---- adapters ----------------------------------------------------------------------------------------
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool | None = None,
-                          load_inplace: bool = False) -> LoadLoRAAdapterReqOutput:
-        return self._run(self._load(lora_name, lora_path, pinned, load_inplace))
+                          load_inplace: bool = False, draft_lora_path: str | None = None) -> LoadLoRAAdapterReqOutput:
+        return self._run(self._load(lora_name, lora_path, pinned, load_inplace, draft_lora_path))
 
     async def async_load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool | None = None,
-                                      load_inplace: bool = False) -> LoadLoRAAdapterReqOutput:
-        return await self._await(self._load(lora_name, lora_path, pinned, load_inplace))
+                                      load_inplace: bool = False,
+                                      draft_lora_path: str | None = None) -> LoadLoRAAdapterReqOutput:
+        return await self._await(self._load(lora_name, lora_path, pinned, load_inplace, draft_lora_path))
 
     def unload_lora_adapter(self, lora_name: str) -> UnloadLoRAAdapterReqOutput:
         return self._run(self._unload(lora_name))
@@ -184,9 +185,10 @@ class Engine:
         except ServerError as e:
             return _refused(LoadLoRAAdapterReqOutput, lora_name, e)
 
-    async def _load(self, lora_name: str, lora_path: str, pinned: bool | None,
-                    load_inplace: bool) -> LoadLoRAAdapterReqOutput:
-        spec = LoRAAdapterSpec(lora_name=lora_name, lora_path=lora_path, pinned=pinned)
+    async def _load(self, lora_name: str, lora_path: str, pinned: bool | None, load_inplace: bool,
+                    draft_lora_path: str | None = None) -> LoadLoRAAdapterReqOutput:
+        spec = LoRAAdapterSpec(lora_name=lora_name, lora_path=lora_path, pinned=pinned,
+                               draft_lora_path=draft_lora_path)
         try:
             return await self.service.load_adapters([spec], load_inplace)
         except ServerError as e:  # refused as a whole (updates disabled, server unavailable): a value here too

@@ -110,16 +110,17 @@ def adapter_reply(out: LoadLoRAAdapterReqOutput | UnloadLoRAAdapterReqOutput, ba
 async def load_lora_adapter(request: web.Request) -> web.Response:
     body = await read_request(request, LoadBody)
     if body.adapters is not None:
-        if body.lora_name is not None or body.lora_path is not None:
+        if body.lora_name is not None or body.lora_path is not None or body.draft_lora_path is not None:
             raise InputError("give either 'adapters' or 'lora_name'/'lora_path', not both")
-        specs = [LoRAAdapterSpec(lora_name=a.lora_name, lora_path=a.lora_path, pinned=a.pinned)
-                 for a in body.adapters]
+        specs = [LoRAAdapterSpec(lora_name=a.lora_name, lora_path=a.lora_path, pinned=a.pinned,
+                                 draft_lora_path=a.draft_lora_path) for a in body.adapters]  # fmt: skip
         if not specs:
             raise InputError("'adapters' is empty")
     else:
         if body.lora_name is None or body.lora_path is None:
             raise InputError("'lora_name' and 'lora_path' are required")
-        specs = [LoRAAdapterSpec(lora_name=body.lora_name, lora_path=body.lora_path, pinned=body.pinned)]
+        specs = [LoRAAdapterSpec(lora_name=body.lora_name, lora_path=body.lora_path, pinned=body.pinned,
+                                 draft_lora_path=body.draft_lora_path)]  # fmt: skip
     out = await service_of(request).load_adapters(specs, caller=caller_of(request))
     return adapter_reply(out, body.adapters is not None)
 

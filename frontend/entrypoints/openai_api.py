@@ -77,7 +77,8 @@ async def model(request: web.Request) -> web.Response:
 @routes.post("/v1/load_lora_adapter")
 async def vllm_load(request: web.Request) -> web.Response:
     body = await read_request(request, VllmLoadBody)
-    spec = LoRAAdapterSpec(lora_name=body.lora_name, lora_path=body.lora_path, pinned=body.pinned)
+    spec = LoRAAdapterSpec(lora_name=body.lora_name, lora_path=body.lora_path, pinned=body.pinned,
+                           draft_lora_path=body.draft_lora_path)
     out = await service_of(request).load_adapters([spec], load_inplace=body.load_inplace, caller=caller_of(request))
     result = out.results[0]
     if result.success:

@@ -326,6 +326,7 @@ class VllmLoadBody(Strict):
     lora_path: AdapterPath
     load_inplace: bool = False
     pinned: bool | None = None  # None: a new adapter is unpinned, an in-place reload keeps its own
+    draft_lora_path: AdapterPath | None = None  # its draft model's adapter (speculative decoding)
 
 
 class VllmUnloadBody(Strict):

@@ -1,13 +1,23 @@
-"""Speculative decoding (n-gram) on / off: one stream and 8 streams, on a repetitive task and on open generation.
+"""Speculative decoding on the trained demo model: none / n-gram drafts / a draft model, 1 and 8 streams, per workload.
 
-    python -m scripts.bench speculative                  # full: bench model, 1 and 8 streams, 128 output tokens
+    python -m scripts.bench speculative                  # full: k = 4, 6 requests a stream
     python -m scripts.bench speculative --quick --json out.json
 
-Repetitive: each prompt is a block of random tokens said three times over (the shape of "summarise / edit / quote
-this text", where the output repeats the input); open: random prompt tokens. Greedy, ignore_eos, outputs of exact
-length, on the base model and the plan's adapters (uniform). Two servers, started one after the other with the same
-flags but `--speculative-config` (ngram, k tokens), run the same requests. Ratios: output throughput on / off per
-workload and stream count; the notes carry the acceptance rate and mean accepted length from /server_info.
+The target is the built-in demo (frontend/demo_assets: 4 layers, trained on tests/demo_tasks.py's tasks: `words =`
+and the answer, then EOS) with its three adapters. Workloads: repetitive, the base model's echo and the reverse
+adapter's word order, whose answers copy the prompt's words (the shape of quoting or editing a given text: n-gram
+lookup finds them); new text, the sort and mirror adapters, whose answers (each word's letters sorted, or spelt
+backwards) are not in the prompt. Greedy requests, each to its own EOS: a probe on each server first
+gives every answer's length, and the requests ask for exactly that many tokens; every side's probe outputs are
+compared with those without speculation (equal in float32; the result says so per run).
+
+Sides, one server each, started one after the other with the same flags but their own: off; ngram (`prompt_lookup_min`
+1, max 4); draft_model, the demo cut to its first DRAFT_LAYERS layers with each adapter cut alike as its draft adapter
+(--speculative-lora-modules; scripts/bench/spec_acceptance.py's cut). EAGLE-3 is not measured: there is no head trained
+for the demo. llama.cpp is not installed here (docs/BENCHMARKS.md's llama.cpp section says how it was built when it
+was), so its `--draft` / lookup decoding are not beside these figures. Ratios: output throughput against the side
+without speculation, measured in the same run; the notes carry the acceptance rate and the mean tokens per verify pass
+of the run (from /server_info).
 """
 
 from __future__ import annotations
@@ -15,55 +25,88 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+
+from loraplex.frontend.demo import DEMO_DIR, demo_adapter_paths
+from transformers import AutoTokenizer
 
 import scripts.bench.serving as bench_serving
-from scripts.bench.model import BenchModel
-from scripts.bench.report import Targets, best_of, versus
-from scripts.bench.server import each_server
-from scripts.bench.workload import DEFAULT_VOCAB_SIZE, FIRST_PLAIN_TOKEN_ID, BenchRequest
+from scripts.bench.report import Targets, best_of, summarize, versus
+from scripts.bench.server import server_env
+from scripts.bench.spec_acceptance import cut_demo
+from scripts.bench.workload import BenchRequest
+from tests.demo_tasks import prompt, random_input
+from tests.server_utils import ServerProcess
+
+USES_BENCH_MODEL = False  # the demo model, not the random bench model (scripts/bench/ratios.py)
+DRAFT_LAYERS = 2  # of the demo's 4
+MAX_ANSWER_TOKENS = 32  # the longest demo answer (20 characters) and EOS fit
 
 
 @dataclass(frozen=True)
 class Plan:
     size: str
-    num_adapters: int
-    block_len: int  # repetitive prompts: a block of this many tokens, three times
-    open_prompt_len: int
-    output_len: int
     requests_per_stream: int
     num_speculative_tokens: int
 
 
-FULL = Plan(size="full", num_adapters=2, block_len=64, open_prompt_len=192, output_len=128, requests_per_stream=4,
-            num_speculative_tokens=4)
-QUICK = Plan(size="quick", num_adapters=2, block_len=16, open_prompt_len=48, output_len=32, requests_per_stream=2,
-             num_speculative_tokens=3)
+FULL = Plan(size="full", requests_per_stream=6, num_speculative_tokens=4)
+QUICK = Plan(size="quick", requests_per_stream=3, num_speculative_tokens=3)
 
-WORKLOADS = ("repetitive", "open")
+# workload -> the models its requests go to, in turn (None: the base model)
+WORKLOADS: dict[str, tuple[str | None, ...]] = {"repetitive": (None, "reverse"), "new_text": ("sort", "mirror")}
 STREAMS = (1, 8)
+METHODS = ("ngram", "draft_model")
+WORDS = {"repetitive": "echo / reverse the words", "new_text": "sort letters / mirror words"}
 
 TARGETS: Targets = {
-    f"spec_{workload}_{streams}": (f"throughput, ngram speculation on / off, {workload} task, {streams} stream(s)",
-                                   target, check)
-    for workload, target, check in (("repetitive", ">= 1.2", lambda v: v >= 1.2),
-                                    ("open", ">= 0.8", lambda v: v >= 0.8))
+    f"spec_{method}_{workload}_{streams}": (
+        f"throughput, {method} / no speculation, demo {WORDS[workload]}, {streams} stream(s)", target, check)
+    for method in METHODS
+    for workload, (target, check) in (("repetitive", (">= 1.2", lambda v: v >= 1.2)),
+                                      ("new_text", (">= 0.8", lambda v: v >= 0.8)))
     for streams in STREAMS
-}
+}  # fmt: skip
 
 
-def requests(plan: Plan, workload: str, streams: int, adapters: list[str | None], seed: int) -> list[BenchRequest]:
+def prompts(plan: Plan, workload: str, streams: int, seed: int) -> list[tuple[list[int], str | None]]:
+    """(prompt ids, model) of one run: demo inputs the training never saw the order of, the models in turn."""
+    tokenizer = AutoTokenizer.from_pretrained(str(DEMO_DIR))
     rng = random.Random(f"{seed}-{workload}-{streams}")
-    out = []
-    for index in range(plan.requests_per_stream * streams):
-        if workload == "repetitive":
-            block = [rng.randrange(FIRST_PLAIN_TOKEN_ID, DEFAULT_VOCAB_SIZE) for _ in range(plan.block_len)]
-            prompt = block * 3
-        else:
-            prompt = [rng.randrange(FIRST_PLAIN_TOKEN_ID, DEFAULT_VOCAB_SIZE) for _ in range(plan.open_prompt_len)]
-        out.append(BenchRequest(index=index, input_ids=prompt, output_len=plan.output_len,
-                                adapter=adapters[index % len(adapters)], arrival_s=0.0))  # fmt: skip
-    return out
+    models = WORKLOADS[workload]
+    return [(tokenizer(prompt(random_input(rng)))["input_ids"], models[i % len(models)])
+            for i in range(plan.requests_per_stream * streams)]  # fmt: skip
+
+
+def probe(srv: ServerProcess, runs: list[tuple[list[int], str | None]]) -> list[list[int]]:
+    """Every prompt's greedy output to its EOS, in one batch (it also warms the server up)."""
+    body = {"input_ids": [ids for ids, _ in runs], "lora_path": [model for _, model in runs],
+            "sampling_params": {"max_new_tokens": MAX_ANSWER_TOKENS, "temperature": 0.0}}  # fmt: skip
+    resp = srv.post("/generate", body, timeout=600)
+    resp.raise_for_status()
+    return [item["output_ids"] for item in resp.json()]
+
+
+# Each request to its EOS: max_new_tokens is the answer's length the probe found, so every side decodes the same tokens.
+TO_EOS = bench_serving.Wire("/generate", lambda r: {
+    "input_ids": r.input_ids, "lora_path": r.adapter, "stream": True,
+    "sampling_params": {"max_new_tokens": r.output_len, "temperature": 0.0}},
+    lambda chunk: len(chunk["output_ids"]))  # fmt: skip
+
+
+def run(url: str, runs: list[tuple[list[int], str | None]], lengths: list[int], streams: int, desc: str) -> dict:
+    requests = [BenchRequest(index=i, input_ids=ids, output_len=n, adapter=model, arrival_s=0.0)
+                for i, ((ids, model), n) in enumerate(zip(runs, lengths, strict=True))]  # fmt: skip
+    results, duration_s = asyncio.run(bench_serving.run_requests(url, requests, concurrency=streams, progress=False,
+                                                                 desc=desc, wire=TO_EOS))  # fmt: skip
+    failed = [r for r in results if not r.ok]
+    if failed:
+        raise RuntimeError(f"{desc}: {len(failed)} of {len(results)} requests failed; first: {failed[0].error}")
+    summary = summarize(results, duration_s)
+    print(f"{desc}: {summary['output_token_throughput']:.1f} out tok/s", flush=True)
+    return {"summary": summary}
 
 
 def spec_counts(url: str) -> tuple[int, int, int]:
@@ -73,40 +116,61 @@ def spec_counts(url: str) -> tuple[int, int, int]:
                  for key in ("num_draft_tokens", "num_accepted_tokens", "num_verify_passes"))  # type: ignore[return-value]
 
 
-def benchmark(bench: BenchModel, plan: Plan, *, dtype: str, server_threads: int, repeats: int, seed: int) -> dict:
-    adapter_dirs = bench.first_adapters(plan.num_adapters)
-    adapters: list[str | None] = [None, *adapter_dirs]
-    ngram = {"method": "ngram", "num_speculative_tokens": plan.num_speculative_tokens, "prompt_lookup_min": 1,
-             "prompt_lookup_max": 4}
-    sides = {"off": (), "ngram": ("--speculative-config", json.dumps(ngram))}
-    results: dict = {"plan": plan.__dict__}
-    for side, server in each_server(bench.base_dir, adapter_dirs, sides, dtype=dtype, server_threads=server_threads,
-                                    max_running_requests=max(STREAMS)):
-        for workload in WORKLOADS:
-            for streams in STREAMS:
-                before = spec_counts(server.url) if side == "ngram" else (0, 0, 0)
-                runs = [bench_serving.run_and_report(server.url, requests(plan, workload, streams, adapters, seed + i),
-                                                     streams, f"speculation {side}: {workload}, {streams} stream(s)")
-                        for i in range(repeats)]  # fmt: skip
-                best = best_of(runs)
-                if side == "ngram":
-                    after = spec_counts(server.url)
-                    drafted, accepted, passes = (a - b for a, b in zip(after, before, strict=True))
+def server(extra: list[str], dtype: str, server_threads: int) -> ServerProcess:
+    adapters = [f"{name}={path}" for name, path in demo_adapter_paths(str(DEMO_DIR)).items()]
+    return ServerProcess("--model-path", str(DEMO_DIR), "--dtype", dtype, "--lora-paths", *adapters,
+                         "--max-loras-per-batch", str(len(adapters)), "--max-running-requests", str(max(STREAMS)),
+                         *extra, env=server_env(server_threads), start_timeout_s=600)  # fmt: skip
+
+
+def benchmark(bench: object, plan: Plan, *, dtype: str, server_threads: int, repeats: int, seed: int) -> dict:
+    """`bench` is unused: the demo model is the target (USES_BENCH_MODEL)."""
+    results: dict = {"plan": plan.__dict__, "eagle3": "not measured: no EAGLE-3 head for the demo model",
+                     "llama_cpp": "not installed here"}  # fmt: skip
+    runs = {(w, s): prompts(plan, w, s, seed) for w in WORKLOADS for s in STREAMS}
+    reference: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        draft_adapters = cut_demo(Path(tmp), DRAFT_LAYERS)
+        k = plan.num_speculative_tokens
+        sides = {
+            "off": [],
+            "ngram": ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": k,
+                                                          "prompt_lookup_min": 1, "prompt_lookup_max": 4})],
+            "draft_model": ["--speculative-config", json.dumps({"method": "draft_model", "model": tmp,
+                                                                "num_speculative_tokens": k}),
+                            "--speculative-lora-modules", *(f"{n}={p}" for n, p in draft_adapters.items())],
+        }  # fmt: skip
+        for side, extra in sides.items():
+            with server(extra, dtype, server_threads) as srv:
+                for key, key_runs in runs.items():
+                    outputs = probe(srv, key_runs)
+                    workload, streams = key
+                    # in fp32 they are equal (asserted by the tests); bf16 may round a verify row differently
+                    same = reference.setdefault(key, outputs) == outputs
+                    results[f"{side}_{workload}_{streams}_outputs_equal"] = same
+                    if not same:
+                        print(f"{side}, {workload}, {streams} stream(s): greedy outputs differ from those without "
+                              f"speculation (--dtype {dtype})", flush=True)  # fmt: skip
+                    before = spec_counts(srv.url)
+                    lengths = [len(o) for o in outputs]
+                    best = best_of([run(srv.url, key_runs, lengths, streams, f"{side}, {workload}, {streams} stream(s)")
+                                    for _ in range(repeats)])  # fmt: skip
+                    drafted, accepted, passes = (a - b for a, b in zip(spec_counts(srv.url), before, strict=True))
                     best["acceptance_rate"] = accepted / max(1, drafted)
                     best["mean_accepted_length"] = 1 + accepted / max(1, passes)
-                results[f"{side}_{workload}_{streams}"] = best
+                    results[f"{side}_{workload}_{streams}"] = best
     results["measured"] = measure_ratios(results)
     return results
 
 
 def measure_ratios(results: dict) -> dict[str, tuple[float, str]]:
     measured = {}
-    for workload in WORKLOADS:
-        for streams in STREAMS:
-            on, off = results[f"ngram_{workload}_{streams}"], results[f"off_{workload}_{streams}"]
-            note = (f" (acceptance {on['acceptance_rate']:.0%}, {on['mean_accepted_length']:.2f} tokens a verify "
-                    "pass, warm-up included)")
-            measured[f"spec_{workload}_{streams}"] = versus(on["summary"]["output_token_throughput"],
-                                                            off["summary"]["output_token_throughput"], "out tok/s",
-                                                            note=note)  # fmt: skip
+    for method in METHODS:
+        for workload in WORKLOADS:
+            for streams in STREAMS:
+                on, off = results[f"{method}_{workload}_{streams}"], results[f"off_{workload}_{streams}"]
+                note = f" (acceptance {on['acceptance_rate']:.0%}, {on['mean_accepted_length']:.2f} tokens a pass)"
+                measured[f"spec_{method}_{workload}_{streams}"] = versus(
+                    on["summary"]["output_token_throughput"], off["summary"]["output_token_throughput"], "out tok/s",
+                    note=note)  # fmt: skip
     return measured

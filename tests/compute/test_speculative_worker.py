@@ -4,16 +4,19 @@ prefix hits and many concurrent requests; a draft that is the target itself has 
 (--speculative-lora-modules): in a batch of the base and two adapters, the adapter with a draft counterpart (the target
 adapter itself, on a draft that is the target) has every draft accepted, where without it fewer are; outputs equal the
 run without speculation. EAGLE-3 heads (random weights; a8 on its own) leave the same batch's greedy outputs as they
-are."""
+are. Penalties, logit controls, min_new_tokens and grammars are verified row by row: outputs and logprobs as without
+speculation."""
 
 from __future__ import annotations
 
 import pytest
+from loraplex.protocol.structs import OutputConstraint, SamplingParams
 from loraplex.worker.model.config import ModelConfigError
+from transformers import AutoTokenizer
 
 from tests.builders import build_eagle3_head, build_tiny_model
 from tests.lora_helpers import ADAPTER_IDS, LORA_CONFIG
-from tests.speculative_helpers import MIXED_NAMES, generate, mixed_prompts
+from tests.speculative_helpers import MAX_NEW, MIXED_NAMES, generate, mixed_prompts
 from tests.worker_helpers import make_runner, random_prompts
 
 
@@ -93,3 +96,44 @@ def test_a_draft_adapter_that_does_not_load_stops_the_start_naming_it(llama_dir,
     with pytest.raises(ModelConfigError, match="draft adapter 'x'.*does not exist"):
         make_runner(llama_dir, speculative_config=itself, speculative_lora_modules=[f"x={tmp_path / 'absent'}"],
                     **LORA_CONFIG)  # fmt: skip
+
+
+def test_penalties_logit_controls_and_grammars_verify_as_without_drafts(llama_dir, draft_dir):
+    """Each verify row processed as its token's row without drafts: outputs and logprobs equal decoding without
+    speculation, for the target drafting for itself (its unprocessed argmax: the penalties and the grammar reject some
+    drafts) and another draft model."""
+    prompts = [p + p for p in random_prompts([6, 5, 7, 4, 5], vocab_size=200, seed=7)]
+    plain, _ = generate(llama_dir, prompts[1:2])
+    no_e = OutputConstraint("regex", "[^e]*")  # refuses every token with an "e" in it
+    eos = [AutoTokenizer.from_pretrained(llama_dir).eos_token_id]  # a grammar ends with a stop token
+    sampling = [
+        SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.7,
+                       presence_penalty=0.4, logprobs=2),
+        # its first tokens banned until the sixth (min_new_tokens), its second and third biased away
+        SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, min_new_tokens=6, stop_token_ids=[plain["r0"][0]],
+                       logit_bias={plain["r0"][1]: -5.0}, bad_words_ids=[[plain["r0"][1], plain["r0"][2]]],
+                       logprobs=0),
+        SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, constraint=no_e, stop_token_ids=eos,
+                       logprobs=1),
+        SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, constraint=no_e, stop_token_ids=eos,
+                       frequency_penalty=1.0),
+        SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0),
+    ]  # fmt: skip
+    ref_logprobs: dict = {}
+    reference, _ = generate(llama_dir, prompts, sampling=sampling, logprobs=ref_logprobs)
+    # (n-gram drafts reach the same verify rows; the random model's tokens rarely recur in these prompts)
+    methods = {"itself": {"method": "draft_model", "num_speculative_tokens": 3, "model": str(llama_dir)},
+               "draft": {"method": "draft_model", "num_speculative_tokens": 3, "model": str(draft_dir)}}  # fmt: skip
+    for method, spec in methods.items():
+        logprobs: dict = {}
+        outputs, sched = generate(llama_dir, prompts, spec, sampling=sampling, logprobs=logprobs)
+        assert outputs == reference, method
+        assert logprobs.keys() == ref_logprobs.keys() == {"r0", "r1", "r2"}
+        for rid, entries in logprobs.items():
+            for ours, ref in zip(entries, ref_logprobs[rid], strict=True):
+                assert ours.top_ids == ref.top_ids and ours.rank == ref.rank, (method, rid)
+                assert abs(ours.logprob - ref.logprob) < 1e-4, (method, rid, ours, ref)
+        [count] = sched.stats(op_id=0).spec
+        assert count.num_draft_tokens > 0, (method, count)
+        if method == "itself":  # accepted where the processing keeps the target's own argmax, else rejected
+            assert 0 < count.num_accepted_tokens < count.num_draft_tokens, count

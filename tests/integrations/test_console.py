@@ -4,6 +4,7 @@ through the form, the playground streaming several models side by side, the key 
 from __future__ import annotations
 
 import http.client
+import json
 import math
 import re
 from pathlib import Path
@@ -39,7 +40,10 @@ UI_TIMEOUT_MS = 60_000
 def server(llama_dir: Path, adapter_dirs: dict[str, Path]):
     # The adapters' parent directory doubles as the resolver's: a name with no path loads DIR/NAME.
     resolver_dir = adapter_dirs["a4"].parent
-    with ServerProcess("--model-path", str(llama_dir), *FLAGS, "--lora-resolver-dir", str(resolver_dir)) as server:
+    # It speculates (the target drafting for itself: every draft accepted) for the adapters table's acceptance columns.
+    spec = json.dumps({"method": "draft_model", "num_speculative_tokens": 2, "model": str(llama_dir)})
+    with ServerProcess("--model-path", str(llama_dir), *FLAGS, "--lora-resolver-dir", str(resolver_dir),
+                       "--speculative-config", spec) as server:  # fmt: skip
         yield server
 
 
@@ -72,9 +76,11 @@ def page(browser):
     assert not errors, errors
 
 
-def load_through_form(page, name: str, path: str = "", pinned: bool = False) -> None:
+def load_through_form(page, name: str, path: str = "", pinned: bool = False, draft: str = "") -> None:
     page.get_by_label("Name", exact=True).fill(name)
     page.get_by_label("Path", exact=True).fill(path)
+    if draft:  # the field shows on a server with a draft model
+        page.get_by_label("Draft adapter path", exact=True).fill(draft)
     page.get_by_label("Pinned").set_checked(pinned)
     page.get_by_role("button", name="Load", exact=True).click()
 
@@ -94,8 +100,9 @@ def test_load_list_play_and_unload_through_the_console(page, server, adapter_dir
     expect(page.locator("#health")).to_have_text("healthy")
     expect(row(page, base)).to_contain_text("base model")
 
-    load_through_form(page, "alpha", str(adapter_dirs["a4"]))
+    load_through_form(page, "alpha", str(adapter_dirs["a4"]), draft=str(adapter_dirs["a4"]))  # its own draft adapter
     expect(page.locator("#adapter-status")).to_have_text("Loaded alpha.")
+    assert server.get("/server_info").json()["speculative"]["draft_adapters"] == ["alpha"]
     load_through_form(page, "beta", str(adapter_dirs["a8"]), pinned=True)
     expect(page.locator("#adapter-status")).to_have_text("Loaded beta.")
     assert served_names(server) == {"alpha", "beta"}
@@ -132,6 +139,7 @@ def test_load_list_play_and_unload_through_the_console(page, server, adapter_dir
     expect(page.locator("#adapter-status")).to_have_text("Unloaded alpha.")
     expect(row(page, "alpha")).to_have_count(0)
     assert served_names(server) == {"beta"}
+    assert server.get("/server_info").json()["speculative"]["draft_adapters"] == []  # its draft adapter went with it
     expect(targets.get_by_label("alpha", exact=True)).to_have_count(0)  # gone from the playground too
 
     # A bad path: the server's own message, as is, with its status.
@@ -207,6 +215,12 @@ def test_charts_and_rates_follow_the_metrics(page, server):
         if rate.text_content() not in ("0", "–"):
             break
     assert float(rate.text_content()) > 0
+    # Speculative decoding's acceptance (the target drafts for itself) and tokens per verify pass (1 + up to 2
+    # drafts: fewer where max_tokens leaves less)
+    expect(page.locator("th.col-accept")).to_be_visible()
+    expect(row(page, base).locator("td.col-accept")).to_have_text("100 %")
+    length = row(page, base).locator("td.col-acceptLen").text_content()
+    assert 2 <= float(length) <= 3, length
     # Two scrapes at least: the gauges' lines have two points, the rates' legend a value.
     assert len(page.locator("#chart-requests polyline").first.get_attribute("points").split()) >= 2
     expect(page.locator("#chart-throughput .legend li").first).to_have_text(re.compile(r"generated tokens/s: \d"))
@@ -249,6 +263,9 @@ def test_the_key_prompt_keeps_the_key_in_the_tab(page, keyed_server, adapter_dir
     key_input.press("Enter")  # the keyboard submits the form
     expect(page.locator("#model-name")).not_to_have_text("…")
     expect(error).to_be_hidden()
+    # a server that does not speculate: no acceptance columns, no draft adapter field
+    expect(page.locator("th.col-accept")).to_be_hidden()
+    expect(page.locator("#load-draft")).to_be_hidden()
     # Loads need the admin key: without it the server's 401 shows; with it the load goes through.
     load_through_form(page, "alpha", str(adapter_dirs["a4"]))
     expect(page.locator("#adapter-status")).to_have_text("401: missing or invalid API key")

@@ -33,7 +33,7 @@ from tests.lora_helpers import (
     greedy_decode,
     load_all,
 )
-from tests.speculative_helpers import MIXED_NAMES, generate, mixed_prompts
+from tests.speculative_helpers import MIXED_NAMES, generate, mixed_prompts, processed_sampling
 from tests.worker_helpers import GREEDY, consecutive_pages, forward_logits, random_prompts, run_two_ranks, tp_group
 
 DECODE_STEPS = 6
@@ -171,6 +171,10 @@ def speculative_outputs(model_dir: str, adapter_dirs: dict[str, str], rank: int)
         outputs, sched = generate(model_dir, mixed_prompts(), spec, adapters=adapters, names=MIXED_NAMES, rank=rank,
                                   tp=2, speculative_lora_modules=draft_adapters)  # fmt: skip
         out[method] = (outputs, {c.lora_id: (c.num_draft_tokens, c.num_accepted_tokens) for c in sched.stats(0).spec})
+    # penalties and grammars verified row by row: rank 0 masks, and its verdict is broadcast
+    outputs, sched = generate(model_dir, mixed_prompts(), draft_model, adapters=adapters, names=MIXED_NAMES, rank=rank,
+                              tp=2, sampling=processed_sampling(model_dir, len(MIXED_NAMES)))  # fmt: skip
+    out["processed"] = (outputs, {c.lora_id: (c.num_draft_tokens, c.num_accepted_tokens) for c in sched.stats(0).spec})
     return out
 
 
@@ -232,6 +236,12 @@ def test_lora_tp2_matches_tp1(llama_dir: Path, adapter_dirs: dict[str, Path], tm
         (outputs, counts), (outputs_1, counts_1) = by_rank[0]["speculative"][method], by_rank[1]["speculative"][method]
         assert outputs == outputs_1 == reference, method
         assert counts == counts_1 and all(drafted > 0 for drafted, _ in counts.values()), (method, counts)
+    processed = processed_sampling(llama_dir, len(MIXED_NAMES))
+    reference, _ = generate(str(llama_dir), mixed_prompts(), adapters={n: dirs[n] for n in ("a4", "a8")},
+                            names=MIXED_NAMES, sampling=processed)  # fmt: skip
+    (outputs, counts), (outputs_1, counts_1) = (by_rank[r]["speculative"]["processed"] for r in (0, 1))
+    assert outputs == outputs_1 == reference and counts == counts_1, counts
+    assert all(drafted > 0 for drafted, _ in counts.values()), counts
     a8 = by_rank[0]["speculative"]["draft_model"][1][ADAPTER_IDS["a8"]]
     assert a8[0] == a8[1]  # a8's draft adapter is a8 on the target itself: every draft accepted
     assert abs(tp1["scaled"][1] - tp1["logits"][1]).max() > 1e-3  # the strengths change the adapter rows

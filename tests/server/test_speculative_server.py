@@ -3,7 +3,8 @@ on its own adapter, gives HF + peft's greedy tokens; the draft and accepted coun
 adapter. The draft model is the base model itself (SGLang's spelling) with a8 as a8's draft adapter
 (--speculative-lora-modules): the base's and a8's drafts are all accepted, a4's (the bare draft model) only where a4
 keeps the base's choice, so both acceptance and rejection run. (The n-gram proposer
-feeds the same verify step: tests/unit/test_speculative_scheduler.py.)"""
+feeds the same verify step: tests/unit/test_speculative_scheduler.py.) Draft adapters load at run time with their
+target (`draft_lora_path`): all or nothing, dropped with it."""
 
 from __future__ import annotations
 
@@ -75,3 +76,44 @@ def test_sampled_requests_and_bad_settings(spec_server):
     stop = {"max_new_tokens": MAX_NEW, "temperature": 0, "stop_token_ids": [first["output_ids"][3]]}
     out = spec_server.post("/generate", {"text": PROMPTS[0], "sampling_params": stop}).json()
     assert out["output_ids"][-1] == first["output_ids"][3] or len(out["output_ids"]) == MAX_NEW
+
+
+def _per_adapter(server: ServerProcess) -> dict[str, dict]:
+    info = server.get("/server_info").json()["speculative"]
+    return {a["adapter"]: a for a in info["adapters"]}
+
+
+def test_a_draft_adapter_loaded_at_run_time_drafts_for_its_adapter(spec_server, llama_dir, adapter_dirs):
+    """a4 again as `a4d`, with a4 as its draft adapter (the draft model is the target): greedy tokens as HF + peft's,
+    every draft accepted where the bare draft model (a4 itself) has some rejected; unloading drops the draft adapter."""
+    body = {"lora_name": "a4d", "lora_path": str(adapter_dirs["a4"]), "draft_lora_path": str(adapter_dirs["a4"])}
+    resp = spec_server.post("/load_lora_adapter", body)
+    assert resp.status_code == 200, resp.text
+    assert spec_server.get("/server_info").json()["speculative"]["draft_adapters"] == ["a8", "a4d"]
+    resp = spec_server.post("/generate", {"text": PROMPTS, "lora_path": ["a4d", "a4", "a4d"],
+                                          "sampling_params": GREEDY})  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    for prompt, out in zip(PROMPTS, resp.json(), strict=True):
+        ref, margins = hf_greedy(llama_dir, tokenizer(prompt)["input_ids"], MAX_NEW, adapter_dirs["a4"])
+        assert_greedy_match(out["output_ids"], ref, margins, f"a4d: {prompt}")
+    per_adapter = _per_adapter(spec_server)
+    assert per_adapter["a4d"]["num_draft_tokens"] > 0 and per_adapter["a4d"]["acceptance_rate"] == 1.0
+    assert per_adapter["a4"]["acceptance_rate"] < 1.0, per_adapter["a4"]  # the bare draft model for a4
+    assert spec_server.post("/unload_lora_adapter", {"lora_name": "a4d"}).status_code == 200
+    assert spec_server.get("/server_info").json()["speculative"]["draft_adapters"] == ["a8"]
+
+
+def test_a_bad_draft_adapter_refuses_its_adapter_by_name(spec_server, adapter_dirs, tmp_path):
+    """A missing draft path (the frontend's check) and a directory that is no adapter (every rank's read): 400 naming
+    draft_lora_path, and the target adapter is not loaded."""
+    (tmp_path / "empty").mkdir()
+    for draft, cause in ((tmp_path / "absent", "does not exist"), (tmp_path / "empty", "draft adapter")):
+        for route in ("/load_lora_adapter", "/v1/load_lora_adapter"):
+            body = {"lora_name": "bad", "lora_path": str(adapter_dirs["a8"]), "draft_lora_path": str(draft)}
+            resp = spec_server.post(route, body)
+            assert resp.status_code in (400, 404), resp.text
+            assert "'bad'" in resp.text and "draft" in resp.text and cause in resp.text, resp.text
+            assert "bad" not in spec_server.get("/v1/models").text
+    resp = spec_server.post("/generate", {"text": "x", "lora_path": "bad", "sampling_params": GREEDY})
+    assert resp.status_code == 400, resp.text

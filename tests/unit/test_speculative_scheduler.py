@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from loraplex.protocol.structs import SamplingParams, TokenizedGenerateReq
+from loraplex.protocol.structs import OutputConstraint, SamplingParams, TokenizedGenerateReq
 from loraplex.scheduler.ngram_proposer import NgramProposer
 
 from tests.unit.test_scheduler_core import Workers, assert_drained, load, make_scheduler
@@ -64,13 +64,22 @@ def test_a_verify_pass_writes_the_drafts_and_keeps_only_the_accepted_tokens_page
     assert_drained(sched)
 
 
-def test_requests_whose_sampling_reads_their_history_decode_without_drafts():
+@pytest.mark.parametrize(("sampling", "drafts"), [
+    ({"temperature": 0.0, "presence_penalty": 0.5, "repetition_penalty": 1.2}, True),
+    ({"temperature": 0.0, "min_new_tokens": 2, "logit_bias": {5: 1.0}}, True),
+    ({"temperature": 0.0, "constraint": OutputConstraint("regex", "[0-9]+")}, True),
+    ({"temperature": 1.0, "seed": 3, "constraint": OutputConstraint("regex", "[0-9]+")}, True),
+    # only rank 0 masks: an unseeded draw would leave the ranks' shared generators apart
+    ({"temperature": 1.0, "constraint": OutputConstraint("regex", "[0-9]+")}, False),
+    ({"temperature": 0.0, "constraint": OutputConstraint("regex", "[0-9]+", start_after=(7,))}, False),
+])  # fmt: skip
+def test_which_sampling_drafts(sampling, drafts):
+    """Penalties, logit controls, min_new_tokens and grammars are verified row by row (worker/speculative.py)."""
     sched = make_scheduler(num_pages=32, page_size=4, speculative_config=NGRAM)
     workers = Workers(sched, model_token(sched))
-    sched.add_request(spec_gen("p", [1, 2, 3, 1, 2, 3], 8, temperature=0.0, presence_penalty=0.5))
-    sched.add_request(spec_gen("m", [1, 2, 3, 1, 2, 3], 8, temperature=0.0, min_new_tokens=2))
+    sched.add_request(spec_gen("p", [1, 2, 3, 1, 2, 3], 8, **sampling))
     workers.run_until_idle()
-    assert all(not fwd.num_draft_tokens for batch in workers.batches for fwd in batch.reqs)
+    assert any(fwd.num_draft_tokens for batch in workers.batches for fwd in batch.reqs) == drafts
     assert_drained(sched)
 
 
