@@ -51,6 +51,10 @@ class Plan:
     requests_per_stream: int
     num_speculative_tokens: int
 
+    @property
+    def num_adapters(self) -> int:
+        return len({name for models in WORKLOADS.values() for name in models if name is not None})
+
 
 FULL = Plan(size="full", requests_per_stream=6, num_speculative_tokens=4)
 QUICK = Plan(size="quick", requests_per_stream=3, num_speculative_tokens=3)

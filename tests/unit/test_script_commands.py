@@ -15,7 +15,7 @@ from scripts.bench import ratios
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # `python -m scripts.bench.serving --url`, `python3 -m scripts.bench prefix_cache`; placeholders (NAME) are upper case
-COMMAND = re.compile(r"python3? -m (scripts(?:\.[a-z_]+)*)(?: ([a-z_]+))?")
+COMMAND = re.compile(r"python3? -m (scripts(?:\.[a-z_0-9]+)*)(?: ([a-z_0-9]+))?")
 
 
 def documents() -> list[Path]:
