@@ -175,6 +175,63 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
+class Gemma4VisionConfig(VisionConfig):
+    """Gemma 4's vision tower (worker/model/gemma4_vision.py) in VisionConfig's terms, as worker/images.py checks an
+    image: one frame (temporal_patch_size 1) of patch x patch RGB patches, spatial_merge_size the pooling kernel
+    (k x k patches average into one soft token), no windows; and its own: explicit head width and KV heads, the
+    patch position table's size, clipped linears, standardized soft tokens, and the text model's pad token (which
+    an image token's per-layer input reads)."""
+
+    vision_head_dim: int = 64
+    num_kv_heads: int = 12
+    position_embedding_size: int = 10_240
+    use_clipped_linears: bool = False
+    standardize: bool = False
+    rms_norm_eps: float = 1e-6
+    pad_token_id: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.vision_head_dim
+
+    @classmethod
+    def from_dict(cls, hf: dict[str, Any]) -> Gemma4VisionConfig:
+        vision = hf.get("vision_config") or {}
+        text = hf.get("text_config") or {}
+        act = vision.get("hidden_activation", "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise ModelConfigError(f"unsupported vision hidden_activation {act!r}; the vision tower runs "
+                                   "gelu_pytorch_tanh")  # fmt: skip
+        rope = vision.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ModelConfigError(f"unsupported vision rope_type {rope.get('rope_type')!r}; Gemma 4's is axial")
+        num_heads = vision.get("num_attention_heads", 12)
+        return cls(
+            depth=vision.get("num_hidden_layers", 16),
+            hidden_size=vision.get("hidden_size", 768),
+            intermediate_size=vision.get("intermediate_size", 3072),
+            num_heads=num_heads,
+            out_hidden_size=text.get("hidden_size", 2304),
+            patch_size=vision.get("patch_size", 16),
+            temporal_patch_size=1,
+            spatial_merge_size=vision.get("pooling_kernel_size", 3),
+            in_channels=3,
+            window_size=0,
+            fullatt_block_indexes=(),
+            rope_theta=float(rope.get("rope_theta", 100.0)),
+            image_token_id=hf.get("image_token_id", 258_880),
+            hidden_act=act,
+            vision_head_dim=vision.get("head_dim") or vision.get("hidden_size", 768) // num_heads,
+            num_kv_heads=vision.get("num_key_value_heads") or num_heads,
+            position_embedding_size=vision.get("position_embedding_size", 10_240),
+            use_clipped_linears=bool(vision.get("use_clipped_linears", False)),
+            standardize=bool(vision.get("standardize", False)),
+            rms_norm_eps=vision.get("rms_norm_eps", 1e-6),
+            pad_token_id=text.get("pad_token_id") if text.get("pad_token_id") is not None else 0,
+        )
+
+
+@dataclass(frozen=True)
 class LinearAttentionConfig:
     """A hybrid model's Gated DeltaNet layers (Qwen3.5): their heads, and which layers they are."""
 
@@ -443,13 +500,18 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         if model_type in GEMMA4_TYPES:
+            # a multimodal checkpoint's vision tower (its audio tower is not served)
+            vision = Gemma4VisionConfig.from_dict(hf) if isinstance(hf.get("vision_config"), dict) else None
             hf = _gemma4_fields(hf, model_type)
         elif model_type in GEMMA_TYPES:
             hf = _gemma_fields(hf, model_type)
         if model_type in MULTIMODAL_HYBRID_TYPES and isinstance(hf.get("text_config"), dict):  # the language model
             hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"],
                   "model_type": model_type}
-        vision = VisionConfig.from_dict(hf) if model_type in VISION_TYPES else None
+        if model_type in VISION_TYPES:
+            vision = VisionConfig.from_dict(hf)
+        elif model_type not in GEMMA4_TYPES:
+            vision = None
         if model_type in VISION_TYPES and isinstance(hf.get("text_config"), dict):  # the language model
             hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"],
                   "model_type": model_type}

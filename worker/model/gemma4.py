@@ -15,8 +15,11 @@
   without weight, times `scale`), and whose input has a norm of its own; the two outputs are normed apart and summed.
 
 The paged cache gives every token a slot as wide as the widest layer's keys; a narrower layer views the leading part
-(ModelConfig.kv_layout). A multimodal checkpoint's vision and audio towers and embedders are not loaded (text prompts
-only; an image part is refused by the API); neither are the per-layer-input linears LoRA targets."""
+(ModelConfig.kv_layout). A multimodal checkpoint's vision tower and embedder (gemma4_vision.py) encode its images,
+whose soft tokens replace their placeholder tokens' embeddings (already scaled: the text embedding's scale is not
+applied to them) and whose per-layer inputs take the pad token's slice, as transformers' Gemma4Model builds them; the
+audio tower and embedder are not loaded (an audio part is refused by the API). The per-layer-input linears are no
+LoRA targets."""
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from loraplex.worker.layers.norm import Gemma4RMSNorm
 from loraplex.worker.layers.rotary import RotaryEmbedding
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model.gemma2 import Gemma2ForCausalLM, GemmaMLP
+from loraplex.worker.model.gemma4_vision import Gemma4VisionEmbedder, Gemma4VisionTower
 from loraplex.worker.model.llama import layer_attention
 from loraplex.worker.parallel import current_tp
 from torch import nn
@@ -196,9 +200,19 @@ class Gemma4Model(nn.Module):
             self.per_layer_projection_norm = Gemma4RMSNorm(self.per_layer_size, config.rms_norm_eps)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, attention: BatchAttention
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        attention: BatchAttention,
+        image_rows: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        pad_token_id: int = 0,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) * self.embed_scale  # (tokens, hidden)
+        if image_rows is not None:  # the placeholder tokens' rows take their image's soft tokens
+            hidden = hidden.index_copy(0, image_rows, image_embeds.to(hidden.dtype))
+            input_ids = input_ids.index_fill(0, image_rows, pad_token_id)  # their per-layer inputs: the pad token's
         per_layer = self.per_layer_inputs(input_ids, hidden)
         for layer_id, layer in enumerate(self.layers):
             layer_input = None if per_layer is None else per_layer[:, layer_id]
@@ -230,9 +244,36 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
 
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__(config, max_positions)
+        self.vision = config.vision  # a multimodal checkpoint's tower (None: text only, its tensors skipped)
+        if config.vision is not None:
+            self.vision_tower = Gemma4VisionTower(config.vision)
+            self.embed_vision = Gemma4VisionEmbedder(config.vision)
+            self.checkpoint_prefixes = (
+                ("model.language_model.", "model."),
+                ("model.vision_tower.", "vision_tower."),
+                ("model.embed_vision.", "embed_vision."),
+                ("model.audio_tower.", None),
+                ("model.embed_audio.", None),
+            )
         if config.moe is not None:  # the first that a name holds is replaced, once
             self.checkpoint_renames = (
                 (".mlp.", ".mlp.shared_experts."),
                 (".experts.", ".mlp.experts."),
                 (".router.", ".mlp.gate."),
             )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        attention: BatchAttention,
+        image_rows: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        pad = self.vision.pad_token_id if self.vision is not None else 0
+        return self.model(input_ids, positions, kv_cache, attention, image_rows, image_embeds, pad)  # (tokens, hidden)
+
+    def encode_images(self, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
+        """(every image's soft tokens in order, hidden) from their patches (patches, patch dim) and (1, h, w) grids."""
+        return self.embed_vision(self.vision_tower(pixels, grids))
