@@ -57,8 +57,9 @@ PROMPTS = {
     "two": (f"{IMAGE} and {IMAGE} differ in", [(32, 32, 1), (40, 24, 2)]),
     "text": ("plain words with no picture at all", []),
 }
-LM = r".*language_model.*\."  # PEFT's target regex: the language model's modules alone
-ADAPTERS = {"a4": (4, 8, LM + "(q_proj|v_proj)"), "a8": (8, 16, LM + "(q_proj|k_proj|v_proj|o_proj|down_proj)")}
+# the language model's modules (the tower's q_proj ... wrap their linear, which PEFT cannot take: excluded)
+ADAPTERS = {"a4": (4, 8, ("q_proj", "v_proj")), "a8": (8, 16, ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"))}
+NOT_THE_TOWER = r".*vision_tower.*"
 LORA = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
             "down_proj"], max_loras_per_batch=2)  # fmt: skip
 
@@ -124,12 +125,14 @@ def build_gemma4_vl(out_dir: Path | str, seed: int = 0) -> None:
     config_path.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
 
 
-def build_adapter(base_dir: Path, out_dir: Path, r: int, alpha: int, targets: str | list[str], seed: int) -> None:
+def build_adapter(base_dir: Path, out_dir: Path, r: int, alpha: int, targets: tuple[str, ...], seed: int,
+                  exclude: str | None = NOT_THE_TOWER) -> None:  # fmt: skip
     from peft import LoraConfig, get_peft_model
     from transformers import Gemma4ForConditionalGeneration
 
     model = Gemma4ForConditionalGeneration.from_pretrained(base_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets))
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), exclude_modules=exclude)
+    peft_model = get_peft_model(model, config)
     randomize_adapter(peft_model, seed)
     peft_model.save_pretrained(out_dir)
 
