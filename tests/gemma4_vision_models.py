@@ -62,6 +62,11 @@ ADAPTERS = {"a4": (4, 8, ("q_proj", "v_proj")), "a8": (8, 16, ("q_proj", "k_proj
 NOT_THE_TOWER = r".*vision_tower.*"
 LORA = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
             "down_proj"], max_loras_per_batch=2)  # fmt: skip
+# --enable-tower-connector-lora: the language model's q/v, every linear inside the tower's clippable projections
+# (their wrappers excluded) and the embedder's projection; named a16 for tests/lora_helpers.py's ids and slots
+TOWER_ADAPTERS = {"a16": (16, 32, ("q_proj", "v_proj", "linear", "embedding_projection"))}
+TOWER_WRAPPERS = r".*vision_tower.*_proj"
+TOWER_LORA = dict(LORA, enable_tower_connector_lora=True, max_loras_per_batch=3, max_lora_rank=16)
 
 
 def make_tokenizer():  # -> PreTrainedTokenizerFast with the image tokens and chat template
@@ -137,12 +142,14 @@ def build_adapter(base_dir: Path, out_dir: Path, r: int, alpha: int, targets: tu
     peft_model.save_pretrained(out_dir)
 
 
-def build_gemma4_vl_set(root: Path) -> tuple[Path, dict[str, Path]]:
+def build_gemma4_vl_set(root: Path, tower: bool = False) -> tuple[Path, dict[str, Path]]:
+    """The tiny base under root/base and ADAPTERS (and with `tower` TOWER_ADAPTERS) beside it."""
     build_gemma4_vl(root / "base")
     adapters = {}
-    for seed, (name, (r, alpha, targets)) in enumerate(ADAPTERS.items()):
+    for seed, (name, (r, alpha, targets)) in enumerate({**ADAPTERS, **(TOWER_ADAPTERS if tower else {})}.items()):
         adapters[name] = root / name
-        build_adapter(root / "base", adapters[name], r, alpha, targets, seed)
+        exclude = TOWER_WRAPPERS if name in TOWER_ADAPTERS else NOT_THE_TOWER
+        build_adapter(root / "base", adapters[name], r, alpha, targets, seed, exclude)
     return root / "base", adapters
 
 

@@ -213,8 +213,10 @@ def _parse_pattern(pattern: Any, field: str, *, is_rank: bool) -> tuple[tuple[st
 
 
 # Qwen2.5-VL's vision tower (attn.qkv, attn.proj) and patch merger (mlp.0, mlp.2) linears, as PEFT's target_modules
-# name them; its tower MLP shares gate_proj/up_proj/down_proj with the language model (told apart by the tensors)
-TOWER_TARGETS = ("qkv", "attn.qkv", "proj", "attn.proj", "mlp.0", "mlp.2", "merger.mlp.0", "merger.mlp.2")
+# name them; its tower MLP shares gate_proj/up_proj/down_proj with the language model (told apart by the tensors).
+# Gemma 4's tower: the `linear` inside each of its clippable q/k/v/o and MLP projections; its embedder's projection.
+TOWER_TARGETS = ("qkv", "attn.qkv", "proj", "attn.proj", "mlp.0", "mlp.2", "merger.mlp.0", "merger.mlp.2",
+                 "linear", "embedding_projection")
 
 
 def _parse_targets(targets: Any) -> tuple[str, ...]:

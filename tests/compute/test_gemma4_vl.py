@@ -1,7 +1,8 @@
 """Gemma 4 with images in the worker (vision tower, pooled soft tokens in place of the placeholder tokens, their
 per-layer inputs the pad token's) against HF transformers + peft in fp32: prompts with one image, two images of
 different shapes and none in one batch with the base model and two language-model adapters; a chunked prefill whose
-chunks cut an image's run; greedy decoding."""
+chunks cut an image's run; greedy decoding; adapters on the vision tower and its embedder
+(--enable-tower-connector-lora) beside ones without, and refused without the flag."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 from loraplex.protocol.structs import ForwardBatch, ForwardReq
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.gemma4_vision_models import LORA, build_gemma4_vl_set, hf_logits, inputs, request
-from tests.lora_helpers import load_all, slot_loads, slot_of
+from tests.gemma4_vision_models import LORA, TOWER_LORA, build_gemma4_vl_set, hf_logits, inputs, request
+from tests.lora_helpers import load_all, slot_loads, slot_of, specs
 from tests.reference import CLEAR_MARGIN, assert_greedy_match
 from tests.worker_helpers import GREEDY, consecutive_pages, forward_logits, make_runner
 
@@ -24,14 +25,14 @@ DECODE_STEPS = 4
 
 @pytest.fixture(scope="module")
 def vl_set(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
-    return build_gemma4_vl_set(tmp_path_factory.mktemp("gemma4_vl"))
+    return build_gemma4_vl_set(tmp_path_factory.mktemp("gemma4_vl"), tower=True)
 
 
 @pytest.fixture(scope="module")
 def runner(vl_set) -> ModelRunner:
     model_dir, adapters = vl_set
     runner = make_runner(model_dir, **LORA)
-    load_all(runner, adapters)
+    load_all(runner, {name: adapters[name] for name in ("a4", "a8")})
     return runner
 
 
@@ -113,3 +114,35 @@ def test_greedy_decode_matches_hf(runner, vl_set) -> None:
         ref, margins = hf_greedy(model_dir, hf, DECODE_STEPS, None if name is None else adapters[name])
         compared += assert_greedy_match(out, ref, margins, what=f"{key}/{name or 'base'}")
     assert compared >= DECODE_STEPS * len(cases) // 2, f"only {compared} tokens had a clear margin (> {CLEAR_MARGIN})"
+
+
+TOWER_MIXED = [("one", "a16"), ("one", None), ("two", "a4"), ("text", "a16"), ("two", "a16")]
+
+
+def test_tower_lora_matches_peft(vl_set) -> None:
+    """--enable-tower-connector-lora: an adapter on the tower's linears and the embedder's projection (and the
+    language model) beside one with none there and the base, in one batch; the image a16 and the base share is
+    encoded once for each, and its rows differ."""
+    model_dir, adapters = vl_set
+    runner = make_runner(model_dir, **TOWER_LORA)
+    load_all(runner, adapters)
+    prompts = [inputs(key) for key, _ in TOWER_MIXED]
+    names = [name for _, name in TOWER_MIXED]
+    lengths = [p["input_ids"].shape[1] for p in prompts]
+    pages = consecutive_pages(lengths, runner.page_size)
+    reqs = [request(p, pg, name) for p, pg, name in zip(prompts, pages, names, strict=True)]
+    with torch.inference_mode():
+        logits = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs, slot_loads=slot_loads(names)))
+        images = runner.images.rows(reqs[:2])
+    for (key, name), hf, ours in zip(TOWER_MIXED, prompts, logits.split(lengths), strict=True):
+        ref = hf_logits(model_dir, hf, None if name is None else adapters[name])
+        diff = (ours - ref).abs().max().item()
+        assert diff <= LOGITS_TOL, f"{key}/{name or 'base'}: max abs logit diff {diff:.2e}"
+    with_adapter, base = images.embeds.split(len(images.rows) // 2)
+    assert (with_adapter - base).abs().max().item() > MIN_EFFECT  # the tower's adapter moved the rows
+
+
+def test_tower_adapter_refused_without_the_flag(runner, vl_set) -> None:
+    _, adapters = vl_set
+    (outcome,) = runner.lora.load(specs({"a16": adapters["a16"]}, {"a16": 3}))
+    assert not outcome.success and "--enable-tower-connector-lora" in outcome.error_message, outcome

@@ -110,7 +110,9 @@ class LoRAManager:
         if HEAD in self.pool.vocab and hasattr(model, "lm_head"):
             model.lm_head = LoRALMHead(model.lm_head, self.pool.vocab[HEAD], self.batch)
         # --enable-tower-connector-lora: the vision tower's linears wrapped, each image encoded with its adapter
-        self.tower = TowerLoRA(model.visual, self.spec.tower) if self.spec.tower is not None else None
+        # Qwen2.5-VL's paths are inside `visual`; Gemma 4's from the model (vision_tower, embed_vision)
+        root = getattr(model, "visual", model)
+        self.tower = TowerLoRA(root, self.spec.tower) if self.spec.tower is not None else None
         self.adapters: dict[int, LoRAAdapter] = {}  # lora_id -> host copy
         self.names: dict[int, str] = {}  # lora_id -> the name it was loaded under (draft adapters go by it)
         self._dropped_early: set[int] = set()  # ids dropped before their install (ids are never reused)

@@ -5,9 +5,11 @@ An adapter's tower tensors (PEFT keys `...visual.<module>.lora_A/B.weight`: bloc
 mlp.gate_proj / up_proj / down_proj, merger.mlp.0 / mlp.2) are kept per module of ours as one (A, B) pair of this
 rank: the slices of a fused linear (gate_up_proj's gate and up) stacked along the rank, B block-diagonal, the scale
 folded into B; column-parallel linears keep B's rows of this rank, row-parallel ones A's columns (their delta joins the
-layer's partial sum before its one all-reduce). The tower's linears are wrapped once at start; a pass sets which rows
-(each image's patches, or its merged rows in the merger) take which adapter, and every wrapper adds x·Aᵀ·Bᵀ to those
-rows. The tower's images are few and short next to the decoder's tokens: a plain gather per adapter, no kernel."""
+layer's partial sum before its one all-reduce). Gemma 4's (PEFT keys `...vision_tower.encoder.layers.N.self_attn.
+q_proj.linear` ..., `...embed_vision.embedding_projection`) are paths from the model, each one linear. The tower's
+linears are wrapped once at start; a pass sets which rows (each image's patches, or its merged rows in the merger or
+Gemma 4's embedder) take which adapter, and every wrapper adds x·Aᵀ·Bᵀ to those rows. The tower's images are few
+and short next to the decoder's tokens: a plain gather per adapter, no kernel."""
 
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ from dataclasses import dataclass
 
 import torch
 from loraplex.protocol.adapters.adapter_config import AdapterLoadError
-from loraplex.worker.model.config import VisionConfig
+from loraplex.worker.model.config import Gemma4VisionConfig, VisionConfig
 from torch import nn
 
-TOWER_KEY = re.compile(r"(?:^|\.)visual\.(.+)\.lora_([AB])(?:\.\w+)?\.weight$")
+# Qwen2.5-VL: `visual.<our path in the tower>`; Gemma 4: `vision_tower.` / `embed_vision.` start our path (from the
+# model)
+TOWER_KEY = re.compile(r"(?:^|\.)(?:visual\.|(?=vision_tower\.|embed_vision\.))(.+)\.lora_([AB])(?:\.\w+)?\.weight$")
 TOWER_FLAG = "--enable-tower-connector-lora"
 # PEFT's MLP slices -> (our fused module, slice)
 _SLICES = {"mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1)}
@@ -39,6 +43,8 @@ class TowerLinear:
 
 def tower_linears(c: VisionConfig) -> dict[str, TowerLinear]:
     """Our module path inside the tower -> its shape, for every linear an adapter may reach."""
+    if isinstance(c, Gemma4VisionConfig):
+        return gemma4_tower_linears(c)
     group = c.hidden_size * c.spatial_merge_size**2
     out: dict[str, TowerLinear] = {}
     for i in range(c.depth):
@@ -48,6 +54,26 @@ def tower_linears(c: VisionConfig) -> dict[str, TowerLinear]:
         out[f"blocks.{i}.mlp.down_proj"] = TowerLinear("row", c.intermediate_size, (c.hidden_size,))
     out["merger.mlp.0"] = TowerLinear("column", group, (group,))
     out["merger.mlp.2"] = TowerLinear("row", group, (c.out_hidden_size,))
+    return out
+
+
+def gemma4_tower_linears(c: Gemma4VisionConfig) -> dict[str, TowerLinear]:
+    """Gemma 4's, from the model (worker/model/gemma4_vision.py): each clippable projection's inner linear, and the
+    embedder's projection (replicated: every rank keeps its A and B whole)."""
+    q_size, kv_size, hidden, mlp = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, \
+        c.intermediate_size  # fmt: skip
+    out: dict[str, TowerLinear] = {}
+    for i in range(c.depth):
+        layer = f"vision_tower.encoder.layers.{i}"
+        for name, mode, size_in, size_out in (("self_attn.q_proj", "column", hidden, q_size),
+                                              ("self_attn.k_proj", "column", hidden, kv_size),
+                                              ("self_attn.v_proj", "column", hidden, kv_size),
+                                              ("self_attn.o_proj", "row", q_size, hidden),
+                                              ("mlp.gate_proj", "column", hidden, mlp),
+                                              ("mlp.up_proj", "column", hidden, mlp),
+                                              ("mlp.down_proj", "row", mlp, hidden)):  # fmt: skip
+            out[f"{layer}.{name}.linear"] = TowerLinear(mode, size_in, (size_out,))
+    out["embed_vision.embedding_projection"] = TowerLinear("replicated", hidden, (c.out_hidden_size,))
     return out
 
 
@@ -68,7 +94,7 @@ def tower_weights(
         match = TOWER_KEY.search(key)
         path = match[1]
         block, _, leaf = path.rpartition(".mlp.")
-        fused, slice_id = _SLICES.get(f"mlp.{leaf}", (None, None)) if block else (None, None)
+        fused, slice_id = _SLICES.get(f"mlp.{leaf}", (None, None)) if block and path not in linears else (None, None)
         ours = f"{block}.{fused}" if fused else path
         if ours not in linears:
             raise AdapterLoadError(f"tensor {key!r}: unknown vision tower module {path!r}")
@@ -91,6 +117,9 @@ def tower_weights(
 def _this_rank(linear: TowerLinear, parts: list[tuple[int | None, torch.Tensor, torch.Tensor]], rank: int, size: int
                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One (A, B) for the module: slices stacked along the rank, B block-diagonal over this rank's output rows."""
+    if linear.mode == "replicated":
+        (_, a, b), = parts
+        return a.contiguous(), b.contiguous()
     if linear.mode == "row":  # one slice: A's columns of this rank, B whole
         (_, a, b), = parts
         cols = linear.input_size // size
@@ -124,7 +153,7 @@ class TowerLoRALinear(nn.Module):
     def __init__(self, base: nn.Module, name: str, rows: TowerRows):
         super().__init__()
         self.base, self.name, self.rows = base, name, rows
-        self.merged = name.startswith("merger.")  # reads merged rows, not patches
+        self.merged = name.startswith(("merger.", "embed_vision."))  # reads merged rows (soft tokens), not patches
         self.output_sizes_per_rank = base.output_sizes_per_rank  # what the model reads of the layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -276,4 +276,5 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
 
     def encode_images(self, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
         """(every image's soft tokens in order, hidden) from their patches (patches, patch dim) and (1, h, w) grids."""
-        return self.embed_vision(self.vision_tower(pixels, grids))
+        dtype = self.vision_tower.patch_embedder.position_embedding_table.dtype  # the activation dtype
+        return self.embed_vision(self.vision_tower(pixels, grids), dtype)

@@ -189,6 +189,6 @@ class Gemma4VisionEmbedder(nn.Module):
         self.embedding_pre_projection_norm = Gemma4RMSNorm(c.hidden_size, c.rms_norm_eps, with_weight=False)
         self.embedding_projection = ReplicatedLinear(c.hidden_size, c.out_hidden_size)
 
-    def forward(self, soft_tokens: torch.Tensor) -> torch.Tensor:
-        dtype = self.embedding_projection.weight.dtype
+    def forward(self, soft_tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """soft_tokens (tokens, vision hidden) float32 -> (tokens, text hidden) in the activation dtype."""
         return self.embedding_projection(self.embedding_pre_projection_norm(soft_tokens.to(dtype)))
