@@ -103,14 +103,14 @@ def hf_config(**text_overrides):  # -> transformers.Gemma4Config
 
 
 @torch.no_grad()
-def build_gemma4_vl(out_dir: Path | str, seed: int = 0) -> None:
+def build_gemma4_vl(out_dir: Path | str, seed: int = 0, **text_overrides) -> None:
     """A random Gemma4ForConditionalGeneration with its tokenizer (chat template included) and image processor
     beside it: norms and layer scalars near 1, the rest of std 0.3 (the tower's 0.2, its position table 0.5)."""
     from transformers import Gemma4ForConditionalGeneration
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model = Gemma4ForConditionalGeneration(hf_config()).to(torch.float32)
+    model = Gemma4ForConditionalGeneration(hf_config(**text_overrides)).to(torch.float32)
     generator = torch.Generator().manual_seed(seed)
     for name, param in sorted(model.named_parameters()):
         values = torch.randn(param.shape, generator=generator)
@@ -164,7 +164,8 @@ def hf_inputs(prompt: str, images: list) -> dict:
     for count, piece in zip(vision.get("num_soft_tokens_per_image", []), pieces[1:], strict=True):
         expanded += BOI + IMAGE * int(count) + EOI + piece
     input_ids = tokenizer(expanded, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    out = {"input_ids": input_ids}
+    # image tokens 1, text 0: with use_bidirectional_attention "vision" an image's tokens see its run whole
+    out = {"input_ids": input_ids, "mm_token_type_ids": (input_ids == token_ids()[IMAGE]).int()}
     if images:
         out.update(pixel_values=vision["pixel_values"], image_position_ids=vision["image_position_ids"])
     return out
@@ -193,6 +194,7 @@ def hf_logits(model_dir: Path, hf: dict, adapter_dir: Path | None = None, extra:
     hf = dict(hf)
     if extra:
         hf["input_ids"] = torch.cat([hf["input_ids"], torch.tensor([list(extra)])], dim=1)
+        hf["mm_token_type_ids"] = torch.cat([hf["mm_token_type_ids"], torch.zeros(1, len(extra), dtype=torch.int)], 1)
     model = hf_model(str(model_dir), None if adapter_dir is None else str(adapter_dir))
     return model(**hf).logits[0]
 

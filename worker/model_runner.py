@@ -21,6 +21,7 @@ from loraplex.worker.draft_model import DraftRunner
 from loraplex.worker.dummy_weights import init_dummy_weights
 from loraplex.worker.eagle3_runner import Eagle3Runner
 from loraplex.worker.grammar import GrammarMasks
+from loraplex.worker.image_blocks import image_blocks
 from loraplex.worker.images import ImageEncoder
 from loraplex.worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token, kv_cache_dtype
 from loraplex.worker.kv_scales import read_kv_scales
@@ -558,8 +559,12 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention,
                                 token_type_ids=inputs.token_type_ids)  # fmt: skip
         elif (images := self.images.rows(reqs)) is not None:
+            extra = {}
+            if getattr(self.model_config.vision, "bidirectional", False):  # Gemma 4's image runs, seen whole
+                extra["image_blocks"] = image_blocks(reqs, self.page_size, self.model_config.sliding_window or 1,
+                                                     self.device)  # fmt: skip
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention,
-                                image_rows=images.rows, image_embeds=images.embeds)  # fmt: skip
+                                image_rows=images.rows, image_embeds=images.embeds, **extra)  # fmt: skip
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)
         if calibrating:

@@ -2,7 +2,8 @@
 per-layer inputs the pad token's) against HF transformers + peft in fp32: prompts with one image, two images of
 different shapes and none in one batch with the base model and two language-model adapters; a chunked prefill whose
 chunks cut an image's run; greedy decoding; adapters on the vision tower and its embedder
-(--enable-tower-connector-lora) beside ones without, and refused without the flag."""
+(--enable-tower-connector-lora) beside ones without, and refused without the flag; image tokens that attend both
+ways (use_bidirectional_attention "vision"), with a prefix hit inside a run, and a pass cutting one refused."""
 
 from __future__ import annotations
 
@@ -11,9 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 from loraplex.protocol.structs import ForwardBatch, ForwardReq
+from loraplex.worker.batch_inputs import BatchError
 from loraplex.worker.model_runner import ModelRunner
 
-from tests.gemma4_vision_models import LORA, TOWER_LORA, build_gemma4_vl_set, hf_logits, inputs, request
+from tests.gemma4_vision_models import (
+    LORA,
+    TOWER_LORA,
+    build_gemma4_vl,
+    build_gemma4_vl_set,
+    hf_logits,
+    inputs,
+    request,
+)
 from tests.lora_helpers import load_all, slot_loads, slot_of, specs
 from tests.reference import CLEAR_MARGIN, assert_greedy_match
 from tests.worker_helpers import GREEDY, consecutive_pages, forward_logits, make_runner
@@ -146,3 +156,32 @@ def test_tower_adapter_refused_without_the_flag(runner, vl_set) -> None:
     _, adapters = vl_set
     (outcome,) = runner.lora.load(specs({"a16": adapters["a16"]}, {"a16": 3}))
     assert not outcome.success and "--enable-tower-connector-lora" in outcome.error_message, outcome
+
+
+def test_image_tokens_that_attend_both_ways_match_hf(tmp_path: Path) -> None:
+    """use_bidirectional_attention "vision": on the sliding layers (window 8) an image's tokens see its later ones.
+    One image, two and none in one batch; a request whose prefix hit ends inside a run (its rest in the pass); a
+    pass that ends inside a run is refused."""
+    model_dir = tmp_path / "bidirectional"
+    build_gemma4_vl(model_dir, use_bidirectional_attention="vision")
+    runner = make_runner(model_dir)
+    assert runner.model_config.vision.bidirectional
+    prompts = [inputs(key) for key in ("one", "two", "text")]
+    lengths = [p["input_ids"].shape[1] for p in prompts]
+    pages = consecutive_pages(lengths, runner.page_size)
+    reqs = [request(p, pg, key=i) for i, (p, pg) in enumerate(zip(prompts, pages, strict=True))]
+    with torch.inference_mode():
+        logits = forward_logits(runner, ForwardBatch(batch_id=0, reqs=reqs))
+        for hf, ours in zip(prompts, logits.split(lengths), strict=True):
+            diff = (ours - hf_logits(model_dir, hf)).abs().max().item()
+            assert diff <= LOGITS_TOL, f"max abs logit diff {diff:.2e}"
+        [image] = reqs[0].images
+        hit = image.offset + image.num_tokens // 2  # the first request's pages hold the keys before it
+        rest = forward_logits(runner, ForwardBatch(batch_id=1, reqs=[request(prompts[0], pages[0], start=hit, key=5)]))
+        diff = (rest - hf_logits(model_dir, prompts[0])[hit:]).abs().max().item()
+        assert diff <= LOGITS_TOL, f"hit inside the run: max abs logit diff {diff:.2e}"
+        cut = request(prompts[0], pages[0], end=image.offset + 3, key=6)
+        with pytest.raises(BatchError, match="ends inside the image run"):
+            forward_logits(runner, ForwardBatch(batch_id=2, reqs=[cut]))
+    causal = hf_logits(model_dir, {**prompts[0], "mm_token_type_ids": torch.zeros_like(prompts[0]["input_ids"])})
+    assert (causal - logits.split(lengths)[0]).abs().max().item() > MIN_EFFECT  # both ways differs from causal

@@ -189,6 +189,9 @@ class Gemma4VisionConfig(VisionConfig):
     standardize: bool = False
     rms_norm_eps: float = 1e-6
     pad_token_id: int = 0
+    # use_bidirectional_attention "vision": on the sliding layers an image's tokens also see its later ones
+    # (worker/image_blocks.py)
+    bidirectional: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -228,6 +231,7 @@ class Gemma4VisionConfig(VisionConfig):
             standardize=bool(vision.get("standardize", False)),
             rms_norm_eps=vision.get("rms_norm_eps", 1e-6),
             pad_token_id=text.get("pad_token_id") if text.get("pad_token_id") is not None else 0,
+            bidirectional=text.get("use_bidirectional_attention") == "vision",
         )
 
 
