@@ -509,6 +509,9 @@ class WorkerReady(Struct, frozen=True):
     is_pooling: bool = False
     # The pooling runner's requests' prompts run whole from position 0 (PoolingSpec.whole_prompt)
     pools_whole_prompt: bool = False
+    # Image tokens that attend both ways (Gemma 4 with use_bidirectional_attention "vision"): a pass never ends inside
+    # an image's placeholder run (worker/image_blocks.py)
+    whole_image_runs: bool = False
 
 
 class Shutdown(Struct, frozen=True):

@@ -124,6 +124,7 @@ class SchedulerProcess:
             num_state_slots=first.num_state_slots,
             num_state_snapshots=first.num_state_snapshots,
             pools_whole_prompt=first.pools_whole_prompt,
+            whole_image_runs=first.whole_image_runs,
         )
         self.to_frontend.send(
             SchedulerReady(

@@ -47,8 +47,6 @@ def vision_spec(hf: dict[str, Any]) -> VisionSpec | None:
     if not isinstance(vision, dict) or not isinstance(token_id, int) or hf.get("model_type") in TEXT_ONLY_TYPES:
         return None
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
-    if text.get("use_bidirectional_attention") == "vision":
-        return None  # image tokens that attend both ways (larger Gemma 4s): not served, their images refused
     rope = [c.get(key) for c in (hf, text) for key in ("rope_parameters", "rope_scaling")]
     has_section = any(isinstance(r, dict) and r.get("mrope_section") for r in rope)
     begin, end = (hf.get(key) for key in WRAPPED_TYPES.get(hf.get("model_type"), ("", "")))

@@ -1,7 +1,8 @@
 """Gemma 4 with images through a whole server: chat image_url parts (the openai client with data: URLs) on the tiny
 Gemma 4 of tests/gemma4_vision_models.py give transformers' greedy answers, each image's placeholders wrapped in its
-begin and end tokens as the processor lays them out, chunked prefill cutting the runs and, asked again, the prefix
-cache serving the images' pages; audio and video parts are 400s naming the part."""
+begin and end tokens as the processor lays them out, each attending over its whole run (use_bidirectional_attention
+"vision"), chunked prefill around the runs and, asked again, the prefix cache serving the images' pages; audio and
+video parts are 400s naming the part."""
 
 from __future__ import annotations
 
@@ -21,13 +22,15 @@ MAX_TOKENS = 6
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("gemma4_vl")
-    build_gemma4_vl(path)
+    # image tokens that attend both ways: the workers' ready message has the scheduler keep each run in one pass
+    build_gemma4_vl(path, use_bidirectional_attention="vision")
     return path
 
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    # chunks of 32 cut a 64-token image run; pages of 4 let a repeated image's pages come from the prefix cache
+    # chunks of 32 would cut a 64-token image run (it goes whole); pages of 4 let a repeated image's pages come from
+    # the prefix cache
     with ServerProcess("--model-path", str(model_dir), "--served-model-name", "g4", "--context-length", "512",
                        "--max-total-tokens", "4096", "--page-size", "4", "--chunked-prefill-size", "32") as proc:
         yield proc

@@ -1,5 +1,5 @@
 """Gemma 4's images in the frontend (frontend/multimodal/), no model weights: the config's vision facts (each image's
-run wrapped in its begin and end tokens; a config whose image tokens attend both ways takes no images), and a
+run wrapped in its begin and end tokens, whether or not its image tokens attend both ways), and a
 prompt expanded as Gemma4Processor lays it out (tests/gemma4_vision_models.hf_inputs), its patches those of the
 image processor without their padding."""
 
@@ -45,7 +45,7 @@ def test_the_config_gives_the_vision_facts(pipeline) -> None:
     assert not spec.mrope and pipeline.modalities == ["text", "image"]
     config = hf_config().to_dict()
     both_ways = {**config, "text_config": {**config["text_config"], "use_bidirectional_attention": "vision"}}
-    assert vision_spec(both_ways) is None  # its images would need bidirectional attention: refused
+    assert vision_spec(both_ways) == spec  # the workers attend its image tokens both ways
     assert vision_spec({**config, "vision_config": None}) is None
     assert vision_spec({"model_type": "gemma4_text", "image_token_id": 5}) is None
 
