@@ -30,7 +30,7 @@ from tests.worker_helpers import GREEDY, consecutive_pages, forward_logits, make
 
 LOGITS_TOL = 1e-3  # fp32 (two images: ~5e-4 through the tower and five layers of std 0.3)
 MIN_EFFECT = 0.1
-DECODE_STEPS = 4
+DECODE_STEPS = 3
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def hf_greedy(model_dir: Path, hf: dict, steps: int, adapter_dir: Path | None) -
 
 def test_greedy_decode_matches_hf(runner, vl_set) -> None:
     model_dir, adapters = vl_set
-    cases = [("one", None), ("two", "a8"), ("text", "a4")]
+    cases = [("two", "a8"), ("text", None)]
     prompts = [inputs(key) for key, _ in cases]
     names = [name for _, name in cases]
     lengths = [p["input_ids"].shape[1] for p in prompts]

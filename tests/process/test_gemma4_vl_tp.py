@@ -19,7 +19,7 @@ from tests.lora_helpers import load_all, slot_loads, slot_of
 from tests.worker_helpers import GREEDY, consecutive_pages, forward_logits, run_two_ranks, tp_group
 
 DECODE_STEPS = 3
-MIXED = [("one", None), ("two", "a4"), ("text", "a8"), ("two", None), ("one", "a16"), ("two", "a16")]
+MIXED = [("one", None), ("two", "a4"), ("text", "a8"), ("two", "a16")]
 
 
 def tp_config(tp: int) -> ServerConfig:
