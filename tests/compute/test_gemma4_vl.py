@@ -185,3 +185,39 @@ def test_image_tokens_that_attend_both_ways_match_hf(tmp_path: Path) -> None:
             forward_logits(runner, ForwardBatch(batch_id=2, reqs=[cut]))
     causal = hf_logits(model_dir, {**prompts[0], "mm_token_type_ids": torch.zeros_like(prompts[0]["input_ids"])})
     assert (causal - logits.split(lengths)[0]).abs().max().item() > MIN_EFFECT  # both ways differs from causal
+
+
+def test_clipped_and_standardized_tower_matches_hf(tmp_path: Path) -> None:
+    """use_clipped_linears (each tower linear's input and output clamped to the checkpoint's bounds) and standardize
+    (the pooled soft tokens' std_bias and std_scale): the tower's and embedder's rows equal HF's get_image_features."""
+    from loraplex.worker.images import _pixels
+    from transformers import Gemma4ForConditionalGeneration
+
+    from tests.gemma4_vision_models import hf_config, image_inputs, make_image_processor, make_tokenizer
+
+    config = hf_config()
+    config.vision_config.use_clipped_linears, config.vision_config.standardize = True, True
+    torch.manual_seed(0)
+    model = Gemma4ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn(param.shape) * 0.2 + (1.0 if name.endswith("norm.weight") else 0.0))
+        for name, buffer in model.named_buffers():
+            if name.endswith(("_min", "_max")):  # tight enough that the clamps bite
+                buffer.fill_(0.3 if name.endswith("_max") else -0.3)
+            elif name.endswith("std_bias") or name.endswith("std_scale"):
+                buffer.copy_(torch.rand(buffer.shape) + 0.5)
+    model.save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    make_image_processor().save_pretrained(tmp_path)
+    runner = make_runner(tmp_path)
+    hf = inputs("two")
+    images = image_inputs(hf)
+    with torch.inference_mode():
+        ref = torch.cat(model.model.get_image_features(hf["pixel_values"], hf["image_position_ids"]).pooler_output)
+        ours = runner.model.encode_images(torch.cat([_pixels(i) for i in images]), [i.grid_thw for i in images])
+        unclipped = model.model.vision_tower.encoder.layers[0].self_attn.q_proj
+        unclipped.use_clipped_linears = False  # the bounds matter: without them the rows differ
+        loose = torch.cat(model.model.get_image_features(hf["pixel_values"], hf["image_position_ids"]).pooler_output)
+    assert (ours - ref).abs().max().item() <= 1e-3 * ref.abs().max().item()
+    assert (loose - ref).abs().max().item() > MIN_EFFECT
