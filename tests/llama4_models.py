@@ -70,21 +70,26 @@ def build_llama4_model(out_dir: Path | str, seed: int = 0, with_tokenizer: bool 
 
 def build_multimodal_checkpoint(text_dir: Path | str, out_dir: Path | str) -> None:
     """The text model's tensors as Llama4ForConditionalGeneration saves them (`language_model.` before each), beside
-    a vision tower and projector of random values, and a `llama4` config around the text config."""
+    a vision model (tests/llama4_vision_models.py's shape) and projector of random values, and a `llama4` config
+    around the text config."""
     from safetensors.torch import load_file, save_file
+    from transformers import Llama4VisionConfig, Llama4VisionModel
+
+    from tests.llama4_vision_models import VISION
 
     text_dir, out_dir = Path(text_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {f"language_model.{key}": t for key, t in load_file(text_dir / "model.safetensors").items()}
-    tensors["vision_model.patch_embedding.linear.weight"] = torch.randn(8, 12)
-    tensors["multi_modal_projector.linear_1.weight"] = torch.randn(64, 8)
-    save_file(tensors, out_dir / "model.safetensors")
+    vision = Llama4VisionModel(Llama4VisionConfig(**VISION))
+    tensors.update({f"vision_model.{key}": t.detach().clone() for key, t in vision.state_dict().items()})
     text = json.loads((text_dir / "config.json").read_text())
+    tensors["multi_modal_projector.linear_1.weight"] = torch.randn(text["hidden_size"], VISION["vision_output_dim"])
+    save_file(tensors, out_dir / "model.safetensors")
     config = {
         "model_type": "llama4",
         "architectures": ["Llama4ForConditionalGeneration"],
         "text_config": text,
-        "vision_config": {"hidden_size": 8},
+        "vision_config": VISION,
         "tie_word_embeddings": False,
     }
     (out_dir / "config.json").write_text(json.dumps(config))

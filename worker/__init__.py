@@ -48,6 +48,7 @@ model/qwen3_next.py        Qwen3-Next: Qwen3.5's decoder with grouped in_proj_qk
 model/gpt_oss.py           gpt-oss: attention sinks, biased top-k-softmax router, experts with biases, clamped SwiGLU
 model/llama4.py            Llama 4 (text): chunked local attention on RoPE layers, NoPE global layers with temperature
                            tuning, QK L2 norm; sigmoid top-1 experts fed their weight, a shared expert, dense layers
+model/llama4_vision.py     Llama 4's vision model (tiles, 2-D rotary, pixel shuffle) and projector, TP-sharded
 model/qwen2_5_vl.py        Qwen2.5-VL: a Qwen2 decoder with M-RoPE whose image placeholders take the tower's rows
 model/qwen2_5_vl_vision.py  Qwen2.5-VL's vision tower (windowed and full blocks, 2-D rotary, patch merger), TP-sharded
 model/registry.py          model_type -> decoder class (one file per family)

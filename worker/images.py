@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from loraplex.protocol.structs import ForwardReq, ImageInput
 from loraplex.worker.batch_inputs import BatchError
-from loraplex.worker.model.config import VisionConfig
+from loraplex.worker.model.config import Llama4VisionConfig, VisionConfig
 
 if TYPE_CHECKING:
     from loraplex.worker.lora.manager import LoRAManager
@@ -38,8 +38,8 @@ class ImageEncoder:
     mid-image leaves its entry to age out) and up to `max_done` images taken whole (`done`, least recently used
     dropped first)."""
 
-    def __init__(self, model, vision: VisionConfig | None, device: torch.device, lora: LoRAManager | None = None,
-                 max_kept: int = 16, max_done: int = 16):  # fmt: skip
+    def __init__(self, model, vision: VisionConfig | Llama4VisionConfig | None, device: torch.device,
+                 lora: LoRAManager | None = None, max_kept: int = 16, max_done: int = 16):  # fmt: skip
         self.model, self.vision, self.device, self.lora = model, vision, device, lora
         self.max_kept, self.max_done = max_kept, max_done
         # (content_hash, tower adapter, strength) -> its rows; a key is in one of the two at most
@@ -121,7 +121,12 @@ def _pixels(image: ImageInput) -> torch.Tensor:
     return torch.frombuffer(bytearray(image.pixel_values), dtype=torch.float32).view(*image.shape)
 
 
-def _check_image(i: int, image: ImageInput, vision: VisionConfig) -> None:
+def _check_image(i: int, image: ImageInput, vision: VisionConfig | Llama4VisionConfig) -> None:
+    if isinstance(vision, Llama4VisionConfig):  # one tile of a Llama 4 image
+        problem = vision.image_problem(image.shape, image.num_tokens, len(image.pixel_values))
+        if problem is not None:
+            raise BatchError(f"request {i}: {problem}")
+        return
     c = vision
     patch_dim = c.in_channels * c.temporal_patch_size * c.patch_size**2
     if len(image.grid_thw) != 3 or any(n <= 0 for n in image.grid_thw):

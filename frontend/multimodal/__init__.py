@@ -6,5 +6,6 @@ images.py   ImagePipeline: a prompt's images from their sources to its ImageInpu
 sources.py  an image's bytes: data: URLs, file:// under --allowed-local-media-path, http(s):// with limits, base64
 decode.py   bytes to an RGB PIL image, or a 400 naming the part (format, size, truncation, decompression bombs)
 vision.py   VisionSpec from config.json (placeholder token, merge size, M-RoPE); one image through the processor
+llama4.py   Llama 4's tiling (Llama4ImageProcessor without torchvision) and each image's tokens (Llama4Processor)
 prompt.py   a prompt's placeholders expanded to each image's run; its M-RoPE positions
 """

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplex.frontend.errors import InputError
+from loraplex.frontend.multimodal.llama4 import Llama4Spec, llama4_spec
 
 # Multimodal checkpoints whose workers serve the language model alone (MODELS.md): their images are refused.
-TEXT_ONLY_TYPES = frozenset({"gemma3", "llama4", "qwen3_5", "qwen3_5_moe", "mistral3"})
+TEXT_ONLY_TYPES = frozenset({"gemma3", "qwen3_5", "qwen3_5_moe", "mistral3"})
 # Checkpoints whose processor wraps an image's placeholders in begin and end tokens (config keys)
 WRAPPED_TYPES = {"gemma4": ("boi_token_id", "eoi_token_id")}
 MROPE_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
@@ -30,14 +31,16 @@ class VisionSpec:
     end_token_id: int | None = None
 
 
-def read_vision_spec(model_dir: str) -> VisionSpec | None:
-    """The model's VisionSpec, or None when it takes no images (a text model, or a multimodal checkpoint served as
-    its language model)."""
+def read_vision_spec(model_dir: str) -> VisionSpec | Llama4Spec | None:
+    """The model's VisionSpec (Llama 4's own Llama4Spec), or None when it takes no images (a text model, or a
+    multimodal checkpoint served as its language model)."""
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
             hf = json.load(f)
     except (OSError, ValueError):
         return None
+    if hf.get("model_type") == "llama4":
+        return llama4_spec(hf, model_dir) if isinstance(hf.get("vision_config"), dict) else None
     return vision_spec(hf)
 
 

@@ -214,8 +214,11 @@ def _parse_pattern(pattern: Any, field: str, *, is_rank: bool) -> tuple[tuple[st
 
 # Qwen2.5-VL's vision tower (attn.qkv, attn.proj) and patch merger (mlp.0, mlp.2) linears, as PEFT's target_modules
 # name them; its tower MLP shares gate_proj/up_proj/down_proj with the language model (told apart by the tensors).
-# Gemma 4's tower: the `linear` inside each of its clippable q/k/v/o and MLP projections; its embedder's projection.
+# Llama 4's vision MLPs and pixel-shuffle adapter (fc1, fc2) and projector (linear_1); its vision attention shares
+# q/k/v/o_proj with the language model. Gemma 4's tower: the `linear` inside each of its clippable q/k/v/o and MLP
+# projections; its embedder's projection.
 TOWER_TARGETS = ("qkv", "attn.qkv", "proj", "attn.proj", "mlp.0", "mlp.2", "merger.mlp.0", "merger.mlp.2",
+                 "fc1", "fc2", "mlp.fc1", "mlp.fc2", "linear_1", "multi_modal_projector.linear_1",
                  "linear", "embedding_projection")
 
 

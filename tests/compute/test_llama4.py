@@ -104,8 +104,8 @@ def test_chunked_prefill_over_a_shared_prefix_matches_peft(llama4_set, runner: M
 
 
 def test_multimodal_checkpoint_serves_its_language_model(llama4_set, tmp_path: Path) -> None:
-    """A `llama4` checkpoint (language_model.* beside a vision tower and projector, a text_config): the text model's
-    logits; the vision tensors are skipped."""
+    """A `llama4` checkpoint (language_model.* beside a vision model and projector, a text_config): the text model's
+    logits for a prompt without images."""
     model_dir, _ = llama4_set
     build_multimodal_checkpoint(model_dir, tmp_path / "mm")
     runner = make_runner(tmp_path / "mm")

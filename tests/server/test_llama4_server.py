@@ -37,3 +37,15 @@ def test_llama4_mixed_batch_equals_peft_with_chunks_and_prefix_cache(server: Ser
     info = server.get("/server_info").json()
     assert info["model_type"] == "llama4_text" and info["num_hidden_layers"] == 4
     assert_mixed_batch_equals_peft(server, model_dir, adapters, NAMES, GREEDY)
+
+
+def test_an_image_on_the_text_model_is_a_400(server: ServerProcess) -> None:
+    """llama4_text takes no images: a chat image part is refused by name, and nothing is left in flight."""
+    from tests.image_inputs import GOOD_PNG, data_url
+
+    model = server.get("/v1/models").json()["data"][0]["id"]
+    content = [{"type": "image_url", "image_url": {"url": data_url(GOOD_PNG)}}, {"type": "text", "text": "what?"}]
+    resp = server.post("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": content}]})
+    assert resp.status_code == 400, resp.text
+    assert "takes no images" in resp.json()["error"]["message"]
+    assert server.get("/server_info").json()["num_requests_in_flight"] == 0

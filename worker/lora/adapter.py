@@ -40,7 +40,7 @@ from loraplex.worker.lora.targets import (
     slice_order_rows,
 )
 from loraplex.worker.lora.tower import TOWER_FLAG, is_tower_key, tower_weights
-from loraplex.worker.model.config import ModelConfig, VisionConfig
+from loraplex.worker.model.config import Llama4VisionConfig, ModelConfig, VisionConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -57,7 +57,7 @@ class PoolSpec:
     expert_parallel: bool = False
     # --enable-tower-connector-lora on a vision-language model: its tower, whose linears adapters may reach
     # (worker/lora/tower.py); None: an adapter that targets it is refused
-    tower: VisionConfig | None = None
+    tower: VisionConfig | Llama4VisionConfig | None = None
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from loraplex.worker.lora.latent import LoRALatentKVProj
 from loraplex.worker.lora.layers import LoRABatchInfo, LoRALinear
 from loraplex.worker.lora.pool import LoRABuffers, LoRAPool
 from loraplex.worker.lora.targets import EXPERT_FUSED_LINEARS, KINDS_OF, full_shapes
-from loraplex.worker.lora.tower import TowerLoRA
+from loraplex.worker.lora.tower import TowerLoRA, tower_root
 from loraplex.worker.lora.upload import uploader_for
 from loraplex.worker.lora.vocab import EMBED, HEAD, LoRAEmbedding, LoRALMHead
 from loraplex.worker.model.config import ModelConfig
@@ -110,9 +110,8 @@ class LoRAManager:
         if HEAD in self.pool.vocab and hasattr(model, "lm_head"):
             model.lm_head = LoRALMHead(model.lm_head, self.pool.vocab[HEAD], self.batch)
         # --enable-tower-connector-lora: the vision tower's linears wrapped, each image encoded with its adapter
-        # Qwen2.5-VL's paths are inside `visual`; Gemma 4's from the model (vision_tower, embed_vision)
-        root = getattr(model, "visual", model)
-        self.tower = TowerLoRA(root, self.spec.tower) if self.spec.tower is not None else None
+        tower = self.spec.tower
+        self.tower = TowerLoRA(tower_root(model, tower), tower) if tower is not None else None
         self.adapters: dict[int, LoRAAdapter] = {}  # lora_id -> host copy
         self.names: dict[int, str] = {}  # lora_id -> the name it was loaded under (draft adapters go by it)
         self._dropped_early: set[int] = set()  # ids dropped before their install (ids are never reused)

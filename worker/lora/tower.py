@@ -5,11 +5,18 @@ An adapter's tower tensors (PEFT keys `...visual.<module>.lora_A/B.weight`: bloc
 mlp.gate_proj / up_proj / down_proj, merger.mlp.0 / mlp.2) are kept per module of ours as one (A, B) pair of this
 rank: the slices of a fused linear (gate_up_proj's gate and up) stacked along the rank, B block-diagonal, the scale
 folded into B; column-parallel linears keep B's rows of this rank, row-parallel ones A's columns (their delta joins the
-layer's partial sum before its one all-reduce). Gemma 4's (PEFT keys `...vision_tower.encoder.layers.N.self_attn.
-q_proj.linear` ..., `...embed_vision.embedding_projection`) are paths from the model, each one linear. The tower's
-linears are wrapped once at start; a pass sets which rows (each image's patches, or its merged rows in the merger or
-Gemma 4's embedder) take which adapter, and every wrapper adds x·Aᵀ·Bᵀ to those rows. The tower's images are few
-and short next to the decoder's tokens: a plain gather per adapter, no kernel."""
+layer's partial sum before its one all-reduce). The tower's linears are wrapped once at start; a pass sets which rows
+(each image's patches, or its merged rows in the merger) take which adapter, and every wrapper adds x·Aᵀ·Bᵀ to those
+rows. The tower's images are few and short next to the decoder's tokens: a plain gather per adapter, no kernel.
+
+Llama 4's vision model and projector (PEFT keys `...vision_model.<module>...` / `...multi_modal_projector.linear_1...`:
+its encoder layers' self_attn.q/k/v/o_proj and mlp.fc1/fc2, vision_adapter.mlp.fc1/fc2, the projector's linear_1,
+which is whole on every rank) are named from the model itself; every one of its linears reads rows of (tiles, ...)
+whose first dimension is the tile, one image of worker/images.py, so an adapter's rows are its tiles'.
+
+Gemma 4's tower and embedder (PEFT keys `...vision_tower.encoder.layers.N.self_attn.q_proj.linear` ..., the `linear`
+inside each clippable projection, and `...embed_vision.embedding_projection`, whole on every rank) are named from the
+model too; the embedder reads soft tokens, the merged rows."""
 
 from __future__ import annotations
 
@@ -19,15 +26,16 @@ from dataclasses import dataclass
 
 import torch
 from loraplex.protocol.adapters.adapter_config import AdapterLoadError
-from loraplex.worker.model.config import Gemma4VisionConfig, VisionConfig
+from loraplex.worker.model.config import Gemma4VisionConfig, Llama4VisionConfig, VisionConfig
 from torch import nn
 
-# Qwen2.5-VL: `visual.<our path in the tower>`; Gemma 4: `vision_tower.` / `embed_vision.` start our path (from the
-# model)
-TOWER_KEY = re.compile(r"(?:^|\.)(?:visual\.|(?=vision_tower\.|embed_vision\.))(.+)\.lora_([AB])(?:\.\w+)?\.weight$")
+TOWER_KEY = re.compile(r"(?:^|\.)((?:visual|vision_model|multi_modal_projector|vision_tower|embed_vision)\..+)"
+                       r"\.lora_([AB])(?:\.\w+)?\.weight$")
 TOWER_FLAG = "--enable-tower-connector-lora"
-# PEFT's MLP slices -> (our fused module, slice)
-_SLICES = {"mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1)}
+# PEFT's slices of our fused linears -> (our fused module, slice)
+_SLICES = {"mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1),
+           "self_attn.q_proj": ("self_attn.qkv_proj", 0), "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+           "self_attn.v_proj": ("self_attn.qkv_proj", 2)}  # fmt: skip
 
 
 def is_tower_key(key: str) -> bool:
@@ -36,15 +44,26 @@ def is_tower_key(key: str) -> bool:
 
 @dataclass(frozen=True)
 class TowerLinear:
-    mode: str  # "column" or "row"
+    mode: str  # "column", "row" or "replicated"
     input_size: int
     output_sizes: tuple[int, ...]  # per fused slice (qkv's three, gate_up's two)
 
 
-def tower_linears(c: VisionConfig) -> dict[str, TowerLinear]:
+def tower_root(model: nn.Module, c: VisionConfig | Llama4VisionConfig) -> nn.Module:
+    """The module tower_linears' paths start from: Qwen2.5-VL's tower, Llama 4's and Gemma 4's whole model."""
+    return model if _from_model(c) else model.visual
+
+
+def _from_model(c: VisionConfig | Llama4VisionConfig) -> bool:
+    return isinstance(c, (Llama4VisionConfig, Gemma4VisionConfig))
+
+
+def tower_linears(c: VisionConfig | Llama4VisionConfig) -> dict[str, TowerLinear]:
     """Our module path inside the tower -> its shape, for every linear an adapter may reach."""
+    if isinstance(c, Llama4VisionConfig):
+        return _llama4_linears(c)
     if isinstance(c, Gemma4VisionConfig):
-        return gemma4_tower_linears(c)
+        return _gemma4_linears(c)
     group = c.hidden_size * c.spatial_merge_size**2
     out: dict[str, TowerLinear] = {}
     for i in range(c.depth):
@@ -57,9 +76,21 @@ def tower_linears(c: VisionConfig) -> dict[str, TowerLinear]:
     return out
 
 
-def gemma4_tower_linears(c: Gemma4VisionConfig) -> dict[str, TowerLinear]:
-    """Gemma 4's, from the model (worker/model/gemma4_vision.py): each clippable projection's inner linear, and the
-    embedder's projection (replicated: every rank keeps its A and B whole)."""
+def _llama4_linears(c: Llama4VisionConfig) -> dict[str, TowerLinear]:
+    out: dict[str, TowerLinear] = {}
+    for i in range(c.num_layers):
+        layer = f"vision_model.model.layers.{i}"
+        out[f"{layer}.self_attn.qkv_proj"] = TowerLinear("column", c.hidden_size, (c.hidden_size,) * 3)
+        out[f"{layer}.self_attn.o_proj"] = TowerLinear("row", c.hidden_size, (c.hidden_size,))
+        out[f"{layer}.mlp.fc1"] = TowerLinear("column", c.hidden_size, (c.intermediate_size,))
+        out[f"{layer}.mlp.fc2"] = TowerLinear("row", c.intermediate_size, (c.hidden_size,))
+    out["vision_model.vision_adapter.mlp.fc1"] = TowerLinear("column", c.intermediate_size, (c.projector_input_dim,))
+    out["vision_model.vision_adapter.mlp.fc2"] = TowerLinear("row", c.projector_input_dim, (c.projector_output_dim,))
+    out["multi_modal_projector.linear_1"] = TowerLinear("replicated", c.vision_output_dim, (c.out_hidden_size,))
+    return out
+
+
+def _gemma4_linears(c: Gemma4VisionConfig) -> dict[str, TowerLinear]:
     q_size, kv_size, hidden, mlp = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, \
         c.intermediate_size  # fmt: skip
     out: dict[str, TowerLinear] = {}
@@ -77,9 +108,25 @@ def gemma4_tower_linears(c: Gemma4VisionConfig) -> dict[str, TowerLinear]:
     return out
 
 
+def _our_path(path: str, vision: VisionConfig | Llama4VisionConfig) -> tuple[str, int | None]:
+    """A PEFT module path (from the tower's root name on) -> (our module path, slice of a fused linear or None)."""
+    if isinstance(vision, VisionConfig):
+        path = path.removeprefix("visual.")
+    for theirs, (ours, slice_id) in _SLICES.items():
+        if path.endswith("." + theirs):
+            return path[: -len(theirs)] + ours, slice_id
+    return path, None
+
+
+def _shown(ours: str, vision: VisionConfig | Llama4VisionConfig) -> str:
+    """Our module path as an error names it: Qwen2.5-VL's under `visual.`, Llama 4's and Gemma 4's from the model's
+    root."""
+    return ours if _from_model(vision) else f"visual.{ours}"
+
+
 def tower_weights(
     tensors: dict[str, torch.Tensor],
-    vision: VisionConfig | None,
+    vision: VisionConfig | Llama4VisionConfig | None,
     scale_of: Callable[[str], tuple[int, float]],
     tp_rank: int,
     tp_size: int,
@@ -93,23 +140,22 @@ def tower_weights(
     for key, tensor in tensors.items():
         match = TOWER_KEY.search(key)
         path = match[1]
-        block, _, leaf = path.rpartition(".mlp.")
-        fused, slice_id = _SLICES.get(f"mlp.{leaf}", (None, None)) if block and path not in linears else (None, None)
-        ours = f"{block}.{fused}" if fused else path
+        ours, slice_id = _our_path(path, vision)
         if ours not in linears:
             raise AdapterLoadError(f"tensor {key!r}: unknown vision tower module {path!r}")
         pieces.setdefault((ours, slice_id), {})[match[2]] = (key, tensor)
     out: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = {}
     for (ours, slice_id), pair in pieces.items():
         if set(pair) != {"A", "B"}:
-            raise AdapterLoadError(f"missing lora_{'B' if 'A' in pair else 'A'} weight for visual.{ours}")
+            raise AdapterLoadError(f"missing lora_{'B' if 'A' in pair else 'A'} weight for {_shown(ours, vision)}")
         (key_a, a), (_, b) = pair["A"], pair["B"]
         linear = linears[ours]
         r, scale = scale_of(key_a)
         full_out = linear.output_sizes[slice_id] if slice_id is not None else sum(linear.output_sizes)
         if tuple(a.shape) != (r, linear.input_size) or tuple(b.shape) != (full_out, r):
-            raise AdapterLoadError(f"shape mismatch with the vision tower: visual.{ours} lora_A {tuple(a.shape)}, "
-                                   f"lora_B {tuple(b.shape)}, expected ({r}, {linear.input_size}), ({full_out}, {r})")
+            raise AdapterLoadError(f"shape mismatch with the vision tower: {_shown(ours, vision)} lora_A "
+                                   f"{tuple(a.shape)}, lora_B {tuple(b.shape)}, expected ({r}, {linear.input_size}), "
+                                   f"({full_out}, {r})")
         out.setdefault(ours, []).append((slice_id, a, b * scale))
     return {ours: _this_rank(linears[ours], parts, tp_rank, tp_size) for ours, parts in out.items()}
 
@@ -117,7 +163,7 @@ def tower_weights(
 def _this_rank(linear: TowerLinear, parts: list[tuple[int | None, torch.Tensor, torch.Tensor]], rank: int, size: int
                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One (A, B) for the module: slices stacked along the rank, B block-diagonal over this rank's output rows."""
-    if linear.mode == "replicated":
+    if linear.mode == "replicated":  # one slice, whole on every rank
         (_, a, b), = parts
         return a.contiguous(), b.contiguous()
     if linear.mode == "row":  # one slice: A's columns of this rank, B whole
@@ -153,7 +199,7 @@ class TowerLoRALinear(nn.Module):
     def __init__(self, base: nn.Module, name: str, rows: TowerRows):
         super().__init__()
         self.base, self.name, self.rows = base, name, rows
-        self.merged = name.startswith(("merger.", "embed_vision."))  # reads merged rows (soft tokens), not patches
+        self.merged = name.startswith(("merger.", "embed_vision."))  # reads merged rows, not patches
         self.output_sizes_per_rank = base.output_sizes_per_rank  # what the model reads of the layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,9 +217,10 @@ class TowerLoRALinear(nn.Module):
 class TowerLoRA:
     """The wrapped tower and the rows each adapter takes in this pass."""
 
-    def __init__(self, tower: nn.Module, vision: VisionConfig):
+    def __init__(self, tower: nn.Module, vision: VisionConfig | Llama4VisionConfig):
         self.rows = TowerRows()
-        self.unit = vision.spatial_merge_size**2
+        # patches a merged row takes; Llama 4: 1 (each image is one tile and has one "patch": its leading index)
+        self.unit = vision.spatial_merge_size**2 if isinstance(vision, VisionConfig) else 1
         for name in tower_linears(vision):
             parent_name, _, attr = name.rpartition(".")
             parent = tower.get_submodule(parent_name)

@@ -236,6 +236,85 @@ class Gemma4VisionConfig(VisionConfig):
 
 
 @dataclass(frozen=True)
+class Llama4VisionConfig:
+    """Llama 4's vision model (vision_config) and projector: every tile of image_size pixels a side is one sequence
+    of (image_size / patch_size)**2 patches and a class token; pixel shuffle folds each 2x2 (1 / ratio a side) of
+    patches into one row, so a tile takes tokens_per_tile placeholders (`<|patch|>`, image_token_id)."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int  # the encoder MLP's width, and the pixel-shuffled rows' (hidden / ratio**2)
+    num_heads: int
+    image_size: int
+    patch_size: int
+    in_channels: int
+    pixel_shuffle_ratio: float
+    projector_input_dim: int
+    projector_output_dim: int
+    vision_output_dim: int  # the projector's input
+    out_hidden_size: int  # the language model's hidden size
+    rope_theta: float
+    image_token_id: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return int(self.patches_per_side**2 * self.pixel_shuffle_ratio**2)
+
+    @classmethod
+    def from_dict(cls, hf: dict[str, Any]) -> Llama4VisionConfig:
+        vision = hf.get("vision_config") or {}
+        text = hf.get("text_config") or {}
+        return cls(
+            num_layers=vision.get("num_hidden_layers", 34),
+            hidden_size=vision.get("hidden_size", 768),
+            intermediate_size=vision.get("intermediate_size", 5632),
+            num_heads=vision.get("num_attention_heads", 16),
+            image_size=vision.get("image_size", 448),
+            patch_size=vision.get("patch_size", 14),
+            in_channels=vision.get("num_channels", 3),
+            pixel_shuffle_ratio=float(vision.get("pixel_shuffle_ratio", 0.5)),
+            projector_input_dim=vision.get("projector_input_dim", 4096),
+            projector_output_dim=vision.get("projector_output_dim", 4096),
+            vision_output_dim=vision.get("vision_output_dim", 7680),
+            out_hidden_size=text.get("hidden_size", 5120),
+            rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", vision.get("rope_theta", 1e4))),
+            image_token_id=hf.get("image_token_index", hf.get("image_token_id", 200092)),
+        )
+
+    def check(self) -> None:
+        """Before the tower is built (transformers' defaults alone do not make a tower that runs)."""
+        c = self
+        shuffled = int(c.hidden_size / c.pixel_shuffle_ratio**2)
+        if c.intermediate_size != shuffled or c.projector_input_dim != c.projector_output_dim:
+            raise ModelConfigError(f"llama4 vision_config: intermediate_size {c.intermediate_size} must be hidden_size "
+                                   f"/ pixel_shuffle_ratio**2 ({shuffled}) and projector_input_dim "
+                                   f"{c.projector_input_dim} equal projector_output_dim {c.projector_output_dim}")
+        if c.vision_output_dim != c.projector_output_dim:
+            raise ModelConfigError(f"llama4 vision_config: vision_output_dim {c.vision_output_dim} must equal "
+                                   f"projector_output_dim {c.projector_output_dim} (the projector reads the adapter's "
+                                   "output)")
+
+    def image_problem(self, shape: list[int], num_tokens: int, num_bytes: int) -> str | None:
+        """Why a tile (ImageInput) cannot go through this tower, or None."""
+        expected = [1, self.in_channels, self.image_size, self.image_size]
+        if list(shape) != expected:
+            return f"image tile pixel_values of shape {shape}, expected {expected}"
+        if num_bytes != 4 * self.in_channels * self.image_size**2:
+            return f"image tile pixel_values hold {num_bytes} bytes, not float32 of shape {shape}"
+        if num_tokens != self.tokens_per_tile:
+            return f"an image tile has {self.tokens_per_tile} placeholder tokens, not {num_tokens}"
+        return None
+
+
+@dataclass(frozen=True)
 class LinearAttentionConfig:
     """A hybrid model's Gated DeltaNet layers (Qwen3.5): their heads, and which layers they are."""
 
@@ -429,7 +508,8 @@ class ModelConfig:
     attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
     gemma4: Gemma4Layers | None = None  # Gemma 4's per-layer shapes, KV sharing and per-layer inputs
     encoder: EncoderConfig | None = None  # a bidirectional encoder (BERT); None: a decoder
-    vision: VisionConfig | None = None  # a vision-language model's tower (Qwen2.5-VL); None: text only
+    # a vision-language model's tower (Qwen2.5-VL's, Llama 4's); None: text only
+    vision: VisionConfig | Llama4VisionConfig | None = None
 
     @property
     def is_bidirectional(self) -> bool:
@@ -523,6 +603,8 @@ class ModelConfig:
             hf = _deepseek_v3_fields(hf)
         if model_type == "glm4_moe":
             hf = _glm4_moe_fields(hf)
+        if model_type == "llama4" and isinstance(hf.get("vision_config"), dict):
+            vision = Llama4VisionConfig.from_dict(hf)
         if model_type in LLAMA4_TYPES:
             hf = _llama4_fields(hf, model_type)
         hidden_act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"

@@ -14,12 +14,14 @@
 
 Checkpoint names (`feed_forward.*`, `feed_forward.shared_expert.*`, `feed_forward.router`) are read as ours
 (`mlp.*`, `mlp.shared_experts.*`, `mlp.gate`), where LoRA finds the MLPs of every family; the multimodal
-checkpoint's language model is read under `language_model.` and its vision tower and projector are skipped."""
+checkpoint's language model is read under `language_model.`; Llama4ForConditionalGeneration adds its vision model and
+projector (llama4_vision.py), whose rows replace the `<|patch|>` placeholders' embeddings (a `llama4` config without a
+vision_config serves the language model alone)."""
 
 from __future__ import annotations
 
 import torch
-from loraplex.worker.kv_cache import KVLayer
+from loraplex.worker.kv_cache import KVCache, KVLayer
 from loraplex.worker.layers.attention import BatchAttention, paged_attention
 from loraplex.worker.layers.attention_spec import LayerAttention
 from loraplex.worker.layers.moe import InputScaledMoeBlock
@@ -34,6 +36,8 @@ from loraplex.worker.model.llama import (
     LlamaModel,
     layer_attention,
 )
+from loraplex.worker.model.llama4_vision import Llama4Projector, Llama4VisionModel
+from loraplex.worker.model.qwen2_5_vl import Qwen2_5_VLTextModel
 from torch import nn
 
 
@@ -123,3 +127,39 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         (".feed_forward.router.", ".mlp.gate."),
         (".feed_forward.", ".mlp."),
     )
+
+
+class Llama4ImageModel(Qwen2_5_VLTextModel):
+    """Llama 4's decoder whose forward takes image rows (Qwen2.5-VL's: the placeholders' embeddings replaced)."""
+
+    layer_cls = Llama4DecoderLayer
+
+
+class Llama4ForConditionalGeneration(Llama4ForCausalLM):
+    model_cls = Llama4ImageModel
+    checkpoint_prefixes = (
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    )
+
+    def __init__(self, config: ModelConfig, max_positions: int):
+        super().__init__(config, max_positions)
+        self.vision_model = Llama4VisionModel(config.vision)
+        self.multi_modal_projector = Llama4Projector(config.vision)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        attention: BatchAttention,
+        image_rows: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_cache, attention, image_rows, image_embeds)  # (tokens, hidden)
+
+    def encode_images(self, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
+        """(every tile's placeholder rows in order, hidden) from the tiles (tiles, channels, size, size); each
+        tile is one image of worker/images.py (its grid unused)."""
+        rows = self.multi_modal_projector(self.vision_model(pixels))  # (tiles, tokens_per_tile, hidden)
+        return rows.flatten(0, 1)

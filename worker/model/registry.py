@@ -12,7 +12,7 @@ from loraplex.worker.model.gemma4 import Gemma4ForCausalLM
 from loraplex.worker.model.glm4_moe import Glm4MoeForCausalLM
 from loraplex.worker.model.gpt_oss import GptOssForCausalLM
 from loraplex.worker.model.llama import LlamaForCausalLM
-from loraplex.worker.model.llama4 import Llama4ForCausalLM
+from loraplex.worker.model.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
 from loraplex.worker.model.mixtral import MixtralForCausalLM
 from loraplex.worker.model.olmoe import OlmoeForCausalLM
 from loraplex.worker.model.phi3 import Phi3ForCausalLM
@@ -46,7 +46,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gpt_oss": GptOssForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "llama4_text": Llama4ForCausalLM,
-    "llama4": Llama4ForCausalLM,  # the language model of the multimodal checkpoint
+    "llama4": Llama4ForCausalLM,  # the multimodal checkpoint's language model (with a vision_config: its tower too)
     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,  # with its vision tower
 }
 
@@ -55,4 +55,6 @@ def build_model(config: ModelConfig, max_positions: int) -> nn.Module:
     """The model for config.model_type (ModelConfig already refused any type missing here)."""
     if config.model_type == "bert":
         return bert_model_class(config)(config, max_positions=max_positions)
+    if config.model_type == "llama4" and config.vision is not None:
+        return Llama4ForConditionalGeneration(config, max_positions=max_positions)
     return MODEL_CLASSES[config.model_type](config, max_positions=max_positions)
