@@ -8,6 +8,7 @@ Module map:
     slot_planner.py     SlotPlanner: which adapter sits in which device slot (holds, LRU eviction, pins)
     request.py          Request: one request's scheduler state
     ngram_proposer.py   speculative decoding's n-gram drafts from a request's own tokens (prompt lookup)
+    image_runs.py       where a chunk may end when an image's placeholders attend both ways (never inside a run)
     batch_policy.py     BatchPolicy: which waiting requests join the next batch (limits, slots)
     admission_order.py  AdmissionOrder: the order waiting requests are offered in (priority, fair share), preemption
     fair_share.py       FairShare: virtual token counters (VTC), the fair order between clients

@@ -124,7 +124,7 @@ class SchedulerProcess:
             num_state_slots=first.num_state_slots,
             num_state_snapshots=first.num_state_snapshots,
             pools_whole_prompt=first.pools_whole_prompt,
-            whole_image_runs=first.whole_image_runs,
+            images_whole=first.images_whole,
         )
         self.to_frontend.send(
             SchedulerReady(

@@ -86,6 +86,7 @@ from loraplex.protocol.structs import (
 from loraplex.scheduler.adapter_table import AdapterTable, LoadFinished
 from loraplex.scheduler.admission_order import AdmissionOrder
 from loraplex.scheduler.batch_policy import BatchPolicy
+from loraplex.scheduler.image_runs import whole_image_len
 from loraplex.scheduler.ngram_proposer import NgramProposer
 from loraplex.scheduler.page_allocator import PageAllocator
 from loraplex.scheduler.prefix_cache import BASE_NAMESPACE, PrefixCache, page_keys
@@ -126,16 +127,17 @@ class Scheduler:
         num_state_slots: int = 0,
         num_state_snapshots: int = 0,
         pools_whole_prompt: bool = False,
-        whole_image_runs: bool = False,
+        images_whole: bool = False,
     ):
         """attention_window: the most tokens a query of any layer attends to (its own included); None = some layer
         attends to the whole context, and no page is given back before its request ends. pools_whole_prompt
         (PoolingSpec.whole_prompt): a pooling request's prompt runs in one pass from position 0, neither chunked nor
         matched or offered to the prefix cache (mean or first-token pooling reads every token's state; a
-        bidirectional model's states depend on the tokens after them). whole_image_runs (WorkerReady's): a chunk
-        never ends inside an image's placeholder run, whose tokens attend both ways."""
+        bidirectional model's states depend on the tokens after them). images_whole (WorkerReady.images_whole): a
+        chunk of a prompt never ends inside an image's placeholder run (its tokens attend to each other both ways:
+        Gemma 3, Gemma 4 with use_bidirectional_attention "vision")."""
         self.config = config
-        self.whole_image_runs = whole_image_runs
+        self.images_whole = images_whole
         self.attention_window = attention_window
         self.pools_whole_prompt = pools_whole_prompt
         self.page_size = config.page_size
@@ -373,25 +375,15 @@ class Scheduler:
         remaining = req.num_unscheduled_tokens
         if self.is_chunked and not self._is_whole(req):
             num_new = min(remaining, self._budget_left)
-            if self.whole_image_runs and num_new:
-                num_new = self._image_runs_whole(req, num_new)
+            if self.images_whole and req.images:
+                num_new = whole_image_len(req.images, req.num_scheduled_tokens, num_new,
+                                          alone=self._budget_left == self.prefill_budget)  # fmt: skip
         elif remaining <= self._budget_left or self._budget_left == self.prefill_budget:
             num_new = remaining  # whole prompts; one longer than the budget runs alone
         else:
             num_new = 0
         self._budget_left = max(0, self._budget_left - num_new)
         return num_new
-
-    def _image_runs_whole(self, req: Request, num_new: int) -> int:
-        """num_new cut back to the start of an image run it would end inside, or, for a run the chunk starts in or
-        at, stretched to the run's end (past the budget, as a whole prompt longer than it runs)."""
-        start = req.num_scheduled_tokens
-        end = start + num_new
-        for image in req.images:
-            run_end = image.offset + image.num_tokens
-            if image.offset < end < run_end:
-                end = image.offset if image.offset > start else run_end
-        return end - start
 
     def _pages_short(self, req: Request, num_new: int) -> int:
         return req.num_pages_for(req.num_scheduled_tokens + num_new, self.page_size) - len(req.page_ids)

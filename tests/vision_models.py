@@ -84,11 +84,12 @@ def make_image_processor():  # -> Qwen2VLImageProcessorPil (the PIL backend: tor
                                     min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)  # fmt: skip
 
 
-def hf_inputs(prompt: str, images: list) -> dict:
+def hf_inputs(prompt: str, images: list, image_processor=None) -> dict:
     """What Qwen2_5_VLProcessor gives for one prompt (its video half needs torchvision): the image processor's
     pixel_values and image_grid_thw, the prompt's input_ids with each image's placeholder repeated once per merged
-    patch, and mm_token_type_ids marking those placeholders."""
-    tokenizer, image_processor = make_tokenizer(), make_image_processor()
+    patch, and mm_token_type_ids marking those placeholders. image_processor: another family's (Qwen3-VL's), which
+    places its tokens alike; default this file's."""
+    tokenizer, image_processor = make_tokenizer(), image_processor or make_image_processor()
     vision = image_processor(images=images, return_tensors="pt") if images else {}
     pieces = prompt.split(IMAGE_PAD)
     assert len(pieces) == len(images) + 1, (len(pieces) - 1, len(images))
@@ -125,9 +126,17 @@ def build_qwen2_5_vl(out_dir: Path | str, seed: int = 0, init_std: float = 0.35,
     tower's 0.1: its activations grow through the patch embedding otherwise)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
+    model = Qwen2_5_VLForConditionalGeneration(hf_config(**text_overrides))
+    save_random_vl(model, make_image_processor(), out_dir, seed, init_std)
+
+
+@torch.no_grad()
+def save_random_vl(model, image_processor, out_dir: Path | str, seed: int, init_std: float) -> None:
+    """`model` (a transformers VL model) with random weights (norms 1, the vision tower's std 0.1, the rest
+    init_std), saved with this file's tokenizer and `image_processor`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model = Qwen2_5_VLForConditionalGeneration(hf_config(**text_overrides)).to(torch.float32)
+    model = model.to(torch.float32)
     generator = torch.Generator().manual_seed(seed)
     for name, param in sorted(model.named_parameters()):
         if "norm" in name and name.endswith("weight"):
@@ -136,8 +145,13 @@ def build_qwen2_5_vl(out_dir: Path | str, seed: int = 0, init_std: float = 0.35,
             std = 0.1 if "visual" in name else init_std
             param.copy_(torch.randn(param.shape, generator=generator) * std)
     model.save_pretrained(out_dir, safe_serialization=True)
+    image_processor.save_pretrained(out_dir)
+    save_tokenizer(out_dir)
+
+
+def save_tokenizer(out_dir: Path) -> None:
+    """make_tokenizer()'s files (the vision tokens and chat template) in out_dir."""
     make_tokenizer().save_pretrained(out_dir)
-    make_image_processor().save_pretrained(out_dir)
     # transformers 5 names its own backend class here; the generic name loads anywhere.
     config_path = out_dir / "tokenizer_config.json"
     tokenizer_config = json.loads(config_path.read_text())

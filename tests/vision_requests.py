@@ -42,35 +42,40 @@ TOWER_LORA = dict(LORA, enable_tower_connector_lora=True, lora_target_modules=["
                   max_lora_rank=16)  # fmt: skip
 
 
-def build_vl_set(root: Path, tower: bool = False) -> tuple[Path, dict[str, Path]]:
-    """The tiny Qwen2.5-VL base under root/base and ADAPTERS (and with `tower` TOWER_ADAPTERS) beside it."""
+def build_vl_set(root: Path, tower: bool = False, build=None, tower_adapters: dict | None = None
+                 ) -> tuple[Path, dict[str, Path]]:  # fmt: skip
+    """The tiny Qwen2.5-VL base (or `build(dir)`'s) under root/base and ADAPTERS (and with `tower` TOWER_ADAPTERS, or
+    `tower_adapters`) beside it."""
     from tests.vision_models import build_qwen2_5_vl
 
-    build_qwen2_5_vl(root / "base")
+    (build or build_qwen2_5_vl)(root / "base")
     adapters = {}
-    for seed, (name, (r, alpha, targets)) in enumerate({**ADAPTERS, **(TOWER_ADAPTERS if tower else {})}.items()):
+    tower_adapters = (tower_adapters or TOWER_ADAPTERS) if tower else {}
+    for seed, (name, (r, alpha, targets)) in enumerate({**ADAPTERS, **tower_adapters}.items()):
         adapters[name] = root / name
         build_vl_adapter(root / "base", adapters[name], r, alpha, targets, seed)
     return root / "base", adapters
 
 
-def build_vl_adapter(base_dir: Path, out_dir: Path, r: int, alpha: int, targets: tuple[str, ...], seed: int) -> None:
-    """A PEFT LoRA adapter of the Qwen2.5-VL base, saved by peft (keys model.language_model.layers.N...), random A
-    and B."""
+def build_vl_adapter(base_dir: Path, out_dir: Path, r: int, alpha: int, targets: tuple[str, ...], seed: int,
+                     target_parameters: tuple[str, ...] = ()) -> None:  # fmt: skip
+    """A PEFT LoRA adapter of the VL base (Qwen2.5-VL, Qwen3-VL), saved by peft (keys
+    model.language_model.layers.N...), random A and B; target_parameters: stacked experts (Qwen3-VL-MoE's)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(base_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets)))
+    model = AutoModelForImageTextToText.from_pretrained(base_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                                                  target_parameters=list(target_parameters) or None))
     randomize_adapter(peft_model, seed)
     peft_model.save_pretrained(out_dir)
 
 
 @functools.lru_cache(maxsize=4)
 def hf_vl(model_dir: str, adapter_dir: str | None = None):
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     if adapter_dir is not None:
         from peft import PeftModel
 
@@ -78,10 +83,11 @@ def hf_vl(model_dir: str, adapter_dir: str | None = None):
     return model.eval()
 
 
-def inputs(key: str) -> dict:
-    """HF's inputs for a prompt of PROMPTS (with the token types its M-RoPE reads)."""
+def inputs(key: str, image_processor=None) -> dict:
+    """HF's inputs for a prompt of PROMPTS (with the token types its M-RoPE reads); image_processor: another
+    family's (tests/vision_models.hf_inputs)."""
     text, images = PROMPTS[key]
-    return hf_inputs(text, [make_image(*image) for image in images])
+    return hf_inputs(text, [make_image(*image) for image in images], image_processor)
 
 
 @functools.cache

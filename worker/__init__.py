@@ -14,6 +14,8 @@ eagle3_runner.py           Eagle3Runner: an EAGLE-3 head drafting from the targe
 cuda_graphs.py             DecodeGraphRunner: decode steps replayed from CUDA graphs captured at start-up
 batch_inputs.py            ForwardBatch -> flat token ids, positions (M-RoPE rows too), cache slots, attention masks
 images.py                  a pass's images -> the tower's embedding rows for their placeholders (kept across chunks)
+image_blocks.py            Gemma 4's image runs seen whole on its sliding layers (re-attended over the cache; Gemma 3's
+                           images: layers/attention.py's mask)
 kv_cache.py                KVCache tensors and the default capacity rule; an FP8 cache's scales, writes, dequantizing
 kv_scales.py               an FP8 KV cache's static k_scale / v_scale read from the checkpoint
 state_cache.py             HybridCache: a hybrid model's KV (attention layers only) and its state slots (per running
@@ -37,8 +39,11 @@ model/mixtral.py           Mixtral: the Llama decoder with the MoE block as its 
 model/olmoe.py             OLMoE: q/k RMSNorm over the whole projections (summed over TP ranks), MoE without renorm
 model/qwen3_moe.py         Qwen3-MoE: Qwen3Attention and the MoE block; dense MLPs where the config says
 model/gemma2.py            Gemma 2: Llama's attention and fused linears, with Gemma's pieces around them
-model/gemma3.py            Gemma 3 text: Gemma 2's with per-head q/k RMSNorms, the local layers' own rope
-model/gemma4.py            Gemma 4 text: per-layer head widths, KV sharing, per-layer inputs, a dense MLP beside experts
+model/gemma3.py            Gemma 3: Gemma 2's with per-head q/k RMSNorms, local layers' own rope; image rows in place
+model/gemma3_vision.py     Gemma 3's SigLIP vision tower and multi-modal projector, TP-sharded
+model/gemma4.py            Gemma 4: per-layer head widths, KV sharing, per-layer inputs, a dense MLP beside experts;
+                           image rows in place
+model/gemma4_vision.py     Gemma 4's vision tower (2-D rotary, clippable linears, k x k pooling) and embedder, TP-split
 model/deepseek_v3.py       DeepSeek-V3 / Kimi K2: latent attention (cache of latent + rope key; prefills expanded,
                            decodes absorbed), MoE with a grouped sigmoid router and shared experts, first layers dense
 model/glm4_moe.py          GLM-4.5 / 4.6: DeepSeek-V3's MoE (grouped sigmoid router, shared experts, dense first
@@ -51,6 +56,8 @@ model/llama4.py            Llama 4 (text): chunked local attention on RoPE layer
 model/llama4_vision.py     Llama 4's vision model (tiles, 2-D rotary, pixel shuffle) and projector, TP-sharded
 model/qwen2_5_vl.py        Qwen2.5-VL: a Qwen2 decoder with M-RoPE whose image placeholders take the tower's rows
 model/qwen2_5_vl_vision.py  Qwen2.5-VL's vision tower (windowed and full blocks, 2-D rotary, patch merger), TP-sharded
+model/qwen3_vl.py          Qwen3-VL: a Qwen3 decoder with interleaved M-RoPE; image rows in place, deepstack rows added
+model/qwen3_vl_vision.py   Qwen3-VL's vision tower (learned positions resampled, 2-D rotary, merger, deepstack mergers)
 model/registry.py          model_type -> decoder class (one file per family)
 layers/linear.py           Column-, MergedColumn- and RowParallelLinear with sharding weight loaders
 layers/attention.py        paged attention with torch SDPA; a batch's decodes and prefills as parts (latent attention)

@@ -5,8 +5,14 @@ window AND (causal OR same image); full layers stay causal).
 The pass attends causally as usual (its backend writes the keys and values to the cache); then each image run's
 query rows are attended again over the cache, from the window's start to the run's end. So a run's tokens must all
 be in the cache by the end of the pass that takes its last ones: the scheduler keeps a run whole within a pass
-(`WorkerReady.whole_image_runs`), and a prefix hit may end inside one (its earlier tokens' cached keys were computed
-over the whole run: the hit is keyed by the image). A pass that cuts a run before its end is refused."""
+(`WorkerReady.images_whole`, scheduler/image_runs.py, as for Gemma 3), and a prefix hit may end inside one (its
+earlier tokens' cached keys were computed over the whole run: the hit is keyed by the image). A pass that cuts a run
+before its end is refused.
+
+Gemma 3's images attend both ways too, but on every layer: there the mask is built where the scores are
+(worker/layers/attention.py, SDPAAttention.image_blocks / image_block_mask; the triton backend's image passes run
+torch's SDPA). Gemma 4 re-attends here instead because only its sliding layers see a run both ways and its passes
+keep any backend (Triton over the strided cache views, KV-shared layers) for the causal part."""
 
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 from loraplex.protocol.structs import ForwardReq, ImageInput
 from loraplex.worker.batch_inputs import BatchError
-from loraplex.worker.model.config import Llama4VisionConfig, VisionConfig
+from loraplex.worker.model.config import Llama4VisionConfig, SiglipVisionConfig, VisionConfig
+from loraplex.worker.model.gemma3_vision import check_image_shape
 
 if TYPE_CHECKING:
     from loraplex.worker.lora.manager import LoRAManager
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class PassImages:
     rows: torch.Tensor  # (image tokens,) their rows in the pass's flat token batch
-    embeds: torch.Tensor  # (image tokens, hidden) in the same order
+    embeds: torch.Tensor  # (image tokens, hidden) in the same order; Qwen3-VL: (image tokens, 1 + deepstack, hidden)
 
 
 class ImageEncoder:
@@ -107,7 +108,7 @@ class ImageEncoder:
         tower = self.lora.tower if self.lora is not None else None
         pixels = torch.cat([_pixels(images[key]) for key in keys]).to(self.device)
         if tower is not None:
-            tower.begin([math.prod(images[key].grid_thw) for key in keys], [adapters[key][0] for key in keys],
+            tower.begin([self._num_patches(images[key]) for key in keys], [adapters[key][0] for key in keys],
                         [adapters[key][1] for key in keys], self.device)  # fmt: skip
         try:
             out = self.model.encode_images(pixels, [images[key].grid_thw for key in keys])  # (rows of all, hidden)
@@ -116,18 +117,33 @@ class ImageEncoder:
                 tower.end()
         return dict(zip(keys, out.split([images[key].num_tokens for key in keys]), strict=True))
 
+    def _num_patches(self, image: ImageInput) -> int:
+        """The rows the tower's adapters count for the image (worker/lora/tower.py's patch_counts)."""
+        if isinstance(self.vision, SiglipVisionConfig):  # Gemma 3: every image the same square of patches
+            return self.vision.patches_per_side**2
+        return math.prod(image.grid_thw)  # Llama 4's tile (no grid): its one leading row
+
 
 def _pixels(image: ImageInput) -> torch.Tensor:
     return torch.frombuffer(bytearray(image.pixel_values), dtype=torch.float32).view(*image.shape)
 
 
-def _check_image(i: int, image: ImageInput, vision: VisionConfig | Llama4VisionConfig) -> None:
+def _check_image(i: int, image: ImageInput, vision: VisionConfig | Llama4VisionConfig | SiglipVisionConfig) -> None:
     if isinstance(vision, Llama4VisionConfig):  # one tile of a Llama 4 image
         problem = vision.image_problem(image.shape, image.num_tokens, len(image.pixel_values))
         if problem is not None:
             raise BatchError(f"request {i}: {problem}")
         return
     c = vision
+    if isinstance(c, SiglipVisionConfig):  # a fixed-size image (Gemma 3): (1, channels, size, size), no grid
+        problem = check_image_shape(image.shape, c)
+        if not problem and len(image.pixel_values) != 4 * math.prod(image.shape):
+            problem = f"image pixel_values hold {len(image.pixel_values)} bytes, not float32 of shape {image.shape}"
+        if not problem and image.num_tokens != c.mm_tokens_per_image:
+            problem = f"an image has {c.mm_tokens_per_image} placeholder tokens, not {image.num_tokens}"
+        if problem:
+            raise BatchError(f"request {i}: {problem}")
+        return
     patch_dim = c.in_channels * c.temporal_patch_size * c.patch_size**2
     if len(image.grid_thw) != 3 or any(n <= 0 for n in image.grid_thw):
         raise BatchError(f"request {i}: image grid {image.grid_thw} is not 3 positive sizes (t, h, w)")

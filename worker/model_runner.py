@@ -26,7 +26,12 @@ from loraplex.worker.images import ImageEncoder
 from loraplex.worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token, kv_cache_dtype
 from loraplex.worker.kv_scales import read_kv_scales
 from loraplex.worker.layers import packed
-from loraplex.worker.layers.attention import AttentionBackendError, BatchAttention, select_attention_backend
+from loraplex.worker.layers.attention import (
+    AttentionBackendError,
+    BatchAttention,
+    SDPAAttention,
+    select_attention_backend,
+)
 from loraplex.worker.layers.moe import device_routing_refusal, use_device_routing, warm_up_device_routing
 from loraplex.worker.layers.ops import ModelOps, model_ops, select_model_ops
 from loraplex.worker.loader import load_weights
@@ -111,6 +116,20 @@ class ModelRunner:
             bidirectional=self.model_config.is_bidirectional,
         )
         logger.info("attention backend: %s (--attention-backend %s)", self.attention.name, config.attention_backend)
+        # Gemma 3: an image's placeholders attend to each other both ways in prefill (the torch/cpu backends' mask);
+        # with the triton backend, whose kernels are causal, a pass carrying images runs torch's SDPA over the same
+        # paged cache (image passes run eagerly anyway)
+        self.image_blocks = getattr(self.model_config.vision, "bidirectional_images", False)
+        self.image_attention = self.attention
+        if self.image_blocks and not hasattr(self.attention, "image_blocks"):
+            self.image_attention = SDPAAttention(self.device)
+            logger.info("images attend both ways within each image: passes with images run the torch attention")
+        if self.image_blocks:
+            self.image_attention.image_blocks = True
+        # WorkerReady.images_whole: the scheduler ends no chunk inside an image's run (scheduler/image_runs.py), for
+        # Gemma 3's mask above and for Gemma 4's use_bidirectional_attention "vision" (worker/image_blocks.py: its
+        # sliding layers re-attend each run over the cache after the causal pass)
+        self.images_whole = self.image_blocks or getattr(self.model_config.vision, "bidirectional", False)
         self.kv_dtype = self._kv_cache_dtype()
         # the norms', rotary's and activation's, bound as the layers are built
         ops = select_model_ops(self.device, self.backend.cpu_kernels)
@@ -543,9 +562,12 @@ class ModelRunner:
             self._check_whole_sequences(reqs)
         if "mrope_section" not in self.model_config.rope.params and any(req.mrope_positions for req in reqs):
             raise BatchError(f"a request gives M-RoPE positions, which {self.model_config.model_type} does not use")
-        inputs = BatchInputs.build(
-            reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device, self.attention
-        )
+        attention = self.attention
+        if self.image_blocks and any(req.images for req in reqs):
+            self._check_whole_images(reqs)
+            attention = self.image_attention
+        inputs = BatchInputs.build(reqs, self.page_size, self.kv_cache.num_pages, self.context_length, self.device,
+                                   attention)  # fmt: skip
         if self.lora is not None:
             self.lora.prepare(reqs)
         elif any(req.slot != -1 for req in reqs):
@@ -572,6 +594,17 @@ class ModelRunner:
             logger.info("FP8 KV cache scales set from the first prefill: keys %s, values %s",
                         _range(self.kv_cache.scales[:, 0]), _range(self.kv_cache.scales[:, 1]))  # fmt: skip
         return hidden, inputs  # hidden: (tokens, hidden)
+
+    def _check_whole_images(self, reqs: list[ForwardReq]) -> None:
+        """Each image's placeholders attend to the ones after them too: a pass may not end inside a run (the
+        scheduler cuts chunks outside them, scheduler/image_runs.py)."""
+        for i, req in enumerate(reqs):
+            end = req.num_cached_tokens + len(req.input_ids)
+            for image in req.images:
+                if image.offset < end < image.offset + image.num_tokens:
+                    raise BatchError(f"request {i}: the pass ends at {end}, inside the image placeholder run "
+                                     f"[{image.offset}, {image.offset + image.num_tokens}), whose tokens attend "
+                                     "to each other both ways")  # fmt: skip
 
     def _check_whole_sequences(self, reqs: list[ForwardReq]) -> None:
         """An encoder's request attends over its whole sequence, so it comes in one pass; its token types index the

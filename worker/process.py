@@ -102,7 +102,7 @@ class Worker:
                 num_state_snapshots=self.runner.num_state_snapshots,
                 is_pooling=self.runner.pooling is not None,
                 pools_whole_prompt=self.runner.pooling is not None and self.runner.pooling.whole_prompt,
-                whole_image_runs=getattr(self.runner.model_config.vision, "bidirectional", False),
+                images_whole=self.runner.images_whole,
             )
         )
         while True:

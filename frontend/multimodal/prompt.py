@@ -25,6 +25,8 @@ class PromptImages:
 
 def expand_prompt(input_ids: list[int], images: list[ProcessedImage], spec: VisionSpec, what: str) -> PromptImages:
     """input_ids with each image's one placeholder expanded; `what` names the prompt in an error."""
+    if spec.expand is not None:  # a family's own layout (Gemma 3)
+        return spec.expand(input_ids, images, spec, what)
     token = spec.image_token_id
     at = [i for i, t in enumerate(input_ids) if t == token]
     if len(at) != len(images):

@@ -8,14 +8,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.multimodal.llama4 import Llama4Spec, llama4_spec
 
 # Multimodal checkpoints whose workers serve the language model alone (MODELS.md): their images are refused.
-TEXT_ONLY_TYPES = frozenset({"gemma3", "qwen3_5", "qwen3_5_moe", "mistral3"})
+TEXT_ONLY_TYPES = frozenset({"qwen3_5", "qwen3_5_moe", "mistral3"})
 # Checkpoints whose processor wraps an image's placeholders in begin and end tokens (config keys)
 WRAPPED_TYPES = {"gemma4": ("boi_token_id", "eoi_token_id")}
 MROPE_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
@@ -27,8 +28,17 @@ class VisionSpec:
     image_token_id: int
     merge_size: int  # spatial_merge_size: an image of grid (t, h, w) patches takes t*h*w / merge**2 tokens
     mrope: bool  # Qwen-VL's 3-row rotary positions
-    begin_token_id: int | None = None  # Gemma 4: each image's run is begin, placeholders, end
+    begin_token_id: int | None = None  # Gemma 4: each image's run is begin, placeholders, end (prompt.py)
+    # A family that lays images out its own way (Gemma 3: frontend/multimodal/gemma3.py): the token a prompt holds
+    # per image when it is not image_token_id, the token ending the run (Gemma 4's too), a fixed count of
+    # placeholders an image, the image processor's own arguments, the tokenizer, and the expansion (prompt.py's
+    # otherwise).
+    prompt_token_id: int | None = None
     end_token_id: int | None = None
+    tokens_per_image: int = 0  # 0: from the image's grid
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Any = field(default=None, compare=False, repr=False)
+    expand: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
 
 def read_vision_spec(model_dir: str) -> VisionSpec | Llama4Spec | None:
@@ -41,10 +51,14 @@ def read_vision_spec(model_dir: str) -> VisionSpec | Llama4Spec | None:
         return None
     if hf.get("model_type") == "llama4":
         return llama4_spec(hf, model_dir) if isinstance(hf.get("vision_config"), dict) else None
-    return vision_spec(hf)
+    return vision_spec(hf, model_dir)
 
 
-def vision_spec(hf: dict[str, Any]) -> VisionSpec | None:
+def vision_spec(hf: dict[str, Any], model_dir: str | None = None) -> VisionSpec | None:
+    if hf.get("model_type") == "gemma3":  # its images laid out as Gemma3Processor does, with its tokenizer
+        from loraplex.frontend.multimodal.gemma3 import gemma3_spec
+
+        return gemma3_spec(hf, model_dir)
     vision = hf.get("vision_config")
     token_id = hf.get("image_token_id", hf.get("image_token_index"))
     if not isinstance(vision, dict) or not isinstance(token_id, int) or hf.get("model_type") in TEXT_ONLY_TYPES:
@@ -86,7 +100,7 @@ def process_image(processor: Any, spec: VisionSpec, image: Any, what: str) -> Pr
     import numpy as np
 
     try:
-        out = processor(images=[image], return_tensors="np")
+        out = processor(images=[image], return_tensors="np", **spec.processor_kwargs)
     except ValueError as e:  # e.g. Qwen-VL's aspect ratio over 200
         raise InputError(f"{what}: the model's image processor refused the image ({e})") from e
     if "image_position_ids" in out:  # Gemma 4: patches padded to the budget, each with its (x, y)
@@ -94,7 +108,8 @@ def process_image(processor: Any, spec: VisionSpec, image: Any, what: str) -> Pr
     else:
         pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
         grid = [int(x) for x in out["image_grid_thw"][0]] if "image_grid_thw" in out else []
-        num_tokens = (grid[0] * grid[1] * grid[2]) // spec.merge_size**2 if grid else int(pixels.shape[0])
+        num_tokens = (grid[0] * grid[1] * grid[2]) // spec.merge_size**2 if grid else \
+            spec.tokens_per_image or int(pixels.shape[0])  # fmt: skip
     digest = hashlib.sha256(pixels.tobytes())
     digest.update(np.asarray(grid, dtype=np.int64).tobytes())
     return ProcessedImage(pixel_values=pixels.tobytes(), shape=list(pixels.shape), grid_thw=grid,

@@ -160,17 +160,24 @@ def test_base_and_two_adapters_in_one_batch_match_peft(gemma_dirs: dict[str, Pat
 
 
 def test_multimodal_gemma3_checkpoint_serves_its_language_model(gemma_dirs: dict[str, Path], tmp_path: Path) -> None:
-    # A `gemma3` checkpoint as transformers 4 saves it: the text model under language_model.*, a vision tower beside.
+    # A `gemma3` checkpoint as transformers 4 saves it: the text model under language_model.*, a (tiny) vision tower
+    # and projector beside; a text prompt's logits are the text model's.
     import json
 
     from safetensors.torch import load_file, save_file
+    from transformers import SiglipVisionConfig, SiglipVisionModel
 
     text_dir = gemma_dirs["gemma3_text"]
     tensors = {f"language_model.{name}": t for name, t in load_file(text_dir / "model.safetensors").items()}
-    tensors["vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(4, 3, 2, 2)
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    vision = dict(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, image_size=8,
+                  patch_size=4, vision_use_head=False)  # fmt: skip
+    tower = SiglipVisionModel(SiglipVisionConfig(**vision)).state_dict()
+    tensors.update({f"vision_tower.vision_model.{name}": t.contiguous() for name, t in tower.items()})
     text_config = json.loads((text_dir / "config.json").read_text())
-    config = {"model_type": "gemma3", "text_config": text_config, "vision_config": {"hidden_size": 8}}
+    tensors["multi_modal_projector.mm_input_projection_weight"] = torch.zeros(8, text_config["hidden_size"])
+    tensors["multi_modal_projector.mm_soft_emb_norm.weight"] = torch.zeros(8)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = {"model_type": "gemma3", "text_config": text_config, "vision_config": vision, "mm_tokens_per_image": 4}
     (tmp_path / "config.json").write_text(json.dumps(config))
     [prompt] = random_prompts([LONG], 256, seed=9)
     ours = prefill_logits(make_runner(tmp_path), prompt)

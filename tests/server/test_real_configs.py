@@ -15,9 +15,11 @@ from tests.builders import build_tokenizer
 from tests.server_utils import ServerProcess
 
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "data" / "model_configs"
-# the quantized ones start in test_quantized_real_configs.py, with an adapter and their weights' size checked
+# the quantized ones start in test_quantized_real_configs.py, with an adapter and their weights' size checked; those
+# that take images (an image processor beside: preprocessor_config.json) in their family's server test, with an image
 MODELS = sorted(path.parent.name for path in CONFIGS_DIR.glob("*/config.json")
-                if "quantization_config" not in json.loads(path.read_text()))
+                if "quantization_config" not in json.loads(path.read_text())
+                and not (path.parent / "preprocessor_config.json").exists())
 MAX_NEW = 4
 # Checkpoints served with their vision tower: the tower cut to one layer, and an image request answered too
 VISION_OVERRIDES = {"gemma4": {"vision_config": {"num_hidden_layers": 1}}}

@@ -60,7 +60,7 @@ def test_the_checkpoint_config_gives_the_vision_facts(pipeline) -> None:
     assert pipeline.modalities == ["text", "image"]
     # text models, and multimodal checkpoints served as their language model, take no images
     assert vision_spec({"model_type": "llama"}) is None
-    assert vision_spec({"model_type": "gemma3", "vision_config": {}, "image_token_index": 5}) is None
+    assert vision_spec({"model_type": "mistral3", "vision_config": {}, "image_token_index": 5}) is None
     mrope = {"model_type": "x", "vision_config": {"spatial_merge_size": 2}, "image_token_id": 5,
              "text_config": {"rope_scaling": {"mrope_section": [2, 1, 1]}}}  # fmt: skip
     assert vision_spec(mrope).mrope and not vision_spec({**mrope, "text_config": {}}).mrope

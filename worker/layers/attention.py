@@ -314,9 +314,15 @@ class AttentionBackend(Protocol):
 
 
 class SDPAAttention:
-    """torch's scaled_dot_product_attention over gathered pages."""
+    """torch's scaled_dot_product_attention over gathered pages. `image_blocks` (set by the runner for a model whose
+    image tokens attend both ways during prefill, Gemma 3): each image's placeholder run attends within itself in
+    both directions on top of the causal mask (image_block_mask). Gemma 4's images (use_bidirectional_attention
+    "vision") take another path, worker/image_blocks.py: only its sliding layers see a run both ways, and they attend
+    the run's queries again over the cache after any backend's causal pass (its Triton kernels, strided views and
+    KV-shared layers untouched); Gemma 3's runs are both ways on every layer, a mask here where the scores are made."""
 
     name = "torch"
+    image_blocks = False
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -332,7 +338,7 @@ class SDPAAttention:
         decodes = [i for i, req in enumerate(reqs) if len(req.input_ids) == 1]
         prefills = [i for i, req in enumerate(reqs) if len(req.input_ids) > 1]
         groups = [
-            _build_group(reqs, members, token_starts, page_tables, page_size, self.device)
+            _build_group(reqs, members, token_starts, page_tables, page_size, self.device, self.image_blocks)
             for members in (decodes, prefills)
             if members
         ]
@@ -567,6 +573,22 @@ def _gather_rows(cache: torch.Tensor, read_pages: torch.Tensor, page_size: int) 
     return pages.view(num_reqs, num_pages * page_size, num_kv_heads, head_dim)
 
 
+def image_block_mask(reqs: Sequence[ForwardReq], q_pos: torch.Tensor, kv_pos: torch.Tensor, total: torch.Tensor
+                     ) -> torch.Tensor:  # fmt: skip
+    """(reqs, max_q_len, max_kv_len) True where a query and a key lie in one image's placeholder run (both ways, as
+    HF's token_type_ids blocks: Gemma 3). The keys a sliding window drops stay dropped: the window's test is the
+    query's distance behind the key, negative for a key ahead. The scheduler keeps such a run within one pass
+    (WorkerReady.images_whole): a key ahead is a new token of this pass."""
+    block = torch.zeros(len(reqs), q_pos.shape[1], kv_pos.shape[0], dtype=torch.bool, device=kv_pos.device)
+    for n, req in enumerate(reqs):
+        for image in req.images:
+            lo, hi = image.offset, image.offset + image.num_tokens
+            q_in = (q_pos[n, :, 0] >= lo) & (q_pos[n, :, 0] < hi)  # (max_q_len,)
+            k_in = (kv_pos >= lo) & (kv_pos < hi) & (kv_pos < total[n, 0, 0])  # (max_kv_len,)
+            block[n] |= q_in[:, None] & k_in[None, :]
+    return block
+
+
 def _cumulative(lengths: Sequence[int]) -> tuple[int, ...]:
     """(n,) lengths -> (n + 1,) offsets from 0."""
     return (0, *itertools.accumulate(lengths))
@@ -579,6 +601,7 @@ def _build_group(
     page_tables: torch.Tensor,
     page_size: int,
     device: torch.device,
+    image_blocks: bool = False,
 ) -> AttentionGroup:
     q_lens = [len(reqs[i].input_ids) for i in members]
     cached_lens = [reqs[i].num_cached_tokens for i in members]
@@ -598,6 +621,8 @@ def _build_group(
     q_pos = cached + torch.arange(max_q_len, device=device)[None, :, None]  # (reqs, max_q_len, 1)
     # Padding query rows (beyond a request's new tokens) see all its keys, so no row is fully masked (NaN-free).
     mask = (kv_pos[None, None, :] <= q_pos) & (kv_pos[None, None, :] < total)  # (reqs, max_q_len, max_kv_len)
+    if image_blocks and max_q_len > 1:
+        mask = mask | image_block_mask([reqs[i] for i in members], q_pos, kv_pos, total)
     # A padding row counts distances from the request's last key, so a window leaves it at least that key.
     distance = torch.minimum(q_pos, total - 1) - kv_pos[None, None, :]  # (reqs, max_q_len, max_kv_len)
     return AttentionGroup(

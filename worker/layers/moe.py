@@ -201,6 +201,9 @@ class ExpertsLinear(nn.Module):
         # a checkpoint's stacked tensor is (experts, in, out) (Llama 4's, gpt-oss's), not (experts, out, in): set by the
         # model (MXFP4 codes are stored (experts, out, ...) whatever it says)
         self.stacked_in_out = False
+        # either layout, told by the shape (an (experts, out, in) tensor taken where out == in): Qwen3-VL-MoE's
+        # published checkpoints are (experts, in, out), transformers 5 saves them (experts, out, in); set by the model
+        self.either_layout = False
 
     @property
     def num_slices(self) -> int:
@@ -233,6 +236,8 @@ class ExpertsLinear(nn.Module):
             if loaded.dim() == 4:  # MXFP4 codes as checkpoints store them: (experts, out, blocks, 16 bytes)
                 loaded = loaded.flatten(2)
             expected = self.full_shape(param, shard_id)
+            if self.either_layout and tuple(loaded.shape) == (expected[0], expected[2], expected[1]) != expected:
+                loaded = loaded.transpose(1, 2)  # (experts, in, out) -> as expected
             if tuple(loaded.shape) != expected:
                 raise ValueError(f"stacked experts tensor has shape {tuple(loaded.shape)}, expected {expected}")
             if self.stacked_in_out and not self.packed:

@@ -11,7 +11,8 @@ from the sequence length:
             batch_inputs.rotary_row picks) and recomputes it when it passes that length.
 M-RoPE (Qwen2.5-VL, rope params `mrope_section`): positions come as 3 rows (time, height, width) and the rotary
 frequencies are split by mrope_section, the k-th group turned by row k's position (transformers'
-apply_multimodal_rotary_pos_emb); 1-D positions turn every group by the same position, which is plain RoPE.
+apply_multimodal_rotary_pos_emb); with `mrope_interleaved` (Qwen3-VL) the rows take the frequencies in turn instead
+of in runs; 1-D positions turn every group by the same position, which is plain RoPE.
 Partial rotary (partial_rotary_factor < 1) rotates the first rotary_dim features of each head and passes the rest;
 Gemma 4's `proportional` rope instead rotates whole heads, its trailing frequencies zero."""
 
@@ -139,6 +140,19 @@ def rope_angles(rotary_dim: int, max_positions: int, rope: RopeConfig) -> tuple[
     return angles, attention_factor
 
 
+def _mrope_column_rows(section: list[int], interleaved: bool) -> torch.Tensor:
+    """(rotary_dim / 2,): the position row (0 time, 1 height, 2 width) that turns each frequency. Qwen2.5-VL's
+    sections are runs (section[0] frequencies of row 0, then row 1's, then row 2's); Qwen3-VL's interleaved ones cycle
+    t, h, w over the first 3 * section[1] frequencies (h at 1, 4, ...; w at 2, 5, ... up to 3 * section[2]) and give
+    the rest to t, as transformers' Qwen3VLTextRotaryEmbedding.recomposition_frequencies lays them out."""
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(len(section)) % 3, torch.tensor(section))
+    rows = torch.zeros(sum(section), dtype=torch.int64)
+    for row in (1, 2):
+        rows[row : 3 * section[row] : 3] = row
+    return rows
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
         super().__init__()
@@ -154,7 +168,7 @@ class RotaryEmbedding(nn.Module):
         if section is not None:
             if 2 * sum(section) != self.rotary_dim:
                 raise ValueError(f"mrope_section {section} does not split {self.rotary_dim // 2} rotary frequencies")
-            rows = torch.repeat_interleave(torch.arange(len(section)) % 3, torch.tensor(section))
+            rows = _mrope_column_rows(section, bool(rope.params.get("mrope_interleaved", False)))
             self.mrope_rows = torch.cat((rows, rows)).to(self.cos.device)  # (rotary_dim,): both rotate-half halves
         # the last 3-row positions and the per-token tables made for them: every layer of a forward shares them
         self._mrope_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None

@@ -39,7 +39,7 @@ from loraplex.worker.lora.targets import (
     layer_has_module,
     slice_order_rows,
 )
-from loraplex.worker.lora.tower import TOWER_FLAG, is_tower_key, tower_weights
+from loraplex.worker.lora.tower import TOWER_FLAG, is_tower_key, siglip_leaves, tower_weights
 from loraplex.worker.model.config import Llama4VisionConfig, ModelConfig, VisionConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -209,7 +209,9 @@ def _build(
         lora_id=lora_id,
         lora_rank=config.lora_rank,
         scale=config.parsed.scale,
-        target_modules=config.target_modules,
+        # a name only the SigLIP tower has (out_proj) is the tower's (tower_weights), not the language model's
+        target_modules=tuple(t for t in config.target_modules
+                             if t in pool_spec.target_modules or t not in siglip_leaves(model_config.vision)),
         weights=weights,
         vocab_weights=vocab_weights,
         dora=dora,
@@ -232,8 +234,13 @@ def _check_config(raw: Any, model_config: ModelConfig, pool_spec: PoolSpec) -> _
                                f"serve with {TOWER_FLAG} to load such an adapter")  # fmt: skip
     if config.max_rank > pool_spec.max_lora_rank:
         raise AdapterLoadError(f"rank {config.max_rank} exceeds --max-lora-rank {pool_spec.max_lora_rank}")
+    leaves = siglip_leaves(model_config.vision)
     for target in config.target_modules:
-        if target not in pool_spec.target_modules:
+        if target not in pool_spec.target_modules and target in leaves:  # Gemma 3's tower alone has it (out_proj)
+            if pool_spec.tower is None:
+                raise AdapterLoadError(f"target module {target!r} is the vision tower's; serve with {TOWER_FLAG} to "
+                                       "load such an adapter")  # fmt: skip
+        elif target not in pool_spec.target_modules:
             raise AdapterLoadError(
                 f"target module {target!r} is not in the LoRA pool ({', '.join(pool_spec.target_modules)})"
             )

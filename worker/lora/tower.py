@@ -1,8 +1,10 @@
 """LoRA on a vision-language model's vision tower and patch merger (--enable-tower-connector-lora): each image is
-encoded with its request's adapter.
+encoded with its request's adapter. Qwen-VL's tower as below; Gemma 3's SigLIP (`vision_tower.*`): each block's
+q/k/v_proj and fc1 (column parallel), out_proj and fc2 (row parallel), every patch of an image its adapter's rows.
 
 An adapter's tower tensors (PEFT keys `...visual.<module>.lora_A/B.weight`: blocks.N.attn.qkv / attn.proj /
-mlp.gate_proj / up_proj / down_proj, merger.mlp.0 / mlp.2) are kept per module of ours as one (A, B) pair of this
+mlp.gate_proj / up_proj / down_proj, merger.mlp.0 / mlp.2; Qwen3-VL's blocks.N.mlp.linear_fc1 / linear_fc2 and its
+mergers' and deepstack mergers' linear_fc1 / linear_fc2) are kept per module of ours as one (A, B) pair of this
 rank: the slices of a fused linear (gate_up_proj's gate and up) stacked along the rank, B block-diagonal, the scale
 folded into B; column-parallel linears keep B's rows of this rank, row-parallel ones A's columns (their delta joins the
 layer's partial sum before its one all-reduce). The tower's linears are wrapped once at start; a pass sets which rows
@@ -26,10 +28,13 @@ from dataclasses import dataclass
 
 import torch
 from loraplex.protocol.adapters.adapter_config import AdapterLoadError
-from loraplex.worker.model.config import Gemma4VisionConfig, Llama4VisionConfig, VisionConfig
+from loraplex.worker.model.config import Gemma4VisionConfig, Llama4VisionConfig, SiglipVisionConfig, VisionConfig
 from torch import nn
 
-TOWER_KEY = re.compile(r"(?:^|\.)((?:visual|vision_model|multi_modal_projector|vision_tower|embed_vision)\..+)"
+# the tower's root in PEFT's key: Qwen-VL's `visual.`, Gemma 3's SigLIP `vision_tower.` (the Hub's transformers 4
+# checkpoints: `vision_tower.vision_model.`), Gemma 4's `vision_tower.` and `embed_vision.`, Llama 4's
+# `vision_model.` / `multi_modal_projector.`
+TOWER_KEY = re.compile(r"(?:^|\.)((?:visual|vision_tower|vision_model|multi_modal_projector|embed_vision)\..+)"
                        r"\.lora_([AB])(?:\.\w+)?\.weight$")
 TOWER_FLAG = "--enable-tower-connector-lora"
 # PEFT's slices of our fused linears -> (our fused module, slice)
@@ -49,23 +54,38 @@ class TowerLinear:
     output_sizes: tuple[int, ...]  # per fused slice (qkv's three, gate_up's two)
 
 
-def tower_root(model: nn.Module, c: VisionConfig | Llama4VisionConfig) -> nn.Module:
-    """The module tower_linears' paths start from: Qwen2.5-VL's tower, Llama 4's and Gemma 4's whole model."""
+def tower_root(model: nn.Module, c: VisionConfig | Llama4VisionConfig | SiglipVisionConfig) -> nn.Module:
+    """The module tower_linears' paths start from: Qwen-VL's tower, Gemma 3's SigLIP, Llama 4's and Gemma 4's whole
+    model."""
+    if isinstance(c, SiglipVisionConfig):
+        return model.vision_tower
     return model if _from_model(c) else model.visual
 
 
-def _from_model(c: VisionConfig | Llama4VisionConfig) -> bool:
+def _from_model(c: VisionConfig | Llama4VisionConfig | SiglipVisionConfig) -> bool:
     return isinstance(c, (Llama4VisionConfig, Gemma4VisionConfig))
 
 
-def tower_linears(c: VisionConfig | Llama4VisionConfig) -> dict[str, TowerLinear]:
+def tower_linears(c: VisionConfig | Llama4VisionConfig | SiglipVisionConfig) -> dict[str, TowerLinear]:
     """Our module path inside the tower -> its shape, for every linear an adapter may reach."""
     if isinstance(c, Llama4VisionConfig):
         return _llama4_linears(c)
-    if isinstance(c, Gemma4VisionConfig):
+    if isinstance(c, Gemma4VisionConfig):  # before Qwen-VL's: a VisionConfig too
         return _gemma4_linears(c)
+    if isinstance(c, SiglipVisionConfig):  # Gemma 3's SigLIP (its projector is a bare matrix: no adapter's)
+        return siglip_linears(c)
     group = c.hidden_size * c.spatial_merge_size**2
     out: dict[str, TowerLinear] = {}
+    if c.kind == "qwen3_vl":  # its MLPs and mergers' linears are linear_fc1/2, as PEFT names them
+        for i in range(c.depth):
+            out[f"blocks.{i}.attn.qkv"] = TowerLinear("column", c.hidden_size, (c.hidden_size,) * 3)
+            out[f"blocks.{i}.attn.proj"] = TowerLinear("row", c.hidden_size, (c.hidden_size,))
+            out[f"blocks.{i}.mlp.linear_fc1"] = TowerLinear("column", c.hidden_size, (c.intermediate_size,))
+            out[f"blocks.{i}.mlp.linear_fc2"] = TowerLinear("row", c.intermediate_size, (c.hidden_size,))
+        for merger in ("merger", *(f"deepstack_merger_list.{j}" for j in range(len(c.deepstack_indexes)))):
+            out[f"{merger}.linear_fc1"] = TowerLinear("column", group, (group,))
+            out[f"{merger}.linear_fc2"] = TowerLinear("row", group, (c.out_hidden_size,))
+        return out
     for i in range(c.depth):
         out[f"blocks.{i}.attn.qkv"] = TowerLinear("column", c.hidden_size, (c.hidden_size,) * 3)
         out[f"blocks.{i}.attn.proj"] = TowerLinear("row", c.hidden_size, (c.hidden_size,))
@@ -74,6 +94,23 @@ def tower_linears(c: VisionConfig | Llama4VisionConfig) -> dict[str, TowerLinear
     out["merger.mlp.0"] = TowerLinear("column", group, (group,))
     out["merger.mlp.2"] = TowerLinear("row", group, (c.out_hidden_size,))
     return out
+
+
+def siglip_linears(c: SiglipVisionConfig) -> dict[str, TowerLinear]:
+    out: dict[str, TowerLinear] = {}
+    for i in range(c.depth):
+        for name in ("q_proj", "k_proj", "v_proj"):
+            out[f"encoder.layers.{i}.self_attn.{name}"] = TowerLinear("column", c.hidden_size, (c.hidden_size,))
+        out[f"encoder.layers.{i}.self_attn.out_proj"] = TowerLinear("row", c.hidden_size, (c.hidden_size,))
+        out[f"encoder.layers.{i}.mlp.fc1"] = TowerLinear("column", c.hidden_size, (c.intermediate_size,))
+        out[f"encoder.layers.{i}.mlp.fc2"] = TowerLinear("row", c.intermediate_size, (c.hidden_size,))
+    return out
+
+
+def siglip_leaves(vision: object) -> set[str]:
+    """The target_modules names of a SigLIP tower's linears (none for another tower: Qwen-VL's are TOWER_TARGETS)."""
+    return {name.rpartition(".")[2] for name in siglip_linears(vision)} if isinstance(vision, SiglipVisionConfig) \
+        else set()  # fmt: skip
 
 
 def _llama4_linears(c: Llama4VisionConfig) -> dict[str, TowerLinear]:
@@ -108,8 +145,10 @@ def _gemma4_linears(c: Gemma4VisionConfig) -> dict[str, TowerLinear]:
     return out
 
 
-def _our_path(path: str, vision: VisionConfig | Llama4VisionConfig) -> tuple[str, int | None]:
+def _our_path(path: str, vision: VisionConfig | Llama4VisionConfig | SiglipVisionConfig) -> tuple[str, int | None]:
     """A PEFT module path (from the tower's root name on) -> (our module path, slice of a fused linear or None)."""
+    if isinstance(vision, SiglipVisionConfig):  # its q/k/v_proj are not fused
+        return path.removeprefix("vision_tower.").removeprefix("vision_model."), None
     if isinstance(vision, VisionConfig):
         path = path.removeprefix("visual.")
     for theirs, (ours, slice_id) in _SLICES.items():
@@ -118,9 +157,11 @@ def _our_path(path: str, vision: VisionConfig | Llama4VisionConfig) -> tuple[str
     return path, None
 
 
-def _shown(ours: str, vision: VisionConfig | Llama4VisionConfig) -> str:
-    """Our module path as an error names it: Qwen2.5-VL's under `visual.`, Llama 4's and Gemma 4's from the model's
-    root."""
+def _shown(ours: str, vision: VisionConfig | Llama4VisionConfig | SiglipVisionConfig) -> str:
+    """Our module path as an error names it: Qwen-VL's under `visual.`, Gemma 3's under `vision_tower.`, Llama 4's
+    and Gemma 4's from the model's root."""
+    if isinstance(vision, SiglipVisionConfig):
+        return f"vision_tower.{ours}"
     return ours if _from_model(vision) else f"visual.{ours}"
 
 
@@ -199,7 +240,8 @@ class TowerLoRALinear(nn.Module):
     def __init__(self, base: nn.Module, name: str, rows: TowerRows):
         super().__init__()
         self.base, self.name, self.rows = base, name, rows
-        self.merged = name.startswith(("merger.", "embed_vision."))  # reads merged rows, not patches
+        # reads merged rows, not patches
+        self.merged = name.startswith(("merger.", "deepstack_merger_list.", "embed_vision."))
         self.output_sizes_per_rank = base.output_sizes_per_rank  # what the model reads of the layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

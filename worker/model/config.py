@@ -9,7 +9,7 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen3_moe", "gemma2", "gemma3_text",
                          "gemma3", "phi3", "deepseek_v3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
                          "qwen3_next", "glm4_moe", "llama4_text", "llama4",
-                         "gpt_oss", "gemma4_text", "gemma4", "bert", "qwen2_5_vl")
+                         "gpt_oss", "gemma4_text", "gemma4", "bert", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 GEMMA4_TYPES = ("gemma4_text", "gemma4")
 GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma3", *GEMMA4_TYPES)
 LLAMA4_TYPES = ("llama4_text", "llama4")
@@ -73,7 +73,7 @@ class MoEConfig:
         num_experts = hf.get("num_local_experts") or hf.get("num_experts")
         num_layers = hf["num_hidden_layers"]
         dense_layers: tuple[int, ...] = ()
-        if model_type in ("qwen3_moe", "qwen3_next"):  # Qwen3MoeDecoderLayer's rule
+        if model_type in ("qwen3_moe", "qwen3_next", "qwen3_vl_moe"):  # Qwen3MoeDecoderLayer's rule
             step = hf.get("decoder_sparse_step", 1) or 1
             only = set(hf.get("mlp_only_layers") or ())
             dense_layers = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
@@ -109,7 +109,7 @@ class MoEConfig:
             num_experts=num_experts,
             top_k=hf["num_experts_per_tok"],
             intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
-            renormalize=model_type in ("mixtral", *_QWEN3_5_MOE, *GEMMA4_TYPES)
+            renormalize=model_type in ("mixtral", *_QWEN3_5_MOE, *GEMMA4_TYPES, "qwen3_vl_moe")
             or bool(hf.get("norm_topk_prob", False)),
             dense_layers=dense_layers,
             **extra,
@@ -120,16 +120,19 @@ _QWEN3_5_MOE = ("qwen3_5_moe", "qwen3_5_moe_text")  # every layer MoE, top-k alw
 # DeepSeek-V3's router, shared experts and leading dense layers (GLM-4.5 keeps them with plain attention)
 _GROUPED_SIGMOID_TYPES = ("deepseek_v3", "glm4_moe")
 _MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe", "qwen3_next", *_GROUPED_SIGMOID_TYPES, *_QWEN3_5_MOE,
-                    *LLAMA4_TYPES, "gpt_oss", *GEMMA4_TYPES)
+                    *LLAMA4_TYPES, "gpt_oss", *GEMMA4_TYPES, "qwen3_vl_moe")
 # Gated DeltaNet layers beside gated attention ones
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next", *_QWEN3_5_MOE)
 MULTIMODAL_HYBRID_TYPES = ("qwen3_5", "qwen3_5_moe")  # served as their language model (text_config)
-VISION_TYPES = ("qwen2_5_vl",)  # a language model (text_config, or the top level in older configs) and a vision tower
+QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe")  # one vision tower; the second's decoder layers are Qwen3-MoE's
+VISION_TYPES = ("qwen2_5_vl", *QWEN3_VL_TYPES)  # a language model (text_config, or the top level in older configs) and
+# a vision tower
 
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """Qwen2.5-VL's vision tower (vision_config) and the language model's image placeholder token."""
+    """A Qwen-VL vision tower (vision_config) and the language model's image placeholder token: Qwen2.5-VL's
+    (windowed blocks) or Qwen3-VL's (`kind` qwen3_vl: learned position embeddings, deepstack mergers)."""
 
     depth: int
     hidden_size: int
@@ -145,6 +148,9 @@ class VisionConfig:
     rope_theta: float
     image_token_id: int
     hidden_act: str = "silu"
+    kind: str = "qwen2_5_vl"  # the model_type whose tower this is
+    num_position_embeddings: int = 0  # Qwen3-VL: a square grid of learned position embeddings, resampled per image
+    deepstack_indexes: tuple[int, ...] = ()  # Qwen3-VL: the blocks whose output a deepstack merger takes
 
     @property
     def head_dim(self) -> int:
@@ -154,9 +160,31 @@ class VisionConfig:
     def from_dict(cls, hf: dict[str, Any]) -> VisionConfig:
         vision = hf.get("vision_config") or {}
         text = hf.get("text_config") or {}
+        kind = "qwen3_vl" if hf.get("model_type") in QWEN3_VL_TYPES else "qwen2_5_vl"
         act = vision.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelConfigError(f"unsupported vision hidden_act {act!r}; the vision tower runs silu")
+        wanted = "gelu_pytorch_tanh" if kind == "qwen3_vl" else "silu"
+        if act != wanted:
+            raise ModelConfigError(f"unsupported vision hidden_act {act!r}; the vision tower runs {wanted}")
+        if kind == "qwen3_vl":
+            return cls(
+                depth=vision["depth"],
+                hidden_size=vision["hidden_size"],
+                intermediate_size=vision["intermediate_size"],
+                num_heads=vision["num_heads"],
+                out_hidden_size=vision.get("out_hidden_size") or text.get("hidden_size") or hf["hidden_size"],
+                patch_size=vision.get("patch_size", 16),
+                temporal_patch_size=vision.get("temporal_patch_size", 2),
+                spatial_merge_size=vision.get("spatial_merge_size", 2),
+                in_channels=vision.get("in_channels", 3),
+                window_size=0,
+                fullatt_block_indexes=(),
+                rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+                image_token_id=hf.get("image_token_id", text.get("image_token_id", 151655)),
+                hidden_act=act,
+                kind=kind,
+                num_position_embeddings=vision.get("num_position_embeddings", 2304),
+                deepstack_indexes=tuple(vision.get("deepstack_visual_indexes", (8, 16, 24))),
+            )
         return cls(
             depth=vision["depth"],
             hidden_size=vision["hidden_size"],
@@ -312,6 +340,71 @@ class Llama4VisionConfig:
         if num_tokens != self.tokens_per_tile:
             return f"an image tile has {self.tokens_per_tile} placeholder tokens, not {num_tokens}"
         return None
+
+
+@dataclass(frozen=True)
+class SiglipVisionConfig:
+    """Gemma 3's SigLIP vision tower (vision_config) and its multi-modal projector: a fixed image_size square of
+    (image_size / patch_size)**2 patches, average-pooled to mm_tokens_per_image rows (worker/model/gemma3_vision.py)."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float
+    mm_tokens_per_image: int
+    out_hidden_size: int  # the language model's hidden size
+    image_token_id: int
+    hidden_act: str = "gelu_pytorch_tanh"
+    # an image's placeholder run attends within itself both ways during prefill (SDPAAttention.image_blocks)
+    bidirectional_images: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def spatial_merge_size(self) -> int:
+        """The projector's pooling kernel: merge x merge patches average into one row (worker/lora/tower.py's
+        patches-to-rows ratio)."""
+        return self.patches_per_side // int(self.mm_tokens_per_image**0.5)
+
+    @classmethod
+    def from_dict(cls, hf: dict[str, Any]) -> SiglipVisionConfig:
+        """SiglipVisionConfig's and Gemma3Config's defaults for the keys a Hub config.json leaves out."""
+        vision = hf.get("vision_config") or {}
+        text = hf.get("text_config") or {}
+        act = vision.get("hidden_act", "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise ModelConfigError(f"unsupported vision hidden_act {act!r}; the SigLIP tower runs gelu_pytorch_tanh")
+        config = cls(
+            depth=vision.get("num_hidden_layers", 12),
+            hidden_size=vision.get("hidden_size", 768),
+            intermediate_size=vision.get("intermediate_size", 3072),
+            num_heads=vision.get("num_attention_heads", 12),
+            in_channels=vision.get("num_channels", 3),
+            image_size=vision.get("image_size", 224),
+            patch_size=vision.get("patch_size", 16),
+            layer_norm_eps=vision.get("layer_norm_eps", 1e-6),
+            mm_tokens_per_image=hf.get("mm_tokens_per_image", 256),
+            out_hidden_size=text.get("hidden_size", 2304),
+            image_token_id=hf.get("image_token_index", hf.get("image_token_id", 262_144)),
+        )
+        side = int(config.mm_tokens_per_image**0.5)
+        if side * side != config.mm_tokens_per_image or config.patches_per_side % max(side, 1):
+            raise ModelConfigError(f"mm_tokens_per_image {config.mm_tokens_per_image} does not pool the "
+                                   f"{config.patches_per_side}x{config.patches_per_side} patches evenly")  # fmt: skip
+        if config.hidden_size % config.num_heads:
+            raise ModelConfigError(f"vision hidden_size {config.hidden_size} does not split into "
+                                   f"{config.num_heads} heads")  # fmt: skip
+        return config
 
 
 @dataclass(frozen=True)
@@ -508,8 +601,8 @@ class ModelConfig:
     attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
     gemma4: Gemma4Layers | None = None  # Gemma 4's per-layer shapes, KV sharing and per-layer inputs
     encoder: EncoderConfig | None = None  # a bidirectional encoder (BERT); None: a decoder
-    # a vision-language model's tower (Qwen2.5-VL's, Llama 4's); None: text only
-    vision: VisionConfig | Llama4VisionConfig | None = None
+    # a vision-language model's tower (Qwen-VL's, Gemma 4's, Llama 4's, Gemma 3's SigLIP); None: text only
+    vision: VisionConfig | Llama4VisionConfig | SiglipVisionConfig | None = None
 
     @property
     def is_bidirectional(self) -> bool:
@@ -583,9 +676,14 @@ class ModelConfig:
             raise ModelConfigError(
                 f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        # a multimodal checkpoint's tower, read before its text_config replaces the config: Gemma 3's SigLIP, Gemma 4's
+        # (its audio tower is not served); Qwen-VL's and Llama 4's below
+        vision: VisionConfig | Llama4VisionConfig | SiglipVisionConfig | None = None  # Gemma 4's: a VisionConfig
+        if model_type == "gemma3" and all(isinstance(hf.get(key), dict) for key in ("vision_config", "text_config")):
+            vision = SiglipVisionConfig.from_dict(hf)
         if model_type in GEMMA4_TYPES:
-            # a multimodal checkpoint's vision tower (its audio tower is not served)
-            vision = Gemma4VisionConfig.from_dict(hf) if isinstance(hf.get("vision_config"), dict) else None
+            if isinstance(hf.get("vision_config"), dict):
+                vision = Gemma4VisionConfig.from_dict(hf)
             hf = _gemma4_fields(hf, model_type)
         elif model_type in GEMMA_TYPES:
             hf = _gemma_fields(hf, model_type)
@@ -594,11 +692,12 @@ class ModelConfig:
                   "model_type": model_type}
         if model_type in VISION_TYPES:
             vision = VisionConfig.from_dict(hf)
-        elif model_type not in GEMMA4_TYPES:
-            vision = None
         if model_type in VISION_TYPES and isinstance(hf.get("text_config"), dict):  # the language model
+            outer = hf
             hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"],
                   "model_type": model_type}
+            if model_type in QWEN3_VL_TYPES and "tie_word_embeddings" in outer:  # transformers ties by the outer one
+                hf["tie_word_embeddings"] = outer["tie_word_embeddings"]
         if model_type == "deepseek_v3":
             hf = _deepseek_v3_fields(hf)
         if model_type == "glm4_moe":
@@ -617,7 +716,7 @@ class ModelConfig:
             head_dim = hf["qk_rope_head_dim"]
         # Phi-3's linears have no biases whatever attention_bias says (its HF code builds them without).
         attention_bias = bool(hf.get("attention_bias", False)) and model_type != "phi3" or model_type == "bert"
-        is_qwen2 = model_type in ("qwen2", *VISION_TYPES)
+        is_qwen2 = model_type in ("qwen2", "qwen2_5_vl")
         sliding_window = _read_sliding_window(hf, model_type)
         rope = _read_rope(hf, model_type, head_dim)
         return cls(

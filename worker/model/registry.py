@@ -7,7 +7,7 @@ from loraplex.worker.model.bert import bert_model_class
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model.deepseek_v3 import DeepseekV3ForCausalLM
 from loraplex.worker.model.gemma2 import Gemma2ForCausalLM
-from loraplex.worker.model.gemma3 import Gemma3ForCausalLM
+from loraplex.worker.model.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from loraplex.worker.model.gemma4 import Gemma4ForCausalLM
 from loraplex.worker.model.glm4_moe import Glm4MoeForCausalLM
 from loraplex.worker.model.gpt_oss import GptOssForCausalLM
@@ -21,6 +21,7 @@ from loraplex.worker.model.qwen3 import Qwen3ForCausalLM
 from loraplex.worker.model.qwen3_5 import Qwen3_5ForCausalLM
 from loraplex.worker.model.qwen3_moe import Qwen3MoeForCausalLM
 from loraplex.worker.model.qwen3_next import Qwen3NextForCausalLM
+from loraplex.worker.model.qwen3_vl import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 from torch import nn
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -33,7 +34,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
-    "gemma3": Gemma3ForCausalLM,  # the language model of the multimodal checkpoint
+    "gemma3": Gemma3ForConditionalGeneration,  # with its SigLIP tower and projector
     "gemma4_text": Gemma4ForCausalLM,  # its MLPs are dense MLPs beside experts with enable_moe_block
     "gemma4": Gemma4ForCausalLM,  # the language model of the multimodal checkpoint
     "phi3": Phi3ForCausalLM,
@@ -48,6 +49,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama4_text": Llama4ForCausalLM,
     "llama4": Llama4ForCausalLM,  # the multimodal checkpoint's language model (with a vision_config: its tower too)
     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,  # with its vision tower
+    "qwen3_vl": Qwen3VLForConditionalGeneration,  # with its vision tower and deepstack
+    "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,  # the same with Qwen3-MoE's layers
 }
 
 
