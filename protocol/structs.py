@@ -518,8 +518,8 @@ class WorkerReady(Struct, frozen=True):
     is_pooling: bool = False
     # The pooling runner's requests' prompts run whole from position 0 (PoolingSpec.whole_prompt)
     pools_whole_prompt: bool = False
-    # An image's placeholder run attends both ways in prefill (Gemma 3): a chunk never ends inside one
-    # (scheduler/image_runs.py)
+    # An image's placeholder run attends both ways in prefill (Gemma 3; Gemma 4 with use_bidirectional_attention
+    # "vision"): a chunk never ends inside one (scheduler/image_runs.py)
     images_whole: bool = False
 
 

@@ -134,7 +134,8 @@ class Scheduler:
         (PoolingSpec.whole_prompt): a pooling request's prompt runs in one pass from position 0, neither chunked nor
         matched or offered to the prefix cache (mean or first-token pooling reads every token's state; a
         bidirectional model's states depend on the tokens after them). images_whole (WorkerReady.images_whole): a
-        chunk of a prompt never ends inside an image's placeholder run (its tokens attend to each other both ways)."""
+        chunk of a prompt never ends inside an image's placeholder run (its tokens attend to each other both ways:
+        Gemma 3, Gemma 4 with use_bidirectional_attention "vision")."""
         self.config = config
         self.images_whole = images_whole
         self.attention_window = attention_window

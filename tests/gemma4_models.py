@@ -94,21 +94,29 @@ def build_gemma4_model(out_dir: Path | str, kind: str, seed: int = 0, with_token
 
 
 def build_multimodal_checkpoint(text_dir: Path | str, out_dir: Path | str) -> None:
-    """The text model's tensors as Gemma4ForConditionalGeneration saves them (`model.language_model.`), beside vision
-    and audio towers and embedders of random values, and a `gemma4` config around the text config."""
+    """The text model's tensors as Gemma4ForConditionalGeneration saves them (`model.language_model.`), beside a tiny
+    vision tower and embedder (tests/gemma4_vision_models.py's, random: loaded, and unused by a text prompt) and audio
+    ones of random values (skipped), and a `gemma4` config around the text config."""
     from safetensors.torch import load_file, save_file
+    from transformers import Gemma4VisionConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder, Gemma4VisionModel
+
+    from tests.gemma4_vision_models import VISION
 
     text_dir, out_dir = Path(text_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {f"model.language_model.{key.removeprefix('model.')}": t
                for key, t in load_file(text_dir / "model.safetensors").items()}  # fmt: skip
-    for name in ("vision_tower.encoder.weight", "audio_tower.output_proj.weight", "embed_vision.projection.weight",
-                 "embed_audio.projection.weight"):  # fmt: skip
-        tensors[f"model.{name}"] = torch.randn(8, 12)
-    save_file(tensors, out_dir / "model.safetensors")
     text = json.loads((text_dir / "config.json").read_text())
+    vision = Gemma4VisionConfig(**VISION)
+    tensors.update({f"model.vision_tower.{key}": t for key, t in Gemma4VisionModel(vision).state_dict().items()})
+    embedder = Gemma4MultimodalEmbedder(vision, hf_config("dense", hidden_size=text["hidden_size"]))
+    tensors.update({f"model.embed_vision.{key}": t for key, t in embedder.state_dict().items()})
+    for name in ("audio_tower.output_proj.weight", "embed_audio.projection.weight"):
+        tensors[f"model.{name}"] = torch.randn(8, 12)
+    save_file({key: t.contiguous() for key, t in tensors.items()}, out_dir / "model.safetensors")
     config = {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text,
-              "vision_config": {"hidden_size": 8}, "tie_word_embeddings": True}  # fmt: skip
+              "vision_config": VISION, "tie_word_embeddings": True}  # fmt: skip
     (out_dir / "config.json").write_text(json.dumps(config))
 
 

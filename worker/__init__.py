@@ -14,6 +14,8 @@ eagle3_runner.py           Eagle3Runner: an EAGLE-3 head drafting from the targe
 cuda_graphs.py             DecodeGraphRunner: decode steps replayed from CUDA graphs captured at start-up
 batch_inputs.py            ForwardBatch -> flat token ids, positions (M-RoPE rows too), cache slots, attention masks
 images.py                  a pass's images -> the tower's embedding rows for their placeholders (kept across chunks)
+image_blocks.py            Gemma 4's image runs seen whole on its sliding layers (re-attended over the cache; Gemma 3's
+                           images: layers/attention.py's mask)
 kv_cache.py                KVCache tensors and the default capacity rule; an FP8 cache's scales, writes, dequantizing
 kv_scales.py               an FP8 KV cache's static k_scale / v_scale read from the checkpoint
 state_cache.py             HybridCache: a hybrid model's KV (attention layers only) and its state slots (per running
@@ -39,7 +41,9 @@ model/qwen3_moe.py         Qwen3-MoE: Qwen3Attention and the MoE block; dense ML
 model/gemma2.py            Gemma 2: Llama's attention and fused linears, with Gemma's pieces around them
 model/gemma3.py            Gemma 3: Gemma 2's with per-head q/k RMSNorms, local layers' own rope; image rows in place
 model/gemma3_vision.py     Gemma 3's SigLIP vision tower and multi-modal projector, TP-sharded
-model/gemma4.py            Gemma 4 text: per-layer head widths, KV sharing, per-layer inputs, a dense MLP beside experts
+model/gemma4.py            Gemma 4: per-layer head widths, KV sharing, per-layer inputs, a dense MLP beside experts;
+                           image rows in place
+model/gemma4_vision.py     Gemma 4's vision tower (2-D rotary, clippable linears, k x k pooling) and embedder, TP-split
 model/deepseek_v3.py       DeepSeek-V3 / Kimi K2: latent attention (cache of latent + rope key; prefills expanded,
                            decodes absorbed), MoE with a grouped sigmoid router and shared experts, first layers dense
 model/glm4_moe.py          GLM-4.5 / 4.6: DeepSeek-V3's MoE (grouped sigmoid router, shared experts, dense first

@@ -92,6 +92,8 @@ def init_dummy_weights(model: nn.Module, std: float, seed: int) -> None:
                 # A norm: the weight that scales by one (Gemma's stores an offset from 1: 0 there). A bias is
                 # replicated or sharded alike: zero everywhere.
                 param.fill_(getattr(module, "identity_weight", 1.0) if is_norm else 0.0)
+            elif (fill := getattr(param, "dummy_fill", None)) is not None:
+                param.fill_(fill)  # a value that leaves the model as it would be without the parameter (bounds)
             elif getattr(param, "weight_loader", None) is None:
                 draws.append(_plain_draw(param, tuple(param.shape), name, None, std))
             else:

@@ -21,6 +21,7 @@ from loraplex.worker.draft_model import DraftRunner
 from loraplex.worker.dummy_weights import init_dummy_weights
 from loraplex.worker.eagle3_runner import Eagle3Runner
 from loraplex.worker.grammar import GrammarMasks
+from loraplex.worker.image_blocks import image_blocks
 from loraplex.worker.images import ImageEncoder
 from loraplex.worker.kv_cache import KVCache, default_kv_tokens, kv_bytes_per_token, kv_cache_dtype
 from loraplex.worker.kv_scales import read_kv_scales
@@ -126,6 +127,10 @@ class ModelRunner:
             logger.info("images attend both ways within each image: passes with images run the torch attention")
         if self.image_blocks:
             self.image_attention.image_blocks = True
+        # WorkerReady.images_whole: the scheduler ends no chunk inside an image's run (scheduler/image_runs.py), for
+        # Gemma 3's mask above and for Gemma 4's use_bidirectional_attention "vision" (worker/image_blocks.py: its
+        # sliding layers re-attend each run over the cache after the causal pass)
+        self.images_whole = self.image_blocks or getattr(self.model_config.vision, "bidirectional", False)
         self.kv_dtype = self._kv_cache_dtype()
         # the norms', rotary's and activation's, bound as the layers are built
         ops = select_model_ops(self.device, self.backend.cpu_kernels)
@@ -585,8 +590,12 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention,
                                 token_type_ids=inputs.token_type_ids)  # fmt: skip
         elif (images := self.images.rows(reqs)) is not None:
+            extra = {}
+            if getattr(self.model_config.vision, "bidirectional", False):  # Gemma 4's image runs, seen whole
+                extra["image_blocks"] = image_blocks(reqs, self.page_size, self.model_config.sliding_window or 1,
+                                                     self.device)  # fmt: skip
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention,
-                                image_rows=images.rows, image_embeds=images.embeds)  # fmt: skip
+                                image_rows=images.rows, image_embeds=images.embeds, **extra)  # fmt: skip
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attention)
         if calibrating:

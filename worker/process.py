@@ -112,7 +112,7 @@ class Worker:
                 num_state_snapshots=self.runner.num_state_snapshots,
                 is_pooling=self.runner.pooling is not None,
                 pools_whole_prompt=self.runner.pooling is not None and self.runner.pooling.whole_prompt,
-                images_whole=self.runner.image_blocks,
+                images_whole=self.runner.images_whole,
                 service_cpu_cores=list(self.service_cores),
             )
         )

@@ -1,6 +1,7 @@
 """A prompt's images put in its tokens: the chat template (or the client's text) leaves one image placeholder token
-per image; each becomes the image's run of num_tokens placeholders, as the HF processor expands them, and the
-ImageInputs say where each run starts. With M-RoPE the positions of the expanded prompt come too."""
+per image; each becomes the image's run of num_tokens placeholders (between begin and end tokens where the model's
+processor puts them: Gemma 4), as the HF processor expands them, and the ImageInputs say where each run starts.
+With M-RoPE the positions of the expanded prompt come too."""
 
 from __future__ import annotations
 
@@ -36,9 +37,13 @@ def expand_prompt(input_ids: list[int], images: list[ProcessedImage], spec: Visi
     start = 0
     for pos, image in zip(at, images, strict=True):
         expanded += input_ids[start:pos]
+        if spec.begin_token_id is not None:
+            expanded.append(spec.begin_token_id)
         inputs.append(ImageInput(offset=len(expanded), num_tokens=image.num_tokens, content_hash=image.content_hash,
                                  pixel_values=image.pixel_values, shape=image.shape, grid_thw=image.grid_thw))
         expanded += [token] * image.num_tokens
+        if spec.end_token_id is not None:
+            expanded.append(spec.end_token_id)
         start = pos + 1
     expanded += input_ids[start:]
     if not spec.mrope:

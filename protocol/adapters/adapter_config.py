@@ -216,11 +216,12 @@ def _parse_pattern(pattern: Any, field: str, *, is_rank: bool) -> tuple[tuple[st
 # name them; its tower MLP shares gate_proj/up_proj/down_proj with the language model (told apart by the tensors).
 # Llama 4's vision MLPs and pixel-shuffle adapter (fc1, fc2) and projector (linear_1); its vision attention shares
 # q/k/v/o_proj with the language model. Qwen3-VL's tower MLP and (deepstack) mergers: linear_fc1, linear_fc2.
-# Gemma 3's SigLIP MLP is fc1/fc2 too (its q/k/v/out_proj: worker/lora/tower.py).
+# Gemma 3's SigLIP MLP is fc1/fc2 too (its q/k/v/out_proj: worker/lora/tower.py). Gemma 4's tower: the `linear`
+# inside each of its clippable q/k/v/o and MLP projections; its embedder's projection.
 TOWER_TARGETS = ("qkv", "attn.qkv", "proj", "attn.proj", "mlp.0", "mlp.2", "merger.mlp.0", "merger.mlp.2",
                  "fc1", "fc2", "mlp.fc1", "mlp.fc2", "linear_1", "multi_modal_projector.linear_1",
                  "linear_fc1", "linear_fc2", "mlp.linear_fc1", "mlp.linear_fc2", "merger.linear_fc1",
-                 "merger.linear_fc2")
+                 "merger.linear_fc2", "linear", "embedding_projection")
 
 
 def _parse_targets(targets: Any) -> tuple[str, ...]:

@@ -3,8 +3,10 @@
 of a given size, and the tower's share of a prefill cut into chunks when each chunk re-encodes the image (what
 worker/images.py's kept embeddings save). `--family qwen3_vl`: Qwen3-VL's tower (worker/model/qwen3_vl_vision.py) at
 Qwen3-VL-2B's widths (hidden 1024, 16 heads, MLP 4096, patches of 16, merger and deepstack mergers to 2048; 24 blocks).
+`--family gemma4`: Gemma 4's tower and embedder (worker/model/gemma4_vision.py) at gemma-4-e2b-it's widths (hidden
+768, 12 heads of 64, MLP 3072, 16 layers, 16-pixel patches pooled 3x3, into 2304), times scaled to its 16 layers.
 
-    python -m scripts.bench.vision_encode [--family qwen2_5_vl|qwen3_vl] [--size 448] [--depth 4] [--repeats 3]
+    python -m scripts.bench.vision_encode [--family qwen2_5_vl|qwen3_vl|gemma4] [--size 448] [--depth 4] [--repeats 3]
         [--dtype float32]
 """
 
@@ -15,12 +17,36 @@ import json
 import time
 
 import torch
-from loraplex.worker.model.config import VisionConfig
+from loraplex.worker.model.config import Gemma4VisionConfig, VisionConfig
 from loraplex.worker.model.qwen2_5_vl_vision import VisionTower
 from loraplex.worker.model.qwen3_vl_vision import Qwen3VLVisionTower
 from loraplex.worker.parallel import tensor_parallel
 
-FULL_DEPTH = {"qwen2_5_vl": 32, "qwen3_vl": 24}
+FULL_DEPTH = {"qwen2_5_vl": 32, "qwen3_vl": 24, "gemma4": 16}
+
+
+def gemma4_config(depth: int) -> Gemma4VisionConfig:
+    return Gemma4VisionConfig.from_dict({"vision_config": {"num_hidden_layers": depth}, "text_config": {}})
+
+
+def gemma4_tower(depth: int, size: int) -> tuple[torch.nn.Module, torch.Tensor, list[int], int, int]:
+    """(encode(pixels, grids), pixels, grid, soft tokens, the full depth) for a size x size image."""
+    from loraplex.worker.model.gemma4_vision import Gemma4VisionEmbedder, Gemma4VisionTower
+
+    config = gemma4_config(depth)
+    with tensor_parallel(0, 1):
+        tower, embedder = Gemma4VisionTower(config), Gemma4VisionEmbedder(config)
+    dtype = torch.get_default_dtype()
+    side = size // config.patch_size
+    side -= side % config.spatial_merge_size
+    pixels = torch.rand(side * side, 3 * config.patch_size**2)
+
+    def encode(pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
+        return embedder(tower(pixels, grids), dtype)
+
+    module = torch.nn.ModuleList([tower, embedder])
+    module.forward = encode
+    return module, pixels, [1, side, side], side * side // config.spatial_merge_size**2, FULL_DEPTH["gemma4"]
 
 
 def tower_config(depth: int) -> VisionConfig:
@@ -49,16 +75,20 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     torch.set_default_dtype(getattr(torch, args.dtype))
-    qwen3 = args.family == "qwen3_vl"
-    config = (qwen3_vl_tower_config if qwen3 else tower_config)(args.depth)
-    with tensor_parallel(0, 1):
-        tower = (Qwen3VLVisionTower if qwen3 else VisionTower)(config)
+    if args.family == "gemma4":
+        tower, pixels, grid, tokens, full = gemma4_tower(args.depth, args.size)
+    else:
+        qwen3 = args.family == "qwen3_vl"
+        config = (qwen3_vl_tower_config if qwen3 else tower_config)(args.depth)
+        with tensor_parallel(0, 1):
+            tower = (Qwen3VLVisionTower if qwen3 else VisionTower)(config)
+        side = args.size // config.patch_size
+        grid = [1, side, side]
+        pixels = torch.randn(side * side, 3 * 2 * config.patch_size**2)
+        tokens, full = side * side // 4, FULL_DEPTH[args.family]
     generator = torch.Generator().manual_seed(0)
     for param in tower.parameters():
         param.data.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-    side = args.size // config.patch_size
-    grid = [1, side, side]
-    pixels = torch.randn(side * side, 3 * 2 * config.patch_size**2)
     tower(pixels, [grid])  # warm-up
     times = []
     for _ in range(args.repeats):
@@ -66,9 +96,7 @@ def main() -> None:
         tower(pixels, [grid])
         times.append(time.perf_counter() - start)
     ms = 1000 * min(times)
-    tokens = side * side // 4
-    full = FULL_DEPTH[args.family]
-    print(json.dumps({"family": args.family, "size": args.size, "patches": side * side, "tokens": tokens,
+    print(json.dumps({"family": args.family, "size": args.size, "patches": grid[1] * grid[2], "tokens": tokens,
                       "depth": args.depth, "dtype": args.dtype, "ms_per_image": round(ms, 1),
                       f"ms_per_image_at_{full}_blocks": round(ms * full / args.depth, 1),
                       "encodes_without_keeping_at_chunk_64": -(-tokens // 64)}))  # fmt: skip

@@ -21,6 +21,8 @@ MODELS = sorted(path.parent.name for path in CONFIGS_DIR.glob("*/config.json")
                 if "quantization_config" not in json.loads(path.read_text())
                 and not (path.parent / "preprocessor_config.json").exists())
 MAX_NEW = 4
+# Checkpoints served with their vision tower: the tower cut to one layer, and an image request answered too
+VISION_OVERRIDES = {"gemma4": {"vision_config": {"num_hidden_layers": 1}}}
 
 
 def test_the_dense_configs_are_shipped() -> None:
@@ -35,7 +37,10 @@ def test_real_config_serves_with_dummy_weights_and_two_layers(model: str, tmp_pa
     model_dir.mkdir()
     shutil.copy(CONFIGS_DIR / model / "config.json", model_dir / "config.json")
     build_tokenizer(model_dir)
-    serves_with_dummy_weights(model_dir, {"num_hidden_layers": 2})
+    vision = VISION_OVERRIDES.get(json.loads((model_dir / "config.json").read_text())["model_type"])
+    if vision is not None:
+        write_image_processor(model_dir)
+    serves_with_dummy_weights(model_dir, {"num_hidden_layers": 2, **(vision or {})}, image=vision is not None)
 
 
 def test_glm_4_5_air_shape_serves_with_dummy_weights_and_fewer_layers_and_experts(tmp_path: Path) -> None:
@@ -56,8 +61,16 @@ def test_glm_4_5_air_shape_serves_with_dummy_weights_and_fewer_layers_and_expert
     serves_with_dummy_weights(model_dir, {"num_hidden_layers": 2, "n_routed_experts": 16})
 
 
-def serves_with_dummy_weights(model_dir: Path, overrides: dict) -> None:
-    """model_dir (its config.json and the tests' tokenizer) starts with dummy weights and `overrides`, and answers."""
+def write_image_processor(model_dir: Path) -> None:
+    """Gemma 4's image processor at its real patch and pooling sizes and its smallest budget (70 soft tokens)."""
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    Gemma4ImageProcessorPil(max_soft_tokens=70).save_pretrained(model_dir)
+
+
+def serves_with_dummy_weights(model_dir: Path, overrides: dict, image: bool = False) -> None:
+    """model_dir (its config.json and the tests' tokenizer) starts with dummy weights and `overrides`, and answers;
+    with `image`, /generate's token ids with the config's image token and image_data (a data: URL) too."""
     real = json.loads((model_dir / "config.json").read_text())
     # as transformers reads it (a multimodal config's language model: Gemma 3's text_config, its defaults filled in)
     vocab_size = AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size
@@ -75,5 +88,14 @@ def serves_with_dummy_weights(model_dir: Path, overrides: dict) -> None:
         assert resp.status_code == 200, resp.text
         out = resp.json()
         assert len(out["output_ids"]) == MAX_NEW and all(0 <= t < vocab_size for t in out["output_ids"])
+        if image:
+            from tests.image_inputs import GOOD_PNG, data_url
+
+            ids = [real.get("bos_token_id") or 2, 100, real["image_token_id"], 101]
+            resp = server.post("/generate", {"input_ids": ids, "image_data": data_url(GOOD_PNG),
+                                             "sampling_params": sampling})  # fmt: skip
+            assert resp.status_code == 200, resp.text
+            out = resp.json()
+            assert len(out["output_ids"]) == MAX_NEW and out["meta_info"]["prompt_tokens"] > len(ids) + 2
         log = server.log()
     assert f"model_type {real['model_type']}, 2 hidden layers, load format dummy" in log

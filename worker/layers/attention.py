@@ -316,7 +316,10 @@ class AttentionBackend(Protocol):
 class SDPAAttention:
     """torch's scaled_dot_product_attention over gathered pages. `image_blocks` (set by the runner for a model whose
     image tokens attend both ways during prefill, Gemma 3): each image's placeholder run attends within itself in
-    both directions on top of the causal mask (image_block_mask)."""
+    both directions on top of the causal mask (image_block_mask). Gemma 4's images (use_bidirectional_attention
+    "vision") take another path, worker/image_blocks.py: only its sliding layers see a run both ways, and they attend
+    the run's queries again over the cache after any backend's causal pass (its Triton kernels, strided views and
+    KV-shared layers untouched); Gemma 3's runs are both ways on every layer, a mask here where the scores are made."""
 
     name = "torch"
     image_blocks = False

@@ -14,7 +14,11 @@ rows. The tower's images are few and short next to the decoder's tokens: a plain
 Llama 4's vision model and projector (PEFT keys `...vision_model.<module>...` / `...multi_modal_projector.linear_1...`:
 its encoder layers' self_attn.q/k/v/o_proj and mlp.fc1/fc2, vision_adapter.mlp.fc1/fc2, the projector's linear_1,
 which is whole on every rank) are named from the model itself; every one of its linears reads rows of (tiles, ...)
-whose first dimension is the tile, one image of worker/images.py, so an adapter's rows are its tiles'."""
+whose first dimension is the tile, one image of worker/images.py, so an adapter's rows are its tiles'.
+
+Gemma 4's tower and embedder (PEFT keys `...vision_tower.encoder.layers.N.self_attn.q_proj.linear` ..., the `linear`
+inside each clippable projection, and `...embed_vision.embedding_projection`, whole on every rank) are named from the
+model too; the embedder reads soft tokens, the merged rows."""
 
 from __future__ import annotations
 
@@ -24,13 +28,14 @@ from dataclasses import dataclass
 
 import torch
 from loraplex.protocol.adapters.adapter_config import AdapterLoadError
-from loraplex.worker.model.config import Llama4VisionConfig, SiglipVisionConfig, VisionConfig
+from loraplex.worker.model.config import Gemma4VisionConfig, Llama4VisionConfig, SiglipVisionConfig, VisionConfig
 from torch import nn
 
 # the tower's root in PEFT's key: Qwen-VL's `visual.`, Gemma 3's SigLIP `vision_tower.` (the Hub's transformers 4
-# checkpoints: `vision_tower.vision_model.`), Llama 4's `vision_model.` / `multi_modal_projector.`
-TOWER_KEY = re.compile(
-    r"(?:^|\.)((?:visual|vision_tower|vision_model|multi_modal_projector)\..+)\.lora_([AB])(?:\.\w+)?\.weight$")
+# checkpoints: `vision_tower.vision_model.`), Gemma 4's `vision_tower.` and `embed_vision.`, Llama 4's
+# `vision_model.` / `multi_modal_projector.`
+TOWER_KEY = re.compile(r"(?:^|\.)((?:visual|vision_tower|vision_model|multi_modal_projector|embed_vision)\..+)"
+                       r"\.lora_([AB])(?:\.\w+)?\.weight$")
 TOWER_FLAG = "--enable-tower-connector-lora"
 # PEFT's slices of our fused linears -> (our fused module, slice)
 _SLICES = {"mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1),
@@ -50,16 +55,23 @@ class TowerLinear:
 
 
 def tower_root(model: nn.Module, c: VisionConfig | Llama4VisionConfig | SiglipVisionConfig) -> nn.Module:
-    """The module tower_linears' paths start from: Qwen2.5-VL's tower, Gemma 3's SigLIP, Llama 4's whole model."""
+    """The module tower_linears' paths start from: Qwen-VL's tower, Gemma 3's SigLIP, Llama 4's and Gemma 4's whole
+    model."""
     if isinstance(c, SiglipVisionConfig):
         return model.vision_tower
-    return model if isinstance(c, Llama4VisionConfig) else model.visual
+    return model if _from_model(c) else model.visual
+
+
+def _from_model(c: VisionConfig | Llama4VisionConfig | SiglipVisionConfig) -> bool:
+    return isinstance(c, (Llama4VisionConfig, Gemma4VisionConfig))
 
 
 def tower_linears(c: VisionConfig | Llama4VisionConfig | SiglipVisionConfig) -> dict[str, TowerLinear]:
     """Our module path inside the tower -> its shape, for every linear an adapter may reach."""
     if isinstance(c, Llama4VisionConfig):
         return _llama4_linears(c)
+    if isinstance(c, Gemma4VisionConfig):  # before Qwen-VL's: a VisionConfig too
+        return _gemma4_linears(c)
     if isinstance(c, SiglipVisionConfig):  # Gemma 3's SigLIP (its projector is a bare matrix: no adapter's)
         return siglip_linears(c)
     group = c.hidden_size * c.spatial_merge_size**2
@@ -115,6 +127,24 @@ def _llama4_linears(c: Llama4VisionConfig) -> dict[str, TowerLinear]:
     return out
 
 
+def _gemma4_linears(c: Gemma4VisionConfig) -> dict[str, TowerLinear]:
+    q_size, kv_size, hidden, mlp = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, \
+        c.intermediate_size  # fmt: skip
+    out: dict[str, TowerLinear] = {}
+    for i in range(c.depth):
+        layer = f"vision_tower.encoder.layers.{i}"
+        for name, mode, size_in, size_out in (("self_attn.q_proj", "column", hidden, q_size),
+                                              ("self_attn.k_proj", "column", hidden, kv_size),
+                                              ("self_attn.v_proj", "column", hidden, kv_size),
+                                              ("self_attn.o_proj", "row", q_size, hidden),
+                                              ("mlp.gate_proj", "column", hidden, mlp),
+                                              ("mlp.up_proj", "column", hidden, mlp),
+                                              ("mlp.down_proj", "row", mlp, hidden)):  # fmt: skip
+            out[f"{layer}.{name}.linear"] = TowerLinear(mode, size_in, (size_out,))
+    out["embed_vision.embedding_projection"] = TowerLinear("replicated", hidden, (c.out_hidden_size,))
+    return out
+
+
 def _our_path(path: str, vision: VisionConfig | Llama4VisionConfig | SiglipVisionConfig) -> tuple[str, int | None]:
     """A PEFT module path (from the tower's root name on) -> (our module path, slice of a fused linear or None)."""
     if isinstance(vision, SiglipVisionConfig):  # its q/k/v_proj are not fused
@@ -128,11 +158,11 @@ def _our_path(path: str, vision: VisionConfig | Llama4VisionConfig | SiglipVisio
 
 
 def _shown(ours: str, vision: VisionConfig | Llama4VisionConfig | SiglipVisionConfig) -> str:
-    """Our module path as an error names it: Qwen2.5-VL's under `visual.`, Gemma 3's under `vision_tower.`, Llama
-    4's from the model's root."""
+    """Our module path as an error names it: Qwen-VL's under `visual.`, Gemma 3's under `vision_tower.`, Llama 4's
+    and Gemma 4's from the model's root."""
     if isinstance(vision, SiglipVisionConfig):
         return f"vision_tower.{ours}"
-    return f"visual.{ours}" if isinstance(vision, VisionConfig) else ours
+    return ours if _from_model(vision) else f"visual.{ours}"
 
 
 def tower_weights(
@@ -210,7 +240,8 @@ class TowerLoRALinear(nn.Module):
     def __init__(self, base: nn.Module, name: str, rows: TowerRows):
         super().__init__()
         self.base, self.name, self.rows = base, name, rows
-        self.merged = name.startswith(("merger.", "deepstack_merger_list."))  # reads merged rows, not patches
+        # reads merged rows, not patches
+        self.merged = name.startswith(("merger.", "deepstack_merger_list.", "embed_vision."))
         self.output_sizes_per_rank = base.output_sizes_per_rank  # what the model reads of the layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

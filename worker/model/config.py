@@ -203,6 +203,67 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
+class Gemma4VisionConfig(VisionConfig):
+    """Gemma 4's vision tower (worker/model/gemma4_vision.py) in VisionConfig's terms, as worker/images.py checks an
+    image: one frame (temporal_patch_size 1) of patch x patch RGB patches, spatial_merge_size the pooling kernel
+    (k x k patches average into one soft token), no windows; and its own: explicit head width and KV heads, the
+    patch position table's size, clipped linears, standardized soft tokens, and the text model's pad token (which
+    an image token's per-layer input reads)."""
+
+    vision_head_dim: int = 64
+    num_kv_heads: int = 12
+    position_embedding_size: int = 10_240
+    use_clipped_linears: bool = False
+    standardize: bool = False
+    rms_norm_eps: float = 1e-6
+    pad_token_id: int = 0
+    # use_bidirectional_attention "vision": on the sliding layers an image's tokens also see its later ones
+    # (worker/image_blocks.py)
+    bidirectional: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.vision_head_dim
+
+    @classmethod
+    def from_dict(cls, hf: dict[str, Any]) -> Gemma4VisionConfig:
+        vision = hf.get("vision_config") or {}
+        text = hf.get("text_config") or {}
+        act = vision.get("hidden_activation", "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise ModelConfigError(f"unsupported vision hidden_activation {act!r}; the vision tower runs "
+                                   "gelu_pytorch_tanh")  # fmt: skip
+        rope = vision.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ModelConfigError(f"unsupported vision rope_type {rope.get('rope_type')!r}; Gemma 4's is axial")
+        num_heads = vision.get("num_attention_heads", 12)
+        return cls(
+            depth=vision.get("num_hidden_layers", 16),
+            hidden_size=vision.get("hidden_size", 768),
+            intermediate_size=vision.get("intermediate_size", 3072),
+            num_heads=num_heads,
+            out_hidden_size=text.get("hidden_size", 2304),
+            patch_size=vision.get("patch_size", 16),
+            temporal_patch_size=1,
+            spatial_merge_size=vision.get("pooling_kernel_size", 3),
+            in_channels=3,
+            window_size=0,
+            fullatt_block_indexes=(),
+            rope_theta=float(rope.get("rope_theta", 100.0)),
+            image_token_id=hf.get("image_token_id", 258_880),
+            hidden_act=act,
+            vision_head_dim=vision.get("head_dim") or vision.get("hidden_size", 768) // num_heads,
+            num_kv_heads=vision.get("num_key_value_heads") or num_heads,
+            position_embedding_size=vision.get("position_embedding_size", 10_240),
+            use_clipped_linears=bool(vision.get("use_clipped_linears", False)),
+            standardize=bool(vision.get("standardize", False)),
+            rms_norm_eps=vision.get("rms_norm_eps", 1e-6),
+            pad_token_id=text.get("pad_token_id") if text.get("pad_token_id") is not None else 0,
+            bidirectional=text.get("use_bidirectional_attention") == "vision",
+        )
+
+
+@dataclass(frozen=True)
 class Llama4VisionConfig:
     """Llama 4's vision model (vision_config) and projector: every tile of image_size pixels a side is one sequence
     of (image_size / patch_size)**2 patches and a class token; pixel shuffle folds each 2x2 (1 / ratio a side) of
@@ -540,7 +601,7 @@ class ModelConfig:
     attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
     gemma4: Gemma4Layers | None = None  # Gemma 4's per-layer shapes, KV sharing and per-layer inputs
     encoder: EncoderConfig | None = None  # a bidirectional encoder (BERT); None: a decoder
-    # a vision-language model's tower (Qwen2.5-VL's, Llama 4's, Gemma 3's SigLIP); None: text only
+    # a vision-language model's tower (Qwen-VL's, Gemma 4's, Llama 4's, Gemma 3's SigLIP); None: text only
     vision: VisionConfig | Llama4VisionConfig | SiglipVisionConfig | None = None
 
     @property
@@ -615,17 +676,22 @@ class ModelConfig:
             raise ModelConfigError(
                 f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        siglip = None  # a multimodal gemma3 checkpoint's tower, read before its text_config replaces the config
+        # a multimodal checkpoint's tower, read before its text_config replaces the config: Gemma 3's SigLIP, Gemma 4's
+        # (its audio tower is not served); Qwen-VL's and Llama 4's below
+        vision: VisionConfig | Llama4VisionConfig | SiglipVisionConfig | None = None  # Gemma 4's: a VisionConfig
         if model_type == "gemma3" and all(isinstance(hf.get(key), dict) for key in ("vision_config", "text_config")):
-            siglip = SiglipVisionConfig.from_dict(hf)
+            vision = SiglipVisionConfig.from_dict(hf)
         if model_type in GEMMA4_TYPES:
+            if isinstance(hf.get("vision_config"), dict):
+                vision = Gemma4VisionConfig.from_dict(hf)
             hf = _gemma4_fields(hf, model_type)
         elif model_type in GEMMA_TYPES:
             hf = _gemma_fields(hf, model_type)
         if model_type in MULTIMODAL_HYBRID_TYPES and isinstance(hf.get("text_config"), dict):  # the language model
             hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"],
                   "model_type": model_type}
-        vision = VisionConfig.from_dict(hf) if model_type in VISION_TYPES else siglip
+        if model_type in VISION_TYPES:
+            vision = VisionConfig.from_dict(hf)
         if model_type in VISION_TYPES and isinstance(hf.get("text_config"), dict):  # the language model
             outer = hf
             hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"],

@@ -15,13 +15,18 @@
   without weight, times `scale`), and whose input has a norm of its own; the two outputs are normed apart and summed.
 
 The paged cache gives every token a slot as wide as the widest layer's keys; a narrower layer views the leading part
-(ModelConfig.kv_layout). A multimodal checkpoint's vision and audio towers and embedders are not loaded (text prompts
-only; an image part is refused by the API); neither are the per-layer-input linears LoRA targets."""
+(ModelConfig.kv_layout). A multimodal checkpoint's vision tower and embedder (gemma4_vision.py) encode its images,
+whose soft tokens replace their placeholder tokens' embeddings (already scaled: the text embedding's scale is not
+applied to them) and whose per-layer inputs take the pad token's slice, as transformers' Gemma4Model builds them; the
+audio tower and embedder are not loaded (an audio part is refused by the API). With use_bidirectional_attention
+"vision" the sliding layers let an image's tokens see its whole run (worker/image_blocks.py). The per-layer-input
+linears are no LoRA targets."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from loraplex.worker.image_blocks import ImageBlock, attend_image_blocks
 from loraplex.worker.kv_cache import KVCache
 from loraplex.worker.layers.activation import GeluTanhAndMul
 from loraplex.worker.layers.attention import BatchAttention, paged_attention
@@ -32,6 +37,7 @@ from loraplex.worker.layers.norm import Gemma4RMSNorm
 from loraplex.worker.layers.rotary import RotaryEmbedding
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model.gemma2 import Gemma2ForCausalLM, GemmaMLP
+from loraplex.worker.model.gemma4_vision import Gemma4VisionEmbedder, Gemma4VisionTower
 from loraplex.worker.model.llama import layer_attention
 from loraplex.worker.parallel import current_tp
 from torch import nn
@@ -63,6 +69,7 @@ class Gemma4Attention(nn.Module):
         hidden: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
         attention: BatchAttention,
+        image_blocks: list[ImageBlock] | None = None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q = self.q_norm(self.q_proj(hidden).view(num_tokens, -1, self.head_dim))  # (tokens, heads, head_dim)
@@ -77,6 +84,9 @@ class Gemma4Attention(nn.Module):
             v = self.v_norm(v)
             q, k = self.rotary(positions, q, self.k_norm(k))
             out = paged_attention(q, k, v, k_cache, v_cache, attention, self.layer)  # (tokens, heads, head_dim)
+        window = self.layer.sliding_window
+        if image_blocks and window is not None:  # the images' tokens see their runs whole
+            out = attend_image_blocks(q, out, k_cache, v_cache, image_blocks, window, self.layer.scale)
         return self.o_proj(out.reshape(num_tokens, -1))  # (tokens, hidden)
 
     def _layer_view(self, cache: torch.Tensor) -> torch.Tensor:
@@ -147,9 +157,10 @@ class Gemma4DecoderLayer(nn.Module):
         per_layer_input: torch.Tensor | None,
         kv: tuple[torch.Tensor, torch.Tensor],
         attention: BatchAttention,
+        image_blocks: list[ImageBlock] | None = None,
     ) -> torch.Tensor:
         """The stream after this layer (tokens, hidden); per_layer_input (tokens, per_layer_input_size) or None."""
-        attn = self.self_attn(positions, self.input_layernorm(hidden), kv, attention)
+        attn = self.self_attn(positions, self.input_layernorm(hidden), kv, attention, image_blocks)
         hidden = hidden + self.post_attention_layernorm(attn)
         hidden = hidden + self.post_feedforward_layernorm(self.feed_forward(hidden))
         if per_layer_input is not None:
@@ -196,13 +207,25 @@ class Gemma4Model(nn.Module):
             self.per_layer_projection_norm = Gemma4RMSNorm(self.per_layer_size, config.rms_norm_eps)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, attention: BatchAttention
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        attention: BatchAttention,
+        image_rows: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        pad_token_id: int = 0,
+        image_blocks: list[ImageBlock] | None = None,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) * self.embed_scale  # (tokens, hidden)
+        if image_rows is not None:  # the placeholder tokens' rows take their image's soft tokens
+            hidden = hidden.index_copy(0, image_rows, image_embeds.to(hidden.dtype))
+            input_ids = input_ids.index_fill(0, image_rows, pad_token_id)  # their per-layer inputs: the pad token's
         per_layer = self.per_layer_inputs(input_ids, hidden)
         for layer_id, layer in enumerate(self.layers):
             layer_input = None if per_layer is None else per_layer[:, layer_id]
-            hidden = layer(positions, hidden, layer_input, kv_cache.layer(self.cache_ids[layer_id]), attention)
+            hidden = layer(positions, hidden, layer_input, kv_cache.layer(self.cache_ids[layer_id]), attention,
+                           image_blocks)  # fmt: skip
         return self.norm(hidden)
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor | None:
@@ -230,9 +253,39 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
 
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__(config, max_positions)
+        self.vision = config.vision  # a multimodal checkpoint's tower (None: text only, its tensors skipped)
+        if config.vision is not None:
+            self.vision_tower = Gemma4VisionTower(config.vision)
+            self.embed_vision = Gemma4VisionEmbedder(config.vision)
+            self.checkpoint_prefixes = (
+                ("model.language_model.", "model."),
+                ("model.vision_tower.", "vision_tower."),
+                ("model.embed_vision.", "embed_vision."),
+                ("model.audio_tower.", None),
+                ("model.embed_audio.", None),
+            )
         if config.moe is not None:  # the first that a name holds is replaced, once
             self.checkpoint_renames = (
                 (".mlp.", ".mlp.shared_experts."),
                 (".experts.", ".mlp.experts."),
                 (".router.", ".mlp.gate."),
             )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        attention: BatchAttention,
+        image_rows: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        image_blocks: list[ImageBlock] | None = None,
+    ) -> torch.Tensor:
+        pad = self.vision.pad_token_id if self.vision is not None else 0
+        return self.model(input_ids, positions, kv_cache, attention, image_rows, image_embeds, pad,
+                          image_blocks)  # (tokens, hidden)
+
+    def encode_images(self, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
+        """(every image's soft tokens in order, hidden) from their patches (patches, patch dim) and (1, h, w) grids."""
+        dtype = self.vision_tower.patch_embedder.position_embedding_table.dtype  # the activation dtype
+        return self.embed_vision(self.vision_tower(pixels, grids), dtype)
