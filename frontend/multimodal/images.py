@@ -12,6 +12,7 @@ from typing import Any
 
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.multimodal.decode import decode_image
+from loraplex.frontend.multimodal.families import read_vision_spec
 from loraplex.frontend.multimodal.llama4 import Llama4ImageProcessor, Llama4Spec, TiledImage, expand_llama4
 from loraplex.frontend.multimodal.prompt import PromptImages, expand_prompt
 from loraplex.frontend.multimodal.sources import MediaAccess, image_bytes
@@ -22,7 +23,6 @@ from loraplex.frontend.multimodal.vision import (
     min_side,
     no_images_error,
     process_image,
-    read_vision_spec,
 )
 from loraplex.protocol.config import ServerConfig
 

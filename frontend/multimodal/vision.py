@@ -6,14 +6,11 @@ the checkpoint's own (transformers' AutoImageProcessor on preprocessor_config.js
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.frontend.errors import InputError
-from loraplex.frontend.multimodal.llama4 import Llama4Spec, llama4_spec
 
 # Multimodal checkpoints whose workers serve the language model alone (MODELS.md): their images are refused.
 TEXT_ONLY_TYPES = frozenset({"qwen3_5", "qwen3_5_moe", "mistral3"})
@@ -41,24 +38,9 @@ class VisionSpec:
     expand: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
 
-def read_vision_spec(model_dir: str) -> VisionSpec | Llama4Spec | None:
-    """The model's VisionSpec (Llama 4's own Llama4Spec), or None when it takes no images (a text model, or a
-    multimodal checkpoint served as its language model)."""
-    try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            hf = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if hf.get("model_type") == "llama4":
-        return llama4_spec(hf, model_dir) if isinstance(hf.get("vision_config"), dict) else None
-    return vision_spec(hf, model_dir)
-
-
-def vision_spec(hf: dict[str, Any], model_dir: str | None = None) -> VisionSpec | None:
-    if hf.get("model_type") == "gemma3":  # its images laid out as Gemma3Processor does, with its tokenizer
-        from loraplex.frontend.multimodal.gemma3 import gemma3_spec
-
-        return gemma3_spec(hf, model_dir)
+def generic_vision_spec(hf: dict[str, Any]) -> VisionSpec | None:
+    """The VisionSpec of a family whose images are one run of placeholders from the image's grid (Qwen-VL), wrapped
+    in begin/end tokens where WRAPPED_TYPES says (Gemma 4); None when the model takes no images."""
     vision = hf.get("vision_config")
     token_id = hf.get("image_token_id", hf.get("image_token_index"))
     if not isinstance(vision, dict) or not isinstance(token_id, int) or hf.get("model_type") in TEXT_ONLY_TYPES:

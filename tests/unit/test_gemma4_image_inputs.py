@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 import torch
+from loraplex.frontend.multimodal.families import vision_spec
 from loraplex.frontend.multimodal.images import ImagePipeline
-from loraplex.frontend.multimodal.vision import vision_spec
 from loraplex.protocol.config import ServerConfig
 
 from tests.gemma4_vision_models import (

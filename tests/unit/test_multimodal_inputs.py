@@ -14,9 +14,9 @@ import pytest
 import torch
 from loraplex.frontend.errors import InputError
 from loraplex.frontend.generate import _image_sources
+from loraplex.frontend.multimodal.families import vision_spec
 from loraplex.frontend.multimodal.images import ImagePipeline
 from loraplex.frontend.multimodal.sources import MediaAccess, image_bytes
-from loraplex.frontend.multimodal.vision import vision_spec
 from loraplex.protocol.config import ServerConfig
 
 from tests.image_inputs import BAD_FILES, GOOD_PNG, ImageServer, data_url
