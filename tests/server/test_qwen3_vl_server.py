@@ -1,7 +1,7 @@
 """Qwen3-VL through a whole server: the openai client's chat with data: URL images answers as transformers' greedy
 generate does (one image, two, none; chunked prefill cutting the images' runs, and the second time the prefix cache
-serving them), and Qwen3-VL-2B-Instruct's real config.json and preprocessor_config.json start with dummy weights
-(--hf-overrides shrinking the decoder and the tower) and answer an image request."""
+serving them), and Qwen3-VL-2B-Instruct's and Qwen2.5-VL-3B-Instruct's real config.json and preprocessor_config.json
+start with dummy weights (--hf-overrides shrinking the decoder and the tower) and answer an image request."""
 
 from __future__ import annotations
 
@@ -101,34 +101,64 @@ QWEN3_VL_PREPROCESSOR = {
     "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
     "processor_class": "Qwen3VLProcessor", "image_processor_type": "Qwen2VLImageProcessorFast",
 }
-# two decoder layers, two tower blocks each followed by a deepstack merger
-OVERRIDES = {"num_hidden_layers": 2, "vision_config": {"depth": 2, "deepstack_visual_indexes": [0, 1]}}
+# Qwen/Qwen2.5-VL-3B-Instruct's config.json and preprocessor_config.json as published (the decoder at the top level,
+# rope_scaling's mrope sections)
+QWEN2_5_VL_3B = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "attention_dropout": 0.0,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 11008,
+    "max_position_embeddings": 128000, "max_window_layers": 70, "num_attention_heads": 16, "num_hidden_layers": 36,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {
+        "depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+        "in_chans": 3, "out_hidden_size": 2048, "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
+        "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+        "temporal_patch_size": 2,
+    },
+}
+QWEN2_5_VL_PREPROCESSOR = {
+    "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+}
+# family -> (config, preprocessor config, --hf-overrides: two decoder layers and two tower blocks, the image's
+# placeholders for a 32x32 image: Qwen3-VL's processor scales it to 256x256 (shortest_edge 65536), 16x16 patches, 64
+# tokens; Qwen2.5-VL's to 56x56 (min_pixels 3136), 4x4 patches, 4 tokens)
+REAL_CONFIGS = {
+    "qwen3_vl": (QWEN3_VL_2B, QWEN3_VL_PREPROCESSOR,
+                 {"num_hidden_layers": 2, "vision_config": {"depth": 2, "deepstack_visual_indexes": [0, 1]}}, 64),
+    "qwen2_5_vl": (QWEN2_5_VL_3B, QWEN2_5_VL_PREPROCESSOR,
+                   {"num_hidden_layers": 2, "vision_config": {"depth": 2, "fullatt_block_indexes": [1]}}, 4),
+}
 
 
-def test_real_config_serves_an_image_with_dummy_weights(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", sorted(REAL_CONFIGS))
+def test_real_config_serves_an_image_with_dummy_weights(tmp_path: Path, family: str) -> None:
     import openai
 
+    published, preprocessor, overrides, image_tokens = REAL_CONFIGS[family]
     tokenizer = make_tokenizer()
     ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in (
         ("image", IMAGE_PAD), ("video", VIDEO_PAD), ("vision_start", VISION_START), ("vision_end", VISION_END))}
-    config = {**QWEN3_VL_2B, **ids}
-    config["text_config"] = {**config["text_config"], "bos_token_id": tokenizer.bos_token_id,
-                             "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
+    config = {**published, **ids, "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    if "text_config" in config:
+        config["text_config"] = {**config["text_config"], "bos_token_id": tokenizer.bos_token_id,
+                                 "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps(QWEN3_VL_PREPROCESSOR))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(preprocessor))
     save_tokenizer(tmp_path)
     with ServerProcess("--model-path", str(tmp_path), "--served-model-name", "vl", "--load-format", "dummy",
-                       "--hf-overrides", json.dumps(OVERRIDES), "--dtype", "bfloat16", "--context-length", "256",
+                       "--hf-overrides", json.dumps(overrides), "--dtype", "bfloat16", "--context-length", "256",
                        "--max-total-tokens", "1024", "--max-running-requests", "4", "--lora-backend", "torch",
                        "--attention-backend", "torch", start_timeout_s=600) as server:  # fmt: skip
         info = server.get("/server_info").json()
-        assert (info["model_type"], info["num_hidden_layers"], info["modalities"]) == ("qwen3_vl", 2, ["text", "image"])
+        assert (info["model_type"], info["num_hidden_layers"], info["modalities"]) == (family, 2, ["text", "image"])
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
         content = [{"type": "text", "text": "what is it"}]
         text_only = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": content}],
                                                    max_tokens=4, temperature=0)  # fmt: skip
         got = client.chat.completions.create(model="vl", max_tokens=4, temperature=0, messages=[
             {"role": "user", "content": [image_part(make_image(32, 32)), *content]}])  # fmt: skip
-        # the processor scales a 32x32 image up to 256x256 pixels (shortest_edge 65536): 16x16 patches, 64 tokens
-        assert got.usage.prompt_tokens == text_only.usage.prompt_tokens + 2 + 64
+        assert got.usage.prompt_tokens == text_only.usage.prompt_tokens + 2 + image_tokens
         assert got.usage.completion_tokens == 4 and got.choices[0].finish_reason == "length"
