@@ -4,8 +4,8 @@ base (ModelConfig.local_rope) and, in the published configs, no soft-capping (th
 A multimodal `gemma3` checkpoint (Gemma3ForConditionalGeneration) also runs its SigLIP vision tower and projector
 (gemma3_vision.py): the pass hands the model its image rows already encoded (worker/images.py), `image_rows` (their
 token rows in the batch) and `image_embeds`, which replace the placeholders' scaled embeddings. An image's
-placeholders attend to each other both ways during prefill (SiglipVisionConfig.bidirectional_images: the attention
-backend's image_blocks)."""
+placeholders attend to each other both ways during prefill (SiglipVisionConfig.bidirectional_images: the pass's
+attention holds the image_blocks)."""
 
 from __future__ import annotations
 
