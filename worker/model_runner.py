@@ -122,7 +122,7 @@ class ModelRunner:
         # paged cache (image passes run eagerly anyway)
         self.image_blocks = getattr(self.model_config.vision, "bidirectional_images", False)
         self.image_attention = self.attention
-        if self.image_blocks and not hasattr(self.attention, "image_blocks"):
+        if self.image_blocks and not isinstance(self.attention, SDPAAttention):
             self.image_attention = SDPAAttention(self.device)
             logger.info("images attend both ways within each image: passes with images run the torch attention")
         if self.image_blocks:
