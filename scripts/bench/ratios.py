@@ -34,7 +34,8 @@ RATIO_BENCHMARKS: dict[str, str] = {
     "quantized": "decode step, plain / INT8 and INT4 bases, in process",
     "fairness": "cold adapters' TTFT and throughput under a hot adapter, fair / unfair admission",
     "step_overhead": "one stream's ITL through the server / the same forward step in process",
-    "speculative": "throughput on the trained demo, n-gram / draft model / none, 1 and 8 streams, two workloads",
+    "speculative": "throughput on the trained demo, n-gram / draft model / none, 1 and 8 streams, two workloads "
+                   "(--llama-cpp DIR: beside llama-server's own)",
 }
 
 
