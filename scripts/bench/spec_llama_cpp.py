@@ -46,6 +46,7 @@ def convert_demo(llama_cpp: Path, demo_dir: Path, adapter_dirs: dict[str, Path],
                  dtype: str) -> DemoGGUF:  # fmt: skip
     """The demo, its cut draft and its adapters in GGUF at the dtype loraplex runs (written under `out`)."""
     outtype = OUTTYPES[dtype]
+    out.mkdir(parents=True, exist_ok=True)
     files = DemoGGUF(out / f"demo-{outtype}.gguf", out / f"draft-{outtype}.gguf",
                      {name: out / f"{name}-{outtype}.gguf" for name in adapter_dirs})  # fmt: skip
     convert_checkpoint(llama_cpp, demo_dir, files.base, outtype)
