@@ -56,14 +56,23 @@ CONTEXT_PER_SLOT = 640  # the workload's longest request (256 + 256) fits a llam
 START_TIMEOUT_S = 600.0
 
 # Run inside llama.cpp's tree: its converters, told that the bench tokenizer is tokenizer.json only (no
-# sentencepiece model) and to take GPT-2's pre-tokenizer for a hash it does not list.
+# sentencepiece model) and to take GPT-2's pre-tokenizer for a hash it does not list. A BPE without merges (the
+# demo's: one token a character) gets one merge that never applies: llama.cpp refuses a BPE vocabulary without the
+# merges key, and the converter writes none for an empty list.
 CONVERT = """
 import runpy, sys
+import gguf
 from conversion import base
 def tokenizer_json_only(self):
     raise FileNotFoundError("no tokenizer.model")
 base.TextModel._set_vocab_sentencepiece = tokenizer_json_only
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+add_to_gguf = gguf.SpecialVocab.add_to_gguf
+def with_a_merge(self, *args, **kwargs):
+    if self.load_merges and not self.merges:
+        self.merges = ["\u0120 \u0120"]
+    add_to_gguf(self, *args, **kwargs)
+gguf.SpecialVocab.add_to_gguf = with_a_merge
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -107,5 +107,6 @@ async def greedy_tokens(url: str, runs: list[tuple[list[int], str | None]], adap
 
 
 def without_eos(ids: list[int], eos: int) -> list[int]:
-    """The answer without its closing EOS (llama-server stops on EOS without returning it; loraplex returns it)."""
+    """The answer without its closing EOS: both servers return it, but only as the last token, and a side asked for
+    a few tokens fewer (or cut by a length limit) has none."""
     return ids[:-1] if ids and ids[-1] == eos else ids

@@ -214,7 +214,7 @@ def llama_sides(llama_cpp: Path, draft_dir: Path, plan: Plan, runs: dict, refere
                 tokens = asyncio.run(spec_llama.greedy_tokens(srv.url, key_runs, adapter_ids, MAX_ANSWER_TOKENS,
                                                               max(STREAMS)))  # fmt: skip
                 # llama-server's greedy answers against loraplex's: the conversion's check (equal in float32)
-                equal = sum(spec_llama.without_eos(ours, eos) == theirs
+                equal = sum(spec_llama.without_eos(ours, eos) == spec_llama.without_eos(theirs, eos)
                             for ours, theirs in zip(reference[key], tokens, strict=True))  # fmt: skip
                 results[f"llama_{side}_{workload}_{streams}_outputs_equal"] = f"{equal}/{len(tokens)}"
                 if equal < len(tokens):

@@ -76,7 +76,7 @@ def test_greedy_probe_names_each_adapter_and_stops_at_eos():
     # greedy to the model's own EOS: no ignore_eos (llama.cpp's bans EOS), the token ids returned
     assert all(b["temperature"] == 0.0 and b["return_tokens"] and b["n_predict"] == 32 and "ignore_eos" not in b
                for b in bodies)  # fmt: skip
-    # loraplex's answer ends with EOS, llama-server's stops before it: compared without
+    # answers are compared without their closing EOS
     assert spec_llama.without_eos([50, 51, 2], eos=2) == [50, 51] and spec_llama.without_eos([50], eos=2) == [50]
 
 
