@@ -11,7 +11,7 @@ own by id at scale 1), with the same k as loraplex's sides:
                draft (`--spec-draft-n-max`, `--spec-draft-p-min 0`: never cut short). llama.cpp's draft model carries
                no adapter: every request drafts on the bare cut demo, where loraplex drafts with each adapter's own
                draft adapter
-Acceptance is drafted / accepted tokens from each response's `timings` (`draft_n`, `draft_n_accepted`); llama-server
+Acceptance is accepted / drafted tokens from each response's `timings` (`draft_n`, `draft_n_accepted`); llama-server
 reports no verify passes, so no tokens-a-pass figure. A greedy probe per side (to EOS, no ignore_eos) gives every
 prompt's tokens, compared with loraplex's without speculation: the conversion's check (equal in float32).
 """
