@@ -3,7 +3,7 @@
 
     ratios.py      the ratio benchmarks' table and command line; one module each measures:
                    prefix_cache, chunked_prefill, kv_admission, structured, dp, families, quantized, fairness,
-                   step_overhead, speculative
+                   step_overhead, speculative (with --llama-cpp DIR, llama-server's sides: spec_llama_cpp.py)
     all.py         every benchmark on one workload, one table of every ratio
     model.py       the bench model and its adapters (built once, cached)
     workload.py    the seeded request list;  report.py  summaries, tables, JSON;  server.py  the bench server's flags

@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,14 +56,23 @@ CONTEXT_PER_SLOT = 640  # the workload's longest request (256 + 256) fits a llam
 START_TIMEOUT_S = 600.0
 
 # Run inside llama.cpp's tree: its converters, told that the bench tokenizer is tokenizer.json only (no
-# sentencepiece model) and to take GPT-2's pre-tokenizer for a hash it does not list.
+# sentencepiece model) and to take GPT-2's pre-tokenizer for a hash it does not list. A BPE without merges (the
+# demo's: one token a character) gets one merge that never applies: llama.cpp refuses a BPE vocabulary without the
+# merges key, and the converter writes none for an empty list.
 CONVERT = """
 import runpy, sys
+import gguf
 from conversion import base
 def tokenizer_json_only(self):
     raise FileNotFoundError("no tokenizer.model")
 base.TextModel._set_vocab_sentencepiece = tokenizer_json_only
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+add_to_gguf = gguf.SpecialVocab.add_to_gguf
+def with_a_merge(self, *args, **kwargs):
+    if self.load_merges and not self.merges:
+        self.merges = ["\u0120 \u0120"]
+    add_to_gguf(self, *args, **kwargs)
+gguf.SpecialVocab.add_to_gguf = with_a_merge
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -102,6 +112,18 @@ def _run(cmd: list[str], cwd: Path) -> None:
         raise SystemExit(f"{' '.join(cmd[:3])} ... failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
 
 
+def convert_checkpoint(llama_cpp: Path, model_dir: Path, outfile: Path, outtype: str) -> None:
+    """An HF checkpoint to one GGUF file (outtype: f32, f16, bf16, ...) through the tree's convert_hf_to_gguf.py."""
+    _run([sys.executable, "-c", CONVERT, "convert_hf_to_gguf.py", str(model_dir), "--outtype", outtype,
+          "--outfile", str(outfile)], llama_cpp)
+
+
+def convert_adapter(llama_cpp: Path, adapter_dir: Path, base_dir: Path, outfile: Path, outtype: str) -> None:
+    """A PEFT LoRA adapter to a GGUF LoRA through the tree's convert_lora_to_gguf.py (`base_dir`: its base's config)."""
+    _run([sys.executable, "-c", CONVERT, "convert_lora_to_gguf.py", str(adapter_dir), "--base", str(base_dir),
+          "--outtype", outtype, "--outfile", str(outfile)], llama_cpp)
+
+
 def gguf_files(bench: BenchModel, llama_cpp: Path) -> tuple[dict[str, Path], dict[str, Path]]:
     """({GGUF type: base file}, {adapter name: file}), converted once into the bench model's gguf/ folder."""
     out = bench.base_dir.parent / "gguf"
@@ -109,8 +131,7 @@ def gguf_files(bench: BenchModel, llama_cpp: Path) -> tuple[dict[str, Path], dic
     bases = {kind: out / f"base-{kind.lower()}.gguf" for _, kind in PRECISIONS.values()}
     if not bases["BF16"].exists():
         print("converting the base to GGUF bf16", file=sys.stderr)
-        _run([sys.executable, "-c", CONVERT, "convert_hf_to_gguf.py", str(bench.base_dir), "--outtype", "bf16",
-              "--outfile", str(bases["BF16"])], llama_cpp)
+        convert_checkpoint(llama_cpp, bench.base_dir, bases["BF16"], "bf16")
     for kind, path in bases.items():
         if not path.exists():
             print(f"quantizing the base to {kind}", file=sys.stderr)
@@ -120,8 +141,7 @@ def gguf_files(bench: BenchModel, llama_cpp: Path) -> tuple[dict[str, Path], dic
         adapters[name] = out / f"{name}.gguf"
         if not adapters[name].exists():
             print(f"converting adapter {name}", file=sys.stderr)
-            _run([sys.executable, "-c", CONVERT, "convert_lora_to_gguf.py", str(adapter_dir), "--base",
-                  str(bench.base_dir), "--outtype", "bf16", "--outfile", str(adapters[name])], llama_cpp)
+            convert_adapter(llama_cpp, adapter_dir, bench.base_dir, adapters[name], "bf16")
     return bases, adapters
 
 
@@ -133,9 +153,10 @@ class DiedAtStart(RuntimeError):
 
 
 def llama_server_command(llama_cpp: Path, base: Path, adapters: list[Path], *, threads: int, slots: int, port: int,
-                         no_repack: bool = False) -> list[str]:  # fmt: skip
+                         no_repack: bool = False, extra: Sequence[str] = ()) -> list[str]:  # fmt: skip
     """The command line: the adapters as one comma-separated `--lora` list, as current llama.cpp reads it (a second
-    `--lora` replaces the first there); `--no-repack` keeps the weights in their GGUF layout."""
+    `--lora` replaces the first there); `--no-repack` keeps the weights in their GGUF layout; `extra` goes last (a
+    benchmark's own flags, e.g. speculative decoding's)."""
     commas = [str(path) for path in adapters if "," in str(path)]
     if commas:
         raise ValueError(f"llama-server's --lora list is comma-separated: rename {commas[0]}")
@@ -143,30 +164,31 @@ def llama_server_command(llama_cpp: Path, base: Path, adapters: list[Path], *, t
     return [str(llama_cpp / "build" / "bin" / "llama-server"), "-m", str(base), *lora,
             "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * CONTEXT_PER_SLOT),
             "--cont-batching", "--cache-ram", "0", *(["--no-repack"] if no_repack else []),
-            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+            "--host", "127.0.0.1", "--port", str(port), *extra]  # fmt: skip
 
 
-def start_llama_server(llama_cpp: Path, base: Path, adapters: list[Path], *, threads: int, slots: int) -> LlamaServer:
+def start_llama_server(llama_cpp: Path, base: Path, adapters: list[Path], *, threads: int, slots: int,
+                       extra: Sequence[str] = ()) -> LlamaServer:  # fmt: skip
     """A healthy llama-server; one that dies at start is started again with --no-repack (`server.no_repack` says
     which ran, so the table can say so)."""
     try:
-        return LlamaServer(llama_cpp, base, adapters, threads=threads, slots=slots)
+        return LlamaServer(llama_cpp, base, adapters, threads=threads, slots=slots, extra=extra)
     except DiedAtStart as e:
         print(f"{e}; retrying with --no-repack", file=sys.stderr)
-        return LlamaServer(llama_cpp, base, adapters, threads=threads, slots=slots, no_repack=True)
+        return LlamaServer(llama_cpp, base, adapters, threads=threads, slots=slots, no_repack=True, extra=extra)
 
 
 class LlamaServer:
     """llama-server on one GGUF base with the adapters loaded unapplied, in its own session (stopped with it)."""
 
     def __init__(self, llama_cpp: Path, base: Path, adapters: list[Path], *, threads: int, slots: int,
-                 no_repack: bool = False):  # fmt: skip
+                 no_repack: bool = False, extra: Sequence[str] = ()):  # fmt: skip
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.no_repack = no_repack
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{port}.log"
         cmd = llama_server_command(llama_cpp, base, adapters, threads=threads, slots=slots, port=port,
-                                   no_repack=no_repack)  # fmt: skip
+                                   no_repack=no_repack, extra=extra)  # fmt: skip
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:

@@ -97,7 +97,8 @@ SUMMARY_HEADERS = ("", "done", "req/s", "out tok/s", "TTFT p50 ms", "p90", "p99"
 
 
 # A ratio the issue targets: key -> (label, target text, passes). Labels may name fields filled in by ratio_rows.
-Targets = dict[str, tuple[str, str, Callable[[float], bool]]]
+# passes None: a ratio shown beside the others without a target (met: n/a).
+Targets = dict[str, tuple[str, str, Callable[[float], bool] | None]]
 RATIO_HEADERS = ("ratio", "measured", "target", "met", "from")
 
 
@@ -106,7 +107,7 @@ def ratio_rows(targets: Targets, measured: dict[str, tuple[float, str]], **label
     rows = []
     for key, (label, target, passes) in targets.items():
         value, detail = measured[key]
-        met = "n/a" if math.isnan(value) else "yes" if passes(value) else "NO"
+        met = "n/a" if passes is None or math.isnan(value) else "yes" if passes(value) else "NO"
         rows.append([label.format(**label_fields), f"{value:.2f}", target, met, detail])
     return rows
 

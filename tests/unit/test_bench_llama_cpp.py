@@ -12,7 +12,16 @@ import pytest
 import requests
 from aiohttp import web
 
-from scripts.bench.llama_cpp import FULL, llama_cpp_wire, llama_server_command, rows, start_llama_server, workloads
+from scripts.bench.llama_cpp import (
+    CONVERT,
+    FULL,
+    _run,
+    llama_cpp_wire,
+    llama_server_command,
+    rows,
+    start_llama_server,
+    workloads,
+)
 from scripts.bench.serving import run_requests
 from scripts.bench.workload import BenchRequest
 from tests.net import free_port
@@ -115,3 +124,24 @@ def test_a_server_that_dies_at_start_is_retried_with_no_repack(tmp_path: Path) -
 def test_the_command_line_refuses_a_path_with_a_comma(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="comma-separated"):
         llama_server_command(tmp_path, tmp_path / "b.gguf", [tmp_path / "x,y.gguf"], threads=1, slots=1, port=1)
+
+
+def test_the_converter_shim_gives_a_bpe_without_merges_one_merge(tmp_path: Path) -> None:
+    """CONVERT runs a converter of the tree; a stand-in tree's gguf writes what SpecialVocab would add: an empty
+    merge list (the demo's one-character BPE) becomes one inert merge, llama.cpp refusing a BPE without merges;
+    a real list (the bench tokenizer's) is left as it is."""
+    (tmp_path / "gguf-py" / "gguf").mkdir(parents=True)
+    (tmp_path / "gguf-py" / "gguf" / "__init__.py").write_text(
+        "class SpecialVocab:\n"
+        "    def __init__(self, merges):\n        self.merges, self.load_merges = merges, True\n"
+        "    def add_to_gguf(self, written, quiet=False):\n        written.append(list(self.merges))\n")
+    (tmp_path / "conversion").mkdir()
+    (tmp_path / "conversion" / "__init__.py").write_text("")
+    (tmp_path / "conversion" / "base.py").write_text("class TextModel:\n    pass\n")
+    out = tmp_path / "written.json"
+    (tmp_path / "convert_stand_in.py").write_text(
+        "import json, sys, gguf\nwritten = []\n"
+        "for merges in ([], ['a b']):\n    gguf.SpecialVocab(merges).add_to_gguf(written)\n"
+        "open(sys.argv[1], 'w').write(json.dumps(written))\n")
+    _run([sys.executable, "-c", CONVERT, "convert_stand_in.py", str(out)], tmp_path)
+    assert json.loads(out.read_text()) == [["\u0120 \u0120"], ["a b"]]
