@@ -115,7 +115,7 @@ def test_round_trip(union, msg):
 
 def test_public_adapter_structs_carry_no_internal_fields():
     # lora ids, LoRA ranks and target modules are internal: clients name adapters, and see only names and results.
-    assert LoRAAdapterSpec.__struct_fields__ == ("lora_name", "lora_path", "pinned")
+    assert LoRAAdapterSpec.__struct_fields__ == ("lora_name", "lora_path", "pinned", "draft_lora_path")
     assert LoRAAdapterResult.__struct_fields__ == ("lora_name", "success", "error_message", "error_kind")
     assert SPEC.pinned and LoRAAdapterSpec(lora_name="a", lora_path="/p").pinned is None  # None: keep the old pin
 
