@@ -54,6 +54,7 @@ model/gpt_oss.py           gpt-oss: attention sinks, biased top-k-softmax router
 model/llama4.py            Llama 4 (text): chunked local attention on RoPE layers, NoPE global layers with temperature
                            tuning, QK L2 norm; sigmoid top-1 experts fed their weight, a shared expert, dense layers
 model/llama4_vision.py     Llama 4's vision model (tiles, 2-D rotary, pixel shuffle) and projector, TP-sharded
+model/image_rows.py        ImageRowsForward: a vision-language model's forward, the pass's image rows to its decoder
 model/qwen2_5_vl.py        Qwen2.5-VL: a Qwen2 decoder with M-RoPE whose image placeholders take the tower's rows
 model/qwen2_5_vl_vision.py  Qwen2.5-VL's vision tower (windowed and full blocks, 2-D rotary, patch merger), TP-sharded
 model/qwen3_vl.py          Qwen3-VL: a Qwen3 decoder with interleaved M-RoPE; image rows in place, deepstack rows added

@@ -16,6 +16,7 @@ from loraplex.worker.layers.norm import GemmaRMSNorm
 from loraplex.worker.model.config import ModelConfig
 from loraplex.worker.model.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM, Gemma2Model
 from loraplex.worker.model.gemma3_vision import MultiModalProjector, SiglipVisionModel
+from loraplex.worker.model.image_rows import ImageRowsForward
 from loraplex.worker.model.qwen3 import Qwen3Attention
 
 
@@ -72,7 +73,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     )
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+class Gemma3ForConditionalGeneration(ImageRowsForward, Gemma3ForCausalLM):
     """The multimodal checkpoint: the language model above, with the vision tower and projector when the config has
     them (ModelConfig.vision)."""
 
@@ -91,17 +92,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         super().__init__(config, max_positions)
         self.vision_tower = SiglipVisionModel(config.vision)
         self.multi_modal_projector = MultiModalProjector(config.vision)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: KVCache,
-        attention: BatchAttention,
-        image_rows: torch.Tensor | None = None,
-        image_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_cache, attention, image_rows, image_embeds)  # (tokens, hidden)
 
     def encode_images(self, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
         """(every image's mm_tokens_per_image rows in order, text hidden) from pixels (images, channels, H, W)."""

@@ -21,13 +21,14 @@ vision_config serves the language model alone)."""
 from __future__ import annotations
 
 import torch
-from loraplex.worker.kv_cache import KVCache, KVLayer
+from loraplex.worker.kv_cache import KVLayer
 from loraplex.worker.layers.attention import BatchAttention, paged_attention
 from loraplex.worker.layers.attention_spec import LayerAttention
 from loraplex.worker.layers.moe import InputScaledMoeBlock
 from loraplex.worker.layers.norm import RMSNorm
 from loraplex.worker.layers.rotary import RotaryEmbedding
 from loraplex.worker.model.config import ModelConfig
+from loraplex.worker.model.image_rows import ImageRowsForward
 from loraplex.worker.model.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -135,7 +136,7 @@ class Llama4ImageModel(Qwen2_5_VLTextModel):
     layer_cls = Llama4DecoderLayer
 
 
-class Llama4ForConditionalGeneration(Llama4ForCausalLM):
+class Llama4ForConditionalGeneration(ImageRowsForward, Llama4ForCausalLM):
     model_cls = Llama4ImageModel
     checkpoint_prefixes = (
         ("language_model.model.", "model."),
@@ -146,17 +147,6 @@ class Llama4ForConditionalGeneration(Llama4ForCausalLM):
         super().__init__(config, max_positions)
         self.vision_model = Llama4VisionModel(config.vision)
         self.multi_modal_projector = Llama4Projector(config.vision)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: KVCache,
-        attention: BatchAttention,
-        image_rows: torch.Tensor | None = None,
-        image_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_cache, attention, image_rows, image_embeds)  # (tokens, hidden)
 
     def encode_images(self, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
         """(every tile's placeholder rows in order, hidden) from the tiles (tiles, channels, size, size); each

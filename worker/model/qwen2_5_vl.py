@@ -13,6 +13,7 @@ import torch
 from loraplex.worker.kv_cache import KVCache
 from loraplex.worker.layers.attention import BatchAttention
 from loraplex.worker.model.config import ModelConfig
+from loraplex.worker.model.image_rows import ImageRowsForward
 from loraplex.worker.model.llama import LlamaForCausalLM, LlamaModel
 from loraplex.worker.model.qwen2_5_vl_vision import VisionTower
 
@@ -35,7 +36,7 @@ class Qwen2_5_VLTextModel(LlamaModel):
         return self.norm(hidden, residual)[0]
 
 
-class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
+class Qwen2_5_VLForConditionalGeneration(ImageRowsForward, LlamaForCausalLM):
     model_cls = Qwen2_5_VLTextModel
     checkpoint_prefixes = (
         ("model.language_model.", "model."),
@@ -45,17 +46,6 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__(config, max_positions)
         self.visual = VisionTower(config.vision)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: KVCache,
-        attention: BatchAttention,
-        image_rows: torch.Tensor | None = None,
-        image_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_cache, attention, image_rows, image_embeds)  # (tokens, hidden)
 
     def encode_images(self, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
         """(every image's placeholder rows in order, hidden) from their patches (patches, patch dim) and grids."""

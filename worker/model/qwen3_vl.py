@@ -14,6 +14,7 @@ import torch
 from loraplex.worker.kv_cache import KVCache
 from loraplex.worker.layers.attention import BatchAttention
 from loraplex.worker.model.config import ModelConfig
+from loraplex.worker.model.image_rows import ImageRowsForward
 from loraplex.worker.model.qwen3 import Qwen3ForCausalLM, Qwen3Model
 from loraplex.worker.model.qwen3_moe import Qwen3MoeDecoderLayer, Qwen3MoeModel
 from loraplex.worker.model.qwen3_vl_vision import Qwen3VLVisionTower
@@ -57,7 +58,7 @@ class Qwen3VLMoeTextModel(Qwen3VLTextModel, Qwen3MoeModel):
                 linear.either_layout = True  # published (experts, in, out); transformers 5 saves (experts, out, in)
 
 
-class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
+class Qwen3VLForConditionalGeneration(ImageRowsForward, Qwen3ForCausalLM):
     model_cls = Qwen3VLTextModel
     checkpoint_prefixes = (
         ("model.language_model.", "model."),
@@ -67,17 +68,6 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__(config, max_positions)
         self.visual = Qwen3VLVisionTower(config.vision)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: KVCache,
-        attention: BatchAttention,
-        image_rows: torch.Tensor | None = None,
-        image_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_cache, attention, image_rows, image_embeds)  # (tokens, hidden)
 
     def encode_images(self, pixels: torch.Tensor, grids: list[list[int]]) -> torch.Tensor:
         """(every image's placeholder rows in order, 1 + deepstack, hidden) from their patches and grids."""
