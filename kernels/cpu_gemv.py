@@ -1,7 +1,9 @@
 """Builds and loads the skinny-matrix kernels for a decode step's linears: 1-32 rows of activations against a whole
-bfloat16 or INT8/INT4 weight read once per call (worker/layers/packed.py and worker/quant/avx2.py lay the weights out
-and call them). Two builds of one C interface: csrc/gemv_avx512.cpp on CPUs with AVX-512 BF16 (bf16 by
-_mm512_dpbf16_ps), else csrc/gemv_avx2.cpp on CPUs with AVX2, FMA and F16C.
+bfloat16 or INT8/INT4 weight read once per call (worker/layers/packed.py and worker/quant/avx2.py call them on weights
+packed here once at load). Two builds: csrc/gemv_avx512.cpp on CPUs with AVX-512 BF16 (the weight in blocks of 16
+output rows, every product an exact bfloat16 one by _mm512_dpbf16_ps), else csrc/gemv_avx2.cpp on CPUs with AVX2, FMA
+and F16C (the weight as stored, row by row, float32 products). `pack_bf16`/`pack_int` lay a weight out for the build
+in use and `gemv` multiplies by it, whichever build that is.
 
 Each is compiled on first use into a plain shared library called through ctypes (~2 s with the compiler alone, where
 a torch extension takes a minute: only ATen/Parallel.h is included; cached by the source's digest under
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from loraplex.kernels import cpu_build
 from loraplex.kernels.progress import elapsed
 
@@ -81,13 +84,13 @@ def _build(isa: Isa) -> ctypes.CDLL | None:
             return None
     lib = ctypes.CDLL(str(library))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.loraplex_gemv_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr]
-    functions = [lib.loraplex_gemv_bf16, lib.loraplex_gemv_int]
-    lib.loraplex_gemv_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr]
-    lib.loraplex_gemv_int.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, ptr]
     if isa is AVX512:
-        lib.loraplex_gemv_int_bf16.argtypes = lib.loraplex_gemv_int.argtypes
-        functions.append(lib.loraplex_gemv_int_bf16)
+        functions = [lib.loraplex_gemv_blocked]
+        lib.loraplex_gemv_blocked.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64, ptr]
+    else:
+        functions = [lib.loraplex_gemv_bf16, lib.loraplex_gemv_int]
+        lib.loraplex_gemv_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+        lib.loraplex_gemv_int.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, ptr]
     for function in functions:
         function.restype = None
     return lib
@@ -119,47 +122,146 @@ def group_multiple() -> int:
     return 32 if isa() is AVX512 else 8
 
 
-def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x (rows, in) float32 · w (out, in) bfloat16ᵀ -> (rows, out) float32; the AVX-512 build rounds x to bfloat16
-    first (a bfloat16 model's activations are bfloat16 already), the AVX2 one multiplies it in float32."""
+BLOCK_ROWS = 16  # output rows per block of the AVX-512 layout
+COLUMNS_PER_VECTOR = {16: 2, 8: 4, 4: 8}  # bits -> input columns in one 64-byte vector of a block
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A linear's weight laid out for the kernels of the build in use (isa() when packed).
+
+    AVX-512 (`blocked`): data (blocks, vectors, 64) uint8 — output rows in blocks of 16, each block one run of 64-byte
+    vectors over the input columns (padded with zeros), lane pair (2j, 2j+1) of every vector row j's; scales and
+    biases (blocks, groups, 16). AVX2: data as stored — (out, in) bfloat16, or (out, in) / (out, ceil(in / 2)) uint8
+    (columns 2j, 2j+1 in byte j, low nibble first); scales and biases (out, groups). INT weights are w = u · scale +
+    bias per group of input columns; bits 16 is a bfloat16 weight (no scales)."""
+
+    data: torch.Tensor
+    scales: torch.Tensor | None
+    biases: torch.Tensor | None
+    bits: int
+    out_features: int
+    in_features: int
+    group_size: int
+    blocked: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.biases) if t is not None)
+
+    def unpack(self, rows: slice) -> torch.Tensor:
+        """Output rows `rows` (start and stop multiples of BLOCK_ROWS, or the end) as (rows, in): the bfloat16 weight,
+        or the INT values u as uint8."""
+        start, stop, _ = rows.indices(self.out_features)
+        if not self.blocked:
+            data = self.data[start:stop]
+            if self.bits == 4:
+                data = torch.stack([data & 0xF, data >> 4], dim=-1).flatten(1)[:, : self.in_features]
+            return data
+        assert start % BLOCK_ROWS == 0, "rows start at a block"
+        data = self.data[start // BLOCK_ROWS : -(-stop // BLOCK_ROWS)]
+        blocks, vectors = data.shape[:2]
+        if self.bits == 16:  # [b, c, j, p] -> [b, j, c, p]
+            out = data.view(torch.bfloat16).view(blocks, vectors, BLOCK_ROWS, 2).permute(0, 2, 1, 3)
+        elif self.bits == 8:  # [b, c, j, p, i] -> [b, j, c, i, p]
+            out = data.view(blocks, vectors, BLOCK_ROWS, 2, 2).permute(0, 2, 1, 4, 3)
+        else:  # [b, c, j, p, byte] -> nibbles [b, j, c, i, p] with i = 2 byte + (high nibble)
+            nibbles = torch.stack([data & 0xF, data >> 4], dim=-1).view(blocks, vectors, BLOCK_ROWS, 2, 4)
+            out = nibbles.permute(0, 2, 1, 4, 3)
+        out = out.reshape(blocks * BLOCK_ROWS, -1)
+        return out[: stop - start, : self.in_features]
+
+    def group_params(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The INT scales and biases of output rows `rows` (as unpack takes them), each (rows, groups) float32."""
+        start, stop, _ = rows.indices(self.out_features)
+        if not self.blocked:
+            return self.scales[start:stop], self.biases[start:stop]
+        first, last = start // BLOCK_ROWS, -(-stop // BLOCK_ROWS)
+        return tuple(t[first:last].permute(0, 2, 1).reshape(-1, t.shape[1])[: stop - start]
+                     for t in (self.scales, self.biases))  # fmt: skip
+
+
+def _pad(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    pad = [0, 0] * (t.dim() - 1 - dim) + [0, -t.shape[dim] % multiple]
+    return F.pad(t, pad) if pad[-1] else t
+
+
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    """(out, ...) padded with zero rows to whole blocks, as (blocks, BLOCK_ROWS, ...)."""
+    t = _pad(t, 0, BLOCK_ROWS)
+    return t.view(t.shape[0] // BLOCK_ROWS, BLOCK_ROWS, *t.shape[1:])
+
+
+def pack_bf16(w: torch.Tensor) -> PackedWeight:
+    """The (out, in) bfloat16 weight laid out for the build in use."""
+    if w.dtype != torch.bfloat16 or w.dim() != 2:
+        raise ValueError("pack_bf16 takes a bfloat16 (out, in) weight")
+    out_features, in_features = w.shape
+    if isa() is not AVX512:
+        return PackedWeight(w.contiguous(), None, None, 16, out_features, in_features, in_features, False)
+    blocks = _blocks(_pad(w, 1, 2))  # [b, j, c, p]
+    data = blocks.view(blocks.shape[0], BLOCK_ROWS, -1, 2).permute(0, 2, 1, 3).contiguous()
+    return PackedWeight(data.view(torch.uint8).view(data.shape[0], -1, 64), None, None, 16, out_features,
+                        in_features, in_features, True)  # fmt: skip
+
+
+def pack_int(u: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int, bits: int) -> PackedWeight:
+    """INT values u (out, in) uint8 (< 2**bits) with w = u · scales + biases per group of group_size input columns
+    (scales, biases: (out, groups) float32; group_size a multiple of group_multiple(), or in) laid out for the build
+    in use."""
+    out_features, in_features = u.shape
+    groups = -(-in_features // group_size)
+    if bits not in (4, 8) or u.dtype != torch.uint8:
+        raise ValueError("pack_int takes bits 4 or 8 and uint8 values")
+    if group_size < in_features and (group_size % group_multiple() or in_features % group_size):
+        raise ValueError(f"group_size {group_size} does not fit {in_features} input columns")
+    for t in (scales, biases):
+        if t.dtype != torch.float32 or tuple(t.shape) != (out_features, groups):
+            raise ValueError(f"scales and biases: float32 ({out_features}, {groups})")
+    if isa() is not AVX512:
+        data = u
+        if bits == 4:
+            data = _pad(u, 1, 2)
+            data = data[:, 0::2] | (data[:, 1::2] << 4)
+        return PackedWeight(data.contiguous(), scales.contiguous(), biases.contiguous(), bits, out_features,
+                            in_features, group_size, False)  # fmt: skip
+    cols = COLUMNS_PER_VECTOR[bits]
+    values = _blocks(_pad(u, 1, cols))
+    num_blocks = values.shape[0]
+    if bits == 8:  # [b, j, c, i, p] -> [b, c, j, p, i]: lane (j, p)'s word holds columns p (byte 0) and 2 + p
+        data = values.view(num_blocks, BLOCK_ROWS, -1, 2, 2).permute(0, 2, 1, 4, 3)
+    else:  # [b, j, c, i, p]: nibble i of lane (j, p)'s word holds column 2i + p
+        v = values.view(num_blocks, BLOCK_ROWS, -1, 4, 2)
+        low, high = v[:, :, :, 0] | (v[:, :, :, 1] << 4), v[:, :, :, 2] | (v[:, :, :, 3] << 4)  # [b, j, c, p]
+        data = torch.stack([low, high], dim=-1).permute(0, 2, 1, 3, 4)  # [b, c, j, p, byte]
+    data = data.contiguous().view(num_blocks, -1, 64)
+    per_block = [_blocks(t.float()).permute(0, 2, 1).contiguous() for t in (scales, biases)]  # (blocks, groups, 16)
+    return PackedWeight(data, *per_block, bits, out_features, in_features, group_size, True)
+
+
+def gemv(x: torch.Tensor, w: PackedWeight, exact: bool = True) -> torch.Tensor:
+    """x (rows, in) float32 · wᵀ -> (rows, out) float32, at most MAX_ROWS rows. The AVX-512 build multiplies in
+    bfloat16 with float32 sums: `exact` splits x into three bfloat16 parts that sum to it (for float32 activations),
+    otherwise x is rounded to bfloat16 once (exact for a bfloat16 model's). The AVX2 build multiplies in float32."""
     lib = kernels()
-    if x.dtype != torch.float32 or x.dim() != 2 or w.dtype != torch.bfloat16 or not w.is_contiguous():
-        raise ValueError("gemv_bf16 takes float32 (rows, in) and a contiguous bfloat16 (out, in)")
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"gemv takes float32 (rows, {w.in_features}), not {x.dtype} {tuple(x.shape)}")
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"{x.shape[0]} rows: the kernels take at most {MAX_ROWS}")
-    if x.shape[1] != w.shape[1]:
-        raise ValueError(f"x has {x.shape[1]} columns, w {w.shape[1]}")
+    if w.blocked != (isa() is AVX512):
+        raise ValueError("the weight was packed for another build")
     x = x.contiguous()
-    y = x.new_empty(x.shape[0], w.shape[0])
-    lib.loraplex_gemv_bf16(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.shape[0], y.data_ptr())
-    return y
-
-
-def gemv_int(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int,
-             bits: int, bf16: bool = False) -> torch.Tensor:
-    """x (rows, in) float32 · wᵀ with w[n, k] = u[n, k] · scales[n, k // group_size] + biases[n, k // group_size],
-    u from q: (out, in) uint8 for 8 bits, (out, ceil(in / 2)) uint8 for 4 (columns 2j, 2j+1 in byte j, low nibble
-    first). group_size: a multiple of group_multiple(), or in. `bf16` (the AVX-512 build only): x and w rounded to
-    bfloat16 first, as torch's path for a bf16 model computes (twice the product rate, for several rows)."""
-    lib = kernels()
-    rows, cols = x.shape
-    groups = -(-cols // group_size)
-    if bits not in (4, 8) or q.dtype != torch.uint8 or not q.is_contiguous():
-        raise ValueError("gemv_int takes bits 4 or 8 and a contiguous uint8 q")
-    if rows > MAX_ROWS:
-        raise ValueError(f"{rows} rows: the kernels take at most {MAX_ROWS}")
-    if q.shape[1] != (cols if bits == 8 else -(-cols // 2)) or (group_size % group_multiple() and group_size != cols):
-        raise ValueError(f"q {tuple(q.shape)} and group_size {group_size} do not fit {cols} input columns")
-    for t in (scales, biases):
-        if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != (q.shape[0], groups):
-            raise ValueError(f"scales and biases: contiguous float32 ({q.shape[0]}, {groups})")
-    x = x.float().contiguous()
-    y = x.new_empty(rows, q.shape[0])
-    if bf16 and isa() is not AVX512:
-        raise ValueError(f"bf16 products need the AVX-512 build, not {getattr(isa(), 'name', None)}")
-    function = lib.loraplex_gemv_int_bf16 if bf16 else lib.loraplex_gemv_int
-    function(x.data_ptr(), rows, cols, q.data_ptr(), q.shape[0], scales.data_ptr(), biases.data_ptr(), group_size,
-             bits, y.data_ptr())
+    rows = x.shape[0]
+    y = x.new_empty(rows, w.out_features)
+    scales, biases = (0, 0) if w.scales is None else (w.scales.data_ptr(), w.biases.data_ptr())
+    if w.blocked:
+        lib.loraplex_gemv_blocked(x.data_ptr(), rows, w.in_features, w.data.data_ptr(), w.out_features, scales,
+                                  biases, w.group_size, w.bits, int(exact), y.data_ptr())  # fmt: skip
+    elif w.bits == 16:
+        lib.loraplex_gemv_bf16(x.data_ptr(), rows, w.in_features, w.data.data_ptr(), w.out_features, y.data_ptr())
+    else:
+        lib.loraplex_gemv_int(x.data_ptr(), rows, w.in_features, w.data.data_ptr(), w.out_features, scales, biases,
+                              w.group_size, w.bits, y.data_ptr())  # fmt: skip
     return y
 
 

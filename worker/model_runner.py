@@ -403,6 +403,8 @@ class ModelRunner:
 
     def _pack_weights(self) -> None:
         if packed.gemv_unavailable_reason(self.device, self.dtype) is None:
+            if self.lora is not None:  # DoRA's norms start from the plain weights, which the blocked layout replaces
+                self.lora.read_base_norms()
             num_marked = packed.use_gemv(self.model)
             logger.info("%d linear weights stay plain for the %s decode kernel (kernels/cpu_gemv.py)", num_marked,
                         cpu_gemv.isa().name)

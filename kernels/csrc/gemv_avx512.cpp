@@ -1,25 +1,26 @@
-// Skinny-matrix products for decode steps on CPUs with AVX-512 (F, BW, VL) and AVX512-BF16: y = x · Wᵀ for 1-32 rows
-// of float32 activations against a whole weight in its stored form, the same forms and layouts as gemv_avx2.cpp:
+// Skinny-matrix products for decode steps on CPUs with AVX-512 (F, BW, VL) and AVX512-BF16: y = x · Wᵀ for a few
+// rows of activations against a whole weight, bfloat16 or unsigned INT8/INT4 with a float32 scale and bias per group
+// of input columns (w = u · scale + bias), in one blocked layout the weight is repacked into once at load
+// (kernels/cpu_gemv.py packs it):
 //
-//   bf16:  w[n, k] = bits << 16 read as a float
-//   INT:   w[n, k] = u[n, k] · scales[n, g] + biases[n, g],  g = k / group_size  (biases = -zero · scale)
+// The weight's output rows go in blocks of 16; each block is one run of 64-byte vectors over the input columns, and in
+// every vector the 16-bit lane pair (2j, 2j+1) belongs to output row j. One activation column pair, broadcast to all
+// lanes, meets a vector in one _mm512_dpbf16_ps: lane j adds its row's two products, so the sums hold 16 outputs
+// (no horizontal sums) and each block is one long stream the hardware prefetcher follows.
 //
-// A decode step's matmuls read every weight once and do little arithmetic: their limit is memory bandwidth. Each block
-// of kRowsPerBlock weight rows is read from memory once per call and multiplied against every activation row while it
-// sits in L1 (kChunk columns at a time); the weight's rows are split across threads (at::parallel_for).
+//   bf16: a vector holds 2 columns (k, k+1) of its 16 rows.
+//   INT4: 8 columns; the word of lane (j, p) holds the nibbles of columns 2i + p, i = 0..3 (nibble i at bits 4i).
+//   INT8: 4 columns; the word of lane (j, p) holds the bytes of columns 2i + p, i = 0, 1 (byte i at bits 8i).
 //
-// bf16: the activations are rounded to bfloat16 once per call (exact for a bfloat16 model's activations) and every
-// 32 weights meet them in one _mm512_dpbf16_ps, which sums the products of each pair of columns into a float32 lane:
-// twice the FMA rate of float32, and the weight needs no conversion at all.
-// INT: each weight vector is dequantized in registers (INT8: widen, convert, one FMA with its group's scale and bias;
-// INT4: one permute from the group's table of its 16 values) and multiplied in float32, as the reference's
-// dequantized fp32 matmul does (an int8 VNNI product would need activations
-// quantized per row, which the fp32 reference does not). With several activation rows a chunk of the block's weights is
-// dequantized once into an L1 buffer that every row then reads.
+// INT values become bfloat16 exactly, so every product is exact in float32: a nibble indexes a table of the 16 values
+// it can take (one permute per 32 weights); a byte, at one or two rows, is its low nibble plus 16 times its high one
+// (two permutes into two products), from four rows on the byte converted whole (through float32, whose upper half is
+// then the bfloat16). The group's scale and bias apply once per group: y = scale · Σ u·x + bias · Σ x.
 //
-// Tails: the activations are copied once into rows padded with zeros to a whole vector, and the weight's last vector
-// in a row is a masked load, so tails run the same instructions; N not a multiple of the block runs a row at a time.
-// INT4 packs input columns 2j and 2j+1 into byte j, low nibble first. Groups are multiples of 32 columns, or the row.
+// A decode step reads every weight once and does little arithmetic: at one row its limit is memory bandwidth, so 8
+// blocks stream at once (8 independent sums); at more rows the products bound it, and a chunk of columns of 2-4 blocks
+// stays in L1 while every row block reads it. Activations are rounded to bfloat16 (exact for a bfloat16 model's);
+// float32 ones (`exact`) are split into three bfloat16 parts that sum to them exactly, each its own row.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -31,326 +32,225 @@
 
 namespace {
 
-constexpr int kRowsPerBlock = 4;  // weight rows sharing each load of an activation vector
-constexpr int kActRows = 4;       // activation rows sharing each weight vector: 16 accumulators
-constexpr int kMaxRows = 32;      // activation rows per call (cpu_gemv.MAX_ROWS)
-constexpr int64_t kChunk = 256;   // columns of the block's weights held in L1 while every row reads them
+enum class Form { kBf16, kInt8, kInt4 };
 
-enum class Kind { kInt8, kInt4 };
+template <Form F>
+constexpr int kCols = F == Form::kBf16 ? 2 : F == Form::kInt8 ? 4 : 8;  // input columns per vector
+template <Form F>
+constexpr int kPlanes = F == Form::kBf16 ? 1 : 4;  // bfloat16 vectors a weight vector unpacks into
 
-struct IntWeight {
-  const uint8_t* data;  // row n starts at data + n * row_bytes
-  int64_t row_bytes;
-  const float* scales;  // (N, groups)
+struct Blocked {
+  const uint8_t* data;  // block b, vector v at data + (b * vecs + v) * 64
+  int64_t vecs;         // vectors per block
+  const float* scales;  // (blocks, groups, 16), INT only
   const float* biases;
   int64_t groups;
-  int64_t group_size;
+  int64_t group_vecs;  // vectors per group
 };
 
-inline __mmask16 mask16(int64_t left) {
-  return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
-}
-inline __mmask32 mask32(int64_t left) { return left >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << left) - 1); }
-
-// A group's scale and bias, and for INT4 the 16 values a nibble can take (u · scale + bias): one permute per 16
-// weights then dequantizes them, reading only each lane's low 4 bits.
-struct Group {
-  __m512 scale, bias, table;
-};
-
-inline Group group_of(const IntWeight& w, int64_t n, int64_t k) {
-  const int64_t g = n * w.groups + k / w.group_size;
-  const __m512 scale = _mm512_set1_ps(w.scales[g]), bias = _mm512_set1_ps(w.biases[g]);
-  const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  return {scale, bias, _mm512_fmadd_ps(nibbles, scale, bias)};
-}
-
-// The 32 weights of row n from column k (k a multiple of 32; `left` columns remain in the row), dequantized, in the
-// order of the activations' layout (see padded_activations): INT8 columns in order, INT4 the even columns then the
-// odd ones (each byte's low nibble, then its high one). Lanes past the row hold the group's bias, met by zeros.
-template <Kind KIND, bool WHOLE>
-inline void load32_as(const IntWeight& w, int64_t n, int64_t k, int64_t left, const Group& group, __m512& w0,
-                      __m512& w1) {
-  const uint8_t* row = w.data + n * w.row_bytes;
-  if (KIND == Kind::kInt8) {
-    const __m128i b0 = WHOLE ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k))
-                             : _mm_maskz_loadu_epi8(mask16(left), row + k);
-    const __m128i b1 = WHOLE ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16))
-                             : _mm_maskz_loadu_epi8(mask16(left - 16), row + k + 16);
-    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b0)), group.scale, group.bias);
-    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b1)), group.scale, group.bias);
-  } else {
-    const __m128i b = WHOLE ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2))
-                            : _mm_maskz_loadu_epi8(mask16((left + 1) / 2), row + k / 2);
-    const __m512i bytes = _mm512_cvtepu8_epi32(b);
-    w0 = _mm512_permutexvar_ps(bytes, group.table);
-    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), group.table);
+// Plane i of an INT weight vector as bfloat16, and the activation column pair (counted in pairs from the vector's
+// first column) it meets.
+template <Form F>
+inline __m512bh plane(__m512i wv, int i, __m512i nibbles, __m512i sixteens) {
+  if (F == Form::kInt4) {
+    const __m512i idx = i == 0 ? wv : _mm512_srli_epi16(wv, 4 * i);
+    return (__m512bh)_mm512_permutexvar_epi16(idx, nibbles);  // the low 5 bits index: the table repeats
   }
+  const __m512i idx = i == 0 ? wv : _mm512_srli_epi16(wv, 4 * i);
+  return (__m512bh)_mm512_permutexvar_epi16(idx, i % 2 ? sixteens : nibbles);
+}
+// INT8 plane i (i = 0, 1) with whole bytes: lane (j, p)'s word is byte i of its word, exact in bfloat16 (a byte
+// converted to float32 has 16 zero low bits, so its upper half is the bfloat16).
+inline __m512bh byte_plane(__m512i wv, int i) {
+  const __m512i mask = _mm512_set1_epi32(0xFF), upper = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512i even = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(wv, 8 * i), mask)));
+  const __m512i odd =
+      _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(wv, 16 + 8 * i), mask)));
+  return (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(even, 16), odd, upper, 0xF8);  // a | (b & c)
 }
 
-// The masked loads only at a row's last, short step: plain loads everywhere else.
-template <Kind KIND>
-inline void load32(const IntWeight& w, int64_t n, int64_t k, int64_t left, const Group& group, __m512& w0,
-                   __m512& w1) {
-  if (left >= 32)
-    load32_as<KIND, true>(w, n, k, left, group, w0, w1);
-  else
-    load32_as<KIND, false>(w, n, k, left, group, w0, w1);
+template <Form F>
+constexpr int pair_of(int i) {
+  return F == Form::kInt4 ? i : i / 2;
 }
 
-// Row n's columns [k0, k1) dequantized into out (k1 - k0 rounded up to 32 floats), in the activations' order.
-template <Kind KIND>
-inline void dequantize(const IntWeight& w, int64_t n, int64_t k0, int64_t k1, int64_t K, float* out) {
-  Group group{};
-  for (int64_t k = k0; k < k1; k += 32) {
-    if (k == k0 || k % w.group_size == 0) group = group_of(w, n, k);
-    __m512 w0, w1;
-    load32<KIND>(w, n, k, K - k, group, w0, w1);
-    _mm512_store_ps(out + (k - k0), w0);
-    _mm512_store_ps(out + (k - k0) + 16, w1);
-  }
+inline __m512i load(const Blocked& w, int64_t block, int64_t v) {
+  return _mm512_load_si512(w.data + (block * w.vecs + v) * 64);
 }
 
-// One activation row against NB weight rows' columns [k0, k1): dequantized in registers, straight from memory.
-template <Kind KIND, int NB>
-inline void one_row(const IntWeight& w, int64_t K, int64_t n0, const float* x, int64_t k0, int64_t k1, __m512* acc) {
-  __m512 a0[NB], a1[NB];
-  Group group[NB];
-  for (int j = 0; j < NB; ++j) a0[j] = acc[j], a1[j] = _mm512_setzero_ps();
-  for (int64_t k = k0; k < k1; k += 32) {
-    if (k == k0 || k % w.group_size == 0)
-      for (int j = 0; j < NB; ++j) group[j] = group_of(w, n0 + j, k);
-    const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
-    for (int j = 0; j < NB; ++j) {
-      // the block after next's rows, as far ahead: NB short interleaved streams defeat the hardware prefetcher
-      _mm_prefetch(reinterpret_cast<const char*>(w.data + (n0 + j + 2 * NB) * w.row_bytes + k * w.row_bytes / K),
-                   _MM_HINT_T0);
-      __m512 w0, w1;
-      load32<KIND>(w, n0 + j, k, K - k, group[j], w0, w1);
-      a0[j] = _mm512_fmadd_ps(w0, x0, a0[j]);
-      a1[j] = _mm512_fmadd_ps(w1, x1, a1[j]);
-    }
-  }
-  for (int j = 0; j < NB; ++j) acc[j] = _mm512_add_ps(a0[j], a1[j]);
+inline int32_t pair_bits(const uint16_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, 4);
+  return v;
 }
 
-// acc[m][j] += Σ_k buf[j][k] · x[m0 + m][k] over one chunk (len a multiple of 16), MB activation rows.
-template <int NB, int MB>
-inline void fma_rows(const float* const* wrow, int64_t len, const float* x, int64_t ldx, int64_t m0, __m512* acc) {
-  __m512 a[MB][NB];
+// One column chunk of NB blocks against MB activation rows: acc[m][j] += the chunk's products (vectors [v0, v1)).
+template <Form F, int MB, int NB>
+inline void chunk(const Blocked& w, int64_t b0, int64_t v0, int64_t v1, const uint16_t* xb, int64_t ldx, int64_t m0,
+                  float* acc_mem) {
+  const __m512i nibbles = _mm512_set_epi16(  // bf16(t & 15) for t = 31..0
+      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000,
+      0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
+      0x4040, 0x4000, 0x3F80, 0x0000);
+  const __m512i sixteens = _mm512_set_epi16(  // bf16(16 · (t & 15))
+      0x4370, 0x4360, 0x4350, 0x4340, 0x4330, 0x4320, 0x4310, 0x4300, 0x42E0, 0x42C0, 0x42A0, 0x4280, 0x4240, 0x4200,
+      0x4180, 0x0000, 0x4370, 0x4360, 0x4350, 0x4340, 0x4330, 0x4320, 0x4310, 0x4300, 0x42E0, 0x42C0, 0x42A0, 0x4280,
+      0x4240, 0x4200, 0x4180, 0x0000);
+  __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) a[m][j] = acc[(m0 + m) * NB + j];
-  for (int64_t k = 0; k < len; k += 16) {
-    __m512 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(wrow[j] + k);
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; ++m) {
-      const __m512 xv = _mm512_loadu_ps(x + (m0 + m) * ldx + k);
-      for (int j = 0; j < NB; ++j) a[m][j] = _mm512_fmadd_ps(wv[j], xv, a[m][j]);
-    }
-  }
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) acc[(m0 + m) * NB + j] = a[m][j];
-}
-
-template <int NB, int MB>
-inline void dpbf16_rows(const uint16_t* const* wrow, int64_t k0, int64_t k1, int64_t K, const uint16_t* x, int64_t ldx,
-                        int64_t m0, __m512* acc, int64_t ldw = 0) {
-  __m512 a[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) a[m][j] = acc[(m0 + m) * NB + j];
-  for (int64_t k = k0; k < k1; k += 32) {
-    __m512bh wv[NB];
-    const __mmask32 mask = mask32(K - k);
-    for (int j = 0; j < NB; ++j) {
-      if (m0 == 0 && ldw)  // the first rows read the weight from memory: fetch the block after next meanwhile
-        _mm_prefetch(reinterpret_cast<const char*>(wrow[j] + 2 * NB * ldw + k), _MM_HINT_T0);
-      wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wrow[j] + k);
-    }
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + m) * ldx + k);
-      for (int j = 0; j < NB; ++j) a[m][j] = _mm512_dpbf16_ps(a[m][j], wv[j], xv);
-    }
-  }
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) acc[(m0 + m) * NB + j] = a[m][j];
-}
-
-// Every activation row against the rows of one chunk: kActRows at a time, then the rest.
-template <int NB, typename Rows>
-inline void all_rows(int64_t M, Rows rows) {
-  int64_t m0 = 0;
-  for (; m0 + kActRows <= M; m0 += kActRows) rows(m0, std::integral_constant<int, kActRows>{});
-  switch (M - m0) {
-    case 3:
-      return rows(m0, std::integral_constant<int, 3>{});
-    case 2:
-      return rows(m0, std::integral_constant<int, 2>{});
-    case 1:
-      return rows(m0, std::integral_constant<int, 1>{});
-  }
-}
-
-template <int NB>
-inline void store(const __m512* acc, int64_t M, float* y, int64_t ldy, int64_t n0) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int j = 0; j < NB; ++j) y[m * ldy + n0 + j] = _mm512_reduce_add_ps(acc[m * NB + j]);
-}
-
-// y[:, n0:n0+NB] for the bf16 weight (rows of K bfloat16), xb: (M, ldx) bfloat16 activations padded with zeros.
-template <int NB>
-void bf16_block(const uint16_t* w, int64_t K, int64_t n0, const uint16_t* xb, int64_t ldx, int64_t M, float* y,
-                int64_t N) {
-  alignas(64) __m512 acc[kMaxRows * NB];
-  for (int64_t i = 0; i < M * NB; ++i) acc[i] = _mm512_setzero_ps();
-  const uint16_t* wrow[NB];
-  for (int j = 0; j < NB; ++j) wrow[j] = w + (n0 + j) * K;
-  const int64_t chunk = M <= kActRows ? K : kChunk;  // one pass of rows: nothing to keep in L1
-  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
-    const int64_t k1 = std::min(K, k0 + chunk);
-    all_rows<NB>(M, [&](int64_t m0, auto mb) {
-      dpbf16_rows<NB, decltype(mb)::value>(wrow, k0, k1, K, xb, ldx, m0, acc, K);  // rows of K in memory
-    });
-  }
-  store<NB>(acc, M, y, N, n0);
-}
-
-template <Kind KIND, int NB>
-void int_block(const IntWeight& w, int64_t K, int64_t n0, const float* x, int64_t ldx, int64_t M, float* y,
-               int64_t N) {
-  alignas(64) __m512 acc[kMaxRows * NB];
-  for (int64_t i = 0; i < M * NB; ++i) acc[i] = _mm512_setzero_ps();
-  alignas(64) float buf[NB][kChunk];
-  const float* wrow[NB];
-  for (int j = 0; j < NB; ++j) wrow[j] = buf[j];
-  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    const int64_t k1 = std::min(K, k0 + kChunk);
-    if (M == 1) {
-      one_row<KIND, NB>(w, K, n0, x, k0, k1, acc);
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_loadu_ps(acc_mem + ((m0 + m) * NB + j) * 16);
+  for (int64_t v = v0; v < v1; ++v) {
+    const uint16_t* xv = xb + m0 * ldx + v * kCols<F>;
+    if (F == Form::kBf16) {
+      __m512i wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = load(w, b0 + j, v);
+      for (int m = 0; m < MB; ++m) {
+        const __m512bh x2 = (__m512bh)_mm512_set1_epi32(pair_bits(xv + m * ldx));
+        for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)wv[j], x2);
+      }
       continue;
     }
-    // several rows: the chunk dequantized once into L1, then read by every row
-    for (int j = 0; j < NB; ++j) dequantize<KIND>(w, n0 + j, k0, k1, K, buf[j]);
-    const int64_t len = (k1 - k0 + 31) / 32 * 32;
-    all_rows<NB>(M, [&](int64_t m0, auto mb) { fma_rows<NB, decltype(mb)::value>(wrow, len, x + k0, ldx, m0, acc); });
-  }
-  store<NB>(acc, M, y, N, n0);
-}
-
-// bfloat16 activations (a bf16 model's), several rows: the chunk dequantized once and rounded to bfloat16, as torch's
-// path for a bf16 model dequantizes its tiles, then every row meets it in _mm512_dpbf16_ps (twice float32's FMA rate:
-// at 32 rows the products, not the weight's bytes, bound the step).
-template <Kind KIND, int NB>
-void int_block_bf16(const IntWeight& w, int64_t K, int64_t n0, const uint16_t* xb, int64_t ldx, int64_t M, float* y,
-                    int64_t N) {
-  alignas(64) __m512 acc[kMaxRows * NB];
-  for (int64_t i = 0; i < M * NB; ++i) acc[i] = _mm512_setzero_ps();
-  alignas(64) uint16_t buf[NB][kChunk];
-  const uint16_t* wrow[NB];
-  for (int j = 0; j < NB; ++j) wrow[j] = buf[j];
-  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    const int64_t k1 = std::min(K, k0 + kChunk);
-    for (int j = 0; j < NB; ++j) {
-      Group group{};
-      for (int64_t k = k0; k < k1; k += 32) {
-        if (k == k0 || k % w.group_size == 0) group = group_of(w, n0 + j, k);
-        __m512 w0, w1;
-        load32<KIND>(w, n0 + j, k, K - k, group, w0, w1);
-        _mm512_store_si512(buf[j] + (k - k0), (__m512i)_mm512_cvtne2ps_pbh(w1, w0));  // w0's 16 first
+    if (F == Form::kInt8 && MB >= 4) {  // whole bytes: half the products of nibble planes
+#pragma GCC unroll 2
+      for (int i = 0; i < 2; ++i) {
+        __m512bh p[NB];
+        for (int j = 0; j < NB; ++j) p[j] = byte_plane(load(w, b0 + j, v), i);
+        for (int m = 0; m < MB; ++m) {
+          const __m512bh x2 = (__m512bh)_mm512_set1_epi32(pair_bits(xv + m * ldx + 2 * i));
+          for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], p[j], x2);
+        }
+      }
+      continue;
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < kPlanes<F>; ++i) {
+      __m512bh p[NB];
+      for (int j = 0; j < NB; ++j) p[j] = plane<F>(load(w, b0 + j, v), i, nibbles, sixteens);
+      for (int m = 0; m < MB; ++m) {
+        const __m512bh x2 = (__m512bh)_mm512_set1_epi32(pair_bits(xv + m * ldx + 2 * pair_of<F>(i)));
+        for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], p[j], x2);
       }
     }
-    const int64_t len = (k1 - k0 + 31) / 32 * 32;
-    all_rows<NB>(M, [&](int64_t m0, auto mb) {
-      dpbf16_rows<NB, decltype(mb)::value>(wrow, 0, len, len, xb + k0, ldx, m0, acc);
-    });
   }
-  store<NB>(acc, M, y, N, n0);
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(acc_mem + ((m0 + m) * NB + j) * 16, acc[m][j]);
 }
 
-// Weight rows split across threads, kRowsPerBlock at a time, the last few one by one.
-template <typename Block>
-void over_rows(int64_t N, int64_t row_bytes, Block block) {
-  const int64_t num_blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
-  // Grain: enough weight rows per task that a thread streams a long run of memory (~64 KiB at least).
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, kRowsPerBlock * row_bytes));
-  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kRowsPerBlock;
-      if (n0 + kRowsPerBlock <= N) {
-        block(n0, std::integral_constant<int, kRowsPerBlock>{});
+constexpr int64_t kChunkCols = 128;  // columns of NB blocks' weights kept in L1 while every row block reads them
+
+// y[:, 16 b0 : 16 (b0 + NB)] for all M rows: chunk by chunk, every row block per chunk.
+template <Form F, int NB>
+void unit(const Blocked& w, int64_t b0, const uint16_t* xb, int64_t ldx, const float* sx, int64_t M, float* y,
+          int64_t N) {
+  constexpr int MB = NB >= 8 ? 1 : NB >= 4 ? 6 : 8;  // 8 rows x 2 blocks, 6 x 4: 16, 24 sums
+  std::vector<float> acc(M * NB * 16), out(M * NB * 16, 0.0f);
+  const int64_t chunk_vecs = std::min<int64_t>(w.group_vecs, kChunkCols / kCols<F>);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    const int64_t g1 = std::min(w.vecs, (g + 1) * w.group_vecs);
+    for (int64_t v0 = g * w.group_vecs; v0 < g1; v0 += chunk_vecs) {
+      const int64_t v1 = std::min(g1, v0 + chunk_vecs);
+      int64_t m0 = 0;
+      for (; m0 + MB <= M; m0 += MB) chunk<F, MB, NB>(w, b0, v0, v1, xb, ldx, m0, acc.data());
+      for (; m0 + 2 <= M; m0 += 2) chunk<F, 2, NB>(w, b0, v0, v1, xb, ldx, m0, acc.data());
+      for (; m0 < M; ++m0) chunk<F, 1, NB>(w, b0, v0, v1, xb, ldx, m0, acc.data());
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int j = 0; j < NB; ++j) {
+        float* o = out.data() + (m * NB + j) * 16;
+        const __m512 sums = _mm512_loadu_ps(acc.data() + (m * NB + j) * 16);
+        if (F == Form::kBf16) {
+          _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), sums));
+          continue;
+        }
+        const int64_t at = ((b0 + j) * w.groups + g) * 16;
+        __m512 v = _mm512_fmadd_ps(_mm512_load_ps(w.biases + at), _mm512_set1_ps(sx[m * w.groups + g]),
+                                   _mm512_loadu_ps(o));
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_load_ps(w.scales + at), sums, v));
+      }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int j = 0; j < NB; ++j) {
+      const int64_t n0 = (b0 + j) * 16;
+      const __mmask16 tail = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
+      _mm512_mask_storeu_ps(y + m * N + n0, tail, _mm512_loadu_ps(out.data() + (m * NB + j) * 16));
+    }
+}
+
+template <Form F>
+void blocked_all(const Blocked& w, int64_t blocks, const uint16_t* xb, int64_t ldx, const float* sx, int64_t M,
+                 float* y, int64_t N) {
+  // one row: 8 blocks' streams at once (8 independent sums); more rows: 4 blocks against 6 rows (24 sums)
+  const int64_t nb = M == 1 ? 8 : F == Form::kBf16 ? 4 : 2;
+  const int64_t units = (blocks + nb - 1) / nb;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b0 = u * nb;
+      if (b0 + nb <= blocks) {
+        if (nb == 8)
+          unit<F, 8>(w, b0, xb, ldx, sx, M, y, N);
+        else if (nb == 4)
+          unit<F, 4>(w, b0, xb, ldx, sx, M, y, N);
+        else
+          unit<F, 2>(w, b0, xb, ldx, sx, M, y, N);
       } else {
-        for (int64_t n = n0; n < N; ++n) block(n, std::integral_constant<int, 1>{});
+        for (int64_t b = b0; b < blocks; ++b) unit<F, 1>(w, b, xb, ldx, sx, M, y, N);
       }
     }
   });
-}
-
-// x (M, K) float32 copied into rows of ldx columns (a multiple of 32), zeros past K; `pairs_split`: each 32 columns
-// reordered as their 16 even columns then their 16 odd ones (the order load32 dequantizes INT4 in).
-std::vector<float> padded_activations(const float* x, int64_t M, int64_t K, int64_t ldx, bool pairs_split) {
-  std::vector<float> out(M * ldx, 0.0f);
-  for (int64_t m = 0; m < M; ++m) {
-    float* row = out.data() + m * ldx;
-    if (!pairs_split) {
-      std::memcpy(row, x + m * K, K * sizeof(float));
-      continue;
-    }
-    for (int64_t k = 0; k < K; ++k) row[k / 32 * 32 + (k % 2) * 16 + (k % 32) / 2] = x[m * K + k];
-  }
-  return out;
-}
-
-std::vector<uint16_t> to_bf16(const std::vector<float>& x) {  // x.size() a multiple of 16
-  std::vector<uint16_t> out(x.size());
-  for (size_t i = 0; i < x.size(); i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.data() + i),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x.data() + i)));
-  return out;
 }
 
 }  // namespace
 
-// Plain C entry points on contiguous buffers (kernels/cpu_gemv.py checks shapes and dtypes), the AVX2 library's
-// signatures: M at most 32.
+// A plain C entry point on contiguous buffers (kernels/cpu_gemv.py checks shapes and dtypes).
 extern "C" {
 
-// y (M, N) = bf16(x) (M, K) · w (N, K)ᵀ, w bfloat16 bits; x rounded to bfloat16 (to nearest even) once here.
-void loraplex_gemv_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
-  const int64_t ldx = (K + 31) / 32 * 32;
-  const std::vector<uint16_t> xb = to_bf16(padded_activations(x, M, K, ldx, false));
-  over_rows(N, 2 * K, [&](int64_t n0, auto nb) {
-    bf16_block<decltype(nb)::value>(w, K, n0, xb.data(), ldx, M, y, N);
-  });
-}
-
-// y (M, N) = x (M, K) · wᵀ, w from q: (N, K) uint8 (bits 8) or (N, ceil(K / 2)) (bits 4, low nibble first), and
-// scales, biases: (N, ceil(K / group_size)) float32; group_size a multiple of 32, or K.
-void loraplex_gemv_int(const float* x, int64_t M, int64_t K, const uint8_t* q, int64_t N, const float* scales,
-                       const float* biases, int64_t group_size, int64_t bits, float* y) {
-  const IntWeight w{q, bits == 8 ? K : (K + 1) / 2, scales, biases, (K + group_size - 1) / group_size, group_size};
-  const int64_t ldx = (K + 31) / 32 * 32;
-  std::vector<float> xp = padded_activations(x, M, K, ldx, bits == 4);
-  over_rows(N, w.row_bytes, [&](int64_t n0, auto nb) {
-    if (bits == 8)
-      int_block<Kind::kInt8, decltype(nb)::value>(w, K, n0, xp.data(), ldx, M, y, N);
-    else
-      int_block<Kind::kInt4, decltype(nb)::value>(w, K, n0, xp.data(), ldx, M, y, N);
-  });
-}
-
-// loraplex_gemv_int with x and the dequantized weight rounded to bfloat16 (products and sums in float32), M at least 2.
-void loraplex_gemv_int_bf16(const float* x, int64_t M, int64_t K, const uint8_t* q, int64_t N, const float* scales,
-                            const float* biases, int64_t group_size, int64_t bits, float* y) {
-  const IntWeight w{q, bits == 8 ? K : (K + 1) / 2, scales, biases, (K + group_size - 1) / group_size, group_size};
-  const int64_t ldx = (K + 31) / 32 * 32;
-  const std::vector<uint16_t> xb = to_bf16(padded_activations(x, M, K, ldx, bits == 4));
-  over_rows(N, w.row_bytes, [&](int64_t n0, auto nb) {
-    if (bits == 8)
-      int_block_bf16<Kind::kInt8, decltype(nb)::value>(w, K, n0, xb.data(), ldx, M, y, N);
-    else
-      int_block_bf16<Kind::kInt4, decltype(nb)::value>(w, K, n0, xb.data(), ldx, M, y, N);
-  });
+// y (M, N) = x (M, K) · Wᵀ for W in the blocked layout (`bits` 16: bfloat16, 8 or 4: INT with (blocks, groups, 16)
+// float32 scales and biases, groups of group_size columns). x is rounded to bfloat16; with `exact`, x is instead split
+// into three bfloat16 parts that sum to it exactly (a float32 model's activations), each its own product.
+void loraplex_gemv_blocked(const float* x, int64_t M, int64_t K, const uint8_t* wdata, int64_t N, const float* scales,
+                           const float* biases, int64_t group_size, int64_t bits, int64_t exact, float* y) {
+  const int cols = bits == 16 ? 2 : bits == 8 ? 4 : 8;
+  const int64_t kp = (K + cols - 1) / cols * cols, blocks = (N + 15) / 16;
+  const int64_t parts = exact ? 3 : 1, R = M * parts, ldx = kp;
+  const int64_t gs = bits == 16 || group_size >= K ? kp : group_size;
+  const int64_t groups = kp / gs;
+  std::vector<uint16_t> xb(R * ldx, 0);
+  std::vector<float> sx(R * groups, 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 group_sums[3] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t k = 0; k < K; k += 16) {  // gs is a multiple of 16 or the whole row
+      const __mmask16 mask = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
+      __m512 rest = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+      for (int64_t p = 0; p < parts; ++p) {
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(rest);
+        const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        _mm256_mask_storeu_epi16(xb.data() + (m * parts + p) * ldx + k, mask, h);
+        group_sums[p] = _mm512_add_ps(group_sums[p], hf);
+        rest = _mm512_sub_ps(rest, hf);
+      }
+      if ((k + 16) % gs == 0 || k + 16 >= K)
+        for (int64_t p = 0; p < parts; ++p) {
+          sx[(m * parts + p) * groups + k / gs] = _mm512_reduce_add_ps(group_sums[p]);
+          group_sums[p] = _mm512_setzero_ps();
+        }
+    }
+  }
+  const Blocked w{wdata, kp / cols, scales, biases, groups, gs / cols};
+  std::vector<float> yp(parts > 1 ? R * N : 0);
+  float* out = parts > 1 ? yp.data() : y;
+  if (bits == 16)
+    blocked_all<Form::kBf16>(w, blocks, xb.data(), ldx, sx.data(), R, out, N);
+  else if (bits == 8)
+    blocked_all<Form::kInt8>(w, blocks, xb.data(), ldx, sx.data(), R, out, N);
+  else
+    blocked_all<Form::kInt4>(w, blocks, xb.data(), ldx, sx.data(), R, out, N);
+  if (parts > 1)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        const float* part = yp.data() + m * 3 * N + n;
+        y[m * N + n] = part[0] + part[N] + part[2 * N];
+      }
 }
 
 }  // extern "C"

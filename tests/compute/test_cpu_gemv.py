@@ -1,7 +1,8 @@
 """The skinny-matrix kernels (kernels/cpu_gemv.py), each build this CPU runs (AVX-512 BF16, AVX2), against torch's
 fp32 matmul on the dequantized weight: bf16, INT8 per channel and per group, INT4 per group (GPTQ/AWQ/compressed-tensors
-layouts repacked by worker/quant/avx2.py), 1-32 rows, N and K off the vector width, groups of 32/64/128, act order, zero
-points; above 32 rows the dequantized-tile GEMM. Then workers that take them (forced on, each build) against
+layouts repacked by worker/quant/avx2.py), 1-32 rows, N and K off the vector width and the block, groups of 32/64/128,
+act order, zero points, float32 activations exactly and bfloat16 ones; each layout unpacks to the weight it packed;
+above 32 rows the dequantized-tile GEMM. Then workers that take them (forced on, each build) against
 the torch path in fp32: logits and greedy tokens of a batch mixing the base and two adapters, quantized and bf16."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from loraplex.kernels import cpu_gemv
+from loraplex.worker.layers.packed import linear
 from loraplex.worker.quant.avx2 import Avx2IntMatmul
 from loraplex.worker.quant.weights import IntWeight
 
@@ -52,12 +54,16 @@ def test_bf16_equals_fp32_matmul(out_features: int, in_features: int, build: cpu
     # bfloat16 activations (a bf16 model's) exactly; float32 ones the AVX-512 build rounds to bfloat16 first
     gen = torch.Generator().manual_seed(out_features)
     w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    packed = cpu_gemv.pack_bf16(w)
+    assert packed.blocked == (build is cpu_gemv.AVX512) and torch.equal(packed.unpack(slice(None)), w)
     for rows in ROWS:
         x = torch.randn(rows, in_features, generator=gen)
         rounded = x.bfloat16().float()
-        assert relative_err(cpu_gemv.gemv_bf16(rounded, w), rounded @ w.float().T) < 1e-5, rows
-        tolerance = 1e-5 if build is cpu_gemv.AVX2 else 1e-2
-        assert relative_err(cpu_gemv.gemv_bf16(x, w), x @ w.float().T) < tolerance, rows
+        assert relative_err(cpu_gemv.gemv(rounded, packed, exact=False), rounded @ w.float().T) < 1e-5, rows
+        assert relative_err(cpu_gemv.gemv(x, packed), x @ w.float().T) < 1e-5, rows
+    x = torch.randn(cpu_gemv.MAX_ROWS + 1, in_features, generator=gen).bfloat16()  # torch's GEMM, unpacked weight
+    freed = w.new_empty(0) if packed.blocked else w
+    assert torch.equal(linear(x, freed, None, gemv=packed), x @ w.T)
 
 
 def random_int_weight(out_features: int, in_features: int, bits: int, group_size: int, zeros: bool, act_order: bool,
@@ -99,7 +105,9 @@ def test_int_equals_fp32_matmul_on_the_dequantized_weight(bits, group_size, zero
     weight = random_int_weight(*shape, bits, group_size or shape[1], zeros, act_order, seed=bits + shape[0])
     assert Avx2IntMatmul.fits(weight, torch.device("cpu"), torch.float32)
     matmul = Avx2IntMatmul(weight, torch.float32)
-    assert matmul.nbytes < weight.q.numel() * (1 if bits == 8 else 0.5) + 9 * weight.scales.numel() + 8 * shape[1]
+    rows = -(-shape[0] // cpu_gemv.BLOCK_ROWS) * cpu_gemv.BLOCK_ROWS  # the blocked layout's whole blocks
+    groups = weight.scales.shape[1]
+    assert matmul.nbytes <= rows * ((shape[1] + 8) * bits // 8 + 8 * groups) + 8 * shape[1]  # values, scales, order
     reference = weight.dequantize(slice(None), torch.float32)
     gen = torch.Generator().manual_seed(1)
     for rows in (*ROWS, 33):  # 33: the dequantized-tile GEMM
@@ -109,13 +117,14 @@ def test_int_equals_fp32_matmul_on_the_dequantized_weight(bits, group_size, zero
         x = torch.randn(rows, shape[1], generator=gen).bfloat16()
         y = matmul(x)
         assert y.dtype == torch.bfloat16 and relative_err(y, x.float() @ reference.T) < 1e-2
-    if forced is cpu_gemv.AVX512:  # its bf16 products: x and the dequantized weight rounded, as torch's bf16 path
-        rounded = matmul.dequantize(slice(None), torch.bfloat16).float()  # in the kernel's column order
-        for rows in (2, 7, 32):
-            x = torch.randn(rows, shape[1], generator=gen).bfloat16().float()
-            x = x if matmul.order is None else x[:, matmul.order]
-            y = cpu_gemv.gemv_int(x, matmul.q, matmul.scales, matmul.biases, matmul.group_size, bits, bf16=True)
-            assert relative_err(y, x @ rounded.T) < 1e-5, rows
+    u = weight.q.to(torch.int16) + weight.signed_offset  # the values, in the checkpoint's column order
+    unpacked = matmul.unsigned(slice(None))
+    assert torch.equal(unpacked.to(torch.int16), u if matmul.order is None else u[:, matmul.order])
+    dequantized = matmul.dequantize(slice(None), torch.float32)  # in the kernel's column order
+    for rows in ROWS:  # bfloat16 activations as they are (a bf16 model's): exact products, float32 sums
+        x = torch.randn(rows, shape[1], generator=gen).bfloat16().float()
+        x = x if matmul.order is None else x[:, matmul.order]
+        assert relative_err(cpu_gemv.gemv(x, matmul.packed, exact=False), x @ dequantized.T) < 1e-5, rows
 
 
 def test_fits_only_what_it_streams(forced, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,12 +142,14 @@ def test_fits_only_what_it_streams(forced, monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_bad_shapes_are_refused() -> None:
     x = torch.randn(2, 40)
-    with pytest.raises(ValueError, match="columns"):
-        cpu_gemv.gemv_bf16(x, torch.zeros(3, 41, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="41"):
+        cpu_gemv.gemv(x, cpu_gemv.pack_bf16(torch.zeros(3, 41, dtype=torch.bfloat16)))
     with pytest.raises(ValueError, match="at most 32"):
-        cpu_gemv.gemv_bf16(torch.randn(33, 40), torch.zeros(3, 40, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="do not fit"):
-        cpu_gemv.gemv_int(x, torch.zeros(3, 21, dtype=torch.uint8), torch.ones(3, 2), torch.ones(3, 2), 20, 4)
+        cpu_gemv.gemv(torch.randn(33, 40), cpu_gemv.pack_bf16(torch.zeros(3, 40, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_gemv.pack_int(torch.zeros(3, 40, dtype=torch.uint8), torch.ones(3, 2), torch.ones(3, 2), 20, 4)
+    with pytest.raises(ValueError, match="scales and biases"):
+        cpu_gemv.pack_int(torch.zeros(3, 64, dtype=torch.uint8), torch.ones(3, 1), torch.ones(3, 1), 32, 4)
 
 
 NAMES = [None, "a4", "a16", None, "a16", "a4"]  # the base and two adapters, mixed
@@ -182,10 +193,11 @@ def test_bf16_worker_errs_no_more_than_the_torch_path(llama_dir, adapter_dirs, b
     plain, _, _ = run_batch(llama_dir, adapter_dirs, dtype="bfloat16", lora_backend="torch")
     monkeypatch.setattr(cpu_gemv, "chosen", lambda: True)
     calls = []
-    gemv_bf16 = cpu_gemv.gemv_bf16
-    monkeypatch.setattr(cpu_gemv, "gemv_bf16", lambda x, w: calls.append(x.shape[0]) or gemv_bf16(x, w))
+    gemv = cpu_gemv.gemv
+    monkeypatch.setattr(cpu_gemv, "gemv", lambda x, w, exact=True: calls.append(x.shape[0]) or gemv(x, w, exact))
     ours, _, runner = run_batch(llama_dir, adapter_dirs, dtype="bfloat16", lora_backend="torch")
-    assert all(m.gemv for m in runner.model.modules() if hasattr(m, "packed_weight") and hasattr(m, "weight"))
+    linears = [m for m in runner.model.modules() if hasattr(m, "packed_weight") and hasattr(m, "weight")]
+    assert all(m.gemv is not None and m.gemv.blocked == (build is cpu_gemv.AVX512) for m in linears)
     assert sum(LENGTHS) in calls and max(calls) <= cpu_gemv.MAX_ROWS
     ours_err = max((a.float() - c).abs().max().item() for a, c in zip(ours, oracle, strict=True))
     plain_err = max((b.float() - c).abs().max().item() for b, c in zip(plain, oracle, strict=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from loraplex.kernels import cpu_gemv
 import torch.nn.functional as F
 from loraplex.worker.layers import packed
 from torch import nn
@@ -21,7 +22,7 @@ class LMHead(nn.Module):
     """hidden -> logits. With tied embeddings it shares the embedding's weight tensor."""
 
     packed_weight: torch.Tensor | None = None  # set by packed.pack_linears (the CPU bfloat16 path), if not tied
-    gemv = False  # set by packed.use_gemv (the CPU bfloat16 path on AVX2)
+    gemv: cpu_gemv.PackedWeight | None = None  # set by packed.use_gemv (the CPU bfloat16 decode kernel)
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: Embedding | None = None):
         super().__init__()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+from loraplex.kernels import cpu_gemv
 from loraplex.worker.layers import packed
 from loraplex.worker.parallel import TPInfo, all_reduce, current_tp
 from loraplex.worker.quant.layer import QuantizedLinearWeights, current_format
@@ -58,7 +59,7 @@ class ColumnParallelLinear(nn.Module):
 
     tp_mode = "column"
     packed_weight: torch.Tensor | None = None  # set by packed.pack_linears (the CPU bfloat16 path)
-    gemv = False  # set by packed.use_gemv (the CPU bfloat16 path on AVX2)
+    gemv: cpu_gemv.PackedWeight | None = None  # set by packed.use_gemv (the CPU bfloat16 decode kernel)
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = False):
         super().__init__()
@@ -143,7 +144,7 @@ class RowParallelLinear(nn.Module):
 
     tp_mode = "row"
     packed_weight: torch.Tensor | None = None  # set by packed.pack_linears (the CPU bfloat16 path)
-    gemv = False  # set by packed.use_gemv (the CPU bfloat16 path on AVX2)
+    gemv: cpu_gemv.PackedWeight | None = None  # set by packed.use_gemv (the CPU bfloat16 decode kernel)
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = False):
         super().__init__()

@@ -8,9 +8,10 @@ with bit-identical results. The plain weight is freed once packed, so the model 
 A linear opts in with a `packed_weight` attribute (None until packed) and computes through `linear` below; one whose
 model code reads its plain weight (latent attention's kv_b_proj) opts out with `packable = False`.
 
-Where kernels/cpu_gemv.py's skinny-matrix kernels are chosen (by default a CPU with AVX2 and without AVX-512 BF16) the
-weights stay plain instead and decode rows (up to 32) take the kernel, which reads each bfloat16 weight once per call:
-`use_gemv` marks them."""
+Where kernels/cpu_gemv.py's skinny-matrix kernels are chosen for bfloat16 (by default a CPU with AVX2 and without
+AVX-512 BF16; LORAPLEX_CPU_GEMV=on anywhere) decode rows (up to 32) take the kernel instead, which reads each weight
+once per call: `use_gemv` lays the weights out for it (on AVX-512 in its blocked layout, which then replaces the plain
+weight; above 32 rows the plain weight is unpacked from it for torch's GEMM)."""
 
 from __future__ import annotations
 
@@ -34,11 +35,14 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None,
-           gemv: bool = False):
-    """x Wᵀ + b, from the packed weight where there is one; with `gemv` (use_gemv), up to 32 rows by cpu_gemv."""
-    if gemv and x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_ROWS:
-        y = cpu_gemv.gemv_bf16(x.float(), weight).to(x.dtype)
-        return y if bias is None else y + bias
+           gemv: cpu_gemv.PackedWeight | None = None):
+    """x Wᵀ + b, from the packed weight where there is one; with `gemv` (use_gemv's), up to 32 rows by cpu_gemv."""
+    if gemv is not None:
+        if x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_ROWS:
+            y = cpu_gemv.gemv(x.float(), gemv, exact=x.dtype == torch.float32).to(x.dtype)
+            return y if bias is None else y + bias
+        if weight.numel() == 0:  # the blocked layout replaced it
+            weight = gemv.unpack(slice(None))
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -70,8 +74,9 @@ def gemv_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | N
 
 
 def use_gemv(model: nn.Module) -> int:
-    """Mark every linear that owns a plain bfloat16 weight (as pack_linears chooses them) to compute its decode rows
-    with cpu_gemv's kernel; returns how many."""
+    """Lay out every linear that owns a plain bfloat16 weight (as pack_linears chooses them) for cpu_gemv's kernel,
+    which then computes its decode rows; returns how many. A blocked copy replaces the plain weight where nothing else
+    reads it (not a tied LM head's, nor one that opts out of packing)."""
     num_marked = 0
     for module in model.modules():
         if not hasattr(module, "packed_weight") or getattr(module, "quant", None) is not None:
@@ -79,6 +84,8 @@ def use_gemv(model: nn.Module) -> int:
         weight = getattr(module, "weight", None)
         if weight is None or weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous():
             continue
-        module.gemv = True
+        module.gemv = cpu_gemv.pack_bf16(weight.detach())
+        if module.gemv.blocked and not getattr(module, "tied", False) and getattr(module, "packable", True):
+            weight.data = weight.data.new_empty(0)
         num_marked += 1
     return num_marked

@@ -3,9 +3,9 @@
 for up to 32 rows (a decode step) and torch's GEMM on dequantized tiles above that.
 
 Whatever the checkpoint's packing (GPTQ, AWQ, compressed-tensors decode into an IntWeight, formats.py), the weight is
-repacked once here into the one layout the kernel streams: unsigned values (u = q + signed_offset), INT4 two per byte
-(columns 2j, 2j+1 in byte j, low nibble first), and per group a float32 scale and bias with w = u · scale + bias
-(bias = -(zero + signed_offset) · scale). Act-order groups are permuted into place once, as the torch path does."""
+repacked once here into the one form the kernel streams: unsigned values (u = q + signed_offset) and per group a
+float32 scale and bias with w = u · scale + bias (bias = -(zero + signed_offset) · scale), laid out by
+cpu_gemv.pack_int for the build in use. Act-order groups are permuted into place once, as the torch path does."""
 
 from __future__ import annotations
 
@@ -14,11 +14,7 @@ import torch.nn.functional as F
 from loraplex.kernels import cpu_gemv
 from loraplex.worker.quant.weights import IntWeight, QuantWeight
 
-TILE_ROWS = 512  # output rows dequantized at once above cpu_gemv.MAX_ROWS
-# From this many rows of bfloat16 activations the AVX-512 build multiplies in bfloat16 (the weight dequantized and
-# rounded, as torch's path for a bf16 model does): below it the float32 products cost less than the rounding; from it
-# the products bound the call and dpbf16 does them at twice the rate (scripts/bench/gemv.py).
-BF16_PRODUCTS_MIN_ROWS = 4
+TILE_ROWS = 512  # output rows dequantized at once above cpu_gemv.MAX_ROWS (a multiple of cpu_gemv.BLOCK_ROWS)
 
 
 def _act_order(weight: IntWeight) -> torch.Tensor | None:
@@ -59,43 +55,33 @@ class Avx2IntMatmul:
         offset = weight.signed_offset
         unsigned = (q.to(torch.int16) + offset).to(torch.uint8)  # (out, in)
         self.bits, self.cols = weight.bits, q.shape[1]
-        if self.bits == 4:
-            if self.cols % 2:
-                unsigned = F.pad(unsigned, (0, 1))
-            unsigned = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
-        self.q = unsigned.contiguous()
-        self.scales = scales.float().contiguous()  # (out, groups)
         zero = (0 if zeros is None else zeros.float()) + offset
-        self.biases = (-zero * self.scales).contiguous()
+        scales = scales.float()
+        self.packed = cpu_gemv.pack_int(unsigned, scales, (-zero * scales).contiguous(), self.group_size, self.bits)
         self.dtype = dtype
-        self.bf16_products = cpu_gemv.isa() is cpu_gemv.AVX512
-        self.nbytes = sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.biases))
+        self.nbytes = self.packed.nbytes
         if self.order is not None:
             self.nbytes += self.order.numel() * self.order.element_size()
 
     def unsigned(self, rows: slice) -> torch.Tensor:
         """(rows, in) uint8 values."""
-        q = self.q[rows]
-        if self.bits == 4:
-            q = torch.stack([q & 0xF, q >> 4], dim=-1).flatten(1)[:, : self.cols]
-        return q
+        return self.packed.unpack(rows)
 
     def dequantize(self, rows: slice, dtype: torch.dtype) -> torch.Tensor:
         """(rows, in) in dtype, computed in float32 as the kernel does."""
         u = self.unsigned(rows).float()
-        num_rows, groups = u.shape[0], self.scales.shape[1]
-        u = u.view(num_rows, groups, self.cols // groups)
-        w = torch.addcmul(self.biases[rows, :, None], u, self.scales[rows, :, None])
-        return w.view(num_rows, self.cols).to(dtype)
+        scales, biases = self.packed.group_params(rows)
+        num_rows, groups = scales.shape
+        u = u.reshape(num_rows, groups, self.cols // groups)
+        w = torch.addcmul(biases[:, :, None], u, scales[:, :, None])
+        return w.reshape(num_rows, self.cols).to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.order is not None:
             x = x.index_select(-1, self.order)
-        if x.shape[0] <= cpu_gemv.MAX_ROWS:
-            bf16 = self.bf16_products and x.dtype == torch.bfloat16 and x.shape[0] >= BF16_PRODUCTS_MIN_ROWS
-            y = cpu_gemv.gemv_int(x.float(), self.q, self.scales, self.biases, self.group_size, self.bits, bf16=bf16)
-            return y.to(x.dtype)
-        num_rows = self.q.shape[0]
+        if x.shape[0] <= cpu_gemv.MAX_ROWS:  # bfloat16 activations meet the weight as they are, float32 ones exactly
+            return cpu_gemv.gemv(x.float(), self.packed, exact=x.dtype == torch.float32).to(x.dtype)
+        num_rows = self.packed.out_features
         y = x.new_empty(x.shape[0], num_rows)
         for start in range(0, num_rows, TILE_ROWS):
             rows = slice(start, min(start + TILE_ROWS, num_rows))
