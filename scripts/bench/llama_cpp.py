@@ -1,6 +1,6 @@
 """loraplex beside llama.cpp's server on the bench model's weights at bf16, 8 and 4 bits, with its 32 adapters.
 
-    python -m scripts.bench.llama_cpp --llama-cpp DIR [--rounds 2] [--json out.json]
+    python -m scripts.bench.llama_cpp --llama-cpp DIR [--rounds 2] [--workloads single,adapters] [--json out.json]
 
 DIR is a llama.cpp source tree with `build/bin/llama-server` and `build/bin/llama-quantize` built
 (docs/BENCHMARKS.md says how). Both servers serve the bench model (scripts/bench/model.py, full size) and its 32
@@ -52,6 +52,7 @@ from tests.net import free_port
 
 PRECISIONS = {"bf16": ("plain", "BF16"), "8-bit": ("int8", "Q8_0"), "4-bit": ("int4", "Q4_0")}  # loraplex, GGUF
 HEADERS = ("workload", "loraplex / llama-server", "loraplex vs llama-server")
+WORKLOADS = ("single", "adapters")
 CONTEXT_PER_SLOT = 640  # the workload's longest request (256 + 256) fits a llama-server slot
 START_TIMEOUT_S = 600.0
 
@@ -249,8 +250,8 @@ def workloads(plan: Plan, adapter_names: list[str], seed: int) -> dict[str, tupl
 
 def drive(url: str, wire: Wire, runs: dict[str, tuple[list[BenchRequest], int]]) -> dict[str, dict]:
     """Warm-up (one short request per adapter), then each workload: {workload: summary}."""
-    mixed, concurrency = runs["adapters"]
-    asyncio.run(warm_up(url, mixed, concurrency, wire))
+    warm, concurrency = runs.get("adapters") or runs["single"]
+    asyncio.run(warm_up(url, warm, concurrency, wire))
     summaries = {}
     for name, (reqs, concurrency) in runs.items():
         results, duration_s = asyncio.run(run_requests(url, reqs, concurrency=concurrency, desc=name, wire=wire))
@@ -261,11 +262,12 @@ def drive(url: str, wire: Wire, runs: dict[str, tuple[list[BenchRequest], int]])
     return summaries
 
 
-def benchmark(bench: BenchModel, plan: Plan, llama_cpp: Path, *, rounds: int, threads: int, seed: int) -> dict:
+def benchmark(bench: BenchModel, plan: Plan, llama_cpp: Path, *, rounds: int, threads: int, seed: int,
+              only: Sequence[str] = WORKLOADS) -> dict:
     copies = bench_quantized.quantized_copies(bench)
     bases, adapter_files = gguf_files(bench, llama_cpp)
     names = list(bench.adapter_dirs)[: plan.num_adapters]
-    runs = workloads(plan, names, seed)
+    runs = {name: run for name, run in workloads(plan, names, seed).items() if name in only}
     wire = llama_cpp_wire({name: i for i, name in enumerate(names)})
     raw: dict[str, dict[str, list[dict]]] = {p: {"loraplex": [], "llama.cpp": []} for p in PRECISIONS}
     no_repack = dict.fromkeys(PRECISIONS, False)  # llama-server died at start and ran with --no-repack
@@ -286,12 +288,19 @@ def benchmark(bench: BenchModel, plan: Plan, llama_cpp: Path, *, rounds: int, th
                         no_repack[precision] |= server.no_repack
     result = {"plan": plan.__dict__, "rounds": raw, "best": {}, "no_repack": no_repack}
     for precision, sides in raw.items():
-        result["best"][precision] = {side: {
-            "single_tok_s": max(1e3 / run["single"]["itl_ms"]["mean"] for run in runs_),
-            "adapters_tok_s": max(run["adapters"]["output_token_throughput"] for run in runs_),
-            "adapters_ttft_p99_ms": min(run["adapters"]["ttft_ms"]["p99"] for run in runs_),
-        } for side, runs_ in sides.items()}
+        result["best"][precision] = {side: best_of(runs_) for side, runs_ in sides.items()}
     return result
+
+
+def best_of(runs: list[dict]) -> dict:
+    """One side's best figures over its rounds, for the workloads it ran."""
+    best = {}
+    if "single" in runs[0]:
+        best["single_tok_s"] = max(1e3 / run["single"]["itl_ms"]["mean"] for run in runs)
+    if "adapters" in runs[0]:
+        best["adapters_tok_s"] = max(run["adapters"]["output_token_throughput"] for run in runs)
+        best["adapters_ttft_p99_ms"] = min(run["adapters"]["ttft_ms"]["p99"] for run in runs)
+    return best
 
 
 def rows(result: dict) -> list[list[str]]:
@@ -300,8 +309,12 @@ def rows(result: dict) -> list[list[str]]:
         ours, theirs = sides["loraplex"], sides["llama.cpp"]
         if result.get("no_repack", {}).get(precision):
             precision += " (llama-server --no-repack: it died at start without)"
-        out.append([f"{precision}: single-stream decode tok/s", f"{ours['single_tok_s'] / theirs['single_tok_s']:.2f}",
-                    f"{ours['single_tok_s']:.1f} vs {theirs['single_tok_s']:.1f}"])
+        if "single_tok_s" in ours:
+            out.append([f"{precision}: single-stream decode tok/s",
+                        f"{ours['single_tok_s'] / theirs['single_tok_s']:.2f}",
+                        f"{ours['single_tok_s']:.1f} vs {theirs['single_tok_s']:.1f}"])
+        if "adapters_tok_s" not in ours:
+            continue
         out.append([f"{precision}: {result['plan']['num_adapters']} adapters out tok/s",
                     f"{ours['adapters_tok_s'] / theirs['adapters_tok_s']:.2f}",
                     f"{ours['adapters_tok_s']:.1f} vs {theirs['adapters_tok_s']:.1f}; TTFT p99 "
@@ -316,12 +329,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=2, help="each side runs each precision this many times")
     parser.add_argument("--threads", type=int, default=NUM_CORES, help="compute threads of each server")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: single, adapters")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every result here")
     args = parser.parse_args(argv)
+    only = args.workloads.split(",")
+    if not only or set(only) - set(WORKLOADS):
+        parser.error(f"--workloads takes {', '.join(WORKLOADS)}")
     plan = QUICK if args.quick else FULL
     bench = ensure_bench_model(SIZES["full"], FULL.num_adapters)
     result = benchmark(bench, plan, args.llama_cpp.resolve(), rounds=args.rounds, threads=args.threads,
-                       seed=args.seed)
+                       seed=args.seed, only=only)
     print(format_table(HEADERS, rows(result)))
     if args.json:
         write_json(args.json, result)

@@ -16,6 +16,7 @@ from scripts.bench.llama_cpp import (
     CONVERT,
     FULL,
     _run,
+    best_of,
     llama_cpp_wire,
     llama_server_command,
     rows,
@@ -119,6 +120,15 @@ def test_a_server_that_dies_at_start_is_retried_with_no_repack(tmp_path: Path) -
                  "best": {"8-bit": {side: {"single_tok_s": 1.0, "adapters_tok_s": 1.0, "adapters_ttft_p99_ms": 1.0}
                                     for side in ("loraplex", "llama.cpp")}}})[0][0].startswith(
         "8-bit (llama-server --no-repack: it died at start without)")  # fmt: skip
+
+
+def test_a_single_stream_run_tables_its_ratio_and_nothing_else() -> None:
+    """--workloads single: each side's best is its fastest round, and the table has the single-stream rows only."""
+    rounds = [{"single": {"itl_ms": {"mean": ms}}} for ms in (10.0, 8.0)]
+    assert best_of(rounds) == {"single_tok_s": 125.0}
+    table = rows({"plan": {"num_adapters": 32}, "best": {"bf16": {"loraplex": {"single_tok_s": 120.0},
+                                                                  "llama.cpp": {"single_tok_s": 100.0}}}})
+    assert table == [["bf16: single-stream decode tok/s", "1.20", "120.0 vs 100.0"]]
 
 
 def test_the_command_line_refuses_a_path_with_a_comma(tmp_path: Path) -> None:
