@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from loraplex.kernels import cpu_gemv
 import torch.nn.functional as F
+from loraplex.kernels import cpu_gemv
 from loraplex.worker.layers import packed
 from torch import nn
 
