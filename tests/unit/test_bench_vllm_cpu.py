@@ -148,6 +148,7 @@ def test_vllm_starts_with_the_cpu_setup_and_stops_with_its_session(tmp_path: Pat
     env = seen["env"]
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == cpu_list(sorted(os.sched_getaffinity(0))[:1])
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert env["VLLM_TARGET_DEVICE"] == "cpu"
     assert str(tmp_path / "venv" / "lib" / "libiomp5.so") in env["LD_PRELOAD"].split(":")
 
 
@@ -172,7 +173,7 @@ def test_the_launcher_answers_vllms_version_with_vllm_cpus(tmp_path: Path) -> No
     done = subprocess.run([sys.executable, str(launcher), "serve", "m"], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "0.32.0 ['serve', 'm']"
+    assert done.stdout.strip() == "0.32.0+cpu ['serve', 'm']"  # vLLM's own spelling: platform detection looks for "cpu"
 
 
 def test_rows_give_each_workload_both_sides_and_the_ratio():
