@@ -19,8 +19,8 @@ Workloads, the same requests on both sides:
 vLLM runs as its documented CPU setup asks: `VLLM_CPU_OMP_THREADS_BIND` on the same cores, `VLLM_CPU_KVCACHE_SPACE=4`,
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, LD_PRELOAD of tcmalloc and the venv's libiomp5.so where they exist, through
 a launcher that answers `importlib.metadata.version("vllm")` with `vllm-cpu`'s (its CLI looks that name up) and
-`VLLM_TARGET_DEVICE=cpu`. The
-table: each workload's best of the rounds on each side and loraplex / vLLM (latencies: how many times faster).
+`VLLM_TARGET_DEVICE=cpu`. The table: each workload's best of the rounds on each side and loraplex / vLLM
+(latencies: how many times faster).
 """
 
 from __future__ import annotations
