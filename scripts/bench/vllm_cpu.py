@@ -184,9 +184,13 @@ class VllmServer:
         launcher.write_text(LAUNCHER)
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-cpu-{port}.log"
         cmd = vllm_command(vllm_python, launcher, base, adapters, slots=slots, port=port)
+        # Run from the launcher's folder, with no PYTHONPATH: vLLM runs `python -m` helpers, which put the working
+        # directory first on sys.path, and from this repo's root `kernels` would be ours, not the `kernels` package
+        # transformers looks for.
+        env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, env={**os.environ, **vllm_env(vllm_python, threads)}, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(cmd, env={**env, **vllm_env(vllm_python, threads)}, cwd=self._dir.name,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         try:
             self._wait_healthy(start_timeout_s)
         except BaseException:

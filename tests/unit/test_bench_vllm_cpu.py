@@ -105,7 +105,8 @@ FAKE_PYTHON = """#!{python}
 import http.server, json, os, sys
 argv = sys.argv[1:]
 env = {{k: v for k, v in os.environ.items() if k.startswith("VLLM_") or k in ("LD_PRELOAD", "HF_HUB_OFFLINE")}}
-open({record!r}, "w").write(json.dumps({{"argv": argv, "env": env, "launcher": open(argv[0]).read()}}))
+open({record!r}, "w").write(json.dumps({{"argv": argv, "env": env, "launcher": open(argv[0]).read(),
+                                         "cwd": os.getcwd(), "pythonpath": os.environ.get("PYTHONPATH")}}))
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
@@ -135,6 +136,8 @@ def test_vllm_starts_with_the_cpu_setup_and_stops_with_its_session(tmp_path: Pat
     seen = json.loads(record.read_text())
     argv = seen["argv"]
     assert argv[1:3] == ["serve", str(tmp_path / "base")] and seen["launcher"] == LAUNCHER
+    # not from this repo's root with its folders importable: vLLM's `python -m` helpers would import our `kernels`
+    assert Path(seen["cwd"]) == Path(argv[0]).parent != Path.cwd() and seen["pythonpath"] is None
 
     def flag(name: str) -> str:
         return argv[argv.index(name) + 1]
