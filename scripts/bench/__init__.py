@@ -18,6 +18,7 @@ TOOLS: dict[str, str] = {
     "adapter_ops": "adapter load/unload cost on a running server, idle and under traffic",
     "peft_baseline": "the same workload through transformers + peft",
     "llama_cpp": "loraplex beside llama.cpp's server on the bench model at bf16, 8 and 4 bits",
+    "vllm_cpu": "loraplex beside vLLM's CPU build on the bench model: base only, 32 adapters, one stream",
     "decode_step": "one worker's decode step in process, cpu backend against torch",
     "roofline": "the decode step per precision and batch against this machine's measured read bandwidth",
     "gemv": "per-linear decode timings, the AVX2 skinny-matrix kernels against torch at bf16/int8/int4, 1 and 32 rows",
