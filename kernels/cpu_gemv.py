@@ -86,7 +86,7 @@ def _build(isa: Isa) -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     if isa is AVX512:
         functions = [lib.loraplex_gemv_blocked]
-        lib.loraplex_gemv_blocked.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64, ptr]
+        lib.loraplex_gemv_blocked.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, ptr]
     else:
         functions = [lib.loraplex_gemv_bf16, lib.loraplex_gemv_int]
         lib.loraplex_gemv_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr]
@@ -130,11 +130,12 @@ COLUMNS_PER_VECTOR = {16: 2, 8: 4, 4: 8}  # bits -> input columns in one 64-byte
 class PackedWeight:
     """A linear's weight laid out for the kernels of the build in use (isa() when packed).
 
-    AVX-512 (`blocked`): data (blocks, vectors, 64) uint8 — output rows in blocks of 16, each block one run of 64-byte
-    vectors over the input columns (padded with zeros), lane pair (2j, 2j+1) of every vector row j's; scales and
-    biases (blocks, groups, 16). AVX2: data as stored — (out, in) bfloat16, or (out, in) / (out, ceil(in / 2)) uint8
-    (columns 2j, 2j+1 in byte j, low nibble first); scales and biases (out, groups). INT weights are w = u · scale +
-    bias per group of input columns; bits 16 is a bfloat16 weight (no scales)."""
+    AVX-512 (`blocked`): data (blocks, groups, vectors, 64) uint8 — output rows in blocks of 16, each block one run of
+    64-byte vectors over the input columns (padded with zeros), lane pair (2j, 2j+1) of every vector row j's, and for
+    INT each group's vectors followed by two of its 16 rows' float32 scales and biases (scales and biases are None).
+    AVX2: data as stored — (out, in) bfloat16, or (out, in) / (out, ceil(in / 2)) uint8 (columns 2j, 2j+1 in byte j,
+    low nibble first); scales and biases (out, groups). INT weights are w = u · scale + bias per group of input
+    columns; bits 16 is a bfloat16 weight (one group, no scales)."""
 
     data: torch.Tensor
     scales: torch.Tensor | None
@@ -160,7 +161,11 @@ class PackedWeight:
             return data
         assert start % BLOCK_ROWS == 0, "rows start at a block"
         data = self.data[start // BLOCK_ROWS : -(-stop // BLOCK_ROWS)]
-        blocks, vectors = data.shape[:2]
+        blocks, groups = data.shape[:2]
+        if self.bits != 16:
+            data = data[:, :, :-2]  # the scales and biases
+        data = data.reshape(blocks, -1, 64)
+        vectors = data.shape[1]
         if self.bits == 16:  # [b, c, j, p] -> [b, j, c, p]
             out = data.view(torch.bfloat16).view(blocks, vectors, BLOCK_ROWS, 2).permute(0, 2, 1, 3)
         elif self.bits == 8:  # [b, c, j, p, i] -> [b, j, c, i, p]
@@ -176,9 +181,10 @@ class PackedWeight:
         start, stop, _ = rows.indices(self.out_features)
         if not self.blocked:
             return self.scales[start:stop], self.biases[start:stop]
-        first, last = start // BLOCK_ROWS, -(-stop // BLOCK_ROWS)
-        return tuple(t[first:last].permute(0, 2, 1).reshape(-1, t.shape[1])[: stop - start]
-                     for t in (self.scales, self.biases))  # fmt: skip
+        params = self.data[start // BLOCK_ROWS : -(-stop // BLOCK_ROWS), :, -2:].view(torch.float32)
+        blocks, groups = params.shape[:2]  # [b, g, scale|bias, j] -> [b, j, g] each
+        return tuple(params[:, :, i].permute(0, 2, 1).reshape(blocks * BLOCK_ROWS, groups)[: stop - start]
+                     for i in (0, 1))  # fmt: skip
 
 
 def _pad(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
@@ -201,7 +207,7 @@ def pack_bf16(w: torch.Tensor) -> PackedWeight:
         return PackedWeight(w.contiguous(), None, None, 16, out_features, in_features, in_features, False)
     blocks = _blocks(_pad(w, 1, 2))  # [b, j, c, p]
     data = blocks.view(blocks.shape[0], BLOCK_ROWS, -1, 2).permute(0, 2, 1, 3).contiguous()
-    return PackedWeight(data.view(torch.uint8).view(data.shape[0], -1, 64), None, None, 16, out_features,
+    return PackedWeight(data.view(torch.uint8).view(data.shape[0], 1, -1, 64), None, None, 16, out_features,
                         in_features, in_features, True)  # fmt: skip
 
 
@@ -234,9 +240,10 @@ def pack_int(u: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_
         v = values.view(num_blocks, BLOCK_ROWS, -1, 4, 2)
         low, high = v[:, :, :, 0] | (v[:, :, :, 1] << 4), v[:, :, :, 2] | (v[:, :, :, 3] << 4)  # [b, j, c, p]
         data = torch.stack([low, high], dim=-1).permute(0, 2, 1, 3, 4)  # [b, c, j, p, byte]
-    data = data.contiguous().view(num_blocks, -1, 64)
-    per_block = [_blocks(t.float()).permute(0, 2, 1).contiguous() for t in (scales, biases)]  # (blocks, groups, 16)
-    return PackedWeight(data, *per_block, bits, out_features, in_features, group_size, True)
+    data = data.contiguous().view(num_blocks, groups, -1, 64)
+    params = [_blocks(t.float()).permute(0, 2, 1).contiguous().view(torch.uint8) for t in (scales, biases)]
+    data = torch.cat([data, params[0][:, :, None], params[1][:, :, None]], dim=2)  # [b, g, vectors | scales | biases]
+    return PackedWeight(data.contiguous(), None, None, bits, out_features, in_features, group_size, True)
 
 
 def gemv(x: torch.Tensor, w: PackedWeight, exact: bool = True) -> torch.Tensor:
@@ -255,8 +262,8 @@ def gemv(x: torch.Tensor, w: PackedWeight, exact: bool = True) -> torch.Tensor:
     y = x.new_empty(rows, w.out_features)
     scales, biases = (0, 0) if w.scales is None else (w.scales.data_ptr(), w.biases.data_ptr())
     if w.blocked:
-        lib.loraplex_gemv_blocked(x.data_ptr(), rows, w.in_features, w.data.data_ptr(), w.out_features, scales,
-                                  biases, w.group_size, w.bits, int(exact), y.data_ptr())  # fmt: skip
+        lib.loraplex_gemv_blocked(x.data_ptr(), rows, w.in_features, w.data.data_ptr(), w.out_features, w.group_size,
+                                  w.bits, int(exact), y.data_ptr())  # fmt: skip
     elif w.bits == 16:
         lib.loraplex_gemv_bf16(x.data_ptr(), rows, w.in_features, w.data.data_ptr(), w.out_features, y.data_ptr())
     else:

@@ -3,24 +3,26 @@
 // of input columns (w = u · scale + bias), in one blocked layout the weight is repacked into once at load
 // (kernels/cpu_gemv.py packs it):
 //
-// The weight's output rows go in blocks of 16; each block is one run of 64-byte vectors over the input columns, and in
-// every vector the 16-bit lane pair (2j, 2j+1) belongs to output row j. One activation column pair, broadcast to all
-// lanes, meets a vector in one _mm512_dpbf16_ps: lane j adds its row's two products, so the sums hold 16 outputs
-// (no horizontal sums) and each block is one long stream the hardware prefetcher follows.
+// The weight's output rows go in blocks of 16; each block is one run of 64-byte vectors over the input columns (an INT
+// group's vectors followed by a vector of its 16 rows' scales and one of their biases), and in every vector the 16-bit
+// lane pair (2j, 2j+1) belongs to output row j. One activation column pair, broadcast to all lanes, meets a vector in
+// one _mm512_dpbf16_ps: lane j adds its row's two products, so the sums hold 16 outputs (no horizontal sums) and each
+// block is one stream the hardware prefetcher follows (software prefetching measured slower).
 //
 //   bf16: a vector holds 2 columns (k, k+1) of its 16 rows.
 //   INT4: 8 columns; the word of lane (j, p) holds the nibbles of columns 2i + p, i = 0..3 (nibble i at bits 4i).
 //   INT8: 4 columns; the word of lane (j, p) holds the bytes of columns 2i + p, i = 0, 1 (byte i at bits 8i).
 //
 // INT values become bfloat16 exactly, so every product is exact in float32: a nibble indexes a table of the 16 values
-// it can take (one permute per 32 weights); a byte, at one or two rows, is its low nibble plus 16 times its high one
-// (two permutes into two products), from four rows on the byte converted whole (through float32, whose upper half is
+// it can take (one permute per 32 weights); a byte, below 8 rows, is its low nibble plus 16 times its high one (two
+// permutes into two products), from 8 rows on converted whole once per chunk (through float32, whose upper half is
 // then the bfloat16). The group's scale and bias apply once per group: y = scale · Σ u·x + bias · Σ x.
 //
 // A decode step reads every weight once and does little arithmetic: at one row its limit is memory bandwidth, so 8
-// blocks stream at once (8 independent sums); at more rows the products bound it, and a chunk of columns of 2-4 blocks
-// stays in L1 while every row block reads it. Activations are rounded to bfloat16 (exact for a bfloat16 model's);
-// float32 ones (`exact`) are split into three bfloat16 parts that sum to them exactly, each its own row.
+// blocks stream at once (8 independent sums); at more rows the products bound it, and a chunk of columns of 4 blocks
+// stays in L1 while every row block (6 rows: 24 sums) reads it. Activations are rounded to bfloat16 (exact for a
+// bfloat16 model's); float32 ones (`exact`) are split into three bfloat16 parts that sum to them exactly, each its own
+// row.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -39,13 +41,16 @@ constexpr int kCols = F == Form::kBf16 ? 2 : F == Form::kInt8 ? 4 : 8;  // input
 template <Form F>
 constexpr int kPlanes = F == Form::kBf16 ? 1 : 4;  // bfloat16 vectors a weight vector unpacks into
 
+// Block b is groups runs of group_vecs weight vectors, each INT run followed by its 16 rows' scales and biases (a
+// vector each): one stream per block.
 struct Blocked {
-  const uint8_t* data;  // block b, vector v at data + (b * vecs + v) * 64
-  int64_t vecs;         // vectors per block
-  const float* scales;  // (blocks, groups, 16), INT only
-  const float* biases;
+  const uint8_t* data;
+  int64_t vecs;        // weight vectors per block (over all columns)
   int64_t groups;
-  int64_t group_vecs;  // vectors per group
+  int64_t group_vecs;  // weight vectors per group
+  int64_t run_vecs;    // vectors per group in memory: group_vecs, and 2 more (scales, biases) for INT
+
+  const uint8_t* group(int64_t block, int64_t g) const { return data + (block * groups + g) * run_vecs * 64; }
 };
 
 // Plane i of an INT weight vector as bfloat16, and the activation column pair (counted in pairs from the vector's
@@ -74,9 +79,7 @@ constexpr int pair_of(int i) {
   return F == Form::kInt4 ? i : i / 2;
 }
 
-inline __m512i load(const Blocked& w, int64_t block, int64_t v) {
-  return _mm512_load_si512(w.data + (block * w.vecs + v) * 64);
-}
+inline __m512i load(const uint8_t* run, int64_t v) { return _mm512_load_si512(run + v * 64); }
 
 inline int32_t pair_bits(const uint16_t* x) {
   int32_t v;
@@ -84,77 +87,110 @@ inline int32_t pair_bits(const uint16_t* x) {
   return v;
 }
 
-// One column chunk of NB blocks against MB activation rows: acc[m][j] += the chunk's products (vectors [v0, v1)).
+// The 32 bfloat16 values of bf16(t & 15) and bf16(16 · (t & 15)), t = 0..31: a nibble's value and a byte's high
+// nibble's (the low 5 bits of a lane index a permute, so the tables repeat).
+inline __m512i nibble_table() {
+  return _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
+                          0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
+                          0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+}
+inline __m512i sixteens_table() {
+  return _mm512_set_epi16(0x4370, 0x4360, 0x4350, 0x4340, 0x4330, 0x4320, 0x4310, 0x4300, 0x42E0, 0x42C0, 0x42A0,
+                          0x4280, 0x4240, 0x4200, 0x4180, 0x0000, 0x4370, 0x4360, 0x4350, 0x4340, 0x4330, 0x4320,
+                          0x4310, 0x4300, 0x42E0, 0x42C0, 0x42A0, 0x4280, 0x4240, 0x4200, 0x4180, 0x0000);
+}
+
+// acc[m][j] += NB runs of bfloat16 vectors [0, n) (vector v meets activation column pair v: x2[m * ldx + 2 v]) for MB
+// rows: the product loop every form ends in.
+template <int MB, int NB>
+inline void bf16_rows(const uint8_t* const* run, int64_t n, const uint16_t* x2, int64_t ldx, __m512 (&acc)[MB][NB]) {
+  for (int64_t v = 0; v < n; ++v) {
+    __m512i wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load(run[j], v);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair_bits(x2 + m * ldx + 2 * v));
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)wv[j], xv);
+    }
+  }
+}
+
+// acc[m][j] += NB runs of INT vectors [0, n), each unpacked in registers into its bfloat16 planes (one row: the
+// weight streams from memory and nothing is worth keeping).
 template <Form F, int MB, int NB>
-inline void chunk(const Blocked& w, int64_t b0, int64_t v0, int64_t v1, const uint16_t* xb, int64_t ldx, int64_t m0,
-                  float* acc_mem) {
-  const __m512i nibbles = _mm512_set_epi16(  // bf16(t & 15) for t = 31..0
-      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000,
-      0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
-      0x4040, 0x4000, 0x3F80, 0x0000);
-  const __m512i sixteens = _mm512_set_epi16(  // bf16(16 · (t & 15))
-      0x4370, 0x4360, 0x4350, 0x4340, 0x4330, 0x4320, 0x4310, 0x4300, 0x42E0, 0x42C0, 0x42A0, 0x4280, 0x4240, 0x4200,
-      0x4180, 0x0000, 0x4370, 0x4360, 0x4350, 0x4340, 0x4330, 0x4320, 0x4310, 0x4300, 0x42E0, 0x42C0, 0x42A0, 0x4280,
-      0x4240, 0x4200, 0x4180, 0x0000);
-  __m512 acc[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_loadu_ps(acc_mem + ((m0 + m) * NB + j) * 16);
-  for (int64_t v = v0; v < v1; ++v) {
-    const uint16_t* xv = xb + m0 * ldx + v * kCols<F>;
-    if (F == Form::kBf16) {
-      __m512i wv[NB];
-      for (int j = 0; j < NB; ++j) wv[j] = load(w, b0 + j, v);
-      for (int m = 0; m < MB; ++m) {
-        const __m512bh x2 = (__m512bh)_mm512_set1_epi32(pair_bits(xv + m * ldx));
-        for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)wv[j], x2);
-      }
-      continue;
-    }
-    if (F == Form::kInt8 && MB >= 4) {  // whole bytes: half the products of nibble planes
-#pragma GCC unroll 2
-      for (int i = 0; i < 2; ++i) {
-        __m512bh p[NB];
-        for (int j = 0; j < NB; ++j) p[j] = byte_plane(load(w, b0 + j, v), i);
-        for (int m = 0; m < MB; ++m) {
-          const __m512bh x2 = (__m512bh)_mm512_set1_epi32(pair_bits(xv + m * ldx + 2 * i));
-          for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], p[j], x2);
-        }
-      }
-      continue;
-    }
+inline void int_rows(const uint8_t* const* run, int64_t n, const uint16_t* x, int64_t ldx, __m512 (&acc)[MB][NB]) {
+  const __m512i nibbles = nibble_table(), sixteens = sixteens_table();
+  for (int64_t v = 0; v < n; ++v) {
+    const uint16_t* xv = x + v * kCols<F>;
 #pragma GCC unroll 4
     for (int i = 0; i < kPlanes<F>; ++i) {
       __m512bh p[NB];
-      for (int j = 0; j < NB; ++j) p[j] = plane<F>(load(w, b0 + j, v), i, nibbles, sixteens);
+      for (int j = 0; j < NB; ++j) p[j] = plane<F>(load(run[j], v), i, nibbles, sixteens);
       for (int m = 0; m < MB; ++m) {
         const __m512bh x2 = (__m512bh)_mm512_set1_epi32(pair_bits(xv + m * ldx + 2 * pair_of<F>(i)));
         for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], p[j], x2);
       }
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(acc_mem + ((m0 + m) * NB + j) * 16, acc[m][j]);
+}
+
+// INT8 vectors [0, n) of one run unpacked into whole-byte bfloat16 vectors, in column-pair order (the bf16 form's
+// layout).
+inline void unpack_bytes(const uint8_t* run, int64_t n, uint8_t* out) {
+  for (int64_t v = 0; v < n; ++v)
+    for (int i = 0; i < 2; ++i) _mm512_store_si512(out + (2 * v + i) * 64, (__m512i)byte_plane(load(run, v), i));
 }
 
 constexpr int64_t kChunkCols = 128;  // columns of NB blocks' weights kept in L1 while every row block reads them
+// From this many rows an INT8 chunk is unpacked once into whole-byte bfloat16 vectors for all of them (one product
+// per weight instead of two); INT4's nibble planes cost less to unpack in registers than to read back (measured).
+constexpr int64_t kUnpackRows = 8;
 
-// y[:, 16 b0 : 16 (b0 + NB)] for all M rows: chunk by chunk, every row block per chunk.
+// Every row's products with group g's vectors [v0, v1) of NB blocks, MB rows at a time: acc_mem (M, NB, 16) +=.
+// Enough rows of an INT8 weight unpack the chunk once into `buffer` (bfloat16 vectors, read by every row block).
+template <Form F, int MB, int NB>
+void chunk(const Blocked& w, int64_t b0, int64_t g, int64_t v0, int64_t v1, const uint16_t* xb, int64_t ldx,
+           int64_t M, float* acc_mem, uint8_t* buffer) {
+  const uint8_t* run[NB];
+  for (int j = 0; j < NB; ++j) run[j] = w.group(b0 + j, g) + v0 * 64;
+  const int64_t n = v1 - v0;
+  const uint16_t* x = xb + (g * w.group_vecs + v0) * kCols<F>;
+  const bool unpacked = F == Form::kInt8 && M >= kUnpackRows;
+  if (unpacked)
+    for (int j = 0; j < NB; ++j) {
+      unpack_bytes(run[j], n, buffer + j * n * 2 * 64);
+      run[j] = buffer + j * n * 2 * 64;
+    }
+  auto rows = [&](int64_t m0, auto mb) {
+    constexpr int R = decltype(mb)::value;
+    __m512 acc[R][NB];
+    for (int m = 0; m < R; ++m)
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_loadu_ps(acc_mem + ((m0 + m) * NB + j) * 16);
+    if (F == Form::kBf16 || unpacked)
+      bf16_rows<R, NB>(run, unpacked ? 2 * n : n, x + m0 * ldx, ldx, acc);
+    else
+      int_rows<F, R, NB>(run, n, x + m0 * ldx, ldx, acc);
+    for (int m = 0; m < R; ++m)
+      for (int j = 0; j < NB; ++j) _mm512_storeu_ps(acc_mem + ((m0 + m) * NB + j) * 16, acc[m][j]);
+  };
+  int64_t m0 = 0;
+  for (; m0 + MB <= M; m0 += MB) rows(m0, std::integral_constant<int, MB>{});
+  for (; m0 + 2 <= M; m0 += 2) rows(m0, std::integral_constant<int, 2>{});
+  for (; m0 < M; ++m0) rows(m0, std::integral_constant<int, 1>{});
+}
+
+// y[:, 16 b0 : 16 (b0 + NB)] for all M rows: group by group, chunk by chunk, every row per chunk; at a group's end its
+// sums take the group's scales and biases (INT).
 template <Form F, int NB>
 void unit(const Blocked& w, int64_t b0, const uint16_t* xb, int64_t ldx, const float* sx, int64_t M, float* y,
           int64_t N) {
-  constexpr int MB = NB >= 8 ? 1 : NB >= 4 ? 6 : 8;  // 8 rows x 2 blocks, 6 x 4: 16, 24 sums
-  std::vector<float> acc(M * NB * 16), out(M * NB * 16, 0.0f);
+  constexpr int MB = NB >= 8 ? 1 : NB >= 4 ? 6 : 8;  // 6 rows x 4 blocks: 24 sums; 8 x 2: 16
   const int64_t chunk_vecs = std::min<int64_t>(w.group_vecs, kChunkCols / kCols<F>);
+  std::vector<float> acc(M * NB * 16), out(M * NB * 16, 0.0f);
+  alignas(64) uint8_t buffer[NB * (kChunkCols / 2) * 64];  // an INT8 chunk of NB blocks as bfloat16 vectors
   for (int64_t g = 0; g < w.groups; ++g) {
     std::fill(acc.begin(), acc.end(), 0.0f);
-    const int64_t g1 = std::min(w.vecs, (g + 1) * w.group_vecs);
-    for (int64_t v0 = g * w.group_vecs; v0 < g1; v0 += chunk_vecs) {
-      const int64_t v1 = std::min(g1, v0 + chunk_vecs);
-      int64_t m0 = 0;
-      for (; m0 + MB <= M; m0 += MB) chunk<F, MB, NB>(w, b0, v0, v1, xb, ldx, m0, acc.data());
-      for (; m0 + 2 <= M; m0 += 2) chunk<F, 2, NB>(w, b0, v0, v1, xb, ldx, m0, acc.data());
-      for (; m0 < M; ++m0) chunk<F, 1, NB>(w, b0, v0, v1, xb, ldx, m0, acc.data());
-    }
+    for (int64_t v0 = 0; v0 < w.group_vecs; v0 += chunk_vecs)
+      chunk<F, MB, NB>(w, b0, g, v0, std::min(w.group_vecs, v0 + chunk_vecs), xb, ldx, M, acc.data(), buffer);
     for (int64_t m = 0; m < M; ++m)
       for (int j = 0; j < NB; ++j) {
         float* o = out.data() + (m * NB + j) * 16;
@@ -163,10 +199,10 @@ void unit(const Blocked& w, int64_t b0, const uint16_t* xb, int64_t ldx, const f
           _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), sums));
           continue;
         }
-        const int64_t at = ((b0 + j) * w.groups + g) * 16;
-        __m512 v = _mm512_fmadd_ps(_mm512_load_ps(w.biases + at), _mm512_set1_ps(sx[m * w.groups + g]),
-                                   _mm512_loadu_ps(o));
-        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_load_ps(w.scales + at), sums, v));
+        const float* scales = reinterpret_cast<const float*>(w.group(b0 + j, g) + w.group_vecs * 64);
+        const __m512 v = _mm512_fmadd_ps(_mm512_load_ps(scales + 16), _mm512_set1_ps(sx[m * w.groups + g]),
+                                         _mm512_loadu_ps(o));  // the biases follow the scales
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_load_ps(scales), sums, v));
       }
   }
   for (int64_t m = 0; m < M; ++m)
@@ -181,7 +217,7 @@ template <Form F>
 void blocked_all(const Blocked& w, int64_t blocks, const uint16_t* xb, int64_t ldx, const float* sx, int64_t M,
                  float* y, int64_t N) {
   // one row: 8 blocks' streams at once (8 independent sums); more rows: 4 blocks against 6 rows (24 sums)
-  const int64_t nb = M == 1 ? 8 : F == Form::kBf16 ? 4 : 2;
+  const int64_t nb = M == 1 ? 8 : 4;
   const int64_t units = (blocks + nb - 1) / nb;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
@@ -205,11 +241,11 @@ void blocked_all(const Blocked& w, int64_t blocks, const uint16_t* xb, int64_t l
 // A plain C entry point on contiguous buffers (kernels/cpu_gemv.py checks shapes and dtypes).
 extern "C" {
 
-// y (M, N) = x (M, K) · Wᵀ for W in the blocked layout (`bits` 16: bfloat16, 8 or 4: INT with (blocks, groups, 16)
-// float32 scales and biases, groups of group_size columns). x is rounded to bfloat16; with `exact`, x is instead split
-// into three bfloat16 parts that sum to it exactly (a float32 model's activations), each its own product.
-void loraplex_gemv_blocked(const float* x, int64_t M, int64_t K, const uint8_t* wdata, int64_t N, const float* scales,
-                           const float* biases, int64_t group_size, int64_t bits, int64_t exact, float* y) {
+// y (M, N) = x (M, K) · Wᵀ for W in the blocked layout (`bits` 16: bfloat16, 8 or 4: INT in groups of group_size
+// columns, each group's vectors followed by its scales and biases). x is rounded to bfloat16; with `exact`, x is
+// instead split into three bfloat16 parts that sum to it exactly (a float32 model's activations), each its own product.
+void loraplex_gemv_blocked(const float* x, int64_t M, int64_t K, const uint8_t* wdata, int64_t N, int64_t group_size,
+                           int64_t bits, int64_t exact, float* y) {
   const int cols = bits == 16 ? 2 : bits == 8 ? 4 : 8;
   const int64_t kp = (K + cols - 1) / cols * cols, blocks = (N + 15) / 16;
   const int64_t parts = exact ? 3 : 1, R = M * parts, ldx = kp;
@@ -236,7 +272,7 @@ void loraplex_gemv_blocked(const float* x, int64_t M, int64_t K, const uint8_t* 
         }
     }
   }
-  const Blocked w{wdata, kp / cols, scales, biases, groups, gs / cols};
+  const Blocked w{wdata, kp / cols, groups, gs / cols, gs / cols + (bits == 16 ? 0 : 2)};
   std::vector<float> yp(parts > 1 ? R * N : 0);
   float* out = parts > 1 ? yp.data() : y;
   if (bits == 16)
