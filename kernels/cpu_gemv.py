@@ -247,14 +247,15 @@ def pack_int(u: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_
 
 
 def gemv(x: torch.Tensor, w: PackedWeight, exact: bool = True) -> torch.Tensor:
-    """x (rows, in) float32 · wᵀ -> (rows, out) float32, at most MAX_ROWS rows. The AVX-512 build multiplies in
-    bfloat16 with float32 sums: `exact` splits x into three bfloat16 parts that sum to it (for float32 activations),
-    otherwise x is rounded to bfloat16 once (exact for a bfloat16 model's). The AVX2 build multiplies in float32."""
+    """x (rows, in) float32 · wᵀ -> (rows, out) float32: any number of rows on the AVX-512 build, at most MAX_ROWS on
+    the AVX2 one (takes_rows). The AVX-512 build multiplies in bfloat16 with float32 sums: `exact` splits x into three
+    bfloat16 parts that sum to it (for float32 activations), otherwise x is rounded to bfloat16 once (exact for a
+    bfloat16 model's). The AVX2 build multiplies in float32."""
     lib = kernels()
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"gemv takes float32 (rows, {w.in_features}), not {x.dtype} {tuple(x.shape)}")
-    if x.shape[0] > MAX_ROWS:
-        raise ValueError(f"{x.shape[0]} rows: the kernels take at most {MAX_ROWS}")
+    if not takes_rows(w, x.shape[0]):
+        raise ValueError(f"{x.shape[0]} rows: the AVX2 kernels take at most {MAX_ROWS}")
     if w.blocked != (isa() is AVX512):
         raise ValueError("the weight was packed for another build")
     x = x.contiguous()
@@ -272,22 +273,19 @@ def gemv(x: torch.Tensor, w: PackedWeight, exact: bool = True) -> torch.Tensor:
     return y
 
 
-MAX_ROWS = 32  # from 33 rows on, a GEMM (torch/oneDNN) reuses each weight load more than these kernels do
+MAX_ROWS = 32  # the AVX2 build's: from 33 rows on, torch's GEMM reuses each weight load more than it does
+
+
+def takes_rows(w: PackedWeight, rows: int) -> bool:
+    """Whether the kernels multiply `rows` rows by w: the AVX-512 build any number (at 512 rows within ~15 % of
+    oneDNN's GEMM, where unpacking the weight for it cost 1.5-3x: scripts/bench/gemv.py), the AVX2 one MAX_ROWS."""
+    return w.blocked or rows <= MAX_ROWS
 
 
 def chosen() -> bool:
-    """Whether the worker's bfloat16 decode linears take these kernels: by default only the AVX2 build, on CPUs without
-    AVX-512 BF16. Where AVX-512 BF16 is, oneDNN's packed bf16 GEMM measured as fast at one row and faster from 4
-    (docs/BENCHMARKS.md, scripts/bench/gemv.py), so it stays. LORAPLEX_CPU_GEMV=on takes the kernels wherever a build
-    runs (the AVX-512 one first), =off never."""
-    setting = os.environ.get("LORAPLEX_CPU_GEMV", "auto")
-    if setting == "off" or isa() is None:
-        return False
-    return setting == "on" or isa() is AVX2
+    """Whether the worker's bfloat16 and INT8/INT4 linears (worker/quant/avx2.py) take these kernels: wherever a build
+    runs (AVX-512 BF16, else AVX2), unless LORAPLEX_CPU_GEMV=off (oneDNN's packed GEMM and torch's int kernels then).
+    On AVX-512 the blocked layout replaces the weight and takes every row count: the bench model's bf16 decode step
+    measured 1.7x faster at one request and 1.1x at 32 than on oneDNN (docs/BENCHMARKS.md, scripts.bench.roofline)."""
+    return os.environ.get("LORAPLEX_CPU_GEMV", "auto") != "off" and isa() is not None
 
-
-def chosen_for_int() -> bool:
-    """Whether INT8/INT4 linears take these kernels (worker/quant/avx2.py): wherever bf16 ones do, and by default on
-    CPUs with AVX-512 BF16 too, where the AVX-512 build's decode steps measured faster than torch's int8/int4 kernels
-    (docs/BENCHMARKS.md, scripts/bench/roofline.py). LORAPLEX_CPU_GEMV=off never."""
-    return chosen() or (os.environ.get("LORAPLEX_CPU_GEMV", "auto") == "auto" and isa() is AVX512)

@@ -406,7 +406,7 @@ class ModelRunner:
             if self.lora is not None:  # DoRA's norms start from the plain weights, which the blocked layout replaces
                 self.lora.read_base_norms()
             num_marked = packed.use_gemv(self.model)
-            logger.info("%d linear weights stay plain for the %s decode kernel (kernels/cpu_gemv.py)", num_marked,
+            logger.info("%d linear weights laid out for the %s kernels (kernels/cpu_gemv.py)", num_marked,
                         cpu_gemv.isa().name)
             return
         reason = packed.unavailable_reason(self.device, self.dtype)

@@ -144,6 +144,7 @@ constexpr int64_t kChunkCols = 128;  // columns of NB blocks' weights kept in L1
 // From this many rows an INT8 chunk is unpacked once into whole-byte bfloat16 vectors for all of them (one product
 // per weight instead of two); INT4's nibble planes cost less to unpack in registers than to read back (measured).
 constexpr int64_t kUnpackRows = 8;
+constexpr int64_t kSlabRows = 48;  // activation rows whose sums stay in L1 while a unit of blocks streams past them
 
 // Every row's products with group g's vectors [v0, v1) of NB blocks, MB rows at a time: acc_mem (M, NB, 16) +=.
 // Enough rows of an INT8 weight unpack the chunk once into `buffer` (bfloat16 vectors, read by every row block).
@@ -178,39 +179,48 @@ void chunk(const Blocked& w, int64_t b0, int64_t g, int64_t v0, int64_t v1, cons
   for (; m0 < M; ++m0) rows(m0, std::integral_constant<int, 1>{});
 }
 
-// y[:, 16 b0 : 16 (b0 + NB)] for all M rows: group by group, chunk by chunk, every row per chunk; at a group's end its
-// sums take the group's scales and biases (INT).
+// y[:, 16 b0 : 16 (b0 + NB)] for M rows (at most kSlabRows): group by group, chunk by chunk, every row per chunk; at
+// a group's end its sums take the group's scales and biases (INT).
 template <Form F, int NB>
-void unit(const Blocked& w, int64_t b0, const uint16_t* xb, int64_t ldx, const float* sx, int64_t M, float* y,
+void slab(const Blocked& w, int64_t b0, const uint16_t* xb, int64_t ldx, const float* sx, int64_t M, float* y,
           int64_t N) {
   constexpr int MB = NB >= 8 ? 1 : NB >= 4 ? 6 : 8;  // 6 rows x 4 blocks: 24 sums; 8 x 2: 16
   const int64_t chunk_vecs = std::min<int64_t>(w.group_vecs, kChunkCols / kCols<F>);
-  std::vector<float> acc(M * NB * 16), out(M * NB * 16, 0.0f);
+  alignas(64) float acc[kSlabRows * NB * 16], out[kSlabRows * NB * 16];
   alignas(64) uint8_t buffer[NB * (kChunkCols / 2) * 64];  // an INT8 chunk of NB blocks as bfloat16 vectors
+  std::fill(out, out + M * NB * 16, 0.0f);
   for (int64_t g = 0; g < w.groups; ++g) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(acc, acc + M * NB * 16, 0.0f);
     for (int64_t v0 = 0; v0 < w.group_vecs; v0 += chunk_vecs)
-      chunk<F, MB, NB>(w, b0, g, v0, std::min(w.group_vecs, v0 + chunk_vecs), xb, ldx, M, acc.data(), buffer);
+      chunk<F, MB, NB>(w, b0, g, v0, std::min(w.group_vecs, v0 + chunk_vecs), xb, ldx, M, acc, buffer);
     for (int64_t m = 0; m < M; ++m)
       for (int j = 0; j < NB; ++j) {
-        float* o = out.data() + (m * NB + j) * 16;
-        const __m512 sums = _mm512_loadu_ps(acc.data() + (m * NB + j) * 16);
+        float* o = out + (m * NB + j) * 16;
+        const __m512 sums = _mm512_load_ps(acc + (m * NB + j) * 16);
         if (F == Form::kBf16) {
-          _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), sums));
+          _mm512_store_ps(o, _mm512_add_ps(_mm512_load_ps(o), sums));
           continue;
         }
         const float* scales = reinterpret_cast<const float*>(w.group(b0 + j, g) + w.group_vecs * 64);
         const __m512 v = _mm512_fmadd_ps(_mm512_load_ps(scales + 16), _mm512_set1_ps(sx[m * w.groups + g]),
-                                         _mm512_loadu_ps(o));  // the biases follow the scales
-        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_load_ps(scales), sums, v));
+                                         _mm512_load_ps(o));  // the biases follow the scales
+        _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_load_ps(scales), sums, v));
       }
   }
   for (int64_t m = 0; m < M; ++m)
     for (int j = 0; j < NB; ++j) {
       const int64_t n0 = (b0 + j) * 16;
       const __mmask16 tail = N - n0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1);
-      _mm512_mask_storeu_ps(y + m * N + n0, tail, _mm512_loadu_ps(out.data() + (m * NB + j) * 16));
+      _mm512_mask_storeu_ps(y + m * N + n0, tail, _mm512_load_ps(out + (m * NB + j) * 16));
     }
+}
+
+// y[:, 16 b0 : 16 (b0 + NB)] for all M rows, a slab of rows at a time (the NB blocks' weights stay in L2 meanwhile).
+template <Form F, int NB>
+void unit(const Blocked& w, int64_t b0, const uint16_t* xb, int64_t ldx, const float* sx, int64_t M, float* y,
+          int64_t N) {
+  for (int64_t m0 = 0; m0 < M; m0 += kSlabRows)
+    slab<F, NB>(w, b0, xb + m0 * ldx, ldx, sx + m0 * w.groups, std::min(kSlabRows, M - m0), y + m0 * N, N);
 }
 
 template <Form F>

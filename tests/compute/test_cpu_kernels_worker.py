@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.kernels import cpu_ext
+from loraplex.kernels import cpu_ext, cpu_gemv
 from loraplex.protocol.adapters.lora_targets import TARGET_MODULES
 from loraplex.protocol.structs import AdapterToLoad, ForwardBatch, ForwardReq, SlotLoad
 from loraplex.worker.layers import packed
@@ -109,12 +109,17 @@ def test_bf16_decode_with_cpu_kernels_matches_fp32(
     assert kernels_error <= 1.5 * torch_ops_error + 1e-3 * logit_range, (kernels_error, torch_ops_error, logit_range)
 
 
+@pytest.mark.parametrize("layout", ["onednn", "blocked"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_packed_weights_match_plain_weights(
-    model_dirs: tuple[Path, dict[str, Path]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tied: bool
+    model_dirs: tuple[Path, dict[str, Path]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tied: bool, layout: str
 ) -> None:
-    # bfloat16 on the CPU: every linear's weight is reordered once for oneDNN (the plain copy freed); the logits
-    # must be those of the plain weights. A tied LM head keeps the embedding's weight, plain.
+    # bfloat16 on the CPU: every linear's weight is reordered once, for oneDNN (LORAPLEX_CPU_GEMV=off) or into
+    # cpu_gemv's blocked layout (the default with AVX-512 BF16), and the plain copy freed; the logits must be those of
+    # the plain weights. A tied LM head keeps the embedding's weight, plain.
+    if layout == "blocked" and cpu_gemv.isa() is not cpu_gemv.AVX512:
+        pytest.skip("the blocked layout is the AVX-512 BF16 build's")
+    monkeypatch.setenv("LORAPLEX_CPU_GEMV", "auto" if layout == "blocked" else "off")
     base_dir, adapters = model_dirs
     if tied:
         base_dir = tmp_path / "tied"
@@ -127,10 +132,14 @@ def test_packed_weights_match_plain_weights(
     lm_head = getattr(lm_head, "base", lm_head)  # under the module copies' wrapper (CopyLMHead) where LoRA is on
     for module in [*decoder_linears, lm_head]:
         is_packed = not getattr(module, "tied", False)
-        assert (module.packed_weight is not None) == is_packed
+        if layout == "onednn":
+            assert (module.packed_weight is not None) == is_packed and module.gemv is None
+        else:  # a tied head is laid out too, beside the embedding's plain weight
+            assert module.packed_weight is None and module.gemv.blocked
         assert (module.weight.numel() == 0) == is_packed  # the plain copy is freed once packed
     with_packed = run_decode(runner, adapters)
 
+    monkeypatch.setenv("LORAPLEX_CPU_GEMV", "off")
     monkeypatch.setattr(packed, "unavailable_reason", lambda device, dtype: "off for this test")
     plain = make_runner(base_dir, dtype="bfloat16", **config)
     assert all(m.packed_weight is None for m in plain.model.modules() if hasattr(m, "packed_weight"))

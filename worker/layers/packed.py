@@ -8,10 +8,10 @@ with bit-identical results. The plain weight is freed once packed, so the model 
 A linear opts in with a `packed_weight` attribute (None until packed) and computes through `linear` below; one whose
 model code reads its plain weight (latent attention's kv_b_proj) opts out with `packable = False`.
 
-Where kernels/cpu_gemv.py's skinny-matrix kernels are chosen for bfloat16 (by default a CPU with AVX2 and without
-AVX-512 BF16; LORAPLEX_CPU_GEMV=on anywhere) decode rows (up to 32) take the kernel instead, which reads each weight
-once per call: `use_gemv` lays the weights out for it (on AVX-512 in its blocked layout, which then replaces the plain
-weight; above 32 rows the plain weight is unpacked from it for torch's GEMM)."""
+Where kernels/cpu_gemv.py's kernels are chosen for bfloat16 (by default wherever a build runs: AVX-512 BF16 or AVX2;
+LORAPLEX_CPU_GEMV=off keeps oneDNN) the linears take them instead, reading each weight once per call: `use_gemv` lays
+the weights out for them. On AVX-512 the blocked layout replaces the plain weight and takes every row count; the AVX2
+build takes decode rows (up to 32) from the plain weight, which torch's GEMM reads above that."""
 
 from __future__ import annotations
 
@@ -36,13 +36,12 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None,
            gemv: cpu_gemv.PackedWeight | None = None):
-    """x Wᵀ + b, from the packed weight where there is one; with `gemv` (use_gemv's), up to 32 rows by cpu_gemv."""
-    if gemv is not None:
-        if x.dim() == 2 and x.shape[0] <= cpu_gemv.MAX_ROWS:
-            y = cpu_gemv.gemv(x.float(), gemv, exact=x.dtype == torch.float32).to(x.dtype)
-            return y if bias is None else y + bias
-        if weight.numel() == 0:  # the blocked layout replaced it
-            weight = gemv.unpack(slice(None))
+    """x Wᵀ + b: by cpu_gemv with `gemv` (use_gemv's layout; the AVX2 build up to 32 rows), else from the
+    oneDNN-packed weight where there is one."""
+    if gemv is not None and cpu_gemv.takes_rows(gemv, x.numel() // x.shape[-1]):
+        y = cpu_gemv.gemv(x.reshape(-1, x.shape[-1]).float(), gemv, exact=x.dtype == torch.float32)
+        y = y.to(x.dtype).view(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -69,7 +68,7 @@ def gemv_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | N
     if device.type != "cpu" or dtype != torch.bfloat16:
         return f"only for bfloat16 on the CPU, not {str(dtype).removeprefix('torch.')} on {device.type}"
     if not cpu_gemv.chosen():
-        return "the CPU has AVX-512 BF16 (oneDNN; LORAPLEX_CPU_GEMV=on takes the kernel) or lacks AVX2/FMA/F16C"
+        return "LORAPLEX_CPU_GEMV=off, or the CPU lacks AVX2/FMA/F16C"
     return None if cpu_gemv.kernels() is not None else f"the {cpu_gemv.isa().name} kernels failed to build"
 
 

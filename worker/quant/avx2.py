@@ -1,5 +1,5 @@
 """Avx2IntMatmul: INT8 (per channel or per group) and INT4 (per group) weights on CPUs with AVX-512 BF16 or AVX2
-(cpu_gemv.chosen_for_int), through kernels/cpu_gemv.py's skinny-matrix kernel (its AVX-512 build, else its AVX2 one)
+(cpu_gemv.chosen), through kernels/cpu_gemv.py's kernels: the AVX-512 build for every row count, the AVX2 one
 for up to 32 rows (a decode step) and torch's GEMM on dequantized tiles above that.
 
 Whatever the checkpoint's packing (GPTQ, AWQ, compressed-tensors decode into an IntWeight, formats.py), the weight is
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from loraplex.kernels import cpu_gemv
 from loraplex.worker.quant.weights import IntWeight, QuantWeight
 
-TILE_ROWS = 512  # output rows dequantized at once above cpu_gemv.MAX_ROWS (a multiple of cpu_gemv.BLOCK_ROWS)
+TILE_ROWS = 512  # output rows dequantized at once for rows the AVX2 kernel does not take
 
 
 def _act_order(weight: IntWeight) -> torch.Tensor | None:
@@ -31,7 +31,7 @@ class Avx2IntMatmul:
     def fits(weight: QuantWeight, device: torch.device, dtype: torch.dtype) -> bool:
         if device.type != "cpu" or not isinstance(weight, IntWeight) or weight.bits not in (4, 8):
             return False
-        if dtype not in (torch.float32, torch.bfloat16) or not cpu_gemv.chosen_for_int():
+        if dtype not in (torch.float32, torch.bfloat16) or not cpu_gemv.chosen():
             return False
         if cpu_gemv.kernels() is None:  # the build failed (logged): torch's kernels
             return False
@@ -79,7 +79,7 @@ class Avx2IntMatmul:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.order is not None:
             x = x.index_select(-1, self.order)
-        if x.shape[0] <= cpu_gemv.MAX_ROWS:  # bfloat16 activations meet the weight as they are, float32 ones exactly
+        if cpu_gemv.takes_rows(self.packed, x.shape[0]):  # bf16 activations meet the weight as they are, fp32 exactly
             return cpu_gemv.gemv(x.float(), self.packed, exact=x.dtype == torch.float32).to(x.dtype)
         num_rows = self.packed.out_features
         y = x.new_empty(x.shape[0], num_rows)
