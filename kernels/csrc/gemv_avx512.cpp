@@ -45,7 +45,6 @@ constexpr int kPlanes = F == Form::kBf16 ? 1 : 4;  // bfloat16 vectors a weight 
 // vector each): one stream per block.
 struct Blocked {
   const uint8_t* data;
-  int64_t vecs;        // weight vectors per block (over all columns)
   int64_t groups;
   int64_t group_vecs;  // weight vectors per group
   int64_t run_vecs;    // vectors per group in memory: group_vecs, and 2 more (scales, biases) for INT
@@ -53,17 +52,14 @@ struct Blocked {
   const uint8_t* group(int64_t block, int64_t g) const { return data + (block * groups + g) * run_vecs * 64; }
 };
 
-// Plane i of an INT weight vector as bfloat16, and the activation column pair (counted in pairs from the vector's
-// first column) it meets.
+// Plane i of an INT weight vector as bfloat16: nibble i of every lane (INT4), or of INT8 bytes the low (i even) and
+// high (i odd, worth 16) nibbles of byte i / 2. It meets activation column pair pair_of(i) of the vector.
 template <Form F>
 inline __m512bh plane(__m512i wv, int i, __m512i nibbles, __m512i sixteens) {
-  if (F == Form::kInt4) {
-    const __m512i idx = i == 0 ? wv : _mm512_srli_epi16(wv, 4 * i);
-    return (__m512bh)_mm512_permutexvar_epi16(idx, nibbles);  // the low 5 bits index: the table repeats
-  }
-  const __m512i idx = i == 0 ? wv : _mm512_srli_epi16(wv, 4 * i);
-  return (__m512bh)_mm512_permutexvar_epi16(idx, i % 2 ? sixteens : nibbles);
+  const __m512i idx = i == 0 ? wv : _mm512_srli_epi16(wv, 4 * i);  // a permute reads each lane's low 5 bits only
+  return (__m512bh)_mm512_permutexvar_epi16(idx, F == Form::kInt8 && i % 2 ? sixteens : nibbles);
 }
+
 // INT8 plane i (i = 0, 1) with whole bytes: lane (j, p)'s word is byte i of its word, exact in bfloat16 (a byte
 // converted to float32 has 16 zero low bits, so its upper half is the bfloat16).
 inline __m512bh byte_plane(__m512i wv, int i) {
@@ -184,7 +180,7 @@ void chunk(const Blocked& w, int64_t b0, int64_t g, int64_t v0, int64_t v1, cons
 template <Form F, int NB>
 void slab(const Blocked& w, int64_t b0, const uint16_t* xb, int64_t ldx, const float* sx, int64_t M, float* y,
           int64_t N) {
-  constexpr int MB = NB >= 8 ? 1 : NB >= 4 ? 6 : 8;  // 6 rows x 4 blocks: 24 sums; 8 x 2: 16
+  constexpr int MB = NB >= 8 ? 1 : 6;  // 6 rows x 4 blocks: 24 sums (1 block: the last few)
   const int64_t chunk_vecs = std::min<int64_t>(w.group_vecs, kChunkCols / kCols<F>);
   alignas(64) float acc[kSlabRows * NB * 16], out[kSlabRows * NB * 16];
   alignas(64) uint8_t buffer[NB * (kChunkCols / 2) * 64];  // an INT8 chunk of NB blocks as bfloat16 vectors
@@ -235,10 +231,8 @@ void blocked_all(const Blocked& w, int64_t blocks, const uint16_t* xb, int64_t l
       if (b0 + nb <= blocks) {
         if (nb == 8)
           unit<F, 8>(w, b0, xb, ldx, sx, M, y, N);
-        else if (nb == 4)
-          unit<F, 4>(w, b0, xb, ldx, sx, M, y, N);
         else
-          unit<F, 2>(w, b0, xb, ldx, sx, M, y, N);
+          unit<F, 4>(w, b0, xb, ldx, sx, M, y, N);
       } else {
         for (int64_t b = b0; b < blocks; ++b) unit<F, 1>(w, b, xb, ldx, sx, M, y, N);
       }
@@ -282,7 +276,7 @@ void loraplex_gemv_blocked(const float* x, int64_t M, int64_t K, const uint8_t* 
         }
     }
   }
-  const Blocked w{wdata, kp / cols, groups, gs / cols, gs / cols + (bits == 16 ? 0 : 2)};
+  const Blocked w{wdata, groups, gs / cols, gs / cols + (bits == 16 ? 0 : 2)};
   std::vector<float> yp(parts > 1 ? R * N : 0);
   float* out = parts > 1 ? yp.data() : y;
   if (bits == 16)
