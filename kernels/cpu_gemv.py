@@ -283,9 +283,19 @@ def takes_rows(w: PackedWeight, rows: int) -> bool:
 
 
 def chosen() -> bool:
-    """Whether the worker's bfloat16 and INT8/INT4 linears (worker/quant/avx2.py) take these kernels: wherever a build
-    runs (AVX-512 BF16, else AVX2), unless LORAPLEX_CPU_GEMV=off (oneDNN's packed GEMM and torch's int kernels then).
-    On AVX-512 the blocked layout replaces the weight and takes every row count: the bench model's bf16 decode step
-    measured 1.7x faster at one request and 1.1x at 32 than on oneDNN (docs/BENCHMARKS.md, scripts.bench.roofline)."""
+    """Whether the worker's bfloat16 linears take these kernels: wherever a build runs (AVX-512 BF16, else AVX2) but on
+    CPUs with AMX, whose tile GEMM in oneDNN outruns AVX-512 products from a few rows on. On AVX-512 the blocked layout
+    replaces the weight and takes every row count: the bench model's bf16 decode step measured 1.7x faster at one
+    request and 1.1x at 32 than on oneDNN (docs/BENCHMARKS.md, scripts.bench.roofline). LORAPLEX_CPU_GEMV=on takes
+    them on AMX CPUs too, =off never (oneDNN's packed GEMM)."""
+    setting = os.environ.get("LORAPLEX_CPU_GEMV", "auto")
+    if setting == "off" or isa() is None:
+        return False
+    return setting == "on" or "amx_bf16" not in cpu_build.cpu_flags()
+
+
+def chosen_for_int() -> bool:
+    """Whether INT8/INT4 linears (worker/quant/avx2.py) take these kernels: wherever a build runs, faster than torch's
+    int8/int4 kernels at every row count measured; LORAPLEX_CPU_GEMV=off never."""
     return os.environ.get("LORAPLEX_CPU_GEMV", "auto") != "off" and isa() is not None
 

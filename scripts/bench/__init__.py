@@ -21,7 +21,7 @@ TOOLS: dict[str, str] = {
     "vllm_cpu": "loraplex beside vLLM's CPU build on the bench model: base only, 32 adapters, one stream",
     "decode_step": "one worker's decode step in process, cpu backend against torch",
     "roofline": "the decode step per precision and batch against this machine's measured read bandwidth",
-    "gemv": "per-linear decode timings, the AVX2 skinny-matrix kernels against torch at bf16/int8/int4, 1 and 32 rows",
+    "gemv": "per-linear timings, the CPU linears' kernels against torch's paths at bf16/int8/int4, 1 and 32 rows",
     "hybrid_decode": "a hybrid (Gated DeltaNet) model's decode step beside a dense one of equal parameters",
     "sampling_options": "what sampling options cost a decode step, in process",
     "tp_allreduce": "row-parallel LoRA under TP=2: the LoRA term in the layer's all-reduce against its own",

@@ -1,6 +1,7 @@
-"""Per-linear decode timings: the skinny-matrix kernels (kernels/cpu_gemv.py: the AVX-512 BF16 build where the CPU has
-it, else the AVX2 one) against the torch path the worker takes otherwise, at bf16, INT8 (per channel) and INT4
-(groups of 128), 1 and 32 rows, on a decode step's shapes.
+"""Per-linear timings: the CPU linears' kernels (kernels/cpu_gemv.py: the AVX-512 BF16 build where the CPU has it, else
+the AVX2 one) against the torch path the worker takes with LORAPLEX_CPU_GEMV=off, at bf16, INT8 (per channel) and INT4
+(groups of 128), 1 and 32 rows (or --rows), on a decode step's shapes, each weight called again and again (hot in
+cache: the kernels' arithmetic, not the memory's speed; scripts.bench.roofline measures the step from memory).
 
 torch's paths: bf16 `F.linear` on the oneDNN-packed weight where oneDNN has bf16 (packed.py), else the plain one;
 INT8 torch._weight_int8pack_mm, INT4 torch._weight_int4pack_mm_for_cpu (worker/quant/matmul.py). Both paths alternate

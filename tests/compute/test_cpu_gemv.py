@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from loraplex.kernels import cpu_gemv
+from loraplex.kernels import cpu_build, cpu_gemv
 from loraplex.worker.layers.packed import linear
 from loraplex.worker.quant.avx2 import Avx2IntMatmul
 from loraplex.worker.quant.weights import IntWeight
@@ -42,6 +42,7 @@ def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> cp
 def forced(build: cpu_gemv.Isa, monkeypatch: pytest.MonkeyPatch) -> cpu_gemv.Isa:
     """The kernels chosen, as on a CPU whose best build is `build`."""
     monkeypatch.setattr(cpu_gemv, "chosen", lambda: True)
+    monkeypatch.setattr(cpu_gemv, "chosen_for_int", lambda: True)
     return build
 
 
@@ -138,9 +139,15 @@ def test_fits_only_what_it_streams(forced, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_chosen_wherever_a_build_runs_unless_turned_off(build, monkeypatch: pytest.MonkeyPatch) -> None:
+    flags = cpu_build.cpu_flags() - {"amx_bf16"}
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: flags)
+    assert cpu_gemv.chosen() and cpu_gemv.chosen_for_int()
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: flags | {"amx_bf16"})  # bf16 stays on oneDNN's AMX GEMM
+    assert not cpu_gemv.chosen() and cpu_gemv.chosen_for_int()
+    monkeypatch.setenv("LORAPLEX_CPU_GEMV", "on")
     assert cpu_gemv.chosen()
     monkeypatch.setenv("LORAPLEX_CPU_GEMV", "off")
-    assert not cpu_gemv.chosen()
+    assert not cpu_gemv.chosen() and not cpu_gemv.chosen_for_int()
     assert not Avx2IntMatmul.fits(random_int_weight(8, 64, 4, 32, True, False, 0), torch.device("cpu"), torch.float32)
 
 
@@ -181,9 +188,9 @@ def quantized_dirs(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 @pytest.mark.parametrize("fmt", ["gptq-4bit-act-order", "ct-w8a16"])
 def test_quantized_worker_unchanged_against_the_torch_path(fmt, quantized_dirs, adapter_dirs, build,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_gemv, "chosen", lambda: False)  # torch's int kernels (LORAPLEX_CPU_GEMV=off)
+    monkeypatch.setattr(cpu_gemv, "chosen_for_int", lambda: False)  # torch's int kernels (LORAPLEX_CPU_GEMV=off)
     torch_logits, torch_tokens, _ = run_batch(quantized_dirs[fmt], adapter_dirs)
-    monkeypatch.setattr(cpu_gemv, "chosen", lambda: True)
+    monkeypatch.setattr(cpu_gemv, "chosen_for_int", lambda: True)
     logits, tokens, runner = run_batch(quantized_dirs[fmt], adapter_dirs)
     assert {m.quant.matmul.name for m in runner.model.modules() if getattr(m, "quant", None)} == {Avx2IntMatmul.name}
     for ours, ref in zip(logits, torch_logits, strict=True):

@@ -78,7 +78,7 @@ def test_base_and_adapters_match_hf_on_dequantized_weights(
     quant_dir, dequant_dir = checkpoints(fmt)
     runner = make_runner(quant_dir, **LORA_CONFIG)
     assert runner.quant_format.method == fmt.split("-")[0].replace("ct", "compressed-tensors")
-    avx2 = cpu_gemv.chosen() and "fp8" not in fmt  # a CPU with AVX2 or AVX-512 BF16: every INT format
+    avx2 = cpu_gemv.chosen_for_int() and "fp8" not in fmt  # a CPU with AVX2 or AVX-512 BF16: every INT format
     assert kernels(runner) == {Avx2IntMatmul.name if avx2 else EXPECTED_KERNEL.get(fmt, TILES)}
     assert not any(name.endswith((".weight", ".qweight")) and "proj" in name
                    for name, _ in runner.model.named_parameters())  # no plain copy and no staged tensor is kept

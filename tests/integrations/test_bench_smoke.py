@@ -208,7 +208,7 @@ def test_families_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
 
 def test_quantized_quick(bench_cache_dir: Path, tmp_path: Path) -> None:
     result = run_quick(bench_quantized, bench_cache_dir, tmp_path / "quantized.json")
-    ours = cpu_gemv.chosen()  # the skinny-matrix kernels (AVX2, or AVX-512 BF16) take every INT format
+    ours = cpu_gemv.chosen_for_int()  # the skinny-matrix kernels (AVX2, or AVX-512 BF16) take every INT format
     assert result["kernels"] == {"plain": [], "int8": [Avx2IntMatmul.name if ours else "int8 weight-only (torch CPU)"],
                                  "int4": [Avx2IntMatmul.name if ours else "int4 weight-only (torch CPU)"]}
     mib = result["linear_mib"]

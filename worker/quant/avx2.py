@@ -1,5 +1,5 @@
 """Avx2IntMatmul: INT8 (per channel or per group) and INT4 (per group) weights on CPUs with AVX-512 BF16 or AVX2
-(cpu_gemv.chosen), through kernels/cpu_gemv.py's kernels: the AVX-512 build for every row count, the AVX2 one
+(cpu_gemv.chosen_for_int), through kernels/cpu_gemv.py's kernels: the AVX-512 build for every row count, the AVX2 one
 for up to 32 rows (a decode step) and torch's GEMM on dequantized tiles above that.
 
 Whatever the checkpoint's packing (GPTQ, AWQ, compressed-tensors decode into an IntWeight, formats.py), the weight is
@@ -31,7 +31,7 @@ class Avx2IntMatmul:
     def fits(weight: QuantWeight, device: torch.device, dtype: torch.dtype) -> bool:
         if device.type != "cpu" or not isinstance(weight, IntWeight) or weight.bits not in (4, 8):
             return False
-        if dtype not in (torch.float32, torch.bfloat16) or not cpu_gemv.chosen():
+        if dtype not in (torch.float32, torch.bfloat16) or not cpu_gemv.chosen_for_int():
             return False
         if cpu_gemv.kernels() is None:  # the build failed (logged): torch's kernels
             return False
