@@ -99,8 +99,8 @@ def test_bfloat16_kernels_err_no_more_than_plain_bfloat16(checkpoints) -> None:
         plain_err = max((b.float() - c).abs().max().item() for b, c in zip(plain, oracle, strict=True))
         assert ours_err <= 1.5 * plain_err, (fmt, ours_err, plain_err)
         # top-1 as the oracle's as often as plain bf16's (the tiny model's logits are near-flat: bf16 noise flips some)
-        ours_agree, plain_agree = (sum((a.argmax(-1) == c.argmax(-1)).sum().item() for a, c in zip(x, oracle, strict=True))
-                                   for x in (ours, plain))
+        ours_agree, plain_agree = (sum((a.argmax(-1) == c.argmax(-1)).sum().item()
+                                       for a, c in zip(x, oracle, strict=True)) for x in (ours, plain))
         assert ours_agree >= plain_agree - 1 >= 0.8 * sum(LENGTHS[:3]) - 1, (fmt, ours_agree, plain_agree)
 
 
