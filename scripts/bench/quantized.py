@@ -75,12 +75,15 @@ def _divides(model_dir: Path, group_size: int) -> bool:
 
 
 def linear_bytes(runner: ModelRunner) -> int:
-    """Resident bytes of the decoder's linear weights (quantized layout, or plain / oneDNN-packed)."""
+    """Resident bytes of the decoder's linear weights (quantized layout, or plain / oneDNN-packed / laid out for
+    cpu_gemv), the LM head's included where it is not tied."""
     total = 0
     for module in runner.model.modules():
         quant = getattr(module, "quant", None)
         if quant is not None:
             total += quant.nbytes
+        elif getattr(module, "gemv", None) is not None and not getattr(module, "tied", False):
+            total += module.gemv.nbytes
         elif hasattr(module, "packed_weight") and not getattr(module, "tied", False):
             weight = module.packed_weight if module.packed_weight is not None else module.weight
             total += weight.numel() * weight.element_size() if weight.numel() else 0

@@ -61,9 +61,12 @@ def read_bandwidth_gbs(num_bytes: int, repeats: int) -> float:
 
 
 def weight_bytes(runner: ModelRunner) -> int:
-    """Weights a decode step reads: the decoder's linears as resident (quantized or plain) and the LM head."""
-    head = next(m for m in runner.model.modules() if isinstance(m, LMHead)).weight  # under any LoRA wrapper
-    return linear_bytes(runner) + head.numel() * head.element_size()
+    """Weights a decode step reads: the linears as resident (quantized, plain or laid out for a kernel), a tied LM
+    head's too (linear_bytes counts only heads of their own)."""
+    head = next(m for m in runner.model.modules() if isinstance(m, LMHead))  # under any LoRA wrapper
+    if not getattr(head, "tied", False):
+        return linear_bytes(runner)
+    return linear_bytes(runner) + (head.gemv.nbytes if head.gemv is not None else head.weight.nbytes)
 
 
 def main(argv: list[str] | None = None) -> dict:
