@@ -86,7 +86,7 @@ def _build(isa: Isa) -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     if isa is AVX512:
         functions = [lib.loraplex_gemv_blocked]
-        lib.loraplex_gemv_blocked.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, ptr]
+        lib.loraplex_gemv_blocked.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr]
     else:
         functions = [lib.loraplex_gemv_bf16, lib.loraplex_gemv_int]
         lib.loraplex_gemv_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr]
@@ -246,31 +246,40 @@ def pack_int(u: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_
     return PackedWeight(data.contiguous(), None, None, bits, out_features, in_features, group_size, True)
 
 
-def gemv(x: torch.Tensor, w: PackedWeight, exact: bool = True) -> torch.Tensor:
-    """x (rows, in) float32 · wᵀ -> (rows, out) float32: any number of rows on the AVX-512 build, at most MAX_ROWS on
-    the AVX2 one (takes_rows). The AVX-512 build multiplies in bfloat16 with float32 sums: `exact` splits x into three
-    bfloat16 parts that sum to it (for float32 activations), otherwise x is rounded to bfloat16 once (exact for a
-    bfloat16 model's). The AVX2 build multiplies in float32."""
+def gemv(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (rows, in) · wᵀ + bias -> (rows, out) in x's dtype (float32 or bfloat16; bias (out) in it too, added to the
+    float32 sums before the one rounding): any number of rows on the AVX-512 build, at most MAX_ROWS on the AVX2 one
+    (takes_rows). The AVX-512 build multiplies in bfloat16 with float32 sums — a bfloat16 x as it is, a float32 x split
+    into three bfloat16 parts that sum to it — and reads and writes bfloat16 itself; the AVX2 one multiplies in
+    float32."""
     lib = kernels()
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features:
-        raise ValueError(f"gemv takes float32 (rows, {w.in_features}), not {x.dtype} {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"gemv takes float32 or bfloat16 (rows, {w.in_features}), not {x.dtype} {tuple(x.shape)}")
     if not takes_rows(w, x.shape[0]):
         raise ValueError(f"{x.shape[0]} rows: the AVX2 kernels take at most {MAX_ROWS}")
     if w.blocked != (isa() is AVX512):
         raise ValueError("the weight was packed for another build")
-    x = x.contiguous()
+    if bias is not None and tuple(bias.shape) != (w.out_features,):
+        raise ValueError(f"bias {tuple(bias.shape)} for {w.out_features} outputs")
     rows = x.shape[0]
-    y = x.new_empty(rows, w.out_features)
-    scales, biases = (0, 0) if w.scales is None else (w.scales.data_ptr(), w.biases.data_ptr())
     if w.blocked:
+        x = x.contiguous()
+        y = x.new_empty(rows, w.out_features)
+        bias = None if bias is None else bias.to(x.dtype).contiguous()
         lib.loraplex_gemv_blocked(x.data_ptr(), rows, w.in_features, w.data.data_ptr(), w.out_features, w.group_size,
-                                  w.bits, int(exact), y.data_ptr())  # fmt: skip
-    elif w.bits == 16:
-        lib.loraplex_gemv_bf16(x.data_ptr(), rows, w.in_features, w.data.data_ptr(), w.out_features, y.data_ptr())
+                                  w.bits, 1, int(x.dtype == torch.bfloat16), 0 if bias is None else bias.data_ptr(),
+                                  y.data_ptr())  # fmt: skip
+        return y
+    x32 = x.float().contiguous()
+    y = x32.new_empty(rows, w.out_features)
+    if w.bits == 16:
+        lib.loraplex_gemv_bf16(x32.data_ptr(), rows, w.in_features, w.data.data_ptr(), w.out_features, y.data_ptr())
     else:
-        lib.loraplex_gemv_int(x.data_ptr(), rows, w.in_features, w.data.data_ptr(), w.out_features, scales, biases,
-                              w.group_size, w.bits, y.data_ptr())  # fmt: skip
-    return y
+        lib.loraplex_gemv_int(x32.data_ptr(), rows, w.in_features, w.data.data_ptr(), w.out_features,
+                              w.scales.data_ptr(), w.biases.data_ptr(), w.group_size, w.bits, y.data_ptr())  # fmt: skip
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype)
 
 
 MAX_ROWS = 32  # the AVX2 build's: from 33 rows on, torch's GEMM reuses each weight load more than it does

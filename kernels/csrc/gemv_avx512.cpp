@@ -219,6 +219,13 @@ void unit(const Blocked& w, int64_t b0, const uint16_t* xb, int64_t ldx, const f
     slab<F, NB>(w, b0, xb + m0 * ldx, ldx, sx + m0 * w.groups, std::min(kSlabRows, M - m0), y + m0 * N, N);
 }
 
+// 16 values (masked) from element `at` of a float32 array, or of a bfloat16 one with `bf16`, as float32.
+inline __m512 load16(const void* data, bool bf16, int64_t at, __mmask16 mask) {
+  if (!bf16) return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(data) + at);
+  const __m256i bits = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(data) + at);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 template <Form F>
 void blocked_all(const Blocked& w, int64_t blocks, const uint16_t* xb, int64_t ldx, const float* sx, int64_t M,
                  float* y, int64_t N) {
@@ -245,14 +252,16 @@ void blocked_all(const Blocked& w, int64_t blocks, const uint16_t* xb, int64_t l
 // A plain C entry point on contiguous buffers (kernels/cpu_gemv.py checks shapes and dtypes).
 extern "C" {
 
-// y (M, N) = x (M, K) · Wᵀ for W in the blocked layout (`bits` 16: bfloat16, 8 or 4: INT in groups of group_size
-// columns, each group's vectors followed by its scales and biases). x is rounded to bfloat16; with `exact`, x is
-// instead split into three bfloat16 parts that sum to it exactly (a float32 model's activations), each its own product.
-void loraplex_gemv_blocked(const float* x, int64_t M, int64_t K, const uint8_t* wdata, int64_t N, int64_t group_size,
-                           int64_t bits, int64_t exact, float* y) {
+// y (M, N) = x (M, K) · Wᵀ (+ bias) for W in the blocked layout (`bits` 16: bfloat16, 8 or 4: INT in groups of
+// group_size columns, each group's vectors followed by its scales and biases). x and y are float32, or bfloat16 bits
+// with `bf16` (a bfloat16 model's: no conversions around the call); bias (N) likewise, or null, added to the float32
+// sums before y's one rounding. float32 x is rounded to bfloat16, or with `exact` split into three bfloat16 parts that
+// sum to it exactly (a float32 model's activations), each its own product.
+void loraplex_gemv_blocked(const void* x, int64_t M, int64_t K, const uint8_t* wdata, int64_t N, int64_t group_size,
+                           int64_t bits, int64_t exact, int64_t bf16, const void* bias, void* y) {
   const int cols = bits == 16 ? 2 : bits == 8 ? 4 : 8;
   const int64_t kp = (K + cols - 1) / cols * cols, blocks = (N + 15) / 16;
-  const int64_t parts = exact ? 3 : 1, R = M * parts, ldx = kp;
+  const int64_t parts = exact && !bf16 ? 3 : 1, R = M * parts, ldx = kp;
   const int64_t gs = bits == 16 || group_size >= K ? kp : group_size;
   const int64_t groups = kp / gs;
   std::vector<uint16_t> xb(R * ldx, 0);
@@ -261,9 +270,9 @@ void loraplex_gemv_blocked(const float* x, int64_t M, int64_t K, const uint8_t* 
     __m512 group_sums[3] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t k = 0; k < K; k += 16) {  // gs is a multiple of 16 or the whole row
       const __mmask16 mask = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
-      __m512 rest = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+      __m512 rest = load16(x, bf16, m * K + k, mask);
       for (int64_t p = 0; p < parts; ++p) {
-        const __m256i h = (__m256i)_mm512_cvtneps_pbh(rest);
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(rest);  // exact for bfloat16 x
         const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
         _mm256_mask_storeu_epi16(xb.data() + (m * parts + p) * ldx + k, mask, h);
         group_sums[p] = _mm512_add_ps(group_sums[p], hf);
@@ -277,20 +286,28 @@ void loraplex_gemv_blocked(const float* x, int64_t M, int64_t K, const uint8_t* 
     }
   }
   const Blocked w{wdata, groups, gs / cols, gs / cols + (bits == 16 ? 0 : 2)};
-  std::vector<float> yp(parts > 1 ? R * N : 0);
-  float* out = parts > 1 ? yp.data() : y;
+  const bool direct = parts == 1 && !bf16 && bias == nullptr;  // the kernel's float32 sums are y
+  std::vector<float> sums(direct ? 0 : R * N);
+  float* out = direct ? static_cast<float*>(y) : sums.data();
   if (bits == 16)
     blocked_all<Form::kBf16>(w, blocks, xb.data(), ldx, sx.data(), R, out, N);
   else if (bits == 8)
     blocked_all<Form::kInt8>(w, blocks, xb.data(), ldx, sx.data(), R, out, N);
   else
     blocked_all<Form::kInt4>(w, blocks, xb.data(), ldx, sx.data(), R, out, N);
-  if (parts > 1)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) {
-        const float* part = yp.data() + m * 3 * N + n;
-        y[m * N + n] = part[0] + part[N] + part[2 * N];
-      }
+  if (direct) return;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; n += 16) {
+      const __mmask16 mask = N - n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n)) - 1);
+      const float* part = sums.data() + m * parts * N + n;
+      __m512 v = _mm512_maskz_loadu_ps(mask, part);
+      for (int64_t p = 1; p < parts; ++p) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, part + p * N));
+      if (bias != nullptr) v = _mm512_add_ps(v, load16(bias, bf16, n, mask));
+      if (bf16)
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + m * N + n, mask, (__m256i)_mm512_cvtneps_pbh(v));
+      else
+        _mm512_mask_storeu_ps(static_cast<float*>(y) + m * N + n, mask, v);
+    }
 }
 
 }  // extern "C"

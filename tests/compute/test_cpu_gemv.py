@@ -52,16 +52,19 @@ def relative_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("out_features,in_features", SHAPES)
 def test_bf16_equals_fp32_matmul(out_features: int, in_features: int, build: cpu_gemv.Isa) -> None:
-    # bfloat16 activations (a bf16 model's) exactly; float32 ones the AVX-512 build rounds to bfloat16 first
+    # float32 activations exactly (the AVX-512 build splits them into three bfloat16 parts), bfloat16 ones as they are
     gen = torch.Generator().manual_seed(out_features)
     w = torch.randn(out_features, in_features, generator=gen).bfloat16()
     packed = cpu_gemv.pack_bf16(w)
     assert packed.blocked == (build is cpu_gemv.AVX512) and torch.equal(packed.unpack(slice(None)), w)
+    bias = torch.randn(out_features, generator=gen)
     for rows in ROWS:
         x = torch.randn(rows, in_features, generator=gen)
-        rounded = x.bfloat16().float()
-        assert relative_err(cpu_gemv.gemv(rounded, packed, exact=False), rounded @ w.float().T) < 1e-5, rows
-        assert relative_err(cpu_gemv.gemv(x, packed), x @ w.float().T) < 1e-5, rows
+        assert relative_err(cpu_gemv.gemv(x, packed), x @ w.float().T) < 1e-5, rows  # float32: exact products
+        assert relative_err(cpu_gemv.gemv(x, packed, bias), x @ w.float().T + bias) < 1e-5, rows
+        xb = x.bfloat16()  # bfloat16 in and out: one rounding of the float32 sums (and bias)
+        ours = cpu_gemv.gemv(xb, packed, bias.bfloat16())
+        assert ours.dtype == torch.bfloat16 and relative_err(ours, xb.float() @ w.float().T + bias.bfloat16()) < 4e-3
     # past 32 rows: AVX-512 still the kernel (its blocked copy replaced the weight), 3 slabs of rows; AVX2 torch's GEMM
     x = torch.randn(97, in_features, generator=gen).bfloat16()
     weight = w.new_empty(0) if packed.blocked else w
@@ -123,10 +126,11 @@ def test_int_equals_fp32_matmul_on_the_dequantized_weight(bits, group_size, zero
     unpacked = matmul.unsigned(slice(None))
     assert torch.equal(unpacked.to(torch.int16), u if matmul.order is None else u[:, matmul.order])
     dequantized = matmul.dequantize(slice(None), torch.float32)  # in the kernel's column order
-    for rows in ROWS:  # bfloat16 activations as they are (a bf16 model's): exact products, float32 sums
-        x = torch.randn(rows, shape[1], generator=gen).bfloat16().float()
+    for rows in ROWS:  # bfloat16 activations (a bf16 model's): exact products, float32 sums, one rounding
+        x = torch.randn(rows, shape[1], generator=gen).bfloat16()
         x = x if matmul.order is None else x[:, matmul.order]
-        assert relative_err(cpu_gemv.gemv(x, matmul.packed, exact=False), x @ dequantized.T) < 1e-5, rows
+        ours = cpu_gemv.gemv(x, matmul.packed)
+        assert ours.dtype == torch.bfloat16 and relative_err(ours, x.float() @ dequantized.T) < 4e-3, rows
 
 
 def test_fits_only_what_it_streams(forced, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -209,7 +213,7 @@ def test_bf16_worker_errs_no_more_than_the_torch_path(llama_dir, adapter_dirs, b
     monkeypatch.setattr(cpu_gemv, "chosen", lambda: True)
     calls = []
     gemv = cpu_gemv.gemv
-    monkeypatch.setattr(cpu_gemv, "gemv", lambda x, w, exact=True: calls.append(x.shape[0]) or gemv(x, w, exact))
+    monkeypatch.setattr(cpu_gemv, "gemv", lambda x, w, bias=None: calls.append(x.shape[0]) or gemv(x, w, bias))
     ours, _, runner = run_batch(llama_dir, adapter_dirs, dtype="bfloat16", lora_backend="torch")
     linears = [m for m in runner.model.modules() if hasattr(m, "packed_weight") and hasattr(m, "weight")]
     assert all(m.gemv is not None and m.gemv.blocked == (build is cpu_gemv.AVX512) for m in linears)

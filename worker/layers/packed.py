@@ -39,10 +39,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, b
     """x Wᵀ + b: by cpu_gemv with `gemv` (use_gemv's layout; the AVX2 build up to 32 rows), else from the
     oneDNN-packed weight where there is one."""
     if gemv is not None and cpu_gemv.takes_rows(gemv, x.numel() // x.shape[-1]):
-        y = cpu_gemv.gemv(x.reshape(-1, x.shape[-1]).float(), gemv, exact=x.dtype == torch.float32)
-        if bias is not None:  # in float32, before the one rounding to x's dtype (as oneDNN's fused bias)
-            y += bias
-        return y.to(x.dtype).view(*x.shape[:-1], -1)
+        y = cpu_gemv.gemv(x.reshape(-1, x.shape[-1]), gemv, bias)  # the bias before the one rounding, as oneDNN's
+        return y.view(*x.shape[:-1], -1)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -80,7 +80,7 @@ class Avx2IntMatmul:
         if self.order is not None:
             x = x.index_select(-1, self.order)
         if cpu_gemv.takes_rows(self.packed, x.shape[0]):  # bf16 activations meet the weight as they are, fp32 exactly
-            return cpu_gemv.gemv(x.float(), self.packed, exact=x.dtype == torch.float32).to(x.dtype)
+            return cpu_gemv.gemv(x, self.packed)
         num_rows = self.packed.out_features
         y = x.new_empty(x.shape[0], num_rows)
         for start in range(0, num_rows, TILE_ROWS):
