@@ -32,10 +32,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +42,7 @@ import requests
 
 import scripts.bench.quantized as bench_quantized
 from scripts.bench.model import SIZES, BenchModel, ensure_bench_model
+from scripts.bench.peer_process import PeerProcess
 from scripts.bench.report import format_table, summarize, write_json
 from scripts.bench.server import NUM_CORES, start_server
 from scripts.bench.serving import LORAPLEX, Wire, run_requests, warm_up
@@ -187,13 +186,14 @@ class LlamaServer:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.no_repack = no_repack
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{port}.log"
         cmd = llama_server_command(llama_cpp, base, adapters, threads=threads, slots=slots, port=port,
                                    no_repack=no_repack, extra=extra)  # fmt: skip
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{port}.log"
+        self.process = PeerProcess("llama-server", cmd, log_path)
+        self.proc, self.log_path = self.process.proc, log_path
         try:
-            self._wait_healthy()
+            self.process.wait_healthy(self.url, START_TIMEOUT_S, lambda code: DiedAtStart(
+                f"llama-server{' --no-repack' * no_repack} exited at start ({code}); log: {log_path}"))
             # --lora-init-without-apply leaves each global scale at 1: zero them, requests name their own
             resp = requests.post(self.url + "/lora-adapters", json=[{"id": i, "scale": 0.0}
                                                                     for i in range(len(adapters))], timeout=30)
@@ -202,30 +202,8 @@ class LlamaServer:
             self.stop()
             raise
 
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise DiedAtStart(f"llama-server{' --no-repack' * self.no_repack} exited at start "
-                                  f"({self.proc.returncode}); log: {self.log_path}")  # fmt: skip
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise SystemExit(f"llama-server not healthy in {START_TIMEOUT_S:.0f} s; log: {self.log_path}")
-
     def stop(self) -> None:
-        for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(timeout=wait_s)
-                return
-            except ProcessLookupError:
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        self.process.stop(term_wait_s=10)
 
     def __enter__(self) -> LlamaServer:
         return self

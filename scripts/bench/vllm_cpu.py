@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,9 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import requests
-
 from scripts.bench.model import ADAPTER_RANK, SIZES, BenchModel, ensure_bench_model
+from scripts.bench.peer_process import PeerProcess
 from scripts.bench.report import format_table, summarize, write_json
 from scripts.bench.server import NUM_CORES, start_server
 from scripts.bench.serving import Wire, run_requests, warm_up
@@ -182,51 +180,26 @@ class VllmServer:
         self._dir = tempfile.TemporaryDirectory(prefix="vllm-cpu-")
         launcher = Path(self._dir.name) / "vllm_launch.py"
         launcher.write_text(LAUNCHER)
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-cpu-{port}.log"
         cmd = vllm_command(vllm_python, launcher, base, adapters, slots=slots, port=port)
         # Run from the launcher's folder, with no PYTHONPATH: vLLM runs `python -m` helpers, which put the working
         # directory first on sys.path, and from this repo's root `kernels` would be ours, not the `kernels` package
         # transformers looks for.
         env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, env={**env, **vllm_env(vllm_python, threads)}, cwd=self._dir.name,
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self.process = PeerProcess("vLLM", cmd, Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-cpu-{port}.log",
+                                   env={**env, **vllm_env(vllm_python, threads)}, cwd=self._dir.name)
+        self.proc, self.log_path = self.process.proc, self.process.log_path
         try:
-            self._wait_healthy(start_timeout_s)
+            self.process.wait_healthy(self.url, start_timeout_s, lambda code: SystemExit(
+                f"vLLM exited at start ({code}):\n{self.process.log_tail()}"))
         except BaseException:
             self.stop()
             raise
 
-    def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"vLLM exited at start ({self.proc.returncode}):\n{self.log_tail()}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise SystemExit(f"vLLM not healthy in {timeout_s:.0f} s:\n{self.log_tail()}")
-
     def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:] + f"\n(log: {self.log_path})"
+        return self.process.log_tail()
 
-    def stop(self) -> None:
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 30)):
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(timeout=wait_s)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        try:  # its spawned engine may outlive the API server: the whole session goes
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    def stop(self) -> None:  # its spawned engine may outlive the API server: the whole session goes
+        self.process.stop(term_wait_s=30)
         self._dir.cleanup()
 
     def __enter__(self) -> VllmServer:
