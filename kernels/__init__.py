@@ -9,7 +9,7 @@ lora_expand.py      segmented LoRA expand (· Bᵀ, scaled, added to y) in Trito
 segment_tiles.py    the row-tile numbering over segments both LoRA kernels rebuild in-kernel
 lora_torch.py       the CPU serving path and the oracle for the Triton kernels, in torch ops
 cpu_ext.py          builds and loads the AVX-512 BF16 CPU kernels (csrc/)
-cpu_gemv.py         builds and loads the skinny-matrix decode kernels (csrc/gemv_avx512.cpp, else gemv_avx2.cpp)
+cpu_gemv.py         the CPU linears' kernels and weight layouts (csrc/gemv_avx512.cpp, else gemv_avx2.cpp)
 cpu_build.py        what both share: the CPU flags they need, and building each once per process
 paged_attention.py  paged attention in Triton, reading keys and values from their cache pages in place
 latent_attention.py  paged latent attention (DeepSeek-V3's [latent | rope key] rows, one KV head) in Triton

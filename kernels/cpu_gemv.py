@@ -1,8 +1,8 @@
-"""Builds and loads the skinny-matrix kernels for a decode step's linears: 1-32 rows of activations against a whole
-bfloat16 or INT8/INT4 weight read once per call (worker/layers/packed.py and worker/quant/avx2.py call them on weights
-packed here once at load). Two builds: csrc/gemv_avx512.cpp on CPUs with AVX-512 BF16 (the weight in blocks of 16
-output rows, every product an exact bfloat16 one by _mm512_dpbf16_ps), else csrc/gemv_avx2.cpp on CPUs with AVX2, FMA
-and F16C (the weight as stored, row by row, float32 products). `pack_bf16`/`pack_int` lay a weight out for the build
+"""Builds and loads the CPU linears' kernels: rows of activations against a whole bfloat16 or INT8/INT4 weight read
+once per call (worker/layers/packed.py and worker/quant/avx2.py call them on weights packed here once at load). Two
+builds: csrc/gemv_avx512.cpp on CPUs with AVX-512 BF16 (the weight in blocks of 16 output rows, every product an exact
+bfloat16 one by _mm512_dpbf16_ps, any number of rows), else csrc/gemv_avx2.cpp on CPUs with AVX2, FMA and F16C (the
+weight as stored, row by row, float32 products, up to 32 rows). `pack_bf16`/`pack_int` lay a weight out for the build
 in use and `gemv` multiplies by it, whichever build that is.
 
 Each is compiled on first use into a plain shared library called through ctypes (~2 s with the compiler alone, where
