@@ -43,9 +43,9 @@ import requests
 import scripts.bench.quantized as bench_quantized
 from scripts.bench.model import SIZES, BenchModel, ensure_bench_model
 from scripts.bench.peer_process import PeerProcess
-from scripts.bench.report import format_table, summarize, write_json
+from scripts.bench.report import format_table, write_json
 from scripts.bench.server import NUM_CORES, start_server
-from scripts.bench.serving import LORAPLEX, Wire, run_requests, warm_up
+from scripts.bench.serving import LORAPLEX, Wire, run_workloads, warm_up
 from scripts.bench.workload import BenchRequest, WorkloadSpec, make_workload
 from tests.net import free_port
 
@@ -230,14 +230,7 @@ def drive(url: str, wire: Wire, runs: dict[str, tuple[list[BenchRequest], int]])
     """Warm-up (one short request per adapter), then each workload: {workload: summary}."""
     warm, concurrency = runs.get("adapters") or runs["single"]
     asyncio.run(warm_up(url, warm, concurrency, wire))
-    summaries = {}
-    for name, (reqs, concurrency) in runs.items():
-        results, duration_s = asyncio.run(run_requests(url, reqs, concurrency=concurrency, desc=name, wire=wire))
-        failed = [r for r in results if not r.ok]
-        if failed:
-            raise SystemExit(f"{name}: {len(failed)} of {len(results)} requests failed; first: {failed[0].error}")
-        summaries[name] = summarize(results, duration_s)
-    return summaries
+    return run_workloads(url, wire, runs)
 
 
 def benchmark(bench: BenchModel, plan: Plan, llama_cpp: Path, *, rounds: int, threads: int, seed: int,

@@ -226,6 +226,19 @@ async def check_server(url: str, adapters: set[str]) -> None:
                                  f"{' ...' if len(missing) > 8 else ''}")
 
 
+def run_workloads(url: str, wire: Wire, runs: dict[str, tuple[list[BenchRequest], int]]) -> dict[str, dict]:
+    """Each workload (requests, most in flight) in turn against one server: {workload: summary}; a failed request
+    stops the benchmark (a side-by-side figure with failures in it would mislead)."""
+    summaries = {}
+    for name, (reqs, concurrency) in runs.items():
+        results, duration_s = asyncio.run(run_requests(url, reqs, concurrency=concurrency, desc=name, wire=wire))
+        failed = [r for r in results if not r.ok]
+        if failed:
+            raise SystemExit(f"{name}: {len(failed)} of {len(results)} requests failed; first: {failed[0].error}")
+        summaries[name] = summarize(results, duration_s)
+    return summaries
+
+
 async def warm_up(url: str, requests: list[BenchRequest], concurrency: int | None, wire: Wire = LORAPLEX) -> None:
     """One short request (4 tokens) per distinct adapter, base included, so first-use costs (an adapter's first
     trip into a device slot, lazy allocations) stay out of the measurement; the adapter-ops benchmark measures them.

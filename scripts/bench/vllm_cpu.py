@@ -38,9 +38,9 @@ from pathlib import Path
 
 from scripts.bench.model import ADAPTER_RANK, SIZES, BenchModel, ensure_bench_model
 from scripts.bench.peer_process import PeerProcess
-from scripts.bench.report import format_table, summarize, write_json
+from scripts.bench.report import format_table, write_json
 from scripts.bench.server import NUM_CORES, start_server
-from scripts.bench.serving import Wire, run_requests, warm_up
+from scripts.bench.serving import Wire, run_workloads, warm_up
 from scripts.bench.workload import BenchRequest, WorkloadSpec, make_workload
 from tests.net import free_port
 
@@ -118,14 +118,7 @@ def workloads(plan: Plan, adapter_names: list[str], seed: int) -> dict[str, tupl
 def drive(url: str, wire: Wire, runs: dict[str, tuple[list[BenchRequest], int]], concurrency: int) -> dict[str, dict]:
     """Warm-up (one short request on the base and on each adapter), then each workload: {workload: summary}."""
     asyncio.run(warm_up(url, [r for reqs, _ in runs.values() for r in reqs], concurrency, wire))
-    summaries = {}
-    for name, (reqs, limit) in runs.items():
-        results, duration_s = asyncio.run(run_requests(url, reqs, concurrency=limit, desc=name, wire=wire))
-        failed = [r for r in results if not r.ok]
-        if failed:
-            raise SystemExit(f"{name}: {len(failed)} of {len(results)} requests failed; first: {failed[0].error}")
-        summaries[name] = summarize(results, duration_s)
-    return summaries
+    return run_workloads(url, wire, runs)
 
 
 # ---- vLLM's server ------------------------------------------------------------------------------------------------

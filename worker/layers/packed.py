@@ -73,8 +73,8 @@ def gemv_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | N
 
 def use_gemv(model: nn.Module) -> int:
     """Lay out every linear that owns a plain bfloat16 weight (as pack_linears chooses them) for cpu_gemv's kernels,
-    which then compute its rows (on AVX2: up to 32); returns how many. A blocked copy replaces the plain weight where nothing else
-    reads it (not a tied LM head's, nor one that opts out of packing)."""
+    which then compute its rows (on AVX2: up to 32); returns how many. A blocked copy replaces the plain weight where
+    nothing else reads it (not a tied LM head's, nor one that opts out of packing)."""
     num_marked = 0
     for module in model.modules():
         if not hasattr(module, "packed_weight") or getattr(module, "quant", None) is not None:
